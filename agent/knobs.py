@@ -1,0 +1,164 @@
+"""Knob schemas: the live-tunable settings of a run, and the validation of commands.
+
+A knob has a wire name (``precision``, ``accum_steps``, ...), a kind (``choice``, ``int``,
+``bool``) and bounds. The agent publishes the schema of the knobs its trainer supports in
+``hello``; a knob a trainer cannot support is absent from the schema, so a command naming
+it is rejected with "unknown knob". Validation here is pure (no torch): the trainer may
+add a device check (e.g. bf16 on a GPU without bf16) through :attr:`Knob.check`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class KnobError(ValueError):
+    """A command that names an unknown knob or gives a value its schema refuses."""
+
+
+@dataclass(frozen=True)
+class KnobSpec:
+    """The schema of one knob.
+
+    Attributes:
+        name: wire name. kind: ``"choice"``, ``"int"`` or ``"bool"``.
+        choices: allowed values for ``choice``. minimum / maximum: inclusive bounds for
+        ``int``. help: one line for people.
+    """
+
+    name: str
+    kind: str
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: int | None = None
+    maximum: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The schema as a msgpack-ready map."""
+        wire: dict[str, Any] = {"name": self.name, "kind": self.kind, "help": self.help}
+        if self.choices:
+            wire["choices"] = list(self.choices)
+        if self.minimum is not None:
+            wire["min"] = self.minimum
+        if self.maximum is not None:
+            wire["max"] = self.maximum
+        return wire
+
+    def coerce(self, value: Any) -> Any:
+        """Return ``value`` as this knob's type.
+
+        Strings are parsed (``"4"`` -> 4, ``"true"`` -> True) so that CLI input and wire
+        input share one path.
+
+        Raises:
+            KnobError: a value of the wrong type, not among the choices, or out of range;
+                the message names the knob and the value.
+        """
+        if self.kind == "choice":
+            if not isinstance(value, str) or value not in self.choices:
+                raise KnobError(
+                    f"{self.name}: {value!r} is not one of {', '.join(self.choices)}")
+            return value
+        if self.kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in _BOOL_WORDS:
+                return _BOOL_WORDS[value.lower()]
+            raise KnobError(f"{self.name}: {value!r} is not a boolean (true/false)")
+        if self.kind == "int":
+            number = _as_int(value)
+            if number is None:
+                raise KnobError(f"{self.name}: {value!r} is not an integer")
+            if self.minimum is not None and number < self.minimum:
+                raise KnobError(f"{self.name}: {number} is below the minimum {self.minimum}")
+            if self.maximum is not None and number > self.maximum:
+                raise KnobError(f"{self.name}: {number} is above the maximum {self.maximum}")
+            return number
+        raise KnobError(f"{self.name}: unknown knob kind {self.kind!r}")
+
+
+_BOOL_WORDS = {"true": True, "on": True, "1": True, "yes": True,
+               "false": False, "off": False, "0": False, "no": False}
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip(), 10)
+        except ValueError:
+            return None
+    return None
+
+
+#: The standard knobs (ARCHITECTURE.md, "Commands"); a trainer binds the ones it supports.
+PRECISION = KnobSpec("precision", "choice", "autocast precision of forward/backward",
+                     choices=("fp32", "bf16", "fp16"))
+ACCUM_STEPS = KnobSpec("accum_steps", "int", "micro-batches per optimizer step",
+                       minimum=1, maximum=1024)
+
+STANDARD_KNOBS = {spec.name: spec for spec in (PRECISION, ACCUM_STEPS)}
+
+
+@dataclass
+class Knob:
+    """A knob bound to a trainer.
+
+    Attributes:
+        spec: its schema. get: returns the current value (any thread; must be cheap).
+        set: applies a value; called only on the training thread at an optimizer-step
+            boundary; raises to refuse (the previous value must then still hold).
+        check: optional device check run on the agent's I/O thread when the command
+            arrives; raises ``ValueError`` with the reason (e.g. "this GPU has no bf16").
+    """
+
+    spec: KnobSpec
+    get: Callable[[], Any]
+    set: Callable[[Any], None]
+    check: Callable[[Any], None] | None = None
+
+
+@dataclass
+class KnobSet:
+    """The knobs of one run, by wire name."""
+
+    knobs: dict[str, Knob] = field(default_factory=dict)
+
+    def add(self, knob: Knob) -> None:
+        """Bind ``knob``; its name must be new."""
+        if knob.spec.name in self.knobs:
+            raise ValueError(f"knob {knob.spec.name!r} bound twice")
+        self.knobs[knob.spec.name] = knob
+
+    def schema(self) -> list[dict[str, Any]]:
+        """The wire schema of every bound knob, for ``hello``."""
+        return [knob.spec.to_wire() for knob in self.knobs.values()]
+
+    def values(self) -> dict[str, Any]:
+        """Current values of every knob."""
+        return {name: knob.get() for name, knob in self.knobs.items()}
+
+    def validate(self, name: Any, value: Any) -> Any:
+        """Validate a command; return the coerced value.
+
+        Raises:
+            KnobError: unknown knob, bad value, or a device check that refuses it.
+        """
+        if not isinstance(name, str) or name not in self.knobs:
+            known = ", ".join(self.knobs) or "none"
+            raise KnobError(f"unknown knob {name!r} (this run has: {known})")
+        knob = self.knobs[name]
+        coerced = knob.spec.coerce(value)
+        if knob.check is not None:
+            try:
+                knob.check(coerced)
+            except ValueError as exc:
+                raise KnobError(f"{name}={coerced}: {exc}") from None
+        return coerced

@@ -1,0 +1,129 @@
+"""The gpuwatch wire protocol: envelope, codec and message types.
+
+Every message is a two-frame ZeroMQ multipart ``[topic, payload]`` where ``topic`` is the
+message type as ASCII bytes (so a SUB socket can filter on it) and ``payload`` is a
+msgpack map, the *envelope*::
+
+    {"v": PROTOCOL_VERSION, "type": str, "run": str, "rank": int, "seq": int,
+     "t": float (unix time, s), "body": {...}}
+
+Rules (after the Jupyter messaging spec): unknown message types and extra fields are
+ignored by both sides, never errors. Field names in bodies carry their units
+(``step_time_s``, ``mem_reserved_bytes``). The protocol version is separate from the
+package version and changes only when a field changes meaning.
+
+Message types and their bodies:
+
+``hello``      run metadata: ``name``, ``pid``, ``host``, ``world_size``, ``device``,
+               ``model`` (``params``, ``name``), ``env`` (environment report),
+               ``knobs`` (the knob schema, see :mod:`agent.knobs`), ``started_at``.
+``step``       one optimizer step: ``step``, ``micro_batches``, ``samples``,
+               ``step_time_s``, ``data_wait_s``, ``data_wait_share``, ``samples_per_s``,
+               ``loss`` (float or None), ``knobs`` (current values), memory fields
+               ``host_rss_bytes`` and on CUDA ``mem_allocated_bytes``,
+               ``mem_reserved_bytes``, ``mem_peak_reserved_bytes``.
+``system``     about 1 Hz: ``cpu_pct``, ``host_mem_used_bytes``, ``host_mem_total_bytes``,
+               ``gpus`` (list of per-GPU maps) and ``gpu_status`` (None or a reason such
+               as "no NVIDIA GPU").
+``state``      current knob values: ``knobs``, ``step``.
+``event``      ``level`` (info | warning | error), ``text``, optional ``kind``
+               (applied | rejected | warning | ...), ``knob``, ``value``, ``step``.
+``command``    client -> agent: ``id``, ``knob``, ``value``, ``token``, optional
+               ``apply_step``.
+``reply``      agent -> client: ``id``, ``ok``, ``knob``, ``value``, ``apply_step`` or
+               ``reason``.
+``heartbeat``  about 1 Hz: ``step`` (last completed optimizer step), ``ending``.
+``bye``        the run ends: ``reason``, ``steps``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+HELLO = "hello"
+STEP = "step"
+SYSTEM = "system"
+STATE = "state"
+EVENT = "event"
+COMMAND = "command"
+REPLY = "reply"
+HEARTBEAT = "heartbeat"
+BYE = "bye"
+MESSAGE_TYPES = (HELLO, STEP, SYSTEM, STATE, EVENT, COMMAND, REPLY, HEARTBEAT, BYE)
+
+#: Largest payload either side decodes; larger frames are dropped as malformed.
+MAX_MESSAGE_BYTES = 1 << 20
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a gpuwatch envelope (bad msgpack, wrong shape, too large)."""
+
+
+def envelope(
+    msg_type: str, body: dict[str, Any], *, run: str, rank: int = 0, seq: int = 0,
+    t: float | None = None,
+) -> dict[str, Any]:
+    """Build an envelope map.
+
+    Args:
+        msg_type: one of :data:`MESSAGE_TYPES` (others are allowed and ignored by peers).
+        body: the type's fields; values must be msgpack-serialisable.
+        run: run id. rank: the sender's rank. seq: per-sender sequence number.
+        t: unix time in seconds; now when omitted.
+    """
+    return {
+        "v": PROTOCOL_VERSION, "type": msg_type, "run": run, "rank": rank, "seq": seq,
+        "t": time.time() if t is None else t, "body": body,
+    }
+
+
+def encode(message: dict[str, Any]) -> list[bytes]:
+    """Encode an envelope as the two frames ``[topic, payload]``.
+
+    Raises:
+        TypeError: a body value that msgpack cannot serialise (e.g. a tensor).
+    """
+    return [message["type"].encode("ascii"), msgpack.packb(message, use_bin_type=True)]
+
+
+def decode(payload: bytes) -> dict[str, Any]:
+    """Decode one payload frame into an envelope map.
+
+    Extra fields are kept (and ignored by readers); a missing ``body`` becomes ``{}``.
+
+    Raises:
+        ProtocolError: the frame is larger than :data:`MAX_MESSAGE_BYTES`, is not valid
+            msgpack, is not a map, or lacks a string ``type``.
+    """
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        message = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"not msgpack: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"envelope must be a map, got {type(message).__name__}")
+    if not isinstance(message.get("type"), str):
+        raise ProtocolError("envelope has no string 'type'")
+    body = message.get("body")
+    if body is None:
+        message["body"] = {}
+    elif not isinstance(body, dict):
+        raise ProtocolError(f"body must be a map, got {type(body).__name__}")
+    return message
+
+
+def decode_frames(frames: list[bytes]) -> dict[str, Any]:
+    """Decode a received multipart message (``[topic, payload]`` or ``[payload]``).
+
+    Raises:
+        ProtocolError: as :func:`decode`, or no frames.
+    """
+    if not frames:
+        raise ProtocolError("empty multipart message")
+    return decode(frames[-1])

@@ -1,0 +1,168 @@
+"""Run files: how a dashboard finds the live runs of this user on this machine.
+
+Each rank of a run writes ``<run_id>.rank<r>.json`` (mode 0600) in :func:`run_dir`
+(mode 0700) with its pid, endpoints, start time and secret token, and removes it at exit.
+A file whose pid no longer lives is stale and is skipped (and removed when possible).
+This module has no torch and no zmq import: the dashboard uses it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import platformdirs
+
+#: Environment variable that overrides the run directory (tests, several users' setups).
+RUN_DIR_ENV = "GPUWATCH_RUN_DIR"
+
+
+def run_dir() -> Path:
+    """The per-user directory for run files and ipc sockets, created with mode 0700.
+
+    ``$GPUWATCH_RUN_DIR`` if set; else the user runtime directory (``$XDG_RUNTIME_DIR``)
+    when it exists; else ``<tmp>/gpuwatch-<uid>``. ipc socket paths must stay short
+    (about 100 bytes), which these are.
+
+    Raises:
+        PermissionError: the directory exists but belongs to another user.
+    """
+    override = os.environ.get(RUN_DIR_ENV)
+    if override:
+        path = Path(override)
+    else:
+        runtime = Path(platformdirs.user_runtime_dir("gpuwatch", appauthor=False))
+        if runtime.parent.is_dir() and os.access(runtime.parent, os.W_OK):
+            path = runtime
+        else:
+            path = Path(tempfile.gettempdir()) / f"gpuwatch-{os.getuid()}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to another user; set ${RUN_DIR_ENV}")
+    os.chmod(path, 0o700)
+    return path
+
+
+def new_run_id() -> str:
+    """A short unique run id: ``YYYYmmdd-HHMMSS-xxxx``."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+@dataclass
+class RunInfo:
+    """What a run file holds (one per rank).
+
+    Attributes:
+        run_id, rank, world_size: identity. pid: the training process.
+        pub_endpoint: ZeroMQ PUB endpoint (telemetry). cmd_endpoint: ROUTER endpoint
+        (commands). token: secret that commands must carry. started_at: unix time (s).
+        name: human label (script or model). host: hostname. path: the file itself.
+    """
+
+    run_id: str
+    rank: int
+    world_size: int
+    pid: int
+    pub_endpoint: str
+    cmd_endpoint: str
+    token: str
+    started_at: float
+    name: str = ""
+    host: str = ""
+    path: str = ""
+
+    def public(self) -> dict:
+        """The fields safe to print (no token, no path)."""
+        info = asdict(self)
+        info.pop("token")
+        info.pop("path")
+        return info
+
+
+def write_run_file(info: RunInfo, directory: Path | None = None) -> Path:
+    """Write ``info`` atomically with mode 0600; set ``info.path``; return the path."""
+    directory = directory or run_dir()
+    path = directory / f"{info.run_id}.rank{info.rank}.json"
+    info.path = str(path)
+    info.host = info.host or socket.gethostname()
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".run-", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(asdict(info), handle)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def remove_run_file(info: RunInfo) -> None:
+    """Remove the run file (and nothing else); missing is fine."""
+    if info.path:
+        Path(info.path).unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_runs(directory: Path | None = None) -> list[RunInfo]:
+    """Live runs of this user, newest first (rank files of one run are all listed).
+
+    Stale files (dead pid) are removed; unreadable or malformed files are skipped.
+    """
+    directory = directory or run_dir()
+    runs = []
+    for path in directory.glob("*.rank*.json"):
+        try:
+            data = json.loads(path.read_text())
+            info = RunInfo(**{k: data[k] for k in RunInfo.__dataclass_fields__ if k in data})
+        except (OSError, ValueError, TypeError):
+            continue
+        info.path = str(path)
+        if not _alive(info.pid):
+            path.unlink(missing_ok=True)
+            continue
+        runs.append(info)
+    runs.sort(key=lambda r: (r.started_at, -r.rank), reverse=True)
+    return runs
+
+
+def find_run(selector: str | None = None, directory: Path | None = None) -> RunInfo | None:
+    """The rank-0 (or lowest-rank) file of the run chosen by ``selector``.
+
+    ``selector`` is a run id, a unique prefix of one, or an endpoint (``ipc://...``,
+    ``tcp://...``); None picks the newest live run. Returns None when nothing matches.
+    An endpoint that no run file names gives a :class:`RunInfo` with only the
+    endpoint (commands then need ``--token``).
+    """
+    runs = list_runs(directory)
+    if selector is None:
+        return _lowest_rank(runs, runs[0].run_id) if runs else None
+    if "://" in selector:
+        for info in runs:
+            if selector in (info.pub_endpoint, info.cmd_endpoint):
+                return info
+        return RunInfo(run_id="?", rank=0, world_size=1, pid=0, pub_endpoint=selector,
+                       cmd_endpoint="", token="", started_at=0.0)
+    matches = {info.run_id for info in runs if info.run_id.startswith(selector)}
+    if len(matches) != 1:
+        return None
+    return _lowest_rank(runs, matches.pop())
+
+
+def _lowest_rank(runs: list[RunInfo], run_id: str) -> RunInfo:
+    return min((r for r in runs if r.run_id == run_id), key=lambda r: r.rank)
