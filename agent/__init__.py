@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["attach", "session", "Agent"]
+__all__ = ["attach", "session", "Agent", "Session"]
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from agent import core
+        from agent import adapters
 
-        return getattr(core, name)
+        return getattr(adapters, name)
     raise AttributeError(f"module 'agent' has no attribute {name!r}")

@@ -117,12 +117,15 @@ class Knob:
             boundary; raises to refuse (the previous value must then still hold).
         check: optional device check run on the agent's I/O thread when the command
             arrives; raises ``ValueError`` with the reason (e.g. "this GPU has no bf16").
+        warn: optional; returns a performance warning for an accepted value (e.g. fp16
+            on a CPU), shown in the reply and the event log.
     """
 
     spec: KnobSpec
     get: Callable[[], Any]
     set: Callable[[Any], None]
     check: Callable[[Any], None] | None = None
+    warn: Callable[[Any], str | None] | None = None
 
 
 @dataclass

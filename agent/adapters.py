@@ -1,0 +1,161 @@
+"""Ways to attach the agent to a training loop: the reference Trainer, or a hand-written loop."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from agent.core import Agent
+from agent.knobs import ACCUM_STEPS, PRECISION, Knob, KnobSet
+from gpuopt.data import batch_size
+from gpuopt.precision import MixedPrecision, precision_support, precision_warning
+from gpuopt.trainer import StepStats, Trainer
+
+
+def precision_knob(mixed_precision: MixedPrecision) -> Knob:
+    """The ``precision`` knob bound to a :class:`gpuopt.MixedPrecision` policy.
+
+    Values the device cannot run are refused when the command arrives, with the reason;
+    fp16 on a CPU is accepted with a warning (it runs, slowly).
+    """
+    device_type = mixed_precision.device_type
+
+    def check(value: str) -> None:
+        reason = precision_support(value, device_type)
+        if reason is not None:
+            raise ValueError(reason)
+
+    return Knob(PRECISION, get=lambda: mixed_precision.precision,
+                set=lambda value: setattr(mixed_precision, "precision", value),
+                check=check, warn=lambda value: precision_warning(value, device_type))
+
+
+class _TrainerCallback:
+    """Trainer hooks -> agent; each hook is one line."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self.agent.mark_start()
+
+    def on_optimizer_step(self, trainer: Trainer, stats: StepStats) -> None:
+        self.agent.optimizer_step(stats.step, stats.micro_batches, stats.samples,
+                                  stats.data_wait_s, stats.loss)
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        self.agent.close("finished")
+
+
+def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
+           **options: Any) -> Agent:
+    """Attach a started agent to a :class:`gpuopt.Trainer`; returns the agent.
+
+    The agent measures every optimizer step of the next :meth:`Trainer.fit` and exposes
+    the knobs ``precision`` and ``accum_steps``. It closes (``bye``, run file removed)
+    when that ``fit`` returns. Costs the training thread a few microseconds per
+    optimizer step and never synchronizes the device.
+
+    Args:
+        trainer: the trainer to observe and steer.
+        name: label for the run (default: the script name).
+        transport: ``"ipc"`` or ``"tcp"`` (see :class:`agent.Agent`).
+        options: more :class:`agent.Agent` arguments.
+    """
+    knobs = KnobSet()
+    knobs.add(precision_knob(trainer.mixed_precision))
+    knobs.add(Knob(ACCUM_STEPS, get=lambda: trainer.accum_steps,
+                   set=lambda value: setattr(trainer, "accum_steps", value)))
+    agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
+                  transport=transport, **options)
+    trainer.callbacks.append(_TrainerCallback(agent))
+    return agent.start()
+
+
+class Session:
+    """The agent for a hand-written training loop (see :func:`session`)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.step = 0
+        self._data_wait_s = 0.0
+        self._micro_batches = 0
+        self._samples = 0
+
+    def __enter__(self) -> "Session":
+        self.agent.mark_start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.agent.close("finished" if exc_info[0] is None else f"error: {exc_info[1]!r}")
+
+    def loader(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``batches`` timing each ``next()`` (the data wait) and counting
+        micro-batches and samples (dim 0 of the batch's first tensor)."""
+        iterator = iter(batches)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self._data_wait_s += time.perf_counter() - start
+            self._micro_batches += 1
+            self._samples += batch_size(batch)
+            yield batch
+
+    def optimizer_step(self, loss: torch.Tensor | None = None,
+                       samples: int | None = None) -> None:
+        """Mark an optimizer-step boundary: call it right after ``optimizer.step()`` and
+        ``zero_grad()``. Pending commands (e.g. ``precision``) are applied here.
+
+        Args:
+            loss: the step's loss tensor (any device; it is never read on this thread).
+            samples: samples in the step, if the loader wrapper cannot count them.
+
+        .. note:: Never synchronizes the device; a few microseconds.
+        """
+        self.step += 1
+        self.agent.optimizer_step(self.step, max(self._micro_batches, 1),
+                                  self._samples if samples is None else samples,
+                                  self._data_wait_s, loss)
+        self._data_wait_s = 0.0
+        self._micro_batches = 0
+        self._samples = 0
+
+
+def session(*, name: str = "", model: torch.nn.Module | None = None,
+            device: torch.device | str | None = None,
+            mixed_precision: MixedPrecision | None = None, knobs: KnobSet | None = None,
+            transport: str = "ipc", **options: Any) -> Session:
+    """An agent for a hand-written loop, as a context manager.
+
+    Example::
+
+        mp = gpuopt.MixedPrecision("cpu")
+        with agent.session(model=model, mixed_precision=mp) as run:
+            for x, y in run.loader(loader):
+                with mp.autocast():
+                    loss = loss_fn(model(x), y)
+                mp.backward(loss)
+                mp.step(optimizer)
+                optimizer.zero_grad()
+                run.optimizer_step(loss)
+
+    Args:
+        name, model, device, transport: as for :class:`agent.Agent`.
+        mixed_precision: if given, the ``precision`` knob is bound to it.
+        knobs: further knobs of your own (a :class:`agent.knobs.KnobSet`).
+    """
+    knobs = knobs or KnobSet()
+    if mixed_precision is not None:
+        knobs.add(precision_knob(mixed_precision))
+        device = device or torch.device(mixed_precision.device_type)
+    if device is None and model is not None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else None
+    agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
+                  **options)
+    return Session(agent.start())

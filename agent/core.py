@@ -1,0 +1,460 @@
+"""The agent: the training thread's hot path and the I/O thread behind it.
+
+Training thread, at each optimizer-step boundary (:meth:`Agent.optimizer_step`): read a
+host clock, make a step marker (see :mod:`agent.markers`), append one small tuple to a
+bounded deque, and apply pending commands whose step has come. Nothing else: no device
+sync, no ``.item()``, no NVML or psutil, no I/O, no lock unless a command is pending.
+
+I/O thread (:meth:`Agent._io_loop`): owns the ZeroMQ sockets; turns step tuples into
+``step`` messages (loss, GPU time, memory), publishes on PUB (which drops at its
+high-water mark rather than block), validates commands from the ROUTER and replies at
+once, samples the system at about 1 Hz, sends heartbeats and re-sends ``hello``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import hmac
+import logging
+import os
+import secrets
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from agent import protocol
+from agent.knobs import KnobError, KnobSet
+from agent.markers import marker_for
+from agent.probes import Nvml, SystemProbe
+from agent.runs import RunInfo, new_run_id, remove_run_file, run_dir, write_run_file
+
+log = logging.getLogger("gpuwatch.agent")
+
+_HEARTBEAT_INTERVAL_S = 1.0
+_HELLO_EVERY_HEARTBEATS = 2
+_POLL_MS = 5
+_MAX_COMMANDS_PER_POLL = 100
+
+
+@dataclass(order=True)
+class _Pending:
+    apply_step: int
+    seq: int
+    knob: str = field(compare=False)
+    value: Any = field(compare=False)
+    command_id: Any = field(compare=False)
+
+
+class Agent:
+    """Measures every optimizer step of one rank and takes live commands for its knobs.
+
+    Args:
+        knobs: the knobs this run supports (an empty set: monitoring only).
+        name: a label for people (script or model name).
+        model: the model, for its parameter count in ``hello`` (optional).
+        device: the model's device; CUDA enables event timing and CUDA memory fields.
+        transport: ``"ipc"`` (a socket file in the private run directory) or ``"tcp"``
+            (127.0.0.1, random ports). Both are local to this machine.
+        rank, world_size: default from ``torch.distributed`` when initialised, else the
+            ``RANK`` / ``WORLD_SIZE`` environment variables, else 0 / 1.
+        queue_size: bound of the record queue; when the I/O thread falls that far
+            behind, the oldest records are dropped (counted in heartbeats), the training
+            thread never waits.
+        nvml: the GPU probe (tests pass one with a fake NVML module).
+
+    Raises:
+        ValueError: unknown ``transport``.
+    """
+
+    def __init__(
+        self,
+        knobs: KnobSet | None = None,
+        *,
+        name: str = "",
+        model: torch.nn.Module | None = None,
+        device: torch.device | str | None = None,
+        transport: str = "ipc",
+        rank: int | None = None,
+        world_size: int | None = None,
+        queue_size: int = 8192,
+        nvml: Nvml | None = None,
+    ) -> None:
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        self.knobs = knobs or KnobSet()
+        self.name = name or os.path.basename(sys.argv[0] or "python")
+        self.device = torch.device(device) if device is not None else None
+        self.transport = transport
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.run_id = os.environ.get("GPUWATCH_RUN_ID") or new_run_id()
+        self.token = secrets.token_hex(16)
+        self.params = sum(p.numel() for p in model.parameters()) if model is not None else None
+        self.model_name = type(model).__name__ if model is not None else ""
+        self.info: RunInfo | None = None
+        self._marker = marker_for(self.device)
+        self._records: deque = deque(maxlen=queue_size)
+        self._pending: list[_Pending] = []
+        self._pending_lock = threading.Lock()
+        self._pending_seq = 0
+        self._knob_values = self.knobs.values()
+        self._last_step = 0
+        self._last_boundary_t: float | None = None
+        self._ending = False
+        self._broken = False
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._seq = 0
+        self._probe = SystemProbe(nvml)
+        self._started_at = time.time()
+        self._thread = threading.Thread(target=self._io_main, name="gpuwatch-agent",
+                                        daemon=True)
+        self._expected_step: int | None = None
+        #: Step records lost because the queue overflowed (the I/O thread fell behind).
+        self.records_dropped = 0
+        self.errors: list[str] = []
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self, timeout_s: float = 10.0) -> "Agent":
+        """Start the I/O thread and wait until the run file is written (sockets bound).
+
+        Returns self. If the sockets cannot be bound the agent logs the reason and stays
+        inert: training goes on unobserved.
+        """
+        self._thread.start()
+        atexit.register(self.close)
+        self._ready.wait(timeout_s)
+        return self
+
+    def close(self, reason: str = "finished", timeout_s: float = 5.0) -> None:
+        """Publish ``bye``, close the sockets and remove the run file. Idempotent.
+
+        Pending commands that have not been applied are dropped (their senders already
+        had their reply). Waits at most ``timeout_s`` for the I/O thread.
+        """
+        if self._stop.is_set():
+            return
+        self._ending = True
+        self._bye_reason = reason
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # ---------------------------------------------------------------- hot path
+
+    def mark_start(self) -> None:
+        """Training thread: the loop starts now (the first step's time counts from here)."""
+        self._last_boundary_t = time.perf_counter()
+
+    def optimizer_step(self, step: int, micro_batches: int, samples: int,
+                       data_wait_s: float, loss: torch.Tensor | None) -> None:
+        """Training thread: record the optimizer step ``step`` that just ended, then apply
+        the commands due at step ``step + 1``.
+
+        Args:
+            step: 1-based index of the optimizer step just taken.
+            micro_batches: micro-batches in its accumulation window.
+            samples: samples in the window.
+            data_wait_s: host seconds the loop waited for data in this step.
+            loss: the step's loss as a 0-dim tensor (any device), or None.
+
+        .. note:: Never synchronizes the device and never blocks: a clock read, a marker
+           (an asynchronous CUDA event on GPU), one deque append. Never raises: an
+           internal error is reported once and the agent stops observing.
+        """
+        if self._broken:
+            return
+        try:
+            now = time.perf_counter()
+            previous = self._last_boundary_t
+            self._last_boundary_t = now
+            self._records.append((
+                "step", step, None if previous is None else now - previous, micro_batches,
+                samples, data_wait_s, self._marker.mark(loss), self._knob_values))
+            self._last_step = step
+            if self._pending:
+                self._apply_pending(step)
+        except Exception as exc:  # the first rule: never crash the training
+            self._broken = True
+            self._report_error("hot path", exc)
+
+    def _apply_pending(self, step: int) -> None:
+        with self._pending_lock:
+            due = bisect.bisect_right(self._pending, step + 1, key=lambda p: p.apply_step)
+            commands, self._pending[:due] = self._pending[:due], []
+        for command in commands:
+            knob = self.knobs.knobs[command.knob]
+            previous = knob.get()
+            try:
+                knob.set(command.value)
+            except Exception as exc:
+                self._event("error", f"{command.knob}={command.value} failed at step "
+                            f"{step + 1}: {exc}; kept {command.knob}={previous}",
+                            kind="failed", knob=command.knob, value=command.value,
+                            step=step + 1, id=command.command_id)
+                continue
+            self._knob_values = self.knobs.values()
+            self._event("info", f"{command.knob}={command.value} applied at step {step + 1}",
+                        kind="applied", knob=command.knob, value=command.value,
+                        previous=previous, step=step + 1, id=command.command_id)
+
+    def _event(self, level: str, text: str, **fields: Any) -> None:
+        self._records.append(("event", {"level": level, "text": text, **fields}))
+
+    def _report_error(self, where: str, exc: BaseException) -> None:
+        message = f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}"
+        if message not in self.errors:
+            self.errors.append(message)
+            log.warning(message)
+            self._event("error", message + " (training continues)", kind="agent_error")
+
+    # ---------------------------------------------------------------- I/O thread
+
+    def _io_main(self) -> None:
+        context = zmq.Context()
+        try:
+            self._io_loop(context)
+        except Exception as exc:
+            self._report_error("I/O thread", exc)
+        finally:
+            self._ready.set()
+            if self.info is not None:
+                remove_run_file(self.info)
+            context.destroy(linger=0)
+
+    def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        pub = context.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 10_000)
+        pub.setsockopt(zmq.LINGER, 0)
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        endpoints = []
+        if self.transport == "ipc":
+            base = run_dir() / f"{self.run_id}.r{self.rank}"
+            for socket, suffix in ((pub, "pub"), (router, "cmd")):
+                endpoint = f"ipc://{base}.{suffix}"
+                socket.bind(endpoint)
+                os.chmod(f"{base}.{suffix}", 0o600)
+                endpoints.append(endpoint)
+        else:
+            for socket in (pub, router):
+                port = socket.bind_to_random_port("tcp://127.0.0.1")
+                endpoints.append(f"tcp://127.0.0.1:{port}")
+        self.info = RunInfo(run_id=self.run_id, rank=self.rank, world_size=self.world_size,
+                            pid=os.getpid(), pub_endpoint=endpoints[0],
+                            cmd_endpoint=endpoints[1], token=self.token,
+                            started_at=self._started_at, name=self.name)
+        write_run_file(self.info)
+        return pub, router
+
+    def _io_loop(self, context: zmq.Context) -> None:
+        pub, router = self._bind(context)
+        self._pub = pub
+        self._ready.set()
+        self._publish(protocol.HELLO, self._hello())
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        in_flight: deque = deque()
+        previous_marker = None
+        next_system = next_heartbeat = time.monotonic()
+        heartbeats = 0
+        while True:
+            stopping = self._stop.is_set()
+            if poller.poll(0 if stopping else _POLL_MS):
+                self._guard("command handling", self._serve_commands, router)
+            previous_marker = self._guard(
+                "step publishing", self._publish_records, in_flight, previous_marker,
+                default=previous_marker)
+            now = time.monotonic()
+            if now >= next_system:
+                next_system = now + _HEARTBEAT_INTERVAL_S
+                self._guard("system probe", self._publish_system)
+            if now >= next_heartbeat:
+                next_heartbeat = now + _HEARTBEAT_INTERVAL_S
+                heartbeats += 1
+                self._publish(protocol.HEARTBEAT, self._heartbeat())
+                if heartbeats % _HELLO_EVERY_HEARTBEATS == 0:
+                    self._guard("hello", self._publish, protocol.HELLO, self._hello())
+                    self._publish(protocol.STATE,
+                                  {"knobs": self._knob_values, "step": self._last_step})
+            if stopping:
+                self._guard("step publishing", self._publish_records, in_flight,
+                            previous_marker, True)
+                self._publish(protocol.BYE, {"reason": getattr(self, "_bye_reason", ""),
+                                             "steps": self._last_step})
+                return
+
+    def _guard(self, where: str, function: Any, *args: Any, default: Any = None) -> Any:
+        try:
+            return function(*args)
+        except Exception as exc:
+            self._report_error(where, exc)
+            return default
+
+    def _publish(self, msg_type: str, body: dict[str, Any]) -> None:
+        self._seq += 1
+        frames = protocol.encode(protocol.envelope(msg_type, body, run=self.run_id,
+                                                   rank=self.rank, seq=self._seq))
+        try:
+            self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no subscriber keeps up: PUB drops; the seq gap tells the dashboard
+
+    def _publish_records(self, in_flight: deque, previous_marker: Any,
+                         final: bool = False) -> Any:
+        records = self._records
+        while records:
+            in_flight.append(records.popleft())
+        memory = None
+        while in_flight:
+            record = in_flight[0]
+            if record[0] == "event":
+                in_flight.popleft()
+                self._publish(protocol.EVENT, record[1])
+                continue
+            _, step, step_time_s, micro_batches, samples, wait_s, marker, knobs = record
+            if not self._marker.ready(marker):
+                if not final:
+                    break
+            in_flight.popleft()
+            if self._expected_step is not None and step > self._expected_step:
+                self.records_dropped += step - self._expected_step  # queue overflowed
+            self._expected_step = step + 1
+            if memory is None:
+                memory = self._memory()
+            body = {
+                "step": step, "micro_batches": micro_batches, "samples": samples,
+                "step_time_s": step_time_s, "data_wait_s": wait_s,
+                "data_wait_share": (min(1.0, wait_s / step_time_s)
+                                    if step_time_s else None),
+                "samples_per_s": samples / step_time_s if step_time_s else None,
+                "loss": self._marker.loss(marker) if self._marker.ready(marker) else None,
+                "gpu_step_time_s": (self._marker.gpu_time_s(previous_marker, marker)
+                                    if self._marker.ready(marker) else None),
+                "knobs": knobs, **memory,
+            }
+            previous_marker = marker
+            self._publish(protocol.STEP, body)
+        return previous_marker
+
+    def _memory(self) -> dict[str, Any]:
+        memory: dict[str, Any] = {"host_rss_bytes": self._probe.host_rss_bytes()}
+        if self.device is not None and self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else 0
+            memory["mem_allocated_bytes"] = torch.cuda.memory_allocated(index)
+            memory["mem_reserved_bytes"] = torch.cuda.memory_reserved(index)
+            memory["mem_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(index)
+            torch.cuda.reset_peak_memory_stats(index)
+        return memory
+
+    def _publish_system(self) -> None:
+        self._publish(protocol.SYSTEM, self._probe.sample())
+
+    def _heartbeat(self) -> dict[str, Any]:
+        return {"step": self._last_step, "ending": self._ending,
+                "records_dropped": self.records_dropped, "errors": len(self.errors)}
+
+    def _hello(self) -> dict[str, Any]:
+        if not hasattr(self, "_env_report"):
+            self._env_report = _environment_report()
+        return {
+            "name": self.name, "pid": os.getpid(), "host": self.info.host if self.info else "",
+            "world_size": self.world_size, "started_at": self._started_at,
+            "device": str(self.device) if self.device is not None else "cpu",
+            "model": {"name": self.model_name, "params": self.params},
+            "env": self._env_report, "knobs": self.knobs.schema(),
+            "knob_values": self._knob_values,
+        }
+
+    # ---------------------------------------------------------------- commands
+
+    def _serve_commands(self, router: zmq.Socket) -> None:
+        for _ in range(_MAX_COMMANDS_PER_POLL):
+            try:
+                frames = router.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, rest = frames[0], frames[1:]
+            reply = self._command_reply(rest)
+            if reply is None:
+                continue
+            frames_out = protocol.encode(protocol.envelope(
+                protocol.REPLY, reply, run=self.run_id, rank=self.rank))
+            try:
+                router.send_multipart([identity, *frames_out], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the client went away
+
+    def _command_reply(self, frames: list[bytes]) -> dict[str, Any] | None:
+        try:
+            message = protocol.decode_frames(frames)
+        except protocol.ProtocolError as exc:
+            return {"id": None, "ok": False, "reason": f"malformed message: {exc}"}
+        if message["type"] != protocol.COMMAND:
+            return None  # unknown types are ignored (protocol rule)
+        body = message["body"]
+        command_id = body.get("id")
+        if not isinstance(command_id, (str, int, type(None))):
+            command_id = None
+        rejected = {"id": command_id, "ok": False, "knob": body.get("knob")}
+        token = body.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(
+                token.encode("utf-8", "replace"), self.token.encode()):
+            self._event("warning", "command rejected: missing or wrong token", kind="rejected")
+            return {**rejected, "knob": None, "reason": "missing or wrong token"}
+        if self._ending:
+            return {**rejected, "reason": "the run is ending"}
+        knob_name, raw = body.get("knob"), body.get("value")
+        try:
+            value = self.knobs.validate(knob_name, raw)
+        except KnobError as exc:
+            self._event("warning", f"command rejected: {exc}", kind="rejected",
+                        knob=knob_name if isinstance(knob_name, str) else None)
+            return {**rejected, "reason": str(exc)}
+        earliest = self._last_step + 2
+        apply_step = body.get("apply_step", earliest)
+        if isinstance(apply_step, bool) or not isinstance(apply_step, int):
+            return {**rejected, "reason": f"apply_step must be an integer, got {apply_step!r}"}
+        if apply_step < earliest:
+            return {**rejected, "reason": f"apply_step {apply_step} has passed on rank "
+                                          f"{self.rank} (earliest: {earliest})"}
+        with self._pending_lock:
+            self._pending_seq += 1
+            bisect.insort(self._pending, _Pending(apply_step, self._pending_seq, knob_name,
+                                                  value, command_id))
+        reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
+                 "apply_step": apply_step}
+        text = f"{knob_name}={value} accepted, applies at step {apply_step}"
+        self._publish(protocol.EVENT, {"level": "info", "text": text, "kind": "accepted",
+                                       "knob": knob_name, "value": value,
+                                       "step": apply_step, "id": command_id})
+        warn = self.knobs.knobs[knob_name].warn
+        if warn is not None:
+            warning = warn(value)
+            if warning:
+                reply["warning"] = warning
+                self._publish(protocol.EVENT, {"level": "warning", "text": warning,
+                                               "kind": "warning", "knob": knob_name})
+        return reply
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _environment_report() -> dict[str, Any]:
+    from gpuopt.environment import environment_report
+
+    return environment_report()

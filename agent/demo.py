@@ -1,0 +1,60 @@
+"""The demo training job behind ``gpuwatch demo``: a real model on real packaged data,
+trained by :class:`gpuopt.Trainer` with the agent attached.
+
+Run as ``python -m agent.demo [--model transformer|cnn] [--max-steps N]``. SIGTERM or
+SIGINT stops it cleanly at the next optimizer-step boundary (``bye`` is published and
+the run file removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import torch
+
+import agent
+from gpuopt import Trainer
+from gpuopt.demo import build_demo
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agent.demo", description=__doc__)
+    parser.add_argument("--model", choices=("transformer", "cnn"), default="transformer")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop after this many optimizer steps (default: until stopped)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--accum-steps", type=int, default=1)
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    workload = build_demo(args.model, seed=args.seed)
+    loader = torch.utils.data.DataLoader(
+        workload.train_dataset, batch_size=workload.batch_size, shuffle=True,
+        num_workers=args.num_workers, drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed))
+    optimizer = torch.optim.AdamW(workload.model.parameters(), lr=workload.lr)
+    trainer = Trainer(workload.model, optimizer, workload.loss_fn, loader,
+                      precision=args.precision, accum_steps=args.accum_steps,
+                      max_grad_norm=1.0)
+    monitor = agent.attach(trainer, name=f"demo-{workload.name}", transport=args.transport)
+    if monitor.info is not None:
+        print(f"gpuwatch demo: run {monitor.run_id} ({workload.name}), "
+              f"attach with: gpuwatch {monitor.run_id}", flush=True)
+
+    def stop(signum: int, frame: object) -> None:
+        trainer.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    steps = trainer.fit(max_steps=args.max_steps)
+    print(f"gpuwatch demo: stopped after {steps} optimizer steps", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

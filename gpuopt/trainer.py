@@ -1,0 +1,212 @@
+"""The reference Trainer: a training loop that combines gpuopt's techniques.
+
+It runs optimizer steps made of an accumulation window of micro-batches, under a
+:class:`~gpuopt.precision.MixedPrecision` policy, and calls its callbacks at every
+optimizer-step boundary, the one place where settings may change safely.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Protocol
+
+import torch
+
+from gpuopt.data import batch_size, to_device
+from gpuopt.precision import MixedPrecision
+
+
+@dataclass
+class StepStats:
+    """What the Trainer knows of one finished optimizer step (host side only).
+
+    Attributes:
+        step: 1-based index of the optimizer step just taken.
+        micro_batches: micro-batches in its accumulation window.
+        samples: samples in those micro-batches.
+        data_wait_s: host seconds spent waiting in the loader's ``next()``.
+        loss: mean loss over the window as a detached 0-dim tensor on the model's
+            device (reading it with ``.item()`` would synchronize a GPU: leave that to
+            another thread, or to when the value is needed).
+    """
+
+    step: int
+    micro_batches: int
+    samples: int
+    data_wait_s: float
+    loss: torch.Tensor | None
+
+
+class Callback(Protocol):
+    """Hooks called by :meth:`Trainer.fit`, all on the training thread."""
+
+    def on_fit_start(self, trainer: "Trainer") -> None: ...
+
+    def on_optimizer_step(self, trainer: "Trainer", stats: StepStats) -> None: ...
+
+    def on_fit_end(self, trainer: "Trainer") -> None: ...
+
+
+class Trainer:
+    """A reference training loop with gradient accumulation and mixed precision.
+
+    Each optimizer step takes ``accum_steps`` micro-batches from ``loader``; each
+    micro-batch's loss is divided by the real window size before backward, so the
+    accumulated gradient equals the gradient of the mean loss over the whole window
+    (for a mean-reduced loss and equal micro-batch sizes, the gradient of one batch
+    ``accum_steps`` times larger). Changes to :attr:`accum_steps` take effect at the next
+    window; changes to :attr:`precision` must be made between optimizer steps (the
+    callbacks run exactly there).
+
+    Args:
+        model: the module, already on ``device``.
+        optimizer: its optimizer.
+        loss_fn: ``loss_fn(output, target) -> scalar tensor`` (mean-reduced).
+        loader: iterable of ``(input, target)`` batches (tensors or nested tensors);
+            re-iterated for each epoch.
+        device: where batches go; default: the device of the model's first parameter.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+        accum_steps: micro-batches per optimizer step (>= 1).
+        max_grad_norm: clip the global gradient norm to this before each step, if set.
+        callbacks: objects with the :class:`Callback` hooks (any subset).
+
+    Raises:
+        ValueError: a precision the device cannot run, or ``accum_steps < 1``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loader: Iterable[Any],
+        *,
+        device: torch.device | str | None = None,
+        precision: str = "fp32",
+        accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        callbacks: Iterable[Any] = (),
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.loader = loader
+        if device is None:
+            first = next(model.parameters(), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        self.mixed_precision = MixedPrecision(self.device.type, precision)
+        self._accum_steps = 1
+        self.accum_steps = accum_steps
+        self.max_grad_norm = max_grad_norm
+        self.callbacks: list[Any] = list(callbacks)
+        self.step = 0
+        self.epoch = 0
+        self._stop = threading.Event()
+
+    @property
+    def precision(self) -> str:
+        """Current precision; set it between optimizer steps (raises ValueError if the
+        device cannot run it)."""
+        return self.mixed_precision.precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        self.mixed_precision.precision = value
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per optimizer step; a change takes effect at the next window."""
+        return self._accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"accum_steps must be an integer >= 1, got {value!r}")
+        self._accum_steps = value
+
+    def stop(self) -> None:
+        """Ask :meth:`fit` to return at the next optimizer-step boundary (any thread)."""
+        self._stop.set()
+
+    def _batches(self, epochs: int | None) -> Iterator[Any]:
+        while epochs is None or self.epoch < epochs:
+            sampler = getattr(self.loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
+            empty = True
+            for batch in self.loader:
+                empty = False
+                yield batch
+            self.epoch += 1
+            if empty:
+                return
+
+    def fit(self, *, max_steps: int | None = None, epochs: int | None = None) -> int:
+        """Train until ``max_steps`` optimizer steps, ``epochs`` epochs, or :meth:`stop`.
+
+        With neither limit it trains until :meth:`stop`. A last partial window at the
+        end of the data is stepped with its gradient rescaled to its real size.
+
+        Returns:
+            The number of optimizer steps taken in total (:attr:`step`).
+        """
+        self.model.train()
+        self._stop.clear()
+        batches = self._batches(epochs)
+        for callback in self.callbacks:
+            _call(callback, "on_fit_start", self)
+        try:
+            while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
+                if not self._optimizer_step(batches):
+                    break
+        finally:
+            for callback in self.callbacks:
+                _call(callback, "on_fit_end", self)
+        return self.step
+
+    def _optimizer_step(self, batches: Iterator[Any]) -> bool:
+        window = self._accum_steps
+        data_wait_s = 0.0
+        samples = 0
+        micro_batches = 0
+        loss_sum: torch.Tensor | None = None
+        for _ in range(window):
+            start = time.perf_counter()
+            batch = next(batches, None)
+            data_wait_s += time.perf_counter() - start
+            if batch is None:
+                break
+            inputs, targets = to_device(batch, self.device)
+            with self.mixed_precision.autocast():
+                loss = self.loss_fn(self.model(inputs), targets)
+            self.mixed_precision.backward(loss / window)
+            loss = loss.detach()
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+            samples += batch_size(inputs)
+            micro_batches += 1
+        if micro_batches == 0:
+            return False
+        if micro_batches < window:  # data ran out mid-window: divide by the real size
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(window / micro_batches)
+        if self.max_grad_norm is not None:
+            self.mixed_precision.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.mixed_precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        stats = StepStats(self.step, micro_batches, samples, data_wait_s,
+                          loss_sum / micro_batches)
+        for callback in self.callbacks:
+            _call(callback, "on_optimizer_step", self, stats)
+        return micro_batches == window
+
+
+def _call(callback: Any, hook: str, *args: Any) -> None:
+    method = getattr(callback, hook, None)
+    if method is not None:
+        method(*args)

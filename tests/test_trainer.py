@@ -1,0 +1,126 @@
+"""The reference Trainer: accumulation equivalence, live precision switches, GradScaler state."""
+
+import copy
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+
+from gpuopt import MixedPrecision, Trainer
+
+
+def _digits(n):
+    digits = load_digits()
+    x = torch.tensor(digits.data[:n], dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target[:n], dtype=torch.long)
+    return x, y
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 10))
+
+
+def _grads_after_one_step(batch_size, accum_steps, n=64):
+    x, y = _digits(n)
+    model = _model()
+    captured = {}
+
+    class Capture(torch.optim.SGD):
+        def step(self, closure=None):
+            captured.update({name: p.grad.clone() for name, p in model.named_parameters()})
+            return super().step(closure)
+
+    loader = list(zip(x.split(batch_size), y.split(batch_size)))
+    trainer = Trainer(model, Capture(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, loader, accum_steps=accum_steps)
+    trainer.fit(max_steps=1, epochs=1)
+    return captured
+
+
+def test_gradient_of_k_micro_batches_equals_one_batch_k_times_larger():
+    reference = _grads_after_one_step(batch_size=64, accum_steps=1)
+    accumulated = _grads_after_one_step(batch_size=16, accum_steps=4)
+    for name, grad in reference.items():
+        torch.testing.assert_close(accumulated[name], grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_partial_last_window_is_divided_by_its_real_size():
+    reference = _grads_after_one_step(batch_size=48, accum_steps=1, n=48)
+    partial = _grads_after_one_step(batch_size=16, accum_steps=4, n=48)  # 3 of 4 micro-batches
+    for name, grad in reference.items():
+        torch.testing.assert_close(partial[name], grad, rtol=1e-5, atol=1e-6)
+
+
+class Recorder:
+    def __init__(self, changes):
+        self.changes = changes  # step -> {attr: value}, applied at that boundary
+        self.seen = []
+
+    def on_optimizer_step(self, trainer, stats):
+        self.seen.append((stats.step, stats.micro_batches, trainer.precision,
+                          float(stats.loss)))
+        for attr, value in self.changes.get(stats.step, {}).items():
+            setattr(trainer, attr, value)
+
+
+def test_accumulation_and_precision_change_at_the_next_window_and_training_goes_on():
+    x, y = _digits(512)
+    model = _model()
+    loader = list(zip(x.split(8), y.split(8)))
+    recorder = Recorder({3: {"accum_steps": 4, "precision": "bf16"}, 6: {"precision": "fp32"}})
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                      torch.nn.functional.cross_entropy, loader, callbacks=[recorder])
+    trainer.fit(epochs=5)
+    steps = recorder.seen
+    assert [s[1] for s in steps[:5]] == [1, 1, 1, 4, 4]
+    assert [s[2] for s in steps[:8]] == ["fp32"] * 3 + ["bf16"] * 3 + ["fp32"] * 2
+    assert steps[-1][3] < steps[0][3] * 0.6  # it learned
+
+
+def test_grad_scaler_is_created_on_first_fp16_and_kept_across_leaving():
+    x, y = _digits(256)
+    model = _model()
+    loader = list(zip(x.split(32), y.split(32)))
+    recorder = Recorder({2: {"precision": "fp16"}, 4: {"precision": "bf16"},
+                         6: {"precision": "fp16"}})
+    scales = {}
+
+    class Scales:
+        def on_optimizer_step(self, trainer, stats):
+            scaler = trainer.mixed_precision.scaler
+            scales[stats.step] = None if scaler is None else (id(scaler), scaler.get_scale())
+
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, loader, callbacks=[Scales(), recorder])
+    trainer.fit(max_steps=7)
+    assert scales[1] is None and scales[2] is None  # created on first entry into fp16
+    assert scales[3] is not None
+    assert scales[5] == scales[4]  # kept, untouched, while in bf16
+    assert scales[7][0] == scales[3][0]  # the same scaler is reused on return
+
+
+def test_fp16_training_on_cpu_uses_the_scaler_and_learns():
+    x, y = _digits(256)
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    loader = list(zip(x.split(32), y.split(32)))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                      torch.nn.functional.cross_entropy, loader, precision="fp16")
+    trainer.fit(epochs=2)
+    assert trainer.mixed_precision.scaler is not None
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_unknown_precision_and_bad_accumulation_raise():
+    model = _model()
+    with pytest.raises(ValueError, match="unknown precision"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                torch.nn.functional.cross_entropy, [], precision="fp8")
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, [])
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="accum_steps"):
+            trainer.accum_steps = bad
+    assert trainer.accum_steps == 1
+    assert trainer.fit(epochs=1) == 0  # an empty loader ends at once
