@@ -1,0 +1,155 @@
+"""Shared fixtures: a fake agent with real sockets, for testing the dashboard alone."""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import threading
+import time
+from typing import Any
+
+import pytest
+import zmq
+
+from agent import protocol
+from agent.knobs import STANDARD_KNOBS, KnobError
+from agent.runs import RunInfo, remove_run_file, write_run_file
+
+
+class FakeAgent:
+    """A stand-in for the in-process agent: PUB and ROUTER on tcp 127.0.0.1, a run file,
+    and a thread that publishes a training step every ``step_s`` seconds (with heartbeat,
+    and hello/system every 10 steps) and applies accepted commands at their step.
+
+    Attributes:
+        commands: command bodies received, in order (a queue tests can wait on).
+        knobs: current knob values. info: the run file's contents.
+    """
+
+    def __init__(self, directory: os.PathLike, *, step_s: float = 0.02) -> None:
+        self.step_s = step_s
+        self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.knobs: dict[str, Any] = {"precision": "fp32", "accum_steps": 1}
+        self._directory = directory
+        self._outbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self._scheduled: list[tuple[int, str, Any]] = []
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._seq = 0
+        self._step = 0
+        self.info: RunInfo
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> FakeAgent:
+        self._thread.start()
+        assert self._ready.wait(5), "fake agent did not start"
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        remove_run_file(self.info)
+
+    def publish(self, msg_type: str, body: dict[str, Any]) -> None:
+        """Publish one extra message from the agent's thread (at its next tick)."""
+        self._outbox.put((msg_type, body))
+
+    def _send(self, pub: zmq.Socket, msg_type: str, body: dict[str, Any]) -> None:
+        self._seq += 1
+        pub.send_multipart(protocol.encode(protocol.envelope(
+            msg_type, body, run=self.info.run_id, seq=self._seq)))
+
+    def _run(self) -> None:
+        context = zmq.Context.instance()
+        with context.socket(zmq.PUB) as pub, context.socket(zmq.ROUTER) as router:
+            pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+            cmd_port = router.bind_to_random_port("tcp://127.0.0.1")
+            self.info = RunInfo(
+                run_id=f"20250101-000000-{secrets.token_hex(2)}", rank=0, world_size=1,
+                pid=os.getpid(), pub_endpoint=f"tcp://127.0.0.1:{pub_port}",
+                cmd_endpoint=f"tcp://127.0.0.1:{cmd_port}", token=secrets.token_hex(16),
+                started_at=time.time(), name="fake-train")
+            write_run_file(self.info, self._directory)
+            self._ready.set()
+            while not self._stop.is_set():
+                if router.poll(int(self.step_s * 1000)):
+                    self._answer(pub, router, router.recv_multipart())
+                self._tick(pub)
+                while not self._outbox.empty():
+                    self._send(pub, *self._outbox.get())
+
+    def _answer(self, pub: zmq.Socket, router: zmq.Socket, frames: list[bytes]) -> None:
+        body = protocol.decode_frames(frames)["body"]
+        self.commands.put(body)
+        reply: dict[str, Any] = {"id": body.get("id"), "knob": body.get("knob")}
+        try:
+            if body.get("token") != self.info.token:
+                raise KnobError("bad token")
+            if body.get("knob") not in self.knobs:
+                raise KnobError(f"unknown knob {body.get('knob')!r}")
+            value = STANDARD_KNOBS[body["knob"]].coerce(body.get("value"))
+        except KnobError as exc:
+            reply.update(ok=False, reason=str(exc))
+        else:
+            reply.update(ok=True, value=value, apply_step=self._step + 2)
+            self._scheduled.append((self._step + 2, body["knob"], value))
+        router.send_multipart([frames[0], *protocol.encode(
+            protocol.envelope(protocol.REPLY, reply, run=self.info.run_id))])
+
+    def _tick(self, pub: zmq.Socket) -> None:
+        self._step += 1
+        for due in [s for s in self._scheduled if s[0] <= self._step]:
+            self._scheduled.remove(due)
+            _, knob, value = due
+            self.knobs[knob] = value
+            self._send(pub, protocol.EVENT, {
+                "level": "info", "kind": "applied", "knob": knob, "value": value,
+                "step": self._step, "text": f"{knob}={value} applied at step {self._step}"})
+        if self._step % 10 == 1:
+            self._send(pub, protocol.HELLO, {
+                "name": "fake-train", "pid": self.info.pid, "world_size": 1,
+                "device": "cpu", "model": {"name": "tiny", "params": 1234},
+                "knobs": [STANDARD_KNOBS[name].to_wire() for name in self.knobs]})
+            self._send(pub, protocol.SYSTEM, {
+                "cpu_pct": 12.5, "host_mem_used_bytes": 3 << 30,
+                "host_mem_total_bytes": 16 << 30, "gpus": [],
+                "gpu_status": "no NVIDIA GPU (NVML not found)"})
+        self._send(pub, protocol.STEP, {
+            "step": self._step, "micro_batches": self.knobs["accum_steps"], "samples": 32,
+            "step_time_s": 0.02 + 0.005 * (self._step % 7), "data_wait_s": 0.002,
+            "data_wait_share": 0.1, "samples_per_s": 1600.0 - self._step % 13,
+            "loss": 2.0 / (1 + 0.01 * self._step), "knobs": dict(self.knobs),
+            "host_rss_bytes": 700 << 20})
+        self._send(pub, protocol.HEARTBEAT, {"step": self._step, "ending": False})
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    """An empty run directory that agent.runs (and child processes) will use."""
+    directory = tmp_path / "runs"
+    directory.mkdir(mode=0o700)
+    monkeypatch.setenv("GPUWATCH_RUN_DIR", str(directory))
+    return directory
+
+
+@pytest.fixture
+def fake_agent(run_dir):
+    """A running :class:`FakeAgent` whose run file is in ``run_dir``."""
+    agent = FakeAgent(run_dir).start()
+    yield agent
+    agent.stop()
+import os
+import shutil
+import tempfile
+
+import pytest
+
+
+@pytest.fixture
+def run_dir(monkeypatch):
+    """A private, short run directory (ipc socket paths must stay under ~100 bytes)."""
+    path = tempfile.mkdtemp(prefix="gw-")
+    monkeypatch.setenv("GPUWATCH_RUN_DIR", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

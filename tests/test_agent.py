@@ -1,0 +1,202 @@
+"""The agent on real ZeroMQ sockets, attached to a real Trainer training on real digits."""
+
+import threading
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+
+import agent
+from agent import protocol, runs
+from gpuopt import MixedPrecision, Trainer
+from gpuwatch.client import Subscriber, send_command
+
+
+def _digits_loader(batch_size=16, n=1024):
+    digits = load_digits()
+    x = torch.tensor(digits.data[:n], dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target[:n], dtype=torch.long)
+    return list(zip(x.split(batch_size), y.split(batch_size)))
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+
+
+class Gate:
+    """Trainer callback that lets the test pace the training: the loop blocks at step
+    ``hold_at`` until released, so commands can be sent at a known point."""
+
+    def __init__(self, hold_at):
+        self.hold_at = hold_at
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def on_optimizer_step(self, trainer, stats):
+        if stats.step == self.hold_at:
+            self.reached.set()
+            assert self.release.wait(30)
+
+
+def _start(trainer, **fit):
+    thread = threading.Thread(target=trainer.fit, kwargs=fit, daemon=True)
+    thread.start()
+    return thread
+
+
+def _messages(sub, until, timeout_s=30):
+    seen = []
+    while True:
+        message = sub.recv(timeout_s)
+        assert message is not None, f"no message within {timeout_s} s; saw {seen[-5:]}"
+        seen.append(message)
+        if until(message):
+            return seen
+
+
+def test_steps_stream_and_a_command_applies_at_the_step_it_announced(run_dir):
+    model = _model()
+    gate = Gate(hold_at=5)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                      torch.nn.functional.cross_entropy, _digits_loader(), callbacks=[gate])
+    monitor = agent.attach(trainer, name="test-run")
+    info = runs.find_run()
+    assert info.run_id == monitor.run_id and info.name == "test-run"
+    with Subscriber(info) as sub:
+        thread = _start(trainer, max_steps=40)
+        assert gate.reached.wait(30)
+        reply = send_command(info, "precision", "bf16")
+        assert reply["ok"], reply
+        assert reply["apply_step"] >= 6
+        bad = send_command(info, "accum_steps", 0)
+        assert not bad["ok"] and "below the minimum" in bad["reason"]
+        gate.release.set()
+        seen = _messages(sub, lambda m: m["type"] == "bye")
+        thread.join(30)
+    steps = {m["body"]["step"]: m["body"] for m in seen if m["type"] == "step"}
+    applied = [m["body"] for m in seen if m["type"] == "event"
+               and m["body"].get("kind") == "applied"]
+    assert [a["step"] for a in applied] == [reply["apply_step"]]
+    assert applied[0]["text"] == f"precision=bf16 applied at step {reply['apply_step']}"
+    for step, body in steps.items():
+        expected = "bf16" if step >= reply["apply_step"] else "fp32"
+        assert body["knobs"]["precision"] == expected, step
+        assert body["knobs"]["accum_steps"] == 1
+        assert body["step_time_s"] > 0 and body["samples"] == 16
+        assert 0.0 <= body["data_wait_share"] <= 1.0
+        assert body["samples_per_s"] == pytest.approx(16 / body["step_time_s"])
+        assert isinstance(body["loss"], float) and body["host_rss_bytes"] > 0
+    assert max(steps) == 40
+    assert runs.list_runs() == []  # the run file is removed at the end
+
+
+def test_hello_carries_schema_environment_and_model(run_dir):
+    model = _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, _digits_loader())
+    monitor = agent.attach(trainer)
+    try:
+        with Subscriber(runs.find_run(), topics=("hello",)) as sub:
+            hello = sub.recv(10)
+        assert hello is not None and hello["run"] == monitor.run_id
+        body = hello["body"]
+        assert [k["name"] for k in body["knobs"]] == ["precision", "accum_steps"]
+        assert body["model"] == {"name": "Sequential", "params": 64 * 64 + 64 + 64 * 10 + 10}
+        assert body["env"]["torch"]["version"] == torch.__version__
+        assert body["knob_values"] == {"precision": "fp32", "accum_steps": 1}
+    finally:
+        monitor.close()
+
+
+def test_commands_without_the_token_or_for_unknown_knobs_change_nothing(run_dir):
+    model = _model()
+    gate = Gate(hold_at=3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, _digits_loader(), callbacks=[gate])
+    agent.attach(trainer)
+    info = runs.find_run()
+    thread = _start(trainer, max_steps=12)
+    assert gate.reached.wait(30)
+    stolen = runs.RunInfo(**{**info.__dict__, "token": "0" * 32})
+    replies = [
+        send_command(stolen, "precision", "bf16"),
+        send_command(info, "kernels", "triton"),
+        send_command(info, "precision", "fp8"),
+        send_command(info, "accum_steps", "many"),
+        send_command(info, "accum_steps", 2, apply_step=1),
+    ]
+    reasons = [r["reason"] for r in replies]
+    assert not any(r["ok"] for r in replies)
+    assert "token" in reasons[0] and "unknown knob" in reasons[1]
+    assert "not one of" in reasons[2] and "not an integer" in reasons[3]
+    assert "has passed" in reasons[4]
+    gate.release.set()
+    thread.join(30)
+    assert trainer.precision == "fp32" and trainer.accum_steps == 1 and trainer.step == 12
+
+
+def test_malformed_frames_get_a_reply_and_the_run_goes_on(run_dir):
+    import zmq
+
+    model = _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, _digits_loader())
+    monitor = agent.attach(trainer)
+    info = runs.find_run()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(info.cmd_endpoint)
+    try:
+        for junk in ([b"\xc1\xc1"], [b"command", b"[1, 2]"], [b"x", b"y", b"z"]):
+            dealer.send_multipart(junk)
+            assert dealer.poll(5000)
+            reply = protocol.decode_frames(dealer.recv_multipart())
+            assert reply["type"] == "reply" and not reply["body"]["ok"]
+            assert "malformed" in reply["body"]["reason"]
+        assert send_command(info, "accum_steps", 2)["ok"]  # still serving
+        assert trainer.fit(max_steps=5) == 5
+        assert trainer.accum_steps == 2
+    finally:
+        dealer.close()
+        monitor.close()
+
+
+def test_training_result_is_identical_with_and_without_the_agent(run_dir):
+    def train(with_agent):
+        model = _model(seed=1)
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                          torch.nn.functional.cross_entropy, _digits_loader(), accum_steps=2)
+        if with_agent:
+            agent.attach(trainer)
+        trainer.fit(max_steps=30)
+        return model.state_dict()
+
+    plain, watched = train(False), train(True)
+    for name in plain:
+        assert torch.equal(plain[name], watched[name]), name
+
+
+def test_hand_written_loop_session_streams_steps_and_takes_precision(run_dir):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = MixedPrecision("cpu")
+    seen_precision = []
+    with agent.session(name="manual", model=model, mixed_precision=policy) as run:
+        info = runs.find_run()
+        with Subscriber(info, topics=("step",)) as sub:
+            for i, (x, y) in enumerate(run.loader(_digits_loader(batch_size=8))):
+                with policy.autocast():
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                policy.backward(loss)
+                policy.step(optimizer)
+                optimizer.zero_grad()
+                run.optimizer_step(loss)
+                seen_precision.append(policy.precision)
+                if i == 2:
+                    assert send_command(info, "precision", "bf16")["ok"]
+                if i == 20:
+                    break
+            first = sub.recv(10)
+    assert first["body"]["samples"] == 8 and first["body"]["micro_batches"] == 1
+    assert seen_precision[0] == "fp32" and seen_precision[-1] == "bf16"
