@@ -133,6 +133,11 @@ class Agent:
         self._ready.wait(timeout_s)
         return self
 
+    def mark_ending(self) -> None:
+        """The run is about to end (e.g. on SIGTERM): from now on commands are rejected
+        with "the run is ending" and heartbeats say so. Any thread; idempotent."""
+        self._ending = True
+
     def close(self, reason: str = "finished", timeout_s: float = 5.0) -> None:
         """Publish ``bye``, close the sockets and remove the run file. Idempotent.
 
@@ -141,7 +146,7 @@ class Agent:
         """
         if self._stop.is_set():
             return
-        self._ending = True
+        self.mark_ending()
         self._bye_reason = reason
         self._stop.set()
         if self._thread.is_alive():

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
               f"attach with: gpuwatch {monitor.run_id}", flush=True)
 
     def stop(signum: int, frame: object) -> None:
+        monitor.mark_ending()
         trainer.stop()
 
     signal.signal(signal.SIGTERM, stop)

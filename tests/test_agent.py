@@ -109,12 +109,12 @@ def test_hello_carries_schema_environment_and_model(run_dir):
         monitor.close()
 
 
-def test_commands_without_the_token_or_for_unknown_knobs_change_nothing(run_dir):
+def test_commands_without_token_unknown_bad_late_or_while_ending_change_nothing(run_dir):
     model = _model()
     gate = Gate(hold_at=3)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                       torch.nn.functional.cross_entropy, _digits_loader(), callbacks=[gate])
-    agent.attach(trainer)
+    monitor = agent.attach(trainer)
     info = runs.find_run()
     thread = _start(trainer, max_steps=12)
     assert gate.reached.wait(30)
@@ -131,6 +131,9 @@ def test_commands_without_the_token_or_for_unknown_knobs_change_nothing(run_dir)
     assert "token" in reasons[0] and "unknown knob" in reasons[1]
     assert "not one of" in reasons[2] and "not an integer" in reasons[3]
     assert "has passed" in reasons[4]
+    monitor.mark_ending()
+    ending = send_command(info, "accum_steps", 2)
+    assert not ending["ok"] and ending["reason"] == "the run is ending"
     gate.release.set()
     thread.join(30)
     assert trainer.precision == "fp32" and trainer.accum_steps == 1 and trainer.step == 12

@@ -1,0 +1,75 @@
+"""End to end: the demo training job in a real subprocess, a real client, real signals."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent import runs
+from gpuwatch.client import Subscriber, send_command
+
+
+def wait_for_run(process, timeout_s=60):
+    """The run file of ``process`` (polled: the file appears from another process)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read()
+        for info in runs.list_runs():
+            if info.pid == process.pid:
+                return info
+        time.sleep(0.05)
+    raise AssertionError("the demo wrote no run file")
+
+
+@pytest.fixture
+def demo(run_dir):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agent.demo", "--model", "cnn"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield process
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_precision_change_shows_at_a_step_boundary_and_sigterm_ends_cleanly(demo):
+    info = wait_for_run(demo)
+    with Subscriber(info) as sub:
+        first = None
+        while first is None:
+            message = sub.recv(30)
+            assert message is not None
+            if message["type"] == "step":
+                first = message["body"]
+        assert first["knobs"]["precision"] == "fp32"
+        reply = send_command(info, "precision", "bf16")
+        assert reply["ok"], reply
+        applied_at = reply["apply_step"]
+        applied_event = None
+        later_steps = []
+        while len(later_steps) < 5:
+            message = sub.recv(30)
+            assert message is not None
+            body = message["body"]
+            if message["type"] == "event" and body.get("kind") == "applied":
+                applied_event = body
+            if message["type"] == "step" and body["step"] >= applied_at:
+                assert body["knobs"]["precision"] == "bf16"
+                later_steps.append(body["step"])
+            elif message["type"] == "step":
+                assert body["knobs"]["precision"] == "fp32"
+        assert applied_event["text"] == f"precision=bf16 applied at step {applied_at}"
+        assert later_steps == list(range(later_steps[0], later_steps[0] + 5))
+
+        demo.send_signal(signal.SIGTERM)
+        while True:
+            message = sub.recv(30)
+            assert message is not None
+            if message["type"] == "bye":
+                break
+    assert demo.wait(30) == 0
+    assert "stopped after" in demo.stdout.read()
+    assert not os.path.exists(info.path)
