@@ -1,0 +1,18 @@
+"""The README's examples run as written and publish their steps."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("script", ["trainer_attach.py", "hand_written_loop.py"])
+def test_example_runs_and_cleans_up(script, run_dir):
+    result = subprocess.run([sys.executable, str(EXAMPLES / script), "--max-steps", "60"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "watch it with `gpuwatch`" in result.stdout
+    assert list(Path(run_dir).glob("*.json")) == []  # run file removed at exit
