@@ -98,6 +98,7 @@ class Agent:
         self.params = sum(p.numel() for p in model.parameters()) if model is not None else None
         self.model_name = type(model).__name__ if model is not None else ""
         self.info: RunInfo | None = None
+        self._pub: zmq.Socket | None = None
         self._marker = marker_for(self.device)
         self._records: deque = deque(maxlen=queue_size)
         self._pending: list[_Pending] = []
@@ -232,6 +233,8 @@ class Agent:
             self._ready.set()
             if self.info is not None:
                 remove_run_file(self.info)
+            if self._pub is not None:
+                self._pub.close(linger=500)  # let bye and the last records leave
             context.destroy(linger=0)
 
     def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
