@@ -1,0 +1,319 @@
+"""ReconfigurableLoader: worker settings changed mid-epoch with real DataLoader workers.
+
+The dataset returns its own index, so a batch is the list of indices it was built from
+and "every index exactly once, in the unswitched order" can be checked directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
+
+from gpuopt.loader import (MAX_NUM_WORKERS, LoaderPosition, LoaderReconfigureError,
+                           ReconfigurableLoader)
+
+N = 1000
+BATCH = 8
+
+
+class Indices(Dataset):
+    """Sample ``i`` is ``i``; raises in a worker that :func:`_init_poisons_if` poisoned."""
+
+    def __init__(self, n: int = N) -> None:
+        self.n = n
+        self.poisoned = False
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if self.poisoned:
+            raise RuntimeError(f"sample {index} refused (poisoned worker)")
+        return index
+
+
+def _init_fails_if(flag: Path, worker_id: int) -> None:
+    """worker_init_fn: a worker started while ``flag`` exists fails to start."""
+    if flag.exists():
+        raise RuntimeError(f"worker {worker_id} cannot start (flag present)")
+
+
+def _init_poisons_if(flag: Path, worker_id: int) -> None:
+    """worker_init_fn: a worker started while ``flag`` exists fails on every sample
+    (workers started before keep working)."""
+    torch.utils.data.get_worker_info().dataset.poisoned = flag.exists()
+
+
+def _reference(n=N, *, epoch=0, num_replicas=1, rank=0, shuffle=True, seed=0,
+               drop_last=False, batch=BATCH):
+    """The batches a DataLoader over a DistributedSampler gives for ``epoch``."""
+    dataset = Indices(n)
+    sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank,
+                                 shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    loader = DataLoader(dataset, batch_sampler=BatchSampler(sampler, batch, drop_last))
+    return [b.tolist() for b in loader]
+
+
+def _run_epoch(loader, switches=None):
+    """One epoch as lists of indices; ``switches`` maps a count of batches consumed to
+    the settings applied at that point."""
+    switches = switches or {}
+    batches = []
+    if 0 in switches:
+        loader.reconfigure(**switches[0])
+    for batch in loader:
+        batches.append(batch.tolist())
+        if len(batches) in switches:
+            loader.reconfigure(**switches[len(batches)])
+    return batches
+
+
+def _flatten(batches):
+    return [i for batch in batches for i in batch]
+
+
+def test_order_matches_distributed_sampler_for_uneven_shards():
+    for n, replicas, drop_last, shuffle in [(1001, 3, False, True), (1001, 3, True, True),
+                                            (10, 4, False, False), (5, 8, False, True),
+                                            (37, 2, True, False)]:
+        for rank in range(replicas):
+            loader = ReconfigurableLoader(Indices(n), BATCH, num_replicas=replicas, rank=rank,
+                                          shuffle=shuffle, seed=3, drop_last=drop_last)
+            for epoch in (0, 1):
+                loader.set_epoch(epoch)
+                expected = _reference(n, epoch=epoch, num_replicas=replicas, rank=rank,
+                                      shuffle=shuffle, seed=3, drop_last=drop_last)
+                assert _run_epoch(loader) == expected
+                assert len(loader) == len(expected)
+
+
+def test_switching_workers_mid_epoch_keeps_order_over_two_epochs():
+    loader = ReconfigurableLoader(Indices(), BATCH, seed=7)
+    assert len(loader) == N // BATCH
+    plan = [{37: {"num_workers": 2}, 60: {"num_workers": 1}, 90: {"num_workers": 0}},
+            {5: {"num_workers": 2, "prefetch_factor": 4}, 6: {"num_workers": 1},
+             120: {"num_workers": 0}}]
+    for epoch, switches in enumerate(plan):
+        batches = _run_epoch(loader, switches)
+        assert batches == _reference(epoch=epoch, seed=7)
+        assert sorted(_flatten(batches)) == list(range(N))
+        assert loader.position == LoaderPosition(epoch, len(loader), len(loader))
+    assert _reference(epoch=0, seed=7) != _reference(epoch=1, seed=7)
+    loader.close()
+
+
+def test_two_ranks_switched_at_different_points_cover_the_dataset_once():
+    seen = []
+    for rank, switches in [(0, {3: {"num_workers": 2}, 40: {"num_workers": 0}}),
+                           (1, {0: {"num_workers": 1}, 17: {"num_workers": 2},
+                                61: {"num_workers": 0}})]:
+        loader = ReconfigurableLoader(Indices(), BATCH, num_replicas=2, rank=rank)
+        batches = _run_epoch(loader, switches)
+        assert batches == _reference(num_replicas=2, rank=rank)
+        seen += _flatten(batches)
+        loader.close()
+    assert sorted(seen) == list(range(N))
+
+
+def test_break_resumes_and_set_epoch_restarts():
+    loader = ReconfigurableLoader(Indices(), BATCH, num_workers=2, persistent_workers=True)
+    expected = _reference()
+    got = []
+    for batch in loader:
+        got.append(batch.tolist())
+        if len(got) == 10:
+            break
+    assert loader.position == LoaderPosition(0, 10, len(loader))
+    loader.reconfigure(num_workers=1)
+    got += [batch.tolist() for batch in loader]  # the same epoch, from batch 10
+    assert got == expected
+    assert [b.tolist() for b in loader] == _reference(epoch=1)  # the next epoch
+    loader.set_epoch(0)
+    assert [b.tolist() for b in loader] == expected
+    loader.close()
+
+
+def test_reconfigure_between_epochs_applies_to_the_next_epoch():
+    children = psutil.Process().children(recursive=True)
+    loader = ReconfigurableLoader(Indices(100), BATCH)
+    assert len(_run_epoch(loader)) == len(loader)
+    config = loader.reconfigure(num_workers=2)  # nothing left to serve: starts nothing
+    assert config["num_workers"] == 2
+    assert psutil.Process().children(recursive=True) == children
+    assert _run_epoch(loader) == _reference(100, epoch=1)
+    loader.close()
+
+
+def test_switches_do_not_touch_the_global_rng():
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    loader = ReconfigurableLoader(Indices(100), BATCH)
+    _run_epoch(loader, {2: {"num_workers": 2}, 4: {"num_workers": 0}})
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _wait_for_children(baseline, timeout_s=10.0):
+    """The children not in ``baseline`` once those still exiting are reaped."""
+    extra = [p for p in psutil.Process().children(recursive=True) if p not in baseline]
+    _, alive = psutil.wait_procs(extra, timeout=timeout_s)
+    return alive
+
+
+def test_hundred_alternations_leak_no_process_fd_or_shared_memory():
+    children = psutil.Process().children(recursive=True)
+    fds = _open_fds()
+    shm = sorted(os.listdir("/dev/shm"))
+
+    loader = ReconfigurableLoader(Indices(), 4, persistent_workers=True)
+    batches = iter(loader)
+    seen = []
+    for switch in range(100):
+        seen += next(batches).tolist()
+        config = loader.reconfigure(num_workers=2 if switch % 2 == 0 else 0)
+        assert config["persistent_workers_effective"] == (switch % 2 == 0)
+    assert loader.config["num_workers"] == 0
+    assert _wait_for_children(children) == []
+    assert _open_fds() == fds
+    assert sorted(os.listdir("/dev/shm")) == shm
+
+    loader.reconfigure(num_workers=2)  # persistent workers up, then closed
+    seen += _flatten(b.tolist() for b in batches)
+    assert seen == _flatten(_reference(batch=4))
+    loader.close()
+    assert _wait_for_children(children) == []
+    assert _open_fds() == fds
+    assert sorted(os.listdir("/dev/shm")) == shm
+
+
+@pytest.mark.parametrize("settings", [
+    {"num_workers": -1}, {"num_workers": MAX_NUM_WORKERS + 1}, {"num_workers": 10000},
+    {"num_workers": "2"}, {"num_workers": 2.5}, {"num_workers": 2.0}, {"num_workers": True},
+    {"prefetch_factor": 0}, {"prefetch_factor": -3}, {"prefetch_factor": 1.5},
+    {"prefetch_factor": True}, {"pin_memory": 1}, {"persistent_workers": "yes"},
+    {"num_workers": 2, "prefetch_factor": 0},  # one good value does not go through alone
+])
+def test_bad_values_raise_and_change_nothing(settings):
+    loader = ReconfigurableLoader(Indices(200), BATCH, num_workers=1)
+    batches = iter(loader)
+    got = [next(batches).tolist() for _ in range(3)]
+    config, position = loader.config, loader.position
+    with pytest.raises(ValueError) as error:
+        loader.reconfigure(**settings)
+    bad = [value for value in settings.values() if not (type(value) is int and value == 2)]
+    assert repr(bad[0]) in str(error.value)
+    assert loader.config == config and loader.position == position
+    got += [b.tolist() for b in loader]
+    assert got == _reference(200)
+    loader.close()
+
+    with pytest.raises(ValueError):
+        ReconfigurableLoader(Indices(200), BATCH, **settings)
+
+
+def test_bad_constructor_arguments():
+    for kwargs in [{"batch_size": 0}, {"batch_size": 2.0}, {"rank": 2, "num_replicas": 2},
+                   {"num_replicas": 0}, {"timeout_s": -1}, {"shuffle": 1}]:
+        arguments = {"batch_size": BATCH, **kwargs}
+        with pytest.raises(ValueError):
+            ReconfigurableLoader(Indices(10), **arguments)
+    with pytest.raises(ValueError):
+        ReconfigurableLoader(Indices(10), BATCH).set_epoch(-1)
+
+
+def test_refused_combinations_are_normalised_and_reported():
+    loader = ReconfigurableLoader(Indices(40), BATCH, prefetch_factor=4,
+                                  persistent_workers=True, pin_memory=True)
+    config = loader.config
+    assert config["num_workers"] == 0 and config["prefetch_factor"] == 4
+    assert config["prefetch_factor_effective"] is None
+    assert config["persistent_workers"] and not config["persistent_workers_effective"]
+    assert any("prefetch_factor" in note for note in config["notes"])
+    assert any("persistent_workers" in note for note in config["notes"])
+    assert _run_epoch(loader) == _reference(40)
+
+    config = loader.reconfigure(num_workers=2)
+    assert config["prefetch_factor_effective"] == 4 and config["persistent_workers_effective"]
+    assert not any("ignored" in note for note in config["notes"])
+    assert config["pin_memory"]
+    if not torch.cuda.is_available():
+        assert not config["pin_memory_effective"]
+    if not config["pin_memory_effective"]:
+        assert any("pin_memory has no effect" in note for note in config["notes"])
+    assert _run_epoch(loader) == _reference(40, epoch=1)
+    loader.close()
+
+
+def test_default_prefetch_factor_with_workers():
+    loader = ReconfigurableLoader(Indices(40), BATCH)
+    assert loader.config["prefetch_factor"] is None
+    assert loader.reconfigure(num_workers=1)["prefetch_factor_effective"] == 2
+    loader.close()
+
+
+@pytest.mark.parametrize("failure", ["worker_init_fn", "first batch"])
+def test_failing_new_workers_keep_previous_config_and_position(tmp_path, failure):
+    flag = tmp_path / "fail"
+    init = functools.partial(_init_fails_if if failure == "worker_init_fn"
+                             else _init_poisons_if, flag)
+    children = psutil.Process().children(recursive=True)
+    loader = ReconfigurableLoader(Indices(), BATCH, num_workers=1, worker_init_fn=init)
+    got = []
+    for batch in loader:
+        got.append(batch.tolist())
+        if len(got) == 20:
+            config, position = loader.config, loader.position
+            flag.touch()
+            with pytest.raises(LoaderReconfigureError, match="num_workers=2") as error:
+                loader.reconfigure(num_workers=2)
+            assert isinstance(error.value.__cause__, Exception)
+            assert "batch 20 of 125" in str(error.value)
+            assert loader.config == config and loader.position == position
+            flag.unlink()
+    assert got == _reference()
+    loader.close()
+    assert _wait_for_children(children) == []
+
+
+def test_dataset_error_skips_nothing():
+    class FailsOnce(Indices):
+        failed = False
+
+        def __getitem__(self, index):
+            if index == 500 and not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise KeyError(index)
+            return index
+
+    loader = ReconfigurableLoader(FailsOnce(), BATCH)
+    got = []
+    with pytest.raises(KeyError):
+        for batch in loader:
+            got.append(batch.tolist())
+    got += [b.tolist() for b in loader]  # resumes at the batch that failed
+    assert got == _reference()
+
+
+def test_persistent_workers_survive_the_epoch_boundary_and_others_do_not():
+    before = set(psutil.Process().children(recursive=True))
+    loader = ReconfigurableLoader(Indices(80), BATCH, num_workers=2, persistent_workers=True)
+    assert _run_epoch(loader) == _reference(80)
+    workers = set(psutil.Process().children(recursive=True)) - before
+    assert len(workers) == 2
+    assert _run_epoch(loader) == _reference(80, epoch=1)
+    assert set(psutil.Process().children(recursive=True)) - before == workers
+
+    loader.reconfigure(persistent_workers=False)  # between epochs: stops the pool now
+    assert _wait_for_children(before) == []
+    assert _run_epoch(loader) == _reference(80, epoch=2)
+    assert _wait_for_children(before) == []  # workers end with the epoch
