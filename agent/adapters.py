@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from agent.core import Agent
-from agent.knobs import ACCUM_STEPS, PRECISION, Knob, KnobSet
+from agent.knobs import (ACCUM_STEPS, NUM_WORKERS, PIN_MEMORY, PRECISION, PREFETCH_FACTOR,
+                         Knob, KnobSet)
 from gpuopt.data import batch_size
+from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
 from gpuopt.trainer import StepStats, Trainer
 
@@ -30,6 +33,39 @@ def precision_knob(mixed_precision: MixedPrecision) -> Knob:
     return Knob(PRECISION, get=lambda: mixed_precision.precision,
                 set=lambda value: setattr(mixed_precision, "precision", value),
                 check=check, warn=lambda value: precision_warning(value, device_type))
+
+
+def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
+    """The ``num_workers``, ``pin_memory`` and ``prefetch_factor`` knobs of a
+    :class:`gpuopt.loader.ReconfigurableLoader`.
+
+    Applying one rebuilds the loader's workers on the rest of the epoch (every sample
+    still once); it costs the training thread about the new workers' start-up (tens of
+    ms). If the new workers fail, the loader keeps its previous configuration and the
+    failure is reported as an event.
+    """
+    def setter(name: str) -> Any:
+        return lambda value: loader.reconfigure(**{name: value})
+
+    def pin_warning(value: bool) -> str | None:
+        if value and not torch.cuda.is_available():
+            return "pin_memory has no effect without CUDA (no host-to-device copies)"
+        return None
+
+    def prefetch_factor() -> int:
+        value = loader.config["prefetch_factor"]
+        return 2 if value is None else value  # None: DataLoader's default, 2
+
+    return [
+        Knob(dataclasses.replace(NUM_WORKERS, maximum=MAX_NUM_WORKERS),
+             get=lambda: loader.config["num_workers"], set=setter("num_workers")),
+        Knob(PIN_MEMORY, get=lambda: loader.config["pin_memory"], set=setter("pin_memory"),
+             warn=pin_warning),
+        Knob(dataclasses.replace(PREFETCH_FACTOR, maximum=MAX_PREFETCH_FACTOR),
+             get=prefetch_factor, set=setter("prefetch_factor"),
+             warn=lambda value: (None if loader.config["num_workers"] else
+                                 "prefetch_factor has no effect with num_workers=0")),
+    ]
 
 
 class _TrainerCallback:
@@ -54,7 +90,9 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
     """Attach a started agent to a :class:`gpuopt.Trainer`; returns the agent.
 
     The agent measures every optimizer step of the next :meth:`Trainer.fit` and exposes
-    the knobs ``precision`` and ``accum_steps``. It closes (``bye``, run file removed)
+    the knobs ``precision`` and ``accum_steps``, and ``num_workers``, ``pin_memory`` and
+    ``prefetch_factor`` when the trainer's loader is a
+    :class:`gpuopt.loader.ReconfigurableLoader`. It closes (``bye``, run file removed)
     when that ``fit`` returns. Costs the training thread a few microseconds per
     optimizer step and never synchronizes the device.
 
@@ -68,6 +106,9 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
     knobs.add(precision_knob(trainer.mixed_precision))
     knobs.add(Knob(ACCUM_STEPS, get=lambda: trainer.accum_steps,
                    set=lambda value: setattr(trainer, "accum_steps", value)))
+    if isinstance(trainer.loader, ReconfigurableLoader):
+        for knob in loader_knobs(trainer.loader):
+            knobs.add(knob)
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
                   transport=transport, **options)
     trainer.callbacks.append(_TrainerCallback(agent))

@@ -41,6 +41,42 @@ _HEARTBEAT_INTERVAL_S = 1.0
 _HELLO_EVERY_HEARTBEATS = 2
 _POLL_MS = 5
 _MAX_COMMANDS_PER_POLL = 100
+#: Steps in the sliding window of the data-wait share and the input-bound verdict.
+INPUT_WINDOW_STEPS = 20
+#: Share of step time spent waiting for data above which a run is called input-bound
+#: (as TensorFlow Profiler's "% of step time waiting on input"); above the lower one it is
+#: partly input-bound.
+INPUT_BOUND_SHARE = 0.5
+PARTLY_INPUT_BOUND_SHARE = 0.2
+
+
+class InputWindow:
+    """Data-wait share of step time over the last ``steps`` optimizer steps, and a verdict.
+
+    I/O thread only. ``add`` is O(1).
+    """
+
+    def __init__(self, steps: int = INPUT_WINDOW_STEPS) -> None:
+        self._window: deque = deque(maxlen=steps)
+        self._wait_s = 0.0
+        self._step_s = 0.0
+
+    def add(self, data_wait_s: float, step_time_s: float) -> tuple[float, str]:
+        """Add one step; return ``(share, verdict)`` over the window. ``verdict`` is
+        ``"input-bound"``, ``"partly input-bound"`` or ``"compute-bound"``."""
+        if len(self._window) == self._window.maxlen:
+            old_wait, old_step = self._window[0]
+            self._wait_s -= old_wait
+            self._step_s -= old_step
+        self._window.append((data_wait_s, step_time_s))
+        self._wait_s += data_wait_s
+        self._step_s += step_time_s
+        share = min(1.0, max(0.0, self._wait_s / self._step_s)) if self._step_s > 0 else 0.0
+        if share >= INPUT_BOUND_SHARE:
+            return share, "input-bound"
+        if share >= PARTLY_INPUT_BOUND_SHARE:
+            return share, "partly input-bound"
+        return share, "compute-bound"
 
 
 @dataclass(order=True)
@@ -117,6 +153,7 @@ class Agent:
         self._thread = threading.Thread(target=self._io_main, name="gpuwatch-agent",
                                         daemon=True)
         self._expected_step: int | None = None
+        self._input = InputWindow()
         #: Step records lost because the queue overflowed (the I/O thread fell behind).
         self.records_dropped = 0
         self.errors: list[str] = []
@@ -349,6 +386,9 @@ class Agent:
                                     if self._marker.ready(marker) else None),
                 "knobs": knobs, **memory,
             }
+            if step_time_s:
+                body["data_wait_share_window"], body["input_verdict"] = self._input.add(
+                    wait_s, step_time_s)
             previous_marker = marker
             self._publish(protocol.STEP, body)
         return previous_marker

@@ -17,6 +17,7 @@ import torch
 import agent
 from gpuopt import Trainer
 from gpuopt.demo import build_demo
+from gpuopt.loader import ReconfigurableLoader
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,10 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     workload = build_demo(args.model, seed=args.seed)
-    loader = torch.utils.data.DataLoader(
-        workload.train_dataset, batch_size=workload.batch_size, shuffle=True,
-        num_workers=args.num_workers, drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed))
+    loader = ReconfigurableLoader(workload.train_dataset, workload.batch_size, shuffle=True,
+                                  seed=args.seed, drop_last=True,
+                                  num_workers=args.num_workers)
     optimizer = torch.optim.AdamW(workload.model.parameters(), lr=workload.lr)
     trainer = Trainer(workload.model, optimizer, workload.loss_fn, loader,
                       precision=args.precision, accum_steps=args.accum_steps,
@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    steps = trainer.fit(max_steps=args.max_steps)
+    try:
+        steps = trainer.fit(max_steps=args.max_steps)
+    finally:
+        loader.close()
     print(f"gpuwatch demo: stopped after {steps} optimizer steps", flush=True)
     return 0
 

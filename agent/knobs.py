@@ -104,7 +104,14 @@ PRECISION = KnobSpec("precision", "choice", "autocast precision of forward/backw
 ACCUM_STEPS = KnobSpec("accum_steps", "int", "micro-batches per optimizer step",
                        minimum=1, maximum=1024)
 
-STANDARD_KNOBS = {spec.name: spec for spec in (PRECISION, ACCUM_STEPS)}
+NUM_WORKERS = KnobSpec("num_workers", "int", "DataLoader worker processes",
+                       minimum=0, maximum=64)
+PIN_MEMORY = KnobSpec("pin_memory", "bool", "page-locked host batches (faster H2D copies)")
+PREFETCH_FACTOR = KnobSpec("prefetch_factor", "int", "batches prefetched per worker",
+                           minimum=1, maximum=64)
+
+STANDARD_KNOBS = {spec.name: spec for spec in
+                  (PRECISION, ACCUM_STEPS, NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR)}
 
 
 @dataclass

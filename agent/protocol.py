@@ -19,7 +19,9 @@ Message types and their bodies:
                ``knobs`` (the knob schema, see :mod:`agent.knobs`), ``started_at``.
 ``step``       one optimizer step: ``step``, ``micro_batches``, ``samples``,
                ``step_time_s``, ``data_wait_s``, ``data_wait_share``, ``samples_per_s``,
-               ``loss`` (float or None), ``knobs`` (current values), memory fields
+               ``loss`` (float or None), ``gpu_step_time_s`` (CUDA), ``knobs`` (current
+               values), ``data_wait_share_window`` and ``input_verdict`` (input-bound |
+               partly input-bound | compute-bound, over the last 20 steps), memory fields
                ``host_rss_bytes`` and on CUDA ``mem_allocated_bytes``,
                ``mem_reserved_bytes``, ``mem_peak_reserved_bytes``.
 ``system``     about 1 Hz: ``cpu_pct``, ``host_mem_used_bytes``, ``host_mem_total_bytes``,

@@ -73,3 +73,29 @@ def test_precision_change_shows_at_a_step_boundary_and_sigterm_ends_cleanly(demo
     assert demo.wait(30) == 0
     assert "stopped after" in demo.stdout.read()
     assert not os.path.exists(info.path)
+
+
+def test_num_workers_switch_live_through_the_command_path(demo):
+    info = wait_for_run(demo)
+    with Subscriber(info, topics=("step", "event")) as sub:
+        message = sub.recv(30)
+        assert message is not None
+        assert send_command(info, "num_workers", -1)["reason"].startswith(
+            "num_workers: -1 is below the minimum 0")
+        assert not send_command(info, "prefetch_factor", 0)["ok"]
+        reply = send_command(info, "num_workers", 2)
+        assert reply["ok"], reply
+        seen_after = []
+        while len(seen_after) < 3:
+            message = sub.recv(30)
+            assert message is not None
+            body = message["body"]
+            if message["type"] == "step" and body["step"] >= reply["apply_step"]:
+                assert body["knobs"]["num_workers"] == 2
+                assert body["input_verdict"] in (
+                    "input-bound", "partly input-bound", "compute-bound")
+                seen_after.append(body["step"])
+            elif message["type"] == "step":
+                assert body["knobs"]["num_workers"] == 0
+    demo.send_signal(signal.SIGTERM)
+    assert demo.wait(30) == 0

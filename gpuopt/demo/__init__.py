@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from gpuopt.demo.augment import ElasticAffine
 from gpuopt.demo.data import (
     CharTextDataset,
     CharVocabulary,
@@ -166,7 +167,7 @@ def build_demo(model_name: str, *, seed: int = 0, batch_size: int | None = None)
             lr=TRANSFORMER_LR,
             val_dataset=val,
         )
-    train = digits_dataset(split="train", image_size=CNN_IMAGE_SIZE)
+    train = digits_dataset(split="train", image_size=CNN_IMAGE_SIZE, transform=ElasticAffine())
     val = digits_dataset(split="val", image_size=CNN_IMAGE_SIZE)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
