@@ -33,6 +33,7 @@ from agent import protocol
 from agent.knobs import KnobError, KnobSet
 from agent.markers import marker_for
 from agent.probes import Nvml, SystemProbe
+from agent.runlog import RunLog, log_dir
 from agent.runs import RunInfo, new_run_id, remove_run_file, run_dir, write_run_file
 
 log = logging.getLogger("gpuwatch.agent")
@@ -135,6 +136,7 @@ class Agent:
         self.model_name = type(model).__name__ if model is not None else ""
         self.info: RunInfo | None = None
         self._pub: zmq.Socket | None = None
+        self._log: RunLog | None = None
         self._marker = marker_for(self.device)
         self._records: deque = deque(maxlen=queue_size)
         self._pending: list[_Pending] = []
@@ -272,6 +274,8 @@ class Agent:
                 remove_run_file(self.info)
             if self._pub is not None:
                 self._pub.close(linger=500)  # let bye and the last records leave
+            if self._log is not None:
+                self._guard("run log", self._log.close)
             context.destroy(linger=0)
 
     def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
@@ -293,10 +297,13 @@ class Agent:
             for socket in (pub, router):
                 port = socket.bind_to_random_port("tcp://127.0.0.1")
                 endpoints.append(f"tcp://127.0.0.1:{port}")
+        self._log = self._guard("run log", RunLog,
+                                log_dir() / f"{self.run_id}.rank{self.rank}.jsonl")
         self.info = RunInfo(run_id=self.run_id, rank=self.rank, world_size=self.world_size,
                             pid=os.getpid(), pub_endpoint=endpoints[0],
                             cmd_endpoint=endpoints[1], token=self.token,
-                            started_at=self._started_at, name=self.name)
+                            started_at=self._started_at, name=self.name,
+                            log_path=str(self._log.path) if self._log else "")
         write_run_file(self.info)
         return pub, router
 
@@ -318,6 +325,8 @@ class Agent:
             previous_marker = self._guard(
                 "step publishing", self._publish_records, in_flight, previous_marker,
                 default=previous_marker)
+            if self._log is not None:
+                self._guard("run log", self._log.maybe_flush)
             now = time.monotonic()
             if now >= next_system:
                 next_system = now + _HEARTBEAT_INTERVAL_S
@@ -346,8 +355,15 @@ class Agent:
 
     def _publish(self, msg_type: str, body: dict[str, Any]) -> None:
         self._seq += 1
-        frames = protocol.encode(protocol.envelope(msg_type, body, run=self.run_id,
-                                                   rank=self.rank, seq=self._seq))
+        message = protocol.envelope(msg_type, body, run=self.run_id, rank=self.rank,
+                                    seq=self._seq)
+        if self._log is not None:
+            try:
+                self._log.write(message)
+            except Exception as exc:  # disk full, ...: go on without the log
+                self._log = None
+                self._report_error("run log", exc)
+        frames = protocol.encode(message)
         try:
             self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -419,6 +435,7 @@ class Agent:
             "device": str(self.device) if self.device is not None else "cpu",
             "model": {"name": self.model_name, "params": self.params},
             "env": self._env_report, "knobs": self.knobs.schema(),
+            "log_path": self.info.log_path if self.info else "",
             "knob_values": self._knob_values,
         }
 

@@ -40,6 +40,8 @@ Message types and their bodies:
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from typing import Any
 
@@ -129,3 +131,32 @@ def decode_frames(frames: list[bytes]) -> dict[str, Any]:
     if not frames:
         raise ProtocolError("empty multipart message")
     return decode(frames[-1])
+
+
+def flatten(message: dict[str, Any]) -> dict[str, Any]:
+    """An envelope as one flat record: ``{"type", "run", "rank", "seq", "t", **body}``,
+    with non-finite floats (a diverged loss) as None so that it stays valid JSON.
+
+    This is the format of the run log and of ``gpuwatch tail --json``: one JSON object
+    per line, which ``pandas.read_json(path, lines=True)`` reads as a table. Envelope
+    keys win over body keys of the same name.
+    """
+    record = {key: message.get(key) for key in ("type", "run", "rank", "seq", "t")}
+    for key, value in message.get("body", {}).items():
+        record.setdefault(key, value)
+    return _finite(record)
+
+
+def to_json_line(message: dict[str, Any]) -> str:
+    """:func:`flatten` as one line of JSON (no trailing newline)."""
+    return json.dumps(flatten(message), default=repr, separators=(",", ":"))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

@@ -63,6 +63,7 @@ class RunInfo:
         pub_endpoint: ZeroMQ PUB endpoint (telemetry). cmd_endpoint: ROUTER endpoint
         (commands). token: secret that commands must carry. started_at: unix time (s).
         name: human label (script or model). host: hostname. path: the file itself.
+        log_path: the run log (JSON lines), "" when the run has none.
     """
 
     run_id: str
@@ -76,6 +77,7 @@ class RunInfo:
     name: str = ""
     host: str = ""
     path: str = ""
+    log_path: str = ""
 
     def public(self) -> dict:
         """The fields safe to print (no token, no path)."""

@@ -1,12 +1,16 @@
-"""Shared fixtures: a fake agent with real sockets, for testing the dashboard alone."""
+"""Shared fixtures: a private run directory, and a fake agent with real sockets for
+testing the dashboard alone."""
 
 from __future__ import annotations
 
 import os
 import queue
 import secrets
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,18 +24,23 @@ from agent.runs import RunInfo, remove_run_file, write_run_file
 class FakeAgent:
     """A stand-in for the in-process agent: PUB and ROUTER on tcp 127.0.0.1, a run file,
     and a thread that publishes a training step every ``step_s`` seconds (with heartbeat,
-    and hello/system every 10 steps) and applies accepted commands at their step.
+    and hello/system every 10 steps) and applies accepted commands at their step. With
+    ``gpus`` (``system`` GPU maps) it also reports CUDA memory in each step; ``knobs``
+    (standard knob names and start values) is its schema.
 
     Attributes:
         commands: command bodies received, in order (a queue tests can wait on).
         knobs: current knob values. info: the run file's contents.
     """
 
-    def __init__(self, directory: os.PathLike, *, step_s: float = 0.02) -> None:
+    def __init__(self, directory: os.PathLike, *, step_s: float = 0.02,
+                 gpus: list[dict[str, Any]] | None = None,
+                 knobs: dict[str, Any] | None = None) -> None:
         self.step_s = step_s
+        self.gpus = gpus or []
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.knobs: dict[str, Any] = {"precision": "fp32", "accum_steps": 1}
-        self._directory = directory
+        self.knobs = dict(knobs or {"precision": "fp32", "accum_steps": 1})
+        self._directory = Path(directory)
         self._outbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self._scheduled: list[tuple[int, str, Any]] = []
         self._stop = threading.Event()
@@ -113,43 +122,46 @@ class FakeAgent:
                 "knobs": [STANDARD_KNOBS[name].to_wire() for name in self.knobs]})
             self._send(pub, protocol.SYSTEM, {
                 "cpu_pct": 12.5, "host_mem_used_bytes": 3 << 30,
-                "host_mem_total_bytes": 16 << 30, "gpus": [],
-                "gpu_status": "no NVIDIA GPU (NVML not found)"})
+                "host_mem_total_bytes": 16 << 30, "gpus": self.gpus,
+                "gpu_status": None if self.gpus else "no NVIDIA GPU (NVML not found)"})
+        cuda = {"mem_allocated_bytes": 5 << 30, "mem_reserved_bytes": 6 << 30,
+                "mem_peak_reserved_bytes": 7 << 30} if self.gpus else {}
         self._send(pub, protocol.STEP, {
             "step": self._step, "micro_batches": self.knobs["accum_steps"], "samples": 32,
             "step_time_s": 0.02 + 0.005 * (self._step % 7), "data_wait_s": 0.002,
             "data_wait_share": 0.1, "samples_per_s": 1600.0 - self._step % 13,
             "loss": 2.0 / (1 + 0.01 * self._step), "knobs": dict(self.knobs),
-            "host_rss_bytes": 700 << 20})
+            "host_rss_bytes": 700 << 20, **cuda})
         self._send(pub, protocol.HEARTBEAT, {"step": self._step, "ending": False})
 
 
 @pytest.fixture
-def run_dir(tmp_path, monkeypatch):
-    """An empty run directory that agent.runs (and child processes) will use."""
-    directory = tmp_path / "runs"
-    directory.mkdir(mode=0o700)
-    monkeypatch.setenv("GPUWATCH_RUN_DIR", str(directory))
-    return directory
-
-
-@pytest.fixture
-def fake_agent(run_dir):
-    """A running :class:`FakeAgent` whose run file is in ``run_dir``."""
-    agent = FakeAgent(run_dir).start()
-    yield agent
-    agent.stop()
-import os
-import shutil
-import tempfile
-
-import pytest
-
-
-@pytest.fixture
 def run_dir(monkeypatch):
-    """A private, short run directory (ipc socket paths must stay under ~100 bytes)."""
+    """A private, short run directory (ipc socket paths must stay under ~100 bytes), with
+    the run logs in its ``logs/``."""
     path = tempfile.mkdtemp(prefix="gw-")
     monkeypatch.setenv("GPUWATCH_RUN_DIR", path)
+    monkeypatch.setenv("GPUWATCH_LOG_DIR", os.path.join(path, "logs"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def make_agent(run_dir):
+    """Start :class:`FakeAgent` s (keyword options as its own) in ``run_dir``; all are
+    stopped at the end of the test."""
+    agents: list[FakeAgent] = []
+
+    def make(**options: Any) -> FakeAgent:
+        agents.append(FakeAgent(run_dir, **options).start())
+        return agents[-1]
+
+    yield make
+    for agent in agents:
+        agent.stop()
+
+
+@pytest.fixture
+def fake_agent(make_agent):
+    """A running :class:`FakeAgent` with the standard knobs."""
+    return make_agent()

@@ -1,5 +1,6 @@
 """The agent on real ZeroMQ sockets, attached to a real Trainer training on real digits."""
 
+import os
 import threading
 
 import pytest
@@ -203,3 +204,37 @@ def test_hand_written_loop_session_streams_steps_and_takes_precision(run_dir):
             first = sub.recv(10)
     assert first["body"]["samples"] == 8 and first["body"]["micro_batches"] == 1
     assert seen_precision[0] == "fp32" and seen_precision[-1] == "bf16"
+
+
+def test_run_log_holds_every_step_and_reads_as_a_table(run_dir):
+    import json
+
+    model = _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, _digits_loader())
+    monitor = agent.attach(trainer)
+    log_path = monitor.info.log_path
+    assert log_path.startswith(os.path.join(run_dir, "logs"))
+    assert oct(os.stat(log_path).st_mode & 0o777) == "0o600"
+    trainer.fit(max_steps=150)
+    records = [json.loads(line) for line in open(log_path)]
+    steps = [r["step"] for r in records if r["type"] == "step"]
+    assert steps == list(range(1, 151))
+    assert records[0]["type"] == "hello" and records[-1]["type"] == "bye"
+    seqs = [r["seq"] for r in records]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+def test_run_log_rotates_within_its_size_bound(tmp_path):
+    from agent.runlog import RunLog
+
+    log = RunLog(tmp_path / "r.jsonl", max_bytes=2000, backups=2)
+    for seq in range(200):
+        log.write(protocol.envelope("step", {"step": seq, "loss": float("nan")}, run="r",
+                                    seq=seq))
+    log.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["r.jsonl", "r.jsonl.1", "r.jsonl.2"]
+    assert all(p.stat().st_size < 2200 for p in tmp_path.iterdir())
+    last = [json_line for json_line in (tmp_path / "r.jsonl").read_text().splitlines()][-1]
+    assert '"step":199' in last and '"loss":null' in last

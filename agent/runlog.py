@@ -1,0 +1,93 @@
+"""The run log: every record the agent publishes, appended to a file on disk.
+
+One JSON object per line (:func:`agent.protocol.to_json_line`), so a finished or running
+run can be replayed (``gpuwatch replay FILE``), printed (``gpuwatch tail --json FILE``)
+or read as a table (``pandas.read_json(path, lines=True)``). Written only by the agent's
+I/O thread, buffered, flushed at most every ``flush_interval_s``; the size is bounded by
+rotation (``run.jsonl`` -> ``run.jsonl.1`` -> ...), keeping ``backups`` old files.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from agent import protocol
+
+#: Environment variable that overrides the run-log directory.
+LOG_DIR_ENV = "GPUWATCH_LOG_DIR"
+
+
+def log_dir() -> Path:
+    """The per-user directory of run logs (``$GPUWATCH_LOG_DIR``, else the user data
+    directory's ``runs/``), created with mode 0700."""
+    override = os.environ.get(LOG_DIR_ENV)
+    path = Path(override) if override else (
+        Path(platformdirs.user_data_dir("gpuwatch", appauthor=False)) / "runs")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+class RunLog:
+    """Append-only JSON-lines file with size-bounded rotation.
+
+    Args:
+        path: the log file (created with mode 0600).
+        max_bytes: rotate when the file passes this size, in bytes.
+        backups: rotated files kept (older ones are deleted).
+        flush_interval_s: longest time a record stays in the buffer, in seconds.
+
+    Raises:
+        OSError: the file cannot be created (the agent then runs without a log).
+    """
+
+    def __init__(self, path: Path, *, max_bytes: int = 64 << 20, backups: int = 3,
+                 flush_interval_s: float = 0.5) -> None:
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.flush_interval_s = flush_interval_s
+        self._file = self._open()
+        self._size = self._file.tell()
+        self._last_flush = time.monotonic()
+
+    def _open(self):
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        return os.fdopen(fd, "a", encoding="utf-8", buffering=1 << 16)
+
+    def write(self, message: dict[str, Any]) -> None:
+        """Append one envelope (flattened) as a line."""
+        line = protocol.to_json_line(message) + "\n"
+        self._file.write(line)
+        self._size += len(line)
+        if self._size >= self.max_bytes:
+            self._rotate()
+
+    def maybe_flush(self) -> None:
+        """Flush if the oldest buffered record is older than ``flush_interval_s``."""
+        now = time.monotonic()
+        if now - self._last_flush >= self.flush_interval_s:
+            self._file.flush()
+            self._last_flush = now
+
+    def _rotate(self) -> None:
+        self._file.close()
+        if self.backups:
+            for index in range(self.backups - 1, 0, -1):
+                older = Path(f"{self.path}.{index}")
+                if older.exists():
+                    older.replace(f"{self.path}.{index + 1}")
+            self.path.replace(f"{self.path}.1")
+        else:
+            self.path.unlink()
+        self._file = self._open()
+        self._size = 0
+
+    def close(self) -> None:
+        """Flush and close. Idempotent."""
+        if not self._file.closed:
+            self._file.close()
