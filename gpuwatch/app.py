@@ -1,0 +1,221 @@
+"""The Textual dashboard: one screen of charts and panels for one run, plus its keys."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.widgets import Footer
+from textual.worker import Worker, WorkerState, get_current_worker
+
+from gpuwatch.client import reply_text, send_command
+from gpuwatch.palette import BindingCommands
+from gpuwatch.sources import Source
+from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S
+from gpuwatch.widgets.event_log import EventLog
+from gpuwatch.widgets.header import RunHeader
+from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.widgets.knobs import KnobsPanel
+from gpuwatch.widgets.memory import MemoryPanel
+from gpuwatch.widgets.step_chart import LOSS, TIMING, StepChart
+from gpuwatch.widgets.system import SystemPanel
+from gpuwatch.widgets.throughput import ThroughputBar
+
+#: Seconds between checks for new records; the screen is redrawn only when they changed.
+REDRAW_S = 0.2
+#: The charts (plotext renders in pure Python, ~10 ms each) are redrawn at most this often.
+CHART_REDRAW_S = 0.5
+
+#: What the event log says when the run's status changes to each of these.
+_STATUS_NOTES = {
+    "live": ("info", "run is live"),
+    "stalled": ("warning", f"run is stalled: no optimizer step for {STALLED_AFTER_S:g} s"),
+    "gone": ("error", f"run is gone: nothing heard for {GONE_AFTER_S:g} s"),
+}
+
+
+class GpuwatchApp(App[None]):
+    """The dashboard of one run.
+
+    Args:
+        source: where records come from; started on mount, closed on unmount.
+        readonly: when True, keys log what they would send and send nothing.
+        notes: lines for the event log at start (e.g. where a demo writes its output).
+    """
+
+    CSS_PATH = "gpuwatch.tcss"
+    TITLE = "gpuwatch"
+    COMMANDS = App.COMMANDS | {BindingCommands}
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
+    BINDINGS = [
+        Binding("p", "cycle_precision", "precision", id="precision.cycle",
+                tooltip="Cycle precision fp32 -> bf16 -> fp16 (the run's choices)"),
+        Binding("a", "accum(-1)", "accum-", id="accum_steps.decrease",
+                tooltip="accum_steps - 1 (micro-batches per optimizer step)"),
+        Binding("A", "accum(1)", "accum+", id="accum_steps.increase",
+                tooltip="accum_steps + 1 (micro-batches per optimizer step)"),
+        Binding("question_mark", "help", "help", id="help",
+                tooltip="Show this list of keys"),
+        Binding("q", "quit", "quit", id="quit",
+                tooltip="Quit the dashboard (a run goes on; a `gpuwatch demo` run stops)"),
+    ]
+
+    def __init__(self, source: Source, *, readonly: bool = False,
+                 notes: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.source = source
+        self.readonly = readonly
+        self._notes = list(notes)
+        self._drawn: tuple[int, str] | None = None
+        self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
+        self._events_shown = 0
+
+    def compose(self) -> ComposeResult:
+        yield RunHeader(id="header")
+        with Horizontal(id="charts"):
+            yield StepChart(TIMING, id="timing")
+            yield StepChart(LOSS, id="loss")
+        yield ThroughputBar(id="throughput")
+        with Horizontal(id="panels"):
+            yield MemoryPanel(id="memory")
+            yield SystemPanel(id="system")
+            yield KnobsPanel(id="knobs")
+        yield EventLog(id="log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        with self.source.lock:
+            for note in self._notes:
+                self.source.state.log("info", note)
+            self.source.state.log("info", f"waiting for {self.source.description} ...")
+        self.source.start()
+        self.set_interval(REDRAW_S, self.redraw)
+        self.redraw()
+
+    def on_unmount(self) -> None:
+        self.source.close()
+
+    def redraw(self) -> None:
+        """Redraw the panels if a record arrived or the run's status changed, and the
+        charts if steps arrived (at most every :data:`CHART_REDRAW_S`)."""
+        if not self.is_running:  # shutting down: the widgets are being removed
+            return
+        now = time.monotonic()
+        with self.source.lock:
+            state = self.source.state
+            status = state.status_at(now)
+            changed = self._drawn is not None and self._drawn[1] != status
+            if changed and status in _STATUS_NOTES:
+                state.log(*_STATUS_NOTES[status])
+            if (state.steps_total != self._charts_drawn[0]
+                    and now - self._charts_drawn[1] >= CHART_REDRAW_S):
+                self._charts_drawn = (state.steps_total, now)
+                for chart in self.query(StepChart):
+                    chart.show(state.steps)
+            if self._drawn == (state.version, status):
+                return
+            self._drawn = (state.version, status)
+            self.query_one(RunHeader).show(state, status, description=self.source.description,
+                                           readonly=self.readonly)
+            self.query_one(ThroughputBar).show(state.steps)
+            self.query_one(MemoryPanel).show(state)
+            self.query_one(SystemPanel).show(state)
+            self.query_one(KnobsPanel).show(state, now)
+            new = min(state.events_total - self._events_shown, len(state.events))
+            entries = list(state.events)[len(state.events) - new:] if new > 0 else []
+            self._events_shown = state.events_total
+        log = self.query_one(EventLog)
+        for entry in entries:
+            log.add(entry)
+
+    def note(self, level: str, text: str) -> None:
+        """Add a line to the event log (level: info, success, warning or error)."""
+        with self.source.lock:
+            self.source.state.log(level, text)
+        self.redraw()
+
+    def action_help(self) -> None:
+        """Open the help screen."""
+        self.push_screen(HelpScreen())
+
+    def action_cycle_precision(self) -> None:
+        """Ask the run for the next precision of its schema's choices."""
+        spec, current = self._knob("precision")
+        if spec is None:
+            return
+        choices = list(spec.get("choices") or ())
+        if not choices:
+            self.note("warning", "precision has no choices in this run's schema")
+            return
+        following = choices[(choices.index(current) + 1) % len(choices)
+                            if current in choices else 0]
+        self._command("precision", following)
+
+    def action_accum(self, delta: int) -> None:
+        """Ask the run for ``accum_steps + delta``, within the schema's bounds."""
+        spec, current = self._knob("accum_steps")
+        if spec is None:
+            return
+        if type(current) is not int:
+            self.note("warning", f"accum_steps is {current!r}, not an integer; nothing sent")
+            return
+        value = current + delta
+        low, high = spec.get("min"), spec.get("max")
+        if (low is not None and value < low) or (high is not None and value > high):
+            bound = "minimum" if low is not None and value < low else "maximum"
+            self.note("warning",
+                      f"accum_steps is already at its {bound} {current}; nothing sent")
+            return
+        self._command("accum_steps", value)
+
+    def _knob(self, name: str) -> tuple[dict[str, Any] | None, Any]:
+        """The knob's schema and the value a key should step from (the pending one if
+        a command is on its way); logs why and returns ``(None, None)`` without it."""
+        with self.source.lock:
+            state = self.source.state
+            if not state.hello:
+                reason = "no knob schema from the run yet"
+            elif name not in state.schema:
+                reason = (f"this run has no knob {name} "
+                          f"(it has: {', '.join(state.schema) or 'none'})")
+            elif name not in state.knobs:
+                reason = f"no current value of {name} from the run yet"
+            else:
+                pending = state.pending.get(name)
+                return state.schema[name], (pending.value if pending is not None
+                                            else state.knobs.get(name))
+        self.note("warning", f"{reason}; nothing sent")
+        return None, None
+
+    def _command(self, knob: str, value: Any) -> None:
+        if self.readonly:
+            self.note("warning", f"read-only: {knob}={value} not sent")
+        elif self.source.info is None:
+            self.note("warning", f"{self.source.description} takes no commands")
+        else:
+            self.note("info", f"sent {knob}={value}")
+            self._send(knob, value)
+
+    @work(thread=True, group="commands")
+    def _send(self, knob: str, value: Any) -> tuple[str, Any, dict[str, Any]]:
+        assert self.source.info is not None
+        worker = get_current_worker()  # cancelled when the app quits: stop waiting then
+        return knob, value, send_command(self.source.info, knob, value,
+                                         cancelled=lambda: worker.is_cancelled)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker.group != "commands" or event.state != WorkerState.SUCCESS:
+            return
+        knob, value, reply = event.worker.result
+        with self.source.lock:
+            if reply.get("ok"):
+                self.source.state.note_pending(knob, reply.get("value", value),
+                                               reply.get("apply_step"))
+        level = ("success" if reply.get("ok") else
+                 "warning" if reply.get("answered") is False else "error")
+        self.note(level, reply_text(knob, value, reply))

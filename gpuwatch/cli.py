@@ -1,0 +1,317 @@
+"""The ``gpuwatch`` command: the dashboard, and scriptable commands around it.
+
+``gpuwatch [RUN]`` opens the dashboard; ``runs``, ``set``, ``tail``, ``demo`` and
+``doctor`` are subcommands. Textual is imported only by the commands that draw a screen,
+so the scriptable ones start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from agent import protocol
+from agent.runs import RunInfo, find_run, list_runs, run_dir
+from gpuwatch.units import human_age, human_ms, human_number
+
+SUBCOMMANDS = ("attach", "runs", "set", "tail", "demo", "doctor")
+#: How long ``gpuwatch demo`` waits for the training child to write its run file (s).
+DEMO_START_TIMEOUT_S = 60.0
+#: How long the demo child gets to end after SIGINT before it is killed (s).
+DEMO_STOP_TIMEOUT_S = 5.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``gpuwatch`` command line; returns the exit status.
+
+    Exit status: 0 success; 1 no live run, a rejected or unanswered command, or a
+    failed child; 2 bad usage (from argparse).
+    """
+    args = _parser().parse_args(_with_default_command(
+        list(sys.argv[1:] if argv is None else argv)))
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _with_default_command(argv: list[str]) -> list[str]:
+    """``gpuwatch [RUN] [--readonly]`` means ``gpuwatch attach [RUN] [--readonly]``."""
+    if argv and (argv[0] in SUBCOMMANDS or argv[0] in ("-h", "--help")):
+        return argv
+    return ["attach", *argv]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuwatch", usage="gpuwatch [RUN] [--readonly]\n       gpuwatch COMMAND ...",
+        description="Watch and tune a live PyTorch training run from the terminal. "
+                    "Without a subcommand: open the dashboard on the newest live run.",
+        epilog="Start a run with `gpuwatch demo`, or `agent.attach(trainer)` in a script.")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    attach = commands.add_parser(
+        "attach", help="open the dashboard (the default command)",
+        description="Open the dashboard on a live run.")
+    attach.add_argument("run", nargs="?", metavar="RUN",
+                        help="run id, unique prefix, or endpoint (default: the newest)")
+    attach.add_argument("--readonly", action="store_true",
+                        help="watch only: keys send no commands")
+    attach.set_defaults(handler=_attach)
+
+    runs = commands.add_parser("runs", help="list live runs",
+                               description="List the live runs of this user.")
+    runs.add_argument("--json", action="store_true", help="print a JSON list")
+    runs.set_defaults(handler=_runs)
+
+    set_ = commands.add_parser(
+        "set", help="set a knob of a run: KNOB=VALUE",
+        description="Send one command; the run validates it and applies it at a step.")
+    set_.add_argument("assignment", metavar="KNOB=VALUE",
+                      help="e.g. precision=bf16 or accum_steps=4 (the run checks the value)")
+    set_.add_argument("--run", help="run id, prefix or endpoint (default: the newest)")
+    set_.add_argument("--timeout", type=float, default=3.0, metavar="S",
+                      help="seconds to wait for the reply (default 3)")
+    set_.set_defaults(handler=_set)
+
+    tail = commands.add_parser(
+        "tail", help="print a run's records as they come",
+        description="Print records until the run ends, Ctrl-C, or --count records.")
+    tail.add_argument("--run", help="run id, prefix or endpoint (default: the newest)")
+    tail.add_argument("--json", action="store_true",
+                      help="every record as one JSON object per line")
+    tail.add_argument("--count", type=int, metavar="N", help="stop after N records")
+    tail.set_defaults(handler=_tail)
+
+    demo = commands.add_parser(
+        "demo", help="start a demo training job and watch it",
+        description="Start `python -m agent.demo` as a child process and open the "
+                    "dashboard on it; q stops both.")
+    demo.add_argument("--model", choices=("transformer", "cnn"), default="transformer")
+    demo.add_argument("--max-steps", type=int, metavar="N", help="stop after N steps")
+    demo.add_argument("--no-ui", action="store_true",
+                      help="run the job in this terminal; watch it from another")
+    demo.add_argument("--readonly", action="store_true",
+                      help="watch only: keys send no commands")
+    demo.set_defaults(handler=_demo)
+
+    doctor = commands.add_parser(
+        "doctor", help="report the PyTorch/GPU environment",
+        description="Run the environment report of gpuopt in a child process.")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.set_defaults(handler=_doctor)
+    return parser
+
+
+def _no_run(selector: str | None) -> int:
+    """Say how to get a run to watch; the exit status for "no run"."""
+    if selector:
+        print(f"gpuwatch: no live run matches {selector!r} (see `gpuwatch runs`)",
+              file=sys.stderr)
+    else:
+        print(f"gpuwatch: no live run found (run files in {run_dir()}).\n"
+              "Start one:\n"
+              "  gpuwatch demo                 a small training job, with this dashboard\n"
+              "  agent.attach(trainer)         in your own training script",
+              file=sys.stderr)
+    return 1
+
+
+def _attach(args: argparse.Namespace) -> int:
+    info = find_run(args.run)
+    if info is None:
+        return _no_run(args.run)
+    return _watch(info, readonly=args.readonly)
+
+
+def _watch(info: RunInfo, *, readonly: bool, notes: Sequence[str] = ()) -> int:
+    from gpuwatch.app import GpuwatchApp
+    from gpuwatch.sources.live import LiveSource
+
+    app = GpuwatchApp(LiveSource(info), readonly=readonly, notes=notes)
+    app.run()
+    return app.return_code or 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    runs = list_runs()
+    if args.json:
+        print(json.dumps([info.public() for info in runs], indent=2))
+        return 0
+    if not runs:
+        print(f"no live runs (run files in {run_dir()})")
+        return 0
+    now = time.time()
+    rows = [("RUN", "RANK", "PID", "NAME", "AGE", "ENDPOINT")] + [
+        (info.run_id, f"{info.rank}/{info.world_size}", str(info.pid), info.name or "-",
+         human_age(now - info.started_at), info.pub_endpoint) for info in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
+              + row[-1])
+    return 0
+
+
+def _set(args: argparse.Namespace) -> int:
+    from gpuwatch.client import reply_text, send_command
+
+    knob, equals, value = args.assignment.partition("=")
+    if not equals or not knob:
+        print(f"gpuwatch set: expected KNOB=VALUE, got {args.assignment!r}", file=sys.stderr)
+        return 2
+    info = find_run(args.run)
+    if info is None:
+        return _no_run(args.run)
+    reply = send_command(info, knob, value, timeout_s=args.timeout)
+    print(reply_text(knob, value, reply), file=sys.stdout if reply.get("ok") else sys.stderr)
+    return 0 if reply.get("ok") else 1
+
+
+def _tail(args: argparse.Namespace) -> int:
+    from gpuwatch.client import Subscriber
+
+    info = find_run(args.run)
+    if info is None:
+        return _no_run(args.run)
+    printed = 0
+    with Subscriber(info) as subscriber:
+        try:
+            for message in subscriber:
+                line = _json_line(message) if args.json else _human_line(message)
+                if line is not None:
+                    print(line, flush=True)
+                    printed += 1
+                if message["type"] == protocol.BYE or (args.count and printed >= args.count):
+                    break
+        except BrokenPipeError:  # e.g. `gpuwatch tail | head`: stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        finally:
+            if subscriber.missed or subscriber.malformed:
+                print(f"gpuwatch tail: {subscriber.missed} records missed, "
+                      f"{subscriber.malformed} malformed", file=sys.stderr)
+    return 0
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with non-finite floats (a diverged loss) as None, so JSON stays JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _json_line(message: dict[str, Any]) -> str:
+    """``{"type", "run", "rank", "seq", "t", **body}`` as one line of JSON."""
+    record = {key: message.get(key) for key in ("type", "run", "rank", "seq", "t")}
+    for key, value in message["body"].items():
+        record.setdefault(key, value)
+    return json.dumps(_finite(record), default=repr)
+
+
+def _human_line(message: dict[str, Any]) -> str | None:
+    """A short line for steps, events, hello and bye; None for the other types."""
+    body = message["body"]
+    kind = message["type"]
+    if kind == protocol.STEP:
+        knobs = " ".join(f"{k}={v}" for k, v in (body.get("knobs") or {}).items())
+        loss = body.get("loss")
+        return (f"step {body.get('step')}  {human_ms(body.get('step_time_s'))}  "
+                f"wait {human_ms(body.get('data_wait_s'))}  "
+                f"{human_number(body.get('samples_per_s'), 1)} samples/s  "
+                f"loss {'-' if loss is None else f'{loss:.4g}'}  {knobs}").rstrip()
+    if kind == protocol.EVENT:
+        return f"[{body.get('level', 'info')}] {body.get('text', '')}"
+    if kind == protocol.HELLO:
+        return (f"run {message.get('run')} {body.get('name', '')} on "
+                f"{body.get('device', '?')}; knobs: "
+                + ", ".join(k.get("name", "?") for k in body.get("knobs") or ()))
+    if kind == protocol.BYE:
+        return f"run ended ({body.get('reason', '')}) after {body.get('steps')} steps"
+    return None
+
+
+def _demo(args: argparse.Namespace) -> int:
+    command = [sys.executable, "-m", "agent.demo", "--model", args.model]
+    if args.max_steps is not None:
+        command += ["--max-steps", str(args.max_steps)]
+    if args.no_ui:
+        print("gpuwatch demo: training in this terminal; watch it with `gpuwatch` "
+              "from another one", flush=True)
+        os.execv(sys.executable, command)
+    log_path = run_dir() / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    with open(log_path, "wb") as log:
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT)
+    try:
+        print(f"gpuwatch demo: starting {args.model} training (output in {log_path})",
+              flush=True)
+        info = _wait_for_run(child, log_path)
+        if info is None:
+            return 1
+        return _watch(info, readonly=args.readonly, notes=[
+            f"demo training job pid {child.pid}, output in {log_path}"])
+    finally:
+        _stop_child(child)
+
+
+def _wait_for_run(child: subprocess.Popen, log_path: Path) -> RunInfo | None:
+    """The run file the child writes, or None (after saying why) if it died or took
+    longer than :data:`DEMO_START_TIMEOUT_S`."""
+    deadline = time.monotonic() + DEMO_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for info in list_runs():
+            if info.pid == child.pid:
+                return info
+        if child.poll() is not None:
+            print(f"gpuwatch demo: the training job exited with status {child.returncode}"
+                  f"; last lines of {log_path}:\n{_tail_of(log_path)}", file=sys.stderr)
+            return None
+        time.sleep(0.1)
+    print(f"gpuwatch demo: no run file from pid {child.pid} after "
+          f"{DEMO_START_TIMEOUT_S:.0f} s; last lines of {log_path}:\n{_tail_of(log_path)}",
+          file=sys.stderr)
+    return None
+
+
+def _tail_of(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(cannot read it: {exc})"
+
+
+def _stop_child(child: subprocess.Popen) -> None:
+    """SIGINT (so the run can say bye and remove its run file), then SIGKILL."""
+    if child.poll() is not None:
+        return
+    child.send_signal(signal.SIGINT)
+    try:
+        child.wait(DEMO_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("torch") is None:
+        print(f"gpuwatch doctor: torch is not installed in this Python ({sys.executable});"
+              " the environment report needs it. Install PyTorch (https://pytorch.org) "
+              "and run `gpuwatch doctor` again. The dashboard itself works without it.",
+              file=sys.stderr)
+        return 1
+    command = [sys.executable, "-m", "gpuopt.environment"]
+    if args.json:
+        command.append("--json")
+    return subprocess.call(command)

@@ -1,0 +1,277 @@
+"""The dashboard's model of one run: decoded envelopes folded into bounded buffers.
+
+Pure Python (no textual, no zmq), so it is fast and tested on its own. A source (the live
+socket, a replay file) feeds every received frame or envelope to :class:`RunState` under
+the source's lock; the app reads the state under the same lock and redraws when
+:attr:`RunState.version` moved or :attr:`RunState.status` changed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable, NamedTuple
+
+from agent import protocol
+
+#: Step records kept for the charts (about 10 minutes at one step a second).
+STEP_HISTORY = 600
+#: Agent events kept for the event log.
+EVENT_HISTORY = 200
+#: No message for this long (s): the run is "gone".
+GONE_AFTER_S = 3.0
+#: Messages but no optimizer step for this long (s): the run is "stalled".
+STALLED_AFTER_S = 5.0
+
+
+class StepRecord(NamedTuple):
+    """One optimizer step as the charts need it (times in s, throughput in samples/s)."""
+
+    step: int | None
+    step_time_s: float | None
+    data_wait_s: float | None
+    data_wait_share: float | None
+    samples_per_s: float | None
+    loss: float | None
+
+
+class LogEntry(NamedTuple):
+    """A line for the event log: ``level`` is info, warning or error."""
+
+    level: str
+    text: str
+
+
+class Pending(NamedTuple):
+    """A command the agent accepted but has not applied yet."""
+
+    value: Any
+    apply_step: int | None
+
+
+class SeqGaps:
+    """Counts records lost between sender and receiver from each sender's ``seq``.
+
+    Gaps are counted per ``(run, rank)``. A ``seq`` that goes backwards (the sender
+    restarted) starts the count afresh instead of counting a gap.
+    """
+
+    def __init__(self) -> None:
+        self.missed = 0
+        """Records lost so far (sum of all gaps)."""
+        self._last: dict[tuple[Any, Any], int] = {}
+
+    def observe(self, message: dict[str, Any]) -> None:
+        """Account for one envelope; envelopes without an integer ``seq`` are skipped."""
+        seq = message.get("seq")
+        if type(seq) is not int:
+            return
+        key = (message.get("run"), message.get("rank"))
+        last = self._last.get(key)
+        if last is not None and seq > last + 1:
+            self.missed += seq - last - 1
+        self._last[key] = seq
+
+
+_MISSING = object()
+
+
+def _number(value: Any) -> float | None:
+    """A wire number as float; None for missing or non-numeric values (bool included)."""
+    if type(value) is float:
+        return value
+    if type(value) is int:
+        return float(value)
+    return None
+
+
+class RunState:
+    """Everything the dashboard knows about one run, in bounded memory.
+
+    Attributes (read them under the source's lock):
+        run_id: from the first envelope. hello: the latest ``hello`` body.
+        schema: knob schema by name (wire maps: ``name``, ``kind``, ``choices``, ``min``,
+            ``max``, ``help``). knobs: current knob values by name.
+        knob_changed_at: monotonic time (s) a knob's value last changed.
+        pending: accepted commands not applied yet, by knob name.
+        steps: the last :data:`STEP_HISTORY` step records; steps_total counts all ever.
+        last_step: the latest ``step`` body (memory fields). step: the last completed
+            optimizer step.
+        system: the latest ``system`` body, or None. ended: the ``bye`` body, or None.
+        events: the last :data:`EVENT_HISTORY` log entries; events_total counts all ever.
+        records: envelopes ingested. missed: records lost (sequence gaps).
+        malformed: frames or bodies that could not be read (dropped, never raised).
+        version: bumped on every change; compare it to know whether to redraw.
+    """
+
+    def __init__(self) -> None:
+        self.run_id: str | None = None
+        self.hello: dict[str, Any] = {}
+        self.schema: dict[str, dict[str, Any]] = {}
+        self.knobs: dict[str, Any] = {}
+        self.knob_changed_at: dict[str, float] = {}
+        self.pending: dict[str, Pending] = {}
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
+        self.steps_total = 0
+        self.last_step: dict[str, Any] = {}
+        self.step: int | None = None
+        self.system: dict[str, Any] | None = None
+        self.ended: dict[str, Any] | None = None
+        self.events: deque[LogEntry] = deque(maxlen=EVENT_HISTORY)
+        self.events_total = 0
+        self.records = 0
+        self.malformed = 0
+        self.version = 0
+        self.first_seen_at: float | None = None
+        self.last_seen_at: float | None = None
+        self.last_step_at: float | None = None
+        self._gaps = SeqGaps()
+        self._fold: dict[str, Callable[[dict[str, Any], float], None]] = {
+            protocol.HELLO: self._fold_hello,
+            protocol.STEP: self._fold_step,
+            protocol.SYSTEM: self._fold_system,
+            protocol.STATE: self._fold_state,
+            protocol.EVENT: self._fold_event,
+            protocol.HEARTBEAT: self._fold_heartbeat,
+            protocol.BYE: self._fold_bye,
+        }
+
+    @property
+    def missed(self) -> int:
+        """Records lost between the run and this dashboard (sequence gaps)."""
+        return self._gaps.missed
+
+    def ingest_frames(self, frames: list[bytes], now: float | None = None) -> None:
+        """Decode a received multipart message and fold it; count it if malformed.
+
+        Args:
+            frames: ``[topic, payload]`` as received. now: receive time, monotonic s.
+        """
+        try:
+            message = protocol.decode_frames(frames)
+        except protocol.ProtocolError:
+            self.malformed += 1
+            self.version += 1
+            return
+        self.ingest(message, now)
+
+    def ingest(self, message: dict[str, Any], now: float | None = None) -> None:
+        """Fold one decoded envelope.
+
+        Unknown types and extra fields are ignored; a body whose fields have the wrong
+        types is counted in :attr:`malformed` and otherwise ignored, never raised.
+
+        Args:
+            message: an envelope as :func:`agent.protocol.decode` returns it.
+            now: receive time, monotonic s (``time.monotonic()`` when omitted).
+        """
+        if now is None:
+            now = time.monotonic()
+        self.records += 1
+        self.version += 1
+        self.last_seen_at = now
+        if self.first_seen_at is None:
+            self.first_seen_at = now
+            self.run_id = message.get("run")
+        self._gaps.observe(message)
+        fold = self._fold.get(message.get("type"))  # type: ignore[arg-type]
+        if fold is None:
+            return
+        try:
+            fold(message.get("body") or {}, now)
+        except (TypeError, ValueError, AttributeError, KeyError):
+            self.malformed += 1
+
+    def status_at(self, now: float) -> str:
+        """The run's status at monotonic time ``now`` (s); see :attr:`status`."""
+        if self.ended is not None:
+            return "ended"
+        if self.last_seen_at is None or self.first_seen_at is None:
+            return "waiting"
+        if now - self.last_seen_at > GONE_AFTER_S:
+            return "gone"
+        if now - (self.last_step_at or self.first_seen_at) > STALLED_AFTER_S:
+            return "stalled"
+        return "live"
+
+    @property
+    def status(self) -> str:
+        """``waiting`` (nothing received yet), ``live``, ``stalled`` (messages but no
+        step for :data:`STALLED_AFTER_S`), ``gone`` (no message, heartbeats included,
+        for :data:`GONE_AFTER_S`) or ``ended`` (the run said ``bye``)."""
+        return self.status_at(time.monotonic())
+
+    def note_pending(self, knob: str, value: Any, apply_step: int | None) -> None:
+        """Remember an accepted command until a record shows it applied (or an event
+        says it failed); nothing to remember if the knob already has that value (the
+        step that applied it can arrive before the reply is handled)."""
+        if self.knobs.get(knob, _MISSING) != value:
+            self.pending[knob] = Pending(value, apply_step)
+            self.version += 1
+
+    def log(self, level: str, text: str) -> None:
+        """Append a line to the event log."""
+        self.events.append(LogEntry(level, text))
+        self.events_total += 1
+        self.version += 1
+
+    def _fold_hello(self, body: dict[str, Any], now: float) -> None:
+        self.hello = body
+        self.schema = {knob["name"]: knob for knob in body.get("knobs") or ()
+                       if isinstance(knob, dict) and isinstance(knob.get("name"), str)}
+
+    def _fold_step(self, body: dict[str, Any], now: float) -> None:
+        step = body.get("step")
+        if type(step) is not int:
+            step = None
+        self.steps.append(StepRecord(
+            step, _number(body.get("step_time_s")), _number(body.get("data_wait_s")),
+            _number(body.get("data_wait_share")), _number(body.get("samples_per_s")),
+            _number(body.get("loss"))))
+        self.steps_total += 1
+        if step is not None:
+            self.step = step
+        self.last_step = body
+        self.last_step_at = now
+        knobs = body.get("knobs")
+        if knobs:
+            self._set_knobs(knobs, now)
+
+    def _fold_system(self, body: dict[str, Any], now: float) -> None:
+        self.system = body
+
+    def _fold_state(self, body: dict[str, Any], now: float) -> None:
+        if type(body.get("step")) is int:
+            self.step = body["step"]
+        knobs = body.get("knobs")
+        if knobs:
+            self._set_knobs(knobs, now)
+
+    def _fold_event(self, body: dict[str, Any], now: float) -> None:
+        level = body.get("level")
+        self.log(level if level in ("info", "warning", "error") else "info",
+                 str(body.get("text", "")))
+        knob = body.get("knob")
+        if body.get("kind") and knob in self.pending:
+            del self.pending[knob]
+
+    def _fold_heartbeat(self, body: dict[str, Any], now: float) -> None:
+        if type(body.get("step")) is int:
+            self.step = body["step"]
+
+    def _fold_bye(self, body: dict[str, Any], now: float) -> None:
+        self.ended = body
+        steps = body.get("steps")
+        self.log("info", f"run ended ({body.get('reason') or 'no reason given'})"
+                 + (f" after {steps} steps" if steps is not None else ""))
+
+    def _set_knobs(self, knobs: dict[str, Any], now: float) -> None:
+        for name, value in knobs.items():
+            if name in self.knobs and self.knobs[name] == value:
+                continue
+            if name in self.knobs:
+                self.knob_changed_at[name] = now
+            self.knobs[name] = value
+            pending = self.pending.get(name)
+            if pending is not None and pending.value == value:
+                del self.pending[name]

@@ -1,0 +1,30 @@
+"""The event log: commands sent, replies, the run's own events and warnings."""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual.widgets import RichLog
+
+from gpuwatch.state import LogEntry
+
+#: Theme variable that colours each log level (info keeps the widget's colour).
+LEVEL_COLORS = {"success": "success", "warning": "warning", "error": "error"}
+
+
+class EventLog(RichLog):
+    """A scrolling log; entries are stamped with the local time they were shown."""
+
+    BORDER_TITLE = "events"
+
+    def __init__(self, *, max_lines: int = 1000, name: str | None = None,
+                 id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(max_lines=max_lines, wrap=True, markup=False, name=name, id=id,
+                         classes=classes)
+
+    def add(self, entry: LogEntry) -> None:
+        """Append one entry, coloured by its level."""
+        variable = LEVEL_COLORS.get(entry.level)
+        color = self.app.theme_variables.get(variable, "") if variable else ""
+        self.write(Text.assemble((time.strftime("%H:%M:%S "), "dim"), (entry.text, color)))

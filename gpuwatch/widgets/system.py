@@ -1,0 +1,55 @@
+"""Host and GPU utilisation from the ~1 Hz ``system`` record."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.content import Content
+
+from gpuwatch.state import RunState
+from gpuwatch.units import human_bytes_pair
+from gpuwatch.widgets.panel import Panel
+
+_GIB = float(1 << 30)
+
+
+def _gpu_line(gpu: dict[str, Any]) -> str:
+    """One line per GPU, most telling first (lines are cut at the panel's width):
+    index, utilisation %, memory used/total GiB, power/limit W, temperature, SM clock."""
+    def number(key: str, scale: float = 1.0) -> str:
+        value = gpu.get(key)
+        return "-" if value is None else f"{value / scale:.0f}"
+
+    power = number("power_w")
+    if gpu.get("power_limit_w") is not None:
+        power += "/" + number("power_limit_w")
+    return (f"{gpu.get('index', '?')} {number('util_pct'):>3}% "
+            f"{number('mem_used_bytes', _GIB)}/{number('mem_total_bytes', _GIB)}G "
+            f"{power}W {number('temp_c')}°C {number('sm_clock_mhz')}MHz")
+
+
+class SystemPanel(Panel):
+    """CPU and host memory, then one line per GPU, or why there is no GPU data."""
+
+    BORDER_TITLE = "host & GPU"
+
+    def show(self, state: RunState) -> None:
+        """Redraw from ``state`` (read under the source's lock)."""
+        system = state.system
+        if system is None:
+            self.set_content(Content.styled("no system record yet", "$text-muted"))
+            return
+        cpu = system.get("cpu_pct")
+        lines = [f"CPU {'-' if cpu is None else f'{cpu:.0f}%'}",
+                 "RAM " + human_bytes_pair(system.get("host_mem_used_bytes"),
+                                           system.get("host_mem_total_bytes"))]
+        gpus = [gpu for gpu in system.get("gpus") or () if isinstance(gpu, dict)]
+        if gpus:
+            names = list(dict.fromkeys(str(gpu.get("name", "?")) for gpu in gpus))
+            lines.append(f"GPU {', '.join(names)}"
+                         + (f" ×{len(gpus)}" if len(names) == 1 and len(gpus) > 1 else ""))
+            lines += [_gpu_line(gpu) for gpu in gpus]
+        content = Content("\n".join(lines))
+        if system.get("gpu_status"):
+            content = Content.assemble(content, "\n", (str(system["gpu_status"]), "$warning"))
+        self.set_content(content)

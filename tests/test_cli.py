@@ -1,0 +1,89 @@
+"""The ``gpuwatch`` command line as real subprocesses against a fake agent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def gpuwatch(*args, timeout=30):
+    return subprocess.run([sys.executable, "-m", "gpuwatch", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_runs_json_lists_public_fields(fake_agent):
+    result = gpuwatch("runs", "--json")
+    assert result.returncode == 0, result.stderr
+    [run] = json.loads(result.stdout)
+    assert run["run_id"] == fake_agent.info.run_id
+    assert run["pub_endpoint"] == fake_agent.info.pub_endpoint
+    assert "token" not in run and "path" not in run
+
+
+def test_runs_table(fake_agent):
+    result = gpuwatch("runs")
+    assert result.returncode == 0, result.stderr
+    header, row = result.stdout.splitlines()
+    assert header.split() == ["RUN", "RANK", "PID", "NAME", "AGE", "ENDPOINT"]
+    assert row.split()[:4] == [fake_agent.info.run_id, "0/1", str(fake_agent.info.pid),
+                               "fake-train"]
+
+
+def test_set_accepted(fake_agent):
+    result = gpuwatch("set", "accum_steps=4", "--run", fake_agent.info.run_id[:18])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("accepted: accum_steps=4 applies at step ")
+    assert fake_agent.commands.get(timeout=5)["value"] == "4"  # sent raw, parsed by the agent
+
+
+@pytest.mark.parametrize("assignment, reason", [
+    ("precision=fp64", "precision: 'fp64' is not one of fp32, bf16, fp16"),
+    ("kernels=triton", "unknown knob 'kernels'"),
+])
+def test_set_rejected(fake_agent, assignment, reason):
+    result = gpuwatch("set", assignment)
+    assert result.returncode == 1
+    assert result.stderr.startswith("rejected: ") and reason in result.stderr
+
+
+def test_set_needs_an_assignment(fake_agent):
+    result = gpuwatch("set", "precision")
+    assert result.returncode == 2 and "KNOB=VALUE" in result.stderr
+    assert fake_agent.commands.empty()
+
+
+def test_tail_json_count(fake_agent):
+    result = gpuwatch("tail", "--json", "--count", "5")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == 5
+    for record in records:
+        assert record["run"] == fake_agent.info.run_id
+        assert {"type", "rank", "seq", "t"} <= record.keys()
+    step = next(r for r in records if r["type"] == "step")
+    assert {"step", "step_time_s", "loss", "knobs"} <= step.keys()
+
+
+def test_tail_human_lines(fake_agent):
+    result = gpuwatch("tail", "--count", "3")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3
+    assert any(line.startswith("step ") and "samples/s" in line and "precision=fp32" in line
+               for line in lines)
+
+
+@pytest.mark.parametrize("args", [(), ("set", "precision=bf16"), ("tail",)])
+def test_no_live_run_says_how_to_start_one(run_dir, args):
+    result = gpuwatch(*args)
+    assert result.returncode == 1
+    assert "no live run" in result.stderr and "gpuwatch demo" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_run_selector(fake_agent):
+    result = gpuwatch("nosuchrun")
+    assert result.returncode == 1 and "no live run matches 'nosuchrun'" in result.stderr

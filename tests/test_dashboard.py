@@ -1,0 +1,333 @@
+"""The dashboard alone: RunState folding, the client sockets, and the Textual app driven
+by a pilot against a fake agent with real ZeroMQ sockets (see conftest.FakeAgent)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from agent import protocol
+from agent.knobs import STANDARD_KNOBS
+from agent.runs import RunInfo
+from gpuwatch.app import GpuwatchApp
+from gpuwatch.client import Subscriber, send_command
+from gpuwatch.sources.live import LiveSource
+from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, STEP_HISTORY, RunState
+from gpuwatch.widgets.help_screen import HelpScreen
+
+RUN = "20250101-000000-abcd"
+
+
+def envelope(msg_type, body, seq=0, rank=0, run=RUN):
+    return protocol.envelope(msg_type, body, run=run, rank=rank, seq=seq)
+
+
+def frames(msg_type, body, seq=0):
+    return protocol.encode(envelope(msg_type, body, seq))
+
+
+# --- RunState ------------------------------------------------------------------------
+
+def test_state_folds_each_message_type():
+    state = RunState()
+    schema = [STANDARD_KNOBS[name].to_wire() for name in ("precision", "accum_steps")]
+    state.ingest(envelope("hello", {"name": "tiny", "device": "cuda:0", "knobs": schema}), 1.0)
+    state.ingest(envelope("step", {
+        "step": 7, "step_time_s": 0.25, "data_wait_s": 0.05, "data_wait_share": 0.2,
+        "samples_per_s": 128.0, "loss": 2.5, "knobs": {"precision": "fp32", "accum_steps": 1},
+        "host_rss_bytes": 1 << 30, "mem_reserved_bytes": 2 << 30}), 1.1)
+    state.ingest(envelope("system", {"cpu_pct": 50.0, "gpus": [], "gpu_status": "no GPU"}),
+                 1.2)
+    state.ingest(envelope("state", {"step": 8, "knobs": {"precision": "bf16"}}), 1.3)
+    state.ingest(envelope("event", {"level": "warning", "text": "slow loader"}), 1.4)
+    state.ingest(envelope("heartbeat", {"step": 9}), 1.5)
+    state.ingest(envelope("some-future-type", {"x": 1}), 1.6)
+
+    assert state.run_id == RUN and state.hello["name"] == "tiny"
+    assert list(state.schema) == ["precision", "accum_steps"]
+    record = state.steps[-1]
+    assert (record.step, record.step_time_s, record.loss, record.samples_per_s) == (
+        7, 0.25, 2.5, 128.0)
+    assert state.last_step["mem_reserved_bytes"] == 2 << 30
+    assert state.system["gpu_status"] == "no GPU"
+    assert state.knobs == {"precision": "bf16", "accum_steps": 1}
+    assert state.knob_changed_at == {"precision": 1.3}
+    assert state.step == 9
+    assert [e.text for e in state.events] == ["slow loader"]
+    assert state.records == 7 and state.malformed == 0 and state.missed == 0
+
+
+def test_state_buffers_are_bounded():
+    state = RunState()
+    for step in range(STEP_HISTORY + 100):
+        state.ingest(envelope("step", {"step": step, "step_time_s": 0.1}, seq=step), 0.0)
+        state.ingest(envelope("event", {"text": str(step)}), 0.0)
+    assert len(state.steps) == STEP_HISTORY and state.steps[0].step == 100
+    assert len(state.events) < state.events_total == STEP_HISTORY + 100
+
+
+def test_state_counts_sequence_gaps_per_run_and_rank():
+    state = RunState()
+    for seq, rank in [(1, 0), (2, 0), (5, 0), (1, 1), (4, 1), (6, 0)]:
+        state.ingest(envelope("heartbeat", {}, seq=seq, rank=rank))
+    assert state.missed == 2 + 2 + 0  # rank 0: 3, 4 lost; rank 1: 2, 3 lost; 6 follows 5
+    state.ingest(envelope("heartbeat", {}, seq=1, rank=0))  # sender restarted: no gap
+    state.ingest(envelope("heartbeat", {}, seq=2, rank=0))
+    assert state.missed == 4
+
+
+def test_state_counts_malformed_frames_and_bodies_without_raising():
+    state = RunState()
+    state.ingest_frames([b"step", b"\xc1 not msgpack"])
+    state.ingest_frames([b"step", msgpack.packb([1, 2, 3])])
+    state.ingest_frames([b"step", b"x" * (protocol.MAX_MESSAGE_BYTES + 1)])
+    state.ingest_frames([])
+    state.ingest_frames(frames("step", {"step": 3, "knobs": ["not", "a", "map"]}))
+    state.ingest_frames(frames("hello", {"knobs": "nonsense"}))
+    state.ingest_frames(frames("step", {"step": "three", "loss": "nan", "step_time_s": True}))
+    assert state.malformed == 5
+    assert state.steps[-1].step is None and state.steps[-1].loss is None
+
+
+def test_state_status_transitions():
+    state = RunState()
+    assert state.status_at(0.0) == "waiting"
+    state.ingest(envelope("heartbeat", {"step": 0}), 10.0)
+    assert state.status_at(10.5) == "live"
+    assert state.status_at(10.0 + STALLED_AFTER_S + 0.1) == "gone"  # nothing heard
+    state.ingest(envelope("heartbeat", {"step": 0}), 15.0)
+    assert state.status_at(15.2) == "stalled"  # heartbeats, no step since 10.0
+    state.ingest(envelope("step", {"step": 1}), 15.5)
+    assert state.status_at(15.6) == "live"
+    assert state.status_at(15.5 + GONE_AFTER_S + 0.1) == "gone"
+    state.ingest(envelope("bye", {"reason": "finished", "steps": 1}), 20.0)
+    assert state.status_at(1000.0) == "ended"
+    assert state.events[-1].text == "run ended (finished) after 1 steps"
+
+
+def test_state_clears_pending_when_applied():
+    state = RunState()
+    state.ingest(envelope("step", {"step": 1, "knobs": {"precision": "fp32"}}), 1.0)
+    state.note_pending("precision", "bf16", 3)
+    state.ingest(envelope("step", {"step": 2, "knobs": {"precision": "fp32"}}), 2.0)
+    assert state.pending["precision"].apply_step == 3
+    state.ingest(envelope("step", {"step": 3, "knobs": {"precision": "bf16"}}), 3.0)
+    assert state.pending == {} and state.knob_changed_at["precision"] == 3.0
+    state.note_pending("precision", "fp16", 5)
+    state.ingest(envelope("event", {"kind": "rejected", "knob": "precision",
+                                    "text": "fp16 failed"}), 4.0)
+    assert state.pending == {}
+    state.note_pending("precision", "bf16", 4)  # the reply came after the step applying it
+    assert state.pending == {}
+
+
+def test_state_ingest_is_fast():
+    state = RunState()
+    payloads = [frames("step", {"step": i, "step_time_s": 0.01, "data_wait_s": 0.001,
+                                "samples_per_s": 1000.0, "loss": 1.0,
+                                "knobs": {"precision": "bf16", "accum_steps": 4}}, seq=i)
+                for i in range(20_000)]
+    started = time.perf_counter()
+    for message in payloads:
+        state.ingest_frames(message, 0.0)
+    rate = len(payloads) / (time.perf_counter() - started)
+    assert state.records == 20_000 and state.missed == 0
+    assert rate > 50_000, f"{rate:.0f} records/s"
+
+
+# --- client sockets ------------------------------------------------------------------
+
+def _run_info(pub_endpoint="tcp://127.0.0.1:1", cmd_endpoint=""):
+    return RunInfo(run_id=RUN, rank=0, world_size=1, pid=0, pub_endpoint=pub_endpoint,
+                   cmd_endpoint=cmd_endpoint, token="t", started_at=0.0)
+
+
+def test_subscriber_counts_gaps_and_drops_malformed_frames():
+    with zmq.Context.instance().socket(zmq.PUB) as pub:
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        with Subscriber(_run_info(f"tcp://127.0.0.1:{port}")) as subscriber:
+            while True:  # until the subscription has reached the publisher (as rank 1)
+                pub.send_multipart(protocol.encode(envelope("heartbeat", {}, rank=1)))
+                if subscriber.recv(timeout_s=0.05) is not None:
+                    break
+            pub.send_multipart([b"step", b"\xc1"])
+            for seq in (10, 11, 14):
+                pub.send_multipart(frames("step", {"step": seq}, seq=seq))
+            steps = []
+            while len(steps) < 3:
+                message = subscriber.recv(timeout_s=2.0)
+                if message["type"] == "step":
+                    steps.append(message["body"]["step"])
+    assert steps == [10, 11, 14]
+    assert subscriber.malformed == 1 and subscriber.missed == 2
+
+
+def test_send_command_without_reply_says_so():
+    with zmq.Context.instance().socket(zmq.ROUTER) as router:
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        reply = send_command(_run_info(cmd_endpoint=f"tcp://127.0.0.1:{port}"),
+                             "precision", "bf16", timeout_s=0.2)
+        command = protocol.decode_frames(router.recv_multipart())
+    assert reply["ok"] is False and reply["answered"] is False
+    assert reply["reason"] == "no reply within 0.2 s (is the run alive?)"
+    assert command["body"]["knob"] == "precision" and command["body"]["token"] == "t"
+    assert send_command(_run_info(), "precision", "bf16")["ok"] is False  # no endpoint
+    assert send_command(_run_info(cmd_endpoint="nonsense://"), "precision", "bf16")[
+        "reason"].startswith("cannot connect to nonsense://")
+
+
+# --- the app -------------------------------------------------------------------------
+
+async def until(pilot, predicate, timeout_s=5.0):
+    """Let the app run until ``predicate()`` holds (records arrive from another thread)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the dashboard"
+        await pilot.pause(0.05)
+
+
+async def next_command(agent):
+    return await asyncio.to_thread(agent.commands.get, timeout=5)
+
+
+def text_of(app, selector):
+    return str(app.query_one(selector).content)
+
+
+def knows(app, knob):
+    """Whether the dashboard has the knob's schema and current value."""
+    with app.source.lock:
+        return knob in app.source.state.schema and knob in app.source.state.knobs
+
+
+def log_texts(app):
+    with app.source.lock:
+        return [entry.text for entry in app.source.state.events]
+
+
+async def test_p_sends_precision_and_knobs_panel_follows(fake_agent):
+    app = GpuwatchApp(LiveSource(fake_agent.info))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: knows(app, "precision"))
+        await until(pilot, lambda: "● live" in text_of(app, "#header"))
+        await pilot.press("p")
+        command = await next_command(fake_agent)
+        assert (command["knob"], command["value"]) == ("precision", "bf16")
+        assert command["token"] == fake_agent.info.token
+        await until(pilot, lambda: any(t.startswith("accepted: precision=bf16 applies at step")
+                                       for t in log_texts(app)))
+        await until(pilot, lambda: "precision   bf16" in text_of(app, "#knobs"))
+        await until(pilot, lambda: any("applied at step" in t for t in log_texts(app)))
+
+
+async def test_shift_a_sends_accum_steps_and_bounds_hold(fake_agent):
+    app = GpuwatchApp(LiveSource(fake_agent.info))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: knows(app, "accum_steps"))
+        await pilot.press("a")  # already at the schema's minimum 1
+        assert "accum_steps is already at its minimum 1; nothing sent" in log_texts(app)
+        await pilot.press("A")
+        command = await next_command(fake_agent)
+        assert (command["knob"], command["value"]) == ("accum_steps", 2)
+        await until(pilot, lambda: "accum_steps 2" in text_of(app, "#knobs"))
+    assert fake_agent.commands.empty()
+
+
+async def test_pending_command_is_shown_until_applied():
+    source = LiveSource(_run_info("tcp://127.0.0.1:1"))  # never connects
+    app = GpuwatchApp(source)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert "waiting for run" in text_of(app, "#header")
+        with source.lock:
+            source.state.ingest(envelope(
+                "hello", {"knobs": [STANDARD_KNOBS["precision"].to_wire()]}))
+            source.state.ingest(envelope("step", {"step": 5, "knobs": {"precision": "fp32"}}))
+            source.state.note_pending("precision", "bf16", 9)
+        await until(pilot, lambda: "fp32 -> bf16 (at step 9)" in text_of(app, "#knobs"))
+
+
+async def test_bad_endpoint_is_reported_not_raised():
+    app = GpuwatchApp(LiveSource(_run_info("nonsense://here")))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: any(t.startswith("cannot subscribe to nonsense://here")
+                                       for t in log_texts(app)))
+        assert "waiting for run" in text_of(app, "#header")
+
+
+async def test_readonly_sends_nothing(fake_agent):
+    app = GpuwatchApp(LiveSource(fake_agent.info), readonly=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: knows(app, "precision"))
+        await pilot.press("p", "A")
+        await app.workers.wait_for_complete()
+        logged = log_texts(app)
+        assert "read-only: precision=bf16 not sent" in logged
+        assert "read-only: accum_steps=2 not sent" in logged
+        assert "read-only" in text_of(app, "#header")
+    assert fake_agent.commands.empty()
+
+
+async def test_knob_missing_from_schema_sends_nothing(make_agent):
+    agent = make_agent(knobs={"accum_steps": 1})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: knows(app, "accum_steps"))
+        await pilot.press("p")
+        assert ("this run has no knob precision (it has: accum_steps); nothing sent"
+                in log_texts(app))
+    with pytest.raises(queue.Empty):
+        agent.commands.get_nowait()
+
+
+async def test_help_lists_every_binding(fake_agent):
+    app = GpuwatchApp(LiveSource(fake_agent.info))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        listed = text_of(app.screen, "#help-keys")
+        for binding in app.BINDINGS:
+            assert binding.description in listed and binding.tooltip in listed
+        assert "^p" in listed
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+async def test_command_palette_runs_binding_commands(fake_agent):
+    app = GpuwatchApp(LiveSource(fake_agent.info))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: knows(app, "precision"))
+        await pilot.press("ctrl+p")
+        await pilot.press(*"accum+")
+        await until(pilot, lambda: "accum+" in str(app.screen.query("CommandList").first()
+                                                   .get_option_at_index(0).prompt))
+        await pilot.press("enter")
+        command = await next_command(fake_agent)
+        assert (command["knob"], command["value"]) == ("accum_steps", 2)
+
+
+async def test_small_terminal_renders_every_panel(make_agent):
+    gpu = {"index": 0, "name": "NVIDIA H200", "util_pct": 97.0, "mem_used_bytes": 70 << 30,
+           "mem_total_bytes": 141 << 30, "power_w": 650.0, "power_limit_w": 700.0,
+           "temp_c": 72.0, "sm_clock_mhz": 1980}
+    agent = make_agent(gpus=[gpu])
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: "GPU NVIDIA H200" in text_of(app, "#system")
+                    and app.source.state.steps)
+        await pilot.pause()
+        assert "reserved" in text_of(app, "#memory")
+        assert "0  97% 70/141G 650/700W 72°C 1980MHz" in text_of(app, "#system")
+        for widget in ("#header", "#timing", "#loss", "#throughput", "#memory",
+                       "#system", "#knobs", "#log"):
+            region = app.query_one(widget).region
+            assert region.width > 0 and region.height > 0, widget
+            assert region.bottom <= 23, widget  # above the footer, nothing pushed off
+        assert "step ms" in app.query_one("#timing").render().plain
+        assert "loss" in app.query_one("#loss").render().plain
+        assert "samples/s" in text_of(app, "#throughput .value")
