@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -272,6 +273,9 @@ class Agent:
             self._ready.set()
             if self.info is not None:
                 remove_run_file(self.info)
+                for endpoint in (self.info.pub_endpoint, self.info.cmd_endpoint):
+                    if endpoint.startswith("ipc://"):
+                        Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
             if self._pub is not None:
                 self._pub.close(linger=500)  # let bye and the last records leave
             if self._log is not None:
@@ -279,7 +283,8 @@ class Agent:
             context.destroy(linger=0)
 
     def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
-        pub = context.socket(zmq.PUB)
+        pub = context.socket(zmq.XPUB)  # a PUB that also hears (un)subscriptions
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, to greet each newcomer
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.setsockopt(zmq.LINGER, 0)
         router = context.socket(zmq.ROUTER)
@@ -314,14 +319,18 @@ class Agent:
         self._publish(protocol.HELLO, self._hello())
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
+        poller.register(pub, zmq.POLLIN)
         in_flight: deque = deque()
         previous_marker = None
         next_system = next_heartbeat = time.monotonic()
         heartbeats = 0
         while True:
             stopping = self._stop.is_set()
-            if poller.poll(0 if stopping else _POLL_MS):
+            ready = dict(poller.poll(0 if stopping else _POLL_MS))
+            if router in ready:
                 self._guard("command handling", self._serve_commands, router)
+            if pub in ready:
+                self._guard("greeting", self._greet_subscribers, pub)
             previous_marker = self._guard(
                 "step publishing", self._publish_records, in_flight, previous_marker,
                 default=previous_marker)
@@ -345,6 +354,20 @@ class Agent:
                 self._publish(protocol.BYE, {"reason": getattr(self, "_bye_reason", ""),
                                              "steps": self._last_step})
                 return
+
+    def _greet_subscribers(self, pub: zmq.Socket) -> None:
+        """A new subscriber gets ``hello`` and ``state`` at once (no wait for the next
+        periodic ``hello``)."""
+        greet = False
+        while True:
+            try:
+                frame = pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            greet = greet or frame[:1] == b"\x01"
+        if greet:
+            self._publish(protocol.HELLO, self._hello())
+            self._publish(protocol.STATE, {"knobs": self._knob_values, "step": self._last_step})
 
     def _guard(self, where: str, function: Any, *args: Any, default: Any = None) -> Any:
         try:

@@ -216,6 +216,7 @@ class GpuwatchApp(App[None]):
             if reply.get("ok"):
                 self.source.state.note_pending(knob, reply.get("value", value),
                                                reply.get("apply_step"))
-        level = ("success" if reply.get("ok") else
-                 "warning" if reply.get("answered") is False else "error")
+        if reply.get("ok"):
+            return  # the run's own "accepted" event says it, to every dashboard
+        level = "warning" if reply.get("answered") is False else "error"
         self.note(level, reply_text(knob, value, reply))

@@ -85,6 +85,10 @@ def _number(value: Any) -> float | None:
     return None
 
 
+#: Event kinds that settle a pending command (it was applied, or it failed).
+_SETTLING_KINDS = frozenset({"applied", "failed", "rolled_back"})
+
+
 class RunState:
     """Everything the dashboard knows about one run, in bounded memory.
 
@@ -252,7 +256,7 @@ class RunState:
         self.log(level if level in ("info", "warning", "error") else "info",
                  str(body.get("text", "")))
         knob = body.get("knob")
-        if body.get("kind") and knob in self.pending:
+        if body.get("kind") in _SETTLING_KINDS and knob in self.pending:
             del self.pending[knob]
 
     def _fold_heartbeat(self, body: dict[str, Any], now: float) -> None:

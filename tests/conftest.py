@@ -103,6 +103,10 @@ class FakeAgent:
         else:
             reply.update(ok=True, value=value, apply_step=self._step + 2)
             self._scheduled.append((self._step + 2, body["knob"], value))
+            self._send(pub, protocol.EVENT, {
+                "level": "info", "kind": "accepted", "knob": body["knob"], "value": value,
+                "step": self._step + 2, "id": body.get("id"),
+                "text": f"{body['knob']}={value} accepted, applies at step {self._step + 2}"})
         router.send_multipart([frames[0], *protocol.encode(
             protocol.envelope(protocol.REPLY, reply, run=self.info.run_id))])
 

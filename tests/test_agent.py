@@ -56,6 +56,10 @@ def _messages(sub, until, timeout_s=30):
             return seen
 
 
+def _next_of(sub, msg_type, timeout_s=30):
+    return _messages(sub, lambda m: m["type"] == msg_type, timeout_s)[-1]
+
+
 def test_steps_stream_and_a_command_applies_at_the_step_it_announced(run_dir):
     model = _model()
     gate = Gate(hold_at=5)
@@ -90,6 +94,7 @@ def test_steps_stream_and_a_command_applies_at_the_step_it_announced(run_dir):
         assert isinstance(body["loss"], float) and body["host_rss_bytes"] > 0
     assert max(steps) == 40
     assert runs.list_runs() == []  # the run file is removed at the end
+    assert [p for p in os.listdir(run_dir) if p != "logs"] == []  # and the ipc sockets
 
 
 def test_hello_carries_schema_environment_and_model(run_dir):
@@ -98,8 +103,8 @@ def test_hello_carries_schema_environment_and_model(run_dir):
                       torch.nn.functional.cross_entropy, _digits_loader())
     monitor = agent.attach(trainer)
     try:
-        with Subscriber(runs.find_run(), topics=("hello",)) as sub:
-            hello = sub.recv(10)
+        with Subscriber(runs.find_run()) as sub:
+            hello = _next_of(sub, "hello")
         assert hello is not None and hello["run"] == monitor.run_id
         body = hello["body"]
         assert [k["name"] for k in body["knobs"]] == ["precision", "accum_steps"]
@@ -188,7 +193,7 @@ def test_hand_written_loop_session_streams_steps_and_takes_precision(run_dir):
     seen_precision = []
     with agent.session(name="manual", model=model, mixed_precision=policy) as run:
         info = runs.find_run()
-        with Subscriber(info, topics=("step",)) as sub:
+        with Subscriber(info) as sub:
             for i, (x, y) in enumerate(run.loader(_digits_loader(batch_size=8))):
                 with policy.autocast():
                     loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -201,7 +206,7 @@ def test_hand_written_loop_session_streams_steps_and_takes_precision(run_dir):
                     assert send_command(info, "precision", "bf16")["ok"]
                 if i == 20:
                     break
-            first = sub.recv(10)
+            first = _next_of(sub, "step")
     assert first["body"]["samples"] == 8 and first["body"]["micro_batches"] == 1
     assert seen_precision[0] == "fp32" and seen_precision[-1] == "bf16"
 

@@ -119,7 +119,10 @@ def test_state_clears_pending_when_applied():
     state.ingest(envelope("step", {"step": 3, "knobs": {"precision": "bf16"}}), 3.0)
     assert state.pending == {} and state.knob_changed_at["precision"] == 3.0
     state.note_pending("precision", "fp16", 5)
-    state.ingest(envelope("event", {"kind": "rejected", "knob": "precision",
+    state.ingest(envelope("event", {"kind": "accepted", "knob": "precision",
+                                    "text": "precision=fp16 accepted"}), 3.5)
+    assert state.pending["precision"].value == "fp16"  # accepted is not settled
+    state.ingest(envelope("event", {"kind": "failed", "knob": "precision",
                                     "text": "fp16 failed"}), 4.0)
     assert state.pending == {}
     state.note_pending("precision", "bf16", 4)  # the reply came after the step applying it
@@ -219,8 +222,9 @@ async def test_p_sends_precision_and_knobs_panel_follows(fake_agent):
         command = await next_command(fake_agent)
         assert (command["knob"], command["value"]) == ("precision", "bf16")
         assert command["token"] == fake_agent.info.token
-        await until(pilot, lambda: any(t.startswith("accepted: precision=bf16 applies at step")
+        await until(pilot, lambda: any(t.startswith("precision=bf16 accepted, applies at step")
                                        for t in log_texts(app)))
+        assert not any(t.startswith("accepted:") for t in log_texts(app))  # said once
         await until(pilot, lambda: "precision   bf16" in text_of(app, "#knobs"))
         await until(pilot, lambda: any("applied at step" in t for t in log_texts(app)))
 

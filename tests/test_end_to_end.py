@@ -77,7 +77,7 @@ def test_precision_change_shows_at_a_step_boundary_and_sigterm_ends_cleanly(demo
 
 def test_num_workers_switch_live_through_the_command_path(demo):
     info = wait_for_run(demo)
-    with Subscriber(info, topics=("step", "event")) as sub:
+    with Subscriber(info) as sub:
         message = sub.recv(30)
         assert message is not None
         assert send_command(info, "num_workers", -1)["reason"].startswith(
