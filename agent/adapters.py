@@ -79,7 +79,7 @@ class _TrainerCallback:
 
     def on_optimizer_step(self, trainer: Trainer, stats: StepStats) -> None:
         self.agent.optimizer_step(stats.step, stats.micro_batches, stats.samples,
-                                  stats.data_wait_s, stats.loss)
+                                  stats.data_wait_s, stats.loss, stats.skipped)
 
     def on_fit_end(self, trainer: Trainer) -> None:
         self.agent.close("finished")
@@ -147,21 +147,23 @@ class Session:
             self._samples += batch_size(batch)
             yield batch
 
-    def optimizer_step(self, loss: torch.Tensor | None = None,
-                       samples: int | None = None) -> None:
+    def optimizer_step(self, loss: torch.Tensor | None = None, samples: int | None = None,
+                       skipped: torch.Tensor | None = None) -> None:
         """Mark an optimizer-step boundary: call it right after ``optimizer.step()`` and
         ``zero_grad()``. Pending commands (e.g. ``precision``) are applied here.
 
         Args:
             loss: the step's loss tensor (any device; it is never read on this thread).
             samples: samples in the step, if the loader wrapper cannot count them.
+            skipped: what :meth:`gpuopt.MixedPrecision.step` returned (fp16: whether
+                the GradScaler skipped the step), so skipped steps are counted.
 
         .. note:: Never synchronizes the device; a few microseconds.
         """
         self.step += 1
         self.agent.optimizer_step(self.step, max(self._micro_batches, 1),
                                   self._samples if samples is None else samples,
-                                  self._data_wait_s, loss)
+                                  self._data_wait_s, loss, skipped)
         self._data_wait_s = 0.0
         self._micro_batches = 0
         self._samples = 0
@@ -181,9 +183,9 @@ def session(*, name: str = "", model: torch.nn.Module | None = None,
                 with mp.autocast():
                     loss = loss_fn(model(x), y)
                 mp.backward(loss)
-                mp.step(optimizer)
+                skipped = mp.step(optimizer)
                 optimizer.zero_grad()
-                run.optimizer_step(loss)
+                run.optimizer_step(loss, skipped=skipped)
 
     Args:
         name, model, device, transport: as for :class:`agent.Agent`.

@@ -31,6 +31,7 @@ import torch
 import zmq
 
 from agent import protocol
+from agent.guard import ChangeGuard
 from agent.knobs import KnobError, KnobSet
 from agent.markers import marker_for
 from agent.probes import Nvml, SystemProbe
@@ -88,6 +89,7 @@ class _Pending:
     knob: str = field(compare=False)
     value: Any = field(compare=False)
     command_id: Any = field(compare=False)
+    rollback_reason: str | None = field(compare=False, default=None)
 
 
 class Agent:
@@ -157,6 +159,7 @@ class Agent:
                                         daemon=True)
         self._expected_step: int | None = None
         self._input = InputWindow()
+        self._change_guard = ChangeGuard()
         #: Step records lost because the queue overflowed (the I/O thread fell behind).
         self.records_dropped = 0
         self.errors: list[str] = []
@@ -200,7 +203,8 @@ class Agent:
         self._last_boundary_t = time.perf_counter()
 
     def optimizer_step(self, step: int, micro_batches: int, samples: int,
-                       data_wait_s: float, loss: torch.Tensor | None) -> None:
+                       data_wait_s: float, loss: torch.Tensor | None,
+                       skipped: torch.Tensor | None = None) -> None:
         """Training thread: record the optimizer step ``step`` that just ended, then apply
         the commands due at step ``step + 1``.
 
@@ -210,6 +214,7 @@ class Agent:
             samples: samples in the window.
             data_wait_s: host seconds the loop waited for data in this step.
             loss: the step's loss as a 0-dim tensor (any device), or None.
+            skipped: in fp16, the GradScaler's 0-dim bool "skipped" tensor, or None.
 
         .. note:: Never synchronizes the device and never blocks: a clock read, a marker
            (an asynchronous CUDA event on GPU), one deque append. Never raises: an
@@ -223,7 +228,7 @@ class Agent:
             self._last_boundary_t = now
             self._records.append((
                 "step", step, None if previous is None else now - previous, micro_batches,
-                samples, data_wait_s, self._marker.mark(loss), self._knob_values))
+                samples, data_wait_s, self._marker.mark(loss, skipped), self._knob_values))
             self._last_step = step
             if self._pending:
                 self._apply_pending(step)
@@ -247,9 +252,13 @@ class Agent:
                             step=step + 1, id=command.command_id)
                 continue
             self._knob_values = self.knobs.values()
-            self._event("info", f"{command.knob}={command.value} applied at step {step + 1}",
-                        kind="applied", knob=command.knob, value=command.value,
-                        previous=previous, step=step + 1, id=command.command_id)
+            text = f"{command.knob}={command.value} applied at step {step + 1}"
+            if command.rollback_reason:
+                text += f": rolled back because {command.rollback_reason}"
+            self._event("warning" if command.rollback_reason else "info", text,
+                        kind="rolled_back" if command.rollback_reason else "applied",
+                        knob=command.knob, value=command.value, previous=previous,
+                        step=step + 1, id=command.command_id)
 
     def _event(self, level: str, text: str, **fields: Any) -> None:
         self._records.append(("event", {"level": level, "text": text, **fields}))
@@ -402,6 +411,7 @@ class Agent:
             record = in_flight[0]
             if record[0] == "event":
                 in_flight.popleft()
+                self._change_guard.on_applied(record[1])
                 self._publish(protocol.EVENT, record[1])
                 continue
             _, step, step_time_s, micro_batches, samples, wait_s, marker, knobs = record
@@ -414,23 +424,53 @@ class Agent:
             self._expected_step = step + 1
             if memory is None:
                 memory = self._memory()
+            ready = self._marker.ready(marker)
+            loss = self._marker.loss(marker) if ready else None
+            skipped = self._marker.skipped(marker) if ready else None
             body = {
                 "step": step, "micro_batches": micro_batches, "samples": samples,
                 "step_time_s": step_time_s, "data_wait_s": wait_s,
                 "data_wait_share": (min(1.0, wait_s / step_time_s)
                                     if step_time_s else None),
                 "samples_per_s": samples / step_time_s if step_time_s else None,
-                "loss": self._marker.loss(marker) if self._marker.ready(marker) else None,
+                "loss": loss,
                 "gpu_step_time_s": (self._marker.gpu_time_s(previous_marker, marker)
-                                    if self._marker.ready(marker) else None),
+                                    if ready else None),
                 "knobs": knobs, **memory,
             }
+            if skipped is not None:
+                body["grad_scaler_skipped"] = skipped
+            self._check_step(step, loss, skipped)
+            body["skipped_steps_total"] = self._change_guard.skipped_total
             if step_time_s:
                 body["data_wait_share_window"], body["input_verdict"] = self._input.add(
                     wait_s, step_time_s)
             previous_marker = marker
             self._publish(protocol.STEP, body)
         return previous_marker
+
+    def _check_step(self, step: int, loss: float | None, skipped: bool | None) -> None:
+        rollback = self._change_guard.on_step(step, loss, skipped)
+        if rollback is not None:
+            apply_step = self._last_step + 2
+            for knob, value in rollback.values.items():
+                self._schedule(_Pending(apply_step, 0, knob, value, None, rollback.reason))
+            self._publish(protocol.EVENT, {
+                "level": "warning", "kind": "rollback", "step": apply_step,
+                "text": f"{rollback.reason}: rolling back to "
+                        + ", ".join(f"{k}={v}" for k, v in rollback.values.items())
+                        + f" at step {apply_step}"})
+            return
+        warning = self._change_guard.non_finite_warning(step, loss)
+        if warning:
+            self._publish(protocol.EVENT, {"level": "warning", "kind": "warning",
+                                           "text": warning, "step": step})
+
+    def _schedule(self, pending: _Pending) -> None:
+        with self._pending_lock:
+            self._pending_seq += 1
+            pending.seq = self._pending_seq
+            bisect.insort(self._pending, pending)
 
     def _memory(self) -> dict[str, Any]:
         memory: dict[str, Any] = {"host_rss_bytes": self._probe.host_rss_bytes()}
@@ -514,10 +554,7 @@ class Agent:
         if apply_step < earliest:
             return {**rejected, "reason": f"apply_step {apply_step} has passed on rank "
                                           f"{self.rank} (earliest: {earliest})"}
-        with self._pending_lock:
-            self._pending_seq += 1
-            bisect.insort(self._pending, _Pending(apply_step, self._pending_seq, knob_name,
-                                                  value, command_id))
+        self._schedule(_Pending(apply_step, 0, knob_name, value, command_id))
         reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
                  "apply_step": apply_step}
         text = f"{knob_name}={value} accepted, applies at step {apply_step}"

@@ -16,13 +16,16 @@ import torch
 
 
 class CpuMarker:
-    """Loss markers for a model on the host (or any non-CUDA device)."""
+    """Step markers for a model on the host (or any non-CUDA device)."""
 
-    def mark(self, loss: torch.Tensor | None) -> Any:
-        """Training thread: return the marker of this step (the detached loss).
+    def mark(self, loss: torch.Tensor | None, skipped: torch.Tensor | None = None) -> Any:
+        """Training thread: the marker of this step: the detached loss and the
+        GradScaler's skipped flag (both 0-dim tensors or None).
 
-        .. note:: Does not copy or read the tensor's data."""
-        return None if loss is None else loss.detach()
+        .. note:: Does not copy or read the tensors' data."""
+        if loss is not None and loss.requires_grad:
+            loss = loss.detach()  # do not keep the autograd graph alive
+        return loss, skipped
 
     def ready(self, marker: Any) -> bool:
         """I/O thread: whether the marker's values can be read without waiting."""
@@ -30,7 +33,12 @@ class CpuMarker:
 
     def loss(self, marker: Any) -> float | None:
         """I/O thread: the loss as a float (None if it was not recorded)."""
-        return None if marker is None else float(marker.float().mean())
+        loss = marker[0]
+        return None if loss is None else float(loss.float().mean())
+
+    def skipped(self, marker: Any) -> bool | None:
+        """I/O thread: whether the GradScaler skipped the step (None outside fp16)."""
+        return None if marker[1] is None else bool(marker[1])
 
     def gpu_time_s(self, previous: Any, marker: Any) -> float | None:
         """Device time between two markers; None on the host."""
@@ -47,26 +55,33 @@ class CudaMarker:
 
     def __init__(self, device: torch.device, slots: int = 256) -> None:
         self.device = device
-        self._losses = torch.empty(slots, dtype=torch.float32, pin_memory=True)
+        # column 0: loss, column 1: skipped flag (NaN when not recorded)
+        self._values = torch.empty(slots, 2, dtype=torch.float32, pin_memory=True)
         self._busy = [False] * slots
         self._next = 0
 
-    def mark(self, loss: torch.Tensor | None) -> tuple[torch.cuda.Event, int]:
-        """Training thread: record an event (and copy the loss) for this step.
+    def mark(self, loss: torch.Tensor | None,
+             skipped: torch.Tensor | None = None) -> tuple[torch.cuda.Event, int]:
+        """Training thread: record an event (and copy the loss and skipped flag) for
+        this step.
 
         Returns:
-            ``(event, slot)``; ``slot`` is -1 when no loss is kept for this step.
+            ``(event, slot)``; ``slot`` is -1 when no values are kept for this step.
 
-        .. note:: Never synchronizes: ``Event.record`` and a non-blocking device-to-pinned
-           copy are both asynchronous.
+        .. note:: Never synchronizes: ``Event.record`` and non-blocking device-to-pinned
+           copies are all asynchronous.
         """
         slot = -1
         if loss is not None and not self._busy[self._next]:
             slot = self._next
             self._busy[slot] = True
             self._next = (slot + 1) % len(self._busy)
-            self._losses[slot:slot + 1].copy_(loss.detach().float().reshape(1),
-                                              non_blocking=True)
+            row = self._values[slot]
+            row[0:1].copy_(loss.detach().float().reshape(1), non_blocking=True)
+            if skipped is None:
+                row[1] = float("nan")
+            else:
+                row[1:2].copy_(skipped.float().reshape(1), non_blocking=True)
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event, slot
@@ -76,13 +91,19 @@ class CudaMarker:
         return marker[0].query()
 
     def loss(self, marker: tuple[torch.cuda.Event, int]) -> float | None:
-        """I/O thread, after :meth:`ready`: read and free the loss slot."""
+        """I/O thread, after :meth:`ready`: the loss (None if not recorded)."""
+        slot = marker[1]
+        return None if slot < 0 else float(self._values[slot, 0])
+
+    def skipped(self, marker: tuple[torch.cuda.Event, int]) -> bool | None:
+        """I/O thread, after :meth:`ready`: the skipped flag; frees the slot. Call it
+        after :meth:`loss`."""
         slot = marker[1]
         if slot < 0:
             return None
-        value = float(self._losses[slot])
+        flag = float(self._values[slot, 1])
         self._busy[slot] = False
-        return value
+        return None if flag != flag else flag > 0.5
 
     def gpu_time_s(self, previous: Any, marker: tuple[torch.cuda.Event, int]) -> float | None:
         """Seconds of device time between two completed markers (None for the first)."""

@@ -39,9 +39,9 @@ def main() -> None:
                 with precision.autocast():
                     loss = torch.nn.functional.cross_entropy(model(inputs), targets)
                 precision.backward(loss)
-                precision.step(optimizer)
+                skipped = precision.step(optimizer)  # fp16: did the GradScaler skip it?
                 optimizer.zero_grad(set_to_none=True)
-                run.optimizer_step(loss)
+                run.optimizer_step(loss, skipped=skipped)
                 if run.step >= args.max_steps:
                     break
 

@@ -117,15 +117,23 @@ class MixedPrecision:
         if self._precision == "fp16":
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """The optimizer step; in fp16 through the GradScaler (which skips the step on
-        inf/NaN gradients and updates its scale).
+        inf/NaN gradients and backs off its scale).
+
+        Returns:
+            In fp16, a 0-dim bool tensor on the device, True when the GradScaler skipped
+            this step (its scale went down: ``update()`` backs off exactly when it found
+            inf/NaN gradients); None in fp32 and bf16. It is not read here: reading it
+            would synchronize the device.
 
         .. note:: In fp16 the GradScaler's inf check synchronizes the device once per
-           optimizer step (inherent to dynamic loss scaling); bf16 and fp32 do not.
+           optimizer step (inherent to ``GradScaler.step``); bf16 and fp32 do not.
         """
-        if self._precision == "fp16":
-            self.scaler.step(optimizer)
-            self.scaler.update()
-        else:
+        if self._precision != "fp16":
             optimizer.step()
+            return None
+        self.scaler.step(optimizer)
+        scale_before = self.scaler._scale.clone()  # torch.amp has no public tensor form
+        self.scaler.update()
+        return self.scaler._scale < scale_before

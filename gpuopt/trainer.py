@@ -30,6 +30,8 @@ class StepStats:
         loss: mean loss over the window as a detached 0-dim tensor on the model's
             device (reading it with ``.item()`` would synchronize a GPU: leave that to
             another thread, or to when the value is needed).
+        skipped: in fp16, a 0-dim bool tensor on the device, True when the GradScaler
+            skipped this step for inf/NaN gradients; None otherwise. Not read either.
     """
 
     step: int
@@ -37,6 +39,7 @@ class StepStats:
     samples: int
     data_wait_s: float
     loss: torch.Tensor | None
+    skipped: torch.Tensor | None = None
 
 
 class Callback(Protocol):
@@ -196,11 +199,11 @@ class Trainer:
         if self.max_grad_norm is not None:
             self.mixed_precision.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.mixed_precision.step(self.optimizer)
+        skipped = self.mixed_precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         stats = StepStats(self.step, micro_batches, samples, data_wait_s,
-                          loss_sum / micro_batches)
+                          loss_sum / micro_batches, skipped)
         for callback in self.callbacks:
             _call(callback, "on_optimizer_step", self, stats)
         return micro_batches == window

@@ -1,75 +1,31 @@
 """The agent on real ZeroMQ sockets, attached to a real Trainer training on real digits."""
 
 import os
-import threading
 
 import pytest
 import torch
-from sklearn.datasets import load_digits
 
 import agent
 from agent import protocol, runs
 from gpuopt import MixedPrecision, Trainer
 from gpuwatch.client import Subscriber, send_command
-
-
-def _digits_loader(batch_size=16, n=1024):
-    digits = load_digits()
-    x = torch.tensor(digits.data[:n], dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target[:n], dtype=torch.long)
-    return list(zip(x.split(batch_size), y.split(batch_size)))
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
-
-
-class Gate:
-    """Trainer callback that lets the test pace the training: the loop blocks at step
-    ``hold_at`` until released, so commands can be sent at a known point."""
-
-    def __init__(self, hold_at):
-        self.hold_at = hold_at
-        self.reached = threading.Event()
-        self.release = threading.Event()
-
-    def on_optimizer_step(self, trainer, stats):
-        if stats.step == self.hold_at:
-            self.reached.set()
-            assert self.release.wait(30)
-
-
-def _start(trainer, **fit):
-    thread = threading.Thread(target=trainer.fit, kwargs=fit, daemon=True)
-    thread.start()
-    return thread
-
-
-def _messages(sub, until, timeout_s=30):
-    seen = []
-    while True:
-        message = sub.recv(timeout_s)
-        assert message is not None, f"no message within {timeout_s} s; saw {seen[-5:]}"
-        seen.append(message)
-        if until(message):
-            return seen
+from tests.training import Gate, digits_loader, messages, model as make_model, start
 
 
 def _next_of(sub, msg_type, timeout_s=30):
-    return _messages(sub, lambda m: m["type"] == msg_type, timeout_s)[-1]
+    return messages(sub, lambda m: m["type"] == msg_type, timeout_s)[-1]
 
 
 def test_steps_stream_and_a_command_applies_at_the_step_it_announced(run_dir):
-    model = _model()
+    model = make_model()
     gate = Gate(hold_at=5)
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
-                      torch.nn.functional.cross_entropy, _digits_loader(), callbacks=[gate])
+                      torch.nn.functional.cross_entropy, digits_loader(), callbacks=[gate])
     monitor = agent.attach(trainer, name="test-run")
     info = runs.find_run()
     assert info.run_id == monitor.run_id and info.name == "test-run"
     with Subscriber(info) as sub:
-        thread = _start(trainer, max_steps=40)
+        thread = start(trainer, max_steps=40)
         assert gate.reached.wait(30)
         reply = send_command(info, "precision", "bf16")
         assert reply["ok"], reply
@@ -77,7 +33,7 @@ def test_steps_stream_and_a_command_applies_at_the_step_it_announced(run_dir):
         bad = send_command(info, "accum_steps", 0)
         assert not bad["ok"] and "below the minimum" in bad["reason"]
         gate.release.set()
-        seen = _messages(sub, lambda m: m["type"] == "bye")
+        seen = messages(sub, lambda m: m["type"] == "bye")
         thread.join(30)
     steps = {m["body"]["step"]: m["body"] for m in seen if m["type"] == "step"}
     applied = [m["body"] for m in seen if m["type"] == "event"
@@ -98,9 +54,9 @@ def test_steps_stream_and_a_command_applies_at_the_step_it_announced(run_dir):
 
 
 def test_hello_carries_schema_environment_and_model(run_dir):
-    model = _model()
+    model = make_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                      torch.nn.functional.cross_entropy, _digits_loader())
+                      torch.nn.functional.cross_entropy, digits_loader())
     monitor = agent.attach(trainer)
     try:
         with Subscriber(runs.find_run()) as sub:
@@ -116,13 +72,13 @@ def test_hello_carries_schema_environment_and_model(run_dir):
 
 
 def test_commands_without_token_unknown_bad_late_or_while_ending_change_nothing(run_dir):
-    model = _model()
+    model = make_model()
     gate = Gate(hold_at=3)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                      torch.nn.functional.cross_entropy, _digits_loader(), callbacks=[gate])
+                      torch.nn.functional.cross_entropy, digits_loader(), callbacks=[gate])
     monitor = agent.attach(trainer)
     info = runs.find_run()
-    thread = _start(trainer, max_steps=12)
+    thread = start(trainer, max_steps=12)
     assert gate.reached.wait(30)
     stolen = runs.RunInfo(**{**info.__dict__, "token": "0" * 32})
     replies = [
@@ -148,9 +104,9 @@ def test_commands_without_token_unknown_bad_late_or_while_ending_change_nothing(
 def test_malformed_frames_get_a_reply_and_the_run_goes_on(run_dir):
     import zmq
 
-    model = _model()
+    model = make_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                      torch.nn.functional.cross_entropy, _digits_loader())
+                      torch.nn.functional.cross_entropy, digits_loader())
     monitor = agent.attach(trainer)
     info = runs.find_run()
     dealer = zmq.Context.instance().socket(zmq.DEALER)
@@ -173,9 +129,9 @@ def test_malformed_frames_get_a_reply_and_the_run_goes_on(run_dir):
 
 def test_training_result_is_identical_with_and_without_the_agent(run_dir):
     def train(with_agent):
-        model = _model(seed=1)
+        model = make_model(seed=1)
         trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                          torch.nn.functional.cross_entropy, _digits_loader(), accum_steps=2)
+                          torch.nn.functional.cross_entropy, digits_loader(), accum_steps=2)
         if with_agent:
             agent.attach(trainer)
         trainer.fit(max_steps=30)
@@ -187,14 +143,14 @@ def test_training_result_is_identical_with_and_without_the_agent(run_dir):
 
 
 def test_hand_written_loop_session_streams_steps_and_takes_precision(run_dir):
-    model = _model()
+    model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     policy = MixedPrecision("cpu")
     seen_precision = []
     with agent.session(name="manual", model=model, mixed_precision=policy) as run:
         info = runs.find_run()
         with Subscriber(info) as sub:
-            for i, (x, y) in enumerate(run.loader(_digits_loader(batch_size=8))):
+            for i, (x, y) in enumerate(run.loader(digits_loader(batch_size=8))):
                 with policy.autocast():
                     loss = torch.nn.functional.cross_entropy(model(x), y)
                 policy.backward(loss)
@@ -214,9 +170,9 @@ def test_hand_written_loop_session_streams_steps_and_takes_precision(run_dir):
 def test_run_log_holds_every_step_and_reads_as_a_table(run_dir):
     import json
 
-    model = _model()
+    model = make_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                      torch.nn.functional.cross_entropy, _digits_loader())
+                      torch.nn.functional.cross_entropy, digits_loader())
     monitor = agent.attach(trainer)
     log_path = monitor.info.log_path
     assert log_path.startswith(os.path.join(run_dir, "logs"))

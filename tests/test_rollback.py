@@ -1,0 +1,66 @@
+"""Safe changes: a change after which the loss goes non-finite is rolled back."""
+
+import torch
+
+import agent
+from agent import runs
+from agent.guard import ChangeGuard
+from gpuopt import Trainer
+from gpuwatch.client import Subscriber, send_command
+from tests.training import Gate, digits_loader, messages, model as make_model, start
+
+
+def nan_under_fp16(output, target):
+    """Fault injection: the loss is NaN whenever the forward ran in fp16."""
+    loss = torch.nn.functional.cross_entropy(output.float(), target)
+    return loss * float("nan") if output.dtype == torch.float16 else loss
+
+
+def test_forced_nan_after_switch_to_fp16_is_rolled_back_and_training_goes_on(run_dir):
+    model = make_model()
+    gate = Gate(hold_at=3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nan_under_fp16,
+                      digits_loader(), callbacks=[gate])
+    agent.attach(trainer)
+    info = runs.find_run()
+    with Subscriber(info) as sub:
+        thread = start(trainer, max_steps=40)
+        assert gate.reached.wait(30)
+        reply = send_command(info, "precision", "fp16")
+        assert reply["ok"]
+        gate.release.set()
+        seen = messages(sub, lambda m: m["type"] == "bye")
+        thread.join(30)
+    events = [m["body"] for m in seen if m["type"] == "event"]
+    rolled = [e for e in events if e.get("kind") == "rolled_back"]
+    assert len(rolled) == 1 and rolled[0]["value"] == "fp32"
+    assert "loss was nan" in rolled[0]["text"] and "after precision=fp16" in rolled[0]["text"]
+    steps = {m["body"]["step"]: m["body"] for m in seen if m["type"] == "step"}
+    fp16_steps = [s for s, b in steps.items() if b["knobs"]["precision"] == "fp16"]
+    assert fp16_steps and max(fp16_steps) < rolled[0]["step"]
+    assert all(b["knobs"]["precision"] == "fp32" for s, b in steps.items()
+               if s >= rolled[0]["step"])
+    assert steps[40]["loss"] == steps[40]["loss"]  # finite again: training went on
+    assert trainer.precision == "fp32"
+    for param in model.parameters():  # the GradScaler skipped the NaN steps
+        assert torch.isfinite(param).all()
+
+
+def test_guard_rolls_back_after_skipped_steps_in_a_row_and_ends_a_clean_watch():
+    guard = ChangeGuard(guard_steps=20, max_skipped_in_row=3)
+    guard.on_applied({"kind": "applied", "knob": "precision", "value": "fp16",
+                      "previous": "bf16", "step": 10})
+    assert guard.on_step(10, 1.0, True) is None
+    assert guard.on_step(11, 1.0, True) is None
+    rollback = guard.on_step(12, 1.0, True)
+    assert rollback.values == {"precision": "bf16"}
+    assert "skipped 3 fp16 steps in a row" in rollback.reason
+    assert guard.skipped_total == 3
+    assert guard.on_step(13, float("nan"), None) is None  # watch over: nothing to undo
+    guard.on_applied({"kind": "applied", "knob": "accum_steps", "value": 4,
+                      "previous": 1, "step": 50})
+    assert guard.on_step(70, 1.0, None) is None  # 20 clean steps end the watch
+    assert guard.on_step(71, float("inf"), None) is None
+    guard.on_applied({"kind": "applied", "knob": "num_workers", "value": 2,
+                      "previous": 0, "step": 80})  # not a guarded knob
+    assert guard.on_step(81, float("nan"), None) is None

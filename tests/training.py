@@ -1,0 +1,50 @@
+"""Shared pieces of the tests that train for real: digits data, a small model, a gate
+that pauses the training thread, and a message collector."""
+
+import threading
+
+import torch
+from sklearn.datasets import load_digits
+
+
+def digits_loader(batch_size=16, n=1024):
+    digits = load_digits()
+    x = torch.tensor(digits.data[:n], dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target[:n], dtype=torch.long)
+    return list(zip(x.split(batch_size), y.split(batch_size)))
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+
+
+class Gate:
+    """Trainer callback that lets the test pace the training: the loop blocks at step
+    ``hold_at`` until released, so commands can be sent at a known point."""
+
+    def __init__(self, hold_at):
+        self.hold_at = hold_at
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def on_optimizer_step(self, trainer, stats):
+        if stats.step == self.hold_at:
+            self.reached.set()
+            assert self.release.wait(30)
+
+
+def start(trainer, **fit):
+    thread = threading.Thread(target=trainer.fit, kwargs=fit, daemon=True)
+    thread.start()
+    return thread
+
+
+def messages(sub, until, timeout_s=30):
+    seen = []
+    while True:
+        message = sub.recv(timeout_s)
+        assert message is not None, f"no message within {timeout_s} s; saw {seen[-5:]}"
+        seen.append(message)
+        if until(message):
+            return seen
