@@ -44,6 +44,9 @@ _HEARTBEAT_INTERVAL_S = 1.0
 _HELLO_EVERY_HEARTBEATS = 2
 _POLL_MS = 5
 _MAX_COMMANDS_PER_POLL = 100
+#: Commands accepted but not yet applied, at most; more are rejected (a flood is refused,
+#: not queued).
+MAX_PENDING_COMMANDS = 32
 #: Steps in the sliding window of the data-wait share and the input-bound verdict.
 INPUT_WINDOW_STEPS = 20
 #: Share of step time spent waiting for data above which a run is called input-bound
@@ -162,6 +165,8 @@ class Agent:
         self._change_guard = ChangeGuard()
         #: Step records lost because the queue overflowed (the I/O thread fell behind).
         self.records_dropped = 0
+        #: Valid commands refused because too many were pending (a flood).
+        self.commands_refused = 0
         self.errors: list[str] = []
 
     # ---------------------------------------------------------------- lifecycle
@@ -487,7 +492,8 @@ class Agent:
 
     def _heartbeat(self) -> dict[str, Any]:
         return {"step": self._last_step, "ending": self._ending,
-                "records_dropped": self.records_dropped, "errors": len(self.errors)}
+                "records_dropped": self.records_dropped, "errors": len(self.errors),
+                "commands_refused": self.commands_refused}
 
     def _hello(self) -> dict[str, Any]:
         if not hasattr(self, "_env_report"):
@@ -547,6 +553,10 @@ class Agent:
             self._event("warning", f"command rejected: {exc}", kind="rejected",
                         knob=knob_name if isinstance(knob_name, str) else None)
             return {**rejected, "reason": str(exc)}
+        if len(self._pending) >= MAX_PENDING_COMMANDS:
+            self.commands_refused += 1
+            return {**rejected, "reason": f"{MAX_PENDING_COMMANDS} commands are already "
+                                          "waiting for the next step boundary; try again"}
         earliest = self._last_step + 2
         apply_step = body.get("apply_step", earliest)
         if isinstance(apply_step, bool) or not isinstance(apply_step, int):
