@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import zmq
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors through its interpreter, which works only when
+    # Triton is first imported with this set: set it before any test module imports it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from agent import protocol
 from agent.knobs import STANDARD_KNOBS, KnobError

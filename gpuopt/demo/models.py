@@ -4,6 +4,21 @@ Both are plain ``nn.Module`` s with nothing demo-specific in them, so every opti
 in :mod:`gpuopt` (autocast, accumulation, activation checkpointing over
 ``CharTransformer.blocks``, fused kernels, ``torch.compile``) applies to them as to any
 model.
+
+Fused kernels: the layers that have a fused form are :mod:`gpuopt.kernels` modules,
+subclasses of the ``nn.Linear``/``nn.LayerNorm`` they replace (same parameters,
+initialisation and ``state_dict`` keys) whose ``backend`` starts as ``"eager"``, where
+they run the same torch ops as before, bit for bit.
+:func:`gpuopt.kernels.set_kernel_backend` ``(model, "triton")`` moves them to Triton:
+
+- :class:`CharTransformer`: each block's ``mlp.fc`` (Linear -> GELU, the exact erf GELU of
+  ``nn.GELU()``) is a :class:`~gpuopt.kernels.FusedLinearBiasActivation`; ``ln_1``,
+  ``ln_2`` and ``ln_f`` are :class:`~gpuopt.kernels.FusedLayerNormDropoutActivation`
+  without dropout or activation (plain LayerNorms): ``2 n_layers + 1`` LayerNorms and
+  ``n_layers`` MLP input layers in all.
+- :class:`DigitsCNN`: the classifier's Linear (no activation follows it) is a
+  :class:`~gpuopt.kernels.FusedLinearBiasActivation` with ``activation="identity"``: the
+  bias add and its gradient run in Triton.
 """
 
 from __future__ import annotations
@@ -13,6 +28,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gpuopt.kernels import FusedLayerNormDropoutActivation, FusedLinearBiasActivation
 
 __all__ = ["CausalSelfAttention", "MLP", "Block", "CharTransformer", "DigitsCNN"]
 
@@ -57,18 +74,21 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: Linear(C, 4C) -> GELU -> Linear(4C, C) -> dropout."""
+    """Position-wise feed-forward: Linear(C, 4C) -> GELU -> Linear(4C, C) -> dropout.
+
+    ``fc`` is Linear + GELU (exact erf form) as one
+    :class:`~gpuopt.kernels.FusedLinearBiasActivation`.
+    """
 
     def __init__(self, d_model: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.fc = nn.Linear(d_model, 4 * d_model)
-        self.act = nn.GELU()
+        self.fc = FusedLinearBiasActivation(d_model, 4 * d_model, activation="gelu")
         self.proj = nn.Linear(4 * d_model, d_model)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` float ``[..., C]`` -> float ``[..., C]``."""
-        return self.dropout(self.proj(self.act(self.fc(x))))
+        return self.dropout(self.proj(self.fc(x)))
 
 
 class Block(nn.Module):
@@ -80,9 +100,9 @@ class Block(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(d_model)
+        self.ln_1 = FusedLayerNormDropoutActivation(d_model)
         self.attn = CausalSelfAttention(d_model, n_heads, dropout)
-        self.ln_2 = nn.LayerNorm(d_model)
+        self.ln_2 = FusedLayerNormDropoutActivation(d_model)
         self.mlp = MLP(d_model, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +162,7 @@ class CharTransformer(nn.Module):
         self.position_embedding = nn.Embedding(context_len, d_model)
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
-        self.ln_f = nn.LayerNorm(d_model)
+        self.ln_f = FusedLayerNormDropoutActivation(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
@@ -185,7 +205,8 @@ class CharTransformer(nn.Module):
 class DigitsCNN(nn.Module):
     """A small CNN for 10-class digit images.
 
-    ``[conv3x3 -> BatchNorm -> ReLU -> maxpool 2x2] x 2 -> flatten -> dropout -> linear``.
+    ``[conv3x3 -> BatchNorm -> ReLU -> maxpool 2x2] x 2 -> flatten -> dropout -> linear``
+    (the linear a :class:`~gpuopt.kernels.FusedLinearBiasActivation`, no activation).
     With the default 16x16 input the feature map before the head is
     ``[channels[1], 4, 4]``.
 
@@ -222,7 +243,9 @@ class DigitsCNN(nn.Module):
         )
         side = image_size // 4
         self.head = nn.Sequential(
-            nn.Flatten(), nn.Dropout(dropout), nn.Linear(c2 * side * side, num_classes)
+            nn.Flatten(),
+            nn.Dropout(dropout),
+            FusedLinearBiasActivation(c2 * side * side, num_classes, activation="identity"),
         )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
