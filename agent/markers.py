@@ -34,7 +34,9 @@ class CpuMarker:
     def loss(self, marker: Any) -> float | None:
         """I/O thread: the loss as a float (None if it was not recorded)."""
         loss = marker[0]
-        return None if loss is None else float(loss.float().mean())
+        if loss is None:
+            return None
+        return loss.item() if loss.dim() == 0 else float(loss.float().mean())
 
     def skipped(self, marker: Any) -> bool | None:
         """I/O thread: whether the GradScaler skipped the step (None outside fp16)."""

@@ -57,11 +57,11 @@ class RunLog:
 
     def _open(self):
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        return os.fdopen(fd, "a", encoding="utf-8", buffering=1 << 16)
+        return os.fdopen(fd, "ab", buffering=1 << 16)
 
     def write(self, message: dict[str, Any]) -> None:
         """Append one envelope (flattened) as a line."""
-        line = protocol.to_json_line(message) + "\n"
+        line = protocol.to_json_line(message)
         self._file.write(line)
         self._size += len(line)
         if self._size >= self.max_bytes:

@@ -1,0 +1,150 @@
+"""Memory measurement on CPU: a profiled step, host readings, and clear refusals of what
+needs CUDA. The snapshot state machine runs against a stand-in for torch.cuda.memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gpuopt.memory as memory
+from gpuopt.demo.models import CharTransformer, DigitsCNN
+from gpuopt.memory import (MemorySnapshot, format_bytes, memory_stats, profile_memory,
+                           set_memory_fraction)
+
+
+def char_model() -> CharTransformer:
+    torch.manual_seed(0)
+    return CharTransformer(17, d_model=32, n_heads=2, n_layers=2, context_len=16, dropout=0.1)
+
+
+def char_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def test_profile_memory_forward_and_backward():
+    model = char_model()
+    idx = torch.randint(0, 17, (8, 16))
+    profile = profile_memory(model, idx, loss_fn=char_loss, target=idx, top=5)
+    assert profile.device == "cpu" and profile.backward and profile.baseline_bytes is None
+    # at least the logits [8, 16, 17] fp32 are alive at once
+    assert profile.peak_bytes >= 8 * 16 * 17 * 4
+    assert 0 < len(profile.top_operators) <= 5
+    sizes = [op.self_memory_bytes for op in profile.top_operators]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] > 0
+    assert all(op.name.startswith("aten::") and op.count >= 1 for op in profile.top_operators)
+    text = profile.format()
+    assert text.startswith("Memory profile on cpu, one forward+backward: peak ")
+    assert profile.top_operators[0].name in text
+
+
+def test_profile_memory_forward_only_and_top_zero():
+    model = char_model().eval()
+    with torch.no_grad():
+        profile = profile_memory(model, torch.randint(0, 17, (2, 16)), top=0)
+    assert not profile.backward and profile.peak_bytes > 0 and profile.top_operators == ()
+    assert "one forward:" in profile.format()
+    with pytest.raises(ValueError, match="top must be an integer >= 0, got -1"):
+        profile_memory(model, torch.randint(0, 17, (2, 16)), top=-1)
+
+
+def test_profile_memory_leaves_no_trace():
+    model = DigitsCNN()  # BatchNorm running statistics and dropout
+    images, labels = torch.randn(4, 1, 16, 16), torch.randint(0, 10, (4,))
+    F.cross_entropy(model(images), labels).backward()  # a gradient mid-accumulation
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    profile_memory(model, images, loss_fn=F.cross_entropy, target=labels)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[name]), name
+    for name, b in model.named_buffers():
+        assert torch.equal(b, buffers[name]), name
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_memory_stats_on_cpu():
+    stats = memory_stats("cpu")
+    assert stats["host_rss_bytes"] > 10 * 2**20  # python + torch
+    assert stats["host_peak_rss_bytes"] is None or stats["host_peak_rss_bytes"] > 10 * 2**20
+    assert set(stats) == {"host_rss_bytes", "host_peak_rss_bytes"}
+    assert set(memory_stats()) == set(stats)  # None means CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_what_needs_cuda_is_refused_with_the_reason():
+    fraction = "a per-process memory fraction needs CUDA"
+    with pytest.raises(ValueError, match=f"{fraction}; this run is on cpu"):
+        set_memory_fraction(0.5, "cpu")
+    with pytest.raises(ValueError, match=f"{fraction}, which is not available here"):
+        set_memory_fraction(0.5, "cuda")
+    with pytest.raises(ValueError, match="a CUDA memory snapshot needs CUDA; this run is on cpu"):
+        MemorySnapshot("cpu")
+    with pytest.raises(ValueError, match="needs CUDA, which is not available"):
+        memory_stats("cuda:0")
+
+
+@pytest.mark.parametrize("fraction", [0, -0.1, 1.5, float("nan"), True, "0.5"])
+def test_memory_fraction_outside_zero_one_is_refused(fraction):
+    with pytest.raises(ValueError, match=r"memory fraction must be a number in \(0, 1\]"):
+        set_memory_fraction(fraction, "cuda")
+
+
+def test_format_bytes():
+    assert [format_bytes(n) for n in (None, 0, 1023, 1536, 5 * 2**20, 3 * 2**30, 2**42)] == [
+        "n/a", "0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 GiB", "4096.0 GiB"]
+
+
+class FakeCudaMemory:
+    """Stands in for torch.cuda.memory's history recording and snapshot dump."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _record_memory_history(self, enabled="all", max_entries=None, **_):
+        self.calls.append(("record", enabled, max_entries))
+
+    def _dump_snapshot(self, filename):
+        self.calls.append(("dump", filename))
+        with open(filename, "wb") as file:
+            file.write(b"snapshot")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    fake = FakeCudaMemory()
+    monkeypatch.setattr(memory, "_cuda_reason", lambda device, what: None)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake._record_memory_history)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", fake._dump_snapshot)
+    return fake
+
+
+def test_snapshot_state_machine(fake_cuda, tmp_path):
+    path = tmp_path / "snap.pickle"
+    snapshot = MemorySnapshot("cuda", max_entries=1000)
+    assert not snapshot.recording and snapshot.on_optimizer_step() is None
+    snapshot.start(3, path)
+    assert snapshot.recording and fake_cuda.calls == [("record", "all", 1000)]
+    with pytest.raises(ValueError, match="already recording"):
+        snapshot.start(1, path)
+    assert snapshot.on_optimizer_step() is None
+    assert snapshot.on_optimizer_step() is None
+    assert snapshot.on_optimizer_step() == str(path)
+    assert path.read_bytes() == b"snapshot" and not snapshot.recording
+    assert fake_cuda.calls[1:] == [("dump", str(path)), ("record", None, None)]
+    assert snapshot.on_optimizer_step() is None  # idle again
+
+    snapshot.start(5, path)
+    assert snapshot.stop(dump=False) is None and not snapshot.recording
+    assert fake_cuda.calls[-1] == ("record", None, None)
+
+
+def test_snapshot_bad_arguments(fake_cuda, tmp_path):
+    snapshot = MemorySnapshot("cuda")
+    with pytest.raises(ValueError, match="steps must be an integer >= 1, got 0"):
+        snapshot.start(0, tmp_path / "a.pickle")
+    with pytest.raises(ValueError, match="no directory"):
+        snapshot.start(2, tmp_path / "missing" / "a.pickle")
+    with pytest.raises(ValueError, match="max_entries must be an integer >= 1"):
+        MemorySnapshot("cuda", max_entries=0)
+    assert fake_cuda.calls == []
