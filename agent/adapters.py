@@ -9,12 +9,20 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from agent.core import Agent
-from agent.knobs import (ACCUM_STEPS, NUM_WORKERS, PIN_MEMORY, PRECISION, PREFETCH_FACTOR,
-                         Knob, KnobSet)
+from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MEMORY_FRACTION,
+                         MEMORY_SNAPSHOT_STEPS, NUM_WORKERS, PIN_MEMORY, PRECISION,
+                         PREFETCH_FACTOR, Knob, KnobSet)
+from agent.runlog import log_dir
 from gpuopt.data import batch_size
+from gpuopt.memory import MemorySnapshot, set_memory_fraction
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
 from gpuopt.trainer import StepStats, Trainer
+
+
+def _refuse(reason: str | None) -> None:
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def precision_knob(mixed_precision: MixedPrecision) -> Knob:
@@ -25,14 +33,10 @@ def precision_knob(mixed_precision: MixedPrecision) -> Knob:
     """
     device_type = mixed_precision.device_type
 
-    def check(value: str) -> None:
-        reason = precision_support(value, device_type)
-        if reason is not None:
-            raise ValueError(reason)
-
     return Knob(PRECISION, get=lambda: mixed_precision.precision,
                 set=lambda value: setattr(mixed_precision, "precision", value),
-                check=check, warn=lambda value: precision_warning(value, device_type))
+                check=lambda value: _refuse(precision_support(value, device_type)),
+                warn=lambda value: precision_warning(value, device_type))
 
 
 def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
@@ -68,11 +72,54 @@ def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
     ]
 
 
-class _TrainerCallback:
-    """Trainer hooks -> agent; each hook is one line."""
+class MemoryKnobs:
+    """The ``memory_fraction`` and ``memory_snapshot_steps`` knobs of a run on ``device``
+    (both CUDA only: elsewhere commands are refused with the reason)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, device: torch.device, run_name: str) -> None:
+        self.device = device
+        self.run_name = run_name
+        self.fraction = 1.0
+        self.snapshot = MemorySnapshot(device) if device.type == "cuda" else None
+        self.snapshot_steps_left = 0
+
+    def _needs_cuda(self, what: str) -> None:
+        if self.device.type != "cuda":
+            raise ValueError(f"{what} needs CUDA; this run is on {self.device.type}")
+
+    def set_fraction(self, value: float) -> None:
+        set_memory_fraction(value, self.device)
+        self.fraction = value
+
+    def start_snapshot(self, steps: int) -> None:
+        self._needs_cuda("a memory snapshot")
+        self.snapshot.start(steps, log_dir() / f"{self.run_name}-memory-snapshot.pickle")
+        self.snapshot_steps_left = steps
+
+    def on_optimizer_step(self) -> str | None:
+        """Training thread: tick a running snapshot; its file's path once written."""
+        if not self.snapshot_steps_left:
+            return None
+        self.snapshot_steps_left -= 1
+        path = self.snapshot.on_optimizer_step()
+        return None if path is None else str(path)
+
+    def knobs(self) -> list[Knob]:
+        return [
+            Knob(MEMORY_FRACTION, get=lambda: self.fraction, set=self.set_fraction,
+                 check=lambda value: self._needs_cuda("a per-process memory fraction")),
+            Knob(MEMORY_SNAPSHOT_STEPS, get=lambda: self.snapshot_steps_left,
+                 set=self.start_snapshot,
+                 check=lambda value: self._needs_cuda("a memory snapshot")),
+        ]
+
+
+class _TrainerCallback:
+    """Trainer hooks -> agent; each hook is a line or two."""
+
+    def __init__(self, agent: Agent, memory: MemoryKnobs) -> None:
         self.agent = agent
+        self.memory = memory
 
     def on_fit_start(self, trainer: Trainer) -> None:
         self.agent.mark_start()
@@ -80,6 +127,12 @@ class _TrainerCallback:
     def on_optimizer_step(self, trainer: Trainer, stats: StepStats) -> None:
         self.agent.optimizer_step(stats.step, stats.micro_batches, stats.samples,
                                   stats.data_wait_s, stats.loss, stats.skipped)
+        for kind, text, fields in trainer.model_backend.pop_events():
+            self.agent.event("info", text, kind=kind, step=stats.step, **fields)
+        snapshot = self.memory.on_optimizer_step()
+        if snapshot is not None:
+            self.agent.event("info", f"memory snapshot written to {snapshot}",
+                             kind="memory_snapshot", path=snapshot, step=stats.step)
 
     def on_fit_end(self, trainer: Trainer) -> None:
         self.agent.close("finished")
@@ -90,9 +143,10 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
     """Attach a started agent to a :class:`gpuopt.Trainer`; returns the agent.
 
     The agent measures every optimizer step of the next :meth:`Trainer.fit` and exposes
-    the knobs ``precision`` and ``accum_steps``, and ``num_workers``, ``pin_memory`` and
-    ``prefetch_factor`` when the trainer's loader is a
-    :class:`gpuopt.loader.ReconfigurableLoader`. It closes (``bye``, run file removed)
+    the knobs ``precision``, ``accum_steps``, ``kernels``, ``memory_fraction`` and
+    ``memory_snapshot_steps`` (the last two CUDA only), ``checkpointing`` when the model
+    has blocks to checkpoint, and ``num_workers``, ``pin_memory`` and ``prefetch_factor``
+    when the trainer's loader is a :class:`gpuopt.loader.ReconfigurableLoader`. It closes (``bye``, run file removed)
     when that ``fit`` returns. Costs the training thread a few microseconds per
     optimizer step and never synchronizes the device.
 
@@ -109,9 +163,19 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
     if isinstance(trainer.loader, ReconfigurableLoader):
         for knob in loader_knobs(trainer.loader):
             knobs.add(knob)
+    knobs.add(Knob(KERNELS, get=lambda: trainer.kernels,
+                   set=lambda value: setattr(trainer, "kernels", value),
+                   check=lambda value: _refuse(trainer.model_backend.support(value))))
+    if trainer.activation_checkpointing is not None:
+        knobs.add(Knob(CHECKPOINTING, get=lambda: trainer.checkpointing,
+                       set=lambda value: setattr(trainer, "checkpointing", value)))
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
                   transport=transport, **options)
-    trainer.callbacks.append(_TrainerCallback(agent))
+    memory = MemoryKnobs(trainer.device, agent.run_id)
+    for knob in memory.knobs():
+        knobs.add(knob)
+    agent.refresh_knobs()
+    trainer.callbacks.append(_TrainerCallback(agent, memory))
     return agent.start()
 
 

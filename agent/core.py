@@ -37,6 +37,7 @@ from agent.markers import marker_for
 from agent.probes import Nvml, SystemProbe
 from agent.runlog import RunLog, log_dir
 from agent.runs import RunInfo, new_run_id, remove_run_file, run_dir, write_run_file
+from gpuopt.memory import memory_stats
 
 log = logging.getLogger("gpuwatch.agent")
 
@@ -251,7 +252,7 @@ class Agent:
             try:
                 knob.set(command.value)
             except Exception as exc:
-                self._event("error", f"{command.knob}={command.value} failed at step "
+                self.event("error", f"{command.knob}={command.value} failed at step "
                             f"{step + 1}: {exc}; kept {command.knob}={previous}",
                             kind="failed", knob=command.knob, value=command.value,
                             step=step + 1, id=command.command_id)
@@ -260,20 +261,27 @@ class Agent:
             text = f"{command.knob}={command.value} applied at step {step + 1}"
             if command.rollback_reason:
                 text += f": rolled back because {command.rollback_reason}"
-            self._event("warning" if command.rollback_reason else "info", text,
+            self.event("warning" if command.rollback_reason else "info", text,
                         kind="rolled_back" if command.rollback_reason else "applied",
                         knob=command.knob, value=command.value, previous=previous,
                         step=step + 1, id=command.command_id)
 
-    def _event(self, level: str, text: str, **fields: Any) -> None:
+    def event(self, level: str, text: str, **fields: Any) -> None:
+        """Publish an ``event`` (``level``: info | warning | error) in order with the
+        step records. Any thread; one deque append."""
         self._records.append(("event", {"level": level, "text": text, **fields}))
+
+    def refresh_knobs(self) -> None:
+        """Re-read the current values of every knob (after knobs were added or set
+        outside a command). Call between optimizer steps."""
+        self._knob_values = self.knobs.values()
 
     def _report_error(self, where: str, exc: BaseException) -> None:
         message = f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}"
         if message not in self.errors:
             self.errors.append(message)
             log.warning(message)
-            self._event("error", message + " (training continues)", kind="agent_error")
+            self.event("error", message + " (training continues)", kind="agent_error")
 
     # ---------------------------------------------------------------- I/O thread
 
@@ -478,13 +486,11 @@ class Agent:
             bisect.insort(self._pending, pending)
 
     def _memory(self) -> dict[str, Any]:
-        memory: dict[str, Any] = {"host_rss_bytes": self._probe.host_rss_bytes()}
+        """Memory fields of the step records published now; on CUDA the peaks are then
+        reset, so each batch of records reports the peak of its own steps."""
+        memory: dict[str, Any] = memory_stats(self.device)
         if self.device is not None and self.device.type == "cuda":
-            index = self.device.index if self.device.index is not None else 0
-            memory["mem_allocated_bytes"] = torch.cuda.memory_allocated(index)
-            memory["mem_reserved_bytes"] = torch.cuda.memory_reserved(index)
-            memory["mem_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(index)
-            torch.cuda.reset_peak_memory_stats(index)
+            torch.cuda.reset_peak_memory_stats(self.device)
         return memory
 
     def _publish_system(self) -> None:
@@ -542,7 +548,7 @@ class Agent:
         token = body.get("token")
         if not isinstance(token, str) or not hmac.compare_digest(
                 token.encode("utf-8", "replace"), self.token.encode()):
-            self._event("warning", "command rejected: missing or wrong token", kind="rejected")
+            self.event("warning", "command rejected: missing or wrong token", kind="rejected")
             return {**rejected, "knob": None, "reason": "missing or wrong token"}
         if self._ending:
             return {**rejected, "reason": "the run is ending"}
@@ -550,7 +556,7 @@ class Agent:
         try:
             value = self.knobs.validate(knob_name, raw)
         except KnobError as exc:
-            self._event("warning", f"command rejected: {exc}", kind="rejected",
+            self.event("warning", f"command rejected: {exc}", kind="rejected",
                         knob=knob_name if isinstance(knob_name, str) else None)
             return {**rejected, "reason": str(exc)}
         if len(self._pending) >= MAX_PENDING_COMMANDS:

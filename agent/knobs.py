@@ -23,17 +23,17 @@ class KnobSpec:
     """The schema of one knob.
 
     Attributes:
-        name: wire name. kind: ``"choice"``, ``"int"`` or ``"bool"``.
+        name: wire name. kind: ``"choice"``, ``"int"``, ``"float"`` or ``"bool"``.
         choices: allowed values for ``choice``. minimum / maximum: inclusive bounds for
-        ``int``. help: one line for people.
+        ``int`` and ``float``. help: one line for people.
     """
 
     name: str
     kind: str
     help: str
     choices: tuple[str, ...] = ()
-    minimum: int | None = None
-    maximum: int | None = None
+    minimum: int | float | None = None
+    maximum: int | float | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The schema as a msgpack-ready map."""
@@ -76,6 +76,15 @@ class KnobSpec:
             if self.maximum is not None and number > self.maximum:
                 raise KnobError(f"{self.name}: {number} is above the maximum {self.maximum}")
             return number
+        if self.kind == "float":
+            number = _as_float(value)
+            if number is None:
+                raise KnobError(f"{self.name}: {value!r} is not a finite number")
+            if self.minimum is not None and number < self.minimum:
+                raise KnobError(f"{self.name}: {number} is below the minimum {self.minimum}")
+            if self.maximum is not None and number > self.maximum:
+                raise KnobError(f"{self.name}: {number} is above the maximum {self.maximum}")
+            return number
         raise KnobError(f"{self.name}: unknown knob kind {self.kind!r}")
 
 
@@ -98,6 +107,19 @@ def _as_int(value: Any) -> int | None:
     return None
 
 
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return None
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 #: The standard knobs (ARCHITECTURE.md, "Commands"); a trainer binds the ones it supports.
 PRECISION = KnobSpec("precision", "choice", "autocast precision of forward/backward",
                      choices=("fp32", "bf16", "fp16"))
@@ -110,8 +132,20 @@ PIN_MEMORY = KnobSpec("pin_memory", "bool", "page-locked host batches (faster H2
 PREFETCH_FACTOR = KnobSpec("prefetch_factor", "int", "batches prefetched per worker",
                            minimum=1, maximum=64)
 
+KERNELS = KnobSpec("kernels", "choice", "forward implementation: eager, torch.compile, "
+                   "or fused Triton kernels", choices=("eager", "compile", "triton"))
+CHECKPOINTING = KnobSpec("checkpointing", "bool",
+                         "activation checkpointing of the repeated blocks")
+MEMORY_FRACTION = KnobSpec("memory_fraction", "float",
+                           "cap of this process's CUDA memory, as a fraction of the device",
+                           minimum=0.01, maximum=1.0)
+MEMORY_SNAPSHOT_STEPS = KnobSpec("memory_snapshot_steps", "int",
+                                 "record CUDA allocations for this many steps, then dump a "
+                                 "snapshot (0: none running)", minimum=1, maximum=1000)
+
 STANDARD_KNOBS = {spec.name: spec for spec in
-                  (PRECISION, ACCUM_STEPS, NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR)}
+                  (PRECISION, ACCUM_STEPS, NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR, KERNELS,
+                   CHECKPOINTING, MEMORY_FRACTION, MEMORY_SNAPSHOT_STEPS)}
 
 
 @dataclass

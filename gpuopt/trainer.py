@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
+from gpuopt.backends import ModelBackend
+from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.data import batch_size, to_device
 from gpuopt.precision import MixedPrecision
 
@@ -74,9 +76,16 @@ class Trainer:
         accum_steps: micro-batches per optimizer step (>= 1).
         max_grad_norm: clip the global gradient norm to this before each step, if set.
         callbacks: objects with the :class:`Callback` hooks (any subset).
+        kernels: ``"eager"``, ``"compile"`` or ``"triton"`` (see
+            :class:`gpuopt.backends.ModelBackend`); switchable between steps.
+        compile_backend: the ``torch.compile`` backend used by ``kernels="compile"``.
+        checkpointing: activation checkpointing of the model's repeated blocks
+            (``model.blocks``); switchable between steps. :attr:`activation_checkpointing`
+            is None when the model has no blocks to checkpoint.
 
     Raises:
-        ValueError: a precision the device cannot run, or ``accum_steps < 1``.
+        ValueError: a precision or kernel backend the device cannot run,
+            ``accum_steps < 1``, or ``checkpointing=True`` for a model without blocks.
     """
 
     def __init__(
@@ -91,6 +100,9 @@ class Trainer:
         accum_steps: int = 1,
         max_grad_norm: float | None = None,
         callbacks: Iterable[Any] = (),
+        kernels: str = "eager",
+        compile_backend: str = "inductor",
+        checkpointing: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -104,6 +116,16 @@ class Trainer:
         self._accum_steps = 1
         self.accum_steps = accum_steps
         self.max_grad_norm = max_grad_norm
+        self.model_backend = ModelBackend(model, self.device, compile_backend=compile_backend)
+        self.model_backend.kernels = kernels
+        try:
+            self.activation_checkpointing: ActivationCheckpointing | None = (
+                ActivationCheckpointing(model))
+        except ValueError:
+            if checkpointing:
+                raise
+            self.activation_checkpointing = None
+        self.checkpointing = checkpointing
         self.callbacks: list[Any] = list(callbacks)
         self.step = 0
         self.epoch = 0
@@ -129,6 +151,32 @@ class Trainer:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"accum_steps must be an integer >= 1, got {value!r}")
         self._accum_steps = value
+
+    @property
+    def kernels(self) -> str:
+        """The kernel backend (``"eager"``, ``"compile"``, ``"triton"``); set it between
+        optimizer steps (raises ValueError with the reason if it cannot run here)."""
+        return self.model_backend.kernels
+
+    @kernels.setter
+    def kernels(self, value: str) -> None:
+        self.model_backend.kernels = value
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether activation checkpointing is on; set it between optimizer steps."""
+        return (self.activation_checkpointing is not None
+                and self.activation_checkpointing.enabled)
+
+    @checkpointing.setter
+    def checkpointing(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"checkpointing must be a bool, got {value!r}")
+        if self.activation_checkpointing is None:
+            if value:
+                raise ValueError(f"{type(self.model).__name__} has no blocks to checkpoint")
+            return
+        self.activation_checkpointing.enabled = value
 
     def stop(self) -> None:
         """Ask :meth:`fit` to return at the next optimizer-step boundary (any thread)."""
@@ -184,7 +232,7 @@ class Trainer:
                 break
             inputs, targets = to_device(batch, self.device)
             with self.mixed_precision.autocast():
-                loss = self.loss_fn(self.model(inputs), targets)
+                loss = self.loss_fn(self.model_backend(inputs), targets)
             self.mixed_precision.backward(loss / window)
             loss = loss.detach()
             loss_sum = loss if loss_sum is None else loss_sum + loss

@@ -63,10 +63,12 @@ def test_hello_carries_schema_environment_and_model(run_dir):
             hello = _next_of(sub, "hello")
         assert hello is not None and hello["run"] == monitor.run_id
         body = hello["body"]
-        assert [k["name"] for k in body["knobs"]] == ["precision", "accum_steps"]
+        assert [k["name"] for k in body["knobs"]] == [
+            "precision", "accum_steps", "kernels", "memory_fraction", "memory_snapshot_steps"]
         assert body["model"] == {"name": "Sequential", "params": 64 * 64 + 64 + 64 * 10 + 10}
         assert body["env"]["torch"]["version"] == torch.__version__
-        assert body["knob_values"] == {"precision": "fp32", "accum_steps": 1}
+        assert body["knob_values"] == {"precision": "fp32", "accum_steps": 1, "kernels": "eager",
+                                       "memory_fraction": 1.0, "memory_snapshot_steps": 0}
     finally:
         monitor.close()
 
@@ -83,7 +85,7 @@ def test_commands_without_token_unknown_bad_late_or_while_ending_change_nothing(
     stolen = runs.RunInfo(**{**info.__dict__, "token": "0" * 32})
     replies = [
         send_command(stolen, "precision", "bf16"),
-        send_command(info, "kernels", "triton"),
+        send_command(info, "learning_rate", 0.1),
         send_command(info, "precision", "fp8"),
         send_command(info, "accum_steps", "many"),
         send_command(info, "accum_steps", 2, apply_step=1),
@@ -199,3 +201,35 @@ def test_run_log_rotates_within_its_size_bound(tmp_path):
     assert all(p.stat().st_size < 2200 for p in tmp_path.iterdir())
     last = [json_line for json_line in (tmp_path / "r.jsonl").read_text().splitlines()][-1]
     assert '"step":199' in last and '"loss":null' in last
+
+
+def test_kernel_backend_switches_live_and_triton_is_refused_without_cuda(run_dir, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a user's run: no interpreter
+    from gpuopt.demo import build_demo
+
+    workload = build_demo("transformer", batch_size=4)
+    loader = torch.utils.data.DataLoader(workload.train_dataset, batch_size=4)
+    gate = Gate(hold_at=2)
+    trainer = Trainer(workload.model, torch.optim.AdamW(workload.model.parameters()),
+                      workload.loss_fn, loader, callbacks=[gate], compile_backend="aot_eager")
+    agent.attach(trainer)
+    info = runs.find_run()
+    with Subscriber(info) as sub:
+        thread = start(trainer, max_steps=12)
+        assert gate.reached.wait(30)
+        refused = send_command(info, "kernels", "triton")
+        assert not refused["ok"]
+        assert refused["reason"] == ("kernels=triton: Triton kernels need a CUDA device; "
+                                     "this run is on cpu")
+        assert send_command(info, "memory_fraction", 0.5)["reason"].endswith(
+            "needs CUDA; this run is on cpu")
+        assert send_command(info, "kernels", "compile")["ok"]
+        assert send_command(info, "checkpointing", True)["ok"]
+        gate.release.set()
+        seen = messages(sub, lambda m: m["type"] == "bye", timeout_s=120)
+        thread.join(30)
+    kinds = [m["body"].get("kind") for m in seen if m["type"] == "event"]
+    assert "compiling" in kinds and "compiled" in kinds
+    last = [m["body"] for m in seen if m["type"] == "step"][-1]
+    assert last["knobs"]["kernels"] == "compile" and last["knobs"]["checkpointing"] is True
+    assert last["loss"] == last["loss"]  # finite: training went on

@@ -1,0 +1,100 @@
+"""Which implementation runs a model's forward: eager PyTorch, torch.compile, or the
+fused Triton kernels, switchable between optimizer steps.
+
+- ``eager``: the fused modules run their plain-torch references.
+- ``compile``: one kept ``torch.compile`` view of the model (sharing its parameters, so
+  the optimizer state stays valid), reused at every switch: flipping back and forth does
+  not recompile (:class:`gpuopt.compile.CompiledModel`).
+- ``triton``: the fused modules run their Triton kernels (:mod:`gpuopt.kernels`); only
+  on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpuopt.compile import CompiledModel, compile_support
+from gpuopt.kernels import set_kernel_backend, triton_available
+
+KERNEL_BACKENDS = ("eager", "compile", "triton")
+
+
+class ModelBackend:
+    """Calls a model through the chosen kernel backend.
+
+    Args:
+        model: the model (its fused modules are switched in place).
+        device: where it runs.
+        compile_backend: the ``torch.compile`` backend for ``compile`` (``"inductor"``;
+            ``"aot_eager"`` compiles much faster on small CPUs but fuses nothing).
+
+    Raises (from the :attr:`kernels` setter):
+        ValueError: an unknown backend, or one that cannot run here (the reason: e.g.
+            "Triton kernels need a CUDA device; this run is on cpu").
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, *,
+                 compile_backend: str = "inductor") -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.compile_backend = compile_backend
+        self.compiled: CompiledModel | None = None  # made on the first switch to compile
+        self._kernels = "eager"
+        self._was_compiling = False
+
+    def support(self, kernels: str) -> str | None:
+        """Why ``kernels`` cannot run here, or None. Cheap; never touches the device."""
+        if kernels not in KERNEL_BACKENDS:
+            return f"unknown kernels {kernels!r} (choose from {', '.join(KERNEL_BACKENDS)})"
+        if kernels == "triton":
+            return triton_available(self.device)
+        if kernels == "compile":
+            return compile_support(self.compile_backend, self.device.type)
+        return None
+
+    @property
+    def kernels(self) -> str:
+        """The current backend: ``"eager"``, ``"compile"`` or ``"triton"``."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, value: str) -> None:
+        reason = self.support(value)
+        if reason is not None:
+            raise ValueError(reason)
+        set_kernel_backend(self.model, "triton" if value == "triton" else "eager")
+        if value == "compile" and self.compiled is None:
+            self.compiled = CompiledModel(self.model, backend=self.compile_backend)
+        if self.compiled is not None:
+            self.compiled.enabled = value == "compile"
+        self._kernels = value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward through the current backend."""
+        if self.compiled is not None and self.compiled.enabled:
+            return self.compiled(*args, **kwargs)
+        return self.model(*args, **kwargs)
+
+    def pop_events(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """Compile events since the last call, as ``(kind, text, fields)``: ``compiling``
+        when compiled steps start, ``compiled`` (with ``compile_time_s``) when a step
+        ran without compiling, and the compiler's own notes (recompilations, graph
+        breaks, fallbacks to eager) as ``compile_note``. Empty and free when compile was
+        never used. Call it on the training thread, between optimizer steps."""
+        if self.compiled is None:
+            return []
+        events = [("compile_note", text, {}) for text in self.compiled.pop_events()]
+        compiling = self.compiled.compiling
+        if compiling and not self._was_compiling:
+            events.append(("compiling", f"compiling the model ({self.compiled.backend}): "
+                           "the next steps are slow", {}))
+        elif self._was_compiling and not compiling:
+            seconds = self.compiled.compile_time_s
+            events.append(("compiled", f"compiled ({self.compiled.backend}); "
+                           f"{seconds:.1f} s spent compiling so far",
+                           {"compile_time_s": seconds}))
+        self._was_compiling = compiling
+        return events
