@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--accum-steps", type=int, default=1)
     parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--kernels", choices=("eager", "compile", "triton"), default="eager")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend for kernels=compile (aot_eager compiles "
+                             "in about a second on a small CPU; inductor takes ~20 s there)")
     parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -40,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(workload.model.parameters(), lr=workload.lr)
     trainer = Trainer(workload.model, optimizer, workload.loss_fn, loader,
                       precision=args.precision, accum_steps=args.accum_steps,
-                      max_grad_norm=1.0)
+                      max_grad_norm=1.0, kernels=args.kernels,
+                      compile_backend=args.compile_backend)
     monitor = agent.attach(trainer, name=f"demo-{workload.name}", transport=args.transport)
     if monitor.info is not None:
         print(f"gpuwatch demo: run {monitor.run_id} ({workload.name}), "
