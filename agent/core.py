@@ -43,7 +43,10 @@ log = logging.getLogger("gpuwatch.agent")
 
 _HEARTBEAT_INTERVAL_S = 1.0
 _HELLO_EVERY_HEARTBEATS = 2
-_POLL_MS = 5
+#: The I/O thread wakes at least this often to publish the records queued since (ms).
+#: Commands and new subscribers wake it at once; each wake-up costs the training thread
+#: a GIL hand-off, so it is kept rare: 20 a second.
+_POLL_MS = 50
 _MAX_COMMANDS_PER_POLL = 100
 #: Commands accepted but not yet applied, at most; more are rejected (a flood is refused,
 #: not queued).
