@@ -374,8 +374,10 @@ class Agent:
                     self._publish(protocol.STATE,
                                   {"knobs": self._knob_values, "step": self._last_step})
             if stopping:
-                self._guard("step publishing", self._publish_records, in_flight,
-                            previous_marker, True)
+                for _ in range(2):  # the second pass sends events the first one raised
+                    previous_marker = self._guard("step publishing", self._publish_records,
+                                                  in_flight, previous_marker, True,
+                                                  default=previous_marker)
                 self._publish(protocol.BYE, {"reason": getattr(self, "_bye_reason", ""),
                                              "steps": self._last_step})
                 return
@@ -411,7 +413,11 @@ class Agent:
             except Exception as exc:  # disk full, ...: go on without the log
                 self._log = None
                 self._report_error("run log", exc)
-        frames = protocol.encode(message)
+        try:
+            frames = protocol.encode(message)
+        except Exception as exc:  # a value msgpack cannot hold: drop this message only
+            self._report_error(f"encoding a {msg_type} message", exc)
+            return
         try:
             self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
