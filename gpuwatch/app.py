@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable
 from typing import Any
 
-from textual import work
+from textual import events, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
@@ -17,6 +18,7 @@ from gpuwatch.client import reply_text, send_command
 from gpuwatch.palette import BindingCommands
 from gpuwatch.sources import Source
 from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S
+from gpuwatch.widgets.data import DataPanel, loader_knobs
 from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
 from gpuwatch.widgets.help_screen import HelpScreen
@@ -30,6 +32,12 @@ from gpuwatch.widgets.throughput import ThroughputBar
 REDRAW_S = 0.2
 #: The charts (plotext renders in pure Python, ~10 ms each) are redrawn at most this often.
 CHART_REDRAW_S = 0.5
+
+#: The footer shows each -/+ pair of keys once, with one description.
+_ACCUM = Binding.Group("accum", compact=True)
+_WORKERS = Binding.Group("workers", compact=True)
+#: Under this many columns the footer is compact (no padding around keys, no ctrl+p).
+COMPACT_FOOTER_BELOW = 100
 
 #: What the event log says when the run's status changes to each of these.
 _STATUS_NOTES = {
@@ -52,13 +60,25 @@ class GpuwatchApp(App[None]):
     TITLE = "gpuwatch"
     COMMANDS = App.COMMANDS | {BindingCommands}
     VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
     BINDINGS = [
-        Binding("p", "cycle_precision", "precision", id="precision.cycle",
+        Binding("p", "cycle('precision')", "precision", id="precision.cycle",
                 tooltip="Cycle precision fp32 -> bf16 -> fp16 (the run's choices)"),
-        Binding("a", "accum(-1)", "accum-", id="accum_steps.decrease",
-                tooltip="accum_steps - 1 (micro-batches per optimizer step)"),
-        Binding("A", "accum(1)", "accum+", id="accum_steps.increase",
-                tooltip="accum_steps + 1 (micro-batches per optimizer step)"),
+        Binding("a", "step('accum_steps', -1)", "accum-", id="accum_steps.decrease",
+                tooltip="accum_steps - 1 (micro-batches per optimizer step)", group=_ACCUM),
+        Binding("A", "step('accum_steps', 1)", "accum+", id="accum_steps.increase",
+                tooltip="accum_steps + 1 (micro-batches per optimizer step)", group=_ACCUM),
+        Binding("w", "step('num_workers', -1)", "workers-", id="num_workers.decrease",
+                tooltip="num_workers - 1 (DataLoader worker processes)", group=_WORKERS),
+        Binding("W", "step('num_workers', 1)", "workers+", id="num_workers.increase",
+                tooltip="num_workers + 1 (DataLoader worker processes)", group=_WORKERS),
+        Binding("m", "toggle('pin_memory')", "pin", id="pin_memory.toggle",
+                tooltip="pin_memory on/off (page-locked host batches, faster copies to "
+                        "the GPU)"),
+        Binding("k", "cycle('kernels')", "kernels", id="kernels.cycle",
+                tooltip="Cycle kernels eager -> compile -> triton (the run's choices)"),
+        Binding("c", "toggle('checkpointing')", "ckpt", id="checkpointing.toggle",
+                tooltip="Activation checkpointing on/off (less memory, more compute)"),
         Binding("question_mark", "help", "help", id="help",
                 tooltip="Show this list of keys"),
         Binding("q", "quit", "quit", id="quit",
@@ -71,7 +91,7 @@ class GpuwatchApp(App[None]):
         self.source = source
         self.readonly = readonly
         self._notes = list(notes)
-        self._drawn: tuple[int, str] | None = None
+        self._drawn: tuple[int, str, Any] | None = None
         self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
         self._events_shown = 0
 
@@ -84,6 +104,7 @@ class GpuwatchApp(App[None]):
         with Horizontal(id="panels"):
             yield MemoryPanel(id="memory")
             yield SystemPanel(id="system")
+            yield DataPanel(id="data")
             yield KnobsPanel(id="knobs")
         yield EventLog(id="log")
         yield Footer()
@@ -97,35 +118,50 @@ class GpuwatchApp(App[None]):
         self.set_interval(REDRAW_S, self.redraw)
         self.redraw()
 
+    def on_resize(self, event: events.Resize) -> None:
+        """Under :data:`COMPACT_FOOTER_BELOW` columns the footer is compact and leaves
+        out ctrl+p (the help screen lists it), so that every key fits in 80 columns."""
+        footer = self.query_one(Footer)
+        compact = event.size.width < COMPACT_FOOTER_BELOW
+        if footer.show_command_palette == compact:
+            footer.compact = compact
+            footer.show_command_palette = not compact
+            footer.refresh(recompose=True)
+
     def on_unmount(self) -> None:
         self.source.close()
 
     def redraw(self) -> None:
-        """Redraw the panels if a record arrived or the run's status changed, and the
-        charts if steps arrived (at most every :data:`CHART_REDRAW_S`)."""
+        """Redraw the panels if a record arrived, the run's status changed or the panels
+        were resized, and the charts if steps arrived (at most every
+        :data:`CHART_REDRAW_S`)."""
         if not self.is_running:  # shutting down: the widgets are being removed
             return
         now = time.monotonic()
+        size = self.query_one("#panels").size  # sparklines fill the panels' width
         with self.source.lock:
             state = self.source.state
             status = state.status_at(now)
-            changed = self._drawn is not None and self._drawn[1] != status
-            if changed and status in _STATUS_NOTES:
+            previous = self._drawn[1] if self._drawn is not None else None
+            if (previous is not None and previous != status and status in _STATUS_NOTES
+                    and (previous, status) != ("compiling", "live")):
                 state.log(*_STATUS_NOTES[status])
             if (state.steps_total != self._charts_drawn[0]
                     and now - self._charts_drawn[1] >= CHART_REDRAW_S):
                 self._charts_drawn = (state.steps_total, now)
                 for chart in self.query(StepChart):
                     chart.show(state.steps)
-            if self._drawn == (state.version, status):
+            if self._drawn == (state.version, status, size):
                 return
-            self._drawn = (state.version, status)
-            self.query_one(RunHeader).show(state, status, description=self.source.description,
+            self._drawn = (state.version, status, size)
+            self.query_one(RunHeader).show(state, status, now,
+                                           description=self.source.description,
                                            readonly=self.readonly)
             self.query_one(ThroughputBar).show(state.steps)
             self.query_one(MemoryPanel).show(state)
             self.query_one(SystemPanel).show(state)
-            self.query_one(KnobsPanel).show(state, now)
+            self.query_one(DataPanel).show(state, now)
+            self.query_one(KnobsPanel).show(state, now, shown_elsewhere=loader_knobs(state))
             new = min(state.events_total - self._events_shown, len(state.events))
             entries = list(state.events)[len(state.events) - new:] if new > 0 else []
             self._events_shown = state.events_total
@@ -143,35 +179,44 @@ class GpuwatchApp(App[None]):
         """Open the help screen."""
         self.push_screen(HelpScreen())
 
-    def action_cycle_precision(self) -> None:
-        """Ask the run for the next precision of its schema's choices."""
-        spec, current = self._knob("precision")
+    def action_cycle(self, knob: str) -> None:
+        """Ask the run for the next value of a choice knob (its schema's order)."""
+        spec, current = self._knob(knob)
         if spec is None:
             return
         choices = list(spec.get("choices") or ())
         if not choices:
-            self.note("warning", "precision has no choices in this run's schema")
+            self.note("warning", f"{knob} has no choices in this run's schema; nothing sent")
             return
         following = choices[(choices.index(current) + 1) % len(choices)
                             if current in choices else 0]
-        self._command("precision", following)
+        self._command(knob, following)
 
-    def action_accum(self, delta: int) -> None:
-        """Ask the run for ``accum_steps + delta``, within the schema's bounds."""
-        spec, current = self._knob("accum_steps")
+    def action_step(self, knob: str, delta: int) -> None:
+        """Ask the run for ``knob + delta`` (an integer knob), within the schema's bounds."""
+        spec, current = self._knob(knob)
         if spec is None:
             return
         if type(current) is not int:
-            self.note("warning", f"accum_steps is {current!r}, not an integer; nothing sent")
+            self.note("warning", f"{knob} is {current!r}, not an integer; nothing sent")
             return
         value = current + delta
         low, high = spec.get("min"), spec.get("max")
         if (low is not None and value < low) or (high is not None and value > high):
             bound = "minimum" if low is not None and value < low else "maximum"
-            self.note("warning",
-                      f"accum_steps is already at its {bound} {current}; nothing sent")
+            self.note("warning", f"{knob} is already at its {bound} {current}; nothing sent")
             return
-        self._command("accum_steps", value)
+        self._command(knob, value)
+
+    def action_toggle(self, knob: str) -> None:
+        """Ask the run to turn a boolean knob the other way."""
+        spec, current = self._knob(knob)
+        if spec is None:
+            return
+        if type(current) is not bool:
+            self.note("warning", f"{knob} is {current!r}, not a boolean; nothing sent")
+            return
+        self._command(knob, not current)
 
     def _knob(self, name: str) -> tuple[dict[str, Any] | None, Any]:
         """The knob's schema and the value a key should step from (the pending one if
@@ -193,12 +238,13 @@ class GpuwatchApp(App[None]):
         return None, None
 
     def _command(self, knob: str, value: Any) -> None:
+        shown = json.dumps(value) if isinstance(value, bool) else value  # as `gpuwatch set`
         if self.readonly:
-            self.note("warning", f"read-only: {knob}={value} not sent")
+            self.note("warning", f"read-only: {knob}={shown} not sent")
         elif self.source.info is None:
             self.note("warning", f"{self.source.description} takes no commands")
         else:
-            self.note("info", f"sent {knob}={value}")
+            self.note("info", f"sent {knob}={shown}")
             self._send(knob, value)
 
     @work(thread=True, group="commands")

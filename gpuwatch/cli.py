@@ -1,8 +1,8 @@
 """The ``gpuwatch`` command: the dashboard, and scriptable commands around it.
 
-``gpuwatch [RUN]`` opens the dashboard; ``runs``, ``set``, ``tail``, ``demo`` and
-``doctor`` are subcommands. Textual is imported only by the commands that draw a screen,
-so the scriptable ones start fast.
+``gpuwatch [RUN]`` opens the dashboard; ``runs``, ``set``, ``tail``, ``replay``,
+``demo`` and ``doctor`` are subcommands. Textual is imported only by the commands that
+draw a screen, so the scriptable ones start fast.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import signal
 import subprocess
@@ -23,7 +22,7 @@ from agent import protocol
 from agent.runs import RunInfo, find_run, list_runs, run_dir
 from gpuwatch.units import human_age, human_ms, human_number
 
-SUBCOMMANDS = ("attach", "runs", "set", "tail", "demo", "doctor")
+SUBCOMMANDS = ("attach", "runs", "set", "tail", "replay", "demo", "doctor")
 #: How long ``gpuwatch demo`` waits for the training child to write its run file (s).
 DEMO_START_TIMEOUT_S = 60.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
@@ -84,13 +83,29 @@ def _parser() -> argparse.ArgumentParser:
     set_.set_defaults(handler=_set)
 
     tail = commands.add_parser(
-        "tail", help="print a run's records as they come",
-        description="Print records until the run ends, Ctrl-C, or --count records.")
+        "tail", help="print a run's records as they come, or a run log's",
+        description="Print a live run's records until the run ends, Ctrl-C, or --count "
+                    "records. Given a run-log file (JSON lines), print its records and "
+                    "exit, or with --follow go on printing what is appended.")
+    tail.add_argument("target", nargs="?", metavar="RUN|FILE",
+                      help="run id, prefix or endpoint (default: the newest), or a run "
+                           "log file")
     tail.add_argument("--run", help="run id, prefix or endpoint (default: the newest)")
     tail.add_argument("--json", action="store_true",
                       help="every record as one JSON object per line")
     tail.add_argument("--count", type=int, metavar="N", help="stop after N records")
+    tail.add_argument("--follow", "-f", action="store_true",
+                      help="with a FILE: keep printing lines appended to it until the "
+                           "run's bye (a live run is always followed)")
     tail.set_defaults(handler=_tail)
+
+    replay = commands.add_parser(
+        "replay", help="open the dashboard on a run log (read-only)",
+        description="Open the dashboard on a run log (the JSON-lines file of a finished "
+                    "or running run; see `gpuwatch runs --json` for live runs' "
+                    "log_path), and follow it while it grows. Keys send nothing.")
+    replay.add_argument("file", metavar="FILE", help="the run log (.jsonl)")
+    replay.set_defaults(handler=_replay)
 
     demo = commands.add_parser(
         "demo", help="start a demo training job and watch it",
@@ -177,19 +192,21 @@ def _set(args: argparse.Namespace) -> int:
 
 
 def _tail(args: argparse.Namespace) -> int:
+    if args.target and not args.run and os.path.isfile(args.target):
+        return _tail_file(Path(args.target), args)
     from gpuwatch.client import Subscriber
 
-    info = find_run(args.run)
+    selector = args.run or args.target
+    info = find_run(selector)
     if info is None:
-        return _no_run(args.run)
+        return _no_run(selector)
     printed = 0
     with Subscriber(info) as subscriber:
         try:
             for message in subscriber:
-                line = _json_line(message) if args.json else _human_line(message)
-                if line is not None:
-                    print(line, flush=True)
+                if _print_record(message, as_json=args.json):
                     printed += 1
+                    sys.stdout.buffer.flush()
                 if message["type"] == protocol.BYE or (args.count and printed >= args.count):
                     break
         except BrokenPipeError:  # e.g. `gpuwatch tail | head`: stop quietly
@@ -201,23 +218,65 @@ def _tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def _finite(value: Any) -> Any:
-    """``value`` with non-finite floats (a diverged loss) as None, so JSON stays JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value
+def _tail_file(path: Path, args: argparse.Namespace) -> int:
+    """Print a run log's records; with ``--follow`` wait for more until a ``bye``."""
+    from gpuwatch.sources.replay import POLL_S, RunLogReader
+
+    printed = 0
+    with RunLogReader(path) as reader:
+        try:
+            while True:
+                try:
+                    messages = reader.read()
+                except OSError as exc:
+                    print(f"gpuwatch tail: cannot read {path}: {exc}", file=sys.stderr)
+                    return 1
+                for message in messages:
+                    if _print_record(message, as_json=args.json):
+                        printed += 1
+                    if ((args.follow and message["type"] == protocol.BYE)
+                            or (args.count and printed >= args.count)):
+                        return 0
+                if reader.at_eof:
+                    sys.stdout.buffer.flush()
+                    if not args.follow:
+                        return 0
+                    time.sleep(POLL_S)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        finally:
+            if reader.malformed:
+                print(f"gpuwatch tail: {reader.malformed} malformed lines skipped",
+                      file=sys.stderr)
 
 
-def _json_line(message: dict[str, Any]) -> str:
-    """``{"type", "run", "rank", "seq", "t", **body}`` as one line of JSON."""
-    record = {key: message.get(key) for key in ("type", "run", "rank", "seq", "t")}
-    for key, value in message["body"].items():
-        record.setdefault(key, value)
-    return json.dumps(_finite(record), default=repr)
+def _print_record(message: dict[str, Any], *, as_json: bool) -> bool:
+    """Print one envelope as a JSON line (the run log's format) or a line for people;
+    False when there is no line for people for its type."""
+    if as_json:
+        sys.stdout.buffer.write(protocol.to_json_line(message))  # bytes, with newline
+        return True
+    line = _human_line(message)
+    if line is None:
+        return False
+    sys.stdout.buffer.write(line.encode() + b"\n")
+    return True
+
+
+def _replay(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    if not path.is_file():
+        print(f"gpuwatch replay: no such file {str(path)!r} (a live run's log is the "
+              "log_path of `gpuwatch runs --json`)", file=sys.stderr)
+        return 1
+    from gpuwatch.app import GpuwatchApp
+    from gpuwatch.sources.replay import ReplaySource
+
+    app = GpuwatchApp(ReplaySource(path), readonly=True,
+                      notes=[f"replaying {path} (read-only; followed while it grows)"])
+    app.run()
+    return app.return_code or 0
 
 
 def _human_line(message: dict[str, Any]) -> str | None:

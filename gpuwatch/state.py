@@ -25,7 +25,8 @@ STALLED_AFTER_S = 5.0
 
 
 class StepRecord(NamedTuple):
-    """One optimizer step as the charts need it (times in s, throughput in samples/s)."""
+    """One optimizer step as the charts and sparklines need it (times in s, shares in
+    0..1, throughput in samples/s, memory in bytes; None where the record lacks it)."""
 
     step: int | None
     step_time_s: float | None
@@ -33,13 +34,17 @@ class StepRecord(NamedTuple):
     data_wait_share: float | None
     samples_per_s: float | None
     loss: float | None
+    mem_peak_reserved_bytes: float | None = None
+    host_rss_bytes: float | None = None
 
 
 class LogEntry(NamedTuple):
-    """A line for the event log: ``level`` is info, warning or error."""
+    """A line for the event log: ``level`` is info, warning or error; ``t`` is when the
+    run said it (unix time, s), None for the dashboard's own lines."""
 
     level: str
     text: str
+    t: float | None = None
 
 
 class Pending(NamedTuple):
@@ -76,6 +81,12 @@ class SeqGaps:
 _MISSING = object()
 
 
+def _max(*values: float | None) -> float | None:
+    """The largest of the values that are not None; None if all are."""
+    present = [value for value in values if value is not None]
+    return max(present) if present else None
+
+
 def _number(value: Any) -> float | None:
     """A wire number as float; None for missing or non-numeric values (bool included)."""
     if type(value) is float:
@@ -87,6 +98,8 @@ def _number(value: Any) -> float | None:
 
 #: Event kinds that settle a pending command (it was applied, or it failed).
 _SETTLING_KINDS = frozenset({"applied", "failed", "rolled_back"})
+#: Event kinds that end a "compiling" phase (besides the first step record after it).
+_COMPILE_END_KINDS = frozenset({"compiled", "failed"})
 
 
 class RunState:
@@ -99,11 +112,20 @@ class RunState:
         knob_changed_at: monotonic time (s) a knob's value last changed.
         pending: accepted commands not applied yet, by knob name.
         steps: the last :data:`STEP_HISTORY` step records; steps_total counts all ever.
-        last_step: the latest ``step`` body (memory fields). step: the last completed
-            optimizer step.
-        system: the latest ``system`` body, or None. ended: the ``bye`` body, or None.
+        last_step: the latest ``step`` body (memory, data-wait verdict). step: the last
+            completed optimizer step.
+        host_rss_peak_bytes: the largest host RSS of the training process seen, or the
+            run's own peak (``host_peak_rss_bytes``, ``ru_maxrss``) when larger; None
+            until a step record has one.
+        compiling_since: monotonic time (s) of a ``compiling`` event whose end (a
+            ``compiled`` or ``failed`` event, or the step it applied at) has not come.
+        agent_records_dropped, agent_errors: the agent's own counts from its latest
+            heartbeat (records its queue dropped; internal errors, training goes on).
+        system: the latest ``system`` body, or None. ended: the ``bye`` body, or None
+            (cleared if the same run id speaks again: it was restarted).
         events: the last :data:`EVENT_HISTORY` log entries; events_total counts all ever.
         records: envelopes ingested. missed: records lost (sequence gaps).
+        message_t: the ``t`` (unix time, s) of the latest envelope, None if it had none.
         malformed: frames or bodies that could not be read (dropped, never raised).
         version: bumped on every change; compare it to know whether to redraw.
     """
@@ -119,6 +141,11 @@ class RunState:
         self.steps_total = 0
         self.last_step: dict[str, Any] = {}
         self.step: int | None = None
+        self.host_rss_peak_bytes: float | None = None
+        self.compiling_since: float | None = None
+        self._compiling_until_step: int | None = None
+        self.agent_records_dropped = 0
+        self.agent_errors = 0
         self.system: dict[str, Any] | None = None
         self.ended: dict[str, Any] | None = None
         self.events: deque[LogEntry] = deque(maxlen=EVENT_HISTORY)
@@ -129,6 +156,7 @@ class RunState:
         self.first_seen_at: float | None = None
         self.last_seen_at: float | None = None
         self.last_step_at: float | None = None
+        self.message_t: float | None = None
         self._gaps = SeqGaps()
         self._fold: dict[str, Callable[[dict[str, Any], float], None]] = {
             protocol.HELLO: self._fold_hello,
@@ -174,11 +202,18 @@ class RunState:
         self.records += 1
         self.version += 1
         self.last_seen_at = now
+        t = message.get("t")
+        self.message_t = t if type(t) is float or type(t) is int else None
         if self.first_seen_at is None:
             self.first_seen_at = now
             self.run_id = message.get("run")
         self._gaps.observe(message)
-        fold = self._fold.get(message.get("type"))  # type: ignore[arg-type]
+        msg_type = message.get("type")
+        if self.ended is not None and msg_type != protocol.BYE:
+            self.ended = None  # the same run id speaks after bye: restarted by its agent
+            self.first_seen_at, self.last_step_at = now, None  # stalled counts afresh
+            self.log("info", "run restarted (records after its bye)", self.message_t)
+        fold = self._fold.get(msg_type)  # type: ignore[arg-type]
         if fold is None:
             return
         try:
@@ -194,15 +229,19 @@ class RunState:
             return "waiting"
         if now - self.last_seen_at > GONE_AFTER_S:
             return "gone"
+        if self.compiling_since is not None:
+            return "compiling"
         if now - (self.last_step_at or self.first_seen_at) > STALLED_AFTER_S:
             return "stalled"
         return "live"
 
     @property
     def status(self) -> str:
-        """``waiting`` (nothing received yet), ``live``, ``stalled`` (messages but no
-        step for :data:`STALLED_AFTER_S`), ``gone`` (no message, heartbeats included,
-        for :data:`GONE_AFTER_S`) or ``ended`` (the run said ``bye``)."""
+        """``waiting`` (nothing received yet), ``live``, ``compiling`` (a ``compiling``
+        event has come and not its end: steps are slow, not stalled), ``stalled``
+        (messages but no step for :data:`STALLED_AFTER_S`), ``gone`` (no message,
+        heartbeats included, for :data:`GONE_AFTER_S`) or ``ended`` (the run said
+        ``bye``). A gone run whose messages come back is live again."""
         return self.status_at(time.monotonic())
 
     def note_pending(self, knob: str, value: Any, apply_step: int | None) -> None:
@@ -213,9 +252,9 @@ class RunState:
             self.pending[knob] = Pending(value, apply_step)
             self.version += 1
 
-    def log(self, level: str, text: str) -> None:
-        """Append a line to the event log."""
-        self.events.append(LogEntry(level, text))
+    def log(self, level: str, text: str, t: float | None = None) -> None:
+        """Append a line to the event log (``t``: when the run said it, unix s)."""
+        self.events.append(LogEntry(level, text, t))
         self.events_total += 1
         self.version += 1
 
@@ -228,15 +267,24 @@ class RunState:
         step = body.get("step")
         if type(step) is not int:
             step = None
+        rss = _number(body.get("host_rss_bytes"))
+        peak_reserved = _number(body.get("mem_peak_reserved_bytes"))
         self.steps.append(StepRecord(
             step, _number(body.get("step_time_s")), _number(body.get("data_wait_s")),
             _number(body.get("data_wait_share")), _number(body.get("samples_per_s")),
-            _number(body.get("loss"))))
+            _number(body.get("loss")), peak_reserved, rss))
         self.steps_total += 1
         if step is not None:
             self.step = step
         self.last_step = body
         self.last_step_at = now
+        self.host_rss_peak_bytes = _max(self.host_rss_peak_bytes, rss,
+                                        _number(body.get("host_peak_rss_bytes")),
+                                        _number(body.get("host_rss_peak_bytes")))
+        if self.compiling_since is not None and (
+                self._compiling_until_step is None
+                or (step is not None and step >= self._compiling_until_step)):
+            self.compiling_since = None  # the step that compiled has completed
         knobs = body.get("knobs")
         if knobs:
             self._set_knobs(knobs, now)
@@ -254,20 +302,32 @@ class RunState:
     def _fold_event(self, body: dict[str, Any], now: float) -> None:
         level = body.get("level")
         self.log(level if level in ("info", "warning", "error") else "info",
-                 str(body.get("text", "")))
+                 str(body.get("text", "")), self.message_t)
         knob = body.get("knob")
-        if body.get("kind") in _SETTLING_KINDS and knob in self.pending:
+        kind = body.get("kind")
+        if kind in _SETTLING_KINDS and knob in self.pending:
             del self.pending[knob]
+        if kind == "compiling":
+            self.compiling_since = now
+            step = body.get("step")  # the step it compiles in, when the agent says
+            self._compiling_until_step = step if type(step) is int else None
+        elif kind in _COMPILE_END_KINDS:
+            self.compiling_since = None
 
     def _fold_heartbeat(self, body: dict[str, Any], now: float) -> None:
         if type(body.get("step")) is int:
             self.step = body["step"]
+        for key, attribute in (("records_dropped", "agent_records_dropped"),
+                               ("errors", "agent_errors")):
+            value = body.get(key)
+            if type(value) is int:
+                setattr(self, attribute, value)
 
     def _fold_bye(self, body: dict[str, Any], now: float) -> None:
         self.ended = body
         steps = body.get("steps")
         self.log("info", f"run ended ({body.get('reason') or 'no reason given'})"
-                 + (f" after {steps} steps" if steps is not None else ""))
+                 + (f" after {steps} steps" if steps is not None else ""), self.message_t)
 
     def _set_knobs(self, knobs: dict[str, Any], now: float) -> None:
         for name, value in knobs.items():

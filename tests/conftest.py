@@ -23,8 +23,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from agent import protocol
-from agent.knobs import STANDARD_KNOBS, KnobError
+from agent.knobs import STANDARD_KNOBS, KnobError, KnobSpec
 from agent.runs import RunInfo, remove_run_file, write_run_file
+
+
+#: Knobs a FakeAgent can offer: the standard ones, and those later issues add (until
+#: agent.knobs has them).
+FAKE_KNOB_SPECS = {
+    "kernels": KnobSpec("kernels", "choice", "eager, torch.compile or fused Triton kernels",
+                        choices=("eager", "compile", "triton")),
+    "checkpointing": KnobSpec("checkpointing", "bool", "activation checkpointing"),
+    **STANDARD_KNOBS,
+}
 
 
 class FakeAgent:
@@ -32,7 +42,9 @@ class FakeAgent:
     and a thread that publishes a training step every ``step_s`` seconds (with heartbeat,
     and hello/system every 10 steps) and applies accepted commands at their step. With
     ``gpus`` (``system`` GPU maps) it also reports CUDA memory in each step; ``knobs``
-    (standard knob names and start values) is its schema.
+    (knob names of :data:`FAKE_KNOB_SPECS` and start values) is its schema;
+    ``step_fields`` are added to (or replace fields of) every step body. ``run_id`` and
+    ``ports`` (PUB, ROUTER) restart a run: the same id, and the same endpoints if given.
 
     Attributes:
         commands: command bodies received, in order (a queue tests can wait on).
@@ -41,11 +53,17 @@ class FakeAgent:
 
     def __init__(self, directory: os.PathLike, *, step_s: float = 0.02,
                  gpus: list[dict[str, Any]] | None = None,
-                 knobs: dict[str, Any] | None = None) -> None:
+                 knobs: dict[str, Any] | None = None,
+                 step_fields: dict[str, Any] | None = None,
+                 run_id: str | None = None,
+                 ports: tuple[int, int] | None = None) -> None:
         self.step_s = step_s
         self.gpus = gpus or []
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self.knobs = dict(knobs or {"precision": "fp32", "accum_steps": 1})
+        self.step_fields = dict(step_fields or {})
+        self.run_id = run_id or f"20250101-000000-{secrets.token_hex(2)}"
+        self.ports = ports
         self._directory = Path(directory)
         self._outbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self._scheduled: list[tuple[int, str, Any]] = []
@@ -78,10 +96,10 @@ class FakeAgent:
     def _run(self) -> None:
         context = zmq.Context.instance()
         with context.socket(zmq.PUB) as pub, context.socket(zmq.ROUTER) as router:
-            pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
-            cmd_port = router.bind_to_random_port("tcp://127.0.0.1")
+            pub_port, cmd_port = (_bind(socket, port) for socket, port in
+                                  zip((pub, router), self.ports or (None, None)))
             self.info = RunInfo(
-                run_id=f"20250101-000000-{secrets.token_hex(2)}", rank=0, world_size=1,
+                run_id=self.run_id, rank=0, world_size=1,
                 pid=os.getpid(), pub_endpoint=f"tcp://127.0.0.1:{pub_port}",
                 cmd_endpoint=f"tcp://127.0.0.1:{cmd_port}", token=secrets.token_hex(16),
                 started_at=time.time(), name="fake-train")
@@ -103,7 +121,7 @@ class FakeAgent:
                 raise KnobError("bad token")
             if body.get("knob") not in self.knobs:
                 raise KnobError(f"unknown knob {body.get('knob')!r}")
-            value = STANDARD_KNOBS[body["knob"]].coerce(body.get("value"))
+            value = FAKE_KNOB_SPECS[body["knob"]].coerce(body.get("value"))
         except KnobError as exc:
             reply.update(ok=False, reason=str(exc))
         else:
@@ -128,21 +146,40 @@ class FakeAgent:
         if self._step % 10 == 1:
             self._send(pub, protocol.HELLO, {
                 "name": "fake-train", "pid": self.info.pid, "world_size": 1,
+                "started_at": self.info.started_at,
                 "device": "cpu", "model": {"name": "tiny", "params": 1234},
-                "knobs": [STANDARD_KNOBS[name].to_wire() for name in self.knobs]})
+                "knobs": [FAKE_KNOB_SPECS[name].to_wire() for name in self.knobs]})
             self._send(pub, protocol.SYSTEM, {
-                "cpu_pct": 12.5, "host_mem_used_bytes": 3 << 30,
+                "cpu_pct": 12.5, "process_cpu_pct": 98.0, "host_mem_used_bytes": 3 << 30,
                 "host_mem_total_bytes": 16 << 30, "gpus": self.gpus,
                 "gpu_status": None if self.gpus else "no NVIDIA GPU (NVML not found)"})
         cuda = {"mem_allocated_bytes": 5 << 30, "mem_reserved_bytes": 6 << 30,
                 "mem_peak_reserved_bytes": 7 << 30} if self.gpus else {}
         self._send(pub, protocol.STEP, {
-            "step": self._step, "micro_batches": self.knobs["accum_steps"], "samples": 32,
-            "step_time_s": 0.02 + 0.005 * (self._step % 7), "data_wait_s": 0.002,
-            "data_wait_share": 0.1, "samples_per_s": 1600.0 - self._step % 13,
+            "step": self._step, "micro_batches": self.knobs.get("accum_steps", 1),
+            "samples": 32, "step_time_s": 0.02 + 0.005 * (self._step % 7),
+            "data_wait_s": 0.002, "data_wait_share": 0.1, "data_wait_share_window": 0.1,
+            "input_verdict": "compute-bound", "samples_per_s": 1600.0 - self._step % 13,
             "loss": 2.0 / (1 + 0.01 * self._step), "knobs": dict(self.knobs),
-            "host_rss_bytes": 700 << 20, **cuda})
-        self._send(pub, protocol.HEARTBEAT, {"step": self._step, "ending": False})
+            "host_rss_bytes": 700 << 20, **cuda, **self.step_fields})
+        self._send(pub, protocol.HEARTBEAT, {"step": self._step, "ending": False,
+                                             "records_dropped": 0, "errors": 0})
+
+
+def _bind(socket: zmq.Socket, port: int | None) -> int:
+    """Bind to ``port`` on 127.0.0.1 (a random one if None); a port just released by a
+    stopped agent may take a moment to be free again."""
+    if port is None:
+        return socket.bind_to_random_port("tcp://127.0.0.1")
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            socket.bind(f"tcp://127.0.0.1:{port}")
+            return port
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 @pytest.fixture

@@ -14,11 +14,16 @@ import zmq
 from agent import protocol
 from agent.knobs import STANDARD_KNOBS
 from agent.runs import RunInfo
+from textual.geometry import Region
+from textual.widgets import Footer
+
+from gpuwatch import state as state_module
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.client import Subscriber, send_command
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, STEP_HISTORY, RunState
 from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.widgets.panel import sparkline
 
 RUN = "20250101-000000-abcd"
 
@@ -127,6 +132,53 @@ def test_state_clears_pending_when_applied():
     assert state.pending == {}
     state.note_pending("precision", "bf16", 4)  # the reply came after the step applying it
     assert state.pending == {}
+
+
+def test_state_compiling_lasts_until_compiled_failed_or_its_step():
+    state = RunState()
+    state.ingest(envelope("step", {"step": 1}), 1.0)
+    state.ingest(envelope("event", {"kind": "compiling", "text": "compiling"}), 2.0)
+    assert state.status_at(2.1) == "compiling" and state.compiling_since == 2.0
+    assert state.status_at(2.0 + STALLED_AFTER_S + 1) == "gone"  # gone still wins
+    state.ingest(envelope("heartbeat", {"step": 1}), 9.0)
+    assert state.status_at(9.5) == "compiling"  # slow, not stalled
+    state.ingest(envelope("step", {"step": 2}), 10.0)  # the step that compiled
+    assert state.status_at(10.1) == "live"
+    state.ingest(envelope("event", {"kind": "compiling", "step": 4}), 11.0)
+    state.ingest(envelope("step", {"step": 3}), 11.1)  # recorded before it applied
+    assert state.status_at(11.2) == "compiling"
+    state.ingest(envelope("step", {"step": 4}), 12.0)
+    assert state.status_at(12.1) == "live"
+    for end in ("compiled", "failed"):
+        state.ingest(envelope("event", {"kind": "compiling", "step": 99}), 13.0)
+        state.ingest(envelope("event", {"kind": end, "compile_time_s": 3.2}), 13.5)
+        assert state.status_at(13.6) == "live", end
+
+
+def test_state_memory_peaks_agent_counts_and_restart_after_bye():
+    state = RunState()
+    for step, (rss, peak) in enumerate([(700, 5000), (900, 7000), (800, 6000)]):
+        state.ingest(envelope("step", {"step": step, "host_rss_bytes": rss,
+                                       "mem_peak_reserved_bytes": peak}), 1.0)
+    assert state.host_rss_peak_bytes == 900
+    assert [r.mem_peak_reserved_bytes for r in state.steps] == [5000, 7000, 6000]
+    state.ingest(envelope("step", {"step": 3, "host_rss_bytes": 850,
+                                   "host_peak_rss_bytes": 2000}), 1.0)
+    assert state.host_rss_peak_bytes == 2000  # the run's own peak, when it sends one
+    state.ingest(envelope("heartbeat", {"step": 3, "records_dropped": 5, "errors": 2}), 1.0)
+    assert (state.agent_records_dropped, state.agent_errors) == (5, 2)
+    state.ingest(envelope("bye", {"reason": "finished", "steps": 3}), 2.0)
+    assert state.status_at(100.0) == "ended"
+    state.ingest(envelope("hello", {"name": "again"}, seq=1), 50.0)  # same run id again
+    assert state.status_at(50.1) == "live"
+    assert state.events[-1].text == "run restarted (records after its bye)"
+
+
+def test_sparkline_is_one_column_per_value_from_zero():
+    assert sparkline([0.0, 0.5, 1.0], 10, high=1.0) == "▁▅█"
+    assert sparkline([0.2, None, float("nan"), 2.0], 10, high=1.0) == "▂  █"
+    assert sparkline([1, 2, 3, 4, 8], 4) == "▃▄▅█"  # the newest, up to the largest shown
+    assert sparkline([0, 0], 5) == "▁▁" and sparkline([1.0], 0) == ""
 
 
 def test_state_ingest_is_fast():
@@ -282,11 +334,133 @@ async def test_knob_missing_from_schema_sends_nothing(make_agent):
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: knows(app, "accum_steps"))
-        await pilot.press("p")
-        assert ("this run has no knob precision (it has: accum_steps); nothing sent"
-                in log_texts(app))
+        await pilot.press("p", "w", "W", "m", "k", "c")
+        for knob in ("precision", "num_workers", "pin_memory", "kernels", "checkpointing"):
+            assert (f"this run has no knob {knob} (it has: accum_steps); nothing sent"
+                    in log_texts(app)), knob
+        assert "no loader knobs in this run" in text_of(app, "#data")
     with pytest.raises(queue.Empty):
         agent.commands.get_nowait()
+
+
+LOADER = {"num_workers": 0, "pin_memory": False, "prefetch_factor": 2}
+
+
+async def test_w_and_m_send_loader_knobs_within_bounds(make_agent):
+    agent = make_agent(knobs={"precision": "fp32", **LOADER})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: knows(app, "num_workers") and knows(app, "pin_memory"))
+        await pilot.press("w")  # already at the schema's minimum 0
+        assert "num_workers is already at its minimum 0; nothing sent" in log_texts(app)
+        await pilot.press("W")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("num_workers", 1)
+        await pilot.press("m")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("pin_memory", True)
+        assert "sent pin_memory=true" in log_texts(app)
+        await until(pilot, lambda: "num_workers     1" in text_of(app, "#data")
+                    and "pin_memory      on" in text_of(app, "#data"))
+        assert "num_workers" not in text_of(app, "#knobs")  # shown once, in the data panel
+        assert "precision" in text_of(app, "#knobs")
+    assert agent.commands.empty()
+
+
+async def test_k_cycles_kernels_and_c_toggles_checkpointing(make_agent):
+    agent = make_agent(knobs={"kernels": "eager", "checkpointing": False})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: knows(app, "kernels") and knows(app, "checkpointing"))
+        await pilot.press("k")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("kernels", "compile")
+        await pilot.press("c")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("checkpointing", True)
+        await until(pilot, lambda: "kernels       compile" in text_of(app, "#knobs")
+                    and "checkpointing on" in text_of(app, "#knobs"))
+        await pilot.press("k")  # steps from the applied value
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("kernels", "triton")
+
+
+def _silent_app():
+    """An app on a source that never connects: the test folds envelopes by hand."""
+    source = LiveSource(_run_info("tcp://127.0.0.1:1"))
+    return source, GpuwatchApp(source)
+
+
+async def test_data_panel_shows_the_verdict_in_its_colour():
+    source, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("hello", {"knobs": [
+                STANDARD_KNOBS[name].to_wire() for name in LOADER]}))
+        for step, (verdict, share, style) in enumerate([
+                ("input-bound", 0.62, "$error"), ("partly input-bound", 0.31, "$warning"),
+                ("compute-bound", 0.04, "$success")]):
+            with source.lock:
+                source.state.ingest(envelope("step", {
+                    "step": step, "data_wait_share": share, "data_wait_share_window": share,
+                    "input_verdict": verdict, "knobs": LOADER}))
+            await until(pilot, lambda: text_of(app, "#data").startswith(verdict + "\n"))
+            content = app.query_one("#data").content
+            assert any(style in str(span.style) for span in content.spans
+                       if (span.start, span.end) == (0, len(verdict))), content.spans
+            assert f"wait {share:.0%} " in content.plain
+        assert "prefetch_factor 2" in text_of(app, "#data")
+
+
+async def test_header_says_compiling_until_compiled_and_shows_agent_trouble():
+    source, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("step", {"step": 5}))
+            source.state.ingest(envelope("event", {
+                "level": "info", "kind": "compiling", "knob": "kernels", "step": 6,
+                "text": "compiling the model (first steps are slow)"}))
+        await until(pilot, lambda: "● compiling… 0s" in text_of(app, "#header"))
+        assert "dropped" not in text_of(app, "#header")
+        with source.lock:
+            source.state.ingest(envelope("heartbeat", {"step": 5, "records_dropped": 37,
+                                                       "errors": 1}))
+        await until(pilot, lambda: "dropped 37  agent errors 1" in text_of(app, "#header"))
+        assert "● compiling…" in text_of(app, "#header")
+        with source.lock:
+            source.state.ingest(envelope("event", {"level": "info", "kind": "compiled",
+                                                   "compile_time_s": 41.5,
+                                                   "text": "compiled in 41.5 s"}))
+        await until(pilot, lambda: "● live" in text_of(app, "#header"))
+        assert "compiled in 41.5 s" in log_texts(app)
+        assert "run is live" not in log_texts(app)  # the end of a compile is no comeback
+
+
+def _port(endpoint):
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("same_endpoints", [True, False])
+async def test_gone_run_that_comes_back_is_live_again(make_agent, monkeypatch,
+                                                      same_endpoints):
+    monkeypatch.setattr(state_module, "GONE_AFTER_S", 0.5)
+    first = make_agent()
+    app = GpuwatchApp(LiveSource(first.info))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: "● live" in text_of(app, "#header"))
+        first.stop()  # killed: no bye
+        await until(pilot, lambda: "● gone" in text_of(app, "#header"))
+        ports = ((_port(first.info.pub_endpoint), _port(first.info.cmd_endpoint))
+                 if same_endpoints else None)
+        second = make_agent(run_id=first.info.run_id, ports=ports)  # a new token
+        await until(pilot, lambda: "● live" in text_of(app, "#header"))
+        await until(pilot, lambda: app.source.info.token == second.info.token)
+        assert f"run {first.info.run_id} restarted (pid {second.info.pid})" in " ".join(
+            log_texts(app))
+        await until(pilot, lambda: knows(app, "accum_steps"))
+        await pilot.press("A")
+        command = await next_command(second)
+        assert command["knob"] == "accum_steps" and command["token"] == second.info.token
 
 
 async def test_help_lists_every_binding(fake_agent):
@@ -315,23 +489,62 @@ async def test_command_palette_runs_binding_commands(fake_agent):
         assert (command["knob"], command["value"]) == ("accum_steps", 2)
 
 
-async def test_small_terminal_renders_every_panel(make_agent):
-    gpu = {"index": 0, "name": "NVIDIA H200", "util_pct": 97.0, "mem_used_bytes": 70 << 30,
-           "mem_total_bytes": 141 << 30, "power_w": 650.0, "power_limit_w": 700.0,
-           "temp_c": 72.0, "sm_clock_mhz": 1980}
-    agent = make_agent(gpus=[gpu])
+def shown_lines(app, selector):
+    """The lines a widget shows on screen, border included (what is cut is cut)."""
+    widget = app.query_one(selector)
+    return ["".join(segment.text for segment in strip)
+            for strip in widget.render_lines(Region(0, 0, *widget.outer_size))]
+
+
+H200 = {"index": 0, "name": "NVIDIA H200", "util_pct": 97.0, "mem_used_bytes": 70 << 30,
+        "mem_total_bytes": 141 << 30, "power_w": 650.0, "power_limit_w": 700.0,
+        "temp_c": 72.0, "sm_clock_mhz": 1980}
+EVERY_KNOB = {"precision": "bf16", "accum_steps": 4, **LOADER, "kernels": "eager",
+              "checkpointing": False}
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+async def test_terminal_sizes_render_every_panel(make_agent, size):
+    agent = make_agent(gpus=[H200], knobs=dict(EVERY_KNOB), step_fields={
+        "input_verdict": "partly input-bound", "data_wait_share_window": 0.31,
+        "num_alloc_retries": 3, "num_ooms": 1})
     app = GpuwatchApp(LiveSource(agent.info))
-    async with app.run_test(size=(80, 24)) as pilot:
+    width, height = size
+    async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: "GPU NVIDIA H200" in text_of(app, "#system")
-                    and app.source.state.steps)
-        await pilot.pause()
-        assert "reserved" in text_of(app, "#memory")
+                    and "proc 98%" in text_of(app, "#system")
+                    and "checkpointing" in text_of(app, "#knobs")
+                    and "partly" in text_of(app, "#data"))
+        await until(pilot, lambda: app.query_one("#panels").size.width == width)
+        await pilot.pause(0.3)  # a redraw at the laid-out width
         assert "0  97% 70/141G 650/700W 72°C 1980MHz" in text_of(app, "#system")
         for widget in ("#header", "#timing", "#loss", "#throughput", "#memory",
-                       "#system", "#knobs", "#log"):
+                       "#system", "#data", "#knobs", "#log"):
             region = app.query_one(widget).region
             assert region.width > 0 and region.height > 0, widget
-            assert region.bottom <= 23, widget  # above the footer, nothing pushed off
+            assert region.bottom <= height - 1, widget  # above the footer
+        shown = {selector: "\n".join(shown_lines(app, selector))
+                 for selector in ("#memory", "#system", "#data", "#knobs")}
+        memory = (("alloc 5.0/141.0 GiB (4%)", "rsvd  6.0/141.0 GiB (4%)",
+                   "peak  7.0/141.0 GiB (5%)", "RSS 700.0 MiB", "OOMs 1  retries 3")
+                  if width >= 120 else
+                  ("alloc  5.0 GiB  4%", "rsvd   6.0 GiB  4%", "peak   7.0 GiB  5%",
+                   "RSS 700.0 MiB"))
+        for text in (*memory, "─ 1 OOMs"):  # the border says it at any size
+            assert text in shown["#memory"], (text, shown["#memory"])
+        assert "CPU 12% proc 98%" in shown["#system"]
+        for text in ("partly input-bound", "wait 31% ▂", "num_workers", "pin_memory",
+                     "prefetch_factor 2"):
+            assert text in shown["#data"], (text, shown["#data"])
+        for text in ("precision", "bf16", "accum_steps", "kernels", "eager",
+                     "checkpointing off"):
+            assert text in shown["#knobs"], (text, shown["#knobs"])
+        assert "…" not in shown["#data"] + shown["#knobs"]
+        keys = app.query_one(Footer).query("FooterKey")
+        assert {key.key for key in keys} >= {"p", "a", "A", "w", "W", "m", "k", "c",
+                                              "question_mark", "q"}
+        for key in keys:  # every key in sight
+            assert key.region.right <= width and key.region.y == height - 1, key.key
         assert "step ms" in app.query_one("#timing").render().plain
         assert "loss" in app.query_one("#loss").render().plain
         assert "samples/s" in text_of(app, "#throughput .value")

@@ -1,6 +1,7 @@
-"""Where a dashboard's records come from: a live run (:mod:`gpuwatch.sources.live`),
-later a replay file. A source owns its thread and folds records into its
-:class:`~gpuwatch.state.RunState` under :attr:`Source.lock`; the app only reads."""
+"""Where a dashboard's records come from: a live run (:mod:`gpuwatch.sources.live`) or
+a run log (:mod:`gpuwatch.sources.replay`). A source owns its thread and folds records
+into its :class:`~gpuwatch.state.RunState` under :attr:`Source.lock`; the app only
+reads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""The live source: a thread that reads a run's telemetry socket into a RunState."""
+"""The live source: a thread that reads a run's telemetry socket into a RunState.
+
+A run that goes away and comes back under the same run id (restarted by its agent, or
+a stall that ends) is followed: the SUB socket reconnects by itself to the same
+endpoint (ZeroMQ does, for tcp and ipc), and while the run is gone, or when its
+``hello`` shows a new process, the run file is read again, so that a new endpoint is
+connected and commands carry the new process's token.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,8 @@ import time
 
 import zmq
 
-from agent.runs import RunInfo
+from agent.runs import RunInfo, list_runs
+from gpuwatch import state as run_state
 from gpuwatch.client import Subscriber
 from gpuwatch.sources import Source
 
@@ -15,6 +23,8 @@ from gpuwatch.sources import Source
 POLL_S = 0.1
 #: Messages folded per lock acquisition at most, so the app never waits long.
 BATCH = 1000
+#: While the run is gone, how often its run file is looked for again (s).
+RECHECK_S = 1.0
 
 
 class LiveSource(Source):
@@ -41,24 +51,66 @@ class LiveSource(Source):
         if self._thread.is_alive():
             self._thread.join(timeout=2 * POLL_S + 1.0)
 
-    def _receive(self) -> None:
+    def _subscribe(self, info: RunInfo) -> Subscriber | None:
         try:
-            subscriber = Subscriber(self._info)  # the socket lives in this thread
+            return Subscriber(info)  # the socket lives in this thread
         except zmq.ZMQError as exc:  # e.g. a malformed endpoint in the run file
             with self.lock:
-                self.state.log("error",
-                               f"cannot subscribe to {self._info.pub_endpoint}: {exc}")
+                self.state.log("error", f"cannot subscribe to {info.pub_endpoint}: {exc}")
+            return None
+
+    def _receive(self) -> None:
+        subscriber = self._subscribe(self._info)
+        if subscriber is None:
             return
-        with subscriber:
+        heard_at = time.monotonic()
+        next_check = 0.0
+        process = None  # (pid, started_at) of the latest hello
+        try:
             while not self._stop.is_set():
                 frames = subscriber.recv_frames(POLL_S)
+                now = time.monotonic()
                 if frames is None:
+                    if now - heard_at > run_state.GONE_AFTER_S and now >= next_check:
+                        next_check = now + RECHECK_S
+                        subscriber = self._refresh(subscriber)
                     continue
+                heard_at = now
                 with self.lock:
-                    now = time.monotonic()
                     self.state.ingest_frames(frames, now)
                     for _ in range(BATCH - 1):
                         frames = subscriber.recv_frames(0)
                         if frames is None:
                             break
                         self.state.ingest_frames(frames, now)
+                    hello = self.state.hello
+                    latest = (hello.get("pid"), hello.get("started_at")) if hello else None
+                if process is not None and latest != process:
+                    subscriber = self._refresh(subscriber)  # a new process: a new token
+                process = latest
+        finally:
+            subscriber.close()
+
+    def _refresh(self, subscriber: Subscriber) -> Subscriber:
+        """Read the run file of this run id and rank again; if another process wrote
+        it, send commands there and, if its endpoint moved, subscribe there."""
+        current = self._info
+        fresh = next((info for info in list_runs() if info.run_id == current.run_id
+                      and info.rank == current.rank), None)
+        if fresh is None or (fresh.pid, fresh.token, fresh.pub_endpoint, fresh.cmd_endpoint
+                             ) == (current.pid, current.token, current.pub_endpoint,
+                                   current.cmd_endpoint):
+            return subscriber
+        self._info = fresh
+        moved = fresh.pub_endpoint != current.pub_endpoint
+        with self.lock:
+            self.info = fresh
+            self.state.log("info", f"run {fresh.run_id} restarted (pid {fresh.pid})"
+                           + (f"; reconnecting to {fresh.pub_endpoint}" if moved else ""))
+        if not moved:
+            return subscriber
+        replacement = self._subscribe(fresh)
+        if replacement is None:
+            return subscriber
+        subscriber.close()
+        return replacement

@@ -14,7 +14,8 @@ LEVEL_COLORS = {"success": "success", "warning": "warning", "error": "error"}
 
 
 class EventLog(RichLog):
-    """A scrolling log; entries are stamped with the local time they were shown."""
+    """A scrolling log; entries are stamped with the local time the run said them
+    (the time they were shown, for the dashboard's own lines)."""
 
     BORDER_TITLE = "events"
 
@@ -27,4 +28,5 @@ class EventLog(RichLog):
         """Append one entry, coloured by its level."""
         variable = LEVEL_COLORS.get(entry.level)
         color = self.app.theme_variables.get(variable, "") if variable else ""
-        self.write(Text.assemble((time.strftime("%H:%M:%S "), "dim"), (entry.text, color)))
+        stamp = time.strftime("%H:%M:%S ", time.localtime(entry.t))  # now when t is None
+        self.write(Text.assemble((stamp, "dim"), (entry.text, color)))

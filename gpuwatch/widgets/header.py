@@ -1,27 +1,31 @@
-"""The one-line run header: run id, name, device, status, step, records missed."""
+"""The one-line run header: status, step, records missed, run id, name, device."""
 
 from __future__ import annotations
 
 from textual.content import Content
 
 from gpuwatch.state import RunState
-from gpuwatch.units import human_number
+from gpuwatch.units import human_age, human_number
 from gpuwatch.widgets.panel import Panel
 
 #: Theme variable that colours each run status.
 STATUS_STYLES = {"waiting": "$text-muted", "live": "bold $success",
-                 "stalled": "bold $warning", "gone": "bold $error", "ended": "$text-muted"}
+                 "compiling": "bold $warning", "stalled": "bold $warning",
+                 "gone": "bold $error", "ended": "$text-muted"}
 
 
 class RunHeader(Panel):
-    """Who the dashboard watches and whether the run is alive."""
+    """Who the dashboard watches and whether the run is alive (``compiling…`` with the
+    seconds so far while the run compiles), then records missed or malformed on the way
+    and the agent's own dropped records and errors when there are any."""
 
-    def show(self, state: RunState, status: str, *, description: str,
+    def show(self, state: RunState, status: str, now: float, *, description: str,
              readonly: bool) -> None:
         """Redraw from ``state`` (read under the source's lock).
 
         Args:
             status: the state's status, computed once by the caller.
+            now: monotonic time in s (how long a compile has taken).
             description: what the source watches, shown while waiting.
             readonly: whether keys send commands.
         """
@@ -29,17 +33,26 @@ class RunHeader(Panel):
         if status == "waiting":
             parts.append((f"waiting for {description} ...", STATUS_STYLES[status]))
         else:
-            parts += [(f"● {status}", STATUS_STYLES[status]), "  ",
-                      f"step {human_number(state.step)}", "  "]
+            label = status
+            if status == "compiling" and state.compiling_since is not None:
+                label = f"compiling… {human_age(now - state.compiling_since)}"
+            parts += [(f"● {label}", STATUS_STYLES[status]), "  "]
+            if readonly:
+                parts += [("read-only", "$warning"), "  "]
+            parts += [f"step {human_number(state.step)}", "  "]
             if state.missed or state.malformed:
                 parts.append((f"missed {state.missed}" + (
                     f" malformed {state.malformed}" if state.malformed else ""), "$warning"))
             else:
                 parts.append("missed 0")
+            if state.agent_records_dropped:
+                parts += ["  ", (f"dropped {state.agent_records_dropped}", "$warning")]
+            if state.agent_errors:
+                parts += ["  ", (f"agent errors {state.agent_errors}", "$error")]
             parts.append(f"  run {state.run_id}")
             for key in ("name", "device"):
                 if state.hello.get(key):
                     parts += ["  ", (str(state.hello[key]), "bold" if key == "name" else "")]
-        if readonly:
+        if readonly and status == "waiting":
             parts += ["  ", ("read-only", "$warning")]
         self.set_content(Content.assemble(*parts))

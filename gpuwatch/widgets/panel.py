@@ -1,15 +1,29 @@
-"""The base of the text panels: a fixed-size Static that redraws only on real change."""
+"""The base of the text panels: a fixed-size Static that redraws only on real change,
+and the one-line text sparkline they draw with."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 from textual.content import Content
 from textual.widgets import Static
+
+#: Block characters of a sparkline, lowest first.
+SPARK_BARS = "▁▂▃▄▅▆▇█"
+#: Width assumed before the first layout (then the next redraw uses the real one).
+DEFAULT_WIDTH = 20
 
 
 class Panel(Static):
     """A Static whose size never depends on its text (set in the stylesheet), so an
     update needs no layout pass, and an update to the same text and styles is skipped:
     the dashboard calls ``show()`` several times a second."""
+
+    @property
+    def text_width(self) -> int:
+        """Columns for text inside the border and padding (a default before layout)."""
+        return self.content_region.width or DEFAULT_WIDTH
 
     def set_content(self, content: Content | str) -> None:
         """Show ``content`` unless it is what is shown already."""
@@ -19,3 +33,27 @@ class Panel(Static):
                 content.plain, content.spans):
             return
         self.update(content, layout=False)
+
+
+def sparkline(values: Sequence[float | None], width: int, *,
+              high: float | None = None) -> str:
+    """The last ``width`` values as one line of block characters, one per value, the
+    newest at the right, scaled from 0 to ``high`` (the largest value shown when None).
+
+    A missing or non-finite value is a space; with fewer values than ``width`` the line
+    is shorter (it is not stretched, so one column is always one record).
+    """
+    shown = list(values)[-width:] if width > 0 else []
+    finite = [v for v in shown if v is not None and math.isfinite(v)]
+    top = high if high is not None else max(finite, default=0.0)
+    top_index = len(SPARK_BARS) - 1
+    bars = []
+    for value in shown:
+        if value is None or not math.isfinite(value):
+            bars.append(" ")
+        elif top <= 0:
+            bars.append(SPARK_BARS[0])
+        else:
+            index = round(min(max(value / top, 0.0), 1.0) * top_index)
+            bars.append(SPARK_BARS[index])
+    return "".join(bars)

@@ -28,10 +28,21 @@ def _gpu_line(gpu: dict[str, Any]) -> str:
             f"{power}W {number('temp_c')}°C {number('sm_clock_mhz')}MHz")
 
 
+def _percent(value: Any) -> str:
+    return f"{value:.0f}%" if isinstance(value, (int, float)) else "-"
+
+
 class SystemPanel(Panel):
-    """CPU and host memory, then one line per GPU, or why there is no GPU data."""
+    """CPU (the host's, % of all cores, and the training process's, 100% = one core)
+    and host memory, then one line per GPU, or why there is no GPU data."""
 
     BORDER_TITLE = "host & GPU"
+
+    def __init__(self, *, name: str | None = None, id: str | None = None,
+                 classes: str | None = None) -> None:
+        super().__init__(name=name, id=id, classes=classes)
+        self.tooltip = ("CPU: the host, % of all cores; proc: the training process, "
+                        "100% = one core busy")
 
     def show(self, state: RunState) -> None:
         """Redraw from ``state`` (read under the source's lock)."""
@@ -39,8 +50,9 @@ class SystemPanel(Panel):
         if system is None:
             self.set_content(Content.styled("no system record yet", "$text-muted"))
             return
-        cpu = system.get("cpu_pct")
-        lines = [f"CPU {'-' if cpu is None else f'{cpu:.0f}%'}",
+        lines = [f"CPU {_percent(system.get('cpu_pct'))}"
+                 + (f" proc {_percent(system['process_cpu_pct'])}"
+                    if "process_cpu_pct" in system else ""),
                  "RAM " + human_bytes_pair(system.get("host_mem_used_bytes"),
                                            system.get("host_mem_total_bytes"))]
         gpus = [gpu for gpu in system.get("gpus") or () if isinstance(gpu, dict)]

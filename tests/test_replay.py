@@ -1,0 +1,229 @@
+"""Replay: a run log written by the real agent.runlog.RunLog, read back by
+gpuwatch.sources.replay into the dashboard, and printed by ``gpuwatch tail FILE``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent import protocol
+from agent.knobs import STANDARD_KNOBS
+from agent.runlog import RunLog
+from gpuwatch.app import GpuwatchApp
+from gpuwatch.sources.replay import ReplaySource, RunLogReader, envelope_from_record
+
+RUN = "20250101-000000-beef"
+KNOBS = {"precision": "bf16", "accum_steps": 2, "num_workers": 4, "pin_memory": True,
+         "prefetch_factor": 2}
+
+
+class Writer:
+    """Envelopes as the agent makes them, appended by a real RunLog (flushed each time)."""
+
+    def __init__(self, path, *, t0=None, **options):
+        self.log = RunLog(path, flush_interval_s=0.0, **options)
+        self.seq = 0
+        self.t0 = t0  # unix time of the first record; now when None
+
+    def write(self, msg_type, body, *, dt_s=0.0):
+        self.seq += 1
+        t = None if self.t0 is None else self.t0 + dt_s
+        self.log.write(protocol.envelope(msg_type, body, run=RUN, seq=self.seq, t=t))
+        self.log.maybe_flush()
+
+    def hello(self):
+        self.write("hello", {"name": "replayed", "device": "cpu", "knobs": [
+            STANDARD_KNOBS[name].to_wire() for name in KNOBS]})
+
+    def step(self, step, **fields):
+        self.write("step", {"step": step, "step_time_s": 0.1, "data_wait_s": 0.06,
+                            "data_wait_share": 0.6, "data_wait_share_window": 0.6,
+                            "input_verdict": "input-bound", "samples_per_s": 320.0,
+                            "loss": 2.0 / step, "knobs": KNOBS,
+                            "host_rss_bytes": 500 << 20, **fields}, dt_s=step * 0.1)
+
+
+async def until(pilot, predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the dashboard"
+        await pilot.pause(0.05)
+
+
+def text_of(app, selector):
+    return str(app.query_one(selector).content)
+
+
+def log_texts(app):
+    with app.source.lock:
+        return [entry.text for entry in app.source.state.events]
+
+
+def test_record_round_trip():
+    message = protocol.envelope("step", {"step": 3, "loss": 1.5, "knobs": {"a": 1}},
+                                run=RUN, rank=2, seq=9, t=123.5)
+    record = json.loads(protocol.to_json_line(message))
+    assert envelope_from_record(record) == message
+    for not_a_record in ([1, 2], "step", {"step": 3}, {"type": 7}, None):
+        assert envelope_from_record(not_a_record) is None
+
+
+async def test_replay_of_a_finished_run_shows_steps_knobs_and_ended(tmp_path):
+    path = tmp_path / "run.jsonl"
+    writer = Writer(path, t0=time.time() - 3600)  # an hour ago
+    writer.hello()
+    for step in range(1, 31):
+        writer.step(step)
+    writer.write("event", {"level": "warning", "text": "loader is slow", "kind": "warning"})
+    writer.write("bye", {"reason": "finished", "steps": 30}, dt_s=4.0)
+    writer.log.close()
+    app = GpuwatchApp(ReplaySource(path), readonly=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: "● ended" in text_of(app, "#header"))
+        header = text_of(app, "#header")
+        assert "step 30" in header and "read-only" in header and "missed 0" in header
+        assert app.source.state.steps_total == 30
+        assert "run ended (finished) after 30 steps" in log_texts(app)
+        assert "loader is slow" in log_texts(app)
+        await until(pilot, lambda: "input-bound" in text_of(app, "#data"))
+        data, knobs = text_of(app, "#data"), text_of(app, "#knobs")
+        assert "wait 60%" in data and "num_workers" in data and "pin_memory" in data
+        assert "precision" in knobs and "bf16" in knobs and "accum_steps" in knobs
+        await pilot.press("p", "W")  # a replay sends nothing
+        assert "read-only: precision=fp16 not sent" in log_texts(app)
+        assert "read-only: num_workers=5 not sent" in log_texts(app)
+
+
+async def test_replay_follows_a_growing_file_and_counts_malformed_lines(tmp_path):
+    path = tmp_path / "run.jsonl"
+    writer = Writer(path)
+    writer.hello()
+    writer.step(1)
+    app = GpuwatchApp(ReplaySource(path), readonly=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: "● live" in text_of(app, "#header")
+                    and "step 1 " in text_of(app, "#header"))
+        with open(path, "ab") as raw:  # what no agent writes, each skipped and counted
+            raw.write(b"not json\n[1, 2]\n{\"no\": \"type\"}\n\n")
+        for step in (2, 3, 4):
+            writer.step(step)
+        await until(pilot, lambda: "step 4 " in text_of(app, "#header"))
+        assert "malformed 3" in text_of(app, "#header")
+        with open(path, "ab") as raw:
+            raw.write(b'{"type":"step","run":"' + RUN.encode() + b'","step":5')  # half
+        await pilot.pause(0.5)
+        assert app.source.state.steps_total == 4  # a line is read once it is whole
+        with open(path, "ab") as raw:
+            raw.write(b',"seq":99,"t":%f}\n' % time.time())
+        await until(pilot, lambda: "step 5 " in text_of(app, "#header"))
+        writer.write("bye", {"reason": "finished", "steps": 5})
+        await until(pilot, lambda: "● ended" in text_of(app, "#header"))
+        assert "malformed 3" in text_of(app, "#header")
+    writer.log.close()
+
+
+async def test_replay_of_a_killed_run_says_gone(tmp_path):
+    path = tmp_path / "run.jsonl"
+    writer = Writer(path, t0=time.time() - 60)  # stopped writing a minute ago, no bye
+    writer.hello()
+    writer.step(1)
+    writer.log.close()
+    app = GpuwatchApp(ReplaySource(path), readonly=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: "● gone" in text_of(app, "#header"))
+
+
+def test_reader_follows_rotation(tmp_path):
+    path = tmp_path / "run.jsonl"
+    writer = Writer(path, max_bytes=4000, backups=2)
+    with RunLogReader(path) as reader:
+        writer.hello()
+        writer.step(1)
+        steps = [m["body"]["step"] for m in reader.read() if m["type"] == "step"]
+        assert steps == [1] and reader.at_eof
+        for step in range(2, 16):  # rotates once, midway: run.jsonl -> run.jsonl.1
+            writer.step(step)
+        assert os.path.exists(f"{path}.1") and not os.path.exists(f"{path}.2")
+        for _ in range(3):  # the old file's end, then the new file (then nothing)
+            steps += [m["body"]["step"] for m in reader.read() if m["type"] == "step"]
+    assert steps == list(range(1, 16)) and reader.malformed == 0
+    writer.log.close()
+
+
+def test_reader_skips_an_overlong_line(tmp_path, monkeypatch):
+    monkeypatch.setattr("gpuwatch.sources.replay.MAX_LINE_BYTES", 100)
+    monkeypatch.setattr("gpuwatch.sources.replay.CHUNK_BYTES", 64)
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(b'{"type":"heartbeat","step":1}\n' + b'{"type":"x","pad":"' + b"a" * 300
+                     + b'"}\n{"type":"heartbeat","step":2}\n')
+    with RunLogReader(path) as reader:
+        messages = reader.read()
+    assert [m["body"]["step"] for m in messages] == [1, 2] and reader.malformed == 1
+
+
+# --- the command line ------------------------------------------------------------------
+
+def gpuwatch(*args, timeout=30):
+    return subprocess.run([sys.executable, "-m", "gpuwatch", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _finished_log(path):
+    writer = Writer(path)
+    writer.hello()
+    for step in range(1, 6):
+        writer.step(step, loss=float("nan") if step == 5 else 1.0)
+    writer.write("bye", {"reason": "finished", "steps": 5})
+    writer.log.close()
+
+
+def test_tail_json_file_prints_every_record_and_exits(tmp_path, run_dir):
+    path = tmp_path / "run.jsonl"
+    _finished_log(path)
+    with open(path, "ab") as raw:
+        raw.write(b"garbage\n")
+    result = gpuwatch("tail", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    written = path.read_text().splitlines()[:-1]
+    assert [json.loads(line) for line in lines] == [json.loads(line) for line in written]
+    assert json.loads(lines[-2])["loss"] is None  # a NaN loss, as the log holds it
+    assert result.stderr == "gpuwatch tail: 1 malformed lines skipped\n"
+    human = gpuwatch("tail", str(path), "--count", "2")
+    assert human.returncode == 0 and human.stdout.splitlines()[0].startswith(
+        f"run {RUN} replayed on cpu; knobs: precision")
+    assert human.stdout.splitlines()[1].startswith("step 1  100.0 ms  wait 60.0 ms")
+
+
+def test_tail_follow_file_waits_for_bye(tmp_path, run_dir):
+    path = tmp_path / "run.jsonl"
+    writer = Writer(path)
+    writer.hello()
+    writer.step(1)
+    with subprocess.Popen([sys.executable, "-m", "gpuwatch", "tail", "--json", "--follow",
+                           str(path)], stdout=subprocess.PIPE, text=True) as tail:
+        assert json.loads(tail.stdout.readline())["type"] == "hello"
+        assert json.loads(tail.stdout.readline())["step"] == 1
+        writer.step(2)
+        assert json.loads(tail.stdout.readline())["step"] == 2
+        writer.write("bye", {"reason": "finished", "steps": 2})
+        assert json.loads(tail.stdout.readline())["type"] == "bye"
+        assert tail.wait(timeout=10) == 0
+    writer.log.close()
+
+
+def test_replay_needs_a_file(tmp_path, run_dir):
+    result = gpuwatch("replay", str(tmp_path / "missing.jsonl"))
+    assert result.returncode == 1 and "no such file" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [("tail", "--json", "nosuchrun"), ("tail", "--run", "x")])
+def test_tail_argument_that_is_no_file_is_a_run_selector(run_dir, args):
+    result = gpuwatch(*args)
+    assert result.returncode == 1 and "no live run matches" in result.stderr
