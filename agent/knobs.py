@@ -67,19 +67,11 @@ class KnobSpec:
             if isinstance(value, str) and value.lower() in _BOOL_WORDS:
                 return _BOOL_WORDS[value.lower()]
             raise KnobError(f"{self.name}: {value!r} is not a boolean (true/false)")
-        if self.kind == "int":
-            number = _as_int(value)
+        if self.kind in _NUMBER_PARSERS:
+            parse, expected = _NUMBER_PARSERS[self.kind]
+            number = parse(value)
             if number is None:
-                raise KnobError(f"{self.name}: {value!r} is not an integer")
-            if self.minimum is not None and number < self.minimum:
-                raise KnobError(f"{self.name}: {number} is below the minimum {self.minimum}")
-            if self.maximum is not None and number > self.maximum:
-                raise KnobError(f"{self.name}: {number} is above the maximum {self.maximum}")
-            return number
-        if self.kind == "float":
-            number = _as_float(value)
-            if number is None:
-                raise KnobError(f"{self.name}: {value!r} is not a finite number")
+                raise KnobError(f"{self.name}: {value!r} is not {expected}")
             if self.minimum is not None and number < self.minimum:
                 raise KnobError(f"{self.name}: {number} is below the minimum {self.minimum}")
             if self.maximum is not None and number > self.maximum:
@@ -119,6 +111,8 @@ def _as_float(value: Any) -> float | None:
         return float(value)
     return None
 
+
+_NUMBER_PARSERS = {"int": (_as_int, "an integer"), "float": (_as_float, "a finite number")}
 
 #: The standard knobs (ARCHITECTURE.md, "Commands"); a trainer binds the ones it supports.
 PRECISION = KnobSpec("precision", "choice", "autocast precision of forward/backward",

@@ -13,7 +13,10 @@ from gpuwatch.state import RunState
 
 
 class Source(ABC):
-    """The small interface the app needs from a source of records.
+    """The small interface the app needs from a source of records: a daemon thread that
+    folds records into :attr:`state`, started by :meth:`start` and stopped by
+    :meth:`close`. Subclasses implement :meth:`_run`, which must return soon after
+    :attr:`_stop` is set (within ``poll_s``).
 
     Attributes:
         state: the run as folded so far; read it while holding ``lock``.
@@ -22,16 +25,26 @@ class Source(ABC):
         description: what is being watched, for people ("run abc at ipc://...").
     """
 
-    def __init__(self, info: RunInfo | None, description: str) -> None:
+    def __init__(self, info: RunInfo | None, description: str, *, poll_s: float) -> None:
         self.state = RunState()
         self.lock = threading.Lock()
         self.info = info
         self.description = description
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"gpuwatch-{type(self).__name__}")
 
-    @abstractmethod
     def start(self) -> None:
-        """Start delivering records (returns at once; the work runs in a thread)."""
+        """Start delivering records (returns at once; the work runs in the thread)."""
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread; returns within about ``poll_s`` seconds."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self._poll_s + 1.0)
 
     @abstractmethod
-    def close(self) -> None:
-        """Stop delivering records and release the thread and its resources."""
+    def _run(self) -> None:
+        """The thread's work: fold records into :attr:`state` until :attr:`_stop`."""

@@ -9,7 +9,6 @@ connected and commands carry the new process's token.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import zmq
@@ -35,21 +34,8 @@ class LiveSource(Source):
     """
 
     def __init__(self, info: RunInfo) -> None:
-        super().__init__(info, f"run {info.run_id} at {info.pub_endpoint}")
+        super().__init__(info, f"run {info.run_id} at {info.pub_endpoint}", poll_s=POLL_S)
         self._info = info
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._receive, name="gpuwatch-live",
-                                        daemon=True)
-
-    def start(self) -> None:
-        """Start the receiving thread."""
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop the thread; returns within about :data:`POLL_S` seconds."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2 * POLL_S + 1.0)
 
     def _subscribe(self, info: RunInfo) -> Subscriber | None:
         try:
@@ -59,7 +45,7 @@ class LiveSource(Source):
                 self.state.log("error", f"cannot subscribe to {info.pub_endpoint}: {exc}")
             return None
 
-    def _receive(self) -> None:
+    def _run(self) -> None:
         subscriber = self._subscribe(self._info)
         if subscriber is None:
             return

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -185,24 +184,11 @@ class ReplaySource(Source):
     """
 
     def __init__(self, path: os.PathLike | str, *, follow: bool = True) -> None:
-        super().__init__(None, f"run log {path}")
+        super().__init__(None, f"run log {path}", poll_s=POLL_S)
         self.path = Path(path)
         self.follow = follow
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="gpuwatch-replay",
-                                        daemon=True)
 
-    def start(self) -> None:
-        """Start the reading thread."""
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop the thread; returns within about :data:`POLL_S` seconds."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2 * POLL_S + 1.0)
-
-    def _read(self) -> None:
+    def _run(self) -> None:
         counted = 0  # the reader's malformed lines already added to the state
         waited = False
         with RunLogReader(self.path) as reader:
