@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
                     "dashboard on it; q stops both.")
     demo.add_argument("--model", choices=("transformer", "cnn"), default="transformer")
     demo.add_argument("--max-steps", type=int, metavar="N", help="stop after N steps")
+    demo.add_argument("--compile-backend", default="inductor", metavar="NAME",
+                      help="torch.compile backend used when `k` picks compile (inductor; "
+                           "aot_eager compiles in about a second on a small CPU)")
     demo.add_argument("--no-ui", action="store_true",
                       help="run the job in this terminal; watch it from another")
     demo.add_argument("--readonly", action="store_true",
@@ -302,7 +305,8 @@ def _human_line(message: dict[str, Any]) -> str | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    command = [sys.executable, "-m", "agent.demo", "--model", args.model]
+    command = [sys.executable, "-m", "agent.demo", "--model", args.model,
+               "--compile-backend", args.compile_backend]
     if args.max_steps is not None:
         command += ["--max-steps", str(args.max_steps)]
     if args.no_ui:
