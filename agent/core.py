@@ -156,6 +156,7 @@ class Agent:
         self._last_step = 0
         self._last_boundary_t: float | None = None
         self._ending = False
+        self._bye_reason: str | None = None
         self._broken = False
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -186,9 +187,12 @@ class Agent:
         self._ready.wait(timeout_s)
         return self
 
-    def mark_ending(self) -> None:
+    def mark_ending(self, reason: str | None = None) -> None:
         """The run is about to end (e.g. on SIGTERM): from now on commands are rejected
-        with "the run is ending" and heartbeats say so. Any thread; idempotent."""
+        with "the run is ending" and heartbeats say so; ``reason``, if given, is what
+        ``bye`` will say. Any thread; idempotent."""
+        if reason is not None and self._bye_reason is None:
+            self._bye_reason = reason
         self._ending = True
 
     def close(self, reason: str = "finished", timeout_s: float = 5.0) -> None:
@@ -199,8 +203,7 @@ class Agent:
         """
         if self._stop.is_set():
             return
-        self.mark_ending()
-        self._bye_reason = reason
+        self.mark_ending(reason)
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -378,7 +381,7 @@ class Agent:
                     previous_marker = self._guard("step publishing", self._publish_records,
                                                   in_flight, previous_marker, True,
                                                   default=previous_marker)
-                self._publish(protocol.BYE, {"reason": getattr(self, "_bye_reason", ""),
+                self._publish(protocol.BYE, {"reason": self._bye_reason or "",
                                              "steps": self._last_step})
                 return
 

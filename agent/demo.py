@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
               f"attach with: gpuwatch {monitor.run_id}", flush=True)
 
     def stop(signum: int, frame: object) -> None:
-        monitor.mark_ending()
+        monitor.mark_ending(f"stopped by {signal.Signals(signum).name}")
         trainer.stop()
 
     signal.signal(signal.SIGTERM, stop)

@@ -17,8 +17,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import platformdirs
-
 #: Environment variable that overrides the run directory (tests, several users' setups).
 RUN_DIR_ENV = "GPUWATCH_RUN_DIR"
 
@@ -26,22 +24,21 @@ RUN_DIR_ENV = "GPUWATCH_RUN_DIR"
 def run_dir() -> Path:
     """The per-user directory for run files and ipc sockets, created with mode 0700.
 
-    ``$GPUWATCH_RUN_DIR`` if set; else the user runtime directory (``$XDG_RUNTIME_DIR``)
-    when it exists; else ``<tmp>/gpuwatch-<uid>``. ipc socket paths must stay short
+    ``$GPUWATCH_RUN_DIR`` if set; else ``$XDG_RUNTIME_DIR/gpuwatch`` when that
+    directory exists and is writable; else ``<tmp>/gpuwatch-<uid>``. ipc socket paths must stay short
     (about 100 bytes), which these are.
 
     Raises:
         PermissionError: the directory exists but belongs to another user.
     """
     override = os.environ.get(RUN_DIR_ENV)
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     if override:
         path = Path(override)
+    elif runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK):
+        path = Path(runtime) / "gpuwatch"
     else:
-        runtime = Path(platformdirs.user_runtime_dir("gpuwatch", appauthor=False))
-        if runtime.parent.is_dir() and os.access(runtime.parent, os.W_OK):
-            path = runtime
-        else:
-            path = Path(tempfile.gettempdir()) / f"gpuwatch-{os.getuid()}"
+        path = Path(tempfile.gettempdir()) / f"gpuwatch-{os.getuid()}"
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     if path.stat().st_uid != os.getuid():
         raise PermissionError(f"{path} belongs to another user; set ${RUN_DIR_ENV}")

@@ -243,6 +243,8 @@ class GpuwatchApp(App[None]):
             self.note("warning", f"read-only: {knob}={shown} not sent")
         elif self.source.info is None:
             self.note("warning", f"{self.source.description} takes no commands")
+        elif self.source.state.ended is not None:
+            self.note("warning", f"the run has ended: {knob}={shown} not sent")
         else:
             self.note("info", f"sent {knob}={shown}")
             self._send(knob, value)

@@ -307,6 +307,10 @@ class RunState:
         kind = body.get("kind")
         if kind in _SETTLING_KINDS and knob in self.pending:
             del self.pending[knob]
+        if kind in ("applied", "rolled_back") and isinstance(knob, str) and "value" in body:
+            # the run says so before the next step record (which can be seconds away):
+            # a key pressed again meanwhile must start from the new value
+            self._set_knobs({knob: body["value"]}, now)
         if kind == "compiling":
             self.compiling_since = now
             step = body.get("step")  # the step it compiles in, when the agent says

@@ -548,3 +548,14 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         assert "step ms" in app.query_one("#timing").render().plain
         assert "loss" in app.query_one("#loss").render().plain
         assert "samples/s" in text_of(app, "#throughput .value")
+
+
+def test_applied_event_updates_the_knob_before_the_next_step_record():
+    # a key pressed again before that step record arrives must start from the new value
+    state = RunState()
+    state.ingest(envelope("step", {"step": 1, "knobs": {"precision": "bf16"}}), 1.0)
+    state.note_pending("precision", "fp16", 3)
+    state.ingest(envelope("event", {"kind": "applied", "knob": "precision", "value": "fp16",
+                                    "step": 3, "text": "precision=fp16 applied at step 3"}),
+                 2.0)
+    assert state.knobs["precision"] == "fp16" and state.pending == {}
