@@ -78,17 +78,14 @@ class MemoryPanel(Panel):
             total = device_total_bytes(state)
             lines += [usage_line(label, step.get(key), total, width)
                       for label, key in CUDA_FIELDS]
-            lines.append(Content.styled(
-                sparkline([r.mem_peak_reserved_bytes for r in state.steps], width),
-                "$primary"))
+            lines.append(_trend([r.mem_peak_reserved_bytes for r in state.steps], width))
             host = f"RSS {human_bytes(rss)}"
             with_peak = f"{host} (peak {human_bytes(state.host_rss_peak_bytes)})"
             lines.append(with_peak if len(with_peak) <= width else host)
         else:
             lines += [usage_line("RSS", rss, host_total, width),
                       usage_line("peak", state.host_rss_peak_bytes, host_total, width),
-                      Content.styled(sparkline([r.host_rss_bytes for r in state.steps],
-                                               width), "$primary"),
+                      _trend([r.host_rss_bytes for r in state.steps], width),
                       Content.styled("no CUDA (CPU run)", "$text-muted")]
         trouble = [(label, step[key]) for label, key in ALLOCATOR_FIELDS
                    if isinstance(step.get(key), int)]
@@ -101,3 +98,10 @@ class MemoryPanel(Panel):
         subtitle = ", ".join(f"{count} {label}" for label, count in trouble if count)
         if subtitle != (self.border_subtitle or ""):
             self.border_subtitle = subtitle
+
+
+def _trend(values: list[Any], width: int) -> Content:
+    """A labelled sparkline (``per step ▅▆▇``) so that it does not read as a usage bar."""
+    label = "per step " if width >= 20 else ""
+    return Content.assemble((label, "$text-muted"),
+                            (sparkline(values, width - len(label)), "$primary"))
