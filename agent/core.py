@@ -48,6 +48,16 @@ _HELLO_EVERY_HEARTBEATS = 2
 #: a GIL hand-off, so it is kept rare: 20 a second.
 _POLL_MS = 50
 _MAX_COMMANDS_PER_POLL = 100
+#: Command messages read per second at most, valid or not: a flood (even of garbage or
+#: of wrong tokens) costs the training process a bounded ~1% of a core; the excess waits
+#: in ZeroMQ's small receive queue, and beyond it the sender is throttled.
+COMMANDS_PER_S = 200
+#: Receive queue per client (messages) and the largest command message (bytes): bounds
+#: what a flood of large messages can make the training process hold.
+_COMMAND_QUEUE = 64
+_MAX_COMMAND_BYTES = 64 * 1024
+#: How far ahead a command may be scheduled (optimizer steps).
+MAX_STEPS_AHEAD = 100_000
 #: Commands accepted but not yet applied, at most; more are rejected (a flood is refused,
 #: not queued).
 MAX_PENDING_COMMANDS = 32
@@ -172,6 +182,10 @@ class Agent:
         self.records_dropped = 0
         #: Valid commands refused because too many were pending (a flood).
         self.commands_refused = 0
+        #: Commands rejected (bad token, knob or value).
+        self.commands_rejected = 0
+        self._rejections_reported = 0
+        self._next_rejection_event = 0.0
         self.errors: list[str] = []
 
     # ---------------------------------------------------------------- lifecycle
@@ -252,7 +266,10 @@ class Agent:
         with self._pending_lock:
             due = bisect.bisect_right(self._pending, step + 1, key=lambda p: p.apply_step)
             commands, self._pending[:due] = self._pending[:due], []
+        last = {command.knob: command for command in commands}
         for command in commands:
+            if last[command.knob] is not command:  # a later command for the same knob
+                continue                            # at the same boundary wins
             knob = self.knobs.knobs[command.knob]
             previous = knob.get()
             try:
@@ -317,7 +334,8 @@ class Agent:
         pub.setsockopt(zmq.LINGER, 0)
         router = context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        router.setsockopt(zmq.MAXMSGSIZE, _MAX_COMMAND_BYTES)
+        router.setsockopt(zmq.RCVHWM, _COMMAND_QUEUE)
         endpoints = []
         if self.transport == "ipc":
             base = run_dir() / f"{self.run_id}.r{self.rank}"
@@ -352,11 +370,19 @@ class Agent:
         previous_marker = None
         next_system = next_heartbeat = time.monotonic()
         heartbeats = 0
+        budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
         while True:
             stopping = self._stop.is_set()
             ready = dict(poller.poll(0 if stopping else _POLL_MS))
             if router in ready:
-                self._guard("command handling", self._serve_commands, router)
+                budget -= self._guard("command handling", self._serve_commands, router,
+                                      min(budget, _MAX_COMMANDS_PER_POLL), default=0)
+                if budget <= 0:
+                    poller.unregister(router)  # the rest waits for the next second
+            if time.monotonic() >= budget_until:
+                if budget <= 0:
+                    poller.register(router, zmq.POLLIN)
+                budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
             if pub in ready:
                 self._guard("greeting", self._greet_subscribers, pub)
             previous_marker = self._guard(
@@ -491,6 +517,20 @@ class Agent:
             self._publish(protocol.EVENT, {"level": "warning", "kind": "warning",
                                            "text": warning, "step": step})
 
+    def _note_rejection(self, reason: str, knob: Any) -> None:
+        """An event for a rejected command: at most one a second (a flood of bad
+        commands must not flood the run log and every dashboard)."""
+        self.commands_rejected += 1
+        now = time.monotonic()
+        if now < self._next_rejection_event:
+            return
+        self._next_rejection_event = now + 1.0
+        count = self.commands_rejected - self._rejections_reported
+        self._rejections_reported = self.commands_rejected
+        more = f" ({count - 1} more since the last report)" if count > 1 else ""
+        self.event("warning", f"command rejected: {reason}{more}", kind="rejected",
+                   knob=knob if isinstance(knob, str) else None)
+
     def _schedule(self, pending: _Pending) -> None:
         with self._pending_lock:
             self._pending_seq += 1
@@ -528,12 +568,15 @@ class Agent:
 
     # ---------------------------------------------------------------- commands
 
-    def _serve_commands(self, router: zmq.Socket) -> None:
-        for _ in range(_MAX_COMMANDS_PER_POLL):
+    def _serve_commands(self, router: zmq.Socket, limit: int) -> int:
+        """Read and answer at most ``limit`` command messages; returns how many."""
+        served = 0
+        while served < limit:
             try:
                 frames = router.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
+            served += 1
             identity, rest = frames[0], frames[1:]
             reply = self._command_reply(rest)
             if reply is None:
@@ -544,6 +587,7 @@ class Agent:
                 router.send_multipart([identity, *frames_out], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # the client went away
+        return served
 
     def _command_reply(self, frames: list[bytes]) -> dict[str, Any] | None:
         try:
@@ -560,7 +604,7 @@ class Agent:
         token = body.get("token")
         if not isinstance(token, str) or not hmac.compare_digest(
                 token.encode("utf-8", "replace"), self.token.encode()):
-            self.event("warning", "command rejected: missing or wrong token", kind="rejected")
+            self._note_rejection("missing or wrong token", None)
             return {**rejected, "knob": None, "reason": "missing or wrong token"}
         if self._ending:
             return {**rejected, "reason": "the run is ending"}
@@ -568,8 +612,7 @@ class Agent:
         try:
             value = self.knobs.validate(knob_name, raw)
         except KnobError as exc:
-            self.event("warning", f"command rejected: {exc}", kind="rejected",
-                        knob=knob_name if isinstance(knob_name, str) else None)
+            self._note_rejection(str(exc), knob_name)
             return {**rejected, "reason": str(exc)}
         if len(self._pending) >= MAX_PENDING_COMMANDS:
             self.commands_refused += 1
@@ -579,6 +622,9 @@ class Agent:
         apply_step = body.get("apply_step", earliest)
         if isinstance(apply_step, bool) or not isinstance(apply_step, int):
             return {**rejected, "reason": f"apply_step must be an integer, got {apply_step!r}"}
+        if apply_step > earliest + MAX_STEPS_AHEAD:
+            return {**rejected, "reason": f"apply_step {apply_step} is more than "
+                                          f"{MAX_STEPS_AHEAD} steps ahead"}
         if apply_step < earliest:
             return {**rejected, "reason": f"apply_step {apply_step} has passed on rank "
                                           f"{self.rank} (earliest: {earliest})"}

@@ -10,6 +10,7 @@ add a device check (e.g. bf16 on a GPU without bf16) through :attr:`Knob.check`.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -56,6 +57,12 @@ class KnobSpec:
             KnobError: a value of the wrong type, not among the choices, or out of range;
                 the message names the knob and the value.
         """
+        try:
+            return self._coerce(value)
+        except KnobError as exc:
+            raise KnobError(_shorten(str(exc))) from None
+
+    def _coerce(self, value: Any) -> Any:
         if self.kind == "choice":
             if not isinstance(value, str) or value not in self.choices:
                 raise KnobError(
@@ -80,8 +87,16 @@ class KnobSpec:
         raise KnobError(f"{self.name}: unknown knob kind {self.kind!r}")
 
 
+def _shorten(text: str, limit: int = 200) -> str:
+    """Error messages quote the bad value: keep a huge one from filling logs."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 _BOOL_WORDS = {"true": True, "on": True, "1": True, "yes": True,
                "false": False, "off": False, "0": False, "no": False}
+
+
+_DECIMAL = re.compile(r"[+-]?[0-9]{1,18}")
 
 
 def _as_int(value: Any) -> int | None:
@@ -91,11 +106,8 @@ def _as_int(value: Any) -> int | None:
         return value
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip(), 10)
-        except ValueError:
-            return None
+    if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+        return int(value.strip())  # ASCII digits only: no "1_0", no other scripts' digits
     return None
 
 

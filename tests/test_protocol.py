@@ -65,6 +65,7 @@ def test_valid_values_are_coerced(knob, value, expected):
     ("accum_steps", 0, "below the minimum"), ("accum_steps", 10**9, "above the maximum"),
     ("accum_steps", 2.5, "not an integer"), ("accum_steps", True, "not an integer"),
     ("accum_steps", "four", "not an integer"), ("accum_steps", None, "not an integer"),
+    ("accum_steps", "1_0", "not an integer"), ("accum_steps", "\u0663", "not an integer"),
     ("kernels", "triton", "unknown knob"), (None, 1, "unknown knob"),
     (["precision"], "bf16", "unknown knob"),
 ])
@@ -78,3 +79,9 @@ def test_schema_lists_bound_knobs_only():
     assert [k["name"] for k in schema] == ["precision", "accum_steps"]
     assert schema[0]["choices"] == ["fp32", "bf16", "fp16"]
     assert schema[1]["min"] == 1
+
+
+def test_a_huge_bad_value_is_quoted_short():
+    with pytest.raises(KnobError) as error:
+        _knobs().validate("precision", "x" * 100_000)
+    assert len(str(error.value)) <= 200

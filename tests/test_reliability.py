@@ -94,6 +94,13 @@ def test_a_command_flood_gets_replies_and_applies_nothing_by_mistake(run_dir):
     gate.release.set()
     thread.join(30)
     assert trainer.step == 50 and trainer.accum_steps == 2
+    rejected_events = [r for r in map(json.loads, open(monitor.info.log_path))
+                       if r["type"] == "event" and r.get("kind") == "rejected"]
+    assert monitor.commands_rejected > 500
+    assert 1 <= len(rejected_events) <= 15  # at most one a second, with the count
+    applied = [r for r in map(json.loads, open(monitor.info.log_path))
+               if r["type"] == "event" and r.get("kind") == "applied"]
+    assert len(applied) == 1  # the accepted commands for one boundary apply once
 
 
 def test_an_exception_inside_the_agent_is_reported_once_and_training_goes_on(run_dir):
@@ -113,3 +120,15 @@ def test_an_exception_inside_the_agent_is_reported_once_and_training_goes_on(run
               if r["type"] == "event" and r.get("kind") == "agent_error"]
     assert len(errors) == len(monitor.errors)  # (a periodic hello may fail as well)
     assert all("training continues" in e["text"] for e in errors)
+
+
+def test_a_command_too_far_ahead_is_refused(run_dir):
+    trainer = _trainer()
+    monitor = agent.attach(trainer)
+    try:
+        from gpuwatch.client import send_command
+
+        reply = send_command(runs.find_run(), "accum_steps", 2, apply_step=2**63)
+        assert not reply["ok"] and "steps ahead" in reply["reason"]
+    finally:
+        monitor.close()
