@@ -40,6 +40,8 @@ Message types and their bodies:
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from typing import Any
 
@@ -153,5 +155,20 @@ def to_json_line(message: dict[str, Any]) -> bytes:
     JSON; values JSON cannot hold are written as their ``repr``. About 1 us a record
     (orjson).
     """
-    return orjson.dumps(flatten(message), default=repr,
-                        option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+    record = flatten(message)
+    try:
+        return orjson.dumps(record, default=repr,
+                            option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+    except (orjson.JSONEncodeError, RecursionError):  # e.g. an int beyond 64 bits
+        return (json.dumps(_finite(record), default=repr, separators=(",", ":"))
+                + "\n").encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(key): _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

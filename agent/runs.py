@@ -109,29 +109,58 @@ def remove_run_file(info: RunInfo) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process of this user (another user's process is not
+    one of our runs: its file is stale, or forged)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError, OverflowError):
         return False
-    except PermissionError:
-        return True
     return True
+
+
+#: The type each run-file field must have (a file with another type is malformed).
+_FIELD_TYPES = {"run_id": str, "rank": int, "world_size": int, "pid": int,
+                "pub_endpoint": str, "cmd_endpoint": str, "token": str,
+                "started_at": (int, float), "name": str, "host": str, "log_path": str}
+
+
+def _read_run_file(path: Path) -> RunInfo | None:
+    """The run file at ``path``, or None when it is unreadable or malformed."""
+    try:
+        if path.stat().st_size > 64 * 1024:
+            return None
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    fields = {key: data[key] for key in _FIELD_TYPES if key in data}
+    for key, kind in _FIELD_TYPES.items():
+        value = fields.get(key)
+        if key in fields and (isinstance(value, bool) or not isinstance(value, kind)):
+            return None
+    try:
+        info = RunInfo(**fields)
+    except TypeError:  # a required field is missing
+        return None
+    info.path = str(path)
+    return info
 
 
 def list_runs(directory: Path | None = None) -> list[RunInfo]:
     """Live runs of this user, newest first (rank files of one run are all listed).
 
     Stale files (dead pid) are removed; unreadable or malformed files are skipped.
+    Never raises for a file's content.
     """
     directory = directory or run_dir()
     runs = []
     for path in directory.glob("*.rank*.json"):
-        try:
-            data = json.loads(path.read_text())
-            info = RunInfo(**{k: data[k] for k in RunInfo.__dataclass_fields__ if k in data})
-        except (OSError, ValueError, TypeError):
+        info = _read_run_file(path)
+        if info is None:
             continue
-        info.path = str(path)
         if not _alive(info.pid):
             path.unlink(missing_ok=True)
             continue

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import zmq
+
 from agent import protocol
 from agent.runs import RunInfo, find_run, list_runs, run_dir
 from gpuwatch.units import human_age, human_ms, human_number
@@ -204,7 +206,13 @@ def _tail(args: argparse.Namespace) -> int:
     if info is None:
         return _no_run(selector)
     printed = 0
-    with Subscriber(info) as subscriber:
+    try:
+        subscriber = Subscriber(info)
+    except zmq.ZMQError as exc:
+        print(f"gpuwatch tail: cannot subscribe to {info.pub_endpoint!r}: {exc}",
+              file=sys.stderr)
+        return 1
+    with subscriber:
         try:
             for message in subscriber:
                 if _print_record(message, as_json=args.json):
@@ -260,7 +268,10 @@ def _print_record(message: dict[str, Any], *, as_json: bool) -> bool:
     if as_json:
         sys.stdout.buffer.write(protocol.to_json_line(message))  # bytes, with newline
         return True
-    line = _human_line(message)
+    try:
+        line = _human_line(message)
+    except Exception:  # a record of unexpected shape: show it raw rather than fail
+        line = protocol.to_json_line(message).decode().rstrip("\n")
     if line is None:
         return False
     sys.stdout.buffer.write(line.encode() + b"\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,37 @@ def test_no_live_run_says_how_to_start_one(run_dir, args):
 def test_unknown_run_selector(fake_agent):
     result = gpuwatch("nosuchrun")
     assert result.returncode == 1 and "no live run matches 'nosuchrun'" in result.stderr
+
+
+@pytest.mark.parametrize("content", [
+    '{"run_id": "zzz", "pid": "abc", "rank": 0, "world_size": 1, "pub_endpoint": "x",'
+    ' "cmd_endpoint": "", "token": "t", "started_at": 1.0}',
+    '{"run_id": "zzz", "pid": 99999999999999999999, "rank": 0, "world_size": 1,'
+    ' "pub_endpoint": "x", "cmd_endpoint": "", "token": "t", "started_at": 1.0}',
+    '{"run_id": "zzz", "pid": -1, "rank": 0, "world_size": 1, "pub_endpoint": "x",'
+    ' "cmd_endpoint": "", "token": "t", "started_at": 1.0}',
+    '{"run_id": 123, "pid": 0, "rank": null}', "[" * 100_000, "not json", "[1, 2]",
+])
+def test_malformed_or_foreign_run_files_are_skipped(fake_agent, run_dir, content):
+    (Path(run_dir) / "zzz.rank0.json").write_text(content)
+    result = gpuwatch("runs", "--json")
+    assert result.returncode == 0, result.stderr
+    assert [r["run_id"] for r in json.loads(result.stdout)] == [fake_agent.info.run_id]
+
+
+def test_tail_of_a_bad_endpoint_says_so(run_dir):
+    result = gpuwatch("tail", "--run", "tcp://nonsense")
+    assert result.returncode == 1 and "cannot subscribe" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_tail_of_odd_records_prints_them_raw(tmp_path):
+    log = tmp_path / "odd.jsonl"
+    log.write_text('{"type":"step","step":1,"knobs":[1,2],"loss":"x"}\n'
+                   '{"type":"step","step":2,"big":' + "9" * 30 + "}\n"
+                   + "[" * 10_000 + "\n")
+    for flags in ((), ("--json",)):
+        result = gpuwatch("tail", *flags, str(log))
+        assert result.returncode == 0, result.stderr
+        assert "Traceback" not in result.stderr
+        assert result.stdout.count("\n") == 2

@@ -81,8 +81,13 @@ class LiveSource(Source):
         """Read the run file of this run id and rank again; if another process wrote
         it, send commands there and, if its endpoint moved, subscribe there."""
         current = self._info
-        fresh = next((info for info in list_runs() if info.run_id == current.run_id
-                      and info.rank == current.rank), None)
+        try:
+            fresh = next((info for info in list_runs() if info.run_id == current.run_id
+                          and info.rank == current.rank), None)
+        except OSError as exc:  # the run directory went away: keep listening
+            with self.lock:
+                self.state.log("warning", f"cannot read the run files: {exc}")
+            return subscriber
         if fresh is None or (fresh.pid, fresh.token, fresh.pub_endpoint, fresh.cmd_endpoint
                              ) == (current.pid, current.token, current.pub_endpoint,
                                    current.cmd_endpoint):

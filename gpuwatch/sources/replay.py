@@ -166,7 +166,7 @@ class RunLogReader:
         if len(line) <= MAX_LINE_BYTES:
             try:
                 envelope = envelope_from_record(json.loads(line))
-            except ValueError:  # bad JSON or bad UTF-8
+            except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
                 pass
         if envelope is None:
             self.malformed += 1
