@@ -119,6 +119,11 @@ class Agent:
         device: the model's device; CUDA enables event timing and CUDA memory fields.
         transport: ``"ipc"`` (a socket file in the private run directory) or ``"tcp"``
             (127.0.0.1, random ports). Both are local to this machine.
+        listen: an address other than 127.0.0.1 to listen on with tcp (e.g.
+            ``"0.0.0.0"``), for a dashboard on another machine. Then both sockets use
+            ZeroMQ CURVE: traffic is encrypted and only a client holding the run's client
+            key (kept in the owner-only run file) may connect; commands still need the
+            token.
         rank, world_size: default from ``torch.distributed`` when initialised, else the
             ``RANK`` / ``WORLD_SIZE`` environment variables, else 0 / 1.
         queue_size: bound of the record queue; when the I/O thread falls that far
@@ -142,9 +147,13 @@ class Agent:
         world_size: int | None = None,
         queue_size: int = 8192,
         nvml: Nvml | None = None,
+        listen: str | None = None,
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        if listen is not None and transport != "tcp":
+            raise ValueError("listen= needs transport='tcp'")
+        self.listen = listen
         self.knobs = knobs or KnobSet()
         self.name = name or os.path.basename(sys.argv[0] or "python")
         self.device = torch.device(device) if device is not None else None
@@ -156,6 +165,7 @@ class Agent:
         self.model_name = type(model).__name__ if model is not None else ""
         self.info: RunInfo | None = None
         self._pub: zmq.Socket | None = None
+        self._authenticator: Any = None
         self._log: RunLog | None = None
         self._marker = marker_for(self.device)
         self._records: deque = deque(maxlen=queue_size)
@@ -325,7 +335,28 @@ class Agent:
                 self._pub.close(linger=500)  # let bye and the last records leave
             if self._log is not None:
                 self._guard("run log", self._log.close)
+            if self._authenticator is not None:
+                self._authenticator.stop()
             context.destroy(linger=0)
+
+    def _secure(self, context: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> dict[str, str]:
+        """CURVE for a run that listens beyond this machine: a server key pair, and one
+        client key pair that the authenticator accepts (ZAP, on its own thread)."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        self._authenticator = ThreadAuthenticator(context)
+        self._authenticator.start()
+        self._authenticator.configure_curve_callback(
+            domain="*", credentials_provider=_OneClientKey(client_public))
+        for socket in sockets:
+            socket.curve_secretkey = server_secret
+            socket.curve_publickey = server_public
+            socket.curve_server = True
+        return {"curve_server_key": server_public.decode(),
+                "curve_client_public_key": client_public.decode(),
+                "curve_client_secret_key": client_secret.decode()}
 
     def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
         pub = context.socket(zmq.XPUB)  # a PUB that also hears (un)subscriptions
@@ -336,6 +367,7 @@ class Agent:
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, _MAX_COMMAND_BYTES)
         router.setsockopt(zmq.RCVHWM, _COMMAND_QUEUE)
+        keys = self._secure(context, (pub, router)) if self.listen else {}
         endpoints = []
         if self.transport == "ipc":
             base = run_dir() / f"{self.run_id}.r{self.rank}"
@@ -345,16 +377,18 @@ class Agent:
                 os.chmod(f"{base}.{suffix}", 0o600)
                 endpoints.append(endpoint)
         else:
+            address = self.listen or "127.0.0.1"
+            shown = "127.0.0.1" if address in ("0.0.0.0", "*") else address
             for socket in (pub, router):
-                port = socket.bind_to_random_port("tcp://127.0.0.1")
-                endpoints.append(f"tcp://127.0.0.1:{port}")
+                port = socket.bind_to_random_port(f"tcp://{address}")
+                endpoints.append(f"tcp://{shown}:{port}")
         self._log = self._guard("run log", RunLog,
                                 log_dir() / f"{self.run_id}.rank{self.rank}.jsonl")
         self.info = RunInfo(run_id=self.run_id, rank=self.rank, world_size=self.world_size,
                             pid=os.getpid(), pub_endpoint=endpoints[0],
                             cmd_endpoint=endpoints[1], token=self.token,
                             started_at=self._started_at, name=self.name,
-                            log_path=str(self._log.path) if self._log else "")
+                            log_path=str(self._log.path) if self._log else "", **keys)
         write_run_file(self.info)
         return pub, router
 
@@ -643,6 +677,17 @@ class Agent:
                 self._publish(protocol.EVENT, {"level": "warning", "text": warning,
                                                "kind": "warning", "knob": knob_name})
         return reply
+
+
+class _OneClientKey:
+    """ZAP credentials check: only the run's own client key may connect."""
+
+    def __init__(self, client_public: bytes) -> None:
+        self.client_public = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """``key``: the connecting client's public key, Z85."""
+        return hmac.compare_digest(key, self.client_public)
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

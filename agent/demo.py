@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
                              "in about a second on a small CPU; inductor takes ~20 s there)")
     parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--listen", metavar="ADDRESS",
+                        help="listen on this address (e.g. 0.0.0.0) with tcp and CURVE "
+                             "encryption, for a dashboard on another machine")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -46,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                       precision=args.precision, accum_steps=args.accum_steps,
                       max_grad_norm=1.0, kernels=args.kernels,
                       compile_backend=args.compile_backend)
-    monitor = agent.attach(trainer, name=f"demo-{workload.name}", transport=args.transport)
+    monitor = agent.attach(trainer, name=f"demo-{workload.name}",
+                           transport="tcp" if args.listen else args.transport,
+                           listen=args.listen)
     if monitor.info is not None:
         print(f"gpuwatch demo: run {monitor.run_id} ({workload.name}), "
               f"attach with: gpuwatch {monitor.run_id}", flush=True)

@@ -61,6 +61,9 @@ class RunInfo:
         (commands). token: secret that commands must carry. started_at: unix time (s).
         name: human label (script or model). host: hostname. path: the file itself.
         log_path: the run log (JSON lines), "" when the run has none.
+        curve_server_key, curve_client_public_key, curve_client_secret_key: Z85 keys
+            of a run that listens beyond this machine (ZeroMQ CURVE encryption and
+            authentication); "" for local runs.
     """
 
     run_id: str
@@ -75,12 +78,15 @@ class RunInfo:
     host: str = ""
     path: str = ""
     log_path: str = ""
+    curve_server_key: str = ""
+    curve_client_public_key: str = ""
+    curve_client_secret_key: str = ""
 
     def public(self) -> dict:
         """The fields safe to print (no token, no path)."""
         info = asdict(self)
-        info.pop("token")
-        info.pop("path")
+        for secret in ("token", "path", "curve_client_secret_key"):
+            info.pop(secret)
         return info
 
 
@@ -123,7 +129,9 @@ def _alive(pid: int) -> bool:
 #: The type each run-file field must have (a file with another type is malformed).
 _FIELD_TYPES = {"run_id": str, "rank": int, "world_size": int, "pid": int,
                 "pub_endpoint": str, "cmd_endpoint": str, "token": str,
-                "started_at": (int, float), "name": str, "host": str, "log_path": str}
+                "started_at": (int, float), "name": str, "host": str, "log_path": str,
+                "curve_server_key": str, "curve_client_public_key": str,
+                "curve_client_secret_key": str}
 
 
 def _read_run_file(path: Path) -> RunInfo | None:

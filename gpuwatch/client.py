@@ -23,6 +23,15 @@ RECEIVE_HIGH_WATER_MARK = 100_000
 CANCEL_CHECK_S = 0.1
 
 
+def secure(socket: zmq.Socket, info: RunInfo) -> None:
+    """Set the CURVE client keys of a run that listens beyond its machine (the run file
+    holds them); nothing for a local run."""
+    if info.curve_server_key:
+        socket.curve_serverkey = info.curve_server_key.encode()
+        socket.curve_publickey = info.curve_client_public_key.encode()
+        socket.curve_secretkey = info.curve_client_secret_key.encode()
+
+
 class Subscriber:
     """A SUB socket connected to a run's telemetry endpoint.
 
@@ -46,6 +55,7 @@ class Subscriber:
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         try:
+            secure(self._socket, info)
             self._socket.connect(info.pub_endpoint)
         except zmq.ZMQError:
             self._socket.close(linger=0)
@@ -130,6 +140,7 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     sock.setsockopt(zmq.LINGER, 0)
     try:
         try:
+            secure(sock, info)
             sock.connect(info.cmd_endpoint)
         except zmq.ZMQError as exc:
             return {"id": command_id, "ok": False, "answered": False,

@@ -233,3 +233,32 @@ def test_kernel_backend_switches_live_and_triton_is_refused_without_cuda(run_dir
     last = [m["body"] for m in seen if m["type"] == "step"][-1]
     assert last["knobs"]["kernels"] == "compile" and last["knobs"]["checkpointing"] is True
     assert last["loss"] == last["loss"]  # finite: training went on
+
+
+def test_listening_beyond_this_machine_uses_curve_and_only_the_run_key_gets_in(run_dir):
+    import zmq
+
+    model = make_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, digits_loader())
+    monitor = agent.attach(trainer, transport="tcp", listen="0.0.0.0")
+    info = runs.find_run()
+    assert info.curve_server_key and info.curve_client_secret_key
+    assert "curve_client_secret_key" not in info.public()
+    stranger = zmq.Context.instance().socket(zmq.SUB)  # no keys: the handshake fails
+    stranger.setsockopt(zmq.SUBSCRIBE, b"")
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(info.pub_endpoint)
+    try:
+        with Subscriber(info) as sub:
+            thread = start(trainer, max_steps=400)
+            assert messages(sub, lambda m: m["type"] == "step")  # the key holder sees steps
+            assert send_command(info, "accum_steps", 2)["ok"]  # and can steer
+            thread.join(30)
+        assert not stranger.poll(200)  # the stranger saw nothing
+        unkeyed = runs.RunInfo(**{**info.__dict__, "curve_server_key": ""})
+        assert not send_command(unkeyed, "accum_steps", 3, timeout_s=1.0)["ok"]
+    finally:
+        stranger.close()
+        monitor.close()
+    assert trainer.accum_steps == 2
