@@ -134,6 +134,10 @@ class _TrainerCallback:
             self.agent.event("info", f"memory snapshot written to {snapshot}",
                              kind="memory_snapshot", path=snapshot, step=stats.step)
 
+    def on_out_of_memory(self, trainer: Trainer, error: torch.OutOfMemoryError) -> bool:
+        return self.agent.roll_back_last_change(
+            trainer.step + 1, f"step {trainer.step + 1} ran out of memory")
+
     def on_fit_end(self, trainer: Trainer) -> None:
         self.agent.close("finished")
 
@@ -146,9 +150,12 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
     the knobs ``precision``, ``accum_steps``, ``kernels``, ``memory_fraction`` and
     ``memory_snapshot_steps`` (the last two CUDA only), ``checkpointing`` when the model
     has blocks to checkpoint, and ``num_workers``, ``pin_memory`` and ``prefetch_factor``
-    when the trainer's loader is a :class:`gpuopt.loader.ReconfigurableLoader`. It closes (``bye``, run file removed)
-    when that ``fit`` returns. Costs the training thread a few microseconds per
-    optimizer step and never synchronizes the device.
+    when the trainer's loader is a :class:`gpuopt.loader.ReconfigurableLoader`. It
+    closes (``bye``, run file removed) when that ``fit`` returns. After a change of
+    precision, accumulation or kernels, an out-of-memory error in the next steps rolls
+    the change back and the window is run again (``Trainer.on_out_of_memory``). Costs the
+    training thread a few microseconds per optimizer step and never synchronizes the
+    device.
 
     Args:
         trainer: the trainer to observe and steer.

@@ -31,7 +31,7 @@ import torch
 import zmq
 
 from agent import protocol
-from agent.guard import ChangeGuard
+from agent.guard import GUARDED_KNOBS, ChangeGuard
 from agent.knobs import KnobError, KnobSet
 from agent.markers import marker_for
 from agent.probes import Nvml, SystemProbe
@@ -188,6 +188,8 @@ class Agent:
         self._expected_step: int | None = None
         self._input = InputWindow()
         self._change_guard = ChangeGuard()
+        #: (step, {knob: last good value}, ["knob=value" changes]) of recent guarded changes
+        self._last_change: tuple[int, dict[str, Any], list[str]] | None = None
         #: Step records lost because the queue overflowed (the I/O thread fell behind).
         self.records_dropped = 0
         #: Valid commands refused because too many were pending (a flood).
@@ -291,6 +293,8 @@ class Agent:
                             step=step + 1, id=command.command_id)
                 continue
             self._knob_values = self.knobs.values()
+            if command.knob in GUARDED_KNOBS:
+                self._note_change(step + 1, command, previous)
             text = f"{command.knob}={command.value} applied at step {step + 1}"
             if command.rollback_reason:
                 text += f": rolled back because {command.rollback_reason}"
@@ -298,6 +302,43 @@ class Agent:
                         kind="rolled_back" if command.rollback_reason else "applied",
                         knob=command.knob, value=command.value, previous=previous,
                         step=step + 1, id=command.command_id)
+
+    def _note_change(self, step: int, command: _Pending, previous: Any) -> None:
+        """Training thread: remember the last good value of a guarded knob changed at
+        ``step`` (for :meth:`roll_back_last_change`); a rollback itself is not a change."""
+        if command.rollback_reason:
+            self._last_change = None
+            return
+        window = self._change_guard.guard_steps
+        if self._last_change is None or step - self._last_change[0] > window:
+            self._last_change = (step, {}, [])
+        self._last_change[1].setdefault(command.knob, previous)
+        self._last_change[2].append(f"{command.knob}={command.value}")
+
+    def roll_back_last_change(self, step: int, reason: str) -> bool:
+        """Training thread, between steps: undo the guarded changes made within the last
+        ``guard_steps`` optimizer steps (e.g. after an out-of-memory error), at once.
+
+        Returns:
+            True when something was rolled back.
+        """
+        change, self._last_change = self._last_change, None
+        if change is None or step - change[0] > self._change_guard.guard_steps:
+            return False
+        why = f"{reason} after {', '.join(change[2])}"
+        for name, value in change[1].items():
+            knob = self.knobs.knobs[name]
+            try:
+                knob.set(value)
+            except Exception as exc:
+                self.event("error", f"rolling back {name}={value} failed: {exc}",
+                           kind="failed", knob=name, value=value, step=step)
+                continue
+            self.event("warning", f"{name}={value} applied at step {step}: rolled back "
+                       f"because {why}", kind="rolled_back", knob=name, value=value,
+                       step=step)
+        self._knob_values = self.knobs.values()
+        return True
 
     def event(self, level: str, text: str, **fields: Any) -> None:
         """Publish an ``event`` (``level``: info | warning | error) in order with the

@@ -48,6 +48,9 @@ class ChangeGuard:
         """An ``applied`` event: start (or extend) the watch over a guarded change.
         Rollbacks themselves (``kind == "rolled_back"``) are not watched."""
         knob = event.get("knob")
+        if event.get("kind") == "rolled_back":
+            self._end_watch()  # undone already (e.g. on the training thread after an OOM)
+            return
         if event.get("kind") != "applied" or knob not in GUARDED_KNOBS:
             return
         self._previous.setdefault(knob, event.get("previous"))

@@ -25,8 +25,8 @@ def run_dir() -> Path:
     """The per-user directory for run files and ipc sockets, created with mode 0700.
 
     ``$GPUWATCH_RUN_DIR`` if set; else ``$XDG_RUNTIME_DIR/gpuwatch`` when that
-    directory exists and is writable; else ``<tmp>/gpuwatch-<uid>``. ipc socket paths must stay short
-    (about 100 bytes), which these are.
+    directory exists and is writable; else ``<tmp>/gpuwatch-<uid>``. ipc socket paths
+    must stay short (about 100 bytes), which these are.
 
     Raises:
         PermissionError: the directory exists but belongs to another user.

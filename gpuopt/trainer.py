@@ -53,6 +53,10 @@ class Callback(Protocol):
 
     def on_fit_end(self, trainer: "Trainer") -> None: ...
 
+    def on_out_of_memory(self, trainer: "Trainer", error: torch.OutOfMemoryError) -> bool:
+        """A micro-batch ran out of memory: undo what caused it (e.g. a live change)
+        and return True to have the window run once more; False lets it raise."""
+
 
 class Trainer:
     """A reference training loop with gradient accumulation and mixed precision.
@@ -127,6 +131,9 @@ class Trainer:
             self.activation_checkpointing = None
         self.checkpointing = checkpointing
         self.callbacks: list[Any] = list(callbacks)
+        #: Called before every micro-batch with the trainer; tests set it to raise
+        #: faults (e.g. ``torch.OutOfMemoryError``) where no real one can be provoked.
+        self.fault_injection: Callable[["Trainer"], None] | None = None
         self.step = 0
         self.epoch = 0
         self._stop = threading.Event()
@@ -195,11 +202,33 @@ class Trainer:
             if empty:
                 return
 
+    def _micro_batch(self, batch: Any, window: int) -> tuple[torch.Tensor, int]:
+        """Forward and backward of one micro-batch; its detached loss and size."""
+        if self.fault_injection is not None:
+            self.fault_injection(self)
+        inputs, targets = to_device(batch, self.device)
+        with self.mixed_precision.autocast():
+            loss = self.loss_fn(self.model_backend(inputs), targets)
+        self.mixed_precision.backward(loss / window)
+        return loss.detach(), batch_size(inputs)
+
+    def _recovered_from(self, error: torch.OutOfMemoryError) -> bool:
+        """Ask the callbacks' ``on_out_of_memory`` to undo what caused ``error``; True
+        when one did (the window is then run once more)."""
+        handled = [_call(callback, "on_out_of_memory", self, error)
+                   for callback in self.callbacks]
+        if any(handled) and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return any(handled)
+
     def fit(self, *, max_steps: int | None = None, epochs: int | None = None) -> int:
         """Train until ``max_steps`` optimizer steps, ``epochs`` epochs, or :meth:`stop`.
 
         With neither limit it trains until :meth:`stop`. A last partial window at the
-        end of the data is stepped with its gradient rescaled to its real size.
+        end of the data is stepped with its gradient rescaled to its real size. When a
+        micro-batch runs out of memory and a callback's ``on_out_of_memory`` undoes the
+        cause, the window's gradients are dropped and the same batches run once more;
+        otherwise the ``torch.OutOfMemoryError`` propagates.
 
         Returns:
             The number of optimizer steps taken in total (:attr:`step`).
@@ -222,21 +251,29 @@ class Trainer:
         window = self._accum_steps
         data_wait_s = 0.0
         samples = 0
-        micro_batches = 0
         loss_sum: torch.Tensor | None = None
-        for _ in range(window):
-            start = time.perf_counter()
-            batch = next(batches, None)
-            data_wait_s += time.perf_counter() - start
-            if batch is None:
-                break
-            inputs, targets = to_device(batch, self.device)
-            with self.mixed_precision.autocast():
-                loss = self.loss_fn(self.model_backend(inputs), targets)
-            self.mixed_precision.backward(loss / window)
-            loss = loss.detach()
+        fetched: list[Any] = []  # this window's batches, kept for one retry after an OOM
+        retried = False
+        micro_batches = 0
+        while micro_batches < window:
+            if micro_batches == len(fetched):
+                start = time.perf_counter()
+                batch = next(batches, None)
+                data_wait_s += time.perf_counter() - start
+                if batch is None:
+                    break
+                fetched.append(batch)
+            try:
+                loss, size = self._micro_batch(fetched[micro_batches], window)
+            except torch.OutOfMemoryError as error:
+                if retried or not self._recovered_from(error):
+                    raise
+                retried = True  # a callback undid what caused it: run the window again
+                self.optimizer.zero_grad(set_to_none=True)
+                loss_sum, samples, micro_batches = None, 0, 0
+                continue
             loss_sum = loss if loss_sum is None else loss_sum + loss
-            samples += batch_size(inputs)
+            samples += size
             micro_batches += 1
         if micro_batches == 0:
             return False
@@ -257,7 +294,6 @@ class Trainer:
         return micro_batches == window
 
 
-def _call(callback: Any, hook: str, *args: Any) -> None:
+def _call(callback: Any, hook: str, *args: Any) -> Any:
     method = getattr(callback, hook, None)
-    if method is not None:
-        method(*args)
+    return None if method is None else method(*args)

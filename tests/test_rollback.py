@@ -1,5 +1,6 @@
 """Safe changes: a change after which the loss goes non-finite is rolled back."""
 
+import pytest
 import torch
 
 import agent
@@ -70,3 +71,54 @@ def test_guard_rolls_back_after_skipped_steps_in_a_row_and_ends_a_clean_watch():
     guard.on_applied({"kind": "applied", "knob": "num_workers", "value": 2,
                       "previous": 0, "step": 80})  # not a guarded knob
     assert guard.on_step(81, float("nan"), None) is None
+
+
+def test_out_of_memory_right_after_a_change_rolls_it_back_and_retries_the_batch(run_dir):
+    model = make_model()
+    gate = Gate(hold_at=3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, digits_loader(), callbacks=[gate],
+                      accum_steps=2)
+    faults = []
+
+    def oom_under_bf16(trainer):  # fault injection: bf16 "does not fit"
+        if trainer.precision == "bf16":
+            faults.append(trainer.step + 1)
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    trainer.fault_injection = oom_under_bf16
+    monitor = agent.attach(trainer)
+    info = runs.find_run()
+    with Subscriber(info) as sub:
+        thread = start(trainer, max_steps=30)
+        assert gate.reached.wait(30)
+        reply = send_command(info, "precision", "bf16")
+        assert reply["ok"]
+        gate.release.set()
+        seen = messages(sub, lambda m: m["type"] == "bye")
+        thread.join(30)
+    assert faults == [reply["apply_step"]]  # one OOM, then the retry ran in fp32
+    rolled = [m["body"] for m in seen if m["type"] == "event"
+              and m["body"].get("kind") == "rolled_back"]
+    assert len(rolled) == 1 and rolled[0]["value"] == "fp32"
+    assert "ran out of memory after precision=bf16" in rolled[0]["text"]
+    steps = {m["body"]["step"]: m["body"] for m in seen if m["type"] == "step"}
+    assert sorted(steps) == list(range(1, 31))  # no step lost: the batch was retried
+    assert steps[reply["apply_step"]]["micro_batches"] == 2
+    assert trainer.precision == "fp32" and not monitor.errors
+
+
+def test_out_of_memory_without_a_recent_change_propagates(run_dir):
+    model = make_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, digits_loader())
+    agent.attach(trainer)
+
+    def oom_at_step_5(trainer):
+        if trainer.step == 4:
+            raise torch.OutOfMemoryError("injected")
+
+    trainer.fault_injection = oom_at_step_5
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.fit(max_steps=10)
+    assert trainer.step == 4
