@@ -1,0 +1,189 @@
+"""A run under a hostile dashboard side: killed dashboards, a stalled subscriber and a
+command flood, against the same disturbance aimed at a decoy, in one run.
+
+    python benchmarks/bench_faults.py [--phase-s 20] [--kills 50]
+
+The demo transformer trains in a child process (agent attached). Phases:
+
+- quiet:    nothing else runs;
+- decoy:    the disturbance below, aimed at a decoy endpoint in this process (the same
+            CPU load on the machine, nothing reaching the run);
+- attacked: the same disturbance aimed at the run.
+
+Disturbance: ``--kills`` dashboards (``gpuwatch tail``) started and killed with SIGKILL
+once they receive a record, one subscriber connected that never reads, and a flood of
+1,000 commands a second with a wrong token. Throughput is read from the run's own log
+(every step is there). The verdict compares attacked with decoy: on a 2-core machine the
+clients' own CPU use slows any process, so the quiet phase is reported but is not the
+reference.
+
+The decoy and attacked phases alternate ``--rounds`` times; means are compared.
+
+Last line: ``RESULT attacked_vs_decoy=<ratio> attacked_vs_quiet=<ratio> steps_logged=<n>
+steps_expected=<n>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import zmq
+
+from agent import protocol, runs
+
+
+def disturb(pub_endpoint: str, cmd_endpoint: str, seconds: float, kills: int) -> int:
+    """Run the disturbance against the endpoints for ``seconds``; returns kills done."""
+    context = zmq.Context.instance()
+    stalled = context.socket(zmq.SUB)
+    stalled.setsockopt(zmq.SUBSCRIBE, b"")
+    stalled.setsockopt(zmq.RCVHWM, 10)
+    stalled.setsockopt(zmq.LINGER, 0)
+    stalled.connect(pub_endpoint)
+    stop = threading.Event()
+
+    def flood() -> None:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.SNDHWM, 100)
+        dealer.connect(cmd_endpoint)
+        frames = protocol.encode(protocol.envelope("command", {
+            "id": 1, "knob": "precision", "value": "fp16", "token": "wrong"}, run="x"))
+        while not stop.is_set():
+            for _ in range(10):
+                try:
+                    dealer.send_multipart(frames, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+            try:
+                while True:
+                    dealer.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            time.sleep(0.01)  # 1,000 commands a second
+        dealer.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    deadline = time.monotonic() + seconds
+    done = 0
+    while time.monotonic() < deadline and done < kills:
+        client = subprocess.Popen([sys.executable, "-m", "gpuwatch", "tail", "--json",
+                                   "--run", pub_endpoint], stdout=subprocess.PIPE)
+        client.stdout.readline()  # attached and reading
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+        done += 1
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    flooder.join()
+    stalled.close()
+    return done
+
+
+class Decoy:
+    """A PUB (publishing heartbeats) and a ROUTER that the decoy disturbance hits."""
+
+    def __init__(self) -> None:
+        context = zmq.Context.instance()
+        self.pub = context.socket(zmq.PUB)
+        self.router = context.socket(zmq.ROUTER)
+        self.pub_endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.cmd_endpoint = (
+            f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        seq = 0
+        while not self._stop.is_set():
+            seq += 1
+            self.pub.send_multipart(protocol.encode(protocol.envelope(
+                "heartbeat", {"step": seq}, run="decoy", seq=seq)))
+            try:
+                while True:
+                    self.router.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+def steps_between(log_path: str, start: float, end: float) -> int:
+    count = 0
+    with open(log_path, "rb") as log:
+        for line in log:
+            record = json.loads(line)
+            if record["type"] == "step" and start <= record["t"] < end:
+                count += 1
+    return count
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phase-s", type=float, default=20.0)
+    parser.add_argument("--kills", type=int, default=50, help="in all, over the rounds")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    directory = tempfile.mkdtemp(prefix="gw-faults-")
+    os.environ[runs.RUN_DIR_ENV] = directory
+    os.environ["GPUWATCH_LOG_DIR"] = os.path.join(directory, "logs")
+    child = subprocess.Popen([sys.executable, "-m", "agent.demo", "--model", "transformer",
+                              "--transport", "tcp"], stdout=subprocess.PIPE, text=True)
+    child.stdout.readline()
+    info = next(r for r in runs.list_runs() if r.pid == child.pid)
+    decoy = Decoy()
+    rates: dict[str, list[float]] = {"quiet": [], "decoy": [], "attacked": []}
+    killed = 0
+    try:
+        time.sleep(3.0)  # warm-up steps
+        for phase in ["quiet"] + ["decoy", "attacked"] * args.rounds:
+            start = time.time()
+            note = ""
+            if phase == "quiet":
+                time.sleep(args.phase_s)
+            else:
+                target = decoy if phase == "decoy" else info
+                done = disturb(target.pub_endpoint, target.cmd_endpoint, args.phase_s,
+                               -(-args.kills // args.rounds))
+                killed += done if phase == "attacked" else 0
+                note = f"  ({done} dashboards killed)"
+            end = time.time()
+            time.sleep(1.0)  # the log is flushed every 0.5 s
+            rates[phase].append(steps_between(info.log_path, start, end) / (end - start))
+            print(f"{phase:<9} {rates[phase][-1]:6.1f} steps/s{note}")
+    finally:
+        child.send_signal(signal.SIGTERM)
+        child.wait(30)
+        decoy.close()
+    mean = {phase: sum(values) / len(values) for phase, values in rates.items()}
+    with open(info.log_path, "rb") as log:
+        records = [json.loads(line) for line in log]
+    steps = [r["step"] for r in records if r["type"] == "step"]
+    bye = [r for r in records if r["type"] == "bye"]
+    expected = bye[-1]["steps"] if bye else max(steps)
+    print(f"run log: {len(steps)} step records for {expected} optimizer steps; "
+          f"{killed} dashboards killed while attached to the run")
+    print(f"RESULT attacked_vs_decoy={mean['attacked'] / mean['decoy']:.3f} "
+          f"attacked_vs_quiet={mean['attacked'] / mean['quiet']:.3f} "
+          f"steps_logged={len(steps)} steps_expected={expected}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
