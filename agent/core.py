@@ -592,7 +592,7 @@ class Agent:
             self._publish(protocol.EVENT, {"level": "warning", "kind": "warning",
                                            "text": warning, "step": step})
 
-    def _note_rejection(self, reason: str, knob: Any) -> None:
+    def _note_rejection(self, reason: str, knob: Any, command_id: Any = None) -> None:
         """An event for a rejected command: at most one a second (a flood of bad
         commands must not flood the run log and every dashboard)."""
         self.commands_rejected += 1
@@ -604,7 +604,7 @@ class Agent:
         self._rejections_reported = self.commands_rejected
         more = f" ({count - 1} more since the last report)" if count > 1 else ""
         self.event("warning", f"command rejected: {reason}{more}", kind="rejected",
-                   knob=knob if isinstance(knob, str) else None)
+                   knob=knob if isinstance(knob, str) else None, id=command_id)
 
     def _schedule(self, pending: _Pending) -> None:
         with self._pending_lock:
@@ -679,7 +679,7 @@ class Agent:
         token = body.get("token")
         if not isinstance(token, str) or not hmac.compare_digest(
                 token.encode("utf-8", "replace"), self.token.encode()):
-            self._note_rejection("missing or wrong token", None)
+            self._note_rejection("missing or wrong token", None, command_id)
             return {**rejected, "knob": None, "reason": "missing or wrong token"}
         if self._ending:
             return {**rejected, "reason": "the run is ending"}
@@ -687,7 +687,7 @@ class Agent:
         try:
             value = self.knobs.validate(knob_name, raw)
         except KnobError as exc:
-            self._note_rejection(str(exc), knob_name)
+            self._note_rejection(str(exc), knob_name, command_id)
             return {**rejected, "reason": str(exc)}
         if len(self._pending) >= MAX_PENDING_COMMANDS:
             self.commands_refused += 1

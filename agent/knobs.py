@@ -188,8 +188,23 @@ class KnobSet:
         self.knobs[knob.spec.name] = knob
 
     def schema(self) -> list[dict[str, Any]]:
-        """The wire schema of every bound knob, for ``hello``."""
-        return [knob.spec.to_wire() for knob in self.knobs.values()]
+        """The wire schema of every bound knob, for ``hello``. A choice knob's values
+        that its device check refuses are listed in ``unavailable`` ({value: reason}),
+        so that a dashboard cycling through the choices skips them."""
+        schema = []
+        for knob in self.knobs.values():
+            wire = knob.spec.to_wire()
+            if knob.spec.kind == "choice" and knob.check is not None:
+                unavailable = {}
+                for choice in knob.spec.choices:
+                    try:
+                        knob.check(choice)
+                    except ValueError as exc:
+                        unavailable[choice] = str(exc)
+                if unavailable:
+                    wire["unavailable"] = unavailable
+            schema.append(wire)
+        return schema
 
     def values(self) -> dict[str, Any]:
         """Current values of every knob."""

@@ -14,7 +14,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from gpuwatch.client import reply_text, send_command
+from gpuwatch.client import new_command_id, reply_text, send_command
 from gpuwatch.palette import BindingCommands
 from gpuwatch.sources import Source
 from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S
@@ -188,8 +188,16 @@ class GpuwatchApp(App[None]):
         if not choices:
             self.note("warning", f"{knob} has no choices in this run's schema; nothing sent")
             return
-        following = choices[(choices.index(current) + 1) % len(choices)
-                            if current in choices else 0]
+        unavailable = spec.get("unavailable") or {}
+        start = choices.index(current) if current in choices else -1
+        following = next((choices[(start + offset) % len(choices)]
+                          for offset in range(1, len(choices) + 1)
+                          if choices[(start + offset) % len(choices)] not in unavailable),
+                         None)
+        if following is None or following == current:
+            reasons = "; ".join(f"{value}: {why}" for value, why in unavailable.items())
+            self.note("warning", f"no other {knob} can run here ({reasons}); nothing sent")
+            return
         self._command(knob, following)
 
     def action_step(self, knob: str, delta: int) -> None:
@@ -253,8 +261,12 @@ class GpuwatchApp(App[None]):
     def _send(self, knob: str, value: Any) -> tuple[str, Any, dict[str, Any]]:
         assert self.source.info is not None
         worker = get_current_worker()  # cancelled when the app quits: stop waiting then
+        command_id = new_command_id()
+        with self.source.lock:  # its rejection is shown once, from the reply
+            self.source.state.own_command_ids.add(command_id)
         return knob, value, send_command(self.source.info, knob, value,
-                                         cancelled=lambda: worker.is_cancelled)
+                                         cancelled=lambda: worker.is_cancelled,
+                                         command_id=command_id)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker.group != "commands" or event.state != WorkerState.SUCCESS:

@@ -105,9 +105,14 @@ class Subscriber:
         self.close()
 
 
+def new_command_id() -> str:
+    """A fresh id for a command (its reply and events carry it)."""
+    return secrets.token_hex(8)
+
+
 def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None = None,
-                 timeout_s: float = 3.0,
-                 cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
+                 timeout_s: float = 3.0, cancelled: Callable[[], bool] | None = None,
+                 command_id: str | None = None) -> dict[str, Any]:
     """Ask the run to set ``knob`` to ``value`` and wait for its reply.
 
     The agent validates the value against the knob's schema (strings are parsed there,
@@ -128,7 +133,7 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
         ``answered: False`` and the reason (a command sent but not answered may still
         apply later); nothing is raised for them.
     """
-    command_id = secrets.token_hex(8)
+    command_id = command_id or new_command_id()
     if not info.cmd_endpoint:
         return {"id": command_id, "ok": False, "answered": False,
                 "reason": "this run has no command endpoint (attach by run id)"}
@@ -175,4 +180,7 @@ def reply_text(knob: str, value: Any, reply: dict[str, Any]) -> str:
         return (f"accepted: {reply.get('knob', knob)}={reply.get('value', value)}"
                 + (f" applies at step {step}" if step is not None else ""))
     verdict = "no answer" if reply.get("answered") is False else "rejected"
-    return f"{verdict}: {knob}={value}: {reply.get('reason', 'no reason given')}"
+    reason = str(reply.get("reason", "no reason given"))
+    if reason.startswith((f"{knob}=", f"{knob}:")):  # the run named the knob already
+        return f"{verdict}: {reason}"
+    return f"{verdict}: {knob}={value}: {reason}"

@@ -134,6 +134,8 @@ class RunState:
         self.run_id: str | None = None
         self.hello: dict[str, Any] = {}
         self.schema: dict[str, dict[str, Any]] = {}
+        #: ids of the commands this dashboard sent (bounded by the person's key presses)
+        self.own_command_ids: set[str] = set()
         self.knobs: dict[str, Any] = {}
         self.knob_changed_at: dict[str, float] = {}
         self.pending: dict[str, Pending] = {}
@@ -300,6 +302,8 @@ class RunState:
             self._set_knobs(knobs, now)
 
     def _fold_event(self, body: dict[str, Any], now: float) -> None:
+        if body.get("kind") == "rejected" and body.get("id") in self.own_command_ids:
+            return  # this dashboard's own command: its reply says it already
         level = body.get("level")
         self.log(level if level in ("info", "warning", "error") else "info",
                  str(body.get("text", "")), self.message_t)

@@ -212,7 +212,10 @@ def test_kernel_backend_switches_live_and_triton_is_refused_without_cuda(run_dir
     gate = Gate(hold_at=2)
     trainer = Trainer(workload.model, torch.optim.AdamW(workload.model.parameters()),
                       workload.loss_fn, loader, callbacks=[gate], compile_backend="aot_eager")
-    agent.attach(trainer)
+    monitor = agent.attach(trainer)
+    schema = {knob["name"]: knob for knob in monitor.knobs.schema()}
+    assert schema["kernels"]["unavailable"] == {  # a dashboard's `k` skips it
+        "triton": "Triton kernels need a CUDA device; this run is on cpu"}
     info = runs.find_run()
     with Subscriber(info) as sub:
         thread = start(trainer, max_steps=12)
