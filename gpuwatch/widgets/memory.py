@@ -102,6 +102,6 @@ class MemoryPanel(Panel):
 
 def _trend(values: list[Any], width: int) -> Content:
     """A labelled sparkline (``per step ▅▆▇``) so that it does not read as a usage bar."""
-    label = "per step " if width >= 20 else ""
+    label = "per step " if width >= 24 else "steps " if width >= 12 else ""
     return Content.assemble((label, "$text-muted"),
                             (sparkline(values, width - len(label)), "$primary"))

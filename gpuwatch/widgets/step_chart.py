@@ -11,6 +11,11 @@ from textual_plotext import PlotextPlot
 from gpuwatch.state import StepRecord
 
 
+#: Rows below which the legend is left out (it would cover the lines; the title still
+#: names each series with its latest value).
+_LEGEND_MIN_HEIGHT = 14
+
+
 class Series(NamedTuple):
     """One line: ``field`` of :class:`StepRecord` times ``scale``, called ``label``."""
 
@@ -55,8 +60,9 @@ class StepChart(PlotextPlot):
                 continue
             steps, values = zip(*points)
             titles.append(f"{series.label} {values[-1]:.4g}")
+            legend = len(self.series) > 1 and self.size.height >= _LEGEND_MIN_HEIGHT
             plt.plot(steps, values, marker="braille",
-                     label=series.label if len(self.series) > 1 else None)
+                     label=series.label if legend else None)
         if titles:
             first, last = records[0].step, records[-1].step
             ticks = sorted({round(first + (last - first) * i / (_X_TICKS - 1))
