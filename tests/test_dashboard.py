@@ -238,7 +238,7 @@ def test_send_command_without_reply_says_so():
 
 # --- the app -------------------------------------------------------------------------
 
-async def until(pilot, predicate, timeout_s=5.0):
+async def until(pilot, predicate, timeout_s=20.0):
     """Let the app run until ``predicate()`` holds (records arrive from another thread)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():

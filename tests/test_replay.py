@@ -16,6 +16,7 @@ from agent.knobs import STANDARD_KNOBS
 from agent.runlog import RunLog
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.replay import ReplaySource, RunLogReader, envelope_from_record
+from tests.test_dashboard import log_texts, text_of, until
 
 RUN = "20250101-000000-beef"
 KNOBS = {"precision": "bf16", "accum_steps": 2, "num_workers": 4, "pin_memory": True,
@@ -46,22 +47,6 @@ class Writer:
                             "input_verdict": "input-bound", "samples_per_s": 320.0,
                             "loss": 2.0 / step, "knobs": KNOBS,
                             "host_rss_bytes": 500 << 20, **fields}, dt_s=step * 0.1)
-
-
-async def until(pilot, predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the dashboard"
-        await pilot.pause(0.05)
-
-
-def text_of(app, selector):
-    return str(app.query_one(selector).content)
-
-
-def log_texts(app):
-    with app.source.lock:
-        return [entry.text for entry in app.source.state.events]
 
 
 def test_record_round_trip():
