@@ -140,10 +140,12 @@ def flatten(message: dict[str, Any]) -> dict[str, Any]:
     This is the format of the run log and of ``gpuwatch tail --json`` (see
     :func:`to_json_line`). Envelope keys win over body keys of the same name.
     """
-    record = {"type": message.get("type"), "run": message.get("run"),
-              "rank": message.get("rank"), "seq": message.get("seq"), "t": message.get("t")}
-    for key, value in message.get("body", {}).items():
-        record.setdefault(key, value)
+    head = {"type": message.get("type"), "run": message.get("run"),
+            "rank": message.get("rank"), "seq": message.get("seq"), "t": message.get("t")}
+    body = message.get("body") or {}
+    record = {**head, **body}
+    if len(record) != len(head) + len(body):  # a body key shadowed an envelope key
+        record.update(head)
     return record
 
 
