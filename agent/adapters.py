@@ -126,7 +126,8 @@ class _TrainerCallback:
 
     def on_optimizer_step(self, trainer: Trainer, stats: StepStats) -> None:
         self.agent.optimizer_step(stats.step, stats.micro_batches, stats.samples,
-                                  stats.data_wait_s, stats.loss, stats.skipped)
+                                  stats.data_wait_s, stats.loss, stats.skipped,
+                                  stats.activation_bytes)
         for kind, text, fields in trainer.model_backend.pop_events():
             self.agent.event("info", text, kind=kind, step=stats.step, **fields)
         snapshot = self.memory.on_optimizer_step()
@@ -219,7 +220,8 @@ class Session:
             yield batch
 
     def optimizer_step(self, loss: torch.Tensor | None = None, samples: int | None = None,
-                       skipped: torch.Tensor | None = None) -> None:
+                       skipped: torch.Tensor | None = None,
+                       activation_bytes: int | None = None) -> None:
         """Mark an optimizer-step boundary: call it right after ``optimizer.step()`` and
         ``zero_grad()``. Pending commands (e.g. ``precision``) are applied here.
 
@@ -228,13 +230,15 @@ class Session:
             samples: samples in the step, if the loader wrapper cannot count them.
             skipped: what :meth:`gpuopt.MixedPrecision.step` returned (fp16: whether
                 the GradScaler skipped the step), so skipped steps are counted.
+            activation_bytes: ``saved.bytes`` of a :class:`gpuopt.memory.SavedActivations`
+                opened around one micro-batch's forward, on the steps you measure.
 
         .. note:: Never synchronizes the device; a few microseconds.
         """
         self.step += 1
         self.agent.optimizer_step(self.step, max(self._micro_batches, 1),
                                   self._samples if samples is None else samples,
-                                  self._data_wait_s, loss, skipped)
+                                  self._data_wait_s, loss, skipped, activation_bytes)
         self._data_wait_s = 0.0
         self._micro_batches = 0
         self._samples = 0

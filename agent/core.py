@@ -244,7 +244,8 @@ class Agent:
 
     def optimizer_step(self, step: int, micro_batches: int, samples: int,
                        data_wait_s: float, loss: torch.Tensor | None,
-                       skipped: torch.Tensor | None = None) -> None:
+                       skipped: torch.Tensor | None = None,
+                       activation_bytes: int | None = None) -> None:
         """Training thread: record the optimizer step ``step`` that just ended, then apply
         the commands due at step ``step + 1``.
 
@@ -255,6 +256,8 @@ class Agent:
             data_wait_s: host seconds the loop waited for data in this step.
             loss: the step's loss as a 0-dim tensor (any device), or None.
             skipped: in fp16, the GradScaler's 0-dim bool "skipped" tensor, or None.
+            activation_bytes: bytes saved for backward by one of its micro-batches, when
+                measured (:class:`gpuopt.memory.SavedActivations`); else None.
 
         .. note:: Never synchronizes the device and never blocks: a clock read, a marker
            (an asynchronous CUDA event on GPU), one deque append. Never raises: an
@@ -268,7 +271,8 @@ class Agent:
             self._last_boundary_t = now
             self._records.append((
                 "step", step, None if previous is None else now - previous, micro_batches,
-                samples, data_wait_s, self._marker.mark(loss, skipped), self._knob_values))
+                samples, data_wait_s, self._marker.mark(loss, skipped), self._knob_values,
+                activation_bytes))
             self._last_step = step
             if self._pending:
                 self._apply_pending(step)
@@ -543,7 +547,8 @@ class Agent:
                 self._change_guard.on_applied(record[1])
                 self._publish(protocol.EVENT, record[1])
                 continue
-            _, step, step_time_s, micro_batches, samples, wait_s, marker, knobs = record
+            (_, step, step_time_s, micro_batches, samples, wait_s, marker, knobs,
+             activation_bytes) = record
             if not self._marker.ready(marker):
                 if not final:
                     break
@@ -569,6 +574,8 @@ class Agent:
             }
             if skipped is not None:
                 body["grad_scaler_skipped"] = skipped
+            if activation_bytes is not None:
+                body["activation_bytes"] = activation_bytes
             self._check_step(step, loss, skipped)
             body["skipped_steps_total"] = self._change_guard.skipped_total
             if step_time_s:

@@ -23,7 +23,8 @@ Message types and their bodies:
                values), ``data_wait_share_window`` and ``input_verdict`` (input-bound |
                partly input-bound | compute-bound, over the last 20 steps), memory fields
                ``host_rss_bytes`` and on CUDA ``mem_allocated_bytes``,
-               ``mem_reserved_bytes``, ``mem_peak_reserved_bytes``.
+               ``mem_reserved_bytes``, ``mem_peak_reserved_bytes``; on the steps that
+               measured it, ``activation_bytes`` (saved for backward by a micro-batch).
 ``system``     about 1 Hz: ``cpu_pct``, ``host_mem_used_bytes``, ``host_mem_total_bytes``,
                ``gpus`` (list of per-GPU maps) and ``gpu_status`` (None or a reason such
                as "no NVIDIA GPU").

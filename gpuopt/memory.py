@@ -7,12 +7,16 @@
 * :func:`set_memory_fraction` caps this process's share of a GPU's memory.
 * :class:`MemorySnapshot` records the CUDA allocator's history for N optimizer steps and
   dumps a snapshot for https://pytorch.org/memory_viz.
+* :class:`SavedActivations` counts the bytes autograd keeps for backward during a
+  forward pass: the activation memory that checkpointing and lower precision reduce,
+  measured the same way on every device.
 
 Sources: PyTorch "Profiling your PyTorch Module" and ``torch.profiler`` documentation
 (``profile_memory=True``), "CUDA semantics: memory management"
 (``torch.cuda.memory_stats``, ``set_per_process_memory_fraction``) and
 "Understanding CUDA Memory Usage" (``torch.cuda.memory._record_memory_history``,
-``_dump_snapshot``; underscore-named but the documented way to take snapshots).
+``_dump_snapshot``; underscore-named but the documented way to take snapshots),
+"Hooks for saved tensors" (``torch.autograd.graph.saved_tensors_hooks``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = [
     "MemoryProfile",
     "MemorySnapshot",
     "OperatorMemory",
+    "SavedActivations",
     "SnapshotState",
     "format_bytes",
     "memory_stats",
@@ -439,3 +444,89 @@ class MemorySnapshot:
             self.state = SnapshotState.IDLE
             self.steps_left = 0
         return path if dump else None
+
+
+# -- SavedActivations -------------------------------------------------------------------
+
+
+class SavedActivations:
+    """Bytes of the tensors autograd saves for backward while the context is open.
+
+    Usage::
+
+        with SavedActivations(model) as saved:
+            loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        saved.bytes  # e.g. 18_338_816 for the demo transformer, 2_544_128 checkpointed
+
+    It installs a ``torch.autograd.graph.saved_tensors_hooks`` pair whose pack hook
+    notes each saved tensor's storage and hands the tensor back unchanged, so training
+    is not altered. The result counts each storage once (a view and its base, or a
+    tensor saved by two operators, count once, at the storage's full size) and leaves
+    out the storages of ``model``'s parameters and buffers, which live anyway. What
+    remains is the activation memory the graph holds until backward frees it, including
+    autocast's low-precision weight copies.
+
+    Activation checkpointing shows as it works: ``torch.utils.checkpoint``
+    (``use_reentrant=False``) saves each checkpointed block's inputs outside its own
+    hooks (counted here) and stores placeholders for the block's inner activations under
+    its inner hooks (not counted: only the innermost hook pair applies). Tensors saved
+    inside a ``torch.compile``-d region are those the compiled graph keeps for its
+    backward, which is what it holds.
+
+    Args:
+        model: whose parameters and buffers are not counted; None counts everything.
+
+    Attributes:
+        bytes: total bytes of the distinct storages saved so far (int; 0 before use).
+        saved_tensors: how many times a tensor was saved (pack hook calls).
+
+    .. note:: Costs the thread one Python call per saved tensor (about a microsecond;
+       the demo transformer saves 61 a forward), so a training loop opens it for one
+       micro-batch now and then, not always. Reads only host metadata (storage pointer
+       and size): never synchronizes the device, never copies a tensor.
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.bytes = 0
+        self.saved_tensors = 0
+        self._seen: set[int] = set()
+        if model is not None:
+            for tensor in (*model.parameters(), *model.buffers()):
+                self._seen.add(_storage_key(tensor))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.saved_tensors += 1
+        key = _storage_key(tensor)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += _storage_nbytes(tensor)
+        return tensor
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._hooks.__exit__(*exc_info)
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s storage; ``id(tensor)`` for tensors without one
+    (sparse, nested, tensor subclasses without storage)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(tensor)
+
+
+def _storage_nbytes(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return tensor.numel() * tensor.element_size()

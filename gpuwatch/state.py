@@ -36,6 +36,9 @@ class StepRecord(NamedTuple):
     loss: float | None
     mem_peak_reserved_bytes: float | None = None
     host_rss_bytes: float | None = None
+    #: bytes saved for backward by a micro-batch, as last measured (the run measures
+    #: every few steps; carried forward in between)
+    activation_bytes: float | None = None
 
 
 class LogEntry(NamedTuple):
@@ -117,6 +120,10 @@ class RunState:
         host_rss_peak_bytes: the largest host RSS of the training process seen, or the
             run's own peak (``host_peak_rss_bytes``, ``ru_maxrss``) when larger; None
             until a step record has one.
+        activation_bytes: the latest ``activation_bytes`` a step record carried (bytes
+            saved for backward by a micro-batch), or None. activation_before_bytes:
+            the measurement before the latest change of more than 5% (e.g. before
+            checkpointing was turned on), or None.
         compiling_since: monotonic time (s) of a ``compiling`` event whose end (a
             ``compiled`` or ``failed`` event, or the step it applied at) has not come.
         agent_records_dropped, agent_errors: the agent's own counts from its latest
@@ -144,6 +151,8 @@ class RunState:
         self.last_step: dict[str, Any] = {}
         self.step: int | None = None
         self.host_rss_peak_bytes: float | None = None
+        self.activation_bytes: float | None = None
+        self.activation_before_bytes: float | None = None
         self.compiling_since: float | None = None
         self._compiling_until_step: int | None = None
         self.agent_records_dropped = 0
@@ -271,10 +280,16 @@ class RunState:
             step = None
         rss = _number(body.get("host_rss_bytes"))
         peak_reserved = _number(body.get("mem_peak_reserved_bytes"))
+        activation = _number(body.get("activation_bytes"))
+        if activation is not None and activation >= 0:
+            current = self.activation_bytes
+            if current is not None and abs(activation - current) > 0.05 * current:
+                self.activation_before_bytes = current
+            self.activation_bytes = activation
         self.steps.append(StepRecord(
             step, _number(body.get("step_time_s")), _number(body.get("data_wait_s")),
             _number(body.get("data_wait_share")), _number(body.get("samples_per_s")),
-            _number(body.get("loss")), peak_reserved, rss))
+            _number(body.get("loss")), peak_reserved, rss, self.activation_bytes))
         self.steps_total += 1
         if step is not None:
             self.step = step

@@ -23,7 +23,7 @@ from gpuwatch.client import Subscriber, send_command
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, STEP_HISTORY, RunState
 from gpuwatch.widgets.help_screen import HelpScreen
-from gpuwatch.widgets.panel import sparkline
+from gpuwatch.widgets.panel import bucket_max, sparkline
 
 RUN = "20250101-000000-abcd"
 
@@ -179,6 +179,29 @@ def test_sparkline_is_one_column_per_value_from_zero():
     assert sparkline([0.2, None, float("nan"), 2.0], 10, high=1.0) == "▂  █"
     assert sparkline([1, 2, 3, 4, 8], 4) == "▃▄▅█"  # the newest, up to the largest shown
     assert sparkline([0, 0], 5) == "▁▁" and sparkline([1.0], 0) == ""
+
+
+def test_bucket_max_keeps_every_peak_of_a_long_history():
+    assert bucket_max(list(range(10)), 3) == [1, 5, 9]  # runs of 2, 4, 4
+    assert bucket_max([1, None, 3], 5) == [1, None, 3]  # short: as it is
+    assert bucket_max([None, None, 5, None], 2) == [None, 5]
+    spikes = [0.0] * 600
+    spikes[137] = 9.0
+    assert bucket_max(spikes, 17).count(9.0) == 1 and len(bucket_max(spikes, 17)) == 17
+    assert bucket_max([], 4) == [] and bucket_max([1.0], 0) == []
+
+
+def test_state_keeps_the_activation_memory_and_what_it_was_before_a_change():
+    state = RunState()
+    for step, activation in enumerate([None, 18e6, None, 18.2e6, 2.5e6, None]):
+        fields = {} if activation is None else {"activation_bytes": activation}
+        state.ingest(envelope("step", {"step": step, **fields}), 1.0)
+    assert [r.activation_bytes for r in state.steps] == [None, 18e6, 18e6, 18.2e6, 2.5e6,
+                                                          2.5e6]  # carried forward
+    assert (state.activation_bytes, state.activation_before_bytes) == (2.5e6, 18.2e6)
+    state.ingest(envelope("step", {"step": 6, "activation_bytes": "lots"}), 1.0)
+    state.ingest(envelope("step", {"step": 7, "activation_bytes": -1}), 1.0)
+    assert state.activation_bytes == 2.5e6  # bad values are ignored
 
 
 def test_state_ingest_is_fast():
@@ -410,6 +433,33 @@ async def test_data_panel_shows_the_verdict_in_its_colour():
                        if (span.start, span.end) == (0, len(verdict))), content.spans
             assert f"wait {share:.0%} " in content.plain
         assert "prefetch_factor 2" in text_of(app, "#data")
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+async def test_memory_panel_shows_a_checkpointing_toggle_on_a_cpu_run(size):
+    source, app = _silent_app()
+    async with app.run_test(size=size) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("system", {"host_mem_total_bytes": 16 << 30}))
+            for step in range(1, 121):  # measured every 20 steps, and after the toggle
+                fields = {"activation_bytes": (18 << 20) if step <= 60 else (2 << 20)
+                          } if step % 20 == 1 or step == 61 else {}
+                source.state.ingest(envelope("step", {
+                    "step": step, "host_rss_bytes": 400 << 20,
+                    "knobs": {"checkpointing": step > 60}, **fields}))
+        await until(pilot, lambda: "activ" in text_of(app, "#memory"))
+        await pilot.pause(0.3)  # a redraw at the laid-out width
+        lines = shown_lines(app, "#memory")
+        activation = next(line for line in lines if "activ" in line)
+        if size[0] >= 120:
+            assert "activ 2.0 MiB was 18.0 MiB" in activation, lines
+        else:
+            assert "activ 2.0 MiB" in activation, lines
+        trend = next(line for line in lines if "█" in line)
+        bars = trend.strip("│ ").split(" ")[-1]
+        half = len(bars) // 2  # the first 60 steps at 18 MiB, the last 60 at 2 MiB
+        assert set(bars[:half - 1]) == {"█"} and set(bars[half + 1:]) == {"▂"}, trend
+        assert "no CUDA (CPU run)" in "\n".join(lines)
 
 
 async def test_header_says_compiling_until_compiled_and_shows_agent_trouble():

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 import gpuopt.memory as memory
 from gpuopt.demo.models import CharTransformer, DigitsCNN
-from gpuopt.memory import (MemorySnapshot, format_bytes, memory_stats, profile_memory,
-                           set_memory_fraction)
+from gpuopt.checkpointing import ActivationCheckpointing
+from gpuopt.memory import (MemorySnapshot, SavedActivations, format_bytes, memory_stats,
+                           profile_memory, set_memory_fraction)
 
 
 def char_model() -> CharTransformer:
@@ -61,6 +62,63 @@ def test_profile_memory_leaves_no_trace():
     for name, b in model.named_buffers():
         assert torch.equal(b, buffers[name]), name
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_saved_activations_count_what_backward_keeps_and_not_the_parameters():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+    x = torch.randn(16, 8, requires_grad=True)  # so that addmm keeps the weight too
+    with SavedActivations(model) as saved:
+        out = model(x)
+    # addmm keeps its input [16, 8] for the weight's gradient and the weight for the
+    # input's (a parameter: not counted); ReLU keeps its output [16, 4]; 4 bytes each
+    assert saved.bytes == (16 * 8 + 16 * 4) * 4
+    assert saved.saved_tensors == 3  # input, weight.t() (a view of the parameter), output
+    out.sum().backward()
+    with SavedActivations() as everything:  # no model: parameters count too
+        model(x)
+    assert everything.bytes == (16 * 8 + 16 * 4 + 8 * 4) * 4
+
+
+def test_saved_activations_show_checkpointing_and_precision_and_leave_training_alone():
+    model = char_model().train()
+    idx = torch.randint(0, 17, (8, 16))
+    checkpointing = ActivationCheckpointing(model)
+
+    def measured(autocast: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the same dropout masks
+        with SavedActivations(model) as saved, torch.autocast(
+                "cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = char_loss(model(idx), idx)
+        loss.backward()
+        return saved.bytes, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain, plain_grads = measured()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    char_loss(model(idx), idx).backward()  # no meter: the same gradients, bit for bit
+    assert all(torch.equal(p.grad, plain_grads[n]) for n, p in model.named_parameters())
+    checkpointing.enabled = True
+    checkpointed, _ = measured()
+    checkpointing.enabled = False
+    bf16, _ = measured(autocast=True)
+    # two blocks: their inner activations are recomputed; their inputs are kept
+    assert checkpointed < plain / 2, (checkpointed, plain)
+    assert checkpointed >= 2 * 8 * 16 * 32 * 4  # the two blocks' inputs [8, 16, 32] fp32
+    assert bf16 < plain * 0.8, (bf16, plain)
+    assert measured()[0] == plain  # and back
+
+
+def test_saved_activations_hooks_are_removed_even_when_the_forward_raises():
+    model = torch.nn.Linear(4, 4)
+    saved = SavedActivations(model)
+    with pytest.raises(RuntimeError):
+        with saved:
+            model(torch.randn(2, 3))  # wrong shape
+    before = saved.bytes
+    model(torch.randn(2, 4)).sum().backward()  # outside: nothing counted, training works
+    assert saved.bytes == before
 
 
 def test_memory_stats_on_cpu():

@@ -124,3 +124,40 @@ def test_unknown_precision_and_bad_accumulation_raise():
             trainer.accum_steps = bad
     assert trainer.accum_steps == 1
     assert trainer.fit(epochs=1) == 0  # an empty loader ends at once
+
+
+def test_activation_memory_is_measured_every_n_steps_and_after_each_change():
+    from gpuopt.demo.models import CharTransformer
+
+    torch.manual_seed(0)
+    model = CharTransformer(17, d_model=32, n_heads=2, n_layers=2, context_len=16)
+    idx = torch.randint(0, 17, (64, 16))
+    loader = list(zip(idx.split(4), torch.roll(idx, -1, 1).split(4)))
+    measured = {}
+
+    class Record:
+        def on_optimizer_step(self, trainer, stats):
+            measured[stats.step] = stats.activation_bytes
+            if stats.step == 5:
+                trainer.checkpointing = True
+            if stats.step == 7:
+                trainer.accum_steps = 2  # not a setting that changes activations
+
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters()),
+                      lambda logits, t: torch.nn.functional.cross_entropy(
+                          logits.flatten(0, 1), t.flatten()),
+                      loader, callbacks=[Record()], measure_activations_every=4)
+    trainer.fit(max_steps=10)
+    assert [step for step, value in measured.items() if value is not None] == [1, 5, 6, 10]
+    assert measured[1] == measured[5] and measured[6] < measured[5] / 2
+    assert measured[10] == measured[6]
+    never = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    trainer.loss_fn, loader, callbacks=[Record()],
+                    measure_activations_every=0)
+    measured.clear()
+    never.fit(max_steps=3)
+    assert list(measured.values()) == [None] * 3
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="measure_activations_every"):
+            Trainer(model, trainer.optimizer, trainer.loss_fn, loader,
+                    measure_activations_every=bad)

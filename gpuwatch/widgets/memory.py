@@ -1,6 +1,7 @@
 """Memory of the training process against its device's limit: on CUDA allocated,
 reserved and peak reserved (caching allocator) against the GPU's memory; always host
-RSS and its peak against the host's memory; and the footprint over the steps."""
+RSS and its peak against the host's memory; the activation memory (bytes saved for
+backward) and what it was before the last change; and the footprint over the steps."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from textual.content import Content
 
 from gpuwatch.state import RunState
 from gpuwatch.units import human_bytes, human_bytes_pair
-from gpuwatch.widgets.panel import Panel, sparkline
+from gpuwatch.widgets.panel import Panel, bucket_max, sparkline
 
 #: CUDA fields of a step record, with their labels.
 CUDA_FIELDS = (("alloc", "mem_allocated_bytes"), ("rsvd", "mem_reserved_bytes"),
@@ -46,9 +47,11 @@ def device_total_bytes(state: RunState) -> float | None:
 
 
 class MemoryPanel(Panel):
-    """Memory fields of the latest step record against the limits, and a sparkline of
-    the footprint per step (peak reserved on CUDA, else host RSS; from 0 to the largest
-    shown) so that e.g. turning activation checkpointing on shows as a drop."""
+    """Memory fields of the latest step record against the limits, the activation
+    memory, and a sparkline of the footprint over the kept steps (peak reserved on
+    CUDA; on a CPU the activation memory, else host RSS; each column the largest of its
+    steps, from 0 to the largest shown) so that e.g. turning activation checkpointing on
+    shows as a drop."""
 
     BORDER_TITLE = "memory"
 
@@ -58,10 +61,14 @@ class MemoryPanel(Panel):
         self.tooltip = ("CUDA: alloc = held by tensors, rsvd = reserved by PyTorch's "
                         "caching allocator, peak = peak reserved as the run reports it "
                         "(since its last reset), as % of the GPU's memory; bars: peak "
-                        "reserved per step, from 0 to the largest shown. "
+                        "reserved over the kept steps (each bar the largest of its "
+                        "steps), from 0 to the largest shown. "
                         "CPU: the training process's RSS and its peak, as % of the "
-                        "host's memory; bars: RSS per step.\nc: activation checkpointing "
-                        "on/off")
+                        "host's memory; bars: activation memory over the kept steps (RSS "
+                        "when the run does not measure it).\nactiv = bytes saved for backward "
+                        "by one micro-batch (activations; parameters not counted), "
+                        "measured every few steps and after each change; 'was' = "
+                        "before the last change.\nc: activation checkpointing on/off")
 
     def show(self, state: RunState) -> None:
         """Redraw from ``state`` (read under the source's lock)."""
@@ -82,11 +89,17 @@ class MemoryPanel(Panel):
             host = f"RSS {human_bytes(rss)}"
             with_peak = f"{host} (peak {human_bytes(state.host_rss_peak_bytes)})"
             lines.append(with_peak if len(with_peak) <= width else host)
+            if state.activation_bytes is not None:
+                lines.append(activation_line(state, width))
         else:
             lines += [usage_line("RSS", rss, host_total, width),
-                      usage_line("peak", state.host_rss_peak_bytes, host_total, width),
-                      _trend([r.host_rss_bytes for r in state.steps], width),
-                      Content.styled("no CUDA (CPU run)", "$text-muted")]
+                      usage_line("peak", state.host_rss_peak_bytes, host_total, width)]
+            if state.activation_bytes is None:
+                lines.append(_trend([r.host_rss_bytes for r in state.steps], width))
+            else:
+                lines += [activation_line(state, width),
+                          _trend([r.activation_bytes for r in state.steps], width)]
+            lines.append(Content.styled("no CUDA (CPU run)", "$text-muted"))
         trouble = [(label, step[key]) for label, key in ALLOCATOR_FIELDS
                    if isinstance(step.get(key), int)]
         if trouble:  # the last line; non-zero counts are in the border too (any size)
@@ -100,8 +113,24 @@ class MemoryPanel(Panel):
             self.border_subtitle = subtitle
 
 
+def activation_line(state: RunState, width: int, *, label_width: int = 5) -> Content:
+    """``activ  2.4 MiB was 17.5 MiB`` (the measurement before the last change, when
+    there was one and it fits), else ``activ  2.4 MiB``; needs ``state.activation_bytes``."""
+    label = f"{'activ':<{label_width}}"
+    now = f" {human_bytes(state.activation_bytes)}"
+    before = state.activation_before_bytes
+    if before is not None:
+        was = f" was {human_bytes(before)}"
+        if len(label) + len(now) + len(was) <= width:
+            return Content.assemble(label, (now, "bold"), (was, "$text-muted"))
+    return Content.assemble(label, (now, "bold"))
+
+
 def _trend(values: list[Any], width: int) -> Content:
-    """A labelled sparkline (``per step ▅▆▇``) so that it does not read as a usage bar."""
-    label = "per step " if width >= 24 else "steps " if width >= 12 else ""
-    return Content.assemble((label, "$text-muted"),
-                            (sparkline(values, width - len(label)), "$primary"))
+    """A labelled sparkline of the whole history (``600 steps ▅▆▇▁▁``; the largest
+    value of each column's steps) so that it does not read as a usage bar and a change
+    stays in view for minutes, not only for the last few dozen steps."""
+    label = f"{len(values)} steps " if width >= 24 else ""
+    columns = bucket_max(values, width - len(label))
+    return Content.assemble((label, "$text-muted"), (sparkline(columns, len(columns)),
+                                                      "$primary"))

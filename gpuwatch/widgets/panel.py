@@ -1,5 +1,5 @@
 """The base of the text panels: a fixed-size Static that redraws only on real change,
-and the one-line text sparkline they draw with."""
+and the one-line text sparkline they draw with (per record, or per bucket of records)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,23 @@ def sparkline(values: Sequence[float | None], width: int, *,
             index = round(min(max(value / top, 0.0), 1.0) * top_index)
             bars.append(SPARK_BARS[index])
     return "".join(bars)
+
+
+def bucket_max(values: Sequence[float | None], buckets: int) -> list[float | None]:
+    """``values`` (oldest first) cut into at most ``buckets`` consecutive runs of equal
+    length (the oldest run takes the remainder), each run's largest value (None when a
+    run has none): a long history for a short sparkline, where a peak is not lost."""
+    count = len(values)
+    if buckets <= 0 or count == 0:
+        return []
+    if count <= buckets:
+        return list(values)
+    size = -(-count // buckets)  # ceil: at most `buckets` runs
+    first = count - size * (-(-count // size) - 1)
+    edges = [0, *range(first, count, size)] if first < count else [0]
+    result: list[float | None] = []
+    for start, stop in zip(edges, [*edges[1:], count]):
+        present = [value for value in values[start:stop]
+                   if value is not None and math.isfinite(value)]
+        result.append(max(present) if present else None)
+    return result
