@@ -36,7 +36,7 @@ from agent.knobs import KnobError, KnobSet
 from agent.markers import marker_for
 from agent.probes import Nvml, SystemProbe
 from agent.runlog import RunLog, log_dir
-from agent.runs import RunInfo, new_run_id, remove_run_file, run_dir, write_run_file
+from agent.runs import RunInfo, remove_run_file, run_dir, shared_run_id, write_run_file
 from gpuopt.memory import memory_stats
 
 log = logging.getLogger("gpuwatch.agent")
@@ -161,7 +161,7 @@ class Agent:
         self.device = torch.device(device) if device is not None else None
         self.transport = transport
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.run_id = os.environ.get("GPUWATCH_RUN_ID") or new_run_id()
+        self.run_id = shared_run_id(self.world_size)
         self.token = secrets.token_hex(16)
         self.params = sum(p.numel() for p in model.parameters()) if model is not None else None
         self.model_name = type(model).__name__ if model is not None else ""
@@ -188,6 +188,8 @@ class Agent:
         self._thread = threading.Thread(target=self._io_main, name="gpuwatch-agent",
                                         daemon=True)
         self._expected_step: int | None = None
+        #: step time (s) of the latest published step record, for command replies
+        self._recent_step_time_s: float | None = None
         self._input = InputWindow()
         self._change_guard = ChangeGuard()
         #: (step, {knob: last good value}, ["knob=value" changes]) of recent guarded changes
@@ -582,6 +584,8 @@ class Agent:
                 body["data_wait_share_window"], body["input_verdict"] = self._input.add(
                     wait_s, step_time_s)
             previous_marker = marker
+            if step_time_s:
+                self._recent_step_time_s = step_time_s
             self._publish(protocol.STEP, body)
         return previous_marker
 
@@ -691,6 +695,8 @@ class Agent:
                 token.encode("utf-8", "replace"), self.token.encode()):
             self._note_rejection("missing or wrong token", None, command_id)
             return {**rejected, "knob": None, "reason": "missing or wrong token"}
+        if body.get("cancel") is True:
+            return self._cancel(command_id, body.get("reason"))
         if self._ending:
             return {**rejected, "reason": "the run is ending"}
         knob_name, raw = body.get("knob"), body.get("value")
@@ -713,6 +719,10 @@ class Agent:
         if apply_step < earliest:
             return {**rejected, "reason": f"apply_step {apply_step} has passed on rank "
                                           f"{self.rank} (earliest: {earliest})"}
+        if body.get("dry_run") is True:  # the first phase of a command to every rank
+            return {"id": command_id, "ok": True, "dry_run": True, "knob": knob_name,
+                    "value": value, "apply_step": apply_step,
+                    "step_time_s": self._recent_step_time_s}
         self._schedule(_Pending(apply_step, 0, knob_name, value, command_id))
         reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
                  "apply_step": apply_step}
@@ -728,6 +738,26 @@ class Agent:
                 self._publish(protocol.EVENT, {"level": "warning", "text": warning,
                                                "kind": "warning", "knob": knob_name})
         return reply
+
+
+    def _cancel(self, command_id: Any, reason: Any) -> dict[str, Any]:
+        """Withdraw the pending command ``command_id`` (another rank refused it)."""
+        with self._pending_lock:
+            found = next((p for p in self._pending
+                          if command_id is not None and p.command_id == command_id), None)
+            if found is not None:
+                self._pending.remove(found)
+        if found is None:
+            return {"id": command_id, "ok": False, "cancel": True,
+                    "reason": f"no pending command with id {command_id!r} (applied already?)"}
+        why = f": {reason}" if isinstance(reason, str) and reason else ""
+        self._publish(protocol.EVENT, {
+            "level": "warning", "kind": "cancelled", "knob": found.knob,
+            "value": found.value, "step": found.apply_step, "id": command_id,
+            "text": f"{found.knob}={found.value} for step {found.apply_step} "
+                    f"cancelled{why}"})
+        return {"id": command_id, "ok": True, "cancel": True, "knob": found.knob,
+                "value": found.value, "apply_step": found.apply_step}
 
 
 class _OneClientKey:

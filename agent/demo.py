@@ -3,14 +3,21 @@ trained by :class:`gpuopt.Trainer` with the agent attached.
 
 Run as ``python -m agent.demo [--model transformer|cnn] [--max-steps N]``. SIGTERM or
 SIGINT stops it cleanly at the next optimizer-step boundary (``bye`` is published and
-the run file removed).
+the run file removed); so does the end of the ``--parent-pid`` process, however it ends
+(``gpuwatch demo`` passes its own pid: a dashboard killed or hung up on does not leave
+the training running).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import signal
 import sys
+import threading
+import time
+from typing import Callable
 
 import torch
 
@@ -34,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                              "in about a second on a small CPU; inductor takes ~20 s there)")
     parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parent-pid", type=int, metavar="PID",
+                        help="stop when this process ends (gpuwatch demo passes its own)")
     parser.add_argument("--listen", metavar="ADDRESS",
                         help="listen on this address (e.g. 0.0.0.0) with tcp and CURVE "
                              "encryption, for a dashboard on another machine")
@@ -62,12 +71,36 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    if args.parent_pid is not None:
+        def parent_ended() -> None:
+            monitor.mark_ending(f"its parent process {args.parent_pid} ended")
+            trainer.stop()
+
+        watch_parent(args.parent_pid, parent_ended)
     try:
         steps = trainer.fit(max_steps=args.max_steps)
     finally:
         loader.close()
     print(f"gpuwatch demo: stopped after {steps} optimizer steps", flush=True)
     return 0
+
+
+def watch_parent(pid: int, on_exit: Callable[[], None]) -> None:
+    """Call ``on_exit`` from a daemon thread once process ``pid`` (the parent) ends:
+    woken by a pidfd (Linux 5.3+) when there is one, else by checking ``os.getppid()``
+    each second; at once if it has ended already."""
+    def watch() -> None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfd here, or the process is gone
+            while os.getppid() == pid:
+                time.sleep(1.0)
+        else:
+            with os.fdopen(pidfd, "rb", buffering=0):
+                select.select([pidfd], [], [])  # readable once the process has ended
+        on_exit()
+
+    threading.Thread(target=watch, name="gpuwatch-demo-parent", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,11 @@ Message types and their bodies:
 ``event``      ``level`` (info | warning | error), ``text``, optional ``kind``
                (applied | rejected | warning | ...), ``knob``, ``value``, ``step``.
 ``command``    client -> agent: ``id``, ``knob``, ``value``, ``token``, optional
-               ``apply_step``.
+               ``apply_step``; with ``dry_run: true`` it is only checked (the reply
+               gives the earliest ``apply_step`` and the rank's ``step_time_s``); with
+               ``cancel: true`` (and ``id``, ``token``, optional ``reason``) the pending
+               command ``id`` is withdrawn. Several ranks: dry run on all, then the
+               command at one common ``apply_step`` on all, then cancel where needed.
 ``reply``      agent -> client: ``id``, ``ok``, ``knob``, ``value``, ``apply_step`` or
                ``reason``.
 ``heartbeat``  about 1 Hz: ``step`` (last completed optimizer step), ``ending``.

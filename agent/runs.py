@@ -8,6 +8,7 @@ This module has no torch and no zmq import: the dashboard uses it too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -49,6 +50,39 @@ def run_dir() -> Path:
 def new_run_id() -> str:
     """A short unique run id: ``YYYYmmdd-HHMMSS-xxxx``."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+#: Environment variable that names the run (every rank of one job must give the same).
+RUN_ID_ENV = "GPUWATCH_RUN_ID"
+
+
+def shared_run_id(world_size: int) -> str:
+    """The run id of this process: the one all ranks of a job on this machine share.
+
+    ``$GPUWATCH_RUN_ID`` when set. Else, with ``world_size > 1``, an id that every rank
+    started by the same launcher process (``torchrun``'s agent, ``mp.spawn``'s parent)
+    derives alike, without talking to the others: ``YYYYmmdd-HHMMSS-xxxxxxxx`` from
+    the launcher's start time and a hash of its pid, ``MASTER_ADDR``, ``MASTER_PORT``
+    and ``TORCHELASTIC_RUN_ID``. Else :func:`new_run_id`. Ranks on other machines write
+    their run files there; a dashboard reaches the ranks of its own machine.
+    """
+    named = os.environ.get(RUN_ID_ENV)
+    if named:
+        return named
+    if world_size <= 1:
+        return new_run_id()
+    launcher = os.getppid()
+    try:
+        import psutil
+
+        started = psutil.Process(launcher).create_time()
+    except Exception:  # no psutil, or the launcher is gone: the hash still agrees
+        started = 0.0
+    key = "|".join(str(part) for part in (
+        launcher, started, os.environ.get("MASTER_ADDR", ""),
+        os.environ.get("MASTER_PORT", ""), os.environ.get("TORCHELASTIC_RUN_ID", "")))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(started)) + "-" + digest
 
 
 @dataclass
@@ -198,6 +232,12 @@ def find_run(selector: str | None = None, directory: Path | None = None) -> RunI
     if len(matches) != 1:
         return None
     return _lowest_rank(runs, matches.pop())
+
+
+def run_ranks(run_id: str, directory: Path | None = None) -> list[RunInfo]:
+    """The live rank files of run ``run_id`` on this machine, by rank (maybe empty)."""
+    return sorted((info for info in list_runs(directory) if info.run_id == run_id),
+                  key=lambda info: info.rank)
 
 
 def _lowest_rank(runs: list[RunInfo], run_id: str) -> RunInfo:

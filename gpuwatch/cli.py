@@ -324,6 +324,7 @@ def _demo(args: argparse.Namespace) -> int:
         print("gpuwatch demo: training in this terminal; watch it with `gpuwatch` "
               "from another one", flush=True)
         os.execv(sys.executable, command)
+    command += ["--parent-pid", str(os.getpid())]  # ends with this dashboard, however
     log_path = run_dir() / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     with open(log_path, "wb") as log:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,

@@ -7,6 +7,7 @@ it. Both use the process-wide :func:`zmq.Context.instance`.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from typing import Any, Callable, Iterator
@@ -14,7 +15,7 @@ from typing import Any, Callable, Iterator
 import zmq
 
 from agent import protocol
-from agent.runs import RunInfo
+from agent.runs import RunInfo, run_ranks
 from gpuwatch.state import SeqGaps
 
 #: Telemetry queued in the SUB socket before ZeroMQ drops (then seq gaps show it).
@@ -110,6 +111,10 @@ def new_command_id() -> str:
     return secrets.token_hex(8)
 
 
+#: Most steps ahead a command to several ranks is scheduled, whatever the step rate.
+MAX_FAN_OUT_MARGIN_STEPS = 1000
+
+
 def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None = None,
                  timeout_s: float = 3.0, cancelled: Callable[[], bool] | None = None,
                  command_id: str | None = None) -> dict[str, Any]:
@@ -118,67 +123,154 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     The agent validates the value against the knob's schema (strings are parsed there,
     so CLI input can be passed as typed) and answers at once.
 
+    A run of several ranks (``info.world_size > 1``) gets the command on every rank, to
+    apply at one common optimizer step, in two phases and without any collective in the
+    training: (1) every rank checks it (``dry_run``) and answers with the earliest step
+    it could apply it at and its step time; (2) every rank schedules it at the latest
+    of those steps plus a margin for the time the second phase takes at the fastest
+    rank's pace. If a rank refuses in (2), the ranks that accepted are told to cancel.
+    It is refused before (1) when not every rank has a run file on this machine (ranks
+    on other machines cannot be reached from here, and a knob must never differ
+    between ranks).
+
     Args:
-        info: the run; its ``cmd_endpoint`` and ``token`` are used.
+        info: the run (any rank's file); its ``cmd_endpoint`` and ``token`` are used.
         knob: wire name. value: the new value (a string is parsed by the agent).
-        apply_step: the optimizer step to apply at; the agent picks the next one when
-            None. timeout_s: how long to wait for the reply, in seconds.
+        apply_step: the optimizer step to apply at; the agent (or the fan-out) picks the
+            next one it can when None. timeout_s: how long to wait for each phase's
+            replies, in seconds.
         cancelled: checked every :data:`CANCEL_CHECK_S` while waiting; when it returns
             True the wait ends at once (e.g. the dashboard is quitting).
 
     Returns:
-        The reply body: ``{"id", "ok": True, "knob", "value", "apply_step"}`` or
-        ``{"id", "ok": False, "reason"}``. No reply in time (the run is gone or busy),
-        a cancelled wait and a run without a usable command endpoint give ``ok: False``,
-        ``answered: False`` and the reason (a command sent but not answered may still
-        apply later); nothing is raised for them.
+        The reply body: ``{"id", "ok": True, "knob", "value", "apply_step"}`` (with
+        ``"ranks"``, the ranks reached, for a run of several) or ``{"id", "ok": False,
+        "reason"}`` (a rank's refusal names the rank). No reply in time (the run is gone
+        or busy), a cancelled wait and a run without a usable command endpoint give
+        ``ok: False``, ``answered: False`` and the reason (a command sent but not
+        answered may still apply later); nothing is raised for them.
     """
     command_id = command_id or new_command_id()
-    if not info.cmd_endpoint:
+    body: dict[str, Any] = {"id": command_id, "knob": knob, "value": value}
+    if info.world_size <= 1 or info.run_id == "?":
+        if apply_step is not None:
+            body["apply_step"] = apply_step
+        return _exchange([info], body, timeout_s, cancelled)[0]
+    ranks = run_ranks(info.run_id)
+    if len(ranks) != info.world_size:
         return {"id": command_id, "ok": False, "answered": False,
-                "reason": "this run has no command endpoint (attach by run id)"}
-    body: dict[str, Any] = {"id": command_id, "knob": knob, "value": value,
-                            "token": info.token}
-    if apply_step is not None:
-        body["apply_step"] = apply_step
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+                "reason": f"{len(ranks)} of the run's {info.world_size} ranks have a run "
+                          "file on this machine; a command must reach every rank (run "
+                          "it where they all are, or wait until they have all started)"}
+    checks = _exchange(ranks, {**body, "dry_run": True}, timeout_s, cancelled)
+    refusal = _first_refusal(ranks, checks)
+    if refusal is not None:
+        return refusal
+    if apply_step is None:
+        apply_step = max(check["apply_step"] for check in checks) + _margin_steps(checks)
+    replies = _exchange(ranks, {**body, "apply_step": apply_step}, timeout_s, cancelled)
+    refusal = _first_refusal(ranks, replies)
+    if refusal is None:
+        accepted = dict(replies[0])
+        accepted["ranks"] = [rank.rank for rank in ranks]
+        warnings = [reply["warning"] for reply in replies if reply.get("warning")]
+        if warnings:
+            accepted["warning"] = warnings[0]
+        return accepted
+    accepted = [rank for rank, reply in zip(ranks, replies) if reply.get("ok")]
+    if accepted:
+        _exchange(accepted, {"id": command_id, "cancel": True,
+                             "reason": refusal["reason"]}, timeout_s, None)
+        refusal["reason"] += ("; withdrawn from rank" + ("s " if len(accepted) > 1 else " ")
+                              + ", ".join(str(rank.rank) for rank in accepted))
+    return refusal
+
+
+def _margin_steps(checks: list[dict[str, Any]]) -> int:
+    """Steps to add to the ranks' earliest common step so that the second phase of a
+    fan-out arrives in time: 2, plus what the fastest rank trains in a generous bound
+    (0.5 s) on the second phase's round trip (the agent answers within its 50 ms poll)."""
+    step_times = [check.get("step_time_s") for check in checks]
+    fastest = min((t for t in step_times if isinstance(t, (int, float)) and t > 0),
+                  default=None)
+    if fastest is None:
+        return 2
+    return min(MAX_FAN_OUT_MARGIN_STEPS, 2 + math.ceil(0.5 / fastest))
+
+
+def _first_refusal(ranks: list[RunInfo], replies: list[dict[str, Any]]
+                   ) -> dict[str, Any] | None:
+    """The first rank's refusal, `` (rank N)`` after its reason; None if all ok."""
+    for rank, reply in zip(ranks, replies):
+        if not reply.get("ok"):
+            refusal = dict(reply)
+            refusal["reason"] = f"{reply.get('reason', 'no reason given')} (rank {rank.rank})"
+            return refusal
+    return None
+
+
+def _exchange(ranks: list[RunInfo], body: dict[str, Any], timeout_s: float,
+              cancelled: Callable[[], bool] | None) -> list[dict[str, Any]]:
+    """Send ``body`` (plus each rank's token) to every rank's command endpoint at once
+    and wait up to ``timeout_s`` for their replies; one reply body per rank, in order
+    (``ok: False, answered: False`` and the reason where none came)."""
+    command_id = body["id"]
+
+    def unanswered(reason: str) -> dict[str, Any]:
+        return {"id": command_id, "ok": False, "answered": False, "reason": reason}
+
+    replies: list[dict[str, Any] | None] = [None] * len(ranks)
+    sockets: dict[zmq.Socket, int] = {}
+    poller = zmq.Poller()
     try:
-        try:
-            secure(sock, info)
-            sock.connect(info.cmd_endpoint)
-        except zmq.ZMQError as exc:
-            return {"id": command_id, "ok": False, "answered": False,
-                    "reason": f"cannot connect to {info.cmd_endpoint}: {exc}"}
-        sock.send_multipart(protocol.encode(
-            protocol.envelope(protocol.COMMAND, body, run=info.run_id)))
-        deadline = time.monotonic() + timeout_s
-        while (left_s := deadline - time.monotonic()) > 0:
-            if cancelled is not None and cancelled():
-                return {"id": command_id, "ok": False, "answered": False,
-                        "reason": "cancelled"}
-            if not sock.poll(max(1, int(min(left_s, CANCEL_CHECK_S) * 1000))):
+        for index, info in enumerate(ranks):
+            if not info.cmd_endpoint:
+                replies[index] = unanswered("this run has no command endpoint "
+                                            "(attach by run id)")
                 continue
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sockets[sock] = index
             try:
-                reply = protocol.decode_frames(sock.recv_multipart())
-            except protocol.ProtocolError:
+                secure(sock, info)
+                sock.connect(info.cmd_endpoint)
+            except zmq.ZMQError as exc:
+                replies[index] = unanswered(f"cannot connect to {info.cmd_endpoint}: {exc}")
                 continue
-            if reply["type"] == protocol.REPLY and reply["body"].get("id") == command_id:
-                return reply["body"]
+            sock.send_multipart(protocol.encode(protocol.envelope(
+                protocol.COMMAND, {**body, "token": info.token}, run=info.run_id)))
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while None in replies and (left_s := deadline - time.monotonic()) > 0:
+            if cancelled is not None and cancelled():
+                return [reply or unanswered("cancelled") for reply in replies]
+            for sock, _ in poller.poll(max(1, int(min(left_s, CANCEL_CHECK_S) * 1000))):
+                try:
+                    reply = protocol.decode_frames(sock.recv_multipart())
+                except protocol.ProtocolError:
+                    continue
+                if (reply["type"] == protocol.REPLY
+                        and reply["body"].get("id") == command_id):
+                    replies[sockets[sock]] = reply["body"]
     finally:
-        sock.close(linger=0)
-    return {"id": command_id, "ok": False, "answered": False,
-            "reason": f"no reply within {timeout_s:.1f} s (is the run alive?)"}
+        for sock in sockets:
+            sock.close(linger=0)
+    return [reply or unanswered(f"no reply within {timeout_s:.1f} s (is the run alive?)")
+            for reply in replies]
 
 
 def reply_text(knob: str, value: Any, reply: dict[str, Any]) -> str:
     """One line for people about a reply from :func:`send_command`:
-    ``accepted: accum_steps=4 applies at step 123``, ``rejected: <knob>=<value>: <reason>``
+    ``accepted: accum_steps=4 applies at step 123`` (``... on ranks 0, 1`` for several),
+    ``rejected: <knob>=<value>: <reason>``
     or, when the run never answered, ``no answer: <knob>=<value>: <reason>``."""
     if reply.get("ok"):
         step = reply.get("apply_step")
+        ranks = reply.get("ranks")
         return (f"accepted: {reply.get('knob', knob)}={reply.get('value', value)}"
-                + (f" applies at step {step}" if step is not None else ""))
+                + (f" applies at step {step}" if step is not None else "")
+                + (" on ranks " + ", ".join(map(str, ranks))
+                   if isinstance(ranks, list) and len(ranks) > 1 else ""))
     verdict = "no answer" if reply.get("answered") is False else "rejected"
     reason = str(reply.get("reason", "no reason given"))
     if reason.startswith((f"{knob}=", f"{knob}:")):  # the run named the knob already

@@ -100,7 +100,7 @@ def _number(value: Any) -> float | None:
 
 
 #: Event kinds that settle a pending command (it was applied, or it failed).
-_SETTLING_KINDS = frozenset({"applied", "failed", "rolled_back"})
+_SETTLING_KINDS = frozenset({"applied", "failed", "rolled_back", "cancelled"})
 #: Event kinds that end a "compiling" phase (besides the first step record after it).
 _COMPILE_END_KINDS = frozenset({"compiled", "failed"})
 

@@ -45,6 +45,9 @@ class FakeAgent:
     (knob names of :data:`FAKE_KNOB_SPECS` and start values) is its schema;
     ``step_fields`` are added to (or replace fields of) every step body. ``run_id`` and
     ``ports`` (PUB, ROUTER) restart a run: the same id, and the same endpoints if given.
+    ``rank`` and ``world_size`` go in its run file; with ``refuse`` every command that
+    is not a dry run is refused with that reason (a rank that refuses the second phase
+    of a command to several ranks). It answers dry runs as the agent does.
 
     Attributes:
         commands: command bodies received, in order (a queue tests can wait on).
@@ -56,8 +59,10 @@ class FakeAgent:
                  knobs: dict[str, Any] | None = None,
                  step_fields: dict[str, Any] | None = None,
                  run_id: str | None = None,
-                 ports: tuple[int, int] | None = None) -> None:
+                 ports: tuple[int, int] | None = None, rank: int = 0,
+                 world_size: int = 1, refuse: str | None = None) -> None:
         self.step_s = step_s
+        self.rank, self.world_size, self.refuse = rank, world_size, refuse
         self.gpus = gpus or []
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self.knobs = dict(knobs or {"precision": "fp32", "accum_steps": 1})
@@ -99,7 +104,7 @@ class FakeAgent:
             pub_port, cmd_port = (_bind(socket, port) for socket, port in
                                   zip((pub, router), self.ports or (None, None)))
             self.info = RunInfo(
-                run_id=self.run_id, rank=0, world_size=1,
+                run_id=self.run_id, rank=self.rank, world_size=self.world_size,
                 pid=os.getpid(), pub_endpoint=f"tcp://127.0.0.1:{pub_port}",
                 cmd_endpoint=f"tcp://127.0.0.1:{cmd_port}", token=secrets.token_hex(16),
                 started_at=time.time(), name="fake-train")
@@ -125,12 +130,20 @@ class FakeAgent:
         except KnobError as exc:
             reply.update(ok=False, reason=str(exc))
         else:
-            reply.update(ok=True, value=value, apply_step=self._step + 2)
-            self._scheduled.append((self._step + 2, body["knob"], value))
+            apply_step = body.get("apply_step", self._step + 2)
+            if body.get("dry_run"):
+                reply.update(ok=True, value=value, apply_step=apply_step, dry_run=True,
+                             step_time_s=self.step_s)
+            elif self.refuse:
+                reply.update(ok=False, reason=self.refuse)
+            else:
+                reply.update(ok=True, value=value, apply_step=apply_step)
+                self._scheduled.append((apply_step, body["knob"], value))
+        if reply.get("ok") and not body.get("dry_run"):
             self._send(pub, protocol.EVENT, {
                 "level": "info", "kind": "accepted", "knob": body["knob"], "value": value,
-                "step": self._step + 2, "id": body.get("id"),
-                "text": f"{body['knob']}={value} accepted, applies at step {self._step + 2}"})
+                "step": apply_step, "id": body.get("id"),
+                "text": f"{body['knob']}={value} accepted, applies at step {apply_step}"})
         router.send_multipart([frames[0], *protocol.encode(
             protocol.envelope(protocol.REPLY, reply, run=self.info.run_id))])
 

@@ -99,3 +99,32 @@ def test_num_workers_switch_live_through_the_command_path(demo):
                 assert body["knobs"]["num_workers"] == 0
     demo.send_signal(signal.SIGTERM)
     assert demo.wait(30) == 0
+
+
+def test_the_demo_job_ends_with_the_process_that_started_it(run_dir):
+    """``gpuwatch demo`` passes its pid: a dashboard killed (or hung up on) must not
+    leave its training job running. A stand-in parent that we SIGKILL plays its part."""
+    parent = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                              stdin=subprocess.PIPE)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "agent.demo", "--model", "cnn", "--parent-pid",
+         str(parent.pid)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        info = wait_for_run(job)
+        with Subscriber(info) as sub:
+            message = sub.recv(30)
+            assert message is not None
+            parent.kill()
+            parent.wait()
+            while message["type"] != "bye":
+                message = sub.recv(30)
+                assert message is not None
+        assert message["body"]["reason"] == f"its parent process {parent.pid} ended"
+        assert job.wait(30) == 0
+        assert "stopped after" in job.stdout.read()
+        assert not os.path.exists(info.path)
+    finally:
+        for process in (parent, job):
+            if process.poll() is None:
+                process.kill()
+                process.wait()

@@ -1,0 +1,143 @@
+"""Several ranks: one run id per job, and every command applied at one common optimizer
+step on every rank (real torchrun with DDP on gloo, real agents, real sockets)."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import agent
+from agent import runs
+from gpuopt import Trainer
+from gpuwatch.client import Subscriber, _exchange, reply_text, send_command
+from tests.conftest import FakeAgent
+from tests.training import digits_loader, messages, model as make_model
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def wait_for_ranks(process, world_size, timeout_s=90):
+    """The run files of the job's ranks, once all ``world_size`` are there (polled: they
+    are written by other processes)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read()
+        found = runs.list_runs()
+        if len(found) == world_size:
+            return sorted(found, key=lambda info: info.rank)
+        time.sleep(0.1)
+    raise AssertionError(f"{len(runs.list_runs())} of {world_size} run files appeared")
+
+
+@pytest.fixture
+def ddp_job(run_dir):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(EXAMPLES / "ddp_attach.py"), "--max-steps", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    yield process
+    workers = [info.pid for info in runs.list_runs()]
+    process.send_signal(signal.SIGTERM)  # torchrun stops its workers (own sessions)
+    try:
+        process.wait(30)
+    finally:
+        for pid in workers:  # in case it could not
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_ddp_ranks_share_one_run_and_a_command_applies_at_the_same_step_on_each(ddp_job):
+    rank0, rank1 = wait_for_ranks(ddp_job, 2)
+    assert rank0.run_id == rank1.run_id and (rank0.rank, rank1.rank) == (0, 1)
+    assert rank0.world_size == rank1.world_size == 2 and rank0.pid != rank1.pid
+    assert runs.find_run().rank == 0  # the dashboard's default: the lowest rank
+    with Subscriber(rank0) as sub0, Subscriber(rank1) as sub1:
+        for sub in (sub0, sub1):  # both ranks are training
+            messages(sub, lambda m: m["type"] == "step", timeout_s=60)
+        reply = send_command(rank1, "precision", "bf16")  # any rank's file will do
+        assert reply["ok"] and reply["ranks"] == [0, 1], reply
+        apply_step = reply["apply_step"]
+        assert reply_text("precision", "bf16", reply) == (
+            f"accepted: precision=bf16 applies at step {apply_step} on ranks 0, 1")
+        for sub in (sub0, sub1):
+            seen = messages(sub, lambda m: m["type"] == "step"
+                            and m["body"]["step"] >= apply_step + 2, timeout_s=60)
+            steps = [m["body"] for m in seen if m["type"] == "step"]
+            assert {b["knobs"]["precision"] for b in steps if b["step"] < apply_step} <= {
+                "fp32"}
+            assert {b["knobs"]["precision"] for b in steps if b["step"] >= apply_step} == {
+                "bf16"}
+            applied = [m["body"] for m in seen if m["type"] == "event"
+                       and m["body"].get("kind") == "applied"]
+            assert [(e["knob"], e["step"]) for e in applied] == [("precision", apply_step)]
+        refused = send_command(rank0, "accum_steps", 0)
+        assert not refused["ok"]
+        assert refused["reason"] == "accum_steps: 0 is below the minimum 1 (rank 0)"
+        assert reply_text("accum_steps", 0, refused) == (
+            "rejected: accum_steps: 0 is below the minimum 1 (rank 0)")
+    cli = subprocess.run([sys.executable, "-m", "gpuwatch", "set", "accum_steps=2"],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.startswith("accepted: accum_steps=2 applies at step ")
+    assert cli.stdout.rstrip().endswith("on ranks 0, 1")
+
+
+def test_a_command_needs_every_rank_reachable(run_dir):
+    lone = FakeAgent(run_dir, run_id="20250101-000000-ab12", rank=0, world_size=2).start()
+    try:
+        reply = send_command(lone.info, "precision", "bf16")
+        assert not reply["ok"] and reply["answered"] is False
+        assert reply["reason"].startswith("1 of the run's 2 ranks have a run file on this "
+                                          "machine; a command must reach every rank")
+        assert lone.commands.empty()  # nothing was sent to the one it could reach
+    finally:
+        lone.stop()
+
+
+def test_a_rank_refusing_the_second_phase_gets_the_command_withdrawn_everywhere(
+        run_dir, monkeypatch):
+    monkeypatch.setenv(runs.RUN_ID_ENV, "20250101-000000-cd34")
+    model = make_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, digits_loader())
+    monitor = agent.attach(trainer, rank=0, world_size=2)
+    other = FakeAgent(run_dir, run_id=monitor.run_id, rank=1, world_size=2,
+                      refuse="the run is ending").start()
+    try:
+        with Subscriber(monitor.info) as sub:
+            reply = send_command(monitor.info, "accum_steps", 2)
+            assert not reply["ok"]
+            assert reply["reason"] == "the run is ending (rank 1); withdrawn from rank 0"
+            seen = messages(sub, lambda m: m["type"] == "event"
+                            and m["body"].get("kind") == "cancelled")
+            cancelled = seen[-1]["body"]
+            assert cancelled["knob"] == "accum_steps" and cancelled["value"] == 2
+            assert cancelled["text"].endswith("cancelled: the run is ending (rank 1)")
+        trainer.fit(max_steps=10)  # past the step it named (2 + a margin of 2)
+        assert trainer.accum_steps == 1  # never applied on rank 0
+    finally:
+        other.stop()
+
+
+def test_cancel_withdraws_a_pending_command_and_an_unknown_id_is_an_error(run_dir):
+    model = make_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, digits_loader())
+    single = agent.attach(trainer).info
+    reply = send_command(single, "accum_steps", 3, apply_step=5, command_id="c1")
+    assert reply["ok"] and reply["apply_step"] == 5
+    cancel = {"id": "c1", "cancel": True, "reason": "changed my mind"}
+    assert _exchange([single], cancel, 3.0, None)[0]["ok"]
+    again = _exchange([single], cancel, 3.0, None)[0]
+    assert not again["ok"] and "no pending command with id 'c1'" in again["reason"]
+    trainer.fit(max_steps=8)
+    assert trainer.accum_steps == 1
