@@ -647,7 +647,8 @@ class Agent:
             self._env_report = _environment_report()
         return {
             "name": self.name, "pid": os.getpid(), "host": self.info.host if self.info else "",
-            "world_size": self.world_size, "started_at": self._started_at,
+            "rank": self.rank, "world_size": self.world_size,
+            "started_at": self._started_at,
             "device": str(self.device) if self.device is not None else "cpu",
             "model": {"name": self.model_name, "params": self.params},
             "env": self._env_report, "knobs": self.knobs.schema(),

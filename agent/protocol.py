@@ -14,7 +14,7 @@ package version and changes only when a field changes meaning.
 
 Message types and their bodies:
 
-``hello``      run metadata: ``name``, ``pid``, ``host``, ``world_size``, ``device``,
+``hello``      run metadata: ``name``, ``pid``, ``host``, ``rank``, ``world_size``, ``device``,
                ``model`` (``params``, ``name``), ``env`` (environment report),
                ``knobs`` (the knob schema, see :mod:`agent.knobs`), ``started_at``.
 ``step``       one optimizer step: ``step``, ``micro_batches``, ``samples``,

@@ -1,4 +1,5 @@
-"""The one-line run header: status, step, records missed, run id, name, device."""
+"""The one-line run header: status, step, records missed, run id (and the rank shown,
+when there are several), name, device."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class RunHeader(Panel):
             if state.agent_errors:
                 parts += ["  ", (f"agent errors {state.agent_errors}", "$error")]
             parts.append(f"  run {state.run_id}")
+            world_size = state.hello.get("world_size")
+            if type(world_size) is int and world_size > 1:  # the charts are rank 0's
+                parts.append(f" (rank {state.hello.get('rank', 0)} of {world_size})")
             for key in ("name", "device"):
                 if state.hello.get(key):
                     parts += ["  ", (str(state.hello[key]), "bold" if key == "name" else "")]
