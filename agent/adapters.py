@@ -68,7 +68,8 @@ def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
         Knob(dataclasses.replace(PREFETCH_FACTOR, maximum=MAX_PREFETCH_FACTOR),
              get=prefetch_factor, set=setter("prefetch_factor"),
              warn=lambda value: (None if loader.config["num_workers"] else
-                                 "prefetch_factor has no effect with num_workers=0")),
+                                 "prefetch_factor is kept, and takes effect once "
+                                 "num_workers > 0 (it is 0 now)")),
     ]
 
 

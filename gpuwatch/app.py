@@ -47,6 +47,10 @@ _STATUS_NOTES = {
 }
 
 
+#: The actions that send a command.
+_KNOB_ACTIONS = frozenset({"cycle", "step", "toggle"})
+
+
 class GpuwatchApp(App[None]):
     """The dashboard of one run.
 
@@ -59,7 +63,7 @@ class GpuwatchApp(App[None]):
     CSS_PATH = "gpuwatch.tcss"
     TITLE = "gpuwatch"
     COMMANDS = App.COMMANDS | {BindingCommands}
-    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
+    VERTICAL_BREAKPOINTS = [(0, "-tiny"), (24, "-short"), (32, "-tall")]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
     BINDINGS = [
         Binding("p", "cycle('precision')", "precision", id="precision.cycle",
@@ -94,6 +98,13 @@ class GpuwatchApp(App[None]):
         self._drawn: tuple[int, str, Any] | None = None
         self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
         self._events_shown = 0
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Hide the knob keys (footer, help, palette) where no command can go: a
+        replay. A read-only dashboard keeps them: a key then says what it would send."""
+        if action in _KNOB_ACTIONS and self.source.info is None:
+            return False
+        return True
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -249,8 +260,6 @@ class GpuwatchApp(App[None]):
         shown = json.dumps(value) if isinstance(value, bool) else value  # as `gpuwatch set`
         if self.readonly:
             self.note("warning", f"read-only: {knob}={shown} not sent")
-        elif self.source.info is None:
-            self.note("warning", f"{self.source.description} takes no commands")
         elif self.source.state.ended is not None:
             self.note("warning", f"the run has ended: {knob}={shown} not sent")
         else:

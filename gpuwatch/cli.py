@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Watch and tune a live PyTorch training run from the terminal. "
                     "Without a subcommand: open the dashboard on the newest live run.",
         epilog="Start a run with `gpuwatch demo`, or `agent.attach(trainer)` in a script.")
-    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", prog="gpuwatch")
 
     attach = commands.add_parser(
         "attach", help="open the dashboard (the default command)",

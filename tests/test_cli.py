@@ -122,3 +122,10 @@ def test_tail_of_odd_records_prints_them_raw(tmp_path):
         assert result.returncode == 0, result.stderr
         assert "Traceback" not in result.stderr
         assert result.stdout.count("\n") == 2
+
+
+@pytest.mark.parametrize("command", ["demo", "set", "tail", "replay", "runs", "doctor"])
+def test_each_command_help_names_itself(command):
+    result = gpuwatch(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: gpuwatch {command} [-h]"), result.stdout

@@ -600,6 +600,22 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         assert "samples/s" in text_of(app, "#throughput .value")
 
 
+async def test_a_tiny_terminal_keeps_the_header_and_footer_in_view(make_agent):
+    agent = make_agent(knobs=dict(EVERY_KNOB))
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(60, 15)) as pilot:
+        await until(pilot, lambda: "step" in text_of(app, "#header")
+                    and "accum_steps" in text_of(app, "#knobs"))
+        assert app.screen.max_scroll_y == 0  # nothing to scroll: all of it fits
+        assert app.query_one("#header").region.y == 0
+        assert app.query_one(Footer).region.y == 14
+        assert app.query_one("#charts").region.height >= 4
+        assert not app.query_one("#log").display  # events: `gpuwatch tail`
+        await pilot.press("p")  # keys still work
+        command = await next_command(agent)
+        assert command["knob"] == "precision"
+
+
 def test_applied_event_updates_the_knob_before_the_next_step_record():
     # a key pressed again before that step record arrives must start from the new value
     state = RunState()

@@ -56,5 +56,7 @@ def test_validator_accepts_only_values_inside_the_schema(knob, value):
         assert coerced in spec.choices
     elif spec.kind == "bool":
         assert isinstance(coerced, bool)
+    elif spec.kind == "float":
+        assert type(coerced) is float and spec.minimum <= coerced <= spec.maximum
     else:
         assert type(coerced) is int and spec.minimum <= coerced <= spec.maximum

@@ -254,6 +254,18 @@ def test_refused_combinations_are_normalised_and_reported():
     loader.close()
 
 
+def test_prefetch_factor_knob_warns_that_it_waits_for_workers():
+    from agent.adapters import loader_knobs
+
+    loader = ReconfigurableLoader(Indices(40), BATCH)
+    prefetch = next(k for k in loader_knobs(loader) if k.spec.name == "prefetch_factor")
+    assert prefetch.warn(4) == ("prefetch_factor is kept, and takes effect once "
+                                "num_workers > 0 (it is 0 now)")
+    loader.reconfigure(num_workers=1)
+    assert prefetch.warn(4) is None
+    loader.close()
+
+
 def test_default_prefetch_factor_with_workers():
     loader = ReconfigurableLoader(Indices(40), BATCH)
     assert loader.config["prefetch_factor"] is None

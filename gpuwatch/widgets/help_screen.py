@@ -11,7 +11,8 @@ from textual.widgets import Static
 
 
 class HelpScreen(ModalScreen[None]):
-    """Lists the app's bindings (key, description, longer help); any listed key closes."""
+    """Lists the app's bindings that act here (key, description, longer help); any
+    listed key closes."""
 
     BINDINGS = [
         Binding("escape,q,question_mark", "dismiss", "close", id="help.close"),
@@ -19,7 +20,8 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         app = self.app
-        bindings = [b for b in app.BINDINGS if isinstance(b, Binding)]
+        bindings = [b for b in app.BINDINGS if isinstance(b, Binding)  # those that act
+                    and app.check_action(b.action.split("(")[0], ()) is not False]
         bindings.append(Binding(app.COMMAND_PALETTE_BINDING, "command_palette",
                                 "commands", tooltip="Command palette: search every command"))
         keys = [app.get_key_display(binding) for binding in bindings]
