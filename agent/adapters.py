@@ -121,6 +121,7 @@ class _TrainerCallback:
     def __init__(self, agent: Agent, memory: MemoryKnobs) -> None:
         self.agent = agent
         self.memory = memory
+        self._measurement_error_reported = False
 
     def on_fit_start(self, trainer: Trainer) -> None:
         self.agent.mark_start()
@@ -131,6 +132,11 @@ class _TrainerCallback:
                                   stats.activation_bytes)
         for kind, text, fields in trainer.model_backend.pop_events():
             self.agent.event("info", text, kind=kind, step=stats.step, **fields)
+        if trainer.activation_measurement_error and not self._measurement_error_reported:
+            self._measurement_error_reported = True
+            self.agent.event("warning", "activation memory is not measured for this model "
+                             f"({trainer.activation_measurement_error})", kind="warning",
+                             step=stats.step)
         snapshot = self.memory.on_optimizer_step()
         if snapshot is not None:
             self.agent.event("info", f"memory snapshot written to {snapshot}",

@@ -95,7 +95,10 @@ class Trainer:
             (:attr:`StepStats.activation_bytes`) of one micro-batch every this many
             optimizer steps, and at the first step after precision, kernels or
             checkpointing changed; 0 never. A measured micro-batch costs about a
-            microsecond per tensor saved for backward, on the host only.
+            microsecond per tensor saved for backward, on the host only. A model that
+            refuses saved-tensor hooks (``torch.func`` inside ``forward``) is not
+            measured: its micro-batch's forward runs once more without them (module
+            buffers such as BatchNorm statistics then see it twice), once.
 
     Raises:
         ValueError: a precision or kernel backend the device cannot run,
@@ -148,6 +151,9 @@ class Trainer:
                              f"{measure_activations_every!r}")
         self.measure_activations_every = measure_activations_every
         self._measured_at: tuple[int, Any] | None = None  # (step, settings) last measured
+        #: Why activations are no longer measured (the model refused saved-tensor hooks),
+        #: or None.
+        self.activation_measurement_error: str | None = None
         self.callbacks: list[Any] = list(callbacks)
         #: Called before every micro-batch with the trainer; tests set it to raise
         #: faults (e.g. ``torch.OutOfMemoryError``) where no real one can be provoked.
@@ -243,10 +249,27 @@ class Trainer:
             if saved is None:
                 loss = self.loss_fn(self.model_backend(inputs), targets)
             else:
-                with saved:
-                    loss = self.loss_fn(self.model_backend(inputs), targets)
+                loss = self._measured_forward(inputs, targets, saved)
         self.mixed_precision.backward(loss / window)
         return loss.detach(), batch_size(inputs)
+
+    def _measured_forward(self, inputs: Any, targets: Any, saved: SavedActivations
+                          ) -> torch.Tensor:
+        """The forward and loss under ``saved``'s hooks. Some code refuses saved-tensor
+        hooks (``torch.func`` transforms raise when any are set): if the forward raises
+        under them, it is run again without, and activations are not measured again
+        (:attr:`activation_measurement_error` says why); an error that the plain
+        forward raises too is the model's own and propagates."""
+        try:
+            with saved:
+                return self.loss_fn(self.model_backend(inputs), targets)
+        except torch.OutOfMemoryError:
+            raise  # not the hooks' doing: the out-of-memory path handles it
+        except RuntimeError as error:
+            loss = self.loss_fn(self.model_backend(inputs), targets)
+            self.measure_activations_every = 0
+            self.activation_measurement_error = f"{type(error).__name__}: {error}"
+            return loss
 
     def _recovered_from(self, error: torch.OutOfMemoryError) -> bool:
         """Ask the callbacks' ``on_out_of_memory`` to undo what caused ``error``; True
@@ -327,6 +350,8 @@ class Trainer:
         skipped = self.mixed_precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if saved is not None and self.activation_measurement_error is not None:
+            saved = None  # the measurement failed; the window trained without it
         if saved is not None:
             self._measured_at = (self.step, (self.precision, self.kernels, self.checkpointing))
         stats = StepStats(self.step, micro_batches, samples, data_wait_s,

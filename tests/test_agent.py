@@ -9,7 +9,8 @@ import agent
 from agent import protocol, runs
 from gpuopt import MixedPrecision, Trainer
 from gpuwatch.client import Subscriber, send_command
-from tests.training import Gate, digits_loader, messages, model as make_model, start
+from tests.training import (FuncInForward, Gate, digits_loader, messages,
+                            model as make_model, start)
 
 
 def _next_of(sub, msg_type, timeout_s=30):
@@ -142,6 +143,24 @@ def test_training_result_is_identical_with_and_without_the_agent(run_dir):
     plain, watched = train(False), train(True)
     for name in plain:
         assert torch.equal(plain[name], watched[name]), name
+
+
+def test_a_model_that_refuses_the_activation_meter_says_so_and_trains_on(run_dir):
+    model = FuncInForward()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, digits_loader())
+    agent.attach(trainer)
+    with Subscriber(runs.find_run()) as sub:
+        thread = start(trainer, max_steps=5)
+        seen = messages(sub, lambda m: m["type"] == "bye", timeout_s=60)
+        thread.join(30)
+    warnings = [m["body"]["text"] for m in seen if m["type"] == "event"
+                and m["body"].get("kind") == "warning"]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "activation memory is not measured for this model (RuntimeError: torch.func")
+    steps = [m["body"] for m in seen if m["type"] == "step"]
+    assert [b["step"] for b in steps] == [1, 2, 3, 4, 5]
+    assert not any("activation_bytes" in b for b in steps)
 
 
 def test_hand_written_loop_session_streams_steps_and_takes_precision(run_dir):

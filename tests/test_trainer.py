@@ -7,6 +7,7 @@ import torch
 from sklearn.datasets import load_digits
 
 from gpuopt import MixedPrecision, Trainer
+from tests.training import FuncInForward
 
 
 def _digits(n):
@@ -161,3 +162,29 @@ def test_activation_memory_is_measured_every_n_steps_and_after_each_change():
         with pytest.raises(ValueError, match="measure_activations_every"):
             Trainer(model, trainer.optimizer, trainer.loss_fn, loader,
                     measure_activations_every=bad)
+
+
+def test_a_model_that_refuses_saved_tensor_hooks_trains_on_unmeasured():
+    x, y = _digits(64)
+    loader = list(zip(x.split(16), y.split(16)))
+    trained = {}
+    for every in (0, 20):
+        model = FuncInForward()
+        seen = []
+
+        class Record:
+            def on_optimizer_step(self, trainer, stats):
+                seen.append(stats.activation_bytes)
+
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          torch.nn.functional.cross_entropy, loader, callbacks=[Record()],
+                          measure_activations_every=every)
+        trainer.fit(max_steps=4)
+        assert seen == [None] * 4
+        trained[every] = model.state_dict()
+        if every:
+            assert trainer.measure_activations_every == 0
+            assert "don't yet support saved tensor hooks" in (
+                trainer.activation_measurement_error)
+    for name, value in trained[0].items():  # the same training as never measuring
+        assert torch.equal(value, trained[20][name]), name

@@ -1,5 +1,6 @@
-"""Shared pieces of the tests that train for real: digits data, a small model, a gate
-that pauses the training thread, and a message collector."""
+"""Shared pieces of the tests that train for real: digits data, a small model (and one
+that refuses saved-tensor hooks), a gate that pauses the training thread, and a message
+collector."""
 
 import threading
 
@@ -17,6 +18,19 @@ def digits_loader(batch_size=16, n=1024):
 def model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+
+
+class FuncInForward(torch.nn.Module):
+    """:func:`model` behind a ``torch.func.grad`` in ``forward``: torch.func refuses
+    saved-tensor hooks, so the Trainer's activation meter must step aside."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.net = model(seed)
+
+    def forward(self, x):
+        smooth = torch.func.grad(lambda t: torch.nn.functional.softplus(t).sum())(x)
+        return self.net(x + 0.1 * smooth)
 
 
 class Gate:
