@@ -63,6 +63,11 @@ class Subscriber:
             raise
 
     @property
+    def socket(self) -> zmq.Socket:
+        """The SUB socket, to poll several subscribers at once (this thread only)."""
+        return self._socket
+
+    @property
     def missed(self) -> int:
         """Records lost so far (sequence gaps per run and rank)."""
         return self._gaps.missed

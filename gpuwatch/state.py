@@ -41,6 +41,20 @@ class StepRecord(NamedTuple):
     activation_bytes: float | None = None
 
 
+class RankPace(NamedTuple):
+    """How one rank of a run of several is doing: its latest optimizer step, its step
+    time smoothed over about :data:`RANK_PACE_STEPS` steps (s), and when it was last
+    heard (monotonic s)."""
+
+    step: int | None
+    step_time_s: float | None
+    heard_at: float
+
+
+#: Steps the per-rank step time is smoothed over (an exponential moving average).
+RANK_PACE_STEPS = 20
+
+
 class LogEntry(NamedTuple):
     """A line for the event log: ``level`` is info, warning or error; ``t`` is when the
     run said it (unix time, s), None for the dashboard's own lines."""
@@ -133,11 +147,17 @@ class RunState:
         events: the last :data:`EVENT_HISTORY` log entries; events_total counts all ever.
         records: envelopes ingested. missed: records lost (sequence gaps).
         message_t: the ``t`` (unix time, s) of the latest envelope, None if it had none.
+        primary_rank: the rank whose records fill the charts, panels and log (the first
+            rank heard, unless given). ranks: :class:`RankPace` of every rank heard; the
+            other ranks' records update only that, and their warnings and errors go to
+            the log with the rank named.
         malformed: frames or bodies that could not be read (dropped, never raised).
         version: bumped on every change; compare it to know whether to redraw.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, primary_rank: int | None = None) -> None:
+        self.primary_rank = primary_rank
+        self.ranks: dict[int, RankPace] = {}
         self.run_id: str | None = None
         self.hello: dict[str, Any] = {}
         self.schema: dict[str, dict[str, Any]] = {}
@@ -212,6 +232,14 @@ class RunState:
             now = time.monotonic()
         self.records += 1
         self.version += 1
+        rank = message.get("rank")
+        if type(rank) is int:
+            if self.primary_rank is None:
+                self.primary_rank = rank
+            if rank != self.primary_rank:
+                self._gaps.observe(message)
+                self._fold_other_rank(rank, message, now)
+                return
         self.last_seen_at = now
         t = message.get("t")
         self.message_t = t if type(t) is float or type(t) is int else None
@@ -231,6 +259,43 @@ class RunState:
             fold(message.get("body") or {}, now)
         except (TypeError, ValueError, AttributeError, KeyError):
             self.malformed += 1
+
+    def _fold_other_rank(self, rank: int, message: dict[str, Any], now: float) -> None:
+        body = message.get("body")
+        if not isinstance(body, dict):
+            self.malformed += 1
+            return
+        msg_type = message.get("type")
+        if msg_type == protocol.STEP:
+            self._note_pace(rank, body, now)
+        elif msg_type == protocol.EVENT and body.get("level") in ("warning", "error"):
+            t = message.get("t")
+            self.log(body["level"], f"rank {rank}: {body.get('text', '')}",
+                     t if type(t) is float or type(t) is int else None)
+        elif rank in self.ranks:  # heard: a heartbeat, hello, ...
+            self.ranks[rank] = self.ranks[rank]._replace(heard_at=now)
+
+    def _note_pace(self, rank: int, body: dict[str, Any], now: float) -> None:
+        step = body.get("step")
+        step_time = _number(body.get("step_time_s"))
+        previous = self.ranks.get(rank)
+        smoothed = previous.step_time_s if previous is not None else None
+        if step_time is not None and step_time >= 0:
+            smoothed = step_time if smoothed is None else (
+                smoothed + (step_time - smoothed) / RANK_PACE_STEPS)
+        self.ranks[rank] = RankPace(step if type(step) is int else None, smoothed, now)
+
+    def slowest_rank(self, now: float) -> tuple[int, float] | None:
+        """With two or more ranks heard within :data:`GONE_AFTER_S`: the rank with the
+        longest smoothed step time and how much longer it is than the fastest's (0.08:
+        8%); else None. Under data parallelism every rank waits for the slowest at each
+        gradient all-reduce, so a straggler sets the pace of all."""
+        paces = [(pace.step_time_s, rank) for rank, pace in self.ranks.items()
+                 if pace.step_time_s and now - pace.heard_at <= GONE_AFTER_S]
+        if len(paces) < 2:
+            return None
+        slowest, fastest = max(paces), min(paces)
+        return slowest[1], slowest[0] / fastest[0] - 1.0
 
     def status_at(self, now: float) -> str:
         """The run's status at monotonic time ``now`` (s); see :attr:`status`."""
@@ -291,6 +356,8 @@ class RunState:
             _number(body.get("data_wait_share")), _number(body.get("samples_per_s")),
             _number(body.get("loss")), peak_reserved, rss, self.activation_bytes))
         self.steps_total += 1
+        if self.primary_rank is not None:
+            self._note_pace(self.primary_rank, body, now)
         if step is not None:
             self.step = step
         self.last_step = body

@@ -96,7 +96,7 @@ class FakeAgent:
     def _send(self, pub: zmq.Socket, msg_type: str, body: dict[str, Any]) -> None:
         self._seq += 1
         pub.send_multipart(protocol.encode(protocol.envelope(
-            msg_type, body, run=self.info.run_id, seq=self._seq)))
+            msg_type, body, run=self.info.run_id, rank=self.rank, seq=self._seq)))
 
     def _run(self) -> None:
         context = zmq.Context.instance()
@@ -158,7 +158,7 @@ class FakeAgent:
                 "step": self._step, "text": f"{knob}={value} applied at step {self._step}"})
         if self._step % 10 == 1:
             self._send(pub, protocol.HELLO, {
-                "name": "fake-train", "pid": self.info.pid, "world_size": 1,
+                "name": "fake-train", "pid": self.info.pid, "world_size": self.world_size,
                 "started_at": self.info.started_at,
                 "device": "cpu", "model": {"name": "tiny", "params": 1234},
                 "knobs": [FAKE_KNOB_SPECS[name].to_wire() for name in self.knobs]})

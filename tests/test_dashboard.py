@@ -204,6 +204,29 @@ def test_state_keeps_the_activation_memory_and_what_it_was_before_a_change():
     assert state.activation_bytes == 2.5e6  # bad values are ignored
 
 
+def test_state_shows_one_rank_and_keeps_the_pace_of_the_others():
+    state = RunState(primary_rank=0)
+    for step in range(1, 41):
+        state.ingest(envelope("step", {"step": step, "step_time_s": 0.020, "loss": 1.0},
+                              seq=step, rank=0), 10.0)
+        state.ingest(envelope("step", {"step": step, "step_time_s": 0.025, "loss": 9.0},
+                              seq=step, rank=1), 10.0)
+    assert state.steps_total == 40 and {r.loss for r in state.steps} == {1.0}  # rank 0's
+    assert (state.ranks[0].step, state.ranks[1].step) == (40, 40)
+    assert state.ranks[1].step_time_s == pytest.approx(0.025)
+    rank, lag = state.slowest_rank(10.0)
+    assert rank == 1 and lag == pytest.approx(0.25)
+    assert state.slowest_rank(10.0 + GONE_AFTER_S + 1) is None  # nobody heard lately
+    state.ingest(envelope("event", {"level": "info", "kind": "applied", "text": "ok"},
+                          seq=41, rank=1), 10.0)
+    state.ingest(envelope("event", {"level": "error", "text": "loader died"}, seq=43,
+                          rank=1), 10.0)
+    assert [e.text for e in state.events] == ["rank 1: loader died"]
+    assert state.missed == 1  # rank 1's seq 42 is lost; rank 0's seq count apart
+    state.ingest(envelope("step", "not a body", seq=44, rank=1), 10.0)
+    assert state.malformed == 1
+
+
 def test_state_ingest_is_fast():
     state = RunState()
     payloads = [frames("step", {"step": i, "step_time_s": 0.01, "data_wait_s": 0.001,
@@ -598,6 +621,18 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         assert "step ms" in app.query_one("#timing").render().plain
         assert "loss" in app.query_one("#loss").render().plain
         assert "samples/s" in text_of(app, "#throughput .value")
+
+
+async def test_header_names_a_straggling_rank(make_agent):
+    run_id = "20250101-000000-ee77"
+    first = make_agent(run_id=run_id, rank=0, world_size=2,
+                       step_fields={"step_time_s": 0.020})
+    make_agent(run_id=run_id, rank=1, world_size=2, step_fields={"step_time_s": 0.030})
+    app = GpuwatchApp(LiveSource(first.info))
+    async with app.run_test(size=(160, 40)) as pilot:
+        await until(pilot, lambda: "rank 1 slowest +50%" in text_of(app, "#header"))
+        assert "(rank 0 of 2, rank 1 slowest +50%)" in text_of(app, "#header")
+        assert {r.step_time_s for r in app.source.state.steps} == {0.020}  # rank 0's
 
 
 async def test_a_tiny_terminal_keeps_the_header_and_footer_in_view(make_agent):

@@ -5,6 +5,11 @@ a stall that ends) is followed: the SUB socket reconnects by itself to the same
 endpoint (ZeroMQ does, for tcp and ipc), and while the run is gone, or when its
 ``hello`` shows a new process, the run file is read again, so that a new endpoint is
 connected and commands carry the new process's token.
+
+A run of several ranks is followed on every rank's socket found on this machine (looked
+for again until all are there): the charts, panels and log show the rank given (rank 0
+by default), the other ranks' steps give their pace (:attr:`RunState.ranks`, the
+slowest rank in the header) and their warnings and errors reach the log.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 
 import zmq
 
-from agent.runs import RunInfo, list_runs
+from agent.runs import RunInfo, list_runs, run_ranks
 from gpuwatch import state as run_state
 from gpuwatch.client import Subscriber
 from gpuwatch.sources import Source
@@ -36,6 +41,9 @@ class LiveSource(Source):
     def __init__(self, info: RunInfo) -> None:
         super().__init__(info, f"run {info.run_id} at {info.pub_endpoint}", poll_s=POLL_S)
         self._info = info
+        self.state.primary_rank = info.rank
+        #: Subscribers of the run's other ranks, by rank (this thread's).
+        self._others: dict[int, Subscriber] = {}
 
     def _subscribe(self, info: RunInfo) -> Subscriber | None:
         try:
@@ -50,25 +58,32 @@ class LiveSource(Source):
         if subscriber is None:
             return
         heard_at = time.monotonic()
-        next_check = 0.0
+        next_check = next_rank_check = 0.0
         process = None  # (pid, started_at) of the latest hello
         try:
             while not self._stop.is_set():
-                frames = subscriber.recv_frames(POLL_S)
                 now = time.monotonic()
-                if frames is None:
+                if (len(self._others) < self._info.world_size - 1
+                        and now >= next_rank_check):
+                    next_rank_check = now + RECHECK_S
+                    self._subscribe_other_ranks()
+                ready = self._poll([subscriber, *self._others.values()])
+                now = time.monotonic()
+                if subscriber not in ready:
                     if now - heard_at > run_state.GONE_AFTER_S and now >= next_check:
                         next_check = now + RECHECK_S
                         subscriber = self._refresh(subscriber)
-                    continue
-                heard_at = now
+                    if not ready:
+                        continue
+                else:
+                    heard_at = now
                 with self.lock:
-                    self.state.ingest_frames(frames, now)
-                    for _ in range(BATCH - 1):
-                        frames = subscriber.recv_frames(0)
-                        if frames is None:
-                            break
-                        self.state.ingest_frames(frames, now)
+                    for ready_subscriber in ready:
+                        for _ in range(BATCH):
+                            frames = ready_subscriber.recv_frames(0)
+                            if frames is None:
+                                break
+                            self.state.ingest_frames(frames, now)
                     hello = self.state.hello
                     latest = (hello.get("pid"), hello.get("started_at")) if hello else None
                 if process is not None and latest != process:
@@ -76,6 +91,30 @@ class LiveSource(Source):
                 process = latest
         finally:
             subscriber.close()
+            for other in self._others.values():
+                other.close()
+
+    @staticmethod
+    def _poll(subscribers: list[Subscriber]) -> list[Subscriber]:
+        """The subscribers with a message waiting, after up to :data:`POLL_S`."""
+        poller = zmq.Poller()
+        for subscriber in subscribers:
+            poller.register(subscriber.socket, zmq.POLLIN)
+        ready = dict(poller.poll(int(POLL_S * 1000)))
+        return [subscriber for subscriber in subscribers if subscriber.socket in ready]
+
+    def _subscribe_other_ranks(self) -> None:
+        """Subscribe to the run's ranks found since the last look (a rank's file
+        appears when it has started)."""
+        try:
+            found = run_ranks(self._info.run_id)
+        except OSError:
+            return  # the run directory went away: look again later
+        for info in found:
+            if info.rank != self._info.rank and info.rank not in self._others:
+                subscriber = self._subscribe(info)
+                if subscriber is not None:
+                    self._others[info.rank] = subscriber
 
     def _refresh(self, subscriber: Subscriber) -> Subscriber:
         """Read the run file of this run id and rank again; if another process wrote

@@ -1,5 +1,5 @@
-"""The one-line run header: status, step, records missed, run id (and the rank shown,
-when there are several), name, device."""
+"""The one-line run header: status, step, records missed, run id (with several ranks:
+the rank shown and the slowest rank when it lags), name, device."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from gpuwatch.state import RunState
 from gpuwatch.units import human_age, human_number
 from gpuwatch.widgets.panel import Panel
 
+#: A rank this much slower (smoothed step time) than the fastest is named in the header.
+STRAGGLER_SHARE = 0.05
 #: Theme variable that colours each run status.
 STATUS_STYLES = {"waiting": "$text-muted", "live": "bold $success",
                  "compiling": "bold $warning", "stalled": "bold $warning",
@@ -52,8 +54,13 @@ class RunHeader(Panel):
                 parts += ["  ", (f"agent errors {state.agent_errors}", "$error")]
             parts.append(f"  run {state.run_id}")
             world_size = state.hello.get("world_size")
-            if type(world_size) is int and world_size > 1:  # the charts are rank 0's
-                parts.append(f" (rank {state.hello.get('rank', 0)} of {world_size})")
+            if type(world_size) is int and world_size > 1:  # the charts are one rank's
+                parts.append(f" (rank {state.primary_rank} of {world_size}")
+                slowest = state.slowest_rank(now)
+                if slowest is not None and slowest[1] >= STRAGGLER_SHARE:
+                    parts += [", ", (f"rank {slowest[0]} slowest +{slowest[1]:.0%}",
+                                     "$warning")]
+                parts.append(")")
             for key in ("name", "device"):
                 if state.hello.get(key):
                     parts += ["  ", (str(state.hello[key]), "bold" if key == "name" else "")]
