@@ -32,7 +32,7 @@ import zmq
 
 from agent import protocol
 from agent.guard import GUARDED_KNOBS, ChangeGuard
-from agent.knobs import KnobError, KnobSet
+from agent.knobs import KnobError, KnobSet, assignment
 from agent.markers import marker_for
 from agent.probes import Nvml, SystemProbe
 from agent.runlog import RunLog, log_dir
@@ -42,7 +42,7 @@ from gpuopt.memory import memory_stats
 log = logging.getLogger("gpuwatch.agent")
 
 _HEARTBEAT_INTERVAL_S = 1.0
-_HELLO_EVERY_HEARTBEATS = 2
+_HELLO_EVERY_HEARTBEATS = 30  # a new subscriber is greeted at once anyway
 #: The I/O thread wakes at least this often to publish the records queued since (ms).
 #: Commands and new subscribers wake it at once; each wake-up costs the training thread
 #: a GIL hand-off, so it is kept rare: 20 a second.
@@ -295,15 +295,15 @@ class Agent:
             try:
                 knob.set(command.value)
             except Exception as exc:
-                self.event("error", f"{command.knob}={command.value} failed at step "
-                            f"{step + 1}: {exc}; kept {command.knob}={previous}",
+                self.event("error", f"{assignment(command.knob, command.value)} failed at "
+                            f"step {step + 1}: {exc}; kept {assignment(command.knob, previous)}",
                             kind="failed", knob=command.knob, value=command.value,
                             step=step + 1, id=command.command_id)
                 continue
             self._knob_values = self.knobs.values()
             if command.knob in GUARDED_KNOBS:
                 self._note_change(step + 1, command, previous)
-            text = f"{command.knob}={command.value} applied at step {step + 1}"
+            text = f"{assignment(command.knob, command.value)} applied at step {step + 1}"
             if command.rollback_reason:
                 text += f": rolled back because {command.rollback_reason}"
             self.event("warning" if command.rollback_reason else "info", text,
@@ -321,7 +321,7 @@ class Agent:
         if self._last_change is None or step - self._last_change[0] > window:
             self._last_change = (step, {}, [])
         self._last_change[1].setdefault(command.knob, previous)
-        self._last_change[2].append(f"{command.knob}={command.value}")
+        self._last_change[2].append(assignment(command.knob, command.value))
 
     def roll_back_last_change(self, step: int, reason: str) -> bool:
         """Training thread, between steps: undo the guarded changes made within the last
@@ -339,10 +339,10 @@ class Agent:
             try:
                 knob.set(value)
             except Exception as exc:
-                self.event("error", f"rolling back {name}={value} failed: {exc}",
+                self.event("error", f"rolling back {assignment(name, value)} failed: {exc}",
                            kind="failed", knob=name, value=value, step=step)
                 continue
-            self.event("warning", f"{name}={value} applied at step {step}: rolled back "
+            self.event("warning", f"{assignment(name, value)} applied at step {step}: rolled back "
                        f"because {why}", kind="rolled_back", knob=name, value=value,
                        step=step)
         self._knob_values = self.knobs.values()
@@ -598,7 +598,7 @@ class Agent:
             self._publish(protocol.EVENT, {
                 "level": "warning", "kind": "rollback", "step": apply_step,
                 "text": f"{rollback.reason}: rolling back to "
-                        + ", ".join(f"{k}={v}" for k, v in rollback.values.items())
+                        + ", ".join(assignment(k, v) for k, v in rollback.values.items())
                         + f" at step {apply_step}"})
             return
         warning = self._change_guard.non_finite_warning(step, loss)
@@ -727,7 +727,7 @@ class Agent:
         self._schedule(_Pending(apply_step, 0, knob_name, value, command_id))
         reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
                  "apply_step": apply_step}
-        text = f"{knob_name}={value} accepted, applies at step {apply_step}"
+        text = f"{assignment(knob_name, value)} accepted, applies at step {apply_step}"
         self._publish(protocol.EVENT, {"level": "info", "text": text, "kind": "accepted",
                                        "knob": knob_name, "value": value,
                                        "step": apply_step, "id": command_id})
@@ -755,7 +755,7 @@ class Agent:
         self._publish(protocol.EVENT, {
             "level": "warning", "kind": "cancelled", "knob": found.knob,
             "value": found.value, "step": found.apply_step, "id": command_id,
-            "text": f"{found.knob}={found.value} for step {found.apply_step} "
+            "text": f"{assignment(found.knob, found.value)} for step {found.apply_step} "
                     f"cancelled{why}"})
         return {"id": command_id, "ok": True, "cancel": True, "knob": found.knob,
                 "value": found.value, "apply_step": found.apply_step}

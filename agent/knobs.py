@@ -9,6 +9,7 @@ add a device check (e.g. bf16 on a GPU without bf16) through :attr:`Knob.check`.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -17,6 +18,12 @@ from typing import Any, Callable
 
 class KnobError(ValueError):
     """A command that names an unknown knob or gives a value its schema refuses."""
+
+
+def assignment(knob: str, value: Any) -> str:
+    """A knob setting as people type it: ``precision=bf16``, ``checkpointing=true``
+    (booleans as on the command line, not Python's ``True``)."""
+    return f"{knob}={json.dumps(value) if isinstance(value, bool) else value}"
 
 
 @dataclass(frozen=True)

@@ -54,14 +54,18 @@ class RunLog:
         self._file = self._open()
         self._size = self._file.tell()
         self._last_flush = time.monotonic()
+        self._hello_line: bytes | None = None  # the latest hello, to start each new file
 
     def _open(self):
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         return os.fdopen(fd, "ab", buffering=1 << 16)
 
     def write(self, message: dict[str, Any]) -> None:
-        """Append one envelope (flattened) as a line."""
+        """Append one envelope (flattened) as a line. After a rotation the new file
+        starts with the latest ``hello``, so that every file can be replayed alone."""
         line = protocol.to_json_line(message)
+        if message.get("type") == protocol.HELLO:
+            self._hello_line = line
         self._file.write(line)
         self._size += len(line)
         if self._size >= self.max_bytes:
@@ -86,6 +90,9 @@ class RunLog:
             self.path.unlink()
         self._file = self._open()
         self._size = 0
+        if self._hello_line is not None:
+            self._file.write(self._hello_line)
+            self._size = len(self._hello_line)
 
     def close(self) -> None:
         """Flush and close. Idempotent."""

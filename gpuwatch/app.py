@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -14,6 +13,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerState, get_current_worker
 
+from agent.knobs import assignment
 from gpuwatch.client import new_command_id, reply_text, send_command
 from gpuwatch.palette import BindingCommands
 from gpuwatch.sources import Source
@@ -257,13 +257,12 @@ class GpuwatchApp(App[None]):
         return None, None
 
     def _command(self, knob: str, value: Any) -> None:
-        shown = json.dumps(value) if isinstance(value, bool) else value  # as `gpuwatch set`
         if self.readonly:
-            self.note("warning", f"read-only: {knob}={shown} not sent")
+            self.note("warning", f"read-only: {assignment(knob, value)} not sent")
         elif self.source.state.ended is not None:
-            self.note("warning", f"the run has ended: {knob}={shown} not sent")
+            self.note("warning", f"the run has ended: {assignment(knob, value)} not sent")
         else:
-            self.note("info", f"sent {knob}={shown}")
+            self.note("info", f"sent {assignment(knob, value)}")
             self._send(knob, value)
 
     @work(thread=True, group="commands")
@@ -285,7 +284,10 @@ class GpuwatchApp(App[None]):
             if reply.get("ok"):
                 self.source.state.note_pending(knob, reply.get("value", value),
                                                reply.get("apply_step"))
-        if reply.get("ok"):
+        if reply.get("ok") and len(reply.get("ranks") or ()) <= 1:
             return  # the run's own "accepted" event says it, to every dashboard
+        if reply.get("ok"):  # several ranks: say that all of them took it
+            self.note("info", reply_text(knob, value, reply))
+            return
         level = "warning" if reply.get("answered") is False else "error"
         self.note(level, reply_text(knob, value, reply))

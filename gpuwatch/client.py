@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import zmq
 
 from agent import protocol
+from agent.knobs import assignment
 from agent.runs import RunInfo, run_ranks
 from gpuwatch.state import SeqGaps
 
@@ -272,7 +273,7 @@ def reply_text(knob: str, value: Any, reply: dict[str, Any]) -> str:
     if reply.get("ok"):
         step = reply.get("apply_step")
         ranks = reply.get("ranks")
-        return (f"accepted: {reply.get('knob', knob)}={reply.get('value', value)}"
+        return (f"accepted: {assignment(reply.get('knob', knob), reply.get('value', value))}"
                 + (f" applies at step {step}" if step is not None else "")
                 + (" on ranks " + ", ".join(map(str, ranks))
                    if isinstance(ranks, list) and len(ranks) > 1 else ""))
@@ -280,4 +281,4 @@ def reply_text(knob: str, value: Any, reply: dict[str, Any]) -> str:
     reason = str(reply.get("reason", "no reason given"))
     if reason.startswith((f"{knob}=", f"{knob}:")):  # the run named the knob already
         return f"{verdict}: {reason}"
-    return f"{verdict}: {knob}={value}: {reason}"
+    return f"{verdict}: {assignment(knob, value)}: {reason}"

@@ -211,6 +211,7 @@ def test_run_log_rotates_within_its_size_bound(tmp_path):
     from agent.runlog import RunLog
 
     log = RunLog(tmp_path / "r.jsonl", max_bytes=2000, backups=2)
+    log.write(protocol.envelope("hello", {"name": "first"}, run="r", seq=0))
     for seq in range(200):
         log.write(protocol.envelope("step", {"step": seq, "loss": float("nan")}, run="r",
                                     seq=seq))
@@ -220,6 +221,9 @@ def test_run_log_rotates_within_its_size_bound(tmp_path):
     assert all(p.stat().st_size < 2200 for p in tmp_path.iterdir())
     last = [json_line for json_line in (tmp_path / "r.jsonl").read_text().splitlines()][-1]
     assert '"step":199' in last and '"loss":null' in last
+    for path in tmp_path.iterdir():  # each file replays alone: it starts with the hello
+        first = path.read_text().splitlines()[0]
+        assert '"type":"hello"' in first and '"name":"first"' in first, path
 
 
 def test_kernel_backend_switches_live_and_triton_is_refused_without_cuda(run_dir, monkeypatch):
@@ -252,6 +256,8 @@ def test_kernel_backend_switches_live_and_triton_is_refused_without_cuda(run_dir
         thread.join(30)
     kinds = [m["body"].get("kind") for m in seen if m["type"] == "event"]
     assert "compiling" in kinds and "compiled" in kinds
+    texts = [m["body"]["text"] for m in seen if m["type"] == "event"]
+    assert any(t.startswith("checkpointing=true applied at step") for t in texts), texts
     last = [m["body"] for m in seen if m["type"] == "step"][-1]
     assert last["knobs"]["kernels"] == "compile" and last["knobs"]["checkpointing"] is True
     assert last["loss"] == last["loss"]  # finite: training went on

@@ -293,7 +293,7 @@ async def until(pilot, predicate, timeout_s=20.0):
 
 
 async def next_command(agent):
-    return await asyncio.to_thread(agent.commands.get, timeout=5)
+    return await asyncio.to_thread(agent.commands.get, timeout=20)  # soon, unless loaded
 
 
 def text_of(app, selector):
