@@ -74,8 +74,9 @@ def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
 
 
 class MemoryKnobs:
-    """The ``memory_fraction`` and ``memory_snapshot_steps`` knobs of a run on ``device``
-    (both CUDA only: elsewhere commands are refused with the reason)."""
+    """The ``memory_fraction`` and ``memory_snapshot_steps`` knobs of a run on a CUDA
+    ``device``; on any other device :meth:`bind` marks them unsupported, with the
+    reason."""
 
     def __init__(self, device: torch.device, run_name: str) -> None:
         self.device = device
@@ -84,16 +85,11 @@ class MemoryKnobs:
         self.snapshot = MemorySnapshot(device) if device.type == "cuda" else None
         self.snapshot_steps_left = 0
 
-    def _needs_cuda(self, what: str) -> None:
-        if self.device.type != "cuda":
-            raise ValueError(f"{what} needs CUDA; this run is on {self.device.type}")
-
     def set_fraction(self, value: float) -> None:
         set_memory_fraction(value, self.device)
         self.fraction = value
 
     def start_snapshot(self, steps: int) -> None:
-        self._needs_cuda("a memory snapshot")
         self.snapshot.start(steps, log_dir() / f"{self.run_name}-memory-snapshot.pickle")
         self.snapshot_steps_left = steps
 
@@ -105,14 +101,16 @@ class MemoryKnobs:
         path = self.snapshot.on_optimizer_step()
         return None if path is None else str(path)
 
-    def knobs(self) -> list[Knob]:
-        return [
-            Knob(MEMORY_FRACTION, get=lambda: self.fraction, set=self.set_fraction,
-                 check=lambda value: self._needs_cuda("a per-process memory fraction")),
-            Knob(MEMORY_SNAPSHOT_STEPS, get=lambda: self.snapshot_steps_left,
-                 set=self.start_snapshot,
-                 check=lambda value: self._needs_cuda("a memory snapshot")),
-        ]
+    def bind(self, knobs: KnobSet) -> None:
+        """Add both knobs to ``knobs`` on CUDA; elsewhere mark them unsupported."""
+        if self.snapshot is None:
+            for spec in (MEMORY_FRACTION, MEMORY_SNAPSHOT_STEPS):
+                knobs.unsupported[spec.name] = (f"needs CUDA; this run is on "
+                                                f"{self.device.type}")
+            return
+        knobs.add(Knob(MEMORY_FRACTION, get=lambda: self.fraction, set=self.set_fraction))
+        knobs.add(Knob(MEMORY_SNAPSHOT_STEPS, get=lambda: self.snapshot_steps_left,
+                       set=self.start_snapshot))
 
 
 class _TrainerCallback:
@@ -156,7 +154,8 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
 
     The agent measures every optimizer step of the next :meth:`Trainer.fit` and exposes
     the knobs ``precision``, ``accum_steps``, ``kernels``, ``memory_fraction`` and
-    ``memory_snapshot_steps`` (the last two CUDA only), ``checkpointing`` when the model
+    ``memory_snapshot_steps`` (the last two on CUDA; elsewhere a command for them is
+    refused with the reason), ``checkpointing`` when the model
     has blocks to checkpoint, and ``num_workers``, ``pin_memory`` and ``prefetch_factor``
     when the trainer's loader is a :class:`gpuopt.loader.ReconfigurableLoader`. It
     closes (``bye``, run file removed) when that ``fit`` returns. After a change of
@@ -187,8 +186,7 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
                   transport=transport, **options)
     memory = MemoryKnobs(trainer.device, agent.run_id)
-    for knob in memory.knobs():
-        knobs.add(knob)
+    memory.bind(knobs)
     agent.refresh_knobs()
     trainer.callbacks.append(_TrainerCallback(agent, memory))
     return agent.start()

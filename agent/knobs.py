@@ -187,6 +187,9 @@ class KnobSet:
     """The knobs of one run, by wire name."""
 
     knobs: dict[str, Knob] = field(default_factory=dict)
+    #: Knobs this run cannot have, by name, with the reason (e.g. CUDA-only knobs on a
+    #: CPU run): absent from the schema, and a command for one is refused with it.
+    unsupported: dict[str, str] = field(default_factory=dict)
 
     def add(self, knob: Knob) -> None:
         """Bind ``knob``; its name must be new."""
@@ -221,8 +224,11 @@ class KnobSet:
         """Validate a command; return the coerced value.
 
         Raises:
-            KnobError: unknown knob, bad value, or a device check that refuses it.
+            KnobError: unknown or unsupported knob, bad value, or a device check that
+                refuses it.
         """
+        if isinstance(name, str) and name in self.unsupported:
+            raise KnobError(f"{name}: {self.unsupported[name]}")
         if not isinstance(name, str) or name not in self.knobs:
             known = ", ".join(self.knobs) or "none"
             raise KnobError(f"unknown knob {name!r} (this run has: {known})")

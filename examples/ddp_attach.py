@@ -12,6 +12,7 @@ with another rank's precision or accumulation window. Runs on CPU (gloo) or on G
 """
 
 import argparse
+import sys
 import os
 
 import torch
@@ -26,7 +27,9 @@ from gpuopt.loader import ReconfigurableLoader
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--max-steps", type=int, default=5000)
+    parser.add_argument("--max-steps", type=int, default=1_000_000,
+                        help="optimizer steps to train (default: about an hour; Ctrl-C "
+                             "stops it sooner)")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -64,4 +67,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: the agent has said bye; no traceback
+        sys.exit(130)

@@ -9,6 +9,7 @@ the gradient accumulation while this runs.
 """
 
 import argparse
+import sys
 
 import torch
 from sklearn.datasets import load_digits
@@ -19,7 +20,9 @@ from gpuopt import Trainer
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--max-steps", type=int, default=5000)
+    parser.add_argument("--max-steps", type=int, default=1_000_000,
+                        help="optimizer steps to train (default: about an hour; Ctrl-C "
+                             "stops it sooner)")
     args = parser.parse_args()
 
     digits = load_digits()  # 1,797 real 8x8 handwritten digits, shipped with scikit-learn
@@ -38,4 +41,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: the agent has said bye; no traceback
+        sys.exit(130)

@@ -98,13 +98,18 @@ class GpuwatchApp(App[None]):
         self._drawn: tuple[int, str, Any] | None = None
         self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
         self._events_shown = 0
+        self._knob_names: frozenset[str] = frozenset()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Hide the knob keys (footer, help, palette) where no command can go: a
-        replay. A read-only dashboard keeps them: a key then says what it would send."""
-        if action in _KNOB_ACTIONS and self.source.info is None:
+        """Hide a knob's keys (footer, help, palette) where no command can go: in a
+        replay, and once the run's schema is known, for a knob it does not have. A
+        read-only dashboard keeps them: a key then says what it would send."""
+        if action not in _KNOB_ACTIONS:
+            return True
+        if self.source.info is None:
             return False
-        return True
+        schema = self.source.state.schema  # replaced whole by the source: a safe read
+        return not schema or parameters[0] in schema
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -162,6 +167,7 @@ class GpuwatchApp(App[None]):
                 self._charts_drawn = (state.steps_total, now)
                 for chart in self.query(StepChart):
                     chart.show(state.steps)
+            knob_names = frozenset(state.schema)
             if self._drawn == (state.version, status, size):
                 return
             self._drawn = (state.version, status, size)
@@ -179,6 +185,9 @@ class GpuwatchApp(App[None]):
         log = self.query_one(EventLog)
         for entry in entries:
             log.add(entry)
+        if knob_names != self._knob_names:  # the keys of knobs the run lacks go away
+            self._knob_names = knob_names
+            self.refresh_bindings()
 
     def note(self, level: str, text: str) -> None:
         """Add a line to the event log (level: info, success, warning or error)."""

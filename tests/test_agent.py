@@ -64,12 +64,11 @@ def test_hello_carries_schema_environment_and_model(run_dir):
             hello = _next_of(sub, "hello")
         assert hello is not None and hello["run"] == monitor.run_id
         body = hello["body"]
-        assert [k["name"] for k in body["knobs"]] == [
-            "precision", "accum_steps", "kernels", "memory_fraction", "memory_snapshot_steps"]
+        # the CUDA-only memory knobs are absent from a CPU run's schema
+        assert [k["name"] for k in body["knobs"]] == ["precision", "accum_steps", "kernels"]
         assert body["model"] == {"name": "Sequential", "params": 64 * 64 + 64 + 64 * 10 + 10}
         assert body["env"]["torch"]["version"] == torch.__version__
-        assert body["knob_values"] == {"precision": "fp32", "accum_steps": 1, "kernels": "eager",
-                                       "memory_fraction": 1.0, "memory_snapshot_steps": 0}
+        assert body["knob_values"] == {"precision": "fp32", "accum_steps": 1, "kernels": "eager"}
     finally:
         monitor.close()
 
@@ -247,8 +246,10 @@ def test_kernel_backend_switches_live_and_triton_is_refused_without_cuda(run_dir
         assert not refused["ok"]
         assert refused["reason"] == ("kernels=triton: Triton kernels need a CUDA device; "
                                      "this run is on cpu")
-        assert send_command(info, "memory_fraction", 0.5)["reason"].endswith(
-            "needs CUDA; this run is on cpu")
+        assert send_command(info, "memory_fraction", 0.5)["reason"] == (
+            "memory_fraction: needs CUDA; this run is on cpu")
+        assert send_command(info, "memory_snapshot_steps", 3)["reason"] == (
+            "memory_snapshot_steps: needs CUDA; this run is on cpu")
         assert send_command(info, "kernels", "compile")["ok"]
         assert send_command(info, "checkpointing", True)["ok"]
         gate.release.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from textual.actions import parse as parse_action
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -21,7 +22,7 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         app = self.app
         bindings = [b for b in app.BINDINGS if isinstance(b, Binding)  # those that act
-                    and app.check_action(b.action.split("(")[0], ()) is not False]
+                    and app.check_action(*parse_action(b.action)[1:]) is not False]
         bindings.append(Binding(app.COMMAND_PALETTE_BINDING, "command_palette",
                                 "commands", tooltip="Command palette: search every command"))
         keys = [app.get_key_display(binding) for binding in bindings]
