@@ -276,7 +276,7 @@ def format_report(report: dict[str, Any]) -> str:
 
     One heading per group (Python, Torch, CUDA, CPU, Triton, MPS), then aligned
     ``key: value`` lines; when CUDA is not available the CUDA group says
-    ``no CUDA device``. Groups the function does not know are appended at the end.
+    ``no CUDA device`` and an installed Triton says its kernels need one. Groups the function does not know are appended at the end.
 
     Args:
         report: The dict from :func:`environment_report` (or one decoded from its JSON).
@@ -286,6 +286,13 @@ def format_report(report: dict[str, Any]) -> str:
     """
     groups = [g for g in GROUPS if g in report] + [g for g in report if g not in GROUPS]
     sections = [(g, _lines(g, report[g])) for g in groups]
+    cuda, triton = report.get("cuda"), report.get("triton")
+    if (isinstance(cuda, dict) and cuda.get("available") is False
+            and isinstance(triton, dict) and triton.get("available")):
+        for group, rows in sections:  # installed, but its kernels cannot run here
+            if group == "triton":
+                rows.append(("kernels", "need a CUDA device; none here (kernels=triton "
+                                        "is refused; tests use TRITON_INTERPRET=1)"))
     width = max((len(key) for _, rows in sections for key, _ in rows), default=0)
     out = []
     for group, rows in sections:

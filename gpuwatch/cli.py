@@ -339,6 +339,8 @@ def _demo(args: argparse.Namespace) -> int:
             f"demo training job pid {child.pid}, output in {log_path}"])
     finally:
         _stop_child(child)
+        if child.returncode == 0:  # a clean stop: its output holds nothing to look at
+            log_path.unlink(missing_ok=True)
 
 
 def _wait_for_run(child: subprocess.Popen, log_path: Path) -> RunInfo | None:

@@ -16,6 +16,8 @@ from agent import protocol
 
 #: Step records kept for the charts (about 10 minutes at one step a second).
 STEP_HISTORY = 600
+#: Activation-memory measurements kept (one every ~20 steps: thousands of steps).
+ACTIVATION_HISTORY = 200
 #: Agent events kept for the event log.
 EVENT_HISTORY = 200
 #: No message for this long (s): the run is "gone".
@@ -137,7 +139,8 @@ class RunState:
         activation_bytes: the latest ``activation_bytes`` a step record carried (bytes
             saved for backward by a micro-batch), or None. activation_before_bytes:
             the measurement before the latest change of more than 5% (e.g. before
-            checkpointing was turned on), or None.
+            checkpointing was turned on), or None. activation_history: the last
+            :data:`ACTIVATION_HISTORY` measurements as ``(step, bytes)``.
         compiling_since: monotonic time (s) of a ``compiling`` event whose end (a
             ``compiled`` or ``failed`` event, or the step it applied at) has not come.
         agent_records_dropped, agent_errors: the agent's own counts from its latest
@@ -173,6 +176,8 @@ class RunState:
         self.host_rss_peak_bytes: float | None = None
         self.activation_bytes: float | None = None
         self.activation_before_bytes: float | None = None
+        self.activation_history: deque[tuple[int | None, float]] = deque(
+            maxlen=ACTIVATION_HISTORY)
         self.compiling_since: float | None = None
         self._compiling_until_step: int | None = None
         self.agent_records_dropped = 0
@@ -351,6 +356,7 @@ class RunState:
             if current is not None and abs(activation - current) > 0.05 * current:
                 self.activation_before_bytes = current
             self.activation_bytes = activation
+            self.activation_history.append((step, activation))
         self.steps.append(StepRecord(
             step, _number(body.get("step_time_s")), _number(body.get("data_wait_s")),
             _number(body.get("data_wait_share")), _number(body.get("samples_per_s")),

@@ -199,6 +199,7 @@ def test_state_keeps_the_activation_memory_and_what_it_was_before_a_change():
     assert [r.activation_bytes for r in state.steps] == [None, 18e6, 18e6, 18.2e6, 2.5e6,
                                                           2.5e6]  # carried forward
     assert (state.activation_bytes, state.activation_before_bytes) == (2.5e6, 18.2e6)
+    assert list(state.activation_history) == [(1, 18e6), (3, 18.2e6), (4, 2.5e6)]
     state.ingest(envelope("step", {"step": 6, "activation_bytes": "lots"}), 1.0)
     state.ingest(envelope("step", {"step": 7, "activation_bytes": -1}), 1.0)
     assert state.activation_bytes == 2.5e6  # bad values are ignored
@@ -294,6 +295,11 @@ async def until(pilot, predicate, timeout_s=20.0):
 
 async def next_command(agent):
     return await asyncio.to_thread(agent.commands.get, timeout=20)  # soon, unless loaded
+
+
+def help_text(app):
+    """The help screen's cells (key, description, help), in order, one per line."""
+    return "\n".join(str(cell.content) for cell in app.screen.query("#help-keys Static"))
 
 
 def shown_keys(app):
@@ -549,7 +555,7 @@ async def test_help_lists_every_binding_that_acts(make_agent):
         await until(pilot, lambda: knows(app, "checkpointing"))
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
-        listed = text_of(app.screen, "#help-keys")
+        listed = help_text(app)
         for binding in app.BINDINGS:
             assert binding.description in listed and binding.tooltip in listed
         assert "^p" in listed
@@ -559,7 +565,7 @@ async def test_help_lists_every_binding_that_acts(make_agent):
     async with poorer.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: knows(poorer, "accum_steps"))
         await pilot.press("question_mark")
-        listed = text_of(poorer.screen, "#help-keys")
+        listed = help_text(poorer)
         assert "accum+" in listed and "precision" not in listed and "ckpt" not in listed
 
 

@@ -5,11 +5,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from agent import runs
 from gpuwatch.client import Subscriber, send_command
+from tests.training import messages
 
 
 def wait_for_run(process, timeout_s=60):
@@ -128,3 +130,90 @@ def test_the_demo_job_ends_with_the_process_that_started_it(run_dir):
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+class Terminal:
+    """``gpuwatch`` running in a real pseudo-terminal (80x24), its output drained by a
+    thread so the app never blocks on a full terminal."""
+
+    def __init__(self, *args):
+        import fcntl
+        import pty
+        import struct
+        import termios
+        import threading
+
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch", *args], stdin=slave, stdout=slave,
+            stderr=slave, env={**os.environ, "TERM": "xterm-256color"},
+            start_new_session=True)
+        os.close(slave)
+        self.output = bytearray()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self):
+        while True:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:  # the terminal closed
+                return
+            if not chunk:
+                return
+            self.output += chunk
+
+    def type(self, keys):
+        os.write(self.master, keys)
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        os.close(self.master)
+
+
+def training_child_of(dashboard, timeout_s=90):
+    """The run file of the training job the ``gpuwatch demo`` dashboard started."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert dashboard.poll() is None, "the dashboard exited"
+        for info in runs.list_runs():
+            if info.pid != dashboard.pid:
+                return info
+        time.sleep(0.1)
+    raise AssertionError("the demo job wrote no run file")
+
+
+def gone(pid, timeout_s=30):
+    """Whether process ``pid`` has ended within ``timeout_s`` (it is not our child)."""
+    import psutil
+
+    try:
+        psutil.Process(pid).wait(timeout_s)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("end", ["q", "SIGKILL"])
+def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
+    terminal = Terminal("demo", "--model", "cnn")
+    try:
+        info = training_child_of(terminal.process)
+        with Subscriber(info) as sub:
+            assert messages(sub, lambda m: m["type"] == "step", timeout_s=60)
+        if end == "q":
+            terminal.type(b"q")
+            assert terminal.process.wait(60) == 0
+        else:  # a dashboard killed outright: its job must not train on
+            terminal.process.kill()
+            terminal.process.wait()
+        assert gone(info.pid), "the training job is still running"
+        assert not os.path.exists(info.path)
+        logs = list(Path(run_dir).glob("demo-*.log"))
+        assert logs == [] if end == "q" else len(logs) == 1  # kept when not clean
+    finally:
+        terminal.close()

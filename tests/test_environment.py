@@ -56,6 +56,8 @@ def test_text_rendering_groups_and_states_missing_cuda(report):
         assert f"\n{title}" in f"\n{text}"
     if not report["cuda"]["available"]:
         assert "no CUDA device" in text
+        if report["triton"]["available"]:  # installed, but say that it cannot run here
+            assert "kernels:" in text and "need a CUDA device; none here" in text
 
 
 def test_a_failing_probe_is_recorded_not_raised(monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.actions import parse as parse_action
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import Grid, Vertical
 from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Static
@@ -25,16 +25,12 @@ class HelpScreen(ModalScreen[None]):
                     and app.check_action(*parse_action(b.action)[1:]) is not False]
         bindings.append(Binding(app.COMMAND_PALETTE_BINDING, "command_palette",
                                 "commands", tooltip="Command palette: search every command"))
-        keys = [app.get_key_display(binding) for binding in bindings]
-        key_width = max(len(key) for key in keys) + 2
-        description_width = max(len(binding.description) for binding in bindings) + 2
-        parts: list[str | tuple[str, str]] = []
-        for key, binding in zip(keys, bindings):
-            if parts:
-                parts.append("\n")
-            parts += [(key.ljust(key_width), "bold $accent"),
-                      (binding.description.ljust(description_width), "bold"),
-                      binding.tooltip]
         with Vertical(id="help"):
-            yield Static(Content.assemble(*parts), id="help-keys")
+            with Grid(id="help-keys"):  # a long help wraps inside its own column
+                for binding in bindings:
+                    yield Static(Content.styled(app.get_key_display(binding),
+                                                "bold $accent"), classes="key")
+                    yield Static(Content.styled(binding.description, "bold"),
+                                 classes="description")
+                    yield Static(binding.tooltip, classes="help")
             yield Static(Content.styled("escape, q or ? closes this screen", "$text-muted"))

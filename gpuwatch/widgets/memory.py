@@ -96,9 +96,12 @@ class MemoryPanel(Panel):
                       usage_line("peak", state.host_rss_peak_bytes, host_total, width)]
             if state.activation_bytes is None:
                 lines.append(_trend([r.host_rss_bytes for r in state.steps], width))
-            else:
+            else:  # the measurements reach further back than the step records
+                history = state.activation_history
+                first, last = history[0][0], history[-1][0]
+                span = last - first + 1 if first is not None and last is not None else None
                 lines += [activation_line(state, width),
-                          _trend([r.activation_bytes for r in state.steps], width)]
+                          _trend([value for _, value in history], width, steps=span)]
             lines.append(Content.styled("no CUDA (CPU run)", "$text-muted"))
         trouble = [(label, step[key]) for label, key in ALLOCATOR_FIELDS
                    if isinstance(step.get(key), int)]
@@ -126,11 +129,13 @@ def activation_line(state: RunState, width: int, *, label_width: int = 5) -> Con
     return Content.assemble(label, (now, "bold"))
 
 
-def _trend(values: list[Any], width: int) -> Content:
-    """A labelled sparkline of the whole history (``600 steps ▅▆▇▁▁``; the largest
-    value of each column's steps) so that it does not read as a usage bar and a change
-    stays in view for minutes, not only for the last few dozen steps."""
-    label = f"{len(values)} steps " if width >= 24 else ""
+def _trend(values: list[Any], width: int, *, steps: int | None = None) -> Content:
+    """A labelled sparkline of a whole history (``last 600 steps ▅▆▇▁▁``; the largest
+    value of each column's values) so that it does not read as a usage bar and a change
+    stays in view for minutes, not only for the last few dozen steps. ``steps``: the
+    steps the values span (default: one value per step)."""
+    steps = len(values) if steps is None else steps
+    label = f"last {steps:,} steps " if width >= 28 else ""
     columns = bucket_max(values, width - len(label))
     return Content.assemble((label, "$text-muted"), (sparkline(columns, len(columns)),
                                                       "$primary"))
