@@ -114,7 +114,7 @@ class GpuwatchApp(App[None]):
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
         with Horizontal(id="charts"):
-            yield StepChart(TIMING, id="timing")
+            yield StepChart(TIMING, clip_spikes=True, id="timing")
             yield StepChart(LOSS, id="loss")
         yield ThroughputBar(id="throughput")
         with Horizontal(id="panels"):

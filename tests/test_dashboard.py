@@ -470,6 +470,24 @@ async def test_data_panel_shows_the_verdict_in_its_colour():
         assert "prefetch_factor 2" in text_of(app, "#data")
 
 
+async def test_one_stall_does_not_flatten_the_step_time_chart():
+    source, app = _silent_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        with source.lock:
+            for step in range(1, 101):
+                source.state.ingest(envelope("step", {
+                    "step": step, "step_time_s": 1.5 if step == 50 else 0.020 + step * 1e-5,
+                    "data_wait_s": 0.001, "loss": 2.0}))
+        await until(pilot, lambda: "off scale" in "\n".join(shown_lines(app, "#timing")))
+        await pilot.pause(0.3)
+        chart = "\n".join(shown_lines(app, "#timing"))
+        assert "max 1500 off scale" in chart
+        y_labels = [float(line.split("┤")[0]) for line in chart.splitlines() if "┤" in line]
+        assert max(y_labels) < 40, y_labels  # the axis ends near the 21 ms steps
+        loss = "\n".join(shown_lines(app, "#loss"))
+        assert "off scale" not in loss  # the loss chart shows every value
+
+
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
 async def test_memory_panel_shows_a_checkpointing_toggle_on_a_cpu_run(size):
     source, app = _silent_app()
