@@ -688,9 +688,14 @@ class Agent:
             return None  # unknown types are ignored (protocol rule)
         body = message["body"]
         command_id = body.get("id")
-        if not isinstance(command_id, (str, int, type(None))):
-            command_id = None
+        if isinstance(command_id, bool) or not isinstance(command_id, (str, int, type(None))):
+            return {"id": None, "ok": False, "knob": body.get("knob"),
+                    "reason": f"id must be a string or an integer, got {command_id!r}"}
         rejected = {"id": command_id, "ok": False, "knob": body.get("knob")}
+        for flag in ("dry_run", "cancel"):
+            if not isinstance(body.get(flag, False), bool):
+                return {**rejected, "reason": f"{flag} must be true or false, "
+                                              f"got {body[flag]!r}"}
         token = body.get("token")
         if not isinstance(token, str) or not hmac.compare_digest(
                 token.encode("utf-8", "replace"), self.token.encode()):

@@ -210,7 +210,8 @@ class Trainer:
         self.activation_checkpointing.enabled = value
 
     def stop(self) -> None:
-        """Ask :meth:`fit` to return at the next optimizer-step boundary (any thread)."""
+        """Ask :meth:`fit` to return at the next optimizer-step boundary (any thread);
+        asked before :meth:`fit` starts, the next one returns before its first step."""
         self._stop.set()
 
     def _batches(self, epochs: int | None) -> Iterator[Any]:
@@ -293,7 +294,6 @@ class Trainer:
             The number of optimizer steps taken in total (:attr:`step`).
         """
         self.model.train()
-        self._stop.clear()
         batches = self._batches(epochs)
         for callback in self.callbacks:
             _call(callback, "on_fit_start", self)
@@ -302,6 +302,7 @@ class Trainer:
                 if not self._optimizer_step(batches):
                     break
         finally:
+            self._stop.clear()  # honoured: a later fit trains again
             for callback in self.callbacks:
                 _call(callback, "on_fit_end", self)
         return self.step

@@ -111,7 +111,10 @@ def _number(value: Any) -> float | None:
     if type(value) is float:
         return value
     if type(value) is int:
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # beyond any float (e.g. 10**400 in a hand-made log)
+            return None
     return None
 
 

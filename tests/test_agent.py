@@ -95,12 +95,31 @@ def test_commands_without_token_unknown_bad_late_or_while_ending_change_nothing(
     assert "token" in reasons[0] and "unknown knob" in reasons[1]
     assert "not one of" in reasons[2] and "not an integer" in reasons[3]
     assert "has passed" in reasons[4]
+    for extra, reason in [({"dry_run": 1}, "dry_run must be true or false, got 1"),
+                          ({"cancel": "yes"}, "cancel must be true or false, got 'yes'"),
+                          ({"id": 2.5}, "id must be a string or an integer, got 2.5"),
+                          ({"id": True}, "id must be a string or an integer, got True")]:
+        reply = _raw_reply(info, {"id": "x", "knob": "accum_steps", "value": 2, **extra})
+        assert not reply["ok"] and reply["reason"] == reason, reply  # fields of wrong types
     monitor.mark_ending()
     ending = send_command(info, "accum_steps", 2)
     assert not ending["ok"] and ending["reason"] == "the run is ending"
     gate.release.set()
     thread.join(30)
     assert trainer.precision == "fp32" and trainer.accum_steps == 1 and trainer.step == 12
+
+
+def _raw_reply(info, body):
+    """Send ``body`` (with the token) as a command and return the reply, whatever its id."""
+    import zmq
+
+    with zmq.Context.instance().socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(info.cmd_endpoint)
+        sock.send_multipart(protocol.encode(protocol.envelope(
+            protocol.COMMAND, {**body, "token": info.token}, run=info.run_id)))
+        assert sock.poll(10_000)
+        return protocol.decode_frames(sock.recv_multipart())["body"]
 
 
 def test_malformed_frames_get_a_reply_and_the_run_goes_on(run_dir):

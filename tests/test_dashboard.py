@@ -202,7 +202,9 @@ def test_state_keeps_the_activation_memory_and_what_it_was_before_a_change():
     assert list(state.activation_history) == [(1, 18e6), (3, 18.2e6), (4, 2.5e6)]
     state.ingest(envelope("step", {"step": 6, "activation_bytes": "lots"}), 1.0)
     state.ingest(envelope("step", {"step": 7, "activation_bytes": -1}), 1.0)
+    state.ingest(envelope("step", {"step": 8, "activation_bytes": 10**400}), 1.0)
     assert state.activation_bytes == 2.5e6  # bad values are ignored
+    assert state.step == 8  # and the record is folded all the same
 
 
 def test_state_shows_one_rank_and_keeps_the_pace_of_the_others():

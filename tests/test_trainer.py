@@ -188,3 +188,13 @@ def test_a_model_that_refuses_saved_tensor_hooks_trains_on_unmeasured():
                 trainer.activation_measurement_error)
     for name, value in trained[0].items():  # the same training as never measuring
         assert torch.equal(value, trained[20][name]), name
+
+
+def test_a_stop_asked_before_fit_is_honoured_and_the_next_fit_trains():
+    x, y = _digits(64)
+    model = _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, list(zip(x.split(8), y.split(8))))
+    trainer.stop()  # e.g. a SIGTERM while the script was still setting up
+    assert trainer.fit(max_steps=50) == 0
+    assert trainer.fit(max_steps=3) == 3
