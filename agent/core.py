@@ -190,6 +190,8 @@ class Agent:
         self._expected_step: int | None = None
         #: step time (s) of the latest published step record, for command replies
         self._recent_step_time_s: float | None = None
+        #: (command id, step) of the latest applied commands, for a late cancel's reply
+        self._applied_ids: deque[tuple[Any, int]] = deque(maxlen=256)
         self._input = InputWindow()
         self._change_guard = ChangeGuard()
         #: (step, {knob: last good value}, ["knob=value" changes]) of recent guarded changes
@@ -286,6 +288,8 @@ class Agent:
         with self._pending_lock:
             due = bisect.bisect_right(self._pending, step + 1, key=lambda p: p.apply_step)
             commands, self._pending[:due] = self._pending[:due], []
+        if self.world_size > 1:  # arrival order differs between ranks; ids do not
+            commands.sort(key=lambda command: (command.apply_step, str(command.command_id)))
         last = {command.knob: command for command in commands}
         for command in commands:
             if last[command.knob] is not command:  # a later command for the same knob
@@ -310,6 +314,8 @@ class Agent:
                         kind="rolled_back" if command.rollback_reason else "applied",
                         knob=command.knob, value=command.value, previous=previous,
                         step=step + 1, id=command.command_id)
+            if command.command_id is not None:  # a late cancel can be told so
+                self._applied_ids.append((command.command_id, step + 1))
 
     def _note_change(self, step: int, command: _Pending, previous: Any) -> None:
         """Training thread: remember the last good value of a guarded knob changed at
@@ -334,6 +340,12 @@ class Agent:
         if change is None or step - change[0] > self._change_guard.guard_steps:
             return False
         why = f"{reason} after {', '.join(change[2])}"
+        if self.world_size > 1:  # one rank alone must not change a knob
+            self.event("error", f"{why}; not rolled back: with {self.world_size} ranks "
+                       "only a command to every rank may change a knob (gpuwatch set "
+                       + " ".join(assignment(k, v) for k, v in change[1].items()) + ")",
+                       kind="warning", step=step)
+            return False
         for name, value in change[1].items():
             knob = self.knobs.knobs[name]
             try:
@@ -591,6 +603,14 @@ class Agent:
 
     def _check_step(self, step: int, loss: float | None, skipped: bool | None) -> None:
         rollback = self._change_guard.on_step(step, loss, skipped)
+        if rollback is not None and self.world_size > 1:  # this rank alone must not
+            self._publish(protocol.EVENT, {
+                "level": "warning", "kind": "warning", "step": step,
+                "text": f"{rollback.reason}; not rolled back: with {self.world_size} ranks "
+                        "only a command to every rank may change a knob (gpuwatch set "
+                        + " ".join(assignment(k, v) for k, v in rollback.values.items())
+                        + ")"})
+            return
         if rollback is not None:
             apply_step = self._last_step + 2
             for knob, value in rollback.values.items():
@@ -696,6 +716,8 @@ class Agent:
             if not isinstance(body.get(flag, False), bool):
                 return {**rejected, "reason": f"{flag} must be true or false, "
                                               f"got {body[flag]!r}"}
+            if body.get(flag):  # every reply says which phase it answers
+                rejected[flag] = True
         token = body.get("token")
         if not isinstance(token, str) or not hmac.compare_digest(
                 token.encode("utf-8", "replace"), self.token.encode()):
@@ -754,8 +776,14 @@ class Agent:
             if found is not None:
                 self._pending.remove(found)
         if found is None:
+            applied = next((step for applied_id, step in list(self._applied_ids)
+                            if applied_id == command_id), None)
+            if applied is not None:
+                return {"id": command_id, "ok": False, "cancel": True,
+                        "applied_step": applied,
+                        "reason": f"it was applied at step {applied}, before the cancel came"}
             return {"id": command_id, "ok": False, "cancel": True,
-                    "reason": f"no pending command with id {command_id!r} (applied already?)"}
+                    "reason": f"no pending command with id {command_id!r}"}
         why = f": {reason}" if isinstance(reason, str) and reason else ""
         self._publish(protocol.EVENT, {
             "level": "warning", "kind": "cancelled", "knob": found.knob,

@@ -134,9 +134,11 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     training: (1) every rank checks it (``dry_run``) and answers with the earliest step
     it could apply it at and its step time; (2) every rank schedules it at the latest
     of those steps plus a margin for the time the second phase takes at the fastest
-    rank's pace. If a rank refuses in (2), the ranks that accepted are told to cancel.
-    It is refused before (1) when not every rank has a run file on this machine (ranks
-    on other machines cannot be reached from here, and a knob must never differ
+    rank's pace. If a rank refuses or does not answer (2), every other rank is told to
+    cancel it, on the same connection (so after the command), and their answers are
+    checked: a rank that applied it already makes the reply say that the ranks may now
+    differ. It is refused before (1) when not every rank has a run file on this machine
+    (ranks on other machines cannot be reached from here, and a knob must never differ
     between ranks).
 
     Args:
@@ -151,44 +153,67 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     Returns:
         The reply body: ``{"id", "ok": True, "knob", "value", "apply_step"}`` (with
         ``"ranks"``, the ranks reached, for a run of several) or ``{"id", "ok": False,
-        "reason"}`` (a rank's refusal names the rank). No reply in time (the run is gone
+        "reason"}`` (a rank's refusal ends with ``(rank N)``; ``"ranks_differ": True``
+        when it could not be withdrawn everywhere). No reply in time (the run is gone
         or busy), a cancelled wait and a run without a usable command endpoint give
         ``ok: False``, ``answered: False`` and the reason (a command sent but not
         answered may still apply later); nothing is raised for them.
     """
     command_id = command_id or new_command_id()
     body: dict[str, Any] = {"id": command_id, "knob": knob, "value": value}
+    if apply_step is not None:
+        body["apply_step"] = apply_step
     if info.world_size <= 1 or info.run_id == "?":
-        if apply_step is not None:
-            body["apply_step"] = apply_step
-        return _exchange([info], body, timeout_s, cancelled)[0]
+        with _Connections([info]) as single:
+            return single.exchange(body, timeout_s, cancelled)[0]
     ranks = run_ranks(info.run_id)
     if len(ranks) != info.world_size:
         return {"id": command_id, "ok": False, "answered": False,
                 "reason": f"{len(ranks)} of the run's {info.world_size} ranks have a run "
                           "file on this machine; a command must reach every rank (run "
                           "it where they all are, or wait until they have all started)"}
-    checks = _exchange(ranks, {**body, "dry_run": True}, timeout_s, cancelled)
-    refusal = _first_refusal(ranks, checks)
-    if refusal is not None:
-        return refusal
-    if apply_step is None:
-        apply_step = max(check["apply_step"] for check in checks) + _margin_steps(checks)
-    replies = _exchange(ranks, {**body, "apply_step": apply_step}, timeout_s, cancelled)
-    refusal = _first_refusal(ranks, replies)
-    if refusal is None:
-        accepted = dict(replies[0])
-        accepted["ranks"] = [rank.rank for rank in ranks]
-        warnings = [reply["warning"] for reply in replies if reply.get("warning")]
-        if warnings:
-            accepted["warning"] = warnings[0]
-        return accepted
-    accepted = [rank for rank, reply in zip(ranks, replies) if reply.get("ok")]
-    if accepted:
-        _exchange(accepted, {"id": command_id, "cancel": True,
-                             "reason": refusal["reason"]}, timeout_s, None)
-        refusal["reason"] += ("; withdrawn from rank" + ("s " if len(accepted) > 1 else " ")
-                              + ", ".join(str(rank.rank) for rank in accepted))
+    with _Connections(ranks) as connections:
+        checks = connections.exchange({**body, "dry_run": True}, timeout_s, cancelled)
+        refusal = _first_refusal(ranks, checks)
+        if refusal is not None:
+            return refusal
+        if apply_step is None:
+            body["apply_step"] = (max(check["apply_step"] for check in checks)
+                                  + _margin_steps(checks))
+        replies = connections.exchange(body, timeout_s, cancelled)
+        refusal = _first_refusal(ranks, replies)
+        if refusal is None:
+            accepted = dict(replies[0])
+            accepted["ranks"] = [rank.rank for rank in ranks]
+            warnings = [reply["warning"] for reply in replies if reply.get("warning")]
+            if warnings:
+                accepted["warning"] = warnings[0]
+            return accepted
+        # withdraw it wherever it may be scheduled: accepted, or not answered (yet)
+        reached = [index for index, reply in enumerate(replies)
+                   if reply.get("ok") or reply.get("answered") is False]
+        answers = connections.exchange({"id": command_id, "cancel": True,
+                                        "reason": refusal["reason"]},
+                                       2 * timeout_s, None, only=reached)
+    return _withdrawal(refusal, [(ranks[i], answers[i]) for i in reached])
+
+
+def _withdrawal(refusal: dict[str, Any], answers: list[tuple[RunInfo, dict[str, Any]]]
+                ) -> dict[str, Any]:
+    """The refusal, told what became of the command on the other ranks."""
+    withdrawn = [rank.rank for rank, answer in answers if answer.get("ok")]
+    applied = [(rank.rank, answer["applied_step"]) for rank, answer in answers
+               if "applied_step" in answer]
+    silent = [rank.rank for rank, answer in answers if answer.get("answered") is False]
+    if withdrawn:
+        refusal["reason"] += ("; withdrawn from rank" + ("s " if len(withdrawn) > 1 else " ")
+                              + ", ".join(map(str, withdrawn)))
+    if applied or silent:
+        refusal["ranks_differ"] = True
+        refusal["reason"] += "; THE RANKS MAY NOW DIFFER: " + "; ".join(
+            [f"rank {rank} applied it at step {step}" for rank, step in applied]
+            + [f"rank {rank} did not answer the withdrawal" for rank in silent]
+        ) + f"; set {refusal.get('knob') or 'it'} again to make them agree"
     return refusal
 
 
@@ -215,54 +240,85 @@ def _first_refusal(ranks: list[RunInfo], replies: list[dict[str, Any]]
     return None
 
 
-def _exchange(ranks: list[RunInfo], body: dict[str, Any], timeout_s: float,
-              cancelled: Callable[[], bool] | None) -> list[dict[str, Any]]:
-    """Send ``body`` (plus each rank's token) to every rank's command endpoint at once
-    and wait up to ``timeout_s`` for their replies; one reply body per rank, in order
-    (``ok: False, answered: False`` and the reason where none came)."""
-    command_id = body["id"]
+class _Connections:
+    """One DEALER socket per rank for the whole of one command: each rank receives its
+    dry run, the command and a cancel on one connection, in the order they were sent."""
 
-    def unanswered(reason: str) -> dict[str, Any]:
-        return {"id": command_id, "ok": False, "answered": False, "reason": reason}
-
-    replies: list[dict[str, Any] | None] = [None] * len(ranks)
-    sockets: dict[zmq.Socket, int] = {}
-    poller = zmq.Poller()
-    try:
-        for index, info in enumerate(ranks):
+    def __init__(self, ranks: list[RunInfo]) -> None:
+        self.ranks = ranks
+        self._sockets: list[zmq.Socket | None] = []
+        self._errors: list[str | None] = []
+        for info in ranks:
+            sock, error = None, None
             if not info.cmd_endpoint:
-                replies[index] = unanswered("this run has no command endpoint "
-                                            "(attach by run id)")
+                error = "this run has no command endpoint (attach by run id)"
+            else:
+                sock = zmq.Context.instance().socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                try:
+                    secure(sock, info)
+                    sock.connect(info.cmd_endpoint)
+                except zmq.ZMQError as exc:
+                    sock.close(linger=0)
+                    sock, error = None, f"cannot connect to {info.cmd_endpoint}: {exc}"
+            self._sockets.append(sock)
+            self._errors.append(error)
+
+    def __enter__(self) -> _Connections:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sock in self._sockets:
+            if sock is not None:
+                sock.close(linger=0)
+
+    def exchange(self, body: dict[str, Any], timeout_s: float,
+                 cancelled: Callable[[], bool] | None,
+                 only: list[int] | None = None) -> list[dict[str, Any]]:
+        """Send ``body`` (plus each rank's token) to the ranks (``only``: those indexes)
+        and wait up to ``timeout_s`` for their replies to it (a late reply to an earlier
+        phase is skipped: replies echo ``dry_run`` and ``cancel``); one reply body per
+        rank of :attr:`ranks` (``ok: False, answered: False`` and the reason where none
+        came, or where the rank was not asked)."""
+        command_id = body["id"]
+        phase = (bool(body.get("dry_run")), bool(body.get("cancel")))
+
+        def unanswered(reason: str) -> dict[str, Any]:
+            return {"id": command_id, "ok": False, "answered": False, "reason": reason}
+
+        asked = range(len(self.ranks)) if only is None else only
+        replies: dict[int, dict[str, Any] | None] = {}
+        poller = zmq.Poller()
+        for index in asked:
+            sock, info = self._sockets[index], self.ranks[index]
+            if sock is None:
+                replies[index] = unanswered(self._errors[index] or "no connection")
                 continue
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sockets[sock] = index
-            try:
-                secure(sock, info)
-                sock.connect(info.cmd_endpoint)
-            except zmq.ZMQError as exc:
-                replies[index] = unanswered(f"cannot connect to {info.cmd_endpoint}: {exc}")
-                continue
+            replies[index] = None
             sock.send_multipart(protocol.encode(protocol.envelope(
                 protocol.COMMAND, {**body, "token": info.token}, run=info.run_id)))
             poller.register(sock, zmq.POLLIN)
+        owner = {sock: index for index, sock in enumerate(self._sockets) if sock is not None}
         deadline = time.monotonic() + timeout_s
-        while None in replies and (left_s := deadline - time.monotonic()) > 0:
+        stopped = False
+        while None in replies.values() and (left_s := deadline - time.monotonic()) > 0:
             if cancelled is not None and cancelled():
-                return [reply or unanswered("cancelled") for reply in replies]
+                stopped = True
+                break
             for sock, _ in poller.poll(max(1, int(min(left_s, CANCEL_CHECK_S) * 1000))):
                 try:
                     reply = protocol.decode_frames(sock.recv_multipart())
                 except protocol.ProtocolError:
                     continue
-                if (reply["type"] == protocol.REPLY
-                        and reply["body"].get("id") == command_id):
-                    replies[sockets[sock]] = reply["body"]
-    finally:
-        for sock in sockets:
-            sock.close(linger=0)
-    return [reply or unanswered(f"no reply within {timeout_s:.1f} s (is the run alive?)")
-            for reply in replies]
+                answer = reply["body"]
+                if (reply["type"] == protocol.REPLY and answer.get("id") == command_id
+                        and (bool(answer.get("dry_run")), bool(answer.get("cancel")))
+                        == phase):
+                    replies[owner[sock]] = answer
+        waited = "cancelled" if stopped else (
+            f"no reply within {timeout_s:.1f} s (is the run alive?)")
+        return [replies.get(index) or unanswered(waited if index in replies else "not asked")
+                for index in range(len(self.ranks))]
 
 
 def reply_text(knob: str, value: Any, reply: dict[str, Any]) -> str:

@@ -47,7 +47,9 @@ class FakeAgent:
     ``ports`` (PUB, ROUTER) restart a run: the same id, and the same endpoints if given.
     ``rank`` and ``world_size`` go in its run file; with ``refuse`` every command that
     is not a dry run is refused with that reason (a rank that refuses the second phase
-    of a command to several ranks). It answers dry runs as the agent does.
+    of a command to several ranks); with ``stall_s`` it answers such a command that
+    late (a rank whose agent is held up). It answers dry runs and cancels as the agent
+    does.
 
     Attributes:
         commands: command bodies received, in order (a queue tests can wait on).
@@ -60,9 +62,11 @@ class FakeAgent:
                  step_fields: dict[str, Any] | None = None,
                  run_id: str | None = None,
                  ports: tuple[int, int] | None = None, rank: int = 0,
-                 world_size: int = 1, refuse: str | None = None) -> None:
+                 world_size: int = 1, refuse: str | None = None,
+                 stall_s: float = 0.0) -> None:
         self.step_s = step_s
         self.rank, self.world_size, self.refuse = rank, world_size, refuse
+        self.stall_s = stall_s
         self.gpus = gpus or []
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self.knobs = dict(knobs or {"precision": "fp32", "accum_steps": 1})
@@ -71,7 +75,7 @@ class FakeAgent:
         self.ports = ports
         self._directory = Path(directory)
         self._outbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-        self._scheduled: list[tuple[int, str, Any]] = []
+        self._scheduled: list[tuple[int, str, Any, Any]] = []  # (step, knob, value, id)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._seq = 0
@@ -121,6 +125,16 @@ class FakeAgent:
         body = protocol.decode_frames(frames)["body"]
         self.commands.put(body)
         reply: dict[str, Any] = {"id": body.get("id"), "knob": body.get("knob")}
+        if body.get("dry_run"):
+            reply["dry_run"] = True  # as the agent: every reply names its phase
+        if body.get("cancel") and body.get("token") == self.info.token:
+            found = [s for s in self._scheduled if s[3] == body.get("id")]
+            for scheduled in found:
+                self._scheduled.remove(scheduled)
+            reply.update(ok=bool(found), cancel=True)
+            router.send_multipart([frames[0], *protocol.encode(
+                protocol.envelope(protocol.REPLY, reply, run=self.info.run_id))])
+            return
         try:
             if body.get("token") != self.info.token:
                 raise KnobError("bad token")
@@ -137,8 +151,10 @@ class FakeAgent:
             elif self.refuse:
                 reply.update(ok=False, reason=self.refuse)
             else:
+                if self.stall_s:  # a rank busy elsewhere: it answers late
+                    time.sleep(self.stall_s)
                 reply.update(ok=True, value=value, apply_step=apply_step)
-                self._scheduled.append((apply_step, body["knob"], value))
+                self._scheduled.append((apply_step, body["knob"], value, body.get("id")))
         if reply.get("ok") and not body.get("dry_run"):
             self._send(pub, protocol.EVENT, {
                 "level": "info", "kind": "accepted", "knob": body["knob"], "value": value,
@@ -151,7 +167,7 @@ class FakeAgent:
         self._step += 1
         for due in [s for s in self._scheduled if s[0] <= self._step]:
             self._scheduled.remove(due)
-            _, knob, value = due
+            _, knob, value, _ = due
             self.knobs[knob] = value
             self._send(pub, protocol.EVENT, {
                 "level": "info", "kind": "applied", "knob": knob, "value": value,

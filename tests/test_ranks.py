@@ -15,9 +15,9 @@ import torch
 import agent
 from agent import runs
 from gpuopt import Trainer
-from gpuwatch.client import Subscriber, _exchange, reply_text, send_command
+from gpuwatch.client import Subscriber, _Connections, reply_text, send_command
 from tests.conftest import FakeAgent
-from tests.training import digits_loader, messages, model as make_model
+from tests.training import Gate, digits_loader, messages, model as make_model, start
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -128,16 +128,47 @@ def test_a_rank_refusing_the_second_phase_gets_the_command_withdrawn_everywhere(
         other.stop()
 
 
-def test_cancel_withdraws_a_pending_command_and_an_unknown_id_is_an_error(run_dir):
+def test_cancel_withdraws_a_pending_command_and_says_when_it_came_too_late(run_dir):
+    model = make_model()
+    gate = Gate(hold_at=6)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, digits_loader(), callbacks=[gate])
+    single = agent.attach(trainer).info
+    assert send_command(single, "accum_steps", 3, apply_step=5, command_id="c1")["ok"]
+    assert send_command(single, "accum_steps", 2, apply_step=3, command_id="c2")["ok"]
+    cancel = {"id": "c1", "cancel": True, "reason": "changed my mind"}
+    with _Connections([single]) as connection:
+        assert connection.exchange(cancel, 3.0, None)[0]["ok"]
+        again = connection.exchange(cancel, 3.0, None)[0]
+    assert not again["ok"] and again["reason"] == "no pending command with id 'c1'"
+    thread = start(trainer, max_steps=8)
+    assert gate.reached.wait(30)
+    with _Connections([single]) as connection:  # too late: it says when it applied
+        late = connection.exchange({"id": "c2", "cancel": True}, 3.0, None)[0]
+    gate.release.set()
+    thread.join(30)
+    assert not late["ok"] and late["applied_step"] == 3
+    assert late["reason"] == "it was applied at step 3, before the cancel came"
+    assert trainer.accum_steps == 2  # c2 applied, c1 never
+
+
+def test_a_rank_too_busy_to_answer_in_time_gets_the_command_withdrawn_too(
+        run_dir, monkeypatch):
+    """The second phase times out on a held-up rank that takes the command later: it
+    must be withdrawn there as well (on the same connection, so after it)."""
+    monkeypatch.setenv(runs.RUN_ID_ENV, "20250101-000000-ef56")
     model = make_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                       torch.nn.functional.cross_entropy, digits_loader())
-    single = agent.attach(trainer).info
-    reply = send_command(single, "accum_steps", 3, apply_step=5, command_id="c1")
-    assert reply["ok"] and reply["apply_step"] == 5
-    cancel = {"id": "c1", "cancel": True, "reason": "changed my mind"}
-    assert _exchange([single], cancel, 3.0, None)[0]["ok"]
-    again = _exchange([single], cancel, 3.0, None)[0]
-    assert not again["ok"] and "no pending command with id 'c1'" in again["reason"]
-    trainer.fit(max_steps=8)
-    assert trainer.accum_steps == 1
+    monitor = agent.attach(trainer, rank=0, world_size=2)
+    held_up = FakeAgent(run_dir, run_id=monitor.run_id, rank=1, world_size=2,
+                        knobs={"accum_steps": 1}, stall_s=1.5).start()
+    try:
+        reply = send_command(monitor.info, "accum_steps", 2, timeout_s=1.0)
+        assert not reply["ok"] and "ranks_differ" not in reply, reply
+        assert reply["reason"].startswith("no reply within 1.0 s")
+        assert reply["reason"].endswith("(rank 1); withdrawn from ranks 0, 1")
+        trainer.fit(max_steps=30)  # well past the step it named
+        assert trainer.accum_steps == 1 and held_up.knobs["accum_steps"] == 1
+    finally:
+        held_up.stop()

@@ -53,6 +53,35 @@ def test_forced_nan_after_switch_to_fp16_is_rolled_back_and_training_goes_on(run
         assert torch.isfinite(param).all()
 
 
+def test_one_rank_of_several_does_not_roll_back_alone(run_dir):
+    """A rollback decided by one rank would leave it alone with another precision: with
+    several ranks the agent says what to send to all of them instead."""
+    from gpuwatch.client import _Connections  # the raw wire: this rank only
+
+    model = make_model()
+    gate = Gate(hold_at=3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nan_under_fp16,
+                      digits_loader(), callbacks=[gate])
+    agent.attach(trainer, rank=0, world_size=2)
+    info = runs.find_run()
+    with Subscriber(info) as sub:
+        thread = start(trainer, max_steps=40)
+        assert gate.reached.wait(30)
+        with _Connections([info]) as connection:
+            command = {"id": "f16", "knob": "precision", "value": "fp16", "apply_step": 5}
+            assert connection.exchange(command, 3.0, None)[0]["ok"]
+        gate.release.set()
+        seen = messages(sub, lambda m: m["type"] == "bye", timeout_s=60)
+        thread.join(30)
+    texts = [m["body"]["text"] for m in seen if m["type"] == "event"]
+    assert not any("rolled back" in t and "not rolled back" not in t for t in texts)
+    warning = next(t for t in texts if "not rolled back" in t)
+    assert "loss was nan" in warning and warning.endswith(
+        "with 2 ranks only a command to every rank may change a knob "
+        "(gpuwatch set precision=fp32)")
+    assert trainer.precision == "fp16"  # unchanged on this rank, as on the others
+
+
 def test_guard_rolls_back_after_skipped_steps_in_a_row_and_ends_a_clean_watch():
     guard = ChangeGuard(guard_steps=20, max_skipped_in_row=3)
     guard.on_applied({"kind": "applied", "knob": "precision", "value": "fp16",
