@@ -481,10 +481,16 @@ class SavedActivations:
         bytes: total bytes of the distinct storages saved so far (int; 0 before use).
         saved_tensors: how many times a tensor was saved (pack hook calls).
 
+    Autograd's own check that a saved tensor was not modified in place before backward
+    (which it skips for hooked tensors) is made by the unpack hook, with the same error.
+    Only the innermost hook pair applies, so under hooks of your own (e.g.
+    ``save_on_cpu``) opening this one would set yours aside: check
+    :meth:`blocked_reason` first.
+
     .. note:: Costs the thread one Python call per saved tensor (about a microsecond;
        the demo transformer saves 61 a forward), so a training loop opens it for one
        micro-batch now and then, not always. Reads only host metadata (storage pointer
-       and size): never synchronizes the device, never copies a tensor.
+       and size, version counter): never synchronizes the device, never copies a tensor.
     """
 
     def __init__(self, model: nn.Module | None = None) -> None:
@@ -496,13 +502,28 @@ class SavedActivations:
                 self._seen.add(_storage_key(tensor))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def blocked_reason() -> str | None:
+        """Why this thread should not open a :class:`SavedActivations` now, or None:
+        saved-tensor hooks of someone else's are active (they would be set aside), or
+        saved-tensor hooks are disabled here."""
+        graph = torch._C._autograd
+        try:
+            if not graph._saved_tensors_hooks_is_enabled():
+                return "saved-tensor hooks are disabled here"
+            if graph._top_saved_tensors_default_hooks(False) is not None:
+                return "other saved-tensor hooks are active"
+        except AttributeError:  # a torch without these probes: nothing to go by
+            return None
+        return None
+
+    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         self.saved_tensors += 1
         key = _storage_key(tensor)
         if key not in self._seen:
             self._seen.add(key)
             self.bytes += _storage_nbytes(tensor)
-        return tensor
+        return tensor, tensor._version
 
     def __enter__(self) -> "SavedActivations":
         self._hooks.__enter__()
@@ -512,7 +533,15 @@ class SavedActivations:
         self._hooks.__exit__(*exc_info)
 
 
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+def _unpack(saved: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """The saved tensor, after autograd's in-place check (skipped for hooked tensors)."""
+    tensor, version = saved
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by "
+            f"an inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+            f"{tensor._version}; expected version {version} instead (checked by "
+            "gpuopt.memory.SavedActivations for autograd)")
     return tensor
 
 

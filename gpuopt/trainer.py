@@ -231,8 +231,8 @@ class Trainer:
         """Whether the next window's first micro-batch measures its activations: every
         :attr:`measure_activations_every` steps, and when a setting that changes them
         changed since the last measurement."""
-        if not self.measure_activations_every:
-            return False
+        if not self.measure_activations_every or SavedActivations.blocked_reason():
+            return False  # (hooks of the caller's own: measured in a later window)
         if self._measured_at is None:
             return True
         step, settings = self._measured_at
@@ -258,15 +258,15 @@ class Trainer:
                           ) -> torch.Tensor:
         """The forward and loss under ``saved``'s hooks. Some code refuses saved-tensor
         hooks (``torch.func`` transforms raise when any are set): if the forward raises
-        under them, it is run again without, and activations are not measured again
-        (:attr:`activation_measurement_error` says why); an error that the plain
-        forward raises too is the model's own and propagates."""
+        there, it is run again without, and activations are not measured again
+        (:attr:`activation_measurement_error` says why); any other error is the
+        model's own and propagates as it would have."""
         try:
             with saved:
                 return self.loss_fn(self.model_backend(inputs), targets)
-        except torch.OutOfMemoryError:
-            raise  # not the hooks' doing: the out-of-memory path handles it
         except RuntimeError as error:
+            if not _refused_hooks(error):
+                raise  # the model's own error, as it would be without the measurement
             loss = self.loss_fn(self.model_backend(inputs), targets)
             self.measure_activations_every = 0
             self.activation_measurement_error = f"{type(error).__name__}: {error}"
@@ -361,6 +361,16 @@ class Trainer:
         for callback in self.callbacks:
             _call(callback, "on_optimizer_step", self, stats)
         return micro_batches == window
+
+
+def _refused_hooks(error: BaseException) -> bool:
+    """Whether ``error`` was raised where code disables saved-tensor hooks (torch.func
+    transforms, AOTAutograd), i.e. because hooks were set: the innermost frame says."""
+    traceback = error.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    name = traceback.tb_frame.f_code.co_name if traceback is not None else ""
+    return "disable_saved_tensors_hooks" in name or "saved_tensors_hooks_disable" in name
 
 
 def _call(callback: Any, hook: str, *args: Any) -> Any:

@@ -198,3 +198,61 @@ def test_a_stop_asked_before_fit_is_honoured_and_the_next_fit_trains():
     trainer.stop()  # e.g. a SIGTERM while the script was still setting up
     assert trainer.fit(max_steps=50) == 0
     assert trainer.fit(max_steps=3) == 3
+
+
+class _InplaceAfterSave(torch.nn.Module):
+    """A bug autograd catches: sigmoid keeps its output for backward, then it is
+    modified in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x):
+        out = torch.sigmoid(self.net(x))
+        out.mul_(2)
+        return out
+
+
+@pytest.mark.parametrize("every", [0, 1])
+def test_measuring_keeps_autograds_in_place_check(every):
+    x, y = _digits(32)
+    model = _InplaceAfterSave()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, list(zip(x.split(8), y.split(8))),
+                      measure_activations_every=every)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        trainer.fit(max_steps=2)
+
+
+def test_hooks_of_the_callers_own_are_left_in_charge_and_errors_are_not_retried():
+    x, y = _digits(64)
+    model = _model()
+    seen = []
+
+    class Record:
+        def on_optimizer_step(self, trainer, stats):
+            seen.append(stats.activation_bytes)
+
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, list(zip(x.split(16), y.split(16))),
+                      callbacks=[Record()], measure_activations_every=1)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t,
+                                                  lambda t: t):
+        trainer.fit(max_steps=3)
+    assert seen == [None] * 3 and len(packed) >= 3 * 3  # theirs saw every micro-batch
+    trainer.fit(max_steps=4)
+    assert seen[-1] is not None  # measured once their hooks are gone
+
+    calls = []
+
+    def failing_loss(output, target):
+        calls.append(1)
+        raise RuntimeError("the model's own error")
+
+    failing = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), failing_loss,
+                      list(zip(x.split(16), y.split(16))), measure_activations_every=1)
+    with pytest.raises(RuntimeError, match="the model's own error"):
+        failing.fit(max_steps=1)
+    assert len(calls) == 1 and failing.activation_measurement_error is None
