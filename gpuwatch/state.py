@@ -55,6 +55,8 @@ class RankPace(NamedTuple):
 
 #: Steps the per-rank step time is smoothed over (an exponential moving average).
 RANK_PACE_STEPS = 20
+#: Latest steps whose knob values are kept per rank, to compare ranks at one step.
+RANK_KNOB_STEPS = 8
 
 
 class LogEntry(NamedTuple):
@@ -164,6 +166,8 @@ class RunState:
     def __init__(self, primary_rank: int | None = None) -> None:
         self.primary_rank = primary_rank
         self.ranks: dict[int, RankPace] = {}
+        #: knob values of each rank's latest few steps: {rank: {step: knobs}}
+        self._rank_knobs: dict[int, dict[int, dict[str, Any]]] = {}
         self.run_id: str | None = None
         self.hello: dict[str, Any] = {}
         self.schema: dict[str, dict[str, Any]] = {}
@@ -292,6 +296,30 @@ class RunState:
             smoothed = step_time if smoothed is None else (
                 smoothed + (step_time - smoothed) / RANK_PACE_STEPS)
         self.ranks[rank] = RankPace(step if type(step) is int else None, smoothed, now)
+        knobs = body.get("knobs")
+        if type(step) is int and isinstance(knobs, dict):
+            recent = self._rank_knobs.setdefault(rank, {})
+            recent[step] = knobs
+            for old in sorted(recent)[:-RANK_KNOB_STEPS]:
+                del recent[old]
+
+    def knobs_differ(self) -> tuple[int, int, str, Any, Any] | None:
+        """A knob whose value at one optimizer step differs between the shown rank and
+        another: ``(rank, step, knob, shown rank's value, that rank's value)``, or None.
+        Commands apply at one step on every rank; this catches what went wrong anyway."""
+        shown = self._rank_knobs.get(self.primary_rank) if self.primary_rank is not None \
+            else None
+        if not shown:
+            return None
+        for rank, recent in self._rank_knobs.items():
+            if rank == self.primary_rank:
+                continue
+            for step in sorted(set(shown) & set(recent), reverse=True):
+                for knob, value in shown[step].items():
+                    other = recent[step].get(knob, value)
+                    if other != value:
+                        return rank, step, knob, value, other
+        return None
 
     def slowest_rank(self, now: float) -> tuple[int, float] | None:
         """With two or more ranks heard within :data:`GONE_AFTER_S`: the rank with the

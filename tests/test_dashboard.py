@@ -230,6 +230,21 @@ def test_state_shows_one_rank_and_keeps_the_pace_of_the_others():
     assert state.malformed == 1
 
 
+def test_state_catches_ranks_whose_knobs_differ_at_one_step():
+    state = RunState(primary_rank=0)
+
+    def step(rank, number, accum):
+        state.ingest(envelope("step", {"step": number, "step_time_s": 0.02,
+                                       "knobs": {"accum_steps": accum}}, rank=rank), 1.0)
+
+    step(0, 10, 1), step(1, 10, 1), step(1, 11, 2)  # rank 1 is one step ahead: fine
+    assert state.knobs_differ() is None
+    step(0, 11, 2)
+    assert state.knobs_differ() is None  # the same change at the same step
+    step(1, 12, 2), step(0, 12, 1)  # rank 0 went back alone
+    assert state.knobs_differ() == (1, 12, "accum_steps", 1, 2)
+
+
 def test_state_ingest_is_fast():
     state = RunState()
     payloads = [frames("step", {"step": i, "step_time_s": 0.01, "data_wait_s": 0.001,
@@ -672,7 +687,20 @@ async def test_header_names_a_straggling_rank(make_agent):
     async with app.run_test(size=(160, 40)) as pilot:
         await until(pilot, lambda: "rank 1 slowest +50%" in text_of(app, "#header"))
         assert "(rank 0 of 2, rank 1 slowest +50%)" in text_of(app, "#header")
+        assert "DIFFER" not in text_of(app, "#header")
         assert {r.step_time_s for r in app.source.state.steps} == {0.020}  # rank 0's
+
+
+async def test_header_says_first_when_ranks_train_with_different_knobs(make_agent):
+    run_id = "20250101-000000-ff88"
+    first = make_agent(run_id=run_id, rank=0, world_size=2, knobs={"accum_steps": 1})
+    make_agent(run_id=run_id, rank=1, world_size=2, knobs={"accum_steps": 2})
+    app = GpuwatchApp(LiveSource(first.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: "KNOBS DIFFER" in text_of(app, "#header"))
+        header = text_of(app, "#header")
+        assert header.startswith("gpuwatch  KNOBS DIFFER at step ")
+        assert "accum_steps 1 (rank 0) vs 2 (rank 1)" in header
 
 
 async def test_a_tiny_terminal_keeps_the_header_and_footer_in_view(make_agent):

@@ -61,6 +61,12 @@ class RunHeader(Panel):
                     parts += [", ", (f"rank {slowest[0]} slowest +{slowest[1]:.0%}",
                                      "$warning")]
                 parts.append(")")
+                differ = state.knobs_differ()
+                if differ is not None:  # said first: it must not be cut off
+                    rank, step, knob, shown, other = differ
+                    parts[2:2] = [(f"KNOBS DIFFER at step {step}: {knob} "
+                                   f"{shown} (rank {state.primary_rank}) vs {other} "
+                                   f"(rank {rank})", "bold $error"), "  "]
             for key in ("name", "device"):
                 if state.hello.get(key):
                     parts += ["  ", (str(state.hello[key]), "bold" if key == "name" else "")]
