@@ -36,7 +36,8 @@ from agent.knobs import KnobError, KnobSet, assignment
 from agent.markers import marker_for
 from agent.probes import Nvml, SystemProbe
 from agent.runlog import RunLog, log_dir
-from agent.runs import RunInfo, remove_run_file, run_dir, shared_run_id, write_run_file
+from agent.runs import (RUN_ID_ENV, RunInfo, new_run_id, rank_taken, remove_run_file,
+                        run_dir, shared_run_id, write_run_file)
 from gpuopt.memory import memory_stats
 
 log = logging.getLogger("gpuwatch.agent")
@@ -420,6 +421,13 @@ class Agent:
                 "curve_client_secret_key": client_secret.decode()}
 
     def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        holder = rank_taken(self.run_id, self.rank)
+        if holder is not None:  # never take over another job's sockets and run file
+            taken, self.run_id = self.run_id, new_run_id()
+            self.event("warning", f"run id {taken} rank {self.rank} is in use by pid "
+                       f"{holder} (another job from the same launcher?); this process is "
+                       f"run {self.run_id}: set {RUN_ID_ENV} to one value on every rank "
+                       "of a job to keep its ranks together", kind="warning")
         pub = context.socket(zmq.XPUB)  # a PUB that also hears (un)subscriptions
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, to greet each newcomer
         pub.setsockopt(zmq.SNDHWM, 10_000)

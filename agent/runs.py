@@ -60,17 +60,26 @@ def shared_run_id(world_size: int) -> str:
     """The run id of this process: the one all ranks of a job on this machine share.
 
     ``$GPUWATCH_RUN_ID`` when set. Else, with ``world_size > 1``, an id that every rank
-    started by the same launcher process (``torchrun``'s agent, ``mp.spawn``'s parent)
-    derives alike, without talking to the others: ``YYYYmmdd-HHMMSS-xxxxxxxx`` from
-    the launcher's start time and a hash of its pid, ``MASTER_ADDR``, ``MASTER_PORT``
-    and ``TORCHELASTIC_RUN_ID``. Else :func:`new_run_id`. Ranks on other machines write
-    their run files there; a dashboard reaches the ranks of its own machine.
+    of one job derives alike, without talking to the others: under ``torchrun`` with a
+    rendezvous id (``TORCHELASTIC_RUN_ID``, a fresh uuid with ``--standalone``),
+    ``torchrun-xxxxxxxx`` from a hash of it, ``MASTER_ADDR`` and ``MASTER_PORT`` (so a
+    wrapper script between torchrun and Python changes nothing); otherwise
+    ``YYYYmmdd-HHMMSS-xxxxxxxx`` from the start time of the launcher process (the
+    parent: ``mp.spawn``'s, ``torchrun``'s agent) and a hash of its pid and those
+    variables. Else :func:`new_run_id`. Ranks on other machines write their run files
+    there; a dashboard reaches the ranks of its own machine. (Two jobs that derive the
+    same id are told apart when the second writes its run file: see
+    :func:`rank_taken`.)
     """
     named = os.environ.get(RUN_ID_ENV)
     if named:
         return named
     if world_size <= 1:
         return new_run_id()
+    launch = [os.environ.get(name, "") for name in
+              ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")]
+    if launch[0] not in ("", "none"):
+        return "torchrun-" + hashlib.sha256("|".join(launch).encode()).hexdigest()[:8]
     launcher = os.getppid()
     try:
         import psutil
@@ -232,6 +241,16 @@ def find_run(selector: str | None = None, directory: Path | None = None) -> RunI
     if len(matches) != 1:
         return None
     return _lowest_rank(runs, matches.pop())
+
+
+def rank_taken(run_id: str, rank: int, directory: Path | None = None) -> int | None:
+    """The pid of another live process whose run file is rank ``rank`` of run
+    ``run_id`` (another job that derived the same id), or None."""
+    path = (directory or run_dir()) / f"{run_id}.rank{rank}.json"
+    info = _read_run_file(path) if path.exists() else None
+    if info is None or info.pid == os.getpid() or not _alive(info.pid):
+        return None
+    return info.pid
 
 
 def run_ranks(run_id: str, directory: Path | None = None) -> list[RunInfo]:

@@ -172,3 +172,45 @@ def test_a_rank_too_busy_to_answer_in_time_gets_the_command_withdrawn_too(
         assert trainer.accum_steps == 1 and held_up.knobs["accum_steps"] == 1
     finally:
         held_up.stop()
+
+
+def test_ranks_of_one_torchrun_job_agree_on_a_run_id_whatever_runs_between(monkeypatch):
+    monkeypatch.delenv(runs.RUN_ID_ENV, raising=False)
+    for name, value in (("TORCHELASTIC_RUN_ID", "3f2c-uuid"), ("MASTER_ADDR", "10.0.0.1"),
+                        ("MASTER_PORT", "29400")):
+        monkeypatch.setenv(name, value)
+    run_id = runs.shared_run_id(2)
+    assert run_id.startswith("torchrun-") and run_id == runs.shared_run_id(2)
+    assert runs.shared_run_id(1) != run_id  # one process: a run of its own
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # no rendezvous id: the launcher's
+    assert not runs.shared_run_id(2).startswith("torchrun-")
+
+
+HOLDER = """
+import sys
+import agent
+monitor = agent.Agent(name="first-job", rank=0, world_size=2).start()
+print(monitor.run_id, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_job_with_the_same_run_id_gets_its_own(run_dir, monkeypatch):
+    monkeypatch.setenv(runs.RUN_ID_ENV, "20250101-000000-same")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "20250101-000000-same"
+        second = agent.Agent(name="second-job", rank=0, world_size=2).start()
+        try:
+            assert second.run_id != "20250101-000000-same"
+            first = [info for info in runs.list_runs() if info.pid == holder.pid]
+            assert [info.run_id for info in first] == ["20250101-000000-same"]  # untouched
+        finally:
+            second.close()
+        log = Path(second.info.log_path).read_text()  # the run log holds every event
+        assert (f"rank 0 is in use by pid {holder.pid} (another job from the same "
+                "launcher?)") in log
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
