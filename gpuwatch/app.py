@@ -298,5 +298,6 @@ class GpuwatchApp(App[None]):
         if reply.get("ok"):  # several ranks: say that all of them took it
             self.note("info", reply_text(knob, value, reply))
             return
-        level = "warning" if reply.get("answered") is False else "error"
+        level = ("warning" if reply.get("answered") is False
+                 and not reply.get("ranks_differ") else "error")
         self.note(level, reply_text(knob, value, reply))

@@ -76,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
 
     set_ = commands.add_parser(
         "set", help="set a knob of a run: KNOB=VALUE",
-        description="Send one command; the run validates it and applies it at a step.")
+        description="Send one command; the run validates it and applies it at a step "
+                    "(on every rank, at one step). Exit status: 0 accepted, 1 refused or "
+                    "not answered, 3 refused with the ranks left different (set it again).")
     set_.add_argument("assignment", metavar="KNOB=VALUE",
                       help="e.g. precision=bf16 or accum_steps=4 (the run checks the value)")
     set_.add_argument("--run", help="run id, prefix or endpoint (default: the newest)")
@@ -193,7 +195,7 @@ def _set(args: argparse.Namespace) -> int:
         return _no_run(args.run)
     reply = send_command(info, knob, value, timeout_s=args.timeout)
     print(reply_text(knob, value, reply), file=sys.stdout if reply.get("ok") else sys.stderr)
-    return 0 if reply.get("ok") else 1
+    return 0 if reply.get("ok") else 3 if reply.get("ranks_differ") else 1
 
 
 def _tail(args: argparse.Namespace) -> int:
