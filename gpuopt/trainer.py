@@ -95,10 +95,11 @@ class Trainer:
             (:attr:`StepStats.activation_bytes`) of one micro-batch every this many
             optimizer steps, and at the first step after precision, kernels or
             checkpointing changed; 0 never. A measured micro-batch costs about a
-            microsecond per tensor saved for backward, on the host only. A model that
-            refuses saved-tensor hooks (``torch.func`` inside ``forward``) is not
-            measured: its micro-batch's forward runs once more without them (module
-            buffers such as BatchNorm statistics then see it twice), once.
+            microsecond per tensor saved for backward, on the host only. Not measured
+            under ``kernels="compile"`` (Dynamo would trace the meter's hooks). A model
+            that refuses saved-tensor hooks (``torch.func`` inside ``forward``) is not
+            measured: its first measured micro-batch's forward runs once more without
+            them, from the same random state and buffers.
 
     Raises:
         ValueError: a precision or kernel backend the device cannot run,
@@ -231,8 +232,9 @@ class Trainer:
         """Whether the next window's first micro-batch measures its activations: every
         :attr:`measure_activations_every` steps, and when a setting that changes them
         changed since the last measurement."""
-        if not self.measure_activations_every or SavedActivations.blocked_reason():
-            return False  # (hooks of the caller's own: measured in a later window)
+        if (not self.measure_activations_every or self.kernels == "compile"
+                or SavedActivations.blocked_reason()):
+            return False  # (Dynamo would trace the meter's hooks and guard on them)
         if self._measured_at is None:
             return True
         step, settings = self._measured_at
@@ -258,15 +260,25 @@ class Trainer:
                           ) -> torch.Tensor:
         """The forward and loss under ``saved``'s hooks. Some code refuses saved-tensor
         hooks (``torch.func`` transforms raise when any are set): if the forward raises
-        there, it is run again without, and activations are not measured again
-        (:attr:`activation_measurement_error` says why); any other error is the
-        model's own and propagates as it would have."""
+        there, it is run again without (on the first measurement, from the same random
+        state and module buffers, so training is as without measuring), and activations
+        are not measured again (:attr:`activation_measurement_error` says why); any
+        other error is the model's own and propagates as it would have."""
+        first = self._measured_at is None  # a model refuses the hooks the first time
+        if first:  # so that running it again draws the same numbers and counts once
+            rng = _rng_state(self.device)
+            buffers = [buffer.detach().clone() for buffer in self.model.buffers()]
         try:
             with saved:
                 return self.loss_fn(self.model_backend(inputs), targets)
         except RuntimeError as error:
             if not _refused_hooks(error):
                 raise  # the model's own error, as it would be without the measurement
+            if first:
+                _set_rng_state(self.device, rng)
+                with torch.no_grad():
+                    for buffer, before in zip(self.model.buffers(), buffers):
+                        buffer.copy_(before)
             loss = self.loss_fn(self.model_backend(inputs), targets)
             self.measure_activations_every = 0
             self.activation_measurement_error = f"{type(error).__name__}: {error}"
@@ -361,6 +373,19 @@ class Trainer:
         for callback in self.callbacks:
             _call(callback, "on_optimizer_step", self, stats)
         return micro_batches == window
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The host generator's state and ``device``'s (CUDA), to draw the same numbers again."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]
+                   ) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def _refused_hooks(error: BaseException) -> bool:

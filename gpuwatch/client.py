@@ -195,6 +195,7 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
         answers = connections.exchange({"id": command_id, "cancel": True,
                                         "reason": refusal["reason"]},
                                        2 * timeout_s, None, only=reached)
+    refusal["knob"] = knob  # an unanswered reply does not name it
     return _withdrawal(refusal, [(ranks[i], answers[i]) for i in reached])
 
 
@@ -213,7 +214,7 @@ def _withdrawal(refusal: dict[str, Any], answers: list[tuple[RunInfo, dict[str, 
         refusal["reason"] += "; THE RANKS MAY NOW DIFFER: " + "; ".join(
             [f"rank {rank} applied it at step {step}" for rank, step in applied]
             + [f"rank {rank} did not answer the withdrawal" for rank in silent]
-        ) + f"; set {refusal.get('knob') or 'it'} again to make them agree"
+        ) + f"; set {refusal['knob']} again to make them agree"
     return refusal
 
 

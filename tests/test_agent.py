@@ -281,12 +281,11 @@ def test_kernel_backend_switches_live_and_triton_is_refused_without_cuda(run_dir
     last = [m["body"] for m in seen if m["type"] == "step"][-1]
     assert last["knobs"]["kernels"] == "compile" and last["knobs"]["checkpointing"] is True
     assert last["loss"] == last["loss"]  # finite: training went on
-    # activation memory: measured at the first step and at the first step after the
-    # change (compiled and checkpointed: the compiled graph keeps only block inputs)
-    measured = {m["body"]["step"]: m["body"]["activation_bytes"] for m in seen
-                if m["type"] == "step" and "activation_bytes" in m["body"]}
-    assert list(measured) == [1, 3], measured
-    assert measured[3] < measured[1] / 3, measured
+    # activation memory: measured at the first step, not under compile (Dynamo would
+    # trace the meter's hooks)
+    measured = [m["body"]["step"] for m in seen
+                if m["type"] == "step" and "activation_bytes" in m["body"]]
+    assert measured == [1], measured
 
 
 def test_listening_beyond_this_machine_uses_curve_and_only_the_run_key_gets_in(run_dir):

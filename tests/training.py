@@ -21,14 +21,18 @@ def model(seed=0):
 
 
 class FuncInForward(torch.nn.Module):
-    """:func:`model` behind a ``torch.func.grad`` in ``forward``: torch.func refuses
-    saved-tensor hooks, so the Trainer's activation meter must step aside."""
+    """:func:`model` behind BatchNorm, dropout and a ``torch.func.grad`` in ``forward``:
+    torch.func refuses saved-tensor hooks, so the Trainer's activation meter must step
+    aside, after the BatchNorm statistics moved and dropout drew its mask."""
 
     def __init__(self, seed=0):
         super().__init__()
+        self.norm = torch.nn.BatchNorm1d(64)
+        self.dropout = torch.nn.Dropout(0.2)
         self.net = model(seed)
 
     def forward(self, x):
+        x = self.dropout(self.norm(x))
         smooth = torch.func.grad(lambda t: torch.nn.functional.softplus(t).sum())(x)
         return self.net(x + 0.1 * smooth)
 
