@@ -12,8 +12,9 @@ with another rank's precision or accumulation window. Runs on CPU (gloo) or on G
 """
 
 import argparse
-import sys
 import os
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: a clean end
     try:
         main()
-    except KeyboardInterrupt:  # Ctrl-C: the agent has said bye; no traceback
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the agent has said bye; no traceback
         sys.exit(130)

@@ -9,6 +9,7 @@ the gradient accumulation while this runs.
 """
 
 import argparse
+import signal
 import sys
 
 import torch
@@ -41,7 +42,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: a clean end
     try:
         main()
-    except KeyboardInterrupt:  # Ctrl-C: the agent has said bye; no traceback
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the agent has said bye; no traceback
         sys.exit(130)

@@ -55,7 +55,8 @@ def ddp_job(run_dir):
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def test_ddp_ranks_share_one_run_and_a_command_applies_at_the_same_step_on_each(ddp_job):
+def test_ddp_ranks_share_one_run_and_a_command_applies_at_the_same_step_on_each(ddp_job,
+                                                                                run_dir):
     rank0, rank1 = wait_for_ranks(ddp_job, 2)
     assert rank0.run_id == rank1.run_id and (rank0.rank, rank1.rank) == (0, 1)
     assert rank0.world_size == rank1.world_size == 2 and rank0.pid != rank1.pid
@@ -89,6 +90,9 @@ def test_ddp_ranks_share_one_run_and_a_command_applies_at_the_same_step_on_each(
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.startswith("accepted: accum_steps=2 applies at step ")
     assert cli.stdout.rstrip().endswith("on ranks 0, 1")
+    ddp_job.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
+    ddp_job.wait(60)
+    assert list(Path(run_dir).glob("*.json")) == []  # each rank ended cleanly
 
 
 def test_a_command_needs_every_rank_reachable(run_dir):
