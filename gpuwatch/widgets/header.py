@@ -1,5 +1,5 @@
-"""The one-line run header: status, step, records missed, run id (with several ranks:
-the rank shown and the slowest rank when it lags), name, device."""
+"""The one-line run header: status, step, records missed, name, device, run id (with
+several ranks: the rank shown and the slowest rank when it lags)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ class RunHeader(Panel):
                 parts += ["  ", (f"dropped {state.agent_records_dropped}", "$warning")]
             if state.agent_errors:
                 parts += ["  ", (f"agent errors {state.agent_errors}", "$error")]
+            for key in ("name", "device"):  # before the run id: what a person reads
+                if state.hello.get(key):
+                    parts += ["  ", (str(state.hello[key]), "bold" if key == "name" else "")]
             parts.append(f"  run {state.run_id}")
             world_size = state.hello.get("world_size")
             if type(world_size) is int and world_size > 1:  # the charts are one rank's
@@ -67,9 +70,6 @@ class RunHeader(Panel):
                     parts[2:2] = [(f"KNOBS DIFFER at step {step}: {knob} "
                                    f"{shown} (rank {state.primary_rank}) vs {other} "
                                    f"(rank {rank})", "bold $error"), "  "]
-            for key in ("name", "device"):
-                if state.hello.get(key):
-                    parts += ["  ", (str(state.hello[key]), "bold" if key == "name" else "")]
         if readonly and status == "waiting":
             parts += ["  ", ("read-only", "$warning")]
         self.set_content(Content.assemble(*parts))
