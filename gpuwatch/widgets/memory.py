@@ -118,8 +118,13 @@ class MemoryPanel(Panel):
 
 def activation_line(state: RunState, width: int, *, label_width: int = 5) -> Content:
     """``activ  2.4 MiB was 17.5 MiB`` (the measurement before the last change, when
-    there was one and it fits), else ``activ  2.4 MiB``; needs ``state.activation_bytes``."""
+    there was one and it fits), else ``activ  2.4 MiB``; ``activ  - (compile)`` while
+    the run is compiled (it is not measured then: a value shown would be stale). Needs
+    ``state.activation_bytes``."""
     label = f"{'activ':<{label_width}}"
+    if state.knobs.get("kernels") == "compile":
+        text = " - (not measured under compile)" if width >= 37 else " - (compile)"
+        return Content.assemble(label, (text, "$text-muted"))
     now = f" {human_bytes(state.activation_bytes)}"
     before = state.activation_before_bytes
     if before is not None:
