@@ -714,7 +714,7 @@ async def test_a_tiny_terminal_keeps_the_header_and_footer_in_view(make_agent):
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(60, 15)) as pilot:
         await until(pilot, lambda: "step" in text_of(app, "#header")
-                    and "accum_steps" in text_of(app, "#knobs"))
+                    and "accum_steps" in text_of(app, "#knobs") and knows(app, "precision"))
         assert app.screen.max_scroll_y == 0  # nothing to scroll: all of it fits
         assert app.query_one("#header").region.y == 0
         assert app.query_one(Footer).region.y == 14

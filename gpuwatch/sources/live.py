@@ -59,7 +59,7 @@ class LiveSource(Source):
             return
         heard_at = time.monotonic()
         next_check = next_rank_check = 0.0
-        process = None  # (pid, started_at) of the latest hello
+        next_adopt = 0.0  # when to look for the run file of a new process again
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -85,10 +85,12 @@ class LiveSource(Source):
                                 break
                             self.state.ingest_frames(frames, now)
                     hello = self.state.hello
-                    latest = (hello.get("pid"), hello.get("started_at")) if hello else None
-                if process is not None and latest != process:
-                    subscriber = self._refresh(subscriber)  # a new process: a new token
-                process = latest
+                    speaker = (hello.get("pid"), hello.get("started_at")) if hello else None
+                adopted = (self._info.pid, self._info.started_at)
+                if (speaker is not None and speaker != adopted and self._info.run_id != "?"
+                        and now >= next_adopt):  # a new process: its run file has its token
+                    next_adopt = now + RECHECK_S  # until that file is read
+                    subscriber = self._refresh(subscriber)
         finally:
             subscriber.close()
             for other in self._others.values():
