@@ -28,7 +28,7 @@ SUBCOMMANDS = ("attach", "runs", "set", "tail", "replay", "demo", "doctor")
 #: How long ``gpuwatch demo`` waits for the training child to write its run file (s).
 DEMO_START_TIMEOUT_S = 60.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
-DEMO_STOP_TIMEOUT_S = 5.0
+DEMO_STOP_TIMEOUT_S = 20.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -377,10 +377,17 @@ def _stop_child(child: subprocess.Popen) -> None:
         return
     child.send_signal(signal.SIGINT)
     try:
-        child.wait(DEMO_STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
+        child.wait(1.0)
+    except subprocess.TimeoutExpired:  # a busy machine: say what it is waiting for
+        print(f"gpuwatch demo: stopping the training job (pid {child.pid}) at its next "
+              "optimizer step ...", flush=True)
+        try:
+            child.wait(DEMO_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            print(f"gpuwatch demo: it did not stop within {DEMO_STOP_TIMEOUT_S:.0f} s; "
+                  "killed", file=sys.stderr, flush=True)
+            child.kill()
+            child.wait()
 
 
 def _doctor(args: argparse.Namespace) -> int:
