@@ -232,14 +232,14 @@ class Trainer:
         """Whether the next window's first micro-batch measures its activations: every
         :attr:`measure_activations_every` steps, and when a setting that changes them
         changed since the last measurement."""
-        if (not self.measure_activations_every or self.kernels == "compile"
-                or SavedActivations.blocked_reason()):
+        if not self.measure_activations_every or self.kernels == "compile":
             return False  # (Dynamo would trace the meter's hooks and guard on them)
-        if self._measured_at is None:
-            return True
-        step, settings = self._measured_at
-        return (self.step + 1 - step >= self.measure_activations_every
-                or settings != (self.precision, self.kernels, self.checkpointing))
+        if self._measured_at is not None:
+            step, settings = self._measured_at
+            if (self.step + 1 - step < self.measure_activations_every
+                    and settings == (self.precision, self.kernels, self.checkpointing)):
+                return False  # not due: the usual step costs two comparisons
+        return SavedActivations.blocked_reason() is None  # else: a later window
 
     def _micro_batch(self, batch: Any, window: int, saved: SavedActivations | None = None
                      ) -> tuple[torch.Tensor, int]:

@@ -1,6 +1,7 @@
 """The agent on real ZeroMQ sockets, attached to a real Trainer training on real digits."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -315,3 +316,43 @@ def test_listening_beyond_this_machine_uses_curve_and_only_the_run_key_gets_in(r
         stranger.close()
         monitor.close()
     assert trainer.accum_steps == 2
+
+
+class _ThreadRecordingNvml:
+    """An NVML module with one GPU that notes the thread of every call."""
+
+    def __init__(self):
+        self.threads = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.threads.append(threading.current_thread().name)
+            if name == "nvmlDeviceGetCount":
+                return 1
+            if name == "nvmlDeviceGetName":
+                return b"Fake GPU"
+            return 0
+        return call
+
+
+def test_nvml_psutil_and_allocator_readings_never_run_on_the_training_thread(
+        run_dir, monkeypatch):
+    import agent.core as core
+    from agent.probes import Nvml
+
+    nvml = _ThreadRecordingNvml()
+    readings = []
+    real_memory_stats = core.memory_stats
+
+    def recording_memory_stats(device):
+        readings.append(threading.current_thread().name)
+        return real_memory_stats(device)
+
+    monkeypatch.setattr(core, "memory_stats", recording_memory_stats)
+    model = make_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, digits_loader())
+    agent.attach(trainer, nvml=Nvml(nvml))
+    trainer.fit(max_steps=40)
+    assert nvml.threads and readings  # they ran, on the agent's I/O thread only
+    assert set(nvml.threads) == set(readings) == {"gpuwatch-agent"}
