@@ -95,6 +95,11 @@ def column_sum(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+#: Elements per tile of the fused kernels: 16 KiB of fp32 registers per program, a size at
+#: which elementwise Triton kernels reach DRAM bandwidth on A100/H100 class GPUs.
+TILE_ELEMENTS = 4096
+
+
 def program_budget(device: torch.device) -> int:
     """How many programs a reduction's first stage should run on ``device``.
 

@@ -14,14 +14,12 @@ import triton.language as tl
 from gpuopt.kernels._activation_kernels import (
     _activation_bwd,
     _activation_fwd,
+    TILE_ELEMENTS,
     column_sum,
     launch_options,
     program_budget,
 )
 
-# Elements per tile: 16 KiB of fp32 registers per program, a size at which elementwise
-# Triton kernels reach DRAM bandwidth on A100/H100 class GPUs.
-_TILE_ELEMENTS = 4096
 _MAX_BLOCK_N = 256
 
 
@@ -94,7 +92,7 @@ def _bias_activation_bwd_dx(DX, DY, S, B, DB_partial, M, N, stride_dx, stride_dy
 
 def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
     block_n = min(triton.next_power_of_2(n_cols), _MAX_BLOCK_N)
-    block_m = min(triton.next_power_of_2(n_rows), max(1, _TILE_ELEMENTS // block_n))
+    block_m = min(triton.next_power_of_2(n_rows), max(1, TILE_ELEMENTS // block_n))
     return block_m, block_n
 
 

@@ -16,13 +16,12 @@ import triton.language as tl
 from gpuopt.kernels._activation_kernels import (
     _activation_bwd,
     _activation_fwd,
+    TILE_ELEMENTS,
     column_sum,
     launch_options,
     program_budget,
 )
 
-# Elements per tile (rows x padded row length), as in _bias_activation_kernels.
-_TILE_ELEMENTS = 4096
 # Longest row held in registers: 64 KiB of input per row (the 05-layer-norm tutorial's
 # limit), i.e. N <= 16384 in float32 and N <= 32768 in 16-bit dtypes.
 _MAX_FUSED_BYTES = 65536
@@ -144,7 +143,7 @@ def max_fused_columns(dtype: torch.dtype) -> int:
 
 def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
     block_n = triton.next_power_of_2(n_cols)
-    block_m = min(triton.next_power_of_2(n_rows), max(1, _TILE_ELEMENTS // block_n))
+    block_m = min(triton.next_power_of_2(n_rows), max(1, TILE_ELEMENTS // block_n))
     return block_m, block_n
 
 
