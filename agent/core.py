@@ -189,6 +189,7 @@ class Agent:
         self._thread = threading.Thread(target=self._io_main, name="gpuwatch-agent",
                                         daemon=True)
         self._expected_step: int | None = None
+        self._announce = False  # the schema changed: send hello again
         #: step time (s) of the latest published step record, for command replies
         self._recent_step_time_s: float | None = None
         #: (command id, step) of the latest applied commands, for a late cancel's reply
@@ -250,7 +251,9 @@ class Agent:
     def optimizer_step(self, step: int, micro_batches: int, samples: int,
                        data_wait_s: float, loss: torch.Tensor | None,
                        skipped: torch.Tensor | None = None,
-                       activation_bytes: int | None = None) -> None:
+                       activation_bytes: int | None = None, *, tokens: int | None = None,
+                       lr: float | None = None,
+                       grad_norm: torch.Tensor | float | None = None) -> None:
         """Training thread: record the optimizer step ``step`` that just ended, then apply
         the commands due at step ``step + 1``.
 
@@ -263,6 +266,10 @@ class Agent:
             skipped: in fp16, the GradScaler's 0-dim bool "skipped" tensor, or None.
             activation_bytes: bytes saved for backward by one of its micro-batches, when
                 measured (:class:`gpuopt.memory.SavedActivations`); else None.
+            tokens: tokens in the window (token models), or None.
+            lr: the learning rate the step used (param group 0), a host float, or None.
+            grad_norm: the global gradient norm the step saw (before clipping), as a
+                0-dim tensor (read on the I/O thread once ready) or a float, or None.
 
         .. note:: Never synchronizes the device and never blocks: a clock read, a marker
            (an asynchronous CUDA event on GPU), one deque append. Never raises: an
@@ -276,8 +283,8 @@ class Agent:
             self._last_boundary_t = now
             self._records.append((
                 "step", step, None if previous is None else now - previous, micro_batches,
-                samples, data_wait_s, self._marker.mark(loss, skipped), self._knob_values,
-                activation_bytes))
+                samples, data_wait_s, self._marker.mark(loss, skipped, grad_norm),
+                self._knob_values, activation_bytes, tokens, lr))
             self._last_step = step
             if self._pending:
                 self._apply_pending(step)
@@ -368,8 +375,10 @@ class Agent:
 
     def refresh_knobs(self) -> None:
         """Re-read the current values of every knob (after knobs were added or set
-        outside a command). Call between optimizer steps."""
+        outside a command). Call between optimizer steps. Knobs added after
+        :meth:`start` are announced to dashboards (a new ``hello`` with the schema)."""
         self._knob_values = self.knobs.values()
+        self._announce = True
 
     def _report_error(self, where: str, exc: BaseException) -> None:
         message = f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}"
@@ -488,6 +497,9 @@ class Agent:
                 budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
             if pub in ready:
                 self._guard("greeting", self._greet_subscribers, pub)
+            if self._announce:
+                self._announce = False
+                self._guard("hello", self._publish, protocol.HELLO, self._hello())
             previous_marker = self._guard(
                 "step publishing", self._publish_records, in_flight, previous_marker,
                 default=previous_marker)
@@ -570,7 +582,7 @@ class Agent:
                 self._publish(protocol.EVENT, record[1])
                 continue
             (_, step, step_time_s, micro_batches, samples, wait_s, marker, knobs,
-             activation_bytes) = record
+             activation_bytes, tokens, lr) = record
             if not self._marker.ready(marker):
                 if not final:
                     break
@@ -582,6 +594,7 @@ class Agent:
                 memory = self._memory()
             ready = self._marker.ready(marker)
             loss = self._marker.loss(marker) if ready else None
+            grad_norm = self._marker.grad_norm(marker) if ready else None
             skipped = self._marker.skipped(marker) if ready else None
             body = {
                 "step": step, "micro_batches": micro_batches, "samples": samples,
@@ -598,6 +611,13 @@ class Agent:
                 body["grad_scaler_skipped"] = skipped
             if activation_bytes is not None:
                 body["activation_bytes"] = activation_bytes
+            if tokens is not None:
+                body["tokens"] = tokens
+                body["tokens_per_s"] = tokens / step_time_s if step_time_s else None
+            if lr is not None:
+                body["lr"] = float(lr)
+            if grad_norm is not None:
+                body["grad_norm"] = grad_norm
             self._check_step(step, loss, skipped)
             body["skipped_steps_total"] = self._change_guard.skipped_total
             if step_time_s:

@@ -30,6 +30,12 @@ class ModelBackend:
         device: where it runs.
         compile_backend: the ``torch.compile`` backend for ``compile`` (``"inductor"``;
             ``"aot_eager"`` compiles much faster on small CPUs but fuses nothing).
+        in_place: make the switch in the model itself, for loops that call ``model(...)``
+            directly (and evaluation code that should follow the knob): under
+            ``compile`` the model gets an instance attribute ``forward`` that runs its
+            original forward through one kept ``torch.compile`` of it (module hooks
+            still run once, outside); back to ``eager`` the attribute is deleted, leaving
+            the model exactly as it was. Otherwise call the model through this object.
 
     Raises (from the :attr:`kernels` setter):
         ValueError: an unknown backend, or one that cannot run here (the reason: e.g.
@@ -37,10 +43,11 @@ class ModelBackend:
     """
 
     def __init__(self, model: nn.Module, device: torch.device, *,
-                 compile_backend: str = "inductor") -> None:
+                 compile_backend: str = "inductor", in_place: bool = False) -> None:
         self.model = model
         self.device = torch.device(device)
         self.compile_backend = compile_backend
+        self.in_place = in_place
         self.compiled: CompiledModel | None = None  # made on the first switch to compile
         self._kernels = "eager"
         self._was_compiling = False
@@ -67,13 +74,23 @@ class ModelBackend:
             raise ValueError(reason)
         set_kernel_backend(self.model, "triton" if value == "triton" else "eager")
         if value == "compile" and self.compiled is None:
-            self.compiled = CompiledModel(self.model, backend=self.compile_backend)
+            # in place: compile the original forward (compiling the module would call
+            # the instance forward installed below, i.e. itself)
+            target = self.model.forward if self.in_place else self.model
+            self.compiled = CompiledModel(target, backend=self.compile_backend)
         if self.compiled is not None:
             self.compiled.enabled = value == "compile"
+        if self.in_place:
+            if value == "compile":
+                self.model.forward = self.compiled
+            elif self.model.__dict__.get("forward") is self.compiled:
+                del self.model.forward
         self._kernels = value
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward through the current backend."""
+        if self.in_place:
+            return self.model(*args, **kwargs)
         if self.compiled is not None and self.compiled.enabled:
             return self.compiled(*args, **kwargs)
         return self.model(*args, **kwargs)

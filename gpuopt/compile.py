@@ -124,7 +124,8 @@ class CompiledModel:
         for text in forward.pop_events(): publish(text)
 
     Args:
-        model: the module; it is not modified.
+        model: the module (or a function such as a module's bound ``forward``); it is
+            not modified.
         backend, mode, dynamic, fullgraph, options: passed to :func:`torch.compile`.
         enabled: start compiled.
         fallback_on_error: if compiling the forward fails in the backend (for example
