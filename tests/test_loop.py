@@ -197,3 +197,25 @@ def test_gpt_example_takes_every_loop_knob_live(run_dir):
     assert any("activation_bytes" in s for s in steps)
     kinds = {r.get("kind") for r in records if r["type"] == "event"}
     assert "compiling" in kinds
+
+
+def test_agent_imports_no_framework_and_attach_names_what_it_takes():
+    code = ("import sys, agent, agent.adapters, agent.loop, agent.integrations\n"
+            "frameworks = {'lightning', 'pytorch_lightning', 'transformers', 'accelerate'}\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in frameworks)\n"
+            "assert not loaded, loaded\n"
+            "try:\n"
+            "    agent.attach(object())\n"
+            "except TypeError as exc:\n"
+            "    print(exc)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "a lightning.pytorch.Trainer, a transformers.Trainer" in result.stdout
+    assert "agent.session(...)" in result.stdout
+
+
+def test_gpt_example_attaches_in_at_most_eight_changed_lines():
+    changed = [line for line in (EXAMPLES / "gpt_loop.py").read_text().splitlines()
+               if line.rstrip().endswith("# gpuwatch")]
+    assert 1 <= len(changed) <= 8, changed
