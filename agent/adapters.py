@@ -129,7 +129,8 @@ class _TrainerCallback:
     def on_optimizer_step(self, trainer: Trainer, stats: StepStats) -> None:
         self.agent.optimizer_step(stats.step, stats.micro_batches, stats.samples,
                                   stats.data_wait_s, stats.loss, stats.skipped,
-                                  stats.activation_bytes)
+                                  stats.activation_bytes, tokens=stats.tokens, lr=stats.lr,
+                                  grad_norm=stats.grad_norm)
         for kind, text, fields in trainer.model_backend.pop_events():
             self.agent.event("info", text, kind=kind, step=stats.step, **fields)
         if trainer.activation_measurement_error and not self._measurement_error_reported:
@@ -210,7 +211,9 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: A
         knobs.add(Knob(CHECKPOINTING, get=lambda: trainer.checkpointing,
                        set=lambda value: setattr(trainer, "checkpointing", value)))
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
-                  transport=transport, **options)
+                  transport=transport, training={"framework": "gpuopt.Trainer",
+                                                 "loss_normalization": trainer.loss_normalization},
+                  **options)
     memory = MemoryKnobs(trainer.device, agent.run_id)
     memory.bind(knobs)
     agent.refresh_knobs()

@@ -133,6 +133,8 @@ class Agent:
             behind, the oldest records are dropped (counted in heartbeats), the training
             thread never waits.
         nvml: the GPU probe (tests pass one with a fake NVML module).
+        training: facts of the training loop for ``hello`` (``framework``, and e.g.
+            ``loss_normalization``: how a window's loss and gradient are averaged).
 
     Raises:
         ValueError: unknown ``transport``.
@@ -151,12 +153,14 @@ class Agent:
         queue_size: int = 8192,
         nvml: Nvml | None = None,
         listen: str | None = None,
+        training: dict[str, Any] | None = None,
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         if listen is not None and transport != "tcp":
             raise ValueError("listen= needs transport='tcp'")
         self.listen = listen
+        self.training = dict(training or {})
         self.knobs = knobs or KnobSet()
         self.name = name or os.path.basename(sys.argv[0] or "python")
         self.device = torch.device(device) if device is not None else None
@@ -701,7 +705,7 @@ class Agent:
             "model": {"name": self.model_name, "params": self.params},
             "env": self._env_report, "knobs": self.knobs.schema(),
             "log_path": self.info.log_path if self.info else "",
-            "knob_values": self._knob_values,
+            "knob_values": self._knob_values, "training": self.training,
         }
 
     # ---------------------------------------------------------------- commands

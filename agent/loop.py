@@ -403,7 +403,10 @@ def session(*, model: torch.nn.Module | None = None,
         knobs.unsupported.setdefault(spec.name, (
             "this loop's data does not come through a gpuopt.loader.ReconfigurableLoader "
             "given to run.loader(...)"))
-    agent = Agent(knobs, name=name, model=model, device=device, transport=transport, **options)
+    agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
+                  training={"framework": "loop",
+                            "loss_normalization": "as the loop divides its losses"},
+                  **options)
     memory = MemoryKnobs(device, agent.run_id)
     memory.bind(knobs)
     run = Session(agent, model=model, optimizer=optimizer, mixed_precision=mixed_precision,

@@ -50,6 +50,10 @@ class StepStats:
         tokens: tokens in the window's micro-batches, as declared by
             ``Trainer(tokens_per_sample=...)`` or counted by ``Trainer(count_tokens=...)``
             (host int); None when neither is declared.
+        lr: the learning rate the step used (param group 0), a host float.
+        grad_norm: with ``max_grad_norm``, the global gradient norm before clipping
+            (what ``clip_grad_norm_`` returned: a 0-dim tensor on the device, not read);
+            else None.
 
     The mean in ``loss`` is the one the gradient is of
     (:attr:`Trainer.loss_normalization`): the mean of the micro-batches' mean losses
@@ -66,6 +70,8 @@ class StepStats:
     skipped: torch.Tensor | None = None
     activation_bytes: int | None = None
     tokens: int | None = None
+    lr: float | None = None
+    grad_norm: torch.Tensor | None = None
 
 
 #: The values of ``Trainer(loss_normalization=...)``.
@@ -551,9 +557,12 @@ class Trainer:
                     if param.grad is not None:
                         param.grad.mul_(window / micro_batches)
             mean_loss = loss_sum / micro_batches
+        grad_norm = None
         if self.max_grad_norm is not None:
             self.mixed_precision.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                       self.max_grad_norm)
+        lr = self.optimizer.param_groups[0].get("lr")
         skipped = self.mixed_precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -564,7 +573,9 @@ class Trainer:
         window_tokens = (None if tokens[0] is None
                          else sum(tokens[:micro_batches]))  # type: ignore[arg-type]
         stats = StepStats(self.step, micro_batches, samples, data_wait_s, mean_loss, skipped,
-                          None if saved is None else saved.bytes, tokens=window_tokens)
+                          None if saved is None else saved.bytes, tokens=window_tokens,
+                          lr=lr if isinstance(lr, (int, float)) else None,
+                          grad_norm=grad_norm)
         for callback in self.callbacks:
             _call(callback, "on_optimizer_step", self, stats)
         return micro_batches == window
