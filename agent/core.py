@@ -133,6 +133,8 @@ class Agent:
             behind, the oldest records are dropped (counted in heartbeats), the training
             thread never waits.
         nvml: the GPU probe (tests pass one with a fake NVML module).
+        run_id: the run id, when the caller derives one that every rank of its job
+            shares (default: :func:`agent.runs.shared_run_id`).
         training: facts of the training loop for ``hello`` (``framework``, and e.g.
             ``loss_normalization``: how a window's loss and gradient are averaged).
 
@@ -154,6 +156,7 @@ class Agent:
         nvml: Nvml | None = None,
         listen: str | None = None,
         training: dict[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
@@ -166,7 +169,7 @@ class Agent:
         self.device = torch.device(device) if device is not None else None
         self.transport = transport
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.run_id = shared_run_id(self.world_size)
+        self.run_id = run_id or shared_run_id(self.world_size)
         self.token = secrets.token_hex(16)
         self.params = sum(p.numel() for p in model.parameters()) if model is not None else None
         self.model_name = type(model).__name__ if model is not None else ""

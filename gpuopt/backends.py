@@ -18,6 +18,7 @@ from torch import nn
 
 from gpuopt.compile import CompiledModel, compile_support
 from gpuopt.kernels import set_kernel_backend, triton_available
+from gpuopt.kernels.backend import KernelBackendMixin
 
 KERNEL_BACKENDS = ("eager", "compile", "triton")
 
@@ -39,7 +40,8 @@ class ModelBackend:
 
     Raises (from the :attr:`kernels` setter):
         ValueError: an unknown backend, or one that cannot run here (the reason: e.g.
-            "Triton kernels need a CUDA device; this run is on cpu").
+            "Triton kernels need a CUDA device; this run is on cpu"), or ``triton`` for
+            a model without fused modules (it would change nothing).
     """
 
     def __init__(self, model: nn.Module, device: torch.device, *,
@@ -49,6 +51,8 @@ class ModelBackend:
         self.compile_backend = compile_backend
         self.in_place = in_place
         self.compiled: CompiledModel | None = None  # made on the first switch to compile
+        #: the model's fused modules, which ``triton`` switches (none: triton is refused)
+        self.fused_modules = sum(isinstance(m, KernelBackendMixin) for m in model.modules())
         self._kernels = "eager"
         self._was_compiling = False
 
@@ -57,6 +61,9 @@ class ModelBackend:
         if kernels not in KERNEL_BACKENDS:
             return f"unknown kernels {kernels!r} (choose from {', '.join(KERNEL_BACKENDS)})"
         if kernels == "triton":
+            if not self.fused_modules:
+                return (f"{type(self.model).__name__} has no gpuopt fused modules "
+                        "(gpuopt.kernels) for Triton kernels to run")
             return triton_available(self.device)
         if kernels == "compile":
             return compile_support(self.compile_backend, self.device.type)

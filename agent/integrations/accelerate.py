@@ -87,7 +87,7 @@ from agent.core import Agent
 from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, NUM_WORKERS,
                          PRECISION, Knob, KnobSet)
-from agent.loop import _end_on_signals
+from agent.loop import end_on_signals
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing, find_blocks
 from gpuopt.data import batch_size
@@ -740,5 +740,5 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
                 "gradient_accumulation_steps (a mean of micro-batch means)",
                 kind="loss_normalisation", normalisation="micro_batch_mean")
     atexit.register(run.close)
-    _end_on_signals(run)  # SIGTERM and uncaught exceptions end it too, named in bye
+    end_on_signals(run)  # SIGTERM and uncaught exceptions end it too, named in bye
     return run

@@ -97,7 +97,6 @@ Importing this module imports ``lightning``; ``import agent`` does not import it
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
@@ -124,7 +123,6 @@ from agent.runs import RUN_ID_ENV
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.data import batch_size
-from gpuopt.kernels.backend import KernelBackendMixin
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.precision import precision_support
 
@@ -378,14 +376,10 @@ class _Kernels:
         self.module = module
         self.backend = ModelBackend(module, device, compile_backend=compile_backend,
                                     in_place=True)
-        self.fused = sum(isinstance(m, KernelBackendMixin) for m in module.modules())
         self._compile_steps = 0  # boundaries seen under compile, up to 2
 
     def support(self, value: str) -> str | None:
         """Why ``value`` cannot run in this run, or None (I/O thread; cheap)."""
-        if value == "triton" and not self.fused:
-            return (f"{type(self.module).__name__} has no gpuopt fused modules "
-                    "(gpuopt.kernels) for Triton kernels to run")
         return self.backend.support(value)
 
     def set(self, value: str) -> None:
@@ -732,20 +726,6 @@ def _lightning_run_id(trainer: pl.Trainer) -> str | None:
     return "lightning-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
-@contextlib.contextmanager
-def _run_id(run_id: str | None) -> Any:
-    """``$GPUWATCH_RUN_ID`` set to ``run_id`` while an agent is made (it reads its id
-    there), then as before."""
-    if run_id is None:
-        yield
-        return
-    os.environ[RUN_ID_ENV] = run_id
-    try:
-        yield
-    finally:
-        os.environ.pop(RUN_ID_ENV, None)
-
-
 class GpuwatchCallback(Callback):
     """The Lightning callback of gpuwatch: measures every optimizer step of ``fit`` and
     serves the live knobs (see the module docstring for what is reported, the knobs and
@@ -813,10 +793,10 @@ class GpuwatchCallback(Callback):
             "framework": f"lightning {lightning.__version__}",
             # Lightning divides each micro-batch's mean loss by the window size
             "loss_normalization": "micro_batch_mean"})
-        with _run_id(_lightning_run_id(trainer)):
-            self.agent = Agent(KnobSet(), name=self.name, model=module,
-                               device=trainer.strategy.root_device, transport=self.transport,
-                               **options)
+        options.setdefault("run_id", _lightning_run_id(trainer))
+        self.agent = Agent(KnobSet(), name=self.name, model=module,
+                           device=trainer.strategy.root_device, transport=self.transport,
+                           **options)
         self.agent.start()
         self._agent_used = False
         return self.agent
