@@ -20,6 +20,7 @@ pytest.importorskip("accelerate")
 from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,  # noqa: E402
                           TrainingArguments)
 
+import agent  # noqa: E402
 from agent.integrations import hf  # noqa: E402
 from gpuopt.precision import precision_warning  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
@@ -221,7 +222,7 @@ def test_one_line_attach_reports_every_window_with_hf_loss_tokens_data_wait_and_
                        save_steps=4, eval_dataset=Characters(8, offset=40))
     snapshots = Snapshots(trainer.model)
     trainer.add_callback(snapshots)
-    monitor = hf.attach(trainer, name="hf-run")
+    monitor = agent.attach(trainer, name="hf-run")  # the one line
     assert monitor.info.name == "hf-run"
     output = trainer.train()
     assert output.global_step == 6
@@ -246,6 +247,8 @@ def test_one_line_attach_reports_every_window_with_hf_loss_tokens_data_wait_and_
     assert any("train_loss" in e["logs"] for e in _events(records, "log"))
     assert records[-1]["type"] == "bye" and records[-1]["reason"] == "finished"
     hello = next(r for r in records if r["type"] == "hello")
+    assert hello["training"] == {"framework": f"transformers {transformers.__version__}",
+                                 "loss_normalization": "tokens"}
     names = {knob["name"] for knob in hello["knobs"]}
     assert {"precision", "accum_steps", "checkpointing", "kernels"} <= names
 

@@ -156,6 +156,13 @@ class _Run:
         self._bind_kernels(knobs, compile_backend)
         for spec in (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR):
             knobs.unsupported[spec.name] = LOADER_REASON
+        # HF normalises by the window's num_items_in_batch (labels != -100) when the
+        # model takes it (or with compute_loss_func); else micro-batch means / window size
+        by_tokens = bool(getattr(trainer, "model_accepts_loss_kwargs", False)
+                         or getattr(trainer, "compute_loss_func", None) is not None)
+        options.setdefault("training", {
+            "framework": f"transformers {transformers.__version__}",
+            "loss_normalization": "tokens" if by_tokens else "micro_batch_mean"})
         self.agent = Agent(knobs, name=name, model=trainer.model, device=self.device,
                            transport=transport, **options)
         self.memory = MemoryKnobs(self.device, self.agent.run_id)
