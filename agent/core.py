@@ -297,7 +297,7 @@ class Agent:
                 self._apply_pending(step)
         except Exception as exc:  # the first rule: never crash the training
             self._broken = True
-            self._report_error("hot path", exc)
+            self.report_error("hot path", exc)
 
     def _apply_pending(self, step: int) -> None:
         with self._pending_lock:
@@ -387,7 +387,10 @@ class Agent:
         self._knob_values = self.knobs.values()
         self._announce = True
 
-    def _report_error(self, where: str, exc: BaseException) -> None:
+    def report_error(self, where: str, exc: BaseException) -> None:
+        """An internal error of gpuwatch's (``where``: what failed): logged and published
+        as an ``agent_error`` event once per distinct message; training continues. Any
+        thread."""
         message = f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}"
         if message not in self.errors:
             self.errors.append(message)
@@ -401,7 +404,7 @@ class Agent:
         try:
             self._io_loop(context)
         except Exception as exc:
-            self._report_error("I/O thread", exc)
+            self.report_error("I/O thread", exc)
         finally:
             self._ready.set()
             if self.info is not None:
@@ -551,7 +554,7 @@ class Agent:
         try:
             return function(*args)
         except Exception as exc:
-            self._report_error(where, exc)
+            self.report_error(where, exc)
             return default
 
     def _publish(self, msg_type: str, body: dict[str, Any]) -> None:
@@ -563,11 +566,11 @@ class Agent:
                 self._log.write(message)
             except Exception as exc:  # disk full, ...: go on without the log
                 self._log = None
-                self._report_error("run log", exc)
+                self.report_error("run log", exc)
         try:
             topic, payload = protocol.encode(message)
         except Exception as exc:  # a value msgpack cannot hold: drop this message only
-            self._report_error(f"encoding a {msg_type} message", exc)
+            self.report_error(f"encoding a {msg_type} message", exc)
             return
         try:  # two plain sends: cheaper than send_multipart's Python on this hot I/O path
             self._pub.send(topic, _SEND_MORE)

@@ -43,7 +43,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from agent.adapters import MemoryKnobs, loader_knobs, precision_knob, refuse
+from agent.adapters import (MemoryKnobs, loader_knobs, precision_knob, publish_events,
+                            refuse)
 from agent.core import Agent
 from agent.integrations import WindowMeter
 from agent.knobs import ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, Knob, KnobSet
@@ -229,12 +230,8 @@ class Session:
         """Training thread, after the boundary's commands: events, measurement plan."""
         step = self.step
         if self.model_backend is not None:
-            for kind, text, fields in self.model_backend.pop_events():
-                self.agent.event("info", text, kind=kind, step=step, **fields)
-        snapshot = self._memory.on_optimizer_step()
-        if snapshot is not None:
-            self.agent.event("info", f"memory snapshot written to {snapshot}",
-                             kind="memory_snapshot", path=snapshot, step=step)
+            publish_events(self.agent, step, self.model_backend.pop_events())
+        self._memory.after_step(self.agent, step)
         self._plan_measurement()
 
     def _plan_measurement(self) -> None:

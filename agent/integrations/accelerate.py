@@ -82,7 +82,7 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType
 from accelerate.utils.operations import convert_to_fp32
 
-from agent.adapters import MemoryKnobs, loader_knobs, refuse
+from agent.adapters import MemoryKnobs, loader_knobs, publish_events, refuse
 from agent.core import Agent
 from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, NUM_WORKERS,
@@ -93,7 +93,7 @@ from gpuopt.checkpointing import ActivationCheckpointing, find_blocks
 from gpuopt.data import batch_size
 from gpuopt.kernels.backend import KernelBackendMixin
 from gpuopt.loader import ReconfigurableLoader
-from gpuopt.precision import precision_support, precision_warning
+from gpuopt.precision import ReusableAutocast, precision_support, precision_warning
 
 __all__ = ["AcceleratorRun", "attach"]
 
@@ -178,29 +178,6 @@ def _set_optimizer_scaler(optimizer: Any, scaler: torch.amp.GradScaler | None) -
     if scaler is None:
         optimizer._is_overflow = False  # else the scheduler would skip every later step
     optimizer.scaler = scaler
-
-
-class _Autocast:
-    """Reusable, re-entrant autocast context that follows the ``precision`` knob: each
-    ``with`` enters the autocast current at that moment (none in fp32)."""
-
-    def __init__(self, make_context: Callable[[], Any]) -> None:
-        self._make_context = make_context
-        self._active: list[Any] = []
-
-    def __enter__(self) -> None:
-        context = self._make_context()
-        if context is not None:
-            context.__enter__()
-        self._active.append(context)
-
-    def __exit__(self, *exc_info: Any) -> None:
-        context = self._active.pop()
-        if context is not None:
-            context.__exit__(*exc_info)
-
-    def __call__(self) -> "_Autocast":
-        return self
 
 
 # ---------------------------------------------------------------------- the model's forward
@@ -342,7 +319,7 @@ class AcceleratorRun:
         #: run.autocast:`` or ``with run.autocast():``), e.g. for evaluation code outside
         #: the model's forward; ``accelerator.autocast()`` follows the knob too. Where the
         #: knob is refused, it is ``accelerator.autocast()``.
-        self.autocast = _Autocast(accelerator.autocast)
+        self.autocast = ReusableAutocast(accelerator.autocast)
 
     # ------------------------------------------------------------ the loop's calls
 
@@ -482,13 +459,9 @@ class AcceleratorRun:
             None if loss_sum is None else loss_sum / micro_batches, skipped,
             tokens=tokens, lr=lr, grad_norm=grad_norm)
         if self.backend is not None:
-            for kind, text, fields in self.backend.pop_events():
-                self.agent.event("info", text, kind=kind, step=self.step, **fields)
+            publish_events(self.agent, self.step, self.backend.pop_events())
         if self._memory is not None:
-            path = self._memory.on_optimizer_step()
-            if path is not None:
-                self.agent.event("info", f"memory snapshot written to {path}",
-                                 kind="memory_snapshot", path=path, step=self.step)
+            self._memory.after_step(self.agent, self.step)
 
     def _lr(self) -> float | None:
         if self.optimizer is None:
@@ -629,7 +602,7 @@ class AcceleratorRun:
             precision_reason = compiled_reason
         if precision_reason is None:
             self._precision = _Precision(accelerator, device_type)
-            self.autocast = _Autocast(self._precision.context)
+            self.autocast = ReusableAutocast(self._precision.context)
             knobs.add(Knob(PRECISION, get=lambda: self._precision.precision,
                            set=self._set_precision, check=self._check_precision,
                            warn=lambda value: precision_warning(value, device_type)))

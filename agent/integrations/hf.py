@@ -80,7 +80,7 @@ import transformers
 from transformers import TrainerCallback
 from transformers.utils import is_sagemaker_mp_enabled
 
-from agent.adapters import MemoryKnobs
+from agent.adapters import MemoryKnobs, publish_events
 from agent.core import Agent
 from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, NUM_WORKERS, PIN_MEMORY,
@@ -421,7 +421,7 @@ class _Run:
             if self.misaligned and self.micro_index < self.window_end:
                 self.trainer.args.gradient_accumulation_steps = self._window_gas(self.micro_index)
         except Exception as exc:  # never crash the training over a measurement
-            self.agent._report_error("hf training_step", exc)
+            self.agent.report_error("hf training_step", exc)
         return loss
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any,
@@ -542,12 +542,8 @@ class _Run:
         self.agent.optimizer_step(step, max(micro_batches, 1), samples, wait_s, loss, skipped,
                                   tokens=tokens, lr=self.lr, grad_norm=grad_norm)
         if self.forward is not None:
-            for kind, text, fields in self.forward.pop_events():
-                self.agent.event("info", text, kind=kind, step=step, **fields)
-        snapshot = self.memory.on_optimizer_step()
-        if snapshot is not None:
-            self.agent.event("info", f"memory snapshot written to {snapshot}",
-                             kind="memory_snapshot", path=snapshot, step=step)
+            publish_events(self.agent, step, self.forward.pop_events())
+        self.memory.after_step(self.agent, step)
 
     def prediction_step(self, state: Any) -> None:
         if not self._evaluating:
@@ -618,7 +614,6 @@ class _Forward:
         self.policy = policy
         self.compiled: Any = None  # a gpuopt.compile.CompiledModel, made once
         self.target: Callable[..., Any] = inner
-        self._was_compiling = False
 
     @property
     def kernels(self) -> str:
@@ -644,22 +639,9 @@ class _Forward:
         return convert_to_fp32(outputs)
 
     def pop_events(self) -> list[tuple[str, str, dict[str, Any]]]:
-        """Compile events since the last call, as :meth:`gpuopt.backends.ModelBackend.
-        pop_events` gives them; empty and free when compile was never used."""
-        if self.compiled is None:
-            return []
-        events = [("compile_note", text, {}) for text in self.compiled.pop_events()]
-        compiling = self.compiled.compiling
-        if compiling and not self._was_compiling:
-            events.append(("compiling", f"compiling the model ({self.compiled.backend}): "
-                           "the next steps are slow", {}))
-        elif self._was_compiling and not compiling:
-            seconds = self.compiled.compile_time_s
-            events.append(("compiled", f"compiled ({self.compiled.backend}); "
-                           f"{seconds:.1f} s spent compiling so far",
-                           {"compile_time_s": seconds}))
-        self._was_compiling = compiling
-        return events
+        """Compile events since the last call (see :meth:`gpuopt.compile.CompiledModel.
+        pop_step_events`); empty and free when compile was never used."""
+        return [] if self.compiled is None else self.compiled.pop_step_events()
 
 
 def _has_length(dataset: Any) -> bool:
@@ -740,7 +722,7 @@ class GpuwatchCallback(TrainerCallback):
             what()
         except Exception as exc:
             self._failed = True
-            self.run.agent._report_error("hf callback", exc)
+            self.run.agent.report_error("hf callback", exc)
 
     def on_train_begin(self, args, state, control, **kwargs):  # noqa: D102
         if self.run is None and not self._failed:

@@ -115,7 +115,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
-from agent.adapters import MemoryKnobs, loader_knobs, precision_knob, refuse
+from agent.adapters import (MemoryKnobs, loader_knobs, precision_knob, publish_events,
+                            refuse)
 from agent.core import Agent
 from agent.integrations import WindowMeter
 from agent.knobs import ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, Knob, KnobSet
@@ -643,13 +644,8 @@ class _Run:
         self.agent.optimizer_step(self.step, max(micro_batches, 1), samples, wait_s, loss,
                                   skipped, None, tokens=tokens, lr=lr, grad_norm=grad_norm)
         if self.kernels is not None:
-            for kind, text, fields in self.kernels.events():
-                self.agent.event("warning" if kind == "warning" else "info", text,
-                                 kind=kind, step=self.step, **fields)
-        snapshot = self.memory.on_optimizer_step()
-        if snapshot is not None:
-            self.agent.event("info", f"memory snapshot written to {snapshot}",
-                             kind="memory_snapshot", path=snapshot, step=self.step)
+            publish_events(self.agent, self.step, self.kernels.events())
+        self.memory.after_step(self.agent, self.step)
 
     # ------------------------------------------------------------ events
 
