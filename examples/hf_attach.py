@@ -46,7 +46,8 @@ def main():
     vocab = CharVocabulary.from_text(text)
     dataset = CharWindows(vocab.encode(text), block_size=64)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_positions=64, n_embd=128,
-                                       n_layer=4, n_head=4))
+                                       n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0))
+    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name maps to no loss type in HF 5
     output_dir = tempfile.mkdtemp(prefix="gpuwatch-hf-")
     trainer = Trainer(model=model, train_dataset=dataset, args=TrainingArguments(
         output_dir=output_dir, max_steps=args.max_steps, per_device_train_batch_size=16,
