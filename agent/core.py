@@ -57,6 +57,17 @@ COMMANDS_PER_S = 200
 #: what a flood of large messages can make the training process hold.
 _COMMAND_QUEUE = 64
 _MAX_COMMAND_BYTES = 64 * 1024
+#: Largest message a subscriber may send the PUB socket (a subscription: a topic of a
+#: few bytes); a larger one disconnects it (a 100 MB "subscription" is never held).
+_MAX_SUBSCRIPTION_BYTES = 1024
+#: A connection that has not completed its handshake (CURVE on tcp) by then is closed:
+#: a peer without the run's key holds a file descriptor this long at most (ms).
+_HANDSHAKE_MS = 2000
+#: New subscribers are greeted (hello + state, on the wire only) at most this often;
+#: those who come in between share the next greeting.
+GREETINGS_PER_S = 2
+#: Subscription frames read per wake-up at most (the rest wait for the next one).
+_MAX_SUBSCRIPTIONS_PER_POLL = 1000
 _SEND_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _SEND_LAST = int(zmq.NOBLOCK)
 #: How far ahead a command may be scheduled (optimizer steps).
@@ -390,9 +401,8 @@ class Agent:
             self._ready.set()
             if self.info is not None:
                 remove_run_file(self.info)
-                for endpoint in (self.info.pub_endpoint, self.info.cmd_endpoint):
-                    if endpoint.startswith("ipc://"):
-                        Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
+            for path in self._ipc_paths:  # bound, even if the run file never came
+                Path(path).unlink(missing_ok=True)
             if self._pub is not None:
                 self._pub.close(linger=500)  # let bye and the last records leave
             if self._log is not None:
@@ -402,8 +412,11 @@ class Agent:
             context.destroy(linger=0)
 
     def _secure(self, context: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> dict[str, str]:
-        """CURVE for a run that listens beyond this machine: a server key pair, and one
-        client key pair that the authenticator accepts (ZAP, on its own thread)."""
+        """CURVE for every tcp run (loopback is shared with every local user): a server
+        key pair, and one client key pair that the authenticator accepts (ZAP, on its
+        own thread); both go in the owner-only run file. A client without them gets
+        nothing; one with them knows it reached this process (only it holds the server's
+        secret key), so a port taken over after the run ended is never trusted."""
         from zmq.auth.thread import ThreadAuthenticator
 
         server_public, server_secret = zmq.curve_keypair()
@@ -420,8 +433,23 @@ class Agent:
                 "curve_client_public_key": client_public.decode(),
                 "curve_client_secret_key": client_secret.decode()}
 
+    #: ipc socket files this agent bound (removed at exit, run file or not)
+    _ipc_paths: tuple[str, ...] = ()
+    #: a new subscriber waits for its greeting; when the next one may be sent
+    _greet_due = False
+    _next_greeting = 0.0
+
     def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
-        holder = rank_taken(self.run_id, self.rank)
+        """Bind the sockets, open the run log and write the run file.
+
+        Raises:
+            agent.runs.UnsafeDirectoryError, OSError: the run directory is refused or
+                cannot be made (the agent then stays inert: training goes on
+                unobserved). A run log that cannot be opened is not an error: the run
+                goes on without one, and an event says why.
+        """
+        directory = run_dir()  # resolved and checked once, used for all that follows
+        holder = rank_taken(self.run_id, self.rank, directory)
         if holder is not None:  # never take over another job's sockets and run file
             taken, self.run_id = self.run_id, new_run_id()
             self.event("warning", f"run id {taken} rank {self.rank} is in use by pid "
@@ -432,17 +460,21 @@ class Agent:
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, to greet each newcomer
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
         router = context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, _MAX_COMMAND_BYTES)
         router.setsockopt(zmq.RCVHWM, _COMMAND_QUEUE)
-        keys = self._secure(context, (pub, router)) if self.listen else {}
+        for socket in (pub, router):
+            socket.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
+        keys = self._secure(context, (pub, router)) if self.transport == "tcp" else {}
         endpoints = []
         if self.transport == "ipc":
-            base = run_dir() / f"{self.run_id}.r{self.rank}"
+            base = directory / f"{self.run_id}.r{self.rank}"
             for socket, suffix in ((pub, "pub"), (router, "cmd")):
                 endpoint = f"ipc://{base}.{suffix}"
                 socket.bind(endpoint)
+                self._ipc_paths += (f"{base}.{suffix}",)
                 os.chmod(f"{base}.{suffix}", 0o600)
                 endpoints.append(endpoint)
         else:
@@ -451,15 +483,23 @@ class Agent:
             for socket in (pub, router):
                 port = socket.bind_to_random_port(f"tcp://{address}")
                 endpoints.append(f"tcp://{shown}:{port}")
-        self._log = self._guard("run log", RunLog,
-                                log_dir() / f"{self.run_id}.rank{self.rank}.jsonl")
+        self._log = self._guard("run log", self._open_log)
         self.info = RunInfo(run_id=self.run_id, rank=self.rank, world_size=self.world_size,
                             pid=os.getpid(), pub_endpoint=endpoints[0],
                             cmd_endpoint=endpoints[1], token=self.token,
                             started_at=self._started_at, name=self.name,
                             log_path=str(self._log.path) if self._log else "", **keys)
-        write_run_file(self.info)
+        write_run_file(self.info, directory)
         return pub, router
+
+    def _open_log(self) -> RunLog:
+        """The run log of this rank, in :func:`agent.runlog.log_dir`.
+
+        Raises:
+            agent.runs.UnsafeDirectoryError, agent.runlog.UnsafeLogFileError, OSError:
+                the directory or the file is refused or cannot be made.
+        """
+        return RunLog(log_dir() / f"{self.run_id}.rank{self.rank}.jsonl")
 
     def _io_loop(self, context: zmq.Context) -> None:
         pub, router = self._bind(context)
@@ -486,7 +526,7 @@ class Agent:
                 if budget <= 0:
                     poller.register(router, zmq.POLLIN)
                 budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
-            if pub in ready:
+            if pub in ready or self._greet_due:
                 self._guard("greeting", self._greet_subscribers, pub)
             previous_marker = self._guard(
                 "step publishing", self._publish_records, in_flight, previous_marker,
@@ -516,17 +556,24 @@ class Agent:
 
     def _greet_subscribers(self, pub: zmq.Socket) -> None:
         """A new subscriber gets ``hello`` and ``state`` at once (no wait for the next
-        periodic ``hello``)."""
-        greet = False
-        while True:
+        periodic ``hello``), or, when subscriptions come faster than
+        :data:`GREETINGS_PER_S`, with the next greeting allowed, one for all who came in
+        between. Greetings go on the wire only, not in the run log (which has the
+        ``hello`` it starts with and the periodic ones), and repeat the latest ``seq``:
+        resubscribing in a loop can neither fill the log nor look like lost records."""
+        for _ in range(_MAX_SUBSCRIPTIONS_PER_POLL):
             try:
                 frame = pub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            greet = greet or frame[:1] == b"\x01"
-        if greet:
-            self._publish(protocol.HELLO, self._hello())
-            self._publish(protocol.STATE, {"knobs": self._knob_values, "step": self._last_step})
+            self._greet_due = self._greet_due or frame[:1] == b"\x01"
+        now = time.monotonic()
+        if self._greet_due and now >= self._next_greeting:
+            self._greet_due = False
+            self._next_greeting = now + 1.0 / GREETINGS_PER_S
+            self._publish(protocol.HELLO, self._hello(), logged=False)
+            self._publish(protocol.STATE, {"knobs": self._knob_values, "step": self._last_step},
+                          logged=False)
 
     def _guard(self, where: str, function: Any, *args: Any, default: Any = None) -> Any:
         try:
@@ -535,11 +582,14 @@ class Agent:
             self._report_error(where, exc)
             return default
 
-    def _publish(self, msg_type: str, body: dict[str, Any]) -> None:
-        self._seq += 1
+    def _publish(self, msg_type: str, body: dict[str, Any], logged: bool = True) -> None:
+        """Send one message (and append it to the run log). ``logged=False``: a repeat
+        for new subscribers, sent with the latest ``seq`` and not logged."""
+        if logged:
+            self._seq += 1
         message = protocol.envelope(msg_type, body, run=self.run_id, rank=self.rank,
                                     seq=self._seq)
-        if self._log is not None:
+        if self._log is not None and logged:
             try:
                 self._log.write(message)
             except Exception as exc:  # disk full, ...: go on without the log
@@ -668,7 +718,8 @@ class Agent:
     def _heartbeat(self) -> dict[str, Any]:
         return {"step": self._last_step, "ending": self._ending,
                 "records_dropped": self.records_dropped, "errors": len(self.errors),
-                "commands_refused": self.commands_refused}
+                "commands_refused": self.commands_refused,
+                "commands_rejected": self.commands_rejected}
 
     def _hello(self) -> dict[str, Any]:
         if not hasattr(self, "_env_report"):
@@ -682,6 +733,7 @@ class Agent:
             "env": self._env_report, "knobs": self.knobs.schema(),
             "log_path": self.info.log_path if self.info else "",
             "knob_values": self._knob_values,
+            "errors": self.errors[-10:],  # what a dashboard that comes late missed
         }
 
     # ---------------------------------------------------------------- commands

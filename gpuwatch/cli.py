@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import zmq
 
 from agent import protocol
+from agent.protocol import printable
 from agent.runs import RunInfo, find_run, list_runs, run_dir
 from gpuwatch.units import human_age, human_ms, human_number
 
@@ -34,8 +35,10 @@ DEMO_STOP_TIMEOUT_S = 20.0
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gpuwatch`` command line; returns the exit status.
 
-    Exit status: 0 success; 1 no live run, a rejected or unanswered command, or a
-    failed child; 2 bad usage (from argparse).
+    Exit status: 0 success; 1 no live run, a rejected or unanswered command, a failed
+    child, a run directory that is refused (another user's, a symbolic link, too open)
+    or another error of the system (said in one line, no traceback); 2 bad usage (from
+    argparse).
     """
     args = _parser().parse_args(_with_default_command(
         list(sys.argv[1:] if argv is None else argv)))
@@ -43,6 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:  # UnsafeDirectoryError among them: a squatted run directory
+        print(f"gpuwatch: {printable(str(exc))}", file=sys.stderr)
+        return 1
 
 
 def _with_default_command(argv: list[str]) -> list[str]:
@@ -174,8 +180,9 @@ def _runs(args: argparse.Namespace) -> int:
         return 0
     now = time.time()
     rows = [("RUN", "RANK", "PID", "NAME", "AGE", "ENDPOINT")] + [
-        (info.run_id, f"{info.rank}/{info.world_size}", str(info.pid), info.name or "-",
-         human_age(now - info.started_at), info.pub_endpoint) for info in runs]
+        (printable(info.run_id, protocol.MAX_NAME_CHARS), f"{info.rank}/{info.world_size}",
+         str(info.pid), printable(info.name or "-", protocol.MAX_NAME_CHARS),
+         human_age(now - info.started_at), printable(info.pub_endpoint)) for info in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
@@ -194,7 +201,8 @@ def _set(args: argparse.Namespace) -> int:
     if info is None:
         return _no_run(args.run)
     reply = send_command(info, knob, value, timeout_s=args.timeout)
-    print(reply_text(knob, value, reply), file=sys.stdout if reply.get("ok") else sys.stderr)
+    print(printable(reply_text(knob, value, reply)),
+          file=sys.stdout if reply.get("ok") else sys.stderr)
     return 0 if reply.get("ok") else 3 if reply.get("ranks_differ") else 1
 
 
@@ -242,7 +250,8 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                 try:
                     messages = reader.read()
                 except OSError as exc:
-                    print(f"gpuwatch tail: cannot read {path}: {exc}", file=sys.stderr)
+                    print(printable(f"gpuwatch tail: cannot read {path}: {exc}"),
+                          file=sys.stderr)
                     return 1
                 for message in messages:
                     if _print_record(message, as_json=args.json):
@@ -276,7 +285,7 @@ def _print_record(message: dict[str, Any], *, as_json: bool) -> bool:
         line = protocol.to_json_line(message).decode().rstrip("\n")
     if line is None:
         return False
-    sys.stdout.buffer.write(line.encode() + b"\n")
+    sys.stdout.buffer.write(printable(line).encode() + b"\n")
     return True
 
 
