@@ -330,3 +330,254 @@ def test_socket_files_of_a_killed_run_are_removed_with_its_run_file(run_dir):
     assert runs.list_runs() == []  # ... and the next look cleans them
     assert not Path(info.path).exists()
     assert not any(path.exists() for path in sockets)
+
+
+# --- V4: terminal escape injection ---------------------------------------------------
+
+#: What a hostile run or log writes: OSC 52 (sets the clipboard), a window title, a
+#: screen clear, a C1 CSI and a right-to-left override, each with a marker after it.
+EVIL = ("EVIL \x1b]52;c;UFdORUQ=\x07 \x1b]0;PWNED-TITLE\x07 \x1b[2JCLEARED "
+        "\x9b2JC1 \u202eBIDI END")
+#: Their raw bytes: none may reach a terminal.
+RAW = (b"\x1b]52;", b"\x1b]0;PWNED", b"\x1b[2JCLEARED", b"\xc2\x9b", "\u202e".encode())
+
+
+def assert_no_raw_sequences(output: bytes) -> None:
+    for raw in RAW:
+        assert raw not in output, f"{raw!r} reached the terminal"
+
+
+def test_printable_shows_every_control_character_one_for_one():
+    text = "".join(map(chr, [*range(0x20), 0x7F, *range(0x80, 0xA0)])) + \
+        "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c" + \
+        "\u2028\u2029\ud800 ok é 中"
+    shown = protocol.printable(text)
+    assert len(shown) == len(text) and shown.endswith(" ok é 中")
+    assert shown.isprintable()
+    assert shown[0x1B] == "␛" and shown[0x0A] == "␊" and shown[0x20] == "␡"
+    assert protocol.printable(shown) == shown  # idempotent
+    assert protocol.printable("a\nb", newlines=True) == "a\nb"
+    assert protocol.printable("x" * 50, limit=10) == "x" * 9 + "…"
+    plain = "step 12 loss 0.5"
+    assert protocol.printable(plain) is plain  # the common case: no copy
+
+
+def crafted_log(path: Path, run_id: str = "20250101-000000-evil") -> list[dict]:
+    t = time.time()
+    records = [
+        {"type": "hello", "run": run_id, "rank": 0, "seq": 1, "t": t, "name": EVIL,
+         "device": EVIL, "world_size": 1,
+         "knobs": [{"name": "precision", "kind": "choice",
+                    "choices": ["fp32", EVIL], "help": EVIL}]},
+        {"type": "system", "run": run_id, "rank": 0, "seq": 2, "t": t, "cpu_pct": 1.0,
+         "gpus": [], "gpu_status": EVIL},
+        {"type": "step", "run": run_id, "rank": 0, "seq": 3, "t": t, "step": 1,
+         "step_time_s": 0.01, "loss": 1.0, "knobs": {"precision": EVIL},
+         "input_verdict": EVIL, "data_wait_share_window": 0.1},
+        {"type": "event", "run": run_id, "rank": 0, "seq": 4, "t": t, "level": "error",
+         "text": EVIL},
+        {"type": "bye", "run": run_id, "rank": 0, "seq": 5, "t": t, "reason": EVIL,
+         "steps": 1},
+    ]
+    with open(path, "w") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+    return records
+
+
+def dashboard_output(terminal, until: bytes = b"PWNED-TITLE", timeout_s: float = 60,
+                     poke=None):
+    """Wait until the dashboard drew ``until`` (in its visible form), calling ``poke``
+    every half second meanwhile (to say it again to a dashboard that came late), press
+    q, and return everything it wrote to the terminal."""
+    deadline = time.monotonic() + timeout_s
+    next_poke = 0.0
+    while until not in terminal.output:
+        assert terminal.process.poll() is None, bytes(terminal.output[-2000:])
+        assert time.monotonic() < deadline, bytes(terminal.output[-2000:])
+        if poke is not None and time.monotonic() >= next_poke:
+            next_poke = time.monotonic() + 0.5
+            poke()
+        time.sleep(0.05)
+    terminal.type(b"q")
+    assert terminal.process.wait(60) == 0
+    return bytes(terminal.output)
+
+
+def test_a_crafted_run_log_in_replay_writes_no_control_sequence(tmp_path, run_dir):
+    from tests.test_end_to_end import Terminal
+
+    path = tmp_path / "evil\x1b]0;PWNED-FILE\x07.jsonl"  # its name too
+    crafted_log(path)
+    terminal = Terminal("replay", str(path))
+    try:
+        output = dashboard_output(terminal)
+    finally:
+        terminal.close()
+    assert_no_raw_sequences(output)
+    assert b"\x1b]0;PWNED-FILE" not in output
+    assert "␛]0;PWNED-TITLE␇".encode() in output  # shown, as text
+
+
+def test_a_hostile_agent_writes_no_control_sequence_to_the_live_dashboard(make_agent):
+    from tests.test_end_to_end import Terminal
+
+    agent = make_agent(knobs={"precision": EVIL, "accum_steps": 1},
+                       step_fields={"input_verdict": EVIL},
+                       run_id="20250101-000000-evil" + EVIL[:12])
+    terminal = Terminal("20250101-000000-evil")
+    try:
+        output = dashboard_output(terminal, poke=lambda: agent.publish(
+            "event", {"level": "warning", "text": EVIL}))
+    finally:
+        terminal.close()
+    assert_no_raw_sequences(output)
+
+
+def test_tail_runs_and_set_print_no_control_sequence(tmp_path, make_agent, run_dir):
+    path = tmp_path / "evil.jsonl"
+    records = crafted_log(path)
+    human = subprocess.run([sys.executable, "-m", "gpuwatch", "tail", str(path)],
+                           capture_output=True, timeout=60)
+    assert human.returncode == 0, human.stderr
+    assert_no_raw_sequences(human.stdout)
+    assert "␛]0;PWNED-TITLE␇".encode() in human.stdout
+    exact = subprocess.run([sys.executable, "-m", "gpuwatch", "tail", "--json", str(path)],
+                           capture_output=True, timeout=60)
+    assert [json.loads(line) for line in exact.stdout.splitlines()] == records  # exact
+
+    agent = make_agent(knobs={"precision": EVIL, "accum_steps": 1}, refuse=EVIL)
+    live = subprocess.run([sys.executable, "-m", "gpuwatch", "tail", "--count", "5",
+                           agent.run_id], capture_output=True, timeout=60)
+    assert live.returncode == 0, live.stderr
+    assert b"precision=EVIL" in live.stdout
+    assert_no_raw_sequences(live.stdout)
+    refused = subprocess.run([sys.executable, "-m", "gpuwatch", "set", "accum_steps=2",
+                              "--run", agent.run_id], capture_output=True, timeout=60)
+    assert refused.returncode == 1 and b"EVIL" in refused.stderr
+    assert_no_raw_sequences(refused.stdout + refused.stderr)
+    named = runs.RunInfo(run_id="20250101-000000-name", rank=0, world_size=1,
+                         pid=os.getpid(), pub_endpoint="ipc:///nowhere" + EVIL,
+                         cmd_endpoint="", token="t", started_at=time.time(), name=EVIL)
+    runs.write_run_file(named, Path(run_dir))
+    listing = subprocess.run([sys.executable, "-m", "gpuwatch", "runs"],
+                             capture_output=True, timeout=60)
+    assert listing.returncode == 0 and b"EVIL" in listing.stdout
+    assert_no_raw_sequences(listing.stdout)
+
+
+# --- an unbounded dashboard ----------------------------------------------------------
+
+#: The most memory the dashboard may take, whatever comes (issue 11).
+DASHBOARD_RSS_LIMIT = 200 << 20
+
+
+def test_the_state_keeps_bounded_texts_knobs_and_ranks():
+    from gpuwatch import state as state_module
+
+    state = state_module.RunState(primary_rank=0)
+    huge = "x" * 1_000_000
+
+    def envelope(msg_type, body, rank=0):
+        return protocol.envelope(msg_type, body, run="r", rank=rank)
+
+    state.ingest(envelope("hello", {"name": huge, "knobs": [
+        {"name": f"k{i}", "kind": "int"} for i in range(10_000)] + [{"name": huge}],
+        "env": {"deep": [[[[[[[[huge]]]]]]]], "wide": list(range(100_000))}}))
+    state.ingest(envelope("event", {"level": "error", "text": huge}))
+    state.ingest(envelope("step", {"step": 1, "knobs": {f"k{i}": huge for i in range(5000)}}))
+    for rank in range(1, 5000):
+        state.ingest(envelope("event", {"level": "warning", "text": huge}, rank=rank))
+        state.ingest(envelope("step", {"step": 1, "step_time_s": 0.1,
+                                       "knobs": {"a": huge}}, rank=rank))
+    assert len(state.hello["name"]) == protocol.MAX_TEXT_CHARS
+    assert len(state.schema) == state_module.MAX_KNOBS
+    assert len(state.hello["env"]["wide"]) == state_module.MAX_ITEMS
+    assert max(len(entry.text) for entry in state.events) <= protocol.MAX_TEXT_CHARS
+    assert len(state.knobs) <= state_module.MAX_KNOBS
+    assert all(len(value) <= protocol.MAX_TEXT_CHARS for value in state.knobs.values())
+    assert len(state.ranks) <= state_module.MAX_RANKS + 1
+
+
+class MemoryWatch:
+    """The largest RSS of a process, sampled every 50 ms by a thread until stopped."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        import psutil
+
+        self.peak = 0
+        self._process = psutil.Process(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.05):
+            try:
+                self.peak = max(self.peak, self._process.memory_info().rss)
+            except psutil.Error:
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def test_a_flood_of_1_mb_records_and_event_texts_keeps_the_dashboard_bounded(run_dir):
+    from tests.test_end_to_end import Terminal
+
+    run_id = "20250101-000000-flod"
+    flood = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "flood_agent.py"), run_id, "1500",
+         str(1_000_000)], env=job_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    terminal = None
+    try:
+        assert flood.stdout.readline().strip() == "ready"
+        terminal = Terminal(run_id)
+        memory = MemoryWatch(terminal.process.pid)
+        deadline = time.monotonic() + 120
+        while b"FLOOD" not in terminal.output:  # it is drawing the flood
+            assert terminal.process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert flood.stdout.readline().startswith("flooded")  # 3 GB sent its way
+        terminal.type(b"q")
+        assert terminal.process.wait(60) == 0  # q is answered (no speed asserted)
+        peak = memory.stop()
+    finally:
+        flood.stdin.close()
+        flood.wait(30)
+        if terminal is not None:
+            terminal.close()
+    print(f"dashboard RSS peaked at {peak / 2**20:.0f} MiB")
+    assert peak < DASHBOARD_RSS_LIMIT, f"dashboard RSS peaked at {peak / 2**20:.0f} MiB"
+
+
+def test_a_crafted_log_of_1_mb_event_texts_replays_bounded(tmp_path, run_dir):
+    from tests.test_end_to_end import Terminal
+
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as handle:
+        handle.write(json.dumps({"type": "hello", "run": "r", "rank": 0, "seq": 0,
+                                 "t": time.time(), "name": "big", "knobs": []}) + "\n")
+        for index in range(40):
+            handle.write(json.dumps({"type": "event", "run": "r", "rank": 0,
+                                     "seq": index + 1, "t": time.time(), "level": "info",
+                                     "text": f"BIG{index} " + "B" * 1_000_000}) + "\n")
+        handle.write(json.dumps({"type": "bye", "run": "r", "rank": 0, "seq": 41,
+                                 "t": time.time(), "reason": "ALL-READ", "steps": 0}) + "\n")
+    terminal = Terminal("replay", str(path))
+    memory = MemoryWatch(terminal.process.pid)
+    try:
+        output = dashboard_output(terminal, until=b"ALL-READ")  # drawn after the rest
+        peak = memory.stop()
+    finally:
+        terminal.close()
+    assert output.count(b"B" * 1000) < 100  # what is drawn is cut
+    print(f"dashboard RSS peaked at {peak / 2**20:.0f} MiB")
+    assert peak < DASHBOARD_RSS_LIMIT, f"dashboard RSS peaked at {peak / 2**20:.0f} MiB"

@@ -15,9 +15,11 @@ slowest rank in the header) and their warnings and errors reach the log.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import zmq
 
+from agent import protocol
 from agent.runs import RunInfo, list_runs, run_ranks
 from gpuwatch import state as run_state
 from gpuwatch.client import Subscriber
@@ -25,8 +27,12 @@ from gpuwatch.sources import Source
 
 #: How long the thread waits for a message before checking whether to stop (s).
 POLL_S = 0.1
-#: Messages folded per lock acquisition at most, so the app never waits long.
+#: Messages received per wake-up at most, and bytes and seconds spent decoding them:
+#: they are decoded outside the lock and folded under it in one go, so the app never
+#: waits long for the lock, whatever comes (1 MB records, floods).
 BATCH = 1000
+BATCH_BYTES = 4 << 20
+BATCH_S = 0.02
 #: While the run is gone, how often its run file is looked for again (s).
 RECHECK_S = 1.0
 
@@ -77,13 +83,14 @@ class LiveSource(Source):
                         continue
                 else:
                     heard_at = now
+                batch = self._receive(ready)
                 with self.lock:
-                    for ready_subscriber in ready:
-                        for _ in range(BATCH):
-                            frames = ready_subscriber.recv_frames(0)
-                            if frames is None:
-                                break
-                            self.state.ingest_frames(frames, now)
+                    for message in batch:
+                        if message is None:
+                            self.state.malformed += 1
+                            self.state.version += 1
+                        else:
+                            self.state.ingest(message, now)
                     hello = self.state.hello
                     speaker = (hello.get("pid"), hello.get("started_at")) if hello else None
                 adopted = (self._info.pid, self._info.started_at)
@@ -95,6 +102,27 @@ class LiveSource(Source):
             subscriber.close()
             for other in self._others.values():
                 other.close()
+
+    @staticmethod
+    def _receive(ready: list[Subscriber]) -> list[dict[str, Any] | None]:
+        """Decoded envelopes waiting on the ``ready`` subscribers (None for a malformed
+        one): at most :data:`BATCH` messages, :data:`BATCH_BYTES` bytes and about
+        :data:`BATCH_S` seconds of decoding; the rest waits for the next wake-up."""
+        batch: list[dict[str, Any] | None] = []
+        size, deadline = 0, time.monotonic() + BATCH_S
+        for subscriber in ready:
+            while len(batch) < BATCH and size < BATCH_BYTES:
+                frames = subscriber.recv_frames(0)
+                if frames is None:
+                    break
+                size += sum(len(frame) for frame in frames)
+                try:
+                    batch.append(protocol.decode_frames(frames))
+                except protocol.ProtocolError:
+                    batch.append(None)
+                if time.monotonic() > deadline:
+                    return batch
+        return batch
 
     @staticmethod
     def _poll(subscribers: list[Subscriber]) -> list[Subscriber]:
