@@ -63,6 +63,8 @@ _MAX_SUBSCRIPTION_BYTES = 1024
 #: A connection that has not completed its handshake (CURVE on tcp) by then is closed:
 #: a peer without the run's key holds a file descriptor this long at most (ms).
 _HANDSHAKE_MS = 2000
+#: How long the tcp gateway may take to start and bind (s).
+_GATEWAY_START_S = 30.0
 #: New subscribers are greeted (hello + state, on the wire only) at most this often;
 #: those who come in between share the next greeting.
 GREETINGS_PER_S = 2
@@ -132,12 +134,15 @@ class Agent:
         model: the model, for its parameter count in ``hello`` (optional).
         device: the model's device; CUDA enables event timing and CUDA memory fields.
         transport: ``"ipc"`` (a socket file in the private run directory) or ``"tcp"``
-            (127.0.0.1, random ports). Both are local to this machine.
+            (127.0.0.1, random ports). A tcp run's ports use ZeroMQ CURVE, loopback
+            included (loopback is shared with every local user): traffic is encrypted
+            and only a client holding the run's client key (kept in the owner-only run
+            file) may connect; they are bound by a child process, the gateway
+            (:mod:`agent.gateway`), which forwards to the agent's private ipc sockets,
+            so no tcp client can make the training process hold connections, file
+            descriptors or buffers. Commands still need the token.
         listen: an address other than 127.0.0.1 to listen on with tcp (e.g.
-            ``"0.0.0.0"``), for a dashboard on another machine. Then both sockets use
-            ZeroMQ CURVE: traffic is encrypted and only a client holding the run's client
-            key (kept in the owner-only run file) may connect; commands still need the
-            token.
+            ``"0.0.0.0"``), for a dashboard on another machine (CURVE as above).
         rank, world_size: default from ``torch.distributed`` when initialised, else the
             ``RANK`` / ``WORLD_SIZE`` environment variables, else 0 / 1.
         queue_size: bound of the record queue; when the I/O thread falls that far
@@ -179,7 +184,6 @@ class Agent:
         self.model_name = type(model).__name__ if model is not None else ""
         self.info: RunInfo | None = None
         self._pub: zmq.Socket | None = None
-        self._authenticator: Any = None
         self._log: RunLog | None = None
         self._marker = marker_for(self.device)
         self._records: deque = deque(maxlen=queue_size)
@@ -407,34 +411,98 @@ class Agent:
                 self._pub.close(linger=500)  # let bye and the last records leave
             if self._log is not None:
                 self._guard("run log", self._log.close)
-            if self._authenticator is not None:
-                self._authenticator.stop()
+            self._guard("tcp gateway", self._stop_gateway)
             context.destroy(linger=0)
 
-    def _secure(self, context: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> dict[str, str]:
-        """CURVE for every tcp run (loopback is shared with every local user): a server
-        key pair, and one client key pair that the authenticator accepts (ZAP, on its
-        own thread); both go in the owner-only run file. A client without them gets
-        nothing; one with them knows it reached this process (only it holds the server's
-        secret key), so a port taken over after the run ended is never trusted."""
-        from zmq.auth.thread import ThreadAuthenticator
+    def _start_gateway(self, pub_endpoint: str, cmd_endpoint: str) -> dict[str, str]:
+        """Start the tcp side of this run in a child process (:mod:`agent.gateway`):
+        tcp ports with CURVE, forwarding to this agent's private ipc sockets, so that
+        what a tcp client makes a process hold (connections, descriptors, buffers) is
+        never held by the training process. Its keys go in the owner-only run file: a
+        client without them gets nothing, one with them knows it reached this run (only
+        the gateway holds the server's secret key), so a port taken over after the run
+        ended is never trusted.
 
+        Returns:
+            The run file's ``pub_endpoint``, ``cmd_endpoint`` and CURVE key fields.
+
+        Raises:
+            OSError: the gateway could not be started or did not bind (it says why).
+        """
+        import json
+        import select
+        import subprocess
+
+        if not sys.executable:
+            raise OSError("no Python executable to start the tcp gateway with")
         server_public, server_secret = zmq.curve_keypair()
         client_public, client_secret = zmq.curve_keypair()
-        self._authenticator = ThreadAuthenticator(context)
-        self._authenticator.start()
-        self._authenticator.configure_curve_callback(
-            domain="*", credentials_provider=_OneClientKey(client_public))
-        for socket in sockets:
-            socket.curve_secretkey = server_secret
-            socket.curve_publickey = server_public
-            socket.curve_server = True
-        return {"curve_server_key": server_public.decode(),
+        self._gateway_id = b"gpuwatch-gateway-" + secrets.token_bytes(8)
+        address = self.listen or "127.0.0.1"
+        settings = {"pub": pub_endpoint, "cmd": cmd_endpoint, "address": address,
+                    "server_public": server_public.decode(),
+                    "server_secret": server_secret.decode(),
+                    "client_public": client_public.decode(),
+                    "routing_id": self._gateway_id.hex()}
+        home = str(Path(__file__).resolve().parent.parent)  # where `agent` is imported from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            part for part in (home, os.environ.get("PYTHONPATH", "")) if part)}
+        gateway = subprocess.Popen([sys.executable, "-m", "agent.gateway"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   env=env, close_fds=True)
+        self._gateway = gateway
+        gateway.stdin.write(json.dumps(settings).encode() + b"\n")
+        gateway.stdin.flush()
+        readable, _, _ = select.select([gateway.stdout], [], [], _GATEWAY_START_S)
+        line = gateway.stdout.readline() if readable else b""
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = {"error": f"no answer within {_GATEWAY_START_S:.0f} s"}
+        if "error" in answer or not isinstance(answer.get("pub_port"), int):
+            raise OSError(f"the tcp gateway did not start: {answer.get('error', answer)}")
+        shown = "127.0.0.1" if address in ("0.0.0.0", "*") else address
+        return {"pub_endpoint": f"tcp://{shown}:{answer['pub_port']}",
+                "cmd_endpoint": f"tcp://{shown}:{answer['cmd_port']}",
+                "curve_server_key": server_public.decode(),
                 "curve_client_public_key": client_public.decode(),
                 "curve_client_secret_key": client_secret.decode()}
 
+    def _gateway_gone(self) -> None:
+        """The gateway died (killed?): the run file names the private ipc sockets
+        instead, so this user's dashboards find the run again; an event says so."""
+        status = self._gateway.returncode
+        self._stop_gateway()
+        assert self.info is not None
+        self.info.pub_endpoint, self.info.cmd_endpoint = (
+            f"ipc://{path}" for path in self._ipc_paths)
+        self.info.curve_server_key = self.info.curve_client_public_key = ""
+        self.info.curve_client_secret_key = ""
+        write_run_file(self.info, Path(self.info.path).parent)
+        self._report_error("tcp gateway", RuntimeError(
+            f"it exited with status {status}; the run is now reached over ipc only "
+            f"({self.info.pub_endpoint})"))
+
+    def _stop_gateway(self) -> None:
+        """Close the gateway's stdin (it ends on EOF); kill it if it lingers."""
+        gateway, self._gateway = self._gateway, None
+        if gateway is None:
+            return
+        import subprocess
+
+        try:
+            gateway.stdin.close()
+            gateway.wait(2.0)
+        except (OSError, subprocess.TimeoutExpired):
+            gateway.kill()
+            gateway.wait()
+        gateway.stdout.close()
+
     #: ipc socket files this agent bound (removed at exit, run file or not)
     _ipc_paths: tuple[str, ...] = ()
+    #: the tcp gateway (a child process) and the routing id of its commands
+    _gateway: Any = None
+    _gateway_id: bytes | None = None
     #: a new subscriber waits for its greeting; when the next one may be sent
     _greet_due = False
     _next_greeting = 0.0
@@ -467,28 +535,24 @@ class Agent:
         router.setsockopt(zmq.RCVHWM, _COMMAND_QUEUE)
         for socket in (pub, router):
             socket.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
-        keys = self._secure(context, (pub, router)) if self.transport == "tcp" else {}
-        endpoints = []
-        if self.transport == "ipc":
-            base = directory / f"{self.run_id}.r{self.rank}"
-            for socket, suffix in ((pub, "pub"), (router, "cmd")):
-                endpoint = f"ipc://{base}.{suffix}"
-                socket.bind(endpoint)
-                self._ipc_paths += (f"{base}.{suffix}",)
-                os.chmod(f"{base}.{suffix}", 0o600)
-                endpoints.append(endpoint)
-        else:
-            address = self.listen or "127.0.0.1"
-            shown = "127.0.0.1" if address in ("0.0.0.0", "*") else address
-            for socket in (pub, router):
-                port = socket.bind_to_random_port(f"tcp://{address}")
-                endpoints.append(f"tcp://{shown}:{port}")
+        # ipc in the private run directory, always: only this user can connect; a tcp
+        # run's ports are bound by its gateway process, never by the training process
+        base = directory / f"{self.run_id}.r{self.rank}"
+        endpoints = {}
+        for socket, suffix in ((pub, "pub"), (router, "cmd")):
+            endpoint = f"ipc://{base}.{suffix}"
+            socket.bind(endpoint)
+            self._ipc_paths += (f"{base}.{suffix}",)
+            os.chmod(f"{base}.{suffix}", 0o600)
+            endpoints[f"{suffix}_endpoint"] = endpoint
+        if self.transport == "tcp":
+            endpoints = self._start_gateway(endpoints["pub_endpoint"],
+                                            endpoints["cmd_endpoint"])
         self._log = self._guard("run log", self._open_log)
         self.info = RunInfo(run_id=self.run_id, rank=self.rank, world_size=self.world_size,
-                            pid=os.getpid(), pub_endpoint=endpoints[0],
-                            cmd_endpoint=endpoints[1], token=self.token,
+                            pid=os.getpid(), token=self.token,
                             started_at=self._started_at, name=self.name,
-                            log_path=str(self._log.path) if self._log else "", **keys)
+                            log_path=str(self._log.path) if self._log else "", **endpoints)
         write_run_file(self.info, directory)
         return pub, router
 
@@ -541,6 +605,8 @@ class Agent:
                 next_heartbeat = now + _HEARTBEAT_INTERVAL_S
                 heartbeats += 1
                 self._publish(protocol.HEARTBEAT, self._heartbeat())
+                if self._gateway is not None and self._gateway.poll() is not None:
+                    self._guard("tcp gateway", self._gateway_gone)
                 if heartbeats % _HELLO_EVERY_HEARTBEATS == 0:
                     self._guard("hello", self._publish, protocol.HELLO, self._hello())
                     self._publish(protocol.STATE,
@@ -747,14 +813,16 @@ class Agent:
             except zmq.Again:
                 break
             served += 1
-            identity, rest = frames[0], frames[1:]
+            # a command through the tcp gateway comes as [gateway, client, *message]
+            hops = 2 if frames[0] == self._gateway_id and len(frames) > 2 else 1
+            route, rest = frames[:hops], frames[hops:]
             reply = self._command_reply(rest)
             if reply is None:
                 continue
             frames_out = protocol.encode(protocol.envelope(
                 protocol.REPLY, reply, run=self.run_id, rank=self.rank))
             try:
-                router.send_multipart([identity, *frames_out], flags=zmq.NOBLOCK)
+                router.send_multipart([*route, *frames_out], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # the client went away
         return served
@@ -852,17 +920,6 @@ class Agent:
                     f"cancelled{why}"})
         return {"id": command_id, "ok": True, "cancel": True, "knob": found.knob,
                 "value": found.value, "apply_step": found.apply_step}
-
-
-class _OneClientKey:
-    """ZAP credentials check: only the run's own client key may connect."""
-
-    def __init__(self, client_public: bytes) -> None:
-        self.client_public = client_public
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        """``key``: the connecting client's public key, Z85."""
-        return hmac.compare_digest(key, self.client_public)
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -581,3 +581,242 @@ def test_a_crafted_log_of_1_mb_event_texts_replays_bounded(tmp_path, run_dir):
     assert output.count(b"B" * 1000) < 100  # what is drawn is cut
     print(f"dashboard RSS peaked at {peak / 2**20:.0f} MiB")
     assert peak < DASHBOARD_RSS_LIMIT, f"dashboard RSS peaked at {peak / 2**20:.0f} MiB"
+
+
+# --- V1: tcp on loopback -------------------------------------------------------------
+
+@pytest.fixture
+def intruder(request) -> User:
+    """Another local user when the tests run as root, else this user without the run's
+    keys (what CURVE refuses does not depend on who asks)."""
+    return request.getfixturevalue("planter")
+
+
+#: The attacks of issue 11 on a tcp run, from a process that knows its ports but not
+#: its keys: read telemetry, guess the token, a 100 MB subscription, 300 connections of
+#: 64 x 64 KB messages, 1,200 raw connections held open. Prints "ready" once all are
+#: under way, then counts what it got until stdin closes, and prints that as JSON.
+ATTACK = r"""
+import json, os, select, socket, sys, zmq
+from agent import protocol
+pub, cmd, run_dir = sys.argv[1:4]
+result = {"received": 0, "replies": 0, "raw_connections": 0}
+try:
+    os.listdir(run_dir)
+    result["run_dir"] = "listed"
+except PermissionError:
+    result["run_dir"] = "refused"
+context = zmq.Context()
+listeners = []
+for topic in (b"", b"x" * (100 << 20)):  # everything, and a 100 MB subscription
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.connect(pub)
+    listeners.append(sub)
+guess = context.socket(zmq.DEALER)
+guess.setsockopt(zmq.LINGER, 0)
+guess.connect(cmd)
+guess.send_multipart(protocol.encode(protocol.envelope("command", {
+    "id": "x", "knob": "accum_steps", "value": 8, "token": "0" * 32}, run="?")))
+flooders = []
+for _ in range(300):
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.SNDHWM, 64)
+    dealer.connect(cmd)
+    for _ in range(64):
+        try:
+            dealer.send(b"x" * 65536, zmq.NOBLOCK)
+        except zmq.Again:
+            break
+    flooders.append(dealer)
+host, port = cmd[len("tcp://"):].rsplit(":", 1)
+raw = []
+for _ in range(1200):
+    try:
+        raw.append(socket.create_connection((host, int(port)), timeout=5))
+    except OSError:
+        break
+result["raw_connections"] = len(raw)
+print("ready", flush=True)
+poller = zmq.Poller()
+for sock in (*listeners, guess):
+    poller.register(sock, zmq.POLLIN)
+poller.register(sys.stdin.fileno(), zmq.POLLIN)
+while True:
+    ready = dict(poller.poll())
+    if sys.stdin.fileno() in ready:
+        break
+    for sock in listeners:
+        while sock in ready and sock.poll(0):
+            sock.recv_multipart()
+            result["received"] += 1
+    while guess in ready and guess.poll(0):
+        guess.recv_multipart()
+        result["replies"] += 1
+print(json.dumps(result), flush=True)
+os._exit(0)  # not a teardown of 1,500 sockets
+"""
+
+
+def test_another_user_gets_nothing_from_a_tcp_run_and_costs_it_nothing(run_dir, intruder):
+    import psutil
+
+    from gpuwatch.client import Subscriber, send_command
+
+    job = Job(job_env(), transport="tcp", min_steps=100)
+    attacker = None
+    try:
+        info = runs.find_run()
+        assert info.pub_endpoint.startswith("tcp://127.0.0.1:") and info.curve_server_key
+        victim = psutil.Process(job.started["pid"])
+
+        def heartbeats(count):
+            with Subscriber(info) as subscriber:  # the owner, with the run's keys
+                seen = 0
+                while seen < count:
+                    message = subscriber.recv(timeout_s=30)
+                    assert message is not None
+                    seen += message["type"] == "heartbeat"
+
+        heartbeats(2)
+        rss_before, fds_before = victim.memory_info().rss, victim.num_fds()
+        attacker = intruder.start(ATTACK, info.pub_endpoint, info.cmd_endpoint, run_dir)
+        assert attacker.stdout.readline().strip() == "ready", attacker.stderr.read()
+        heartbeats(3)  # the owner is served while all of it is held (> 2 s)
+        assert send_command(info, "accum_steps", 2)["ok"]
+        rss_during, fds_during = victim.memory_info().rss, victim.num_fds()
+        attacker.stdin.close()
+        result = json.loads(attacker.stdout.readline())
+        assert attacker.wait(60) == 0
+        summary = job.stop()
+    finally:
+        if attacker is not None and attacker.poll() is None:
+            attacker.kill()
+        job.kill()
+    assert result["received"] == 0 and result["replies"] == 0, result
+    assert result["raw_connections"] > 0, result  # the ports were reachable
+    if intruder.foreign:
+        assert result["run_dir"] == "refused"  # and the run file unreadable
+    assert fds_during - fds_before <= 2, (fds_before, fds_during)  # held by the gateway
+    assert rss_during - rss_before < 30 << 20, (rss_before, rss_during)
+    assert summary["accum_steps"] == 2 and summary["steps"] >= 100
+
+
+def test_resubscribing_in_a_loop_neither_fills_the_run_log_nor_floods_the_wire(run_dir):
+    import zmq
+
+    from gpuwatch.client import Subscriber
+
+    job = Job(job_env(), min_steps=10)
+    try:
+        info = runs.find_run()
+        with Subscriber(info) as watcher:
+            while (message := watcher.recv(timeout_s=30))["type"] != "step":
+                pass
+            churn = zmq.Context.instance().socket(zmq.SUB)
+            churn.setsockopt(zmq.LINGER, 0)
+            churn.connect(info.pub_endpoint)
+            started = time.monotonic()
+            for _ in range(20_000):  # 20,000 new subscriptions
+                churn.setsockopt(zmq.SUBSCRIBE, b"")
+                churn.setsockopt(zmq.UNSUBSCRIBE, b"")
+            churn.setsockopt(zmq.SUBSCRIBE, b"")
+            hellos = 0
+            while (message := watcher.recv(timeout_s=30))["type"] != "heartbeat" or \
+                    message["body"]["step"] < 30 or time.monotonic() - started < 2:
+                hellos += message["type"] == "hello"
+            elapsed = time.monotonic() - started
+            churn.close()
+        job.stop()
+    finally:
+        job.kill()
+    bound = 2 * elapsed + 2 + elapsed / 30  # GREETINGS_PER_S, the one due, periodic ones
+    assert hellos <= bound, (hellos, elapsed)
+    logged = [json.loads(line)["type"] for line in open(job.started["log_path"])]
+    assert logged.count("hello") <= 2 + elapsed / 30, logged.count("hello")
+
+
+#: Takes the ports of a run that ended (without its keys), publishes "live" steps and
+#: watches what connects: prints "bound", then on stdin's end what its sockets saw.
+SQUAT = r"""
+import json, sys, time, zmq
+from agent import protocol
+pub_port, cmd_port = int(sys.argv[1]), int(sys.argv[2])
+context = zmq.Context()
+pub, router = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+for sock, port in ((pub, pub_port), (router, cmd_port)):
+    sock.setsockopt(zmq.LINGER, 0)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            sock.bind(f"tcp://127.0.0.1:{port}")
+            break
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+monitor = pub.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+print("bound", flush=True)
+seen = {"accepted": 0, "handshakes": 0, "commands": 0}
+poller = zmq.Poller()
+for sock in (monitor, router):
+    poller.register(sock, zmq.POLLIN)
+poller.register(sys.stdin.fileno(), zmq.POLLIN)
+step = 10 ** 6
+while True:
+    ready = dict(poller.poll(20))
+    if sys.stdin.fileno() in ready:
+        break
+    step += 1
+    pub.send_multipart(protocol.encode(protocol.envelope(
+        "step", {"step": step, "step_time_s": 0.01}, run=sys.argv[3], seq=step)))
+    if monitor in ready:
+        from zmq.utils.monitor import recv_monitor_message
+        event = recv_monitor_message(monitor)["event"]
+        key = "accepted" if event == zmq.EVENT_ACCEPTED else "handshakes"
+        seen[key] += 1
+        if key == "accepted" and seen["accepted"] == 1:
+            print("knocked", flush=True)
+    if router in ready:
+        router.recv_multipart()
+        seen["commands"] += 1
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_a_dashboard_never_trusts_a_port_taken_over_after_its_run_ended(make_agent,
+                                                                        intruder):
+    from gpuwatch.client import send_command
+    from gpuwatch.sources.live import LiveSource
+
+    agent = make_agent()
+    source = LiveSource(agent.info)
+    source.start()
+    squatter = None
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with source.lock:
+                if source.state.step:
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        pub_port = int(agent.info.pub_endpoint.rsplit(":", 1)[1])
+        cmd_port = int(agent.info.cmd_endpoint.rsplit(":", 1)[1])
+        agent.stop()  # the run ends; its ports are free
+        squatter = intruder.start(SQUAT, str(pub_port), str(cmd_port), agent.run_id)
+        assert squatter.stdout.readline().strip() == "bound", squatter.stderr.read()
+        assert squatter.stdout.readline().strip() == "knocked"  # the dashboard came by
+        reply = send_command(source.info, "precision", "bf16", timeout_s=1.0)
+        squatter.stdin.close()
+        seen = json.loads(squatter.stdout.readline())
+        with source.lock:
+            step = source.state.step
+    finally:
+        source.close()
+        if squatter is not None and squatter.poll() is None:
+            squatter.kill()
+    assert reply["ok"] is False and reply["answered"] is False
+    assert seen["handshakes"] == 0 and seen["commands"] == 0, seen  # no token left
+    assert step < 10 ** 6  # no fake step was shown
