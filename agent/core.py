@@ -761,8 +761,8 @@ class Agent:
         count = self.commands_rejected - self._rejections_reported
         self._rejections_reported = self.commands_rejected
         more = f" ({count - 1} more since the last report)" if count > 1 else ""
-        self.event("warning", f"command rejected: {reason}{more}", kind="rejected",
-                   knob=knob if isinstance(knob, str) else None, id=command_id)
+        self.event("warning", f"command rejected: {protocol.shorten(reason)}{more}",
+                   kind="rejected", knob=_short_name(knob), id=_short_name(command_id))
 
     def _schedule(self, pending: _Pending) -> None:
         with self._pending_lock:
@@ -819,6 +819,10 @@ class Agent:
             reply = self._command_reply(rest)
             if reply is None:
                 continue
+            if isinstance(reply.get("reason"), str):  # a huge bad value is not echoed
+                reply["reason"] = protocol.shorten(reply["reason"])
+            if "knob" in reply:
+                reply["knob"] = _short_name(reply["knob"])
             frames_out = protocol.encode(protocol.envelope(
                 protocol.REPLY, reply, run=self.run_id, rank=self.rank))
             try:
@@ -920,6 +924,15 @@ class Agent:
                     f"cancelled{why}"})
         return {"id": command_id, "ok": True, "cancel": True, "knob": found.knob,
                 "value": found.value, "apply_step": found.apply_step}
+
+
+def _short_name(value: Any) -> Any:
+    """A name from a command (knob, id) as echoed in replies and events: as it is when
+    it is not a string or is at most :data:`agent.protocol.MAX_NAME_CHARS` long (every
+    real one), else cut."""
+    if isinstance(value, str) and len(value) > protocol.MAX_NAME_CHARS:
+        return protocol.shorten(value, protocol.MAX_NAME_CHARS)
+    return value
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -236,6 +236,11 @@ def remove_run_file(info: RunInfo) -> None:
         Path(info.path).unlink(missing_ok=True)
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process of this user (a run's process is still there)."""
+    return _alive(pid)
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` is a live process of this user (another user's process is not
     one of our runs: its file is stale, or forged)."""

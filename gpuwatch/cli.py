@@ -22,7 +22,7 @@ import zmq
 
 from agent import protocol
 from agent.protocol import printable
-from agent.runs import RunInfo, find_run, list_runs, run_dir
+from agent.runs import RunInfo, alive, find_run, list_runs, run_dir
 from gpuwatch.units import human_age, human_ms, human_number
 
 SUBCOMMANDS = ("attach", "runs", "set", "tail", "replay", "demo", "doctor")
@@ -30,6 +30,12 @@ SUBCOMMANDS = ("attach", "runs", "set", "tail", "replay", "demo", "doctor")
 DEMO_START_TIMEOUT_S = 60.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
 DEMO_STOP_TIMEOUT_S = 20.0
+#: ``gpuwatch tail ENDPOINT`` (no run file to check) gives up after this long with
+#: nothing heard (s); a run sends a heartbeat a second.
+TAIL_SILENCE_S = 10.0
+#: ``gpuwatch tail RUN`` checks whether the run's process lives after this long with
+#: nothing heard (s).
+TAIL_CHECK_AFTER_S = 3.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,8 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     tail = commands.add_parser(
         "tail", help="print a run's records as they come, or a run log's",
         description="Print a live run's records until the run ends, Ctrl-C, or --count "
-                    "records. Given a run-log file (JSON lines), print its records and "
-                    "exit, or with --follow go on printing what is appended.")
+                    "records (exit status 1 when the run's process dies without saying "
+                    "bye, or an endpoint says nothing for 10 s). Given a run-log file "
+                    "(JSON lines), print its records and exit, or with --follow go on "
+                    "printing what is appended.")
     tail.add_argument("target", nargs="?", metavar="RUN|FILE",
                       help="run id, prefix or endpoint (default: the newest), or a run "
                            "log file")
@@ -223,8 +231,17 @@ def _tail(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     with subscriber:
+        heard_at = time.monotonic()
         try:
-            for message in subscriber:
+            while True:
+                message = subscriber.recv(timeout_s=1.0)
+                if message is None:
+                    gone = _tail_gone(info, time.monotonic() - heard_at)
+                    if gone is not None:
+                        print(f"gpuwatch tail: {printable(gone)}", file=sys.stderr)
+                        return 1
+                    continue
+                heard_at = time.monotonic()
                 if _print_record(message, as_json=args.json):
                     printed += 1
                     sys.stdout.buffer.flush()
@@ -237,6 +254,23 @@ def _tail(args: argparse.Namespace) -> int:
                 print(f"gpuwatch tail: {subscriber.missed} records missed, "
                       f"{subscriber.malformed} malformed", file=sys.stderr)
     return 0
+
+
+def _tail_gone(info: RunInfo, silent_s: float) -> str | None:
+    """Why ``gpuwatch tail`` should stop after ``silent_s`` seconds without a message,
+    or None to go on waiting: a run with a run file is gone when its process is
+    (killed: no ``bye`` will come); a bare endpoint is given up on after
+    :data:`TAIL_SILENCE_S`. A live process that is slow to speak (a loaded machine) is
+    waited for."""
+    if info.run_id != "?":
+        if silent_s >= TAIL_CHECK_AFTER_S and not alive(info.pid):
+            return (f"run {info.run_id} is gone: its process (pid {info.pid}) ended "
+                    "without saying bye")
+        return None
+    if silent_s >= TAIL_SILENCE_S:
+        return (f"nothing heard from {info.pub_endpoint} for {TAIL_SILENCE_S:.0f} s: "
+                "is a run there? (see `gpuwatch runs`)")
+    return None
 
 
 def _tail_file(path: Path, args: argparse.Namespace) -> int:

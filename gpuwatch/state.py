@@ -22,10 +22,18 @@ STEP_HISTORY = 600
 ACTIVATION_HISTORY = 200
 #: Agent events kept for the event log.
 EVENT_HISTORY = 200
-#: No message for this long (s): the run is "gone".
+#: No message for this long (s): the run is "gone", unless its process is known to be
+#: alive (see :attr:`RunState.process_alive`).
 GONE_AFTER_S = 3.0
-#: Messages but no optimizer step for this long (s): the run is "stalled".
+#: No message for this long (s) from a run whose process is alive: "quiet" (a loaded
+#: machine can delay a heartbeat by seconds; a run is not called gone for it).
+QUIET_AFTER_S = 15.0
+#: Messages but no optimizer step for this long (s), or for :data:`STALL_STEPS` of the
+#: run's own recent longest step time when that is longer: the run is "stalled".
 STALLED_AFTER_S = 5.0
+STALL_STEPS = 3
+#: Latest steps whose time sets how long a run may go without a step.
+STALL_WINDOW_STEPS = 20
 #: Entries kept of one map or list from the wire (a knob schema has dozens).
 MAX_ITEMS = 256
 #: Nesting kept of a value from the wire; deeper parts become None.
@@ -210,8 +218,9 @@ class RunState:
             :data:`ACTIVATION_HISTORY` measurements as ``(step, bytes)``.
         compiling_since: monotonic time (s) of a ``compiling`` event whose end (a
             ``compiled`` or ``failed`` event, or the step it applied at) has not come.
-        agent_records_dropped, agent_errors: the agent's own counts from its latest
-            heartbeat (records its queue dropped; internal errors, training goes on).
+        agent_records_dropped, agent_errors, agent_commands_rejected: the agent's own
+            counts from its latest heartbeat (records its queue dropped; internal
+            errors, training goes on; commands it rejected: bad token, knob or value).
         system: the latest ``system`` body, or None. ended: the ``bye`` body, or None
             (cleared if the same run id speaks again: it was restarted).
         events: the last :data:`EVENT_HISTORY` log entries; events_total counts all ever.
@@ -251,6 +260,10 @@ class RunState:
         self._compiling_until_step: int | None = None
         self.agent_records_dropped = 0
         self.agent_errors = 0
+        self.agent_commands_rejected = 0
+        #: True when the source saw the run's process alive (its run file, live pid)
+        #: since it last heard from it, False when it saw it gone, None: no way to know
+        self.process_alive: bool | None = None
         self.system: dict[str, Any] | None = None
         self.ended: dict[str, Any] | None = None
         self.events: deque[LogEntry] = deque(maxlen=EVENT_HISTORY)
@@ -408,21 +421,39 @@ class RunState:
             return "ended"
         if self.last_seen_at is None or self.first_seen_at is None:
             return "waiting"
+        judged_at = now
         if now - self.last_seen_at > GONE_AFTER_S:
-            return "gone"
+            if not self.process_alive:  # dead, or no way to know (a log, an endpoint)
+                return "gone"
+            if now - self.last_seen_at > QUIET_AFTER_S:
+                return "quiet"
+            judged_at = self.last_seen_at  # unheard is not unstepping: as last heard
         if self.compiling_since is not None:
             return "compiling"
-        if now - (self.last_step_at or self.first_seen_at) > STALLED_AFTER_S:
+        if judged_at - (self.last_step_at or self.first_seen_at) > self.stall_after_s():
             return "stalled"
         return "live"
+
+    def stall_after_s(self) -> float:
+        """How long this run may go without an optimizer step before it is "stalled":
+        :data:`STALLED_AFTER_S`, or :data:`STALL_STEPS` times the longest of its last
+        :data:`STALL_WINDOW_STEPS` step times when that is longer (a run of 10 s steps
+        is not stalled after 5 s)."""
+        longest = 0.0
+        for record in islice(reversed(self.steps), STALL_WINDOW_STEPS):
+            if record.step_time_s is not None and record.step_time_s > longest:
+                longest = record.step_time_s
+        return max(STALLED_AFTER_S, STALL_STEPS * longest)
 
     @property
     def status(self) -> str:
         """``waiting`` (nothing received yet), ``live``, ``compiling`` (a ``compiling``
         event has come and not its end: steps are slow, not stalled), ``stalled``
-        (messages but no step for :data:`STALLED_AFTER_S`), ``gone`` (no message,
-        heartbeats included, for :data:`GONE_AFTER_S`) or ``ended`` (the run said
-        ``bye``). A gone run whose messages come back is live again."""
+        (messages but no step for :meth:`stall_after_s`; a heartbeat whose step moved
+        counts as a step), ``gone`` (no message, heartbeats included, for
+        :data:`GONE_AFTER_S`, and its process is not known to be alive), ``quiet``
+        (nothing heard for :data:`QUIET_AFTER_S` but its process is alive) or ``ended``
+        (the run said ``bye``). A gone run whose messages come back is live again."""
         return self.status_at(time.monotonic())
 
     def note_pending(self, knob: str, value: Any, apply_step: int | None) -> None:
@@ -533,9 +564,12 @@ class RunState:
 
     def _fold_heartbeat(self, body: dict[str, Any], now: float) -> None:
         if type(body.get("step")) is int:
+            if self.step is not None and body["step"] > self.step:
+                self.last_step_at = now  # it stepped (its step records may be lost)
             self.step = body["step"]
         for key, attribute in (("records_dropped", "agent_records_dropped"),
-                               ("errors", "agent_errors")):
+                               ("errors", "agent_errors"),
+                               ("commands_rejected", "agent_commands_rejected")):
             value = body.get(key)
             if type(value) is int:
                 setattr(self, attribute, value)

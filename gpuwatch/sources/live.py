@@ -6,6 +6,10 @@ endpoint (ZeroMQ does, for tcp and ipc), and while the run is gone, or when its
 ``hello`` shows a new process, the run file is read again, so that a new endpoint is
 connected and commands carry the new process's token.
 
+Silence alone does not make a run "gone": while nothing is heard, the run file is
+looked at every second, and a run whose file is there with a live pid is not gone (a
+loaded machine can hold a heartbeat back for seconds), only "quiet" after a long grace.
+
 A run of several ranks is followed on every rank's socket found on this machine (looked
 for again until all are there): the charts, panels and log show the rank given (rank 0
 by default), the other ranks' steps give their pace (:attr:`RunState.ranks`, the
@@ -48,6 +52,8 @@ class LiveSource(Source):
         super().__init__(info, f"run {info.run_id} at {info.pub_endpoint}", poll_s=POLL_S)
         self._info = info
         self.state.primary_rank = info.rank
+        # found in its run file with a live pid; looked at again whenever it is silent
+        self.state.process_alive = True if info.run_id != "?" and info.pid else None
         #: Subscribers of the run's other ranks, by rank (this thread's).
         self._others: dict[int, Subscriber] = {}
 
@@ -157,6 +163,8 @@ class LiveSource(Source):
             with self.lock:
                 self.state.log("warning", f"cannot read the run files: {exc}")
             return subscriber
+        with self.lock:  # a run file with a live pid: not gone, however long it is silent
+            self.state.process_alive = fresh is not None
         if fresh is None or (fresh.pid, fresh.token, fresh.pub_endpoint, fresh.cmd_endpoint
                              ) == (current.pid, current.token, current.pub_endpoint,
                                    current.cmd_endpoint):
