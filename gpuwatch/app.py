@@ -17,7 +17,7 @@ from agent.knobs import assignment
 from gpuwatch.client import new_command_id, reply_text, send_command
 from gpuwatch.palette import BindingCommands
 from gpuwatch.sources import Source
-from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S
+from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S
 from gpuwatch.widgets.data import DataPanel, loader_knobs
 from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
@@ -42,7 +42,10 @@ COMPACT_FOOTER_BELOW = 100
 #: What the event log says when the run's status changes to each of these.
 _STATUS_NOTES = {
     "live": ("info", "run is live"),
-    "stalled": ("warning", f"run is stalled: no optimizer step for {STALLED_AFTER_S:g} s"),
+    "stalled": ("warning", "run is stalled: no optimizer step for several of its step "
+                           "times"),
+    "quiet": ("warning", f"run is quiet: nothing heard for {QUIET_AFTER_S:g} s, but its "
+                         "process is alive (a loaded machine?)"),
     "gone": ("error", f"run is gone: nothing heard for {GONE_AFTER_S:g} s"),
 }
 

@@ -287,10 +287,18 @@ def test_subscriber_counts_gaps_and_drops_malformed_frames():
 
 
 def test_send_command_without_reply_says_so():
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    keys = {"curve_server_key": server_public.decode(),
+            "curve_client_public_key": client_public.decode(),
+            "curve_client_secret_key": client_secret.decode()}
     with zmq.Context.instance().socket(zmq.ROUTER) as router:
+        router.curve_secretkey, router.curve_publickey = server_secret, server_public
+        router.curve_server = True
         port = router.bind_to_random_port("tcp://127.0.0.1")
-        reply = send_command(_run_info(cmd_endpoint=f"tcp://127.0.0.1:{port}"),
-                             "precision", "bf16", timeout_s=0.2)
+        info = RunInfo(**{**_run_info(cmd_endpoint=f"tcp://127.0.0.1:{port}").__dict__,
+                          **keys})
+        reply = send_command(info, "precision", "bf16", timeout_s=0.2)
         command = protocol.decode_frames(router.recv_multipart())
     assert reply["ok"] is False and reply["answered"] is False
     assert reply["reason"] == "no reply within 0.2 s (is the run alive?)"
@@ -298,6 +306,16 @@ def test_send_command_without_reply_says_so():
     assert send_command(_run_info(), "precision", "bf16")["ok"] is False  # no endpoint
     assert send_command(_run_info(cmd_endpoint="nonsense://"), "precision", "bf16")[
         "reason"].startswith("cannot connect to nonsense://")
+
+
+def test_a_token_is_never_sent_over_tcp_without_the_runs_server_key():
+    with zmq.Context.instance().socket(zmq.ROUTER) as router:  # whoever holds the port
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        reply = send_command(_run_info(cmd_endpoint=f"tcp://127.0.0.1:{port}"),
+                             "precision", "bf16", timeout_s=0.2)
+        assert not router.poll(200)  # nothing, so no token, reached it
+    assert reply["ok"] is False and reply["answered"] is False
+    assert "its token is not sent" in reply["reason"]
 
 
 # --- the app -------------------------------------------------------------------------
