@@ -965,6 +965,17 @@ def _short_name(value: Any) -> Any:
     return value
 
 
+def ending_reason(error: BaseException | None) -> str:
+    """What ``bye`` says of a run that ends with ``error`` (None: it finished): the same
+    words in every integration (``finished``, ``stopped by SIGINT`` for Ctrl-C,
+    ``error: <the exception>``)."""
+    if error is None:
+        return "finished"
+    if isinstance(error, KeyboardInterrupt):
+        return "stopped by SIGINT"
+    return f"error: {error!r}"
+
+
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is not None and world_size is not None:
         return rank, world_size
