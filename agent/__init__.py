@@ -1,20 +1,24 @@
 """The in-process gpuwatch agent: measures every optimizer step and takes live commands.
 
-``agent.attach(trainer)`` for a :class:`gpuopt.Trainer`; ``agent.session(...)`` for a
-hand-written loop. Importing :mod:`agent` itself is light (no torch): the dashboard
-imports :mod:`agent.protocol` and :mod:`agent.runs` from here.
+``agent.attach(trainer)`` for a :class:`gpuopt.Trainer`, a Lightning or Hugging Face
+Trainer, or an accelerate Accelerator; ``agent.session(...)`` for a hand-written loop.
+Importing :mod:`agent` itself is light (no torch, no framework): the dashboard imports
+:mod:`agent.protocol` and :mod:`agent.runs` from here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["attach", "session", "Agent", "Session"]
+_HOMES = {"attach": "agent.adapters", "session": "agent.loop", "Session": "agent.loop",
+          "Agent": "agent.core"}
+
+__all__ = list(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from agent import adapters
+    if name in _HOMES:
+        import importlib
 
-        return getattr(adapters, name)
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module 'agent' has no attribute {name!r}")

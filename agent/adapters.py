@@ -1,10 +1,11 @@
-"""Ways to attach the agent to a training loop: the reference Trainer, or a hand-written loop."""
+"""Attaching the agent: :func:`attach` for a trainer (the reference Trainer here, the
+frameworks' in :mod:`agent.integrations`), and the knob bindings they share."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Any, Iterable, Iterator
+import importlib
+from typing import Any
 
 import torch
 
@@ -13,14 +14,15 @@ from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MEMORY_FRACTION,
                          MEMORY_SNAPSHOT_STEPS, NUM_WORKERS, PIN_MEMORY, PRECISION,
                          PREFETCH_FACTOR, Knob, KnobSet)
 from agent.runlog import log_dir
-from gpuopt.data import batch_size
 from gpuopt.memory import MemorySnapshot, set_memory_fraction
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
 from gpuopt.trainer import StepStats, Trainer
 
 
-def _refuse(reason: str | None) -> None:
+def refuse(reason: str | None) -> None:
+    """A :attr:`agent.knobs.Knob.check` helper: raise ``ValueError(reason)`` unless
+    ``reason`` is None."""
     if reason is not None:
         raise ValueError(reason)
 
@@ -35,7 +37,7 @@ def precision_knob(mixed_precision: MixedPrecision) -> Knob:
 
     return Knob(PRECISION, get=lambda: mixed_precision.precision,
                 set=lambda value: setattr(mixed_precision, "precision", value),
-                check=lambda value: _refuse(precision_support(value, device_type)),
+                check=lambda value: refuse(precision_support(value, device_type)),
                 warn=lambda value: precision_warning(value, device_type))
 
 
@@ -93,13 +95,16 @@ class MemoryKnobs:
         self.snapshot.start(steps, log_dir() / f"{self.run_name}-memory-snapshot.pickle")
         self.snapshot_steps_left = steps
 
-    def on_optimizer_step(self) -> str | None:
-        """Training thread: tick a running snapshot; its file's path once written."""
+    def after_step(self, agent: Agent, step: int) -> None:
+        """Training thread, after the boundary of ``step``: tick a running snapshot;
+        once its file is written, an event says where."""
         if not self.snapshot_steps_left:
-            return None
+            return
         self.snapshot_steps_left -= 1
         path = self.snapshot.on_optimizer_step()
-        return None if path is None else str(path)
+        if path is not None:
+            agent.event("info", f"memory snapshot written to {path}", kind="memory_snapshot",
+                        path=str(path), step=step)
 
     def bind(self, knobs: KnobSet) -> None:
         """Add both knobs to ``knobs`` on CUDA; elsewhere mark them unsupported."""
@@ -111,6 +116,15 @@ class MemoryKnobs:
         knobs.add(Knob(MEMORY_FRACTION, get=lambda: self.fraction, set=self.set_fraction))
         knobs.add(Knob(MEMORY_SNAPSHOT_STEPS, get=lambda: self.snapshot_steps_left,
                        set=self.start_snapshot))
+
+
+def publish_events(agent: Agent, step: int,
+                   events: list[tuple[str, str, dict[str, Any]]]) -> None:
+    """Publish ``(kind, text, fields)`` events of ``step`` (e.g. a model backend's compile
+    events): level ``warning`` for kind ``warning``, else ``info``."""
+    for kind, text, fields in events:
+        agent.event("warning" if kind == "warning" else "info", text, kind=kind, step=step,
+                    **fields)
 
 
 class _TrainerCallback:
@@ -127,18 +141,15 @@ class _TrainerCallback:
     def on_optimizer_step(self, trainer: Trainer, stats: StepStats) -> None:
         self.agent.optimizer_step(stats.step, stats.micro_batches, stats.samples,
                                   stats.data_wait_s, stats.loss, stats.skipped,
-                                  stats.activation_bytes)
-        for kind, text, fields in trainer.model_backend.pop_events():
-            self.agent.event("info", text, kind=kind, step=stats.step, **fields)
+                                  stats.activation_bytes, tokens=stats.tokens, lr=stats.lr,
+                                  grad_norm=stats.grad_norm)
+        publish_events(self.agent, stats.step, trainer.model_backend.pop_events())
         if trainer.activation_measurement_error and not self._measurement_error_reported:
             self._measurement_error_reported = True
             self.agent.event("warning", "activation memory is not measured for this model "
                              f"({trainer.activation_measurement_error})", kind="warning",
                              step=stats.step)
-        snapshot = self.memory.on_optimizer_step()
-        if snapshot is not None:
-            self.agent.event("info", f"memory snapshot written to {snapshot}",
-                             kind="memory_snapshot", path=snapshot, step=stats.step)
+        self.memory.after_step(self.agent, stats.step)
 
     def on_out_of_memory(self, trainer: Trainer, error: torch.OutOfMemoryError) -> bool:
         return self.agent.roll_back_last_change(
@@ -148,9 +159,21 @@ class _TrainerCallback:
         self.agent.close("finished")
 
 
-def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
-           **options: Any) -> Agent:
-    """Attach a started agent to a :class:`gpuopt.Trainer`; returns the agent.
+def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: Any) -> Any:
+    """Attach the agent to the trainer you already have, in one line, before it trains.
+
+    By its type: a :class:`gpuopt.Trainer` (below); a ``lightning.pytorch.Trainer``
+    before ``fit`` (:mod:`agent.integrations.lightning`); a ``transformers.Trainer``
+    before ``train`` (:mod:`agent.integrations.hf`); an ``accelerate.Accelerator`` of a
+    hand-written loop (:mod:`agent.integrations.accelerate`, which returns the loop's
+    run object). Each integration installs its framework's own callback and imports its
+    framework only then. Returns the started agent (or the accelerate run).
+
+    Raises:
+        TypeError: ``trainer`` is none of these (a hand-written loop uses
+            :func:`agent.session`).
+
+    For a :class:`gpuopt.Trainer`:
 
     The agent measures every optimizer step of the next :meth:`Trainer.fit` and exposes
     the knobs ``precision``, ``accum_steps``, ``kernels``, ``memory_fraction`` and
@@ -168,8 +191,20 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
         trainer: the trainer to observe and steer.
         name: label for the run (default: the script name).
         transport: ``"ipc"`` or ``"tcp"`` (see :class:`agent.Agent`).
-        options: more :class:`agent.Agent` arguments.
+        options: more :class:`agent.Agent` arguments (and the integration's own).
     """
+    if not isinstance(trainer, Trainer):
+        from agent.integrations import integration_for
+
+        module = integration_for(trainer)
+        if module is None:
+            raise TypeError(
+                f"agent.attach() takes a gpuopt.Trainer, a lightning.pytorch.Trainer, a "
+                f"transformers.Trainer or an accelerate.Accelerator, not "
+                f"{type(trainer).__module__}.{type(trainer).__qualname__}; for a "
+                "hand-written loop use agent.session(...)")
+        return importlib.import_module(module).attach(trainer, name=name,
+                                                      transport=transport, **options)
     knobs = KnobSet()
     knobs.add(precision_knob(trainer.mixed_precision))
     knobs.add(Knob(ACCUM_STEPS, get=lambda: trainer.accum_steps,
@@ -179,106 +214,16 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
             knobs.add(knob)
     knobs.add(Knob(KERNELS, get=lambda: trainer.kernels,
                    set=lambda value: setattr(trainer, "kernels", value),
-                   check=lambda value: _refuse(trainer.model_backend.support(value))))
+                   check=lambda value: refuse(trainer.model_backend.support(value))))
     if trainer.activation_checkpointing is not None:
         knobs.add(Knob(CHECKPOINTING, get=lambda: trainer.checkpointing,
                        set=lambda value: setattr(trainer, "checkpointing", value)))
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
-                  transport=transport, **options)
+                  transport=transport, training={"framework": "gpuopt.Trainer",
+                                                 "loss_normalization": trainer.loss_normalization},
+                  **options)
     memory = MemoryKnobs(trainer.device, agent.run_id)
     memory.bind(knobs)
     agent.refresh_knobs()
     trainer.callbacks.append(_TrainerCallback(agent, memory))
     return agent.start()
-
-
-class Session:
-    """The agent for a hand-written training loop (see :func:`session`)."""
-
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        self.step = 0
-        self._data_wait_s = 0.0
-        self._micro_batches = 0
-        self._samples = 0
-
-    def __enter__(self) -> "Session":
-        self.agent.mark_start()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.agent.close("finished" if exc_info[0] is None else f"error: {exc_info[1]!r}")
-
-    def loader(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """Iterate ``batches`` timing each ``next()`` (the data wait) and counting
-        micro-batches and samples (dim 0 of the batch's first tensor)."""
-        iterator = iter(batches)
-        while True:
-            start = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            self._data_wait_s += time.perf_counter() - start
-            self._micro_batches += 1
-            self._samples += batch_size(batch)
-            yield batch
-
-    def optimizer_step(self, loss: torch.Tensor | None = None, samples: int | None = None,
-                       skipped: torch.Tensor | None = None,
-                       activation_bytes: int | None = None) -> None:
-        """Mark an optimizer-step boundary: call it right after ``optimizer.step()`` and
-        ``zero_grad()``. Pending commands (e.g. ``precision``) are applied here.
-
-        Args:
-            loss: the step's loss tensor (any device; it is never read on this thread).
-            samples: samples in the step, if the loader wrapper cannot count them.
-            skipped: what :meth:`gpuopt.MixedPrecision.step` returned (fp16: whether
-                the GradScaler skipped the step), so skipped steps are counted.
-            activation_bytes: ``saved.bytes`` of a :class:`gpuopt.memory.SavedActivations`
-                opened around one micro-batch's forward, on the steps you measure.
-
-        .. note:: Never synchronizes the device; a few microseconds.
-        """
-        self.step += 1
-        self.agent.optimizer_step(self.step, max(self._micro_batches, 1),
-                                  self._samples if samples is None else samples,
-                                  self._data_wait_s, loss, skipped, activation_bytes)
-        self._data_wait_s = 0.0
-        self._micro_batches = 0
-        self._samples = 0
-
-
-def session(*, name: str = "", model: torch.nn.Module | None = None,
-            device: torch.device | str | None = None,
-            mixed_precision: MixedPrecision | None = None, knobs: KnobSet | None = None,
-            transport: str = "ipc", **options: Any) -> Session:
-    """An agent for a hand-written loop, as a context manager.
-
-    Example::
-
-        mp = gpuopt.MixedPrecision("cpu")
-        with agent.session(model=model, mixed_precision=mp) as run:
-            for x, y in run.loader(loader):
-                with mp.autocast():
-                    loss = loss_fn(model(x), y)
-                mp.backward(loss)
-                skipped = mp.step(optimizer)
-                optimizer.zero_grad()
-                run.optimizer_step(loss, skipped=skipped)
-
-    Args:
-        name, model, device, transport: as for :class:`agent.Agent`.
-        mixed_precision: if given, the ``precision`` knob is bound to it.
-        knobs: further knobs of your own (a :class:`agent.knobs.KnobSet`).
-    """
-    knobs = knobs or KnobSet()
-    if mixed_precision is not None:
-        knobs.add(precision_knob(mixed_precision))
-        device = device or torch.device(mixed_precision.device_type)
-    if device is None and model is not None:
-        first = next(model.parameters(), None)
-        device = first.device if first is not None else None
-    agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
-                  **options)
-    return Session(agent.start())

@@ -149,6 +149,10 @@ class Agent:
             behind, the oldest records are dropped (counted in heartbeats), the training
             thread never waits.
         nvml: the GPU probe (tests pass one with a fake NVML module).
+        run_id: the run id, when the caller derives one that every rank of its job
+            shares (default: :func:`agent.runs.shared_run_id`).
+        training: facts of the training loop for ``hello`` (``framework``, and e.g.
+            ``loss_normalization``: how a window's loss and gradient are averaged).
 
     Raises:
         ValueError: unknown ``transport``.
@@ -167,18 +171,21 @@ class Agent:
         queue_size: int = 8192,
         nvml: Nvml | None = None,
         listen: str | None = None,
+        training: dict[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         if listen is not None and transport != "tcp":
             raise ValueError("listen= needs transport='tcp'")
         self.listen = listen
+        self.training = dict(training or {})
         self.knobs = knobs or KnobSet()
         self.name = name or os.path.basename(sys.argv[0] or "python")
         self.device = torch.device(device) if device is not None else None
         self.transport = transport
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.run_id = shared_run_id(self.world_size)
+        self.run_id = run_id or shared_run_id(self.world_size)
         self.token = secrets.token_hex(16)
         self.params = sum(p.numel() for p in model.parameters()) if model is not None else None
         self.model_name = type(model).__name__ if model is not None else ""
@@ -204,6 +211,7 @@ class Agent:
         self._thread = threading.Thread(target=self._io_main, name="gpuwatch-agent",
                                         daemon=True)
         self._expected_step: int | None = None
+        self._announce = False  # the schema changed: send hello again
         #: step time (s) of the latest published step record, for command replies
         self._recent_step_time_s: float | None = None
         #: (command id, step) of the latest applied commands, for a late cancel's reply
@@ -265,7 +273,9 @@ class Agent:
     def optimizer_step(self, step: int, micro_batches: int, samples: int,
                        data_wait_s: float, loss: torch.Tensor | None,
                        skipped: torch.Tensor | None = None,
-                       activation_bytes: int | None = None) -> None:
+                       activation_bytes: int | None = None, *, tokens: int | None = None,
+                       lr: float | None = None,
+                       grad_norm: torch.Tensor | float | None = None) -> None:
         """Training thread: record the optimizer step ``step`` that just ended, then apply
         the commands due at step ``step + 1``.
 
@@ -278,6 +288,10 @@ class Agent:
             skipped: in fp16, the GradScaler's 0-dim bool "skipped" tensor, or None.
             activation_bytes: bytes saved for backward by one of its micro-batches, when
                 measured (:class:`gpuopt.memory.SavedActivations`); else None.
+            tokens: tokens in the window (token models), or None.
+            lr: the learning rate the step used (param group 0), a host float, or None.
+            grad_norm: the global gradient norm the step saw (before clipping), as a
+                0-dim tensor (read on the I/O thread once ready) or a float, or None.
 
         .. note:: Never synchronizes the device and never blocks: a clock read, a marker
            (an asynchronous CUDA event on GPU), one deque append. Never raises: an
@@ -291,14 +305,14 @@ class Agent:
             self._last_boundary_t = now
             self._records.append((
                 "step", step, None if previous is None else now - previous, micro_batches,
-                samples, data_wait_s, self._marker.mark(loss, skipped), self._knob_values,
-                activation_bytes))
+                samples, data_wait_s, self._marker.mark(loss, skipped, grad_norm),
+                self._knob_values, activation_bytes, tokens, lr))
             self._last_step = step
             if self._pending:
                 self._apply_pending(step)
         except Exception as exc:  # the first rule: never crash the training
             self._broken = True
-            self._report_error("hot path", exc)
+            self.report_error("hot path", exc)
 
     def _apply_pending(self, step: int) -> None:
         with self._pending_lock:
@@ -383,10 +397,15 @@ class Agent:
 
     def refresh_knobs(self) -> None:
         """Re-read the current values of every knob (after knobs were added or set
-        outside a command). Call between optimizer steps."""
+        outside a command). Call between optimizer steps. Knobs added after
+        :meth:`start` are announced to dashboards (a new ``hello`` with the schema)."""
         self._knob_values = self.knobs.values()
+        self._announce = True
 
-    def _report_error(self, where: str, exc: BaseException) -> None:
+    def report_error(self, where: str, exc: BaseException) -> None:
+        """An internal error of gpuwatch's (``where``: what failed): logged and published
+        as an ``agent_error`` event once per distinct message; training continues. Any
+        thread."""
         message = f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}"
         if message not in self.errors:
             self.errors.append(message)
@@ -400,7 +419,7 @@ class Agent:
         try:
             self._io_loop(context)
         except Exception as exc:
-            self._report_error("I/O thread", exc)
+            self.report_error("I/O thread", exc)
         finally:
             self._ready.set()
             if self.info is not None:
@@ -479,7 +498,7 @@ class Agent:
         self.info.curve_server_key = self.info.curve_client_public_key = ""
         self.info.curve_client_secret_key = ""
         write_run_file(self.info, Path(self.info.path).parent)
-        self._report_error("tcp gateway", RuntimeError(
+        self.report_error("tcp gateway", RuntimeError(
             f"it exited with status {status}; the run is now reached over ipc only "
             f"({self.info.pub_endpoint})"))
 
@@ -592,6 +611,9 @@ class Agent:
                 budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
             if pub in ready or self._greet_due:
                 self._guard("greeting", self._greet_subscribers, pub)
+            if self._announce:
+                self._announce = False
+                self._guard("hello", self._publish, protocol.HELLO, self._hello())
             previous_marker = self._guard(
                 "step publishing", self._publish_records, in_flight, previous_marker,
                 default=previous_marker)
@@ -645,7 +667,7 @@ class Agent:
         try:
             return function(*args)
         except Exception as exc:
-            self._report_error(where, exc)
+            self.report_error(where, exc)
             return default
 
     def _publish(self, msg_type: str, body: dict[str, Any], logged: bool = True) -> None:
@@ -660,11 +682,11 @@ class Agent:
                 self._log.write(message)
             except Exception as exc:  # disk full, ...: go on without the log
                 self._log = None
-                self._report_error("run log", exc)
+                self.report_error("run log", exc)
         try:
             topic, payload = protocol.encode(message)
         except Exception as exc:  # a value msgpack cannot hold: drop this message only
-            self._report_error(f"encoding a {msg_type} message", exc)
+            self.report_error(f"encoding a {msg_type} message", exc)
             return
         try:  # two plain sends: cheaper than send_multipart's Python on this hot I/O path
             self._pub.send(topic, _SEND_MORE)
@@ -686,7 +708,7 @@ class Agent:
                 self._publish(protocol.EVENT, record[1])
                 continue
             (_, step, step_time_s, micro_batches, samples, wait_s, marker, knobs,
-             activation_bytes) = record
+             activation_bytes, tokens, lr) = record
             if not self._marker.ready(marker):
                 if not final:
                     break
@@ -698,6 +720,7 @@ class Agent:
                 memory = self._memory()
             ready = self._marker.ready(marker)
             loss = self._marker.loss(marker) if ready else None
+            grad_norm = self._marker.grad_norm(marker) if ready else None
             skipped = self._marker.skipped(marker) if ready else None
             body = {
                 "step": step, "micro_batches": micro_batches, "samples": samples,
@@ -714,6 +737,13 @@ class Agent:
                 body["grad_scaler_skipped"] = skipped
             if activation_bytes is not None:
                 body["activation_bytes"] = activation_bytes
+            if tokens is not None:
+                body["tokens"] = tokens
+                body["tokens_per_s"] = tokens / step_time_s if step_time_s else None
+            if lr is not None:
+                body["lr"] = float(lr)
+            if grad_norm is not None:
+                body["grad_norm"] = grad_norm
             self._check_step(step, loss, skipped)
             body["skipped_steps_total"] = self._change_guard.skipped_total
             if step_time_s:
@@ -798,7 +828,7 @@ class Agent:
             "model": {"name": self.model_name, "params": self.params},
             "env": self._env_report, "knobs": self.knobs.schema(),
             "log_path": self.info.log_path if self.info else "",
-            "knob_values": self._knob_values,
+            "knob_values": self._knob_values, "training": self.training,
             "errors": self.errors[-10:],  # what a dashboard that comes late missed
         }
 

@@ -156,6 +156,9 @@ MEMORY_SNAPSHOT_STEPS = KnobSpec("memory_snapshot_steps", "int",
                                  "record CUDA allocations for this many steps, then dump a "
                                  "snapshot (0: none running)", minimum=1, maximum=1000)
 
+#: The knobs of a rebuildable DataLoader (:class:`gpuopt.loader.ReconfigurableLoader`).
+LOADER_KNOBS = (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR)
+
 STANDARD_KNOBS = {spec.name: spec for spec in
                   (PRECISION, ACCUM_STEPS, NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR, KERNELS,
                    CHECKPOINTING, MEMORY_FRACTION, MEMORY_SNAPSHOT_STEPS)}
@@ -195,7 +198,11 @@ class KnobSet:
         """Bind ``knob``; its name must be new."""
         if knob.spec.name in self.knobs:
             raise ValueError(f"knob {knob.spec.name!r} bound twice")
-        self.knobs[knob.spec.name] = knob
+        # a new dict, swapped in whole: the agent's I/O thread may be reading the old one
+        self.knobs = {**self.knobs, knob.spec.name: knob}
+        if knob.spec.name in self.unsupported:
+            self.unsupported = {name: reason for name, reason in self.unsupported.items()
+                                if name != knob.spec.name}
 
     def schema(self) -> list[dict[str, Any]]:
         """The wire schema of every bound knob, for ``hello``. A choice knob's values

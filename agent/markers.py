@@ -18,14 +18,18 @@ import torch
 class CpuMarker:
     """Step markers for a model on the host (or any non-CUDA device)."""
 
-    def mark(self, loss: torch.Tensor | None, skipped: torch.Tensor | None = None) -> Any:
-        """Training thread: the marker of this step: the detached loss and the
-        GradScaler's skipped flag (both 0-dim tensors or None).
+    def mark(self, loss: torch.Tensor | None, skipped: torch.Tensor | None = None,
+             grad_norm: torch.Tensor | float | None = None) -> Any:
+        """Training thread: the marker of this step: the detached loss, the
+        GradScaler's skipped flag and the gradient norm (0-dim tensors, a float for the
+        norm, or None).
 
         .. note:: Does not copy or read the tensors' data."""
         if loss is not None and loss.requires_grad:
             loss = loss.detach()  # do not keep the autograd graph alive
-        return loss, skipped
+        if isinstance(grad_norm, torch.Tensor) and grad_norm.requires_grad:
+            grad_norm = grad_norm.detach()
+        return loss, skipped, grad_norm
 
     def ready(self, marker: Any) -> bool:
         """I/O thread: whether the marker's values can be read without waiting."""
@@ -42,6 +46,11 @@ class CpuMarker:
         """I/O thread: whether the GradScaler skipped the step (None outside fp16)."""
         return None if marker[1] is None else bool(marker[1])
 
+    def grad_norm(self, marker: Any) -> float | None:
+        """I/O thread: the step's gradient norm (None if it was not given)."""
+        norm = marker[2]
+        return None if norm is None else float(norm)
+
     def gpu_time_s(self, previous: Any, marker: Any) -> float | None:
         """Device time between two markers; None on the host."""
         return None
@@ -57,15 +66,15 @@ class CudaMarker:
 
     def __init__(self, device: torch.device, slots: int = 256) -> None:
         self.device = device
-        # column 0: loss, column 1: skipped flag (NaN when not recorded)
-        self._values = torch.empty(slots, 2, dtype=torch.float32, pin_memory=True)
+        # columns: loss, skipped flag, gradient norm (NaN when not recorded)
+        self._values = torch.empty(slots, 3, dtype=torch.float32, pin_memory=True)
         self._busy = [False] * slots
         self._next = 0
 
-    def mark(self, loss: torch.Tensor | None,
-             skipped: torch.Tensor | None = None) -> tuple[torch.cuda.Event, int]:
-        """Training thread: record an event (and copy the loss and skipped flag) for
-        this step.
+    def mark(self, loss: torch.Tensor | None, skipped: torch.Tensor | None = None,
+             grad_norm: torch.Tensor | float | None = None) -> tuple[torch.cuda.Event, int]:
+        """Training thread: record an event (and copy the loss, skipped flag and
+        gradient norm) for this step.
 
         Returns:
             ``(event, slot)``; ``slot`` is -1 when no values are kept for this step.
@@ -84,6 +93,10 @@ class CudaMarker:
                 row[1] = float("nan")
             else:
                 row[1:2].copy_(skipped.float().reshape(1), non_blocking=True)
+            if isinstance(grad_norm, torch.Tensor):
+                row[2:3].copy_(grad_norm.detach().float().reshape(1), non_blocking=True)
+            else:
+                row[2] = float("nan") if grad_norm is None else float(grad_norm)
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event, slot
@@ -97,9 +110,18 @@ class CudaMarker:
         slot = marker[1]
         return None if slot < 0 else float(self._values[slot, 0])
 
+    def grad_norm(self, marker: tuple[torch.cuda.Event, int]) -> float | None:
+        """I/O thread, after :meth:`ready`: the gradient norm (None if not recorded).
+        Call it before :meth:`skipped`, which frees the slot."""
+        slot = marker[1]
+        if slot < 0:
+            return None
+        norm = float(self._values[slot, 2])
+        return None if norm != norm else norm
+
     def skipped(self, marker: tuple[torch.cuda.Event, int]) -> bool | None:
         """I/O thread, after :meth:`ready`: the skipped flag; frees the slot. Call it
-        after :meth:`loss`."""
+        after :meth:`loss` and :meth:`grad_norm`."""
         slot = marker[1]
         if slot < 0:
             return None

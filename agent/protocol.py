@@ -17,6 +17,9 @@ Message types and their bodies:
 ``hello``      run metadata: ``name``, ``pid``, ``host``, ``rank``, ``world_size``, ``device``,
                ``model`` (``params``, ``name``), ``env`` (environment report),
                ``knobs`` (the knob schema, see :mod:`agent.knobs`), ``started_at``,
+               ``training`` (``framework``: gpuopt.Trainer, lightning, transformers,
+               accelerate or loop; ``loss_normalization`` where known: how a window's
+               loss and gradient are averaged, e.g. micro_batch_mean or samples),
                ``errors`` (the agent's latest internal errors, e.g. why the run has no
                log: training goes on).
 ``step``       one optimizer step: ``step``, ``micro_batches``, ``samples``,
@@ -26,7 +29,10 @@ Message types and their bodies:
                partly input-bound | compute-bound, over the last 20 steps), memory fields
                ``host_rss_bytes`` and on CUDA ``mem_allocated_bytes``,
                ``mem_reserved_bytes``, ``mem_peak_reserved_bytes``; on the steps that
-               measured it, ``activation_bytes`` (saved for backward by a micro-batch).
+               measured it, ``activation_bytes`` (saved for backward by a micro-batch);
+               when known, ``tokens`` and ``tokens_per_s`` (token models), ``lr`` (the
+               learning rate of param group 0) and ``grad_norm`` (global gradient norm
+               before clipping).
 ``system``     about 1 Hz: ``cpu_pct``, ``host_mem_used_bytes``, ``host_mem_total_bytes``,
                ``gpus`` (list of per-GPU maps) and ``gpu_status`` (None or a reason such
                as "no NVIDIA GPU").

@@ -2,21 +2,24 @@
 
     python examples/hand_written_loop.py         # then, in another terminal: gpuwatch
 
-``agent.session(...)`` is a context manager: ``run.loader(loader)`` times the data wait
-of each ``next()``, and ``run.optimizer_step(loss)`` marks each optimizer-step boundary,
-where live commands apply. Passing a ``gpuopt.MixedPrecision`` makes ``precision`` a live
-knob; the loop uses it for autocast, backward and the optimizer step.
+``agent.session(...)`` starts the agent (it ends at exit, Ctrl-C or SIGTERM):
+``run.loader(loader)`` times the data wait of each ``next()``, and
+``run.optimizer_step()`` marks each optimizer-step boundary, where live commands apply.
+The loop takes its autocast context, GradScaler and window size from the run, so
+``precision``, ``accum_steps``, ``kernels`` and ``checkpointing`` are live knobs; its data
+comes from a ``gpuopt.loader.ReconfigurableLoader``, so ``num_workers``, ``pin_memory``
+and ``prefetch_factor`` are too. For a GPT-style loop with its own ``get_batch()``, see
+``gpt_loop.py``.
 """
 
 import argparse
-import signal
 import sys
 
 import torch
 from sklearn.datasets import load_digits
 
 import agent
-from gpuopt import MixedPrecision
+from gpuopt.loader import ReconfigurableLoader
 
 
 def main() -> None:
@@ -30,29 +33,35 @@ def main() -> None:
     dataset = torch.utils.data.TensorDataset(
         torch.tensor(digits.data, dtype=torch.float32) / 16.0,
         torch.tensor(digits.target, dtype=torch.long))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=64, shuffle=True)
+    loader = ReconfigurableLoader(dataset, batch_size=64, shuffle=True)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
                                 torch.nn.Linear(256, 10))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    precision = MixedPrecision("cpu")
 
-    with agent.session(name="digits-manual", model=model, mixed_precision=precision) as run:
-        print(f"run {run.agent.run_id}: watch it with `gpuwatch`", flush=True)
-        while run.step < args.max_steps:
-            for inputs, targets in run.loader(loader):
-                with precision.autocast():
-                    loss = torch.nn.functional.cross_entropy(model(inputs), targets)
-                precision.backward(loss)
-                skipped = precision.step(optimizer)  # fp16: did the GradScaler skip it?
-                optimizer.zero_grad(set_to_none=True)
-                run.optimizer_step(loss, skipped=skipped)
-                if run.step >= args.max_steps:
-                    break
+    run = agent.session(name="digits-manual", model=model, optimizer=optimizer,
+                        precision="fp32", accum_steps=1, checkpoint_blocks=[torch.nn.Linear])
+    print(f"run {run.agent.run_id}: watch it with `gpuwatch`", flush=True)
+    batches = run.loader(forever(loader))
+    while run.step < args.max_steps:
+        for _ in range(run.accum_steps):          # the live window size
+            inputs, targets = next(batches)
+            with run.autocast:                    # the live precision
+                loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+            run.scaler.scale(loss / run.accum_steps).backward()
+        run.scaler.step(optimizer)                # a real GradScaler in fp16
+        run.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        run.optimizer_step()                      # the boundary: commands apply here
+
+
+def forever(loader):
+    """Epoch after epoch of ``loader``."""
+    while True:
+        yield from loader
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: a clean end
     try:
         main()
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the agent has said bye; no traceback
+    except KeyboardInterrupt:  # Ctrl-C: the agent has said bye; no traceback
         sys.exit(130)

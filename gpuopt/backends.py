@@ -18,6 +18,7 @@ from torch import nn
 
 from gpuopt.compile import CompiledModel, compile_support
 from gpuopt.kernels import set_kernel_backend, triton_available
+from gpuopt.kernels.backend import KernelBackendMixin
 
 KERNEL_BACKENDS = ("eager", "compile", "triton")
 
@@ -30,26 +31,39 @@ class ModelBackend:
         device: where it runs.
         compile_backend: the ``torch.compile`` backend for ``compile`` (``"inductor"``;
             ``"aot_eager"`` compiles much faster on small CPUs but fuses nothing).
+        in_place: make the switch in the model itself, for loops that call ``model(...)``
+            directly (and evaluation code that should follow the knob): under
+            ``compile`` the model gets an instance attribute ``forward`` that runs its
+            original forward through one kept ``torch.compile`` of it (module hooks
+            still run once, outside); back to ``eager`` the attribute is deleted, leaving
+            the model exactly as it was. Otherwise call the model through this object.
 
     Raises (from the :attr:`kernels` setter):
         ValueError: an unknown backend, or one that cannot run here (the reason: e.g.
-            "Triton kernels need a CUDA device; this run is on cpu").
+            "Triton kernels need a CUDA device; this run is on cpu"), or ``triton`` for
+            a model without fused modules (it would change nothing).
     """
 
     def __init__(self, model: nn.Module, device: torch.device, *,
-                 compile_backend: str = "inductor") -> None:
+                 compile_backend: str = "inductor", in_place: bool = False) -> None:
         self.model = model
         self.device = torch.device(device)
         self.compile_backend = compile_backend
+        self.in_place = in_place
         self.compiled: CompiledModel | None = None  # made on the first switch to compile
+        #: the model's fused modules, which ``triton`` switches (none: triton is refused)
+        self.fused_modules = sum(isinstance(m, KernelBackendMixin) for m in model.modules())
         self._kernels = "eager"
-        self._was_compiling = False
+        self._shadowed: Any = None  # in place: the instance forward compile replaced
 
     def support(self, kernels: str) -> str | None:
         """Why ``kernels`` cannot run here, or None. Cheap; never touches the device."""
         if kernels not in KERNEL_BACKENDS:
             return f"unknown kernels {kernels!r} (choose from {', '.join(KERNEL_BACKENDS)})"
         if kernels == "triton":
+            if not self.fused_modules:
+                return (f"{type(self.model).__name__} has no gpuopt fused modules "
+                        "(gpuopt.kernels) for Triton kernels to run")
             return triton_available(self.device)
         if kernels == "compile":
             return compile_support(self.compile_backend, self.device.type)
@@ -67,13 +81,28 @@ class ModelBackend:
             raise ValueError(reason)
         set_kernel_backend(self.model, "triton" if value == "triton" else "eager")
         if value == "compile" and self.compiled is None:
-            self.compiled = CompiledModel(self.model, backend=self.compile_backend)
+            # in place: compile the original forward (compiling the module would call
+            # the instance forward installed below, i.e. itself)
+            target = self.model.forward if self.in_place else self.model
+            self.compiled = CompiledModel(target, backend=self.compile_backend)
         if self.compiled is not None:
             self.compiled.enabled = value == "compile"
+        if self.in_place:
+            installed = self.model.__dict__.get("forward")
+            if value == "compile" and installed is not self.compiled:
+                self._shadowed = installed  # an instance forward of someone else's, or None
+                self.model.forward = self.compiled
+            elif value != "compile" and installed is self.compiled:
+                if self._shadowed is None:
+                    del self.model.forward  # the class's own forward shows through
+                else:
+                    self.model.forward = self._shadowed
         self._kernels = value
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward through the current backend."""
+        if self.in_place:
+            return self.model(*args, **kwargs)
         if self.compiled is not None and self.compiled.enabled:
             return self.compiled(*args, **kwargs)
         return self.model(*args, **kwargs)
@@ -84,17 +113,4 @@ class ModelBackend:
         ran without compiling, and the compiler's own notes (recompilations, graph
         breaks, fallbacks to eager) as ``compile_note``. Empty and free when compile was
         never used. Call it on the training thread, between optimizer steps."""
-        if self.compiled is None:
-            return []
-        events = [("compile_note", text, {}) for text in self.compiled.pop_events()]
-        compiling = self.compiled.compiling
-        if compiling and not self._was_compiling:
-            events.append(("compiling", f"compiling the model ({self.compiled.backend}): "
-                           "the next steps are slow", {}))
-        elif self._was_compiling and not compiling:
-            seconds = self.compiled.compile_time_s
-            events.append(("compiled", f"compiled ({self.compiled.backend}); "
-                           f"{seconds:.1f} s spent compiling so far",
-                           {"compile_time_s": seconds}))
-        self._was_compiling = compiling
-        return events
+        return [] if self.compiled is None else self.compiled.pop_step_events()

@@ -52,7 +52,9 @@ def find_blocks(
     Args:
         model: the model.
         targets: what to wrap. None (the default): every module of the
-            ``nn.ModuleList`` attribute ``model.blocks``. Otherwise names and/or types:
+            ``nn.ModuleList`` attribute ``model.blocks``, or without one the repeated
+            blocks: the children of the largest ``nn.ModuleList`` of two or more modules
+            of one type (``transformer.h`` in GPT-2 and nanoGPT). Otherwise names and/or types:
             a name (as in ``model.named_modules()``, e.g. ``"encoder.layers.3"``)
             selects that module, or each child of it if it is an ``nn.ModuleList``
             (which has no ``forward`` of its own); a type selects every submodule that
@@ -68,9 +70,10 @@ def find_blocks(
     """
     if targets is None:
         blocks = getattr(model, DEFAULT_BLOCKS_ATTR, None)
-        if not isinstance(blocks, nn.ModuleList):
-            return []
-        return [(f"{DEFAULT_BLOCKS_ATTR}.{name}", block) for name, block in blocks.named_children()]
+        if isinstance(blocks, nn.ModuleList) and len(blocks):
+            return [(f"{DEFAULT_BLOCKS_ATTR}.{name}", block)
+                    for name, block in blocks.named_children()]
+        return _repeated_blocks(model)
 
     names: list[str] = []
     types: list[type[nn.Module]] = []
@@ -102,6 +105,22 @@ def find_blocks(
             selected.append((name, module))
             inside.append(name + ".")
     return selected
+
+
+def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of the model's largest ``nn.ModuleList`` whose 2+ children are all
+    of one type (a transformer's layers: nanoGPT's and GPT-2's ``transformer.h``,
+    Llama's ``model.layers``); the first such list on a tie; empty when there is none."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if (isinstance(module, nn.ModuleList) and len(module) >= 2
+                and len({type(child) for child in module}) == 1
+                and (best is None or len(module) > len(best[1]))):
+            best = (name, module)
+    if best is None:
+        return []
+    prefix = f"{best[0]}." if best[0] else ""
+    return [(f"{prefix}{name}", child) for name, child in best[1].named_children()]
 
 
 class _CheckpointedForward:
@@ -146,7 +165,7 @@ class ActivationCheckpointing:
             attribute while enabled (parameters, buffers, module tree and ``state_dict``
             keys never change).
         targets: the modules to checkpoint, as in :func:`find_blocks` (default: each
-            module of ``model.blocks``). Each must take and return tensors (or nested
+            module of ``model.blocks``, else the model's repeated blocks). Each must take and return tensors (or nested
             tensors) and be deterministic apart from the RNG.
         enabled: switch on at once.
         preserve_rng_state: stash and restore the CPU and device RNG states around the
@@ -155,7 +174,7 @@ class ActivationCheckpointing:
 
     Raises:
         ValueError: there is nothing to checkpoint: ``targets`` is None and the model
-            has no non-empty ``nn.ModuleList`` attribute ``blocks``, or ``targets``
+            has no blocks :func:`find_blocks` would find, or ``targets``
             selects no module; or a target is unknown (see :func:`find_blocks`). A
             trainer that catches this should leave the ``checkpointing`` knob out of
             its schema.
@@ -185,7 +204,7 @@ class ActivationCheckpointing:
         if not selected:
             if targets is None:
                 reason = (f"{type(model).__name__} has no non-empty nn.ModuleList attribute "
-                          f"{DEFAULT_BLOCKS_ATTR!r}")
+                          f"{DEFAULT_BLOCKS_ATTR!r} and no nn.ModuleList of repeated blocks")
             else:
                 reason = f"the targets {targets!r} select no module of {type(model).__name__}"
             raise ValueError(f"nothing to checkpoint: {reason}; pass targets= with the "

@@ -24,7 +24,8 @@ Groups and keys (memory in bytes, compute capability as ``"major.minor"``):
              ``cudnn_allow_tf32``
 ``cpu``      ``count`` (logical CPUs), ``usable_count`` (CPUs this process may run on),
              ``capability`` (the SIMD level torch dispatches to, e.g. ``"AVX512"``),
-             ``bf16_autocast``, ``avx512_bf16``, ``amx_tile``
+             ``bf16_autocast``, ``avx512_bf16``, ``amx_tile``, ``precision_advice`` (which
+             autocast precision is fast on this CPU, from its flags)
 ``triton``   ``available``, ``version``, ``error``
 ``mps``      ``available``, ``built``
 """
@@ -167,8 +168,19 @@ def _cpu_group(torch: Any) -> dict[str, Any]:
             "bf16_autocast": lambda: True,
             "avx512_bf16": private_check("_is_avx512_bf16_supported"),
             "amx_tile": private_check("_is_amx_tile_supported"),
+            "precision_advice": _cpu_precision_advice,
         }
     )
+
+
+def _cpu_precision_advice() -> str:
+    from gpuopt.precision import cpu_native_bf16
+
+    if cpu_native_bf16():
+        return ("native bf16 (AVX512-BF16 or AMX): bf16 autocast can beat fp32; "
+                "fp16 autocast is slow on CPU")
+    return ("no native bf16 (no AVX512-BF16, no AMX): bf16 and fp16 autocast are "
+            "emulated and several times slower than fp32; keep fp32 on this CPU")
 
 
 def _mps_group(torch: Any) -> dict[str, Any]:

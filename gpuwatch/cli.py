@@ -344,11 +344,14 @@ def _human_line(message: dict[str, Any]) -> str | None:
     kind = message["type"]
     if kind == protocol.STEP:
         knobs = " ".join(f"{k}={v}" for k, v in (body.get("knobs") or {}).items())
-        loss = body.get("loss")
+        loss, lr, tokens = body.get("loss"), body.get("lr"), body.get("tokens_per_s")
         return (f"step {body.get('step')}  {human_ms(body.get('step_time_s'))}  "
                 f"wait {human_ms(body.get('data_wait_s'))}  "
                 f"{human_number(body.get('samples_per_s'), 1)} samples/s  "
-                f"loss {'-' if loss is None else f'{loss:.4g}'}  {knobs}").rstrip()
+                + (f"{human_number(tokens, 0)} tokens/s  " if isinstance(tokens, (int, float)) else "")
+                + f"loss {'-' if not isinstance(loss, (int, float)) else f'{loss:.4g}'}  "
+                + (f"lr {lr:.3g}  " if isinstance(lr, (int, float)) else "")
+                + knobs).rstrip()
     if kind == protocol.EVENT:
         return f"[{body.get('level', 'info')}] {body.get('text', '')}"
     if kind == protocol.HELLO:

@@ -339,17 +339,21 @@ class _Connections:
 
 
 def reply_text(knob: str, value: Any, reply: dict[str, Any]) -> str:
-    """One line for people about a reply from :func:`send_command`:
+    """What to tell people about a reply from :func:`send_command`:
     ``accepted: accum_steps=4 applies at step 123`` (``... on ranks 0, 1`` for several),
+    followed by a second line ``warning: ...`` when the run warned about the value (e.g.
+    an autocast precision that is slow on its hardware),
     ``rejected: <knob>=<value>: <reason>``
     or, when the run never answered, ``no answer: <knob>=<value>: <reason>``."""
     if reply.get("ok"):
         step = reply.get("apply_step")
         ranks = reply.get("ranks")
+        warning = reply.get("warning")
         return (f"accepted: {assignment(reply.get('knob', knob), reply.get('value', value))}"
                 + (f" applies at step {step}" if step is not None else "")
                 + (" on ranks " + ", ".join(map(str, ranks))
-                   if isinstance(ranks, list) and len(ranks) > 1 else ""))
+                   if isinstance(ranks, list) and len(ranks) > 1 else "")
+                + (f"\nwarning: {warning}" if isinstance(warning, str) and warning else ""))
     verdict = "no answer" if reply.get("answered") is False else "rejected"
     reason = str(reply.get("reason", "no reason given"))
     if reason.startswith((f"{knob}=", f"{knob}:")):  # the run named the knob already

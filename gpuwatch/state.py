@@ -104,6 +104,8 @@ class StepRecord(NamedTuple):
     #: bytes saved for backward by a micro-batch, as last measured (the run measures
     #: every few steps; carried forward in between)
     activation_bytes: float | None = None
+    #: tokens per second, for token models that report tokens
+    tokens_per_s: float | None = None
 
 
 class RankPace(NamedTuple):
@@ -500,7 +502,8 @@ class RunState:
         self.steps.append(StepRecord(
             step, _number(body.get("step_time_s")), _number(body.get("data_wait_s")),
             _number(body.get("data_wait_share")), _number(body.get("samples_per_s")),
-            _number(body.get("loss")), peak_reserved, rss, self.activation_bytes))
+            _number(body.get("loss")), peak_reserved, rss, self.activation_bytes,
+            _number(body.get("tokens_per_s"))))
         self.steps_total += 1
         raw_knobs = body.get("knobs")
         knobs = self._step_knobs(raw_knobs) if isinstance(raw_knobs, dict) else None

@@ -1,4 +1,5 @@
-"""Throughput (samples/s) as a sparkline with the latest value."""
+"""Throughput (tokens/s for token models, else samples/s) as a sparkline with the
+latest value."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from gpuwatch.widgets.panel import Panel
 
 
 class ThroughputBar(Horizontal):
-    """Samples per second over the last steps, and the latest value as a number."""
+    """Tokens per second (runs that report tokens) or samples per second over the last
+    steps, and the latest value as a number."""
 
     def compose(self) -> ComposeResult:
         yield Static("throughput", classes="label")
@@ -24,9 +26,13 @@ class ThroughputBar(Horizontal):
 
     def show(self, records: Iterable[StepRecord]) -> None:
         """Redraw from step records (oldest first)."""
-        rates = [r.samples_per_s for r in records
-                 if r.samples_per_s is not None and math.isfinite(r.samples_per_s)]
+        records = list(records)
+        field, unit = "samples_per_s", "samples/s"
+        if records and records[-1].tokens_per_s is not None:
+            field, unit = "tokens_per_s", "tokens/s"
+        rates = [rate for r in records
+                 if (rate := getattr(r, field)) is not None and math.isfinite(rate)]
         self.query_one(Sparkline).data = rates
         self.query_one(".value", Panel).set_content(
-            f"{human_number(rates[-1], 1 if rates[-1] < 100 else 0)} samples/s"
-            if rates else "- samples/s")
+            f"{human_number(rates[-1], 1 if rates[-1] < 100 else 0)} {unit}"
+            if rates else f"- {unit}")

@@ -1,0 +1,430 @@
+"""The agent for a hand-written training loop: :func:`session`.
+
+A loop keeps its own structure (its ``micro_step`` loop, its ``ctx``, its ``scaler``,
+its ``get_batch()``) and takes its settings from the run object instead, so that every
+loop knob is live::
+
+    run = agent.session(model=model, optimizer=optimizer, precision="bf16",
+                        accum_steps=8, tokens_per_sample=block_size)
+    ctx, scaler, get_batch = run.autocast, run.scaler, run.timed(get_batch)
+    while True:
+        for micro_step in range(run.accum_steps):        # read at each window's start
+            with ctx:
+                logits, loss = model(X, Y)
+                loss = loss / run.accum_steps
+            X, Y = get_batch("train")
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        run.optimizer_step()                              # the boundary: commands apply
+
+The run starts at once (no ``with`` needed) and ends when the process exits, on SIGTERM
+as on a normal exit (``bye`` sent, run file removed); ``with agent.session(...)`` or
+:meth:`Session.close` end it sooner.
+
+Loss convention: the loss a step reports is the window's mean loss. Without an argument
+:meth:`Session.optimizer_step` takes it from :attr:`Session.scaler`: the sum of the
+losses passed to ``scaler.scale()`` in the window, which is the window's mean when each
+micro-batch's loss was divided by the window size (``loss / run.accum_steps``) before
+backward, as gradient accumulation requires. A loop without the scaler passes the
+window's mean (undivided) loss itself: ``run.optimizer_step(loss)``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from agent.adapters import (MemoryKnobs, loader_knobs, precision_knob, publish_events,
+                            refuse)
+from agent.core import Agent
+from agent.integrations import WindowMeter
+from agent.knobs import ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, Knob, KnobSet
+from gpuopt.backends import ModelBackend
+from gpuopt.checkpointing import ActivationCheckpointing
+from gpuopt.data import batch_size
+from gpuopt.loader import ReconfigurableLoader
+from gpuopt.memory import SavedActivations
+from gpuopt.precision import MixedPrecision, precision_name
+
+#: Optimizer steps between two activation-memory measurements (as the Trainer's default).
+MEASURE_ACTIVATIONS_EVERY = 20
+
+
+class _MeasuredAutocast:
+    """The loop's ``ctx``: the policy's reusable autocast, and on the first micro-batch
+    of every :attr:`Session.measure_activations_every`-th window (and the first after a
+    change of precision, kernels or checkpointing) a :class:`SavedActivations` around the
+    forward. Never measures under ``no_grad`` (evaluation), under ``kernels=compile``
+    (Dynamo would trace the meter's hooks) or under saved-tensor hooks of your own."""
+
+    def __init__(self, run: "Session") -> None:
+        self._run = run
+        self._saved: list[SavedActivations | None] = []
+
+    def __enter__(self) -> None:
+        run = self._run
+        saved = None
+        if run._measure_due and torch.is_grad_enabled():
+            run._measure_due = False
+            if SavedActivations.blocked_reason() is None:
+                saved = SavedActivations(run.model)
+                saved.__enter__()
+        self._saved.append(saved)
+        run.mixed_precision.autocast().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._run.mixed_precision.autocast().__exit__(*exc_info)
+        saved = self._saved.pop()
+        if saved is not None:
+            saved.__exit__(*exc_info)
+            self._run._activation_bytes = saved.bytes
+
+    def __call__(self) -> "_MeasuredAutocast":
+        return self  # ``with run.autocast:`` and ``with run.autocast():`` alike
+
+
+class Session:
+    """The agent of one hand-written loop (see :func:`session`, which makes it).
+
+    Attributes:
+        agent: the :class:`agent.Agent`. step: optimizer steps marked so far.
+        model: the model (``kernels`` and ``checkpointing`` switch it in place, so the
+            loop's own ``model(...)`` calls, evaluation included, follow them).
+        mixed_precision: the live precision policy (:class:`gpuopt.MixedPrecision`).
+        scaler: a ``GradScaler`` lookalike that follows the precision knob
+            (:class:`gpuopt.precision.SwitchableGradScaler`): a real GradScaler in fp16.
+        autocast: the loop's reusable autocast context (``ctx``): ``with run.autocast:``.
+    """
+
+    def __init__(self, agent: Agent, *, model: torch.nn.Module | None,
+                 optimizer: torch.optim.Optimizer | None, mixed_precision: MixedPrecision,
+                 accum_steps: int | None, model_backend: ModelBackend | None,
+                 checkpointing: ActivationCheckpointing | None, memory: MemoryKnobs,
+                 tokens_per_sample: int | None, measure_activations_every: int) -> None:
+        self.agent = agent
+        self.model = model
+        self.optimizer = optimizer
+        self.mixed_precision = mixed_precision
+        self.scaler = mixed_precision.grad_scaler
+        self.autocast = _MeasuredAutocast(self)
+        self.model_backend = model_backend
+        self.checkpointing = checkpointing
+        self.measure_activations_every = measure_activations_every
+        self.step = 0
+        self._accum_steps = accum_steps
+        self._memory = memory
+        self._meter = WindowMeter(batch_size, tokens_per_sample)
+        self._measured_settings: Any = None
+        self._measure_due = False
+        self._activation_bytes: int | None = None
+        self._step_lr: float | None = None
+        if optimizer is not None:  # the rate a step uses, read as it steps (a scheduler
+            optimizer.register_step_pre_hook(self._note_lr)  # may change it right after)
+        self._plan_measurement()
+
+    # ------------------------------------------------------------ what the loop reads
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per optimizer step: read it at the start of each window (the
+        knob changes it only at a boundary, so it is constant within a window).
+
+        Raises:
+            AttributeError: the session was made without ``accum_steps=``.
+        """
+        if self._accum_steps is None:
+            raise AttributeError("this session has no accum_steps: pass "
+                                 "agent.session(accum_steps=N) to make it a knob")
+        return self._accum_steps
+
+    def _note_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        self._step_lr = lr if isinstance(lr, (int, float)) else None
+
+    def _set_accum_steps(self, value: int) -> None:
+        self._accum_steps = value
+
+    # ------------------------------------------------------------ data
+
+    def loader(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``batches``, timing each ``next()`` (the data wait) and counting
+        samples (dim 0 of the batch's first tensor) and tokens. Given a
+        :class:`gpuopt.loader.ReconfigurableLoader`, its ``num_workers``, ``pin_memory``
+        and ``prefetch_factor`` become live knobs (announced to dashboards at once)."""
+        if isinstance(batches, ReconfigurableLoader) and "num_workers" not in self.agent.knobs.knobs:
+            for knob in loader_knobs(batches):
+                self.agent.knobs.add(knob)
+            self.agent.refresh_knobs()
+        iterator = iter(batches)
+        meter = self._meter
+        while True:
+            try:
+                batch = meter.timed_next(iterator)
+            except StopIteration:
+                return
+            yield batch
+
+    def timed(self, fetch: Callable[..., Any]) -> Callable[..., Any]:
+        """``fetch`` (e.g. nanoGPT's ``get_batch``), each call timed as data wait and its
+        batch counted like :meth:`loader`'s."""
+        meter = self._meter
+
+        def timed_fetch(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            batch = fetch(*args, **kwargs)
+            meter.add(batch, time.perf_counter() - start)
+            return batch
+
+        return timed_fetch
+
+    # ------------------------------------------------------------ the boundary
+
+    def optimizer_step(self, loss: torch.Tensor | None = None, *, samples: int | None = None,
+                       tokens: int | None = None, skipped: torch.Tensor | None = None,
+                       grad_norm: torch.Tensor | float | None = None,
+                       activation_bytes: int | None = None) -> None:
+        """Mark an optimizer-step boundary: call it once per optimizer step, after
+        ``optimizer.step()`` (or ``scaler.step``/``update``) and ``zero_grad()``.
+        Pending commands apply here, so the next window runs with them.
+
+        Args:
+            loss: the window's mean (undivided) loss, a 0-dim tensor on any device; by
+                default the sum of the losses the window passed to :attr:`scaler`
+                (see the module docstring).
+            samples, tokens: the window's, if :meth:`loader` / :meth:`timed` did not
+                see its batches.
+            skipped: fp16 only, when not using :attr:`scaler`: what
+                :meth:`gpuopt.MixedPrecision.step` returned.
+            grad_norm: what ``clip_grad_norm_`` returned (a tensor: read later, on the
+                agent's thread).
+            activation_bytes: a measurement of your own
+                (:class:`gpuopt.memory.SavedActivations`); by default :attr:`autocast`
+                measures now and then.
+
+        .. note:: Never synchronizes the device and never blocks: a few microseconds.
+        """
+        scaled_loss, scaler_skipped, backwards = self.scaler.take_window()
+        data_wait_s, fetched, fetched_samples, fetched_tokens = self._meter.take()
+        measured, self._activation_bytes = self._activation_bytes, None
+        self.step += 1
+        lr, self._step_lr = self._step_lr, None
+        self.agent.optimizer_step(
+            self.step, backwards or fetched or 1,
+            fetched_samples if samples is None else samples, data_wait_s,
+            scaled_loss if loss is None else loss,
+            scaler_skipped if skipped is None else skipped,
+            measured if activation_bytes is None else activation_bytes,
+            tokens=fetched_tokens if tokens is None else tokens, lr=lr, grad_norm=grad_norm)
+        self._after_step()
+
+    def _after_step(self) -> None:
+        """Training thread, after the boundary's commands: events, measurement plan."""
+        step = self.step
+        if self.model_backend is not None:
+            publish_events(self.agent, step, self.model_backend.pop_events())
+        self._memory.after_step(self.agent, step)
+        self._plan_measurement()
+
+    def _plan_measurement(self) -> None:
+        if not self.measure_activations_every or self.model is None:
+            return
+        kernels = self.model_backend.kernels if self.model_backend is not None else "eager"
+        if kernels == "compile":
+            return
+        settings = (self.mixed_precision.precision, kernels,
+                    self.checkpointing is not None and self.checkpointing.enabled)
+        due_step = (self.step + 1) % self.measure_activations_every == 0
+        if due_step or settings != self._measured_settings:
+            self._measured_settings = settings
+            self._measure_due = True
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self, reason: str = "finished") -> None:
+        """End the run now (``bye`` with ``reason``, run file removed). Idempotent."""
+        self.agent.close(reason)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close("finished" if exc_info[0] is None else _ending_reason(exc_info[1]))
+
+
+def _ending_reason(error: BaseException | None) -> str:
+    if isinstance(error, KeyboardInterrupt):
+        return "stopped by SIGINT"
+    return f"error: {error!r}"
+
+
+#: Sessions not yet closed, for the process-wide exit paths below.
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_exit_paths_installed = False
+
+
+def _close_live(reason: str) -> None:
+    for run in list(_LIVE):
+        run.close(reason)
+
+
+def end_on_signals(run: Any) -> None:
+    """End ``run`` (anything with ``close(reason)``: a :class:`Session`, an integration's
+    run) cleanly on SIGTERM (torchrun's and schedulers' stop) where nobody handles it
+    yet, then die of it as before; and name an uncaught exception in ``bye``. The hooks
+    are installed once per process; a normal exit is the agent's ``atexit``."""
+    global _exit_paths_installed
+    _LIVE.add(run)
+    if _exit_paths_installed:
+        return
+    _exit_paths_installed = True
+    previous_hook = sys.excepthook
+
+    def excepthook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        _close_live(_ending_reason(error))
+        previous_hook(kind, error, tb)
+
+    sys.excepthook = excepthook
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the script's own handler decides (it may raise, then excepthook names it)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        _close_live("stopped by SIGTERM")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # the exit status says SIGTERM, as before
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def session(*, model: torch.nn.Module | None = None,
+            optimizer: torch.optim.Optimizer | None = None, precision: str | None = None,
+            mixed_precision: MixedPrecision | None = None, accum_steps: int | None = None,
+            kernels: bool = True, compile_backend: str = "inductor",
+            checkpoint_blocks: Any = None, tokens_per_sample: int | None = None,
+            measure_activations_every: int = MEASURE_ACTIVATIONS_EVERY,
+            device: torch.device | str | None = None, knobs: KnobSet | None = None,
+            name: str = "", transport: str = "ipc", **options: Any) -> Session:
+    """Start the agent for a hand-written loop and return its :class:`Session`.
+
+    Which knobs the run gets:
+
+    - ``precision`` with ``precision=`` (``"fp32"``, ``"bf16"``, ``"fp16"``, or a torch
+      dtype or its name, see :func:`gpuopt.precision.precision_name`) or a
+      ``mixed_precision=`` policy of your own: the loop uses :attr:`Session.autocast` as
+      its ``ctx`` and :attr:`Session.scaler` as its GradScaler.
+    - ``accum_steps`` with ``accum_steps=N``: the loop reads :attr:`Session.accum_steps`
+      at each window's start and divides each micro-batch's loss by it.
+    - ``kernels`` (eager, compile; triton where the model has fused modules and CUDA)
+      with a ``model=``: switched in the model itself (:class:`gpuopt.backends.ModelBackend`
+      with ``in_place=True``); ``kernels=False`` leaves it out.
+    - ``checkpointing`` with a ``model=`` that has repeated blocks: ``model.blocks``, or
+      else its repeated blocks (nanoGPT's ``transformer.h`` is found), or
+      ``checkpoint_blocks=`` names or types (see :func:`gpuopt.checkpointing.find_blocks`).
+    - ``num_workers``, ``pin_memory``, ``prefetch_factor`` once :meth:`Session.loader`
+      gets a :class:`gpuopt.loader.ReconfigurableLoader`.
+    - ``memory_fraction``, ``memory_snapshot_steps`` on CUDA; and ``knobs=`` of your own.
+
+    A knob the loop did not declare is refused with what to declare.
+
+    Args:
+        model: the model (parameter count, device, kernels, checkpointing,
+            activation memory).
+        optimizer: its optimizer (the learning rate each step reports: param group 0's,
+            read by a step pre-hook as the optimizer steps).
+        tokens_per_sample: tokens in one sample (e.g. nanoGPT's ``block_size``), for
+            tokens/s; batches with ``input_ids`` are counted without it.
+        measure_activations_every: measure the activation memory of one micro-batch
+            (inside :attr:`Session.autocast`) every this many optimizer steps and after
+            a change of precision, kernels or checkpointing; 0 never. Set 0 for a model
+            whose forward uses ``torch.func`` transforms (they refuse the meter's hooks).
+        device: the device, when there is no model or its parameters are elsewhere.
+        name, transport, options: as for :class:`agent.Agent`.
+
+    Raises:
+        ValueError: a precision the device cannot run, ``accum_steps < 1``,
+            ``measure_activations_every < 0``, both ``precision`` and
+            ``mixed_precision``, or ``checkpoint_blocks`` that select nothing.
+    """
+    if precision is not None and mixed_precision is not None:
+        raise ValueError("give precision= or mixed_precision=, not both")
+    if accum_steps is not None and (isinstance(accum_steps, bool)
+                                    or not isinstance(accum_steps, int) or accum_steps < 1):
+        raise ValueError(f"accum_steps must be an integer >= 1, got {accum_steps!r}")
+    if (isinstance(measure_activations_every, bool)
+            or not isinstance(measure_activations_every, int) or measure_activations_every < 0):
+        raise ValueError("measure_activations_every must be an integer >= 0, got "
+                         f"{measure_activations_every!r}")
+    if device is None and model is not None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else None
+    if device is None and mixed_precision is not None:
+        device = mixed_precision.device_type
+    device = torch.device(device if device is not None else "cpu")
+    knobs = knobs or KnobSet()
+    declared = mixed_precision is not None or precision is not None
+    mixed_precision = mixed_precision or MixedPrecision(
+        device.type, precision_name(precision or "fp32"))
+    if declared:
+        knobs.add(precision_knob(mixed_precision))
+    else:
+        knobs.unsupported["precision"] = ("this loop did not declare precision: pass "
+                                          "agent.session(precision=...) and use run.autocast "
+                                          "and run.scaler")
+    model_backend = checkpointing = None
+    if model is not None and kernels:
+        model_backend = ModelBackend(model, device, compile_backend=compile_backend,
+                                     in_place=True)
+        knobs.add(Knob(KERNELS, get=lambda: model_backend.kernels,
+                       set=lambda value: setattr(model_backend, "kernels", value),
+                       check=lambda value: refuse(model_backend.support(value))))
+    else:
+        knobs.unsupported["kernels"] = ("this loop has no model for gpuwatch to switch: pass "
+                                        "agent.session(model=model)")
+    if model is not None:
+        try:
+            checkpointing = ActivationCheckpointing(model, checkpoint_blocks)
+        except ValueError as exc:
+            if checkpoint_blocks is not None:
+                raise
+            knobs.unsupported["checkpointing"] = f"{exc} (agent.session(checkpoint_blocks=...))"
+        else:
+            knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
+                           set=lambda value: setattr(checkpointing, "enabled", value)))
+    else:
+        knobs.unsupported["checkpointing"] = "pass agent.session(model=model) to checkpoint it"
+    for spec in LOADER_KNOBS:
+        knobs.unsupported.setdefault(spec.name, (
+            "this loop's data does not come through a gpuopt.loader.ReconfigurableLoader "
+            "given to run.loader(...)"))
+    agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
+                  training={"framework": "loop",
+                            "loss_normalization": "as the loop divides its losses"},
+                  **options)
+    memory = MemoryKnobs(device, agent.run_id)
+    memory.bind(knobs)
+    run = Session(agent, model=model, optimizer=optimizer, mixed_precision=mixed_precision,
+                  accum_steps=accum_steps, model_backend=model_backend,
+                  checkpointing=checkpointing, memory=memory,
+                  tokens_per_sample=tokens_per_sample,
+                  measure_activations_every=measure_activations_every)
+    if accum_steps is not None:
+        knobs.add(Knob(ACCUM_STEPS, get=lambda: run.accum_steps, set=run._set_accum_steps))
+    else:
+        knobs.unsupported["accum_steps"] = ("this loop did not declare accum_steps: pass "
+                                            "agent.session(accum_steps=N) and read "
+                                            "run.accum_steps in its micro-step loop")
+    agent.refresh_knobs()
+    agent.start()
+    agent.mark_start()
+    end_on_signals(run)
+    return run

@@ -1,0 +1,221 @@
+"""Hand-written loops (agent.session): every loop knob live, checked by arithmetic, and
+the GPT-style example run in a subprocess with every loop knob changed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import agent
+from agent import runs
+from gpuopt.checkpointing import find_blocks
+from gpuopt.precision import MixedPrecision
+from gpuwatch.client import send_command
+from tests.training import digits_loader, model as make_model
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _log_records(path):
+    with open(path) as log:
+        return [json.loads(line) for line in log]
+
+
+def test_live_accum_steps_windows_equal_a_hand_computation(run_dir):
+    """Each optimizer step's update is -lr x the mean gradient over exactly the
+    micro-batches of its window, before and after a live accum_steps change."""
+    model = make_model()
+    lr = 0.5
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    run = agent.session(model=model, optimizer=optimizer, accum_steps=2, name="loop-accum")
+    batches = run.loader(digits_loader(batch_size=8))
+    info = runs.find_run(run.agent.run_id)
+    windows = []  # (parameters before, micro-batches, parameters after)
+    for step in range(1, 9):
+        before = [p.detach().clone() for p in model.parameters()]
+        used = []
+        for _ in range(run.accum_steps):
+            x, y = next(batches)
+            used.append((x, y))
+            loss = torch.nn.functional.cross_entropy(model(x), y) / run.accum_steps
+            run.scaler.scale(loss).backward()
+        run.scaler.step(optimizer)
+        run.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        run.optimizer_step()
+        windows.append((before, used, [p.detach().clone() for p in model.parameters()]))
+        if step == 3:
+            reply = send_command(info, "accum_steps", 3)
+            assert reply["ok"] and reply["apply_step"] == 5, reply
+    log_path = run.agent.info.log_path
+    run.close()
+    assert [len(used) for _, used, _ in windows] == [2, 2, 2, 2, 3, 3, 3, 3]
+    for before, used, after in windows:
+        twin = make_model()
+        with torch.no_grad():
+            for p, value in zip(twin.parameters(), before):
+                p.copy_(value)
+        loss = sum(torch.nn.functional.cross_entropy(twin(x), y) for x, y in used) / len(used)
+        grads = torch.autograd.grad(loss, list(twin.parameters()))
+        for value, grad, got in zip(before, grads, after):
+            torch.testing.assert_close(got, value - lr * grad, rtol=1e-5, atol=1e-6)
+    steps = [r for r in _log_records(log_path) if r["type"] == "step"]
+    assert [s["micro_batches"] for s in steps] == [2, 2, 2, 2, 3, 3, 3, 3]
+    assert [s["samples"] for s in steps] == [16] * 4 + [24] * 4
+    # the loss reported is the window's mean (the sum of the divided losses)
+    last_before, last_used, _ = windows[-1]
+    twin = make_model()
+    with torch.no_grad():
+        for p, value in zip(twin.parameters(), last_before):
+            p.copy_(value)
+        mean = sum(torch.nn.functional.cross_entropy(twin(x), y) for x, y in last_used) / 3
+    assert steps[-1]["loss"] == pytest.approx(float(mean), rel=1e-5)
+    assert steps[-1]["lr"] == lr
+
+
+def test_undeclared_knobs_are_refused_with_what_to_declare(run_dir):
+    run = agent.session(name="loop-bare")
+    info = runs.find_run(run.agent.run_id)
+    try:
+        for knob, value, reason in [
+                ("accum_steps", 2, "pass agent.session(accum_steps=N)"),
+                ("precision", "bf16", "pass agent.session(precision=...)"),
+                ("kernels", "compile", "pass agent.session(model=model)"),
+                ("num_workers", 1, "ReconfigurableLoader"),
+                ("memory_fraction", 0.5, "needs CUDA")]:
+            reply = send_command(info, knob, value)
+            assert not reply["ok"] and reason in reply["reason"], (knob, reply)
+    finally:
+        run.close()
+
+
+def test_autocast_context_is_reusable_and_follows_the_live_precision():
+    policy = MixedPrecision("cpu")
+    ctx = policy.autocast()
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with ctx:
+        assert layer(x).dtype == torch.float32
+    policy.precision = "bf16"
+    with ctx:
+        with ctx:  # nested, as evaluation inside a training step may do
+            assert layer(x).dtype == torch.bfloat16
+        assert layer(x).dtype == torch.bfloat16
+    assert layer(x).dtype == torch.float32
+    assert ctx is policy.autocast()
+
+
+def test_switchable_grad_scaler_is_a_real_grad_scaler_in_fp16_only():
+    policy = MixedPrecision("cpu")
+    scaler = policy.grad_scaler
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(3, 4)).pow(2).mean()
+    assert scaler.scale(loss) is loss and not scaler.is_enabled()
+    policy.precision = "fp16"
+    assert scaler.is_enabled() and scaler.get_scale() == 65536.0
+    loss = model(torch.randn(3, 4)).pow(2).mean()
+    scaled = scaler.scale(loss)
+    assert float(scaled.detach()) == pytest.approx(float(loss.detach()) * 65536.0, rel=1e-3)
+    scaled.backward()
+    weight = model.weight.detach().clone()
+    scaler.step(optimizer)
+    scaler.update()
+    assert not bool(scaler.skipped) and not torch.equal(weight, model.weight)
+    model.weight.grad = torch.full_like(model.weight, float("inf"))
+    scaler.step(optimizer)  # inf gradients: skipped, scale backs off
+    scaler.update()
+    assert bool(scaler.skipped) and scaler.get_scale() == 32768.0
+
+
+def test_repeated_blocks_are_found_without_a_blocks_attribute():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from gpt_loop import GPT
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    names = [name for name, _ in find_blocks(GPT(10, 8, n_layer=3, n_embd=16))]
+    assert names == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
+
+
+def _wait_for(predicate, path, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        records = _log_records(path) if os.path.exists(path) else []
+        if predicate(records):
+            return records
+        time.sleep(0.2)  # polling a file another process writes: no event to await
+    raise AssertionError(f"not seen within {timeout_s} s in {path}")
+
+
+def test_gpt_example_takes_every_loop_knob_live(run_dir):
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "gpt_loop.py"), "--batch-size", "4", "--block-size",
+         "16", "--eval-interval", "50", "--compile-backend", "aot_eager"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert "watch it with `gpuwatch`" in line, process.stderr.read()
+        info = runs.find_run(line.split()[1].rstrip(":"))
+        changes = [("precision", "bf16"), ("accum_steps", 3), ("checkpointing", True),
+                   ("kernels", "compile")]
+        for knob, value in changes:
+            reply = send_command(info, knob, value)
+            assert reply["ok"], reply
+
+        def all_applied(records):
+            applied = {r["knob"] for r in records
+                       if r["type"] == "event" and r.get("kind") == "applied"}
+            last = max((r["step"] for r in records if r["type"] == "event"
+                        and r.get("kind") == "applied"), default=None)
+            return applied == {k for k, _ in changes} and any(
+                r["type"] == "step" and r["step"] >= last + 3 for r in records)
+
+        records = _wait_for(all_applied, info.log_path)
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGTERM
+    records = _log_records(info.log_path)
+    assert records[-1]["type"] == "bye" and records[-1]["reason"] == "stopped by SIGTERM"
+    assert list(Path(run_dir).glob("*.json")) == []
+    steps = [r for r in records if r["type"] == "step"]
+    last = steps[-1]
+    assert last["knobs"] == {**last["knobs"], "precision": "bf16", "accum_steps": 3,
+                             "checkpointing": True, "kernels": "compile"}
+    assert last["micro_batches"] == 3 and last["tokens"] == 3 * 4 * 16
+    assert last["tokens_per_s"] > 0 and last["lr"] > 0
+    assert any("activation_bytes" in s for s in steps)
+    kinds = {r.get("kind") for r in records if r["type"] == "event"}
+    assert "compiling" in kinds
+
+
+def test_agent_imports_no_framework_and_attach_names_what_it_takes():
+    code = ("import sys, agent, agent.adapters, agent.loop, agent.integrations\n"
+            "frameworks = {'lightning', 'pytorch_lightning', 'transformers', 'accelerate'}\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in frameworks)\n"
+            "assert not loaded, loaded\n"
+            "try:\n"
+            "    agent.attach(object())\n"
+            "except TypeError as exc:\n"
+            "    print(exc)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "a lightning.pytorch.Trainer, a transformers.Trainer" in result.stdout
+    assert "agent.session(...)" in result.stdout
+
+
+def test_gpt_example_attaches_in_at_most_eight_changed_lines():
+    changed = [line for line in (EXAMPLES / "gpt_loop.py").read_text().splitlines()
+               if line.rstrip().endswith("# gpuwatch")]
+    assert 1 <= len(changed) <= 8, changed
