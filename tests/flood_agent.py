@@ -1,5 +1,5 @@
 """A hostile fake agent for the dashboard's bounds: a run file and an ipc PUB socket in
-``$GPUWATCH_RUN_DIR``, a ``hello``, then ``COUNT`` rounds as fast as ZeroMQ takes them
+``$GPUWATCH_RUN_DIR``, a ``hello`` once a dashboard subscribes, then ``COUNT`` rounds as fast as ZeroMQ takes them
 of an ``event`` whose text is ``SIZE`` characters and a ``step`` with a ``SIZE``-byte
 string field (and one message over the receive limit), then heartbeats until stdin
 closes.
@@ -26,7 +26,7 @@ from agent.runs import RunInfo, remove_run_file, run_dir, write_run_file
 def main() -> int:
     run_id, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     directory = run_dir()
-    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub = zmq.Context.instance().socket(zmq.XPUB)  # hears when a dashboard subscribes
     pub.setsockopt(zmq.SNDHWM, 16)  # this process stays small too
     pub.setsockopt(zmq.LINGER, 0)
     endpoint = f"ipc://{directory}/{run_id}.flood.pub"
@@ -53,6 +53,9 @@ def main() -> int:
              "knobs": [], "started_at": info.started_at}
     filler = "A" * size
     try:
+        if not pub.poll(120_000):  # the flood starts when someone listens
+            return 1
+        pub.recv()
         sent = 0
         next_hello = 0.0
         for round_ in range(count):

@@ -733,7 +733,8 @@ def test_even_with_the_runs_keys_a_huge_subscription_is_not_held(run_dir):
     huge = None
     try:
         victim = psutil.Process(job.started["pid"])
-        (gateway,) = victim.children()
+        (gateway,) = [child for child in victim.children()
+                      if "agent.gateway" in child.cmdline()]
         with Subscriber(runs.find_run()) as subscriber:
             def heartbeats(count):
                 for _ in range(count):
