@@ -598,7 +598,10 @@ async def test_help_lists_every_binding_that_acts(make_agent):
         assert isinstance(app.screen, HelpScreen)
         listed = help_text(app)
         for binding in app.BINDINGS:
-            assert binding.description in listed and binding.tooltip in listed
+            if binding.id.startswith("timeline."):  # a replay on a timeline's only
+                assert binding.tooltip not in listed
+            else:
+                assert binding.description in listed and binding.tooltip in listed
         assert "^p" in listed
         await pilot.press("escape")
         assert not isinstance(app.screen, HelpScreen)

@@ -15,7 +15,8 @@ from agent import protocol
 from agent.knobs import STANDARD_KNOBS
 from agent.runlog import RunLog
 from gpuwatch.app import GpuwatchApp
-from gpuwatch.sources.replay import ReplaySource, RunLogReader, envelope_from_record
+from gpuwatch.history import envelope_from_record
+from gpuwatch.sources.replay import ReplaySource, RunLogReader
 from tests.test_dashboard import log_texts, text_of, until
 
 RUN = "20250101-000000-beef"
