@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from agent.knobs import STANDARD_KNOBS
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.timeline import CHECKPOINT_STEPS, Timeline, TimelineSource
@@ -32,7 +33,11 @@ def write_run(path, *, steps=30, changes=(), bye=True, t0=None, events=(), **opt
     taking effect at that step (with the agent's applied event just before it);
     ``events`` are (step, text) warnings logged after that step."""
     writer = Writer(path, t0=time.time() - 3600 if t0 is None else t0, **options)
-    writer.hello()
+    writer.write("hello", {"name": "replayed", "device": "cpu", "world_size": 1,
+                           "model": {"name": "TinyNet", "params": 1234},
+                           "env": {"torch": {"version": "2.13.0+cpu", "num_threads": 2},
+                                   "cuda": {"available": False, "devices": []}},
+                           "knobs": [STANDARD_KNOBS[name].to_wire() for name in KNOBS]})
     knobs = {**KNOBS, "precision": "fp32"}
     for step in range(1, steps + 1):
         for at, knob, value in changes:
@@ -43,9 +48,11 @@ def write_run(path, *, steps=30, changes=(), bye=True, t0=None, events=(), **opt
                                        "text": f"{knob}={value} applied at step {step}"},
                              dt_s=step * 0.1)
         fast = knobs["precision"] == "bf16"
+        measured = {"activation_bytes": (11 if fast else 17) << 20} if step % 20 == 1 else {}
         writer.step(step, knobs=dict(knobs), step_time_s=0.05 if fast else 0.1,
                     samples_per_s=640.0 if fast else 320.0, data_wait_s=0.01,
-                    host_rss_bytes=(400 if knobs["accum_steps"] > 2 else 500) << 20)
+                    host_rss_bytes=(400 if knobs["accum_steps"] > 2 else 500) << 20,
+                    **measured)
         writer.write("heartbeat", {"step": step, "ending": False}, dt_s=step * 0.1)
         for at, text in events:
             if at == step:
