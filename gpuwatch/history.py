@@ -355,6 +355,26 @@ class LogReader:
                 self.truncated = bool(partial.strip()) and not skipping
 
 
+def write_output(path: os.PathLike | str, data: bytes) -> None:
+    """Write ``data`` to ``path`` (a report, a table), replacing what is there: into a
+    new file beside it first, created never through a link, then renamed over it, so a
+    reader never sees half a file.
+
+    Raises:
+        OSError: the file cannot be written (a missing directory, permissions).
+    """
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.unlink(missing_ok=True)  # a stale one (or a link put there) goes first
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 # --- numbers --------------------------------------------------------------------------
 
 def number(value: Any) -> float | None:

@@ -17,7 +17,6 @@ import io
 import os
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -27,7 +26,7 @@ matplotlib.use("Agg")  # off screen: no display, no GUI toolkit
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 from gpuwatch.compare import Column, rows  # noqa: E402
-from gpuwatch.history import RunHistory, StepTable, text  # noqa: E402
+from gpuwatch.history import RunHistory, StepTable, text, write_output  # noqa: E402
 from gpuwatch.units import human_age, human_bytes, knob_text  # noqa: E402
 
 #: Colour of the vertical lines at knob changes (the data lines keep matplotlib's).
@@ -251,20 +250,9 @@ def render(run: RunHistory) -> str:
 
 
 def write_report(run: RunHistory, path: os.PathLike | str) -> None:
-    """Write the report of ``run`` to ``path`` (replacing it; written to a new file
-    beside it first, never through a link, so a reader never sees half a report).
+    """Write the report of ``run`` to ``path`` (see :func:`gpuwatch.history.write_output`).
 
     Raises:
         OSError: the file cannot be written.
     """
-    path = Path(path)
-    document = render(run).encode("utf-8")
-    partial = path.with_name(f".{path.name}.partial")
-    partial.unlink(missing_ok=True)  # a stale one (or a link put there) goes first
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(document)
-        partial.replace(path)
-    finally:
-        partial.unlink(missing_ok=True)
+    write_output(path, render(run).encode("utf-8"))
