@@ -95,13 +95,16 @@ class MemoryKnobs:
         self.snapshot.start(steps, log_dir() / f"{self.run_name}-memory-snapshot.pickle")
         self.snapshot_steps_left = steps
 
-    def on_optimizer_step(self) -> str | None:
-        """Training thread: tick a running snapshot; its file's path once written."""
+    def after_step(self, agent: Agent, step: int) -> None:
+        """Training thread, after the boundary of ``step``: tick a running snapshot;
+        once its file is written, an event says where."""
         if not self.snapshot_steps_left:
-            return None
+            return
         self.snapshot_steps_left -= 1
         path = self.snapshot.on_optimizer_step()
-        return None if path is None else str(path)
+        if path is not None:
+            agent.event("info", f"memory snapshot written to {path}", kind="memory_snapshot",
+                        path=str(path), step=step)
 
     def bind(self, knobs: KnobSet) -> None:
         """Add both knobs to ``knobs`` on CUDA; elsewhere mark them unsupported."""
@@ -113,6 +116,15 @@ class MemoryKnobs:
         knobs.add(Knob(MEMORY_FRACTION, get=lambda: self.fraction, set=self.set_fraction))
         knobs.add(Knob(MEMORY_SNAPSHOT_STEPS, get=lambda: self.snapshot_steps_left,
                        set=self.start_snapshot))
+
+
+def publish_events(agent: Agent, step: int,
+                   events: list[tuple[str, str, dict[str, Any]]]) -> None:
+    """Publish ``(kind, text, fields)`` events of ``step`` (e.g. a model backend's compile
+    events): level ``warning`` for kind ``warning``, else ``info``."""
+    for kind, text, fields in events:
+        agent.event("warning" if kind == "warning" else "info", text, kind=kind, step=step,
+                    **fields)
 
 
 class _TrainerCallback:
@@ -129,18 +141,15 @@ class _TrainerCallback:
     def on_optimizer_step(self, trainer: Trainer, stats: StepStats) -> None:
         self.agent.optimizer_step(stats.step, stats.micro_batches, stats.samples,
                                   stats.data_wait_s, stats.loss, stats.skipped,
-                                  stats.activation_bytes)
-        for kind, text, fields in trainer.model_backend.pop_events():
-            self.agent.event("info", text, kind=kind, step=stats.step, **fields)
+                                  stats.activation_bytes, tokens=stats.tokens, lr=stats.lr,
+                                  grad_norm=stats.grad_norm)
+        publish_events(self.agent, stats.step, trainer.model_backend.pop_events())
         if trainer.activation_measurement_error and not self._measurement_error_reported:
             self._measurement_error_reported = True
             self.agent.event("warning", "activation memory is not measured for this model "
                              f"({trainer.activation_measurement_error})", kind="warning",
                              step=stats.step)
-        snapshot = self.memory.on_optimizer_step()
-        if snapshot is not None:
-            self.agent.event("info", f"memory snapshot written to {snapshot}",
-                             kind="memory_snapshot", path=snapshot, step=stats.step)
+        self.memory.after_step(self.agent, stats.step)
 
     def on_out_of_memory(self, trainer: Trainer, error: torch.OutOfMemoryError) -> bool:
         return self.agent.roll_back_last_change(
@@ -210,7 +219,9 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: A
         knobs.add(Knob(CHECKPOINTING, get=lambda: trainer.checkpointing,
                        set=lambda value: setattr(trainer, "checkpointing", value)))
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
-                  transport=transport, **options)
+                  transport=transport, training={"framework": "gpuopt.Trainer",
+                                                 "loss_normalization": trainer.loss_normalization},
+                  **options)
     memory = MemoryKnobs(trainer.device, agent.run_id)
     memory.bind(knobs)
     agent.refresh_knobs()

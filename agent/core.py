@@ -133,6 +133,10 @@ class Agent:
             behind, the oldest records are dropped (counted in heartbeats), the training
             thread never waits.
         nvml: the GPU probe (tests pass one with a fake NVML module).
+        run_id: the run id, when the caller derives one that every rank of its job
+            shares (default: :func:`agent.runs.shared_run_id`).
+        training: facts of the training loop for ``hello`` (``framework``, and e.g.
+            ``loss_normalization``: how a window's loss and gradient are averaged).
 
     Raises:
         ValueError: unknown ``transport``.
@@ -151,18 +155,21 @@ class Agent:
         queue_size: int = 8192,
         nvml: Nvml | None = None,
         listen: str | None = None,
+        training: dict[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         if listen is not None and transport != "tcp":
             raise ValueError("listen= needs transport='tcp'")
         self.listen = listen
+        self.training = dict(training or {})
         self.knobs = knobs or KnobSet()
         self.name = name or os.path.basename(sys.argv[0] or "python")
         self.device = torch.device(device) if device is not None else None
         self.transport = transport
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.run_id = shared_run_id(self.world_size)
+        self.run_id = run_id or shared_run_id(self.world_size)
         self.token = secrets.token_hex(16)
         self.params = sum(p.numel() for p in model.parameters()) if model is not None else None
         self.model_name = type(model).__name__ if model is not None else ""
@@ -290,7 +297,7 @@ class Agent:
                 self._apply_pending(step)
         except Exception as exc:  # the first rule: never crash the training
             self._broken = True
-            self._report_error("hot path", exc)
+            self.report_error("hot path", exc)
 
     def _apply_pending(self, step: int) -> None:
         with self._pending_lock:
@@ -380,7 +387,10 @@ class Agent:
         self._knob_values = self.knobs.values()
         self._announce = True
 
-    def _report_error(self, where: str, exc: BaseException) -> None:
+    def report_error(self, where: str, exc: BaseException) -> None:
+        """An internal error of gpuwatch's (``where``: what failed): logged and published
+        as an ``agent_error`` event once per distinct message; training continues. Any
+        thread."""
         message = f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}"
         if message not in self.errors:
             self.errors.append(message)
@@ -394,7 +404,7 @@ class Agent:
         try:
             self._io_loop(context)
         except Exception as exc:
-            self._report_error("I/O thread", exc)
+            self.report_error("I/O thread", exc)
         finally:
             self._ready.set()
             if self.info is not None:
@@ -544,7 +554,7 @@ class Agent:
         try:
             return function(*args)
         except Exception as exc:
-            self._report_error(where, exc)
+            self.report_error(where, exc)
             return default
 
     def _publish(self, msg_type: str, body: dict[str, Any]) -> None:
@@ -556,11 +566,11 @@ class Agent:
                 self._log.write(message)
             except Exception as exc:  # disk full, ...: go on without the log
                 self._log = None
-                self._report_error("run log", exc)
+                self.report_error("run log", exc)
         try:
             topic, payload = protocol.encode(message)
         except Exception as exc:  # a value msgpack cannot hold: drop this message only
-            self._report_error(f"encoding a {msg_type} message", exc)
+            self.report_error(f"encoding a {msg_type} message", exc)
             return
         try:  # two plain sends: cheaper than send_multipart's Python on this hot I/O path
             self._pub.send(topic, _SEND_MORE)
@@ -701,7 +711,7 @@ class Agent:
             "model": {"name": self.model_name, "params": self.params},
             "env": self._env_report, "knobs": self.knobs.schema(),
             "log_path": self.info.log_path if self.info else "",
-            "knob_values": self._knob_values,
+            "knob_values": self._knob_values, "training": self.training,
         }
 
     # ---------------------------------------------------------------- commands

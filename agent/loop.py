@@ -43,7 +43,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from agent.adapters import MemoryKnobs, loader_knobs, precision_knob, refuse
+from agent.adapters import (MemoryKnobs, loader_knobs, precision_knob, publish_events,
+                            refuse)
 from agent.core import Agent
 from agent.integrations import WindowMeter
 from agent.knobs import ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, Knob, KnobSet
@@ -125,6 +126,9 @@ class Session:
         self._measured_settings: Any = None
         self._measure_due = False
         self._activation_bytes: int | None = None
+        self._step_lr: float | None = None
+        if optimizer is not None:  # the rate a step uses, read as it steps (a scheduler
+            optimizer.register_step_pre_hook(self._note_lr)  # may change it right after)
         self._plan_measurement()
 
     # ------------------------------------------------------------ what the loop reads
@@ -141,6 +145,10 @@ class Session:
             raise AttributeError("this session has no accum_steps: pass "
                                  "agent.session(accum_steps=N) to make it a knob")
         return self._accum_steps
+
+    def _note_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        self._step_lr = lr if isinstance(lr, (int, float)) else None
 
     def _set_accum_steps(self, value: int) -> None:
         self._accum_steps = value
@@ -208,10 +216,7 @@ class Session:
         data_wait_s, fetched, fetched_samples, fetched_tokens = self._meter.take()
         measured, self._activation_bytes = self._activation_bytes, None
         self.step += 1
-        lr = None
-        if self.optimizer is not None and self.optimizer.param_groups:
-            lr = self.optimizer.param_groups[0].get("lr")
-            lr = lr if isinstance(lr, (int, float)) else None
+        lr, self._step_lr = self._step_lr, None
         self.agent.optimizer_step(
             self.step, backwards or fetched or 1,
             fetched_samples if samples is None else samples, data_wait_s,
@@ -225,12 +230,8 @@ class Session:
         """Training thread, after the boundary's commands: events, measurement plan."""
         step = self.step
         if self.model_backend is not None:
-            for kind, text, fields in self.model_backend.pop_events():
-                self.agent.event("info", text, kind=kind, step=step, **fields)
-        snapshot = self._memory.on_optimizer_step()
-        if snapshot is not None:
-            self.agent.event("info", f"memory snapshot written to {snapshot}",
-                             kind="memory_snapshot", path=snapshot, step=step)
+            publish_events(self.agent, step, self.model_backend.pop_events())
+        self._memory.after_step(self.agent, step)
         self._plan_measurement()
 
     def _plan_measurement(self) -> None:
@@ -266,7 +267,7 @@ def _ending_reason(error: BaseException | None) -> str:
 
 
 #: Sessions not yet closed, for the process-wide exit paths below.
-_LIVE: "weakref.WeakSet[Session]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _exit_paths_installed = False
 
 
@@ -275,10 +276,11 @@ def _close_live(reason: str) -> None:
         run.close(reason)
 
 
-def _end_on_signals(run: Session) -> None:
-    """End ``run`` cleanly on SIGTERM (torchrun's and schedulers' stop) where nobody
-    handles it yet, then die of it as before; and name an uncaught exception in ``bye``.
-    The hooks are installed once per process; a normal exit is the agent's ``atexit``."""
+def end_on_signals(run: Any) -> None:
+    """End ``run`` (anything with ``close(reason)``: a :class:`Session`, an integration's
+    run) cleanly on SIGTERM (torchrun's and schedulers' stop) where nobody handles it
+    yet, then die of it as before; and name an uncaught exception in ``bye``. The hooks
+    are installed once per process; a normal exit is the agent's ``atexit``."""
     global _exit_paths_installed
     _LIVE.add(run)
     if _exit_paths_installed:
@@ -337,7 +339,8 @@ def session(*, model: torch.nn.Module | None = None,
     Args:
         model: the model (parameter count, device, kernels, checkpointing,
             activation memory).
-        optimizer: its optimizer (the learning rate each step reports).
+        optimizer: its optimizer (the learning rate each step reports: param group 0's,
+            read by a step pre-hook as the optimizer steps).
         tokens_per_sample: tokens in one sample (e.g. nanoGPT's ``block_size``), for
             tokens/s; batches with ``input_ids`` are counted without it.
         measure_activations_every: measure the activation memory of one micro-batch
@@ -403,7 +406,10 @@ def session(*, model: torch.nn.Module | None = None,
         knobs.unsupported.setdefault(spec.name, (
             "this loop's data does not come through a gpuopt.loader.ReconfigurableLoader "
             "given to run.loader(...)"))
-    agent = Agent(knobs, name=name, model=model, device=device, transport=transport, **options)
+    agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
+                  training={"framework": "loop",
+                            "loss_normalization": "as the loop divides its losses"},
+                  **options)
     memory = MemoryKnobs(device, agent.run_id)
     memory.bind(knobs)
     run = Session(agent, model=model, optimizer=optimizer, mixed_precision=mixed_precision,
@@ -420,5 +426,5 @@ def session(*, model: torch.nn.Module | None = None,
     agent.refresh_knobs()
     agent.start()
     agent.mark_start()
-    _end_on_signals(run)
+    end_on_signals(run)
     return run

@@ -16,7 +16,10 @@ Message types and their bodies:
 
 ``hello``      run metadata: ``name``, ``pid``, ``host``, ``rank``, ``world_size``, ``device``,
                ``model`` (``params``, ``name``), ``env`` (environment report),
-               ``knobs`` (the knob schema, see :mod:`agent.knobs`), ``started_at``.
+               ``knobs`` (the knob schema, see :mod:`agent.knobs`), ``started_at``,
+               ``training`` (``framework``: gpuopt.Trainer, lightning, transformers,
+               accelerate or loop; ``loss_normalization`` where known: how a window's
+               loss and gradient are averaged, e.g. micro_batch_mean or samples).
 ``step``       one optimizer step: ``step``, ``micro_batches``, ``samples``,
                ``step_time_s``, ``data_wait_s``, ``data_wait_share``, ``samples_per_s``,
                ``loss`` (float or None), ``gpu_step_time_s`` (CUDA), ``knobs`` (current

@@ -18,6 +18,7 @@ from torch import nn
 
 from gpuopt.compile import CompiledModel, compile_support
 from gpuopt.kernels import set_kernel_backend, triton_available
+from gpuopt.kernels.backend import KernelBackendMixin
 
 KERNEL_BACKENDS = ("eager", "compile", "triton")
 
@@ -39,7 +40,8 @@ class ModelBackend:
 
     Raises (from the :attr:`kernels` setter):
         ValueError: an unknown backend, or one that cannot run here (the reason: e.g.
-            "Triton kernels need a CUDA device; this run is on cpu").
+            "Triton kernels need a CUDA device; this run is on cpu"), or ``triton`` for
+            a model without fused modules (it would change nothing).
     """
 
     def __init__(self, model: nn.Module, device: torch.device, *,
@@ -49,14 +51,19 @@ class ModelBackend:
         self.compile_backend = compile_backend
         self.in_place = in_place
         self.compiled: CompiledModel | None = None  # made on the first switch to compile
+        #: the model's fused modules, which ``triton`` switches (none: triton is refused)
+        self.fused_modules = sum(isinstance(m, KernelBackendMixin) for m in model.modules())
         self._kernels = "eager"
-        self._was_compiling = False
+        self._shadowed: Any = None  # in place: the instance forward compile replaced
 
     def support(self, kernels: str) -> str | None:
         """Why ``kernels`` cannot run here, or None. Cheap; never touches the device."""
         if kernels not in KERNEL_BACKENDS:
             return f"unknown kernels {kernels!r} (choose from {', '.join(KERNEL_BACKENDS)})"
         if kernels == "triton":
+            if not self.fused_modules:
+                return (f"{type(self.model).__name__} has no gpuopt fused modules "
+                        "(gpuopt.kernels) for Triton kernels to run")
             return triton_available(self.device)
         if kernels == "compile":
             return compile_support(self.compile_backend, self.device.type)
@@ -81,10 +88,15 @@ class ModelBackend:
         if self.compiled is not None:
             self.compiled.enabled = value == "compile"
         if self.in_place:
-            if value == "compile":
+            installed = self.model.__dict__.get("forward")
+            if value == "compile" and installed is not self.compiled:
+                self._shadowed = installed  # an instance forward of someone else's, or None
                 self.model.forward = self.compiled
-            elif self.model.__dict__.get("forward") is self.compiled:
-                del self.model.forward
+            elif value != "compile" and installed is self.compiled:
+                if self._shadowed is None:
+                    del self.model.forward  # the class's own forward shows through
+                else:
+                    self.model.forward = self._shadowed
         self._kernels = value
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -101,17 +113,4 @@ class ModelBackend:
         ran without compiling, and the compiler's own notes (recompilations, graph
         breaks, fallbacks to eager) as ``compile_note``. Empty and free when compile was
         never used. Call it on the training thread, between optimizer steps."""
-        if self.compiled is None:
-            return []
-        events = [("compile_note", text, {}) for text in self.compiled.pop_events()]
-        compiling = self.compiled.compiling
-        if compiling and not self._was_compiling:
-            events.append(("compiling", f"compiling the model ({self.compiled.backend}): "
-                           "the next steps are slow", {}))
-        elif self._was_compiling and not compiling:
-            seconds = self.compiled.compile_time_s
-            events.append(("compiled", f"compiled ({self.compiled.backend}); "
-                           f"{seconds:.1f} s spent compiling so far",
-                           {"compile_time_s": seconds}))
-        self._was_compiling = compiling
-        return events
+        return [] if self.compiled is None else self.compiled.pop_step_events()

@@ -190,6 +190,7 @@ class CompiledModel:
         self._events: list[str] = []
         self._enabled = False
         self._compiling = False
+        self._was_compiling = False  # as last told by pop_step_events
         self._last_record = _last_compilation_record()
         self.enabled = enabled
 
@@ -248,6 +249,24 @@ class CompiledModel:
                                         f"{_first_line(reason)}")
         self._compiling = compiled_now
         return output
+
+    def pop_step_events(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """Events for a training loop's log since the last call, as ``(kind, text,
+        fields)``: ``compiling`` when compiled steps start, ``compiled`` (with
+        ``compile_time_s``) when a step ran without compiling, and the reports of
+        :meth:`pop_events` as ``compile_note``. Call it on the training thread, between
+        optimizer steps."""
+        events = [("compile_note", text, {}) for text in self.pop_events()]
+        compiling = self.compiling
+        if compiling and not self._was_compiling:
+            events.append(("compiling", f"compiling the model ({self.backend}): "
+                           "the next steps are slow", {}))
+        elif self._was_compiling and not compiling:
+            events.append(("compiled", f"compiled ({self.backend}); "
+                           f"{self.compile_time_s:.1f} s spent compiling so far",
+                           {"compile_time_s": self.compile_time_s}))
+        self._was_compiling = compiling
+        return events
 
     def pop_events(self) -> list[str]:
         """Readable reports since the last call, oldest first, then forgotten: compiles

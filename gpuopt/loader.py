@@ -7,9 +7,18 @@ owns the epoch's order itself and hands an inner DataLoader only the batches the
 has not had yet, so a switch keeps the epoch going: no sample skipped or repeated, the
 order unchanged.
 
+The dataset's own state follows the epochs too, in every process that loads from it: a
+dataset with ``set_epoch(epoch)`` is set to each epoch before any of its batches is
+loaded, in this process and in each worker's copy (the epoch travels with the batch's
+indices, so persistent workers follow without a restart); any other change to the
+dataset's attributes between epochs restarts persistent workers at the next epoch, so
+that they load from the dataset as it is (pytorch/pytorch#97326: a persistent worker
+keeps the copy of the dataset made when it started).
+
 Sources: pytorch/pytorch#23048 ("Changing num_workers of a DataLoader"); the epoch
 permutation and the sharding across ranks are those of
-``torch.utils.data.distributed.DistributedSampler``.
+``torch.utils.data.distributed.DistributedSampler``; pytorch/pytorch#97326 ("Change
+worker process's attribute while set persistent_worker = True").
 """
 
 from __future__ import annotations
@@ -17,12 +26,15 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import random
 import threading
 import time
+import types
+import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 __all__ = [
     "MAX_NUM_WORKERS",
@@ -64,11 +76,24 @@ class LoaderPosition(NamedTuple):
     """Batches in the epoch for this rank (``len(loader)``)."""
 
 
+class _EpochIndices(list):
+    """One batch's indices (a list of ints) and the epoch whose dataset state they are
+    loaded in; a worker's :class:`_EpochFollower` reads ``epoch``."""
+
+    def __init__(self, indices: list[int], epoch: int) -> None:
+        super().__init__(indices)
+        self.epoch = epoch
+
+    def __reduce__(self) -> tuple[Any, ...]:  # to the workers' index queues
+        return _EpochIndices, (list(self), self.epoch)
+
+
 class _BatchList:
     """Batch sampler over batches ``start, start + 1, ...`` of one rank's epoch.
 
     ``shard`` is the rank's index order for the epoch (1-D int64 tensor); batch ``b`` is
-    ``shard[b * batch_size:(b + 1) * batch_size]`` as a list of ints. Re-pointed by the
+    ``shard[b * batch_size:(b + 1) * batch_size]`` as a list of ints, an
+    :class:`_EpochIndices` tagged with ``epoch`` when that is not None. Re-pointed by the
     loader (new epoch, new start) before each ``iter(dataloader)``; a persistent-worker
     DataLoader re-iterates this same object on ``_reset``.
     """
@@ -78,14 +103,16 @@ class _BatchList:
         self.shard = torch.empty(0, dtype=torch.int64)
         self.start = 0
         self.stop = 0
+        self.epoch: int | None = None
 
-    def point(self, shard: torch.Tensor, start: int, stop: int) -> None:
-        self.shard, self.start, self.stop = shard, start, stop
+    def point(self, shard: torch.Tensor, start: int, stop: int, epoch: int | None) -> None:
+        self.shard, self.start, self.stop, self.epoch = shard, start, stop, epoch
 
     def __iter__(self) -> Iterator[list[int]]:
-        shard, size = self.shard, self.batch_size
+        shard, size, epoch = self.shard, self.batch_size, self.epoch
         for batch in range(self.start, self.stop):
-            yield shard[batch * size:(batch + 1) * size].tolist()
+            indices = shard[batch * size:(batch + 1) * size].tolist()
+            yield indices if epoch is None else _EpochIndices(indices, epoch)
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -157,6 +184,159 @@ def _close_iterator(dataloader: DataLoader | None, iterator: Any) -> None:
         dataloader._iterator = None  # a persistent-worker DataLoader keeps its iterator
 
 
+def _set_epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of the global RNGs while ``dataset.set_epoch(epoch)`` runs: a function of
+    the loader's ``seed`` and the epoch only (plain integer arithmetic, the same in every
+    process and on every rank)."""
+    return (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 1) % (2 ** 63)
+
+
+def _call_set_epoch(dataset: Any, epoch: int, seed: int) -> None:
+    """``dataset.set_epoch(epoch)`` with the global torch (CPU), ``random`` and numpy RNGs
+    seeded from ``(seed, epoch)`` and restored afterwards.
+
+    So a ``set_epoch`` that draws from the global RNGs (``torch.randperm(n)``,
+    ``random.shuffle(...)``) gives the same state in this process and in every worker's
+    copy, and does not move the training's (or the worker's) own random numbers.
+    """
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with every torch install here
+        numpy = None
+    value = _set_epoch_seed(seed, epoch)
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        torch.default_generator.manual_seed(value)  # the CPU generator only, not CUDA's
+        random.seed(value)
+        if numpy is not None:
+            numpy.random.seed(value % (2 ** 32))
+        dataset.set_epoch(epoch)
+    finally:
+        torch.set_rng_state(torch_state)
+        random.setstate(python_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+
+
+class _EpochFollower:
+    """The ``__getitems__`` a worker puts on its copy of a dataset that has ``set_epoch``:
+    before loading a batch of an epoch its copy is not in yet, it calls
+    ``set_epoch(epoch)`` on it (as the loader did on the training process's dataset), then
+    loads the batch as DataLoader would (the dataset's own ``__getitems__``, or
+    ``__getitem__`` per index). Costs one comparison per batch otherwise."""
+
+    def __init__(self, dataset: Any, epoch: int | None, seed: int) -> None:
+        self.dataset, self.epoch, self.seed = dataset, epoch, seed
+        own = vars(dataset).get("__getitems__")
+        if own is None:
+            method = getattr(type(dataset), "__getitems__", None)
+            own = None if method is None else types.MethodType(method, dataset)
+        self._own = own
+
+    def __call__(self, indices: list[int]) -> list[Any]:
+        epoch = getattr(indices, "epoch", None)
+        if epoch is not None and epoch != self.epoch:
+            _call_set_epoch(self.dataset, epoch, self.seed)
+            self.epoch = epoch
+        if self._own is not None:
+            return self._own(indices)
+        dataset = self.dataset
+        return [dataset[index] for index in indices]
+
+
+class _WorkerInit:
+    """``worker_init_fn`` of a loader whose dataset has ``set_epoch``: installs an
+    :class:`_EpochFollower` on the worker's copy of the dataset, then calls the user's
+    ``worker_init_fn``.
+
+    ``dataset_epoch`` is kept equal to the epoch the training process's dataset was last
+    set to; a worker receives this object (forked or pickled) at the moment it receives
+    its copy of the dataset, so the two agree.
+    """
+
+    def __init__(self, user_fn: Callable[[int], None] | None, seed: int) -> None:
+        self.user_fn, self.seed = user_fn, seed
+        self.dataset_epoch: int | None = None
+
+    def __call__(self, worker_id: int) -> None:
+        dataset = torch.utils.data.get_worker_info().dataset
+        # An instance attribute, in this worker's copy only: DataLoader's fetcher calls
+        # dataset.__getitems__(indices) when the dataset has one.
+        vars(dataset)["__getitems__"] = _EpochFollower(dataset, self.dataset_epoch, self.seed)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+_VALUE_TYPES = (int, float, complex, str, bytes, bool, type(None))
+_STATE_DEPTH = 2  # datasets inside datasets (Subset.dataset, ConcatDataset.datasets) followed
+
+
+class _DatasetState:
+    """A shallow record of a dataset's attributes (and those of the datasets it wraps),
+    to tell later which of them the training code has rebound since.
+
+    Numbers, strings and None are compared by value, anything else by identity (held
+    by a weak reference where the type allows one, else by a reference). Changes inside
+    an object (a tensor written in place, a list appended to) are not seen. Cost: one
+    entry per attribute.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.entries: dict[str, tuple[str, Any]] = {}
+        self._capture(dataset, "", 0, set())
+
+    def _capture(self, obj: Any, path: str, depth: int, seen: set[int]) -> None:
+        attributes = getattr(obj, "__dict__", None)
+        if not isinstance(attributes, dict) or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        for name, value in list(attributes.items()):
+            if name == "__getitems__":
+                continue
+            key = f"{path}.{name}" if path else name
+            if type(value) in _VALUE_TYPES:
+                self.entries[key] = ("=", value)
+            else:
+                try:
+                    self.entries[key] = ("ref", weakref.ref(value))
+                except TypeError:
+                    self.entries[key] = ("is", value)
+            if depth < _STATE_DEPTH:
+                if isinstance(value, Dataset):
+                    self._capture(value, key, depth + 1, seen)
+                elif isinstance(value, (list, tuple)) and 0 < len(value) <= 64 \
+                        and all(isinstance(item, Dataset) for item in value):
+                    for i, item in enumerate(value):
+                        self._capture(item, f"{key}[{i}]", depth + 1, seen)
+
+    def changed(self, dataset: Any) -> list[str]:
+        """Attributes added, removed or rebound in ``dataset`` since this record."""
+        now = _DatasetState(dataset).entries
+        changed = []
+        for key in sorted(self.entries.keys() | now.keys()):
+            if key not in self.entries or key not in now:
+                changed.append(key)
+                continue
+            kind, then = self.entries[key]
+            current = now[key]
+            if kind == "=":
+                if current[0] != "=" or not _same_value(then, current[1]):
+                    changed.append(key)
+                continue
+            obj = then() if kind == "ref" else then
+            value = current[1]() if current[0] == "ref" else current[1]
+            if obj is None or obj is not value:
+                changed.append(key)
+        return changed
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    return a == b or (a != a and b != b)  # NaN is NaN
+
+
 class _EpochIterator:
     """What ``iter(loader)`` returns. A class rather than a generator, so that nothing
     keeps the last batch (and its shared memory) alive after the consumer drops it."""
@@ -191,6 +371,33 @@ class ReconfigurableLoader:
     :meth:`set_epoch` jumps to the start of any epoch, as with DistributedSampler. Only
     the newest iterator yields; an older one stops.
 
+    The dataset's state (pytorch/pytorch#97326): a DataLoader worker loads from its own
+    copy of the dataset, made when it started; a persistent worker keeps that copy from
+    epoch to epoch. This loader keeps every copy in the state of the epoch being served:
+
+    - A dataset with a ``set_epoch(epoch)`` method is set to each epoch by the loader
+      before any batch of that epoch is loaded: in this process (once per epoch), and in
+      each worker's copy before the first batch of that epoch the worker loads (the epoch
+      travels with each batch's indices, so persistent workers keep running and batches
+      loaded ahead are loaded in their own epoch's state; new workers started by
+      :meth:`reconfigure` get a copy already set). ``set_epoch`` must depend only on the
+      epoch and the dataset's state: it runs with the global torch (CPU), ``random`` and
+      numpy RNGs seeded from ``(seed, epoch)``, the same in every process and on every
+      rank, and restored afterwards. Do not call ``dataset.set_epoch`` yourself (call
+      :meth:`set_epoch` here to change epochs): it is harmless, but counts as a change
+      made outside the loader (next point).
+    - Any other change to the dataset's attributes (an attribute rebound, e.g.
+      ``dataset.max_len = 256``; also in datasets it wraps, as ``Subset.dataset``) is seen
+      at the start of the next epoch: persistent workers are then restarted, so that the
+      new epoch is loaded from the dataset as it is (:attr:`dataset_restarts`,
+      :attr:`last_dataset_restart` say when and why). Workers started later (new epoch
+      without persistent workers, or :meth:`reconfigure`) copy the dataset as it is then,
+      so such a change reaches the batches they load even mid-epoch. A change inside an
+      attribute (a tensor written in place, a list appended to) cannot be seen: call
+      :meth:`refresh_dataset` after making one.
+    - The dataset's length is fixed when the loader is built; a change of it is refused
+      (ValueError) before the next batch is loaded.
+
     Args:
         dataset: a map-style dataset (``__getitem__`` and ``__len__``).
         batch_size: samples per batch (int >= 1).
@@ -213,7 +420,8 @@ class ReconfigurableLoader:
 
     Raises:
         ValueError: a setting of the wrong type or out of range (the message names it and
-            the value), or an ``IterableDataset`` (an epoch here is a list of indices).
+            the value), or an ``IterableDataset`` (an epoch here is a list of indices);
+            later, from ``next()``, when ``len(dataset)`` is no longer what it was.
         TypeError: ``dataset`` has no ``__len__``.
 
     .. note:: Worker processes never draw from the global torch RNG of the training
@@ -258,6 +466,22 @@ class ReconfigurableLoader:
         self.collate_fn = collate_fn
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = multiprocessing_context
+        #: Whether the dataset has a ``set_epoch`` method (called by the loader each epoch).
+        self.dataset_has_set_epoch = callable(getattr(dataset, "set_epoch", None))
+        # Workers can set their copy's epoch only where it has a __dict__ (the follower is
+        # an instance attribute); otherwise persistent workers restart at each new epoch.
+        self._workers_follow = self.dataset_has_set_epoch and isinstance(
+            getattr(dataset, "__dict__", None), dict)
+        self._worker_init = (_WorkerInit(worker_init_fn, self.seed)
+                             if self._workers_follow else None)
+        self._dataset_epoch: int | None = None  # the epoch the dataset here was set to
+        self._pool_state: _DatasetState | None = None  # dataset as the live pool has it
+        self.dataset_restarts = 0
+        """Times persistent workers were restarted for the dataset's sake: it changed
+        outside ``set_epoch``, or their copies could not follow ``set_epoch`` (a dataset
+        without ``__dict__``); see the class notes."""
+        self.last_dataset_restart: str | None = None
+        """Why persistent workers were last restarted for the dataset's sake, or None."""
         self._requested = self._validated(
             {"num_workers": num_workers, "pin_memory": pin_memory,
              "prefetch_factor": prefetch_factor, "persistent_workers": persistent_workers})
@@ -334,7 +558,9 @@ class ReconfigurableLoader:
         """Serve epoch ``epoch`` from its first batch (as ``DistributedSampler.set_epoch``).
 
         A no-op when the loader is already at the start of that epoch. Otherwise the
-        batches fetched ahead are dropped; persistent workers stay up.
+        batches fetched ahead are dropped; persistent workers stay up. A dataset with
+        ``set_epoch`` is set to ``epoch`` before the epoch's first batch is loaded (here
+        and in the workers; see the class notes).
 
         Raises:
             ValueError: ``epoch`` is not an int >= 0.
@@ -364,7 +590,8 @@ class ReconfigurableLoader:
         next batch is loaded before this returns, so that a failing worker is reported
         here and not at some later step. Until then the old workers stay up; they are
         shut down (joined) only once the new ones have delivered. If no batch remains,
-        the settings are stored and the workers start with the next epoch.
+        the settings are stored and the workers start with the next epoch. The new
+        workers copy the dataset as it is then, set to its epoch (see the class notes).
 
         Args:
             num_workers: worker processes, int in ``[0, MAX_NUM_WORKERS]``.
@@ -417,10 +644,13 @@ class ReconfigurableLoader:
                 return self._describe(self._requested, self._effective)
 
             started = time.perf_counter()
+            self._prepare_dataset(watch=False)  # new workers copy it in this epoch's state
             dataloader, batch_list = self._build(effective)
             iterator = None
             try:
-                batch_list.point(self._shard, self._yielded, self._batches_per_epoch)
+                batch_list.point(self._shard, self._yielded, self._batches_per_epoch,
+                                 self._epoch if self._workers_follow else None)
+                state = self._new_pool_state(dataloader, effective)
                 iterator = iter(dataloader)
                 first = next(iterator)
             except BaseException as error:
@@ -440,6 +670,7 @@ class ReconfigurableLoader:
                     f"{epoch}, batch {yielded} of {total}") from error
             self._close_inner()
             self._dataloader, self._batch_list, self._iterator = dataloader, batch_list, iterator
+            self._pool_state = state
             self._pending = first
             self._requested, self._effective = requested, effective
             self.last_reconfigure_s = time.perf_counter() - started
@@ -448,6 +679,19 @@ class ReconfigurableLoader:
     def close(self) -> None:
         """Shut the workers down now (persistent ones too). Iterating again restarts them
         at the same position."""
+        with self._lock:
+            self._close_inner()
+
+    def refresh_dataset(self) -> None:
+        """Have the next batches loaded from the dataset as it is now.
+
+        For a change the loader cannot see (one inside an attribute: a tensor written in
+        place, a list appended to; see the class notes). The workers, persistent ones
+        too, are shut down now; the next batch (the first one not yet handed out, none
+        skipped) starts new ones, which copy the dataset as it is then. Batches the old
+        workers had loaded ahead are loaded again. Costs one worker-pool start, as
+        :meth:`close`; without workers it changes nothing (batches are loaded here).
+        """
         with self._lock:
             self._close_inner()
 
@@ -477,11 +721,16 @@ class ReconfigurableLoader:
             return batch
         try:
             if self._iterator is None:
+                self._prepare_dataset()
                 if self._dataloader is None:
                     self._dataloader, self._batch_list = self._build(self._effective)
                 assert self._batch_list is not None
-                self._batch_list.point(self._shard, self._yielded, self._batches_per_epoch)
+                self._batch_list.point(self._shard, self._yielded, self._batches_per_epoch,
+                                       self._epoch if self._workers_follow else None)
+                state = self._new_pool_state(self._dataloader, self._effective)
                 self._iterator = iter(self._dataloader)
+                if state is not None:
+                    self._pool_state = state
             return next(self._iterator)
         except BaseException:
             # A DataLoader iterator moves past a batch that raised; drop it so that the
@@ -506,12 +755,75 @@ class ReconfigurableLoader:
         self._shard = self._epoch_shard(epoch)
         self._yielded = 0
 
+    def _persistent_pool(self) -> bool:
+        """Whether persistent workers are up (kept by the inner DataLoader)."""
+        return (self._dataloader is not None and self._effective["persistent_workers"]
+                and getattr(self._dataloader, "_iterator", None) is not None)
+
+    @staticmethod
+    def _new_pool_state(dataloader: DataLoader, effective: dict[str, Any]
+                        ) -> _DatasetState | None:
+        """Called just before ``iter(dataloader)``: when that starts a persistent pool,
+        the record of the dataset its workers are about to copy; else None (no pool to
+        watch, or one already up, whose record stays)."""
+        if not effective["persistent_workers"] or \
+                getattr(dataloader, "_iterator", None) is not None:
+            return None
+        return _DatasetState(dataloader.dataset)
+
+    def _prepare_dataset(self, *, watch: bool = True) -> None:
+        """Before the first batch of an inner iterator is loaded: the dataset, here and in
+        live persistent workers, in the state of the epoch being served.
+
+        Persistent workers are restarted (shut down here; the caller starts new ones)
+        when the dataset's attributes changed since they copied it (not looked at with
+        ``watch=False``: :meth:`reconfigure`, which replaces them anyway), or when a new
+        epoch needs ``set_epoch`` and their copies cannot follow. Then
+        ``dataset.set_epoch`` is called here once per epoch (the workers follow from the
+        batches' epoch tags).
+
+        Raises:
+            ValueError: ``len(dataset)`` is not what it was when the loader was built.
+        """
+        new_epoch = self.dataset_has_set_epoch and self._dataset_epoch != self._epoch
+        if self._persistent_pool():
+            changed = (self._pool_state.changed(self.dataset)
+                       if watch and self._pool_state is not None else [])
+            reason = None
+            if changed:
+                names = ", ".join(repr(name) for name in changed[:5])
+                more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+                reason = (f"the dataset's attribute{'s' if len(changed) > 1 else ''} "
+                          f"{names}{more} changed since the workers copied it")
+            elif new_epoch and not self._workers_follow:
+                reason = (f"{type(self.dataset).__name__} has no __dict__, so the workers' "
+                          "copies cannot follow set_epoch")
+            if reason is not None:
+                self._close_inner()
+                self.dataset_restarts += 1
+                self.last_dataset_restart = (f"persistent workers restarted for epoch "
+                                             f"{self._epoch}, batch {self._yielded}: {reason}")
+        if new_epoch:
+            _call_set_epoch(self.dataset, self._epoch, self.seed)
+            self._dataset_epoch = self._epoch
+            if self._worker_init is not None:
+                self._worker_init.dataset_epoch = self._epoch
+            if self._persistent_pool():  # they apply the same set_epoch from the tags
+                self._pool_state = _DatasetState(self.dataset)
+        length = len(self.dataset)
+        if length != self.dataset_len:
+            raise ValueError(
+                f"len(dataset) is {length}, but was {self.dataset_len} when the "
+                "ReconfigurableLoader was built: its epochs are planned from that length "
+                "(every sample once per epoch); build a new loader for the new length")
+
     def _close_inner(self) -> None:
         dataloader, iterator = self._dataloader, self._iterator
         if iterator is None and dataloader is not None:
             iterator = getattr(dataloader, "_iterator", None)
         self._dataloader = self._batch_list = self._iterator = None
         self._pending = _NO_BATCH
+        self._pool_state = None
         if iterator is not None:
             _close_iterator(dataloader, iterator)
 
@@ -540,7 +852,8 @@ class ReconfigurableLoader:
             pin_memory=effective["pin_memory"],
             prefetch_factor=effective["prefetch_factor"],
             persistent_workers=effective["persistent_workers"],
-            worker_init_fn=self.worker_init_fn,
+            worker_init_fn=(self._worker_init if self._worker_init is not None
+                            else self.worker_init_fn),
             timeout=self.timeout_s if workers else 0,
             multiprocessing_context=self.multiprocessing_context if workers else None,
             generator=self._seed_generator,
@@ -578,6 +891,11 @@ class ReconfigurableLoader:
             notes.append("prefetch_factor is ignored with num_workers=0")
         if requested["persistent_workers"] and not effective["num_workers"]:
             notes.append("persistent_workers is ignored with num_workers=0")
+        if effective["persistent_workers"] and not isinstance(
+                getattr(self.dataset, "__dict__", None), dict):
+            notes.append(f"{type(self.dataset).__name__} has no __dict__: a change of its "
+                         "attributes does not reach the persistent workers; call "
+                         "refresh_dataset() after one")
         return {
             **requested,
             "pin_memory_effective": effective["pin_memory"],

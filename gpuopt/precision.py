@@ -7,7 +7,7 @@ and Micikevicius et al., "Mixed Precision Training" (ICLR 2018) for loss scaling
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -90,20 +90,23 @@ def precision_warning(precision: str, device_type: str) -> str | None:
     return None
 
 
-class _Autocast:
-    """The reusable autocast context of a :class:`MixedPrecision`: each ``with`` enters
-    autocast for the precision current at that moment (nothing in fp32). Reusable and
-    re-entrant (nested ``with`` on one object works), like a stored ``ctx`` of a
-    hand-written loop, so evaluation code follows the live precision too."""
+class ReusableAutocast:
+    """A reusable, re-entrant autocast context: each ``with`` enters the context that
+    ``make_context()`` gives at that moment (None: nothing, as in fp32), so one stored
+    object (a hand-written loop's ``ctx``) follows a live precision, in evaluation code
+    too, and may be nested.
 
-    def __init__(self, policy: "MixedPrecision") -> None:
-        self._policy = policy
+    Args:
+        make_context: returns a fresh context manager (e.g. ``torch.autocast(...)``) or
+            None; called at each entry.
+    """
+
+    def __init__(self, make_context: Callable[[], Any]) -> None:
+        self._make_context = make_context
         self._active: list[Any] = []
 
     def __enter__(self) -> None:
-        precision = self._policy.precision
-        context = (None if precision == "fp32" else
-                   torch.autocast(self._policy.device_type, dtype=_AUTOCAST_DTYPE[precision]))
+        context = self._make_context()
         if context is not None:
             context.__enter__()
         self._active.append(context)
@@ -113,7 +116,7 @@ class _Autocast:
         if context is not None:
             context.__exit__(*exc_info)
 
-    def __call__(self) -> "_Autocast":
+    def __call__(self) -> "ReusableAutocast":
         return self  # ``with mp.autocast():`` and ``with ctx:`` alike
 
 
@@ -235,7 +238,7 @@ class MixedPrecision:
         self.scaler: torch.amp.GradScaler | None = None
         self._precision = "fp32"
         self.precision = precision
-        self._autocast = _Autocast(self)
+        self._autocast = ReusableAutocast(self._autocast_context)
         #: The GradScaler lookalike for loops that call ``scaler.scale(loss).backward()``
         #: themselves (:class:`SwitchableGradScaler`).
         self.grad_scaler = SwitchableGradScaler(self)
@@ -254,7 +257,12 @@ class MixedPrecision:
             self.scaler = torch.amp.GradScaler(self.device_type)
         self._precision = value
 
-    def autocast(self) -> _Autocast:
+    def _autocast_context(self) -> Any:
+        if self._precision == "fp32":
+            return None
+        return torch.autocast(self.device_type, dtype=_AUTOCAST_DTYPE[self._precision])
+
+    def autocast(self) -> ReusableAutocast:
         """Context for the forward pass (and loss) of one micro-batch: autocast to the
         current precision (nothing in fp32). The same reusable object each time, so
         ``ctx = mp.autocast()`` may be stored and entered again and again (also nested,

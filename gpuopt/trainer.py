@@ -3,16 +3,25 @@
 It runs optimizer steps made of an accumulation window of micro-batches, under a
 :class:`~gpuopt.precision.MixedPrecision` policy, and calls its callbacks at every
 optimizer-step boundary, the one place where settings may change safely.
+
+Loss normalisation (huggingface/transformers#34191): with micro-batches of unequal size,
+the mean of the micro-batches' mean losses is not the mean loss over the window's
+samples (or tokens). ``Trainer(loss_normalization=...)`` says which of the two the
+window's gradient is: ``"micro_batch_mean"`` (the default, as before), ``"samples"`` or
+``"tokens"``.
 """
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
+from torch.utils.data import DataLoader
 
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
@@ -38,6 +47,19 @@ class StepStats:
         activation_bytes: bytes autograd saved for backward in the window's first
             micro-batch (:class:`gpuopt.memory.SavedActivations`) when this step
             measured them (see ``Trainer(measure_activations_every=...)``); else None.
+        tokens: tokens in the window's micro-batches, as declared by
+            ``Trainer(tokens_per_sample=...)`` or counted by ``Trainer(count_tokens=...)``
+            (host int); None when neither is declared.
+        lr: the learning rate the step used (param group 0), a host float.
+        grad_norm: with ``max_grad_norm``, the global gradient norm before clipping
+            (what ``clip_grad_norm_`` returned: a 0-dim tensor on the device, not read);
+            else None.
+
+    The mean in ``loss`` is the one the gradient is of
+    (:attr:`Trainer.loss_normalization`): the mean of the micro-batches' mean losses
+    (``"micro_batch_mean"``), or each micro-batch's mean loss weighted by its samples
+    (``"samples"``) or tokens (``"tokens"``), i.e. the mean over the window's samples or
+    tokens.
     """
 
     step: int
@@ -47,6 +69,39 @@ class StepStats:
     loss: torch.Tensor | None
     skipped: torch.Tensor | None = None
     activation_bytes: int | None = None
+    tokens: int | None = None
+    lr: float | None = None
+    grad_norm: torch.Tensor | None = None
+
+
+#: The values of ``Trainer(loss_normalization=...)``.
+LOSS_NORMALIZATIONS = ("micro_batch_mean", "samples", "tokens")
+
+
+def count_target_tokens(batch: Any, ignore_index: int = -100) -> int:
+    """Tokens in an ``(input, target)`` batch that the loss counts: the elements of the
+    target tensor not equal to ``ignore_index`` (padding, as ``cross_entropy``'s
+    default ``ignore_index=-100`` leaves out). For ``Trainer(count_tokens=...)``.
+
+    A dict batch uses its ``"labels"`` (else the sum of its ``"attention_mask"``).
+    Called with the batch as the loader gives it, before it is moved to the device: on
+    host tensors it costs one comparison and a sum, and no device synchronisation (on a
+    CUDA tensor ``int()`` would synchronise).
+
+    Raises:
+        ValueError: the batch holds no target (labels, or attention mask) tensor.
+    """
+    if isinstance(batch, dict):
+        if isinstance(batch.get("labels"), torch.Tensor):
+            return int((batch["labels"] != ignore_index).sum())
+        if isinstance(batch.get("attention_mask"), torch.Tensor):
+            return int(batch["attention_mask"].sum())
+    elif isinstance(batch, (list, tuple)) and len(batch) >= 2 \
+            and isinstance(batch[1], torch.Tensor):
+        return int((batch[1] != ignore_index).sum())
+    raise ValueError("count_target_tokens needs an (input, target) batch with a target "
+                     "tensor, or a dict with 'labels' or 'attention_mask', got "
+                     f"{type(batch).__name__}")
 
 
 class Callback(Protocol):
@@ -68,11 +123,20 @@ class Trainer:
 
     Each optimizer step takes ``accum_steps`` micro-batches from ``loader``; each
     micro-batch's loss is divided by the real window size before backward, so the
-    accumulated gradient equals the gradient of the mean loss over the whole window
-    (for a mean-reduced loss and equal micro-batch sizes, the gradient of one batch
-    ``accum_steps`` times larger). Changes to :attr:`accum_steps` take effect at the next
+    accumulated gradient equals the gradient of the mean of the micro-batches' mean
+    losses (for a mean-reduced loss and equal micro-batch sizes, the gradient of one
+    batch ``accum_steps`` times larger). With micro-batches of unequal size that is not
+    the mean over the window's samples; ``loss_normalization="samples"`` (or
+    ``"tokens"``) makes it that. Changes to :attr:`accum_steps` take effect at the next
     window; changes to :attr:`precision` must be made between optimizer steps (the
     callbacks run exactly there).
+
+    Epochs: before each epoch the Trainer calls ``set_epoch(epoch)`` on the loader's
+    ``sampler`` (a ``DistributedSampler``, say) and, for a ``torch.utils.data.DataLoader``,
+    on its ``dataset`` when they have one. A :class:`gpuopt.loader.ReconfigurableLoader`
+    sets its dataset's epoch itself, workers included. A DataLoader's persistent workers
+    do not see a ``set_epoch`` made here (pytorch/pytorch#97326): the Trainer warns
+    (``RuntimeWarning``) once.
 
     Args:
         model: the module, already on ``device``.
@@ -91,6 +155,17 @@ class Trainer:
         checkpointing: activation checkpointing of the model's repeated blocks
             (``model.blocks``); switchable between steps. :attr:`activation_checkpointing`
             is None when the model has no blocks to checkpoint.
+        loss_normalization: what the window's gradient is the mean of (see
+            :attr:`loss_normalization`): ``"micro_batch_mean"`` (default), ``"samples"``
+            or ``"tokens"``.
+        tokens_per_sample: tokens in each sample (int >= 1) for a token model whose
+            samples all have that many (tokens = samples x this); or None.
+        count_tokens: ``count_tokens(batch) -> int``, the tokens of a micro-batch as the
+            loader gives it (before it is moved to the device), e.g.
+            :func:`count_target_tokens` to leave out padding; or None. Called once per
+            micro-batch on the training thread: count on host tensors (a count read
+            from a CUDA tensor synchronises). At most one of the two is given; with
+            either, :attr:`StepStats.tokens` is reported.
         measure_activations_every: measure the activation memory
             (:attr:`StepStats.activation_bytes`) of one micro-batch every this many
             optimizer steps, and at the first step after precision, kernels or
@@ -103,8 +178,10 @@ class Trainer:
 
     Raises:
         ValueError: a precision or kernel backend the device cannot run,
-            ``accum_steps < 1``, ``checkpointing=True`` for a model without blocks, or
-            ``measure_activations_every < 0``.
+            ``accum_steps < 1``, ``checkpointing=True`` for a model without blocks,
+            ``measure_activations_every < 0``, an unknown ``loss_normalization`` (or
+            ``"tokens"`` with no token count declared), a ``tokens_per_sample`` that is
+            not an int >= 1, or both ``tokens_per_sample`` and ``count_tokens``.
     """
 
     def __init__(
@@ -123,6 +200,9 @@ class Trainer:
         compile_backend: str = "inductor",
         checkpointing: bool = False,
         measure_activations_every: int = 20,
+        loss_normalization: str = "micro_batch_mean",
+        tokens_per_sample: int | None = None,
+        count_tokens: Callable[[Any], int] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -151,6 +231,24 @@ class Trainer:
             raise ValueError("measure_activations_every must be an integer >= 0, got "
                              f"{measure_activations_every!r}")
         self.measure_activations_every = measure_activations_every
+        if tokens_per_sample is not None and (
+                isinstance(tokens_per_sample, bool)
+                or not isinstance(tokens_per_sample, numbers.Integral)
+                or tokens_per_sample < 1):
+            raise ValueError("tokens_per_sample must be an int >= 1 or None, got "
+                             f"{tokens_per_sample!r}")
+        if tokens_per_sample is not None and count_tokens is not None:
+            raise ValueError("give tokens_per_sample or count_tokens, not both")
+        if count_tokens is not None and not callable(count_tokens):
+            raise ValueError(f"count_tokens must be callable, got {count_tokens!r}")
+        #: Tokens per sample as declared, or None.
+        self.tokens_per_sample: int | None = (None if tokens_per_sample is None
+                                              else int(tokens_per_sample))
+        #: The micro-batch token counter as declared, or None.
+        self.count_tokens: Callable[[Any], int] | None = count_tokens
+        self._loss_normalization = "micro_batch_mean"
+        self.loss_normalization = loss_normalization
+        self._warned_persistent_set_epoch = False
         self._measured_at: tuple[int, Any] | None = None  # (step, settings) last measured
         #: Why activations are no longer measured (the model refused saved-tensor hooks),
         #: or None.
@@ -183,6 +281,46 @@ class Trainer:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"accum_steps must be an integer >= 1, got {value!r}")
         self._accum_steps = value
+
+    @property
+    def loss_normalization(self) -> str:
+        """What the window's gradient (and :attr:`StepStats.loss`) is the mean of.
+
+        - ``"micro_batch_mean"`` (default): each micro-batch's mean loss is divided by the
+          number of micro-batches in the window, so the gradient is that of the mean of
+          the micro-batches' mean losses. Equal to the mean over the window's samples
+          only when the micro-batches are of equal size.
+        - ``"samples"``: each micro-batch's mean loss is weighted by its samples over the
+          window's samples, so the gradient is that of the mean loss over every sample
+          of the window, whatever the micro-batches' sizes (a last short batch of an
+          epoch, a sampler that varies them).
+        - ``"tokens"``: weighted by tokens (``tokens_per_sample`` or ``count_tokens``)
+          over the window's tokens: the mean over every token of the window, for a loss
+          that is the mean over a micro-batch's counted tokens (``cross_entropy`` with
+          padding at ``ignore_index`` and :func:`count_target_tokens`). A window with no
+          tokens gets what the loss function gives for none (NaN for ``cross_entropy``).
+
+        Set it between optimizer steps; it applies from the next window. The micro-batches
+        are not fetched ahead: each is weighted by its count over the window's expected
+        total (``accum_steps`` times the first micro-batch's count) before its backward,
+        and once the window is complete its gradients are multiplied by
+        expected / real total where the two differ (one in-place multiply per parameter;
+        in fp16 before the GradScaler unscales). Same data wait and memory as the default.
+
+        Raises:
+            ValueError: an unknown value, or ``"tokens"`` with no token count declared.
+        """
+        return self._loss_normalization
+
+    @loss_normalization.setter
+    def loss_normalization(self, value: str) -> None:
+        if value not in LOSS_NORMALIZATIONS:
+            raise ValueError(f"loss_normalization must be one of "
+                             f"{', '.join(LOSS_NORMALIZATIONS)}, got {value!r}")
+        if value == "tokens" and self.tokens_per_sample is None and self.count_tokens is None:
+            raise ValueError('loss_normalization="tokens" needs tokens_per_sample or '
+                             "count_tokens to count a micro-batch's tokens")
+        self._loss_normalization = value
 
     @property
     def kernels(self) -> str:
@@ -220,6 +358,8 @@ class Trainer:
             sampler = getattr(self.loader, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
+            if isinstance(self.loader, DataLoader):
+                self._set_dataset_epoch(self.loader)
             empty = True
             for batch in self.loader:
                 empty = False
@@ -227,6 +367,38 @@ class Trainer:
             self.epoch += 1
             if empty:
                 return
+
+    def _set_dataset_epoch(self, loader: DataLoader) -> None:
+        """``loader.dataset.set_epoch(epoch)`` when it has one; a warning, once, when the
+        loader's persistent workers will not see it (pytorch/pytorch#97326)."""
+        set_epoch = getattr(loader.dataset, "set_epoch", None)
+        if not callable(set_epoch):
+            return
+        set_epoch(self.epoch)
+        if (loader.num_workers > 0 and loader.persistent_workers
+                and not self._warned_persistent_set_epoch):
+            self._warned_persistent_set_epoch = True
+            warnings.warn(
+                f"the DataLoader's persistent workers keep the copy of "
+                f"{type(loader.dataset).__name__} made when they started: its "
+                "set_epoch(epoch) reaches only the training process, and the workers load "
+                "every epoch in their first epoch's state (pytorch/pytorch#97326). Use "
+                "gpuopt.loader.ReconfigurableLoader (its workers follow set_epoch) or "
+                "persistent_workers=False", RuntimeWarning, stacklevel=2)
+
+    def _tokens_in(self, batch: Any) -> int | None:
+        """The declared token count of a micro-batch as the loader gave it, or None."""
+        if self.tokens_per_sample is not None:
+            inputs = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+            return batch_size(inputs) * self.tokens_per_sample
+        if self.count_tokens is None:
+            return None
+        count = self.count_tokens(batch)
+        if isinstance(count, torch.Tensor) and count.numel() == 1:
+            count = int(count)
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise ValueError(f"count_tokens returned {count!r}, not an int >= 0")
+        return int(count)
 
     def _measures_activations(self) -> bool:
         """Whether the next window's first micro-batch measures its activations: every
@@ -241,10 +413,11 @@ class Trainer:
                 return False  # not due: the usual step costs two comparisons
         return SavedActivations.blocked_reason() is None  # else: a later window
 
-    def _micro_batch(self, batch: Any, window: int, saved: SavedActivations | None = None
-                     ) -> tuple[torch.Tensor, int]:
-        """Forward and backward of one micro-batch; its detached loss and size. With
-        ``saved``, the forward's tensors saved for backward are counted in it."""
+    def _micro_batch(self, batch: Any, window: int, saved: SavedActivations | None = None,
+                     weight: float | None = None) -> tuple[torch.Tensor, int]:
+        """Forward and backward of one micro-batch; its detached loss and size. The loss
+        is divided by ``window`` before backward, or multiplied by ``weight`` when given.
+        With ``saved``, the forward's tensors saved for backward are counted in it."""
         if self.fault_injection is not None:
             self.fault_injection(self)
         inputs, targets = to_device(batch, self.device)
@@ -253,7 +426,7 @@ class Trainer:
                 loss = self.loss_fn(self.model_backend(inputs), targets)
             else:
                 loss = self._measured_forward(inputs, targets, saved)
-        self.mixed_precision.backward(loss / window)
+        self.mixed_precision.backward(loss / window if weight is None else loss * weight)
         return loss.detach(), batch_size(inputs)
 
     def _measured_forward(self, inputs: Any, targets: Any, saved: SavedActivations
@@ -321,10 +494,15 @@ class Trainer:
 
     def _optimizer_step(self, batches: Iterator[Any]) -> bool:
         window = self._accum_steps
+        normalization = self._loss_normalization
+        weighted = normalization != "micro_batch_mean"
         data_wait_s = 0.0
         samples = 0
         loss_sum: torch.Tensor | None = None
         fetched: list[Any] = []  # this window's batches, kept for one retry after an OOM
+        tokens: list[int | None] = []  # their token counts (None: not declared)
+        weights: list[int] = []  # "samples"/"tokens": their counts, the loss weights
+        expected = 1  # "samples"/"tokens": the window's expected total count
         retried = False
         micro_batches = 0
         saved = SavedActivations(self.model) if self._measures_activations() else None
@@ -336,9 +514,20 @@ class Trainer:
                 if batch is None:
                     break
                 fetched.append(batch)
+                tokens.append(self._tokens_in(batch))
+                if weighted:
+                    count = _samples_in(batch) if normalization == "samples" else tokens[-1]
+                    if count is None:
+                        raise ValueError('loss_normalization="tokens" needs '
+                                         "tokens_per_sample or count_tokens")
+                    weights.append(count)
+                    if len(weights) == 1:  # known at the window's start: no fetch ahead
+                        expected = window * max(weights[0], 1)
+            weight = weights[micro_batches] / expected if weighted else None
             try:
                 loss, size = self._micro_batch(fetched[micro_batches], window,
-                                               saved if micro_batches == 0 else None)
+                                               saved if micro_batches == 0 else None,
+                                               weight)
             except torch.OutOfMemoryError as error:
                 if retried or not self._recovered_from(error):
                     raise
@@ -348,18 +537,32 @@ class Trainer:
                     saved = SavedActivations(self.model)
                 loss_sum, samples, micro_batches = None, 0, 0
                 continue
+            if weighted:
+                loss = loss * weights[micro_batches]
             loss_sum = loss if loss_sum is None else loss_sum + loss
             samples += size
             micro_batches += 1
         if micro_batches == 0:
             return False
-        if micro_batches < window:  # data ran out mid-window: divide by the real size
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(window / micro_batches)
+        if weighted:
+            total = sum(weights[:micro_batches])
+            if total and total != expected:  # unequal sizes, or a last short window
+                for param in self.model.parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(expected / total)
+            mean_loss = loss_sum / total  # no tokens at all: NaN, as the loss of none
+        else:
+            if micro_batches < window:  # data ran out mid-window: divide by the real size
+                for param in self.model.parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(window / micro_batches)
+            mean_loss = loss_sum / micro_batches
+        grad_norm = None
         if self.max_grad_norm is not None:
             self.mixed_precision.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                       self.max_grad_norm)
+        lr = self.optimizer.param_groups[0].get("lr")
         skipped = self.mixed_precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -367,12 +570,20 @@ class Trainer:
             saved = None  # the measurement failed; the window trained without it
         if saved is not None:
             self._measured_at = (self.step, (self.precision, self.kernels, self.checkpointing))
-        stats = StepStats(self.step, micro_batches, samples, data_wait_s,
-                          loss_sum / micro_batches, skipped,
-                          None if saved is None else saved.bytes)
+        window_tokens = (None if tokens[0] is None
+                         else sum(tokens[:micro_batches]))  # type: ignore[arg-type]
+        stats = StepStats(self.step, micro_batches, samples, data_wait_s, mean_loss, skipped,
+                          None if saved is None else saved.bytes, tokens=window_tokens,
+                          lr=lr if isinstance(lr, (int, float)) else None,
+                          grad_norm=grad_norm)
         for callback in self.callbacks:
             _call(callback, "on_optimizer_step", self, stats)
         return micro_batches == window
+
+
+def _samples_in(batch: Any) -> int:
+    """Samples in an ``(input, target)`` batch as the loader gave it (dim 0 of the input)."""
+    return batch_size(batch[0] if isinstance(batch, (list, tuple)) and batch else batch)
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -329,3 +329,170 @@ def test_persistent_workers_survive_the_epoch_boundary_and_others_do_not():
     assert _wait_for_children(before) == []
     assert _run_epoch(loader) == _reference(80, epoch=2)
     assert _wait_for_children(before) == []  # workers end with the epoch
+
+
+# ------------------------------------------------ the dataset's state reaches the workers
+# pytorch/pytorch#97326: a DataLoader worker loads from its own copy of the dataset, made
+# when it started; a persistent worker keeps that copy from epoch to epoch.
+
+STATE_N = 64
+
+
+class EpochState(Dataset):
+    """Sample ``i`` says what the copy of the dataset that loaded it was set to:
+    ``[i, epoch, tag, set_epoch calls, perm[i], scale, pid]``. ``set_epoch`` draws its
+    permutation from the global torch RNG, as a dataset that reshuffles itself would."""
+
+    def __init__(self, n: int = STATE_N) -> None:
+        self.n = n
+        self.epoch = -1
+        self.tag = 0
+        self.calls = 0
+        self.perm = torch.arange(n)
+        self.scale = torch.ones(1, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.calls += 1
+        self.perm = torch.randperm(self.n)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, self.epoch, self.tag, self.calls, int(self.perm[index]),
+                             int(self.scale), os.getpid()])
+
+
+class EpochStateBatched(EpochState):
+    """The same, loading a batch at once (DataLoader calls ``__getitems__``); marks its
+    rows with a negative index."""
+
+    def __getitems__(self, indices):
+        return [row * torch.tensor([-1, 1, 1, 1, 1, 1, 1]) for row in
+                (self[i] for i in indices)]
+
+
+def _rows(loader, switches=None):
+    """One epoch as a (samples, 7) tensor; ``switches`` as for :func:`_run_epoch`."""
+    switches = switches or {}
+    batches = []
+    if 0 in switches:
+        loader.reconfigure(**switches[0])
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) in switches:
+            loader.reconfigure(**switches[len(batches)])
+    return torch.cat(batches)
+
+
+def _worker_pids(rows):
+    return set(rows[:, 6].tolist()) - {os.getpid()}
+
+
+def test_a_plain_dataloader_with_persistent_workers_keeps_a_stale_dataset():
+    """The bug as reported: set_epoch in the training process does not reach the workers."""
+    dataset = EpochState()
+    loader = DataLoader(dataset, batch_size=BATCH, num_workers=2, persistent_workers=True)
+    seen = []
+    for epoch in range(3):
+        dataset.set_epoch(epoch)
+        seen.append(set(torch.cat(list(loader))[:, 1].tolist()))
+    assert seen == [{0}, {0}, {0}]  # epochs 1 and 2 were loaded in epoch 0's state
+    del loader
+
+
+@pytest.mark.parametrize("dataset_type", [EpochState, EpochStateBatched])
+def test_set_epoch_reaches_persistent_workers_across_epochs_and_live_switches(dataset_type):
+    plan = [{}, {},  # two epochs on the same persistent workers
+            {2: {"num_workers": 1}, 4: {"num_workers": 0}, 6: {"num_workers": 2}},
+            {0: {"num_workers": 1, "prefetch_factor": 1},
+             5: {"num_workers": 2, "persistent_workers": False}}]
+    orders = [_flatten(_reference(STATE_N, epoch=epoch, seed=11)) for epoch in range(4)]
+    torch.manual_seed(5)
+    rng = torch.get_rng_state()
+    dataset = dataset_type()
+    loader = ReconfigurableLoader(dataset, BATCH, num_workers=2, persistent_workers=True,
+                                  seed=11)
+    pids = []
+    for epoch, switches in enumerate(plan):
+        rows = _rows(loader, switches)
+        assert rows[:, 0].abs().tolist() == orders[epoch]
+        if dataset_type is EpochStateBatched:
+            assert (rows[:, 0] <= 0).all()  # its own __getitems__ loaded every batch
+        assert set(rows[:, 1].tolist()) == {epoch}  # every copy in this epoch's state
+        assert set(rows[:, 3].tolist()) == {epoch + 1}  # set once per epoch, in each copy
+        # set_epoch drew the same permutation in every process, that of the dataset here
+        assert dataset.epoch == epoch
+        assert torch.equal(rows[:, 4], dataset.perm[rows[:, 0].abs()])
+        pids.append(_worker_pids(rows))
+    assert len(pids[0]) == 2 and pids[1] == pids[0]  # the workers were kept, not restarted
+    assert len(pids[2] - pids[0]) == 3 and len(pids[3] - pids[2]) == 3  # new pools
+    assert loader.dataset_restarts == 0 and loader.last_dataset_restart is None
+    assert torch.equal(torch.get_rng_state(), rng)  # set_epoch's draws left ours alone
+    loader.close()
+
+
+def test_other_changes_to_the_dataset_reach_persistent_workers_at_the_next_epoch():
+    dataset = EpochState()
+    loader = ReconfigurableLoader(dataset, BATCH, num_workers=2, persistent_workers=True)
+    first = _rows(loader)
+    assert set(first[:, 2].tolist()) == {0}
+    dataset.tag = 7  # rebound between epochs
+    second = _rows(loader)
+    assert set(second[:, 2].tolist()) == {7} and set(second[:, 1].tolist()) == {1}
+    assert loader.dataset_restarts == 1
+    assert loader.last_dataset_restart == (
+        "persistent workers restarted for epoch 1, batch 0: the dataset's attribute 'tag' "
+        "changed since the workers copied it")
+    assert not _worker_pids(second) & _worker_pids(first)
+    third = _rows(loader)  # nothing changed: the same workers go on
+    assert _worker_pids(third) == _worker_pids(second) and loader.dataset_restarts == 1
+
+    # A change inside an attribute is not seen; refresh_dataset() makes it reach them,
+    # mid-epoch, from the first batch not yet handed out.
+    dataset.scale.fill_(3)
+    batches = iter(loader)
+    head = torch.cat([next(batches) for _ in range(3)])
+    loader.refresh_dataset()
+    tail = torch.cat(list(batches))
+    assert set(head[:, 5].tolist()) == {1} and set(tail[:, 5].tolist()) == {3}
+    assert torch.cat([head, tail])[:, 0].tolist() == _flatten(_reference(STATE_N, epoch=3))
+    loader.close()
+
+
+def test_a_change_inside_a_wrapped_dataset_is_seen_too():
+    inner = EpochState()
+    subset = torch.utils.data.Subset(inner, range(0, STATE_N, 2))
+    loader = ReconfigurableLoader(subset, 4, num_workers=1, persistent_workers=True)
+    assert set(_rows(loader)[:, 2].tolist()) == {0}
+    inner.tag = 2
+    assert set(_rows(loader)[:, 2].tolist()) == {2}
+    assert "'dataset.tag'" in loader.last_dataset_restart
+    loader.close()
+
+
+def test_a_dataset_whose_length_changes_is_refused_with_the_reason():
+    class Shrinks(EpochState):
+        def set_epoch(self, epoch):
+            super().set_epoch(epoch)
+            self.n = STATE_N - epoch
+
+    loader = ReconfigurableLoader(Shrinks(), BATCH, num_workers=1, persistent_workers=True)
+    assert len(_rows(loader)) == STATE_N
+    with pytest.raises(ValueError, match="len\\(dataset\\) is 63, but was 64"):
+        next(iter(loader))
+    loader.close()
+
+
+@pytest.mark.slow
+def test_set_epoch_reaches_spawned_persistent_workers():
+    dataset = EpochState()
+    loader = ReconfigurableLoader(dataset, 16, num_workers=1, persistent_workers=True,
+                                  multiprocessing_context="spawn")
+    for epoch in range(2):  # epoch 1: the same worker, then a new one from a switch
+        rows = _rows(loader, {2: {"persistent_workers": False}} if epoch else None)
+        assert set(rows[:, 1].tolist()) == {epoch}
+        assert set(rows[:, 3].tolist()) == {epoch + 1}
+        assert torch.equal(rows[:, 4], dataset.perm[rows[:, 0]])
+    loader.close()

@@ -257,3 +257,74 @@ def test_hooks_of_the_callers_own_are_left_in_charge_and_errors_are_not_retried(
     with pytest.raises(RuntimeError, match="the model's own error"):
         failing.fit(max_steps=1)
     assert len(calls) == 1 and failing.activation_measurement_error is None
+
+
+class _EpochTaggedDigits(torch.utils.data.Dataset):
+    """Digits whose target carries the epoch the loading copy of the dataset was set to:
+    ``(x, [label, epoch])``."""
+
+    def __init__(self, n=96):
+        self.x, self.y = _digits(n)
+        self.epoch = -1
+        self.calls = []
+
+    def __len__(self):
+        return len(self.y)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        self.calls.append(epoch)
+
+    def __getitem__(self, index):
+        return self.x[index], torch.tensor([int(self.y[index]), self.epoch])
+
+
+def _epoch_recording_loss(seen):
+    def loss(output, target):
+        seen.append(target[:, 1].tolist())
+        return torch.nn.functional.cross_entropy(output, target[:, 0])
+    return loss
+
+
+def test_the_dataset_epoch_reaches_persistent_workers_of_the_trainers_loader():
+    from gpuopt.loader import ReconfigurableLoader
+
+    dataset = _EpochTaggedDigits()
+    loader = ReconfigurableLoader(dataset, 8, num_workers=2, persistent_workers=True)
+    seen = []
+
+    class Switch:  # a live loader change mid-epoch, at an optimizer-step boundary
+        def on_optimizer_step(self, trainer, stats):
+            if stats.step == 8:
+                trainer.loader.reconfigure(num_workers=1)
+            if stats.step == 17:
+                trainer.loader.reconfigure(num_workers=0)
+
+    model = _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      _epoch_recording_loss(seen), loader, callbacks=[Switch()])
+    trainer.fit(epochs=3)
+    loader.close()
+    assert trainer.step == 36 and len(seen) == 36  # 12 micro-batches per epoch
+    for epoch in range(3):
+        assert {e for batch in seen[12 * epoch:12 * (epoch + 1)] for e in batch} == {epoch}
+    assert dataset.calls == [0, 1, 2]  # once per epoch here (the workers set their own)
+    assert loader.dataset_restarts == 0
+
+
+def test_a_plain_dataloader_gets_set_epoch_and_a_warning_when_workers_persist():
+    dataset = _EpochTaggedDigits(32)
+    seen = []
+    model = _model()
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16)
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), _epoch_recording_loss(seen),
+            loader).fit(epochs=2)
+    assert dataset.calls == [0, 1] and seen == [[0] * 16] * 2 + [[1] * 16] * 2
+
+    stale = torch.utils.data.DataLoader(dataset, batch_size=16, num_workers=1,
+                                        persistent_workers=True)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      _epoch_recording_loss(seen), stale)
+    with pytest.warns(RuntimeWarning, match="pytorch/pytorch#97326"):
+        trainer.fit(epochs=1)
+    del stale

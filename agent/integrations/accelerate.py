@@ -1,0 +1,717 @@
+"""gpuwatch for hand-written loops on a Hugging Face ``accelerate.Accelerator``.
+
+Three changed lines in the usual loop::
+
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    run = agent.attach(accelerator)                # 1: after prepare()
+    for batch in run.loader(loader):               # 2: times each fetch (the data wait)
+        with accelerator.accumulate(model):
+            loss = loss_fn(model(batch["x"]), batch["y"])
+            accelerator.backward(loss)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+        run.micro_batch(loss)                      # 3: once per micro-batch
+
+:meth:`AcceleratorRun.micro_batch` reads ``accelerator.sync_gradients``: on the
+micro-batch that ends an accumulation window (accelerate steps the optimizer there), the
+optimizer step is recorded and the live commands due are applied once that iteration is
+over, at the next fetch from :meth:`AcceleratorRun.loader` (or the end of its data),
+before the next ``accelerator.accumulate`` counts a micro-batch: so every knob changes
+between two windows. (A loop that does not fetch through ``run.loader`` calls
+``run.micro_batch`` after ``optimizer.zero_grad()``; the step is recorded at the call.)
+The run starts at :func:`attach` (no ``with``) and ends at interpreter exit, on SIGTERM
+or an uncaught exception (named in ``bye``), or at :meth:`AcceleratorRun.close`.
+
+Each step record has the window's loss, micro-batches, samples, tokens (declared with
+``tokens_per_sample``, or the ``input_ids`` of mapping batches), the data wait, the
+learning rate the step used (param group 0, read at the window's first fetch: after the
+previous window's ``scheduler.step()``) and the gradient norm when the loop called
+``accelerator.clip_grad_norm_``.
+
+**The loss convention.** Pass the undivided loss of the micro-batch: what ``loss_fn``
+returned, the tensor given to ``accelerator.backward`` (which divides its own copy by
+``gradient_accumulation_steps``; the tensor passed in is unchanged). The step's loss is
+the mean of the window's micro-batch losses, formed here on the device (never read on
+the training thread). Gradient normalisation is accelerate's: each micro-batch's loss is
+divided by ``gradient_accumulation_steps`` (the window's gradient is the mean of
+micro-batch means; a short last window at the end of a prepared DataLoader is still
+divided by the full size, as accelerate does in a fresh run).
+
+**Knobs** (each applies at an optimizer-step boundary and trains as a fresh run so
+configured from that step, or is refused with the reason):
+
+- ``accum_steps``: sets ``gradient_accumulation_steps`` and restarts accelerate's
+  micro-batch count (``accelerator.step = 0``), so every following window has exactly
+  the new number of micro-batches and each loss is divided by it. (Changing
+  ``gradient_accumulation_steps`` alone leaves the count misaligned: after 4 -> 3 at
+  micro-batch 8 the first window was one micro-batch divided by 3.) Needs the loop to use
+  ``accelerator.accumulate``. An LR schedule keeps counting optimizer steps; one planned
+  for a total from the starting value is not re-planned (the reply warns).
+- ``precision`` (fp32 / bf16 / fp16): the prepared model's ``forward`` runs under the
+  current autocast with fp32 outputs (accelerate's own mixed-precision wrapping, made
+  live); ``accelerator.autocast()`` and :meth:`AcceleratorRun.autocast` follow it; fp16
+  uses one ``torch.amp.GradScaler``, created at the first switch to fp16 (or
+  accelerate's own) and kept with its scale, set as ``accelerator.scaler`` and on every
+  prepared optimizer, so ``accelerator.backward`` scales, ``clip_grad_norm_`` unscales
+  and the optimizer step goes through ``GradScaler.step`` / ``update``. Refused where
+  accelerate does not run the model itself (DeepSpeed, FSDP, Megatron, XLA), for a model
+  already ``torch.compile``'d, and after something else replaced the model's forward.
+- ``checkpointing``: :class:`gpuopt.checkpointing.ActivationCheckpointing` over the
+  model's ``blocks`` (or ``checkpoint_blocks=``).
+- ``kernels``: eager / ``torch.compile`` of the model's forward (one kept compiled view,
+  :class:`gpuopt.backends.ModelBackend`); the loop's own ``model(...)`` call goes through
+  it. ``triton`` only for models with :mod:`gpuopt.kernels` fused modules, on CUDA.
+  One process only (compiling inside DDP is not verified).
+- ``num_workers``, ``pin_memory``, ``prefetch_factor``: when the loop's data is a
+  :class:`gpuopt.loader.ReconfigurableLoader` (given to :meth:`AcceleratorRun.loader`).
+- ``memory_fraction``, ``memory_snapshot_steps``: on CUDA.
+
+Imported only when used: ``import agent`` does not import accelerate.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
+from accelerate.utils import DistributedType
+from accelerate.utils.operations import convert_to_fp32
+
+from agent.adapters import MemoryKnobs, loader_knobs, publish_events, refuse
+from agent.core import Agent
+from agent.integrations import WindowMeter
+from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, NUM_WORKERS,
+                         PRECISION, Knob, KnobSet)
+from agent.loop import end_on_signals
+from gpuopt.backends import ModelBackend
+from gpuopt.checkpointing import ActivationCheckpointing, find_blocks
+from gpuopt.data import batch_size
+from gpuopt.kernels.backend import KernelBackendMixin
+from gpuopt.loader import ReconfigurableLoader
+from gpuopt.precision import ReusableAutocast, precision_support, precision_warning
+
+__all__ = ["AcceleratorRun", "attach"]
+
+#: accelerate's ``mixed_precision`` names <-> the ``precision`` knob's values.
+_FROM_ACCELERATE = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+_TO_ACCELERATE = {value: key for key, value in _FROM_ACCELERATE.items()}
+_AUTOCAST_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Setups whose model, backward and optimizer step are the plain (or DDP) ones that the
+#: knobs below change; under the others accelerate hands them to DeepSpeed, FSDP, ...
+_PLAIN = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+_MISPLACED = ("run.micro_batch() ran before optimizer.step() and zero_grad() in a window "
+              "that ended: call it after them (zero_grad with set_to_none, the default), "
+              "or iterate run.loader()")
+_LOADER_REASON = ("the loop's data is not a gpuopt.loader.ReconfigurableLoader (a "
+                  "DataLoader fixes its workers when it is built); give one to run.loader() "
+                  "for live loader knobs")
+
+
+# ---------------------------------------------------------------------- precision
+
+class _Precision:
+    """The live precision of an accelerate run: the autocast of the model's forward and
+    of ``accelerator.autocast()``, and the GradScaler of backward and optimizer step.
+
+    :meth:`set` changes, between optimizer steps, every place accelerate reads it:
+    ``accelerator.state`` (``mixed_precision``, read by ``accelerator.autocast()`` and
+    ``unscale_gradients``), ``accelerator.native_amp``, ``accelerator.scaler`` (read by
+    ``backward``) and each prepared :class:`~accelerate.optimizer.AcceleratedOptimizer`'s
+    ``scaler`` (read by its ``step``).
+    """
+
+    def __init__(self, accelerator: Accelerator, device_type: str) -> None:
+        self.accelerator = accelerator
+        self.device_type = device_type
+        self.precision = _FROM_ACCELERATE[accelerator.mixed_precision]
+        self.dtype = _AUTOCAST_DTYPE[self.precision]
+        handler = accelerator.autocast_handler
+        self.autocast_kwargs: dict[str, Any] = handler.to_kwargs() if handler else {}
+        #: the one GradScaler of this run: accelerate's own (fp16 from the start) or the
+        #: one made at the first switch to fp16; kept while in fp32/bf16
+        self.scaler: torch.amp.GradScaler | None = accelerator.scaler
+
+    def set(self, value: str) -> None:
+        """Switch to ``value`` (between optimizer steps). Raises ``ValueError`` (the
+        reason) before changing anything when ``value`` cannot run here."""
+        reason = precision_support(value, self.device_type)
+        if reason is not None:
+            raise ValueError(reason)
+        scaler = self.scaler
+        if value == "fp16" and scaler is None:
+            handler = self.accelerator.scaler_handler
+            scaler = torch.amp.GradScaler(self.device_type,
+                                          **(handler.to_kwargs() if handler else {}))
+        # nothing below raises: the switch is whole or not at all
+        self.scaler = scaler
+        active = scaler if value == "fp16" else None
+        self.accelerator.scaler = active
+        for optimizer in self.accelerator._optimizers:
+            _set_optimizer_scaler(optimizer, active)
+        self.accelerator.native_amp = value != "fp32"
+        self.accelerator.state._mixed_precision = _TO_ACCELERATE[value]
+        self.dtype = _AUTOCAST_DTYPE[value]
+        self.precision = value
+
+    def context(self) -> Any:
+        """A fresh autocast context for the current precision (None in fp32)."""
+        if self.dtype is None:
+            return None
+        return torch.autocast(self.device_type, dtype=self.dtype, **self.autocast_kwargs)
+
+
+def _set_optimizer_scaler(optimizer: Any, scaler: torch.amp.GradScaler | None) -> None:
+    """Give an AcceleratedOptimizer ``scaler`` (None: step without one), with the step
+    patch accelerate installs when it is built with a scaler."""
+    if not isinstance(optimizer, AcceleratedOptimizer):
+        return
+    if scaler is not None and not hasattr(optimizer, "_optimizer_patched_step_method"):
+        optimizer._accelerate_step_called = False
+        optimizer._optimizer_original_step_method = optimizer.optimizer.step
+        optimizer._optimizer_patched_step_method = patch_optimizer_step(
+            optimizer, optimizer.optimizer.step)
+    if scaler is None:
+        optimizer._is_overflow = False  # else the scheduler would skip every later step
+    optimizer.scaler = scaler
+
+
+# ---------------------------------------------------------------------- the model's forward
+
+class _OriginalForward(nn.Module):
+    """The model's original forward as a module, for ``torch.compile`` to compile (the
+    model itself cannot be: its ``forward`` is now :class:`_Forward`, which calls this).
+    Holds the model as a submodule; nothing else sees this module."""
+
+    def __init__(self, model: nn.Module, forward: Callable[..., Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.original = forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.original(*args, **kwargs)
+
+
+class _Forward:
+    """The prepared model's ``forward``: the original forward under the current
+    precision's autocast with fp32 outputs (what accelerate installs at ``prepare`` for a
+    fixed ``mixed_precision``), through the current kernel backend.
+
+    .. note:: Cost per call: an attribute read, plus under compile the compiled view's
+       guards; never touches the device.
+    """
+
+    def __init__(self, original: Callable[..., Any], precision: _Precision | None,
+                 backend: ModelBackend | None) -> None:
+        self.original = original
+        self.precision = precision
+        self.backend = backend
+        function = getattr(original, "__func__", None)
+        if function is not None:  # accelerate's unwrap_model(keep_fp32_wrapper=False)
+            self.__wrapped__ = function  # walks back to the class's own forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self.original if self.backend is None else self.backend
+        context = None if self.precision is None else self.precision.context()
+        if context is None:
+            return call(*args, **kwargs)
+        with context:
+            outputs = call(*args, **kwargs)
+        return convert_to_fp32(outputs)
+
+
+def _original_forward(model: nn.Module, strip_accelerate: bool) -> Callable[..., Any]:
+    """The model's forward without a previous run's :class:`_Forward` and, with
+    ``strip_accelerate``, without accelerate's fixed mixed-precision wrapper."""
+    installed = model.__dict__.get("forward")
+    if isinstance(installed, _Forward):
+        installed = installed.original
+        if not strip_accelerate:
+            return installed
+    original = model.__dict__.get("_original_forward")  # set by prepare() with native AMP
+    if strip_accelerate and installed is not None and original is not None:
+        return original
+    return installed if installed is not None else model.forward
+
+
+def _inner_module(model: nn.Module) -> tuple[nn.Module, bool]:
+    """The user's module inside DDP / DataParallel / ``torch.compile`` wrappers, and
+    whether a ``torch.compile`` wrapper was among them."""
+    compiled = False
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(model._modules.get("_orig_mod"), nn.Module):  # OptimizedModule
+            model, compiled = model._modules["_orig_mod"], True
+        else:
+            return model, compiled
+
+
+# ---------------------------------------------------------------------- the run
+
+class _GradNormRecorder:
+    """Stands in for ``accelerator.clip_grad_norm_``: calls it and keeps the norm it
+    returned (a 0-dim tensor, not read here) for the step's record."""
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        self.original = original
+        self.norm: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.norm = self.original(*args, **kwargs)
+        return self.norm
+
+
+class AcceleratorRun:
+    """gpuwatch's view of one accelerate training loop (made by :func:`attach`).
+
+    Attributes:
+        agent: the :class:`agent.core.Agent` (run id, knobs, events).
+        accelerator: the Accelerator. model: the prepared model.
+        step: optimizer steps recorded so far.
+        checkpointing: the :class:`~gpuopt.checkpointing.ActivationCheckpointing` of the
+            model's blocks, or None. backend: the
+            :class:`~gpuopt.backends.ModelBackend` behind the ``kernels`` knob, or None.
+    """
+
+    def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: Any,
+                 tokens_per_sample: int | None) -> None:
+        self.accelerator = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.agent: Agent  # set by attach()
+        self.step = 0
+        self.checkpointing: ActivationCheckpointing | None = None
+        self.backend: ModelBackend | None = None
+        self.knobs = KnobSet()
+        self._meter = WindowMeter(batch_size, tokens_per_sample)
+        self._gradient_state = accelerator.gradient_state
+        self._micro_batches = 0
+        self._loss_sum: torch.Tensor | None = None
+        self._accumulate_seen = False
+        self._started = False
+        self._broken = False
+        self._closed = False
+        self._precision: _Precision | None = None
+        self._inner, self._compiled = _inner_module(model)
+        self._forward: _Forward | None = None
+        self._forward_lost: str | None = None
+        self._memory: MemoryKnobs | None = None
+        self._loader: ReconfigurableLoader | None = None
+        self._loader_warned = False
+        self._grad_norm = _GradNormRecorder(accelerator.clip_grad_norm_)
+        self._window_lr: float | None = None
+        self._boundary_pending = False  # a window ended; its step is recorded after it
+        self._iterating = 0  # loader() generators running
+        self._thread = threading.current_thread()  # the training thread
+        #: a parameter the optimizer steps (found by a step pre-hook at the first step):
+        #: its ``grad`` is None again after ``zero_grad()``, so a step recorded while it
+        #: still holds one was recorded before the window's step and zero_grad
+        self._probe: torch.Tensor | None = None
+        self._after_step = True  # the step being recorded came after step and zero_grad
+        self._misplaced_warned = False
+        self._hooks: list[Any] = []  # their handles (attach() registers them)
+        #: Reusable autocast context following the ``precision`` knob (``with
+        #: run.autocast:`` or ``with run.autocast():``), e.g. for evaluation code outside
+        #: the model's forward; ``accelerator.autocast()`` follows the knob too. Where the
+        #: knob is refused, it is ``accelerator.autocast()``.
+        self.autocast = ReusableAutocast(accelerator.autocast)
+
+    # ------------------------------------------------------------ the loop's calls
+
+    def loader(self, batches: Iterable[Any] | None = None) -> Iterator[Any]:
+        """Iterate ``batches`` (default: the ``loader=`` given to :func:`attach`),
+        timing each ``next()`` (the data wait, host seconds) and counting samples (dim 0
+        of the batch's first tensor) and tokens (``tokens_per_sample`` per sample if
+        declared, else the ``input_ids`` of mapping batches). The first ``next()`` starts
+        the first step's clock. A :class:`gpuopt.loader.ReconfigurableLoader` gets the
+        live loader knobs (the first one given; later ones are warned about).
+
+        Raises:
+            ValueError: no ``batches`` and no ``loader=`` at :func:`attach`.
+
+        .. note:: Costs a clock read and a shape read per micro-batch.
+        """
+        if batches is None:
+            if self._loader is None:
+                raise ValueError("run.loader() needs the batches to iterate (or attach(..., "
+                                 "loader=...))")
+            batches = self._loader
+        if isinstance(batches, ReconfigurableLoader):
+            self._bind_loader(batches)
+        return self._iterate(batches)
+
+    def _iterate(self, batches: Iterable[Any]) -> Iterator[Any]:
+        iterator = iter(batches)
+        if not self._started:
+            self._started = True
+            self.agent.mark_start()
+        meter = self._meter
+        self._iterating += 1
+        try:
+            while True:
+                if self._boundary_pending:  # the iteration that ended a window is over:
+                    self._guarded(self._optimizer_step, True)  # step and zero_grad done
+                try:
+                    batch = meter.timed_next(iterator)
+                except StopIteration:
+                    return
+                if self._window_lr is None:  # a window's first fetch: after the previous
+                    self._window_lr = self._lr()  # window's scheduler.step(), before its own
+                yield batch
+        finally:
+            self._iterating -= 1
+            if self._boundary_pending and threading.current_thread() is self._thread:
+                self._guarded(self._optimizer_step, True)  # the epoch's end, or a `break`
+
+    def micro_batch(self, loss: torch.Tensor | float | None = None) -> None:
+        """Call once per micro-batch, after its loss is computed (anywhere in the loop's
+        iteration when batches come from :meth:`loader`; without it, after
+        ``optimizer.step()`` / ``zero_grad()``). When accelerate's ``sync_gradients``
+        says this micro-batch ends an accumulation window, the optimizer step is recorded
+        (window mean loss, micro-batches, samples, tokens, data wait, learning rate of
+        param group 0, gradient norm if ``accelerator.clip_grad_norm_`` ran) and the live
+        commands due are applied once the iteration is over: at the next fetch from
+        :meth:`loader` (or at the end of its data), else at once.
+
+        Args:
+            loss: this micro-batch's undivided loss (what ``loss_fn`` returned and was
+                given to ``accelerator.backward``), a tensor on any device; it is never
+                read on this thread.
+
+        .. note:: Never synchronizes the device; one asynchronous add per micro-batch and
+           a few microseconds per optimizer step. Never raises.
+        """
+        if self._broken:
+            return
+        try:
+            if self._boundary_pending:  # a window ended and no fetch came since
+                self._optimizer_step()
+            self._micro_batches += 1
+            if loss is not None:
+                loss = (loss.detach().float() if isinstance(loss, torch.Tensor)
+                        else torch.tensor(float(loss)))
+                self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            if self.accelerator.step:
+                self._accumulate_seen = True
+            if self._gradient_state.sync_gradients:
+                self._boundary_pending = True
+                if not self._iterating:
+                    self._optimizer_step()
+        except Exception as exc:  # the first rule: never crash the training
+            self._stop_observing(exc)
+
+    def _guarded(self, function: Callable[..., None], *args: Any) -> None:
+        if self._broken:
+            return
+        try:
+            function(*args)
+        except Exception as exc:  # the first rule: never crash the training
+            self._stop_observing(exc)
+
+    def _stop_observing(self, exc: Exception) -> None:
+        self._broken = True
+        self._boundary_pending = False
+        self.agent.event("error", f"gpuwatch accelerate integration stopped observing: "
+                         f"{type(exc).__name__}: {exc} (training continues)",
+                         kind="agent_error")
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._probe is None:  # once: the first parameter being stepped
+            self._probe = next((p for group in optimizer.param_groups for p in group["params"]
+                                if p.grad is not None), None)
+
+    def _optimizer_step(self, after_step: bool = False) -> None:
+        """Record the optimizer step that ended; ``after_step``: the loop's iteration is
+        known to be over (a fetch from :meth:`loader` came since)."""
+        self._boundary_pending = False
+        self._after_step = after_step or (self._probe is not None and self._probe.grad is None)
+        if not self._after_step and not self._misplaced_warned:
+            self._misplaced_warned = True
+            self.agent.event("warning", _MISPLACED + "; a precision change due at such a "
+                             "step is refused", kind="warning", step=self.step + 1)
+        self.step += 1
+        micro_batches, self._micro_batches = self._micro_batches, 0
+        loss_sum, self._loss_sum = self._loss_sum, None
+        data_wait_s, _, samples, tokens = self._meter.take()
+        grad_norm, self._grad_norm.norm = self._grad_norm.norm, None
+        lr, self._window_lr = self._window_lr, None
+        if lr is None:  # no run.loader(): read now (after a scheduler.step() in the loop,
+            lr = self._lr()  # this is the next step's rate)
+        if (self._forward is not None and self._forward_lost is None
+                and self._inner.__dict__.get("forward") is not self._forward):
+            self._forward_lost = ("the model's forward was replaced outside gpuwatch (e.g. "
+                                  "by unwrap_model(keep_fp32_wrapper=False))")
+            self.agent.event("warning", f"{self._forward_lost}: precision and kernels "
+                             "changes are refused from now on", kind="warning",
+                             step=self.step)
+        skipped = None
+        if self._precision is not None and self._precision.precision == "fp16":
+            optimizer = self.optimizer
+            if isinstance(optimizer, AcceleratedOptimizer):
+                skipped = torch.tensor(optimizer.step_was_skipped)  # a host bool already
+        self.agent.optimizer_step(
+            self.step, micro_batches, samples, data_wait_s,
+            None if loss_sum is None else loss_sum / micro_batches, skipped,
+            tokens=tokens, lr=lr, grad_norm=grad_norm)
+        if self.backend is not None:
+            publish_events(self.agent, self.step, self.backend.pop_events())
+        if self._memory is not None:
+            self._memory.after_step(self.agent, self.step)
+
+    def _lr(self) -> float | None:
+        if self.optimizer is None:
+            return None
+        lr = self.optimizer.param_groups[0].get("lr")
+        if isinstance(lr, torch.Tensor):  # a tensor lr: read it only if on the host
+            return float(lr) if lr.device.type == "cpu" else None
+        return None if lr is None else float(lr)
+
+    def close(self, reason: str = "finished") -> None:
+        """End the run: ``bye`` with ``reason`` sent, run file removed,
+        ``accelerator.clip_grad_norm_`` given back. Idempotent; called at interpreter
+        exit and on SIGTERM. The model keeps following the last precision and kernels."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._boundary_pending and threading.current_thread() is self._thread:
+            self._guarded(self._optimizer_step)  # the last step (a loop left by `break`)
+        if self.accelerator.__dict__.get("clip_grad_norm_") is self._grad_norm:
+            del self.accelerator.clip_grad_norm_
+        for hook in self._hooks:
+            hook.remove()
+        self.agent.close(reason)
+
+    # ------------------------------------------------------------ knobs
+
+    def _bind_loader(self, loader: ReconfigurableLoader) -> None:
+        if NUM_WORKERS.name in self.knobs.knobs:  # bound already
+            if loader is not self._loader and not self._loader_warned:
+                self._loader_warned = True
+                self.agent.event("warning", "the loader knobs steer the first "
+                                 "ReconfigurableLoader given to run.loader(); this one "
+                                 "keeps its settings", kind="warning")
+            return
+        self._loader = loader
+        for knob in loader_knobs(loader):
+            self.knobs.add(knob)  # (KnobSet.add swaps in a new dict: safe for the I/O thread)
+        self.agent.refresh_knobs()  # and a new hello announces them
+
+    def _set_accum_steps(self, value: int) -> None:
+        reason = self._accum_reason()
+        if reason is not None:
+            raise ValueError(reason)
+        # at a window boundary: restart accelerate's micro-batch count, so the next
+        # window is exactly `value` micro-batches, each loss divided by `value`
+        self.accelerator.gradient_accumulation_steps = value
+        self.accelerator.step = 0
+
+    def _accum_reason(self) -> str | None:
+        if not self._accumulate_seen:
+            return ("the loop has not entered accelerator.accumulate(model) yet (windows "
+                    "are counted there): wrap each micro-batch in `with "
+                    "accelerator.accumulate(model):`")
+        return None
+
+    def _accum_warning(self, value: int) -> str | None:
+        if not self.accelerator._schedulers:
+            return None
+        return ("the LR scheduler steps once per optimizer step; a schedule planned for a "
+                "number of optimizer steps is not re-planned for the new window size")
+
+    def _set_precision(self, value: str) -> None:
+        if self._forward_lost:
+            raise ValueError(self._forward_lost)
+        if not self._after_step:  # the window's gradients are not stepped yet: a new
+            raise ValueError(_MISPLACED)  # GradScaler state would unscale the wrong way
+        self._precision.set(value)
+
+    def _check_precision(self, value: str) -> None:
+        reason = precision_support(value, self.accelerator.device.type) or self._forward_lost
+        if reason is not None:
+            raise ValueError(reason)
+
+    def _check_kernels(self, value: str) -> None:
+        reason = None
+        if value == "triton" and not any(isinstance(module, KernelBackendMixin)
+                                         for module in self._inner.modules()):
+            reason = (f"{type(self._inner).__name__} has no gpuopt.kernels fused modules: "
+                      "triton would change nothing")
+        reason = reason or self.backend.support(value) or self._forward_lost
+        if reason is not None:
+            raise ValueError(reason)
+
+    def _set_kernels(self, value: str) -> None:
+        if self._forward_lost:
+            raise ValueError(self._forward_lost)
+        self._check_kernels(value)
+        self.backend.kernels = value
+
+    def _bind(self, *, loader: Any, checkpoint_blocks: Any, compile_backend: str) -> None:
+        """Bind every knob this run can apply correctly; the others get their reason."""
+        accelerator, knobs, inner = self.accelerator, self.knobs, self._inner
+        device_type = accelerator.device.type
+        distributed = accelerator.distributed_type
+        plain = distributed in _PLAIN
+        not_plain = (f"not supported under accelerate's {distributed.value} (it runs the "
+                     "model, backward and optimizer step itself)")
+        dynamo = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", "NO")
+        compiled = getattr(dynamo, "value", dynamo) != "NO" or self._compiled
+        compiled_reason = ("the model is already torch.compile'd (accelerate's "
+                           "dynamo_backend or by the script)")
+
+        # first: a bad checkpoint_blocks raises before anything is changed
+        if not plain:
+            knobs.unsupported[CHECKPOINTING.name] = not_plain
+        elif checkpoint_blocks is None and not find_blocks(inner):
+            knobs.unsupported[CHECKPOINTING.name] = (
+                f"{type(inner).__name__} has no repeated blocks to checkpoint (an "
+                "nn.ModuleList 'blocks', or of 2+ modules of one type); pass "
+                "checkpoint_blocks= (names or nn.Module types of its blocks) to attach()")
+        else:
+            checkpointing = self.checkpointing = ActivationCheckpointing(inner,
+                                                                         checkpoint_blocks)
+            knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
+                           set=lambda value: setattr(checkpointing, "enabled", value)))
+
+        if not plain:
+            knobs.unsupported[ACCUM_STEPS.name] = not_plain
+        else:
+            knobs.add(Knob(ACCUM_STEPS, get=lambda: accelerator.gradient_accumulation_steps,
+                           set=self._set_accum_steps,
+                           check=lambda value: refuse(self._accum_reason()),
+                           warn=self._accum_warning))
+
+        precision_reason = None
+        if not plain:
+            precision_reason = not_plain
+        elif accelerator.mixed_precision not in _FROM_ACCELERATE:
+            precision_reason = (f"mixed_precision={accelerator.mixed_precision!r} is managed "
+                                "by accelerate's own backend")
+        elif not _prepared_optimizers(accelerator):
+            precision_reason = ("no optimizer prepared by the accelerator (fp16's GradScaler "
+                                "steps through accelerate's prepared optimizer)")
+        elif device_type not in ("cpu", "cuda"):
+            precision_reason = (f"live precision changes are verified on cpu and cuda, not "
+                                f"{device_type}")
+        elif compiled:
+            precision_reason = compiled_reason
+        if precision_reason is None:
+            self._precision = _Precision(accelerator, device_type)
+            self.autocast = ReusableAutocast(self._precision.context)
+            knobs.add(Knob(PRECISION, get=lambda: self._precision.precision,
+                           set=self._set_precision, check=self._check_precision,
+                           warn=lambda value: precision_warning(value, device_type)))
+        else:
+            knobs.unsupported[PRECISION.name] = precision_reason
+
+        kernels_reason = None
+        if distributed != DistributedType.NO:
+            kernels_reason = (f"torch.compile of the model inside accelerate's "
+                              f"{distributed.value} is not verified")
+        elif compiled:
+            kernels_reason = compiled_reason
+        original = _original_forward(inner, strip_accelerate=self._precision is not None)
+        if kernels_reason is None:
+            self.backend = ModelBackend(_OriginalForward(inner, original), accelerator.device,
+                                        compile_backend=compile_backend)
+            knobs.add(Knob(KERNELS, get=lambda: self.backend.kernels, set=self._set_kernels,
+                           check=self._check_kernels))
+        else:
+            knobs.unsupported[KERNELS.name] = kernels_reason
+        if self._precision is not None or self.backend is not None:
+            self._forward = _Forward(original, self._precision, self.backend)
+            inner.forward = self._forward
+
+        if isinstance(loader, ReconfigurableLoader):
+            self._loader = loader
+            for knob in loader_knobs(loader):
+                knobs.add(knob)
+        else:
+            if loader is not None:
+                self._loader = loader
+            for spec in LOADER_KNOBS:
+                knobs.unsupported[spec.name] = _LOADER_REASON
+
+
+def _prepared_optimizers(accelerator: Accelerator) -> list[AcceleratedOptimizer]:
+    return [optimizer for optimizer in accelerator._optimizers
+            if isinstance(optimizer, AcceleratedOptimizer)
+            and hasattr(optimizer.optimizer, "register_step_pre_hook")]
+
+
+def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
+           optimizer: Any = None, name: str = "", transport: str = "ipc",
+           tokens_per_sample: int | None = None, loader: Iterable[Any] | None = None,
+           checkpoint_blocks: Iterable[str | type[nn.Module]] | None = None,
+           compile_backend: str = "inductor", **options: Any) -> AcceleratorRun:
+    """Attach a started agent to a loop on ``accelerator``; returns the run (see the
+    module docstring for the loop and the knobs). Call it after ``accelerator.prepare``.
+
+    The prepared model's ``forward`` is replaced by one that follows the ``precision``
+    and ``kernels`` knobs (accelerate's fixed mixed-precision wrapper, if any, is
+    replaced by the equivalent live one), and ``accelerator.clip_grad_norm_`` by one
+    that also keeps the norm for the step record (given back at
+    :meth:`~AcceleratorRun.close`); a step pre-hook on each prepared optimizer notes a
+    parameter it steps (see :meth:`~AcceleratorRun.micro_batch`).
+    The run ends at interpreter exit, on SIGTERM (where the script has no handler of
+    its own) and on an uncaught exception (named in ``bye``), as :func:`agent.session`.
+
+    Args:
+        accelerator: the Accelerator the loop uses.
+        model: the prepared model (default: the one model prepared by ``accelerator``).
+        optimizer: the prepared optimizer whose param group 0 gives the learning rate
+            (default: the first one prepared).
+        name: label for the run (default: the script name).
+        transport: ``"ipc"`` or ``"tcp"`` (see :class:`agent.Agent`).
+        tokens_per_sample: tokens in one sample, for token models whose batches carry no
+            ``input_ids`` (then tokens and tokens/s are reported).
+        loader: the loop's data, if it is a :class:`gpuopt.loader.ReconfigurableLoader`
+            to bind the loader knobs at once (else they are bound when
+            :meth:`~AcceleratorRun.loader` first gets one); ``run.loader()`` then
+            iterates it.
+        checkpoint_blocks: what the ``checkpointing`` knob checkpoints, as
+            :func:`gpuopt.checkpointing.find_blocks` targets (default: ``model.blocks``,
+            else the model's repeated blocks; with none, the knob is refused).
+        compile_backend: the ``torch.compile`` backend of ``kernels=compile``.
+        options: more :class:`agent.Agent` arguments.
+
+    Raises:
+        ValueError: no model or several (pass ``model=``), a bad ``tokens_per_sample``,
+            or ``checkpoint_blocks`` that name no module of the model. Nothing is
+            changed then.
+
+    .. note:: Costs the training thread a few microseconds per optimizer step and one
+       asynchronous add per micro-batch; never synchronizes the device.
+    """
+    if model is None:
+        if len(accelerator._models) != 1:
+            raise ValueError(f"the accelerator has prepared {len(accelerator._models)} models:"
+                             " pass model= (the prepared model the loop trains)")
+        model = accelerator._models[0]
+    if optimizer is None and accelerator._optimizers:
+        optimizer = accelerator._optimizers[0]
+    run = AcceleratorRun(accelerator, model, optimizer, tokens_per_sample)
+    agent = Agent(run.knobs, name=name, model=run._inner, device=accelerator.device,
+                  transport=transport, **options)
+    run.agent = agent
+    run._bind(loader=loader, checkpoint_blocks=checkpoint_blocks,
+              compile_backend=compile_backend)
+    run._hooks = [optimizer.optimizer.register_step_pre_hook(run._on_optimizer_step)
+                  for optimizer in _prepared_optimizers(accelerator)]
+    run._memory = MemoryKnobs(accelerator.device, agent.run_id)
+    run._memory.bind(run.knobs)
+    agent.refresh_knobs()
+    accelerator.clip_grad_norm_ = run._grad_norm
+    agent.start()
+    agent.event("info", "loss: the window's mean of the undivided micro-batch losses; "
+                "gradients: accelerate's, each micro-batch loss divided by "
+                "gradient_accumulation_steps (a mean of micro-batch means)",
+                kind="loss_normalisation", normalisation="micro_batch_mean")
+    atexit.register(run.close)
+    end_on_signals(run)  # SIGTERM and uncaught exceptions end it too, named in bye
+    return run

@@ -1,0 +1,804 @@
+"""gpuwatch for Hugging Face ``transformers.Trainer``: one line, before ``train()``::
+
+    agent.attach(trainer)                      # or agent.integrations.hf.attach(trainer)
+
+or, for a Trainer built with ``callbacks=[...]``::
+
+    Trainer(..., callbacks=[agent.integrations.hf.GpuwatchCallback()])
+
+What is reported per optimizer step (one accumulation window of micro-batches):
+
+- ``loss``: the window's loss as the Trainer means it: the sum of what ``training_step``
+  returned for its micro-batches, i.e. the window's mean loss (token-weighted when the
+  model normalises by ``num_items_in_batch``, as causal LMs do; else the mean of the
+  micro-batch means), the value whose average HF logs as ``loss``. The detached tensors
+  are added on the device and read by the agent's I/O thread, never on the training
+  thread.
+- ``samples``, ``tokens`` (elements of ``input_ids``, padding included, as HF's
+  ``num_input_tokens_seen``) and tokens/s; ``micro_batches``.
+- ``data_wait_s``: host seconds inside ``next()`` on HF's epoch iterator, timed around
+  the fetch of each micro-batch in ``Trainer.get_batch_samples``.
+- ``lr``: param group 0's learning rate as the optimizer step used it (read in
+  ``on_optimizer_step``, before the scheduler steps).
+- ``grad_norm``: the norm HF computes every step (``Trainer._get_grad_norm``: the
+  pre-clip norm with ``max_grad_norm > 0``, else an unclipped one), as the device tensor
+  HF made; never read on the training thread.
+- events: evaluation start and its metrics, checkpoint saves, epoch ends, HF's logs.
+
+Knobs (commands apply at an optimizer-step boundary, in ``on_step_end``, after
+``optimizer.step()``, the scheduler step and ``zero_grad``):
+
+- ``precision`` fp32 | bf16 | fp16, from any of them: at the first change the model's
+  ``forward`` gets an autocast wrapper at the live precision with its outputs cast back
+  to fp32 (what accelerate does for ``bf16=True`` / ``fp16=True``, whose fixed wrapper it
+  replaces), so training and evaluation follow the knob; for fp16 one
+  ``torch.amp.GradScaler`` (accelerate's own in a run started in fp16, else created at
+  the first switch to fp16) is kept across switches and reached through a GradScaler
+  lookalike (:class:`gpuopt.precision.SwitchableGradScaler`) installed as
+  ``accelerator.scaler`` and on the ``AcceleratedOptimizer``: ``accelerator.backward``
+  scales, the GradScaler steps and updates, a skipped step skips HF's scheduler step as
+  in an fp16 run, and gradients are unscaled before HF's clipping and grad norm.
+- ``accum_steps``: exact from the next window: every window after the change has exactly
+  N micro-batches (an epoch's last one fewer when the epoch ends, as HF's own), its loss
+  divided by its real size (or normalised by its own ``num_items_in_batch``), the LR
+  schedule keeps stepping per optimizer step and the run ends exactly at its planned
+  ``max_steps`` (more or fewer epochs than planned when needed; an event says so).
+  HF plans the epoch from ``gradient_accumulation_steps`` when ``train()`` starts; the
+  integration fetches each window itself (``get_batch_samples``), tells HF's loop where
+  the window ends (``args.gradient_accumulation_steps`` per micro-batch in a window not
+  aligned to N; N again from the next aligned window), and runs the epochs the new
+  window size needs (``Trainer._run_epoch``). Refused for datasets without a length,
+  DeepSpeed and SageMaker model parallelism.
+- ``checkpointing``: HF's own ``activation_checkpointing_enable`` (``use_reentrant=False``)
+  / ``..._disable`` for models that support it; else
+  :class:`gpuopt.checkpointing.ActivationCheckpointing` over ``model.blocks``; else
+  refused with the reason.
+- ``kernels`` eager | compile: the model's ``forward`` runs through one kept
+  ``torch.compile`` of it (:class:`gpuopt.compile.CompiledModel`; compile events in the
+  event log), evaluation included; ``triton`` is refused (no gpuopt fused modules in a
+  transformers model). Refused for runs started with ``torch_compile=True``.
+- ``memory_fraction``, ``memory_snapshot_steps``: on CUDA, as in the reference Trainer.
+- ``num_workers``, ``pin_memory``, ``prefetch_factor``: refused (HF builds its DataLoader
+  in ``get_train_dataloader`` when ``train()`` starts).
+
+Everything here is imported only when a ``transformers.Trainer`` is attached; importing
+:mod:`agent` imports no framework.
+
+.. note:: Cost on the training thread: a few Python calls per micro-batch (one device
+   add of the loss) and a few microseconds per optimizer step; no ``.item()``, no
+   synchronisation (fp16's GradScaler checks for inf/NaN as in any fp16 run).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+import transformers
+from transformers import TrainerCallback
+from transformers.utils import is_sagemaker_mp_enabled
+
+from agent.adapters import MemoryKnobs, publish_events
+from agent.core import Agent
+from agent.integrations import WindowMeter
+from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, NUM_WORKERS, PIN_MEMORY,
+                         PRECISION, PREFETCH_FACTOR, Knob, KnobSet)
+from gpuopt.data import batch_size
+from gpuopt.precision import MixedPrecision, precision_support, precision_warning
+
+__all__ = ["GpuwatchCallback", "attach"]
+
+LOADER_REASON = ("transformers.Trainer builds its DataLoader in get_train_dataloader when "
+                 "train() starts and iterates it inside its own epoch loop; set "
+                 "TrainingArguments(dataloader_num_workers=, dataloader_pin_memory=, "
+                 "dataloader_prefetch_factor=) and restart")
+
+
+def _refuse(reason: str | None) -> None:
+    if reason is not None:
+        raise ValueError(reason)
+
+
+class _TimedIterator:
+    """HF's epoch iterator, with each ``next()`` timed and counted by a WindowMeter."""
+
+    __slots__ = ("iterator", "meter")
+
+    def __init__(self, iterator: Any, meter: WindowMeter) -> None:
+        self.iterator = iterator
+        self.meter = meter
+
+    def __iter__(self) -> "_TimedIterator":
+        return self
+
+    def __next__(self) -> Any:
+        return self.meter.timed_next(self.iterator)
+
+
+class _Run:
+    """The integration's state for one Trainer: its wrappers, its window and its knobs.
+    Every hook of :class:`GpuwatchCallback` calls one method here."""
+
+    def __init__(self, trainer: transformers.Trainer, *, name: str, transport: str,
+                 compile_backend: str, tokens_per_sample: int | None,
+                 options: dict[str, Any]) -> None:
+        self.trainer = trainer
+        args = trainer.args
+        self.device = args.device
+        self.meter = WindowMeter(batch_size, tokens_per_sample)
+        self.loss_sum: torch.Tensor | None = None
+        self.micro_batches = 0
+        self.grad_norm: Any = None
+        self.lr: float | None = None
+        self.policy = MixedPrecision(self.device.type)
+        self.forward: _Forward | None = None  # installed at the first precision or kernels change
+        self._scaler_installed = False
+        self._originals: dict[str, Any] = {}
+        self._instance_attrs: dict[str, Any] = {}  # what the instance itself had there
+        # accumulation planning (see the module docstring)
+        self.accum: int | None = None  # None: follow args.gradient_accumulation_steps
+        self.accum_changed = False
+        self.micro_index = 0  # micro-batches of the current epoch started so far
+        self.window_end = 0  # micro-batch index after the current window
+        self.misaligned = False
+        self._epoch_note_sent = False
+        self._resume_note_sent = False
+        self._evaluating = False
+        self.epochs_done = 0
+        self.closed = False
+
+        knobs = KnobSet()
+        self._bind_precision(knobs)
+        self._bind_accum(knobs)
+        self._bind_checkpointing(knobs)
+        self._bind_kernels(knobs, compile_backend)
+        for spec in (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR):
+            knobs.unsupported[spec.name] = LOADER_REASON
+        # HF normalises by the window's num_items_in_batch (labels != -100) when the
+        # model takes it (or with compute_loss_func); else micro-batch means / window size
+        by_tokens = bool(getattr(trainer, "model_accepts_loss_kwargs", False)
+                         or getattr(trainer, "compute_loss_func", None) is not None)
+        options.setdefault("training", {
+            "framework": f"transformers {transformers.__version__}",
+            "loss_normalization": "tokens" if by_tokens else "micro_batch_mean"})
+        self.agent = Agent(knobs, name=name, model=trainer.model, device=self.device,
+                           transport=transport, **options)
+        self.memory = MemoryKnobs(self.device, self.agent.run_id)
+        self.memory.bind(knobs)
+        self.agent.refresh_knobs()
+        self._install()
+
+    # ------------------------------------------------------------------ knobs
+
+    def _bind_precision(self, knobs: KnobSet) -> None:
+        trainer = self.trainer
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            knobs.unsupported[PRECISION.name] = (
+                "DeepSpeed keeps its own mixed precision and loss scaling (its config "
+                "file); set it there and restart")
+            return
+        started = getattr(trainer.accelerator, "mixed_precision", "no") or "no"
+        if started not in ("no", "bf16", "fp16"):
+            knobs.unsupported[PRECISION.name] = (
+                f"this run started with mixed precision {started!r}, which accelerate "
+                "runs its own way; start with fp32, bf16 or fp16 to switch live")
+            return
+        if started != "no":
+            self.policy.precision = started
+        device_type = self.device.type
+        knobs.add(Knob(PRECISION, get=lambda: self.policy.precision, set=self._set_precision,
+                       check=lambda value: _refuse(precision_support(value, device_type)),
+                       warn=lambda value: precision_warning(value, device_type)))
+
+    def _set_precision(self, value: str) -> None:
+        _refuse(precision_support(value, self.device.type))
+        self._take_over_forward()
+        self._install_scaler()
+        self.policy.precision = value
+
+    def _take_over_forward(self) -> None:
+        """Put :class:`_Forward` on the model, in place of the forward there (and of
+        accelerate's autocast wrapper for a run started in bf16 / fp16, whose
+        precision it keeps). Idempotent; atomic (nothing changes when it raises)."""
+        if self.forward is not None:
+            return
+        model = self.trainer.model
+        installed = model.__dict__.get("forward")
+        original = model.__dict__.get("_original_forward")
+        if getattr(self.trainer.accelerator, "native_amp", False):
+            if installed is None or original is None:
+                raise ValueError("accelerate's autocast wrapper of model.forward is not "
+                                 "there yet (switch once training runs)")
+            inner = original  # what accelerate wrapped in its autocast
+        else:
+            inner = installed if installed is not None else model.forward
+        self.forward = _Forward(inner, self.policy)
+        model.forward = self.forward
+        if original is not None:
+            del model._original_forward  # accelerate's unwrap must not restore its wrapper
+
+    def _install_scaler(self) -> None:
+        """Make the policy's GradScaler lookalike accelerate's GradScaler (accelerator
+        and AcceleratedOptimizer), and unscale with it before HF clips. In fp32 / bf16
+        it is a disabled GradScaler: the same steps as without it. A run started in
+        fp16 keeps accelerate's GradScaler (its scale and growth tracker) as the
+        policy's one GradScaler."""
+        if self._scaler_installed:
+            return
+        from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
+
+        optimizer = self.trainer.optimizer
+        accelerator = self.trainer.accelerator
+        if not isinstance(optimizer, AcceleratedOptimizer):
+            raise ValueError("the Trainer's optimizer is not accelerate-prepared yet "
+                             "(switch precision once training runs)")
+        existing = accelerator.scaler
+        if existing is not None and not isinstance(existing, torch.amp.GradScaler):
+            raise ValueError(f"accelerate's loss scaler is a {type(existing).__name__}, "
+                             "not a torch.amp.GradScaler")
+        scaler = self.policy.grad_scaler
+        if existing is not None:
+            self.policy.scaler = existing
+        if optimizer.scaler is None:
+            inner = optimizer.optimizer
+            optimizer._accelerate_step_called = False
+            optimizer._optimizer_original_step_method = inner.step
+            optimizer._optimizer_patched_step_method = patch_optimizer_step(optimizer,
+                                                                            inner.step)
+        optimizer.scaler = scaler
+        accelerator.scaler = scaler
+        accelerator.unscale_gradients = self._unscale_gradients
+        self._scaler_installed = True
+
+    def _unscale_gradients(self, optimizer: Any = None) -> None:
+        """``Accelerator.unscale_gradients`` for the live policy: in fp16, unscale each
+        optimizer's gradients (before HF's clipping and grad norm); else nothing."""
+        if self.policy.precision != "fp16":
+            return
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        optimizers = (self.trainer.accelerator._optimizers if optimizer is None else
+                      optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        for opt in optimizers:
+            while isinstance(opt, AcceleratedOptimizer):
+                opt = opt.optimizer
+            self.policy.grad_scaler.unscale_(opt)
+
+    def _bind_accum(self, knobs: KnobSet) -> None:
+        trainer = self.trainer
+        reason = None
+        if not hasattr(type(trainer), "_run_epoch") or not hasattr(trainer, "get_batch_samples"):
+            reason = (f"this transformers version ({transformers.__version__}) has no "
+                      "Trainer._run_epoch / get_batch_samples to plan the windows with")
+        elif getattr(trainer, "is_deepspeed_enabled", False):
+            reason = ("DeepSpeed fixes gradient_accumulation_steps in its engine config "
+                      "when train() starts; restart with --gradient_accumulation_steps N")
+        elif is_sagemaker_mp_enabled():
+            reason = "SageMaker model parallelism accumulates inside its own step function"
+        elif trainer.train_dataset is not None and not _has_length(trainer.train_dataset):
+            reason = ("the training dataset has no length: transformers.Trainer then plans "
+                      "an epoch as max_steps x gradient_accumulation_steps micro-batches "
+                      "when train() starts; restart with --gradient_accumulation_steps N")
+        if reason is not None:
+            knobs.unsupported[ACCUM_STEPS.name] = reason
+            self.plan = False
+            return
+        self.plan = True
+        knobs.add(Knob(ACCUM_STEPS, get=self._accum_value, set=self._set_accum))
+
+    def _accum_value(self) -> int:
+        if self.accum is not None:
+            return self.accum
+        return self.trainer.args.gradient_accumulation_steps
+
+    def _set_accum(self, value: int) -> None:
+        if not self.plan:
+            raise ValueError(f"this transformers version's ({transformers.__version__}) "
+                             "Trainer._run_epoch is not the one the windows are planned "
+                             "with; restart with --gradient_accumulation_steps N")
+        if value != self._accum_value():
+            self.accum_changed = True
+        self.accum = value
+
+    def _bind_checkpointing(self, knobs: KnobSet) -> None:
+        model = self.trainer.model
+        if isinstance(model, transformers.PreTrainedModel):
+            if model.supports_gradient_checkpointing:
+                had_hooks = bool(getattr(model, "_require_grads_hooks", None))
+                enable = getattr(model, "activation_checkpointing_enable", None)
+                disable = getattr(model, "activation_checkpointing_disable", None)
+
+                def set_checkpointing(value: bool) -> None:
+                    if value:
+                        if enable is not None:
+                            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                        else:
+                            model.gradient_checkpointing_enable(
+                                gradient_checkpointing_kwargs={"use_reentrant": False})
+                        return
+                    if disable is not None:
+                        disable()
+                    else:
+                        model.gradient_checkpointing_disable()
+                    if not had_hooks:  # the input-grad hooks enable() added, if any
+                        model.disable_input_require_grads()
+
+                knobs.add(Knob(CHECKPOINTING, get=lambda: _hf_checkpointing(model),
+                               set=set_checkpointing))
+                return
+            knobs.unsupported[CHECKPOINTING.name] = (
+                f"{type(model).__name__} does not support activation checkpointing "
+                "(supports_gradient_checkpointing is False)")
+            return
+        from gpuopt.checkpointing import ActivationCheckpointing
+
+        try:
+            checkpointing = ActivationCheckpointing(model)
+        except ValueError as exc:
+            knobs.unsupported[CHECKPOINTING.name] = str(exc)
+            return
+        knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
+                       set=lambda value: setattr(checkpointing, "enabled", value)))
+
+    def _bind_kernels(self, knobs: KnobSet, compile_backend: str) -> None:
+        trainer = self.trainer
+        if trainer.args.torch_compile:
+            knobs.unsupported[KERNELS.name] = (
+                "this run started with torch_compile=True: accelerate compiles the model "
+                "when train() prepares it; start without it to switch kernels live")
+            return
+        from gpuopt.compile import compile_support
+        from gpuopt.kernels.backend import KernelBackendMixin
+
+        model = trainer.model
+        self.compile_backend = compile_backend
+        fused = any(isinstance(module, KernelBackendMixin) for module in model.modules())
+        device_type = self.device.type
+
+        def support(value: str) -> str | None:
+            if value == "triton":
+                if fused:
+                    return ("kernels=triton is not wired for transformers models here; "
+                            "use kernels=compile")
+                return (f"kernels=triton runs gpuopt's fused Triton modules; "
+                        f"{type(model).__name__} has none (a transformers model picks its "
+                        "attention kernels with attn_implementation= when it is loaded)")
+            if value == "compile":
+                return compile_support(compile_backend, device_type)
+            return None
+
+        def set_kernels(value: str) -> None:
+            _refuse(support(value))
+            self._take_over_forward()
+            self.forward.set_compiled(value == "compile", compile_backend)
+
+        knobs.add(Knob(KERNELS, get=lambda: self.forward.kernels if self.forward else "eager",
+                       set=set_kernels, check=lambda value: _refuse(support(value))))
+
+    # ------------------------------------------------------------------ wrappers
+
+    def _install(self) -> None:
+        """Put the wrappers on the Trainer instance (its class is left alone); each
+        calls what was there before (a subclass's override included)."""
+        trainer = self.trainer
+        names = ["training_step", "get_batch_samples"]
+        if hasattr(trainer, "_get_grad_norm"):
+            names.append("_get_grad_norm")
+        if self.plan:
+            names.append("_run_epoch")
+        for name in names:
+            self._originals[name] = getattr(trainer, name)
+            self._instance_attrs[name] = trainer.__dict__.get(name)
+            setattr(trainer, name, getattr(self, name))
+
+    def uninstall(self) -> None:
+        """After ``train()``: HF's own methods again, with the window size in force
+        (``args.gradient_accumulation_steps``); the precision and kernels in force stay
+        (the model keeps its :class:`_Forward`)."""
+        if self.accum is not None:
+            self.trainer.args.gradient_accumulation_steps = self.accum
+        for name, before in self._instance_attrs.items():
+            if self.trainer.__dict__.get(name) != getattr(self, name):
+                continue  # replaced by someone else since: theirs now
+            if before is None:
+                del self.trainer.__dict__[name]
+            else:
+                self.trainer.__dict__[name] = before
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, *args: Any,
+                      **kwargs: Any) -> torch.Tensor:
+        """``Trainer.training_step`` of one micro-batch, its returned (detached) loss
+        added to the window's sum on the device."""
+        loss = self._originals["training_step"](model, inputs, *args, **kwargs)
+        try:
+            value = loss.detach().float() if isinstance(loss, torch.Tensor) else \
+                torch.tensor(float(loss))
+            self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+            self.micro_batches += 1
+            self.micro_index += 1
+            if self.misaligned and self.micro_index < self.window_end:
+                self.trainer.args.gradient_accumulation_steps = self._window_gas(self.micro_index)
+        except Exception as exc:  # never crash the training over a measurement
+            self.agent.report_error("hf training_step", exc)
+        return loss
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any,
+                          *args: Any, **kwargs: Any) -> Any:
+        """HF's fetch of one accumulation window, each ``next()`` timed; with the
+        ``accum_steps`` knob in use, the window has the knob's size."""
+        if self.plan:
+            num_batches = self._accum_value()
+        batches, num_items = self._originals["get_batch_samples"](
+            _TimedIterator(epoch_iterator, self.meter), num_batches, device, *args, **kwargs)
+        if self.plan:
+            self._plan_window(len(batches))
+        return batches, num_items
+
+    def _plan_window(self, size: int) -> None:
+        """Tell HF's loop where the window of ``size`` micro-batches just fetched ends.
+
+        HF's loop decides per micro-batch ``j`` of the epoch: optimizer step after it
+        when ``(j + 1) % gradient_accumulation_steps == 0`` (or at the epoch's last
+        micro-batch), ``on_step_begin`` before it when ``j % ... == 0``. For a window
+        starting at a multiple of N, N is right for every micro-batch. Otherwise (only in
+        the epoch of a change) each micro-batch gets a value that gives the right
+        answer: ``j + 1`` for the window's last (step after it), ``j + 2`` for the
+        others (no step), and ``on_step_begin`` is sent here, before the window."""
+        trainer = self.trainer
+        if size == 0:  # the epoch's data is used up: end HF's (longer) epoch loop
+            trainer.control.should_epoch_stop = True
+            return
+        start, size_n = self.micro_index, self._accum_value()
+        self.window_end = start + size
+        if start % size_n == 0:
+            self.misaligned = False
+            trainer.args.gradient_accumulation_steps = size_n
+            return
+        self.misaligned = True
+        trainer.control = trainer.callback_handler.on_step_begin(
+            trainer.args, trainer.state, trainer.control)
+        trainer.args.gradient_accumulation_steps = self._window_gas(start)
+
+    def _window_gas(self, index: int) -> int:
+        return index + 1 if index == self.window_end - 1 else index + 2
+
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        """One epoch of HF's loop, planned for any window size: HF's count of updates
+        per epoch becomes an upper bound (the epoch ends when its data does), and after
+        the last planned epoch more run while the planned max_steps is not reached
+        (only after an ``accum_steps`` change)."""
+        run_epoch = self._originals["_run_epoch"]
+        if args or "steps_in_epoch" not in kwargs or "epoch" not in kwargs:
+            self.plan = False  # an unknown signature: HF's own plan, and no accum_steps
+            return run_epoch(*args, **kwargs)
+        trainer = self.trainer
+        kwargs["num_update_steps_per_epoch"] = max(kwargs.get("num_update_steps_per_epoch", 0),
+                                                   kwargs["steps_in_epoch"])
+        self._start_epoch(kwargs)
+        result = run_epoch(**kwargs)
+        state = trainer.state
+        epoch = kwargs["epoch"]
+        while (self.accum_changed and epoch >= state.num_train_epochs - 1
+               and not trainer.control.should_training_stop
+               and state.global_step < state.max_steps):
+            epoch += 1
+            if not self._epoch_note_sent:
+                self._epoch_note_sent = True
+                self.agent.event("info", f"accum_steps={self._accum_value()}: the run trains "
+                                 f"beyond its {state.num_train_epochs} planned epoch(s) to "
+                                 f"reach its planned step {state.max_steps} (max_steps; the "
+                                 "LR schedule is built on it)", kind="plan",
+                                 step=state.global_step)
+            state.num_train_epochs = epoch + 1
+            trainer.control = trainer.callback_handler.on_epoch_begin(
+                trainer.args, state, trainer.control)
+            kwargs = {**kwargs, "epoch": epoch}
+            self._start_epoch(kwargs)
+            result = run_epoch(**kwargs)
+        return result
+
+    def _start_epoch(self, kwargs: dict[str, Any]) -> None:
+        args = self.trainer.args
+        self.micro_index = 0
+        if (kwargs.get("resume_from_checkpoint") is not None
+                and kwargs["epoch"] == kwargs.get("epochs_trained")
+                and not args.ignore_data_skip):
+            self.micro_index = kwargs.get("steps_trained_in_current_epoch") or 0
+        self.misaligned = False
+        args.gradient_accumulation_steps = self._accum_value()
+
+    def _get_grad_norm(self, *args: Any, **kwargs: Any) -> Any:
+        """HF's gradient norm of the step, kept as HF made it (a device tensor)."""
+        norm = self._originals["_get_grad_norm"](*args, **kwargs)
+        self.grad_norm = norm
+        return norm
+
+    # ------------------------------------------------------------------ hooks
+
+    def train_begin(self) -> None:
+        self.agent.mark_start()
+
+    def optimizer_step(self, optimizer: Any) -> None:
+        try:
+            lr = (optimizer or self.trainer.optimizer).param_groups[0]["lr"]
+            self.lr = float(lr) if isinstance(lr, (int, float)) or (
+                isinstance(lr, torch.Tensor) and lr.device.type == "cpu") else None
+        except Exception:
+            self.lr = None
+
+    def step_end(self, state: Any) -> None:
+        step = state.global_step
+        wait_s, _, samples, tokens = self.meter.take()
+        loss, self.loss_sum = self.loss_sum, None
+        micro_batches, self.micro_batches = self.micro_batches, 0
+        grad_norm, self.grad_norm = self.grad_norm, None
+        skipped = None
+        if self._scaler_installed:
+            skipped = self.policy.grad_scaler.skipped
+        elif getattr(self.trainer.accelerator, "scaler", None) is not None:  # fp16 start
+            skipped = torch.tensor(self.trainer.accelerator.optimizer_step_was_skipped)
+        self.agent.optimizer_step(step, max(micro_batches, 1), samples, wait_s, loss, skipped,
+                                  tokens=tokens, lr=self.lr, grad_norm=grad_norm)
+        if self.forward is not None:
+            publish_events(self.agent, step, self.forward.pop_events())
+        self.memory.after_step(self.agent, step)
+
+    def prediction_step(self, state: Any) -> None:
+        if not self._evaluating:
+            self._evaluating = True
+            self.agent.event("info", f"evaluation started after step {state.global_step}",
+                             kind="evaluation_start", step=state.global_step)
+
+    def evaluate(self, state: Any, metrics: dict[str, Any] | None) -> None:
+        self._evaluating = False
+        numbers = {key: float(value) for key, value in (metrics or {}).items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        shown = ", ".join(f"{key}={value:.4g}" for key, value in numbers.items())
+        self.agent.event("info", f"evaluation at step {state.global_step}: {shown}",
+                         kind="evaluation", step=state.global_step, metrics=numbers)
+        self.agent.mark_start()  # the next step's time leaves the evaluation out
+
+    def save(self, args: Any, state: Any) -> None:
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        self.agent.event("info", f"checkpoint saved at step {state.global_step}: {path}",
+                         kind="checkpoint", step=state.global_step, path=path)
+        if self.accum_changed and not self._resume_note_sent:
+            self._resume_note_sent = True
+            self.agent.event("warning", "accum_steps was changed in this run: resuming from "
+                             "a checkpoint, transformers.Trainer skips the data of a "
+                             "partly trained epoch assuming gradient_accumulation_steps="
+                             f"{self._accum_value()} for every step of it",
+                             kind="warning", step=state.global_step)
+        self.agent.mark_start()  # the next step's time leaves the save out
+
+    def epoch_end(self, state: Any, control: Any) -> None:
+        self.epochs_done += 1
+        complete = not control.should_training_stop  # HF also ends an epoch cut short
+        how = "ended" if complete else "stopped (the run ends)"
+        self.agent.event("info", f"epoch {self.epochs_done} {how} at step {state.global_step}",
+                         kind="epoch", epoch=self.epochs_done, complete=complete,
+                         step=state.global_step)
+
+    def log(self, state: Any, logs: dict[str, Any] | None) -> None:
+        numbers = {key: float(value) for key, value in (logs or {}).items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if not numbers:
+            return
+        shown = ", ".join(f"{key}={value:.4g}" for key, value in numbers.items())
+        self.agent.event("info", f"log at step {state.global_step}: {shown}", kind="log",
+                         step=state.global_step, logs=numbers)
+
+    def close(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.uninstall()
+        self.agent.close(reason)
+
+
+class _Forward:
+    """``model.forward`` while gpuwatch steers it (an instance attribute, so module hooks
+    run as before): the forward it replaced, through one kept ``torch.compile`` of it
+    under ``kernels=compile``, inside autocast at the policy's live precision with the
+    outputs cast back to fp32, as accelerate's own mixed-precision wrapper does (so the
+    loss HF computes outside the model, and evaluation, see what they would in a run
+    started with ``bf16=True`` / ``fp16=True``). In fp32 it only calls the forward.
+
+    Autocast wraps the compiled call: Dynamo guards on the autocast state, so a
+    precision change compiles once per combination, never runs stale code."""
+
+    def __init__(self, inner: Callable[..., Any], policy: MixedPrecision) -> None:
+        self.inner = inner
+        self.policy = policy
+        self.compiled: Any = None  # a gpuopt.compile.CompiledModel, made once
+        self.target: Callable[..., Any] = inner
+
+    @property
+    def kernels(self) -> str:
+        return "compile" if self.compiled is not None and self.compiled.enabled else "eager"
+
+    def set_compiled(self, enabled: bool, backend: str) -> None:
+        """Switch ``kernels`` between eager and compile (between optimizer steps)."""
+        if enabled and self.compiled is None:
+            from gpuopt.compile import CompiledModel
+
+            self.compiled = CompiledModel(self.inner, backend=backend)
+            self.target = self.compiled  # disabled, it calls ``inner`` eagerly
+        if self.compiled is not None:
+            self.compiled.enabled = enabled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.policy.precision == "fp32":
+            return self.target(*args, **kwargs)
+        from accelerate.utils.operations import convert_to_fp32
+
+        with self.policy.autocast():
+            outputs = self.target(*args, **kwargs)
+        return convert_to_fp32(outputs)
+
+    def pop_events(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """Compile events since the last call (see :meth:`gpuopt.compile.CompiledModel.
+        pop_step_events`); empty and free when compile was never used."""
+        return [] if self.compiled is None else self.compiled.pop_step_events()
+
+
+def _has_length(dataset: Any) -> bool:
+    try:
+        len(dataset)
+    except (TypeError, NotImplementedError):
+        return False
+    return not isinstance(dataset, torch.utils.data.IterableDataset)
+
+
+def _hf_checkpointing(model: Any) -> bool:
+    """Whether HF's activation checkpointing is on in ``model`` (no deprecation warning)."""
+    return any(getattr(module, "gradient_checkpointing", False) is True
+               for module in model.modules())
+
+
+def _find_trainer() -> transformers.Trainer | None:
+    """The ``transformers.Trainer`` whose ``train()`` is calling us (its frame's
+    ``self``), for a callback made without one. Walks the call stack once."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, transformers.Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class GpuwatchCallback(TrainerCallback):
+    """The gpuwatch agent as a ``transformers.TrainerCallback``.
+
+    With a ``trainer`` (what :func:`attach` does) the agent starts at once; without one
+    (``Trainer(..., callbacks=[GpuwatchCallback()])``) it starts at ``on_train_begin``,
+    with the Trainer found on the call stack of its ``train()``. It closes (``bye``, run
+    file removed) at ``on_train_end``, when ``train()`` raises (with :func:`attach`),
+    or at process exit. See the module docstring for what it reports and its knobs.
+
+    Args:
+        trainer: the ``transformers.Trainer`` to observe and steer, or None (see above).
+        name: label for the run (default: the script name).
+        transport: ``"ipc"`` or ``"tcp"`` (see :class:`agent.Agent`).
+        compile_backend: ``torch.compile`` backend of ``kernels=compile``
+            (``"inductor"``; ``"aot_eager"`` compiles much faster on small CPUs).
+        tokens_per_sample: tokens in one sample, for token models whose batches have no
+            ``input_ids``; by default tokens are the elements of ``input_ids``.
+        options: more :class:`agent.Agent` arguments.
+
+    Attributes:
+        agent: the :class:`agent.Agent` (None until it starts).
+
+    .. note:: Never raises into training: a failure inside a hook is reported once as
+       an event and the agent stops observing; training goes on.
+    """
+
+    def __init__(self, trainer: transformers.Trainer | None = None, *, name: str = "",
+                 transport: str = "ipc", compile_backend: str = "inductor",
+                 tokens_per_sample: int | None = None, **options: Any) -> None:
+        self._settings = dict(name=name, transport=transport, compile_backend=compile_backend,
+                              tokens_per_sample=tokens_per_sample, options=options)
+        self.run: _Run | None = None
+        self._failed = False
+        if trainer is not None:
+            self._bind(trainer)
+
+    @property
+    def agent(self) -> Agent | None:
+        return self.run.agent if self.run is not None else None
+
+    def _bind(self, trainer: transformers.Trainer) -> None:
+        self.run = _Run(trainer, **self._settings)
+        self.run.agent.start()
+
+    def _call(self, what: Callable[[], Any]) -> None:
+        """Run one hook body; an error is reported, never raised into training."""
+        if self.run is None or self._failed:
+            return
+        try:
+            what()
+        except Exception as exc:
+            self._failed = True
+            self.run.agent.report_error("hf callback", exc)
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: D102
+        if self.run is None and not self._failed:
+            try:
+                trainer = _find_trainer()
+                if trainer is None:
+                    raise RuntimeError("no transformers.Trainer on the call stack")
+                self._bind(trainer)
+            except Exception as exc:
+                self._failed = True
+                print(f"gpuwatch: not observing this run: {exc}", file=sys.stderr)
+                return
+        self._call(self.run.train_begin)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):  # noqa: D102
+        self._call(lambda: self.run.optimizer_step(kwargs.get("optimizer")))
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: D102
+        self._call(lambda: self.run.step_end(state))
+
+    def on_prediction_step(self, args, state, control, **kwargs):  # noqa: D102
+        self._call(lambda: self.run.prediction_step(state))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):  # noqa: D102
+        self._call(lambda: self.run.evaluate(state, metrics))
+
+    def on_save(self, args, state, control, **kwargs):  # noqa: D102
+        self._call(lambda: self.run.save(args, state))
+
+    def on_epoch_end(self, args, state, control, **kwargs):  # noqa: D102
+        self._call(lambda: self.run.epoch_end(state, control))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: D102
+        self._call(lambda: self.run.log(state, logs))
+
+    def on_train_end(self, args, state, control, **kwargs):  # noqa: D102
+        if self.run is not None:
+            try:
+                self.run.close("finished")
+            except Exception:  # noqa: BLE001 -- never into training
+                pass
+
+
+def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "ipc",
+           **options: Any) -> Agent:
+    """Attach a started agent to a ``transformers.Trainer`` before ``train()``; returns
+    the agent.
+
+    Adds a :class:`GpuwatchCallback` (``trainer.add_callback``) and wraps the
+    instance's ``train`` so that the agent also closes when training raises. The agent
+    reports every optimizer step of the next ``train()`` and takes the knobs listed in
+    the module docstring; the others are refused with their reason.
+
+    Args:
+        trainer: the Trainer, not yet training.
+        name: label for the run (default: the script name).
+        transport: ``"ipc"`` or ``"tcp"``.
+        options: ``compile_backend``, ``tokens_per_sample`` (see
+            :class:`GpuwatchCallback`) and more :class:`agent.Agent` arguments.
+
+    Raises:
+        TypeError: ``trainer`` is not a ``transformers.Trainer``.
+    """
+    if not isinstance(trainer, transformers.Trainer):
+        raise TypeError(f"expected a transformers.Trainer, got {type(trainer).__name__}")
+    callback = GpuwatchCallback(trainer, name=name, transport=transport, **options)
+    trainer.add_callback(callback)
+    train = trainer.train
+
+    def train_closing_on_error(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        except BaseException as exc:
+            callback.run.close(f"error: {exc!r}")
+            raise
+
+    train_closing_on_error.__doc__ = train.__doc__
+    trainer.train = train_closing_on_error
+    return callback.agent

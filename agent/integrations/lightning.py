@@ -1,0 +1,886 @@
+"""gpuwatch for Lightning (``lightning.pytorch``): one line before ``fit``.
+
+::
+
+    trainer = lightning.pytorch.Trainer(max_steps=1000, accumulate_grad_batches=4)
+    agent.attach(trainer)                     # or Trainer(callbacks=[GpuwatchCallback()])
+    trainer.fit(model, train_loader)
+
+What each optimizer step reports (one record per optimizer step, i.e. per accumulation
+window; Lightning's ``trainer.global_step`` is the step number):
+
+- ``loss``: the window's mean loss as ``training_step`` returned it, undivided. Lightning
+  divides each micro-batch's loss by ``accumulate_grad_batches`` before backward and hands
+  callbacks that divided value; here it is multiplied back, so under accumulation the
+  loss is the mean of the window's micro-batch losses (the convention of
+  :class:`gpuopt.Trainer` and :func:`agent.session`).
+- ``samples`` (dim 0 of the batch's first tensor), ``tokens`` when ``tokens_per_sample=``
+  is given or the batch is a mapping with ``input_ids``.
+- ``data_wait_s``: host time inside Lightning's fetch of each training batch (the
+  training epoch loop's ``train_dataloader_next`` action, the same interval the
+  Lightning profiler measures), summed over the window.
+- ``lr`` of the optimizer's first param group as the step used it (read just before
+  the step, before a step-interval scheduler moves it), ``grad_norm`` when the Trainer
+  clips by norm (``gradient_clip_val``; the norm ``clip_grad_norm_`` returns, which
+  Lightning otherwise discards), ``grad_scaler_skipped`` in fp16, and memory (the
+  agent's own probes).
+- events: validation start and end (sanity check included), checkpoint saved
+  (``on_save_checkpoint``), epoch end.
+
+Knobs (each applies at an optimizer-step boundary, in ``on_train_batch_end`` right after
+Lightning's optimizer step, and trains as a run configured that way from that step; a
+knob Lightning cannot change correctly in this run is refused with the reason):
+
+- ``precision`` fp32 / bf16 / fp16: swaps ``trainer.strategy.precision_plugin`` between
+  Lightning's ``Precision`` (32-true) and ``MixedPrecision`` (bf16-mixed, 16-mixed). The
+  16-mixed plugin is made once with one ``torch.amp.GradScaler`` (``grad_scaler=`` to
+  give your own) and kept, so the scale and its growth tracker survive a switch away
+  and back. Refused for other plugins (16-true, 64-true, DeepSpeed, FSDP, bitsandbytes,
+  ...) and for manual optimization.
+- ``accum_steps``: a change makes windows of exactly the new size starting at the next
+  micro-batch (not at the next multiple of it, as Lightning's ``batch_idx % N`` would),
+  each starting with Lightning's own ``zero_grad`` hook and each micro-batch's loss
+  divided by the window's real size (a last window cut short by the end of the epoch is
+  divided by the micro-batches it really has), stepping the optimizer and a
+  step-interval LR scheduler once per window; ``max_steps`` still ends the run at that
+  optimizer step; the next epoch's windows start at its first batch, as Lightning's.
+  Until a first change, Lightning's own accumulation runs untouched. Mechanism: while
+  changed, the training epoch loop's ``_accumulated_batches_reached`` and the automatic
+  optimization's ``_make_zero_grad_fn`` (Lightning 2.x internals, checked to exist)
+  follow gpuwatch's windows, and ``trainer.accumulate_grad_batches`` holds each window's
+  real size, which is the divisor Lightning's closure uses. Refused: manual
+  optimization, a strategy that accumulates itself (DeepSpeed), a ``training_step`` that
+  takes ``dataloader_iter``, ``GradientAccumulationScheduler`` or
+  ``StochasticWeightAveraging`` (they set ``accumulate_grad_batches`` themselves), a
+  step-interval LR scheduler with ``frequency`` > 1 (Lightning counts that frequency in
+  batches) or any step-interval scheduler in a run that ends by epochs (a change of the
+  steps per epoch moves where the schedule was planned to end; give ``max_steps``).
+- ``checkpointing``: :class:`gpuopt.checkpointing.ActivationCheckpointing` over the
+  LightningModule's repeated blocks (its ``blocks`` ModuleList, else its largest
+  ModuleList of one type, or ``checkpoint_blocks=`` names); refused when it has none.
+- ``kernels`` eager / compile / triton: :class:`gpuopt.backends.ModelBackend` in place on
+  the LightningModule: under ``compile`` its ``forward`` runs through one kept
+  ``torch.compile`` of it, as Lightning does for a compiled module (``from_compiled``
+  compiles ``forward``); only code that calls ``self(...)`` / ``self.forward`` is
+  compiled (an event says so when ``training_step`` never called it). ``triton`` switches
+  gpuopt's fused modules (refused when the module has none, or where Triton cannot run).
+  Refused for a module passed to ``fit`` already compiled, or under strategies other
+  than single-device and DDP.
+- ``num_workers``, ``pin_memory``, ``prefetch_factor`` when the train dataloader is a
+  :class:`gpuopt.loader.ReconfigurableLoader`; a ``torch.utils.data.DataLoader`` fixes
+  them when it is built, so they are refused with how to get them.
+- ``memory_fraction``, ``memory_snapshot_steps`` on CUDA (:class:`agent.adapters.MemoryKnobs`).
+
+Loss normalization (``hello``'s ``training.loss_normalization``): ``micro_batch_mean``,
+Lightning's: a window's gradient is the mean of its micro-batches' mean-loss gradients,
+so micro-batches of unequal size weigh alike. Normalizing by the window's samples or
+tokens would need the window's size before its first backward, which Lightning's loop
+does not fetch ahead; it is not offered here (:class:`gpuopt.Trainer` offers it).
+
+Several ranks (DDP, ``devices=N``): every rank has its own agent; they share one run id
+(from the cluster environment's main address and port, since Lightning's launcher starts
+ranks as children of rank 0), so ``gpuwatch set`` reaches them all and a command applies
+at one optimizer step on every rank. A :class:`gpuopt.loader.ReconfigurableLoader` is not
+a DataLoader, so Lightning does not shard it: give it ``num_replicas`` and ``rank``.
+
+When ``fit`` ends (or raises) the agent closes (``bye`` with the reason) and the trainer
+and module are put back as they were before it: Lightning's accumulation, precision
+plugin, an eager ``forward`` and no checkpointing.
+
+Cost on the training thread: per micro-batch two clock reads around the fetch, a few
+attribute reads and one asynchronous add of the loss; per optimizer step a clone of the
+GradScaler's scale in fp16 and one :meth:`agent.Agent.optimizer_step`. Nothing reads a
+tensor's value or synchronizes the device.
+
+Importing this module imports ``lightning``; ``import agent`` does not import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any, Iterable
+
+import torch
+import lightning
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import (Callback, GradientAccumulationScheduler,
+                                         StochasticWeightAveraging)
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
+from lightning.pytorch.plugins.precision import Precision as LightningPrecision
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+from agent.adapters import (MemoryKnobs, loader_knobs, precision_knob, publish_events,
+                            refuse)
+from agent.core import Agent
+from agent.integrations import WindowMeter
+from agent.knobs import ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, Knob, KnobSet
+from agent.runs import RUN_ID_ENV
+from gpuopt.backends import ModelBackend
+from gpuopt.checkpointing import ActivationCheckpointing
+from gpuopt.data import batch_size
+from gpuopt.loader import ReconfigurableLoader
+from gpuopt.precision import precision_support
+
+__all__ = ["GpuwatchCallback", "attach"]
+
+log = logging.getLogger("gpuwatch.agent")
+
+#: Lightning plugin -> knob value, for the plugins the precision knob switches between.
+_MIXED_NAMES = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
+_MIXED_FLAGS = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+
+def _precision_of(plugin: Any) -> str | None:
+    """The knob value of a Lightning precision plugin, or None for one it cannot switch
+    (exact types only: a subclass may change what the plugin does)."""
+    if type(plugin) is LightningPrecision:
+        return "fp32"
+    if type(plugin) is LightningMixedPrecision:
+        return _MIXED_NAMES.get(plugin.precision)
+    return None
+
+
+def _simple_strategy(strategy: Any) -> bool:
+    """Single-device and DDP strategies leave the module and its gradients alone; others
+    (DeepSpeed, FSDP, XLA, ...) wrap, shard or accumulate them their own way."""
+    return (isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
+            and not isinstance(strategy, DeepSpeedStrategy))
+
+
+class _Precision:
+    """The target of the ``precision`` knob: the strategy's precision plugin, swapped at an
+    optimizer-step boundary (duck-types :class:`gpuopt.MixedPrecision` for
+    :func:`agent.adapters.precision_knob`: ``device_type`` and ``precision``).
+
+    Also keeps the gradient norm when the Trainer clips by norm: on the plugins it uses it
+    replaces ``clip_grad_by_norm`` (Lightning's two lines, ``clip_grad_norm_`` over the
+    optimizer's parameters) by the same call that keeps the norm it returns.
+    """
+
+    def __init__(self, strategy: Any, grad_scaler: torch.amp.GradScaler | None) -> None:
+        self.strategy = strategy
+        self.device_type = strategy.root_device.type
+        self.original = strategy.precision_plugin
+        self._grad_scaler = grad_scaler
+        self._plugins: dict[str, Any] = {}
+        name = _precision_of(self.original)
+        if name is not None:
+            self._plugins[name] = self.original
+            self._keep_norm(self.original)
+        #: the norm the last ``clip_grad_by_norm`` returned (a 0-dim tensor), or None
+        self.grad_norm: torch.Tensor | None = None
+
+    @property
+    def precision(self) -> str:
+        """Current precision (``"fp32"``, ``"bf16"``, ``"fp16"``)."""
+        return _precision_of(self.strategy.precision_plugin) or str(
+            self.strategy.precision_plugin.precision)
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        reason = precision_support(value, self.device_type)
+        if reason is not None:
+            raise ValueError(reason)
+        plugin = self._plugins.get(value)
+        if plugin is None:
+            if value == "fp32":
+                plugin = LightningPrecision()
+            else:
+                scaler = None
+                if value == "fp16":
+                    scaler = self._grad_scaler or torch.amp.GradScaler(self.device_type)
+                plugin = LightningMixedPrecision(_MIXED_FLAGS[value], self.device_type, scaler)
+            self._keep_norm(plugin)
+            self._plugins[value] = plugin
+        self.strategy.precision_plugin = plugin
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler in use now (fp16), else None."""
+        return getattr(self.strategy.precision_plugin, "scaler", None)
+
+    def _keep_norm(self, plugin: Any) -> None:
+        if type(plugin).clip_grad_by_norm is not LightningPrecision.clip_grad_by_norm:
+            return  # a plugin with its own clipping: left alone, no norm reported
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(plugin.main_params(optimizer),
+                                                            clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    def restore(self) -> None:
+        """Put the plugin of before ``fit`` back and the plugins' own clipping."""
+        self.strategy.precision_plugin = self.original
+        for plugin in self._plugins.values():
+            plugin.__dict__.pop("clip_grad_by_norm", None)
+
+
+class _Accumulation:
+    """The ``accum_steps`` knob: Lightning's accumulation until the first change, then
+    windows of ``size`` micro-batches counted from the boundary of the change (and from
+    each epoch's first batch).
+
+    Window arithmetic, for batch index ``b`` of the epoch and the anchor ``a`` (the first
+    batch of the first window after the change, 0 in later epochs): the window of ``b``
+    starts at ``a + (b - a) // size * size``; ``b`` ends it when ``(b - a + 1) % size ==
+    0`` (and Lightning steps at an epoch's last batch anyway); its micro-batches are
+    divided by ``min(size, num_training_batches - start)``. An epoch whose length is not
+    known ends a window early only by running out of data: that window's gradients are
+    then scaled to its real size before the step (:meth:`before_optimizer_step`).
+    """
+
+    #: Lightning internals this relies on (present in 2.x; absent -> knob refused)
+    INTERNALS = (("fit_loop.epoch_loop", "_accumulated_batches_reached"),
+                 ("fit_loop.epoch_loop.automatic_optimization", "_make_zero_grad_fn"),
+                 ("fit_loop.epoch_loop.batch_progress.current", "ready"))
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.epoch_loop = trainer.fit_loop.epoch_loop
+        self.optimization = self.epoch_loop.automatic_optimization
+        self.original = trainer.accumulate_grad_batches
+        self.size = trainer.accumulate_grad_batches
+        self.engaged = False
+        self.anchor = 0
+
+    @property
+    def value(self) -> int:
+        """The knob's value: micro-batches per optimizer step."""
+        return self.size if self.engaged else self.trainer.accumulate_grad_batches
+
+    def set(self, value: int) -> None:
+        """Training thread, at a boundary: windows of ``value`` from the next batch."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"accum_steps must be an integer >= 1, got {value!r}")
+        if not self.engaged:
+            self.epoch_loop._accumulated_batches_reached = self._accumulated_batches_reached
+            self.optimization._make_zero_grad_fn = self._make_zero_grad_fn
+        self.engaged = True
+        self.size = value
+        self.anchor = self.epoch_loop.batch_progress.current.ready  # the next batch's index
+
+    def on_epoch_start(self) -> None:
+        """An epoch starts: its windows start at its first batch."""
+        self.anchor = 0
+
+    def _window_start(self, batch_idx: int) -> int:
+        return self.anchor + (batch_idx - self.anchor) // self.size * self.size
+
+    def _divisor(self, start: int) -> int:
+        """The real size of the window starting at batch ``start``: ``size``, or fewer
+        where the epoch (of known length) ends first."""
+        total = self.trainer.num_training_batches
+        if not math.isfinite(total):
+            return self.size
+        return max(1, min(self.size, int(total) - start))
+
+    def _accumulated_batches_reached(self) -> bool:
+        """Replaces the epoch loop's: does the current batch end its window?"""
+        batch_idx = self.epoch_loop.batch_progress.current.ready - 1
+        return (batch_idx - self.anchor + 1) % self.size == 0
+
+    def _make_zero_grad_fn(self, batch_idx: int, optimizer: Any) -> Any:
+        """Replaces the automatic optimization's (called before each micro-batch's
+        closure): Lightning's own zero_grad, hooks included, at the first micro-batch of
+        each window and only there; and the window's real size set where Lightning's
+        closure reads its divisor (``trainer.accumulate_grad_batches``)."""
+        trainer = self.trainer
+        start = self._window_start(batch_idx)
+        divisor = self._divisor(start)
+        if batch_idx != start:
+            trainer.accumulate_grad_batches = divisor
+            return None
+        trainer.accumulate_grad_batches = 1  # Lightning's function, asked at a window start
+        try:
+            return type(self.optimization)._make_zero_grad_fn(self.optimization, batch_idx,
+                                                              optimizer)
+        finally:
+            trainer.accumulate_grad_batches = divisor
+
+    def before_optimizer_step(self, optimizer: Any) -> None:
+        """A window that ran out of data before its planned size (an epoch of unknown
+        length, or a dataloader shorter than its ``len``): scale its gradients from
+        ``1/divisor`` to ``1/real size`` before clipping and the step."""
+        if not self.engaged:
+            return
+        batch_idx = self.epoch_loop.batch_progress.current.ready - 1
+        start = self._window_start(batch_idx)
+        real, divisor = batch_idx - start + 1, self._divisor(start)
+        if real >= divisor:
+            return
+        factor = divisor / real
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+
+    def restore(self) -> None:
+        """Lightning's accumulation as before ``fit``."""
+        if self.engaged:
+            self.epoch_loop.__dict__.pop("_accumulated_batches_reached", None)
+            self.optimization.__dict__.pop("_make_zero_grad_fn", None)
+            self.engaged = False
+        self.trainer.accumulate_grad_batches = self.original
+
+
+def _accumulation_refusal(trainer: pl.Trainer, module: pl.LightningModule) -> str | None:
+    """Why ``accum_steps`` cannot change correctly in this run, or None."""
+    strategy = trainer.strategy
+    if not module.automatic_optimization:
+        return ("the LightningModule uses manual optimization (automatic_optimization is "
+                "False): its training_step steps the optimizer itself")
+    if strategy.handles_gradient_accumulation:
+        return f"{type(strategy).__name__} accumulates gradients itself"
+    for path, name in _Accumulation.INTERNALS:
+        owner: Any = trainer
+        for part in path.split("."):
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, name):
+            return (f"this Lightning ({lightning.__version__}) has no {path}.{name}, which "
+                    "gpuwatch's accumulation windows use (written for Lightning 2.x)")
+    if isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher):
+        return ("training_step takes the dataloader iterator (dataloader_iter), so "
+                "Lightning does not know which micro-batch a step has")
+    for callback in trainer.callbacks:
+        if isinstance(callback, (GradientAccumulationScheduler, StochasticWeightAveraging)):
+            return (f"the {type(callback).__name__} callback sets accumulate_grad_batches "
+                    "itself")
+    for config in trainer.lr_scheduler_configs:
+        if config.interval != "step":
+            continue
+        if config.frequency != 1:
+            return (f"a step-interval LR scheduler ({type(config.scheduler).__name__}) has "
+                    f"frequency={config.frequency}, which Lightning counts in batches, not "
+                    "optimizer steps: it would step at other optimizer steps after a change")
+        if trainer.max_steps < 0 or trainer.fit_loop.max_epochs not in (None, -1):
+            return (f"this run ends by epochs and has a step-interval LR scheduler "
+                    f"({type(config.scheduler).__name__}): a change of accum_steps changes "
+                    "the optimizer steps per epoch, so the schedule would no longer end where "
+                    "it was planned; give Trainer(max_steps=...) (and no max_epochs) to "
+                    "allow it")
+    return None
+
+
+class _Kernels:
+    """The ``kernels`` knob: :class:`gpuopt.backends.ModelBackend` in place on the
+    LightningModule, and a warning when ``compile`` had nothing to compile."""
+
+    def __init__(self, module: pl.LightningModule, device: torch.device,
+                 compile_backend: str) -> None:
+        self.module = module
+        self.backend = ModelBackend(module, device, compile_backend=compile_backend,
+                                    in_place=True)
+        self._compile_steps = 0  # boundaries seen under compile, up to 2
+
+    def support(self, value: str) -> str | None:
+        """Why ``value`` cannot run in this run, or None (I/O thread; cheap)."""
+        return self.backend.support(value)
+
+    def set(self, value: str) -> None:
+        """Training thread, at a boundary; atomic (a failure restores the previous)."""
+        previous = self.backend.kernels
+        try:
+            self.backend.kernels = value
+        except Exception:
+            self.backend.kernels = previous
+            raise
+
+    def events(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """Compile events since the last boundary, plus a warning once when compile ran a
+        whole step without the module's forward being called."""
+        events = self.backend.pop_events()
+        compiled = self.backend.compiled
+        if compiled is not None and compiled.enabled and self._compile_steps < 2:
+            # the first call is the boundary of the switch itself; the second follows a
+            # whole step under compile
+            self._compile_steps += 1
+            if (self._compile_steps == 2 and compiled.compiles == 0
+                    and compiled.fallbacks == 0):
+                events.append(("warning", "kernels=compile compiles the LightningModule's "
+                               "forward, but training_step did not call it (self(...) or "
+                               "self.forward(...)): nothing is compiled", {}))
+        return events
+
+    def restore(self) -> None:
+        """Back to eager (the module's own forward)."""
+        if self.backend.kernels != "eager":
+            self.backend.kernels = "eager"
+
+
+class _FetchTimer:
+    """Data wait: host time inside Lightning's fetch of each training batch. Wraps the
+    training epoch loop's ``_on_before_fetch`` / ``_on_after_fetch`` (which start and
+    stop the profiler's ``train_dataloader_next`` action around ``next()`` of the
+    dataloader), keeping the profiler's own work out of the measured time."""
+
+    def __init__(self, epoch_loop: Any) -> None:
+        self.loop = epoch_loop
+        self.wait_s = 0.0
+        self._started: float | None = None
+        self._before = epoch_loop._on_before_fetch
+        self._after = epoch_loop._on_after_fetch
+
+    def install(self) -> None:
+        self.loop._on_before_fetch = self.before_fetch
+        self.loop._on_after_fetch = self.after_fetch
+
+    def before_fetch(self) -> None:
+        self._before()
+        self._started = time.perf_counter()
+
+    def after_fetch(self) -> None:
+        if self._started is not None:
+            self.wait_s += time.perf_counter() - self._started
+            self._started = None
+        self._after()
+
+    def take(self) -> float:
+        """Seconds waited since the last call."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
+
+    def restore(self) -> None:
+        for name in ("_on_before_fetch", "_on_after_fetch"):
+            self.loop.__dict__.pop(name, None)
+
+
+class _Run:
+    """One ``fit`` under the agent: the knobs, the window being accumulated, and what the
+    callback's hooks do (each hook is one call here)."""
+
+    def __init__(self, agent: Agent, trainer: pl.Trainer, module: pl.LightningModule,
+                 options: dict[str, Any]) -> None:
+        self.agent = agent
+        self.trainer = trainer
+        self.module = module
+        self.options = options
+        self.device = trainer.strategy.root_device
+        self.meter = WindowMeter(batch_size, options.get("tokens_per_sample"))
+        self.precision: _Precision | None = None
+        self.accumulation: _Accumulation | None = None
+        self.kernels: _Kernels | None = None
+        self.checkpointing: ActivationCheckpointing | None = None
+        self.fetch: _FetchTimer | None = None
+        self.memory: MemoryKnobs | None = None
+        self.started = False
+        self.broken = False
+        self.step = trainer.global_step
+        self._global_step = trainer.global_step
+        self._loss_sum: torch.Tensor | None = None
+        self._losses = 0
+        self._lr: float | None = None
+        self._scale_before: torch.Tensor | None = None
+
+    # ------------------------------------------------------------ setup
+
+    def start(self) -> None:
+        """``on_train_start``: the dataloader and optimizer are known: bind the knobs (the
+        agent announces them) and start timing steps."""
+        trainer, knobs = self.trainer, self.agent.knobs
+        targets = self.options.get("checkpoint_blocks")
+        if targets is not None:  # asked for by name: a mistake in them is the caller's
+            ActivationCheckpointing(self.module, targets)
+        try:
+            self.step = self._global_step = trainer.global_step
+            self._bind_precision(knobs)
+            self._bind_accumulation(knobs)
+            self._bind_model_knobs(knobs)
+            self._bind_loader_knobs(knobs)
+            self.memory = MemoryKnobs(self.device, self.agent.run_id)
+            self.memory.bind(knobs)
+            self.fetch = _FetchTimer(trainer.fit_loop.epoch_loop)
+            self.fetch.install()
+        except Exception as exc:  # the first rule: never crash the training
+            self._fail("binding the knobs", exc)
+            return
+        self.agent.refresh_knobs()  # a new hello announces the schema
+        self.agent.mark_start()
+        self.started = True
+
+    def _bind_precision(self, knobs: KnobSet) -> None:
+        trainer = self.trainer
+        self.precision = _Precision(trainer.strategy, self.options.get("grad_scaler"))
+        if not self.module.automatic_optimization:
+            knobs.unsupported["precision"] = (
+                "the LightningModule uses manual optimization: gpuwatch cannot tell where "
+                "its accumulation windows end, so a precision switch could meet "
+                "gradients of another precision")
+        elif not _simple_strategy(trainer.strategy):
+            knobs.unsupported["precision"] = (
+                f"{type(trainer.strategy).__name__} has its own precision handling")
+        elif _precision_of(self.precision.original) is None:
+            knobs.unsupported["precision"] = (
+                f"the Trainer's precision plugin is {type(self.precision.original).__name__} "
+                f"(precision={trainer.precision!r}); gpuwatch switches only between "
+                "Lightning's Precision (32-true) and MixedPrecision (16-mixed, bf16-mixed)")
+        else:
+            knobs.add(precision_knob(self.precision))
+
+    def _bind_accumulation(self, knobs: KnobSet) -> None:
+        reason = _accumulation_refusal(self.trainer, self.module)
+        if reason is not None:
+            knobs.unsupported["accum_steps"] = reason
+            return
+        self.accumulation = accumulation = _Accumulation(self.trainer)
+        knobs.add(Knob(ACCUM_STEPS, get=lambda: accumulation.value, set=accumulation.set))
+
+    def _bind_model_knobs(self, knobs: KnobSet) -> None:
+        module, strategy = self.module, self.trainer.strategy
+        if not _simple_strategy(strategy):
+            why = (f"{type(strategy).__name__} wraps or shards the module; gpuwatch changes "
+                   "the module only under single-device and DDP strategies")
+            knobs.unsupported["kernels"] = knobs.unsupported["checkpointing"] = why
+            return
+        if getattr(module, "_compiler_ctx", None) is not None or "forward" in module.__dict__:
+            knobs.unsupported["kernels"] = (
+                "the LightningModule was given to fit already compiled (or has a forward "
+                "of its own set on the instance): gpuwatch leaves its forward alone")
+        else:
+            self.kernels = kernels = _Kernels(module, self.device,
+                                              self.options.get("compile_backend", "inductor"))
+            knobs.add(Knob(KERNELS, get=lambda: kernels.backend.kernels, set=kernels.set,
+                           check=lambda value: refuse(kernels.support(value))))
+        targets = self.options.get("checkpoint_blocks")
+        try:
+            self.checkpointing = checkpointing = ActivationCheckpointing(module, targets)
+        except ValueError as exc:
+            if targets is not None:
+                raise
+            knobs.unsupported["checkpointing"] = (
+                f"{exc} (attach(trainer, checkpoint_blocks=[...]) names them)")
+        else:
+            knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
+                           set=lambda value: setattr(checkpointing, "enabled", value)))
+
+    def _bind_loader_knobs(self, knobs: KnobSet) -> None:
+        trainer = self.trainer
+        loader = trainer.train_dataloader
+        reloads = trainer.reload_dataloaders_every_n_epochs
+        if isinstance(loader, ReconfigurableLoader) and not reloads:
+            for knob in loader_knobs(loader):
+                knobs.add(knob)
+            return
+        if isinstance(loader, ReconfigurableLoader):
+            why = (f"the Trainer reloads the train dataloader every {reloads} epochs, "
+                   "replacing the ReconfigurableLoader gpuwatch would reconfigure")
+        else:
+            why = (f"the train dataloader is a {type(loader).__name__}, whose workers are "
+                   "fixed when it is built: pass a gpuopt.loader.ReconfigurableLoader as "
+                   "train_dataloaders (or from train_dataloader()) to change them live")
+        for spec in LOADER_KNOBS:
+            knobs.unsupported[spec.name] = why
+
+    # ------------------------------------------------------------ per batch
+
+    def on_epoch_start(self) -> None:
+        if self.accumulation is not None:
+            self.accumulation.on_epoch_start()
+
+    def before_optimizer_step(self, optimizer: Any) -> None:
+        """Inside Lightning's optimizer step, after the window's last backward (and the
+        GradScaler's unscale), before clipping and the step itself."""
+        if self.accumulation is not None:
+            self.accumulation.before_optimizer_step(optimizer)
+        if self.broken or not self.started:
+            return
+        try:
+            lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+            self._lr = float(lr) if isinstance(lr, (int, float)) else None
+            scaler = self.precision.scaler
+            scale = getattr(scaler, "_scale", None)  # torch.amp has no public tensor form
+            self._scale_before = scale.clone() if isinstance(scale, torch.Tensor) else None
+        except Exception as exc:  # the first rule: never crash the training
+            self._fail("reading the optimizer step", exc)
+
+    def on_batch_end(self, outputs: Any, batch: Any) -> None:
+        """``on_train_batch_end``: count the micro-batch; at a boundary (the optimizer
+        stepped in this batch) report the step and let the agent apply commands."""
+        if self.broken or not self.started:
+            return
+        try:
+            self._count(outputs, batch)
+            if self.trainer.global_step != self._global_step:
+                self._boundary()
+        except Exception as exc:  # the first rule: never crash the training
+            self._fail("reporting a step", exc)
+
+    def _count(self, outputs: Any, batch: Any) -> None:
+        self.meter.add(batch, self.fetch.take())
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if not isinstance(loss, torch.Tensor):
+            return
+        # Lightning divided it by accumulate_grad_batches (automatic optimization only)
+        divisor = self.trainer.accumulate_grad_batches if self.module.automatic_optimization else 1
+        loss = loss.detach()
+        self._loss_sum = (loss * divisor if self._loss_sum is None
+                          else self._loss_sum.add(loss, alpha=divisor))
+        self._losses += 1
+
+    def _boundary(self) -> None:
+        trainer = self.trainer
+        self._global_step = trainer.global_step
+        self.step += 1
+        wait_s, micro_batches, samples, tokens = self.meter.take()
+        loss = self._loss_sum / self._losses if self._losses else None
+        skipped = None
+        scaler = self.precision.scaler if self.precision is not None else None
+        if self._scale_before is not None and scaler is not None:
+            skipped = scaler._scale < self._scale_before  # update() backed off: inf/NaN
+        grad_norm = self.precision.grad_norm if self.precision is not None else None
+        lr = self._lr
+        if lr is None and trainer.optimizers:
+            value = trainer.optimizers[0].param_groups[0].get("lr")
+            lr = float(value) if isinstance(value, (int, float)) else None
+        self._loss_sum, self._losses, self._lr, self._scale_before = None, 0, None, None
+        if self.precision is not None:
+            self.precision.grad_norm = None
+        self.agent.optimizer_step(self.step, max(micro_batches, 1), samples, wait_s, loss,
+                                  skipped, None, tokens=tokens, lr=lr, grad_norm=grad_norm)
+        if self.kernels is not None:
+            publish_events(self.agent, self.step, self.kernels.events())
+        self.memory.after_step(self.agent, self.step)
+
+    # ------------------------------------------------------------ events
+
+    def event(self, kind: str, text: str, **fields: Any) -> None:
+        """An ``info`` event at the current optimizer step (any hook; one deque append)."""
+        if not self.broken:
+            self.agent.event("info", text, kind=kind, step=self.trainer.global_step, **fields)
+
+    def validation_start(self) -> None:
+        sanity = self.trainer.sanity_checking
+        self.event("validation_start", "validation sanity check started" if sanity
+                   else f"validation started at step {self.trainer.global_step}",
+                   sanity_check=sanity)
+
+    def validation_end(self) -> None:
+        sanity = self.trainer.sanity_checking
+        self.event("validation_end", "validation sanity check ended" if sanity
+                   else f"validation ended at step {self.trainer.global_step}",
+                   sanity_check=sanity)
+        if self.started and not sanity and self.meter.fetched == 0 and not self.broken:
+            self.agent.mark_start()  # at a boundary: the next step's time leaves it out
+
+    def epoch_end(self) -> None:
+        epoch = self.trainer.current_epoch
+        self.event("epoch_end", f"epoch {epoch} ended at step {self.trainer.global_step}",
+                   epoch=epoch)
+
+    def checkpoint_saved(self) -> None:
+        self.event("checkpoint", f"checkpoint saved at step {self.trainer.global_step} "
+                   f"(epoch {self.trainer.current_epoch})")
+
+    # ------------------------------------------------------------ the end
+
+    def end(self, reason: str) -> None:
+        """Put the trainer and module back as before ``fit`` and close the agent."""
+        for part in (self.accumulation, self.fetch, self.precision, self.kernels):
+            if part is not None:
+                try:
+                    part.restore()
+                except Exception as exc:  # noqa: BLE001 -- closing must go on
+                    self._fail(f"restoring {type(part).__name__}", exc)
+        if self.checkpointing is not None:
+            self.checkpointing.enabled = False
+        self.agent.close(reason)
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        self.broken = True
+        message = (f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}; the run "
+                   "is no longer observed (training continues)")
+        log.warning(message)
+        self.agent.event("error", message, kind="agent_error")
+
+
+def _lightning_run_id(trainer: pl.Trainer) -> str | None:
+    """A run id every rank of a Lightning job derives alike, or None to leave it to
+    :func:`agent.runs.shared_run_id` (one process; ``$GPUWATCH_RUN_ID`` set; torchrun).
+
+    Lightning's own launcher (``devices=N``) starts ranks 1.. as children of rank 0,
+    which starts from a shell: the launcher-based id of ``shared_run_id`` differs between
+    them. What they share is the main address and port of the strategy's cluster
+    environment (rank 0 picks the port once and hands it to its children), so the id is a
+    hash of those. Reading them in rank 0 before ``fit`` fixes the port Lightning's
+    launcher will use (as it would itself).
+    """
+    if trainer.world_size <= 1 or os.environ.get(RUN_ID_ENV):
+        return None
+    if os.environ.get("TORCHELASTIC_RUN_ID", "none") not in ("", "none"):
+        return None
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    try:
+        key = f"{environment.main_address}|{environment.main_port}"
+    except Exception:  # noqa: BLE001 -- no cluster environment: the default id
+        return None
+    return "lightning-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+class GpuwatchCallback(Callback):
+    """The Lightning callback of gpuwatch: measures every optimizer step of ``fit`` and
+    serves the live knobs (see the module docstring for what is reported, the knobs and
+    what each refusal means).
+
+    ``Trainer(callbacks=[GpuwatchCallback()])`` starts its agent when ``fit`` starts;
+    :func:`attach` starts it at once (and returns it). The knobs are bound, and announced
+    to dashboards with a new ``hello``, when training starts (``on_train_start``: they
+    depend on the module, the optimizer and the dataloader); until then a command is
+    refused as naming an unknown knob. The agent closes (``bye``, run file removed) when
+    ``fit`` returns or raises; a later ``fit`` with the same callback gets a new agent
+    (:attr:`agent`).
+
+    Args:
+        name: label for the run (default: the script name).
+        transport: ``"ipc"`` or ``"tcp"`` (see :class:`agent.Agent`).
+        tokens_per_sample: tokens in one sample, for tokens/s when batches carry no
+            ``input_ids``.
+        checkpoint_blocks: the submodules to checkpoint (names or types, see
+            :func:`gpuopt.checkpointing.find_blocks`); default: the module's ``blocks``
+            or its repeated blocks.
+        compile_backend: the ``torch.compile`` backend of ``kernels=compile``
+            (``"inductor"``; ``"aot_eager"`` compiles much faster on small CPUs).
+        grad_scaler: the ``torch.amp.GradScaler`` of fp16 (default: a new one on the
+            module's device), when the Trainer does not start in 16-mixed.
+        options: more :class:`agent.Agent` arguments (``listen``, ``queue_size``, ...).
+
+    Raises:
+        ValueError: ``tokens_per_sample`` not an integer >= 1 (when ``fit`` starts;
+            ``checkpoint_blocks`` that select nothing raise there too).
+
+    .. note:: Hooks are one call each into a plain class; per micro-batch they cost a few
+       microseconds on the host and never read tensor values (see the module docstring).
+    """
+
+    def __init__(self, *, name: str = "", transport: str = "ipc",
+                 tokens_per_sample: int | None = None,
+                 checkpoint_blocks: Iterable[Any] | None = None,
+                 compile_backend: str = "inductor",
+                 grad_scaler: torch.amp.GradScaler | None = None, **options: Any) -> None:
+        WindowMeter(batch_size, tokens_per_sample)  # validates tokens_per_sample now
+        self.name = name
+        self.transport = transport
+        self.run_options = {"tokens_per_sample": tokens_per_sample,
+                            "checkpoint_blocks": (None if checkpoint_blocks is None
+                                                  else list(checkpoint_blocks)),
+                            "compile_backend": compile_backend, "grad_scaler": grad_scaler}
+        self.agent_options = options
+        #: the agent of the current (or next) ``fit``
+        self.agent: Agent | None = None
+        self._run: _Run | None = None
+        self._agent_used = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # spawned processes (ddp_spawn) get the settings and make their own agent
+        return {**self.__dict__, "agent": None, "_run": None, "_agent_used": False}
+
+    def new_agent(self, trainer: pl.Trainer, module: pl.LightningModule | None) -> Agent:
+        """A started agent for ``trainer``'s next ``fit``, kept in :attr:`agent` (its
+        knobs are bound when training starts)."""
+        options = dict(self.agent_options)
+        options.setdefault("rank", trainer.global_rank)
+        options.setdefault("world_size", trainer.world_size)
+        options.setdefault("training", {
+            "framework": f"lightning {lightning.__version__}",
+            # Lightning divides each micro-batch's mean loss by the window size
+            "loss_normalization": "micro_batch_mean"})
+        options.setdefault("run_id", _lightning_run_id(trainer))
+        self.agent = Agent(KnobSet(), name=self.name, model=module,
+                           device=trainer.strategy.root_device, transport=self.transport,
+                           **options)
+        self.agent.start()
+        self._agent_used = False
+        return self.agent
+
+    # hooks: one call each
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._run = self._begin(trainer, pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._call("start")
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._call("on_epoch_start")
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: Any) -> None:
+        self._call("before_optimizer_step", optimizer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._call("on_batch_end", outputs, batch)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._call("validation_start")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._call("validation_end")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._call("epoch_end")
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        self._call("checkpoint_saved")
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish("finished")
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        self._finish("interrupted" if isinstance(exception, KeyboardInterrupt)
+                     else f"error: {exception!r}")
+
+    # plumbing
+
+    def _begin(self, trainer: pl.Trainer, module: pl.LightningModule) -> _Run:
+        if self.agent is None or self._agent_used:
+            self.new_agent(trainer, module)
+        else:  # made by attach() before the module was known
+            self.agent.params = sum(p.numel() for p in module.parameters())
+            self.agent.model_name = type(module).__name__
+            self.agent.refresh_knobs()  # announced: hello names the model now
+        self._agent_used = True
+        return _Run(self.agent, trainer, module, self.run_options)
+
+    def _call(self, method: str, *args: Any) -> None:
+        if self._run is not None:
+            getattr(self._run, method)(*args)
+
+    def _finish(self, reason: str) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            run.end(reason)
+
+
+def attach(trainer: pl.Trainer, *, name: str = "", transport: str = "ipc",
+           **options: Any) -> Agent:
+    """Attach gpuwatch to a ``lightning.pytorch.Trainer`` before ``fit``: adds a
+    :class:`GpuwatchCallback` and returns its started agent (its knobs are bound when
+    training starts; see there).
+
+    Args:
+        trainer: the Trainer.
+        name, transport: as for :class:`agent.Agent`.
+        options: :class:`GpuwatchCallback` arguments (``tokens_per_sample``,
+            ``checkpoint_blocks``, ``compile_backend``, ``grad_scaler``) and more
+            :class:`agent.Agent` arguments.
+
+    Raises:
+        TypeError: ``trainer`` is not a Lightning Trainer.
+        ValueError: the trainer already has a GpuwatchCallback, or a bad option.
+    """
+    if not isinstance(trainer, pl.Trainer):
+        raise TypeError(f"expected a lightning.pytorch.Trainer, got {type(trainer).__name__}")
+    if any(isinstance(callback, GpuwatchCallback) for callback in trainer.callbacks):
+        raise ValueError("this Trainer already has a GpuwatchCallback")
+    callback = GpuwatchCallback(name=name, transport=transport, **options)
+    agent = callback.new_agent(trainer, None)
+    trainer.callbacks.append(callback)
+    return agent
