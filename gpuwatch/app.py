@@ -14,9 +14,12 @@ from textual.widgets import Footer, Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from agent.knobs import assignment
+from agent.runs import find_run
 from gpuwatch.client import new_command_id, reply_text, send_command
 from gpuwatch.palette import BindingCommands
+from gpuwatch import history
 from gpuwatch.sources import Source
+from gpuwatch.sources.live import LiveSource
 from gpuwatch.sources.timeline import TimelineSource
 from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, RunState
 from gpuwatch.compare import Column
@@ -25,6 +28,7 @@ from gpuwatch.widgets.data import DataPanel, loader_knobs
 from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
 from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.widgets.runs_screen import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
 from gpuwatch.widgets.memory import MemoryPanel
 from gpuwatch.widgets.step_chart import LOSS, TIMING, StepChart
@@ -126,6 +130,8 @@ class GpuwatchApp(App[None]):
         Binding("v", "compare", "compare", id="timeline.compare",
                 tooltip="Timeline: the segments before and after the knob change at or "
                         "before this step, side by side"),
+        Binding("r", "runs", "runs", id="runs",
+                tooltip="Every run of this user, live and finished: open one here"),
         Binding("question_mark", "help", "help", id="help",
                 tooltip="Show this list of keys"),
         Binding("q", "quit", "quit", id="quit",
@@ -142,6 +148,7 @@ class GpuwatchApp(App[None]):
         self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
         self._events_shown = 0
         self._state_shown: RunState | None = None  # a timeline replaces the state
+        self._switching = False  # another run replaces this one (widgets recomposed)
         self._knob_names: frozenset[str] = frozenset()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -177,13 +184,16 @@ class GpuwatchApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
+        self._start_source()
+        self.set_interval(REDRAW_S, self.redraw)
+        self.redraw()
+
+    def _start_source(self) -> None:
         with self.source.lock:
             for note in self._notes:
                 self.source.state.log("info", note)
             self.source.state.log("info", f"waiting for {self.source.description} ...")
         self.source.start()
-        self.set_interval(REDRAW_S, self.redraw)
-        self.redraw()
 
     def on_resize(self, event: events.Resize) -> None:
         """Under :data:`COMPACT_FOOTER_BELOW` columns the footer is compact and leaves
@@ -202,7 +212,7 @@ class GpuwatchApp(App[None]):
         """Redraw the panels if a record arrived, the run's status changed or the panels
         were resized, and the charts if steps arrived (at most every
         :data:`CHART_REDRAW_S`)."""
-        if not self.is_running:  # shutting down: the widgets are being removed
+        if not self.is_running or self._switching:  # the widgets are being replaced
             return
         wall = time.monotonic()
         size = self.query_one("#panels").size  # sparklines fill the panels' width
@@ -302,6 +312,42 @@ class GpuwatchApp(App[None]):
             [Column(f"before: {before.label}", before),
              Column(f"after: {after.label}", after)],
             f"compare: {', '.join(after.changed)} at step {after.first_step}"))
+
+    def action_runs(self) -> None:
+        """Open the list of every run; the one chosen replaces the run shown."""
+        self.push_screen(RunsScreen(), callback=self._open_run)
+
+    async def _open_run(self, summary: history.RunSummary | None) -> None:
+        """Show ``summary``'s run instead: a live one live, a finished one on a
+        timeline (or say why it cannot be opened)."""
+        if summary is None:
+            return
+        source: Source | None = None
+        if summary.live:
+            info = find_run(summary.run_id)
+            source = LiveSource(info) if info is not None else None
+        if source is None:
+            log = history.find_run_log(summary.run_id)
+            source = TimelineSource(log) if log is not None else None
+        if source is None:
+            self.notify(f"run {summary.run_id} is neither live nor logged any more",
+                        severity="warning")
+            return
+        self._switching = True
+        try:
+            self.source.close()
+            self.source = source
+            self._notes = []
+            self._state_shown, self._drawn = None, None
+            self._charts_drawn, self._events_shown = (-1, 0.0), 0
+            self._knob_names = frozenset()
+            await self.recompose()  # a timeline has its bar, a live run has none
+            self.set_focus(None)  # not the removed widget that had it: the keys are ours
+        finally:
+            self._switching = False
+        self._start_source()
+        self.refresh_bindings()
+        self.redraw()
 
     def action_help(self) -> None:
         """Open the help screen."""

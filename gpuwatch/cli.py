@@ -164,7 +164,7 @@ def _no_run(selector: str | None) -> int:
 def _attach(args: argparse.Namespace) -> int:
     info = find_run(args.run)
     if info is None and args.run:
-        log = history_commands.find_finished(args.run)
+        log = history.find_run_log(args.run)
         if log is not None:
             return history_commands.open_finished(log)
     if info is None:

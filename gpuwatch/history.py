@@ -30,6 +30,7 @@ import os
 import re
 import stat
 import statistics
+import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ import orjson
 
 from agent import protocol
 from agent.runlog import log_dir
+from agent.runs import list_runs
 from gpuwatch.state import KnobChange
 from gpuwatch.units import knob_text
 
@@ -838,5 +840,43 @@ def summarize_logs(logs: Sequence[LogFiles], live_run_ids: Iterable[str] = ()
         summaries.append(summarize(
             read_history(run_logs[0]), ranks=[log.rank for log in run_logs],
             live=run_id in live, log_bytes=sum(log.size_bytes for log in run_logs)))
+    summaries.sort(key=lambda summary: summary.started_at or 0.0, reverse=True)
+    return summaries
+
+
+def find_run_log(selector: str, rank: int | None = None) -> LogFiles | None:
+    """The log of the run that ``selector`` names: a run-log file's path, or a run id
+    or unique prefix of one among this user's logs; ``rank`` (default: the lowest with
+    a log). None when nothing (or several runs) match."""
+    if os.sep in selector or selector.endswith(".jsonl"):
+        return log_at(selector)
+    try:
+        logs = select_logs(selector, find_logs())
+    except OSError:
+        return None
+    if rank is not None:
+        logs = [log for log in logs if log.rank == rank]
+    return logs[0] if logs else None
+
+
+def all_runs() -> list[RunSummary]:
+    """Every run of this user with a run log, and every live run (with or without a
+    log), newest first."""
+    live = list_runs()
+    try:
+        logs = find_logs()
+    except OSError:
+        logs = []
+    summaries = summarize_logs(logs, {info.run_id for info in live})
+    logged = {summary.run_id for summary in summaries}
+    seen: set[str] = set()
+    for info in live:  # live runs that write no log (or not here)
+        if info.run_id in logged or info.run_id in seen:
+            continue
+        seen.add(info.run_id)
+        summaries.append(RunSummary(
+            info.run_id, text(info.name, 100), (info.rank,), True, info.started_at,
+            max(0.0, time.time() - info.started_at), 0, None, None, None, None, 0, None,
+            0, 0, False))
     summaries.sort(key=lambda summary: summary.started_at or 0.0, reverse=True)
     return summaries

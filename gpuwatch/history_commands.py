@@ -76,23 +76,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 # --- finding a run's log --------------------------------------------------------------
 
-def find_finished(selector: str, rank: int | None = None) -> LogFiles | None:
-    """The log of the run that ``selector`` names: a run-log file's path, or a run id
-    or unique prefix of one among this user's logs; ``rank`` (default: the lowest with
-    a log). None when nothing (or several runs) match."""
-    if os.sep in selector or selector.endswith(".jsonl"):
-        return history.log_at(selector)
-    try:
-        logs = history.select_logs(selector, history.find_logs())
-    except OSError:
-        return None
-    if rank is not None:
-        logs = [log for log in logs if log.rank == rank]
-    return logs[0] if logs else None
-
-
 def _log_or_say(selector: str, rank: int | None, command: str) -> LogFiles | None:
-    log = find_finished(selector, rank)
+    log = history.find_run_log(selector, rank)
     if log is None:
         print(f"gpuwatch {command}: no run log matches {text(selector, 200)!r} (see "
               "`gpuwatch runs --all`)", file=sys.stderr)
@@ -113,32 +98,9 @@ def is_written_by_a_live_run(log: LogFiles) -> bool:
 
 # --- runs --all -----------------------------------------------------------------------
 
-def all_runs() -> list[RunSummary]:
-    """Every run of this user with a run log, and every live run (with or without a
-    log), newest first."""
-    live = list_runs()
-    try:
-        logs = history.find_logs()
-    except OSError:
-        logs = []
-    summaries = history.summarize_logs(logs, {info.run_id for info in live})
-    logged = {summary.run_id for summary in summaries}
-    seen: set[str] = set()
-    for info in live:  # live runs that write no log (or not here)
-        if info.run_id in logged or info.run_id in seen:
-            continue
-        seen.add(info.run_id)
-        summaries.append(RunSummary(
-            info.run_id, text(info.name, 100), (info.rank,), True, info.started_at,
-            max(0.0, time.time() - info.started_at), 0, None, None, None, None, 0, None,
-            0, 0, False))
-    summaries.sort(key=lambda summary: summary.started_at or 0.0, reverse=True)
-    return summaries
-
-
 def print_all_runs(as_json: bool) -> int:
     """``gpuwatch runs --all``: print every run (a table, or JSON); exit status 0."""
-    summaries = all_runs()
+    summaries = history.all_runs()
     if as_json:
         print(json.dumps([summary.public() for summary in summaries], indent=2))
         return 0

@@ -325,3 +325,34 @@ async def test_timeline_keys_move_every_panel_and_mark_the_changes(tmp_path):
         assert shown_keys == {"left", "right", "left_square_bracket", "right_square_bracket",
                               "comma", "full_stop", "home", "end", "v", "question_mark",
                               "q"}
+
+
+async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_agent):
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    first = write_run(os.path.join(logs, f"{RUN}.rank0.jsonl"), steps=20,
+                      t0=time.time() - 7200)
+    write_run(os.path.join(logs, "20250102-000000-0002.rank0.jsonl"), steps=35,
+              t0=time.time() - 3600, changes=[(11, "accum_steps", 4)])
+    app = GpuwatchApp(TimelineSource(history.log_at(first)), readonly=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: "step 20 of 20" in text_of(app, "#timeline"))
+        await pilot.press("r")
+        table = app.screen.query_one("#runs-table")
+        await until(pilot, lambda: table.row_count == 3)
+        runs = [table.get_row_at(index)[0] for index in range(3)]
+        assert runs == [fake_agent.info.run_id, "20250102-000000-0002", RUN]  # newest first
+        assert table.get_row_at(1)[4:8] == ["35", "0.05714", "320", "1"]
+        await pilot.press("down", "enter")  # the second: finished, opens on a timeline
+        await until(pilot, lambda: "step 35 of 35" in text_of(app, "#timeline"))
+        assert "step 35 " in text_of(app, "#header")  # (its records name RUN as run)
+        await pilot.press("home")
+        assert "step 1 " in text_of(app, "#header")
+        await pilot.press("r")
+        table = app.screen.query_one("#runs-table")
+        await until(pilot, lambda: table.row_count == 3)
+        await pilot.press("enter")  # the live one
+        await until(pilot, lambda: "● live" in text_of(app, "#header")
+                    and f"run {fake_agent.info.run_id}" in text_of(app, "#header"))
+        assert not app.query("#timeline")  # a live run has no timeline bar
+        assert "step 1 " not in text_of(app, "#header")
