@@ -409,7 +409,7 @@ async def test_keys_of_knobs_the_run_lacks_are_hidden_and_send_nothing(make_agen
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: knows(app, "accum_steps"))
         await until(pilot, lambda: "p" not in shown_keys(app))
-        assert shown_keys(app) == {"a", "A", "question_mark", "q"}
+        assert shown_keys(app) == {"a", "A", "r", "question_mark", "q"}
         await pilot.press("p", "w", "W", "m", "k", "c")
         await pilot.pause()
         assert not any("sent" in text for text in log_texts(app))
