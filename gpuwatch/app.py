@@ -10,23 +10,31 @@ from textual import events, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
-from textual.widgets import Footer
+from textual.widgets import Footer, Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from agent.knobs import assignment
+from agent.runs import find_run
 from gpuwatch.client import new_command_id, reply_text, send_command
 from gpuwatch.palette import BindingCommands
+from gpuwatch import history
 from gpuwatch.sources import Source
-from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S
+from gpuwatch.sources.live import LiveSource
+from gpuwatch.sources.timeline import TimelineSource
+from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
+from gpuwatch.compare import Column
+from gpuwatch.widgets.compare_screen import CompareScreen
 from gpuwatch.widgets.data import DataPanel, loader_knobs
 from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
 from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.widgets.runs_screen import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
 from gpuwatch.widgets.memory import MemoryPanel
 from gpuwatch.widgets.step_chart import LOSS, TIMING, StepChart
 from gpuwatch.widgets.system import SystemPanel
 from gpuwatch.widgets.throughput import ThroughputBar
+from gpuwatch.widgets.timeline_bar import TimelineBar
 
 #: Seconds between checks for new records; the screen is redrawn only when they changed.
 REDRAW_S = 0.2
@@ -36,6 +44,11 @@ CHART_REDRAW_S = 0.5
 #: The footer shows each -/+ pair of keys once, with one description.
 _ACCUM = Binding.Group("accum", compact=True)
 _WORKERS = Binding.Group("workers", compact=True)
+_STEP = Binding.Group("step", compact=True)
+_CHANGE = Binding.Group("change", compact=True)
+_EVENT = Binding.Group("event", compact=True)
+#: Steps that shift+left / shift+right move on a timeline.
+TIMELINE_LEAP_STEPS = 100
 #: Under this many columns the footer is compact (no padding around keys, no ctrl+p).
 COMPACT_FOOTER_BELOW = 100
 
@@ -52,6 +65,8 @@ _STATUS_NOTES = {
 
 #: The actions that send a command.
 _KNOB_ACTIONS = frozenset({"cycle", "step", "toggle"})
+#: The actions that move a replay on a timeline.
+_TIMELINE_ACTIONS = frozenset({"move_by", "move_to_mark", "move_to", "compare"})
 
 
 class GpuwatchApp(App[None]):
@@ -86,6 +101,40 @@ class GpuwatchApp(App[None]):
                 tooltip="Cycle kernels eager -> compile -> triton (the run's choices)"),
         Binding("c", "toggle('checkpointing')", "ckpt", id="checkpointing.toggle",
                 tooltip="Activation checkpointing on/off (less memory, more compute)"),
+        # a replay on a timeline (before the focused widget's keys: the log scrolls too)
+        Binding("left", "move_by(-1)", "step-", id="timeline.back", group=_STEP,
+                priority=True, tooltip="Timeline: one optimizer step back"),
+        Binding("right", "move_by(1)", "step+", id="timeline.forward", group=_STEP,
+                priority=True, tooltip="Timeline: one optimizer step forward"),
+        Binding("shift+left", f"move_by(-{TIMELINE_LEAP_STEPS})",
+                f"-{TIMELINE_LEAP_STEPS}", id="timeline.leap_back", show=False,
+                priority=True,
+                tooltip=f"Timeline: {TIMELINE_LEAP_STEPS} optimizer steps back"),
+        Binding("shift+right", f"move_by({TIMELINE_LEAP_STEPS})",
+                f"+{TIMELINE_LEAP_STEPS}", id="timeline.leap_forward", show=False,
+                priority=True,
+                tooltip=f"Timeline: {TIMELINE_LEAP_STEPS} optimizer steps forward"),
+        Binding("left_square_bracket", "move_to_mark('change', -1)", "change-",
+                id="timeline.previous_change", group=_CHANGE, priority=True,
+                tooltip="Timeline: the previous knob change"),
+        Binding("right_square_bracket", "move_to_mark('change', 1)", "change+",
+                id="timeline.next_change", group=_CHANGE, priority=True,
+                tooltip="Timeline: the next knob change"),
+        Binding("comma", "move_to_mark('event', -1)", "event-",
+                id="timeline.previous_event", group=_EVENT, priority=True,
+                tooltip="Timeline: the previous event the run logged"),
+        Binding("full_stop", "move_to_mark('event', 1)", "event+",
+                id="timeline.next_event", group=_EVENT, priority=True,
+                tooltip="Timeline: the next event the run logged"),
+        Binding("home", "move_to('start')", "start", id="timeline.start", priority=True,
+                tooltip="Timeline: the first optimizer step"),
+        Binding("end", "move_to('end')", "end", id="timeline.end", priority=True,
+                tooltip="Timeline: the last optimizer step (the run's end)"),
+        Binding("v", "compare", "compare", id="timeline.compare",
+                tooltip="Timeline: the segments before and after the knob change at or "
+                        "before this step, side by side"),
+        Binding("r", "runs", "runs", id="runs",
+                tooltip="Every run of this user, live and finished: open one here"),
         Binding("question_mark", "help", "help", id="help",
                 tooltip="Show this list of keys"),
         Binding("q", "quit", "quit", id="quit",
@@ -101,12 +150,19 @@ class GpuwatchApp(App[None]):
         self._drawn: tuple[int, str, Any] | None = None
         self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
         self._events_shown = 0
+        self._state_shown: RunState | None = None  # a timeline replaces the state
+        self._switching = False  # another run replaces this one (widgets recomposed)
         self._knob_names: frozenset[str] = frozenset()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Hide a knob's keys (footer, help, palette) where no command can go: in a
         replay, and once the run's schema is known, for a knob it does not have. A
-        read-only dashboard keeps them: a key then says what it would send."""
+        read-only dashboard keeps them: a key then says what it would send. The
+        timeline's keys act on a replay on a timeline only."""
+        if action in _TIMELINE_ACTIONS:  # before the focused widget's keys, but
+            # never a text box's (the command palette's): its arrows stay its own
+            return (isinstance(self.source, TimelineSource)
+                    and not isinstance(self.focused, Input))
         if action not in _KNOB_ACTIONS:
             return True
         if self.source.info is None:
@@ -116,6 +172,8 @@ class GpuwatchApp(App[None]):
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
+        if isinstance(self.source, TimelineSource):
+            yield TimelineBar(id="timeline")
         with Horizontal(id="charts"):
             yield StepChart(TIMING, clip_spikes=True, id="timing")
             yield StepChart(LOSS, id="loss")
@@ -129,13 +187,16 @@ class GpuwatchApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
+        self._start_source()
+        self.set_interval(REDRAW_S, self.redraw)
+        self.redraw()
+
+    def _start_source(self) -> None:
         with self.source.lock:
             for note in self._notes:
                 self.source.state.log("info", note)
             self.source.state.log("info", f"waiting for {self.source.description} ...")
         self.source.start()
-        self.set_interval(REDRAW_S, self.redraw)
-        self.redraw()
 
     def on_resize(self, event: events.Resize) -> None:
         """Under :data:`COMPACT_FOOTER_BELOW` columns the footer is compact and leaves
@@ -154,26 +215,40 @@ class GpuwatchApp(App[None]):
         """Redraw the panels if a record arrived, the run's status changed or the panels
         were resized, and the charts if steps arrived (at most every
         :data:`CHART_REDRAW_S`)."""
-        if not self.is_running:  # shutting down: the widgets are being removed
+        if not self.is_running or self._switching:  # the widgets are being replaced
             return
-        now = time.monotonic()
+        wall = time.monotonic()
         size = self.query_one("#panels").size  # sparklines fill the panels' width
+        log = self.query_one(EventLog)
         with self.source.lock:
             state = self.source.state
+            now = self.source.now()  # the state's clock: a timeline's is its step's
             status = state.status_at(now)
+            if state is not self._state_shown:  # a timeline moved: draw it afresh
+                if self._state_shown is not None:
+                    log.clear()
+                self._state_shown = state
+                self._events_shown = state.events_total - len(state.events)
+                self._charts_drawn = (-1, 0.0)
+                self._drawn = None
             previous = self._drawn[1] if self._drawn is not None else None
             if (previous is not None and previous != status and status in _STATUS_NOTES
                     and (previous, status) != ("compiling", "live")):
                 state.log(*_STATUS_NOTES[status])
             if (state.steps_total != self._charts_drawn[0]
-                    and now - self._charts_drawn[1] >= CHART_REDRAW_S):
-                self._charts_drawn = (state.steps_total, now)
+                    and wall - self._charts_drawn[1] >= CHART_REDRAW_S):
+                self._charts_drawn = (state.steps_total, wall)
                 for chart in self.query(StepChart):
-                    chart.show(state.steps)
+                    chart.show(state.steps, marks=state.knob_changes)
             knob_names = frozenset(state.schema)
             if self._drawn == (state.version, status, size):
                 return
             self._drawn = (state.version, status, size)
+            if isinstance(self.source, TimelineSource):
+                timeline = self.source.timeline
+                self.query_one(TimelineBar).show(
+                    timeline.steps if timeline else (), self.source.index,
+                    timeline.marks if timeline else ())
             self.query_one(RunHeader).show(state, status, now,
                                            description=self.source.description,
                                            readonly=self.readonly)
@@ -185,7 +260,6 @@ class GpuwatchApp(App[None]):
             new = min(state.events_total - self._events_shown, len(state.events))
             entries = list(state.events)[len(state.events) - new:] if new > 0 else []
             self._events_shown = state.events_total
-        log = self.query_one(EventLog)
         for entry in entries:
             log.add(entry)
         if knob_names != self._knob_names:  # the keys of knobs the run lacks go away
@@ -196,6 +270,86 @@ class GpuwatchApp(App[None]):
         """Add a line to the event log (level: info, success, warning or error)."""
         with self.source.lock:
             self.source.state.log(level, text)
+        self.redraw()
+
+    def action_move_by(self, steps: int) -> None:
+        """Timeline: move ``steps`` optimizer steps back (negative) or forward."""
+        if isinstance(self.source, TimelineSource) and self.source.move_by(steps):
+            self.redraw()
+
+    def action_move_to(self, where: str) -> None:
+        """Timeline: go to the ``start`` or the ``end`` of the run."""
+        index = 0 if where == "start" else 1 << 62  # clamped to the last step
+        if isinstance(self.source, TimelineSource) and self.source.move_to(index):
+            self.redraw()
+
+    def action_move_to_mark(self, kind: str, direction: int) -> None:
+        """Timeline: go to the next (``direction`` 1) or previous (-1) knob change
+        (``kind`` change) or event (event), or say there is none."""
+        if not isinstance(self.source, TimelineSource):
+            return
+        if self.source.move_to_mark(kind, direction) is None:
+            what = "knob change" if kind == "change" else "event"
+            self.notify(f"no {'later' if direction > 0 else 'earlier'} {what}",
+                        severity="warning", timeout=2)
+            return
+        self.redraw()
+
+    def action_compare(self) -> None:
+        """Timeline: open the comparison of the segment shown and the one before it (the
+        first two while the first is shown), or say there is no knob change."""
+        source = self.source
+        if not isinstance(source, TimelineSource) or source.timeline is None \
+                or source.index is None:
+            return
+        segments = source.timeline.history.segments()
+        if len(segments) < 2:
+            self.notify("no knob change in this run to compare around",
+                        severity="warning", timeout=3)
+            return
+        step = source.timeline.steps[source.index]
+        here = next((i for i, s in enumerate(segments) if s.last_step >= step),
+                    len(segments) - 1)
+        before, after = segments[max(0, here - 1)], segments[max(1, here)]
+        self.push_screen(CompareScreen(
+            [Column(f"before: {before.label}", before),
+             Column(f"after: {after.label}", after)],
+            f"compare: {', '.join(after.changed)} at step {after.first_step}"))
+
+    def action_runs(self) -> None:
+        """Open the list of every run; the one chosen replaces the run shown."""
+        self.push_screen(RunsScreen(), callback=self._open_run)
+
+    async def _open_run(self, summary: history.RunSummary | None) -> None:
+        """Show ``summary``'s run instead: a live one live, a finished one on a
+        timeline (or say why it cannot be opened)."""
+        if summary is None:
+            return
+        source: Source | None = None
+        if summary.live:
+            info = find_run(summary.run_id)
+            source = LiveSource(info) if info is not None else None
+        if source is None:
+            log = history.find_run_log(summary.run_id)
+            source = TimelineSource(log) if log is not None else None
+        if source is None:
+            self.notify(f"run {summary.run_id} is neither live nor logged any more",
+                        severity="warning")
+            return
+        self._switching = True
+        try:
+            self.source.close()
+            self.source = source
+            self._notes = []
+            self._state_shown, self._drawn = None, None
+            self._charts_drawn, self._events_shown = (-1, 0.0), 0
+            self._knob_names = frozenset()
+            await self.recompose()  # a timeline has its bar, a live run has none
+            self.set_focus(None)  # not the removed widget that had it: the keys are ours
+        finally:
+            self._switching = False
+        self._start_source()
+        self.refresh_bindings()
         self.redraw()
 
     def action_help(self) -> None:

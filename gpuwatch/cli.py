@@ -1,7 +1,9 @@
 """The ``gpuwatch`` command: the dashboard, and scriptable commands around it.
 
-``gpuwatch [RUN]`` opens the dashboard; ``runs``, ``set``, ``tail``, ``replay``,
-``demo`` and ``doctor`` are subcommands. Textual is imported only by the commands that
+``gpuwatch [RUN]`` opens the dashboard (a finished run on a timeline); ``runs``,
+``set``, ``tail``, ``replay``, ``demo``, ``doctor``, and for runs after the fact
+``report``, ``compare`` and ``export`` (:mod:`gpuwatch.history_commands`) are
+subcommands. Textual is imported only by the commands that
 draw a screen, so the scriptable ones start fast.
 """
 
@@ -23,9 +25,11 @@ import zmq
 from agent import protocol
 from agent.protocol import printable
 from agent.runs import RunInfo, alive, find_run, list_runs, run_dir
+from gpuwatch import history, history_commands
 from gpuwatch.units import human_age, human_ms, human_number
 
-SUBCOMMANDS = ("attach", "runs", "set", "tail", "replay", "demo", "doctor")
+SUBCOMMANDS = ("attach", "runs", "set", "tail", "replay", "demo", "doctor", "report",
+               "compare", "export")
 #: How long ``gpuwatch demo`` waits for the training child to write its run file (s).
 DEMO_START_TIMEOUT_S = 60.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
@@ -74,15 +78,21 @@ def _parser() -> argparse.ArgumentParser:
 
     attach = commands.add_parser(
         "attach", help="open the dashboard (the default command)",
-        description="Open the dashboard on a live run.")
+        description="Open the dashboard on a live run, or on a finished run's log on "
+                    "a timeline (see `gpuwatch runs --all`).")
     attach.add_argument("run", nargs="?", metavar="RUN",
-                        help="run id, unique prefix, or endpoint (default: the newest)")
+                        help="run id, unique prefix, or endpoint (default: the newest "
+                             "live run)")
     attach.add_argument("--readonly", action="store_true",
                         help="watch only: keys send no commands")
     attach.set_defaults(handler=_attach)
 
-    runs = commands.add_parser("runs", help="list live runs",
-                               description="List the live runs of this user.")
+    runs = commands.add_parser("runs", help="list live runs (--all: finished ones too)",
+                               description="List the live runs of this user; with --all "
+                                           "every run with a run log as well.")
+    runs.add_argument("--all", action="store_true",
+                      help="live and finished runs: name, start, duration, steps, final "
+                           "loss, best throughput, knob changes, log size")
     runs.add_argument("--json", action="store_true", help="print a JSON list")
     runs.set_defaults(handler=_runs)
 
@@ -121,7 +131,9 @@ def _parser() -> argparse.ArgumentParser:
         "replay", help="open the dashboard on a run log (read-only)",
         description="Open the dashboard on a run log (the JSON-lines file of a finished "
                     "or running run; see `gpuwatch runs --json` for live runs' "
-                    "log_path), and follow it while it grows. Keys send nothing.")
+                    "log_path): a finished run's on a timeline (left/right, [ ], , ., "
+                    "home/end move it), a live run's followed while it grows. Keys send "
+                    "nothing.")
     replay.add_argument("file", metavar="FILE", help="the run log (.jsonl)")
     replay.set_defaults(handler=_replay)
 
@@ -145,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the environment report of gpuopt in a child process.")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(handler=_doctor)
+    history_commands.add_parsers(commands)
     return parser
 
 
@@ -164,6 +177,10 @@ def _no_run(selector: str | None) -> int:
 
 def _attach(args: argparse.Namespace) -> int:
     info = find_run(args.run)
+    if info is None and args.run:
+        log = history.find_run_log(args.run)
+        if log is not None:
+            return history_commands.open_finished(log)
     if info is None:
         return _no_run(args.run)
     return _watch(info, readonly=args.readonly)
@@ -179,6 +196,8 @@ def _watch(info: RunInfo, *, readonly: bool, notes: Sequence[str] = ()) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
+    if args.all:
+        return history_commands.print_all_runs(args.json)
     runs = list_runs()
     if args.json:
         print(json.dumps([info.public() for info in runs], indent=2))
@@ -329,6 +348,9 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"gpuwatch replay: no such file {str(path)!r} (a live run's log is the "
               "log_path of `gpuwatch runs --json`)", file=sys.stderr)
         return 1
+    log = history.log_at(path)
+    if log is not None and not history_commands.is_written_by_a_live_run(log):
+        return history_commands.open_finished(log)
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.replay import ReplaySource
 

@@ -8,6 +8,7 @@ the source's lock; the app reads the state under the same lock and redraws when
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from itertools import islice
@@ -140,6 +141,18 @@ class Pending(NamedTuple):
     apply_step: int | None
 
 
+class KnobChange(NamedTuple):
+    """A knob's value changed at optimizer ``step`` (the step whose record first has
+    ``value``, or the step an ``applied`` event names), at unix time ``t`` (s, None when
+    unknown); ``before`` is the value it had."""
+
+    step: int
+    t: float | None
+    knob: str
+    before: Any
+    value: Any
+
+
 class SeqGaps:
     """Counts records lost between sender and receiver from each sender's ``seq``.
 
@@ -205,6 +218,8 @@ class RunState:
         schema: knob schema by name (wire maps: ``name``, ``kind``, ``choices``, ``min``,
             ``max``, ``help``). knobs: current knob values by name.
         knob_changed_at: monotonic time (s) a knob's value last changed.
+        knob_changes: the last :data:`EVENT_HISTORY` changes of knob values, as
+            :class:`KnobChange` (the charts mark them).
         pending: accepted commands not applied yet, by knob name.
         steps: the last :data:`STEP_HISTORY` step records; steps_total counts all ever.
         last_step: the latest ``step`` body as received (memory, data-wait verdict; one
@@ -248,6 +263,7 @@ class RunState:
         self.own_command_ids: set[str] = set()
         self.knobs: dict[str, Any] = {}
         self.knob_changed_at: dict[str, float] = {}
+        self.knob_changes: deque[KnobChange] = deque(maxlen=EVENT_HISTORY)
         self.pending: dict[str, Pending] = {}
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.steps_total = 0
@@ -290,6 +306,23 @@ class RunState:
             protocol.HEARTBEAT: self._fold_heartbeat,
             protocol.BYE: self._fold_bye,
         }
+
+    def copy(self) -> RunState:
+        """An independent copy, to fold on from where this one is (a timeline keeps
+        such copies). The containers that folding changes in place are copied; the
+        records and bodies in them, never changed once folded, are shared."""
+        clone = copy.copy(self)
+        for name, value in vars(self).items():
+            if type(value) in (dict, set, list):
+                setattr(clone, name, value.copy())
+            elif type(value) is deque:
+                setattr(clone, name, deque(value, maxlen=value.maxlen))
+        clone._rank_knobs = {rank: dict(recent) for rank, recent in self._rank_knobs.items()}
+        clone._gaps = copy.copy(self._gaps)
+        clone._gaps._last = dict(self._gaps._last)
+        clone._fold = {kind: getattr(clone, fold.__name__)
+                       for kind, fold in self._fold.items()}
+        return clone
 
     @property
     def missed(self) -> int:
@@ -557,7 +590,9 @@ class RunState:
         if kind in ("applied", "rolled_back") and isinstance(knob, str) and "value" in body:
             # the run says so before the next step record (which can be seconds away):
             # a key pressed again meanwhile must start from the new value
-            self._set_knobs({knob: bounded(body["value"])}, now)
+            step = body.get("step")
+            self._set_knobs({knob: bounded(body["value"])}, now,
+                            at_step=step if type(step) is int else None)
         if kind == "compiling":
             self.compiling_since = now
             step = body.get("step")  # the step it compiles in, when the agent says
@@ -584,9 +619,10 @@ class RunState:
         self.log("info", f"run ended ({body.get('reason') or 'no reason given'})"
                  + (f" after {steps} steps" if steps is not None else ""), self.message_t)
 
-    def _set_knobs(self, knobs: dict[str, Any], now: float) -> None:
-        """Fold knob values (bounded already); a knob beyond :data:`MAX_KNOBS` is
-        ignored."""
+    def _set_knobs(self, knobs: dict[str, Any], now: float, *,
+                   at_step: int | None = None) -> None:
+        """Fold knob values (bounded already; a knob beyond :data:`MAX_KNOBS` is
+        ignored); a change is noted at ``at_step`` (default: the last completed step)."""
         for name, value in knobs.items():
             if name in self.knobs and self.knobs[name] == value:
                 continue
@@ -594,6 +630,10 @@ class RunState:
                 continue
             if name in self.knobs:
                 self.knob_changed_at[name] = now
+                step = at_step if at_step is not None else self.step
+                if step is not None:
+                    self.knob_changes.append(KnobChange(step, self.message_t, name,
+                                                        self.knobs[name], value))
             self.knobs[name] = value
             pending = self.pending.get(name)
             if pending is not None and pending.value == value:

@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any
 
 from textual.content import Content
 
 from gpuwatch.state import RunState
+from gpuwatch.units import knob_text
 from gpuwatch.widgets.panel import Panel
 
 #: A knob whose value changed within this many seconds is highlighted.
 RECENT_CHANGE_S = 10.0
-
-
-def knob_text(value: Any) -> str:
-    """A knob value for a panel: booleans as ``on`` / ``off``, the rest as is."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return str(value)
 
 
 def knob_lines(state: RunState, names: Sequence[str], now: float, width: int
