@@ -235,7 +235,7 @@ class KnobSet:
                 refuses it.
         """
         if isinstance(name, str) and name in self.unsupported:
-            raise KnobError(_shorten(f"{name}: {self.unsupported[name]}"))
+            raise KnobError(f"{name}: {self.unsupported[name]}")
         if not isinstance(name, str) or name not in self.knobs:
             known = ", ".join(self.knobs) or "none"
             raise KnobError(f"unknown knob {_shorten(repr(name), 80)} (this run has: {known})")
