@@ -32,7 +32,7 @@ import zmq
 
 from agent import protocol
 from agent.guard import GUARDED_KNOBS, ChangeGuard
-from agent.knobs import KnobError, KnobSet, assignment
+from agent.knobs import CHECKPOINT, KnobError, KnobSet, assignment
 from agent.markers import marker_for
 from agent.probes import Nvml, SystemProbe
 from agent.runlog import RunLog, log_dir
@@ -123,6 +123,8 @@ class _Pending:
     value: Any = field(compare=False)
     command_id: Any = field(compare=False)
     rollback_reason: str | None = field(compare=False, default=None)
+    #: sent with ``checkpoint: true``: applied only if the checkpoint before it was saved
+    after_checkpoint: bool = field(compare=False, default=False)
 
 
 class Agent:
@@ -274,7 +276,7 @@ class Agent:
                        data_wait_s: float, loss: torch.Tensor | None,
                        skipped: torch.Tensor | None = None,
                        activation_bytes: int | None = None, *, tokens: int | None = None,
-                       lr: float | None = None,
+                       lr: float | tuple[float | None, ...] | None = None,
                        grad_norm: torch.Tensor | float | None = None) -> None:
         """Training thread: record the optimizer step ``step`` that just ended, then apply
         the commands due at step ``step + 1``.
@@ -289,7 +291,9 @@ class Agent:
             activation_bytes: bytes saved for backward by one of its micro-batches, when
                 measured (:class:`gpuopt.memory.SavedActivations`); else None.
             tokens: tokens in the window (token models), or None.
-            lr: the learning rate the step used (param group 0), a host float, or None.
+            lr: the learning rate the step used (param group 0), a host float, or the
+                rate of each param group as a tuple (published as ``lr`` and
+                ``lr_groups``; None for a group whose rate was not read), or None.
             grad_norm: the global gradient norm the step saw (before clipping), as a
                 0-dim tensor (read on the I/O thread once ready) or a float, or None.
 
@@ -320,17 +324,26 @@ class Agent:
             commands, self._pending[:due] = self._pending[:due], []
         if self.world_size > 1:  # arrival order differs between ranks; ids do not
             commands.sort(key=lambda command: (command.apply_step, str(command.command_id)))
+        # commands that are not settings (a checkpoint) first: they see the state before
+        # the changes of the same boundary (a stable sort keeps the order above)
+        commands.sort(key=lambda command: self.knobs.knobs[command.knob].spec.kind != "action")
         last = {command.knob: command for command in commands}
+        checkpoint_failed = False
         for command in commands:
             if last[command.knob] is not command:  # a later command for the same knob
                 continue                            # at the same boundary wins
             knob = self.knobs.knobs[command.knob]
-            previous = knob.get()
+            action = knob.spec.kind == "action"
+            previous = None if action else knob.get()
             try:
-                knob.set(command.value)
+                if command.after_checkpoint and checkpoint_failed:
+                    raise RuntimeError("the checkpoint asked for before it was not saved")
+                detail = knob.set(command.value) or {}
             except Exception as exc:
+                checkpoint_failed = checkpoint_failed or command.knob == CHECKPOINT.name
+                kept = "" if action else f"; kept {assignment(command.knob, previous)}"
                 self.event("error", f"{assignment(command.knob, command.value)} failed at "
-                            f"step {step + 1}: {exc}; kept {assignment(command.knob, previous)}",
+                            f"step {step + 1}: {exc}{kept}",
                             kind="failed", knob=command.knob, value=command.value,
                             step=step + 1, id=command.command_id)
                 continue
@@ -340,10 +353,13 @@ class Agent:
             text = f"{assignment(command.knob, command.value)} applied at step {step + 1}"
             if command.rollback_reason:
                 text += f": rolled back because {command.rollback_reason}"
+            detail = dict(detail)
+            if "text" in detail:
+                text += f": {detail.pop('text')}"
             self.event("warning" if command.rollback_reason else "info", text,
                         kind="rolled_back" if command.rollback_reason else "applied",
                         knob=command.knob, value=command.value, previous=previous,
-                        step=step + 1, id=command.command_id)
+                        step=step + 1, id=command.command_id, **detail)
             if command.command_id is not None:  # a late cancel can be told so
                 self._applied_ids.append((command.command_id, step + 1))
 
@@ -740,6 +756,9 @@ class Agent:
             if tokens is not None:
                 body["tokens"] = tokens
                 body["tokens_per_s"] = tokens / step_time_s if step_time_s else None
+            if isinstance(lr, tuple):  # every param group's
+                body["lr_groups"] = list(lr)
+                lr = lr[0]
             if lr is not None:
                 body["lr"] = float(lr)
             if grad_norm is not None:
@@ -874,7 +893,7 @@ class Agent:
             return {"id": None, "ok": False, "knob": body.get("knob"),
                     "reason": f"id must be a string or an integer, got {command_id!r}"}
         rejected = {"id": command_id, "ok": False, "knob": body.get("knob")}
-        for flag in ("dry_run", "cancel"):
+        for flag in ("dry_run", "cancel", "checkpoint"):
             if not isinstance(body.get(flag, False), bool):
                 return {**rejected, "reason": f"{flag} must be true or false, "
                                               f"got {body[flag]!r}"}
@@ -890,12 +909,15 @@ class Agent:
         if self._ending:
             return {**rejected, "reason": "the run is ending"}
         knob_name, raw = body.get("knob"), body.get("value")
+        checkpoint = body.get("checkpoint") is True  # save one at the same boundary, first
         try:
             value = self.knobs.validate(knob_name, raw)
+            if checkpoint:
+                self.knobs.validate(CHECKPOINT.name, "now")
         except KnobError as exc:
             self._note_rejection(str(exc), knob_name, command_id)
             return {**rejected, "reason": str(exc)}
-        if len(self._pending) >= MAX_PENDING_COMMANDS:
+        if len(self._pending) + checkpoint >= MAX_PENDING_COMMANDS:
             self.commands_refused += 1
             return {**rejected, "reason": f"{MAX_PENDING_COMMANDS} commands are already "
                                           "waiting for the next step boundary; try again"}
@@ -913,10 +935,16 @@ class Agent:
             return {"id": command_id, "ok": True, "dry_run": True, "knob": knob_name,
                     "value": value, "apply_step": apply_step,
                     "step_time_s": self._recent_step_time_s}
-        self._schedule(_Pending(apply_step, 0, knob_name, value, command_id))
+        if checkpoint:  # no id of its own: withdrawing the change leaves a harmless save
+            self._schedule(_Pending(apply_step, 0, CHECKPOINT.name, "now", None))
+        self._schedule(_Pending(apply_step, 0, knob_name, value, command_id,
+                                after_checkpoint=checkpoint))
         reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
                  "apply_step": apply_step}
         text = f"{assignment(knob_name, value)} accepted, applies at step {apply_step}"
+        if checkpoint:
+            reply["checkpoint"] = True
+            text += " after a checkpoint"
         self._publish(protocol.EVENT, {"level": "info", "text": text, "kind": "accepted",
                                        "knob": knob_name, "value": value,
                                        "step": apply_step, "id": command_id})

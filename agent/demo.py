@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parent-pid", type=int, metavar="PID",
                         help="stop when this process ends (gpuwatch demo passes its own)")
+    parser.add_argument("--resume", metavar="CHECKPOINT",
+                        help="continue from a checkpoint of this demo (checkpoint=now); the "
+                             "other options must be those it was started with")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="where checkpoint=now saves (default: the run's directory)")
     parser.add_argument("--listen", metavar="ADDRESS",
                         help="listen on this address (e.g. 0.0.0.0) with tcp and CURVE "
                              "encryption, for a dashboard on another machine")
@@ -60,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                       compile_backend=args.compile_backend)
     monitor = agent.attach(trainer, name=f"demo-{workload.name}",
                            transport="tcp" if args.listen else args.transport,
-                           listen=args.listen)
+                           listen=args.listen, checkpoint_dir=args.checkpoint_dir,
+                           resume_from=args.resume)
     if monitor.info is not None:
         print(f"gpuwatch demo: run {monitor.run_id} ({workload.name}), "
               f"attach with: gpuwatch {monitor.run_id}", flush=True)

@@ -1,6 +1,7 @@
 """Safe changes: roll a live change back when the steps after it go bad.
 
-After a change of precision, accumulation or kernels, the agent watches the next
+After a change of precision, accumulation, kernels or the optimizer's settings (learning
+rate scale, weight decay, gradient clipping), the agent watches the next
 ``guard_steps`` optimizer steps. A non-finite loss, or the GradScaler skipping
 ``max_skipped_in_row`` fp16 steps in a row, rolls the guarded knobs back to the values
 they had before the change (the last good settings), at the next optimizer-step boundary.
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Knobs whose changes are watched and rolled back.
-GUARDED_KNOBS = frozenset({"precision", "accum_steps", "kernels"})
+GUARDED_KNOBS = frozenset({"precision", "accum_steps", "kernels", "lr_scale", "weight_decay",
+                           "max_grad_norm"})
 
 
 @dataclass

@@ -31,16 +31,21 @@ Message types and their bodies:
                ``mem_reserved_bytes``, ``mem_peak_reserved_bytes``; on the steps that
                measured it, ``activation_bytes`` (saved for backward by a micro-batch);
                when known, ``tokens`` and ``tokens_per_s`` (token models), ``lr`` (the
-               learning rate of param group 0) and ``grad_norm`` (global gradient norm
-               before clipping).
+               learning rate param group 0 used in the step, ``lr_scale`` included),
+               ``lr_groups`` (that of every param group, None where unread) and
+               ``grad_norm`` (global gradient norm before clipping).
 ``system``     about 1 Hz: ``cpu_pct``, ``host_mem_used_bytes``, ``host_mem_total_bytes``,
                ``gpus`` (list of per-GPU maps) and ``gpu_status`` (None or a reason such
                as "no NVIDIA GPU").
 ``state``      current knob values: ``knobs``, ``step``.
 ``event``      ``level`` (info | warning | error), ``text``, optional ``kind``
-               (applied | rejected | warning | ...), ``knob``, ``value``, ``step``.
+               (applied | rejected | warning | resumed | ...), ``knob``, ``value``,
+               ``step``; ``checkpoint=now`` applied adds ``path``, ``size_bytes``,
+               ``save_s`` and ``checkpoint_step`` (the steps the checkpoint holds).
 ``command``    client -> agent: ``id``, ``knob``, ``value``, ``token``, optional
-               ``apply_step``; with ``dry_run: true`` it is only checked (the reply
+               ``apply_step``; with ``checkpoint: true`` a checkpoint is saved at the same
+               boundary first (the change is not applied if that fails; the reply and
+               ``accepted`` event say so); with ``dry_run: true`` it is only checked (the reply
                gives the earliest ``apply_step`` and the rank's ``step_time_s``); with
                ``cancel: true`` (and ``id``, ``token``, optional ``reason``) the pending
                command ``id`` is withdrawn. Several ranks: dry run on all, then the

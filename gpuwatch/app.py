@@ -27,6 +27,7 @@ from gpuwatch.widgets.compare_screen import CompareScreen
 from gpuwatch.widgets.data import DataPanel, loader_knobs
 from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
+from gpuwatch.widgets.confirm_screen import ConfirmScreen
 from gpuwatch.widgets.help_screen import HelpScreen
 from gpuwatch.widgets.runs_screen import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
@@ -43,13 +44,18 @@ CHART_REDRAW_S = 0.5
 
 #: The footer shows each -/+ pair of keys once, with one description.
 _ACCUM = Binding.Group("accum", compact=True)
-_WORKERS = Binding.Group("workers", compact=True)
+_WORKERS = Binding.Group("work", compact=True)
+_LR = Binding.Group("lr", compact=True)
 _STEP = Binding.Group("step", compact=True)
 _CHANGE = Binding.Group("change", compact=True)
 _EVENT = Binding.Group("event", compact=True)
 #: Steps that shift+left / shift+right move on a timeline.
 TIMELINE_LEAP_STEPS = 100
-#: Under this many columns the footer is compact (no padding around keys, no ctrl+p).
+#: The threshold ``g`` turns clipping on with when the run never had one (a common
+#: default: HF's ``max_grad_norm``, nanoGPT's ``grad_clip``).
+DEFAULT_MAX_GRAD_NORM = 1.0
+#: Under this many columns the footer is compact (no padding around keys, no ctrl+p); its
+#: short descriptions (prec, work, kern) keep every key within 80 columns.
 COMPACT_FOOTER_BELOW = 100
 
 #: What the event log says when the run's status changes to each of these.
@@ -63,8 +69,8 @@ _STATUS_NOTES = {
 }
 
 
-#: The actions that send a command.
-_KNOB_ACTIONS = frozenset({"cycle", "step", "toggle"})
+#: The actions that send a command (their first parameter is the knob).
+_KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "confirm"})
 #: The actions that move a replay on a timeline.
 _TIMELINE_ACTIONS = frozenset({"move_by", "move_to_mark", "move_to", "compare"})
 
@@ -84,7 +90,7 @@ class GpuwatchApp(App[None]):
     VERTICAL_BREAKPOINTS = [(0, "-tiny"), (24, "-short"), (32, "-tall")]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
     BINDINGS = [
-        Binding("p", "cycle('precision')", "precision", id="precision.cycle",
+        Binding("p", "cycle('precision')", "prec", id="precision.cycle",
                 tooltip="Cycle precision fp32 -> bf16 -> fp16 (the run's choices)"),
         Binding("a", "step('accum_steps', -1)", "accum-", id="accum_steps.decrease",
                 tooltip="accum_steps - 1 (micro-batches per optimizer step)", group=_ACCUM),
@@ -97,10 +103,23 @@ class GpuwatchApp(App[None]):
         Binding("m", "toggle('pin_memory')", "pin", id="pin_memory.toggle",
                 tooltip="pin_memory on/off (page-locked host batches, faster copies to "
                         "the GPU)"),
-        Binding("k", "cycle('kernels')", "kernels", id="kernels.cycle",
+        Binding("k", "cycle('kernels')", "kern", id="kernels.cycle",
                 tooltip="Cycle kernels eager -> compile -> triton (the run's choices)"),
         Binding("c", "toggle('checkpointing')", "ckpt", id="checkpointing.toggle",
                 tooltip="Activation checkpointing on/off (less memory, more compute)"),
+        Binding("l", "scale('lr_scale', 0.5)", "lr/2", id="lr_scale.halve",
+                tooltip="lr_scale x0.5: half the learning rate the schedule sets, from the "
+                        "next step (the schedule keeps its shape)", group=_LR),
+        Binding("L", "scale('lr_scale', 2)", "lr*2", id="lr_scale.double",
+                tooltip="lr_scale x2: twice the learning rate the schedule sets, from the "
+                        "next step", group=_LR),
+        Binding("g", "clip('max_grad_norm')", "clip", id="max_grad_norm.toggle",
+                tooltip="Gradient clipping off (max_grad_norm=0) / on again at the last "
+                        f"threshold ({DEFAULT_MAX_GRAD_NORM:g} if it never had one)"),
+        Binding("s", "confirm('checkpoint', 'now')", "save", id="checkpoint.now",
+                show=False,  # in help and the palette: the footer is full at 80 columns
+                tooltip="Save a checkpoint at the next step (asks first: the training "
+                        "waits while it is written)"),
         # a replay on a timeline (before the focused widget's keys: the log scrolls too)
         Binding("left", "move_by(-1)", "step-", id="timeline.back", group=_STEP,
                 priority=True, tooltip="Timeline: one optimizer step back"),
@@ -153,6 +172,8 @@ class GpuwatchApp(App[None]):
         self._state_shown: RunState | None = None  # a timeline replaces the state
         self._switching = False  # another run replaces this one (widgets recomposed)
         self._knob_names: frozenset[str] = frozenset()
+        #: the threshold clipping had before ``g`` turned it off, by knob
+        self._clip_restore: dict[str, float] = {}
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Hide a knob's keys (footer, help, palette) where no command can go: in a
@@ -385,13 +406,64 @@ class GpuwatchApp(App[None]):
         if type(current) is not int:
             self.note("warning", f"{knob} is {current!r}, not an integer; nothing sent")
             return
-        value = current + delta
+        self._send_within_bounds(knob, spec, current + delta, f"{knob} is already at")
+
+    def action_scale(self, knob: str, factor: float) -> None:
+        """Ask the run for ``knob x factor`` (a float knob), within the schema's bounds."""
+        spec, current = self._number(knob)
+        if spec is not None:
+            self._send_within_bounds(knob, spec, current * factor,
+                                     f"{knob} {current:g} x{factor:g} is beyond")
+
+    def action_clip(self, knob: str) -> None:
+        """Turn clipping off (``knob=0``), or on again at the threshold it had (else
+        :data:`DEFAULT_MAX_GRAD_NORM`)."""
+        spec, current = self._number(knob)
+        if spec is None:
+            return
+        if current:
+            self._clip_restore[knob] = current
+            self._command(knob, 0.0)
+        else:
+            self._command(knob, self._clip_restore.get(knob, DEFAULT_MAX_GRAD_NORM))
+
+    def _number(self, knob: str) -> tuple[dict[str, Any] | None, Any]:
+        """As :meth:`_knob`, for a number knob: ``(None, None)``, after saying why, when
+        its value is not a number."""
+        spec, current = self._knob(knob)
+        if spec is not None and type(current) not in (int, float):
+            self.note("warning", f"{knob} is {current!r}, not a number; nothing sent")
+            return None, None
+        return spec, current
+
+    def _send_within_bounds(self, knob: str, spec: dict[str, Any], value: Any,
+                            beyond: str) -> None:
+        """Send ``knob=value`` if the schema's bounds allow it, else say ``<beyond> its
+        minimum|maximum <bound>; nothing sent``."""
         low, high = spec.get("min"), spec.get("max")
         if (low is not None and value < low) or (high is not None and value > high):
-            bound = "minimum" if low is not None and value < low else "maximum"
-            self.note("warning", f"{knob} is already at its {bound} {current}; nothing sent")
+            bound, limit = ("minimum", low) if low is not None and value < low else (
+                "maximum", high)
+            self.note("warning", f"{beyond} its {bound} {limit:g}; nothing sent")
             return
         self._command(knob, value)
+
+    def action_confirm(self, knob: str, value: str) -> None:
+        """Ask first, then send ``knob=value`` (a command such as ``checkpoint=now``)."""
+        with self.source.lock:
+            spec = self.source.state.schema.get(knob)
+        if spec is None:
+            self.note("warning", f"this run has no {knob} command; nothing sent")
+            return
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._command(knob, value)
+            else:
+                self.note("info", f"{assignment(knob, value)} not sent")
+
+        self.push_screen(ConfirmScreen(f"Send {assignment(knob, value)} to the run?",
+                                       str(spec.get("help", ""))), answered)
 
     def action_toggle(self, knob: str) -> None:
         """Ask the run to turn a boolean knob the other way."""

@@ -106,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     set_.add_argument("--run", help="run id, prefix or endpoint (default: the newest)")
     set_.add_argument("--timeout", type=float, default=3.0, metavar="S",
                       help="seconds to wait for the reply (default 3)")
+    set_.add_argument("--checkpoint", action="store_true",
+                      help="save a checkpoint at the same step boundary first (before a "
+                           "risky change: precision=fp16 --checkpoint); the change is not "
+                           "made if the save fails. `set checkpoint=now` saves one alone")
     set_.set_defaults(handler=_set)
 
     tail = commands.add_parser(
@@ -146,6 +150,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--compile-backend", default="inductor", metavar="NAME",
                       help="torch.compile backend used when `k` picks compile (inductor; "
                            "aot_eager compiles in about a second on a small CPU)")
+    demo.add_argument("--resume", metavar="CHECKPOINT",
+                      help="continue from a checkpoint the demo saved (`s` in the "
+                           "dashboard, or `gpuwatch set checkpoint=now`)")
+    demo.add_argument("--checkpoint-dir", metavar="DIR",
+                      help="where `s` / checkpoint=now saves (default: the run's "
+                           "directory under the run logs' checkpoints/)")
     demo.add_argument("--no-ui", action="store_true",
                       help="run the job in this terminal; watch it from another")
     demo.add_argument("--readonly", action="store_true",
@@ -227,7 +237,8 @@ def _set(args: argparse.Namespace) -> int:
     info = find_run(args.run)
     if info is None:
         return _no_run(args.run)
-    reply = send_command(info, knob, value, timeout_s=args.timeout)
+    reply = send_command(info, knob, value, timeout_s=args.timeout,
+                         checkpoint=args.checkpoint)
     print(printable(reply_text(knob, value, reply)),
           file=sys.stdout if reply.get("ok") else sys.stderr)
     return 0 if reply.get("ok") else 3 if reply.get("ranks_differ") else 1
@@ -373,6 +384,8 @@ def _human_line(message: dict[str, Any]) -> str | None:
                 + (f"{human_number(tokens, 0)} tokens/s  " if isinstance(tokens, (int, float)) else "")
                 + f"loss {'-' if not isinstance(loss, (int, float)) else f'{loss:.4g}'}  "
                 + (f"lr {lr:.3g}  " if isinstance(lr, (int, float)) else "")
+                + (f"grad norm {norm:.3g}  " if isinstance(norm := body.get("grad_norm"),
+                                                           (int, float)) else "")
                 + knobs).rstrip()
     if kind == protocol.EVENT:
         return f"[{body.get('level', 'info')}] {body.get('text', '')}"
@@ -390,6 +403,9 @@ def _demo(args: argparse.Namespace) -> int:
                "--compile-backend", args.compile_backend]
     if args.max_steps is not None:
         command += ["--max-steps", str(args.max_steps)]
+    for option, value in (("--resume", args.resume), ("--checkpoint-dir", args.checkpoint_dir)):
+        if value is not None:
+            command += [option, value]
     if args.no_ui:
         print("gpuwatch demo: training in this terminal; watch it with `gpuwatch` "
               "from another one", flush=True)

@@ -132,7 +132,7 @@ MAX_FAN_OUT_MARGIN_STEPS = 1000
 
 def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None = None,
                  timeout_s: float = 3.0, cancelled: Callable[[], bool] | None = None,
-                 command_id: str | None = None) -> dict[str, Any]:
+                 command_id: str | None = None, checkpoint: bool = False) -> dict[str, Any]:
     """Ask the run to set ``knob`` to ``value`` and wait for its reply.
 
     The agent validates the value against the knob's schema (strings are parsed there,
@@ -158,6 +158,9 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
             replies, in seconds.
         cancelled: checked every :data:`CANCEL_CHECK_S` while waiting; when it returns
             True the wait ends at once (e.g. the dashboard is quitting).
+        checkpoint: save a checkpoint at the same boundary first (``checkpoint=now``
+            before a risky change); the change is not applied if that save fails, and a
+            run that cannot save one refuses the command.
 
     Returns:
         The reply body: ``{"id", "ok": True, "knob", "value", "apply_step"}`` (with
@@ -170,6 +173,8 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     """
     command_id = command_id or new_command_id()
     body: dict[str, Any] = {"id": command_id, "knob": knob, "value": value}
+    if checkpoint:
+        body["checkpoint"] = True
     if apply_step is not None:
         body["apply_step"] = apply_step
     if info.world_size <= 1 or info.run_id == "?":
@@ -351,6 +356,7 @@ def reply_text(knob: str, value: Any, reply: dict[str, Any]) -> str:
         warning = reply.get("warning")
         return (f"accepted: {assignment(reply.get('knob', knob), reply.get('value', value))}"
                 + (f" applies at step {step}" if step is not None else "")
+                + (" after a checkpoint" if reply.get("checkpoint") else "")
                 + (" on ranks " + ", ".join(map(str, ranks))
                    if isinstance(ranks, list) and len(ranks) > 1 else "")
                 + (f"\nwarning: {warning}" if isinstance(warning, str) and warning else ""))

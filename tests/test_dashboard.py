@@ -22,6 +22,7 @@ from gpuwatch.app import GpuwatchApp
 from gpuwatch.client import Subscriber, send_command
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, STEP_HISTORY, RunState
+from gpuwatch.widgets.confirm_screen import ConfirmScreen
 from gpuwatch.widgets.help_screen import HelpScreen
 from gpuwatch.widgets.panel import bucket_max, sparkline
 
@@ -604,6 +605,37 @@ async def test_gone_run_that_comes_back_is_live_again(make_agent, monkeypatch,
         assert command["knob"] == "accum_steps" and command["token"] == second.info.token
 
 
+async def test_lr_clip_and_checkpoint_keys_send_commands_and_the_panel_shows_them(make_agent):
+    """l / L halve and double lr_scale, g turns clipping off and back on at its threshold,
+    s asks first and then sends checkpoint=now; the knobs panel shows the learning rate
+    the steps use and the clipping threshold with the last gradient norm."""
+    agent = make_agent(knobs={"precision": "fp32", "lr_scale": 1.0, "max_grad_norm": 1.0,
+                              "checkpoint": None},
+                       step_fields={"lr": 3e-4, "grad_norm": 0.834})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: knows(app, "max_grad_norm") and "step" in text_of(app, "#header"))
+        await until(pilot, lambda: "lr   3.0e-04" in text_of(app, "#knobs"))
+        assert "clip 1 norm 0.83" in text_of(app, "#knobs")
+        sent = []
+        for key in ("l", "l", "L", "g", "g"):
+            await pilot.press(key)
+            command = await next_command(agent)
+            sent.append((command["knob"], command["value"]))
+        assert sent == [("lr_scale", 0.5), ("lr_scale", 0.25), ("lr_scale", 0.5),
+                        ("max_grad_norm", 0.0), ("max_grad_norm", 1.0)]
+        await until(pilot, lambda: "x0.5" in text_of(app, "#knobs"))
+        await pilot.press("s")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("n")
+        await until(pilot, lambda: "checkpoint=now not sent" in log_texts(app))
+        assert agent.commands.empty()
+        await pilot.press("s", "y")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("checkpoint", "now")
+        assert not isinstance(app.screen, ConfirmScreen)
+
+
 async def test_help_lists_every_binding_that_acts(make_agent):
     agent = make_agent(knobs=dict(EVERY_KNOB))
     app = GpuwatchApp(LiveSource(agent.info))
@@ -626,6 +658,7 @@ async def test_help_lists_every_binding_that_acts(make_agent):
         await pilot.press("question_mark")
         listed = help_text(poorer)
         assert "accum+" in listed and "precision" not in listed and "ckpt" not in listed
+        assert "lr/2" not in listed and "clip" not in listed and "save" not in listed
 
 
 async def test_command_palette_runs_binding_commands(fake_agent):
@@ -652,7 +685,8 @@ H200 = {"index": 0, "name": "NVIDIA H200", "util_pct": 97.0, "mem_used_bytes": 7
         "mem_total_bytes": 141 << 30, "power_w": 650.0, "power_limit_w": 700.0,
         "temp_c": 72.0, "sm_clock_mhz": 1980}
 EVERY_KNOB = {"precision": "bf16", "accum_steps": 4, **LOADER, "kernels": "eager",
-              "checkpointing": False}
+              "checkpointing": False, "lr_scale": 1.0, "weight_decay": 0.0,
+              "max_grad_norm": 1.0, "checkpoint": None}
 
 
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
@@ -688,13 +722,16 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         for text in ("partly input-bound", "wait 31% ▂", "num_workers", "pin_memory",
                      "prefetch_factor 2"):
             assert text in shown["#data"], (text, shown["#data"])
-        for text in ("precision", "bf16", "accum_steps", "kernels", "eager",
-                     "checkpointing off"):
+        # the knobs people change most come first; at 24 rows the panel has 5 lines
+        for text in ("precision", "bf16", "accum_steps", "lr   x1", "clip 1", "kernels",
+                     "eager", *(("checkpointing off", "weight_decay  0.0")
+                                if height >= 32 else ())):
             assert text in shown["#knobs"], (text, shown["#knobs"])
         assert "…" not in shown["#data"] + shown["#knobs"]
+        assert "checkpoint " not in shown["#knobs"]  # a command, not a setting
         keys = app.query_one(Footer).query("FooterKey")
-        assert {key.key for key in keys} >= {"p", "a", "A", "w", "W", "m", "k", "c",
-                                              "question_mark", "q"}
+        assert {key.key for key in keys} >= {"p", "a", "A", "w", "W", "m", "k", "c", "l",
+                                              "L", "g", "r", "question_mark", "q"}
         for key in keys:  # every key in sight
             assert key.region.right <= width and key.region.y == height - 1, key.key
         assert "step ms" in app.query_one("#timing").render().plain
