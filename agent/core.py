@@ -39,6 +39,7 @@ from agent.runlog import RunLog, log_dir
 from agent.runs import (RUN_ID_ENV, RunInfo, new_run_id, rank_taken, remove_run_file,
                         run_dir, shared_run_id, write_run_file)
 from gpuopt.memory import memory_stats
+from gpuopt.optim import host_rate
 
 log = logging.getLogger("gpuwatch.agent")
 
@@ -292,8 +293,9 @@ class Agent:
                 measured (:class:`gpuopt.memory.SavedActivations`); else None.
             tokens: tokens in the window (token models), or None.
             lr: the learning rate the step used (param group 0), a host float, or the
-                rate of each param group as a tuple (published as ``lr`` and
-                ``lr_groups``; None for a group whose rate was not read), or None.
+                rate of each param group as a tuple, as the groups hold them (floats or
+                tensors; read on the I/O thread, a device tensor not at all), published as
+                ``lr`` and ``lr_groups``; or None.
             grad_norm: the global gradient norm the step saw (before clipping), as a
                 0-dim tensor (read on the I/O thread once ready) or a float, or None.
 
@@ -335,8 +337,13 @@ class Agent:
             knob = self.knobs.knobs[command.knob]
             action = knob.spec.kind == "action"
             previous = None if action else knob.get()
+            if command.after_checkpoint and checkpoint_failed and self.world_size > 1:
+                self.event("warning", f"{assignment(command.knob, command.value)}: the "
+                           "checkpoint before it failed on this rank; applied all the same "
+                           f"(every one of the {self.world_size} ranks must apply it)",
+                           kind="warning", knob=command.knob, step=step + 1)
             try:
-                if command.after_checkpoint and checkpoint_failed:
+                if command.after_checkpoint and checkpoint_failed and self.world_size == 1:
                     raise RuntimeError("the checkpoint asked for before it was not saved")
                 detail = knob.set(command.value) or {}
             except Exception as exc:
@@ -756,9 +763,9 @@ class Agent:
             if tokens is not None:
                 body["tokens"] = tokens
                 body["tokens_per_s"] = tokens / step_time_s if step_time_s else None
-            if isinstance(lr, tuple):  # every param group's
-                body["lr_groups"] = list(lr)
-                lr = lr[0]
+            if isinstance(lr, tuple):  # every param group's, floats or host tensors
+                body["lr_groups"] = [host_rate(rate) for rate in lr]
+                lr = body["lr_groups"][0] if lr else None
             if lr is not None:
                 body["lr"] = float(lr)
             if grad_norm is not None:

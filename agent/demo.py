@@ -1,7 +1,10 @@
 """The demo training job behind ``gpuwatch demo``: a real model on real packaged data,
 trained by :class:`gpuopt.Trainer` with the agent attached.
 
-Run as ``python -m agent.demo [--model transformer|cnn] [--max-steps N]``. SIGTERM or
+Run as ``python -m agent.demo [--model transformer|cnn] [--max-steps N]``; with
+``--resume CHECKPOINT`` (and the options it was started with) it continues exactly from a
+checkpoint it saved (``checkpoint=now``: its state, loader position, random numbers and
+knobs; see :mod:`agent.checkpoints`). SIGTERM or
 SIGINT stops it cleanly at the next optimizer-step boundary (``bye`` is published and
 the run file removed); so does the end of the ``--parent-pid`` process, however it ends
 (``gpuwatch demo`` passes its own pid: a dashboard killed or hung up on does not leave

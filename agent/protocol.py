@@ -44,9 +44,10 @@ Message types and their bodies:
                ``save_s`` and ``checkpoint_step`` (the steps the checkpoint holds).
 ``command``    client -> agent: ``id``, ``knob``, ``value``, ``token``, optional
                ``apply_step``; with ``checkpoint: true`` a checkpoint is saved at the same
-               boundary first (the change is not applied if that fails; the reply and
-               ``accepted`` event say so); with ``dry_run: true`` it is only checked (the reply
-               gives the earliest ``apply_step`` and the rank's ``step_time_s``); with
+               boundary first (with one rank the change is not applied if that fails; the
+               reply and ``accepted`` event say so); with ``dry_run: true`` it is only
+               checked (the reply gives the earliest ``apply_step`` and the rank's
+               ``step_time_s``); with
                ``cancel: true`` (and ``id``, ``token``, optional ``reason``) the pending
                command ``id`` is withdrawn. Several ranks: dry run on all, then the
                command at one common ``apply_step`` on all, then cancel where needed.

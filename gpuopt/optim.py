@@ -23,8 +23,8 @@ global norm of the gradients of the optimizer's parameters to it before the upda
 a ``GradScaler`` that is after it unscaled them (``GradScaler.step`` unscales first) and
 only when the step is taken (a step skipped for inf/NaN gradients runs no hook).
 
-.. note:: Per optimizer step, with the default settings: two hook calls and, per param
-   group, one read of its ``lr`` (no device work). A scale adds a multiply and a store per
+.. note:: Per optimizer step, with the default settings: two hook calls and a list of
+   the param groups' ``lr`` (no device work; about a microsecond). A scale adds a multiply and a store per
    group; clipping adds ``clip_grad_norm_`` (asynchronous on the device; it returns the
    norm as a 0-dim device tensor, never read here).
 """
@@ -76,7 +76,7 @@ class OptimizerSettings:
         self._lr_scale = 1.0
         self._max_grad_norm = 0.0
         self._unscaled: list[tuple[dict[str, Any], Any]] | None = None
-        self._step_lrs: tuple[float, ...] | None = None
+        self._step_lrs: tuple[Any, ...] | None = None
         self.grad_norm: torch.Tensor | None = None
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
                          optimizer.register_step_post_hook(self._after_step)]
@@ -151,19 +151,21 @@ class OptimizerSettings:
 
     # ------------------------------------------------------------ per step
 
-    def take_step(self) -> tuple[tuple[float, ...] | None, torch.Tensor | None]:
+    def take_step(self) -> tuple[tuple[Any, ...] | None, torch.Tensor | None]:
         """``(lrs, grad_norm)`` of the optimizer step taken since the last call: the
-        learning rate of each param group as the step used it (host floats; None for a
-        group whose rate is a device tensor), and the norm it clipped (else None). Both
-        None when no step was taken (e.g. the GradScaler skipped it)."""
+        learning rate of each param group as the step used it, as the group held it (a
+        float, or a tensor for a rate kept in one: read it with :func:`host_rate`, off
+        the training thread), and the norm it clipped (else None). Both None when no step
+        was taken (e.g. the GradScaler skipped it)."""
         taken = (self._step_lrs, self.grad_norm)
         self._step_lrs, self.grad_norm = None, None
         return taken
 
-    def effective_lrs(self) -> tuple[float | None, ...]:
+    def effective_lrs(self) -> tuple[Any, ...]:
         """Each param group's learning rate times :attr:`lr_scale`, as a step taken now
-        would use it (host floats; None for a rate held in a device tensor)."""
-        return tuple(_host_float(group["lr"], self._lr_scale)
+        would use it (floats, or tensors as :meth:`take_step`'s)."""
+        scale = self._lr_scale
+        return tuple(group["lr"] * scale if scale != 1.0 else group["lr"]
                      for group in self.optimizer.param_groups)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -178,8 +180,7 @@ class OptimizerSettings:
             self._unscaled = [(group, group["lr"]) for group in optimizer.param_groups]
             for group, lr in self._unscaled:
                 group["lr"] = lr * scale
-        self._step_lrs = tuple(_host_float(group["lr"], 1.0)
-                               for group in optimizer.param_groups)
+        self._step_lrs = tuple([group["lr"] for group in optimizer.param_groups])
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._unscaled is not None:
@@ -206,8 +207,9 @@ def _non_negative(name: str, value: Any) -> float:
     return float(value)
 
 
-def _host_float(lr: Any, scale: float) -> float | None:
-    """``lr * scale`` as a float, without reading a device tensor (None then)."""
+def host_rate(lr: Any) -> float | None:
+    """A param group's learning rate as a float: a number as it is, a CPU tensor's value;
+    None for a tensor on a device (reading it would synchronize) or anything else."""
     if isinstance(lr, torch.Tensor):
-        return float(lr) * scale if lr.device.type == "cpu" else None
-    return float(lr) * scale if isinstance(lr, (int, float)) else None
+        return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else None
+    return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None

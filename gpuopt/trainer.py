@@ -55,8 +55,10 @@ class StepStats:
             ``Trainer(tokens_per_sample=...)`` or counted by ``Trainer(count_tokens=...)``
             (host int); None when neither is declared.
         lr: the learning rate the step used (param group 0, after ``lr_scale``), a host
-            float. lr_groups: the rate of each param group the step used (None for one
-            held in a device tensor).
+            float (None when the group keeps it in a tensor). lr_groups: the rate of each
+            param group the step used, as the groups hold it (floats; a tensor where a
+            group keeps its rate in one: not read here, see
+            :func:`gpuopt.optim.host_rate`).
         grad_norm: with ``max_grad_norm``, the global gradient norm before clipping
             (what ``clip_grad_norm_`` returned: a 0-dim tensor on the device, not read);
             else None.
@@ -78,7 +80,7 @@ class StepStats:
     tokens: int | None = None
     lr: float | None = None
     grad_norm: torch.Tensor | None = None
-    lr_groups: tuple[float | None, ...] | None = None
+    lr_groups: tuple[Any, ...] | None = None
 
 
 #: The values of ``Trainer(loss_normalization=...)``.
@@ -722,8 +724,8 @@ class Trainer:
                          else sum(tokens[:micro_batches]))  # type: ignore[arg-type]
         stats = StepStats(self.step, micro_batches, samples, data_wait_s, mean_loss, skipped,
                           None if saved is None else saved.bytes, tokens=window_tokens,
-                          lr=lr_groups[0] if lr_groups else None, grad_norm=grad_norm,
-                          lr_groups=lr_groups)
+                          lr=lr_groups[0] if lr_groups and isinstance(lr_groups[0], float)
+                          else None, grad_norm=grad_norm, lr_groups=lr_groups)
         for callback in self.callbacks:
             _call(callback, "on_optimizer_step", self, stats)
         return micro_batches == window

@@ -363,6 +363,20 @@ def test_checkpoint_before_a_change_saves_the_state_the_change_starts_from(run_d
     assert any(e["text"] == "lr_scale=0.25 accepted, applies at step 3 after a checkpoint"
                for e in _events(records, "accepted"))
 
+    not_a_directory = tmp_path / "file"  # the save fails: the change is not made
+    not_a_directory.write_text("")
+    run = agent.session(model=model, optimizer=optimizer, checkpoint_dir=not_a_directory,
+                        name="loop-save-fails")
+    assert send_command(run.agent.info, "lr_scale", 0.25, checkpoint=True)["ok"]
+    for step in (1, 2):
+        _loop_step(run, model, optimizer, data[step])
+    log_path = run.agent.info.log_path
+    run.close()
+    failed = [(e["knob"], e["text"]) for e in _events(_records(log_path), "failed")]
+    assert [knob for knob, _ in failed] == ["checkpoint", "lr_scale"]
+    assert "the checkpoint asked for before it was not saved" in failed[1][1]
+    assert run.optimizer_settings.lr_scale == 1.0
+
     bare = agent.session(precision="fp32", name="loop-no-model")
     try:
         reply = send_command(bare.agent.info, "precision", "bf16", checkpoint=True)
@@ -455,3 +469,33 @@ def _line(child, timeout_s=60):
     ready, _, _ = select.select([child.stdout], [], [], timeout_s)
     assert ready, f"the checkpoint job said nothing within {timeout_s} s"
     return child.stdout.readline().strip()
+
+
+@pytest.mark.slow
+def test_the_demo_resumes_from_a_checkpoint_exactly(run_dir, tmp_path):
+    """``gpuwatch demo``'s job: checkpoint=now at step 40 of 60 (after lr_scale=0.5 and
+    max_grad_norm=0.5), then ``--resume`` of that checkpoint: steps 41-60 have the same
+    losses, bit for bit, and the same knobs."""
+    def demo(*options):  # one torch thread: the same numbers, faster on a busy machine
+        return subprocess.Popen([sys.executable, "-m", "agent.demo", "--max-steps", "60",
+                                 "--checkpoint-dir", str(tmp_path), *options],
+                                stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT),
+                                     "OMP_NUM_THREADS": "1"})
+
+    first = demo()
+    info = runs.find_run(_line(first).split()[3])  # "gpuwatch demo: run <id> ..."
+    for knob, value, step in (("lr_scale", 0.5, 30), ("max_grad_norm", 0.5, 30),
+                              ("checkpoint", "now", 41)):
+        assert send_command(info, knob, value, apply_step=step)["ok"]
+    assert first.wait(300) == 0
+    path = tmp_path / "step-00000040.pt"
+    second = demo("--resume", str(path))
+    resumed = runs.find_run(_line(second).split()[3])
+    assert second.wait(300) == 0
+    original, again = (_steps(_records(run.log_path)) for run in (info, resumed))
+    assert sorted(again) == list(range(41, 61))
+    for step in range(41, 61):
+        assert again[step]["loss"] == original[step]["loss"], step
+        assert again[step]["knobs"] == original[step]["knobs"], step
+    assert again[41]["knobs"]["lr_scale"] == 0.5 and again[41]["knobs"]["max_grad_norm"] == 0.5

@@ -23,8 +23,9 @@ or an uncaught exception (named in ``bye``), or at :meth:`AcceleratorRun.close`.
 
 Each step record has the window's loss, micro-batches, samples, tokens (declared with
 ``tokens_per_sample``, or the ``input_ids`` of mapping batches), the data wait, the
-learning rate the step used (param group 0, read at the window's first fetch: after the
-previous window's ``scheduler.step()``) and the gradient norm when the loop called
+learning rate the step used (every param group's, read inside its optimizer step; for a
+step not taken, param group 0's at the window's first fetch, after the previous window's
+``scheduler.step()``) and the gradient norm when the loop called
 ``accelerator.clip_grad_norm_``.
 
 **The loss convention.** Pass the undivided loss of the micro-batch: what ``loss_fn``
@@ -63,6 +64,17 @@ configured from that step, or is refused with the reason):
   One process only (compiling inside DDP is not verified).
 - ``num_workers``, ``pin_memory``, ``prefetch_factor``: when the loop's data is a
   :class:`gpuopt.loader.ReconfigurableLoader` (given to :meth:`AcceleratorRun.loader`).
+- ``lr_scale``, ``weight_decay``: :class:`gpuopt.optim.OptimizerSettings` on the loop's
+  optimizer (the scale multiplies what the loop's scheduler sets, inside the step only;
+  the decay goes to the groups that decay).
+- ``max_grad_norm``: the threshold of the loop's own ``accelerator.clip_grad_norm_``
+  call (the knob's value replaces the loop's from the change; 0: the norm is still
+  computed, nothing clipped); refused once a step was taken without that call.
+- ``checkpoint=now``: accelerate's ``save_state`` into ``<checkpoint_dir>/checkpoint-<N>``,
+  made atomic, with the knob values; ``attach(accelerator, resume_from=PATH)`` loads it
+  (``load_state``, the step, the knobs) and the loop skips its data
+  (``accelerator.skip_first_batches(loader, run.step)`` in the epoch). Refused with
+  several processes and with ``automatic_checkpoint_naming``.
 - ``memory_fraction``, ``memory_snapshot_steps``: on CUDA.
 
 Imported only when used: ``import agent`` does not import accelerate.

@@ -18,8 +18,9 @@ What is reported per optimizer step (one accumulation window of micro-batches):
   ``num_input_tokens_seen``) and tokens/s; ``micro_batches``.
 - ``data_wait_s``: host seconds inside ``next()`` on HF's epoch iterator, timed around
   the fetch of each micro-batch in ``Trainer.get_batch_samples``.
-- ``lr``: param group 0's learning rate as the optimizer step used it (read in
-  ``on_optimizer_step``, before the scheduler steps).
+- ``lr``: param group 0's learning rate as the optimizer step used it, ``lr_scale``
+  included (``lr_groups``: every group's; read inside the step, before the scheduler
+  steps; HF's own logged ``learning_rate`` is the schedule's).
 - ``grad_norm``: the norm HF computes every step (``Trainer._get_grad_norm``: the
   pre-clip norm with ``max_grad_norm > 0``, else an unclipped one), as the device tensor
   HF made; never read on the training thread.
@@ -57,6 +58,20 @@ Knobs (commands apply at an optimizer-step boundary, in ``on_step_end``, after
   ``torch.compile`` of it (:class:`gpuopt.compile.CompiledModel`; compile events in the
   event log), evaluation included; ``triton`` is refused (no gpuopt fused modules in a
   transformers model). Refused for runs started with ``torch_compile=True``.
+- ``lr_scale``, ``weight_decay``: :class:`gpuopt.optim.OptimizerSettings` on the optimizer
+  HF makes when ``train()`` starts (a change scheduled before applies once it exists):
+  the scale multiplies what HF's scheduler sets, inside the optimizer step only; the
+  decay goes to HF's decay group (``get_decay_parameter_names``: no biases, no
+  LayerNorm), which stay 0. Refused under DeepSpeed, and ``weight_decay`` for an
+  optimizer without it.
+- ``max_grad_norm``: ``args.max_grad_norm`` (0: none), which HF reads at every step
+  (``accelerator.clip_grad_norm_``, after unscaling). Refused under DeepSpeed.
+- ``checkpoint=now``: HF's own ``Trainer._save_checkpoint`` (model, optimizer, scheduler,
+  GradScaler, RNG states, trainer state) into ``<checkpoint_dir>/checkpoint-<N>``, made
+  atomic, with gpuwatch's knob values (``gpuwatch.json``);
+  ``trainer.train(resume_from_checkpoint=PATH)`` resumes it (HF restores its state,
+  gpuwatch the knobs, with :func:`attach`). Refused with several processes and with
+  ``push_to_hub``.
 - ``memory_fraction``, ``memory_snapshot_steps``: on CUDA, as in the reference Trainer.
 - ``num_workers``, ``pin_memory``, ``prefetch_factor``: refused (HF builds its DataLoader
   in ``get_train_dataloader`` when ``train()`` starts).

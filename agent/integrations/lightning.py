@@ -19,8 +19,9 @@ window; Lightning's ``trainer.global_step`` is the step number):
 - ``data_wait_s``: host time inside Lightning's fetch of each training batch (the
   training epoch loop's ``train_dataloader_next`` action, the same interval the
   Lightning profiler measures), summed over the window.
-- ``lr`` of the optimizer's first param group as the step used it (read just before
-  the step, before a step-interval scheduler moves it), ``grad_norm`` when the Trainer
+- ``lr`` of the optimizer's first param group as the step used it, ``lr_scale``
+  included (``lr_groups``: every group's; read inside the step, before a step-interval
+  scheduler moves it), ``grad_norm`` when the Trainer
   clips by norm (``gradient_clip_val``; the norm ``clip_grad_norm_`` returns, which
   Lightning otherwise discards), ``grad_scaler_skipped`` in fp16, and memory (the
   agent's own probes).
@@ -69,6 +70,23 @@ knob Lightning cannot change correctly in this run is refused with the reason):
 - ``num_workers``, ``pin_memory``, ``prefetch_factor`` when the train dataloader is a
   :class:`gpuopt.loader.ReconfigurableLoader`; a ``torch.utils.data.DataLoader`` fixes
   them when it is built, so they are refused with how to get them.
+- ``lr_scale``, ``weight_decay``: :class:`gpuopt.optim.OptimizerSettings` on the run's one
+  optimizer (step hooks: the scale multiplies what Lightning's LR schedulers set, inside
+  ``optimizer.step`` only, so the schedule keeps its shape and Lightning's
+  ``LearningRateMonitor`` shows the schedule's own value; the decay goes to the groups
+  that decay). Refused for several optimizers and for strategies that step their own.
+- ``max_grad_norm``: the Trainer's ``gradient_clip_val`` (0: None, no clipping), which
+  Lightning reads at every step and applies by norm after unscaling in fp16; the norm
+  before clipping is reported. Refused under manual optimization, with
+  ``gradient_clip_algorithm="value"``, for a module that overrides
+  ``configure_gradient_clipping``, and under DeepSpeed / FSDP. The Trainer's own value
+  is back after ``fit``.
+- ``checkpoint=now``: Lightning's ``trainer.save_checkpoint`` (every rank calls it, rank 0
+  writes) into ``<checkpoint_dir>/step-<N>.ckpt``, made atomic; gpuwatch's knob values
+  travel in every Lightning checkpoint as this callback's state, and
+  ``trainer.fit(module, ckpt_path=...)`` sets them again when training starts (with the
+  fp16 GradScaler the precision knob made). A plain DataLoader resumes exactly only
+  from an epoch's end (Lightning warns otherwise). Refused under DeepSpeed / FSDP.
 - ``memory_fraction``, ``memory_snapshot_steps`` on CUDA (:class:`agent.adapters.MemoryKnobs`).
 
 Loss normalization (``hello``'s ``training.loss_normalization``): ``micro_batch_mean``,
@@ -85,7 +103,7 @@ a DataLoader, so Lightning does not shard it: give it ``num_replicas`` and ``ran
 
 When ``fit`` ends (or raises) the agent closes (``bye`` with the reason) and the trainer
 and module are put back as they were before it: Lightning's accumulation, precision
-plugin, an eager ``forward`` and no checkpointing.
+plugin, ``gradient_clip_val``, an eager ``forward``, no checkpointing and no step hooks.
 
 Cost on the training thread: per micro-batch two clock reads around the fetch, a few
 attribute reads and one asynchronous add of the loss; per optimizer step a clone of the
