@@ -5,9 +5,9 @@ unix s, ``seq``, ``step``, then the step fields of :mod:`agent.protocol` the run
 reported, with their units in their names), and one ``knobs.<name>`` column per knob
 with its value at that step. ``events``: one row per event (``t``, ``step``: the last
 optimizer step completed before it, ``level``, ``kind``, ``knob``, ``value`` as text:
-a string as it is, else its JSON, and ``text``). Integer fields (steps, counts, bytes) are nullable integers, knob values keep
-their type (text, integer, boolean), so a Parquet file reads back as it was written and
-a CSV file as pandas parses it.
+a string as it is, else its JSON, and ``text``). Integer fields (steps, counts, bytes)
+are nullable integers, knob values keep their type (text, integer, boolean), so a
+Parquet file reads back as it was written and a CSV file as pandas parses it.
 """
 
 from __future__ import annotations
