@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from agent.core import Agent
+from agent.core import Agent, ending_reason
 from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MEMORY_FRACTION,
                          MEMORY_SNAPSHOT_STEPS, NUM_WORKERS, PIN_MEMORY, PRECISION,
                          PREFETCH_FACTOR, Knob, KnobSet)
@@ -155,8 +155,11 @@ class _TrainerCallback:
         return self.agent.roll_back_last_change(
             trainer.step + 1, f"step {trainer.step + 1} ran out of memory")
 
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+        self.agent.close(ending_reason(error))
+
     def on_fit_end(self, trainer: Trainer) -> None:
-        self.agent.close("finished")
+        self.agent.close("finished")  # (after on_exception: already closed)
 
 
 def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: Any) -> Any:

@@ -235,10 +235,10 @@ class KnobSet:
                 refuses it.
         """
         if isinstance(name, str) and name in self.unsupported:
-            raise KnobError(f"{name}: {self.unsupported[name]}")
+            raise KnobError(f"{name}: {self.unsupported[name]}")  # our own text, whole
         if not isinstance(name, str) or name not in self.knobs:
             known = ", ".join(self.knobs) or "none"
-            raise KnobError(f"unknown knob {name!r} (this run has: {known})")
+            raise KnobError(f"unknown knob {_shorten(repr(name), 80)} (this run has: {known})")
         knob = self.knobs[name]
         coerced = knob.spec.coerce(value)
         if knob.check is not None:

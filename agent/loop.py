@@ -45,7 +45,7 @@ import torch
 
 from agent.adapters import (MemoryKnobs, loader_knobs, precision_knob, publish_events,
                             refuse)
-from agent.core import Agent
+from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.knobs import ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, Knob, KnobSet
 from gpuopt.backends import ModelBackend
@@ -155,23 +155,42 @@ class Session:
 
     # ------------------------------------------------------------ data
 
-    def loader(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """Iterate ``batches``, timing each ``next()`` (the data wait) and counting
-        samples (dim 0 of the batch's first tensor) and tokens. Given a
-        :class:`gpuopt.loader.ReconfigurableLoader`, its ``num_workers``, ``pin_memory``
-        and ``prefetch_factor`` become live knobs (announced to dashboards at once)."""
+    def loader(self, batches: Iterable[Any], *, epochs: int | None = 1) -> Iterator[Any]:
+        """Iterate ``batches`` for ``epochs`` epochs (None: epoch after epoch until the
+        loop stops; an epoch that yields nothing ends it), timing each ``next()`` (the
+        data wait) and counting samples (dim 0 of the batch's first tensor) and tokens.
+        Given a :class:`gpuopt.loader.ReconfigurableLoader`, its ``num_workers``,
+        ``pin_memory`` and ``prefetch_factor`` become live knobs (announced to
+        dashboards at once).
+
+        Raises:
+            ValueError: ``epochs`` is not None or an integer >= 1.
+        """
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
+                                   or epochs < 1):
+            raise ValueError(f"epochs must be None or an integer >= 1, got {epochs!r}")
         if isinstance(batches, ReconfigurableLoader) and "num_workers" not in self.agent.knobs.knobs:
             for knob in loader_knobs(batches):
                 self.agent.knobs.add(knob)
             self.agent.refresh_knobs()
-        iterator = iter(batches)
+        return self._batches(batches, epochs)
+
+    def _batches(self, batches: Iterable[Any], epochs: int | None) -> Iterator[Any]:
         meter = self._meter
-        while True:
-            try:
-                batch = meter.timed_next(iterator)
-            except StopIteration:
+        epoch = 0
+        while epochs is None or epoch < epochs:
+            epoch += 1
+            iterator = iter(batches)
+            empty = True
+            while True:
+                try:
+                    batch = meter.timed_next(iterator)
+                except StopIteration:
+                    break
+                empty = False
+                yield batch
+            if empty:
                 return
-            yield batch
 
     def timed(self, fetch: Callable[..., Any]) -> Callable[..., Any]:
         """``fetch`` (e.g. nanoGPT's ``get_batch``), each call timed as data wait and its
@@ -257,13 +276,7 @@ class Session:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.close("finished" if exc_info[0] is None else _ending_reason(exc_info[1]))
-
-
-def _ending_reason(error: BaseException | None) -> str:
-    if isinstance(error, KeyboardInterrupt):
-        return "stopped by SIGINT"
-    return f"error: {error!r}"
+        self.close(ending_reason(exc_info[1]))
 
 
 #: Sessions not yet closed, for the process-wide exit paths below.
@@ -289,7 +302,7 @@ def end_on_signals(run: Any) -> None:
     previous_hook = sys.excepthook
 
     def excepthook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
-        _close_live(_ending_reason(error))
+        _close_live(ending_reason(error))
         previous_hook(kind, error, tb)
 
     sys.excepthook = excepthook

@@ -19,7 +19,9 @@ Message types and their bodies:
                ``knobs`` (the knob schema, see :mod:`agent.knobs`), ``started_at``,
                ``training`` (``framework``: gpuopt.Trainer, lightning, transformers,
                accelerate or loop; ``loss_normalization`` where known: how a window's
-               loss and gradient are averaged, e.g. micro_batch_mean or samples).
+               loss and gradient are averaged, e.g. micro_batch_mean or samples),
+               ``errors`` (the agent's latest internal errors, e.g. why the run has no
+               log: training goes on).
 ``step``       one optimizer step: ``step``, ``micro_batches``, ``samples``,
                ``step_time_s``, ``data_wait_s``, ``data_wait_share``, ``samples_per_s``,
                ``loss`` (float or None), ``gpu_step_time_s`` (CUDA), ``knobs`` (current
@@ -45,7 +47,9 @@ Message types and their bodies:
                command at one common ``apply_step`` on all, then cancel where needed.
 ``reply``      agent -> client: ``id``, ``ok``, ``knob``, ``value``, ``apply_step`` or
                ``reason``.
-``heartbeat``  about 1 Hz: ``step`` (last completed optimizer step), ``ending``.
+``heartbeat``  about 1 Hz: ``step`` (last completed optimizer step), ``ending``,
+               ``records_dropped``, ``errors``, ``commands_refused``,
+               ``commands_rejected`` (bad token, knob or value).
 ``bye``        the run ends: ``reason``, ``steps``.
 """
 
@@ -74,6 +78,62 @@ MESSAGE_TYPES = (HELLO, STEP, SYSTEM, STATE, EVENT, COMMAND, REPLY, HEARTBEAT, B
 
 #: Largest payload either side decodes; larger frames are dropped as malformed.
 MAX_MESSAGE_BYTES = 1 << 20
+
+
+#: Longest text (characters) kept of a string from the wire or a log where it is shown
+#: or stored to be shown (an event's text, a reason); longer ones are cut with "…".
+MAX_TEXT_CHARS = 1000
+#: Longest name (a knob's, a run's, a model's, a device's) shown or echoed back.
+MAX_NAME_CHARS = 100
+
+
+def _picture_table() -> dict[int, int]:
+    """Character -> its visible stand-in, for :func:`printable`."""
+    table = {code: 0x2400 + code for code in range(0x20)}  # C0: ESC -> U+241B "␛"
+    table[0x7F] = 0x2421  # DEL -> "␡"
+    replacement = 0xFFFD  # "�": C1, bidi controls, line separators, lone surrogates
+    for code in [*range(0x80, 0xA0), 0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F),
+                 *range(0x2066, 0x206A), 0x2028, 0x2029, *range(0xD800, 0xE000)]:
+        table[code] = replacement
+    return table
+
+
+_PICTURES = _picture_table()
+_PICTURES_KEEPING_NEWLINES = {**_PICTURES, 0x0A: 0x0A}
+
+
+def shorten(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """``text`` cut to at most ``limit`` characters, the last one "…" when cut."""
+    return text if len(text) <= limit else text[:max(0, limit - 1)] + "…"
+
+
+def printable(text: str, limit: int | None = None, *, newlines: bool = False) -> str:
+    """``text`` as a terminal may show it: as text, never as control sequences.
+
+    The one sanitizer of everything gpuwatch prints or draws that came from the wire, a
+    run log or a run file. Every C0 control character (tab and newline included, unless
+    ``newlines``), DEL and every C1 control is replaced by a visible character (C0 and
+    DEL by their Unicode control pictures, so ESC shows as "␛"; C1 by "�"), and so are
+    the Unicode bidirectional controls (which reorder what a terminal shows), line and
+    paragraph separators and lone surrogates (which a terminal's UTF-8 cannot carry).
+    One character for one: styles over ranges of the text stay where they were.
+    About 0.1 us for text without such characters (a ``str.isprintable`` check).
+
+    Args:
+        text: the string (anything else is shown as ``str(text)``).
+        limit: cut to at most this many characters (see :func:`shorten`); None: not cut.
+        newlines: keep newlines (a panel's own line breaks).
+
+    Returns:
+        The text, safe to write to a terminal.
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    if limit is not None:
+        text = shorten(text, limit)
+    if text.isprintable():
+        return text
+    return text.translate(_PICTURES_KEEPING_NEWLINES if newlines else _PICTURES)
 
 
 class ProtocolError(ValueError):

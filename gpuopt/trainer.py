@@ -113,6 +113,10 @@ class Callback(Protocol):
 
     def on_fit_end(self, trainer: "Trainer") -> None: ...
 
+    def on_exception(self, trainer: "Trainer", error: BaseException) -> None:
+        """:meth:`Trainer.fit` is ending with ``error`` (Ctrl-C included); ``on_fit_end``
+        follows."""
+
     def on_out_of_memory(self, trainer: "Trainer", error: torch.OutOfMemoryError) -> bool:
         """A micro-batch ran out of memory: undo what caused it (e.g. a live change)
         and return True to have the window run once more; False lets it raise."""
@@ -486,6 +490,10 @@ class Trainer:
             while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
                 if not self._optimizer_step(batches):
                     break
+        except BaseException as error:
+            for callback in self.callbacks:
+                _call(callback, "on_exception", self, error)
+            raise
         finally:
             self._stop.clear()  # honoured: a later fit trains again
             for callback in self.callbacks:

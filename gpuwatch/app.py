@@ -21,7 +21,7 @@ from gpuwatch import history
 from gpuwatch.sources import Source
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.sources.timeline import TimelineSource
-from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, RunState
+from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
 from gpuwatch.compare import Column
 from gpuwatch.widgets.compare_screen import CompareScreen
 from gpuwatch.widgets.data import DataPanel, loader_knobs
@@ -55,7 +55,10 @@ COMPACT_FOOTER_BELOW = 100
 #: What the event log says when the run's status changes to each of these.
 _STATUS_NOTES = {
     "live": ("info", "run is live"),
-    "stalled": ("warning", f"run is stalled: no optimizer step for {STALLED_AFTER_S:g} s"),
+    "stalled": ("warning", "run is stalled: no optimizer step for several of its step "
+                           "times"),
+    "quiet": ("warning", f"run is quiet: nothing heard for {QUIET_AFTER_S:g} s, but its "
+                         "process is alive (a loaded machine?)"),
     "gone": ("error", f"run is gone: nothing heard for {GONE_AFTER_S:g} s"),
 }
 

@@ -23,7 +23,8 @@ from typing import Any, Sequence
 import zmq
 
 from agent import protocol
-from agent.runs import RunInfo, find_run, list_runs, run_dir
+from agent.protocol import printable
+from agent.runs import RunInfo, alive, find_run, list_runs, run_dir
 from gpuwatch import history, history_commands
 from gpuwatch.units import human_age, human_ms, human_number
 
@@ -33,13 +34,21 @@ SUBCOMMANDS = ("attach", "runs", "set", "tail", "replay", "demo", "doctor", "rep
 DEMO_START_TIMEOUT_S = 60.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
 DEMO_STOP_TIMEOUT_S = 20.0
+#: ``gpuwatch tail ENDPOINT`` (no run file to check) gives up after this long with
+#: nothing heard (s); a run sends a heartbeat a second.
+TAIL_SILENCE_S = 10.0
+#: ``gpuwatch tail RUN`` checks whether the run's process lives after this long with
+#: nothing heard (s).
+TAIL_CHECK_AFTER_S = 3.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gpuwatch`` command line; returns the exit status.
 
-    Exit status: 0 success; 1 no live run, a rejected or unanswered command, or a
-    failed child; 2 bad usage (from argparse).
+    Exit status: 0 success; 1 no live run, a rejected or unanswered command, a failed
+    child, a run directory that is refused (another user's, a symbolic link, too open)
+    or another error of the system (said in one line, no traceback); 2 bad usage (from
+    argparse).
     """
     args = _parser().parse_args(_with_default_command(
         list(sys.argv[1:] if argv is None else argv)))
@@ -47,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:  # UnsafeDirectoryError among them: a squatted run directory
+        print(f"gpuwatch: {printable(str(exc))}", file=sys.stderr)
+        return 1
 
 
 def _with_default_command(argv: list[str]) -> list[str]:
@@ -99,8 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     tail = commands.add_parser(
         "tail", help="print a run's records as they come, or a run log's",
         description="Print a live run's records until the run ends, Ctrl-C, or --count "
-                    "records. Given a run-log file (JSON lines), print its records and "
-                    "exit, or with --follow go on printing what is appended.")
+                    "records (exit status 1 when the run's process dies without saying "
+                    "bye, or an endpoint says nothing for 10 s). Given a run-log file "
+                    "(JSON lines), print its records and exit, or with --follow go on "
+                    "printing what is appended.")
     tail.add_argument("target", nargs="?", metavar="RUN|FILE",
                       help="run id, prefix or endpoint (default: the newest), or a run "
                            "log file")
@@ -193,8 +207,9 @@ def _runs(args: argparse.Namespace) -> int:
         return 0
     now = time.time()
     rows = [("RUN", "RANK", "PID", "NAME", "AGE", "ENDPOINT")] + [
-        (info.run_id, f"{info.rank}/{info.world_size}", str(info.pid), info.name or "-",
-         human_age(now - info.started_at), info.pub_endpoint) for info in runs]
+        (printable(info.run_id, protocol.MAX_NAME_CHARS), f"{info.rank}/{info.world_size}",
+         str(info.pid), printable(info.name or "-", protocol.MAX_NAME_CHARS),
+         human_age(now - info.started_at), printable(info.pub_endpoint)) for info in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
@@ -213,7 +228,8 @@ def _set(args: argparse.Namespace) -> int:
     if info is None:
         return _no_run(args.run)
     reply = send_command(info, knob, value, timeout_s=args.timeout)
-    print(reply_text(knob, value, reply), file=sys.stdout if reply.get("ok") else sys.stderr)
+    print(printable(reply_text(knob, value, reply)),
+          file=sys.stdout if reply.get("ok") else sys.stderr)
     return 0 if reply.get("ok") else 3 if reply.get("ranks_differ") else 1
 
 
@@ -234,8 +250,17 @@ def _tail(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     with subscriber:
+        heard_at = time.monotonic()
         try:
-            for message in subscriber:
+            while True:
+                message = subscriber.recv(timeout_s=1.0)
+                if message is None:
+                    gone = _tail_gone(info, time.monotonic() - heard_at)
+                    if gone is not None:
+                        print(f"gpuwatch tail: {printable(gone)}", file=sys.stderr)
+                        return 1
+                    continue
+                heard_at = time.monotonic()
                 if _print_record(message, as_json=args.json):
                     printed += 1
                     sys.stdout.buffer.flush()
@@ -250,6 +275,23 @@ def _tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tail_gone(info: RunInfo, silent_s: float) -> str | None:
+    """Why ``gpuwatch tail`` should stop after ``silent_s`` seconds without a message,
+    or None to go on waiting: a run with a run file is gone when its process is
+    (killed: no ``bye`` will come); a bare endpoint is given up on after
+    :data:`TAIL_SILENCE_S`. A live process that is slow to speak (a loaded machine) is
+    waited for."""
+    if info.run_id != "?":
+        if silent_s >= TAIL_CHECK_AFTER_S and not alive(info.pid):
+            return (f"run {info.run_id} is gone: its process (pid {info.pid}) ended "
+                    "without saying bye")
+        return None
+    if silent_s >= TAIL_SILENCE_S:
+        return (f"nothing heard from {info.pub_endpoint} for {TAIL_SILENCE_S:.0f} s: "
+                "is a run there? (see `gpuwatch runs`)")
+    return None
+
+
 def _tail_file(path: Path, args: argparse.Namespace) -> int:
     """Print a run log's records; with ``--follow`` wait for more until a ``bye``."""
     from gpuwatch.sources.replay import POLL_S, RunLogReader
@@ -261,7 +303,8 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                 try:
                     messages = reader.read()
                 except OSError as exc:
-                    print(f"gpuwatch tail: cannot read {path}: {exc}", file=sys.stderr)
+                    print(printable(f"gpuwatch tail: cannot read {path}: {exc}"),
+                          file=sys.stderr)
                     return 1
                 for message in messages:
                     if _print_record(message, as_json=args.json):
@@ -295,7 +338,7 @@ def _print_record(message: dict[str, Any], *, as_json: bool) -> bool:
         line = protocol.to_json_line(message).decode().rstrip("\n")
     if line is None:
         return False
-    sys.stdout.buffer.write(line.encode() + b"\n")
+    sys.stdout.buffer.write(printable(line).encode() + b"\n")
     return True
 
 

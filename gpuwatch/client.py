@@ -19,15 +19,23 @@ from agent.knobs import assignment
 from agent.runs import RunInfo, run_ranks
 from gpuwatch.state import SeqGaps
 
-#: Telemetry queued in the SUB socket before ZeroMQ drops (then seq gaps show it).
-RECEIVE_HIGH_WATER_MARK = 100_000
+#: Largest telemetry message received (bytes): ZeroMQ disconnects a sender of a larger
+#: one before it is held in memory (it reconnects; seq gaps show what was lost).
+RECEIVE_MAX_BYTES = protocol.MAX_MESSAGE_BYTES
+#: Telemetry messages queued in the SUB socket at most. Beyond them ZeroMQ stops
+#: reading, and the run's PUB queues (up to its own high-water mark) and then drops,
+#: which seq gaps show: so a socket holds at most this many times RECEIVE_MAX_BYTES
+#: (64 MiB) whatever a sender does.
+RECEIVE_HIGH_WATER_MARK = 64
 #: How often :func:`send_command` checks whether its wait was cancelled (s).
 CANCEL_CHECK_S = 0.1
 
 
 def secure(socket: zmq.Socket, info: RunInfo) -> None:
-    """Set the CURVE client keys of a run that listens beyond its machine (the run file
-    holds them); nothing for a local run."""
+    """Set the CURVE client keys of a tcp run (its run file holds them; nothing for an
+    ipc run). With the run's server key set, the connection completes only with the
+    process that holds its secret key: a port that another process took after the run
+    ended is never talked to."""
     if info.curve_server_key:
         socket.curve_serverkey = info.curve_server_key.encode()
         socket.curve_publickey = info.curve_client_public_key.encode()
@@ -55,6 +63,7 @@ class Subscriber:
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, RECEIVE_MAX_BYTES)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         try:
             secure(self._socket, info)
@@ -246,6 +255,8 @@ class _Connections:
     dry run, the command and a cancel on one connection, in the order they were sent."""
 
     def __init__(self, ranks: list[RunInfo]) -> None:
+        """Connect one DEALER per rank (a rank that cannot be reached gets its reason
+        instead); raises nothing."""
         self.ranks = ranks
         self._sockets: list[zmq.Socket | None] = []
         self._errors: list[str | None] = []
@@ -253,6 +264,11 @@ class _Connections:
             sock, error = None, None
             if not info.cmd_endpoint:
                 error = "this run has no command endpoint (attach by run id)"
+            elif (info.cmd_endpoint.startswith("tcp://") and info.token
+                  and not info.curve_server_key):
+                error = (f"{info.cmd_endpoint} is tcp without the run's CURVE key in "
+                         "its run file, so nothing proves it is the run: its token is "
+                         "not sent (an agent of this version always has one)")
             else:
                 sock = zmq.Context.instance().socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)

@@ -81,7 +81,7 @@ from transformers import TrainerCallback
 from transformers.utils import is_sagemaker_mp_enabled
 
 from agent.adapters import MemoryKnobs, publish_events
-from agent.core import Agent
+from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, NUM_WORKERS, PIN_MEMORY,
                          PRECISION, PREFETCH_FACTOR, Knob, KnobSet)
@@ -796,7 +796,7 @@ def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "i
         try:
             return train(*args, **kwargs)
         except BaseException as exc:
-            callback.run.close(f"error: {exc!r}")
+            callback.run.close(ending_reason(exc))
             raise
 
     train_closing_on_error.__doc__ = train.__doc__

@@ -117,7 +117,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleD
 
 from agent.adapters import (MemoryKnobs, loader_knobs, precision_knob, publish_events,
                             refuse)
-from agent.core import Agent
+from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.knobs import ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, Knob, KnobSet
 from agent.runs import RUN_ID_ENV
@@ -834,8 +834,7 @@ class GpuwatchCallback(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        self._finish("interrupted" if isinstance(exception, KeyboardInterrupt)
-                     else f"error: {exception!r}")
+        self._finish(ending_reason(exception))
 
     # plumbing
 

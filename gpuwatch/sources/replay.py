@@ -31,8 +31,11 @@ from gpuwatch.sources import Source
 POLL_S = 0.2
 #: Lines folded per lock acquisition at most, so the app never waits long.
 BATCH = 1000
-#: Bytes read from the file at a time.
+#: Bytes read from the file at a time, and at most per :meth:`RunLogReader.read` (so
+#: that lines of 1 MB are folded a few at a time, never a gigabyte at once).
 CHUNK_BYTES = 1 << 20
+#: Bytes read at most per :meth:`RunLogReader.read`, however short the lines.
+READ_BYTES = 4 << 20
 
 
 class RunLogReader:
@@ -62,20 +65,23 @@ class RunLogReader:
         self._skipping = False  # inside a line over MAX_LINE_BYTES: drop to its newline
 
     def read(self, max_lines: int = BATCH) -> list[dict[str, Any]]:
-        """Envelopes of the next complete lines, at most about ``max_lines``; ``[]`` at
-        the end of the file (see :attr:`at_eof`).
+        """Envelopes of the next complete lines, at most about ``max_lines`` and
+        :data:`READ_BYTES` bytes of them; ``[]`` at the end of the file (see
+        :attr:`at_eof`).
 
         Raises:
             OSError: the file exists but cannot be read (e.g. permissions).
         """
         envelopes: list[dict[str, Any]] = []
         self.at_eof = False
-        while len(envelopes) < max_lines:
+        read = 0
+        while len(envelopes) < max_lines and read < READ_BYTES:
             if self._file is None and not self._open():
                 self.at_eof = True
                 break
             assert self._file is not None
-            chunk = self._file.read(CHUNK_BYTES)
+            chunk = self._file.read(CHUNK_BYTES) or b""  # None: a FIFO with nothing yet
+            read += len(chunk)
             if not chunk:
                 if self._replaced():
                     self._close_file()  # the old file is read to its end; on to the new
@@ -96,10 +102,11 @@ class RunLogReader:
         self.close()
 
     def _open(self) -> bool:
-        try:
-            self._file = open(self.path, "rb")
+        try:  # a FIFO in its place must not block the reader (NONBLOCK)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return False
+        self._file = os.fdopen(fd, "rb")
         self._inode = os.fstat(self._file.fileno()).st_ino
         return True
 
