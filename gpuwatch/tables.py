@@ -20,7 +20,8 @@ from typing import Any
 
 import pandas as pd
 
-from gpuwatch.history import RunHistory, text, write_output
+from agent.protocol import printable
+from gpuwatch.history import RunHistory, write_output
 from gpuwatch.units import knob_text
 
 #: Step fields that hold whole numbers (steps, counts, bytes).
@@ -64,7 +65,7 @@ def steps_frame(run: RunHistory) -> pd.DataFrame:
         if any(value is not None for value in values):
             columns[name] = pd.Series(values, dtype="string")
     for name, values in table.knobs.items():
-        columns[f"knobs.{text(name, 100)}"] = _knob_column(values)
+        columns[f"knobs.{printable(name, 100)}"] = _knob_column(values)
     return pd.DataFrame(columns)
 
 
