@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gpuwatch.history import RunHistory, Segment, segment, text
+from agent.protocol import printable
+from gpuwatch.history import RunHistory, Segment, segment
 from gpuwatch.units import human_bytes, human_ms, human_number, knob_text
 
 
@@ -83,11 +84,11 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
         ("loss (first -> last fifth)", _loss, None),
         ("loss slope / 1k steps", lambda s: "-" if s.loss_slope_per_1k is None
          else f"{s.loss_slope_per_1k:+.3g}", None)]
-    table = [["", *(text(column.title, 60) for column in columns)]]
+    table = [["", *(printable(column.title, 60) for column in columns)]]
     if len(columns) == 2:
         table[0].append("ratio")
     for name in knobs:
-        table.append([name, *(text(knob_text(s.knobs.get(name)), 40) for s in segments)]
+        table.append([name, *(printable(knob_text(s.knobs.get(name)), 40) for s in segments)]
                      + ([""] if len(columns) == 2 else []))
     for label, show, field in figures:
         row = [label, *(show(s) for s in segments)]

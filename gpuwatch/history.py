@@ -15,7 +15,10 @@ What it tolerates, never raising for a file's content:
 - unknown record types and extra fields (ignored), missing fields (None), records of
   other protocol versions (the log holds no version; what is known is read);
 - links: a log file or rotated file that is a symbolic link, or not a regular file, is
-  never opened (``O_NOFOLLOW``) and is skipped.
+  never opened (``O_NOFOLLOW``) and is skipped;
+- text: every string kept to be shown (a name, an event's text) goes through
+  :func:`agent.protocol.printable`, the one sanitizer (no control character reaches a
+  terminal or a page) and is cut to a bound.
 
 Units: times are unix seconds (``t``, ``started_at``), durations seconds, memory bytes,
 throughput per second, as in the step records (:mod:`agent.protocol`).
@@ -40,9 +43,10 @@ from typing import Any, NamedTuple
 import orjson
 
 from agent import protocol
+from agent.protocol import MAX_NAME_CHARS, MAX_TEXT_CHARS, printable
 from agent.runlog import log_dir
 from agent.runs import list_runs
-from gpuwatch.state import KnobChange
+from gpuwatch.state import MAX_KNOBS, KnobChange
 from gpuwatch.units import knob_text
 
 #: A line longer than this is malformed (as a frame over the wire limit would be).
@@ -59,15 +63,11 @@ LOG_NAME = re.compile(
 MAX_BACKUPS = 1000
 #: Numeric columns a step table keeps at most (the known ones, then the first others).
 MAX_STEP_COLUMNS = 64
-#: Distinct values a text column (``input_verdict``) or a knob may take before the
-#: rest are kept as None.
-MAX_DISTINCT = 256
+#: Distinct text and knob values a step table keeps, all its columns together (a run
+#: has a few); values beyond are kept as None.
+MAX_DISTINCT = 1024
 #: Events a run's history keeps (its first ones).
 MAX_EVENTS = 100_000
-#: Knob values a step table keeps per step (knobs of a run's schema are dozens).
-MAX_KNOBS = 128
-#: Length a text from a log is cut to where it is kept (an event's text, a name).
-MAX_TEXT_CHARS = 1000
 
 #: Step fields with numbers, as :mod:`agent.protocol` documents them (others found in
 #: a log are kept too, up to :data:`MAX_STEP_COLUMNS`).
@@ -119,18 +119,6 @@ def decode_line(line: bytes) -> dict[str, Any] | None:
     except (ValueError, RecursionError):
         return None
     return envelope_from_record(record)
-
-
-def text(value: Any, limit: int = MAX_TEXT_CHARS) -> str:
-    """A value from a log as one line of text a terminal or a page may show: control
-    characters (C0, DEL, C1) and line or paragraph separators become spaces, and it is
-    cut to ``limit`` characters with "…"."""
-    value = value if isinstance(value, str) else str(value)
-    if len(value) > limit:
-        value = value[:max(0, limit - 1)] + "…"
-    if value.isprintable():
-        return value
-    return "".join(char if char.isprintable() else " " for char in value)
 
 
 # --- finding logs ---------------------------------------------------------------------
@@ -440,7 +428,7 @@ class StepTable:
             if key not in self.numbers:
                 if (key in self.texts or key == "knobs" or len(self.numbers)
                         >= MAX_STEP_COLUMNS or number(value) is None
-                        or not isinstance(key, str)):
+                        or not isinstance(key, str) or len(key) > MAX_NAME_CHARS):
                     continue
                 self.numbers[key] = array("d", [nan]) * self._length
             values[key] = number(value)
@@ -457,7 +445,7 @@ class StepTable:
             self._last_knobs = knobs
             for name in knobs:
                 if (isinstance(name, str) and name not in self.knobs
-                        and len(self.knobs) < MAX_KNOBS):
+                        and len(self.knobs) < MAX_KNOBS and len(name) <= MAX_NAME_CHARS):
                     self.knobs[name] = [None] * self._length
         current = self._last_knobs if isinstance(self._last_knobs, dict) else {}
         for name, column in self.knobs.items():
@@ -471,9 +459,9 @@ class StepTable:
         """``value`` as the one object kept for it (few distinct values, many steps)."""
         key = (type(value), value)
         kept = self._distinct.get(key)
-        if kept is None and len(self._distinct) < MAX_DISTINCT * 4:
+        if kept is None and len(self._distinct) < MAX_DISTINCT:
             if isinstance(value, str):
-                value = text(value)
+                value = printable(value, MAX_TEXT_CHARS)
             self._distinct[key] = kept = value
         return kept
 
@@ -540,7 +528,7 @@ class RunHistory:
     def name(self) -> str:
         """The run's name from its hello (the script or model), "" without one."""
         name = self.hello.get("name")
-        return text(name, 100) if isinstance(name, str) else ""
+        return printable(name, 100) if isinstance(name, str) else ""
 
     @property
     def started_at(self) -> float | None:
@@ -630,10 +618,11 @@ def _event(t: float | None, step: int | None, body: dict[str, Any]) -> Event:
     level = body.get("level")
     kind, knob, value = body.get("kind"), body.get("knob"), body.get("value")
     return Event(t, step, level if level in ("info", "warning", "error") else "info",
-                 text(kind, 100) if isinstance(kind, str) else None,
-                 text(knob, 100) if isinstance(knob, str) else None,
-                 value if isinstance(value, (str, int, float, bool)) else None,
-                 text(body.get("text", "")))
+                 printable(kind, 100) if isinstance(kind, str) else None,
+                 printable(knob, 100) if isinstance(knob, str) else None,
+                 printable(value, MAX_TEXT_CHARS) if isinstance(value, str)
+                 else value if isinstance(value, (int, float, bool)) else None,
+                 printable(body.get("text", ""), MAX_TEXT_CHARS))
 
 
 # --- segments between knob changes ----------------------------------------------------
@@ -673,7 +662,7 @@ class Segment:
     @property
     def label(self) -> str:
         """``steps 1-1668`` and what changed at its start (``precision=bf16``)."""
-        changes = ", ".join(f"{name}={text(knob_text(self.knobs.get(name)), 100)}"
+        changes = ", ".join(f"{name}={printable(knob_text(self.knobs.get(name)), 100)}"
                             for name in self.changed)
         return f"steps {self.first_step}-{self.last_step}" + (
             f" ({changes})" if changes else "")
@@ -815,7 +804,7 @@ def summarize(history: RunHistory, *, ranks: Sequence[int] = (), live: bool = Fa
     ended = None
     if history.bye is not None:
         reason = history.bye.get("reason")
-        ended = text(reason, 100) if isinstance(reason, str) and reason else "ended"
+        ended = printable(reason, 100) if isinstance(reason, str) and reason else "ended"
     return RunSummary(
         history.run_id, history.name, tuple(ranks) or (history.log.rank,), live,
         history.started_at, history.duration_s, len(table),
@@ -875,7 +864,7 @@ def all_runs() -> list[RunSummary]:
             continue
         seen.add(info.run_id)
         summaries.append(RunSummary(
-            info.run_id, text(info.name, 100), (info.rank,), True, info.started_at,
+            info.run_id, printable(info.name, 100), (info.rank,), True, info.started_at,
             max(0.0, time.time() - info.started_at), 0, None, None, None, None, 0, None,
             0, 0, False))
     summaries.sort(key=lambda summary: summary.started_at or 0.0, reverse=True)

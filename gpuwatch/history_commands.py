@@ -2,9 +2,9 @@
 ``export``, and opening a finished run in the dashboard (``gpuwatch RUN``).
 
 Everything here reads run logs through :mod:`gpuwatch.history`; every text from a log
-is printed through :func:`gpuwatch.history.text` (no control characters). The plotting,
-table and metrics libraries are imported by the command that needs them, with a clear
-message when they are not installed.
+is printed through :func:`agent.protocol.printable` (no control characters). The
+plotting, table and metrics libraries are imported by the command that needs them, with
+a clear message when they are not installed.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from agent.protocol import printable
 from agent.runs import list_runs
 from gpuwatch import history
-from gpuwatch.history import LogFiles, RunSummary, text
+from gpuwatch.history import LogFiles, RunSummary
 from gpuwatch.units import human_age, human_bytes, human_number
 
 
@@ -79,7 +80,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 def _log_or_say(selector: str, rank: int | None, command: str) -> LogFiles | None:
     log = history.find_run_log(selector, rank)
     if log is None:
-        print(f"gpuwatch {command}: no run log matches {text(selector, 200)!r} (see "
+        print(f"gpuwatch {command}: no run log matches {printable(selector, 200)!r} (see "
               "`gpuwatch runs --all`)", file=sys.stderr)
     return log
 
@@ -113,7 +114,7 @@ def print_all_runs(as_json: bool) -> int:
         best = summary.best_tokens_per_s or summary.best_samples_per_s
         unit = " tok" if summary.best_tokens_per_s else ""
         rows.append((
-            summary.run_id, text(summary.name, 40) or "-",
+            summary.run_id, printable(summary.name, 40) or "-",
             time.strftime("%Y-%m-%d %H:%M", time.localtime(summary.started_at))
             if summary.started_at else "-",
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
@@ -134,7 +135,7 @@ def _state(summary: RunSummary) -> str:
     if summary.live:
         return "live" + ranks
     if summary.ended:
-        return text(summary.ended, 60) + ranks
+        return printable(summary.ended, 60) + ranks
     return "no bye (killed?)" + ranks
 
 

@@ -25,9 +25,10 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Metr
                                     SummaryMetricFamily)
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from agent.protocol import printable
 from agent.runs import list_runs
 from gpuwatch.client import Subscriber
-from gpuwatch.history import number, text
+from gpuwatch.history import number
 from gpuwatch.state import RunState
 from gpuwatch.units import knob_text
 
@@ -55,8 +56,9 @@ class Followed:
     """One rank being followed: its state and what this exporter counted.
 
     Attributes:
-        run_id, rank: the rank's identity. subscriber: its telemetry socket (the
-            follower's thread's). state: its records folded.
+        run_id, rank, name: the rank's identity (``name`` from its run file, until
+            its hello says). subscriber: its telemetry socket (the follower's
+            thread's). state: its records folded.
         steps_total, step_time_s_total, data_wait_s_total, samples_total,
         tokens_total, knob_changes_total: sums over what was seen (steps, s, samples,
             tokens, changes).
@@ -64,6 +66,7 @@ class Followed:
 
     run_id: str
     rank: int
+    name: str
     subscriber: Subscriber
     state: RunState = field(default_factory=RunState)
     steps_total: int = 0
@@ -129,7 +132,7 @@ class RunFollower:
                     subscriber = Subscriber(info)
                 except zmq.ZMQError:
                     continue  # a malformed endpoint: looked at again next time
-                followed = Followed(info.run_id, info.rank, subscriber)
+                followed = Followed(info.run_id, info.rank, info.name, subscriber)
                 followed.state.primary_rank = info.rank
                 self.followed[key] = followed
 
@@ -221,9 +224,10 @@ class RunsCollector(Collector):
                 state = followed.state
                 if state.first_seen_at is None:
                     continue  # nothing heard yet
-                key = [text(followed.run_id, 100), str(followed.rank)]
-                info.add_metric([*key, text(state.hello.get("name", ""), 100),
-                                 text(state.hello.get("device", ""), 100)], 1)
+                key = [printable(followed.run_id, 100), str(followed.rank)]
+                info.add_metric([*key, printable(state.hello.get("name") or followed.name,
+                                                 100),
+                                 printable(state.hello.get("device", ""), 100)], 1)
                 up.add_metric(key, state.status_at(now) in ("live", "compiling",
                                                             "stalled"))
                 if state.step is not None:
@@ -251,7 +255,7 @@ class RunsCollector(Collector):
                 if state.activation_bytes is not None:
                     memory.add_metric([*key, "activation"], state.activation_bytes)
                 for name, value in state.knobs.items():
-                    knob.add_metric([*key, text(name, 100), text(knob_text(value), 100)],
+                    knob.add_metric([*key, printable(name, 100), printable(knob_text(value), 100)],
                                     1)
                 changes.add_metric(key, followed.knob_changes_total)
                 missed.add_metric(key, state.missed)
@@ -261,7 +265,7 @@ class RunsCollector(Collector):
                     for suffix, name, _ in GPU_FIELDS:
                         if number(gpu.get(name)) is not None:
                             gpus[suffix].add_metric(
-                                [*key, text(gpu.get("index", "?"), 20)],
+                                [*key, printable(gpu.get("index", "?"), 20)],
                                 number(gpu.get(name)))
         yield from (info, up, step, steps, step_time, data_wait, samples, tokens,
                     *gauges.values(), memory, knob, changes, missed, *gpus.values())

@@ -25,8 +25,9 @@ matplotlib.use("Agg")  # off screen: no display, no GUI toolkit
 
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
+from agent.protocol import printable  # noqa: E402
 from gpuwatch.compare import Column, rows  # noqa: E402
-from gpuwatch.history import RunHistory, StepTable, text, write_output  # noqa: E402
+from gpuwatch.history import RunHistory, StepTable, write_output  # noqa: E402
 from gpuwatch.units import human_age, human_bytes, knob_text  # noqa: E402
 
 #: Colour of the vertical lines at knob changes (the data lines keep matplotlib's).
@@ -60,7 +61,7 @@ def _marks(axes: Any, run: RunHistory, *, labels: bool) -> None:
     for step, names in by_step.items():
         axes.axvline(step, color=MARK_COLOR, linewidth=1.4, linestyle="--")
         if labels:
-            axes.annotate(text(", ".join(names), 80), xy=(step, 1.0),
+            axes.annotate(printable(", ".join(names), 80), xy=(step, 1.0),
                           xycoords=("data", "axes fraction"), xytext=(3, -3),
                           textcoords="offset points", rotation=90, va="top", ha="left",
                           fontsize=8, color=MARK_COLOR)
@@ -139,25 +140,25 @@ def _facts(run: RunHistory) -> list[tuple[str, str]]:
     started = run.started_at
     facts = [
         ("run", run.run_id), ("name", run.name or "-"),
-        ("model", text(model.get("name", "-"), 100) + (
+        ("model", printable(model.get("name", "-"), 100) + (
             f" ({params:,} parameters)" if type(params) is int else "")),
-        ("device", text(hello.get("device", "-"), 100)),
-        ("ranks", text(hello.get("world_size", 1), 20)
+        ("device", printable(hello.get("device", "-"), 100)),
+        ("ranks", printable(hello.get("world_size", 1), 20)
          + f" (this report: rank {run.log.rank})"),
         ("started", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
          if started else "-"),
         ("duration", human_age(run.duration_s) if run.duration_s is not None else "-"),
         ("optimizer steps", f"{len(run.steps):,}"),
         ("knob changes", str(len(run.knob_changes))),
-        ("end", text(run.bye.get("reason") or "ended", 200) if run.bye is not None
+        ("end", printable(run.bye.get("reason") or "ended", 200) if run.bye is not None
          else "no bye: the run was killed, or is still going"),
-        ("run log", ", ".join(text(os.fspath(path), 300) for path in run.log.paths)
+        ("run log", ", ".join(printable(os.fspath(path), 300) for path in run.log.paths)
          + f" ({human_bytes(run.log.size_bytes)})"),
     ]
     if run.malformed or run.truncated or run.unreadable:
         facts.append(("not read", f"{run.malformed} malformed lines"
                       + ("; the last line was cut" if run.truncated else "")
-                      + "".join(f"; {text(why, 300)}" for why in run.unreadable)))
+                      + "".join(f"; {printable(why, 300)}" for why in run.unreadable)))
     return facts
 
 
@@ -183,7 +184,7 @@ def _table(cells: Sequence[Sequence[str]], *, header: bool = True,
     out = [f'<table class="{css_class}">' if css_class else "<table>"]
     for number, row in enumerate(cells):
         tag = "th" if header and number == 0 else "td"
-        out.append("<tr>" + "".join(f"<{tag}>{html.escape(text(cell, 500))}</{tag}>"
+        out.append("<tr>" + "".join(f"<{tag}>{html.escape(printable(cell, 500))}</{tag}>"
                                     for cell in row) + "</tr>")
     out.append("</table>")
     return "\n".join(out)

@@ -5,9 +5,9 @@ unix s, ``seq``, ``step``, then the step fields of :mod:`agent.protocol` the run
 reported, with their units in their names), and one ``knobs.<name>`` column per knob
 with its value at that step. ``events``: one row per event (``t``, ``step``: the last
 optimizer step completed before it, ``level``, ``kind``, ``knob``, ``value`` as text:
-a string as it is, else its JSON, and ``text``). Integer fields (steps, counts, bytes) are nullable integers, knob values keep
-their type (text, integer, boolean), so a Parquet file reads back as it was written and
-a CSV file as pandas parses it.
+a string as it is, else its JSON, and ``text``). Integer fields (steps, counts, bytes)
+are nullable integers, knob values keep their type (text, integer, boolean), so a
+Parquet file reads back as it was written and a CSV file as pandas parses it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 
 import pandas as pd
 
-from gpuwatch.history import RunHistory, text, write_output
+from agent.protocol import printable
+from gpuwatch.history import RunHistory, write_output
 from gpuwatch.units import knob_text
 
 #: Step fields that hold whole numbers (steps, counts, bytes).
@@ -64,7 +65,7 @@ def steps_frame(run: RunHistory) -> pd.DataFrame:
         if any(value is not None for value in values):
             columns[name] = pd.Series(values, dtype="string")
     for name, values in table.knobs.items():
-        columns[f"knobs.{text(name, 100)}"] = _knob_column(values)
+        columns[f"knobs.{printable(name, 100)}"] = _knob_column(values)
     return pd.DataFrame(columns)
 
 

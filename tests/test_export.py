@@ -99,10 +99,11 @@ def test_prometheus_scrape_of_a_live_run(make_agent):
         url = line.split(" at ")[1].split()[0]
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
         deadline = time.monotonic() + 30
-        while True:  # the exporter subscribes within a second, then steps come
+        while True:  # the exporter subscribes within a second, then steps and a hello
             families = scrape(url)
-            steps = families.get("gpuwatch_steps")
-            if steps is not None and steps.samples and steps.samples[0].value >= 3:
+            steps, info = families.get("gpuwatch_steps"), families.get("gpuwatch_run_info")
+            if (steps is not None and steps.samples and steps.samples[0].value >= 3
+                    and info.samples[0].labels["device"]):
                 break
             assert time.monotonic() < deadline, sorted(families)
             time.sleep(0.1)

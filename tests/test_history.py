@@ -356,3 +356,27 @@ async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_age
                     and f"run {fake_agent.info.run_id}" in text_of(app, "#header"))
         assert not app.query("#timeline")  # a live run has no timeline bar
         assert "step 1 " not in text_of(app, "#header")
+
+
+def test_what_a_log_says_is_bounded_and_printed_without_control_characters(run_dir):
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    path = os.path.join(logs, f"{RUN}.rank0.jsonl")
+    writer = Writer(path, t0=time.time() - 60)
+    writer.write("hello", {"name": "\x1b[2J\x1b[31mevil\u202e", "device": "cpu"})
+    for step in (1, 2):
+        writer.step(step, knobs={"precision": "fp32", "k" * 5000: 1},
+                    **{"x" * 5000: 1.0})
+    writer.write("event", {"level": "warning", "kind": "applied", "knob": "precision",
+                           "value": "v" * 100_000, "step": 2, "text": "\x07bell" * 1000})
+    writer.write("bye", {"reason": "\x1b]0;title\x07done"})
+    writer.log.close()
+    run = history.read_history(history.log_at(path))
+    assert list(run.steps.knobs) == ["precision"]  # a knob name no run has is left out
+    assert all(len(name) <= 100 for name in run.steps.numbers)
+    [event] = run.events
+    assert len(event.value) <= 1000 and len(event.text) <= 1000 and "\x07" not in event.text
+    listed = gpuwatch("runs", "--all")
+    assert listed.returncode == 0, listed.stderr
+    assert "\x1b" not in listed.stdout and "\u202e" not in listed.stdout
+    assert "␛[2J␛[31mevil" in listed.stdout and "␛]0;title␇done" in listed.stdout

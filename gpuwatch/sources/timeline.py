@@ -21,8 +21,9 @@ from array import array
 from typing import NamedTuple
 
 from agent import protocol
+from agent.protocol import printable
 from gpuwatch.history import (HistoryBuilder, LogFiles, LogReader, Position, RunHistory,
-                              number, text)
+                              number)
 from gpuwatch.sources import Source
 from gpuwatch.state import RunState
 from gpuwatch.units import knob_text
@@ -88,10 +89,10 @@ class Timeline:
                                   (self.steps[-1] if self.steps else 0))
             for change in builder.add(envelope):
                 self.marks.append(Mark(len(self.steps) - 1, "change",
-                                       text(f"{change.knob}={knob_text(change.value)}", 200)))
+                                       printable(f"{change.knob}={knob_text(change.value)}", 200)))
             if envelope["type"] == protocol.EVENT:
                 self.marks.append(Mark(max(0, len(self.steps) - 1), "event",
-                                       text(envelope["body"].get("text", ""), 200)))
+                                       printable(envelope["body"].get("text", ""), 200)))
             state.ingest(envelope, t)
         self.history: RunHistory = builder.finish(reader)
         self._end = (state, t)

@@ -13,7 +13,8 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
-from gpuwatch.history import RunSummary, all_runs, text
+from agent.protocol import printable
+from gpuwatch.history import RunSummary, all_runs
 from gpuwatch.units import human_age, human_bytes, human_number
 
 #: The table's columns.
@@ -23,9 +24,9 @@ COLUMNS = ("run", "name", "started", "duration", "steps", "final loss", "best/s"
 
 def _row(summary: RunSummary) -> tuple[str, ...]:
     best = summary.best_tokens_per_s or summary.best_samples_per_s
-    state = ("live" if summary.live else text(summary.ended, 40) if summary.ended
+    state = ("live" if summary.live else printable(summary.ended, 40) if summary.ended
              else "no bye (killed?)")
-    return (summary.run_id, text(summary.name, 40) or "-",
+    return (summary.run_id, printable(summary.name, 40) or "-",
             time.strftime("%Y-%m-%d %H:%M", time.localtime(summary.started_at))
             if summary.started_at else "-",
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
@@ -68,7 +69,7 @@ class RunsScreen(ModalScreen[RunSummary | None]):
 
     def _failed(self, why: str) -> None:
         self.query_one("#runs-status", Static).update(
-            Content.styled(f"cannot list the runs: {text(why, 200)}", "$error"))
+            Content.styled(f"cannot list the runs: {printable(why, 200)}", "$error"))
 
     def _show(self, summaries: list[RunSummary]) -> None:
         self.summaries = summaries
