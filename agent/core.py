@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,11 @@ class Agent:
         self._rejections_reported = 0
         self._next_rejection_event = 0.0
         self.errors: list[str] = []
+        self._listeners: tuple[Any, ...] = ()
+        #: The memory readings of the latest step records published
+        #: (:func:`gpuopt.memory.memory_stats`, read on the I/O thread); replaced whole,
+        #: so any thread may read it.
+        self.latest_memory: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -300,7 +306,8 @@ class Agent:
                 0-dim tensor (read on the I/O thread once ready) or a float, or None.
 
         .. note:: Never synchronizes the device and never blocks: a clock read, a marker
-           (an asynchronous CUDA event on GPU), one deque append. Never raises: an
+           (an asynchronous CUDA event on GPU), one deque append (and the calls of
+           :meth:`add_listener`'s listeners, when there are any). Never raises: an
            internal error is reported once and the agent stops observing.
         """
         if self._broken:
@@ -309,11 +316,18 @@ class Agent:
             now = time.perf_counter()
             previous = self._last_boundary_t
             self._last_boundary_t = now
+            step_time_s = None if previous is None else now - previous
             self._records.append((
-                "step", step, None if previous is None else now - previous, micro_batches,
+                "step", step, step_time_s, micro_batches,
                 samples, data_wait_s, self._marker.mark(loss, skipped, grad_norm),
                 self._knob_values, activation_bytes, tokens, lr))
             self._last_step = step
+            if self._listeners:
+                self._tell_listeners({
+                    "type": protocol.STEP, "step": step, "step_time_s": step_time_s,
+                    "micro_batches": micro_batches, "samples": samples,
+                    "data_wait_s": data_wait_s, "tokens": tokens,
+                    "activation_bytes": activation_bytes, "knobs": self._knob_values})
             if self._pending:
                 self._apply_pending(step)
         except Exception as exc:  # the first rule: never crash the training
@@ -415,8 +429,41 @@ class Agent:
 
     def event(self, level: str, text: str, **fields: Any) -> None:
         """Publish an ``event`` (``level``: info | warning | error) in order with the
-        step records. Any thread; one deque append."""
-        self._records.append(("event", {"level": level, "text": text, **fields}))
+        step records. Any thread; one deque append (and the listeners' calls)."""
+        body = {"level": level, "text": text, **fields}
+        self._records.append(("event", body))
+        if self._listeners:
+            self._tell_listeners({"type": protocol.EVENT, **body})
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``listener(record)`` with each optimizer step's host facts as it is
+        recorded and with each event as it is raised, in this process, before anything
+        is published: what an in-process consumer (the framework loggers bridge) reads
+        without a socket, and without waiting for the I/O thread.
+
+        A step record: ``{"type": "step", "step", "step_time_s" (None for the first),
+        "micro_batches", "samples", "data_wait_s" (s), "tokens" (or None),
+        "activation_bytes" (or None), "knobs"}`` (the knob values the step trained
+        with; the dict is replaced, never changed, when a knob changes). An event: the
+        ``event`` body with ``"type": "event"``. Nothing the device computes (loss,
+        GPU time) is in them: that needs the step's marker, read later on the I/O
+        thread.
+
+        The call is made on the thread that records: the training thread for steps
+        and for most events, the I/O thread for some (agent errors, rank warnings), so
+        a listener must be thread-safe and cheap (a deque append), must not block and
+        must not keep ``record`` beyond reading it. A listener that raises is removed
+        and the error reported once; training goes on.
+        """
+        self._listeners = (*self._listeners, listener)
+
+    def _tell_listeners(self, record: dict[str, Any]) -> None:
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception as exc:
+                self._listeners = tuple(l for l in self._listeners if l is not listener)
+                self.report_error("a record listener", exc)
 
     def refresh_knobs(self) -> None:
         """Re-read the current values of every knob (after knobs were added or set
@@ -740,7 +787,7 @@ class Agent:
                 self.records_dropped += step - self._expected_step  # queue overflowed
             self._expected_step = step + 1
             if memory is None:
-                memory = self._memory()
+                memory = self.latest_memory = self._memory()
             ready = self._marker.ready(marker)
             loss = self._marker.loss(marker) if ready else None
             grad_norm = self._marker.grad_norm(marker) if ready else None
