@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from agent.core import Agent
-from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MEMORY_FRACTION,
-                         MEMORY_SNAPSHOT_STEPS, NUM_WORKERS, PIN_MEMORY, PRECISION,
-                         PREFETCH_FACTOR, Knob, KnobSet)
+from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, CPU_THREADS, KERNELS, MEMORY_FRACTION,
+                         MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
+                         PRECISION, PREFETCH_FACTOR, Knob, KnobSet)
 from agent.runlog import log_dir
+from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import MemorySnapshot, set_memory_fraction
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
@@ -73,6 +74,55 @@ def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
                                  "prefetch_factor is kept, and takes effect once "
                                  "num_workers > 0 (it is 0 now)")),
     ]
+
+
+def cpu_threads_knob() -> Knob:
+    """The ``cpu_threads`` knob: torch's intra-op threads in this process
+    (``torch.set_num_threads``), from 1 to the CPUs it may run on.
+
+    On a CPU-bound host it trades against ``num_workers``: DataLoader workers (one
+    thread each) and the training's own threads share the same cores. Applying it costs
+    microseconds; it is process-wide, so it holds for every model and loop here.
+    """
+    return Knob(dataclasses.replace(CPU_THREADS, maximum=usable_cpu_count()),
+                get=torch.get_num_threads, set=torch.set_num_threads)
+
+
+def effective_batch_refusal(micro_batch_size: int, batch_size: int, accum_steps: int
+                            ) -> str | None:
+    """Why ``micro_batch_size`` cannot keep the effective batch (``batch_size`` samples
+    per micro-batch x ``accum_steps``) exactly, or None when it can."""
+    effective = batch_size * accum_steps
+    now = f"the effective batch of {effective} samples ({batch_size} x accum_steps {accum_steps})"
+    if micro_batch_size > effective:
+        return f"more than {now}: accum_steps would be below 1"
+    if effective % micro_batch_size:
+        return (f"{now} is not a multiple of {micro_batch_size}: accum_steps would not be "
+                "a whole number")
+    return None
+
+
+def micro_batch_size_knob(loader: ReconfigurableLoader, get_accum: Callable[[], int],
+                          set_accum: Callable[[int], None]) -> Knob:
+    """The ``micro_batch_size`` knob of a loop whose micro-batches come from ``loader``
+    and whose window size is ``get_accum()`` / ``set_accum(n)``: a new size rebuilds the
+    loader on the rest of the epoch (every sample still once, in the same order) and sets
+    ``accum_steps`` so that the effective batch stays the same. A size that cannot keep
+    it exactly is refused with the reason. Costs what a loader rebuild costs
+    (:meth:`gpuopt.loader.ReconfigurableLoader.reconfigure`); if the new workers fail,
+    both settings stay as they were.
+    """
+    def check(value: int) -> None:
+        refuse(effective_batch_refusal(value, loader.batch_size, get_accum()))
+
+    def apply(value: int) -> None:
+        accum_steps = get_accum()
+        refuse(effective_batch_refusal(value, loader.batch_size, accum_steps))
+        effective = loader.batch_size * accum_steps
+        loader.reconfigure(batch_size=value)
+        set_accum(effective // value)
+
+    return Knob(MICRO_BATCH_SIZE, get=lambda: loader.batch_size, set=apply, check=check)
 
 
 class MemoryKnobs:
@@ -176,16 +226,17 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: A
     For a :class:`gpuopt.Trainer`:
 
     The agent measures every optimizer step of the next :meth:`Trainer.fit` and exposes
-    the knobs ``precision``, ``accum_steps``, ``kernels``, ``memory_fraction`` and
-    ``memory_snapshot_steps`` (the last two on CUDA; elsewhere a command for them is
-    refused with the reason), ``checkpointing`` when the model
-    has blocks to checkpoint, and ``num_workers``, ``pin_memory`` and ``prefetch_factor``
-    when the trainer's loader is a :class:`gpuopt.loader.ReconfigurableLoader`. It
+    the knobs ``precision``, ``accum_steps``, ``kernels``, ``cpu_threads``,
+    ``memory_fraction`` and ``memory_snapshot_steps`` (the last two on CUDA; elsewhere a
+    command for them is refused with the reason), ``checkpointing`` when the model
+    has blocks to checkpoint, and ``num_workers``, ``pin_memory``, ``prefetch_factor`` and
+    ``micro_batch_size`` when the trainer's loader is a
+    :class:`gpuopt.loader.ReconfigurableLoader`. It
     closes (``bye``, run file removed) when that ``fit`` returns. After a change of
-    precision, accumulation or kernels, an out-of-memory error in the next steps rolls
-    the change back and the window is run again (``Trainer.on_out_of_memory``). Costs the
-    training thread a few microseconds per optimizer step and never synchronizes the
-    device.
+    precision, accumulation, micro-batch size or kernels, an out-of-memory error in the
+    next steps rolls the change back and the window is run again
+    (``Trainer.on_out_of_memory``). Costs the training thread a few microseconds per
+    optimizer step and never synchronizes the device.
 
     Args:
         trainer: the trainer to observe and steer.
@@ -212,6 +263,13 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: A
     if isinstance(trainer.loader, ReconfigurableLoader):
         for knob in loader_knobs(trainer.loader):
             knobs.add(knob)
+        knobs.add(micro_batch_size_knob(trainer.loader, lambda: trainer.accum_steps,
+                                        lambda value: setattr(trainer, "accum_steps", value)))
+    else:
+        knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+            "the Trainer's loader is not a gpuopt.loader.ReconfigurableLoader, whose "
+            "batches can change size mid-epoch")
+    knobs.add(cpu_threads_knob())
     knobs.add(Knob(KERNELS, get=lambda: trainer.kernels,
                    set=lambda value: setattr(trainer, "kernels", value),
                    check=lambda value: refuse(trainer.model_backend.support(value))))

@@ -66,10 +66,13 @@ def test_hello_carries_schema_environment_and_model(run_dir):
         assert hello is not None and hello["run"] == monitor.run_id
         body = hello["body"]
         # the CUDA-only memory knobs are absent from a CPU run's schema
-        assert [k["name"] for k in body["knobs"]] == ["precision", "accum_steps", "kernels"]
+        assert [k["name"] for k in body["knobs"]] == ["precision", "accum_steps",
+                                                      "cpu_threads", "kernels"]
         assert body["model"] == {"name": "Sequential", "params": 64 * 64 + 64 + 64 * 10 + 10}
         assert body["env"]["torch"]["version"] == torch.__version__
-        assert body["knob_values"] == {"precision": "fp32", "accum_steps": 1, "kernels": "eager"}
+        assert body["knob_values"] == {"precision": "fp32", "accum_steps": 1,
+                                       "cpu_threads": torch.get_num_threads(),
+                                       "kernels": "eager"}
     finally:
         monitor.close()
 

@@ -82,7 +82,8 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType
 from accelerate.utils.operations import convert_to_fp32
 
-from agent.adapters import MemoryKnobs, loader_knobs, publish_events, refuse
+from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, publish_events,
+                            refuse)
 from agent.core import Agent
 from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, NUM_WORKERS,
@@ -705,6 +706,7 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
                   for optimizer in _prepared_optimizers(accelerator)]
     run._memory = MemoryKnobs(accelerator.device, agent.run_id)
     run._memory.bind(run.knobs)
+    run.knobs.add(cpu_threads_knob())
     agent.refresh_knobs()
     accelerator.clip_grad_norm_ = run._grad_norm
     agent.start()

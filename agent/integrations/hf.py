@@ -80,7 +80,7 @@ import transformers
 from transformers import TrainerCallback
 from transformers.utils import is_sagemaker_mp_enabled
 
-from agent.adapters import MemoryKnobs, publish_events
+from agent.adapters import MemoryKnobs, cpu_threads_knob, publish_events
 from agent.core import Agent
 from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, NUM_WORKERS, PIN_MEMORY,
@@ -167,6 +167,7 @@ class _Run:
                            transport=transport, **options)
         self.memory = MemoryKnobs(self.device, self.agent.run_id)
         self.memory.bind(knobs)
+        knobs.add(cpu_threads_knob())
         self.agent.refresh_knobs()
         self._install()
 

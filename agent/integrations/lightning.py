@@ -115,8 +115,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
-from agent.adapters import (MemoryKnobs, loader_knobs, precision_knob, publish_events,
-                            refuse)
+from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, precision_knob,
+                            publish_events, refuse)
 from agent.core import Agent
 from agent.integrations import WindowMeter
 from agent.knobs import ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, Knob, KnobSet
@@ -495,6 +495,7 @@ class _Run:
             self._bind_loader_knobs(knobs)
             self.memory = MemoryKnobs(self.device, self.agent.run_id)
             self.memory.bind(knobs)
+            knobs.add(cpu_threads_knob())
             self.fetch = _FetchTimer(trainer.fit_loop.epoch_loop)
             self.fetch.install()
         except Exception as exc:  # the first rule: never crash the training
