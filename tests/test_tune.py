@@ -1,0 +1,309 @@
+"""The in-run tune: real training with test knobs whose values add a known delay, make the
+loss NaN or raise when applied; the search's own parts (ladders, coordinate search,
+statistics) on their own; a client killed mid-search; the new knobs cpu_threads and
+micro_batch_size."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+
+import pytest
+import torch
+
+import agent
+from agent import protocol
+from agent.knobs import TUNED, TUNED_IF_ALLOWED, KnobError, KnobSet, KnobSpec, Knob
+from agent.tune import (Block, CoordinateSearch, Series, TuneRequest, compare, ladder,
+                        t_quantile)
+from gpuopt import Trainer
+from gpuopt.loader import ReconfigurableLoader
+from gpuwatch.client import Subscriber, send_command
+from tests.training import digits_loader, messages, model as make_model, start
+
+#: The test knob ``step_delay``: seconds each micro-batch sleeps at each value. From
+#: the start value 0, the search should keep 1 (faster) and revert 2 (slower).
+DELAY_S = {0: 0.006, 1: 0.0, 2: 0.02}
+
+
+class FakeKnobs:
+    """Knobs for a Trainer's run that the tests control: ``step_delay`` (DELAY_S),
+    ``poison`` (True: the reported loss is NaN, the gradients stay finite), ``broken``
+    (setting it to 1 raises)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.delay, self.poison = 0, False
+        trainer.fault_injection = lambda _: time.sleep(DELAY_S[self.delay])
+        loss_fn = trainer.loss_fn
+        trainer.loss_fn = lambda output, target: (
+            loss_fn(output, target) + (float("nan") if self.poison else 0.0))
+
+    def bind(self, monitor: agent.Agent, *names: str) -> None:
+        specs = {"step_delay": (KnobSpec("step_delay", "int", "test: sleeps per step",
+                                         minimum=0, maximum=2, tuning=TUNED),
+                                lambda: self.delay, lambda v: setattr(self, "delay", v)),
+                 "poison": (KnobSpec("poison", "bool", "test: NaN loss", tuning=TUNED),
+                            lambda: self.poison, lambda v: setattr(self, "poison", v)),
+                 "broken": (KnobSpec("broken", "int", "test: 1 raises", minimum=0,
+                                     maximum=1, tuning=TUNED), lambda: 0, _refuse_one)}
+        for name in names:
+            spec, get, set_ = specs[name]
+            monitor.knobs.add(Knob(spec, get=get, set=set_))
+        monitor.refresh_knobs()
+
+
+def _refuse_one(value: int) -> None:
+    if value == 1:
+        raise RuntimeError("broken=1 cannot be applied (test)")
+
+
+def _trainer(**options):
+    model = make_model()
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   torch.nn.functional.cross_entropy, digits_loader(), **options)
+
+
+def _tune_to_the_end(sub, info, value, timeout_s=120):
+    reply = send_command(info, protocol.TUNE, value)
+    assert reply["ok"], reply
+    return messages(sub, lambda m: m["type"] == protocol.TUNE
+                    and m["body"]["status"] != "running", timeout_s)
+
+
+def _candidates(seen):
+    return {(c["knob"], c["value"]): c for c in seen[-1]["body"]["candidates"]}
+
+
+def test_the_search_keeps_the_faster_setting_and_reverts_the_slow_one(run_dir):
+    trainer = _trainer()
+    knobs = FakeKnobs(trainer)
+    monitor = agent.attach(trainer)
+    knobs.bind(monitor, "step_delay")
+    with Subscriber(monitor.info) as sub:
+        thread = start(trainer, max_steps=100_000)
+        messages(sub, lambda m: m["type"] == "step")
+        seen = _tune_to_the_end(sub, monitor.info, {"knobs": ["step_delay"]})
+        seen += messages(sub, lambda m: m["type"] == "step"
+                         and m["body"]["step"] > seen[-1]["body"]["step"] + 3)
+        trainer.stop()
+        thread.join(30)
+    final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
+    candidates = _candidates([m for m in seen if m["type"] == protocol.TUNE])
+    assert candidates[("step_delay", 1)]["state"] == "kept"
+    slow = candidates[("step_delay", 2)]
+    assert slow["state"] == "reverted" and slow["reason"].startswith("slower")
+    assert final["best"] == {"step_delay": 1} and final["status"] == "done"
+    assert final["text"].startswith("tuned: step_delay=1 (+") and final["gain"] > 0
+    assert seen[-1]["body"]["knobs"]["step_delay"] == 1 and knobs.delay == 1
+    steps = [m["body"] for m in seen if m["type"] == "step"]
+    applied_2 = [m["body"]["step"] for m in seen if m["type"] == "event"
+                 and m["body"].get("kind") == "applied" and m["body"].get("value") == 2]
+    back = [m["body"]["step"] for m in seen if m["type"] == "event"
+            and m["body"].get("kind") == "applied" and m["body"]["step"] > applied_2[0]]
+    assert [b["knobs"]["step_delay"] for b in steps if b["step"] >= back[0]] == [1] * len(
+        [b for b in steps if b["step"] >= back[0]])
+    texts = [m["body"]["text"] for m in seen if m["type"] == "event"
+             and m["body"].get("kind") in ("tune", "tuned")]
+    assert any(t.startswith("tune: step_delay=2 reverted: slower") for t in texts)
+    with open(monitor.info.log_path) as log:  # the run log has the search's records
+        logged = [json.loads(line) for line in log]
+    assert [r["status"] for r in logged if r["type"] == "tune"][-1] == "done"
+
+
+def test_a_setting_that_makes_the_loss_nan_or_fails_to_apply_is_reverted(run_dir):
+    trainer = _trainer()
+    knobs = FakeKnobs(trainer)
+    monitor = agent.attach(trainer)
+    knobs.bind(monitor, "poison", "broken")
+    with Subscriber(monitor.info) as sub:
+        thread = start(trainer, max_steps=100_000)
+        messages(sub, lambda m: m["type"] == "step")
+        seen = _tune_to_the_end(sub, monitor.info, {"knobs": ["poison", "broken"]})
+        last = seen[-1]["body"]["step"]
+        seen += messages(sub, lambda m: m["type"] == "step" and m["body"]["step"] > last + 5)
+        trainer.stop()
+        thread.join(30)
+    candidates = _candidates([m for m in seen if m["type"] == protocol.TUNE])
+    nan = candidates[("poison", True)]
+    assert nan["state"] == "reverted" and nan["reason"].startswith("loss was nan at step")
+    broken = candidates[("broken", 1)]
+    assert broken["state"] == "reverted"
+    assert "applying it failed" in broken["reason"] and "broken=1 cannot" in broken["reason"]
+    final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
+    assert final["best"] == {"poison": False, "broken": 0}
+    assert final["text"].startswith("tuned: no change")
+    assert not knobs.poison
+    after = [m["body"] for m in seen if m["type"] == "step" and m["body"]["step"] > last]
+    assert after and all(math.isfinite(b["loss"]) for b in after)
+    # the agent's own guard left the search's changes to the search: no rollback of its own
+    assert not [m for m in seen if m["type"] == "event" and m["body"].get("kind") == "rollback"]
+
+
+def test_tune_requests_are_checked_and_numerics_need_allowing(run_dir):
+    trainer = _trainer()
+    monitor = agent.attach(trainer)
+    try:
+        for value, reason in [
+                ({"knobs": ["nope"]}, "tune: this run has no knob 'nope'"),
+                ({"knobs": ["precision"]}, "tune: precision changes the training's numerics"),
+                ({"budget_steps": 0}, "tune: budget_steps must be an integer from 1"),
+                ({"speed": "max"}, "tune: unknown option speed"),
+                ("fast", "tune: the value must be a map")]:
+            reply = send_command(monitor.info, protocol.TUNE, value)
+            assert not reply["ok"] and reply["reason"].startswith(reason), reply
+    finally:
+        monitor.close()
+    request = TuneRequest({"allow": ["precision", "accum_steps"]}, monitor.knobs)
+    assert request.knobs == ["cpu_threads", "accum_steps", "precision"]
+    assert TuneRequest({}, monitor.knobs).knobs == ["cpu_threads"]
+
+
+# --- the search's parts, on their own ------------------------------------------------
+
+def test_ladders_are_powers_of_two_within_the_bounds_and_keep_the_current_value():
+    def bound(kind, value, **spec):
+        return Knob(KnobSpec("num_workers" if kind == "workers" else "x",
+                             "int" if kind != "choice" else "choice", "", **spec),
+                    get=lambda: value, set=lambda v: None)
+
+    assert ladder(bound("workers", 0, minimum=0, maximum=64), cpus=6) == (
+        True, [0, 1, 2, 4, 6])
+    assert ladder(bound("workers", 12, minimum=0, maximum=64), cpus=2) == (
+        True, [0, 1, 2, 4, 8, 12])
+    assert ladder(bound("x", 3, minimum=1, maximum=10), cpus=2) == (True, [1, 2, 3, 4, 8, 10])
+    assert ladder(bound("choice", "a", choices=("a", "b")), cpus=2) == (False, ["a", "b"])
+
+
+def test_coordinate_search_climbs_a_rung_at_a_time_and_makes_a_second_pass():
+    search = CoordinateSearch({"threads": (True, [1, 2]), "workers": (True, [0, 1, 2, 4]),
+                               "kernels": (False, ["eager", "compile", "triton"])},
+                              {"threads": 2, "workers": 0, "kernels": "eager"})
+    best = {"threads": 2, "workers": 0, "kernels": "eager"}
+    faster = {("threads", 1), ("workers", 1), ("workers", 2), ("kernels", "triton")}
+    tried = []
+    while (candidate := search.next(best)) is not None:  # faster the first time only
+        tried.append(candidate)
+        kept = candidate in faster
+        faster.discard(candidate)
+        if kept:
+            best[candidate[0]] = candidate[1]
+        search.result(kept)
+    # pass 1: threads down (nothing above 2), workers up while faster, every kernel;
+    # pass 2 (pass 1 kept something): each knob again from the new best, configurations
+    # measured already left out
+    assert tried == [("threads", 1), ("workers", 1), ("workers", 2), ("workers", 4),
+                     ("kernels", "compile"), ("kernels", "triton"),
+                     ("threads", 2), ("workers", 4), ("workers", 1)]
+    assert best == {"threads": 1, "workers": 2, "kernels": "triton"}
+
+
+def test_student_t_quantiles_and_welch_intervals():
+    for df, exact in [(2, 4.303), (5, 2.571), (10, 2.228), (30, 2.042)]:
+        assert t_quantile(0.975, df) == pytest.approx(exact, rel=0.01)
+    rng = random.Random(1)
+    slow, fast = Series(), Series()
+    for _ in range(20):
+        slow.add(0.010 * (1 + 0.1 * rng.gauss(0, 1)), 1)
+        fast.add(0.008 * (1 + 0.1 * rng.gauss(0, 1)), 1)
+    fast = Block(fast.block().n, 0.008, (0.0008 ** 2), 20, 0.16)  # known mean and spread
+    gain, low, high = compare(fast, [slow.block()], 0.99)
+    assert 0 < low < gain < high and gain == pytest.approx(0.25, abs=0.1)
+    rate, half = fast.rate()
+    assert rate == pytest.approx(125) and half == pytest.approx(
+        125 * t_quantile(0.975, fast.n - 1) * 0.1 / math.sqrt(fast.n))
+
+
+def test_the_warm_up_is_cut_off_and_steady_noise_is_not():
+    jitter = random.Random(2)
+    series = Series()
+    for seconds in [5.0, 0.9, 0.5, 0.3] + [0.1] * 20:
+        series.add(seconds * (1 + 0.05 * jitter.random()), 2)
+    block = series.block()
+    assert block.n == 20 and block.units == 40  # the transient's 4 steps cut
+    assert block.rate()[0] == pytest.approx(2 / 0.1025, rel=0.03)
+    steady = Series()
+    for _ in range(24):
+        steady.add(0.1 * (1 + 0.2 * jitter.gauss(0, 1)), 1)
+    assert steady.block().n >= 18  # noise is not warm-up: at most a few steps cut
+
+
+def test_knob_specs_say_what_the_search_may_do():
+    from agent.knobs import STANDARD_KNOBS
+
+    tuned = {name for name, spec in STANDARD_KNOBS.items() if spec.tuning == TUNED}
+    allowed = {name for name, spec in STANDARD_KNOBS.items()
+               if spec.tuning == TUNED_IF_ALLOWED}
+    assert tuned == {"num_workers", "pin_memory", "prefetch_factor", "cpu_threads"}
+    assert allowed == {"precision", "accum_steps", "micro_batch_size", "kernels",
+                       "checkpointing"}
+    with pytest.raises(KnobError, match="memory_fraction is not a speed setting"):
+        knobs = KnobSet()
+        knobs.add(Knob(STANDARD_KNOBS["memory_fraction"], get=lambda: 1.0,
+                       set=lambda v: None))
+        TuneRequest({"knobs": ["memory_fraction"]}, knobs)
+
+
+# --- the knobs the search trades -----------------------------------------------------
+
+def test_cpu_threads_applies_at_a_boundary_in_the_training_thread(run_dir):
+    seen_threads = []
+    trainer = _trainer(callbacks=[type("Threads", (), {
+        "on_optimizer_step": lambda self, t, s: seen_threads.append(torch.get_num_threads())})()])
+    previous = torch.get_num_threads()
+    monitor = agent.attach(trainer)
+    try:
+        schema = {k["name"]: k for k in monitor.knobs.schema()}
+        assert schema["cpu_threads"]["min"] == 1
+        assert schema["cpu_threads"]["max"] == len(os.sched_getaffinity(0))
+        reply = send_command(monitor.info, "cpu_threads", 1)
+        assert reply["ok"] and reply["apply_step"] == 2
+        trainer.fit(max_steps=4)
+        assert seen_threads[1:] == [1, 1, 1] and monitor.knobs.values()["cpu_threads"] == 1
+    finally:
+        torch.set_num_threads(previous)
+
+
+class Digits(torch.utils.data.Dataset):
+    """The first ``n`` digits as a map-style dataset."""
+
+    def __init__(self, n=384):
+        x, y = zip(*digits_loader(batch_size=1, n=n))
+        self.x, self.y = torch.cat(x), torch.cat(y)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+def test_micro_batch_size_keeps_the_effective_batch_and_every_sample(run_dir):
+    """16 x 2 switched to 8 x 4 live: every optimizer step still averages the gradient
+    of the same 32 samples, in the same order, as a run that had 8 x 4 from the start;
+    a size that cannot keep 32 exactly is refused with the reason."""
+    runs_params = []
+    for live in (True, False):
+        torch.manual_seed(0)
+        loader = ReconfigurableLoader(Digits(), 16 if live else 8, shuffle=True, seed=3)
+        model = make_model()
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          torch.nn.functional.cross_entropy, loader,
+                          accum_steps=2 if live else 4)
+        if live:
+            monitor = agent.attach(trainer)
+            for size, reason in [(12, "the effective batch of 32 samples (16 x accum_steps "
+                                       "2) is not a multiple of 12"),
+                                 (64, "more than the effective batch of 32 samples")]:
+                refused = send_command(monitor.info, "micro_batch_size", size)
+                assert not refused["ok"] and reason in refused["reason"], refused
+            assert send_command(monitor.info, "micro_batch_size", 8, apply_step=4)["ok"]
+        trainer.fit(max_steps=12)  # one epoch of 384 samples
+        assert trainer.accum_steps == 4 and loader.batch_size == 8
+        assert loader.position == (0, len(loader), len(loader))  # one epoch, every sample
+        assert len(loader) == (6 + 288 // 8 if live else 384 // 8)
+        runs_params.append([p.detach().clone() for p in model.parameters()])
+    for live, fresh in zip(*runs_params):
+        assert torch.allclose(live, fresh, atol=1e-6)
