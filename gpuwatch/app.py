@@ -13,6 +13,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerState, get_current_worker
 
+from agent import protocol
 from agent.knobs import assignment
 from gpuwatch.client import new_command_id, reply_text, send_command
 from gpuwatch.palette import BindingCommands
@@ -27,6 +28,7 @@ from gpuwatch.widgets.memory import MemoryPanel
 from gpuwatch.widgets.step_chart import LOSS, TIMING, StepChart
 from gpuwatch.widgets.system import SystemPanel
 from gpuwatch.widgets.throughput import ThroughputBar
+from gpuwatch.widgets.tune import TuneScreen
 
 #: Seconds between checks for new records; the screen is redrawn only when they changed.
 REDRAW_S = 0.2
@@ -83,6 +85,12 @@ class GpuwatchApp(App[None]):
                 tooltip="Cycle kernels eager -> compile -> triton (the run's choices)"),
         Binding("c", "toggle('checkpointing')", "ckpt", id="checkpointing.toggle",
                 tooltip="Activation checkpointing on/off (less memory, more compute)"),
+        Binding("T", "tune", "tune", id="tune",
+                tooltip="Start the in-run search for the fastest safe configuration (the "
+                        "run tries its speed settings and keeps what is faster); again: "
+                        "stop it, keeping the best"),
+        Binding("t", "show_tune", "search", id="tune.show", show=False,
+                tooltip="Show the search: each candidate, its throughput, kept or why not"),
         Binding("question_mark", "help", "help", id="help",
                 tooltip="Show this list of keys"),
         Binding("q", "quit", "quit", id="quit",
@@ -104,6 +112,8 @@ class GpuwatchApp(App[None]):
         """Hide a knob's keys (footer, help, palette) where no command can go: in a
         replay, and once the run's schema is known, for a knob it does not have. A
         read-only dashboard keeps them: a key then says what it would send."""
+        if action == "tune":
+            return self.source.info is not None  # a replay sends nothing
         if action not in _KNOB_ACTIONS:
             return True
         if self.source.info is None:
@@ -168,6 +178,8 @@ class GpuwatchApp(App[None]):
                 for chart in self.query(StepChart):
                     chart.show(state.steps)
             knob_names = frozenset(state.schema)
+            if isinstance(self.screen, TuneScreen):
+                self.screen.show(state)
             if self._drawn == (state.version, status, size):
                 return
             self._drawn = (state.version, status, size)
@@ -198,6 +210,30 @@ class GpuwatchApp(App[None]):
     def action_help(self) -> None:
         """Open the help screen."""
         self.push_screen(HelpScreen())
+
+    def action_show_tune(self) -> None:
+        """Open the search's screen."""
+        if not isinstance(self.screen, TuneScreen):
+            self.push_screen(TuneScreen())
+
+    def action_tune(self) -> None:
+        """Start an in-run search with the run's default knobs, or stop the running one
+        (the best configuration so far stays); opens the search's screen."""
+        with self.source.lock:
+            running, hello = self.source.state.tuning, bool(self.source.state.hello)
+        if not hello:
+            self.note("warning", "no knob schema from the run yet; nothing sent")
+            return
+        self.action_show_tune()
+        value: dict[str, Any] = {"stop": True} if running else {}
+        what = "stop the search" if running else "start a search"
+        if self.readonly:
+            self.note("warning", f"read-only: {what} not sent")
+        elif self.source.state.ended is not None:
+            self.note("warning", f"the run has ended: {what} not sent")
+        else:
+            self.note("info", f"sent tune: {what}")
+            self._send(protocol.TUNE, value)
 
     def action_cycle(self, knob: str) -> None:
         """Ask the run for the next value of a choice knob (its schema's order)."""
@@ -289,6 +325,11 @@ class GpuwatchApp(App[None]):
         if event.worker.group != "commands" or event.state != WorkerState.SUCCESS:
             return
         knob, value, reply = event.worker.result
+        if knob == protocol.TUNE:  # not a setting: say what the run answered
+            self.note("info" if reply.get("ok") else "error",
+                      f"tune: {reply['note']}" if reply.get("ok") and reply.get("note")
+                      else reply_text(knob, value, reply))
+            return
         with self.source.lock:
             if reply.get("ok"):
                 self.source.state.note_pending(knob, reply.get("value", value),

@@ -1,7 +1,7 @@
 """The ``gpuwatch`` command: the dashboard, and scriptable commands around it.
 
-``gpuwatch [RUN]`` opens the dashboard; ``runs``, ``set``, ``tail``, ``replay``,
-``demo`` and ``doctor`` are subcommands. Textual is imported only by the commands that
+``gpuwatch [RUN]`` opens the dashboard; ``runs``, ``set``, ``tune``, ``tail``,
+``replay``, ``demo`` and ``doctor`` are subcommands. Textual is imported only by the commands that
 draw a screen, so the scriptable ones start fast.
 """
 
@@ -21,14 +21,16 @@ from typing import Any, Sequence
 import zmq
 
 from agent import protocol
-from agent.runs import RunInfo, find_run, list_runs, run_dir
+from agent.runs import RunInfo, find_run, list_runs, run_dir, run_ranks
 from gpuwatch.units import human_age, human_ms, human_number
 
-SUBCOMMANDS = ("attach", "runs", "set", "tail", "replay", "demo", "doctor")
+SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor")
 #: How long ``gpuwatch demo`` waits for the training child to write its run file (s).
 DEMO_START_TIMEOUT_S = 60.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
 DEMO_STOP_TIMEOUT_S = 20.0
+#: ``gpuwatch tune`` gives up following a run silent this long (s; heartbeats are 1 s).
+TUNE_SILENCE_S = 10.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,6 +87,32 @@ def _parser() -> argparse.ArgumentParser:
     set_.add_argument("--timeout", type=float, default=3.0, metavar="S",
                       help="seconds to wait for the reply (default 3)")
     set_.set_defaults(handler=_set)
+
+    tune = commands.add_parser(
+        "tune", help="let the run find its fastest safe configuration",
+        description="Start the in-run search: the run tries settings one at a time at "
+                    "optimizer-step boundaries, measures each against the best so far, "
+                    "keeps what is faster beyond noise and reverts the rest. It runs in "
+                    "the training process: stopping this command (or killing it) does "
+                    "not stop it. Prints each candidate until the search ends. Exit "
+                    "status: 0 the search ran (or stopped), 1 refused or no answer.")
+    tune.add_argument("--run", help="run id, prefix or endpoint (default: the newest)")
+    tune.add_argument("--knobs", metavar="A,B",
+                      help="knobs to search (default: every speed setting the run has: "
+                           "cpu_threads, num_workers, prefetch_factor, pin_memory)")
+    tune.add_argument("--budget-steps", type=int, metavar="N",
+                      help="optimizer steps the search may spend (default 600)")
+    tune.add_argument("--allow", metavar="A,B",
+                      help="knobs that change numerics or memory, searched only when "
+                           "named here: precision, accum_steps, micro_batch_size, kernels, "
+                           "checkpointing")
+    tune.add_argument("--stop", action="store_true",
+                      help="stop the running search; the best configuration so far stays")
+    tune.add_argument("--no-follow", action="store_true",
+                      help="start it and exit (follow it in the dashboard or the run log)")
+    tune.add_argument("--timeout", type=float, default=3.0, metavar="S",
+                      help="seconds to wait for the reply (default 3)")
+    tune.set_defaults(handler=_tune)
 
     tail = commands.add_parser(
         "tail", help="print a run's records as they come, or a run log's",
@@ -196,6 +224,45 @@ def _set(args: argparse.Namespace) -> int:
     reply = send_command(info, knob, value, timeout_s=args.timeout)
     print(reply_text(knob, value, reply), file=sys.stdout if reply.get("ok") else sys.stderr)
     return 0 if reply.get("ok") else 3 if reply.get("ranks_differ") else 1
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from gpuwatch.client import Subscriber, reply_text, send_command
+
+    info = find_run(args.run)
+    if info is None:
+        return _no_run(args.run)
+    value: dict[str, Any] = {"stop": True} if args.stop else {}
+    for key, option in (("knobs", args.knobs), ("allow", args.allow)):
+        if option:
+            value[key] = [name.strip() for name in option.split(",") if name.strip()]
+    if args.budget_steps is not None:
+        value["budget_steps"] = args.budget_steps
+    rank0 = min(run_ranks(info.run_id), key=lambda rank: rank.rank, default=info)
+    follow = not (args.stop or args.no_follow)
+    with Subscriber(rank0) as subscriber:
+        if follow:  # subscribed before it starts: no candidate is missed
+            subscriber.recv(timeout_s=args.timeout)
+        reply = send_command(info, protocol.TUNE, value, timeout_s=args.timeout)
+        if not reply.get("ok"):
+            print(reply_text(protocol.TUNE, value, reply), file=sys.stderr)
+            return 3 if reply.get("ranks_differ") else 1
+        print(f"tune: {reply.get('note', 'accepted')}", flush=True)
+        if not follow:
+            return 0
+        while (message := subscriber.recv(timeout_s=TUNE_SILENCE_S)) is not None:
+            body = message["body"]
+            if message["type"] == protocol.EVENT and body.get("kind") in ("tune", "tuned"):
+                print(body.get("text", ""), flush=True)
+                if body.get("kind") == "tuned":
+                    return 0
+            elif message["type"] == protocol.BYE:
+                print(f"gpuwatch tune: the run ended ({body.get('reason', '')}) before the "
+                      "search did", file=sys.stderr)
+                return 1
+    print(f"gpuwatch tune: nothing heard from the run for {TUNE_SILENCE_S:.0f} s",
+          file=sys.stderr)
+    return 1
 
 
 def _tail(args: argparse.Namespace) -> int:

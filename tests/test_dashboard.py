@@ -409,7 +409,7 @@ async def test_keys_of_knobs_the_run_lacks_are_hidden_and_send_nothing(make_agen
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: knows(app, "accum_steps"))
         await until(pilot, lambda: "p" not in shown_keys(app))
-        assert shown_keys(app) == {"a", "A", "question_mark", "q"}
+        assert shown_keys(app) == {"a", "A", "T", "question_mark", "q"}
         await pilot.press("p", "w", "W", "m", "k", "c")
         await pilot.pause()
         assert not any("sent" in text for text in log_texts(app))
@@ -676,7 +676,7 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         assert "…" not in shown["#data"] + shown["#knobs"]
         keys = app.query_one(Footer).query("FooterKey")
         assert {key.key for key in keys} >= {"p", "a", "A", "w", "W", "m", "k", "c",
-                                              "question_mark", "q"}
+                                              "T", "question_mark", "q"}
         for key in keys:  # every key in sight
             assert key.region.right <= width and key.region.y == height - 1, key.key
         assert "step ms" in app.query_one("#timing").render().plain

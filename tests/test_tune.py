@@ -9,6 +9,10 @@ import json
 import math
 import os
 import random
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -140,6 +144,61 @@ def test_a_setting_that_makes_the_loss_nan_or_fails_to_apply_is_reverted(run_dir
     assert after and all(math.isfinite(b["loss"]) for b in after)
     # the agent's own guard left the search's changes to the search: no rollback of its own
     assert not [m for m in seen if m["type"] == "event" and m["body"].get("kind") == "rollback"]
+
+
+def test_a_client_killed_mid_search_leaves_the_best_configuration(run_dir):
+    trainer = _trainer()
+    knobs = FakeKnobs(trainer)
+    monitor = agent.attach(trainer)
+    knobs.bind(monitor, "step_delay")
+    with Subscriber(monitor.info) as sub:
+        thread = start(trainer, max_steps=100_000)
+        messages(sub, lambda m: m["type"] == "step")
+        client = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch", "tune", "--run", monitor.run_id,
+             "--knobs", "step_delay"], stdout=subprocess.PIPE, text=True)
+        assert client.stdout.readline().startswith("tune: searching step_delay")
+        seen = messages(sub, lambda m: m["type"] == "event"
+                        and m["body"].get("text", "").startswith("tune: trying"))
+        client.send_signal(signal.SIGKILL)  # the search goes on in the training process
+        client.wait(10)
+        seen += messages(sub, lambda m: m["type"] == protocol.TUNE
+                         and m["body"]["status"] != "running", timeout_s=120)
+        last = seen[-1]["body"]["step"]
+        seen += messages(sub, lambda m: m["type"] == "step" and m["body"]["step"] > last + 3)
+        trainer.stop()
+        thread.join(30)
+    final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
+    assert final["status"] == "done" and final["best"] == {"step_delay": 1}
+    assert seen[-1]["body"]["knobs"]["step_delay"] == 1 and knobs.delay == 1
+
+
+def test_stop_ends_the_search_in_the_best_configuration_so_far(run_dir):
+    trainer = _trainer()
+    knobs = FakeKnobs(trainer)
+    monitor = agent.attach(trainer)
+    knobs.bind(monitor, "step_delay")
+    with Subscriber(monitor.info) as sub:
+        thread = start(trainer, max_steps=100_000)
+        messages(sub, lambda m: m["type"] == "step")
+        assert send_command(monitor.info, protocol.TUNE, {"knobs": ["step_delay"]})["ok"]
+        refused = send_command(monitor.info, protocol.TUNE, {})
+        assert not refused["ok"] and "a search is running already" in refused["reason"]
+        messages(sub, lambda m: m["type"] == "event"
+                 and m["body"].get("text", "").startswith("tune: trying step_delay=1"))
+        cli = subprocess.run([sys.executable, "-m", "gpuwatch", "tune", "--run",
+                              monitor.run_id, "--stop"], capture_output=True, text=True,
+                             timeout=60)
+        assert cli.returncode == 0 and "stopping" in cli.stdout, cli.stderr
+        seen = messages(sub, lambda m: m["type"] == protocol.TUNE
+                        and m["body"]["status"] != "running")
+        last = seen[-1]["body"]["step"]
+        seen += messages(sub, lambda m: m["type"] == "step" and m["body"]["step"] > last + 3)
+        trainer.stop()
+        thread.join(30)
+    final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
+    assert final["status"] == "stopped" and final["text"].endswith("stopped by request")
+    assert seen[-1]["body"]["knobs"]["step_delay"] == final["best"]["step_delay"]
 
 
 def test_tune_requests_are_checked_and_numerics_need_allowing(run_dir):
@@ -307,3 +366,122 @@ def test_micro_batch_size_keeps_the_effective_batch_and_every_sample(run_dir):
         runs_params.append([p.detach().clone() for p in model.parameters()])
     for live, fresh in zip(*runs_params):
         assert torch.allclose(live, fresh, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_ranks_end_in_the_same_configuration_at_the_same_step(run_dir):
+    """Real torchrun, gloo: rank 0 decides, every change reaches both ranks at one
+    step; every step record of both ranks has the same knobs."""
+    from tests.test_ranks import EXAMPLES, wait_for_ranks
+
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(EXAMPLES / "ddp_attach.py"), "--max-steps", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        rank0, rank1 = wait_for_ranks(job, 2)
+        records: dict[int, dict[int, dict]] = {0: {}, 1: {}}
+        applied: dict[int, list] = {0: [], 1: []}
+        heard = {0: threading.Event(), 1: threading.Event()}
+        done = threading.Event()
+
+        def follow(info):
+            with Subscriber(info) as sub:
+                while not done.is_set():
+                    message = sub.recv(1.0)
+                    if message is None:
+                        continue
+                    heard[info.rank].set()
+                    body = message["body"]
+                    if message["type"] == "step":
+                        records[info.rank][body["step"]] = body["knobs"]
+                    elif message["type"] == "event" and body.get("kind") == "applied":
+                        applied[info.rank].append((body["knob"], body["value"], body["step"]))
+
+        followers = [threading.Thread(target=follow, args=(info,), daemon=True)
+                     for info in (rank0, rank1)]
+        for follower in followers:
+            follower.start()
+        assert heard[0].wait(60) and heard[1].wait(60)
+        cli = subprocess.run([sys.executable, "-m", "gpuwatch", "tune", "--run",
+                              rank1.run_id, "--knobs", "cpu_threads,num_workers",
+                              "--budget-steps", "150"], capture_output=True, text=True,
+                             timeout=600)
+        assert cli.returncode == 0, cli.stderr
+        assert cli.stdout.splitlines()[-1].startswith("tuned: ")
+        end = max(records[0]) + 100  # past the last change's step (a fan-out's margin)
+        deadline = time.monotonic() + 120
+        while min(max(records[0]), max(records[1])) < end and time.monotonic() < deadline:
+            time.sleep(0.2)  # polled: the followers fill the records
+        done.set()
+        for follower in followers:
+            follower.join(5)
+    finally:
+        job.send_signal(signal.SIGTERM)
+        job.wait(60)
+    assert applied[0] and applied[0] == applied[1]  # the same changes at the same steps
+    common = sorted(set(records[0]) & set(records[1]))
+    assert len(common) > 100
+    assert all(records[0][step] == records[1][step] for step in common)
+
+
+# --- the dashboard ---------------------------------------------------------------------
+
+async def test_T_starts_the_search_its_screen_shows_the_candidates_and_T_stops_it(run_dir):
+    from gpuwatch.app import GpuwatchApp
+    from gpuwatch.sources.live import LiveSource
+    from gpuwatch.widgets.tune import TuneScreen
+    from tests.test_dashboard import log_texts, until
+
+    trainer = _trainer()
+    knobs = FakeKnobs(trainer)
+    monitor = agent.attach(trainer)
+    knobs.bind(monitor, "step_delay")
+    thread = start(trainer, max_steps=100_000)
+    app = GpuwatchApp(LiveSource(monitor.info))
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.source.state.hello and app.source.state.steps)
+            await pilot.press("T")
+            await until(pilot, lambda: isinstance(app.screen, TuneScreen))
+
+            def shown():
+                return str(app.screen.query_one("#tune-table").content)
+
+            await until(pilot, lambda: "step_delay=1" in shown(), timeout_s=60)
+            assert shown().startswith("running at step ")
+            assert "searching cpu_threads, step_delay" in shown()
+            await pilot.press("T")  # again: stop, keeping the best so far
+            await until(pilot, lambda: "tuned: " in shown(), timeout_s=60)
+            assert shown().startswith("stopped at step ")
+            assert any(text.startswith("tune: stopping") for text in log_texts(app))
+            assert any(text.startswith("tuned: ") and text.endswith("stopped by request")
+                       for text in log_texts(app))
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, TuneScreen))
+    finally:
+        trainer.stop()
+        thread.join(30)
+
+
+def test_the_data_verdict_says_whether_idle_cpu_exists_for_more_workers():
+    from gpuwatch.state import RunState
+    from gpuwatch.widgets.data import input_advice
+
+    state = RunState()
+    state.ingest(protocol.envelope("hello", {"env": {"cpu": {"count": 8, "usable_count": 4}}},
+                                   run="r"))
+    state.ingest(protocol.envelope("step", {"step": 1, "input_verdict": "input-bound",
+                                            "knobs": {"num_workers": 1}}, run="r"))
+    assert input_advice(state, 80) is None  # no system sample yet
+    state.ingest(protocol.envelope("system", {"cpu_pct": 40.0}, run="r"))
+    assert input_advice(state, 80).plain == "2.4 cores idle: T tries num_workers=2"
+    assert input_advice(state, 16).plain == "2.4 cores idle"
+    state.ingest(protocol.envelope("system", {"cpu_pct": 95.0}, run="r"))
+    advice = input_advice(state, 80)
+    assert advice.plain == "no idle CPU (95%): a worker competes with compute; T measures it"
+    assert input_advice(state, 18).plain == "no idle CPU (95%)"
+    state.ingest(protocol.envelope("step", {"step": 2, "input_verdict": "compute-bound"},
+                                   run="r"))
+    assert input_advice(state, 80) is None
