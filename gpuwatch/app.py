@@ -225,15 +225,8 @@ class GpuwatchApp(App[None]):
             self.note("warning", "no knob schema from the run yet; nothing sent")
             return
         self.action_show_tune()
-        value: dict[str, Any] = {"stop": True} if running else {}
-        what = "stop the search" if running else "start a search"
-        if self.readonly:
-            self.note("warning", f"read-only: {what} not sent")
-        elif self.source.state.ended is not None:
-            self.note("warning", f"the run has ended: {what} not sent")
-        else:
-            self.note("info", f"sent tune: {what}")
-            self._send(protocol.TUNE, value)
+        self._command(protocol.TUNE, {"stop": True} if running else {},
+                      "tune: stop the search" if running else "tune: start a search")
 
     def action_cycle(self, knob: str) -> None:
         """Ask the run for the next value of a choice knob (its schema's order)."""
@@ -301,13 +294,16 @@ class GpuwatchApp(App[None]):
         self.note("warning", f"{reason}; nothing sent")
         return None, None
 
-    def _command(self, knob: str, value: Any) -> None:
+    def _command(self, knob: str, value: Any, described: str | None = None) -> None:
+        """Send ``knob=value`` (``described`` for people, by default the assignment)
+        unless read-only or the run has ended."""
+        described = described or assignment(knob, value)
         if self.readonly:
-            self.note("warning", f"read-only: {assignment(knob, value)} not sent")
+            self.note("warning", f"read-only: {described} not sent")
         elif self.source.state.ended is not None:
-            self.note("warning", f"the run has ended: {assignment(knob, value)} not sent")
+            self.note("warning", f"the run has ended: {described} not sent")
         else:
-            self.note("info", f"sent {assignment(knob, value)}")
+            self.note("info", f"sent {described}")
             self._send(knob, value)
 
     @work(thread=True, group="commands")

@@ -5,6 +5,7 @@ micro_batch_size."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -70,6 +71,31 @@ def _trainer(**options):
                    torch.nn.functional.cross_entropy, digits_loader(), **options)
 
 
+@contextlib.contextmanager
+def _training(*knob_names):
+    """A Trainer training in a thread with the agent attached and the named test knobs
+    bound: yields ``(knobs, monitor, subscriber)`` once a step has been seen."""
+    trainer = _trainer()
+    knobs = FakeKnobs(trainer)
+    monitor = agent.attach(trainer)
+    knobs.bind(monitor, *knob_names)
+    with Subscriber(monitor.info) as sub:
+        thread = start(trainer, max_steps=100_000)
+        try:
+            messages(sub, lambda m: m["type"] == "step")
+            yield knobs, monitor, sub
+        finally:
+            trainer.stop()
+            thread.join(30)
+
+
+def _steps_after(sub, seen, steps=3):
+    """``seen`` and the messages until ``steps`` step records after its last tune record's."""
+    last = next(m["body"]["step"] for m in reversed(seen) if m["type"] == protocol.TUNE)
+    return seen + messages(sub, lambda m: m["type"] == "step"
+                           and m["body"]["step"] > last + steps)
+
+
 def _tune_to_the_end(sub, info, value, timeout_s=120):
     reply = send_command(info, protocol.TUNE, value)
     assert reply["ok"], reply
@@ -82,18 +108,9 @@ def _candidates(seen):
 
 
 def test_the_search_keeps_the_faster_setting_and_reverts_the_slow_one(run_dir):
-    trainer = _trainer()
-    knobs = FakeKnobs(trainer)
-    monitor = agent.attach(trainer)
-    knobs.bind(monitor, "step_delay")
-    with Subscriber(monitor.info) as sub:
-        thread = start(trainer, max_steps=100_000)
-        messages(sub, lambda m: m["type"] == "step")
-        seen = _tune_to_the_end(sub, monitor.info, {"knobs": ["step_delay"]})
-        seen += messages(sub, lambda m: m["type"] == "step"
-                         and m["body"]["step"] > seen[-1]["body"]["step"] + 3)
-        trainer.stop()
-        thread.join(30)
+    with _training("step_delay") as (knobs, monitor, sub):
+        seen = _steps_after(sub, _tune_to_the_end(sub, monitor.info,
+                                                  {"knobs": ["step_delay"]}))
     final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
     candidates = _candidates([m for m in seen if m["type"] == protocol.TUNE])
     assert candidates[("step_delay", 1)]["state"] == "kept"
@@ -118,18 +135,10 @@ def test_the_search_keeps_the_faster_setting_and_reverts_the_slow_one(run_dir):
 
 
 def test_a_setting_that_makes_the_loss_nan_or_fails_to_apply_is_reverted(run_dir):
-    trainer = _trainer()
-    knobs = FakeKnobs(trainer)
-    monitor = agent.attach(trainer)
-    knobs.bind(monitor, "poison", "broken")
-    with Subscriber(monitor.info) as sub:
-        thread = start(trainer, max_steps=100_000)
-        messages(sub, lambda m: m["type"] == "step")
+    with _training("poison", "broken") as (knobs, monitor, sub):
         seen = _tune_to_the_end(sub, monitor.info, {"knobs": ["poison", "broken"]})
         last = seen[-1]["body"]["step"]
-        seen += messages(sub, lambda m: m["type"] == "step" and m["body"]["step"] > last + 5)
-        trainer.stop()
-        thread.join(30)
+        seen = _steps_after(sub, seen, 5)
     candidates = _candidates([m for m in seen if m["type"] == protocol.TUNE])
     nan = candidates[("poison", True)]
     assert nan["state"] == "reverted" and nan["reason"].startswith("loss was nan at step")
@@ -147,13 +156,7 @@ def test_a_setting_that_makes_the_loss_nan_or_fails_to_apply_is_reverted(run_dir
 
 
 def test_a_client_killed_mid_search_leaves_the_best_configuration(run_dir):
-    trainer = _trainer()
-    knobs = FakeKnobs(trainer)
-    monitor = agent.attach(trainer)
-    knobs.bind(monitor, "step_delay")
-    with Subscriber(monitor.info) as sub:
-        thread = start(trainer, max_steps=100_000)
-        messages(sub, lambda m: m["type"] == "step")
+    with _training("step_delay") as (knobs, monitor, sub):
         client = subprocess.Popen(
             [sys.executable, "-m", "gpuwatch", "tune", "--run", monitor.run_id,
              "--knobs", "step_delay"], stdout=subprocess.PIPE, text=True)
@@ -162,25 +165,16 @@ def test_a_client_killed_mid_search_leaves_the_best_configuration(run_dir):
                         and m["body"].get("text", "").startswith("tune: trying"))
         client.send_signal(signal.SIGKILL)  # the search goes on in the training process
         client.wait(10)
-        seen += messages(sub, lambda m: m["type"] == protocol.TUNE
-                         and m["body"]["status"] != "running", timeout_s=120)
-        last = seen[-1]["body"]["step"]
-        seen += messages(sub, lambda m: m["type"] == "step" and m["body"]["step"] > last + 3)
-        trainer.stop()
-        thread.join(30)
+        seen = _steps_after(sub, seen + messages(
+            sub, lambda m: m["type"] == protocol.TUNE and m["body"]["status"] != "running",
+            timeout_s=120))
     final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
     assert final["status"] == "done" and final["best"] == {"step_delay": 1}
     assert seen[-1]["body"]["knobs"]["step_delay"] == 1 and knobs.delay == 1
 
 
 def test_stop_ends_the_search_in_the_best_configuration_so_far(run_dir):
-    trainer = _trainer()
-    knobs = FakeKnobs(trainer)
-    monitor = agent.attach(trainer)
-    knobs.bind(monitor, "step_delay")
-    with Subscriber(monitor.info) as sub:
-        thread = start(trainer, max_steps=100_000)
-        messages(sub, lambda m: m["type"] == "step")
+    with _training("step_delay") as (knobs, monitor, sub):
         assert send_command(monitor.info, protocol.TUNE, {"knobs": ["step_delay"]})["ok"]
         refused = send_command(monitor.info, protocol.TUNE, {})
         assert not refused["ok"] and "a search is running already" in refused["reason"]
@@ -190,12 +184,8 @@ def test_stop_ends_the_search_in_the_best_configuration_so_far(run_dir):
                               monitor.run_id, "--stop"], capture_output=True, text=True,
                              timeout=60)
         assert cli.returncode == 0 and "stopping" in cli.stdout, cli.stderr
-        seen = messages(sub, lambda m: m["type"] == protocol.TUNE
-                        and m["body"]["status"] != "running")
-        last = seen[-1]["body"]["step"]
-        seen += messages(sub, lambda m: m["type"] == "step" and m["body"]["step"] > last + 3)
-        trainer.stop()
-        thread.join(30)
+        seen = _steps_after(sub, messages(sub, lambda m: m["type"] == protocol.TUNE
+                                          and m["body"]["status"] != "running"))
     final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
     assert final["status"] == "stopped" and final["text"].endswith("stopped by request")
     assert seen[-1]["body"]["knobs"]["step_delay"] == final["best"]["step_delay"]
@@ -434,13 +424,8 @@ async def test_T_starts_the_search_its_screen_shows_the_candidates_and_T_stops_i
     from gpuwatch.widgets.tune import TuneScreen
     from tests.test_dashboard import log_texts, until
 
-    trainer = _trainer()
-    knobs = FakeKnobs(trainer)
-    monitor = agent.attach(trainer)
-    knobs.bind(monitor, "step_delay")
-    thread = start(trainer, max_steps=100_000)
-    app = GpuwatchApp(LiveSource(monitor.info))
-    try:
+    with _training("step_delay") as (_, monitor, _):
+        app = GpuwatchApp(LiveSource(monitor.info))
         async with app.run_test(size=(120, 40)) as pilot:
             await until(pilot, lambda: app.source.state.hello and app.source.state.steps)
             await pilot.press("T")
@@ -460,9 +445,6 @@ async def test_T_starts_the_search_its_screen_shows_the_candidates_and_T_stops_i
                        for text in log_texts(app))
             await pilot.press("escape")
             await until(pilot, lambda: not isinstance(app.screen, TuneScreen))
-    finally:
-        trainer.stop()
-        thread.join(30)
 
 
 def test_the_data_verdict_says_whether_idle_cpu_exists_for_more_workers():
