@@ -16,13 +16,16 @@ How a setting is judged:
   marginal standard error rule, :class:`Series`) finds: worker start-up, allocator
   growth, the first batches after a rebuild. While ``torch.compile`` compiles (from a
   ``compiling`` event to its ``compiled``) no step is measured.
-- A candidate is measured in a block of steps right after the best configuration's
-  block, and (unless it is clearly slower: then it is reverted at once) the best
-  configuration is measured again right after it: the candidate is compared with the
-  mean of the blocks before and after it (an A-B-A design, which cancels a linear drift
-  of the machine's load), by Welch's t-test on the per-step times. It is kept only when
-  faster beyond noise (the lower end of the one-sided 99% interval of the gain above
-  zero); then it is applied again and becomes the best.
+- A candidate is measured interleaved with the best configuration, in short
+  sub-blocks (a few steps and at least :data:`SUB_BLOCK_S`): best, candidate,
+  candidate, best, best, candidate, ... Each pair of neighbouring sub-blocks gives one
+  log throughput ratio; the pairs alternate their order (a linear drift of the
+  machine's load cancels) and a paired t-test over them counts the load moving between
+  pairs as noise, so a busy, changing host makes the interval wider instead of making
+  the verdict wrong. From :data:`MIN_PAIRS_SLOWER` pairs a candidate slower beyond noise
+  (the upper end of the 95% interval below zero) is reverted at once; from
+  :data:`MIN_PAIRS_FASTER` one faster beyond noise is kept and becomes the best; after
+  :data:`MAX_PAIRS` it is reverted as not faster beyond noise.
 - Which candidates: a coordinate search from the configuration the run has. Numeric
   knobs move along a ladder (0, 1, 2, 4, ... up to the knob's maximum, for
   ``num_workers`` and ``cpu_threads`` the usable CPUs) one rung at a time, up first, then
@@ -69,17 +72,18 @@ from agent.runs import RunInfo
 #: Default step budget of a search (optimizer steps, warm-up and switches included).
 DEFAULT_BUDGET_STEPS = 600
 MAX_BUDGET_STEPS = 1_000_000
-#: Measured steps of a block: at least / at most; and at most this many seconds of
-#: them (slow steps: a block of minutes tells little more than one of seconds).
-MIN_BLOCK_STEPS = 8
-MAX_BLOCK_STEPS = 32
-MAX_BLOCK_S = 20.0
-#: The best configuration's block ends early once its throughput is known this well
-#: (95% half-width over the mean).
-BLOCK_PRECISION = 0.03
-#: One-sided confidence to call a candidate slower (reverted at once) / faster (kept).
-SLOWER_CONFIDENCE = 0.975
-FASTER_CONFIDENCE = 0.99
+#: A sub-block: at least this many measured steps (after its warm-up cut), and more
+#: until it has this many seconds of them, up to the most steps.
+SUB_BLOCK_STEPS = 4
+SUB_BLOCK_S = 0.25
+MAX_SUB_BLOCK_STEPS = 16
+#: Pairs of sub-blocks (best, candidate) after which a candidate may be called slower /
+#: faster, and after which it is reverted as not faster beyond noise.
+MIN_PAIRS_SLOWER = 2
+MIN_PAIRS_FASTER = 3
+MAX_PAIRS = 6
+#: Two-sided confidence of the paired interval of a candidate's gain.
+CONFIDENCE = 0.95
 #: Full passes over the knobs at most (a pass that keeps nothing ends the search).
 MAX_PASSES = 2
 #: The order knobs are searched in by default (others follow in the run's order): the
@@ -88,6 +92,10 @@ MAX_PASSES = 2
 #: then what needs allowing.
 SEARCH_ORDER = ("cpu_threads", "num_workers", "prefetch_factor", "pin_memory", "kernels",
                 "micro_batch_size", "accum_steps", "precision", "checkpointing")
+#: How long the search waits for each phase of its own command's replies (s): on a
+#: busy host the run's own I/O thread, which answers, can be starved for seconds; a
+#: command not answered at all counts as refused.
+COMMAND_TIMEOUT_S = 120.0
 #: Events of the search that say what it does (kind of the ``event`` messages).
 EVENT_KIND = "tune"
 #: The event kind of the final line.
@@ -205,25 +213,24 @@ class Block:
         return rate, rate * half / self.mean
 
 
-def compare(candidate: Block, references: list[Block], confidence: float
-            ) -> tuple[float, float, float]:
-    """The candidate's throughput gain over the references' (the mean of their means,
-    each block weighing the same): ``(gain, low, high)``, fractions, with the one-sided
-    ``confidence`` bounds of Welch's t-test (Welch-Satterthwaite degrees of freedom)."""
-    k = len(references)
-    mean_r = sum(block.mean for block in references) / k
-    parts = [block.variance / block.n / (k * k) for block in references]
-    parts.append(candidate.variance / candidate.n)
-    counts = [block.n for block in references] + [candidate.n]
-    se2 = sum(parts)
-    if se2 <= 0 or candidate.mean <= 0:
-        gain = mean_r / candidate.mean - 1 if candidate.mean > 0 else 0.0
-        return gain, gain, gain
-    df = se2 * se2 / sum(part * part / max(n - 1, 1) for part, n in zip(parts, counts))
-    margin = t_quantile(confidence, df) * math.sqrt(se2)
-    difference = mean_r - candidate.mean
-    return (difference / candidate.mean, (difference - margin) / candidate.mean,
-            (difference + margin) / candidate.mean)
+def paired_gain(pairs: list[tuple[Block, Block]], confidence: float = CONFIDENCE
+                ) -> tuple[float, float, float]:
+    """A candidate's throughput gain over the best configuration's from ``(best's
+    sub-block, candidate's sub-block)`` pairs measured next to each other: ``(gain,
+    low, high)``, fractions, with the two-sided ``confidence`` interval of a paired
+    t-test on the pairs' log ratios (so the machine's load moving between pairs counts
+    as noise, and within a pair cancels). The interval is infinite below two pairs."""
+    ratios = [math.log(best.mean / candidate.mean) for best, candidate in pairs
+              if best.mean > 0 and candidate.mean > 0]
+    if not ratios:
+        return 0.0, -math.inf, math.inf
+    k = len(ratios)
+    mean = sum(ratios) / k
+    if k < 2:
+        return math.expm1(mean), -math.inf, math.inf
+    sd = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (k - 1))
+    margin = t_quantile(0.5 + confidence / 2, k - 1) * sd / math.sqrt(k)
+    return math.expm1(mean), math.expm1(mean - margin), math.expm1(mean + margin)
 
 
 class Series:
@@ -235,14 +242,18 @@ class Series:
     minimises the standard error of the mean of what is left,
     ``sum((x - mean)^2) / m^2`` over the ``m`` steps kept. Worker start-up, allocator
     growth and the first batches after a rebuild are such a prefix; steady noise is
-    not, as cutting it does not lower that error. The first step (the one the change
-    applied in) is always cut.
+    not, as cutting it does not lower that error. After a change the first step (the
+    one the change applied in) is always cut.
 
-    Cost: :meth:`add` O(1) (prefix sums); :meth:`block` O(steps), at most
-    ``2 x`` :data:`MAX_BLOCK_STEPS` additions.
+    Args:
+        after_change: the first step is the one a change applied in (always cut); False
+            for steps that go on in the same configuration (nothing cut but warm-up).
+
+    Cost: :meth:`add` O(1) (prefix sums); :meth:`block` O(steps).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, after_change: bool = True) -> None:
+        self.after_change = after_change
         self._sums: list[tuple[float, float, float, float]] = [(0.0, 0.0, 0.0, 0.0)]
 
     def __len__(self) -> int:
@@ -258,8 +269,9 @@ class Series:
         """The steps after the warm-up (see the class notes)."""
         sums, n = self._sums, len(self)
         end = sums[-1]
-        best, cut = math.inf, n
-        for d in range(1, n // 2 + 1) if n >= 2 else ():
+        first = 1 if self.after_change else 0
+        best, cut = math.inf, first
+        for d in range(first, n // 2 + 1) if n - first >= 2 else ():
             m = n - d
             s1, s2 = end[0] - sums[d][0], end[1] - sums[d][1]
             error = (s2 - s1 * s1 / m) / (m * m)
@@ -405,18 +417,52 @@ def ladder(knob: Any, cpus: int) -> tuple[bool, list[Any]]:
     return True, sorted(value for value in values if low <= value <= high)
 
 
-#: What a block of steps is for: the configuration at the start of the search, a
-#: candidate's, the best's after a candidate, the best's after a candidate was kept.
-_BASELINE, _CANDIDATE, _REFERENCE, _RESTORE = "baseline", "candidate", "reference", "restore"
+def _side(sub_block: int) -> str:
+    """Which configuration sub-block ``sub_block`` of a trial measures: ``"best"`` or
+    ``"candidate"``, in the order best, candidate, candidate, best, best, candidate,
+    ... (pairs (0, 1), (2, 3), ... alternate their order, so a linear drift of the
+    load cancels over two pairs, and every pair has one sub-block just after a switch)."""
+    return "best" if (sub_block + 1) // 2 % 2 == 0 else "candidate"
+
+
+class Trial:
+    """One candidate measured against the best configuration in sub-blocks (see
+    :func:`_side`): the pairs measured so far and the sub-block in progress."""
+
+    def __init__(self, candidate: Candidate) -> None:
+        self.candidate = candidate
+        self.sub_block = 0
+        self.pairs: list[tuple[Block, Block]] = []
+        self._half: Block | None = None  # the first sub-block of the pair in progress
+
+    @property
+    def side(self) -> str:
+        """The configuration the sub-block in progress measures."""
+        return _side(self.sub_block)
+
+    def add(self, block: Block) -> None:
+        """The sub-block in progress is done, with ``block``."""
+        if self._half is None:
+            self._half = block
+        else:
+            first, self._half = self._half, None
+            self.pairs.append((first, block) if _side(self.sub_block - 1) == "best"
+                              else (block, first))
+        self.sub_block += 1
 
 
 class Tuner:
     """The search itself: a state machine fed with the agent's step records and events
     (on its I/O thread only), which decides and sends its changes through ``send``.
 
-    At any moment it measures one block of steps in one configuration, or waits for the
-    command that switches to the next one to apply (steps meanwhile count against the
-    budget but measure nothing).
+    Each candidate is a :class:`Trial`: sub-blocks of steps alternate between the best
+    configuration and the candidate (best, candidate, candidate, best, best, ...; a
+    switch between two, none within one side); after each pair, a paired t-test on the
+    pairs' log throughput ratios (:func:`paired_gain`) says whether the candidate is
+    slower (from :data:`MIN_PAIRS_SLOWER` pairs: reverted at once), faster (from
+    :data:`MIN_PAIRS_FASTER`: kept) or, after :data:`MAX_PAIRS`, not faster beyond noise
+    (reverted). While a switch is on its way, steps count against the budget and measure
+    nothing.
 
     Args:
         request: what to search. knobs: the run's knobs (values read on this thread).
@@ -446,20 +492,18 @@ class Tuner:
         self.step = start_step - 1
         self.unit: str | None = None
         self._guard = ChangeGuard(watched=None)  # trouble after the search's changes
-        self._kind = _BASELINE  # what the block in progress (or awaited) is for
-        self._series = Series()  # the steps of the block in progress
-        self._references: list[Block] = []  # the best's block before the candidate's
-        self._candidate_block: Block | None = None  # the candidate's, during _REFERENCE
+        self._trial: Trial | None = None
+        self._series = Series()  # the sub-block in progress
+        self._best_block: Block | None = None  # the best's latest sub-block
         self._compiling = False
         self._waiting: tuple[str, str, Any] | None = None  # (command id, knob, value)
         self._watch = False  # whether the change awaited is watched for trouble
         self._command_seq = 0
-        self._candidate: Candidate | None = None
         self._stop_reason: str | None = None
         self._event("info", "tune: searching " + ", ".join(request.knobs)
                     + f" from {_config_text(self.baseline)}, within {request.budget_steps} "
                     f"steps from step {start_step}")
-        self.publish_state()
+        self._next_candidate()
 
     @property
     def steps(self) -> int:
@@ -476,6 +520,10 @@ class Tuner:
                 product *= 1 + candidate.gain
         return product - 1
 
+    @property
+    def _candidate(self) -> Candidate | None:
+        return self._trial.candidate if self._trial is not None else None
+
     # ---------------------------------------------------------------- inputs
 
     def stop(self, reason: str) -> None:
@@ -491,20 +539,20 @@ class Tuner:
         _, knob, value = self._waiting
         self._waiting = None
         reason = str(reply.get("reason", "no reason given"))
-        if self._kind == _CANDIDATE and self._candidate is not None:
-            self._verdict("skipped", f"refused: {reason}")
+        if self._watch and self._candidate is not None and value == self._candidate.value:
+            self._verdict("skipped", f"refused: {reason}")  # the first switch to it
             self._next_candidate()
-        else:  # the way back was refused: stop where we are, and say so
+        else:  # a way back was refused: stop where we are, and say so
             self._finish("stopped", f"the run refused {assignment(knob, value)}: {reason}")
 
     def on_event(self, event: dict[str, Any]) -> None:
         """One event of the run, in order with its step records."""
         kind, knob = event.get("kind"), event.get("knob")
-        if kind == "compiling":  # (re)compiling: the steps until "compiled" are warm-up
+        if kind == "compiling":  # (re)compiling: nothing is measured until "compiled"
             self._compiling = True
-            self._series = Series()
         elif kind == "compiled":
             self._compiling = False
+            self._series = Series()
         if self.status != "running":
             return
         waiting = self._waiting
@@ -513,8 +561,8 @@ class Tuner:
             if kind == "applied":
                 if self._watch:  # watched here (the agent's guard leaves it to us)
                     self._guard.on_applied({**event, "id": None})
-                self._start_block(self._kind)
-            elif kind == "failed" and self._kind == _CANDIDATE:  # the knob kept its value
+                self._series = Series()
+            elif kind == "failed" and self._watch:  # the knob kept its value
                 self._verdict("reverted", f"applying it failed: {event.get('text', '')}")
                 self._next_candidate()
             elif kind == "failed":
@@ -527,7 +575,7 @@ class Tuner:
         """One step record: ``step_time_s`` (host clock, None for the first), the
         step's samples and tokens (None if unknown), its loss (None if not read) and
         whether the GradScaler skipped it. Costs a few additions, and the warm-up cut
-        of :meth:`Series.block` (O(steps of the block))."""
+        of :meth:`Series.block` (O(steps of a sub-block))."""
         if step < self.start_step or self.status != "running":
             return
         self.step = step
@@ -541,28 +589,71 @@ class Tuner:
         if self._candidate is not None:
             self._candidate.steps += 1
         units = tokens or samples
-        if (self._waiting is not None or self._compiling or not step_time_s
-                or step_time_s <= 0 or not units):
+        if (self._waiting is not None or self._compiling or self._trial is None
+                or not step_time_s or step_time_s <= 0 or not units):
             return
         if self.unit is None:
             self.unit = "tokens" if tokens else "samples"
         self._series.add(step_time_s, units)
-        if len(self._series) > MIN_BLOCK_STEPS:
-            self._judge(self._series.block())
+        if len(self._series) > SUB_BLOCK_STEPS:
+            block = self._series.block()
+            if block.n >= MAX_SUB_BLOCK_STEPS or (block.n >= SUB_BLOCK_STEPS
+                                                  and block.seconds >= SUB_BLOCK_S):
+                self._sub_block_done(block)
 
-    # ---------------------------------------------------------------- blocks
+    # ---------------------------------------------------------------- trials
 
-    def _start_block(self, kind: str) -> None:
-        """Measure a new block of ``kind`` from the next step (warm-up first)."""
-        self._kind = kind
-        self._series = Series()
+    def _sub_block_done(self, block: Block) -> None:
+        trial = self._trial
+        assert trial is not None
+        if trial.side == "best":
+            self._best_block = block
+        else:
+            trial.candidate.block = _pooled(trial.candidate.block, block)
+        trial.add(block)
+        if trial.sub_block % 2 == 0 and self._judge(trial):
+            return
+        following = trial.side
+        if following == _side(trial.sub_block - 1):
+            self._series = Series(after_change=False)  # same configuration: no switch
+        else:
+            candidate = trial.candidate
+            value = candidate.value if following == "candidate" else self.best[candidate.knob]
+            self._switch(candidate.knob, value, watch=following == "candidate")
 
-    def _switch(self, knob: str, value: Any, then: str, *, watch: bool = False) -> None:
-        """Send ``knob=value``; once it applies, measure a block of kind ``then`` (and,
-        with ``watch``, watch the change for trouble: a candidate, not a way back)."""
+    def _judge(self, trial: Trial) -> bool:
+        """After a pair: the verdict if there is one (True), else False."""
+        candidate, k = trial.candidate, len(trial.pairs)
+        gain, low, high = paired_gain(trial.pairs)
+        candidate.gain = gain
+        candidate.gain_spread = (high - low) / 2 if math.isfinite(high - low) else None
+        in_candidate = _side(trial.sub_block - 1) == "candidate"
+        if k >= MIN_PAIRS_SLOWER and high < 0:
+            self._verdict("reverted", f"slower: {_gain_text(gain, low, high)}")
+            if in_candidate:
+                self._switch(candidate.knob, self.best[candidate.knob])
+            self._next_candidate()
+        elif k >= MIN_PAIRS_FASTER and low > 0:
+            self.best[candidate.knob] = candidate.value
+            self._verdict("kept", f"faster: {_gain_text(gain, low, high)}")
+            if not in_candidate:
+                self._switch(candidate.knob, candidate.value, watch=True)
+            self._next_candidate()
+        elif k >= MAX_PAIRS:
+            self._verdict("reverted", f"not faster beyond noise: {_gain_text(gain, low, high)}")
+            if in_candidate:
+                self._switch(candidate.knob, self.best[candidate.knob])
+            self._next_candidate()
+        else:
+            self.publish_state()
+            return False
+        return True
+
+    def _switch(self, knob: str, value: Any, *, watch: bool = False) -> None:
+        """Send ``knob=value``; measure again once it applies (and, with ``watch``, watch
+        the change for trouble: a candidate, not a way back)."""
         self._waiting = (self._send_one(knob, value), knob, value)
         self._watch = watch
-        self._kind = then
 
     def _send_one(self, knob: str, value: Any) -> str:
         self._command_seq += 1  # zero-padded: ranks order same-step commands by id
@@ -570,9 +661,9 @@ class Tuner:
         self._send(command_id, knob, value)
         return command_id
 
-    def _back_to_best(self, then: str) -> None:
+    def _back_to_best(self) -> None:
         """Send the best value of every knob that differs from it, or has a command of
-        the search's on its way; measure a block of kind ``then`` once they apply."""
+        the search's on its way."""
         in_flight = self._waiting[1] if self._waiting is not None else None
         back = [(knob, value) for knob, value in self.best.items()
                 if knob == in_flight or self.knobs.knobs[knob].get() != value]
@@ -580,54 +671,13 @@ class Tuner:
         for knob, value in back[:-1]:
             self._send_one(knob, value)
         if back:
-            self._switch(*back[-1], then)
+            self._switch(*back[-1])
         else:
-            self._start_block(then)
-
-    def _judge(self, block: Block) -> None:
-        """After each measured step: is the block done, and what comes next."""
-        kind, candidate = self._kind, self._candidate
-        if block.n < MIN_BLOCK_STEPS:
-            return
-        if kind == _CANDIDATE and candidate is not None:
-            _, low, _ = compare(block, self._references, FASTER_CONFIDENCE)
-            gain, _, high = compare(block, self._references, SLOWER_CONFIDENCE)
-            candidate.block, candidate.gain, candidate.gain_spread = block, gain, high - gain
-            if high < 0:  # slower beyond noise: back at once
-                self._verdict("reverted", f"slower: {_gain_text(gain, high - gain)}")
-                self._back_to_best(_REFERENCE)
-            elif low > 0 or _full(block):  # now the best again, after it
-                self._candidate_block = block
-                self._back_to_best(_REFERENCE)
-            elif block.n % MIN_BLOCK_STEPS == 0:
-                self.publish_state()
-            return
-        if kind != _REFERENCE or candidate is None:
-            # the best's throughput alone, for the next candidate to be compared with
-            rate, spread = block.rate()
-            if _full(block) or spread <= BLOCK_PRECISION * rate:
-                self._references = [block]
-                self._next_candidate()
-            return
-        measured = self._candidate_block  # the best again, right after the candidate
-        assert measured is not None
-        if block.n < measured.n and not _full(block):
-            return
-        before, self._references = self._references, [block]
-        _, low, _ = compare(measured, [*before, block], FASTER_CONFIDENCE)
-        gain, _, high = compare(measured, [*before, block], SLOWER_CONFIDENCE)
-        candidate.gain, candidate.gain_spread = gain, high - gain
-        if low > 0:
-            self.best[candidate.knob] = candidate.value
-            self._verdict("kept", f"faster: {_gain_text(gain, high - gain)}")
-            self._switch(candidate.knob, candidate.value, _RESTORE, watch=True)
-        else:
-            self._verdict("reverted", ("slower: " if high < 0 else "not faster beyond noise: ")
-                          + _gain_text(gain, high - gain))
-            self._next_candidate()
+            self._series = Series()
 
     def _next_candidate(self) -> None:
-        """Try the next setting the search gives, or end the search."""
+        """Start the trial of the next setting the search gives, or end the search."""
+        self._trial = None
         while True:
             following = self.search.next(self.best)
             if following is None:
@@ -642,10 +692,11 @@ class Tuner:
             self.search.result(False)
             self._event("info", f"tune: skipping {assignment(candidate.knob, candidate.value)}:"
                         f" {reason}")
-        self._candidate = candidate
+        self._trial = Trial(candidate)
+        if self._waiting is None:
+            self._series = Series()
         self._event("info", f"tune: trying {assignment(candidate.knob, candidate.value)}")
         self.publish_state()
-        self._switch(candidate.knob, candidate.value, _CANDIDATE, watch=True)
 
     def _skip_reason(self, knob: str, value: Any) -> str | None:
         """Why ``knob=value`` is not tried here (the run refuses it, or warns that it is
@@ -660,7 +711,7 @@ class Tuner:
     def _verdict(self, state: str, reason: str) -> None:
         """The candidate being tried (if any) is ``state`` (kept, reverted, skipped)
         because ``reason``: an event, and the search moves on from it."""
-        candidate, self._candidate = self._candidate, None
+        candidate, self._trial = self._candidate, None
         if candidate is None:
             return
         candidate.state, candidate.reason = state, reason
@@ -676,14 +727,17 @@ class Tuner:
 
     def _rolled_back(self, knob: str, value: Any, text: str) -> None:
         """The agent's out-of-memory path undid ``knob`` on the training thread."""
-        if self._candidate is not None and self._candidate.knob == knob:
-            self._verdict("reverted", text)
+        trial = self._trial
         for kept in self.candidates:
             if kept.state == "kept" and kept.knob == knob and kept.value != value:
                 kept.state, kept.reason = "reverted", text
         self.best[knob] = value
         self._waiting = None
-        self._start_block(_RESTORE)  # a fresh measure of the best, then the next one
+        if trial is not None and trial.candidate.knob == knob:
+            self._verdict("reverted", text)
+            self._next_candidate()
+        else:
+            self._series = Series()
 
     def _trouble(self, last_good: dict[str, Any], reason: str) -> None:
         """A non-finite loss or skipped steps after a change the search made: every
@@ -695,18 +749,20 @@ class Tuner:
         self.best.update((knob, value) for knob, value in last_good.items()
                          if knob in self.best)
         self._guard = ChangeGuard(watched=None)
-        self._back_to_best(_RESTORE)
+        self._back_to_best()
+        self._next_candidate()
 
     def _wind_up(self, reason: str | None) -> None:
         """Budget spent or stop asked: a candidate being tried goes back; the end."""
         why = reason or f"the budget of {self.request.budget_steps} steps is spent"
         self._verdict("reverted", f"not judged: {why}")
-        self._back_to_best(_RESTORE)
+        self._back_to_best()
         self._waiting = None  # nothing more to measure: the commands go out all the same
         self._finish("stopped" if reason else "done", "" if reason is None else why)
 
     def _finish(self, status: str, why: str = "") -> None:
         self.status = status
+        self._trial = None
         changed = {knob: value for knob, value in self.best.items()
                    if value != self.baseline[knob]}
         unit = self.unit or "samples"
@@ -732,8 +788,8 @@ class Tuner:
             "space": {knob: values for knob, (_, values) in self.search.ladders.items()},
             "baseline": dict(self.baseline), "best": dict(self.best), "gain": self.gain,
             "candidates": [candidate.to_wire() for candidate in self.candidates]}
-        if self._references:
-            body["best_per_s"], body["best_per_s_spread"] = self._references[-1].rate()
+        if self._best_block is not None:
+            body["best_per_s"], body["best_per_s_spread"] = self._best_block.rate()
         if self.text:
             body["text"] = self.text
         self._publish(protocol.TUNE, body)
@@ -743,17 +799,26 @@ class Tuner:
                                        "step": self.step})
 
 
-def _full(block: Block) -> bool:
-    """Whether a block has as many steps, or seconds, as one may have."""
-    return block.n >= MAX_BLOCK_STEPS or block.seconds >= MAX_BLOCK_S
+def _pooled(first: Block, second: Block) -> Block:
+    """Two blocks of one configuration as one (their steps together)."""
+    n = first.n + second.n
+    if not first.n or not second.n:
+        return second if not first.n else first
+    mean = (first.n * first.mean + second.n * second.mean) / n
+    squares = ((first.n - 1) * first.variance + first.n * first.mean ** 2
+               + (second.n - 1) * second.variance + second.n * second.mean ** 2)
+    variance = max(0.0, (squares - n * mean * mean) / (n - 1))
+    return Block(n, mean, variance, first.units + second.units,
+                 first.seconds + second.seconds)
 
 
 def _config_text(config: dict[str, Any]) -> str:
     return ", ".join(assignment(knob, value) for knob, value in config.items())
 
 
-def _gain_text(gain: float, spread: float) -> str:
-    return f"{gain:+.0%} ± {abs(spread):.0%}"
+def _gain_text(gain: float, low: float, high: float) -> str:
+    """``+12% (+3% to +22%)``: a gain and its interval."""
+    return f"{gain:+.0%} ({low:+.0%} to {high:+.0%})"
 
 
 class CommandSender:
@@ -794,7 +859,8 @@ class CommandSender:
             if info is None:
                 reply = {"id": command_id, "ok": False, "reason": "the agent has no sockets"}
             else:
-                reply = send_command(info, knob, value, command_id=command_id, timeout_s=10.0)
+                reply = send_command(info, knob, value, command_id=command_id,
+                                     timeout_s=COMMAND_TIMEOUT_S)
             self._replies.append((command_id, reply))
 
 

@@ -15,9 +15,8 @@ For each demo workload (``python -m agent.demo``, real training):
    95% half-width is within ``--grid-precision`` of the mean, or
    ``--grid-max-steps`` measured steps, or ``--grid-max-s`` seconds of them. A
    combination that differs from another only in a setting without effect
-   (``prefetch_factor`` with ``num_workers=0``) is measured once, and a value the run
-   skipped wherever the tune tried it (``pin_memory`` without CUDA) is left out. Grid
-   steps are all the steps its runs trained, from their first.
+   (``prefetch_factor`` with ``num_workers=0``, ``pin_memory`` without CUDA) is
+   measured once. Grid steps are all the steps its runs trained, from their first.
 3. If the tune ended elsewhere than the grid's best, the two configurations are measured
    again, in alternating fresh runs (``--rounds`` each), so that the ratio is not the
    luck of the machine's load during the grid.
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -43,13 +41,15 @@ from typing import Any
 
 from agent import protocol, runs
 from agent.knobs import assignment
-from agent.tune import BLOCK_PRECISION, MIN_BLOCK_STEPS, Series
+from agent.tune import Series
 from gpuwatch.client import Subscriber, send_command
 
 #: The demo's command-line flag for each knob a grid configuration sets.
 DEMO_FLAGS = {"num_workers": "--num-workers", "prefetch_factor": "--prefetch-factor",
               "cpu_threads": "--cpu-threads", "kernels": "--kernels",
               "precision": "--precision", "accum_steps": "--accum-steps"}
+#: Measured steps of a grid configuration at least.
+GRID_MIN_STEPS = 8
 #: Settings the demo has and no flag sets.
 DEMO_DEFAULTS = {"pin_memory": False}
 #: Longest wait for a run's next message (s): a step under heavy load can take seconds.
@@ -103,24 +103,27 @@ def measure(model: str, config: dict[str, Any], precision: float, max_steps: int
             if not step_time_s or not units:
                 continue  # the first step has no time: it is warm-up anyway
             series.add(step_time_s, units)
-            if len(series) <= MIN_BLOCK_STEPS:
+            if len(series) <= GRID_MIN_STEPS:
                 continue
             block = series.block()
             rate, spread = block.rate()
-            if (block.n >= MIN_BLOCK_STEPS and spread <= precision * rate
+            if (block.n >= GRID_MIN_STEPS and spread <= precision * rate
                     or block.n >= max_steps or block.seconds >= max_s):
                 return rate, spread, last_step
     finally:
         demo.close()
 
 
-def in_run_tune(model: str) -> dict[str, Any]:
-    """The tune from the demo's default configuration: its last ``tune`` record."""
+def in_run_tune(model: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tune from the demo's default configuration: its last ``tune`` record, and the
+    run's ``hello``."""
     demo = Demo(model, {})
     try:
-        while demo.next_message()["type"] != protocol.STEP:
-            pass
-        reply = send_command(demo.info, protocol.TUNE, {}, timeout_s=10.0)
+        hello = None
+        while (message := demo.next_message())["type"] != protocol.STEP:
+            if message["type"] == protocol.HELLO:
+                hello = message["body"]
+        reply = send_command(demo.info, protocol.TUNE, {}, timeout_s=SILENCE_S)
         if not reply.get("ok"):
             raise SystemExit(f"bench_tune: tune refused: {reply.get('reason')}")
         while True:
@@ -129,19 +132,23 @@ def in_run_tune(model: str) -> dict[str, Any]:
             if message["type"] == protocol.EVENT and body.get("kind") in ("tune", "tuned"):
                 print(f"  {body.get('text')}", flush=True)
             if message["type"] == protocol.TUNE and body.get("status") != "running":
-                return body
+                return body, hello or {}
     finally:
         demo.close()
 
 
-def grid_configs(space: dict[str, list[Any]], defaults: dict[str, Any]
+def grid_configs(space: dict[str, list[Any]], defaults: dict[str, Any], cuda: bool
                  ) -> list[dict[str, Any]]:
-    """Every combination of ``space``, once per effective configuration."""
+    """Every combination of ``space``, once per effective configuration (as the loader
+    normalises its settings: ``prefetch_factor`` without workers, ``pin_memory``
+    without CUDA, change nothing)."""
     configs, seen = [], set()
     for values in itertools.product(*space.values()):
         config = dict(zip(space, values))
         if config.get("num_workers") == 0 and "prefetch_factor" in config:
-            config["prefetch_factor"] = defaults["prefetch_factor"]  # no effect without workers
+            config["prefetch_factor"] = defaults["prefetch_factor"]
+        if not cuda and "pin_memory" in config:
+            config["pin_memory"] = defaults["pin_memory"]
         key = tuple(sorted(config.items()))
         if key not in seen:
             seen.add(key)
@@ -155,17 +162,10 @@ def text(config: dict[str, Any]) -> str:
 
 def bench(model: str, args: argparse.Namespace) -> tuple[float, float, str, str]:
     print(f"{model}: in-run tune from the default configuration", flush=True)
-    tuned = in_run_tune(model)
-    tuned_config = tuned["best"]
-    # a value the run skipped wherever the tune tried it (no effect here, such as
-    # pin_memory without CUDA) is left out of the grid too
-    skipped = {(c["knob"], json.dumps(c["value"])) for c in tuned["candidates"]
-               if c["state"] == "skipped"} - {
-        (c["knob"], json.dumps(c["value"])) for c in tuned["candidates"]
-        if c["state"] != "skipped"}
-    space = {knob: [v for v in values if (knob, json.dumps(v)) not in skipped]
-             for knob, values in tuned["space"].items()}
-    configs = grid_configs(space, tuned["baseline"])
+    tuned, hello = in_run_tune(model)
+    tuned_config, space = tuned["best"], tuned["space"]
+    cuda = bool(((hello.get("env") or {}).get("cuda") or {}).get("available"))
+    configs = grid_configs(space, tuned["baseline"], cuda)
     print(f"{model}: tune spent {tuned['steps']} steps; grid over {len(configs)} "
           f"configurations of {', '.join(f'{k} {v}' for k, v in space.items())}", flush=True)
     grid: dict[str, tuple[float, float, int]] = {}
@@ -201,7 +201,7 @@ def bench(model: str, args: argparse.Namespace) -> tuple[float, float, str, str]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="cnn,transformer")
-    parser.add_argument("--grid-precision", type=float, default=BLOCK_PRECISION / 1.5,
+    parser.add_argument("--grid-precision", type=float, default=0.02,
                         help="stop measuring a grid configuration at this 95%% half-width "
                              "over its mean (default: %(default).3f)")
     parser.add_argument("--grid-max-steps", type=int, default=100)

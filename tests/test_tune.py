@@ -22,8 +22,8 @@ import torch
 import agent
 from agent import protocol
 from agent.knobs import TUNED, TUNED_IF_ALLOWED, KnobError, KnobSet, KnobSpec, Knob
-from agent.tune import (Block, CoordinateSearch, Series, TuneRequest, compare, ladder,
-                        t_quantile)
+from agent.tune import (Block, CoordinateSearch, Series, TuneRequest, _side, ladder,
+                        paired_gain, t_quantile)
 from gpuopt import Trainer
 from gpuopt.loader import ReconfigurableLoader
 from gpuwatch.client import Subscriber, send_command
@@ -71,11 +71,29 @@ def _trainer(**options):
                    torch.nn.functional.cross_entropy, digits_loader(), **options)
 
 
+class Hold:
+    """Trainer callback: once :meth:`now` is called, the training thread waits at its
+    next optimizer step until :attr:`release` is set (the agent's thread goes on)."""
+
+    def __init__(self):
+        self.asked, self.held, self.release = (threading.Event(), threading.Event(),
+                                               threading.Event())
+
+    def now(self):
+        self.asked.set()
+        assert self.held.wait(30)
+
+    def on_optimizer_step(self, trainer, stats):
+        if self.asked.is_set() and not self.release.is_set():
+            self.held.set()
+            assert self.release.wait(30)
+
+
 @contextlib.contextmanager
-def _training(*knob_names):
+def _training(*knob_names, callbacks=()):
     """A Trainer training in a thread with the agent attached and the named test knobs
     bound: yields ``(knobs, monitor, subscriber)`` once a step has been seen."""
-    trainer = _trainer()
+    trainer = _trainer(callbacks=list(callbacks))
     knobs = FakeKnobs(trainer)
     monitor = agent.attach(trainer)
     knobs.bind(monitor, *knob_names)
@@ -174,15 +192,18 @@ def test_a_client_killed_mid_search_leaves_the_best_configuration(run_dir):
 
 
 def test_stop_ends_the_search_in_the_best_configuration_so_far(run_dir):
-    with _training("step_delay") as (knobs, monitor, sub):
+    hold = Hold()
+    with _training("step_delay", callbacks=[hold]) as (knobs, monitor, sub):
         assert send_command(monitor.info, protocol.TUNE, {"knobs": ["step_delay"]})["ok"]
         refused = send_command(monitor.info, protocol.TUNE, {})
         assert not refused["ok"] and "a search is running already" in refused["reason"]
         messages(sub, lambda m: m["type"] == "event"
                  and m["body"].get("text", "").startswith("tune: trying step_delay=1"))
+        hold.now()  # the search cannot end on its own while the command line starts
         cli = subprocess.run([sys.executable, "-m", "gpuwatch", "tune", "--run",
                               monitor.run_id, "--stop"], capture_output=True, text=True,
                              timeout=60)
+        hold.release.set()
         assert cli.returncode == 0 and "stopping" in cli.stdout, cli.stderr
         seen = _steps_after(sub, messages(sub, lambda m: m["type"] == protocol.TUNE
                                           and m["body"]["status"] != "running"))
@@ -249,20 +270,30 @@ def test_coordinate_search_climbs_a_rung_at_a_time_and_makes_a_second_pass():
     assert best == {"threads": 1, "workers": 2, "kernels": "triton"}
 
 
-def test_student_t_quantiles_and_welch_intervals():
+def test_student_t_quantiles_and_the_paired_interval_that_load_drift_does_not_fool():
     for df, exact in [(2, 4.303), (5, 2.571), (10, 2.228), (30, 2.042)]:
         assert t_quantile(0.975, df) == pytest.approx(exact, rel=0.01)
     rng = random.Random(1)
-    slow, fast = Series(), Series()
-    for _ in range(20):
-        slow.add(0.010 * (1 + 0.1 * rng.gauss(0, 1)), 1)
-        fast.add(0.008 * (1 + 0.1 * rng.gauss(0, 1)), 1)
-    fast = Block(fast.block().n, 0.008, (0.0008 ** 2), 20, 0.16)  # known mean and spread
-    gain, low, high = compare(fast, [slow.block()], 0.99)
-    assert 0 < low < gain < high and gain == pytest.approx(0.25, abs=0.1)
-    rate, half = fast.rate()
+
+    def block(seconds_per_unit):
+        return Block(6, seconds_per_unit, (0.05 * seconds_per_unit) ** 2, 6, 6 * seconds_per_unit)
+
+    pairs = []
+    for load in (1.0, 3.0, 1.5, 0.8, 2.5):  # the host's load swings 4x between pairs
+        pairs.append((block(0.010 * load * (1 + 0.02 * rng.gauss(0, 1))),
+                      block(0.008 * load * (1 + 0.02 * rng.gauss(0, 1)))))
+    gain, low, high = paired_gain(pairs)
+    assert 0 < low < gain < high and gain == pytest.approx(0.25, abs=0.05)
+    assert paired_gain(pairs[:1])[1:] == (-math.inf, math.inf)  # one pair: no interval
+    same = [(block(0.01 * load), block(0.01 * load * (1 + 0.2 * rng.gauss(0, 1))))
+            for load in (1.0, 3.0, 1.5, 0.8)]
+    _, low, high = paired_gain(same)
+    assert low < 0 < high  # no difference: the interval holds zero
+    assert [_side(i) for i in range(8)] == ["best", "candidate", "candidate", "best",
+                                            "best", "candidate", "candidate", "best"]
+    rate, half = Block(20, 0.008, 0.0008 ** 2, 20, 0.16).rate()
     assert rate == pytest.approx(125) and half == pytest.approx(
-        125 * t_quantile(0.975, fast.n - 1) * 0.1 / math.sqrt(fast.n))
+        125 * t_quantile(0.975, 19) * 0.1 / math.sqrt(20))
 
 
 def test_the_warm_up_is_cut_off_and_steady_noise_is_not():
@@ -434,7 +465,7 @@ async def test_T_starts_the_search_its_screen_shows_the_candidates_and_T_stops_i
             def shown():
                 return str(app.screen.query_one("#tune-table").content)
 
-            await until(pilot, lambda: "step_delay=1" in shown(), timeout_s=60)
+            await until(pilot, lambda: "cpu_threads=1" in shown(), timeout_s=60)
             assert shown().startswith("running at step ")
             assert "searching cpu_threads, step_delay" in shown()
             await pilot.press("T")  # again: stop, keeping the best so far
