@@ -263,6 +263,14 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: A
     if isinstance(trainer.loader, ReconfigurableLoader):
         for knob in loader_knobs(trainer.loader):
             knobs.add(knob)
+    knobs.add(Knob(KERNELS, get=lambda: trainer.kernels,
+                   set=lambda value: setattr(trainer, "kernels", value),
+                   check=lambda value: refuse(trainer.model_backend.support(value))))
+    if trainer.activation_checkpointing is not None:
+        knobs.add(Knob(CHECKPOINTING, get=lambda: trainer.checkpointing,
+                       set=lambda value: setattr(trainer, "checkpointing", value)))
+    # (the knobs panel lists them in this order: the newer ones after the established)
+    if isinstance(trainer.loader, ReconfigurableLoader):
         knobs.add(micro_batch_size_knob(trainer.loader, lambda: trainer.accum_steps,
                                         lambda value: setattr(trainer, "accum_steps", value)))
     else:
@@ -270,12 +278,6 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: A
             "the Trainer's loader is not a gpuopt.loader.ReconfigurableLoader, whose "
             "batches can change size mid-epoch")
     knobs.add(cpu_threads_knob())
-    knobs.add(Knob(KERNELS, get=lambda: trainer.kernels,
-                   set=lambda value: setattr(trainer, "kernels", value),
-                   check=lambda value: refuse(trainer.model_backend.support(value))))
-    if trainer.activation_checkpointing is not None:
-        knobs.add(Knob(CHECKPOINTING, get=lambda: trainer.checkpointing,
-                       set=lambda value: setattr(trainer, "checkpointing", value)))
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
                   transport=transport, training={"framework": "gpuopt.Trainer",
                                                  "loss_normalization": trainer.loss_normalization},

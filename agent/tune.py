@@ -10,7 +10,7 @@ How a setting is judged:
 
 - The measure is the time per unit of work of each optimizer step: ``step_time_s`` over
   the step's tokens where the run reports them, else its samples (so a change of
-  micro-batch size compares fairly). Throughput is units over seconds of a block.
+  micro-batch size compares fairly); throughput is its inverse.
 - Warm-up is excluded, detected rather than counted: the step a change applies at is
   always left out, and then the prefix of the steps since the change that MSER (the
   marginal standard error rule, :class:`Series`) finds: worker start-up, allocator
@@ -297,8 +297,8 @@ class Candidate:
     value: Any
     state: str = "measuring"  # measuring | kept | reverted | skipped
     reason: str = ""
-    block: Block = field(default_factory=Block)
-    steps: int = 0  # steps spent on it, warm-up and the block after it included
+    block: Block = field(default_factory=Block)  # its sub-blocks' steps together
+    steps: int = 0  # steps while it was tried, the best's sub-blocks and switches included
     gain: float | None = None
     gain_spread: float | None = None
 
@@ -318,7 +318,7 @@ class CoordinateSearch:
                  ) -> None:
         """``ladders``: per knob, in search order, (ordered?, its values); an ordered
         knob moves one rung at a time, the others try every value. ``start``: the
-        configuration the search starts from (measured already: never a candidate)."""
+        configuration the search starts from (the first best: never a candidate)."""
         self.ladders = ladders
         self._order = list(ladders)
         self._index = 0  # knob being searched

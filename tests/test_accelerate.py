@@ -438,7 +438,7 @@ def test_knobs_that_cannot_be_right_are_refused_with_their_reason():
     run = agent.attach(accelerator)
     info = runs.find_run(run.agent.run_id)
     schema = {knob["name"] for knob in run.agent.knobs.schema()}
-    assert schema == {"accum_steps", "precision", "kernels"}
+    assert schema == {"accum_steps", "precision", "kernels", "cpu_threads"}
 
     def reason(knob, value):
         reply = send_command(info, knob, value)

@@ -67,12 +67,12 @@ def test_hello_carries_schema_environment_and_model(run_dir):
         body = hello["body"]
         # the CUDA-only memory knobs are absent from a CPU run's schema
         assert [k["name"] for k in body["knobs"]] == ["precision", "accum_steps",
-                                                      "cpu_threads", "kernels"]
+                                                      "kernels", "cpu_threads"]
         assert body["model"] == {"name": "Sequential", "params": 64 * 64 + 64 + 64 * 10 + 10}
         assert body["env"]["torch"]["version"] == torch.__version__
         assert body["knob_values"] == {"precision": "fp32", "accum_steps": 1,
-                                       "cpu_threads": torch.get_num_threads(),
-                                       "kernels": "eager"}
+                                       "kernels": "eager",
+                                       "cpu_threads": torch.get_num_threads()}
     finally:
         monitor.close()
 
