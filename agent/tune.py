@@ -66,7 +66,14 @@ from typing import Any
 from agent import protocol
 from agent.fanout import send_command
 from agent.guard import ChangeGuard
-from agent.knobs import NOT_TUNED, TUNED, TUNED_IF_ALLOWED, KnobError, KnobSet, assignment
+from agent.knobs import (
+    NOT_TUNED,
+    TUNED,
+    TUNED_IF_ALLOWED,
+    KnobError,
+    KnobSet,
+    assignment,
+)
 from agent.runs import RunInfo
 
 #: Default step budget of a search (optimizer steps, warm-up and switches included).

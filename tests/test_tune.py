@@ -21,13 +21,22 @@ import torch
 
 import agent
 from agent import protocol
-from agent.knobs import TUNED, TUNED_IF_ALLOWED, KnobError, KnobSet, KnobSpec, Knob
-from agent.tune import (Block, CoordinateSearch, Series, TuneRequest, _side, ladder,
-                        paired_gain, t_quantile)
+from agent.knobs import TUNED, TUNED_IF_ALLOWED, Knob, KnobError, KnobSet, KnobSpec
+from agent.tune import (
+    Block,
+    CoordinateSearch,
+    Series,
+    TuneRequest,
+    _side,
+    ladder,
+    paired_gain,
+    t_quantile,
+)
 from gpuopt import Trainer
 from gpuopt.loader import ReconfigurableLoader
 from gpuwatch.client import Subscriber, send_command
-from tests.training import digits_loader, messages, model as make_model, start
+from tests.training import digits_loader, messages, start
+from tests.training import model as make_model
 
 #: The test knob ``step_delay``: seconds each micro-batch sleeps at each value. From
 #: the start value 0, the search should keep 1 (faster) and revert 2 (slower).
@@ -194,7 +203,7 @@ def test_a_client_killed_mid_search_leaves_the_best_configuration(run_dir):
 
 def test_stop_ends_the_search_in_the_best_configuration_so_far(run_dir):
     hold = Hold()
-    with _training("step_delay", callbacks=[hold]) as (knobs, monitor, sub):
+    with _training("step_delay", callbacks=[hold]) as (_, monitor, sub):
         assert send_command(monitor.info, protocol.TUNE, {"knobs": ["step_delay"]})["ok"]
         refused = send_command(monitor.info, protocol.TUNE, {})
         assert not refused["ok"] and "a search is running already" in refused["reason"]
@@ -375,8 +384,8 @@ def test_micro_batch_size_keeps_the_effective_batch_and_every_sample(run_dir):
                           accum_steps=2 if live else 4)
         if live:
             monitor = agent.attach(trainer)
-            for size, reason in [(12, "the effective batch of 32 samples (16 x accum_steps "
-                                       "2) is not a multiple of 12"),
+            for size, reason in [(12, ("the effective batch of 32 samples (16 x "
+                                       "accum_steps 2) is not a multiple of 12")),
                                  (64, "more than the effective batch of 32 samples")]:
                 refused = send_command(monitor.info, "micro_batch_size", size)
                 assert not refused["ok"] and reason in refused["reason"], refused

@@ -37,8 +37,8 @@ def input_advice(state: RunState, width: int) -> Content | None:
                     "idle CPU")
         style = "$success"
     else:
-        wordings = (f"no idle CPU ({cpu_pct:.0f}%): a worker competes with compute; T "
-                    "measures it", f"no idle CPU ({cpu_pct:.0f}%)", "no idle CPU")
+        wordings = ((f"no idle CPU ({cpu_pct:.0f}%): a worker competes with compute; T "
+                     "measures it"), f"no idle CPU ({cpu_pct:.0f}%)", "no idle CPU")
         style = "$warning"
     return Content.styled(next((w for w in wordings if len(w) <= width), wordings[-1]),
                           style)
