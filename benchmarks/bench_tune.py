@@ -18,8 +18,9 @@ For each demo workload (``python -m agent.demo``, real training):
    (``prefetch_factor`` with ``num_workers=0``, ``pin_memory`` without CUDA) is
    measured once. Grid steps are all the steps its runs trained, from their first.
 3. If the tune ended elsewhere than the grid's best, the two configurations are measured
-   again, in alternating fresh runs (``--rounds`` each), so that the ratio is not the
-   luck of the machine's load during the grid.
+   again, in pairs of fresh runs in alternating order (``--rounds`` pairs), and the
+   ratio is the geometric mean of the pairs': not the luck of the machine's load during
+   the grid (on a shared host one configuration's throughput moved 2.4x within minutes).
 
 Throughput is samples/s (tokens/s for the transformer) from the runs' own step records.
 The machine's load moves the numbers (on a shared host, a lot): compare the ratios.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -156,6 +158,23 @@ def grid_configs(space: dict[str, list[Any]], defaults: dict[str, Any], cuda: bo
     return configs
 
 
+def head_to_head(model: str, tuned: dict[str, Any], best: dict[str, Any],
+                 args: argparse.Namespace) -> float:
+    """Tuned over grid best, from ``args.rounds`` pairs of fresh runs in the order
+    tuned-best, best-tuned, tuned-best, ... (a drift of the load cancels), as the
+    geometric mean of the pairs' ratios."""
+    ratios = []
+    for round_ in range(args.rounds):
+        order = (tuned, best) if round_ % 2 == 0 else (best, tuned)
+        rates = {text(config): measure(model, config, args.grid_precision,
+                                       args.grid_max_steps, args.grid_max_s)[0]
+                 for config in order}
+        ratios.append(rates[text(tuned)] / rates[text(best)])
+        print(f"  head to head {round_ + 1}: tuned {rates[text(tuned)]:,.0f}/s, grid best "
+              f"{rates[text(best)]:,.0f}/s", flush=True)
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+
+
 def text(config: dict[str, Any]) -> str:
     return ",".join(assignment(knob, value) for knob, value in config.items())
 
@@ -181,16 +200,7 @@ def bench(model: str, args: argparse.Namespace) -> tuple[float, float, str, str]
     if tuned_key == best:
         ratio = 1.0
     else:
-        rates: dict[str, list[float]] = {tuned_key: [], best: []}
-        for _ in range(args.rounds):  # alternating fresh runs, against load drift
-            for key, config in ((tuned_key, tuned_config), (best, best_config)):
-                rates[key].append(measure(model, config, args.grid_precision,
-                                          args.grid_max_steps, args.grid_max_s)[0])
-        ratio = (sum(rates[tuned_key]) / len(rates[tuned_key])) / (
-            sum(rates[best]) / len(rates[best]))
-        print(f"  head to head, {args.rounds} alternating runs each: tuned "
-              f"{', '.join(f'{r:,.0f}' for r in rates[tuned_key])}/s, grid best "
-              f"{', '.join(f'{r:,.0f}' for r in rates[best])}/s", flush=True)
+        ratio = head_to_head(model, tuned_config, best_config, args)
     share = tuned["steps"] / grid_steps
     print(f"RESULT[{model}] tune_vs_best={ratio:.3f} tune_steps_share={share:.3f} "
           f"grid_best={best} tuned={tuned_key} tune_steps={tuned['steps']} "
@@ -206,7 +216,9 @@ def main() -> int:
                              "over its mean (default: %(default).3f)")
     parser.add_argument("--grid-max-steps", type=int, default=100)
     parser.add_argument("--grid-max-s", type=float, default=45.0)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="pairs of fresh runs of the tuned and the grid's best "
+                             "configuration, when they differ (default 4)")
     args = parser.parse_args()
     os.environ.setdefault(runs.RUN_DIR_ENV, tempfile.mkdtemp(prefix="gw-tune-"))
     results = {model: bench(model, args) for model in args.models.split(",")}
