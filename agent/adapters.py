@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from typing import Any, Callable
 
 import torch
 
-from agent.core import Agent
-from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, CPU_THREADS, KERNELS, MEMORY_FRACTION,
-                         MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
-                         PRECISION, PREFETCH_FACTOR, Knob, KnobSet)
+from agent.checkpoints import Checkpoints, load_checkpoint, restore_knobs, torch_checkpoint
+from agent.core import Agent, ending_reason
+from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, CPU_THREADS, KERNELS, LR_SCALE,
+                         MAX_GRAD_NORM, MEMORY_FRACTION, MEMORY_SNAPSHOT_STEPS,
+                         MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
+                         PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
 from agent.runlog import log_dir
 from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import MemorySnapshot, set_memory_fraction
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
+from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
 from gpuopt.trainer import StepStats, Trainer
 
@@ -125,6 +129,31 @@ def micro_batch_size_knob(loader: ReconfigurableLoader, get_accum: Callable[[], 
     return Knob(MICRO_BATCH_SIZE, get=lambda: loader.batch_size, set=apply, check=check)
 
 
+def optimizer_knobs(settings: OptimizerSettings, knobs: KnobSet) -> None:
+    """Bind ``lr_scale`` and ``weight_decay`` of an optimizer's
+    :class:`gpuopt.optim.OptimizerSettings`: the scale multiplies what the schedule sets,
+    inside the step only; the decay goes to the param groups that decay (a warning says
+    so when none did, and every group gets it). ``weight_decay`` is marked unsupported,
+    with the reason, for an optimizer that has none."""
+    knobs.add(Knob(LR_SCALE, get=lambda: settings.lr_scale,
+                   set=lambda value: setattr(settings, "lr_scale", value)))
+    reason = settings.weight_decay_reason()
+    if reason is not None:
+        knobs.unsupported[WEIGHT_DECAY.name] = reason
+        return
+
+    def every_group(value: float) -> str | None:
+        if value and settings.decays_every_group:
+            return ("no param group had weight decay when gpuwatch attached, so nothing "
+                    "tells biases and norms apart: every group decays (give them a group "
+                    "of their own with weight_decay=0 to keep them out)")
+        return None
+
+    knobs.add(Knob(WEIGHT_DECAY, get=lambda: settings.weight_decay,
+                   set=lambda value: setattr(settings, "weight_decay", value),
+                   warn=every_group))
+
+
 class MemoryKnobs:
     """The ``memory_fraction`` and ``memory_snapshot_steps`` knobs of a run on a CUDA
     ``device``; on any other device :meth:`bind` marks them unsupported, with the
@@ -191,8 +220,8 @@ class _TrainerCallback:
     def on_optimizer_step(self, trainer: Trainer, stats: StepStats) -> None:
         self.agent.optimizer_step(stats.step, stats.micro_batches, stats.samples,
                                   stats.data_wait_s, stats.loss, stats.skipped,
-                                  stats.activation_bytes, tokens=stats.tokens, lr=stats.lr,
-                                  grad_norm=stats.grad_norm)
+                                  stats.activation_bytes, tokens=stats.tokens,
+                                  lr=stats.lr_groups or stats.lr, grad_norm=stats.grad_norm)
         publish_events(self.agent, stats.step, trainer.model_backend.pop_events())
         if trainer.activation_measurement_error and not self._measurement_error_reported:
             self._measurement_error_reported = True
@@ -205,11 +234,16 @@ class _TrainerCallback:
         return self.agent.roll_back_last_change(
             trainer.step + 1, f"step {trainer.step + 1} ran out of memory")
 
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+        self.agent.close(ending_reason(error))
+
     def on_fit_end(self, trainer: Trainer) -> None:
-        self.agent.close("finished")
+        self.agent.close("finished")  # (after on_exception: already closed)
 
 
-def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: Any) -> Any:
+def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
+           checkpoint_dir: str | os.PathLike | None = None,
+           resume_from: str | os.PathLike | None = None, **options: Any) -> Any:
     """Attach the agent to the trainer you already have, in one line, before it trains.
 
     By its type: a :class:`gpuopt.Trainer` (below); a ``lightning.pytorch.Trainer``
@@ -226,15 +260,18 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: A
     For a :class:`gpuopt.Trainer`:
 
     The agent measures every optimizer step of the next :meth:`Trainer.fit` and exposes
-    the knobs ``precision``, ``accum_steps``, ``kernels``, ``cpu_threads``,
+    the knobs ``precision``, ``accum_steps``, ``kernels``, ``lr_scale``, ``weight_decay``
+    (when the optimizer has it), ``max_grad_norm`` (0: no clipping), ``cpu_threads``,
     ``memory_fraction`` and ``memory_snapshot_steps`` (the last two on CUDA; elsewhere a
     command for them is refused with the reason), ``checkpointing`` when the model
     has blocks to checkpoint, and ``num_workers``, ``pin_memory``, ``prefetch_factor`` and
     ``micro_batch_size`` when the trainer's loader is a
-    :class:`gpuopt.loader.ReconfigurableLoader`. It
-    closes (``bye``, run file removed) when that ``fit`` returns. After a change of
-    precision, accumulation, micro-batch size or kernels, an out-of-memory error in the
-    next steps rolls the change back and the window is run again
+    :class:`gpuopt.loader.ReconfigurableLoader`; and the ``checkpoint`` command
+    (:meth:`Trainer.state_dict` and the knob values, by ``torch.save``, see
+    :mod:`agent.checkpoints`). It closes (``bye``, run file removed) when that ``fit``
+    returns. After a guarded change (precision, accumulation, micro-batch size, kernels,
+    the optimizer's knobs), an out-of-memory error in the next steps rolls the change
+    back and the window is run again
     (``Trainer.on_out_of_memory``). Costs the training thread a few microseconds per
     optimizer step and never synchronizes the device.
 
@@ -242,7 +279,16 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: A
         trainer: the trainer to observe and steer.
         name: label for the run (default: the script name).
         transport: ``"ipc"`` or ``"tcp"`` (see :class:`agent.Agent`).
+        checkpoint_dir: where ``checkpoint=now`` saves (default:
+            :func:`agent.checkpoints.default_checkpoint_dir`).
+        resume_from: a checkpoint the command saved: the trainer continues from it (its
+            state, loader position, random numbers and every knob value; see
+            :meth:`Trainer.load_state_dict`), and an event says so.
         options: more :class:`agent.Agent` arguments (and the integration's own).
+
+    Raises:
+        ValueError: ``resume_from`` is not such a checkpoint, or this trainer cannot take
+            it (see :meth:`Trainer.load_state_dict`). OSError: it cannot be read.
     """
     if not isinstance(trainer, Trainer):
         from agent.integrations import integration_for
@@ -254,8 +300,15 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: A
                 f"transformers.Trainer or an accelerate.Accelerator, not "
                 f"{type(trainer).__module__}.{type(trainer).__qualname__}; for a "
                 "hand-written loop use agent.session(...)")
+        for option, value in (("checkpoint_dir", checkpoint_dir),
+                              ("resume_from", resume_from)):
+            if value is not None:
+                options[option] = value
         return importlib.import_module(module).attach(trainer, name=name,
                                                       transport=transport, **options)
+    saved = load_checkpoint(resume_from) if resume_from is not None else None
+    if saved is not None:
+        trainer.load_state_dict(saved["trainer"])
     knobs = KnobSet()
     knobs.add(precision_knob(trainer.mixed_precision))
     knobs.add(Knob(ACCUM_STEPS, get=lambda: trainer.accum_steps,
@@ -269,6 +322,9 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: A
     if trainer.activation_checkpointing is not None:
         knobs.add(Knob(CHECKPOINTING, get=lambda: trainer.checkpointing,
                        set=lambda value: setattr(trainer, "checkpointing", value)))
+    optimizer_knobs(trainer.optimizer_settings, knobs)
+    knobs.add(Knob(MAX_GRAD_NORM, get=lambda: trainer.max_grad_norm or 0.0,
+                   set=lambda value: setattr(trainer, "max_grad_norm", value)))
     # (the knobs panel lists them in this order: the newer ones after the established)
     if isinstance(trainer.loader, ReconfigurableLoader):
         knobs.add(micro_batch_size_knob(trainer.loader, lambda: trainer.accum_steps,
@@ -284,6 +340,14 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc", **options: A
                   **options)
     memory = MemoryKnobs(trainer.device, agent.run_id)
     memory.bind(knobs)
+
+    def save(path: Any, values: dict[str, Any]) -> None:
+        torch.save(torch_checkpoint(agent, values, trainer.step,
+                                    {"trainer": trainer.state_dict()}), path)
+
+    Checkpoints(agent, save, step=lambda: trainer.step, directory=checkpoint_dir).bind(knobs)
+    if saved is not None:
+        restore_knobs(agent, saved["knobs"], str(resume_from), trainer.step)
     agent.refresh_knobs()
     trainer.callbacks.append(_TrainerCallback(agent, memory))
     return agent.start()

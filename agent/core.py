@@ -32,7 +32,7 @@ import zmq
 
 from agent import protocol
 from agent.guard import GUARDED_KNOBS, ChangeGuard
-from agent.knobs import KnobError, KnobSet, assignment
+from agent.knobs import CHECKPOINT, KnobError, KnobSet, assignment
 from agent.markers import marker_for
 from agent.probes import Nvml, SystemProbe
 from agent.runlog import RunLog, log_dir
@@ -41,6 +41,7 @@ from agent.runs import (RUN_ID_ENV, RunInfo, new_run_id, rank_taken, remove_run_
 from agent.tune import AutoTune
 from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import memory_stats
+from gpuopt.optim import host_rate
 
 log = logging.getLogger("gpuwatch.agent")
 
@@ -59,6 +60,19 @@ COMMANDS_PER_S = 200
 #: what a flood of large messages can make the training process hold.
 _COMMAND_QUEUE = 64
 _MAX_COMMAND_BYTES = 64 * 1024
+#: Largest message a subscriber may send the PUB socket (a subscription: a topic of a
+#: few bytes); a larger one disconnects it (a 100 MB "subscription" is never held).
+_MAX_SUBSCRIPTION_BYTES = 1024
+#: A connection that has not completed its handshake (CURVE on tcp) by then is closed:
+#: a peer without the run's key holds a file descriptor this long at most (ms).
+_HANDSHAKE_MS = 2000
+#: How long the tcp gateway may take to start and bind (s).
+_GATEWAY_START_S = 30.0
+#: New subscribers are greeted (hello + state, on the wire only) at most this often;
+#: those who come in between share the next greeting.
+GREETINGS_PER_S = 2
+#: Subscription frames read per wake-up at most (the rest wait for the next one).
+_MAX_SUBSCRIPTIONS_PER_POLL = 1000
 _SEND_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _SEND_LAST = int(zmq.NOBLOCK)
 #: How far ahead a command may be scheduled (optimizer steps).
@@ -112,6 +126,8 @@ class _Pending:
     value: Any = field(compare=False)
     command_id: Any = field(compare=False)
     rollback_reason: str | None = field(compare=False, default=None)
+    #: sent with ``checkpoint: true``: applied only if the checkpoint before it was saved
+    after_checkpoint: bool = field(compare=False, default=False)
 
 
 class Agent:
@@ -123,12 +139,15 @@ class Agent:
         model: the model, for its parameter count in ``hello`` (optional).
         device: the model's device; CUDA enables event timing and CUDA memory fields.
         transport: ``"ipc"`` (a socket file in the private run directory) or ``"tcp"``
-            (127.0.0.1, random ports). Both are local to this machine.
+            (127.0.0.1, random ports). A tcp run's ports use ZeroMQ CURVE, loopback
+            included (loopback is shared with every local user): traffic is encrypted
+            and only a client holding the run's client key (kept in the owner-only run
+            file) may connect; they are bound by a child process, the gateway
+            (:mod:`agent.gateway`), which forwards to the agent's private ipc sockets,
+            so no tcp client can make the training process hold connections, file
+            descriptors or buffers. Commands still need the token.
         listen: an address other than 127.0.0.1 to listen on with tcp (e.g.
-            ``"0.0.0.0"``), for a dashboard on another machine. Then both sockets use
-            ZeroMQ CURVE: traffic is encrypted and only a client holding the run's client
-            key (kept in the owner-only run file) may connect; commands still need the
-            token.
+            ``"0.0.0.0"``), for a dashboard on another machine (CURVE as above).
         rank, world_size: default from ``torch.distributed`` when initialised, else the
             ``RANK`` / ``WORLD_SIZE`` environment variables, else 0 / 1.
         queue_size: bound of the record queue; when the I/O thread falls that far
@@ -177,7 +196,6 @@ class Agent:
         self.model_name = type(model).__name__ if model is not None else ""
         self.info: RunInfo | None = None
         self._pub: zmq.Socket | None = None
-        self._authenticator: Any = None
         self._log: RunLog | None = None
         self._marker = marker_for(self.device)
         self._records: deque = deque(maxlen=queue_size)
@@ -265,7 +283,7 @@ class Agent:
                        data_wait_s: float, loss: torch.Tensor | None,
                        skipped: torch.Tensor | None = None,
                        activation_bytes: int | None = None, *, tokens: int | None = None,
-                       lr: float | None = None,
+                       lr: float | tuple[float | None, ...] | None = None,
                        grad_norm: torch.Tensor | float | None = None) -> None:
         """Training thread: record the optimizer step ``step`` that just ended, then apply
         the commands due at step ``step + 1``.
@@ -280,7 +298,10 @@ class Agent:
             activation_bytes: bytes saved for backward by one of its micro-batches, when
                 measured (:class:`gpuopt.memory.SavedActivations`); else None.
             tokens: tokens in the window (token models), or None.
-            lr: the learning rate the step used (param group 0), a host float, or None.
+            lr: the learning rate the step used (param group 0), a host float, or the
+                rate of each param group as a tuple, as the groups hold them (floats or
+                tensors; read on the I/O thread, a device tensor not at all), published as
+                ``lr`` and ``lr_groups``; or None.
             grad_norm: the global gradient norm the step saw (before clipping), as a
                 0-dim tensor (read on the I/O thread once ready) or a float, or None.
 
@@ -311,17 +332,31 @@ class Agent:
             commands, self._pending[:due] = self._pending[:due], []
         if self.world_size > 1:  # arrival order differs between ranks; ids do not
             commands.sort(key=lambda command: (command.apply_step, str(command.command_id)))
+        # commands that are not settings (a checkpoint) first: they see the state before
+        # the changes of the same boundary (a stable sort keeps the order above)
+        commands.sort(key=lambda command: self.knobs.knobs[command.knob].spec.kind != "action")
         last = {command.knob: command for command in commands}
+        checkpoint_failed = False
         for command in commands:
             if last[command.knob] is not command:  # a later command for the same knob
                 continue                            # at the same boundary wins
             knob = self.knobs.knobs[command.knob]
-            previous = knob.get()
+            action = knob.spec.kind == "action"
+            previous = None if action else knob.get()
+            if command.after_checkpoint and checkpoint_failed and self.world_size > 1:
+                self.event("warning", f"{assignment(command.knob, command.value)}: the "
+                           "checkpoint before it failed on this rank; applied all the same "
+                           f"(every one of the {self.world_size} ranks must apply it)",
+                           kind="warning", knob=command.knob, step=step + 1)
             try:
-                knob.set(command.value)
+                if command.after_checkpoint and checkpoint_failed and self.world_size == 1:
+                    raise RuntimeError("the checkpoint asked for before it was not saved")
+                detail = knob.set(command.value) or {}
             except Exception as exc:
+                checkpoint_failed = checkpoint_failed or command.knob == CHECKPOINT.name
+                kept = "" if action else f"; kept {assignment(command.knob, previous)}"
                 self.event("error", f"{assignment(command.knob, command.value)} failed at "
-                            f"step {step + 1}: {exc}; kept {assignment(command.knob, previous)}",
+                            f"step {step + 1}: {exc}{kept}",
                             kind="failed", knob=command.knob, value=command.value,
                             step=step + 1, id=command.command_id)
                 continue
@@ -331,10 +366,13 @@ class Agent:
             text = f"{assignment(command.knob, command.value)} applied at step {step + 1}"
             if command.rollback_reason:
                 text += f": rolled back because {command.rollback_reason}"
+            detail = dict(detail)
+            if "text" in detail:
+                text += f": {detail.pop('text')}"
             self.event("warning" if command.rollback_reason else "info", text,
                         kind="rolled_back" if command.rollback_reason else "applied",
                         knob=command.knob, value=command.value, previous=previous,
-                        step=step + 1, id=command.command_id)
+                        step=step + 1, id=command.command_id, **detail)
             if command.command_id is not None:  # a late cancel can be told so
                 self._applied_ids.append((command.command_id, step + 1))
 
@@ -415,38 +453,119 @@ class Agent:
             self._ready.set()
             if self.info is not None:
                 remove_run_file(self.info)
-                for endpoint in (self.info.pub_endpoint, self.info.cmd_endpoint):
-                    if endpoint.startswith("ipc://"):
-                        Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
+            for path in self._ipc_paths:  # bound, even if the run file never came
+                Path(path).unlink(missing_ok=True)
             if self._pub is not None:
                 self._pub.close(linger=500)  # let bye and the last records leave
             if self._log is not None:
                 self._guard("run log", self._log.close)
-            if self._authenticator is not None:
-                self._authenticator.stop()
+            self._guard("tcp gateway", self._stop_gateway)
             context.destroy(linger=0)
 
-    def _secure(self, context: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> dict[str, str]:
-        """CURVE for a run that listens beyond this machine: a server key pair, and one
-        client key pair that the authenticator accepts (ZAP, on its own thread)."""
-        from zmq.auth.thread import ThreadAuthenticator
+    def _start_gateway(self, pub_endpoint: str, cmd_endpoint: str) -> dict[str, str]:
+        """Start the tcp side of this run in a child process (:mod:`agent.gateway`):
+        tcp ports with CURVE, forwarding to this agent's private ipc sockets, so that
+        what a tcp client makes a process hold (connections, descriptors, buffers) is
+        never held by the training process. Its keys go in the owner-only run file: a
+        client without them gets nothing, one with them knows it reached this run (only
+        the gateway holds the server's secret key), so a port taken over after the run
+        ended is never trusted.
 
+        Returns:
+            The run file's ``pub_endpoint``, ``cmd_endpoint`` and CURVE key fields.
+
+        Raises:
+            OSError: the gateway could not be started or did not bind (it says why).
+        """
+        import json
+        import select
+        import subprocess
+
+        if not sys.executable:
+            raise OSError("no Python executable to start the tcp gateway with")
         server_public, server_secret = zmq.curve_keypair()
         client_public, client_secret = zmq.curve_keypair()
-        self._authenticator = ThreadAuthenticator(context)
-        self._authenticator.start()
-        self._authenticator.configure_curve_callback(
-            domain="*", credentials_provider=_OneClientKey(client_public))
-        for socket in sockets:
-            socket.curve_secretkey = server_secret
-            socket.curve_publickey = server_public
-            socket.curve_server = True
-        return {"curve_server_key": server_public.decode(),
+        self._gateway_id = b"gpuwatch-gateway-" + secrets.token_bytes(8)
+        address = self.listen or "127.0.0.1"
+        settings = {"pub": pub_endpoint, "cmd": cmd_endpoint, "address": address,
+                    "server_public": server_public.decode(),
+                    "server_secret": server_secret.decode(),
+                    "client_public": client_public.decode(),
+                    "routing_id": self._gateway_id.hex()}
+        home = str(Path(__file__).resolve().parent.parent)  # where `agent` is imported from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            part for part in (home, os.environ.get("PYTHONPATH", "")) if part)}
+        gateway = subprocess.Popen([sys.executable, "-m", "agent.gateway"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   env=env, close_fds=True)
+        self._gateway = gateway
+        gateway.stdin.write(json.dumps(settings).encode() + b"\n")
+        gateway.stdin.flush()
+        readable, _, _ = select.select([gateway.stdout], [], [], _GATEWAY_START_S)
+        line = gateway.stdout.readline() if readable else b""
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = {"error": f"no answer within {_GATEWAY_START_S:.0f} s"}
+        if "error" in answer or not isinstance(answer.get("pub_port"), int):
+            raise OSError(f"the tcp gateway did not start: {answer.get('error', answer)}")
+        shown = "127.0.0.1" if address in ("0.0.0.0", "*") else address
+        return {"pub_endpoint": f"tcp://{shown}:{answer['pub_port']}",
+                "cmd_endpoint": f"tcp://{shown}:{answer['cmd_port']}",
+                "curve_server_key": server_public.decode(),
                 "curve_client_public_key": client_public.decode(),
                 "curve_client_secret_key": client_secret.decode()}
 
+    def _gateway_gone(self) -> None:
+        """The gateway died (killed?): the run file names the private ipc sockets
+        instead, so this user's dashboards find the run again; an event says so."""
+        status = self._gateway.returncode
+        self._stop_gateway()
+        assert self.info is not None
+        self.info.pub_endpoint, self.info.cmd_endpoint = (
+            f"ipc://{path}" for path in self._ipc_paths)
+        self.info.curve_server_key = self.info.curve_client_public_key = ""
+        self.info.curve_client_secret_key = ""
+        write_run_file(self.info, Path(self.info.path).parent)
+        self.report_error("tcp gateway", RuntimeError(
+            f"it exited with status {status}; the run is now reached over ipc only "
+            f"({self.info.pub_endpoint})"))
+
+    def _stop_gateway(self) -> None:
+        """Close the gateway's stdin (it ends on EOF); kill it if it lingers."""
+        gateway, self._gateway = self._gateway, None
+        if gateway is None:
+            return
+        import subprocess
+
+        try:
+            gateway.stdin.close()
+            gateway.wait(2.0)
+        except (OSError, subprocess.TimeoutExpired):
+            gateway.kill()
+            gateway.wait()
+        gateway.stdout.close()
+
+    #: ipc socket files this agent bound (removed at exit, run file or not)
+    _ipc_paths: tuple[str, ...] = ()
+    #: the tcp gateway (a child process) and the routing id of its commands
+    _gateway: Any = None
+    _gateway_id: bytes | None = None
+    #: a new subscriber waits for its greeting; when the next one may be sent
+    _greet_due = False
+    _next_greeting = 0.0
+
     def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
-        holder = rank_taken(self.run_id, self.rank)
+        """Bind the sockets, open the run log and write the run file.
+
+        Raises:
+            agent.runs.UnsafeDirectoryError, OSError: the run directory is refused or
+                cannot be made (the agent then stays inert: training goes on
+                unobserved). A run log that cannot be opened is not an error: the run
+                goes on without one, and an event says why.
+        """
+        directory = run_dir()  # resolved and checked once, used for all that follows
+        holder = rank_taken(self.run_id, self.rank, directory)
         if holder is not None:  # never take over another job's sockets and run file
             taken, self.run_id = self.run_id, new_run_id()
             self.event("warning", f"run id {taken} rank {self.rank} is in use by pid "
@@ -457,34 +576,42 @@ class Agent:
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, to greet each newcomer
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
         router = context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, _MAX_COMMAND_BYTES)
         router.setsockopt(zmq.RCVHWM, _COMMAND_QUEUE)
-        keys = self._secure(context, (pub, router)) if self.listen else {}
-        endpoints = []
-        if self.transport == "ipc":
-            base = run_dir() / f"{self.run_id}.r{self.rank}"
-            for socket, suffix in ((pub, "pub"), (router, "cmd")):
-                endpoint = f"ipc://{base}.{suffix}"
-                socket.bind(endpoint)
-                os.chmod(f"{base}.{suffix}", 0o600)
-                endpoints.append(endpoint)
-        else:
-            address = self.listen or "127.0.0.1"
-            shown = "127.0.0.1" if address in ("0.0.0.0", "*") else address
-            for socket in (pub, router):
-                port = socket.bind_to_random_port(f"tcp://{address}")
-                endpoints.append(f"tcp://{shown}:{port}")
-        self._log = self._guard("run log", RunLog,
-                                log_dir() / f"{self.run_id}.rank{self.rank}.jsonl")
+        for socket in (pub, router):
+            socket.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
+        # ipc in the private run directory, always: only this user can connect; a tcp
+        # run's ports are bound by its gateway process, never by the training process
+        base = directory / f"{self.run_id}.r{self.rank}"
+        endpoints = {}
+        for socket, suffix in ((pub, "pub"), (router, "cmd")):
+            endpoint = f"ipc://{base}.{suffix}"
+            socket.bind(endpoint)
+            self._ipc_paths += (f"{base}.{suffix}",)
+            os.chmod(f"{base}.{suffix}", 0o600)
+            endpoints[f"{suffix}_endpoint"] = endpoint
+        if self.transport == "tcp":
+            endpoints = self._start_gateway(endpoints["pub_endpoint"],
+                                            endpoints["cmd_endpoint"])
+        self._log = self._guard("run log", self._open_log)
         self.info = RunInfo(run_id=self.run_id, rank=self.rank, world_size=self.world_size,
-                            pid=os.getpid(), pub_endpoint=endpoints[0],
-                            cmd_endpoint=endpoints[1], token=self.token,
+                            pid=os.getpid(), token=self.token,
                             started_at=self._started_at, name=self.name,
-                            log_path=str(self._log.path) if self._log else "", **keys)
-        write_run_file(self.info)
+                            log_path=str(self._log.path) if self._log else "", **endpoints)
+        write_run_file(self.info, directory)
         return pub, router
+
+    def _open_log(self) -> RunLog:
+        """The run log of this rank, in :func:`agent.runlog.log_dir`.
+
+        Raises:
+            agent.runs.UnsafeDirectoryError, agent.runlog.UnsafeLogFileError, OSError:
+                the directory or the file is refused or cannot be made.
+        """
+        return RunLog(log_dir() / f"{self.run_id}.rank{self.rank}.jsonl")
 
     def _io_loop(self, context: zmq.Context) -> None:
         pub, router = self._bind(context)
@@ -511,7 +638,7 @@ class Agent:
                 if budget <= 0:
                     poller.register(router, zmq.POLLIN)
                 budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
-            if pub in ready:
+            if pub in ready or self._greet_due:
                 self._guard("greeting", self._greet_subscribers, pub)
             if self._announce:
                 self._announce = False
@@ -529,6 +656,8 @@ class Agent:
                 next_heartbeat = now + _HEARTBEAT_INTERVAL_S
                 heartbeats += 1
                 self._publish(protocol.HEARTBEAT, self._heartbeat())
+                if self._gateway is not None and self._gateway.poll() is not None:
+                    self._guard("tcp gateway", self._gateway_gone)
                 if heartbeats % _HELLO_EVERY_HEARTBEATS == 0:
                     self._guard("hello", self._publish, protocol.HELLO, self._hello())
                     self._publish(protocol.STATE,
@@ -544,17 +673,24 @@ class Agent:
 
     def _greet_subscribers(self, pub: zmq.Socket) -> None:
         """A new subscriber gets ``hello`` and ``state`` at once (no wait for the next
-        periodic ``hello``)."""
-        greet = False
-        while True:
+        periodic ``hello``), or, when subscriptions come faster than
+        :data:`GREETINGS_PER_S`, with the next greeting allowed, one for all who came in
+        between. Greetings go on the wire only, not in the run log (which has the
+        ``hello`` it starts with and the periodic ones), and repeat the latest ``seq``:
+        resubscribing in a loop can neither fill the log nor look like lost records."""
+        for _ in range(_MAX_SUBSCRIPTIONS_PER_POLL):
             try:
                 frame = pub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            greet = greet or frame[:1] == b"\x01"
-        if greet:
-            self._publish(protocol.HELLO, self._hello())
-            self._publish(protocol.STATE, {"knobs": self._knob_values, "step": self._last_step})
+            self._greet_due = self._greet_due or frame[:1] == b"\x01"
+        now = time.monotonic()
+        if self._greet_due and now >= self._next_greeting:
+            self._greet_due = False
+            self._next_greeting = now + 1.0 / GREETINGS_PER_S
+            self._publish(protocol.HELLO, self._hello(), logged=False)
+            self._publish(protocol.STATE, {"knobs": self._knob_values, "step": self._last_step},
+                          logged=False)
 
     def _guard(self, where: str, function: Any, *args: Any, default: Any = None) -> Any:
         try:
@@ -563,11 +699,14 @@ class Agent:
             self.report_error(where, exc)
             return default
 
-    def _publish(self, msg_type: str, body: dict[str, Any]) -> None:
-        self._seq += 1
+    def _publish(self, msg_type: str, body: dict[str, Any], logged: bool = True) -> None:
+        """Send one message (and append it to the run log). ``logged=False``: a repeat
+        for new subscribers, sent with the latest ``seq`` and not logged."""
+        if logged:
+            self._seq += 1
         message = protocol.envelope(msg_type, body, run=self.run_id, rank=self.rank,
                                     seq=self._seq)
-        if self._log is not None:
+        if self._log is not None and logged:
             try:
                 self._log.write(message)
             except Exception as exc:  # disk full, ...: go on without the log
@@ -631,6 +770,9 @@ class Agent:
             if tokens is not None:
                 body["tokens"] = tokens
                 body["tokens_per_s"] = tokens / step_time_s if step_time_s else None
+            if isinstance(lr, tuple):  # every param group's, floats or host tensors
+                body["lr_groups"] = [host_rate(rate) for rate in lr]
+                lr = body["lr_groups"][0] if lr else None
             if lr is not None:
                 body["lr"] = float(lr)
             if grad_norm is not None:
@@ -684,8 +826,8 @@ class Agent:
         count = self.commands_rejected - self._rejections_reported
         self._rejections_reported = self.commands_rejected
         more = f" ({count - 1} more since the last report)" if count > 1 else ""
-        self.event("warning", f"command rejected: {reason}{more}", kind="rejected",
-                   knob=knob if isinstance(knob, str) else None, id=command_id)
+        self.event("warning", f"command rejected: {protocol.shorten(reason)}{more}",
+                   kind="rejected", knob=_short_name(knob), id=_short_name(command_id))
 
     def _schedule(self, pending: _Pending) -> None:
         with self._pending_lock:
@@ -707,7 +849,8 @@ class Agent:
     def _heartbeat(self) -> dict[str, Any]:
         return {"step": self._last_step, "ending": self._ending,
                 "records_dropped": self.records_dropped, "errors": len(self.errors),
-                "commands_refused": self.commands_refused}
+                "commands_refused": self.commands_refused,
+                "commands_rejected": self.commands_rejected}
 
     def _hello(self) -> dict[str, Any]:
         if not hasattr(self, "_env_report"):
@@ -721,6 +864,7 @@ class Agent:
             "env": self._env_report, "knobs": self.knobs.schema(),
             "log_path": self.info.log_path if self.info else "",
             "knob_values": self._knob_values, "training": self.training,
+            "errors": self.errors[-10:],  # what a dashboard that comes late missed
         }
 
     # ---------------------------------------------------------------- commands
@@ -734,14 +878,20 @@ class Agent:
             except zmq.Again:
                 break
             served += 1
-            identity, rest = frames[0], frames[1:]
+            # a command through the tcp gateway comes as [gateway, client, *message]
+            hops = 2 if frames[0] == self._gateway_id and len(frames) > 2 else 1
+            route, rest = frames[:hops], frames[hops:]
             reply = self._command_reply(rest)
             if reply is None:
                 continue
+            if isinstance(reply.get("reason"), str):  # a huge bad value is not echoed
+                reply["reason"] = protocol.shorten(reply["reason"])
+            if "knob" in reply:
+                reply["knob"] = _short_name(reply["knob"])
             frames_out = protocol.encode(protocol.envelope(
                 protocol.REPLY, reply, run=self.run_id, rank=self.rank))
             try:
-                router.send_multipart([identity, *frames_out], flags=zmq.NOBLOCK)
+                router.send_multipart([*route, *frames_out], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # the client went away
         return served
@@ -759,7 +909,7 @@ class Agent:
             return {"id": None, "ok": False, "knob": body.get("knob"),
                     "reason": f"id must be a string or an integer, got {command_id!r}"}
         rejected = {"id": command_id, "ok": False, "knob": body.get("knob")}
-        for flag in ("dry_run", "cancel"):
+        for flag in ("dry_run", "cancel", "checkpoint"):
             if not isinstance(body.get(flag, False), bool):
                 return {**rejected, "reason": f"{flag} must be true or false, "
                                               f"got {body[flag]!r}"}
@@ -775,13 +925,20 @@ class Agent:
         if self._ending:
             return {**rejected, "reason": "the run is ending"}
         knob_name, raw = body.get("knob"), body.get("value")
+        checkpoint = body.get("checkpoint") is True  # save one at the same boundary, first
         try:
-            value = (self.tune.validate(raw) if knob_name == protocol.TUNE
-                     else self.knobs.validate(knob_name, raw))
+            if knob_name == protocol.TUNE:
+                value = self.tune.validate(raw)
+                if checkpoint:
+                    raise KnobError("checkpoint: true goes with a setting, not with tune")
+            else:
+                value = self.knobs.validate(knob_name, raw)
+                if checkpoint:
+                    self.knobs.validate(CHECKPOINT.name, "now")
         except KnobError as exc:
             self._note_rejection(str(exc), knob_name, command_id)
             return {**rejected, "reason": str(exc)}
-        if len(self._pending) >= MAX_PENDING_COMMANDS:
+        if len(self._pending) + checkpoint >= MAX_PENDING_COMMANDS:
             self.commands_refused += 1
             return {**rejected, "reason": f"{MAX_PENDING_COMMANDS} commands are already "
                                           "waiting for the next step boundary; try again"}
@@ -802,10 +959,16 @@ class Agent:
         if knob_name == protocol.TUNE:  # not a setting: the search starts (rank 0)
             return {"id": command_id, "ok": True, "knob": knob_name, "value": raw,
                     "apply_step": apply_step, "note": self.tune.start(value, apply_step)}
-        self._schedule(_Pending(apply_step, 0, knob_name, value, command_id))
+        if checkpoint:  # no id of its own: withdrawing the change leaves a harmless save
+            self._schedule(_Pending(apply_step, 0, CHECKPOINT.name, "now", None))
+        self._schedule(_Pending(apply_step, 0, knob_name, value, command_id,
+                                after_checkpoint=checkpoint))
         reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
                  "apply_step": apply_step}
         text = f"{assignment(knob_name, value)} accepted, applies at step {apply_step}"
+        if checkpoint:
+            reply["checkpoint"] = True
+            text += " after a checkpoint"
         self._publish(protocol.EVENT, {"level": "info", "text": text, "kind": "accepted",
                                        "knob": knob_name, "value": value,
                                        "step": apply_step, "id": command_id})
@@ -845,15 +1008,24 @@ class Agent:
                 "value": found.value, "apply_step": found.apply_step}
 
 
-class _OneClientKey:
-    """ZAP credentials check: only the run's own client key may connect."""
+def _short_name(value: Any) -> Any:
+    """A name from a command (knob, id) as echoed in replies and events: as it is when
+    it is not a string or is at most :data:`agent.protocol.MAX_NAME_CHARS` long (every
+    real one), else cut."""
+    if isinstance(value, str) and len(value) > protocol.MAX_NAME_CHARS:
+        return protocol.shorten(value, protocol.MAX_NAME_CHARS)
+    return value
 
-    def __init__(self, client_public: bytes) -> None:
-        self.client_public = client_public
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        """``key``: the connecting client's public key, Z85."""
-        return hmac.compare_digest(key, self.client_public)
+def ending_reason(error: BaseException | None) -> str:
+    """What ``bye`` says of a run that ends with ``error`` (None: it finished): the same
+    words in every integration (``finished``, ``stopped by SIGINT`` for Ctrl-C,
+    ``error: <the exception>``)."""
+    if error is None:
+        return "finished"
+    if isinstance(error, KeyboardInterrupt):
+        return "stopped by SIGINT"
+    return f"error: {error!r}"
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

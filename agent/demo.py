@@ -1,7 +1,10 @@
 """The demo training job behind ``gpuwatch demo``: a real model on real packaged data,
 trained by :class:`gpuopt.Trainer` with the agent attached.
 
-Run as ``python -m agent.demo [--model transformer|cnn] [--max-steps N]``. SIGTERM or
+Run as ``python -m agent.demo [--model transformer|cnn] [--max-steps N]``; with
+``--resume CHECKPOINT`` (and the options it was started with) it continues exactly from a
+checkpoint it saved (``checkpoint=now``: its state, loader position, random numbers and
+knobs; see :mod:`agent.checkpoints`). SIGTERM or
 SIGINT stops it cleanly at the next optimizer-step boundary (``bye`` is published and
 the run file removed); so does the end of the ``--parent-pid`` process, however it ends
 (``gpuwatch demo`` passes its own pid: a dashboard killed or hung up on does not leave
@@ -47,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parent-pid", type=int, metavar="PID",
                         help="stop when this process ends (gpuwatch demo passes its own)")
+    parser.add_argument("--resume", metavar="CHECKPOINT",
+                        help="continue from a checkpoint of this demo (checkpoint=now); the "
+                             "other options must be those it was started with")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="where checkpoint=now saves (default: the run's directory)")
     parser.add_argument("--listen", metavar="ADDRESS",
                         help="listen on this address (e.g. 0.0.0.0) with tcp and CURVE "
                              "encryption, for a dashboard on another machine")
@@ -67,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                       compile_backend=args.compile_backend)
     monitor = agent.attach(trainer, name=f"demo-{workload.name}",
                            transport="tcp" if args.listen else args.transport,
-                           listen=args.listen)
+                           listen=args.listen, checkpoint_dir=args.checkpoint_dir,
+                           resume_from=args.resume)
     if monitor.info is not None:
         print(f"gpuwatch demo: run {monitor.run_id} ({workload.name}), "
               f"attach with: gpuwatch {monitor.run_id}", flush=True)

@@ -24,8 +24,10 @@ CANCEL_CHECK_S = 0.1
 
 
 def secure(socket: zmq.Socket, info: RunInfo) -> None:
-    """Set the CURVE client keys of a run that listens beyond its machine (the run file
-    holds them); nothing for a local run."""
+    """Set the CURVE client keys of a tcp run (its run file holds them; nothing for an
+    ipc run). With the run's server key set, the connection completes only with the
+    process that holds its secret key: a port that another process took after the run
+    ended is never talked to."""
     if info.curve_server_key:
         socket.curve_serverkey = info.curve_server_key.encode()
         socket.curve_publickey = info.curve_client_public_key.encode()
@@ -43,7 +45,7 @@ MAX_FAN_OUT_MARGIN_STEPS = 1000
 
 def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None = None,
                  timeout_s: float = 3.0, cancelled: Callable[[], bool] | None = None,
-                 command_id: str | None = None) -> dict[str, Any]:
+                 command_id: str | None = None, checkpoint: bool = False) -> dict[str, Any]:
     """Ask the run to set ``knob`` to ``value`` and wait for its reply.
 
     The agent validates the value against the knob's schema (strings are parsed there,
@@ -69,6 +71,9 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
             replies, in seconds.
         cancelled: checked every :data:`CANCEL_CHECK_S` while waiting; when it returns
             True the wait ends at once (e.g. the dashboard is quitting).
+        checkpoint: save a checkpoint at the same boundary first (``checkpoint=now``
+            before a risky change); the change is not applied if that save fails, and a
+            run that cannot save one refuses the command.
 
     Returns:
         The reply body: ``{"id", "ok": True, "knob", "value", "apply_step"}`` (with
@@ -81,6 +86,8 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     """
     command_id = command_id or new_command_id()
     body: dict[str, Any] = {"id": command_id, "knob": knob, "value": value}
+    if checkpoint:
+        body["checkpoint"] = True
     if apply_step is not None:
         body["apply_step"] = apply_step
     if info.world_size <= 1 or info.run_id == "?":
@@ -166,6 +173,8 @@ class _Connections:
     dry run, the command and a cancel on one connection, in the order they were sent."""
 
     def __init__(self, ranks: list[RunInfo]) -> None:
+        """Connect one DEALER per rank (a rank that cannot be reached gets its reason
+        instead); raises nothing."""
         self.ranks = ranks
         self._sockets: list[zmq.Socket | None] = []
         self._errors: list[str | None] = []
@@ -173,6 +182,11 @@ class _Connections:
             sock, error = None, None
             if not info.cmd_endpoint:
                 error = "this run has no command endpoint (attach by run id)"
+            elif (info.cmd_endpoint.startswith("tcp://") and info.token
+                  and not info.curve_server_key):
+                error = (f"{info.cmd_endpoint} is tcp without the run's CURVE key in "
+                         "its run file, so nothing proves it is the run: its token is "
+                         "not sent (an agent of this version always has one)")
             else:
                 sock = zmq.Context.instance().socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)

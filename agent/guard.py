@@ -1,10 +1,10 @@
 """Safe changes: roll a live change back when the steps after it go bad.
 
-After a change of precision, accumulation, micro-batch size or kernels, the agent
-watches the next ``guard_steps`` optimizer steps. A non-finite loss, or the GradScaler
-skipping ``max_skipped_in_row`` fp16 steps in a row, rolls the guarded knobs back to the
-values they had before the change (the last good settings), at the next optimizer-step
-boundary.
+After a change of precision, accumulation, micro-batch size, kernels or the optimizer's
+settings (learning rate scale, weight decay, gradient clipping), the agent watches the
+next ``guard_steps`` optimizer steps. A non-finite loss, or the GradScaler skipping
+``max_skipped_in_row`` fp16 steps in a row, rolls the guarded knobs back to the values
+they had before the change (the last good settings), at the next optimizer-step boundary.
 Runs on the agent's I/O thread only, from the values the step markers deliver: it never
 reads a device tensor itself.
 """
@@ -18,7 +18,8 @@ from typing import Any
 from agent.protocol import TUNE_ID_PREFIX
 
 #: Knobs whose changes are watched and rolled back.
-GUARDED_KNOBS = frozenset({"precision", "accum_steps", "micro_batch_size", "kernels"})
+GUARDED_KNOBS = frozenset({"precision", "accum_steps", "micro_batch_size", "kernels",
+                           "lr_scale", "weight_decay", "max_grad_norm"})
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Knob schemas: the live-tunable settings of a run, and the validation of commands.
 
 A knob has a wire name (``precision``, ``accum_steps``, ...), a kind (``choice``, ``int``,
-``bool``) and bounds. The agent publishes the schema of the knobs its trainer supports in
+``float``, ``bool``, or ``action`` for a command that is not a setting, such as
+``checkpoint=now``) and bounds. The agent publishes the schema of the knobs its trainer supports in
 ``hello``; a knob a trainer cannot support is absent from the schema, so a command naming
 it is rejected with "unknown knob". Validation here is pure (no torch): the trainer may
 add a device check (e.g. bf16 on a GPU without bf16) through :attr:`Knob.check`.
@@ -35,14 +36,15 @@ class KnobSpec:
     """The schema of one knob.
 
     Attributes:
-        name: wire name. kind: ``"choice"``, ``"int"``, ``"float"`` or ``"bool"``.
-        choices: allowed values for ``choice``. minimum / maximum: inclusive bounds for
-        ``int`` and ``float``. help: one line for people.
+        name: wire name. kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"``, or
+        ``"action"``: a command with no value to keep (``checkpoint=now``), absent from
+        :meth:`KnobSet.values`. choices: allowed values for ``choice`` and ``action``.
+        minimum / maximum: inclusive bounds for ``int`` and ``float``. help: one line for people.
         tuning: what the in-run search (:mod:`agent.tune`) may do with it:
         :data:`TUNED` (a speed setting that leaves the training's results as they are:
         searched by default), :data:`TUNED_IF_ALLOWED` (it changes the numerics or the
         memory: searched only when the ``tune`` command allows it) or
-        :data:`NOT_TUNED` (never).
+        :data:`NOT_TUNED` (never: the optimizer's settings, actions, memory tools).
     """
 
     name: str
@@ -80,7 +82,7 @@ class KnobSpec:
             raise KnobError(_shorten(str(exc))) from None
 
     def _coerce(self, value: Any) -> Any:
-        if self.kind == "choice":
+        if self.kind in ("choice", "action"):
             if not isinstance(value, str) or value not in self.choices:
                 raise KnobError(
                     f"{self.name}: {value!r} is not one of {', '.join(self.choices)}")
@@ -171,6 +173,18 @@ KERNELS = KnobSpec("kernels", "choice", "forward implementation: eager, torch.co
 CHECKPOINTING = KnobSpec("checkpointing", "bool",
                          "activation checkpointing of the repeated blocks",
                          tuning=TUNED_IF_ALLOWED)
+LR_SCALE = KnobSpec("lr_scale", "float", "multiplier on the learning rate the schedule "
+                    "sets, in every param group (the schedule keeps its shape)",
+                    minimum=0.0, maximum=100.0)
+WEIGHT_DECAY = KnobSpec("weight_decay", "float", "weight decay of the param groups that "
+                        "decay (groups at 0, such as biases and norms, stay 0)",
+                        minimum=0.0, maximum=10.0)
+MAX_GRAD_NORM = KnobSpec("max_grad_norm", "float", "clip the global gradient norm to this "
+                         "before each optimizer step (0: no clipping)",
+                         minimum=0.0, maximum=1e6)
+CHECKPOINT = KnobSpec("checkpoint", "action", "save a checkpoint (model, optimizer, "
+                      "scheduler, GradScaler, knobs) at the next step boundary",
+                      choices=("now",))
 MEMORY_FRACTION = KnobSpec("memory_fraction", "float",
                            "cap of this process's CUDA memory, as a fraction of the device",
                            minimum=0.01, maximum=1.0)
@@ -180,11 +194,13 @@ MEMORY_SNAPSHOT_STEPS = KnobSpec("memory_snapshot_steps", "int",
 
 #: The knobs of a rebuildable DataLoader (:class:`gpuopt.loader.ReconfigurableLoader`).
 LOADER_KNOBS = (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR)
+#: The optimizer's knobs (:class:`gpuopt.optim.OptimizerSettings`, or the framework's).
+OPTIMIZER_KNOBS = (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM)
 
 STANDARD_KNOBS = {spec.name: spec for spec in
                   (PRECISION, ACCUM_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
                    PREFETCH_FACTOR, CPU_THREADS, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
-                   MEMORY_SNAPSHOT_STEPS)}
+                   MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, CHECKPOINT)}
 
 
 @dataclass
@@ -192,9 +208,12 @@ class Knob:
     """A knob bound to a trainer.
 
     Attributes:
-        spec: its schema. get: returns the current value (any thread; must be cheap).
+        spec: its schema. get: returns the current value (any thread; must be cheap; an
+            ``action`` knob's is not read).
         set: applies a value; called only on the training thread at an optimizer-step
-            boundary; raises to refuse (the previous value must then still hold).
+            boundary; raises to refuse (the previous value must then still hold). It
+            returns None, or a dict of what to add to the ``applied`` event (``text``: a
+            clause for people, e.g. where a checkpoint went; other keys: event fields).
         check: optional device check run on the agent's I/O thread when the command
             arrives; raises ``ValueError`` with the reason (e.g. "this GPU has no bf16").
         warn: optional; returns a performance warning for an accepted value (e.g. fp16
@@ -247,8 +266,9 @@ class KnobSet:
         return schema
 
     def values(self) -> dict[str, Any]:
-        """Current values of every knob."""
-        return {name: knob.get() for name, knob in self.knobs.items()}
+        """Current values of every knob that is a setting (``action`` knobs have none)."""
+        return {name: knob.get() for name, knob in self.knobs.items()
+                if knob.spec.kind != "action"}
 
     def validate(self, name: Any, value: Any) -> Any:
         """Validate a command; return the coerced value.
@@ -258,10 +278,10 @@ class KnobSet:
                 refuses it.
         """
         if isinstance(name, str) and name in self.unsupported:
-            raise KnobError(f"{name}: {self.unsupported[name]}")
+            raise KnobError(f"{name}: {self.unsupported[name]}")  # our own text, whole
         if not isinstance(name, str) or name not in self.knobs:
             known = ", ".join(self.knobs) or "none"
-            raise KnobError(f"unknown knob {name!r} (this run has: {known})")
+            raise KnobError(f"unknown knob {_shorten(repr(name), 80)} (this run has: {known})")
         knob = self.knobs[name]
         coerced = knob.spec.coerce(value)
         if knob.check is not None:

@@ -44,17 +44,22 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs,
-                            micro_batch_size_knob, precision_knob, publish_events, refuse)
-from agent.core import Agent
+                            micro_batch_size_knob, optimizer_knobs, precision_knob,
+                            publish_events, refuse)
+from agent.checkpoints import Checkpoints, load_checkpoint, restore_knobs, torch_checkpoint
+from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, MICRO_BATCH_SIZE,
-                         Knob, KnobSet)
+from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
+                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
+                         KnobSet)
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.data import batch_size
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.memory import SavedActivations
+from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import MixedPrecision, precision_name
+from gpuopt.saving import rng_state, set_rng_state
 
 #: Optimizer steps between two activation-memory measurements (as the Trainer's default).
 MEASURE_ACTIVATIONS_EVERY = 20
@@ -104,16 +109,24 @@ class Session:
         scaler: a ``GradScaler`` lookalike that follows the precision knob
             (:class:`gpuopt.precision.SwitchableGradScaler`): a real GradScaler in fp16.
         autocast: the loop's reusable autocast context (``ctx``): ``with run.autocast:``.
+        optimizer_settings: ``lr_scale``, ``weight_decay`` and the clipping of
+            ``max_grad_norm`` inside the optimizer's step
+            (:class:`gpuopt.optim.OptimizerSettings`), or None without an optimizer.
+        lr_scheduler: the scheduler the checkpoints save, or None.
     """
 
     def __init__(self, agent: Agent, *, model: torch.nn.Module | None,
-                 optimizer: torch.optim.Optimizer | None, mixed_precision: MixedPrecision,
+                 optimizer: torch.optim.Optimizer | None,
+                 optimizer_settings: OptimizerSettings | None, lr_scheduler: Any,
+                 mixed_precision: MixedPrecision,
                  accum_steps: int | None, model_backend: ModelBackend | None,
                  checkpointing: ActivationCheckpointing | None, memory: MemoryKnobs,
                  tokens_per_sample: int | None, measure_activations_every: int) -> None:
         self.agent = agent
         self.model = model
         self.optimizer = optimizer
+        self.optimizer_settings = optimizer_settings
+        self.lr_scheduler = lr_scheduler
         self.mixed_precision = mixed_precision
         self.scaler = mixed_precision.grad_scaler
         self.autocast = _MeasuredAutocast(self)
@@ -127,9 +140,6 @@ class Session:
         self._measured_settings: Any = None
         self._measure_due = False
         self._activation_bytes: int | None = None
-        self._step_lr: float | None = None
-        if optimizer is not None:  # the rate a step uses, read as it steps (a scheduler
-            optimizer.register_step_pre_hook(self._note_lr)  # may change it right after)
         self._plan_measurement()
 
     # ------------------------------------------------------------ what the loop reads
@@ -147,21 +157,26 @@ class Session:
                                  "agent.session(accum_steps=N) to make it a knob")
         return self._accum_steps
 
-    def _note_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-        self._step_lr = lr if isinstance(lr, (int, float)) else None
-
     def _set_accum_steps(self, value: int) -> None:
         self._accum_steps = value
 
     # ------------------------------------------------------------ data
 
-    def loader(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """Iterate ``batches``, timing each ``next()`` (the data wait) and counting
-        samples (dim 0 of the batch's first tensor) and tokens. Given a
-        :class:`gpuopt.loader.ReconfigurableLoader`, its ``num_workers``, ``pin_memory``
-        and ``prefetch_factor`` become live knobs (announced to dashboards at once), and
-        ``micro_batch_size`` too when the session has ``accum_steps``."""
+    def loader(self, batches: Iterable[Any], *, epochs: int | None = 1) -> Iterator[Any]:
+        """Iterate ``batches`` for ``epochs`` epochs (None: epoch after epoch until the
+        loop stops; an epoch that yields nothing ends it), timing each ``next()`` (the
+        data wait) and counting samples (dim 0 of the batch's first tensor) and tokens.
+        Given a :class:`gpuopt.loader.ReconfigurableLoader`, its ``num_workers``,
+        ``pin_memory`` and ``prefetch_factor`` become live knobs (announced to
+        dashboards at once), and ``micro_batch_size`` too when the session has
+        ``accum_steps``.
+
+        Raises:
+            ValueError: ``epochs`` is not None or an integer >= 1.
+        """
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
+                                   or epochs < 1):
+            raise ValueError(f"epochs must be None or an integer >= 1, got {epochs!r}")
         if isinstance(batches, ReconfigurableLoader) and "num_workers" not in self.agent.knobs.knobs:
             for knob in loader_knobs(batches):
                 self.agent.knobs.add(knob)
@@ -173,14 +188,24 @@ class Session:
                     "this loop did not declare accum_steps, which micro_batch_size adjusts "
                     "to keep the effective batch: pass agent.session(accum_steps=N)")
             self.agent.refresh_knobs()
-        iterator = iter(batches)
+        return self._batches(batches, epochs)
+
+    def _batches(self, batches: Iterable[Any], epochs: int | None) -> Iterator[Any]:
         meter = self._meter
-        while True:
-            try:
-                batch = meter.timed_next(iterator)
-            except StopIteration:
+        epoch = 0
+        while epochs is None or epoch < epochs:
+            epoch += 1
+            iterator = iter(batches)
+            empty = True
+            while True:
+                try:
+                    batch = meter.timed_next(iterator)
+                except StopIteration:
+                    break
+                empty = False
+                yield batch
+            if empty:
                 return
-            yield batch
 
     def timed(self, fetch: Callable[..., Any]) -> Callable[..., Any]:
         """``fetch`` (e.g. nanoGPT's ``get_batch``), each call timed as data wait and its
@@ -214,7 +239,8 @@ class Session:
             skipped: fp16 only, when not using :attr:`scaler`: what
                 :meth:`gpuopt.MixedPrecision.step` returned.
             grad_norm: what ``clip_grad_norm_`` returned (a tensor: read later, on the
-                agent's thread).
+                agent's thread); by default the norm the run clipped with
+                ``max_grad_norm``.
             activation_bytes: a measurement of your own
                 (:class:`gpuopt.memory.SavedActivations`); by default :attr:`autocast`
                 measures now and then.
@@ -225,14 +251,17 @@ class Session:
         data_wait_s, fetched, fetched_samples, fetched_tokens = self._meter.take()
         measured, self._activation_bytes = self._activation_bytes, None
         self.step += 1
-        lr, self._step_lr = self._step_lr, None
+        lr = clipped = None  # the rates the step used (read as it stepped), its clip norm
+        if self.optimizer_settings is not None:
+            lr, clipped = self.optimizer_settings.take_step()
         self.agent.optimizer_step(
             self.step, backwards or fetched or 1,
             fetched_samples if samples is None else samples, data_wait_s,
             scaled_loss if loss is None else loss,
             scaler_skipped if skipped is None else skipped,
             measured if activation_bytes is None else activation_bytes,
-            tokens=fetched_tokens if tokens is None else tokens, lr=lr, grad_norm=grad_norm)
+            tokens=fetched_tokens if tokens is None else tokens, lr=lr,
+            grad_norm=clipped if grad_norm is None else grad_norm)
         self._after_step()
 
     def _after_step(self) -> None:
@@ -256,6 +285,35 @@ class Session:
             self._measured_settings = settings
             self._measure_due = True
 
+    # ------------------------------------------------------------ checkpoints
+
+    def _save(self, path: Any, knobs: dict[str, Any]) -> None:
+        """The ``checkpoint`` command's ``torch.save``: model, optimizer, scheduler,
+        GradScaler, random number generators, step and knob values."""
+        torch.save(torch_checkpoint(self.agent, knobs, self.step, {
+            "model": None if self.model is None else self.model.state_dict(),
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "lr_scheduler": (None if self.lr_scheduler is None
+                             else self.lr_scheduler.state_dict()),
+            "grad_scaler": self.scaler.state_dict(),
+            "rng": rng_state(self.agent.device)}), path)
+
+    def _resume(self, saved: dict[str, Any], source: str) -> None:
+        """Continue from a checkpoint :meth:`_save` wrote: every state it has, the step,
+        the random number generators and the knob values (an event says which)."""
+        for part, target in (("model", self.model), ("optimizer", self.optimizer),
+                             ("lr_scheduler", self.lr_scheduler)):
+            if saved.get(part) is not None:
+                if target is None:
+                    raise ValueError(f"{source} has the {part}'s state: pass "
+                                     f"agent.session({part}=...) to resume it")
+                target.load_state_dict(saved[part])
+        self.scaler.load_state_dict(saved["grad_scaler"])
+        self.step = saved["step"]
+        restore_knobs(self.agent, saved["knobs"], source, self.step)
+        self._plan_measurement()
+        set_rng_state(saved["rng"])
+
     # ------------------------------------------------------------ lifecycle
 
     def close(self, reason: str = "finished") -> None:
@@ -266,13 +324,7 @@ class Session:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.close("finished" if exc_info[0] is None else _ending_reason(exc_info[1]))
-
-
-def _ending_reason(error: BaseException | None) -> str:
-    if isinstance(error, KeyboardInterrupt):
-        return "stopped by SIGINT"
-    return f"error: {error!r}"
+        self.close(ending_reason(exc_info[1]))
 
 
 #: Sessions not yet closed, for the process-wide exit paths below.
@@ -298,7 +350,7 @@ def end_on_signals(run: Any) -> None:
     previous_hook = sys.excepthook
 
     def excepthook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
-        _close_live(_ending_reason(error))
+        _close_live(ending_reason(error))
         previous_hook(kind, error, tb)
 
     sys.excepthook = excepthook
@@ -322,6 +374,9 @@ def session(*, model: torch.nn.Module | None = None,
             checkpoint_blocks: Any = None, tokens_per_sample: int | None = None,
             measure_activations_every: int = MEASURE_ACTIVATIONS_EVERY,
             device: torch.device | str | None = None, knobs: KnobSet | None = None,
+            lr_scheduler: Any = None, max_grad_norm: float | None = None,
+            checkpoint_dir: str | os.PathLike | None = None,
+            resume_from: str | os.PathLike | None = None,
             name: str = "", transport: str = "ipc", **options: Any) -> Session:
     """Start the agent for a hand-written loop and return its :class:`Session`.
 
@@ -343,6 +398,17 @@ def session(*, model: torch.nn.Module | None = None,
       gets a :class:`gpuopt.loader.ReconfigurableLoader`, and ``micro_batch_size`` then
       too when the loop declared ``accum_steps`` (the loop reads ``run.accum_steps`` at
       each window's start, so the effective batch stays).
+    - ``lr_scale`` and ``weight_decay`` with an ``optimizer=``
+      (:class:`gpuopt.optim.OptimizerSettings`: the scale multiplies whatever the loop or
+      its scheduler sets in the param groups, inside ``optimizer.step()`` only, so the
+      schedule keeps its shape; the decay goes to the groups that decay).
+    - ``max_grad_norm`` with ``max_grad_norm=X`` (0: off): the run clips the global
+      gradient norm to it inside ``optimizer.step()`` (after ``run.scaler`` unscaled the
+      gradients in fp16; a step the GradScaler skips is not clipped), and each step
+      reports that norm. The loop then leaves out its own ``clip_grad_norm_``.
+    - the ``checkpoint`` command with a ``model=`` or ``optimizer=``: ``torch.save`` of the
+      model, optimizer, ``lr_scheduler=``, GradScaler, random number generators, step
+      and knob values (see :mod:`agent.checkpoints`); ``resume_from=`` continues from one.
     - ``cpu_threads`` (``torch.set_num_threads``) always.
     - ``memory_fraction``, ``memory_snapshot_steps`` on CUDA; and ``knobs=`` of your own.
 
@@ -360,12 +426,23 @@ def session(*, model: torch.nn.Module | None = None,
             a change of precision, kernels or checkpointing; 0 never. Set 0 for a model
             whose forward uses ``torch.func`` transforms (they refuse the meter's hooks).
         device: the device, when there is no model or its parameters are elsewhere.
+        lr_scheduler: the loop's LR scheduler (the loop steps it), saved in checkpoints.
+        max_grad_norm: declares the ``max_grad_norm`` knob and its starting value (0: no
+            clipping); see above.
+        checkpoint_dir: where ``checkpoint=now`` saves (default:
+            :func:`agent.checkpoints.default_checkpoint_dir`).
+        resume_from: a checkpoint the command saved: the model, optimizer, scheduler,
+            GradScaler, random number generators and knob values are restored, and
+            :attr:`Session.step` is its step (the loop goes on from there; its data is
+            the loop's own to position).
         name, transport, options: as for :class:`agent.Agent`.
 
     Raises:
         ValueError: a precision the device cannot run, ``accum_steps < 1``,
             ``measure_activations_every < 0``, both ``precision`` and
-            ``mixed_precision``, or ``checkpoint_blocks`` that select nothing.
+            ``mixed_precision``, ``checkpoint_blocks`` that select nothing, a bad
+            ``max_grad_norm``, or a ``resume_from`` that is no such checkpoint or has a
+            state this session was given nothing for.
     """
     if precision is not None and mixed_precision is not None:
         raise ValueError("give precision= or mixed_precision=, not both")
@@ -418,6 +495,23 @@ def session(*, model: torch.nn.Module | None = None,
         knobs.unsupported.setdefault(spec.name, (
             "this loop's data does not come through a gpuopt.loader.ReconfigurableLoader "
             "given to run.loader(...)"))
+    settings = None
+    if optimizer is not None:
+        settings = OptimizerSettings(optimizer)
+        optimizer_knobs(settings, knobs)
+        if max_grad_norm is not None:
+            settings.max_grad_norm = max_grad_norm
+            knobs.add(Knob(MAX_GRAD_NORM, get=lambda: settings.max_grad_norm,
+                           set=lambda value: setattr(settings, "max_grad_norm", value)))
+        else:
+            knobs.unsupported[MAX_GRAD_NORM.name] = (
+                "this loop did not declare max_grad_norm: pass agent.session("
+                "max_grad_norm=X) (0: off) and leave out the loop's own clip_grad_norm_; "
+                "the run then clips inside optimizer.step()")
+    else:
+        for spec in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
+            knobs.unsupported[spec.name] = ("pass agent.session(optimizer=optimizer) for "
+                                            "gpuwatch to set it in the optimizer's step")
     knobs.add(cpu_threads_knob())
     agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
                   training={"framework": "loop",
@@ -425,7 +519,8 @@ def session(*, model: torch.nn.Module | None = None,
                   **options)
     memory = MemoryKnobs(device, agent.run_id)
     memory.bind(knobs)
-    run = Session(agent, model=model, optimizer=optimizer, mixed_precision=mixed_precision,
+    run = Session(agent, model=model, optimizer=optimizer, optimizer_settings=settings,
+                  lr_scheduler=lr_scheduler, mixed_precision=mixed_precision,
                   accum_steps=accum_steps, model_backend=model_backend,
                   checkpointing=checkpointing, memory=memory,
                   tokens_per_sample=tokens_per_sample,
@@ -436,6 +531,14 @@ def session(*, model: torch.nn.Module | None = None,
         knobs.unsupported["accum_steps"] = ("this loop did not declare accum_steps: pass "
                                             "agent.session(accum_steps=N) and read "
                                             "run.accum_steps in its micro-step loop")
+    if model is not None or optimizer is not None:
+        Checkpoints(agent, run._save, step=lambda: run.step,
+                    directory=checkpoint_dir).bind(knobs)
+    else:
+        knobs.unsupported[CHECKPOINT.name] = ("pass agent.session(model=..., optimizer=...) "
+                                              "for a checkpoint to have their states")
+    if resume_from is not None:
+        run._resume(load_checkpoint(resume_from), str(resume_from))
     agent.refresh_knobs()
     agent.start()
     agent.mark_start()

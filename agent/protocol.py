@@ -19,7 +19,9 @@ Message types and their bodies:
                ``knobs`` (the knob schema, see :mod:`agent.knobs`), ``started_at``,
                ``training`` (``framework``: gpuopt.Trainer, lightning, transformers,
                accelerate or loop; ``loss_normalization`` where known: how a window's
-               loss and gradient are averaged, e.g. micro_batch_mean or samples).
+               loss and gradient are averaged, e.g. micro_batch_mean or samples),
+               ``errors`` (the agent's latest internal errors, e.g. why the run has no
+               log: training goes on).
 ``step``       one optimizer step: ``step``, ``micro_batches``, ``samples``,
                ``step_time_s``, ``data_wait_s``, ``data_wait_share``, ``samples_per_s``,
                ``loss`` (float or None), ``gpu_step_time_s`` (CUDA), ``knobs`` (current
@@ -29,17 +31,23 @@ Message types and their bodies:
                ``mem_reserved_bytes``, ``mem_peak_reserved_bytes``; on the steps that
                measured it, ``activation_bytes`` (saved for backward by a micro-batch);
                when known, ``tokens`` and ``tokens_per_s`` (token models), ``lr`` (the
-               learning rate of param group 0) and ``grad_norm`` (global gradient norm
-               before clipping).
+               learning rate param group 0 used in the step, ``lr_scale`` included),
+               ``lr_groups`` (that of every param group, None where unread) and
+               ``grad_norm`` (global gradient norm before clipping).
 ``system``     about 1 Hz: ``cpu_pct``, ``host_mem_used_bytes``, ``host_mem_total_bytes``,
                ``gpus`` (list of per-GPU maps) and ``gpu_status`` (None or a reason such
                as "no NVIDIA GPU").
 ``state``      current knob values: ``knobs``, ``step``.
 ``event``      ``level`` (info | warning | error), ``text``, optional ``kind``
-               (applied | rejected | warning | ...), ``knob``, ``value``, ``step``.
+               (applied | rejected | warning | resumed | ...), ``knob``, ``value``,
+               ``step``; ``checkpoint=now`` applied adds ``path``, ``size_bytes``,
+               ``save_s`` and ``checkpoint_step`` (the steps the checkpoint holds).
 ``command``    client -> agent: ``id``, ``knob``, ``value``, ``token``, optional
-               ``apply_step``; with ``dry_run: true`` it is only checked (the reply
-               gives the earliest ``apply_step`` and the rank's ``step_time_s``); with
+               ``apply_step``; with ``checkpoint: true`` a checkpoint is saved at the same
+               boundary first (with one rank the change is not applied if that fails; the
+               reply and ``accepted`` event say so); with ``dry_run: true`` it is only
+               checked (the reply gives the earliest ``apply_step`` and the rank's
+               ``step_time_s``); with
                ``cancel: true`` (and ``id``, ``token``, optional ``reason``) the pending
                command ``id`` is withdrawn. Several ranks: dry run on all, then the
                command at one common ``apply_step`` on all, then cancel where needed.
@@ -62,7 +70,9 @@ Message types and their bodies:
                ``per_s`` and ``per_s_spread`` (throughput in units/s and its 95%
                half-width), ``gain`` and ``gain_spread`` (against the best so far, as
                fractions), ``steps``), and once ended ``text`` (the one-line result).
-``heartbeat``  about 1 Hz: ``step`` (last completed optimizer step), ``ending``.
+``heartbeat``  about 1 Hz: ``step`` (last completed optimizer step), ``ending``,
+               ``records_dropped``, ``errors``, ``commands_refused``,
+               ``commands_rejected`` (bad token, knob or value).
 ``bye``        the run ends: ``reason``, ``steps``.
 """
 
@@ -95,6 +105,62 @@ TUNE_ID_PREFIX = "tune-"
 
 #: Largest payload either side decodes; larger frames are dropped as malformed.
 MAX_MESSAGE_BYTES = 1 << 20
+
+
+#: Longest text (characters) kept of a string from the wire or a log where it is shown
+#: or stored to be shown (an event's text, a reason); longer ones are cut with "…".
+MAX_TEXT_CHARS = 1000
+#: Longest name (a knob's, a run's, a model's, a device's) shown or echoed back.
+MAX_NAME_CHARS = 100
+
+
+def _picture_table() -> dict[int, int]:
+    """Character -> its visible stand-in, for :func:`printable`."""
+    table = {code: 0x2400 + code for code in range(0x20)}  # C0: ESC -> U+241B "␛"
+    table[0x7F] = 0x2421  # DEL -> "␡"
+    replacement = 0xFFFD  # "�": C1, bidi controls, line separators, lone surrogates
+    for code in [*range(0x80, 0xA0), 0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F),
+                 *range(0x2066, 0x206A), 0x2028, 0x2029, *range(0xD800, 0xE000)]:
+        table[code] = replacement
+    return table
+
+
+_PICTURES = _picture_table()
+_PICTURES_KEEPING_NEWLINES = {**_PICTURES, 0x0A: 0x0A}
+
+
+def shorten(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """``text`` cut to at most ``limit`` characters, the last one "…" when cut."""
+    return text if len(text) <= limit else text[:max(0, limit - 1)] + "…"
+
+
+def printable(text: str, limit: int | None = None, *, newlines: bool = False) -> str:
+    """``text`` as a terminal may show it: as text, never as control sequences.
+
+    The one sanitizer of everything gpuwatch prints or draws that came from the wire, a
+    run log or a run file. Every C0 control character (tab and newline included, unless
+    ``newlines``), DEL and every C1 control is replaced by a visible character (C0 and
+    DEL by their Unicode control pictures, so ESC shows as "␛"; C1 by "�"), and so are
+    the Unicode bidirectional controls (which reorder what a terminal shows), line and
+    paragraph separators and lone surrogates (which a terminal's UTF-8 cannot carry).
+    One character for one: styles over ranges of the text stay where they were.
+    About 0.1 us for text without such characters (a ``str.isprintable`` check).
+
+    Args:
+        text: the string (anything else is shown as ``str(text)``).
+        limit: cut to at most this many characters (see :func:`shorten`); None: not cut.
+        newlines: keep newlines (a panel's own line breaks).
+
+    Returns:
+        The text, safe to write to a terminal.
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    if limit is not None:
+        text = shorten(text, limit)
+    if text.isprintable():
+        return text
+    return text.translate(_PICTURES_KEEPING_NEWLINES if newlines else _PICTURES)
 
 
 class ProtocolError(ValueError):

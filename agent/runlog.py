@@ -9,7 +9,9 @@ rotation (``run.jsonl`` -> ``run.jsonl.1`` -> ...), keeping ``backups`` old file
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import platformdirs
 
 from agent import protocol
+from agent.runs import private_dir
 
 #: Environment variable that overrides the run-log directory.
 LOG_DIR_ENV = "GPUWATCH_LOG_DIR"
@@ -24,12 +27,25 @@ LOG_DIR_ENV = "GPUWATCH_LOG_DIR"
 
 def log_dir() -> Path:
     """The per-user directory of run logs (``$GPUWATCH_LOG_DIR``, else the user data
-    directory's ``runs/``), created with mode 0700."""
+    directory's ``runs/``), created with mode 0700.
+
+    Checked as :func:`agent.runs.private_dir` checks: a symbolic link, another user's
+    directory or one writable by others (a shared ``$GPUWATCH_LOG_DIR`` where another
+    user could plant links to your files) is refused.
+
+    Raises:
+        agent.runs.UnsafeDirectoryError: the directory is refused (see above).
+        OSError: it cannot be created.
+    """
     override = os.environ.get(LOG_DIR_ENV)
     path = Path(override) if override else (
         Path(platformdirs.user_data_dir("gpuwatch", appauthor=False)) / "runs")
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
+    return private_dir(path, LOG_DIR_ENV)
+
+
+class UnsafeLogFileError(PermissionError):
+    """The run log's path is a symbolic link, or a file that is not a regular file of
+    this user with a single link: it is never written through."""
 
 
 class RunLog:
@@ -42,6 +58,8 @@ class RunLog:
         flush_interval_s: longest time a record stays in the buffer, in seconds.
 
     Raises:
+        UnsafeLogFileError: ``path`` is a symbolic link, or not a regular file of this
+            user with one link (a hard link to another file); nothing is written.
         OSError: the file cannot be created (the agent then runs without a log).
     """
 
@@ -57,7 +75,27 @@ class RunLog:
         self._hello_line: bytes | None = None  # the latest hello, to start each new file
 
     def _open(self):
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        """Open (or create, mode 0600) the file for appending, never through a link.
+
+        Raises:
+            UnsafeLogFileError: see the class.
+            OSError: it cannot be opened.
+        """
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(self.path, flags, 0o600)  # NONBLOCK: a planted FIFO fails
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafeLogFileError(f"{self.path} is a symbolic link; the run log "
+                                         "is not written through it") from None
+            raise
+        status = os.fstat(fd)
+        if (not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid()
+                or status.st_nlink != 1):
+            os.close(fd)
+            raise UnsafeLogFileError(
+                f"{self.path} is not a regular file of this user with a single link; "
+                "the run log is not written to it")
         return os.fdopen(fd, "ab", buffering=1 << 16)
 
     def write(self, message: dict[str, Any]) -> None:

@@ -8,11 +8,13 @@ This module has no torch and no zmq import: the dashboard uses it too.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import secrets
 import socket
+import stat
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -22,15 +24,89 @@ from pathlib import Path
 RUN_DIR_ENV = "GPUWATCH_RUN_DIR"
 
 
+class UnsafeDirectoryError(PermissionError):
+    """A run or log directory that gpuwatch refuses to use: a symbolic link (or not a
+    directory), owned by another user, or writable by other users (so another local
+    user could plant links or files in it, or read what is written there)."""
+
+
+def private_dir(path: os.PathLike | str, setting: str = RUN_DIR_ENV) -> Path:
+    """The directory ``path``, created with mode 0700 if missing, after checking that
+    nobody else can use it against this user.
+
+    The last component is never followed through a symbolic link (it is created with
+    ``mkdir`` and opened with ``O_NOFOLLOW``); it must be a directory owned by this user
+    and not writable by its group or others (one that is ours but readable by others,
+    e.g. 0755, is made 0700). Its parent may be a link (``/tmp`` is one on some
+    systems) but must not be writable by every user unless it has the sticky bit (as
+    ``/tmp`` has), where another user could swap the directory for a link after the
+    check. Missing parents are created with mode 0700.
+
+    Args:
+        path: the directory. setting: the environment variable that moves it, named in
+            the error so that a person knows the way out.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        UnsafeDirectoryError: ``path`` is a symbolic link or not a directory, belongs to
+            another user, is writable by its group or others, or its parent is writable
+            by every user without the sticky bit.
+        OSError: it cannot be created or opened (e.g. a read-only or missing parent that
+            cannot be created).
+    """
+    path = Path(path)
+    way_out = f"set ${setting} to a directory of your own with mode 0700"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)  # never follows a link: an existing one gives EEXIST
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafeDirectoryError(
+                f"{path} is a symbolic link or not a directory; refusing to use it "
+                f"({way_out})") from None
+        raise
+    try:
+        status = os.fstat(fd)
+        if status.st_uid != os.getuid():
+            raise UnsafeDirectoryError(
+                f"{path} belongs to uid {status.st_uid}, not to this user (uid "
+                f"{os.getuid()}); refusing to use it ({way_out})")
+        if status.st_mode & 0o022:
+            raise UnsafeDirectoryError(
+                f"{path} is writable by other users (mode "
+                f"{stat.S_IMODE(status.st_mode):04o}); refusing to use it ({way_out})")
+        if stat.S_IMODE(status.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)  # the directory itself, never what a link points at
+        parent = os.stat(path.parent)
+        if parent.st_mode & 0o002 and not parent.st_mode & stat.S_ISVTX:
+            raise UnsafeDirectoryError(
+                f"{path.parent} (the parent of {path}) is writable by every user and "
+                f"has no sticky bit, so {path} could be replaced; refusing to use it "
+                f"({way_out})")
+    finally:
+        os.close(fd)
+    return path
+
+
 def run_dir() -> Path:
     """The per-user directory for run files and ipc sockets, created with mode 0700.
 
     ``$GPUWATCH_RUN_DIR`` if set; else ``$XDG_RUNTIME_DIR/gpuwatch`` when that
     directory exists and is writable; else ``<tmp>/gpuwatch-<uid>``. ipc socket paths
-    must stay short (about 100 bytes), which these are.
+    must stay short (about 100 bytes), which these are. Checked as
+    :func:`private_dir` checks: a link planted at ``<tmp>/gpuwatch-<uid>`` by another
+    user is refused, never followed.
 
     Raises:
-        PermissionError: the directory exists but belongs to another user.
+        UnsafeDirectoryError: the directory is a symbolic link, belongs to another user
+            or is writable by others (see :func:`private_dir`).
+        OSError: it cannot be created.
     """
     override = os.environ.get(RUN_DIR_ENV)
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
@@ -40,11 +116,7 @@ def run_dir() -> Path:
         path = Path(runtime) / "gpuwatch"
     else:
         path = Path(tempfile.gettempdir()) / f"gpuwatch-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.stat().st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to another user; set ${RUN_DIR_ENV}")
-    os.chmod(path, 0o700)
-    return path
+    return private_dir(path, RUN_DIR_ENV)
 
 
 def new_run_id() -> str:
@@ -134,7 +206,14 @@ class RunInfo:
 
 
 def write_run_file(info: RunInfo, directory: Path | None = None) -> Path:
-    """Write ``info`` atomically with mode 0600; set ``info.path``; return the path."""
+    """Write ``info`` atomically with mode 0600; set ``info.path``; return the path.
+
+    The file is created new (``O_EXCL``, never through a link) and renamed into place.
+
+    Raises:
+        UnsafeDirectoryError, OSError: as :func:`run_dir` when ``directory`` is None;
+            OSError when the file cannot be written.
+    """
     directory = directory or run_dir()
     path = directory / f"{info.run_id}.rank{info.rank}.json"
     info.path = str(path)
@@ -157,6 +236,11 @@ def remove_run_file(info: RunInfo) -> None:
         Path(info.path).unlink(missing_ok=True)
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process of this user (a run's process is still there)."""
+    return _alive(pid)
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` is a live process of this user (another user's process is not
     one of our runs: its file is stale, or forged)."""
@@ -166,7 +250,14 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except (ProcessLookupError, PermissionError, OverflowError):
         return False
-    return True
+    if os.getuid() != 0:  # kill() said so: another user's process raises EPERM
+        return True
+    try:  # root may signal every process: a pid reused by another user's is not ours
+        return os.stat(f"/proc/{pid}").st_uid == 0
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")  # no /proc (macOS): kill's answer
+    except OSError:
+        return True
 
 
 #: The type each run-file field must have (a file with another type is malformed).
@@ -177,14 +268,28 @@ _FIELD_TYPES = {"run_id": str, "rank": int, "world_size": int, "pid": int,
                 "curve_client_secret_key": str}
 
 
+#: Largest run file read (bytes); a larger one is not ours.
+MAX_RUN_FILE_BYTES = 64 * 1024
+
+
 def _read_run_file(path: Path) -> RunInfo | None:
-    """The run file at ``path``, or None when it is unreadable or malformed."""
+    """The run file at ``path``, or None when it is unreadable or malformed, or is not
+    a regular file of this user (a symbolic link, a FIFO, another user's file are never
+    opened through: ``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``)."""
     try:
-        if path.stat().st_size > 64 * 1024:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        status = os.fstat(fd)
+        if (not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid()
+                or status.st_size > MAX_RUN_FILE_BYTES):
             return None
-        data = json.loads(path.read_text())
+        data = json.loads(os.read(fd, MAX_RUN_FILE_BYTES + 1))
     except (OSError, ValueError, RecursionError):
         return None
+    finally:
+        os.close(fd)
     if not isinstance(data, dict):
         return None
     fields = {key: data[key] for key in _FIELD_TYPES if key in data}
@@ -200,11 +305,30 @@ def _read_run_file(path: Path) -> RunInfo | None:
     return info
 
 
+def remove_sockets(info: RunInfo, directory: Path) -> None:
+    """Remove the ipc socket files of ``info``'s endpoints that lie in ``directory``
+    (and are sockets: nothing else is ever removed); missing is fine."""
+    for endpoint in (info.pub_endpoint, info.cmd_endpoint):
+        if not endpoint.startswith("ipc://"):
+            continue
+        path = Path(endpoint[len("ipc://"):])
+        if path.parent != directory:
+            continue
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                path.unlink()
+        except OSError:
+            pass
+
+
 def list_runs(directory: Path | None = None) -> list[RunInfo]:
     """Live runs of this user, newest first (rank files of one run are all listed).
 
-    Stale files (dead pid) are removed; unreadable or malformed files are skipped.
-    Never raises for a file's content.
+    Stale files (dead pid) are removed with their ipc socket files; unreadable or
+    malformed files are skipped. Never raises for a file's content.
+
+    Raises:
+        UnsafeDirectoryError, OSError: as :func:`run_dir`, when ``directory`` is None.
     """
     directory = directory or run_dir()
     runs = []
@@ -214,6 +338,7 @@ def list_runs(directory: Path | None = None) -> list[RunInfo]:
             continue
         if not _alive(info.pid):
             path.unlink(missing_ok=True)
+            remove_sockets(info, directory)
             continue
         runs.append(info)
     runs.sort(key=lambda r: (r.started_at, -r.rank), reverse=True)

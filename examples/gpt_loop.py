@@ -1,7 +1,7 @@
 """A GPT-style hand-written training loop (after nanoGPT's train.py), with gpuwatch.
 
     python examples/gpt_loop.py                  # then, in another terminal: gpuwatch
-    python examples/gpt_loop.py --max-iters 200 --dtype bfloat16
+    python examples/gpt_loop.py --max-steps 200 --dtype bfloat16
 
 The loop is nanoGPT's own: its ``get_batch()``, its ``micro_step`` accumulation loop,
 its ``ctx`` and ``scaler``, its learning-rate schedule and gradient clipping. The lines
@@ -65,7 +65,7 @@ class GPT(nn.Module):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--max-iters", type=int, default=1_000_000,
+    parser.add_argument("--max-steps", type=int, default=1_000_000,
                         help="optimizer steps (default: about a day; Ctrl-C stops it)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--gradient-accumulation-steps", type=int, default=2)
@@ -129,7 +129,7 @@ def main():
 
     X, Y = get_batch("train")
     iter_num = 0
-    while iter_num < args.max_iters:
+    while iter_num < args.max_steps:
         lr = get_lr(iter_num)
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr

@@ -41,7 +41,7 @@ def main() -> None:
     run = agent.session(name="digits-manual", model=model, optimizer=optimizer,
                         precision="fp32", accum_steps=1, checkpoint_blocks=[torch.nn.Linear])
     print(f"run {run.agent.run_id}: watch it with `gpuwatch`", flush=True)
-    batches = run.loader(forever(loader))
+    batches = run.loader(loader, epochs=None)    # epoch after epoch
     while run.step < args.max_steps:
         for _ in range(run.accum_steps):          # the live window size
             inputs, targets = next(batches)
@@ -52,12 +52,6 @@ def main() -> None:
         run.scaler.update()
         optimizer.zero_grad(set_to_none=True)
         run.optimizer_step()                      # the boundary: commands apply here
-
-
-def forever(loader):
-    """Epoch after epoch of ``loader``."""
-    while True:
-        yield from loader
 
 
 if __name__ == "__main__":

@@ -70,4 +70,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: the agent has said bye; no traceback
+        raise SystemExit(130)

@@ -549,6 +549,35 @@ class ReconfigurableLoader:
         with self._lock:
             return LoaderPosition(self._epoch, self._yielded, self._batches_per_epoch)
 
+    def save_position(self) -> dict[str, Any]:
+        """Where the loader is (epoch, batches of it handed out) and the state of its
+        workers' seed generator: :meth:`restore_position` in a fresh loader over the same
+        dataset goes on with the same batches (:meth:`gpuopt.Trainer.state_dict` keeps it).
+
+        Not called ``state_dict`` on purpose: Lightning takes a train loader with
+        ``state_dict`` / ``load_state_dict`` for one it can resume mid-epoch, and saves
+        it while it holds a batch fetched ahead, so a resume would be a batch off."""
+        with self._lock:
+            return {"epoch": self._epoch, "batches_yielded": self._yielded,
+                    "seed_generator": self._seed_generator.get_state()}
+
+    def restore_position(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (:meth:`save_position`'s): the next batch is the first one
+        the saving loader had not handed out. Batches fetched ahead are dropped; persistent
+        workers stay up.
+
+        Raises:
+            ValueError: a position outside this loader's epochs (another dataset length,
+                batch size or number of ranks).
+        """
+        epoch = _check_int("epoch", state["epoch"], 0, None)
+        yielded = _check_int("batches_yielded", state["batches_yielded"], 0,
+                             self._batches_per_epoch)
+        with self._lock:
+            self._move_to_epoch(epoch)
+            self._yielded = yielded
+            self._seed_generator.set_state(state["seed_generator"])
+
     @property
     def config(self) -> dict[str, Any]:
         """The worker settings: as requested, and as in effect.

@@ -13,6 +13,7 @@ window's gradient is: ``"micro_batch_mean"`` (the default, as before), ``"sample
 
 from __future__ import annotations
 
+import math
 import numbers
 import threading
 import time
@@ -26,8 +27,11 @@ from torch.utils.data import DataLoader
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.data import batch_size, to_device
+from gpuopt.loader import ReconfigurableLoader
 from gpuopt.memory import SavedActivations
+from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import MixedPrecision
+from gpuopt.saving import rng_state, set_rng_state
 
 
 @dataclass
@@ -50,7 +54,11 @@ class StepStats:
         tokens: tokens in the window's micro-batches, as declared by
             ``Trainer(tokens_per_sample=...)`` or counted by ``Trainer(count_tokens=...)``
             (host int); None when neither is declared.
-        lr: the learning rate the step used (param group 0), a host float.
+        lr: the learning rate the step used (param group 0, after ``lr_scale``), a host
+            float (None when the group keeps it in a tensor). lr_groups: the rate of each
+            param group the step used, as the groups hold it (floats; a tensor where a
+            group keeps its rate in one: not read here, see
+            :func:`gpuopt.optim.host_rate`).
         grad_norm: with ``max_grad_norm``, the global gradient norm before clipping
             (what ``clip_grad_norm_`` returned: a 0-dim tensor on the device, not read);
             else None.
@@ -72,6 +80,7 @@ class StepStats:
     tokens: int | None = None
     lr: float | None = None
     grad_norm: torch.Tensor | None = None
+    lr_groups: tuple[Any, ...] | None = None
 
 
 #: The values of ``Trainer(loss_normalization=...)``.
@@ -113,6 +122,10 @@ class Callback(Protocol):
 
     def on_fit_end(self, trainer: "Trainer") -> None: ...
 
+    def on_exception(self, trainer: "Trainer", error: BaseException) -> None:
+        """:meth:`Trainer.fit` is ending with ``error`` (Ctrl-C included); ``on_fit_end``
+        follows."""
+
     def on_out_of_memory(self, trainer: "Trainer", error: torch.OutOfMemoryError) -> bool:
         """A micro-batch ran out of memory: undo what caused it (e.g. a live change)
         and return True to have the window run once more; False lets it raise."""
@@ -147,7 +160,13 @@ class Trainer:
         device: where batches go; default: the device of the model's first parameter.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
         accum_steps: micro-batches per optimizer step (>= 1).
-        max_grad_norm: clip the global gradient norm to this before each step, if set.
+        max_grad_norm: clip the global gradient norm to this before each step, if set
+            (:attr:`max_grad_norm`).
+        lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler of ``optimizer``, stepped
+            once after each optimizer step (and saved by :meth:`state_dict`); or None.
+        lr_scale, weight_decay: see :attr:`lr_scale` and :attr:`weight_decay`
+            (:class:`gpuopt.optim.OptimizerSettings`); ``weight_decay`` None keeps the
+            optimizer's.
         callbacks: objects with the :class:`Callback` hooks (any subset).
         kernels: ``"eager"``, ``"compile"`` or ``"triton"`` (see
             :class:`gpuopt.backends.ModelBackend`); switchable between steps.
@@ -195,6 +214,9 @@ class Trainer:
         precision: str = "fp32",
         accum_steps: int = 1,
         max_grad_norm: float | None = None,
+        lr_scheduler: Any = None,
+        lr_scale: float = 1.0,
+        weight_decay: float | None = None,
         callbacks: Iterable[Any] = (),
         kernels: str = "eager",
         compile_backend: str = "inductor",
@@ -216,6 +238,12 @@ class Trainer:
         self._accum_steps = 1
         self.accum_steps = accum_steps
         self.max_grad_norm = max_grad_norm
+        self.lr_scheduler = lr_scheduler
+        #: ``lr_scale`` and ``weight_decay`` of the optimizer (two step hooks on it)
+        self.optimizer_settings = OptimizerSettings(optimizer)
+        self.lr_scale = lr_scale
+        if weight_decay is not None:
+            self.weight_decay = weight_decay
         self.model_backend = ModelBackend(model, self.device, compile_backend=compile_backend)
         self.model_backend.kernels = kernels
         try:
@@ -283,6 +311,55 @@ class Trainer:
         self._accum_steps = value
 
     @property
+    def max_grad_norm(self) -> float | None:
+        """Clip the global gradient norm to this before each optimizer step (in fp16 after
+        unscaling); None (or 0 when set): no clipping. Set it between optimizer steps.
+
+        Raises:
+            ValueError (on set): not None and not a finite number >= 0.
+        """
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise ValueError(f"max_grad_norm must be None or a finite number >= 0, "
+                             f"got {value!r}")
+        self._max_grad_norm = None if not value else float(value)
+
+    @property
+    def lr_scale(self) -> float:
+        """The multiplier on every param group's learning rate, applied inside the
+        optimizer step only, so the schedule keeps its shape (see
+        :mod:`gpuopt.optim`). Set it between optimizer steps.
+
+        Raises:
+            ValueError (on set): not a finite number >= 0.
+        """
+        return self.optimizer_settings.lr_scale
+
+    @lr_scale.setter
+    def lr_scale(self, value: float) -> None:
+        self.optimizer_settings.lr_scale = value
+
+    @property
+    def weight_decay(self) -> float:
+        """The weight decay of the decaying param groups (those not at 0 when the Trainer
+        was made; the others stay 0; see :class:`gpuopt.optim.OptimizerSettings`). Set it
+        between optimizer steps.
+
+        Raises:
+            ValueError (on set): not a finite number >= 0, or an optimizer without
+                ``weight_decay``.
+        """
+        return self.optimizer_settings.weight_decay
+
+    @weight_decay.setter
+    def weight_decay(self, value: float) -> None:
+        self.optimizer_settings.weight_decay = value
+
+    @property
     def loss_normalization(self) -> str:
         """What the window's gradient (and :attr:`StepStats.loss`) is the mean of.
 
@@ -347,6 +424,71 @@ class Trainer:
                 raise ValueError(f"{type(self.model).__name__} has no blocks to checkpoint")
             return
         self.activation_checkpointing.enabled = value
+
+    #: The settings :meth:`state_dict` keeps, in the order :meth:`load_state_dict` sets them.
+    SETTINGS = ("precision", "accum_steps", "kernels", "checkpointing", "max_grad_norm",
+                "lr_scale", "weight_decay", "loss_normalization")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a fresh Trainer needs to go on from this optimizer-step boundary as this
+        one would: the step and epoch; the model's, optimizer's, scheduler's and
+        GradScaler's states; the settings (:attr:`SETTINGS`); the loader's position (a
+        :class:`gpuopt.loader.ReconfigurableLoader`'s, else None: another loader starts
+        its data over); and the random number generators (:func:`gpuopt.saving.rng_state`). Tensors and
+        plain values only: ``torch.load(path, weights_only=True)`` reads it back.
+
+        Call it between optimizer steps (in a callback's ``on_optimizer_step``). The
+        tensors are the live ones, as ``Module.state_dict`` gives them: save them before
+        training goes on.
+        """
+        settings = {name: getattr(self, name) for name in self.SETTINGS
+                    if name != "weight_decay"
+                    or self.optimizer_settings.weight_decay_reason() is None}
+        return {
+            "step": self.step, "epoch": self.epoch,
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": (None if self.lr_scheduler is None
+                             else self.lr_scheduler.state_dict()),
+            "grad_scaler": self.mixed_precision.grad_scaler.state_dict(),
+            "settings": settings,
+            "loader": (self.loader.save_position()
+                       if isinstance(self.loader, ReconfigurableLoader) else None),
+            "rng": rng_state(self.device),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (what :meth:`state_dict` returned, in this run or in an
+        earlier process): the next :meth:`fit` trains step ``state["step"] + 1`` on, with
+        the same batches (a :class:`gpuopt.loader.ReconfigurableLoader` over the same
+        dataset) and random numbers as the run that saved it, so on the same machine it
+        continues bit for bit.
+
+        Raises:
+            ValueError: a setting this Trainer cannot take (a precision or kernels the
+                device cannot run, checkpointing of a model without blocks), or a
+                loader position for another kind of loader (its batches would start
+                over).
+        """
+        if state.get("loader") is not None and not isinstance(self.loader,
+                                                                ReconfigurableLoader):
+            raise ValueError(f"the checkpoint has a ReconfigurableLoader's position, and "
+                             f"this loader is a {type(self.loader).__name__}: its batches "
+                             "would start over")
+        for name in self.SETTINGS:
+            if name in state["settings"]:
+                setattr(self, name, state["settings"][name])
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("lr_scheduler") is not None:
+            if self.lr_scheduler is None:
+                raise ValueError("the checkpoint has an LR scheduler's state and this "
+                                 "Trainer has no lr_scheduler")
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.mixed_precision.grad_scaler.load_state_dict(state["grad_scaler"])
+        if state.get("loader") is not None:
+            self.loader.restore_position(state["loader"])
+        self.step, self.epoch = state["step"], state["epoch"]
+        set_rng_state(state["rng"])
 
     def stop(self) -> None:
         """Ask :meth:`fit` to return at the next optimizer-step boundary (any thread);
@@ -486,6 +628,10 @@ class Trainer:
             while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
                 if not self._optimizer_step(batches):
                     break
+        except BaseException as error:
+            for callback in self.callbacks:
+                _call(callback, "on_exception", self, error)
+            raise
         finally:
             self._stop.clear()  # honoured: a later fit trains again
             for callback in self.callbacks:
@@ -562,8 +708,12 @@ class Trainer:
             self.mixed_precision.unscale_(self.optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                        self.max_grad_norm)
-        lr = self.optimizer.param_groups[0].get("lr")
         skipped = self.mixed_precision.step(self.optimizer)
+        # the rates the step used; a step the GradScaler skipped: the ones it would have
+        lr_groups = (self.optimizer_settings.take_step()[0]
+                     or self.optimizer_settings.effective_lrs())
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         if saved is not None and self.activation_measurement_error is not None:
@@ -574,8 +724,8 @@ class Trainer:
                          else sum(tokens[:micro_batches]))  # type: ignore[arg-type]
         stats = StepStats(self.step, micro_batches, samples, data_wait_s, mean_loss, skipped,
                           None if saved is None else saved.bytes, tokens=window_tokens,
-                          lr=lr if isinstance(lr, (int, float)) else None,
-                          grad_norm=grad_norm)
+                          lr=lr_groups[0] if lr_groups and isinstance(lr_groups[0], float)
+                          else None, grad_norm=grad_norm, lr_groups=lr_groups)
         for callback in self.callbacks:
             _call(callback, "on_optimizer_step", self, stats)
         return micro_batches == window

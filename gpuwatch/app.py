@@ -10,24 +10,33 @@ from textual import events, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
-from textual.widgets import Footer
+from textual.widgets import Footer, Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from agent import protocol
 from agent.knobs import assignment
+from agent.runs import find_run
 from gpuwatch.client import new_command_id, reply_text, send_command
 from gpuwatch.palette import BindingCommands
+from gpuwatch import history
 from gpuwatch.sources import Source
-from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S
+from gpuwatch.sources.live import LiveSource
+from gpuwatch.sources.timeline import TimelineSource
+from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
+from gpuwatch.compare import Column
+from gpuwatch.widgets.compare_screen import CompareScreen
 from gpuwatch.widgets.data import DataPanel, loader_knobs
 from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
+from gpuwatch.widgets.confirm_screen import ConfirmScreen
 from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.widgets.runs_screen import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
 from gpuwatch.widgets.memory import MemoryPanel
 from gpuwatch.widgets.step_chart import LOSS, TIMING, StepChart
 from gpuwatch.widgets.system import SystemPanel
 from gpuwatch.widgets.throughput import ThroughputBar
+from gpuwatch.widgets.timeline_bar import TimelineBar
 from gpuwatch.widgets.tune import TuneScreen
 
 #: Seconds between checks for new records; the screen is redrawn only when they changed.
@@ -37,20 +46,35 @@ CHART_REDRAW_S = 0.5
 
 #: The footer shows each -/+ pair of keys once, with one description.
 _ACCUM = Binding.Group("accum", compact=True)
-_WORKERS = Binding.Group("workers", compact=True)
-#: Under this many columns the footer is compact (no padding around keys, no ctrl+p).
+_WORKERS = Binding.Group("work", compact=True)
+_LR = Binding.Group("lr", compact=True)
+_STEP = Binding.Group("step", compact=True)
+_CHANGE = Binding.Group("change", compact=True)
+_EVENT = Binding.Group("event", compact=True)
+#: Steps that shift+left / shift+right move on a timeline.
+TIMELINE_LEAP_STEPS = 100
+#: The threshold ``g`` turns clipping on with when the run never had one (a common
+#: default: HF's ``max_grad_norm``, nanoGPT's ``grad_clip``).
+DEFAULT_MAX_GRAD_NORM = 1.0
+#: Under this many columns the footer is compact (no padding around keys, no ctrl+p); its
+#: short descriptions (prec, work, kern) keep every key within 80 columns.
 COMPACT_FOOTER_BELOW = 100
 
 #: What the event log says when the run's status changes to each of these.
 _STATUS_NOTES = {
     "live": ("info", "run is live"),
-    "stalled": ("warning", f"run is stalled: no optimizer step for {STALLED_AFTER_S:g} s"),
+    "stalled": ("warning", "run is stalled: no optimizer step for several of its step "
+                           "times"),
+    "quiet": ("warning", f"run is quiet: nothing heard for {QUIET_AFTER_S:g} s, but its "
+                         "process is alive (a loaded machine?)"),
     "gone": ("error", f"run is gone: nothing heard for {GONE_AFTER_S:g} s"),
 }
 
 
-#: The actions that send a command.
-_KNOB_ACTIONS = frozenset({"cycle", "step", "toggle"})
+#: The actions that send a command (their first parameter is the knob).
+_KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "confirm"})
+#: The actions that move a replay on a timeline.
+_TIMELINE_ACTIONS = frozenset({"move_by", "move_to_mark", "move_to", "compare"})
 
 
 class GpuwatchApp(App[None]):
@@ -68,7 +92,7 @@ class GpuwatchApp(App[None]):
     VERTICAL_BREAKPOINTS = [(0, "-tiny"), (24, "-short"), (32, "-tall")]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
     BINDINGS = [
-        Binding("p", "cycle('precision')", "precision", id="precision.cycle",
+        Binding("p", "cycle('precision')", "prec", id="precision.cycle",
                 tooltip="Cycle precision fp32 -> bf16 -> fp16 (the run's choices)"),
         Binding("a", "step('accum_steps', -1)", "accum-", id="accum_steps.decrease",
                 tooltip="accum_steps - 1 (micro-batches per optimizer step)", group=_ACCUM),
@@ -81,16 +105,64 @@ class GpuwatchApp(App[None]):
         Binding("m", "toggle('pin_memory')", "pin", id="pin_memory.toggle",
                 tooltip="pin_memory on/off (page-locked host batches, faster copies to "
                         "the GPU)"),
-        Binding("k", "cycle('kernels')", "kernels", id="kernels.cycle",
+        Binding("k", "cycle('kernels')", "kern", id="kernels.cycle",
                 tooltip="Cycle kernels eager -> compile -> triton (the run's choices)"),
         Binding("c", "toggle('checkpointing')", "ckpt", id="checkpointing.toggle",
                 tooltip="Activation checkpointing on/off (less memory, more compute)"),
         Binding("T", "tune", "tune", id="tune",
+                show=False,  # in help and the palette: the footer is full at 80 columns
                 tooltip="Start the in-run search for the fastest safe configuration (the "
                         "run tries its speed settings and keeps what is faster); again: "
                         "stop it, keeping the best"),
         Binding("t", "show_tune", "search", id="tune.show", show=False,
                 tooltip="Show the search: each candidate, its throughput, kept or why not"),
+        Binding("l", "scale('lr_scale', 0.5)", "lr/2", id="lr_scale.halve",
+                tooltip="lr_scale x0.5: half the learning rate the schedule sets, from the "
+                        "next step (the schedule keeps its shape)", group=_LR),
+        Binding("L", "scale('lr_scale', 2)", "lr*2", id="lr_scale.double",
+                tooltip="lr_scale x2: twice the learning rate the schedule sets, from the "
+                        "next step", group=_LR),
+        Binding("g", "clip('max_grad_norm')", "clip", id="max_grad_norm.toggle",
+                tooltip="Gradient clipping off (max_grad_norm=0) / on again at the last "
+                        f"threshold ({DEFAULT_MAX_GRAD_NORM:g} if it never had one)"),
+        Binding("s", "confirm('checkpoint', 'now')", "save", id="checkpoint.now",
+                show=False,  # in help and the palette: the footer is full at 80 columns
+                tooltip="Save a checkpoint at the next step (asks first: the training "
+                        "waits while it is written)"),
+        # a replay on a timeline (before the focused widget's keys: the log scrolls too)
+        Binding("left", "move_by(-1)", "step-", id="timeline.back", group=_STEP,
+                priority=True, tooltip="Timeline: one optimizer step back"),
+        Binding("right", "move_by(1)", "step+", id="timeline.forward", group=_STEP,
+                priority=True, tooltip="Timeline: one optimizer step forward"),
+        Binding("shift+left", f"move_by(-{TIMELINE_LEAP_STEPS})",
+                f"-{TIMELINE_LEAP_STEPS}", id="timeline.leap_back", show=False,
+                priority=True,
+                tooltip=f"Timeline: {TIMELINE_LEAP_STEPS} optimizer steps back"),
+        Binding("shift+right", f"move_by({TIMELINE_LEAP_STEPS})",
+                f"+{TIMELINE_LEAP_STEPS}", id="timeline.leap_forward", show=False,
+                priority=True,
+                tooltip=f"Timeline: {TIMELINE_LEAP_STEPS} optimizer steps forward"),
+        Binding("left_square_bracket", "move_to_mark('change', -1)", "change-",
+                id="timeline.previous_change", group=_CHANGE, priority=True,
+                tooltip="Timeline: the previous knob change"),
+        Binding("right_square_bracket", "move_to_mark('change', 1)", "change+",
+                id="timeline.next_change", group=_CHANGE, priority=True,
+                tooltip="Timeline: the next knob change"),
+        Binding("comma", "move_to_mark('event', -1)", "event-",
+                id="timeline.previous_event", group=_EVENT, priority=True,
+                tooltip="Timeline: the previous event the run logged"),
+        Binding("full_stop", "move_to_mark('event', 1)", "event+",
+                id="timeline.next_event", group=_EVENT, priority=True,
+                tooltip="Timeline: the next event the run logged"),
+        Binding("home", "move_to('start')", "start", id="timeline.start", priority=True,
+                tooltip="Timeline: the first optimizer step"),
+        Binding("end", "move_to('end')", "end", id="timeline.end", priority=True,
+                tooltip="Timeline: the last optimizer step (the run's end)"),
+        Binding("v", "compare", "compare", id="timeline.compare",
+                tooltip="Timeline: the segments before and after the knob change at or "
+                        "before this step, side by side"),
+        Binding("r", "runs", "runs", id="runs",
+                tooltip="Every run of this user, live and finished: open one here"),
         Binding("question_mark", "help", "help", id="help",
                 tooltip="Show this list of keys"),
         Binding("q", "quit", "quit", id="quit",
@@ -106,12 +178,21 @@ class GpuwatchApp(App[None]):
         self._drawn: tuple[int, str, Any] | None = None
         self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
         self._events_shown = 0
+        self._state_shown: RunState | None = None  # a timeline replaces the state
+        self._switching = False  # another run replaces this one (widgets recomposed)
         self._knob_names: frozenset[str] = frozenset()
+        #: the threshold clipping had before ``g`` turned it off, by knob
+        self._clip_restore: dict[str, float] = {}
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Hide a knob's keys (footer, help, palette) where no command can go: in a
         replay, and once the run's schema is known, for a knob it does not have. A
-        read-only dashboard keeps them: a key then says what it would send."""
+        read-only dashboard keeps them: a key then says what it would send. The
+        timeline's keys act on a replay on a timeline only."""
+        if action in _TIMELINE_ACTIONS:  # before the focused widget's keys, but
+            # never a text box's (the command palette's): its arrows stay its own
+            return (isinstance(self.source, TimelineSource)
+                    and not isinstance(self.focused, Input))
         if action == "tune":
             return self.source.info is not None  # a replay sends nothing
         if action not in _KNOB_ACTIONS:
@@ -123,6 +204,8 @@ class GpuwatchApp(App[None]):
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
+        if isinstance(self.source, TimelineSource):
+            yield TimelineBar(id="timeline")
         with Horizontal(id="charts"):
             yield StepChart(TIMING, clip_spikes=True, id="timing")
             yield StepChart(LOSS, id="loss")
@@ -136,13 +219,16 @@ class GpuwatchApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
+        self._start_source()
+        self.set_interval(REDRAW_S, self.redraw)
+        self.redraw()
+
+    def _start_source(self) -> None:
         with self.source.lock:
             for note in self._notes:
                 self.source.state.log("info", note)
             self.source.state.log("info", f"waiting for {self.source.description} ...")
         self.source.start()
-        self.set_interval(REDRAW_S, self.redraw)
-        self.redraw()
 
     def on_resize(self, event: events.Resize) -> None:
         """Under :data:`COMPACT_FOOTER_BELOW` columns the footer is compact and leaves
@@ -161,28 +247,42 @@ class GpuwatchApp(App[None]):
         """Redraw the panels if a record arrived, the run's status changed or the panels
         were resized, and the charts if steps arrived (at most every
         :data:`CHART_REDRAW_S`)."""
-        if not self.is_running:  # shutting down: the widgets are being removed
+        if not self.is_running or self._switching:  # the widgets are being replaced
             return
-        now = time.monotonic()
+        wall = time.monotonic()
         size = self.query_one("#panels").size  # sparklines fill the panels' width
+        log = self.query_one(EventLog)
         with self.source.lock:
             state = self.source.state
+            now = self.source.now()  # the state's clock: a timeline's is its step's
             status = state.status_at(now)
+            if state is not self._state_shown:  # a timeline moved: draw it afresh
+                if self._state_shown is not None:
+                    log.clear()
+                self._state_shown = state
+                self._events_shown = state.events_total - len(state.events)
+                self._charts_drawn = (-1, 0.0)
+                self._drawn = None
             previous = self._drawn[1] if self._drawn is not None else None
             if (previous is not None and previous != status and status in _STATUS_NOTES
                     and (previous, status) != ("compiling", "live")):
                 state.log(*_STATUS_NOTES[status])
             if (state.steps_total != self._charts_drawn[0]
-                    and now - self._charts_drawn[1] >= CHART_REDRAW_S):
-                self._charts_drawn = (state.steps_total, now)
+                    and wall - self._charts_drawn[1] >= CHART_REDRAW_S):
+                self._charts_drawn = (state.steps_total, wall)
                 for chart in self.query(StepChart):
-                    chart.show(state.steps)
+                    chart.show(state.steps, marks=state.knob_changes)
             knob_names = frozenset(state.schema)
             if isinstance(self.screen, TuneScreen):
                 self.screen.show(state)
             if self._drawn == (state.version, status, size):
                 return
             self._drawn = (state.version, status, size)
+            if isinstance(self.source, TimelineSource):
+                timeline = self.source.timeline
+                self.query_one(TimelineBar).show(
+                    timeline.steps if timeline else (), self.source.index,
+                    timeline.marks if timeline else ())
             self.query_one(RunHeader).show(state, status, now,
                                            description=self.source.description,
                                            readonly=self.readonly)
@@ -194,7 +294,6 @@ class GpuwatchApp(App[None]):
             new = min(state.events_total - self._events_shown, len(state.events))
             entries = list(state.events)[len(state.events) - new:] if new > 0 else []
             self._events_shown = state.events_total
-        log = self.query_one(EventLog)
         for entry in entries:
             log.add(entry)
         if knob_names != self._knob_names:  # the keys of knobs the run lacks go away
@@ -205,6 +304,86 @@ class GpuwatchApp(App[None]):
         """Add a line to the event log (level: info, success, warning or error)."""
         with self.source.lock:
             self.source.state.log(level, text)
+        self.redraw()
+
+    def action_move_by(self, steps: int) -> None:
+        """Timeline: move ``steps`` optimizer steps back (negative) or forward."""
+        if isinstance(self.source, TimelineSource) and self.source.move_by(steps):
+            self.redraw()
+
+    def action_move_to(self, where: str) -> None:
+        """Timeline: go to the ``start`` or the ``end`` of the run."""
+        index = 0 if where == "start" else 1 << 62  # clamped to the last step
+        if isinstance(self.source, TimelineSource) and self.source.move_to(index):
+            self.redraw()
+
+    def action_move_to_mark(self, kind: str, direction: int) -> None:
+        """Timeline: go to the next (``direction`` 1) or previous (-1) knob change
+        (``kind`` change) or event (event), or say there is none."""
+        if not isinstance(self.source, TimelineSource):
+            return
+        if self.source.move_to_mark(kind, direction) is None:
+            what = "knob change" if kind == "change" else "event"
+            self.notify(f"no {'later' if direction > 0 else 'earlier'} {what}",
+                        severity="warning", timeout=2)
+            return
+        self.redraw()
+
+    def action_compare(self) -> None:
+        """Timeline: open the comparison of the segment shown and the one before it (the
+        first two while the first is shown), or say there is no knob change."""
+        source = self.source
+        if not isinstance(source, TimelineSource) or source.timeline is None \
+                or source.index is None:
+            return
+        segments = source.timeline.history.segments()
+        if len(segments) < 2:
+            self.notify("no knob change in this run to compare around",
+                        severity="warning", timeout=3)
+            return
+        step = source.timeline.steps[source.index]
+        here = next((i for i, s in enumerate(segments) if s.last_step >= step),
+                    len(segments) - 1)
+        before, after = segments[max(0, here - 1)], segments[max(1, here)]
+        self.push_screen(CompareScreen(
+            [Column(f"before: {before.label}", before),
+             Column(f"after: {after.label}", after)],
+            f"compare: {', '.join(after.changed)} at step {after.first_step}"))
+
+    def action_runs(self) -> None:
+        """Open the list of every run; the one chosen replaces the run shown."""
+        self.push_screen(RunsScreen(), callback=self._open_run)
+
+    async def _open_run(self, summary: history.RunSummary | None) -> None:
+        """Show ``summary``'s run instead: a live one live, a finished one on a
+        timeline (or say why it cannot be opened)."""
+        if summary is None:
+            return
+        source: Source | None = None
+        if summary.live:
+            info = find_run(summary.run_id)
+            source = LiveSource(info) if info is not None else None
+        if source is None:
+            log = history.find_run_log(summary.run_id)
+            source = TimelineSource(log) if log is not None else None
+        if source is None:
+            self.notify(f"run {summary.run_id} is neither live nor logged any more",
+                        severity="warning")
+            return
+        self._switching = True
+        try:
+            self.source.close()
+            self.source = source
+            self._notes = []
+            self._state_shown, self._drawn = None, None
+            self._charts_drawn, self._events_shown = (-1, 0.0), 0
+            self._knob_names = frozenset()
+            await self.recompose()  # a timeline has its bar, a live run has none
+            self.set_focus(None)  # not the removed widget that had it: the keys are ours
+        finally:
+            self._switching = False
+        self._start_source()
+        self.refresh_bindings()
         self.redraw()
 
     def action_help(self) -> None:
@@ -257,13 +436,64 @@ class GpuwatchApp(App[None]):
         if type(current) is not int:
             self.note("warning", f"{knob} is {current!r}, not an integer; nothing sent")
             return
-        value = current + delta
+        self._send_within_bounds(knob, spec, current + delta, f"{knob} is already at")
+
+    def action_scale(self, knob: str, factor: float) -> None:
+        """Ask the run for ``knob x factor`` (a float knob), within the schema's bounds."""
+        spec, current = self._number(knob)
+        if spec is not None:
+            self._send_within_bounds(knob, spec, current * factor,
+                                     f"{knob} {current:g} x{factor:g} is beyond")
+
+    def action_clip(self, knob: str) -> None:
+        """Turn clipping off (``knob=0``), or on again at the threshold it had (else
+        :data:`DEFAULT_MAX_GRAD_NORM`)."""
+        spec, current = self._number(knob)
+        if spec is None:
+            return
+        if current:
+            self._clip_restore[knob] = current
+            self._command(knob, 0.0)
+        else:
+            self._command(knob, self._clip_restore.get(knob, DEFAULT_MAX_GRAD_NORM))
+
+    def _number(self, knob: str) -> tuple[dict[str, Any] | None, Any]:
+        """As :meth:`_knob`, for a number knob: ``(None, None)``, after saying why, when
+        its value is not a number."""
+        spec, current = self._knob(knob)
+        if spec is not None and type(current) not in (int, float):
+            self.note("warning", f"{knob} is {current!r}, not a number; nothing sent")
+            return None, None
+        return spec, current
+
+    def _send_within_bounds(self, knob: str, spec: dict[str, Any], value: Any,
+                            beyond: str) -> None:
+        """Send ``knob=value`` if the schema's bounds allow it, else say ``<beyond> its
+        minimum|maximum <bound>; nothing sent``."""
         low, high = spec.get("min"), spec.get("max")
         if (low is not None and value < low) or (high is not None and value > high):
-            bound = "minimum" if low is not None and value < low else "maximum"
-            self.note("warning", f"{knob} is already at its {bound} {current}; nothing sent")
+            bound, limit = ("minimum", low) if low is not None and value < low else (
+                "maximum", high)
+            self.note("warning", f"{beyond} its {bound} {limit:g}; nothing sent")
             return
         self._command(knob, value)
+
+    def action_confirm(self, knob: str, value: str) -> None:
+        """Ask first, then send ``knob=value`` (a command such as ``checkpoint=now``)."""
+        with self.source.lock:
+            spec = self.source.state.schema.get(knob)
+        if spec is None:
+            self.note("warning", f"this run has no {knob} command; nothing sent")
+            return
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._command(knob, value)
+            else:
+                self.note("info", f"{assignment(knob, value)} not sent")
+
+        self.push_screen(ConfirmScreen(f"Send {assignment(knob, value)} to the run?",
+                                       str(spec.get("help", ""))), answered)
 
     def action_toggle(self, knob: str) -> None:
         """Ask the run to turn a boolean knob the other way."""

@@ -1,7 +1,9 @@
 """The ``gpuwatch`` command: the dashboard, and scriptable commands around it.
 
-``gpuwatch [RUN]`` opens the dashboard; ``runs``, ``set``, ``tune``, ``tail``,
-``replay``, ``demo`` and ``doctor`` are subcommands. Textual is imported only by the commands that
+``gpuwatch [RUN]`` opens the dashboard (a finished run on a timeline); ``runs``,
+``set``, ``tune``, ``tail``, ``replay``, ``demo``, ``doctor``, and for runs after the
+fact ``report``, ``compare`` and ``export`` (:mod:`gpuwatch.history_commands`) are
+subcommands. Textual is imported only by the commands that
 draw a screen, so the scriptable ones start fast.
 """
 
@@ -21,23 +23,32 @@ from typing import Any, Sequence
 import zmq
 
 from agent import protocol
-from agent.runs import RunInfo, find_run, list_runs, run_dir, run_ranks
+from agent.protocol import printable
+from agent.runs import RunInfo, alive, find_run, list_runs, run_dir, run_ranks
+from gpuwatch import history, history_commands
 from gpuwatch.units import human_age, human_ms, human_number
 
-SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor")
+SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor",
+               "report", "compare", "export")
 #: How long ``gpuwatch demo`` waits for the training child to write its run file (s).
 DEMO_START_TIMEOUT_S = 60.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
 DEMO_STOP_TIMEOUT_S = 20.0
-#: ``gpuwatch tune`` gives up following a run silent this long (s; heartbeats are 1 s).
-TUNE_SILENCE_S = 10.0
+#: ``gpuwatch tail ENDPOINT`` (no run file to check) gives up after this long with
+#: nothing heard (s); a run sends a heartbeat a second.
+TAIL_SILENCE_S = 10.0
+#: ``gpuwatch tail RUN`` and ``gpuwatch tune`` check whether the run's process lives
+#: after this long with nothing heard (s).
+TAIL_CHECK_AFTER_S = 3.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gpuwatch`` command line; returns the exit status.
 
-    Exit status: 0 success; 1 no live run, a rejected or unanswered command, or a
-    failed child; 2 bad usage (from argparse).
+    Exit status: 0 success; 1 no live run, a rejected or unanswered command, a failed
+    child, a run directory that is refused (another user's, a symbolic link, too open)
+    or another error of the system (said in one line, no traceback); 2 bad usage (from
+    argparse).
     """
     args = _parser().parse_args(_with_default_command(
         list(sys.argv[1:] if argv is None else argv)))
@@ -45,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:  # UnsafeDirectoryError among them: a squatted run directory
+        print(f"gpuwatch: {printable(str(exc))}", file=sys.stderr)
+        return 1
 
 
 def _with_default_command(argv: list[str]) -> list[str]:
@@ -64,15 +78,21 @@ def _parser() -> argparse.ArgumentParser:
 
     attach = commands.add_parser(
         "attach", help="open the dashboard (the default command)",
-        description="Open the dashboard on a live run.")
+        description="Open the dashboard on a live run, or on a finished run's log on "
+                    "a timeline (see `gpuwatch runs --all`).")
     attach.add_argument("run", nargs="?", metavar="RUN",
-                        help="run id, unique prefix, or endpoint (default: the newest)")
+                        help="run id, unique prefix, or endpoint (default: the newest "
+                             "live run)")
     attach.add_argument("--readonly", action="store_true",
                         help="watch only: keys send no commands")
     attach.set_defaults(handler=_attach)
 
-    runs = commands.add_parser("runs", help="list live runs",
-                               description="List the live runs of this user.")
+    runs = commands.add_parser("runs", help="list live runs (--all: finished ones too)",
+                               description="List the live runs of this user; with --all "
+                                           "every run with a run log as well.")
+    runs.add_argument("--all", action="store_true",
+                      help="live and finished runs: name, start, duration, steps, final "
+                           "loss, best throughput, knob changes, log size")
     runs.add_argument("--json", action="store_true", help="print a JSON list")
     runs.set_defaults(handler=_runs)
 
@@ -86,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     set_.add_argument("--run", help="run id, prefix or endpoint (default: the newest)")
     set_.add_argument("--timeout", type=float, default=3.0, metavar="S",
                       help="seconds to wait for the reply (default 3)")
+    set_.add_argument("--checkpoint", action="store_true",
+                      help="save a checkpoint at the same step boundary first (before a "
+                           "risky change: precision=fp16 --checkpoint); the change is not "
+                           "made if the save fails. `set checkpoint=now` saves one alone")
     set_.set_defaults(handler=_set)
 
     tune = commands.add_parser(
@@ -117,8 +141,10 @@ def _parser() -> argparse.ArgumentParser:
     tail = commands.add_parser(
         "tail", help="print a run's records as they come, or a run log's",
         description="Print a live run's records until the run ends, Ctrl-C, or --count "
-                    "records. Given a run-log file (JSON lines), print its records and "
-                    "exit, or with --follow go on printing what is appended.")
+                    "records (exit status 1 when the run's process dies without saying "
+                    "bye, or an endpoint says nothing for 10 s). Given a run-log file "
+                    "(JSON lines), print its records and exit, or with --follow go on "
+                    "printing what is appended.")
     tail.add_argument("target", nargs="?", metavar="RUN|FILE",
                       help="run id, prefix or endpoint (default: the newest), or a run "
                            "log file")
@@ -135,7 +161,9 @@ def _parser() -> argparse.ArgumentParser:
         "replay", help="open the dashboard on a run log (read-only)",
         description="Open the dashboard on a run log (the JSON-lines file of a finished "
                     "or running run; see `gpuwatch runs --json` for live runs' "
-                    "log_path), and follow it while it grows. Keys send nothing.")
+                    "log_path): a finished run's on a timeline (left/right, [ ], , ., "
+                    "home/end move it), a live run's followed while it grows. Keys send "
+                    "nothing.")
     replay.add_argument("file", metavar="FILE", help="the run log (.jsonl)")
     replay.set_defaults(handler=_replay)
 
@@ -148,6 +176,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--compile-backend", default="inductor", metavar="NAME",
                       help="torch.compile backend used when `k` picks compile (inductor; "
                            "aot_eager compiles in about a second on a small CPU)")
+    demo.add_argument("--resume", metavar="CHECKPOINT",
+                      help="continue from a checkpoint the demo saved (`s` in the "
+                           "dashboard, or `gpuwatch set checkpoint=now`)")
+    demo.add_argument("--checkpoint-dir", metavar="DIR",
+                      help="where `s` / checkpoint=now saves (default: the run's "
+                           "directory under the run logs' checkpoints/)")
     demo.add_argument("--no-ui", action="store_true",
                       help="run the job in this terminal; watch it from another")
     demo.add_argument("--readonly", action="store_true",
@@ -159,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the environment report of gpuopt in a child process.")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(handler=_doctor)
+    history_commands.add_parsers(commands)
     return parser
 
 
@@ -178,6 +213,10 @@ def _no_run(selector: str | None) -> int:
 
 def _attach(args: argparse.Namespace) -> int:
     info = find_run(args.run)
+    if info is None and args.run:
+        log = history.find_run_log(args.run)
+        if log is not None:
+            return history_commands.open_finished(log)
     if info is None:
         return _no_run(args.run)
     return _watch(info, readonly=args.readonly)
@@ -193,6 +232,8 @@ def _watch(info: RunInfo, *, readonly: bool, notes: Sequence[str] = ()) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
+    if args.all:
+        return history_commands.print_all_runs(args.json)
     runs = list_runs()
     if args.json:
         print(json.dumps([info.public() for info in runs], indent=2))
@@ -202,8 +243,9 @@ def _runs(args: argparse.Namespace) -> int:
         return 0
     now = time.time()
     rows = [("RUN", "RANK", "PID", "NAME", "AGE", "ENDPOINT")] + [
-        (info.run_id, f"{info.rank}/{info.world_size}", str(info.pid), info.name or "-",
-         human_age(now - info.started_at), info.pub_endpoint) for info in runs]
+        (printable(info.run_id, protocol.MAX_NAME_CHARS), f"{info.rank}/{info.world_size}",
+         str(info.pid), printable(info.name or "-", protocol.MAX_NAME_CHARS),
+         human_age(now - info.started_at), printable(info.pub_endpoint)) for info in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
@@ -221,8 +263,10 @@ def _set(args: argparse.Namespace) -> int:
     info = find_run(args.run)
     if info is None:
         return _no_run(args.run)
-    reply = send_command(info, knob, value, timeout_s=args.timeout)
-    print(reply_text(knob, value, reply), file=sys.stdout if reply.get("ok") else sys.stderr)
+    reply = send_command(info, knob, value, timeout_s=args.timeout,
+                         checkpoint=args.checkpoint)
+    print(printable(reply_text(knob, value, reply)),
+          file=sys.stdout if reply.get("ok") else sys.stderr)
     return 0 if reply.get("ok") else 3 if reply.get("ranks_differ") else 1
 
 
@@ -245,24 +289,30 @@ def _tune(args: argparse.Namespace) -> int:
             subscriber.recv(timeout_s=args.timeout)
         reply = send_command(info, protocol.TUNE, value, timeout_s=args.timeout)
         if not reply.get("ok"):
-            print(reply_text(protocol.TUNE, value, reply), file=sys.stderr)
+            print(printable(reply_text(protocol.TUNE, value, reply)), file=sys.stderr)
             return 3 if reply.get("ranks_differ") else 1
-        print(f"tune: {reply.get('note', 'accepted')}", flush=True)
+        print(f"tune: {printable(reply.get('note', 'accepted'))}", flush=True)
         if not follow:
             return 0
-        while (message := subscriber.recv(timeout_s=TUNE_SILENCE_S)) is not None:
+        heard_at = time.monotonic()
+        while True:
+            message = subscriber.recv(timeout_s=1.0)
+            if message is None:
+                gone = _tail_gone(rank0, time.monotonic() - heard_at)
+                if gone is not None:
+                    print(f"gpuwatch tune: {printable(gone)}", file=sys.stderr)
+                    return 1
+                continue
+            heard_at = time.monotonic()
             body = message["body"]
             if message["type"] == protocol.EVENT and body.get("kind") in ("tune", "tuned"):
-                print(body.get("text", ""), flush=True)
+                print(printable(body.get("text", "")), flush=True)
                 if body.get("kind") == "tuned":
                     return 0
             elif message["type"] == protocol.BYE:
-                print(f"gpuwatch tune: the run ended ({body.get('reason', '')}) before the "
-                      "search did", file=sys.stderr)
+                print(f"gpuwatch tune: the run ended ({printable(body.get('reason', ''))}) "
+                      "before the search did", file=sys.stderr)
                 return 1
-    print(f"gpuwatch tune: nothing heard from the run for {TUNE_SILENCE_S:.0f} s",
-          file=sys.stderr)
-    return 1
 
 
 def _tail(args: argparse.Namespace) -> int:
@@ -282,8 +332,17 @@ def _tail(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     with subscriber:
+        heard_at = time.monotonic()
         try:
-            for message in subscriber:
+            while True:
+                message = subscriber.recv(timeout_s=1.0)
+                if message is None:
+                    gone = _tail_gone(info, time.monotonic() - heard_at)
+                    if gone is not None:
+                        print(f"gpuwatch tail: {printable(gone)}", file=sys.stderr)
+                        return 1
+                    continue
+                heard_at = time.monotonic()
                 if _print_record(message, as_json=args.json):
                     printed += 1
                     sys.stdout.buffer.flush()
@@ -298,6 +357,24 @@ def _tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tail_gone(info: RunInfo, silent_s: float) -> str | None:
+    """Why ``gpuwatch tail`` (or ``tune``, following the search) should stop after
+    ``silent_s`` seconds without a message,
+    or None to go on waiting: a run with a run file is gone when its process is
+    (killed: no ``bye`` will come); a bare endpoint is given up on after
+    :data:`TAIL_SILENCE_S`. A live process that is slow to speak (a loaded machine) is
+    waited for."""
+    if info.run_id != "?":
+        if silent_s >= TAIL_CHECK_AFTER_S and not alive(info.pid):
+            return (f"run {info.run_id} is gone: its process (pid {info.pid}) ended "
+                    "without saying bye")
+        return None
+    if silent_s >= TAIL_SILENCE_S:
+        return (f"nothing heard from {info.pub_endpoint} for {TAIL_SILENCE_S:.0f} s: "
+                "is a run there? (see `gpuwatch runs`)")
+    return None
+
+
 def _tail_file(path: Path, args: argparse.Namespace) -> int:
     """Print a run log's records; with ``--follow`` wait for more until a ``bye``."""
     from gpuwatch.sources.replay import POLL_S, RunLogReader
@@ -309,7 +386,8 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                 try:
                     messages = reader.read()
                 except OSError as exc:
-                    print(f"gpuwatch tail: cannot read {path}: {exc}", file=sys.stderr)
+                    print(printable(f"gpuwatch tail: cannot read {path}: {exc}"),
+                          file=sys.stderr)
                     return 1
                 for message in messages:
                     if _print_record(message, as_json=args.json):
@@ -343,7 +421,7 @@ def _print_record(message: dict[str, Any], *, as_json: bool) -> bool:
         line = protocol.to_json_line(message).decode().rstrip("\n")
     if line is None:
         return False
-    sys.stdout.buffer.write(line.encode() + b"\n")
+    sys.stdout.buffer.write(printable(line).encode() + b"\n")
     return True
 
 
@@ -353,6 +431,9 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"gpuwatch replay: no such file {str(path)!r} (a live run's log is the "
               "log_path of `gpuwatch runs --json`)", file=sys.stderr)
         return 1
+    log = history.log_at(path)
+    if log is not None and not history_commands.is_written_by_a_live_run(log):
+        return history_commands.open_finished(log)
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.replay import ReplaySource
 
@@ -375,6 +456,8 @@ def _human_line(message: dict[str, Any]) -> str | None:
                 + (f"{human_number(tokens, 0)} tokens/s  " if isinstance(tokens, (int, float)) else "")
                 + f"loss {'-' if not isinstance(loss, (int, float)) else f'{loss:.4g}'}  "
                 + (f"lr {lr:.3g}  " if isinstance(lr, (int, float)) else "")
+                + (f"grad norm {norm:.3g}  " if isinstance(norm := body.get("grad_norm"),
+                                                           (int, float)) else "")
                 + knobs).rstrip()
     if kind == protocol.EVENT:
         return f"[{body.get('level', 'info')}] {body.get('text', '')}"
@@ -392,6 +475,9 @@ def _demo(args: argparse.Namespace) -> int:
                "--compile-backend", args.compile_backend]
     if args.max_steps is not None:
         command += ["--max-steps", str(args.max_steps)]
+    for option, value in (("--resume", args.resume), ("--checkpoint-dir", args.checkpoint_dir)):
+        if value is not None:
+            command += [option, value]
     if args.no_ui:
         print("gpuwatch demo: training in this terminal; watch it with `gpuwatch` "
               "from another one", flush=True)

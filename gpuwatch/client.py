@@ -21,8 +21,14 @@ from gpuwatch.state import SeqGaps
 
 __all__ = ["Subscriber", "new_command_id", "reply_text", "secure", "send_command"]
 
-#: Telemetry queued in the SUB socket before ZeroMQ drops (then seq gaps show it).
-RECEIVE_HIGH_WATER_MARK = 100_000
+#: Largest telemetry message received (bytes): ZeroMQ disconnects a sender of a larger
+#: one before it is held in memory (it reconnects; seq gaps show what was lost).
+RECEIVE_MAX_BYTES = protocol.MAX_MESSAGE_BYTES
+#: Telemetry messages queued in the SUB socket at most. Beyond them ZeroMQ stops
+#: reading, and the run's PUB queues (up to its own high-water mark) and then drops,
+#: which seq gaps show: so a socket holds at most this many times RECEIVE_MAX_BYTES
+#: (64 MiB) whatever a sender does.
+RECEIVE_HIGH_WATER_MARK = 64
 
 
 class Subscriber:
@@ -46,6 +52,7 @@ class Subscriber:
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, RECEIVE_MAX_BYTES)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         try:
             secure(self._socket, info)
@@ -116,6 +123,7 @@ def reply_text(knob: str, value: Any, reply: dict[str, Any]) -> str:
         warning = reply.get("warning")
         return (f"accepted: {assignment(reply.get('knob', knob), reply.get('value', value))}"
                 + (f" applies at step {step}" if step is not None else "")
+                + (" after a checkpoint" if reply.get("checkpoint") else "")
                 + (" on ranks " + ", ".join(map(str, ranks))
                    if isinstance(ranks, list) and len(ranks) > 1 else "")
                 + (f"\nwarning: {warning}" if isinstance(warning, str) and warning else ""))

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from functools import partial
 
+from textual.actions import parse as parse_action
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 
 class BindingCommands(Provider):
-    """Offers each of the app's bindings by its description; help shows its key."""
+    """Offers each of the app's bindings that act here (as the help screen lists them)
+    by its description; help shows its key."""
 
     def _commands(self) -> list[tuple[str, str, str]]:
         app = self.app
         return [(binding.description,
                  f"{binding.tooltip} (key {app.get_key_display(binding)})", binding.action)
-                for binding in app.BINDINGS if isinstance(binding, Binding)]
+                for binding in app.BINDINGS if isinstance(binding, Binding)
+                and app.check_action(*parse_action(binding.action)[1:]) is not False]
 
     async def discover(self) -> Hits:
         for title, help_text, action in self._commands():

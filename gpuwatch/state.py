@@ -8,11 +8,14 @@ the source's lock; the app reads the state under the same lock and redraws when
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
+from itertools import islice
 from typing import Any, Callable, NamedTuple
 
 from agent import protocol
+from agent.protocol import MAX_NAME_CHARS, MAX_TEXT_CHARS, shorten
 
 #: Step records kept for the charts (about 10 minutes at one step a second).
 STEP_HISTORY = 600
@@ -20,10 +23,71 @@ STEP_HISTORY = 600
 ACTIVATION_HISTORY = 200
 #: Agent events kept for the event log.
 EVENT_HISTORY = 200
-#: No message for this long (s): the run is "gone".
+#: No message for this long (s): the run is "gone", unless its process is known to be
+#: alive (see :attr:`RunState.process_alive`).
 GONE_AFTER_S = 3.0
-#: Messages but no optimizer step for this long (s): the run is "stalled".
+#: No message for this long (s) from a run whose process is alive: "quiet" (a loaded
+#: machine can delay a heartbeat by seconds; a run is not called gone for it).
+QUIET_AFTER_S = 15.0
+#: Messages but no optimizer step for this long (s), or for :data:`STALL_STEPS` of the
+#: run's own recent longest step time when that is longer: the run is "stalled".
 STALLED_AFTER_S = 5.0
+STALL_STEPS = 3
+#: Latest steps whose time sets how long a run may go without a step.
+STALL_WINDOW_STEPS = 20
+#: Entries kept of one map or list from the wire (a knob schema has dozens).
+MAX_ITEMS = 256
+#: Nesting kept of a value from the wire; deeper parts become None.
+MAX_DEPTH = 6
+#: Knobs, and ranks, a run may have in the dashboard's memory; more are ignored.
+MAX_KNOBS = 128
+MAX_RANKS = 1024
+
+
+#: Values (strings, numbers, maps, lists) kept of one message's body at most: a body
+#: of a million tiny maps (1 MB of msgpack) costs no more than this to keep.
+MAX_VALUES = 4096
+
+
+def bounded(value: Any) -> Any:
+    """A copy of a wire value that the dashboard may keep: strings cut to
+    :data:`~agent.protocol.MAX_TEXT_CHARS` (map keys to
+    :data:`~agent.protocol.MAX_NAME_CHARS`), maps and lists to their first
+    :data:`MAX_ITEMS` entries, nesting to :data:`MAX_DEPTH`, :data:`MAX_VALUES` values in
+    all (what is beyond becomes None), values of other types (bytes, ...) None. Numbers,
+    booleans and None are kept as they are. Costs at most about :data:`MAX_VALUES`
+    steps, whatever the value."""
+    budget = [MAX_VALUES]
+
+    def copy(value: Any, depth: int) -> Any:
+        kind = type(value)
+        if kind is str:
+            return value if len(value) <= MAX_TEXT_CHARS else shorten(value)
+        if kind is int or kind is float or kind is bool or value is None:
+            return value
+        budget[0] -= 1
+        if depth >= MAX_DEPTH or budget[0] < 0:
+            return None
+        if kind is dict:
+            kept = {}
+            for key, item in islice(value.items(), MAX_ITEMS):
+                budget[0] -= 1
+                if budget[0] < 0:
+                    break
+                kept[shorten(key, MAX_NAME_CHARS) if type(key) is str else key] = copy(
+                    item, depth + 1)
+            return kept
+        if kind is list or kind is tuple:
+            kept_items = []
+            for item in value[:MAX_ITEMS]:
+                budget[0] -= 1
+                if budget[0] < 0:
+                    break
+                kept_items.append(copy(item, depth + 1))
+            return kept_items
+        return None
+
+    return copy(value, 0)
 
 
 class StepRecord(NamedTuple):
@@ -75,6 +139,18 @@ class Pending(NamedTuple):
 
     value: Any
     apply_step: int | None
+
+
+class KnobChange(NamedTuple):
+    """A knob's value changed at optimizer ``step`` (the step whose record first has
+    ``value``, or the step an ``applied`` event names), at unix time ``t`` (s, None when
+    unknown); ``before`` is the value it had."""
+
+    step: int
+    t: float | None
+    knob: str
+    before: Any
+    value: Any
 
 
 class SeqGaps:
@@ -131,14 +207,23 @@ _COMPILE_END_KINDS = frozenset({"compiled", "failed"})
 class RunState:
     """Everything the dashboard knows about one run, in bounded memory.
 
+    What it keeps from the wire is bounded as it is folded: texts cut to
+    :data:`~agent.protocol.MAX_TEXT_CHARS`, names to
+    :data:`~agent.protocol.MAX_NAME_CHARS`, maps and lists to :data:`MAX_ITEMS`, at most
+    :data:`MAX_KNOBS` knobs and :data:`MAX_RANKS` ranks (see :func:`bounded`). Control
+    characters are kept (a panel or the log shows them visibly, never raw).
+
     Attributes (read them under the source's lock):
         run_id: from the first envelope. hello: the latest ``hello`` body.
         schema: knob schema by name (wire maps: ``name``, ``kind``, ``choices``, ``min``,
             ``max``, ``help``). knobs: current knob values by name.
         knob_changed_at: monotonic time (s) a knob's value last changed.
+        knob_changes: the last :data:`EVENT_HISTORY` changes of knob values, as
+            :class:`KnobChange` (the charts mark them).
         pending: accepted commands not applied yet, by knob name.
         steps: the last :data:`STEP_HISTORY` step records; steps_total counts all ever.
-        last_step: the latest ``step`` body (memory, data-wait verdict). step: the last
+        last_step: the latest ``step`` body as received (memory, data-wait verdict; one
+            body of at most the receive limit: panels cut what they draw). step: the last
             completed optimizer step.
         host_rss_peak_bytes: the largest host RSS of the training process seen, or the
             run's own peak (``host_peak_rss_bytes``, ``ru_maxrss``) when larger; None
@@ -150,8 +235,9 @@ class RunState:
             :data:`ACTIVATION_HISTORY` measurements as ``(step, bytes)``.
         compiling_since: monotonic time (s) of a ``compiling`` event whose end (a
             ``compiled`` or ``failed`` event, or the step it applied at) has not come.
-        agent_records_dropped, agent_errors: the agent's own counts from its latest
-            heartbeat (records its queue dropped; internal errors, training goes on).
+        agent_records_dropped, agent_errors, agent_commands_rejected: the agent's own
+            counts from its latest heartbeat (records its queue dropped; internal
+            errors, training goes on; commands it rejected: bad token, knob or value).
         system: the latest ``system`` body, or None. ended: the ``bye`` body, or None
             (cleared if the same run id speaks again: it was restarted).
         tune: the latest ``tune`` body (the in-run search: status, best, candidates),
@@ -179,6 +265,7 @@ class RunState:
         self.own_command_ids: set[str] = set()
         self.knobs: dict[str, Any] = {}
         self.knob_changed_at: dict[str, float] = {}
+        self.knob_changes: deque[KnobChange] = deque(maxlen=EVENT_HISTORY)
         self.pending: dict[str, Pending] = {}
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.steps_total = 0
@@ -193,6 +280,10 @@ class RunState:
         self._compiling_until_step: int | None = None
         self.agent_records_dropped = 0
         self.agent_errors = 0
+        self.agent_commands_rejected = 0
+        #: True when the source saw the run's process alive (its run file, live pid)
+        #: since it last heard from it, False when it saw it gone, None: no way to know
+        self.process_alive: bool | None = None
         self.system: dict[str, Any] | None = None
         self.tune: dict[str, Any] | None = None
         self.ended: dict[str, Any] | None = None
@@ -205,6 +296,9 @@ class RunState:
         self.last_seen_at: float | None = None
         self.last_step_at: float | None = None
         self.message_t: float | None = None
+        #: the latest step's knobs map as received, and as kept (see _step_knobs)
+        self._raw_knobs: Any = None
+        self._kept_knobs: dict[str, Any] | None = None
         self._gaps = SeqGaps()
         self._fold: dict[str, Callable[[dict[str, Any], float], None]] = {
             protocol.HELLO: self._fold_hello,
@@ -216,6 +310,23 @@ class RunState:
             protocol.BYE: self._fold_bye,
             protocol.TUNE: self._fold_tune,
         }
+
+    def copy(self) -> RunState:
+        """An independent copy, to fold on from where this one is (a timeline keeps
+        such copies). The containers that folding changes in place are copied; the
+        records and bodies in them, never changed once folded, are shared."""
+        clone = copy.copy(self)
+        for name, value in vars(self).items():
+            if type(value) in (dict, set, list):
+                setattr(clone, name, value.copy())
+            elif type(value) is deque:
+                setattr(clone, name, deque(value, maxlen=value.maxlen))
+        clone._rank_knobs = {rank: dict(recent) for rank, recent in self._rank_knobs.items()}
+        clone._gaps = copy.copy(self._gaps)
+        clone._gaps._last = dict(self._gaps._last)
+        clone._fold = {kind: getattr(clone, fold.__name__)
+                       for kind, fold in self._fold.items()}
+        return clone
 
     @property
     def missed(self) -> int:
@@ -263,7 +374,7 @@ class RunState:
         self.message_t = t if type(t) is float or type(t) is int else None
         if self.first_seen_at is None:
             self.first_seen_at = now
-            self.run_id = message.get("run")
+            self.run_id = bounded(message.get("run"))
         self._gaps.observe(message)
         msg_type = message.get("type")
         if self.ended is not None and msg_type != protocol.BYE:
@@ -280,7 +391,8 @@ class RunState:
 
     def _fold_other_rank(self, rank: int, message: dict[str, Any], now: float) -> None:
         body = message.get("body")
-        if not isinstance(body, dict):
+        if not isinstance(body, dict) or (rank not in self.ranks
+                                          and len(self.ranks) >= MAX_RANKS):
             self.malformed += 1
             return
         msg_type = message.get("type")
@@ -288,7 +400,7 @@ class RunState:
             self._note_pace(rank, body, now)
         elif msg_type == protocol.EVENT and body.get("level") in ("warning", "error"):
             t = message.get("t")
-            self.log(body["level"], f"rank {rank}: {body.get('text', '')}",
+            self.log(body["level"], f"rank {rank}: {_text(body.get('text', ''))}",
                      t if type(t) is float or type(t) is int else None)
         elif rank in self.ranks:  # heard: a heartbeat, hello, ...
             self.ranks[rank] = self.ranks[rank]._replace(heard_at=now)
@@ -303,6 +415,9 @@ class RunState:
                 smoothed + (step_time - smoothed) / RANK_PACE_STEPS)
         self.ranks[rank] = RankPace(step if type(step) is int else None, smoothed, now)
         knobs = body.get("knobs")
+        if rank != self.primary_rank:
+            knobs = bounded(knobs) if isinstance(knobs, dict) and len(knobs) <= MAX_KNOBS \
+                else None
         if type(step) is int and isinstance(knobs, dict):
             recent = self._rank_knobs.setdefault(rank, {})
             recent[step] = knobs
@@ -345,21 +460,39 @@ class RunState:
             return "ended"
         if self.last_seen_at is None or self.first_seen_at is None:
             return "waiting"
+        judged_at = now
         if now - self.last_seen_at > GONE_AFTER_S:
-            return "gone"
+            if not self.process_alive:  # dead, or no way to know (a log, an endpoint)
+                return "gone"
+            if now - self.last_seen_at > QUIET_AFTER_S:
+                return "quiet"
+            judged_at = self.last_seen_at  # unheard is not unstepping: as last heard
         if self.compiling_since is not None:
             return "compiling"
-        if now - (self.last_step_at or self.first_seen_at) > STALLED_AFTER_S:
+        if judged_at - (self.last_step_at or self.first_seen_at) > self.stall_after_s():
             return "stalled"
         return "live"
+
+    def stall_after_s(self) -> float:
+        """How long this run may go without an optimizer step before it is "stalled":
+        :data:`STALLED_AFTER_S`, or :data:`STALL_STEPS` times the longest of its last
+        :data:`STALL_WINDOW_STEPS` step times when that is longer (a run of 10 s steps
+        is not stalled after 5 s)."""
+        longest = 0.0
+        for record in islice(reversed(self.steps), STALL_WINDOW_STEPS):
+            if record.step_time_s is not None and record.step_time_s > longest:
+                longest = record.step_time_s
+        return max(STALLED_AFTER_S, STALL_STEPS * longest)
 
     @property
     def status(self) -> str:
         """``waiting`` (nothing received yet), ``live``, ``compiling`` (a ``compiling``
         event has come and not its end: steps are slow, not stalled), ``stalled``
-        (messages but no step for :data:`STALLED_AFTER_S`), ``gone`` (no message,
-        heartbeats included, for :data:`GONE_AFTER_S`) or ``ended`` (the run said
-        ``bye``). A gone run whose messages come back is live again."""
+        (messages but no step for :meth:`stall_after_s`; a heartbeat whose step moved
+        counts as a step), ``gone`` (no message, heartbeats included, for
+        :data:`GONE_AFTER_S`, and its process is not known to be alive), ``quiet``
+        (nothing heard for :data:`QUIET_AFTER_S` but its process is alive) or ``ended``
+        (the run said ``bye``). A gone run whose messages come back is live again."""
         return self.status_at(time.monotonic())
 
     def note_pending(self, knob: str, value: Any, apply_step: int | None) -> None:
@@ -371,15 +504,24 @@ class RunState:
             self.version += 1
 
     def log(self, level: str, text: str, t: float | None = None) -> None:
-        """Append a line to the event log (``t``: when the run said it, unix s)."""
-        self.events.append(LogEntry(level, text, t))
+        """Append a line to the event log (``t``: when the run said it, unix s), cut to
+        :data:`~agent.protocol.MAX_TEXT_CHARS` (the log widget makes its control
+        characters visible)."""
+        self.events.append(LogEntry(level, _text(text), t))
         self.events_total += 1
         self.version += 1
 
     def _fold_hello(self, body: dict[str, Any], now: float) -> None:
+        body = bounded(body)
+        if not self.hello:  # errors the run had before this dashboard came (no log, ...)
+            for text in (body.get("errors") or [])[:10]:
+                if isinstance(text, str):
+                    self.log("error", f"the run reported: {text}", self.message_t)
         self.hello = body
-        self.schema = {knob["name"]: knob for knob in body.get("knobs") or ()
-                       if isinstance(knob, dict) and isinstance(knob.get("name"), str)}
+        knobs = body.get("knobs") or ()
+        self.schema = {knob["name"]: knob for knob in knobs[:MAX_KNOBS]
+                       if isinstance(knob, dict) and isinstance(knob.get("name"), str)
+                       and len(knob["name"]) <= MAX_NAME_CHARS}
 
     def _fold_step(self, body: dict[str, Any], now: float) -> None:
         step = body.get("step")
@@ -400,6 +542,8 @@ class RunState:
             _number(body.get("loss")), peak_reserved, rss, self.activation_bytes,
             _number(body.get("tokens_per_s"))))
         self.steps_total += 1
+        raw_knobs = body.get("knobs")
+        knobs = self._step_knobs(raw_knobs) if isinstance(raw_knobs, dict) else None
         if self.primary_rank is not None:
             self._note_pace(self.primary_rank, body, now)
         if step is not None:
@@ -413,17 +557,25 @@ class RunState:
                 self._compiling_until_step is None
                 or (step is not None and step >= self._compiling_until_step)):
             self.compiling_since = None  # the step that compiled has completed
-        knobs = body.get("knobs")
         if knobs:
             self._set_knobs(knobs, now)
+        elif raw_knobs is not None and knobs is None:
+            raise TypeError("knobs must be a map")  # counted as malformed
+
+    def _step_knobs(self, knobs: Any) -> Any:
+        """A step's knobs map as the state keeps it (:func:`_bounded_knobs`); the same
+        kept map again while the run sends equal ones (every step, mostly)."""
+        if knobs is not self._raw_knobs and knobs != self._raw_knobs:
+            self._raw_knobs, self._kept_knobs = knobs, _bounded_knobs(knobs)
+        return self._kept_knobs
 
     def _fold_system(self, body: dict[str, Any], now: float) -> None:
-        self.system = body
+        self.system = bounded(body)
 
     def _fold_state(self, body: dict[str, Any], now: float) -> None:
         if type(body.get("step")) is int:
             self.step = body["step"]
-        knobs = body.get("knobs")
+        knobs = _bounded_knobs(body.get("knobs"))
         if knobs:
             self._set_knobs(knobs, now)
 
@@ -432,15 +584,19 @@ class RunState:
             return  # this dashboard's own command: its reply says it already
         level = body.get("level")
         self.log(level if level in ("info", "warning", "error") else "info",
-                 str(body.get("text", "")), self.message_t)
+                 _text(body.get("text", "")), self.message_t)
         knob = body.get("knob")
+        if type(knob) is str and len(knob) > MAX_NAME_CHARS:
+            knob = None  # no knob of ours has such a name
         kind = body.get("kind")
         if kind in _SETTLING_KINDS and knob in self.pending:
             del self.pending[knob]
         if kind in ("applied", "rolled_back") and isinstance(knob, str) and "value" in body:
             # the run says so before the next step record (which can be seconds away):
             # a key pressed again meanwhile must start from the new value
-            self._set_knobs({knob: body["value"]}, now)
+            step = body.get("step")
+            self._set_knobs({knob: bounded(body["value"])}, now,
+                            at_step=step if type(step) is int else None)
         if kind == "compiling":
             self.compiling_since = now
             step = body.get("step")  # the step it compiles in, when the agent says
@@ -462,26 +618,64 @@ class RunState:
 
     def _fold_heartbeat(self, body: dict[str, Any], now: float) -> None:
         if type(body.get("step")) is int:
+            if self.step is not None and body["step"] > self.step:
+                self.last_step_at = now  # it stepped (its step records may be lost)
             self.step = body["step"]
         for key, attribute in (("records_dropped", "agent_records_dropped"),
-                               ("errors", "agent_errors")):
+                               ("errors", "agent_errors"),
+                               ("commands_rejected", "agent_commands_rejected")):
             value = body.get(key)
             if type(value) is int:
                 setattr(self, attribute, value)
 
     def _fold_bye(self, body: dict[str, Any], now: float) -> None:
+        body = bounded(body)
         self.ended = body
         steps = body.get("steps")
         self.log("info", f"run ended ({body.get('reason') or 'no reason given'})"
                  + (f" after {steps} steps" if steps is not None else ""), self.message_t)
 
-    def _set_knobs(self, knobs: dict[str, Any], now: float) -> None:
+    def _set_knobs(self, knobs: dict[str, Any], now: float, *,
+                   at_step: int | None = None) -> None:
+        """Fold knob values (bounded already; a knob beyond :data:`MAX_KNOBS` is
+        ignored); a change is noted at ``at_step`` (default: the last completed step)."""
         for name, value in knobs.items():
             if name in self.knobs and self.knobs[name] == value:
                 continue
+            if name not in self.knobs and len(self.knobs) >= MAX_KNOBS:
+                continue
             if name in self.knobs:
                 self.knob_changed_at[name] = now
+                step = at_step if at_step is not None else self.step
+                if step is not None:
+                    self.knob_changes.append(KnobChange(step, self.message_t, name,
+                                                        self.knobs[name], value))
             self.knobs[name] = value
             pending = self.pending.get(name)
             if pending is not None and pending.value == value:
                 del self.pending[name]
+
+
+def _text(value: Any) -> str:
+    """A text from the wire as the event log keeps it: a string (anything else as its
+    ``str``), cut to :data:`~agent.protocol.MAX_TEXT_CHARS`."""
+    if type(value) is not str:
+        value = str(bounded(value))
+    return shorten(value)
+
+
+def _bounded_knobs(knobs: Any) -> dict[str, Any] | None:
+    """A knobs map from the wire as the state keeps it: names of at most
+    :data:`~agent.protocol.MAX_NAME_CHARS` characters (longer ones are no knob of
+    ours), at most :data:`MAX_KNOBS` of them, values :func:`bounded`; None for what is
+    none.
+
+    Raises:
+        TypeError: ``knobs`` is neither a map nor None (a malformed body).
+    """
+    if knobs is None:
+        return None
+    if not isinstance(knobs, dict):
+        raise TypeError("knobs must be a map")
+    return {name: bounded(value) for name, value in islice(knobs.items(), MAX_KNOBS)
+            if type(name) is str and len(name) <= MAX_NAME_CHARS}

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def knob_text(value: Any) -> str:
+    """A knob value as a person reads it: booleans as ``on`` / ``off``, the rest as is."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def human_bytes(value_bytes: float | None) -> str:

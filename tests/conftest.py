@@ -38,7 +38,8 @@ FAKE_KNOB_SPECS = {
 
 
 class FakeAgent:
-    """A stand-in for the in-process agent: PUB and ROUTER on tcp 127.0.0.1, a run file,
+    """A stand-in for the in-process agent: PUB and ROUTER on tcp 127.0.0.1 with CURVE
+    (as the agent's tcp; its keys in the run file, any client key accepted), a run file,
     and a thread that publishes a training step every ``step_s`` seconds (with heartbeat,
     and hello/system every 10 steps) and applies accepted commands at their step. With
     ``gpus`` (``system`` GPU maps) it also reports CUDA memory in each step; ``knobs``
@@ -104,14 +105,22 @@ class FakeAgent:
 
     def _run(self) -> None:
         context = zmq.Context.instance()
+        server_public, server_secret = FAKE_SERVER_KEYS
+        client_public, client_secret = zmq.curve_keypair()
         with context.socket(zmq.PUB) as pub, context.socket(zmq.ROUTER) as router:
+            for socket in (pub, router):
+                socket.curve_secretkey, socket.curve_publickey = server_secret, server_public
+                socket.curve_server = True
             pub_port, cmd_port = (_bind(socket, port) for socket, port in
                                   zip((pub, router), self.ports or (None, None)))
             self.info = RunInfo(
                 run_id=self.run_id, rank=self.rank, world_size=self.world_size,
                 pid=os.getpid(), pub_endpoint=f"tcp://127.0.0.1:{pub_port}",
                 cmd_endpoint=f"tcp://127.0.0.1:{cmd_port}", token=secrets.token_hex(16),
-                started_at=time.time(), name="fake-train")
+                started_at=time.time(), name="fake-train",
+                curve_server_key=server_public.decode(),
+                curve_client_public_key=client_public.decode(),
+                curve_client_secret_key=client_secret.decode())
             write_run_file(self.info, self._directory)
             self._ready.set()
             while not self._stop.is_set():
@@ -193,6 +202,11 @@ class FakeAgent:
             "host_rss_bytes": 700 << 20, **cuda, **self.step_fields})
         self._send(pub, protocol.HEARTBEAT, {"step": self._step, "ending": False,
                                              "records_dropped": 0, "errors": 0})
+
+
+#: The fake agents' CURVE server key pair (one for all: a restarted fake on the same
+#: ports is the same "run" to a dashboard that kept its run file's key).
+FAKE_SERVER_KEYS = zmq.curve_keypair()
 
 
 def _bind(socket: zmq.Socket, port: int | None) -> int:

@@ -144,14 +144,14 @@ def _train(accelerator, model, optimizer, loader, run, *, scheduler=None, max_no
     return windows
 
 
-def _by_hand(make, window, max_norm=None):
+def _by_hand(make, window, max_norm=None, lr=LR):
     """The window's update in plain torch: autocast and GradScaler as configured, each
     micro-batch's loss divided by accum_steps (accelerate's normalisation), SGD."""
     twin = make()
     with torch.no_grad():
         for parameter, value in zip(twin.parameters(), window.before):
             parameter.copy_(value)
-    optimizer = torch.optim.SGD(twin.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(twin.parameters(), lr=lr)
     precision = window.settings["precision"]
     scaler = None
     if precision == "fp16":
@@ -433,12 +433,70 @@ def test_kernels_compile_live_reports_compile_events_and_trains_as_eager():
     assert "compiling" in kinds and "compiled" in kinds
 
 
+def test_lr_scale_and_the_clip_threshold_apply_from_the_next_window_as_by_hand():
+    """lr_scale=0.5 halves the optimizer's rate inside its step; max_grad_norm=0.05
+    becomes the threshold of the loop's own accelerator.clip_grad_norm_(..., 1.0)."""
+    accelerator, model, optimizer, loader = _prepared(n=48)
+    run = agent.attach(accelerator)
+
+    def at_boundary(n):
+        if n == 2:
+            for knob, value in (("lr_scale", 0.5), ("max_grad_norm", 0.05)):
+                assert send_command(run.agent.info, knob, value)["ok"]
+
+    windows = _train(accelerator, model, optimizer, loader, run, max_norm=1.0,
+                     at_boundary=at_boundary)
+    steps, _, _ = _records(run)
+    for number, window in enumerate(windows, start=1):
+        changed = number >= 3
+        expected, norm = _by_hand(make_model, window, 0.05 if changed else 1.0,
+                                  lr=LR * (0.5 if changed else 1.0))
+        for got, want in zip(window.after, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert steps[number]["lr"] == LR * (0.5 if changed else 1.0)
+        assert steps[number]["grad_norm"] == pytest.approx(norm, rel=1e-6)
+        assert steps[number]["knobs"]["max_grad_norm"] == (0.05 if changed else 1.0)
+    assert optimizer.param_groups[0]["lr"] == LR  # the loop's own rate, between steps
+
+
+def test_checkpoint_now_is_save_state_and_resume_from_continues_exactly(tmp_path):
+    accelerator, model, optimizer, loader = _prepared(n=48)
+    run = agent.attach(accelerator, checkpoint_dir=tmp_path)
+
+    def at_boundary(n):
+        if n in (1, 2):
+            knob, value = ("lr_scale", 0.5) if n == 1 else ("checkpoint", "now")
+            assert send_command(run.agent.info, knob, value)["ok"]
+
+    windows = _train(accelerator, model, optimizer, loader, run, at_boundary=at_boundary)
+    _, events, _ = _records(run)
+    path = tmp_path / "checkpoint-2"
+    saved = [e for e in events if e.get("knob") == "checkpoint" and e["kind"] == "applied"]
+    assert [(e["path"], e["checkpoint_step"]) for e in saved] == [(str(path), 2)]
+    assert {"model.safetensors", "optimizer.bin", "gpuwatch.json"} <= {
+        p.name for p in path.iterdir()}
+
+    AcceleratorState._reset_state(True)  # a fresh process's accelerate
+    GradientState._reset_state()
+    accelerator, model, optimizer, loader = _prepared(n=48, make=lambda: make_model(seed=1))
+    run = agent.attach(accelerator, resume_from=path)
+    assert run.step == 2 and run.optimizer_settings.lr_scale == 0.5
+    again = _train(accelerator, model, optimizer, accelerator.skip_first_batches(loader, 2),
+                   run)
+    run.close()
+    assert len(again) == len(windows) - 2
+    for resumed, original in zip(again, windows[2:]):
+        for got, want in zip(resumed.after, original.after):
+            assert torch.equal(got, want)
+
+
 def test_knobs_that_cannot_be_right_are_refused_with_their_reason():
     accelerator, model, optimizer, loader = _prepared(n=32)
     run = agent.attach(accelerator)
     info = runs.find_run(run.agent.run_id)
     schema = {knob["name"] for knob in run.agent.knobs.schema()}
-    assert schema == {"accum_steps", "precision", "kernels", "cpu_threads"}
+    assert schema == {"accum_steps", "precision", "kernels", "lr_scale", "weight_decay",
+                      "max_grad_norm", "checkpoint", "cpu_threads"}
 
     def reason(knob, value):
         reply = send_command(info, knob, value)
@@ -460,6 +518,13 @@ def test_knobs_that_cannot_be_right_are_refused_with_their_reason():
             "DataLoader fixes its workers when it is built); give one to run.loader() for "
             "live loader knobs")
     assert reason("memory_fraction", 0.5) == "memory_fraction: needs CUDA; this run is on cpu"
+
+    def at_boundary(n):  # a step was taken without accelerator.clip_grad_norm_
+        if n == 2:
+            assert reason("max_grad_norm", 1.0).startswith(
+                "max_grad_norm=1.0: the loop does not call accelerator.clip_grad_norm_(")
+
+    _train(accelerator, model, optimizer, loader, run, at_boundary=at_boundary)
     run.close()
     with pytest.raises(ValueError, match="no submodule named 'trunk'"):
         agent.attach(accelerator, checkpoint_blocks=["trunk"])  # a typo fails at once

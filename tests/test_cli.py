@@ -38,6 +38,10 @@ def test_set_accepted(fake_agent):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("accepted: accum_steps=4 applies at step ")
     assert fake_agent.commands.get(timeout=5)["value"] == "4"  # sent raw, parsed by the agent
+    result = gpuwatch("set", "precision=fp16", "--checkpoint")  # a checkpoint first
+    assert result.returncode == 0, result.stderr
+    command = fake_agent.commands.get(timeout=5)
+    assert (command["knob"], command["checkpoint"]) == ("precision", True)
 
 
 @pytest.mark.parametrize("assignment, reason", [

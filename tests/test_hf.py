@@ -185,7 +185,8 @@ def _check_windows(snapshots, dataset, sizes, steps, *, autocast=None, rtol=1e-3
     """For every optimizer step k: the update of every parameter is the window's own
     gradient, computed here with plain torch from the parameters before step k and
     exactly the micro-batches of that window, times the learning rate the step used;
-    the reported loss is that window's loss and the reported grad norm its norm."""
+    the reported loss is that window's loss and the reported grad norm its norm.
+    ``clip``: the max_grad_norm of every step, or ``clip(k)`` that of step k (None: none)."""
     hand = _model()
     fetched = dataset.fetched
     position = 0
@@ -206,7 +207,8 @@ def _check_windows(snapshots, dataset, sizes, steps, *, autocast=None, rtol=1e-3
         assert body["micro_batches"] == size, k
         assert body["loss"] == pytest.approx(loss.item(), rel=1e-3 if dtype else 1e-5), k
         assert body["grad_norm"] == pytest.approx(norm.item(), rel=2e-2 if dtype else 1e-4), k
-        factor = 1.0 if clip is None else min(1.0, clip / (norm.item() + 1e-6))
+        limit = clip(k) if callable(clip) else clip
+        factor = 1.0 if limit is None else min(1.0, limit / (norm.item() + 1e-6))
         for name, grad in grads.items():
             update = body["lr"] * factor * grad
             error = (after[name] - (before[name] - update)).abs().max().item()
@@ -403,6 +405,81 @@ def test_checkpointing_toggles_live_and_every_parameter_still_gets_its_gradient(
     assert [steps[k]["knobs"]["checkpointing"] for k in range(1, 9)] == snapshots.checkpointing
     _check_windows(snapshots, train, [2] * 8, steps)
     assert not getattr(trainer.model, "_require_grads_hooks", None)  # left as it was
+
+
+def test_lr_scale_and_max_grad_norm_apply_from_their_step_as_plain_torch_computes(
+        run_dir, tmp_path):
+    """lr_scale=0.5 from step 3 halves what HF's linear schedule sets (its shape kept),
+    max_grad_norm=0.5 from step 4 is args.max_grad_norm; weight_decay goes to HF's decay
+    group only (no biases, no LayerNorm)."""
+    train = Characters(32)
+    trainer = _trainer(tmp_path, train, max_steps=6, lr=0.2, schedule="linear")
+    snapshots = Snapshots(trainer.model)
+    trainer.add_callback(snapshots)
+    monitor = hf.attach(trainer)
+    for knob, value, step in (("lr_scale", 0.5, 3), ("max_grad_norm", 0.5, 4),
+                              ("weight_decay", 0.1, 6)):
+        reply = send_command(monitor.info, knob, value, apply_step=step)
+        assert reply["ok"] and reply["apply_step"] == step, reply
+    trainer.train()
+    steps = _steps(_records(monitor))
+    for k in range(1, 7):
+        schedule = 0.2 * (6 - (k - 1)) / 6
+        assert steps[k]["lr"] == pytest.approx(schedule * (0.5 if k >= 3 else 1.0)), k
+        assert steps[k]["lr_groups"] == [steps[k]["lr"]] * 2  # HF's two groups
+    _check_windows(snapshots, train, [1] * 5, steps, clip=lambda k: 0.5 if k >= 4 else None)
+    assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.1, 0.0]
+    assert trainer.args.max_grad_norm == 0.5  # as set: HF reads it at every step
+
+
+def test_checkpoint_now_is_hfs_own_checkpoint_and_train_resumes_it_with_the_knobs(
+        run_dir, tmp_path):
+    trainer = _trainer(tmp_path, Characters(32), max_steps=8, lr=0.2, schedule="linear")
+    snapshots = Snapshots(trainer.model)
+    trainer.add_callback(snapshots)
+    monitor = hf.attach(trainer, checkpoint_dir=tmp_path / "saved")
+    for knob, value, step in (("lr_scale", 0.5, 3), ("checkpoint", "now", 5)):
+        assert send_command(monitor.info, knob, value, apply_step=step)["ok"]
+    trainer.train()
+    path = tmp_path / "saved" / "checkpoint-4"
+    saved = _events(_records(monitor), "applied")[-1]
+    assert (saved["knob"], saved["path"], saved["checkpoint_step"]) == ("checkpoint", str(path), 4)
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+            "trainer_state.json", "gpuwatch.json"} <= {p.name for p in path.iterdir()}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+    fresh = _trainer(tmp_path, Characters(32), max_steps=8, lr=0.2, schedule="linear")
+    again = Snapshots(fresh.model)
+    fresh.add_callback(again)
+    resumed = hf.attach(fresh)
+    fresh.train(resume_from_checkpoint=str(path))
+    for name, value in again.params[-1].items():
+        assert torch.equal(value, snapshots.params[-1][name]), name
+    records = _records(resumed)
+    steps = _steps(records)
+    assert sorted(steps) == [5, 6, 7, 8]
+    assert [steps[k]["lr"] for k in range(5, 9)] == pytest.approx(
+        [0.2 * (8 - (k - 1)) / 8 * 0.5 for k in range(5, 9)])
+    assert _events(records, "resumed")[0]["text"] == (f"resumed from {path} at step 4 with "
+                                                       "lr_scale=0.5")
+
+
+def test_an_optimizer_without_weight_decay_refuses_it_once_train_made_it(run_dir, tmp_path):
+    model = _model()
+    args = _trainer(tmp_path, Characters(8), max_steps=2).args
+    trainer = Trainer(model=model, args=args, train_dataset=Characters(8),
+                      optimizers=(torch.optim.Rprop(model.parameters()), None))
+    monitor = hf.attach(trainer)
+    replies = []
+
+    class Ask(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                replies.append(send_command(monitor.info, "weight_decay", 0.1))
+
+    trainer.add_callback(Ask())
+    trainer.train()
+    assert replies[0]["reason"] == "weight_decay=0.1: Rprop has no weight_decay in its param groups"
 
 
 def test_knobs_the_trainer_cannot_apply_are_refused_with_the_reason(run_dir, tmp_path):

@@ -225,8 +225,9 @@ def test_one_line_attach_reports_undivided_loss_data_wait_lr_tokens_and_events(r
     assert hello["name"] == "lightning-digits"
     assert hello["model"] == {"name": "Digits",
                               "params": sum(p.numel() for p in module.parameters())}
-    assert [k["name"] for k in hello["knobs"]] == ["precision", "accum_steps", "kernels",
-                                                   "checkpointing", "cpu_threads"]
+    assert [k["name"] for k in hello["knobs"]] == [
+        "precision", "accum_steps", "kernels", "checkpointing", "lr_scale", "weight_decay",
+        "max_grad_norm", "checkpoint", "cpu_threads"]
     assert hello["training"] == {"framework": f"lightning {L.__version__}",
                                  "loss_normalization": "micro_batch_mean"}
     events = [(r["kind"], r.get("step"), r.get("sanity_check")) for r in records
@@ -328,6 +329,72 @@ def test_live_accum_steps_change_mid_epoch_trains_each_window_as_computed_by_han
     # fit is over: Lightning's own accumulation is back
     assert trainer.accumulate_grad_batches == 2
     assert "_accumulated_batches_reached" not in trainer.fit_loop.epoch_loop.__dict__
+
+
+def test_lr_scale_and_max_grad_norm_change_each_update_as_computed_by_hand(run_dir):
+    """lr_scale=0.5 from step 3 halves what the LambdaLR schedule sets (its shape kept);
+    max_grad_norm=0.05 from step 5 is Lightning's gradient_clip_val: each update is then
+    lr x 0.05/norm x the gradient, and the step reports the norm before clipping."""
+    module = Digits(lr=0.1, decay=0.9)
+    snapshots, hold = Snapshots(), Hold(at=2)
+    trainer = _trainer(max_steps=6, callbacks=[snapshots, hold])
+    monitor = attach(trainer)
+    replies = _fit_with_commands(trainer, module, _loader(64), hold, monitor,
+                                 [("lr_scale", 0.5, None), ("max_grad_norm", 0.05, 5)])
+    assert all(reply["ok"] for reply in replies), replies
+    steps = _steps(_records(monitor))
+    batches = _micro_batches(64)
+    for step in range(1, 7):
+        lr = 0.1 * 0.9 ** (step - 1) * (0.5 if step >= 3 else 1.0)
+        before = snapshots.params[step - 1]
+        unit, _, norm = _hand_step(before, [batches[step - 1]], 1.0)  # before - gradient
+        factor = min(1.0, 0.05 / (float(norm) + 1e-6)) if step >= 5 else 1.0
+        for name, value in snapshots.params[step].items():
+            expected = before[name] - lr * factor * (before[name] - unit[name])
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-7,
+                                       msg=f"step {step} {name}")
+        assert steps[step]["lr"] == pytest.approx(lr)
+        if step >= 5:
+            assert factor < 1 and steps[step]["grad_norm"] == pytest.approx(float(norm),
+                                                                             rel=1e-5)
+    assert trainer.gradient_clip_val is None  # the Trainer's own again after fit
+    assert module.trainer.optimizers[0]._optimizer_step_pre_hooks == {}
+
+
+def test_checkpoint_now_saves_through_lightning_and_fit_ckpt_path_resumes_its_knobs(
+        run_dir, tmp_path):
+    """checkpoint=now at the end of epoch 0 (a DataLoader resumes exactly only at an
+    epoch's end in Lightning) is trainer.save_checkpoint, made atomic; fit(ckpt_path=)
+    in a fresh Trainer restores gpuwatch's knobs with Lightning's state and trains the
+    remaining steps exactly as the run that saved it."""
+    module, snapshots, hold = Digits(lr=0.1, decay=0.9), Snapshots(), Hold(at=2)
+    trainer = _trainer(max_steps=12, callbacks=[snapshots, hold])
+    monitor = attach(trainer, checkpoint_dir=tmp_path)
+    replies = _fit_with_commands(trainer, module, _loader(64), hold, monitor,
+                                 [("lr_scale", 0.5, None), ("checkpoint", "now", 9)])
+    assert all(reply["ok"] for reply in replies), replies
+    saved = [e for e in _records(monitor) if e["type"] == "event"
+             and e.get("knob") == "checkpoint" and e.get("kind") == "applied"]
+    path = tmp_path / "step-00000008.ckpt"
+    assert [(e["path"], e["checkpoint_step"]) for e in saved] == [(str(path), 8)]
+    assert path.stat().st_size == saved[0]["size_bytes"]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert torch.load(path, weights_only=False)["callbacks"]["GpuwatchCallback"][
+        "knobs"]["lr_scale"] == 0.5
+
+    fresh, again = Digits(lr=0.1, decay=0.9, seed=1), Snapshots()
+    callback = GpuwatchCallback(name="resumed")
+    resumed = _trainer(max_steps=12, callbacks=[again, callback])
+    resumed.fit(fresh, _loader(64), ckpt_path=path)
+    for step in range(9, 13):
+        for name, value in again.params[step].items():
+            assert torch.equal(value, snapshots.params[step][name]), (step, name)
+    records = _records(callback.agent)
+    steps = _steps(records)
+    assert [steps[k]["lr"] for k in range(9, 13)] == pytest.approx(
+        [0.1 * 0.9 ** (k - 1) * 0.5 for k in range(9, 13)])
+    event = [r for r in records if r["type"] == "event" and r.get("kind") == "resumed"][0]
+    assert event["text"] == f"resumed from {path} at step 8 with lr_scale=0.5"
 
 
 class Gradients(L.Callback):
@@ -461,6 +528,8 @@ def test_knobs_that_cannot_change_correctly_are_refused_with_the_reason(run_dir)
     assert monitor.name == "manual"
     assert "manual optimization" in _refusal(monitor, "accum_steps", 2)
     assert "manual optimization" in _refusal(monitor, "precision", "bf16")
+    assert "manual optimization" in _refusal(monitor, "max_grad_norm", 1.0)
+    monitor.knobs.validate("lr_scale", 0.5)  # applies in the optimizer's step, manual too
     assert "nothing to checkpoint" in _refusal(monitor, "checkpointing", True)
     assert "checkpoint_blocks" in _refusal(monitor, "checkpointing", True)
     assert "no gpuopt fused modules" in _refusal(monitor, "kernels", "triton")
@@ -477,6 +546,22 @@ def test_knobs_that_cannot_change_correctly_are_refused_with_the_reason(run_dir)
     monitor = attach(trainer)
     trainer.fit(Digits(decay=0.9), _loader(32))
     assert "ends by epochs" in _refusal(monitor, "accum_steps", 2)
+
+    # clipping by value, or a module that decides its clipping: not a norm to set
+    trainer = _trainer(max_steps=1, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    monitor = attach(trainer)
+    trainer.fit(Digits(), _loader(8))
+    assert "clips by value" in _refusal(monitor, "max_grad_norm", 1.0)
+
+    class OwnClipping(Digits):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                        gradient_clip_algorithm=None):
+            pass
+
+    trainer = _trainer(max_steps=1)
+    monitor = attach(trainer)
+    trainer.fit(OwnClipping(), _loader(8))
+    assert "overrides configure_gradient_clipping" in _refusal(monitor, "max_grad_norm", 1.0)
 
 
 def test_a_reconfigurable_loader_gives_the_loader_knobs(run_dir):

@@ -219,3 +219,37 @@ def test_gpt_example_attaches_in_at_most_eight_changed_lines():
     changed = [line for line in (EXAMPLES / "gpt_loop.py").read_text().splitlines()
                if line.rstrip().endswith("# gpuwatch")]
     assert 1 <= len(changed) <= 8, changed
+
+
+def test_loader_knobs_live_over_epochs_of_a_reconfigurable_loader(run_dir):
+    from gpuopt.loader import ReconfigurableLoader
+
+    x, y = zip(*digits_loader(batch_size=1, n=96))
+    dataset = torch.utils.data.TensorDataset(torch.cat(x), torch.cat(y))
+    loader = ReconfigurableLoader(dataset, batch_size=16, shuffle=False)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = agent.session(model=model, optimizer=optimizer, name="loop-loader")
+    info = runs.find_run(run.agent.run_id)
+    seen = []
+    try:
+        for inputs, targets in run.loader(loader, epochs=3):  # 6 batches an epoch
+            seen.append(targets)
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.optimizer_step()
+            if run.step == 2:
+                reply = send_command(info, "num_workers", 1)
+                assert reply["ok"], reply
+        log_path = run.agent.info.log_path
+    finally:
+        run.close()
+        loader.close()
+    assert len(seen) == 18
+    for epoch in range(3):  # every sample once per epoch, in order, across the switch
+        assert torch.equal(torch.cat(seen[6 * epoch:6 * epoch + 6]), dataset.tensors[1])
+    steps = [r for r in _log_records(log_path) if r["type"] == "step"]
+    assert steps[2]["knobs"]["num_workers"] == 0 and steps[-1]["knobs"]["num_workers"] == 1
+    with pytest.raises(ValueError, match="epochs must be None or an integer >= 1"):
+        run.loader(loader, epochs=0)

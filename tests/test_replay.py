@@ -15,7 +15,8 @@ from agent import protocol
 from agent.knobs import STANDARD_KNOBS
 from agent.runlog import RunLog
 from gpuwatch.app import GpuwatchApp
-from gpuwatch.sources.replay import ReplaySource, RunLogReader, envelope_from_record
+from gpuwatch.history import envelope_from_record
+from gpuwatch.sources.replay import ReplaySource, RunLogReader
 from tests.test_dashboard import log_texts, text_of, until
 
 RUN = "20250101-000000-beef"
@@ -79,10 +80,10 @@ async def test_replay_of_a_finished_run_shows_steps_knobs_and_ended(tmp_path):
         data, knobs = text_of(app, "#data"), text_of(app, "#knobs")
         assert "wait 60%" in data and "num_workers" in data and "pin_memory" in data
         assert "precision" in knobs and "bf16" in knobs and "accum_steps" in knobs
-        # a replay takes no commands: its footer offers only help and quit, and the
+        # a replay takes no commands: its footer offers only runs, help and quit, and the
         # knob keys do nothing
         shown = {key for key, active in app.active_bindings.items() if active.binding.show}
-        assert shown == {"q", "question_mark"}, shown
+        assert shown == {"r", "q", "question_mark"}, shown
         lines = len(log_texts(app))
         await pilot.press("p", "W")
         await pilot.pause()

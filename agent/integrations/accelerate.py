@@ -23,8 +23,9 @@ or an uncaught exception (named in ``bye``), or at :meth:`AcceleratorRun.close`.
 
 Each step record has the window's loss, micro-batches, samples, tokens (declared with
 ``tokens_per_sample``, or the ``input_ids`` of mapping batches), the data wait, the
-learning rate the step used (param group 0, read at the window's first fetch: after the
-previous window's ``scheduler.step()``) and the gradient norm when the loop called
+learning rate the step used (every param group's, read inside its optimizer step; for a
+step not taken, param group 0's at the window's first fetch, after the previous window's
+``scheduler.step()``) and the gradient norm when the loop called
 ``accelerator.clip_grad_norm_``.
 
 **The loss convention.** Pass the undivided loss of the micro-batch: what ``loss_fn``
@@ -63,6 +64,17 @@ configured from that step, or is refused with the reason):
   One process only (compiling inside DDP is not verified).
 - ``num_workers``, ``pin_memory``, ``prefetch_factor``: when the loop's data is a
   :class:`gpuopt.loader.ReconfigurableLoader` (given to :meth:`AcceleratorRun.loader`).
+- ``lr_scale``, ``weight_decay``: :class:`gpuopt.optim.OptimizerSettings` on the loop's
+  optimizer (the scale multiplies what the loop's scheduler sets, inside the step only;
+  the decay goes to the groups that decay).
+- ``max_grad_norm``: the threshold of the loop's own ``accelerator.clip_grad_norm_``
+  call (the knob's value replaces the loop's from the change; 0: the norm is still
+  computed, nothing clipped); refused once a step was taken without that call.
+- ``checkpoint=now``: accelerate's ``save_state`` into ``<checkpoint_dir>/checkpoint-<N>``,
+  made atomic, with the knob values; ``attach(accelerator, resume_from=PATH)`` loads it
+  (``load_state``, the step, the knobs) and the loop skips its data
+  (``accelerator.skip_first_batches(loader, run.step)`` in the epoch). Refused with
+  several processes and with ``automatic_checkpoint_naming``.
 - ``memory_fraction``, ``memory_snapshot_steps``: on CUDA.
 
 Imported only when used: ``import agent`` does not import accelerate.
@@ -71,7 +83,10 @@ Imported only when used: ``import agent`` does not import accelerate.
 from __future__ import annotations
 
 import atexit
+import math
+import os
 import threading
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -82,18 +97,22 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType
 from accelerate.utils.operations import convert_to_fp32
 
-from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, publish_events,
-                            refuse)
+from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, optimizer_knobs,
+                            publish_events, refuse)
+from agent.checkpoints import (GRAD_SCALER_FILE, Checkpoints, read_knobs_file, restore_knobs,
+                               write_knobs_file)
 from agent.core import Agent
 from agent.integrations import WindowMeter
-from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, NUM_WORKERS,
-                         PRECISION, Knob, KnobSet)
+from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
+                         LR_SCALE, MAX_GRAD_NORM, NUM_WORKERS, PRECISION, WEIGHT_DECAY, Knob,
+                         KnobSet)
 from agent.loop import end_on_signals
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing, find_blocks
 from gpuopt.data import batch_size
 from gpuopt.kernels.backend import KernelBackendMixin
 from gpuopt.loader import ReconfigurableLoader
+from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import ReusableAutocast, precision_support, precision_warning
 
 __all__ = ["AcceleratorRun", "attach"]
@@ -108,6 +127,9 @@ _PLAIN = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_G
 _MISPLACED = ("run.micro_batch() ran before optimizer.step() and zero_grad() in a window "
               "that ended: call it after them (zero_grad with set_to_none, the default), "
               "or iterate run.loader()")
+_NO_CLIPPING = ("the loop does not call accelerator.clip_grad_norm_(model.parameters(), "
+                "max_norm) (after accelerator.backward, when accelerator.sync_gradients): add "
+                "it, and gpuwatch sets its threshold")
 _LOADER_REASON = ("the loop's data is not a gpuopt.loader.ReconfigurableLoader (a "
                   "DataLoader fixes its workers when it is built); give one to run.loader() "
                   "for live loader knobs")
@@ -255,16 +277,35 @@ def _inner_module(model: nn.Module) -> tuple[nn.Module, bool]:
 # ---------------------------------------------------------------------- the run
 
 class _GradNormRecorder:
-    """Stands in for ``accelerator.clip_grad_norm_``: calls it and keeps the norm it
-    returned (a 0-dim tensor, not read here) for the step's record."""
+    """Stands in for ``accelerator.clip_grad_norm_(parameters, max_norm, ...)``: calls it
+    and keeps the norm it returned (a 0-dim tensor, not read here) for the step's record;
+    once the ``max_grad_norm`` knob is set, with the knob's threshold instead of the
+    loop's (0: none; the norm is still computed, the gradients multiplied by 1).
+
+    Attributes:
+        max_norm: the knob's threshold, or None (the loop's own). loop_max_norm: the
+        threshold the loop passed last (0.0 before its first call). calls: calls so far.
+    """
 
     def __init__(self, original: Callable[..., Any]) -> None:
         self.original = original
         self.norm: Any = None
+        self.max_norm: float | None = None
+        self.loop_max_norm = 0.0
+        self.calls = 0
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.norm = self.original(*args, **kwargs)
+    def __call__(self, parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        self.loop_max_norm = float(max_norm) if math.isfinite(max_norm) else 0.0
+        if self.max_norm is not None:
+            max_norm = self.max_norm or math.inf
+        self.norm = self.original(parameters, max_norm, *args, **kwargs)
         return self.norm
+
+    @property
+    def threshold(self) -> float:
+        """The ``max_grad_norm`` knob's value: the threshold in use (0: no clipping)."""
+        return self.loop_max_norm if self.max_norm is None else self.max_norm
 
 
 class AcceleratorRun:
@@ -305,6 +346,9 @@ class AcceleratorRun:
         self._loader: ReconfigurableLoader | None = None
         self._loader_warned = False
         self._grad_norm = _GradNormRecorder(accelerator.clip_grad_norm_)
+        self._threshold_shown = 0.0  # the clipping threshold the knob values last said
+        #: ``lr_scale`` and ``weight_decay`` of the loop's optimizer, or None
+        self.optimizer_settings: OptimizerSettings | None = None
         self._window_lr: float | None = None
         self._boundary_pending = False  # a window ended; its step is recorded after it
         self._iterating = 0  # loader() generators running
@@ -440,9 +484,15 @@ class AcceleratorRun:
         loss_sum, self._loss_sum = self._loss_sum, None
         data_wait_s, _, samples, tokens = self._meter.take()
         grad_norm, self._grad_norm.norm = self._grad_norm.norm, None
+        lr: Any
         lr, self._window_lr = self._window_lr, None
         if lr is None:  # no run.loader(): read now (after a scheduler.step() in the loop,
             lr = self._lr()  # this is the next step's rate)
+        if self.optimizer_settings is not None:  # every group's rate, as the step used it
+            lr = self.optimizer_settings.take_step()[0] or lr
+        if self._grad_norm.threshold != self._threshold_shown:  # the loop's own, first seen
+            self._threshold_shown = self._grad_norm.threshold
+            self.agent.refresh_knobs()
         if (self._forward is not None and self._forward_lost is None
                 and self._inner.__dict__.get("forward") is not self._forward):
             self._forward_lost = ("the model's forward was replaced outside gpuwatch (e.g. "
@@ -485,6 +535,8 @@ class AcceleratorRun:
             del self.accelerator.clip_grad_norm_
         for hook in self._hooks:
             hook.remove()
+        if self.optimizer_settings is not None:
+            self.optimizer_settings.remove()
         self.agent.close(reason)
 
     # ------------------------------------------------------------ knobs
@@ -501,6 +553,52 @@ class AcceleratorRun:
         for knob in loader_knobs(loader):
             self.knobs.add(knob)  # (KnobSet.add swaps in a new dict: safe for the I/O thread)
         self.agent.refresh_knobs()  # and a new hello announces them
+
+    def _check_max_grad_norm(self, value: float) -> None:
+        """Refuse once a step was taken without ``accelerator.clip_grad_norm_`` (the
+        command arrives on the I/O thread; before the first step it may still come)."""
+        if self.step and not self._grad_norm.calls:
+            raise ValueError(_NO_CLIPPING)
+
+    def _set_max_grad_norm(self, value: float) -> None:
+        if not self._grad_norm.calls:
+            raise ValueError(_NO_CLIPPING)
+        self._grad_norm.max_norm = value
+
+    def _save(self, path: Path, knobs: dict[str, Any]) -> None:
+        """``checkpoint=now``: accelerate's ``save_state`` (models, optimizers,
+        schedulers, GradScaler, RNG states, registered objects) into ``path``, with the
+        knob values, the step and a GradScaler the precision knob made."""
+        self.accelerator.save_state(str(path))
+        write_knobs_file(path, self.agent, knobs, self.step)
+        scaler = self._precision.scaler if self._precision is not None else None
+        if scaler is not None and self.accelerator.scaler is None:  # kept while not fp16
+            torch.save(scaler.state_dict(), path / GRAD_SCALER_FILE)
+
+    def _checkpoint_reason(self) -> str | None:
+        accelerator = self.accelerator
+        if accelerator.num_processes > 1:
+            return (f"this run has {accelerator.num_processes} processes, which "
+                    "accelerate's save_state writes from together: call "
+                    "accelerator.save_state in the loop")
+        if accelerator.project_configuration.automatic_checkpoint_naming:
+            return ("the Accelerator names its checkpoints itself "
+                    "(automatic_checkpoint_naming): call accelerator.save_state in the loop")
+        return None
+
+    def resume(self, path: str | os.PathLike) -> None:
+        """Continue from a ``checkpoint=now`` checkpoint: accelerate's ``load_state``,
+        then the step and the knob values (an event says which); the loop positions its
+        data (e.g. ``accelerator.skip_first_batches``) from :attr:`step`."""
+        self.accelerator.load_state(os.fspath(path))
+        saved = Path(path)
+        record = read_knobs_file(saved)
+        self.step = int(record.get("step", 0))
+        restore_knobs(self.agent, record.get("knobs", {}), os.fspath(path), self.step)
+        scaler_file = saved / GRAD_SCALER_FILE
+        if (scaler_file.exists() and self._precision is not None
+                and self._precision.scaler is not None):
+            self._precision.scaler.load_state_dict(torch.load(scaler_file, weights_only=True))
 
     def _set_accum_steps(self, value: int) -> None:
         reason = self._accum_reason()
@@ -552,7 +650,33 @@ class AcceleratorRun:
         self._check_kernels(value)
         self.backend.kernels = value
 
-    def _bind(self, *, loader: Any, checkpoint_blocks: Any, compile_backend: str) -> None:
+    def _bind_optimizer(self, plain: bool, not_plain: str, checkpoint_dir: Any) -> None:
+        """``lr_scale`` and ``weight_decay`` on the loop's optimizer (step hooks);
+        ``max_grad_norm`` as the threshold of the loop's ``accelerator.clip_grad_norm_``;
+        ``checkpoint`` as accelerate's ``save_state``."""
+        knobs = self.knobs
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        if not plain:
+            knobs.unsupported[LR_SCALE.name] = knobs.unsupported[WEIGHT_DECAY.name] = \
+                knobs.unsupported[MAX_GRAD_NORM.name] = not_plain
+        elif not isinstance(inner, torch.optim.Optimizer):
+            knobs.unsupported[LR_SCALE.name] = knobs.unsupported[WEIGHT_DECAY.name] = (
+                "no torch optimizer prepared by the accelerator (pass optimizer=)")
+        else:
+            self.optimizer_settings = OptimizerSettings(inner)
+            optimizer_knobs(self.optimizer_settings, knobs)
+        if plain:
+            knobs.add(Knob(MAX_GRAD_NORM, get=lambda: self._grad_norm.threshold,
+                           set=self._set_max_grad_norm, check=self._check_max_grad_norm))
+        reason = self._checkpoint_reason()
+        if reason is not None:
+            knobs.unsupported[CHECKPOINT.name] = reason
+        else:
+            Checkpoints(self.agent, self._save, step=lambda: self.step,
+                        directory=checkpoint_dir, name="checkpoint-{step}").bind(knobs)
+
+    def _bind(self, *, loader: Any, checkpoint_blocks: Any, compile_backend: str,
+              checkpoint_dir: Any = None) -> None:
         """Bind every knob this run can apply correctly; the others get their reason."""
         accelerator, knobs, inner = self.accelerator, self.knobs, self._inner
         device_type = accelerator.device.type
@@ -627,6 +751,7 @@ class AcceleratorRun:
         if self._precision is not None or self.backend is not None:
             self._forward = _Forward(original, self._precision, self.backend)
             inner.forward = self._forward
+        self._bind_optimizer(plain, not_plain, checkpoint_dir)
 
         if isinstance(loader, ReconfigurableLoader):
             self._loader = loader
@@ -649,7 +774,9 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
            optimizer: Any = None, name: str = "", transport: str = "ipc",
            tokens_per_sample: int | None = None, loader: Iterable[Any] | None = None,
            checkpoint_blocks: Iterable[str | type[nn.Module]] | None = None,
-           compile_backend: str = "inductor", **options: Any) -> AcceleratorRun:
+           compile_backend: str = "inductor",
+           checkpoint_dir: str | os.PathLike | None = None,
+           resume_from: str | os.PathLike | None = None, **options: Any) -> AcceleratorRun:
     """Attach a started agent to a loop on ``accelerator``; returns the run (see the
     module docstring for the loop and the knobs). Call it after ``accelerator.prepare``.
 
@@ -679,6 +806,10 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
             :func:`gpuopt.checkpointing.find_blocks` targets (default: ``model.blocks``,
             else the model's repeated blocks; with none, the knob is refused).
         compile_backend: the ``torch.compile`` backend of ``kernels=compile``.
+        checkpoint_dir: where ``checkpoint=now`` saves (default:
+            :func:`agent.checkpoints.default_checkpoint_dir`).
+        resume_from: a ``checkpoint=now`` checkpoint to continue from
+            (:meth:`AcceleratorRun.resume`).
         options: more :class:`agent.Agent` arguments.
 
     Raises:
@@ -701,12 +832,14 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
                   transport=transport, **options)
     run.agent = agent
     run._bind(loader=loader, checkpoint_blocks=checkpoint_blocks,
-              compile_backend=compile_backend)
+              compile_backend=compile_backend, checkpoint_dir=checkpoint_dir)
     run._hooks = [optimizer.optimizer.register_step_pre_hook(run._on_optimizer_step)
                   for optimizer in _prepared_optimizers(accelerator)]
     run._memory = MemoryKnobs(accelerator.device, agent.run_id)
     run._memory.bind(run.knobs)
     run.knobs.add(cpu_threads_knob())
+    if resume_from is not None:
+        run.resume(resume_from)
     agent.refresh_knobs()
     accelerator.clip_grad_norm_ = run._grad_norm
     agent.start()

@@ -18,8 +18,9 @@ What is reported per optimizer step (one accumulation window of micro-batches):
   ``num_input_tokens_seen``) and tokens/s; ``micro_batches``.
 - ``data_wait_s``: host seconds inside ``next()`` on HF's epoch iterator, timed around
   the fetch of each micro-batch in ``Trainer.get_batch_samples``.
-- ``lr``: param group 0's learning rate as the optimizer step used it (read in
-  ``on_optimizer_step``, before the scheduler steps).
+- ``lr``: param group 0's learning rate as the optimizer step used it, ``lr_scale``
+  included (``lr_groups``: every group's; read inside the step, before the scheduler
+  steps; HF's own logged ``learning_rate`` is the schedule's).
 - ``grad_norm``: the norm HF computes every step (``Trainer._get_grad_norm``: the
   pre-clip norm with ``max_grad_norm > 0``, else an unclipped one), as the device tensor
   HF made; never read on the training thread.
@@ -57,6 +58,20 @@ Knobs (commands apply at an optimizer-step boundary, in ``on_step_end``, after
   ``torch.compile`` of it (:class:`gpuopt.compile.CompiledModel`; compile events in the
   event log), evaluation included; ``triton`` is refused (no gpuopt fused modules in a
   transformers model). Refused for runs started with ``torch_compile=True``.
+- ``lr_scale``, ``weight_decay``: :class:`gpuopt.optim.OptimizerSettings` on the optimizer
+  HF makes when ``train()`` starts (a change scheduled before applies once it exists):
+  the scale multiplies what HF's scheduler sets, inside the optimizer step only; the
+  decay goes to HF's decay group (``get_decay_parameter_names``: no biases, no
+  LayerNorm), which stay 0. Refused under DeepSpeed, and ``weight_decay`` for an
+  optimizer without it.
+- ``max_grad_norm``: ``args.max_grad_norm`` (0: none), which HF reads at every step
+  (``accelerator.clip_grad_norm_``, after unscaling). Refused under DeepSpeed.
+- ``checkpoint=now``: HF's own ``Trainer._save_checkpoint`` (model, optimizer, scheduler,
+  GradScaler, RNG states, trainer state) into ``<checkpoint_dir>/checkpoint-<N>``, made
+  atomic, with gpuwatch's knob values (``gpuwatch.json``);
+  ``trainer.train(resume_from_checkpoint=PATH)`` resumes it (HF restores its state,
+  gpuwatch the knobs, with :func:`attach`). Refused with several processes and with
+  ``push_to_hub``.
 - ``memory_fraction``, ``memory_snapshot_steps``: on CUDA, as in the reference Trainer.
 - ``num_workers``, ``pin_memory``, ``prefetch_factor``: refused (HF builds its DataLoader
   in ``get_train_dataloader`` when ``train()`` starts).
@@ -73,6 +88,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -81,11 +97,15 @@ from transformers import TrainerCallback
 from transformers.utils import is_sagemaker_mp_enabled
 
 from agent.adapters import MemoryKnobs, cpu_threads_knob, publish_events
-from agent.core import Agent
+from agent.checkpoints import (GRAD_SCALER_FILE, Checkpoints, read_knobs_file, restore_knobs,
+                               write_knobs_file)
+from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, NUM_WORKERS, PIN_MEMORY,
-                         PRECISION, PREFETCH_FACTOR, Knob, KnobSet)
+from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE,
+                         MAX_GRAD_NORM, NUM_WORKERS, PIN_MEMORY, PRECISION, PREFETCH_FACTOR,
+                         WEIGHT_DECAY, Knob, KnobSet)
 from gpuopt.data import batch_size
+from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
 
 __all__ = ["GpuwatchCallback", "attach"]
@@ -123,7 +143,7 @@ class _Run:
 
     def __init__(self, trainer: transformers.Trainer, *, name: str, transport: str,
                  compile_backend: str, tokens_per_sample: int | None,
-                 options: dict[str, Any]) -> None:
+                 checkpoint_dir: str | os.PathLike | None, options: dict[str, Any]) -> None:
         self.trainer = trainer
         args = trainer.args
         self.device = args.device
@@ -148,12 +168,19 @@ class _Run:
         self._evaluating = False
         self.epochs_done = 0
         self.closed = False
+        #: the optimizer's settings, made when train() has made the optimizer
+        self.optimizer_settings: OptimizerSettings | None = None
+        self._weight_decay_reason: str | None = None
+        #: a checkpoint given to train(resume_from_checkpoint=...): its knobs are restored
+        self.resume_from: str | None = None
+        self._started_precision = getattr(trainer.accelerator, "mixed_precision", "no")
 
         knobs = KnobSet()
         self._bind_precision(knobs)
         self._bind_accum(knobs)
         self._bind_checkpointing(knobs)
         self._bind_kernels(knobs, compile_backend)
+        self._bind_optimizer(knobs)
         for spec in (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR):
             knobs.unsupported[spec.name] = LOADER_REASON
         # HF normalises by the window's num_items_in_batch (labels != -100) when the
@@ -168,6 +195,7 @@ class _Run:
         self.memory = MemoryKnobs(self.device, self.agent.run_id)
         self.memory.bind(knobs)
         knobs.add(cpu_threads_knob())
+        self._bind_checkpoint(knobs, checkpoint_dir)
         self.agent.refresh_knobs()
         self._install()
 
@@ -266,6 +294,92 @@ class _Run:
             while isinstance(opt, AcceleratedOptimizer):
                 opt = opt.optimizer
             self.policy.grad_scaler.unscale_(opt)
+
+    def _bind_optimizer(self, knobs: KnobSet) -> None:
+        """``lr_scale`` and ``weight_decay`` on the optimizer HF makes when ``train()``
+        starts (refused until then), ``max_grad_norm`` as ``args.max_grad_norm`` (HF reads
+        it at every step: ``accelerator.clip_grad_norm_``, after unscaling)."""
+        if getattr(self.trainer, "is_deepspeed_enabled", False):
+            for spec in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
+                knobs.unsupported[spec.name] = (
+                    "DeepSpeed runs the optimizer and clips the gradients itself (its "
+                    "config's optimizer and gradient_clipping); set them there and restart")
+            return
+        args = self.trainer.args
+
+        def weight_decay() -> float:
+            if self.optimizer_settings is None or self._weight_decay_reason is not None:
+                return float(args.weight_decay)  # what HF's optimizer starts with
+            return self.optimizer_settings.weight_decay
+
+        knobs.add(Knob(LR_SCALE, get=lambda: (self.optimizer_settings.lr_scale
+                                              if self.optimizer_settings else 1.0),
+                       set=lambda value: setattr(self._settings(), "lr_scale", value)))
+        knobs.add(Knob(WEIGHT_DECAY, get=weight_decay,
+                       set=lambda value: setattr(self._settings(True), "weight_decay", value),
+                       check=lambda value: _refuse(self._weight_decay_reason)))
+        knobs.add(Knob(MAX_GRAD_NORM, get=lambda: float(args.max_grad_norm or 0.0),
+                       set=lambda value: setattr(args, "max_grad_norm", value)))
+
+    def _settings(self, weight_decay: bool = False) -> OptimizerSettings:
+        """The optimizer's settings, for a change.
+
+        Raises:
+            ValueError: train() has not made the optimizer yet, or (``weight_decay``) it
+                has none.
+        """
+        if self.optimizer_settings is None:
+            raise ValueError("the Trainer makes its optimizer when train() starts: set it "
+                             "once training runs")
+        if weight_decay and self._weight_decay_reason is not None:
+            raise ValueError(self._weight_decay_reason)
+        return self.optimizer_settings
+
+    def _bind_checkpoint(self, knobs: KnobSet, checkpoint_dir: Any) -> None:
+        """``checkpoint=now``: HF's own ``Trainer._save_checkpoint`` (model, optimizer,
+        scheduler, GradScaler, RNG states, trainer state), into a directory made atomic,
+        with gpuwatch's knob values (:data:`agent.checkpoints.KNOBS_FILE`);
+        ``train(resume_from_checkpoint=...)`` resumes from it, knobs included."""
+        args = self.trainer.args
+        if args.world_size > 1:
+            knobs.unsupported[CHECKPOINT.name] = (
+                f"this run has {args.world_size} processes, which HF's checkpoint writes "
+                "from together; use TrainingArguments(save_steps=...)")
+            return
+        if args.push_to_hub:
+            knobs.unsupported[CHECKPOINT.name] = (
+                "this run pushes each checkpoint to the Hub (push_to_hub): use HF's "
+                "save_steps, or start without push_to_hub")
+            return
+        Checkpoints(self.agent, self._save_checkpoint, step=lambda: self.trainer.state.global_step,
+                    directory=checkpoint_dir, name="checkpoint-{step}").bind(knobs)
+
+    def _save_checkpoint(self, path: Path, knobs: dict[str, Any]) -> None:
+        """HF's ``_save_checkpoint`` of the state now into the directory ``path``."""
+        trainer = self.trainer
+        step = trainer.state.global_step
+        trainer._get_output_dir = lambda trial=None: str(path)  # HF saves in path/checkpoint-N
+        try:
+            trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        finally:
+            del trainer._get_output_dir
+        inner = path / f"checkpoint-{step}"
+        for entry in inner.iterdir():
+            os.replace(entry, path / entry.name)
+        inner.rmdir()
+        scaler = path / "scaler.pt"  # HF's name (SCALER_NAME)
+        if self._scaler_installed and self._started_precision != "fp16" and scaler.exists():
+            os.replace(scaler, path / GRAD_SCALER_FILE)
+        write_knobs_file(path, self.agent, knobs, step)
+
+    def _restore(self, checkpoint: str) -> None:
+        """Training thread, at train()'s start: the knob values of a checkpoint of ours
+        (and the GradScaler the precision knob had made); HF restored the rest."""
+        restore_knobs(self.agent, read_knobs_file(checkpoint).get("knobs", {}), checkpoint,
+                      self.trainer.state.global_step)
+        scaler = Path(checkpoint) / GRAD_SCALER_FILE
+        if scaler.exists() and self._scaler_installed:
+            self.policy.grad_scaler.load_state_dict(torch.load(scaler, weights_only=True))
 
     def _bind_accum(self, knobs: KnobSet) -> None:
         trainer = self.trainer
@@ -519,6 +633,15 @@ class _Run:
     # ------------------------------------------------------------------ hooks
 
     def train_begin(self) -> None:
+        optimizer = self.trainer.optimizer
+        while hasattr(optimizer, "optimizer"):  # accelerate's AcceleratedOptimizer
+            optimizer = optimizer.optimizer
+        if isinstance(optimizer, torch.optim.Optimizer) and self.optimizer_settings is None:
+            self.optimizer_settings = OptimizerSettings(
+                optimizer, decay_groups=_decay_groups(self.trainer, optimizer))
+            self._weight_decay_reason = self.optimizer_settings.weight_decay_reason()
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
         self.agent.mark_start()
 
     def optimizer_step(self, optimizer: Any) -> None:
@@ -535,13 +658,16 @@ class _Run:
         loss, self.loss_sum = self.loss_sum, None
         micro_batches, self.micro_batches = self.micro_batches, 0
         grad_norm, self.grad_norm = self.grad_norm, None
+        lr: Any = self.lr
+        if self.optimizer_settings is not None:  # every group's rate, as the step used it
+            lr = self.optimizer_settings.take_step()[0] or lr
         skipped = None
         if self._scaler_installed:
             skipped = self.policy.grad_scaler.skipped
         elif getattr(self.trainer.accelerator, "scaler", None) is not None:  # fp16 start
             skipped = torch.tensor(self.trainer.accelerator.optimizer_step_was_skipped)
         self.agent.optimizer_step(step, max(micro_batches, 1), samples, wait_s, loss, skipped,
-                                  tokens=tokens, lr=self.lr, grad_norm=grad_norm)
+                                  tokens=tokens, lr=lr, grad_norm=grad_norm)
         if self.forward is not None:
             publish_events(self.agent, step, self.forward.pop_events())
         self.memory.after_step(self.agent, step)
@@ -595,6 +721,8 @@ class _Run:
         if self.closed:
             return
         self.closed = True
+        if self.optimizer_settings is not None:
+            self.optimizer_settings.remove()
         self.uninstall()
         self.agent.close(reason)
 
@@ -645,6 +773,19 @@ class _Forward:
         return [] if self.compiled is None else self.compiled.pop_step_events()
 
 
+def _decay_groups(trainer: transformers.Trainer, optimizer: torch.optim.Optimizer
+                  ) -> list[int] | None:
+    """The param groups of HF's decay split (``get_decay_parameter_names``: no biases, no
+    norms), which HF's ``create_optimizer`` gives ``args.weight_decay`` (0 by default, so
+    it cannot be told from the split's other group by value); None for an optimizer
+    whose groups do not follow that split."""
+    names = set(trainer.get_decay_parameter_names(trainer.model))
+    decaying = {id(p) for name, p in trainer.model.named_parameters() if name in names}
+    groups = [index for index, group in enumerate(optimizer.param_groups)
+              if group["params"] and all(id(p) in decaying for p in group["params"])]
+    return groups or None
+
+
 def _has_length(dataset: Any) -> bool:
     try:
         len(dataset)
@@ -688,6 +829,8 @@ class GpuwatchCallback(TrainerCallback):
             (``"inductor"``; ``"aot_eager"`` compiles much faster on small CPUs).
         tokens_per_sample: tokens in one sample, for token models whose batches have no
             ``input_ids``; by default tokens are the elements of ``input_ids``.
+        checkpoint_dir: where ``checkpoint=now`` saves (default:
+            :func:`agent.checkpoints.default_checkpoint_dir`).
         options: more :class:`agent.Agent` arguments.
 
     Attributes:
@@ -699,9 +842,11 @@ class GpuwatchCallback(TrainerCallback):
 
     def __init__(self, trainer: transformers.Trainer | None = None, *, name: str = "",
                  transport: str = "ipc", compile_backend: str = "inductor",
-                 tokens_per_sample: int | None = None, **options: Any) -> None:
+                 tokens_per_sample: int | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None, **options: Any) -> None:
         self._settings = dict(name=name, transport=transport, compile_backend=compile_backend,
-                              tokens_per_sample=tokens_per_sample, options=options)
+                              tokens_per_sample=tokens_per_sample,
+                              checkpoint_dir=checkpoint_dir, options=options)
         self.run: _Run | None = None
         self._failed = False
         if trainer is not None:
@@ -773,7 +918,9 @@ def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "i
     the agent.
 
     Adds a :class:`GpuwatchCallback` (``trainer.add_callback``) and wraps the
-    instance's ``train`` so that the agent also closes when training raises. The agent
+    instance's ``train`` so that the agent also closes when training raises, and so that
+    ``train(resume_from_checkpoint=PATH)`` of a ``checkpoint=now`` checkpoint restores
+    gpuwatch's knob values too (HF restores the rest). The agent
     reports every optimizer step of the next ``train()`` and takes the knobs listed in
     the module docstring; the others are refused with their reason.
 
@@ -781,23 +928,32 @@ def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "i
         trainer: the Trainer, not yet training.
         name: label for the run (default: the script name).
         transport: ``"ipc"`` or ``"tcp"``.
-        options: ``compile_backend``, ``tokens_per_sample`` (see
+        options: ``compile_backend``, ``tokens_per_sample``, ``checkpoint_dir`` (see
             :class:`GpuwatchCallback`) and more :class:`agent.Agent` arguments.
 
     Raises:
         TypeError: ``trainer`` is not a ``transformers.Trainer``.
+        ValueError: ``resume_from=`` (HF resumes with ``train(resume_from_checkpoint=
+            PATH)``).
     """
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError(f"expected a transformers.Trainer, got {type(trainer).__name__}")
+    if "resume_from" in options:
+        raise ValueError("a transformers.Trainer resumes through HF: trainer.train("
+                         "resume_from_checkpoint=PATH) (gpuwatch's knob values come back "
+                         "with it)")
     callback = GpuwatchCallback(trainer, name=name, transport=transport, **options)
     trainer.add_callback(callback)
     train = trainer.train
 
     def train_closing_on_error(*args: Any, **kwargs: Any) -> Any:
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if isinstance(resume, (str, os.PathLike)):
+            callback.run.resume_from = os.fspath(resume)
         try:
             return train(*args, **kwargs)
         except BaseException as exc:
-            callback.run.close(f"error: {exc!r}")
+            callback.run.close(ending_reason(exc))
             raise
 
     train_closing_on_error.__doc__ = train.__doc__

@@ -19,8 +19,9 @@ window; Lightning's ``trainer.global_step`` is the step number):
 - ``data_wait_s``: host time inside Lightning's fetch of each training batch (the
   training epoch loop's ``train_dataloader_next`` action, the same interval the
   Lightning profiler measures), summed over the window.
-- ``lr`` of the optimizer's first param group as the step used it (read just before
-  the step, before a step-interval scheduler moves it), ``grad_norm`` when the Trainer
+- ``lr`` of the optimizer's first param group as the step used it, ``lr_scale``
+  included (``lr_groups``: every group's; read inside the step, before a step-interval
+  scheduler moves it), ``grad_norm`` when the Trainer
   clips by norm (``gradient_clip_val``; the norm ``clip_grad_norm_`` returns, which
   Lightning otherwise discards), ``grad_scaler_skipped`` in fp16, and memory (the
   agent's own probes).
@@ -69,6 +70,23 @@ knob Lightning cannot change correctly in this run is refused with the reason):
 - ``num_workers``, ``pin_memory``, ``prefetch_factor`` when the train dataloader is a
   :class:`gpuopt.loader.ReconfigurableLoader`; a ``torch.utils.data.DataLoader`` fixes
   them when it is built, so they are refused with how to get them.
+- ``lr_scale``, ``weight_decay``: :class:`gpuopt.optim.OptimizerSettings` on the run's one
+  optimizer (step hooks: the scale multiplies what Lightning's LR schedulers set, inside
+  ``optimizer.step`` only, so the schedule keeps its shape and Lightning's
+  ``LearningRateMonitor`` shows the schedule's own value; the decay goes to the groups
+  that decay). Refused for several optimizers and for strategies that step their own.
+- ``max_grad_norm``: the Trainer's ``gradient_clip_val`` (0: None, no clipping), which
+  Lightning reads at every step and applies by norm after unscaling in fp16; the norm
+  before clipping is reported. Refused under manual optimization, with
+  ``gradient_clip_algorithm="value"``, for a module that overrides
+  ``configure_gradient_clipping``, and under DeepSpeed / FSDP. The Trainer's own value
+  is back after ``fit``.
+- ``checkpoint=now``: Lightning's ``trainer.save_checkpoint`` (every rank calls it, rank 0
+  writes) into ``<checkpoint_dir>/step-<N>.ckpt``, made atomic; gpuwatch's knob values
+  travel in every Lightning checkpoint as this callback's state, and
+  ``trainer.fit(module, ckpt_path=...)`` sets them again when training starts (with the
+  fp16 GradScaler the precision knob made). A plain DataLoader resumes exactly only
+  from an epoch's end (Lightning warns otherwise). Refused under DeepSpeed / FSDP.
 - ``memory_fraction``, ``memory_snapshot_steps`` on CUDA (:class:`agent.adapters.MemoryKnobs`).
 
 Loss normalization (``hello``'s ``training.loss_normalization``): ``micro_batch_mean``,
@@ -85,7 +103,7 @@ a DataLoader, so Lightning does not shard it: give it ``num_replicas`` and ``ran
 
 When ``fit`` ends (or raises) the agent closes (``bye`` with the reason) and the trainer
 and module are put back as they were before it: Lightning's accumulation, precision
-plugin, an eager ``forward`` and no checkpointing.
+plugin, ``gradient_clip_val``, an eager ``forward``, no checkpointing and no step hooks.
 
 Cost on the training thread: per micro-batch two clock reads around the fetch, a few
 attribute reads and one asynchronous add of the loss; per optimizer step a clone of the
@@ -114,17 +132,21 @@ from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, precision_knob,
-                            publish_events, refuse)
-from agent.core import Agent
+from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, optimizer_knobs,
+                            precision_knob, publish_events, refuse)
+from agent.checkpoints import Checkpoints, restore_knobs
+from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.knobs import ACCUM_STEPS, CHECKPOINTING, KERNELS, LOADER_KNOBS, Knob, KnobSet
+from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
+                         LR_SCALE, MAX_GRAD_NORM, WEIGHT_DECAY, Knob, KnobSet)
 from agent.runs import RUN_ID_ENV
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.data import batch_size
 from gpuopt.loader import ReconfigurableLoader
+from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import precision_support
 
 __all__ = ["GpuwatchCallback", "attach"]
@@ -330,6 +352,24 @@ class _Accumulation:
         self.trainer.accumulate_grad_batches = self.original
 
 
+def _clipping_refusal(trainer: pl.Trainer, module: pl.LightningModule) -> str | None:
+    """Why ``max_grad_norm`` cannot be Lightning's ``gradient_clip_val`` in this run, or
+    None."""
+    if not module.automatic_optimization:
+        return ("the LightningModule uses manual optimization: Lightning clips only under "
+                "automatic optimization (call self.clip_gradients in training_step)")
+    if not _simple_strategy(trainer.strategy):
+        return f"{type(trainer.strategy).__name__} clips gradients its own way"
+    if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+        return ("the Trainer clips by value (gradient_clip_algorithm='value'); "
+                "max_grad_norm is a norm")
+    if (type(module).configure_gradient_clipping
+            is not pl.LightningModule.configure_gradient_clipping):
+        return (f"{type(module).__name__} overrides configure_gradient_clipping, which "
+                "decides how (and whether) it clips")
+    return None
+
+
 def _accumulation_refusal(trainer: pl.Trainer, module: pl.LightningModule) -> str | None:
     """Why ``accum_steps`` cannot change correctly in this run, or None."""
     strategy = trainer.strategy
@@ -469,6 +509,8 @@ class _Run:
         self.checkpointing: ActivationCheckpointing | None = None
         self.fetch: _FetchTimer | None = None
         self.memory: MemoryKnobs | None = None
+        self.optimizer_settings: OptimizerSettings | None = None
+        self._clip_val = trainer.gradient_clip_val  # the Trainer's own, put back at the end
         self.started = False
         self.broken = False
         self.step = trainer.global_step
@@ -493,11 +535,16 @@ class _Run:
             self._bind_accumulation(knobs)
             self._bind_model_knobs(knobs)
             self._bind_loader_knobs(knobs)
+            self._bind_optimizer_knobs(knobs)
+            self._bind_checkpoint(knobs)
             self.memory = MemoryKnobs(self.device, self.agent.run_id)
             self.memory.bind(knobs)
             knobs.add(cpu_threads_knob())
             self.fetch = _FetchTimer(trainer.fit_loop.epoch_loop)
             self.fetch.install()
+            restored = self.options.get("restored")
+            if restored is not None:  # fit(ckpt_path=...) of a checkpoint with our state
+                self._restore(restored)
         except Exception as exc:  # the first rule: never crash the training
             self._fail("binding the knobs", exc)
             return
@@ -559,6 +606,63 @@ class _Run:
         else:
             knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
                            set=lambda value: setattr(checkpointing, "enabled", value)))
+
+    def _bind_optimizer_knobs(self, knobs: KnobSet) -> None:
+        """``lr_scale`` and ``weight_decay`` on the one optimizer (step hooks, see
+        :mod:`gpuopt.optim`); ``max_grad_norm`` as the Trainer's ``gradient_clip_val``
+        (Lightning reads it at every step, after unscaling in fp16)."""
+        trainer = self.trainer
+        optimizers = trainer.optimizers
+        reason = None
+        if not _simple_strategy(trainer.strategy):
+            reason = f"{type(trainer.strategy).__name__} steps the optimizer its own way"
+        elif len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):
+            reason = (f"this run has {len(optimizers)} optimizers; gpuwatch sets the "
+                      "learning rate and weight decay of a run with one")
+        if reason is None:
+            self.optimizer_settings = OptimizerSettings(optimizers[0])
+            optimizer_knobs(self.optimizer_settings, knobs)
+        else:
+            knobs.unsupported[LR_SCALE.name] = knobs.unsupported[WEIGHT_DECAY.name] = reason
+        reason = _clipping_refusal(trainer, self.module)
+        if reason is not None:
+            knobs.unsupported[MAX_GRAD_NORM.name] = reason
+            return
+        knobs.add(Knob(MAX_GRAD_NORM, get=lambda: float(trainer.gradient_clip_val or 0.0),
+                       set=lambda value: setattr(trainer, "gradient_clip_val",
+                                                 value or None)))
+
+    def _bind_checkpoint(self, knobs: KnobSet) -> None:
+        """``checkpoint=now``: Lightning's ``trainer.save_checkpoint`` (every rank calls
+        it; rank 0 writes), made atomic; gpuwatch's knob values ride along as this
+        callback's state (:meth:`GpuwatchCallback.state_dict`)."""
+        strategy = self.trainer.strategy
+        if not _simple_strategy(strategy):
+            knobs.unsupported[CHECKPOINT.name] = (
+                f"{type(strategy).__name__} saves sharded checkpoints from every rank; "
+                "use Lightning's ModelCheckpoint")
+            return
+        Checkpoints(self.agent, lambda path, values: self.trainer.save_checkpoint(path),
+                    step=lambda: self.trainer.global_step,
+                    directory=self.options.get("checkpoint_dir"),
+                    name="step-{step:08d}.ckpt", every_rank=True).bind(knobs)
+
+    def saved_state(self) -> dict[str, Any]:
+        """What a Lightning checkpoint keeps of gpuwatch: the knob values and, once the
+        precision knob made one, the kept fp16 GradScaler's state (Lightning saves only
+        the plugin the Trainer started with)."""
+        state: dict[str, Any] = {"knobs": self.agent.knobs.values()}
+        plugin = self.precision._plugins.get("fp16") if self.precision else None
+        if plugin is not None and plugin is not self.precision.original:
+            state["grad_scaler"] = plugin.scaler.state_dict()
+        return state
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        restore_knobs(self.agent, saved.get("knobs", {}), str(self.trainer.ckpt_path),
+                      self.trainer.global_step)
+        plugin = self.precision._plugins.get("fp16") if self.precision else None
+        if "grad_scaler" in saved and plugin is not None:
+            plugin.scaler.load_state_dict(saved["grad_scaler"])
 
     def _bind_loader_knobs(self, knobs: KnobSet) -> None:
         trainer = self.trainer
@@ -635,7 +739,9 @@ class _Run:
         if self._scale_before is not None and scaler is not None:
             skipped = scaler._scale < self._scale_before  # update() backed off: inf/NaN
         grad_norm = self.precision.grad_norm if self.precision is not None else None
-        lr = self._lr
+        lr: Any = self._lr
+        if self.optimizer_settings is not None:  # every group's rate, as the step used it
+            lr = self.optimizer_settings.take_step()[0] or lr
         if lr is None and trainer.optimizers:
             value = trainer.optimizers[0].param_groups[0].get("lr")
             lr = float(value) if isinstance(value, (int, float)) else None
@@ -682,6 +788,9 @@ class _Run:
 
     def end(self, reason: str) -> None:
         """Put the trainer and module back as before ``fit`` and close the agent."""
+        self.trainer.gradient_clip_val = self._clip_val
+        if self.optimizer_settings is not None:
+            self.optimizer_settings.remove()
         for part in (self.accumulation, self.fetch, self.precision, self.kernels):
             if part is not None:
                 try:
@@ -748,6 +857,8 @@ class GpuwatchCallback(Callback):
             (``"inductor"``; ``"aot_eager"`` compiles much faster on small CPUs).
         grad_scaler: the ``torch.amp.GradScaler`` of fp16 (default: a new one on the
             module's device), when the Trainer does not start in 16-mixed.
+        checkpoint_dir: where ``checkpoint=now`` saves (default:
+            :func:`agent.checkpoints.default_checkpoint_dir`).
         options: more :class:`agent.Agent` arguments (``listen``, ``queue_size``, ...).
 
     Raises:
@@ -762,19 +873,32 @@ class GpuwatchCallback(Callback):
                  tokens_per_sample: int | None = None,
                  checkpoint_blocks: Iterable[Any] | None = None,
                  compile_backend: str = "inductor",
-                 grad_scaler: torch.amp.GradScaler | None = None, **options: Any) -> None:
+                 grad_scaler: torch.amp.GradScaler | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None, **options: Any) -> None:
         WindowMeter(batch_size, tokens_per_sample)  # validates tokens_per_sample now
         self.name = name
         self.transport = transport
         self.run_options = {"tokens_per_sample": tokens_per_sample,
                             "checkpoint_blocks": (None if checkpoint_blocks is None
                                                   else list(checkpoint_blocks)),
-                            "compile_backend": compile_backend, "grad_scaler": grad_scaler}
+                            "compile_backend": compile_backend, "grad_scaler": grad_scaler,
+                            "checkpoint_dir": checkpoint_dir}
         self.agent_options = options
         #: the agent of the current (or next) ``fit``
         self.agent: Agent | None = None
         self._run: _Run | None = None
         self._agent_used = False
+        self._restored: dict[str, Any] | None = None  # from fit(ckpt_path=...)
+
+    def state_dict(self) -> dict[str, Any]:
+        """In every Lightning checkpoint of a ``fit`` under way: gpuwatch's knob values
+        (and a GradScaler the precision knob made), restored by ``fit(ckpt_path=...)``."""
+        return self._run.saved_state() if self._run is not None and self._run.started else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``fit(ckpt_path=...)``: the knob values are set when training starts, once
+        the knobs are bound (an event says which)."""
+        self._restored = dict(state_dict) or None
 
     def __getstate__(self) -> dict[str, Any]:
         # spawned processes (ddp_spawn) get the settings and make their own agent
@@ -835,8 +959,7 @@ class GpuwatchCallback(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        self._finish("interrupted" if isinstance(exception, KeyboardInterrupt)
-                     else f"error: {exception!r}")
+        self._finish(ending_reason(exception))
 
     # plumbing
 
@@ -848,7 +971,8 @@ class GpuwatchCallback(Callback):
             self.agent.model_name = type(module).__name__
             self.agent.refresh_knobs()  # announced: hello names the model now
         self._agent_used = True
-        return _Run(self.agent, trainer, module, self.run_options)
+        restored, self._restored = self._restored, None
+        return _Run(self.agent, trainer, module, {**self.run_options, "restored": restored})
 
     def _call(self, method: str, *args: Any) -> None:
         if self._run is not None:
@@ -870,15 +994,19 @@ def attach(trainer: pl.Trainer, *, name: str = "", transport: str = "ipc",
         trainer: the Trainer.
         name, transport: as for :class:`agent.Agent`.
         options: :class:`GpuwatchCallback` arguments (``tokens_per_sample``,
-            ``checkpoint_blocks``, ``compile_backend``, ``grad_scaler``) and more
-            :class:`agent.Agent` arguments.
+            ``checkpoint_blocks``, ``compile_backend``, ``grad_scaler``,
+            ``checkpoint_dir``) and more :class:`agent.Agent` arguments.
 
     Raises:
         TypeError: ``trainer`` is not a Lightning Trainer.
-        ValueError: the trainer already has a GpuwatchCallback, or a bad option.
+        ValueError: the trainer already has a GpuwatchCallback, a bad option, or
+            ``resume_from=`` (Lightning resumes with ``fit(ckpt_path=...)``).
     """
     if not isinstance(trainer, pl.Trainer):
         raise TypeError(f"expected a lightning.pytorch.Trainer, got {type(trainer).__name__}")
+    if "resume_from" in options:
+        raise ValueError("a Lightning run resumes through Lightning: trainer.fit(module, "
+                         "ckpt_path=PATH) (gpuwatch's knob values come back with it)")
     if any(isinstance(callback, GpuwatchCallback) for callback in trainer.callbacks):
         raise ValueError("this Trainer already has a GpuwatchCallback")
     callback = GpuwatchCallback(name=name, transport=transport, **options)

@@ -6,6 +6,7 @@ reads."""
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 
 from agent.runs import RunInfo
@@ -34,6 +35,11 @@ class Source(ABC):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"gpuwatch-{type(self).__name__}")
+
+    def now(self) -> float:
+        """The time the state is shown at, on the clock its records were folded with:
+        the monotonic clock (s) for a run being watched; a timeline's own."""
+        return time.monotonic()
 
     def start(self) -> None:
         """Start delivering records (returns at once; the work runs in the thread)."""

@@ -6,6 +6,10 @@ endpoint (ZeroMQ does, for tcp and ipc), and while the run is gone, or when its
 ``hello`` shows a new process, the run file is read again, so that a new endpoint is
 connected and commands carry the new process's token.
 
+Silence alone does not make a run "gone": while nothing is heard, the run file is
+looked at every second, and a run whose file is there with a live pid is not gone (a
+loaded machine can hold a heartbeat back for seconds), only "quiet" after a long grace.
+
 A run of several ranks is followed on every rank's socket found on this machine (looked
 for again until all are there): the charts, panels and log show the rank given (rank 0
 by default), the other ranks' steps give their pace (:attr:`RunState.ranks`, the
@@ -15,9 +19,11 @@ slowest rank in the header) and their warnings and errors reach the log.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import zmq
 
+from agent import protocol
 from agent.runs import RunInfo, list_runs, run_ranks
 from gpuwatch import state as run_state
 from gpuwatch.client import Subscriber
@@ -25,8 +31,12 @@ from gpuwatch.sources import Source
 
 #: How long the thread waits for a message before checking whether to stop (s).
 POLL_S = 0.1
-#: Messages folded per lock acquisition at most, so the app never waits long.
+#: Messages received per wake-up at most, and bytes and seconds spent decoding them:
+#: they are decoded outside the lock and folded under it in one go, so the app never
+#: waits long for the lock, whatever comes (1 MB records, floods).
 BATCH = 1000
+BATCH_BYTES = 4 << 20
+BATCH_S = 0.02
 #: While the run is gone, how often its run file is looked for again (s).
 RECHECK_S = 1.0
 
@@ -42,6 +52,8 @@ class LiveSource(Source):
         super().__init__(info, f"run {info.run_id} at {info.pub_endpoint}", poll_s=POLL_S)
         self._info = info
         self.state.primary_rank = info.rank
+        # found in its run file with a live pid; looked at again whenever it is silent
+        self.state.process_alive = True if info.run_id != "?" and info.pid else None
         #: Subscribers of the run's other ranks, by rank (this thread's).
         self._others: dict[int, Subscriber] = {}
 
@@ -77,13 +89,14 @@ class LiveSource(Source):
                         continue
                 else:
                     heard_at = now
+                batch = self._receive(ready)
                 with self.lock:
-                    for ready_subscriber in ready:
-                        for _ in range(BATCH):
-                            frames = ready_subscriber.recv_frames(0)
-                            if frames is None:
-                                break
-                            self.state.ingest_frames(frames, now)
+                    for message in batch:
+                        if message is None:
+                            self.state.malformed += 1
+                            self.state.version += 1
+                        else:
+                            self.state.ingest(message, now)
                     hello = self.state.hello
                     speaker = (hello.get("pid"), hello.get("started_at")) if hello else None
                 adopted = (self._info.pid, self._info.started_at)
@@ -95,6 +108,27 @@ class LiveSource(Source):
             subscriber.close()
             for other in self._others.values():
                 other.close()
+
+    @staticmethod
+    def _receive(ready: list[Subscriber]) -> list[dict[str, Any] | None]:
+        """Decoded envelopes waiting on the ``ready`` subscribers (None for a malformed
+        one): at most :data:`BATCH` messages, :data:`BATCH_BYTES` bytes and about
+        :data:`BATCH_S` seconds of decoding; the rest waits for the next wake-up."""
+        batch: list[dict[str, Any] | None] = []
+        size, deadline = 0, time.monotonic() + BATCH_S
+        for subscriber in ready:
+            while len(batch) < BATCH and size < BATCH_BYTES:
+                frames = subscriber.recv_frames(0)
+                if frames is None:
+                    break
+                size += sum(len(frame) for frame in frames)
+                try:
+                    batch.append(protocol.decode_frames(frames))
+                except protocol.ProtocolError:
+                    batch.append(None)
+                if time.monotonic() > deadline:
+                    return batch
+        return batch
 
     @staticmethod
     def _poll(subscribers: list[Subscriber]) -> list[Subscriber]:
@@ -129,6 +163,8 @@ class LiveSource(Source):
             with self.lock:
                 self.state.log("warning", f"cannot read the run files: {exc}")
             return subscriber
+        with self.lock:  # a run file with a live pid: not gone, however long it is silent
+            self.state.process_alive = fresh is not None
         if fresh is None or (fresh.pid, fresh.token, fresh.pub_endpoint, fresh.cmd_endpoint
                              ) == (current.pid, current.token, current.pub_endpoint,
                                    current.cmd_endpoint):

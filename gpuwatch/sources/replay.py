@@ -2,9 +2,10 @@
 RunState, and followed while it grows (``tail -F``), for ``gpuwatch replay FILE``.
 
 Each line is one flattened record, ``{"type", "run", "rank", "seq", "t", **body}``
-(:func:`agent.protocol.flatten`); :func:`envelope_from_record` turns it back into the
-envelope that :meth:`RunState.ingest` folds, so a replay shows the same panels as the
-live run. A line that is not such a record is counted as malformed and skipped.
+(:func:`agent.protocol.flatten`); :func:`gpuwatch.history.decode_line`, the one decoder
+of run-log lines, turns it back into the envelope that :meth:`RunState.ingest` folds, so
+a replay shows the same panels as the live run. A line that is not such a record is
+counted as malformed and skipped.
 
 Time: each record is folded at the moment it was written (its ``t``, unix seconds,
 taken to the monotonic clock), never later than when it is read. So the run's status
@@ -17,44 +18,24 @@ of a long run is folded at once without ever looking live.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from agent import protocol
+from gpuwatch.history import MAX_LINE_BYTES, decode_line
 from gpuwatch.sources import Source
 
 #: How often a followed file is checked for new lines (s).
 POLL_S = 0.2
 #: Lines folded per lock acquisition at most, so the app never waits long.
 BATCH = 1000
-#: Bytes read from the file at a time.
+#: Bytes read from the file at a time, and at most per :meth:`RunLogReader.read` (so
+#: that lines of 1 MB are folded a few at a time, never a gigabyte at once).
 CHUNK_BYTES = 1 << 20
-#: A line longer than this is malformed (as a frame over the wire limit would be).
-MAX_LINE_BYTES = protocol.MAX_MESSAGE_BYTES
-#: The envelope's fields in a flattened record; every other field is the body's.
-ENVELOPE_KEYS = ("type", "run", "rank", "seq", "t")
-
-
-def envelope_from_record(record: Any) -> dict[str, Any] | None:
-    """A flattened run-log record back as an envelope
-    ``{"v", "type", "run", "rank", "seq", "t", "body"}``; None when ``record`` is not a
-    map with a string ``type``.
-
-    The inverse of :func:`agent.protocol.flatten` for what the agent writes (a body key
-    named like an envelope key is lost by flattening, and ``v`` is not logged: the
-    current :data:`agent.protocol.PROTOCOL_VERSION` is assumed).
-    """
-    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
-        return None
-    envelope = {"v": protocol.PROTOCOL_VERSION}
-    envelope.update((key, record.get(key)) for key in ENVELOPE_KEYS)
-    envelope["body"] = {key: value for key, value in record.items()
-                        if key not in ENVELOPE_KEYS}
-    return envelope
+#: Bytes read at most per :meth:`RunLogReader.read`, however short the lines.
+READ_BYTES = 4 << 20
 
 
 class RunLogReader:
@@ -84,20 +65,23 @@ class RunLogReader:
         self._skipping = False  # inside a line over MAX_LINE_BYTES: drop to its newline
 
     def read(self, max_lines: int = BATCH) -> list[dict[str, Any]]:
-        """Envelopes of the next complete lines, at most about ``max_lines``; ``[]`` at
-        the end of the file (see :attr:`at_eof`).
+        """Envelopes of the next complete lines, at most about ``max_lines`` and
+        :data:`READ_BYTES` bytes of them; ``[]`` at the end of the file (see
+        :attr:`at_eof`).
 
         Raises:
             OSError: the file exists but cannot be read (e.g. permissions).
         """
         envelopes: list[dict[str, Any]] = []
         self.at_eof = False
-        while len(envelopes) < max_lines:
+        read = 0
+        while len(envelopes) < max_lines and read < READ_BYTES:
             if self._file is None and not self._open():
                 self.at_eof = True
                 break
             assert self._file is not None
-            chunk = self._file.read(CHUNK_BYTES)
+            chunk = self._file.read(CHUNK_BYTES) or b""  # None: a FIFO with nothing yet
+            read += len(chunk)
             if not chunk:
                 if self._replaced():
                     self._close_file()  # the old file is read to its end; on to the new
@@ -118,10 +102,11 @@ class RunLogReader:
         self.close()
 
     def _open(self) -> bool:
-        try:
-            self._file = open(self.path, "rb")
+        try:  # a FIFO in its place must not block the reader (NONBLOCK)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return False
+        self._file = os.fdopen(fd, "rb")
         self._inode = os.fstat(self._file.fileno()).st_ino
         return True
 
@@ -162,12 +147,7 @@ class RunLogReader:
     def _parse(self, line: bytes) -> dict[str, Any] | None:
         if not line.strip():
             return None  # a blank line is not a record, and not an error
-        envelope = None
-        if len(line) <= MAX_LINE_BYTES:
-            try:
-                envelope = envelope_from_record(json.loads(line))
-            except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
-                pass
+        envelope = decode_line(line)
         if envelope is None:
             self.malformed += 1
         return envelope

@@ -7,6 +7,7 @@ import time
 from rich.text import Text
 from textual.widgets import RichLog
 
+from agent.protocol import printable
 from gpuwatch.state import LogEntry
 
 #: Theme variable that colours each log level (info keeps the widget's colour).
@@ -25,8 +26,9 @@ class EventLog(RichLog):
                          classes=classes)
 
     def add(self, entry: LogEntry) -> None:
-        """Append one entry, coloured by its level."""
+        """Append one entry, coloured by its level, its control characters made visible
+        (:func:`agent.protocol.printable`)."""
         variable = LEVEL_COLORS.get(entry.level)
         color = self.app.theme_variables.get(variable, "") if variable else ""
         stamp = time.strftime("%H:%M:%S ", time.localtime(entry.t))  # now when t is None
-        self.write(Text.assemble((stamp, "dim"), (entry.text, color)))
+        self.write(Text.assemble((stamp, "dim"), (printable(entry.text), color)))

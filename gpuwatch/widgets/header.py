@@ -14,13 +14,14 @@ STRAGGLER_SHARE = 0.05
 #: Theme variable that colours each run status.
 STATUS_STYLES = {"waiting": "$text-muted", "live": "bold $success",
                  "compiling": "bold $warning", "stalled": "bold $warning",
-                 "gone": "bold $error", "ended": "$text-muted"}
+                 "quiet": "bold $warning", "gone": "bold $error", "ended": "$text-muted"}
 
 
 class RunHeader(Panel):
     """Who the dashboard watches and whether the run is alive (``compiling…`` with the
     seconds so far while the run compiles), then records missed or malformed on the way
-    and the agent's own dropped records and errors when there are any."""
+    and the agent's own dropped records, errors and rejected commands when there are
+    any."""
 
     def show(self, state: RunState, status: str, now: float, *, description: str,
              readonly: bool) -> None:
@@ -52,6 +53,8 @@ class RunHeader(Panel):
                 parts += ["  ", (f"dropped {state.agent_records_dropped}", "$warning")]
             if state.agent_errors:
                 parts += ["  ", (f"agent errors {state.agent_errors}", "$error")]
+            if state.agent_commands_rejected:
+                parts += ["  ", (f"rejected {state.agent_commands_rejected}", "$warning")]
             for key in ("name", "device"):  # before the run id: what a person reads
                 if state.hello.get(key):
                     parts += ["  ", (str(state.hello[key]), "bold" if key == "name" else "")]

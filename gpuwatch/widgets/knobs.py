@@ -1,28 +1,55 @@
-"""The run's knobs: current values, recent changes and commands not applied yet."""
+"""The run's knobs: current values, recent changes and commands not applied yet; the
+optimizer's as what the steps use (the effective learning rate, the clipping threshold
+and the gradient norm)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any
 
 from textual.content import Content
 
 from gpuwatch.state import RunState
+from gpuwatch.units import knob_text
 from gpuwatch.widgets.panel import Panel
 
 #: A knob whose value changed within this many seconds is highlighted.
 RECENT_CHANGE_S = 10.0
 
 
-def knob_text(value: Any) -> str:
-    """A knob value for a panel: booleans as ``on`` / ``off``, the rest as is."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return str(value)
+#: Knobs shown under another label, as what the steps use (see :func:`optimizer_texts`).
+SHOWN_AS = {"lr_scale": "lr", "max_grad_norm": "clip"}
+#: Knobs shown first, in this order (the ones people change most; ``lr`` and ``clip``
+#: are aligned as a block of their own); the rest follow in the schema's order.
+FIRST = ("precision", "accum_steps", "lr_scale", "max_grad_norm")
 
 
-def knob_lines(state: RunState, names: Sequence[str], now: float, width: int
-               ) -> list[Content]:
+def optimizer_texts(state: RunState) -> dict[str, str]:
+    """What the optimizer's knobs mean for the steps, from the latest step record:
+    ``lr_scale`` as the learning rate the last step used (param group 0) and the scale
+    (``3.0e-04 x0.5``), ``max_grad_norm`` as the threshold (``off`` at 0) and the last
+    step's gradient norm (``1 norm 0.83``). Read ``state`` under the lock."""
+    texts = {}
+    step = state.last_step
+    scale = state.knobs.get("lr_scale")
+    if "lr_scale" in state.knobs:
+        lr = step.get("lr")
+        parts = [f"{lr:.1e}"] if isinstance(lr, (int, float)) else []
+        if scale != 1 or not parts:
+            parts.append(f"x{scale:g}" if isinstance(scale, (int, float)) else f"x{scale}")
+        texts["lr_scale"] = " ".join(parts)
+    if "max_grad_norm" in state.knobs:
+        threshold = state.knobs["max_grad_norm"]
+        norm = step.get("grad_norm")
+        text = "off" if threshold == 0 else (f"{threshold:g}" if isinstance(
+            threshold, (int, float)) else str(threshold))
+        if isinstance(norm, (int, float)):
+            text += f" norm {norm:.2g}"
+        texts["max_grad_norm"] = text
+    return texts
+
+
+def knob_lines(state: RunState, names: Sequence[str], now: float, width: int, *,
+               texts: dict[str, str] | None = None) -> list[Content]:
     """One line per knob: name, value (highlighted after a recent change) and
     ``-> v (at step N)`` while a command is pending; read ``state`` under the lock.
 
@@ -33,18 +60,24 @@ def knob_lines(state: RunState, names: Sequence[str], now: float, width: int
     Args:
         names: the knobs to show, in order. now: monotonic time in s.
         width: the columns of the panel's text.
+        texts: a knob's line in another form, by name: labelled as in
+            :data:`SHOWN_AS` with this text as its value (see :func:`optimizer_texts`).
     """
-    values = {name: knob_text(state.knobs.get(name, "?")) for name in names}
-    column = min(max((len(name) + 1 for name in names), default=0),
+    texts = texts or {}
+    labels = {name: SHOWN_AS.get(name, name) if name in texts else name for name in names}
+    values = {name: texts.get(name) or knob_text(state.knobs.get(name, "?"))
+              for name in names}
+    column = min(max((len(label) + 1 for label in labels.values()), default=0),
                  width - max((len(value) for value in values.values()), default=0))
     lines = []
     for name in names:
         changed_at = state.knob_changed_at.get(name)
         recent = changed_at is not None and now - changed_at < RECENT_CHANGE_S
-        label = name.ljust(column) if len(name) < column else name + " "
+        label = labels[name]
+        label = label.ljust(column) if len(label) < column else label + " "
         room = width - len(values[name])
         if len(label) > room > 2:  # cut the name rather than the value
-            label = name[:room - 2] + "… "
+            label = labels[name][:room - 2] + "… "
         parts: list[str | tuple[str, str]] = [
             label, (values[name], "bold $success" if recent else "bold")]
         pending = state.pending.get(name)
@@ -56,9 +89,12 @@ def knob_lines(state: RunState, names: Sequence[str], now: float, width: int
 
 
 class KnobsPanel(Panel):
-    """Each knob of the run's schema with its value; ``-> v (at step N)`` while pending.
+    """Each knob of the run's schema with its value; ``-> v (at step N)`` while pending;
+    ``lr`` (the effective learning rate and ``lr_scale``) and ``clip`` (``max_grad_norm``
+    and the gradient norm) for the optimizer's.
 
-    Knobs another panel shows (the loader's, in the data panel) are left out.
+    Knobs another panel shows (the loader's, in the data panel) and commands that are not
+    settings (``checkpoint``) are left out.
     """
 
     BORDER_TITLE = "knobs"
@@ -72,11 +108,17 @@ class KnobsPanel(Panel):
             shown_elsewhere: knob names to leave out.
         """
         names = [name for name in (list(state.schema) or list(state.knobs))
-                 if name not in shown_elsewhere]
+                 if name not in shown_elsewhere
+                 and state.schema.get(name, {}).get("kind") != "action"]
         if not names:
             self.set_content(Content.styled(
                 "no other knobs" if shown_elsewhere and state.schema else "no knobs yet",
                 "$text-muted"))
             return
-        self.set_content(Content("\n").join(knob_lines(state, names, now,
-                                                        self.text_width)))
+        names.sort(key=lambda name: FIRST.index(name) if name in FIRST else len(FIRST))
+        plain = [name for name in names if name not in SHOWN_AS]
+        lines = knob_lines(state, plain, now, self.text_width)
+        at = sum(name in FIRST for name in plain)  # after precision and accum_steps
+        lines[at:at] = knob_lines(state, [name for name in names if name in SHOWN_AS], now,
+                                  self.text_width, texts=optimizer_texts(state))
+        self.set_content(Content("\n").join(lines))

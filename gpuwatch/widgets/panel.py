@@ -9,16 +9,23 @@ from collections.abc import Sequence
 from textual.content import Content
 from textual.widgets import Static
 
+from agent.protocol import printable
+
 #: Block characters of a sparkline, lowest first.
 SPARK_BARS = "▁▂▃▄▅▆▇█"
 #: Width assumed before the first layout (then the next redraw uses the real one).
 DEFAULT_WIDTH = 20
+#: Characters of one panel line drawn at most (panels are a few dozen columns wide): a
+#: huge string from a run costs no more to draw than one that fits.
+MAX_LINE_CHARS = 500
 
 
 class Panel(Static):
     """A Static whose size never depends on its text (set in the stylesheet), so an
     update needs no layout pass, and an update to the same text and styles is skipped:
-    the dashboard calls ``show()`` several times a second."""
+    the dashboard calls ``show()`` several times a second. Every panel's text passes
+    :func:`agent.protocol.printable` here (its own line breaks kept), so no string of a
+    run or a log reaches the terminal as control sequences."""
 
     @property
     def text_width(self) -> int:
@@ -26,8 +33,18 @@ class Panel(Static):
         return self.content_region.width or DEFAULT_WIDTH
 
     def set_content(self, content: Content | str) -> None:
-        """Show ``content`` unless it is what is shown already."""
+        """Show ``content``, its control characters made visible (see
+        :func:`agent.protocol.printable`), unless it is what is shown already."""
         content = Content(content) if isinstance(content, str) else content
+        plain = content.plain
+        if len(plain) > MAX_LINE_CHARS and any(
+                len(line) > MAX_LINE_CHARS for line in plain.split("\n")):
+            content = Content("\n").join(line[:MAX_LINE_CHARS]
+                                          for line in content.split("\n"))
+            plain = content.plain
+        safe = printable(plain, newlines=True)
+        if safe is not plain:  # one character for one: the spans still fit
+            content = Content(safe, list(content.spans))
         current = self.content
         if isinstance(current, Content) and (current.plain, current.spans) == (
                 content.plain, content.spans):

@@ -8,7 +8,8 @@ from typing import NamedTuple
 
 from textual_plotext import PlotextPlot
 
-from gpuwatch.state import StepRecord
+from gpuwatch.state import KnobChange, StepRecord
+from gpuwatch.units import knob_text
 
 
 #: Rows below which the legend is left out (it would cover the lines; the title still
@@ -38,6 +39,10 @@ _SPIKE_QUANTILE = 0.98
 _SPIKE_HEADROOM = 1.25
 #: Values needed before spikes are clipped (with fewer, every value shows as it is).
 _SPIKE_MIN_VALUES = 20
+#: Knob changes in view up to which each gets a label (more: their lines alone).
+_LABELLED_MARKS = 3
+#: plotext colour of the vertical line at a knob change.
+_MARK_COLOR = "orange"
 
 
 class StepChart(PlotextPlot):
@@ -57,8 +62,11 @@ class StepChart(PlotextPlot):
         self.series = tuple(series)
         self.clip_spikes = clip_spikes
 
-    def show(self, records: Iterable[StepRecord]) -> None:
-        """Redraw from step records (oldest first)."""
+    def show(self, records: Iterable[StepRecord], *, marks: Iterable[KnobChange] = ()
+             ) -> None:
+        """Redraw from step records (oldest first), with a vertical line at each knob
+        change in ``marks`` that falls within their steps (labelled ``knob=value``
+        when there are few)."""
         records = [record for record in records if record.step is not None]
         plt = self.plt
         plt.clear_data()
@@ -79,6 +87,8 @@ class StepChart(PlotextPlot):
         titles = self._title(lines, top)
         if titles:
             first, last = records[0].step, records[-1].step
+            self._mark(marks, first, last, top if top is not None else max(
+                (value for *_, values in lines for value in values), default=0.0))
             ticks = sorted({round(first + (last - first) * i / (_X_TICKS - 1))
                             for i in range(_X_TICKS)})
             plt.xticks(ticks, [str(tick) for tick in ticks])
@@ -86,6 +96,23 @@ class StepChart(PlotextPlot):
         else:
             plt.title(f"{' & '.join(s.label for s in self.series)}: no steps yet")
         self.refresh()
+
+    def _mark(self, marks: Iterable[KnobChange], first: int, last: int, top: float
+              ) -> None:
+        """Vertical lines at the knob changes between steps ``first`` and ``last``; a
+        label at the top of each when there are few (``top``: the y-axis' end)."""
+        shown = {}  # step -> labels: changes of several knobs at one step share a line
+        for mark in marks:
+            if first < mark.step <= last:
+                shown.setdefault(mark.step, []).append(
+                    f"{mark.knob}={knob_text(mark.value)}")
+        for step, labels in shown.items():
+            self.plt.vline(step, _MARK_COLOR)
+            if len(shown) <= _LABELLED_MARKS:  # on the side with room for it
+                right = step - first > (last - first) / 2
+                label = ", ".join(labels)
+                self.plt.text(f"{label} " if right else f" {label}", step, top,
+                              color=_MARK_COLOR, alignment="right" if right else "left")
 
     def _top(self, values: list[float]) -> float | None:
         """Where the y-axis ends when spikes are clipped, or None to show every value

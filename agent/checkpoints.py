@@ -1,0 +1,184 @@
+"""The ``checkpoint`` command (``gpuwatch set checkpoint=now``), and resuming from what it
+saved.
+
+At the optimizer-step boundary the command applies at, the run saves itself through its
+framework's own mechanism (Lightning's ``trainer.save_checkpoint``, Hugging Face's
+``Trainer._save_checkpoint``, accelerate's ``save_state``) or ``torch.save`` (the
+reference Trainer, hand-written loops), always with gpuwatch's knob values, and always
+atomically (:func:`gpuopt.saving.write_atomically`: a temporary name in the same
+directory, fsync, rename). The ``applied`` event says where, how large, and how long it
+took.
+
+Where: ``checkpoint_dir=`` given to :func:`agent.attach` / :func:`agent.session`, else the
+run's own directory, :func:`default_checkpoint_dir` (``<run log dir>/checkpoints/<run
+id>/``, so ``~/.local/share/gpuwatch/runs/checkpoints/<run id>/``; ``$GPUWATCH_LOG_DIR``
+moves it with the run logs). Each checkpoint is named after the optimizer step it holds
+(``step-00001234.pt``, or a directory ``checkpoint-1234`` for the frameworks that save
+directories).
+
+.. note:: The training thread waits while the checkpoint is written, as for the
+   framework's own checkpoints (about its size over the disk's write speed); nothing is
+   written, read or synchronized at any other step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from agent.core import Agent
+from agent.knobs import CHECKPOINT, Knob, KnobSet, assignment
+from agent.runlog import log_dir
+from gpuopt.memory import format_bytes
+from gpuopt.saving import write_atomically
+
+#: Saved with every checkpoint: what it is, for :func:`load_checkpoint`.
+FORMAT = "gpuwatch-checkpoint"
+#: The knob values in a checkpoint that is a directory (Hugging Face, accelerate).
+KNOBS_FILE = "gpuwatch.json"
+#: In such a directory: the GradScaler that gpuwatch's precision knob made, which the
+#: framework would not load into a run started without fp16 (it has no GradScaler).
+GRAD_SCALER_FILE = "gpuwatch-grad-scaler.pt"
+
+
+def default_checkpoint_dir(run_id: str) -> Path:
+    """The directory a run's checkpoints go to when no ``checkpoint_dir=`` is given:
+    ``checkpoints/<run id>`` in the run-log directory (:func:`agent.runlog.log_dir`)."""
+    return log_dir() / "checkpoints" / run_id
+
+
+class Checkpoints:
+    """The ``checkpoint`` command of one run.
+
+    Args:
+        agent: the run's agent (run id, rank, knob values).
+        save: ``save(path, knobs)`` writes the checkpoint of the state now, with the knob
+            values ``knobs``, at ``path`` (a file, or a directory for frameworks that save
+            directories); training thread, at a boundary.
+        step: the optimizer steps the state holds (names the checkpoint).
+        directory: where checkpoints go (default: :func:`default_checkpoint_dir`).
+        name: the checkpoint's name, formatted with ``step``.
+        refusal: returns why no checkpoint can be saved now, or None (also asked when the
+            command arrives, on the agent's I/O thread: keep it cheap).
+        every_rank: ``save`` must run on every rank (it has a collective inside, as
+            Lightning's): rank 0 saves atomically, the others call ``save`` at the final
+            path (where they write nothing). Otherwise only rank 0 saves (data
+            parallelism keeps the state identical on every rank).
+    """
+
+    def __init__(self, agent: Agent, save: Callable[[Path, dict[str, Any]], None], *,
+                 step: Callable[[], int], directory: str | os.PathLike | None = None,
+                 name: str = "step-{step:08d}.pt",
+                 refusal: Callable[[], str | None] | None = None,
+                 every_rank: bool = False) -> None:
+        self.agent = agent
+        self.save = save
+        self.step = step
+        self.directory = Path(directory) if directory is not None else None
+        self.name = name
+        self.refusal = refusal
+        self.every_rank = every_rank
+
+    def bind(self, knobs: KnobSet) -> None:
+        """Add the ``checkpoint`` command to ``knobs``."""
+        knobs.add(Knob(CHECKPOINT, get=lambda: None, set=self.save_now,
+                       check=lambda value: self._check()))
+
+    def _check(self) -> None:
+        reason = self.refusal() if self.refusal is not None else None
+        if reason is not None:
+            raise ValueError(reason)
+
+    def save_now(self, value: str) -> dict[str, Any]:
+        """Training thread, at a boundary: save a checkpoint of the state now.
+
+        Returns:
+            The ``applied`` event's additions: where it went, its size, how long it took.
+
+        Raises:
+            ValueError: the refusal's reason. OSError: it could not be written (nothing
+                is left under its name, earlier checkpoints are as they were).
+        """
+        self._check()
+        step = self.step()
+        directory = self.directory or default_checkpoint_dir(self.agent.run_id)
+        path = directory / self.name.format(step=step)
+        knobs = self.agent.knobs.values()
+        if self.agent.rank != 0:
+            if self.every_rank:
+                self.save(path, knobs)
+            return {"text": f"rank 0 saves the state after step {step}",
+                    "checkpoint_step": step}
+        start = time.perf_counter()
+        size = write_atomically(path, lambda temporary: self.save(temporary, knobs))
+        elapsed_s = time.perf_counter() - start
+        return {"text": f"saved after step {step} to {path} ({format_bytes(size)} in "
+                        f"{elapsed_s:.2f} s)",
+                "path": str(path), "size_bytes": size, "save_s": elapsed_s,
+                "checkpoint_step": step}
+
+
+def torch_checkpoint(agent: Agent, knobs: dict[str, Any], step: int,
+                     state: dict[str, Any]) -> dict[str, Any]:
+    """The contents of a ``torch.save`` checkpoint: ``state`` with what it is, the run,
+    its step and the knob values."""
+    return {"format": FORMAT, "version": 1, "run": agent.run_id, "step": step,
+            "knobs": knobs, **state}
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a ``torch.save`` checkpoint the ``checkpoint`` command wrote (tensors on the
+    CPU; ``weights_only``, so it runs no code from the file).
+
+    Raises:
+        ValueError: ``path`` is not such a checkpoint. OSError: it cannot be read.
+    """
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a checkpoint of gpuwatch's checkpoint command")
+    return state
+
+
+def write_knobs_file(directory: Path, agent: Agent, knobs: dict[str, Any],
+                     step: int) -> None:
+    """The knob values of a checkpoint that is a directory, as :data:`KNOBS_FILE`."""
+    (directory / KNOBS_FILE).write_text(json.dumps(
+        {"format": FORMAT, "version": 1, "run": agent.run_id, "step": step,
+         "knobs": knobs}, indent=1))
+
+
+def read_knobs_file(directory: str | os.PathLike) -> dict[str, Any]:
+    """What :func:`write_knobs_file` saved in a checkpoint directory (``knobs``, ``step``,
+    ``run``), or {} when it has none (a checkpoint the framework saved on its own)."""
+    path = Path(directory) / KNOBS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int) -> None:
+    """Set each knob of ``knobs`` (a checkpoint's) that this run has and that differs, on
+    the training thread before training goes on; an event says what was restored (and
+    what could not be, with the reason)."""
+    restored, failed = [], []
+    for name, value in knobs.items():
+        knob = agent.knobs.knobs.get(name)
+        if knob is None or knob.get() == value:
+            continue
+        try:
+            knob.set(value)
+        except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
+            failed.append(f"{assignment(name, value)} ({exc})")
+        else:
+            restored.append(assignment(name, value))
+    agent.refresh_knobs()
+    text = f"resumed from {source} at step {step}"
+    if restored:
+        text += " with " + ", ".join(restored)
+    if failed:
+        text += "; not restored: " + "; ".join(failed)
+    agent.event("warning" if failed else "info", text, kind="resumed", path=source,
+                step=step, knobs=knobs)

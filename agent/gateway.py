@@ -1,0 +1,158 @@
+"""The tcp side of a run, in a child process of its own: what a tcp client can make a
+process hold (connections, file descriptors, buffers) is held here, never by the
+training process.
+
+A tcp port, loopback included, is open to every user of the machine, and ZeroMQ has no
+limit on the connections a bound socket accepts: 1,200 connections that never finish
+their handshake exhaust the file descriptors of whoever holds the port. So the agent
+binds only its private ipc sockets, and for a tcp run it starts this gateway (``python
+-m agent.gateway``), which binds the tcp ports with CURVE (only the run's client key is
+let in, by a ZAP check) and forwards:
+
+- telemetry: its XPUB (tcp) <- XSUB (the agent's ipc PUB), subscriptions upstream;
+- commands: its ROUTER (tcp) -> DEALER (the agent's ipc ROUTER) with the client's
+  routing id in front (``[client id, *frames]``), replies back to that client.
+
+The gateway reads one JSON line of settings on stdin (see :func:`serve`), answers one
+JSON line on stdout (``{"pub_port", "cmd_port"}``, or ``{"error"}``), and ends when its
+stdin closes: when the agent closes it, or when the training process dies, however. Its
+own limits: at most :data:`MAX_SUBSCRIPTION_BYTES` a subscription message, and
+:data:`MAX_COMMAND_BYTES` / :data:`COMMAND_QUEUE` a command message / queued per client,
+a :data:`HANDSHAKE_MS` handshake timeout. No torch, no numpy: it starts in a fraction of
+a second.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import sys
+from typing import Any
+
+import zmq
+
+#: Largest subscription message a client may send (a topic is a few bytes).
+MAX_SUBSCRIPTION_BYTES = 1024
+#: Largest command message (bytes) and messages queued per client.
+MAX_COMMAND_BYTES = 64 * 1024
+COMMAND_QUEUE = 64
+#: A connection that has not completed its CURVE handshake by then is closed (ms).
+HANDSHAKE_MS = 2000
+#: Telemetry messages queued per subscriber before the gateway drops (as the agent's
+#: PUB does).
+SEND_HIGH_WATER_MARK = 10_000
+
+
+class _OneClientKey:
+    """ZAP credentials check: only the run's own client key may connect."""
+
+    def __init__(self, client_public: bytes) -> None:
+        self.client_public = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """``key``: the connecting client's public key, Z85."""
+        return hmac.compare_digest(key, self.client_public)
+
+
+def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
+    """Bind, say the ports on ``out``, forward until ``stdin_fd`` reaches EOF.
+
+    Args:
+        settings: ``pub`` and ``cmd`` (the agent's ipc endpoints), ``address`` (where to
+            listen: 127.0.0.1 or e.g. 0.0.0.0), ``server_public``, ``server_secret``,
+            ``client_public`` (Z85 CURVE keys), ``routing_id`` (hex: the id the agent
+            knows this gateway's commands by).
+        stdin_fd: closed by the agent (or by the training process's death) to stop.
+        out: where the one JSON line with the ports goes.
+
+    Returns:
+        The exit status (0).
+
+    Raises:
+        zmq.ZMQError: a socket cannot be bound or connected.
+    """
+    from zmq.auth.thread import ThreadAuthenticator
+
+    context = zmq.Context()
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve_callback(
+        domain="*", credentials_provider=_OneClientKey(settings["client_public"].encode()))
+    try:
+        front_pub = context.socket(zmq.XPUB)
+        front_pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription: the agent greets
+        front_pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+        front_pub.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
+        front_cmd = context.socket(zmq.ROUTER)
+        front_cmd.setsockopt(zmq.MAXMSGSIZE, MAX_COMMAND_BYTES)
+        front_cmd.setsockopt(zmq.RCVHWM, COMMAND_QUEUE)
+        for socket in (front_pub, front_cmd):
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+            socket.curve_secretkey = settings["server_secret"].encode()
+            socket.curve_publickey = settings["server_public"].encode()
+            socket.curve_server = True
+        back_pub = context.socket(zmq.XSUB)
+        back_cmd = context.socket(zmq.DEALER)
+        back_cmd.setsockopt(zmq.ROUTING_ID, bytes.fromhex(settings["routing_id"]))
+        for socket in (back_pub, back_cmd):
+            socket.setsockopt(zmq.LINGER, 0)
+        back_pub.connect(settings["pub"])
+        back_cmd.connect(settings["cmd"])
+        address = settings["address"]
+        ports = {"pub_port": front_pub.bind_to_random_port(f"tcp://{address}"),
+                 "cmd_port": front_cmd.bind_to_random_port(f"tcp://{address}")}
+        out.write(json.dumps(ports) + "\n")
+        out.flush()
+        _forward(front_pub, front_cmd, back_pub, back_cmd, stdin_fd)
+    finally:
+        authenticator.stop()
+        context.destroy(linger=0)
+    return 0
+
+
+def _forward(front_pub: zmq.Socket, front_cmd: zmq.Socket, back_pub: zmq.Socket,
+             back_cmd: zmq.Socket, stdin_fd: int) -> None:
+    """Forward in both directions until ``stdin_fd`` is readable (EOF: the agent is
+    gone or done). Never blocks on a send: a slow peer loses messages (counted by the
+    dashboard's sequence gaps), it never stalls the gateway."""
+    poller = zmq.Poller()
+    for socket in (front_pub, front_cmd, back_pub, back_cmd):
+        poller.register(socket, zmq.POLLIN)
+    poller.register(stdin_fd, zmq.POLLIN)
+    while True:
+        ready = dict(poller.poll())
+        if stdin_fd in ready:
+            return
+        # commands keep their client's routing id in front both ways: the agent answers
+        # [gateway id, client id, reply], which reaches the client as [reply]
+        for source, sink in ((back_pub, front_pub), (front_pub, back_pub),
+                             (front_cmd, back_cmd), (back_cmd, front_cmd)):
+            if source not in ready:
+                continue
+            for _ in range(1000):  # then the others get their turn
+                try:
+                    frames = source.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    sink.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.ZMQError:  # full, or a client that went away: drop it
+                    pass
+
+
+def main() -> int:
+    """``python -m agent.gateway``: one JSON line of settings on stdin (see
+    :func:`serve`); exits when stdin closes."""
+    line = sys.stdin.buffer.readline()
+    try:
+        settings = json.loads(line)
+        return serve(settings, sys.stdin.fileno(), sys.stdout)
+    except (ValueError, KeyError, zmq.ZMQError) as exc:
+        sys.stdout.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        sys.stdout.flush()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Training checkpoints on disk: written atomically, with the random number generators.
+
+A checkpoint is written under a temporary name in its own directory, flushed to the
+disk (``fsync`` of every file, then of the directory), and only then renamed to its name
+(``os.replace``, atomic on POSIX file systems), and the directory is synced again so the
+rename itself survives a power loss. A process killed while writing leaves the temporary
+file (removed by the next write into that directory once its writer is gone) and every
+earlier checkpoint as it was; a checkpoint under its final name is always complete.
+
+Sources: the POSIX ``rename`` guarantee; "Files are hard" (Dan Luu, 2015) and
+LWN's "ext4 and data loss" (2009) for why both the file and its directory are synced.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+#: Temporary names: ``.<final name>.tmp-<pid>`` next to the final one.
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)$")
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> int:
+    """Have ``write(temporary)`` write a file or a directory, then make it ``path``.
+
+    ``write`` gets a path in ``path``'s directory that does not exist yet and writes there
+    (``torch.save`` to it, or a framework saving a directory of files into it). Then every
+    file written is synced to disk, the temporary is renamed to ``path`` (replacing an
+    earlier checkpoint of that name: a file in one atomic step; a directory is moved
+    aside first and deleted after, so a crash between the two leaves it under its aside
+    name), and the directory is synced.
+
+    Returns:
+        The checkpoint's size in bytes (every file of a directory).
+
+    Raises:
+        OSError: the directory cannot be written (nothing is left under ``path``); the
+            temporary is removed. An exception from ``write`` propagates the same way.
+
+    .. note:: Synchronous: the caller waits for the data to reach the disk (about the
+       size over the disk's write speed, plus a few ms for the syncs).
+    """
+    path = Path(path)
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(directory)
+    temporary = directory / f".{path.name}.tmp-{os.getpid()}"
+    _remove(temporary)
+    try:
+        write(temporary)
+        size = _sync_tree(temporary)
+        if temporary.is_dir() and path.is_dir():
+            aside = directory / f".{path.name}.old-{os.getpid()}"
+            _remove(aside)
+            os.replace(path, aside)
+            os.replace(temporary, path)
+            _remove(aside)
+        else:
+            os.replace(temporary, path)
+        _sync_directory(directory)
+    except BaseException:
+        _remove(temporary)
+        raise
+    return size
+
+
+def save_atomically(obj: Any, path: str | os.PathLike) -> int:
+    """``torch.save(obj)`` to ``path`` through :func:`write_atomically`; returns the file's
+    size in bytes (same raises and cost)."""
+    return write_atomically(path, lambda temporary: torch.save(obj, temporary))
+
+
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """The state of every random number generator a training step may draw from: torch's
+    on the host, CUDA's on ``device``'s GPUs (when CUDA is in use), Python's ``random``
+    and NumPy's global one; only tensors and plain values (``torch.load(...,
+    weights_only=True)`` reads it back).
+
+    .. note:: Host work only: the CUDA generators' states are host-side (seed and offset).
+    """
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    cuda = (torch.cuda.get_rng_state_all()
+            if device is not None and device.type == "cuda" else None)
+    return {"torch": torch.get_rng_state(), "cuda": cuda,
+            "python": random.getstate(),
+            "numpy": (kind, torch.from_numpy(keys.copy()), position, has_gauss,
+                      cached_gaussian)}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back every generator :func:`rng_state` saved."""
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(_tuples(state["python"]))
+    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), position, has_gauss, cached_gaussian))
+
+
+def _tuples(value: Any) -> Any:
+    """``random.getstate()`` as saved, with the tuples it needs (a reader may give lists)."""
+    return tuple(_tuples(item) for item in value) if isinstance(value, (list, tuple)) \
+        else value
+
+
+def _sync_tree(path: Path) -> int:
+    """fsync every file under ``path`` (or ``path`` itself) and every directory in it;
+    returns the bytes of the files."""
+    if not path.is_dir():
+        _sync_file(path)
+        return path.stat().st_size
+    size = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            file = Path(root) / name
+            _sync_file(file)
+            size += file.stat().st_size
+        _sync_directory(Path(root))
+    return size
+
+
+def _sync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_abandoned(directory: Path) -> None:
+    """Delete temporaries of writers that are gone (killed while writing)."""
+    for entry in directory.iterdir():
+        match = _TEMPORARY.match(entry.name)
+        if match and not _alive(int(match["pid"])):
+            _remove(entry)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -1,0 +1,107 @@
+"""Side by side: two runs, or the segments of one run between its knob changes, in the
+figures of :class:`gpuwatch.history.Segment` (median step time, throughput, data wait
+share, memory, loss trend), as ``gpuwatch compare`` prints them and the dashboard's
+compare screen shows them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from agent.protocol import printable
+from gpuwatch.history import RunHistory, Segment, segment
+from gpuwatch.units import human_bytes, human_ms, human_number, knob_text
+
+
+@dataclass(frozen=True)
+class Column:
+    """One side: a title (a run id, or what changed at a segment's start) and its
+    figures."""
+
+    title: str
+    segment: Segment
+
+    def public(self) -> dict[str, Any]:
+        """As a JSON-ready map (``gpuwatch compare --json``)."""
+        return {"title": self.title, **asdict(self.segment),
+                "changed": list(self.segment.changed)}
+
+
+def around_changes(run: RunHistory) -> list[Column]:
+    """Every segment of ``run`` in order (the first, then one per knob change); ``[]``
+    when the run has no knob change (nothing to compare)."""
+    segments = run.segments()
+    if len(segments) < 2:
+        return []
+    return [Column("start" if not segment.changed else ", ".join(
+        f"{name}={knob_text(segment.knobs.get(name))}" for name in segment.changed),
+        segment) for segment in segments]
+
+
+def between_runs(first: RunHistory, second: RunHistory) -> list[Column]:
+    """The two runs, each as a whole (knobs: those of its first step); ``[]`` when
+    either has no steps."""
+    if not len(first.steps) or not len(second.steps):
+        return []
+    return [Column(run.run_id + (f" ({run.name})" if run.name else ""),
+                   segment(run.steps)) for run in (first, second)]
+
+
+def _loss(segment: Segment) -> str:
+    if segment.loss_first is None or segment.loss_last is None:
+        return "-"
+    return f"{segment.loss_first:.4g} -> {segment.loss_last:.4g}"
+
+
+def _ratio(before: float | None, after: float | None) -> str:
+    if before is None or after is None or before == 0:
+        return ""
+    return f"x{after / before:.2f}"
+
+
+def rows(columns: Sequence[Column]) -> list[list[str]]:
+    """The comparison as rows of cells: a header row (the titles), then one row per
+    figure and per knob whose value differs between the columns; with two columns a
+    last cell, ``ratio``, with the second's figure over the first's (``x0.50``)."""
+    segments = [column.segment for column in columns]
+    knobs = [name for name in dict.fromkeys(n for s in segments for n in s.knobs)
+             if len({repr(s.knobs.get(name)) for s in segments}) > 1]
+    figures: list[tuple[str, Any, Any]] = [
+        ("steps", lambda s: f"{s.first_step}-{s.last_step} ({s.steps:,})", None),
+        ("step time (median)", lambda s: human_ms(s.step_time_s), "step_time_s"),
+        ("samples/s (median)", lambda s: human_number(s.samples_per_s, 1),
+         "samples_per_s")]
+    if any(s.tokens_per_s is not None for s in segments):
+        figures.append(("tokens/s (median)", lambda s: human_number(s.tokens_per_s),
+                        "tokens_per_s"))
+    figures += [
+        ("data wait share", lambda s: "-" if s.data_wait_share is None
+         else f"{s.data_wait_share:.1%}", "data_wait_share"),
+        ("memory (peak)", lambda s: human_bytes(s.memory_bytes), "memory_bytes"),
+        ("activation memory", lambda s: human_bytes(s.activation_bytes),
+         "activation_bytes"),
+        ("loss (first -> last fifth)", _loss, None),
+        ("loss slope / 1k steps", lambda s: "-" if s.loss_slope_per_1k is None
+         else f"{s.loss_slope_per_1k:+.3g}", None)]
+    table = [["", *(printable(column.title, 60) for column in columns)]]
+    if len(columns) == 2:
+        table[0].append("ratio")
+    for name in knobs:
+        table.append([name, *(printable(knob_text(s.knobs.get(name)), 40) for s in segments)]
+                     + ([""] if len(columns) == 2 else []))
+    for label, show, field in figures:
+        row = [label, *(show(s) for s in segments)]
+        if len(columns) == 2:
+            row.append(_ratio(getattr(segments[0], field), getattr(segments[1], field))
+                       if field else "")
+        table.append(row)
+    return table
+
+
+def table(columns: Sequence[Column]) -> str:
+    """:func:`rows` as aligned text, one line per row."""
+    cells = rows(columns)
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths))
+                     .rstrip() for row in cells)

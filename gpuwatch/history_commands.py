@@ -1,0 +1,239 @@
+"""The commands about runs after the fact: ``runs --all``, ``report``, ``compare`` and
+``export``, and opening a finished run in the dashboard (``gpuwatch RUN``).
+
+Everything here reads run logs through :mod:`gpuwatch.history`; every text from a log
+is printed through :func:`agent.protocol.printable` (no control characters). The
+plotting, table and metrics libraries are imported by the command that needs them, with
+a clear message when they are not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from agent.protocol import printable
+from agent.runs import list_runs
+from gpuwatch import history
+from gpuwatch.history import LogFiles, RunSummary
+from gpuwatch.units import human_age, human_bytes, human_number
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    """Add ``report``, ``compare`` and ``export`` to the ``gpuwatch`` command line."""
+    report = commands.add_parser(
+        "report", help="write an HTML report of a run (plots, segments, environment)",
+        description="Write one self-contained HTML file: step time and data wait, "
+                    "throughput, loss, memory and activation memory over the steps with "
+                    "every knob change marked, the table of segments between changes, "
+                    "and the run's environment report. Needs matplotlib "
+                    "(pip install 'gpuwatch[report]').")
+    report.add_argument("run", metavar="RUN|FILE",
+                        help="run id or unique prefix (live or finished), or a run log")
+    report.add_argument("-o", "--output", type=Path, metavar="FILE", required=True,
+                        help="the HTML file to write")
+    report.add_argument("--rank", type=int, default=None,
+                        help="the rank whose log to use (default: the lowest)")
+    report.set_defaults(handler=_report)
+
+    compare = commands.add_parser(
+        "compare", help="two runs, or the segments around a knob change, side by side",
+        description="Compare two runs (their last segments: steps with the same knob "
+                    "values), or, with one run, the segments before and after each of "
+                    "its knob changes: median step time, samples/s (tokens/s), data "
+                    "wait share, memory and the loss trend.")
+    compare.add_argument("runs", nargs="+", metavar="RUN|FILE",
+                         help="one run (its changes) or two runs")
+    compare.add_argument("--json", action="store_true", help="print the figures as JSON")
+    compare.set_defaults(handler=_compare)
+
+    export = commands.add_parser(
+        "export", help="a run as CSV or Parquet tables, or live runs as Prometheus metrics",
+        description="--csv/--parquet: write the run's steps (one row per optimizer step, "
+                    "knobs as knobs.<name> columns) and events as two tables "
+                    "(needs pandas; Parquet also pyarrow). --prometheus HOST:PORT: serve "
+                    "gpuwatch_* metrics of every live run of this user at "
+                    "http://HOST:PORT/metrics until Ctrl-C (needs prometheus_client).")
+    export.add_argument("run", nargs="?", metavar="RUN|FILE",
+                        help="run id, unique prefix or run log (for --csv/--parquet)")
+    formats = export.add_mutually_exclusive_group(required=True)
+    formats.add_argument("--csv", action="store_true",
+                         help="write <out>.steps.csv and <out>.events.csv")
+    formats.add_argument("--parquet", action="store_true",
+                         help="write <out>.steps.parquet and <out>.events.parquet")
+    formats.add_argument("--prometheus", metavar="HOST:PORT",
+                         help="serve metrics of live runs (port 0: any free port)")
+    export.add_argument("-o", "--output", metavar="PREFIX",
+                        help="path prefix of the tables (default: the run id)")
+    export.add_argument("--rank", type=int, default=None,
+                        help="the rank whose log to use (default: the lowest)")
+    export.set_defaults(handler=_export)
+
+
+# --- finding a run's log --------------------------------------------------------------
+
+def _log_or_say(selector: str, rank: int | None, command: str) -> LogFiles | None:
+    log = history.find_run_log(selector, rank)
+    if log is None:
+        print(f"gpuwatch {command}: no run log matches {printable(selector, 200)!r} (see "
+              "`gpuwatch runs --all`)", file=sys.stderr)
+    return log
+
+
+def is_written_by_a_live_run(log: LogFiles) -> bool:
+    """Whether a live run file of this user names ``log``'s current file as its log."""
+    current = log.paths[-1]
+    for info in list_runs():
+        try:
+            if info.log_path and os.path.samefile(info.log_path, current):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+# --- runs --all -----------------------------------------------------------------------
+
+def print_all_runs(as_json: bool) -> int:
+    """``gpuwatch runs --all``: print every run (a table, or JSON); exit status 0."""
+    summaries = history.all_runs()
+    if as_json:
+        print(json.dumps([summary.public() for summary in summaries], indent=2))
+        return 0
+    if not summaries:
+        print("no runs: no run logs and no live runs")
+        return 0
+    rows = [("RUN", "NAME", "STARTED", "DURATION", "STEPS", "FINAL LOSS", "BEST/S",
+             "CHANGES", "LOG", "STATE")]
+    for summary in summaries:
+        best = summary.best_tokens_per_s or summary.best_samples_per_s
+        unit = " tok" if summary.best_tokens_per_s else ""
+        rows.append((
+            summary.run_id, printable(summary.name, 40) or "-",
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(summary.started_at))
+            if summary.started_at else "-",
+            human_age(summary.duration_s) if summary.duration_s is not None else "-",
+            human_number(summary.steps),
+            "-" if summary.final_loss is None else f"{summary.final_loss:.4g}",
+            "-" if best is None else human_number(best, 1 if best < 100 else 0) + unit,
+            str(summary.knob_changes), human_bytes(summary.log_bytes),
+            _state(summary)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
+              + row[-1])
+    return 0
+
+
+def _state(summary: RunSummary) -> str:
+    ranks = f" ({len(summary.ranks)} ranks)" if len(summary.ranks) > 1 else ""
+    if summary.live:
+        return "live" + ranks
+    if summary.ended:
+        return printable(summary.ended, 60) + ranks
+    return "no bye (killed?)" + ranks
+
+
+# --- report, compare, export ----------------------------------------------------------
+
+def _report(args: argparse.Namespace) -> int:
+    try:
+        from gpuwatch import report
+    except ImportError as exc:
+        return _missing("report", "report", exc)
+    log = _log_or_say(args.run, args.rank, "report")
+    if log is None:
+        return 1
+    run = history.read_history(log)
+    try:
+        report.write_report(run, args.output)
+    except OSError as exc:
+        print(f"gpuwatch report: cannot write {args.output}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
+    print(f"wrote {args.output} ({human_bytes(args.output.stat().st_size)}): "
+          f"{len(run.steps):,} steps, {len(run.knob_changes)} knob changes")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from gpuwatch import compare
+
+    if len(args.runs) > 2:
+        print("gpuwatch compare: give one run (its knob changes) or two runs",
+              file=sys.stderr)
+        return 2
+    runs = []
+    for selector in args.runs:
+        log = _log_or_say(selector, None, "compare")
+        if log is None:
+            return 1
+        runs.append(history.read_history(log))
+    columns = (compare.between_runs(*runs) if len(runs) == 2
+               else compare.around_changes(runs[0]))
+    if not columns:
+        print(f"gpuwatch compare: run {runs[0].run_id} has no "
+              + ("steps" if len(runs) == 2 or not len(runs[0].steps)
+                 else "knob change to compare around"), file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([column.public() for column in columns], indent=2))
+    else:
+        print(compare.table(columns))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    if args.prometheus:
+        try:
+            from gpuwatch import prometheus
+        except ImportError as exc:
+            return _missing("export --prometheus", "export", exc)
+        return prometheus.serve_forever(args.prometheus)
+    try:
+        from gpuwatch import tables
+    except ImportError as exc:
+        return _missing("export", "export", exc)
+    if not args.run:
+        print("gpuwatch export: name the run (RUN or FILE) for --csv or --parquet",
+              file=sys.stderr)
+        return 2
+    log = _log_or_say(args.run, args.rank, "export")
+    if log is None:
+        return 1
+    run = history.read_history(log)
+    prefix = Path(args.output or run.run_id)
+    try:
+        written = tables.write_tables(run, prefix, "parquet" if args.parquet else "csv")
+    except ImportError as exc:  # pyarrow, for Parquet
+        return _missing("export --parquet", "export", exc)
+    except OSError as exc:
+        print(f"gpuwatch export: cannot write {prefix}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
+    for path, rows in written:
+        print(f"wrote {path} ({rows:,} rows)")
+    return 0
+
+
+def _missing(command: str, extra: str, exc: ImportError) -> int:
+    print(f"gpuwatch {command}: needs {exc.name or exc}, which is not installed: "
+          f"pip install 'gpuwatch[{extra}]'", file=sys.stderr)
+    return 1
+
+
+def open_finished(log: LogFiles, notes: Sequence[str] = ()) -> int:
+    """Open a run log in the dashboard on a timeline (read-only); the exit status."""
+    from gpuwatch.app import GpuwatchApp
+    from gpuwatch.sources.timeline import TimelineSource
+
+    app = GpuwatchApp(TimelineSource(log), readonly=True, notes=[
+        *notes, f"replaying {log.paths[-1]} on a timeline: left/right step, [ ] knob "
+                "changes, , . events, home/end"])
+    app.run()
+    return app.return_code or 0

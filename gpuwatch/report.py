@@ -1,0 +1,259 @@
+"""``gpuwatch report``: a run as one self-contained HTML page.
+
+Plots (matplotlib, rendered off screen, inlined as base64 PNG) of step time and data
+wait, throughput (tokens/s when the run reports tokens, else samples/s), loss, memory
+and activation memory over the optimizer steps, each knob change a labelled vertical
+line; the table of segments between changes (:mod:`gpuwatch.compare`'s figures, one row
+per segment); the run's facts and its environment report. No script, no request: the
+file opens anywhere, offline. Every text from the log is escaped (and has no control
+characters).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # off screen: no display, no GUI toolkit
+
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+from agent.protocol import printable  # noqa: E402
+from gpuwatch.compare import Column, rows  # noqa: E402
+from gpuwatch.history import RunHistory, StepTable, write_output  # noqa: E402
+from gpuwatch.units import human_age, human_bytes, knob_text  # noqa: E402
+
+#: Colour of the vertical lines at knob changes (the data lines keep matplotlib's).
+MARK_COLOR = "#c2185b"
+#: Size of each plot, in inches, and its resolution (dots per inch).
+FIGURE_SIZE_IN = (11.0, 3.2)
+FIGURE_DPI = 100
+#: With spikes (a compile, a checkpoint save), the step-time axis ends at this quantile
+#: of the values times :data:`SPIKE_HEADROOM`, as the dashboard's chart does.
+SPIKE_QUANTILE = 0.98
+SPIKE_HEADROOM = 1.25
+#: Nested environment-report entries shown at most.
+MAX_ENV_ROWS = 400
+_MIB = float(1 << 20)
+
+
+def _series(table: StepTable, name: str, scale: float = 1.0
+            ) -> tuple[list[float], list[float]]:
+    """``(steps, values * scale)`` of the records with both finite."""
+    steps, values = table.column("step"), table.column(name)
+    pairs = [(s, v * scale) for s, v in zip(steps, values) if s == s and v == v]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _marks(axes: Any, run: RunHistory, *, labels: bool) -> None:
+    """A vertical line at each knob change; with ``labels``, ``knob=value`` beside it."""
+    by_step: dict[int, list[str]] = {}
+    for change in run.knob_changes:
+        by_step.setdefault(change.step, []).append(
+            f"{change.knob}={knob_text(change.value)}")
+    for step, names in by_step.items():
+        axes.axvline(step, color=MARK_COLOR, linewidth=1.4, linestyle="--")
+        if labels:
+            axes.annotate(printable(", ".join(names), 80), xy=(step, 1.0),
+                          xycoords=("data", "axes fraction"), xytext=(3, -3),
+                          textcoords="offset points", rotation=90, va="top", ha="left",
+                          fontsize=8, color=MARK_COLOR)
+
+
+def _png(figure: Any) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=FIGURE_DPI, bbox_inches="tight")
+    plt.close(figure)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _plot(run: RunHistory, title: str, lines: Sequence[tuple[str, str, float]],
+          unit: str, *, clip_spikes: bool = False, points: bool = False) -> str | None:
+    """One plot of ``lines`` (label, step field, scale) against the step, with the
+    knob changes; None when no line has a value."""
+    data = [(label, *_series(run.steps, name, scale)) for label, name, scale in lines]
+    data = [(label, steps, values) for label, steps, values in data if values]
+    if not data:
+        return None
+    figure, axes = plt.subplots(figsize=FIGURE_SIZE_IN)
+    for label, steps, values in data:
+        if points:  # measured every few steps: markers joined
+            axes.plot(steps, values, marker="o", markersize=3, linewidth=1, label=label)
+        else:
+            axes.plot(steps, values, linewidth=1, label=label)
+    if clip_spikes:
+        values = sorted(v for *_, vs in data for v in vs)
+        top = values[int(SPIKE_QUANTILE * (len(values) - 1))] * SPIKE_HEADROOM
+        if values[-1] > top > 0:
+            axes.set_ylim(0, top)
+            axes.set_title(f"{title} (axis cut at {top:.3g} {unit}; "
+                           f"largest {values[-1]:.3g})", loc="left", fontsize=10)
+    if not axes.get_title(loc="left"):
+        axes.set_title(title, loc="left", fontsize=10)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel(unit)
+    axes.grid(alpha=0.3)
+    if len(data) > 1:
+        axes.legend(loc="upper right", fontsize=8)
+    _marks(axes, run, labels=True)
+    return _png(figure)
+
+
+def plots(run: RunHistory) -> list[tuple[str, str]]:
+    """The report's plots as ``(title, base64 PNG)``, those the run has data for."""
+    table = run.steps
+    tokens = table.has("tokens_per_s")
+    memory = [("host RSS", "host_rss_bytes", 1 / _MIB)]
+    memory += [(label, name, 1 / _MIB) for label, name in (
+        ("CUDA allocated", "mem_allocated_bytes"), ("CUDA reserved", "mem_reserved_bytes"),
+        ("CUDA peak reserved", "mem_peak_reserved_bytes")) if table.has(name)]
+    specs = [
+        ("Step time and data wait", [("step time", "step_time_s", 1e3),
+                                     ("data wait", "data_wait_s", 1e3)], "ms",
+         {"clip_spikes": True}),
+        ("Throughput", [("tokens/s", "tokens_per_s", 1.0)] if tokens else
+         [("samples/s", "samples_per_s", 1.0)], "tokens/s" if tokens else "samples/s", {}),
+        ("Loss", [("loss", "loss", 1.0)], "loss", {}),
+        ("Memory", memory, "MiB", {}),
+        ("Activation memory (saved for backward, one micro-batch)",
+         [("activations", "activation_bytes", 1 / _MIB)], "MiB", {"points": True}),
+    ]
+    result = []
+    for title, lines, unit, options in specs:
+        image = _plot(run, title, lines, unit, **options)
+        if image is not None:
+            result.append((title, image))
+    return result
+
+
+def _facts(run: RunHistory) -> list[tuple[str, str]]:
+    hello = run.hello
+    model = hello.get("model") if isinstance(hello.get("model"), dict) else {}
+    params = model.get("params")
+    started = run.started_at
+    facts = [
+        ("run", run.run_id), ("name", run.name or "-"),
+        ("model", printable(model.get("name", "-"), 100) + (
+            f" ({params:,} parameters)" if type(params) is int else "")),
+        ("device", printable(hello.get("device", "-"), 100)),
+        ("ranks", printable(hello.get("world_size", 1), 20)
+         + f" (this report: rank {run.log.rank})"),
+        ("started", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+         if started else "-"),
+        ("duration", human_age(run.duration_s) if run.duration_s is not None else "-"),
+        ("optimizer steps", f"{len(run.steps):,}"),
+        ("knob changes", str(len(run.knob_changes))),
+        ("end", printable(run.bye.get("reason") or "ended", 200) if run.bye is not None
+         else "no bye: the run was killed, or is still going"),
+        ("run log", ", ".join(printable(os.fspath(path), 300) for path in run.log.paths)
+         + f" ({human_bytes(run.log.size_bytes)})"),
+    ]
+    if run.malformed or run.truncated or run.unreadable:
+        facts.append(("not read", f"{run.malformed} malformed lines"
+                      + ("; the last line was cut" if run.truncated else "")
+                      + "".join(f"; {printable(why, 300)}" for why in run.unreadable)))
+    return facts
+
+
+def _flatten(value: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """A nested map as ``(dotted.key, value)`` rows."""
+    if isinstance(value, dict):
+        found = []
+        for key, item in value.items():
+            found += _flatten(item, f"{prefix}.{key}" if prefix else str(key))
+        return found
+    if isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
+        found = []
+        for index, item in enumerate(value):
+            found += _flatten(item, f"{prefix}[{index}]")
+        return found
+    shown = ", ".join(map(str, value)) if isinstance(value, list) else (
+        "-" if value is None else str(value))
+    return [(prefix, shown)]
+
+
+def _table(cells: Sequence[Sequence[str]], *, header: bool = True,
+           css_class: str = "") -> str:
+    out = [f'<table class="{css_class}">' if css_class else "<table>"]
+    for number, row in enumerate(cells):
+        tag = "th" if header and number == 0 else "td"
+        out.append("<tr>" + "".join(f"<{tag}>{html.escape(printable(cell, 500))}</{tag}>"
+                                    for cell in row) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px;
+       color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 2em; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
+th, td { border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: left;
+         vertical-align: top; }
+th { background: #f2f2f2; }
+table.facts td:first-child, table.env td:first-child { color: #555; white-space: nowrap; }
+figure { margin: 1em 0; } figure img { width: 100%; max-width: 1100px; height: auto; }
+.mark { color: #c2185b; font-weight: bold; }
+"""
+
+
+def render(run: RunHistory) -> str:
+    """The report of ``run`` as an HTML document (str)."""
+    title = f"gpuwatch report: {run.run_id}" + (f" ({run.name})" if run.name else "")
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
+             f"<h1>{html.escape(title)}</h1>",
+             _table([("", ""), *_facts(run)], header=False, css_class="facts")]
+    if run.knob_changes:
+        parts.append("<h2>Knob changes</h2>")
+        parts.append(_table([("step", "knob", "before", "after"), *(
+            (f"{change.step:,}", change.knob, knob_text(change.before),
+             knob_text(change.value)) for change in run.knob_changes)]))
+    parts.append("<h2>Over the steps</h2>")
+    images = plots(run)
+    if not images:
+        parts.append("<p>No optimizer steps in this run log.</p>")
+    if run.knob_changes:
+        parts.append('<p>Dashed <span class="mark">vertical lines</span> mark the knob '
+                     "changes (the knob and its new value beside each).</p>")
+    for caption, image in images:
+        parts.append(f'<figure><img alt="{html.escape(caption)}" width="1100" '
+                     f'src="data:image/png;base64,{image}"></figure>')
+    segments = run.segments()
+    if segments:
+        parts.append("<h2>Segments between knob changes</h2>")
+        columns = [Column(segment.label, segment) for segment in segments]
+        transposed = [list(row) for row in zip(*rows(columns))]  # a row per segment
+        transposed[0][0] = "segment"
+        parts.append(_table(transposed))
+        parts.append("<p>Medians over each segment's steps (its first steps after a "
+                     "change included); data wait share = data wait / step time summed "
+                     "over the segment; memory: the largest of the segment; loss: "
+                     "median of its first and last fifth, and the least-squares slope."
+                     "</p>")
+    env = run.hello.get("env")
+    parts.append("<h2>Environment</h2>")
+    if isinstance(env, dict) and env:
+        parts.append(_table([("", ""), *_flatten(env)[:MAX_ENV_ROWS]], header=False,
+                            css_class="env"))
+    else:
+        parts.append("<p>The run log has no environment report.</p>")
+    parts.append(f"<p><small>Written by gpuwatch report at "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}.</small></p></body></html>")
+    return "\n".join(parts)
+
+
+def write_report(run: RunHistory, path: os.PathLike | str) -> None:
+    """Write the report of ``run`` to ``path`` (see :func:`gpuwatch.history.write_output`).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    write_output(path, render(run).encode("utf-8"))

@@ -1,0 +1,87 @@
+"""The ``r`` screen: every run of this user, live and finished (``gpuwatch runs
+--all``), to open one in the dashboard."""
+
+from __future__ import annotations
+
+import time
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.content import Content
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Static
+
+from agent.protocol import printable
+from gpuwatch.history import RunSummary, all_runs
+from gpuwatch.units import human_age, human_bytes, human_number
+
+#: The table's columns.
+COLUMNS = ("run", "name", "started", "duration", "steps", "final loss", "best/s",
+           "changes", "log", "state")
+
+
+def _row(summary: RunSummary) -> tuple[str, ...]:
+    best = summary.best_tokens_per_s or summary.best_samples_per_s
+    state = ("live" if summary.live else printable(summary.ended, 40) if summary.ended
+             else "no bye (killed?)")
+    return (summary.run_id, printable(summary.name, 40) or "-",
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(summary.started_at))
+            if summary.started_at else "-",
+            human_age(summary.duration_s) if summary.duration_s is not None else "-",
+            human_number(summary.steps),
+            "-" if summary.final_loss is None else f"{summary.final_loss:.4g}",
+            "-" if best is None else human_number(best, 1 if best < 100 else 0),
+            str(summary.knob_changes), human_bytes(summary.log_bytes), state)
+
+
+class RunsScreen(ModalScreen[RunSummary | None]):
+    """The runs in a table, newest first (read in a thread: logs can be large); enter
+    opens the run under the cursor (dismissed with its summary), escape closes."""
+
+    BINDINGS = [
+        Binding("escape,q", "dismiss(None)", "close", id="runs.close"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.summaries: list[RunSummary] = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="runs") as box:
+            box.border_title = "runs: enter opens one, escape closes"
+            yield Static(Content.styled("reading the run logs ...", "$text-muted"),
+                         id="runs-status")
+            yield DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
+
+    def on_mount(self) -> None:
+        self._load()
+
+    @work(thread=True, exclusive=True)
+    def _load(self) -> None:
+        try:
+            summaries = all_runs()
+        except OSError as exc:  # the run directory cannot be read
+            self.app.call_from_thread(self._failed, str(exc))
+            return
+        self.app.call_from_thread(self._show, summaries)
+
+    def _failed(self, why: str) -> None:
+        self.query_one("#runs-status", Static).update(
+            Content.styled(f"cannot list the runs: {printable(why, 200)}", "$error"))
+
+    def _show(self, summaries: list[RunSummary]) -> None:
+        self.summaries = summaries
+        table = self.query_one(DataTable)
+        table.add_columns(*COLUMNS)
+        for index, summary in enumerate(summaries):
+            table.add_row(*_row(summary), key=str(index))
+        self.query_one("#runs-status", Static).update(Content.styled(
+            f"{len(summaries)} runs" if summaries else "no runs: no run logs and no live "
+            "runs", "$text-muted"))
+        table.focus()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        """Open the chosen run."""
+        self.dismiss(self.summaries[int(event.row_key.value)])

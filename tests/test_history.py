@@ -1,0 +1,382 @@
+"""Runs after the fact: run logs written by the real agent.runlog.RunLog (and by the real
+demo job), found and read back by gpuwatch.history, listed by ``gpuwatch runs --all``
+and replayed on a timeline in the real app."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent.knobs import STANDARD_KNOBS
+from gpuwatch import history
+from gpuwatch.app import GpuwatchApp
+from gpuwatch.sources.timeline import CHECKPOINT_STEPS, Timeline, TimelineSource
+from gpuwatch.state import RunState
+from tests.test_dashboard import text_of, until
+from tests.test_end_to_end import Terminal
+from tests.test_replay import KNOBS, RUN, Writer
+
+
+def gpuwatch(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "gpuwatch", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def write_run(path, *, steps=30, changes=(), bye=True, t0=None, events=(), **options):
+    """A run log of ``steps`` steps at 0.1 s each; ``changes`` are (step, knob, value)
+    taking effect at that step (with the agent's applied event just before it);
+    ``events`` are (step, text) warnings logged after that step."""
+    writer = Writer(path, t0=time.time() - 3600 if t0 is None else t0, **options)
+    writer.write("hello", {"name": "replayed", "device": "cpu", "world_size": 1,
+                           "model": {"name": "TinyNet", "params": 1234},
+                           "env": {"torch": {"version": "2.13.0+cpu", "num_threads": 2},
+                                   "cuda": {"available": False, "devices": []}},
+                           "knobs": [STANDARD_KNOBS[name].to_wire() for name in KNOBS]})
+    knobs = {**KNOBS, "precision": "fp32"}
+    for step in range(1, steps + 1):
+        for at, knob, value in changes:
+            if at == step:
+                knobs[knob] = value
+                writer.write("event", {"level": "info", "kind": "applied", "knob": knob,
+                                       "value": value, "step": step,
+                                       "text": f"{knob}={value} applied at step {step}"},
+                             dt_s=step * 0.1)
+        fast = knobs["precision"] == "bf16"
+        measured = {"activation_bytes": (11 if fast else 17) << 20} if step % 20 == 1 else {}
+        writer.step(step, knobs=dict(knobs), step_time_s=0.05 if fast else 0.1,
+                    samples_per_s=640.0 if fast else 320.0, data_wait_s=0.01,
+                    host_rss_bytes=(400 if knobs["accum_steps"] > 2 else 500) << 20,
+                    **measured)
+        writer.write("heartbeat", {"step": step, "ending": False}, dt_s=step * 0.1)
+        for at, text in events:
+            if at == step:
+                writer.write("event", {"level": "warning", "kind": "warning",
+                                       "text": text}, dt_s=step * 0.1)
+    if bye:
+        writer.write("bye", {"reason": "finished", "steps": steps}, dt_s=steps * 0.1)
+    writer.log.close()
+    return path
+
+
+# --- reading --------------------------------------------------------------------------
+
+def test_rotated_log_reads_in_order_once_and_folds_without_gaps(run_dir):
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs)
+    path = os.path.join(logs, f"{RUN}.rank0.jsonl")
+    write_run(path, steps=120, max_bytes=8000, backups=50)
+    [log] = history.find_logs(logs)
+    assert len(log.paths) > 3 and log.paths[-1].name == f"{RUN}.rank0.jsonl"
+    assert log.paths[0].name.endswith(f".jsonl.{len(log.paths) - 1}")  # oldest first
+    reader = history.LogReader(log)
+    records = [envelope for _, envelope in reader]
+    assert [r["body"]["step"] for r in records if r["type"] == "step"] == list(range(1, 121))
+    assert sum(r["type"] == "hello" for r in records) == 1  # the rotations' copies skipped
+    state = RunState()
+    for record in records:
+        state.ingest(record)
+    assert state.missed == 0 and state.malformed == 0 and reader.malformed == 0
+
+    # the oldest files deleted (as rotation does with few backups): the copy of hello
+    # heading the oldest file left is read, without counting the deleted records missed
+    for old in log.paths[:2]:
+        old.unlink()
+    [log] = history.find_logs(logs)
+    records = [envelope for _, envelope in history.LogReader(log)]
+    assert records[0]["type"] == "hello" and records[0]["seq"] is None
+    state = RunState()
+    for record in records:
+        state.ingest(record)
+    assert state.missed == 0 and state.hello["name"] == "replayed"
+
+
+def test_reader_tolerates_truncation_garbage_unknown_types_and_old_records(tmp_path):
+    path = tmp_path / f"{RUN}.rank0.jsonl"
+    write_run(path, steps=5, bye=False)
+    with open(path, "ab") as raw:
+        raw.write(b"not json\n[1]\n\n{\"type\": 7}\n" + b'{"type":"x","pad":"'
+                  + b"a" * (history.MAX_LINE_BYTES + 10) + b'"}\n')
+        # another protocol version's records: a version field, unknown types and
+        # fields, missing ones, a NaN as hand-made logs hold, an int beyond 64 bits
+        raw.write(b'{"v":0,"type":"step","run":"r","step":6,"step_time_s":0.1}\n'
+                  b'{"v":9,"type":"steps_batch","columns":{"step":[7,8]}}\n'
+                  b'{"type":"step","step":7,"loss":NaN,"samples":' + b"9" * 30
+                  + b',"extra":{"a":[1,2]}}\n')
+        raw.write(b'{"type":"step","step":8,"loss":0.5')  # killed mid-line
+    log = history.log_at(path)
+    run = history.read_history(log)
+    assert list(run.steps.column("step")) == [1, 2, 3, 4, 5, 6, 7]
+    assert math.isnan(run.steps.column("loss")[-1]) and run.steps.column("samples")[-1] > 1e28
+    assert run.malformed == 4 and run.truncated and run.bye is None
+    summary = history.summarize(run)
+    assert summary.steps == 7 and summary.last_step == 7 and summary.ended is None
+    assert summary.final_loss == pytest.approx(2.0 / 5)  # the last finite loss
+
+
+def test_links_are_never_followed(tmp_path):
+    real = write_run(tmp_path / "elsewhere.jsonl", steps=3)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / f"{RUN}.rank0.jsonl").symlink_to(real)
+    (logs / "20250101-000000-cafe.rank0.jsonl").mkdir()
+    assert history.find_logs(logs) == []
+    assert history.log_at(logs / f"{RUN}.rank0.jsonl") is None
+    # a file swapped for a link after it was found is not opened either
+    swapped = write_run(logs / "20250101-000000-f00d.rank0.jsonl", steps=3)
+    [log] = history.find_logs(logs)
+    swapped.unlink()
+    swapped.symlink_to(real)
+    reader = history.LogReader(log)
+    assert list(reader) == [] and "20250101-000000-f00d" in reader.unreadable[0]
+
+
+def test_history_summary_knob_changes_and_segments(tmp_path):
+    path = write_run(tmp_path / f"{RUN}.rank0.jsonl", steps=60,
+                     changes=[(21, "precision", "bf16"), (41, "accum_steps", 4)])
+    run = history.read_history(history.log_at(path))
+    assert [(c.step, c.knob, c.before, c.value) for c in run.knob_changes] == [
+        (21, "precision", "fp32", "bf16"), (41, "accum_steps", 2, 4)]
+    summary = history.summarize(run)
+    assert (summary.steps, summary.ended, summary.name) == (60, "finished", "replayed")
+    assert summary.best_samples_per_s == 640.0 and summary.duration_s > 5
+
+
+def test_segments_between_changes(tmp_path):
+    knobs = {**KNOBS, "precision": "fp32"}
+    path = tmp_path / f"{RUN}.rank0.jsonl"
+    writer = Writer(path, t0=time.time() - 60)
+    writer.hello()
+    for step in range(1, 41):
+        after = step > 20
+        writer.step(step, knobs={**knobs, "precision": "bf16" if after else "fp32"},
+                    step_time_s=0.05 if after else 0.1, data_wait_s=0.01,
+                    samples_per_s=640.0 if after else 320.0, loss=3.0 - step * 0.01,
+                    host_rss_bytes=(300 if after else 500) << 20)
+    writer.log.close()
+    run = history.read_history(history.log_at(path))
+    before, after = run.segments()
+    assert (before.first_step, before.last_step, before.steps) == (1, 20, 20)
+    assert (after.first_step, after.changed, after.knobs["precision"]) == (
+        21, ("precision",), "bf16")
+    assert before.step_time_s == 0.1 and after.step_time_s == 0.05
+    assert after.samples_per_s == 640.0 and after.data_wait_share == pytest.approx(0.2)
+    assert before.memory_bytes == 500 << 20 and after.memory_bytes == 300 << 20
+    assert after.loss_slope_per_1k == pytest.approx(-10.0)
+    assert after.loss_first > after.loss_last
+    assert after.label == "steps 21-40 (precision=bf16)"
+
+
+# --- runs --all -------------------------------------------------------------------------
+
+def test_runs_all_lists_finished_killed_and_live_runs(run_dir, fake_agent):
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    write_run(os.path.join(logs, f"{RUN}.rank0.jsonl"), steps=30,
+              changes=[(11, "accum_steps", 4)])
+    write_run(os.path.join(logs, "20250102-000000-dead.rank0.jsonl"), steps=7, bye=False)
+    result = gpuwatch("runs", "--all")
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["RUN", "NAME", "STARTED", "DURATION", "STEPS", "FINAL",
+                              "LOSS", "BEST/S", "CHANGES", "LOG", "STATE"]
+    by_run = {row.split()[0]: row for row in rows}
+    assert set(by_run) == {RUN, "20250102-000000-dead", fake_agent.info.run_id}
+    finished = by_run[RUN].split()
+    assert finished[1] == "replayed" and finished[5:7] == ["30", "0.06667"]
+    assert finished[-1] == "finished" and finished[-4] == "1"  # one knob change
+    assert by_run["20250102-000000-dead"].endswith("no bye (killed?)")
+    assert by_run[fake_agent.info.run_id].endswith("live")
+    [listed] = [run for run in json.loads(gpuwatch("runs", "--all", "--json").stdout)
+                if run["run_id"] == RUN]
+    assert listed["steps"] == 30 and listed["best_samples_per_s"] == 320.0
+    assert listed["knob_changes"] == 1 and listed["ended"] == "finished"
+    assert listed["log_bytes"] == os.path.getsize(os.path.join(logs, f"{RUN}.rank0.jsonl"))
+
+
+def test_a_finished_demo_run_is_listed_and_opens_by_id(run_dir):
+    """The real demo job, run to its end; then listed and opened by its id's prefix."""
+    demo = subprocess.run([sys.executable, "-m", "gpuwatch", "demo", "--no-ui", "--model",
+                           "cnn", "--max-steps", "25"], capture_output=True, text=True,
+                          timeout=240)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    [run] = json.loads(gpuwatch("runs", "--all", "--json").stdout)
+    assert (run["steps"], run["last_step"], run["ended"]) == (25, 25, "finished")
+    assert run["name"] == "demo-cnn" and not run["live"] and run["final_loss"] > 0
+    assert gpuwatch("runs").stdout.startswith("no live runs")
+    # `gpuwatch RUN` with no live run of that id opens its log on a timeline
+    terminal = Terminal(run["run_id"][:17])
+    try:
+        shows(terminal, b"step 25 of 25")
+        terminal.type(b"\x1b[H")  # home: the first step
+        shows(terminal, b"step 1 of 25")
+        terminal.type(b"q")
+        assert terminal.process.wait(30) == 0
+    finally:
+        terminal.close()
+
+
+def shows(terminal, text, timeout_s=60):
+    """Wait until the terminal has drawn ``text`` (bytes, within one styled span)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in terminal.output:
+        assert terminal.process.poll() is None, bytes(terminal.output)[-2000:]
+        assert time.monotonic() < deadline, bytes(terminal.output)[-2000:]
+        time.sleep(0.05)
+
+
+# --- the timeline -----------------------------------------------------------------------
+
+def test_timeline_state_at_each_step_is_the_state_folded_to_it(tmp_path):
+    path = write_run(tmp_path / f"{RUN}.rank0.jsonl", steps=CHECKPOINT_STEPS * 2 + 50,
+                     changes=[(300, "accum_steps", 4)], events=[(260, "slow loader")])
+    timeline = Timeline(history.log_at(path), RunState())
+    assert len(timeline.steps) == CHECKPOINT_STEPS * 2 + 50
+    records = [envelope for _, envelope in history.LogReader(history.log_at(path))]
+    for index in (0, 1, CHECKPOINT_STEPS - 1, CHECKPOINT_STEPS, 299, 300, 449):
+        state, _ = timeline.state_at(index)
+        expected = RunState()
+        seen = -1
+        for record in records:  # every record before the step record after `index`
+            if record["type"] == "step":
+                seen += 1
+                if seen > index:
+                    break
+            expected.ingest(record, record["t"])
+        assert state.step == expected.step == index + 1
+        assert state.knobs == expected.knobs and list(state.steps) == list(expected.steps)
+        assert [e.text for e in state.events] == [e.text for e in expected.events]
+        assert state.knob_changes == expected.knob_changes
+    assert timeline.state_at(449)[0].ended is not None  # the end: bye folded
+    assert [(m.kind, timeline.steps[m.index]) for m in timeline.marks] == [
+        ("event", 260), ("event", 299), ("change", 300)]  # applied is logged before 300
+
+
+async def test_timeline_keys_move_every_panel_and_mark_the_changes(tmp_path):
+    path = write_run(tmp_path / f"{RUN}.rank0.jsonl", steps=80,
+                     changes=[(31, "accum_steps", 4), (61, "precision", "bf16")],
+                     events=[(50, "loader is slow")])
+    app = GpuwatchApp(TimelineSource(history.log_at(path)), readonly=True)
+
+    def shown():
+        return (text_of(app, "#header"), text_of(app, "#timeline"),
+                " ".join(text_of(app, "#knobs").split()))
+
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: "● ended" in text_of(app, "#header"))
+        header, bar, _ = shown()
+        assert "step 80 " in header and bar.startswith("step 80 of 80")
+        assert bar.count("┃") == 2 and "no later change" in bar
+        await pilot.press("home")
+        header, bar, knobs = shown()
+        assert "step 1 " in header and "● live" in header and "accum_steps 2" in knobs
+        assert bar.endswith("next: accum_steps=4 at 31")
+        await pilot.press("right", "right")
+        assert "step 3 " in text_of(app, "#header")
+        await pilot.press("right_square_bracket")
+        header, bar, knobs = shown()
+        assert "step 31 " in header and "accum_steps 4" in knobs
+        assert "accum_steps=4 applied at step 31" in str(app.query_one("#log").lines[-1].text)
+        with app.source.lock:
+            assert [(c.step, c.knob) for c in app.source.state.knob_changes] == [
+                (31, "accum_steps")]
+        chart = app.query_one("#loss")
+        await until(pilot, lambda: "accum_steps=4" in chart.render().plain)
+        await pilot.press("left", "left")  # (after step 30 the run said it applies next)
+        header, _, knobs = shown()
+        assert "step 29 " in header and "accum_steps 2" in knobs
+        await pilot.press("full_stop")  # the applied event, logged after step 30
+        assert "step 30 " in text_of(app, "#header")
+        await pilot.press("full_stop")
+        assert "step 50 " in text_of(app, "#header")
+        assert "loader is slow" in str(app.query_one("#log").lines[-1].text)
+        await pilot.press("right_square_bracket", "right_square_bracket")  # none after
+        assert "step 61 " in text_of(app, "#header")
+        assert "precision bf16" in shown()[2]
+        await pilot.press("v")  # the segments before and after that change
+        compared = str(app.screen.query_one("#compare-table").content).splitlines()
+        assert compared[0].split() == ["before:", "steps", "31-60", "(accum_steps=4)",
+                                       "after:", "steps", "61-80", "(precision=bf16)",
+                                       "ratio"]
+        rows = {" ".join(row.split()[:2]): row.split()[2:] for row in compared[1:]}
+        assert rows["precision fp32"] == ["bf16"]
+        assert rows["step time"] == ["(median)", "100.0", "ms", "50.0", "ms", "x0.50"]
+        assert rows["samples/s (median)"] == ["320.0", "640.0", "x2.00"]
+        await pilot.press("escape")
+        await pilot.press("comma", "comma")
+        assert "step 50 " in text_of(app, "#header")
+        await pilot.press("end")
+        assert "● ended" in text_of(app, "#header") and "step 80 " in text_of(app, "#header")
+        await pilot.press("shift+left")
+        assert "step 1 " in text_of(app, "#header")  # 100 back, clamped
+        await pilot.press("question_mark")
+        listed = "\n".join(str(cell.content) for cell in app.screen.query("#help-keys Static"))
+        assert all(binding.tooltip in listed for binding in app.BINDINGS
+                   if binding.id.startswith("timeline."))
+        await pilot.press("escape")
+        # the footer offers the timeline's keys and no knob's
+        shown_keys = {key for key, active in app.active_bindings.items()
+                      if active.binding.show}
+        assert shown_keys == {"left", "right", "left_square_bracket", "right_square_bracket",
+                              "comma", "full_stop", "home", "end", "v", "r", "question_mark",
+                              "q"}
+
+
+async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_agent):
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    first = write_run(os.path.join(logs, f"{RUN}.rank0.jsonl"), steps=20,
+                      t0=time.time() - 7200)
+    write_run(os.path.join(logs, "20250102-000000-0002.rank0.jsonl"), steps=35,
+              t0=time.time() - 3600, changes=[(11, "accum_steps", 4)])
+    app = GpuwatchApp(TimelineSource(history.log_at(first)), readonly=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: "step 20 of 20" in text_of(app, "#timeline"))
+        await pilot.press("r")
+        table = app.screen.query_one("#runs-table")
+        await until(pilot, lambda: table.row_count == 3)
+        runs = [table.get_row_at(index)[0] for index in range(3)]
+        assert runs == [fake_agent.info.run_id, "20250102-000000-0002", RUN]  # newest first
+        assert table.get_row_at(1)[4:8] == ["35", "0.05714", "320", "1"]
+        await pilot.press("down", "enter")  # the second: finished, opens on a timeline
+        await until(pilot, lambda: "step 35 of 35" in text_of(app, "#timeline"))
+        assert "step 35 " in text_of(app, "#header")  # (its records name RUN as run)
+        await pilot.press("home")
+        assert "step 1 " in text_of(app, "#header")
+        await pilot.press("r")
+        table = app.screen.query_one("#runs-table")
+        await until(pilot, lambda: table.row_count == 3)
+        await pilot.press("enter")  # the live one
+        await until(pilot, lambda: "● live" in text_of(app, "#header")
+                    and f"run {fake_agent.info.run_id}" in text_of(app, "#header"))
+        assert not app.query("#timeline")  # a live run has no timeline bar
+        assert "step 1 " not in text_of(app, "#header")
+
+
+def test_what_a_log_says_is_bounded_and_printed_without_control_characters(run_dir):
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    path = os.path.join(logs, f"{RUN}.rank0.jsonl")
+    writer = Writer(path, t0=time.time() - 60)
+    writer.write("hello", {"name": "\x1b[2J\x1b[31mevil\u202e", "device": "cpu"})
+    for step in (1, 2):
+        writer.step(step, knobs={"precision": "fp32", "k" * 5000: 1},
+                    **{"x" * 5000: 1.0})
+    writer.write("event", {"level": "warning", "kind": "applied", "knob": "precision",
+                           "value": "v" * 100_000, "step": 2, "text": "\x07bell" * 1000})
+    writer.write("bye", {"reason": "\x1b]0;title\x07done"})
+    writer.log.close()
+    run = history.read_history(history.log_at(path))
+    assert list(run.steps.knobs) == ["precision"]  # a knob name no run has is left out
+    assert all(len(name) <= 100 for name in run.steps.numbers)
+    [event] = run.events
+    assert len(event.value) <= 1000 and len(event.text) <= 1000 and "\x07" not in event.text
+    listed = gpuwatch("runs", "--all")
+    assert listed.returncode == 0, listed.stderr
+    assert "\x1b" not in listed.stdout and "\u202e" not in listed.stdout
+    assert "␛[2J␛[31mevil" in listed.stdout and "␛]0;title␇done" in listed.stdout

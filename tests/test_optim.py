@@ -1,0 +1,501 @@
+"""The optimizer's knobs (lr_scale, weight_decay, max_grad_norm) and the checkpoint
+command in the reference Trainer and hand-written loops: real training, commands over
+the agent's real socket, and every claim checked by arithmetic (a twin run, a hand
+computation, bit-identical resumes)."""
+
+import hashlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import agent
+from agent import runs
+from agent.checkpoints import load_checkpoint
+from gpuopt import Trainer
+from gpuopt.loader import ReconfigurableLoader
+from gpuopt.optim import OptimizerSettings
+from gpuopt.saving import write_atomically
+from gpuwatch.client import Subscriber, send_command
+from tests.training import Gate, digits_loader, messages, model as make_model, start
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _records(path):
+    with open(path) as log:
+        return [json.loads(line) for line in log]
+
+
+def _steps(records):
+    return {r["step"]: r for r in records if r["type"] == "step"}
+
+
+def _events(records, kind):
+    return [r for r in records if r["type"] == "event" and r.get("kind") == kind]
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class Snapshots:
+    """Trainer callback: the parameters after every optimizer step (0: before the first)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.after = {}
+
+    def on_fit_start(self, trainer):
+        self.after.setdefault(trainer.step, _params(self.model))
+
+    def on_optimizer_step(self, trainer, stats):
+        self.after[stats.step] = _params(self.model)
+
+
+def test_lr_scale_halves_the_next_update_against_a_twin_run(run_dir):
+    """SGD without momentum: an update is -lr x gradient, so with lr_scale=0.5 from step 4
+    the update of step 4 is exactly half the twin's, from the same parameters."""
+    runs_ = {}
+    for name in ("scaled", "twin"):
+        model = make_model()
+        snapshots, gate = Snapshots(model), Gate(hold_at=3)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                          F.cross_entropy, digits_loader(), callbacks=[gate, snapshots])
+        monitor = agent.attach(trainer, name=name)
+        thread = start(trainer, max_steps=5)
+        assert gate.reached.wait(30)
+        if name == "scaled":
+            reply = send_command(monitor.info, "lr_scale", 0.5)
+            assert reply["ok"] and reply["apply_step"] == 4, reply
+        log_path = monitor.info.log_path
+        gate.release.set()
+        thread.join(30)
+        runs_[name] = (snapshots.after, _steps(_records(log_path)))
+    (scaled, steps), (twin, _) = runs_["scaled"], runs_["twin"]
+    for before, after in zip(scaled[3], twin[3]):
+        assert torch.equal(before, after)  # the same parameters before step 4
+    for before, got, full in zip(scaled[3], scaled[4], twin[4]):  # up to p's rounding
+        rounding = 2 * torch.finfo(torch.float32).eps * before.abs().max().item()
+        torch.testing.assert_close(got - before, 0.5 * (full - before), rtol=0, atol=rounding)
+        assert (got - before).abs().max() > 100 * rounding
+    assert [steps[k]["lr"] for k in range(1, 6)] == [0.5, 0.5, 0.5, 0.25, 0.25]
+    assert steps[4]["lr_groups"] == [0.25] and steps[4]["knobs"]["lr_scale"] == 0.5
+
+
+def _loop_step(run, model, optimizer, batch, scheduler=None):
+    x, y = batch
+    with run.autocast:
+        loss = F.cross_entropy(model(x), y)
+    run.scaler.scale(loss).backward()
+    run.scaler.step(optimizer)
+    run.scaler.update()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    run.optimizer_step()
+
+
+def test_a_schedule_keeps_its_shape_under_the_scale_in_every_param_group(run_dir):
+    """ExponentialLR multiplies what is in the param group at each step: the scale is
+    applied inside the step only, so it does not compound, and back at 1 the schedule is
+    where it would have been without it."""
+    model = make_model()
+    groups = [{"params": model[0].parameters(), "lr": 1.0},
+              {"params": model[2].parameters(), "lr": 0.1}]
+    optimizer = torch.optim.SGD(groups, lr=1.0)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
+    run = agent.session(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                        name="loop-schedule")
+    data = digits_loader()
+    for step in range(1, 9):
+        _loop_step(run, model, optimizer, data[step], scheduler)
+        if step in (2, 5):  # applies from step + 2
+            assert send_command(run.agent.info, "lr_scale", 0.5 if step == 2 else 1.0)["ok"]
+    log_path = run.agent.info.log_path
+    run.close()
+    steps = _steps(_records(log_path))
+    for k in range(1, 9):
+        scale = 0.5 if 4 <= k < 7 else 1.0
+        assert steps[k]["lr_groups"] == pytest.approx([0.9 ** (k - 1) * scale,
+                                                       0.1 * 0.9 ** (k - 1) * scale]), k
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx(
+        [0.9 ** 8, 0.1 * 0.9 ** 8])
+    assert scheduler.get_last_lr() == pytest.approx([0.9 ** 8, 0.1 * 0.9 ** 8])
+
+
+def test_max_grad_norm_clips_the_global_norm_to_the_threshold(run_dir):
+    """Declared in the loop (0: off), set live to 0.05: from then on each update has norm
+    lr x 0.05, and each step reports the norm before clipping, as computed here."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    run = agent.session(model=model, optimizer=optimizer, max_grad_norm=0.0,
+                        name="loop-clip")
+    data = digits_loader()
+    updates, norms = {}, {}
+    for step in range(1, 7):
+        before = _params(model)
+        twin = make_model()
+        twin.load_state_dict(model.state_dict())
+        grads = torch.autograd.grad(F.cross_entropy(twin(data[step][0]), data[step][1]),
+                                    list(twin.parameters()))
+        norms[step] = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+        _loop_step(run, model, optimizer, data[step])
+        updates[step] = torch.cat([(b - a).flatten() for a, b in zip(_params(model), before)])
+        if step == 2:
+            assert send_command(run.agent.info, "max_grad_norm", 0.05)["ok"]
+    log_path = run.agent.info.log_path
+    run.close()
+    steps = _steps(_records(log_path))
+    for k in range(1, 7):
+        update_norm = float(torch.linalg.vector_norm(updates[k]))
+        if k < 4:
+            assert "grad_norm" not in steps[k]
+            assert update_norm == pytest.approx(float(norms[k]), rel=1e-5)
+        else:
+            assert norms[k] > 0.05 and steps[k]["grad_norm"] == pytest.approx(
+                float(norms[k]), rel=1e-5)
+            assert update_norm == pytest.approx(0.05, rel=1e-4), k
+            assert steps[k]["knobs"]["max_grad_norm"] == 0.05
+
+
+def test_weight_decay_goes_to_the_decaying_groups_only_in_their_proportions():
+    """The groups a script keeps at 0 (biases) stay 0; the others keep their ratio; one
+    real SGD step decays exactly as SGD(weight_decay=) does."""
+    model = make_model()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    biases = [p for p in model.parameters() if p.ndim == 1]
+    optimizer = torch.optim.SGD([{"params": weights[:1], "weight_decay": 0.1},
+                                 {"params": weights[1:], "weight_decay": 0.01},
+                                 {"params": biases, "weight_decay": 0.0}], lr=0.5)
+    settings = OptimizerSettings(optimizer)
+    assert settings.decay_groups == (0, 1) and not settings.decays_every_group
+    settings.weight_decay = 0.2
+    assert [g["weight_decay"] for g in optimizer.param_groups] == pytest.approx([0.2, 0.02, 0.0])
+    assert settings.weight_decay == pytest.approx(0.2)
+    x, y = digits_loader()[0]
+    before = _params(model)
+    F.cross_entropy(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    decay = {id(weights[0]): 0.2, id(weights[1]): 0.02}
+    for p, b, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(p.detach(), b - 0.5 * (g + decay.get(id(p), 0.0) * b))
+
+    plain = OptimizerSettings(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert plain.decays_every_group  # nothing says which are biases: every group
+    assert "Rprop has no weight_decay" in OptimizerSettings(
+        torch.optim.Rprop(model.parameters())).weight_decay_reason()
+
+
+def test_a_change_followed_by_a_non_finite_loss_is_rolled_back(run_dir):
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = agent.session(model=model, optimizer=optimizer, max_grad_norm=1.0,
+                        name="loop-guard")
+    data = digits_loader()
+    with Subscriber(run.agent.info) as sub:
+        for step in range(1, 4):
+            _loop_step(run, model, optimizer, data[step])
+        assert send_command(run.agent.info, "lr_scale", 4.0)["ok"]  # applies at step 5
+        assert send_command(run.agent.info, "max_grad_norm", 0.0)["ok"]
+        _loop_step(run, model, optimizer, data[4])
+        assert run.optimizer_settings.lr_scale == 4.0 and run.optimizer_settings.max_grad_norm == 0
+        run.optimizer_step(torch.tensor(float("nan")))  # step 5: the loss went non-finite
+        messages(sub, lambda m: m["type"] == "event" and m["body"].get("kind") == "rollback")
+        _loop_step(run, model, optimizer, data[6])
+        _loop_step(run, model, optimizer, data[7])
+    run.close()
+    assert run.optimizer_settings.lr_scale == 1.0 and run.optimizer_settings.max_grad_norm == 1.0
+
+
+class DropoutNet(nn.Module):
+    """:func:`tests.training.model` with dropout: a resume must put back the RNG too."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.3),
+                                 nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _digits_dataset():
+    return [(x[i], y[i]) for x, y in digits_loader(batch_size=64, n=256)
+            for i in range(len(x))]
+
+
+def _resumable_trainer(seed, callbacks=()):
+    """A Trainer with everything a resume must restore: dropout, AdamW's state, a
+    LambdaLR schedule, accumulation, a shuffling loader mid-epoch."""
+    model = DropoutNet(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.95 ** s)
+    loader = ReconfigurableLoader(_digits_dataset(), 16, shuffle=True, seed=3)
+    trainer = Trainer(model, optimizer, F.cross_entropy, loader, accum_steps=2,
+                      lr_scheduler=scheduler, callbacks=list(callbacks))
+    return trainer, model
+
+
+def test_a_trainer_checkpoint_taken_mid_run_resumes_bit_identically(run_dir, tmp_path):
+    gate = Gate(hold_at=2)
+    trainer, model = _resumable_trainer(0, [gate])
+    snapshots = Snapshots(model)
+    trainer.callbacks.append(snapshots)
+    monitor = agent.attach(trainer, name="trainer-checkpoint", checkpoint_dir=tmp_path)
+    thread = start(trainer, max_steps=10)
+    assert gate.reached.wait(30)
+    for knob, value, step in (("lr_scale", 0.5, 3), ("max_grad_norm", 0.3, 3),
+                              ("accum_steps", 3, 4), ("checkpoint", "now", 6)):
+        assert send_command(monitor.info, knob, value, apply_step=step)["ok"]
+    log_path = monitor.info.log_path
+    gate.release.set()
+    thread.join(60)
+    records = _records(log_path)
+    saved = [e for e in _events(records, "applied") if e["knob"] == "checkpoint"]
+    assert len(saved) == 1 and saved[0]["checkpoint_step"] == 5
+    path = Path(saved[0]["path"])
+    assert path == tmp_path / "step-00000005.pt" and path.stat().st_size == saved[0]["size_bytes"]
+    assert str(path) in saved[0]["text"] and "KiB" in saved[0]["text"]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
+
+    fresh, fresh_model = _resumable_trainer(seed=1)  # other weights: the checkpoint's win
+    fresh_snapshots = Snapshots(fresh_model)
+    fresh.callbacks.append(fresh_snapshots)
+    resumed = agent.attach(fresh, name="trainer-resumed", resume_from=path)
+    assert (fresh.step, fresh.lr_scale, fresh.max_grad_norm, fresh.accum_steps) == (5, 0.5, 0.3, 3)
+    resumed_log = resumed.info.log_path
+    fresh.fit(max_steps=10)
+    for step in range(5, 11):
+        for got, want in zip(fresh_snapshots.after[step], snapshots.after[step]):
+            assert torch.equal(got, want), step
+    original, again = _steps(records), _steps(_records(resumed_log))
+    assert [again[k]["loss"] for k in range(6, 11)] == [original[k]["loss"] for k in range(6, 11)]
+    assert [again[k]["lr_groups"] for k in range(6, 11)] == [original[k]["lr_groups"]
+                                                            for k in range(6, 11)]
+    event = _events(_records(resumed_log), "resumed")[0]
+    assert event["text"] == f"resumed from {path} at step 5"  # the Trainer's state had all
+    assert event["knobs"]["lr_scale"] == 0.5 and event["knobs"]["accum_steps"] == 3
+
+
+def _dropout_loop(run, model, optimizer, scheduler, data, steps):
+    losses = {}
+    for _ in range(steps):
+        x, y = data[run.step]  # the loop's own data position: its step
+        loss = F.cross_entropy(model(x), y) / run.accum_steps
+        run.scaler.scale(loss).backward()
+        run.scaler.step(optimizer)
+        run.scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.optimizer_step()
+        losses[run.step] = loss.detach()
+    return losses
+
+
+def _loop_parts(seed):
+    model = DropoutNet(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+    return model, optimizer, scheduler
+
+
+def test_a_loop_checkpoint_resumes_bit_identically_with_its_knobs(run_dir, tmp_path):
+    data = digits_loader()
+    model, optimizer, scheduler = _loop_parts(0)
+    run = agent.session(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                        precision="fp32", accum_steps=1, max_grad_norm=0.0,
+                        checkpoint_dir=tmp_path, name="loop-checkpoint")
+    _dropout_loop(run, model, optimizer, scheduler, data, 2)
+    for knob, value, step in (("lr_scale", 0.5, 4), ("weight_decay", 0.01, 4),
+                              ("max_grad_norm", 0.5, 4), ("checkpoint", "now", 5)):
+        assert send_command(run.agent.info, knob, value, apply_step=step)["ok"]
+    _dropout_loop(run, model, optimizer, scheduler, data, 2)  # steps 3, 4: then it saves
+    continued = _dropout_loop(run, model, optimizer, scheduler, data, 4)
+    final = _params(model)
+    run.close()
+    path = tmp_path / "step-00000004.pt"
+
+    model, optimizer, scheduler = _loop_parts(seed=1)  # other weights: the checkpoint's win
+    fresh = agent.session(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                          precision="fp32", accum_steps=1, max_grad_norm=0.0,
+                          resume_from=path, name="loop-resumed")
+    assert fresh.step == 4
+    assert (fresh.optimizer_settings.lr_scale, fresh.optimizer_settings.max_grad_norm,
+            optimizer.param_groups[0]["weight_decay"]) == (0.5, 0.5, 0.01)
+    again = _dropout_loop(fresh, model, optimizer, scheduler, data, 4)
+    fresh.close()
+    assert {k: v.item() for k, v in again.items()} == {k: v.item() for k, v in continued.items()}
+    for got, want in zip(_params(model), final):
+        assert torch.equal(got, want)
+
+
+def test_checkpoint_before_a_change_saves_the_state_the_change_starts_from(run_dir, tmp_path):
+    """``gpuwatch set lr_scale=0.25 --checkpoint``: one boundary, the checkpoint first, with
+    the knobs as they were; a run that cannot checkpoint refuses the pair."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = agent.session(model=model, optimizer=optimizer, checkpoint_dir=tmp_path,
+                        name="loop-risky")
+    data = digits_loader()
+    _loop_step(run, model, optimizer, data[0])
+    reply = send_command(run.agent.info, "lr_scale", 0.25, checkpoint=True)
+    assert reply["ok"] and reply["checkpoint"] and reply["apply_step"] == 3, reply
+    for step in (1, 2, 3):
+        _loop_step(run, model, optimizer, data[step])
+    log_path = run.agent.info.log_path
+    run.close()
+    records = _records(log_path)
+    applied = [(e["knob"], e["step"]) for e in _events(records, "applied")]
+    assert applied == [("checkpoint", 3), ("lr_scale", 3)]
+    assert load_checkpoint(tmp_path / "step-00000002.pt")["knobs"]["lr_scale"] == 1.0
+    assert _steps(records)[3]["lr"] == 0.025
+    assert any(e["text"] == "lr_scale=0.25 accepted, applies at step 3 after a checkpoint"
+               for e in _events(records, "accepted"))
+
+    not_a_directory = tmp_path / "file"  # the save fails: the change is not made
+    not_a_directory.write_text("")
+    run = agent.session(model=model, optimizer=optimizer, checkpoint_dir=not_a_directory,
+                        name="loop-save-fails")
+    assert send_command(run.agent.info, "lr_scale", 0.25, checkpoint=True)["ok"]
+    for step in (1, 2):
+        _loop_step(run, model, optimizer, data[step])
+    log_path = run.agent.info.log_path
+    run.close()
+    failed = [(e["knob"], e["text"]) for e in _events(_records(log_path), "failed")]
+    assert [knob for knob, _ in failed] == ["checkpoint", "lr_scale"]
+    assert "the checkpoint asked for before it was not saved" in failed[1][1]
+    assert run.optimizer_settings.lr_scale == 1.0
+
+    bare = agent.session(precision="fp32", name="loop-no-model")
+    try:
+        reply = send_command(bare.agent.info, "precision", "bf16", checkpoint=True)
+        assert not reply["ok"] and "checkpoint: pass agent.session(model=" in reply["reason"]
+    finally:
+        bare.close()
+
+
+def test_knobs_a_loop_or_trainer_cannot_apply_are_refused_with_the_reason(run_dir):
+    run = agent.session(name="loop-no-optimizer")
+    try:
+        for knob in ("lr_scale", "weight_decay", "max_grad_norm"):
+            reply = send_command(run.agent.info, knob, 0.5)
+            assert not reply["ok"] and "pass agent.session(optimizer=optimizer)" in reply["reason"]
+    finally:
+        run.close()
+    model = make_model()
+    run = agent.session(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        name="loop-undeclared")
+    try:
+        reply = send_command(run.agent.info, "max_grad_norm", 1.0)
+        assert not reply["ok"] and "did not declare max_grad_norm" in reply["reason"]
+    finally:
+        run.close()
+    trainer = Trainer(model, torch.optim.Rprop(model.parameters()), F.cross_entropy,
+                      digits_loader())
+    monitor = agent.attach(trainer, name="trainer-rprop")
+    try:
+        reply = send_command(monitor.info, "weight_decay", 0.1)
+        assert reply["reason"] == "weight_decay: Rprop has no weight_decay in its param groups"
+        assert send_command(monitor.info, "lr_scale", 2)["ok"]
+    finally:
+        monitor.close()
+
+
+def test_write_atomically_replaces_a_file_whole_and_cleans_up_after_the_dead(tmp_path):
+    path = tmp_path / "step-1.pt"
+    write_atomically(path, lambda temporary: temporary.write_bytes(b"first"))
+    with pytest.raises(RuntimeError):
+        write_atomically(path, lambda temporary: (temporary.write_bytes(b"half"),
+                                                  (_ for _ in ()).throw(RuntimeError())))
+    assert path.read_bytes() == b"first" and [p.name for p in tmp_path.iterdir()] == [path.name]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / f".step-2.pt.tmp-{dead}").write_bytes(b"abandoned")
+    size = write_atomically(tmp_path / "dir", lambda t: (t.mkdir(), (t / "a").write_bytes(b"12")))
+    assert size == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["dir", "step-1.pt"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_killed_while_being_written_leaves_the_previous_one_intact(run_dir):
+    """A real training process, SIGKILLed while its second checkpoint is on its way to
+    the disk (held in fsync, before the rename): the first is byte for byte as it was and
+    loads; the second exists only as a temporary, which the next save removes."""
+    directory = Path(run_dir) / "checkpoints"
+    child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "checkpoint_job.py"),
+                              str(directory)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = _line(child)
+        assert line.startswith("run "), line
+        info = runs.find_run(line.split()[1])
+        with Subscriber(info) as sub:
+            assert send_command(info, "checkpoint", "now")["ok"]
+            first = messages(sub, lambda m: m["type"] == "event"
+                             and m["body"].get("knob") == "checkpoint"
+                             and m["body"].get("kind") in ("applied", "failed"))[-1]["body"]
+        assert first["kind"] == "applied", first
+        path = Path(first["path"])
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        assert send_command(info, "checkpoint", "now")["ok"]
+        held = _line(child)  # the job says so from inside fsync, then waits there forever
+        assert held.startswith("writing "), held
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    temporary = Path(held.split()[1])
+    assert temporary.exists() and temporary.name.startswith(".step-")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+    assert load_checkpoint(path)["step"] == first["checkpoint_step"]
+    assert sorted(p.name for p in directory.iterdir()) == sorted([path.name, temporary.name])
+    write_atomically(directory / "next.pt", lambda t: t.write_bytes(b"x"))
+    assert not temporary.exists()
+
+
+def _line(child, timeout_s=60):
+    ready, _, _ = select.select([child.stdout], [], [], timeout_s)
+    assert ready, f"the checkpoint job said nothing within {timeout_s} s"
+    return child.stdout.readline().strip()
+
+
+@pytest.mark.slow
+def test_the_demo_resumes_from_a_checkpoint_exactly(run_dir, tmp_path):
+    """``gpuwatch demo``'s job: checkpoint=now at step 40 of 60 (after lr_scale=0.5 and
+    max_grad_norm=0.5), then ``--resume`` of that checkpoint: steps 41-60 have the same
+    losses, bit for bit, and the same knobs."""
+    def demo(*options):  # one torch thread: the same numbers, faster on a busy machine
+        return subprocess.Popen([sys.executable, "-m", "agent.demo", "--max-steps", "60",
+                                 "--checkpoint-dir", str(tmp_path), *options],
+                                stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT),
+                                     "OMP_NUM_THREADS": "1"})
+
+    first = demo()
+    info = runs.find_run(_line(first).split()[3])  # "gpuwatch demo: run <id> ..."
+    for knob, value, step in (("lr_scale", 0.5, 30), ("max_grad_norm", 0.5, 30),
+                              ("checkpoint", "now", 41)):
+        assert send_command(info, knob, value, apply_step=step)["ok"]
+    assert first.wait(300) == 0
+    path = tmp_path / "step-00000040.pt"
+    second = demo("--resume", str(path))
+    resumed = runs.find_run(_line(second).split()[3])
+    assert second.wait(300) == 0
+    original, again = (_steps(_records(run.log_path)) for run in (info, resumed))
+    assert sorted(again) == list(range(41, 61))
+    for step in range(41, 61):
+        assert again[step]["loss"] == original[step]["loss"], step
+        assert again[step]["knobs"] == original[step]["knobs"], step
+    assert again[41]["knobs"]["lr_scale"] == 0.5 and again[41]["knobs"]["max_grad_norm"] == 0.5
