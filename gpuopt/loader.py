@@ -550,31 +550,47 @@ class ReconfigurableLoader:
             return LoaderPosition(self._epoch, self._yielded, self._batches_per_epoch)
 
     def save_position(self) -> dict[str, Any]:
-        """Where the loader is (epoch, batches of it handed out) and the state of its
-        workers' seed generator: :meth:`restore_position` in a fresh loader over the same
-        dataset goes on with the same batches (:meth:`gpuopt.Trainer.state_dict` keeps it).
+        """Where the loader is (epoch, batches of it handed out, its batch size and where
+        in the epoch that size began) and the state of its workers' seed generator:
+        :meth:`restore_position` in a fresh loader over the same dataset goes on with the
+        same batches, also after a mid-epoch change of batch size
+        (:meth:`gpuopt.Trainer.state_dict` keeps it).
 
         Not called ``state_dict`` on purpose: Lightning takes a train loader with
         ``state_dict`` / ``load_state_dict`` for one it can resume mid-epoch, and saves
         it while it holds a batch fetched ahead, so a resume would be a batch off."""
         with self._lock:
             return {"epoch": self._epoch, "batches_yielded": self._yielded,
+                    "batch_size": self.batch_size,
+                    "size_changed_at": list(self._size_changed_at),
                     "seed_generator": self._seed_generator.get_state()}
 
     def restore_position(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (:meth:`save_position`'s): the next batch is the first one
-        the saving loader had not handed out. Batches fetched ahead are dropped; persistent
-        workers stay up.
+        the saving loader had not handed out, and :attr:`batch_size` is the saving
+        loader's (a position saved without one keeps this loader's). Batches fetched
+        ahead are dropped; persistent workers stay up unless the batch size changes.
 
         Raises:
             ValueError: a position outside this loader's epochs (another dataset length,
-                batch size or number of ranks).
+                batch size or number of ranks). Nothing changes.
         """
         epoch = _check_int("epoch", state["epoch"], 0, None)
-        yielded = _check_int("batches_yielded", state["batches_yielded"], 0,
-                             self._batches_per_epoch)
+        size = _check_int("batch_size", state.get("batch_size", self.batch_size), 1, None)
+        changed_batch, changed_sample = state.get("size_changed_at", (0, 0))
+        changed_batch = _check_int("size_changed_at batch", changed_batch, 0, None)
+        changed_sample = _check_int("size_changed_at sample", changed_sample, 0,
+                                    self._samples_per_rank)
+        batches = changed_batch + self._batches_from(changed_sample, size)
+        yielded = _check_int("batches_yielded", state["batches_yielded"], changed_batch,
+                             batches)
         with self._lock:
+            if size != self.batch_size:
+                self._close_inner()  # its batch sampler cuts batches of the old size
+                self.batch_size = size
             self._move_to_epoch(epoch)
+            self._size_changed_at = (changed_batch, changed_sample)
+            self._batches_per_epoch = batches
             self._yielded = yielded
             self._seed_generator.set_state(state["seed_generator"])
 

@@ -145,6 +145,26 @@ def test_a_new_batch_size_mid_epoch_cuts_the_rest_of_the_epoch_keeping_the_order
     loader.close()
 
 
+def test_a_position_saved_after_a_batch_size_change_resumes_with_the_same_batches():
+    """save_position after a mid-epoch change of batch size: a fresh loader built with
+    the first size goes on with the saving loader's next batches, of its size."""
+    n = 203
+    loader = ReconfigurableLoader(Indices(n), BATCH, seed=5)
+    batches = _run_epoch(loader, {3: {"batch_size": 5}})
+    resumed = ReconfigurableLoader(Indices(n), BATCH, seed=5)
+    loader = ReconfigurableLoader(Indices(n), BATCH, seed=5)
+    iterator = iter(loader)
+    seen = [next(iterator).tolist() for _ in range(3)]
+    loader.reconfigure(batch_size=5)
+    seen += [next(iterator).tolist() for _ in range(2)]
+    resumed.restore_position(loader.save_position())
+    assert resumed.batch_size == 5 and resumed.position == loader.position
+    assert seen + [batch.tolist() for batch in resumed] == batches
+    with pytest.raises(ValueError, match="batches_yielded"):
+        resumed.restore_position({**loader.save_position(), "batches_yielded": 10 ** 6})
+    assert resumed.batch_size == 5 and resumed.position.batches_yielded == len(resumed)
+
+
 def test_a_batch_size_change_whose_new_workers_fail_keeps_the_old_size(tmp_path):
     flag = tmp_path / "fail"
     loader = ReconfigurableLoader(Indices(), BATCH,
