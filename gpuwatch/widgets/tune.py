@@ -15,6 +15,7 @@ from textual.widgets import Static
 from agent.knobs import assignment
 from gpuwatch.state import RunState
 from gpuwatch.units import human_number
+from gpuwatch.widgets.panel import safe_content
 
 #: Theme style of each candidate state.
 STATE_STYLES = {"kept": "bold $success", "reverted": "$warning", "skipped": "$text-muted",
@@ -41,7 +42,8 @@ def candidate_line(candidate: dict[str, Any], unit: str) -> Content:
 
 
 def tune_text(state: RunState) -> Content:
-    """The whole screen's text from the run's latest ``tune`` record."""
+    """The whole screen's text from the run's latest ``tune`` record, as it comes (the
+    screen makes it safe to show, :func:`gpuwatch.widgets.panel.safe_content`)."""
     tune = state.tune
     if tune is None:
         return Content.styled("no search yet: T starts one (the run tries its speed "
@@ -92,4 +94,4 @@ class TuneScreen(ModalScreen[None]):
         """Redraw from ``state`` (read under the source's lock) if it changed."""
         if state.version != self.shown_version and self.is_mounted:
             self.shown_version = state.version
-            self.query_one("#tune-table", Static).update(tune_text(state))
+            self.query_one("#tune-table", Static).update(safe_content(tune_text(state)))
