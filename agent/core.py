@@ -39,6 +39,8 @@ from agent.probes import Nvml, SystemProbe
 from agent.runlog import RunLog, log_dir
 from agent.runs import (RUN_ID_ENV, RunInfo, new_run_id, rank_taken, remove_run_file,
                         run_dir, shared_run_id, write_run_file)
+from agent.tune import AutoTune
+from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import memory_stats
 from gpuopt.optim import host_rate
 
@@ -222,6 +224,9 @@ class Agent:
         self._applied_ids: deque[tuple[Any, int]] = deque(maxlen=256)
         self._input = InputWindow()
         self._change_guard = ChangeGuard()
+        #: the ``tune`` command: the in-run search (on rank 0), fed from the records below
+        self.tune = AutoTune(self.knobs, self.rank, self._publish, lambda: self.info,
+                             usable_cpu_count(), self.report_error)
         #: (step, {knob: last good value}, ["knob=value" changes]) of recent guarded changes
         self._last_change: tuple[int, dict[str, Any], list[str]] | None = None
         #: Step records lost because the queue overflowed (the I/O thread fell behind).
@@ -272,6 +277,7 @@ class Agent:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        self.tune.close()
 
     # ---------------------------------------------------------------- hot path
 
@@ -775,6 +781,7 @@ class Agent:
             if record[0] == "event":
                 in_flight.popleft()
                 self._change_guard.on_applied(record[1])
+                self.tune.on_event(record[1])
                 self._publish(protocol.EVENT, record[1])
                 continue
             (_, step, step_time_s, micro_batches, samples, wait_s, marker, knobs,
@@ -818,6 +825,7 @@ class Agent:
             if grad_norm is not None:
                 body["grad_norm"] = grad_norm
             self._check_step(step, loss, skipped)
+            self.tune.on_step(step, step_time_s, samples, tokens, loss, skipped)
             body["skipped_steps_total"] = self._change_guard.skipped_total
             if step_time_s:
                 body["data_wait_share_window"], body["input_verdict"] = self._input.add(
@@ -848,7 +856,8 @@ class Agent:
                         + ", ".join(assignment(k, v) for k, v in rollback.values.items())
                         + f" at step {apply_step}"})
             return
-        warning = self._change_guard.non_finite_warning(step, loss)
+        warning = None if self.tune.running else self._change_guard.non_finite_warning(
+            step, loss)  # (the search watches its own changes)
         if warning:
             self._publish(protocol.EVENT, {"level": "warning", "kind": "warning",
                                            "text": warning, "step": step})
@@ -965,9 +974,14 @@ class Agent:
         knob_name, raw = body.get("knob"), body.get("value")
         checkpoint = body.get("checkpoint") is True  # save one at the same boundary, first
         try:
-            value = self.knobs.validate(knob_name, raw)
-            if checkpoint:
-                self.knobs.validate(CHECKPOINT.name, "now")
+            if knob_name == protocol.TUNE:
+                value = self.tune.validate(raw)
+                if checkpoint:
+                    raise KnobError("checkpoint: true goes with a setting, not with tune")
+            else:
+                value = self.knobs.validate(knob_name, raw)
+                if checkpoint:
+                    self.knobs.validate(CHECKPOINT.name, "now")
         except KnobError as exc:
             self._note_rejection(str(exc), knob_name, command_id)
             return {**rejected, "reason": str(exc)}
@@ -987,8 +1001,11 @@ class Agent:
                                           f"{self.rank} (earliest: {earliest})"}
         if body.get("dry_run") is True:  # the first phase of a command to every rank
             return {"id": command_id, "ok": True, "dry_run": True, "knob": knob_name,
-                    "value": value, "apply_step": apply_step,
-                    "step_time_s": self._recent_step_time_s}
+                    "value": raw if knob_name == protocol.TUNE else value,
+                    "apply_step": apply_step, "step_time_s": self._recent_step_time_s}
+        if knob_name == protocol.TUNE:  # not a setting: the search starts (rank 0)
+            return {"id": command_id, "ok": True, "knob": knob_name, "value": raw,
+                    "apply_step": apply_step, "note": self.tune.start(value, apply_step)}
         if checkpoint:  # no id of its own: withdrawing the change leaves a harmless save
             self._schedule(_Pending(apply_step, 0, CHECKPOINT.name, "now", None))
         self._schedule(_Pending(apply_step, 0, knob_name, value, command_id,

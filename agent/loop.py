@@ -43,13 +43,15 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from agent.adapters import (MemoryKnobs, loader_knobs, optimizer_knobs, precision_knob,
+from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs,
+                            micro_batch_size_knob, optimizer_knobs, precision_knob,
                             publish_events, refuse)
 from agent.checkpoints import Checkpoints, load_checkpoint, restore_knobs, torch_checkpoint
 from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, WEIGHT_DECAY, Knob, KnobSet)
+                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
+                         KnobSet)
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.data import batch_size
@@ -166,7 +168,8 @@ class Session:
         data wait) and counting samples (dim 0 of the batch's first tensor) and tokens.
         Given a :class:`gpuopt.loader.ReconfigurableLoader`, its ``num_workers``,
         ``pin_memory`` and ``prefetch_factor`` become live knobs (announced to
-        dashboards at once).
+        dashboards at once), and ``micro_batch_size`` too when the session has
+        ``accum_steps``.
 
         Raises:
             ValueError: ``epochs`` is not None or an integer >= 1.
@@ -177,6 +180,13 @@ class Session:
         if isinstance(batches, ReconfigurableLoader) and "num_workers" not in self.agent.knobs.knobs:
             for knob in loader_knobs(batches):
                 self.agent.knobs.add(knob)
+            if self._accum_steps is not None:
+                self.agent.knobs.add(micro_batch_size_knob(batches, lambda: self.accum_steps,
+                                                           self._set_accum_steps))
+            else:
+                self.agent.knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+                    "this loop did not declare accum_steps, which micro_batch_size adjusts "
+                    "to keep the effective batch: pass agent.session(accum_steps=N)")
             self.agent.refresh_knobs()
         return self._batches(batches, epochs)
 
@@ -385,7 +395,9 @@ def session(*, model: torch.nn.Module | None = None,
       else its repeated blocks (nanoGPT's ``transformer.h`` is found), or
       ``checkpoint_blocks=`` names or types (see :func:`gpuopt.checkpointing.find_blocks`).
     - ``num_workers``, ``pin_memory``, ``prefetch_factor`` once :meth:`Session.loader`
-      gets a :class:`gpuopt.loader.ReconfigurableLoader`.
+      gets a :class:`gpuopt.loader.ReconfigurableLoader`, and ``micro_batch_size`` then
+      too when the loop declared ``accum_steps`` (the loop reads ``run.accum_steps`` at
+      each window's start, so the effective batch stays).
     - ``lr_scale`` and ``weight_decay`` with an ``optimizer=``
       (:class:`gpuopt.optim.OptimizerSettings`: the scale multiplies whatever the loop or
       its scheduler sets in the param groups, inside ``optimizer.step()`` only, so the
@@ -397,6 +409,7 @@ def session(*, model: torch.nn.Module | None = None,
     - the ``checkpoint`` command with a ``model=`` or ``optimizer=``: ``torch.save`` of the
       model, optimizer, ``lr_scheduler=``, GradScaler, random number generators, step
       and knob values (see :mod:`agent.checkpoints`); ``resume_from=`` continues from one.
+    - ``cpu_threads`` (``torch.set_num_threads``) always.
     - ``memory_fraction``, ``memory_snapshot_steps`` on CUDA; and ``knobs=`` of your own.
 
     A knob the loop did not declare is refused with what to declare.
@@ -478,7 +491,7 @@ def session(*, model: torch.nn.Module | None = None,
                            set=lambda value: setattr(checkpointing, "enabled", value)))
     else:
         knobs.unsupported["checkpointing"] = "pass agent.session(model=model) to checkpoint it"
-    for spec in LOADER_KNOBS:
+    for spec in (*LOADER_KNOBS, MICRO_BATCH_SIZE):
         knobs.unsupported.setdefault(spec.name, (
             "this loop's data does not come through a gpuopt.loader.ReconfigurableLoader "
             "given to run.loader(...)"))
@@ -499,6 +512,7 @@ def session(*, model: torch.nn.Module | None = None,
         for spec in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
             knobs.unsupported[spec.name] = ("pass agent.session(optimizer=optimizer) for "
                                             "gpuwatch to set it in the optimizer's step")
+    knobs.add(cpu_threads_knob())
     agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
                   training={"framework": "loop",
                             "loss_normalization": "as the loop divides its losses"},

@@ -96,7 +96,7 @@ import transformers
 from transformers import TrainerCallback
 from transformers.utils import is_sagemaker_mp_enabled
 
-from agent.adapters import MemoryKnobs, publish_events
+from agent.adapters import MemoryKnobs, cpu_threads_knob, publish_events
 from agent.checkpoints import (GRAD_SCALER_FILE, Checkpoints, read_knobs_file, restore_knobs,
                                write_knobs_file)
 from agent.core import Agent, ending_reason
@@ -194,6 +194,7 @@ class _Run:
                            transport=transport, **options)
         self.memory = MemoryKnobs(self.device, self.agent.run_id)
         self.memory.bind(knobs)
+        knobs.add(cpu_threads_knob())
         self._bind_checkpoint(knobs, checkpoint_dir)
         self.agent.refresh_knobs()
         self._install()

@@ -134,8 +134,8 @@ from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from agent.adapters import (MemoryKnobs, loader_knobs, optimizer_knobs, precision_knob,
-                            publish_events, refuse)
+from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, optimizer_knobs,
+                            precision_knob, publish_events, refuse)
 from agent.checkpoints import Checkpoints, restore_knobs
 from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
@@ -539,6 +539,7 @@ class _Run:
             self._bind_checkpoint(knobs)
             self.memory = MemoryKnobs(self.device, self.agent.run_id)
             self.memory.bind(knobs)
+            knobs.add(cpu_threads_knob())
             self.fetch = _FetchTimer(trainer.fit_loop.epoch_loop)
             self.fetch.install()
             restored = self.options.get("restored")
