@@ -135,6 +135,9 @@ class Session:
         self.measure_activations_every = measure_activations_every
         self.step = 0
         self._accum_steps = accum_steps
+        #: knobs of the checkpoint resumed from that this run had not bound then
+        self._unbound_knobs: dict[str, Any] = {}
+        self._resumed_from = ""
         self._memory = memory
         self._meter = WindowMeter(batch_size, tokens_per_sample)
         self._measured_settings: Any = None
@@ -188,7 +191,22 @@ class Session:
                     "this loop did not declare accum_steps, which micro_batch_size adjusts "
                     "to keep the effective batch: pass agent.session(accum_steps=N)")
             self.agent.refresh_knobs()
+            self._restore_unbound()
         return self._batches(batches, epochs)
+
+    def _restore_unbound(self) -> None:
+        """The knobs of the checkpoint resumed from that only :meth:`loader` binds (the
+        loader's, ``micro_batch_size``): set now, with the saved ``accum_steps`` kept
+        (``micro_batch_size`` moves it)."""
+        knobs = {name: value for name, value in self._unbound_knobs.items()
+                 if name in self.agent.knobs.knobs}
+        if not knobs:
+            return
+        for name in knobs:
+            del self._unbound_knobs[name]
+        if self._accum_steps is not None:
+            knobs[ACCUM_STEPS.name] = self._accum_steps
+        restore_knobs(self.agent, knobs, self._resumed_from, self.step)
 
     def _batches(self, batches: Iterable[Any], epochs: int | None) -> Iterator[Any]:
         meter = self._meter
@@ -310,7 +328,10 @@ class Session:
                 target.load_state_dict(saved[part])
         self.scaler.load_state_dict(saved["grad_scaler"])
         self.step = saved["step"]
-        restore_knobs(self.agent, saved["knobs"], source, self.step)
+        self._unbound_knobs = restore_knobs(
+            self.agent, saved["knobs"], source, self.step,
+            unbound="not bound yet (set when run.loader() binds them)")
+        self._resumed_from = source
         self._plan_measurement()
         set_rng_state(saved["rng"])
 

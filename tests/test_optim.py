@@ -538,3 +538,50 @@ def test_the_demo_resumes_from_a_checkpoint_exactly(run_dir, tmp_path):
         assert again[step]["loss"] == original[step]["loss"], step
         assert again[step]["knobs"] == original[step]["knobs"], step
     assert again[41]["knobs"]["lr_scale"] == 0.5 and again[41]["knobs"]["max_grad_norm"] == 0.5
+
+
+def test_a_loop_resumed_after_a_micro_batch_size_change_binds_it_with_run_loader(
+        run_dir, tmp_path):
+    """micro_batch_size exists in a loop only once run.loader() binds it, after the resume:
+    the checkpoint's value waits for it, and the saved accum_steps is kept (setting the
+    size alone would move accum_steps to keep the resumed run's effective batch)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    run = agent.session(model=model, optimizer=optimizer, accum_steps=2,
+                        checkpoint_dir=tmp_path, name="loop-micro-batch")
+    batches = run.loader(ReconfigurableLoader(_digits_dataset(), 16), epochs=None)
+
+    def window():
+        for _ in range(run.accum_steps):
+            x, y = next(batches)
+            (F.cross_entropy(model(x), y) / run.accum_steps).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        run.optimizer_step()
+
+    window()
+    for knob, value, step in (("micro_batch_size", 8, 3), ("checkpoint", "now", 4)):
+        reply = send_command(run.agent.info, knob, value, apply_step=step)
+        assert reply["ok"], reply
+    for _ in range(4):
+        window()
+    run.close()
+    path = tmp_path / "step-00000003.pt"
+    assert {k: load_checkpoint(path)["knobs"][k] for k in ("micro_batch_size",
+                                                            "accum_steps")} == {
+        "micro_batch_size": 8, "accum_steps": 4}
+
+    resumed = agent.session(model=model, optimizer=optimizer, accum_steps=2,
+                            resume_from=path, name="loop-micro-batch-resumed")
+    assert resumed.accum_steps == 4 and "micro_batch_size" not in resumed.agent.knobs.knobs
+    loader = ReconfigurableLoader(_digits_dataset(), 16)
+    resumed.loader(loader, epochs=None)
+    assert (loader.batch_size, resumed.accum_steps) == (8, 4)  # the effective batch: 32
+    log_path = resumed.agent.info.log_path
+    resumed.close()
+    first, second = [e["text"] for e in _events(_records(log_path), "resumed")]
+    assert first.startswith(f"resumed from {path} at step 3 with accum_steps=4")
+    assert first.endswith("; not bound yet (set when run.loader() binds them): "
+                          "num_workers=0, pin_memory=false, prefetch_factor=2, "
+                          "micro_batch_size=8")
+    assert second == f"resumed from {path} at step 3 with micro_batch_size=8, accum_steps=4"
