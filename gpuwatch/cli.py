@@ -265,7 +265,7 @@ def _set(args: argparse.Namespace) -> int:
         return _no_run(args.run)
     reply = send_command(info, knob, value, timeout_s=args.timeout,
                          checkpoint=args.checkpoint)
-    print(printable(reply_text(knob, value, reply)),
+    print(printable(reply_text(knob, value, reply), newlines=True),  # its warning line
           file=sys.stdout if reply.get("ok") else sys.stderr)
     return 0 if reply.get("ok") else 3 if reply.get("ranks_differ") else 1
 

@@ -776,9 +776,14 @@ class _Run:
             self.agent.mark_start()  # at a boundary: the next step's time leaves it out
 
     def epoch_end(self) -> None:
-        epoch = self.trainer.current_epoch
-        self.event("epoch_end", f"epoch {epoch} ended at step {self.trainer.global_step}",
-                   epoch=epoch)
+        trainer = self.trainer
+        epoch, step = trainer.current_epoch, trainer.global_step
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        cut = (0 < trainer.max_steps <= step
+               and isinstance(trainer.num_training_batches, int)
+               and batches < trainer.num_training_batches)  # Lightning ends it on max_steps
+        self.event("epoch_end", f"epoch {epoch} stopped at step {step}: max_steps reached"
+                   if cut else f"epoch {epoch} ended at step {step}", epoch=epoch)
 
     def checkpoint_saved(self) -> None:
         self.event("checkpoint", f"checkpoint saved at step {self.trainer.global_step} "
