@@ -26,8 +26,8 @@ def test_lightning_run_logs_measurements_and_knob_changes_to_tensorboard(run_dir
                         logger=logger, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[hold])
-    monitor = attach(trainer)
-    trainer.callbacks.append(GpuwatchLoggers())
+    monitor = attach(trainer, loggers=True)
+    assert sum(isinstance(callback, GpuwatchLoggers) for callback in trainer.callbacks) == 1
     [reply] = _fit_with_commands(trainer, Digits(), _loader(200), hold, monitor,
                                  [("accum_steps", 2, None)])
     assert reply["ok"], reply

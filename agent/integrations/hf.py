@@ -913,6 +913,7 @@ class GpuwatchCallback(TrainerCallback):
 
 
 def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "ipc",
+           loggers: bool = False,
            **options: Any) -> Agent:
     """Attach a started agent to a ``transformers.Trainer`` before ``train()``; returns
     the agent.
@@ -928,6 +929,9 @@ def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "i
         trainer: the Trainer, not yet training.
         name: label for the run (default: the script name).
         transport: ``"ipc"`` or ``"tcp"``.
+        loggers: also add gpuwatch's measurements and knob values to every log of the
+            Trainer, so its ``report_to`` integrations record them
+            (:class:`agent.integrations.hf_loggers.GpuwatchHFLoggers`).
         options: ``compile_backend``, ``tokens_per_sample``, ``checkpoint_dir`` (see
             :class:`GpuwatchCallback`) and more :class:`agent.Agent` arguments.
 
@@ -944,6 +948,10 @@ def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "i
                          "with it)")
     callback = GpuwatchCallback(trainer, name=name, transport=transport, **options)
     trainer.add_callback(callback)
+    if loggers:
+        from agent.integrations.hf_loggers import GpuwatchHFLoggers
+
+        trainer.add_callback(GpuwatchHFLoggers(trainer))
     train = trainer.train
 
     def train_closing_on_error(*args: Any, **kwargs: Any) -> Any:

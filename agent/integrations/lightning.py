@@ -990,7 +990,7 @@ class GpuwatchCallback(Callback):
 
 
 def attach(trainer: pl.Trainer, *, name: str = "", transport: str = "ipc",
-           **options: Any) -> Agent:
+           loggers: bool = False, **options: Any) -> Agent:
     """Attach gpuwatch to a ``lightning.pytorch.Trainer`` before ``fit``: adds a
     :class:`GpuwatchCallback` and returns its started agent (its knobs are bound when
     training starts; see there).
@@ -998,6 +998,8 @@ def attach(trainer: pl.Trainer, *, name: str = "", transport: str = "ipc",
     Args:
         trainer: the Trainer.
         name, transport: as for :class:`agent.Agent`.
+        loggers: also log gpuwatch's measurements and knob changes to the Trainer's
+            loggers (:class:`agent.integrations.lightning_loggers.GpuwatchLoggers`).
         options: :class:`GpuwatchCallback` arguments (``tokens_per_sample``,
             ``checkpoint_blocks``, ``compile_backend``, ``grad_scaler``,
             ``checkpoint_dir``) and more :class:`agent.Agent` arguments.
@@ -1017,4 +1019,8 @@ def attach(trainer: pl.Trainer, *, name: str = "", transport: str = "ipc",
     callback = GpuwatchCallback(name=name, transport=transport, **options)
     agent = callback.new_agent(trainer, None)
     trainer.callbacks.append(callback)
+    if loggers:
+        from agent.integrations.lightning_loggers import GpuwatchLoggers
+
+        trainer.callbacks.append(GpuwatchLoggers())
     return agent
