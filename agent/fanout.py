@@ -159,34 +159,13 @@ def _groups(info: RunInfo) -> tuple[list[_Group], str | None]:
                             "file on this machine; a command must reach every rank (run "
                             "it where they all are, or wait until they have all started)")
         return groups, None
-    from agent.nodes import SecretError, client_keys, load_secret, relay_token, server_keys
-
     here = {rank.node for rank in ranks}
     reached = {rank.rank for rank in ranks}
-    remote = [entry for entry in node_list(info.run_id) if entry["node"] not in here]
-    problem = None
-    try:
-        secret = load_secret() if remote or len(here) < nnodes else b""
-    except SecretError as exc:
-        secret, problem = b"", str(exc)
-    for entry in remote if secret else ():
-        server_public, _ = server_keys(secret, info.run_id, entry["node"])
-        if entry["server_key"] != server_public:
-            problem = (f"node {entry['node']}'s entry in the job's store names a server key "
-                       "that is not the one your job secret gives (another secret on that "
-                       "node, or a forged entry): it is not trusted")
-            continue
-        client_public, client_secret = client_keys(secret, info.run_id)
-        relay = RunInfo(run_id=info.run_id, rank=min(entry["ranks"], default=-1),
-                        world_size=info.world_size, pid=0,
-                        pub_endpoint=entry["pub_endpoint"],
-                        cmd_endpoint=entry["cmd_endpoint"],
-                        token=relay_token(secret, info.run_id), started_at=0.0,
-                        curve_server_key=server_public,
-                        curve_client_public_key=client_public,
-                        curve_client_secret_key=client_secret)
-        groups.append(_Group(relay, sorted(entry["ranks"]), entry["node"]))
+    relays, problem = remote_relays(info.run_id, info.world_size, here)
+    for node, entry, relay in relays:
+        groups.append(_Group(relay, sorted(entry["ranks"]), node))
         reached.update(entry["ranks"])
+    remote = [entry for _, entry, _ in relays]
     missing = sorted(set(range(info.world_size)) - reached)
     if missing:
         known = here | {entry["node"] for entry in remote}
@@ -198,6 +177,40 @@ def _groups(info: RunInfo) -> tuple[list[_Group], str | None]:
                         f"ranks can be reached from here (ranks {_span(missing)} cannot: "
                         f"{why}); a command must reach every rank")
     return groups, None
+
+
+def remote_relays(run_id: str, world_size: int, here: set[int]
+                  ) -> tuple[list[tuple[int, dict[str, Any], RunInfo]], str | None]:
+    """The relays of the nodes of multi-node run ``run_id`` other than ``here`` (the
+    nodes of this machine's ranks), as the job's store names them: ``(node, entry,
+    info)`` where ``info`` connects to the relay (its CURVE keys and token derived from
+    this user's job secret, :mod:`agent.nodes`); and why some cannot be used (no job
+    secret, or an entry whose server key is not the one the secret gives), or None."""
+    from agent.nodes import SecretError, client_keys, load_secret, relay_token, server_keys
+
+    remote = [entry for entry in node_list(run_id) if entry["node"] not in here]
+    if not remote:
+        return [], None
+    try:
+        secret = load_secret()
+    except SecretError as exc:
+        return [], str(exc)
+    client_public, client_secret = client_keys(secret, run_id)
+    relays, problem = [], None
+    for entry in remote:
+        server_public, _ = server_keys(secret, run_id, entry["node"])
+        if entry["server_key"] != server_public:
+            problem = (f"node {entry['node']}'s entry in the job's store names a server key "
+                       "that is not the one your job secret gives (another secret on that "
+                       "node, or a forged entry): it is not trusted")
+            continue
+        relays.append((entry["node"], entry, RunInfo(
+            run_id=run_id, rank=min(entry["ranks"], default=-1), world_size=world_size,
+            pid=0, pub_endpoint=entry["pub_endpoint"], cmd_endpoint=entry["cmd_endpoint"],
+            token=relay_token(secret, run_id), started_at=0.0, host=entry["host"],
+            node=entry["node"], curve_server_key=server_public,
+            curve_client_public_key=client_public, curve_client_secret_key=client_secret)))
+    return relays, problem
 
 
 def _span(ranks: list[int]) -> str:

@@ -24,12 +24,12 @@ import zmq
 
 from agent import protocol
 from agent.protocol import printable
-from agent.runs import RunInfo, alive, find_run, list_runs, run_dir, run_ranks
-from gpuwatch import history, history_commands
+from agent.runs import RunInfo, alive, find_run, list_runs, node_list, run_dir, run_ranks
+from gpuwatch import history, history_commands, multinode_commands
 from gpuwatch.units import human_age, human_ms, human_number
 
 SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor",
-               "report", "compare", "export")
+               "report", "compare", "export", "nodes", "secret")
 #: How long ``gpuwatch demo`` waits for the training child to write its run file (s).
 DEMO_START_TIMEOUT_S = 60.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
@@ -194,6 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(handler=_doctor)
     history_commands.add_parsers(commands)
+    multinode_commands.add_parsers(commands)
     return parser
 
 
@@ -250,6 +251,16 @@ def _runs(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
               + row[-1])
+    for run_id in dict.fromkeys(info.run_id for info in runs if info.nnodes > 1):
+        here = [info for info in runs if info.run_id == run_id]
+        known = node_list(run_id)
+        print(f"{printable(run_id, protocol.MAX_NAME_CHARS)}: node {here[0].node} of "
+              f"{here[0].nnodes}; the job's store names "
+              + (", ".join(f"node {entry['node']} ({printable(entry['host'], 40)}, ranks "
+                           f"{min(entry['ranks'], default='-')}-"
+                           f"{max(entry['ranks'], default='-')})" for entry in known)
+                 or "no node yet")
+              + "; `gpuwatch nodes` shows every rank")
     return 0
 
 

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from agent import nodes, runs
+from gpuwatch.sources.live import LiveSource
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 pytestmark = pytest.mark.slow
@@ -33,7 +34,8 @@ def free_port() -> int:
 
 class Node:
     """One simulated node: its own home (with the job secret), run and log directory,
-    and its torchrun process."""
+    and its torchrun process (``index``: its ``--node-rank``, which a c10d rendezvous
+    does not keep: the node numbers are the order they joined in)."""
 
     def __init__(self, root: Path, index: int, secret: str) -> None:
         self.index = index
@@ -137,7 +139,10 @@ def two_nodes(tmp_path_factory):
                 return None  # each node's relay has not yet learnt of the other's
             return found
 
-        yield pair, wait_until(ready, "both nodes' ranks and relays", nodes_=pair)
+        found = wait_until(ready, "both nodes' ranks and relays", nodes_=pair)
+        # a c10d rendezvous numbers the nodes as they join: node 0 is the one of rank 0
+        order = sorted(range(2), key=lambda i: found[i][0].rank)
+        yield [pair[i] for i in order], [found[i] for i in order]
     finally:
         for node in pair:
             node.stop()
@@ -187,6 +192,44 @@ def test_a_command_from_node_0_applies_on_all_four_ranks_at_one_step_and_a_stopp
         assert applied == [("precision", apply_step)], (rank, applied)
         assert {s["knobs"]["precision"] for s in steps if s["step"] < apply_step} == {"fp32"}
         assert {s["knobs"]["precision"] for s in steps if s["step"] >= apply_step} == {"bf16"}
+
+    # from node 1: the CLI and the dashboard see node 0's ranks, through its relay
+    runs_out = node1.gpuwatch("runs")
+    assert f"{run_id}: node 1 of 2; the job's store names node 0 (" in runs_out.stdout
+    table = node1.gpuwatch("nodes")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["NODE", "HOST", "RANK", "STEP", "STEP", "TIME", "DATA",
+                                "WAIT"]
+    assert [line.split()[0] for line in lines[1:] if line.startswith(" ")] == [
+        "0", "1", "2", "3"], table.stdout  # each node's ranks under it
+    host = socket.gethostname()
+    assert [line.split()[:3] for line in lines[1:] if line[:1].isdigit()] == [
+        ["0", host, "2/2"], ["1", host, "2/2"]], table.stdout  # both heard in full
+    assert lines[-2].startswith("slowest: rank ") and "(node " in lines[-2]
+    assert lines[-1] == "this machine: node 1, ranks 2, 3"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", str(node1.home))
+        patch.setenv(runs.RUN_DIR_ENV, str(node1.run_dir))
+        patch.delenv(nodes.SECRET_ENV, raising=False)
+        source = LiveSource(runs.find_run(run_id, node1.run_dir))
+        source.start()
+        try:
+            def sees_every_rank():
+                with source.lock:
+                    state = source.state
+                    return (set(state.ranks) == {0, 1, 2, 3} and 0 in state.nodes
+                            and state.steps and state.primary_rank == 0
+                            and state.schema and state)
+            state = wait_until(sees_every_rank, "node 1's dashboard to see every rank",
+                               nodes_=(node0, node1))
+            with source.lock:
+                assert {rank: state.node_of(rank) for rank in range(4)} == {
+                    0: 0, 1: 0, 2: 1, 3: 1}
+                assert state.nodes[0].expected == 2 and state.nodes[0].host
+                assert state.hello["rank"] == 0  # rank 0's charts, from node 1
+        finally:
+            source.close()
 
     # node 1 stopped (torchrun, its workers, its relay): the command reaches node 0's
     # ranks, node 1 never answers, and it is refused everywhere

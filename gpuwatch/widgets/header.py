@@ -64,7 +64,9 @@ class RunHeader(Panel):
                 parts.append(f" (rank {state.primary_rank} of {world_size}")
                 slowest = state.slowest_rank(now)
                 if slowest is not None and slowest[1] >= STRAGGLER_SHARE:
-                    parts += [", ", (f"rank {slowest[0]} slowest +{slowest[1]:.0%}",
+                    node = state.node_of(slowest[0])
+                    where = f" (node {node})" if node is not None else ""
+                    parts += [", ", (f"rank {slowest[0]}{where} slowest +{slowest[1]:.0%}",
                                      "$warning")]
                 parts.append(")")
                 differ = state.knobs_differ()
