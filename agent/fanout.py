@@ -254,7 +254,7 @@ def _withdrawal(refusal: dict[str, Any], answers: list[tuple[int, dict[str, Any]
     silent = [rank for rank, answer in answers if answer.get("answered") is False]
     if withdrawn:
         refusal["reason"] += ("; withdrawn from rank" + ("s " if len(withdrawn) > 1 else " ")
-                              + ", ".join(map(str, withdrawn)))
+                              + _span(withdrawn))
     if applied or silent:
         refusal["ranks_differ"] = True
         refusal["reason"] += "; THE RANKS MAY NOW DIFFER: " + "; ".join(
