@@ -402,3 +402,24 @@ while True:
             run=run_id, rank=node * per_node)))
     time.sleep(1.0)
 """
+
+
+async def test_the_dashboard_header_names_a_straggler_on_another_node_with_its_node(job):
+    from gpuwatch.app import GpuwatchApp
+    from gpuwatch.sources.live import LiveSource
+    from tests.test_dashboard import text_of, until
+
+    fast, slow = {"step_fields": {"step_time_s": 0.020}}, {"step_fields": {
+        "step_time_s": 0.030}}
+    here, other = job({2: fast, 3: slow}, {0: fast, 1: fast})
+    app = GpuwatchApp(LiveSource(here[0].info))
+    async with app.run_test(size=(160, 40)) as pilot:
+        await until(pilot, lambda: "rank 3 (node 1) slowest +50%" in text_of(app, "#header"))
+        assert "(rank 0 of 4, rank 3 (node 1) slowest +50%)" in text_of(app, "#header")
+        state = app.source.state
+        assert set(state.ranks) == {0, 1, 2, 3} and set(state.nodes) == {1}
+        # a warning of a rank on another node reaches the log, through its relay
+        other.fakes[1].publish(protocol.EVENT, {"level": "warning", "kind": "warning",
+                                                "text": "loss is NaN at step 7"})
+        await until(pilot, lambda: any(entry.text == "rank 3: loss is NaN at step 7"
+                                       for entry in state.events))
