@@ -423,3 +423,27 @@ async def test_the_dashboard_header_names_a_straggler_on_another_node_with_its_n
                                                 "text": "loss is NaN at step 7"})
         await until(pilot, lambda: any(entry.text == "rank 3: loss is NaN at step 7"
                                        for entry in state.events))
+
+
+def test_tail_with_nodes_prints_the_other_nodes_summaries_and_events(job):
+    here, other = job()
+    tail = subprocess.Popen([sys.executable, "-m", "gpuwatch", "tail", "--nodes"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        def read_until(predicate):  # the run's steps keep lines coming, 50 a second
+            deadline = time.monotonic() + 30
+            while not any(map(predicate, lines)):
+                assert time.monotonic() < deadline, lines[-5:]
+                line = tail.stdout.readline()
+                assert line, tail.stderr.read()
+                lines.append(line.rstrip("\n"))
+
+        read_until(lambda line: line.startswith("node 1 (node-1): rank 2 step ")
+                   and ", rank 3 step " in line)
+        other.fakes[0].publish(protocol.EVENT, {"level": "warning", "text": "slow disk"})
+        read_until(lambda line: line == "[rank 2] [warning] slow disk")
+    finally:
+        tail.kill()
+        tail.wait()
+    assert all(line.startswith(("step ", "[", "node 1 ", "run ")) for line in lines), lines
