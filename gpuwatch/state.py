@@ -475,6 +475,13 @@ class RunState:
             len(expected) if isinstance(expected, list) else heard, heard,
             sum(shares) / len(shares) if shares else None, now)
 
+    def silent_nodes(self, now: float) -> list[int]:
+        """Nodes whose relay has sent no summary for :data:`GONE_AFTER_S` (stopped,
+        partitioned, or its relay died): a command to the run is refused until they
+        answer again."""
+        return sorted(node for node, pace in self.nodes.items()
+                      if now - pace.heard_at > GONE_AFTER_S)
+
     def node_of(self, rank: int) -> int | None:
         """The node of ``rank`` in a multi-node job (as a relay named it), or None."""
         return self.rank_nodes.get(rank)

@@ -423,6 +423,12 @@ async def test_the_dashboard_header_names_a_straggler_on_another_node_with_its_n
                                                 "text": "loss is NaN at step 7"})
         await until(pilot, lambda: any(entry.text == "rank 3: loss is NaN at step 7"
                                        for entry in state.events))
+        os.kill(other.process.pid, signal.SIGSTOP)  # node 1's relay: no more summaries
+        try:
+            await until(pilot, lambda: "node 1 silent" in text_of(app, "#header"))
+        finally:
+            os.kill(other.process.pid, signal.SIGCONT)
+        await until(pilot, lambda: "silent" not in text_of(app, "#header"))
 
 
 def test_tail_with_nodes_prints_the_other_nodes_summaries_and_events(job):

@@ -68,6 +68,10 @@ class RunHeader(Panel):
                     where = f" (node {node})" if node is not None else ""
                     parts += [", ", (f"rank {slowest[0]}{where} slowest +{slowest[1]:.0%}",
                                      "$warning")]
+                silent = state.silent_nodes(now)
+                if silent:  # commands are refused until they answer again
+                    parts += [", ", ("node" + ("s " if len(silent) > 1 else " ")
+                                     + ", ".join(map(str, silent)) + " silent", "$error")]
                 parts.append(")")
                 differ = state.knobs_differ()
                 if differ is not None:  # said first: it must not be cut off
