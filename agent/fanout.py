@@ -130,7 +130,8 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
                           for _, reply in _expand([group], [answers[index]]))]
         cancels = connections.exchange({"id": command_id, "cancel": True,
                                         "reason": refusal["reason"],
-                                        **({"within_s": body["within_s"]} if relayed else {})},
+                                        **({"within_s": 2 * body["within_s"]}
+                                           if relayed else {})},
                                        2 * timeout_s, None, only=reached)
     refusal["knob"] = knob  # an unanswered reply does not name it
     return _withdrawal(refusal, _expand([groups[i] for i in reached],

@@ -453,3 +453,15 @@ def test_tail_with_nodes_prints_the_other_nodes_summaries_and_events(job):
         tail.kill()
         tail.wait()
     assert all(line.startswith(("step ", "[", "node 1 ", "run ")) for line in lines), lines
+
+
+def test_a_rank_of_another_node_too_busy_to_answer_gets_the_command_withdrawn_too(job):
+    """Its relay answers for it in time (no reply), and withdraws it there on the same
+    connection, after the command it took late."""
+    here, other = job({3: {"stall_s": 1.5}})
+    reply = send_command(here[0].info, "accum_steps", 2, timeout_s=1.0)
+    assert not reply["ok"] and "ranks_differ" not in reply, reply
+    assert reply["reason"].startswith("no reply within 0.7 s")
+    assert reply["reason"].endswith("(rank 3); withdrawn from ranks 0-3")
+    for fake in here + other.fakes:
+        assert not fake._scheduled and fake.knobs["accum_steps"] == 1
