@@ -482,6 +482,18 @@ class RunState:
         return sorted(node for node, pace in self.nodes.items()
                       if now - pace.heard_at > GONE_AFTER_S)
 
+    def most_waiting_node(self, now: float) -> tuple[int, float] | None:
+        """Of the nodes heard within :data:`GONE_AFTER_S`, the one whose ranks wait
+        longest for data (mean data-wait share, 0..1) and that share; None when no node
+        summary says. One node's input pipeline starving sets everyone's pace."""
+        shares = [(pace.data_wait_share, node) for node, pace in self.nodes.items()
+                  if pace.data_wait_share is not None
+                  and now - pace.heard_at <= GONE_AFTER_S]
+        if not shares:
+            return None
+        share, node = max(shares)
+        return node, share
+
     def node_of(self, rank: int) -> int | None:
         """The node of ``rank`` in a multi-node job (as a relay named it), or None."""
         return self.rank_nodes.get(rank)

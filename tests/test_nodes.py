@@ -298,6 +298,7 @@ def test_node_summaries_give_every_ranks_pace_and_the_straggler_with_its_node():
     assert set(state.ranks) == {1, 2, 3}  # rank 0, the shown one, keeps its own records
     assert state.slowest_rank(now)[0] == 3 and state.node_of(3) == 1
     assert state.nodes[1].data_wait_share == pytest.approx(0.3)
+    assert state.most_waiting_node(now) == (1, pytest.approx(0.3))
     assert state.nodes[1].host == "host-1" and state.nodes[1].heard == 2
     lines = node_lines(state, now)
     assert lines[-1] == "slowest: rank 3 (node 1), +50% over the fastest"
@@ -410,12 +411,14 @@ async def test_the_dashboard_header_names_a_straggler_on_another_node_with_its_n
     from tests.test_dashboard import text_of, until
 
     fast, slow = {"step_fields": {"step_time_s": 0.020}}, {"step_fields": {
-        "step_time_s": 0.030}}
+        "step_time_s": 0.030, "data_wait_share": 0.4}}
     here, other = job({2: fast, 3: slow}, {0: fast, 1: fast})
     app = GpuwatchApp(LiveSource(here[0].info))
     async with app.run_test(size=(160, 40)) as pilot:
         await until(pilot, lambda: "rank 3 (node 1) slowest +50%" in text_of(app, "#header"))
-        assert "(rank 0 of 4, rank 3 (node 1) slowest +50%)" in text_of(app, "#header")
+        await until(pilot, lambda: "node 1 data wait 25%" in text_of(app, "#header"))
+        assert ("(rank 0 of 4, rank 3 (node 1) slowest +50%, node 1 data wait 25%)"
+                in text_of(app, "#header"))  # rank 2 waits 10%, rank 3 40%
         state = app.source.state
         assert set(state.ranks) == {0, 1, 2, 3} and set(state.nodes) == {1}
         # a warning of a rank on another node reaches the log, through its relay
