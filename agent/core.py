@@ -35,6 +35,7 @@ from agent import protocol
 from agent.guard import GUARDED_KNOBS, ChangeGuard
 from agent.knobs import CHECKPOINT, KnobError, KnobSet, assignment
 from agent.markers import marker_for
+from agent.multinode import node_link
 from agent.probes import Nvml, SystemProbe
 from agent.runlog import RunLog, log_dir
 from agent.runs import (RUN_ID_ENV, RunInfo, new_run_id, rank_taken, remove_run_file,
@@ -507,6 +508,8 @@ class Agent:
             if self._log is not None:
                 self._guard("run log", self._log.close)
             self._guard("tcp gateway", self._stop_gateway)
+            if self._node_link is not None:
+                self._guard("node relay", self._node_link.close)
             context.destroy(linger=0)
 
     def _start_gateway(self, pub_endpoint: str, cmd_endpoint: str) -> dict[str, str]:
@@ -598,6 +601,8 @@ class Agent:
     #: the tcp gateway (a child process) and the routing id of its commands
     _gateway: Any = None
     _gateway_id: bytes | None = None
+    #: this node's relay and store link (local rank 0 of a multi-node job), or None
+    _node_link: Any = None
     #: a new subscriber waits for its greeting; when the next one may be sent
     _greet_due = False
     _next_greeting = 0.0
@@ -648,6 +653,9 @@ class Agent:
                             pid=os.getpid(), token=self.token,
                             started_at=self._started_at, name=self.name,
                             log_path=str(self._log.path) if self._log else "", **endpoints)
+        # a multi-node torchrun job: the node's relay and the job's store (local rank 0)
+        self._node_link = self._guard("multi-node", node_link, self.info, self.listen,
+                                      self.report_error, self.event)
         write_run_file(self.info, directory)
         return pub, router
 
@@ -705,6 +713,10 @@ class Agent:
                 self._publish(protocol.HEARTBEAT, self._heartbeat())
                 if self._gateway is not None and self._gateway.poll() is not None:
                     self._guard("tcp gateway", self._gateway_gone)
+                if self._node_link is not None and not self._node_link.alive():
+                    self._node_link = None
+                    self.report_error("node relay", RuntimeError(
+                        "it exited; the other nodes no longer see or steer this one"))
                 if heartbeats % _HELLO_EVERY_HEARTBEATS == 0:
                     self._guard("hello", self._publish, protocol.HELLO, self._hello())
                     self._publish(protocol.STATE,

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import zmq
 
 from agent import protocol
-from agent.runs import RunInfo, run_ranks
+from agent.runs import RunInfo, node_list, run_ranks
 
 #: How often :func:`send_command` checks whether its wait was cancelled (s).
 CANCEL_CHECK_S = 0.1
@@ -59,9 +59,14 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     rank's pace. If a rank refuses or does not answer (2), every other rank is told to
     cancel it, on the same connection (so after the command), and their answers are
     checked: a rank that applied it already makes the reply say that the ranks may now
-    differ. It is refused before (1) when not every rank has a run file on this machine
-    (ranks on other machines cannot be reached from here, and a knob must never differ
-    between ranks).
+    differ. It is refused before (1) when not every rank can be reached (a knob must
+    never differ between ranks): a single-node run needs every rank's run file on this
+    machine; a multi-node torchrun job reaches this machine's ranks directly and each
+    other node's through that node's relay (:mod:`agent.relay`), which the job's store
+    names and the user's job secret lets in (:mod:`agent.nodes`). A relay passes each
+    phase to its node's ranks and answers for all of them, within ``0.7 * timeout_s``;
+    a node that does not answer (stopped, partitioned) counts as a refusal of each of
+    its ranks, so the command is refused, or withdrawn, everywhere.
 
     Args:
         info: the run (any rank's file); its ``cmd_endpoint`` and ``token`` are used.
@@ -93,49 +98,164 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     if info.world_size <= 1 or info.run_id == "?":
         with _Connections([info]) as single:
             return single.exchange(body, timeout_s, cancelled)[0]
-    ranks = run_ranks(info.run_id)
-    if len(ranks) != info.world_size:
-        return {"id": command_id, "ok": False, "answered": False,
-                "reason": f"{len(ranks)} of the run's {info.world_size} ranks have a run "
-                          "file on this machine; a command must reach every rank (run "
-                          "it where they all are, or wait until they have all started)"}
-    with _Connections(ranks) as connections:
-        checks = connections.exchange({**body, "dry_run": True}, timeout_s, cancelled)
-        refusal = _first_refusal(ranks, checks)
+    groups, unreachable = _groups(info)
+    if unreachable is not None:
+        return {"id": command_id, "ok": False, "answered": False, "reason": unreachable}
+    relayed = any(group.node is not None for group in groups)
+    if relayed:  # a relay waits this long for its ranks, then answers for them
+        body["within_s"] = round(0.7 * timeout_s, 3)
+    with _Connections([group.info for group in groups]) as connections:
+        checks = _expand(groups, connections.exchange({**body, "dry_run": True},
+                                                      timeout_s, cancelled))
+        refusal = _first_refusal(checks)
         if refusal is not None:
             return refusal
         if apply_step is None:
-            body["apply_step"] = (max(check["apply_step"] for check in checks)
-                                  + _margin_steps(checks))
-        replies = connections.exchange(body, timeout_s, cancelled)
-        refusal = _first_refusal(ranks, replies)
+            body["apply_step"] = (max(check["apply_step"] for _, check in checks)
+                                  + _margin_steps([check for _, check in checks],
+                                                  1.0 if relayed else 0.5))
+        answers = connections.exchange(body, timeout_s, cancelled)
+        replies = _expand(groups, answers)
+        refusal = _first_refusal(replies)
         if refusal is None:
-            accepted = dict(replies[0])
-            accepted["ranks"] = [rank.rank for rank in ranks]
-            warnings = [reply["warning"] for reply in replies if reply.get("warning")]
+            accepted = dict(replies[0][1])
+            accepted["ranks"] = [rank for rank, _ in replies]
+            warnings = [reply["warning"] for _, reply in replies if reply.get("warning")]
             if warnings:
                 accepted["warning"] = warnings[0]
             return accepted
         # withdraw it wherever it may be scheduled: accepted, or not answered (yet)
-        reached = [index for index, reply in enumerate(replies)
-                   if reply.get("ok") or reply.get("answered") is False]
-        answers = connections.exchange({"id": command_id, "cancel": True,
-                                        "reason": refusal["reason"]},
+        reached = [index for index, group in enumerate(groups)
+                   if any(reply.get("ok") or reply.get("answered") is False
+                          for _, reply in _expand([group], [answers[index]]))]
+        cancels = connections.exchange({"id": command_id, "cancel": True,
+                                        "reason": refusal["reason"],
+                                        **({"within_s": 2 * body["within_s"]}
+                                           if relayed else {})},
                                        2 * timeout_s, None, only=reached)
     refusal["knob"] = knob  # an unanswered reply does not name it
-    return _withdrawal(refusal, [(ranks[i], answers[i]) for i in reached])
+    return _withdrawal(refusal, _expand([groups[i] for i in reached],
+                                        [cancels[i] for i in reached]))
 
 
-def _withdrawal(refusal: dict[str, Any], answers: list[tuple[RunInfo, dict[str, Any]]]
+class _Group:
+    """Where one connection of a command goes: one rank of this node (``node`` None),
+    or the relay of another node (``node``), which answers for its ``ranks``."""
+
+    def __init__(self, info: RunInfo, ranks: list[int], node: int | None = None) -> None:
+        self.info, self.ranks, self.node = info, ranks, node
+
+
+def _groups(info: RunInfo) -> tuple[list[_Group], str | None]:
+    """The connections that reach every rank of ``info``'s run: this machine's ranks
+    directly (their run files), the other nodes' through their relays (as the job's
+    store names them; see :mod:`agent.nodes`); or the reason they cannot all be
+    reached."""
+    ranks = run_ranks(info.run_id)
+    groups = [_Group(rank, [rank.rank]) for rank in ranks]
+    nnodes = max((rank.nnodes for rank in ranks), default=info.nnodes)
+    if nnodes <= 1:
+        if len(ranks) != info.world_size:
+            return groups, (f"{len(ranks)} of the run's {info.world_size} ranks have a run "
+                            "file on this machine; a command must reach every rank (run "
+                            "it where they all are, or wait until they have all started)")
+        return groups, None
+    here = {rank.node for rank in ranks}
+    reached = {rank.rank for rank in ranks}
+    relays, problem = remote_relays(info.run_id, info.world_size, here)
+    for node, entry, relay in relays:
+        groups.append(_Group(relay, sorted(entry["ranks"]), node))
+        reached.update(entry["ranks"])
+    remote = [entry for _, entry, _ in relays]
+    missing = sorted(set(range(info.world_size)) - reached)
+    if missing:
+        known = here | {entry["node"] for entry in remote}
+        unknown = [node for node in range(nnodes) if node not in known]
+        why = problem or (f"node{'s' if len(unknown) > 1 else ''} "
+                          + ", ".join(map(str, unknown)) + " not in the job's store yet"
+                          if unknown else "their nodes' relays do not list them")
+        return groups, (f"{info.world_size - len(missing)} of the run's {info.world_size} "
+                        f"ranks can be reached from here (ranks {_span(missing)} cannot: "
+                        f"{why}); a command must reach every rank")
+    return groups, None
+
+
+def remote_relays(run_id: str, world_size: int, here: set[int]
+                  ) -> tuple[list[tuple[int, dict[str, Any], RunInfo]], str | None]:
+    """The relays of the nodes of multi-node run ``run_id`` other than ``here`` (the
+    nodes of this machine's ranks), as the job's store names them: ``(node, entry,
+    info)`` where ``info`` connects to the relay (its CURVE keys and token derived from
+    this user's job secret, :mod:`agent.nodes`); and why some cannot be used (no job
+    secret, or an entry whose server key is not the one the secret gives), or None."""
+    from agent.nodes import SecretError, client_keys, load_secret, relay_token, server_keys
+
+    remote = [entry for entry in node_list(run_id) if entry["node"] not in here]
+    if not remote:
+        return [], None
+    try:
+        secret = load_secret()
+    except SecretError as exc:
+        return [], str(exc)
+    client_public, client_secret = client_keys(secret, run_id)
+    relays, problem = [], None
+    for entry in remote:
+        server_public, _ = server_keys(secret, run_id, entry["node"])
+        if entry["server_key"] != server_public:
+            problem = (f"node {entry['node']}'s entry in the job's store names a server key "
+                       "that is not the one your job secret gives (another secret on that "
+                       "node, or a forged entry): it is not trusted")
+            continue
+        relays.append((entry["node"], entry, RunInfo(
+            run_id=run_id, rank=min(entry["ranks"], default=-1), world_size=world_size,
+            pid=0, pub_endpoint=entry["pub_endpoint"], cmd_endpoint=entry["cmd_endpoint"],
+            token=relay_token(secret, run_id), started_at=0.0, host=entry["host"],
+            node=entry["node"], curve_server_key=server_public,
+            curve_client_public_key=client_public, curve_client_secret_key=client_secret)))
+    return relays, problem
+
+
+def _span(ranks: list[int]) -> str:
+    """``2, 3`` or ``4-1023``."""
+    if len(ranks) > 3 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def _expand(groups: list[_Group], replies: list[dict[str, Any]]
+            ) -> list[tuple[int, dict[str, Any]]]:
+    """Each rank's reply, by rank: a relay's reply holds those of its ranks; a relay
+    that did not answer (or a malformed answer) stands for each of its ranks."""
+    expanded: list[tuple[int, dict[str, Any]]] = []
+    for group, reply in zip(groups, replies):
+        if group.node is None:
+            expanded.append((group.ranks[0], reply))
+            continue
+        inner = reply.get("replies") if reply.get("relay") else None
+        by_rank = {item.get("rank"): item for item in inner or ()
+                   if isinstance(item, dict)}
+        for rank in group.ranks:
+            item = by_rank.get(rank)
+            if item is None:
+                item = {key: value for key, value in reply.items() if key != "replies"}
+                if item.get("answered") is not False:  # answered, but not for this rank
+                    item["ok"] = False
+                    item["reason"] = (f"node {group.node}'s relay: "
+                                      f"{reply.get('reason') or f'no reply for rank {rank}'}")
+            expanded.append((rank, item))
+    expanded.sort(key=lambda pair: pair[0])
+    return expanded
+
+
+def _withdrawal(refusal: dict[str, Any], answers: list[tuple[int, dict[str, Any]]]
                 ) -> dict[str, Any]:
     """The refusal, told what became of the command on the other ranks."""
-    withdrawn = [rank.rank for rank, answer in answers if answer.get("ok")]
-    applied = [(rank.rank, answer["applied_step"]) for rank, answer in answers
+    withdrawn = [rank for rank, answer in answers if answer.get("ok")]
+    applied = [(rank, answer["applied_step"]) for rank, answer in answers
                if "applied_step" in answer]
-    silent = [rank.rank for rank, answer in answers if answer.get("answered") is False]
+    silent = [rank for rank, answer in answers if answer.get("answered") is False]
     if withdrawn:
         refusal["reason"] += ("; withdrawn from rank" + ("s " if len(withdrawn) > 1 else " ")
-                              + ", ".join(map(str, withdrawn)))
+                              + _span(withdrawn))
     if applied or silent:
         refusal["ranks_differ"] = True
         refusal["reason"] += "; THE RANKS MAY NOW DIFFER: " + "; ".join(
@@ -145,25 +265,25 @@ def _withdrawal(refusal: dict[str, Any], answers: list[tuple[RunInfo, dict[str, 
     return refusal
 
 
-def _margin_steps(checks: list[dict[str, Any]]) -> int:
+def _margin_steps(checks: list[dict[str, Any]], bound_s: float = 0.5) -> int:
     """Steps to add to the ranks' earliest common step so that the second phase of a
     fan-out arrives in time: 2, plus what the fastest rank trains in a generous bound
-    (0.5 s) on the second phase's round trip (the agent answers within its 50 ms poll)."""
+    (``bound_s``: 0.5 s, 1 s through other nodes' relays) on the second phase's round
+    trip (the agent answers within its 50 ms poll)."""
     step_times = [check.get("step_time_s") for check in checks]
     fastest = min((t for t in step_times if isinstance(t, (int, float)) and t > 0),
                   default=None)
     if fastest is None:
         return 2
-    return min(MAX_FAN_OUT_MARGIN_STEPS, 2 + math.ceil(0.5 / fastest))
+    return min(MAX_FAN_OUT_MARGIN_STEPS, 2 + math.ceil(bound_s / fastest))
 
 
-def _first_refusal(ranks: list[RunInfo], replies: list[dict[str, Any]]
-                   ) -> dict[str, Any] | None:
+def _first_refusal(replies: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
     """The first rank's refusal, `` (rank N)`` after its reason; None if all ok."""
-    for rank, reply in zip(ranks, replies):
+    for rank, reply in replies:
         if not reply.get("ok"):
             refusal = dict(reply)
-            refusal["reason"] = f"{reply.get('reason', 'no reason given')} (rank {rank.rank})"
+            refusal["reason"] = f"{reply.get('reason', 'no reason given')} (rank {rank})"
             return refusal
     return None
 

@@ -74,6 +74,14 @@ Message types and their bodies:
                ``records_dropped``, ``errors``, ``commands_refused``,
                ``commands_rejected`` (bad token, knob or value).
 ``bye``        the run ends: ``reason``, ``steps``.
+``node``       about 1 Hz, from a node's relay in a multi-node job (:mod:`agent.relay`):
+               ``node``, ``host``, ``expected`` (the node's global ranks), ``ranks`` (a
+               list of maps: ``rank``, ``step``, ``step_time_s`` and
+               ``data_wait_share`` smoothed over about 20 steps, ``heard_s_ago``),
+               ``events_dropped``. The relay also forwards every message of global
+               rank 0 and the events and ``bye`` of every rank of its node. Its command
+               replies (to a ``command`` with the relay's token) carry ``relay: true``,
+               ``node`` and ``replies`` (each rank's reply, with its ``rank``).
 """
 
 from __future__ import annotations
@@ -98,7 +106,9 @@ REPLY = "reply"
 HEARTBEAT = "heartbeat"
 BYE = "bye"
 TUNE = "tune"
-MESSAGE_TYPES = (HELLO, STEP, SYSTEM, STATE, EVENT, COMMAND, REPLY, HEARTBEAT, BYE, TUNE)
+NODE = "node"
+MESSAGE_TYPES = (HELLO, STEP, SYSTEM, STATE, EVENT, COMMAND, REPLY, HEARTBEAT, BYE, TUNE,
+                 NODE)
 
 #: Ids of the commands the agent's tuner sends start with this.
 TUNE_ID_PREFIX = "tune-"

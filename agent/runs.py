@@ -17,7 +17,7 @@ import socket
 import stat
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 #: Environment variable that overrides the run directory (tests, several users' setups).
@@ -135,7 +135,9 @@ def shared_run_id(world_size: int) -> str:
     of one job derives alike, without talking to the others: under ``torchrun`` with a
     rendezvous id (``TORCHELASTIC_RUN_ID``, a fresh uuid with ``--standalone``),
     ``torchrun-xxxxxxxx`` from a hash of it, ``MASTER_ADDR`` and ``MASTER_PORT`` (so a
-    wrapper script between torchrun and Python changes nothing); otherwise
+    wrapper script between torchrun and Python changes nothing), and so too for a job of
+    several nodes (``GROUP_WORLD_SIZE`` > 1) without a rendezvous id, whose ranks on
+    every node share the store's address and port; otherwise
     ``YYYYmmdd-HHMMSS-xxxxxxxx`` from the start time of the launcher process (the
     parent: ``mp.spawn``'s, ``torchrun``'s agent) and a hash of its pid and those
     variables. Else :func:`new_run_id`. Ranks on other machines write their run files
@@ -150,7 +152,9 @@ def shared_run_id(world_size: int) -> str:
         return new_run_id()
     launch = [os.environ.get(name, "") for name in
               ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")]
-    if launch[0] not in ("", "none"):
+    multinode = os.environ.get("GROUP_WORLD_SIZE", "1") not in ("", "0", "1")
+    if launch[0] not in ("", "none") or (multinode and launch[1] and launch[2]):
+        # (several nodes: their launchers differ, but every rank has the same store)
         return "torchrun-" + hashlib.sha256("|".join(launch).encode()).hexdigest()[:8]
     launcher = os.getppid()
     try:
@@ -179,6 +183,11 @@ class RunInfo:
         curve_server_key, curve_client_public_key, curve_client_secret_key: Z85 keys
             of a run that listens beyond this machine (ZeroMQ CURVE encryption and
             authentication); "" for local runs.
+        node, nnodes: this rank's node and the job's nodes (a multi-node torchrun job;
+            0 and 1 otherwise). store: ``host:port`` of the job's torch.distributed
+            store, where each node's relay says where it listens ("" for one node).
+        nodes: in the file of a node's local rank 0, what the store says of the job's
+            nodes (see :func:`agent.nodes.node_entry`), refreshed as it learns them.
     """
 
     run_id: str
@@ -196,6 +205,10 @@ class RunInfo:
     curve_server_key: str = ""
     curve_client_public_key: str = ""
     curve_client_secret_key: str = ""
+    node: int = 0
+    nnodes: int = 1
+    store: str = ""
+    nodes: list = field(default_factory=list)
 
     def public(self) -> dict:
         """The fields safe to print (no token, no path)."""
@@ -265,7 +278,8 @@ _FIELD_TYPES = {"run_id": str, "rank": int, "world_size": int, "pid": int,
                 "pub_endpoint": str, "cmd_endpoint": str, "token": str,
                 "started_at": (int, float), "name": str, "host": str, "log_path": str,
                 "curve_server_key": str, "curve_client_public_key": str,
-                "curve_client_secret_key": str}
+                "curve_client_secret_key": str, "node": int, "nnodes": int,
+                "store": str, "nodes": list}
 
 
 #: Largest run file read (bytes); a larger one is not ours.
@@ -382,6 +396,19 @@ def run_ranks(run_id: str, directory: Path | None = None) -> list[RunInfo]:
     """The live rank files of run ``run_id`` on this machine, by rank (maybe empty)."""
     return sorted((info for info in list_runs(directory) if info.run_id == run_id),
                   key=lambda info: info.rank)
+
+
+def node_list(run_id: str, directory: Path | None = None) -> list[dict]:
+    """The nodes of multi-node run ``run_id`` as this machine's ranks know them from the
+    job's store (the freshest list of their run files; entries checked by
+    :func:`agent.nodes.node_entry`), by node; empty for a single-node run."""
+    from agent.nodes import node_entry
+
+    ranks = run_ranks(run_id, directory)
+    listed = max((info.nodes for info in ranks), key=len, default=[])
+    entries = [entry for entry in map(node_entry, listed) if entry is not None]
+    return sorted({entry["node"]: entry for entry in entries}.values(),
+                  key=lambda entry: entry["node"])
 
 
 def _lowest_rank(runs: list[RunInfo], run_id: str) -> RunInfo:

@@ -24,12 +24,12 @@ import zmq
 
 from agent import protocol
 from agent.protocol import printable
-from agent.runs import RunInfo, alive, find_run, list_runs, run_dir, run_ranks
-from gpuwatch import history, history_commands
+from agent.runs import RunInfo, alive, find_run, list_runs, node_list, run_dir, run_ranks
+from gpuwatch import history, history_commands, multinode_commands
 from gpuwatch.units import human_age, human_ms, human_number
 
 SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor",
-               "report", "compare", "export")
+               "report", "compare", "export", "nodes", "secret")
 #: How long ``gpuwatch demo`` waits for the training child to write its run file (s).
 DEMO_START_TIMEOUT_S = 60.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
@@ -152,6 +152,10 @@ def _parser() -> argparse.ArgumentParser:
     tail.add_argument("--json", action="store_true",
                       help="every record as one JSON object per line")
     tail.add_argument("--count", type=int, metavar="N", help="stop after N records")
+    tail.add_argument("--nodes", action="store_true",
+                      help="a multi-node run: the other nodes' summaries (every rank's "
+                           "step and step time, once a second) and events too, through "
+                           "their relays (needs the job secret)")
     tail.add_argument("--follow", "-f", action="store_true",
                       help="with a FILE: keep printing lines appended to it until the "
                            "run's bye (a live run is always followed)")
@@ -194,6 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(handler=_doctor)
     history_commands.add_parsers(commands)
+    multinode_commands.add_parsers(commands)
     return parser
 
 
@@ -250,6 +255,16 @@ def _runs(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
               + row[-1])
+    for run_id in dict.fromkeys(info.run_id for info in runs if info.nnodes > 1):
+        here = [info for info in runs if info.run_id == run_id]
+        known = node_list(run_id)
+        print(f"{printable(run_id, protocol.MAX_NAME_CHARS)}: node {here[0].node} of "
+              f"{here[0].nnodes}; the job's store names "
+              + (", ".join(f"node {entry['node']} ({printable(entry['host'], 40)}, ranks "
+                           f"{min(entry['ranks'], default='-')}-"
+                           f"{max(entry['ranks'], default='-')})" for entry in known)
+                 or "no node yet")
+              + "; `gpuwatch nodes` shows every rank")
     return 0
 
 
@@ -331,11 +346,21 @@ def _tail(args: argparse.Namespace) -> int:
         print(f"gpuwatch tail: cannot subscribe to {info.pub_endpoint!r}: {exc}",
               file=sys.stderr)
         return 1
+    relays = _tail_relays(info) if args.nodes else []
     with subscriber:
         heard_at = time.monotonic()
         try:
             while True:
-                message = subscriber.recv(timeout_s=1.0)
+                message, other = _tail_next(subscriber, relays)
+                if other is not None:  # another node's relay: summaries, events
+                    if other["type"] not in (protocol.NODE, protocol.EVENT):
+                        continue  # (rank 0's records, another rank's bye: not this tail's)
+                    if _print_record(other, as_json=args.json, rank=info.rank):
+                        printed += 1
+                        sys.stdout.buffer.flush()
+                    if args.count and printed >= args.count:
+                        break
+                    continue
                 if message is None:
                     gone = _tail_gone(info, time.monotonic() - heard_at)
                     if gone is not None:
@@ -351,10 +376,51 @@ def _tail(args: argparse.Namespace) -> int:
         except BrokenPipeError:  # e.g. `gpuwatch tail | head`: stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         finally:
+            for relay in relays:
+                relay.close()
             if subscriber.missed or subscriber.malformed:
                 print(f"gpuwatch tail: {subscriber.missed} records missed, "
                       f"{subscriber.malformed} malformed", file=sys.stderr)
     return 0
+
+
+def _tail_relays(info: RunInfo) -> list[Any]:
+    """Subscribers of the other nodes' relays of a multi-node run (``tail --nodes``)."""
+    from agent.fanout import remote_relays
+    from gpuwatch.client import Subscriber
+
+    if info.nnodes <= 1:
+        print("gpuwatch tail: --nodes: this run is on one node", file=sys.stderr)
+        return []
+    relays, problem = remote_relays(info.run_id, info.world_size, {info.node})
+    if problem:
+        print(f"gpuwatch tail: --nodes: {printable(problem)}", file=sys.stderr)
+    subscribers = []
+    for _, _, relay in relays:
+        try:
+            subscribers.append(Subscriber(relay))
+        except zmq.ZMQError as exc:
+            print(f"gpuwatch tail: cannot subscribe to {relay.pub_endpoint!r}: {exc}",
+                  file=sys.stderr)
+    return subscribers
+
+
+def _tail_next(subscriber: Any, relays: list[Any]
+               ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The next message within a second: ``(message, None)`` from the run's own rank
+    (None after a second of silence), or ``(None, message)`` from another node."""
+    if not relays:
+        return subscriber.recv(timeout_s=1.0), None
+    poller = zmq.Poller()
+    for each in (subscriber, *relays):
+        poller.register(each.socket, zmq.POLLIN)
+    ready = dict(poller.poll(1000))
+    for relay in relays:
+        if relay.socket in ready:
+            message = relay.recv(timeout_s=0)
+            if message is not None:
+                return None, message
+    return (subscriber.recv(timeout_s=0) if subscriber.socket in ready else None), None
 
 
 def _tail_gone(info: RunInfo, silent_s: float) -> str | None:
@@ -409,8 +475,10 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                       file=sys.stderr)
 
 
-def _print_record(message: dict[str, Any], *, as_json: bool) -> bool:
-    """Print one envelope as a JSON line (the run log's format) or a line for people;
+def _print_record(message: dict[str, Any], *, as_json: bool, rank: int | None = None
+                  ) -> bool:
+    """Print one envelope as a JSON line (the run log's format) or a line for people
+    (``[rank N]`` in front when ``rank`` is given and the record is another rank's);
     False when there is no line for people for its type."""
     if as_json:
         sys.stdout.buffer.write(protocol.to_json_line(message))  # bytes, with newline
@@ -421,6 +489,9 @@ def _print_record(message: dict[str, Any], *, as_json: bool) -> bool:
         line = protocol.to_json_line(message).decode().rstrip("\n")
     if line is None:
         return False
+    if (rank is not None and message.get("rank") != rank
+            and message.get("type") != protocol.NODE):
+        line = f"[rank {message.get('rank')}] {line}"
     sys.stdout.buffer.write(printable(line).encode() + b"\n")
     return True
 
@@ -467,6 +538,13 @@ def _human_line(message: dict[str, Any]) -> str | None:
                 + ", ".join(k.get("name", "?") for k in body.get("knobs") or ()))
     if kind == protocol.BYE:
         return f"run ended ({body.get('reason', '')}) after {body.get('steps')} steps"
+    if kind == protocol.NODE:
+        return (f"node {body.get('node')} ({body.get('host', '')}): " + ", ".join(
+            f"rank {entry.get('rank')} step {entry.get('step')} "
+            f"{human_ms(entry.get('step_time_s'))}"
+            + (f" wait {entry['data_wait_share']:.0%}"
+               if isinstance(entry.get("data_wait_share"), (int, float)) else "")
+            for entry in body.get("ranks") or () if isinstance(entry, dict)))
     return None
 
 

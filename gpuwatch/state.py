@@ -125,6 +125,23 @@ RANK_PACE_STEPS = 20
 RANK_KNOB_STEPS = 8
 
 
+class NodePace(NamedTuple):
+    """One node of a multi-node job as its relay sums it up (``node`` messages): its
+    host, the global ranks it has and has been heard from, its ranks' mean data-wait
+    share (0..1, None when unknown), and when the summary came (monotonic s)."""
+
+    node: int
+    host: str
+    expected: int
+    heard: int
+    data_wait_share: float | None
+    heard_at: float
+
+
+#: Nodes a run may have in the dashboard's memory; more are ignored.
+MAX_NODES = 4096
+
+
 class LogEntry(NamedTuple):
     """A line for the event log: ``level`` is info, warning or error; ``t`` is when the
     run said it (unix time, s), None for the dashboard's own lines."""
@@ -249,6 +266,9 @@ class RunState:
             rank heard, unless given). ranks: :class:`RankPace` of every rank heard; the
             other ranks' records update only that, and their warnings and errors go to
             the log with the rank named.
+        nodes, rank_nodes: in a multi-node job, each node's :class:`NodePace` and the
+            node of each rank, from the nodes' relays (one socket per node: the ranks
+            of another node are known from its summary, about once a second).
         malformed: frames or bodies that could not be read (dropped, never raised).
         version: bumped on every change; compare it to know whether to redraw.
     """
@@ -256,6 +276,12 @@ class RunState:
     def __init__(self, primary_rank: int | None = None) -> None:
         self.primary_rank = primary_rank
         self.ranks: dict[int, RankPace] = {}
+        #: multi-node jobs: each node's summary (its relay's ``node`` messages), and the
+        #: node of each rank they named
+        self.nodes: dict[int, NodePace] = {}
+        self.rank_nodes: dict[int, int] = {}
+        #: ranks whose pace comes from node summaries (not from their own records)
+        self._relayed: set[int] = set()
         #: knob values of each rank's latest few steps: {rank: {step: knobs}}
         self._rank_knobs: dict[int, dict[int, dict[str, Any]]] = {}
         self.run_id: str | None = None
@@ -362,6 +388,12 @@ class RunState:
         self.records += 1
         self.version += 1
         rank = message.get("rank")
+        if message.get("type") == protocol.NODE:  # a node's summary, not a rank's record
+            try:
+                self._fold_node(message.get("body") or {}, now)
+            except (TypeError, ValueError, AttributeError, KeyError):
+                self.malformed += 1
+            return
         if type(rank) is int:
             if self.primary_rank is None:
                 self.primary_rank = rank
@@ -404,6 +436,67 @@ class RunState:
                      t if type(t) is float or type(t) is int else None)
         elif rank in self.ranks:  # heard: a heartbeat, hello, ...
             self.ranks[rank] = self.ranks[rank]._replace(heard_at=now)
+
+    def _fold_node(self, body: dict[str, Any], now: float) -> None:
+        """A node relay's summary: its ranks' pace (ranks heard directly, the shown one
+        or those of this machine, keep their own), and the node's data wait."""
+        node = body.get("node")
+        if type(node) is not int or (node not in self.nodes
+                                     and len(self.nodes) >= MAX_NODES):
+            self.malformed += 1
+            return
+        expected = body.get("expected")
+        shares, heard = [], 0
+        for entry in (body.get("ranks") or [])[:MAX_ITEMS]:
+            rank = entry.get("rank") if isinstance(entry, dict) else None
+            if type(rank) is not int:
+                continue
+            self.rank_nodes[rank] = node
+            share = _number(entry.get("data_wait_share"))
+            if share is not None:
+                shares.append(min(1.0, max(0.0, share)))
+            ago = _number(entry.get("heard_s_ago"))
+            heard_at = now - ago if ago is not None and ago >= 0 else now
+            if ago is not None and ago <= GONE_AFTER_S:
+                heard += 1
+            known = self.ranks.get(rank)
+            if rank == self.primary_rank or (known is not None and known.heard_at > heard_at
+                                             and rank not in self._relayed):
+                continue  # heard directly, more recently
+            if rank not in self.ranks and len(self.ranks) >= MAX_RANKS:
+                continue
+            self._relayed.add(rank)
+            step = entry.get("step")
+            self.ranks[rank] = RankPace(step if type(step) is int else None,
+                                        _number(entry.get("step_time_s")), heard_at)
+        host = body.get("host")
+        self.nodes[node] = NodePace(
+            node, shorten(host, MAX_NAME_CHARS) if isinstance(host, str) else "",
+            len(expected) if isinstance(expected, list) else heard, heard,
+            sum(shares) / len(shares) if shares else None, now)
+
+    def silent_nodes(self, now: float) -> list[int]:
+        """Nodes whose relay has sent no summary for :data:`GONE_AFTER_S` (stopped,
+        partitioned, or its relay died): a command to the run is refused until they
+        answer again."""
+        return sorted(node for node, pace in self.nodes.items()
+                      if now - pace.heard_at > GONE_AFTER_S)
+
+    def most_waiting_node(self, now: float) -> tuple[int, float] | None:
+        """Of the nodes heard within :data:`GONE_AFTER_S`, the one whose ranks wait
+        longest for data (mean data-wait share, 0..1) and that share; None when no node
+        summary says. One node's input pipeline starving sets everyone's pace."""
+        shares = [(pace.data_wait_share, node) for node, pace in self.nodes.items()
+                  if pace.data_wait_share is not None
+                  and now - pace.heard_at <= GONE_AFTER_S]
+        if not shares:
+            return None
+        share, node = max(shares)
+        return node, share
+
+    def node_of(self, rank: int) -> int | None:
+        """The node of ``rank`` in a multi-node job (as a relay named it), or None."""
+        return self.rank_nodes.get(rank)
 
     def _note_pace(self, rank: int, body: dict[str, Any], now: float) -> None:
         step = body.get("step")

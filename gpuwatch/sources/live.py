@@ -14,6 +14,12 @@ A run of several ranks is followed on every rank's socket found on this machine 
 for again until all are there): the charts, panels and log show the rank given (rank 0
 by default), the other ranks' steps give their pace (:attr:`RunState.ranks`, the
 slowest rank in the header) and their warnings and errors reach the log.
+
+A multi-node job's other nodes are followed through their relays (one socket per node,
+as the job's store names them: :func:`agent.fanout.remote_relays`): their ``node``
+summaries give their ranks' pace and the node's data wait, the relay of rank 0's node
+forwards rank 0's own records (the charts show rank 0 from any node), and every rank's
+events reach the log.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 import zmq
 
 from agent import protocol
+from agent.fanout import remote_relays
 from agent.runs import RunInfo, list_runs, run_ranks
 from gpuwatch import state as run_state
 from gpuwatch.client import Subscriber
@@ -56,6 +63,13 @@ class LiveSource(Source):
         self.state.process_alive = True if info.run_id != "?" and info.pid else None
         #: Subscribers of the run's other ranks, by rank (this thread's).
         self._others: dict[int, Subscriber] = {}
+        #: Subscribers of the other nodes' relays, by node (this thread's).
+        self._relays: dict[int, Subscriber] = {}
+        self._relay_problem: str | None = None
+        if info.nnodes > 1 and info.rank != 0:  # rank 0's charts, through its node's relay
+            relays, _ = remote_relays(info.run_id, info.world_size, {info.node})
+            if any(0 in entry["ranks"] for _, entry, _ in relays):
+                self.state.primary_rank = 0
 
     def _subscribe(self, info: RunInfo) -> Subscriber | None:
         try:
@@ -70,7 +84,7 @@ class LiveSource(Source):
         if subscriber is None:
             return
         heard_at = time.monotonic()
-        next_check = next_rank_check = 0.0
+        next_check = next_rank_check = next_relay_check = 0.0
         next_adopt = 0.0  # when to look for the run file of a new process again
         try:
             while not self._stop.is_set():
@@ -79,7 +93,12 @@ class LiveSource(Source):
                         and now >= next_rank_check):
                     next_rank_check = now + RECHECK_S
                     self._subscribe_other_ranks()
-                ready = self._poll([subscriber, *self._others.values()])
+                if (len(self._relays) < self._info.nnodes - 1
+                        and now >= next_relay_check):
+                    next_relay_check = now + RECHECK_S
+                    self._subscribe_relays()
+                ready = self._poll([subscriber, *self._others.values(),
+                                    *self._relays.values()])
                 now = time.monotonic()
                 if subscriber not in ready:
                     if now - heard_at > run_state.GONE_AFTER_S and now >= next_check:
@@ -101,12 +120,13 @@ class LiveSource(Source):
                     speaker = (hello.get("pid"), hello.get("started_at")) if hello else None
                 adopted = (self._info.pid, self._info.started_at)
                 if (speaker is not None and speaker != adopted and self._info.run_id != "?"
+                        and self.state.primary_rank == self._info.rank
                         and now >= next_adopt):  # a new process: its run file has its token
                     next_adopt = now + RECHECK_S  # until that file is read
                     subscriber = self._refresh(subscriber)
         finally:
             subscriber.close()
-            for other in self._others.values():
+            for other in (*self._others.values(), *self._relays.values()):
                 other.close()
 
     @staticmethod
@@ -147,10 +167,31 @@ class LiveSource(Source):
         except OSError:
             return  # the run directory went away: look again later
         for info in found:
+            if info.nnodes > 1:
+                with self.lock:  # (a relay's summary names the other nodes' ranks)
+                    self.state.rank_nodes[info.rank] = info.node
             if info.rank != self._info.rank and info.rank not in self._others:
                 subscriber = self._subscribe(info)
                 if subscriber is not None:
                     self._others[info.rank] = subscriber
+
+    def _subscribe_relays(self) -> None:
+        """Subscribe to the relays of the other nodes the job's store has named since
+        the last look; say once why some cannot be (no job secret, a forged entry)."""
+        try:
+            relays, problem = remote_relays(self._info.run_id, self._info.world_size,
+                                            {self._info.node})
+        except OSError:
+            return
+        for node, _, info in relays:
+            if node not in self._relays:
+                subscriber = self._subscribe(info)
+                if subscriber is not None:
+                    self._relays[node] = subscriber
+        if problem and problem != self._relay_problem:
+            self._relay_problem = problem
+            with self.lock:
+                self.state.log("warning", f"other nodes not followed: {problem}")
 
     def _refresh(self, subscriber: Subscriber) -> Subscriber:
         """Read the run file of this run id and rank again; if another process wrote

@@ -11,6 +11,9 @@ from gpuwatch.widgets.panel import Panel
 
 #: A rank this much slower (smoothed step time) than the fastest is named in the header.
 STRAGGLER_SHARE = 0.05
+#: A multi-node job's node whose ranks spend this share of their steps waiting for data
+#: (or more, the most of all nodes) is named in the header (as "partly input-bound").
+NODE_DATA_WAIT_SHARE = 0.2
 #: Theme variable that colours each run status.
 STATUS_STYLES = {"waiting": "$text-muted", "live": "bold $success",
                  "compiling": "bold $warning", "stalled": "bold $warning",
@@ -64,8 +67,18 @@ class RunHeader(Panel):
                 parts.append(f" (rank {state.primary_rank} of {world_size}")
                 slowest = state.slowest_rank(now)
                 if slowest is not None and slowest[1] >= STRAGGLER_SHARE:
-                    parts += [", ", (f"rank {slowest[0]} slowest +{slowest[1]:.0%}",
+                    node = state.node_of(slowest[0])
+                    where = f" (node {node})" if node is not None else ""
+                    parts += [", ", (f"rank {slowest[0]}{where} slowest +{slowest[1]:.0%}",
                                      "$warning")]
+                waiting = state.most_waiting_node(now)
+                if waiting is not None and waiting[1] >= NODE_DATA_WAIT_SHARE:
+                    parts += [", ", (f"node {waiting[0]} data wait {waiting[1]:.0%}",
+                                     "$warning")]
+                silent = state.silent_nodes(now)
+                if silent:  # commands are refused until they answer again
+                    parts += [", ", ("node" + ("s " if len(silent) > 1 else " ")
+                                     + ", ".join(map(str, silent)) + " silent", "$error")]
                 parts.append(")")
                 differ = state.knobs_differ()
                 if differ is not None:  # said first: it must not be cut off
