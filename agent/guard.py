@@ -46,6 +46,12 @@ class ChangeGuard:
     _until_step: int = 0
     _warned_non_finite: bool = False
 
+    @property
+    def watching(self) -> bool:
+        """Whether a guarded change is being watched: only then (or for a skipped step
+        or a non-finite loss) does :meth:`on_step` have anything to do."""
+        return bool(self._previous)
+
     def on_applied(self, event: dict[str, Any]) -> None:
         """An ``applied`` event: start (or extend) the watch over a guarded change.
         Rollbacks themselves (``kind == "rolled_back"``) are not watched."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
+from collections import deque
 from typing import Any, Callable, Iterator
 
 import zmq
@@ -60,6 +61,7 @@ class Subscriber:
         self.malformed = 0
         """Frames dropped because they were not gpuwatch envelopes."""
         self._gaps = SeqGaps()
+        self._rows: deque[dict[str, Any]] = deque()  # of a batch, not yet returned
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
@@ -89,7 +91,12 @@ class Subscriber:
         return self._socket.recv_multipart(zmq.NOBLOCK)
 
     def recv(self, timeout_s: float) -> dict[str, Any] | None:
-        """The next decoded envelope, or None when none came within ``timeout_s`` s."""
+        """The next decoded envelope, or None when none came within ``timeout_s`` s.
+
+        A ``steps`` batch comes out as its rows, one ``step`` envelope each
+        (:func:`agent.protocol.expand`), in order, one a call."""
+        if self._rows:
+            return self._rows.popleft()
         deadline = time.monotonic() + timeout_s
         while True:
             frames = self.recv_frames(max(0.0, deadline - time.monotonic()))
@@ -97,11 +104,15 @@ class Subscriber:
                 return None
             try:
                 message = protocol.decode_frames(frames)
+                rows = protocol.expand(message)
             except protocol.ProtocolError:
                 self.malformed += 1
                 continue
             self._gaps.observe(message)
-            return message
+            if not rows:  # an empty batch
+                continue
+            self._rows.extend(rows[1:])
+            return rows[0]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Envelopes as they come, forever (stop by breaking out of the loop)."""

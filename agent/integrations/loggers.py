@@ -89,7 +89,7 @@ class RecordTap:
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
-        for topic in (protocol.STEP, protocol.EVENT):
+        for topic in (protocol.STEPS, protocol.STEP, protocol.EVENT):
             self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode("ascii"))
         if info.curve_server_key:
             self._socket.curve_serverkey = info.curve_server_key.encode()
@@ -106,8 +106,8 @@ class RecordTap:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            try:
-                records.append(protocol.decode_frames(frames))
+            try:  # a steps batch as one step record a row
+                records.extend(protocol.expand(protocol.decode_frames(frames)))
             except protocol.ProtocolError:
                 self.malformed += 1
         return records
