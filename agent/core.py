@@ -999,7 +999,7 @@ class Agent:
         self._schedule(_Pending(apply_step, 0, knob_name, value, command_id,
                                 after_checkpoint=checkpoint))
         reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
-                 "apply_step": apply_step}
+                 "apply_step": apply_step, "step": self._last_step}
         text = f"{assignment(knob_name, value)} accepted, applies at step {apply_step}"
         if checkpoint:
             reply["checkpoint"] = True

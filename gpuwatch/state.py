@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from itertools import islice
+from functools import partial
+from itertools import islice, repeat
 from typing import Any, Callable, NamedTuple
 
 from agent import protocol
@@ -107,6 +108,12 @@ class StepRecord(NamedTuple):
     activation_bytes: float | None = None
     #: tokens per second, for token models that report tokens
     tokens_per_s: float | None = None
+
+
+#: A StepRecord from a tuple of its fields, without NamedTuple's Python-level __new__.
+_step_record = partial(tuple.__new__, StepRecord)
+_FLOATS = {float}
+_INTS = {int}
 
 
 class RankPace(NamedTuple):
@@ -443,10 +450,15 @@ class RunState:
         times = columns.get("step_time_s")
         previous = self.ranks.get(rank)
         smoothed = previous.step_time_s if previous is not None else None
-        for step_time in times if type(times) is list else ():
-            if type(step_time) is float and step_time >= 0:
-                smoothed = step_time if smoothed is None else (
-                    smoothed + (step_time - smoothed) / RANK_PACE_STEPS)
+        if type(times) is not list:
+            times = ()
+        elif set(map(type, times)) != _FLOATS or min(times) < 0:  # None, ints, ...
+            times = [time_s for time_s in times if type(time_s) is float and time_s >= 0]
+        if times and smoothed is None:
+            smoothed = times[0]
+        share = 1.0 / RANK_PACE_STEPS
+        for step_time in times:
+            smoothed += (step_time - smoothed) * share
         step = steps[-1]
         self.ranks[rank] = RankPace(step if type(step) is int else None, smoothed, now)
         knob_column = columns.get("knobs")
@@ -638,10 +650,15 @@ class RunState:
             values = columns.get(name)
             if values is None:
                 return _number(common.get(name))
-            return [value if type(value) is float else _number(value)
-                    for value in values[n - kept:]]
+            if kept < n:
+                values = values[n - kept:]
+            if set(map(type, values)) == _FLOATS:  # the usual case: taken as it is
+                return values
+            return [value if type(value) is float else _number(value) for value in values]
 
-        steps = [step if type(step) is int else None for step in columns["step"][n - kept:]]
+        steps = columns["step"][n - kept:] if kept < n else columns["step"]
+        if set(map(type, steps)) != _INTS:
+            steps = [step if type(step) is int else None for step in steps]
         fields = [column(name) for name in (
             "step_time_s", "data_wait_s", "data_wait_share", "samples_per_s", "loss",
             "mem_peak_reserved_bytes", "host_rss_bytes")]
@@ -662,8 +679,8 @@ class RunState:
                 activations.append(self.activation_bytes)
             activations = activations[n - kept:]
         fields += [activations, column("tokens_per_s")]
-        parts = [field if type(field) is list else [field] * kept for field in fields]
-        self.steps.extend(map(StepRecord, steps, *parts))
+        parts = [field if type(field) is list else repeat(field, kept) for field in fields]
+        self.steps.extend(map(_step_record, zip(steps, *parts)))
         self.steps_total += n
         last = dict(common)  # the latest row, as protocol.step_bodies makes it
         for name, values in columns.items():
@@ -676,10 +693,11 @@ class RunState:
             self.step = step
         self.last_step = last
         self.last_step_at = now
-        rss = parts[6]
+        rss = fields[6]
+        if type(rss) is list:
+            rss = max(filter(None.__ne__, rss), default=None)
         self.host_rss_peak_bytes = _max(
-            self.host_rss_peak_bytes, *(value for value in rss if value is not None),
-            _number(common.get("host_peak_rss_bytes")),
+            self.host_rss_peak_bytes, rss, _number(common.get("host_peak_rss_bytes")),
             _number(common.get("host_rss_peak_bytes")))
         if self.compiling_since is not None and (
                 self._compiling_until_step is None
