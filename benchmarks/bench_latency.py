@@ -9,7 +9,7 @@ the round trip to the reply and, in optimizer steps of the run's own counter, ho
 until the command applied: the step of its ``applied`` event (the first step that ran
 with the new value) minus the ``step`` in its reply (the last step the run had completed
 when it accepted the command). The client's view of the telemetry plays no part: steps
-travel in batches, up to one I/O wake-up (50 ms, 5 steps here) behind the run.
+travel in batches, up to one I/O wake-up (100 ms, 10 steps here) behind the run.
 
 Last line: ``RESULT reply_ms_p50=<a> reply_ms_p99=<b> applied_steps_max=<c>``
 (targets: reply p99 under 20 ms; applied at the next optimizer-step boundary, i.e. the

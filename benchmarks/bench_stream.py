@@ -4,8 +4,8 @@ floor, and the running dashboard's CPU and memory under load.
     python benchmarks/bench_stream.py [--records 400000] [--seconds 60]
     python benchmarks/bench_stream.py --short        # a quick check that it works
 
-Step records travel as the agent sends them: ``steps`` batches of 50 rows (1,000 steps/s
-and 20 I/O wake-ups a second), the columns and common fields an agent on the host sends.
+Step records travel as the agent sends them: ``steps`` batches of 100 rows (1,000
+steps/s and 10 I/O wake-ups a second), the columns and common fields an agent on the host sends.
 
 1. Ingest, in this process: the same encoded batches are (a) decoded with msgpack alone,
    the floor no reader can beat, and (b) decoded and folded into a ``RunState`` (what the
@@ -15,8 +15,8 @@ and 20 I/O wake-ups a second), the columns and common fields an agent on the hos
    dashboard's own ``LiveSource`` receives, decodes and folds them (both processes share
    this machine's CPUs).
 2. Load: the real dashboard (Textual, headless driver, redrawing as usual) attached to a
-   run fed by 8 simulated ranks at 1,000 steps/s each (one batch of 50 per rank every
-   50 ms, and heartbeats) for ``--seconds``; its process's CPU (% of one core) and its RSS
+   run fed by 8 simulated ranks at 1,000 steps/s each (one batch of 100 per rank every
+   100 ms, and heartbeats) for ``--seconds``; its process's CPU (% of one core) and its RSS
    at the start and the end of the window (flat memory: the buffers are bounded).
 
 Last line: ``RESULT ingest_records_per_s=<i> floor_records_per_s=<f>
@@ -44,7 +44,7 @@ from gpuwatch.sources.live import LiveSource
 from gpuwatch.state import RunState
 
 RANKS = 8
-BATCH_ROWS = 50
+BATCH_ROWS = 100
 STEPS_PER_S = 1000
 
 PUBLISHER = """
@@ -58,7 +58,7 @@ pub.setsockopt(zmq.SNDHWM, 0)
 pub.bind(endpoint)
 time.sleep(1.0)  # let the subscriber connect (PUB/SUB slow joiner)
 seq = 0
-for first in range(1, count + 1, 50):
+for first in range(1, count + 1, 100):
     seq += 1
     pub.send_multipart(protocol.encode(batch_message(0, first, seq)))
 pub.send_multipart(protocol.encode(protocol.envelope("bye", {"reason": "done"}, run="bench",
@@ -160,7 +160,7 @@ def measure_dashboard(directory: str, seconds: float) -> tuple[float, float, flo
     process = psutil.Process(dashboard.pid)
     seq = [0] * RANKS
     next_step = [1] * RANKS
-    tick_s = BATCH_ROWS / STEPS_PER_S  # each rank's I/O thread wakes every 50 ms
+    tick_s = BATCH_ROWS / STEPS_PER_S  # each rank's I/O thread wakes every 100 ms
     warmup_s = 3.0
     start = time.perf_counter()
     next_tick = start

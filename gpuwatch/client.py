@@ -246,7 +246,8 @@ def _withdrawal(refusal: dict[str, Any], answers: list[tuple[RunInfo, dict[str, 
 def _margin_steps(checks: list[dict[str, Any]]) -> int:
     """Steps to add to the ranks' earliest common step so that the second phase of a
     fan-out arrives in time: 2, plus what the fastest rank trains in a generous bound
-    (0.5 s) on the second phase's round trip (the agent answers within its 50 ms poll)."""
+    (0.5 s) on the second phase's round trip (a command wakes the agent's I/O thread,
+    which answers at once)."""
     step_times = [check.get("step_time_s") for check in checks]
     fastest = min((t for t in step_times if isinstance(t, (int, float)) and t > 0),
                   default=None)
