@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.protocol import EventKind
+
 #: Knobs whose changes are watched and rolled back.
 GUARDED_KNOBS = frozenset({"precision", "accum_steps", "kernels", "lr_scale", "weight_decay",
                            "max_grad_norm"})
@@ -56,10 +58,10 @@ class ChangeGuard:
         """An ``applied`` event: start (or extend) the watch over a guarded change.
         Rollbacks themselves (``kind == "rolled_back"``) are not watched."""
         knob = event.get("knob")
-        if event.get("kind") == "rolled_back":
+        if event.get("kind") == EventKind.ROLLED_BACK:
             self._end_watch()  # undone already (e.g. on the training thread after an OOM)
             return
-        if event.get("kind") != "applied" or knob not in GUARDED_KNOBS:
+        if event.get("kind") != EventKind.APPLIED or knob not in GUARDED_KNOBS:
             return
         self._previous.setdefault(knob, event.get("previous"))
         change = f"{knob}={event.get('value')}"

@@ -106,6 +106,44 @@ HEARTBEAT = "heartbeat"
 BYE = "bye"
 MESSAGE_TYPES = (HELLO, STEPS, STEP, SYSTEM, STATE, EVENT, COMMAND, REPLY, HEARTBEAT, BYE)
 
+
+
+class EventKind:
+    """The ``kind`` of an ``event`` body, declared once for the agent, the dashboard,
+    the loggers bridge and the tests (plain strings on the wire: a peer may send kinds
+    not listed here, which readers show and otherwise ignore)."""
+
+    #: a command was accepted for a later step (``step``: the step it applies at)
+    ACCEPTED = "accepted"
+    #: a knob was set at an optimizer-step boundary (``previous``: the value before)
+    APPLIED = "applied"
+    #: setting a knob failed; the previous value stays
+    FAILED = "failed"
+    #: a command was refused (bad token, knob or value; at most one event a second)
+    REJECTED = "rejected"
+    #: a pending command was withdrawn before its step
+    CANCELLED = "cancelled"
+    #: a guarded change is being undone (announced), and the knob set back (applied)
+    ROLLBACK = "rollback"
+    ROLLED_BACK = "rolled_back"
+    #: something a person should know (a value that may hurt, a step not rolled back)
+    WARNING = "warning"
+    #: an internal error of the agent's; training goes on
+    AGENT_ERROR = "agent_error"
+    #: the model is being compiled (steps are slow, not stalled), and it is done
+    COMPILING = "compiling"
+    COMPILED = "compiled"
+    #: knob values came back from a checkpoint
+    RESUMED = "resumed"
+
+    #: kinds that settle a pending command (it applied, failed or was withdrawn)
+    SETTLING = frozenset({APPLIED, FAILED, ROLLED_BACK, CANCELLED})
+    #: kinds after which a knob holds a new value
+    CHANGED = frozenset({APPLIED, ROLLED_BACK})
+    #: kinds that end a compiling phase (besides the first step record after it)
+    COMPILE_ENDED = frozenset({COMPILED, FAILED})
+
+
 #: Largest payload either side decodes; larger frames are dropped as malformed.
 MAX_MESSAGE_BYTES = 1 << 20
 #: Most rows in one ``steps`` message (a batch of about 150 kB at most); the agent sends a

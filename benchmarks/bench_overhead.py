@@ -22,8 +22,11 @@ Two measures, each per optimizer step:
   (the agent's I/O thread and ZeroMQ's background threads; tqdm's monitor thread), read
   once the monitor has handled the last step, and the training thread's own CPU time
   (``time.thread_time``) minus that of the bare loop in the same round (what the hot
-  path adds there; this difference is noisier). The monitor threads' CPU is GIL time
-  the training thread may have to wait for.
+  path adds there; this difference is noisy), and, measured alone without a model (a
+  loop that only iterates: no noise from torch), the CPU each monitor's per-step code
+  adds to the training thread (the agent's loader wrapper and ``optimizer_step``;
+  tqdm's iteration). The monitor threads' CPU is GIL time the training thread may have
+  to wait for.
 - **Wall clock**: the ratio of each round's step time under the monitor to the bare
   loop's in the same round; mean over rounds with a 95% confidence interval (Student t).
 
@@ -31,8 +34,8 @@ Last line: ``RESULT agent_cpu_us_per_step=<a> agent_overhead_ratio=<r>
 agent_overhead_ci95=<c> agent_sub_overhead_ratio=<s> tqdm_cpu_us_per_step=<t>``: ``a`` is
 the CPU time of all agent threads a step (target <= 3 us at 1,000+ steps/s), ``r`` the
 mean wall-clock ratio and ``c`` the half-width of its 95% interval (target ``r <= 1.01``),
-``s`` the ratio with a subscriber reading, ``t`` tqdm's CPU a step (monitor thread and
-training thread's added time together: tqdm does its work on the training thread).
+``s`` the ratio with a subscriber reading, ``t`` tqdm's CPU a step (its per-step code on
+the training thread, measured alone, and its monitor thread).
 """
 
 from __future__ import annotations
@@ -221,6 +224,40 @@ MONITORS = {
 EXTRA = {"naive_logger": run_naive_logger, "torch_profiler": run_profiler}
 
 
+def hot_path_cpu_us(steps: int, repeats: int = 5) -> dict[str, float]:
+    """The training thread's CPU a step that each monitor's per-step code adds, measured
+    without a model (so torch's noise is absent): a loop that only iterates, bare, under
+    tqdm and through the agent's loader and ``optimizer_step``; the best of ``repeats``
+    minus the bare loop's, in us a step."""
+    loss = torch.tensor(0.5)
+    batches = [(None, None)] * steps
+
+    def bare():
+        start = time.thread_time()
+        for _ in iter(batches):
+            pass
+        return time.thread_time() - start
+
+    def with_tqdm():
+        with open(os.devnull, "w") as devnull:
+            bar = tqdm(batches, total=steps, file=devnull)
+            start = time.thread_time()
+            for _ in bar:
+                pass
+            return time.thread_time() - start
+
+    def with_agent():
+        with agent.session(name="bench-hot-path") as run:
+            start = time.thread_time()
+            for _ in run.loader(batches):
+                run.optimizer_step(loss)
+            return time.thread_time() - start
+
+    best = {name: min(f() for _ in range(repeats))
+            for name, f in (("bare", bare), ("tqdm", with_tqdm), ("agent", with_agent))}
+    return {name: (cpu - best["bare"]) / steps * 1e6 for name, cpu in best.items()}
+
+
 def t_95(df: int) -> float:
     """Two-sided 95% Student t quantile for ``df`` degrees of freedom."""
     try:
@@ -285,9 +322,16 @@ def main() -> None:
         print(f"{name:<15}{statistics.median(wall):>9.1f}{ratio:>8.4f}{'±' + format(ci, '.4f'):>9}"
               f"{train_added:>15.2f}{threads:>16.2f}")
     agent_ratio, agent_ci, agent_train, agent_threads = figures["agent"]
-    tqdm_cpu = max(0.0, figures["tqdm"][2]) + figures["tqdm"][3]
     print("agent threads: the I/O thread and ZeroMQ's; 'train +cpu': the training "
-          "thread's CPU minus the bare loop's in the same round (median)")
+          "thread's CPU minus the bare loop's in the same round (median; noisy)")
+    hot = hot_path_cpu_us(min(args.steps, 2000))
+    tqdm_cpu = hot["tqdm"] + figures["tqdm"][3]
+    print(f"training thread's per-step code alone (no model, best of 5): agent "
+          f"{hot['agent']:.2f} us a step (loader wrapper, clock reads, marker, deque "
+          f"append), tqdm {hot['tqdm']:.2f} us")
+    print(f"agent, all its work a step: {agent_threads + hot['agent']:.2f} us of CPU "
+          f"({agent_threads:.2f} on its threads, {hot['agent']:.2f} on the training "
+          "thread)")
     print(f"RESULT agent_cpu_us_per_step={agent_threads:.2f} "
           f"agent_overhead_ratio={agent_ratio:.4f} agent_overhead_ci95={agent_ci:.4f} "
           f"agent_sub_overhead_ratio={figures['agent+sub'][0]:.4f} "

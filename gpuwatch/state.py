@@ -205,10 +205,7 @@ def _number(value: Any) -> float | None:
     return None
 
 
-#: Event kinds that settle a pending command (it was applied, or it failed).
-_SETTLING_KINDS = frozenset({"applied", "failed", "rolled_back", "cancelled"})
-#: Event kinds that end a "compiling" phase (besides the first step record after it).
-_COMPILE_END_KINDS = frozenset({"compiled", "failed"})
+_KIND = protocol.EventKind
 
 
 class RunState:
@@ -728,7 +725,7 @@ class RunState:
             self._set_knobs(knobs, now)
 
     def _fold_event(self, body: dict[str, Any], now: float) -> None:
-        if body.get("kind") == "rejected" and body.get("id") in self.own_command_ids:
+        if body.get("kind") == _KIND.REJECTED and body.get("id") in self.own_command_ids:
             return  # this dashboard's own command: its reply says it already
         level = body.get("level")
         self.log(level if level in ("info", "warning", "error") else "info",
@@ -737,19 +734,19 @@ class RunState:
         if type(knob) is str and len(knob) > MAX_NAME_CHARS:
             knob = None  # no knob of ours has such a name
         kind = body.get("kind")
-        if kind in _SETTLING_KINDS and knob in self.pending:
+        if kind in _KIND.SETTLING and knob in self.pending:
             del self.pending[knob]
-        if kind in ("applied", "rolled_back") and isinstance(knob, str) and "value" in body:
+        if kind in _KIND.CHANGED and isinstance(knob, str) and "value" in body:
             # the run says so before the next step record (which can be seconds away):
             # a key pressed again meanwhile must start from the new value
             step = body.get("step")
             self._set_knobs({knob: bounded(body["value"])}, now,
                             at_step=step if type(step) is int else None)
-        if kind == "compiling":
+        if kind == _KIND.COMPILING:
             self.compiling_since = now
             step = body.get("step")  # the step it compiles in, when the agent says
             self._compiling_until_step = step if type(step) is int else None
-        elif kind in _COMPILE_END_KINDS:
+        elif kind in _KIND.COMPILE_ENDED:
             self.compiling_since = None
 
     def _fold_heartbeat(self, body: dict[str, Any], now: float) -> None:

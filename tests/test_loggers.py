@@ -41,8 +41,10 @@ def test_lightning_run_logs_measurements_and_knob_changes_to_tensorboard(run_dir
                  "knob/checkpointing"):
         assert f"gpuwatch/{name}" in scalars, scalars
     step_times = events.Scalars("gpuwatch/step_time_s")
-    logged = [event.step for event in step_times]  # every 2 steps, at the latest record's
-    assert len(logged) >= 5 and logged == sorted(logged) and logged[-1] == 12  # and the end
+    # every 2 steps, at the latest record's, when records came since the last log: how
+    # many did depends on the machine's pace (they come in batches, 10 a second)
+    logged = [event.step for event in step_times]
+    assert len(logged) >= 2 and logged == sorted(logged) and logged[-1] == 12  # and the end
     assert all(0 < event.value < 5 for event in step_times)
     accum = {event.step: event.value for event in events.Scalars("gpuwatch/knob/accum_steps")}
     assert all(value == (1 if step < changed_at else 2) for step, value in accum.items())

@@ -34,12 +34,12 @@ Where the records come from: the agent's own telemetry, read back in this proces
 ZeroMQ subscriber of its ``step`` and ``event`` topics (:class:`RecordTap`), so nothing
 changes in the agent or its integrations. They are read on the training thread only when
 the framework logs (Lightning: every ``log_every_n_steps`` optimizer steps; HF: at its
-``on_log``): one msgpack decode and fold per step record, 15 us measured on a busy
-2-core machine, so about that much per optimizer step on the training thread, paid at
-each log (an agent that handed its published records to a listener directly would save
-the decode). A step's record is published once its step time
-is known (its CUDA event completed), so a log holds the steps completed up to a step or
-two before it.
+``on_log``): one msgpack decode per ``steps`` batch and a fold per step record, paid
+on the training thread at each log (an agent that handed its published records to a
+listener directly would save the decode). The agent publishes the steps of each I/O
+wake-up (10 a second) as one batch, each once its step time is known (its CUDA event
+completed), so a log holds the steps completed up to about 100 ms before it; a log
+with nothing new since the last one logs nothing.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ MEAN_FIELDS = ("step_time_s", "data_wait_s", "samples_per_s", "tokens_per_s")
 LATEST_FIELDS = ("host_rss_bytes", "mem_allocated_bytes", "mem_reserved_bytes",
                  "mem_peak_reserved_bytes", "activation_bytes")
 #: Event kinds that change a knob's value (the agent's).
-CHANGE_KINDS = frozenset({"applied", "rolled_back"})
+CHANGE_KINDS = protocol.EventKind.CHANGED
 #: Records a subscriber queues before the agent's socket drops more (per log interval).
 RECEIVE_HIGH_WATER_MARK = 100_000
 
@@ -160,7 +160,7 @@ class Measurements:
               and isinstance(body.get("knob"), str) and type(body.get("step")) is int):
             self._changes.append((body["step"], f"step {body['step']}: "
                                   f"{body['knob']}={_text(body.get('value'))}"
-                                  + (" (rolled back)" if body["kind"] == "rolled_back"
+                                  + (" (rolled back)" if body["kind"] == protocol.EventKind.ROLLED_BACK
                                      else "")))
 
     def knob_number(self, name: str, value: Any) -> float | None:
