@@ -6,16 +6,18 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from agent.checkpoints import Checkpoints, load_checkpoint, restore_knobs, torch_checkpoint
 from agent.core import Agent, ending_reason
-from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, LR_SCALE, MAX_GRAD_NORM,
-                         MEMORY_FRACTION, MEMORY_SNAPSHOT_STEPS, NUM_WORKERS, PIN_MEMORY,
-                         PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
+from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, CPU_THREADS, KERNELS, LR_SCALE,
+                         MAX_GRAD_NORM, MEMORY_FRACTION, MEMORY_SNAPSHOT_STEPS,
+                         MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
+                         PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
 from agent.runlog import log_dir
+from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import MemorySnapshot, set_memory_fraction
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
 from gpuopt.optim import OptimizerSettings
@@ -76,6 +78,55 @@ def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
                                  "prefetch_factor is kept, and takes effect once "
                                  "num_workers > 0 (it is 0 now)")),
     ]
+
+
+def cpu_threads_knob() -> Knob:
+    """The ``cpu_threads`` knob: torch's intra-op threads in this process
+    (``torch.set_num_threads``), from 1 to the CPUs it may run on.
+
+    On a CPU-bound host it trades against ``num_workers``: DataLoader workers (one
+    thread each) and the training's own threads share the same cores. Applying it costs
+    microseconds; it is process-wide, so it holds for every model and loop here.
+    """
+    return Knob(dataclasses.replace(CPU_THREADS, maximum=usable_cpu_count()),
+                get=torch.get_num_threads, set=torch.set_num_threads)
+
+
+def effective_batch_refusal(micro_batch_size: int, batch_size: int, accum_steps: int
+                            ) -> str | None:
+    """Why ``micro_batch_size`` cannot keep the effective batch (``batch_size`` samples
+    per micro-batch x ``accum_steps``) exactly, or None when it can."""
+    effective = batch_size * accum_steps
+    now = f"the effective batch of {effective} samples ({batch_size} x accum_steps {accum_steps})"
+    if micro_batch_size > effective:
+        return f"more than {now}: accum_steps would be below 1"
+    if effective % micro_batch_size:
+        return (f"{now} is not a multiple of {micro_batch_size}: accum_steps would not be "
+                "a whole number")
+    return None
+
+
+def micro_batch_size_knob(loader: ReconfigurableLoader, get_accum: Callable[[], int],
+                          set_accum: Callable[[int], None]) -> Knob:
+    """The ``micro_batch_size`` knob of a loop whose micro-batches come from ``loader``
+    and whose window size is ``get_accum()`` / ``set_accum(n)``: a new size rebuilds the
+    loader on the rest of the epoch (every sample still once, in the same order) and sets
+    ``accum_steps`` so that the effective batch stays the same. A size that cannot keep
+    it exactly is refused with the reason. Costs what a loader rebuild costs
+    (:meth:`gpuopt.loader.ReconfigurableLoader.reconfigure`); if the new workers fail,
+    both settings stay as they were.
+    """
+    def check(value: int) -> None:
+        refuse(effective_batch_refusal(value, loader.batch_size, get_accum()))
+
+    def apply(value: int) -> None:
+        accum_steps = get_accum()
+        refuse(effective_batch_refusal(value, loader.batch_size, accum_steps))
+        effective = loader.batch_size * accum_steps
+        loader.reconfigure(batch_size=value)
+        set_accum(effective // value)
+
+    return Knob(MICRO_BATCH_SIZE, get=lambda: loader.batch_size, set=apply, check=check)
 
 
 def optimizer_knobs(settings: OptimizerSettings, knobs: KnobSet) -> None:
@@ -210,16 +261,17 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
 
     The agent measures every optimizer step of the next :meth:`Trainer.fit` and exposes
     the knobs ``precision``, ``accum_steps``, ``kernels``, ``lr_scale``, ``weight_decay``
-    (when the optimizer has it), ``max_grad_norm`` (0: no clipping), ``memory_fraction``
-    and ``memory_snapshot_steps`` (the last two on CUDA; elsewhere a command for them is
-    refused with the reason), ``checkpointing`` when the model
-    has blocks to checkpoint, and ``num_workers``, ``pin_memory`` and ``prefetch_factor``
-    when the trainer's loader is a :class:`gpuopt.loader.ReconfigurableLoader`; and the
-    ``checkpoint`` command (:meth:`Trainer.state_dict` and the knob values, by
-    ``torch.save``, see :mod:`agent.checkpoints`). It
-    closes (``bye``, run file removed) when that ``fit`` returns. After a guarded change
-    (precision, accumulation, kernels, the optimizer's knobs), an out-of-memory error in
-    the next steps rolls the change back and the window is run again
+    (when the optimizer has it), ``max_grad_norm`` (0: no clipping), ``cpu_threads``,
+    ``memory_fraction`` and ``memory_snapshot_steps`` (the last two on CUDA; elsewhere a
+    command for them is refused with the reason), ``checkpointing`` when the model
+    has blocks to checkpoint, and ``num_workers``, ``pin_memory``, ``prefetch_factor`` and
+    ``micro_batch_size`` when the trainer's loader is a
+    :class:`gpuopt.loader.ReconfigurableLoader`; and the ``checkpoint`` command
+    (:meth:`Trainer.state_dict` and the knob values, by ``torch.save``, see
+    :mod:`agent.checkpoints`). It closes (``bye``, run file removed) when that ``fit``
+    returns. After a guarded change (precision, accumulation, micro-batch size, kernels,
+    the optimizer's knobs), an out-of-memory error in the next steps rolls the change
+    back and the window is run again
     (``Trainer.on_out_of_memory``). Costs the training thread a few microseconds per
     optimizer step and never synchronizes the device.
 
@@ -273,6 +325,15 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
     optimizer_knobs(trainer.optimizer_settings, knobs)
     knobs.add(Knob(MAX_GRAD_NORM, get=lambda: trainer.max_grad_norm or 0.0,
                    set=lambda value: setattr(trainer, "max_grad_norm", value)))
+    # (the knobs panel lists them in this order: the newer ones after the established)
+    if isinstance(trainer.loader, ReconfigurableLoader):
+        knobs.add(micro_batch_size_knob(trainer.loader, lambda: trainer.accum_steps,
+                                        lambda value: setattr(trainer, "accum_steps", value)))
+    else:
+        knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+            "the Trainer's loader is not a gpuopt.loader.ReconfigurableLoader, whose "
+            "batches can change size mid-epoch")
+    knobs.add(cpu_threads_knob())
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
                   transport=transport, training={"framework": "gpuopt.Trainer",
                                                  "loss_normalization": trainer.loss_normalization},

@@ -159,26 +159,44 @@ def read_knobs_file(directory: str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int) -> None:
+def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *,
+                  unbound: str = "not in this run") -> dict[str, Any]:
     """Set each knob of ``knobs`` (a checkpoint's) that this run has and that differs, on
-    the training thread before training goes on; an event says what was restored (and
-    what could not be, with the reason)."""
+    the training thread before training goes on; an event says what was restored, what
+    could not be (with the reason) and what this run does not have (``unbound`` says how
+    it is told).
+
+    A knob whose setting moves another (``micro_batch_size`` adjusts ``accum_steps`` to
+    keep the effective batch) is set first, then every knob that is not at its saved
+    value is set again, so the run resumes with the saved values of all of them.
+
+    Returns:
+        The knobs of ``knobs`` this run does not have (yet), by name.
+    """
     restored, failed = [], []
-    for name, value in knobs.items():
-        knob = agent.knobs.knobs.get(name)
-        if knob is None or knob.get() == value:
-            continue
-        try:
-            knob.set(value)
-        except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
-            failed.append(f"{assignment(name, value)} ({exc})")
-        else:
-            restored.append(assignment(name, value))
+    absent = {name: value for name, value in knobs.items() if name not in agent.knobs.knobs}
+    present = [name for name in knobs if name not in absent]
+    present.sort(key=lambda name: name != "micro_batch_size")
+    for _ in range(2):  # the second pass puts back what a first-pass side effect moved
+        for name in present:
+            knob, value = agent.knobs.knobs[name], knobs[name]
+            if knob.get() == value or any(line.startswith(f"{name}=") for line in failed):
+                continue
+            try:
+                knob.set(value)
+            except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
+                failed.append(f"{assignment(name, value)} ({exc})")
+            else:
+                if assignment(name, value) not in restored:
+                    restored.append(assignment(name, value))
     agent.refresh_knobs()
     text = f"resumed from {source} at step {step}"
     if restored:
         text += " with " + ", ".join(restored)
     if failed:
         text += "; not restored: " + "; ".join(failed)
+    if absent:
+        text += f"; {unbound}: " + ", ".join(assignment(k, v) for k, v in absent.items())
     agent.event("warning" if failed else "info", text, kind="resumed", path=source,
                 step=step, knobs=knobs)
+    return absent

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ from agent.probes import Nvml, SystemProbe
 from agent.runlog import RunLog, log_dir
 from agent.runs import (RUN_ID_ENV, RunInfo, new_run_id, rank_taken, remove_run_file,
                         run_dir, shared_run_id, write_run_file)
+from agent.tune import AutoTune
+from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import memory_stats
 from gpuopt.optim import host_rate
 
@@ -225,6 +228,9 @@ class Agent:
         #: the rows of the ``steps`` message being built (see :meth:`_publish_records`)
         self._batch: list[tuple] = []
         self._change_guard = ChangeGuard()
+        #: the ``tune`` command: the in-run search (on rank 0), fed from the records below
+        self.tune = AutoTune(self.knobs, self.rank, self._publish, lambda: self.info,
+                             usable_cpu_count(), self.report_error)
         #: (step, {knob: last good value}, ["knob=value" changes]) of recent guarded changes
         self._last_change: tuple[int, dict[str, Any], list[str]] | None = None
         #: Step records lost because the queue overflowed (the I/O thread fell behind).
@@ -236,6 +242,11 @@ class Agent:
         self._rejections_reported = 0
         self._next_rejection_event = 0.0
         self.errors: list[str] = []
+        self._listeners: tuple[Any, ...] = ()
+        #: The memory readings of the latest step records published
+        #: (:func:`gpuopt.memory.memory_stats`, read on the I/O thread); replaced whole,
+        #: so any thread may read it.
+        self.latest_memory: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -270,6 +281,7 @@ class Agent:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        self.tune.close()
 
     # ---------------------------------------------------------------- hot path
 
@@ -304,7 +316,8 @@ class Agent:
                 0-dim tensor (read on the I/O thread once ready) or a float, or None.
 
         .. note:: Never synchronizes the device and never blocks: a clock read, a marker
-           (an asynchronous CUDA event on GPU), one deque append. Never raises: an
+           (an asynchronous CUDA event on GPU), one deque append (and the calls of
+           :meth:`add_listener`'s listeners, when there are any). Never raises: an
            internal error is reported once and the agent stops observing.
         """
         if self._broken:
@@ -313,11 +326,18 @@ class Agent:
             now = time.perf_counter()
             previous = self._last_boundary_t
             self._last_boundary_t = now
+            step_time_s = None if previous is None else now - previous
             self._records.append((
-                "step", step, None if previous is None else now - previous, micro_batches,
+                "step", step, step_time_s, micro_batches,
                 samples, data_wait_s, self._marker.mark(loss, skipped, grad_norm),
                 self._knob_values, activation_bytes, tokens, lr))
             self._last_step = step
+            if self._listeners:
+                self._tell_listeners({
+                    "type": protocol.STEP, "step": step, "step_time_s": step_time_s,
+                    "micro_batches": micro_batches, "samples": samples,
+                    "data_wait_s": data_wait_s, "tokens": tokens,
+                    "activation_bytes": activation_bytes, "knobs": self._knob_values})
             if self._pending:
                 self._apply_pending(step)
         except Exception as exc:  # the first rule: never crash the training
@@ -419,8 +439,41 @@ class Agent:
 
     def event(self, level: str, text: str, **fields: Any) -> None:
         """Publish an ``event`` (``level``: info | warning | error) in order with the
-        step records. Any thread; one deque append."""
-        self._records.append(("event", {"level": level, "text": text, **fields}))
+        step records. Any thread; one deque append (and the listeners' calls)."""
+        body = {"level": level, "text": text, **fields}
+        self._records.append(("event", body))
+        if self._listeners:
+            self._tell_listeners({"type": protocol.EVENT, **body})
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``listener(record)`` with each optimizer step's host facts as it is
+        recorded and with each event as it is raised, in this process, before anything
+        is published: what an in-process consumer (the framework loggers bridge) reads
+        without a socket, and without waiting for the I/O thread.
+
+        A step record: ``{"type": "step", "step", "step_time_s" (None for the first),
+        "micro_batches", "samples", "data_wait_s" (s), "tokens" (or None),
+        "activation_bytes" (or None), "knobs"}`` (the knob values the step trained
+        with; the dict is replaced, never changed, when a knob changes). An event: the
+        ``event`` body with ``"type": "event"``. Nothing the device computes (loss,
+        GPU time) is in them: that needs the step's marker, read later on the I/O
+        thread.
+
+        The call is made on the thread that records: the training thread for steps
+        and for most events, the I/O thread for some (agent errors, rank warnings), so
+        a listener must be thread-safe and cheap (a deque append), must not block and
+        must not keep ``record`` beyond reading it. A listener that raises is removed
+        and the error reported once; training goes on.
+        """
+        self._listeners = (*self._listeners, listener)
+
+    def _tell_listeners(self, record: dict[str, Any]) -> None:
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception as exc:
+                self._listeners = tuple(l for l in self._listeners if l is not listener)
+                self.report_error("a record listener", exc)
 
     def refresh_knobs(self) -> None:
         """Re-read the current values of every knob (after knobs were added or set
@@ -747,6 +800,7 @@ class Agent:
             if record[0] == "event":
                 in_flight.popleft()
                 guard.on_applied(record[1])
+                self.tune.on_event(record[1])
                 self._publish(protocol.EVENT, record[1])  # sends the batch before it
                 batch = self._batch
                 continue
@@ -784,6 +838,8 @@ class Agent:
                     or (loss is not None and loss - loss != 0.0)):  # NaN or inf loss
                 self._check_step(step, loss, skipped)
                 batch = self._batch  # an event it published sent the batch
+            self.tune.on_step(step, step_time_s, samples, tokens, loss, skipped)
+            batch = self._batch  # the tuner may publish (and so send the batch)
             share = verdict = None
             if step_time_s:
                 share, verdict = window.add(wait_s, step_time_s)
@@ -827,7 +883,8 @@ class Agent:
         if "tokens" in columns:
             columns["tokens_per_s"] = [count / time_s if count is not None and time_s
                                        else None for count, time_s in zip(tokens, times)]
-        common = self._memory()
+        memory = self.latest_memory = self._memory()
+        common = dict(memory)
         first = knobs[0]
         if all(value is first for value in knobs):  # the same map unless a knob changed
             common["knobs"] = first
@@ -855,7 +912,8 @@ class Agent:
                         + ", ".join(assignment(k, v) for k, v in rollback.values.items())
                         + f" at step {apply_step}"})
             return
-        warning = self._change_guard.non_finite_warning(step, loss)
+        warning = None if self.tune.running else self._change_guard.non_finite_warning(
+            step, loss)  # (the search watches its own changes)
         if warning:
             self._publish(protocol.EVENT, {"level": "warning", "kind": "warning",
                                            "text": warning, "step": step})
@@ -972,9 +1030,14 @@ class Agent:
         knob_name, raw = body.get("knob"), body.get("value")
         checkpoint = body.get("checkpoint") is True  # save one at the same boundary, first
         try:
-            value = self.knobs.validate(knob_name, raw)
-            if checkpoint:
-                self.knobs.validate(CHECKPOINT.name, "now")
+            if knob_name == protocol.TUNE:
+                value = self.tune.validate(raw)
+                if checkpoint:
+                    raise KnobError("checkpoint: true goes with a setting, not with tune")
+            else:
+                value = self.knobs.validate(knob_name, raw)
+                if checkpoint:
+                    self.knobs.validate(CHECKPOINT.name, "now")
         except KnobError as exc:
             self._note_rejection(str(exc), knob_name, command_id)
             return {**rejected, "reason": str(exc)}
@@ -994,8 +1057,11 @@ class Agent:
                                           f"{self.rank} (earliest: {earliest})"}
         if body.get("dry_run") is True:  # the first phase of a command to every rank
             return {"id": command_id, "ok": True, "dry_run": True, "knob": knob_name,
-                    "value": value, "apply_step": apply_step,
-                    "step_time_s": self._recent_step_time_s}
+                    "value": raw if knob_name == protocol.TUNE else value,
+                    "apply_step": apply_step, "step_time_s": self._recent_step_time_s}
+        if knob_name == protocol.TUNE:  # not a setting: the search starts (rank 0)
+            return {"id": command_id, "ok": True, "knob": knob_name, "value": raw,
+                    "apply_step": apply_step, "note": self.tune.start(value, apply_step)}
         if checkpoint:  # no id of its own: withdrawing the change leaves a harmless save
             self._schedule(_Pending(apply_step, 0, CHECKPOINT.name, "now", None))
         self._schedule(_Pending(apply_step, 0, knob_name, value, command_id,

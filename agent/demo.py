@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--accum-steps", type=int, default=1)
     parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--prefetch-factor", type=int, default=None,
+                        help="batches in flight per worker (default: DataLoader's, 2)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's, one per core)")
     parser.add_argument("--kernels", choices=("eager", "compile", "triton"), default="eager")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend for kernels=compile (aot_eager compiles "
@@ -57,10 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
+    if args.cpu_threads is not None:
+        torch.set_num_threads(args.cpu_threads)
     workload = build_demo(args.model, seed=args.seed)
     loader = ReconfigurableLoader(workload.train_dataset, workload.batch_size, shuffle=True,
                                   seed=args.seed, drop_last=True,
-                                  num_workers=args.num_workers)
+                                  num_workers=args.num_workers,
+                                  prefetch_factor=args.prefetch_factor)
     optimizer = torch.optim.AdamW(workload.model.parameters(), lr=workload.lr)
     trainer = Trainer(workload.model, optimizer, workload.loss_fn, loader,
                       precision=args.precision, accum_steps=args.accum_steps,

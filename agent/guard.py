@@ -1,8 +1,8 @@
 """Safe changes: roll a live change back when the steps after it go bad.
 
-After a change of precision, accumulation, kernels or the optimizer's settings (learning
-rate scale, weight decay, gradient clipping), the agent watches the next
-``guard_steps`` optimizer steps. A non-finite loss, or the GradScaler skipping
+After a change of precision, accumulation, micro-batch size, kernels or the optimizer's
+settings (learning rate scale, weight decay, gradient clipping), the agent watches the
+next ``guard_steps`` optimizer steps. A non-finite loss, or the GradScaler skipping
 ``max_skipped_in_row`` fp16 steps in a row, rolls the guarded knobs back to the values
 they had before the change (the last good settings), at the next optimizer-step boundary.
 Runs on the agent's I/O thread only, from the values the step markers deliver: it never
@@ -15,11 +15,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.protocol import EventKind
+from agent.protocol import TUNE_ID_PREFIX, EventKind
 
 #: Knobs whose changes are watched and rolled back.
-GUARDED_KNOBS = frozenset({"precision", "accum_steps", "kernels", "lr_scale", "weight_decay",
-                           "max_grad_norm"})
+GUARDED_KNOBS = frozenset({"precision", "accum_steps", "micro_batch_size", "kernels",
+                           "lr_scale", "weight_decay", "max_grad_norm"})
 
 
 @dataclass
@@ -37,10 +37,16 @@ class ChangeGuard:
     Args:
         guard_steps: steps after a change during which trouble rolls it back.
         max_skipped_in_row: consecutive GradScaler-skipped steps that count as trouble.
+        watched: the knobs whose changes are watched (None: every knob's).
+
+    Changes the agent's tuner makes (command ids starting with
+    :data:`agent.protocol.TUNE_ID_PREFIX`) are left to the tuner, which watches its
+    candidates with a guard of its own and reverts them on every rank at once.
     """
 
     guard_steps: int = 100
     max_skipped_in_row: int = 10
+    watched: frozenset[str] | None = GUARDED_KNOBS
     skipped_total: int = 0
     skipped_in_row: int = 0
     _previous: dict[str, Any] = field(default_factory=dict)
@@ -61,8 +67,11 @@ class ChangeGuard:
         if event.get("kind") == EventKind.ROLLED_BACK:
             self._end_watch()  # undone already (e.g. on the training thread after an OOM)
             return
-        if event.get("kind") != EventKind.APPLIED or knob not in GUARDED_KNOBS:
+        if event.get("kind") != EventKind.APPLIED or (self.watched is not None
+                                                      and knob not in self.watched):
             return
+        if str(event.get("id") or "").startswith(TUNE_ID_PREFIX):
+            return  # the tuner's own candidate: it watches it itself
         self._previous.setdefault(knob, event.get("previous"))
         change = f"{knob}={event.get('value')}"
         self._change = change if not self._change else f"{self._change}, {change}"

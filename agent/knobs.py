@@ -27,6 +27,10 @@ def assignment(knob: str, value: Any) -> str:
     return f"{knob}={json.dumps(value) if isinstance(value, bool) else value}"
 
 
+#: :attr:`KnobSpec.tuning`: searched by default, searched only when allowed, never.
+TUNED, TUNED_IF_ALLOWED, NOT_TUNED = "yes", "if allowed", "no"
+
+
 @dataclass(frozen=True)
 class KnobSpec:
     """The schema of one knob.
@@ -36,6 +40,11 @@ class KnobSpec:
         ``"action"``: a command with no value to keep (``checkpoint=now``), absent from
         :meth:`KnobSet.values`. choices: allowed values for ``choice`` and ``action``.
         minimum / maximum: inclusive bounds for ``int`` and ``float``. help: one line for people.
+        tuning: what the in-run search (:mod:`agent.tune`) may do with it:
+        :data:`TUNED` (a speed setting that leaves the training's results as they are:
+        searched by default), :data:`TUNED_IF_ALLOWED` (it changes the numerics or the
+        memory: searched only when the ``tune`` command allows it) or
+        :data:`NOT_TUNED` (never: the optimizer's settings, actions, memory tools).
     """
 
     name: str
@@ -44,6 +53,7 @@ class KnobSpec:
     choices: tuple[str, ...] = ()
     minimum: int | float | None = None
     maximum: int | float | None = None
+    tuning: str = NOT_TUNED
 
     def to_wire(self) -> dict[str, Any]:
         """The schema as a msgpack-ready map."""
@@ -137,20 +147,32 @@ _NUMBER_PARSERS = {"int": (_as_int, "an integer"), "float": (_as_float, "a finit
 
 #: The standard knobs (ARCHITECTURE.md, "Commands"); a trainer binds the ones it supports.
 PRECISION = KnobSpec("precision", "choice", "autocast precision of forward/backward",
-                     choices=("fp32", "bf16", "fp16"))
+                     choices=("fp32", "bf16", "fp16"), tuning=TUNED_IF_ALLOWED)
 ACCUM_STEPS = KnobSpec("accum_steps", "int", "micro-batches per optimizer step",
-                       minimum=1, maximum=1024)
+                       minimum=1, maximum=1024, tuning=TUNED_IF_ALLOWED)
+MICRO_BATCH_SIZE = KnobSpec("micro_batch_size", "int",
+                            "samples per micro-batch; accum_steps follows, so that the "
+                            "effective batch (micro-batch size x accum_steps) stays",
+                            minimum=1, maximum=1 << 20, tuning=TUNED_IF_ALLOWED)
 
 NUM_WORKERS = KnobSpec("num_workers", "int", "DataLoader worker processes",
-                       minimum=0, maximum=64)
-PIN_MEMORY = KnobSpec("pin_memory", "bool", "page-locked host batches (faster H2D copies)")
+                       minimum=0, maximum=64, tuning=TUNED)
+PIN_MEMORY = KnobSpec("pin_memory", "bool", "page-locked host batches (faster H2D copies)",
+                      tuning=TUNED)
 PREFETCH_FACTOR = KnobSpec("prefetch_factor", "int", "batches prefetched per worker",
-                           minimum=1, maximum=64)
+                           minimum=1, maximum=64, tuning=TUNED)
+CPU_THREADS = KnobSpec("cpu_threads", "int",
+                       "torch intra-op CPU threads of the training process "
+                       "(torch.set_num_threads)", minimum=1, maximum=1024, tuning=TUNED)
 
+# searched only when allowed: fused code reorders float ops and inductor draws its own
+# dropout masks, and compiling is a long warm-up (gpuopt.compile)
 KERNELS = KnobSpec("kernels", "choice", "forward implementation: eager, torch.compile, "
-                   "or fused Triton kernels", choices=("eager", "compile", "triton"))
+                   "or fused Triton kernels", choices=("eager", "compile", "triton"),
+                   tuning=TUNED_IF_ALLOWED)
 CHECKPOINTING = KnobSpec("checkpointing", "bool",
-                         "activation checkpointing of the repeated blocks")
+                         "activation checkpointing of the repeated blocks",
+                         tuning=TUNED_IF_ALLOWED)
 LR_SCALE = KnobSpec("lr_scale", "float", "multiplier on the learning rate the schedule "
                     "sets, in every param group (the schedule keeps its shape)",
                     minimum=0.0, maximum=100.0)
@@ -176,9 +198,9 @@ LOADER_KNOBS = (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR)
 OPTIMIZER_KNOBS = (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM)
 
 STANDARD_KNOBS = {spec.name: spec for spec in
-                  (PRECISION, ACCUM_STEPS, NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR, KERNELS,
-                   CHECKPOINTING, MEMORY_FRACTION, MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS,
-                   CHECKPOINT)}
+                  (PRECISION, ACCUM_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
+                   PREFETCH_FACTOR, CPU_THREADS, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
+                   MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, CHECKPOINT)}
 
 
 @dataclass

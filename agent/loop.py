@@ -43,13 +43,15 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from agent.adapters import (MemoryKnobs, loader_knobs, optimizer_knobs, precision_knob,
+from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs,
+                            micro_batch_size_knob, optimizer_knobs, precision_knob,
                             publish_events, refuse)
 from agent.checkpoints import Checkpoints, load_checkpoint, restore_knobs, torch_checkpoint
 from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, WEIGHT_DECAY, Knob, KnobSet)
+                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
+                         KnobSet)
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.data import batch_size
@@ -133,6 +135,9 @@ class Session:
         self.measure_activations_every = measure_activations_every
         self.step = 0
         self._accum_steps = accum_steps
+        #: knobs of the checkpoint resumed from that this run had not bound then
+        self._unbound_knobs: dict[str, Any] = {}
+        self._resumed_from = ""
         self._memory = memory
         self._meter = WindowMeter(batch_size, tokens_per_sample)
         self._measured_settings: Any = None
@@ -166,7 +171,8 @@ class Session:
         data wait) and counting samples (dim 0 of the batch's first tensor) and tokens.
         Given a :class:`gpuopt.loader.ReconfigurableLoader`, its ``num_workers``,
         ``pin_memory`` and ``prefetch_factor`` become live knobs (announced to
-        dashboards at once).
+        dashboards at once), and ``micro_batch_size`` too when the session has
+        ``accum_steps``.
 
         Raises:
             ValueError: ``epochs`` is not None or an integer >= 1.
@@ -177,8 +183,30 @@ class Session:
         if isinstance(batches, ReconfigurableLoader) and "num_workers" not in self.agent.knobs.knobs:
             for knob in loader_knobs(batches):
                 self.agent.knobs.add(knob)
+            if self._accum_steps is not None:
+                self.agent.knobs.add(micro_batch_size_knob(batches, lambda: self.accum_steps,
+                                                           self._set_accum_steps))
+            else:
+                self.agent.knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+                    "this loop did not declare accum_steps, which micro_batch_size adjusts "
+                    "to keep the effective batch: pass agent.session(accum_steps=N)")
             self.agent.refresh_knobs()
+            self._restore_unbound()
         return self._batches(batches, epochs)
+
+    def _restore_unbound(self) -> None:
+        """The knobs of the checkpoint resumed from that only :meth:`loader` binds (the
+        loader's, ``micro_batch_size``): set now, with the saved ``accum_steps`` kept
+        (``micro_batch_size`` moves it)."""
+        knobs = {name: value for name, value in self._unbound_knobs.items()
+                 if name in self.agent.knobs.knobs}
+        if not knobs:
+            return
+        for name in knobs:
+            del self._unbound_knobs[name]
+        if self._accum_steps is not None:
+            knobs[ACCUM_STEPS.name] = self._accum_steps
+        restore_knobs(self.agent, knobs, self._resumed_from, self.step)
 
     def _batches(self, batches: Iterable[Any], epochs: int | None) -> Iterator[Any]:
         meter = self._meter
@@ -300,7 +328,10 @@ class Session:
                 target.load_state_dict(saved[part])
         self.scaler.load_state_dict(saved["grad_scaler"])
         self.step = saved["step"]
-        restore_knobs(self.agent, saved["knobs"], source, self.step)
+        self._unbound_knobs = restore_knobs(
+            self.agent, saved["knobs"], source, self.step,
+            unbound="not bound yet (set when run.loader() binds them)")
+        self._resumed_from = source
         self._plan_measurement()
         set_rng_state(saved["rng"])
 
@@ -385,7 +416,9 @@ def session(*, model: torch.nn.Module | None = None,
       else its repeated blocks (nanoGPT's ``transformer.h`` is found), or
       ``checkpoint_blocks=`` names or types (see :func:`gpuopt.checkpointing.find_blocks`).
     - ``num_workers``, ``pin_memory``, ``prefetch_factor`` once :meth:`Session.loader`
-      gets a :class:`gpuopt.loader.ReconfigurableLoader`.
+      gets a :class:`gpuopt.loader.ReconfigurableLoader`, and ``micro_batch_size`` then
+      too when the loop declared ``accum_steps`` (the loop reads ``run.accum_steps`` at
+      each window's start, so the effective batch stays).
     - ``lr_scale`` and ``weight_decay`` with an ``optimizer=``
       (:class:`gpuopt.optim.OptimizerSettings`: the scale multiplies whatever the loop or
       its scheduler sets in the param groups, inside ``optimizer.step()`` only, so the
@@ -397,6 +430,7 @@ def session(*, model: torch.nn.Module | None = None,
     - the ``checkpoint`` command with a ``model=`` or ``optimizer=``: ``torch.save`` of the
       model, optimizer, ``lr_scheduler=``, GradScaler, random number generators, step
       and knob values (see :mod:`agent.checkpoints`); ``resume_from=`` continues from one.
+    - ``cpu_threads`` (``torch.set_num_threads``) always.
     - ``memory_fraction``, ``memory_snapshot_steps`` on CUDA; and ``knobs=`` of your own.
 
     A knob the loop did not declare is refused with what to declare.
@@ -478,7 +512,7 @@ def session(*, model: torch.nn.Module | None = None,
                            set=lambda value: setattr(checkpointing, "enabled", value)))
     else:
         knobs.unsupported["checkpointing"] = "pass agent.session(model=model) to checkpoint it"
-    for spec in LOADER_KNOBS:
+    for spec in (*LOADER_KNOBS, MICRO_BATCH_SIZE):
         knobs.unsupported.setdefault(spec.name, (
             "this loop's data does not come through a gpuopt.loader.ReconfigurableLoader "
             "given to run.loader(...)"))
@@ -499,6 +533,7 @@ def session(*, model: torch.nn.Module | None = None,
         for spec in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
             knobs.unsupported[spec.name] = ("pass agent.session(optimizer=optimizer) for "
                                             "gpuwatch to set it in the optimizer's step")
+    knobs.add(cpu_threads_knob())
     agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
                   training={"framework": "loop",
                             "loss_normalization": "as the loop divides its losses"},

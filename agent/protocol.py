@@ -70,11 +70,28 @@ Message types and their bodies:
                ``cancel: true`` (and ``id``, ``token``, optional ``reason``) the pending
                command ``id`` is withdrawn. Several ranks: dry run on all, then the
                command at one common ``apply_step`` on all, then cancel where needed.
+               Commands that are not settings name no knob of the schema: ``tune``
+               (:data:`TUNE`, value a map: ``knobs`` (names to search; default every
+               knob whose spec says it is tuned), ``budget_steps`` (int),
+               ``allow`` (names of knobs that change numerics or memory, searched only
+               when listed here); or ``{"stop": true}``, which ends a search and keeps
+               the best configuration). It is answered and fanned out like any
+               command; rank 0 runs the search, and the commands the search sends have
+               ids starting with :data:`TUNE_ID_PREFIX`.
 ``reply``      agent -> client: ``id``, ``ok``, ``knob``, ``value``, ``apply_step`` or
                ``reason``; an accepted command's reply also has ``step``, the last
                optimizer step the run had completed when it accepted it (the run's own
                counter: the command applies ``apply_step - step`` steps later, 2 with the
                default ``apply_step``).
+``tune``       the in-run search (rank 0), at each change of its state: ``status``
+               (running | done | stopped), ``started_step``, ``step``, ``steps``
+               (spent so far), ``budget_steps``, ``unit`` (samples | tokens), ``knobs``
+               (searched), ``baseline`` and ``best`` ({knob: value}), ``gain`` (best over
+               baseline throughput, minus 1), ``candidates`` (list of maps: ``knob``,
+               ``value``, ``state`` (measuring | kept | reverted | skipped), ``reason``,
+               ``per_s`` and ``per_s_spread`` (throughput in units/s and its 95%
+               half-width), ``gain`` and ``gain_spread`` (against the best so far, as
+               fractions), ``steps``), and once ended ``text`` (the one-line result).
 ``heartbeat``  about 1 Hz: ``step`` (last completed optimizer step), ``ending``,
                ``records_dropped``, ``errors``, ``commands_refused``,
                ``commands_rejected`` (bad token, knob or value).
@@ -104,8 +121,12 @@ COMMAND = "command"
 REPLY = "reply"
 HEARTBEAT = "heartbeat"
 BYE = "bye"
-MESSAGE_TYPES = (HELLO, STEPS, STEP, SYSTEM, STATE, EVENT, COMMAND, REPLY, HEARTBEAT, BYE)
+TUNE = "tune"
+MESSAGE_TYPES = (HELLO, STEPS, STEP, SYSTEM, STATE, EVENT, COMMAND, REPLY, HEARTBEAT, BYE,
+                 TUNE)
 
+#: Ids of the commands the agent's tuner sends start with this.
+TUNE_ID_PREFIX = "tune-"
 
 
 class EventKind:

@@ -6,13 +6,17 @@ command flood, against the same disturbance aimed at a decoy, in one run.
 The demo transformer trains in a child process (agent attached). Phases:
 
 - quiet:    nothing else runs;
-- decoy:    the disturbance below, aimed at a decoy endpoint in this process (the same
+- decoy:    the disturbance below, aimed at a decoy agent in this process (the same
             CPU load on the machine, nothing reaching the run);
 - attacked: the same disturbance aimed at the run.
 
 Disturbance: ``--kills`` dashboards (``gpuwatch tail``) started and killed with SIGKILL
-once they receive a record, one subscriber connected that never reads, and a flood of
-1,000 commands a second with a wrong token. Throughput is read from the run's own log
+once they receive a record, one subscriber connected that never reads, a flood of
+1,000 commands a second with a wrong token, and the attacks of another local user who
+knows the ports but not the keys (``tests/tcp_attack.py``: a 4 MB subscription, 300
+connections of 64 x 64 KB messages, 1,200 raw connections held open; the run is on tcp,
+behind its CURVE gateway). The decoy is an agent on tcp in this process, with its own
+gateway and keys, that trains nothing: the same sockets, handshakes and clients. Throughput is read from the run's own log
 (every step is there). The verdict compares attacked with decoy: on a 2-core machine the
 clients' own CPU use slows any process, so the quiet phase is reported but is not the
 reference.
@@ -20,7 +24,7 @@ reference.
 The decoy and attacked phases alternate ``--rounds`` times; means are compared.
 
 Last line: ``RESULT attacked_vs_decoy=<ratio> attacked_vs_quiet=<ratio> steps_logged=<n>
-steps_expected=<n>``.
+steps_expected=<n> attacker_messages=<n>`` (what reached the keyless attacker: 0).
 """
 
 from __future__ import annotations
@@ -38,10 +42,21 @@ import time
 import zmq
 
 from agent import protocol, runs
+from agent.core import Agent
 
 
-def disturb(pub_endpoint: str, cmd_endpoint: str, seconds: float, kills: int) -> int:
-    """Run the disturbance against the endpoints for ``seconds``; returns kills done."""
+ATTACK = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests",
+                      "tcp_attack.py")
+
+
+def disturb(pub_endpoint: str, cmd_endpoint: str, seconds: float, kills: int,
+            run_dir: str) -> tuple[int, dict]:
+    """Run the disturbance against the endpoints for ``seconds``; returns the kills done
+    and what the keyless attacker got (``tests/tcp_attack.py``'s result)."""
+    attacker = subprocess.Popen([sys.executable, ATTACK, pub_endpoint, cmd_endpoint, run_dir],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if attacker.stdout.readline().strip() != "ready":
+        raise RuntimeError("the attacker did not start")
     context = zmq.Context.instance()
     stalled = context.socket(zmq.SUB)
     stalled.setsockopt(zmq.SUBSCRIBE, b"")
@@ -87,41 +102,10 @@ def disturb(pub_endpoint: str, cmd_endpoint: str, seconds: float, kills: int) ->
     stop.set()
     flooder.join()
     stalled.close()
-    return done
-
-
-class Decoy:
-    """A PUB (publishing heartbeats) and a ROUTER that the decoy disturbance hits."""
-
-    def __init__(self) -> None:
-        context = zmq.Context.instance()
-        self.pub = context.socket(zmq.PUB)
-        self.router = context.socket(zmq.ROUTER)
-        self.pub_endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
-        self.cmd_endpoint = (
-            f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        seq = 0
-        while not self._stop.is_set():
-            seq += 1
-            self.pub.send_multipart(protocol.encode(protocol.envelope(
-                "heartbeat", {"step": seq}, run="decoy", seq=seq)))
-            try:
-                while True:
-                    self.router.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
+    attacker.stdin.close()
+    got = json.loads(attacker.stdout.readline())
+    attacker.wait(60)
+    return done, got
 
 
 def steps_between(log_path: str, start: float, end: float) -> int:
@@ -147,9 +131,9 @@ def main() -> int:
                               "--transport", "tcp"], stdout=subprocess.PIPE, text=True)
     child.stdout.readline()
     info = next(r for r in runs.list_runs() if r.pid == child.pid)
-    decoy = Decoy()
+    decoy = Agent(name="decoy", transport="tcp").start()
     rates: dict[str, list[float]] = {"quiet": [], "decoy": [], "attacked": []}
-    killed = 0
+    killed = leaked = 0
     try:
         time.sleep(3.0)  # warm-up steps
         for phase in ["quiet"] + ["decoy", "attacked"] * args.rounds:
@@ -158,11 +142,15 @@ def main() -> int:
             if phase == "quiet":
                 time.sleep(args.phase_s)
             else:
-                target = decoy if phase == "decoy" else info
-                done = disturb(target.pub_endpoint, target.cmd_endpoint, args.phase_s,
-                               -(-args.kills // args.rounds))
-                killed += done if phase == "attacked" else 0
-                note = f"  ({done} dashboards killed)"
+                target = decoy.info if phase == "decoy" else info
+                done, got = disturb(target.pub_endpoint, target.cmd_endpoint, args.phase_s,
+                                    -(-args.kills // args.rounds), directory)
+                if phase == "attacked":
+                    killed += done
+                    leaked += got["received"] + got["replies"]
+                note = (f"  ({done} dashboards killed; the keyless attacker held "
+                        f"{got['raw_connections']} raw connections, got "
+                        f"{got['received'] + got['replies']} messages)")
             end = time.time()
             time.sleep(1.0)  # the log is flushed every 0.5 s
             rates[phase].append(steps_between(info.log_path, start, end) / (end - start))
@@ -178,10 +166,12 @@ def main() -> int:
     bye = [r for r in records if r["type"] == "bye"]
     expected = bye[-1]["steps"] if bye else max(steps)
     print(f"run log: {len(steps)} step records for {expected} optimizer steps; "
-          f"{killed} dashboards killed while attached to the run")
+          f"{killed} dashboards killed while attached to the run; "
+          f"{leaked} messages reached the keyless attacker")
     print(f"RESULT attacked_vs_decoy={mean['attacked'] / mean['decoy']:.3f} "
           f"attacked_vs_quiet={mean['attacked'] / mean['quiet']:.3f} "
-          f"steps_logged={len(steps)} steps_expected={expected}")
+          f"steps_logged={len(steps)} steps_expected={expected} "
+          f"attacker_messages={leaked}")
     return 0
 
 

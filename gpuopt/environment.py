@@ -40,7 +40,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["environment_report", "format_report", "main", "GROUPS"]
+__all__ = ["environment_report", "format_report", "main", "usable_cpu_count", "GROUPS"]
 
 #: Top-level keys of the report, in display order.
 GROUPS = ("python", "torch", "cuda", "cpu", "triton", "mps")
@@ -143,10 +143,12 @@ def _cuda_group(torch: Any) -> dict[str, Any]:
     }
 
 
-def _usable_cpu_count() -> int | None:
+def usable_cpu_count() -> int:
+    """The CPUs this process may run on (its affinity mask where the platform has one,
+    else every CPU; 1 when the count is unknown)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
-    return os.cpu_count()
+    return os.cpu_count() or 1
 
 
 def _cpu_group(torch: Any) -> dict[str, Any]:
@@ -161,7 +163,7 @@ def _cpu_group(torch: Any) -> dict[str, Any]:
     return _group(
         {
             "count": os.cpu_count,
-            "usable_count": _usable_cpu_count,
+            "usable_count": usable_cpu_count,
             "capability": lambda: torch.backends.cpu.get_cpu_capability(),
             # CPU autocast supports bfloat16 on every CPU; without native bf16 (AVX512-BF16
             # or AMX) it is emulated and usually slower than float32.

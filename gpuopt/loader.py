@@ -1,4 +1,5 @@
-"""A data loader whose worker settings can change in the middle of an epoch.
+"""A data loader whose worker settings and batch size can change in the middle of an
+epoch.
 
 ``torch.utils.data.DataLoader`` fixes ``num_workers``, ``pin_memory``, ``prefetch_factor``
 and ``persistent_workers`` when it is built; changing them means a new DataLoader, and a
@@ -89,33 +90,37 @@ class _EpochIndices(list):
 
 
 class _BatchList:
-    """Batch sampler over batches ``start, start + 1, ...`` of one rank's epoch.
+    """Batch sampler over the rest of one rank's epoch: ``batches`` batches of
+    ``batch_size`` samples from sample ``first_sample`` of ``shard`` on (the last one
+    shorter where the shard ends).
 
-    ``shard`` is the rank's index order for the epoch (1-D int64 tensor); batch ``b`` is
-    ``shard[b * batch_size:(b + 1) * batch_size]`` as a list of ints, an
-    :class:`_EpochIndices` tagged with ``epoch`` when that is not None. Re-pointed by the
-    loader (new epoch, new start) before each ``iter(dataloader)``; a persistent-worker
-    DataLoader re-iterates this same object on ``_reset``.
+    ``shard`` is the rank's index order for the epoch (1-D int64 tensor); each batch is a
+    slice of it as a list of ints, an :class:`_EpochIndices` tagged with ``epoch`` when
+    that is not None. Re-pointed by the loader (new epoch, new start) before each
+    ``iter(dataloader)``; a persistent-worker DataLoader re-iterates this same object on
+    ``_reset``.
     """
 
     def __init__(self, batch_size: int) -> None:
         self.batch_size = batch_size
         self.shard = torch.empty(0, dtype=torch.int64)
-        self.start = 0
-        self.stop = 0
+        self.first_sample = 0
+        self.batches = 0
         self.epoch: int | None = None
 
-    def point(self, shard: torch.Tensor, start: int, stop: int, epoch: int | None) -> None:
-        self.shard, self.start, self.stop, self.epoch = shard, start, stop, epoch
+    def point(self, shard: torch.Tensor, first_sample: int, batches: int,
+              epoch: int | None) -> None:
+        self.shard, self.first_sample, self.batches, self.epoch = (shard, first_sample,
+                                                                   batches, epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
         shard, size, epoch = self.shard, self.batch_size, self.epoch
-        for batch in range(self.start, self.stop):
-            indices = shard[batch * size:(batch + 1) * size].tolist()
+        for start in range(self.first_sample, self.first_sample + self.batches * size, size):
+            indices = shard[start:start + size].tolist()
             yield indices if epoch is None else _EpochIndices(indices, epoch)
 
     def __len__(self) -> int:
-        return self.stop - self.start
+        return self.batches
 
 
 def _accelerator_pins() -> tuple[bool, str]:
@@ -353,16 +358,17 @@ class _EpochIterator:
 
 class ReconfigurableLoader:
     """Batches of a map-style dataset, one epoch per ``for batch in loader``, whose
-    ``num_workers``, ``pin_memory``, ``prefetch_factor`` and ``persistent_workers`` can
-    change between two batches without losing the epoch's place.
+    ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``persistent_workers`` and
+    ``batch_size`` can change between two batches without losing the epoch's place.
 
     Epochs: epoch ``e`` visits the indices in the order
     ``DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last)`` gives
     after ``set_epoch(e)`` (a ``torch.randperm`` seeded with ``seed + e``, padded by
     repeating its head, or truncated with ``drop_last``, so that every rank has the same
     number of samples, then ``indices[rank::num_replicas]``), cut into batches of
-    ``batch_size``. The order does not depend on the worker settings or on when they
-    change.
+    ``batch_size`` (after a change of batch size, the rest of the epoch is cut into
+    batches of the new size). The order of the samples does not depend on the settings
+    or on when they change.
 
     Iteration: ``iter(loader)`` continues the current epoch where the consumer left it
     (after a ``break``, or an exception from the dataset, the next batch is the first one
@@ -494,9 +500,11 @@ class ReconfigurableLoader:
             self._samples_per_rank = math.ceil((n - replicas) / replicas)
         else:
             self._samples_per_rank = math.ceil(n / replicas)
-        per_rank = self._samples_per_rank
-        self._batches_per_epoch = (per_rank // self.batch_size if self.drop_last
-                                   else math.ceil(per_rank / self.batch_size))
+        # Batch number ``_size_changed_at[0]`` of the epoch starts at sample
+        # ``_size_changed_at[1]`` of its shard; from there batches have ``batch_size``
+        # samples (a change of batch size mid-epoch moves this point; an epoch starts at 0).
+        self._size_changed_at = (0, 0)
+        self._batches_per_epoch = self._batches_from(0, self.batch_size)
 
         self._seed_generator = torch.Generator()
         self._seed_generator.manual_seed(hash((self.seed, self.rank)) & (2 ** 63 - 1))
@@ -542,31 +550,47 @@ class ReconfigurableLoader:
             return LoaderPosition(self._epoch, self._yielded, self._batches_per_epoch)
 
     def save_position(self) -> dict[str, Any]:
-        """Where the loader is (epoch, batches of it handed out) and the state of its
-        workers' seed generator: :meth:`restore_position` in a fresh loader over the same
-        dataset goes on with the same batches (:meth:`gpuopt.Trainer.state_dict` keeps it).
+        """Where the loader is (epoch, batches of it handed out, its batch size and where
+        in the epoch that size began) and the state of its workers' seed generator:
+        :meth:`restore_position` in a fresh loader over the same dataset goes on with the
+        same batches, also after a mid-epoch change of batch size
+        (:meth:`gpuopt.Trainer.state_dict` keeps it).
 
         Not called ``state_dict`` on purpose: Lightning takes a train loader with
         ``state_dict`` / ``load_state_dict`` for one it can resume mid-epoch, and saves
         it while it holds a batch fetched ahead, so a resume would be a batch off."""
         with self._lock:
             return {"epoch": self._epoch, "batches_yielded": self._yielded,
+                    "batch_size": self.batch_size,
+                    "size_changed_at": list(self._size_changed_at),
                     "seed_generator": self._seed_generator.get_state()}
 
     def restore_position(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (:meth:`save_position`'s): the next batch is the first one
-        the saving loader had not handed out. Batches fetched ahead are dropped; persistent
-        workers stay up.
+        the saving loader had not handed out, and :attr:`batch_size` is the saving
+        loader's (a position saved without one keeps this loader's). Batches fetched
+        ahead are dropped; persistent workers stay up unless the batch size changes.
 
         Raises:
             ValueError: a position outside this loader's epochs (another dataset length,
-                batch size or number of ranks).
+                batch size or number of ranks). Nothing changes.
         """
         epoch = _check_int("epoch", state["epoch"], 0, None)
-        yielded = _check_int("batches_yielded", state["batches_yielded"], 0,
-                             self._batches_per_epoch)
+        size = _check_int("batch_size", state.get("batch_size", self.batch_size), 1, None)
+        changed_batch, changed_sample = state.get("size_changed_at", (0, 0))
+        changed_batch = _check_int("size_changed_at batch", changed_batch, 0, None)
+        changed_sample = _check_int("size_changed_at sample", changed_sample, 0,
+                                    self._samples_per_rank)
+        batches = changed_batch + self._batches_from(changed_sample, size)
+        yielded = _check_int("batches_yielded", state["batches_yielded"], changed_batch,
+                             batches)
         with self._lock:
+            if size != self.batch_size:
+                self._close_inner()  # its batch sampler cuts batches of the old size
+                self.batch_size = size
             self._move_to_epoch(epoch)
+            self._size_changed_at = (changed_batch, changed_sample)
+            self._batches_per_epoch = batches
             self._yielded = yielded
             self._seed_generator.set_state(state["seed_generator"])
 
@@ -607,8 +631,10 @@ class ReconfigurableLoader:
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
         persistent_workers: bool | None = None,
+        batch_size: int | None = None,
     ) -> dict[str, Any]:
-        """Change worker settings between two batches; the epoch goes on where it was.
+        """Change worker settings or the batch size between two batches; the epoch goes
+        on where it was.
 
         Call it from the thread that iterates, between two batches (at an optimizer-step
         boundary). The new settings apply from the first batch not yet handed to the
@@ -630,6 +656,11 @@ class ReconfigurableLoader:
                 ``[1, MAX_PREFETCH_FACTOR]``; ignored with ``num_workers=0``.
             persistent_workers: keep the workers from one epoch to the next; ignored
                 with ``num_workers=0``.
+            batch_size: samples per batch from the next batch on (int >= 1): the rest of
+                the epoch, from the first sample not yet handed out, is cut into batches
+                of this size (the last one shorter, or dropped with ``drop_last``), so
+                every sample of the epoch still comes once and in the same order;
+                :attr:`batch_size` and ``len(loader)`` (the epoch's batches) follow.
             A setting left at None stays as it is.
 
         Returns:
@@ -664,20 +695,25 @@ class ReconfigurableLoader:
                     requested[name] = value
             requested = self._validated(requested)
             effective = self._normalised(requested)
-            if effective == self._effective:
+            size = self.batch_size if batch_size is None else _check_int(
+                "batch_size", batch_size, 1, None)
+            if effective == self._effective and size == self.batch_size:
                 self._requested = requested
                 return self._describe(self._requested, self._effective)
             if self._yielded >= self._batches_per_epoch:
                 self._close_inner()
                 self._requested, self._effective = requested, effective
+                self.batch_size = size  # from the next epoch's first batch
                 return self._describe(self._requested, self._effective)
 
             started = time.perf_counter()
             self._prepare_dataset(watch=False)  # new workers copy it in this epoch's state
-            dataloader, batch_list = self._build(effective)
+            dataloader, batch_list = self._build(effective, size)
+            first_sample = self._first_sample(self._yielded)
+            batches = self._yielded + self._batches_from(first_sample, size)
             iterator = None
             try:
-                batch_list.point(self._shard, self._yielded, self._batches_per_epoch,
+                batch_list.point(self._shard, first_sample, batches - self._yielded,
                                  self._epoch if self._workers_follow else None)
                 state = self._new_pool_state(dataloader, effective)
                 iterator = iter(dataloader)
@@ -702,6 +738,10 @@ class ReconfigurableLoader:
             self._pool_state = state
             self._pending = first
             self._requested, self._effective = requested, effective
+            if size != self.batch_size:
+                self.batch_size = size
+                self._size_changed_at = (self._yielded, first_sample)
+                self._batches_per_epoch = batches
             self.last_reconfigure_s = time.perf_counter() - started
             return self._describe(self._requested, self._effective)
 
@@ -752,9 +792,11 @@ class ReconfigurableLoader:
             if self._iterator is None:
                 self._prepare_dataset()
                 if self._dataloader is None:
-                    self._dataloader, self._batch_list = self._build(self._effective)
+                    self._dataloader, self._batch_list = self._build(self._effective,
+                                                                     self.batch_size)
                 assert self._batch_list is not None
-                self._batch_list.point(self._shard, self._yielded, self._batches_per_epoch,
+                self._batch_list.point(self._shard, self._first_sample(self._yielded),
+                                       self._batches_per_epoch - self._yielded,
                                        self._epoch if self._workers_follow else None)
                 state = self._new_pool_state(self._dataloader, self._effective)
                 self._iterator = iter(self._dataloader)
@@ -783,6 +825,8 @@ class ReconfigurableLoader:
         self._epoch = epoch
         self._shard = self._epoch_shard(epoch)
         self._yielded = 0
+        self._size_changed_at = (0, 0)
+        self._batches_per_epoch = self._batches_from(0, self.batch_size)
 
     def _persistent_pool(self) -> bool:
         """Whether persistent workers are up (kept by the inner DataLoader)."""
@@ -870,8 +914,21 @@ class ReconfigurableLoader:
             indices = indices.repeat(math.ceil(total / n))[:total] if n else indices
         return indices[self.rank:total:self.num_replicas].clone()
 
-    def _build(self, effective: dict[str, Any]) -> tuple[DataLoader, _BatchList]:
-        batch_list = _BatchList(self.batch_size)
+    def _first_sample(self, batch: int) -> int:
+        """Where batch number ``batch`` of the epoch (at or after the last change of
+        batch size) starts in the epoch's shard, in samples."""
+        changed_batch, changed_sample = self._size_changed_at
+        return changed_sample + (batch - changed_batch) * self.batch_size
+
+    def _batches_from(self, first_sample: int, size: int) -> int:
+        """Batches of ``size`` samples left in the epoch from ``first_sample`` on (the
+        last one shorter, or dropped with ``drop_last``)."""
+        left = max(0, self._samples_per_rank - first_sample)
+        return left // size if self.drop_last else math.ceil(left / size)
+
+    def _build(self, effective: dict[str, Any], batch_size: int
+               ) -> tuple[DataLoader, _BatchList]:
+        batch_list = _BatchList(batch_size)
         workers = effective["num_workers"]
         dataloader = DataLoader(
             self.dataset,

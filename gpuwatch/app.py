@@ -13,6 +13,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
+from agent import protocol
 from agent.knobs import assignment
 from agent.runs import find_run
 from gpuwatch.client import new_command_id, reply_text, send_command
@@ -36,6 +37,7 @@ from gpuwatch.widgets.step_chart import LOSS, TIMING, StepChart
 from gpuwatch.widgets.system import SystemPanel
 from gpuwatch.widgets.throughput import ThroughputBar
 from gpuwatch.widgets.timeline_bar import TimelineBar
+from gpuwatch.widgets.tune import TuneScreen
 
 #: Seconds between checks for new records; the screen is redrawn only when they changed.
 REDRAW_S = 0.2
@@ -107,6 +109,13 @@ class GpuwatchApp(App[None]):
                 tooltip="Cycle kernels eager -> compile -> triton (the run's choices)"),
         Binding("c", "toggle('checkpointing')", "ckpt", id="checkpointing.toggle",
                 tooltip="Activation checkpointing on/off (less memory, more compute)"),
+        Binding("T", "tune", "tune", id="tune",
+                show=False,  # in help and the palette: the footer is full at 80 columns
+                tooltip="Start the in-run search for the fastest safe configuration (the "
+                        "run tries its speed settings and keeps what is faster); again: "
+                        "stop it, keeping the best"),
+        Binding("t", "show_tune", "search", id="tune.show", show=False,
+                tooltip="Show the search: each candidate, its throughput, kept or why not"),
         Binding("l", "scale('lr_scale', 0.5)", "lr/2", id="lr_scale.halve",
                 tooltip="lr_scale x0.5: half the learning rate the schedule sets, from the "
                         "next step (the schedule keeps its shape)", group=_LR),
@@ -184,6 +193,8 @@ class GpuwatchApp(App[None]):
             # never a text box's (the command palette's): its arrows stay its own
             return (isinstance(self.source, TimelineSource)
                     and not isinstance(self.focused, Input))
+        if action == "tune":
+            return self.source.info is not None  # a replay sends nothing
         if action not in _KNOB_ACTIONS:
             return True
         if self.source.info is None:
@@ -262,6 +273,8 @@ class GpuwatchApp(App[None]):
                 for chart in self.query(StepChart):
                     chart.show(state.steps, marks=state.knob_changes)
             knob_names = frozenset(state.schema)
+            if isinstance(self.screen, TuneScreen):
+                self.screen.show(state)
             if self._drawn == (state.version, status, size):
                 return
             self._drawn = (state.version, status, size)
@@ -376,6 +389,23 @@ class GpuwatchApp(App[None]):
     def action_help(self) -> None:
         """Open the help screen."""
         self.push_screen(HelpScreen())
+
+    def action_show_tune(self) -> None:
+        """Open the search's screen."""
+        if not isinstance(self.screen, TuneScreen):
+            self.push_screen(TuneScreen())
+
+    def action_tune(self) -> None:
+        """Start an in-run search with the run's default knobs, or stop the running one
+        (the best configuration so far stays); opens the search's screen."""
+        with self.source.lock:
+            running, hello = self.source.state.tuning, bool(self.source.state.hello)
+        if not hello:
+            self.note("warning", "no knob schema from the run yet; nothing sent")
+            return
+        self.action_show_tune()
+        self._command(protocol.TUNE, {"stop": True} if running else {},
+                      "tune: stop the search" if running else "tune: start a search")
 
     def action_cycle(self, knob: str) -> None:
         """Ask the run for the next value of a choice knob (its schema's order)."""
@@ -494,13 +524,16 @@ class GpuwatchApp(App[None]):
         self.note("warning", f"{reason}; nothing sent")
         return None, None
 
-    def _command(self, knob: str, value: Any) -> None:
+    def _command(self, knob: str, value: Any, described: str | None = None) -> None:
+        """Send ``knob=value`` (``described`` for people, by default the assignment)
+        unless read-only or the run has ended."""
+        described = described or assignment(knob, value)
         if self.readonly:
-            self.note("warning", f"read-only: {assignment(knob, value)} not sent")
+            self.note("warning", f"read-only: {described} not sent")
         elif self.source.state.ended is not None:
-            self.note("warning", f"the run has ended: {assignment(knob, value)} not sent")
+            self.note("warning", f"the run has ended: {described} not sent")
         else:
-            self.note("info", f"sent {assignment(knob, value)}")
+            self.note("info", f"sent {described}")
             self._send(knob, value)
 
     @work(thread=True, group="commands")
@@ -518,6 +551,11 @@ class GpuwatchApp(App[None]):
         if event.worker.group != "commands" or event.state != WorkerState.SUCCESS:
             return
         knob, value, reply = event.worker.result
+        if knob == protocol.TUNE:  # not a setting: say what the run answered
+            self.note("info" if reply.get("ok") else "error",
+                      f"tune: {reply['note']}" if reply.get("ok") and reply.get("note")
+                      else reply_text(knob, value, reply))
+            return
         with self.source.lock:
             if reply.get("ok"):
                 self.source.state.note_pending(knob, reply.get("value", value),

@@ -1,8 +1,8 @@
 """The ``gpuwatch`` command: the dashboard, and scriptable commands around it.
 
 ``gpuwatch [RUN]`` opens the dashboard (a finished run on a timeline); ``runs``,
-``set``, ``tail``, ``replay``, ``demo``, ``doctor``, and for runs after the fact
-``report``, ``compare`` and ``export`` (:mod:`gpuwatch.history_commands`) are
+``set``, ``tune``, ``tail``, ``replay``, ``demo``, ``doctor``, and for runs after the
+fact ``report``, ``compare`` and ``export`` (:mod:`gpuwatch.history_commands`) are
 subcommands. Textual is imported only by the commands that
 draw a screen, so the scriptable ones start fast.
 """
@@ -24,12 +24,12 @@ import zmq
 
 from agent import protocol
 from agent.protocol import printable
-from agent.runs import RunInfo, alive, find_run, list_runs, run_dir
+from agent.runs import RunInfo, alive, find_run, list_runs, run_dir, run_ranks
 from gpuwatch import history, history_commands
 from gpuwatch.units import human_age, human_ms, human_number
 
-SUBCOMMANDS = ("attach", "runs", "set", "tail", "replay", "demo", "doctor", "report",
-               "compare", "export")
+SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor",
+               "report", "compare", "export")
 #: How long ``gpuwatch demo`` waits for the training child to write its run file (s).
 DEMO_START_TIMEOUT_S = 60.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
@@ -37,8 +37,8 @@ DEMO_STOP_TIMEOUT_S = 20.0
 #: ``gpuwatch tail ENDPOINT`` (no run file to check) gives up after this long with
 #: nothing heard (s); a run sends a heartbeat a second.
 TAIL_SILENCE_S = 10.0
-#: ``gpuwatch tail RUN`` checks whether the run's process lives after this long with
-#: nothing heard (s).
+#: ``gpuwatch tail RUN`` and ``gpuwatch tune`` check whether the run's process lives
+#: after this long with nothing heard (s).
 TAIL_CHECK_AFTER_S = 3.0
 
 
@@ -111,6 +111,32 @@ def _parser() -> argparse.ArgumentParser:
                            "risky change: precision=fp16 --checkpoint); the change is not "
                            "made if the save fails. `set checkpoint=now` saves one alone")
     set_.set_defaults(handler=_set)
+
+    tune = commands.add_parser(
+        "tune", help="let the run find its fastest safe configuration",
+        description="Start the in-run search: the run tries settings one at a time at "
+                    "optimizer-step boundaries, measures each against the best so far, "
+                    "keeps what is faster beyond noise and reverts the rest. It runs in "
+                    "the training process: stopping this command (or killing it) does "
+                    "not stop it. Prints each candidate until the search ends. Exit "
+                    "status: 0 the search ran (or stopped), 1 refused or no answer.")
+    tune.add_argument("--run", help="run id, prefix or endpoint (default: the newest)")
+    tune.add_argument("--knobs", metavar="A,B",
+                      help="knobs to search (default: every speed setting the run has: "
+                           "cpu_threads, num_workers, prefetch_factor, pin_memory)")
+    tune.add_argument("--budget-steps", type=int, metavar="N",
+                      help="optimizer steps the search may spend (default 600)")
+    tune.add_argument("--allow", metavar="A,B",
+                      help="knobs that change numerics or memory, searched only when "
+                           "named here: precision, accum_steps, micro_batch_size, kernels, "
+                           "checkpointing")
+    tune.add_argument("--stop", action="store_true",
+                      help="stop the running search; the best configuration so far stays")
+    tune.add_argument("--no-follow", action="store_true",
+                      help="start it and exit (follow it in the dashboard or the run log)")
+    tune.add_argument("--timeout", type=float, default=3.0, metavar="S",
+                      help="seconds to wait for the reply (default 3)")
+    tune.set_defaults(handler=_tune)
 
     tail = commands.add_parser(
         "tail", help="print a run's records as they come, or a run log's",
@@ -239,9 +265,54 @@ def _set(args: argparse.Namespace) -> int:
         return _no_run(args.run)
     reply = send_command(info, knob, value, timeout_s=args.timeout,
                          checkpoint=args.checkpoint)
-    print(printable(reply_text(knob, value, reply)),
+    print(printable(reply_text(knob, value, reply), newlines=True),  # its warning line
           file=sys.stdout if reply.get("ok") else sys.stderr)
     return 0 if reply.get("ok") else 3 if reply.get("ranks_differ") else 1
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from gpuwatch.client import Subscriber, reply_text, send_command
+
+    info = find_run(args.run)
+    if info is None:
+        return _no_run(args.run)
+    value: dict[str, Any] = {"stop": True} if args.stop else {}
+    for key, option in (("knobs", args.knobs), ("allow", args.allow)):
+        if option:
+            value[key] = [name.strip() for name in option.split(",") if name.strip()]
+    if args.budget_steps is not None:
+        value["budget_steps"] = args.budget_steps
+    rank0 = min(run_ranks(info.run_id), key=lambda rank: rank.rank, default=info)
+    follow = not (args.stop or args.no_follow)
+    with Subscriber(rank0) as subscriber:
+        if follow:  # subscribed before it starts: no candidate is missed
+            subscriber.recv(timeout_s=args.timeout)
+        reply = send_command(info, protocol.TUNE, value, timeout_s=args.timeout)
+        if not reply.get("ok"):
+            print(printable(reply_text(protocol.TUNE, value, reply)), file=sys.stderr)
+            return 3 if reply.get("ranks_differ") else 1
+        print(f"tune: {printable(reply.get('note', 'accepted'))}", flush=True)
+        if not follow:
+            return 0
+        heard_at = time.monotonic()
+        while True:
+            message = subscriber.recv(timeout_s=1.0)
+            if message is None:
+                gone = _tail_gone(rank0, time.monotonic() - heard_at)
+                if gone is not None:
+                    print(f"gpuwatch tune: {printable(gone)}", file=sys.stderr)
+                    return 1
+                continue
+            heard_at = time.monotonic()
+            body = message["body"]
+            if message["type"] == protocol.EVENT and body.get("kind") in ("tune", "tuned"):
+                print(printable(body.get("text", "")), flush=True)
+                if body.get("kind") == "tuned":
+                    return 0
+            elif message["type"] == protocol.BYE:
+                print(f"gpuwatch tune: the run ended ({printable(body.get('reason', ''))}) "
+                      "before the search did", file=sys.stderr)
+                return 1
 
 
 def _tail(args: argparse.Namespace) -> int:
@@ -287,7 +358,8 @@ def _tail(args: argparse.Namespace) -> int:
 
 
 def _tail_gone(info: RunInfo, silent_s: float) -> str | None:
-    """Why ``gpuwatch tail`` should stop after ``silent_s`` seconds without a message,
+    """Why ``gpuwatch tail`` (or ``tune``, following the search) should stop after
+    ``silent_s`` seconds without a message,
     or None to go on waiting: a run with a run file is gone when its process is
     (killed: no ``bye`` will come); a bare endpoint is given up on after
     :data:`TAIL_SILENCE_S`. A live process that is slow to speak (a loaded machine) is

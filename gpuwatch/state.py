@@ -244,6 +244,8 @@ class RunState:
             errors, training goes on; commands it rejected: bad token, knob or value).
         system: the latest ``system`` body, or None. ended: the ``bye`` body, or None
             (cleared if the same run id speaks again: it was restarted).
+        tune: the latest ``tune`` body (the in-run search: status, best, candidates),
+            or None before any search.
         events: the last :data:`EVENT_HISTORY` log entries; events_total counts all ever.
         records: envelopes ingested. missed: records lost (sequence gaps).
         message_t: the ``t`` (unix time, s) of the latest envelope, None if it had none.
@@ -287,6 +289,7 @@ class RunState:
         #: since it last heard from it, False when it saw it gone, None: no way to know
         self.process_alive: bool | None = None
         self.system: dict[str, Any] | None = None
+        self.tune: dict[str, Any] | None = None
         self.ended: dict[str, Any] | None = None
         self.events: deque[LogEntry] = deque(maxlen=EVENT_HISTORY)
         self.events_total = 0
@@ -310,6 +313,7 @@ class RunState:
             protocol.EVENT: self._fold_event,
             protocol.HEARTBEAT: self._fold_heartbeat,
             protocol.BYE: self._fold_bye,
+            protocol.TUNE: self._fold_tune,
         }
 
     def copy(self) -> RunState:
@@ -748,6 +752,18 @@ class RunState:
             self._compiling_until_step = step if type(step) is int else None
         elif kind in _KIND.COMPILE_ENDED:
             self.compiling_since = None
+
+    def _fold_tune(self, body: dict[str, Any], now: float) -> None:
+        candidates = body.get("candidates")
+        if not isinstance(candidates, list) or not all(isinstance(c, dict)
+                                                       for c in candidates):
+            raise ValueError("tune candidates must be a list of maps")
+        self.tune = body
+
+    @property
+    def tuning(self) -> bool:
+        """Whether an in-run search is running (as its latest ``tune`` record says)."""
+        return self.tune is not None and self.tune.get("status") == "running"
 
     def _fold_heartbeat(self, body: dict[str, Any], now: float) -> None:
         if type(body.get("step")) is int:

@@ -68,12 +68,13 @@ def test_hello_carries_schema_environment_and_model(run_dir):
         # the CUDA-only memory knobs are absent from a CPU run's schema
         assert [k["name"] for k in body["knobs"]] == [
             "precision", "accum_steps", "kernels", "lr_scale", "weight_decay",
-            "max_grad_norm", "checkpoint"]
+            "max_grad_norm", "cpu_threads", "checkpoint"]
         assert body["model"] == {"name": "Sequential", "params": 64 * 64 + 64 + 64 * 10 + 10}
         assert body["env"]["torch"]["version"] == torch.__version__
         assert body["knob_values"] == {"precision": "fp32", "accum_steps": 1, "kernels": "eager",
                                        "lr_scale": 1.0, "weight_decay": 0.0,
-                                       "max_grad_norm": 0.0}  # checkpoint: a command
+                                       "max_grad_norm": 0.0,
+                                       "cpu_threads": torch.get_num_threads()}
     finally:
         monitor.close()
 
@@ -397,3 +398,35 @@ def test_nvml_psutil_and_allocator_readings_never_run_on_the_training_thread(
     trainer.fit(max_steps=40)
     assert nvml.threads and readings  # they ran, on the agent's I/O thread only
     assert set(nvml.threads) == set(readings) == {"gpuwatch-agent"}
+
+
+def test_a_listener_sees_every_step_as_it_is_recorded_and_one_that_raises_is_dropped(
+        run_dir):
+    model = make_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, digits_loader())
+    monitor = agent.attach(trainer)
+    records, failures = [], []
+
+    def keep(record):
+        records.append((threading.current_thread().name, dict(record)))
+
+    def broken(record):
+        failures.append(record["type"])
+        raise RuntimeError("listener bug")
+
+    monitor.add_listener(keep)
+    monitor.add_listener(broken)
+    trainer.fit(max_steps=12)
+    steps = [r for _, r in records if r["type"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 13))  # every one, in order
+    assert {name for name, r in records if r["type"] == "step"} == {"MainThread"}
+    assert all(r["step_time_s"] > 0 and r["samples"] == 16 and r["micro_batches"] == 1
+               and r["data_wait_s"] >= 0 and r["knobs"]["precision"] == "fp32"
+               for r in steps)
+    assert failures == ["step"]  # called once, then removed; its error is an event
+    error = records[1][1]        # the other listener got at once, before step 2
+    assert error["type"] == "event" and error["kind"] == "agent_error"
+    assert "a record listener failed: RuntimeError: listener bug" in error["text"]
+    assert [e for e in monitor.errors if "listener" in e] == [
+        "gpuwatch agent: a record listener failed: RuntimeError: listener bug"]

@@ -252,7 +252,8 @@ def test_one_line_attach_reports_every_window_with_hf_loss_tokens_data_wait_and_
     assert hello["training"] == {"framework": f"transformers {transformers.__version__}",
                                  "loss_normalization": "tokens"}
     names = {knob["name"] for knob in hello["knobs"]}
-    assert {"precision", "accum_steps", "checkpointing", "kernels"} <= names
+    assert {"precision", "accum_steps", "checkpointing", "kernels", "lr_scale",
+            "weight_decay", "max_grad_norm", "cpu_threads", "checkpoint"} <= names
 
 
 @pytest.mark.parametrize("normalised", ["by_tokens", "per_micro_batch"])

@@ -225,8 +225,9 @@ def test_one_line_attach_reports_undivided_loss_data_wait_lr_tokens_and_events(r
     assert hello["name"] == "lightning-digits"
     assert hello["model"] == {"name": "Digits",
                               "params": sum(p.numel() for p in module.parameters())}
-    assert [k["name"] for k in hello["knobs"]][:4] == ["precision", "accum_steps", "kernels",
-                                                       "checkpointing"]
+    assert [k["name"] for k in hello["knobs"]] == [
+        "precision", "accum_steps", "kernels", "checkpointing", "lr_scale", "weight_decay",
+        "max_grad_norm", "checkpoint", "cpu_threads"]
     assert hello["training"] == {"framework": f"lightning {L.__version__}",
                                  "loss_normalization": "micro_batch_mean"}
     events = [(r["kind"], r.get("step"), r.get("sanity_check")) for r in records
@@ -236,6 +237,8 @@ def test_one_line_attach_reports_undivided_loss_data_wait_lr_tokens_and_events(r
     epoch_end = events.index(("epoch_end", 4, None))  # 8 batches, 2 per step
     assert events[epoch_end - 2:epoch_end] == [("validation_start", 4, False),
                                                ("validation_end", 4, False)]
+    assert [r["text"] for r in records if r.get("kind") == "epoch_end"] == [
+        "epoch 0 ended at step 4", "epoch 1 stopped at step 6: max_steps reached"]
     assert records[-1]["type"] == "bye" and records[-1]["reason"] == "finished"
     assert runs.list_runs() == []  # the run file is gone
 

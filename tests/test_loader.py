@@ -122,6 +122,65 @@ def test_two_ranks_switched_at_different_points_cover_the_dataset_once():
     assert sorted(seen) == list(range(N))
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_new_batch_size_mid_epoch_cuts_the_rest_of_the_epoch_keeping_the_order(drop_last):
+    """Every sample of the epoch once, in the unswitched order; the batches after a
+    change have the new size (the last one shorter, or dropped with drop_last), and the
+    next epoch starts with it; workers or not, and with other settings changed at once."""
+    n = 203
+    loader = ReconfigurableLoader(Indices(n), BATCH, seed=5, drop_last=drop_last)
+    switches = {3: {"batch_size": 5}, 7: {"batch_size": 16, "num_workers": 2},
+                9: {"batch_size": 3, "num_workers": 1}}
+    batches = _run_epoch(loader, switches)
+    order = _flatten(_reference(n, seed=5))
+    sizes = [len(batch) for batch in batches]
+    assert sizes[:3] == [8] * 3 and sizes[3:7] == [5] * 4 and sizes[7:9] == [16, 16]
+    assert set(sizes[9:-1]) == {3}
+    assert _flatten(batches) == order[:len(_flatten(batches))]
+    left = n - 3 * 8 - 4 * 5 - 2 * 16  # samples the size-3 batches cut
+    assert sizes[-1] == (3 if drop_last else (left % 3 or 3))
+    assert len(_flatten(batches)) == (n - left % 3 if drop_last else n)
+    assert len(loader) == len(batches) and loader.batch_size == 3
+    assert {len(batch) for batch in _run_epoch(loader)[:-1]} == {3}  # the next epoch
+    loader.close()
+
+
+def test_a_position_saved_after_a_batch_size_change_resumes_with_the_same_batches():
+    """save_position after a mid-epoch change of batch size: a fresh loader built with
+    the first size goes on with the saving loader's next batches, of its size."""
+    n = 203
+    loader = ReconfigurableLoader(Indices(n), BATCH, seed=5)
+    batches = _run_epoch(loader, {3: {"batch_size": 5}})
+    resumed = ReconfigurableLoader(Indices(n), BATCH, seed=5)
+    loader = ReconfigurableLoader(Indices(n), BATCH, seed=5)
+    iterator = iter(loader)
+    seen = [next(iterator).tolist() for _ in range(3)]
+    loader.reconfigure(batch_size=5)
+    seen += [next(iterator).tolist() for _ in range(2)]
+    resumed.restore_position(loader.save_position())
+    assert resumed.batch_size == 5 and resumed.position == loader.position
+    assert seen + [batch.tolist() for batch in resumed] == batches
+    with pytest.raises(ValueError, match="batches_yielded"):
+        resumed.restore_position({**loader.save_position(), "batches_yielded": 10 ** 6})
+    assert resumed.batch_size == 5 and resumed.position.batches_yielded == len(resumed)
+
+
+def test_a_batch_size_change_whose_new_workers_fail_keeps_the_old_size(tmp_path):
+    flag = tmp_path / "fail"
+    loader = ReconfigurableLoader(Indices(), BATCH,
+                                  worker_init_fn=functools.partial(_init_fails_if, flag))
+    iterator = iter(loader)
+    first = next(iterator).tolist()
+    flag.touch()
+    with pytest.raises(LoaderReconfigureError):
+        loader.reconfigure(batch_size=4, num_workers=1)
+    assert loader.batch_size == BATCH and loader.position == LoaderPosition(0, 1, len(loader))
+    assert [first, next(iterator).tolist()] == _reference()[:2]
+    with pytest.raises(ValueError, match="batch_size must be in"):
+        loader.reconfigure(batch_size=0)
+    loader.close()
+
+
 def test_break_resumes_and_set_epoch_restarts():
     loader = ReconfigurableLoader(Indices(), BATCH, num_workers=2, persistent_workers=True)
     expected = _reference()

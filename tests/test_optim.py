@@ -288,6 +288,45 @@ def test_a_trainer_checkpoint_taken_mid_run_resumes_bit_identically(run_dir, tmp
     assert event["knobs"]["lr_scale"] == 0.5 and event["knobs"]["accum_steps"] == 3
 
 
+def test_a_trainer_checkpoint_after_a_micro_batch_size_change_resumes_bit_identically(
+        run_dir, tmp_path):
+    """micro_batch_size=8 (16 x accum_steps 2 -> 8 x 4) mid-epoch, then a checkpoint: the
+    resumed Trainer's loader cuts the rest of the epoch as the saving one did, with
+    accum_steps 4, so the effective batch and every later update are the same."""
+    gate = Gate(hold_at=2)
+    trainer, model = _resumable_trainer(0, [gate])
+    snapshots = Snapshots(model)
+    trainer.callbacks.append(snapshots)
+    monitor = agent.attach(trainer, name="trainer-micro-batch", checkpoint_dir=tmp_path)
+    thread = start(trainer, max_steps=10)
+    assert gate.reached.wait(30)
+    for knob, value, step in (("micro_batch_size", 8, 3), ("checkpoint", "now", 6)):
+        assert send_command(monitor.info, knob, value, apply_step=step)["ok"]
+    log_path = monitor.info.log_path
+    gate.release.set()
+    thread.join(60)
+    records = _records(log_path)
+    saved = [e for e in _events(records, "applied") if e["knob"] == "checkpoint"]
+    assert len(saved) == 1 and saved[0]["checkpoint_step"] == 5
+    assert {_steps(records)[step]["samples"] for step in range(1, 11)} == {32}
+
+    fresh, fresh_model = _resumable_trainer(seed=1)
+    fresh_snapshots = Snapshots(fresh_model)
+    fresh.callbacks.append(fresh_snapshots)
+    resumed = agent.attach(fresh, name="trainer-resumed", resume_from=saved[0]["path"])
+    assert (fresh.step, fresh.loader.batch_size, fresh.accum_steps) == (5, 8, 4)
+    resumed_log = resumed.info.log_path
+    fresh.fit(max_steps=10)
+    for step in range(5, 11):
+        for got, want in zip(fresh_snapshots.after[step], snapshots.after[step]):
+            assert torch.equal(got, want), step
+    original, again = _steps(records), _steps(_records(resumed_log))
+    assert [again[k]["loss"] for k in range(6, 11)] == [original[k]["loss"] for k in range(6, 11)]
+    event = _events(_records(resumed_log), "resumed")[0]
+    assert event["text"] == f"resumed from {saved[0]['path']} at step 5"  # nothing to redo
+    assert event["knobs"]["micro_batch_size"] == 8 and event["knobs"]["accum_steps"] == 4
+
+
 def _dropout_loop(run, model, optimizer, scheduler, data, steps):
     losses = {}
     for _ in range(steps):
@@ -499,3 +538,50 @@ def test_the_demo_resumes_from_a_checkpoint_exactly(run_dir, tmp_path):
         assert again[step]["loss"] == original[step]["loss"], step
         assert again[step]["knobs"] == original[step]["knobs"], step
     assert again[41]["knobs"]["lr_scale"] == 0.5 and again[41]["knobs"]["max_grad_norm"] == 0.5
+
+
+def test_a_loop_resumed_after_a_micro_batch_size_change_binds_it_with_run_loader(
+        run_dir, tmp_path):
+    """micro_batch_size exists in a loop only once run.loader() binds it, after the resume:
+    the checkpoint's value waits for it, and the saved accum_steps is kept (setting the
+    size alone would move accum_steps to keep the resumed run's effective batch)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    run = agent.session(model=model, optimizer=optimizer, accum_steps=2,
+                        checkpoint_dir=tmp_path, name="loop-micro-batch")
+    batches = run.loader(ReconfigurableLoader(_digits_dataset(), 16), epochs=None)
+
+    def window():
+        for _ in range(run.accum_steps):
+            x, y = next(batches)
+            (F.cross_entropy(model(x), y) / run.accum_steps).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        run.optimizer_step()
+
+    window()
+    for knob, value, step in (("micro_batch_size", 8, 3), ("checkpoint", "now", 4)):
+        reply = send_command(run.agent.info, knob, value, apply_step=step)
+        assert reply["ok"], reply
+    for _ in range(4):
+        window()
+    run.close()
+    path = tmp_path / "step-00000003.pt"
+    assert {k: load_checkpoint(path)["knobs"][k] for k in ("micro_batch_size",
+                                                            "accum_steps")} == {
+        "micro_batch_size": 8, "accum_steps": 4}
+
+    resumed = agent.session(model=model, optimizer=optimizer, accum_steps=2,
+                            resume_from=path, name="loop-micro-batch-resumed")
+    assert resumed.accum_steps == 4 and "micro_batch_size" not in resumed.agent.knobs.knobs
+    loader = ReconfigurableLoader(_digits_dataset(), 16)
+    resumed.loader(loader, epochs=None)
+    assert (loader.batch_size, resumed.accum_steps) == (8, 4)  # the effective batch: 32
+    log_path = resumed.agent.info.log_path
+    resumed.close()
+    first, second = [e["text"] for e in _events(_records(log_path), "resumed")]
+    assert first.startswith(f"resumed from {path} at step 3 with accum_steps=4")
+    assert first.endswith("; not bound yet (set when run.loader() binds them): "
+                          "num_workers=0, pin_memory=false, prefetch_factor=2, "
+                          "micro_batch_size=8")
+    assert second == f"resumed from {path} at step 3 with micro_batch_size=8, accum_steps=4"

@@ -15,7 +15,8 @@ import torch
 import agent
 from agent import runs
 from gpuopt import Trainer
-from gpuwatch.client import Subscriber, _Connections, reply_text, send_command
+from agent.fanout import _Connections
+from gpuwatch.client import Subscriber, reply_text, send_command
 from tests.conftest import FakeAgent
 from tests.training import Gate, digits_loader, messages, model as make_model, start
 

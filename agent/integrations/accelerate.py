@@ -97,7 +97,8 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType
 from accelerate.utils.operations import convert_to_fp32
 
-from agent.adapters import MemoryKnobs, loader_knobs, optimizer_knobs, publish_events, refuse
+from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, optimizer_knobs,
+                            publish_events, refuse)
 from agent.checkpoints import (GRAD_SCALER_FILE, Checkpoints, read_knobs_file, restore_knobs,
                                write_knobs_file)
 from agent.core import Agent
@@ -836,6 +837,7 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
                   for optimizer in _prepared_optimizers(accelerator)]
     run._memory = MemoryKnobs(accelerator.device, agent.run_id)
     run._memory.bind(run.knobs)
+    run.knobs.add(cpu_threads_knob())
     if resume_from is not None:
         run.resume(resume_from)
     agent.refresh_knobs()

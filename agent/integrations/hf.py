@@ -96,7 +96,7 @@ import transformers
 from transformers import TrainerCallback
 from transformers.utils import is_sagemaker_mp_enabled
 
-from agent.adapters import MemoryKnobs, publish_events
+from agent.adapters import MemoryKnobs, cpu_threads_knob, publish_events
 from agent.checkpoints import (GRAD_SCALER_FILE, Checkpoints, read_knobs_file, restore_knobs,
                                write_knobs_file)
 from agent.core import Agent, ending_reason
@@ -194,6 +194,7 @@ class _Run:
                            transport=transport, **options)
         self.memory = MemoryKnobs(self.device, self.agent.run_id)
         self.memory.bind(knobs)
+        knobs.add(cpu_threads_knob())
         self._bind_checkpoint(knobs, checkpoint_dir)
         self.agent.refresh_knobs()
         self._install()
@@ -912,6 +913,7 @@ class GpuwatchCallback(TrainerCallback):
 
 
 def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "ipc",
+           loggers: bool = False,
            **options: Any) -> Agent:
     """Attach a started agent to a ``transformers.Trainer`` before ``train()``; returns
     the agent.
@@ -927,6 +929,9 @@ def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "i
         trainer: the Trainer, not yet training.
         name: label for the run (default: the script name).
         transport: ``"ipc"`` or ``"tcp"``.
+        loggers: also add gpuwatch's measurements and knob values to every log of the
+            Trainer, so its ``report_to`` integrations record them
+            (:class:`agent.integrations.hf_loggers.GpuwatchHFLoggers`).
         options: ``compile_backend``, ``tokens_per_sample``, ``checkpoint_dir`` (see
             :class:`GpuwatchCallback`) and more :class:`agent.Agent` arguments.
 
@@ -943,6 +948,10 @@ def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "i
                          "with it)")
     callback = GpuwatchCallback(trainer, name=name, transport=transport, **options)
     trainer.add_callback(callback)
+    if loggers:
+        from agent.integrations.hf_loggers import GpuwatchHFLoggers
+
+        trainer.add_callback(GpuwatchHFLoggers(trainer))
     train = trainer.train
 
     def train_closing_on_error(*args: Any, **kwargs: Any) -> Any:

@@ -36,7 +36,7 @@ class GpuwatchHFLoggers(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         callbacks = self.trainer.callback_handler.callbacks
         agent = agent_of(callbacks)
-        if agent is None or agent.info is None:
+        if agent is None:
             return
         self._bridge = Bridge(agent)
         if self in callbacks:
@@ -54,5 +54,5 @@ class GpuwatchHFLoggers(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._bridge is not None:
-            self._bridge.tap.close()
+            self._bridge.close()
             self._bridge = None

@@ -134,8 +134,8 @@ from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from agent.adapters import (MemoryKnobs, loader_knobs, optimizer_knobs, precision_knob,
-                            publish_events, refuse)
+from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, optimizer_knobs,
+                            precision_knob, publish_events, refuse)
 from agent.checkpoints import Checkpoints, restore_knobs
 from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
@@ -539,6 +539,7 @@ class _Run:
             self._bind_checkpoint(knobs)
             self.memory = MemoryKnobs(self.device, self.agent.run_id)
             self.memory.bind(knobs)
+            knobs.add(cpu_threads_knob())
             self.fetch = _FetchTimer(trainer.fit_loop.epoch_loop)
             self.fetch.install()
             restored = self.options.get("restored")
@@ -775,9 +776,14 @@ class _Run:
             self.agent.mark_start()  # at a boundary: the next step's time leaves it out
 
     def epoch_end(self) -> None:
-        epoch = self.trainer.current_epoch
-        self.event("epoch_end", f"epoch {epoch} ended at step {self.trainer.global_step}",
-                   epoch=epoch)
+        trainer = self.trainer
+        epoch, step = trainer.current_epoch, trainer.global_step
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        cut = (0 < trainer.max_steps <= step
+               and isinstance(trainer.num_training_batches, int)
+               and batches < trainer.num_training_batches)  # Lightning ends it on max_steps
+        self.event("epoch_end", f"epoch {epoch} stopped at step {step}: max_steps reached"
+                   if cut else f"epoch {epoch} ended at step {step}", epoch=epoch)
 
     def checkpoint_saved(self) -> None:
         self.event("checkpoint", f"checkpoint saved at step {self.trainer.global_step} "
@@ -984,7 +990,7 @@ class GpuwatchCallback(Callback):
 
 
 def attach(trainer: pl.Trainer, *, name: str = "", transport: str = "ipc",
-           **options: Any) -> Agent:
+           loggers: bool = False, **options: Any) -> Agent:
     """Attach gpuwatch to a ``lightning.pytorch.Trainer`` before ``fit``: adds a
     :class:`GpuwatchCallback` and returns its started agent (its knobs are bound when
     training starts; see there).
@@ -992,6 +998,8 @@ def attach(trainer: pl.Trainer, *, name: str = "", transport: str = "ipc",
     Args:
         trainer: the Trainer.
         name, transport: as for :class:`agent.Agent`.
+        loggers: also log gpuwatch's measurements and knob changes to the Trainer's
+            loggers (:class:`agent.integrations.lightning_loggers.GpuwatchLoggers`).
         options: :class:`GpuwatchCallback` arguments (``tokens_per_sample``,
             ``checkpoint_blocks``, ``compile_backend``, ``grad_scaler``,
             ``checkpoint_dir``) and more :class:`agent.Agent` arguments.
@@ -1011,4 +1019,8 @@ def attach(trainer: pl.Trainer, *, name: str = "", transport: str = "ipc",
     callback = GpuwatchCallback(name=name, transport=transport, **options)
     agent = callback.new_agent(trainer, None)
     trainer.callbacks.append(callback)
+    if loggers:
+        from agent.integrations.lightning_loggers import GpuwatchLoggers
+
+        trainer.callbacks.append(GpuwatchLoggers())
     return agent

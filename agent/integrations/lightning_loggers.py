@@ -26,7 +26,7 @@ class GpuwatchLoggers(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         agent = agent_of(trainer.callbacks)
-        if agent is not None and agent.info is not None:
+        if agent is not None:
             self._bridge = Bridge(agent)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -42,7 +42,7 @@ class GpuwatchLoggers(pl.Callback):
         if self._bridge is None:
             return
         self._log(trainer)  # what came since the last log: the run's last steps
-        self._bridge.tap.close()
+        self._bridge.close()
         self._bridge = None
 
     def _log(self, trainer: pl.Trainer) -> None:

@@ -30,91 +30,41 @@ metrics, under ``gpuwatch/``:
 This module holds what both share and imports no framework; each callback lives in the
 module named for its framework, which imports that framework.
 
-Where the records come from: the agent's own telemetry, read back in this process by a
-ZeroMQ subscriber of its ``step`` and ``event`` topics (:class:`RecordTap`), so nothing
-changes in the agent or its integrations. They are read on the training thread only when
-the framework logs (Lightning: every ``log_every_n_steps`` optimizer steps; HF: at its
-``on_log``): one msgpack decode per ``steps`` batch and a fold per step record, paid
-on the training thread at each log (an agent that handed its published records to a
-listener directly would save the decode). The agent publishes the steps of each I/O
-wake-up (10 a second) as one batch, each once its step time is known (its CUDA event
-completed), so a log holds the steps completed up to about 100 ms before it; a log
-with nothing new since the last one logs nothing.
+Where the records come from: the agent hands each optimizer step's host facts and each
+event to a listener (:meth:`agent.Agent.add_listener`) as it records them, on the
+training thread, and the listener appends them to a deque: a dict and an append per step,
+nothing published is decoded and no socket is read. They are folded on the training thread
+only when the framework logs (Lightning: every ``log_every_n_steps`` optimizer steps; HF:
+at its ``on_log``), a few microseconds a step, so a log holds every step up to the one it is
+made at. Memory is the agent's latest reading (:attr:`agent.Agent.latest_memory`, taken
+on its I/O thread as it publishes).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-import zmq
-
 from agent import protocol
 from agent.core import Agent
-from agent.runs import RunInfo
 
 #: Prefix of every name this module logs.
 PREFIX = "gpuwatch/"
-#: Step fields logged as the mean over the steps since the last log.
-MEAN_FIELDS = ("step_time_s", "data_wait_s", "samples_per_s", "tokens_per_s")
-#: Step fields logged as the latest value.
-LATEST_FIELDS = ("host_rss_bytes", "mem_allocated_bytes", "mem_reserved_bytes",
-                 "mem_peak_reserved_bytes", "activation_bytes")
+#: Memory readings logged as they are at the log.
+MEMORY_FIELDS = ("host_rss_bytes", "mem_allocated_bytes", "mem_reserved_bytes",
+                 "mem_peak_reserved_bytes")
 #: Event kinds that change a knob's value (the agent's).
-CHANGE_KINDS = protocol.EventKind.CHANGED
-#: Records a subscriber queues before the agent's socket drops more (per log interval).
-RECEIVE_HIGH_WATER_MARK = 100_000
+CHANGE_KINDS = frozenset({"applied", "rolled_back"})
+#: Records kept between two logs; beyond, the oldest go (a log interval of more steps
+#: than this averages over its latest steps only).
+MAX_RECORDS_PER_LOG = 100_000
 
 
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if value == value else None
-
-
-class RecordTap:
-    """The ``step`` and ``event`` records an agent publishes, read back in its own
-    process from its telemetry endpoint (with its CURVE keys when it has them).
-
-    Args:
-        info: the agent's run file (:attr:`agent.Agent.info`).
-
-    Raises:
-        zmq.ZMQError: the endpoint cannot be connected (a malformed one).
-    """
-
-    def __init__(self, info: RunInfo) -> None:
-        self.malformed = 0
-        """Frames dropped because they were not envelopes."""
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
-        for topic in (protocol.STEPS, protocol.STEP, protocol.EVENT):
-            self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode("ascii"))
-        if info.curve_server_key:
-            self._socket.curve_serverkey = info.curve_server_key.encode()
-            self._socket.curve_publickey = info.curve_client_public_key.encode()
-            self._socket.curve_secretkey = info.curve_client_secret_key.encode()
-        self._socket.connect(info.pub_endpoint)
-
-    def drain(self, limit: int = RECEIVE_HIGH_WATER_MARK) -> list[dict[str, Any]]:
-        """The records received since the last call (at most ``limit``), decoded;
-        never blocks."""
-        records = []
-        while len(records) < limit:
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            try:  # a steps batch as one step record a row
-                records.extend(protocol.expand(protocol.decode_frames(frames)))
-            except protocol.ProtocolError:
-                self.malformed += 1
-        return records
-
-    def close(self) -> None:
-        """Close the socket. Idempotent."""
-        self._socket.close(linger=0)
 
 
 class Measurements:
@@ -135,33 +85,49 @@ class Measurements:
         self._changes: list[tuple[int, str]] = []
 
     def add(self, record: Mapping[str, Any]) -> None:
-        """Fold one envelope (a ``step``, or an ``event`` that changed a knob)."""
-        body = record.get("body") or {}
+        """Fold one listener record (a step's host facts, or an event that changed a
+        knob: :meth:`agent.Agent.add_listener`)."""
         if record.get("type") == protocol.STEP:
-            step = body.get("step")
+            step = record.get("step")
             if type(step) is int:
                 self.step = step
-            for name in MEAN_FIELDS:
-                value = _number(body.get(name))
+            step_time_s = _number(record.get("step_time_s"))
+            if step_time_s:
+                for name, count in (("samples_per_s", record.get("samples")),
+                                    ("tokens_per_s", record.get("tokens"))):
+                    count = _number(count)
+                    if count is not None:
+                        self._fold(name, count / step_time_s)
+            for name in ("step_time_s", "data_wait_s"):
+                value = _number(record.get(name))
                 if value is not None:
-                    self._sums[name] = self._sums.get(name, 0.0) + value
-                    self._counts[name] = self._counts.get(name, 0) + 1
-            for name in LATEST_FIELDS:
-                value = _number(body.get(name))
-                if value is not None:
-                    self._latest[name] = value
-            knobs = body.get("knobs")
+                    self._fold(name, value)
+            activation = _number(record.get("activation_bytes"))
+            if activation is not None:
+                self._latest["activation_bytes"] = activation
+            knobs = record.get("knobs")
             if isinstance(knobs, Mapping):
                 for name, value in knobs.items():
                     number = self.knob_number(str(name), value)
                     if number is not None:
                         self._knobs[str(name)] = number
-        elif (record.get("type") == protocol.EVENT and body.get("kind") in CHANGE_KINDS
-              and isinstance(body.get("knob"), str) and type(body.get("step")) is int):
-            self._changes.append((body["step"], f"step {body['step']}: "
-                                  f"{body['knob']}={_text(body.get('value'))}"
-                                  + (" (rolled back)" if body["kind"] == protocol.EventKind.ROLLED_BACK
+        elif (record.get("type") == protocol.EVENT and record.get("kind") in CHANGE_KINDS
+              and isinstance(record.get("knob"), str) and type(record.get("step")) is int):
+            self._changes.append((record["step"], f"step {record['step']}: "
+                                  f"{record['knob']}={_text(record.get('value'))}"
+                                  + (" (rolled back)" if record["kind"] == "rolled_back"
                                      else "")))
+
+    def add_memory(self, memory: Mapping[str, Any]) -> None:
+        """Take the latest memory readings (:attr:`agent.Agent.latest_memory`)."""
+        for name in MEMORY_FIELDS:
+            value = _number(memory.get(name))
+            if value is not None:
+                self._latest[name] = value
+
+    def _fold(self, name: str, value: float) -> None:
+        self._sums[name] = self._sums.get(name, 0.0) + value
+        self._counts[name] = self._counts.get(name, 0) + 1
 
     def knob_number(self, name: str, value: Any) -> float | None:
         """A knob value as a number: booleans 0/1, numbers as they are, a choice by
@@ -195,33 +161,41 @@ def _text(value: Any) -> str:
 
 
 class Bridge:
-    """An agent's tap and measurements (one per ``fit`` / ``train``).
+    """An agent's listener and measurements (one per ``fit`` / ``train``).
 
     Args:
-        agent: the started gpuwatch agent of the run.
-
-    Raises:
-        RuntimeError: the agent has no telemetry endpoint (it could not start one).
-        zmq.ZMQError: as :class:`RecordTap`.
+        agent: the gpuwatch agent of the run (started or not: nothing here needs its
+            sockets).
     """
 
     def __init__(self, agent: Agent) -> None:
-        if agent.info is None:
-            raise RuntimeError("the gpuwatch agent has no telemetry endpoint")
         self.agent = agent
-        self.tap = RecordTap(agent.info)
         self.measurements = Measurements({})
+        self._records: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDS_PER_LOG)
+        self._open = True
+        agent.add_listener(self._listen)
+
+    def _listen(self, record: dict[str, Any]) -> None:
+        if self._open:  # the agent may outlive this fit: then a closed bridge keeps nothing
+            self._records.append(record)
 
     def collect(self) -> tuple[int | None, dict[str, float], list[tuple[int, str]]]:
-        """``(latest step, metrics, changes)`` of the records received so far (the knob
-        choices as the agent's schema has them now: knobs are bound as training
-        starts)."""
+        """``(latest step, metrics, changes)`` of the records since the last call (the
+        knob choices as the agent's schema has them now: knobs are bound as training
+        starts). Training thread; never blocks, never synchronizes the device."""
         self.measurements.choices = {
             spec["name"]: list(spec.get("choices") or ())
             for spec in self.agent.knobs.schema() if spec.get("kind") == "choice"}
-        for record in self.tap.drain():
-            self.measurements.add(record)
+        records = self._records
+        while records:
+            self.measurements.add(records.popleft())
+        self.measurements.add_memory(self.agent.latest_memory)
         return (self.measurements.step, *self.measurements.take())
+
+    def close(self) -> None:
+        """Keep nothing more. Idempotent."""
+        self._open = False
+        self._records.clear()
 
 
 def agent_of(callbacks: Any) -> Agent | None:

@@ -34,22 +34,31 @@ class Panel(Static):
 
     def set_content(self, content: Content | str) -> None:
         """Show ``content``, its control characters made visible (see
-        :func:`agent.protocol.printable`), unless it is what is shown already."""
-        content = Content(content) if isinstance(content, str) else content
-        plain = content.plain
-        if len(plain) > MAX_LINE_CHARS and any(
-                len(line) > MAX_LINE_CHARS for line in plain.split("\n")):
-            content = Content("\n").join(line[:MAX_LINE_CHARS]
-                                          for line in content.split("\n"))
-            plain = content.plain
-        safe = printable(plain, newlines=True)
-        if safe is not plain:  # one character for one: the spans still fit
-            content = Content(safe, list(content.spans))
+        :func:`safe_content`), unless it is what is shown already."""
+        content = safe_content(content)
         current = self.content
         if isinstance(current, Content) and (current.plain, current.spans) == (
                 content.plain, content.spans):
             return
         self.update(content, layout=False)
+
+
+def safe_content(content: Content | str) -> Content:
+    """``content`` as a terminal may show it: its lines cut to :data:`MAX_LINE_CHARS`
+    and its control characters made visible by :func:`agent.protocol.printable` (its
+    own line breaks kept), its styles where they were. For every text of a run or a log
+    that a widget shows."""
+    content = Content(content) if isinstance(content, str) else content
+    plain = content.plain
+    if len(plain) > MAX_LINE_CHARS and any(
+            len(line) > MAX_LINE_CHARS for line in plain.split("\n")):
+        content = Content("\n").join(line[:MAX_LINE_CHARS]
+                                      for line in content.split("\n"))
+        plain = content.plain
+    safe = printable(plain, newlines=True)
+    if safe is not plain:  # one character for one: the spans still fit
+        content = Content(safe, list(content.spans))
+    return content
 
 
 def sparkline(values: Sequence[float | None], width: int, *,

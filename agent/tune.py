@@ -1,0 +1,958 @@
+"""In-run auto-tune: the run finds its fastest safe configuration while it trains.
+
+The ``tune`` command (``T`` in the dashboard, ``gpuwatch tune``) starts a search that
+runs in the agent itself, on its I/O thread, from the agent's own step records: it goes
+on when the dashboard that started it disconnects or is killed, and it always ends in
+the best configuration it has seen. ``tune`` with ``{"stop": true}`` ends it at once,
+keeping the best.
+
+How a setting is judged:
+
+- The measure is the time per unit of work of each optimizer step: ``step_time_s`` over
+  the step's tokens where the run reports them, else its samples (so a change of
+  micro-batch size compares fairly); throughput is its inverse.
+- Warm-up is excluded, detected rather than counted: the step a change applies at is
+  always left out, and then the prefix of the steps since the change that MSER (the
+  marginal standard error rule, :class:`Series`) finds: worker start-up, allocator
+  growth, the first batches after a rebuild. While ``torch.compile`` compiles (from a
+  ``compiling`` event to its ``compiled``) no step is measured.
+- A candidate is measured interleaved with the best configuration, in short
+  sub-blocks (a few steps and at least :data:`SUB_BLOCK_S`): best, candidate,
+  candidate, best, best, candidate, ... Each pair of neighbouring sub-blocks gives one
+  log throughput ratio; the pairs alternate their order (a linear drift of the
+  machine's load cancels) and a paired t-test over them counts the load moving between
+  pairs as noise, so a busy, changing host makes the interval wider instead of making
+  the verdict wrong. From :data:`MIN_PAIRS_SLOWER` pairs a candidate slower beyond noise
+  (the upper end of the 95% interval below zero) is reverted at once; from
+  :data:`MIN_PAIRS_FASTER` one faster beyond noise is kept and becomes the best; after
+  :data:`MAX_PAIRS` it is reverted as not faster beyond noise.
+- Which candidates: a coordinate search from the configuration the run has. Numeric
+  knobs move along a ladder (0, 1, 2, 4, ... up to the knob's maximum, for
+  ``num_workers`` and ``cpu_threads`` the usable CPUs) one rung at a time, up first, then
+  down, as long as each rung is kept; choice and boolean knobs try each other value.
+  A full pass that keeps something is followed by one more. A value the run refuses (its
+  check) or warns about (slow here, or without effect here, such as ``pin_memory``
+  without CUDA) is skipped with the reason. Knobs whose spec says they change numerics
+  or memory (:data:`agent.knobs.TUNED_IF_ALLOWED`) are searched only when allowed.
+
+Safety: a candidate after which the loss is non-finite or the GradScaler skips
+:attr:`ChangeGuard.max_skipped_in_row` fp16 steps in a row (for as long as the
+rollback guard watches a change, kept candidates included), that fails to apply, that
+the out-of-memory path rolls back, or that is slower, is reverted at once.
+
+Several ranks: rank 0 decides, from its own step records, and each change it decides is
+a command to every rank sent through :func:`agent.fanout.send_command`, the path of a
+dashboard's command (a dry run on every rank, then one common optimizer step, withdrawn
+everywhere if one rank refuses). The other ranks run no search: they take its commands
+as any other. So every rank has the same configuration at every step, with no collective
+in the training; under data parallelism rank 0's step time is the job's pace. The
+commands go out from a thread of their own, so the I/O thread never waits on a socket.
+
+Cost: per step record, a few additions on the agent's I/O thread; nothing on the
+training thread beyond applying the commands, as for any command.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from statistics import NormalDist
+from typing import Any
+
+from agent import protocol
+from agent.fanout import send_command
+from agent.guard import ChangeGuard
+from agent.knobs import (
+    NOT_TUNED,
+    TUNED,
+    TUNED_IF_ALLOWED,
+    KnobError,
+    KnobSet,
+    assignment,
+)
+from agent.runs import RunInfo
+
+#: Default step budget of a search (optimizer steps, warm-up and switches included).
+DEFAULT_BUDGET_STEPS = 600
+MAX_BUDGET_STEPS = 1_000_000
+#: A sub-block: at least this many measured steps (after its warm-up cut), and more
+#: until it has this many seconds of them, up to the most steps.
+SUB_BLOCK_STEPS = 4
+SUB_BLOCK_S = 0.25
+MAX_SUB_BLOCK_STEPS = 16
+#: Pairs of sub-blocks (best, candidate) after which a candidate may be called slower /
+#: faster, and after which it is reverted as not faster beyond noise.
+MIN_PAIRS_SLOWER = 2
+MIN_PAIRS_FASTER = 3
+MAX_PAIRS = 6
+#: Two-sided confidence of the paired interval of a candidate's gain.
+CONFIDENCE = 0.95
+#: Full passes over the knobs at most (a pass that keeps nothing ends the search).
+MAX_PASSES = 2
+#: The order knobs are searched in by default (others follow in the run's order): the
+#: intra-op thread count first, as it sets the pace of every later measurement (on a
+#: busy host one thread per core is often far from the best), then the input pipeline,
+#: then what needs allowing.
+SEARCH_ORDER = ("cpu_threads", "num_workers", "prefetch_factor", "pin_memory", "kernels",
+                "micro_batch_size", "accum_steps", "precision", "checkpointing")
+#: How long the search waits for each phase of its own command's replies (s): on a
+#: busy host the run's own I/O thread, which answers, can be starved for seconds; a
+#: command not answered at all counts as refused.
+COMMAND_TIMEOUT_S = 120.0
+#: Events of the search that say what it does (kind of the ``event`` messages).
+EVENT_KIND = "tune"
+#: The event kind of the final line.
+DONE_KIND = "tuned"
+
+
+class TuneRequest:
+    """A parsed ``tune`` command value.
+
+    Attributes:
+        stop: end a running search. knobs: names to search (None: every tuned knob).
+        budget_steps: optimizer steps the search may spend. allow: knobs that change
+        numerics or memory that may be searched.
+    """
+
+    def __init__(self, value: Any, knobs: KnobSet) -> None:
+        """Parse and check ``value`` (see :mod:`agent.protocol`, ``tune``).
+
+        Raises:
+            KnobError: not a map, an unknown key, a knob this run does not have or that
+                is never tuned, a knob that needs ``allow`` without it, a budget that is
+                not an integer in ``[1, MAX_BUDGET_STEPS]``.
+        """
+        if not isinstance(value, dict):
+            raise KnobError(f"tune: the value must be a map (knobs, budget_steps, allow, "
+                            f"stop), got {value!r}")
+        unknown = sorted(map(str, set(value) - {"knobs", "budget_steps", "allow", "stop"}))
+        if unknown:
+            raise KnobError(f"tune: unknown option {', '.join(unknown)}")
+        self.stop = value.get("stop") is True
+        budget = value.get("budget_steps", DEFAULT_BUDGET_STEPS)
+        if isinstance(budget, bool) or not isinstance(budget, int) \
+                or not 1 <= budget <= MAX_BUDGET_STEPS:
+            raise KnobError(f"tune: budget_steps must be an integer from 1 to "
+                            f"{MAX_BUDGET_STEPS}, got {budget!r}")
+        self.budget_steps = budget
+        self.allow = frozenset(_names(value.get("allow"), "allow"))
+        for name in sorted(self.allow):
+            _searchable(name, knobs, self.allow)
+        named = value.get("knobs")
+        if named is None:
+            self.knobs = sorted(
+                (name for name, knob in knobs.knobs.items() if knob.spec.tuning == TUNED
+                 or (knob.spec.tuning == TUNED_IF_ALLOWED and name in self.allow)),
+                key=lambda name: SEARCH_ORDER.index(name) if name in SEARCH_ORDER
+                else len(SEARCH_ORDER))
+        else:
+            self.knobs = list(dict.fromkeys(_names(named, "knobs")))
+            for name in self.knobs:
+                _searchable(name, knobs, self.allow)
+        if not self.knobs and not self.stop:
+            raise KnobError("tune: this run has no knob to search"
+                            + (f" (it has: {', '.join(knobs.knobs)})" if knobs.knobs else ""))
+
+
+def _names(value: Any, option: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise KnobError(f"tune: {option} must be a list of knob names, got {value!r}")
+    return value
+
+
+def _searchable(name: str, knobs: KnobSet, allow: frozenset[str]) -> None:
+    if name in knobs.unsupported:
+        raise KnobError(f"tune: {name}: {knobs.unsupported[name]}")
+    if name not in knobs.knobs:
+        raise KnobError(f"tune: this run has no knob {name!r} (it has: "
+                        f"{', '.join(knobs.knobs) or 'none'})")
+    tuning = knobs.knobs[name].spec.tuning
+    if tuning == NOT_TUNED:
+        raise KnobError(f"tune: {name} is not a speed setting; it is never searched")
+    if tuning == TUNED_IF_ALLOWED and name not in allow:
+        raise KnobError(f"tune: {name} changes the training's numerics or memory; "
+                        f"search it with --allow {name}")
+
+
+# ------------------------------------------------------------------ statistics
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Student's t quantile at probability ``p`` with ``df`` degrees of freedom (the
+    Cornish-Fisher expansion of Abramowitz & Stegun 26.7.5 around the normal quantile;
+    within 1% of the exact value for ``df >= 2``; ``df`` below 1 counts as 1)."""
+    z = NormalDist().inv_cdf(p)
+    v = max(float(df), 1.0)
+    z2 = z * z
+    return z * (1 + (z2 + 1) / (4 * v) + (5 * z2 * z2 + 16 * z2 + 3) / (96 * v * v)
+                + (3 * z2 ** 3 + 19 * z2 * z2 + 17 * z2 - 15) / (384 * v ** 3)
+                + (79 * z2 ** 4 + 776 * z2 ** 3 + 1482 * z2 * z2 - 1920 * z2 - 945)
+                / (92160 * v ** 4))
+
+
+class Block:
+    """Measured steps of one configuration: their count, the mean and sample variance of
+    seconds per unit, and the units and seconds in all."""
+
+    __slots__ = ("n", "mean", "variance", "units", "seconds")
+
+    def __init__(self, n: int = 0, mean: float = 0.0, variance: float = 0.0,
+                 units: float = 0.0, seconds: float = 0.0) -> None:
+        self.n, self.mean, self.variance, self.units, self.seconds = (n, mean, variance,
+                                                                       units, seconds)
+
+    def rate(self) -> tuple[float, float]:
+        """Throughput (units/s) and its 95% half-width, from the mean time per unit."""
+        if not self.n or self.mean <= 0:
+            return 0.0, 0.0
+        rate = 1.0 / self.mean
+        if self.n < 2:
+            return rate, rate
+        half = t_quantile(0.975, self.n - 1) * math.sqrt(self.variance / self.n)
+        return rate, rate * half / self.mean
+
+
+def paired_gain(pairs: list[tuple[Block, Block]], confidence: float = CONFIDENCE
+                ) -> tuple[float, float, float]:
+    """A candidate's throughput gain over the best configuration's from ``(best's
+    sub-block, candidate's sub-block)`` pairs measured next to each other: ``(gain,
+    low, high)``, fractions, with the two-sided ``confidence`` interval of a paired
+    t-test on the pairs' log ratios (so the machine's load moving between pairs counts
+    as noise, and within a pair cancels). The interval is infinite below two pairs."""
+    ratios = [math.log(best.mean / candidate.mean) for best, candidate in pairs
+              if best.mean > 0 and candidate.mean > 0]
+    if not ratios:
+        return 0.0, -math.inf, math.inf
+    k = len(ratios)
+    mean = sum(ratios) / k
+    if k < 2:
+        return math.expm1(mean), -math.inf, math.inf
+    sd = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (k - 1))
+    margin = t_quantile(0.5 + confidence / 2, k - 1) * sd / math.sqrt(k)
+    return math.expm1(mean), math.expm1(mean - margin), math.expm1(mean + margin)
+
+
+class Series:
+    """The steps since a change, in one configuration, and the block they measure once
+    the warm-up is cut off.
+
+    The warm-up is found by MSER, the marginal standard error rule of simulation
+    output analysis (White, 1997): of the first half of the steps, cut the prefix that
+    minimises the standard error of the mean of what is left,
+    ``sum((x - mean)^2) / m^2`` over the ``m`` steps kept. Worker start-up, allocator
+    growth and the first batches after a rebuild are such a prefix; steady noise is
+    not, as cutting it does not lower that error. After a change the first step (the
+    one the change applied in) is always cut.
+
+    Args:
+        after_change: the first step is the one a change applied in (always cut); False
+            for steps that go on in the same configuration (nothing cut but warm-up).
+
+    Cost: :meth:`add` O(1) (prefix sums); :meth:`block` O(steps).
+    """
+
+    def __init__(self, *, after_change: bool = True) -> None:
+        self.after_change = after_change
+        self._sums: list[tuple[float, float, float, float]] = [(0.0, 0.0, 0.0, 0.0)]
+
+    def __len__(self) -> int:
+        return len(self._sums) - 1
+
+    def add(self, step_time_s: float, units: int) -> None:
+        """One step of ``step_time_s`` seconds that did ``units`` samples or tokens."""
+        x = step_time_s / units
+        s1, s2, seconds, count = self._sums[-1]
+        self._sums.append((s1 + x, s2 + x * x, seconds + step_time_s, count + units))
+
+    def block(self) -> Block:
+        """The steps after the warm-up (see the class notes)."""
+        sums, n = self._sums, len(self)
+        end = sums[-1]
+        first = 1 if self.after_change else 0
+        best, cut = math.inf, first
+        for d in range(first, n // 2 + 1) if n - first >= 2 else ():
+            m = n - d
+            s1, s2 = end[0] - sums[d][0], end[1] - sums[d][1]
+            error = (s2 - s1 * s1 / m) / (m * m)
+            if error < best:
+                best, cut = error, d
+        m = n - cut
+        if m <= 0:
+            return Block()
+        s1, s2 = end[0] - sums[cut][0], end[1] - sums[cut][1]
+        mean = s1 / m
+        variance = max(0.0, (s2 - s1 * mean) / (m - 1)) if m > 1 else 0.0
+        return Block(m, mean, variance, end[3] - sums[cut][3], end[2] - sums[cut][2])
+
+
+# ------------------------------------------------------------------ the search
+
+
+@dataclass
+class Candidate:
+    """One setting tried: ``knob=value`` from the best configuration at that moment."""
+
+    knob: str
+    value: Any
+    state: str = "measuring"  # measuring | kept | reverted | skipped
+    reason: str = ""
+    block: Block = field(default_factory=Block)  # its sub-blocks' steps together
+    steps: int = 0  # steps while it was tried, the best's sub-blocks and switches included
+    gain: float | None = None
+    gain_spread: float | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        rate, spread = self.block.rate()
+        return {"knob": self.knob, "value": self.value, "state": self.state,
+                "reason": self.reason, "per_s": rate or None,
+                "per_s_spread": spread if rate else None, "gain": self.gain,
+                "gain_spread": self.gain_spread, "steps": self.steps}
+
+
+class CoordinateSearch:
+    """Which setting to try next, from the best configuration so far (see the module
+    docstring). Pure: no I/O, no clock."""
+
+    def __init__(self, ladders: dict[str, tuple[bool, list[Any]]], start: dict[str, Any]
+                 ) -> None:
+        """``ladders``: per knob, in search order, (ordered?, its values); an ordered
+        knob moves one rung at a time, the others try every value. ``start``: the
+        configuration the search starts from (the first best: never a candidate)."""
+        self.ladders = ladders
+        self._order = list(ladders)
+        self._index = 0  # knob being searched
+        self._direction = 1  # ordered knobs: +1 up, -1 down
+        self._kept_this_pass = False
+        self._kept_this_knob = False
+        self._passes = 1
+        self._tried = {_key(start)}
+
+    def next(self, best: dict[str, Any]) -> tuple[str, Any] | None:
+        """The next ``(knob, value)`` to try from ``best``, or None when done."""
+        while self._index < len(self._order):
+            knob = self._order[self._index]
+            ordered, values = self.ladders[knob]
+            value = self._step(knob, ordered, values, best)
+            if value is None and ordered and self._direction == 1 \
+                    and not self._kept_this_knob:
+                self._direction = -1  # the top of the ladder: try down
+                continue
+            if value is not None:
+                config = _key({**best, knob: value})
+                if config in self._tried:
+                    self._advance(ordered)
+                    continue
+                self._tried.add(config)
+                return knob, value
+            self._next_knob()
+        return None
+
+    def result(self, kept: bool) -> None:
+        """The last setting :meth:`next` gave was kept (it is now in ``best``) or not."""
+        if kept:
+            self._kept_this_pass = self._kept_this_knob = True
+            return
+        knob = self._order[self._index]
+        self._advance(self.ladders[knob][0])
+
+    def _step(self, knob: str, ordered: bool, values: list[Any], best: dict[str, Any]
+              ) -> Any:
+        current = best[knob]
+        if ordered:
+            index = values.index(current) if current in values else None
+            if index is None:
+                return None
+            target = index + self._direction
+            return values[target] if 0 <= target < len(values) else None
+        others = [value for value in values
+                  if value != current and _key({**best, knob: value}) not in self._tried]
+        return others[0] if others else None
+
+    def _advance(self, ordered: bool) -> None:
+        """The current direction is spent: ordered knobs turn down once (if going up
+        kept nothing), then the next knob."""
+        if ordered and self._direction == 1 and not self._kept_this_knob:
+            self._direction = -1
+            return
+        if not ordered:
+            return  # the next other value is found by _step
+        self._next_knob()
+
+    def _next_knob(self) -> None:
+        self._index += 1
+        self._direction = 1
+        self._kept_this_knob = False
+        if self._index == len(self._order) and self._kept_this_pass \
+                and self._passes < MAX_PASSES:
+            self._index, self._passes, self._kept_this_pass = 0, self._passes + 1, False
+
+
+def _key(config: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A configuration as a set member."""
+    return tuple(sorted(config.items(), key=lambda item: item[0]))
+
+
+def ladder(knob: Any, cpus: int) -> tuple[bool, list[Any]]:
+    """The values a search may try for a bound knob (:class:`agent.knobs.Knob`):
+    ``(ordered, values)``. Integers: the minimum, the powers of two and the maximum in
+    between (``num_workers`` and ``cpu_threads`` capped at ``cpus``), and the current
+    value; choices: the schema's; booleans: both."""
+    spec = knob.spec
+    if spec.kind == "bool":
+        return False, [False, True]
+    if spec.kind == "choice":
+        return False, list(spec.choices)
+    low = int(spec.minimum if spec.minimum is not None else 0)
+    high = int(spec.maximum if spec.maximum is not None else max(low, 1) * 64)
+    current = knob.get()
+    if spec.name in ("num_workers", "cpu_threads"):
+        high = max(min(high, max(cpus, low)), current)
+    values = {low, high, current}
+    power = 1
+    while power < high:
+        if power > low:
+            values.add(power)
+        power *= 2
+    return True, sorted(value for value in values if low <= value <= high)
+
+
+def _side(sub_block: int) -> str:
+    """Which configuration sub-block ``sub_block`` of a trial measures: ``"best"`` or
+    ``"candidate"``, in the order best, candidate, candidate, best, best, candidate,
+    ... (pairs (0, 1), (2, 3), ... alternate their order, so a linear drift of the
+    load cancels over two pairs, and every pair has one sub-block just after a switch)."""
+    return "best" if (sub_block + 1) // 2 % 2 == 0 else "candidate"
+
+
+class Trial:
+    """One candidate measured against the best configuration in sub-blocks (see
+    :func:`_side`): the pairs measured so far and the sub-block in progress."""
+
+    def __init__(self, candidate: Candidate) -> None:
+        self.candidate = candidate
+        self.sub_block = 0
+        self.pairs: list[tuple[Block, Block]] = []
+        self._half: Block | None = None  # the first sub-block of the pair in progress
+
+    @property
+    def side(self) -> str:
+        """The configuration the sub-block in progress measures."""
+        return _side(self.sub_block)
+
+    def add(self, block: Block) -> None:
+        """The sub-block in progress is done, with ``block``."""
+        if self._half is None:
+            self._half = block
+        else:
+            first, self._half = self._half, None
+            self.pairs.append((first, block) if _side(self.sub_block - 1) == "best"
+                              else (block, first))
+        self.sub_block += 1
+
+
+class Tuner:
+    """The search itself: a state machine fed with the agent's step records and events
+    (on its I/O thread only), which decides and sends its changes through ``send``.
+
+    Each candidate is a :class:`Trial`: sub-blocks of steps alternate between the best
+    configuration and the candidate (best, candidate, candidate, best, best, ...; a
+    switch between two, none within one side); after each pair, a paired t-test on the
+    pairs' log throughput ratios (:func:`paired_gain`) says whether the candidate is
+    slower (from :data:`MIN_PAIRS_SLOWER` pairs: reverted at once), faster (from
+    :data:`MIN_PAIRS_FASTER`: kept) or, after :data:`MAX_PAIRS`, not faster beyond noise
+    (reverted). While a switch is on its way, steps count against the budget and measure
+    nothing.
+
+    Args:
+        request: what to search. knobs: the run's knobs (values read on this thread).
+        start_step: the first step of the search (steps before it are ignored).
+        send: ``send(command_id, knob, value)`` queues a command to every rank; its
+            reply comes back through :meth:`on_reply`, its effect as an ``applied`` or
+            ``failed`` event through :meth:`on_event`.
+        publish: ``publish(msg_type, body)`` publishes a message (``tune``, ``event``).
+        cpus: usable CPUs (the ladder of ``num_workers`` and ``cpu_threads``).
+    """
+
+    def __init__(self, request: TuneRequest, knobs: KnobSet, start_step: int,
+                 send: Callable[[str, str, Any], None],
+                 publish: Callable[[str, dict[str, Any]], None], cpus: int) -> None:
+        self.request = request
+        self.knobs = knobs
+        self.start_step = start_step
+        self._send, self._publish = send, publish
+        values = knobs.values()
+        self.baseline = {name: values[name] for name in request.knobs}
+        self.best = dict(self.baseline)
+        self.search = CoordinateSearch({name: ladder(knobs.knobs[name], cpus)
+                                        for name in request.knobs}, self.baseline)
+        self.candidates: list[Candidate] = []
+        self.status = "running"
+        self.text = ""
+        self.step = start_step - 1
+        self.unit: str | None = None
+        self._guard = ChangeGuard(watched=None)  # trouble after the search's changes
+        self._trial: Trial | None = None
+        self._series = Series()  # the sub-block in progress
+        self._best_block: Block | None = None  # the best's latest sub-block
+        self._compiling = False
+        self._waiting: tuple[str, str, Any] | None = None  # (command id, knob, value)
+        self._watch = False  # whether the change awaited is watched for trouble
+        self._command_seq = 0
+        self._stop_reason: str | None = None
+        self._event("info", "tune: searching " + ", ".join(request.knobs)
+                    + f" from {_config_text(self.baseline)}, within {request.budget_steps} "
+                    f"steps from step {start_step}")
+        self._next_candidate()
+
+    @property
+    def steps(self) -> int:
+        """Steps the search has spent."""
+        return max(0, self.step - self.start_step + 1)
+
+    @property
+    def gain(self) -> float:
+        """The best configuration's throughput over the baseline's, minus 1: the gains
+        of the candidates kept, each measured against the best before it, chained."""
+        product = 1.0
+        for candidate in self.candidates:
+            if candidate.state == "kept" and candidate.gain is not None:
+                product *= 1 + candidate.gain
+        return product - 1
+
+    @property
+    def _candidate(self) -> Candidate | None:
+        return self._trial.candidate if self._trial is not None else None
+
+    # ---------------------------------------------------------------- inputs
+
+    def stop(self, reason: str) -> None:
+        """End the search at the next step record, in the best configuration."""
+        if self.status == "running":
+            self._stop_reason = reason
+
+    def on_reply(self, command_id: str, reply: dict[str, Any]) -> None:
+        """The reply to a command this search sent (only a refusal matters: an accepted
+        one is followed by its ``applied`` or ``failed`` event)."""
+        if self._waiting is None or self._waiting[0] != command_id or reply.get("ok"):
+            return
+        _, knob, value = self._waiting
+        self._waiting = None
+        reason = str(reply.get("reason", "no reason given"))
+        if self._watch and self._candidate is not None and value == self._candidate.value:
+            self._verdict("skipped", f"refused: {reason}")  # the first switch to it
+            self._next_candidate()
+        else:  # a way back was refused: stop where we are, and say so
+            self._finish("stopped", f"the run refused {assignment(knob, value)}: {reason}")
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """One event of the run, in order with its step records."""
+        kind, knob = event.get("kind"), event.get("knob")
+        if kind == "compiling":  # (re)compiling: nothing is measured until "compiled"
+            self._compiling = True
+        elif kind == "compiled":
+            self._compiling = False
+            self._series = Series()
+        if self.status != "running":
+            return
+        waiting = self._waiting
+        if waiting is not None and event.get("id") == waiting[0]:
+            self._waiting = None
+            if kind == "applied":
+                if self._watch:  # watched here (the agent's guard leaves it to us)
+                    self._guard.on_applied({**event, "id": None})
+                self._series = Series()
+            elif kind == "failed" and self._watch:  # the knob kept its value
+                self._verdict("reverted", f"applying it failed: {event.get('text', '')}")
+                self._next_candidate()
+            elif kind == "failed":
+                self._finish("stopped", f"going back failed: {event.get('text', '')}")
+        elif kind == "rolled_back" and knob in self.best:
+            self._rolled_back(knob, event.get("value"), str(event.get("text", "")))
+
+    def on_step(self, step: int, step_time_s: float | None, samples: int,
+                tokens: int | None, loss: float | None, skipped: bool | None) -> None:
+        """One step record: ``step_time_s`` (host clock, None for the first), the
+        step's samples and tokens (None if unknown), its loss (None if not read) and
+        whether the GradScaler skipped it. Costs a few additions, and the warm-up cut
+        of :meth:`Series.block` (O(steps of a sub-block))."""
+        if step < self.start_step or self.status != "running":
+            return
+        self.step = step
+        rollback = self._guard.on_step(step, loss, skipped)
+        if rollback is not None:
+            self._trouble(rollback.values, rollback.reason)
+            return
+        if self._stop_reason is not None or self.steps >= self.request.budget_steps:
+            self._wind_up(self._stop_reason)
+            return
+        if self._candidate is not None:
+            self._candidate.steps += 1
+        units = tokens or samples
+        if (self._waiting is not None or self._compiling or self._trial is None
+                or not step_time_s or step_time_s <= 0 or not units):
+            return
+        if self.unit is None:
+            self.unit = "tokens" if tokens else "samples"
+        self._series.add(step_time_s, units)
+        if len(self._series) > SUB_BLOCK_STEPS:
+            block = self._series.block()
+            if block.n >= MAX_SUB_BLOCK_STEPS or (block.n >= SUB_BLOCK_STEPS
+                                                  and block.seconds >= SUB_BLOCK_S):
+                self._sub_block_done(block)
+
+    # ---------------------------------------------------------------- trials
+
+    def _sub_block_done(self, block: Block) -> None:
+        trial = self._trial
+        assert trial is not None
+        if trial.side == "best":
+            self._best_block = block
+        else:
+            trial.candidate.block = _pooled(trial.candidate.block, block)
+        trial.add(block)
+        if trial.sub_block % 2 == 0 and self._judge(trial):
+            return
+        following = trial.side
+        if following == _side(trial.sub_block - 1):
+            self._series = Series(after_change=False)  # same configuration: no switch
+        else:
+            candidate = trial.candidate
+            value = candidate.value if following == "candidate" else self.best[candidate.knob]
+            self._switch(candidate.knob, value, watch=following == "candidate")
+
+    def _judge(self, trial: Trial) -> bool:
+        """After a pair: the verdict if there is one (True), else False."""
+        candidate, k = trial.candidate, len(trial.pairs)
+        gain, low, high = paired_gain(trial.pairs)
+        candidate.gain = gain
+        candidate.gain_spread = (high - low) / 2 if math.isfinite(high - low) else None
+        in_candidate = _side(trial.sub_block - 1) == "candidate"
+        if k >= MIN_PAIRS_SLOWER and high < 0:
+            self._verdict("reverted", f"slower: {_gain_text(gain, low, high)}")
+            if in_candidate:
+                self._switch(candidate.knob, self.best[candidate.knob])
+            self._next_candidate()
+        elif k >= MIN_PAIRS_FASTER and low > 0:
+            self.best[candidate.knob] = candidate.value
+            self._verdict("kept", f"faster: {_gain_text(gain, low, high)}")
+            if not in_candidate:
+                self._switch(candidate.knob, candidate.value, watch=True)
+            self._next_candidate()
+        elif k >= MAX_PAIRS:
+            self._verdict("reverted", f"not faster beyond noise: {_gain_text(gain, low, high)}")
+            if in_candidate:
+                self._switch(candidate.knob, self.best[candidate.knob])
+            self._next_candidate()
+        else:
+            self.publish_state()
+            return False
+        return True
+
+    def _switch(self, knob: str, value: Any, *, watch: bool = False) -> None:
+        """Send ``knob=value``; measure again once it applies (and, with ``watch``, watch
+        the change for trouble: a candidate, not a way back)."""
+        self._waiting = (self._send_one(knob, value), knob, value)
+        self._watch = watch
+
+    def _send_one(self, knob: str, value: Any) -> str:
+        self._command_seq += 1  # zero-padded: ranks order same-step commands by id
+        command_id = f"{protocol.TUNE_ID_PREFIX}{self._command_seq:06d}"
+        self._send(command_id, knob, value)
+        return command_id
+
+    def _back_to_best(self) -> None:
+        """Send the best value of every knob that differs from it, or has a command of
+        the search's on its way."""
+        in_flight = self._waiting[1] if self._waiting is not None else None
+        back = [(knob, value) for knob, value in self.best.items()
+                if knob == in_flight or self.knobs.knobs[knob].get() != value]
+        self._waiting = None
+        for knob, value in back[:-1]:
+            self._send_one(knob, value)
+        if back:
+            self._switch(*back[-1])
+        else:
+            self._series = Series()
+
+    def _next_candidate(self) -> None:
+        """Start the trial of the next setting the search gives, or end the search."""
+        self._trial = None
+        while True:
+            following = self.search.next(self.best)
+            if following is None:
+                self._finish("done")
+                return
+            candidate = Candidate(*following)
+            self.candidates.append(candidate)
+            reason = self._skip_reason(candidate.knob, candidate.value)
+            if reason is None:
+                break
+            candidate.state, candidate.reason = "skipped", reason
+            self.search.result(False)
+            self._event("info", f"tune: skipping {assignment(candidate.knob, candidate.value)}:"
+                        f" {reason}")
+        self._trial = Trial(candidate)
+        if self._waiting is None:
+            self._series = Series()
+        self._event("info", f"tune: trying {assignment(candidate.knob, candidate.value)}")
+        self.publish_state()
+
+    def _skip_reason(self, knob: str, value: Any) -> str | None:
+        """Why ``knob=value`` is not tried here (the run refuses it, or warns that it is
+        slow or has no effect here), or None."""
+        try:
+            self.knobs.validate(knob, value)
+        except KnobError as exc:
+            return str(exc)
+        warn = self.knobs.knobs[knob].warn
+        return (warn(value) if warn is not None else None) or None
+
+    def _verdict(self, state: str, reason: str) -> None:
+        """The candidate being tried (if any) is ``state`` (kept, reverted, skipped)
+        because ``reason``: an event, and the search moves on from it."""
+        candidate, self._trial = self._candidate, None
+        if candidate is None:
+            return
+        candidate.state, candidate.reason = state, reason
+        self.search.result(state == "kept")
+        rate, spread = candidate.block.rate()
+        measured = (f" ({rate:,.0f} ± {spread:,.0f} {self.unit}/s over "
+                    f"{candidate.block.n} steps)" if rate else "")
+        trouble = state == "reverted" and not reason.startswith(("slower", "not "))
+        self._event("warning" if trouble else "info",
+                    f"tune: {assignment(candidate.knob, candidate.value)} {state}: "
+                    f"{reason}{measured}")
+        self.publish_state()
+
+    def _rolled_back(self, knob: str, value: Any, text: str) -> None:
+        """The agent's out-of-memory path undid ``knob`` on the training thread."""
+        trial = self._trial
+        for kept in self.candidates:
+            if kept.state == "kept" and kept.knob == knob and kept.value != value:
+                kept.state, kept.reason = "reverted", text
+        self.best[knob] = value
+        self._waiting = None
+        if trial is not None and trial.candidate.knob == knob:
+            self._verdict("reverted", text)
+            self._next_candidate()
+        else:
+            self._series = Series()
+
+    def _trouble(self, last_good: dict[str, Any], reason: str) -> None:
+        """A non-finite loss or skipped steps after a change the search made: every
+        such change in the guard's window goes back to its last good value."""
+        self._verdict("reverted", reason)
+        for kept in self.candidates:
+            if kept.state == "kept" and kept.value != last_good.get(kept.knob, kept.value):
+                kept.state, kept.reason = "reverted", f"{reason} (it had been kept)"
+        self.best.update((knob, value) for knob, value in last_good.items()
+                         if knob in self.best)
+        self._guard = ChangeGuard(watched=None)
+        self._back_to_best()
+        self._next_candidate()
+
+    def _wind_up(self, reason: str | None) -> None:
+        """Budget spent or stop asked: a candidate being tried goes back; the end."""
+        why = reason or f"the budget of {self.request.budget_steps} steps is spent"
+        self._verdict("reverted", f"not judged: {why}")
+        self._back_to_best()
+        self._waiting = None  # nothing more to measure: the commands go out all the same
+        self._finish("stopped" if reason else "done", "" if reason is None else why)
+
+    def _finish(self, status: str, why: str = "") -> None:
+        self.status = status
+        self._trial = None
+        changed = {knob: value for knob, value in self.best.items()
+                   if value != self.baseline[knob]}
+        unit = self.unit or "samples"
+        if changed:
+            self.text = (f"tuned: {_config_text(changed)} ({self.gain:+.0%} {unit}/s in "
+                         f"{self.steps} steps)")
+        else:
+            self.text = (f"tuned: no change, {_config_text(self.baseline)} stays (nothing "
+                         f"was faster beyond noise in {self.steps} steps)")
+        if why:
+            self.text += f"; {why}"
+        self._event("info", self.text, kind=DONE_KIND)
+        self.publish_state()
+
+    # ---------------------------------------------------------------- output
+
+    def publish_state(self) -> None:
+        """Publish the search's state as a ``tune`` message (the run log keeps it)."""
+        body: dict[str, Any] = {
+            "status": self.status, "started_step": self.start_step, "step": self.step,
+            "steps": self.steps, "budget_steps": self.request.budget_steps,
+            "unit": self.unit or "samples", "knobs": list(self.request.knobs),
+            "space": {knob: values for knob, (_, values) in self.search.ladders.items()},
+            "baseline": dict(self.baseline), "best": dict(self.best), "gain": self.gain,
+            "candidates": [candidate.to_wire() for candidate in self.candidates]}
+        if self._best_block is not None:
+            body["best_per_s"], body["best_per_s_spread"] = self._best_block.rate()
+        if self.text:
+            body["text"] = self.text
+        self._publish(protocol.TUNE, body)
+
+    def _event(self, level: str, text: str, *, kind: str = EVENT_KIND) -> None:
+        self._publish(protocol.EVENT, {"level": level, "kind": kind, "text": text,
+                                       "step": self.step})
+
+
+def _pooled(first: Block, second: Block) -> Block:
+    """Two blocks of one configuration as one (their steps together)."""
+    n = first.n + second.n
+    if not first.n or not second.n:
+        return second if not first.n else first
+    mean = (first.n * first.mean + second.n * second.mean) / n
+    squares = ((first.n - 1) * first.variance + first.n * first.mean ** 2
+               + (second.n - 1) * second.variance + second.n * second.mean ** 2)
+    variance = max(0.0, (squares - n * mean * mean) / (n - 1))
+    return Block(n, mean, variance, first.units + second.units,
+                 first.seconds + second.seconds)
+
+
+def _config_text(config: dict[str, Any]) -> str:
+    return ", ".join(assignment(knob, value) for knob, value in config.items())
+
+
+def _gain_text(gain: float, low: float, high: float) -> str:
+    """``+12% (+3% to +22%)``: a gain and its interval."""
+    return f"{gain:+.0%} ({low:+.0%} to {high:+.0%})"
+
+
+class CommandSender:
+    """The thread that sends the tuner's commands to every rank
+    (:func:`agent.fanout.send_command`), so that the agent's I/O thread, which answers
+    them, never waits; replies come back in :meth:`replies` (any thread)."""
+
+    def __init__(self, info: Callable[[], RunInfo | None]) -> None:
+        self._info = info
+        self._queue: queue.SimpleQueue[tuple[str, str, Any] | None] = queue.SimpleQueue()
+        self._replies: deque[tuple[str, dict[str, Any]]] = deque()
+        self._thread: threading.Thread | None = None
+
+    def send(self, command_id: str, knob: str, value: Any) -> None:
+        """Queue ``knob=value`` (the thread starts with the first one)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gpuwatch-tune",
+                                            daemon=True)
+            self._thread.start()
+        self._queue.put((command_id, knob, value))
+
+    def replies(self) -> list[tuple[str, dict[str, Any]]]:
+        """The replies that came since the last call, in order."""
+        replies = []
+        while self._replies:
+            replies.append(self._replies.popleft())
+        return replies
+
+    def close(self) -> None:
+        """Stop the thread after the commands already queued."""
+        if self._thread is not None:
+            self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            command_id, knob, value = item
+            info = self._info()
+            if info is None:
+                reply = {"id": command_id, "ok": False, "reason": "the agent has no sockets"}
+            else:
+                reply = send_command(info, knob, value, command_id=command_id,
+                                     timeout_s=COMMAND_TIMEOUT_S)
+            self._replies.append((command_id, reply))
+
+
+class AutoTune:
+    """The agent's side of the ``tune`` command: parses it, runs the :class:`Tuner` on
+    rank 0, and feeds it the agent's records. I/O thread only.
+
+    Args:
+        knobs: the run's knobs. rank: this process's rank.
+        publish: publishes a message from the I/O thread.
+        info: the run file of this rank (its command endpoint and token), once bound.
+        cpus: usable CPUs.
+        report_error: ``report_error(where, exc)``, for an error of the search's own:
+            the search ends there (the run's settings stay as they are), the records
+            and the training go on.
+    """
+
+    def __init__(self, knobs: KnobSet, rank: int,
+                 publish: Callable[[str, dict[str, Any]], None],
+                 info: Callable[[], RunInfo | None], cpus: int,
+                 report_error: Callable[[str, BaseException], None]) -> None:
+        self.knobs, self.rank, self.cpus = knobs, rank, cpus
+        self._publish = publish
+        self._report_error = report_error
+        self._sender = CommandSender(info)
+        self.tuner: Tuner | None = None
+
+    def validate(self, value: Any) -> TuneRequest:
+        """Parse a ``tune`` command's value.
+
+        Raises:
+            KnobError: with the reason (see :class:`TuneRequest`), or a stop with no
+                search running on rank 0.
+        """
+        request = TuneRequest(value, self.knobs)
+        if not request.stop and self.running:
+            raise KnobError("tune: a search is running already (stop it with "
+                            "gpuwatch tune --stop)")
+        return request
+
+    @property
+    def running(self) -> bool:
+        """Whether a search is running (on rank 0)."""
+        return self.tuner is not None and self.tuner.status == "running"
+
+    def start(self, request: TuneRequest, apply_step: int) -> str:
+        """Start (or stop) a search at ``apply_step``; returns what to tell the sender."""
+        if self.rank != 0:
+            return "rank 0 runs the search; this rank takes its commands"
+        if request.stop:
+            if not self.running:
+                return "no search is running"
+            assert self.tuner is not None
+            self.tuner.stop("stopped by request")
+            return "stopping: the best configuration so far stays"
+        self.tuner = Tuner(request, self.knobs, apply_step, self._sender.send,
+                           self._publish, self.cpus)
+        return (f"searching {', '.join(request.knobs)} from step {apply_step}, within "
+                f"{request.budget_steps} steps")
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """An event record of the agent's (in order with the steps)."""
+        if self.tuner is not None:
+            try:
+                self.tuner.on_event(event)
+            except Exception as exc:
+                self._failed(exc)
+
+    def on_step(self, step: int, step_time_s: float | None, samples: int,
+                tokens: int | None, loss: float | None, skipped: bool | None) -> None:
+        """A step record of the agent's, once its loss is read."""
+        tuner = self.tuner
+        if tuner is None:
+            return
+        try:
+            for command_id, reply in self._sender.replies():
+                tuner.on_reply(command_id, reply)
+            tuner.on_step(step, step_time_s, samples, tokens, loss, skipped)
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        self.tuner = None
+        self._report_error("the tune search", exc)
+
+    def close(self) -> None:
+        """The agent is closing: let the sender's thread end."""
+        self._sender.close()

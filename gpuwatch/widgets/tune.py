@@ -1,0 +1,97 @@
+"""The ``t`` / ``T`` screen: the in-run search, each candidate it tried and why it kept or
+reverted it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.content import Content
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from agent.knobs import assignment
+from gpuwatch.state import RunState
+from gpuwatch.units import human_number
+from gpuwatch.widgets.panel import safe_content
+
+#: Theme style of each candidate state.
+STATE_STYLES = {"kept": "bold $success", "reverted": "$warning", "skipped": "$text-muted",
+                "measuring": "bold $accent"}
+
+
+def candidate_line(candidate: dict[str, Any], unit: str) -> Content:
+    """One candidate: setting, throughput with its 95% half-width, gain over the best
+    then (with its own), steps spent, state and reason."""
+    setting = assignment(str(candidate.get("knob")), candidate.get("value"))
+    per_s, spread = candidate.get("per_s"), candidate.get("per_s_spread")
+    rate = (f"{human_number(per_s)} ± {human_number(spread)}" if isinstance(per_s, (int, float))
+            and isinstance(spread, (int, float)) else "-")
+    gain, gain_spread = candidate.get("gain"), candidate.get("gain_spread")
+    change = (f"{gain:+.0%} ± {abs(gain_spread):.0%}" if isinstance(gain, (int, float))
+              and isinstance(gain_spread, (int, float)) else "")
+    steps = candidate.get("steps")
+    state = str(candidate.get("state", "?"))
+    reason = str(candidate.get("reason") or "")
+    return Content.assemble(
+        f"{setting:<22.22} {rate:>17} {unit}/s {change:>13} "
+        f"{steps if isinstance(steps, int) else '-':>5}  ",
+        (state, STATE_STYLES.get(state, "")), f": {reason}" if reason else "")
+
+
+def tune_text(state: RunState) -> Content:
+    """The whole screen's text from the run's latest ``tune`` record, as it comes (the
+    screen makes it safe to show, :func:`gpuwatch.widgets.panel.safe_content`)."""
+    tune = state.tune
+    if tune is None:
+        return Content.styled("no search yet: T starts one (the run tries its speed "
+                              "settings one at a time and keeps what is faster)",
+                              "$text-muted")
+    unit = str(tune.get("unit") or "samples")
+    best = tune.get("best") or {}
+    gain = tune.get("gain")
+    status = str(tune.get("status", "?"))
+    lines = [
+        Content.assemble((f"{status}", STATE_STYLES.get("measuring" if status == "running"
+                                                        else "kept", "")),
+                         f" at step {tune.get('step')}: {tune.get('steps')} of "
+                         f"{tune.get('budget_steps')} steps spent; searching "
+                         + ", ".join(map(str, tune.get("knobs") or ()))),
+        Content.assemble("best: ", (", ".join(assignment(k, v) for k, v in best.items()),
+                                    "bold"),
+                         f" ({gain:+.0%} {unit}/s over the start)"
+                         if isinstance(gain, (int, float)) else ""),
+        Content.styled(f"{'candidate':<22} {unit + '/s ± 95%':>22} {'gain':>13} "
+                       f"{'steps':>5}  verdict", "$text-muted"),
+    ]
+    lines += [candidate_line(candidate, unit) for candidate in tune.get("candidates") or ()]
+    if tune.get("text"):
+        lines.append(Content.styled(str(tune["text"]), "bold $success"))
+    return Content("\n").join(lines)
+
+
+class TuneScreen(ModalScreen[None]):
+    """The search's state, redrawn by the app from the run's ``tune`` records; ``T``
+    starts or stops a search, escape or ``t`` closes."""
+
+    BINDINGS = [
+        Binding("escape,t,q", "dismiss", "close", id="tune.close"),
+        Binding("T", "app.tune", "start/stop", id="tune.toggle"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="tune"):
+            yield Static(id="tune-table")
+            yield Static(Content.styled("T starts or stops the search (the best so far "
+                                        "stays); escape closes", "$text-muted"))
+
+    #: the :attr:`RunState.version` last shown (None: not yet)
+    shown_version: int | None = None
+
+    def show(self, state: RunState) -> None:
+        """Redraw from ``state`` (read under the source's lock) if it changed."""
+        if state.version != self.shown_version and self.is_mounted:
+            self.shown_version = state.version
+            self.query_one("#tune-table", Static).update(safe_content(tune_text(state)))

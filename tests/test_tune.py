@@ -1,0 +1,510 @@
+"""The in-run tune: real training with test knobs whose values add a known delay, make the
+loss NaN or raise when applied; the search's own parts (ladders, coordinate search,
+statistics) on their own; a client killed mid-search; the new knobs cpu_threads and
+micro_batch_size."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import agent
+from agent import protocol
+from agent.knobs import TUNED, TUNED_IF_ALLOWED, Knob, KnobError, KnobSet, KnobSpec
+from agent.tune import (
+    Block,
+    CoordinateSearch,
+    Series,
+    TuneRequest,
+    _side,
+    ladder,
+    paired_gain,
+    t_quantile,
+)
+from gpuopt import Trainer
+from gpuopt.loader import ReconfigurableLoader
+from gpuwatch.client import Subscriber, send_command
+from tests.training import digits_loader, messages, start
+from tests.training import model as make_model
+
+#: The test knob ``step_delay``: seconds each micro-batch sleeps at each value. From
+#: the start value 0, the search should keep 1 (faster) and revert 2 (slower).
+DELAY_S = {0: 0.006, 1: 0.0, 2: 0.02}
+
+
+class FakeKnobs:
+    """Knobs for a Trainer's run that the tests control: ``step_delay`` (DELAY_S),
+    ``poison`` (True: the reported loss is NaN, the gradients stay finite), ``broken``
+    (setting it to 1 raises)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.delay, self.poison = 0, False
+        trainer.fault_injection = lambda _: time.sleep(DELAY_S[self.delay])
+        loss_fn = trainer.loss_fn
+        trainer.loss_fn = lambda output, target: (
+            loss_fn(output, target) + (float("nan") if self.poison else 0.0))
+
+    def bind(self, monitor: agent.Agent, *names: str) -> None:
+        specs = {"step_delay": (KnobSpec("step_delay", "int", "test: sleeps per step",
+                                         minimum=0, maximum=2, tuning=TUNED),
+                                lambda: self.delay, lambda v: setattr(self, "delay", v)),
+                 "poison": (KnobSpec("poison", "bool", "test: NaN loss", tuning=TUNED),
+                            lambda: self.poison, lambda v: setattr(self, "poison", v)),
+                 "broken": (KnobSpec("broken", "int", "test: 1 raises", minimum=0,
+                                     maximum=1, tuning=TUNED), lambda: 0, _refuse_one)}
+        for name in names:
+            spec, get, set_ = specs[name]
+            monitor.knobs.add(Knob(spec, get=get, set=set_))
+        monitor.refresh_knobs()
+
+
+def _refuse_one(value: int) -> None:
+    if value == 1:
+        raise RuntimeError("broken=1 cannot be applied (test)")
+
+
+def _trainer(**options):
+    model = make_model()
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   torch.nn.functional.cross_entropy, digits_loader(), **options)
+
+
+class Hold:
+    """Trainer callback: once :meth:`now` is called, the training thread waits at its
+    next optimizer step until :attr:`release` is set (the agent's thread goes on)."""
+
+    def __init__(self):
+        self.asked, self.held, self.release = (threading.Event(), threading.Event(),
+                                               threading.Event())
+
+    def now(self):
+        self.asked.set()
+        assert self.held.wait(30)
+
+    def on_optimizer_step(self, trainer, stats):
+        if self.asked.is_set() and not self.release.is_set():
+            self.held.set()
+            assert self.release.wait(30)
+
+
+@contextlib.contextmanager
+def _training(*knob_names, callbacks=()):
+    """A Trainer training in a thread with the agent attached and the named test knobs
+    bound: yields ``(knobs, monitor, subscriber)`` once a step has been seen."""
+    trainer = _trainer(callbacks=list(callbacks))
+    knobs = FakeKnobs(trainer)
+    monitor = agent.attach(trainer)
+    knobs.bind(monitor, *knob_names)
+    with Subscriber(monitor.info) as sub:
+        thread = start(trainer, max_steps=100_000)
+        try:
+            messages(sub, lambda m: m["type"] == "step")
+            yield knobs, monitor, sub
+        finally:
+            trainer.stop()
+            thread.join(30)
+
+
+def _steps_after(sub, seen, steps=3):
+    """``seen`` and the messages until ``steps`` step records after its last tune record's."""
+    last = next(m["body"]["step"] for m in reversed(seen) if m["type"] == protocol.TUNE)
+    return seen + messages(sub, lambda m: m["type"] == "step"
+                           and m["body"]["step"] > last + steps)
+
+
+def _tune_to_the_end(sub, info, value, timeout_s=120):
+    reply = send_command(info, protocol.TUNE, value)
+    assert reply["ok"], reply
+    return messages(sub, lambda m: m["type"] == protocol.TUNE
+                    and m["body"]["status"] != "running", timeout_s)
+
+
+def _candidates(seen):
+    return {(c["knob"], c["value"]): c for c in seen[-1]["body"]["candidates"]}
+
+
+def test_the_search_keeps_the_faster_setting_and_reverts_the_slow_one(run_dir):
+    with _training("step_delay") as (knobs, monitor, sub):
+        seen = _steps_after(sub, _tune_to_the_end(sub, monitor.info,
+                                                  {"knobs": ["step_delay"]}))
+    final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
+    candidates = _candidates([m for m in seen if m["type"] == protocol.TUNE])
+    assert candidates[("step_delay", 1)]["state"] == "kept"
+    slow = candidates[("step_delay", 2)]
+    assert slow["state"] == "reverted" and slow["reason"].startswith("slower")
+    assert final["best"] == {"step_delay": 1} and final["status"] == "done"
+    assert final["text"].startswith("tuned: step_delay=1 (+") and final["gain"] > 0
+    assert seen[-1]["body"]["knobs"]["step_delay"] == 1 and knobs.delay == 1
+    applied = [(m["body"]["step"], m["body"]["value"]) for m in seen if m["type"] == "event"
+               and m["body"].get("kind") == "applied"]
+    assert {value for _, value in applied} == {0, 1, 2}  # interleaved: back and forth
+    last_step, last_value = applied[-1]
+    assert last_value == 1  # the last change the search made: to the best
+    after = [m["body"]["knobs"]["step_delay"] for m in seen if m["type"] == "step"
+             and m["body"]["step"] >= last_step]
+    assert after and set(after) == {1}
+    texts = [m["body"]["text"] for m in seen if m["type"] == "event"
+             and m["body"].get("kind") in ("tune", "tuned")]
+    assert any(t.startswith("tune: step_delay=2 reverted: slower") for t in texts)
+    with open(monitor.info.log_path) as log:  # the run log has the search's records
+        logged = [json.loads(line) for line in log]
+    assert [r["status"] for r in logged if r["type"] == "tune"][-1] == "done"
+
+
+def test_a_setting_that_makes_the_loss_nan_or_fails_to_apply_is_reverted(run_dir):
+    with _training("poison", "broken") as (knobs, monitor, sub):
+        seen = _tune_to_the_end(sub, monitor.info, {"knobs": ["poison", "broken"]})
+        last = seen[-1]["body"]["step"]
+        seen = _steps_after(sub, seen, 5)
+    candidates = _candidates([m for m in seen if m["type"] == protocol.TUNE])
+    nan = candidates[("poison", True)]
+    assert nan["state"] == "reverted" and nan["reason"].startswith("loss was nan at step")
+    broken = candidates[("broken", 1)]
+    assert broken["state"] == "reverted"
+    assert "applying it failed" in broken["reason"] and "broken=1 cannot" in broken["reason"]
+    final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
+    assert final["best"] == {"poison": False, "broken": 0}
+    assert final["text"].startswith("tuned: no change")
+    assert not knobs.poison
+    after = [m["body"] for m in seen if m["type"] == "step" and m["body"]["step"] > last]
+    assert after and all(math.isfinite(b["loss"]) for b in after)
+    # the agent's own guard left the search's changes to the search: no rollback of its own
+    assert not [m for m in seen if m["type"] == "event" and m["body"].get("kind") == "rollback"]
+
+
+def test_a_client_killed_mid_search_leaves_the_best_configuration(run_dir):
+    with _training("step_delay") as (knobs, monitor, sub):
+        client = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch", "tune", "--run", monitor.run_id,
+             "--knobs", "step_delay"], stdout=subprocess.PIPE, text=True)
+        assert client.stdout.readline().startswith("tune: searching step_delay")
+        seen = messages(sub, lambda m: m["type"] == "event"
+                        and m["body"].get("text", "").startswith("tune: trying"))
+        client.send_signal(signal.SIGKILL)  # the search goes on in the training process
+        client.wait(10)
+        seen = _steps_after(sub, seen + messages(
+            sub, lambda m: m["type"] == protocol.TUNE and m["body"]["status"] != "running",
+            timeout_s=120))
+    final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
+    assert final["status"] == "done" and final["best"] == {"step_delay": 1}
+    assert seen[-1]["body"]["knobs"]["step_delay"] == 1 and knobs.delay == 1
+
+
+def test_stop_ends_the_search_in_the_best_configuration_so_far(run_dir):
+    hold = Hold()
+    with _training("step_delay", callbacks=[hold]) as (_, monitor, sub):
+        assert send_command(monitor.info, protocol.TUNE, {"knobs": ["step_delay"]})["ok"]
+        refused = send_command(monitor.info, protocol.TUNE, {})
+        assert not refused["ok"] and "a search is running already" in refused["reason"]
+        messages(sub, lambda m: m["type"] == "event"
+                 and m["body"].get("text", "").startswith("tune: trying step_delay=1"))
+        hold.now()  # the search cannot end on its own while the command line starts
+        cli = subprocess.run([sys.executable, "-m", "gpuwatch", "tune", "--run",
+                              monitor.run_id, "--stop"], capture_output=True, text=True,
+                             timeout=60)
+        hold.release.set()
+        assert cli.returncode == 0 and "stopping" in cli.stdout, cli.stderr
+        seen = _steps_after(sub, messages(sub, lambda m: m["type"] == protocol.TUNE
+                                          and m["body"]["status"] != "running"))
+    final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
+    assert final["status"] == "stopped" and final["text"].endswith("stopped by request")
+    assert seen[-1]["body"]["knobs"]["step_delay"] == final["best"]["step_delay"]
+
+
+def test_tune_requests_are_checked_and_numerics_need_allowing(run_dir):
+    trainer = _trainer()
+    monitor = agent.attach(trainer)
+    try:
+        for value, reason in [
+                ({"knobs": ["nope"]}, "tune: this run has no knob 'nope'"),
+                ({"knobs": ["precision"]}, "tune: precision changes the training's numerics"),
+                ({"budget_steps": 0}, "tune: budget_steps must be an integer from 1"),
+                ({"speed": "max"}, "tune: unknown option speed"),
+                ("fast", "tune: the value must be a map")]:
+            reply = send_command(monitor.info, protocol.TUNE, value)
+            assert not reply["ok"] and reply["reason"].startswith(reason), reply
+    finally:
+        monitor.close()
+    request = TuneRequest({"allow": ["precision", "accum_steps"]}, monitor.knobs)
+    assert request.knobs == ["cpu_threads", "accum_steps", "precision"]
+    assert TuneRequest({}, monitor.knobs).knobs == ["cpu_threads"]
+
+
+# --- the search's parts, on their own ------------------------------------------------
+
+def test_ladders_are_powers_of_two_within_the_bounds_and_keep_the_current_value():
+    def bound(kind, value, **spec):
+        return Knob(KnobSpec("num_workers" if kind == "workers" else "x",
+                             "int" if kind != "choice" else "choice", "", **spec),
+                    get=lambda: value, set=lambda v: None)
+
+    assert ladder(bound("workers", 0, minimum=0, maximum=64), cpus=6) == (
+        True, [0, 1, 2, 4, 6])
+    assert ladder(bound("workers", 12, minimum=0, maximum=64), cpus=2) == (
+        True, [0, 1, 2, 4, 8, 12])
+    assert ladder(bound("x", 3, minimum=1, maximum=10), cpus=2) == (True, [1, 2, 3, 4, 8, 10])
+    assert ladder(bound("choice", "a", choices=("a", "b")), cpus=2) == (False, ["a", "b"])
+
+
+def test_coordinate_search_climbs_a_rung_at_a_time_and_makes_a_second_pass():
+    search = CoordinateSearch({"threads": (True, [1, 2]), "workers": (True, [0, 1, 2, 4]),
+                               "kernels": (False, ["eager", "compile", "triton"])},
+                              {"threads": 2, "workers": 0, "kernels": "eager"})
+    best = {"threads": 2, "workers": 0, "kernels": "eager"}
+    faster = {("threads", 1), ("workers", 1), ("workers", 2), ("kernels", "triton")}
+    tried = []
+    while (candidate := search.next(best)) is not None:  # faster the first time only
+        tried.append(candidate)
+        kept = candidate in faster
+        faster.discard(candidate)
+        if kept:
+            best[candidate[0]] = candidate[1]
+        search.result(kept)
+    # pass 1: threads down (nothing above 2), workers up while faster, every kernel;
+    # pass 2 (pass 1 kept something): each knob again from the new best, configurations
+    # measured already left out
+    assert tried == [("threads", 1), ("workers", 1), ("workers", 2), ("workers", 4),
+                     ("kernels", "compile"), ("kernels", "triton"),
+                     ("threads", 2), ("workers", 4), ("workers", 1)]
+    assert best == {"threads": 1, "workers": 2, "kernels": "triton"}
+
+
+def test_student_t_quantiles_and_the_paired_interval_that_load_drift_does_not_fool():
+    for df, exact in [(2, 4.303), (5, 2.571), (10, 2.228), (30, 2.042)]:
+        assert t_quantile(0.975, df) == pytest.approx(exact, rel=0.01)
+    rng = random.Random(1)
+
+    def block(seconds_per_unit):
+        return Block(6, seconds_per_unit, (0.05 * seconds_per_unit) ** 2, 6, 6 * seconds_per_unit)
+
+    pairs = []
+    for load in (1.0, 3.0, 1.5, 0.8, 2.5):  # the host's load swings 4x between pairs
+        pairs.append((block(0.010 * load * (1 + 0.02 * rng.gauss(0, 1))),
+                      block(0.008 * load * (1 + 0.02 * rng.gauss(0, 1)))))
+    gain, low, high = paired_gain(pairs)
+    assert 0 < low < gain < high and gain == pytest.approx(0.25, abs=0.05)
+    assert paired_gain(pairs[:1])[1:] == (-math.inf, math.inf)  # one pair: no interval
+    same = [(block(0.01 * load), block(0.01 * load * (1 + 0.2 * rng.gauss(0, 1))))
+            for load in (1.0, 3.0, 1.5, 0.8)]
+    _, low, high = paired_gain(same)
+    assert low < 0 < high  # no difference: the interval holds zero
+    assert [_side(i) for i in range(8)] == ["best", "candidate", "candidate", "best",
+                                            "best", "candidate", "candidate", "best"]
+    rate, half = Block(20, 0.008, 0.0008 ** 2, 20, 0.16).rate()
+    assert rate == pytest.approx(125) and half == pytest.approx(
+        125 * t_quantile(0.975, 19) * 0.1 / math.sqrt(20))
+
+
+def test_the_warm_up_is_cut_off_and_steady_noise_is_not():
+    jitter = random.Random(2)
+    series = Series()
+    for seconds in [5.0, 0.9, 0.5, 0.3] + [0.1] * 20:
+        series.add(seconds * (1 + 0.05 * jitter.random()), 2)
+    block = series.block()
+    assert block.n == 20 and block.units == 40  # the transient's 4 steps cut
+    assert block.rate()[0] == pytest.approx(2 / 0.1025, rel=0.03)
+    steady = Series()
+    for _ in range(24):
+        steady.add(0.1 * (1 + 0.2 * jitter.gauss(0, 1)), 1)
+    assert steady.block().n >= 18  # noise is not warm-up: at most a few steps cut
+
+
+def test_knob_specs_say_what_the_search_may_do():
+    from agent.knobs import STANDARD_KNOBS
+
+    tuned = {name for name, spec in STANDARD_KNOBS.items() if spec.tuning == TUNED}
+    allowed = {name for name, spec in STANDARD_KNOBS.items()
+               if spec.tuning == TUNED_IF_ALLOWED}
+    assert tuned == {"num_workers", "pin_memory", "prefetch_factor", "cpu_threads"}
+    assert allowed == {"precision", "accum_steps", "micro_batch_size", "kernels",
+                       "checkpointing"}
+    with pytest.raises(KnobError, match="memory_fraction is not a speed setting"):
+        knobs = KnobSet()
+        knobs.add(Knob(STANDARD_KNOBS["memory_fraction"], get=lambda: 1.0,
+                       set=lambda v: None))
+        TuneRequest({"knobs": ["memory_fraction"]}, knobs)
+
+
+# --- the knobs the search trades -----------------------------------------------------
+
+def test_cpu_threads_applies_at_a_boundary_in_the_training_thread(run_dir):
+    seen_threads = []
+    trainer = _trainer(callbacks=[type("Threads", (), {
+        "on_optimizer_step": lambda self, t, s: seen_threads.append(torch.get_num_threads())})()])
+    previous = torch.get_num_threads()
+    monitor = agent.attach(trainer)
+    try:
+        schema = {k["name"]: k for k in monitor.knobs.schema()}
+        assert schema["cpu_threads"]["min"] == 1
+        assert schema["cpu_threads"]["max"] == len(os.sched_getaffinity(0))
+        reply = send_command(monitor.info, "cpu_threads", 1)
+        assert reply["ok"] and reply["apply_step"] == 2
+        trainer.fit(max_steps=4)
+        assert seen_threads[1:] == [1, 1, 1] and monitor.knobs.values()["cpu_threads"] == 1
+    finally:
+        torch.set_num_threads(previous)
+
+
+class Digits(torch.utils.data.Dataset):
+    """The first ``n`` digits as a map-style dataset."""
+
+    def __init__(self, n=384):
+        x, y = zip(*digits_loader(batch_size=1, n=n))
+        self.x, self.y = torch.cat(x), torch.cat(y)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+def test_micro_batch_size_keeps_the_effective_batch_and_every_sample(run_dir):
+    """16 x 2 switched to 8 x 4 live: every optimizer step still averages the gradient
+    of the same 32 samples, in the same order, as a run that had 8 x 4 from the start;
+    a size that cannot keep 32 exactly is refused with the reason."""
+    runs_params = []
+    for live in (True, False):
+        torch.manual_seed(0)
+        loader = ReconfigurableLoader(Digits(), 16 if live else 8, shuffle=True, seed=3)
+        model = make_model()
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          torch.nn.functional.cross_entropy, loader,
+                          accum_steps=2 if live else 4)
+        if live:
+            monitor = agent.attach(trainer)
+            for size, reason in [(12, ("the effective batch of 32 samples (16 x "
+                                       "accum_steps 2) is not a multiple of 12")),
+                                 (64, "more than the effective batch of 32 samples")]:
+                refused = send_command(monitor.info, "micro_batch_size", size)
+                assert not refused["ok"] and reason in refused["reason"], refused
+            assert send_command(monitor.info, "micro_batch_size", 8, apply_step=4)["ok"]
+        trainer.fit(max_steps=12)  # one epoch of 384 samples
+        assert trainer.accum_steps == 4 and loader.batch_size == 8
+        assert loader.position == (0, len(loader), len(loader))  # one epoch, every sample
+        assert len(loader) == (6 + 288 // 8 if live else 384 // 8)
+        runs_params.append([p.detach().clone() for p in model.parameters()])
+    for live, fresh in zip(*runs_params):
+        assert torch.allclose(live, fresh, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_ranks_end_in_the_same_configuration_at_the_same_step(run_dir):
+    """Real torchrun, gloo: rank 0 decides, every change reaches both ranks at one
+    step; every step record of both ranks has the same knobs."""
+    from tests.test_ranks import EXAMPLES, wait_for_ranks
+
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(EXAMPLES / "ddp_attach.py"), "--max-steps", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        rank0, rank1 = wait_for_ranks(job, 2)
+        records: dict[int, dict[int, dict]] = {0: {}, 1: {}}
+        applied: dict[int, list] = {0: [], 1: []}
+        heard = {0: threading.Event(), 1: threading.Event()}
+        done = threading.Event()
+
+        def follow(info):
+            with Subscriber(info) as sub:
+                while not done.is_set():
+                    message = sub.recv(1.0)
+                    if message is None:
+                        continue
+                    heard[info.rank].set()
+                    body = message["body"]
+                    if message["type"] == "step":
+                        records[info.rank][body["step"]] = body["knobs"]
+                    elif message["type"] == "event" and body.get("kind") == "applied":
+                        applied[info.rank].append((body["knob"], body["value"], body["step"]))
+
+        followers = [threading.Thread(target=follow, args=(info,), daemon=True)
+                     for info in (rank0, rank1)]
+        for follower in followers:
+            follower.start()
+        assert heard[0].wait(60) and heard[1].wait(60)
+        cli = subprocess.run([sys.executable, "-m", "gpuwatch", "tune", "--run",
+                              rank1.run_id, "--knobs", "cpu_threads,num_workers",
+                              "--budget-steps", "150"], capture_output=True, text=True,
+                             timeout=600)
+        assert cli.returncode == 0, cli.stderr
+        assert cli.stdout.splitlines()[-1].startswith("tuned: ")
+        end = max(records[0]) + 100  # past the last change's step (a fan-out's margin)
+        deadline = time.monotonic() + 120
+        while min(max(records[0]), max(records[1])) < end and time.monotonic() < deadline:
+            time.sleep(0.2)  # polled: the followers fill the records
+        done.set()
+        for follower in followers:
+            follower.join(5)
+    finally:
+        job.send_signal(signal.SIGTERM)
+        job.wait(60)
+    assert applied[0] and applied[0] == applied[1]  # the same changes at the same steps
+    common = sorted(set(records[0]) & set(records[1]))
+    assert len(common) > 100
+    assert all(records[0][step] == records[1][step] for step in common)
+
+
+# --- the dashboard ---------------------------------------------------------------------
+
+async def test_T_starts_the_search_its_screen_shows_the_candidates_and_T_stops_it(run_dir):
+    from gpuwatch.app import GpuwatchApp
+    from gpuwatch.sources.live import LiveSource
+    from gpuwatch.widgets.tune import TuneScreen
+    from tests.test_dashboard import log_texts, until
+
+    with _training("step_delay") as (_, monitor, _):
+        app = GpuwatchApp(LiveSource(monitor.info))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.source.state.hello and app.source.state.steps)
+            await pilot.press("T")
+            await until(pilot, lambda: isinstance(app.screen, TuneScreen))
+
+            def shown():
+                return str(app.screen.query_one("#tune-table").content)
+
+            await until(pilot, lambda: "cpu_threads=1" in shown(), timeout_s=60)
+            assert shown().startswith("running at step ")
+            assert "searching cpu_threads, step_delay" in shown()
+            await pilot.press("T")  # again: stop, keeping the best so far
+            await until(pilot, lambda: "tuned: " in shown(), timeout_s=60)
+            assert shown().startswith("stopped at step ")
+            assert any(text.startswith("tune: stopping") for text in log_texts(app))
+            assert any(text.startswith("tuned: ") and text.endswith("stopped by request")
+                       for text in log_texts(app))
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, TuneScreen))
+
+
+def test_the_data_verdict_says_whether_idle_cpu_exists_for_more_workers():
+    from gpuwatch.state import RunState
+    from gpuwatch.widgets.data import input_advice
+
+    state = RunState()
+    state.ingest(protocol.envelope("hello", {"env": {"cpu": {"count": 8, "usable_count": 4}}},
+                                   run="r"))
+    state.ingest(protocol.envelope("step", {"step": 1, "input_verdict": "input-bound",
+                                            "knobs": {"num_workers": 1}}, run="r"))
+    assert input_advice(state, 80) is None  # no system sample yet
+    state.ingest(protocol.envelope("system", {"cpu_pct": 40.0}, run="r"))
+    assert input_advice(state, 80).plain == "2.4 cores idle: T tries num_workers=2"
+    assert input_advice(state, 16).plain == "2.4 cores idle"
+    state.ingest(protocol.envelope("system", {"cpu_pct": 95.0}, run="r"))
+    advice = input_advice(state, 80)
+    assert advice.plain == "no idle CPU (95%): a worker competes with compute; T measures it"
+    assert input_advice(state, 18).plain == "no idle CPU (95%)"
+    state.ingest(protocol.envelope("step", {"step": 2, "input_verdict": "compute-bound"},
+                                   run="r"))
+    assert input_advice(state, 80) is None
