@@ -3,8 +3,8 @@
 One JSON object per line (:func:`agent.protocol.to_json_line`; a ``steps`` batch of the
 wire is written as one ``step`` line per optimizer step), so a finished or running run
 can be replayed (``gpuwatch replay FILE``), printed (``gpuwatch tail --json FILE``) or
-read as a table: ``pandas.read_json(path, lines=True)`` (the steps alone:
-``df[df.type == "step"]``). Written only by the agent's
+read as a table, the steps alone in one line:
+``pandas.read_json(path, lines=True).query("type == 'step'")``. Written only by the agent's
 I/O thread, buffered, flushed at most every ``flush_interval_s``; the size is bounded by
 rotation (``run.jsonl`` -> ``run.jsonl.1`` -> ...), keeping ``backups`` old files.
 """
