@@ -795,6 +795,7 @@ class Agent:
         cpu = isinstance(marker_api, CpuMarker)
         guard = self._change_guard
         window = self._input
+        tune = self.tune if self.tune.tuner is not None else None
         while in_flight:
             record = in_flight[0]
             if record[0] == "event":
@@ -838,8 +839,9 @@ class Agent:
                     or (loss is not None and loss - loss != 0.0)):  # NaN or inf loss
                 self._check_step(step, loss, skipped)
                 batch = self._batch  # an event it published sent the batch
-            self.tune.on_step(step, step_time_s, samples, tokens, loss, skipped)
-            batch = self._batch  # the tuner may publish (and so send the batch)
+            if tune is not None:  # a search is on (started by a command, never here)
+                tune.on_step(step, step_time_s, samples, tokens, loss, skipped)
+                batch = self._batch  # the tuner may publish (and so send the batch)
             share = verdict = None
             if step_time_s:
                 share, verdict = window.add(wait_s, step_time_s)
