@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.protocol import TUNE_ID_PREFIX
+from agent.protocol import TUNE_ID_PREFIX, EventKind
 
 #: Knobs whose changes are watched and rolled back.
 GUARDED_KNOBS = frozenset({"precision", "accum_steps", "micro_batch_size", "kernels",
@@ -54,15 +54,21 @@ class ChangeGuard:
     _until_step: int = 0
     _warned_non_finite: bool = False
 
+    @property
+    def watching(self) -> bool:
+        """Whether a guarded change is being watched: only then (or for a skipped step
+        or a non-finite loss) does :meth:`on_step` have anything to do."""
+        return bool(self._previous)
+
     def on_applied(self, event: dict[str, Any]) -> None:
         """An ``applied`` event: start (or extend) the watch over a guarded change.
         Rollbacks themselves (``kind == "rolled_back"``) are not watched."""
         knob = event.get("knob")
-        if event.get("kind") == "rolled_back":
+        if event.get("kind") == EventKind.ROLLED_BACK:
             self._end_watch()  # undone already (e.g. on the training thread after an OOM)
             return
-        if event.get("kind") != "applied" or (self.watched is not None
-                                               and knob not in self.watched):
+        if event.get("kind") != EventKind.APPLIED or (self.watched is not None
+                                                      and knob not in self.watched):
             return
         if str(event.get("id") or "").startswith(TUNE_ID_PREFIX):
             return  # the tuner's own candidate: it watches it itself

@@ -22,7 +22,26 @@ Message types and their bodies:
                loss and gradient are averaged, e.g. micro_batch_mean or samples),
                ``errors`` (the agent's latest internal errors, e.g. why the run has no
                log: training goes on).
-``step``       one optimizer step: ``step``, ``micro_batches``, ``samples``,
+``steps``      (wire, since version 2) every optimizer step the agent's I/O thread found
+               queued since its last wake-up, in columns (one encode and one send for
+               all of them): ``n`` (rows), ``columns`` (field name -> a list of ``n``
+               values, one per step, oldest first) and ``common`` (field name -> the
+               value every row of the batch shares: the memory fields, read once a
+               batch, and ``knobs`` while it did not change within the batch). Row ``i``
+               is the ``step`` body ``{**common, name: column[i] for each column}``, where
+               a None of a field outside :data:`STEP_FIELDS` means the field is absent
+               from that step (e.g. ``activation_bytes`` on steps that did not measure
+               it). :func:`step_bodies` and :func:`expand` turn a batch into rows; every
+               reader folds or prints rows, so ``gpuwatch tail --json`` prints one object
+               per step. At most :data:`MAX_BATCH_STEPS` rows a message. A lost ``steps``
+               message is one ``seq`` gap however many steps it held. Events and every
+               other message keep their order with the steps: a batch is sent before
+               any other message that follows its steps.
+``step``       one optimizer step (the rows of ``steps``; the run log holds one ``step``
+               line per step, all of a batch with its ``seq`` and ``t``, every column of
+               the batch in every row, ``null`` where a row lacks it; version 1 agents
+               sent one ``step`` message per step, which readers still fold):
+               ``step``, ``micro_batches``, ``samples``,
                ``step_time_s``, ``data_wait_s``, ``data_wait_share``, ``samples_per_s``,
                ``loss`` (float or None), ``gpu_step_time_s`` (CUDA), ``knobs`` (current
                values), ``data_wait_share_window`` and ``input_verdict`` (input-bound |
@@ -60,7 +79,10 @@ Message types and their bodies:
                command; rank 0 runs the search, and the commands the search sends have
                ids starting with :data:`TUNE_ID_PREFIX`.
 ``reply``      agent -> client: ``id``, ``ok``, ``knob``, ``value``, ``apply_step`` or
-               ``reason``.
+               ``reason``; an accepted command's reply also has ``step``, the last
+               optimizer step the run had completed when it accepted it (the run's own
+               counter: the command applies ``apply_step - step`` steps later, 2 with the
+               default ``apply_step``).
 ``tune``       the in-run search (rank 0), at each change of its state: ``status``
                (running | done | stopped), ``started_step``, ``step``, ``steps``
                (spent so far), ``budget_steps``, ``unit`` (samples | tokens), ``knobs``
@@ -94,10 +116,12 @@ from typing import Any
 import msgpack
 import orjson
 
-PROTOCOL_VERSION = 1
+#: 2: step records travel in batches (``steps``, columnar); 1: one ``step`` message each.
+PROTOCOL_VERSION = 2
 
 HELLO = "hello"
 STEP = "step"
+STEPS = "steps"
 SYSTEM = "system"
 STATE = "state"
 EVENT = "event"
@@ -107,14 +131,61 @@ HEARTBEAT = "heartbeat"
 BYE = "bye"
 TUNE = "tune"
 NODE = "node"
-MESSAGE_TYPES = (HELLO, STEP, SYSTEM, STATE, EVENT, COMMAND, REPLY, HEARTBEAT, BYE, TUNE,
-                 NODE)
+MESSAGE_TYPES = (HELLO, STEPS, STEP, SYSTEM, STATE, EVENT, COMMAND, REPLY, HEARTBEAT, BYE,
+                 TUNE, NODE)
 
 #: Ids of the commands the agent's tuner sends start with this.
 TUNE_ID_PREFIX = "tune-"
 
+
+class EventKind:
+    """The ``kind`` of an ``event`` body, declared once for the agent, the dashboard,
+    the loggers bridge and the tests (plain strings on the wire: a peer may send kinds
+    not listed here, which readers show and otherwise ignore)."""
+
+    #: a command was accepted for a later step (``step``: the step it applies at)
+    ACCEPTED = "accepted"
+    #: a knob was set at an optimizer-step boundary (``previous``: the value before)
+    APPLIED = "applied"
+    #: setting a knob failed; the previous value stays
+    FAILED = "failed"
+    #: a command was refused (bad token, knob or value; at most one event a second)
+    REJECTED = "rejected"
+    #: a pending command was withdrawn before its step
+    CANCELLED = "cancelled"
+    #: a guarded change is being undone (announced), and the knob set back (applied)
+    ROLLBACK = "rollback"
+    ROLLED_BACK = "rolled_back"
+    #: something a person should know (a value that may hurt, a step not rolled back)
+    WARNING = "warning"
+    #: an internal error of the agent's; training goes on
+    AGENT_ERROR = "agent_error"
+    #: the model is being compiled (steps are slow, not stalled), and it is done
+    COMPILING = "compiling"
+    COMPILED = "compiled"
+    #: knob values came back from a checkpoint
+    RESUMED = "resumed"
+
+    #: kinds that settle a pending command (it applied, failed or was withdrawn)
+    SETTLING = frozenset({APPLIED, FAILED, ROLLED_BACK, CANCELLED})
+    #: kinds after which a knob holds a new value
+    CHANGED = frozenset({APPLIED, ROLLED_BACK})
+    #: kinds that end a compiling phase (besides the first step record after it)
+    COMPILE_ENDED = frozenset({COMPILED, FAILED})
+
+
 #: Largest payload either side decodes; larger frames are dropped as malformed.
 MAX_MESSAGE_BYTES = 1 << 20
+#: Most rows in one ``steps`` message (a batch of about 150 kB at most); the agent sends a
+#: longer backlog as several.
+MAX_BATCH_STEPS = 1024
+#: Fields of a ``step`` present in every row (None where unknown: ``loss`` None is "no
+#: loss"); a None of any other column means the field is absent from that row.
+STEP_FIELDS = frozenset({
+    "step", "micro_batches", "samples", "step_time_s", "data_wait_s", "data_wait_share",
+    "samples_per_s", "loss", "gpu_step_time_s", "knobs", "skipped_steps_total"})
+#: Envelope keys: a body field of one of these names is dropped from flat records.
+_HEAD_KEYS = ("type", "run", "rank", "seq", "t")
 
 
 #: Longest text (characters) kept of a string from the wire or a log where it is shown
@@ -272,6 +343,115 @@ def to_json_line(message: dict[str, Any]) -> bytes:
     except (orjson.JSONEncodeError, RecursionError):  # e.g. an int beyond 64 bits
         return (json.dumps(_finite(record), default=repr, separators=(",", ":"))
                 + "\n").encode()
+
+
+def steps_body(columns: dict[str, list[Any]], common: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    """The body of a ``steps`` message.
+
+    Args:
+        columns: field name -> one value per step, oldest first; every list as long as
+            ``columns["step"]`` (at most :data:`MAX_BATCH_STEPS`).
+        common: fields every row shares (memory read once a batch, unchanged knobs).
+    """
+    return {"n": len(columns["step"]), "columns": columns, "common": common or {}}
+
+
+def step_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of a ``steps`` body, each a ``step`` body (see the module docstring).
+
+    Raises:
+        ProtocolError: the body is not a batch: ``columns`` is not a map of lists of
+            ``n`` values each, ``common`` is not a map, or ``n`` is out of range.
+    """
+    columns, common, n = body.get("columns"), body.get("common", {}), body.get("n")
+    if (not isinstance(columns, dict) or not isinstance(common, dict)
+            or type(n) is not int or not 0 <= n <= MAX_BATCH_STEPS):
+        raise ProtocolError("a steps body needs n, columns and common")
+    for values in columns.values():
+        if type(values) is not list or len(values) != n:
+            raise ProtocolError(f"every column of a steps body must hold {n} values")
+    names = list(columns)
+    sparse = [name for name in names if name not in STEP_FIELDS and None in columns[name]]
+    rows = []
+    for values in zip(*columns.values()):
+        row = {**common, **dict(zip(names, values))}
+        for name in sparse:
+            if row[name] is None:
+                del row[name]
+        rows.append(row)
+    if not names:  # a batch of columns-less rows: n bodies of common fields alone
+        rows = [dict(common) for _ in range(n)]
+    return rows
+
+
+def expand(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A received envelope as the records readers handle: a ``steps`` batch as one
+    ``step`` envelope per row (each with the batch's ``run``, ``rank``, ``seq`` and
+    ``t``), any other envelope as itself.
+
+    Raises:
+        ProtocolError: a ``steps`` message whose body is not a batch.
+    """
+    if message.get("type") != STEPS:
+        return [message]
+    head = {key: message.get(key) for key in ("v", "run", "rank", "seq", "t")}
+    return [{**head, "type": STEP, "body": row} for row in step_bodies(message["body"])]
+
+
+def step_lines(message: dict[str, Any]) -> bytes:
+    """A ``steps`` message as run-log lines: one flat ``step`` record a row, as
+    :func:`to_json_line` writes a ``step`` envelope (the envelope's keys first, then the
+    columns, then the common fields), except that every row has every column of its
+    batch: a None of a sparse column is written ``null`` (not left out), so the log is
+    one table whose rows differ only in values.
+
+    Built column by column: a column of numbers is encoded by one ``orjson.dumps`` and
+    split at its commas (numbers hold none), then each line is one ``%`` of a template
+    made once a batch. About 1 us a row.
+
+    Raises:
+        ProtocolError: the body is not a batch.
+    """
+    body = message.get("body") or {}
+    columns, common = body.get("columns"), body.get("common", {})
+    if not isinstance(columns, dict) or not columns or not isinstance(common, dict):
+        raise ProtocolError("a steps body needs columns and common")
+    names = [name for name in columns if name not in _HEAD_KEYS]
+    n = len(columns[names[0]]) if names and type(columns[names[0]]) is list else 0
+    for name in names:
+        if type(columns[name]) is not list or len(columns[name]) != n:
+            raise ProtocolError(f"every column of a steps body must hold {n} values")
+    dumps = orjson.dumps
+    try:
+        head = dumps({"type": STEP, **{key: message.get(key) for key in _HEAD_KEYS[1:]}},
+                     default=repr)[1:-1]
+        tail = dumps({key: value for key, value in common.items()
+                      if key not in _HEAD_KEYS and key not in columns},
+                     default=repr, option=orjson.OPT_NON_STR_KEYS)[1:-1]
+        encoded = []
+        for name in names:
+            values = columns[name]
+            if set(map(type, values)) <= _NUMBER_TYPES:  # one encode, split at commas
+                encoded.append(dumps(values)[1:-1].split(b","))
+            else:
+                encoded.append([dumps(value, default=repr, option=orjson.OPT_NON_STR_KEYS)
+                                for value in values])
+    except (orjson.JSONEncodeError, RecursionError):  # e.g. an int beyond 64 bits
+        return b"".join(to_json_line({**message, "type": STEP, "body": row})
+                        for row in step_bodies(body))
+    if not n:
+        return b""
+    parts = [head.replace(b"%", b"%%")]  # a % in a run id, a name or a common value
+    parts += [dumps(str(name)).replace(b"%", b"%%") + b":%s" for name in names]
+    if tail:
+        parts.append(tail.replace(b"%", b"%%"))
+    template = b"{" + b",".join(parts) + b"}\n"
+    return b"".join(map(template.__mod__, zip(*encoded)))
+
+
+#: Types of the values of a column :func:`step_lines` encodes in one call.
+_NUMBER_TYPES = frozenset({int, float, bool, type(None)})
 
 
 def _finite(value: Any) -> Any:

@@ -223,8 +223,14 @@ class Relay:
                         except protocol.ProtocolError:
                             continue
                         kind, body = message["type"], message["body"]
-                        if kind == protocol.STEP:
-                            paces.setdefault(rank, _Pace()).add(body)
+                        if kind in (protocol.STEP, protocol.STEPS):
+                            pace = paces.setdefault(rank, _Pace())
+                            try:
+                                for row in (protocol.step_bodies(body)
+                                            if kind == protocol.STEPS else [body]):
+                                    pace.add(row)
+                            except protocol.ProtocolError:
+                                continue
                         elif rank in paces:
                             paces[rank].heard_at = time.monotonic()
                         if rank == 0:

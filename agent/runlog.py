@@ -1,8 +1,10 @@
 """The run log: every record the agent publishes, appended to a file on disk.
 
-One JSON object per line (:func:`agent.protocol.to_json_line`), so a finished or running
-run can be replayed (``gpuwatch replay FILE``), printed (``gpuwatch tail --json FILE``)
-or read as a table (``pandas.read_json(path, lines=True)``). Written only by the agent's
+One JSON object per line (:func:`agent.protocol.to_json_line`; a ``steps`` batch of the
+wire is written as one ``step`` line per optimizer step), so a finished or running run
+can be replayed (``gpuwatch replay FILE``), printed (``gpuwatch tail --json FILE``) or
+read as a table, the steps alone in one line:
+``pandas.read_json(path, lines=True).query("type == 'step'")``. Written only by the agent's
 I/O thread, buffered, flushed at most every ``flush_interval_s``; the size is bounded by
 rotation (``run.jsonl`` -> ``run.jsonl.1`` -> ...), keeping ``backups`` old files.
 """
@@ -99,9 +101,14 @@ class RunLog:
         return os.fdopen(fd, "ab", buffering=1 << 16)
 
     def write(self, message: dict[str, Any]) -> None:
-        """Append one envelope (flattened) as a line. After a rotation the new file
-        starts with the latest ``hello``, so that every file can be replayed alone."""
-        line = protocol.to_json_line(message)
+        """Append one envelope (flattened) as a line; a ``steps`` batch as one ``step``
+        line a row (:func:`agent.protocol.step_lines`), so the log stays one flat table.
+        After a rotation the new file starts with the latest ``hello``, so that every
+        file can be replayed alone."""
+        if message.get("type") == protocol.STEPS:
+            line = protocol.step_lines(message)
+        else:
+            line = protocol.to_json_line(message)
         if message.get("type") == protocol.HELLO:
             self._hello_line = line
         self._file.write(line)

@@ -1,31 +1,54 @@
-"""What each monitor adds to one optimizer step of a small real training loop (CPU).
+"""What each monitor adds to one optimizer step of a small real training loop (CPU), in CPU
+time per thread and in wall-clock time.
 
-    python benchmarks/bench_overhead.py [--steps 2000] [--rounds 7]
+    python benchmarks/bench_overhead.py [--steps 2000] [--rounds 15] [--all]
+    python benchmarks/bench_overhead.py --short        # a quick check that it works
 
-One process, one loop (a 2-layer MLP on scikit-learn's digits, about 0.5 ms a step on a
-2-core CPU), run under each monitor in turn, interleaved and repeated; the median over
-rounds is compared with the bare loop measured in the same rounds. Monitors:
+One process, one loop (a 2-layer MLP on scikit-learn's digits, one torch thread, about
+0.5 ms a step on a quiet core: 1,000+ steps/s), run under each monitor in turn, interleaved (the order
+rotates each round) and repeated. Monitors:
 
 - bare:            the loop alone
 - tqdm:            a tqdm progress bar around the loader (the cheapest thing people add)
 - agent:           gpuwatch's agent (``agent.session``), no dashboard connected
 - agent+sub:       the agent with a subscriber process reading every record
-- naive_logger:    psutil + torch memory stats on the training thread every step
-- torch_profiler:  torch.profiler with a wait/warmup/active schedule
+- naive_logger, torch_profiler (with ``--all``): psutil + memory stats each step on the
+  training thread; torch.profiler with a wait/warmup/active schedule
 
-Last line: ``RESULT agent_overhead_ratio=<r> agent_us_per_step=<u> tqdm_us_per_step=<t>
-naive_overhead_ratio=<n>`` (ratios are step time under the monitor / bare step time).
+Two measures, each per optimizer step:
+
+- **CPU time**, which a loaded machine's noise does not hide: the per-thread CPU clock
+  (``clock_gettime`` of each thread's CPU clock) of every thread the monitor starts
+  (the agent's I/O thread and ZeroMQ's background threads; tqdm's monitor thread), read
+  once the monitor has handled the last step, and the training thread's own CPU time
+  (``time.thread_time``) minus that of the bare loop in the same round (what the hot
+  path adds there; this difference is noisy), and, measured alone without a model (a
+  loop that only iterates: no noise from torch), the CPU each monitor's per-step code
+  adds to the training thread (the agent's loader wrapper and ``optimizer_step``;
+  tqdm's iteration). The monitor threads' CPU is GIL time the training thread may have
+  to wait for.
+- **Wall clock**: the ratio of each round's step time under the monitor to the bare
+  loop's in the same round; mean over rounds with a 95% confidence interval (Student t).
+
+Last line: ``RESULT agent_cpu_us_per_step=<a> agent_overhead_ratio=<r>
+agent_overhead_ci95=<c> agent_sub_overhead_ratio=<s> tqdm_cpu_us_per_step=<t>``: ``a`` is
+the CPU time of all agent threads a step (target <= 3 us at 1,000+ steps/s), ``r`` the
+mean wall-clock ratio and ``c`` the half-width of its 95% interval (target ``r <= 1.01``),
+``s`` the ratio with a subscriber reading, ``t`` tqdm's CPU a step (its per-step code on
+the training thread, measured alone, and its monitor thread).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import psutil
@@ -48,6 +71,46 @@ with Subscriber(info) as sub:
         if message is None or message["type"] == "bye":
             break
 """
+
+
+def thread_cpu_s(tid: int) -> float | None:
+    """CPU time (s) of thread ``tid`` of this process (Linux's per-thread CPU clock, as
+    ``pthread_getcpuclockid`` gives it); None once the thread has ended."""
+    try:
+        return time.clock_gettime((~tid << 3) | 6)  # MAKE_THREAD_CPUCLOCK(tid, SCHED)
+    except OSError:
+        return None
+
+
+def thread_ids() -> set[int]:
+    """Native ids of this process's threads (Python's and native ones: ZeroMQ's)."""
+    return {int(name) for name in os.listdir("/proc/self/task")}
+
+
+class Clocks:
+    """CPU time of the threads started since :meth:`start`, and of the training thread.
+
+    ``start()`` before the monitor starts its threads (it notes the threads there are),
+    ``begin()`` at the loop's start, ``end()`` once the monitor has handled the loop's
+    last step, before it stops its threads."""
+
+    def start(self) -> None:
+        self._before = thread_ids()
+
+    def begin(self) -> None:
+        self._tids = thread_ids() - self._before
+        self._cpu0 = {tid: thread_cpu_s(tid) or 0.0 for tid in self._tids}
+        self._train0 = time.thread_time()
+        self._wall0 = time.perf_counter()
+
+    def end(self) -> tuple[float, float, float]:
+        """``(wall s, training thread CPU s, monitor threads' CPU s)`` since begin()."""
+        wall = time.perf_counter() - self._wall0
+        train = time.thread_time() - self._train0
+        threads = thread_ids() - self._before
+        monitor = sum((thread_cpu_s(tid) or 0.0) - self._cpu0.get(tid, 0.0)
+                      for tid in threads)
+        return wall, train, monitor
 
 
 def make_loop(batch_size: int = 64, hidden: int = 512):
@@ -75,100 +138,204 @@ def make_loop(batch_size: int = 64, hidden: int = 512):
     return batch_stream, step
 
 
-def run_bare(stream, step, steps):
-    start = time.perf_counter()
+def run_bare(stream, step, steps, clocks):
+    clocks.start()
+    clocks.begin()
     for inputs, targets in stream(steps):
         step(inputs, targets)
-    return time.perf_counter() - start
+    return clocks.end()
 
 
-def run_tqdm(stream, step, steps):
+def run_tqdm(stream, step, steps, clocks):
     with open(os.devnull, "w") as devnull:
-        start = time.perf_counter()
-        for inputs, targets in tqdm(stream(steps), total=steps, file=devnull):
+        clocks.start()
+        bar = tqdm(stream(steps), total=steps, file=devnull)  # starts its monitor thread
+        clocks.begin()
+        for inputs, targets in bar:
             step(inputs, targets)
-        return time.perf_counter() - start
+        return clocks.end()
 
 
-def run_agent(stream, step, steps, subscriber=False):
+def _handled(run, step: int, timeout_s: float = 10.0) -> None:
+    """Wait until the agent's I/O thread has published step ``step`` (plus one poll, for
+    the batch's send), so its CPU for the loop is all counted."""
+    deadline = time.monotonic() + timeout_s
+    while (run.agent._expected_step or 0) <= step and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.06)
+
+
+def run_agent(stream, step, steps, clocks, subscriber=False):
+    clocks.start()
     with agent.session(name="bench-overhead") as run:
+        deadline = time.monotonic() + 30  # its start-up (hello, with the environment
+        while run.agent._seq < 1 and time.monotonic() < deadline:  # report) is not a step's
+            time.sleep(0.005)
         reader = None
         if subscriber:
             reader = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, run.agent.run_id],
                                       stdout=subprocess.PIPE, text=True)
             assert reader.stdout.readline().strip() == "ready"
-        start = time.perf_counter()
+        clocks.begin()
         for inputs, targets in run.loader(stream(steps)):
             loss = step(inputs, targets)
             run.optimizer_step(loss)
-        elapsed = time.perf_counter() - start
+        wall, train, _ = clocks.end()
+        _handled(run, steps)
+        _, _, monitor = clocks.end()
     if reader is not None:
         reader.wait(30)
-    return elapsed
+    return wall, train, monitor
 
 
-def run_naive_logger(stream, step, steps):
+def run_naive_logger(stream, step, steps, clocks):
     process = psutil.Process()
     log = []
-    start = time.perf_counter()
+    clocks.start()
+    clocks.begin()
     for inputs, targets in stream(steps):
         loss = step(inputs, targets)
         log.append((loss.item(), process.memory_info().rss, psutil.cpu_percent(),
                     torch.cuda.memory_allocated() if torch.cuda.is_available() else 0))
-    return time.perf_counter() - start
+    return clocks.end()
 
 
-def run_profiler(stream, step, steps):
+def run_profiler(stream, step, steps, clocks):
     schedule = torch.profiler.schedule(wait=50, warmup=10, active=20, repeat=0)
     with contextlib.ExitStack() as stack:
+        clocks.start()
         profiler = stack.enter_context(torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule,
             on_trace_ready=lambda p: None))
-        start = time.perf_counter()
+        clocks.begin()
         for inputs, targets in stream(steps):
             step(inputs, targets)
             profiler.step()
-        return time.perf_counter() - start
+        return clocks.end()
 
 
 MONITORS = {
     "bare": run_bare,
     "tqdm": run_tqdm,
     "agent": run_agent,
-    "agent+sub": lambda stream, step, steps: run_agent(stream, step, steps, subscriber=True),
-    "naive_logger": run_naive_logger,
-    "torch_profiler": run_profiler,
+    "agent+sub": lambda stream, step, steps, clocks: run_agent(stream, step, steps, clocks,
+                                                               subscriber=True),
 }
+EXTRA = {"naive_logger": run_naive_logger, "torch_profiler": run_profiler}
+
+
+def hot_path_cpu_us(steps: int, repeats: int = 5) -> dict[str, float]:
+    """The training thread's CPU a step that each monitor's per-step code adds, measured
+    without a model (so torch's noise is absent): a loop that only iterates, bare, under
+    tqdm and through the agent's loader and ``optimizer_step``; the best of ``repeats``
+    minus the bare loop's, in us a step."""
+    loss = torch.tensor(0.5)
+    batches = [(None, None)] * steps
+
+    def bare():
+        start = time.thread_time()
+        for _ in iter(batches):
+            pass
+        return time.thread_time() - start
+
+    def with_tqdm():
+        with open(os.devnull, "w") as devnull:
+            bar = tqdm(batches, total=steps, file=devnull)
+            start = time.thread_time()
+            for _ in bar:
+                pass
+            return time.thread_time() - start
+
+    def with_agent():
+        with agent.session(name="bench-hot-path") as run:
+            start = time.thread_time()
+            for _ in run.loader(batches):
+                run.optimizer_step(loss)
+            return time.thread_time() - start
+
+    best = {name: min(f() for _ in range(repeats))
+            for name, f in (("bare", bare), ("tqdm", with_tqdm), ("agent", with_agent))}
+    return {name: (cpu - best["bare"]) / steps * 1e6 for name, cpu in best.items()}
+
+
+def t_95(df: int) -> float:
+    """Two-sided 95% Student t quantile for ``df`` degrees of freedom."""
+    try:
+        from scipy.stats import t
+
+        return float(t.ppf(0.975, df))
+    except ImportError:  # a table is enough here
+        table = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31,
+                 9: 2.26, 10: 2.23, 14: 2.14, 19: 2.09, 29: 2.05}
+        return table.get(df, table[min(table, key=lambda k: abs(k - df))])
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% confidence interval."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.inf
+    return mean, t_95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--all", action="store_true", help="also naive_logger, torch_profiler")
+    parser.add_argument("--short", action="store_true", help="500 steps x 4 rounds")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="intra-op threads (1: a shared machine's other load does not "
+                             "stall the loop's OpenMP barriers)")
     args = parser.parse_args()
+    torch.set_num_threads(args.torch_threads)
+    if args.short:
+        args.steps, args.rounds = 500, 4
     os.environ.setdefault(runs.RUN_DIR_ENV, tempfile.mkdtemp(prefix="gw-bench-"))
+    os.environ.setdefault("GPUWATCH_LOG_DIR", tempfile.mkdtemp(prefix="gw-bench-logs-"))
+    monitors = {**MONITORS, **(EXTRA if args.all else {})}
     stream, step = make_loop()
-    run_bare(stream, step, 200)  # warm up
-    per_step_us: dict[str, list[float]] = {name: [] for name in MONITORS}
+    run_bare(stream, step, 200, Clocks())  # warm up
+    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in monitors}
     for round_index in range(args.rounds):
-        order = list(MONITORS)
+        order = list(monitors)
         order = order[round_index % len(order):] + order[:round_index % len(order)]
         for name in order:
-            per_step_us[name].append(MONITORS[name](stream, step, args.steps) / args.steps * 1e6)
-    bare = statistics.median(per_step_us["bare"])
-    print(f"step of the bare loop: {bare:.1f} us (median of {args.rounds} rounds of "
-          f"{args.steps} steps; torch threads {torch.get_num_threads()})")
-    print(f"{'monitor':<16}{'us/step':>10}{'added us':>10}{'ratio':>8}")
-    added = {}
-    for name, samples in per_step_us.items():
-        median = statistics.median(samples)
-        added[name] = median - bare
-        print(f"{name:<16}{median:>10.1f}{added[name]:>10.1f}{median / bare:>8.3f}")
-    agent_median = statistics.median(per_step_us["agent"])
-    naive_median = statistics.median(per_step_us["naive_logger"])
-    print(f"RESULT agent_overhead_ratio={agent_median / bare:.4f} "
-          f"agent_us_per_step={added['agent']:.2f} tqdm_us_per_step={added['tqdm']:.2f} "
-          f"naive_overhead_ratio={naive_median / bare:.4f}")
+            samples[name].append(monitors[name](stream, step, args.steps, Clocks()))
+    n = args.steps
+    bare_wall = [wall / n * 1e6 for wall, _, _ in samples["bare"]]
+    bare_train = [train / n * 1e6 for _, train, _ in samples["bare"]]
+    print(f"bare loop: {statistics.median(bare_wall):.1f} us a step "
+          f"({1e6 / statistics.median(bare_wall):.0f} steps/s), {args.rounds} interleaved "
+          f"rounds of {n} steps, torch threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'monitor':<15}{'wall us':>9}{'ratio':>8}{'95% CI':>9}"
+          f"{'train +cpu us':>15}{'threads cpu us':>16}")
+    figures = {}
+    for name, rows in samples.items():
+        wall = [w / n * 1e6 for w, _, _ in rows]
+        ratios = [w / b for w, b in zip(wall, bare_wall)]
+        ratio, ci = mean_ci(ratios)
+        train_added = statistics.median(t / n * 1e6 - b for (_, t, _), b in zip(rows, bare_train))
+        threads = statistics.median(m / n * 1e6 for _, _, m in rows)
+        figures[name] = (ratio, ci, train_added, threads)
+        print(f"{name:<15}{statistics.median(wall):>9.1f}{ratio:>8.4f}{'±' + format(ci, '.4f'):>9}"
+              f"{train_added:>15.2f}{threads:>16.2f}")
+    agent_ratio, agent_ci, agent_train, agent_threads = figures["agent"]
+    print("agent threads: the I/O thread and ZeroMQ's; 'train +cpu': the training "
+          "thread's CPU minus the bare loop's in the same round (median; noisy)")
+    hot = hot_path_cpu_us(min(args.steps, 2000))
+    tqdm_cpu = hot["tqdm"] + figures["tqdm"][3]
+    print(f"training thread's per-step code alone (no model, best of 5): agent "
+          f"{hot['agent']:.2f} us a step (loader wrapper, clock reads, marker, deque "
+          f"append), tqdm {hot['tqdm']:.2f} us")
+    print(f"agent, all its work a step: {agent_threads + hot['agent']:.2f} us of CPU "
+          f"({agent_threads:.2f} on its threads, {hot['agent']:.2f} on the training "
+          "thread)")
+    print(f"RESULT agent_cpu_us_per_step={agent_threads:.2f} "
+          f"agent_overhead_ratio={agent_ratio:.4f} agent_overhead_ci95={agent_ci:.4f} "
+          f"agent_sub_overhead_ratio={figures['agent+sub'][0]:.4f} "
+          f"tqdm_cpu_us_per_step={tqdm_cpu:.2f}")
 
 
 if __name__ == "__main__":

@@ -295,10 +295,19 @@ def _as_device(device: torch.device | str | int | None) -> torch.device:
     return torch.device(device)
 
 
+#: (pid, descriptor) of this process's /proc/self/statm, kept open: one ``pread`` a
+#: reading instead of open, read and close (each a system call that lets another thread
+#: take the GIL). Opened again in a forked child (/proc/self was resolved at open).
+_statm: tuple[int, int] | None = None
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def _host_rss_bytes() -> int | None:
+    global _statm
     try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        if _statm is None or _statm[0] != os.getpid():
+            _statm = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE_BYTES
     except (OSError, ValueError, IndexError, AttributeError):
         pass
     try:

@@ -9,6 +9,7 @@ process-wide :func:`zmq.Context.instance`.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Iterator
 
 import zmq
@@ -49,6 +50,7 @@ class Subscriber:
         self.malformed = 0
         """Frames dropped because they were not gpuwatch envelopes."""
         self._gaps = SeqGaps()
+        self._rows: deque[dict[str, Any]] = deque()  # of a batch, not yet returned
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
@@ -78,7 +80,12 @@ class Subscriber:
         return self._socket.recv_multipart(zmq.NOBLOCK)
 
     def recv(self, timeout_s: float) -> dict[str, Any] | None:
-        """The next decoded envelope, or None when none came within ``timeout_s`` s."""
+        """The next decoded envelope, or None when none came within ``timeout_s`` s.
+
+        A ``steps`` batch comes out as its rows, one ``step`` envelope each
+        (:func:`agent.protocol.expand`), in order, one a call."""
+        if self._rows:
+            return self._rows.popleft()
         deadline = time.monotonic() + timeout_s
         while True:
             frames = self.recv_frames(max(0.0, deadline - time.monotonic()))
@@ -86,11 +93,15 @@ class Subscriber:
                 return None
             try:
                 message = protocol.decode_frames(frames)
+                rows = protocol.expand(message)
             except protocol.ProtocolError:
                 self.malformed += 1
                 continue
             self._gaps.observe(message)
-            return message
+            if not rows:  # an empty batch
+                continue
+            self._rows.extend(rows[1:])
+            return rows[0]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Envelopes as they come, forever (stop by breaking out of the loop)."""
@@ -110,6 +121,8 @@ class Subscriber:
         self.close()
 
 
+from collections import deque
+from typing import Any, Iterator
 def reply_text(knob: str, value: Any, reply: dict[str, Any]) -> str:
     """What to tell people about a reply from :func:`send_command`:
     ``accepted: accum_steps=4 applies at step 123`` (``... on ranks 0, 1`` for several),

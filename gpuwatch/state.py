@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from itertools import islice
+from functools import partial
+from itertools import islice, repeat
 from typing import Any, Callable, NamedTuple
 
 from agent import protocol
@@ -107,6 +108,12 @@ class StepRecord(NamedTuple):
     activation_bytes: float | None = None
     #: tokens per second, for token models that report tokens
     tokens_per_s: float | None = None
+
+
+#: A StepRecord from a tuple of its fields, without NamedTuple's Python-level __new__.
+_step_record = partial(tuple.__new__, StepRecord)
+_FLOATS = {float}
+_INTS = {int}
 
 
 class RankPace(NamedTuple):
@@ -215,10 +222,7 @@ def _number(value: Any) -> float | None:
     return None
 
 
-#: Event kinds that settle a pending command (it was applied, or it failed).
-_SETTLING_KINDS = frozenset({"applied", "failed", "rolled_back", "cancelled"})
-#: Event kinds that end a "compiling" phase (besides the first step record after it).
-_COMPILE_END_KINDS = frozenset({"compiled", "failed"})
+_KIND = protocol.EventKind
 
 
 class RunState:
@@ -329,6 +333,7 @@ class RunState:
         self._fold: dict[str, Callable[[dict[str, Any], float], None]] = {
             protocol.HELLO: self._fold_hello,
             protocol.STEP: self._fold_step,
+            protocol.STEPS: self._fold_steps,
             protocol.SYSTEM: self._fold_system,
             protocol.STATE: self._fold_state,
             protocol.EVENT: self._fold_event,
@@ -430,6 +435,11 @@ class RunState:
         msg_type = message.get("type")
         if msg_type == protocol.STEP:
             self._note_pace(rank, body, now)
+        elif msg_type == protocol.STEPS:
+            try:
+                self._note_batch_pace(rank, body, now)
+            except (TypeError, ValueError, AttributeError, KeyError):
+                self.malformed += 1
         elif msg_type == protocol.EVENT and body.get("level") in ("warning", "error"):
             t = message.get("t")
             self.log(body["level"], f"rank {rank}: {_text(body.get('text', ''))}",
@@ -514,6 +524,59 @@ class RunState:
         if type(step) is int and isinstance(knobs, dict):
             recent = self._rank_knobs.setdefault(rank, {})
             recent[step] = knobs
+            for old in sorted(recent)[:-RANK_KNOB_STEPS]:
+                del recent[old]
+
+    def _note_batch_pace(self, rank: int, body: dict[str, Any], now: float) -> None:
+        """:meth:`_note_pace` for the rows of a ``steps`` batch: the step-time average
+        over all of them, the knobs of the latest :data:`RANK_KNOB_STEPS`.
+
+        Raises:
+            agent.protocol.ProtocolError (a ValueError), TypeError: a malformed batch.
+        """
+        columns, common = body["columns"], body.get("common", {})
+        if not isinstance(common, dict):
+            raise protocol.ProtocolError("common must be a map")
+        n = body["n"]
+        steps = columns["step"]
+        if type(n) is not int or type(steps) is not list or len(steps) != n or not n:
+            raise protocol.ProtocolError("a steps body needs n and a step column")
+        times = columns.get("step_time_s")
+        previous = self.ranks.get(rank)
+        smoothed = previous.step_time_s if previous is not None else None
+        if type(times) is not list:
+            times = ()
+        elif set(map(type, times)) != _FLOATS or min(times) < 0:  # None, ints, ...
+            times = [time_s for time_s in times if type(time_s) is float and time_s >= 0]
+        if times and smoothed is None:
+            smoothed = times[0]
+        share = 1.0 / RANK_PACE_STEPS
+        for step_time in times:
+            smoothed += (step_time - smoothed) * share
+        step = steps[-1]
+        self.ranks[rank] = RankPace(step if type(step) is int else None, smoothed, now)
+        knob_column = columns.get("knobs")
+        if knob_column is None:
+            knobs = common.get("knobs")
+            if not isinstance(knobs, dict):
+                return
+            if rank != self.primary_rank:
+                knobs = bounded(knobs) if len(knobs) <= MAX_KNOBS else None
+            latest = [(step, knobs) for step in steps[-RANK_KNOB_STEPS:]]
+        else:
+            if type(knob_column) is not list or len(knob_column) != n:
+                raise protocol.ProtocolError("the knobs column must hold n values")
+            latest = list(zip(steps[-RANK_KNOB_STEPS:], knob_column[-RANK_KNOB_STEPS:]))
+            if rank != self.primary_rank:
+                latest = [(step, bounded(knobs) if isinstance(knobs, dict)
+                           and len(knobs) <= MAX_KNOBS else None) for step, knobs in latest]
+        recent = None
+        for step, knobs in latest:
+            if type(step) is int and isinstance(knobs, dict):
+                if recent is None:
+                    recent = self._rank_knobs.setdefault(rank, {})
+                recent[step] = knobs
+        if recent is not None and len(recent) > RANK_KNOB_STEPS:
             for old in sorted(recent)[:-RANK_KNOB_STEPS]:
                 del recent[old]
 
@@ -655,6 +718,92 @@ class RunState:
         elif raw_knobs is not None and knobs is None:
             raise TypeError("knobs must be a map")  # counted as malformed
 
+    def _fold_steps(self, body: dict[str, Any], now: float) -> None:
+        """Fold a ``steps`` batch: what :meth:`_fold_step` does for each row, column by
+        column (about 1 us a row): the chart records of its rows, the state of its
+        latest row. A batch whose knobs changed within it is folded row by row.
+
+        Raises:
+            agent.protocol.ProtocolError (a ValueError), TypeError, KeyError: a
+                malformed batch (counted in :attr:`malformed` by :meth:`ingest`).
+        """
+        columns, common = body["columns"], body.get("common", {})
+        if "knobs" in columns or not isinstance(common, dict):
+            for row in protocol.step_bodies(body):
+                self._fold_step(row, now)
+            return
+        n = body["n"]
+        if type(n) is not int or not 0 < n <= protocol.MAX_BATCH_STEPS:
+            raise protocol.ProtocolError(f"a steps batch of {n!r} rows")
+        for values in columns.values():
+            if type(values) is not list or len(values) != n:
+                raise protocol.ProtocolError(f"every column must hold {n} values")
+        kept = min(n, STEP_HISTORY)  # rows that stay in the charts
+
+        def column(name: str) -> list[float | None] | float | None:
+            values = columns.get(name)
+            if values is None:
+                return _number(common.get(name))
+            if kept < n:
+                values = values[n - kept:]
+            if set(map(type, values)) == _FLOATS:  # the usual case: taken as it is
+                return values
+            return [value if type(value) is float else _number(value) for value in values]
+
+        steps = columns["step"][n - kept:] if kept < n else columns["step"]
+        if set(map(type, steps)) != _INTS:
+            steps = [step if type(step) is int else None for step in steps]
+        fields = [column(name) for name in (
+            "step_time_s", "data_wait_s", "data_wait_share", "samples_per_s", "loss",
+            "mem_peak_reserved_bytes", "host_rss_bytes")]
+        activation = columns.get("activation_bytes")
+        if activation is None:
+            activations = self.activation_bytes
+        else:
+            activations = []
+            for step, value in zip(columns["step"], activation):
+                value = _number(value)
+                if value is not None and value >= 0:
+                    current = self.activation_bytes
+                    if current is not None and abs(value - current) > 0.05 * current:
+                        self.activation_before_bytes = current
+                    self.activation_bytes = value
+                    self.activation_history.append((step if type(step) is int else None,
+                                                    value))
+                activations.append(self.activation_bytes)
+            activations = activations[n - kept:]
+        fields += [activations, column("tokens_per_s")]
+        parts = [field if type(field) is list else repeat(field, kept) for field in fields]
+        self.steps.extend(map(_step_record, zip(steps, *parts)))
+        self.steps_total += n
+        last = dict(common)  # the latest row, as protocol.step_bodies makes it
+        for name, values in columns.items():
+            if values[-1] is not None or name in protocol.STEP_FIELDS:
+                last[name] = values[-1]
+        if self.primary_rank is not None:
+            self._note_batch_pace(self.primary_rank, body, now)
+        step = last.get("step")
+        if type(step) is int:
+            self.step = step
+        self.last_step = last
+        self.last_step_at = now
+        rss = fields[6]
+        if type(rss) is list:
+            rss = max(filter(None.__ne__, rss), default=None)
+        self.host_rss_peak_bytes = _max(
+            self.host_rss_peak_bytes, rss, _number(common.get("host_peak_rss_bytes")),
+            _number(common.get("host_rss_peak_bytes")))
+        if self.compiling_since is not None and (
+                self._compiling_until_step is None
+                or (type(step) is int and step >= self._compiling_until_step)):
+            self.compiling_since = None  # the step that compiled has completed
+        raw_knobs = common.get("knobs")
+        knobs = self._step_knobs(raw_knobs) if isinstance(raw_knobs, dict) else None
+        if knobs:
+            self._set_knobs(knobs, now)
+        elif raw_knobs is not None and knobs is None:
+            raise TypeError("knobs must be a map")  # counted as malformed
+
     def _step_knobs(self, knobs: Any) -> Any:
         """A step's knobs map as the state keeps it (:func:`_bounded_knobs`); the same
         kept map again while the run sends equal ones (every step, mostly)."""
@@ -673,7 +822,7 @@ class RunState:
             self._set_knobs(knobs, now)
 
     def _fold_event(self, body: dict[str, Any], now: float) -> None:
-        if body.get("kind") == "rejected" and body.get("id") in self.own_command_ids:
+        if body.get("kind") == _KIND.REJECTED and body.get("id") in self.own_command_ids:
             return  # this dashboard's own command: its reply says it already
         level = body.get("level")
         self.log(level if level in ("info", "warning", "error") else "info",
@@ -682,19 +831,19 @@ class RunState:
         if type(knob) is str and len(knob) > MAX_NAME_CHARS:
             knob = None  # no knob of ours has such a name
         kind = body.get("kind")
-        if kind in _SETTLING_KINDS and knob in self.pending:
+        if kind in _KIND.SETTLING and knob in self.pending:
             del self.pending[knob]
-        if kind in ("applied", "rolled_back") and isinstance(knob, str) and "value" in body:
+        if kind in _KIND.CHANGED and isinstance(knob, str) and "value" in body:
             # the run says so before the next step record (which can be seconds away):
             # a key pressed again meanwhile must start from the new value
             step = body.get("step")
             self._set_knobs({knob: bounded(body["value"])}, now,
                             at_step=step if type(step) is int else None)
-        if kind == "compiling":
+        if kind == _KIND.COMPILING:
             self.compiling_since = now
             step = body.get("step")  # the step it compiles in, when the agent says
             self._compiling_until_step = step if type(step) is int else None
-        elif kind in _COMPILE_END_KINDS:
+        elif kind in _KIND.COMPILE_ENDED:
             self.compiling_since = None
 
     def _fold_tune(self, body: dict[str, Any], now: float) -> None:

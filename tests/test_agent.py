@@ -228,7 +228,44 @@ def test_run_log_holds_every_step_and_reads_as_a_table(run_dir):
     assert steps == list(range(1, 151))
     assert records[0]["type"] == "hello" and records[-1]["type"] == "bye"
     seqs = [r["seq"] for r in records]
-    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    assert seqs == sorted(seqs)  # the rows of one steps batch share its seq
+    others = [r["seq"] for r in records if r["type"] != "step"]
+    assert len(set(others)) == len(others)
+    step_seqs = {r["seq"] for r in records if r["type"] == "step"}
+    assert not step_seqs & set(others)
+    import pandas  # the README's one line
+
+    steps_table = pandas.read_json(log_path, lines=True).query("type == 'step'")
+    assert list(steps_table.step) == list(range(1, 151))
+    assert steps_table.loss.notna().all() and (steps_table.step_time_s.dropna() > 0).all()
+    assert "precision" in steps_table.knobs.iloc[0]  # a map of the step's knob values
+
+
+def test_steps_queued_since_a_wake_up_go_as_one_batch_with_events_in_their_place(run_dir):
+    """Steps recorded before the I/O thread runs are what it finds at its first wake-up:
+    one ``steps`` message for the steps before the event, the event, one for the rest;
+    on the wire and in the run log (one ``step`` line a step)."""
+    import json
+
+    monitor = agent.Agent(name="batch")
+    loss = torch.tensor(0.5)
+    for step in range(1, 8):
+        monitor.optimizer_step(step, 1, 32, 0.001, loss, activation_bytes=(
+            1000 if step == 3 else None))
+        if step == 4:
+            monitor.event("info", "between steps 4 and 5", kind="note")
+    monitor.start()
+    monitor.close()
+    records = [json.loads(line) for line in open(monitor.info.log_path)]
+    kinds = [(r["type"], r.get("step")) for r in records if r["type"] in ("step", "event")]
+    assert kinds == [("step", 1), ("step", 2), ("step", 3), ("step", 4), ("event", None),
+                     ("step", 5), ("step", 6), ("step", 7)]
+    steps = [r for r in records if r["type"] == "step"]
+    assert len({r["seq"] for r in steps[:4]}) == 1 and len({r["seq"] for r in steps[4:]}) == 1
+    assert [r.get("activation_bytes") for r in steps] == [None, None, 1000] + [None] * 4
+    assert steps[0]["samples"] == 32 and steps[0]["loss"] == 0.5
+    assert steps[1]["samples_per_s"] == pytest.approx(32 / steps[1]["step_time_s"])
+    assert "knobs" in steps[0] and "host_rss_bytes" in steps[0]
 
 
 def test_run_log_rotates_within_its_size_bound(tmp_path):

@@ -85,3 +85,74 @@ def test_a_huge_bad_value_is_quoted_short():
     with pytest.raises(KnobError) as error:
         _knobs().validate("precision", "x" * 100_000)
     assert len(str(error.value)) <= 200
+
+
+def _batch():
+    columns = {"step": [7, 8, 9], "step_time_s": [0.01, 0.02, None],
+               "loss": [2.5, float("nan"), None], "activation_bytes": [None, 4096, None]}
+    common = {"knobs": {"precision": "bf16"}, "host_rss_bytes": 1 << 29}
+    return protocol.envelope(protocol.STEPS, protocol.steps_body(columns, common),
+                             run="r1", rank=1, seq=4, t=10.0)
+
+
+def test_a_steps_batch_reads_as_one_step_record_a_row():
+    message = protocol.decode_frames(protocol.encode(_batch()))
+    rows = protocol.expand(message)
+    assert [row["type"] for row in rows] == ["step"] * 3
+    assert {(row["run"], row["rank"], row["seq"], row["t"]) for row in rows} == {
+        ("r1", 1, 4, 10.0)}
+    bodies = [row["body"] for row in rows]
+    assert [body["step"] for body in bodies] == [7, 8, 9]
+    assert bodies[2]["loss"] is None and bodies[2]["step_time_s"] is None  # kept: None
+    assert ["activation_bytes" in body for body in bodies] == [False, True, False]
+    assert all(body["knobs"] == {"precision": "bf16"} for body in bodies)
+    assert protocol.expand({"type": "event", "body": {}}) == [{"type": "event", "body": {}}]
+
+
+def test_a_steps_batch_in_the_run_log_is_the_lines_of_its_rows():
+    import json
+
+    message = _batch()
+    message["run"] = "r%s1"  # the lines are made by a % template
+    message["body"]["columns"]["odd %d name"] = [[1, {"a": "b,c"}], "x", None]
+    lines = protocol.step_lines(message).splitlines()
+    expected = [json.loads(protocol.to_json_line(row)) for row in protocol.expand(message)]
+    for row in expected:  # in the log every row has every column of its batch
+        row.setdefault("activation_bytes", None)
+        row.setdefault("odd %d name", None)
+    assert [json.loads(line) for line in lines] == expected
+    assert json.loads(lines[1])["loss"] is None  # NaN: valid JSON
+    message["body"]["columns"]["step"][0] = 1 << 70  # beyond orjson: the slow way
+    assert json.loads(protocol.step_lines(message).splitlines()[0])["step"] == 1 << 70
+
+
+@pytest.mark.parametrize("body", [
+    {"n": 2, "columns": {"step": [1]}, "common": {}},
+    {"n": 1, "columns": {"step": 1}, "common": {}},
+    {"n": 1, "columns": [], "common": {}},
+    {"n": protocol.MAX_BATCH_STEPS + 1, "columns": {}, "common": {}},
+    {"n": 1, "columns": {"step": [1]}, "common": []},
+])
+def test_a_malformed_steps_batch_is_a_protocol_error(body):
+    with pytest.raises(protocol.ProtocolError):
+        protocol.expand({"type": protocol.STEPS, "body": body})
+
+
+def test_the_dashboard_folds_a_batch_as_it_folds_its_rows():
+    from gpuwatch.state import RunState
+
+    message = _batch()
+    batched, one_by_one = RunState(), RunState()
+    batched.ingest(message, now=1.0)
+    for row in protocol.expand(message):
+        one_by_one.ingest(row, now=1.0)
+    assert list(batched.steps) == list(one_by_one.steps)
+    assert batched.steps_total == one_by_one.steps_total == 3
+    assert batched.step == one_by_one.step == 9
+    assert batched.knobs == one_by_one.knobs == {"precision": "bf16"}
+    assert batched.activation_bytes == one_by_one.activation_bytes == 4096
+    assert batched.last_step == one_by_one.last_step
+    assert batched.ranks == one_by_one.ranks and batched.malformed == 0
+    bad = RunState()
+    bad.ingest({**message, "body": {"n": 3, "columns": {"step": [1]}}}, now=1.0)
+    assert bad.malformed == 1 and not bad.steps

@@ -114,8 +114,8 @@ def test_an_exception_inside_the_agent_is_reported_once_and_training_goes_on(run
                            get=Unserialisable, set=lambda value: None))
     monitor._knob_values = monitor.knobs.values()
     assert trainer.fit(max_steps=30) == 30
-    step_errors = [e for e in monitor.errors if "encoding a step message" in e]
-    assert len(step_errors) == 1  # 30 failing steps, reported once
+    step_errors = [e for e in monitor.errors if "encoding a steps message" in e]
+    assert len(step_errors) == 1  # 30 failing steps (in batches), reported once
     errors = [r for r in map(json.loads, open(monitor.info.log_path))
               if r["type"] == "event" and r.get("kind") == "agent_error"]
     assert len(errors) == len(monitor.errors)  # (a periodic hello may fail as well)
