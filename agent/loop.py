@@ -180,7 +180,8 @@ class Session:
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
                                    or epochs < 1):
             raise ValueError(f"epochs must be None or an integer >= 1, got {epochs!r}")
-        if isinstance(batches, ReconfigurableLoader) and "num_workers" not in self.agent.knobs.knobs:
+        if (isinstance(batches, ReconfigurableLoader)
+                and "num_workers" not in self.agent.knobs.knobs):
             for knob in loader_knobs(batches):
                 self.agent.knobs.add(knob)
             if self._accum_steps is not None:

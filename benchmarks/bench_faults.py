@@ -16,10 +16,10 @@ once they receive a record, one subscriber connected that never reads, a flood o
 knows the ports but not the keys (``tests/tcp_attack.py``: a 4 MB subscription, 300
 connections of 64 x 64 KB messages, 1,200 raw connections held open; the run is on tcp,
 behind its CURVE gateway). The decoy is an agent on tcp in this process, with its own
-gateway and keys, that trains nothing: the same sockets, handshakes and clients. Throughput is read from the run's own log
-(every step is there). The verdict compares attacked with decoy: on a 2-core machine the
-clients' own CPU use slows any process, so the quiet phase is reported but is not the
-reference.
+gateway and keys, that trains nothing: the same sockets, handshakes and clients.
+Throughput is read from the run's own log (every step is there). The verdict compares
+attacked with decoy: on a 2-core machine the clients' own CPU use slows any process, so
+the quiet phase is reported but is not the reference.
 
 The decoy and attacked phases alternate ``--rounds`` times; means are compared.
 

@@ -5,8 +5,8 @@ time per thread and in wall-clock time.
     python benchmarks/bench_overhead.py --short        # a quick check that it works
 
 One process, one loop (a 2-layer MLP on scikit-learn's digits, one torch thread, about
-0.5 ms a step on a quiet core: 1,000+ steps/s), run under each monitor in turn, interleaved (the order
-rotates each round) and repeated. Monitors:
+0.5 ms a step on a quiet core: 1,000+ steps/s), run under each monitor in turn,
+interleaved (the order rotates each round) and repeated. Monitors:
 
 - bare:            the loop alone
 - tqdm:            a tqdm progress bar around the loader (the cheapest thing people add)
@@ -48,7 +48,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import psutil

@@ -165,8 +165,8 @@ class ActivationCheckpointing:
             attribute while enabled (parameters, buffers, module tree and ``state_dict``
             keys never change).
         targets: the modules to checkpoint, as in :func:`find_blocks` (default: each
-            module of ``model.blocks``, else the model's repeated blocks). Each must take and return tensors (or nested
-            tensors) and be deterministic apart from the RNG.
+            module of ``model.blocks``, else the model's repeated blocks). Each must take
+            and return tensors (or nested tensors) and be deterministic apart from the RNG.
         enabled: switch on at once.
         preserve_rng_state: stash and restore the CPU and device RNG states around the
             recomputation so dropout matches (torch's default; False is faster when the

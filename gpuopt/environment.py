@@ -290,7 +290,8 @@ def format_report(report: dict[str, Any]) -> str:
 
     One heading per group (Python, Torch, CUDA, CPU, Triton, MPS), then aligned
     ``key: value`` lines; when CUDA is not available the CUDA group says
-    ``no CUDA device`` and an installed Triton says its kernels need one. Groups the function does not know are appended at the end.
+    ``no CUDA device`` and an installed Triton says its kernels need one. Groups the
+    function does not know are appended at the end.
 
     Args:
         report: The dict from :func:`environment_report` (or one decoded from its JSON).

@@ -24,9 +24,9 @@ a ``GradScaler`` that is after it unscaled them (``GradScaler.step`` unscales fi
 only when the step is taken (a step skipped for inf/NaN gradients runs no hook).
 
 .. note:: Per optimizer step, with the default settings: two hook calls and a list of
-   the param groups' ``lr`` (no device work; about a microsecond). A scale adds a multiply and a store per
-   group; clipping adds ``clip_grad_norm_`` (asynchronous on the device; it returns the
-   norm as a 0-dim device tensor, never read here).
+   the param groups' ``lr`` (no device work; about a microsecond). A scale adds a
+   multiply and a store per group; clipping adds ``clip_grad_norm_`` (asynchronous on the
+   device; it returns the norm as a 0-dim device tensor, never read here).
 """
 
 from __future__ import annotations

@@ -434,8 +434,9 @@ class Trainer:
         one would: the step and epoch; the model's, optimizer's, scheduler's and
         GradScaler's states; the settings (:attr:`SETTINGS`); the loader's position (a
         :class:`gpuopt.loader.ReconfigurableLoader`'s, else None: another loader starts
-        its data over); and the random number generators (:func:`gpuopt.saving.rng_state`). Tensors and
-        plain values only: ``torch.load(path, weights_only=True)`` reads it back.
+        its data over); and the random number generators
+        (:func:`gpuopt.saving.rng_state`). Tensors and plain values only:
+        ``torch.load(path, weights_only=True)`` reads it back.
 
         Call it between optimizer steps (in a callback's ``on_optimizer_step``). The
         tensors are the live ones, as ``Module.state_dict`` gives them: save them before

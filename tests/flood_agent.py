@@ -1,8 +1,8 @@
 """A hostile fake agent for the dashboard's bounds: a run file and an ipc PUB socket in
-``$GPUWATCH_RUN_DIR``, a ``hello`` once a dashboard subscribes, then ``COUNT`` rounds as fast as ZeroMQ takes them
-of an ``event`` whose text is ``SIZE`` characters and a ``step`` with a ``SIZE``-byte
-string field (and one message over the receive limit), then heartbeats until stdin
-closes.
+``$GPUWATCH_RUN_DIR``, a ``hello`` once a dashboard subscribes, then ``COUNT`` rounds as
+fast as ZeroMQ takes them of an ``event`` whose text is ``SIZE`` characters and a ``step``
+with a ``SIZE``-byte string field (and one message over the receive limit), then
+heartbeats until stdin closes.
 
     python tests/flood_agent.py RUN_ID COUNT SIZE
 

@@ -8,8 +8,8 @@ from agent import protocol
 from agent.knobs import STANDARD_KNOBS, Knob, KnobError, KnobSet
 
 values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
-    | st.binary(max_size=20),
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    | st.text(max_size=20) | st.binary(max_size=20),
     lambda children: st.lists(children, max_size=4)
     | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12)

@@ -4,8 +4,8 @@ Where there is no CUDA device the kernels run on CPU tensors through Triton's
 interpreter: ``TRITON_INTERPRET=1`` is set here, before this module imports Triton or
 launches a kernel (``conftest.py`` sets it too, before any test module can import
 Triton: the interpreter only works if Triton was imported with it set). With a CUDA
-device the tests run the compiled kernels on it. The interpreter is slow, so shapes are small apart from one 1823 x 781 case per
-kernel.
+device the tests run the compiled kernels on it. The interpreter is slow, so shapes are
+small apart from one 1823 x 781 case per kernel.
 
 Tolerances: fp32 results are compared with the torch reference in fp32. 16-bit results
 are compared with a float32 "golden" reference run on the same (already rounded) inputs,

@@ -185,8 +185,9 @@ def test_tokens_normalisation_counts_real_tokens_and_leaves_padding_out():
     assert [s.tokens for s in recorder.stats] == [real[0] + real[1], real[2] + real[3]]
     for step in range(2):
         window = batches[2 * step:2 * step + 2]
-        logits_targets = lambda m, w=window: (  # every real token of the window, one mean
-            torch.cat([m(x).flatten(0, 1) for x, _ in w]), torch.cat([t.flatten() for _, t in w]))
+        def logits_targets(m, w=window):  # every real token of the window, one mean
+            return (torch.cat([m(x).flatten(0, 1) for x, _ in w]),
+                    torch.cat([t.flatten() for _, t in w]))
         expected, loss = _grads_of(model, recorder.params[step],
                                    lambda m: F.cross_entropy(*logits_targets(m)))
         _assert_grads(recorder.grads[step], expected)
@@ -235,8 +236,9 @@ def test_samples_normalisation_in_fp16_steps_through_the_grad_scaler():
 
 def test_bad_settings_raise_and_change_nothing():
     model = _mlp()
-    make = lambda **kw: Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                F.cross_entropy, [], **kw)
+    def make(**kw):
+        return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                       [], **kw)
     assert LOSS_NORMALIZATIONS == ("micro_batch_mean", "samples", "tokens")
     assert make().loss_normalization == "micro_batch_mean"
     with pytest.raises(ValueError, match="loss_normalization must be one of"):

@@ -155,7 +155,8 @@ def steps_and_events(node: Node, run_id: str, rank: int):
     return steps, events
 
 
-def test_a_command_from_node_0_applies_on_all_four_ranks_at_one_step_and_a_stopped_node_changes_nothing(two_nodes):
+def test_a_command_from_node_0_applies_on_all_four_ranks_at_one_step_and_a_stopped_node_changes_nothing(  # noqa: E501 - the name says what it checks
+        two_nodes):
     (node0, node1), (ranks0, ranks1) = two_nodes
     run_id = ranks0[0].run_id
     assert {info.run_id for info in ranks0 + ranks1} == {run_id}  # one job, one run id

@@ -316,7 +316,7 @@ def test_a_dashboard_follows_a_few_hundred_ranks_through_one_socket_per_node(run
     node_count, per_node = 64, 8
     expected_ranks = (node_count - 1) * per_node + 1  # and rank 0, the local one (its
     # node's other 7 ranks are not simulated)
-    secret = nodes.load_secret(secret_file)
+    nodes.load_secret(secret_file)
     publisher = subprocess.Popen(
         [sys.executable, "-c", SCALE_PUBLISHERS, str(secret_file), RUN_ID, str(node_count),
          str(per_node)], stdout=subprocess.PIPE, text=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from gpuopt import MixedPrecision, Trainer
+from gpuopt import Trainer
 from tests.training import FuncInForward
 
 
