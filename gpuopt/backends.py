@@ -90,6 +90,7 @@ class ModelBackend:
         if self.in_place:
             installed = self.model.__dict__.get("forward")
             if value == "compile" and installed is not self.compiled:
+                assert self.compiled is not None  # made above on a switch to compile
                 self._shadowed = installed  # an instance forward of someone else's, or None
                 self.model.forward = self.compiled
             elif value != "compile" and installed is self.compiled:

@@ -160,7 +160,7 @@ class CompiledModel:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Callable[..., Any],
         *,
         backend: str | Callable[..., Any] = "inductor",
         mode: str | None = None,
@@ -256,7 +256,8 @@ class CompiledModel:
         ``compile_time_s``) when a step ran without compiling, and the reports of
         :meth:`pop_events` as ``compile_note``. Call it on the training thread, between
         optimizer steps."""
-        events = [("compile_note", text, {}) for text in self.pop_events()]
+        events: list[tuple[str, str, dict[str, Any]]] = [
+            ("compile_note", text, {}) for text in self.pop_events()]
         compiling = self.compiling
         if compiling and not self._was_compiling:
             events.append(("compiling", f"compiling the model ({self.backend}): "

@@ -33,6 +33,7 @@ Groups and keys (memory in bytes, compute capability as ``"major.minor"``):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -103,13 +104,17 @@ def _cuda_devices(torch: Any) -> list[dict[str, Any]]:
         def props(index: int = index) -> Any:
             return torch.cuda.get_device_properties(index)
 
+        def name(index: int = index) -> Any:
+            return torch.cuda.get_device_name(index)
+
+        def capability(index: int = index) -> str:
+            return "{}.{}".format(*torch.cuda.get_device_capability(index))
+
         devices.append(
             {
                 "index": index,
-                "name": _probe(lambda index=index: torch.cuda.get_device_name(index)),
-                "compute_capability": _probe(
-                    lambda index=index: "{}.{}".format(*torch.cuda.get_device_capability(index))
-                ),
+                "name": _probe(name),
+                "compute_capability": _probe(capability),
                 "total_memory_bytes": _probe(lambda: int(props().total_memory)),
                 "multi_processor_count": _probe(lambda: int(props().multi_processor_count)),
             }
@@ -235,7 +240,7 @@ def environment_report() -> dict[str, Any]:
         ("cuda", _cuda_group),
         ("cpu", _cpu_group),
     ):
-        report[group] = _probe(lambda build=build: build(torch))
+        report[group] = _probe(functools.partial(build, torch))
     report["triton"] = _probe(_triton_group)
     report["mps"] = _probe(lambda: _mps_group(torch))
     return report

@@ -204,6 +204,7 @@ def _call_set_epoch(dataset: Any, epoch: int, seed: int) -> None:
     ``random.shuffle(...)``) gives the same state in this process and in every worker's
     copy, and does not move the training's (or the worker's) own random numbers.
     """
+    numpy: types.ModuleType | None
     try:
         import numpy
     except ImportError:  # pragma: no cover - numpy comes with every torch install here
@@ -265,7 +266,9 @@ class _WorkerInit:
         self.dataset_epoch: int | None = None
 
     def __call__(self, worker_id: int) -> None:
-        dataset = torch.utils.data.get_worker_info().dataset
+        info = torch.utils.data.get_worker_info()
+        assert info is not None  # a worker_init_fn runs in a worker, where this is set
+        dataset = info.dataset
         # An instance attribute, in this worker's copy only: DataLoader's fetcher calls
         # dataset.__getitems__(indices) when the dataset has one.
         vars(dataset)["__getitems__"] = _EpochFollower(dataset, self.dataset_epoch, self.seed)
@@ -465,10 +468,13 @@ class ReconfigurableLoader:
         self.drop_last = _check_bool("drop_last", drop_last)
         self.num_replicas = _check_int("num_replicas", num_replicas, 1, None)
         self.rank = _check_int("rank", rank, 0, self.num_replicas - 1)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) \
-                or not timeout_s >= 0 or math.isinf(timeout_s):
+        # Checked as whatever the caller passed: typed float, mypy would take a float that is
+        # not a numbers.Real (it cannot see the ABC registration) and skip the rest.
+        timeout: object = timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+                or not float(timeout) >= 0 or math.isinf(timeout):
             raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = float(timeout)
         self.collate_fn = collate_fn
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = multiprocessing_context

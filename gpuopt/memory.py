@@ -195,6 +195,7 @@ def profile_memory(
                 del output
             if cuda:
                 torch.cuda.synchronize(device)
+                assert baseline is not None  # read above, on CUDA
                 peak = torch.cuda.max_memory_allocated(device) - baseline
             else:
                 peak = _cpu_peak_from_profile(prof)
@@ -518,7 +519,9 @@ class SavedActivations:
         saved-tensor hooks are disabled here."""
         graph = torch._C._autograd
         try:
-            if not graph._saved_tensors_hooks_is_enabled():
+            # a private probe torch's stubs leave out; a torch without it raises the
+            # AttributeError handled below
+            if not graph._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
                 return "saved-tensor hooks are disabled here"
             if graph._top_saved_tensors_default_hooks(False) is not None:
                 return "other saved-tensor hooks are active"

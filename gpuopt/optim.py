@@ -126,6 +126,7 @@ class OptimizerSettings:
         groups = self.optimizer.param_groups
         for index in self.decay_groups:
             base = self._decay_bases[index]
+            assert base is not None  # weight_decay_reason() said every decay group has one
             groups[index]["weight_decay"] = value * base / reference if reference else value
 
     @property
@@ -187,6 +188,7 @@ class OptimizerSettings:
             self._put_back()
 
     def _put_back(self) -> None:
+        assert self._unscaled is not None  # both callers check first
         for group, lr in self._unscaled:
             group["lr"] = lr
         self._unscaled = None

@@ -7,7 +7,7 @@ and Micikevicius et al., "Mixed Precision Training" (ICLR 2018) for loss scaling
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 import torch
 
@@ -15,11 +15,15 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 _AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-_PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+_PRECISION_NAMES: dict[str | torch.dtype, str] = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                     "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def precision_name(value: str | torch.dtype) -> str:
+@overload
+def precision_name(value: str) -> str: ...
+@overload
+def precision_name(value: torch.dtype) -> str | torch.dtype: ...
+def precision_name(value: str | torch.dtype) -> str | torch.dtype:
     """The precision name (``"fp32"``, ``"bf16"``, ``"fp16"``) of ``value``: such a name,
     a torch dtype (``torch.bfloat16``) or a dtype's name (``"bfloat16"``, as nanoGPT's
     ``dtype``). Anything else is returned unchanged (for the caller to refuse)."""
@@ -174,7 +178,10 @@ class SwitchableGradScaler:
         if scaler is None:
             self._scale_before = None
             return optimizer.step(*args, **kwargs)
-        self._scale_before = scaler._scale.clone()  # torch.amp has no public tensor form
+        scale = scaler._scale  # torch.amp has no public tensor form
+        # as GradScaler.step's own check (None until the first scale())
+        assert scale is not None, "scaler.step() before scaler.scale(loss)"
+        self._scale_before = scale.clone()
         return scaler.step(optimizer, *args, **kwargs)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -184,6 +191,7 @@ class SwitchableGradScaler:
             self.skipped = None
             return
         scaler.update(new_scale)
+        assert scaler._scale is not None  # update() of a scaler that stepped keeps a scale
         self.skipped = scaler._scale < self._scale_before
         self._scale_before = None
 
@@ -272,6 +280,7 @@ class MixedPrecision:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's (already window-divided) loss; scaled in fp16."""
         if self._precision == "fp16":
+            assert self.scaler is not None  # made when the precision was set to fp16
             self.scaler.scale(loss).backward()
         else:
             loss.backward()
@@ -279,6 +288,7 @@ class MixedPrecision:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale gradients in place before clipping (fp16 only; otherwise a no-op)."""
         if self._precision == "fp16":
+            assert self.scaler is not None  # made when the precision was set to fp16
             self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:

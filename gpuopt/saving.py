@@ -18,7 +18,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
@@ -85,7 +85,10 @@ def rng_state(device: torch.device | None = None) -> dict[str, Any]:
 
     .. note:: Host work only: the CUDA generators' states are host-side (seed and offset).
     """
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    # the legacy tuple: get_state() gives a dict only for a bit generator other than the
+    # global RandomState's MT19937
+    kind, keys, position, has_gauss, cached_gaussian = cast(
+        tuple[str, np.ndarray, int, int, float], np.random.get_state())
     cuda = (torch.cuda.get_rng_state_all()
             if device is not None and device.type == "cuda" else None)
     return {"torch": torch.get_rng_state(), "cuda": cuda,

@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol, cast
 
 import torch
 from torch.utils.data import DataLoader
@@ -259,10 +259,13 @@ class Trainer:
             raise ValueError("measure_activations_every must be an integer >= 0, got "
                              f"{measure_activations_every!r}")
         self.measure_activations_every = measure_activations_every
-        if tokens_per_sample is not None and (
-                isinstance(tokens_per_sample, bool)
-                or not isinstance(tokens_per_sample, numbers.Integral)
-                or tokens_per_sample < 1):
+        # Checked as whatever the caller passed (typed int, mypy would take an int that is
+        # not a numbers.Integral, as it cannot see the ABC registration, for impossible).
+        declared: object = tokens_per_sample
+        if declared is not None and (
+                isinstance(declared, bool)
+                or not isinstance(declared, numbers.Integral)
+                or declared < 1):
             raise ValueError("tokens_per_sample must be an int >= 1 or None, got "
                              f"{tokens_per_sample!r}")
         if tokens_per_sample is not None and count_tokens is not None:
@@ -486,7 +489,8 @@ class Trainer:
                                  "Trainer has no lr_scheduler")
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.mixed_precision.grad_scaler.load_state_dict(state["grad_scaler"])
-        if state.get("loader") is not None:
+        if state.get("loader") is not None and isinstance(self.loader, ReconfigurableLoader):
+            # (a position with another loader was refused above)
             self.loader.restore_position(state["loader"])
         self.step, self.epoch = state["step"], state["epoch"]
         set_rng_state(state["rng"])
@@ -499,7 +503,7 @@ class Trainer:
     def _batches(self, epochs: int | None) -> Iterator[Any]:
         while epochs is None or self.epoch < epochs:
             sampler = getattr(self.loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
+            if sampler is not None and hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
             if isinstance(self.loader, DataLoader):
                 self._set_dataset_epoch(self.loader)
@@ -536,7 +540,8 @@ class Trainer:
             return batch_size(inputs) * self.tokens_per_sample
         if self.count_tokens is None:
             return None
-        count = self.count_tokens(batch)
+        # whatever the user's counter returned: a one-element tensor is taken too
+        count: object = self.count_tokens(batch)
         if isinstance(count, torch.Tensor) and count.numel() == 1:
             count = int(count)
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
@@ -691,6 +696,7 @@ class Trainer:
             micro_batches += 1
         if micro_batches == 0:
             return False
+        assert loss_sum is not None  # a micro-batch ran: its loss is in the sum
         if weighted:
             total = sum(weights[:micro_batches])
             if total and total != expected:  # unequal sizes, or a last short window
@@ -721,8 +727,9 @@ class Trainer:
             saved = None  # the measurement failed; the window trained without it
         if saved is not None:
             self._measured_at = (self.step, (self.precision, self.kernels, self.checkpointing))
+        # every micro-batch's count is declared when the first one's is (the same settings)
         window_tokens = (None if tokens[0] is None
-                         else sum(tokens[:micro_batches]))  # type: ignore[arg-type]
+                         else sum(cast(list[int], tokens[:micro_batches])))
         stats = StepStats(self.step, micro_batches, samples, data_wait_s, mean_loss, skipped,
                           None if saved is None else saved.bytes, tokens=window_tokens,
                           lr=lr_groups[0] if lr_groups and isinstance(lr_groups[0], float)

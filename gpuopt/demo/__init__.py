@@ -167,17 +167,18 @@ def build_demo(model_name: str, *, seed: int = 0, batch_size: int | None = None)
             lr=TRANSFORMER_LR,
             val_dataset=val,
         )
-    train = digits_dataset(split="train", image_size=CNN_IMAGE_SIZE, transform=ElasticAffine())
-    val = digits_dataset(split="val", image_size=CNN_IMAGE_SIZE)
+    digits_train = digits_dataset(split="train", image_size=CNN_IMAGE_SIZE,
+                                  transform=ElasticAffine())
+    digits_val = digits_dataset(split="val", image_size=CNN_IMAGE_SIZE)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = DigitsCNN(image_size=CNN_IMAGE_SIZE)
+        cnn = DigitsCNN(image_size=CNN_IMAGE_SIZE)
     return DemoWorkload(
-        model=model,
+        model=cnn,
         loss_fn=classification_loss,
-        train_dataset=train,
+        train_dataset=digits_train,
         batch_size=batch_size or CNN_BATCH_SIZE,
         name=model_name,
         lr=CNN_LR,
-        val_dataset=val,
+        val_dataset=digits_val,
     )

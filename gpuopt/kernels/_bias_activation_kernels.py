@@ -144,12 +144,15 @@ def bias_activation_bwd(dy: torch.Tensor, saved: torch.Tensor | None,
     partial = (torch.empty((groups, n_cols), dtype=torch.float32, device=dy.device)
                if need_dbias else dy)
     saved = saved if saved is not None else dy
-    dx_arg = dx if store_dx else dy
+    dx_arg = dx if store_dx and dx is not None else dy  # (store_dx: dx is a new tensor)
     _bias_activation_bwd_dx[(groups, col_blocks)](
         dx_arg, dy, saved, bias if bias is not None else dy, partial, n_rows, n_cols,
         dx_arg.stride(0), dy.stride(0), saved.stride(0), rows_per_program,
         HAS_BIAS=bias is not None, ACTIVATION=activation,
         SAVED_IS_OUTPUT=saves_output(activation), STORE_DX=store_dx, COMPUTE_DB=need_dbias,
         BLOCK_M=block_m, BLOCK_N=block_n, **launch_options(block_m * block_n))
-    dbias = column_sum(partial, bias.dtype) if need_dbias else None
+    dbias = None
+    if need_dbias:
+        assert bias is not None  # it needs a gradient, so there is one
+        dbias = column_sum(partial, bias.dtype)
     return dx, dbias

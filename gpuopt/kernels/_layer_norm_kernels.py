@@ -196,6 +196,8 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=p > 0.0,
         ACTIVATION=activation, COMPUTE_DW=need_dweight, COMPUTE_DB=need_dbias,
         BLOCK_M=block_m, BLOCK_N=block_n, **launch_options(block_m * block_n))
-    dweight = column_sum(dw_partial, weight.dtype) if need_dweight else None
-    dbias = column_sum(db_partial, bias.dtype) if need_dbias else None
+    # (need_dweight and need_dbias were cleared above where there is no weight or bias)
+    dweight = (column_sum(dw_partial, weight.dtype)
+               if need_dweight and weight is not None else None)
+    dbias = column_sum(db_partial, bias.dtype) if need_dbias and bias is not None else None
     return dx, dweight, dbias
