@@ -171,6 +171,7 @@ class MemoryKnobs:
         self.fraction = value
 
     def start_snapshot(self, steps: int) -> None:
+        assert self.snapshot is not None  # its knob is bound only on CUDA, where there is one
         self.snapshot.start(steps, log_dir() / f"{self.run_name}-memory-snapshot.pickle")
         self.snapshot_steps_left = steps
 
@@ -180,6 +181,7 @@ class MemoryKnobs:
         if not self.snapshot_steps_left:
             return
         self.snapshot_steps_left -= 1
+        assert self.snapshot is not None  # steps are left only of a started snapshot
         path = self.snapshot.on_optimizer_step()
         if path is not None:
             agent.event("info", f"memory snapshot written to {path}", kind="memory_snapshot",

@@ -173,7 +173,8 @@ def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *
     Returns:
         The knobs of ``knobs`` this run does not have (yet), by name.
     """
-    restored, failed = [], []
+    restored: list[str] = []
+    failed: list[str] = []
     absent = {name: value for name, value in knobs.items() if name not in agent.knobs.knobs}
     present = [name for name in knobs if name not in absent]
     present.sort(key=lambda name: name != "micro_batch_size")

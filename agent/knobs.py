@@ -222,7 +222,7 @@ class Knob:
 
     spec: KnobSpec
     get: Callable[[], Any]
-    set: Callable[[Any], None]
+    set: Callable[[Any], dict[str, Any] | None]
     check: Callable[[Any], None] | None = None
     warn: Callable[[Any], str | None] | None = None
 

@@ -82,10 +82,12 @@ class NodeLink:
         relay = subprocess.Popen([sys.executable, "-m", "agent.relay"],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                  close_fds=True)
-        relay.stdin.write(json.dumps(settings).encode() + b"\n")
-        relay.stdin.flush()
-        readable, _, _ = select.select([relay.stdout], [], [], RELAY_START_S)
-        line = relay.stdout.readline() if readable else b""
+        stdin, stdout = relay.stdin, relay.stdout
+        assert stdin is not None and stdout is not None  # both PIPE
+        stdin.write(json.dumps(settings).encode() + b"\n")
+        stdin.flush()
+        readable, _, _ = select.select([stdout], [], [], RELAY_START_S)
+        line = stdout.readline() if readable else b""
         try:
             answer = json.loads(line)
         except ValueError:
@@ -100,6 +102,7 @@ class NodeLink:
 
     @staticmethod
     def _end(relay: subprocess.Popen) -> None:
+        assert relay.stdin is not None and relay.stdout is not None  # started with both PIPE
         try:
             relay.stdin.close()
             relay.wait(2.0)

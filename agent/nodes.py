@@ -209,8 +209,8 @@ def listen_address(env: NodeEnv, listen: str | None = None,
 
 
 #: The fields of a node entry (in the store and in the local leader's run file).
-NODE_FIELDS = {"node": int, "host": str, "pub_endpoint": str, "cmd_endpoint": str,
-               "server_key": str, "ranks": list}
+NODE_FIELDS: dict[str, type] = {"node": int, "host": str, "pub_endpoint": str, "cmd_endpoint": str,
+                                "server_key": str, "ranks": list}
 
 
 def node_entry(value: Any) -> dict[str, Any] | None:
@@ -218,7 +218,7 @@ def node_entry(value: Any) -> dict[str, Any] | None:
     the store is writable by anyone who reaches it)."""
     if not isinstance(value, dict):
         return None
-    entry = {}
+    entry: dict[str, Any] = {}
     for key, kind in NODE_FIELDS.items():
         item = value.get(key)
         if isinstance(item, bool) or not isinstance(item, kind):

@@ -55,6 +55,7 @@ class Nvml:
         """
         if self._handles is None:
             self._init()
+        assert self._handles is not None  # _init sets a list ([] when NVML is unavailable)
         nvml = self._module
         gpus = []
         for index, handle in enumerate(self._handles):

@@ -264,7 +264,7 @@ class Relay:
             if known is not None:
                 poller.unregister(known[1])
                 known[1].close(linger=0)
-            socket = zmq.Context.instance().socket(zmq.SUB)
+            socket: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.RCVHWM, 1000)
             socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)

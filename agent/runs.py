@@ -274,12 +274,13 @@ def _alive(pid: int) -> bool:
 
 
 #: The type each run-file field must have (a file with another type is malformed).
-_FIELD_TYPES = {"run_id": str, "rank": int, "world_size": int, "pid": int,
-                "pub_endpoint": str, "cmd_endpoint": str, "token": str,
-                "started_at": (int, float), "name": str, "host": str, "log_path": str,
-                "curve_server_key": str, "curve_client_public_key": str,
-                "curve_client_secret_key": str, "node": int, "nnodes": int,
-                "store": str, "nodes": list}
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "run_id": str, "rank": int, "world_size": int, "pid": int,
+    "pub_endpoint": str, "cmd_endpoint": str, "token": str,
+    "started_at": (int, float), "name": str, "host": str, "log_path": str,
+    "curve_server_key": str, "curve_client_public_key": str,
+    "curve_client_secret_key": str, "node": int, "nnodes": int,
+    "store": str, "nodes": list}
 
 
 #: Largest run file read (bytes); a larger one is not ours.

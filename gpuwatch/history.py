@@ -94,7 +94,7 @@ def envelope_from_record(record: Any) -> dict[str, Any] | None:
     """
     if not isinstance(record, dict) or not isinstance(record.get("type"), str):
         return None
-    envelope = {"v": protocol.PROTOCOL_VERSION}
+    envelope: dict[str, Any] = {"v": protocol.PROTOCOL_VERSION}
     envelope.update((key, record.get(key)) for key in ENVELOPE_KEYS)
     envelope["body"] = {key: value for key, value in record.items()
                         if key not in ENVELOPE_KEYS}
@@ -435,9 +435,9 @@ class StepTable:
         for name, column in self.numbers.items():
             value = values.get(name)
             column.append(nan if value is None else value)
-        for name, column in self.texts.items():
+        for name, texts in self.texts.items():
             value = body.get(name)
-            column.append(self._keep(value) if isinstance(value, str) else None)
+            texts.append(self._keep(value) if isinstance(value, str) else None)
         knobs = body.get("knobs")
         changed = None
         if isinstance(knobs, dict) and knobs != self._last_knobs:
@@ -448,10 +448,10 @@ class StepTable:
                         and len(self.knobs) < MAX_KNOBS and len(name) <= MAX_NAME_CHARS):
                     self.knobs[name] = [None] * self._length
         current = self._last_knobs if isinstance(self._last_knobs, dict) else {}
-        for name, column in self.knobs.items():
+        for name, knob_values in self.knobs.items():
             value = current.get(name)
-            column.append(self._keep(value) if isinstance(value, (str, int, float, bool))
-                          else None)
+            knob_values.append(self._keep(value) if isinstance(value, (str, int, float, bool))
+                               else None)
         self._length += 1
         return changed
 
@@ -726,7 +726,7 @@ def segment(table: StepTable, start: int = 0, stop: int | None = None) -> Segmen
     present = _finite(table.column("step")[start:stop])
     return Segment(int(present[0]) if present else start,
                    int(present[-1]) if present else stop - 1, stop - start, knobs,
-                   changed, **figures(table, start, stop))  # type: ignore[arg-type]
+                   changed, **figures(table, start, stop))
 
 
 def segments(table: StepTable) -> list[Segment]:

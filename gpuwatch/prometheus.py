@@ -247,11 +247,11 @@ class RunsCollector(Collector):
                         ("data_wait_share", body.get("data_wait_share_window",
                                                      body.get("data_wait_share"))),
                         ("host_cpu_percent", (state.system or {}).get("cpu_pct"))):
-                    if number(value) is not None:
-                        gauges[name].add_metric(key, number(value))
+                    if (figure := number(value)) is not None:
+                        gauges[name].add_metric(key, figure)
                 for kind, name in MEMORY_KINDS:
-                    if number(body.get(name)) is not None:
-                        memory.add_metric([*key, kind], number(body.get(name)))
+                    if (figure := number(body.get(name))) is not None:
+                        memory.add_metric([*key, kind], figure)
                 if state.activation_bytes is not None:
                     memory.add_metric([*key, "activation"], state.activation_bytes)
                 for name, value in state.knobs.items():
@@ -263,10 +263,9 @@ class RunsCollector(Collector):
                     if not isinstance(gpu, dict):
                         continue
                     for suffix, name, _ in GPU_FIELDS:
-                        if number(gpu.get(name)) is not None:
+                        if (figure := number(gpu.get(name))) is not None:
                             gpus[suffix].add_metric(
-                                [*key, printable(gpu.get("index", "?"), 20)],
-                                number(gpu.get(name)))
+                                [*key, printable(gpu.get("index", "?"), 20)], figure)
         yield from (info, up, step, steps, step_time, data_wait, samples, tokens,
                     *gauges.values(), memory, knob, changes, missed, *gpus.values())
 
@@ -308,7 +307,8 @@ def serve_forever(address: str) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
     bound = server.server_address
-    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    address = str(bound[0])  # an IP address: a TCP server's is a str (bytes only for others)
+    shown = f"[{address}]" if ":" in address else address
     print(f"serving gpuwatch_* metrics of this user's live runs at "
           f"http://{shown}:{bound[1]}/metrics (Ctrl-C stops)", flush=True)
     stopped.wait()

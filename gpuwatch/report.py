@@ -135,7 +135,9 @@ def plots(run: RunHistory) -> list[tuple[str, str]]:
 
 def _facts(run: RunHistory) -> list[tuple[str, str]]:
     hello = run.hello
-    model = hello.get("model") if isinstance(hello.get("model"), dict) else {}
+    model = hello.get("model")
+    if not isinstance(model, dict):
+        model = {}
     params = model.get("params")
     started = run.started_at
     facts = [

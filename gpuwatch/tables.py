@@ -61,11 +61,11 @@ def steps_frame(run: RunHistory) -> pd.DataFrame:
         if _integral(name) and all(v != v or v.is_integer() for v in values):
             column = column.round().astype("Int64")  # NaN -> <NA>
         columns[name] = column
-    for name, values in table.texts.items():
-        if any(value is not None for value in values):
-            columns[name] = pd.Series(values, dtype="string")
-    for name, values in table.knobs.items():
-        columns[f"knobs.{printable(name, 100)}"] = _knob_column(values)
+    for name, texts in table.texts.items():
+        if any(value is not None for value in texts):
+            columns[name] = pd.Series(texts, dtype="string")
+    for name, knob_values in table.knobs.items():
+        columns[f"knobs.{printable(name, 100)}"] = _knob_column(knob_values)
     return pd.DataFrame(columns)
 
 

@@ -268,8 +268,8 @@ def _inner_module(model: nn.Module) -> tuple[nn.Module, bool]:
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif isinstance(model._modules.get("_orig_mod"), nn.Module):  # OptimizedModule
-            model, compiled = model._modules["_orig_mod"], True
+        elif isinstance(original := model._modules.get("_orig_mod"), nn.Module):
+            model, compiled = original, True  # an OptimizedModule
         else:
             return model, compiled
 
@@ -627,6 +627,7 @@ class AcceleratorRun:
             raise ValueError(self._forward_lost)
         if not self._after_step:  # the window's gradients are not stepped yet: a new
             raise ValueError(_MISPLACED)  # GradScaler state would unscale the wrong way
+        assert self._precision is not None  # the precision knob is bound only with one
         self._precision.set(value)
 
     def _check_precision(self, value: str) -> None:
@@ -635,6 +636,7 @@ class AcceleratorRun:
             raise ValueError(reason)
 
     def _check_kernels(self, value: str) -> None:
+        assert self.backend is not None  # the kernels knob is bound only with one
         reason = None
         if value == "triton" and not any(isinstance(module, KernelBackendMixin)
                                          for module in self._inner.modules()):
@@ -648,6 +650,7 @@ class AcceleratorRun:
         if self._forward_lost:
             raise ValueError(self._forward_lost)
         self._check_kernels(value)
+        assert self.backend is not None  # the kernels knob is bound only with one
         self.backend.kernels = value
 
     def _bind_optimizer(self, plain: bool, not_plain: str, checkpoint_dir: Any) -> None:
@@ -726,9 +729,9 @@ class AcceleratorRun:
         elif compiled:
             precision_reason = compiled_reason
         if precision_reason is None:
-            self._precision = _Precision(accelerator, device_type)
-            self.autocast = ReusableAutocast(self._precision.context)
-            knobs.add(Knob(PRECISION, get=lambda: self._precision.precision,
+            self._precision = precision = _Precision(accelerator, device_type)
+            self.autocast = ReusableAutocast(precision.context)
+            knobs.add(Knob(PRECISION, get=lambda: precision.precision,
                            set=self._set_precision, check=self._check_precision,
                            warn=lambda value: precision_warning(value, device_type)))
         else:
@@ -742,9 +745,10 @@ class AcceleratorRun:
             kernels_reason = compiled_reason
         original = _original_forward(inner, strip_accelerate=self._precision is not None)
         if kernels_reason is None:
-            self.backend = ModelBackend(_OriginalForward(inner, original), accelerator.device,
-                                        compile_backend=compile_backend)
-            knobs.add(Knob(KERNELS, get=lambda: self.backend.kernels, set=self._set_kernels,
+            self.backend = backend = ModelBackend(_OriginalForward(inner, original),
+                                                  accelerator.device,
+                                                  compile_backend=compile_backend)
+            knobs.add(Knob(KERNELS, get=lambda: backend.kernels, set=self._set_kernels,
                            check=self._check_kernels))
         else:
             knobs.unsupported[KERNELS.name] = kernels_reason

@@ -196,7 +196,7 @@ class ReplaySource(Source):
             now = time.monotonic()
             offset_s = now - time.time()  # unix time -> monotonic time
             for envelope in envelopes:
-                t = envelope.get("t")
+                t: Any = envelope.get("t")  # as decoded: its type is checked here
                 written = (min(now, t + offset_s) if type(t) in (int, float)
                            and math.isfinite(t) else now)
                 self.state.ingest(envelope, written)

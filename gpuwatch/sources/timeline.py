@@ -39,14 +39,15 @@ class Mark(NamedTuple):
     kind (``change``: a knob's value changed; ``event``: the run said something) and a
     label for people."""
 
-    index: int
+    # the field shadows tuple.index, which nothing here calls (the widgets read mark.index)
+    index: int  # type: ignore[assignment]
     kind: str
     label: str
 
 
 class _Checkpoint(NamedTuple):
     state: RunState  # everything before the step record with index ``index``
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, as Mark's
     position: Position  # where that step record's line starts
     t: float  # the time of the last record folded into ``state`` (unix s)
 
