@@ -15,8 +15,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 _AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-_PRECISION_NAMES: dict[str | torch.dtype, str] = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-                    "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_PRECISION_NAMES: dict[str | torch.dtype, str] = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+    "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 @overload
