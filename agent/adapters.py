@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -32,8 +32,17 @@ def refuse(reason: str | None) -> None:
         raise ValueError(reason)
 
 
-def precision_knob(mixed_precision: MixedPrecision) -> Knob:
-    """The ``precision`` knob bound to a :class:`gpuopt.MixedPrecision` policy.
+class PrecisionPolicy(Protocol):
+    """What :func:`precision_knob` binds to: a :class:`gpuopt.MixedPrecision`, or an
+    integration's stand-in with the same two members."""
+
+    device_type: str
+    precision: str
+
+
+def precision_knob(mixed_precision: PrecisionPolicy) -> Knob:
+    """The ``precision`` knob bound to a :class:`gpuopt.MixedPrecision` policy (or any
+    :class:`PrecisionPolicy`).
 
     Values the device cannot run are refused when the command arrives, with the reason;
     fp16 on a CPU is accepted with a warning (it runs, slowly).

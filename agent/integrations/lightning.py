@@ -121,7 +121,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 import torch
 import lightning
@@ -155,7 +155,8 @@ log = logging.getLogger("gpuwatch.agent")
 
 #: Lightning plugin -> knob value, for the plugins the precision knob switches between.
 _MIXED_NAMES = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
-_MIXED_FLAGS = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+_MIXED_FLAGS: dict[str, Literal["bf16-mixed", "16-mixed"]] = {"bf16": "bf16-mixed",
+                                                              "fp16": "16-mixed"}
 
 
 def _precision_of(plugin: Any) -> str | None:
@@ -282,8 +283,11 @@ class _Accumulation:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"accum_steps must be an integer >= 1, got {value!r}")
         if not self.engaged:
-            self.epoch_loop._accumulated_batches_reached = self._accumulated_batches_reached
-            self.optimization._make_zero_grad_fn = self._make_zero_grad_fn
+            # engaging is replacing these two methods of Lightning's loops
+            self.epoch_loop._accumulated_batches_reached = (  # type: ignore[method-assign]
+                self._accumulated_batches_reached)
+            self.optimization._make_zero_grad_fn = (  # type: ignore[method-assign]
+                self._make_zero_grad_fn)
         self.engaged = True
         self.size = value
         self.anchor = self.epoch_loop.batch_progress.current.ready  # the next batch's index
@@ -388,7 +392,8 @@ def _accumulation_refusal(trainer: pl.Trainer, module: pl.LightningModule) -> st
     if isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher):
         return ("training_step takes the dataloader iterator (dataloader_iter), so "
                 "Lightning does not know which micro-batch a step has")
-    for callback in trainer.callbacks:
+    # Trainer.callbacks: set by Lightning's callback connector, not declared on the class
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, (GradientAccumulationScheduler, StochasticWeightAveraging)):
             return (f"the {type(callback).__name__} callback sets accumulate_grad_batches "
                     "itself")
@@ -652,8 +657,9 @@ class _Run:
         precision knob made one, the kept fp16 GradScaler's state (Lightning saves only
         the plugin the Trainer started with)."""
         state: dict[str, Any] = {"knobs": self.agent.knobs.values()}
-        plugin = self.precision._plugins.get("fp16") if self.precision else None
-        if plugin is not None and plugin is not self.precision.original:
+        precision = self.precision
+        plugin = precision._plugins.get("fp16") if precision else None
+        if plugin is not None and precision is not None and plugin is not precision.original:
             state["grad_scaler"] = plugin.scaler.state_dict()
         return state
 
@@ -667,7 +673,8 @@ class _Run:
     def _bind_loader_knobs(self, knobs: KnobSet) -> None:
         trainer = self.trainer
         loader = trainer.train_dataloader
-        reloads = trainer.reload_dataloaders_every_n_epochs
+        # set by Lightning's data connector, not declared on the Trainer class
+        reloads = trainer.reload_dataloaders_every_n_epochs  # type: ignore[attr-defined]
         if isinstance(loader, ReconfigurableLoader) and not reloads:
             for knob in loader_knobs(loader):
                 knobs.add(knob)
@@ -698,6 +705,7 @@ class _Run:
         try:
             lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
             self._lr = float(lr) if isinstance(lr, (int, float)) else None
+            assert self.precision is not None  # started: start() made it
             scaler = self.precision.scaler
             scale = getattr(scaler, "_scale", None)  # torch.amp has no public tensor form
             self._scale_before = scale.clone() if isinstance(scale, torch.Tensor) else None
@@ -717,6 +725,7 @@ class _Run:
             self._fail("reporting a step", exc)
 
     def _count(self, outputs: Any, batch: Any) -> None:
+        assert self.fetch is not None  # started: start() made it
         self.meter.add(batch, self.fetch.take())
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if not isinstance(loss, torch.Tensor):
@@ -733,11 +742,14 @@ class _Run:
         self._global_step = trainer.global_step
         self.step += 1
         wait_s, micro_batches, samples, tokens = self.meter.take()
-        loss = self._loss_sum / self._losses if self._losses else None
+        loss_sum = self._loss_sum  # (None exactly when no loss was counted)
+        loss = loss_sum / self._losses if loss_sum is not None and self._losses else None
         skipped = None
         scaler = self.precision.scaler if self.precision is not None else None
         if self._scale_before is not None and scaler is not None:
-            skipped = scaler._scale < self._scale_before  # update() backed off: inf/NaN
+            scale = scaler._scale  # None only before the scaler's first scale()
+            assert scale is not None  # it scaled this window: a scale was read before
+            skipped = scale < self._scale_before  # update() backed off: inf/NaN
         grad_norm = self.precision.grad_norm if self.precision is not None else None
         lr: Any = self._lr
         if self.optimizer_settings is not None:  # every group's rate, as the step used it
@@ -752,6 +764,7 @@ class _Run:
                                   skipped, None, tokens=tokens, lr=lr, grad_norm=grad_norm)
         if self.kernels is not None:
             publish_events(self.agent, self.step, self.kernels.events())
+        assert self.memory is not None  # started: start() made it
         self.memory.after_step(self.agent, self.step)
 
     # ------------------------------------------------------------ events
@@ -830,6 +843,8 @@ def _lightning_run_id(trainer: pl.Trainer) -> str | None:
     if os.environ.get("TORCHELASTIC_RUN_ID", "none") not in ("", "none"):
         return None
     environment = getattr(trainer.strategy, "cluster_environment", None)
+    if environment is None:  # no cluster environment: the default id
+        return None
     try:
         key = f"{environment.main_address}|{environment.main_port}"
     except Exception:  # noqa: BLE001 -- no cluster environment: the default id
@@ -969,15 +984,16 @@ class GpuwatchCallback(Callback):
     # plumbing
 
     def _begin(self, trainer: pl.Trainer, module: pl.LightningModule) -> _Run:
-        if self.agent is None or self._agent_used:
-            self.new_agent(trainer, module)
+        agent = self.agent
+        if agent is None or self._agent_used:
+            agent = self.new_agent(trainer, module)
         else:  # made by attach() before the module was known
-            self.agent.params = sum(p.numel() for p in module.parameters())
-            self.agent.model_name = type(module).__name__
-            self.agent.refresh_knobs()  # announced: hello names the model now
+            agent.params = sum(p.numel() for p in module.parameters())
+            agent.model_name = type(module).__name__
+            agent.refresh_knobs()  # announced: hello names the model now
         self._agent_used = True
         restored, self._restored = self._restored, None
-        return _Run(self.agent, trainer, module, {**self.run_options, "restored": restored})
+        return _Run(agent, trainer, module, {**self.run_options, "restored": restored})
 
     def _call(self, method: str, *args: Any) -> None:
         if self._run is not None:
@@ -1014,13 +1030,15 @@ def attach(trainer: pl.Trainer, *, name: str = "", transport: str = "ipc",
     if "resume_from" in options:
         raise ValueError("a Lightning run resumes through Lightning: trainer.fit(module, "
                          "ckpt_path=PATH) (gpuwatch's knob values come back with it)")
-    if any(isinstance(callback, GpuwatchCallback) for callback in trainer.callbacks):
+    # Trainer.callbacks: set by Lightning's callback connector, not declared on the class
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    if any(isinstance(callback, GpuwatchCallback) for callback in callbacks):
         raise ValueError("this Trainer already has a GpuwatchCallback")
     callback = GpuwatchCallback(name=name, transport=transport, **options)
     agent = callback.new_agent(trainer, None)
-    trainer.callbacks.append(callback)
+    callbacks.append(callback)
     if loggers:
         from agent.integrations.lightning_loggers import GpuwatchLoggers
 
-        trainer.callbacks.append(GpuwatchLoggers())
+        callbacks.append(GpuwatchLoggers())
     return agent

@@ -25,15 +25,18 @@ class GpuwatchLoggers(pl.Callback):
         self._logged_step = -1
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        agent = agent_of(trainer.callbacks)
+        # set by Lightning's callback connector, not declared on the Trainer class
+        agent = agent_of(trainer.callbacks)  # type: ignore[attr-defined]
         if agent is not None:
             self._bridge = Bridge(agent)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
+        # set by Lightning's logger connector, not declared on the Trainer class
+        every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]
         if (self._bridge is not None and step != self._logged_step
-                and step % max(1, trainer.log_every_n_steps) == 0):
+                and step % max(1, every) == 0):
             self._logged_step = step
             self._log(trainer)
 
