@@ -89,10 +89,12 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable
 
 import torch
 import transformers
+from torch import nn
 from transformers import TrainerCallback
 from transformers.utils import is_sagemaker_mp_enabled
 
@@ -135,6 +137,14 @@ class _TimedIterator:
 
     def __next__(self) -> Any:
         return self.meter.timed_next(self.iterator)
+
+
+def _model_of(trainer: transformers.Trainer) -> nn.Module:
+    """The Trainer's model: there from its construction on (``model=``, or what
+    ``model_init`` made)."""
+    model = trainer.model
+    assert model is not None  # a Trainer is built with model= or model_init=
+    return model
 
 
 class _Run:
@@ -233,7 +243,7 @@ class _Run:
         precision it keeps). Idempotent; atomic (nothing changes when it raises)."""
         if self.forward is not None:
             return
-        model = self.trainer.model
+        model = _model_of(self.trainer)
         installed = model.__dict__.get("forward")
         original = model.__dict__.get("_original_forward")
         if getattr(self.trainer.accelerator, "native_amp", False):
@@ -358,7 +368,11 @@ class _Run:
         """HF's ``_save_checkpoint`` of the state now into the directory ``path``."""
         trainer = self.trainer
         step = trainer.state.global_step
-        trainer._get_output_dir = lambda trial=None: str(path)  # HF saves in path/checkpoint-N
+        def output_dir(trial: Any = None) -> str:
+            return str(path)
+
+        # HF saves in path/checkpoint-N: the instance's output dir, for this one call
+        trainer._get_output_dir = output_dir  # type: ignore[method-assign]
         try:
             trainer._save_checkpoint(trainer.model_wrapped, trial=None)
         finally:
@@ -418,7 +432,7 @@ class _Run:
         self.accum = value
 
     def _bind_checkpointing(self, knobs: KnobSet) -> None:
-        model = self.trainer.model
+        model = _model_of(self.trainer)
         if isinstance(model, transformers.PreTrainedModel):
             if model.supports_gradient_checkpointing:
                 had_hooks = bool(getattr(model, "_require_grads_hooks", None))
@@ -467,7 +481,7 @@ class _Run:
         from gpuopt.compile import compile_support
         from gpuopt.kernels.backend import KernelBackendMixin
 
-        model = trainer.model
+        model = _model_of(trainer)
         self.compile_backend = compile_backend
         fused = any(isinstance(module, KernelBackendMixin) for module in model.modules())
         device_type = self.device.type
@@ -487,6 +501,7 @@ class _Run:
         def set_kernels(value: str) -> None:
             _refuse(support(value))
             self._take_over_forward()
+            assert self.forward is not None  # _take_over_forward put it there
             self.forward.set_compiled(value == "compile", compile_backend)
 
         knobs.add(Knob(KERNELS, get=lambda: self.forward.kernels if self.forward else "eager",
@@ -633,7 +648,7 @@ class _Run:
     # ------------------------------------------------------------------ hooks
 
     def train_begin(self) -> None:
-        optimizer = self.trainer.optimizer
+        optimizer: Any = self.trainer.optimizer  # or a wrapper of it
         while hasattr(optimizer, "optimizer"):  # accelerate's AcceleratedOptimizer
             optimizer = optimizer.optimizer
         if isinstance(optimizer, torch.optim.Optimizer) and self.optimizer_settings is None:
@@ -646,7 +661,8 @@ class _Run:
 
     def optimizer_step(self, optimizer: Any) -> None:
         try:
-            lr = (optimizer or self.trainer.optimizer).param_groups[0]["lr"]
+            source = optimizer or self.trainer.optimizer
+            lr = source.param_groups[0]["lr"] if source is not None else None
             self.lr = float(lr) if isinstance(lr, (int, float)) or (
                 isinstance(lr, torch.Tensor) and lr.device.type == "cpu") else None
         except Exception:
@@ -779,8 +795,9 @@ def _decay_groups(trainer: transformers.Trainer, optimizer: torch.optim.Optimize
     norms), which HF's ``create_optimizer`` gives ``args.weight_decay`` (0 by default, so
     it cannot be told from the split's other group by value); None for an optimizer
     whose groups do not follow that split."""
-    names = set(trainer.get_decay_parameter_names(trainer.model))
-    decaying = {id(p) for name, p in trainer.model.named_parameters() if name in names}
+    model = _model_of(trainer)
+    names = set(trainer.get_decay_parameter_names(model))
+    decaying = {id(p) for name, p in model.named_parameters() if name in names}
     groups = [index for index, group in enumerate(optimizer.param_groups)
               if group["params"] and all(id(p) in decaying for p in group["params"])]
     return groups or None
@@ -803,7 +820,7 @@ def _hf_checkpointing(model: Any) -> bool:
 def _find_trainer() -> transformers.Trainer | None:
     """The ``transformers.Trainer`` whose ``train()`` is calling us (its frame's
     ``self``), for a callback made without one. Walks the call stack once."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, transformers.Trainer):
@@ -844,9 +861,10 @@ class GpuwatchCallback(TrainerCallback):
                  transport: str = "ipc", compile_backend: str = "inductor",
                  tokens_per_sample: int | None = None,
                  checkpoint_dir: str | os.PathLike | None = None, **options: Any) -> None:
-        self._settings = dict(name=name, transport=transport, compile_backend=compile_backend,
-                              tokens_per_sample=tokens_per_sample,
-                              checkpoint_dir=checkpoint_dir, options=options)
+        self._settings: dict[str, Any] = dict(
+            name=name, transport=transport, compile_backend=compile_backend,
+            tokens_per_sample=tokens_per_sample, checkpoint_dir=checkpoint_dir,
+            options=options)
         self.run: _Run | None = None
         self._failed = False
         if trainer is not None:
@@ -955,15 +973,20 @@ def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "i
     train = trainer.train
 
     def train_closing_on_error(*args: Any, **kwargs: Any) -> Any:
+        run = callback.run
+        assert run is not None  # the callback was made with the trainer: it has its run
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         if isinstance(resume, (str, os.PathLike)):
-            callback.run.resume_from = os.fspath(resume)
+            run.resume_from = os.fspath(resume)
         try:
             return train(*args, **kwargs)
         except BaseException as exc:
-            callback.run.close(ending_reason(exc))
+            run.close(ending_reason(exc))
             raise
 
     train_closing_on_error.__doc__ = train.__doc__
-    trainer.train = train_closing_on_error
-    return callback.agent
+    # the instance's train, wrapped (its class is left alone)
+    trainer.train = train_closing_on_error  # type: ignore[method-assign]
+    agent = callback.agent
+    assert agent is not None  # made with the trainer: its agent is started
+    return agent
