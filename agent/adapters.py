@@ -21,7 +21,7 @@ from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import MemorySnapshot, set_memory_fraction
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
 from gpuopt.optim import OptimizerSettings
-from gpuopt.precision import MixedPrecision, precision_support, precision_warning
+from gpuopt.precision import precision_support, precision_warning
 from gpuopt.trainer import StepStats, Trainer
 
 
