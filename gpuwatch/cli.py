@@ -26,7 +26,7 @@ from agent import protocol
 from agent.protocol import printable
 from agent.runs import RunInfo, alive, find_run, list_runs, run_dir
 from gpuwatch import history, history_commands
-from gpuwatch.units import human_age, human_ms, human_number
+from gpuwatch.units import human_age, human_ms, human_sig, knob_text
 
 SUBCOMMANDS = ("attach", "runs", "set", "tail", "replay", "demo", "doctor", "report",
                "compare", "export")
@@ -376,15 +376,15 @@ def _human_line(message: dict[str, Any]) -> str | None:
     body = message["body"]
     kind = message["type"]
     if kind == protocol.STEP:
-        knobs = " ".join(f"{k}={v}" for k, v in (body.get("knobs") or {}).items())
+        knobs = " ".join(f"{k}={knob_text(v)}" for k, v in (body.get("knobs") or {}).items())
         loss, lr, tokens = body.get("loss"), body.get("lr"), body.get("tokens_per_s")
         return (f"step {body.get('step')}  {human_ms(body.get('step_time_s'))}  "
                 f"wait {human_ms(body.get('data_wait_s'))}  "
-                f"{human_number(body.get('samples_per_s'), 1)} samples/s  "
-                + (f"{human_number(tokens, 0)} tokens/s  " if isinstance(tokens, (int, float)) else "")
-                + f"loss {'-' if not isinstance(loss, (int, float)) else f'{loss:.4g}'}  "
-                + (f"lr {lr:.3g}  " if isinstance(lr, (int, float)) else "")
-                + (f"grad norm {norm:.3g}  " if isinstance(norm := body.get("grad_norm"),
+                f"{human_sig(body.get('samples_per_s'))} samples/s  "
+                + (f"{human_sig(tokens)} tokens/s  " if isinstance(tokens, (int, float)) else "")
+                + f"loss {human_sig(loss) if isinstance(loss, (int, float)) else '-'}  "
+                + (f"lr {human_sig(lr)}  " if isinstance(lr, (int, float)) else "")
+                + (f"grad norm {human_sig(norm)}  " if isinstance(norm := body.get("grad_norm"),
                                                            (int, float)) else "")
                 + knobs).rstrip()
     if kind == protocol.EVENT:

@@ -21,7 +21,7 @@ from agent.protocol import printable
 from agent.runs import list_runs
 from gpuwatch import history
 from gpuwatch.history import LogFiles, RunSummary
-from gpuwatch.units import human_age, human_bytes, human_number
+from gpuwatch.units import human_age, human_bytes, human_number, human_sig
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -119,8 +119,8 @@ def print_all_runs(as_json: bool) -> int:
             if summary.started_at else "-",
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_number(summary.steps),
-            "-" if summary.final_loss is None else f"{summary.final_loss:.4g}",
-            "-" if best is None else human_number(best, 1 if best < 100 else 0) + unit,
+            human_sig(summary.final_loss),
+            "-" if best is None else human_sig(best) + unit,
             str(summary.knob_changes), human_bytes(summary.log_bytes),
             _state(summary)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]

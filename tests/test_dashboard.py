@@ -514,8 +514,10 @@ async def test_one_stall_does_not_flatten_the_step_time_chart():
         await until(pilot, lambda: "off scale" in "\n".join(shown_lines(app, "#timing")))
         await pilot.pause(0.3)
         chart = "\n".join(shown_lines(app, "#timing"))
-        assert "max 1500 off scale" in chart
-        y_labels = [float(line.split("┤")[0]) for line in chart.splitlines() if "┤" in line]
+        assert "max 1,500 ms off scale" in chart
+        assert "▲" in chart.split("\n", 1)[1]  # the stall, marked at the axis' end
+        y_labels = [float(line.split("┤")[0].replace(",", ""))
+                    for line in chart.splitlines() if "┤" in line]
         assert max(y_labels) < 40, y_labels  # the axis ends near the 21 ms steps
         loss = "\n".join(shown_lines(app, "#loss"))
         assert "off scale" not in loss  # the loss chart shows every value
@@ -615,8 +617,8 @@ async def test_lr_clip_and_checkpoint_keys_send_commands_and_the_panel_shows_the
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: knows(app, "max_grad_norm") and "step" in text_of(app, "#header"))
-        await until(pilot, lambda: "lr   3.0e-04" in text_of(app, "#knobs"))
-        assert "clip 1 norm 0.83" in text_of(app, "#knobs")
+        await until(pilot, lambda: "lr   0.000300" in text_of(app, "#knobs"))
+        assert "clip 1 norm 0.834" in text_of(app, "#knobs")
         sent = []
         for key in ("l", "l", "L", "g", "g"):
             await pilot.press(key)
@@ -734,7 +736,9 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
                                               "L", "g", "r", "question_mark", "q"}
         for key in keys:  # every key in sight
             assert key.region.right <= width and key.region.y == height - 1, key.key
-        assert "step ms" in app.query_one("#timing").render().plain
+        timing_title = app.query_one("#timing").render().plain.split("\n")[0]
+        assert "step time" in timing_title and "data wait" in timing_title, timing_title
+        assert " ms" in timing_title, timing_title  # the unit, at every size
         assert "loss" in app.query_one("#loss").render().plain
         assert "samples/s" in text_of(app, "#throughput .value")
 

@@ -52,6 +52,25 @@ class Panel(Static):
         self.update(content, layout=False)
 
 
+#: :func:`robust_top` ends a scale at this quantile of the values times
+#: :data:`OUTLIER_HEADROOM`, so that a few spikes (a compile, a checkpoint save, a burst
+#: of cached batches) do not flatten every other value; needs :data:`OUTLIER_MIN_VALUES`.
+OUTLIER_QUANTILE = 0.9
+OUTLIER_HEADROOM = 1.5
+OUTLIER_MIN_VALUES = 20
+
+
+def robust_top(values: Sequence[float | None]) -> float | None:
+    """Where a scale of ``values`` should end so that outliers do not flatten the rest
+    (they are drawn at the end and marked), or None when every value fits (too few
+    values, or none beyond the bulk)."""
+    finite = sorted(v for v in values if v is not None and math.isfinite(v))
+    if len(finite) < OUTLIER_MIN_VALUES:
+        return None
+    top = finite[int(OUTLIER_QUANTILE * (len(finite) - 1))] * OUTLIER_HEADROOM
+    return top if finite[-1] > top > 0 else None
+
+
 def sparkline(values: Sequence[float | None], width: int, *,
               high: float | None = None) -> str:
     """The last ``width`` values as one line of block characters, one per value, the

@@ -9,7 +9,8 @@ from typing import NamedTuple
 from textual_plotext import PlotextPlot
 
 from gpuwatch.state import KnobChange, StepRecord
-from gpuwatch.units import knob_text
+from gpuwatch.units import human_sig, knob_text
+from gpuwatch.widgets.panel import robust_top
 
 
 #: Rows below which the legend is left out (it would cover the lines; the title still
@@ -18,27 +19,30 @@ _LEGEND_MIN_HEIGHT = 14
 
 
 class Series(NamedTuple):
-    """One line: ``field`` of :class:`StepRecord` times ``scale``, called ``label``."""
+    """One line: ``field`` of :class:`StepRecord` times ``scale``, called ``label``
+    (``short`` where the width is tight), its values in ``unit``, drawn in ``color``
+    (a plotext colour, named in the title when there are several lines)."""
 
     label: str
     field: str
     scale: float = 1.0
+    unit: str = ""
+    short: str = ""
+    color: str = "cyan"
 
 
 #: Step time and data wait in ms, in one chart.
-TIMING = (Series("step ms", "step_time_s", 1e3), Series("data wait ms", "data_wait_s", 1e3))
+TIMING = (Series("step time", "step_time_s", 1e3, "ms", "step", "cyan"),
+          Series("data wait", "data_wait_s", 1e3, "ms", "wait", "magenta"))
 #: The training loss.
-LOSS = (Series("loss", "loss"),)
+LOSS = (Series("loss", "loss", color="cyan"),)
 
 #: Labelled ticks on the step axis.
 _X_TICKS = 5
-#: With ``clip_spikes``, the y-axis ends at this quantile of the values shown times
-#: :data:`_SPIKE_HEADROOM`, so that one stall (a compile, a checkpoint save) does not
-#: flatten every other step; spikes are drawn at the top and the title gives the largest.
-_SPIKE_QUANTILE = 0.98
-_SPIKE_HEADROOM = 1.25
-#: Values needed before spikes are clipped (with fewer, every value shows as it is).
-_SPIKE_MIN_VALUES = 20
+#: Labelled ticks on the value axis.
+_Y_TICKS = 4
+#: The marker of a value beyond the end of the axis (drawn at the end), and its colour.
+_OUTLIER_MARKER, _OUTLIER_COLOR = "▲", "red"
 #: Knob changes in view up to which each gets a label (more: their lines alone).
 _LABELLED_MARKS = 3
 #: plotext colour of the vertical line at a knob change.
@@ -52,7 +56,7 @@ class StepChart(PlotextPlot):
     Args:
         series: the lines to draw.
         clip_spikes: end the y-axis just above the bulk of the values (see
-            :data:`_SPIKE_QUANTILE`) instead of at the largest.
+            :func:`~gpuwatch.widgets.panel.robust_top`) instead of at the largest.
     """
 
     def __init__(self, series: Sequence[Series], *, clip_spikes: bool = False,
@@ -77,14 +81,22 @@ class StepChart(PlotextPlot):
                       and math.isfinite(value)]
             if points:
                 lines.append((series, *zip(*points)))
-        top = self._top([value for *_, values in lines for value in values])
+        every = [value for *_, values in lines for value in values]
+        top = robust_top(every) if self.clip_spikes else None
         legend = len(self.series) > 1 and self.size.height >= _LEGEND_MIN_HEIGHT
         for series, steps, values in lines:
             if top is not None:
+                beyond = [step for step, value in zip(steps, values) if value > top]
                 values = [min(value, top) for value in values]
-            plt.plot(steps, values, marker="braille",
-                     label=series.label if legend else None)
-        titles = self._title(lines, top)
+            plt.plot(steps, values, marker="braille", color=series.color,
+                     label=self._label(series) if legend else None)
+            if top is not None and beyond:  # outliers: marked at the axis' end
+                plt.scatter(beyond, [top] * len(beyond), marker=_OUTLIER_MARKER,
+                            color=_OUTLIER_COLOR)
+        high = top if top is not None else max(every, default=0.0)
+        low = min(every, default=0.0)
+        tick_width = self._y_ticks(low, high)
+        titles = self._title(lines, top, self.size.width - tick_width - 3, legend=legend)
         if titles:
             first, last = records[0].step, records[-1].step
             self._mark(marks, first, last, top if top is not None else max(
@@ -114,29 +126,51 @@ class StepChart(PlotextPlot):
                 self.plt.text(f"{label} " if right else f" {label}", step, top,
                               color=_MARK_COLOR, alignment="right" if right else "left")
 
-    def _top(self, values: list[float]) -> float | None:
-        """Where the y-axis ends when spikes are clipped, or None to show every value
-        (no clipping asked, too few values, or none beyond the bulk)."""
-        if not self.clip_spikes or len(values) < _SPIKE_MIN_VALUES:
-            return None
-        ordered = sorted(values)
-        top = ordered[int(_SPIKE_QUANTILE * (len(ordered) - 1))] * _SPIKE_HEADROOM
-        return top if ordered[-1] > top > 0 else None
+    def _y_ticks(self, low: float, high: float) -> int:
+        """Label the value axis in :func:`~gpuwatch.units.human_sig` form (never
+        plotext's scientific notation); returns the labels' width in columns."""
+        low = min(low, high)
+        if high <= low:
+            high = low + (abs(low) or 1.0)
+        ticks = [low + (high - low) * i / (_Y_TICKS - 1) for i in range(_Y_TICKS)]
+        labels = [human_sig(tick) for tick in ticks]
+        self.plt.yticks(ticks, labels)
+        self.plt.ylim(low, high)
+        return max(len(label) for label in labels)
+
+    @staticmethod
+    def _label(series: Series, value: float | None = None, *, short: bool = False
+               ) -> str:
+        """``step time 12.3 ms`` (the latest value, when given) or ``step 12.3 ms``."""
+        name = series.short if short and series.short else series.label
+        number = "" if value is None else f" {human_sig(value)}"
+        unit = f" {series.unit}" if series.unit else ""
+        return f"{name}{number}{unit}" if number or not unit else f"{name} ({series.unit})"
 
     def _title(self, lines: list[tuple[Series, Sequence[int], Sequence[float]]],
-               top: float | None) -> str:
-        """Each line's latest value (and the largest, when spikes are off scale), as
-        much of it as fits the width: plotext leaves out a title that does not fit."""
+               top: float | None, width: int, *, legend: bool = False) -> str:
+        """Each line's name, latest value and unit (with several lines, their colours;
+        when outliers are off scale, the largest), as much of it as fits ``width``
+        columns: plotext leaves out a title that does not fit. With a ``legend`` the
+        colours are left to it."""
         if not lines:
             return ""
-        latest = [f"{series.label} {values[-1]:.4g}" for series, _, values in lines]
-        candidates = []
+        several = len(lines) > 1 and not legend
+        def named(short: bool, colours: bool) -> list[str]:
+            return [self._label(series, values[-1], short=short)
+                    + (f" ({series.color})" if colours else "")
+                    for series, _, values in lines]
+        candidates: list[list[str]] = []
+        extra = []
         if top is not None:
             largest = max(value for *_, values in lines for value in values)
-            candidates += [[*latest, f"max {largest:.4g} off scale"],
-                           [*latest, f"max {largest:.4g}"]]
-        candidates += [latest, [f"{series.label} {values[-1]:.3g}"
-                                for series, _, values in lines], latest[:1]]
+            unit = lines[0][0].unit
+            extra = [f"{_OUTLIER_MARKER} max {human_sig(largest)}{' ' + unit if unit else ''}"
+                     " off scale", f"{_OUTLIER_MARKER} {human_sig(largest)}"]
+        for short in (False, True):
+            for colours in ((True, False) if several else (False,)):
+                candidates += [[*named(short, colours), tail] for tail in extra]
+                candidates.append(named(short, colours))
         fitting = (" | ".join(c) for c in candidates)
-        return next((title for title in fitting if len(title) <= self.size.width - 2),
-                    latest[0])
+        return next((title for title in fitting if len(title) <= width),
+                    named(True, False)[0])
