@@ -31,6 +31,7 @@ from gpuwatch.widgets.confirm_screen import ConfirmScreen
 from gpuwatch.widgets.help_screen import HelpScreen
 from gpuwatch.widgets.runs_screen import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
+from gpuwatch.widgets.last_event import LastEvent
 from gpuwatch.widgets.memory import MemoryPanel
 from gpuwatch.widgets.step_chart import LOSS, TIMING, StepChart
 from gpuwatch.widgets.system import SystemPanel
@@ -57,6 +58,9 @@ DEFAULT_MAX_GRAD_NORM = 1.0
 #: Under this many columns the footer is compact (no padding around keys, no ctrl+p); its
 #: short descriptions (prec, work, kern) keep every key within 80 columns.
 COMPACT_FOOTER_BELOW = 100
+#: Under this many columns the memory and host & GPU panels fold (the stylesheet's
+#: ``-cramped``): the knobs and the data panel keep the width.
+CRAMPED_BELOW = 80
 
 #: What the event log says when the run's status changes to each of these.
 _STATUS_NOTES = {
@@ -88,8 +92,14 @@ class GpuwatchApp(App[None]):
     TITLE = "gpuwatch"
     COMMANDS = App.COMMANDS | {BindingCommands}
     VERTICAL_BREAKPOINTS = [(0, "-tiny"), (24, "-short"), (32, "-tall")]
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (CRAMPED_BELOW, "-narrow"), (100, "-wide")]
+    #: First the keys that must stay in view at any width (the footer is cut at the
+    #: right), then the knobs' keys.
     BINDINGS = [
+        Binding("question_mark", "help", "help", id="help",
+                tooltip="Show this list of keys"),
+        Binding("q", "quit", "quit", id="quit",
+                tooltip="Quit the dashboard (a run goes on; a `gpuwatch demo` run stops)"),
         Binding("p", "cycle('precision')", "prec", id="precision.cycle",
                 tooltip="Cycle precision fp32 -> bf16 -> fp16 (the run's choices)"),
         Binding("a", "step('accum_steps', -1)", "accum-", id="accum_steps.decrease",
@@ -152,12 +162,8 @@ class GpuwatchApp(App[None]):
         Binding("v", "compare", "compare", id="timeline.compare",
                 tooltip="Timeline: the segments before and after the knob change at or "
                         "before this step, side by side"),
-        Binding("r", "runs", "runs", id="runs",
+        Binding("r", "runs", "runs", id="runs", show=False,  # help, palette: room for q
                 tooltip="Every run of this user, live and finished: open one here"),
-        Binding("question_mark", "help", "help", id="help",
-                tooltip="Show this list of keys"),
-        Binding("q", "quit", "quit", id="quit",
-                tooltip="Quit the dashboard (a run goes on; a `gpuwatch demo` run stops)"),
     ]
 
     def __init__(self, source: Source, *, readonly: bool = False,
@@ -204,6 +210,7 @@ class GpuwatchApp(App[None]):
             yield SystemPanel(id="system")
             yield DataPanel(id="data")
             yield KnobsPanel(id="knobs")
+        yield LastEvent(id="last")
         yield EventLog(id="log")
         yield Footer()
 
@@ -278,6 +285,7 @@ class GpuwatchApp(App[None]):
             self.query_one(SystemPanel).show(state)
             self.query_one(DataPanel).show(state, now)
             self.query_one(KnobsPanel).show(state, now, shown_elsewhere=loader_knobs(state))
+            self.query_one(LastEvent).show(state.events[-1] if state.events else None)
             new = min(state.events_total - self._events_shown, len(state.events))
             entries = list(state.events)[len(state.events) - new:] if new > 0 else []
             self._events_shown = state.events_total

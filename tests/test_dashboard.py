@@ -425,11 +425,11 @@ async def test_keys_of_knobs_the_run_lacks_are_hidden_and_send_nothing(make_agen
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: knows(app, "accum_steps"))
         await until(pilot, lambda: "p" not in shown_keys(app))
-        assert shown_keys(app) == {"a", "A", "r", "question_mark", "q"}
+        assert shown_keys(app) == {"a", "A", "question_mark", "q"}
         await pilot.press("p", "w", "W", "m", "k", "c")
         await pilot.pause()
         assert not any("sent" in text for text in log_texts(app))
-        assert "no loader knobs in this run" in text_of(app, "#data")
+        assert "no loader knobs" in text_of(app, "#data")
     with pytest.raises(queue.Empty):
         agent.commands.get_nowait()
 
@@ -701,7 +701,7 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
     async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: "GPU NVIDIA H200" in text_of(app, "#system")
                     and "proc 98%" in text_of(app, "#system")
-                    and "checkpointing" in text_of(app, "#knobs")
+                    and "accum_steps" in text_of(app, "#knobs")
                     and "partly" in text_of(app, "#data"))
         await until(pilot, lambda: app.query_one("#panels").size.width == width)
         await pilot.pause(0.3)  # a redraw at the laid-out width
@@ -733,7 +733,7 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         assert "checkpoint " not in shown["#knobs"]  # a command, not a setting
         keys = app.query_one(Footer).query("FooterKey")
         assert {key.key for key in keys} >= {"p", "a", "A", "w", "W", "m", "k", "c", "l",
-                                              "L", "g", "r", "question_mark", "q"}
+                                              "L", "g", "question_mark", "q"}
         for key in keys:  # every key in sight
             assert key.region.right <= width and key.region.y == height - 1, key.key
         timing_title = app.query_one("#timing").render().plain.split("\n")[0]
@@ -793,3 +793,38 @@ def test_applied_event_updates_the_knob_before_the_next_step_record():
                                     "step": 3, "text": "precision=fp16 applied at step 3"}),
                  2.0)
     assert state.knobs["precision"] == "fp16" and state.pending == {}
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40)])
+async def test_every_size_keeps_header_feedback_knobs_and_quit_in_view(make_agent, size):
+    """The layout folds by priority: the header (live state, step, run), the answer to
+    the last key, the knobs and q stay in view; charts and the other panels give way."""
+    agent = make_agent(knobs=dict(EVERY_KNOB))
+    app = GpuwatchApp(LiveSource(agent.info))
+    width, height = size
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: knows(app, "precision") and knows(app, "kernels"))
+        await until(pilot, lambda: app.query_one("#panels").size.width == width)
+        await pilot.press("p")
+        await next_command(agent)
+        await pilot.pause(0.3)  # a redraw at the laid-out size
+        assert app.screen.max_scroll_y == 0
+        header = shown_lines(app, "#header")[0]
+        assert "● live" in header and "step " in header and agent.run_id in header, header
+        footer = {key.key: key for key in app.query_one(Footer).query("FooterKey")}
+        for key in ("q", "question_mark"):
+            assert footer[key].region.right <= width and footer[key].region.y == height - 1
+        knobs = "\n".join(shown_lines(app, "#knobs"))
+        for text in ("precision", "accum_steps", "lr", "clip"):
+            assert text in knobs, knobs
+        assert "precisi…" not in knobs
+        feedback = "precision=fp16"  # sent, accepted or applied (EVERY_KNOB has bf16)
+        if height < 24:  # the log folds into its newest line
+            assert not app.query_one("#log").display
+            assert feedback in "".join(shown_lines(app, "#last"))
+        else:
+            log = app.query_one("#log")
+            assert any(feedback in line for line in shown_lines(app, "#log")) or any(
+                feedback in line.text for line in log.lines[int(log.scroll_y):])
+        for widget in ("#timing", "#loss"):
+            assert app.query_one(widget).region.height >= 4, widget

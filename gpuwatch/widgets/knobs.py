@@ -121,4 +121,8 @@ class KnobsPanel(Panel):
         at = sum(name in FIRST for name in plain)  # after precision and accum_steps
         lines[at:at] = knob_lines(state, [name for name in names if name in SHOWN_AS], now,
                                   self.text_width, texts=optimizer_texts(state))
+        room = self.content_region.height
+        if room and len(lines) > room:  # say what is cut, and where the rest is
+            lines[room - 1:] = [Content.styled(f"+{len(lines) - room + 1} more (? or :)",
+                                               "$text-muted")]
         self.set_content(Content("\n").join(lines))

@@ -106,7 +106,7 @@ class StepChart(PlotextPlot):
             plt.xticks(ticks, [str(tick) for tick in ticks])
             plt.title(titles)
         else:
-            plt.title(f"{' & '.join(s.label for s in self.series)}: no steps yet")
+            plt.title(f"{' & '.join(self._label(s) for s in self.series)}: no steps yet")
         self.refresh()
 
     def _mark(self, marks: Iterable[KnobChange], first: int, last: int, top: float

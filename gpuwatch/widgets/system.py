@@ -41,7 +41,7 @@ class SystemPanel(Panel):
     def __init__(self, *, name: str | None = None, id: str | None = None,
                  classes: str | None = None) -> None:
         super().__init__(name=name, id=id, classes=classes)
-        self.tooltip = ("CPU: the host, % of all cores; proc: the training process, "
+        self._help = self.tooltip = ("CPU: the host, % of all cores; proc: the training process, "
                         "100% = one core busy")
 
     def show(self, state: RunState) -> None:
@@ -63,5 +63,10 @@ class SystemPanel(Panel):
             lines += [_gpu_line(gpu) for gpu in gpus]
         content = Content("\n".join(lines))
         if system.get("gpu_status"):
-            content = Content.assemble(content, "\n", (str(system["gpu_status"]), "$warning"))
+            status = str(system["gpu_status"])
+            room = (self.content_region.height or 5) - len(lines)
+            if len(status) > self.text_width * max(room, 1):  # the reason in the tooltip
+                self.tooltip = f"{self._help}\n{status}"
+                status = status.split(" (")[0]
+            content = Content.assemble(content, "\n", (status, "$warning"))
         self.set_content(content)
