@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from textual import events, work
+from textual.actions import parse as parse_action
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
@@ -196,6 +197,22 @@ class GpuwatchApp(App[None]):
             return False
         schema = self.source.state.schema  # replaced whole by the source: a safe read
         return not schema or parameters[0] in schema
+
+    def on_key(self, event: events.Key) -> None:
+        """A knob's key that :meth:`check_action` hides (a replay, a knob the run lacks,
+        no schema yet) is not silent: its action runs anyway and says in the event log
+        why nothing is sent. Not while another screen (help, a dialog) or a text box
+        has the keys."""
+        if len(self.screen_stack) > 1 or isinstance(self.focused, Input):
+            return
+        for binding in self.BINDINGS:
+            if not isinstance(binding, Binding) or event.key not in binding.key.split(","):
+                continue
+            _, name, parameters = parse_action(binding.action)
+            if name in _KNOB_ACTIONS and self.check_action(name, parameters) is False:
+                event.stop()
+                getattr(self, f"action_{name}")(*parameters)
+            return
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -404,6 +421,11 @@ class GpuwatchApp(App[None]):
             reasons = "; ".join(f"{value}: {why}" for value, why in unavailable.items())
             self.note("warning", f"no other {knob} can run here ({reasons}); nothing sent")
             return
+        for offset in range(1, len(choices)):  # the values passed over are said
+            value = choices[(start + offset) % len(choices)]
+            if value == following:
+                break
+            self.note("info", f"{knob}={value} skipped: {unavailable.get(value, '?')}")
         self._command(knob, following)
 
     def action_step(self, knob: str, delta: int) -> None:
@@ -463,6 +485,9 @@ class GpuwatchApp(App[None]):
         if spec is None:
             self.note("warning", f"this run has no {knob} command; nothing sent")
             return
+        if self.source.info is None or self.readonly or self.source.state.ended is not None:
+            self._command(knob, value)  # says why it is not sent
+            return
 
         def answered(yes: bool | None) -> None:
             if yes:
@@ -503,7 +528,11 @@ class GpuwatchApp(App[None]):
         return None, None
 
     def _command(self, knob: str, value: Any) -> None:
-        if self.readonly:
+        """Send ``knob=value`` (the reply is logged when it comes), or say why not."""
+        if self.source.info is None:
+            self.note("warning", f"a replay takes no commands: {assignment(knob, value)} "
+                                 "not sent")
+        elif self.readonly:
             self.note("warning", f"read-only: {assignment(knob, value)} not sent")
         elif self.source.state.ended is not None:
             self.note("warning", f"the run has ended: {assignment(knob, value)} not sent")

@@ -428,10 +428,52 @@ async def test_keys_of_knobs_the_run_lacks_are_hidden_and_send_nothing(make_agen
         assert shown_keys(app) == {"a", "A", "question_mark", "q"}
         await pilot.press("p", "w", "W", "m", "k", "c")
         await pilot.pause()
-        assert not any("sent" in text for text in log_texts(app))
+        assert not any(text.startswith("sent") for text in log_texts(app))
         assert "no loader knobs" in text_of(app, "#data")
     with pytest.raises(queue.Empty):
         agent.commands.get_nowait()
+
+
+@pytest.mark.parametrize("key, knob", [
+    ("p", "precision"), ("a", "accum_steps"), ("A", "accum_steps"), ("w", "num_workers"),
+    ("W", "num_workers"), ("m", "pin_memory"), ("k", "kernels"), ("c", "checkpointing"),
+    ("l", "lr_scale"), ("L", "lr_scale"), ("g", "max_grad_norm")])
+async def test_each_key_on_a_run_without_its_knob_says_why_in_the_log(make_agent, key,
+                                                                     knob):
+    agent = make_agent(knobs={"weight_decay": 0.0})  # none of the keys' knobs
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "weight_decay"))
+        await until(pilot, lambda: key not in shown_keys(app))  # hidden from the footer
+        await pilot.press(key)
+        expected = f"this run has no knob {knob} (it has: weight_decay); nothing sent"
+        await until(pilot, lambda: expected in log_texts(app))
+        await until(pilot, lambda: expected in "".join(
+            line.text for line in app.query_one("#log").lines))  # on screen
+    assert agent.commands.empty()
+
+
+async def test_k_says_which_kernels_it_skips_and_why(make_agent):
+    agent = make_agent(knobs={"kernels": "eager"})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "kernels"))
+        with app.source.lock:  # as a run on CPU offers them
+            spec = dict(app.source.state.schema["kernels"])
+            spec["unavailable"] = {"compile": "needs a C compiler"}
+            app.source.state.schema = {**app.source.state.schema, "kernels": spec}
+        await pilot.press("k")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("kernels", "triton")
+        assert "kernels=compile skipped: needs a C compiler" in log_texts(app)
+
+
+async def test_keys_before_the_schema_and_on_a_replay_say_why():
+    source, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("p", "s")
+        assert log_texts(app).count("no knob schema from the run yet; nothing sent") == 1
+        assert "this run has no checkpoint command; nothing sent" in log_texts(app)
 
 
 LOADER = {"num_workers": 0, "pin_memory": False, "prefetch_factor": 2}

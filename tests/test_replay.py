@@ -81,13 +81,16 @@ async def test_replay_of_a_finished_run_shows_steps_knobs_and_ended(tmp_path):
         assert "wait 60%" in data and "num_workers" in data and "pin_memory" in data
         assert "precision" in knobs and "bf16" in knobs and "accum_steps" in knobs
         # a replay takes no commands: its footer offers only help and quit, and the
-        # knob keys do nothing
+        # knob keys say why they send nothing
         shown = {key for key, active in app.active_bindings.items() if active.binding.show}
         assert shown == {"q", "question_mark"}, shown
         lines = len(log_texts(app))
         await pilot.press("p", "W")
         await pilot.pause()
-        assert len(log_texts(app)) == lines and app.source.state.knobs["precision"] == "bf16"
+        said = log_texts(app)[lines:]
+        assert said == ["a replay takes no commands: precision=fp16 not sent",
+                        "a replay takes no commands: num_workers=5 not sent"], said
+        assert app.source.state.knobs["precision"] == "bf16"
 
 
 async def test_replay_follows_a_growing_file_and_counts_malformed_lines(tmp_path):
