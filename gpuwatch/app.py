@@ -16,7 +16,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 
 from agent.knobs import assignment
 from agent.runs import find_run
-from gpuwatch.client import new_command_id, reply_text, send_command
+from gpuwatch.client import new_command_id, parse_assignment, reply_text, send_command
 from gpuwatch.palette import BindingCommands
 from gpuwatch import history
 from gpuwatch.sources import Source
@@ -24,6 +24,7 @@ from gpuwatch.sources.live import LiveSource
 from gpuwatch.sources.timeline import TimelineSource
 from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
 from gpuwatch.compare import Column
+from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
 from gpuwatch.widgets.compare_screen import CompareScreen
 from gpuwatch.widgets.data import DataPanel, loader_knobs
 from gpuwatch.widgets.event_log import EventLog
@@ -101,6 +102,10 @@ class GpuwatchApp(App[None]):
                 tooltip="Show this list of keys"),
         Binding("q", "quit", "quit", id="quit",
                 tooltip="Quit the dashboard (a run goes on; a `gpuwatch demo` run stops)"),
+        Binding("colon", "command_line", "cmd", id="command_line",
+                tooltip="Type a command as `gpuwatch set` takes it: accum_steps=8, "
+                        "kernels=compile, checkpoint=now (tab completes from the run's "
+                        "knobs; enter sends, escape closes)"),
         Binding("p", "cycle('precision')", "prec", id="precision.cycle",
                 tooltip="Cycle precision fp32 -> bf16 -> fp16 (the run's choices)"),
         Binding("a", "step('accum_steps', -1)", "accum-", id="accum_steps.decrease",
@@ -229,6 +234,9 @@ class GpuwatchApp(App[None]):
             yield KnobsPanel(id="knobs")
         yield LastEvent(id="last")
         yield EventLog(id="log")
+        yield CommandLine(id="command", placeholder="knob=value (tab completes, escape "
+                                                     "closes)",
+                          suggester=SchemaSuggester(self._schema_and_knobs))
         yield Footer()
 
     def on_mount(self) -> None:
@@ -397,6 +405,35 @@ class GpuwatchApp(App[None]):
         self._start_source()
         self.refresh_bindings()
         self.redraw()
+
+    def _schema_and_knobs(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The run's schema and knob values now (for the command line's completion)."""
+        with self.source.lock:
+            return dict(self.source.state.schema), dict(self.source.state.knobs)
+
+    def action_command_line(self) -> None:
+        """Open the command line (``:``)."""
+        line = self.query_one(CommandLine)
+        line.display = True
+        line.focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        """The command line's enter: send what was typed as ``gpuwatch set`` sends it
+        (the run checks the value; its reply is logged), or say why it is not a
+        command."""
+        if not isinstance(event.input, CommandLine):
+            return
+        event.stop()
+        text = event.value
+        event.input.action_close()
+        if not text.strip():
+            return
+        try:
+            knob, value = parse_assignment(text)
+        except ValueError as exc:
+            self.note("error", f"{exc}; nothing sent")
+            return
+        self._command(knob, value)
 
     def action_help(self) -> None:
         """Open the help screen."""

@@ -228,11 +228,12 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 def _set(args: argparse.Namespace) -> int:
-    from gpuwatch.client import reply_text, send_command
+    from gpuwatch.client import parse_assignment, reply_text, send_command
 
-    knob, equals, value = args.assignment.partition("=")
-    if not equals or not knob:
-        print(f"gpuwatch set: expected KNOB=VALUE, got {args.assignment!r}", file=sys.stderr)
+    try:
+        knob, value = parse_assignment(args.assignment)
+    except ValueError as exc:
+        print(f"gpuwatch set: {exc}", file=sys.stderr)
         return 2
     info = find_run(args.run)
     if info is None:

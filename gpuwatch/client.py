@@ -121,6 +121,20 @@ class Subscriber:
         self.close()
 
 
+def parse_assignment(text: str) -> tuple[str, str]:
+    """``"accum_steps=8"`` -> ``("accum_steps", "8")``: a command as people type it (on
+    ``gpuwatch set`` and the dashboard's command line); the run parses and checks the
+    value against its schema.
+
+    Raises:
+        ValueError: no ``=``, or nothing before it (the message says what was typed).
+    """
+    knob, equals, value = text.strip().partition("=")
+    if not equals or not knob.strip():
+        raise ValueError(f"expected KNOB=VALUE, got {text!r}")
+    return knob.strip(), value.strip()
+
+
 def new_command_id() -> str:
     """A fresh id for a command (its reply and events carry it)."""
     return secrets.token_hex(8)

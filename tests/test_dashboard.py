@@ -425,7 +425,7 @@ async def test_keys_of_knobs_the_run_lacks_are_hidden_and_send_nothing(make_agen
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: knows(app, "accum_steps"))
         await until(pilot, lambda: "p" not in shown_keys(app))
-        assert shown_keys(app) == {"a", "A", "question_mark", "q"}
+        assert shown_keys(app) == {"a", "A", "question_mark", "q", "colon"}
         await pilot.press("p", "w", "W", "m", "k", "c")
         await pilot.pause()
         assert not any(text.startswith("sent") for text in log_texts(app))
@@ -780,7 +780,7 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
             assert key.region.right <= width and key.region.y == height - 1, key.key
         timing_title = app.query_one("#timing").render().plain.split("\n")[0]
         assert "step time" in timing_title and "data wait" in timing_title, timing_title
-        assert " ms" in timing_title, timing_title  # the unit, at every size
+        assert "ms" in timing_title, timing_title  # the unit, at every size
         assert "loss" in app.query_one("#loss").render().plain
         assert "samples/s" in text_of(app, "#throughput .value")
 
@@ -870,3 +870,44 @@ async def test_every_size_keeps_header_feedback_knobs_and_quit_in_view(make_agen
                 feedback in line.text for line in log.lines[int(log.scroll_y):])
         for widget in ("#timing", "#loss"):
             assert app.query_one(widget).region.height >= 4, widget
+
+
+async def test_command_line_sends_a_typed_value_with_completion_from_the_schema(make_agent):
+    agent = make_agent(knobs={"precision": "fp32", "accum_steps": 1, "kernels": "eager"})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "accum_steps") and knows(app, "kernels"))
+        assert "colon" in shown_keys(app)
+        await pilot.press("colon")
+        line = app.query_one("#command")
+        assert line.display and app.focused is line
+        await pilot.press(*"acc", "tab")  # completed from the run's schema
+        await until(pilot, lambda: line.value == "accum_steps=")
+        await pilot.press("8", "enter")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("accum_steps", "8")  # as `set`
+        assert not line.display and app.focused is not line
+        await until(pilot, lambda: "accum_steps 8" in " ".join(
+            text_of(app, "#knobs").split()))
+        await pilot.press("colon", *"kernels=c", "tab")  # a choice's value completes too
+        await until(pilot, lambda: line.value == "kernels=compile")
+        await pilot.press("escape")  # closes unsent
+        assert not line.display and agent.commands.empty()
+        await pilot.press("colon", *"nonsense", "enter")
+        assert "expected KNOB=VALUE, got 'nonsense'; nothing sent" in log_texts(app)
+        await pilot.press("colon", *"accum_steps=zero", "enter")  # the run checks it
+        command = await next_command(agent)
+        await until(pilot, lambda: any(text.startswith("rejected: accum_steps")
+                                       for text in log_texts(app)))
+
+
+async def test_command_line_replies_as_gpuwatch_set(make_agent, capsys):
+    from gpuwatch.cli import main
+    agent = make_agent(knobs={"accum_steps": 1})
+    assert main(["set", "accum_steps=zero", "--run", agent.run_id]) == 1
+    refused = capsys.readouterr().err.strip()
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "accum_steps"))
+        await pilot.press("colon", *"accum_steps=zero", "enter")
+        await until(pilot, lambda: refused in log_texts(app))

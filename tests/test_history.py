@@ -324,7 +324,7 @@ async def test_timeline_keys_move_every_panel_and_mark_the_changes(tmp_path):
         shown_keys = {key for key, active in app.active_bindings.items()
                       if active.binding.show}
         assert shown_keys == {"left", "right", "left_square_bracket", "right_square_bracket",
-                              "comma", "full_stop", "home", "end", "v", "question_mark",
+                              "comma", "full_stop", "home", "end", "v", "question_mark", "colon",
                               "q"}
 
 
