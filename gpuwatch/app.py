@@ -8,9 +8,10 @@ from typing import Any
 
 from textual import events, work
 from textual.actions import parse as parse_action
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.screen import Screen
 from textual.widgets import Footer, Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
@@ -75,6 +76,8 @@ _STATUS_NOTES = {
 }
 
 
+#: Textual's palette entries left out (see :meth:`GpuwatchApp.get_system_commands`).
+_HIDDEN_SYSTEM_COMMANDS = frozenset({"Quit", "Keys", "Maximize", "Minimize"})
 #: The actions that send a command (their first parameter is the knob).
 _KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "confirm"})
 #: The actions that move a replay on a timeline.
@@ -202,6 +205,13 @@ class GpuwatchApp(App[None]):
             return False
         schema = self.source.state.schema  # replaced whole by the source: a safe read
         return not schema or parameters[0] in schema
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """Textual's own palette entries, less those our bindings already offer (quit)
+        or that do nothing useful here (its key list: ? is ours; maximize)."""
+        for command in super().get_system_commands(screen):
+            if command.title not in _HIDDEN_SYSTEM_COMMANDS:
+                yield command
 
     def on_key(self, event: events.Key) -> None:
         """A knob's key that :meth:`check_action` hides (a replay, a knob the run lacks,

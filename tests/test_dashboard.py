@@ -492,7 +492,7 @@ async def test_w_and_m_send_loader_knobs_within_bounds(make_agent):
         await pilot.press("m")
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("pin_memory", True)
-        assert "sent pin_memory=true" in log_texts(app)
+        assert "sent pin_memory=on" in log_texts(app)
         await until(pilot, lambda: "num_workers     1" in text_of(app, "#data")
                     and "pin_memory      on" in text_of(app, "#data"))
         assert "num_workers" not in text_of(app, "#knobs")  # shown once, in the data panel
@@ -694,6 +694,12 @@ async def test_help_lists_every_binding_that_acts(make_agent):
             else:
                 assert binding.description in listed and binding.tooltip in listed
         assert "^p" in listed
+        panels = "\n".join(str(cell.content)
+                           for cell in app.screen.query("#help-panels Static"))
+        for text in ("step time & data wait", "inside the data loader's next()",
+                     "activation memory", "input-bound", "compute-bound", "proc",
+                     "▲", "knobs", "events"):  # each panel and what its numbers mean
+            assert text in panels, text
         await pilot.press("escape")
         assert not isinstance(app.screen, HelpScreen)
     poorer = GpuwatchApp(LiveSource(make_agent(knobs={"accum_steps": 1}).info))
@@ -716,6 +722,8 @@ async def test_command_palette_runs_binding_commands(fake_agent):
         await pilot.press("enter")
         command = await next_command(fake_agent)
         assert (command["knob"], command["value"]) == ("accum_steps", 2)
+        titles = [command.title for command in app.get_system_commands(app.screen)]
+        assert "Quit" not in titles and "Keys" not in titles and "Maximize" not in titles
 
 
 def shown_lines(app, selector):
