@@ -204,7 +204,9 @@ class GpuwatchApp(App[None]):
         if self.source.info is None:
             return False
         schema = self.source.state.schema  # replaced whole by the source: a safe read
-        return not schema or parameters[0] in schema
+        if not schema:  # a monitor-only run (its hello has no knobs) has no knob keys
+            return not self.source.state.hello
+        return parameters[0] in schema
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Textual's own palette entries, less those our bindings already offer (quit)
@@ -244,10 +246,10 @@ class GpuwatchApp(App[None]):
             yield KnobsPanel(id="knobs")
         yield LastEvent(id="last")
         yield EventLog(id="log")
+        yield Footer()
         yield CommandLine(id="command", placeholder="knob=value (tab completes, escape "
                                                      "closes)",
-                          suggester=SchemaSuggester(self._schema_and_knobs))
-        yield Footer()
+                          suggester=SchemaSuggester(self._schema_and_knobs))  # over it
 
     def on_mount(self) -> None:
         self._start_source()

@@ -72,7 +72,8 @@ async def test_replay_of_a_finished_run_shows_steps_knobs_and_ended(tmp_path):
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: "● ended" in text_of(app, "#header"))
         header = text_of(app, "#header")
-        assert "step 30" in header and "read-only" in header and "missed 0" in header
+        assert "step 30" in header and "read-only" in header
+        assert "missed" not in header or "missed 0" in header  # said when it fits
         assert app.source.state.steps_total == 30
         assert "run ended (finished) after 30 steps" in log_texts(app)
         assert "loader is slow" in log_texts(app)

@@ -11,8 +11,6 @@ from gpuwatch.widgets.panel import Panel
 
 #: A rank this much slower (smoothed step time) than the fastest is named in the header.
 STRAGGLER_SHARE = 0.05
-#: Under this many columns the header leaves out its own name and ``missed 0``.
-NARROW_BELOW = 80
 #: Theme variable that colours each run status.
 STATUS_STYLES = {"waiting": "$text-muted", "live": "bold $success",
                  "compiling": "bold $warning", "stalled": "bold $warning",
@@ -35,7 +33,17 @@ class RunHeader(Panel):
             description: what the source watches, shown while waiting.
             readonly: whether keys send commands.
         """
-        narrow = 0 < self.app.size.width < NARROW_BELOW  # what matters first: no name
+        full = self._content(state, status, now, description=description,
+                             readonly=readonly, narrow=False)
+        if len(full.plain) + 2 > self.app.size.width > 0:  # what matters first: no name
+            full = self._content(state, status, now, description=description,
+                                 readonly=readonly, narrow=True)
+        self.set_content(full)
+
+    def _content(self, state: RunState, status: str, now: float, *, description: str,
+                 readonly: bool, narrow: bool) -> Content:
+        """The header's text; ``narrow``: without the dashboard's name and ``missed 0``,
+        the device after the run id."""
         parts: list[str | tuple[str, str]] = [] if narrow else [
             ("gpuwatch", "bold $primary"), "  "]
         if status == "waiting":
@@ -83,4 +91,4 @@ class RunHeader(Panel):
                                    f"(rank {rank})", "bold $error"), "  "]
         if readonly and status == "waiting":
             parts += ["  ", ("read-only", "$warning")]
-        self.set_content(Content.assemble(*parts))
+        return Content.assemble(*parts)

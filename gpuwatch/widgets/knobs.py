@@ -112,7 +112,8 @@ class KnobsPanel(Panel):
                  and state.schema.get(name, {}).get("kind") != "action"]
         if not names:
             self.set_content(Content.styled(
-                "no other knobs" if shown_elsewhere and state.schema else "no knobs yet",
+                "no other knobs" if shown_elsewhere and state.schema else
+                "no knobs\n(monitor only)" if state.hello else "no knobs yet",
                 "$text-muted"))
             return
         names.sort(key=lambda name: FIRST.index(name) if name in FIRST else len(FIRST))

@@ -65,6 +65,13 @@ class StepChart(PlotextPlot):
         super().__init__(name=name, id=id, classes=classes)
         self.series = tuple(series)
         self.clip_spikes = clip_spikes
+        self._shown: tuple[list[StepRecord], list[KnobChange]] | None = None
+
+    def on_resize(self) -> None:
+        """Draw what is shown again for the new size (the legend, the labels that fit)."""
+        if self._shown is not None:
+            records, marks = self._shown
+            self.show(records, marks=marks)
 
     def show(self, records: Iterable[StepRecord], *, marks: Iterable[KnobChange] = ()
              ) -> None:
@@ -72,6 +79,8 @@ class StepChart(PlotextPlot):
         change in ``marks`` that falls within their steps (labelled ``knob=value``
         when there are few)."""
         records = [record for record in records if record.step is not None]
+        self._shown = (records, list(marks))
+        marks = self._shown[1]
         plt = self.plt
         plt.clear_data()
         lines = []
@@ -99,8 +108,7 @@ class StepChart(PlotextPlot):
         titles = self._title(lines, top, self.size.width - tick_width - 3, legend=legend)
         if titles:
             first, last = records[0].step, records[-1].step
-            self._mark(marks, first, last, top if top is not None else max(
-                (value for *_, values in lines for value in values), default=0.0))
+            self._mark(marks, first, last, high, self.size.width - tick_width - 3)
             ticks = sorted({round(first + (last - first) * i / (_X_TICKS - 1))
                             for i in range(_X_TICKS)})
             plt.xticks(ticks, [str(tick) for tick in ticks])
@@ -109,10 +117,11 @@ class StepChart(PlotextPlot):
             plt.title(f"{' & '.join(self._label(s) for s in self.series)}: no steps yet")
         self.refresh()
 
-    def _mark(self, marks: Iterable[KnobChange], first: int, last: int, top: float
-              ) -> None:
+    def _mark(self, marks: Iterable[KnobChange], first: int, last: int, top: float,
+              width: int) -> None:
         """Vertical lines at the knob changes between steps ``first`` and ``last``; a
-        label at the top of each when there are few (``top``: the y-axis' end)."""
+        label at the top of each when there are few and it fits on the side with more
+        room (``top``: the y-axis' end; ``width``: the plot's columns)."""
         shown = {}  # step -> labels: changes of several knobs at one step share a line
         for mark in marks:
             if first < mark.step <= last:
@@ -120,9 +129,11 @@ class StepChart(PlotextPlot):
                     f"{mark.knob}={knob_text(mark.value)}")
         for step, labels in shown.items():
             self.plt.vline(step, _MARK_COLOR)
-            if len(shown) <= _LABELLED_MARKS:  # on the side with room for it
-                right = step - first > (last - first) / 2
-                label = ", ".join(labels)
+            right = step - first > (last - first) / 2
+            label = ", ".join(labels)
+            at = (step - first) / max(last - first, 1) * width
+            if len(shown) <= _LABELLED_MARKS and len(label) + 1 <= (
+                    at if right else width - at):  # on the side with room for it
                 self.plt.text(f"{label} " if right else f" {label}", step, top,
                               color=_MARK_COLOR, alignment="right" if right else "left")
 
@@ -132,7 +143,9 @@ class StepChart(PlotextPlot):
         low = min(low, high)
         if high <= low:
             high = low + (abs(low) or 1.0)
-        ticks = [low + (high - low) * i / (_Y_TICKS - 1) for i in range(_Y_TICKS)]
+        rows = max(self.size.height - 4, 2)  # title, frame and step labels take 4
+        count = max(2, min(_Y_TICKS, rows // 2 + 1))  # one row each, with room between
+        ticks = [low + (high - low) * i / (count - 1) for i in range(count)]
         labels = [human_sig(tick) for tick in ticks]
         self.plt.yticks(ticks, labels)
         self.plt.ylim(low, high)
