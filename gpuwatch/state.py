@@ -275,6 +275,9 @@ class RunState:
         self.activation_history: deque[tuple[int | None, float]] = deque(
             maxlen=ACTIVATION_HISTORY)
         self.compiling_since: float | None = None
+        #: how long each compile of this run took (s, as the dashboard saw it), oldest
+        #: first: the estimate shown while the next one runs
+        self.compile_durations_s: list[float] = []
         self._compiling_until_step: int | None = None
         self.agent_records_dropped = 0
         self.agent_errors = 0
@@ -552,7 +555,7 @@ class RunState:
         if self.compiling_since is not None and (
                 self._compiling_until_step is None
                 or (step is not None and step >= self._compiling_until_step)):
-            self.compiling_since = None  # the step that compiled has completed
+            self._compile_ended(now)  # the step that compiled has completed
         if knobs:
             self._set_knobs(knobs, now)
         elif raw_knobs is not None and knobs is None:
@@ -598,7 +601,14 @@ class RunState:
             step = body.get("step")  # the step it compiles in, when the agent says
             self._compiling_until_step = step if type(step) is int else None
         elif kind in _COMPILE_END_KINDS:
-            self.compiling_since = None
+            self._compile_ended(now)
+
+    def _compile_ended(self, now: float) -> None:
+        """The compile under way (if any) is over: keep how long it took."""
+        if self.compiling_since is not None:
+            self.compile_durations_s = [*self.compile_durations_s[-9:],
+                                        max(0.0, now - self.compiling_since)]
+        self.compiling_since = None
 
     def _fold_heartbeat(self, body: dict[str, Any], now: float) -> None:
         if type(body.get("step")) is int:

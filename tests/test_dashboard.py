@@ -920,3 +920,33 @@ async def test_command_line_replies_as_gpuwatch_set(make_agent, capsys):
         await until(pilot, lambda: knows(app, "accum_steps"))
         await pilot.press("colon", *"accum_steps=zero", "enter")
         await until(pilot, lambda: refused in log_texts(app))
+
+
+def test_state_keeps_how_long_each_compile_took():
+    state = RunState()
+    state.ingest(envelope("event", {"kind": "compiling", "text": "compiling the model"}),
+                 10.0)
+    state.ingest(envelope("event", {"kind": "compiled", "text": "compiled"}, seq=1), 94.0)
+    state.ingest(envelope("event", {"kind": "compiling", "text": "compiling"}, seq=2),
+                 100.0)
+    assert state.compile_durations_s == [84.0] and state.compiling_since == 100.0
+
+
+async def test_compile_shows_its_time_so_far_the_last_compile_and_the_compiler_cpu():
+    source, app = _silent_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        with source.lock:
+            now = time.monotonic()
+            source.state.ingest(envelope("step", {"step": 1}), now - 200)
+            source.state.ingest(envelope("event", {"kind": "compiling", "step": 2}, seq=1),
+                                now - 190)
+            source.state.ingest(envelope("event", {"kind": "compiled"}, seq=2), now - 106)
+            source.state.ingest(envelope("event", {"kind": "compiling", "step": 9}, seq=3),
+                                now - 30)
+            source.state.ingest(envelope("system", {
+                "cpu_pct": 99.0, "process_cpu_pct": 38.0, "children_cpu_pct": 350.0},
+                seq=4), now)
+        await until(pilot, lambda: "(last took 1m24s)" in text_of(app, "#header"))
+        assert "compiling… 30s" in text_of(app, "#header")
+        # the compiler's processes count in the host panel (torch.compile's workers)
+        await until(pilot, lambda: "CPU 99% proc 388%\n  children 350%" in text_of(app, "#system"))

@@ -52,6 +52,8 @@ class RunHeader(Panel):
             label = status
             if status == "compiling" and state.compiling_since is not None:
                 label = f"compiling… {human_age(now - state.compiling_since)}"
+                if state.compile_durations_s:  # the run's own earlier compile
+                    label += f" (last took {human_age(state.compile_durations_s[-1])})"
             parts += [(f"● {label}", STATUS_STYLES[status]), "  "]
             if readonly:
                 parts += [("read-only", "$warning"), "  "]
