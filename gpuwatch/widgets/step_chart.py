@@ -9,7 +9,7 @@ from typing import NamedTuple
 from textual_plotext import PlotextPlot
 
 from gpuwatch.state import KnobChange, StepRecord
-from gpuwatch.units import human_sig, knob_text
+from gpuwatch.units import human_duration, human_sig, knob_text
 from gpuwatch.widgets.panel import robust_top
 
 
@@ -47,6 +47,14 @@ _OUTLIER_MARKER, _OUTLIER_COLOR = "▲", "red"
 _LABELLED_MARKS = 3
 #: plotext colour of the vertical line at a knob change.
 _MARK_COLOR = "orange"
+
+
+def _human(value: float, unit: str) -> str:
+    """A value of a series as a person reads it: durations in ms, s or min (the axis
+    stays in ``ms``), other values in :func:`~gpuwatch.units.human_sig` form."""
+    if unit == "ms":
+        return human_duration(value / 1e3)
+    return f"{human_sig(value)} {unit}".rstrip()
 
 
 class StepChart(PlotextPlot):
@@ -127,13 +135,16 @@ class StepChart(PlotextPlot):
             if first < mark.step <= last:
                 shown.setdefault(mark.step, []).append(
                     f"{mark.knob}={knob_text(mark.value)}")
-        for step, labels in shown.items():
+        taken: list[tuple[float, float]] = []  # columns of the labels drawn
+        for step, labels in sorted(shown.items(), reverse=True):  # the newest first
             self.plt.vline(step, _MARK_COLOR)
             right = step - first > (last - first) / 2
             label = ", ".join(labels)
             at = (step - first) / max(last - first, 1) * width
-            if len(shown) <= _LABELLED_MARKS and len(label) + 1 <= (
-                    at if right else width - at):  # on the side with room for it
+            span = (at - len(label) - 1, at) if right else (at, at + len(label) + 1)
+            if (len(shown) <= _LABELLED_MARKS and 0 <= span[0] and span[1] <= width
+                    and all(span[1] < start or span[0] > end for start, end in taken)):
+                taken.append(span)  # on the side with room for it, over no other label
                 self.plt.text(f"{label} " if right else f" {label}", step, top,
                               color=_MARK_COLOR, alignment="right" if right else "left")
 
@@ -156,9 +167,9 @@ class StepChart(PlotextPlot):
                ) -> str:
         """``step time 12.3 ms`` (the latest value, when given) or ``step 12.3 ms``."""
         name = series.short if short and series.short else series.label
-        number = "" if value is None else f" {human_sig(value)}"
-        unit = f" {series.unit}" if series.unit else ""
-        return f"{name}{number}{unit}" if number or not unit else f"{name} ({series.unit})"
+        if value is None:
+            return f"{name} ({series.unit})" if series.unit else name
+        return f"{name} {_human(value, series.unit)}"
 
     def _title(self, lines: list[tuple[Series, Sequence[int], Sequence[float]]],
                top: float | None, width: int, *, legend: bool = False) -> str:
@@ -177,9 +188,9 @@ class StepChart(PlotextPlot):
         extra = []
         if top is not None:
             largest = max(value for *_, values in lines for value in values)
-            unit = lines[0][0].unit
-            extra = [f"{_OUTLIER_MARKER} max {human_sig(largest)}{' ' + unit if unit else ''}"
-                     " off scale", f"{_OUTLIER_MARKER} {human_sig(largest)}"]
+            largest_text = _human(largest, lines[0][0].unit)
+            extra = [f"{_OUTLIER_MARKER} max {largest_text} off scale",
+                     f"{_OUTLIER_MARKER} {largest_text}"]
         for short in (False, True):
             for colours in ((True, False) if several else (False,)):
                 candidates += [[*named(short, colours), tail] for tail in extra]
