@@ -950,3 +950,21 @@ async def test_compile_shows_its_time_so_far_the_last_compile_and_the_compiler_c
         assert "compiling… 30s" in text_of(app, "#header")
         # the compiler's processes count in the host panel (torch.compile's workers)
         await until(pilot, lambda: "CPU 99% proc 388%\n  children 350%" in text_of(app, "#system"))
+
+
+async def test_throughput_shows_a_speed_up_that_a_few_fast_steps_do_not_hide():
+    # before: 100 samples/s with a fast step (a prefetched batch) in five; after: 300
+    source, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        with source.lock:
+            for step in range(1, 201):
+                rate = (2000.0 if step % 5 == 0 else 100.0) if step <= 100 else 300.0
+                source.state.ingest(envelope("step", {"step": step,
+                                                      "samples_per_s": rate}))
+        await until(pilot, lambda: "300 samples/s" in text_of(app, "#throughput .value"))
+        await pilot.pause(0.3)  # a redraw at the laid-out width
+        bars = text_of(app, "#throughput .spark").split()[-1]
+        from gpuwatch.widgets.panel import SPARK_BARS
+        levels = [SPARK_BARS.index(bar) for bar in bars if bar in SPARK_BARS]
+        half = len(levels) // 2
+        assert max(levels[:half - 1]) < min(levels[half + 1:]), bars

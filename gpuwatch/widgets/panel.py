@@ -4,7 +4,7 @@ and the one-line text sparkline they draw with (per record, or per bucket of rec
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from textual.content import Content
 from textual.widgets import Static
@@ -95,10 +95,13 @@ def sparkline(values: Sequence[float | None], width: int, *,
     return "".join(bars)
 
 
-def bucket_max(values: Sequence[float | None], buckets: int) -> list[float | None]:
+def bucket_max(values: Sequence[float | None], buckets: int, *,
+               reduce: Callable[[list[float]], float] = max) -> list[float | None]:
     """``values`` (oldest first) cut into at most ``buckets`` consecutive runs of equal
     length (the oldest run takes the remainder), each run's largest value (None when a
-    run has none): a long history for a short sparkline, where a peak is not lost."""
+    run has none): a long history for a short sparkline, where a peak is not lost.
+    ``reduce``: another summary of each run (e.g. :func:`statistics.median`, for a rate
+    whose few fast steps should not stand for the rest)."""
     count = len(values)
     if buckets <= 0 or count == 0:
         return []
@@ -111,5 +114,5 @@ def bucket_max(values: Sequence[float | None], buckets: int) -> list[float | Non
     for start, stop in zip(edges, [*edges[1:], count]):
         present = [value for value in values[start:stop]
                    if value is not None and math.isfinite(value)]
-        result.append(max(present) if present else None)
+        result.append(reduce(present) if present else None)
     return result

@@ -4,6 +4,7 @@ the latest value."""
 from __future__ import annotations
 
 import math
+from statistics import median
 from collections.abc import Iterable
 
 from textual.app import ComposeResult
@@ -20,7 +21,7 @@ OUTLIER_MARK = "▲"
 
 class ThroughputBar(Horizontal):
     """Tokens per second (runs that report tokens) or samples per second over the kept
-    steps (each column the largest of its steps, from 0 to where the bulk of the
+    steps (each column the median of its steps, from 0 to where the bulk of the
     values ends: a few outlying steps are drawn full and marked, not allowed to
     flatten the rest), and the latest value as a number."""
 
@@ -40,7 +41,9 @@ class ThroughputBar(Horizontal):
         spark = self.query_one(".spark", Panel)
         width = spark.text_width
         label = f"{len(rates):,} steps " if rates and width >= 30 else ""
-        columns = bucket_max(rates, max(width - len(label) - 2, 0))
+        # each column the median of its steps: a few fast steps (batches already
+        # prefetched) do not stand for the rest
+        columns = bucket_max(rates, max(width - len(label) - 2, 0), reduce=median)
         top = robust_top(columns)
         mark = f" {OUTLIER_MARK}" if top is not None and any(
             value is not None and value > top for value in columns) else ""
