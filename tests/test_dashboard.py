@@ -10,13 +10,12 @@ import time
 import msgpack
 import pytest
 import zmq
+from textual.geometry import Region
+from textual.widgets import Footer
 
 from agent import protocol
 from agent.knobs import STANDARD_KNOBS
 from agent.runs import RunInfo
-from textual.geometry import Region
-from textual.widgets import Footer
-
 from gpuwatch import state as state_module
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.client import Subscriber, send_command
@@ -468,8 +467,8 @@ async def test_k_says_which_kernels_it_skips_and_why(make_agent):
         assert "kernels=compile skipped: needs a C compiler" in log_texts(app)
 
 
-async def test_keys_before_the_schema_and_on_a_replay_say_why():
-    source, app = _silent_app()
+async def test_keys_before_the_schema_say_why():
+    _, app = _silent_app()
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("p", "s")
         assert log_texts(app).count("no knob schema from the run yet; nothing sent") == 1

@@ -22,7 +22,6 @@ import pytest
 from rich.console import Console
 
 from agent import protocol
-from agent.knobs import STANDARD_KNOBS
 from agent.runs import RunInfo
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp

@@ -4,8 +4,8 @@ the latest value."""
 from __future__ import annotations
 
 import math
-from statistics import median
 from collections.abc import Iterable
+from statistics import median
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal
