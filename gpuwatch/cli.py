@@ -26,7 +26,7 @@ from agent import protocol
 from agent.protocol import printable
 from agent.runs import RunInfo, alive, find_run, list_runs, node_list, run_dir, run_ranks
 from gpuwatch import history, history_commands, multinode_commands
-from gpuwatch.units import human_age, human_ms, human_number, human_sig, knob_text
+from gpuwatch.units import human_age, human_ms, human_sig, knob_text
 
 SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor",
                "report", "compare", "export", "nodes", "secret")
