@@ -25,6 +25,11 @@ class EventLog(RichLog):
         super().__init__(max_lines=max_lines, wrap=True, markup=False, name=name, id=id,
                          classes=classes)
 
+    def on_resize(self) -> None:
+        """Keep the newest line in view when the terminal (and so the log) changes size:
+        it is the answer to the last key pressed."""
+        self.scroll_end(animate=False, immediate=True)
+
     def add(self, entry: LogEntry) -> None:
         """Append one entry, coloured by its level, its control characters made visible
         (:func:`agent.protocol.printable`)."""
