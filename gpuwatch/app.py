@@ -577,7 +577,9 @@ class GpuwatchApp(App[None]):
         self.push_screen(ConfirmScreen(f"Send {assignment(knob, value)} to the run?",
                                        str(spec.get("help", ""))), answered)
 
-    def action_toggle(self, knob: str) -> None:
+    # the app's own "toggle" action (of a boolean knob), in place of DOMNode's coroutine
+    # that toggles an attribute: nothing here binds that one
+    def action_toggle(self, knob: str) -> None:  # type: ignore[override]
         """Ask the run to turn a boolean knob the other way."""
         spec, current = self._knob(knob)
         if spec is None:
@@ -634,7 +636,9 @@ class GpuwatchApp(App[None]):
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker.group != "commands" or event.state != WorkerState.SUCCESS:
             return
-        knob, value, reply = event.worker.result
+        result = event.worker.result
+        assert result is not None  # a "commands" worker returns (knob, value, reply)
+        knob, value, reply = result
         if knob == protocol.TUNE:  # not a setting: say what the run answered
             self.note("info" if reply.get("ok") else "error",
                       f"tune: {reply['note']}" if reply.get("ok") and reply.get("note")

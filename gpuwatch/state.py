@@ -760,6 +760,7 @@ class RunState:
             "step_time_s", "data_wait_s", "data_wait_share", "samples_per_s", "loss",
             "mem_peak_reserved_bytes", "host_rss_bytes")]
         activation = columns.get("activation_bytes")
+        activations: list[float | None] | float | None  # a column, or one for every row
         if activation is None:
             activations = self.activation_bytes
         else:
@@ -791,8 +792,8 @@ class RunState:
         self.last_step = last
         self.last_step_at = now
         rss = fields[6]
-        if type(rss) is list:
-            rss = max(filter(None.__ne__, rss), default=None)
+        if isinstance(rss, list):  # (a column is a plain list)
+            rss = max((value for value in rss if value is not None), default=None)
         self.host_rss_peak_bytes = _max(
             self.host_rss_peak_bytes, rss, _number(common.get("host_peak_rss_bytes")),
             _number(common.get("host_rss_peak_bytes")))

@@ -657,7 +657,8 @@ async def test_lr_clip_and_checkpoint_keys_send_commands_and_the_panel_shows_the
                        step_fields={"lr": 3e-4, "grad_norm": 0.834})
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(120, 40)) as pilot:
-        await until(pilot, lambda: knows(app, "max_grad_norm") and "step" in text_of(app, "#header"))
+        await until(pilot, lambda: knows(app, "max_grad_norm")
+                    and "step" in text_of(app, "#header"))
         await until(pilot, lambda: "lr   0.000300" in text_of(app, "#knobs"))
         assert "clip 1 norm 0.834" in text_of(app, "#knobs")
         sent = []

@@ -81,8 +81,8 @@ async def test_replay_of_a_finished_run_shows_steps_knobs_and_ended(tmp_path):
         data, knobs = text_of(app, "#data"), text_of(app, "#knobs")
         assert "wait 60%" in data and "num_workers" in data and "pin_memory" in data
         assert "precision" in knobs and "bf16" in knobs and "accum_steps" in knobs
-        # a replay takes no commands: its footer offers only help, quit and the command line, and the
-        # knob keys say why they send nothing
+        # a replay takes no commands: its footer offers only help, quit and the command line,
+        # and the knob keys say why they send nothing
         shown = {key for key, active in app.active_bindings.items() if active.binding.show}
         assert shown == {"q", "question_mark", "colon"}, shown
         lines = len(log_texts(app))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from rich.text import Text
+from textual import events
 from textual.widgets import RichLog
 
 from agent.protocol import printable
@@ -25,7 +26,7 @@ class EventLog(RichLog):
         super().__init__(max_lines=max_lines, wrap=True, markup=False, name=name, id=id,
                          classes=classes)
 
-    def on_resize(self) -> None:
+    def on_resize(self, event: events.Resize) -> None:
         """Keep the newest line in view when the terminal (and so the log) changes size:
         it is the answer to the last key pressed."""
         self.scroll_end(animate=False, immediate=True)

@@ -84,4 +84,6 @@ class RunsScreen(ModalScreen[RunSummary | None]):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         """Open the chosen run."""
-        self.dismiss(self.summaries[int(event.row_key.value)])
+        key = event.row_key.value
+        assert key is not None  # every row was added with a key: its index
+        self.dismiss(self.summaries[int(key)])

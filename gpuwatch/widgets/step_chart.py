@@ -91,13 +91,14 @@ class StepChart(PlotextPlot):
         marks = self._shown[1]
         plt = self.plt
         plt.clear_data()
-        lines = []
+        lines: list[tuple[Series, Sequence[int], Sequence[float]]] = []
         for series in self.series:
             points = [(record.step, value * series.scale) for record in records
                       if (value := getattr(record, series.field)) is not None
                       and math.isfinite(value)]
             if points:
-                lines.append((series, *zip(*points)))
+                xs, ys = zip(*points)
+                lines.append((series, xs, ys))
         every = [value for *_, values in lines for value in values]
         top = robust_top(every) if self.clip_spikes else None
         legend = len(self.series) > 1 and self.size.height >= _LEGEND_MIN_HEIGHT
@@ -116,9 +117,10 @@ class StepChart(PlotextPlot):
         titles = self._title(lines, top, self.size.width - tick_width - 3, legend=legend)
         if titles:
             first, last = records[0].step, records[-1].step
+            assert first is not None and last is not None  # stepless records left out above
             self._mark(marks, first, last, high, self.size.width - tick_width - 3)
-            ticks = sorted({round(first + (last - first) * i / (_X_TICKS - 1))
-                            for i in range(_X_TICKS)})
+            ticks: list[float] = sorted({round(first + (last - first) * i / (_X_TICKS - 1))
+                                         for i in range(_X_TICKS)})  # ints are floats to plotext
             plt.xticks(ticks, [str(tick) for tick in ticks])
             plt.title(titles)
         else:
@@ -130,7 +132,8 @@ class StepChart(PlotextPlot):
         """Vertical lines at the knob changes between steps ``first`` and ``last``; a
         label at the top of each when there are few and it fits on the side with more
         room (``top``: the y-axis' end; ``width``: the plot's columns)."""
-        shown = {}  # step -> labels: changes of several knobs at one step share a line
+        # step -> labels: changes of several knobs at one step share a line
+        shown: dict[int, list[str]] = {}
         for mark in marks:
             if first < mark.step <= last:
                 shown.setdefault(mark.step, []).append(
