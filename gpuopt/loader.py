@@ -468,8 +468,8 @@ class ReconfigurableLoader:
         self.drop_last = _check_bool("drop_last", drop_last)
         self.num_replicas = _check_int("num_replicas", num_replicas, 1, None)
         self.rank = _check_int("rank", rank, 0, self.num_replicas - 1)
-        # Checked as whatever the caller passed: typed float, mypy would take a float that is
-        # not a numbers.Real (it cannot see the ABC registration) and skip the rest.
+        # Checked as an object: as a float, mypy takes isinstance(numbers.Real) for impossible
+        # (it cannot see the ABC registration) and skips the rest of __init__ unchecked.
         timeout: object = timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
                 or not float(timeout) >= 0 or math.isinf(timeout):

@@ -259,8 +259,8 @@ class Trainer:
             raise ValueError("measure_activations_every must be an integer >= 0, got "
                              f"{measure_activations_every!r}")
         self.measure_activations_every = measure_activations_every
-        # Checked as whatever the caller passed (typed int, mypy would take an int that is
-        # not a numbers.Integral, as it cannot see the ABC registration, for impossible).
+        # Checked as an object: as an int, mypy takes isinstance(numbers.Integral) for
+        # impossible (it cannot see the ABC registration) and skips what follows unchecked.
         declared: object = tokens_per_sample
         if declared is not None and (
                 isinstance(declared, bool)
