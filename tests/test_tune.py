@@ -527,3 +527,16 @@ def test_cpu_threads_warns_while_the_model_is_compiled_so_the_search_skips_it():
     mode["kernels"] = "compile"
     assert "torch.compile guards on the thread count" in warn(other)
     assert warn(torch.get_num_threads()) is None  # no change: nothing recompiles
+
+
+def test_a_candidates_verdict_has_a_line_of_its_own_so_it_is_never_cut():
+    from gpuwatch.widgets.tune import candidate_line
+
+    reason = "not faster beyond noise: +12% (-19% to +55%) (632 ± 97 samples/s over 25 steps)"
+    line = candidate_line({"knob": "num_workers", "value": 2, "per_s": 632.0,
+                           "per_s_spread": 97.0, "gain": 0.12, "gain_spread": 0.37,
+                           "steps": 25, "state": "reverted", "reason": reason}, "samples")
+    first, second = line.plain.split("\n")
+    assert first.split() == ["num_workers=2", "632", "±", "97", "samples/s", "+12%", "±",
+                             "37%", "25"]
+    assert second == f"    reverted: {reason}"
