@@ -237,3 +237,54 @@ async def test_command_line(size):
         await until(pilot, lambda: line._suggestion == "kernels=compile")
         await _settle(app, pilot)
         check(f"command-line-{size[0]}x{size[1]}", screen_text(app))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_help_scrolls_to_its_end_with_the_keyboard(size):
+    app = _transformer()
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        last = "home/end scroll;"
+        if size[1] < 40:
+            assert last not in screen_text(app)  # it does not fit: below, out of view
+        await pilot.press("end")
+        await until(pilot, lambda: last in screen_text(app))
+        await pilot.press("home")
+        await until(pilot, lambda: last not in screen_text(app) or size[1] >= 40)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_the_checkpoint_question_is_shown(size):
+    app = GpuwatchApp(FixedSource(_info("20260101-120000-abcd"), partial(
+        _fold, name="demo-transformer", tokens=True, knobs={
+            "precision": "fp32", "accum_steps": 1, "checkpoint": None})))
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        await pilot.press("s")
+        await pilot.pause()
+        check(f"confirm-{size[0]}x{size[1]}", screen_text(app))
+        assert "y / enter: yes   n / escape: no" in screen_text(app)
+
+
+@pytest.mark.parametrize("size", [(80, 40), (120, 40)], ids=str)
+async def test_the_event_log_wraps_a_long_entry_without_losing_a_character(size):
+    app = _transformer()
+    text = "checkpoint saved: " + "/".join(f"dir{i:02d}" for i in range(20)) + "/end.pt"
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        with app.source.lock:
+            app.source.state.log("info", text, 1_767_268_900.0)
+        app.redraw()
+        await pilot.pause()
+        log = app.query_one(event_log.EventLog)
+        lines = [strip.text.rstrip() for strip in log.lines]
+        shown = "".join(line.removeprefix("12:00:00 ") for line in lines)
+        assert text.replace(" ", "") in shown.replace(" ", "")
+        await pilot.resize_terminal(60, size[1])  # wrapped again at the new width
+        await pilot.pause()
+        narrower = [strip.text.rstrip() for strip in log.lines]
+        assert max(map(len, narrower)) < max(map(len, lines)) and len(narrower) > len(lines)
+        shown = "".join(line.removeprefix("12:00:00 ") for line in narrower)
+        assert text.replace(" ", "") in shown.replace(" ", "")

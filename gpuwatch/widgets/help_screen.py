@@ -6,7 +6,7 @@ from __future__ import annotations
 from textual.actions import parse as parse_action
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Vertical
+from textual.containers import Grid, VerticalScroll
 from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Static
@@ -76,7 +76,7 @@ class HelpScreen(ModalScreen[None]):
                     and app.check_action(*parse_action(b.action)[1:]) is not False]
         bindings.append(Binding(app.COMMAND_PALETTE_BINDING, "command_palette",
                                 "commands", tooltip="Command palette: search every command"))
-        with Vertical(id="help"):
+        with VerticalScroll(id="help"):  # up, down, page up/down, home, end scroll it
             with Grid(id="help-keys"):  # a long help wraps inside its own column
                 for binding in bindings:
                     yield Static(Content.styled(app.get_key_display(binding),
@@ -89,4 +89,10 @@ class HelpScreen(ModalScreen[None]):
                 for panel, text in PANELS:
                     yield Static(Content.styled(panel, "bold"), classes="panel")
                     yield Static(text, classes="help")
-            yield Static(Content.styled("escape, q or ? closes this screen", "$text-muted"))
+            yield Static(Content.styled("up/down, page up/down, home/end scroll; escape, q "
+                                        "or ? closes this screen", "$text-muted"))
+
+    def on_mount(self) -> None:
+        help_box = self.query_one("#help")
+        help_box.border_subtitle = "↑ ↓ pgup pgdn scroll · escape closes"
+        help_box.focus()  # the keys scroll it
