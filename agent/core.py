@@ -14,8 +14,6 @@ once, samples the system at about 1 Hz, sends heartbeats and re-sends ``hello``.
 from __future__ import annotations
 
 import atexit
-import bisect
-import hmac
 import logging
 import os
 import secrets
@@ -24,7 +22,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +29,14 @@ import torch
 import zmq
 
 from agent import protocol
-from agent.guard import GUARDED_KNOBS, ChangeGuard
-from agent.knobs import CHECKPOINT, KnobError, KnobSet, assignment
+from agent.desk import CommandDesk
+from agent.guard import ChangeGuard
+from agent.knobs import KnobSet, assignment
+from agent.ledger import ChangeLedger
 from agent.markers import CpuMarker, marker_for
 from agent.multinode import node_link
 from agent.probes import Nvml, SystemProbe
+from agent.protocol import EventKind, Reply
 from agent.runlog import RunLog, log_dir
 from agent.runs import (RUN_ID_ENV, RunInfo, new_run_id, rank_taken, remove_run_file,
                         run_dir, shared_run_id, write_run_file)
@@ -79,11 +79,6 @@ GREETINGS_PER_S = 2
 _MAX_SUBSCRIPTIONS_PER_POLL = 1000
 _SEND_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _SEND_LAST = int(zmq.NOBLOCK)
-#: How far ahead a command may be scheduled (optimizer steps).
-MAX_STEPS_AHEAD = 100_000
-#: Commands accepted but not yet applied, at most; more are rejected (a flood is refused,
-#: not queued).
-MAX_PENDING_COMMANDS = 32
 #: Steps in the sliding window of the data-wait share and the input-bound verdict.
 INPUT_WINDOW_STEPS = 20
 #: Share of step time spent waiting for data above which a run is called input-bound
@@ -120,18 +115,6 @@ class InputWindow:
         if share >= PARTLY_INPUT_BOUND_SHARE:
             return share, "partly input-bound"
         return share, "compute-bound"
-
-
-@dataclass(order=True)
-class _Pending:
-    apply_step: int
-    seq: int
-    knob: str = field(compare=False)
-    value: Any = field(compare=False)
-    command_id: Any = field(compare=False)
-    rollback_reason: str | None = field(compare=False, default=None)
-    #: sent with ``checkpoint: true``: applied only if the checkpoint before it was saved
-    after_checkpoint: bool = field(compare=False, default=False)
 
 
 class Agent:
@@ -203,9 +186,6 @@ class Agent:
         self._log: RunLog | None = None
         self._marker = marker_for(self.device)
         self._records: deque = deque(maxlen=queue_size)
-        self._pending: list[_Pending] = []
-        self._pending_lock = threading.Lock()
-        self._pending_seq = 0
         self._knob_values = self.knobs.values()
         self._last_step = 0
         self._last_boundary_t: float | None = None
@@ -223,25 +203,25 @@ class Agent:
         self._announce = False  # the schema changed: send hello again
         #: step time (s) of the latest published step record, for command replies
         self._recent_step_time_s: float | None = None
-        #: (command id, step) of the latest applied commands, for a late cancel's reply
-        self._applied_ids: deque[tuple[Any, int]] = deque(maxlen=256)
         self._input = InputWindow()
         #: the rows of the ``steps`` message being built (see :meth:`_publish_records`)
         self._batch: list[tuple] = []
-        self._change_guard = ChangeGuard()
+        #: the guarded changes applied lately: what both rollback paths restore
+        self._ledger = ChangeLedger()
+        self._change_guard = ChangeGuard(self._ledger)
         #: the ``tune`` command: the in-run search (on rank 0), fed from the records below
         self.tune = AutoTune(self.knobs, self.rank, self._publish, lambda: self.info,
                              usable_cpu_count(), self.report_error)
-        #: (step, {knob: last good value}, ["knob=value" changes]) of recent guarded changes
-        self._last_change: tuple[int, dict[str, Any], list[str]] | None = None
+        self._desk = CommandDesk(
+            self.knobs, token=self.token, ledger=self._ledger, tune=self.tune,
+            publish=self._publish, event=self.event, step_now=lambda: self._last_step,
+            ending=lambda: self._ending, step_time_s=lambda: self._recent_step_time_s,
+            rank=self.rank, world_size=self.world_size)
+        #: the desk's pending commands (the same list, changed in place): the hot path
+        #: looks at it each step
+        self._pending = self._desk.pending
         #: Step records lost because the queue overflowed (the I/O thread fell behind).
         self.records_dropped = 0
-        #: Valid commands refused because too many were pending (a flood).
-        self.commands_refused = 0
-        #: Commands rejected (bad token, knob or value).
-        self.commands_rejected = 0
-        self._rejections_reported = 0
-        self._next_rejection_event = 0.0
         self.errors: list[str] = []
         self._listeners: tuple[Any, ...] = ()
         #: The memory readings of the latest step records published
@@ -346,97 +326,35 @@ class Agent:
             self.report_error("hot path", exc)
 
     def _apply_pending(self, step: int) -> None:
-        with self._pending_lock:
-            due = bisect.bisect_right(self._pending, step + 1, key=lambda p: p.apply_step)
-            commands, self._pending[:due] = self._pending[:due], []
-        if self.world_size > 1:  # arrival order differs between ranks; ids do not
-            commands.sort(key=lambda command: (command.apply_step, str(command.command_id)))
-        # commands that are not settings (a checkpoint) first: they see the state before
-        # the changes of the same boundary (a stable sort keeps the order above)
-        commands.sort(key=lambda command: self.knobs.knobs[command.knob].spec.kind != "action")
-        last = {command.knob: command for command in commands}
-        checkpoint_failed = False
-        for command in commands:
-            if last[command.knob] is not command:  # a later command for the same knob
-                continue                            # at the same boundary wins
-            knob = self.knobs.knobs[command.knob]
-            action = knob.spec.kind == "action"
-            previous = None if action else knob.get()
-            if command.after_checkpoint and checkpoint_failed and self.world_size > 1:
-                self.event("warning", f"{assignment(command.knob, command.value)}: the "
-                           "checkpoint before it failed on this rank; applied all the same "
-                           f"(every one of the {self.world_size} ranks must apply it)",
-                           kind="warning", knob=command.knob, step=step + 1)
-            try:
-                if command.after_checkpoint and checkpoint_failed and self.world_size == 1:
-                    raise RuntimeError("the checkpoint asked for before it was not saved")
-                detail = knob.set(command.value) or {}
-            except Exception as exc:
-                checkpoint_failed = checkpoint_failed or command.knob == CHECKPOINT.name
-                kept = "" if action else f"; kept {assignment(command.knob, previous)}"
-                self.event("error", f"{assignment(command.knob, command.value)} failed at "
-                            f"step {step + 1}: {exc}{kept}",
-                            kind="failed", knob=command.knob, value=command.value,
-                            step=step + 1, id=command.command_id)
-                continue
+        if self._desk.apply_due(step):
             self._knob_values = self.knobs.values()
-            if command.knob in GUARDED_KNOBS:
-                self._note_change(step + 1, command, previous)
-            text = f"{assignment(command.knob, command.value)} applied at step {step + 1}"
-            if command.rollback_reason:
-                text += f": rolled back because {command.rollback_reason}"
-            detail = dict(detail)
-            if "text" in detail:
-                text += f": {detail.pop('text')}"
-            self.event("warning" if command.rollback_reason else "info", text,
-                        kind="rolled_back" if command.rollback_reason else "applied",
-                        knob=command.knob, value=command.value, previous=previous,
-                        step=step + 1, id=command.command_id, **detail)
-            if command.command_id is not None:  # a late cancel can be told so
-                self._applied_ids.append((command.command_id, step + 1))
 
-    def _note_change(self, step: int, command: _Pending, previous: Any) -> None:
-        """Training thread: remember the last good value of a guarded knob changed at
-        ``step`` (for :meth:`roll_back_last_change`); a rollback itself is not a change."""
-        if command.rollback_reason:
-            self._last_change = None
-            return
-        window = self._change_guard.guard_steps
-        if self._last_change is None or step - self._last_change[0] > window:
-            self._last_change = (step, {}, [])
-        self._last_change[1].setdefault(command.knob, previous)
-        self._last_change[2].append(assignment(command.knob, command.value))
+    @property
+    def commands_refused(self) -> int:
+        """Valid commands refused because too many were pending (a flood)."""
+        return self._desk.commands_refused
+
+    @property
+    def commands_rejected(self) -> int:
+        """Commands rejected (bad token, knob or value)."""
+        return self._desk.commands_rejected
 
     def roll_back_last_change(self, step: int, reason: str) -> bool:
         """Training thread, between steps: undo the guarded changes made within the last
-        ``guard_steps`` optimizer steps (e.g. after an out-of-memory error), at once.
+        ``guard_steps`` optimizer steps (e.g. after an out-of-memory error), at once, to
+        the same last good values the NaN guard would restore (one ledger).
+
+        Args:
+            step: the 1-based optimizer step that failed (it is retried after this).
+            reason: what went wrong, for people (``step 12 ran out of memory``).
 
         Returns:
-            True when something was rolled back.
+            True when something was rolled back (False too with several ranks, where
+            one rank alone must not change a knob: a warning says so).
         """
-        change, self._last_change = self._last_change, None
-        if change is None or step - change[0] > self._change_guard.guard_steps:
-            return False
-        why = f"{reason} after {', '.join(change[2])}"
-        if self.world_size > 1:  # one rank alone must not change a knob
-            self.event("error", f"{why}; not rolled back: with {self.world_size} ranks "
-                       "only a command to every rank may change a knob (gpuwatch set "
-                       + " ".join(assignment(k, v) for k, v in change[1].items()) + ")",
-                       kind="warning", step=step)
-            return False
-        for name, value in change[1].items():
-            knob = self.knobs.knobs[name]
-            try:
-                knob.set(value)
-            except Exception as exc:
-                self.event("error", f"rolling back {assignment(name, value)} failed: {exc}",
-                           kind="failed", knob=name, value=value, step=step)
-                continue
-            self.event("warning", f"{assignment(name, value)} applied at step {step}: rolled back "
-                       f"because {why}", kind="rolled_back", knob=name, value=value,
-                       step=step)
+        rolled_back = self._desk.roll_back(step, reason)
         self._knob_values = self.knobs.values()
-        return True
+        return rolled_back
 
     def event(self, level: str, text: str, **fields: Any) -> None:
         """Publish an ``event`` (``level``: info | warning | error) in order with the
@@ -491,7 +409,7 @@ class Agent:
         if message not in self.errors:
             self.errors.append(message)
             log.warning(message)
-            self.event("error", message + " (training continues)", kind="agent_error")
+            self.event("error", message + " (training continues)", kind=EventKind.AGENT_ERROR)
 
     # ---------------------------------------------------------------- I/O thread
 
@@ -627,7 +545,7 @@ class Agent:
             self.event("warning", f"run id {taken} rank {self.rank} is in use by pid "
                        f"{holder} (another job from the same launcher?); this process is "
                        f"run {self.run_id}: set {RUN_ID_ENV} to one value on every rank "
-                       "of a job to keep its ranks together", kind="warning")
+                       "of a job to keep its ranks together", kind=EventKind.WARNING)
         pub = context.socket(zmq.XPUB)  # a PUB that also hears (un)subscriptions
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, to greet each newcomer
         pub.setsockopt(zmq.SNDHWM, 10_000)
@@ -812,7 +730,6 @@ class Agent:
             record = in_flight[0]
             if record[0] == "event":
                 in_flight.popleft()
-                guard.on_applied(record[1])
                 self.tune.on_event(record[1])
                 self._publish(protocol.EVENT, record[1])  # sends the batch before it
                 batch = self._batch
@@ -910,7 +827,7 @@ class Agent:
         rollback = self._change_guard.on_step(step, loss, skipped)
         if rollback is not None and self.world_size > 1:  # this rank alone must not
             self._publish(protocol.EVENT, {
-                "level": "warning", "kind": "warning", "step": step,
+                "level": "warning", "kind": EventKind.WARNING, "step": step,
                 "text": f"{rollback.reason}; not rolled back: with {self.world_size} ranks "
                         "only a command to every rank may change a knob (gpuwatch set "
                         + " ".join(assignment(k, v) for k, v in rollback.values.items())
@@ -918,10 +835,9 @@ class Agent:
             return
         if rollback is not None:
             apply_step = self._last_step + 2
-            for knob, value in rollback.values.items():
-                self._schedule(_Pending(apply_step, 0, knob, value, None, rollback.reason))
+            self._desk.schedule_rollback(rollback, apply_step)
             self._publish(protocol.EVENT, {
-                "level": "warning", "kind": "rollback", "step": apply_step,
+                "level": "warning", "kind": EventKind.ROLLBACK, "step": apply_step,
                 "text": f"{rollback.reason}: rolling back to "
                         + ", ".join(assignment(k, v) for k, v in rollback.values.items())
                         + f" at step {apply_step}"})
@@ -929,28 +845,8 @@ class Agent:
         warning = None if self.tune.running else self._change_guard.non_finite_warning(
             step, loss)  # (the search watches its own changes)
         if warning:
-            self._publish(protocol.EVENT, {"level": "warning", "kind": "warning",
+            self._publish(protocol.EVENT, {"level": "warning", "kind": EventKind.WARNING,
                                            "text": warning, "step": step})
-
-    def _note_rejection(self, reason: str, knob: Any, command_id: Any = None) -> None:
-        """An event for a rejected command: at most one a second (a flood of bad
-        commands must not flood the run log and every dashboard)."""
-        self.commands_rejected += 1
-        now = time.monotonic()
-        if now < self._next_rejection_event:
-            return
-        self._next_rejection_event = now + 1.0
-        count = self.commands_rejected - self._rejections_reported
-        self._rejections_reported = self.commands_rejected
-        more = f" ({count - 1} more since the last report)" if count > 1 else ""
-        self.event("warning", f"command rejected: {protocol.shorten(reason)}{more}",
-                   kind="rejected", knob=_short_name(knob), id=_short_name(command_id))
-
-    def _schedule(self, pending: _Pending) -> None:
-        with self._pending_lock:
-            self._pending_seq += 1
-            pending.seq = self._pending_seq
-            bisect.insort(self._pending, pending)
 
     def _memory(self) -> dict[str, Any]:
         """Memory fields of the step records published now; on CUDA the peaks are then
@@ -966,8 +862,8 @@ class Agent:
     def _heartbeat(self) -> dict[str, Any]:
         return {"step": self._last_step, "ending": self._ending,
                 "records_dropped": self.records_dropped, "errors": len(self.errors),
-                "commands_refused": self.commands_refused,
-                "commands_rejected": self.commands_rejected}
+                "commands_refused": self._desk.commands_refused,
+                "commands_rejected": self._desk.commands_rejected}
 
     def _hello(self) -> dict[str, Any]:
         if not hasattr(self, "_env_report"):
@@ -1004,7 +900,7 @@ class Agent:
             if isinstance(reply.get("reason"), str):  # a huge bad value is not echoed
                 reply["reason"] = protocol.shorten(reply["reason"])
             if "knob" in reply:
-                reply["knob"] = _short_name(reply["knob"])
+                reply["knob"] = protocol.short_name(reply["knob"])
             frames_out = protocol.encode(protocol.envelope(
                 protocol.REPLY, reply, run=self.run_id, rank=self.rank))
             try:
@@ -1013,125 +909,14 @@ class Agent:
                 pass  # the client went away
         return served
 
-    def _command_reply(self, frames: list[bytes]) -> dict[str, Any] | None:
+    def _command_reply(self, frames: list[bytes]) -> Reply | None:
         try:
             message = protocol.decode_frames(frames)
         except protocol.ProtocolError as exc:
             return {"id": None, "ok": False, "reason": f"malformed message: {exc}"}
         if message["type"] != protocol.COMMAND:
             return None  # unknown types are ignored (protocol rule)
-        body = message["body"]
-        command_id = body.get("id")
-        if isinstance(command_id, bool) or not isinstance(command_id, (str, int, type(None))):
-            return {"id": None, "ok": False, "knob": body.get("knob"),
-                    "reason": f"id must be a string or an integer, got {command_id!r}"}
-        rejected = {"id": command_id, "ok": False, "knob": body.get("knob")}
-        for flag in ("dry_run", "cancel", "checkpoint"):
-            if not isinstance(body.get(flag, False), bool):
-                return {**rejected, "reason": f"{flag} must be true or false, "
-                                              f"got {body[flag]!r}"}
-            if body.get(flag):  # every reply says which phase it answers
-                rejected[flag] = True
-        token = body.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(
-                token.encode("utf-8", "replace"), self.token.encode()):
-            self._note_rejection("missing or wrong token", None, command_id)
-            return {**rejected, "knob": None, "reason": "missing or wrong token"}
-        if body.get("cancel") is True:
-            return self._cancel(command_id, body.get("reason"))
-        if self._ending:
-            return {**rejected, "reason": "the run is ending"}
-        knob_name, raw = body.get("knob"), body.get("value")
-        checkpoint = body.get("checkpoint") is True  # save one at the same boundary, first
-        try:
-            if knob_name == protocol.TUNE:
-                value = self.tune.validate(raw)
-                if checkpoint:
-                    raise KnobError("checkpoint: true goes with a setting, not with tune")
-            else:
-                value = self.knobs.validate(knob_name, raw)
-                if checkpoint:
-                    self.knobs.validate(CHECKPOINT.name, "now")
-        except KnobError as exc:
-            self._note_rejection(str(exc), knob_name, command_id)
-            return {**rejected, "reason": str(exc)}
-        if len(self._pending) + checkpoint >= MAX_PENDING_COMMANDS:
-            self.commands_refused += 1
-            return {**rejected, "reason": f"{MAX_PENDING_COMMANDS} commands are already "
-                                          "waiting for the next step boundary; try again"}
-        earliest = self._last_step + 2
-        apply_step = body.get("apply_step", earliest)
-        if isinstance(apply_step, bool) or not isinstance(apply_step, int):
-            return {**rejected, "reason": f"apply_step must be an integer, got {apply_step!r}"}
-        if apply_step > earliest + MAX_STEPS_AHEAD:
-            return {**rejected, "reason": f"apply_step {apply_step} is more than "
-                                          f"{MAX_STEPS_AHEAD} steps ahead"}
-        if apply_step < earliest:
-            return {**rejected, "reason": f"apply_step {apply_step} has passed on rank "
-                                          f"{self.rank} (earliest: {earliest})"}
-        if body.get("dry_run") is True:  # the first phase of a command to every rank
-            return {"id": command_id, "ok": True, "dry_run": True, "knob": knob_name,
-                    "value": raw if knob_name == protocol.TUNE else value,
-                    "apply_step": apply_step, "step_time_s": self._recent_step_time_s}
-        if knob_name == protocol.TUNE:  # not a setting: the search starts (rank 0)
-            return {"id": command_id, "ok": True, "knob": knob_name, "value": raw,
-                    "apply_step": apply_step, "note": self.tune.start(value, apply_step)}
-        if checkpoint:  # no id of its own: withdrawing the change leaves a harmless save
-            self._schedule(_Pending(apply_step, 0, CHECKPOINT.name, "now", None))
-        self._schedule(_Pending(apply_step, 0, knob_name, value, command_id,
-                                after_checkpoint=checkpoint))
-        reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
-                 "apply_step": apply_step, "step": self._last_step}
-        text = f"{assignment(knob_name, value)} accepted, applies at step {apply_step}"
-        if checkpoint:
-            reply["checkpoint"] = True
-            text += " after a checkpoint"
-        self._publish(protocol.EVENT, {"level": "info", "text": text, "kind": "accepted",
-                                       "knob": knob_name, "value": value,
-                                       "step": apply_step, "id": command_id})
-        warn = self.knobs.knobs[knob_name].warn
-        if warn is not None:
-            warning = warn(value)
-            if warning:
-                reply["warning"] = warning
-                self._publish(protocol.EVENT, {"level": "warning", "text": warning,
-                                               "kind": "warning", "knob": knob_name})
-        return reply
-
-
-    def _cancel(self, command_id: Any, reason: Any) -> dict[str, Any]:
-        """Withdraw the pending command ``command_id`` (another rank refused it)."""
-        with self._pending_lock:
-            found = next((p for p in self._pending
-                          if command_id is not None and p.command_id == command_id), None)
-            if found is not None:
-                self._pending.remove(found)
-        if found is None:
-            applied = next((step for applied_id, step in list(self._applied_ids)
-                            if applied_id == command_id), None)
-            if applied is not None:
-                return {"id": command_id, "ok": False, "cancel": True,
-                        "applied_step": applied,
-                        "reason": f"it was applied at step {applied}, before the cancel came"}
-            return {"id": command_id, "ok": False, "cancel": True,
-                    "reason": f"no pending command with id {command_id!r}"}
-        why = f": {reason}" if isinstance(reason, str) and reason else ""
-        self._publish(protocol.EVENT, {
-            "level": "warning", "kind": "cancelled", "knob": found.knob,
-            "value": found.value, "step": found.apply_step, "id": command_id,
-            "text": f"{assignment(found.knob, found.value)} for step {found.apply_step} "
-                    f"cancelled{why}"})
-        return {"id": command_id, "ok": True, "cancel": True, "knob": found.knob,
-                "value": found.value, "apply_step": found.apply_step}
-
-
-def _short_name(value: Any) -> Any:
-    """A name from a command (knob, id) as echoed in replies and events: as it is when
-    it is not a string or is at most :data:`agent.protocol.MAX_NAME_CHARS` long (every
-    real one), else cut."""
-    if isinstance(value, str) and len(value) > protocol.MAX_NAME_CHARS:
-        return protocol.shorten(value, protocol.MAX_NAME_CHARS)
-    return value
+        return self._desk.answer(message["body"])
 
 
 def ending_reason(error: BaseException | None) -> str:
