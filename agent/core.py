@@ -30,10 +30,11 @@ import zmq
 
 from agent import protocol
 from agent.desk import CommandDesk
+from agent.encoder import StepEncoder
 from agent.guard import ChangeGuard
 from agent.knobs import KnobSet, assignment
 from agent.ledger import ChangeLedger
-from agent.markers import CpuMarker, marker_for
+from agent.markers import marker_for
 from agent.multinode import node_link
 from agent.probes import Nvml, SystemProbe
 from agent.protocol import EventKind, Reply
@@ -42,8 +43,6 @@ from agent.runs import (RUN_ID_ENV, RunInfo, new_run_id, rank_taken, remove_run_
                         run_dir, shared_run_id, write_run_file)
 from agent.tune import AutoTune
 from gpuopt.environment import usable_cpu_count
-from gpuopt.memory import memory_stats
-from gpuopt.optim import host_rate
 
 log = logging.getLogger("gpuwatch.agent")
 
@@ -79,44 +78,6 @@ GREETINGS_PER_S = 2
 _MAX_SUBSCRIPTIONS_PER_POLL = 1000
 _SEND_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _SEND_LAST = int(zmq.NOBLOCK)
-#: Steps in the sliding window of the data-wait share and the input-bound verdict.
-INPUT_WINDOW_STEPS = 20
-#: Share of step time spent waiting for data above which a run is called input-bound
-#: (as TensorFlow Profiler's "% of step time waiting on input"); above the lower one it is
-#: partly input-bound.
-INPUT_BOUND_SHARE = 0.5
-PARTLY_INPUT_BOUND_SHARE = 0.2
-
-
-class InputWindow:
-    """Data-wait share of step time over the last ``steps`` optimizer steps, and a verdict.
-
-    I/O thread only. ``add`` is O(1).
-    """
-
-    def __init__(self, steps: int = INPUT_WINDOW_STEPS) -> None:
-        self._window: deque = deque(maxlen=steps)
-        self._wait_s = 0.0
-        self._step_s = 0.0
-
-    def add(self, data_wait_s: float, step_time_s: float) -> tuple[float, str]:
-        """Add one step; return ``(share, verdict)`` over the window. ``verdict`` is
-        ``"input-bound"``, ``"partly input-bound"`` or ``"compute-bound"``."""
-        if len(self._window) == self._window.maxlen:
-            old_wait, old_step = self._window[0]
-            self._wait_s -= old_wait
-            self._step_s -= old_step
-        self._window.append((data_wait_s, step_time_s))
-        self._wait_s += data_wait_s
-        self._step_s += step_time_s
-        share = min(1.0, max(0.0, self._wait_s / self._step_s)) if self._step_s > 0 else 0.0
-        if share >= INPUT_BOUND_SHARE:
-            return share, "input-bound"
-        if share >= PARTLY_INPUT_BOUND_SHARE:
-            return share, "partly input-bound"
-        return share, "compute-bound"
-
-
 class Agent:
     """Measures every optimizer step of one rank and takes live commands for its knobs.
 
@@ -199,13 +160,7 @@ class Agent:
         self._started_at = time.time()
         self._thread = threading.Thread(target=self._io_main, name="gpuwatch-agent",
                                         daemon=True)
-        self._expected_step: int | None = None
         self._announce = False  # the schema changed: send hello again
-        #: step time (s) of the latest published step record, for command replies
-        self._recent_step_time_s: float | None = None
-        self._input = InputWindow()
-        #: the rows of the ``steps`` message being built (see :meth:`_publish_records`)
-        self._batch: list[tuple] = []
         #: the guarded changes applied lately: what both rollback paths restore
         self._ledger = ChangeLedger()
         self._change_guard = ChangeGuard(self._ledger)
@@ -215,19 +170,17 @@ class Agent:
         self._desk = CommandDesk(
             self.knobs, token=self.token, ledger=self._ledger, tune=self.tune,
             publish=self._publish, event=self.event, step_now=lambda: self._last_step,
-            ending=lambda: self._ending, step_time_s=lambda: self._recent_step_time_s,
+            ending=lambda: self._ending,
+            step_time_s=lambda: self._encoder.recent_step_time_s,
             rank=self.rank, world_size=self.world_size)
         #: the desk's pending commands (the same list, changed in place): the hot path
         #: looks at it each step
         self._pending = self._desk.pending
-        #: Step records lost because the queue overflowed (the I/O thread fell behind).
-        self.records_dropped = 0
+        self._encoder = StepEncoder(self._records, self._marker, publish=self._publish,
+                                    guard=self._change_guard, check_step=self._check_step,
+                                    tune=self.tune, device=self.device)
         self.errors: list[str] = []
         self._listeners: tuple[Any, ...] = ()
-        #: The memory readings of the latest step records published
-        #: (:func:`gpuopt.memory.memory_stats`, read on the I/O thread); replaced whole,
-        #: so any thread may read it.
-        self.latest_memory: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -328,6 +281,18 @@ class Agent:
     def _apply_pending(self, step: int) -> None:
         if self._desk.apply_due(step):
             self._knob_values = self.knobs.values()
+
+    @property
+    def records_dropped(self) -> int:
+        """Step records lost because the queue overflowed (the I/O thread fell behind)."""
+        return self._encoder.records_dropped
+
+    @property
+    def latest_memory(self) -> dict[str, Any]:
+        """The memory readings of the latest step records published
+        (:func:`gpuopt.memory.memory_stats`, read on the I/O thread); replaced whole, so
+        any thread may read it."""
+        return self._encoder.latest_memory
 
     @property
     def commands_refused(self) -> int:
@@ -598,8 +563,6 @@ class Agent:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pub, zmq.POLLIN)
-        in_flight: deque = deque()
-        previous_marker = None
         next_system = next_heartbeat = time.monotonic()
         heartbeats = 0
         budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
@@ -620,9 +583,7 @@ class Agent:
             if self._announce:
                 self._announce = False
                 self._guard("hello", self._publish, protocol.HELLO, self._hello())
-            previous_marker = self._guard(
-                "step publishing", self._publish_records, in_flight, previous_marker,
-                default=previous_marker)
+            self._guard("step publishing", self._encoder.drain)
             if self._log is not None:
                 self._guard("run log", self._log.maybe_flush)
             now = time.monotonic()
@@ -645,9 +606,7 @@ class Agent:
                                   {"knobs": self._knob_values, "step": self._last_step})
             if stopping:
                 for _ in range(2):  # the second pass sends events the first one raised
-                    previous_marker = self._guard("step publishing", self._publish_records,
-                                                  in_flight, previous_marker, True,
-                                                  default=previous_marker)
+                    self._guard("step publishing", self._encoder.drain, True)
                 self._publish(protocol.BYE, {"reason": self._bye_reason or "",
                                              "steps": self._last_step})
                 return
@@ -684,8 +643,8 @@ class Agent:
         """Send one message (and append it to the run log). ``logged=False``: a repeat
         for new subscribers, sent with the latest ``seq`` and not logged. The steps
         batched so far are sent first, so every message keeps its order with them."""
-        if self._batch and msg_type != protocol.STEPS:
-            self._send_steps()
+        if msg_type != protocol.STEPS:
+            self._encoder.flush()
         if logged:
             self._seq += 1
         message = protocol.envelope(msg_type, body, run=self.run_id, rank=self.rank,
@@ -706,122 +665,6 @@ class Agent:
             self._pub.send(payload, _SEND_LAST)
         except zmq.Again:
             pass  # no subscriber keeps up: PUB drops; the seq gap tells the dashboard
-
-    def _publish_records(self, in_flight: deque, previous_marker: Any,
-                         final: bool = False) -> Any:
-        """Turn the records queued since the last call into messages: the steps into
-        one ``steps`` batch (several past :data:`~agent.protocol.MAX_BATCH_STEPS`),
-        each event in its place among them. Returns the last published step's marker.
-
-        .. note:: The cost of a step here is paid in GIL time by the training thread:
-           per step it is a tuple of plain values and a few float operations; the dict
-           work, the encoding and the send happen once a batch (:meth:`_send_steps`).
-        """
-        records = self._records
-        while records:
-            in_flight.append(records.popleft())
-        batch = self._batch
-        marker_api = self._marker
-        cpu = isinstance(marker_api, CpuMarker)
-        guard = self._change_guard
-        window = self._input
-        tune = self.tune if self.tune.tuner is not None else None
-        while in_flight:
-            record = in_flight[0]
-            if record[0] == "event":
-                in_flight.popleft()
-                self.tune.on_event(record[1])
-                self._publish(protocol.EVENT, record[1])  # sends the batch before it
-                batch = self._batch
-                continue
-            (_, step, step_time_s, micro_batches, samples, wait_s, marker, knobs,
-             activation_bytes, tokens, lr) = record
-            ready = cpu or marker_api.ready(marker)
-            if not ready and not final:
-                break
-            in_flight.popleft()
-            expected = self._expected_step
-            if expected is not None and step > expected:
-                self.records_dropped += step - expected  # queue overflowed
-            self._expected_step = step + 1
-            if cpu:  # the marker is (loss, skipped, grad norm), tensors or None
-                loss_t, skipped_t, norm = marker
-                loss = None if loss_t is None else (
-                    loss_t.item() if loss_t.dim() == 0 else float(loss_t.float().mean()))
-                skipped = None if skipped_t is None else bool(skipped_t)
-                grad_norm = None if norm is None else float(norm)
-                gpu_s = None
-            elif ready:
-                loss = marker_api.loss(marker)
-                grad_norm = marker_api.grad_norm(marker)
-                skipped = marker_api.skipped(marker)
-                gpu_s = marker_api.gpu_time_s(previous_marker, marker)
-            else:
-                loss = grad_norm = skipped = gpu_s = None
-            lr_groups = None
-            if isinstance(lr, tuple):  # every param group's, floats or host tensors
-                lr_groups = [host_rate(rate) for rate in lr]
-                lr = lr_groups[0] if lr_groups else None
-            if lr is not None:
-                lr = float(lr)
-            if (skipped is not None or guard.watching
-                    or (loss is not None and loss - loss != 0.0)):  # NaN or inf loss
-                self._check_step(step, loss, skipped)
-                batch = self._batch  # an event it published sent the batch
-            if tune is not None:  # a search is on (started by a command, never here)
-                tune.on_step(step, step_time_s, samples, tokens, loss, skipped)
-                batch = self._batch  # the tuner may publish (and so send the batch)
-            share = verdict = None
-            if step_time_s:
-                share, verdict = window.add(wait_s, step_time_s)
-                self._recent_step_time_s = step_time_s
-            batch.append((step, micro_batches, samples, step_time_s, wait_s, loss, gpu_s,
-                          knobs, skipped, activation_bytes, tokens, lr, lr_groups,
-                          grad_norm, guard.skipped_total, share, verdict))
-            previous_marker = marker
-            if len(batch) >= protocol.MAX_BATCH_STEPS:
-                self._send_steps()
-                batch = self._batch
-        if batch:
-            self._send_steps()
-        return previous_marker
-
-    def _send_steps(self) -> None:
-        """Publish the rows batched so far as one ``steps`` message (columns)."""
-        rows, self._batch = self._batch, []
-        (steps, micro_batches, samples, times, waits, losses, gpu_times, knobs, skipped,
-         activation, tokens, lr, lr_groups, grad_norm, skipped_total, share_window,
-         verdict) = map(list, zip(*rows))
-        columns: dict[str, list[Any]] = {
-            "step": steps, "micro_batches": micro_batches, "samples": samples,
-            "step_time_s": times, "data_wait_s": waits,
-            "data_wait_share": [min(1.0, wait / time_s) if time_s else None
-                                for wait, time_s in zip(waits, times)],
-            "samples_per_s": [count / time_s if time_s else None
-                              for count, time_s in zip(samples, times)],
-            "loss": losses, "gpu_step_time_s": gpu_times,
-            "skipped_steps_total": skipped_total,
-        }
-        n = len(rows)
-        for name, values in (("grad_scaler_skipped", skipped),
-                             ("activation_bytes", activation), ("tokens", tokens),
-                             ("lr", lr), ("lr_groups", lr_groups),
-                             ("grad_norm", grad_norm),
-                             ("data_wait_share_window", share_window),
-                             ("input_verdict", verdict)):
-            if values.count(None) != n:
-                columns[name] = values
-        if "tokens" in columns:
-            columns["tokens_per_s"] = [count / time_s if count is not None and time_s
-                                       else None for count, time_s in zip(tokens, times)]
-        memory = self.latest_memory = self._memory()
-        common = dict(memory)
-        first = knobs[0]
-        if all(value is first for value in knobs):  # the same map unless a knob changed
-            common["knobs"] = first
-        else:
-            columns["knobs"] = knobs
-        self._publish(protocol.STEPS, protocol.steps_body(columns, common))
 
     def _check_step(self, step: int, loss: float | None, skipped: bool | None) -> None:
         rollback = self._change_guard.on_step(step, loss, skipped)
@@ -848,20 +691,13 @@ class Agent:
             self._publish(protocol.EVENT, {"level": "warning", "kind": EventKind.WARNING,
                                            "text": warning, "step": step})
 
-    def _memory(self) -> dict[str, Any]:
-        """Memory fields of the step records published now; on CUDA the peaks are then
-        reset, so each batch of records reports the peak of its own steps."""
-        memory: dict[str, Any] = memory_stats(self.device)
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        return memory
-
     def _publish_system(self) -> None:
         self._publish(protocol.SYSTEM, self._probe.sample())
 
     def _heartbeat(self) -> dict[str, Any]:
         return {"step": self._last_step, "ending": self._ending,
-                "records_dropped": self.records_dropped, "errors": len(self.errors),
+                "records_dropped": self._encoder.records_dropped,
+                "errors": len(self.errors),
                 "commands_refused": self._desk.commands_refused,
                 "commands_rejected": self._desk.commands_rejected}
 

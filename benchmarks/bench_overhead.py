@@ -160,7 +160,7 @@ def _handled(run, step: int, timeout_s: float = 10.0) -> None:
     """Wait until the agent's I/O thread has published step ``step`` (plus one poll, for
     the batch's send), so its CPU for the loop is all counted."""
     deadline = time.monotonic() + timeout_s
-    while (run.agent._expected_step or 0) <= step and time.monotonic() < deadline:
+    while (run.agent._encoder.expected_step or 0) <= step and time.monotonic() < deadline:
         time.sleep(0.005)
     time.sleep(0.06)
 
