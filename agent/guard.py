@@ -20,8 +20,6 @@ from agent.ledger import Change, ChangeLedger, Rollback
 GUARDED_KNOBS = frozenset({"precision", "accum_steps", "micro_batch_size", "kernels",
                            "lr_scale", "weight_decay", "max_grad_norm"})
 
-__all__ = ["GUARDED_KNOBS", "ChangeGuard", "Rollback"]
-
 
 class ChangeGuard:
     """Decides rollbacks from the changes in a ledger and the outcomes of steps.

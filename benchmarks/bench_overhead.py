@@ -169,7 +169,7 @@ def run_agent(stream, step, steps, clocks, subscriber=False):
     clocks.start()
     with agent.session(name="bench-overhead") as run:
         deadline = time.monotonic() + 30  # its start-up (hello, with the environment
-        while run.agent._seq < 1 and time.monotonic() < deadline:  # report) is not a step's
+        while run.agent._io.seq < 1 and time.monotonic() < deadline:  # report) is not a step's
             time.sleep(0.005)
         reader = None
         if subscriber:
