@@ -28,8 +28,15 @@ from agent.multinode import node_link
 from agent.probes import Nvml, SystemProbe
 from agent.protocol import EventKind, Reply
 from agent.runlog import RunLog, log_dir
-from agent.runs import (RUN_ID_ENV, RunInfo, new_run_id, rank_taken, remove_run_file,
-                        run_dir, write_run_file)
+from agent.runs import (
+    RUN_ID_ENV,
+    RunInfo,
+    new_run_id,
+    rank_taken,
+    remove_run_file,
+    run_dir,
+    write_run_file,
+)
 
 if TYPE_CHECKING:
     from agent.core import Agent

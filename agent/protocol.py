@@ -79,10 +79,10 @@ Message types and their bodies:
                command; rank 0 runs the search, and the commands the search sends have
                ids starting with :data:`TUNE_ID_PREFIX`.
 ``reply``      agent -> client (every field: :class:`Reply`): ``id``, ``ok``, ``knob``,
-               ``value``, ``apply_step`` or ``reason``; an accepted command's reply also has ``step``, the last
-               optimizer step the run had completed when it accepted it (the run's own
-               counter: the command applies ``apply_step - step`` steps later, 2 with the
-               default ``apply_step``).
+               ``value``, ``apply_step`` or ``reason``; an accepted command's reply also
+               has ``step``, the last optimizer step the run had completed when it
+               accepted it (the run's own counter: the command applies
+               ``apply_step - step`` steps later, 2 with the default ``apply_step``).
 ``tune``       the in-run search (rank 0), at each change of its state: ``status``
                (running | done | stopped), ``started_step``, ``step``, ``steps``
                (spent so far), ``budget_steps``, ``unit`` (samples | tokens), ``knobs``
@@ -258,7 +258,6 @@ def shorten(text: str, limit: int = MAX_TEXT_CHARS) -> str:
     return text if len(text) <= limit else text[:max(0, limit - 1)] + "…"
 
 
-
 def short_name(value: Any) -> Any:
     """A name from a command (knob, id) as echoed in replies and events: as it is when
     it is not a string or is at most :data:`MAX_NAME_CHARS` long (every real one), else
@@ -266,6 +265,7 @@ def short_name(value: Any) -> Any:
     if isinstance(value, str) and len(value) > MAX_NAME_CHARS:
         return shorten(value, MAX_NAME_CHARS)
     return value
+
 
 def printable(text: str, limit: int | None = None, *, newlines: bool = False) -> str:
     """``text`` as a terminal may show it: as text, never as control sequences.
