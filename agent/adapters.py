@@ -80,16 +80,25 @@ def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
     ]
 
 
-def cpu_threads_knob() -> Knob:
+def cpu_threads_knob(knobs: KnobSet) -> Knob:
     """The ``cpu_threads`` knob: torch's intra-op threads in this process
     (``torch.set_num_threads``), from 1 to the CPUs it may run on.
 
     On a CPU-bound host it trades against ``num_workers``: DataLoader workers (one
     thread each) and the training's own threads share the same cores. Applying it costs
-    microseconds; it is process-wide, so it holds for every model and loop here.
+    microseconds; it is process-wide, so it holds for every model and loop here. While
+    ``knobs``' ``kernels`` is ``compile`` a change warns (and the in-run search skips
+    it): torch.compile guards on the thread count, so the next step recompiles.
     """
+    def warn(value: Any) -> str | None:
+        kernels = knobs.knobs.get(KERNELS.name)
+        if kernels is not None and kernels.get() == "compile" and value != torch.get_num_threads():
+            return ("with kernels=compile, torch.compile guards on the thread count: the "
+                    "next step recompiles the model (tens of seconds without a step)")
+        return None
+
     return Knob(dataclasses.replace(CPU_THREADS, maximum=usable_cpu_count()),
-                get=torch.get_num_threads, set=torch.set_num_threads)
+                get=torch.get_num_threads, set=torch.set_num_threads, warn=warn)
 
 
 def effective_batch_refusal(micro_batch_size: int, batch_size: int, accum_steps: int
@@ -333,7 +342,7 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
         knobs.unsupported[MICRO_BATCH_SIZE.name] = (
             "the Trainer's loader is not a gpuopt.loader.ReconfigurableLoader, whose "
             "batches can change size mid-epoch")
-    knobs.add(cpu_threads_knob())
+    knobs.add(cpu_threads_knob(knobs))
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
                   transport=transport, training={"framework": "gpuopt.Trainer",
                                                  "loss_normalization": trainer.loss_normalization},

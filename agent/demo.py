@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", choices=("eager", "compile", "triton"), default="eager")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend for kernels=compile (aot_eager compiles "
-                             "in about a second on a small CPU; inductor takes ~20 s there)")
+                             "in about a second on a small CPU; inductor can take a minute or more there: "
+                             "the dashboard shows the time so far and the last compile's)")
     parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parent-pid", type=int, metavar="PID",

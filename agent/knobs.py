@@ -10,7 +10,6 @@ add a device check (e.g. bf16 on a GPU without bf16) through :attr:`Knob.check`.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -22,9 +21,10 @@ class KnobError(ValueError):
 
 
 def assignment(knob: str, value: Any) -> str:
-    """A knob setting as people type it: ``precision=bf16``, ``checkpointing=true``
-    (booleans as on the command line, not Python's ``True``)."""
-    return f"{knob}={json.dumps(value) if isinstance(value, bool) else value}"
+    """A knob setting as people type it: ``precision=bf16``, ``checkpointing=on``
+    (booleans as ``on`` / ``off``, the one spelling the dashboard, ``gpuwatch set``,
+    ``tail`` and the run's events use; not Python's ``True``)."""
+    return f"{knob}={('on' if value else 'off') if isinstance(value, bool) else value}"
 
 
 #: :attr:`KnobSpec.tuning`: searched by default, searched only when allowed, never.

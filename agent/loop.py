@@ -533,7 +533,7 @@ def session(*, model: torch.nn.Module | None = None,
         for spec in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
             knobs.unsupported[spec.name] = ("pass agent.session(optimizer=optimizer) for "
                                             "gpuwatch to set it in the optimizer's step")
-    knobs.add(cpu_threads_knob())
+    knobs.add(cpu_threads_knob(knobs))
     agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
                   training={"framework": "loop",
                             "loss_normalization": "as the loop divides its losses"},

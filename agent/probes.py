@@ -96,6 +96,30 @@ class SystemProbe:
         self._process = psutil.Process(os.getpid())
         psutil.cpu_percent(interval=None)  # primes the counter; the first reading is 0
         self._process.cpu_percent(interval=None)
+        self._children: dict[int, psutil.Process] = {}  # by pid: cpu_percent deltas
+
+    def children_cpu_pct(self) -> float:
+        """CPU of the training process's child processes (100 = one core), since the
+        last call: compiler workers (torch.compile's inductor compiles in a pool of
+        processes), DataLoader workers. A child first seen counts from its next call."""
+        try:
+            children = self._process.children(recursive=True)
+        except psutil.Error:
+            return 0.0
+        total, seen = 0.0, {}
+        for child in children:
+            known = self._children.get(child.pid)
+            try:
+                if known is None:
+                    child.cpu_percent(interval=None)  # primes it: the first reading is 0
+                    seen[child.pid] = child
+                else:
+                    total += known.cpu_percent(interval=None)
+                    seen[child.pid] = known
+            except psutil.Error:  # it ended meanwhile
+                continue
+        self._children = seen
+        return total
 
     def host_rss_bytes(self) -> int:
         """Resident set size of the training process, in bytes."""
@@ -103,13 +127,15 @@ class SystemProbe:
 
     def sample(self) -> dict[str, Any]:
         """A ``system`` body: ``cpu_pct`` (host, % of all cores since the last call),
-        ``process_cpu_pct`` (this process; 100 = one core), ``host_mem_used_bytes``,
+        ``process_cpu_pct`` (this process; 100 = one core), ``children_cpu_pct`` (its
+        child processes: compiler and loader workers; 100 = one core), ``host_mem_used_bytes``,
         ``host_mem_total_bytes``, ``host_rss_bytes``, ``gpus`` and ``gpu_status``."""
         memory = psutil.virtual_memory()
         gpus = self.nvml.sample()
         return {
             "cpu_pct": psutil.cpu_percent(interval=None),
             "process_cpu_pct": self._process.cpu_percent(interval=None),
+            "children_cpu_pct": self.children_cpu_pct(),
             "host_mem_used_bytes": memory.total - memory.available,
             "host_mem_total_bytes": memory.total,
             "host_rss_bytes": self.host_rss_bytes(),

@@ -7,16 +7,18 @@ from collections.abc import Iterable
 from typing import Any
 
 from textual import events, work
-from textual.app import App, ComposeResult
+from textual.actions import parse as parse_action
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.screen import Screen
 from textual.widgets import Footer, Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from agent import protocol
 from agent.knobs import assignment
 from agent.runs import find_run
-from gpuwatch.client import new_command_id, reply_text, send_command
+from gpuwatch.client import new_command_id, parse_assignment, reply_text, send_command
 from gpuwatch.palette import BindingCommands
 from gpuwatch import history
 from gpuwatch.sources import Source
@@ -24,6 +26,7 @@ from gpuwatch.sources.live import LiveSource
 from gpuwatch.sources.timeline import TimelineSource
 from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
 from gpuwatch.compare import Column
+from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
 from gpuwatch.widgets.compare_screen import CompareScreen
 from gpuwatch.widgets.data import DataPanel, loader_knobs
 from gpuwatch.widgets.event_log import EventLog
@@ -32,6 +35,7 @@ from gpuwatch.widgets.confirm_screen import ConfirmScreen
 from gpuwatch.widgets.help_screen import HelpScreen
 from gpuwatch.widgets.runs_screen import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
+from gpuwatch.widgets.last_event import LastEvent
 from gpuwatch.widgets.memory import MemoryPanel
 from gpuwatch.widgets.step_chart import LOSS, TIMING, StepChart
 from gpuwatch.widgets.system import SystemPanel
@@ -59,6 +63,9 @@ DEFAULT_MAX_GRAD_NORM = 1.0
 #: Under this many columns the footer is compact (no padding around keys, no ctrl+p); its
 #: short descriptions (prec, work, kern) keep every key within 80 columns.
 COMPACT_FOOTER_BELOW = 100
+#: Under this many columns the memory and host & GPU panels fold (the stylesheet's
+#: ``-cramped``): the knobs and the data panel keep the width.
+CRAMPED_BELOW = 80
 
 #: What the event log says when the run's status changes to each of these.
 _STATUS_NOTES = {
@@ -71,6 +78,8 @@ _STATUS_NOTES = {
 }
 
 
+#: Textual's palette entries left out (see :meth:`GpuwatchApp.get_system_commands`).
+_HIDDEN_SYSTEM_COMMANDS = frozenset({"Quit", "Keys", "Maximize", "Minimize"})
 #: The actions that send a command (their first parameter is the knob).
 _KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "confirm"})
 #: The actions that move a replay on a timeline.
@@ -90,8 +99,18 @@ class GpuwatchApp(App[None]):
     TITLE = "gpuwatch"
     COMMANDS = App.COMMANDS | {BindingCommands}
     VERTICAL_BREAKPOINTS = [(0, "-tiny"), (24, "-short"), (32, "-tall")]
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (CRAMPED_BELOW, "-narrow"), (100, "-wide")]
+    #: First the keys that must stay in view at any width (the footer is cut at the
+    #: right), then the knobs' keys.
     BINDINGS = [
+        Binding("question_mark", "help", "help", id="help",
+                tooltip="Show this list of keys"),
+        Binding("q", "quit", "quit", id="quit",
+                tooltip="Quit the dashboard (a run goes on; a `gpuwatch demo` run stops)"),
+        Binding("colon", "command_line", "cmd", id="command_line",
+                tooltip="Type a command as `gpuwatch set` takes it: accum_steps=8, "
+                        "kernels=compile, checkpoint=now (tab completes from the run's "
+                        "knobs; enter sends, escape closes)"),
         Binding("p", "cycle('precision')", "prec", id="precision.cycle",
                 tooltip="Cycle precision fp32 -> bf16 -> fp16 (the run's choices)"),
         Binding("a", "step('accum_steps', -1)", "accum-", id="accum_steps.decrease",
@@ -161,12 +180,8 @@ class GpuwatchApp(App[None]):
         Binding("v", "compare", "compare", id="timeline.compare",
                 tooltip="Timeline: the segments before and after the knob change at or "
                         "before this step, side by side"),
-        Binding("r", "runs", "runs", id="runs",
+        Binding("r", "runs", "runs", id="runs", show=False,  # help, palette: room for q
                 tooltip="Every run of this user, live and finished: open one here"),
-        Binding("question_mark", "help", "help", id="help",
-                tooltip="Show this list of keys"),
-        Binding("q", "quit", "quit", id="quit",
-                tooltip="Quit the dashboard (a run goes on; a `gpuwatch demo` run stops)"),
     ]
 
     def __init__(self, source: Source, *, readonly: bool = False,
@@ -200,7 +215,32 @@ class GpuwatchApp(App[None]):
         if self.source.info is None:
             return False
         schema = self.source.state.schema  # replaced whole by the source: a safe read
-        return not schema or parameters[0] in schema
+        if not schema:  # a monitor-only run (its hello has no knobs) has no knob keys
+            return not self.source.state.hello
+        return parameters[0] in schema
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """Textual's own palette entries, less those our bindings already offer (quit)
+        or that do nothing useful here (its key list: ? is ours; maximize)."""
+        for command in super().get_system_commands(screen):
+            if command.title not in _HIDDEN_SYSTEM_COMMANDS:
+                yield command
+
+    def on_key(self, event: events.Key) -> None:
+        """A knob's key that :meth:`check_action` hides (a replay, a knob the run lacks,
+        no schema yet) is not silent: its action runs anyway and says in the event log
+        why nothing is sent. Not while another screen (help, a dialog) or a text box
+        has the keys."""
+        if len(self.screen_stack) > 1 or isinstance(self.focused, Input):
+            return
+        for binding in self.BINDINGS:
+            if not isinstance(binding, Binding) or event.key not in binding.key.split(","):
+                continue
+            _, name, parameters = parse_action(binding.action)
+            if name in _KNOB_ACTIONS and self.check_action(name, parameters) is False:
+                event.stop()
+                getattr(self, f"action_{name}")(*parameters)
+            return
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -215,8 +255,12 @@ class GpuwatchApp(App[None]):
             yield SystemPanel(id="system")
             yield DataPanel(id="data")
             yield KnobsPanel(id="knobs")
+        yield LastEvent(id="last")
         yield EventLog(id="log")
         yield Footer()
+        yield CommandLine(id="command", placeholder="knob=value (tab completes, escape "
+                                                     "closes)",
+                          suggester=SchemaSuggester(self._schema_and_knobs))  # over it
 
     def on_mount(self) -> None:
         self._start_source()
@@ -291,6 +335,7 @@ class GpuwatchApp(App[None]):
             self.query_one(SystemPanel).show(state)
             self.query_one(DataPanel).show(state, now)
             self.query_one(KnobsPanel).show(state, now, shown_elsewhere=loader_knobs(state))
+            self.query_one(LastEvent).show(state.events[-1] if state.events else None)
             new = min(state.events_total - self._events_shown, len(state.events))
             entries = list(state.events)[len(state.events) - new:] if new > 0 else []
             self._events_shown = state.events_total
@@ -386,6 +431,35 @@ class GpuwatchApp(App[None]):
         self.refresh_bindings()
         self.redraw()
 
+    def _schema_and_knobs(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The run's schema and knob values now (for the command line's completion)."""
+        with self.source.lock:
+            return dict(self.source.state.schema), dict(self.source.state.knobs)
+
+    def action_command_line(self) -> None:
+        """Open the command line (``:``)."""
+        line = self.query_one(CommandLine)
+        line.display = True
+        line.focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        """The command line's enter: send what was typed as ``gpuwatch set`` sends it
+        (the run checks the value; its reply is logged), or say why it is not a
+        command."""
+        if not isinstance(event.input, CommandLine):
+            return
+        event.stop()
+        text = event.value
+        event.input.action_close()
+        if not text.strip():
+            return
+        try:
+            knob, value = parse_assignment(text)
+        except ValueError as exc:
+            self.note("error", f"{exc}; nothing sent")
+            return
+        self._command(knob, value)
+
     def action_help(self) -> None:
         """Open the help screen."""
         self.push_screen(HelpScreen())
@@ -426,6 +500,11 @@ class GpuwatchApp(App[None]):
             reasons = "; ".join(f"{value}: {why}" for value, why in unavailable.items())
             self.note("warning", f"no other {knob} can run here ({reasons}); nothing sent")
             return
+        for offset in range(1, len(choices)):  # the values passed over are said
+            value = choices[(start + offset) % len(choices)]
+            if value == following:
+                break
+            self.note("info", f"{knob}={value} skipped: {unavailable.get(value, '?')}")
         self._command(knob, following)
 
     def action_step(self, knob: str, delta: int) -> None:
@@ -485,6 +564,9 @@ class GpuwatchApp(App[None]):
         if spec is None:
             self.note("warning", f"this run has no {knob} command; nothing sent")
             return
+        if self.source.info is None or self.readonly or self.source.state.ended is not None:
+            self._command(knob, value)  # says why it is not sent
+            return
 
         def answered(yes: bool | None) -> None:
             if yes:
@@ -525,10 +607,12 @@ class GpuwatchApp(App[None]):
         return None, None
 
     def _command(self, knob: str, value: Any, described: str | None = None) -> None:
-        """Send ``knob=value`` (``described`` for people, by default the assignment)
-        unless read-only or the run has ended."""
+        """Send ``knob=value`` (``described`` for people, by default the assignment; the
+        reply is logged when it comes), or say why not."""
         described = described or assignment(knob, value)
-        if self.readonly:
+        if self.source.info is None:
+            self.note("warning", f"a replay takes no commands: {described} not sent")
+        elif self.readonly:
             self.note("warning", f"read-only: {described} not sent")
         elif self.source.state.ended is not None:
             self.note("warning", f"the run has ended: {described} not sent")

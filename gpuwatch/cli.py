@@ -26,12 +26,14 @@ from agent import protocol
 from agent.protocol import printable
 from agent.runs import RunInfo, alive, find_run, list_runs, node_list, run_dir, run_ranks
 from gpuwatch import history, history_commands, multinode_commands
-from gpuwatch.units import human_age, human_ms, human_number
+from gpuwatch.units import human_age, human_ms, human_sig, knob_text
 
 SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor",
                "report", "compare", "export", "nodes", "secret")
 #: How long ``gpuwatch demo`` waits for the training child to write its run file (s).
 DEMO_START_TIMEOUT_S = 60.0
+#: Seconds between the one-line progress reports of ``gpuwatch demo --no-ui``.
+PROGRESS_EVERY_S = 5.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
 DEMO_STOP_TIMEOUT_S = 20.0
 #: ``gpuwatch tail ENDPOINT`` (no run file to check) gives up after this long with
@@ -50,8 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     or another error of the system (said in one line, no traceback); 2 bad usage (from
     argparse).
     """
-    args = _parser().parse_args(_with_default_command(
+    parser = _parser()
+    args = parser.parse_args(_with_default_command(
         list(sys.argv[1:] if argv is None else argv)))
+    history_commands.resolve_run_arguments(parser, args)
     try:
         return args.handler(args)
     except KeyboardInterrupt:
@@ -63,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _with_default_command(argv: list[str]) -> list[str]:
     """``gpuwatch [RUN] [--readonly]`` means ``gpuwatch attach [RUN] [--readonly]``."""
-    if argv and (argv[0] in SUBCOMMANDS or argv[0] in ("-h", "--help")):
+    if argv and (argv[0] in SUBCOMMANDS or argv[0] in ("-h", "--help", "--version")):
         return argv
     return ["attach", *argv]
 
@@ -74,15 +78,15 @@ def _parser() -> argparse.ArgumentParser:
         description="Watch and tune a live PyTorch training run from the terminal. "
                     "Without a subcommand: open the dashboard on the newest live run.",
         epilog="Start a run with `gpuwatch demo`, or `agent.attach(trainer)` in a script.")
+    parser.add_argument("--version", action="version", version=f"gpuwatch {_version()}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", prog="gpuwatch")
 
     attach = commands.add_parser(
         "attach", help="open the dashboard (the default command)",
         description="Open the dashboard on a live run, or on a finished run's log on "
                     "a timeline (see `gpuwatch runs --all`).")
-    attach.add_argument("run", nargs="?", metavar="RUN",
-                        help="run id, unique prefix, or endpoint (default: the newest "
-                             "live run)")
+    history_commands.add_run_argument(
+        attach, "run id, unique prefix, or endpoint (default: the newest live run)")
     attach.add_argument("--readonly", action="store_true",
                         help="watch only: keys send no commands")
     attach.set_defaults(handler=_attach)
@@ -202,6 +206,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed distribution's version (``unknown`` when run from a bare tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gpuwatch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _no_run(selector: str | None) -> int:
     """Say how to get a run to watch; the exit status for "no run"."""
     if selector:
@@ -269,11 +283,12 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 def _set(args: argparse.Namespace) -> int:
-    from gpuwatch.client import reply_text, send_command
+    from gpuwatch.client import parse_assignment, reply_text, send_command
 
-    knob, equals, value = args.assignment.partition("=")
-    if not equals or not knob:
-        print(f"gpuwatch set: expected KNOB=VALUE, got {args.assignment!r}", file=sys.stderr)
+    try:
+        knob, value = parse_assignment(args.assignment)
+    except ValueError as exc:
+        print(f"gpuwatch set: {exc}", file=sys.stderr)
         return 2
     info = find_run(args.run)
     if info is None:
@@ -519,15 +534,15 @@ def _human_line(message: dict[str, Any]) -> str | None:
     body = message["body"]
     kind = message["type"]
     if kind == protocol.STEP:
-        knobs = " ".join(f"{k}={v}" for k, v in (body.get("knobs") or {}).items())
+        knobs = " ".join(f"{k}={knob_text(v)}" for k, v in (body.get("knobs") or {}).items())
         loss, lr, tokens = body.get("loss"), body.get("lr"), body.get("tokens_per_s")
         return (f"step {body.get('step')}  {human_ms(body.get('step_time_s'))}  "
                 f"wait {human_ms(body.get('data_wait_s'))}  "
-                f"{human_number(body.get('samples_per_s'), 1)} samples/s  "
-                + (f"{human_number(tokens, 0)} tokens/s  " if isinstance(tokens, (int, float)) else "")
-                + f"loss {'-' if not isinstance(loss, (int, float)) else f'{loss:.4g}'}  "
-                + (f"lr {lr:.3g}  " if isinstance(lr, (int, float)) else "")
-                + (f"grad norm {norm:.3g}  " if isinstance(norm := body.get("grad_norm"),
+                f"{human_sig(body.get('samples_per_s'))} samples/s  "
+                + (f"{human_sig(tokens)} tokens/s  " if isinstance(tokens, (int, float)) else "")
+                + f"loss {human_sig(loss) if isinstance(loss, (int, float)) else '-'}  "
+                + (f"lr {human_sig(lr)}  " if isinstance(lr, (int, float)) else "")
+                + (f"grad norm {human_sig(norm)}  " if isinstance(norm := body.get("grad_norm"),
                                                            (int, float)) else "")
                 + knobs).rstrip()
     if kind == protocol.EVENT:
@@ -557,9 +572,7 @@ def _demo(args: argparse.Namespace) -> int:
         if value is not None:
             command += [option, value]
     if args.no_ui:
-        print("gpuwatch demo: training in this terminal; watch it with `gpuwatch` "
-              "from another one", flush=True)
-        os.execv(sys.executable, command)
+        return _demo_without_ui(command)
     command += ["--parent-pid", str(os.getpid())]  # ends with this dashboard, however
     log_path = run_dir() / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     with open(log_path, "wb") as log:
@@ -579,9 +592,54 @@ def _demo(args: argparse.Namespace) -> int:
             log_path.unlink(missing_ok=True)
 
 
-def _wait_for_run(child: subprocess.Popen, log_path: Path) -> RunInfo | None:
+def _demo_without_ui(command: list[str]) -> int:
+    """``demo --no-ui``: the training job in this terminal (its output here), and a
+    one-line progress report every :data:`PROGRESS_EVERY_S` (step, step time,
+    throughput, loss) read from its telemetry as a dashboard would; Ctrl-C stops it."""
+    from gpuwatch.client import Subscriber
+
+    print("gpuwatch demo: training in this terminal; watch it with `gpuwatch` from "
+          "another one", flush=True)
+    child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    try:
+        info = _wait_for_run(child, None)
+        if info is None:
+            return 1
+        started, last, shown_at = time.monotonic(), None, time.monotonic()
+        with Subscriber(info) as subscriber:
+            while child.poll() is None:
+                message = subscriber.recv(timeout_s=0.5)
+                if message is not None and message["type"] == protocol.STEP:
+                    last = message["body"]
+                if time.monotonic() - shown_at >= PROGRESS_EVERY_S:
+                    shown_at = time.monotonic()
+                    print(_progress_line(last, time.monotonic() - started), flush=True)
+        return child.returncode or 0
+    except KeyboardInterrupt:  # the terminal sent SIGINT to the job as well
+        return 130
+    finally:
+        _stop_child(child)
+
+
+def _progress_line(step: dict[str, Any] | None, elapsed_s: float) -> str:
+    """``demo: step 1,200  288 ms/step  109 samples/s  loss 2.04  (5m10s)``."""
+    if step is None:
+        return f"demo: no step yet ({human_age(elapsed_s)})"
+    rate = step.get("tokens_per_s")
+    unit = "tokens/s" if isinstance(rate, (int, float)) else "samples/s"
+    rate = rate if isinstance(rate, (int, float)) else step.get("samples_per_s")
+    loss = step.get("loss")
+    number = step.get("step")
+    return (f"demo: step {f'{number:,}' if isinstance(number, int) else '?'}  "
+            f"{human_ms(step.get('step_time_s'))}/step  {human_sig(rate)} {unit}  "
+            f"loss {human_sig(loss) if isinstance(loss, (int, float)) else '-'}  "
+            f"({human_age(elapsed_s)})")
+
+
+def _wait_for_run(child: subprocess.Popen, log_path: Path | None) -> RunInfo | None:
     """The run file the child writes, or None (after saying why) if it died or took
-    longer than :data:`DEMO_START_TIMEOUT_S`."""
+    longer than :data:`DEMO_START_TIMEOUT_S` (``log_path``: where its output went,
+    None when it writes to this terminal)."""
     deadline = time.monotonic() + DEMO_START_TIMEOUT_S
     while time.monotonic() < deadline:
         for info in list_runs():
@@ -589,11 +647,14 @@ def _wait_for_run(child: subprocess.Popen, log_path: Path) -> RunInfo | None:
                 return info
         if child.poll() is not None:
             print(f"gpuwatch demo: the training job exited with status {child.returncode}"
-                  f"; last lines of {log_path}:\n{_tail_of(log_path)}", file=sys.stderr)
+                  + (f"; last lines of {log_path}:\n{_tail_of(log_path)}"
+                     if log_path is not None else ""), file=sys.stderr)
             return None
         time.sleep(0.1)
     print(f"gpuwatch demo: no run file from pid {child.pid} after "
-          f"{DEMO_START_TIMEOUT_S:.0f} s; last lines of {log_path}:\n{_tail_of(log_path)}",
+          f"{DEMO_START_TIMEOUT_S:.0f} s" + (f"; last lines of {log_path}:\n"
+                                             f"{_tail_of(log_path)}"
+                                             if log_path is not None else ""),
           file=sys.stderr)
     return None
 

@@ -121,6 +121,20 @@ class Subscriber:
         self.close()
 
 
+def parse_assignment(text: str) -> tuple[str, str]:
+    """``"accum_steps=8"`` -> ``("accum_steps", "8")``: a command as people type it (on
+    ``gpuwatch set`` and the dashboard's command line); the run parses and checks the
+    value against its schema.
+
+    Raises:
+        ValueError: no ``=``, or nothing before it (the message says what was typed).
+    """
+    knob, equals, value = text.strip().partition("=")
+    if not equals or not knob.strip():
+        raise ValueError(f"expected KNOB=VALUE, got {text!r}")
+    return knob.strip(), value.strip()
+
+
 def reply_text(knob: str, value: Any, reply: protocol.Reply) -> str:
     """What to tell people about a reply from :func:`send_command`:
     ``accepted: accum_steps=4 applies at step 123`` (``... on ranks 0, 1`` for several),

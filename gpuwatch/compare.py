@@ -11,7 +11,7 @@ from typing import Any
 
 from agent.protocol import printable
 from gpuwatch.history import RunHistory, Segment, segment
-from gpuwatch.units import human_bytes, human_ms, human_number, knob_text
+from gpuwatch.units import human_bytes, human_ms, human_sig, knob_text
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def between_runs(first: RunHistory, second: RunHistory) -> list[Column]:
 def _loss(segment: Segment) -> str:
     if segment.loss_first is None or segment.loss_last is None:
         return "-"
-    return f"{segment.loss_first:.4g} -> {segment.loss_last:.4g}"
+    return f"{human_sig(segment.loss_first)} -> {human_sig(segment.loss_last)}"
 
 
 def _ratio(before: float | None, after: float | None) -> str:
@@ -70,10 +70,10 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
     figures: list[tuple[str, Any, Any]] = [
         ("steps", lambda s: f"{s.first_step}-{s.last_step} ({s.steps:,})", None),
         ("step time (median)", lambda s: human_ms(s.step_time_s), "step_time_s"),
-        ("samples/s (median)", lambda s: human_number(s.samples_per_s, 1),
+        ("samples/s (median)", lambda s: human_sig(s.samples_per_s),
          "samples_per_s")]
     if any(s.tokens_per_s is not None for s in segments):
-        figures.append(("tokens/s (median)", lambda s: human_number(s.tokens_per_s),
+        figures.append(("tokens/s (median)", lambda s: human_sig(s.tokens_per_s),
                         "tokens_per_s"))
     figures += [
         ("data wait share", lambda s: "-" if s.data_wait_share is None

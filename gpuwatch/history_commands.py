@@ -21,7 +21,34 @@ from agent.protocol import printable
 from agent.runs import list_runs
 from gpuwatch import history
 from gpuwatch.history import LogFiles, RunSummary
-from gpuwatch.units import human_age, human_bytes, human_number
+from gpuwatch.units import human_age, human_bytes, human_number, human_sig
+
+
+def add_run_argument(parser: argparse.ArgumentParser, help: str, *,
+                     metavar: str = "RUN", several: bool = False) -> None:
+    """The run a subcommand acts on, given as every subcommand takes it: positionally or
+    as ``--run`` (:func:`resolve_run_arguments` merges them into ``args.run``, or
+    ``args.runs`` with ``several``)."""
+    if several:
+        parser.add_argument("runs", nargs="*", metavar=metavar, help=help)
+        parser.add_argument("--run", dest="run_options", action="append", default=[],
+                            metavar="RUN", help="a run (again for a second one)")
+    else:
+        parser.add_argument("run", nargs="?", metavar=metavar, help=help)
+        parser.add_argument("--run", dest="run_option", metavar="RUN",
+                            help="the same, as `set` and `tail` take it")
+
+
+def resolve_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
+                          ) -> None:
+    """Fold ``--run`` into the positional run (see :func:`add_run_argument`); two
+    different runs given both ways are an error of usage."""
+    if getattr(args, "run_option", None):
+        if args.run and args.run != args.run_option:
+            parser.error(f"two runs given: {args.run!r} and --run {args.run_option!r}")
+        args.run = args.run_option
+    if getattr(args, "run_options", None):
+        args.runs = [*args.runs, *args.run_options]
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -33,8 +60,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                     "every knob change marked, the table of segments between changes, "
                     "and the run's environment report. Needs matplotlib "
                     "(pip install 'gpuwatch[report]').")
-    report.add_argument("run", metavar="RUN|FILE",
-                        help="run id or unique prefix (live or finished), or a run log")
+    add_run_argument(report, "run id or unique prefix (live or finished), or a run log",
+                     metavar="RUN|FILE")
     report.add_argument("-o", "--output", type=Path, metavar="FILE", required=True,
                         help="the HTML file to write")
     report.add_argument("--rank", type=int, default=None,
@@ -47,8 +74,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                     "values), or, with one run, the segments before and after each of "
                     "its knob changes: median step time, samples/s (tokens/s), data "
                     "wait share, memory and the loss trend.")
-    compare.add_argument("runs", nargs="+", metavar="RUN|FILE",
-                         help="one run (its changes) or two runs")
+    add_run_argument(compare, "one run (its changes) or two runs", metavar="RUN|FILE",
+                     several=True)
     compare.add_argument("--json", action="store_true", help="print the figures as JSON")
     compare.set_defaults(handler=_compare)
 
@@ -59,8 +86,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                     "(needs pandas; Parquet also pyarrow). --prometheus HOST:PORT: serve "
                     "gpuwatch_* metrics of every live run of this user at "
                     "http://HOST:PORT/metrics until Ctrl-C (needs prometheus_client).")
-    export.add_argument("run", nargs="?", metavar="RUN|FILE",
-                        help="run id, unique prefix or run log (for --csv/--parquet)")
+    add_run_argument(export, "run id, unique prefix or run log (for --csv/--parquet)",
+                     metavar="RUN|FILE")
     formats = export.add_mutually_exclusive_group(required=True)
     formats.add_argument("--csv", action="store_true",
                          help="write <out>.steps.csv and <out>.events.csv")
@@ -119,8 +146,8 @@ def print_all_runs(as_json: bool) -> int:
             if summary.started_at else "-",
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_number(summary.steps),
-            "-" if summary.final_loss is None else f"{summary.final_loss:.4g}",
-            "-" if best is None else human_number(best, 1 if best < 100 else 0) + unit,
+            human_sig(summary.final_loss),
+            "-" if best is None else human_sig(best) + unit,
             str(summary.knob_changes), human_bytes(summary.log_bytes),
             _state(summary)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
@@ -146,6 +173,10 @@ def _report(args: argparse.Namespace) -> int:
         from gpuwatch import report
     except ImportError as exc:
         return _missing("report", "report", exc)
+    if not args.run:
+        print("gpuwatch report: which run? give RUN or --run RUN (see `gpuwatch runs "
+              "--all`)", file=sys.stderr)
+        return 2
     log = _log_or_say(args.run, args.rank, "report")
     if log is None:
         return 1
@@ -164,7 +195,7 @@ def _report(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from gpuwatch import compare
 
-    if len(args.runs) > 2:
+    if not 1 <= len(args.runs) <= 2:
         print("gpuwatch compare: give one run (its knob changes) or two runs",
               file=sys.stderr)
         return 2

@@ -307,6 +307,9 @@ class RunState:
         self.activation_history: deque[tuple[int | None, float]] = deque(
             maxlen=ACTIVATION_HISTORY)
         self.compiling_since: float | None = None
+        #: how long each compile of this run took (s, as the dashboard saw it), oldest
+        #: first: the estimate shown while the next one runs
+        self.compile_durations_s: list[float] = []
         self._compiling_until_step: int | None = None
         self.agent_records_dropped = 0
         self.agent_errors = 0
@@ -712,7 +715,7 @@ class RunState:
         if self.compiling_since is not None and (
                 self._compiling_until_step is None
                 or (step is not None and step >= self._compiling_until_step)):
-            self.compiling_since = None  # the step that compiled has completed
+            self._compile_ended(now)  # the step that compiled has completed
         if knobs:
             self._set_knobs(knobs, now)
         elif raw_knobs is not None and knobs is None:
@@ -796,7 +799,7 @@ class RunState:
         if self.compiling_since is not None and (
                 self._compiling_until_step is None
                 or (type(step) is int and step >= self._compiling_until_step)):
-            self.compiling_since = None  # the step that compiled has completed
+            self._compile_ended(now)  # the step that compiled has completed
         raw_knobs = common.get("knobs")
         knobs = self._step_knobs(raw_knobs) if isinstance(raw_knobs, dict) else None
         if knobs:
@@ -844,7 +847,14 @@ class RunState:
             step = body.get("step")  # the step it compiles in, when the agent says
             self._compiling_until_step = step if type(step) is int else None
         elif kind in _KIND.COMPILE_ENDED:
-            self.compiling_since = None
+            self._compile_ended(now)
+
+    def _compile_ended(self, now: float) -> None:
+        """The compile under way (if any) is over: keep how long it took."""
+        if self.compiling_since is not None:
+            self.compile_durations_s = [*self.compile_durations_s[-9:],
+                                        max(0.0, now - self.compiling_since)]
+        self.compiling_since = None
 
     def _fold_tune(self, body: dict[str, Any], now: float) -> None:
         candidates = body.get("candidates")

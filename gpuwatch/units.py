@@ -6,6 +6,11 @@ import math
 from typing import Any
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+#: Decimals :func:`human_sig` writes at most (smaller numbers read as ``0``).
+_MAX_DECIMALS = 12
+#: (unit, seconds per unit, how many of it make the next unit).
+_DURATION_UNITS = (("ms", 1e-3, 1000.0), ("s", 1.0, 60.0), ("min", 60.0, 60.0),
+                   ("h", 3600.0, math.inf))
 
 
 def knob_text(value: Any) -> str:
@@ -47,11 +52,42 @@ def human_age(age_s: float) -> str:
     return f"{total // 3600}h{total % 3600 // 60:02d}m"
 
 
-def human_ms(value_s: float | None) -> str:
-    """Seconds as milliseconds: ``0.0123`` -> ``"12.3 ms"``; None -> ``"-"``."""
-    if value_s is None or not math.isfinite(value_s):
+def human_sig(value: float | None, digits: int = 3) -> str:
+    """A number with ``digits`` significant digits, never in scientific notation, with
+    thousands separators: ``2.0391`` -> ``"2.04"``, ``11234.5`` -> ``"11,234"`` (a
+    number of ``digits`` or more integer digits keeps them all), ``0.0003`` ->
+    ``"0.000300"``; None or non-finite -> ``"-"``. The one form of every measured
+    number a person reads on the dashboard (step times, loss, rates, norms)."""
+    if value is None or isinstance(value, bool) or not math.isfinite(value):
         return "-"
-    return f"{value_s * 1e3:.1f} ms"
+    if value == 0:
+        return "0"
+    magnitude = math.floor(math.log10(abs(value)))
+    decimals = min(max(digits - 1 - magnitude, 0), _MAX_DECIMALS)
+    text = f"{value:,.{decimals}f}"
+    if decimals and float(text.replace(",", "")) != 0 and \
+            math.floor(math.log10(abs(float(text.replace(",", ""))))) > magnitude:
+        text = f"{value:,.{decimals - 1}f}"  # rounding carried a digit: 9.995 -> 10.0
+    return "0" if float(text.replace(",", "")) == 0 else text
+
+
+def human_duration(value_s: float | None) -> str:
+    """A duration in seconds with 3 significant digits in the unit that reads best:
+    ``0.0123`` -> ``"12.3 ms"``, ``11.2`` -> ``"11.2 s"``, ``150`` -> ``"2.50 min"``,
+    ``7200`` -> ``"2.00 h"``; None or non-finite -> ``"-"``."""
+    if value_s is None or isinstance(value_s, bool) or not math.isfinite(value_s):
+        return "-"
+    for unit, scale, next_unit in _DURATION_UNITS:
+        text = human_sig(value_s / scale)
+        if abs(float(text.replace(",", ""))) < next_unit:  # as written: 999.6 ms is 1.00 s
+            break
+    return f"{text} {unit}"
+
+
+def human_ms(value_s: float | None) -> str:
+    """Seconds as a person reads them (see :func:`human_duration`): ``0.0123`` ->
+    ``"12.3 ms"``, ``11.2`` -> ``"11.2 s"``; None -> ``"-"``."""
+    return human_duration(value_s)
 
 
 def human_number(value: float | None, digits: int = 0) -> str:

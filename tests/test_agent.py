@@ -320,7 +320,7 @@ def test_kernel_backend_switches_live_and_triton_is_refused_without_cuda(run_dir
     kinds = [m["body"].get("kind") for m in seen if m["type"] == "event"]
     assert "compiling" in kinds and "compiled" in kinds
     texts = [m["body"]["text"] for m in seen if m["type"] == "event"]
-    assert any(t.startswith("checkpointing=true applied at step") for t in texts), texts
+    assert any(t.startswith("checkpointing=on applied at step") for t in texts), texts
     last = [m["body"] for m in seen if m["type"] == "step"][-1]
     assert last["knobs"]["kernels"] == "compile" and last["knobs"]["checkpointing"] is True
     assert last["loss"] == last["loss"]  # finite: training went on

@@ -133,3 +133,39 @@ def test_each_command_help_names_itself(command):
     result = gpuwatch(command, "--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"usage: gpuwatch {command} [-h]"), result.stdout
+
+
+def test_version():
+    result = gpuwatch("--version")
+    assert result.returncode == 0 and result.stdout.startswith("gpuwatch ")
+
+
+@pytest.mark.parametrize("command", ["attach", "set", "tail", "report", "compare",
+                                     "export"])
+def test_every_command_that_takes_a_run_takes_dash_dash_run(command):
+    result = gpuwatch(command, "--help")
+    assert result.returncode == 0 and "--run RUN" in result.stdout, result.stdout
+
+
+def test_dash_dash_run_names_the_run_of_the_dashboard_and_the_history_commands(run_dir):
+    for args in (["--run", "nonesuch"], ["attach", "--run", "nonesuch"],
+                 ["report", "--run", "nonesuch", "-o", "x.html"]):
+        result = gpuwatch(*args)
+        assert result.returncode == 1 and "nonesuch" in result.stderr, (args, result)
+    both = gpuwatch("report", "one", "--run", "other", "-o", "x.html")
+    assert both.returncode == 2 and "two runs given" in both.stderr
+
+
+def test_tail_spells_booleans_as_the_dashboard_and_set_do(fake_agent):
+    fake_agent.knobs["pin_memory"] = False
+    result = gpuwatch("tail", "--count", "3")
+    assert "pin_memory=off" in result.stdout and "False" not in result.stdout
+
+
+def test_no_ui_progress_line_reads_at_a_glance():
+    from gpuwatch.cli import _progress_line
+
+    assert _progress_line(None, 3) == "demo: no step yet (3s)"
+    line = _progress_line({"step": 1200, "step_time_s": 0.2884, "samples_per_s": 109.2,
+                           "loss": 2.0391}, 310)
+    assert line == "demo: step 1,200  288 ms/step  109 samples/s  loss 2.04  (5m10s)"

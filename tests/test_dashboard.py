@@ -10,13 +10,12 @@ import time
 import msgpack
 import pytest
 import zmq
+from textual.geometry import Region
+from textual.widgets import Footer
 
 from agent import protocol
 from agent.knobs import STANDARD_KNOBS
 from agent.runs import RunInfo
-from textual.geometry import Region
-from textual.widgets import Footer
-
 from gpuwatch import state as state_module
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.client import Subscriber, send_command
@@ -425,13 +424,55 @@ async def test_keys_of_knobs_the_run_lacks_are_hidden_and_send_nothing(make_agen
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: knows(app, "accum_steps"))
         await until(pilot, lambda: "p" not in shown_keys(app))
-        assert shown_keys(app) == {"a", "A", "r", "question_mark", "q"}
+        assert shown_keys(app) == {"a", "A", "question_mark", "q", "colon"}
         await pilot.press("p", "w", "W", "m", "k", "c")
         await pilot.pause()
-        assert not any("sent" in text for text in log_texts(app))
-        assert "no loader knobs in this run" in text_of(app, "#data")
+        assert not any(text.startswith("sent") for text in log_texts(app))
+        assert "no loader knobs" in text_of(app, "#data")
     with pytest.raises(queue.Empty):
         agent.commands.get_nowait()
+
+
+@pytest.mark.parametrize("key, knob", [
+    ("p", "precision"), ("a", "accum_steps"), ("A", "accum_steps"), ("w", "num_workers"),
+    ("W", "num_workers"), ("m", "pin_memory"), ("k", "kernels"), ("c", "checkpointing"),
+    ("l", "lr_scale"), ("L", "lr_scale"), ("g", "max_grad_norm")])
+async def test_each_key_on_a_run_without_its_knob_says_why_in_the_log(make_agent, key,
+                                                                     knob):
+    agent = make_agent(knobs={"weight_decay": 0.0})  # none of the keys' knobs
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "weight_decay"))
+        await until(pilot, lambda: key not in shown_keys(app))  # hidden from the footer
+        await pilot.press(key)
+        expected = f"this run has no knob {knob} (it has: weight_decay); nothing sent"
+        await until(pilot, lambda: expected in log_texts(app))
+        await until(pilot, lambda: expected in "".join(
+            line.text for line in app.query_one("#log").lines))  # on screen
+    assert agent.commands.empty()
+
+
+async def test_k_says_which_kernels_it_skips_and_why(make_agent):
+    agent = make_agent(knobs={"kernels": "eager"})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "kernels"))
+        with app.source.lock:  # as a run on CPU offers them
+            spec = dict(app.source.state.schema["kernels"])
+            spec["unavailable"] = {"compile": "needs a C compiler"}
+            app.source.state.schema = {**app.source.state.schema, "kernels": spec}
+        await pilot.press("k")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("kernels", "triton")
+        assert "kernels=compile skipped: needs a C compiler" in log_texts(app)
+
+
+async def test_keys_before_the_schema_say_why():
+    _, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("p", "s")
+        assert log_texts(app).count("no knob schema from the run yet; nothing sent") == 1
+        assert "this run has no checkpoint command; nothing sent" in log_texts(app)
 
 
 LOADER = {"num_workers": 0, "pin_memory": False, "prefetch_factor": 2}
@@ -450,7 +491,7 @@ async def test_w_and_m_send_loader_knobs_within_bounds(make_agent):
         await pilot.press("m")
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("pin_memory", True)
-        assert "sent pin_memory=true" in log_texts(app)
+        assert "sent pin_memory=on" in log_texts(app)
         await until(pilot, lambda: "num_workers     1" in text_of(app, "#data")
                     and "pin_memory      on" in text_of(app, "#data"))
         assert "num_workers" not in text_of(app, "#knobs")  # shown once, in the data panel
@@ -514,8 +555,10 @@ async def test_one_stall_does_not_flatten_the_step_time_chart():
         await until(pilot, lambda: "off scale" in "\n".join(shown_lines(app, "#timing")))
         await pilot.pause(0.3)
         chart = "\n".join(shown_lines(app, "#timing"))
-        assert "max 1500 off scale" in chart
-        y_labels = [float(line.split("┤")[0]) for line in chart.splitlines() if "┤" in line]
+        assert "max 1.50 s off scale" in chart
+        assert "▲" in chart.split("\n", 1)[1]  # the stall, marked at the axis' end
+        y_labels = [float(line.split("┤")[0].replace(",", ""))
+                    for line in chart.splitlines() if "┤" in line]
         assert max(y_labels) < 40, y_labels  # the axis ends near the 21 ms steps
         loss = "\n".join(shown_lines(app, "#loss"))
         assert "off scale" not in loss  # the loss chart shows every value
@@ -615,8 +658,8 @@ async def test_lr_clip_and_checkpoint_keys_send_commands_and_the_panel_shows_the
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: knows(app, "max_grad_norm") and "step" in text_of(app, "#header"))
-        await until(pilot, lambda: "lr   3.0e-04" in text_of(app, "#knobs"))
-        assert "clip 1 norm 0.83" in text_of(app, "#knobs")
+        await until(pilot, lambda: "lr   0.000300" in text_of(app, "#knobs"))
+        assert "clip 1 norm 0.834" in text_of(app, "#knobs")
         sent = []
         for key in ("l", "l", "L", "g", "g"):
             await pilot.press(key)
@@ -650,6 +693,12 @@ async def test_help_lists_every_binding_that_acts(make_agent):
             else:
                 assert binding.description in listed and binding.tooltip in listed
         assert "^p" in listed
+        panels = "\n".join(str(cell.content)
+                           for cell in app.screen.query("#help-panels Static"))
+        for text in ("step time & data wait", "inside the data loader's next()",
+                     "activation memory", "input-bound", "compute-bound", "proc",
+                     "▲", "knobs", "events"):  # each panel and what its numbers mean
+            assert text in panels, text
         await pilot.press("escape")
         assert not isinstance(app.screen, HelpScreen)
     poorer = GpuwatchApp(LiveSource(make_agent(knobs={"accum_steps": 1}).info))
@@ -672,6 +721,8 @@ async def test_command_palette_runs_binding_commands(fake_agent):
         await pilot.press("enter")
         command = await next_command(fake_agent)
         assert (command["knob"], command["value"]) == ("accum_steps", 2)
+        titles = [command.title for command in app.get_system_commands(app.screen)]
+        assert "Quit" not in titles and "Keys" not in titles and "Maximize" not in titles
 
 
 def shown_lines(app, selector):
@@ -699,7 +750,7 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
     async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: "GPU NVIDIA H200" in text_of(app, "#system")
                     and "proc 98%" in text_of(app, "#system")
-                    and "checkpointing" in text_of(app, "#knobs")
+                    and "accum_steps" in text_of(app, "#knobs")
                     and "partly" in text_of(app, "#data"))
         await until(pilot, lambda: app.query_one("#panels").size.width == width)
         await pilot.pause(0.3)  # a redraw at the laid-out width
@@ -731,10 +782,12 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         assert "checkpoint " not in shown["#knobs"]  # a command, not a setting
         keys = app.query_one(Footer).query("FooterKey")
         assert {key.key for key in keys} >= {"p", "a", "A", "w", "W", "m", "k", "c", "l",
-                                              "L", "g", "r", "question_mark", "q"}
+                                              "L", "g", "question_mark", "q"}
         for key in keys:  # every key in sight
             assert key.region.right <= width and key.region.y == height - 1, key.key
-        assert "step ms" in app.query_one("#timing").render().plain
+        timing_title = app.query_one("#timing").render().plain.split("\n")[0]
+        assert "step time" in timing_title and "data wait" in timing_title, timing_title
+        assert "ms" in timing_title, timing_title  # the unit, at every size
         assert "loss" in app.query_one("#loss").render().plain
         assert "samples/s" in text_of(app, "#throughput .value")
 
@@ -760,7 +813,8 @@ async def test_header_says_first_when_ranks_train_with_different_knobs(make_agen
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: "KNOBS DIFFER" in text_of(app, "#header"))
         header = text_of(app, "#header")
-        assert header.startswith("gpuwatch  KNOBS DIFFER at step ")
+        # first (the dashboard's own name gives way when the header does not fit)
+        assert header.removeprefix("gpuwatch  ").startswith("KNOBS DIFFER at step ")
         assert "accum_steps 1 (rank 0) vs 2 (rank 1)" in header
 
 
@@ -789,3 +843,127 @@ def test_applied_event_updates_the_knob_before_the_next_step_record():
                                     "step": 3, "text": "precision=fp16 applied at step 3"}),
                  2.0)
     assert state.knobs["precision"] == "fp16" and state.pending == {}
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40)])
+async def test_every_size_keeps_header_feedback_knobs_and_quit_in_view(make_agent, size):
+    """The layout folds by priority: the header (live state, step, run), the answer to
+    the last key, the knobs and q stay in view; charts and the other panels give way."""
+    agent = make_agent(knobs=dict(EVERY_KNOB))
+    app = GpuwatchApp(LiveSource(agent.info))
+    width, height = size
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: knows(app, "precision") and knows(app, "kernels"))
+        await until(pilot, lambda: app.query_one("#panels").size.width == width)
+        await pilot.press("p")
+        await next_command(agent)
+        await pilot.pause(0.3)  # a redraw at the laid-out size
+        assert app.screen.max_scroll_y == 0
+        header = shown_lines(app, "#header")[0]
+        assert "● live" in header and "step " in header and agent.run_id in header, header
+        footer = {key.key: key for key in app.query_one(Footer).query("FooterKey")}
+        for key in ("q", "question_mark"):
+            assert footer[key].region.right <= width and footer[key].region.y == height - 1
+        knobs = "\n".join(shown_lines(app, "#knobs"))
+        for text in ("precision", "accum_steps", "lr", "clip"):
+            assert text in knobs, knobs
+        assert "precisi…" not in knobs
+        feedback = "precision=fp16"  # sent, accepted or applied (EVERY_KNOB has bf16)
+        if height < 24:  # the log folds into its newest line
+            assert not app.query_one("#log").display
+            assert feedback in "".join(shown_lines(app, "#last"))
+        else:
+            log = app.query_one("#log")
+            assert any(feedback in line for line in shown_lines(app, "#log")) or any(
+                feedback in line.text for line in log.lines[int(log.scroll_y):])
+        for widget in ("#timing", "#loss"):
+            assert app.query_one(widget).region.height >= 4, widget
+
+
+async def test_command_line_sends_a_typed_value_with_completion_from_the_schema(make_agent):
+    agent = make_agent(knobs={"precision": "fp32", "accum_steps": 1, "kernels": "eager"})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "accum_steps") and knows(app, "kernels"))
+        assert "colon" in shown_keys(app)
+        await pilot.press("colon")
+        line = app.query_one("#command")
+        assert line.display and app.focused is line
+        await pilot.press(*"acc", "tab")  # completed from the run's schema
+        await until(pilot, lambda: line.value == "accum_steps=")
+        await pilot.press("8", "enter")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("accum_steps", "8")  # as `set`
+        assert not line.display and app.focused is not line
+        await until(pilot, lambda: "accum_steps 8" in " ".join(
+            text_of(app, "#knobs").split()))
+        await pilot.press("colon", *"kernels=c", "tab")  # a choice's value completes too
+        await until(pilot, lambda: line.value == "kernels=compile")
+        await pilot.press("escape")  # closes unsent
+        assert not line.display and agent.commands.empty()
+        await pilot.press("colon", *"nonsense", "enter")
+        assert "expected KNOB=VALUE, got 'nonsense'; nothing sent" in log_texts(app)
+        await pilot.press("colon", *"accum_steps=zero", "enter")  # the run checks it
+        command = await next_command(agent)
+        await until(pilot, lambda: any(text.startswith("rejected: accum_steps")
+                                       for text in log_texts(app)))
+
+
+async def test_command_line_replies_as_gpuwatch_set(make_agent, capsys):
+    from gpuwatch.cli import main
+    agent = make_agent(knobs={"accum_steps": 1})
+    assert main(["set", "accum_steps=zero", "--run", agent.run_id]) == 1
+    refused = capsys.readouterr().err.strip()
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "accum_steps"))
+        await pilot.press("colon", *"accum_steps=zero", "enter")
+        await until(pilot, lambda: refused in log_texts(app))
+
+
+def test_state_keeps_how_long_each_compile_took():
+    state = RunState()
+    state.ingest(envelope("event", {"kind": "compiling", "text": "compiling the model"}),
+                 10.0)
+    state.ingest(envelope("event", {"kind": "compiled", "text": "compiled"}, seq=1), 94.0)
+    state.ingest(envelope("event", {"kind": "compiling", "text": "compiling"}, seq=2),
+                 100.0)
+    assert state.compile_durations_s == [84.0] and state.compiling_since == 100.0
+
+
+async def test_compile_shows_its_time_so_far_the_last_compile_and_the_compiler_cpu():
+    source, app = _silent_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        with source.lock:
+            now = time.monotonic()
+            source.state.ingest(envelope("step", {"step": 1}), now - 200)
+            source.state.ingest(envelope("event", {"kind": "compiling", "step": 2}, seq=1),
+                                now - 190)
+            source.state.ingest(envelope("event", {"kind": "compiled"}, seq=2), now - 106)
+            source.state.ingest(envelope("event", {"kind": "compiling", "step": 9}, seq=3),
+                                now - 30)
+            source.state.ingest(envelope("system", {
+                "cpu_pct": 99.0, "process_cpu_pct": 38.0, "children_cpu_pct": 350.0},
+                seq=4), now)
+        await until(pilot, lambda: "(last took 1m24s)" in text_of(app, "#header"))
+        assert "compiling… 30s" in text_of(app, "#header")
+        # the compiler's processes count in the host panel (torch.compile's workers)
+        await until(pilot, lambda: "CPU 99% proc 388%\n  children 350%" in text_of(app, "#system"))
+
+
+async def test_throughput_shows_a_speed_up_that_a_few_fast_steps_do_not_hide():
+    # before: 100 samples/s with a fast step (a prefetched batch) in five; after: 300
+    source, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        with source.lock:
+            for step in range(1, 201):
+                rate = (2000.0 if step % 5 == 0 else 100.0) if step <= 100 else 300.0
+                source.state.ingest(envelope("step", {"step": step,
+                                                      "samples_per_s": rate}))
+        await until(pilot, lambda: "300 samples/s" in text_of(app, "#throughput .value"))
+        await pilot.pause(0.3)  # a redraw at the laid-out width
+        bars = text_of(app, "#throughput .spark").split()[-1]
+        from gpuwatch.widgets.panel import SPARK_BARS
+        levels = [SPARK_BARS.index(bar) for bar in bars if bar in SPARK_BARS]
+        half = len(levels) // 2
+        assert max(levels[:half - 1]) < min(levels[half + 1:]), bars

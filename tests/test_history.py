@@ -188,7 +188,7 @@ def test_runs_all_lists_finished_killed_and_live_runs(run_dir, fake_agent):
     by_run = {row.split()[0]: row for row in rows}
     assert set(by_run) == {RUN, "20250102-000000-dead", fake_agent.info.run_id}
     finished = by_run[RUN].split()
-    assert finished[1] == "replayed" and finished[5:7] == ["30", "0.06667"]
+    assert finished[1] == "replayed" and finished[5:7] == ["30", "0.0667"]
     assert finished[-1] == "finished" and finished[-4] == "1"  # one knob change
     assert by_run["20250102-000000-dead"].endswith("no bye (killed?)")
     assert by_run[fake_agent.info.run_id].endswith("live")
@@ -268,7 +268,8 @@ async def test_timeline_keys_move_every_panel_and_mark_the_changes(tmp_path):
                 " ".join(text_of(app, "#knobs").split()))
 
     async with app.run_test(size=(120, 40)) as pilot:
-        await until(pilot, lambda: "● ended" in text_of(app, "#header"))
+        await until(pilot, lambda: "● ended" in text_of(app, "#header")
+                    and "┃" in text_of(app, "#timeline"))  # drawn at its laid-out width
         header, bar, _ = shown()
         assert "step 80 " in header and bar.startswith("step 80 of 80")
         assert bar.count("┃") == 2 and "no later change" in bar
@@ -305,8 +306,8 @@ async def test_timeline_keys_move_every_panel_and_mark_the_changes(tmp_path):
                                        "ratio"]
         rows = {" ".join(row.split()[:2]): row.split()[2:] for row in compared[1:]}
         assert rows["precision fp32"] == ["bf16"]
-        assert rows["step time"] == ["(median)", "100.0", "ms", "50.0", "ms", "x0.50"]
-        assert rows["samples/s (median)"] == ["320.0", "640.0", "x2.00"]
+        assert rows["step time"] == ["(median)", "100", "ms", "50.0", "ms", "x0.50"]
+        assert rows["samples/s (median)"] == ["320", "640", "x2.00"]
         await pilot.press("escape")
         await pilot.press("comma", "comma")
         assert "step 50 " in text_of(app, "#header")
@@ -323,7 +324,7 @@ async def test_timeline_keys_move_every_panel_and_mark_the_changes(tmp_path):
         shown_keys = {key for key, active in app.active_bindings.items()
                       if active.binding.show}
         assert shown_keys == {"left", "right", "left_square_bracket", "right_square_bracket",
-                              "comma", "full_stop", "home", "end", "v", "r", "question_mark",
+                              "comma", "full_stop", "home", "end", "v", "question_mark", "colon",
                               "q"}
 
 
@@ -342,7 +343,7 @@ async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_age
         await until(pilot, lambda: table.row_count == 3)
         runs = [table.get_row_at(index)[0] for index in range(3)]
         assert runs == [fake_agent.info.run_id, "20250102-000000-0002", RUN]  # newest first
-        assert table.get_row_at(1)[4:8] == ["35", "0.05714", "320", "1"]
+        assert table.get_row_at(1)[4:8] == ["35", "0.0571", "320", "1"]
         await pilot.press("down", "enter")  # the second: finished, opens on a timeline
         await until(pilot, lambda: "step 35 of 35" in text_of(app, "#timeline"))
         assert "step 35 " in text_of(app, "#header")  # (its records name RUN as run)

@@ -508,3 +508,35 @@ def test_the_data_verdict_says_whether_idle_cpu_exists_for_more_workers():
     state.ingest(protocol.envelope("step", {"step": 2, "input_verdict": "compute-bound"},
                                    run="r"))
     assert input_advice(state, 80) is None
+
+
+def test_cpu_threads_warns_while_the_model_is_compiled_so_the_search_skips_it():
+    """torch.compile guards on the thread count: a change recompiles (a stall of tens of
+    seconds that the search would measure as the candidate's)."""
+    from agent.adapters import cpu_threads_knob
+    from agent.knobs import KERNELS
+
+    mode = {"kernels": "eager"}
+    knobs = KnobSet()
+    knobs.add(Knob(KERNELS, get=lambda: mode["kernels"],
+                   set=lambda value: mode.update(kernels=value)))
+    knobs.add(cpu_threads_knob(knobs))
+    warn = knobs.knobs["cpu_threads"].warn
+    other = 1 if torch.get_num_threads() != 1 else 2
+    assert warn(other) is None
+    mode["kernels"] = "compile"
+    assert "torch.compile guards on the thread count" in warn(other)
+    assert warn(torch.get_num_threads()) is None  # no change: nothing recompiles
+
+
+def test_a_candidates_verdict_has_a_line_of_its_own_so_it_is_never_cut():
+    from gpuwatch.widgets.tune import candidate_line
+
+    reason = "not faster beyond noise: +12% (-19% to +55%) (632 ± 97 samples/s over 25 steps)"
+    line = candidate_line({"knob": "num_workers", "value": 2, "per_s": 632.0,
+                           "per_s_spread": 97.0, "gain": 0.12, "gain_spread": 0.37,
+                           "steps": 25, "state": "reverted", "reason": reason}, "samples")
+    first, second = line.plain.split("\n")
+    assert first.split() == ["num_workers=2", "632", "±", "97", "samples/s", "+12%", "±",
+                             "37%", "25"]
+    assert second == f"    reverted: {reason}"

@@ -837,7 +837,7 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
                   for optimizer in _prepared_optimizers(accelerator)]
     run._memory = MemoryKnobs(accelerator.device, agent.run_id)
     run._memory.bind(run.knobs)
-    run.knobs.add(cpu_threads_knob())
+    run.knobs.add(cpu_threads_knob(run.knobs))
     if resume_from is not None:
         run.resume(resume_from)
     agent.refresh_knobs()

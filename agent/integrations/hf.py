@@ -194,7 +194,7 @@ class _Run:
                            transport=transport, **options)
         self.memory = MemoryKnobs(self.device, self.agent.run_id)
         self.memory.bind(knobs)
-        knobs.add(cpu_threads_knob())
+        knobs.add(cpu_threads_knob(knobs))
         self._bind_checkpoint(knobs, checkpoint_dir)
         self.agent.refresh_knobs()
         self._install()

@@ -539,7 +539,7 @@ class _Run:
             self._bind_checkpoint(knobs)
             self.memory = MemoryKnobs(self.device, self.agent.run_id)
             self.memory.bind(knobs)
-            knobs.add(cpu_threads_knob())
+            knobs.add(cpu_threads_knob(knobs))
             self.fetch = _FetchTimer(trainer.fit_loop.epoch_loop)
             self.fetch.install()
             restored = self.options.get("restored")

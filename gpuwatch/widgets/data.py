@@ -96,5 +96,5 @@ class DataPanel(Panel):
         if names:
             lines += knob_lines(state, names, now, self.text_width)
         elif state.hello:
-            lines.append(Content.styled("no loader knobs in this run", "$text-muted"))
+            lines.append(Content.styled("no loader knobs", "$text-muted"))
         self.set_content(Content("\n").join(lines))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from rich.text import Text
 from textual.widgets import RichLog
@@ -22,8 +23,30 @@ class EventLog(RichLog):
 
     def __init__(self, *, max_lines: int = 1000, name: str | None = None,
                  id: str | None = None, classes: str | None = None) -> None:
-        super().__init__(max_lines=max_lines, wrap=True, markup=False, name=name, id=id,
-                         classes=classes)
+        # min_width=1: RichLog renders a line at least 78 cells wide by default, and the
+        # cells beyond a narrower log were cut, not wrapped
+        super().__init__(max_lines=max_lines, wrap=True, markup=False, min_width=1,
+                         name=name, id=id, classes=classes)
+        self._entries: deque[Text] = deque(maxlen=max_lines)
+        self._wrapped_at = 0
+
+    def on_resize(self) -> None:
+        """Wrap every entry again at the new width (a line keeps the width it was
+        written at) and keep the newest line in view: it is the answer to the last key
+        pressed."""
+        width = self.scrollable_content_region.width
+        if width != self._wrapped_at and self._entries:
+            self._wrapped_at = width
+            super().clear()
+            for text in self._entries:
+                self.write(text)
+        self.scroll_end(animate=False, immediate=True)
+
+    def clear(self) -> EventLog:
+        """Remove every entry (a timeline moved: its log is drawn afresh)."""
+        self._entries.clear()
+        super().clear()
+        return self
 
     def add(self, entry: LogEntry) -> None:
         """Append one entry, coloured by its level, its control characters made visible
@@ -31,4 +54,7 @@ class EventLog(RichLog):
         variable = LEVEL_COLORS.get(entry.level)
         color = self.app.theme_variables.get(variable, "") if variable else ""
         stamp = time.strftime("%H:%M:%S ", time.localtime(entry.t))  # now when t is None
-        self.write(Text.assemble((stamp, "dim"), (printable(entry.text), color)))
+        text = Text.assemble((stamp, "dim"), (printable(entry.text), color))
+        self._entries.append(text)
+        self._wrapped_at = self.scrollable_content_region.width
+        self.write(text)

@@ -36,32 +36,49 @@ class RunHeader(Panel):
             description: what the source watches, shown while waiting.
             readonly: whether keys send commands.
         """
-        parts: list[str | tuple[str, str]] = [("gpuwatch", "bold $primary"), "  "]
+        full = self._content(state, status, now, description=description,
+                             readonly=readonly, narrow=False)
+        if len(full.plain) + 2 > self.app.size.width > 0:  # what matters first: no name
+            full = self._content(state, status, now, description=description,
+                                 readonly=readonly, narrow=True)
+        self.set_content(full)
+
+    def _content(self, state: RunState, status: str, now: float, *, description: str,
+                 readonly: bool, narrow: bool) -> Content:
+        """The header's text; ``narrow``: without the dashboard's name and ``missed 0``,
+        the device after the run id."""
+        parts: list[str | tuple[str, str]] = [] if narrow else [
+            ("gpuwatch", "bold $primary"), "  "]
         if status == "waiting":
             parts.append((f"waiting for {description} ...", STATUS_STYLES[status]))
         else:
             label = status
             if status == "compiling" and state.compiling_since is not None:
                 label = f"compiling… {human_age(now - state.compiling_since)}"
+                if state.compile_durations_s:  # the run's own earlier compile
+                    label += f" (last took {human_age(state.compile_durations_s[-1])})"
             parts += [(f"● {label}", STATUS_STYLES[status]), "  "]
             if readonly:
                 parts += [("read-only", "$warning"), "  "]
-            parts += [f"step {human_number(state.step)}", "  "]
+            parts.append((f"step {human_number(state.step)}", "bold"))
             if state.missed or state.malformed:
-                parts.append((f"missed {state.missed}" + (
-                    f" malformed {state.malformed}" if state.malformed else ""), "$warning"))
-            else:
-                parts.append("missed 0")
+                parts += ["  ", (f"missed {state.missed}" + (
+                    f" malformed {state.malformed}" if state.malformed else ""), "$warning")]
+            elif not narrow:
+                parts.append("  missed 0")
             if state.agent_records_dropped:
                 parts += ["  ", (f"dropped {state.agent_records_dropped}", "$warning")]
             if state.agent_errors:
                 parts += ["  ", (f"agent errors {state.agent_errors}", "$error")]
             if state.agent_commands_rejected:
                 parts += ["  ", (f"rejected {state.agent_commands_rejected}", "$warning")]
-            for key in ("name", "device"):  # before the run id: what a person reads
+            # what a person reads before the run id; narrow: the device after it
+            for key in ("name",) if narrow else ("name", "device"):
                 if state.hello.get(key):
                     parts += ["  ", (str(state.hello[key]), "bold" if key == "name" else "")]
             parts.append(f"  run {state.run_id}")
+            if narrow and state.hello.get("device"):
+                parts.append(f"  {state.hello['device']}")
             world_size = state.hello.get("world_size")
             if type(world_size) is int and world_size > 1:  # the charts are one rank's
                 parts.append(f" (rank {state.primary_rank} of {world_size}")
@@ -83,9 +100,10 @@ class RunHeader(Panel):
                 differ = state.knobs_differ()
                 if differ is not None:  # said first: it must not be cut off
                     rank, step, knob, shown, other = differ
-                    parts[2:2] = [(f"KNOBS DIFFER at step {step}: {knob} "
+                    at = 0 if narrow else 2  # after the name, when it is shown
+                    parts[at:at] = [(f"KNOBS DIFFER at step {step}: {knob} "
                                    f"{shown} (rank {state.primary_rank}) vs {other} "
                                    f"(rank {rank})", "bold $error"), "  "]
         if readonly and status == "waiting":
             parts += ["  ", ("read-only", "$warning")]
-        self.set_content(Content.assemble(*parts))
+        return Content.assemble(*parts)

@@ -1,19 +1,70 @@
-"""The ``?`` screen: every key of the dashboard with what it does."""
+"""The ``?`` screen: every key of the dashboard with what it does, then what each panel
+shows and what its numbers mean."""
 
 from __future__ import annotations
 
 from textual.actions import parse as parse_action
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Vertical
+from textual.containers import Grid, VerticalScroll
 from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+#: Each panel of the dashboard, top to bottom, and what its numbers mean.
+PANELS = (
+    ("header", (
+        "The run's state (waiting, live, compiling… with the seconds so far, "
+        "stalled: no optimizer step for several step times, quiet: nothing "
+        "heard but the process lives, gone, ended), the last optimizer step, "
+        "records missed on the way to the dashboard, the run's name, device and "
+        "id.")),
+    ("step time & data wait", (
+        "Milliseconds per optimizer step (GPU time on CUDA, the host clock on "
+        "CPU) and, of it, the time the loop waited inside the data loader's "
+        "next(). ▲ marks a step beyond the axis' end (a compile, a checkpoint "
+        "save): the title gives the largest. Orange lines: knob changes.")),
+    ("loss", (
+        "The training loss the run reports, per optimizer step.")),
+    ("throughput", (
+        "Samples per second (tokens per second for token models) over the kept "
+        "steps, from 0; ▲: a few outlying steps drawn full rather than "
+        "flattening the rest. The number: the last step's.")),
+    ("memory", (
+        "CUDA: alloc = held by tensors, rsvd = reserved by PyTorch's caching "
+        "allocator, peak = peak reserved, as % of the GPU's memory. RSS: the "
+        "training process's host memory. activ: activation memory, the bytes "
+        "one micro-batch saves for backward (parameters not counted), measured "
+        "every few steps and after each change; 'was' = before the last change. "
+        "The bars: the footprint over the last N steps, each bar the largest of "
+        "its steps.")),
+    ("host & GPU", (
+        "CPU: the host, % of all cores; proc: the training process, 100% = one "
+        "core busy. RAM of the host. One line per GPU: utilisation, memory "
+        "used/total, power/limit, temperature, SM clock; or why there is no GPU "
+        "data (gpuwatch doctor tells more).")),
+    ("data", (
+        "The input verdict: input-bound (the loop waits for data ≥ 50% of the "
+        "step time), partly input-bound (≥ 20%), compute-bound (less), over the "
+        "agent's window of 20 steps; wait: that share, and one bar per step "
+        "(0-100%). Then the loader's knobs: num_workers, pin_memory, "
+        "prefetch_factor.")),
+    ("knobs", (
+        "Every other knob of the run and its value, green for 10 s after a "
+        "change; '-> v (at step N)' while a command waits for its step; lr: the "
+        "learning rate the last step used (and lr_scale when not 1); clip: "
+        "max_grad_norm and the last gradient norm. '+N more': the ones that do "
+        "not fit (: sets any).")),
+    ("events", (
+        "Commands sent, the run's replies and applied changes, warnings; the "
+        "newest line alone when the terminal is short (gpuwatch tail shows "
+        "all).")),
+)
+
 
 class HelpScreen(ModalScreen[None]):
-    """Lists the app's bindings that act here (key, description, longer help); any
-    listed key closes."""
+    """Lists the app's bindings that act here (key, description, longer help), then
+    what each panel shows (:data:`PANELS`); any listed key closes."""
 
     BINDINGS = [
         Binding("escape,q,question_mark", "dismiss", "close", id="help.close"),
@@ -25,7 +76,7 @@ class HelpScreen(ModalScreen[None]):
                     and app.check_action(*parse_action(b.action)[1:]) is not False]
         bindings.append(Binding(app.COMMAND_PALETTE_BINDING, "command_palette",
                                 "commands", tooltip="Command palette: search every command"))
-        with Vertical(id="help"):
+        with VerticalScroll(id="help"):  # up, down, page up/down, home, end scroll it
             with Grid(id="help-keys"):  # a long help wraps inside its own column
                 for binding in bindings:
                     yield Static(Content.styled(app.get_key_display(binding),
@@ -33,4 +84,15 @@ class HelpScreen(ModalScreen[None]):
                     yield Static(Content.styled(binding.description, "bold"),
                                  classes="description")
                     yield Static(binding.tooltip, classes="help")
-            yield Static(Content.styled("escape, q or ? closes this screen", "$text-muted"))
+            yield Static(Content.styled("panels", "bold $accent"), classes="heading")
+            with Grid(id="help-panels"):
+                for panel, text in PANELS:
+                    yield Static(Content.styled(panel, "bold"), classes="panel")
+                    yield Static(text, classes="help")
+            yield Static(Content.styled("up/down, page up/down, home/end scroll; escape, q "
+                                        "or ? closes this screen", "$text-muted"))
+
+    def on_mount(self) -> None:
+        help_box = self.query_one("#help")
+        help_box.border_subtitle = "↑ ↓ pgup pgdn scroll · escape closes"
+        help_box.focus()  # the keys scroll it

@@ -9,7 +9,7 @@ from collections.abc import Collection, Sequence
 from textual.content import Content
 
 from gpuwatch.state import RunState
-from gpuwatch.units import knob_text
+from gpuwatch.units import human_sig, knob_text
 from gpuwatch.widgets.panel import Panel
 
 #: A knob whose value changed within this many seconds is highlighted.
@@ -26,14 +26,14 @@ FIRST = ("precision", "accum_steps", "lr_scale", "max_grad_norm")
 def optimizer_texts(state: RunState) -> dict[str, str]:
     """What the optimizer's knobs mean for the steps, from the latest step record:
     ``lr_scale`` as the learning rate the last step used (param group 0) and the scale
-    (``3.0e-04 x0.5``), ``max_grad_norm`` as the threshold (``off`` at 0) and the last
-    step's gradient norm (``1 norm 0.83``). Read ``state`` under the lock."""
+    (``0.000300 x0.5``), ``max_grad_norm`` as the threshold (``off`` at 0) and the last
+    step's gradient norm (``1 norm 0.830``). Read ``state`` under the lock."""
     texts = {}
     step = state.last_step
     scale = state.knobs.get("lr_scale")
     if "lr_scale" in state.knobs:
         lr = step.get("lr")
-        parts = [f"{lr:.1e}"] if isinstance(lr, (int, float)) else []
+        parts = [human_sig(lr)] if isinstance(lr, (int, float)) else []
         if scale != 1 or not parts:
             parts.append(f"x{scale:g}" if isinstance(scale, (int, float)) else f"x{scale}")
         texts["lr_scale"] = " ".join(parts)
@@ -43,7 +43,7 @@ def optimizer_texts(state: RunState) -> dict[str, str]:
         text = "off" if threshold == 0 else (f"{threshold:g}" if isinstance(
             threshold, (int, float)) else str(threshold))
         if isinstance(norm, (int, float)):
-            text += f" norm {norm:.2g}"
+            text += f" norm {human_sig(norm)}"
         texts["max_grad_norm"] = text
     return texts
 
@@ -112,7 +112,8 @@ class KnobsPanel(Panel):
                  and state.schema.get(name, {}).get("kind") != "action"]
         if not names:
             self.set_content(Content.styled(
-                "no other knobs" if shown_elsewhere and state.schema else "no knobs yet",
+                "no other knobs" if shown_elsewhere and state.schema else
+                "no knobs\n(monitor only)" if state.hello else "no knobs yet",
                 "$text-muted"))
             return
         names.sort(key=lambda name: FIRST.index(name) if name in FIRST else len(FIRST))
@@ -121,4 +122,8 @@ class KnobsPanel(Panel):
         at = sum(name in FIRST for name in plain)  # after precision and accum_steps
         lines[at:at] = knob_lines(state, [name for name in names if name in SHOWN_AS], now,
                                   self.text_width, texts=optimizer_texts(state))
+        room = self.content_region.height
+        if room and len(lines) > room:  # say what is cut, and where the rest is
+            lines[room - 1:] = [Content.styled(f"+{len(lines) - room + 1} more (? or :)",
+                                               "$text-muted")]
         self.set_content(Content("\n").join(lines))

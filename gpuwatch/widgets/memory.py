@@ -140,7 +140,7 @@ def _trend(values: list[Any], width: int, *, steps: int | None = None) -> Conten
     stays in view for minutes, not only for the last few dozen steps. ``steps``: the
     steps the values span (default: one value per step)."""
     steps = len(values) if steps is None else steps
-    label = f"last {steps:,} steps " if width >= 28 else ""
+    label = f"last {steps:,} steps " if width >= 28 else "trend "  # never a bare bar
     columns = bucket_max(values, width - len(label))
     return Content.assemble((label, "$text-muted"), (sparkline(columns, len(columns)),
                                                       "$primary"))

@@ -4,7 +4,7 @@ and the one-line text sparkline they draw with (per record, or per bucket of rec
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from textual.content import Content
 from textual.widgets import Static
@@ -61,6 +61,25 @@ def safe_content(content: Content | str) -> Content:
     return content
 
 
+#: :func:`robust_top` ends a scale at this quantile of the values times
+#: :data:`OUTLIER_HEADROOM`, so that a few spikes (a compile, a checkpoint save, a burst
+#: of cached batches) do not flatten every other value; needs :data:`OUTLIER_MIN_VALUES`.
+OUTLIER_QUANTILE = 0.9
+OUTLIER_HEADROOM = 1.5
+OUTLIER_MIN_VALUES = 20
+
+
+def robust_top(values: Sequence[float | None]) -> float | None:
+    """Where a scale of ``values`` should end so that outliers do not flatten the rest
+    (they are drawn at the end and marked), or None when every value fits (too few
+    values, or none beyond the bulk)."""
+    finite = sorted(v for v in values if v is not None and math.isfinite(v))
+    if len(finite) < OUTLIER_MIN_VALUES:
+        return None
+    top = finite[int(OUTLIER_QUANTILE * (len(finite) - 1))] * OUTLIER_HEADROOM
+    return top if finite[-1] > top > 0 else None
+
+
 def sparkline(values: Sequence[float | None], width: int, *,
               high: float | None = None) -> str:
     """The last ``width`` values as one line of block characters, one per value, the
@@ -85,10 +104,13 @@ def sparkline(values: Sequence[float | None], width: int, *,
     return "".join(bars)
 
 
-def bucket_max(values: Sequence[float | None], buckets: int) -> list[float | None]:
+def bucket_max(values: Sequence[float | None], buckets: int, *,
+               reduce: Callable[[list[float]], float] = max) -> list[float | None]:
     """``values`` (oldest first) cut into at most ``buckets`` consecutive runs of equal
     length (the oldest run takes the remainder), each run's largest value (None when a
-    run has none): a long history for a short sparkline, where a peak is not lost."""
+    run has none): a long history for a short sparkline, where a peak is not lost.
+    ``reduce``: another summary of each run (e.g. :func:`statistics.median`, for a rate
+    whose few fast steps should not stand for the rest)."""
     count = len(values)
     if buckets <= 0 or count == 0:
         return []
@@ -101,5 +123,5 @@ def bucket_max(values: Sequence[float | None], buckets: int) -> list[float | Non
     for start, stop in zip(edges, [*edges[1:], count]):
         present = [value for value in values[start:stop]
                    if value is not None and math.isfinite(value)]
-        result.append(max(present) if present else None)
+        result.append(reduce(present) if present else None)
     return result

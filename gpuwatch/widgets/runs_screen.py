@@ -15,7 +15,7 @@ from textual.widgets import DataTable, Static
 
 from agent.protocol import printable
 from gpuwatch.history import RunSummary, all_runs
-from gpuwatch.units import human_age, human_bytes, human_number
+from gpuwatch.units import human_age, human_bytes, human_number, human_sig
 
 #: The table's columns.
 COLUMNS = ("run", "name", "started", "duration", "steps", "final loss", "best/s",
@@ -31,8 +31,8 @@ def _row(summary: RunSummary) -> tuple[str, ...]:
             if summary.started_at else "-",
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_number(summary.steps),
-            "-" if summary.final_loss is None else f"{summary.final_loss:.4g}",
-            "-" if best is None else human_number(best, 1 if best < 100 else 0),
+            human_sig(summary.final_loss),
+            "-" if best is None else human_sig(best),
             str(summary.knob_changes), human_bytes(summary.log_bytes), state)
 
 

@@ -9,7 +9,8 @@ from typing import NamedTuple
 from textual_plotext import PlotextPlot
 
 from gpuwatch.state import KnobChange, StepRecord
-from gpuwatch.units import knob_text
+from gpuwatch.units import human_duration, human_sig, knob_text
+from gpuwatch.widgets.panel import robust_top
 
 
 #: Rows below which the legend is left out (it would cover the lines; the title still
@@ -18,31 +19,42 @@ _LEGEND_MIN_HEIGHT = 14
 
 
 class Series(NamedTuple):
-    """One line: ``field`` of :class:`StepRecord` times ``scale``, called ``label``."""
+    """One line: ``field`` of :class:`StepRecord` times ``scale``, called ``label``
+    (``short`` where the width is tight), its values in ``unit``, drawn in ``color``
+    (a plotext colour, named in the title when there are several lines)."""
 
     label: str
     field: str
     scale: float = 1.0
+    unit: str = ""
+    short: str = ""
+    color: str = "cyan"
 
 
 #: Step time and data wait in ms, in one chart.
-TIMING = (Series("step ms", "step_time_s", 1e3), Series("data wait ms", "data_wait_s", 1e3))
+TIMING = (Series("step time", "step_time_s", 1e3, "ms", "step", "cyan"),
+          Series("data wait", "data_wait_s", 1e3, "ms", "wait", "magenta"))
 #: The training loss.
-LOSS = (Series("loss", "loss"),)
+LOSS = (Series("loss", "loss", color="cyan"),)
 
 #: Labelled ticks on the step axis.
 _X_TICKS = 5
-#: With ``clip_spikes``, the y-axis ends at this quantile of the values shown times
-#: :data:`_SPIKE_HEADROOM`, so that one stall (a compile, a checkpoint save) does not
-#: flatten every other step; spikes are drawn at the top and the title gives the largest.
-_SPIKE_QUANTILE = 0.98
-_SPIKE_HEADROOM = 1.25
-#: Values needed before spikes are clipped (with fewer, every value shows as it is).
-_SPIKE_MIN_VALUES = 20
+#: Labelled ticks on the value axis.
+_Y_TICKS = 4
+#: The marker of a value beyond the end of the axis (drawn at the end), and its colour.
+_OUTLIER_MARKER, _OUTLIER_COLOR = "▲", "red"
 #: Knob changes in view up to which each gets a label (more: their lines alone).
 _LABELLED_MARKS = 3
 #: plotext colour of the vertical line at a knob change.
 _MARK_COLOR = "orange"
+
+
+def _human(value: float, unit: str) -> str:
+    """A value of a series as a person reads it: durations in ms, s or min (the axis
+    stays in ``ms``), other values in :func:`~gpuwatch.units.human_sig` form."""
+    if unit == "ms":
+        return human_duration(value / 1e3)
+    return f"{human_sig(value)} {unit}".rstrip()
 
 
 class StepChart(PlotextPlot):
@@ -52,7 +64,7 @@ class StepChart(PlotextPlot):
     Args:
         series: the lines to draw.
         clip_spikes: end the y-axis just above the bulk of the values (see
-            :data:`_SPIKE_QUANTILE`) instead of at the largest.
+            :func:`~gpuwatch.widgets.panel.robust_top`) instead of at the largest.
     """
 
     def __init__(self, series: Sequence[Series], *, clip_spikes: bool = False,
@@ -61,6 +73,13 @@ class StepChart(PlotextPlot):
         super().__init__(name=name, id=id, classes=classes)
         self.series = tuple(series)
         self.clip_spikes = clip_spikes
+        self._shown: tuple[list[StepRecord], list[KnobChange]] | None = None
+
+    def on_resize(self) -> None:
+        """Draw what is shown again for the new size (the legend, the labels that fit)."""
+        if self._shown is not None:
+            records, marks = self._shown
+            self.show(records, marks=marks)
 
     def show(self, records: Iterable[StepRecord], *, marks: Iterable[KnobChange] = ()
              ) -> None:
@@ -68,6 +87,8 @@ class StepChart(PlotextPlot):
         change in ``marks`` that falls within their steps (labelled ``knob=value``
         when there are few)."""
         records = [record for record in records if record.step is not None]
+        self._shown = (records, list(marks))
+        marks = self._shown[1]
         plt = self.plt
         plt.clear_data()
         lines = []
@@ -77,66 +98,103 @@ class StepChart(PlotextPlot):
                       and math.isfinite(value)]
             if points:
                 lines.append((series, *zip(*points)))
-        top = self._top([value for *_, values in lines for value in values])
+        every = [value for *_, values in lines for value in values]
+        top = robust_top(every) if self.clip_spikes else None
         legend = len(self.series) > 1 and self.size.height >= _LEGEND_MIN_HEIGHT
         for series, steps, values in lines:
             if top is not None:
+                beyond = [step for step, value in zip(steps, values) if value > top]
                 values = [min(value, top) for value in values]
-            plt.plot(steps, values, marker="braille",
-                     label=series.label if legend else None)
-        titles = self._title(lines, top)
+            plt.plot(steps, values, marker="braille", color=series.color,
+                     label=self._label(series) if legend else None)
+            if top is not None and beyond:  # outliers: marked at the axis' end
+                plt.scatter(beyond, [top] * len(beyond), marker=_OUTLIER_MARKER,
+                            color=_OUTLIER_COLOR)
+        high = top if top is not None else max(every, default=0.0)
+        low = min(every, default=0.0)
+        tick_width = self._y_ticks(low, high)
+        titles = self._title(lines, top, self.size.width - tick_width - 3, legend=legend)
         if titles:
             first, last = records[0].step, records[-1].step
-            self._mark(marks, first, last, top if top is not None else max(
-                (value for *_, values in lines for value in values), default=0.0))
+            self._mark(marks, first, last, high, self.size.width - tick_width - 3)
             ticks = sorted({round(first + (last - first) * i / (_X_TICKS - 1))
                             for i in range(_X_TICKS)})
             plt.xticks(ticks, [str(tick) for tick in ticks])
             plt.title(titles)
         else:
-            plt.title(f"{' & '.join(s.label for s in self.series)}: no steps yet")
+            plt.title(f"{' & '.join(self._label(s) for s in self.series)}: no steps yet")
         self.refresh()
 
-    def _mark(self, marks: Iterable[KnobChange], first: int, last: int, top: float
-              ) -> None:
+    def _mark(self, marks: Iterable[KnobChange], first: int, last: int, top: float,
+              width: int) -> None:
         """Vertical lines at the knob changes between steps ``first`` and ``last``; a
-        label at the top of each when there are few (``top``: the y-axis' end)."""
+        label at the top of each when there are few and it fits on the side with more
+        room (``top``: the y-axis' end; ``width``: the plot's columns)."""
         shown = {}  # step -> labels: changes of several knobs at one step share a line
         for mark in marks:
             if first < mark.step <= last:
                 shown.setdefault(mark.step, []).append(
                     f"{mark.knob}={knob_text(mark.value)}")
-        for step, labels in shown.items():
+        taken: list[tuple[float, float]] = []  # columns of the labels drawn
+        for step, labels in sorted(shown.items(), reverse=True):  # the newest first
             self.plt.vline(step, _MARK_COLOR)
-            if len(shown) <= _LABELLED_MARKS:  # on the side with room for it
-                right = step - first > (last - first) / 2
-                label = ", ".join(labels)
+            right = step - first > (last - first) / 2
+            label = ", ".join(labels)
+            at = (step - first) / max(last - first, 1) * width
+            span = (at - len(label) - 1, at) if right else (at, at + len(label) + 1)
+            if (len(shown) <= _LABELLED_MARKS and 0 <= span[0] and span[1] <= width
+                    and all(span[1] < start or span[0] > end for start, end in taken)):
+                taken.append(span)  # on the side with room for it, over no other label
                 self.plt.text(f"{label} " if right else f" {label}", step, top,
                               color=_MARK_COLOR, alignment="right" if right else "left")
 
-    def _top(self, values: list[float]) -> float | None:
-        """Where the y-axis ends when spikes are clipped, or None to show every value
-        (no clipping asked, too few values, or none beyond the bulk)."""
-        if not self.clip_spikes or len(values) < _SPIKE_MIN_VALUES:
-            return None
-        ordered = sorted(values)
-        top = ordered[int(_SPIKE_QUANTILE * (len(ordered) - 1))] * _SPIKE_HEADROOM
-        return top if ordered[-1] > top > 0 else None
+    def _y_ticks(self, low: float, high: float) -> int:
+        """Label the value axis in :func:`~gpuwatch.units.human_sig` form (never
+        plotext's scientific notation); returns the labels' width in columns."""
+        low = min(low, high)
+        if high <= low:
+            high = low + (abs(low) or 1.0)
+        rows = max(self.size.height - 4, 2)  # title, frame and step labels take 4
+        count = max(2, min(_Y_TICKS, rows // 2 + 1))  # one row each, with room between
+        ticks = [low + (high - low) * i / (count - 1) for i in range(count)]
+        labels = [human_sig(tick) for tick in ticks]
+        self.plt.yticks(ticks, labels)
+        self.plt.ylim(low, high)
+        return max(len(label) for label in labels)
+
+    @staticmethod
+    def _label(series: Series, value: float | None = None, *, short: bool = False
+               ) -> str:
+        """``step time 12.3 ms`` (the latest value, when given) or ``step 12.3 ms``."""
+        name = series.short if short and series.short else series.label
+        if value is None:
+            return f"{name} ({series.unit})" if series.unit else name
+        return f"{name} {_human(value, series.unit)}"
 
     def _title(self, lines: list[tuple[Series, Sequence[int], Sequence[float]]],
-               top: float | None) -> str:
-        """Each line's latest value (and the largest, when spikes are off scale), as
-        much of it as fits the width: plotext leaves out a title that does not fit."""
+               top: float | None, width: int, *, legend: bool = False) -> str:
+        """Each line's name, latest value and unit (with several lines, their colours;
+        when outliers are off scale, the largest), as much of it as fits ``width``
+        columns: plotext leaves out a title that does not fit. With a ``legend`` the
+        colours are left to it."""
         if not lines:
             return ""
-        latest = [f"{series.label} {values[-1]:.4g}" for series, _, values in lines]
-        candidates = []
+        several = len(lines) > 1 and not legend
+        def named(short: bool, colours: bool) -> list[str]:
+            return [self._label(series, values[-1], short=short)
+                    + (f" ({series.color})" if colours else "")
+                    for series, _, values in lines]
+        candidates: list[list[str]] = []
+        extra = []
         if top is not None:
             largest = max(value for *_, values in lines for value in values)
-            candidates += [[*latest, f"max {largest:.4g} off scale"],
-                           [*latest, f"max {largest:.4g}"]]
-        candidates += [latest, [f"{series.label} {values[-1]:.3g}"
-                                for series, _, values in lines], latest[:1]]
+            largest_text = _human(largest, lines[0][0].unit)
+            extra = [f"{_OUTLIER_MARKER} max {largest_text} off scale",
+                     f"{_OUTLIER_MARKER} {largest_text}"]
+        for short in (False, True):
+            for colours in ((True, False) if several else (False,)):
+                candidates += [[*named(short, colours), tail] for tail in extra]
+                candidates.append(named(short, colours))
         fitting = (" | ".join(c) for c in candidates)
-        return next((title for title in fitting if len(title) <= self.size.width - 2),
-                    latest[0])
+        return next((title for title in fitting if len(title) <= width),
+                    named(True, False)[0])

@@ -28,6 +28,17 @@ def _gpu_line(gpu: dict[str, Any]) -> str:
             f"{power}W {number('temp_c')}°C {number('sm_clock_mhz')}MHz")
 
 
+def _process_lines(system: dict[str, Any]) -> tuple[str, list[str]]:
+    """`` proc 388%`` (the training process's CPU with its child processes': compiler
+    and loader workers) and, while they use any, a line ``children 350%`` under it."""
+    own, children = system.get("process_cpu_pct"), system.get("children_cpu_pct")
+    if not isinstance(own, (int, float)):
+        return "", []
+    if not isinstance(children, (int, float)) or children < 0.5:
+        return f" proc {_percent(own)}", []
+    return f" proc {_percent(own + children)}", [f"  children {_percent(children)}"]
+
+
 def _percent(value: Any) -> str:
     return f"{value:.0f}%" if isinstance(value, (int, float)) else "-"
 
@@ -41,8 +52,9 @@ class SystemPanel(Panel):
     def __init__(self, *, name: str | None = None, id: str | None = None,
                  classes: str | None = None) -> None:
         super().__init__(name=name, id=id, classes=classes)
-        self.tooltip = ("CPU: the host, % of all cores; proc: the training process, "
-                        "100% = one core busy")
+        self._help = self.tooltip = ("CPU: the host, % of all cores; proc: the training "
+                                     "process with its child processes (compiler and "
+                                     "loader workers: children), 100% = one core busy")
 
     def show(self, state: RunState) -> None:
         """Redraw from ``state`` (read under the source's lock)."""
@@ -50,9 +62,8 @@ class SystemPanel(Panel):
         if system is None:
             self.set_content(Content.styled("no system record yet", "$text-muted"))
             return
-        lines = [f"CPU {_percent(system.get('cpu_pct'))}"
-                 + (f" proc {_percent(system['process_cpu_pct'])}"
-                    if "process_cpu_pct" in system else ""),
+        process, children = _process_lines(system)
+        lines = [f"CPU {_percent(system.get('cpu_pct'))}{process}", *children,
                  "RAM " + human_bytes_pair(system.get("host_mem_used_bytes"),
                                            system.get("host_mem_total_bytes"))]
         gpus = [gpu for gpu in system.get("gpus") or () if isinstance(gpu, dict)]
@@ -63,5 +74,10 @@ class SystemPanel(Panel):
             lines += [_gpu_line(gpu) for gpu in gpus]
         content = Content("\n".join(lines))
         if system.get("gpu_status"):
-            content = Content.assemble(content, "\n", (str(system["gpu_status"]), "$warning"))
+            status = str(system["gpu_status"])
+            room = (self.content_region.height or 5) - len(lines)
+            if len(status) > self.text_width * max(room, 1):  # the reason in the tooltip
+                self.tooltip = f"{self._help}\n{status}"
+                status = status.split(" (")[0]
+            content = Content.assemble(content, "\n", (status, "$warning"))
         self.set_content(content)

@@ -1,27 +1,33 @@
-"""Throughput (tokens/s for token models, else samples/s) as a sparkline with the
-latest value."""
+"""Throughput (tokens/s for token models, else samples/s) as a labelled sparkline with
+the latest value."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from statistics import median
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal
-from textual.widgets import Sparkline, Static
+from textual.content import Content
 
 from gpuwatch.state import StepRecord
-from gpuwatch.units import human_number
-from gpuwatch.widgets.panel import Panel
+from gpuwatch.units import human_sig
+from gpuwatch.widgets.panel import Panel, bucket_max, robust_top, sparkline
+
+#: The marker after a sparkline whose scale leaves out a few outliers.
+OUTLIER_MARK = "▲"
 
 
 class ThroughputBar(Horizontal):
-    """Tokens per second (runs that report tokens) or samples per second over the last
-    steps, and the latest value as a number."""
+    """Tokens per second (runs that report tokens) or samples per second over the kept
+    steps (each column the median of its steps, from 0 to where the bulk of the
+    values ends: a few outlying steps are drawn full and marked, not allowed to
+    flatten the rest), and the latest value as a number."""
 
     def compose(self) -> ComposeResult:
-        yield Static("throughput", classes="label")
-        yield Sparkline([])
+        yield Panel("throughput", classes="label")
+        yield Panel("", classes="spark")
         yield Panel("-", classes="value")
 
     def show(self, records: Iterable[StepRecord]) -> None:
@@ -32,7 +38,17 @@ class ThroughputBar(Horizontal):
             field, unit = "tokens_per_s", "tokens/s"
         rates = [rate for r in records
                  if (rate := getattr(r, field)) is not None and math.isfinite(rate)]
-        self.query_one(Sparkline).data = rates
+        spark = self.query_one(".spark", Panel)
+        width = spark.text_width
+        label = f"{len(rates):,} steps " if rates and width >= 30 else ""
+        # each column the median of its steps: a few fast steps (batches already
+        # prefetched) do not stand for the rest
+        columns = bucket_max(rates, max(width - len(label) - 2, 0), reduce=median)
+        top = robust_top(columns)
+        mark = f" {OUTLIER_MARK}" if top is not None and any(
+            value is not None and value > top for value in columns) else ""
+        spark.set_content(Content.assemble(
+            (label, "$text-muted"), (sparkline(columns, len(columns), high=top), "$primary"),
+            (mark, "$error")))
         self.query_one(".value", Panel).set_content(
-            f"{human_number(rates[-1], 1 if rates[-1] < 100 else 0)} {unit}"
-            if rates else f"- {unit}")
+            f"{human_sig(rates[-1])} {unit}" if rates else f"- {unit}")

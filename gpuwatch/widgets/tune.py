@@ -23,8 +23,8 @@ STATE_STYLES = {"kept": "bold $success", "reverted": "$warning", "skipped": "$te
 
 
 def candidate_line(candidate: dict[str, Any], unit: str) -> Content:
-    """One candidate: setting, throughput with its 95% half-width, gain over the best
-    then (with its own), steps spent, state and reason."""
+    """One candidate, in two lines: setting, throughput with its 95% half-width, gain
+    over the best then (with its own) and steps spent; then its state and reason."""
     setting = assignment(str(candidate.get("knob")), candidate.get("value"))
     per_s, spread = candidate.get("per_s"), candidate.get("per_s_spread")
     rate = (f"{human_number(per_s)} ± {human_number(spread)}" if isinstance(per_s, (int, float))
@@ -35,9 +35,9 @@ def candidate_line(candidate: dict[str, Any], unit: str) -> Content:
     steps = candidate.get("steps")
     state = str(candidate.get("state", "?"))
     reason = str(candidate.get("reason") or "")
-    return Content.assemble(
+    return Content.assemble(  # the verdict on a line of its own: it wraps, never cut
         f"{setting:<22.22} {rate:>17} {unit}/s {change:>13} "
-        f"{steps if isinstance(steps, int) else '-':>5}  ",
+        f"{steps if isinstance(steps, int) else '-':>5}\n    ",
         (state, STATE_STYLES.get(state, "")), f": {reason}" if reason else "")
 
 
@@ -64,7 +64,7 @@ def tune_text(state: RunState) -> Content:
                          f" ({gain:+.0%} {unit}/s over the start)"
                          if isinstance(gain, (int, float)) else ""),
         Content.styled(f"{'candidate':<22} {unit + '/s ± 95%':>22} {'gain':>13} "
-                       f"{'steps':>5}  verdict", "$text-muted"),
+                       f"{'steps':>5}\n    verdict", "$text-muted"),
     ]
     lines += [candidate_line(candidate, unit) for candidate in tune.get("candidates") or ()]
     if tune.get("text"):

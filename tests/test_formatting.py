@@ -1,0 +1,38 @@
+"""Numbers as a person reads them: one helper for every measured number, over the
+magnitudes a run produces (microseconds to hours, 1e-13 to 1e9)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpuwatch.units import human_duration, human_ms, human_sig
+
+
+@pytest.mark.parametrize("value, text", [
+    (0, "0"), (1e-13, "0"), (0.0003, "0.000300"), (0.000123456, "0.000123"),
+    (0.0123, "0.0123"), (1, "1.00"), (2.0391, "2.04"), (-0.5, "-0.500"), (99.96, "100"),
+    (288.0, "288"), (999.6, "1,000"), (1234.5, "1,234"), (11234.5, "11,234"),
+    (89123.4, "89,123"), (1.2e9, "1,200,000,000"), (None, "-"), (math.nan, "-"),
+    (math.inf, "-")])
+def test_human_sig_has_three_significant_digits_and_separators(value, text):
+    assert human_sig(value) == text
+
+
+@pytest.mark.parametrize("value_s, text", [
+    (1e-5, "0.0100 ms"), (0.000312, "0.312 ms"), (0.0123, "12.3 ms"), (0.2884, "288 ms"),
+    (0.9996, "1.00 s"), (11.2, "11.2 s"), (84, "1.40 min"), (150, "2.50 min"),
+    (7200, "2.00 h"), (None, "-")])
+def test_human_duration_picks_the_unit(value_s, text):
+    assert human_duration(value_s) == text == human_ms(value_s)
+
+
+def test_no_magnitude_is_written_in_scientific_notation():
+    for exponent in range(-12, 13):
+        for mantissa in (1.0, 1.234, 9.999):
+            for sign in (1, -1):
+                value = sign * mantissa * 10.0 ** exponent
+                for text in (human_sig(value), human_duration(abs(value))):
+                    assert "e" not in text.replace("min", "").replace(" ", ""), (value, text)
+                    assert "E" not in text, (value, text)

@@ -1,0 +1,290 @@
+"""Screens compared with snapshots at 60x20, 80x24 and 120x40: the demo transformer, the
+CNN demo, a monitor-only run, a replay on a timeline, the help screen and the command
+line, each rendered by the real app (``run_test``) from fixed records.
+
+The snapshots are the screens' text (``tests/snapshots/<screen>-<W>x<H>.txt``), what a
+person reads, so a change shows as a readable diff in review; styles are left out.
+After an intended change, write them again with ``GPUWATCH_UPDATE_SNAPSHOTS=1`` and read
+the diff.
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+import math
+import os
+import types
+from functools import partial
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from agent import protocol
+from agent.runs import RunInfo
+from gpuwatch import history
+from gpuwatch.app import GpuwatchApp
+from gpuwatch.sources.live import LiveSource
+from gpuwatch.sources.timeline import TimelineSource
+from gpuwatch.widgets import event_log
+from gpuwatch.widgets.command_line import CommandLine
+from gpuwatch.widgets.help_screen import HelpScreen
+
+from .conftest import FAKE_KNOB_SPECS
+from .test_dashboard import until
+from .test_history import RUN, write_run
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+SIZES = [(60, 20), (80, 24), (120, 40)]
+UPDATE = os.environ.get("GPUWATCH_UPDATE_SNAPSHOTS") == "1"
+#: The monotonic time the fixed runs are shown at, and their first record's.
+NOW = 10_000.0
+STEPS = 120
+
+
+class FixedSource(LiveSource):
+    """A live source that never connects and is shown at a fixed time: ``fold`` folds
+    its records when the app starts it, so the screen is the same on every machine."""
+
+    def __init__(self, info: RunInfo, fold) -> None:
+        super().__init__(info)
+        self._fold = fold
+
+    def start(self) -> None:  # no subscriber thread: nothing else changes the state
+        self._fold(self)
+
+    def now(self) -> float:
+        return NOW
+
+
+def _info(run_id: str) -> RunInfo:
+    return RunInfo(run_id=run_id, rank=0, world_size=1, pid=0,
+                   pub_endpoint="tcp://127.0.0.1:1", cmd_endpoint="", token="t",
+                   started_at=0.0)
+
+
+def _envelope(msg_type, body, seq):
+    return protocol.envelope(msg_type, body, run="20260101-120000-abcd", seq=seq,
+                             t=1_767_268_800.0 + seq)
+
+
+def _fold(source: FixedSource, *, name: str, knobs: dict, tokens: bool, cnn: bool = False
+          ) -> None:
+    """A run of :data:`STEPS` steps: a compile stall at step 40 (an outlier), a knob
+    change at step 80 that speeds it up, the loss falling; received up to :data:`NOW`."""
+    state, messages = source.state, []
+
+    def fold(msg_type, body):
+        messages.append(_envelope(msg_type, body, len(messages) + 1))
+
+    with source.lock:
+        _make(fold, knobs=knobs, name=name, tokens=tokens, cnn=cnn)
+        for index, message in enumerate(messages):
+            state.ingest(message, NOW - (len(messages) - index) * 0.001)
+        if knobs:
+            state.log("info", "sent accum_steps=8", 1_767_268_900.0)
+            state.log("info", "accum_steps=8 accepted, applies at step 121",
+                      1_767_268_900.0)
+
+
+def _make(fold, *, name: str, knobs: dict, tokens: bool, cnn: bool) -> None:
+    """The records of a run, in order (see :func:`_fold`)."""
+    fold("hello", {"name": name, "device": "cpu", "world_size": 1,
+                   "knobs": [FAKE_KNOB_SPECS[k].to_wire() for k in knobs]})
+    fold("system", {"cpu_pct": 97.0, "process_cpu_pct": 180.0,
+                    "host_mem_used_bytes": 6 << 30, "host_mem_total_bytes": 16 << 30,
+                    "gpus": [], "gpu_status": "no NVIDIA GPU (NVML unavailable: "
+                                              "NVML Shared Library Not Found)"})
+    values = dict(knobs)
+    for step in range(1, STEPS + 1):
+        if step == 80 and "num_workers" in values:
+            values["num_workers"] = 2
+            fold("event", {"level": "info", "kind": "applied", "knob": "num_workers",
+                           "value": 2, "step": step,
+                           "text": "num_workers=2 applied at step 80"})
+        fast = step >= 80 and "num_workers" in values
+        step_s = (0.12 if cnn else 0.28) * (0.7 if fast else 1.0) \
+            + 0.01 * math.sin(step)
+        if step == 40:
+            step_s = 2.2  # a compile
+        wait_s = (0.002 if fast else 0.04) + 0.001 * math.cos(step)
+        body = {"step": step, "step_time_s": step_s, "data_wait_s": wait_s,
+                "data_wait_share": wait_s / step_s,
+                "data_wait_share_window": wait_s / step_s,
+                "input_verdict": "compute-bound" if fast else "partly input-bound",
+                "samples_per_s": 32 / step_s, "loss": 2.0 + 2.6 * math.exp(-step / 30),
+                "host_rss_bytes": (450 + step // 10) << 20, "lr": 0.001,
+                "grad_norm": 0.8 + 0.1 * math.sin(step / 3), "knobs": dict(values)}
+        if tokens:
+            body["tokens_per_s"] = 32 * 128 / step_s
+        if step % 20 == 1:
+            body["activation_bytes"] = 17 << 20
+        fold("step", body)
+
+
+def _transformer():
+    return GpuwatchApp(FixedSource(_info("20260101-120000-abcd"), partial(
+        _fold, name="demo-transformer", tokens=True, knobs={
+            "precision": "fp32", "accum_steps": 1, "num_workers": 0, "pin_memory": False,
+            "prefetch_factor": 2, "kernels": "eager", "checkpointing": False,
+            "lr_scale": 1.0, "max_grad_norm": 1.0, "weight_decay": 0.01})))
+
+
+def _cnn():
+    return GpuwatchApp(FixedSource(_info("20260101-120000-abcd"), partial(
+        _fold, name="demo-cnn", tokens=False, cnn=True, knobs={
+            "precision": "fp32", "accum_steps": 1, "num_workers": 0, "pin_memory": False,
+            "prefetch_factor": 2, "kernels": "eager", "checkpointing": False})))
+
+
+def _monitor_only():
+    return GpuwatchApp(FixedSource(_info("20260101-120000-abcd"), partial(
+        _fold, name="third-party-train", tokens=False, knobs={})), readonly=True)
+
+
+def _replay(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the log's path as the screen shows it: the same anywhere
+    path = write_run(Path(f"{RUN}.rank0.jsonl"), steps=80, t0=1_767_268_800.0,
+                     changes=[(31, "accum_steps", 4), (61, "precision", "bf16")],
+                     events=[(50, "loader is slow")])
+    return GpuwatchApp(TimelineSource(history.log_at(path)), readonly=True)
+
+
+def screen_text(app) -> str:
+    """The screen as a person reads it: every cell's character, no styles (a modal
+    screen over the ones below it, as the terminal shows it)."""
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), record=True,
+                      color_system=None, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(
+        full=True, screen_stack=app._background_screens))
+    lines = console.export_text(styles=False).split("\n")[:height]
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def check(name: str, text: str) -> None:
+    """Compare ``text`` with the snapshot ``name`` (write it with UPDATE)."""
+    path = SNAPSHOTS / f"{name}.txt"
+    if UPDATE:
+        SNAPSHOTS.mkdir(exist_ok=True)
+        path.write_text(text)
+        return
+    assert path.exists(), f"no snapshot {path}: run with GPUWATCH_UPDATE_SNAPSHOTS=1"
+    expected = path.read_text()
+    if text != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True),
+                                            text.splitlines(True), "snapshot", "now"))
+        pytest.fail(f"{name} differs from its snapshot:\n{diff}")
+
+
+@pytest.fixture(autouse=True)
+def fixed_clock(monkeypatch):
+    """The event log's stamps at one time of day whatever the machine's zone."""
+    monkeypatch.setattr(event_log, "time", types.SimpleNamespace(
+        strftime=lambda fmt, t=None: "12:00:00 ", localtime=lambda t=None: None))
+
+
+async def _settle(app, pilot) -> None:
+    """Redraw everything at the laid-out size (charts too, at once)."""
+    for _ in range(2):
+        await pilot.pause()
+        app._charts_drawn, app._drawn = (-1, 0.0), None
+        app.redraw()
+    await pilot.pause()
+
+
+SCREENS = {"transformer": _transformer, "cnn": _cnn, "monitor-only": _monitor_only}
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
+@pytest.mark.parametrize("screen", list(SCREENS))
+async def test_live_screens(screen, size):
+    app = SCREENS[screen]()
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        check(f"{screen}-{size[0]}x{size[1]}", screen_text(app))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_replay_screen(tmp_path, monkeypatch, size):
+    app = _replay(tmp_path, monkeypatch)
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: "● ended" in str(app.query_one("#header").content))
+        await pilot.press("home", "right_square_bracket", "right_square_bracket", "left")
+        await _settle(app, pilot)
+        check(f"replay-{size[0]}x{size[1]}", screen_text(app))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_help_screen(size):
+    app = _transformer()
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.pause()
+        check(f"help-{size[0]}x{size[1]}", screen_text(app))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_command_line(size):
+    app = _transformer()
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        await pilot.press("colon", *"kernels=c")
+        line = app.query_one(CommandLine)
+        await until(pilot, lambda: line._suggestion == "kernels=compile")
+        await _settle(app, pilot)
+        check(f"command-line-{size[0]}x{size[1]}", screen_text(app))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_help_scrolls_to_its_end_with_the_keyboard(size):
+    app = _transformer()
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        last = "home/end scroll;"
+        if size[1] < 40:
+            assert last not in screen_text(app)  # it does not fit: below, out of view
+        await pilot.press("end")
+        await until(pilot, lambda: last in screen_text(app))
+        await pilot.press("home")
+        await until(pilot, lambda: last not in screen_text(app) or size[1] >= 40)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_the_checkpoint_question_is_shown(size):
+    app = GpuwatchApp(FixedSource(_info("20260101-120000-abcd"), partial(
+        _fold, name="demo-transformer", tokens=True, knobs={
+            "precision": "fp32", "accum_steps": 1, "checkpoint": None})))
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        await pilot.press("s")
+        await pilot.pause()
+        check(f"confirm-{size[0]}x{size[1]}", screen_text(app))
+        assert "y / enter: yes   n / escape: no" in screen_text(app)
+
+
+@pytest.mark.parametrize("size", [(80, 40), (120, 40)], ids=str)
+async def test_the_event_log_wraps_a_long_entry_without_losing_a_character(size):
+    app = _transformer()
+    text = "checkpoint saved: " + "/".join(f"dir{i:02d}" for i in range(20)) + "/end.pt"
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        with app.source.lock:
+            app.source.state.log("info", text, 1_767_268_900.0)
+        app.redraw()
+        await pilot.pause()
+        log = app.query_one(event_log.EventLog)
+        lines = [strip.text.rstrip() for strip in log.lines]
+        shown = "".join(line.removeprefix("12:00:00 ") for line in lines)
+        assert text.replace(" ", "") in shown.replace(" ", "")
+        await pilot.resize_terminal(60, size[1])  # wrapped again at the new width
+        await pilot.pause()
+        narrower = [strip.text.rstrip() for strip in log.lines]
+        assert max(map(len, narrower)) < max(map(len, lines)) and len(narrower) > len(lines)
+        shown = "".join(line.removeprefix("12:00:00 ") for line in narrower)
+        assert text.replace(" ", "") in shown.replace(" ", "")
