@@ -227,6 +227,12 @@ class StepEncoder:
             columns["knobs"] = knobs
         self._publish(protocol.STEPS, protocol.steps_body(columns, common))
 
+    def read_memory(self) -> None:
+        """Take a memory reading now (I/O thread): the first, before any step, so that
+        :attr:`latest_memory` has one from the start (a short run may end before its
+        first batch)."""
+        self.latest_memory = self._memory()
+
     def _memory(self) -> dict[str, Any]:
         """Memory fields of the step records published now; on CUDA the peaks are then
         reset, so each batch of records reports the peak of its own steps."""

@@ -309,6 +309,7 @@ class IOLoop:
     def _loop(self, context: zmq.Context) -> None:
         pub, router = self._bind(context)
         self._pub = pub
+        self._guard("memory reading", self._encoder.read_memory)
         self._ready.set()
         self.publish(protocol.HELLO, self._hello())
         poller = zmq.Poller()
