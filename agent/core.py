@@ -1,138 +1,50 @@
-"""The agent: the training thread's hot path and the I/O thread behind it.
+"""The agent: the training thread's hot path, and the parts it is assembled from.
 
 Training thread, at each optimizer-step boundary (:meth:`Agent.optimizer_step`): read a
 host clock, make a step marker (see :mod:`agent.markers`), append one small tuple to a
 bounded deque, and apply pending commands whose step has come. Nothing else: no device
 sync, no ``.item()``, no NVML or psutil, no I/O, no lock unless a command is pending.
+:class:`Agent` owns that hot path, the events and their in-process listeners, and wires
+up the parts that do the rest, each owning one thing:
 
-I/O thread (:meth:`Agent._io_loop`): owns the ZeroMQ sockets; turns step tuples into
-``step`` messages (loss, GPU time, memory), publishes on PUB (which drops at its
-high-water mark rather than block), validates commands from the ROUTER and replies at
-once, samples the system at about 1 Hz, sends heartbeats and re-sends ``hello``.
+- :mod:`agent.desk`: the command desk (validate, schedule at a step, cancel, apply);
+- :mod:`agent.ledger`: the one ledger of applied changes, read by both rollback paths
+  (the NaN / skipped-steps guard of :mod:`agent.guard`, and
+  :meth:`Agent.roll_back_last_change` after an out-of-memory error);
+- :mod:`agent.encoder`: the step records turned into ``steps`` batches;
+- :mod:`agent.ioloop`: the I/O thread (sockets, CURVE gateway, run file, run log,
+  heartbeats).
 """
 
 from __future__ import annotations
 
 import atexit
-import bisect
-import hmac
 import logging
 import os
 import secrets
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-import zmq
 
 from agent import protocol
-from agent.guard import GUARDED_KNOBS, ChangeGuard
-from agent.knobs import CHECKPOINT, KnobError, KnobSet, assignment
-from agent.markers import CpuMarker, marker_for
-from agent.multinode import node_link
-from agent.probes import Nvml, SystemProbe
-from agent.runlog import RunLog, log_dir
-from agent.runs import (RUN_ID_ENV, RunInfo, new_run_id, rank_taken, remove_run_file,
-                        run_dir, shared_run_id, write_run_file)
+from agent.desk import CommandDesk
+from agent.encoder import StepEncoder
+from agent.guard import ChangeGuard
+from agent.knobs import KnobSet, assignment
+from agent.ledger import ChangeLedger
+from agent.markers import marker_for
+from agent.ioloop import IOLoop
+from agent.probes import Nvml
+from agent.protocol import EventKind
+from agent.runs import RunInfo, shared_run_id
 from agent.tune import AutoTune
 from gpuopt.environment import usable_cpu_count
-from gpuopt.memory import memory_stats
-from gpuopt.optim import host_rate
 
 log = logging.getLogger("gpuwatch.agent")
-
-_HEARTBEAT_INTERVAL_S = 1.0
-_HELLO_EVERY_HEARTBEATS = 30  # a new subscriber is greeted at once anyway
-#: The I/O thread wakes at least this often to publish the records queued since (ms),
-#: as one ``steps`` batch. Commands and new subscribers wake it at once (a command's
-#: latency does not depend on it); each wake-up costs CPU (about 100 us on a 2-core
-#: machine, the poll included) and the training thread a GIL hand-off, so it is kept
-#: rare: 10 a second, a batch of 100 steps at 1,000 steps/s.
-_POLL_MS = 100
-_MAX_COMMANDS_PER_POLL = 100
-#: Command messages read per second at most, valid or not: a flood (even of garbage or
-#: of wrong tokens) costs the training process a bounded ~1% of a core; the excess waits
-#: in ZeroMQ's small receive queue, and beyond it the sender is throttled.
-COMMANDS_PER_S = 200
-#: Receive queue per client (messages) and the largest command message (bytes): bounds
-#: what a flood of large messages can make the training process hold.
-_COMMAND_QUEUE = 64
-_MAX_COMMAND_BYTES = 64 * 1024
-#: Largest message a subscriber may send the PUB socket (a subscription: a topic of a
-#: few bytes); a larger one disconnects it (a 100 MB "subscription" is never held).
-_MAX_SUBSCRIPTION_BYTES = 1024
-#: A connection that has not completed its handshake (CURVE on tcp) by then is closed:
-#: a peer without the run's key holds a file descriptor this long at most (ms).
-_HANDSHAKE_MS = 2000
-#: How long the tcp gateway may take to start and bind (s).
-_GATEWAY_START_S = 30.0
-#: New subscribers are greeted (hello + state, on the wire only) at most this often;
-#: those who come in between share the next greeting.
-GREETINGS_PER_S = 2
-#: Subscription frames read per wake-up at most (the rest wait for the next one).
-_MAX_SUBSCRIPTIONS_PER_POLL = 1000
-_SEND_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
-_SEND_LAST = int(zmq.NOBLOCK)
-#: How far ahead a command may be scheduled (optimizer steps).
-MAX_STEPS_AHEAD = 100_000
-#: Commands accepted but not yet applied, at most; more are rejected (a flood is refused,
-#: not queued).
-MAX_PENDING_COMMANDS = 32
-#: Steps in the sliding window of the data-wait share and the input-bound verdict.
-INPUT_WINDOW_STEPS = 20
-#: Share of step time spent waiting for data above which a run is called input-bound
-#: (as TensorFlow Profiler's "% of step time waiting on input"); above the lower one it is
-#: partly input-bound.
-INPUT_BOUND_SHARE = 0.5
-PARTLY_INPUT_BOUND_SHARE = 0.2
-
-
-class InputWindow:
-    """Data-wait share of step time over the last ``steps`` optimizer steps, and a verdict.
-
-    I/O thread only. ``add`` is O(1).
-    """
-
-    def __init__(self, steps: int = INPUT_WINDOW_STEPS) -> None:
-        self._window: deque = deque(maxlen=steps)
-        self._wait_s = 0.0
-        self._step_s = 0.0
-
-    def add(self, data_wait_s: float, step_time_s: float) -> tuple[float, str]:
-        """Add one step; return ``(share, verdict)`` over the window. ``verdict`` is
-        ``"input-bound"``, ``"partly input-bound"`` or ``"compute-bound"``."""
-        if len(self._window) == self._window.maxlen:
-            old_wait, old_step = self._window[0]
-            self._wait_s -= old_wait
-            self._step_s -= old_step
-        self._window.append((data_wait_s, step_time_s))
-        self._wait_s += data_wait_s
-        self._step_s += step_time_s
-        share = min(1.0, max(0.0, self._wait_s / self._step_s)) if self._step_s > 0 else 0.0
-        if share >= INPUT_BOUND_SHARE:
-            return share, "input-bound"
-        if share >= PARTLY_INPUT_BOUND_SHARE:
-            return share, "partly input-bound"
-        return share, "compute-bound"
-
-
-@dataclass(order=True)
-class _Pending:
-    apply_step: int
-    seq: int
-    knob: str = field(compare=False)
-    value: Any = field(compare=False)
-    command_id: Any = field(compare=False)
-    rollback_reason: str | None = field(compare=False, default=None)
-    #: sent with ``checkpoint: true``: applied only if the checkpoint before it was saved
-    after_checkpoint: bool = field(compare=False, default=False)
-
 
 class Agent:
     """Measures every optimizer step of one rank and takes live commands for its knobs.
@@ -198,56 +110,40 @@ class Agent:
         self.token = secrets.token_hex(16)
         self.params = sum(p.numel() for p in model.parameters()) if model is not None else None
         self.model_name = type(model).__name__ if model is not None else ""
-        self.info: RunInfo | None = None
-        self._pub: zmq.Socket | None = None
-        self._log: RunLog | None = None
         self._marker = marker_for(self.device)
         self._records: deque = deque(maxlen=queue_size)
-        self._pending: list[_Pending] = []
-        self._pending_lock = threading.Lock()
-        self._pending_seq = 0
         self._knob_values = self.knobs.values()
         self._last_step = 0
         self._last_boundary_t: float | None = None
         self._ending = False
         self._bye_reason: str | None = None
         self._broken = False
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._seq = 0
-        self._probe = SystemProbe(nvml)
         self._started_at = time.time()
-        self._thread = threading.Thread(target=self._io_main, name="gpuwatch-agent",
-                                        daemon=True)
-        self._expected_step: int | None = None
-        self._announce = False  # the schema changed: send hello again
-        #: step time (s) of the latest published step record, for command replies
-        self._recent_step_time_s: float | None = None
-        #: (command id, step) of the latest applied commands, for a late cancel's reply
-        self._applied_ids: deque[tuple[Any, int]] = deque(maxlen=256)
-        self._input = InputWindow()
-        #: the rows of the ``steps`` message being built (see :meth:`_publish_records`)
-        self._batch: list[tuple] = []
-        self._change_guard = ChangeGuard()
+
+        def publish(msg_type: str, body: dict[str, Any]) -> None:  # (the I/O thread's)
+            self._io.publish(msg_type, body)
+
+        #: the guarded changes applied lately: what both rollback paths restore
+        self._ledger = ChangeLedger()
+        self._change_guard = ChangeGuard(self._ledger)
         #: the ``tune`` command: the in-run search (on rank 0), fed from the records below
-        self.tune = AutoTune(self.knobs, self.rank, self._publish, lambda: self.info,
+        self.tune = AutoTune(self.knobs, self.rank, publish, lambda: self.info,
                              usable_cpu_count(), self.report_error)
-        #: (step, {knob: last good value}, ["knob=value" changes]) of recent guarded changes
-        self._last_change: tuple[int, dict[str, Any], list[str]] | None = None
-        #: Step records lost because the queue overflowed (the I/O thread fell behind).
-        self.records_dropped = 0
-        #: Valid commands refused because too many were pending (a flood).
-        self.commands_refused = 0
-        #: Commands rejected (bad token, knob or value).
-        self.commands_rejected = 0
-        self._rejections_reported = 0
-        self._next_rejection_event = 0.0
+        self._desk = CommandDesk(
+            self.knobs, token=self.token, ledger=self._ledger, tune=self.tune,
+            publish=publish, event=self.event, step_now=lambda: self._last_step,
+            ending=lambda: self._ending,
+            step_time_s=lambda: self._encoder.recent_step_time_s,
+            rank=self.rank, world_size=self.world_size)
+        #: the desk's pending commands (the same list, changed in place): the hot path
+        #: looks at it each step
+        self._pending = self._desk.pending
+        self._encoder = StepEncoder(self._records, self._marker, publish=publish,
+                                    guard=self._change_guard, check_step=self._check_step,
+                                    tune=self.tune, device=self.device)
+        self._io = IOLoop(self, desk=self._desk, encoder=self._encoder, nvml=nvml)
         self.errors: list[str] = []
         self._listeners: tuple[Any, ...] = ()
-        #: The memory readings of the latest step records published
-        #: (:func:`gpuopt.memory.memory_stats`, read on the I/O thread); replaced whole,
-        #: so any thread may read it.
-        self.latest_memory: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -257,9 +153,8 @@ class Agent:
         Returns self. If the sockets cannot be bound the agent logs the reason and stays
         inert: training goes on unobserved.
         """
-        self._thread.start()
         atexit.register(self.close)
-        self._ready.wait(timeout_s)
+        self._io.start(timeout_s)
         return self
 
     def mark_ending(self, reason: str | None = None) -> None:
@@ -276,12 +171,10 @@ class Agent:
         Pending commands that have not been applied are dropped (their senders already
         had their reply). Waits at most ``timeout_s`` for the I/O thread.
         """
-        if self._stop.is_set():
+        if self._io.stopped:
             return
         self.mark_ending(reason)
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
+        self._io.stop(timeout_s)
         self.tune.close()
 
     # ---------------------------------------------------------------- hot path
@@ -346,97 +239,53 @@ class Agent:
             self.report_error("hot path", exc)
 
     def _apply_pending(self, step: int) -> None:
-        with self._pending_lock:
-            due = bisect.bisect_right(self._pending, step + 1, key=lambda p: p.apply_step)
-            commands, self._pending[:due] = self._pending[:due], []
-        if self.world_size > 1:  # arrival order differs between ranks; ids do not
-            commands.sort(key=lambda command: (command.apply_step, str(command.command_id)))
-        # commands that are not settings (a checkpoint) first: they see the state before
-        # the changes of the same boundary (a stable sort keeps the order above)
-        commands.sort(key=lambda command: self.knobs.knobs[command.knob].spec.kind != "action")
-        last = {command.knob: command for command in commands}
-        checkpoint_failed = False
-        for command in commands:
-            if last[command.knob] is not command:  # a later command for the same knob
-                continue                            # at the same boundary wins
-            knob = self.knobs.knobs[command.knob]
-            action = knob.spec.kind == "action"
-            previous = None if action else knob.get()
-            if command.after_checkpoint and checkpoint_failed and self.world_size > 1:
-                self.event("warning", f"{assignment(command.knob, command.value)}: the "
-                           "checkpoint before it failed on this rank; applied all the same "
-                           f"(every one of the {self.world_size} ranks must apply it)",
-                           kind="warning", knob=command.knob, step=step + 1)
-            try:
-                if command.after_checkpoint and checkpoint_failed and self.world_size == 1:
-                    raise RuntimeError("the checkpoint asked for before it was not saved")
-                detail = knob.set(command.value) or {}
-            except Exception as exc:
-                checkpoint_failed = checkpoint_failed or command.knob == CHECKPOINT.name
-                kept = "" if action else f"; kept {assignment(command.knob, previous)}"
-                self.event("error", f"{assignment(command.knob, command.value)} failed at "
-                            f"step {step + 1}: {exc}{kept}",
-                            kind="failed", knob=command.knob, value=command.value,
-                            step=step + 1, id=command.command_id)
-                continue
+        if self._desk.apply_due(step):
             self._knob_values = self.knobs.values()
-            if command.knob in GUARDED_KNOBS:
-                self._note_change(step + 1, command, previous)
-            text = f"{assignment(command.knob, command.value)} applied at step {step + 1}"
-            if command.rollback_reason:
-                text += f": rolled back because {command.rollback_reason}"
-            detail = dict(detail)
-            if "text" in detail:
-                text += f": {detail.pop('text')}"
-            self.event("warning" if command.rollback_reason else "info", text,
-                        kind="rolled_back" if command.rollback_reason else "applied",
-                        knob=command.knob, value=command.value, previous=previous,
-                        step=step + 1, id=command.command_id, **detail)
-            if command.command_id is not None:  # a late cancel can be told so
-                self._applied_ids.append((command.command_id, step + 1))
 
-    def _note_change(self, step: int, command: _Pending, previous: Any) -> None:
-        """Training thread: remember the last good value of a guarded knob changed at
-        ``step`` (for :meth:`roll_back_last_change`); a rollback itself is not a change."""
-        if command.rollback_reason:
-            self._last_change = None
-            return
-        window = self._change_guard.guard_steps
-        if self._last_change is None or step - self._last_change[0] > window:
-            self._last_change = (step, {}, [])
-        self._last_change[1].setdefault(command.knob, previous)
-        self._last_change[2].append(assignment(command.knob, command.value))
+    @property
+    def info(self) -> RunInfo | None:
+        """The run file's facts (endpoints, token, log path), once the sockets are bound;
+        None before, or when they could not be (the agent is then inert)."""
+        return self._io.info
+
+    @property
+    def records_dropped(self) -> int:
+        """Step records lost because the queue overflowed (the I/O thread fell behind)."""
+        return self._encoder.records_dropped
+
+    @property
+    def latest_memory(self) -> dict[str, Any]:
+        """The memory readings of the latest step records published
+        (:func:`gpuopt.memory.memory_stats`, read on the I/O thread); replaced whole, so
+        any thread may read it."""
+        return self._encoder.latest_memory
+
+    @property
+    def commands_refused(self) -> int:
+        """Valid commands refused because too many were pending (a flood)."""
+        return self._desk.commands_refused
+
+    @property
+    def commands_rejected(self) -> int:
+        """Commands rejected (bad token, knob or value)."""
+        return self._desk.commands_rejected
 
     def roll_back_last_change(self, step: int, reason: str) -> bool:
         """Training thread, between steps: undo the guarded changes made within the last
-        ``guard_steps`` optimizer steps (e.g. after an out-of-memory error), at once.
+        ``guard_steps`` optimizer steps (e.g. after an out-of-memory error), at once, to
+        the same last good values the NaN guard would restore (one ledger).
+
+        Args:
+            step: the 1-based optimizer step that failed (it is retried after this).
+            reason: what went wrong, for people (``step 12 ran out of memory``).
 
         Returns:
-            True when something was rolled back.
+            True when something was rolled back (False too with several ranks, where
+            one rank alone must not change a knob: a warning says so).
         """
-        change, self._last_change = self._last_change, None
-        if change is None or step - change[0] > self._change_guard.guard_steps:
-            return False
-        why = f"{reason} after {', '.join(change[2])}"
-        if self.world_size > 1:  # one rank alone must not change a knob
-            self.event("error", f"{why}; not rolled back: with {self.world_size} ranks "
-                       "only a command to every rank may change a knob (gpuwatch set "
-                       + " ".join(assignment(k, v) for k, v in change[1].items()) + ")",
-                       kind="warning", step=step)
-            return False
-        for name, value in change[1].items():
-            knob = self.knobs.knobs[name]
-            try:
-                knob.set(value)
-            except Exception as exc:
-                self.event("error", f"rolling back {assignment(name, value)} failed: {exc}",
-                           kind="failed", knob=name, value=value, step=step)
-                continue
-            self.event("warning", f"{assignment(name, value)} applied at step {step}: rolled back "
-                       f"because {why}", kind="rolled_back", knob=name, value=value,
-                       step=step)
+        rolled_back = self._desk.roll_back(step, reason)
         self._knob_values = self.knobs.values()
-        return True
+        return rolled_back
 
     def event(self, level: str, text: str, **fields: Any) -> None:
         """Publish an ``event`` (``level``: info | warning | error) in order with the
@@ -481,7 +330,7 @@ class Agent:
         outside a command). Call between optimizer steps. Knobs added after
         :meth:`start` are announced to dashboards (a new ``hello`` with the schema)."""
         self._knob_values = self.knobs.values()
-        self._announce = True
+        self._io.announce = True
 
     def report_error(self, where: str, exc: BaseException) -> None:
         """An internal error of gpuwatch's (``where``: what failed): logged and published
@@ -491,426 +340,17 @@ class Agent:
         if message not in self.errors:
             self.errors.append(message)
             log.warning(message)
-            self.event("error", message + " (training continues)", kind="agent_error")
-
-    # ---------------------------------------------------------------- I/O thread
-
-    def _io_main(self) -> None:
-        context = zmq.Context()
-        try:
-            self._io_loop(context)
-        except Exception as exc:
-            self.report_error("I/O thread", exc)
-        finally:
-            self._ready.set()
-            if self.info is not None:
-                remove_run_file(self.info)
-            for path in self._ipc_paths:  # bound, even if the run file never came
-                Path(path).unlink(missing_ok=True)
-            if self._pub is not None:
-                self._pub.close(linger=500)  # let bye and the last records leave
-            if self._log is not None:
-                self._guard("run log", self._log.close)
-            self._guard("tcp gateway", self._stop_gateway)
-            if self._node_link is not None:
-                self._guard("node relay", self._node_link.close)
-            context.destroy(linger=0)
-
-    def _start_gateway(self, pub_endpoint: str, cmd_endpoint: str) -> dict[str, str]:
-        """Start the tcp side of this run in a child process (:mod:`agent.gateway`):
-        tcp ports with CURVE, forwarding to this agent's private ipc sockets, so that
-        what a tcp client makes a process hold (connections, descriptors, buffers) is
-        never held by the training process. Its keys go in the owner-only run file: a
-        client without them gets nothing, one with them knows it reached this run (only
-        the gateway holds the server's secret key), so a port taken over after the run
-        ended is never trusted.
-
-        Returns:
-            The run file's ``pub_endpoint``, ``cmd_endpoint`` and CURVE key fields.
-
-        Raises:
-            OSError: the gateway could not be started or did not bind (it says why).
-        """
-        import json
-        import select
-        import subprocess
-
-        if not sys.executable:
-            raise OSError("no Python executable to start the tcp gateway with")
-        server_public, server_secret = zmq.curve_keypair()
-        client_public, client_secret = zmq.curve_keypair()
-        self._gateway_id = b"gpuwatch-gateway-" + secrets.token_bytes(8)
-        address = self.listen or "127.0.0.1"
-        settings = {"pub": pub_endpoint, "cmd": cmd_endpoint, "address": address,
-                    "server_public": server_public.decode(),
-                    "server_secret": server_secret.decode(),
-                    "client_public": client_public.decode(),
-                    "routing_id": self._gateway_id.hex()}
-        home = str(Path(__file__).resolve().parent.parent)  # where `agent` is imported from
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            part for part in (home, os.environ.get("PYTHONPATH", "")) if part)}
-        gateway = subprocess.Popen([sys.executable, "-m", "agent.gateway"],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   env=env, close_fds=True)
-        self._gateway = gateway
-        gateway.stdin.write(json.dumps(settings).encode() + b"\n")
-        gateway.stdin.flush()
-        readable, _, _ = select.select([gateway.stdout], [], [], _GATEWAY_START_S)
-        line = gateway.stdout.readline() if readable else b""
-        try:
-            answer = json.loads(line)
-        except ValueError:
-            answer = {"error": f"no answer within {_GATEWAY_START_S:.0f} s"}
-        if "error" in answer or not isinstance(answer.get("pub_port"), int):
-            raise OSError(f"the tcp gateway did not start: {answer.get('error', answer)}")
-        shown = "127.0.0.1" if address in ("0.0.0.0", "*") else address
-        return {"pub_endpoint": f"tcp://{shown}:{answer['pub_port']}",
-                "cmd_endpoint": f"tcp://{shown}:{answer['cmd_port']}",
-                "curve_server_key": server_public.decode(),
-                "curve_client_public_key": client_public.decode(),
-                "curve_client_secret_key": client_secret.decode()}
-
-    def _gateway_gone(self) -> None:
-        """The gateway died (killed?): the run file names the private ipc sockets
-        instead, so this user's dashboards find the run again; an event says so."""
-        status = self._gateway.returncode
-        self._stop_gateway()
-        assert self.info is not None
-        self.info.pub_endpoint, self.info.cmd_endpoint = (
-            f"ipc://{path}" for path in self._ipc_paths)
-        self.info.curve_server_key = self.info.curve_client_public_key = ""
-        self.info.curve_client_secret_key = ""
-        write_run_file(self.info, Path(self.info.path).parent)
-        self.report_error("tcp gateway", RuntimeError(
-            f"it exited with status {status}; the run is now reached over ipc only "
-            f"({self.info.pub_endpoint})"))
-
-    def _stop_gateway(self) -> None:
-        """Close the gateway's stdin (it ends on EOF); kill it if it lingers."""
-        gateway, self._gateway = self._gateway, None
-        if gateway is None:
-            return
-        import subprocess
-
-        try:
-            gateway.stdin.close()
-            gateway.wait(2.0)
-        except (OSError, subprocess.TimeoutExpired):
-            gateway.kill()
-            gateway.wait()
-        gateway.stdout.close()
-
-    #: ipc socket files this agent bound (removed at exit, run file or not)
-    _ipc_paths: tuple[str, ...] = ()
-    #: the tcp gateway (a child process) and the routing id of its commands
-    _gateway: Any = None
-    _gateway_id: bytes | None = None
-    #: this node's relay and store link (local rank 0 of a multi-node job), or None
-    _node_link: Any = None
-    #: a new subscriber waits for its greeting; when the next one may be sent
-    _greet_due = False
-    _next_greeting = 0.0
-
-    def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
-        """Bind the sockets, open the run log and write the run file.
-
-        Raises:
-            agent.runs.UnsafeDirectoryError, OSError: the run directory is refused or
-                cannot be made (the agent then stays inert: training goes on
-                unobserved). A run log that cannot be opened is not an error: the run
-                goes on without one, and an event says why.
-        """
-        directory = run_dir()  # resolved and checked once, used for all that follows
-        holder = rank_taken(self.run_id, self.rank, directory)
-        if holder is not None:  # never take over another job's sockets and run file
-            taken, self.run_id = self.run_id, new_run_id()
-            self.event("warning", f"run id {taken} rank {self.rank} is in use by pid "
-                       f"{holder} (another job from the same launcher?); this process is "
-                       f"run {self.run_id}: set {RUN_ID_ENV} to one value on every rank "
-                       "of a job to keep its ranks together", kind="warning")
-        pub = context.socket(zmq.XPUB)  # a PUB that also hears (un)subscriptions
-        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, to greet each newcomer
-        pub.setsockopt(zmq.SNDHWM, 10_000)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
-        router = context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, _MAX_COMMAND_BYTES)
-        router.setsockopt(zmq.RCVHWM, _COMMAND_QUEUE)
-        for socket in (pub, router):
-            socket.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
-        # ipc in the private run directory, always: only this user can connect; a tcp
-        # run's ports are bound by its gateway process, never by the training process
-        base = directory / f"{self.run_id}.r{self.rank}"
-        endpoints = {}
-        for socket, suffix in ((pub, "pub"), (router, "cmd")):
-            endpoint = f"ipc://{base}.{suffix}"
-            socket.bind(endpoint)
-            self._ipc_paths += (f"{base}.{suffix}",)
-            os.chmod(f"{base}.{suffix}", 0o600)
-            endpoints[f"{suffix}_endpoint"] = endpoint
-        if self.transport == "tcp":
-            endpoints = self._start_gateway(endpoints["pub_endpoint"],
-                                            endpoints["cmd_endpoint"])
-        self._log = self._guard("run log", self._open_log)
-        self.info = RunInfo(run_id=self.run_id, rank=self.rank, world_size=self.world_size,
-                            pid=os.getpid(), token=self.token,
-                            started_at=self._started_at, name=self.name,
-                            log_path=str(self._log.path) if self._log else "", **endpoints)
-        # a multi-node torchrun job: the node's relay and the job's store (local rank 0)
-        self._node_link = self._guard("multi-node", node_link, self.info, self.listen,
-                                      self.report_error, self.event)
-        write_run_file(self.info, directory)
-        return pub, router
-
-    def _open_log(self) -> RunLog:
-        """The run log of this rank, in :func:`agent.runlog.log_dir`.
-
-        Raises:
-            agent.runs.UnsafeDirectoryError, agent.runlog.UnsafeLogFileError, OSError:
-                the directory or the file is refused or cannot be made.
-        """
-        return RunLog(log_dir() / f"{self.run_id}.rank{self.rank}.jsonl")
-
-    def _io_loop(self, context: zmq.Context) -> None:
-        pub, router = self._bind(context)
-        self._pub = pub
-        self._ready.set()
-        self._publish(protocol.HELLO, self._hello())
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(pub, zmq.POLLIN)
-        in_flight: deque = deque()
-        previous_marker = None
-        next_system = next_heartbeat = time.monotonic()
-        heartbeats = 0
-        budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
-        while True:
-            stopping = self._stop.is_set()
-            ready = dict(poller.poll(0 if stopping else _POLL_MS))
-            if router in ready:
-                budget -= self._guard("command handling", self._serve_commands, router,
-                                      min(budget, _MAX_COMMANDS_PER_POLL), default=0)
-                if budget <= 0:
-                    poller.unregister(router)  # the rest waits for the next second
-            if time.monotonic() >= budget_until:
-                if budget <= 0:
-                    poller.register(router, zmq.POLLIN)
-                budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
-            if pub in ready or self._greet_due:
-                self._guard("greeting", self._greet_subscribers, pub)
-            if self._announce:
-                self._announce = False
-                self._guard("hello", self._publish, protocol.HELLO, self._hello())
-            previous_marker = self._guard(
-                "step publishing", self._publish_records, in_flight, previous_marker,
-                default=previous_marker)
-            if self._log is not None:
-                self._guard("run log", self._log.maybe_flush)
-            now = time.monotonic()
-            if now >= next_system:
-                next_system = now + _HEARTBEAT_INTERVAL_S
-                self._guard("system probe", self._publish_system)
-            if now >= next_heartbeat:
-                next_heartbeat = now + _HEARTBEAT_INTERVAL_S
-                heartbeats += 1
-                self._publish(protocol.HEARTBEAT, self._heartbeat())
-                if self._gateway is not None and self._gateway.poll() is not None:
-                    self._guard("tcp gateway", self._gateway_gone)
-                if self._node_link is not None and not self._node_link.alive():
-                    self._node_link = None
-                    self.report_error("node relay", RuntimeError(
-                        "it exited; the other nodes no longer see or steer this one"))
-                if heartbeats % _HELLO_EVERY_HEARTBEATS == 0:
-                    self._guard("hello", self._publish, protocol.HELLO, self._hello())
-                    self._publish(protocol.STATE,
-                                  {"knobs": self._knob_values, "step": self._last_step})
-            if stopping:
-                for _ in range(2):  # the second pass sends events the first one raised
-                    previous_marker = self._guard("step publishing", self._publish_records,
-                                                  in_flight, previous_marker, True,
-                                                  default=previous_marker)
-                self._publish(protocol.BYE, {"reason": self._bye_reason or "",
-                                             "steps": self._last_step})
-                return
-
-    def _greet_subscribers(self, pub: zmq.Socket) -> None:
-        """A new subscriber gets ``hello`` and ``state`` at once (no wait for the next
-        periodic ``hello``), or, when subscriptions come faster than
-        :data:`GREETINGS_PER_S`, with the next greeting allowed, one for all who came in
-        between. Greetings go on the wire only, not in the run log (which has the
-        ``hello`` it starts with and the periodic ones), and repeat the latest ``seq``:
-        resubscribing in a loop can neither fill the log nor look like lost records."""
-        for _ in range(_MAX_SUBSCRIPTIONS_PER_POLL):
-            try:
-                frame = pub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._greet_due = self._greet_due or frame[:1] == b"\x01"
-        now = time.monotonic()
-        if self._greet_due and now >= self._next_greeting:
-            self._greet_due = False
-            self._next_greeting = now + 1.0 / GREETINGS_PER_S
-            self._publish(protocol.HELLO, self._hello(), logged=False)
-            self._publish(protocol.STATE, {"knobs": self._knob_values, "step": self._last_step},
-                          logged=False)
-
-    def _guard(self, where: str, function: Any, *args: Any, default: Any = None) -> Any:
-        try:
-            return function(*args)
-        except Exception as exc:
-            self.report_error(where, exc)
-            return default
-
-    def _publish(self, msg_type: str, body: dict[str, Any], logged: bool = True) -> None:
-        """Send one message (and append it to the run log). ``logged=False``: a repeat
-        for new subscribers, sent with the latest ``seq`` and not logged. The steps
-        batched so far are sent first, so every message keeps its order with them."""
-        if self._batch and msg_type != protocol.STEPS:
-            self._send_steps()
-        if logged:
-            self._seq += 1
-        message = protocol.envelope(msg_type, body, run=self.run_id, rank=self.rank,
-                                    seq=self._seq)
-        if self._log is not None and logged:
-            try:
-                self._log.write(message)
-            except Exception as exc:  # disk full, ...: go on without the log
-                self._log = None
-                self.report_error("run log", exc)
-        try:
-            topic, payload = protocol.encode(message)
-        except Exception as exc:  # a value msgpack cannot hold: drop this message only
-            self.report_error(f"encoding a {msg_type} message", exc)
-            return
-        try:  # two plain sends: cheaper than send_multipart's Python on this hot I/O path
-            self._pub.send(topic, _SEND_MORE)
-            self._pub.send(payload, _SEND_LAST)
-        except zmq.Again:
-            pass  # no subscriber keeps up: PUB drops; the seq gap tells the dashboard
-
-    def _publish_records(self, in_flight: deque, previous_marker: Any,
-                         final: bool = False) -> Any:
-        """Turn the records queued since the last call into messages: the steps into
-        one ``steps`` batch (several past :data:`~agent.protocol.MAX_BATCH_STEPS`),
-        each event in its place among them. Returns the last published step's marker.
-
-        .. note:: The cost of a step here is paid in GIL time by the training thread:
-           per step it is a tuple of plain values and a few float operations; the dict
-           work, the encoding and the send happen once a batch (:meth:`_send_steps`).
-        """
-        records = self._records
-        while records:
-            in_flight.append(records.popleft())
-        batch = self._batch
-        marker_api = self._marker
-        cpu = isinstance(marker_api, CpuMarker)
-        guard = self._change_guard
-        window = self._input
-        tune = self.tune if self.tune.tuner is not None else None
-        while in_flight:
-            record = in_flight[0]
-            if record[0] == "event":
-                in_flight.popleft()
-                guard.on_applied(record[1])
-                self.tune.on_event(record[1])
-                self._publish(protocol.EVENT, record[1])  # sends the batch before it
-                batch = self._batch
-                continue
-            (_, step, step_time_s, micro_batches, samples, wait_s, marker, knobs,
-             activation_bytes, tokens, lr) = record
-            ready = cpu or marker_api.ready(marker)
-            if not ready and not final:
-                break
-            in_flight.popleft()
-            expected = self._expected_step
-            if expected is not None and step > expected:
-                self.records_dropped += step - expected  # queue overflowed
-            self._expected_step = step + 1
-            if cpu:  # the marker is (loss, skipped, grad norm), tensors or None
-                loss_t, skipped_t, norm = marker
-                loss = None if loss_t is None else (
-                    loss_t.item() if loss_t.dim() == 0 else float(loss_t.float().mean()))
-                skipped = None if skipped_t is None else bool(skipped_t)
-                grad_norm = None if norm is None else float(norm)
-                gpu_s = None
-            elif ready:
-                loss = marker_api.loss(marker)
-                grad_norm = marker_api.grad_norm(marker)
-                skipped = marker_api.skipped(marker)
-                gpu_s = marker_api.gpu_time_s(previous_marker, marker)
-            else:
-                loss = grad_norm = skipped = gpu_s = None
-            lr_groups = None
-            if isinstance(lr, tuple):  # every param group's, floats or host tensors
-                lr_groups = [host_rate(rate) for rate in lr]
-                lr = lr_groups[0] if lr_groups else None
-            if lr is not None:
-                lr = float(lr)
-            if (skipped is not None or guard.watching
-                    or (loss is not None and loss - loss != 0.0)):  # NaN or inf loss
-                self._check_step(step, loss, skipped)
-                batch = self._batch  # an event it published sent the batch
-            if tune is not None:  # a search is on (started by a command, never here)
-                tune.on_step(step, step_time_s, samples, tokens, loss, skipped)
-                batch = self._batch  # the tuner may publish (and so send the batch)
-            share = verdict = None
-            if step_time_s:
-                share, verdict = window.add(wait_s, step_time_s)
-                self._recent_step_time_s = step_time_s
-            batch.append((step, micro_batches, samples, step_time_s, wait_s, loss, gpu_s,
-                          knobs, skipped, activation_bytes, tokens, lr, lr_groups,
-                          grad_norm, guard.skipped_total, share, verdict))
-            previous_marker = marker
-            if len(batch) >= protocol.MAX_BATCH_STEPS:
-                self._send_steps()
-                batch = self._batch
-        if batch:
-            self._send_steps()
-        return previous_marker
-
-    def _send_steps(self) -> None:
-        """Publish the rows batched so far as one ``steps`` message (columns)."""
-        rows, self._batch = self._batch, []
-        (steps, micro_batches, samples, times, waits, losses, gpu_times, knobs, skipped,
-         activation, tokens, lr, lr_groups, grad_norm, skipped_total, share_window,
-         verdict) = map(list, zip(*rows))
-        columns: dict[str, list[Any]] = {
-            "step": steps, "micro_batches": micro_batches, "samples": samples,
-            "step_time_s": times, "data_wait_s": waits,
-            "data_wait_share": [min(1.0, wait / time_s) if time_s else None
-                                for wait, time_s in zip(waits, times)],
-            "samples_per_s": [count / time_s if time_s else None
-                              for count, time_s in zip(samples, times)],
-            "loss": losses, "gpu_step_time_s": gpu_times,
-            "skipped_steps_total": skipped_total,
-        }
-        n = len(rows)
-        for name, values in (("grad_scaler_skipped", skipped),
-                             ("activation_bytes", activation), ("tokens", tokens),
-                             ("lr", lr), ("lr_groups", lr_groups),
-                             ("grad_norm", grad_norm),
-                             ("data_wait_share_window", share_window),
-                             ("input_verdict", verdict)):
-            if values.count(None) != n:
-                columns[name] = values
-        if "tokens" in columns:
-            columns["tokens_per_s"] = [count / time_s if count is not None and time_s
-                                       else None for count, time_s in zip(tokens, times)]
-        memory = self.latest_memory = self._memory()
-        common = dict(memory)
-        first = knobs[0]
-        if all(value is first for value in knobs):  # the same map unless a knob changed
-            common["knobs"] = first
-        else:
-            columns["knobs"] = knobs
-        self._publish(protocol.STEPS, protocol.steps_body(columns, common))
+            self.event("error", message + " (training continues)", kind=EventKind.AGENT_ERROR)
 
     def _check_step(self, step: int, loss: float | None, skipped: bool | None) -> None:
+        """I/O thread (from the encoder): a step the guard must see. A rollback it
+        decides is scheduled on the desk for the boundary after the next step (with one
+        rank; with several, a warning names the command that would do it), and a
+        non-finite loss with nothing to roll back is warned of once."""
         rollback = self._change_guard.on_step(step, loss, skipped)
         if rollback is not None and self.world_size > 1:  # this rank alone must not
-            self._publish(protocol.EVENT, {
-                "level": "warning", "kind": "warning", "step": step,
+            self._io.publish(protocol.EVENT, {
+                "level": "warning", "kind": EventKind.WARNING, "step": step,
                 "text": f"{rollback.reason}; not rolled back: with {self.world_size} ranks "
                         "only a command to every rank may change a knob (gpuwatch set "
                         + " ".join(assignment(k, v) for k, v in rollback.values.items())
@@ -918,10 +358,9 @@ class Agent:
             return
         if rollback is not None:
             apply_step = self._last_step + 2
-            for knob, value in rollback.values.items():
-                self._schedule(_Pending(apply_step, 0, knob, value, None, rollback.reason))
-            self._publish(protocol.EVENT, {
-                "level": "warning", "kind": "rollback", "step": apply_step,
+            self._desk.schedule_rollback(rollback, apply_step)
+            self._io.publish(protocol.EVENT, {
+                "level": "warning", "kind": EventKind.ROLLBACK, "step": apply_step,
                 "text": f"{rollback.reason}: rolling back to "
                         + ", ".join(assignment(k, v) for k, v in rollback.values.items())
                         + f" at step {apply_step}"})
@@ -929,209 +368,8 @@ class Agent:
         warning = None if self.tune.running else self._change_guard.non_finite_warning(
             step, loss)  # (the search watches its own changes)
         if warning:
-            self._publish(protocol.EVENT, {"level": "warning", "kind": "warning",
+            self._io.publish(protocol.EVENT, {"level": "warning", "kind": EventKind.WARNING,
                                            "text": warning, "step": step})
-
-    def _note_rejection(self, reason: str, knob: Any, command_id: Any = None) -> None:
-        """An event for a rejected command: at most one a second (a flood of bad
-        commands must not flood the run log and every dashboard)."""
-        self.commands_rejected += 1
-        now = time.monotonic()
-        if now < self._next_rejection_event:
-            return
-        self._next_rejection_event = now + 1.0
-        count = self.commands_rejected - self._rejections_reported
-        self._rejections_reported = self.commands_rejected
-        more = f" ({count - 1} more since the last report)" if count > 1 else ""
-        self.event("warning", f"command rejected: {protocol.shorten(reason)}{more}",
-                   kind="rejected", knob=_short_name(knob), id=_short_name(command_id))
-
-    def _schedule(self, pending: _Pending) -> None:
-        with self._pending_lock:
-            self._pending_seq += 1
-            pending.seq = self._pending_seq
-            bisect.insort(self._pending, pending)
-
-    def _memory(self) -> dict[str, Any]:
-        """Memory fields of the step records published now; on CUDA the peaks are then
-        reset, so each batch of records reports the peak of its own steps."""
-        memory: dict[str, Any] = memory_stats(self.device)
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        return memory
-
-    def _publish_system(self) -> None:
-        self._publish(protocol.SYSTEM, self._probe.sample())
-
-    def _heartbeat(self) -> dict[str, Any]:
-        return {"step": self._last_step, "ending": self._ending,
-                "records_dropped": self.records_dropped, "errors": len(self.errors),
-                "commands_refused": self.commands_refused,
-                "commands_rejected": self.commands_rejected}
-
-    def _hello(self) -> dict[str, Any]:
-        if not hasattr(self, "_env_report"):
-            self._env_report = _environment_report()
-        return {
-            "name": self.name, "pid": os.getpid(), "host": self.info.host if self.info else "",
-            "rank": self.rank, "world_size": self.world_size,
-            "started_at": self._started_at,
-            "device": str(self.device) if self.device is not None else "cpu",
-            "model": {"name": self.model_name, "params": self.params},
-            "env": self._env_report, "knobs": self.knobs.schema(),
-            "log_path": self.info.log_path if self.info else "",
-            "knob_values": self._knob_values, "training": self.training,
-            "errors": self.errors[-10:],  # what a dashboard that comes late missed
-        }
-
-    # ---------------------------------------------------------------- commands
-
-    def _serve_commands(self, router: zmq.Socket, limit: int) -> int:
-        """Read and answer at most ``limit`` command messages; returns how many."""
-        served = 0
-        while served < limit:
-            try:
-                frames = router.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            served += 1
-            # a command through the tcp gateway comes as [gateway, client, *message]
-            hops = 2 if frames[0] == self._gateway_id and len(frames) > 2 else 1
-            route, rest = frames[:hops], frames[hops:]
-            reply = self._command_reply(rest)
-            if reply is None:
-                continue
-            if isinstance(reply.get("reason"), str):  # a huge bad value is not echoed
-                reply["reason"] = protocol.shorten(reply["reason"])
-            if "knob" in reply:
-                reply["knob"] = _short_name(reply["knob"])
-            frames_out = protocol.encode(protocol.envelope(
-                protocol.REPLY, reply, run=self.run_id, rank=self.rank))
-            try:
-                router.send_multipart([*route, *frames_out], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # the client went away
-        return served
-
-    def _command_reply(self, frames: list[bytes]) -> dict[str, Any] | None:
-        try:
-            message = protocol.decode_frames(frames)
-        except protocol.ProtocolError as exc:
-            return {"id": None, "ok": False, "reason": f"malformed message: {exc}"}
-        if message["type"] != protocol.COMMAND:
-            return None  # unknown types are ignored (protocol rule)
-        body = message["body"]
-        command_id = body.get("id")
-        if isinstance(command_id, bool) or not isinstance(command_id, (str, int, type(None))):
-            return {"id": None, "ok": False, "knob": body.get("knob"),
-                    "reason": f"id must be a string or an integer, got {command_id!r}"}
-        rejected = {"id": command_id, "ok": False, "knob": body.get("knob")}
-        for flag in ("dry_run", "cancel", "checkpoint"):
-            if not isinstance(body.get(flag, False), bool):
-                return {**rejected, "reason": f"{flag} must be true or false, "
-                                              f"got {body[flag]!r}"}
-            if body.get(flag):  # every reply says which phase it answers
-                rejected[flag] = True
-        token = body.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(
-                token.encode("utf-8", "replace"), self.token.encode()):
-            self._note_rejection("missing or wrong token", None, command_id)
-            return {**rejected, "knob": None, "reason": "missing or wrong token"}
-        if body.get("cancel") is True:
-            return self._cancel(command_id, body.get("reason"))
-        if self._ending:
-            return {**rejected, "reason": "the run is ending"}
-        knob_name, raw = body.get("knob"), body.get("value")
-        checkpoint = body.get("checkpoint") is True  # save one at the same boundary, first
-        try:
-            if knob_name == protocol.TUNE:
-                value = self.tune.validate(raw)
-                if checkpoint:
-                    raise KnobError("checkpoint: true goes with a setting, not with tune")
-            else:
-                value = self.knobs.validate(knob_name, raw)
-                if checkpoint:
-                    self.knobs.validate(CHECKPOINT.name, "now")
-        except KnobError as exc:
-            self._note_rejection(str(exc), knob_name, command_id)
-            return {**rejected, "reason": str(exc)}
-        if len(self._pending) + checkpoint >= MAX_PENDING_COMMANDS:
-            self.commands_refused += 1
-            return {**rejected, "reason": f"{MAX_PENDING_COMMANDS} commands are already "
-                                          "waiting for the next step boundary; try again"}
-        earliest = self._last_step + 2
-        apply_step = body.get("apply_step", earliest)
-        if isinstance(apply_step, bool) or not isinstance(apply_step, int):
-            return {**rejected, "reason": f"apply_step must be an integer, got {apply_step!r}"}
-        if apply_step > earliest + MAX_STEPS_AHEAD:
-            return {**rejected, "reason": f"apply_step {apply_step} is more than "
-                                          f"{MAX_STEPS_AHEAD} steps ahead"}
-        if apply_step < earliest:
-            return {**rejected, "reason": f"apply_step {apply_step} has passed on rank "
-                                          f"{self.rank} (earliest: {earliest})"}
-        if body.get("dry_run") is True:  # the first phase of a command to every rank
-            return {"id": command_id, "ok": True, "dry_run": True, "knob": knob_name,
-                    "value": raw if knob_name == protocol.TUNE else value,
-                    "apply_step": apply_step, "step_time_s": self._recent_step_time_s}
-        if knob_name == protocol.TUNE:  # not a setting: the search starts (rank 0)
-            return {"id": command_id, "ok": True, "knob": knob_name, "value": raw,
-                    "apply_step": apply_step, "note": self.tune.start(value, apply_step)}
-        if checkpoint:  # no id of its own: withdrawing the change leaves a harmless save
-            self._schedule(_Pending(apply_step, 0, CHECKPOINT.name, "now", None))
-        self._schedule(_Pending(apply_step, 0, knob_name, value, command_id,
-                                after_checkpoint=checkpoint))
-        reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
-                 "apply_step": apply_step, "step": self._last_step}
-        text = f"{assignment(knob_name, value)} accepted, applies at step {apply_step}"
-        if checkpoint:
-            reply["checkpoint"] = True
-            text += " after a checkpoint"
-        self._publish(protocol.EVENT, {"level": "info", "text": text, "kind": "accepted",
-                                       "knob": knob_name, "value": value,
-                                       "step": apply_step, "id": command_id})
-        warn = self.knobs.knobs[knob_name].warn
-        if warn is not None:
-            warning = warn(value)
-            if warning:
-                reply["warning"] = warning
-                self._publish(protocol.EVENT, {"level": "warning", "text": warning,
-                                               "kind": "warning", "knob": knob_name})
-        return reply
-
-
-    def _cancel(self, command_id: Any, reason: Any) -> dict[str, Any]:
-        """Withdraw the pending command ``command_id`` (another rank refused it)."""
-        with self._pending_lock:
-            found = next((p for p in self._pending
-                          if command_id is not None and p.command_id == command_id), None)
-            if found is not None:
-                self._pending.remove(found)
-        if found is None:
-            applied = next((step for applied_id, step in list(self._applied_ids)
-                            if applied_id == command_id), None)
-            if applied is not None:
-                return {"id": command_id, "ok": False, "cancel": True,
-                        "applied_step": applied,
-                        "reason": f"it was applied at step {applied}, before the cancel came"}
-            return {"id": command_id, "ok": False, "cancel": True,
-                    "reason": f"no pending command with id {command_id!r}"}
-        why = f": {reason}" if isinstance(reason, str) and reason else ""
-        self._publish(protocol.EVENT, {
-            "level": "warning", "kind": "cancelled", "knob": found.knob,
-            "value": found.value, "step": found.apply_step, "id": command_id,
-            "text": f"{assignment(found.knob, found.value)} for step {found.apply_step} "
-                    f"cancelled{why}"})
-        return {"id": command_id, "ok": True, "cancel": True, "knob": found.knob,
-                "value": found.value, "apply_step": found.apply_step}
-
-
-def _short_name(value: Any) -> Any:
-    """A name from a command (knob, id) as echoed in replies and events: as it is when
-    it is not a string or is at most :data:`agent.protocol.MAX_NAME_CHARS` long (every
-    real one), else cut."""
-    if isinstance(value, str) and len(value) > protocol.MAX_NAME_CHARS:
-        return protocol.shorten(value, protocol.MAX_NAME_CHARS)
-    return value
 
 
 def ending_reason(error: BaseException | None) -> str:
@@ -1151,9 +389,3 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _environment_report() -> dict[str, Any]:
-    from gpuopt.environment import environment_report
-
-    return environment_report()

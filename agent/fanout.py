@@ -45,7 +45,7 @@ MAX_FAN_OUT_MARGIN_STEPS = 1000
 
 def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None = None,
                  timeout_s: float = 3.0, cancelled: Callable[[], bool] | None = None,
-                 command_id: str | None = None, checkpoint: bool = False) -> dict[str, Any]:
+                 command_id: str | None = None, checkpoint: bool = False) -> protocol.Reply:
     """Ask the run to set ``knob`` to ``value`` and wait for its reply.
 
     The agent validates the value against the knob's schema (strings are parsed there,
@@ -221,11 +221,11 @@ def _span(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def _expand(groups: list[_Group], replies: list[dict[str, Any]]
-            ) -> list[tuple[int, dict[str, Any]]]:
+def _expand(groups: list[_Group], replies: list[protocol.Reply]
+            ) -> list[tuple[int, protocol.Reply]]:
     """Each rank's reply, by rank: a relay's reply holds those of its ranks; a relay
     that did not answer (or a malformed answer) stands for each of its ranks."""
-    expanded: list[tuple[int, dict[str, Any]]] = []
+    expanded: list[tuple[int, protocol.Reply]] = []
     for group, reply in zip(groups, replies):
         if group.node is None:
             expanded.append((group.ranks[0], reply))
@@ -246,8 +246,8 @@ def _expand(groups: list[_Group], replies: list[dict[str, Any]]
     return expanded
 
 
-def _withdrawal(refusal: dict[str, Any], answers: list[tuple[int, dict[str, Any]]]
-                ) -> dict[str, Any]:
+def _withdrawal(refusal: protocol.Reply, answers: list[tuple[int, protocol.Reply]]
+                ) -> protocol.Reply:
     """The refusal, told what became of the command on the other ranks."""
     withdrawn = [rank for rank, answer in answers if answer.get("ok")]
     applied = [(rank, answer["applied_step"]) for rank, answer in answers
@@ -278,7 +278,7 @@ def _margin_steps(checks: list[dict[str, Any]], bound_s: float = 0.5) -> int:
     return min(MAX_FAN_OUT_MARGIN_STEPS, 2 + math.ceil(bound_s / fastest))
 
 
-def _first_refusal(replies: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
+def _first_refusal(replies: list[tuple[int, protocol.Reply]]) -> protocol.Reply | None:
     """The first rank's refusal, `` (rank N)`` after its reason; None if all ok."""
     for rank, reply in replies:
         if not reply.get("ok"):
@@ -329,7 +329,7 @@ class _Connections:
 
     def exchange(self, body: dict[str, Any], timeout_s: float,
                  cancelled: Callable[[], bool] | None,
-                 only: list[int] | None = None) -> list[dict[str, Any]]:
+                 only: list[int] | None = None) -> list[protocol.Reply]:
         """Send ``body`` (plus each rank's token) to the ranks (``only``: those indexes)
         and wait up to ``timeout_s`` for their replies to it (a late reply to an earlier
         phase is skipped: replies echo ``dry_run`` and ``cancel``); one reply body per
@@ -338,11 +338,11 @@ class _Connections:
         command_id = body["id"]
         phase = (bool(body.get("dry_run")), bool(body.get("cancel")))
 
-        def unanswered(reason: str) -> dict[str, Any]:
+        def unanswered(reason: str) -> protocol.Reply:
             return {"id": command_id, "ok": False, "answered": False, "reason": reason}
 
         asked = range(len(self.ranks)) if only is None else only
-        replies: dict[int, dict[str, Any] | None] = {}
+        replies: dict[int, protocol.Reply | None] = {}
         poller = zmq.Poller()
         for index in asked:
             sock, info = self._sockets[index], self.ranks[index]

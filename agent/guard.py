@@ -4,112 +4,102 @@ After a change of precision, accumulation, micro-batch size, kernels or the opti
 settings (learning rate scale, weight decay, gradient clipping), the agent watches the
 next ``guard_steps`` optimizer steps. A non-finite loss, or the GradScaler skipping
 ``max_skipped_in_row`` fp16 steps in a row, rolls the guarded knobs back to the values
-they had before the change (the last good settings), at the next optimizer-step boundary.
-Runs on the agent's I/O thread only, from the values the step markers deliver: it never
-reads a device tensor itself.
+they had before the change (the last good settings, read from the
+:class:`~agent.ledger.ChangeLedger` that the out-of-memory path reads too), at the next
+optimizer-step boundary. Runs on the agent's I/O thread only, from the values the step
+markers deliver: it never reads a device tensor itself.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
 
-from agent.protocol import TUNE_ID_PREFIX, EventKind
+from agent.ledger import Change, ChangeLedger, Rollback
 
 #: Knobs whose changes are watched and rolled back.
 GUARDED_KNOBS = frozenset({"precision", "accum_steps", "micro_batch_size", "kernels",
                            "lr_scale", "weight_decay", "max_grad_norm"})
 
 
-@dataclass
-class Rollback:
-    """What to restore and why: ``values`` {knob: last good value}, ``reason`` for people."""
-
-    values: dict[str, Any]
-    reason: str
-
-
-@dataclass
 class ChangeGuard:
-    """Decides rollbacks from applied changes and step outcomes.
+    """Decides rollbacks from the changes in a ledger and the outcomes of steps.
 
     Args:
-        guard_steps: steps after a change during which trouble rolls it back.
+        ledger: the changes to watch (the window, ``guard_steps``, is the ledger's).
         max_skipped_in_row: consecutive GradScaler-skipped steps that count as trouble.
-        watched: the knobs whose changes are watched (None: every knob's).
-
-    Changes the agent's tuner makes (command ids starting with
-    :data:`agent.protocol.TUNE_ID_PREFIX`) are left to the tuner, which watches its
-    candidates with a guard of its own and reverts them on every rank at once.
+        tuner: whether the tuner's changes (command ids starting with
+            :data:`agent.protocol.TUNE_ID_PREFIX`) are watched. The agent's guard leaves
+            them to the tuner, which watches its candidates with a guard of its own and
+            reverts them on every rank at once.
     """
 
-    guard_steps: int = 100
-    max_skipped_in_row: int = 10
-    watched: frozenset[str] | None = GUARDED_KNOBS
-    skipped_total: int = 0
-    skipped_in_row: int = 0
-    _previous: dict[str, Any] = field(default_factory=dict)
-    _change: str = ""
-    _until_step: int = 0
-    _warned_non_finite: bool = False
+    def __init__(self, ledger: ChangeLedger, max_skipped_in_row: int = 10, *,
+                 tuner: bool = False) -> None:
+        self.ledger = ledger
+        self.max_skipped_in_row = max_skipped_in_row
+        self.tuner = tuner
+        #: GradScaler-skipped steps in all, and in a row up to the latest step
+        self.skipped_total = 0
+        self.skipped_in_row = 0
+        #: the latest change seen, and the latest one answered (rolled back or watched
+        #: cleanly through its window): nothing before it is watched again
+        self._seen: Change | None = None
+        self._answered: Change | None = None
+        self._warned_non_finite = False
+
+    @property
+    def guard_steps(self) -> int:
+        """Optimizer steps after a change during which trouble rolls it back."""
+        return self.ledger.guard_steps
 
     @property
     def watching(self) -> bool:
-        """Whether a guarded change is being watched: only then (or for a skipped step
-        or a non-finite loss) does :meth:`on_step` have anything to do."""
-        return bool(self._previous)
-
-    def on_applied(self, event: dict[str, Any]) -> None:
-        """An ``applied`` event: start (or extend) the watch over a guarded change.
-        Rollbacks themselves (``kind == "rolled_back"``) are not watched."""
-        knob = event.get("knob")
-        if event.get("kind") == EventKind.ROLLED_BACK:
-            self._end_watch()  # undone already (e.g. on the training thread after an OOM)
-            return
-        if event.get("kind") != EventKind.APPLIED or (self.watched is not None
-                                                      and knob not in self.watched):
-            return
-        if str(event.get("id") or "").startswith(TUNE_ID_PREFIX):
-            return  # the tuner's own candidate: it watches it itself
-        self._previous.setdefault(knob, event.get("previous"))
-        change = f"{knob}={event.get('value')}"
-        self._change = change if not self._change else f"{self._change}, {change}"
-        self._until_step = int(event.get("step", 0)) + self.guard_steps
-        self.skipped_in_row = 0
+        """Whether a change is being watched: only then (or for a skipped step or a
+        non-finite loss) does :meth:`on_step` have anything to do. One attribute read."""
+        entries = self.ledger.entries
+        return bool(entries) and entries[-1] is not self._answered
 
     def on_step(self, step: int, loss: float | None, skipped: bool | None) -> Rollback | None:
-        """One published step; returns a :class:`Rollback` once when the watched change
-        must be undone, else None. Ends the watch when ``guard_steps`` passed cleanly."""
+        """One published step; returns a :class:`~agent.ledger.Rollback` once when the
+        watched changes must be undone, else None. Ends the watch when ``guard_steps``
+        passed cleanly."""
+        entries = self.ledger.entries
+        latest = next((change for change in reversed(entries) if change.step <= step),
+                      None) if entries else None
+        if latest is not None and latest is not self._seen:  # a new change: count afresh
+            self._seen = latest
+            self.skipped_in_row = 0
         if skipped:
             self.skipped_total += 1
             self.skipped_in_row += 1
         elif skipped is not None:
             self.skipped_in_row = 0
+        if latest is None or latest is self._answered:
+            return None
+        last_good = self.ledger.last_good(step, tuner=self.tuner)
+        if last_good is None:  # none watched, or the window passed cleanly
+            if step - latest.step >= self.guard_steps or not any(
+                    self.tuner or not change.by_tuner for change in entries):
+                self._answered = latest
+            return None
         trouble = None
         if loss is not None and not math.isfinite(loss):
             trouble = f"loss was {loss} at step {step}"
         elif self.skipped_in_row >= self.max_skipped_in_row:
             trouble = (f"the GradScaler skipped {self.skipped_in_row} fp16 steps in a row "
                        f"(inf/NaN gradients) up to step {step}")
-        if not self._previous:
+        if trouble is None:
+            if step - latest.step >= self.guard_steps:
+                self._answered = latest
             return None
-        if trouble is not None:
-            rollback = Rollback(dict(self._previous), f"{trouble} after {self._change}")
-            self._end_watch()
-            return rollback
-        if step >= self._until_step:
-            self._end_watch()
-        return None
+        self._answered = latest
+        last_good.reason = f"{trouble} after {', '.join(last_good.changes)}"
+        return last_good
 
     def non_finite_warning(self, step: int, loss: float | None) -> str | None:
         """A warning, once, for a non-finite loss with no change to roll back."""
-        if loss is None or math.isfinite(loss) or self._previous or self._warned_non_finite:
+        if (loss is None or math.isfinite(loss) or self.watching
+                or self._warned_non_finite):
             return None
         self._warned_non_finite = True
         return f"loss was {loss} at step {step}, with no recent change to roll back"
-
-    def _end_watch(self) -> None:
-        self._previous = {}
-        self._change = ""
-        self.skipped_in_row = 0

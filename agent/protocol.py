@@ -78,11 +78,11 @@ Message types and their bodies:
                the best configuration). It is answered and fanned out like any
                command; rank 0 runs the search, and the commands the search sends have
                ids starting with :data:`TUNE_ID_PREFIX`.
-``reply``      agent -> client: ``id``, ``ok``, ``knob``, ``value``, ``apply_step`` or
-               ``reason``; an accepted command's reply also has ``step``, the last
-               optimizer step the run had completed when it accepted it (the run's own
-               counter: the command applies ``apply_step - step`` steps later, 2 with the
-               default ``apply_step``).
+``reply``      agent -> client (every field: :class:`Reply`): ``id``, ``ok``, ``knob``,
+               ``value``, ``apply_step`` or ``reason``; an accepted command's reply also
+               has ``step``, the last optimizer step the run had completed when it
+               accepted it (the run's own counter: the command applies
+               ``apply_step - step`` steps later, 2 with the default ``apply_step``).
 ``tune``       the in-run search (rank 0), at each change of its state: ``status``
                (running | done | stopped), ``started_step``, ``step``, ``steps``
                (spent so far), ``budget_steps``, ``unit`` (samples | tokens), ``knobs``
@@ -111,7 +111,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 import msgpack
 import orjson
@@ -174,6 +174,49 @@ class EventKind:
     COMPILE_ENDED = frozenset({COMPILED, FAILED})
 
 
+
+class Reply(TypedDict, total=False):
+    """The body of a ``reply`` (agent -> client), declared once for the agent's command
+    desk, the fan-out to several ranks (:mod:`agent.fanout`) and the clients; extra
+    fields are ignored, as everywhere on the wire."""
+
+    #: the command's ``id`` (None when the command's own id was unusable)
+    id: Any
+    #: accepted (or, for ``cancel``, withdrawn)
+    ok: bool
+    #: why not, for people (``ok`` false)
+    reason: str
+    #: the knob named, and its value as validated (or as sent, for ``tune``)
+    knob: Any
+    value: Any
+    #: the optimizer step it applies at (1-based)
+    apply_step: int
+    #: the last optimizer step the rank had completed when it accepted the command
+    step: int
+    #: the phase answered: a check only, a withdrawal, a change after a checkpoint
+    dry_run: bool
+    cancel: bool
+    checkpoint: bool
+    #: a cancel that came late: the step the command had applied at
+    applied_step: int
+    #: a dry run's answer: the rank's latest step time (s), or None
+    step_time_s: float | None
+    #: what a person should know about the value (it may be slow here), and what the
+    #: ``tune`` command started
+    warning: str
+    note: str
+    #: the fan-out's: the ranks reached, whether any rank answered at all, whether a
+    #: refused command could not be withdrawn everywhere
+    ranks: list[int]
+    answered: bool
+    ranks_differ: bool
+    #: a node relay's: ``relay`` true, its ``node`` and each rank's ``replies`` (with
+    #: their ``rank``)
+    relay: bool
+    node: int
+    replies: list[dict[str, Any]]
+    rank: int
+
 #: Largest payload either side decodes; larger frames are dropped as malformed.
 MAX_MESSAGE_BYTES = 1 << 20
 #: Most rows in one ``steps`` message (a batch of about 150 kB at most); the agent sends a
@@ -213,6 +256,15 @@ _PICTURES_KEEPING_NEWLINES = {**_PICTURES, 0x0A: 0x0A}
 def shorten(text: str, limit: int = MAX_TEXT_CHARS) -> str:
     """``text`` cut to at most ``limit`` characters, the last one "…" when cut."""
     return text if len(text) <= limit else text[:max(0, limit - 1)] + "…"
+
+
+def short_name(value: Any) -> Any:
+    """A name from a command (knob, id) as echoed in replies and events: as it is when
+    it is not a string or is at most :data:`MAX_NAME_CHARS` long (every real one), else
+    cut."""
+    if isinstance(value, str) and len(value) > MAX_NAME_CHARS:
+        return shorten(value, MAX_NAME_CHARS)
+    return value
 
 
 def printable(text: str, limit: int | None = None, *, newlines: bool = False) -> str:

@@ -120,7 +120,7 @@ class Relay:
             for connections, _ in self._connections.values():
                 connections.__exit__()
 
-    def _reply(self, frames: list[bytes]) -> dict[str, Any] | None:
+    def _reply(self, frames: list[bytes]) -> protocol.Reply | None:
         try:
             message = protocol.decode_frames(frames)
         except protocol.ProtocolError as exc:

@@ -74,6 +74,7 @@ from agent.knobs import (
     KnobSet,
     assignment,
 )
+from agent.ledger import Change, ChangeLedger
 from agent.runs import RunInfo
 
 #: Default step budget of a search (optimizer steps, warm-up and switches included).
@@ -498,7 +499,9 @@ class Tuner:
         self.text = ""
         self.step = start_step - 1
         self.unit: str | None = None
-        self._guard = ChangeGuard(watched=None)  # trouble after the search's changes
+        #: the search's own changes, and the guard that watches them for trouble
+        self._ledger = ChangeLedger()
+        self._guard = ChangeGuard(self._ledger, tuner=True)
         self._trial: Trial | None = None
         self._series = Series()  # the sub-block in progress
         self._best_block: Block | None = None  # the best's latest sub-block
@@ -567,7 +570,8 @@ class Tuner:
             self._waiting = None
             if kind == "applied":
                 if self._watch:  # watched here (the agent's guard leaves it to us)
-                    self._guard.on_applied({**event, "id": None})
+                    self._ledger.record(Change(int(event.get("step", 0)), str(knob),
+                                               event.get("value"), event.get("previous")))
                 self._series = Series()
             elif kind == "failed" and self._watch:  # the knob kept its value
                 self._verdict("reverted", f"applying it failed: {event.get('text', '')}")
@@ -755,7 +759,7 @@ class Tuner:
                 kept.state, kept.reason = "reverted", f"{reason} (it had been kept)"
         self.best.update((knob, value) for knob, value in last_good.items()
                          if knob in self.best)
-        self._guard = ChangeGuard(watched=None)
+        self._ledger.clear()
         self._back_to_best()
         self._next_candidate()
 

@@ -159,7 +159,7 @@ def _handled(run, step: int, timeout_s: float = 10.0) -> None:
     """Wait until the agent's I/O thread has published step ``step`` (plus one poll, for
     the batch's send), so its CPU for the loop is all counted."""
     deadline = time.monotonic() + timeout_s
-    while (run.agent._expected_step or 0) <= step and time.monotonic() < deadline:
+    while (run.agent._encoder.expected_step or 0) <= step and time.monotonic() < deadline:
         time.sleep(0.005)
     time.sleep(0.06)
 
@@ -168,7 +168,7 @@ def run_agent(stream, step, steps, clocks, subscriber=False):
     clocks.start()
     with agent.session(name="bench-overhead") as run:
         deadline = time.monotonic() + 30  # its start-up (hello, with the environment
-        while run.agent._seq < 1 and time.monotonic() < deadline:  # report) is not a step's
+        while run.agent._io.seq < 1 and time.monotonic() < deadline:  # report) is not a step's
             time.sleep(0.005)
         reader = None
         if subscriber:

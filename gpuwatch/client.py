@@ -135,8 +135,7 @@ def parse_assignment(text: str) -> tuple[str, str]:
     return knob.strip(), value.strip()
 
 
-
-def reply_text(knob: str, value: Any, reply: dict[str, Any]) -> str:
+def reply_text(knob: str, value: Any, reply: protocol.Reply) -> str:
     """What to tell people about a reply from :func:`send_command`:
     ``accepted: accum_steps=4 applies at step 123`` (``... on ranks 0, 1`` for several),
     followed by a second line ``warning: ...`` when the run warned about the value (e.g.

@@ -379,18 +379,18 @@ class _ThreadRecordingNvml:
 
 def test_nvml_psutil_and_allocator_readings_never_run_on_the_training_thread(
         run_dir, monkeypatch):
-    import agent.core as core
+    import agent.encoder as encoder
     from agent.probes import Nvml
 
     nvml = _ThreadRecordingNvml()
     readings = []
-    real_memory_stats = core.memory_stats
+    real_memory_stats = encoder.memory_stats
 
     def recording_memory_stats(device):
         readings.append(threading.current_thread().name)
         return real_memory_stats(device)
 
-    monkeypatch.setattr(core, "memory_stats", recording_memory_stats)
+    monkeypatch.setattr(encoder, "memory_stats", recording_memory_stats)
     model = make_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                       torch.nn.functional.cross_entropy, digits_loader())

@@ -582,6 +582,6 @@ def test_a_loop_resumed_after_a_micro_batch_size_change_binds_it_with_run_loader
     first, second = [e["text"] for e in _events(_records(log_path), "resumed")]
     assert first.startswith(f"resumed from {path} at step 3 with accum_steps=4")
     assert first.endswith("; not bound yet (set when run.loader() binds them): "
-                          "num_workers=0, pin_memory=false, prefetch_factor=2, "
+                          "num_workers=0, pin_memory=off, prefetch_factor=2, "
                           "micro_batch_size=8")
     assert second == f"resumed from {path} at step 3 with micro_batch_size=8, accum_steps=4"

@@ -11,7 +11,7 @@ import zmq
 
 import agent
 from agent import protocol, runs
-from agent.core import MAX_PENDING_COMMANDS
+from agent.desk import MAX_PENDING_COMMANDS
 from agent.knobs import Knob, KnobSpec
 from gpuopt import Trainer
 from tests.training import Gate, digits_loader, model as make_model, start

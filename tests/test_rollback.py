@@ -6,6 +6,7 @@ import torch
 import agent
 from agent import runs
 from agent.guard import ChangeGuard
+from agent.ledger import Change, ChangeLedger
 from gpuopt import Trainer
 from gpuwatch.client import Subscriber, send_command
 from tests.training import Gate, digits_loader, messages, model as make_model, start
@@ -83,23 +84,22 @@ def test_one_rank_of_several_does_not_roll_back_alone(run_dir):
 
 
 def test_guard_rolls_back_after_skipped_steps_in_a_row_and_ends_a_clean_watch():
-    guard = ChangeGuard(guard_steps=20, max_skipped_in_row=3)
-    guard.on_applied({"kind": "applied", "knob": "precision", "value": "fp16",
-                      "previous": "bf16", "step": 10})
+    ledger = ChangeLedger(guard_steps=20)
+    guard = ChangeGuard(ledger, max_skipped_in_row=3)
+    ledger.record(Change(10, "precision", "fp16", "bf16"))
+    assert guard.watching
     assert guard.on_step(10, 1.0, True) is None
     assert guard.on_step(11, 1.0, True) is None
     rollback = guard.on_step(12, 1.0, True)
     assert rollback.values == {"precision": "bf16"}
     assert "skipped 3 fp16 steps in a row" in rollback.reason
     assert guard.skipped_total == 3
-    assert guard.on_step(13, float("nan"), None) is None  # watch over: nothing to undo
-    guard.on_applied({"kind": "applied", "knob": "accum_steps", "value": 4,
-                      "previous": 1, "step": 50})
+    assert not guard.watching
+    assert guard.on_step(13, float("nan"), None) is None  # answered: nothing to undo again
+    ledger.record(Change(50, "accum_steps", 4, 1))  # a new episode (more than 20 steps on)
     assert guard.on_step(70, 1.0, None) is None  # 20 clean steps end the watch
+    assert not guard.watching
     assert guard.on_step(71, float("inf"), None) is None
-    guard.on_applied({"kind": "applied", "knob": "num_workers", "value": 2,
-                      "previous": 0, "step": 80})  # not a guarded knob
-    assert guard.on_step(81, float("nan"), None) is None
 
 
 def test_out_of_memory_right_after_a_change_rolls_it_back_and_retries_the_batch(run_dir):

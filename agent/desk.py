@@ -1,0 +1,336 @@
+"""The command desk: validates commands, schedules them at a step, cancels, applies.
+
+Owns the commands accepted but not yet applied (ordered by the step they apply at), the
+ids of those applied lately (for a late cancel's reply), the counters of refused and
+rejected commands, and the entries of the :class:`~agent.ledger.ChangeLedger` (each
+guarded change it applies, and each rollback). It holds no socket: the I/O loop decodes
+a ``command`` message and hands its body to :meth:`CommandDesk.answer` (I/O thread);
+the training thread calls :meth:`CommandDesk.apply_due` at each optimizer-step boundary
+where commands are pending, and :meth:`CommandDesk.roll_back` after an out-of-memory
+error.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hmac
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent import protocol
+from agent.guard import GUARDED_KNOBS
+from agent.knobs import CHECKPOINT, KnobError, KnobSet, assignment
+from agent.ledger import Change, ChangeLedger, Rollback
+from agent.protocol import EventKind, Reply
+from agent.tune import AutoTune
+
+#: How far ahead a command may be scheduled (optimizer steps).
+MAX_STEPS_AHEAD = 100_000
+#: Commands accepted but not yet applied, at most; more are rejected (a flood is refused,
+#: not queued).
+MAX_PENDING_COMMANDS = 32
+
+
+@dataclass(order=True)
+class Pending:
+    """A command waiting for its step: ``knob`` set to ``value`` at the boundary before
+    optimizer step ``apply_step``; ordered by step, then by arrival (``seq``)."""
+
+    apply_step: int
+    seq: int
+    knob: str = field(compare=False)
+    value: Any = field(compare=False)
+    command_id: Any = field(compare=False)
+    rollback_reason: str | None = field(compare=False, default=None)
+    #: sent with ``checkpoint: true``: applied only if the checkpoint before it was saved
+    after_checkpoint: bool = field(compare=False, default=False)
+
+
+class CommandDesk:
+    """Takes the commands of one rank: validate, schedule at a step, cancel, apply.
+
+    Args:
+        knobs: the knobs commands may set.
+        token: the run's secret; a command without it is rejected.
+        ledger: where applied guarded changes and rollbacks are recorded.
+        tune: the in-run search, which the ``tune`` command starts.
+        publish: ``publish(msg_type, body)`` on the I/O thread (events of accepting,
+            cancelling).
+        event: ``event(level, text, **fields)`` from any thread, in order with the step
+            records (events of applying, failing, rejecting).
+        step_now: the last optimizer step the training thread completed (1-based; 0
+            before the first).
+        ending: whether the run is ending (commands are then rejected).
+        step_time_s: the latest step time published (s), for dry-run replies, or None.
+        rank, world_size: this rank and the job's ranks (with several, one rank never
+            rolls back alone, and commands due at one boundary apply in id order).
+    """
+
+    def __init__(self, knobs: KnobSet, *, token: str, ledger: ChangeLedger,
+                 tune: AutoTune, publish: Callable[[str, dict[str, Any]], None],
+                 event: Callable[..., None], step_now: Callable[[], int],
+                 ending: Callable[[], bool],
+                 step_time_s: Callable[[], float | None] = lambda: None,
+                 rank: int = 0, world_size: int = 1) -> None:
+        self.knobs = knobs
+        self.ledger = ledger
+        self.tune = tune
+        self.rank, self.world_size = rank, world_size
+        self._token = token.encode()
+        self._publish, self._event = publish, event
+        self._step_now, self._ending, self._step_time_s = step_now, ending, step_time_s
+        #: commands accepted, not yet applied, by (apply_step, seq); changed in place only
+        #: (the agent's hot path holds this list), under ``_lock``
+        self.pending: list[Pending] = []
+        self._lock = threading.Lock()
+        self._seq = 0
+        #: (command id, step) of the latest applied commands, for a late cancel's reply
+        self._applied_ids: deque[tuple[Any, int]] = deque(maxlen=256)
+        #: Valid commands refused because too many were pending (a flood).
+        self.commands_refused = 0
+        #: Commands rejected (bad token, knob or value).
+        self.commands_rejected = 0
+        self._rejections_reported = 0
+        self._next_rejection_event = 0.0
+
+    # ------------------------------------------------------------ I/O thread
+
+    def answer(self, body: dict[str, Any]) -> Reply:
+        """The reply to one ``command`` body (see :mod:`agent.protocol`): accepted and
+        scheduled, checked (dry run), cancelled, or rejected with the reason. A
+        rejection changes nothing. Never raises for bad input."""
+        command_id = body.get("id")
+        if isinstance(command_id, bool) or not isinstance(command_id, (str, int, type(None))):
+            return {"id": None, "ok": False, "knob": body.get("knob"),
+                    "reason": f"id must be a string or an integer, got {command_id!r}"}
+        rejected: Reply = {"id": command_id, "ok": False, "knob": body.get("knob")}
+        for flag in ("dry_run", "cancel", "checkpoint"):
+            if not isinstance(body.get(flag, False), bool):
+                return {**rejected, "reason": f"{flag} must be true or false, "
+                                              f"got {body[flag]!r}"}
+            if body.get(flag):  # every reply says which phase it answers
+                rejected[flag] = True  # type: ignore[literal-required]
+        token = body.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(
+                token.encode("utf-8", "replace"), self._token):
+            self.note_rejection("missing or wrong token", None, command_id)
+            return {**rejected, "knob": None, "reason": "missing or wrong token"}
+        if body.get("cancel") is True:
+            return self.cancel(command_id, body.get("reason"))
+        if self._ending():
+            return {**rejected, "reason": "the run is ending"}
+        knob_name, raw = body.get("knob"), body.get("value")
+        checkpoint = body.get("checkpoint") is True  # save one at the same boundary, first
+        try:
+            if knob_name == protocol.TUNE:
+                value = self.tune.validate(raw)
+                if checkpoint:
+                    raise KnobError("checkpoint: true goes with a setting, not with tune")
+            else:
+                value = self.knobs.validate(knob_name, raw)
+                if checkpoint:
+                    self.knobs.validate(CHECKPOINT.name, "now")
+        except KnobError as exc:
+            self.note_rejection(str(exc), knob_name, command_id)
+            return {**rejected, "reason": str(exc)}
+        if len(self.pending) + checkpoint >= MAX_PENDING_COMMANDS:
+            self.commands_refused += 1
+            return {**rejected, "reason": f"{MAX_PENDING_COMMANDS} commands are already "
+                                          "waiting for the next step boundary; try again"}
+        step_now = self._step_now()
+        earliest = step_now + 2
+        apply_step = body.get("apply_step", earliest)
+        if isinstance(apply_step, bool) or not isinstance(apply_step, int):
+            return {**rejected, "reason": f"apply_step must be an integer, got {apply_step!r}"}
+        if apply_step > earliest + MAX_STEPS_AHEAD:
+            return {**rejected, "reason": f"apply_step {apply_step} is more than "
+                                          f"{MAX_STEPS_AHEAD} steps ahead"}
+        if apply_step < earliest:
+            return {**rejected, "reason": f"apply_step {apply_step} has passed on rank "
+                                          f"{self.rank} (earliest: {earliest})"}
+        if body.get("dry_run") is True:  # the first phase of a command to every rank
+            return {"id": command_id, "ok": True, "dry_run": True, "knob": knob_name,
+                    "value": raw if knob_name == protocol.TUNE else value,
+                    "apply_step": apply_step, "step_time_s": self._step_time_s()}
+        if knob_name == protocol.TUNE:  # not a setting: the search starts (rank 0)
+            return {"id": command_id, "ok": True, "knob": knob_name, "value": raw,
+                    "apply_step": apply_step, "note": self.tune.start(value, apply_step)}
+        if checkpoint:  # no id of its own: withdrawing the change leaves a harmless save
+            self.schedule(Pending(apply_step, 0, CHECKPOINT.name, "now", None))
+        self.schedule(Pending(apply_step, 0, knob_name, value, command_id,
+                              after_checkpoint=checkpoint))
+        reply: Reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
+                        "apply_step": apply_step, "step": step_now}
+        text = f"{assignment(knob_name, value)} accepted, applies at step {apply_step}"
+        if checkpoint:
+            reply["checkpoint"] = True
+            text += " after a checkpoint"
+        self._publish(protocol.EVENT, {"level": "info", "text": text,
+                                       "kind": EventKind.ACCEPTED, "knob": knob_name,
+                                       "value": value, "step": apply_step,
+                                       "id": command_id})
+        warn = self.knobs.knobs[knob_name].warn
+        if warn is not None:
+            warning = warn(value)
+            if warning:
+                reply["warning"] = warning
+                self._publish(protocol.EVENT, {"level": "warning", "text": warning,
+                                               "kind": EventKind.WARNING, "knob": knob_name})
+        return reply
+
+    def schedule(self, pending: Pending) -> None:
+        """Queue ``pending`` for its step (after those queued for the same step). Any
+        thread; takes the desk's lock for an insertion."""
+        with self._lock:
+            self._seq += 1
+            pending.seq = self._seq
+            bisect.insort(self.pending, pending)
+
+    def schedule_rollback(self, rollback: Rollback, apply_step: int) -> None:
+        """Queue the values of ``rollback`` for step ``apply_step``: each applies as a
+        ``rolled_back`` event naming ``rollback.reason``."""
+        for knob, value in rollback.values.items():
+            self.schedule(Pending(apply_step, 0, knob, value, None, rollback.reason))
+
+    def cancel(self, command_id: Any, reason: Any) -> Reply:
+        """Withdraw the pending command ``command_id`` (another rank refused it); the
+        reply says whether it was pending, applied already (``applied_step``) or unknown."""
+        with self._lock:
+            found = next((p for p in self.pending
+                          if command_id is not None and p.command_id == command_id), None)
+            if found is not None:
+                self.pending.remove(found)
+        if found is None:
+            applied = next((step for applied_id, step in list(self._applied_ids)
+                            if applied_id == command_id), None)
+            if applied is not None:
+                return {"id": command_id, "ok": False, "cancel": True,
+                        "applied_step": applied,
+                        "reason": f"it was applied at step {applied}, before the cancel came"}
+            return {"id": command_id, "ok": False, "cancel": True,
+                    "reason": f"no pending command with id {command_id!r}"}
+        why = f": {reason}" if isinstance(reason, str) and reason else ""
+        self._publish(protocol.EVENT, {
+            "level": "warning", "kind": EventKind.CANCELLED, "knob": found.knob,
+            "value": found.value, "step": found.apply_step, "id": command_id,
+            "text": f"{assignment(found.knob, found.value)} for step {found.apply_step} "
+                    f"cancelled{why}"})
+        return {"id": command_id, "ok": True, "cancel": True, "knob": found.knob,
+                "value": found.value, "apply_step": found.apply_step}
+
+    def note_rejection(self, reason: str, knob: Any, command_id: Any = None) -> None:
+        """Count a rejected command and raise a ``rejected`` event for it: at most one a
+        second (a flood of bad commands must not flood the run log and every dashboard)."""
+        self.commands_rejected += 1
+        now = time.monotonic()
+        if now < self._next_rejection_event:
+            return
+        self._next_rejection_event = now + 1.0
+        count = self.commands_rejected - self._rejections_reported
+        self._rejections_reported = self.commands_rejected
+        more = f" ({count - 1} more since the last report)" if count > 1 else ""
+        self._event("warning", f"command rejected: {protocol.shorten(reason)}{more}",
+                    kind=EventKind.REJECTED, knob=protocol.short_name(knob),
+                    id=protocol.short_name(command_id))
+
+    # ------------------------------------------------------------ training thread
+
+    def apply_due(self, step: int) -> bool:
+        """Training thread, after optimizer step ``step``: apply the commands due at step
+        ``step + 1``, each atomically (a knob that fails to set keeps its value, and a
+        ``failed`` event says why). Returns whether any applied (the knob values may
+        have changed)."""
+        with self._lock:
+            due = bisect.bisect_right(self.pending, step + 1, key=lambda p: p.apply_step)
+            commands, self.pending[:due] = self.pending[:due], []
+        if self.world_size > 1:  # arrival order differs between ranks; ids do not
+            commands.sort(key=lambda command: (command.apply_step, str(command.command_id)))
+        # commands that are not settings (a checkpoint) first: they see the state before
+        # the changes of the same boundary (a stable sort keeps the order above)
+        commands.sort(key=lambda command: self.knobs.knobs[command.knob].spec.kind != "action")
+        last = {command.knob: command for command in commands}
+        checkpoint_failed = changed = False
+        for command in commands:
+            if last[command.knob] is not command:  # a later command for the same knob
+                continue                            # at the same boundary wins
+            if self._apply(step + 1, command, checkpoint_failed):
+                changed = True
+            elif command.knob == CHECKPOINT.name:
+                checkpoint_failed = True
+        return changed
+
+    def _apply(self, step: int, command: Pending, checkpoint_failed: bool) -> bool:
+        """Apply one due command at the boundary before ``step``; returns whether it
+        applied (False: it failed, and a ``failed`` event says why)."""
+        knob = self.knobs.knobs[command.knob]
+        action = knob.spec.kind == "action"
+        previous = None if action else knob.get()
+        if command.after_checkpoint and checkpoint_failed and self.world_size > 1:
+            self._event("warning", f"{assignment(command.knob, command.value)}: the "
+                        "checkpoint before it failed on this rank; applied all the same "
+                        f"(every one of the {self.world_size} ranks must apply it)",
+                        kind=EventKind.WARNING, knob=command.knob, step=step)
+        try:
+            if command.after_checkpoint and checkpoint_failed and self.world_size == 1:
+                raise RuntimeError("the checkpoint asked for before it was not saved")
+            detail = dict(knob.set(command.value) or {})
+        except Exception as exc:
+            kept = "" if action else f"; kept {assignment(command.knob, previous)}"
+            self._event("error", f"{assignment(command.knob, command.value)} failed at "
+                        f"step {step}: {exc}{kept}",
+                        kind=EventKind.FAILED, knob=command.knob, value=command.value,
+                        step=step, id=command.command_id)
+            return False
+        if command.rollback_reason:
+            self.ledger.clear()  # a rollback is not a change to watch
+        elif command.knob in GUARDED_KNOBS:
+            self.ledger.record(Change(step, command.knob, command.value, previous,
+                                      command.command_id))
+        text = f"{assignment(command.knob, command.value)} applied at step {step}"
+        if command.rollback_reason:
+            text += f": rolled back because {command.rollback_reason}"
+        if "text" in detail:
+            text += f": {detail.pop('text')}"
+        self._event("warning" if command.rollback_reason else "info", text,
+                    kind=EventKind.ROLLED_BACK if command.rollback_reason else EventKind.APPLIED,
+                    knob=command.knob, value=command.value, previous=previous,
+                    step=step, id=command.command_id, **detail)
+        if command.command_id is not None:  # a late cancel can be told so
+            self._applied_ids.append((command.command_id, step))
+        return True
+
+    def roll_back(self, step: int, reason: str) -> bool:
+        """Training thread, between steps: undo at once the changes the ledger holds for
+        step ``step`` (1-based; those of the last ``guard_steps`` steps), e.g. after an
+        out-of-memory error. With several ranks nothing is undone (one rank alone must
+        not change a knob): a warning names the command that would.
+
+        Returns:
+            True when something was rolled back.
+        """
+        change = self.ledger.last_good(step)
+        self.ledger.clear()
+        if change is None:
+            return False
+        why = f"{reason} after {', '.join(change.changes)}"
+        if self.world_size > 1:
+            self._event("error", f"{why}; not rolled back: with {self.world_size} ranks "
+                        "only a command to every rank may change a knob (gpuwatch set "
+                        + " ".join(assignment(k, v) for k, v in change.values.items()) + ")",
+                        kind=EventKind.WARNING, step=step)
+            return False
+        for name, value in change.values.items():
+            try:
+                self.knobs.knobs[name].set(value)
+            except Exception as exc:
+                self._event("error", f"rolling back {assignment(name, value)} failed: {exc}",
+                            kind=EventKind.FAILED, knob=name, value=value, step=step)
+                continue
+            self._event("warning", f"{assignment(name, value)} applied at step {step}: "
+                        f"rolled back because {why}", kind=EventKind.ROLLED_BACK, knob=name,
+                        value=value, step=step)
+        return True

@@ -1,0 +1,489 @@
+"""The I/O loop: the agent's thread that owns every socket and file of the run.
+
+Owns the ZeroMQ context and sockets (XPUB for telemetry, ROUTER for commands, on ipc in
+the private run directory), the tcp gateway child process with the run's CURVE keys
+(:mod:`agent.gateway`), the run file and the run log, the node relay link of a multi-node
+job, the sequence numbers of published messages, greetings of new subscribers,
+heartbeats, the periodic ``hello`` and ``state``, and the system probe (about 1 Hz).
+Each wake-up it drains the step encoder (:mod:`agent.encoder`) and hands each command
+body to the command desk (:mod:`agent.desk`), answering at once. It never runs on the
+training thread; what it sends, it sends without blocking (PUB drops at its high-water
+mark).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from agent import protocol
+from agent.multinode import node_link
+from agent.probes import Nvml, SystemProbe
+from agent.protocol import EventKind, Reply
+from agent.runlog import RunLog, log_dir
+from agent.runs import (
+    RUN_ID_ENV,
+    RunInfo,
+    new_run_id,
+    rank_taken,
+    remove_run_file,
+    run_dir,
+    write_run_file,
+)
+
+if TYPE_CHECKING:
+    from agent.core import Agent
+    from agent.desk import CommandDesk
+    from agent.encoder import StepEncoder
+
+_HEARTBEAT_INTERVAL_S = 1.0
+_HELLO_EVERY_HEARTBEATS = 30  # a new subscriber is greeted at once anyway
+#: The I/O thread wakes at least this often to publish the records queued since (ms),
+#: as one ``steps`` batch. Commands and new subscribers wake it at once (a command's
+#: latency does not depend on it); each wake-up costs CPU (about 100 us on a 2-core
+#: machine, the poll included) and the training thread a GIL hand-off, so it is kept
+#: rare: 10 a second, a batch of 100 steps at 1,000 steps/s.
+_POLL_MS = 100
+_MAX_COMMANDS_PER_POLL = 100
+#: Command messages read per second at most, valid or not: a flood (even of garbage or
+#: of wrong tokens) costs the training process a bounded ~1% of a core; the excess waits
+#: in ZeroMQ's small receive queue, and beyond it the sender is throttled.
+COMMANDS_PER_S = 200
+#: Receive queue per client (messages) and the largest command message (bytes): bounds
+#: what a flood of large messages can make the training process hold.
+_COMMAND_QUEUE = 64
+_MAX_COMMAND_BYTES = 64 * 1024
+#: Largest message a subscriber may send the PUB socket (a subscription: a topic of a
+#: few bytes); a larger one disconnects it (a 100 MB "subscription" is never held).
+_MAX_SUBSCRIPTION_BYTES = 1024
+#: A connection that has not completed its handshake (CURVE on tcp) by then is closed:
+#: a peer without the run's key holds a file descriptor this long at most (ms).
+_HANDSHAKE_MS = 2000
+#: How long the tcp gateway may take to start and bind (s).
+_GATEWAY_START_S = 30.0
+#: New subscribers are greeted (hello + state, on the wire only) at most this often;
+#: those who come in between share the next greeting.
+GREETINGS_PER_S = 2
+#: Subscription frames read per wake-up at most (the rest wait for the next one).
+_MAX_SUBSCRIPTIONS_PER_POLL = 1000
+_SEND_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+_SEND_LAST = int(zmq.NOBLOCK)
+
+
+class IOLoop:
+    """The I/O thread of one agent: sockets, gateway, run file, run log, heartbeats.
+
+    Args:
+        agent: the agent whose run this is: its facts (name, rank, knobs, errors) and
+            the hot path's latest step and knob values are read here; its ``run_id`` is
+            replaced when another process holds it (see :meth:`_bind`).
+        desk: answers each command body.
+        encoder: drained at each wake-up, and flushed before any other message.
+        nvml: the GPU probe (tests pass one with a fake NVML module).
+    """
+
+    def __init__(self, agent: Agent, *, desk: CommandDesk, encoder: StepEncoder,
+                 nvml: Nvml | None = None) -> None:
+        self._agent = agent
+        self._desk = desk
+        self._encoder = encoder
+        #: the run file's facts, once the sockets are bound (None before, or when they
+        #: could not be)
+        self.info: RunInfo | None = None
+        #: the knob schema changed: send ``hello`` again at the next wake-up
+        self.announce = False
+        self._pub: zmq.Socket | None = None
+        self._log: RunLog | None = None
+        #: the sequence number of the latest message published (and logged)
+        self.seq = 0
+        self._probe = SystemProbe(nvml)
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="gpuwatch-agent",
+                                        daemon=True)
+        #: ipc socket files bound (removed at exit, run file or not)
+        self._ipc_paths: tuple[str, ...] = ()
+        #: the tcp gateway (a child process) and the routing id of its commands
+        self._gateway: Any = None
+        self._gateway_id: bytes | None = None
+        #: this node's relay and store link (local rank 0 of a multi-node job), or None
+        self._node_link: Any = None
+        #: a new subscriber waits for its greeting; when the next one may be sent
+        self._greet_due = False
+        self._next_greeting = 0.0
+        self._env_report: dict[str, Any] | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called."""
+        return self._stop.is_set()
+
+    def start(self, timeout_s: float) -> None:
+        """Start the thread; wait at most ``timeout_s`` (s) until the sockets are bound
+        and the run file written, or binding failed (the agent then stays inert)."""
+        self._thread.start()
+        self._ready.wait(timeout_s)
+
+    def stop(self, timeout_s: float) -> None:
+        """Publish what is queued and ``bye``, close the sockets, remove the run file;
+        wait at most ``timeout_s`` (s) for the thread. Any thread but the I/O one."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _main(self) -> None:
+        context = zmq.Context()
+        try:
+            self._loop(context)
+        except Exception as exc:
+            self._agent.report_error("I/O thread", exc)
+        finally:
+            self._ready.set()
+            if self.info is not None:
+                remove_run_file(self.info)
+            for path in self._ipc_paths:  # bound, even if the run file never came
+                Path(path).unlink(missing_ok=True)
+            if self._pub is not None:
+                self._pub.close(linger=500)  # let bye and the last records leave
+            if self._log is not None:
+                self._guard("run log", self._log.close)
+            self._guard("tcp gateway", self._stop_gateway)
+            if self._node_link is not None:
+                self._guard("node relay", self._node_link.close)
+            context.destroy(linger=0)
+
+    def _start_gateway(self, pub_endpoint: str, cmd_endpoint: str) -> dict[str, str]:
+        """Start the tcp side of this run in a child process (:mod:`agent.gateway`):
+        tcp ports with CURVE, forwarding to this agent's private ipc sockets, so that
+        what a tcp client makes a process hold (connections, descriptors, buffers) is
+        never held by the training process. Its keys go in the owner-only run file: a
+        client without them gets nothing, one with them knows it reached this run (only
+        the gateway holds the server's secret key), so a port taken over after the run
+        ended is never trusted.
+
+        Returns:
+            The run file's ``pub_endpoint``, ``cmd_endpoint`` and CURVE key fields.
+
+        Raises:
+            OSError: the gateway could not be started or did not bind (it says why).
+        """
+        import json
+        import select
+        import subprocess
+
+        if not sys.executable:
+            raise OSError("no Python executable to start the tcp gateway with")
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        self._gateway_id = b"gpuwatch-gateway-" + secrets.token_bytes(8)
+        address = self._agent.listen or "127.0.0.1"
+        settings = {"pub": pub_endpoint, "cmd": cmd_endpoint, "address": address,
+                    "server_public": server_public.decode(),
+                    "server_secret": server_secret.decode(),
+                    "client_public": client_public.decode(),
+                    "routing_id": self._gateway_id.hex()}
+        home = str(Path(__file__).resolve().parent.parent)  # where `agent` is imported from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            part for part in (home, os.environ.get("PYTHONPATH", "")) if part)}
+        gateway = subprocess.Popen([sys.executable, "-m", "agent.gateway"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   env=env, close_fds=True)
+        self._gateway = gateway
+        gateway.stdin.write(json.dumps(settings).encode() + b"\n")
+        gateway.stdin.flush()
+        readable, _, _ = select.select([gateway.stdout], [], [], _GATEWAY_START_S)
+        line = gateway.stdout.readline() if readable else b""
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = {"error": f"no answer within {_GATEWAY_START_S:.0f} s"}
+        if "error" in answer or not isinstance(answer.get("pub_port"), int):
+            raise OSError(f"the tcp gateway did not start: {answer.get('error', answer)}")
+        shown = "127.0.0.1" if address in ("0.0.0.0", "*") else address
+        return {"pub_endpoint": f"tcp://{shown}:{answer['pub_port']}",
+                "cmd_endpoint": f"tcp://{shown}:{answer['cmd_port']}",
+                "curve_server_key": server_public.decode(),
+                "curve_client_public_key": client_public.decode(),
+                "curve_client_secret_key": client_secret.decode()}
+
+    def _gateway_gone(self) -> None:
+        """The gateway died (killed?): the run file names the private ipc sockets
+        instead, so this user's dashboards find the run again; an event says so."""
+        status = self._gateway.returncode
+        self._stop_gateway()
+        assert self.info is not None
+        self.info.pub_endpoint, self.info.cmd_endpoint = (
+            f"ipc://{path}" for path in self._ipc_paths)
+        self.info.curve_server_key = self.info.curve_client_public_key = ""
+        self.info.curve_client_secret_key = ""
+        write_run_file(self.info, Path(self.info.path).parent)
+        self._agent.report_error("tcp gateway", RuntimeError(
+            f"it exited with status {status}; the run is now reached over ipc only "
+            f"({self.info.pub_endpoint})"))
+
+    def _stop_gateway(self) -> None:
+        """Close the gateway's stdin (it ends on EOF); kill it if it lingers."""
+        gateway, self._gateway = self._gateway, None
+        if gateway is None:
+            return
+        import subprocess
+
+        try:
+            gateway.stdin.close()
+            gateway.wait(2.0)
+        except (OSError, subprocess.TimeoutExpired):
+            gateway.kill()
+            gateway.wait()
+        gateway.stdout.close()
+
+    def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        """Bind the sockets, open the run log and write the run file.
+
+        Raises:
+            agent.runs.UnsafeDirectoryError, OSError: the run directory is refused or
+                cannot be made (the agent then stays inert: training goes on
+                unobserved). A run log that cannot be opened is not an error: the run
+                goes on without one, and an event says why.
+        """
+        agent = self._agent
+        directory = run_dir()  # resolved and checked once, used for all that follows
+        holder = rank_taken(agent.run_id, agent.rank, directory)
+        if holder is not None:  # never take over another job's sockets and run file
+            taken, agent.run_id = agent.run_id, new_run_id()
+            agent.event("warning", f"run id {taken} rank {agent.rank} is in use by pid "
+                        f"{holder} (another job from the same launcher?); this process is "
+                        f"run {agent.run_id}: set {RUN_ID_ENV} to one value on every rank "
+                        "of a job to keep its ranks together", kind=EventKind.WARNING)
+        pub = context.socket(zmq.XPUB)  # a PUB that also hears (un)subscriptions
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, to greet each newcomer
+        pub.setsockopt(zmq.SNDHWM, 10_000)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, _MAX_COMMAND_BYTES)
+        router.setsockopt(zmq.RCVHWM, _COMMAND_QUEUE)
+        for socket in (pub, router):
+            socket.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
+        # ipc in the private run directory, always: only this user can connect; a tcp
+        # run's ports are bound by its gateway process, never by the training process
+        base = directory / f"{agent.run_id}.r{agent.rank}"
+        endpoints = {}
+        for socket, suffix in ((pub, "pub"), (router, "cmd")):
+            endpoint = f"ipc://{base}.{suffix}"
+            socket.bind(endpoint)
+            self._ipc_paths += (f"{base}.{suffix}",)
+            os.chmod(f"{base}.{suffix}", 0o600)
+            endpoints[f"{suffix}_endpoint"] = endpoint
+        if agent.transport == "tcp":
+            endpoints = self._start_gateway(endpoints["pub_endpoint"],
+                                            endpoints["cmd_endpoint"])
+        self._log = self._guard("run log", self._open_log)
+        self.info = RunInfo(run_id=agent.run_id, rank=agent.rank,
+                            world_size=agent.world_size,
+                            pid=os.getpid(), token=agent.token,
+                            started_at=agent._started_at, name=agent.name,
+                            log_path=str(self._log.path) if self._log else "", **endpoints)
+        # a multi-node torchrun job: the node's relay and the job's store (local rank 0)
+        self._node_link = self._guard("multi-node", node_link, self.info, agent.listen,
+                                      agent.report_error, agent.event)
+        write_run_file(self.info, directory)
+        return pub, router
+
+    def _open_log(self) -> RunLog:
+        """The run log of this rank, in :func:`agent.runlog.log_dir`.
+
+        Raises:
+            agent.runs.UnsafeDirectoryError, agent.runlog.UnsafeLogFileError, OSError:
+                the directory or the file is refused or cannot be made.
+        """
+        return RunLog(log_dir() / f"{self._agent.run_id}.rank{self._agent.rank}.jsonl")
+
+    def _loop(self, context: zmq.Context) -> None:
+        pub, router = self._bind(context)
+        self._pub = pub
+        self._guard("memory reading", self._encoder.read_memory)
+        self._ready.set()
+        self.publish(protocol.HELLO, self._hello())
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(pub, zmq.POLLIN)
+        next_system = next_heartbeat = time.monotonic()
+        heartbeats = 0
+        budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
+        while True:
+            stopping = self._stop.is_set()
+            ready = dict(poller.poll(0 if stopping else _POLL_MS))
+            if router in ready:
+                budget -= self._guard("command handling", self._serve_commands, router,
+                                      min(budget, _MAX_COMMANDS_PER_POLL), default=0)
+                if budget <= 0:
+                    poller.unregister(router)  # the rest waits for the next second
+            if time.monotonic() >= budget_until:
+                if budget <= 0:
+                    poller.register(router, zmq.POLLIN)
+                budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
+            if pub in ready or self._greet_due:
+                self._guard("greeting", self._greet_subscribers, pub)
+            if self.announce:
+                self.announce = False
+                self._guard("hello", self.publish, protocol.HELLO, self._hello())
+            self._guard("step publishing", self._encoder.drain)
+            if self._log is not None:
+                self._guard("run log", self._log.maybe_flush)
+            now = time.monotonic()
+            if now >= next_system:
+                next_system = now + _HEARTBEAT_INTERVAL_S
+                self._guard("system probe", self._publish_system)
+            if now >= next_heartbeat:
+                next_heartbeat = now + _HEARTBEAT_INTERVAL_S
+                heartbeats += 1
+                self.publish(protocol.HEARTBEAT, self._heartbeat())
+                if self._gateway is not None and self._gateway.poll() is not None:
+                    self._guard("tcp gateway", self._gateway_gone)
+                if self._node_link is not None and not self._node_link.alive():
+                    self._node_link = None
+                    self._agent.report_error("node relay", RuntimeError(
+                        "it exited; the other nodes no longer see or steer this one"))
+                if heartbeats % _HELLO_EVERY_HEARTBEATS == 0:
+                    self._guard("hello", self.publish, protocol.HELLO, self._hello())
+                    self.publish(protocol.STATE, self._state())
+            if stopping:
+                for _ in range(2):  # the second pass sends events the first one raised
+                    self._guard("step publishing", self._encoder.drain, True)
+                self.publish(protocol.BYE, {"reason": self._agent._bye_reason or "",
+                                             "steps": self._agent._last_step})
+                return
+
+    def _greet_subscribers(self, pub: zmq.Socket) -> None:
+        """A new subscriber gets ``hello`` and ``state`` at once (no wait for the next
+        periodic ``hello``), or, when subscriptions come faster than
+        :data:`GREETINGS_PER_S`, with the next greeting allowed, one for all who came in
+        between. Greetings go on the wire only, not in the run log (which has the
+        ``hello`` it starts with and the periodic ones), and repeat the latest ``seq``:
+        resubscribing in a loop can neither fill the log nor look like lost records."""
+        for _ in range(_MAX_SUBSCRIPTIONS_PER_POLL):
+            try:
+                frame = pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._greet_due = self._greet_due or frame[:1] == b"\x01"
+        now = time.monotonic()
+        if self._greet_due and now >= self._next_greeting:
+            self._greet_due = False
+            self._next_greeting = now + 1.0 / GREETINGS_PER_S
+            self.publish(protocol.HELLO, self._hello(), logged=False)
+            self.publish(protocol.STATE, self._state(), logged=False)
+
+    def _guard(self, where: str, function: Any, *args: Any, default: Any = None) -> Any:
+        try:
+            return function(*args)
+        except Exception as exc:
+            self._agent.report_error(where, exc)
+            return default
+
+    def publish(self, msg_type: str, body: dict[str, Any], logged: bool = True) -> None:
+        """Send one message (and append it to the run log). ``logged=False``: a repeat
+        for new subscribers, sent with the latest ``seq`` and not logged. The steps
+        batched so far are sent first, so every message keeps its order with them."""
+        if msg_type != protocol.STEPS:
+            self._encoder.flush()
+        if logged:
+            self.seq += 1
+        message = protocol.envelope(msg_type, body, run=self._agent.run_id,
+                                    rank=self._agent.rank, seq=self.seq)
+        if self._log is not None and logged:
+            try:
+                self._log.write(message)
+            except Exception as exc:  # disk full, ...: go on without the log
+                self._log = None
+                self._agent.report_error("run log", exc)
+        try:
+            topic, payload = protocol.encode(message)
+        except Exception as exc:  # a value msgpack cannot hold: drop this message only
+            self._agent.report_error(f"encoding a {msg_type} message", exc)
+            return
+        try:  # two plain sends: cheaper than send_multipart's Python on this hot I/O path
+            self._pub.send(topic, _SEND_MORE)
+            self._pub.send(payload, _SEND_LAST)
+        except zmq.Again:
+            pass  # no subscriber keeps up: PUB drops; the seq gap tells the dashboard
+
+    def _publish_system(self) -> None:
+        self.publish(protocol.SYSTEM, self._probe.sample())
+
+    def _heartbeat(self) -> dict[str, Any]:
+        return {"step": self._agent._last_step, "ending": self._agent._ending,
+                "records_dropped": self._encoder.records_dropped,
+                "errors": len(self._agent.errors),
+                "commands_refused": self._desk.commands_refused,
+                "commands_rejected": self._desk.commands_rejected}
+
+    def _state(self) -> dict[str, Any]:
+        return {"knobs": self._agent._knob_values, "step": self._agent._last_step}
+
+    def _hello(self) -> dict[str, Any]:
+        if self._env_report is None:
+            self._env_report = _environment_report()
+        agent = self._agent
+        return {
+            "name": agent.name, "pid": os.getpid(),
+            "host": self.info.host if self.info else "",
+            "rank": agent.rank, "world_size": agent.world_size,
+            "started_at": agent._started_at,
+            "device": str(agent.device) if agent.device is not None else "cpu",
+            "model": {"name": agent.model_name, "params": agent.params},
+            "env": self._env_report, "knobs": agent.knobs.schema(),
+            "log_path": self.info.log_path if self.info else "",
+            "knob_values": agent._knob_values, "training": agent.training,
+            "errors": agent.errors[-10:],  # what a dashboard that comes late missed
+        }
+
+    def _serve_commands(self, router: zmq.Socket, limit: int) -> int:
+        """Read and answer at most ``limit`` command messages; returns how many."""
+        served = 0
+        while served < limit:
+            try:
+                frames = router.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            served += 1
+            # a command through the tcp gateway comes as [gateway, client, *message]
+            hops = 2 if frames[0] == self._gateway_id and len(frames) > 2 else 1
+            route, rest = frames[:hops], frames[hops:]
+            reply = self._command_reply(rest)
+            if reply is None:
+                continue
+            if isinstance(reply.get("reason"), str):  # a huge bad value is not echoed
+                reply["reason"] = protocol.shorten(reply["reason"])
+            if "knob" in reply:
+                reply["knob"] = protocol.short_name(reply["knob"])
+            frames_out = protocol.encode(protocol.envelope(
+                protocol.REPLY, reply, run=self._agent.run_id, rank=self._agent.rank))
+            try:
+                router.send_multipart([*route, *frames_out], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the client went away
+        return served
+
+    def _command_reply(self, frames: list[bytes]) -> Reply | None:
+        try:
+            message = protocol.decode_frames(frames)
+        except protocol.ProtocolError as exc:
+            return {"id": None, "ok": False, "reason": f"malformed message: {exc}"}
+        if message["type"] != protocol.COMMAND:
+            return None  # unknown types are ignored (protocol rule)
+        return self._desk.answer(message["body"])
+
+
+def _environment_report() -> dict[str, Any]:
+    from gpuopt.environment import environment_report
+
+    return environment_report()

@@ -1,0 +1,106 @@
+"""The ledger of applied changes: what a guarded knob was before a live change.
+
+One record, read by both rollback paths: the guard of :mod:`agent.guard` (a non-finite
+loss or fp16 steps skipped in a row, decided on the I/O thread from the step records)
+and :meth:`agent.core.Agent.roll_back_last_change` (an out-of-memory error, on the
+training thread). Both restore the same last good values: those the knobs had before
+the first change of the latest episode.
+
+An episode is a run of changes, each made within ``guard_steps`` optimizer steps of the
+one before it; a change later than that starts a new episode, and a rollback ends it.
+The training thread writes the ledger (where commands are applied); any thread reads
+it: the entries are a tuple replaced whole, never changed in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from agent.knobs import assignment
+from agent.protocol import TUNE_ID_PREFIX
+
+
+@dataclass(frozen=True)
+class Change:
+    """One applied change: ``knob`` set to ``value`` from ``previous``, for the steps
+    from ``step`` (1-based optimizer step) on; ``command_id`` as the command had it."""
+
+    step: int
+    knob: str
+    value: Any
+    previous: Any
+    command_id: Any = None
+
+    @property
+    def by_tuner(self) -> bool:
+        """Made by the agent's tuner (its ids start with
+        :data:`agent.protocol.TUNE_ID_PREFIX`), which watches its candidates itself."""
+        return str(self.command_id or "").startswith(TUNE_ID_PREFIX)
+
+
+@dataclass
+class Rollback:
+    """What to restore and why: ``values`` {knob: last good value}, ``changes`` the
+    changes undone (``"knob=value"`` each, in order), ``reason`` for people."""
+
+    values: dict[str, Any]
+    changes: list[str]
+    reason: str = ""
+
+
+class ChangeLedger:
+    """The changes of the latest episode, with the values before them.
+
+    Args:
+        guard_steps: optimizer steps after a change during which it may be rolled back
+            (and within which a further change joins the same episode).
+
+    Raises:
+        ValueError: ``guard_steps`` is below 1.
+    """
+
+    def __init__(self, guard_steps: int = 100) -> None:
+        if guard_steps < 1:
+            raise ValueError(f"guard_steps must be at least 1, got {guard_steps!r}")
+        self.guard_steps = guard_steps
+        #: the changes of the latest episode, oldest first (replaced whole)
+        self.entries: tuple[Change, ...] = ()
+
+    def record(self, change: Change) -> None:
+        """A change was applied (not a rollback: see :meth:`clear`). Costs a tuple copy
+        of the episode (a few entries)."""
+        entries = self.entries
+        if entries and change.step - entries[-1].step > self.guard_steps:
+            entries = ()
+        self.entries = (*entries, change)
+
+    def clear(self) -> None:
+        """The episode's changes were undone (or can no longer be): nothing to roll back."""
+        self.entries = ()
+
+    def last_good(self, step: int, *, tuner: bool = True) -> Rollback | None:
+        """The values to restore at optimizer step ``step`` (1-based), or None.
+
+        Counts the changes applied at or before ``step`` (a reader on another thread may
+        see changes for later steps already), and only while ``step`` is within
+        ``guard_steps`` of the latest of them.
+
+        Args:
+            step: the step that went wrong.
+            tuner: whether the tuner's own changes count (the out-of-memory path undoes
+                them too; the guard leaves them to the tuner).
+
+        Returns:
+            A :class:`Rollback` with ``values`` {knob: value before its first change in
+            the episode} and ``reason`` empty (the caller says why), or None when there
+            is no such change.
+        """
+        changes = [change for change in self.entries
+                   if change.step <= step and (tuner or not change.by_tuner)]
+        if not changes or step - changes[-1].step > self.guard_steps:
+            return None
+        values: dict[str, Any] = {}
+        for change in changes:
+            values.setdefault(change.knob, change.previous)
+        return Rollback(values, [assignment(change.knob, change.value) for change in changes])

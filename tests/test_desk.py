@@ -1,0 +1,157 @@
+"""The command desk without sockets, and the one ledger both rollback paths read."""
+
+from typing import Any
+
+from agent import protocol
+from agent.desk import MAX_PENDING_COMMANDS, CommandDesk
+from agent.guard import ChangeGuard
+from agent.knobs import ACCUM_STEPS, LR_SCALE, PRECISION, Knob, KnobSet
+from agent.ledger import Change, ChangeLedger
+from agent.protocol import EventKind
+from agent.tune import AutoTune
+
+TOKEN = "secret"
+
+
+class Run:
+    """What the desk sees of a run: knob values in a dict, the events it raises."""
+
+    def __init__(self, ledger: ChangeLedger | None = None, **values: Any) -> None:
+        self.values = {"precision": "fp32", "accum_steps": 1, "lr_scale": 1.0, **values}
+        self.step = 0
+        self.events: list[dict[str, Any]] = []
+        self.ledger = ledger or ChangeLedger(guard_steps=20)
+        knobs = KnobSet()
+        for spec in (PRECISION, ACCUM_STEPS, LR_SCALE):
+            knobs.add(Knob(spec, lambda name=spec.name: self.values[name],
+                           lambda value, name=spec.name: self.values.__setitem__(name, value)))
+        publish = lambda msg_type, body: self.events.append(body)
+        self.desk = CommandDesk(
+            knobs, token=TOKEN, ledger=self.ledger,
+            tune=AutoTune(knobs, 0, publish, lambda: None, 1, lambda where, exc: None),
+            publish=publish, event=lambda level, text, **fields: self.events.append(
+                {"level": level, "text": text, **fields}),
+            step_now=lambda: self.step, ending=lambda: False)
+
+    def command(self, knob: str, value: Any, **extra: Any) -> protocol.Reply:
+        return self.desk.answer({"id": extra.pop("id", f"c-{knob}"), "knob": knob,
+                                 "value": value, "token": TOKEN, **extra})
+
+    def train(self, steps: int) -> None:
+        """Run ``steps`` optimizer steps; pending commands apply at their boundary."""
+        for _ in range(steps):
+            self.step += 1
+            if self.desk.pending:
+                self.desk.apply_due(self.step)
+
+    def kinds(self) -> list[str]:
+        return [event.get("kind") for event in self.events]
+
+
+def test_a_command_is_validated_and_a_bad_one_changes_nothing():
+    run = Run()
+    assert run.desk.answer({"id": 1, "knob": "precision", "value": "bf16",
+                            "token": "wrong"}) == {
+        "id": 1, "ok": False, "knob": None, "reason": "missing or wrong token"}
+    reply = run.command("precision", "fp8")
+    assert not reply["ok"] and "fp8" in reply["reason"]
+    reply = run.command("accum_steps", 2, apply_step=True)
+    assert reply["reason"] == "apply_step must be an integer, got True"
+    assert run.desk.answer({"id": [1], "token": TOKEN})["reason"].startswith("id must be")
+    check = run.command("accum_steps", "4", dry_run=True)
+    assert check == {"id": "c-accum_steps", "ok": True, "dry_run": True,
+                     "knob": "accum_steps", "value": 4, "apply_step": 2, "step_time_s": None}
+    assert run.desk.pending == [] and run.desk.commands_rejected == 2
+    assert run.kinds() == [EventKind.REJECTED]  # one event a second for a flood of them
+    run.train(5)
+    assert run.values == {"precision": "fp32", "accum_steps": 1, "lr_scale": 1.0}
+
+
+def test_a_command_applies_at_its_step_and_not_before():
+    run = Run()
+    run.train(3)
+    reply = run.command("accum_steps", 4, apply_step=7)
+    assert reply == {"id": "c-accum_steps", "ok": True, "knob": "accum_steps", "value": 4,
+                     "apply_step": 7, "step": 3}
+    assert run.command("precision", "bf16", apply_step=4)["reason"] == (
+        "apply_step 4 has passed on rank 0 (earliest: 5)")
+    run.train(2)  # steps 4 and 5: step 6 still trains with the old value
+    assert run.values["accum_steps"] == 1
+    run.train(1)  # after step 6: the boundary before step 7
+    assert run.values["accum_steps"] == 4
+    applied = run.events[-1]
+    assert applied["kind"] == EventKind.APPLIED and applied["step"] == 7
+    assert applied["previous"] == 1
+    assert run.ledger.entries == (Change(7, "accum_steps", 4, 1, "c-accum_steps"),)
+
+
+def test_a_pending_command_is_cancelled_and_a_late_cancel_says_when_it_applied():
+    run = Run()
+    run.command("precision", "bf16", apply_step=10)
+    run.command("accum_steps", 2)
+    cancel = run.desk.answer({"id": "c-precision", "cancel": True, "token": TOKEN,
+                              "reason": "rank 1 refused it"})
+    assert cancel == {"id": "c-precision", "ok": True, "cancel": True, "knob": "precision",
+                      "value": "bf16", "apply_step": 10}
+    assert run.events[-1]["kind"] == EventKind.CANCELLED
+    assert run.events[-1]["text"].endswith("cancelled: rank 1 refused it")
+    run.train(12)
+    assert run.values["precision"] == "fp32" and run.values["accum_steps"] == 2
+    late = run.desk.cancel("c-accum_steps", None)
+    assert late["ok"] is False and late["applied_step"] == 2
+    assert run.desk.cancel("nobody", None)["reason"] == "no pending command with id 'nobody'"
+
+
+def test_a_flood_of_valid_commands_is_refused_not_queued():
+    run = Run()
+    replies = [run.command("accum_steps", 2, id=n) for n in range(MAX_PENDING_COMMANDS + 5)]
+    assert all(reply["ok"] for reply in replies[:MAX_PENDING_COMMANDS])
+    refused = replies[MAX_PENDING_COMMANDS:]
+    assert not any(reply["ok"] for reply in refused)
+    assert "already waiting" in refused[0]["reason"]
+    assert len(run.desk.pending) == MAX_PENDING_COMMANDS
+    assert run.desk.commands_refused == 5
+    run.train(2)
+    assert run.desk.pending == []  # all due at one boundary: the last one wins
+    assert [e["id"] for e in run.events if e["kind"] == EventKind.APPLIED] == [
+        MAX_PENDING_COMMANDS - 1]
+
+
+def test_a_nan_and_an_out_of_memory_error_restore_the_same_last_good_values():
+    """One ledger, two readers: the guard (I/O thread, after a NaN loss) and the desk's
+    rollback (training thread, after an OOM) undo the same changes to the same values."""
+
+    def changed_run() -> Run:
+        run = Run()
+        run.command("precision", "bf16", apply_step=10)
+        run.command("accum_steps", 4, apply_step=15)
+        run.train(16)
+        run.command("precision", "fp16", apply_step=18)  # the first previous counts
+        run.train(3)
+        return run
+
+    last_good = {"precision": "fp32", "accum_steps": 1, "lr_scale": 1.0}
+    nan_run = changed_run()
+    rollback = ChangeGuard(nan_run.ledger).on_step(20, float("nan"), None)
+    assert rollback.reason == ("loss was nan at step 20 after precision=bf16, "
+                               "accum_steps=4, precision=fp16")
+    nan_run.desk.schedule_rollback(rollback, 22)
+    nan_run.train(2)
+    assert nan_run.values == last_good
+    oom_run = changed_run()
+    assert oom_run.desk.roll_back(20, "step 20 ran out of memory")
+    assert oom_run.values == last_good
+    for run in (nan_run, oom_run):
+        assert run.ledger.entries == ()  # rolled back: nothing is left to undo
+        assert run.kinds()[-2:] == [EventKind.ROLLED_BACK] * 2
+    assert not oom_run.desk.roll_back(21, "step 21 ran out of memory")
+
+
+def test_the_guard_leaves_the_tuners_changes_to_the_tuner_but_an_oom_undoes_them():
+    ledger = ChangeLedger(guard_steps=20)
+    ledger.record(Change(10, "lr_scale", 2.0, 1.0, command_id=f"{protocol.TUNE_ID_PREFIX}1"))
+    guard = ChangeGuard(ledger)
+    assert guard.on_step(11, float("nan"), None) is None
+    assert not guard.watching
+    assert ledger.last_good(11).values == {"lr_scale": 1.0}
+    assert ledger.last_good(31) is None  # more than guard_steps after the change
