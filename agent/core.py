@@ -322,7 +322,8 @@ class Agent:
             try:
                 listener(record)
             except Exception as exc:
-                self._listeners = tuple(l for l in self._listeners if l is not listener)
+                self._listeners = tuple(kept for kept in self._listeners
+                                        if kept is not listener)
                 self.report_error("a record listener", exc)
 
     def refresh_knobs(self) -> None:

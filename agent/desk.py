@@ -113,7 +113,7 @@ class CommandDesk:
                 return {**rejected, "reason": f"{flag} must be true or false, "
                                               f"got {body[flag]!r}"}
             if body.get(flag):  # every reply says which phase it answers
-                rejected[flag] = True  # type: ignore[literal-required]
+                rejected[flag] = True
         token = body.get("token")
         if not isinstance(token, str) or not hmac.compare_digest(
                 token.encode("utf-8", "replace"), self._token):
@@ -137,6 +137,7 @@ class CommandDesk:
         except KnobError as exc:
             self.note_rejection(str(exc), knob_name, command_id)
             return {**rejected, "reason": str(exc)}
+        assert isinstance(knob_name, str)  # validated: tune, or a knob of this run
         if len(self.pending) + checkpoint >= MAX_PENDING_COMMANDS:
             self.commands_refused += 1
             return {**rejected, "reason": f"{MAX_PENDING_COMMANDS} commands are already "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import zmq
 
@@ -118,7 +118,7 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
         replies = _expand(groups, answers)
         refusal = _first_refusal(replies)
         if refusal is None:
-            accepted = dict(replies[0][1])
+            accepted = replies[0][1].copy()
             accepted["ranks"] = [rank for rank, _ in replies]
             warnings = [reply["warning"] for _, reply in replies if reply.get("warning")]
             if warnings:
@@ -236,7 +236,9 @@ def _expand(groups: list[_Group], replies: list[protocol.Reply]
         for rank in group.ranks:
             item = by_rank.get(rank)
             if item is None:
-                item = {key: value for key, value in reply.items() if key != "replies"}
+                # the relay's own reply but its ranks': a Reply still
+                item = cast(protocol.Reply, {key: value for key, value in reply.items()
+                                             if key != "replies"})
                 if item.get("answered") is not False:  # answered, but not for this rank
                     item["ok"] = False
                     item["reason"] = (f"node {group.node}'s relay: "
@@ -265,7 +267,7 @@ def _withdrawal(refusal: protocol.Reply, answers: list[tuple[int, protocol.Reply
     return refusal
 
 
-def _margin_steps(checks: list[dict[str, Any]], bound_s: float = 0.5) -> int:
+def _margin_steps(checks: list[protocol.Reply], bound_s: float = 0.5) -> int:
     """Steps to add to the ranks' earliest common step so that the second phase of a
     fan-out arrives in time: 2, plus what the fastest rank trains in a generous bound
     (``bound_s``: 0.5 s, 1 s through other nodes' relays) on the second phase's round
@@ -282,7 +284,7 @@ def _first_refusal(replies: list[tuple[int, protocol.Reply]]) -> protocol.Reply 
     """The first rank's refusal, `` (rank N)`` after its reason; None if all ok."""
     for rank, reply in replies:
         if not reply.get("ok"):
-            refusal = dict(reply)
+            refusal = reply.copy()
             refusal["reason"] = f"{reply.get('reason', 'no reason given')} (rank {rank})"
             return refusal
     return None
@@ -299,7 +301,8 @@ class _Connections:
         self._sockets: list[zmq.Socket | None] = []
         self._errors: list[str | None] = []
         for info in ranks:
-            sock, error = None, None
+            sock: zmq.Socket | None = None
+            error: str | None = None
             if not info.cmd_endpoint:
                 error = "this run has no command endpoint (attach by run id)"
             elif (info.cmd_endpoint.startswith("tcp://") and info.token

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import zmq
 
@@ -75,6 +75,17 @@ GREETINGS_PER_S = 2
 _MAX_SUBSCRIPTIONS_PER_POLL = 1000
 _SEND_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _SEND_LAST = int(zmq.NOBLOCK)
+
+
+class _Endpoints(TypedDict, total=False):
+    """The run file's endpoint fields: the ipc sockets, or a tcp gateway's (with its
+    CURVE keys)."""
+
+    pub_endpoint: str
+    cmd_endpoint: str
+    curve_server_key: str
+    curve_client_public_key: str
+    curve_client_secret_key: str
 
 
 class IOLoop:
@@ -159,7 +170,7 @@ class IOLoop:
                 self._guard("node relay", self._node_link.close)
             context.destroy(linger=0)
 
-    def _start_gateway(self, pub_endpoint: str, cmd_endpoint: str) -> dict[str, str]:
+    def _start_gateway(self, pub_endpoint: str, cmd_endpoint: str) -> _Endpoints:
         """Start the tcp side of this run in a child process (:mod:`agent.gateway`):
         tcp ports with CURVE, forwarding to this agent's private ipc sockets, so that
         what a tcp client makes a process hold (connections, descriptors, buffers) is
@@ -196,10 +207,12 @@ class IOLoop:
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    env=env, close_fds=True)
         self._gateway = gateway
-        gateway.stdin.write(json.dumps(settings).encode() + b"\n")
-        gateway.stdin.flush()
-        readable, _, _ = select.select([gateway.stdout], [], [], _GATEWAY_START_S)
-        line = gateway.stdout.readline() if readable else b""
+        stdin, stdout = gateway.stdin, gateway.stdout
+        assert stdin is not None and stdout is not None  # both PIPE
+        stdin.write(json.dumps(settings).encode() + b"\n")
+        stdin.flush()
+        readable, _, _ = select.select([stdout], [], [], _GATEWAY_START_S)
+        line = stdout.readline() if readable else b""
         try:
             answer = json.loads(line)
         except ValueError:
@@ -275,13 +288,14 @@ class IOLoop:
         # ipc in the private run directory, always: only this user can connect; a tcp
         # run's ports are bound by its gateway process, never by the training process
         base = directory / f"{agent.run_id}.r{agent.rank}"
-        endpoints = {}
+        ipc = {}
         for socket, suffix in ((pub, "pub"), (router, "cmd")):
             endpoint = f"ipc://{base}.{suffix}"
             socket.bind(endpoint)
             self._ipc_paths += (f"{base}.{suffix}",)
             os.chmod(f"{base}.{suffix}", 0o600)
-            endpoints[f"{suffix}_endpoint"] = endpoint
+            ipc[suffix] = endpoint
+        endpoints: _Endpoints = {"pub_endpoint": ipc["pub"], "cmd_endpoint": ipc["cmd"]}
         if agent.transport == "tcp":
             endpoints = self._start_gateway(endpoints["pub_endpoint"],
                                             endpoints["cmd_endpoint"])
@@ -410,6 +424,7 @@ class IOLoop:
         except Exception as exc:  # a value msgpack cannot hold: drop this message only
             self._agent.report_error(f"encoding a {msg_type} message", exc)
             return
+        assert self._pub is not None  # bound before the first message, closed after the last
         try:  # two plain sends: cheaper than send_multipart's Python on this hot I/O path
             self._pub.send(topic, _SEND_MORE)
             self._pub.send(payload, _SEND_LAST)

@@ -111,6 +111,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from typing import Any, TypedDict
 
 import msgpack
@@ -214,7 +215,7 @@ class Reply(TypedDict, total=False):
     #: their ``rank``)
     relay: bool
     node: int
-    replies: list[dict[str, Any]]
+    replies: list[Reply]
     rank: int
 
 #: Largest payload either side decodes; larger frames are dropped as malformed.
@@ -267,7 +268,7 @@ def short_name(value: Any) -> Any:
     return value
 
 
-def printable(text: str, limit: int | None = None, *, newlines: bool = False) -> str:
+def printable(text: object, limit: int | None = None, *, newlines: bool = False) -> str:
     """``text`` as a terminal may show it: as text, never as control sequences.
 
     The one sanitizer of everything gpuwatch prints or draws that came from the wire, a
@@ -301,7 +302,7 @@ class ProtocolError(ValueError):
 
 
 def envelope(
-    msg_type: str, body: dict[str, Any], *, run: str, rank: int = 0, seq: int = 0,
+    msg_type: str, body: Mapping[str, Any], *, run: str, rank: int = 0, seq: int = 0,
     t: float | None = None,
 ) -> dict[str, Any]:
     """Build an envelope map.

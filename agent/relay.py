@@ -129,11 +129,12 @@ class Relay:
             return None
         body = message["body"]
         command_id = body.get("id")
-        answer: dict[str, Any] = {"id": command_id, "ok": False, "relay": True,
+        answer: protocol.Reply = {"id": command_id, "ok": False, "relay": True,
                                   "node": self.node}
-        for flag in ("dry_run", "cancel"):
-            if body.get(flag) is True:
-                answer[flag] = True
+        if body.get("dry_run") is True:
+            answer["dry_run"] = True
+        if body.get("cancel") is True:
+            answer["cancel"] = True
         token = body.get("token")
         if not isinstance(token, str) or not hmac.compare_digest(
                 token.encode("utf-8", "replace"), self.token.encode()):
@@ -154,8 +155,8 @@ class Relay:
         forwarded = {key: value for key, value in body.items()
                      if key not in ("token", "within_s")}
         replies = connections.exchange(forwarded, within_s, None)
-        per_rank = [{**reply, "rank": info.rank}
-                    for info, reply in zip(connections.ranks, replies)]
+        per_rank: list[protocol.Reply] = [{**reply, "rank": info.rank}
+                                          for info, reply in zip(connections.ranks, replies)]
         found = {info.rank for info in connections.ranks}
         per_rank += [{"id": command_id, "ok": False, "answered": False, "rank": rank,
                       "reason": f"rank {rank} has no run file on node {self.node}"}

@@ -541,7 +541,7 @@ class Tuner:
         if self.status == "running":
             self._stop_reason = reason
 
-    def on_reply(self, command_id: str, reply: dict[str, Any]) -> None:
+    def on_reply(self, command_id: str, reply: protocol.Reply) -> None:
         """The reply to a command this search sent (only a refusal matters: an accepted
         one is followed by its ``applied`` or ``failed`` event)."""
         if self._waiting is None or self._waiting[0] != command_id or reply.get("ok"):
@@ -840,7 +840,7 @@ class CommandSender:
     def __init__(self, info: Callable[[], RunInfo | None]) -> None:
         self._info = info
         self._queue: queue.SimpleQueue[tuple[str, str, Any] | None] = queue.SimpleQueue()
-        self._replies: deque[tuple[str, dict[str, Any]]] = deque()
+        self._replies: deque[tuple[str, protocol.Reply]] = deque()
         self._thread: threading.Thread | None = None
 
     def send(self, command_id: str, knob: str, value: Any) -> None:
@@ -851,7 +851,7 @@ class CommandSender:
             self._thread.start()
         self._queue.put((command_id, knob, value))
 
-    def replies(self) -> list[tuple[str, dict[str, Any]]]:
+    def replies(self) -> list[tuple[str, protocol.Reply]]:
         """The replies that came since the last call, in order."""
         replies = []
         while self._replies:
@@ -867,6 +867,7 @@ class CommandSender:
         while (item := self._queue.get()) is not None:
             command_id, knob, value = item
             info = self._info()
+            reply: protocol.Reply
             if info is None:
                 reply = {"id": command_id, "ok": False, "reason": "the agent has no sockets"}
             else:

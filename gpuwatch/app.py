@@ -623,7 +623,7 @@ class GpuwatchApp(App[None]):
             self._send(knob, value)
 
     @work(thread=True, group="commands")
-    def _send(self, knob: str, value: Any) -> tuple[str, Any, dict[str, Any]]:
+    def _send(self, knob: str, value: Any) -> tuple[str, Any, protocol.Reply]:
         assert self.source.info is not None
         worker = get_current_worker()  # cancelled when the app quits: stop waiting then
         command_id = new_command_id()

@@ -51,7 +51,7 @@ class Subscriber:
         """Frames dropped because they were not gpuwatch envelopes."""
         self._gaps = SeqGaps()
         self._rows: deque[dict[str, Any]] = deque()  # of a batch, not yet returned
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.MAXMSGSIZE, RECEIVE_MAX_BYTES)

@@ -25,7 +25,8 @@ class Run:
         for spec in (PRECISION, ACCUM_STEPS, LR_SCALE):
             knobs.add(Knob(spec, lambda name=spec.name: self.values[name],
                            lambda value, name=spec.name: self.values.__setitem__(name, value)))
-        publish = lambda msg_type, body: self.events.append(body)
+        def publish(msg_type, body):
+            self.events.append(body)
         self.desk = CommandDesk(
             knobs, token=TOKEN, ledger=self.ledger,
             tune=AutoTune(knobs, 0, publish, lambda: None, 1, lambda where, exc: None),
