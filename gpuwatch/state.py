@@ -416,12 +416,12 @@ class RunState:
             self.first_seen_at = now
             self.run_id = bounded(message.get("run"))
         self._gaps.observe(message)
-        msg_type = message.get("type")
+        msg_type: Any = message.get("type")  # as decoded: any value; one with no fold is ignored
         if self.ended is not None and msg_type != protocol.BYE:
             self.ended = None  # the same run id speaks after bye: restarted by its agent
             self.first_seen_at, self.last_step_at = now, None  # stalled counts afresh
             self.log("info", "run restarted (records after its bye)", self.message_t)
-        fold = self._fold.get(msg_type)  # type: ignore[arg-type]
+        fold = self._fold.get(msg_type)
         if fold is None:
             return
         try:
