@@ -415,49 +415,44 @@ def test_two_ranks_end_in_the_same_configuration_at_the_same_step(run_dir):
         env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     try:
         rank0, rank1 = wait_for_ranks(job, 2)
-        records: dict[int, dict[int, dict]] = {0: {}, 1: {}}
-        applied: dict[int, list] = {0: [], 1: []}
-        heard = {0: threading.Event(), 1: threading.Event()}
-        done = threading.Event()
-
-        def follow(info):
-            with Subscriber(info) as sub:
-                while not done.is_set():
-                    message = sub.recv(1.0)
-                    if message is None:
-                        continue
-                    heard[info.rank].set()
-                    body = message["body"]
-                    if message["type"] == "step":
-                        records[info.rank][body["step"]] = body["knobs"]
-                    elif message["type"] == "event" and body.get("kind") == "applied":
-                        applied[info.rank].append((body["knob"], body["value"], body["step"]))
-
-        followers = [threading.Thread(target=follow, args=(info,), daemon=True)
-                     for info in (rank0, rank1)]
-        for follower in followers:
-            follower.start()
-        assert heard[0].wait(60) and heard[1].wait(60)
         cli = subprocess.run([sys.executable, "-m", "gpuwatch", "tune", "--run",
                               rank1.run_id, "--knobs", "cpu_threads,num_workers",
                               "--budget-steps", "150"], capture_output=True, text=True,
                              timeout=600)
         assert cli.returncode == 0, cli.stderr
         assert cli.stdout.splitlines()[-1].startswith("tuned: ")
-        end = max(records[0]) + 100  # past the last change's step (a fan-out's margin)
-        deadline = time.monotonic() + 120
-        while min(max(records[0]), max(records[1])) < end and time.monotonic() < deadline:
-            time.sleep(0.2)  # polled: the followers fill the records
-        done.set()
-        for follower in followers:
-            follower.join(5)
+        deadline = time.monotonic() + 180
+        while True:  # the run logs (every record, unlike a subscriber on a busy host),
+            logs = [_log_records(info) for info in (rank0, rank1)]  # polled as flushed
+            last = max((event["step"] for event in _applied(logs[0])), default=0)
+            if min(max(_step_knobs(log), default=0) for log in logs) >= last + 100:
+                break  # both ranks 100 steps past the last change (a fan-out's margin)
+            assert time.monotonic() < deadline, "the ranks did not step on"
+            time.sleep(0.2)
     finally:
         job.send_signal(signal.SIGTERM)
         job.wait(60)
+    applied = [[(e["knob"], e["value"], e["step"]) for e in _applied(log)] for log in logs]
     assert applied[0] and applied[0] == applied[1]  # the same changes at the same steps
-    common = sorted(set(records[0]) & set(records[1]))
+    knobs = [_step_knobs(log) for log in logs]
+    common = sorted(set(knobs[0]) & set(knobs[1]))
     assert len(common) > 100
-    assert all(records[0][step] == records[1][step] for step in common)
+    assert all(knobs[0][step] == knobs[1][step] for step in common)
+
+
+def _log_records(info):
+    """The records of a rank's run log so far (a line being written is left out)."""
+    with open(info.log_path, "rb") as log:
+        lines = log.read().split(b"\n")[:-1]
+    return [json.loads(line) for line in lines]
+
+
+def _applied(records):
+    return [r for r in records if r["type"] == "event" and r.get("kind") == "applied"]
+
+
+def _step_knobs(records):
+    return {r["step"]: r["knobs"] for r in records if r["type"] == "step"}
 
 
 # --- the dashboard ---------------------------------------------------------------------
