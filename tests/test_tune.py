@@ -424,14 +424,20 @@ def test_two_ranks_end_in_the_same_configuration_at_the_same_step(run_dir):
         deadline = time.monotonic() + 180
         while True:  # the run logs (every record, unlike a subscriber on a busy host),
             logs = [_log_records(info) for info in (rank0, rank1)]  # polled as flushed
-            last = max((event["step"] for event in _applied(logs[0])), default=0)
-            if min(max(_step_knobs(log), default=0) for log in logs) >= last + 100:
-                break  # both ranks 100 steps past the last change (a fan-out's margin)
+            # the last change's step: applied, or accepted for a later step (the fan-out
+            # schedules a second ahead, which may be past the search's end)
+            last = max((event["step"] for log in logs for event in log
+                        if event["type"] == "event"
+                        and event.get("kind") in ("applied", "accepted")), default=0)
+            tuned = any(r.get("kind") == "tuned" for r in logs[0] if r["type"] == "event")
+            if tuned and min(max(_step_knobs(log), default=0) for log in logs) >= last + 100:
+                break  # the search's end flushed, both ranks 100 steps past its last change
             assert time.monotonic() < deadline, "the ranks did not step on"
             time.sleep(0.2)
     finally:
         job.send_signal(signal.SIGTERM)
         job.wait(60)
+    logs = [_log_records(info) for info in (rank0, rank1)]  # as the ranks left them
     applied = [[(e["knob"], e["value"], e["step"]) for e in _applied(log)] for log in logs]
     assert applied[0] and applied[0] == applied[1]  # the same changes at the same steps
     knobs = [_step_knobs(log) for log in logs]
