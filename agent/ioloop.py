@@ -157,14 +157,14 @@ class IOLoop:
             self._agent.report_error("I/O thread", exc)
         finally:
             self._ready.set()
+            if self._log is not None:  # first: whatever fails below, the log keeps bye
+                self._guard("run log", self._log.close)
             if self.info is not None:
-                remove_run_file(self.info)
+                self._guard("run file", remove_run_file, self.info)
             for path in self._ipc_paths:  # bound, even if the run file never came
-                Path(path).unlink(missing_ok=True)
+                self._guard("socket file", Path(path).unlink, True)
             if self._pub is not None:
                 self._pub.close(linger=500)  # let bye and the last records leave
-            if self._log is not None:
-                self._guard("run log", self._log.close)
             self._guard("tcp gateway", self._stop_gateway)
             if self._node_link is not None:
                 self._guard("node relay", self._node_link.close)
