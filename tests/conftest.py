@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+from collections import deque
 import secrets
 import shutil
 import tempfile
@@ -23,18 +24,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from agent import protocol
-from agent.knobs import STANDARD_KNOBS, KnobError, KnobSpec
+from agent.desk import CommandDesk
+from agent.knobs import STANDARD_KNOBS, Knob, KnobSet
+from agent.ledger import ChangeLedger
+from agent.tune import AutoTune
 from agent.runs import RunInfo, remove_run_file, write_run_file
-
-
-#: Knobs a FakeAgent can offer: the standard ones, and those later issues add (until
-#: agent.knobs has them).
-FAKE_KNOB_SPECS = {
-    "kernels": KnobSpec("kernels", "choice", "eager, torch.compile or fused Triton kernels",
-                        choices=("eager", "compile", "triton")),
-    "checkpointing": KnobSpec("checkpointing", "bool", "activation checkpointing"),
-    **STANDARD_KNOBS,
-}
 
 
 class FakeAgent:
@@ -43,14 +37,16 @@ class FakeAgent:
     and a thread that publishes a training step every ``step_s`` seconds (with heartbeat,
     and hello/system every 10 steps) and applies accepted commands at their step. With
     ``gpus`` (``system`` GPU maps) it also reports CUDA memory in each step; ``knobs``
-    (knob names of :data:`FAKE_KNOB_SPECS` and start values) is its schema;
+    (names of :data:`~agent.knobs.STANDARD_KNOBS` and start values; an ``action`` knob
+    such as ``checkpoint`` with any value, which is not kept) is its schema, and
+    ``unavailable`` ({knob: {value: reason}}) the values its device checks refuse;
     ``step_fields`` are added to (or replace fields of) every step body. ``run_id`` and
     ``ports`` (PUB, ROUTER) restart a run: the same id, and the same endpoints if given.
     ``rank`` and ``world_size`` go in its run file; with ``refuse`` every command that
     is not a dry run is refused with that reason (a rank that refuses the second phase
     of a command to several ranks); with ``stall_s`` it answers such a command that
-    late (a rank whose agent is held up). It answers dry runs and cancels as the agent
-    does.
+    late (a rank whose agent is held up). Commands are answered, scheduled and applied
+    by the agent's own :class:`~agent.desk.CommandDesk`.
 
     Attributes:
         commands: command bodies received, in order (a queue tests can wait on).
@@ -60,6 +56,7 @@ class FakeAgent:
     def __init__(self, directory: os.PathLike, *, step_s: float = 0.02,
                  gpus: list[dict[str, Any]] | None = None,
                  knobs: dict[str, Any] | None = None,
+                 unavailable: dict[str, dict[str, str]] | None = None,
                  step_fields: dict[str, Any] | None = None,
                  run_id: str | None = None,
                  ports: tuple[int, int] | None = None, rank: int = 0,
@@ -76,13 +73,34 @@ class FakeAgent:
         self.ports = ports
         self._directory = Path(directory)
         self._outbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-        self._scheduled: list[tuple[int, str, Any, Any]] = []  # (step, knob, value, id)
+        #: events raised by the desk, sent in order at the next tick
+        self._events: deque[dict[str, Any]] = deque()
+        self._knob_set = KnobSet()
+        for name in list(self.knobs):
+            spec = STANDARD_KNOBS[name]
+            if spec.kind == "action":  # a command, not a setting: nothing to keep
+                del self.knobs[name]
+            refused = (unavailable or {}).get(name, {})
+            self._knob_set.add(Knob(
+                spec, get=lambda name=name: self.knobs.get(name),
+                set=lambda value, name=name: self._set(name, value),
+                check=(lambda value, refused=refused: _refuse(value, refused))
+                if refused else None))
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._seq = 0
         self._step = 0
         self.info: RunInfo
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _set(self, name: str, value: Any) -> None:
+        if self._knob_set.knobs[name].spec.kind != "action":
+            self.knobs[name] = value
+
+    @property
+    def pending(self) -> list[Any]:
+        """The commands accepted and not yet applied (the desk's)."""
+        return self._desk.pending
 
     def start(self) -> FakeAgent:
         self._thread.start()
@@ -121,6 +139,15 @@ class FakeAgent:
                 curve_server_key=server_public.decode(),
                 curve_client_public_key=client_public.decode(),
                 curve_client_secret_key=client_secret.decode())
+            self._desk = CommandDesk(
+                self._knob_set, token=self.info.token, ledger=ChangeLedger(),
+                tune=AutoTune(self._knob_set, self.rank, lambda *_: None, lambda: self.info,
+                              1, lambda *_: None),
+                publish=lambda msg_type, body: self._send(pub, msg_type, body),
+                event=lambda level, text, **fields: self._events.append(
+                    {"level": level, "text": text, **fields}),
+                step_now=lambda: self._step, ending=lambda: False,
+                step_time_s=lambda: self.step_s, rank=self.rank, world_size=self.world_size)
             write_run_file(self.info, self._directory)
             self._ready.set()
             while not self._stop.is_set():
@@ -131,62 +158,34 @@ class FakeAgent:
                     self._send(pub, *self._outbox.get())
 
     def _answer(self, pub: zmq.Socket, router: zmq.Socket, frames: list[bytes]) -> None:
+        """Answer one command with the agent's own command desk (the protocol is the
+        agent's); ``refuse`` and ``stall_s`` are the faults a test injects."""
         body = protocol.decode_frames(frames)["body"]
         self.commands.put(body)
-        reply: dict[str, Any] = {"id": body.get("id"), "knob": body.get("knob")}
-        if body.get("dry_run"):
-            reply["dry_run"] = True  # as the agent: every reply names its phase
-        if body.get("cancel") and body.get("token") == self.info.token:
-            found = [s for s in self._scheduled if s[3] == body.get("id")]
-            for scheduled in found:
-                self._scheduled.remove(scheduled)
-            reply.update(ok=bool(found), cancel=True)
-            router.send_multipart([frames[0], *protocol.encode(
-                protocol.envelope(protocol.REPLY, reply, run=self.info.run_id))])
-            return
-        try:
-            if body.get("token") != self.info.token:
-                raise KnobError("bad token")
-            if body.get("knob") not in self.knobs:
-                raise KnobError(f"unknown knob {body.get('knob')!r}")
-            value = FAKE_KNOB_SPECS[body["knob"]].coerce(body.get("value"))
-        except KnobError as exc:
-            reply.update(ok=False, reason=str(exc))
+        reply: dict[str, Any]
+        second_phase = not body.get("dry_run") and not body.get("cancel")
+        if self.refuse and second_phase:
+            reply = {"id": body.get("id"), "ok": False, "knob": body.get("knob"),
+                     "reason": self.refuse}
         else:
-            apply_step = body.get("apply_step", self._step + 2)
-            if body.get("dry_run"):
-                reply.update(ok=True, value=value, apply_step=apply_step, dry_run=True,
-                             step_time_s=self.step_s)
-            elif self.refuse:
-                reply.update(ok=False, reason=self.refuse)
-            else:
-                if self.stall_s:  # a rank busy elsewhere: it answers late
-                    time.sleep(self.stall_s)
-                reply.update(ok=True, value=value, apply_step=apply_step)
-                self._scheduled.append((apply_step, body["knob"], value, body.get("id")))
-        if reply.get("ok") and not body.get("dry_run"):
-            self._send(pub, protocol.EVENT, {
-                "level": "info", "kind": "accepted", "knob": body["knob"], "value": value,
-                "step": apply_step, "id": body.get("id"),
-                "text": f"{body['knob']}={value} accepted, applies at step {apply_step}"})
+            if self.stall_s and second_phase:  # a rank busy elsewhere: it answers late
+                time.sleep(self.stall_s)
+            reply = dict(self._desk.answer(body))
         router.send_multipart([frames[0], *protocol.encode(
             protocol.envelope(protocol.REPLY, reply, run=self.info.run_id))])
 
     def _tick(self, pub: zmq.Socket) -> None:
+        if self._desk.pending:  # the agent's boundary: after step N, before N + 1
+            self._desk.apply_due(self._step)
         self._step += 1
-        for due in [s for s in self._scheduled if s[0] <= self._step]:
-            self._scheduled.remove(due)
-            _, knob, value, _ = due
-            self.knobs[knob] = value
-            self._send(pub, protocol.EVENT, {
-                "level": "info", "kind": "applied", "knob": knob, "value": value,
-                "step": self._step, "text": f"{knob}={value} applied at step {self._step}"})
+        while self._events:
+            self._send(pub, protocol.EVENT, self._events.popleft())
         if self._step % 10 == 1:
             self._send(pub, protocol.HELLO, {
                 "name": "fake-train", "pid": self.info.pid, "world_size": self.world_size,
                 "started_at": self.info.started_at,
                 "device": "cpu", "model": {"name": "tiny", "params": 1234},
-                "knobs": [FAKE_KNOB_SPECS[name].to_wire() for name in self.knobs]})
+                "knobs": self._knob_set.schema()})
             self._send(pub, protocol.SYSTEM, {
                 "cpu_pct": 12.5, "process_cpu_pct": 98.0, "host_mem_used_bytes": 3 << 30,
                 "host_mem_total_bytes": 16 << 30, "gpus": self.gpus,
@@ -207,6 +206,12 @@ class FakeAgent:
 #: The fake agents' CURVE server key pair (one for all: a restarted fake on the same
 #: ports is the same "run" to a dashboard that kept its run file's key).
 FAKE_SERVER_KEYS = zmq.curve_keypair()
+
+
+def _refuse(value: Any, refused: dict[str, str]) -> None:
+    """A fake device check: raises ValueError with the reason for a refused value."""
+    if value in refused:
+        raise ValueError(refused[value])
 
 
 def _bind(socket: zmq.Socket, port: int | None) -> int:

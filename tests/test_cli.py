@@ -33,7 +33,8 @@ def test_runs_table(fake_agent):
                                "fake-train"]
 
 
-def test_set_accepted(fake_agent):
+def test_set_accepted(make_agent):
+    fake_agent = make_agent(knobs={"precision": "fp32", "accum_steps": 1, "checkpoint": "now"})
     result = gpuwatch("set", "accum_steps=4", "--run", fake_agent.info.run_id[:18])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("accepted: accum_steps=4 applies at step ")

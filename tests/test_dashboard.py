@@ -453,14 +453,11 @@ async def test_each_key_on_a_run_without_its_knob_says_why_in_the_log(make_agent
 
 
 async def test_k_says_which_kernels_it_skips_and_why(make_agent):
-    agent = make_agent(knobs={"kernels": "eager"})
+    agent = make_agent(knobs={"kernels": "eager"},  # as a run on CPU offers them
+                       unavailable={"kernels": {"compile": "needs a C compiler"}})
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: knows(app, "kernels"))
-        with app.source.lock:  # as a run on CPU offers them
-            spec = dict(app.source.state.schema["kernels"])
-            spec["unavailable"] = {"compile": "needs a C compiler"}
-            app.source.state.schema = {**app.source.state.schema, "kernels": spec}
         await pilot.press("k")
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("kernels", "triton")

@@ -214,7 +214,7 @@ def test_a_refusal_on_another_node_withdraws_the_command_everywhere(job):
     for fake in here + [other.fakes[0]]:
         assert [(b.get("dry_run", False), b.get("cancel", False)) for b in drain(fake)] == [
             (True, False), (False, False), (False, True)]
-        assert not fake._scheduled
+        assert not fake.pending
 
 
 def test_a_stopped_node_refuses_the_command_before_any_rank_takes_it(job):
@@ -228,7 +228,7 @@ def test_a_stopped_node_refuses_the_command_before_any_rank_takes_it(job):
     assert reply["reason"] == "no reply within 1.0 s (is the run alive?) (rank 2)"
     for fake in here:  # only checked, never scheduled
         assert [body.get("dry_run") for body in drain(fake)] == [True]
-        assert not fake._scheduled
+        assert not fake.pending
 
 
 def test_without_the_job_secret_or_with_a_forged_entry_nothing_is_sent(job, monkeypatch,
@@ -467,4 +467,4 @@ def test_a_rank_of_another_node_too_busy_to_answer_gets_the_command_withdrawn_to
     assert reply["reason"].startswith("no reply within 0.7 s")
     assert reply["reason"].endswith("(rank 3); withdrawn from ranks 0-3")
     for fake in here + other.fakes:
-        assert not fake._scheduled and fake.knobs["accum_steps"] == 1
+        assert not fake.pending and fake.knobs["accum_steps"] == 1

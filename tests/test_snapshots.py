@@ -22,6 +22,7 @@ import pytest
 from rich.console import Console
 
 from agent import protocol
+from agent.knobs import STANDARD_KNOBS
 from agent.runs import RunInfo
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
@@ -31,7 +32,6 @@ from gpuwatch.widgets import event_log
 from gpuwatch.widgets.command_line import CommandLine
 from gpuwatch.widgets.help_screen import HelpScreen
 
-from .conftest import FAKE_KNOB_SPECS
 from .test_dashboard import until
 from .test_history import RUN, write_run
 
@@ -91,7 +91,7 @@ def _fold(source: FixedSource, *, name: str, knobs: dict, tokens: bool, cnn: boo
 def _make(fold, *, name: str, knobs: dict, tokens: bool, cnn: bool) -> None:
     """The records of a run, in order (see :func:`_fold`)."""
     fold("hello", {"name": name, "device": "cpu", "world_size": 1,
-                   "knobs": [FAKE_KNOB_SPECS[k].to_wire() for k in knobs]})
+                   "knobs": [STANDARD_KNOBS[k].to_wire() for k in knobs]})
     fold("system", {"cpu_pct": 97.0, "process_cpu_pct": 180.0,
                     "host_mem_used_bytes": 6 << 30, "host_mem_total_bytes": 16 << 30,
                     "gpus": [], "gpu_status": "no NVIDIA GPU (NVML unavailable: "
