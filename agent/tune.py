@@ -24,8 +24,11 @@ How a setting is judged:
   pairs as noise, so a busy, changing host makes the interval wider instead of making
   the verdict wrong. From :data:`MIN_PAIRS_SLOWER` pairs a candidate slower beyond noise
   (the upper end of the 95% interval below zero) is reverted at once; from
-  :data:`MIN_PAIRS_FASTER` one faster beyond noise is kept and becomes the best; after
-  :data:`MAX_PAIRS` it is reverted as not faster beyond noise.
+  :data:`MIN_PAIRS_FASTER` one faster beyond noise is kept and becomes the best, and one
+  that has measured no gain at all (its mean gain at or below zero) is reverted as not
+  faster: one that the pairs so far put below the best rarely proves faster within
+  the few pairs left, and each pair costs steps of the run; after :data:`MAX_PAIRS` it
+  is reverted as not faster beyond noise.
 - Which candidates: a coordinate search from the configuration the run has. Numeric
   knobs move along a ladder (0, 1, 2, 4, ... up to the knob's maximum, for
   ``num_workers`` and ``cpu_threads`` the usable CPUs) one rung at a time, up first, then
@@ -86,7 +89,8 @@ SUB_BLOCK_STEPS = 4
 SUB_BLOCK_S = 0.25
 MAX_SUB_BLOCK_STEPS = 16
 #: Pairs of sub-blocks (best, candidate) after which a candidate may be called slower /
-#: faster, and after which it is reverted as not faster beyond noise.
+#: faster (or, with no measured gain, not faster), and after which it is reverted as not
+#: faster beyond noise.
 MIN_PAIRS_SLOWER = 2
 MIN_PAIRS_FASTER = 3
 MAX_PAIRS = 6
@@ -468,8 +472,9 @@ class Tuner:
     switch between two, none within one side); after each pair, a paired t-test on the
     pairs' log throughput ratios (:func:`paired_gain`) says whether the candidate is
     slower (from :data:`MIN_PAIRS_SLOWER` pairs: reverted at once), faster (from
-    :data:`MIN_PAIRS_FASTER`: kept) or, after :data:`MAX_PAIRS`, not faster beyond noise
-    (reverted). While a switch is on its way, steps count against the budget and measure
+    :data:`MIN_PAIRS_FASTER`: kept), without any measured gain (from
+    :data:`MIN_PAIRS_FASTER`: reverted) or, after :data:`MAX_PAIRS`, not faster beyond
+    noise (reverted). While a switch is on its way, steps count against the budget and measure
     nothing.
 
     Args:
@@ -650,8 +655,9 @@ class Tuner:
             if not in_candidate:
                 self._switch(candidate.knob, candidate.value, watch=True)
             self._next_candidate()
-        elif k >= MAX_PAIRS:
-            self._verdict("reverted", f"not faster beyond noise: {_gain_text(gain, low, high)}")
+        elif k >= MAX_PAIRS or (k >= MIN_PAIRS_FASTER and gain <= 0):
+            why = "not faster beyond noise" if gain > 0 else "no gain measured"
+            self._verdict("reverted", f"{why}: {_gain_text(gain, low, high)}")
             if in_candidate:
                 self._switch(candidate.knob, self.best[candidate.knob])
             self._next_candidate()

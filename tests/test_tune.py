@@ -26,6 +26,7 @@ from agent.tune import (
     Block,
     CoordinateSearch,
     Series,
+    Tuner,
     TuneRequest,
     _side,
     ladder,
@@ -39,8 +40,9 @@ from tests.training import digits_loader, messages, start
 from tests.training import model as make_model
 
 #: The test knob ``step_delay``: seconds each micro-batch sleeps at each value. From
-#: the start value 0, the search should keep 1 (faster) and revert 2 (slower).
-DELAY_S = {0: 0.006, 1: 0.0, 2: 0.02}
+#: the start value 0, the search should keep 1 (faster) and revert 2 (slower). Sleeps,
+#: which a loaded host does not stretch: the gains stay far beyond its noise.
+DELAY_S = {0: 0.02, 1: 0.0, 2: 0.05}
 
 
 class FakeKnobs:
@@ -281,6 +283,46 @@ def test_coordinate_search_climbs_a_rung_at_a_time_and_makes_a_second_pass():
                      ("kernels", "compile"), ("kernels", "triton"),
                      ("threads", 2), ("workers", 4), ("workers", 1)]
     assert best == {"threads": 1, "workers": 2, "kernels": "triton"}
+
+
+def _search_steps(step_time_s):
+    """A search over one knob ``x`` (0 -> 1) fed step records directly, each applied
+    command acknowledged at the next step: ``(steps spent, the candidate's reason)``.
+    ``step_time_s(value)`` is a step's time at ``x=value``."""
+    value = [0]
+    knobs = KnobSet()
+    knobs.add(Knob(KnobSpec("x", "int", "", minimum=0, maximum=1, tuning=TUNED),
+                   get=lambda: value[0], set=lambda v: None))
+    sent = []
+    tuner = Tuner(TuneRequest({"knobs": ["x"]}, knobs), knobs, 1,
+                  send=lambda *command: sent.append(command),
+                  publish=lambda *_: None, cpus=2)
+    step = 0
+    while tuner.status == "running" and step < 1_000:
+        step += 1
+        for command_id, knob, new in sent:
+            previous, value[0] = value[0], new
+            tuner.on_event({"kind": "applied", "id": command_id, "knob": knob,
+                            "value": new, "previous": previous, "step": step})
+        sent.clear()
+        tuner.on_step(step, step_time_s(value[0]), 32, None, 1.0, False)
+    return tuner.steps, tuner.candidates[0].reason
+
+
+def test_a_candidate_with_no_measured_gain_is_reverted_without_spending_every_pair():
+    flat, flat_reason = _search_steps(lambda x: 0.1)  # x=1 changes nothing
+    assert flat_reason == "no gain measured: +0% (+0% to +0%)"
+    slower, slower_reason = _search_steps(lambda x: 0.1 * (1 + 0.2 * x))
+    assert slower_reason.startswith("slower: -17%")
+    faster, faster_reason = _search_steps(lambda x: 0.1 * (1 - 0.2 * x))
+    assert faster_reason.startswith("faster: +25%")
+    rng = random.Random(0)  # +2% under 5% noise: measured to the last pair
+    unsure, unsure_reason = _search_steps(
+        lambda x: 0.1 * (1 - 0.02 * x) * (1 + 0.05 * rng.gauss(0, 1)))
+    assert unsure_reason.startswith("not faster beyond noise: +2%")
+    # slower: from MIN_PAIRS_SLOWER pairs; no gain, and faster: from MIN_PAIRS_FASTER;
+    # a small gain within the noise: all MAX_PAIRS
+    assert slower < flat == faster < unsure
 
 
 def test_student_t_quantiles_and_the_paired_interval_that_load_drift_does_not_fool():
