@@ -352,15 +352,21 @@ class IOLoop:
         pub, router = self._bind(context)
         self._pub = pub
         self._guard("memory reading", self._encoder.read_memory)
+        # the first system sample (NVML's start, psutil's first readings: about 1 ms)
+        # is part of the start-up, taken before hello and sent right after it
+        first_system = self._guard("system probe", self._probe.sample)
         self._ready.set()
         self.publish(protocol.HELLO, self._hello())
+        if first_system is not None:
+            self.publish(protocol.SYSTEM, first_system)
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pub, zmq.POLLIN)
         assert self._wake is not None  # made by start()
         wake = self._wake[0]
         poller.register(wake, zmq.POLLIN)
-        next_system = next_heartbeat = time.monotonic()
+        next_heartbeat = time.monotonic()
+        next_system = next_heartbeat + (_HEARTBEAT_INTERVAL_S if first_system else 0.0)
         heartbeats = 0
         budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
         while True:
