@@ -11,8 +11,11 @@ a batch through the I/O loop's ``publish``.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
+from itertools import accumulate, chain, repeat
+from operator import itemgetter, sub, truediv
 from typing import Any
 
 import torch
@@ -31,6 +34,11 @@ INPUT_WINDOW_STEPS = 20
 #: partly input-bound.
 INPUT_BOUND_SHARE = 0.5
 PARTLY_INPUT_BOUND_SHARE = 0.2
+
+
+#: The verdicts, by how many of :data:`_VERDICT_SHARES` a share reaches.
+_VERDICTS = ("compute-bound", "partly input-bound", "input-bound")
+_VERDICT_SHARES = (PARTLY_INPUT_BOUND_SHARE, INPUT_BOUND_SHARE)
 
 
 class InputWindow:
@@ -60,6 +68,45 @@ class InputWindow:
         if share >= PARTLY_INPUT_BOUND_SHARE:
             return share, "partly input-bound"
         return share, "compute-bound"
+
+
+    def add_many(self, waits: list[float], times: list[float]) -> tuple[list[float], list[str]]:
+        """Add several steps (every step time > 0); return the share and the verdict
+        after each, as :meth:`add` one at a time would. The window's sums are prefix
+        sums of the batch (C loops, no Python a step), not kept by adding and
+        subtracting: the same shares but for their last bits."""
+        window = self._window
+        size = window.maxlen or len(waits)
+        held = len(window)
+        n = len(waits)
+        old_waits = [wait for wait, _ in window]
+        old_times = [time_s for _, time_s in window]
+        wait_sums = list(accumulate(chain(old_waits, waits), initial=0.0))
+        time_sums = list(accumulate(chain(old_times, times), initial=0.0))
+        # the window of the k-th new step: from max(0, held + k + 1 - size) to held + k
+        zeros = max(0, min(n, size - held))
+        wait_in = map(sub, wait_sums[held + 1:],
+                      chain(repeat(0.0, zeros), wait_sums[1:1 + n - zeros]))
+        time_in = map(sub, time_sums[held + 1:],
+                      chain(repeat(0.0, zeros), time_sums[1:1 + n - zeros]))
+        time_in_list = list(time_in)
+        if min(time_in_list) > 0:
+            shares = list(map(truediv, wait_in, time_in_list))
+            if max(shares) > 1.0 or min(shares) < 0.0:
+                shares = [1.0 if share > 1.0 else share if share > 0.0 else 0.0
+                          for share in shares]
+        else:  # (step times are never 0 here; this keeps add's answer if they were)
+            shares = [min(1.0, max(0.0, wait_s / step_s)) if step_s > 0 else 0.0
+                      for wait_s, step_s in zip(wait_in, time_in_list)]
+        if max(shares) < PARTLY_INPUT_BOUND_SHARE:  # the usual answer, for every step
+            verdicts = [_VERDICTS[0]] * n
+        else:
+            verdicts = list(map(_VERDICTS.__getitem__,
+                                map(bisect_right, repeat(_VERDICT_SHARES), shares)))
+        window.extend(zip(waits, times))
+        self._wait_s = sum(wait for wait, _ in window)
+        self._step_s = sum(time_s for _, time_s in window)
+        return shares, verdicts
 
 
 class StepEncoder:
@@ -94,8 +141,14 @@ class StepEncoder:
         self._in_flight: deque = deque()
         #: the marker of the latest step published (the GPU time is between two)
         self._previous_marker: Any = None
-        #: the rows of the ``steps`` message being built (see :meth:`drain`)
-        self._batch: list[tuple] = []
+        #: the steps of the ``steps`` message being built (see :meth:`drain`): parts of
+        #: columns (:meth:`_add_columns`), oldest first, and how many steps they hold
+        self._batch: list[tuple[list[Any], ...]] = []
+        self._batch_steps = 0
+        #: the latest steps of the batch, as rows (one at a time: :meth:`_add_each`)
+        self._rows: list[tuple] = []
+        #: how many records of the list :meth:`drain` took were handled
+        self._done = 0
         self._input = InputWindow()
         #: the step expected next, to count records the queue's bound dropped
         self.expected_step: int | None = None
@@ -114,99 +167,251 @@ class StepEncoder:
         the next call, and the steps after it with it; ``final``: the run is ending,
         nothing waits (a marker not ready gives no device values).
 
-        .. note:: The cost of a step here is paid in GIL time by the training thread:
-           per step it is a tuple of plain values and a few float operations; the dict
-           work, the encoding and the send happen once a batch (:meth:`flush`).
+        .. note:: The cost of a step here is paid in GIL time by the training thread,
+           so the steps between two events are handled a run at a time, in columns
+           (:meth:`_add_run`): list operations that loop in C, no Python per step
+           but reading its loss; one at a time (:meth:`_add_each`) only while the
+           rollback guard watches a change, a search is on, or a step was skipped or
+           has a non-finite loss. Dicts, encoding and the send happen once a batch
+           (:meth:`flush`). An internal error drops the run of steps it happened in
+           (the agent reports it) and leaves the records after it queued.
         """
         records, in_flight = self._records, self._in_flight
-        while records:
-            in_flight.append(records.popleft())
-        batch = self._batch
+        if records:
+            popleft = records.popleft
+            in_flight.extend([popleft() for _ in range(len(records))])
+        if in_flight:
+            pending = list(in_flight)
+            in_flight.clear()
+            self._done = 0
+            try:
+                self._encode(pending, final)
+            finally:
+                if self._done < len(pending):  # not ready yet, or after an error
+                    in_flight.extend(pending[self._done:])
+        if self._batch_steps:
+            self.flush()
+
+    def _encode(self, pending: list[tuple], final: bool) -> None:
+        """Add ``pending``'s records to the batch in order, from :attr:`_done` on (which
+        it advances past each record taken); stops at a marker not ready (unless
+        ``final``)."""
+        tags = list(map(_TAG, pending))
+        total = len(pending)
         marker_api = self._marker
         cpu = isinstance(marker_api, CpuMarker)
-        guard = self._guard
-        window = self._input
-        tune = self._tune if self._tune.tuner is not None else None
-        previous_marker = self._previous_marker
-        while in_flight:
-            record = in_flight[0]
-            if record[0] == "event":
-                in_flight.popleft()
-                self._tune.on_event(record[1])
-                self._publish(protocol.EVENT, record[1])  # sends the batch before it
-                batch = self._batch
+        while self._done < total:
+            start = self._done
+            if tags[start] == "event":
+                self._done = start + 1
+                body = pending[start][1]
+                self._tune.on_event(body)
+                self._publish(protocol.EVENT, body)  # sends the batch before it
                 continue
-            (_, step, step_time_s, micro_batches, samples, wait_s, marker, knobs,
-             activation_bytes, tokens, lr) = record
-            ready = cpu or marker_api.ready(marker)
-            if not ready and not final:
-                break
-            in_flight.popleft()
-            expected = self.expected_step
-            if expected is not None and step > expected:
-                self.records_dropped += step - expected  # queue overflowed
-            self.expected_step = step + 1
-            if cpu:  # the marker is (loss, skipped, grad norm), tensors or None
-                loss_t, skipped_t, norm = marker
-                loss = None if loss_t is None else (
-                    loss_t.item() if loss_t.dim() == 0 else float(loss_t.float().mean()))
-                skipped = None if skipped_t is None else bool(skipped_t)
-                grad_norm = None if norm is None else float(norm)
-                gpu_s = None
-            elif ready:
-                loss = marker_api.loss(marker)
-                grad_norm = marker_api.grad_norm(marker)
-                skipped = marker_api.skipped(marker)
-                gpu_s = marker_api.gpu_time_s(previous_marker, marker)
+            try:
+                end = tags.index("event", start)
+            except ValueError:
+                end = total
+            ready: list[bool] | None = None  # on the host every marker is ready
+            if not cpu:
+                ready = []
+                for record in pending[start:end]:
+                    flag = marker_api.ready(record[6])
+                    if not flag and not final:
+                        break
+                    ready.append(flag)
+                end = start + len(ready)
+            first = start
+            while start < end:  # at most a batch at a time
+                stop = min(end, start + protocol.MAX_BATCH_STEPS - self._batch_steps)
+                self._done = stop  # (dropped if they fail: never retried forever)
+                self._add_run(pending[start:stop],
+                              None if ready is None else ready[start - first:stop - first])
+                if self._batch_steps >= protocol.MAX_BATCH_STEPS:
+                    self.flush()
+                start = stop
+            if end < total and tags[end] != "event":
+                return  # a marker not ready: it and what follows wait
+
+    def _device_values(self, run: list[tuple], ready: list[bool] | None
+                       ) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+        """The ``(losses, grad norms, skipped flags, GPU step times)`` of a run of step
+        records, read from their markers (``ready``: whether each marker is; None: on
+        the host, where every one is)."""
+        n = len(run)
+        losses: list[Any]
+        grad_norms: list[Any]
+        skipped: list[Any]
+        if ready is None:  # the marker is (loss, skipped, grad norm), tensors or None
+            # (kinds by their types: ``tensor == None`` is a slow call a value)
+            loss_ts, skipped_ts, norms = zip(*map(_MARKER, run))
+            nones: list[Any] = [None] * n
+            kinds = set(map(type, loss_ts))
+            if kinds == _NONE:
+                losses = nones
+            elif kinds == _TENSOR and set(map(torch.Tensor.dim, loss_ts)) == _ZERO:
+                losses = [loss.item() for loss in loss_ts]
             else:
-                loss = grad_norm = skipped = gpu_s = None
-            lr_groups = None
-            if isinstance(lr, tuple):  # every param group's, floats or host tensors
-                lr_groups = [host_rate(rate) for rate in lr]
-                lr = lr_groups[0] if lr_groups else None
-            if lr is not None:
-                lr = float(lr)
-            if (skipped is not None or guard.watching
+                losses = [None if loss is None else (
+                    loss.item() if loss.dim() == 0 else float(loss.float().mean()))
+                    for loss in loss_ts]
+            skipped = nones if set(map(type, skipped_ts)) == _NONE else [
+                None if flag is None else bool(flag) for flag in skipped_ts]
+            grad_norms = nones if set(map(type, norms)) == _NONE else [
+                None if norm is None else float(norm) for norm in norms]
+            return losses, grad_norms, skipped, nones
+        marker_api = self._marker
+        previous = self._previous_marker
+        losses, grad_norms, skipped = [], [], []
+        gpu_times: list[Any] = []
+        for record, flag in zip(run, ready):
+            marker = record[6]
+            if flag:
+                losses.append(marker_api.loss(marker))
+                grad_norms.append(marker_api.grad_norm(marker))
+                skipped.append(marker_api.skipped(marker))  # frees the slot: last
+                gpu_times.append(marker_api.gpu_time_s(previous, marker))
+            else:
+                losses.append(None)
+                grad_norms.append(None)
+                skipped.append(None)
+                gpu_times.append(None)
+            previous = marker
+        return losses, grad_norms, skipped, gpu_times
+
+    def _add_run(self, run: list[tuple], ready: list[bool] | None) -> None:
+        """Add a run of step records (no event among them, at most a batch's room) to
+        the batch, in columns when nothing needs each step seen alone."""
+        losses, grad_norms, skipped, gpu_times = self._device_values(run, ready)
+        self._previous_marker = run[-1][6]
+        n = len(run)
+        if (self._tune.tuner is not None or self._guard.watching
+                or skipped.count(None) != n or not _finite_or_none(losses, n)):
+            self._add_each(run, losses, grad_norms, skipped, gpu_times)
+            return
+        (_, steps, times, micro_batches, samples, waits, _, knobs, activation, tokens,
+         rates) = map(list, zip(*run))
+        self._count_steps(steps)
+        nones = skipped  # every one None
+        rate_kinds = set(map(type, rates))
+        if rate_kinds == _NONE:
+            lr = lr_groups = nones
+        elif rate_kinds <= _RATE_TYPES:
+            lr, lr_groups = [None if rate is None else float(rate) for rate in rates], nones
+        else:
+            lr, lr_groups = [], []
+            for rate in rates:
+                rate, groups = _rates(rate)
+                lr.append(rate)
+                lr_groups.append(groups)
+        shares: list[Any]
+        verdicts: list[Any]
+        if all(times):
+            shares, verdicts = self._input.add_many(waits, times)
+            self.recent_step_time_s = times[-1]
+        else:  # the run's first step has no step time (and takes no part in the window)
+            timed = [index for index, time_s in enumerate(times) if time_s]
+            shares, verdicts = [None] * n, [None] * n
+            if timed:
+                timed_shares, timed_verdicts = self._input.add_many(
+                    [waits[index] for index in timed], [times[index] for index in timed])
+                for index, share, verdict in zip(timed, timed_shares, timed_verdicts):
+                    shares[index] = share
+                    verdicts[index] = verdict
+                self.recent_step_time_s = times[timed[-1]]
+        self._add_columns((steps, micro_batches, samples, times, waits, losses, gpu_times,
+                           knobs, skipped, activation, tokens, lr, lr_groups, grad_norms,
+                           [self._guard.skipped_total] * n, shares, verdicts))
+
+    def _add_each(self, run: list[tuple], losses: list[Any], grad_norms: list[Any],
+                  skipped: list[Any], gpu_times: list[Any]) -> None:
+        """Add a run of step records one at a time: the rollback guard sees each step
+        it has to (a change is watched, a step was skipped, the loss is not finite)
+        and the tuner each step while a search is on, before the step joins the batch
+        (what they publish sends the steps before it)."""
+        guard = self._guard
+        tune = self._tune if self._tune.tuner is not None else None
+        window = self._input
+        for record, loss, grad_norm, flag, gpu_s in zip(run, losses, grad_norms, skipped,
+                                                         gpu_times):
+            (_, step, step_time_s, micro_batches, samples, wait_s, _, knobs,
+             activation_bytes, tokens, lr) = record
+            self._count_steps([step])
+            lr, lr_groups = _rates(lr)
+            if (flag is not None or guard.watching
                     or (loss is not None and loss - loss != 0.0)):  # NaN or inf loss
-                self._check_step(step, loss, skipped)
-                batch = self._batch  # an event it published sent the batch
+                self._check_step(step, loss, flag)  # (an event it publishes sends the batch)
             if tune is not None:  # a search is on (started by a command, never here)
-                tune.on_step(step, step_time_s, samples, tokens, loss, skipped)
-                batch = self._batch  # the tuner may publish (and so send the batch)
+                tune.on_step(step, step_time_s, samples, tokens, loss, flag)  # (idem)
             share = verdict = None
             if step_time_s:
                 share, verdict = window.add(wait_s, step_time_s)
                 self.recent_step_time_s = step_time_s
-            batch.append((step, micro_batches, samples, step_time_s, wait_s, loss, gpu_s,
-                          knobs, skipped, activation_bytes, tokens, lr, lr_groups,
-                          grad_norm, guard.skipped_total, share, verdict))
-            previous_marker = self._previous_marker = marker
-            if len(batch) >= protocol.MAX_BATCH_STEPS:
-                self.flush()
-                batch = self._batch
-        if batch:
-            self.flush()
+            self._rows.append((step, micro_batches, samples, step_time_s, wait_s, loss,
+                               gpu_s, knobs, flag, activation_bytes, tokens, lr, lr_groups,
+                               grad_norm, guard.skipped_total, share, verdict))
+            self._batch_steps += 1
+
+    def _count_steps(self, steps: list[int]) -> None:
+        """Note the steps taken (in order) and count the records lost before them to the
+        queue's bound (a step number skipped)."""
+        first, last = steps[0], steps[-1]
+        if last - first == len(steps) - 1 and (len(steps) < 3
+                                               or steps == list(range(first, last + 1))):
+            expected = self.expected_step
+            if expected is not None and first > expected:
+                self.records_dropped += first - expected  # queue overflowed
+            self.expected_step = last + 1
+            return
+        for step in steps:
+            expected = self.expected_step
+            if expected is not None and step > expected:
+                self.records_dropped += step - expected
+            self.expected_step = step + 1
+
+    def _rows_to_columns(self) -> None:
+        """The rows :meth:`_add_each` added, as a part of columns of the batch."""
+        if self._rows:
+            self._batch.append(tuple(map(list, zip(*self._rows))))
+            self._rows = []
+
+    def _add_columns(self, columns: tuple[list[Any], ...]) -> None:
+        """Append the columns of some steps (in the order of a row of
+        :meth:`_add_each`) to the batch."""
+        self._rows_to_columns()
+        self._batch.append(columns)
+        self._batch_steps += len(columns[0])
 
     def flush(self) -> None:
-        """Publish the rows batched so far as one ``steps`` message (columns); nothing
+        """Publish the steps batched so far as one ``steps`` message (columns); nothing
         when there are none."""
-        rows, self._batch = self._batch, []
-        if not rows:
+        self._rows_to_columns()
+        parts, self._batch, self._batch_steps = self._batch, [], 0
+        if not parts:
             return
-        (steps, micro_batches, samples, times, waits, losses, gpu_times, knobs, skipped,
-         activation, tokens, lr, lr_groups, grad_norm, skipped_total, share_window,
-         verdict) = map(list, zip(*rows))
+        if len(parts) == 1:
+            (steps, micro_batches, samples, times, waits, losses, gpu_times, knobs,
+             skipped, activation, tokens, lr, lr_groups, grad_norm, skipped_total,
+             share_window, verdict) = parts[0]
+        else:
+            (steps, micro_batches, samples, times, waits, losses, gpu_times, knobs,
+             skipped, activation, tokens, lr, lr_groups, grad_norm, skipped_total,
+             share_window, verdict) = [list(chain.from_iterable(column))
+                                       for column in zip(*parts)]
+        n = len(steps)
+        if all(times):
+            share = list(map(min, repeat(1.0), map(truediv, waits, times)))
+            rate = list(map(truediv, samples, times))
+        else:
+            share = [min(1.0, wait / time_s) if time_s else None
+                     for wait, time_s in zip(waits, times)]
+            rate = [count / time_s if time_s else None for count, time_s in zip(samples, times)]
         columns: dict[str, list[Any]] = {
             "step": steps, "micro_batches": micro_batches, "samples": samples,
-            "step_time_s": times, "data_wait_s": waits,
-            "data_wait_share": [min(1.0, wait / time_s) if time_s else None
-                                for wait, time_s in zip(waits, times)],
-            "samples_per_s": [count / time_s if time_s else None
-                              for count, time_s in zip(samples, times)],
-            "loss": losses, "gpu_step_time_s": gpu_times,
+            "step_time_s": times, "data_wait_s": waits, "data_wait_share": share,
+            "samples_per_s": rate, "loss": losses, "gpu_step_time_s": gpu_times,
             "skipped_steps_total": skipped_total,
         }
-        n = len(rows)
         for name, values in (("grad_scaler_skipped", skipped),
                              ("activation_bytes", activation), ("tokens", tokens),
                              ("lr", lr), ("lr_groups", lr_groups),
@@ -221,7 +426,7 @@ class StepEncoder:
         memory = self.latest_memory = self._memory()
         common = dict(memory)
         first = knobs[0]
-        if all(value is first for value in knobs):  # the same map unless a knob changed
+        if knobs.count(first) == n:  # the same map unless a knob changed
             common["knobs"] = first
         else:
             columns["knobs"] = knobs
@@ -240,3 +445,37 @@ class StepEncoder:
         if self._device is not None and self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
         return memory
+
+
+#: A record's first field (its kind: ``"step"`` or ``"event"``) and a step record's marker.
+_TAG = itemgetter(0)
+_MARKER = itemgetter(6)
+_NONE = {type(None)}
+_TENSOR = {torch.Tensor}
+_ZERO = {0}
+#: Types of ``lr`` values read with ``float`` alone (no param groups' tuple).
+_RATE_TYPES = frozenset({float, int, type(None)})
+
+
+def _finite_or_none(losses: list[Any], n: int) -> bool:
+    """Whether the ``n`` losses are all None or all finite (one C sum: an inf or NaN
+    makes it non-finite; a sum that overflows only sends the steps one at a time)."""
+    nones = losses.count(None)
+    if nones == n:
+        return True
+    if nones:
+        return False
+    total = sum(losses)
+    return total - total == 0.0
+
+
+def _rates(lr: Any) -> tuple[float | None, list[float | None] | None]:
+    """A step's ``(lr, lr_groups)`` from the ``lr`` it recorded: a float, None, or
+    every param group's rate as a tuple (floats or host tensors)."""
+    lr_groups = None
+    if isinstance(lr, tuple):
+        lr_groups = [host_rate(rate) for rate in lr]
+        lr = lr_groups[0] if lr_groups else None
+    if lr is not None:
+        lr = float(lr)
+    return lr, lr_groups

@@ -46,11 +46,18 @@ if TYPE_CHECKING:
 _HEARTBEAT_INTERVAL_S = 1.0
 _HELLO_EVERY_HEARTBEATS = 30  # a new subscriber is greeted at once anyway
 #: The I/O thread wakes at least this often to publish the records queued since (ms),
-#: as one ``steps`` batch. Commands and new subscribers wake it at once (a command's
-#: latency does not depend on it); each wake-up costs CPU (about 100 us on a 2-core
-#: machine, the poll included) and the training thread a GIL hand-off, so it is kept
-#: rare: 10 a second, a batch of 100 steps at 1,000 steps/s.
+#: as one ``steps`` batch, while someone reads them (a subscriber: a dashboard, ``tail``,
+#: a node relay), the rollback guard watches a change or a search is on. Commands, new
+#: subscribers and :meth:`IOLoop.stop` wake it at once (a command's latency does not
+#: depend on it); each wake-up costs CPU (about 100 us on a 2-core machine, the poll
+#: included, and as much again for the batch's message) and the training thread a GIL
+#: hand-off, so it is kept rare: 10 a second, a batch of 100 steps at 1,000 steps/s.
 _POLL_MS = 100
+#: ... and this often (ms) while nobody has subscribed, so that only the run log reads
+#: them (its buffer is flushed every 0.5 s anyway): 2 wake-ups a second, batches 5
+#: times longer; sooner when the record queue would otherwise fill past a quarter of
+#: its bound.
+_QUIET_POLL_MS = 500
 _MAX_COMMANDS_PER_POLL = 100
 #: Command messages read per second at most, valid or not: a flood (even of garbage or
 #: of wrong tokens) costs the training process a bounded ~1% of a core; the excess waits
@@ -129,6 +136,14 @@ class IOLoop:
         #: a new subscriber waits for its greeting; when the next one may be sent
         self._greet_due = False
         self._next_greeting = 0.0
+        #: subscriptions the PUB socket was sent (subscribe minus unsubscribe messages):
+        #: while none, the quiet interval applies. A subscriber that disconnects sends
+        #: no unsubscribe (ZeroMQ drops its subscriptions silently), so once anyone has
+        #: subscribed the interval stays short (as it always was)
+        self._subscriptions = 0
+        #: a pipe whose read end the poll watches and :meth:`stop` writes to (made by
+        #: :meth:`start`, closed by :meth:`stop` once the thread has ended)
+        self._wake: tuple[int, int] | None = None
         self._env_report: dict[str, Any] | None = None
 
     @property
@@ -139,6 +154,9 @@ class IOLoop:
     def start(self, timeout_s: float) -> None:
         """Start the thread; wait at most ``timeout_s`` (s) until the sockets are bound
         and the run file written, or binding failed (the agent then stays inert)."""
+        self._wake = os.pipe()
+        for fd in self._wake:
+            os.set_blocking(fd, False)
         self._thread.start()
         self._ready.wait(timeout_s)
 
@@ -146,8 +164,17 @@ class IOLoop:
         """Publish what is queued and ``bye``, close the sockets, remove the run file;
         wait at most ``timeout_s`` (s) for the thread. Any thread but the I/O one."""
         self._stop.set()
+        if self._wake is not None:
+            try:
+                os.write(self._wake[1], b"\0")  # the poll returns now
+            except OSError:
+                pass  # the pipe is full: it is woken already
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._wake is not None and not self._thread.is_alive():
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
 
     def _main(self) -> None:
         context = zmq.Context()
@@ -276,6 +303,7 @@ class IOLoop:
                         "of a job to keep its ranks together", kind=EventKind.WARNING)
         pub = context.socket(zmq.XPUB)  # a PUB that also hears (un)subscriptions
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, to greet each newcomer
+        pub.setsockopt(zmq.XPUB_VERBOSER, 1)  # and every unsubscription: who still reads
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
@@ -324,17 +352,28 @@ class IOLoop:
         pub, router = self._bind(context)
         self._pub = pub
         self._guard("memory reading", self._encoder.read_memory)
+        # the first system sample (NVML's start, psutil's first readings: about 1 ms)
+        # is part of the start-up, taken before hello and sent right after it
+        first_system = self._guard("system probe", self._probe.sample)
         self._ready.set()
         self.publish(protocol.HELLO, self._hello())
+        if first_system is not None:
+            self.publish(protocol.SYSTEM, first_system)
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pub, zmq.POLLIN)
-        next_system = next_heartbeat = time.monotonic()
+        assert self._wake is not None  # made by start()
+        wake = self._wake[0]
+        poller.register(wake, zmq.POLLIN)
+        next_heartbeat = time.monotonic()
+        next_system = next_heartbeat + (_HEARTBEAT_INTERVAL_S if first_system else 0.0)
         heartbeats = 0
         budget, budget_until = COMMANDS_PER_S, time.monotonic() + 1.0
         while True:
             stopping = self._stop.is_set()
-            ready = dict(poller.poll(0 if stopping else _POLL_MS))
+            ready = dict(poller.poll(0 if stopping else self._poll_ms()))
+            if wake in ready:
+                self._guard("wake-up pipe", os.read, wake, 64)
             if router in ready:
                 budget -= self._guard("command handling", self._serve_commands, router,
                                       min(budget, _MAX_COMMANDS_PER_POLL), default=0)
@@ -388,13 +427,32 @@ class IOLoop:
                 frame = pub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._greet_due = self._greet_due or frame[:1] == b"\x01"
+            kind = frame[:1]
+            if kind == b"\x01":
+                self._subscriptions += 1
+                self._greet_due = True
+            elif kind == b"\x00":
+                self._subscriptions = max(0, self._subscriptions - 1)
         now = time.monotonic()
         if self._greet_due and now >= self._next_greeting:
             self._greet_due = False
             self._next_greeting = now + 1.0 / GREETINGS_PER_S
             self.publish(protocol.HELLO, self._hello(), logged=False)
             self.publish(protocol.STATE, self._state(), logged=False)
+
+    def _poll_ms(self) -> int:
+        """How long the next poll may wait (ms): :data:`_POLL_MS` while someone reads
+        the records, the guard watches a change or a search is on, else
+        :data:`_QUIET_POLL_MS` or less (the time a quarter of the record queue takes to
+        fill at the latest step time)."""
+        agent = self._agent
+        if self._subscriptions or agent.tune.running or agent._change_guard.watching:
+            return _POLL_MS
+        step_time_s = self._encoder.recent_step_time_s
+        bound = agent._records.maxlen
+        if step_time_s is None or bound is None:
+            return _POLL_MS
+        return int(min(_QUIET_POLL_MS, max(_POLL_MS, bound / 4 * step_time_s * 1000)))
 
     def _guard(self, where: str, function: Any, *args: Any, default: Any = None) -> Any:
         try:

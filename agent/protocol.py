@@ -459,9 +459,10 @@ def step_lines(message: dict[str, Any]) -> bytes:
     batch: a None of a sparse column is written ``null`` (not left out), so the log is
     one table whose rows differ only in values.
 
-    Built column by column: a column of numbers is encoded by one ``orjson.dumps`` and
-    split at its commas (numbers hold none), then each line is one ``%`` of a template
-    made once a batch. About 1 us a row.
+    Built column by column: a column of one value (``micro_batches``, ``samples``, a
+    verdict, nulls) is written once, into a template made once a batch; a column of
+    numbers is encoded by one ``orjson.dumps`` and split at its commas (numbers hold
+    none); then each line is one ``%`` of the template. About 1 us a row.
 
     Raises:
         ProtocolError: the body is not a batch.
@@ -476,16 +477,26 @@ def step_lines(message: dict[str, Any]) -> bytes:
         if type(columns[name]) is not list or len(columns[name]) != n:
             raise ProtocolError(f"every column of a steps body must hold {n} values")
     dumps = orjson.dumps
+    parts = [b""]  # the template's pieces: the head, then a piece a column
+    encoded = []  # the columns whose text changes from row to row
     try:
         head = dumps({"type": STEP, **{key: message.get(key) for key in _HEAD_KEYS[1:]}},
                      default=repr)[1:-1]
         tail = dumps({key: value for key, value in common.items()
                       if key not in _HEAD_KEYS and key not in columns},
                      default=repr, option=orjson.OPT_NON_STR_KEYS)[1:-1]
-        encoded = []
         for name in names:
             values = columns[name]
-            if set(map(type, values)) <= _NUMBER_TYPES:  # one encode, split at commas
+            key = dumps(str(name))
+            kinds = set(map(type, values))
+            if n and len(kinds) == 1 and kinds <= _CONSTANT_TYPES and (
+                    values.count(values[0]) == n and values[0] != 0.0):
+                # the same text in every row (equal values of one such type; a float
+                # column of zeros is not: 0.0 and -0.0 are equal): in the template
+                parts.append((key + b":" + dumps(values[0])).replace(b"%", b"%%"))
+                continue
+            parts.append(key.replace(b"%", b"%%") + b":%s")
+            if kinds <= _NUMBER_TYPES:  # one encode, split at commas
                 encoded.append(dumps(values)[1:-1].split(b","))
             else:
                 encoded.append([dumps(value, default=repr, option=orjson.OPT_NON_STR_KEYS)
@@ -495,16 +506,19 @@ def step_lines(message: dict[str, Any]) -> bytes:
                         for row in step_bodies(body))
     if not n:
         return b""
-    parts = [head.replace(b"%", b"%%")]  # a % in a run id, a name or a common value
-    parts += [dumps(str(name)).replace(b"%", b"%%") + b":%s" for name in names]
+    parts[0] = head.replace(b"%", b"%%")  # a % in a run id, a name or a common value
     if tail:
         parts.append(tail.replace(b"%", b"%%"))
     template = b"{" + b",".join(parts) + b"}\n"
+    if not encoded:  # every row the same text but for none: n copies
+        return (template % ()) * n
     return b"".join(map(template.__mod__, zip(*encoded)))
 
 
 #: Types of the values of a column :func:`step_lines` encodes in one call.
 _NUMBER_TYPES = frozenset({int, float, bool, type(None)})
+#: Types whose equal values have the same JSON text (not dicts: key order; not 0.0).
+_CONSTANT_TYPES = frozenset({int, float, bool, str, type(None)})
 
 
 def _finite(value: Any) -> Any:
