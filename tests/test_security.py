@@ -455,6 +455,7 @@ def test_tail_runs_and_set_print_no_control_sequence(tmp_path, make_agent, run_d
     exact = subprocess.run([sys.executable, "-m", "gpuwatch", "tail", "--json", str(path)],
                            capture_output=True, timeout=60)
     assert [json.loads(line) for line in exact.stdout.splitlines()] == records  # exact
+    assert_no_raw_sequences(exact.stdout)  # and the C1 CSI, the bidi override escaped
 
     agent = make_agent(knobs={"precision": EVIL, "accum_steps": 1}, refuse=EVIL)
     live = subprocess.run([sys.executable, "-m", "gpuwatch", "tail", "--count", "5",
