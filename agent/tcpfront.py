@@ -32,6 +32,7 @@ import selectors
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 #: Connections the owner's own processes may hold (dashboards: 2 each).
@@ -45,6 +46,8 @@ OTHERS_CONNECTIONS = 128
 BUFFER_BYTES = 256 * 1024
 _CHUNK = 64 * 1024
 _BACKLOG = 128
+#: How long a listener rests when the process is out of descriptors (s).
+_PAUSE_S = 0.1
 #: netlink's sock_diag (linux/sock_diag.h, inet_diag.h)
 _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
@@ -111,6 +114,21 @@ def _open_netlink() -> socket.socket | None:
         return None
 
 
+def _room_for_descriptors(wanted: int) -> None:
+    """Raise this process's soft limit on open files to ``wanted`` when it is lower and
+    the hard limit allows (a gateway inherits the training process's, often 1,024)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            ceiling = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            if ceiling > soft:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, hard))
+    except (ImportError, OSError, ValueError):
+        pass
+
+
 class _Pair:
     """One admitted connection: its tcp side, its ipc twin and what each still owes
     the other."""
@@ -138,6 +156,7 @@ class TcpFront:
 
     def __init__(self, address: str, inside: list[str]) -> None:
         self.owner = os.getuid()
+        _room_for_descriptors(3 * (OWNER_CONNECTIONS + OTHERS_CONNECTIONS) + 256)
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         bind_to = "" if address in ("*",) else address
         self._listeners: dict[socket.socket, str] = {}
@@ -154,6 +173,7 @@ class TcpFront:
         self._wake_r, self._wake_w = os.pipe()
         self._held: dict[Any, int] = {}  # peer -> connections it holds
         self._others = 0  # connections held by peers that are not the owner
+        self._paused: dict[socket.socket, float] = {}  # listener -> when to listen again
         #: counters, for tests and the curious
         self.admitted = self.refused = 0
         self._thread = threading.Thread(target=self._run, name="gpuwatch-tcp-front",
@@ -217,13 +237,28 @@ class TcpFront:
             self._selector.register(listener, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         while True:
-            for key, mask in self._selector.select():
+            timeout = None
+            if self._paused:  # out of descriptors: listen again a little later
+                timeout = max(0.0, min(self._paused.values()) - time.monotonic())
+            for key, mask in self._selector.select(timeout):
                 if key.fileobj == self._wake_r:
                     return
-                if key.data is None:
-                    self._accept(key.fileobj)  # type: ignore[arg-type]
-                else:
-                    self._serve(key.data, key.fileobj, mask)  # type: ignore[arg-type]
+                try:
+                    if key.data is None:
+                        self._accept(key.fileobj)  # type: ignore[arg-type]
+                    elif key.data.open:
+                        self._serve(key.data, key.fileobj, mask)  # type: ignore[arg-type]
+                except Exception:  # never the end of the door: that one is dropped
+                    if key.data is None:
+                        if key.fileobj not in self._paused:
+                            self._pause(key.fileobj)  # type: ignore[arg-type]
+                    elif key.data.open:
+                        self._drop(key.data)
+            now = time.monotonic()
+            for listener, until in list(self._paused.items()):
+                if now >= until:
+                    del self._paused[listener]
+                    self._selector.register(listener, selectors.EVENT_READ, None)
 
     def _accept(self, listener: socket.socket) -> None:
         for _ in range(_BACKLOG):  # what is waiting, then the others get their turn
@@ -231,16 +266,23 @@ class TcpFront:
                 outside, address = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and the like: leave it in the backlog
+            except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    return
+                    # out of descriptors (or memory): leave them in the backlog and stop
+                    # listening a while, rather than spin on a listener always readable
+                    return self._pause(listener)
                 continue
             peer = self._peer(outside, address)
             if not self._admit(peer):
                 self.refused += 1
                 outside.close()
                 continue
-            inside = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                inside = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            except OSError:  # out of descriptors after all: not let in, and rest
+                self.refused += 1
+                outside.close()
+                return self._pause(listener)
             inside.setblocking(False)
             try:
                 inside.connect(self._listeners[listener])
@@ -257,6 +299,10 @@ class TcpFront:
             for side in (outside, inside):
                 pair.events[side] = selectors.EVENT_READ
                 self._selector.register(side, selectors.EVENT_READ, pair)
+
+    def _pause(self, listener: socket.socket) -> None:
+        self._selector.unregister(listener)
+        self._paused[listener] = time.monotonic() + _PAUSE_S
 
     def _serve(self, pair: _Pair, side: socket.socket, mask: int) -> None:
         if not pair.open:  # dropped earlier in this same batch of events
@@ -308,7 +354,10 @@ class TcpFront:
         pair.open = False
         for side in (pair.outside, pair.inside):
             if pair.events.get(side):
-                self._selector.unregister(side)
+                try:
+                    self._selector.unregister(side)
+                except (KeyError, ValueError, OSError):
+                    pass
             pair.events[side] = 0
             side.close()
         self._count(pair.peer, -1)

@@ -726,6 +726,68 @@ def test_the_tcp_front_door_relays_and_lets_in_a_bounded_share(tmp_path):
     assert door.refused == 1
 
 
+#: A front door in a process that may open only 40 files, relaying to an echo socket.
+SMALL_FRONT = r"""
+import os, resource, socket, sys, threading
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+from agent import tcpfront
+echo = socket.socket(socket.AF_UNIX)
+echo.bind(sys.argv[1])
+echo.listen(512)
+def serve(connection):
+    for data in iter(lambda: connection.recv(65536), b""):
+        connection.sendall(data)
+    connection.close()
+def accept():
+    while True:
+        try:
+            connection, _ = echo.accept()
+        except OSError:  # out of descriptors too: try again
+            threading.Event().wait(0.05)
+            continue
+        threading.Thread(target=serve, args=(connection,), daemon=True).start()
+threading.Thread(target=accept, daemon=True).start()
+door = tcpfront.TcpFront("127.0.0.1", [sys.argv[1]]).start()
+print(door.ports[0], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_front_door_out_of_descriptors_rests_instead_of_spinning(tmp_path):
+    """When the process runs out of file descriptors the pending connections wait in the
+    backlog and the listener rests (it does not spin on it), and it serves again once
+    some are closed."""
+    import socket
+
+    import psutil
+
+    front = subprocess.Popen([sys.executable, "-c", SMALL_FRONT, str(tmp_path / "echo")],
+                             env=job_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    clients = []
+    try:
+        port = int(front.stdout.readline())
+        for _ in range(40):  # far more than 40 files' worth
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        process = psutil.Process(front.pid)
+        process.cpu_percent()
+        time.sleep(2.0)
+        busy = process.cpu_percent()
+        for client in clients[:30]:
+            client.close()
+        last = socket.create_connection(("127.0.0.1", port), timeout=10)
+        clients.append(last)
+        last.sendall(b"ping")
+        last.settimeout(20)
+        assert last.recv(4) == b"ping"  # served again
+    finally:
+        for client in clients:
+            client.close()
+        front.stdin.close()
+        front.wait(30)
+    assert busy < 50, f"{busy}% of a core while out of descriptors"
+
+
 #: tests/tcp_flood.py: raw connections held open, each one closed replaced at once.
 FLOOD = (ROOT / "tests" / "tcp_flood.py").read_text()
 
