@@ -6,8 +6,12 @@ A tcp port, loopback included, is open to every user of the machine, and ZeroMQ 
 limit on the connections a bound socket accepts: 1,200 connections that never finish
 their handshake exhaust the file descriptors of whoever holds the port. So the agent
 binds only its private ipc sockets, and for a tcp run it starts this gateway (``python
--m agent.gateway``), which binds the tcp ports with CURVE (only the run's client key is
-let in, by a ZAP check) and forwards:
+-m agent.gateway``). Its tcp ports are a front door of its own (:mod:`agent.tcpfront`:
+a bounded number of connections per peer, the owner's share apart, so no one can hold
+more than a few hundred of its descriptors or crowd the owner out), which relays each
+connection let in to the gateway's ZeroMQ sockets with CURVE (only the run's client key
+is let in, by a ZAP check; a connection that has not authenticated within
+:data:`HANDSHAKE_MS` is closed). Those forward:
 
 - telemetry: its XPUB (tcp) <- XSUB (the agent's ipc PUB), subscriptions upstream;
 - commands: its ROUTER (tcp) -> DEALER (the agent's ipc ROUTER) with the client's
@@ -26,10 +30,13 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import sys
 from typing import Any
 
 import zmq
+
+from agent.tcpfront import TcpFront
 
 #: Largest subscription message a client may send (a topic is a few bytes).
 MAX_SUBSCRIPTION_BYTES = 1024
@@ -61,7 +68,9 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
         settings: ``pub`` and ``cmd`` (the agent's ipc endpoints), ``address`` (where to
             listen: 127.0.0.1 or e.g. 0.0.0.0), ``server_public``, ``server_secret``,
             ``client_public`` (Z85 CURVE keys), ``routing_id`` (hex: the id the agent
-            knows this gateway's commands by).
+            knows this gateway's commands by), ``inside_pub`` and ``inside_cmd`` (paths in
+            the agent's private run directory where the gateway's own ZeroMQ sockets
+            listen, behind its tcp front door: :mod:`agent.tcpfront`).
         stdin_fd: closed by the agent (or by the training process's death) to stop.
         out: where the one JSON line with the ports goes.
 
@@ -74,6 +83,8 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
     from zmq.auth.thread import ThreadAuthenticator
 
     context = zmq.Context()
+    door: TcpFront | None = None
+    inside: list[str] = []
     authenticator = ThreadAuthenticator(context)
     authenticator.start()
     authenticator.configure_curve_callback(
@@ -99,15 +110,26 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
             socket.setsockopt(zmq.LINGER, 0)
         back_pub.connect(settings["pub"])
         back_cmd.connect(settings["cmd"])
-        address = settings["address"]
-        ports = {"pub_port": front_pub.bind_to_random_port(f"tcp://{address}"),
-                 "cmd_port": front_cmd.bind_to_random_port(f"tcp://{address}")}
-        out.write(json.dumps(ports) + "\n")
+        # ZeroMQ listens on private ipc sockets; the tcp ports are the front door's,
+        # which lets in a bounded number of connections per peer and relays their bytes
+        inside = [settings["inside_pub"], settings["inside_cmd"]]
+        for socket, path in zip((front_pub, front_cmd), inside):
+            socket.bind(f"ipc://{path}")
+            os.chmod(path, 0o600)
+        door = TcpFront(settings["address"], inside).start()
+        out.write(json.dumps({"pub_port": door.ports[0], "cmd_port": door.ports[1]}) + "\n")
         out.flush()
         _forward(front_pub, front_cmd, back_pub, back_cmd, stdin_fd)
     finally:
+        if door is not None:
+            door.close()
         authenticator.stop()
         context.destroy(linger=0)
+        for path in inside:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     return 0
 
 
@@ -148,7 +170,7 @@ def main() -> int:
     try:
         settings = json.loads(line)
         return serve(settings, sys.stdin.fileno(), sys.stdout)
-    except (ValueError, KeyError, zmq.ZMQError) as exc:
+    except (ValueError, KeyError, OSError, zmq.ZMQError) as exc:
         sys.stdout.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         sys.stdout.flush()
         return 1

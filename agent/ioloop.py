@@ -193,6 +193,8 @@ class IOLoop:
             if self._pub is not None:
                 self._pub.close(linger=500)  # let bye and the last records leave
             self._guard("tcp gateway", self._stop_gateway)
+            for path in self._ipc_paths:  # the gateway's, should it have been killed
+                self._guard("socket file", Path(f"{path}.gw").unlink, True)
             if self._node_link is not None:
                 self._guard("node relay", self._node_link.close)
             context.destroy(linger=0)
@@ -226,7 +228,10 @@ class IOLoop:
                     "server_public": server_public.decode(),
                     "server_secret": server_secret.decode(),
                     "client_public": client_public.decode(),
-                    "routing_id": self._gateway_id.hex()}
+                    "routing_id": self._gateway_id.hex(),
+                    # where its ZeroMQ sockets listen behind its tcp front door
+                    "inside_pub": f"{self._ipc_paths[0]}.gw",
+                    "inside_cmd": f"{self._ipc_paths[1]}.gw"}
         home = str(Path(__file__).resolve().parent.parent)  # where `agent` is imported from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             part for part in (home, os.environ.get("PYTHONPATH", "")) if part)}

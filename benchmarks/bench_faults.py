@@ -13,10 +13,11 @@ The demo transformer trains in a child process (agent attached). Phases:
 Disturbance: ``--kills`` dashboards (``gpuwatch tail``) started and killed with SIGKILL
 once they receive a record, one subscriber connected that never reads, a flood of
 1,000 commands a second with a wrong token, and the attacks of another local user who
-knows the ports but not the keys (``tests/tcp_attack.py``: a 4 MB subscription, 300
-connections of 64 x 64 KB messages, 1,200 raw connections held open; the run is on tcp,
-behind its CURVE gateway). The decoy is an agent on tcp in this process, with its own
-gateway and keys, that trains nothing: the same sockets, handshakes and clients.
+knows the ports but not the keys (``tests/tcp_attack.py``, as ``nobody`` when this runs
+as root: a 4 MB subscription, 300 connections of 64 x 64 KB messages, 1,200 raw
+connections held open; the run is on tcp, behind its CURVE gateway). The decoy is an
+agent on tcp in this process, with its own gateway and keys, that trains nothing: the
+same sockets, handshakes and clients.
 Throughput is read from the run's own log (every step is there). The verdict compares
 attacked with decoy: on a 2-core machine the clients' own CPU use slows any process, so
 the quiet phase is reported but is not the reference.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,8 +55,17 @@ def disturb(pub_endpoint: str, cmd_endpoint: str, seconds: float, kills: int,
             run_dir: str) -> tuple[int, dict]:
     """Run the disturbance against the endpoints for ``seconds``; returns the kills done
     and what the keyless attacker got (``tests/tcp_attack.py``'s result)."""
-    attacker = subprocess.Popen([sys.executable, ATTACK, pub_endpoint, cmd_endpoint, run_dir],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    command = [sys.executable, ATTACK, pub_endpoint, cmd_endpoint, run_dir]
+    env = None
+    if os.geteuid() == 0 and shutil.which("setpriv"):  # as another local user: nobody
+        # (the gateway shares connections out per user: a same-user attacker would take
+        # the owner's share, and could read the run file anyway)
+        command = [shutil.which("setpriv"), "--reuid=nobody", "--regid=nogroup",
+                   "--clear-groups", *command]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/",
+               "PYTHONPATH": os.path.join(os.path.dirname(ATTACK), os.pardir)}
+    attacker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env=env, cwd="/" if env else None)
     if attacker.stdout.readline().strip() != "ready":
         raise RuntimeError("the attacker did not start")
     context = zmq.Context.instance()

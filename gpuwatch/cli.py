@@ -496,7 +496,8 @@ def _print_record(message: dict[str, Any], *, as_json: bool, rank: int | None = 
     (``[rank N]`` in front when ``rank`` is given and the record is another rank's);
     False when there is no line for people for its type."""
     if as_json:
-        sys.stdout.buffer.write(protocol.to_json_line(message))  # bytes, with newline
+        # bytes, with newline; what a terminal would obey escaped (exact all the same)
+        sys.stdout.buffer.write(protocol.terminal_json(protocol.to_json_line(message)))
         return True
     try:
         line = _human_line(message)

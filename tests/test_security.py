@@ -107,11 +107,21 @@ def shared_tmp():
 class Job:
     """``tests/victim_job.py``: real training with the agent, in a child process."""
 
-    def __init__(self, env: dict[str, str], transport: str = "ipc", min_steps: int = 20):
+    def __init__(self, env: dict[str, str], transport: str = "ipc", min_steps: int = 20,
+                 max_files: int | None = None):
+        """``max_files``: its (soft) limit on open files, as a default ``ulimit -n``
+        would set it (its gateway inherits it)."""
+        def limit() -> None:
+            import resource
+
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            soft = max_files if hard == resource.RLIM_INFINITY else min(max_files, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
         self.process = subprocess.Popen(
             [sys.executable, str(VICTIM), transport, str(min_steps)], env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
+            text=True, preexec_fn=limit if max_files else None)
         line = self.process.stdout.readline()
         assert line, self.process.stderr.read()
         self.started = json.loads(line)
@@ -445,6 +455,7 @@ def test_tail_runs_and_set_print_no_control_sequence(tmp_path, make_agent, run_d
     exact = subprocess.run([sys.executable, "-m", "gpuwatch", "tail", "--json", str(path)],
                            capture_output=True, timeout=60)
     assert [json.loads(line) for line in exact.stdout.splitlines()] == records  # exact
+    assert_no_raw_sequences(exact.stdout)  # and the C1 CSI, the bidi override escaped
 
     agent = make_agent(knobs={"precision": EVIL, "accum_steps": 1}, refuse=EVIL)
     live = subprocess.run([sys.executable, "-m", "gpuwatch", "tail", "--count", "5",
@@ -588,7 +599,8 @@ def test_a_crafted_log_of_1_mb_event_texts_replays_bounded(tmp_path, run_dir):
 @pytest.fixture
 def intruder(request) -> User:
     """Another local user when the tests run as root, else this user without the run's
-    keys (what CURVE refuses does not depend on who asks)."""
+    keys (what CURVE refuses does not depend on who asks; how many connections the
+    gateway lets in does: the tests that flood skip then)."""
     return request.getfixturevalue("planter")
 
 
@@ -601,6 +613,10 @@ def test_another_user_gets_nothing_from_a_tcp_run_and_costs_it_nothing(run_dir, 
 
     from gpuwatch.client import Subscriber, send_command
 
+    if not intruder.foreign:
+        pytest.skip("connections are shared out per user: the attack from this same "
+                    "user fills the owner's own share (and could read the run file "
+                    "anyway); run the tests as root to attack from another user")
     job = Job(job_env(), transport="tcp", min_steps=100)
     attacker = None
     try:
@@ -638,6 +654,199 @@ def test_another_user_gets_nothing_from_a_tcp_run_and_costs_it_nothing(run_dir, 
     assert fds_during - fds_before <= 2, (fds_before, fds_during)  # held by the gateway
     assert rss_during - rss_before < 30 << 20, (rss_before, rss_during)
     assert summary["accum_steps"] == 2 and summary["steps"] >= 100
+
+
+def test_the_tcp_front_door_relays_and_lets_in_a_bounded_share(tmp_path):
+    """agent.tcpfront, alone: bytes relayed both ways to its ipc socket; this user's
+    connections let in up to the owner's share, the next one closed at once and never
+    relayed; a slot freed is taken again."""
+    import socket
+    import threading
+
+    from agent import tcpfront
+
+    path = str(tmp_path / "echo")
+    echo = socket.socket(socket.AF_UNIX)
+    echo.bind(path)
+    echo.listen(512)
+    inside: list[socket.socket] = []
+
+    def serve():
+        while True:
+            try:
+                connection, _ = echo.accept()
+            except OSError:
+                return
+            inside.append(connection)
+            threading.Thread(target=lambda c=connection: [
+                c.sendall(data) for data in iter(lambda: c.recv(65536), b"")],
+                daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    door = tcpfront.TcpFront("127.0.0.1", [path]).start()
+    clients = []
+    try:
+        first = socket.create_connection(("127.0.0.1", door.ports[0]), timeout=10)
+        clients.append(first)
+        payload = os.urandom(3 << 20)  # more than its buffers: it flows, it is not held
+        threading.Thread(target=first.sendall, args=(payload,), daemon=True).start()
+        got = bytearray()
+        while len(got) < len(payload):
+            got += first.recv(1 << 20)
+        assert got == payload
+        for _ in range(tcpfront.OWNER_CONNECTIONS - 1):
+            clients.append(socket.create_connection(("127.0.0.1", door.ports[0]), 10))
+        for client in clients:  # each one let in answers
+            client.sendall(b"ping")
+            assert client.recv(4) == b"ping"
+        extra = socket.create_connection(("127.0.0.1", door.ports[0]), timeout=10)
+        extra.sendall(b"ping")
+        try:
+            answer = extra.recv(4)
+        except ConnectionResetError:  # closed before it read the ping
+            answer = b""
+        assert answer == b""  # closed at once, never relayed
+        extra.close()
+        assert len(inside) == tcpfront.OWNER_CONNECTIONS
+        assert door.held() == {("uid", os.getuid()): tcpfront.OWNER_CONNECTIONS}
+        clients.pop().close()
+        deadline = time.monotonic() + 10
+        while sum(door.held().values()) == tcpfront.OWNER_CONNECTIONS:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        again = socket.create_connection(("127.0.0.1", door.ports[0]), timeout=10)
+        clients.append(again)
+        again.sendall(b"ping")
+        assert again.recv(4) == b"ping"
+    finally:
+        for client in clients:
+            client.close()
+        door.close()
+        echo.close()
+    assert door.refused == 1
+
+
+#: A front door in a process that may open only 40 files, relaying to an echo socket.
+SMALL_FRONT = r"""
+import os, resource, socket, sys, threading
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+from agent import tcpfront
+echo = socket.socket(socket.AF_UNIX)
+echo.bind(sys.argv[1])
+echo.listen(512)
+def serve(connection):
+    for data in iter(lambda: connection.recv(65536), b""):
+        connection.sendall(data)
+    connection.close()
+def accept():
+    while True:
+        try:
+            connection, _ = echo.accept()
+        except OSError:  # out of descriptors too: try again
+            threading.Event().wait(0.05)
+            continue
+        threading.Thread(target=serve, args=(connection,), daemon=True).start()
+threading.Thread(target=accept, daemon=True).start()
+door = tcpfront.TcpFront("127.0.0.1", [sys.argv[1]]).start()
+print(door.ports[0], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_front_door_out_of_descriptors_rests_instead_of_spinning(tmp_path):
+    """When the process runs out of file descriptors the pending connections wait in the
+    backlog and the listener rests (it does not spin on it), and it serves again once
+    they are closed."""
+    import socket
+
+    import psutil
+
+    front = subprocess.Popen([sys.executable, "-c", SMALL_FRONT, str(tmp_path / "echo")],
+                             env=job_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    clients = []
+    try:
+        port = int(front.stdout.readline())
+        for _ in range(40):  # far more than 40 files' worth
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        process = psutil.Process(front.pid)
+        process.cpu_percent()
+        time.sleep(2.0)
+        busy = process.cpu_percent()
+        for client in clients:  # (those still waiting in the backlog too)
+            client.close()
+        clients.clear()
+        last = socket.create_connection(("127.0.0.1", port), timeout=10)
+        clients.append(last)
+        last.sendall(b"ping")
+        last.settimeout(20)
+        assert last.recv(4) == b"ping"  # served again
+    finally:
+        for client in clients:
+            client.close()
+        front.stdin.close()
+        front.wait(30)
+    assert busy < 50, f"{busy}% of a core while out of descriptors"
+
+
+#: tests/tcp_flood.py: raw connections held open, each one closed replaced at once.
+FLOOD = (ROOT / "tests" / "tcp_flood.py").read_text()
+
+
+def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, intruder):
+    """1,500 raw connections held against a run whose limit is 1,024 open files (each
+    one closed replaced at once): the training process's own open() keeps working, its
+    gateway holds a few of them (another user's share), and the owner is served."""
+    import psutil
+
+    from agent import tcpfront
+    from gpuwatch.client import Subscriber, send_command
+
+    if not intruder.foreign:
+        pytest.skip("connections are shared out per user: a flood from this same user "
+                    "fills the owner's own share (and could read the run file anyway); "
+                    "run the tests as root to flood from another user")
+    job = Job(job_env(), transport="tcp", min_steps=50, max_files=1024)
+    flood = None
+    try:
+        info = runs.find_run()
+        victim = psutil.Process(job.started["pid"])
+        (gateway,) = [child for child in victim.children() if _is_gateway(child)]
+
+        def heartbeats(count):
+            with Subscriber(info) as subscriber:
+                seen = 0
+                while seen < count:
+                    message = subscriber.recv(timeout_s=15)
+                    assert message is not None, "the owner heard nothing"
+                    seen += message["type"] == "heartbeat"
+
+        heartbeats(1)
+        fds_before = victim.num_fds(), gateway.num_fds()
+        ports = ",".join(endpoint.rsplit(":", 1)[1]
+                         for endpoint in (info.pub_endpoint, info.cmd_endpoint))
+        flood = intruder.start(FLOOD, "127.0.0.1", ports, "1500", "60")
+        assert flood.stdout.readline().strip() == "ready", flood.stderr.read()
+        time.sleep(1.0)
+        fds_during = victim.num_fds(), gateway.num_fds()
+        heartbeats(2)  # a new subscription, let in while the flood goes on
+        assert send_command(info, "accum_steps", 2)["ok"]
+        fds_during = tuple(map(max, fds_during, (victim.num_fds(), gateway.num_fds())))
+        flood.stdin.close()
+        result = json.loads(flood.stdout.readline())
+        assert flood.wait(30) == 0
+        summary = job.stop()
+    finally:
+        if flood is not None and flood.poll() is None:
+            flood.kill()
+        job.kill()
+    assert result["most_held"] >= 1500 and result["opened"] > 1500, result
+    assert fds_during[0] - fds_before[0] <= 2, (fds_before, fds_during)
+    # each connection let in: 3 descriptors; the owner's dashboard, command, a few more
+    assert fds_during[1] - fds_before[1] <= 3 * tcpfront.PEER_CONNECTIONS + 12, (
+        fds_before, fds_during)
+    assert summary["open_errors"] == 0 and summary["errors"] == [], summary
+    assert summary["accum_steps"] == 2 and summary["steps"] >= 50
 
 
 #: With the run's keys (this user's own process): a 4 MB subscription, kept up until

@@ -6,7 +6,9 @@ attached until a line (or EOF) comes on stdin and it has trained ``MIN_STEPS`` s
 
 Prints one JSON line when the agent has started (``{"pid", "run_file", "log_path"}``,
 ``run_file`` None when the agent found no safe run directory) and one when it ends
-(``{"steps", "errors", "accum_steps"}``). A step takes a few milliseconds of real work;
+(``{"steps", "errors", "accum_steps", "open_errors"}``: every 10th step it opens a file, as
+a training job opens its data and checkpoints, and counts the ones that failed, e.g. for
+want of a file descriptor). A step takes a few milliseconds of real work;
 the agent is never waited on, so what an attacker does shows in how the job fares.
 """
 
@@ -40,7 +42,7 @@ def main() -> int:
                       "log_path": info.log_path if info else None}), flush=True)
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
-    step = 0
+    step = open_errors = 0
     monitor.mark_start()
     while step < min_steps or not stop.is_set():
         for _ in range(settings["accum_steps"]):
@@ -50,11 +52,17 @@ def main() -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        if step % 10 == 0:
+            try:
+                open(os.devnull, "rb").close()
+            except OSError:
+                open_errors += 1
         monitor.optimizer_step(step, settings["accum_steps"], 256, 0.0, loss.detach())
         stop.wait(0.002)  # the rest of a "step": the job's own pace, not a test's wait
     monitor.close()
     print(json.dumps({"steps": step, "errors": monitor.errors,
-                      "accum_steps": settings["accum_steps"]}), flush=True)
+                      "accum_steps": settings["accum_steps"], "open_errors": open_errors}),
+          flush=True)
     return 0
 
 
