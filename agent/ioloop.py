@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import zmq
 
-from agent import protocol
+from agent import helpers, protocol
 from agent.multinode import node_link
 from agent.probes import Nvml, SystemProbe
 from agent.protocol import EventKind, Reply
@@ -74,7 +73,6 @@ _MAX_SUBSCRIPTION_BYTES = 1024
 #: a peer without the run's key holds a file descriptor this long at most (ms).
 _HANDSHAKE_MS = 2000
 #: How long the tcp gateway may take to start and bind (s).
-_GATEWAY_START_S = 30.0
 #: New subscribers are greeted (hello + state, on the wire only) at most this often;
 #: those who come in between share the next greeting.
 GREETINGS_PER_S = 2
@@ -214,12 +212,6 @@ class IOLoop:
         Raises:
             OSError: the gateway could not be started or did not bind (it says why).
         """
-        import json
-        import select
-        import subprocess
-
-        if not sys.executable:
-            raise OSError("no Python executable to start the tcp gateway with")
         server_public, server_secret = zmq.curve_keypair()
         client_public, client_secret = zmq.curve_keypair()
         self._gateway_id = b"gpuwatch-gateway-" + secrets.token_bytes(8)
@@ -232,25 +224,7 @@ class IOLoop:
                     # where its ZeroMQ sockets listen behind its tcp front door
                     "inside_pub": f"{self._ipc_paths[0]}.gw",
                     "inside_cmd": f"{self._ipc_paths[1]}.gw"}
-        home = str(Path(__file__).resolve().parent.parent)  # where `agent` is imported from
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            part for part in (home, os.environ.get("PYTHONPATH", "")) if part)}
-        gateway = subprocess.Popen([sys.executable, "-m", "agent.gateway"],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   env=env, close_fds=True)
-        self._gateway = gateway
-        stdin, stdout = gateway.stdin, gateway.stdout
-        assert stdin is not None and stdout is not None  # both PIPE
-        stdin.write(json.dumps(settings).encode() + b"\n")
-        stdin.flush()
-        readable, _, _ = select.select([stdout], [], [], _GATEWAY_START_S)
-        line = stdout.readline() if readable else b""
-        try:
-            answer = json.loads(line)
-        except ValueError:
-            answer = {"error": f"no answer within {_GATEWAY_START_S:.0f} s"}
-        if "error" in answer or not isinstance(answer.get("pub_port"), int):
-            raise OSError(f"the tcp gateway did not start: {answer.get('error', answer)}")
+        self._gateway, answer = helpers.start("agent.gateway", settings, "tcp gateway")
         shown = "127.0.0.1" if address in ("0.0.0.0", "*") else address
         return {"pub_endpoint": f"tcp://{shown}:{answer['pub_port']}",
                 "cmd_endpoint": f"tcp://{shown}:{answer['cmd_port']}",
@@ -276,17 +250,8 @@ class IOLoop:
     def _stop_gateway(self) -> None:
         """Close the gateway's stdin (it ends on EOF); kill it if it lingers."""
         gateway, self._gateway = self._gateway, None
-        if gateway is None:
-            return
-        import subprocess
-
-        try:
-            gateway.stdin.close()
-            gateway.wait(2.0)
-        except (OSError, subprocess.TimeoutExpired):
-            gateway.kill()
-            gateway.wait()
-        gateway.stdout.close()
+        if gateway is not None:
+            helpers.stop(gateway)
 
     def _bind(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
         """Bind the sockets, open the run log and write the run file.

@@ -11,22 +11,17 @@ that is unreachable costs the training nothing.
 from __future__ import annotations
 
 import json
-import os
-import select
 import socket
-import subprocess
-import sys
 import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+from agent import helpers
 from agent.nodes import (NodeEnv, listen_address, load_secret, node_entry, relay_token,
                          client_keys, server_keys, store_key)
 from agent.runs import RunInfo, write_run_file
 
-#: How long the relay may take to start and bind (s).
-RELAY_START_S = 30.0
 #: The store is looked at this often until every node is known, then this often (s).
 STORE_POLL_S, STORE_RECHECK_S = 1.0, 10.0
 #: How long one attempt to reach the store may take (s).
@@ -58,11 +53,14 @@ class NodeLink:
         server_public, server_secret = server_keys(secret, info.run_id, env.node)
         client_public, _ = client_keys(secret, info.run_id)
         address = listen_address(env, listen)
-        self.relay = self._start_relay({
+        self.relay, answer = helpers.start("agent.relay", {
             "run_id": info.run_id, "node": env.node, "host": socket.gethostname(),
             "ranks": env.ranks, "address": address, "server_public": server_public,
             "server_secret": server_secret, "client_public": client_public,
-            "token": relay_token(secret, info.run_id)}, address)
+            "token": relay_token(secret, info.run_id)}, "node relay")
+        shown = f"[{address}]" if ":" in address else address
+        self.relay_endpoints = (f"tcp://{shown}:{answer['pub_port']}",
+                                f"tcp://{shown}:{answer['cmd_port']}")
         self.entry = {"node": env.node, "host": socket.gethostname(),
                       "pub_endpoint": self.relay_endpoints[0],
                       "cmd_endpoint": self.relay_endpoints[1],
@@ -73,44 +71,6 @@ class NodeLink:
                                         daemon=True)
         self._thread.start()
 
-    def _start_relay(self, settings: dict[str, Any], address: str) -> subprocess.Popen:
-        if not sys.executable:
-            raise OSError("no Python executable to start the node relay with")
-        home = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            part for part in (home, os.environ.get("PYTHONPATH", "")) if part)}
-        relay = subprocess.Popen([sys.executable, "-m", "agent.relay"],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                 close_fds=True)
-        stdin, stdout = relay.stdin, relay.stdout
-        assert stdin is not None and stdout is not None  # both PIPE
-        stdin.write(json.dumps(settings).encode() + b"\n")
-        stdin.flush()
-        readable, _, _ = select.select([stdout], [], [], RELAY_START_S)
-        line = stdout.readline() if readable else b""
-        try:
-            answer = json.loads(line)
-        except ValueError:
-            answer = {"error": f"no answer within {RELAY_START_S:.0f} s"}
-        if "error" in answer or not isinstance(answer.get("pub_port"), int):
-            self._end(relay)
-            raise OSError(f"the node relay did not start: {answer.get('error', answer)}")
-        shown = f"[{address}]" if ":" in address else address
-        self.relay_endpoints = (f"tcp://{shown}:{answer['pub_port']}",
-                                f"tcp://{shown}:{answer['cmd_port']}")
-        return relay
-
-    @staticmethod
-    def _end(relay: subprocess.Popen) -> None:
-        assert relay.stdin is not None and relay.stdout is not None  # started with both PIPE
-        try:
-            relay.stdin.close()
-            relay.wait(2.0)
-        except (OSError, subprocess.TimeoutExpired):
-            relay.kill()
-            relay.wait()
-        relay.stdout.close()
-
     def alive(self) -> bool:
         """Whether the relay still runs (the I/O thread asks at each heartbeat)."""
         return self.relay.poll() is None
@@ -118,7 +78,7 @@ class NodeLink:
     def close(self) -> None:
         """Stop the store thread (it ends by itself at its next wake-up) and the relay."""
         self._stop.set()
-        self._end(self.relay)
+        helpers.stop(self.relay)
 
     def _write(self) -> None:
         with self._lock:

@@ -1,0 +1,71 @@
+"""The agent's helper processes: the tcp gateway (:mod:`agent.gateway`) and the node
+relay (:mod:`agent.relay`). Each is ``python -m <module>`` with the agent's own import
+path; it reads one JSON line of settings on stdin, answers one JSON line on stdout
+(with ``pub_port`` and ``cmd_port``, or ``error``), and ends when its stdin closes: when
+the agent closes it, or when the training process dies, however.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+#: How long a helper may take to answer (s): a loaded host can take seconds to start
+#: Python.
+START_S = 30.0
+
+
+def start(module: str, settings: dict[str, Any], what: str
+          ) -> tuple[subprocess.Popen, dict[str, Any]]:
+    """Start ``python -m module`` with ``settings``; returns the process and its answer.
+    Blocks until it answers (at most :data:`START_S`).
+
+    Raises:
+        OSError: no Python executable, or the helper did not answer with its ports
+            (its own error, or none within :data:`START_S`); the process is ended.
+    """
+    if not sys.executable:
+        raise OSError(f"no Python executable to start the {what} with")
+    home = str(Path(__file__).resolve().parent.parent)  # where `agent` is imported from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        part for part in (home, os.environ.get("PYTHONPATH", "")) if part)}
+    process = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, env=env, close_fds=True)
+    stdin, stdout = process.stdin, process.stdout
+    assert stdin is not None and stdout is not None  # both PIPE
+    try:
+        stdin.write(json.dumps(settings).encode() + b"\n")
+        stdin.flush()
+        readable, _, _ = select.select([stdout], [], [], START_S)
+        line = stdout.readline() if readable else b""
+    except OSError as exc:  # it died before reading its settings
+        line = json.dumps({"error": str(exc)}).encode()
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        answer = {"error": f"no answer within {START_S:.0f} s"}
+    if not isinstance(answer, dict) or "error" in answer \
+            or not isinstance(answer.get("pub_port"), int) \
+            or not isinstance(answer.get("cmd_port"), int):
+        stop(process)
+        reason = answer.get("error", answer) if isinstance(answer, dict) else answer
+        raise OSError(f"the {what} did not start: {reason}")
+    return process, answer
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Close the helper's stdin (it ends on EOF) and wait for it; kill it if it lingers
+    past 2 s."""
+    assert process.stdin is not None and process.stdout is not None  # started with PIPE
+    try:
+        process.stdin.close()
+        process.wait(2.0)
+    except (OSError, subprocess.TimeoutExpired):
+        process.kill()
+        process.wait()
+    process.stdout.close()
