@@ -36,6 +36,8 @@ from typing import Any
 
 import zmq
 
+from agent import helpers
+
 from agent.tcpfront import TcpFront
 
 #: Largest subscription message a client may send (a topic is a few bytes).
@@ -163,18 +165,5 @@ def _forward(front_pub: zmq.Socket, front_cmd: zmq.Socket, back_pub: zmq.Socket,
                     pass
 
 
-def main() -> int:
-    """``python -m agent.gateway``: one JSON line of settings on stdin (see
-    :func:`serve`); exits when stdin closes."""
-    line = sys.stdin.buffer.readline()
-    try:
-        settings = json.loads(line)
-        return serve(settings, sys.stdin.fileno(), sys.stdout)
-    except (ValueError, KeyError, OSError, zmq.ZMQError) as exc:
-        sys.stdout.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
-        sys.stdout.flush()
-        return 1
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(helpers.main(serve))

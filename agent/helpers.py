@@ -13,7 +13,9 @@ import select
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TextIO
+
+import zmq
 
 #: How long a helper may take to answer (s): a loaded host can take seconds to start
 #: Python.
@@ -69,3 +71,17 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
         process.wait()
     process.stdout.close()
+
+
+def main(serve: Callable[[dict[str, Any], int, TextIO], int]) -> int:
+    """The helper's side (its ``python -m`` entry): read one JSON line of settings on
+    stdin and run ``serve(settings, stdin's fd, stdout)``, which answers on stdout and
+    returns the exit status once stdin closes; bad settings, or a failure to bind,
+    are answered with ``{"error"}`` (exit status 1)."""
+    line = sys.stdin.buffer.readline()
+    try:
+        return serve(json.loads(line), sys.stdin.fileno(), sys.stdout)
+    except (ValueError, KeyError, TypeError, OSError, zmq.ZMQError) as exc:
+        sys.stdout.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        sys.stdout.flush()
+        return 1

@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from agent import protocol
+from agent import helpers, protocol
 from agent.fanout import _Connections, secure
 from agent.gateway import (COMMAND_QUEUE, HANDSHAKE_MS, MAX_COMMAND_BYTES,
                            MAX_SUBSCRIPTION_BYTES, SEND_HIGH_WATER_MARK, _OneClientKey)
@@ -354,18 +354,5 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
     return 0
 
 
-def main() -> int:
-    """``python -m agent.relay``: one JSON line of settings on stdin; exits when stdin
-    closes."""
-    line = sys.stdin.buffer.readline()
-    try:
-        settings = json.loads(line)
-        return serve(settings, sys.stdin.fileno(), sys.stdout)
-    except (ValueError, KeyError, TypeError, zmq.ZMQError) as exc:
-        sys.stdout.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
-        sys.stdout.flush()
-        return 1
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(helpers.main(serve))
