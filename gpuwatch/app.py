@@ -28,7 +28,7 @@ from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
 from gpuwatch.compare import Column
 from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
 from gpuwatch.widgets.compare_screen import CompareScreen
-from gpuwatch.widgets.data import DataPanel, loader_knobs
+from gpuwatch.widgets.data import DataPanel, verdict_texts
 from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
 from gpuwatch.widgets.confirm_screen import ConfirmScreen
@@ -99,7 +99,8 @@ class GpuwatchApp(App[None]):
     TITLE = "gpuwatch"
     COMMANDS = App.COMMANDS | {BindingCommands}
     VERTICAL_BREAKPOINTS = [(0, "-tiny"), (24, "-short"), (32, "-tall")]
-    HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (CRAMPED_BELOW, "-narrow"), (100, "-wide")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (CRAMPED_BELOW, "-narrow"), (100, "-wide"),
+                              (120, "-wider")]
     #: First the keys that must stay in view at any width (the footer is cut at the
     #: right), then the knobs' keys.
     BINDINGS = [
@@ -333,8 +334,11 @@ class GpuwatchApp(App[None]):
             self.query_one(ThroughputBar).show(state.steps)
             self.query_one(MemoryPanel).show(state)
             self.query_one(SystemPanel).show(state)
-            self.query_one(DataPanel).show(state, now)
-            self.query_one(KnobsPanel).show(state, now, shown_elsewhere=loader_knobs(state))
+            data = self.query_one(DataPanel)
+            if data.display:
+                data.show(state)
+            self.query_one(KnobsPanel).show(
+                state, now, data=() if data.display else verdict_texts(state))
             self.query_one(LastEvent).show(state.events[-1] if state.events else None)
             new = min(state.events_total - self._events_shown, len(state.events))
             entries = list(state.events)[len(state.events) - new:] if new > 0 else []

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from agent import protocol
-from agent.knobs import STANDARD_KNOBS, KnobError, KnobSpec
+from agent.knobs import KERNELS_MEMORY, STANDARD_KNOBS, KnobError, KnobSpec
 from agent.runs import RunInfo, remove_run_file, write_run_file
 
 
@@ -31,8 +31,9 @@ from agent.runs import RunInfo, remove_run_file, write_run_file
 #: agent.knobs has them).
 FAKE_KNOB_SPECS = {
     "kernels": KnobSpec("kernels", "choice", "eager, torch.compile or fused Triton kernels",
-                        choices=("eager", "compile", "triton")),
-    "checkpointing": KnobSpec("checkpointing", "bool", "activation checkpointing"),
+                        choices=("eager", "compile", "triton"), group=KERNELS_MEMORY),
+    "checkpointing": KnobSpec("checkpointing", "bool", "activation checkpointing",
+                              group=KERNELS_MEMORY),
     **STANDARD_KNOBS,
 }
 

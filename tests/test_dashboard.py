@@ -428,7 +428,8 @@ async def test_keys_of_knobs_the_run_lacks_are_hidden_and_send_nothing(make_agen
         await pilot.press("p", "w", "W", "m", "k", "c")
         await pilot.pause()
         assert not any(text.startswith("sent") for text in log_texts(app))
-        assert "no loader knobs" in text_of(app, "#data")
+        knobs = text_of(app, "#knobs")
+        assert "accum_steps" in knobs and "num_workers" not in knobs  # what it has
     with pytest.raises(queue.Empty):
         agent.commands.get_nowait()
 
@@ -492,9 +493,9 @@ async def test_w_and_m_send_loader_knobs_within_bounds(make_agent):
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("pin_memory", True)
         assert "sent pin_memory=on" in log_texts(app)
-        await until(pilot, lambda: "num_workers     1" in text_of(app, "#data")
-                    and "pin_memory      on" in text_of(app, "#data"))
-        assert "num_workers" not in text_of(app, "#knobs")  # shown once, in the data panel
+        await until(pilot, lambda: "num_workers     1" in text_of(app, "#knobs")
+                    and "pin_memory      on" in text_of(app, "#knobs"))
+        assert "num_workers" not in text_of(app, "#data")  # one place: the knobs panel
         assert "precision" in text_of(app, "#knobs")
     assert agent.commands.empty()
 
@@ -525,7 +526,7 @@ def _silent_app():
 
 async def test_data_panel_shows_the_verdict_in_its_colour():
     source, app = _silent_app()
-    async with app.run_test(size=(80, 24)) as pilot:
+    async with app.run_test(size=(120, 40)) as pilot:
         with source.lock:
             source.state.ingest(envelope("hello", {"knobs": [
                 STANDARD_KNOBS[name].to_wire() for name in LOADER]}))
@@ -541,7 +542,30 @@ async def test_data_panel_shows_the_verdict_in_its_colour():
             assert any(style in str(span.style) for span in content.spans
                        if (span.start, span.end) == (0, len(verdict))), content.spans
             assert f"wait {share:.0%} " in content.plain
-        assert "prefetch_factor 2" in text_of(app, "#data")
+        assert "prefetch_factor 2" in text_of(app, "#knobs")  # the loader's knobs: there
+        assert "prefetch_factor" not in text_of(app, "#data")
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24)])
+async def test_under_100_columns_the_verdict_heads_the_knobs_data_group(size):
+    source, app = _silent_app()
+    async with app.run_test(size=size) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("hello", {"knobs": [
+                STANDARD_KNOBS[name].to_wire() for name in ("precision", *LOADER)]}))
+            source.state.ingest(envelope("step", {
+                "step": 1, "data_wait_share": 0.31, "data_wait_share_window": 0.31,
+                "input_verdict": "partly input-bound",
+                "knobs": {"precision": "fp32", **LOADER}}))
+        await until(pilot, lambda: "data partly input-bound 31%" in text_of(app, "#knobs"))
+        assert not app.query_one("#data").display
+        content = app.query_one("#knobs").content
+        start = content.plain.index("partly")
+        assert any("$warning" in str(span.style) for span in content.spans
+                   if span.start <= start < span.end), content.spans
+        for text in ("numerics", "precision", "num_workers", "pin_memory",
+                     "prefetch_factor 2"):
+            assert text in content.plain, content.plain
 
 
 async def test_one_stall_does_not_flatten_the_step_time_chart():
@@ -752,12 +776,14 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         await until(pilot, lambda: "GPU NVIDIA H200" in text_of(app, "#system")
                     and "proc 98%" in text_of(app, "#system")
                     and "accum_steps" in text_of(app, "#knobs")
-                    and "partly" in text_of(app, "#data"))
+                    and "31%" in text_of(app, "#data" if width >= 100 else "#knobs"))
         await until(pilot, lambda: app.query_one("#panels").size.width == width)
         await pilot.pause(0.3)  # a redraw at the laid-out width
         assert "0  97% 70/141G 650/700W 72°C 1980MHz" in text_of(app, "#system")
+        # under 100 columns the data panel folds, under 32 rows the event log
         for widget in ("#header", "#timing", "#loss", "#throughput", "#memory",
-                       "#system", "#data", "#knobs", "#log"):
+                       "#system", *(("#data",) if width >= 100 else ()), "#knobs",
+                       "#log" if height >= 32 else "#last"):
             region = app.query_one(widget).region
             assert region.width > 0 and region.height > 0, widget
             assert region.bottom <= height - 1, widget  # above the footer
@@ -771,14 +797,17 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         for text in (*memory, "─ 1 OOMs"):  # the border says it at any size
             assert text in shown["#memory"], (text, shown["#memory"])
         assert "CPU 12% proc 98%" in shown["#system"]
-        for text in ("partly input-bound", "wait 31% ▂", "num_workers", "pin_memory",
-                     "prefetch_factor 2"):
-            assert text in shown["#data"], (text, shown["#data"])
-        # the knobs people change most come first; at 24 rows the panel has 5 lines
-        for text in ("precision", "bf16", "accum_steps", "lr   x1", "clip 1", "kernels",
-                     "eager", *(("checkpointing off", "weight_decay  0.0")
-                                if height >= 32 else ())):
-            assert text in shown["#knobs"], (text, shown["#knobs"])
+        if width >= 100:
+            for text in ("partly input-bound", "wait 31% ▂"):
+                assert text in shown["#data"], (text, shown["#data"])
+        else:  # the verdict heads the knobs' data group
+            assert "data wait 31%" in shown["#knobs"], shown["#knobs"]
+        # every knob, under its group
+        for text in ("numerics", "precision", "bf16", "accum_steps", "kernels & memory",
+                     "kernels", "eager", "checkpointing off", "data", "num_workers",
+                     "pin_memory", "prefetch_factor 2", "optimizer", "lr", "x1",
+                     "clip 1", "weight_decay"):
+            assert text in " ".join(shown["#knobs"].split()), (text, shown["#knobs"])
         assert "…" not in shown["#data"] + shown["#knobs"]
         assert "checkpoint " not in shown["#knobs"]  # a command, not a setting
         keys = app.query_one(Footer).query("FooterKey")
@@ -870,7 +899,7 @@ async def test_every_size_keeps_header_feedback_knobs_and_quit_in_view(make_agen
             assert text in knobs, knobs
         assert "precisi…" not in knobs
         feedback = "precision=fp16"  # sent, accepted or applied (EVERY_KNOB has bf16)
-        if height < 24:  # the log folds into its newest line
+        if height < 32:  # the log folds into its newest line
             assert not app.query_one("#log").display
             assert feedback in "".join(shown_lines(app, "#last"))
         else:

@@ -1,0 +1,47 @@
+"""The knobs panel's layout: every knob under its group, in as few columns as fit."""
+
+from __future__ import annotations
+
+from textual.content import Content
+
+from agent.knobs import GROUPS, OTHER, STANDARD_KNOBS
+from gpuwatch.widgets.knobs import KnobGroup, _KnobLine, knob_columns
+
+
+def test_every_standard_setting_has_a_group_and_sends_it():
+    for spec in STANDARD_KNOBS.values():
+        assert spec.group in GROUPS
+        assert spec.to_wire()["group"] == spec.group
+        assert (spec.group == OTHER) == (spec.kind == "action"), spec.name
+
+
+def _groups(data: tuple[Content, ...] = ()) -> list[KnobGroup]:
+    def group(name, *lines, headings=()):
+        title = Content(name)
+        return KnobGroup(headings[0] if headings else title,
+                         tuple(_KnobLine(label, value) for label, value in lines),
+                         essential=bool(headings), shorter=tuple(headings[1:]))
+    return [group("numerics", ("precision", "fp32"), ("accum_steps", "1")),
+            group("data", ("num_workers", "2"), ("pin_memory", "off"),
+                  headings=data),
+            group("optimizer", ("lr", "0.00100"), ("clip", "1 norm 0.875"))]
+
+
+def test_columns_under_headings_when_they_fit():
+    rows = [row.plain for row in knob_columns(_groups(), 40, 6)]
+    assert rows[0].split() == ["numerics", "optimizer"]
+    assert rows[1].split() == ["precision", "fp32", "lr", "0.00100"]
+    assert rows[3].split() == ["data"]  # a group does not start at a column's end
+    assert rows[4].split() == ["num_workers", "2"]
+
+
+def test_headings_give_way_but_the_verdict_stays_then_the_rest_is_counted():
+    verdict = (Content("data compute-bound 3%"), Content("data wait 3%"))
+    rows = [row.plain for row in knob_columns(_groups(verdict), 40, 5)]
+    text = "\n".join(rows)
+    assert "numerics" not in text and "optimizer" not in text
+    assert "data compute-bound 3%" in text or "data wait 3%" in text
+    assert all(name in text for name in ("precision", "num_workers", "lr", "clip"))
+    rows = [row.plain for row in knob_columns(_groups(), 16, 3)]  # one narrow column
+    assert len(rows) == 3 and rows[-1] == "+4 more (? or :)"
+    assert all(len(row) <= 16 for row in rows)
