@@ -7,6 +7,7 @@ milliseconds each.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import psutil
@@ -130,10 +131,16 @@ class SystemProbe:
         """A ``system`` body: ``cpu_pct`` (host, % of all cores since the last call),
         ``process_cpu_pct`` (this process; 100 = one core), ``children_cpu_pct`` (its
         child processes: compiler and loader workers; 100 = one core), ``host_mem_used_bytes``,
-        ``host_mem_total_bytes``, ``host_rss_bytes``, ``gpus`` and ``gpu_status``."""
+        ``host_mem_total_bytes``, ``host_rss_bytes``, ``gpus`` and ``gpu_status``; while
+        torch.compile compiles, which graph and for how long
+        (:meth:`gpuopt.compile.CompileWatch.progress`: ``compiling_graph``, ...)."""
         memory = psutil.virtual_memory()
         gpus = self.nvml.sample()
-        return {
+        # only where the run uses torch.compile (its module is then imported): a sample
+        # never imports it
+        watch = getattr(sys.modules.get("gpuopt.compile"), "COMPILE_WATCH", None)
+        compiling = watch.progress() if watch is not None else None
+        return {**(compiling or {}),
             "cpu_pct": psutil.cpu_percent(interval=None),
             "process_cpu_pct": self._process.cpu_percent(interval=None),
             "children_cpu_pct": self.children_cpu_pct(),

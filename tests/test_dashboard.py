@@ -961,6 +961,20 @@ def test_state_keeps_how_long_each_compile_took():
     assert state.compile_durations_s == [84.0] and state.compiling_since == 100.0
 
 
+def test_a_recompile_no_event_announced_is_compiling_from_the_system_sample():
+    state = RunState()
+    state.ingest(envelope("step", {"step": 5}), 10.0)
+    state.ingest(envelope("system", {"compiling_graph": "0/2", "compiling_graph_s": 12.0,
+                                     "compiling_graph_kind": "forward",
+                                     "graphs_compiled": 4}, seq=1), 20.0)
+    assert state.status_at(20.5) == "compiling" and state.compiling_since == 8.0
+    assert state.compile_graph == {"graph": "0/2", "kind": "forward", "number": 1}
+    state.ingest(envelope("system", {"cpu_pct": 50.0}, seq=2), 21.0)
+    assert state.compile_graph is None  # the sample says nothing compiles now
+    state.ingest(envelope("step", {"step": 6}, seq=3), 22.0)  # the compile's step
+    assert state.status_at(22.0) == "live" and state.compile_durations_s == [14.0]
+
+
 async def test_compile_shows_its_time_so_far_the_last_compile_and_the_compiler_cpu():
     source, app = _silent_app()
     async with app.run_test(size=(120, 40)) as pilot:
@@ -973,10 +987,18 @@ async def test_compile_shows_its_time_so_far_the_last_compile_and_the_compiler_c
             source.state.ingest(envelope("event", {"kind": "compiling", "step": 9}, seq=3),
                                 now - 30)
             source.state.ingest(envelope("system", {
-                "cpu_pct": 99.0, "process_cpu_pct": 38.0, "children_cpu_pct": 350.0},
-                seq=4), now)
-        await until(pilot, lambda: "(last took 1m24s)" in text_of(app, "#header"))
-        assert "compiling… 30s" in text_of(app, "#header")
+                "cpu_pct": 99.0, "process_cpu_pct": 38.0, "children_cpu_pct": 350.0,
+                "compiling_graph": "0/1", "compiling_graph_kind": "backward",
+                "compiling_graph_s": 4.0, "graphs_compiled": 7}, seq=4), now)
+        # the time so far against the run's last compile, and which graph
+        await until(pilot, lambda: "compiling… 30s of ~1m24s, graph 1 [0/1 backward]"
+                    in text_of(app, "#header"))
+        with source.lock:
+            source.state.ingest(envelope("system", {
+                "cpu_pct": 99.0, "process_cpu_pct": 38.0, "children_cpu_pct": 350.0,
+                "compiling_graph": "1/0", "compiling_graph_kind": "forward",
+                "compiling_graph_s": 1.0, "graphs_compiled": 9}, seq=5), now)
+        await until(pilot, lambda: "graph 3 [1/0 forward]" in text_of(app, "#header"))
         # the compiler's processes count in the host panel (torch.compile's workers)
         await until(pilot, lambda: "CPU 99% proc 388%\n  children 350%" in text_of(app, "#system"))
 

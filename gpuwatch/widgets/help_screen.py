@@ -14,7 +14,8 @@ from textual.widgets import Static
 #: Each panel of the dashboard, top to bottom, and what its numbers mean.
 PANELS = (
     ("header", (
-        "The run's state (waiting, live, compiling… with the seconds so far, "
+        "The run's state (waiting, live, compiling… with the seconds so far "
+        "against the run's last compile and the graph Dynamo is at, "
         "stalled: no optimizer step for several step times, quiet: nothing "
         "heard but the process lives, gone, ended), the last optimizer step, "
         "records missed on the way to the dashboard, the run's name, device and "
