@@ -1,4 +1,5 @@
-"""The knobs panel's layout: every knob under its group, in as few columns as fit."""
+"""The knobs panel's layout (every knob under its group, in as few columns as fit), and
+the thinning of a chart's long lines."""
 
 from __future__ import annotations
 
@@ -45,3 +46,16 @@ def test_headings_give_way_but_the_verdict_stays_then_the_rest_is_counted():
     rows = [row.plain for row in knob_columns(_groups(), 16, 3)]  # one narrow column
     assert len(rows) == 3 and rows[-1] == "+4 more (? or :)"
     assert all(len(row) <= 16 for row in rows)
+
+
+def test_a_long_line_is_thinned_to_its_extremes_per_column_of_dots():
+    from gpuwatch.widgets.step_chart import thin
+
+    steps = list(range(1, 601))
+    values = [1.0 + (step % 7) * 0.01 for step in steps]
+    values[333] = 50.0  # one spike
+    kept_steps, kept_values = thin(steps, values, 40)  # 80 columns of dots
+    assert len(kept_steps) <= 2 * 80 + 2 and kept_steps == sorted(kept_steps)
+    assert (kept_steps[0], kept_steps[-1]) == (1, 600)  # the line's ends stay
+    assert 50.0 in kept_values and min(kept_values) == min(values)
+    assert thin(steps[:100], values[:100], 40) == (steps[:100], values[:100])  # fits
