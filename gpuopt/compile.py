@@ -129,22 +129,20 @@ class CompileWatch:
 
     def __init__(self) -> None:
         self._current: tuple[str, str, float] | None = None  # (id, kind, monotonic s)
-        self._installed = False
         #: graphs whose compile ended in this process
         self.graphs_compiled = 0
 
     def install(self) -> None:
-        """Register the callbacks with Dynamo (once; later calls do nothing). A torch
-        without them leaves :meth:`progress` None."""
-        if self._installed:
-            return
-        self._installed = True
+        """Register the callbacks with Dynamo, unless they are registered (again after
+        ``torch._dynamo.reset()``, which clears them). A torch without them leaves
+        :meth:`progress` None."""
         try:
             from torch._dynamo.callback import callback_handler
         except ImportError:  # another torch: no progress, nothing else lost
             return
-        callback_handler.register_start_callback(self._started)
-        callback_handler.register_end_callback(self._ended)
+        if self._started not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(self._started)
+            callback_handler.register_end_callback(self._ended)
 
     def _started(self, args: Any) -> None:
         trigger = getattr(getattr(args, "callback_trigger", None), "name", "")
@@ -170,7 +168,7 @@ class CompileWatch:
 
 
 #: The process's one :class:`CompileWatch` (Dynamo's callbacks are process-wide);
-#: installed by the first :class:`CompiledModel`.
+#: installed by a :class:`CompiledModel` when it is switched on.
 COMPILE_WATCH = CompileWatch()
 
 
@@ -255,7 +253,6 @@ class CompiledModel:
         self._compiling = False
         self._was_compiling = False  # as last told by pop_step_events
         self._last_record = _last_compilation_record()
-        COMPILE_WATCH.install()
         self.enabled = enabled
 
     @property
@@ -269,6 +266,7 @@ class CompiledModel:
             raise ValueError(f"enabled must be a bool, got {value!r}")
         if value and not self._enabled:
             self._compiling = True  # until a call compiles nothing
+            COMPILE_WATCH.install()  # again, if something reset Dynamo since
         elif not value:
             self._compiling = False
         self._enabled = value
