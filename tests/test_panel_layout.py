@@ -59,3 +59,11 @@ def test_a_long_line_is_thinned_to_its_extremes_per_column_of_dots():
     assert (kept_steps[0], kept_steps[-1]) == (1, 600)  # the line's ends stay
     assert 50.0 in kept_values and min(kept_values) == min(values)
     assert thin(steps[:100], values[:100], 40) == (steps[:100], values[:100])  # fits
+
+
+def test_no_knobs_and_a_huge_verdict_from_the_wire_still_lay_out():
+    huge = Content("data " + "x" * 1_000_000)  # a run's input_verdict is any string
+    rows = knob_columns([KnobGroup(huge, (), essential=True)], 30, 5)
+    assert len(rows) == 1 and rows[0].cell_length <= 30
+    assert [row.plain for row in knob_columns([KnobGroup(Content("data"), ())], 30, 5)
+            ] == ["data"]

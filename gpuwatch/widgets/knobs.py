@@ -241,6 +241,8 @@ def knob_columns(groups: Sequence[KnobGroup], width: int, height: int) -> list[C
         return []
     for headings in ("all", "essential"):
         columns = _pack(groups, height, headings=headings)
+        if not columns:  # no knob, no heading that must stay
+            return []
         if len(columns) <= MAX_COLUMNS and sum(map(_need, columns)) + COLUMN_GAP * (
                 len(columns) - 1) <= width:
             return _render(columns, width)
@@ -325,7 +327,7 @@ class KnobsPanel(Panel):
                 if group == DATA and data else [title]
             blocks.append(KnobGroup(headings[0], tuple(
                 _knob_line(state, name, now, texts.get(name)) for name in names),
-                essential=len(headings) > 1, shorter=tuple(headings[1:])))
+                essential=group == DATA and bool(data), shorter=tuple(headings[1:])))
         lines = knob_columns(blocks, self.text_width, self.content_region.height or
                              len(blocks) + sum(len(group.lines) for group in blocks))
         if not any(group.lines for group in blocks):  # the verdict alone
