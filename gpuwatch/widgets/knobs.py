@@ -95,26 +95,6 @@ def _knob_line(state: RunState, name: str, now: float, text: str | None) -> _Kno
         else f" (at step {pending.apply_step})")
 
 
-def knob_lines(state: RunState, names: Sequence[str], now: float, width: int, *,
-               texts: dict[str, str] | None = None) -> list[Content]:
-    """One line per knob: name, value (highlighted after a recent change) and
-    ``-> v (at step N)`` while a command is pending; read ``state`` under the lock.
-
-    Values are aligned in one column, as far right as the longest name needs but no
-    further than leaves room for the longest value in ``width`` columns (a longer
-    name then takes one space before its value, and is cut if the value would be).
-
-    Args:
-        names: the knobs to show, in order. now: monotonic time in s.
-        width: the columns of the panel's text.
-        texts: a knob's line in another form, by name: labelled as in
-            :data:`SHOWN_AS` with this text as its value (see :func:`optimizer_texts`).
-    """
-    texts = texts or {}
-    lines = [_knob_line(state, name, now, texts.get(name)) for name in names]
-    return [line.render(_label_width(lines, width), width).rstrip() for line in lines]
-
-
 def _label_width(lines: Sequence[_KnobLine], width: int) -> int:
     """Where the values of ``lines`` start: after the longest label, but no further
     than leaves the longest value room in ``width`` columns."""
