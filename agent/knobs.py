@@ -30,6 +30,12 @@ def assignment(knob: str, value: Any) -> str:
 #: :attr:`KnobSpec.tuning`: searched by default, searched only when allowed, never.
 TUNED, TUNED_IF_ALLOWED, NOT_TUNED = "yes", "if allowed", "no"
 
+#: :attr:`KnobSpec.group`: what a knob is about, for people (the dashboard's knobs panel
+#: lists every knob under its group, in this order).
+NUMERICS, KERNELS_MEMORY, DATA, OPTIMIZER, OTHER = (
+    "numerics", "kernels & memory", "data", "optimizer", "other")
+GROUPS = (NUMERICS, KERNELS_MEMORY, DATA, OPTIMIZER, OTHER)
+
 
 @dataclass(frozen=True)
 class KnobSpec:
@@ -45,6 +51,7 @@ class KnobSpec:
         searched by default), :data:`TUNED_IF_ALLOWED` (it changes the numerics or the
         memory: searched only when the ``tune`` command allows it) or
         :data:`NOT_TUNED` (never: the optimizer's settings, actions, memory tools).
+        group: one of :data:`GROUPS`, under which people see it (``group`` on the wire).
     """
 
     name: str
@@ -54,10 +61,12 @@ class KnobSpec:
     minimum: int | float | None = None
     maximum: int | float | None = None
     tuning: str = NOT_TUNED
+    group: str = OTHER
 
     def to_wire(self) -> dict[str, Any]:
         """The schema as a msgpack-ready map."""
-        wire: dict[str, Any] = {"name": self.name, "kind": self.kind, "help": self.help}
+        wire: dict[str, Any] = {"name": self.name, "kind": self.kind, "help": self.help,
+                                "group": self.group}
         if self.choices:
             wire["choices"] = list(self.choices)
         if self.minimum is not None:
@@ -147,56 +156,62 @@ _NUMBER_PARSERS = {"int": (_as_int, "an integer"), "float": (_as_float, "a finit
 
 #: The standard knobs (ARCHITECTURE.md, "Commands"); a trainer binds the ones it supports.
 PRECISION = KnobSpec("precision", "choice", "autocast precision of forward/backward",
-                     choices=("fp32", "bf16", "fp16"), tuning=TUNED_IF_ALLOWED)
+                     choices=("fp32", "bf16", "fp16"), tuning=TUNED_IF_ALLOWED,
+                     group=NUMERICS)
 ACCUM_STEPS = KnobSpec("accum_steps", "int", "micro-batches per optimizer step",
-                       minimum=1, maximum=1024, tuning=TUNED_IF_ALLOWED)
+                       minimum=1, maximum=1024, tuning=TUNED_IF_ALLOWED, group=NUMERICS)
 MICRO_BATCH_SIZE = KnobSpec("micro_batch_size", "int",
                             "samples per micro-batch; accum_steps follows, so that the "
                             "effective batch (micro-batch size x accum_steps) stays",
-                            minimum=1, maximum=1 << 20, tuning=TUNED_IF_ALLOWED)
+                            minimum=1, maximum=1 << 20, tuning=TUNED_IF_ALLOWED,
+                            group=NUMERICS)
 
 NUM_WORKERS = KnobSpec("num_workers", "int", "DataLoader worker processes",
-                       minimum=0, maximum=64, tuning=TUNED)
+                       minimum=0, maximum=64, tuning=TUNED, group=DATA)
 PIN_MEMORY = KnobSpec("pin_memory", "bool", "page-locked host batches (faster H2D copies)",
-                      tuning=TUNED)
+                      tuning=TUNED, group=DATA)
 PREFETCH_FACTOR = KnobSpec("prefetch_factor", "int", "batches prefetched per worker",
-                           minimum=1, maximum=64, tuning=TUNED)
+                           minimum=1, maximum=64, tuning=TUNED, group=DATA)
 CPU_THREADS = KnobSpec("cpu_threads", "int",
                        "torch intra-op CPU threads of the training process "
-                       "(torch.set_num_threads)", minimum=1, maximum=1024, tuning=TUNED)
+                       "(torch.set_num_threads)", minimum=1, maximum=1024, tuning=TUNED,
+                       group=DATA)
 
 # searched only when allowed: fused code reorders float ops and inductor draws its own
 # dropout masks, and compiling is a long warm-up (gpuopt.compile)
 KERNELS = KnobSpec("kernels", "choice", "forward implementation: eager, torch.compile, "
                    "or fused Triton kernels", choices=("eager", "compile", "triton"),
-                   tuning=TUNED_IF_ALLOWED)
+                   tuning=TUNED_IF_ALLOWED, group=KERNELS_MEMORY)
 CHECKPOINTING = KnobSpec("checkpointing", "bool",
                          "activation checkpointing of the repeated blocks",
-                         tuning=TUNED_IF_ALLOWED)
+                         tuning=TUNED_IF_ALLOWED, group=KERNELS_MEMORY)
 LR_SCALE = KnobSpec("lr_scale", "float", "multiplier on the learning rate the schedule "
                     "sets, in every param group (the schedule keeps its shape)",
-                    minimum=0.0, maximum=100.0)
+                    minimum=0.0, maximum=100.0, group=OPTIMIZER)
 WEIGHT_DECAY = KnobSpec("weight_decay", "float", "weight decay of the param groups that "
                         "decay (groups at 0, such as biases and norms, stay 0)",
-                        minimum=0.0, maximum=10.0)
+                        minimum=0.0, maximum=10.0, group=OPTIMIZER)
 MAX_GRAD_NORM = KnobSpec("max_grad_norm", "float", "clip the global gradient norm to this "
                          "before each optimizer step (0: no clipping)",
-                         minimum=0.0, maximum=1e6)
+                         minimum=0.0, maximum=1e6, group=OPTIMIZER)
 CHECKPOINT = KnobSpec("checkpoint", "action", "save a checkpoint (model, optimizer, "
                       "scheduler, GradScaler, knobs) at the next step boundary",
-                      choices=("now",))
+                      choices=("now",), group=OTHER)
 MEMORY_FRACTION = KnobSpec("memory_fraction", "float",
                            "cap of this process's CUDA memory, as a fraction of the device",
-                           minimum=0.01, maximum=1.0)
+                           minimum=0.01, maximum=1.0, group=KERNELS_MEMORY)
 MEMORY_SNAPSHOT_STEPS = KnobSpec("memory_snapshot_steps", "int",
                                  "record CUDA allocations for this many steps, then dump a "
-                                 "snapshot (0: none running)", minimum=1, maximum=1000)
+                                 "snapshot (0: none running)", minimum=1, maximum=1000,
+                                 group=KERNELS_MEMORY)
 
 #: The knobs of a rebuildable DataLoader (:class:`gpuopt.loader.ReconfigurableLoader`).
 LOADER_KNOBS = (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR)
 #: The optimizer's knobs (:class:`gpuopt.optim.OptimizerSettings`, or the framework's).
 OPTIMIZER_KNOBS = (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM)
 
+#: Every standard knob by name (a dashboard reads a knob's group from its schema, and
+#: from here for a run whose schema has none).
 STANDARD_KNOBS = {spec.name: spec for spec in
                   (PRECISION, ACCUM_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
                    PREFETCH_FACTOR, CPU_THREADS, KERNELS, CHECKPOINTING, MEMORY_FRACTION,

@@ -7,6 +7,7 @@ milliseconds each.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -198,7 +199,9 @@ class SystemProbe:
         """A ``system`` body: ``cpu_pct`` (host, % of all cores since the last call),
         ``process_cpu_pct`` (this process; 100 = one core), ``children_cpu_pct`` (its
         child processes: compiler and loader workers; 100 = one core), ``host_mem_used_bytes``,
-        ``host_mem_total_bytes``, ``host_rss_bytes``, ``gpus`` and ``gpu_status``.
+        ``host_mem_total_bytes``, ``host_rss_bytes``, ``gpus`` and ``gpu_status``; while
+        torch.compile compiles, which graph and for how long
+        (:meth:`gpuopt.compile.CompileWatch.progress`: ``compiling_graph``, ...).
 
         .. note:: On Linux about 0.1 ms of the I/O thread a second: ``/proc`` files read
            directly (psutil's readers cost about 0.15 ms each there, on a cold cache)."""
@@ -208,7 +211,12 @@ class SystemProbe:
             memory = (reading.total, reading.available)
         total, available = memory
         gpus = self.nvml.sample()
+        # only where the run uses torch.compile (its module is then imported): a sample
+        # never imports it
+        watch = getattr(sys.modules.get("gpuopt.compile"), "COMPILE_WATCH", None)
+        compiling = watch.progress() if watch is not None else None
         return {
+            **(compiling or {}),
             "cpu_pct": self.host_cpu_pct(),
             "process_cpu_pct": self.process_cpu_pct(),
             "children_cpu_pct": self.children_cpu_pct(),

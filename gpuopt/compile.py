@@ -25,6 +25,12 @@ each call:
   ``torch._dynamo.config.recompile_limit`` (8 per code object in torch 2.13) is hit:
   Dynamo then runs that code eagerly from then on, with only a log warning.
 
+* ``torch._dynamo.callback.callback_handler``: Dynamo's start and end callbacks of each
+  compile (a frame traced, or a backward compiled lazily at its first run), with the
+  compile id (``"frame/attempt"``; an attempt past 0 is a recompile). They run on the
+  compiling thread; :data:`COMPILE_WATCH` keeps which graph is compiling now and since
+  when, for a monitor's thread to read while the training thread is inside the compile.
+
 These are the APIs torch's own tooling reads (``TORCH_LOGS=recompiles,graph_breaks``
 prints the same); there is no public equivalent in ``torch.compiler`` as of 2.13.
 ``torch._dynamo.explain`` is deliberately not used: it calls ``torch._dynamo.reset()``,
@@ -50,13 +56,14 @@ Troubleshooting" (recompilations, graph breaks).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-__all__ = ["CompiledModel", "compile_support"]
+__all__ = ["COMPILE_WATCH", "CompileWatch", "CompiledModel", "compile_support"]
 
 _REASON_CHARS = 240  # reasons in events are cut to their first line and this length
 
@@ -109,6 +116,60 @@ def compile_support(backend: str, device_type: str) -> str | None:
         if not has_triton():
             return "inductor on CUDA needs Triton, which is not installed"
     return None
+
+
+class CompileWatch:
+    """Which graph Dynamo is compiling in this process now, for another thread to read
+    (a monitor's, while the training thread is inside the compile): from Dynamo's
+    compile start and end callbacks, installed once (:meth:`install`).
+
+    .. note:: Each callback is two attribute assignments on the compiling thread; a
+       read (:meth:`progress`) copies a tuple. Nothing else is touched.
+    """
+
+    def __init__(self) -> None:
+        self._current: tuple[str, str, float] | None = None  # (id, kind, monotonic s)
+        #: graphs whose compile ended in this process
+        self.graphs_compiled = 0
+
+    def install(self) -> None:
+        """Register the callbacks with Dynamo, unless they are registered (again after
+        ``torch._dynamo.reset()``, which clears them). A torch without them leaves
+        :meth:`progress` None."""
+        try:
+            from torch._dynamo.callback import callback_handler
+        except ImportError:  # another torch: no progress, nothing else lost
+            return
+        if self._started not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(self._started)
+            callback_handler.register_end_callback(self._ended)
+
+    def _started(self, args: Any) -> None:
+        trigger = getattr(getattr(args, "callback_trigger", None), "name", "")
+        kind = "backward" if trigger == "LAZY_BACKWARD" else "forward"
+        self._current = (str(getattr(args, "compile_id", "?")), kind, time.monotonic())
+
+    def _ended(self, args: Any) -> None:
+        self._current = None
+        self.graphs_compiled += 1
+
+    def progress(self) -> dict[str, Any] | None:
+        """The compile under way, or None: ``compiling_graph`` (Dynamo's compile id,
+        ``"frame/attempt"``), ``compiling_graph_kind`` (``forward``: a frame traced;
+        ``backward``: its backward graph), ``compiling_graph_s`` (seconds since this
+        graph's compile began) and ``graphs_compiled`` (graphs done in this process)."""
+        current = self._current
+        if current is None:
+            return None
+        graph, kind, since = current
+        return {"compiling_graph": graph, "compiling_graph_kind": kind,
+                "compiling_graph_s": round(time.monotonic() - since, 3),
+                "graphs_compiled": self.graphs_compiled}
+
+
+#: The process's one :class:`CompileWatch` (Dynamo's callbacks are process-wide);
+#: installed by a :class:`CompiledModel` when it is switched on.
+COMPILE_WATCH = CompileWatch()
 
 
 class CompiledModel:
@@ -205,6 +266,7 @@ class CompiledModel:
             raise ValueError(f"enabled must be a bool, got {value!r}")
         if value and not self._enabled:
             self._compiling = True  # until a call compiles nothing
+            COMPILE_WATCH.install()  # again, if something reset Dynamo since
         elif not value:
             self._compiling = False
         self._enabled = value

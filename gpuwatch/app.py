@@ -28,7 +28,7 @@ from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
 from gpuwatch.compare import Column
 from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
 from gpuwatch.widgets.compare_screen import CompareScreen
-from gpuwatch.widgets.data import DataPanel, loader_knobs
+from gpuwatch.widgets.data import DataPanel, verdict_texts
 from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
 from gpuwatch.widgets.confirm_screen import ConfirmScreen
@@ -45,8 +45,12 @@ from gpuwatch.widgets.tune import TuneScreen
 
 #: Seconds between checks for new records; the screen is redrawn only when they changed.
 REDRAW_S = 0.2
-#: The charts (plotext renders in pure Python, ~10 ms each) are redrawn at most this often.
-CHART_REDRAW_S = 0.5
+#: The charts (plotext renders in pure Python, ~10 ms each) are redrawn at most this often
+#: (their 600 steps turn over in 0.6 s at 1,000 steps/s: a faster redraw shows no more).
+CHART_REDRAW_S = 1.0
+#: ... and no more often than keeps their drawing within this share of one core (a big
+#: terminal or a slow machine redraws them less often).
+CHART_CPU_SHARE = 0.05
 
 #: The footer shows each -/+ pair of keys once, with one description.
 _ACCUM = Binding.Group("accum", compact=True)
@@ -99,7 +103,8 @@ class GpuwatchApp(App[None]):
     TITLE = "gpuwatch"
     COMMANDS = App.COMMANDS | {BindingCommands}
     VERTICAL_BREAKPOINTS = [(0, "-tiny"), (24, "-short"), (32, "-tall")]
-    HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (CRAMPED_BELOW, "-narrow"), (100, "-wide")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (CRAMPED_BELOW, "-narrow"), (100, "-wide"),
+                              (120, "-wider")]
     #: First the keys that must stay in view at any width (the footer is cut at the
     #: right), then the knobs' keys.
     BINDINGS = [
@@ -192,6 +197,7 @@ class GpuwatchApp(App[None]):
         self._notes = list(notes)
         self._drawn: tuple[int, str, Any] | None = None
         self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
+        self._chart_interval_s = CHART_REDRAW_S  # until the next draw (see CHART_CPU_SHARE)
         self._events_shown = 0
         self._state_shown: RunState | None = None  # a timeline replaces the state
         self._switching = False  # another run replaces this one (widgets recomposed)
@@ -290,7 +296,7 @@ class GpuwatchApp(App[None]):
     def redraw(self) -> None:
         """Redraw the panels if a record arrived, the run's status changed or the panels
         were resized, and the charts if steps arrived (at most every
-        :data:`CHART_REDRAW_S`)."""
+        :data:`CHART_REDRAW_S`, and within :data:`CHART_CPU_SHARE` of a core)."""
         if not self.is_running or self._switching:  # the widgets are being replaced
             return
         wall = time.monotonic()
@@ -312,10 +318,13 @@ class GpuwatchApp(App[None]):
                     and (previous, status) != ("compiling", "live")):
                 state.log(*_STATUS_NOTES[status])
             if (state.steps_total != self._charts_drawn[0]
-                    and wall - self._charts_drawn[1] >= CHART_REDRAW_S):
+                    and wall - self._charts_drawn[1] >= self._chart_interval_s):
                 self._charts_drawn = (state.steps_total, wall)
+                cost_s = 0.0  # this draw's, and the last render's (the compositor's)
                 for chart in self.query(StepChart):
                     chart.show(state.steps, marks=state.knob_changes)
+                    cost_s += chart.show_s + chart.render_s
+                self._chart_interval_s = max(CHART_REDRAW_S, cost_s / CHART_CPU_SHARE)
             knob_names = frozenset(state.schema)
             if isinstance(self.screen, TuneScreen):
                 self.screen.show(state)
@@ -333,8 +342,11 @@ class GpuwatchApp(App[None]):
             self.query_one(ThroughputBar).show(state.steps)
             self.query_one(MemoryPanel).show(state)
             self.query_one(SystemPanel).show(state)
-            self.query_one(DataPanel).show(state, now)
-            self.query_one(KnobsPanel).show(state, now, shown_elsewhere=loader_knobs(state))
+            data = self.query_one(DataPanel)
+            if data.display:
+                data.show(state)
+            self.query_one(KnobsPanel).show(
+                state, now, data=() if data.display else verdict_texts(state))
             self.query_one(LastEvent).show(state.events[-1] if state.events else None)
             new = min(state.events_total - self._events_shown, len(state.events))
             entries = list(state.events)[len(state.events) - new:] if new > 0 else []

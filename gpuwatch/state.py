@@ -255,7 +255,9 @@ class RunState:
             checkpointing was turned on), or None. activation_history: the last
             :data:`ACTIVATION_HISTORY` measurements as ``(step, bytes)``.
         compiling_since: monotonic time (s) of a ``compiling`` event whose end (a
-            ``compiled`` or ``failed`` event, or the step it applied at) has not come.
+            ``compiled`` or ``failed`` event, or the step it applied at) has not come;
+            or of the start of a compile a ``system`` sample reports (a recompile no
+            event announced), until the next step.
         agent_records_dropped, agent_errors, agent_commands_rejected: the agent's own
             counts from its latest heartbeat (records its queue dropped; internal
             errors, training goes on; commands it rejected: bad token, knob or value).
@@ -311,6 +313,11 @@ class RunState:
         #: first: the estimate shown while the next one runs
         self.compile_durations_s: list[float] = []
         self._compiling_until_step: int | None = None
+        #: the graph torch.compile is compiling now, from the latest ``system`` sample
+        #: (``graph``: Dynamo's compile id ``frame/attempt``, ``kind``: forward or
+        #: backward, ``number``: its place in this compile, from 1), or None
+        self.compile_graph: dict[str, Any] | None = None
+        self._graphs_before_compile: int | None = None  # the run's count at its start
         self.agent_records_dropped = 0
         self.agent_errors = 0
         self.agent_commands_rejected = 0
@@ -817,6 +824,21 @@ class RunState:
 
     def _fold_system(self, body: dict[str, Any], now: float) -> None:
         self.system = bounded(body)
+        graph, graph_s = body.get("compiling_graph"), body.get("compiling_graph_s")
+        if not isinstance(graph, str) or not isinstance(graph_s, (int, float)):
+            self.compile_graph = None
+            return
+        done = body.get("graphs_compiled")
+        done = done if type(done) is int else 0
+        if self.compiling_since is None:  # a recompile no event announced: it is one
+            self.compiling_since = now - max(0.0, graph_s)
+            self._compiling_until_step = (self.step or 0) + 1  # ends with the next step
+        if self._graphs_before_compile is None or done < self._graphs_before_compile:
+            self._graphs_before_compile = done
+        kind = body.get("compiling_graph_kind")
+        self.compile_graph = {"graph": shorten(graph, MAX_NAME_CHARS),
+                              "kind": kind if kind in ("forward", "backward") else "",
+                              "number": done - self._graphs_before_compile + 1}
 
     def _fold_state(self, body: dict[str, Any], now: float) -> None:
         if type(body.get("step")) is int:
@@ -856,6 +878,8 @@ class RunState:
             self.compile_durations_s = [*self.compile_durations_s[-9:],
                                         max(0.0, now - self.compiling_since)]
         self.compiling_since = None
+        self.compile_graph = None
+        self._graphs_before_compile = None
 
     def _fold_tune(self, body: dict[str, Any], now: float) -> None:
         candidates = body.get("candidates")

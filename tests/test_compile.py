@@ -245,3 +245,44 @@ def test_backend_failure_falls_back_to_eager_once(dynamo):
                            fallback_on_error=False)
     with pytest.raises(dynamo.exc.BackendCompilerFailed):
         strict(idx)
+
+
+def test_a_monitor_thread_sees_which_graph_compiles_and_for_how_long():
+    """While the training thread is inside a compile, another thread (the agent's I/O
+    thread) reads which graph Dynamo is compiling, and the system sample says it."""
+    import threading
+    import time
+
+    from agent.probes import SystemProbe
+    from gpuopt.compile import COMPILE_WATCH
+
+    model = make_model()
+    compiled = CompiledModel(model, backend="aot_eager", enabled=True)
+    assert COMPILE_WATCH.progress() is None  # nothing compiles yet
+    done_before = COMPILE_WATCH.graphs_compiled
+    seen, samples = [], []
+    finished = threading.Event()
+
+    def train() -> None:
+        idx, targets = batch(0)
+        F.cross_entropy(compiled(idx).flatten(0, 1), targets.flatten()).backward()
+        finished.set()
+
+    probe = SystemProbe()
+    thread = threading.Thread(target=train)
+    thread.start()
+    while not finished.is_set():
+        progress = COMPILE_WATCH.progress()
+        if progress is not None:
+            seen.append(progress)
+            if not samples:
+                samples.append(probe.sample())
+        time.sleep(0.005)
+    thread.join()
+    assert seen, "no compile seen from the other thread"
+    first = seen[0]
+    assert first["compiling_graph"] == "0/0" and first["compiling_graph_kind"] == "forward"
+    assert max(p["compiling_graph_s"] for p in seen) > 0
+    assert samples and samples[0]["compiling_graph"] == "0/0"
+    assert COMPILE_WATCH.progress() is None  # over: the next sample says nothing
+    assert COMPILE_WATCH.graphs_compiled >= done_before + 2  # forward and backward

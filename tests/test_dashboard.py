@@ -428,7 +428,8 @@ async def test_keys_of_knobs_the_run_lacks_are_hidden_and_send_nothing(make_agen
         await pilot.press("p", "w", "W", "m", "k", "c")
         await pilot.pause()
         assert not any(text.startswith("sent") for text in log_texts(app))
-        assert "no loader knobs" in text_of(app, "#data")
+        knobs = text_of(app, "#knobs")
+        assert "accum_steps" in knobs and "num_workers" not in knobs  # what it has
     with pytest.raises(queue.Empty):
         agent.commands.get_nowait()
 
@@ -489,9 +490,9 @@ async def test_w_and_m_send_loader_knobs_within_bounds(make_agent):
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("pin_memory", True)
         assert "sent pin_memory=on" in log_texts(app)
-        await until(pilot, lambda: "num_workers     1" in text_of(app, "#data")
-                    and "pin_memory      on" in text_of(app, "#data"))
-        assert "num_workers" not in text_of(app, "#knobs")  # shown once, in the data panel
+        await until(pilot, lambda: "num_workers     1" in text_of(app, "#knobs")
+                    and "pin_memory      on" in text_of(app, "#knobs"))
+        assert "num_workers" not in text_of(app, "#data")  # one place: the knobs panel
         assert "precision" in text_of(app, "#knobs")
     assert agent.commands.empty()
 
@@ -522,7 +523,7 @@ def _silent_app():
 
 async def test_data_panel_shows_the_verdict_in_its_colour():
     source, app = _silent_app()
-    async with app.run_test(size=(80, 24)) as pilot:
+    async with app.run_test(size=(120, 40)) as pilot:
         with source.lock:
             source.state.ingest(envelope("hello", {"knobs": [
                 STANDARD_KNOBS[name].to_wire() for name in LOADER]}))
@@ -538,7 +539,30 @@ async def test_data_panel_shows_the_verdict_in_its_colour():
             assert any(style in str(span.style) for span in content.spans
                        if (span.start, span.end) == (0, len(verdict))), content.spans
             assert f"wait {share:.0%} " in content.plain
-        assert "prefetch_factor 2" in text_of(app, "#data")
+        assert "prefetch_factor 2" in text_of(app, "#knobs")  # the loader's knobs: there
+        assert "prefetch_factor" not in text_of(app, "#data")
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24)])
+async def test_under_100_columns_the_verdict_heads_the_knobs_data_group(size):
+    source, app = _silent_app()
+    async with app.run_test(size=size) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("hello", {"knobs": [
+                STANDARD_KNOBS[name].to_wire() for name in ("precision", *LOADER)]}))
+            source.state.ingest(envelope("step", {
+                "step": 1, "data_wait_share": 0.31, "data_wait_share_window": 0.31,
+                "input_verdict": "partly input-bound",
+                "knobs": {"precision": "fp32", **LOADER}}))
+        await until(pilot, lambda: "data partly input-bound 31%" in text_of(app, "#knobs"))
+        assert not app.query_one("#data").display
+        content = app.query_one("#knobs").content
+        start = content.plain.index("partly")
+        assert any("$warning" in str(span.style) for span in content.spans
+                   if span.start <= start < span.end), content.spans
+        for text in ("numerics", "precision", "num_workers", "pin_memory",
+                     "prefetch_factor 2"):
+            assert text in content.plain, content.plain
 
 
 async def test_one_stall_does_not_flatten_the_step_time_chart():
@@ -749,12 +773,14 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         await until(pilot, lambda: "GPU NVIDIA H200" in text_of(app, "#system")
                     and "proc 98%" in text_of(app, "#system")
                     and "accum_steps" in text_of(app, "#knobs")
-                    and "partly" in text_of(app, "#data"))
+                    and "31%" in text_of(app, "#data" if width >= 100 else "#knobs"))
         await until(pilot, lambda: app.query_one("#panels").size.width == width)
         await pilot.pause(0.3)  # a redraw at the laid-out width
         assert "0  97% 70/141G 650/700W 72°C 1980MHz" in text_of(app, "#system")
+        # under 100 columns the data panel folds, under 32 rows the event log
         for widget in ("#header", "#timing", "#loss", "#throughput", "#memory",
-                       "#system", "#data", "#knobs", "#log"):
+                       "#system", *(("#data",) if width >= 100 else ()), "#knobs",
+                       "#log" if height >= 32 else "#last"):
             region = app.query_one(widget).region
             assert region.width > 0 and region.height > 0, widget
             assert region.bottom <= height - 1, widget  # above the footer
@@ -768,14 +794,17 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         for text in (*memory, "─ 1 OOMs"):  # the border says it at any size
             assert text in shown["#memory"], (text, shown["#memory"])
         assert "CPU 12% proc 98%" in shown["#system"]
-        for text in ("partly input-bound", "wait 31% ▂", "num_workers", "pin_memory",
-                     "prefetch_factor 2"):
-            assert text in shown["#data"], (text, shown["#data"])
-        # the knobs people change most come first; at 24 rows the panel has 5 lines
-        for text in ("precision", "bf16", "accum_steps", "lr   x1", "clip 1", "kernels",
-                     "eager", *(("checkpointing off", "weight_decay  0.0")
-                                if height >= 32 else ())):
-            assert text in shown["#knobs"], (text, shown["#knobs"])
+        if width >= 100:
+            for text in ("partly input-bound", "wait 31% ▂"):
+                assert text in shown["#data"], (text, shown["#data"])
+        else:  # the verdict heads the knobs' data group
+            assert "data wait 31%" in shown["#knobs"], shown["#knobs"]
+        # every knob, under its group
+        for text in ("numerics", "precision", "bf16", "accum_steps", "kernels & memory",
+                     "kernels", "eager", "checkpointing off", "data", "num_workers",
+                     "pin_memory", "prefetch_factor 2", "optimizer", "lr", "x1",
+                     "clip 1", "weight_decay"):
+            assert text in " ".join(shown["#knobs"].split()), (text, shown["#knobs"])
         assert "…" not in shown["#data"] + shown["#knobs"]
         assert "checkpoint " not in shown["#knobs"]  # a command, not a setting
         keys = app.query_one(Footer).query("FooterKey")
@@ -867,7 +896,7 @@ async def test_every_size_keeps_header_feedback_knobs_and_quit_in_view(make_agen
             assert text in knobs, knobs
         assert "precisi…" not in knobs
         feedback = "precision=fp16"  # sent, accepted or applied (EVERY_KNOB has bf16)
-        if height < 24:  # the log folds into its newest line
+        if height < 32:  # the log folds into its newest line
             assert not app.query_one("#log").display
             assert feedback in "".join(shown_lines(app, "#last"))
         else:
@@ -929,6 +958,20 @@ def test_state_keeps_how_long_each_compile_took():
     assert state.compile_durations_s == [84.0] and state.compiling_since == 100.0
 
 
+def test_a_recompile_no_event_announced_is_compiling_from_the_system_sample():
+    state = RunState()
+    state.ingest(envelope("step", {"step": 5}), 10.0)
+    state.ingest(envelope("system", {"compiling_graph": "0/2", "compiling_graph_s": 12.0,
+                                     "compiling_graph_kind": "forward",
+                                     "graphs_compiled": 4}, seq=1), 20.0)
+    assert state.status_at(20.5) == "compiling" and state.compiling_since == 8.0
+    assert state.compile_graph == {"graph": "0/2", "kind": "forward", "number": 1}
+    state.ingest(envelope("system", {"cpu_pct": 50.0}, seq=2), 21.0)
+    assert state.compile_graph is None  # the sample says nothing compiles now
+    state.ingest(envelope("step", {"step": 6}, seq=3), 22.0)  # the compile's step
+    assert state.status_at(22.0) == "live" and state.compile_durations_s == [14.0]
+
+
 async def test_compile_shows_its_time_so_far_the_last_compile_and_the_compiler_cpu():
     source, app = _silent_app()
     async with app.run_test(size=(120, 40)) as pilot:
@@ -941,10 +984,18 @@ async def test_compile_shows_its_time_so_far_the_last_compile_and_the_compiler_c
             source.state.ingest(envelope("event", {"kind": "compiling", "step": 9}, seq=3),
                                 now - 30)
             source.state.ingest(envelope("system", {
-                "cpu_pct": 99.0, "process_cpu_pct": 38.0, "children_cpu_pct": 350.0},
-                seq=4), now)
-        await until(pilot, lambda: "(last took 1m24s)" in text_of(app, "#header"))
-        assert "compiling… 30s" in text_of(app, "#header")
+                "cpu_pct": 99.0, "process_cpu_pct": 38.0, "children_cpu_pct": 350.0,
+                "compiling_graph": "0/1", "compiling_graph_kind": "backward",
+                "compiling_graph_s": 4.0, "graphs_compiled": 7}, seq=4), now)
+        # the time so far against the run's last compile, and which graph
+        await until(pilot, lambda: "compiling… 30s of ~1m24s, graph 1 [0/1 backward]"
+                    in text_of(app, "#header"))
+        with source.lock:
+            source.state.ingest(envelope("system", {
+                "cpu_pct": 99.0, "process_cpu_pct": 38.0, "children_cpu_pct": 350.0,
+                "compiling_graph": "1/0", "compiling_graph_kind": "forward",
+                "compiling_graph_s": 1.0, "graphs_compiled": 9}, seq=5), now)
+        await until(pilot, lambda: "graph 3 [1/0 forward]" in text_of(app, "#header"))
         # the compiler's processes count in the host panel (torch.compile's workers)
         await until(pilot, lambda: "CPU 99% proc 388%\n  children 350%" in text_of(app, "#system"))
 

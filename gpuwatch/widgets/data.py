@@ -1,15 +1,13 @@
-"""The input pipeline: is the run waiting for data, and the loader's knobs."""
+"""The input pipeline: is the run waiting for data (the loader's knobs are in the knobs
+panel, under ``data``)."""
 
 from __future__ import annotations
 
 from textual.content import Content
 
 from gpuwatch.state import RunState
-from gpuwatch.widgets.knobs import knob_lines
 from gpuwatch.widgets.panel import Panel, sparkline
 
-#: The loader's knobs, shown here rather than in the knobs panel.
-LOADER_KNOBS = ("num_workers", "pin_memory", "prefetch_factor")
 #: Theme style of each verdict of the agent (``input_verdict`` of a step record).
 VERDICT_STYLES = {"input-bound": "$error", "partly input-bound": "$warning",
                   "compute-bound": "$success"}
@@ -44,18 +42,30 @@ def input_advice(state: RunState, width: int) -> Content | None:
                           style)
 
 
-def loader_knobs(state: RunState) -> list[str]:
-    """The loader knobs this run has (its schema's, else the values it reported)."""
-    known = state.schema or state.knobs
-    return [name for name in LOADER_KNOBS if name in known]
+def verdict_texts(state: RunState) -> list[Content]:
+    """The agent's input verdict in its colour with the share of step time waiting for
+    data over its window, in shorter wordings after it (``compute-bound 1%``,
+    ``compute-bound``, ``wait 1%``: the colour still says the verdict); none before the
+    first verdict. The knobs panel's ``data`` heading, when the data panel is folded."""
+    step = state.last_step
+    verdict = step.get("input_verdict")
+    if not isinstance(verdict, str):
+        return []
+    style = VERDICT_STYLES.get(verdict, "")
+    share = step.get("data_wait_share_window", step.get("data_wait_share"))
+    if not isinstance(share, (int, float)):
+        return [Content.styled(verdict, style)]
+    return [Content.styled(text, style) for text in (
+        f"{verdict} {share:.0%}", verdict, f"wait {share:.0%}")]
 
 
 class DataPanel(Panel):
     """The agent's verdict (input-bound, partly input-bound, compute-bound) in its
     colour and, when waiting on input, whether idle CPU exists for more workers
     (:func:`input_advice`); the share of step time spent waiting for data, over the
-    agent's window and as one bar per step (0-100%); then ``num_workers``,
-    ``pin_memory`` and ``prefetch_factor`` when the run has them."""
+    agent's window and as one bar per step (0-100%). The loader's knobs are in the
+    knobs panel. Folded under 100 columns (its verdict then heads the knobs panel's
+    ``data`` group)."""
 
     BORDER_TITLE = "data"
 
@@ -67,12 +77,8 @@ class DataPanel(Panel):
                         "each bar is one step, from 0 to 100%.\n"
                         "w / W: num_workers -/+ 1, m: pin_memory on/off")
 
-    def show(self, state: RunState, now: float) -> None:
-        """Redraw from ``state`` (read under the source's lock).
-
-        Args:
-            now: monotonic time in s, to tell recent knob changes.
-        """
+    def show(self, state: RunState) -> None:
+        """Redraw from ``state`` (read under the source's lock)."""
         step = state.last_step
         verdict = step.get("input_verdict")
         style = VERDICT_STYLES.get(verdict, "") if isinstance(verdict, str) else ""
@@ -92,9 +98,4 @@ class DataPanel(Panel):
                                else f"{share:.0%}") + " "
             bars = sparkline(shares, self.text_width - len(label), high=1.0)
             lines.append(Content.assemble(label, (bars, style)))
-        names = loader_knobs(state)
-        if names:
-            lines += knob_lines(state, names, now, self.text_width)
-        elif state.hello:
-            lines.append(Content.styled("no loader knobs", "$text-muted"))
         self.set_content(Content("\n").join(lines))

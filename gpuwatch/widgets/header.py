@@ -36,17 +36,19 @@ class RunHeader(Panel):
             description: what the source watches, shown while waiting.
             readonly: whether keys send commands.
         """
-        full = self._content(state, status, now, description=description,
-                             readonly=readonly, narrow=False)
-        if len(full.plain) + 2 > self.app.size.width > 0:  # what matters first: no name
-            full = self._content(state, status, now, description=description,
-                                 readonly=readonly, narrow=True)
-        self.set_content(full)
+        width = self.app.size.width
+        for narrow, graph in ((False, True), (True, True), (True, False)):
+            # what matters first: no name, then no compiled graph
+            content = self._content(state, status, now, description=description,
+                                    readonly=readonly, narrow=narrow, graph=graph)
+            if not len(content.plain) + 2 > width > 0:
+                break
+        self.set_content(content)
 
     def _content(self, state: RunState, status: str, now: float, *, description: str,
-                 readonly: bool, narrow: bool) -> Content:
+                 readonly: bool, narrow: bool, graph: bool = True) -> Content:
         """The header's text; ``narrow``: without the dashboard's name and ``missed 0``,
-        the device after the run id."""
+        the device after the run id; ``graph``: with the graph a compile is at."""
         parts: list[str | tuple[str, str]] = [] if narrow else [
             ("gpuwatch", "bold $primary"), "  "]
         if status == "waiting":
@@ -54,9 +56,7 @@ class RunHeader(Panel):
         else:
             label = status
             if status == "compiling" and state.compiling_since is not None:
-                label = f"compiling… {human_age(now - state.compiling_since)}"
-                if state.compile_durations_s:  # the run's own earlier compile
-                    label += f" (last took {human_age(state.compile_durations_s[-1])})"
+                label = compile_label(state, now, graph=graph)
             parts += [(f"● {label}", STATUS_STYLES[status]), "  "]
             if readonly:
                 parts += [("read-only", "$warning"), "  "]
@@ -107,3 +107,21 @@ class RunHeader(Panel):
         if readonly and status == "waiting":
             parts += ["  ", ("read-only", "$warning")]
         return Content.assemble(*parts)
+
+
+def compile_label(state: RunState, now: float, *, graph: bool = True) -> str:
+    """What the header says while the run compiles: the time so far, against the run's
+    own last compile (``of ~1m24s``, or ``last took 1m24s`` once this one is longer),
+    and which graph (``graph 3 [0/1 backward]``: the third of this compile, Dynamo's
+    compile id and which pass; with ``graph``). Needs ``state.compiling_since``."""
+    assert state.compiling_since is not None
+    elapsed = now - state.compiling_since
+    label = f"compiling… {human_age(elapsed)}"
+    if state.compile_durations_s:  # the run's own earlier compile: the estimate
+        last = state.compile_durations_s[-1]
+        label += f" of ~{human_age(last)}" if elapsed < last else \
+            f" (last took {human_age(last)})"
+    at = state.compile_graph
+    if at is not None and graph:
+        label += f", graph {at['number']} [{at['graph']} {at['kind']}]".replace(" ]", "]")
+    return label

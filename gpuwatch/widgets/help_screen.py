@@ -14,7 +14,8 @@ from textual.widgets import Static
 #: Each panel of the dashboard, top to bottom, and what its numbers mean.
 PANELS = (
     ("header", (
-        "The run's state (waiting, live, compiling… with the seconds so far, "
+        "The run's state (waiting, live, compiling… with the seconds so far "
+        "against the run's last compile and the graph Dynamo is at, "
         "stalled: no optimizer step for several step times, quiet: nothing "
         "heard but the process lives, gone, ended), the last optimizer step, "
         "records missed on the way to the dashboard, the run's name, device and "
@@ -47,10 +48,11 @@ PANELS = (
         "The input verdict: input-bound (the loop waits for data ≥ 50% of the "
         "step time), partly input-bound (≥ 20%), compute-bound (less), over the "
         "agent's window of 20 steps; wait: that share, and one bar per step "
-        "(0-100%). Then the loader's knobs: num_workers, pin_memory, "
-        "prefetch_factor.")),
+        "(0-100%). From 100 columns; narrower, the verdict heads the knobs "
+        "panel's data group.")),
     ("knobs", (
-        "Every other knob of the run and its value, green for 10 s after a "
+        "Every knob of the run and its value, under its group (numerics, "
+        "kernels & memory, data: the loader's, optimizer), green for 10 s after a "
         "change; '-> v (at step N)' while a command waits for its step; lr: the "
         "learning rate the last step used (and lr_scale when not 1); clip: "
         "max_grad_norm and the last gradient norm. '+N more': the ones that do "

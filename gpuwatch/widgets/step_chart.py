@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from textual_plotext import PlotextPlot
 
@@ -49,6 +50,42 @@ _LABELLED_MARKS = 3
 _MARK_COLOR = "orange"
 
 
+#: Dots of a braille character across: a chart's columns of pixels are twice its cells.
+_DOTS_ACROSS = 2
+
+
+def thin(steps: Sequence[int], values: Sequence[float], columns: int
+         ) -> tuple[Sequence[int], Sequence[float]]:
+    """A line of ``steps`` and ``values`` with at most four points per column of
+    ``columns`` cells (braille: two columns of dots each): in each column of dots the
+    lowest and the highest value, in the order they came, and nothing else. The line
+    drawn through them spans what the full line spans in each column of dots (a spike
+    still shows; a dot or two of a noisy line's in-between may go); the chart draws a
+    fraction of the segments (plotext's cost is per segment). The first and the last
+    point are kept."""
+    pixels = max(1, columns) * _DOTS_ACROSS
+    if len(steps) <= 2 * pixels:
+        return steps, values
+    first, span = steps[0], max(steps[-1] - steps[0], 1)
+    kept_steps: list[int] = []
+    kept_values: list[float] = []
+    start, count = 0, len(steps)
+    while start < count:
+        bucket = min(pixels - 1, (steps[start] - first) * pixels // span)
+        stop = start + 1
+        while stop < count and min(pixels - 1, (steps[stop] - first) * pixels // span
+                                   ) == bucket:
+            stop += 1
+        low = min(range(start, stop), key=values.__getitem__)
+        high = max(range(start, stop), key=values.__getitem__)
+        ends = {index for index in (start, stop - 1) if index in (0, count - 1)}
+        for index in sorted({low, high, *ends}):  # the line's ends stay where they are
+            kept_steps.append(steps[index])
+            kept_values.append(values[index])
+        start = stop
+    return kept_steps, kept_values
+
+
 def _human(value: float, unit: str) -> str:
     """A value of a series as a person reads it: durations in ms, s or min (the axis
     stays in ``ms``), other values in :func:`~gpuwatch.units.human_sig` form."""
@@ -74,6 +111,16 @@ class StepChart(PlotextPlot):
         self.series = tuple(series)
         self.clip_spikes = clip_spikes
         self._shown: tuple[list[StepRecord], list[KnobChange]] | None = None
+        #: seconds the last :meth:`show` and the last render took (CPU of the main thread)
+        self.show_s = self.render_s = 0.0
+
+    def render(self) -> Any:
+        """plotext's drawing of what :meth:`show` set, timed (:attr:`render_s`)."""
+        start = time.perf_counter()
+        try:
+            return super().render()
+        finally:
+            self.render_s = time.perf_counter() - start
 
     def on_resize(self) -> None:
         """Draw what is shown again for the new size (the legend, the labels that fit)."""
@@ -86,6 +133,13 @@ class StepChart(PlotextPlot):
         """Redraw from step records (oldest first), with a vertical line at each knob
         change in ``marks`` that falls within their steps (labelled ``knob=value``
         when there are few)."""
+        start = time.perf_counter()
+        try:
+            self._show(records, marks)
+        finally:
+            self.show_s = time.perf_counter() - start
+
+    def _show(self, records: Iterable[StepRecord], marks: Iterable[KnobChange]) -> None:
         records = [record for record in records if record.step is not None]
         self._shown = (records, list(marks))
         marks = self._shown[1]
@@ -106,6 +160,7 @@ class StepChart(PlotextPlot):
             if top is not None:
                 beyond = [step for step, value in zip(steps, values) if value > top]
                 values = [min(value, top) for value in values]
+            steps, values = thin(steps, values, self.size.width)
             plt.plot(steps, values, marker="braille", color=series.color,
                      label=self._label(series) if legend else None)
             if top is not None and beyond:  # outliers: marked at the axis' end
