@@ -198,7 +198,7 @@ def gone(pid, timeout_s=30):
     return True
 
 
-@pytest.mark.parametrize("end", ["q", "SIGKILL"])
+@pytest.mark.parametrize("end", ["q", pytest.param("SIGKILL", marks=pytest.mark.slow)])
 def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
     terminal = Terminal("demo", "--model", "cnn")
     try:

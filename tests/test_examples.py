@@ -9,8 +9,10 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.mark.parametrize("script", ["trainer_attach.py", "hand_written_loop.py",
-                                    "lightning_attach.py", "hf_attach.py"])
+@pytest.mark.parametrize("script", [
+    "trainer_attach.py", "hand_written_loop.py",
+    *(pytest.param(script, marks=pytest.mark.slow)  # importing the framework: 10-20 s
+      for script in ("lightning_attach.py", "hf_attach.py"))])
 def test_example_runs_and_cleans_up(script, run_dir):
     result = subprocess.run([sys.executable, str(EXAMPLES / script), "--max-steps", "10"],
                             capture_output=True, text=True, timeout=400)

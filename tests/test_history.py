@@ -199,6 +199,7 @@ def test_runs_all_lists_finished_killed_and_live_runs(run_dir, fake_agent):
     assert listed["log_bytes"] == os.path.getsize(os.path.join(logs, f"{RUN}.rank0.jsonl"))
 
 
+@pytest.mark.slow
 def test_a_finished_demo_run_is_listed_and_opens_by_id(run_dir):
     """The real demo job, run to its end; then listed and opened by its id's prefix."""
     demo = subprocess.run([sys.executable, "-m", "gpuwatch", "demo", "--no-ui", "--model",

@@ -154,6 +154,7 @@ def _wait_for(predicate, path, timeout_s=120):
     raise AssertionError(f"not seen within {timeout_s} s in {path}")
 
 
+@pytest.mark.slow
 def test_gpt_example_takes_every_loop_knob_live(run_dir):
     process = subprocess.Popen(
         [sys.executable, str(EXAMPLES / "gpt_loop.py"), "--batch-size", "4", "--block-size",

@@ -56,6 +56,7 @@ def ddp_job(run_dir):
             os.killpg(process.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_ddp_ranks_share_one_run_and_a_command_applies_at_the_same_step_on_each(ddp_job,
                                                                                 run_dir):
     rank0, rank1 = wait_for_ranks(ddp_job, 2)

@@ -1034,6 +1034,7 @@ def test_a_dashboard_never_trusts_a_port_taken_over_after_its_run_ended(make_age
 
 # --- more faults ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_tail_of_a_killed_run_and_of_an_unreachable_endpoint_ends_saying_so(run_dir):
     job = Job(job_env())
     try:
@@ -1086,6 +1087,7 @@ def test_a_huge_knob_name_is_not_echoed_and_heartbeats_count_rejections(run_dir)
 
 # --- liveness on a loaded machine ----------------------------------------------------
 
+@pytest.mark.slow
 def test_a_run_on_a_loaded_machine_is_never_reported_gone(run_dir):
     """CPU burners beside the run (load ~4 a core), and in the middle the run gets no
     CPU at all for 5 s (SIGSTOP, then SIGCONT: the worst a loaded machine does to a
