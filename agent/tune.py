@@ -508,6 +508,9 @@ class Tuner:
         self._ledger = ChangeLedger()
         self._guard = ChangeGuard(self._ledger, tuner=True)
         self._trial: Trial | None = None
+        #: the trial's candidate was chosen while a switch was on its way (see
+        #: :meth:`_next_candidate`)
+        self._unchecked = False
         self._series = Series()  # the sub-block in progress
         self._best_block: Block | None = None  # the best's latest sub-block
         self._compiling = False
@@ -578,6 +581,7 @@ class Tuner:
                     self._ledger.record(Change(int(event.get("step", 0)), str(knob),
                                                event.get("value"), event.get("previous")))
                 self._series = Series()
+                self._recheck()
             elif kind == "failed" and self._watch:  # the knob kept its value
                 self._verdict("reverted", f"applying it failed: {event.get('text', '')}")
                 self._next_candidate()
@@ -693,7 +697,12 @@ class Tuner:
             self._series = Series()
 
     def _next_candidate(self) -> None:
-        """Start the trial of the next setting the search gives, or end the search."""
+        """Start the trial of the next setting the search gives, or end the search.
+
+        While the way back to the best is on its way, the run's knobs do not show the
+        best yet, and a value whose effect depends on another knob (``prefetch_factor``
+        without workers) may look worth trying: the check is made again once it applies
+        (:meth:`_recheck`), before the candidate is ever sent."""
         self._trial = None
         while True:
             following = self.search.next(self.best)
@@ -705,15 +714,32 @@ class Tuner:
             reason = self._skip_reason(candidate.knob, candidate.value)
             if reason is None:
                 break
-            candidate.state, candidate.reason = "skipped", reason
-            self.search.result(False)
-            self._event("info", f"tune: skipping {assignment(candidate.knob, candidate.value)}:"
-                        f" {reason}")
+            self._skip(candidate, reason)
         self._trial = Trial(candidate)
+        self._unchecked = self._waiting is not None
         if self._waiting is None:
             self._series = Series()
         self._event("info", f"tune: trying {assignment(candidate.knob, candidate.value)}")
         self.publish_state()
+
+    def _skip(self, candidate: Candidate, reason: str) -> None:
+        candidate.state, candidate.reason = "skipped", reason
+        self.search.result(False)
+        self._event("info", f"tune: skipping {assignment(candidate.knob, candidate.value)}:"
+                    f" {reason}")
+
+    def _recheck(self) -> None:
+        """The switch back to the best applied: a candidate chosen while it was on its
+        way is checked again against the run's knobs as they now are (nothing of it has
+        been sent: its trial starts with a sub-block of the best)."""
+        candidate = self._candidate
+        if not self._unchecked or candidate is None:
+            return
+        self._unchecked = False
+        reason = self._skip_reason(candidate.knob, candidate.value)
+        if reason is not None:
+            self._skip(candidate, reason)
+            self._next_candidate()
 
     def _skip_reason(self, knob: str, value: Any) -> str | None:
         """Why ``knob=value`` is not tried here (the run refuses it, or warns that it is

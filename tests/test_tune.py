@@ -325,6 +325,40 @@ def test_a_candidate_with_no_measured_gain_is_reverted_without_spending_every_pa
     assert slower < flat == faster < unsure
 
 
+def test_a_candidate_chosen_while_the_way_back_is_on_its_way_is_checked_once_it_applies():
+    """``b`` has no effect while ``a`` is 0 (as prefetch_factor without workers): after
+    ``a=1`` is reverted, ``b=2`` is chosen while ``a`` still reads 1, and must be skipped
+    once ``a=0`` applies, never sent."""
+    values = {"a": 0, "b": 1}
+    knobs = KnobSet()
+    knobs.add(Knob(KnobSpec("a", "int", "", minimum=0, maximum=1, tuning=TUNED),
+                   get=lambda: values["a"], set=lambda v: None))
+    knobs.add(Knob(KnobSpec("b", "int", "", minimum=1, maximum=2, tuning=TUNED),
+                   get=lambda: values["b"], set=lambda v: None,
+                   warn=lambda v: None if values["a"] else "b has no effect while a is 0"))
+    sent = []
+    tuner = Tuner(TuneRequest({"knobs": ["a", "b"]}, knobs), knobs, 1,
+                  send=lambda *command: sent.append(command), publish=lambda *_: None,
+                  cpus=2)
+    every = []
+    step = 0
+    while tuner.status == "running" and step < 1_000:
+        step += 1
+        for command_id, knob, new in sent:  # each applies at the next step
+            previous, values[knob] = values[knob], new
+            tuner.on_event({"kind": "applied", "id": command_id, "knob": knob,
+                            "value": new, "previous": previous, "step": step})
+        every += sent
+        sent.clear()
+        tuner.on_step(step, 0.1, 32, None, 1.0, False)  # no gain: reverted after 3 pairs,
+    states = {(c.knob, c.value): (c.state, c.reason)  # in a=1's sub-block: a switch back
+              for c in tuner.candidates}
+    assert states[("a", 1)][0] == "reverted"
+    assert states[("b", 2)] == ("skipped", "b has no effect while a is 0")
+    assert not [command for command in every if command[1] == "b"]
+    assert tuner.status == "done" and values == {"a": 0, "b": 1}
+
+
 def test_student_t_quantiles_and_the_paired_interval_that_load_drift_does_not_fool():
     for df, exact in [(2, 4.303), (5, 2.571), (10, 2.228), (30, 2.042)]:
         assert t_quantile(0.975, df) == pytest.approx(exact, rel=0.01)
