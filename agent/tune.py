@@ -25,10 +25,12 @@ How a setting is judged:
   the verdict wrong. From :data:`MIN_PAIRS_SLOWER` pairs a candidate slower beyond noise
   (the upper end of the 95% interval below zero) is reverted at once; from
   :data:`MIN_PAIRS_FASTER` one faster beyond noise is kept and becomes the best, and one
-  that has measured no gain at all (its mean gain at or below zero) is reverted as not
-  faster: one that the pairs so far put below the best rarely proves faster within
-  the few pairs left, and each pair costs steps of the run; after :data:`MAX_PAIRS` it
-  is reverted as not faster beyond noise.
+  whose gain is below :data:`WORTHWHILE_GAIN` beyond noise (the upper end of the
+  interval under it) is reverted as not worth it: each further pair costs steps of the
+  run, and could at most prove a gain too small to matter; after :data:`MAX_PAIRS` it is
+  reverted as not faster beyond noise. (A candidate with a wide interval, however low
+  its mean, is measured on: on a quiet host a worker whose first pairs measured -33%
+  (-70% to +53%) was the grid's best.)
 - Which candidates: a coordinate search from the configuration the run has. Numeric
   knobs move along a ladder (0, 1, 2, 4, ... up to the knob's maximum, for
   ``num_workers`` and ``cpu_threads`` the usable CPUs) one rung at a time, up first, then
@@ -89,11 +91,12 @@ SUB_BLOCK_STEPS = 4
 SUB_BLOCK_S = 0.25
 MAX_SUB_BLOCK_STEPS = 16
 #: Pairs of sub-blocks (best, candidate) after which a candidate may be called slower /
-#: faster (or, with no measured gain, not faster), and after which it is reverted as not
-#: faster beyond noise.
+#: faster (or not worth it), and after which it is reverted as not faster beyond noise.
 MIN_PAIRS_SLOWER = 2
 MIN_PAIRS_FASTER = 3
 MAX_PAIRS = 6
+#: A gain below this (a fraction of throughput) is not worth more of the run's steps.
+WORTHWHILE_GAIN = 0.05
 #: Two-sided confidence of the paired interval of a candidate's gain.
 CONFIDENCE = 0.95
 #: Full passes over the knobs at most (a pass that keeps nothing ends the search).
@@ -659,8 +662,9 @@ class Tuner:
             if not in_candidate:
                 self._switch(candidate.knob, candidate.value, watch=True)
             self._next_candidate()
-        elif k >= MAX_PAIRS or (k >= MIN_PAIRS_FASTER and gain <= 0):
-            why = "not faster beyond noise" if gain > 0 else "no gain measured"
+        elif k >= MAX_PAIRS or (k >= MIN_PAIRS_FASTER and high < WORTHWHILE_GAIN):
+            why = ("not faster beyond noise" if k >= MAX_PAIRS and high >= WORTHWHILE_GAIN
+                   else f"not worth it: under +{WORTHWHILE_GAIN:.0%} beyond noise")
             self._verdict("reverted", f"{why}: {_gain_text(gain, low, high)}")
             if in_candidate:
                 self._switch(candidate.knob, self.best[candidate.knob])

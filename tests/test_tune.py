@@ -309,9 +309,9 @@ def _search_steps(step_time_s):
     return tuner.steps, tuner.candidates[0].reason
 
 
-def test_a_candidate_with_no_measured_gain_is_reverted_without_spending_every_pair():
+def test_a_candidate_whose_gain_is_too_small_to_matter_is_reverted_without_every_pair():
     flat, flat_reason = _search_steps(lambda x: 0.1)  # x=1 changes nothing
-    assert flat_reason == "no gain measured: +0% (+0% to +0%)"
+    assert flat_reason == "not worth it: under +5% beyond noise: +0% (+0% to +0%)"
     slower, slower_reason = _search_steps(lambda x: 0.1 * (1 + 0.2 * x))
     assert slower_reason.startswith("slower: -17%")
     faster, faster_reason = _search_steps(lambda x: 0.1 * (1 - 0.2 * x))
@@ -320,7 +320,7 @@ def test_a_candidate_with_no_measured_gain_is_reverted_without_spending_every_pa
     unsure, unsure_reason = _search_steps(
         lambda x: 0.1 * (1 - 0.02 * x) * (1 + 0.05 * rng.gauss(0, 1)))
     assert unsure_reason.startswith("not faster beyond noise: +2%")
-    # slower: from MIN_PAIRS_SLOWER pairs; no gain, and faster: from MIN_PAIRS_FASTER;
+    # slower: from MIN_PAIRS_SLOWER pairs; not worth it, and faster: MIN_PAIRS_FASTER;
     # a small gain within the noise: all MAX_PAIRS
     assert slower < flat == faster < unsure
 
@@ -350,7 +350,7 @@ def test_a_candidate_chosen_while_the_way_back_is_on_its_way_is_checked_once_it_
                             "value": new, "previous": previous, "step": step})
         every += sent
         sent.clear()
-        tuner.on_step(step, 0.1, 32, None, 1.0, False)  # no gain: reverted after 3 pairs,
+        tuner.on_step(step, 0.1, 32, None, 1.0, False)  # not worth it after 3 pairs,
     states = {(c.knob, c.value): (c.state, c.reason)  # in a=1's sub-block: a switch back
               for c in tuner.candidates}
     assert states[("a", 1)][0] == "reverted"
