@@ -87,8 +87,9 @@ Message types and their bodies:
                (running | done | stopped), ``started_step``, ``step``, ``steps``
                (spent so far), ``budget_steps``, ``unit`` (samples | tokens), ``knobs``
                (searched), ``baseline`` and ``best`` ({knob: value}), ``gain`` (best over
-               baseline throughput, minus 1), ``candidates`` (list of maps: ``knob``,
-               ``value``, ``state`` (measuring | kept | reverted | skipped), ``reason``,
+               baseline throughput, minus 1), ``candidates`` (list of maps:
+               ``setting`` ({knob: value}: one knob, or two moved as a trade),
+               ``state`` (measuring | kept | reverted | skipped), ``reason``,
                ``per_s`` and ``per_s_spread`` (throughput in units/s and its 95%
                half-width), ``gain`` and ``gain_spread`` (against the best so far, as
                fractions), ``steps``), and once ended ``text`` (the one-line result).

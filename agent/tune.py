@@ -35,6 +35,9 @@ How a setting is judged:
   knobs move along a ladder (0, 1, 2, 4, ... up to the knob's maximum, for
   ``num_workers`` and ``cpu_threads`` the usable CPUs) one rung at a time, up first, then
   down, as long as each rung is kept; choice and boolean knobs try each other value.
+  Knobs that draw on one resource are also moved together, as a trade (:data:`TRADES`:
+  a DataLoader worker more for an intra-op thread fewer, and the other way), right after
+  the later of the two: each move alone can be slower while the trade is the fastest.
   A full pass that keeps something is followed by one more. A value the run refuses (its
   check) or warns about (slow here, or without effect here, such as ``pin_memory``
   without CUDA) is skipped with the reason. Knobs whose spec says they change numerics
@@ -107,6 +110,13 @@ MAX_PASSES = 2
 #: then what needs allowing.
 SEARCH_ORDER = ("cpu_threads", "num_workers", "prefetch_factor", "pin_memory", "kernels",
                 "micro_batch_size", "accum_steps", "precision", "checkpointing")
+#: Knobs that draw on one resource, also searched as a trade: the first one rung up and
+#: the second one rung down, and the other way. A DataLoader worker more for an intra-op
+#: thread fewer keeps the threads the run uses: on a CPU-bound host each move alone can
+#: be slower (the worker takes a core from the compute threads; one thread fewer leaves
+#: a core idle) while the trade is the fastest configuration (bench_tune on this
+#: 2-core machine: -18% and -17% alone, the grid's best together).
+TRADES = (("num_workers", "cpu_threads"),)
 #: How long the search waits for each phase of its own command's replies (s): on a
 #: busy host the run's own I/O thread, which answers, can be starved for seconds; a
 #: command not answered at all counts as refused.
@@ -306,10 +316,10 @@ class Series:
 
 @dataclass
 class Candidate:
-    """One setting tried: ``knob=value`` from the best configuration at that moment."""
+    """One setting tried: ``setting`` ({knob: value}, one knob or a trade of two) in place
+    of those knobs' values in the best configuration at that moment."""
 
-    knob: str
-    value: Any
+    setting: dict[str, Any]
     state: str = "measuring"  # measuring | kept | reverted | skipped
     reason: str = ""
     block: Block = field(default_factory=Block)  # its sub-blocks' steps together
@@ -317,9 +327,14 @@ class Candidate:
     gain: float | None = None
     gain_spread: float | None = None
 
+    @property
+    def text(self) -> str:
+        """``num_workers=1, cpu_threads=1``."""
+        return _config_text(self.setting)
+
     def to_wire(self) -> dict[str, Any]:
         rate, spread = self.block.rate()
-        return {"knob": self.knob, "value": self.value, "state": self.state,
+        return {"setting": dict(self.setting), "state": self.state,
                 "reason": self.reason, "per_s": rate or None,
                 "per_s_spread": spread if rate else None, "gain": self.gain,
                 "gain_spread": self.gain_spread, "steps": self.steps}
@@ -327,78 +342,97 @@ class Candidate:
 
 class CoordinateSearch:
     """Which setting to try next, from the best configuration so far (see the module
-    docstring). Pure: no I/O, no clock."""
+    docstring). Pure: no I/O, no clock.
 
-    def __init__(self, ladders: dict[str, tuple[bool, list[Any]]], start: dict[str, Any]
-                 ) -> None:
+    The search moves along axes, one after the other: each knob on its own, and each
+    trade (:data:`TRADES`) whose two knobs are both searched, right after the later of
+    them. A step along a trade moves its first knob one rung up and its second one rung
+    down (direction +1), or the other way (-1)."""
+
+    def __init__(self, ladders: dict[str, tuple[bool, list[Any]]], start: dict[str, Any],
+                 trades: tuple[tuple[str, str], ...] = ()) -> None:
         """``ladders``: per knob, in search order, (ordered?, its values); an ordered
         knob moves one rung at a time, the others try every value. ``start``: the
-        configuration the search starts from (the first best: never a candidate)."""
+        configuration the search starts from (the first best: never a candidate).
+        ``trades``: pairs of knobs also moved together, in opposite directions (kept
+        when both are searched and ordered)."""
         self.ladders = ladders
-        self._order = list(ladders)
-        self._index = 0  # knob being searched
-        self._direction = 1  # ordered knobs: +1 up, -1 down
+        self._axes: list[tuple[str, ...]] = [(knob,) for knob in ladders]
+        order = list(ladders)
+        for pair in trades:
+            if all(knob in ladders and ladders[knob][0] for knob in pair):
+                after = max(order.index(knob) for knob in pair)
+                self._axes.insert(self._axes.index((order[after],)) + 1, pair)
+        self._index = 0  # axis being searched
+        self._direction = 1  # ordered axes: +1 up, -1 down
         self._kept_this_pass = False
-        self._kept_this_knob = False
+        self._kept_this_axis = False
         self._passes = 1
         self._tried = {_key(start)}
 
-    def next(self, best: dict[str, Any]) -> tuple[str, Any] | None:
-        """The next ``(knob, value)`` to try from ``best``, or None when done."""
-        while self._index < len(self._order):
-            knob = self._order[self._index]
-            ordered, values = self.ladders[knob]
-            value = self._step(knob, ordered, values, best)
-            if value is None and ordered and self._direction == 1 \
-                    and not self._kept_this_knob:
+    def next(self, best: dict[str, Any]) -> dict[str, Any] | None:
+        """The next setting ({knob: value}) to try from ``best``, or None when done."""
+        while self._index < len(self._axes):
+            axis = self._axes[self._index]
+            ordered = self._ordered(axis)
+            setting = self._step(axis, ordered, best)
+            if setting is None and ordered and self._direction == 1 \
+                    and not self._kept_this_axis:
                 self._direction = -1  # the top of the ladder: try down
                 continue
-            if value is not None:
-                config = _key({**best, knob: value})
+            if setting is not None:
+                config = _key({**best, **setting})
                 if config in self._tried:
                     self._advance(ordered)
                     continue
                 self._tried.add(config)
-                return knob, value
-            self._next_knob()
+                return setting
+            self._next_axis()
         return None
 
     def result(self, kept: bool) -> None:
         """The last setting :meth:`next` gave was kept (it is now in ``best``) or not."""
         if kept:
-            self._kept_this_pass = self._kept_this_knob = True
+            self._kept_this_pass = self._kept_this_axis = True
             return
-        knob = self._order[self._index]
-        self._advance(self.ladders[knob][0])
+        self._advance(self._ordered(self._axes[self._index]))
 
-    def _step(self, knob: str, ordered: bool, values: list[Any], best: dict[str, Any]
-              ) -> Any:
-        current = best[knob]
+    def _ordered(self, axis: tuple[str, ...]) -> bool:
+        return all(self.ladders[knob][0] for knob in axis)
+
+    def _step(self, axis: tuple[str, ...], ordered: bool, best: dict[str, Any]
+              ) -> dict[str, Any] | None:
         if ordered:
-            index = values.index(current) if current in values else None
-            if index is None:
-                return None
-            target = index + self._direction
-            return values[target] if 0 <= target < len(values) else None
-        others = [value for value in values
-                  if value != current and _key({**best, knob: value}) not in self._tried]
-        return others[0] if others else None
+            setting = {}
+            for knob, sign in zip(axis, (1, -1)):
+                values = self.ladders[knob][1]
+                if best[knob] not in values:
+                    return None
+                target = values.index(best[knob]) + sign * self._direction
+                if not 0 <= target < len(values):
+                    return None
+                setting[knob] = values[target]
+            return setting
+        knob, = axis
+        others = [value for value in self.ladders[knob][1] if value != best[knob]
+                  and _key({**best, knob: value}) not in self._tried]
+        return {knob: others[0]} if others else None
 
     def _advance(self, ordered: bool) -> None:
-        """The current direction is spent: ordered knobs turn down once (if going up
-        kept nothing), then the next knob."""
-        if ordered and self._direction == 1 and not self._kept_this_knob:
+        """The current direction is spent: ordered axes turn down once (if going up
+        kept nothing), then the next axis."""
+        if ordered and self._direction == 1 and not self._kept_this_axis:
             self._direction = -1
             return
         if not ordered:
             return  # the next other value is found by _step
-        self._next_knob()
+        self._next_axis()
 
-    def _next_knob(self) -> None:
+    def _next_axis(self) -> None:
         self._index += 1
         self._direction = 1
-        self._kept_this_knob = False
-        if self._index == len(self._order) and self._kept_this_pass \
+        self._kept_this_axis = False
+        if self._index == len(self._axes) and self._kept_this_pass \
                 and self._passes < MAX_PASSES:
             self._index, self._passes, self._kept_this_pass = 0, self._passes + 1, False
 
@@ -501,7 +535,7 @@ class Tuner:
         self.baseline = {name: values[name] for name in request.knobs}
         self.best = dict(self.baseline)
         self.search = CoordinateSearch({name: ladder(knobs.knobs[name], cpus)
-                                        for name in request.knobs}, self.baseline)
+                                        for name in request.knobs}, self.baseline, TRADES)
         self.candidates: list[Candidate] = []
         self.status = "running"
         self.text = ""
@@ -517,8 +551,10 @@ class Tuner:
         self._series = Series()  # the sub-block in progress
         self._best_block: Block | None = None  # the best's latest sub-block
         self._compiling = False
-        self._waiting: tuple[str, str, Any] | None = None  # (command id, knob, value)
-        self._watch = False  # whether the change awaited is watched for trouble
+        #: the search's commands on their way: command id -> (knob, value); nothing is
+        #: measured until each has applied
+        self._waiting: dict[str, tuple[str, Any]] = {}
+        self._watch = False  # whether the switch awaited is watched for trouble
         self._command_seq = 0
         self._stop_reason: str | None = None
         self._event("info", "tune: searching " + ", ".join(request.knobs)
@@ -555,13 +591,14 @@ class Tuner:
     def on_reply(self, command_id: str, reply: protocol.Reply) -> None:
         """The reply to a command this search sent (only a refusal matters: an accepted
         one is followed by its ``applied`` or ``failed`` event)."""
-        if self._waiting is None or self._waiting[0] != command_id or reply.get("ok"):
+        if command_id not in self._waiting or reply.get("ok"):
             return
-        _, knob, value = self._waiting
-        self._waiting = None
+        knob, value = self._waiting.pop(command_id)
         reason = str(reply.get("reason", "no reason given"))
-        if self._watch and self._candidate is not None and value == self._candidate.value:
-            self._verdict("skipped", f"refused: {reason}")  # the first switch to it
+        if self._watch and self._candidate is not None:  # a switch to the candidate
+            self._verdict("skipped", f"refused: {assignment(knob, value)}: {reason}"
+                          if len(self._candidate.setting) > 1 else f"refused: {reason}")
+            self._back_to_best()  # the rest of its setting may apply
             self._next_candidate()
         else:  # a way back was refused: stop where we are, and say so
             self._finish("stopped", f"the run refused {assignment(knob, value)}: {reason}")
@@ -576,17 +613,18 @@ class Tuner:
             self._series = Series()
         if self.status != "running":
             return
-        waiting = self._waiting
-        if waiting is not None and event.get("id") == waiting[0]:
-            self._waiting = None
+        if event.get("id") in self._waiting:
+            del self._waiting[event["id"]]
             if kind == "applied":
                 if self._watch:  # watched here (the agent's guard leaves it to us)
                     self._ledger.record(Change(int(event.get("step", 0)), str(knob),
                                                event.get("value"), event.get("previous")))
-                self._series = Series()
-                self._recheck()
-            elif kind == "failed" and self._watch:  # the knob kept its value
+                if not self._waiting:
+                    self._series = Series()
+                    self._recheck()
+            elif kind == "failed" and self._watch:  # that knob kept its value
                 self._verdict("reverted", f"applying it failed: {event.get('text', '')}")
+                self._back_to_best()  # the rest of its setting may have applied
                 self._next_candidate()
             elif kind == "failed":
                 self._finish("stopped", f"going back failed: {event.get('text', '')}")
@@ -612,7 +650,7 @@ class Tuner:
         if self._candidate is not None:
             self._candidate.steps += 1
         units = tokens or samples
-        if (self._waiting is not None or self._compiling or self._trial is None
+        if (self._waiting or self._compiling or self._trial is None
                 or not step_time_s or step_time_s <= 0 or not units):
             return
         if self.unit is None:
@@ -640,9 +678,10 @@ class Tuner:
         if following == _side(trial.sub_block - 1):
             self._series = Series(after_change=False)  # same configuration: no switch
         else:
-            candidate = trial.candidate
-            value = candidate.value if following == "candidate" else self.best[candidate.knob]
-            self._switch(candidate.knob, value, watch=following == "candidate")
+            setting = trial.candidate.setting
+            self._switch(setting if following == "candidate"
+                         else {knob: self.best[knob] for knob in setting},
+                         watch=following == "candidate")
 
     def _judge(self, trial: Trial) -> bool:
         """After a pair: the verdict if there is one (True), else False."""
@@ -654,30 +693,32 @@ class Tuner:
         if k >= MIN_PAIRS_SLOWER and high < 0:
             self._verdict("reverted", f"slower: {_gain_text(gain, low, high)}")
             if in_candidate:
-                self._switch(candidate.knob, self.best[candidate.knob])
+                self._back_to_best()
             self._next_candidate()
         elif k >= MIN_PAIRS_FASTER and low > 0:
-            self.best[candidate.knob] = candidate.value
+            self.best.update(candidate.setting)
             self._verdict("kept", f"faster: {_gain_text(gain, low, high)}")
             if not in_candidate:
-                self._switch(candidate.knob, candidate.value, watch=True)
+                self._switch(candidate.setting, watch=True)
             self._next_candidate()
         elif k >= MAX_PAIRS or (k >= MIN_PAIRS_FASTER and high < WORTHWHILE_GAIN):
             why = ("not faster beyond noise" if k >= MAX_PAIRS and high >= WORTHWHILE_GAIN
                    else f"not worth it: under +{WORTHWHILE_GAIN:.0%} beyond noise")
             self._verdict("reverted", f"{why}: {_gain_text(gain, low, high)}")
             if in_candidate:
-                self._switch(candidate.knob, self.best[candidate.knob])
+                self._back_to_best()
             self._next_candidate()
         else:
             self.publish_state()
             return False
         return True
 
-    def _switch(self, knob: str, value: Any, *, watch: bool = False) -> None:
-        """Send ``knob=value``; measure again once it applies (and, with ``watch``, watch
-        the change for trouble: a candidate, not a way back)."""
-        self._waiting = (self._send_one(knob, value), knob, value)
+    def _switch(self, setting: dict[str, Any], *, watch: bool = False) -> None:
+        """Send each ``knob=value`` of ``setting``, in its order; measure again once all
+        have applied (and, with ``watch``, watch the changes for trouble: a candidate,
+        not a way back). Commands sent earlier and still on their way are not awaited."""
+        self._waiting = {self._send_one(knob, value): (knob, value)
+                         for knob, value in setting.items()}
         self._watch = watch
 
     def _send_one(self, knob: str, value: Any) -> str:
@@ -689,15 +730,11 @@ class Tuner:
     def _back_to_best(self) -> None:
         """Send the best value of every knob that differs from it, or has a command of
         the search's on its way."""
-        in_flight = self._waiting[1] if self._waiting is not None else None
-        back = [(knob, value) for knob, value in self.best.items()
-                if knob == in_flight or self.knobs.knobs[knob].get() != value]
-        self._waiting = None
-        for knob, value in back[:-1]:
-            self._send_one(knob, value)
-        if back:
-            self._switch(*back[-1])
-        else:
+        in_flight = {knob for knob, _ in self._waiting.values()}
+        back = {knob: value for knob, value in self.best.items()
+                if knob in in_flight or self.knobs.knobs[knob].get() != value}
+        self._switch(back)
+        if not back:
             self._series = Series()
 
     def _next_candidate(self) -> None:
@@ -713,24 +750,23 @@ class Tuner:
             if following is None:
                 self._finish("done")
                 return
-            candidate = Candidate(*following)
+            candidate = Candidate(following)
             self.candidates.append(candidate)
-            reason = self._skip_reason(candidate.knob, candidate.value)
+            reason = self._skip_reason(candidate.setting)
             if reason is None:
                 break
             self._skip(candidate, reason)
         self._trial = Trial(candidate)
-        self._unchecked = self._waiting is not None
-        if self._waiting is None:
+        self._unchecked = bool(self._waiting)
+        if not self._waiting:
             self._series = Series()
-        self._event("info", f"tune: trying {assignment(candidate.knob, candidate.value)}")
+        self._event("info", f"tune: trying {candidate.text}")
         self.publish_state()
 
     def _skip(self, candidate: Candidate, reason: str) -> None:
         candidate.state, candidate.reason = "skipped", reason
         self.search.result(False)
-        self._event("info", f"tune: skipping {assignment(candidate.knob, candidate.value)}:"
-                    f" {reason}")
+        self._event("info", f"tune: skipping {candidate.text}: {reason}")
 
     def _recheck(self) -> None:
         """The switch back to the best applied: a candidate chosen while it was on its
@@ -740,20 +776,24 @@ class Tuner:
         if not self._unchecked or candidate is None:
             return
         self._unchecked = False
-        reason = self._skip_reason(candidate.knob, candidate.value)
+        reason = self._skip_reason(candidate.setting)
         if reason is not None:
             self._skip(candidate, reason)
             self._next_candidate()
 
-    def _skip_reason(self, knob: str, value: Any) -> str | None:
-        """Why ``knob=value`` is not tried here (the run refuses it, or warns that it is
-        slow or has no effect here), or None."""
-        try:
-            self.knobs.validate(knob, value)
-        except KnobError as exc:
-            return str(exc)
-        warn = self.knobs.knobs[knob].warn
-        return (warn(value) if warn is not None else None) or None
+    def _skip_reason(self, setting: dict[str, Any]) -> str | None:
+        """Why ``setting`` is not tried here (the run refuses one of its values, or warns
+        that it is slow or has no effect here), or None."""
+        for knob, value in setting.items():
+            try:
+                self.knobs.validate(knob, value)
+            except KnobError as exc:
+                return str(exc)
+            warn = self.knobs.knobs[knob].warn
+            reason = warn(value) if warn is not None else None
+            if reason:
+                return reason
+        return None
 
     def _verdict(self, state: str, reason: str) -> None:
         """The candidate being tried (if any) is ``state`` (kept, reverted, skipped)
@@ -768,7 +808,7 @@ class Tuner:
                     f"{candidate.block.n} steps)" if rate else "")
         trouble = state == "reverted" and not reason.startswith(("slower", "not "))
         self._event("warning" if trouble else "info",
-                    f"tune: {assignment(candidate.knob, candidate.value)} {state}: "
+                    f"tune: {candidate.text} {state}: "
                     f"{reason}{measured}")
         self.publish_state()
 
@@ -776,12 +816,12 @@ class Tuner:
         """The agent's out-of-memory path undid ``knob`` on the training thread."""
         trial = self._trial
         for kept in self.candidates:
-            if kept.state == "kept" and kept.knob == knob and kept.value != value:
+            if kept.state == "kept" and kept.setting.get(knob, value) != value:
                 kept.state, kept.reason = "reverted", text
         self.best[knob] = value
-        self._waiting = None
-        if trial is not None and trial.candidate.knob == knob:
+        if trial is not None and knob in trial.candidate.setting:
             self._verdict("reverted", text)
+            self._back_to_best()  # the rest of its setting, if it is a trade
             self._next_candidate()
         else:
             self._series = Series()
@@ -791,7 +831,8 @@ class Tuner:
         such change in the guard's window goes back to its last good value."""
         self._verdict("reverted", reason)
         for kept in self.candidates:
-            if kept.state == "kept" and kept.value != last_good.get(kept.knob, kept.value):
+            if kept.state == "kept" and any(last_good.get(knob, value) != value
+                                            for knob, value in kept.setting.items()):
                 kept.state, kept.reason = "reverted", f"{reason} (it had been kept)"
         self.best.update((knob, value) for knob, value in last_good.items()
                          if knob in self.best)
@@ -804,7 +845,7 @@ class Tuner:
         why = reason or f"the budget of {self.request.budget_steps} steps is spent"
         self._verdict("reverted", f"not judged: {why}")
         self._back_to_best()
-        self._waiting = None  # nothing more to measure: the commands go out all the same
+        self._waiting = {}  # nothing more to measure: the commands go out all the same
         self._finish("stopped" if reason else "done", "" if reason is None else why)
 
     def _finish(self, status: str, why: str = "") -> None:

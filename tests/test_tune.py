@@ -133,7 +133,8 @@ def _tune_to_the_end(sub, info, value, timeout_s=120):
 
 
 def _candidates(seen):
-    return {(c["knob"], c["value"]): c for c in seen[-1]["body"]["candidates"]}
+    """The last tune record's candidates by setting: ``{(("knob", value), ...): map}``."""
+    return {tuple(c["setting"].items()): c for c in seen[-1]["body"]["candidates"]}
 
 
 def test_the_search_keeps_the_faster_setting_and_reverts_the_slow_one(run_dir):
@@ -145,8 +146,8 @@ def test_the_search_keeps_the_faster_setting_and_reverts_the_slow_one(run_dir):
                          and m["body"]["knobs"]["step_delay"] == best)
         seen = _steps_after(sub, seen)
     candidates = _candidates([m for m in seen if m["type"] == protocol.TUNE])
-    assert candidates[("step_delay", 1)]["state"] == "kept"
-    slow = candidates[("step_delay", 2)]
+    assert candidates[(("step_delay", 1),)]["state"] == "kept"
+    slow = candidates[(("step_delay", 2),)]
     assert slow["state"] == "reverted" and slow["reason"].startswith("slower")
     assert final["best"] == {"step_delay": 1} and final["status"] == "done"
     assert final["text"].startswith("tuned: step_delay=1 (+") and final["gain"] > 0
@@ -173,9 +174,9 @@ def test_a_setting_that_makes_the_loss_nan_or_fails_to_apply_is_reverted(run_dir
         last = seen[-1]["body"]["step"]
         seen = _steps_after(sub, seen, 5)
     candidates = _candidates([m for m in seen if m["type"] == protocol.TUNE])
-    nan = candidates[("poison", True)]
+    nan = candidates[(("poison", True),)]
     assert nan["state"] == "reverted" and nan["reason"].startswith("loss was nan at step")
-    broken = candidates[("broken", 1)]
+    broken = candidates[(("broken", 1),)]
     assert broken["state"] == "reverted"
     assert "applying it failed" in broken["reason"] and "broken=1 cannot" in broken["reason"]
     final = next(m["body"] for m in reversed(seen) if m["type"] == protocol.TUNE)
@@ -269,12 +270,13 @@ def test_coordinate_search_climbs_a_rung_at_a_time_and_makes_a_second_pass():
     best = {"threads": 2, "workers": 0, "kernels": "eager"}
     faster = {("threads", 1), ("workers", 1), ("workers", 2), ("kernels", "triton")}
     tried = []
-    while (candidate := search.next(best)) is not None:  # faster the first time only
+    while (setting := search.next(best)) is not None:  # faster the first time only
+        (candidate,) = setting.items()
         tried.append(candidate)
         kept = candidate in faster
         faster.discard(candidate)
         if kept:
-            best[candidate[0]] = candidate[1]
+            best.update(setting)
         search.result(kept)
     # pass 1: threads down (nothing above 2), workers up while faster, every kernel;
     # pass 2 (pass 1 kept something): each knob again from the new best, configurations
@@ -283,6 +285,32 @@ def test_coordinate_search_climbs_a_rung_at_a_time_and_makes_a_second_pass():
                      ("kernels", "compile"), ("kernels", "triton"),
                      ("threads", 2), ("workers", 4), ("workers", 1)]
     assert best == {"threads": 1, "workers": 2, "kernels": "triton"}
+
+
+def test_a_trade_moves_two_knobs_at_once_where_each_alone_is_slower():
+    """On a CPU-bound host a worker more only pays with a compute thread fewer: the search
+    tries the trade right after both knobs, and the next pass moves each from there."""
+    search = CoordinateSearch({"cpu_threads": (True, [1, 2]), "num_workers": (True, [0, 1, 2]),
+                               "pin_memory": (False, [False, True])},
+                              {"cpu_threads": 2, "num_workers": 0, "pin_memory": False},
+                              trades=(("num_workers", "cpu_threads"),
+                                      ("num_workers", "pin_memory")))  # not ordered: none
+    best = {"cpu_threads": 2, "num_workers": 0, "pin_memory": False}
+    tried = []
+    while (setting := search.next(best)) is not None:
+        tried.append(setting)
+        kept = setting == {"num_workers": 1, "cpu_threads": 1}
+        if kept:
+            best.update(setting)
+        search.result(kept)
+    assert tried == [{"cpu_threads": 1}, {"num_workers": 1},
+                     {"num_workers": 1, "cpu_threads": 1},  # the trade, once up
+                     {"pin_memory": True},
+                     # pass 2 from the trade: what is new of each move (threads up is
+                     # num_workers=1 alone, workers down cpu_threads=1 alone, the trade
+                     # down the start: measured already; no thread below 1)
+                     {"num_workers": 2}]
+    assert best == {"cpu_threads": 1, "num_workers": 1, "pin_memory": False}
 
 
 def _search_steps(step_time_s):
@@ -351,12 +379,76 @@ def test_a_candidate_chosen_while_the_way_back_is_on_its_way_is_checked_once_it_
         every += sent
         sent.clear()
         tuner.on_step(step, 0.1, 32, None, 1.0, False)  # not worth it after 3 pairs,
-    states = {(c.knob, c.value): (c.state, c.reason)  # in a=1's sub-block: a switch back
+    states = {c.text: (c.state, c.reason)  # in a=1's sub-block: a switch back
               for c in tuner.candidates}
-    assert states[("a", 1)][0] == "reverted"
-    assert states[("b", 2)] == ("skipped", "b has no effect while a is 0")
+    assert states["a=1"][0] == "reverted"
+    assert states["b=2"] == ("skipped", "b has no effect while a is 0")
     assert not [command for command in every if command[1] == "b"]
     assert tuner.status == "done" and values == {"a": 0, "b": 1}
+
+
+def _trade_search(step_time_s, fails=()):
+    """A search over ``cpu_threads`` (from 2) and ``num_workers`` (from 0) on 2 CPUs, fed
+    step records directly; each command applies at the next step, except those in
+    ``fails`` (``(knob, value)``), which fail there. Returns the tuner and every command
+    sent, ``(knob, value)``. ``step_time_s(threads, workers)`` is a step's time."""
+    from agent.knobs import CPU_THREADS, NUM_WORKERS
+
+    values = {"cpu_threads": 2, "num_workers": 0}
+    knobs = KnobSet()
+    for spec in (CPU_THREADS, NUM_WORKERS):
+        knobs.add(Knob(spec, get=lambda name=spec.name: values[name], set=lambda v: None))
+    sent, every = [], []
+    tuner = Tuner(TuneRequest({"knobs": ["cpu_threads", "num_workers"]}, knobs), knobs, 1,
+                  send=lambda *command: sent.append(command), publish=lambda *_: None,
+                  cpus=2)
+    step = 0
+    while tuner.status == "running" and step < 2_000:
+        step += 1
+        for command_id, knob, new in sent:
+            every.append((knob, new))
+            if (knob, new) in fails:
+                tuner.on_event({"kind": "failed", "id": command_id, "knob": knob,
+                                "value": new, "step": step, "text": f"{knob}={new} failed"})
+                continue
+            previous, values[knob] = values[knob], new
+            tuner.on_event({"kind": "applied", "id": command_id, "knob": knob,
+                            "value": new, "previous": previous, "step": step})
+        sent.clear()
+        tuner.on_step(step, step_time_s(values["cpu_threads"], values["num_workers"]), 32,
+                      None, 1.0, False)
+    assert tuner.status == "done"
+    return tuner, values, every
+
+
+def test_the_search_finds_a_trade_of_a_thread_for_a_worker_when_each_alone_is_slower():
+    # a worker of its own core: faster only with a compute thread fewer
+    times = {(2, 0): 0.10, (1, 0): 0.12, (2, 1): 0.12, (1, 1): 0.07, (1, 2): 0.09,
+             (2, 2): 0.15}
+    tuner, values, every = _trade_search(lambda threads, workers: times[threads, workers])
+    states = {c.text: (c.state, c.reason.split(":")[0]) for c in tuner.candidates}
+    assert states == {"cpu_threads=1": ("reverted", "slower"),
+                      "num_workers=1": ("reverted", "slower"),
+                      "num_workers=1, cpu_threads=1": ("kept", "faster"),
+                      "num_workers=2": ("reverted", "slower")}
+    assert values == tuner.best == {"cpu_threads": 1, "num_workers": 1}
+    assert tuner.text.startswith("tuned: cpu_threads=1, num_workers=1 (+43% samples/s")
+    # the trade goes out as its two commands, and back as two
+    trade = next(i for i in range(len(every)) if every[i:i + 2] == [
+        ("num_workers", 1), ("cpu_threads", 1)])
+    assert every[trade:trade + 4] == [("num_workers", 1), ("cpu_threads", 1),
+                                      ("num_workers", 0), ("cpu_threads", 2)]
+
+
+def test_a_trade_whose_second_part_fails_to_apply_goes_back_whole():
+    times = {(2, 0): 0.10, (1, 0): 0.12, (2, 1): 0.12, (1, 1): 0.07}
+    tuner, values, every = _trade_search(lambda threads, workers: times[threads, workers],
+                                         fails={("cpu_threads", 1)})
+    trade = next(c for c in tuner.candidates if len(c.setting) == 2)
+    assert trade.state == "reverted"
+    assert trade.reason == "applying it failed: cpu_threads=1 failed"
+    assert values == tuner.best == {"cpu_threads": 2, "num_workers": 0}
+    assert every[-1] == ("num_workers", 0)  # the part that applied went back
 
 
 def test_student_t_quantiles_and_the_paired_interval_that_load_drift_does_not_fool():
@@ -613,7 +705,7 @@ def test_a_candidates_verdict_has_a_line_of_its_own_so_it_is_never_cut():
     from gpuwatch.widgets.tune import candidate_line
 
     reason = "not faster beyond noise: +12% (-19% to +55%) (632 ± 97 samples/s over 25 steps)"
-    line = candidate_line({"knob": "num_workers", "value": 2, "per_s": 632.0,
+    line = candidate_line({"setting": {"num_workers": 2}, "per_s": 632.0,
                            "per_s_spread": 97.0, "gain": 0.12, "gain_spread": 0.37,
                            "steps": 25, "state": "reverted", "reason": reason}, "samples")
     first, second = line.plain.split("\n")

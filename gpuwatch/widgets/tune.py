@@ -22,10 +22,25 @@ STATE_STYLES = {"kept": "bold $success", "reverted": "$warning", "skipped": "$te
                 "measuring": "bold $accent"}
 
 
-def candidate_line(candidate: dict[str, Any], unit: str) -> Content:
-    """One candidate, in two lines: setting, throughput with its 95% half-width, gain
-    over the best then (with its own) and steps spent; then its state and reason."""
-    setting = assignment(str(candidate.get("knob")), candidate.get("value"))
+#: Width of the candidates' setting column: at least, and at most (a longer setting is
+#: cut there).
+SETTING_WIDTH = (22, 32)
+
+
+def setting_text(candidate: dict[str, Any]) -> str:
+    """A candidate's setting as ``num_workers=1, cpu_threads=1`` (``?`` if it has none)."""
+    setting = candidate.get("setting")
+    if not isinstance(setting, dict) or not setting:
+        return "?"
+    return ", ".join(assignment(str(knob), value) for knob, value in setting.items())
+
+
+def candidate_line(candidate: dict[str, Any], unit: str,
+                   width: int = SETTING_WIDTH[0]) -> Content:
+    """One candidate, in two lines: setting (in ``width`` columns), throughput with its
+    95% half-width, gain over the best then (with its own) and steps spent; then its
+    state and reason."""
+    setting = setting_text(candidate)
     per_s, spread = candidate.get("per_s"), candidate.get("per_s_spread")
     rate = (f"{human_number(per_s)} ± {human_number(spread)}" if isinstance(per_s, (int, float))
             and isinstance(spread, (int, float)) else "-")
@@ -36,7 +51,7 @@ def candidate_line(candidate: dict[str, Any], unit: str) -> Content:
     state = str(candidate.get("state", "?"))
     reason = str(candidate.get("reason") or "")
     return Content.assemble(  # the verdict on a line of its own: it wraps, never cut
-        f"{setting:<22.22} {rate:>17} {unit}/s {change:>13} "
+        f"{setting:<{width}.{width}} {rate:>17} {unit}/s {change:>13} "
         f"{steps if isinstance(steps, int) else '-':>5}\n    ",
         (state, STATE_STYLES.get(state, "")), f": {reason}" if reason else "")
 
@@ -53,6 +68,9 @@ def tune_text(state: RunState) -> Content:
     best = tune.get("best") or {}
     gain = tune.get("gain")
     status = str(tune.get("status", "?"))
+    candidates = tune.get("candidates") or ()
+    width = min(max([SETTING_WIDTH[0], *(len(setting_text(c)) for c in candidates)]),
+                SETTING_WIDTH[1])
     lines = [
         Content.assemble((f"{status}", STATE_STYLES.get("measuring" if status == "running"
                                                         else "kept", "")),
@@ -63,10 +81,10 @@ def tune_text(state: RunState) -> Content:
                                     "bold"),
                          f" ({gain:+.0%} {unit}/s over the start)"
                          if isinstance(gain, (int, float)) else ""),
-        Content.styled(f"{'candidate':<22} {unit + '/s ± 95%':>22} {'gain':>13} "
+        Content.styled(f"{'candidate':<{width}} {unit + '/s ± 95%':>22} {'gain':>13} "
                        f"{'steps':>5}\n    verdict", "$text-muted"),
     ]
-    lines += [candidate_line(candidate, unit) for candidate in tune.get("candidates") or ()]
+    lines += [candidate_line(candidate, unit, width) for candidate in candidates]
     if tune.get("text"):
         lines.append(Content.styled(str(tune["text"]), "bold $success"))
     return Content("\n").join(lines)
