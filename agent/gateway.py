@@ -37,7 +37,6 @@ from typing import Any
 import zmq
 
 from agent import helpers
-
 from agent.tcpfront import TcpFront
 
 #: Largest subscription message a client may send (a topic is a few bytes).
@@ -63,6 +62,78 @@ class _OneClientKey:
         return hmac.compare_digest(key, self.client_public)
 
 
+class Front:
+    """What clients of a helper process (this gateway, a node's relay) talk to: its two
+    ZeroMQ sockets with CURVE (only ``client_public`` let in, by a ZAP check; a
+    connection not authenticated within :data:`HANDSHAKE_MS` closed), ``pub`` (XPUB:
+    telemetry out, subscriptions in, at most :data:`MAX_SUBSCRIPTION_BYTES` each) and
+    ``cmd`` (ROUTER: commands, at most :data:`MAX_COMMAND_BYTES` and
+    :data:`COMMAND_QUEUE` per client), listening on private ipc paths behind a tcp front
+    door (:class:`agent.tcpfront.TcpFront`) that lets in a bounded number of
+    connections per peer.
+
+    Args:
+        context: the process's ZeroMQ context (destroyed by the caller, after
+            :meth:`close`).
+        address: where the tcp ports listen. server_public, server_secret,
+            client_public: Z85 CURVE keys.
+        inside: two ipc socket paths in a directory only this user may enter (made
+            0600 here, removed by :meth:`close`).
+
+    Raises:
+        zmq.ZMQError, OSError: a socket cannot be bound.
+    """
+
+    def __init__(self, context: zmq.Context, address: str, server_public: str,
+                 server_secret: str, client_public: str, inside: list[str]) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.inside = inside
+        self.door: TcpFront | None = None
+        self._authenticator = ThreadAuthenticator(context)
+        self._authenticator.start()
+        try:
+            self._authenticator.configure_curve_callback(
+                domain="*", credentials_provider=_OneClientKey(client_public.encode()))
+            self.pub = context.socket(zmq.XPUB)
+            self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription: it greets
+            self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+            self.pub.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
+            self.cmd = context.socket(zmq.ROUTER)
+            self.cmd.setsockopt(zmq.MAXMSGSIZE, MAX_COMMAND_BYTES)
+            self.cmd.setsockopt(zmq.RCVHWM, COMMAND_QUEUE)
+            for socket, path in zip((self.pub, self.cmd), inside):
+                socket.setsockopt(zmq.LINGER, 0)
+                socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+                socket.curve_secretkey = server_secret.encode()
+                socket.curve_publickey = server_public.encode()
+                socket.curve_server = True
+                socket.bind(f"ipc://{path}")
+                os.chmod(path, 0o600)
+            self.door = TcpFront(address, inside).start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """``{"pub_port", "cmd_port"}``: the front door's tcp ports."""
+        assert self.door is not None
+        return {"pub_port": self.door.ports[0], "cmd_port": self.door.ports[1]}
+
+    def close(self) -> None:
+        """Close the front door, stop the ZAP check and remove the ipc paths (the
+        sockets close with the context)."""
+        if self.door is not None:
+            self.door.close()
+        self._authenticator.stop()
+        for path in self.inside:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
     """Bind, say the ports on ``out``, forward until ``stdin_fd`` reaches EOF.
 
@@ -82,29 +153,14 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
     Raises:
         zmq.ZMQError: a socket cannot be bound or connected.
     """
-    from zmq.auth.thread import ThreadAuthenticator
-
     context = zmq.Context()
-    door: TcpFront | None = None
-    inside: list[str] = []
-    authenticator = ThreadAuthenticator(context)
-    authenticator.start()
-    authenticator.configure_curve_callback(
-        domain="*", credentials_provider=_OneClientKey(settings["client_public"].encode()))
+    front: Front | None = None
     try:
-        front_pub = context.socket(zmq.XPUB)
-        front_pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription: the agent greets
-        front_pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
-        front_pub.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
-        front_cmd = context.socket(zmq.ROUTER)
-        front_cmd.setsockopt(zmq.MAXMSGSIZE, MAX_COMMAND_BYTES)
-        front_cmd.setsockopt(zmq.RCVHWM, COMMAND_QUEUE)
-        for socket in (front_pub, front_cmd):
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
-            socket.curve_secretkey = settings["server_secret"].encode()
-            socket.curve_publickey = settings["server_public"].encode()
-            socket.curve_server = True
+        # ZeroMQ listens on private ipc sockets; the tcp ports are the front door's,
+        # which lets in a bounded number of connections per peer and relays their bytes
+        front = Front(context, settings["address"], settings["server_public"],
+                      settings["server_secret"], settings["client_public"],
+                      [settings["inside_pub"], settings["inside_cmd"]])
         back_pub = context.socket(zmq.XSUB)
         back_cmd = context.socket(zmq.DEALER)
         back_cmd.setsockopt(zmq.ROUTING_ID, bytes.fromhex(settings["routing_id"]))
@@ -112,26 +168,13 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
             socket.setsockopt(zmq.LINGER, 0)
         back_pub.connect(settings["pub"])
         back_cmd.connect(settings["cmd"])
-        # ZeroMQ listens on private ipc sockets; the tcp ports are the front door's,
-        # which lets in a bounded number of connections per peer and relays their bytes
-        inside = [settings["inside_pub"], settings["inside_cmd"]]
-        for socket, path in zip((front_pub, front_cmd), inside):
-            socket.bind(f"ipc://{path}")
-            os.chmod(path, 0o600)
-        door = TcpFront(settings["address"], inside).start()
-        out.write(json.dumps({"pub_port": door.ports[0], "cmd_port": door.ports[1]}) + "\n")
+        out.write(json.dumps(front.ports) + "\n")
         out.flush()
-        _forward(front_pub, front_cmd, back_pub, back_cmd, stdin_fd)
+        _forward(front.pub, front.cmd, back_pub, back_cmd, stdin_fd)
     finally:
-        if door is not None:
-            door.close()
-        authenticator.stop()
+        if front is not None:
+            front.close()
         context.destroy(linger=0)
-        for path in inside:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
     return 0
 
 

@@ -4,7 +4,9 @@ the node's local rank 0 (``python -m agent.relay``), like the tcp gateway
 a training process.
 
 It listens with CURVE (its server key pair and the one client key it lets in are
-derived from the user's job secret: see :mod:`agent.nodes`) and:
+derived from the user's job secret: see :mod:`agent.nodes`), behind the same tcp front
+door as the gateway (:class:`agent.gateway.Front`: a bounded number of connections per
+peer, so no one can exhaust its descriptors or crowd the owner's dashboards out), and:
 
 - commands: a ``command`` with the relay's token is passed to every rank of the node
   (their run files give their endpoints and tokens, as for a dashboard on this node),
@@ -28,7 +30,10 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -37,8 +42,7 @@ import zmq
 
 from agent import helpers, protocol
 from agent.fanout import _Connections, secure
-from agent.gateway import (COMMAND_QUEUE, HANDSHAKE_MS, MAX_COMMAND_BYTES,
-                           MAX_SUBSCRIPTION_BYTES, SEND_HIGH_WATER_MARK, _OneClientKey)
+from agent.gateway import Front
 from agent.runs import RunInfo, run_ranks
 
 #: How often the node summary is published, and the run files looked at again (s).
@@ -306,40 +310,24 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
     """
     import select
 
-    from zmq.auth.thread import ThreadAuthenticator
-
     context = zmq.Context()
-    authenticator = ThreadAuthenticator(context)
-    authenticator.start()
-    authenticator.configure_curve_callback(
-        domain="*", credentials_provider=_OneClientKey(settings["client_public"].encode()))
     threads: list[threading.Thread] = []
     relay = None
+    front: Front | None = None
+    private = tempfile.mkdtemp(prefix="gpuwatch-relay-")  # 0700: this user's only
     try:
-        front_pub = context.socket(zmq.XPUB)
-        front_pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        front_pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
-        front_pub.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
-        front_cmd = context.socket(zmq.ROUTER)
-        front_cmd.setsockopt(zmq.MAXMSGSIZE, MAX_COMMAND_BYTES)
-        front_cmd.setsockopt(zmq.RCVHWM, COMMAND_QUEUE)
-        for socket in (front_pub, front_cmd):
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
-            socket.curve_secretkey = settings["server_secret"].encode()
-            socket.curve_publickey = settings["server_public"].encode()
-            socket.curve_server = True
-        address = settings["address"]
-        bracketed = f"[{address}]" if ":" in address else address
-        ports = {"pub_port": front_pub.bind_to_random_port(f"tcp://{bracketed}"),
-                 "cmd_port": front_cmd.bind_to_random_port(f"tcp://{bracketed}")}
-        relay = Relay(settings, front_pub, front_cmd)
+        # ZeroMQ listens on private ipc sockets behind the tcp front door, which lets
+        # in a bounded number of connections per peer (as the gateway's)
+        front = Front(context, settings["address"], settings["server_public"],
+                      settings["server_secret"], settings["client_public"],
+                      [os.path.join(private, "pub"), os.path.join(private, "cmd")])
+        relay = Relay(settings, front.pub, front.cmd)
         # the sockets move to their threads here (starting a thread is a memory barrier)
         threads = [threading.Thread(target=relay.serve_commands, daemon=True),
                    threading.Thread(target=relay.serve_telemetry, daemon=True)]
         for thread in threads:
             thread.start()
-        out.write(json.dumps(ports) + "\n")
+        out.write(json.dumps(front.ports) + "\n")
         out.flush()
         while not select.select([stdin_fd], [], [], 1.0)[0]:
             if not all(thread.is_alive() for thread in threads):
@@ -349,8 +337,10 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
             relay.stop.set()
         for thread in threads:
             thread.join(5.0)
-        authenticator.stop()
+        if front is not None:
+            front.close()
         context.destroy(linger=0)
+        shutil.rmtree(private, ignore_errors=True)
     return 0
 
 

@@ -851,6 +851,63 @@ def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, 
     assert summary["accum_steps"] == 2 and summary["steps"] >= 50
 
 
+def test_another_users_connections_cannot_exhaust_a_node_relays_descriptors(
+        run_dir, tmp_path, monkeypatch, intruder):
+    """The same flood against a multi-node job's relay (a real ``python -m agent.relay``
+    in front of node 1's ranks): it holds a few of them (another user's share), and the
+    owner's dashboard, with the job secret's keys, still hears the node's summaries."""
+    import psutil
+
+    from agent import nodes, tcpfront
+    from gpuwatch.client import Subscriber
+    from tests.test_nodes import RUN_ID, OtherNode
+
+    if not intruder.foreign:
+        pytest.skip("connections are shared out per user: run the tests as root to "
+                    "flood from another user")
+    monkeypatch.setenv(nodes.SECRET_ENV, str(tmp_path / "secret"))
+    nodes.create_secret(tmp_path / "secret")
+    secret = nodes.load_secret(tmp_path / "secret")
+    other = OtherNode(tmp_path / "node1", secret, {})
+    public, private = nodes.client_keys(secret, RUN_ID)
+    dashboard = runs.RunInfo(run_id=RUN_ID, rank=2, world_size=4, pid=0,
+                             pub_endpoint=other.entry["pub_endpoint"],
+                             cmd_endpoint=other.entry["cmd_endpoint"], token="",
+                             started_at=0.0, curve_server_key=other.entry["server_key"],
+                             curve_client_public_key=public,
+                             curve_client_secret_key=private)
+    flood = None
+    try:
+        relay = psutil.Process(other.process.pid)
+
+        def summaries(count):
+            with Subscriber(dashboard) as subscriber:
+                seen = 0
+                while seen < count:
+                    message = subscriber.recv(timeout_s=15)
+                    assert message is not None, "the owner heard nothing from the relay"
+                    seen += message["type"] == protocol.NODE
+
+        summaries(1)
+        fds_before = relay.num_fds()
+        ports = ",".join(other.entry[key].rsplit(":", 1)[1]
+                         for key in ("pub_endpoint", "cmd_endpoint"))
+        flood = intruder.start(FLOOD, "127.0.0.1", ports, "1500", "60")
+        assert flood.stdout.readline().strip() == "ready", flood.stderr.read()
+        summaries(2)  # a new subscription, let in while the flood goes on
+        fds_during = relay.num_fds()
+        flood.stdin.close()
+        result = json.loads(flood.stdout.readline())
+        assert flood.wait(30) == 0
+    finally:
+        if flood is not None and flood.poll() is None:
+            flood.kill()
+        other.stop()
+    assert result["most_held"] >= 1500 and result["opened"] > 1500, result
+    assert fds_during - fds_before <= 3 * tcpfront.PEER_CONNECTIONS + 12, (
+        fds_before, fds_during)
+
+
 #: With the run's keys (this user's own process): a 4 MB subscription, kept up until
 #: stdin closes (then os._exit: ZeroMQ crashes closing a SUB of megabytes).
 HUGE_SUBSCRIPTION = r"""
