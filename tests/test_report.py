@@ -106,3 +106,7 @@ def test_compare_one_run_around_its_changes_and_two_runs(logged_run, run_dir):
     header = two.stdout.splitlines()[0].split()
     assert header[0] == RUN and header[-1] == "ratio"
     assert gpuwatch("compare", str(other)).returncode == 1  # no change to compare around
+    late = write_run(os.path.join(run_dir, "logs", "20250103-000000-1ate.rank0.jsonl"),
+                     steps=20, changes=[(10, "lr", 0.01)])  # a knob that appears mid-run
+    rows = gpuwatch("compare", str(late)).stdout.splitlines()
+    assert next(row for row in rows if row.startswith("lr")).split() == ["lr", "-", "0.01"]

@@ -176,7 +176,7 @@ class StepChart(PlotextPlot):
             self._mark(marks, first, last, high, self.size.width - tick_width - 3)
             ticks: list[float] = sorted({round(first + (last - first) * i / (_X_TICKS - 1))
                                          for i in range(_X_TICKS)})  # ints are floats to plotext
-            plt.xticks(ticks, [str(tick) for tick in ticks])
+            plt.xticks(ticks, [f"{tick:,.0f}" for tick in ticks])  # 12,000: steps
             plt.title(titles)
         else:
             plt.title(f"{' & '.join(self._label(s) for s in self.series)}: no steps yet")
