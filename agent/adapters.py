@@ -98,16 +98,28 @@ def cpu_threads_knob(knobs: KnobSet) -> Knob:
     microseconds; it is process-wide, so it holds for every model and loop here. While
     ``knobs``' ``kernels`` is ``compile`` a change warns (and the in-run search skips
     it): torch.compile guards on the thread count, so the next step recompiles.
+
+    The count is the training thread's: with OpenMP each thread that has run torch code
+    keeps its own (``torch.get_num_threads()`` on the agent's I/O thread still says the
+    old count after the training thread set a new one), so the knob reads the count it
+    last set, first the one of the thread that binds it (the training thread, at
+    attach); a ``torch.set_num_threads`` of the script's own afterwards is not seen.
     """
+    threads = [torch.get_num_threads()]
+
+    def set_threads(value: int) -> None:
+        torch.set_num_threads(value)
+        threads[0] = value
+
     def warn(value: Any) -> str | None:
         kernels = knobs.knobs.get(KERNELS.name)
-        if kernels is not None and kernels.get() == "compile" and value != torch.get_num_threads():
+        if kernels is not None and kernels.get() == "compile" and value != threads[0]:
             return ("with kernels=compile, torch.compile guards on the thread count: the "
                     "next step recompiles the model (tens of seconds without a step)")
         return None
 
     return Knob(dataclasses.replace(CPU_THREADS, maximum=usable_cpu_count()),
-                get=torch.get_num_threads, set=torch.set_num_threads, warn=warn)
+                get=lambda: threads[0], set=set_threads, warn=warn)
 
 
 def effective_batch_refusal(micro_batch_size: int, batch_size: int, accum_steps: int

@@ -27,10 +27,15 @@ How a setting is judged:
   :data:`MIN_PAIRS_FASTER` one faster beyond noise is kept and becomes the best, and one
   whose gain is below :data:`WORTHWHILE_GAIN` beyond noise (the upper end of the
   interval under it) is reverted as not worth it: each further pair costs steps of the
-  run, and could at most prove a gain too small to matter; after :data:`MAX_PAIRS` it is
-  reverted as not faster beyond noise. (A candidate with a wide interval, however low
-  its mean, is measured on: on a quiet host a worker whose first pairs measured -33%
-  (-70% to +53%) was the grid's best.)
+  run, and could at most prove a gain too small to matter. Futility stops the rest
+  early: from :data:`MIN_PAIRS_FASTER` pairs a candidate slower on average is reverted,
+  and from :data:`FUTILE_FROM_PAIRS` one that :data:`MAX_PAIRS` pairs could not show
+  faster at its mean and spread so far (:func:`could_be_shown_faster`); after
+  :data:`MAX_PAIRS` it is reverted as not faster beyond noise. The constants were chosen
+  with a simulation of this search on the CNN demo's measured step times on a 2-core
+  host (a worker's restart at each epoch, load drift, bursts): 200 to 230 steps for
+  the search, ending within 5% of the best configuration in 80% (heavy noise) to 100%
+  (a quiet host) of runs (``benchmarks/sim_tune.py``).
 - Which candidates: a coordinate search from the configuration the run has. Numeric
   knobs move along a ladder (0, 1, 2, 4, ... up to the knob's maximum, for
   ``num_workers`` and ``cpu_threads`` the usable CPUs) one rung at a time, up first, then
@@ -90,16 +95,19 @@ DEFAULT_BUDGET_STEPS = 600
 MAX_BUDGET_STEPS = 1_000_000
 #: A sub-block: at least this many measured steps (after its warm-up cut), and more
 #: until it has this many seconds of them, up to the most steps.
-SUB_BLOCK_STEPS = 4
-SUB_BLOCK_S = 0.25
+SUB_BLOCK_STEPS = 3
+SUB_BLOCK_S = 0.1
 MAX_SUB_BLOCK_STEPS = 16
 #: Pairs of sub-blocks (best, candidate) after which a candidate may be called slower /
 #: faster (or not worth it), and after which it is reverted as not faster beyond noise.
 MIN_PAIRS_SLOWER = 2
 MIN_PAIRS_FASTER = 3
-MAX_PAIRS = 6
+MAX_PAIRS = 12
 #: A gain below this (a fraction of throughput) is not worth more of the run's steps.
 WORTHWHILE_GAIN = 0.05
+#: Pairs from which a candidate that could not be shown faster even in :data:`MAX_PAIRS`
+#: pairs at its mean and spread so far is reverted (:func:`could_be_shown_faster`).
+FUTILE_FROM_PAIRS = 6
 #: Two-sided confidence of the paired interval of a candidate's gain.
 CONFIDENCE = 0.95
 #: Full passes over the knobs at most (a pass that keeps nothing ends the search).
@@ -256,6 +264,35 @@ def paired_gain(pairs: list[tuple[Block, Block]], confidence: float = CONFIDENCE
     sd = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (k - 1))
     margin = t_quantile(0.5 + confidence / 2, k - 1) * sd / math.sqrt(k)
     return math.expm1(mean), math.expm1(mean - margin), math.expm1(mean + margin)
+
+
+def _not_faster(pairs: int, gain: float, high: float) -> str | None:
+    """Why a candidate is reverted without being slower beyond noise after ``pairs``
+    pairs (``gain`` and ``high`` of :func:`paired_gain`), or None to measure on."""
+    if pairs >= MIN_PAIRS_FASTER and high < WORTHWHILE_GAIN:
+        return f"not worth it: under +{WORTHWHILE_GAIN:.0%} beyond noise"
+    if pairs >= MAX_PAIRS:
+        return "not faster beyond noise"
+    if pairs >= MIN_PAIRS_FASTER and gain <= 0:
+        return "not faster: slower on average"
+    if pairs >= FUTILE_FROM_PAIRS and not could_be_shown_faster(gain, high, pairs):
+        return f"not faster beyond noise, nor would {MAX_PAIRS} pairs show it at this mean"
+    return None
+
+
+def could_be_shown_faster(gain: float, high: float, pairs: int) -> bool:
+    """Whether :data:`MAX_PAIRS` pairs could show a candidate faster beyond noise if its
+    mean gain and the spread of its pairs stayed as they are after ``pairs`` pairs
+    (``gain`` and ``high`` as :func:`paired_gain` gives them): the interval at
+    :data:`MAX_PAIRS` pairs, ``t(MAX_PAIRS - 1) * sd / sqrt(MAX_PAIRS)`` each side of
+    the mean, would be above zero. A futility check of sequential testing: a candidate
+    that could not be shown faster even then is not worth its further pairs."""
+    if pairs < 2 or not math.isfinite(high):
+        return True  # no spread yet: it could be anything
+    mean = math.log1p(gain)  # the pairs' mean log ratio (gain > -1: rates are positive)
+    sd = (math.log1p(high) - mean) * math.sqrt(pairs) / t_quantile(
+        0.5 + CONFIDENCE / 2, pairs - 1)
+    return mean > t_quantile(0.5 + CONFIDENCE / 2, MAX_PAIRS - 1) * sd / math.sqrt(MAX_PAIRS)
 
 
 class Series:
@@ -509,9 +546,9 @@ class Tuner:
     switch between two, none within one side); after each pair, a paired t-test on the
     pairs' log throughput ratios (:func:`paired_gain`) says whether the candidate is
     slower (from :data:`MIN_PAIRS_SLOWER` pairs: reverted at once), faster (from
-    :data:`MIN_PAIRS_FASTER`: kept), without any measured gain (from
-    :data:`MIN_PAIRS_FASTER`: reverted) or, after :data:`MAX_PAIRS`, not faster beyond
-    noise (reverted). While a switch is on its way, steps count against the budget and measure
+    :data:`MIN_PAIRS_FASTER`: kept) or not faster (:func:`_not_faster`: not worth it,
+    slower on average, futile, or after :data:`MAX_PAIRS` pairs not faster beyond noise;
+    reverted). While a switch is on its way, steps count against the budget and measure
     nothing.
 
     Args:
@@ -701,9 +738,7 @@ class Tuner:
             if not in_candidate:
                 self._switch(candidate.setting, watch=True)
             self._next_candidate()
-        elif k >= MAX_PAIRS or (k >= MIN_PAIRS_FASTER and high < WORTHWHILE_GAIN):
-            why = ("not faster beyond noise" if k >= MAX_PAIRS and high >= WORTHWHILE_GAIN
-                   else f"not worth it: under +{WORTHWHILE_GAIN:.0%} beyond noise")
+        elif (why := _not_faster(k, gain, high)) is not None:
             self._verdict("reverted", f"{why}: {_gain_text(gain, low, high)}")
             if in_candidate:
                 self._back_to_best()
