@@ -586,6 +586,8 @@ class Tuner:
         #: :meth:`_next_candidate`)
         self._unchecked = False
         self._series = Series()  # the sub-block in progress
+        #: the sub-block in progress ends when the switch on its way applies
+        self._closing = False
         self._best_block: Block | None = None  # the best's latest sub-block
         self._compiling = False
         #: the search's commands on their way: command id -> (knob, value); nothing is
@@ -657,6 +659,8 @@ class Tuner:
                     self._ledger.record(Change(int(event.get("step", 0)), str(knob),
                                                event.get("value"), event.get("previous")))
                 if not self._waiting:
+                    if self._closing:
+                        self._close_sub_block()
                     self._series = Series()
                     self._recheck()
             elif kind == "failed" and self._watch:  # that knob kept its value
@@ -687,13 +691,13 @@ class Tuner:
         if self._candidate is not None:
             self._candidate.steps += 1
         units = tokens or samples
-        if (self._waiting or self._compiling or self._trial is None
+        if ((self._waiting and not self._closing) or self._compiling or self._trial is None
                 or not step_time_s or step_time_s <= 0 or not units):
             return
         if self.unit is None:
             self.unit = "tokens" if tokens else "samples"
         self._series.add(step_time_s, units)
-        if len(self._series) > SUB_BLOCK_STEPS:
+        if not self._closing and len(self._series) > SUB_BLOCK_STEPS:
             block = self._series.block()
             if block.n >= MAX_SUB_BLOCK_STEPS or (block.n >= SUB_BLOCK_STEPS
                                                   and block.seconds >= SUB_BLOCK_S):
@@ -702,23 +706,38 @@ class Tuner:
     # ---------------------------------------------------------------- trials
 
     def _sub_block_done(self, block: Block) -> None:
+        """The sub-block in progress has its steps. Within a pair (its first half) the
+        switch to the other side goes out now, and the sub-block closes when it applies
+        (:meth:`_close_sub_block`): the steps until then ran in this side's
+        configuration, and count for it (with the I/O thread's wake-ups and the two
+        steps a command takes to apply, about as many as it had). At the end of a pair
+        (the next sub-block is of the same side: no switch), the pair is judged."""
         trial = self._trial
         assert trial is not None
+        following = _side(trial.sub_block + 1)
+        if following != trial.side:
+            setting = trial.candidate.setting
+            self._switch(setting if following == "candidate"
+                         else {knob: self.best[knob] for knob in setting},
+                         watch=following == "candidate")
+            self._closing = True
+            return
+        self._record(trial, block)
+        if not self._judge(trial):
+            self._series = Series(after_change=False)  # same configuration: no switch
+
+    def _close_sub_block(self) -> None:
+        """The switch that ends the first half of a pair applied: that half is done."""
+        self._closing = False
+        if self._trial is not None:
+            self._record(self._trial, self._series.block())
+
+    def _record(self, trial: Trial, block: Block) -> None:
         if trial.side == "best":
             self._best_block = block
         else:
             trial.candidate.block = _pooled(trial.candidate.block, block)
         trial.add(block)
-        if trial.sub_block % 2 == 0 and self._judge(trial):
-            return
-        following = trial.side
-        if following == _side(trial.sub_block - 1):
-            self._series = Series(after_change=False)  # same configuration: no switch
-        else:
-            setting = trial.candidate.setting
-            self._switch(setting if following == "candidate"
-                         else {knob: self.best[knob] for knob in setting},
-                         watch=following == "candidate")
 
     def _judge(self, trial: Trial) -> bool:
         """After a pair: the verdict if there is one (True), else False."""
@@ -834,6 +853,7 @@ class Tuner:
         """The candidate being tried (if any) is ``state`` (kept, reverted, skipped)
         because ``reason``: an event, and the search moves on from it."""
         candidate, self._trial = self._candidate, None
+        self._closing = False
         if candidate is None:
             return
         candidate.state, candidate.reason = state, reason

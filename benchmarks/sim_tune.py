@@ -9,7 +9,10 @@ with both compute threads is slower than none, one thread alone is slower, a wor
 one thread is the fastest. Each step's time has multiplicative noise, the host's load
 drifts as a random walk, a few steps are bursts (another process takes the core), and a
 DataLoader worker restarts at each epoch (every 22 steps: the demo's loader has no
-persistent workers) and at each switch. ``prefetch_factor`` changes nothing.
+persistent workers) and at each switch. ``prefetch_factor`` changes nothing. A command
+applies ``--latency-steps`` after the step record it was decided on (the agent's I/O
+thread reads records in batches, and a command applies two boundaries after the last
+step it has seen).
 
 It runs the real Tuner (its statistics, sub-blocks, futility rules, the trade of a
 worker for a thread), fed step records directly: no process, no clock, a second per
@@ -40,28 +43,30 @@ WORKER_START_S = 0.18
 LEVELS = (("quiet", 0.15, 0.3, 0.0), ("busy", 0.25, 0.6, 0.02), ("heavy", 0.3, 1.0, 0.05))
 
 
-def one_search(seed: int, noise: float, drift: float, bursts: float) -> tuple[int, float]:
+def one_search(seed: int, noise: float, drift: float, bursts: float, latency_steps: int
+               ) -> tuple[int, float]:
     """One search from the demo's default: (steps spent, best's rate over the best's)."""
     rng = random.Random(seed)
     values = {"cpu_threads": 2, "num_workers": 0, "prefetch_factor": 2}
     knobs = KnobSet()
     for spec in (CPU_THREADS, NUM_WORKERS, PREFETCH_FACTOR):
         knobs.add(Knob(spec, get=lambda name=spec.name: values[name], set=lambda _: None))
-    sent: list[tuple[str, str, object]] = []
-    tuner = Tuner(TuneRequest({"knobs": list(values)}, knobs), knobs, 1,
-                  send=lambda *command: sent.append(command), publish=lambda *_: None,
-                  cpus=2)
+    sent: list[tuple[int, str, str, object]] = []  # (step it applies at, command)
     step, since_epoch, load = 0, 0, 1.0
+    tuner = Tuner(TuneRequest({"knobs": list(values)}, knobs), knobs, 1,
+                  send=lambda *command: sent.append((step + latency_steps, *command)),
+                  publish=lambda *_: None, cpus=2)
     while tuner.status == "running" and step < 10_000:
         step += 1
         restarted = False
-        for command_id, knob, value in sent:  # each applies at the next step
+        due = [command for command in sent if command[0] <= step]
+        sent[:] = [command for command in sent if command[0] > step]
+        for _, command_id, knob, value in due:
             previous, values[knob] = values[knob], value
             tuner.on_event({"kind": "applied", "id": command_id, "knob": knob,
                             "value": value, "previous": previous, "step": step})
             if knob == "num_workers":
                 restarted, since_epoch = True, 0
-        sent.clear()
         load = max(0.5, load + rng.gauss(0, 0.02) * drift)
         seconds = SAMPLES / RATE[values["num_workers"], values["cpu_threads"]] * load \
             * (1 + noise * abs(rng.gauss(0, 1)))
@@ -79,10 +84,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200, help="searches per level")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--latency-steps", type=int, default=4,
+                        help="steps from a step record to the command decided on it")
     args = parser.parse_args()
     steps_means, shares = [], []
     for name, noise, drift, bursts in LEVELS:
-        results = [one_search(args.seed + run, noise, drift, bursts)
+        results = [one_search(args.seed + run, noise, drift, bursts, args.latency_steps)
                    for run in range(args.runs)]
         steps = sorted(spent for spent, _ in results)
         share = sum(ratio >= 0.95 for _, ratio in results) / len(results)
