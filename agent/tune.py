@@ -582,9 +582,9 @@ class Tuner:
         self._ledger = ChangeLedger()
         self._guard = ChangeGuard(self._ledger, tuner=True)
         self._trial: Trial | None = None
-        #: the trial's candidate was chosen while a switch was on its way (see
+        #: the next candidate is chosen once the switch on its way applies (see
         #: :meth:`_next_candidate`)
-        self._unchecked = False
+        self._choosing = False
         self._series = Series()  # the sub-block in progress
         #: the sub-block in progress ends when the switch on its way applies
         self._closing = False
@@ -662,7 +662,8 @@ class Tuner:
                     if self._closing:
                         self._close_sub_block()
                     self._series = Series()
-                    self._recheck()
+                    if self._choosing:
+                        self._next_candidate()
             elif kind == "failed" and self._watch:  # that knob kept its value
                 self._verdict("reverted", f"applying it failed: {event.get('text', '')}")
                 self._back_to_best()  # the rest of its setting may have applied
@@ -794,11 +795,15 @@ class Tuner:
     def _next_candidate(self) -> None:
         """Start the trial of the next setting the search gives, or end the search.
 
-        While the way back to the best is on its way, the run's knobs do not show the
-        best yet, and a value whose effect depends on another knob (``prefetch_factor``
-        without workers) may look worth trying: the check is made again once it applies
-        (:meth:`_recheck`), before the candidate is ever sent."""
+        The setting is chosen once the run's knobs show the best configuration: while a
+        switch is on its way they do not yet, and a value whose effect depends on
+        another knob (``prefetch_factor`` without workers) would be judged against the
+        knobs the run is leaving. So while one is, the choice waits for it to apply
+        (:meth:`on_event`)."""
         self._trial = None
+        self._choosing = bool(self._waiting)
+        if self._choosing:
+            return
         while True:
             following = self.search.next(self.best)
             if following is None:
@@ -811,9 +816,7 @@ class Tuner:
                 break
             self._skip(candidate, reason)
         self._trial = Trial(candidate)
-        self._unchecked = bool(self._waiting)
-        if not self._waiting:
-            self._series = Series()
+        self._series = Series()
         self._event("info", f"tune: trying {candidate.text}")
         self.publish_state()
 
@@ -821,19 +824,6 @@ class Tuner:
         candidate.state, candidate.reason = "skipped", reason
         self.search.result(False)
         self._event("info", f"tune: skipping {candidate.text}: {reason}")
-
-    def _recheck(self) -> None:
-        """The switch back to the best applied: a candidate chosen while it was on its
-        way is checked again against the run's knobs as they now are (nothing of it has
-        been sent: its trial starts with a sub-block of the best)."""
-        candidate = self._candidate
-        if not self._unchecked or candidate is None:
-            return
-        self._unchecked = False
-        reason = self._skip_reason(candidate.setting)
-        if reason is not None:
-            self._skip(candidate, reason)
-            self._next_candidate()
 
     def _skip_reason(self, setting: dict[str, Any]) -> str | None:
         """Why ``setting`` is not tried here (the run refuses one of its values, or warns

@@ -376,10 +376,11 @@ def test_the_futility_rules_of_a_candidate_between_its_pairs():
         mean > t_quantile(0.975, MAX_PAIRS - 1) * sd / math.sqrt(MAX_PAIRS))
 
 
-def test_a_candidate_chosen_while_the_way_back_is_on_its_way_is_checked_once_it_applies():
+def test_the_next_candidate_is_chosen_once_the_switch_on_its_way_has_applied():
     """``b`` has no effect while ``a`` is 0 (as prefetch_factor without workers): after
-    ``a=1`` is reverted, ``b=2`` is chosen while ``a`` still reads 1, and must be skipped
-    once ``a=0`` applies, never sent."""
+    ``a=1`` is reverted, in its sub-block, ``a`` still reads 1 until the way back applies;
+    ``b=2`` is judged then, skipped, and never sent (the same wait keeps a kept
+    ``num_workers=1`` from making ``prefetch_factor`` look useless before it applies)."""
     values = {"a": 0, "b": 1}
     knobs = KnobSet()
     knobs.add(Knob(KnobSpec("a", "int", "", minimum=0, maximum=1, tuning=TUNED),
@@ -754,3 +755,23 @@ def test_a_candidates_verdict_has_a_line_of_its_own_so_it_is_never_cut():
     assert first.split() == ["num_workers=2", "632", "±", "97", "samples/s", "+12%", "±",
                              "37%", "25"]
     assert second == f"    reverted: {reason}"
+
+
+def test_the_tune_screen_widens_its_setting_column_for_a_trade():
+    from gpuwatch.state import RunState
+    from gpuwatch.widgets.tune import tune_text
+
+    state = RunState()
+    state.tune = {"status": "running", "step": 40, "steps": 36, "budget_steps": 600,
+                  "unit": "samples", "knobs": ["cpu_threads", "num_workers"],
+                  "best": {"cpu_threads": 2, "num_workers": 0}, "gain": 0.0,
+                  "candidates": [{"setting": {"cpu_threads": 1}, "state": "reverted",
+                                  "reason": "slower", "steps": 20},
+                                 {"setting": {"num_workers": 1, "cpu_threads": 1},
+                                  "state": "measuring", "steps": 16}]}
+    lines = tune_text(state).plain.splitlines()
+    header = next(line for line in lines if line.startswith("candidate"))
+    trade = next(line for line in lines if line.startswith("num_workers=1, cpu_threads=1 "))
+    single = next(line for line in lines if line.startswith("cpu_threads=1 "))
+    # one column for every row: as wide as the trade, the numbers aligned under the header
+    assert len(header) == len(trade) == len(single)

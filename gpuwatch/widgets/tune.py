@@ -81,7 +81,8 @@ def tune_text(state: RunState) -> Content:
                                     "bold"),
                          f" ({gain:+.0%} {unit}/s over the start)"
                          if isinstance(gain, (int, float)) else ""),
-        Content.styled(f"{'candidate':<{width}} {unit + '/s ± 95%':>22} {'gain':>13} "
+        Content.styled(f"{'candidate':<{width}} {unit + '/s ± 95%':>{len(unit) + 20}} "
+                       f"{'gain':>13} "
                        f"{'steps':>5}\n    verdict", "$text-muted"),
     ]
     lines += [candidate_line(candidate, unit, width) for candidate in candidates]
