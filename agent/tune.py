@@ -33,9 +33,10 @@ How a setting is judged:
   faster at its mean and spread so far (:func:`could_be_shown_faster`); after
   :data:`MAX_PAIRS` it is reverted as not faster beyond noise. The constants were chosen
   with a simulation of this search on the CNN demo's measured step times on a 2-core
-  host (a worker's restart at each epoch, load drift, bursts): 200 to 230 steps for
-  the search, ending within 5% of the best configuration in 80% (heavy noise) to 100%
-  (a quiet host) of runs (``benchmarks/sim_tune.py``).
+  host (a worker's restart at each epoch, load drift, bursts, commands that take steps
+  to apply): 260 to 290 steps for the search, ending within 5% of the best
+  configuration in 80% (heavy noise) to 100% (a quiet host) of runs
+  (``benchmarks/sim_tune.py``).
 - Which candidates: a coordinate search from the configuration the run has. Numeric
   knobs move along a ladder (0, 1, 2, 4, ... up to the knob's maximum, for
   ``num_workers`` and ``cpu_threads`` the usable CPUs) one rung at a time, up first, then

@@ -88,8 +88,8 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
     if len(columns) == 2:
         table[0].append("ratio")
     for name in knobs:
-        table.append([name, *(printable(knob_text(s.knobs[name]), 40) if name in s.knobs
-                              else "-" for s in segments)]  # "-": that run has no such knob
+        table.append([name, *("-" if s.knobs.get(name) is None  # no such knob there
+                              else printable(knob_text(s.knobs[name]), 40) for s in segments)]
                      + ([""] if len(columns) == 2 else []))
     for label, show, field in figures:
         row = [label, *(show(s) for s in segments)]
