@@ -757,7 +757,7 @@ def test_a_candidates_verdict_has_a_line_of_its_own_so_it_is_never_cut():
     assert second == f"    reverted: {reason}"
 
 
-def test_the_tune_screen_widens_its_setting_column_for_a_trade():
+def test_a_trades_setting_has_a_line_of_its_own_and_every_row_fits_80_columns():
     from gpuwatch.state import RunState
     from gpuwatch.widgets.tune import tune_text
 
@@ -766,12 +766,17 @@ def test_the_tune_screen_widens_its_setting_column_for_a_trade():
                   "unit": "samples", "knobs": ["cpu_threads", "num_workers"],
                   "best": {"cpu_threads": 2, "num_workers": 0}, "gain": 0.0,
                   "candidates": [{"setting": {"cpu_threads": 1}, "state": "reverted",
-                                  "reason": "slower", "steps": 20},
+                                  "reason": "slower", "per_s": 985.0, "per_s_spread": 75.0,
+                                  "gain": -0.16, "gain_spread": 0.26, "steps": 30},
                                  {"setting": {"num_workers": 1, "cpu_threads": 1},
-                                  "state": "measuring", "steps": 16}]}
+                                  "state": "measuring", "per_s": 1894.0,
+                                  "per_s_spread": 229.0, "gain": 0.84, "gain_spread": 0.34,
+                                  "steps": 32}]}
     lines = tune_text(state).plain.splitlines()
     header = next(line for line in lines if line.startswith("candidate"))
-    trade = next(line for line in lines if line.startswith("num_workers=1, cpu_threads=1 "))
     single = next(line for line in lines if line.startswith("cpu_threads=1 "))
-    # one column for every row: as wide as the trade, the numbers aligned under the header
-    assert len(header) == len(trade) == len(single)
+    trade = lines.index("num_workers=1, cpu_threads=1")
+    numbers = lines[trade + 1]
+    # the numbers line up under the header, in the 66 columns the screen has at 80
+    assert len(header) == len(single) == len(numbers) <= 66
+    assert numbers.split() == ["1,894", "±", "229", "samples/s", "+84%", "±", "34%", "32"]

@@ -7,7 +7,7 @@ from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Static
@@ -22,9 +22,10 @@ STATE_STYLES = {"kept": "bold $success", "reverted": "$warning", "skipped": "$te
                 "measuring": "bold $accent"}
 
 
-#: Width of the candidates' setting column: at least, and at most (a longer setting is
-#: cut there).
-SETTING_WIDTH = (22, 32)
+#: Width of the candidates' setting column (a row fits 66 columns: the screen at 80,
+#: its scroll bar included); a longer setting (a trade of two knobs) has a line of its
+#: own above its numbers.
+SETTING_WIDTH = 22
 
 
 def setting_text(candidate: dict[str, Any]) -> str:
@@ -35,12 +36,13 @@ def setting_text(candidate: dict[str, Any]) -> str:
     return ", ".join(assignment(str(knob), value) for knob, value in setting.items())
 
 
-def candidate_line(candidate: dict[str, Any], unit: str,
-                   width: int = SETTING_WIDTH[0]) -> Content:
-    """One candidate, in two lines: setting (in ``width`` columns), throughput with its
-    95% half-width, gain over the best then (with its own) and steps spent; then its
-    state and reason."""
+def candidate_line(candidate: dict[str, Any], unit: str) -> Content:
+    """One candidate, in two lines: setting, throughput with its 95% half-width, gain
+    over the best then (with its own) and steps spent; then its state and reason. A
+    setting longer than :data:`SETTING_WIDTH` is on a line of its own above the rest."""
     setting = setting_text(candidate)
+    if len(setting) > SETTING_WIDTH:
+        setting = f"{setting}\n{'':<{SETTING_WIDTH}}"
     per_s, spread = candidate.get("per_s"), candidate.get("per_s_spread")
     rate = (f"{human_number(per_s)} ± {human_number(spread)}" if isinstance(per_s, (int, float))
             and isinstance(spread, (int, float)) else "-")
@@ -51,7 +53,7 @@ def candidate_line(candidate: dict[str, Any], unit: str,
     state = str(candidate.get("state", "?"))
     reason = str(candidate.get("reason") or "")
     return Content.assemble(  # the verdict on a line of its own: it wraps, never cut
-        f"{setting:<{width}.{width}} {rate:>17} {unit}/s {change:>13} "
+        f"{setting:<{SETTING_WIDTH}} {rate:>15} {unit}/s {change:>11} "
         f"{steps if isinstance(steps, int) else '-':>5}\n    ",
         (state, STATE_STYLES.get(state, "")), f": {reason}" if reason else "")
 
@@ -69,8 +71,6 @@ def tune_text(state: RunState) -> Content:
     gain = tune.get("gain")
     status = str(tune.get("status", "?"))
     candidates = tune.get("candidates") or ()
-    width = min(max([SETTING_WIDTH[0], *(len(setting_text(c)) for c in candidates)]),
-                SETTING_WIDTH[1])
     lines = [
         Content.assemble((f"{status}", STATE_STYLES.get("measuring" if status == "running"
                                                         else "kept", "")),
@@ -81,11 +81,12 @@ def tune_text(state: RunState) -> Content:
                                     "bold"),
                          f" ({gain:+.0%} {unit}/s over the start)"
                          if isinstance(gain, (int, float)) else ""),
-        Content.styled(f"{'candidate':<{width}} {unit + '/s ± 95%':>{len(unit) + 20}} "
-                       f"{'gain':>13} "
+        Content.styled(f"{'candidate':<{SETTING_WIDTH}} "
+                       f"{unit + '/s ± 95%':>{len(unit) + 18}} "
+                       f"{'gain':>11} "
                        f"{'steps':>5}\n    verdict", "$text-muted"),
     ]
-    lines += [candidate_line(candidate, unit, width) for candidate in candidates]
+    lines += [candidate_line(candidate, unit) for candidate in candidates]
     if tune.get("text"):
         lines.append(Content.styled(str(tune["text"]), "bold $success"))
     return Content("\n").join(lines)
@@ -101,7 +102,7 @@ class TuneScreen(ModalScreen[None]):
     ]
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="tune"):
+        with VerticalScroll(id="tune"):  # focused: the arrow keys scroll a long list
             yield Static(id="tune-table")
             yield Static(Content.styled("T starts or stops the search (the best so far "
                                         "stays); escape closes", "$text-muted"))
