@@ -711,9 +711,9 @@ class Tuner:
         """The sub-block in progress has its steps. Within a pair (its first half) the
         switch to the other side goes out now, and the sub-block closes when it applies
         (:meth:`_close_sub_block`): the steps until then ran in this side's
-        configuration, and count for it (with the I/O thread's wake-ups and the two
-        steps a command takes to apply, about as many as it had). At the end of a pair
-        (the next sub-block is of the same side: no switch), the pair is judged."""
+        configuration, and count for it (a command applies two boundaries after the
+        step the search saw, and the records reach it a little later). At the end of a
+        pair (the next sub-block is of the same side: no switch), the pair is judged."""
         trial = self._trial
         assert trial is not None
         following = _side(trial.sub_block + 1)
