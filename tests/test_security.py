@@ -598,6 +598,19 @@ def test_a_crafted_log_of_1_mb_event_texts_replays_bounded(tmp_path, run_dir):
 
 # --- V1: tcp on loopback -------------------------------------------------------------
 
+def _hear(info: runs.RunInfo, msg_type: str, count: int) -> None:
+    """The owner's dashboard (with the run's keys), newly subscribed to ``info``, hears
+    ``count`` messages of ``msg_type``, each within 30 s."""
+    from gpuwatch.client import Subscriber
+
+    with Subscriber(info) as subscriber:
+        seen = 0
+        while seen < count:
+            message = subscriber.recv(timeout_s=30)
+            assert message is not None, f"the owner heard no {msg_type} message"
+            seen += message["type"] == msg_type
+
+
 @pytest.fixture
 def intruder(request) -> User:
     """Another local user when the tests run as root, else this user without the run's
@@ -613,7 +626,7 @@ ATTACK = (ROOT / "tests" / "tcp_attack.py").read_text()
 def test_another_user_gets_nothing_from_a_tcp_run_and_costs_it_nothing(run_dir, intruder):
     import psutil
 
-    from gpuwatch.client import Subscriber, send_command
+    from gpuwatch.client import send_command
 
     if not intruder.foreign:
         pytest.skip("connections are shared out per user: the attack from this same "
@@ -626,19 +639,11 @@ def test_another_user_gets_nothing_from_a_tcp_run_and_costs_it_nothing(run_dir, 
         assert info.pub_endpoint.startswith("tcp://127.0.0.1:") and info.curve_server_key
         victim = psutil.Process(job.started["pid"])
 
-        def heartbeats(count):
-            with Subscriber(info) as subscriber:  # the owner, with the run's keys
-                seen = 0
-                while seen < count:
-                    message = subscriber.recv(timeout_s=30)
-                    assert message is not None
-                    seen += message["type"] == "heartbeat"
-
-        heartbeats(2)
+        _hear(info, "heartbeat", 2)
         rss_before, fds_before = victim.memory_info().rss, victim.num_fds()
         attacker = intruder.start(ATTACK, info.pub_endpoint, info.cmd_endpoint, run_dir)
         assert attacker.stdout.readline().strip() == "ready", attacker.stderr.read()
-        heartbeats(3)  # the owner is served while all of it is held (> 2 s)
+        _hear(info, "heartbeat", 3)  # the owner is served while all of it is held (> 2 s)
         assert send_command(info, "accum_steps", 2)["ok"]
         rss_during, fds_during = victim.memory_info().rss, victim.num_fds()
         attacker.stdin.close()
@@ -802,7 +807,7 @@ def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, 
     import psutil
 
     from agent import tcpfront
-    from gpuwatch.client import Subscriber, send_command
+    from gpuwatch.client import send_command
 
     if not intruder.foreign:
         pytest.skip("connections are shared out per user: a flood from this same user "
@@ -815,15 +820,7 @@ def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, 
         victim = psutil.Process(job.started["pid"])
         (gateway,) = [child for child in victim.children() if _is_gateway(child)]
 
-        def heartbeats(count):
-            with Subscriber(info) as subscriber:
-                seen = 0
-                while seen < count:
-                    message = subscriber.recv(timeout_s=15)
-                    assert message is not None, "the owner heard nothing"
-                    seen += message["type"] == "heartbeat"
-
-        heartbeats(1)
+        _hear(info, "heartbeat", 1)
         fds_before = victim.num_fds(), gateway.num_fds()
         ports = ",".join(endpoint.rsplit(":", 1)[1]
                          for endpoint in (info.pub_endpoint, info.cmd_endpoint))
@@ -831,7 +828,7 @@ def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, 
         assert flood.stdout.readline().strip() == "ready", flood.stderr.read()
         time.sleep(1.0)
         fds_during = victim.num_fds(), gateway.num_fds()
-        heartbeats(2)  # a new subscription, let in while the flood goes on
+        _hear(info, "heartbeat", 2)  # a new subscription, let in while the flood goes on
         assert send_command(info, "accum_steps", 2)["ok"]
         fds_during = tuple(map(max, fds_during, (victim.num_fds(), gateway.num_fds())))
         flood.stdin.close()
@@ -859,7 +856,6 @@ def test_another_users_connections_cannot_exhaust_a_node_relays_descriptors(
     import psutil
 
     from agent import nodes, tcpfront
-    from gpuwatch.client import Subscriber
     from tests.test_nodes import RUN_ID, OtherNode
 
     if not intruder.foreign:
@@ -880,21 +876,13 @@ def test_another_users_connections_cannot_exhaust_a_node_relays_descriptors(
     try:
         relay = psutil.Process(other.process.pid)
 
-        def summaries(count):
-            with Subscriber(dashboard) as subscriber:
-                seen = 0
-                while seen < count:
-                    message = subscriber.recv(timeout_s=15)
-                    assert message is not None, "the owner heard nothing from the relay"
-                    seen += message["type"] == protocol.NODE
-
-        summaries(1)
+        _hear(dashboard, protocol.NODE, 1)
         fds_before = relay.num_fds()
         ports = ",".join(other.entry[key].rsplit(":", 1)[1]
                          for key in ("pub_endpoint", "cmd_endpoint"))
         flood = intruder.start(FLOOD, "127.0.0.1", ports, "1500", "60")
         assert flood.stdout.readline().strip() == "ready", flood.stderr.read()
-        summaries(2)  # a new subscription, let in while the flood goes on
+        _hear(dashboard, protocol.NODE, 2)  # a new subscription, let in while the flood goes on
         fds_during = relay.num_fds()
         flood.stdin.close()
         result = json.loads(flood.stdout.readline())
