@@ -720,7 +720,12 @@ def test_the_data_verdict_says_whether_idle_cpu_exists_for_more_workers():
     advice = input_advice(state, 80)
     assert advice.plain == "no idle CPU (95%): a worker competes with compute; T measures it"
     assert input_advice(state, 18).plain == "no idle CPU (95%)"
-    state.ingest(protocol.envelope("step", {"step": 2, "input_verdict": "compute-bound"},
+    state.ingest(protocol.envelope("step", {"step": 2, "input_verdict": "input-bound",
+                                            "knobs": {"num_workers": 0, "cpu_threads": 2}},
+                                   run="r"))  # a compute thread to trade for a worker
+    assert input_advice(state, 80).plain == (
+        "no idle CPU (95%): T tries a worker more for a compute thread fewer")
+    state.ingest(protocol.envelope("step", {"step": 3, "input_verdict": "compute-bound"},
                                    run="r"))
     assert input_advice(state, 80) is None
 

@@ -18,7 +18,8 @@ IDLE_CORES_FOR_A_WORKER = 0.5
 def input_advice(state: RunState, width: int) -> Content | None:
     """For a run waiting on its input: whether the host has idle CPU for more DataLoader
     workers (from the latest ``system`` sample and the CPUs in ``hello``) and what the
-    search (``T``) would try; the longest wording that fits ``width`` columns. None
+    search (``T``) would try (with no idle CPU: a worker for a compute thread, the trade
+    of :data:`agent.tune.TRADES`); the longest wording that fits ``width`` columns. None
     when the run is not waiting on its input, or the numbers are not known yet."""
     if state.last_step.get("input_verdict") not in ("input-bound", "partly input-bound"):
         return None
@@ -35,8 +36,12 @@ def input_advice(state: RunState, width: int) -> Content | None:
                     "idle CPU")
         style = "$success"
     else:
-        wordings = ((f"no idle CPU ({cpu_pct:.0f}%): a worker competes with compute; T "
-                     "measures it"), f"no idle CPU ({cpu_pct:.0f}%)", "no idle CPU")
+        threads = state.knobs.get("cpu_threads")
+        trade = ([f"no idle CPU ({cpu_pct:.0f}%): T tries a worker more for a compute "
+                  "thread fewer"] if type(threads) is int and threads > 1 else [])
+        wordings = (*trade, (f"no idle CPU ({cpu_pct:.0f}%): a worker competes with "
+                             "compute; T measures it"), f"no idle CPU ({cpu_pct:.0f}%)",
+                    "no idle CPU")
         style = "$warning"
     return Content.styled(next((w for w in wordings if len(w) <= width), wordings[-1]),
                           style)
