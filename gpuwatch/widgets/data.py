@@ -32,8 +32,8 @@ def input_advice(state: RunState, width: int) -> Content | None:
     workers = state.knobs.get("num_workers")
     more = f"num_workers={workers + 1}" if type(workers) is int else "more workers"
     if idle >= IDLE_CORES_FOR_A_WORKER:
-        wordings = (f"{idle:.1f} cores idle: T tries {more}", f"{idle:.1f} cores idle",
-                    "idle CPU")
+        wordings: tuple[str, ...] = (f"{idle:.1f} cores idle: T tries {more}",
+                                     f"{idle:.1f} cores idle", "idle CPU")
         style = "$success"
     else:
         threads = state.knobs.get("cpu_threads")
