@@ -59,9 +59,10 @@ _POLL_MS = 100
 _QUIET_POLL_MS = 500
 #: While an in-run search runs (:mod:`agent.tune`): it decides from each step record,
 #: and each of its switches waits for the I/O thread to read the record that ends a
-#: sub-block, so it reads them within 10 ms (100 wake-ups a second, for the search's
-#: few minutes: about 1% of a core here), not within 100 ms: at 40 steps/s a switch
-#: then costs about 2 steps of the run's, not 6.
+#: sub-block, so it reads them within 10 ms (100 wake-ups a second for the search's
+#: few minutes: 1 to 2% of a core here, from the 100 to 200 us a wake-up costs; not
+#: measured), not within 100 ms: at 40 steps/s a switch then costs about 2 steps of
+#: the run's, not 6.
 _TUNE_POLL_MS = 10
 _MAX_COMMANDS_PER_POLL = 100
 #: Command messages read per second at most, valid or not: a flood (even of garbage or
