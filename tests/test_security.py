@@ -63,6 +63,34 @@ class User:
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
+    def launch(self, code: str, *args: str) -> Hostile:
+        """Start a script that prints "ready" once under way, runs until its stdin
+        closes, then prints one JSON line (tests/tcp_attack.py, tests/tcp_flood.py)."""
+        return Hostile(self.start(code, *args))
+
+
+class Hostile:
+    """A script of :meth:`User.launch`, once it said "ready"; as a context, killed on
+    leaving if it still runs."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+        assert process.stdout.readline().strip() == "ready", process.stderr.read()
+
+    def finish(self, timeout_s: float) -> dict:
+        """Close its stdin; what it did (its JSON line), once it exited with 0."""
+        self.process.stdin.close()
+        result = json.loads(self.process.stdout.readline())
+        assert self.process.wait(timeout_s) == 0
+        return result
+
+    def __enter__(self) -> Hostile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+
 
 @pytest.fixture(scope="session")
 def other_user() -> User:
@@ -633,7 +661,6 @@ def test_another_user_gets_nothing_from_a_tcp_run_and_costs_it_nothing(run_dir, 
                     "user fills the owner's own share (and could read the run file "
                     "anyway); run the tests as root to attack from another user")
     job = Job(job_env(), transport="tcp", min_steps=100)
-    attacker = None
     try:
         info = runs.find_run()
         assert info.pub_endpoint.startswith("tcp://127.0.0.1:") and info.curve_server_key
@@ -641,18 +668,14 @@ def test_another_user_gets_nothing_from_a_tcp_run_and_costs_it_nothing(run_dir, 
 
         _hear(info, "heartbeat", 2)
         rss_before, fds_before = victim.memory_info().rss, victim.num_fds()
-        attacker = intruder.start(ATTACK, info.pub_endpoint, info.cmd_endpoint, run_dir)
-        assert attacker.stdout.readline().strip() == "ready", attacker.stderr.read()
-        _hear(info, "heartbeat", 3)  # the owner is served while all of it is held (> 2 s)
-        assert send_command(info, "accum_steps", 2)["ok"]
-        rss_during, fds_during = victim.memory_info().rss, victim.num_fds()
-        attacker.stdin.close()
-        result = json.loads(attacker.stdout.readline())
-        assert attacker.wait(60) == 0
+        with intruder.launch(ATTACK, info.pub_endpoint, info.cmd_endpoint,
+                             run_dir) as attacker:
+            _hear(info, "heartbeat", 3)  # the owner is served while all of it is held
+            assert send_command(info, "accum_steps", 2)["ok"]
+            rss_during, fds_during = victim.memory_info().rss, victim.num_fds()
+            result = attacker.finish(60)
         summary = job.stop()
     finally:
-        if attacker is not None and attacker.poll() is None:
-            attacker.kill()
         job.kill()
     assert result["received"] == 0 and result["replies"] == 0, result
     assert result["raw_connections"] > 0, result  # the ports were reachable
@@ -814,7 +837,6 @@ def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, 
                     "fills the owner's own share (and could read the run file anyway); "
                     "run the tests as root to flood from another user")
     job = Job(job_env(), transport="tcp", min_steps=50, max_files=1024)
-    flood = None
     try:
         info = runs.find_run()
         victim = psutil.Process(job.started["pid"])
@@ -824,20 +846,14 @@ def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, 
         fds_before = victim.num_fds(), gateway.num_fds()
         ports = ",".join(endpoint.rsplit(":", 1)[1]
                          for endpoint in (info.pub_endpoint, info.cmd_endpoint))
-        flood = intruder.start(FLOOD, "127.0.0.1", ports, "1500", "60")
-        assert flood.stdout.readline().strip() == "ready", flood.stderr.read()
-        time.sleep(1.0)
-        fds_during = victim.num_fds(), gateway.num_fds()
-        _hear(info, "heartbeat", 2)  # a new subscription, let in while the flood goes on
-        assert send_command(info, "accum_steps", 2)["ok"]
-        fds_during = tuple(map(max, fds_during, (victim.num_fds(), gateway.num_fds())))
-        flood.stdin.close()
-        result = json.loads(flood.stdout.readline())
-        assert flood.wait(30) == 0
+        with intruder.launch(FLOOD, "127.0.0.1", ports, "1500", "60") as flood:
+            fds_during = victim.num_fds(), gateway.num_fds()
+            _hear(info, "heartbeat", 2)  # a new subscription, let in while it goes on
+            assert send_command(info, "accum_steps", 2)["ok"]
+            fds_during = tuple(map(max, fds_during, (victim.num_fds(), gateway.num_fds())))
+            result = flood.finish(30)
         summary = job.stop()
     finally:
-        if flood is not None and flood.poll() is None:
-            flood.kill()
         job.kill()
     assert result["most_held"] >= 1500 and result["opened"] > 1500, result
     assert fds_during[0] - fds_before[0] <= 2, (fds_before, fds_during)
@@ -872,7 +888,6 @@ def test_another_users_connections_cannot_exhaust_a_node_relays_descriptors(
                              started_at=0.0, curve_server_key=other.entry["server_key"],
                              curve_client_public_key=public,
                              curve_client_secret_key=private)
-    flood = None
     try:
         relay = psutil.Process(other.process.pid)
 
@@ -880,16 +895,11 @@ def test_another_users_connections_cannot_exhaust_a_node_relays_descriptors(
         fds_before = relay.num_fds()
         ports = ",".join(other.entry[key].rsplit(":", 1)[1]
                          for key in ("pub_endpoint", "cmd_endpoint"))
-        flood = intruder.start(FLOOD, "127.0.0.1", ports, "1500", "60")
-        assert flood.stdout.readline().strip() == "ready", flood.stderr.read()
-        _hear(dashboard, protocol.NODE, 2)  # a new subscription, let in while the flood goes on
-        fds_during = relay.num_fds()
-        flood.stdin.close()
-        result = json.loads(flood.stdout.readline())
-        assert flood.wait(30) == 0
+        with intruder.launch(FLOOD, "127.0.0.1", ports, "1500", "60") as flood:
+            _hear(dashboard, protocol.NODE, 2)  # a new subscription, let in while it goes on
+            fds_during = relay.num_fds()
+            result = flood.finish(30)
     finally:
-        if flood is not None and flood.poll() is None:
-            flood.kill()
         other.stop()
     assert result["most_held"] >= 1500 and result["opened"] > 1500, result
     assert fds_during - fds_before <= 3 * tcpfront.PEER_CONNECTIONS + 12, (
