@@ -227,6 +227,8 @@ def test_attach_in_one_line_records_window_loss_samples_tokens_lr_and_data_wait(
         body = steps[number]
         assert body["micro_batches"] == 2 and body["samples"] == 16
         assert body["tokens"] == 16 * 64 and body["tokens_per_s"] > 0
+        # the rate is the step's tokens over its time (any load), not a speed to reach
+        assert body["tokens_per_s"] == pytest.approx(body["tokens"] / body["step_time_s"])
         # the loss is the window's mean of undivided micro-batch losses
         assert body["loss"] == pytest.approx(
             sum(loss for _, _, loss in window.micro_batches) / 2, rel=1e-6)

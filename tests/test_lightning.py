@@ -210,6 +210,8 @@ def test_one_line_attach_reports_undivided_loss_data_wait_lr_tokens_and_events(r
     for body in steps.values():
         assert body["micro_batches"] == 2 and body["samples"] == 16
         assert body["tokens"] == 16 * 64 and body["tokens_per_s"] > 0
+        # the rate is the step's tokens over its time (any load), not a speed to reach
+        assert body["tokens_per_s"] == pytest.approx(body["tokens"] / body["step_time_s"])
         assert body["data_wait_s"] >= 16 * 0.002 * 0.9  # 16 samples of 2 ms each
         assert body["lr"] == pytest.approx(0.1)
         assert body["knobs"]["accum_steps"] == 2 and body["knobs"]["precision"] == "fp32"
