@@ -64,7 +64,7 @@ def tune_text(state: RunState) -> Content:
     tune = state.tune
     if tune is None:
         return Content.styled("no search yet: T starts one (the run tries its speed "
-                              "settings one at a time and keeps what is faster)",
+                              "settings and keeps what is faster beyond noise)",
                               "$text-muted")
     unit = str(tune.get("unit") or "samples")
     best = tune.get("best") or {}
@@ -81,14 +81,14 @@ def tune_text(state: RunState) -> Content:
                                     "bold"),
                          f" ({gain:+.0%} {unit}/s over the start)"
                          if isinstance(gain, (int, float)) else ""),
+        *([Content.styled(str(tune["text"]), "bold $success")] if tune.get("text")
+          else []),  # the result, under the best: seen without scrolling
         Content.styled(f"{'candidate':<{SETTING_WIDTH}} "
                        f"{unit + '/s ± 95%':>{len(unit) + 18}} "
                        f"{'gain':>11} "
                        f"{'steps':>5}\n    verdict", "$text-muted"),
     ]
     lines += [candidate_line(candidate, unit) for candidate in candidates]
-    if tune.get("text"):
-        lines.append(Content.styled(str(tune["text"]), "bold $success"))
     return Content("\n").join(lines)
 
 
