@@ -33,6 +33,7 @@ window's mean (undivided) loss itself: ``run.optimizer_step(loss)``.
 
 from __future__ import annotations
 
+import _imp
 import os
 import signal
 import sys
@@ -349,6 +350,8 @@ class Session:
         self.close(ending_reason(exc_info[1]))
 
 
+#: How long a SIGTERM that came during an import waits to be handled again (s).
+SIGTERM_RETRY_S = 0.01
 #: Sessions not yet closed, for the process-wide exit paths below.
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _exit_paths_installed = False
@@ -382,6 +385,13 @@ def end_on_signals(run: Any) -> None:
         return  # the script's own handler decides (it may raise, then excepthook names it)
 
     def on_sigterm(signum: int, frame: Any) -> None:
+        if _imp.lock_held():
+            # interrupted inside an import (accelerate looks for packages at every
+            # optimizer step): the I/O thread may be waiting for that lock to finish its
+            # own, and closing here waits for the I/O thread, so neither would move until
+            # the close timed out and the run log lost its bye. Come back in a moment.
+            threading.Timer(SIGTERM_RETRY_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            return
         _close_live("stopped by SIGTERM")
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)  # the exit status says SIGTERM, as before

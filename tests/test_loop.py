@@ -256,3 +256,62 @@ def test_loader_knobs_live_over_epochs_of_a_reconfigurable_loader(run_dir):
     assert steps[2]["knobs"]["num_workers"] == 0 and steps[-1]["knobs"]["num_workers"] == 1
     with pytest.raises(ValueError, match="epochs must be None or an integer >= 1"):
         run.loader(loader, epochs=0)
+
+
+#: A loop whose SIGTERM comes while its main thread holds the import lock and the agent's
+#: I/O thread waits for that lock (as when accelerate looks for a package at each step
+#: while the I/O thread imports a compile backend for its hello).
+SIGTERM_IN_IMPORT = r"""
+import _imp, os, signal, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import agent
+import agent.ioloop as ioloop
+
+blocked = threading.Event()
+real_report = ioloop._environment_report
+
+
+def report_needing_the_import_lock():
+    blocked.wait(30)  # until the main thread holds the import lock
+    import xml.dom.minidom  # not imported yet: needs the lock
+    return real_report()
+
+
+ioloop._environment_report = report_needing_the_import_lock
+run = agent.session(name="sigterm-in-import")
+print(run.agent.info.log_path, flush=True)
+io_thread = next(t for t in threading.enumerate() if t.name == "gpuwatch-agent")
+_imp.acquire_lock()
+blocked.set()
+deadline = time.monotonic() + 30
+while "importlib" not in repr(sys._current_frames()[io_thread.ident].f_code):
+    assert time.monotonic() < deadline  # the I/O thread now waits for the lock
+os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode, the lock still held
+for _ in range(1000):
+    pass
+_imp.release_lock()
+while True:
+    time.sleep(0.01)  # the loop goes on until the retried SIGTERM ends it
+"""
+
+
+def test_a_sigterm_during_an_import_still_ends_the_run_with_bye(run_dir, tmp_path):
+    script = tmp_path / "sigterm_in_import.py"
+    script.write_text(SIGTERM_IN_IMPORT)
+    started = time.monotonic()
+    process = subprocess.Popen([sys.executable, str(script), str(EXAMPLES.parent)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log_path = process.stdout.readline().strip()
+        assert log_path, process.stderr.read()
+        process.wait(60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGTERM, process.stderr.read()
+    records = _log_records(log_path)  # the close did not wait out its timeout in vain
+    assert records and records[-1]["type"] == "bye", records
+    assert records[-1]["reason"] == "stopped by SIGTERM"
+    assert records[0]["type"] == "hello"  # the hello that waited for the lock came out
+    assert time.monotonic() - started < 60
