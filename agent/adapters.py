@@ -10,19 +10,17 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from agent.checkpoints import Checkpoints, load_checkpoint, restore_knobs, torch_checkpoint
-from agent.core import Agent, ending_reason
-from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, CPU_THREADS, KERNELS, LR_SCALE,
-                         MAX_GRAD_NORM, MEMORY_FRACTION, MEMORY_SNAPSHOT_STEPS,
-                         MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
-                         PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
+from agent.core import Agent
+from agent.knobs import (CPU_THREADS, KERNELS, LR_SCALE, MEMORY_FRACTION,
+                         MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
+                         PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
 from agent.runlog import log_dir
 from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import MemorySnapshot, set_memory_fraction
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import precision_support, precision_warning
-from gpuopt.trainer import StepStats, Trainer
+from gpuopt.trainer import Trainer
 
 
 def refuse(reason: str | None) -> None:
@@ -238,41 +236,6 @@ def publish_events(agent: Agent, step: int,
                     **fields)
 
 
-class _TrainerCallback:
-    """Trainer hooks -> agent; each hook is a line or two."""
-
-    def __init__(self, agent: Agent, memory: MemoryKnobs) -> None:
-        self.agent = agent
-        self.memory = memory
-        self._measurement_error_reported = False
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        self.agent.mark_start()
-
-    def on_optimizer_step(self, trainer: Trainer, stats: StepStats) -> None:
-        self.agent.optimizer_step(stats.step, stats.micro_batches, stats.samples,
-                                  stats.data_wait_s, stats.loss, stats.skipped,
-                                  stats.activation_bytes, tokens=stats.tokens,
-                                  lr=stats.lr_groups or stats.lr, grad_norm=stats.grad_norm)
-        publish_events(self.agent, stats.step, trainer.model_backend.pop_events())
-        if trainer.activation_measurement_error and not self._measurement_error_reported:
-            self._measurement_error_reported = True
-            self.agent.event("warning", "activation memory is not measured for this model "
-                             f"({trainer.activation_measurement_error})", kind="warning",
-                             step=stats.step)
-        self.memory.after_step(self.agent, stats.step)
-
-    def on_out_of_memory(self, trainer: Trainer, error: torch.OutOfMemoryError) -> bool:
-        return self.agent.roll_back_last_change(
-            trainer.step + 1, f"step {trainer.step + 1} ran out of memory")
-
-    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
-        self.agent.close(ending_reason(error))
-
-    def on_fit_end(self, trainer: Trainer) -> None:
-        self.agent.close("finished")  # (after on_exception: already closed)
-
-
 def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
            checkpoint_dir: str | os.PathLike | None = None,
            resume_from: str | os.PathLike | None = None, **options: Any) -> Any:
@@ -322,64 +285,23 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
         ValueError: ``resume_from`` is not such a checkpoint, or this trainer cannot take
             it (see :meth:`Trainer.load_state_dict`). OSError: it cannot be read.
     """
-    if not isinstance(trainer, Trainer):
-        from agent.integrations import integration_for
+    if isinstance(trainer, Trainer):
+        from agent.integrations.trainer import attach as attach_trainer
 
-        module = integration_for(trainer)
-        if module is None:
-            raise TypeError(
-                f"agent.attach() takes a gpuopt.Trainer, a lightning.pytorch.Trainer, a "
-                f"transformers.Trainer or an accelerate.Accelerator, not "
-                f"{type(trainer).__module__}.{type(trainer).__qualname__}; for a "
-                "hand-written loop use agent.session(...)")
-        for option, value in (("checkpoint_dir", checkpoint_dir),
-                              ("resume_from", resume_from)):
-            if value is not None:
-                options[option] = value
-        return importlib.import_module(module).attach(trainer, name=name,
-                                                      transport=transport, **options)
-    saved = load_checkpoint(resume_from) if resume_from is not None else None
-    if saved is not None:
-        trainer.load_state_dict(saved["trainer"])
-    knobs = KnobSet()
-    knobs.add(precision_knob(trainer.mixed_precision))
-    knobs.add(Knob(ACCUM_STEPS, get=lambda: trainer.accum_steps,
-                   set=lambda value: setattr(trainer, "accum_steps", value)))
-    if isinstance(trainer.loader, ReconfigurableLoader):
-        for knob in loader_knobs(trainer.loader):
-            knobs.add(knob)
-    knobs.add(Knob(KERNELS, get=lambda: trainer.kernels,
-                   set=lambda value: setattr(trainer, "kernels", value),
-                   check=lambda value: refuse(trainer.model_backend.support(value))))
-    if trainer.activation_checkpointing is not None:
-        knobs.add(Knob(CHECKPOINTING, get=lambda: trainer.checkpointing,
-                       set=lambda value: setattr(trainer, "checkpointing", value)))
-    optimizer_knobs(trainer.optimizer_settings, knobs)
-    knobs.add(Knob(MAX_GRAD_NORM, get=lambda: trainer.max_grad_norm or 0.0,
-                   set=lambda value: setattr(trainer, "max_grad_norm", value)))
-    # (the knobs panel lists them in this order: the newer ones after the established)
-    if isinstance(trainer.loader, ReconfigurableLoader):
-        knobs.add(micro_batch_size_knob(trainer.loader, lambda: trainer.accum_steps,
-                                        lambda value: setattr(trainer, "accum_steps", value)))
-    else:
-        knobs.unsupported[MICRO_BATCH_SIZE.name] = (
-            "the Trainer's loader is not a gpuopt.loader.ReconfigurableLoader, whose "
-            "batches can change size mid-epoch")
-    knobs.add(cpu_threads_knob(knobs))
-    agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
-                  transport=transport, training={"framework": "gpuopt.Trainer",
-                                                 "loss_normalization": trainer.loss_normalization},
-                  **options)
-    memory = MemoryKnobs(trainer.device, agent.run_id)
-    memory.bind(knobs)
+        return attach_trainer(trainer, name=name, transport=transport,
+                              checkpoint_dir=checkpoint_dir, resume_from=resume_from,
+                              **options)
+    from agent.integrations import integration_for
 
-    def save(path: Any, values: dict[str, Any]) -> None:
-        torch.save(torch_checkpoint(agent, values, trainer.step,
-                                    {"trainer": trainer.state_dict()}), path)
-
-    Checkpoints(agent, save, step=lambda: trainer.step, directory=checkpoint_dir).bind(knobs)
-    if saved is not None:
-        restore_knobs(agent, saved["knobs"], str(resume_from), trainer.step)
-    agent.refresh_knobs()
-    trainer.callbacks.append(_TrainerCallback(agent, memory))
-    return agent.start()
+    module = integration_for(trainer)
+    if module is None:
+        raise TypeError(
+            f"agent.attach() takes a gpuopt.Trainer, a lightning.pytorch.Trainer, a "
+            f"transformers.Trainer or an accelerate.Accelerator, not "
+            f"{type(trainer).__module__}.{type(trainer).__qualname__}; for a "
+            "hand-written loop use agent.session(...)")
+    for option, value in (("checkpoint_dir", checkpoint_dir), ("resume_from", resume_from)):
+        if value is not None:
+            options[option] = value
+    return importlib.import_module(module).attach(trainer, name=name, transport=transport,
+                                                  **options)

@@ -33,6 +33,7 @@ import torch
 
 from agent.core import Agent
 from agent.knobs import CHECKPOINT, Knob, KnobSet, assignment
+from agent.protocol import EventKind
 from agent.runlog import log_dir
 from gpuopt.memory import format_bytes
 from gpuopt.saving import write_atomically
@@ -69,13 +70,20 @@ class Checkpoints:
             Lightning's): rank 0 saves atomically, the others call ``save`` at the final
             path (where they write nothing). Otherwise only rank 0 saves (data
             parallelism keeps the state identical on every rank).
+        chosen: returns the knob values to save and a note for the event (or None);
+            default: the values now (:meth:`agent.run.RunBase.chosen_knobs` leaves a
+            search's trial out).
+        warn: ``warn(value)`` returns why a resume from this checkpoint would not be
+            exact, or None; said in the command's reply, before anything is saved.
     """
 
     def __init__(self, agent: Agent, save: Callable[[Path, dict[str, Any]], None], *,
                  step: Callable[[], int], directory: str | os.PathLike | None = None,
                  name: str = "step-{step:08d}.pt",
                  refusal: Callable[[], str | None] | None = None,
-                 every_rank: bool = False) -> None:
+                 every_rank: bool = False,
+                 chosen: Callable[[], tuple[dict[str, Any], str | None]] | None = None,
+                 warn: Callable[[Any], str | None] | None = None) -> None:
         self.agent = agent
         self.save = save
         self.step = step
@@ -83,11 +91,17 @@ class Checkpoints:
         self.name = name
         self.refusal = refusal
         self.every_rank = every_rank
+        self.chosen = chosen or (lambda: (agent.knobs.values(), None))
+        self.warn = warn
 
     def bind(self, knobs: KnobSet) -> None:
         """Add the ``checkpoint`` command to ``knobs``."""
         knobs.add(Knob(CHECKPOINT, get=lambda: None, set=self.save_now,
-                       check=lambda value: self._check()))
+                       check=lambda value: self._check(), warn=self._warning))
+
+    def _warning(self, value: Any) -> str | None:
+        reason = self.warn(value) if self.warn is not None else None
+        return None if reason is None else f"a resume from it will not be exact: {reason}"
 
     def _check(self) -> None:
         reason = self.refusal() if self.refusal is not None else None
@@ -108,18 +122,19 @@ class Checkpoints:
         step = self.step()
         directory = self.directory or default_checkpoint_dir(self.agent.run_id)
         path = directory / self.name.format(step=step)
-        knobs = self.agent.knobs.values()
+        knobs, note = self.chosen()
+        note = "" if note is None else f"; {note}"
         if self.agent.rank != 0:
             if self.every_rank:
                 self.save(path, knobs)
-            return {"text": f"rank 0 saves the state after step {step}",
+            return {"text": f"rank 0 saves the state after step {step}{note}",
                     "checkpoint_step": step}
         start = time.perf_counter()
         size = write_atomically(path, lambda temporary: self.save(temporary, knobs))
         elapsed_s = time.perf_counter() - start
         return {"text": f"saved after step {step} to {path} ({format_bytes(size)} in "
-                        f"{elapsed_s:.2f} s)",
-                "path": str(path), "size_bytes": size, "save_s": elapsed_s,
+                        f"{elapsed_s:.2f} s){note}",
+                "path": str(path), "knobs": knobs, "size_bytes": size, "save_s": elapsed_s,
                 "checkpoint_step": step}
 
 
@@ -160,11 +175,13 @@ def read_knobs_file(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *,
-                  unbound: str = "not in this run") -> dict[str, Any]:
+                  unbound: str = "not in this run", differs: str | None = None
+                  ) -> dict[str, Any]:
     """Set each knob of ``knobs`` (a checkpoint's) that this run has and that differs, on
-    the training thread before training goes on; an event says what was restored, what
-    could not be (with the reason) and what this run does not have (``unbound`` says how
-    it is told).
+    the training thread before training goes on; one ``resumed`` event lists every knob
+    value restored (those already at their saved value too), what could not be set
+    (with the reason), what this run does not have (``unbound`` says how it is told)
+    and ``differs``: what will not be as in the saved run.
 
     A knob whose setting moves another (``micro_batch_size`` adjusts ``accum_steps`` to
     keep the effective batch) is set first, then every knob that is not at its saved
@@ -181,7 +198,11 @@ def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *
     for _ in range(2):  # the second pass puts back what a first-pass side effect moved
         for name in present:
             knob, value = agent.knobs.knobs[name], knobs[name]
-            if knob.get() == value or any(line.startswith(f"{name}=") for line in failed):
+            if any(line.startswith(f"{name}=") for line in failed):
+                continue
+            if knob.get() == value:
+                if assignment(name, value) not in restored and name != CHECKPOINT.name:
+                    restored.append(assignment(name, value))
                 continue
             try:
                 knob.set(value)
@@ -198,6 +219,8 @@ def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *
         text += "; not restored: " + "; ".join(failed)
     if absent:
         text += f"; {unbound}: " + ", ".join(assignment(k, v) for k, v in absent.items())
-    agent.event("warning" if failed else "info", text, kind="resumed", path=source,
-                step=step, knobs=knobs)
+    if differs:
+        text += f"; not as in the saved run: {differs}"
+    agent.event("warning" if failed or differs else "info", text, kind=EventKind.RESUMED,
+                path=source, step=step, knobs=knobs)
     return absent

@@ -1,9 +1,10 @@
 """The agent: the training thread's hot path, and the parts it is assembled from.
 
 Training thread, at each optimizer-step boundary (:meth:`Agent.optimizer_step`): read a
-host clock, make a step marker (see :mod:`agent.markers`), append one small tuple to a
-bounded deque, and apply pending commands whose step has come. Nothing else: no device
-sync, no ``.item()``, no NVML or psutil, no I/O, no lock unless a command is pending.
+host clock, make a step marker (see :mod:`agent.markers`), append the step's typed
+record (:class:`agent.record.StepRecord`) to a bounded deque, and apply pending commands
+whose step has come. Nothing else: no device sync, no ``.item()``, no NVML or psutil,
+no I/O, no lock unless a command is pending.
 :class:`Agent` owns that hot path, the events and their in-process listeners, and wires
 up the parts that do the rest, each owning one thing:
 
@@ -39,6 +40,7 @@ from agent.ledger import ChangeLedger
 from agent.markers import marker_for
 from agent.ioloop import IOLoop
 from agent.probes import Nvml
+from agent.record import StepRecord
 from agent.protocol import EventKind
 from agent.runs import RunInfo, shared_run_id
 from agent.tune import AutoTune
@@ -183,31 +185,14 @@ class Agent:
         """Training thread: the loop starts now (the first step's time counts from here)."""
         self._last_boundary_t = time.perf_counter()
 
-    def optimizer_step(self, step: int, micro_batches: int, samples: int,
-                       data_wait_s: float, loss: torch.Tensor | None,
-                       skipped: torch.Tensor | None = None,
-                       activation_bytes: int | None = None, *, tokens: int | None = None,
-                       lr: float | tuple[float | None, ...] | None = None,
-                       grad_norm: torch.Tensor | float | None = None) -> None:
-        """Training thread: record the optimizer step ``step`` that just ended, then apply
-        the commands due at step ``step + 1``.
+    def optimizer_step(self, record: StepRecord) -> None:
+        """Training thread: record the optimizer step ``record.step`` that just ended,
+        then apply the commands due at step ``record.step + 1``.
 
         Args:
-            step: 1-based index of the optimizer step just taken.
-            micro_batches: micro-batches in its accumulation window.
-            samples: samples in the window.
-            data_wait_s: host seconds the loop waited for data in this step.
-            loss: the step's loss as a 0-dim tensor (any device), or None.
-            skipped: in fp16, the GradScaler's 0-dim bool "skipped" tensor, or None.
-            activation_bytes: bytes saved for backward by one of its micro-batches, when
-                measured (:class:`gpuopt.memory.SavedActivations`); else None.
-            tokens: tokens in the window (token models), or None.
-            lr: the learning rate the step used (param group 0), a host float, or the
-                rate of each param group as a tuple, as the groups hold them (floats or
-                tensors; read on the I/O thread, a device tensor not at all), published as
-                ``lr`` and ``lr_groups``; or None.
-            grad_norm: the global gradient norm the step saw (before clipping), as a
-                0-dim tensor (read on the I/O thread once ready) or a float, or None.
+            record: what the integration measured of the step (see
+                :class:`agent.record.StepRecord`); this fills in its ``step_time_s``,
+                ``marker`` and ``knobs`` and queues it (it must not be changed after).
 
         .. note:: Never synchronizes the device and never blocks: a clock read, a marker
            (an asynchronous CUDA event on GPU), one deque append (and the calls of
@@ -220,18 +205,17 @@ class Agent:
             now = time.perf_counter()
             previous = self._last_boundary_t
             self._last_boundary_t = now
-            step_time_s = None if previous is None else now - previous
-            self._records.append((
-                "step", step, step_time_s, micro_batches,
-                samples, data_wait_s, self._marker.mark(loss, skipped, grad_norm),
-                self._knob_values, activation_bytes, tokens, lr))
-            self._last_step = step
+            record.step_time_s = None if previous is None else now - previous
+            record.marker = self._marker.mark(record.loss, record.skipped, record.grad_norm)
+            record.knobs = self._knob_values
+            self._records.append(record)
+            step = self._last_step = record.step
             if self._listeners:
                 self._tell_listeners({
-                    "type": protocol.STEP, "step": step, "step_time_s": step_time_s,
-                    "micro_batches": micro_batches, "samples": samples,
-                    "data_wait_s": data_wait_s, "tokens": tokens,
-                    "activation_bytes": activation_bytes, "knobs": self._knob_values})
+                    "type": protocol.STEP, "step": step, "step_time_s": record.step_time_s,
+                    "micro_batches": record.micro_batches, "samples": record.samples,
+                    "data_wait_s": record.data_wait_s, "tokens": record.tokens,
+                    "activation_bytes": record.activation_bytes, "knobs": record.knobs})
             if self._pending:
                 self._apply_pending(step)
         except Exception as exc:  # the first rule: never crash the training
@@ -291,7 +275,7 @@ class Agent:
         """Publish an ``event`` (``level``: info | warning | error) in order with the
         step records. Any thread; one deque append (and the listeners' calls)."""
         body = {"level": level, "text": text, **fields}
-        self._records.append(("event", body))
+        self._records.append(body)
         if self._listeners:
             self._tell_listeners({"type": protocol.EVENT, **body})
 

@@ -15,7 +15,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from itertools import accumulate, chain, repeat
-from operator import itemgetter, sub, truediv
+from operator import attrgetter, sub, truediv
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ import torch
 from agent import protocol
 from agent.guard import ChangeGuard
 from agent.markers import CpuMarker
+from agent.record import StepRecord, host_columns
 from agent.tune import AutoTune
 from gpuopt.memory import memory_stats
 from gpuopt.optim import host_rate
@@ -113,8 +114,8 @@ class StepEncoder:
     """Encodes the queued step records of one rank as ``steps`` batches. I/O thread only.
 
     Args:
-        records: the queue the training thread appends to: ``("step", ...)`` tuples
-            (see :meth:`agent.core.Agent.optimizer_step`) and ``("event", body)``.
+        records: the queue the training thread appends to: step records
+            (:class:`agent.record.StepRecord`) and events (their ``event`` body, a dict).
         marker: the step markers' API (:func:`agent.markers.marker_for`).
         publish: ``publish(msg_type, body)``, the I/O loop's send (which first sends the
             batch built so far, through :meth:`flush`, for any other message type).
@@ -192,31 +193,31 @@ class StepEncoder:
         if self._batch_steps:
             self.flush()
 
-    def _encode(self, pending: list[tuple], final: bool) -> None:
+    def _encode(self, pending: list[Any], final: bool) -> None:
         """Add ``pending``'s records to the batch in order, from :attr:`_done` on (which
         it advances past each record taken); stops at a marker not ready (unless
         ``final``)."""
-        tags = list(map(_TAG, pending))
+        tags = [type(record) is dict for record in pending]  # True: an event
         total = len(pending)
         marker_api = self._marker
         cpu = isinstance(marker_api, CpuMarker)
         while self._done < total:
             start = self._done
-            if tags[start] == "event":
+            if tags[start]:
                 self._done = start + 1
-                body = pending[start][1]
+                body = pending[start]
                 self._tune.on_event(body)
                 self._publish(protocol.EVENT, body)  # sends the batch before it
                 continue
             try:
-                end = tags.index("event", start)
+                end = tags.index(True, start)
             except ValueError:
                 end = total
             ready: list[bool] | None = None  # on the host every marker is ready
             if not cpu:
                 ready = []
                 for record in pending[start:end]:
-                    flag = marker_api.ready(record[6])
+                    flag = marker_api.ready(record.marker)
                     if not flag and not final:
                         break
                     ready.append(flag)
@@ -230,10 +231,10 @@ class StepEncoder:
                 if self._batch_steps >= protocol.MAX_BATCH_STEPS:
                     self.flush()
                 start = stop
-            if end < total and tags[end] != "event":
+            if end < total and not tags[end]:
                 return  # a marker not ready: it and what follows wait
 
-    def _device_values(self, run: list[tuple], ready: list[bool] | None
+    def _device_values(self, run: list[StepRecord], ready: list[bool] | None
                        ) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
         """The ``(losses, grad norms, skipped flags, GPU step times)`` of a run of step
         records, read from their markers (``ready``: whether each marker is; None: on
@@ -265,7 +266,7 @@ class StepEncoder:
         losses, grad_norms, skipped = [], [], []
         gpu_times: list[Any] = []
         for record, flag in zip(run, ready):
-            marker = record[6]
+            marker = record.marker
             if flag:
                 losses.append(marker_api.loss(marker))
                 grad_norms.append(marker_api.grad_norm(marker))
@@ -279,18 +280,19 @@ class StepEncoder:
             previous = marker
         return losses, grad_norms, skipped, gpu_times
 
-    def _add_run(self, run: list[tuple], ready: list[bool] | None) -> None:
+    def _add_run(self, run: list[StepRecord], ready: list[bool] | None) -> None:
         """Add a run of step records (no event among them, at most a batch's room) to
         the batch, in columns when nothing needs each step seen alone."""
         losses, grad_norms, skipped, gpu_times = self._device_values(run, ready)
-        self._previous_marker = run[-1][6]
+        self._previous_marker = run[-1].marker
         n = len(run)
         if (self._tune.tuner is not None or self._guard.watching
                 or skipped.count(None) != n or not _finite_or_none(losses, n)):
             self._add_each(run, losses, grad_norms, skipped, gpu_times)
             return
-        (_, steps, times, micro_batches, samples, waits, _, knobs, activation, tokens,
-         rates) = map(list, zip(*run))
+        host = host_columns(run)
+        steps, times, waits, rates = (host["step"], host["step_time_s"], host["data_wait_s"],
+                                      host["lr"])
         self._count_steps(steps)
         nones = skipped  # every one None
         rate_kinds = set(map(type, rates))
@@ -319,11 +321,12 @@ class StepEncoder:
                     shares[index] = share
                     verdicts[index] = verdict
                 self.recent_step_time_s = times[timed[-1]]
-        self._add_columns((steps, micro_batches, samples, times, waits, losses, gpu_times,
-                           knobs, skipped, activation, tokens, lr, lr_groups, grad_norms,
+        self._add_columns((steps, host["micro_batches"], host["samples"], times, waits, losses,
+                           gpu_times, host["knobs"], skipped, host["activation_bytes"],
+                           host["tokens"], lr, lr_groups, grad_norms,
                            [self._guard.skipped_total] * n, shares, verdicts))
 
-    def _add_each(self, run: list[tuple], losses: list[Any], grad_norms: list[Any],
+    def _add_each(self, run: list[StepRecord], losses: list[Any], grad_norms: list[Any],
                   skipped: list[Any], gpu_times: list[Any]) -> None:
         """Add a run of step records one at a time: the rollback guard sees each step
         it has to (a change is watched, a step was skipped, the loss is not finite)
@@ -334,10 +337,10 @@ class StepEncoder:
         window = self._input
         for record, loss, grad_norm, flag, gpu_s in zip(run, losses, grad_norms, skipped,
                                                          gpu_times):
-            (_, step, step_time_s, micro_batches, samples, wait_s, _, knobs,
-             activation_bytes, tokens, lr) = record
+            step, step_time_s, wait_s = record.step, record.step_time_s, record.data_wait_s
+            samples, tokens = record.samples, record.tokens
             self._count_steps([step])
-            lr, lr_groups = _rates(lr)
+            lr, lr_groups = _rates(record.lr)
             if (flag is not None or guard.watching
                     or (loss is not None and loss - loss != 0.0)):  # NaN or inf loss
                 self._check_step(step, loss, flag)  # (an event it publishes sends the batch)
@@ -347,8 +350,9 @@ class StepEncoder:
             if step_time_s:
                 share, verdict = window.add(wait_s, step_time_s)
                 self.recent_step_time_s = step_time_s
-            self._rows.append((step, micro_batches, samples, step_time_s, wait_s, loss,
-                               gpu_s, knobs, flag, activation_bytes, tokens, lr, lr_groups,
+            self._rows.append((step, record.micro_batches, samples, step_time_s, wait_s, loss,
+                               gpu_s, record.knobs, flag, record.activation_bytes, tokens,
+                               lr, lr_groups,
                                grad_norm, guard.skipped_total, share, verdict))
             self._batch_steps += 1
 
@@ -447,9 +451,8 @@ class StepEncoder:
         return memory
 
 
-#: A record's first field (its kind: ``"step"`` or ``"event"``) and a step record's marker.
-_TAG = itemgetter(0)
-_MARKER = itemgetter(6)
+#: A step record's marker.
+_MARKER = attrgetter("marker")
 _NONE = {type(None)}
 _TENSOR = {torch.Tensor}
 _ZERO = {0}

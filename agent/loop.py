@@ -33,29 +33,22 @@ window's mean (undivided) loss itself: ``run.optimizer_step(loss)``.
 
 from __future__ import annotations
 
-import _imp
 import os
-import signal
-import sys
-import threading
-import time
-import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs,
-                            micro_batch_size_knob, optimizer_knobs, precision_knob,
-                            publish_events, refuse)
-from agent.checkpoints import Checkpoints, load_checkpoint, restore_knobs, torch_checkpoint
-from agent.core import Agent, ending_reason
-from agent.integrations import WindowMeter
+from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
+                            optimizer_knobs, precision_knob, refuse)
+from agent.checkpoints import load_checkpoint, restore_knobs, torch_checkpoint
+from agent.core import Agent
+from agent.record import StepRecord
+from agent.run import RunBase
 from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
                          LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
                          KnobSet)
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
-from gpuopt.data import batch_size
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.memory import SavedActivations
 from gpuopt.optim import OptimizerSettings
@@ -99,11 +92,15 @@ class _MeasuredAutocast:
         return self  # ``with run.autocast:`` and ``with run.autocast():`` alike
 
 
-class Session:
-    """The agent of one hand-written loop (see :func:`session`, which makes it).
+class Session(RunBase):
+    """The agent of one hand-written loop (see :func:`session`, which makes it): the
+    run base (:class:`agent.run.RunBase`) with the loop's knobs and data.
 
     Attributes:
-        agent: the :class:`agent.Agent`. step: optimizer steps marked so far.
+        agent: the :class:`agent.Agent`. step: optimizer steps marked so far (after a
+            resume, the checkpoint's: the loop goes on from there).
+        data_epoch: epochs :meth:`loader` has started (after a resume, the
+            checkpoint's: a loop that counts its own epochs starts from it).
         model: the model (``kernels`` and ``checkpointing`` switch it in place, so the
             loop's own ``model(...)`` calls, evaluation included, follow them).
         mixed_precision: the live precision policy (:class:`gpuopt.MixedPrecision`).
@@ -121,9 +118,9 @@ class Session:
                  optimizer_settings: OptimizerSettings | None, lr_scheduler: Any,
                  mixed_precision: MixedPrecision,
                  accum_steps: int | None, model_backend: ModelBackend | None,
-                 checkpointing: ActivationCheckpointing | None, memory: MemoryKnobs,
+                 checkpointing: ActivationCheckpointing | None,
                  tokens_per_sample: int | None, measure_activations_every: int) -> None:
-        self.agent = agent
+        super().__init__(agent, device=agent.device, tokens_per_sample=tokens_per_sample)
         self.model = model
         self.optimizer = optimizer
         self.optimizer_settings = optimizer_settings
@@ -134,19 +131,25 @@ class Session:
         self.model_backend = model_backend
         self.checkpointing = checkpointing
         self.measure_activations_every = measure_activations_every
-        self.step = 0
         self._accum_steps = accum_steps
         #: knobs of the checkpoint resumed from that this run had not bound then
         self._unbound_knobs: dict[str, Any] = {}
-        self._resumed_from = ""
-        self._memory = memory
-        self._meter = WindowMeter(batch_size, tokens_per_sample)
+        #: a ReconfigurableLoader's own position from the checkpoint resumed from, set
+        #: on it when :meth:`loader` gets it
+        self._loader_position: dict[str, Any] | None = None
+        self._reconfigurable: ReconfigurableLoader | None = None
+        if model_backend is not None:
+            self.event_sources.append(model_backend.pop_events)
         self._measured_settings: Any = None
         self._measure_due = False
         self._activation_bytes: int | None = None
         self._plan_measurement()
 
     # ------------------------------------------------------------ what the loop reads
+
+    @property
+    def data_epoch(self) -> int:
+        return self.position.epoch
 
     @property
     def accum_steps(self) -> int:
@@ -181,6 +184,11 @@ class Session:
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
                                    or epochs < 1):
             raise ValueError(f"epochs must be None or an integer >= 1, got {epochs!r}")
+        if isinstance(batches, ReconfigurableLoader) and self._reconfigurable is None:
+            self._reconfigurable = batches
+            if self._loader_position is not None:
+                batches.restore_position(self._loader_position)
+                self._loader_position = None
         if (isinstance(batches, ReconfigurableLoader)
                 and "num_workers" not in self.agent.knobs.knobs):
             for knob in loader_knobs(batches):
@@ -208,37 +216,18 @@ class Session:
             del self._unbound_knobs[name]
         if self._accum_steps is not None:
             knobs[ACCUM_STEPS.name] = self._accum_steps
-        restore_knobs(self.agent, knobs, self._resumed_from, self.step)
+        restore_knobs(self.agent, knobs, self.resumed_from or "", self.step)
 
     def _batches(self, batches: Iterable[Any], epochs: int | None) -> Iterator[Any]:
-        meter = self._meter
-        epoch = 0
-        while epochs is None or epoch < epochs:
-            epoch += 1
-            iterator = iter(batches)
-            empty = True
-            while True:
-                try:
-                    batch = meter.timed_next(iterator)
-                except StopIteration:
-                    break
-                empty = False
-                yield batch
-            if empty:
-                return
+        return self.position.iterate(batches, epochs, self.meter.timed_next)
 
     def timed(self, fetch: Callable[..., Any]) -> Callable[..., Any]:
         """``fetch`` (e.g. nanoGPT's ``get_batch``), each call timed as data wait and its
-        batch counted like :meth:`loader`'s."""
-        meter = self._meter
-
-        def timed_fetch(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            batch = fetch(*args, **kwargs)
-            meter.add(batch, time.perf_counter() - start)
-            return batch
-
-        return timed_fetch
+        batch counted like :meth:`loader`'s; the batches of training calls (not under
+        ``no_grad``) are the data position a checkpoint keeps, a batch fetched ahead of
+        the boundary included (nanoGPT's ``X, Y = get_batch()`` at the end of its
+        micro-step loop): after a resume the first call gets that batch back."""
+        return self.position.timed_fetch(fetch, self.meter.add)
 
     # ------------------------------------------------------------ the boundary
 
@@ -268,28 +257,19 @@ class Session:
         .. note:: Never synchronizes the device and never blocks: a few microseconds.
         """
         scaled_loss, scaler_skipped, backwards = self.scaler.take_window()
-        data_wait_s, fetched, fetched_samples, fetched_tokens = self._meter.take()
+        data_wait_s, fetched, fetched_samples, fetched_tokens = self.meter.take()
         measured, self._activation_bytes = self._activation_bytes, None
-        self.step += 1
         lr = clipped = None  # the rates the step used (read as it stepped), its clip norm
         if self.optimizer_settings is not None:
             lr, clipped = self.optimizer_settings.take_step()
-        self.agent.optimizer_step(
-            self.step, backwards or fetched or 1,
-            fetched_samples if samples is None else samples, data_wait_s,
-            scaled_loss if loss is None else loss,
-            scaler_skipped if skipped is None else skipped,
-            measured if activation_bytes is None else activation_bytes,
+        self.boundary(StepRecord(
+            micro_batches=backwards or fetched or 1,
+            samples=fetched_samples if samples is None else samples,
+            data_wait_s=data_wait_s, loss=scaled_loss if loss is None else loss,
+            skipped=scaler_skipped if skipped is None else skipped,
+            activation_bytes=measured if activation_bytes is None else activation_bytes,
             tokens=fetched_tokens if tokens is None else tokens, lr=lr,
-            grad_norm=clipped if grad_norm is None else grad_norm)
-        self._after_step()
-
-    def _after_step(self) -> None:
-        """Training thread, after the boundary's commands: events, measurement plan."""
-        step = self.step
-        if self.model_backend is not None:
-            publish_events(self.agent, step, self.model_backend.pop_events())
-        self._memory.after_step(self.agent, step)
+            grad_norm=clipped if grad_norm is None else grad_norm))
         self._plan_measurement()
 
     def _plan_measurement(self) -> None:
@@ -307,20 +287,38 @@ class Session:
 
     # ------------------------------------------------------------ checkpoints
 
+    def data_state(self) -> dict[str, Any]:
+        """The data position (:class:`gpuopt.position.DataPosition`'s), with a
+        ReconfigurableLoader's own position when :meth:`loader` has one."""
+        state = self.position.state_dict()
+        if self._reconfigurable is not None:
+            state["loader"] = self._reconfigurable.save_position()
+        return state
+
+    def data_reason(self, value: Any = None) -> str | None:
+        """A checkpoint's data position is exact when the loop's training batches come
+        through :meth:`loader` or :meth:`timed`."""
+        if self.position.fetched_total == 0 and self.step:
+            return ("this loop's batches do not come through run.loader() or run.timed(), "
+                    "so the checkpoint has no data position: the loop must put its data "
+                    "back itself")
+        return self.position.exact_reason
+
     def _save(self, path: Any, knobs: dict[str, Any]) -> None:
         """The ``checkpoint`` command's ``torch.save``: model, optimizer, scheduler,
-        GradScaler, random number generators, step and knob values."""
+        GradScaler, random number generators, step, knob values and data position."""
         torch.save(torch_checkpoint(self.agent, knobs, self.step, {
             "model": None if self.model is None else self.model.state_dict(),
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
             "lr_scheduler": (None if self.lr_scheduler is None
                              else self.lr_scheduler.state_dict()),
             "grad_scaler": self.scaler.state_dict(),
-            "rng": rng_state(self.agent.device)}), path)
+            "rng": rng_state(self.agent.device), "data": self.data_state()}), path)
 
     def _resume(self, saved: dict[str, Any], source: str) -> None:
         """Continue from a checkpoint :meth:`_save` wrote: every state it has, the step,
-        the random number generators and the knob values (an event says which)."""
+        the knob values, the data position and the random number generators (an event
+        says which)."""
         for part, target in (("model", self.model), ("optimizer", self.optimizer),
                              ("lr_scheduler", self.lr_scheduler)):
             if saved.get(part) is not None:
@@ -330,73 +328,22 @@ class Session:
                 target.load_state_dict(saved[part])
         self.scaler.load_state_dict(saved["grad_scaler"])
         self.step = saved["step"]
-        self._unbound_knobs = restore_knobs(
-            self.agent, saved["knobs"], source, self.step,
+        data = saved.get("data")
+        differs = None
+        if data is None or (data["fetched_total"] == 0 and self.step):
+            differs = ("the checkpoint has no data position (the loop's batches did not "
+                       "come through run.loader() or run.timed()): the loop positions its "
+                       "data itself")
+            data = None
+        elif "loader" in data:
+            self._loader_position = data["loader"]
+        if data is not None:  # (the counters and batches fetched ahead; a loader of
+            self.position.load_state_dict(data, replay="loader" not in data)  # its own)
+        self._unbound_knobs = self.restore(
+            saved["knobs"], source, differs=differs,
             unbound="not bound yet (set when run.loader() binds them)")
-        self._resumed_from = source
         self._plan_measurement()
         set_rng_state(saved["rng"])
-
-    # ------------------------------------------------------------ lifecycle
-
-    def close(self, reason: str = "finished") -> None:
-        """End the run now (``bye`` with ``reason``, run file removed). Idempotent."""
-        self.agent.close(reason)
-
-    def __enter__(self) -> "Session":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close(ending_reason(exc_info[1]))
-
-
-#: How long a SIGTERM that came during an import waits to be handled again (s).
-SIGTERM_RETRY_S = 0.01
-#: Sessions not yet closed, for the process-wide exit paths below.
-_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_exit_paths_installed = False
-
-
-def _close_live(reason: str) -> None:
-    for run in list(_LIVE):
-        run.close(reason)
-
-
-def end_on_signals(run: Any) -> None:
-    """End ``run`` (anything with ``close(reason)``: a :class:`Session`, an integration's
-    run) cleanly on SIGTERM (torchrun's and schedulers' stop) where nobody handles it
-    yet, then die of it as before; and name an uncaught exception in ``bye``. The hooks
-    are installed once per process; a normal exit is the agent's ``atexit``."""
-    global _exit_paths_installed
-    _LIVE.add(run)
-    if _exit_paths_installed:
-        return
-    _exit_paths_installed = True
-    previous_hook = sys.excepthook
-
-    def excepthook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
-        _close_live(ending_reason(error))
-        previous_hook(kind, error, tb)
-
-    sys.excepthook = excepthook
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return  # the script's own handler decides (it may raise, then excepthook names it)
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        if _imp.lock_held():
-            # interrupted inside an import (accelerate looks for packages at every
-            # optimizer step): the I/O thread may be waiting for that lock to finish its
-            # own, and closing here waits for the I/O thread, so neither would move until
-            # the close timed out and the run log lost its bye. Come back in a moment.
-            threading.Timer(SIGTERM_RETRY_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
-            return
-        _close_live("stopped by SIGTERM")
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)  # the exit status says SIGTERM, as before
-
-    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def session(*, model: torch.nn.Module | None = None,
@@ -464,9 +411,13 @@ def session(*, model: torch.nn.Module | None = None,
         checkpoint_dir: where ``checkpoint=now`` saves (default:
             :func:`agent.checkpoints.default_checkpoint_dir`).
         resume_from: a checkpoint the command saved: the model, optimizer, scheduler,
-            GradScaler, random number generators and knob values are restored, and
-            :attr:`Session.step` is its step (the loop goes on from there; its data is
-            the loop's own to position).
+            GradScaler, random number generators, knob values and data position are
+            restored, and :attr:`Session.step` is its step (the loop goes on from
+            there). Data that comes through :meth:`Session.loader` continues where it
+            was (the saved epoch is made again and its trained batches dropped; a
+            ReconfigurableLoader is put back at its position); through
+            :meth:`Session.timed`, the batches fetched ahead of the boundary come back
+            first, then the restored random numbers draw the rest.
         name, transport, options: as for :class:`agent.Agent`.
 
     Raises:
@@ -549,13 +500,10 @@ def session(*, model: torch.nn.Module | None = None,
                   training={"framework": "loop",
                             "loss_normalization": "as the loop divides its losses"},
                   **options)
-    memory = MemoryKnobs(device, agent.run_id)
-    memory.bind(knobs)
     run = Session(agent, model=model, optimizer=optimizer, optimizer_settings=settings,
                   lr_scheduler=lr_scheduler, mixed_precision=mixed_precision,
                   accum_steps=accum_steps, model_backend=model_backend,
-                  checkpointing=checkpointing, memory=memory,
-                  tokens_per_sample=tokens_per_sample,
+                  checkpointing=checkpointing, tokens_per_sample=tokens_per_sample,
                   measure_activations_every=measure_activations_every)
     if accum_steps is not None:
         knobs.add(Knob(ACCUM_STEPS, get=lambda: run.accum_steps, set=run._set_accum_steps))
@@ -564,15 +512,11 @@ def session(*, model: torch.nn.Module | None = None,
                                             "agent.session(accum_steps=N) and read "
                                             "run.accum_steps in its micro-step loop")
     if model is not None or optimizer is not None:
-        Checkpoints(agent, run._save, step=lambda: run.step,
-                    directory=checkpoint_dir).bind(knobs)
+        run.bind_checkpoint(run._save, directory=checkpoint_dir)
     else:
         knobs.unsupported[CHECKPOINT.name] = ("pass agent.session(model=..., optimizer=...) "
                                               "for a checkpoint to have their states")
     if resume_from is not None:
         run._resume(load_checkpoint(resume_from), str(resume_from))
-    agent.refresh_knobs()
-    agent.start()
-    agent.mark_start()
-    end_on_signals(run)
+    run.start()
     return run

@@ -1041,6 +1041,18 @@ class AutoTune:
         """Whether a search is running (on rank 0)."""
         return self.tuner is not None and self.tuner.status == "running"
 
+    def trial_values(self, values: dict[str, Any]) -> dict[str, Any]:
+        """While a search runs: the knobs of ``values`` (the values now) that it is
+        trying, each with the value it measures the trial against (the best kept so far:
+        the person's setting until the search keeps another). Empty otherwise. Any
+        thread (reads a dict replaced whole)."""
+        tuner = self.tuner
+        if tuner is None or tuner.status != "running":
+            return {}
+        best = dict(tuner.best)
+        return {name: value for name, value in best.items()
+                if name in values and values[name] != value}
+
     def start(self, request: TuneRequest, apply_step: int) -> str:
         """Start (or stop) a search at ``apply_step``; returns what to tell the sender."""
         if self.rank != 0:

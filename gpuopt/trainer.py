@@ -30,6 +30,7 @@ from gpuopt.data import batch_size, to_device
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.memory import SavedActivations
 from gpuopt.optim import OptimizerSettings
+from gpuopt.position import DataPosition
 from gpuopt.precision import MixedPrecision
 from gpuopt.saving import rng_state, set_rng_state
 
@@ -234,6 +235,9 @@ class Trainer:
             first = next(model.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
+        #: where the data is, for a loader that is not a ReconfigurableLoader (which
+        #: keeps its own position): see :mod:`gpuopt.position`
+        self.data_position = DataPosition(self.device)
         self.mixed_precision = MixedPrecision(self.device.type, precision)
         self._accum_steps = 1
         self.accum_steps = accum_steps
@@ -435,9 +439,11 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """What a fresh Trainer needs to go on from this optimizer-step boundary as this
         one would: the step and epoch; the model's, optimizer's, scheduler's and
-        GradScaler's states; the settings (:attr:`SETTINGS`); the loader's position (a
-        :class:`gpuopt.loader.ReconfigurableLoader`'s, else None: another loader starts
-        its data over); and the random number generators
+        GradScaler's states; the settings (:attr:`SETTINGS`); the data position (a
+        :class:`gpuopt.loader.ReconfigurableLoader`'s own in ``loader``, any other
+        loader's in ``data``: :class:`gpuopt.position.DataPosition`, whose resume makes
+        the epoch's iterator again and drops the batches already trained); and the
+        random number generators
         (:func:`gpuopt.saving.rng_state`). Tensors and plain values only:
         ``torch.load(path, weights_only=True)`` reads it back.
 
@@ -457,6 +463,8 @@ class Trainer:
             "settings": settings,
             "loader": (self.loader.save_position()
                        if isinstance(self.loader, ReconfigurableLoader) else None),
+            "data": (None if isinstance(self.loader, ReconfigurableLoader)
+                     else self.data_position.state_dict()),
             "rng": rng_state(self.device),
         }
 
@@ -493,6 +501,8 @@ class Trainer:
             # (a position with another loader was refused above)
             self.loader.restore_position(state["loader"])
         self.step, self.epoch = state["step"], state["epoch"]
+        if state.get("data") is not None:
+            self.data_position.load_state_dict(state["data"])
         set_rng_state(state["rng"])
 
     def stop(self) -> None:
@@ -508,7 +518,8 @@ class Trainer:
             if isinstance(self.loader, DataLoader):
                 self._set_dataset_epoch(self.loader)
             empty = True
-            for batch in self.loader:
+            for batch in (self.loader if isinstance(self.loader, ReconfigurableLoader)
+                          else self.data_position.epoch_iterator(self.loader)):
                 empty = False
                 yield batch
             self.epoch += 1
@@ -723,6 +734,7 @@ class Trainer:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.data_position.window_done(micro_batches)
         if saved is not None and self.activation_measurement_error is not None:
             saved = None  # the measurement failed; the window trained without it
         if saved is not None:

@@ -8,6 +8,7 @@ import torch
 
 import agent
 from agent import protocol, runs
+from agent.record import StepRecord
 from gpuopt import MixedPrecision, Trainer
 from gpuwatch.client import Subscriber, send_command
 from tests.training import (FuncInForward, Gate, digits_loader, messages,
@@ -250,8 +251,9 @@ def test_steps_queued_since_a_wake_up_go_as_one_batch_with_events_in_their_place
     monitor = agent.Agent(name="batch")
     loss = torch.tensor(0.5)
     for step in range(1, 8):
-        monitor.optimizer_step(step, 1, 32, 0.001, loss, activation_bytes=(
-            1000 if step == 3 else None))
+        monitor.optimizer_step(StepRecord(
+            step=step, micro_batches=1, samples=32, data_wait_s=0.001, loss=loss,
+            activation_bytes=1000 if step == 3 else None))
         if step == 4:
             monitor.event("info", "between steps 4 and 5", kind="note")
     monitor.start()

@@ -23,6 +23,7 @@ import torch
 
 from agent.core import Agent
 from agent.knobs import ACCUM_STEPS, Knob, KnobSet
+from agent.record import StepRecord
 
 
 def main() -> int:
@@ -57,7 +58,8 @@ def main() -> int:
                 open(os.devnull, "rb").close()
             except OSError:
                 open_errors += 1
-        monitor.optimizer_step(step, settings["accum_steps"], 256, 0.0, loss.detach())
+        monitor.optimizer_step(StepRecord(step=step, micro_batches=settings["accum_steps"],
+                                          samples=256, data_wait_s=0.0, loss=loss.detach()))
         stop.wait(0.002)  # the rest of a "step": the job's own pace, not a test's wait
     monitor.close()
     print(json.dumps({"steps": step, "errors": monitor.errors,

@@ -97,6 +97,7 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType
 from accelerate.utils.operations import convert_to_fp32
 
+from agent.record import StepRecord
 from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, optimizer_knobs,
                             publish_events, refuse)
 from agent.checkpoints import (GRAD_SCALER_FILE, Checkpoints, read_knobs_file, restore_knobs,
@@ -106,7 +107,7 @@ from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
                          LR_SCALE, MAX_GRAD_NORM, NUM_WORKERS, PRECISION, WEIGHT_DECAY, Knob,
                          KnobSet)
-from agent.loop import end_on_signals
+from agent.run import end_on_signals
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing, find_blocks
 from gpuopt.data import batch_size
@@ -505,10 +506,11 @@ class AcceleratorRun:
             optimizer = self.optimizer
             if isinstance(optimizer, AcceleratedOptimizer):
                 skipped = torch.tensor(optimizer.step_was_skipped)  # a host bool already
-        self.agent.optimizer_step(
-            self.step, micro_batches, samples, data_wait_s,
-            None if loss_sum is None else loss_sum / micro_batches, skipped,
-            tokens=tokens, lr=lr, grad_norm=grad_norm)
+        self.agent.optimizer_step(StepRecord(
+            step=self.step, micro_batches=micro_batches, samples=samples,
+            data_wait_s=data_wait_s,
+            loss=None if loss_sum is None else loss_sum / micro_batches, skipped=skipped,
+            tokens=tokens, lr=lr, grad_norm=grad_norm))
         if self.backend is not None:
             publish_events(self.agent, self.step, self.backend.pop_events())
         if self._memory is not None:

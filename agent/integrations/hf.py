@@ -98,6 +98,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.utils import is_sagemaker_mp_enabled
 
+from agent.record import StepRecord
 from agent.adapters import MemoryKnobs, cpu_threads_knob, publish_events
 from agent.checkpoints import (GRAD_SCALER_FILE, Checkpoints, read_knobs_file, restore_knobs,
                                write_knobs_file)
@@ -682,8 +683,10 @@ class _Run:
             skipped = self.policy.grad_scaler.skipped
         elif getattr(self.trainer.accelerator, "scaler", None) is not None:  # fp16 start
             skipped = torch.tensor(self.trainer.accelerator.optimizer_step_was_skipped)
-        self.agent.optimizer_step(step, max(micro_batches, 1), samples, wait_s, loss, skipped,
-                                  tokens=tokens, lr=lr, grad_norm=grad_norm)
+        self.agent.optimizer_step(StepRecord(
+            step=step, micro_batches=max(micro_batches, 1), samples=samples,
+            data_wait_s=wait_s, loss=loss, skipped=skipped, tokens=tokens, lr=lr,
+            grad_norm=grad_norm))
         if self.forward is not None:
             publish_events(self.agent, step, self.forward.pop_events())
         self.memory.after_step(self.agent, step)

@@ -134,6 +134,7 @@ from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
+from agent.record import StepRecord
 from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, optimizer_knobs,
                             precision_knob, publish_events, refuse)
 from agent.checkpoints import Checkpoints, restore_knobs
@@ -760,8 +761,10 @@ class _Run:
         self._loss_sum, self._losses, self._lr, self._scale_before = None, 0, None, None
         if self.precision is not None:
             self.precision.grad_norm = None
-        self.agent.optimizer_step(self.step, max(micro_batches, 1), samples, wait_s, loss,
-                                  skipped, None, tokens=tokens, lr=lr, grad_norm=grad_norm)
+        self.agent.optimizer_step(StepRecord(
+            step=self.step, micro_batches=max(micro_batches, 1), samples=samples,
+            data_wait_s=wait_s, loss=loss, skipped=skipped, tokens=tokens, lr=lr,
+            grad_norm=grad_norm))
         if self.kernels is not None:
             publish_events(self.agent, self.step, self.kernels.events())
         assert self.memory is not None  # started: start() made it

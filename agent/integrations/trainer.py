@@ -1,0 +1,135 @@
+"""The reference :class:`gpuopt.Trainer` under the agent: its run, on the run base.
+
+The Trainer reports each optimizer step to its callbacks (:class:`gpuopt.trainer.StepStats`);
+the run turns that into the typed record at the boundary. Its checkpoint is
+:meth:`gpuopt.Trainer.state_dict` (model, optimizer, scheduler, GradScaler, settings, data
+position, random numbers), with the knob values a person chose.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
+                            optimizer_knobs, precision_knob, refuse)
+from agent.checkpoints import load_checkpoint, torch_checkpoint
+from agent.core import Agent, ending_reason
+from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MAX_GRAD_NORM,
+                         MICRO_BATCH_SIZE, Knob, KnobSet)
+from agent.record import StepRecord
+from agent.run import RunBase
+from gpuopt.loader import ReconfigurableLoader
+from gpuopt.trainer import StepStats, Trainer
+
+
+class TrainerRun(RunBase):
+    """One :class:`gpuopt.Trainer` under the agent; its callback hooks are one call each.
+
+    Args:
+        agent: the run's agent. trainer: the Trainer.
+    """
+
+    def __init__(self, agent: Agent, trainer: Trainer) -> None:
+        super().__init__(agent, device=trainer.device)
+        self.trainer = trainer
+        self.step = trainer.step
+        self._measurement_error_reported = False
+        self.event_sources.append(trainer.model_backend.pop_events)
+
+    def data_state(self) -> None:
+        """None: the Trainer's own state holds its data position."""
+        return None
+
+    def data_reason(self, value: Any = None) -> str | None:
+        """The Trainer's loader position is exact for a ReconfigurableLoader; another
+        loader's is its :class:`gpuopt.position.DataPosition`'s."""
+        if isinstance(self.trainer.loader, ReconfigurableLoader):
+            return None
+        return self.trainer.data_position.exact_reason
+
+    def save(self, path: Any, knobs: dict[str, Any]) -> None:
+        """``torch.save`` of :meth:`gpuopt.Trainer.state_dict` and the knob values."""
+        torch.save(torch_checkpoint(self.agent, knobs, self.trainer.step,
+                                    {"trainer": self.trainer.state_dict()}), path)
+
+    # ------------------------------------------------------------ the Trainer's hooks
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self.agent.mark_start()
+
+    def on_optimizer_step(self, trainer: Trainer, stats: StepStats) -> None:
+        self.boundary(StepRecord(
+            step=stats.step, micro_batches=stats.micro_batches, samples=stats.samples,
+            data_wait_s=stats.data_wait_s, loss=stats.loss, skipped=stats.skipped,
+            activation_bytes=stats.activation_bytes, tokens=stats.tokens,
+            lr=stats.lr_groups or stats.lr, grad_norm=stats.grad_norm))
+        if trainer.activation_measurement_error and not self._measurement_error_reported:
+            self._measurement_error_reported = True
+            self.agent.event("warning", "activation memory is not measured for this model "
+                             f"({trainer.activation_measurement_error})", kind="warning",
+                             step=stats.step)
+
+    def on_out_of_memory(self, trainer: Trainer, error: torch.OutOfMemoryError) -> bool:
+        return self.agent.roll_back_last_change(
+            trainer.step + 1, f"step {trainer.step + 1} ran out of memory")
+
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+        self.close(ending_reason(error))
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        self.close("finished")  # (after on_exception: already closed)
+
+
+def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
+           checkpoint_dir: str | os.PathLike | None = None,
+           resume_from: str | os.PathLike | None = None, **options: Any) -> Agent:
+    """Attach the agent to a :class:`gpuopt.Trainer` (see :func:`agent.attach`, which
+    calls this). Returns the started agent.
+
+    Raises:
+        ValueError: ``resume_from`` is not a checkpoint of the ``checkpoint`` command,
+            or this Trainer cannot take it (:meth:`gpuopt.Trainer.load_state_dict`).
+        OSError: it cannot be read.
+    """
+    saved = load_checkpoint(resume_from) if resume_from is not None else None
+    if saved is not None:
+        trainer.load_state_dict(saved["trainer"])
+    knobs = KnobSet()
+    knobs.add(precision_knob(trainer.mixed_precision))
+    knobs.add(Knob(ACCUM_STEPS, get=lambda: trainer.accum_steps,
+                   set=lambda value: setattr(trainer, "accum_steps", value)))
+    if isinstance(trainer.loader, ReconfigurableLoader):
+        for knob in loader_knobs(trainer.loader):
+            knobs.add(knob)
+    knobs.add(Knob(KERNELS, get=lambda: trainer.kernels,
+                   set=lambda value: setattr(trainer, "kernels", value),
+                   check=lambda value: refuse(trainer.model_backend.support(value))))
+    if trainer.activation_checkpointing is not None:
+        knobs.add(Knob(CHECKPOINTING, get=lambda: trainer.checkpointing,
+                       set=lambda value: setattr(trainer, "checkpointing", value)))
+    optimizer_knobs(trainer.optimizer_settings, knobs)
+    knobs.add(Knob(MAX_GRAD_NORM, get=lambda: trainer.max_grad_norm or 0.0,
+                   set=lambda value: setattr(trainer, "max_grad_norm", value)))
+    # (the knobs panel lists them in this order: the newer ones after the established)
+    if isinstance(trainer.loader, ReconfigurableLoader):
+        knobs.add(micro_batch_size_knob(trainer.loader, lambda: trainer.accum_steps,
+                                        lambda value: setattr(trainer, "accum_steps", value)))
+    else:
+        knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+            "the Trainer's loader is not a gpuopt.loader.ReconfigurableLoader, whose "
+            "batches can change size mid-epoch")
+    knobs.add(cpu_threads_knob(knobs))
+    agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
+                  transport=transport, training={"framework": "gpuopt.Trainer",
+                                                 "loss_normalization": trainer.loss_normalization},
+                  **options)
+    run = TrainerRun(agent, trainer)
+    run.bind_checkpoint(run.save, step=lambda: trainer.step, directory=checkpoint_dir)
+    if saved is not None:
+        run.restore(saved["knobs"], str(resume_from))
+    trainer.callbacks.append(run)
+    run.start()
+    return agent

@@ -1,0 +1,76 @@
+"""The one model of an optimizer step: :class:`StepRecord`.
+
+Every integration hands the agent one :class:`StepRecord` per optimizer step (through
+:meth:`agent.run.RunBase.boundary`), and everything after reads it by name: the agent's
+hot path fills in what only it knows (the step time, the device marker, the knob values
+the step trained with), the encoder turns runs of them into ``steps`` columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True, kw_only=True)
+class StepRecord:
+    """One optimizer step of one rank, as recorded on the training thread.
+
+    What the integration measured:
+
+    Attributes:
+        micro_batches: micro-batches in the step's accumulation window (>= 1).
+        samples: samples in those micro-batches.
+        data_wait_s: host seconds the loop waited for them (inside each fetch).
+        loss: the window's mean loss as the framework means it, a 0-dim tensor on any
+            device (never read on the training thread), or None.
+        skipped: in fp16, the GradScaler's 0-dim bool "this step was skipped" tensor
+            (True: inf/NaN gradients), or None.
+        activation_bytes: bytes saved for backward by one micro-batch of the window,
+            when measured (:class:`gpuopt.memory.SavedActivations`), else None.
+        tokens: tokens in the window (token models), or None.
+        lr: the learning rate the step used: param group 0's as a host float, or every
+            group's as a tuple (floats or tensors, read on the I/O thread), or None.
+        grad_norm: the global gradient norm the step saw before clipping, a 0-dim
+            tensor (read on the I/O thread once ready) or a float, or None.
+
+    What the run base and the agent add (an integration leaves them):
+
+    Attributes:
+        step: 1-based index of the optimizer step (the run base counts, unless the
+            integration gives its framework's own count).
+        step_time_s: host seconds since the previous boundary (None for the first).
+        marker: the device marker of the step (:mod:`agent.markers`): holds the loss,
+            the skipped flag and the gradient norm until the device has them.
+        knobs: the knob values the step trained with (a dict replaced, never changed,
+            when a knob changes).
+    """
+
+    micro_batches: int
+    samples: int
+    data_wait_s: float
+    loss: torch.Tensor | None = None
+    skipped: torch.Tensor | None = None
+    activation_bytes: int | None = None
+    tokens: int | None = None
+    lr: float | tuple[Any, ...] | None = None
+    grad_norm: torch.Tensor | float | None = None
+    step: int = 0
+    step_time_s: float | None = None
+    marker: Any = None
+    knobs: dict[str, Any] | None = None
+
+
+#: The host columns of a run of records, in the order :func:`host_columns` gives them.
+HOST_FIELDS = ("step", "step_time_s", "micro_batches", "samples", "data_wait_s", "knobs",
+               "activation_bytes", "tokens", "lr")
+_HOST = attrgetter(*HOST_FIELDS)
+
+
+def host_columns(records: list[StepRecord]) -> dict[str, list[Any]]:
+    """The host fields (:data:`HOST_FIELDS`) of ``records`` as one list per field name:
+    one C-level read per record (``attrgetter``), then a transpose."""
+    return dict(zip(HOST_FIELDS, map(list, zip(*map(_HOST, records)))))

@@ -1,0 +1,257 @@
+"""One model of a run: :class:`RunBase`, what every integration is built on.
+
+Every integration (the reference Trainer, hand-written loops, Lightning, Hugging Face,
+accelerate, Lightning Fabric) is a subclass. The base owns, once for all of them:
+
+- **the optimizer-step boundary** (:meth:`RunBase.boundary`): count the step, note the
+  micro-batches its window trained (the data position), hand the typed record
+  (:class:`agent.record.StepRecord`) to the agent, which applies the commands due, then
+  publish the step's events (compile progress) and tick the memory knobs;
+- **checkpoint and resume** (:meth:`RunBase.bind_checkpoint`, :meth:`RunBase.restore`):
+  the knob values a person chose (never a search's trial), the data position
+  (:class:`gpuopt.position.DataPosition`, or the framework's own), and an event that
+  names every knob value restored and anything that will differ;
+- **the end** (:meth:`RunBase.close`): on a normal end, an exception, Ctrl-C or SIGTERM,
+  the integration's patches are put back and ``bye`` says why, in every integration.
+
+A subclass supplies only its framework's part: how it reads a step (it builds the
+record and calls :meth:`RunBase.boundary`), its knob binders, how its framework saves
+and loads a checkpoint, and :meth:`RunBase.uninstall`.
+"""
+
+from __future__ import annotations
+
+import _imp
+import logging
+import os
+import signal
+import sys
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from agent.adapters import MemoryKnobs, publish_events
+from agent.checkpoints import Checkpoints, restore_knobs
+from agent.core import Agent, ending_reason
+from agent.integrations import WindowMeter
+from agent.record import StepRecord
+from gpuopt.data import batch_size
+from gpuopt.position import DataPosition
+
+log = logging.getLogger("gpuwatch.agent")
+
+
+class RunBase:
+    """One training run under the agent, as every integration has it.
+
+    Args:
+        agent: the run's agent (not started yet: :meth:`start` starts it).
+        device: the model's device (memory knobs, the data position's batches).
+        tokens_per_sample: tokens in one sample, for :attr:`meter` (None: counted from
+            ``input_ids``).
+
+    Attributes:
+        agent: the :class:`agent.core.Agent`. knobs: its knob set.
+        step: optimizer steps taken so far (a resumed run counts on from its checkpoint).
+        meter: the window's data wait, micro-batches, samples and tokens
+            (:class:`agent.integrations.WindowMeter`), for integrations that time fetches.
+        position: the data position (:class:`gpuopt.position.DataPosition`), for
+            integrations whose data gpuwatch iterates; others report theirs through
+            :meth:`data_state`.
+        memory: the ``memory_fraction`` / ``memory_snapshot_steps`` knobs.
+        event_sources: callables returning ``(kind, text, fields)`` events to publish
+            after each step (e.g. a model backend's compile progress).
+        resumed_from: the checkpoint the run resumed from, or None.
+    """
+
+    def __init__(self, agent: Agent, *, device: torch.device | str | None = None,
+                 tokens_per_sample: int | None = None) -> None:
+        self.agent = agent
+        self.knobs = agent.knobs
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.step = 0
+        self.meter = WindowMeter(batch_size, tokens_per_sample)
+        self.position = DataPosition(self.device)
+        self.memory = MemoryKnobs(self.device, agent.run_id)
+        self.memory.bind(self.knobs)
+        self.event_sources: list[Callable[[], list[tuple[str, str, dict[str, Any]]]]] = []
+        self.resumed_from: str | None = None
+        self.closed = False
+        self.broken = False
+
+    # ------------------------------------------------------------ the boundary
+
+    def boundary(self, record: StepRecord) -> None:
+        """Training thread, at an optimizer-step boundary (after ``step()`` and
+        ``zero_grad``): count the step (``record.step``: the framework's own count,
+        when it keeps one; else :attr:`step` + 1), note its window in the data position, record
+        it and apply the commands due (a checkpoint among them holds this step), then
+        publish its events and tick the memory knobs.
+
+        .. note:: Never synchronizes the device; a few microseconds. Never raises: an
+           error of gpuwatch's stops the observing (an event says so), never training.
+        """
+        if self.broken:
+            return
+        self.step = record.step = record.step or self.step + 1
+        self.position.window_done(record.micro_batches)
+        self.agent.optimizer_step(record)
+        try:
+            for source in self.event_sources:
+                events = source()
+                if events:
+                    publish_events(self.agent, self.step, events)
+            self.memory.after_step(self.agent, self.step)
+        except Exception as exc:  # the first rule: never crash the training
+            self.fail("after the optimizer step", exc)
+
+    # ------------------------------------------------------------ checkpoint and resume
+
+    def bind_checkpoint(self, save: Callable[[Path, dict[str, Any]], None], *,
+                        directory: str | os.PathLike | None = None,
+                        name: str = "step-{step:08d}.pt",
+                        step: Callable[[], int] | None = None,
+                        refusal: Callable[[], str | None] | None = None,
+                        every_rank: bool = False) -> None:
+        """Offer the ``checkpoint`` command: ``save(path, knobs)`` writes the
+        framework's checkpoint with the knob values ``knobs`` (the person's: see
+        :meth:`chosen_knobs`) and :meth:`data_state` in it. The reply warns before
+        saving when :meth:`data_reason` says a resume will not be exact. Other
+        arguments as :class:`agent.checkpoints.Checkpoints`'."""
+        Checkpoints(self.agent, save, step=step or (lambda: self.step), directory=directory,
+                    name=name, refusal=refusal, every_rank=every_rank,
+                    chosen=self.chosen_knobs, warn=self.data_reason).bind(self.knobs)
+
+    def chosen_knobs(self) -> tuple[dict[str, Any], str | None]:
+        """The knob values a checkpoint keeps: the ones now, except that a knob the
+        in-run search is trying has the value the search measures it against (the
+        person's, or the best kept so far); and a note saying so, or None."""
+        values = self.agent.knobs.values()
+        trial = self.agent.tune.trial_values(values)
+        if not trial:
+            return values, None
+        values.update(trial)
+        return values, ("the search was trying " + ", ".join(
+            f"{name}={self.agent.knobs.values()[name]}" for name in trial)
+            + "; the checkpoint keeps " + ", ".join(f"{k}={v}" for k, v in trial.items()))
+
+    def data_state(self) -> dict[str, Any] | None:
+        """The data position a checkpoint keeps (:class:`gpuopt.position.DataPosition`'s
+        state by default; an integration whose framework positions its own data returns
+        what it needs, or None)."""
+        return self.position.state_dict()
+
+    def data_reason(self, value: Any = None) -> str | None:
+        """Why a resume from a checkpoint now would not train the same data as this run
+        goes on to, or None when it would (the ``checkpoint`` reply's warning)."""
+        return self.position.exact_reason
+
+    def restore(self, knobs: dict[str, Any], source: str, *,
+                data: dict[str, Any] | None = None, differs: str | None = None,
+                unbound: str = "not in this run") -> dict[str, Any]:
+        """Training thread, before training goes on from a checkpoint at :attr:`step`:
+        the data position (``data``, :meth:`data_state`'s), then every knob value of
+        ``knobs``; one ``resumed`` event names them all, what could not be set, and
+        ``differs`` (what will not be as in the saved run), if anything.
+
+        Returns:
+            The knobs of ``knobs`` this run does not have (yet), by name.
+        """
+        self.resumed_from = source
+        if data is not None:
+            self.position.load_state_dict(data)
+        return restore_knobs(self.agent, knobs, source, self.step, unbound=unbound,
+                             differs=differs)
+
+    # ------------------------------------------------------------ the end
+
+    def start(self) -> None:
+        """Announce the knobs, start the agent and the first step's clock, and make
+        every way the process ends close this run (:func:`end_on_signals`)."""
+        self.agent.refresh_knobs()
+        self.agent.start()
+        self.agent.mark_start()
+        end_on_signals(self)
+
+    def uninstall(self) -> None:
+        """Put back what the integration patched in its framework (called once, by
+        :meth:`close`, before ``bye``). Nothing in the base."""
+
+    def close(self, reason: str = "finished") -> None:
+        """End the run: :meth:`uninstall`, then ``bye`` with ``reason`` and the run file
+        removed. Idempotent; any exit path calls it (see :func:`end_on_signals`)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.uninstall()
+        except Exception as exc:  # noqa: BLE001 -- closing must go on
+            self.agent.report_error("putting the framework back", exc)
+        self.agent.close(reason)
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        """Stop observing after an internal error (``where``: what failed); an error
+        event says so. Training goes on, untouched."""
+        self.broken = True
+        message = (f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}; the run "
+                   "is no longer observed (training continues)")
+        log.warning(message)
+        self.agent.event("error", message, kind="agent_error")
+
+    def __enter__(self) -> "RunBase":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close(ending_reason(exc_info[1]))
+
+
+#: How long a SIGTERM that came during an import waits to be handled again (s).
+SIGTERM_RETRY_S = 0.01
+#: Runs not yet closed, for the process-wide exit paths below.
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_exit_paths_installed = False
+
+
+def _close_live(reason: str) -> None:
+    for run in list(_LIVE):
+        run.close(reason)
+
+
+def end_on_signals(run: Any) -> None:
+    """End ``run`` (anything with ``close(reason)``) cleanly on SIGTERM (torchrun's and
+    schedulers' stop) where nobody handles it yet, then die of it as before; and name an
+    uncaught exception in ``bye``. The hooks are installed once per process; a normal
+    exit is the agent's ``atexit``."""
+    global _exit_paths_installed
+    _LIVE.add(run)
+    if _exit_paths_installed:
+        return
+    _exit_paths_installed = True
+    previous_hook = sys.excepthook
+
+    def excepthook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        _close_live(ending_reason(error))
+        previous_hook(kind, error, tb)
+
+    sys.excepthook = excepthook
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the script's own handler decides (it may raise, then excepthook names it)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if _imp.lock_held():
+            # interrupted inside an import (accelerate looks for packages at every
+            # optimizer step): the I/O thread may be waiting for that lock to finish its
+            # own, and closing here waits for the I/O thread, so neither would move until
+            # the close timed out and the run log lost its bye. Come back in a moment.
+            threading.Timer(SIGTERM_RETRY_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            return
+        _close_live("stopped by SIGTERM")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # the exit status says SIGTERM, as before
+
+    signal.signal(signal.SIGTERM, on_sigterm)

@@ -1,0 +1,265 @@
+"""Where a run is in its data at an optimizer-step boundary, exactly, and how to go back.
+
+A resume that restores the model, the optimizer and the random number generators but
+not the data position re-trains or skips data: the field's oldest resume bug
+(transformers#5605, #22143; EleutherAI/gpt-neox#308). Counting optimizer steps is not
+enough once the window size can change live, and a loop that fetches its next batch
+before the boundary (nanoGPT's ``X, Y = get_batch()`` at the end of its micro-step loop)
+has drawn the random numbers of a batch the saved state no longer shows.
+
+:class:`DataPosition` counts what it sees instead:
+
+- every batch fetched for training (under ``torch.is_grad_enabled()``: fetches for
+  evaluation inside ``no_grad`` do not move it), with its epoch and index in the epoch;
+- the micro-batches each finished accumulation window trained on, so that the batches
+  fetched but not yet trained at a boundary (fetched *ahead*) are known and saved
+  themselves;
+- the random number generators' state where each epoch's iterator was made (a
+  ``DataLoader`` draws its sampler's permutation and its workers' base seed there).
+
+Resuming an iterable (:meth:`DataPosition.epoch_iterator`) makes the saved epoch's iterator
+again from that state, fetches and drops the batches the saved run had fetched in it,
+puts back the generators as they were at the boundary, yields the saved batches fetched
+ahead, and goes on. For a map-style dataset with any sampler drawn from torch's
+generator, and workers seeded from it, that is the same data bit for bit; it costs the
+loading of the dropped batches once. Resuming a fetch function
+(:meth:`DataPosition.timed_fetch`'s) hands back the batches fetched ahead, then calls the
+function again: its draws come from the generators restored at the boundary.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from gpuopt.saving import rng_state, set_rng_state
+
+#: The most batches fetched ahead of a boundary that a position keeps (a loop that
+#: prefetches more is told its resume differs: :attr:`DataPosition.exact_reason`).
+MAX_AHEAD = 8
+
+
+class DataPosition:
+    """The data position of one training loop (see the module docstring).
+
+    Args:
+        device: where the run's tensors live; batches fetched ahead are saved on the
+            host and moved back here on resume, and CUDA's generators are saved too.
+
+    Attributes:
+        epoch: epochs started by :meth:`iterate` (0 before the first).
+        fetched_in_epoch: training batches fetched in that epoch.
+        fetched_total, trained_total: training batches fetched, and trained on by
+            finished windows, since the run began (a resumed run counts on).
+        exact_reason: why a resume from here would not continue exactly, or None.
+
+    .. note:: Per fetch: a grad-mode check, three counter additions and a deque append
+       (a reference, no copy). Per epoch: one :func:`gpuopt.saving.rng_state`. Nothing
+       reads tensor data until :meth:`state_dict`.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+        self.epoch = 0
+        self.fetched_in_epoch = 0
+        self.fetched_total = 0
+        self.trained_total = 0
+        self.exact_reason: str | None = None
+        self._epoch_rng: dict[str, Any] | None = None
+        #: the latest training batches fetched: ``(key, batch)``
+        self._recent: deque[tuple[str, Any]] = deque(maxlen=MAX_AHEAD)
+        #: a restored position not yet replayed: :meth:`load_state_dict`'s
+        self._restored: dict[str, Any] | None = None
+        #: batches fetched ahead that a restored fetch function hands back, oldest first
+        self._replay: deque[tuple[str, Any]] = deque()
+
+    # ------------------------------------------------------------ counting
+
+    def fetched(self, batch: Any, key: str = "") -> None:
+        """A batch was fetched (``key``: which source, for :meth:`timed_fetch`'s
+        arguments). Ignored under ``no_grad`` (an evaluation's fetch)."""
+        if torch.is_grad_enabled():
+            self._count(batch, key)
+
+    def _count(self, batch: Any, key: str = "") -> None:
+        self.fetched_in_epoch += 1
+        self.fetched_total += 1
+        self._recent.append((key, batch))
+
+    def window_done(self, micro_batches: int) -> None:
+        """An accumulation window of ``micro_batches`` micro-batches was trained (call
+        at the boundary, before a checkpoint of it may be taken)."""
+        self.trained_total += micro_batches
+
+    @property
+    def ahead(self) -> int:
+        """Training batches fetched but not trained on by a finished window."""
+        return max(0, self.fetched_total - self.trained_total)
+
+    # ------------------------------------------------------------ save and restore
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position at this boundary: epoch, batches fetched in it, the generators at
+        its start and now, and the batches fetched ahead (tensors moved to the host).
+        Tensors and plain values only (``torch.load(..., weights_only=True)``).
+
+        Raises:
+            ValueError: more batches are fetched ahead than a position keeps
+                (:data:`MAX_AHEAD`), or a batch fetched ahead is not made of tensors,
+                numbers, strings, lists, tuples and dicts.
+        """
+        ahead = self.ahead
+        if ahead > len(self._recent):
+            raise ValueError(f"{ahead} batches are fetched ahead of this boundary, more "
+                             f"than the {MAX_AHEAD} a checkpoint keeps")
+        batches = list(self._recent)[len(self._recent) - ahead:] if ahead else []
+        return {"epoch": self.epoch, "fetched_in_epoch": self.fetched_in_epoch,
+                "fetched_total": self.fetched_total, "trained_total": self.trained_total,
+                "epoch_rng": self._epoch_rng, "rng": rng_state(self.device),
+                "ahead": [(key, _to_host(batch)) for key, batch in batches]}
+
+    def load_state_dict(self, state: dict[str, Any], *, replay: bool = True) -> None:
+        """Go back to ``state`` (:meth:`state_dict`'s): the generators are set to the
+        boundary's now; the batches fetched ahead come back first from the next fetch
+        (:meth:`timed_fetch`) or from :meth:`epoch_iterator`, which first replays the
+        epoch (``replay=False``: not, for a loader that restores its own position)."""
+        self.epoch = int(state["epoch"])
+        self.fetched_in_epoch = int(state["fetched_in_epoch"])
+        self.fetched_total = int(state["fetched_total"])
+        self.trained_total = int(state["trained_total"])
+        self._epoch_rng = state["epoch_rng"]
+        self._recent.clear()
+        self._replay = deque((key, _to_device(batch, self.device))
+                             for key, batch in state["ahead"])
+        for key, batch in self._replay:  # they count as fetched ahead again
+            self._recent.append((key, batch))
+        self._restored = state if replay and self._epoch_rng is not None else None
+        set_rng_state(state["rng"])
+
+    # ------------------------------------------------------------ the loop's data
+
+    def timed_fetch(self, fetch: Callable[..., Any],
+                    on_batch: Callable[[Any, float], None] | None = None,
+                    clock: Callable[[], float] | None = None) -> Callable[..., Any]:
+        """``fetch`` (e.g. nanoGPT's ``get_batch(split)``) with each training call
+        counted; after a resume, a call with the same arguments as a batch fetched
+        ahead gets that batch back instead of a new one. ``on_batch(batch, wait_s)``
+        (with ``clock``) times each real call. Arguments are told apart by ``repr``."""
+        import time
+
+        now = clock or time.perf_counter
+
+        def counted_fetch(*args: Any, **kwargs: Any) -> Any:
+            key = repr((args, sorted(kwargs.items()))) if args or kwargs else ""
+            if self._replay and torch.is_grad_enabled() and self._replay[0][0] == key:
+                return self._replay.popleft()[1]
+            start = now()
+            batch = fetch(*args, **kwargs)
+            if on_batch is not None:
+                on_batch(batch, now() - start)
+            self.fetched(batch, key)
+            return batch
+
+        return counted_fetch
+
+    def iterate(self, batches: Iterable[Any], epochs: int | None = 1,
+                next_batch: Callable[[Iterator[Any]], Any] = next) -> Iterator[Any]:
+        """``batches`` for ``epochs`` epochs (None: without end; an epoch that yields
+        nothing ends it), each through :meth:`epoch_iterator`. After
+        :meth:`load_state_dict` the first of them is the rest of the saved epoch."""
+        done = 0
+        while epochs is None or done < epochs:
+            done += 1
+            empty = True
+            for batch in self.epoch_iterator(batches, next_batch):
+                empty = False
+                yield batch
+            if empty:
+                return
+
+    def epoch_iterator(self, batches: Iterable[Any],
+                       next_batch: Callable[[Iterator[Any]], Any] = next) -> Iterator[Any]:
+        """One epoch of ``batches``, each batch through ``next_batch(iterator)`` (e.g. a
+        timed ``next``) and counted whatever the grad mode. After
+        :meth:`load_state_dict`: the rest of the saved epoch (its iterator made again
+        from the generators at its start, the batches the saved run fetched dropped,
+        the generators put back as at the boundary, the batches fetched ahead, then the
+        epoch's remaining ones).
+
+        Raises:
+            ValueError: the saved epoch had more batches than ``batches`` has (not the
+                same data).
+        """
+        restored, self._restored = self._restored, None
+        if restored is not None:
+            set_rng_state(restored["epoch_rng"])
+            iterator = iter(batches)
+            try:
+                for _ in range(self.fetched_in_epoch):
+                    next(iterator)
+            except StopIteration:
+                raise ValueError(
+                    f"the checkpoint's epoch {self.epoch} had {self.fetched_in_epoch} "
+                    "batches fetched, more than this data has: is it the same data "
+                    "set?") from None
+            set_rng_state(restored["rng"])
+            while self._replay:
+                yield self._replay.popleft()[1]
+        else:
+            self._epoch_rng = rng_state(self.device)
+            iterator = iter(batches)
+            self.exact_reason = _replay_reason(batches, iterator)
+            self.epoch += 1
+            self.fetched_in_epoch = 0
+        while True:
+            try:
+                batch = next_batch(iterator)
+            except StopIteration:
+                return
+            self._count(batch)
+            yield batch
+
+
+def _replay_reason(batches: Iterable[Any], iterator: Iterator[Any]) -> str | None:
+    """Why an epoch of ``batches`` cannot be made again exactly by a resume, or None."""
+    if iterator is batches:
+        return (f"the batches come from a one-shot iterator ({type(batches).__name__}), "
+                "which a resume cannot make again: pass the loader (or a re-iterable) "
+                "instead")
+    dataset = getattr(batches, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return (f"the data set is an IterableDataset ({type(dataset).__name__}): a resume "
+                "makes the epoch again and drops the batches already trained, which is "
+                "the same data only if it yields the same batches again")
+    return None
+
+
+def _to_host(batch: Any) -> Any:
+    """``batch`` with every tensor on the host (lists, tuples and dicts walked)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.detach().cpu()
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_host(item) for item in batch) if type(batch) in (list, tuple) \
+            else [_to_host(item) for item in batch]
+    if isinstance(batch, dict):
+        return {key: _to_host(value) for key, value in batch.items()}
+    if batch is None or isinstance(batch, (int, float, str, bool)):
+        return batch
+    raise ValueError(f"a batch fetched ahead of the boundary is a {type(batch).__name__}, "
+                     "which a checkpoint cannot keep (tensors, numbers, strings, lists, "
+                     "tuples and dicts can be)")
+
+
+def _to_device(batch: Any, device: torch.device | None) -> Any:
+    """``batch`` with every tensor moved to ``device`` (the host: left as it is)."""
+    if device is None or device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    return batch

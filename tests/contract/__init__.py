@@ -1,0 +1,171 @@
+"""One contract for every integration: the same training, live changes, checkpoint and
+resume, checked the same way (``tests/test_contract.py``).
+
+Each integration has a driver module here (``tests/contract/<name>.py``) with a
+``DRIVERS`` list of :class:`Driver` subclasses. A driver trains the contract's task (the
+small dropout model below on :class:`IndexedDigits`, AdamW and a LambdaLR schedule, a
+shuffling loader that runs past an epoch's end) through its framework, with the agent
+attached, and reports through a :class:`Recorder`: the indices of the samples each
+micro-batch trained on, and where each optimizer step ended.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from sklearn.datasets import load_digits
+from torch.nn import functional as F
+
+#: Samples in the task's data set: 16 batches of 8, so that the runs cross an epoch.
+SAMPLES = 128
+BATCH_SIZE = 8
+
+
+class IndexedDigits(torch.utils.data.Dataset):
+    """The first :data:`SAMPLES` digits, each as ``(x, y, index)``: x (64,) float32,
+    y () int64, index () int64 (which sample it is, for the data checks)."""
+
+    def __init__(self) -> None:
+        digits = load_digits()
+        self.x = torch.tensor(digits.data[:SAMPLES], dtype=torch.float32) / 16.0
+        self.y = torch.tensor(digits.target[:SAMPLES], dtype=torch.long)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index], torch.tensor(index)
+
+
+class Net(torch.nn.Module):
+    """A small classifier with dropout (so a resume must restore the random numbers)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.GELU(),
+                                       torch.nn.Dropout(0.2), torch.nn.Linear(32, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), y)
+
+
+def optimizer_and_schedule(model: torch.nn.Module) -> tuple[Any, Any]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.95 ** s)
+
+
+@dataclass
+class Recorder:
+    """What a driver's run trained: ``trained`` (each micro-batch's sample indices, in
+    training order) and ``marks`` (optimizer step -> micro-batches trained by then)."""
+
+    trained: list[tuple[int, ...]] = field(default_factory=list)
+    marks: dict[int, int] = field(default_factory=dict)
+    #: the reply to each command sent (:func:`send_at_first_step`), by knob
+    replies: dict[str, Any] = field(default_factory=dict)
+
+    def micro_batch(self, index: torch.Tensor) -> None:
+        """A micro-batch of samples ``index`` (a 1-d int tensor) is trained."""
+        self.trained.append(tuple(int(i) for i in index))
+
+    def window(self, step: int) -> list[tuple[int, ...]]:
+        """The micro-batches of optimizer step ``step``'s window."""
+        start = self.marks.get(step - 1, 0)
+        return self.trained[start:self.marks[step]]
+
+
+@dataclass
+class Result:
+    """A driver's run: its run log's records, what it trained, its final parameters."""
+
+    records: list[dict[str, Any]]
+    recorder: Recorder
+    params: list[torch.Tensor]
+
+    def steps(self) -> dict[int, dict[str, Any]]:
+        return {r["step"]: r for r in self.records if r["type"] == "step"}
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["type"] == "event" and r.get("kind") == kind]
+
+
+class Driver:
+    """One integration's way of training the contract's task.
+
+    Attributes:
+        name: the test id. changes: the live changes it offers, as ``(knob, value)``
+            in the order the contract applies them (those its framework refuses are
+            left out, and ``refused`` names them with a word of the reason).
+        refused: ``{knob: a word of the refusal reason}``.
+        slow: its runs start a framework whose start-up is long.
+    """
+
+    name = ""
+    changes: tuple[tuple[str, Any], ...] = ()
+    refused: dict[str, str] = {}
+    slow = False
+
+    def train(self, *, steps: int, commands: list[tuple[str, Any, int]],
+              checkpoint_dir: Path, resume_from: Path | None,
+              recorder: Recorder) -> tuple[Path, list[torch.Tensor]]:
+        """Train until optimizer step ``steps`` (from a fresh model, or from
+        ``resume_from``), sending ``commands`` (``(knob, value, apply_step)``) once the
+        run's knobs are bound (:func:`send_at_first_step`), checkpoints into
+        ``checkpoint_dir``; return the run log's path and the final parameters."""
+        raise NotImplementedError
+
+
+def send_at_first_step(monitor: Any, commands: list[tuple[str, Any, int]],
+                       recorder: Recorder) -> None:
+    """Mark each step's end in ``recorder``, and at the first step recorded send
+    ``commands`` through real sockets (their replies in ``recorder.replies``)."""
+    from agent.fanout import send_command
+
+    pending = list(commands)
+
+    def listener(record: dict[str, Any]) -> None:
+        if record["type"] != "step":
+            return
+        recorder.marks[record["step"]] = len(recorder.trained)
+        while pending:
+            knob, value, step = pending.pop(0)
+            recorder.replies[knob] = send_command(monitor.info, knob, value,
+                                                  apply_step=step, timeout_s=10)
+
+    monitor.add_listener(listener)
+
+
+def run(driver: Driver, *, steps: int, commands: list[tuple[str, Any, int]],
+        checkpoint_dir: Path, resume_from: Path | None = None) -> Result:
+    """One run of ``driver`` (see :meth:`Driver.train`)."""
+    recorder = Recorder()
+    log_path, params = driver.train(steps=steps, commands=commands,
+                                    checkpoint_dir=checkpoint_dir, resume_from=resume_from,
+                                    recorder=recorder)
+    with open(log_path) as log:
+        records = [json.loads(line) for line in log]
+    return Result(records, recorder, params)
+
+
+def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone().float() for p in model.parameters()]
+
+
+def all_drivers() -> list[Driver]:
+    """Every driver of every module in this package."""
+    drivers: list[Driver] = []
+    for module in pkgutil.iter_modules(__path__):
+        drivers.extend(cls() for cls in importlib.import_module(
+            f"{__name__}.{module.name}").DRIVERS)
+    return drivers

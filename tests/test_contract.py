@@ -1,0 +1,85 @@
+"""One contract, tested once, against every integration (``tests/contract/``).
+
+A run (the twin) trains 9 optimizer steps with every live change its framework offers
+applied at steps 3 and 4 (``accum_steps``, ``lr_scale``, ``max_grad_norm``, then
+``precision=bf16`` and ``micro_batch_size``) and ``checkpoint=now`` after step 5. A fresh
+run resumes from that checkpoint (other initial weights: the checkpoint's must win) and
+trains to step 9. It must continue the twin exactly: the same samples in every window,
+bit-equal per-step losses, bit-equal final parameters (fp32 on the CPU; bf16 steps
+equal to the twin's bf16 steps); the resume event lists every knob value restored; a
+knob its framework refuses is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent.knobs import assignment
+from tests.contract import Driver, all_drivers, run
+
+STEPS = 9
+CHECKPOINT_AFTER = 5
+
+
+def _params(driver: Driver) -> object:
+    return pytest.param(driver, id=driver.name,
+                        marks=[pytest.mark.slow] if driver.slow else [])
+
+
+DRIVERS = [_params(driver) for driver in all_drivers()]
+
+
+def _commands(driver: Driver) -> list[tuple[str, object, int]]:
+    """The driver's changes: the first three at step 3, the rest at step 4, then the
+    checkpoint (saved at the boundary after step 5)."""
+    commands = [(knob, value, 3 if index < 3 else 4)
+                for index, (knob, value) in enumerate(driver.changes)]
+    return commands + [("checkpoint", "now", CHECKPOINT_AFTER + 1)]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_resume_after_live_changes_continues_the_run_exactly(driver, run_dir, tmp_path):
+    twin = run(driver, steps=STEPS, commands=_commands(driver), checkpoint_dir=tmp_path)
+    for knob, reply in twin.recorder.replies.items():
+        assert reply["ok"], (knob, reply)
+    applied = {(e["knob"], e["step"]) for e in twin.events("applied")}
+    for knob, _, step in _commands(driver):
+        assert (knob, step) in applied, (knob, step, twin.events("failed"))
+    saved = [e for e in twin.events("applied") if e["knob"] == "checkpoint"]
+    assert saved[0]["checkpoint_step"] == CHECKPOINT_AFTER
+    path = saved[0]["path"]
+
+    resumed = run(driver, steps=STEPS, commands=[], checkpoint_dir=tmp_path / "again",
+                  resume_from=path)
+    events = resumed.events("resumed")  # (a loop's loader knobs: once run.loader() binds)
+    assert {event["step"] for event in events} == {CHECKPOINT_AFTER}, events
+    text = "; ".join(event["text"] for event in events)
+    want, got = twin.steps(), resumed.steps()
+    for knob, _ in driver.changes:  # its value as saved (micro_batch_size moves accum_steps)
+        assert assignment(knob, want[CHECKPOINT_AFTER]["knobs"][knob]) in text, text
+    assert "not as in the saved run" not in text
+
+    assert sorted(got) == list(range(CHECKPOINT_AFTER + 1, STEPS + 1))
+    for step in range(CHECKPOINT_AFTER + 1, STEPS + 1):
+        assert resumed.recorder.window(step) == twin.recorder.window(step), step
+        assert got[step]["loss"] == want[step]["loss"], step
+        assert got[step]["knobs"] == want[step]["knobs"], step
+    for mine, theirs in zip(resumed.params, twin.params):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].refused])
+def test_a_knob_the_framework_cannot_apply_is_refused_with_the_reason(driver, run_dir,
+                                                                        tmp_path):
+    refused = {knob: value for knob, value in (("micro_batch_size", 4),
+                                               ("accum_steps", 3), ("precision", "bf16"),
+                                               ("max_grad_norm", 0.3), ("lr_scale", 0.5))
+               if knob in driver.refused}
+    result = run(driver, steps=3, commands=[(knob, value, 3)
+                                            for knob, value in refused.items()],
+                 checkpoint_dir=tmp_path)
+    for knob, word in driver.refused.items():
+        reply = result.recorder.replies[knob]
+        assert not reply["ok"] and word in reply["reason"], reply
+    assert not result.events("applied")
