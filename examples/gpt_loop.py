@@ -2,14 +2,17 @@
 
     python examples/gpt_loop.py                  # then, in another terminal: gpuwatch
     python examples/gpt_loop.py --max-steps 200 --dtype bfloat16
+    python examples/gpt_loop.py --resume CHECKPOINT   # one that `s` (checkpoint=now) saved
 
 The loop is nanoGPT's own: its ``get_batch()``, its ``micro_step`` accumulation loop,
 its ``ctx`` and ``scaler``, its learning-rate schedule and gradient clipping. The lines
-that attach gpuwatch end in ``# gpuwatch`` (7 of them: see the README for the diff), and
+that attach gpuwatch end in ``# gpuwatch`` (8 of them: see the README for the diff), and
 they make all the loop knobs live: ``precision`` (ctx and scaler follow it, a real
 GradScaler in fp16), ``accum_steps`` (the micro-step loop and the loss division read
 it), ``kernels`` (torch.compile of the model, in place) and ``checkpointing`` (of
-``transformer.h``, found as the model's repeated blocks).
+``transformer.h``, found as the model's repeated blocks). ``--resume`` goes on from a
+checkpoint the ``checkpoint`` command saved, exactly as the run would have: the batch the
+loop had fetched ahead of that boundary comes back from ``get_batch`` first.
 
 Data: character-level text of Python's own documentation (shipped with Python), as
 nanoGPT's ``shakespeare_char``. Nothing is downloaded.
@@ -72,6 +75,8 @@ def main():
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--eval-interval", type=int, default=250)
+    parser.add_argument("--resume", metavar="CHECKPOINT",
+                        help="go on from a checkpoint gpuwatch's checkpoint command saved")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend of kernels=compile (aot_eager: fast to "
                              "compile, fuses nothing)")
@@ -99,7 +104,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.1)
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                "float16": torch.float16}[args.dtype]
-    run = agent.session(model=model, optimizer=optimizer, precision=ptdtype, accum_steps=gradient_accumulation_steps, tokens_per_sample=block_size, compile_backend=args.compile_backend, name="gpt-loop")  # gpuwatch
+    run = agent.session(model=model, optimizer=optimizer, precision=ptdtype, accum_steps=gradient_accumulation_steps, tokens_per_sample=block_size, compile_backend=args.compile_backend, resume_from=args.resume, name="gpt-loop")  # gpuwatch
     ctx, scaler = run.autocast, run.scaler  # gpuwatch
     get_batch = run.timed(get_batch)  # gpuwatch
     print(f"run {run.agent.run_id}: watch it with `gpuwatch`", flush=True)
@@ -128,7 +133,7 @@ def main():
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
     X, Y = get_batch("train")
-    iter_num = 0
+    iter_num = run.step  # gpuwatch
     while iter_num < args.max_steps:
         lr = get_lr(iter_num)
         for param_group in optimizer.param_groups:

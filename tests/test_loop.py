@@ -202,6 +202,49 @@ def test_gpt_example_takes_every_loop_knob_live(run_dir):
     assert "compiling" in kinds
 
 
+@pytest.mark.slow
+def test_gpt_example_resumes_exactly_after_a_live_change(run_dir, tmp_path):
+    """nanoGPT's loop fetches the next window's first batch before the boundary: the
+    resumed example gets that batch back and every later step's loss equals the twin's,
+    evaluations (fetches under no_grad) included."""
+    common = [sys.executable, str(EXAMPLES / "gpt_loop.py"), "--batch-size", "4",
+              "--block-size", "16", "--eval-interval", "25", "--max-steps", "120"]
+    twin = subprocess.Popen(common, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = twin.stdout.readline()
+        assert "watch it with `gpuwatch`" in line, twin.stderr.read()
+        info = runs.find_run(line.split()[1].rstrip(":"))
+        change = send_command(info, "accum_steps", 3)
+        # (at a later boundary: at the same one it would save the state before the change)
+        saved = send_command(info, "checkpoint", "now", apply_step=change["apply_step"] + 3)
+        assert change["ok"] and saved["ok"], (change, saved)
+        assert twin.wait(240) == 0, twin.stderr.read()
+    finally:
+        if twin.poll() is None:
+            twin.kill()
+            twin.wait()
+    records = _log_records(info.log_path)
+    [checkpoint] = [r for r in records if r["type"] == "event" and r.get("kind") == "applied"
+                    and r["knob"] == "checkpoint"]
+    after = checkpoint["checkpoint_step"]
+    assert after == change["apply_step"] + 2, checkpoint
+    resumed = subprocess.run(common + ["--resume", checkpoint["path"]], capture_output=True,
+                             text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    resumed_id = resumed.stdout.split()[1].rstrip(":")
+    [resumed_log] = Path(info.log_path).parent.glob(f"{resumed_id}*")
+    steps = {r["step"]: r for r in records if r["type"] == "step"}
+    resumed_records = _log_records(resumed_log)
+    resumed_steps = {r["step"]: r for r in resumed_records if r["type"] == "step"}
+    assert sorted(resumed_steps) == list(range(after + 1, 121))
+    assert [resumed_steps[k]["loss"] for k in resumed_steps] == [
+        steps[k]["loss"] for k in resumed_steps]
+    assert {resumed_steps[k]["micro_batches"] for k in resumed_steps} == {3}
+    [event] = [r for r in resumed_records if r["type"] == "event"
+               and r.get("kind") == "resumed"]
+    assert "accum_steps=3" in event["text"] and "not as in" not in event["text"]
+
+
 def test_agent_imports_no_framework_and_attach_names_what_it_takes():
     code = ("import sys, agent, agent.adapters, agent.loop, agent.integrations\n"
             "frameworks = {'lightning', 'pytorch_lightning', 'transformers', 'accelerate'}\n"

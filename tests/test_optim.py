@@ -235,98 +235,6 @@ def _digits_dataset():
             for i in range(len(x))]
 
 
-def _resumable_trainer(seed, callbacks=()):
-    """A Trainer with everything a resume must restore: dropout, AdamW's state, a
-    LambdaLR schedule, accumulation, a shuffling loader mid-epoch."""
-    model = DropoutNet(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.95 ** s)
-    loader = ReconfigurableLoader(_digits_dataset(), 16, shuffle=True, seed=3)
-    trainer = Trainer(model, optimizer, F.cross_entropy, loader, accum_steps=2,
-                      lr_scheduler=scheduler, callbacks=list(callbacks))
-    return trainer, model
-
-
-def test_a_trainer_checkpoint_taken_mid_run_resumes_bit_identically(run_dir, tmp_path):
-    gate = Gate(hold_at=2)
-    trainer, model = _resumable_trainer(0, [gate])
-    snapshots = Snapshots(model)
-    trainer.callbacks.append(snapshots)
-    monitor = agent.attach(trainer, name="trainer-checkpoint", checkpoint_dir=tmp_path)
-    thread = start(trainer, max_steps=10)
-    assert gate.reached.wait(30)
-    for knob, value, step in (("lr_scale", 0.5, 3), ("max_grad_norm", 0.3, 3),
-                              ("accum_steps", 3, 4), ("checkpoint", "now", 6)):
-        assert send_command(monitor.info, knob, value, apply_step=step)["ok"]
-    log_path = monitor.info.log_path
-    gate.release.set()
-    thread.join(60)
-    records = _records(log_path)
-    saved = [e for e in _events(records, "applied") if e["knob"] == "checkpoint"]
-    assert len(saved) == 1 and saved[0]["checkpoint_step"] == 5
-    path = Path(saved[0]["path"])
-    assert path == tmp_path / "step-00000005.pt" and path.stat().st_size == saved[0]["size_bytes"]
-    assert str(path) in saved[0]["text"] and "KiB" in saved[0]["text"]
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
-
-    fresh, fresh_model = _resumable_trainer(seed=1)  # other weights: the checkpoint's win
-    fresh_snapshots = Snapshots(fresh_model)
-    fresh.callbacks.append(fresh_snapshots)
-    resumed = agent.attach(fresh, name="trainer-resumed", resume_from=path)
-    assert (fresh.step, fresh.lr_scale, fresh.max_grad_norm, fresh.accum_steps) == (5, 0.5, 0.3, 3)
-    resumed_log = resumed.info.log_path
-    fresh.fit(max_steps=10)
-    for step in range(5, 11):
-        for got, want in zip(fresh_snapshots.after[step], snapshots.after[step]):
-            assert torch.equal(got, want), step
-    original, again = _steps(records), _steps(_records(resumed_log))
-    assert [again[k]["loss"] for k in range(6, 11)] == [original[k]["loss"] for k in range(6, 11)]
-    assert [again[k]["lr_groups"] for k in range(6, 11)] == [original[k]["lr_groups"]
-                                                            for k in range(6, 11)]
-    event = _events(_records(resumed_log), "resumed")[0]
-    assert event["text"] == f"resumed from {path} at step 5"  # the Trainer's state had all
-    assert event["knobs"]["lr_scale"] == 0.5 and event["knobs"]["accum_steps"] == 3
-
-
-def test_a_trainer_checkpoint_after_a_micro_batch_size_change_resumes_bit_identically(
-        run_dir, tmp_path):
-    """micro_batch_size=8 (16 x accum_steps 2 -> 8 x 4) mid-epoch, then a checkpoint: the
-    resumed Trainer's loader cuts the rest of the epoch as the saving one did, with
-    accum_steps 4, so the effective batch and every later update are the same."""
-    gate = Gate(hold_at=2)
-    trainer, model = _resumable_trainer(0, [gate])
-    snapshots = Snapshots(model)
-    trainer.callbacks.append(snapshots)
-    monitor = agent.attach(trainer, name="trainer-micro-batch", checkpoint_dir=tmp_path)
-    thread = start(trainer, max_steps=10)
-    assert gate.reached.wait(30)
-    for knob, value, step in (("micro_batch_size", 8, 3), ("checkpoint", "now", 6)):
-        assert send_command(monitor.info, knob, value, apply_step=step)["ok"]
-    log_path = monitor.info.log_path
-    gate.release.set()
-    thread.join(60)
-    records = _records(log_path)
-    saved = [e for e in _events(records, "applied") if e["knob"] == "checkpoint"]
-    assert len(saved) == 1 and saved[0]["checkpoint_step"] == 5
-    assert {_steps(records)[step]["samples"] for step in range(1, 11)} == {32}
-
-    fresh, fresh_model = _resumable_trainer(seed=1)
-    fresh_snapshots = Snapshots(fresh_model)
-    fresh.callbacks.append(fresh_snapshots)
-    resumed = agent.attach(fresh, name="trainer-resumed", resume_from=saved[0]["path"])
-    assert (fresh.step, fresh.loader.batch_size, fresh.accum_steps) == (5, 8, 4)
-    resumed_log = resumed.info.log_path
-    fresh.fit(max_steps=10)
-    for step in range(5, 11):
-        for got, want in zip(fresh_snapshots.after[step], snapshots.after[step]):
-            assert torch.equal(got, want), step
-    original, again = _steps(records), _steps(_records(resumed_log))
-    assert [again[k]["loss"] for k in range(6, 11)] == [original[k]["loss"] for k in range(6, 11)]
-    event = _events(_records(resumed_log), "resumed")[0]
-    assert event["text"] == f"resumed from {saved[0]['path']} at step 5"  # nothing to redo
-    assert event["knobs"]["micro_batch_size"] == 8 and event["knobs"]["accum_steps"] == 4
-
-
 def _dropout_loop(run, model, optimizer, scheduler, data, steps):
     losses = {}
     for _ in range(steps):
@@ -580,8 +488,10 @@ def test_a_loop_resumed_after_a_micro_batch_size_change_binds_it_with_run_loader
     log_path = resumed.agent.info.log_path
     resumed.close()
     first, second = [e["text"] for e in _events(_records(log_path), "resumed")]
-    assert first.startswith(f"resumed from {path} at step 3 with accum_steps=4")
+    assert first.startswith(f"resumed from {path} at step 3 with ")
+    assert "accum_steps=4" in first
     assert first.endswith("; not bound yet (set when run.loader() binds them): "
                           "num_workers=0, pin_memory=off, prefetch_factor=2, "
                           "micro_batch_size=8")
-    assert second == f"resumed from {path} at step 3 with micro_batch_size=8, accum_steps=4"
+    assert second == (f"resumed from {path} at step 3 with micro_batch_size=8, "
+                      "num_workers=0, pin_memory=off, prefetch_factor=2, accum_steps=4")
