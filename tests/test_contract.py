@@ -12,6 +12,11 @@ knob its framework refuses is refused with the reason.
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -83,3 +88,26 @@ def test_a_knob_the_framework_cannot_apply_is_refused_with_the_reason(driver, ru
         reply = result.recorder.replies[knob]
         assert not reply["ok"] and word in reply["reason"], reply
     assert not result.events("applied")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_sigterm_ends_the_run_with_bye(driver, run_dir, tmp_path):
+    """SIGTERM (torchrun's and schedulers' stop) in the middle of training: the run log
+    ends with ``bye`` naming it, and the process dies of the signal as it would have."""
+    process = subprocess.Popen([sys.executable, "-m", "tests.contract", driver.name,
+                                str(tmp_path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("step "), process.stderr.read()
+        log_path = line.split(maxsplit=2)[2].strip()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(120) == -signal.SIGTERM, process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    with open(log_path) as log:
+        last = json.loads(log.readlines()[-1])
+    assert last["type"] == "bye" and last["reason"] == "stopped by SIGTERM", last

@@ -74,6 +74,8 @@ class Recorder:
     marks: dict[int, int] = field(default_factory=dict)
     #: the reply to each command sent (:func:`send_at_first_step`), by knob
     replies: dict[str, Any] = field(default_factory=dict)
+    #: print ``step N <run log path>`` at the first step (for a parent process)
+    announce: bool = False
 
     def micro_batch(self, index: torch.Tensor) -> None:
         """A micro-batch of samples ``index`` (a 1-d int tensor) is trained."""
@@ -138,6 +140,8 @@ def send_at_first_step(monitor: Any, commands: list[tuple[str, Any, int]],
         if record["type"] != "step":
             return
         recorder.marks[record["step"]] = len(recorder.trained)
+        if recorder.announce and len(recorder.marks) == 1:
+            print(f"step {record['step']} {monitor.info.log_path}", flush=True)
         while pending:
             knob, value, step = pending.pop(0)
             recorder.replies[knob] = send_command(monitor.info, knob, value,
@@ -166,6 +170,8 @@ def all_drivers() -> list[Driver]:
     """Every driver of every module in this package."""
     drivers: list[Driver] = []
     for module in pkgutil.iter_modules(__path__):
+        if module.name == "__main__":
+            continue
         drivers.extend(cls() for cls in importlib.import_module(
             f"{__name__}.{module.name}").DRIVERS)
     return drivers
