@@ -36,7 +36,7 @@ from agent.desk import CommandDesk
 from agent.encoder import StepEncoder
 from agent.guard import ChangeGuard
 from agent.knobs import KnobSet, assignment
-from agent.ledger import ChangeLedger
+from agent.ledger import ChangeLedger, StateKeeper
 from agent.markers import marker_for
 from agent.ioloop import IOLoop
 from agent.probes import Nvml
@@ -253,6 +253,19 @@ class Agent:
     def commands_rejected(self) -> int:
         """Commands rejected (bad token, knob or value)."""
         return self._desk.commands_rejected
+
+    @property
+    def watching_change(self) -> bool:
+        """Whether a guarded change is still watched (it may yet be rolled back). Any
+        thread; one attribute read."""
+        return self._change_guard.watching
+
+    def keep_state_with(self, keeper: StateKeeper) -> None:
+        """Let rollbacks put back the training state, not only the knob values: the
+        ``keeper`` (the run base) keeps it at the boundary where a guarded change starts
+        an episode and restores it when the episode is rolled back. One rank only (with
+        several, no rank rolls back alone)."""
+        self._desk.state_keeper = keeper
 
     def roll_back_last_change(self, step: int, reason: str) -> bool:
         """Training thread, between steps: undo the guarded changes made within the last

@@ -24,8 +24,8 @@ from typing import Any
 from agent import protocol
 from agent.guard import GUARDED_KNOBS
 from agent.knobs import CHECKPOINT, KnobError, KnobSet, assignment
-from agent.ledger import Change, ChangeLedger, Rollback
-from agent.protocol import EventKind, Reply
+from agent.ledger import Change, ChangeLedger, Rollback, StateKeeper
+from agent.protocol import TUNE_ID_PREFIX, EventKind, Reply
 from agent.tune import AutoTune
 
 #: How far ahead a command may be scheduled (optimizer steps).
@@ -96,6 +96,11 @@ class CommandDesk:
         self.commands_rejected = 0
         self._rejections_reported = 0
         self._next_rejection_event = 0.0
+        #: keeps the training state at the boundary where a guarded change starts an
+        #: episode, and puts it back when the episode is rolled back
+        #: (:class:`agent.ledger.StateKeeper`: the run base, :class:`agent.run.RunBase`); None:
+        #: a rollback restores the knob values only
+        self.state_keeper: StateKeeper | None = None
 
     # ------------------------------------------------------------ I/O thread
 
@@ -254,14 +259,18 @@ class CommandDesk:
         # the changes of the same boundary (a stable sort keeps the order above)
         commands.sort(key=lambda command: self.knobs.knobs[command.knob].spec.kind != "action")
         last = {command.knob: command for command in commands}
-        checkpoint_failed = changed = False
+        checkpoint_failed = changed = rolled_back = False
         for command in commands:
             if last[command.knob] is not command:  # a later command for the same knob
                 continue                            # at the same boundary wins
             if self._apply(step + 1, command, checkpoint_failed):
                 changed = True
+                rolled_back = rolled_back or bool(command.rollback_reason)
             elif command.knob == CHECKPOINT.name:
                 checkpoint_failed = True
+        if rolled_back and self.state_keeper is not None:
+            level, text = self.state_keeper.restore_state(step + 1)
+            self._event(level, text, kind=EventKind.STATE_RESTORED, step=step + 1)
         return changed
 
     def _apply(self, step: int, command: Pending, checkpoint_failed: bool) -> bool:
@@ -278,6 +287,11 @@ class CommandDesk:
         try:
             if command.after_checkpoint and checkpoint_failed and self.world_size == 1:
                 raise RuntimeError("the checkpoint asked for before it was not saved")
+            if (self.state_keeper is not None and command.knob in GUARDED_KNOBS
+                    and not command.rollback_reason and self.world_size == 1
+                    and not str(command.command_id or "").startswith(TUNE_ID_PREFIX)
+                    and self.ledger.starts_episode(step)):
+                self.state_keeper.keep_state(step - 1)
             detail = dict(knob.set(command.value) or {})
         except Exception as exc:
             kept = "" if action else f"; kept {assignment(command.knob, previous)}"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from agent import protocol
-from agent.guard import ChangeGuard
+from agent.guard import BASELINE_STEPS, ChangeGuard
 from agent.markers import CpuMarker
 from agent.record import StepRecord, host_columns
 from agent.tune import AutoTune
@@ -290,6 +290,7 @@ class StepEncoder:
                 or skipped.count(None) != n or not _finite_or_none(losses, n)):
             self._add_each(run, losses, grad_norms, skipped, gpu_times)
             return
+        self._guard.observe(losses[-BASELINE_STEPS:])  # (a change's baseline is of these)
         host = host_columns(run)
         steps, times, waits, rates = (host["step"], host["step_time_s"], host["data_wait_s"],
                                       host["lr"])
@@ -344,6 +345,7 @@ class StepEncoder:
             if (flag is not None or guard.watching
                     or (loss is not None and loss - loss != 0.0)):  # NaN or inf loss
                 self._check_step(step, loss, flag)  # (an event it publishes sends the batch)
+            guard.observe((loss,))
             if tune is not None:  # a search is on (started by a command, never here)
                 tune.on_step(step, step_time_s, samples, tokens, loss, flag)  # (idem)
             share = verdict = None

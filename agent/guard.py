@@ -2,8 +2,11 @@
 
 After a change of precision, accumulation, micro-batch size, kernels or the optimizer's
 settings (learning rate scale, weight decay, gradient clipping), the agent watches the
-next ``guard_steps`` optimizer steps. A non-finite loss, or the GradScaler skipping
-``max_skipped_in_row`` fp16 steps in a row, rolls the guarded knobs back to the values
+next ``guard_steps`` optimizer steps. A non-finite loss, a divergence (the loss above
+:data:`DIVERGENCE_FACTOR` times its median over the steps before the change for
+:data:`DIVERGENCE_STEPS` steps in a row: caught while the loss is still finite, before
+the weights are), or the GradScaler skipping ``max_skipped_in_row`` fp16 steps in a row,
+rolls the guarded knobs back to the values
 they had before the change (the last good settings, read from the
 :class:`~agent.ledger.ChangeLedger` that the out-of-memory path reads too), at the next
 optimizer-step boundary. Runs on the agent's I/O thread only, from the values the step
@@ -13,12 +16,23 @@ markers deliver: it never reads a device tensor itself.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
+from collections.abc import Iterable
 
 from agent.ledger import Change, ChangeLedger, Rollback
 
 #: Knobs whose changes are watched and rolled back.
 GUARDED_KNOBS = frozenset({"precision", "accum_steps", "micro_batch_size", "kernels",
                            "lr_scale", "weight_decay", "max_grad_norm"})
+
+
+#: A loss this many times its median before the change counts toward a divergence ...
+DIVERGENCE_FACTOR = 10.0
+#: ... for this many steps in a row (one noisy step is not a divergence).
+DIVERGENCE_STEPS = 3
+#: Finite losses before a change that its baseline median is taken over (at least 5).
+BASELINE_STEPS = 20
 
 
 class ChangeGuard:
@@ -46,6 +60,17 @@ class ChangeGuard:
         self._seen: Change | None = None
         self._answered: Change | None = None
         self._warned_non_finite = False
+        #: the latest finite losses (:meth:`observe`), for a change's baseline
+        self._recent: deque[float] = deque(maxlen=BASELINE_STEPS)
+        #: the median loss before the change being watched (None: too few steps), and
+        #: the steps in a row above :data:`DIVERGENCE_FACTOR` times it
+        self._baseline: float | None = None
+        self._above = 0
+
+    def observe(self, losses: Iterable[float | None]) -> None:
+        """Steps published (in order, after :meth:`on_step` saw them): their finite
+        losses join the window a change's baseline is taken from. A C-level extend."""
+        self._recent.extend(loss for loss in losses if loss is not None and loss - loss == 0)
 
     @property
     def guard_steps(self) -> int:
@@ -69,6 +94,9 @@ class ChangeGuard:
         if latest is not None and latest is not self._seen:  # a new change: count afresh
             self._seen = latest
             self.skipped_in_row = 0
+            self._above = 0
+            self._baseline = (statistics.median(self._recent) if len(self._recent) >= 5
+                              else None)
         if skipped:
             self.skipped_total += 1
             self.skipped_in_row += 1
@@ -83,8 +111,15 @@ class ChangeGuard:
                 self._answered = latest
             return None
         trouble = None
+        baseline = self._baseline
+        if loss is not None and math.isfinite(loss) and baseline is not None and baseline > 0:
+            self._above = self._above + 1 if loss > DIVERGENCE_FACTOR * baseline else 0
         if loss is not None and not math.isfinite(loss):
             trouble = f"loss was {loss} at step {step}"
+        elif self._above >= DIVERGENCE_STEPS:
+            trouble = (f"the loss diverged: {loss:.4g} at step {step}, above "
+                       f"{DIVERGENCE_FACTOR:g}x its median before the change "
+                       f"({baseline:.4g}) for {self._above} steps in a row")
         elif self.skipped_in_row >= self.max_skipped_in_row:
             trouble = (f"the GradScaler skipped {self.skipped_in_row} fp16 steps in a row "
                        f"(inf/NaN gradients) up to step {step}")

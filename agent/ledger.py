@@ -15,7 +15,7 @@ it: the entries are a tuple replaced whole, never changed in place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from agent.knobs import assignment
 from agent.protocol import TUNE_ID_PREFIX
@@ -49,6 +49,21 @@ class Rollback:
     reason: str = ""
 
 
+class StateKeeper(Protocol):
+    """What keeps the training state for rollbacks (the run base,
+    :class:`agent.run.RunBase`). Both are called on the training thread, at a
+    boundary."""
+
+    def keep_state(self, step: int) -> None:
+        """A guarded change starts an episode at the boundary after optimizer step
+        ``step``: keep the state there (or note why it cannot be kept)."""
+
+    def restore_state(self, step: int) -> tuple[str, str]:
+        """The episode was rolled back at the boundary before optimizer step ``step``:
+        put the kept state back; returns the event's ``(level, text)`` saying what was
+        restored, what it cost and how many steps will be trained again (or why not)."""
+
+
 class ChangeLedger:
     """The changes of the latest episode, with the values before them.
 
@@ -74,6 +89,13 @@ class ChangeLedger:
         if entries and change.step - entries[-1].step > self.guard_steps:
             entries = ()
         self.entries = (*entries, change)
+
+    def starts_episode(self, step: int) -> bool:
+        """Whether a change applied at optimizer step ``step`` starts a new episode (no
+        change of the latest one is within ``guard_steps`` of it): the state before it
+        is the one a rollback of the episode goes back to."""
+        entries = self.entries
+        return not entries or step - entries[-1].step > self.guard_steps
 
     def clear(self) -> None:
         """The episode's changes were undone (or can no longer be): nothing to roll back."""

@@ -43,7 +43,7 @@ from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_kno
 from agent.checkpoints import load_checkpoint, restore_knobs, torch_checkpoint
 from agent.core import Agent
 from agent.record import StepRecord
-from agent.run import RunBase
+from agent.run import RunBase, host_copy
 from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
                          LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
                          KnobSet)
@@ -304,41 +304,70 @@ class Session(RunBase):
                     "back itself")
         return self.position.exact_reason
 
-    def _save(self, path: Any, knobs: dict[str, Any]) -> None:
-        """The ``checkpoint`` command's ``torch.save``: model, optimizer, scheduler,
-        GradScaler, random number generators, step, knob values and data position."""
-        torch.save(torch_checkpoint(self.agent, knobs, self.step, {
+    def _state(self) -> dict[str, Any]:
+        """The live state a checkpoint or a rollback keeps (tensors not copied)."""
+        return {
             "model": None if self.model is None else self.model.state_dict(),
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
             "lr_scheduler": (None if self.lr_scheduler is None
                              else self.lr_scheduler.state_dict()),
             "grad_scaler": self.scaler.state_dict(),
-            "rng": rng_state(self.agent.device), "data": self.data_state()}), path)
+            "rng": rng_state(self.agent.device), "data": self.data_state()}
+
+    def state_snapshot(self) -> dict[str, Any] | None:
+        """The loop's state in host memory (None without a model or optimizer)."""
+        if self.model is None and self.optimizer is None:
+            return None
+        return host_copy(self._state())
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> str | None:
+        """Go back to ``snapshot`` in the middle of the loop: the states, the random
+        numbers and the data position (:meth:`loader`'s iteration goes back; a batch the
+        loop holds itself cannot)."""
+        held = self.position.ahead if self.position.fetched_total else 0
+        self._load(snapshot)
+        if held:
+            return (f"the loop holds {held} batch(es) it fetched ahead and trains them first: "
+                    "the data after the rollback is that far off a run that never made "
+                    "the change")
+        return None
+
+    def _load(self, saved: dict[str, Any]) -> None:
+        for part, target in (("model", self.model), ("optimizer", self.optimizer),
+                             ("lr_scheduler", self.lr_scheduler)):
+            if saved.get(part) is not None:
+                if target is None:
+                    raise ValueError(f"the checkpoint has the {part}'s state: pass "
+                                     f"agent.session({part}=...) to resume it")
+                target.load_state_dict(saved[part])
+        self.scaler.load_state_dict(saved["grad_scaler"])
+        data = saved.get("data")
+        if data is not None and (data["fetched_total"] or not self.step):
+            if "loader" in data:
+                if self._reconfigurable is not None:
+                    self._reconfigurable.restore_position(data["loader"])
+                else:
+                    self._loader_position = data["loader"]
+            self.position.load_state_dict(data, replay="loader" not in data)
+        set_rng_state(saved["rng"])
+
+    def _save(self, path: Any, knobs: dict[str, Any]) -> None:
+        """The ``checkpoint`` command's ``torch.save``: model, optimizer, scheduler,
+        GradScaler, random number generators, step, knob values and data position."""
+        torch.save(torch_checkpoint(self.agent, knobs, self.step, self._state()), path)
 
     def _resume(self, saved: dict[str, Any], source: str) -> None:
         """Continue from a checkpoint :meth:`_save` wrote: every state it has, the step,
         the knob values, the data position and the random number generators (an event
         says which)."""
-        for part, target in (("model", self.model), ("optimizer", self.optimizer),
-                             ("lr_scheduler", self.lr_scheduler)):
-            if saved.get(part) is not None:
-                if target is None:
-                    raise ValueError(f"{source} has the {part}'s state: pass "
-                                     f"agent.session({part}=...) to resume it")
-                target.load_state_dict(saved[part])
-        self.scaler.load_state_dict(saved["grad_scaler"])
         self.step = saved["step"]
-        data = saved.get("data")
         differs = None
+        data = saved.get("data")
         if data is None or (data["fetched_total"] == 0 and self.step):
             differs = ("the checkpoint has no data position (the loop's batches did not "
                        "come through run.loader() or run.timed()): the loop positions its "
                        "data itself")
-            data = None
-        elif "loader" in data:
-            self._loader_position = data["loader"]
-        if data is not None:  # (the counters and batches fetched ahead; a loader of
-            self.position.load_state_dict(data, replay="loader" not in data)  # its own)
+        self._load(saved)
         self._unbound_knobs = self.restore(
             saved["knobs"], source, differs=differs,
             unbound="not bound yet (set when run.loader() binds them)")

@@ -158,6 +158,10 @@ class EventKind:
     #: a guarded change is being undone (announced), and the knob set back (applied)
     ROLLBACK = "rollback"
     ROLLED_BACK = "rolled_back"
+    #: with a rollback, the training state went back to the boundary where the change
+    #: applied (``step``: the boundary it applies at; its text: what it cost), or could
+    #: not (level warning / error, and why)
+    STATE_RESTORED = "state_restored"
     #: something a person should know (a value that may hurt, a step not rolled back)
     WARNING = "warning"
     #: an internal error of the agent's; training goes on

@@ -11,6 +11,12 @@ accelerate, Lightning Fabric) is a subclass. The base owns, once for all of them
   the knob values a person chose (never a search's trial), the data position
   (:class:`gpuopt.position.DataPosition`, or the framework's own), and an event that
   names every knob value restored and anything that will differ;
+- **rollback of the state** (:meth:`RunBase.keep_state`, :meth:`RunBase.restore_state`):
+  where a guarded change starts an episode, the state at that boundary is kept in host
+  memory (within :data:`ROLLBACK_BUDGET_BYTES`); when the change is rolled back (a
+  non-finite loss, a divergence), the model, optimizer, scheduler, GradScaler, random
+  numbers and data position go back to it with the previous setting, and the steps
+  since are trained again;
 - **the end** (:meth:`RunBase.close`): on a normal end, an exception, Ctrl-C or SIGTERM,
   the integration's patches are put back and ``bye`` says why, in every integration.
 
@@ -39,9 +45,14 @@ from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.record import StepRecord
 from gpuopt.data import batch_size
+from gpuopt.memory import format_bytes
 from gpuopt.position import DataPosition
 
 log = logging.getLogger("gpuwatch.agent")
+
+#: The most host memory a rollback snapshot may take (bytes): a state larger than this
+#: is not kept, and a rollback then restores the knob values only (its event says so).
+ROLLBACK_BUDGET_BYTES = 2 << 30
 
 
 class RunBase:
@@ -81,6 +92,10 @@ class RunBase:
         self.resumed_from: str | None = None
         self.closed = False
         self.broken = False
+        #: the state kept for a rollback: ``(step, snapshot, bytes)``, or the reason none is
+        self._kept: tuple[int, Any, int] | None = None
+        self._not_kept = ""
+        agent.keep_state_with(self)
 
     # ------------------------------------------------------------ the boundary
 
@@ -99,6 +114,8 @@ class RunBase:
         self.step = record.step = record.step or self.step + 1
         self.position.window_done(record.micro_batches)
         self.agent.optimizer_step(record)
+        if self._kept is not None and not self.agent.watching_change:
+            self._kept = None  # the change's watch ended cleanly: nothing to go back to
         try:
             for source in self.event_sources:
                 events = source()
@@ -165,6 +182,68 @@ class RunBase:
             self.position.load_state_dict(data)
         return restore_knobs(self.agent, knobs, source, self.step, unbound=unbound,
                              differs=differs)
+
+    # ------------------------------------------------------------ rollback of the state
+
+    def state_snapshot(self) -> Any:
+        """A copy in host memory of everything a rollback puts back (model, optimizer,
+        scheduler, GradScaler, random numbers, data position), or None when this
+        integration cannot take one. Nothing in the base: an integration that can
+        overrides it with :meth:`load_snapshot`."""
+        return None
+
+    def load_snapshot(self, snapshot: Any) -> str | None:
+        """Put back :meth:`state_snapshot`'s ``snapshot`` (the training goes on from its
+        step); returns what is not as it was, or None."""
+        raise NotImplementedError
+
+    def keep_state(self, step: int) -> None:
+        """Training thread, at the boundary after ``step``, before a guarded change that
+        starts an episode applies: keep the state there for a rollback.
+
+        .. note:: Copies the state to host memory (a device sync on GPU): the training
+           thread waits about the state's size over the copy bandwidth, at such a
+           boundary only (a command), never at another step.
+        """
+        self._kept = None
+        try:
+            snapshot = self.state_snapshot()
+        except Exception as exc:  # noqa: BLE001 -- said in the rollback's event
+            self._not_kept = f"the state could not be copied ({type(exc).__name__}: {exc})"
+            return
+        if snapshot is None:
+            self._not_kept = (f"{type(self).__name__} does not keep the training state for "
+                              "rollbacks")
+            return
+        size = _host_bytes(snapshot)
+        if size > ROLLBACK_BUDGET_BYTES:
+            self._not_kept = (f"the state ({format_bytes(size)}) is larger than the "
+                              f"{format_bytes(ROLLBACK_BUDGET_BYTES)} kept for rollbacks")
+            return
+        self._kept = (step, snapshot, size)
+
+    def restore_state(self, step: int) -> tuple[str, str]:
+        """Training thread, at the boundary before ``step``, after a rollback set the
+        knobs back: put the kept state back (see :class:`agent.ledger.StateKeeper`)."""
+        kept, self._kept = self._kept, None
+        if kept is None:
+            return "warning", ("the weights were not restored (" + (
+                self._not_kept or "no state was kept") + "): training goes on from them "
+                "with the previous setting")
+        kept_step, snapshot, size = kept
+        again = self.step - kept_step
+        try:
+            differs = self.load_snapshot(snapshot)
+        except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
+            return "error", (f"restoring the state of step {kept_step} failed "
+                             f"({type(exc).__name__}: {exc}): training goes on from the "
+                             "weights as they are, with the previous setting")
+        self.step = kept_step
+        text = (f"state restored to the boundary after step {kept_step}, where the change "
+                f"applied: model, optimizer, schedule, GradScaler, random numbers and data "
+                f"position ({format_bytes(size)} kept in host memory); {again} steps will "
+                "be trained again")
+        return "warning", text + (f"; not as before: {differs}" if differs else "")
 
     # ------------------------------------------------------------ the end
 
@@ -255,3 +334,26 @@ def end_on_signals(run: Any) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the exit status says SIGTERM, as before
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def host_copy(state: Any) -> Any:
+    """``state`` (dicts, lists, tuples of tensors and plain values) with every tensor
+    copied to host memory, detached: a snapshot later steps cannot change."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: host_copy(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(host_copy(item) for item in state)
+    return state
+
+
+def _host_bytes(state: Any) -> int:
+    """Bytes of the tensors in ``state`` (as :func:`host_copy` walks it)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_host_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_host_bytes(item) for item in state)
+    return 0

@@ -70,8 +70,9 @@ class DataPosition:
         self._epoch_rng: dict[str, Any] | None = None
         #: the latest training batches fetched: ``(key, batch)``
         self._recent: deque[tuple[str, Any]] = deque(maxlen=MAX_AHEAD)
-        #: a restored position not yet replayed: :meth:`load_state_dict`'s
-        self._restored: dict[str, Any] | None = None
+        #: a restored position the iteration has not gone back to yet:
+        #: ``(replay, state)`` from :meth:`load_state_dict`
+        self._restored: tuple[bool, dict[str, Any]] | None = None
         #: batches fetched ahead that a restored fetch function hands back, oldest first
         self._replay: deque[tuple[str, Any]] = deque()
 
@@ -121,10 +122,12 @@ class DataPosition:
                 "ahead": [(key, _to_host(batch)) for key, batch in batches]}
 
     def load_state_dict(self, state: dict[str, Any], *, replay: bool = True) -> None:
-        """Go back to ``state`` (:meth:`state_dict`'s): the generators are set to the
-        boundary's now; the batches fetched ahead come back first from the next fetch
-        (:meth:`timed_fetch`) or from :meth:`epoch_iterator`, which first replays the
-        epoch (``replay=False``: not, for a loader that restores its own position)."""
+        """Go back to ``state`` (:meth:`state_dict`'s), before training or in the middle
+        of it (a rollback): the generators are set to the boundary's now; the batches
+        fetched ahead come back first from the next fetch (:meth:`timed_fetch`) or from
+        :meth:`epoch_iterator`, which first replays the epoch from its start
+        (``replay=False``: a loader that restores its own position, whose next
+        iterator goes on from there, is only iterated again)."""
         self.epoch = int(state["epoch"])
         self.fetched_in_epoch = int(state["fetched_in_epoch"])
         self.fetched_total = int(state["fetched_total"])
@@ -135,7 +138,7 @@ class DataPosition:
                              for key, batch in state["ahead"])
         for key, batch in self._replay:  # they count as fetched ahead again
             self._recent.append((key, batch))
-        self._restored = state if replay and self._epoch_rng is not None else None
+        self._restored = (replay and self._epoch_rng is not None, state)
         set_rng_state(state["rng"])
 
     # ------------------------------------------------------------ the loop's data
@@ -182,44 +185,59 @@ class DataPosition:
     def epoch_iterator(self, batches: Iterable[Any],
                        next_batch: Callable[[Iterator[Any]], Any] = next) -> Iterator[Any]:
         """One epoch of ``batches``, each batch through ``next_batch(iterator)`` (e.g. a
-        timed ``next``) and counted whatever the grad mode. After
-        :meth:`load_state_dict`: the rest of the saved epoch (its iterator made again
-        from the generators at its start, the batches the saved run fetched dropped,
-        the generators put back as at the boundary, the batches fetched ahead, then the
-        epoch's remaining ones).
+        timed ``next``) and counted whatever the grad mode. After :meth:`load_state_dict`
+        (before this call or while it iterates): the rest of the saved epoch (its iterator
+        made again from the generators at its start, the batches the saved run fetched
+        dropped, the generators put back as at the boundary, the batches fetched ahead,
+        then the epoch's remaining ones).
 
         Raises:
             ValueError: the saved epoch had more batches than ``batches`` has (not the
                 same data).
+
+        .. note:: Per batch, one attribute check for a restored position.
         """
-        restored, self._restored = self._restored, None
-        if restored is not None:
-            set_rng_state(restored["epoch_rng"])
-            iterator = iter(batches)
-            try:
-                for _ in range(self.fetched_in_epoch):
-                    next(iterator)
-            except StopIteration:
-                raise ValueError(
-                    f"the checkpoint's epoch {self.epoch} had {self.fetched_in_epoch} "
-                    "batches fetched, more than this data has: is it the same data "
-                    "set?") from None
-            set_rng_state(restored["rng"])
-            while self._replay:
-                yield self._replay.popleft()[1]
-        else:
+        if self._restored is None:
             self._epoch_rng = rng_state(self.device)
             iterator = iter(batches)
             self.exact_reason = _replay_reason(batches, iterator)
             self.epoch += 1
             self.fetched_in_epoch = 0
         while True:
+            if self._restored is not None:
+                iterator = self._go_back(batches)
+                while self._replay and not self.restoring:  # (a rollback may come again)
+                    yield self._replay.popleft()[1]
+                continue
             try:
                 batch = next_batch(iterator)
             except StopIteration:
                 return
             self._count(batch)
             yield batch
+
+    @property
+    def restoring(self) -> bool:
+        """Whether a restored position waits for the iteration to go back to it."""
+        return self._restored is not None
+
+    def _go_back(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """The iterator of the restored position's epoch, where the saved run was."""
+        assert self._restored is not None  # (the caller's check)
+        (replay, state), self._restored = self._restored, None
+        if not replay:
+            return iter(batches)
+        set_rng_state(state["epoch_rng"])
+        iterator = iter(batches)
+        try:
+            for _ in range(self.fetched_in_epoch):
+                next(iterator)
+        except StopIteration:
+            raise ValueError(
+                f"the checkpoint's epoch {self.epoch} had {self.fetched_in_epoch} batches "
+                "fetched, more than this data has: is it the same data set?") from None
+        set_rng_state(state["rng"])
+        return iterator
 
 
 def _replay_reason(batches: Iterable[Any], iterator: Iterator[Any]) -> str | None:

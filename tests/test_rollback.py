@@ -33,9 +33,9 @@ def test_forced_nan_after_switch_to_fp16_is_rolled_back_and_training_goes_on(run
         gate.release.set()
         seen = messages(sub, lambda m: m["type"] == "event"
                         and m["body"].get("kind") == "rolled_back")
-        rolled_back_at = seen[-1]["body"]["step"]
-        seen += messages(sub, lambda m: m["type"] == "step"
-                         and m["body"]["step"] >= rolled_back_at + 20)
+        seen += messages(sub, lambda m: m["type"] == "event"
+                         and m["body"].get("kind") == "state_restored")
+        seen += messages(sub, lambda m: m["type"] == "step" and m["body"]["step"] >= 24)
         trainer.stop()
         seen += messages(sub, lambda m: m["type"] == "bye")
         thread.join(30)
@@ -43,14 +43,18 @@ def test_forced_nan_after_switch_to_fp16_is_rolled_back_and_training_goes_on(run
     rolled = [e for e in events if e.get("kind") == "rolled_back"]
     assert len(rolled) == 1 and rolled[0]["value"] == "fp32"
     assert "loss was nan" in rolled[0]["text"] and "after precision=fp16" in rolled[0]["text"]
-    steps = {m["body"]["step"]: m["body"] for m in seen if m["type"] == "step"}
-    fp16_steps = [s for s, b in steps.items() if b["knobs"]["precision"] == "fp16"]
-    assert fp16_steps and max(fp16_steps) < rolled[0]["step"]
-    assert all(b["knobs"]["precision"] == "fp32" for s, b in steps.items()
-               if s >= rolled[0]["step"])
-    assert steps[rolled_back_at + 20]["loss"] < 10  # finite again: training went on
+    # the state went back to the boundary where fp16 applied: the steps after it are
+    # trained again in fp32 (the published steps before the event had fp16 ones)
+    restored = next(i for i, m in enumerate(seen) if m["type"] == "event"
+                    and m["body"].get("kind") == "state_restored")
+    assert "boundary after step 3" in seen[restored]["body"]["text"]
+    before = [m["body"] for m in seen[:restored] if m["type"] == "step"]
+    after = [m["body"] for m in seen[restored:] if m["type"] == "step"]
+    assert any(b["knobs"]["precision"] == "fp16" for b in before)
+    assert after[0]["step"] == 4 and all(b["knobs"]["precision"] == "fp32" for b in after)
+    assert after[-1]["loss"] < 10  # finite again: training went on
     assert trainer.precision == "fp32"
-    for param in model.parameters():  # the GradScaler skipped the NaN steps
+    for param in model.parameters():
         assert torch.isfinite(param).all()
 
 
@@ -151,3 +155,55 @@ def test_out_of_memory_without_a_recent_change_propagates(run_dir):
     with pytest.raises(torch.OutOfMemoryError):
         trainer.fit(max_steps=10)
     assert trainer.step == 4
+
+
+class _Losses:
+    """Trainer callback: each optimizer step's loss (a step trained again overwrites)."""
+
+    def __init__(self):
+        self.by_step = {}
+
+    def on_optimizer_step(self, trainer, stats):
+        self.by_step[stats.step] = stats.loss.item()
+
+
+def test_a_divergence_after_lr_scale_restores_the_state_before_the_change(run_dir):
+    """lr_scale=100 on SGD: the loss runs away; the guard sees it above 10x its median
+    for 3 steps, before it is inf, and the rollback puts back the model, optimizer and
+    data position of the boundary where the change applied: the run then trains on
+    exactly as a twin that never made the change (bit-equal losses and weights)."""
+    twin_model = make_model()
+    twin_losses = _Losses()
+    twin = Trainer(twin_model, torch.optim.SGD(twin_model.parameters(), lr=0.1),
+                   torch.nn.functional.cross_entropy, digits_loader(), callbacks=[twin_losses])
+    twin.fit(max_steps=20)
+
+    model = make_model()
+    changed, waiting = Gate(hold_at=6), Gate(hold_at=14)
+    losses = _Losses()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, digits_loader(),
+                      callbacks=[changed, waiting, losses])
+    monitor = agent.attach(trainer, name="diverging")
+    with Subscriber(monitor.info) as sub:
+        thread = start(trainer, max_steps=20)
+        assert changed.reached.wait(30)
+        assert send_command(monitor.info, "lr_scale", 100.0, apply_step=7)["ok"]
+        changed.release.set()
+        assert waiting.reached.wait(30)  # the I/O thread decides from the published steps
+        seen = messages(sub, lambda m: m["type"] == "event"
+                        and m["body"].get("kind") == "rollback")
+        waiting.release.set()
+        thread.join(60)
+        seen += messages(sub, lambda m: m["type"] == "bye")
+    events = [m["body"] for m in seen if m["type"] == "event"]
+    [decided] = [e for e in events if e.get("kind") == "rollback"]
+    assert "the loss diverged" in decided["text"] and "after lr_scale=100" in decided["text"]
+    restored = [e for e in events if e.get("kind") == "state_restored"]
+    assert len(restored) == 1, events
+    assert "boundary after step 6" in restored[0]["text"]
+    assert trainer.lr_scale == 1.0 and trainer.step == 20
+    assert {step: losses.by_step[step] for step in range(7, 21)} == {
+        step: twin_losses.by_step[step] for step in range(7, 21)}
+    for mine, theirs in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(mine, theirs)

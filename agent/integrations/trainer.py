@@ -20,7 +20,7 @@ from agent.core import Agent, ending_reason
 from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MAX_GRAD_NORM,
                          MICRO_BATCH_SIZE, Knob, KnobSet)
 from agent.record import StepRecord
-from agent.run import RunBase
+from agent.run import RunBase, host_copy
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.trainer import StepStats, Trainer
 
@@ -49,6 +49,15 @@ class TrainerRun(RunBase):
         if isinstance(self.trainer.loader, ReconfigurableLoader):
             return None
         return self.trainer.data_position.exact_reason
+
+    def state_snapshot(self) -> dict[str, Any]:
+        """:meth:`gpuopt.Trainer.state_dict`, copied to host memory."""
+        return host_copy(self.trainer.state_dict())
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """The Trainer goes back to ``snapshot`` in the middle of ``fit`` (its data
+        position too: the batches after it come again)."""
+        self.trainer.load_state_dict(snapshot)
 
     def save(self, path: Any, knobs: dict[str, Any]) -> None:
         """``torch.save`` of :meth:`gpuopt.Trainer.state_dict` and the knob values."""
