@@ -160,16 +160,21 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def write_knobs_file(directory: Path, agent: Agent, knobs: dict[str, Any],
-                     step: int) -> None:
-    """The knob values of a checkpoint that is a directory, as :data:`KNOBS_FILE`."""
-    (directory / KNOBS_FILE).write_text(json.dumps(
-        {"format": FORMAT, "version": 1, "run": agent.run_id, "step": step,
-         "knobs": knobs}, indent=1))
+                     step: int, data: dict[str, Any] | None = None) -> None:
+    """The knob values of a checkpoint that is a directory, as :data:`KNOBS_FILE`, and
+    ``data``, the data position (plain JSON values), when the integration keeps one
+    there (:meth:`agent.run.RunBase.data_state`)."""
+    record = {"format": FORMAT, "version": 1, "run": agent.run_id, "step": step,
+              "knobs": knobs}
+    if data is not None:
+        record["data"] = data
+    (directory / KNOBS_FILE).write_text(json.dumps(record, indent=1))
 
 
 def read_knobs_file(directory: str | os.PathLike) -> dict[str, Any]:
     """What :func:`write_knobs_file` saved in a checkpoint directory (``knobs``, ``step``,
-    ``run``), or {} when it has none (a checkpoint the framework saved on its own)."""
+    ``run``, and ``data`` when given), or {} when it has none (a checkpoint the
+    framework saved on its own)."""
     path = Path(directory) / KNOBS_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
 

@@ -6,7 +6,12 @@ and every window after a live change checked against plain torch arithmetic."""
 import json
 import os
 import random
+import shutil
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -433,36 +438,140 @@ def test_lr_scale_and_max_grad_norm_apply_from_their_step_as_plain_torch_compute
     assert trainer.args.max_grad_norm == 0.5  # as set: HF reads it at every step
 
 
-def test_checkpoint_now_is_hfs_own_checkpoint_and_train_resumes_it_with_the_knobs(
+def test_checkpoint_now_is_hfs_own_checkpoint_with_the_knobs_and_the_data_position(
         run_dir, tmp_path):
-    trainer = _trainer(tmp_path, Characters(32), max_steps=8, lr=0.2, schedule="linear")
-    snapshots = Snapshots(trainer.model)
-    trainer.add_callback(snapshots)
+    """(The resume from it is the contract's: tests/contract/hf.py.)"""
+    trainer = _trainer(tmp_path, Characters(32), max_steps=6, lr=0.2, schedule="linear")
     monitor = hf.attach(trainer, checkpoint_dir=tmp_path / "saved")
     for knob, value, step in (("lr_scale", 0.5, 3), ("checkpoint", "now", 5)):
-        assert send_command(monitor.info, knob, value, apply_step=step)["ok"]
+        reply = send_command(monitor.info, knob, value, apply_step=step)
+        assert reply["ok"] and "warning" not in reply, reply
     trainer.train()
     path = tmp_path / "saved" / "checkpoint-4"
     saved = _events(_records(monitor), "applied")[-1]
     assert (saved["knob"], saved["path"], saved["checkpoint_step"]) == ("checkpoint", str(path), 4)
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
             "trainer_state.json", "gpuwatch.json"} <= {p.name for p in path.iterdir()}
-    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # made atomic
+    ours = json.loads((path / "gpuwatch.json").read_text())
+    assert ours["knobs"]["lr_scale"] == 0.5 and ours["step"] == 4
+    assert ours["data"] == {"epoch": 0, "micro_batches": 4}  # 8 micro-batches an epoch
 
-    fresh = _trainer(tmp_path, Characters(32), max_steps=8, lr=0.2, schedule="linear")
-    again = Snapshots(fresh.model)
-    fresh.add_callback(again)
+
+@pytest.mark.parametrize("saved_after, position", [(3, {"epoch": 0, "micro_batches": 8}),
+                                                    (6, {"epoch": 2, "micro_batches": 4})])
+def test_hfs_own_checkpoint_after_a_live_accum_steps_change_resumes_exactly(
+        run_dir, tmp_path, saved_after, position):
+    """HF's save_steps checkpoints get gpuwatch's knobs and data position too. 8
+    micro-batches an epoch, gas 2 -> 4 at step 2: windows 2, 4, 2 | 4, 4 | 4, 4 | 4 (HF
+    planned 2 epochs of 4 windows). Saved after step 3 (epoch 0 used up), HF's own
+    count (3 steps, 4 an epoch, gas 2) would resume at micro-batch 6 of epoch 0; after
+    step 6 (micro-batch 4 of epoch 2), at micro-batch 4 of epoch 1, and end after its 2
+    planned epochs. ``train(resume_from_checkpoint=True)`` finds the checkpoint, and the
+    resumed steps are the twin's, bit for bit."""
+    twin = _trainer(tmp_path, Characters(32), gas=2, max_steps=8, lr=0.2, schedule="linear",
+                    save_strategy="steps", save_steps=saved_after)
+    monitor = hf.attach(twin)
+    assert send_command(monitor.info, "accum_steps", 4, apply_step=2)["ok"]
+    twin.train()
+    want = _steps(_records(monitor))
+    assert [want[k]["micro_batches"] for k in range(1, 9)] == [2, 4, 2, 4, 4, 4, 4, 4]
+    path = tmp_path / "out" / f"checkpoint-{saved_after}"
+    ours = json.loads((path / "gpuwatch.json").read_text())
+    assert ours["data"] == position and ours["knobs"]["accum_steps"] == 4
+    assert not _events(_records(monitor), "warning")
+    for later in path.parent.glob("checkpoint-*"):  # (HF saves at the last step too)
+        if int(later.name.split("-")[1]) > saved_after:
+            shutil.rmtree(later)
+
+    other = _model(seed=1).state_dict()  # (before the Trainer seeds its sampler)
+    fresh = _trainer(tmp_path, Characters(32), gas=2, max_steps=8, lr=0.2,
+                     schedule="linear")
+    fresh.model.load_state_dict(other)  # the checkpoint's weights must win
     resumed = hf.attach(fresh)
-    fresh.train(resume_from_checkpoint=str(path))
-    for name, value in again.params[-1].items():
-        assert torch.equal(value, snapshots.params[-1][name]), name
+    fresh.train(resume_from_checkpoint=True)
     records = _records(resumed)
-    steps = _steps(records)
-    assert sorted(steps) == [5, 6, 7, 8]
-    assert [steps[k]["lr"] for k in range(5, 9)] == pytest.approx(
-        [0.2 * (8 - (k - 1)) / 8 * 0.5 for k in range(5, 9)])
-    assert _events(records, "resumed")[0]["text"] == (f"resumed from {path} at step 4 with "
-                                                       "lr_scale=0.5")
+    event = _events(records, "resumed")[0]
+    assert event["text"].startswith(f"resumed from {path} at step {saved_after} with ")
+    assert "accum_steps=4" in event["text"] and event["level"] == "info"
+    got = _steps(records)
+    assert sorted(got) == list(range(saved_after + 1, 9))
+    for k in got:
+        assert got[k]["micro_batches"] == want[k]["micro_batches"], k
+        assert got[k]["loss"] == want[k]["loss"], k
+    for mine, theirs in zip(fresh.model.parameters(), twin.model.parameters()):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_sampler_a_resume_cannot_replay_is_said_before_saving_and_on_resume(
+        run_dir, tmp_path):
+    unseeded = {"accelerator_config": {"use_seedable_sampler": False}}
+    trainer = _trainer(tmp_path, Characters(32), max_steps=3, **unseeded)
+    monitor = hf.attach(trainer, checkpoint_dir=tmp_path / "saved")
+    replies = []
+
+    class Ask(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                replies.append(send_command(monitor.info, "checkpoint", "now"))
+
+    trainer.add_callback(Ask())
+    trainer.train()
+    reason = hf._sampler_reason(trainer.callback_handler.train_dataloader)
+    assert reason is not None and "use_seedable_sampler" in reason
+    assert replies[0]["ok"], replies
+    assert replies[0]["warning"] == f"a resume from it will not be exact: {reason}"
+    path = _events(_records(monitor), "applied")[-1]["path"]
+
+    fresh = _trainer(tmp_path, Characters(32), max_steps=3, **unseeded)
+    resumed = hf.attach(fresh)
+    fresh.train(resume_from_checkpoint=path)
+    event = _events(_records(resumed), "resumed")[0]
+    assert event["level"] == "warning"
+    assert event["text"].endswith(f"; not as in the saved run: {reason}")
+
+
+SIGTERM_SCRIPT = """
+import os, sys
+sys.path.insert(0, {root!r})
+os.environ["HF_HUB_OFFLINE"] = "1"
+from transformers import TrainerCallback
+import agent
+from tests.test_hf import Characters, _trainer
+from pathlib import Path
+
+class Announce(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            print("stepping", flush=True)
+
+trainer = _trainer(Path({tmp!r}), Characters(32), max_steps=100000,
+                   callbacks=[Announce()])
+monitor = agent.attach(trainer, name="hf-sigterm")
+print(monitor.info.log_path, flush=True)
+trainer.train()
+"""
+
+
+def test_sigterm_ends_the_run_with_bye(run_dir, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SIGTERM_SCRIPT.format(root=str(Path(__file__).parent.parent),
+                                            tmp=str(tmp_path)))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        log_path = process.stdout.readline().strip()
+        assert process.stdout.readline().strip() == "stepping", process.stderr.read()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == -signal.SIGTERM
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    with open(log_path) as log:
+        last = json.loads(log.readlines()[-1])
+    assert last["type"] == "bye" and last["reason"] == "stopped by SIGTERM"
+    assert [p for p in os.listdir(run_dir) if p != "logs"] == []  # run file and sockets
 
 
 def test_an_optimizer_without_weight_decay_refuses_it_once_train_made_it(run_dir, tmp_path):

@@ -68,13 +68,22 @@ Knobs (commands apply at an optimizer-step boundary, in ``on_step_end``, after
   (``accelerator.clip_grad_norm_``, after unscaling). Refused under DeepSpeed.
 - ``checkpoint=now``: HF's own ``Trainer._save_checkpoint`` (model, optimizer, scheduler,
   GradScaler, RNG states, trainer state) into ``<checkpoint_dir>/checkpoint-<N>``, made
-  atomic, with gpuwatch's knob values (``gpuwatch.json``);
-  ``trainer.train(resume_from_checkpoint=PATH)`` resumes it (HF restores its state,
-  gpuwatch the knobs, with :func:`attach`). Refused with several processes and with
-  ``push_to_hub``.
+  atomic, with gpuwatch's knob values and data position (``gpuwatch.json``; HF's own
+  ``save_steps`` checkpoints get it too); ``trainer.train(resume_from_checkpoint=PATH)``
+  resumes it exactly (HF restores its state and random numbers, gpuwatch the knobs, with
+  :func:`attach`). The data position is the epoch and the micro-batches trained in it,
+  which HF's loop is told to skip in place of its own count (``global_step`` x
+  ``gradient_accumulation_steps``, wrong once ``accum_steps`` changed); the windows
+  after it are planned from the restored ``accum_steps``. The command's reply, and the
+  ``resumed`` event, say when the resume cannot be exact (``ignore_data_skip``, a
+  dataset without a length, a sampler that is not accelerate's seedable one). Refused
+  with several processes and with ``push_to_hub``.
 - ``memory_fraction``, ``memory_snapshot_steps``: on CUDA, as in the reference Trainer.
-- ``num_workers``, ``pin_memory``, ``prefetch_factor``: refused (HF builds its DataLoader
-  in ``get_train_dataloader`` when ``train()`` starts).
+- ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``micro_batch_size``: refused (HF
+  builds its DataLoader in ``get_train_dataloader`` when ``train()`` starts).
+
+The run ends (``bye``) when ``train()`` returns, when it raises (the exception named),
+on SIGTERM ("stopped by SIGTERM") and at process exit (:class:`agent.run.RunBase`).
 
 Everything here is imported only when a ``transformers.Trainer`` is attached; importing
 :mod:`agent` imports no framework.
@@ -96,18 +105,18 @@ import torch
 import transformers
 from torch import nn
 from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import is_sagemaker_mp_enabled
 
-from agent.record import StepRecord
-from agent.adapters import MemoryKnobs, cpu_threads_knob, publish_events
-from agent.checkpoints import (GRAD_SCALER_FILE, Checkpoints, read_knobs_file, restore_knobs,
-                               write_knobs_file)
+from agent.adapters import cpu_threads_knob
+from agent.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_knobs_file
 from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE,
-                         MAX_GRAD_NORM, NUM_WORKERS, PIN_MEMORY, PRECISION, PREFETCH_FACTOR,
-                         WEIGHT_DECAY, Knob, KnobSet)
-from gpuopt.data import batch_size
+                         MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
+                         PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
+from agent.record import StepRecord
+from agent.run import RunBase
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
 
@@ -117,6 +126,14 @@ LOADER_REASON = ("transformers.Trainer builds its DataLoader in get_train_datalo
                  "train() starts and iterates it inside its own epoch loop; set "
                  "TrainingArguments(dataloader_num_workers=, dataloader_pin_memory=, "
                  "dataloader_prefetch_factor=) and restart")
+BATCH_SIZE_REASON = ("transformers.Trainer fixes the micro-batch size in the DataLoader it "
+                     "builds when train() starts; set TrainingArguments("
+                     "per_device_train_batch_size=) and restart")
+#: The keywords of ``Trainer._run_epoch`` the windows and the data position are planned
+#: with (transformers 5).
+_EPOCH_KEYWORDS = frozenset({"epoch", "steps_in_epoch", "num_update_steps_per_epoch",
+                             "epochs_trained", "steps_trained_in_current_epoch",
+                             "resume_from_checkpoint"})
 
 
 def _refuse(reason: str | None) -> None:
@@ -148,42 +165,53 @@ def _model_of(trainer: transformers.Trainer) -> nn.Module:
     return model
 
 
-class _Run:
-    """The integration's state for one Trainer: its wrappers, its window and its knobs.
-    Every hook of :class:`GpuwatchCallback` calls one method here."""
+class _Run(RunBase):
+    """One Trainer under the agent, on the run base (:class:`agent.run.RunBase`): its
+    wrappers, its accumulation windows, its knobs and its data position. Every hook of
+    :class:`GpuwatchCallback` calls one method here.
+
+    Attributes:
+        epoch: the epoch in progress, 0-based as HF counts them (after a resume, the
+            checkpoint's, whatever HF derived from ``global_step``).
+        micro_index: micro-batches of that epoch trained or started so far: at an
+            optimizer-step boundary, the data position a checkpoint keeps.
+        resume_path: the checkpoint ``train(resume_from_checkpoint=...)`` was given, until
+            training begins and it is restored.
+    """
 
     def __init__(self, trainer: transformers.Trainer, *, name: str, transport: str,
                  compile_backend: str, tokens_per_sample: int | None,
                  checkpoint_dir: str | os.PathLike | None, options: dict[str, Any]) -> None:
         self.trainer = trainer
         args = trainer.args
-        self.device = args.device
-        self.meter = WindowMeter(batch_size, tokens_per_sample)
         self.loss_sum: torch.Tensor | None = None
         self.micro_batches = 0
         self.grad_norm: Any = None
         self.lr: float | None = None
-        self.policy = MixedPrecision(self.device.type)
+        self.policy = MixedPrecision(args.device.type)
         self.forward: _Forward | None = None  # installed at the first precision or kernels change
         self._scaler_installed = False
         self._originals: dict[str, Any] = {}
         self._instance_attrs: dict[str, Any] = {}  # what the instance itself had there
-        # accumulation planning (see the module docstring)
+        # accumulation planning and the data position (see the module docstring)
         self.accum: int | None = None  # None: follow args.gradient_accumulation_steps
         self.accum_changed = False
-        self.micro_index = 0  # micro-batches of the current epoch started so far
+        self.epoch = 0
+        self.micro_index = 0
         self.window_end = 0  # micro-batch index after the current window
         self.misaligned = False
+        #: a resume's correction of HF's position: the saved epoch minus HF's count, and
+        #: the ``_run_epoch`` keywords that start HF's loop at the saved micro-batch
+        self.epoch_offset = 0
+        self._resume_at: dict[str, int] = {}
+        self._saved_position: dict[str, int] | None = None  # until the resumed epoch starts
         self._epoch_note_sent = False
-        self._resume_note_sent = False
         self._evaluating = False
         self.epochs_done = 0
-        self.closed = False
         #: the optimizer's settings, made when train() has made the optimizer
         self.optimizer_settings: OptimizerSettings | None = None
         self._weight_decay_reason: str | None = None
-        #: a checkpoint given to train(resume_from_checkpoint=...): its knobs are restored
-        self.resume_from: str | None = None
+        self.resume_path: str | None = None
         self._started_precision = getattr(trainer.accelerator, "mixed_precision", "no")
 
         knobs = KnobSet()
@@ -194,6 +222,7 @@ class _Run:
         self._bind_optimizer(knobs)
         for spec in (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR):
             knobs.unsupported[spec.name] = LOADER_REASON
+        knobs.unsupported[MICRO_BATCH_SIZE.name] = BATCH_SIZE_REASON
         # HF normalises by the window's num_items_in_batch (labels != -100) when the
         # model takes it (or with compute_loss_func); else micro-batch means / window size
         by_tokens = bool(getattr(trainer, "model_accepts_loss_kwargs", False)
@@ -201,13 +230,11 @@ class _Run:
         options.setdefault("training", {
             "framework": f"transformers {transformers.__version__}",
             "loss_normalization": "tokens" if by_tokens else "micro_batch_mean"})
-        self.agent = Agent(knobs, name=name, model=trainer.model, device=self.device,
-                           transport=transport, **options)
-        self.memory = MemoryKnobs(self.device, self.agent.run_id)
-        self.memory.bind(knobs)
+        super().__init__(Agent(knobs, name=name, model=trainer.model, device=args.device,
+                               transport=transport, **options),
+                         device=args.device, tokens_per_sample=tokens_per_sample)
         knobs.add(cpu_threads_knob(knobs))
         self._bind_checkpoint(knobs, checkpoint_dir)
-        self.agent.refresh_knobs()
         self._install()
 
     # ------------------------------------------------------------------ knobs
@@ -227,7 +254,7 @@ class _Run:
             return
         if started != "no":
             self.policy.precision = started
-        device_type = self.device.type
+        device_type = trainer.args.device.type
         knobs.add(Knob(PRECISION, get=lambda: self.policy.precision, set=self._set_precision,
                        check=lambda value: _refuse(precision_support(value, device_type)),
                        warn=lambda value: precision_warning(value, device_type)))
@@ -255,6 +282,7 @@ class _Run:
         else:
             inner = installed if installed is not None else model.forward
         self.forward = _Forward(inner, self.policy)
+        self.event_sources.append(self.forward.pop_events)
         model.forward = self.forward
         if original is not None:
             del model._original_forward  # accelerate's unwrap must not restore its wrapper
@@ -349,8 +377,8 @@ class _Run:
     def _bind_checkpoint(self, knobs: KnobSet, checkpoint_dir: Any) -> None:
         """``checkpoint=now``: HF's own ``Trainer._save_checkpoint`` (model, optimizer,
         scheduler, GradScaler, RNG states, trainer state), into a directory made atomic,
-        with gpuwatch's knob values (:data:`agent.checkpoints.KNOBS_FILE`);
-        ``train(resume_from_checkpoint=...)`` resumes from it, knobs included."""
+        with gpuwatch's knob values and data position (:data:`agent.checkpoints.KNOBS_FILE`);
+        ``train(resume_from_checkpoint=...)`` resumes from it, knobs and data included."""
         args = self.trainer.args
         if args.world_size > 1:
             knobs.unsupported[CHECKPOINT.name] = (
@@ -362,8 +390,9 @@ class _Run:
                 "this run pushes each checkpoint to the Hub (push_to_hub): use HF's "
                 "save_steps, or start without push_to_hub")
             return
-        Checkpoints(self.agent, self._save_checkpoint, step=lambda: self.trainer.state.global_step,
-                    directory=checkpoint_dir, name="checkpoint-{step}").bind(knobs)
+        self.bind_checkpoint(self._save_checkpoint, directory=checkpoint_dir,
+                             name="checkpoint-{step}",
+                             step=lambda: self.trainer.state.global_step)
 
     def _save_checkpoint(self, path: Path, knobs: dict[str, Any]) -> None:
         """HF's ``_save_checkpoint`` of the state now into the directory ``path``."""
@@ -385,13 +414,45 @@ class _Run:
         scaler = path / "scaler.pt"  # HF's name (SCALER_NAME)
         if self._scaler_installed and self._started_precision != "fp16" and scaler.exists():
             os.replace(scaler, path / GRAD_SCALER_FILE)
-        write_knobs_file(path, self.agent, knobs, step)
+        write_knobs_file(path, self.agent, knobs, step, self.data_state())
 
-    def _restore(self, checkpoint: str) -> None:
-        """Training thread, at train()'s start: the knob values of a checkpoint of ours
-        (and the GradScaler the precision knob had made); HF restored the rest."""
-        restore_knobs(self.agent, read_knobs_file(checkpoint).get("knobs", {}), checkpoint,
-                      self.trainer.state.global_step)
+    def data_state(self) -> dict[str, int] | None:
+        """The data position at this boundary: ``epoch`` (0-based) and ``micro_batches``
+        trained in it, which a resume makes HF skip instead of its own count
+        (``global_step`` x ``gradient_accumulation_steps``, wrong once ``accum_steps``
+        changed: transformers#5605, #22143). None where the windows are not planned
+        here (``accum_steps`` cannot change, so HF's count is right)."""
+        if not self.plan:
+            return None
+        return {"epoch": self.epoch, "micro_batches": self.micro_index}
+
+    def data_reason(self, value: Any = None) -> str | None:
+        """Why a resume would not train the data this run goes on to: HF told to skip
+        nothing, a dataset without a length, or a sampler whose order a resume draws
+        again from other random numbers; None when it would."""
+        trainer = self.trainer
+        if trainer.args.ignore_data_skip:
+            return ("ignore_data_skip=True: transformers.Trainer trains the resumed epoch "
+                    "from its first batch again")
+        if trainer.train_dataset is not None and not _has_length(trainer.train_dataset):
+            return ("the training dataset has no length: a resume skips the batches "
+                    "already trained, the same data only if it yields the same batches "
+                    "again")
+        return _sampler_reason(getattr(trainer.callback_handler, "train_dataloader", None))
+
+    def _resume(self, checkpoint: str) -> None:
+        """Training thread, at train()'s start (HF restored its state): every knob value
+        of a checkpoint of ours, the GradScaler the precision knob had made, and the
+        data position the first epoch starts from (:meth:`_run_epoch`)."""
+        saved = read_knobs_file(checkpoint)
+        self.step = self.trainer.state.global_step
+        differs = self.data_reason()
+        if self.plan and not self.trainer.args.ignore_data_skip:
+            self._saved_position = saved.get("data")
+            if self._saved_position is None and saved.get("knobs"):
+                differs = ("the checkpoint has no data position (an older gpuwatch's): HF "
+                           "skips global_step x gradient_accumulation_steps micro-batches")
+        self.restore(saved.get("knobs", {}), checkpoint, differs=differs)
         scaler = Path(checkpoint) / GRAD_SCALER_FILE
         if scaler.exists() and self._scaler_installed:
             self.policy.grad_scaler.load_state_dict(torch.load(scaler, weights_only=True))
@@ -485,7 +546,7 @@ class _Run:
         model = _model_of(trainer)
         self.compile_backend = compile_backend
         fused = any(isinstance(module, KernelBackendMixin) for module in model.modules())
-        device_type = self.device.type
+        device_type = trainer.args.device.type
 
         def support(value: str) -> str | None:
             if value == "triton":
@@ -525,9 +586,11 @@ class _Run:
             setattr(trainer, name, getattr(self, name))
 
     def uninstall(self) -> None:
-        """After ``train()``: HF's own methods again, with the window size in force
-        (``args.gradient_accumulation_steps``); the precision and kernels in force stay
-        (the model keeps its :class:`_Forward`)."""
+        """After ``train()``: HF's own methods and the optimizer's own step again, with
+        the window size in force (``args.gradient_accumulation_steps``); the precision
+        and kernels in force stay (the model keeps its :class:`_Forward`)."""
+        if self.optimizer_settings is not None:
+            self.optimizer_settings.remove()
         if self.accum is not None:
             self.trainer.args.gradient_accumulation_steps = self.accum
         for name, before in self._instance_attrs.items():
@@ -597,21 +660,25 @@ class _Run:
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         """One epoch of HF's loop, planned for any window size: HF's count of updates
-        per epoch becomes an upper bound (the epoch ends when its data does), and after
-        the last planned epoch more run while the planned max_steps is not reached
-        (only after an ``accum_steps`` change)."""
+        per epoch becomes an upper bound (the epoch ends when its data does); on a
+        resume it starts at the saved data position (:meth:`_at_saved_position`); and
+        after HF's last planned epoch more run while the planned max_steps is not
+        reached (only after an ``accum_steps`` change, or a resume HF counted other
+        epochs for)."""
         run_epoch = self._originals["_run_epoch"]
-        if args or "steps_in_epoch" not in kwargs or "epoch" not in kwargs:
+        if args or not _EPOCH_KEYWORDS <= kwargs.keys():
             self.plan = False  # an unknown signature: HF's own plan, and no accum_steps
             return run_epoch(*args, **kwargs)
         trainer = self.trainer
-        kwargs["num_update_steps_per_epoch"] = max(kwargs.get("num_update_steps_per_epoch", 0),
+        state = trainer.state
+        last_planned = kwargs["epoch"] >= state.num_train_epochs - 1  # HF calls no more
+        kwargs = self._at_saved_position(kwargs)
+        kwargs["num_update_steps_per_epoch"] = max(kwargs["num_update_steps_per_epoch"],
                                                    kwargs["steps_in_epoch"])
         self._start_epoch(kwargs)
         result = run_epoch(**kwargs)
-        state = trainer.state
         epoch = kwargs["epoch"]
-        while (self.accum_changed and epoch >= state.num_train_epochs - 1
+        while (last_planned and (self.accum_changed or self.epoch_offset)
                and not trainer.control.should_training_stop
                and state.global_step < state.max_steps):
             epoch += 1
@@ -630,13 +697,28 @@ class _Run:
             result = run_epoch(**kwargs)
         return result
 
+    def _at_saved_position(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """HF's ``_run_epoch`` keywords, put at the data position of the checkpoint
+        resumed from: HF derives the epoch (``global_step // num_update_steps_per_epoch``)
+        and the micro-batches to skip in it (``global_step % ... x
+        gradient_accumulation_steps``) from a fixed window size; the saved epoch and
+        micro-batch count replace them, and every later epoch number moves by as much."""
+        if (self._saved_position is not None and kwargs["resume_from_checkpoint"] is not None
+                and kwargs["epoch"] == kwargs["epochs_trained"]):
+            saved, self._saved_position = self._saved_position, None
+            self.epoch_offset = saved["epoch"] - kwargs["epochs_trained"]
+            self._resume_at = {"epochs_trained": saved["epoch"],
+                               "steps_trained_in_current_epoch": saved["micro_batches"]}
+        return {**kwargs, **self._resume_at, "epoch": kwargs["epoch"] + self.epoch_offset}
+
     def _start_epoch(self, kwargs: dict[str, Any]) -> None:
         args = self.trainer.args
+        self.epoch = kwargs["epoch"]
         self.micro_index = 0
-        if (kwargs.get("resume_from_checkpoint") is not None
-                and kwargs["epoch"] == kwargs.get("epochs_trained")
-                and not args.ignore_data_skip):
-            self.micro_index = kwargs.get("steps_trained_in_current_epoch") or 0
+        if (kwargs["resume_from_checkpoint"] is not None
+                and kwargs["epoch"] == kwargs["epochs_trained"]
+                and not args.ignore_data_skip):  # HF skips them: they count as trained
+            self.micro_index = kwargs["steps_trained_in_current_epoch"]
         self.misaligned = False
         args.gradient_accumulation_steps = self._accum_value()
 
@@ -656,8 +738,9 @@ class _Run:
             self.optimizer_settings = OptimizerSettings(
                 optimizer, decay_groups=_decay_groups(self.trainer, optimizer))
             self._weight_decay_reason = self.optimizer_settings.weight_decay_reason()
-        if self.resume_from is not None:
-            self._restore(self.resume_from)
+        if self.resume_path is not None:
+            self._resume(self.resume_path)
+            self.resume_path = None
         self.agent.mark_start()
 
     def optimizer_step(self, optimizer: Any) -> None:
@@ -670,7 +753,6 @@ class _Run:
             self.lr = None
 
     def step_end(self, state: Any) -> None:
-        step = state.global_step
         wait_s, _, samples, tokens = self.meter.take()
         loss, self.loss_sum = self.loss_sum, None
         micro_batches, self.micro_batches = self.micro_batches, 0
@@ -683,13 +765,10 @@ class _Run:
             skipped = self.policy.grad_scaler.skipped
         elif getattr(self.trainer.accelerator, "scaler", None) is not None:  # fp16 start
             skipped = torch.tensor(self.trainer.accelerator.optimizer_step_was_skipped)
-        self.agent.optimizer_step(StepRecord(
-            step=step, micro_batches=max(micro_batches, 1), samples=samples,
+        self.boundary(StepRecord(
+            step=state.global_step, micro_batches=max(micro_batches, 1), samples=samples,
             data_wait_s=wait_s, loss=loss, skipped=skipped, tokens=tokens, lr=lr,
             grad_norm=grad_norm))
-        if self.forward is not None:
-            publish_events(self.agent, step, self.forward.pop_events())
-        self.memory.after_step(self.agent, step)
 
     def prediction_step(self, state: Any) -> None:
         if not self._evaluating:
@@ -707,16 +786,16 @@ class _Run:
         self.agent.mark_start()  # the next step's time leaves the evaluation out
 
     def save(self, args: Any, state: Any) -> None:
+        """After HF saved a checkpoint of its own (``save_steps``, ``save_strategy``):
+        gpuwatch's knob values and data position go into it too, so that
+        ``train(resume_from_checkpoint=...)`` resumes it exactly as a ``checkpoint=now``
+        one (a few hundred bytes of JSON, on the process that saves)."""
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if args.should_save and os.path.isdir(path):
+            write_knobs_file(Path(path), self.agent, self.chosen_knobs()[0],
+                             state.global_step, self.data_state())
         self.agent.event("info", f"checkpoint saved at step {state.global_step}: {path}",
                          kind="checkpoint", step=state.global_step, path=path)
-        if self.accum_changed and not self._resume_note_sent:
-            self._resume_note_sent = True
-            self.agent.event("warning", "accum_steps was changed in this run: resuming from "
-                             "a checkpoint, transformers.Trainer skips the data of a "
-                             "partly trained epoch assuming gradient_accumulation_steps="
-                             f"{self._accum_value()} for every step of it",
-                             kind="warning", step=state.global_step)
         self.agent.mark_start()  # the next step's time leaves the save out
 
     def epoch_end(self, state: Any, control: Any) -> None:
@@ -735,15 +814,6 @@ class _Run:
         shown = ", ".join(f"{key}={value:.4g}" for key, value in numbers.items())
         self.agent.event("info", f"log at step {state.global_step}: {shown}", kind="log",
                          step=state.global_step, logs=numbers)
-
-    def close(self, reason: str) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.optimizer_settings is not None:
-            self.optimizer_settings.remove()
-        self.uninstall()
-        self.agent.close(reason)
 
 
 class _Forward:
@@ -814,6 +884,24 @@ def _has_length(dataset: Any) -> bool:
     return not isinstance(dataset, torch.utils.data.IterableDataset)
 
 
+def _sampler_reason(loader: Any) -> str | None:
+    """Why a resumed epoch of ``loader`` (the Trainer's prepared training DataLoader)
+    would not have the saved run's order, or None: a ``RandomSampler`` draws the order
+    from torch's generator when the epoch starts, which a resume cannot put back there
+    (accelerate's seedable sampler, HF's default, draws it from its seed and the
+    epoch)."""
+    from accelerate.data_loader import SeedableRandomSampler
+
+    batches = getattr(loader, "batch_sampler", None)
+    sampler = getattr(getattr(batches, "batch_sampler", batches), "sampler", None)
+    if isinstance(sampler, torch.utils.data.RandomSampler) and not isinstance(
+            sampler, SeedableRandomSampler):
+        return ("the training sampler draws each epoch's order from torch's random "
+                "numbers when the epoch starts, which a resume draws again from others: "
+                "keep TrainingArguments(accelerator_config={'use_seedable_sampler': True})")
+    return None
+
+
 def _hf_checkpointing(model: Any) -> bool:
     """Whether HF's activation checkpointing is on in ``model`` (no deprecation warning)."""
     return any(getattr(module, "gradient_checkpointing", False) is True
@@ -838,8 +926,9 @@ class GpuwatchCallback(TrainerCallback):
     With a ``trainer`` (what :func:`attach` does) the agent starts at once; without one
     (``Trainer(..., callbacks=[GpuwatchCallback()])``) it starts at ``on_train_begin``,
     with the Trainer found on the call stack of its ``train()``. It closes (``bye``, run
-    file removed) at ``on_train_end``, when ``train()`` raises (with :func:`attach`),
-    or at process exit. See the module docstring for what it reports and its knobs.
+    file removed) at ``on_train_end``, when ``train()`` raises (with :func:`attach`; an
+    uncaught exception otherwise), on SIGTERM, or at process exit. See the module
+    docstring for what it reports and its knobs.
 
     Args:
         trainer: the ``transformers.Trainer`` to observe and steer, or None (see above).
@@ -869,7 +958,7 @@ class GpuwatchCallback(TrainerCallback):
             tokens_per_sample=tokens_per_sample, checkpoint_dir=checkpoint_dir,
             options=options)
         self.run: _Run | None = None
-        self._failed = False
+        self._failed = False  # no Trainer to observe was found
         if trainer is not None:
             self._bind(trainer)
 
@@ -879,17 +968,17 @@ class GpuwatchCallback(TrainerCallback):
 
     def _bind(self, trainer: transformers.Trainer) -> None:
         self.run = _Run(trainer, **self._settings)
-        self.run.agent.start()
+        self.run.start()
 
     def _call(self, what: Callable[[], Any]) -> None:
-        """Run one hook body; an error is reported, never raised into training."""
-        if self.run is None or self._failed:
+        """Run one hook body; an error stops the observing (an event says so), never
+        raised into training."""
+        if self.run is None or self.run.broken:
             return
         try:
             what()
         except Exception as exc:
-            self._failed = True
-            self.run.agent.report_error("hf callback", exc)
+            self.run.fail("a transformers.Trainer callback", exc)
 
     def on_train_begin(self, args, state, control, **kwargs):  # noqa: D102
         if self.run is None and not self._failed:
@@ -940,11 +1029,12 @@ def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "i
     the agent.
 
     Adds a :class:`GpuwatchCallback` (``trainer.add_callback``) and wraps the
-    instance's ``train`` so that the agent also closes when training raises, and so that
-    ``train(resume_from_checkpoint=PATH)`` of a ``checkpoint=now`` checkpoint restores
-    gpuwatch's knob values too (HF restores the rest). The agent
-    reports every optimizer step of the next ``train()`` and takes the knobs listed in
-    the module docstring; the others are refused with their reason.
+    instance's ``train`` so that the agent also closes when training raises (``bye``
+    names the exception), and so that ``train(resume_from_checkpoint=PATH)`` (or
+    ``True``: HF's last checkpoint in ``output_dir``) of a checkpoint with gpuwatch's
+    file restores gpuwatch's knob values and data position too (HF restores the rest).
+    The agent reports every optimizer step of the next ``train()`` and takes the knobs
+    listed in the module docstring; the others are refused with their reason.
 
     Args:
         trainer: the Trainer, not yet training.
@@ -979,8 +1069,10 @@ def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "i
         run = callback.run
         assert run is not None  # the callback was made with the trainer: it has its run
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if resume is True and os.path.isdir(trainer.args.output_dir or ""):
+            resume = get_last_checkpoint(trainer.args.output_dir)  # as HF finds it
         if isinstance(resume, (str, os.PathLike)):
-            run.resume_from = os.fspath(resume)
+            run.resume_path = os.fspath(resume)
         try:
             return train(*args, **kwargs)
         except BaseException as exc:
