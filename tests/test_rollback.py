@@ -207,3 +207,52 @@ def test_a_divergence_after_lr_scale_restores_the_state_before_the_change(run_di
         step: twin_losses.by_step[step] for step in range(7, 21)}
     for mine, theirs in zip(model.parameters(), twin_model.parameters()):
         assert torch.equal(mine, theirs)
+
+
+def _loop_run(data, name, change=None):
+    """A hand-written loop over a shuffling DataLoader for 20 optimizer steps. With
+    ``change``: ``lr_scale`` set to it at step 7, and at step 12 the loop waits for the
+    guard's decision. Returns the model and each step's loss (a step trained again
+    overwrites)."""
+    torch.manual_seed(5)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = agent.session(model=model, optimizer=optimizer, name=name)
+    losses = {}
+    batches = iter(run.loader(torch.utils.data.DataLoader(data, batch_size=16, shuffle=True),
+                              epochs=None))
+    with Subscriber(run.agent.info) as sub:
+        if change is not None:
+            assert send_command(run.agent.info, "lr_scale", change, apply_step=7)["ok"]
+        while run.step < 20:
+            x, y = next(batches)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.optimizer_step(loss.detach())
+            losses[run.step] = loss.item()
+            if change is not None and run.step == 12:
+                change = None
+                messages(sub, lambda m: m["type"] == "event"
+                         and m["body"].get("kind") == "rollback")
+        run.close()
+        seen = messages(sub, lambda m: m["type"] == "bye")
+    return model, losses, [m["body"] for m in seen if m["type"] == "event"]
+
+
+def test_a_loops_rollback_restores_its_state_and_data_position(run_dir):
+    """The same divergence in a hand-written loop: the rollback puts back the model,
+    optimizer, random numbers and the DataLoader's place in its shuffled epoch (the
+    epoch is made again from its start and the trained batches dropped)."""
+    x, y = zip(*digits_loader(batch_size=1, n=512))
+    data = torch.utils.data.TensorDataset(torch.cat(x), torch.cat(y))
+    twin, twin_losses, _ = _loop_run(data, "loop-twin")
+    model, losses, events = _loop_run(data, "loop-diverging", change=100.0)
+    [restored] = [e for e in events if e.get("kind") == "state_restored"]
+    assert "boundary after step 6" in restored["text"], restored
+    assert "fetched ahead" not in restored["text"]
+    assert {step: losses[step] for step in range(7, 21)} == {
+        step: twin_losses[step] for step in range(7, 21)}
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(mine, theirs)
