@@ -461,35 +461,92 @@ def test_lr_scale_and_the_clip_threshold_apply_from_the_next_window_as_by_hand()
     assert optimizer.param_groups[0]["lr"] == LR  # the loop's own rate, between steps
 
 
-def test_checkpoint_now_is_save_state_and_resume_from_continues_exactly(tmp_path):
-    accelerator, model, optimizer, loader = _prepared(n=48)
-    run = agent.attach(accelerator, checkpoint_dir=tmp_path)
+def test_a_loop_that_stops_on_run_step_takes_exactly_that_many_steps():
+    """run.step counts a step as accelerate takes it (at the micro-batch that ends its
+    window), so `run.step >= 5` stops after 5 optimizer and scheduler steps, not 6; the
+    step's record comes later (here at close(): the loop keeps its iterator)."""
+    accelerator, model, optimizer, loader = _prepared(accum_steps=2, n=256)  # 32 batches
+    scheduler = accelerator.prepare(
+        torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 0.5 ** step))
+    run = agent.attach(accelerator)
+    batches = run.loader(loader)
+    micro_batches = 0
+    for x, y in batches:
+        with accelerator.accumulate(model):
+            loss = nn.functional.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        micro_batches += 1
+        run.micro_batch(loss)
+        if run.step >= 5:
+            break
+    assert micro_batches == 10 and scheduler.scheduler.last_epoch == 5
+    assert optimizer.param_groups[0]["lr"] == LR * 0.5 ** 5
+    steps, _, _ = _records(run)
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    assert [steps[s]["micro_batches"] for s in steps] == [2] * 5
 
-    def at_boundary(n):
-        if n in (1, 2):
-            knob, value = ("lr_scale", 0.5) if n == 1 else ("checkpoint", "now")
-            assert send_command(run.agent.info, knob, value)["ok"]
 
-    windows = _train(accelerator, model, optimizer, loader, run, at_boundary=at_boundary)
-    _, events, _ = _records(run)
-    path = tmp_path / "checkpoint-2"
-    saved = [e for e in events if e.get("knob") == "checkpoint" and e["kind"] == "applied"]
-    assert [(e["path"], e["checkpoint_step"]) for e in saved] == [(str(path), 2)]
-    assert {"model.safetensors", "optimizer.bin", "gpuwatch.json"} <= {
-        p.name for p in path.iterdir()}
+def _epochs_with_a_seedable_sampler(tmp_path, resume_from=None, skip=0):
+    """Three epochs of 4 batches (one step each) over a prepared shuffling DataLoader
+    whose sampler accelerate seeds with ``data_seed`` + its epoch count, in a
+    loop that counts epochs from ``run.epoch``; ``checkpoint=now`` after step 6 (epoch 2).
+    ``skip``: the loader given to run.loader() is skip_first_batches(loader, skip).
+    Returns the batches trained, the final parameters and the run log's events."""
+    from accelerate import DataLoaderConfiguration
 
-    AcceleratorState._reset_state(True)  # a fresh process's accelerate
+    AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    accelerator, model, optimizer, loader = _prepared(n=48, make=lambda: make_model(seed=1))
-    run = agent.attach(accelerator, resume_from=path)
-    assert run.step == 2 and run.optimizer_settings.lr_scale == 0.5
-    again = _train(accelerator, model, optimizer, accelerator.skip_first_batches(loader, 2),
-                   run)
-    run.close()
-    assert len(again) == len(windows) - 2
-    for resumed, original in zip(again, windows[2:]):
-        for got, want in zip(resumed.after, original.after):
-            assert torch.equal(got, want)
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        use_seedable_sampler=True, data_seed=7))
+    model = make_model(seed=0 if resume_from is None else 1)
+    model, optimizer, loader = accelerator.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=LR),
+        torch.utils.data.DataLoader(SlowDigits(32), batch_size=8, shuffle=True))
+    if skip:
+        loader = accelerator.skip_first_batches(loader, skip)
+    run = agent.attach(accelerator, checkpoint_dir=tmp_path, resume_from=resume_from)
+    seen = []
+    for _ in range(run.epoch, 3):
+        for x, y in run.loader(loader):
+            seen.append(x)
+            with accelerator.accumulate(model):
+                loss = nn.functional.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            run.micro_batch(loss)
+            if run.step == 6 and resume_from is None:
+                assert send_command(run.agent.info, "checkpoint", "now")["ok"]
+    _, events, _ = _records(run)
+    return seen, _parameters(model), events
+
+
+def test_a_resume_in_a_later_epoch_keeps_accelerates_epoch_count_and_the_epoch_loop(
+        tmp_path):
+    """A seedable sampler's order is seeded with accelerate's epoch count (the prepared
+    loader's ``iteration``): the resume puts it back, so epoch 2 goes on in its own order
+    (at 0 it would be epoch 1's), and ``for epoch in range(run.epoch, 3)`` trains the
+    rest of epoch 2 and epoch 3, as the saved run did."""
+    seen, params, events = _epochs_with_a_seedable_sampler(tmp_path)
+    saved = [e for e in events if e.get("knob") == "checkpoint" and e["kind"] == "applied"]
+    assert [e["checkpoint_step"] for e in saved] == [6]
+    path = saved[0]["path"]
+    assert {"model.safetensors", "optimizer.bin", "gpuwatch.json", "gpuwatch-data.pt"} <= {
+        p.name for p in Path(path).iterdir()}
+    assert len(seen) == 12 and not torch.equal(seen[0], seen[4])  # epochs in other orders
+
+    again, resumed_params, _ = _epochs_with_a_seedable_sampler(tmp_path, resume_from=path)
+    assert len(again) == 6 and all(torch.equal(a, b) for a, b in zip(again, seen[6:]))
+    assert all(torch.equal(a, b) for a, b in zip(resumed_params, params))
+
+    # the README once said to skip_first_batches after a resume: that skips twice
+    _, _, events = _epochs_with_a_seedable_sampler(tmp_path, resume_from=path, skip=1)
+    assert any(e["text"].startswith("run.loader() goes on from the checkpoint's "
+                                    "micro-batch itself: this loader skips 1 more")
+               for e in events)
 
 
 def test_knobs_that_cannot_be_right_are_refused_with_their_reason():

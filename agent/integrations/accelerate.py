@@ -12,14 +12,35 @@ Three changed lines in the usual loop::
         run.micro_batch(loss)                      # 3: once per micro-batch
 
 :meth:`AcceleratorRun.micro_batch` reads ``accelerator.sync_gradients``: on the
-micro-batch that ends an accumulation window (accelerate steps the optimizer there), the
-optimizer step is recorded and the live commands due are applied once that iteration is
-over, at the next fetch from :meth:`AcceleratorRun.loader` (or the end of its data),
-before the next ``accelerator.accumulate`` counts a micro-batch: so every knob changes
-between two windows. (A loop that does not fetch through ``run.loader`` calls
+micro-batch that ends an accumulation window (accelerate steps the optimizer there),
+:attr:`AcceleratorRun.step` counts the step at once (a loop that stops on ``run.step >=
+max_steps`` takes exactly ``max_steps``), and the step is recorded and the live commands
+due are applied once that iteration is over, at the next fetch from
+:meth:`AcceleratorRun.loader` (or the end of its data, or a ``break`` out of it), before
+the next ``accelerator.accumulate`` counts a micro-batch: so every knob changes between
+two windows. (A loop that does not fetch through ``run.loader`` calls
 ``run.micro_batch`` after ``optimizer.zero_grad()``; the step is recorded at the call.)
 The run starts at :func:`attach` (no ``with``) and ends at interpreter exit, on SIGTERM
 or an uncaught exception (named in ``bye``), or at :meth:`AcceleratorRun.close`.
+
+**Resume.** ``attach(accelerator, resume_from=PATH)`` with a ``checkpoint=now``
+checkpoint, and the same loop goes on exactly (on CPU in fp32, bit for bit: the same
+micro-batches in every window, the same losses and parameters): nothing to skip or
+count in the loop. Each ``run.loader(loader)`` call is one epoch, the first after a
+resume the rest of the checkpoint's (from the first micro-batch the saved run had not
+trained, in the same shuffled order); :attr:`AcceleratorRun.step` and
+:attr:`AcceleratorRun.epoch` are the checkpoint's, so either loop shape resumes as it
+is::
+
+    while run.step < max_steps:                    # a loop that counts steps
+        for batch in run.loader(loader):
+            ...
+            if run.step >= max_steps:
+                break
+
+    for epoch in range(run.epoch, num_epochs):     # a loop that counts epochs
+        for batch in run.loader(loader):
+            ...
 
 Each step record has the window's loss, micro-batches, samples, tokens (declared with
 ``tokens_per_sample``, or the ``input_ids`` of mapping batches), the data wait, the
@@ -70,11 +91,17 @@ configured from that step, or is refused with the reason):
 - ``max_grad_norm``: the threshold of the loop's own ``accelerator.clip_grad_norm_``
   call (the knob's value replaces the loop's from the change; 0: the norm is still
   computed, nothing clipped); refused once a step was taken without that call.
+- ``micro_batch_size``: when the loop's data is a ReconfigurableLoader: the rest of the
+  epoch in batches of the new size, and ``accum_steps`` moved to keep the effective
+  batch (so, as ``accum_steps``, once the loop is in ``accelerator.accumulate``).
 - ``checkpoint=now``: accelerate's ``save_state`` into ``<checkpoint_dir>/checkpoint-<N>``,
-  made atomic, with the knob values; ``attach(accelerator, resume_from=PATH)`` loads it
-  (``load_state``, the step, the knobs) and the loop skips its data
-  (``accelerator.skip_first_batches(loader, run.step)`` in the epoch). Refused with
-  several processes and with ``automatic_checkpoint_naming``.
+  made atomic, with the knob values, the step and the data position (the batches
+  :meth:`AcceleratorRun.loader` fetched in the epoch, the random numbers at its start and
+  at the boundary, accelerate's epoch count or a ReconfigurableLoader's position);
+  ``attach(accelerator, resume_from=PATH)`` continues from it (see **Resume**). The
+  reply warns when the data cannot be resumed exactly (batches not fetched through
+  ``run.loader``, an IterableDataset, a one-shot iterator). Refused with several
+  processes and with ``automatic_checkpoint_naming``.
 - ``memory_fraction``, ``memory_snapshot_steps``: on CUDA.
 
 Imported only when used: ``import agent`` does not import accelerate.
@@ -83,6 +110,7 @@ Imported only when used: ``import agent`` does not import accelerate.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import math
 import os
 import threading
@@ -97,20 +125,18 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType
 from accelerate.utils.operations import convert_to_fp32
 
-from agent.record import StepRecord
-from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, optimizer_knobs,
-                            publish_events, refuse)
-from agent.checkpoints import (GRAD_SCALER_FILE, Checkpoints, read_knobs_file, restore_knobs,
+from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
+                            optimizer_knobs, refuse)
+from agent.checkpoints import (GRAD_SCALER_FILE, read_knobs_file, restore_knobs,
                                write_knobs_file)
 from agent.core import Agent
-from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, NUM_WORKERS, PRECISION, WEIGHT_DECAY, Knob,
-                         KnobSet)
-from agent.run import end_on_signals
+                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PRECISION,
+                         WEIGHT_DECAY, Knob, KnobSet)
+from agent.record import StepRecord
+from agent.run import RunBase
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing, find_blocks
-from gpuopt.data import batch_size
 from gpuopt.kernels.backend import KernelBackendMixin
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.optim import OptimizerSettings
@@ -134,6 +160,11 @@ _NO_CLIPPING = ("the loop does not call accelerator.clip_grad_norm_(model.parame
 _LOADER_REASON = ("the loop's data is not a gpuopt.loader.ReconfigurableLoader (a "
                   "DataLoader fixes its workers when it is built); give one to run.loader() "
                   "for live loader knobs")
+_MICRO_BATCH_REASON = ("the loop's data is not a gpuopt.loader.ReconfigurableLoader (a "
+                       "DataLoader fixes its batch size when it is built); give one to "
+                       "run.loader() for a live micro_batch_size")
+#: In a ``checkpoint=now`` directory: the data position (:meth:`AcceleratorRun.data_state`).
+DATA_FILE = "gpuwatch-data.pt"
 
 
 # ---------------------------------------------------------------------- precision
@@ -309,47 +340,64 @@ class _GradNormRecorder:
         return self.loop_max_norm if self.max_norm is None else self.max_norm
 
 
-class AcceleratorRun:
-    """gpuwatch's view of one accelerate training loop (made by :func:`attach`).
+class AcceleratorRun(RunBase):
+    """gpuwatch's view of one accelerate training loop (made by :func:`attach`): the run
+    base (:class:`agent.run.RunBase`) with accelerate's reads of a step, its knobs, its
+    ``save_state`` / ``load_state`` and the loop's data.
 
     Attributes:
         agent: the :class:`agent.core.Agent` (run id, knobs, events).
         accelerator: the Accelerator. model: the prepared model.
-        step: optimizer steps recorded so far.
+        step: optimizer steps taken so far, counted as accelerate takes each one (at the
+            :meth:`micro_batch` that ends a window; a resumed run counts on from its
+            checkpoint's), so a loop that stops on ``run.step >= N`` takes N.
+        epoch: epochs :meth:`loader` has iterated to their end (a resumed run: the
+            checkpoint's), i.e. the 0-based index of the epoch in progress: a loop that
+            counts epochs resumes with ``for epoch in range(run.epoch, num_epochs)``.
         checkpointing: the :class:`~gpuopt.checkpointing.ActivationCheckpointing` of the
             model's blocks, or None. backend: the
             :class:`~gpuopt.backends.ModelBackend` behind the ``kernels`` knob, or None.
+        optimizer_settings: ``lr_scale`` and ``weight_decay`` of the loop's optimizer
+            (:class:`gpuopt.optim.OptimizerSettings`), or None.
+        autocast: a reusable autocast context following the ``precision`` knob (``with
+            run.autocast:`` or ``with run.autocast():``), e.g. for evaluation code outside
+            the model's forward; ``accelerator.autocast()`` follows the knob too. Where
+            the knob is refused, it is ``accelerator.autocast()``.
     """
 
-    def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: Any,
-                 tokens_per_sample: int | None) -> None:
+    def __init__(self, agent: Agent, accelerator: Accelerator, model: nn.Module,
+                 optimizer: Any, tokens_per_sample: int | None) -> None:
+        super().__init__(agent, device=accelerator.device, tokens_per_sample=tokens_per_sample)
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
-        self.agent: Agent  # set by attach()
-        self.step = 0
+        self.epoch = 0
         self.checkpointing: ActivationCheckpointing | None = None
         self.backend: ModelBackend | None = None
-        self.knobs = KnobSet()
-        self._meter = WindowMeter(batch_size, tokens_per_sample)
+        self.optimizer_settings: OptimizerSettings | None = None
+        self.autocast = ReusableAutocast(accelerator.autocast)
         self._gradient_state = accelerator.gradient_state
         self._micro_batches = 0
         self._loss_sum: torch.Tensor | None = None
         self._accumulate_seen = False
         self._started = False
-        self._broken = False
-        self._closed = False
         self._precision: _Precision | None = None
         self._inner, self._compiled = _inner_module(model)
         self._forward: _Forward | None = None
         self._forward_lost: str | None = None
-        self._memory: MemoryKnobs | None = None
-        self._loader: ReconfigurableLoader | None = None
+        #: run.loader()'s default (attach's loader=), or the ReconfigurableLoader the
+        #: loader knobs steer
+        self._loader: Any = None
         self._loader_warned = False
+        self._data: Any = None  # what run.loader() iterates: a checkpoint keeps its place
+        #: the checkpoint's place of the loop's loader (:func:`_loader_place`), put back
+        #: when :meth:`loader` gets it; None when none is pending
+        self._place: dict[str, Any] | None = None
+        #: knobs of the checkpoint resumed from that this run binds only at run.loader()
+        self._unbound: dict[str, Any] = {}
         self._grad_norm = _GradNormRecorder(accelerator.clip_grad_norm_)
         self._threshold_shown = 0.0  # the clipping threshold the knob values last said
-        #: ``lr_scale`` and ``weight_decay`` of the loop's optimizer, or None
-        self.optimizer_settings: OptimizerSettings | None = None
+        self._first_step = 0  # the step this process started from (a resume's)
         self._window_lr: float | None = None
         self._boundary_pending = False  # a window ended; its step is recorded after it
         self._iterating = 0  # loader() generators running
@@ -361,68 +409,79 @@ class AcceleratorRun:
         self._after_step = True  # the step being recorded came after step and zero_grad
         self._misplaced_warned = False
         self._hooks: list[Any] = []  # their handles (attach() registers them)
-        #: Reusable autocast context following the ``precision`` knob (``with
-        #: run.autocast:`` or ``with run.autocast():``), e.g. for evaluation code outside
-        #: the model's forward; ``accelerator.autocast()`` follows the knob too. Where the
-        #: knob is refused, it is ``accelerator.autocast()``.
-        self.autocast = ReusableAutocast(accelerator.autocast)
 
     # ------------------------------------------------------------ the loop's calls
 
     def loader(self, batches: Iterable[Any] | None = None) -> Iterator[Any]:
-        """Iterate ``batches`` (default: the ``loader=`` given to :func:`attach`),
+        """One epoch of ``batches`` (default: the ``loader=`` given to :func:`attach`),
         timing each ``next()`` (the data wait, host seconds) and counting samples (dim 0
         of the batch's first tensor) and tokens (``tokens_per_sample`` per sample if
-        declared, else the ``input_ids`` of mapping batches). The first ``next()`` starts
-        the first step's clock. A :class:`gpuopt.loader.ReconfigurableLoader` gets the
-        live loader knobs (the first one given; later ones are warned about).
+        declared, else the ``input_ids`` of mapping batches); each batch is the data
+        position a checkpoint keeps. After ``attach(..., resume_from=)`` the first call
+        is the rest of the checkpoint's epoch, from the first micro-batch the saved run
+        had not trained (the epoch's iterator made again from the random numbers at its
+        start, the batches trained dropped; accelerate's epoch count ``iteration`` and a
+        ReconfigurableLoader's own position put back): give it the prepared loader
+        itself, not ``accelerator.skip_first_batches``. The first ``next()`` starts the
+        first step's clock. A :class:`gpuopt.loader.ReconfigurableLoader` gets the live
+        loader knobs and ``micro_batch_size`` (the first one given; later ones are
+        warned about). Evaluation data does not go through here.
 
         Raises:
-            ValueError: no ``batches`` and no ``loader=`` at :func:`attach`.
+            ValueError: no ``batches`` and no ``loader=`` at :func:`attach`; or (at the
+                first ``next()`` after a resume) the checkpoint's epoch had more batches
+                than ``batches`` has.
 
-        .. note:: Costs a clock read and a shape read per micro-batch.
+        .. note:: Costs a clock read and a shape read per micro-batch; after a resume,
+           the loading of the saved epoch's trained batches once.
         """
         if batches is None:
             if self._loader is None:
                 raise ValueError("run.loader() needs the batches to iterate (or attach(..., "
                                  "loader=...))")
             batches = self._loader
+        if self._place is not None:
+            place, self._place = self._place, None
+            _put_back(batches, place)
+            skipped = _skipped(batches)
+            if skipped:
+                self.agent.event("warning", "run.loader() goes on from the checkpoint's "
+                                 f"micro-batch itself: this loader skips {skipped} more "
+                                 "(accelerator.skip_first_batches); give it the prepared "
+                                 "loader", kind="warning", step=self.step)
         if isinstance(batches, ReconfigurableLoader):
             self._bind_loader(batches)
+        self._data = batches
         return self._iterate(batches)
 
     def _iterate(self, batches: Iterable[Any]) -> Iterator[Any]:
-        iterator = iter(batches)
         if not self._started:
             self._started = True
             self.agent.mark_start()
-        meter = self._meter
         self._iterating += 1
         try:
-            while True:
-                if self._boundary_pending:  # the iteration that ended a window is over:
-                    self._guarded(self._optimizer_step, True)  # step and zero_grad done
-                try:
-                    batch = meter.timed_next(iterator)
-                except StopIteration:
-                    return
+            for batch in self.position.epoch_iterator(batches, self.meter.timed_next):
                 if self._window_lr is None:  # a window's first fetch: after the previous
                     self._window_lr = self._lr()  # window's scheduler.step(), before its own
                 yield batch
+                if self._boundary_pending:  # the iteration that ended a window is over:
+                    self._optimizer_step(True)  # step and zero_grad done
+            self.epoch += 1
         finally:
             self._iterating -= 1
             if self._boundary_pending and threading.current_thread() is self._thread:
-                self._guarded(self._optimizer_step, True)  # the epoch's end, or a `break`
+                self._optimizer_step(True)  # a loop left by `break`
 
     def micro_batch(self, loss: torch.Tensor | float | None = None) -> None:
         """Call once per micro-batch, after its loss is computed (anywhere in the loop's
         iteration when batches come from :meth:`loader`; without it, after
         ``optimizer.step()`` / ``zero_grad()``). When accelerate's ``sync_gradients``
-        says this micro-batch ends an accumulation window, the optimizer step is recorded
-        (window mean loss, micro-batches, samples, tokens, data wait, learning rate of
-        param group 0, gradient norm if ``accelerator.clip_grad_norm_`` ran) and the live
-        commands due are applied once the iteration is over: at the next fetch from
-        :meth:`loader` (or at the end of its data), else at once.
+        says this micro-batch ends an accumulation window (accelerate stepped the
+        optimizer), :attr:`step` counts it at once; the step is recorded (window mean
+        loss, micro-batches, samples, tokens, data wait, learning rate, gradient norm if
+        ``accelerator.clip_grad_norm_`` ran) and the live commands due are applied once
+        the iteration is over: at the next fetch from :meth:`loader` (or at the end of its
+        data, or a ``break`` out of it), else at once.
 
         Args:
             loss: this micro-batch's undivided loss (what ``loss_fn`` returned and was
@@ -430,41 +489,27 @@ class AcceleratorRun:
                 read on this thread.
 
         .. note:: Never synchronizes the device; one asynchronous add per micro-batch and
-           a few microseconds per optimizer step. Never raises.
+           a few microseconds per optimizer step. Never raises, and counts :attr:`step`
+           even after an error of gpuwatch's stopped the observing.
         """
-        if self._broken:
-            return
-        try:
-            if self._boundary_pending:  # a window ended and no fetch came since
+        if self._boundary_pending:  # a window ended and no fetch came since
+            self._optimizer_step()
+        if not self.broken:
+            try:
+                self._micro_batches += 1
+                if loss is not None:
+                    loss = (loss.detach().float() if isinstance(loss, torch.Tensor)
+                            else torch.tensor(float(loss)))
+                    self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+                if self.accelerator.step:
+                    self._accumulate_seen = True
+            except Exception as exc:  # the first rule: never crash the training
+                self.fail("run.micro_batch()", exc)
+        if self._gradient_state.sync_gradients:
+            self.step += 1
+            self._boundary_pending = True
+            if not self._iterating:
                 self._optimizer_step()
-            self._micro_batches += 1
-            if loss is not None:
-                loss = (loss.detach().float() if isinstance(loss, torch.Tensor)
-                        else torch.tensor(float(loss)))
-                self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-            if self.accelerator.step:
-                self._accumulate_seen = True
-            if self._gradient_state.sync_gradients:
-                self._boundary_pending = True
-                if not self._iterating:
-                    self._optimizer_step()
-        except Exception as exc:  # the first rule: never crash the training
-            self._stop_observing(exc)
-
-    def _guarded(self, function: Callable[..., None], *args: Any) -> None:
-        if self._broken:
-            return
-        try:
-            function(*args)
-        except Exception as exc:  # the first rule: never crash the training
-            self._stop_observing(exc)
-
-    def _stop_observing(self, exc: Exception) -> None:
-        self._broken = True
-        self._boundary_pending = False
-        self.agent.event("error", f"gpuwatch accelerate integration stopped observing: "
-                         f"{type(exc).__name__}: {exc} (training continues)",
-                         kind="agent_error")
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._probe is None:  # once: the first parameter being stepped
@@ -472,18 +517,29 @@ class AcceleratorRun:
                                 if p.grad is not None), None)
 
     def _optimizer_step(self, after_step: bool = False) -> None:
-        """Record the optimizer step that ended; ``after_step``: the loop's iteration is
-        known to be over (a fetch from :meth:`loader` came since)."""
+        """Record the optimizer step :attr:`step` that ended, at its boundary
+        (:meth:`agent.run.RunBase.boundary`); ``after_step``: the loop's iteration is
+        known to be over (a fetch from :meth:`loader` came since). Never raises."""
         self._boundary_pending = False
+        if self.broken:
+            return
+        try:
+            record = self._record(after_step)
+        except Exception as exc:  # the first rule: never crash the training
+            self.fail("recording the optimizer step", exc)
+            return
+        self.boundary(record)
+
+    def _record(self, after_step: bool) -> StepRecord:
+        """The step record of the window that ended (its meters start again)."""
         self._after_step = after_step or (self._probe is not None and self._probe.grad is None)
         if not self._after_step and not self._misplaced_warned:
             self._misplaced_warned = True
             self.agent.event("warning", _MISPLACED + "; a precision change due at such a "
-                             "step is refused", kind="warning", step=self.step + 1)
-        self.step += 1
+                             "step is refused", kind="warning", step=self.step)
         micro_batches, self._micro_batches = self._micro_batches, 0
         loss_sum, self._loss_sum = self._loss_sum, None
-        data_wait_s, _, samples, tokens = self._meter.take()
+        data_wait_s, _, samples, tokens = self.meter.take()
         grad_norm, self._grad_norm.norm = self._grad_norm.norm, None
         lr: Any
         lr, self._window_lr = self._window_lr, None
@@ -506,15 +562,11 @@ class AcceleratorRun:
             optimizer = self.optimizer
             if isinstance(optimizer, AcceleratedOptimizer):
                 skipped = torch.tensor(optimizer.step_was_skipped)  # a host bool already
-        self.agent.optimizer_step(StepRecord(
+        return StepRecord(
             step=self.step, micro_batches=micro_batches, samples=samples,
             data_wait_s=data_wait_s,
             loss=None if loss_sum is None else loss_sum / micro_batches, skipped=skipped,
-            tokens=tokens, lr=lr, grad_norm=grad_norm))
-        if self.backend is not None:
-            publish_events(self.agent, self.step, self.backend.pop_events())
-        if self._memory is not None:
-            self._memory.after_step(self.agent, self.step)
+            tokens=tokens, lr=lr, grad_norm=grad_norm)
 
     def _lr(self) -> float | None:
         if self.optimizer is None:
@@ -525,54 +577,51 @@ class AcceleratorRun:
         return None if lr is None else float(lr)
 
     def close(self, reason: str = "finished") -> None:
-        """End the run: ``bye`` with ``reason`` sent, run file removed,
-        ``accelerator.clip_grad_norm_`` given back. Idempotent; called at interpreter
-        exit and on SIGTERM. The model keeps following the last precision and kernels."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._boundary_pending and threading.current_thread() is self._thread:
-            self._guarded(self._optimizer_step)  # the last step (a loop left by `break`)
+        """End the run (:meth:`agent.run.RunBase.close`), the last step recorded first
+        when a loop left :meth:`loader` by ``break`` and its iterator is still held.
+        Called at interpreter exit, on SIGTERM and on an uncaught exception too. The
+        model keeps following the last precision and kernels."""
+        if (not self.closed and self._boundary_pending
+                and threading.current_thread() is self._thread):
+            self._optimizer_step()
+        super().close(reason)
+
+    def uninstall(self) -> None:
+        """Give back ``accelerator.clip_grad_norm_``, the optimizer step hooks and the
+        optimizer's ``lr_scale`` / ``weight_decay`` hooks."""
         if self.accelerator.__dict__.get("clip_grad_norm_") is self._grad_norm:
             del self.accelerator.clip_grad_norm_
         for hook in self._hooks:
             hook.remove()
         if self.optimizer_settings is not None:
             self.optimizer_settings.remove()
-        self.agent.close(reason)
 
-    # ------------------------------------------------------------ knobs
+    # ------------------------------------------------------------ checkpoint and resume
 
-    def _bind_loader(self, loader: ReconfigurableLoader) -> None:
-        if NUM_WORKERS.name in self.knobs.knobs:  # bound already
-            if loader is not self._loader and not self._loader_warned:
-                self._loader_warned = True
-                self.agent.event("warning", "the loader knobs steer the first "
-                                 "ReconfigurableLoader given to run.loader(); this one "
-                                 "keeps its settings", kind="warning")
-            return
-        self._loader = loader
-        for knob in loader_knobs(loader):
-            self.knobs.add(knob)  # (KnobSet.add swaps in a new dict: safe for the I/O thread)
-        self.agent.refresh_knobs()  # and a new hello announces them
+    def data_state(self) -> dict[str, Any]:
+        """The data position (:class:`gpuopt.position.DataPosition`'s), the epochs
+        finished (:attr:`epoch`) and the loop loader's own place (:func:`_loader_place`)."""
+        state = self.position.state_dict()
+        state["epochs_done"] = self.epoch
+        state["loader"] = _loader_place(self._data)
+        return state
 
-    def _check_max_grad_norm(self, value: float) -> None:
-        """Refuse once a step was taken without ``accelerator.clip_grad_norm_`` (the
-        command arrives on the I/O thread; before the first step it may still come)."""
-        if self.step and not self._grad_norm.calls:
-            raise ValueError(_NO_CLIPPING)
-
-    def _set_max_grad_norm(self, value: float) -> None:
-        if not self._grad_norm.calls:
-            raise ValueError(_NO_CLIPPING)
-        self._grad_norm.max_norm = value
+    def data_reason(self, value: Any = None) -> str | None:
+        """A checkpoint's data position is exact when the loop's training batches come
+        through :meth:`loader` (and their data can be iterated again)."""
+        if self.position.fetched_total == 0 and self.step:
+            return ("the loop's batches do not come through run.loader(), so the checkpoint "
+                    "has no data position: the loop must put its data back itself")
+        return self.position.exact_reason
 
     def _save(self, path: Path, knobs: dict[str, Any]) -> None:
         """``checkpoint=now``: accelerate's ``save_state`` (models, optimizers,
         schedulers, GradScaler, RNG states, registered objects) into ``path``, with the
-        knob values, the step and a GradScaler the precision knob made."""
+        knob values, the step, the data position (:meth:`data_state`, as
+        :data:`DATA_FILE`) and a GradScaler the precision knob made."""
         self.accelerator.save_state(str(path))
         write_knobs_file(path, self.agent, knobs, self.step)
+        torch.save(self.data_state(), path / DATA_FILE)
         scaler = self._precision.scaler if self._precision is not None else None
         if scaler is not None and self.accelerator.scaler is None:  # kept while not fp16
             torch.save(scaler.state_dict(), path / GRAD_SCALER_FILE)
@@ -589,25 +638,51 @@ class AcceleratorRun:
         return None
 
     def resume(self, path: str | os.PathLike) -> None:
-        """Continue from a ``checkpoint=now`` checkpoint: accelerate's ``load_state``,
-        then the step and the knob values (an event says which); the loop positions its
-        data (e.g. ``accelerator.skip_first_batches``) from :attr:`step`."""
-        self.accelerator.load_state(os.fspath(path))
-        saved = Path(path)
-        record = read_knobs_file(saved)
-        self.step = int(record.get("step", 0))
-        restore_knobs(self.agent, record.get("knobs", {}), os.fspath(path), self.step)
-        scaler_file = saved / GRAD_SCALER_FILE
+        """Continue from a ``checkpoint=now`` checkpoint: accelerate's ``load_state``
+        (model, optimizer, scheduler, GradScaler, random numbers, its micro-batch count),
+        the step, the data position (:meth:`loader`'s next call goes on from it) and
+        every knob value; one ``resumed`` event names them (the loader knobs and
+        ``micro_batch_size`` of a ReconfigurableLoader once :meth:`loader` binds them).
+
+        ``max_grad_norm`` is set now, before the loop's first
+        ``accelerator.clip_grad_norm_`` call (a live change waits for one): the
+        threshold the saved run clipped with from here on (0: none).
+
+        Raises:
+            OSError, ValueError: from accelerate's ``load_state`` (not such a checkpoint,
+                or not this run's model and optimizer).
+        """
+        source = os.fspath(path)
+        self.accelerator.load_state(source)
+        saved = read_knobs_file(path)
+        self.step = self._first_step = int(saved.get("step", 0))
+        knobs = saved.get("knobs", {})
+        data_file = Path(path) / DATA_FILE
+        data = torch.load(data_file, weights_only=True) if data_file.is_file() else None
+        differs = None
+        if data is None or (data["fetched_total"] == 0 and self.step):
+            differs = ("the checkpoint has no data position (the loop's batches did not "
+                       "come through run.loader()): the loop positions its data itself")
+        else:
+            self.epoch = data["epochs_done"]
+            self._place = data["loader"]
+            self.position.load_state_dict(data, replay="position" not in data["loader"])
+        if MAX_GRAD_NORM.name in knobs and MAX_GRAD_NORM.name in self.knobs.knobs:
+            self._grad_norm.max_norm = knobs[MAX_GRAD_NORM.name]
+        self._unbound = self.restore(knobs, source, differs=differs,
+                                     unbound="not bound yet (set when run.loader() binds them)")
+        scaler_file = Path(path) / GRAD_SCALER_FILE
         if (scaler_file.exists() and self._precision is not None
                 and self._precision.scaler is not None):
             self._precision.scaler.load_state_dict(torch.load(scaler_file, weights_only=True))
 
+    # ------------------------------------------------------------ knobs
+
     def _set_accum_steps(self, value: int) -> None:
-        reason = self._accum_reason()
-        if reason is not None:
-            raise ValueError(reason)
         # at a window boundary: restart accelerate's micro-batch count, so the next
-        # window is exactly `value` micro-batches, each loss divided by `value`
+        # window is exactly `value` micro-batches, each loss divided by `value` (a live
+        # change is refused by _accum_reason until the loop entered accumulate; a resume
+        # sets the saved run's value before the loop does)
         self.accelerator.gradient_accumulation_steps = value
         self.accelerator.step = 0
 
@@ -655,6 +730,53 @@ class AcceleratorRun:
         assert self.backend is not None  # the kernels knob is bound only with one
         self.backend.kernels = value
 
+    def _bind_loader(self, loader: ReconfigurableLoader) -> None:
+        """The loader knobs of ``loader`` and its ``micro_batch_size`` (which moves
+        ``accum_steps`` to keep the effective batch, so it waits for the loop's
+        ``accumulate`` as ``accum_steps`` does); then the values the checkpoint resumed
+        from has for them."""
+        if NUM_WORKERS.name in self.knobs.knobs:  # bound already
+            if loader is not self._loader and not self._loader_warned:
+                self._loader_warned = True
+                self.agent.event("warning", "the loader knobs steer the first "
+                                 "ReconfigurableLoader given to run.loader(); this one "
+                                 "keeps its settings", kind="warning")
+            return
+        self._loader = loader
+        for knob in loader_knobs(loader):
+            self.knobs.add(knob)  # (KnobSet.add swaps in a new dict: safe for the I/O thread)
+        if ACCUM_STEPS.name in self.knobs.knobs:
+            knob = micro_batch_size_knob(
+                loader, lambda: self.accelerator.gradient_accumulation_steps,
+                self._set_accum_steps)
+            fits = knob.check
+
+            def check(value: int) -> None:
+                refuse(self._accum_reason())
+                if fits is not None:
+                    fits(value)
+
+            self.knobs.add(dataclasses.replace(knob, check=check))
+        self.agent.refresh_knobs()  # and a new hello announces them
+        saved = {name: value for name, value in self._unbound.items()
+                 if name in self.knobs.knobs}
+        if saved:  # micro_batch_size moves accum_steps: its saved value is set after it
+            self._unbound = {}
+            saved[ACCUM_STEPS.name] = self.accelerator.gradient_accumulation_steps
+            restore_knobs(self.agent, saved, self.resumed_from or "", self.step)
+
+    def _check_max_grad_norm(self, value: float) -> None:
+        """Refuse once a step was taken without ``accelerator.clip_grad_norm_`` (the
+        command arrives on the I/O thread; before this process's first step it may
+        still come)."""
+        if self.step > self._first_step and not self._grad_norm.calls:
+            raise ValueError(_NO_CLIPPING)
+
+    def _set_max_grad_norm(self, value: float) -> None:
+        if not self._grad_norm.calls:
+            raise ValueError(_NO_CLIPPING)
+        self._grad_norm.max_norm = value
+
     def _bind_optimizer(self, plain: bool, not_plain: str, checkpoint_dir: Any) -> None:
         """``lr_scale`` and ``weight_decay`` on the loop's optimizer (step hooks);
         ``max_grad_norm`` as the threshold of the loop's ``accelerator.clip_grad_norm_``;
@@ -677,8 +799,8 @@ class AcceleratorRun:
         if reason is not None:
             knobs.unsupported[CHECKPOINT.name] = reason
         else:
-            Checkpoints(self.agent, self._save, step=lambda: self.step,
-                        directory=checkpoint_dir, name="checkpoint-{step}").bind(knobs)
+            self.bind_checkpoint(self._save, directory=checkpoint_dir,
+                                 name="checkpoint-{step}")
 
     def _bind(self, *, loader: Any, checkpoint_blocks: Any, compile_backend: str,
               checkpoint_dir: Any = None) -> None:
@@ -750,6 +872,7 @@ class AcceleratorRun:
             self.backend = backend = ModelBackend(_OriginalForward(inner, original),
                                                   accelerator.device,
                                                   compile_backend=compile_backend)
+            self.event_sources.append(backend.pop_events)  # compile progress
             knobs.add(Knob(KERNELS, get=lambda: backend.kernels, set=self._set_kernels,
                            check=self._check_kernels))
         else:
@@ -759,15 +882,41 @@ class AcceleratorRun:
             inner.forward = self._forward
         self._bind_optimizer(plain, not_plain, checkpoint_dir)
 
+        for spec in LOADER_KNOBS:
+            knobs.unsupported[spec.name] = _LOADER_REASON
+        knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+            _MICRO_BATCH_REASON if plain else not_plain)
+        self._loader = loader
         if isinstance(loader, ReconfigurableLoader):
-            self._loader = loader
-            for knob in loader_knobs(loader):
-                knobs.add(knob)
-        else:
-            if loader is not None:
-                self._loader = loader
-            for spec in LOADER_KNOBS:
-                knobs.unsupported[spec.name] = _LOADER_REASON
+            self._bind_loader(loader)
+
+
+def _loader_place(batches: Any) -> dict[str, Any]:
+    """What a checkpoint keeps of the loop's loader besides the data position: a
+    :class:`gpuopt.loader.ReconfigurableLoader`'s own position (``position``: it orders
+    its epochs itself), or accelerate's epoch count of a prepared loader (``iteration``:
+    its ``set_epoch`` seeds a seedable sampler and a dataset's ``set_epoch`` from it;
+    counted on at each epoch's end, so at a boundary it is the epoch in progress's)."""
+    if isinstance(batches, ReconfigurableLoader):
+        return {"position": batches.save_position()}
+    iteration = getattr(batches, "iteration", None)
+    return {"iteration": iteration} if isinstance(iteration, int) else {}
+
+
+def _skipped(batches: Any) -> int:
+    """The batches ``accelerator.skip_first_batches`` made ``batches`` skip (at each
+    epoch's start: in its batch sampler, its sampler or itself), or 0."""
+    return max(getattr(part, "skip_batches", 0) or 0 for part in (
+        batches, getattr(batches, "batch_sampler", None), getattr(batches, "sampler", None)))
+
+
+def _put_back(batches: Any, place: dict[str, Any]) -> None:
+    """Put ``batches`` at the ``place`` :func:`_loader_place` saved (before its epoch is
+    iterated again)."""
+    if "position" in place and isinstance(batches, ReconfigurableLoader):
+        batches.restore_position(place["position"])
+    elif "iteration" in place and hasattr(batches, "iteration"):
+        batches.iteration = place["iteration"]
 
 
 def _prepared_optimizers(accelerator: Accelerator) -> list[AcceleratedOptimizer]:
@@ -804,24 +953,33 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
         transport: ``"ipc"`` or ``"tcp"`` (see :class:`agent.Agent`).
         tokens_per_sample: tokens in one sample, for token models whose batches carry no
             ``input_ids`` (then tokens and tokens/s are reported).
-        loader: the loop's data, if it is a :class:`gpuopt.loader.ReconfigurableLoader`
-            to bind the loader knobs at once (else they are bound when
-            :meth:`~AcceleratorRun.loader` first gets one); ``run.loader()`` then
-            iterates it.
+        loader: the loop's data, the default of :meth:`~AcceleratorRun.loader`; a
+            :class:`gpuopt.loader.ReconfigurableLoader` gets its loader knobs and
+            ``micro_batch_size`` at once (else when :meth:`~AcceleratorRun.loader` first
+            gets one).
         checkpoint_blocks: what the ``checkpointing`` knob checkpoints, as
             :func:`gpuopt.checkpointing.find_blocks` targets (default: ``model.blocks``,
             else the model's repeated blocks; with none, the knob is refused).
         compile_backend: the ``torch.compile`` backend of ``kernels=compile``.
         checkpoint_dir: where ``checkpoint=now`` saves (default:
             :func:`agent.checkpoints.default_checkpoint_dir`).
-        resume_from: a ``checkpoint=now`` checkpoint to continue from
-            (:meth:`AcceleratorRun.resume`).
+        resume_from: a ``checkpoint=now`` checkpoint to continue from, with nothing
+            left to the loop: accelerate's ``load_state`` (model, optimizer, scheduler,
+            GradScaler, random numbers), :attr:`~AcceleratorRun.step` and
+            :attr:`~AcceleratorRun.epoch` as saved, every knob value (``accum_steps``
+            and ``max_grad_norm`` too, before the loop's first ``accumulate`` and
+            ``clip_grad_norm_``), and the data position: the next
+            ``for batch in run.loader(train_loader)`` starts at the first micro-batch
+            the saved run had not trained, in the same shuffled order (no
+            ``accelerator.skip_first_batches``). An event names every knob value
+            restored (:meth:`AcceleratorRun.resume`).
         options: more :class:`agent.Agent` arguments.
 
     Raises:
         ValueError: no model or several (pass ``model=``), a bad ``tokens_per_sample``,
             or ``checkpoint_blocks`` that name no module of the model. Nothing is
             changed then.
+        OSError, ValueError: ``resume_from`` cannot be loaded by accelerate.
 
     .. note:: Costs the training thread a few microseconds per optimizer step and one
        asynchronous add per micro-batch; never synchronizes the device.
@@ -833,26 +991,21 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
         model = accelerator._models[0]
     if optimizer is None and accelerator._optimizers:
         optimizer = accelerator._optimizers[0]
-    run = AcceleratorRun(accelerator, model, optimizer, tokens_per_sample)
-    agent = Agent(run.knobs, name=name, model=run._inner, device=accelerator.device,
-                  transport=transport, **options)
-    run.agent = agent
+    agent = Agent(KnobSet(), name=name, model=_inner_module(model)[0],
+                  device=accelerator.device, transport=transport, **options)
+    run = AcceleratorRun(agent, accelerator, model, optimizer, tokens_per_sample)
     run._bind(loader=loader, checkpoint_blocks=checkpoint_blocks,
               compile_backend=compile_backend, checkpoint_dir=checkpoint_dir)
     run._hooks = [optimizer.optimizer.register_step_pre_hook(run._on_optimizer_step)
                   for optimizer in _prepared_optimizers(accelerator)]
-    run._memory = MemoryKnobs(accelerator.device, agent.run_id)
-    run._memory.bind(run.knobs)
     run.knobs.add(cpu_threads_knob(run.knobs))
     if resume_from is not None:
         run.resume(resume_from)
-    agent.refresh_knobs()
     accelerator.clip_grad_norm_ = run._grad_norm
-    agent.start()
+    run.start()
     agent.event("info", "loss: the window's mean of the undivided micro-batch losses; "
                 "gradients: accelerate's, each micro-batch loss divided by "
                 "gradient_accumulation_steps (a mean of micro-batch means)",
                 kind="loss_normalisation", normalisation="micro_batch_mean")
-    atexit.register(run.close)
-    end_on_signals(run)  # SIGTERM and uncaught exceptions end it too, named in bye
+    atexit.register(run.close)  # (before the agent's own: the last step, then bye)
     return run
