@@ -99,7 +99,7 @@ class Session(RunBase):
     Attributes:
         agent: the :class:`agent.Agent`. step: optimizer steps marked so far (after a
             resume, the checkpoint's: the loop goes on from there).
-        data_epoch: epochs :meth:`loader` has started (after a resume, the
+        epoch: epochs :meth:`loader` iterated to their end (after a resume, the
             checkpoint's: a loop that counts its own epochs starts from it).
         model: the model (``kernels`` and ``checkpointing`` switch it in place, so the
             loop's own ``model(...)`` calls, evaluation included, follow them).
@@ -146,10 +146,6 @@ class Session(RunBase):
         self._plan_measurement()
 
     # ------------------------------------------------------------ what the loop reads
-
-    @property
-    def data_epoch(self) -> int:
-        return self.position.epoch
 
     @property
     def accum_steps(self) -> int:
@@ -295,15 +291,6 @@ class Session(RunBase):
             state["loader"] = self._reconfigurable.save_position()
         return state
 
-    def data_reason(self, value: Any = None) -> str | None:
-        """A checkpoint's data position is exact when the loop's training batches come
-        through :meth:`loader` or :meth:`timed`."""
-        if self.position.fetched_total == 0 and self.step:
-            return ("this loop's batches do not come through run.loader() or run.timed(), "
-                    "so the checkpoint has no data position: the loop must put its data "
-                    "back itself")
-        return self.position.exact_reason
-
     def _state(self) -> dict[str, Any]:
         """The live state a checkpoint or a rollback keeps (tensors not copied)."""
         return {
@@ -361,15 +348,9 @@ class Session(RunBase):
         the knob values, the data position and the random number generators (an event
         says which)."""
         self.step = saved["step"]
-        differs = None
-        data = saved.get("data")
-        if data is None or (data["fetched_total"] == 0 and self.step):
-            differs = ("the checkpoint has no data position (the loop's batches did not "
-                       "come through run.loader() or run.timed()): the loop positions its "
-                       "data itself")
         self._load(saved)
         self._unbound_knobs = self.restore(
-            saved["knobs"], source, differs=differs,
+            saved["knobs"], source, differs=self.no_position(saved.get("data")),
             unbound="not bound yet (set when run.loader() binds them)")
         self._plan_measurement()
         set_rng_state(saved["rng"])

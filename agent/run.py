@@ -161,10 +161,32 @@ class RunBase:
         what it needs, or None)."""
         return self.position.state_dict()
 
+    @property
+    def epoch(self) -> int:
+        """Epochs the run's data (:attr:`position`) was iterated to their end: the
+        0-based index of the epoch in progress, the checkpoint's after a resume (a loop
+        that counts its epochs goes on with ``for epoch in range(run.epoch, n)``)."""
+        return self.position.epochs_done
+
     def data_reason(self, value: Any = None) -> str | None:
         """Why a resume from a checkpoint now would not train the same data as this run
-        goes on to, or None when it would (the ``checkpoint`` reply's warning)."""
+        goes on to, or None when it would (the ``checkpoint`` reply's warning). By
+        default: the data must come through :attr:`position` (``run.loader()`` and
+        the like), in a form that can be iterated again."""
+        if self.position.fetched_total == 0 and self.step:
+            return ("this loop's batches do not come through the run (run.loader(), "
+                    "run.timed()), so the checkpoint has no data position: the loop must "
+                    "put its data back itself")
         return self.position.exact_reason
+
+    def no_position(self, data: dict[str, Any] | None) -> str | None:
+        """What a resume from a checkpoint whose :meth:`data_state` was ``data`` will not
+        have as the saved run did (None: it has the data position), for
+        :meth:`restore`'s ``differs``."""
+        if data is None or (data["fetched_total"] == 0 and self.step):
+            return ("the checkpoint has no data position (the loop's batches did not come "
+                    "through the run): the loop positions its data itself")
+        return None
 
     def restore(self, knobs: dict[str, Any], source: str, *,
                 data: dict[str, Any] | None = None, differs: str | None = None,

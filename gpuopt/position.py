@@ -49,7 +49,9 @@ class DataPosition:
             host and moved back here on resume, and CUDA's generators are saved too.
 
     Attributes:
-        epoch: epochs started by :meth:`iterate` (0 before the first).
+        epoch: epochs started by :meth:`epoch_iterator` (0 before the first).
+        epochs_done: epochs it iterated to their end: the 0-based index of the epoch in
+            progress (a loop that counts its epochs resumes from it).
         fetched_in_epoch: training batches fetched in that epoch.
         fetched_total, trained_total: training batches fetched, and trained on by
             finished windows, since the run began (a resumed run counts on).
@@ -63,6 +65,7 @@ class DataPosition:
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
         self.epoch = 0
+        self.epochs_done = 0
         self.fetched_in_epoch = 0
         self.fetched_total = 0
         self.trained_total = 0
@@ -116,7 +119,8 @@ class DataPosition:
             raise ValueError(f"{ahead} batches are fetched ahead of this boundary, more "
                              f"than the {MAX_AHEAD} a checkpoint keeps")
         batches = list(self._recent)[len(self._recent) - ahead:] if ahead else []
-        return {"epoch": self.epoch, "fetched_in_epoch": self.fetched_in_epoch,
+        return {"epoch": self.epoch, "epochs_done": self.epochs_done,
+                "fetched_in_epoch": self.fetched_in_epoch,
                 "fetched_total": self.fetched_total, "trained_total": self.trained_total,
                 "epoch_rng": self._epoch_rng, "rng": rng_state(self.device),
                 "ahead": [(key, _to_host(batch)) for key, batch in batches]}
@@ -129,6 +133,7 @@ class DataPosition:
         (``replay=False``: a loader that restores its own position, whose next
         iterator goes on from there, is only iterated again)."""
         self.epoch = int(state["epoch"])
+        self.epochs_done = int(state.get("epochs_done", self.epoch))
         self.fetched_in_epoch = int(state["fetched_in_epoch"])
         self.fetched_total = int(state["fetched_total"])
         self.trained_total = int(state["trained_total"])
@@ -212,6 +217,7 @@ class DataPosition:
             try:
                 batch = next_batch(iterator)
             except StopIteration:
+                self.epochs_done += 1
                 return
             self._count(batch)
             yield batch

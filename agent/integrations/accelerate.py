@@ -371,7 +371,6 @@ class AcceleratorRun(RunBase):
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
-        self.epoch = 0
         self.checkpointing: ActivationCheckpointing | None = None
         self.backend: ModelBackend | None = None
         self.optimizer_settings: OptimizerSettings | None = None
@@ -466,7 +465,6 @@ class AcceleratorRun(RunBase):
                 yield batch
                 if self._boundary_pending:  # the iteration that ended a window is over:
                     self._optimizer_step(True)  # step and zero_grad done
-            self.epoch += 1
         finally:
             self._iterating -= 1
             if self._boundary_pending and threading.current_thread() is self._thread:
@@ -599,20 +597,11 @@ class AcceleratorRun(RunBase):
     # ------------------------------------------------------------ checkpoint and resume
 
     def data_state(self) -> dict[str, Any]:
-        """The data position (:class:`gpuopt.position.DataPosition`'s), the epochs
-        finished (:attr:`epoch`) and the loop loader's own place (:func:`_loader_place`)."""
+        """The data position (:class:`gpuopt.position.DataPosition`'s) and the loop
+        loader's own place (:func:`_loader_place`)."""
         state = self.position.state_dict()
-        state["epochs_done"] = self.epoch
         state["loader"] = _loader_place(self._data)
         return state
-
-    def data_reason(self, value: Any = None) -> str | None:
-        """A checkpoint's data position is exact when the loop's training batches come
-        through :meth:`loader` (and their data can be iterated again)."""
-        if self.position.fetched_total == 0 and self.step:
-            return ("the loop's batches do not come through run.loader(), so the checkpoint "
-                    "has no data position: the loop must put its data back itself")
-        return self.position.exact_reason
 
     def _save(self, path: Path, knobs: dict[str, Any]) -> None:
         """``checkpoint=now``: accelerate's ``save_state`` (models, optimizers,
@@ -659,12 +648,8 @@ class AcceleratorRun(RunBase):
         knobs = saved.get("knobs", {})
         data_file = Path(path) / DATA_FILE
         data = torch.load(data_file, weights_only=True) if data_file.is_file() else None
-        differs = None
-        if data is None or (data["fetched_total"] == 0 and self.step):
-            differs = ("the checkpoint has no data position (the loop's batches did not "
-                       "come through run.loader()): the loop positions its data itself")
-        else:
-            self.epoch = data["epochs_done"]
+        differs = self.no_position(data)
+        if data is not None and differs is None:
             self._place = data["loader"]
             self.position.load_state_dict(data, replay="position" not in data["loader"])
         if MAX_GRAD_NORM.name in knobs and MAX_GRAD_NORM.name in self.knobs.knobs:

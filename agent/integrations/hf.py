@@ -196,7 +196,7 @@ class _Run(RunBase):
         # accumulation planning and the data position (see the module docstring)
         self.accum: int | None = None  # None: follow args.gradient_accumulation_steps
         self.accum_changed = False
-        self.epoch = 0
+        self._epoch = 0  # HF's epoch in progress (:attr:`epoch`)
         self.micro_index = 0
         self.window_end = 0  # micro-batch index after the current window
         self.misaligned = False
@@ -416,6 +416,11 @@ class _Run(RunBase):
             os.replace(scaler, path / GRAD_SCALER_FILE)
         write_knobs_file(path, self.agent, knobs, step, self.data_state())
 
+    @property
+    def epoch(self) -> int:
+        """HF's epoch in progress (0-based; the checkpoint's after a resume)."""
+        return self._epoch
+
     def data_state(self) -> dict[str, int] | None:
         """The data position at this boundary: ``epoch`` (0-based) and ``micro_batches``
         trained in it, which a resume makes HF skip instead of its own count
@@ -424,7 +429,7 @@ class _Run(RunBase):
         here (``accum_steps`` cannot change, so HF's count is right)."""
         if not self.plan:
             return None
-        return {"epoch": self.epoch, "micro_batches": self.micro_index}
+        return {"epoch": self._epoch, "micro_batches": self.micro_index}
 
     def data_reason(self, value: Any = None) -> str | None:
         """Why a resume would not train the data this run goes on to: HF told to skip
@@ -713,7 +718,7 @@ class _Run(RunBase):
 
     def _start_epoch(self, kwargs: dict[str, Any]) -> None:
         args = self.trainer.args
-        self.epoch = kwargs["epoch"]
+        self._epoch = kwargs["epoch"]
         self.micro_index = 0
         if (kwargs["resume_from_checkpoint"] is not None
                 and kwargs["epoch"] == kwargs["epochs_trained"]
