@@ -174,13 +174,11 @@ class CommandDesk:
                                        "kind": EventKind.ACCEPTED, "knob": knob_name,
                                        "value": value, "step": apply_step,
                                        "id": command_id})
-        warn = self.knobs.knobs[knob_name].warn
-        if warn is not None:
-            warning = warn(value)
-            if warning:
-                reply["warning"] = warning
-                self._publish(protocol.EVENT, {"level": "warning", "text": warning,
-                                               "kind": EventKind.WARNING, "knob": knob_name})
+        warning = self.knobs.knobs[knob_name].warning(value)
+        if warning:
+            reply["warning"] = warning
+            self._publish(protocol.EVENT, {"level": "warning", "text": warning,
+                                           "kind": EventKind.WARNING, "knob": knob_name})
         return reply
 
     def schedule(self, pending: Pending) -> None:

@@ -834,8 +834,7 @@ class Tuner:
                 self.knobs.validate(knob, value)
             except KnobError as exc:
                 return str(exc)
-            warn = self.knobs.knobs[knob].warn
-            reason = warn(value) if warn is not None else None
+            reason = self.knobs.knobs[knob].warning(value)
             if reason:
                 return reason
         return None
