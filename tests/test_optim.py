@@ -132,6 +132,41 @@ def test_a_schedule_keeps_its_shape_under_the_scale_in_every_param_group(run_dir
     assert scheduler.get_last_lr() == pytest.approx([0.9 ** 8, 0.1 * 0.9 ** 8])
 
 
+def test_reduce_lr_on_plateau_steps_with_the_metric_given_and_keeps_its_shape_under_the_scale(
+        run_dir):
+    """Measured: Trainer(lr_scheduler=ReduceLROnPlateau(...)) crashed at the first step
+    (step() needs a metric). Now it is stepped with lr_scheduler_metric's value after
+    each step: a metric that never improves halves the rate every patience + 1 = 3
+    steps; lr_scale=0.5 from step 6 halves what the steps use, not the schedule."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=2)
+    with pytest.raises(ValueError, match=(
+            r"ReduceLROnPlateau.step\(\) needs a metric, which the Trainer cannot guess: "
+            "give lr_scheduler_metric=")):
+        Trainer(model, optimizer, F.cross_entropy, digits_loader(), lr_scheduler=plateau)
+    with pytest.raises(ValueError, match=r"StepLR.step\(\) takes none"):
+        Trainer(model, optimizer, F.cross_entropy, digits_loader(),
+                lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1),
+                lr_scheduler_metric=lambda trainer, stats: 1.0)
+    optimizer.param_groups[0]["lr"] = 0.1  # (StepLR's construction stepped it once)
+    metrics = []
+    trainer = Trainer(model, optimizer, F.cross_entropy, digits_loader(),
+                      lr_scheduler=plateau,
+                      lr_scheduler_metric=lambda trainer, stats: metrics.append(
+                          trainer.step) or 1.0)
+    monitor = agent.attach(trainer, name="plateau")
+    assert send_command(monitor.info, "lr_scale", 0.5, apply_step=6)["ok"]
+    log_path = monitor.info.log_path
+    assert trainer.fit(max_steps=10) == 10
+    steps = _steps(_records(log_path))
+    assert metrics == list(range(1, 11))
+    assert [steps[k]["lr"] for k in range(1, 11)] == pytest.approx(
+        [0.1] * 4 + [0.05] + [0.025] * 2 + [0.0125] * 3)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0125)  # not compounded
+    assert trainer.state_dict()["lr_scheduler"]["num_bad_epochs"] == 0
+
+
 def test_values_that_stop_training_are_accepted_with_a_warning_that_set_prints(run_dir):
     """lr_scale=0 was accepted without a word. Now the reply warns, `gpuwatch set`
     prints it, and it holds: from the step it applies at the weights stay as they are.
