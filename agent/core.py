@@ -363,8 +363,8 @@ class Agent:
                         + ", ".join(assignment(k, v) for k, v in rollback.values.items())
                         + f" at step {apply_step}"})
             return
-        warning = None if self.tune.running else self._change_guard.non_finite_warning(
-            step, loss)  # (the search watches its own changes)
+        warning = self._change_guard.non_finite_warning(step, loss,
+                                                        searching=self.tune.running)
         if warning:
             self._io.publish(protocol.EVENT, {"level": "warning", "kind": EventKind.WARNING,
                                            "text": warning, "step": step})

@@ -57,7 +57,9 @@ class CommandDesk:
         knobs: the knobs commands may set.
         token: the run's secret; a command without it is rejected.
         ledger: where applied guarded changes and rollbacks are recorded.
-        tune: the in-run search, which the ``tune`` command starts.
+        tune: the in-run search, which the ``tune`` command starts; told of each
+            person's command it accepts (the search's own, told apart by their ids,
+            are not a person's), and asked whether one of the search's own is refused.
         publish: ``publish(msg_type, body)`` on the I/O thread (events of accepting,
             cancelling).
         event: ``event(level, text, **fields)`` from any thread, in order with the step
@@ -158,6 +160,9 @@ class CommandDesk:
         if apply_step < earliest:
             return {**rejected, "reason": f"apply_step {apply_step} has passed on rank "
                                           f"{self.rank} (earliest: {earliest})"}
+        search = self.tune.refusal(command_id, knob_name)
+        if search is not None:  # sent before a person took that knob from the search
+            return {**rejected, "reason": search}
         if body.get("dry_run") is True:  # the first phase of a command to every rank
             return {"id": command_id, "ok": True, "dry_run": True, "knob": knob_name,
                     "value": raw if knob_name == protocol.TUNE else value,
@@ -179,13 +184,14 @@ class CommandDesk:
                                        "kind": EventKind.ACCEPTED, "knob": knob_name,
                                        "value": value, "step": apply_step,
                                        "id": command_id})
-        warn = self.knobs.knobs[knob_name].warn
-        if warn is not None:
-            warning = warn(value)
-            if warning:
-                reply["warning"] = warning
-                self._publish(protocol.EVENT, {"level": "warning", "text": warning,
-                                               "kind": EventKind.WARNING, "knob": knob_name})
+        warning = self.knobs.knobs[knob_name].warning(value)
+        if warning:
+            reply["warning"] = warning
+            self._publish(protocol.EVENT, {"level": "warning", "text": warning,
+                                           "kind": EventKind.WARNING, "knob": knob_name})
+        note = self.tune.person_set(command_id, knob_name, value, apply_step)
+        if note:  # a person's command on a knob the search explores: theirs now
+            reply["note"] = note
         return reply
 
     def schedule(self, pending: Pending) -> None:

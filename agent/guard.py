@@ -66,6 +66,9 @@ class ChangeGuard:
         #: the steps in a row above :data:`DIVERGENCE_FACTOR` times it
         self._baseline: float | None = None
         self._above = 0
+        #: what went wrong at the latest rollback decided (``loss was nan at step 12``),
+        #: without the changes it undoes
+        self.trouble = ""
 
     def observe(self, losses: Iterable[float | None]) -> None:
         """Steps published (in order, after :meth:`on_step` saw them): their finite
@@ -128,13 +131,19 @@ class ChangeGuard:
                 self._answered = latest
             return None
         self._answered = latest
+        self.trouble = trouble
         last_good.reason = f"{trouble} after {', '.join(last_good.changes)}"
         return last_good
 
-    def non_finite_warning(self, step: int, loss: float | None) -> str | None:
-        """A warning, once, for a non-finite loss with no change to roll back."""
+    def non_finite_warning(self, step: int, loss: float | None, *,
+                           searching: bool = False) -> str | None:
+        """A warning, once, for a non-finite loss with no change to roll back;
+        ``searching``: while the in-run search runs (it checks its own changes)."""
         if (loss is None or math.isfinite(loss) or self.watching
                 or self._warned_non_finite):
             return None
         self._warned_non_finite = True
+        if searching:
+            return (f"loss was {loss} at step {step}, with no change of a person's to roll "
+                    "back (the tune search checks whether its trial caused it)")
         return f"loss was {loss} at step {step}, with no recent change to roll back"

@@ -232,7 +232,7 @@ class Knob:
         check: optional device check run on the agent's I/O thread when the command
             arrives; raises ``ValueError`` with the reason (e.g. "this GPU has no bf16").
         warn: optional; returns a performance warning for an accepted value (e.g. fp16
-            on a CPU), shown in the reply and the event log.
+            on a CPU), shown in the reply and the event log (see :meth:`warning`).
     """
 
     spec: KnobSpec
@@ -240,6 +240,47 @@ class Knob:
     set: Callable[[Any], dict[str, Any] | None]
     check: Callable[[Any], None] | None = None
     warn: Callable[[Any], str | None] | None = None
+
+    def warning(self, value: Any) -> str | None:
+        """What a person should know about an accepted ``value`` (the reply's and the
+        event log's warning): that it stops the training, or nearly
+        (:func:`stops_training`), and this knob's own :attr:`warn`; None when nothing."""
+        found = [text for text in (stops_training(self.spec.name, value),
+                                   self.warn(value) if self.warn is not None else None)
+                 if text]
+        return "; ".join(found) or None
+
+
+def stops_training(name: str, value: Any) -> str | None:
+    """Why ``name=value`` of an optimizer's knob stops the training, or nearly, or makes
+    it diverge, or None. Accepted all the same (a person may mean it): the warning says
+    so. From the value alone (the optimizer and its learning rate are the run's):
+
+    - ``lr_scale`` 0: no update at all; below 0.001: updates a thousand times smaller
+      or less; from 10: the usual cause of a diverging loss.
+    - ``weight_decay`` from 1: 10 to 10,000 times the usual 0.0001 to 0.1; the decay
+      can outweigh the gradient and pull the weights to 0.
+    - ``max_grad_norm`` above 0 and below 0.001: every update clipped that small.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if name == LR_SCALE.name and value == 0:
+        return ("lr_scale=0 makes every learning rate 0: the weights stop changing, so "
+                "training stops learning (while costing as much) until it is set back")
+    if name == LR_SCALE.name and value < 1e-3:
+        return (f"lr_scale={value} divides every learning rate by {1 / value:,.0f}: "
+                "training nearly stops learning")
+    if name == LR_SCALE.name and value >= 10:
+        return (f"lr_scale={value} multiplies every learning rate by {value:g}: the loss "
+                "may diverge")
+    if name == WEIGHT_DECAY.name and value >= 1:
+        return (f"weight_decay={value} is far above the usual 0.0001 to 0.1: the decay can "
+                "outweigh the gradient and pull the weights to 0, so that training stops "
+                "learning")
+    if name == MAX_GRAD_NORM.name and 0 < value < 1e-3:
+        return (f"max_grad_norm={value} clips every update to a gradient norm of {value}: "
+                "training nearly stops learning (0 turns clipping off)")
+    return None
 
 
 @dataclass

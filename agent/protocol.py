@@ -207,8 +207,9 @@ class Reply(TypedDict, total=False):
     applied_step: int
     #: a dry run's answer: the rank's latest step time (s), or None
     step_time_s: float | None
-    #: what a person should know about the value (it may be slow here), and what the
-    #: ``tune`` command started
+    #: what a person should know about the value (it may be slow here, or stop the
+    #: training), and what the ``tune`` command started or a running search did with
+    #: the command (it leaves the knob to the person)
     warning: str
     note: str
     #: the fan-out's: the ranks reached, whether any rank answered at all, whether a

@@ -49,10 +49,24 @@ How a setting is judged:
   without CUDA) is skipped with the reason. Knobs whose spec says they change numerics
   or memory (:data:`agent.knobs.TUNED_IF_ALLOWED`) are searched only when allowed.
 
-Safety: a candidate after which the loss is non-finite or the GradScaler skips
-:attr:`ChangeGuard.max_skipped_in_row` fp16 steps in a row (for as long as the
-rollback guard watches a change, kept candidates included), that fails to apply, that
-the out-of-memory path rolls back, or that is slower, is reverted at once.
+Safety: a candidate that fails to apply, that the out-of-memory path rolls back, or
+that is slower, is reverted at once. When the loss is non-finite or the GradScaler
+skips :attr:`ChangeGuard.max_skipped_in_row` fp16 steps in a row (for as long as the
+rollback guard watches a change of the search's, kept candidates included), the run
+goes back to the configuration before the trial, and the next :data:`CHECK_STEPS`
+steps with a loss there decide who is to blame: one that trains blames the trial's
+candidate (reverted); none that does means the run itself diverged (the data, the
+weights), so the search stops there and keeps what it had kept, blaming no setting.
+The agent's own non-finite-loss warning is not held back meanwhile.
+
+People first: a person's command on a knob the search explores (any command the desk
+accepts whose id is not one of the search's: its ids start with
+:data:`agent.protocol.TUNE_ID_PREFIX` and a random part of its own) takes that knob out
+of the search at once, with an event and a note in the reply; the search never sends
+it again, and a command of the search's for it that reaches the desk after the
+person's is refused, so it never reverts past the person's value. A change the search
+did not make (a person's, a rollback, a framework's resume) that applies while a trial
+measures voids the trial's measurement so far: it is measured again from there.
 
 Several ranks: rank 0 decides, from its own step records, and each change it decides is
 a command to every rank sent through :func:`agent.fanout.send_command`, the path of a
@@ -70,6 +84,7 @@ from __future__ import annotations
 
 import math
 import queue
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -89,6 +104,7 @@ from agent.knobs import (
     assignment,
 )
 from agent.ledger import Change, ChangeLedger
+from agent.protocol import EventKind
 from agent.runs import RunInfo
 
 #: Default step budget of a search (optimizer steps, warm-up and switches included).
@@ -134,6 +150,13 @@ COMMAND_TIMEOUT_S = 120.0
 EVENT_KIND = "tune"
 #: The event kind of the final line.
 DONE_KIND = "tuned"
+#: Steps with a loss, in the configuration before a trial after which the loss was not
+#: finite, none of them finite, that say the run itself diverged (a finite one blames
+#: the trial).
+CHECK_STEPS = 3
+#: Event kinds after which the run's configuration changed (a change the search did not
+#: make voids a measurement in progress).
+CHANGE_KINDS = EventKind.CHANGED | {EventKind.RESUMED}
 
 
 class TuneRequest:
@@ -407,11 +430,20 @@ class CoordinateSearch:
         self._kept_this_axis = False
         self._passes = 1
         self._tried = {_key(start)}
+        self._dropped: set[str] = set()
+
+    def drop(self, knob: str) -> None:
+        """Search ``knob`` no more: every axis that moves it is passed over (a person
+        set it; see :meth:`Tuner.person_set`)."""
+        self._dropped.add(knob)
 
     def next(self, best: dict[str, Any]) -> dict[str, Any] | None:
         """The next setting ({knob: value}) to try from ``best``, or None when done."""
         while self._index < len(self._axes):
             axis = self._axes[self._index]
+            if self._dropped.intersection(axis):
+                self._next_axis()
+                continue
             ordered = self._ordered(axis)
             setting = self._step(axis, ordered, best)
             if setting is None and ordered and self._direction == 1 \
@@ -504,6 +536,15 @@ def ladder(knob: Any, cpus: int) -> tuple[bool, list[Any]]:
     return True, sorted(value for value in values if low <= value <= high)
 
 
+@dataclass
+class _Check:
+    """Trouble after a change of the search's (``reason``), checked in the configuration
+    before the trial: the steps there whose loss was not finite so far."""
+
+    reason: str
+    bad_steps: list[int] = field(default_factory=list)
+
+
 def _side(sub_block: int) -> str:
     """Which configuration sub-block ``sub_block`` of a trial measures: ``"best"`` or
     ``"candidate"``, in the order best, candidate, candidate, best, best, candidate,
@@ -514,11 +555,18 @@ def _side(sub_block: int) -> str:
 
 class Trial:
     """One candidate measured against the best configuration in sub-blocks (see
-    :func:`_side`): the pairs measured so far and the sub-block in progress."""
+    :func:`_side`): the pairs measured so far and the sub-block in progress.
 
-    def __init__(self, candidate: Candidate) -> None:
+    Args:
+        candidate: what is measured. side: the configuration the first sub-block
+            measures (a trial measured again after a change it did not make starts on
+            the side the run is on: ``"candidate"`` begins at sub-block 2, whose pair
+            has the candidate first).
+    """
+
+    def __init__(self, candidate: Candidate, side: str = "best") -> None:
         self.candidate = candidate
-        self.sub_block = 0
+        self.sub_block = 0 if side == "best" else 2
         self.pairs: list[tuple[Block, Block]] = []
         self._half: Block | None = None  # the first sub-block of the pair in progress
 
@@ -551,6 +599,16 @@ class Tuner:
     slower on average, futile, or after :data:`MAX_PAIRS` pairs not faster beyond noise;
     reverted). While a switch is on its way, steps count against the budget and measure
     nothing.
+
+    People first: a person's command on a knob the search explores takes that knob out
+    of the search (:meth:`person_set`, from the command desk when it accepts the
+    command); a change the search did not make that applies while a trial measures (a
+    person's, a rollback, a framework's resume) makes the trial measure again from
+    there (:meth:`_changed_under`). Trouble after one of its changes (a non-finite loss,
+    skipped fp16 steps) sends the run back to the configuration before the trial, where
+    the next :data:`CHECK_STEPS` steps with a loss say whether the trial is to blame
+    (one trains: it is reverted) or the run itself diverged (none does: the search
+    stops, keeping what it kept).
 
     Args:
         request: what to search. knobs: the run's knobs (values read on this thread).
@@ -595,7 +653,15 @@ class Tuner:
         #: measured until each has applied
         self._waiting: dict[str, tuple[str, Any]] = {}
         self._watch = False  # whether the switch awaited is watched for trouble
+        #: the search's command ids start with this (its own, told apart from people's:
+        #: :meth:`own`; random, so that no other search's or person's id has it)
+        self.id_prefix = f"{protocol.TUNE_ID_PREFIX}{secrets.token_hex(4)}-"
         self._command_seq = 0
+        #: knobs a person set during the search, which it leaves: {knob: what was set}
+        self.released: dict[str, str] = {}
+        #: trouble after a change of the search's: its check in the configuration before
+        #: the trial (see :meth:`_trouble`), or None
+        self._check: _Check | None = None
         self._stop_reason: str | None = None
         self._event("info", "tune: searching " + ", ".join(request.knobs)
                     + f" from {_config_text(self.baseline)}, within {request.budget_steps} "
@@ -610,12 +676,18 @@ class Tuner:
     @property
     def gain(self) -> float:
         """The best configuration's throughput over the baseline's, minus 1: the gains
-        of the candidates kept, each measured against the best before it, chained."""
+        of the candidates kept, each measured against the best before it, chained (a
+        knob a person took since is left out)."""
         product = 1.0
         for candidate in self.candidates:
-            if candidate.state == "kept" and candidate.gain is not None:
+            if (candidate.state == "kept" and candidate.gain is not None
+                    and not self.released.keys() & candidate.setting.keys()):
                 product *= 1 + candidate.gain
         return product - 1
+
+    def own(self, command_id: Any) -> bool:
+        """Whether ``command_id`` is one of this search's commands (not a person's)."""
+        return isinstance(command_id, str) and command_id.startswith(self.id_prefix)
 
     @property
     def _candidate(self) -> Candidate | None:
@@ -660,11 +732,7 @@ class Tuner:
                     self._ledger.record(Change(int(event.get("step", 0)), str(knob),
                                                event.get("value"), event.get("previous")))
                 if not self._waiting:
-                    if self._closing:
-                        self._close_sub_block()
-                    self._series = Series()
-                    if self._choosing:
-                        self._next_candidate()
+                    self._switched()
             elif kind == "failed" and self._watch:  # that knob kept its value
                 self._verdict("reverted", f"applying it failed: {event.get('text', '')}")
                 self._back_to_best()  # the rest of its setting may have applied
@@ -673,6 +741,66 @@ class Tuner:
                 self._finish("stopped", f"going back failed: {event.get('text', '')}")
         elif kind == "rolled_back" and knob in self.best:
             self._rolled_back(knob, event.get("value"), str(event.get("text", "")))
+        elif kind in CHANGE_KINDS and not self.own(event.get("id")) and (
+                knob not in self.knobs.knobs
+                or self.knobs.knobs[knob].spec.kind != "action"):
+            self._changed_under(str(event.get("text", kind)))
+
+    def person_set(self, knob: str, value: Any, apply_step: int) -> str | None:
+        """A person's command (not one of the search's own) was accepted: ``knob`` set
+        to ``value`` from step ``apply_step``. A knob the search explores leaves it: the
+        search never sends it again (so never reverts past the person's value), a trial
+        that moves it ends without a verdict, and its other knobs go back to the best;
+        with no knob left the search ends. I/O thread (the desk's, when it accepts).
+
+        Returns:
+            What it did, for the command's reply and an event; None when the search
+            does not explore ``knob`` (or is not running).
+        """
+        if self.status != "running" or knob not in self.best:
+            return None
+        what = f"{assignment(knob, value)} set by a person for step {apply_step}"
+        self.released[knob] = what
+        del self.best[knob], self.baseline[knob]
+        self.search.drop(knob)
+        waited = bool(self._waiting)  # its commands for the knob: not awaited any more
+        self._waiting = {command_id: setting for command_id, setting in self._waiting.items()
+                         if setting[0] != knob}
+        left = [name for name in self.request.knobs if name in self.best]
+        note = (f"the tune search leaves {knob} to you" + (
+            f" and goes on with {', '.join(left)}" if left else " and ends (no knob left)"))
+        self._event("info", f"tune: {what}: {note}")
+        trial = self._trial
+        if not left:
+            self._verdict("reverted", f"not judged: {what}")
+            self._finish("stopped", "a person set every knob it searched")
+        elif trial is not None and knob in trial.candidate.setting and self._check is None:
+            self._verdict("reverted", f"not judged: {what}")
+            self._back_to_best()  # the rest of its setting, if it is a trade
+            self._next_candidate()
+        elif waited and not self._waiting:
+            self._switched()
+        else:
+            self.publish_state()
+        return note
+
+    def _changed_under(self, what: str) -> None:
+        """A change the search did not make applied (``what``: its event's text): the
+        steps before it measured another configuration. A trial in progress is measured
+        again from here, on the side the run is on or switching to (its pairs so far are
+        dropped); otherwise the sub-block in progress starts again."""
+        self._series = Series()
+        trial = self._trial
+        if trial is None or self._check is not None:
+            return
+        side = _side(trial.sub_block + 1) if self._closing else trial.side
+        self._closing = False  # the switch on its way, if any, starts that side
+        candidate = trial.candidate
+        candidate.block, candidate.gain, candidate.gain_spread = Block(), None, None
+        self._trial = Trial(candidate, side)
+        self._event("info", f"tune: {protocol.shorten(what)}, during the measurement of "
+                            f"{candidate.text}: measuring it again")
+        self.publish_state()
 
     def on_step(self, step: int, step_time_s: float | None, samples: int,
                 tokens: int | None, loss: float | None, skipped: bool | None) -> None:
@@ -684,11 +812,17 @@ class Tuner:
             return
         self.step = step
         rollback = self._guard.on_step(step, loss, skipped)
-        if rollback is not None:
-            self._trouble(rollback.values, rollback.reason)
+        if rollback is not None and self._check is None:
+            candidate = self._candidate
+            self._trouble(self._guard.trouble + (
+                f" while trying {candidate.text}" if candidate is not None
+                else f" after {rollback.changes[-1]}"))
             return
         if self._stop_reason is not None or self.steps >= self.request.budget_steps:
             self._wind_up(self._stop_reason)
+            return
+        if self._check is not None:
+            self._checking(step, loss, skipped)
             return
         if self._candidate is not None:
             self._candidate.steps += 1
@@ -777,9 +911,18 @@ class Tuner:
                          for knob, value in setting.items()}
         self._watch = watch
 
+    def _switched(self) -> None:
+        """Every command the search awaited has applied: the first half of a pair ends
+        there, measuring starts afresh, and a choice that waited is made."""
+        if self._closing:
+            self._close_sub_block()
+        self._series = Series()
+        if self._choosing:
+            self._next_candidate()
+
     def _send_one(self, knob: str, value: Any) -> str:
         self._command_seq += 1  # zero-padded: ranks order same-step commands by id
-        command_id = f"{protocol.TUNE_ID_PREFIX}{self._command_seq:06d}"
+        command_id = f"{self.id_prefix}{self._command_seq:06d}"
         self._send(command_id, knob, value)
         return command_id
 
@@ -802,6 +945,7 @@ class Tuner:
         knobs the run is leaving. So while one is, the choice waits for it to apply
         (:meth:`on_event`)."""
         self._trial = None
+        self._check = None
         self._choosing = bool(self._waiting)
         if self._choosing:
             return
@@ -834,8 +978,7 @@ class Tuner:
                 self.knobs.validate(knob, value)
             except KnobError as exc:
                 return str(exc)
-            warn = self.knobs.knobs[knob].warn
-            reason = warn(value) if warn is not None else None
+            reason = self.knobs.knobs[knob].warning(value)
             if reason:
                 return reason
         return None
@@ -860,6 +1003,7 @@ class Tuner:
 
     def _rolled_back(self, knob: str, value: Any, text: str) -> None:
         """The agent's out-of-memory path undid ``knob`` on the training thread."""
+        self._check = None
         trial = self._trial
         for kept in self.candidates:
             if kept.state == "kept" and kept.setting.get(knob, value) != value:
@@ -872,19 +1016,42 @@ class Tuner:
         else:
             self._series = Series()
 
-    def _trouble(self, last_good: dict[str, Any], reason: str) -> None:
-        """A non-finite loss or skipped steps after a change the search made: every
-        such change in the guard's window goes back to its last good value."""
-        self._verdict("reverted", reason)
-        for kept in self.candidates:
-            if kept.state == "kept" and any(last_good.get(knob, value) != value
-                                            for knob, value in kept.setting.items()):
-                kept.state, kept.reason = "reverted", f"{reason} (it had been kept)"
-        self.best.update((knob, value) for knob, value in last_good.items()
-                         if knob in self.best)
+    def _trouble(self, reason: str) -> None:
+        """A non-finite loss or skipped steps after a change the search made: back to
+        the configuration before the trial (the best so far: what it kept stays), where
+        :meth:`_checking` tells the trial's fault from the run's. Nothing is measured
+        meanwhile."""
+        self._check = _Check(reason)
+        self._closing = self._choosing = False  # the next choice waits for the check
         self._ledger.clear()
         self._back_to_best()
-        self._next_candidate()
+        self._event("warning", f"tune: {reason}: back to {_config_text(self.best)} to see "
+                               "whether the run trains there")
+
+    def _checking(self, step: int, loss: float | None, skipped: bool | None) -> None:
+        """A step while the trouble is checked: once in the configuration before the
+        trial, a step with a finite loss (and not skipped) blames the trial, which is
+        reverted; :data:`CHECK_STEPS` steps without one say the run itself diverged:
+        the search stops, keeping what it had kept."""
+        check = self._check
+        assert check is not None
+        if self._waiting or loss is None:  # not there yet, or no loss read
+            return
+        if math.isfinite(loss) and not skipped:
+            self._verdict("reverted", f"{check.reason} (the loss was finite at step "
+                                      f"{step} without it)")
+            self._next_candidate()
+            return
+        check.bad_steps.append(step)
+        if len(check.bad_steps) < CHECK_STEPS:
+            return
+        still = (f"the loss was still {loss}" if not math.isfinite(loss)
+                 else "the GradScaler still skipped")
+        why = (f"the run itself diverged: {check.reason}, and back in the configuration "
+               f"before the trial ({_config_text(self.best)}) {still} at steps "
+               f"{check.bad_steps[0]}-{step}")
+        self._verdict("reverted", "not judged: the run itself diverged")
+        self._finish("stopped", why)
 
     def _wind_up(self, reason: str | None) -> None:
         """Budget spent or stop asked: a candidate being tried goes back; the end."""
@@ -897,15 +1064,20 @@ class Tuner:
     def _finish(self, status: str, why: str = "") -> None:
         self.status = status
         self._trial = None
+        self._check = None
         changed = {knob: value for knob, value in self.best.items()
                    if value != self.baseline[knob]}
         unit = self.unit or "samples"
         if changed:
             self.text = (f"tuned: {_config_text(changed)} ({self.gain:+.0%} {unit}/s in "
                          f"{self.steps} steps)")
+        elif not self.baseline:  # a person took every knob
+            self.text = f"tuned: no change in {self.steps} steps"
         else:
             self.text = (f"tuned: no change, {_config_text(self.baseline)} stays (nothing "
                          f"was faster beyond noise in {self.steps} steps)")
+        if self.released:
+            self.text += "; left to a person: " + ", ".join(self.released.values())
         if why:
             self.text += f"; {why}"
         self._event("info", self.text, kind=DONE_KIND)
@@ -919,7 +1091,8 @@ class Tuner:
             "status": self.status, "started_step": self.start_step, "step": self.step,
             "steps": self.steps, "budget_steps": self.request.budget_steps,
             "unit": self.unit or "samples", "knobs": list(self.request.knobs),
-            "space": {knob: values for knob, (_, values) in self.search.ladders.items()},
+            "space": {knob: values for knob, (_, values) in self.search.ladders.items()
+                      if knob in self.best},
             "baseline": dict(self.baseline), "best": dict(self.best), "gain": self.gain,
             "candidates": [candidate.to_wire() for candidate in self.candidates]}
         if self._best_block is not None:
@@ -1022,6 +1195,9 @@ class AutoTune:
         self._report_error = report_error
         self._sender = CommandSender(info)
         self.tuner: Tuner | None = None
+        #: the command id prefix of every search this run has had (a late command of an
+        #: ended one is still the search's, not a person's)
+        self._id_prefixes: tuple[str, ...] = ()
 
     def validate(self, value: Any) -> TuneRequest:
         """Parse a ``tune`` command's value.
@@ -1040,6 +1216,34 @@ class AutoTune:
     def running(self) -> bool:
         """Whether a search is running (on rank 0)."""
         return self.tuner is not None and self.tuner.status == "running"
+
+    def own(self, command_id: Any) -> bool:
+        """Whether ``command_id`` is a command of a search of this rank's (rank 0)."""
+        return isinstance(command_id, str) and command_id.startswith(self._id_prefixes)
+
+    def refusal(self, command_id: Any, knob: Any) -> str | None:
+        """Why the search's own command on ``knob`` is refused now (a person set that
+        knob during the search: a command sent before the search knew it would undo
+        theirs), or None. I/O thread (the desk's)."""
+        tuner = self.tuner
+        if tuner is None or not self.own(command_id) or knob not in tuner.released:
+            return None
+        return f"{tuner.released[knob]}: the tune search leaves {knob} to them"
+
+    def person_set(self, command_id: Any, knob: str, value: Any,
+                   apply_step: int) -> str | None:
+        """The desk accepted a command: when it is a person's (not the search's) on a
+        knob the running search explores, the search leaves that knob
+        (:meth:`Tuner.person_set`); returns what it did, for the reply, or None. I/O
+        thread (the desk's)."""
+        tuner = self.tuner
+        if tuner is None or self.own(command_id):
+            return None
+        try:
+            return tuner.person_set(knob, value, apply_step)
+        except Exception as exc:
+            self._failed(exc)
+            return None
 
     def trial_values(self, values: dict[str, Any]) -> dict[str, Any]:
         """While a search runs: the knobs of ``values`` (the values now) that it is
@@ -1065,6 +1269,7 @@ class AutoTune:
             return "stopping: the best configuration so far stays"
         self.tuner = Tuner(request, self.knobs, apply_step, self._sender.send,
                            self._publish, self.cpus)
+        self._id_prefixes += (self.tuner.id_prefix,)
         return (f"searching {', '.join(request.knobs)} from step {apply_step}, within "
                 f"{request.budget_steps} steps")
 

@@ -13,6 +13,7 @@ window's gradient is: ``"micro_batch_mean"`` (the default, as before), ``"sample
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import threading
@@ -165,6 +166,17 @@ class Trainer:
             (:attr:`max_grad_norm`).
         lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler of ``optimizer``, stepped
             once after each optimizer step (and saved by :meth:`state_dict`); or None.
+            A scheduler whose ``step()`` takes a metric (``ReduceLROnPlateau``) needs
+            ``lr_scheduler_metric``.
+        lr_scheduler_metric: for a metric-driven scheduler (and only for one):
+            ``lr_scheduler_metric(trainer, stats) -> metric | None``, called after each
+            optimizer step (before the callbacks) with its :class:`StepStats`; the
+            scheduler is stepped with the metric it returns (its ``patience`` then
+            counts those calls), and not stepped when it returns None. E.g. a validation
+            loss every 500 steps, ``lambda t, s: evaluate(t.model) if t.step % 500 == 0
+            else None``, or the window's training loss, ``lambda t, s: s.loss`` (the
+            scheduler reads that device tensor with ``float()``: on a GPU a wait for
+            the step, every step).
         lr_scale, weight_decay: see :attr:`lr_scale` and :attr:`weight_decay`
             (:class:`gpuopt.optim.OptimizerSettings`); ``weight_decay`` None keeps the
             optimizer's.
@@ -198,7 +210,9 @@ class Trainer:
 
     Raises:
         ValueError: a precision or kernel backend the device cannot run,
-            ``accum_steps < 1``, ``checkpointing=True`` for a model without blocks,
+            ``accum_steps < 1``, a metric-driven ``lr_scheduler`` without
+            ``lr_scheduler_metric`` (or one without such a scheduler),
+            ``checkpointing=True`` for a model without blocks,
             ``measure_activations_every < 0``, an unknown ``loss_normalization`` (or
             ``"tokens"`` with no token count declared), a ``tokens_per_sample`` that is
             not an int >= 1, or both ``tokens_per_sample`` and ``count_tokens``.
@@ -216,6 +230,7 @@ class Trainer:
         accum_steps: int = 1,
         max_grad_norm: float | None = None,
         lr_scheduler: Any = None,
+        lr_scheduler_metric: Callable[[Trainer, StepStats], Any] | None = None,
         lr_scale: float = 1.0,
         weight_decay: float | None = None,
         callbacks: Iterable[Any] = (),
@@ -242,7 +257,10 @@ class Trainer:
         self._accum_steps = 1
         self.accum_steps = accum_steps
         self.max_grad_norm = max_grad_norm
+        _check_scheduler(lr_scheduler, lr_scheduler_metric)
         self.lr_scheduler = lr_scheduler
+        #: steps a metric-driven :attr:`lr_scheduler` (see ``Trainer(lr_scheduler_metric=)``)
+        self.lr_scheduler_metric = lr_scheduler_metric
         #: ``lr_scale`` and ``weight_decay`` of the optimizer (two step hooks on it)
         self.optimizer_settings = OptimizerSettings(optimizer)
         self.lr_scale = lr_scale
@@ -730,7 +748,7 @@ class Trainer:
         # the rates the step used; a step the GradScaler skipped: the ones it would have
         lr_groups = (self.optimizer_settings.take_step()[0]
                      or self.optimizer_settings.effective_lrs())
-        if self.lr_scheduler is not None:
+        if self.lr_scheduler is not None and self.lr_scheduler_metric is None:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -746,9 +764,46 @@ class Trainer:
                           None if saved is None else saved.bytes, tokens=window_tokens,
                           lr=lr_groups[0] if lr_groups and isinstance(lr_groups[0], float)
                           else None, grad_norm=grad_norm, lr_groups=lr_groups)
+        if self.lr_scheduler_metric is not None:
+            metric = self.lr_scheduler_metric(self, stats)
+            if metric is not None:
+                self.lr_scheduler.step(metric)
         for callback in self.callbacks:
             _call(callback, "on_optimizer_step", self, stats)
         return micro_batches == window
+
+
+def _check_scheduler(scheduler: Any, metric: Any) -> None:
+    """Refuse a scheduler whose ``step()`` needs a metric (a first parameter without a
+    default, as ``ReduceLROnPlateau.step(metrics)``) without ``metric``, and ``metric``
+    without such a scheduler (a time-driven ``step(epoch)`` would take it for an
+    epoch).
+
+    Raises:
+        ValueError: with the reason and what to give.
+    """
+    first = None
+    if scheduler is not None:
+        try:
+            first = next(iter(inspect.signature(scheduler.step).parameters.values()), None)
+        except (TypeError, ValueError):  # not introspectable: taken as time-driven
+            pass
+    needs = (first is not None and first.default is inspect.Parameter.empty
+             and first.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    name = type(scheduler).__name__
+    if needs and metric is None:
+        raise ValueError(
+            f"{name}.step() needs a metric, which the Trainer cannot guess: give "
+            "lr_scheduler_metric=, a function (trainer, stats) -> the metric (e.g. a "
+            "validation loss), or None where the scheduler is not to step")
+    if metric is not None and not needs:
+        raise ValueError(
+            "lr_scheduler_metric is for a scheduler whose step() takes a metric (such as "
+            "ReduceLROnPlateau); " + ("there is no lr_scheduler" if scheduler is None
+                                      else f"{name}.step() takes none"))
+    if metric is not None and not callable(metric):
+        raise ValueError(f"lr_scheduler_metric must be callable, got {metric!r}")
 
 
 def _samples_in(batch: Any) -> int:

@@ -297,6 +297,9 @@ def _set(args: argparse.Namespace) -> int:
                          checkpoint=args.checkpoint)
     print(printable(reply_text(knob, value, reply), newlines=True),  # its warning line
           file=sys.stdout if reply.get("ok") else sys.stderr)
+    note = reply.get("note") if reply.get("ok") else None
+    if isinstance(note, str) and note:  # what a running search does with it
+        print(f"note: {printable(note, protocol.MAX_TEXT_CHARS)}")
     return 0 if reply.get("ok") else 3 if reply.get("ranks_differ") else 1
 
 

@@ -132,6 +132,80 @@ def test_a_schedule_keeps_its_shape_under_the_scale_in_every_param_group(run_dir
     assert scheduler.get_last_lr() == pytest.approx([0.9 ** 8, 0.1 * 0.9 ** 8])
 
 
+def test_reduce_lr_on_plateau_steps_with_the_metric_given_and_keeps_its_shape_under_the_scale(
+        run_dir):
+    """Measured: Trainer(lr_scheduler=ReduceLROnPlateau(...)) crashed at the first step
+    (step() needs a metric). Now it is stepped with lr_scheduler_metric's value after
+    each step: a metric that never improves halves the rate every patience + 1 = 3
+    steps; lr_scale=0.5 from step 6 halves what the steps use, not the schedule."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=2)
+    with pytest.raises(ValueError, match=(
+            r"ReduceLROnPlateau.step\(\) needs a metric, which the Trainer cannot guess: "
+            "give lr_scheduler_metric=")):
+        Trainer(model, optimizer, F.cross_entropy, digits_loader(), lr_scheduler=plateau)
+    with pytest.raises(ValueError, match=r"StepLR.step\(\) takes none"):
+        Trainer(model, optimizer, F.cross_entropy, digits_loader(),
+                lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1),
+                lr_scheduler_metric=lambda trainer, stats: 1.0)
+    optimizer.param_groups[0]["lr"] = 0.1  # (StepLR's construction stepped it once)
+    metrics = []
+    trainer = Trainer(model, optimizer, F.cross_entropy, digits_loader(),
+                      lr_scheduler=plateau,
+                      lr_scheduler_metric=lambda trainer, stats: metrics.append(
+                          trainer.step) or 1.0)
+    monitor = agent.attach(trainer, name="plateau")
+    assert send_command(monitor.info, "lr_scale", 0.5, apply_step=6)["ok"]
+    log_path = monitor.info.log_path
+    assert trainer.fit(max_steps=10) == 10
+    steps = _steps(_records(log_path))
+    assert metrics == list(range(1, 11))
+    assert [steps[k]["lr"] for k in range(1, 11)] == pytest.approx(
+        [0.1] * 4 + [0.05] + [0.025] * 2 + [0.0125] * 3)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0125)  # not compounded
+    assert trainer.state_dict()["lr_scheduler"]["num_bad_epochs"] == 0
+
+
+def test_values_that_stop_training_are_accepted_with_a_warning_that_set_prints(run_dir):
+    """lr_scale=0 was accepted without a word. Now the reply warns, `gpuwatch set`
+    prints it, and it holds: from the step it applies at the weights stay as they are.
+    The other values that stop training (or nearly) warn through the same check (the
+    reply's), and the usual ones do not."""
+    model = make_model()
+    snapshots, gate = Snapshots(model), Gate(hold_at=2)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=1e-4),
+                      F.cross_entropy, digits_loader(), callbacks=[gate, snapshots])
+    monitor = agent.attach(trainer, name="stops")
+    thread = start(trainer, max_steps=5)
+    assert gate.reached.wait(30)
+    cli = subprocess.run([sys.executable, "-m", "gpuwatch", "set", "--run", monitor.run_id,
+                          "lr_scale=0"], capture_output=True, text=True, timeout=60)
+    try:
+        assert cli.returncode == 0, cli.stderr
+        assert cli.stdout.splitlines() == [
+            "accepted: lr_scale=0.0 applies at step 3",
+            "warning: lr_scale=0 makes every learning rate 0: the weights stop changing, "
+            "so training stops learning (while costing as much) until it is set back"]
+        for knob, value, warning in [
+                ("lr_scale", 1e-4, "lr_scale=0.0001 divides every learning rate by 10,000: "
+                                   "training nearly stops learning"),
+                ("lr_scale", 100, "lr_scale=100.0 multiplies every learning rate by 100: "
+                                  "the loss may diverge"),
+                ("weight_decay", 5, "weight_decay=5.0 is far above the usual 0.0001 to 0.1"),
+                ("max_grad_norm", 1e-6, "max_grad_norm=1e-06 clips every update to a "
+                                        "gradient norm of 1e-06: training nearly stops"),
+                ("lr_scale", 2, None), ("weight_decay", 0.01, None),
+                ("max_grad_norm", 1.0, None)]:
+            said = monitor.knobs.knobs[knob].warning(monitor.knobs.validate(knob, value))
+            assert (said is None) if warning is None else said.startswith(warning), said
+    finally:
+        gate.release.set()
+        thread.join(30)
+    for before, after in zip(snapshots.after[2], snapshots.after[5]):
+        assert torch.equal(before, after)  # steps 3 to 5 changed nothing
+
+
 def test_max_grad_norm_clips_the_global_norm_to_the_threshold(run_dir):
     """Declared in the loop (0: off), set live to 0.05: from then on each update has norm
     lr x 0.05, and each step reports the norm before clipping, as computed here."""

@@ -228,6 +228,177 @@ def test_stop_ends_the_search_in_the_best_configuration_so_far(run_dir):
     assert seen[-1]["body"]["knobs"]["step_delay"] == final["best"]["step_delay"]
 
 
+def _tune_records(seen):
+    return [m for m in seen if m["type"] == protocol.TUNE]
+
+
+def _event_texts(seen, kind=None):
+    return [m["body"]["text"] for m in seen if m["type"] == "event"
+            and (kind is None or m["body"].get("kind") == kind)]
+
+
+def test_a_persons_command_on_a_searched_knob_takes_it_out_of_the_search(run_dir):
+    """Measured: a person's accum_steps=3 during a search over it was undone by the
+    search's next switch, and the run ended at the search's value. Now the person's
+    value stays from the step it applies at to the end, the trial that moved the knob
+    ends without a verdict, the search goes on with the other knob, and `gpuwatch set`
+    says so."""
+    hold = Hold()
+    with _training("step_delay", callbacks=[hold]) as (knobs, monitor, sub):
+        assert send_command(monitor.info, protocol.TUNE, {
+            "knobs": ["step_delay", "cpu_threads"], "budget_steps": 200})["ok"]
+        seen = messages(sub, lambda m: m["type"] == "event"
+                        and m["body"].get("text", "").startswith("tune: trying step_delay=1"))
+        hold.now()  # the trial of step_delay=1 is on: its switches are to come
+        cli = subprocess.run([sys.executable, "-m", "gpuwatch", "set", "--run",
+                              monitor.run_id, "step_delay=2"], capture_output=True,
+                             text=True, timeout=60)
+        hold.release.set()
+        assert cli.returncode == 0, cli.stderr
+        printed = cli.stdout.splitlines()
+        assert printed[0].startswith("accepted: step_delay=2 applies at step ")
+        person_step = int(printed[0].split()[-1])
+        seen += messages(sub, lambda m: m["type"] == protocol.TUNE
+                         and m["body"]["status"] != "running", timeout_s=120)
+        seen = _steps_after(sub, seen, 10)
+        # a command of the search's sent before it knew (here: staged with its id) is
+        # refused: it would undo the person's value
+        late = send_command(monitor.info, "step_delay", 0,
+                            command_id=monitor.tune.tuner.id_prefix + "999999")
+        assert not late["ok"] and late["reason"] == (
+            f"step_delay=2 set by a person for step {person_step}: the tune search leaves "
+            "step_delay to them")
+        seen = _steps_after(sub, seen, 3)
+    after = [m["body"]["knobs"]["step_delay"] for m in seen if m["type"] == "step"
+             and m["body"]["step"] >= person_step]
+    assert len(after) > 20 and set(after) == {2} and knobs.delay == 2
+    # the search's own commands after the person's: the other knob only
+    tried = [m["body"]["knob"] for m in seen if m["type"] == "event"
+             and m["body"].get("kind") == "applied" and m["body"]["step"] > person_step]
+    assert tried and set(tried) == {"cpu_threads"}
+    assert printed[1:] == ["note: the tune search leaves step_delay to you and goes on "
+                           "with cpu_threads"]
+    final = _tune_records(seen)[-1]["body"]
+    assert final["status"] == "done" and set(final["best"]) == {"cpu_threads"}
+    assert final["text"].endswith(
+        f"; left to a person: step_delay=2 set by a person for step {person_step}")
+    trial = _candidates(_tune_records(seen))[(("step_delay", 1),)]
+    assert trial["state"] == "reverted" and trial["reason"] == (
+        f"not judged: step_delay=2 set by a person for step {person_step}")
+    assert (f"tune: step_delay=2 set by a person for step {person_step}: the tune search "
+            "leaves step_delay to you and goes on with cpu_threads") in _event_texts(seen)
+
+
+def test_a_change_during_a_trials_measurement_voids_it_and_it_is_measured_again(run_dir):
+    """Measured: a bf16 switch inside a trial's measurement was not re-measured. Now a
+    change the search did not make (here a person's max_grad_norm) drops the trial's
+    pairs so far, the event says so, and the verdict comes from pairs after it."""
+    hold = Hold()
+    with _training("step_delay", callbacks=[hold]) as (knobs, monitor, sub):
+        assert send_command(monitor.info, protocol.TUNE, {"knobs": ["step_delay"]})["ok"]
+        seen = messages(sub, lambda m: m["type"] == "event"  # the trial's first switch
+                        and m["body"].get("kind") == "applied" and m["body"]["value"] == 1)
+        hold.now()
+        reply = send_command(monitor.info, "max_grad_norm", 10.0)
+        hold.release.set()
+        assert reply["ok"] and "note" not in reply  # not a knob the search explores
+        seen += messages(sub, lambda m: m["type"] == "event" and m["body"].get("text", "")
+                         .startswith("tune: step_delay=1 kept"), timeout_s=120)
+    verdict = next(m["body"] for m in seen if m["type"] == "event"
+                   and m["body"]["text"].startswith("tune: step_delay=1 kept"))
+    # measured again: at least MIN_PAIRS_FASTER pairs of sub-blocks of more than
+    # SUB_BLOCK_STEPS steps each after the change
+    from agent.tune import MIN_PAIRS_FASTER, SUB_BLOCK_STEPS
+
+    assert verdict["step"] - reply["apply_step"] >= MIN_PAIRS_FASTER * 2 * (SUB_BLOCK_STEPS + 1)
+    again = [m["body"] for m in seen if m["type"] == "event" and "measuring it again"
+             in m["body"]["text"]]
+    assert [body["text"] for body in again] == [
+        f"tune: max_grad_norm=10.0 applied at step {reply['apply_step']}, during the "
+        "measurement of step_delay=1: measuring it again"]
+    # the tune record right after: the trial's measurement so far is gone
+    after = next(m["body"] for m in seen if m["type"] == protocol.TUNE
+                 and m["body"]["step"] >= again[0]["step"])
+    trial = next(c for c in after["candidates"] if c["setting"] == {"step_delay": 1})
+    assert trial["state"] == "measuring" and trial["per_s"] is None and trial["gain"] is None
+
+
+def test_the_measurement_after_a_change_it_did_not_make_has_only_steps_after_it():
+    """Arithmetic: x=1 is twice as fast until step 12, then 1.25 times; a change the
+    search did not make applies at step 12, in the trial: the verdict is +25% exactly,
+    from pairs after it alone (mixed in, the pairs before would make it more)."""
+    def person(tuner, step):
+        if step == 12:  # a person's precision switch, say: every step slower
+            tuner.on_event({"kind": "applied", "id": "a1b2c3", "knob": "precision",
+                            "value": "bf16", "previous": "fp32", "step": step,
+                            "text": "precision=bf16 applied at step 12"})
+
+    events = []
+    tuner = _x_search(lambda x, step: (0.1 if x == 0 else 0.05) if step < 12
+                      else (0.2 if x == 0 else 0.16), person, events)
+    (candidate,) = tuner.candidates
+    assert candidate.state == "kept" and candidate.gain == pytest.approx(0.25)
+    assert candidate.block.mean == pytest.approx(0.16 / 32)
+    assert ("tune: precision=bf16 applied at step 12, during the measurement of x=1: "
+            "measuring it again") in [body.get("text") for body in events]
+
+
+def test_nan_from_the_data_during_a_search_blames_no_setting_and_is_warned_of_at_once(
+        run_dir):
+    """Measured: with the loss NaN from the data, the search reverted a setting it had
+    kept "for loss nan (it had been kept)", then others, and ended "nothing was faster";
+    the agent's non-finite-loss warning waited for the search's end. Now the search
+    goes back to the configuration before the trial, sees the loss stay NaN there, and
+    stops: the run itself diverged, what it kept stays; the warning names the first NaN
+    step."""
+    with _training("step_delay") as (knobs, monitor, sub):
+        assert send_command(monitor.info, protocol.TUNE, {"knobs": ["step_delay"]})["ok"]
+        seen = messages(sub, lambda m: m["type"] == "event" and m["body"].get("text", "")
+                        .startswith("tune: trying step_delay=2"), timeout_s=120)
+        assert "tune: step_delay=1 kept" in " ".join(_event_texts(seen))
+        knobs.poison = True  # the data goes bad: no knob changes
+        seen += messages(sub, lambda m: m["type"] == protocol.TUNE
+                         and m["body"]["status"] != "running", timeout_s=120)
+        seen = _steps_after(sub, seen, 10)
+    final = _tune_records(seen)[-1]["body"]
+    assert final["status"] == "stopped" and final["best"] == {"step_delay": 1}
+    assert final["text"].startswith("tuned: step_delay=1 (+")
+    assert "; the run itself diverged: loss was nan at step " in final["text"]
+    assert "back in the configuration before the trial (step_delay=1) the loss was " \
+        "still nan at steps " in final["text"]
+    candidates = _candidates(_tune_records(seen))
+    assert candidates[(("step_delay", 1),)]["state"] == "kept"
+    assert candidates[(("step_delay", 2),)]["reason"] == "not judged: the run itself diverged"
+    assert not [c for c in candidates.values() if c["reason"].startswith("loss was")]
+    first_nan = next(m["body"]["step"] for m in seen if m["type"] == "step"
+                     and m["body"]["loss"] is not None and math.isnan(m["body"]["loss"]))
+    warnings = [m["body"] for m in seen if m["type"] == "event"
+                and m["body"].get("kind") == "warning"
+                and m["body"]["text"].startswith("loss was nan")]
+    assert [w["step"] for w in warnings] == [first_nan]  # at once, not at the search's end
+    assert warnings[0]["text"] == (
+        f"loss was nan at step {first_nan}, with no change of a person's to roll back (the "
+        "tune search checks whether its trial caused it)")
+    tail = [m["body"]["knobs"]["step_delay"] for m in seen if m["type"] == "step"
+            and m["body"]["step"] > final["step"] + 3]
+    assert tail and set(tail) == {1}  # what it kept stays
+
+
+def test_a_person_setting_every_searched_knob_ends_the_search():
+    value = [0]
+    knobs = KnobSet()
+    knobs.add(Knob(KnobSpec("x", "int", "", minimum=0, maximum=1, tuning=TUNED),
+                   get=lambda: value[0], set=lambda v: None))
+    tuner = Tuner(TuneRequest({"knobs": ["x"]}, knobs), knobs, 1,
+                  send=lambda *command: None, publish=lambda *_: None, cpus=2)
+    assert tuner.person_set("x", 1, 12) == (
+        "the tune search leaves x to you and ends (no knob left)")
+    assert tuner.status == "stopped" and tuner.best == {}
+    assert tuner.text == ("tuned: no change in 0 steps; left to a person: x=1 set by a "
+                          "person for step 12; a person set every knob it searched")
+    assert tuner.person_set("x", 0, 14) is None  # ended: nothing more to leave
+
+
 def test_tune_requests_are_checked_and_numerics_need_allowing(run_dir):
     trainer = _trainer()
     monitor = agent.attach(trainer)
@@ -313,10 +484,12 @@ def test_a_trade_moves_two_knobs_at_once_where_each_alone_is_slower():
     assert best == {"cpu_threads": 1, "num_workers": 1, "pin_memory": False}
 
 
-def _search_steps(step_time_s):
+def _x_search(step_time_s, before_step=None, published=None):
     """A search over one knob ``x`` (0 -> 1) fed step records directly, each applied
-    command acknowledged at the next step: ``(steps spent, the candidate's reason)``.
-    ``step_time_s(value)`` is a step's time at ``x=value``."""
+    command acknowledged at the next step; returns the tuner once it ended.
+    ``step_time_s(value, step)`` is a step's time at ``x=value``; ``before_step(tuner,
+    step)``, if given, is called before each step record; ``published`` gets the
+    bodies the search publishes."""
     value = [0]
     knobs = KnobSet()
     knobs.add(Knob(KnobSpec("x", "int", "", minimum=0, maximum=1, tuning=TUNED),
@@ -324,7 +497,8 @@ def _search_steps(step_time_s):
     sent = []
     tuner = Tuner(TuneRequest({"knobs": ["x"]}, knobs), knobs, 1,
                   send=lambda *command: sent.append(command),
-                  publish=lambda *_: None, cpus=2)
+                  publish=lambda _, body: published is None or published.append(body),
+                  cpus=2)
     step = 0
     while tuner.status == "running" and step < 1_000:
         step += 1
@@ -333,7 +507,16 @@ def _search_steps(step_time_s):
             tuner.on_event({"kind": "applied", "id": command_id, "knob": knob,
                             "value": new, "previous": previous, "step": step})
         sent.clear()
-        tuner.on_step(step, step_time_s(value[0]), 32, None, 1.0, False)
+        if before_step is not None:
+            before_step(tuner, step)
+        tuner.on_step(step, step_time_s(value[0], step), 32, None, 1.0, False)
+    return tuner
+
+
+def _search_steps(step_time_s):
+    """:func:`_x_search` with ``step_time_s(value)``: ``(steps spent, the candidate's
+    reason)``."""
+    tuner = _x_search(lambda value, step: step_time_s(value))
     return tuner.steps, tuner.candidates[0].reason
 
 
