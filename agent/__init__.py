@@ -1,7 +1,8 @@
 """The in-process gpuwatch agent: measures every optimizer step and takes live commands.
 
 ``agent.attach(trainer)`` for a :class:`gpuopt.Trainer`, a Lightning or Hugging Face
-Trainer, or an accelerate Accelerator; ``agent.session(...)`` for a hand-written loop.
+Trainer, an accelerate Accelerator or a Lightning Fabric; ``agent.session(...)`` for a
+hand-written loop.
 Importing :mod:`agent` itself is light (no torch, no framework): the dashboard imports
 :mod:`agent.protocol` and :mod:`agent.runs` from here.
 """

@@ -245,8 +245,10 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
     before ``fit`` (:mod:`agent.integrations.lightning`); a ``transformers.Trainer``
     before ``train`` (:mod:`agent.integrations.hf`); an ``accelerate.Accelerator`` of a
     hand-written loop (:mod:`agent.integrations.accelerate`, which returns the loop's
-    run object). Each integration installs its framework's own callback and imports its
-    framework only then. Returns the started agent (or the accelerate run).
+    run object); a ``lightning.fabric.Fabric`` after ``fabric.setup``
+    (:mod:`agent.integrations.fabric`, which returns the loop's run object). Each
+    integration installs its framework's own callback and imports its framework only
+    then. Returns the started agent (or the accelerate or Fabric run).
 
     Raises:
         TypeError: ``trainer`` is none of these (a hand-written loop uses
@@ -297,7 +299,8 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
     if module is None:
         raise TypeError(
             f"agent.attach() takes a gpuopt.Trainer, a lightning.pytorch.Trainer, a "
-            f"transformers.Trainer or an accelerate.Accelerator, not "
+            f"transformers.Trainer, an accelerate.Accelerator or a lightning.fabric.Fabric, "
+            f"not "
             f"{type(trainer).__module__}.{type(trainer).__qualname__}; for a "
             "hand-written loop use agent.session(...)")
     for option, value in (("checkpoint_dir", checkpoint_dir), ("resume_from", resume_from)):

@@ -29,6 +29,11 @@ losses passed to ``scaler.scale()`` in the window, which is the window's mean wh
 micro-batch's loss was divided by the window size (``loss / run.accum_steps``) before
 backward, as gradient accumulation requires. A loop without the scaler passes the
 window's mean (undivided) loss itself: ``run.optimizer_step(loss)``.
+
+What a loop that takes its data and window from the run has, whatever runs its
+forward and backward, is :class:`LoopRun` (Lightning Fabric's loops share it:
+:mod:`agent.integrations.fabric`), with the binders of the model's and the optimizer's
+knobs (:func:`model_knobs`, :func:`optimizer_settings_knobs`).
 """
 
 from __future__ import annotations
@@ -92,45 +97,35 @@ class _MeasuredAutocast:
         return self  # ``with run.autocast:`` and ``with run.autocast():`` alike
 
 
-class Session(RunBase):
-    """The agent of one hand-written loop (see :func:`session`, which makes it): the
-    run base (:class:`agent.run.RunBase`) with the loop's knobs and data.
+class LoopRun(RunBase):
+    """A run whose loop takes its data and its window size from the run: batches through
+    :meth:`loader` (or :meth:`timed`), micro-batches per optimizer step from
+    :attr:`accum_steps`, the boundary at :meth:`optimizer_step`. What a hand-written loop
+    (:class:`Session`) and a Lightning Fabric loop
+    (:class:`agent.integrations.fabric.FabricRun`) share; a subclass says how its
+    window's losses are counted (:meth:`_take_window`) and how it saves and resumes.
 
     Attributes:
         agent: the :class:`agent.Agent`. step: optimizer steps marked so far (after a
             resume, the checkpoint's: the loop goes on from there).
         epoch: epochs :meth:`loader` iterated to their end (after a resume, the
             checkpoint's: a loop that counts its own epochs starts from it).
-        model: the model (``kernels`` and ``checkpointing`` switch it in place, so the
-            loop's own ``model(...)`` calls, evaluation included, follow them).
-        mixed_precision: the live precision policy (:class:`gpuopt.MixedPrecision`).
-        scaler: a ``GradScaler`` lookalike that follows the precision knob
-            (:class:`gpuopt.precision.SwitchableGradScaler`): a real GradScaler in fp16.
-        autocast: the loop's reusable autocast context (``ctx``): ``with run.autocast:``.
         optimizer_settings: ``lr_scale``, ``weight_decay`` and the clipping of
             ``max_grad_norm`` inside the optimizer's step
             (:class:`gpuopt.optim.OptimizerSettings`), or None without an optimizer.
-        lr_scheduler: the scheduler the checkpoints save, or None.
     """
 
-    def __init__(self, agent: Agent, *, model: torch.nn.Module | None,
-                 optimizer: torch.optim.Optimizer | None,
-                 optimizer_settings: OptimizerSettings | None, lr_scheduler: Any,
-                 mixed_precision: MixedPrecision,
-                 accum_steps: int | None, model_backend: ModelBackend | None,
-                 checkpointing: ActivationCheckpointing | None,
-                 tokens_per_sample: int | None, measure_activations_every: int) -> None:
+    #: how the loop declares a setting (``.format("accum_steps=N")``), for the reasons
+    #: of what it has not declared
+    declare = "agent.session({})"
+    #: what a loop that declares ``accum_steps`` does with it
+    accum_use = "read run.accum_steps in its micro-step loop"
+
+    def __init__(self, agent: Agent, *, accum_steps: int | None,
+                 optimizer_settings: OptimizerSettings | None,
+                 tokens_per_sample: int | None, accum_refused: str | None = None) -> None:
         super().__init__(agent, device=agent.device, tokens_per_sample=tokens_per_sample)
-        self.model = model
-        self.optimizer = optimizer
         self.optimizer_settings = optimizer_settings
-        self.lr_scheduler = lr_scheduler
-        self.mixed_precision = mixed_precision
-        self.scaler = mixed_precision.grad_scaler
-        self.autocast = _MeasuredAutocast(self)
-        self.model_backend = model_backend
-        self.checkpointing = checkpointing
-        self.measure_activations_every = measure_activations_every
         self._accum_steps = accum_steps
         #: knobs of the checkpoint resumed from that this run had not bound then
         self._unbound_knobs: dict[str, Any] = {}
@@ -138,12 +133,17 @@ class Session(RunBase):
         #: on it when :meth:`loader` gets it
         self._loader_position: dict[str, Any] | None = None
         self._reconfigurable: ReconfigurableLoader | None = None
-        if model_backend is not None:
-            self.event_sources.append(model_backend.pop_events)
-        self._measured_settings: Any = None
-        self._measure_due = False
-        self._activation_bytes: int | None = None
-        self._plan_measurement()
+        if accum_steps is not None and accum_refused is None:
+            self.knobs.add(Knob(ACCUM_STEPS, get=lambda: self.accum_steps,
+                                set=self._set_accum_steps))
+        else:  # (a window size the knob may not change is still the loop's)
+            self.knobs.unsupported[ACCUM_STEPS.name] = accum_refused or (
+                f"this loop did not declare accum_steps: pass "
+                f"{self.declare.format('accum_steps=N')} and {self.accum_use}")
+        for spec in (*LOADER_KNOBS, MICRO_BATCH_SIZE):  # (bound by loader())
+            self.knobs.unsupported.setdefault(spec.name, (
+                "this loop's data does not come through a gpuopt.loader.ReconfigurableLoader "
+                "given to run.loader(...)"))
 
     # ------------------------------------------------------------ what the loop reads
 
@@ -153,11 +153,11 @@ class Session(RunBase):
         knob changes it only at a boundary, so it is constant within a window).
 
         Raises:
-            AttributeError: the session was made without ``accum_steps=``.
+            AttributeError: the run was made without ``accum_steps=``.
         """
         if self._accum_steps is None:
-            raise AttributeError("this session has no accum_steps: pass "
-                                 "agent.session(accum_steps=N) to make it a knob")
+            raise AttributeError(f"this run has no accum_steps: pass "
+                                 f"{self.declare.format('accum_steps=N')} to make it a knob")
         return self._accum_steps
 
     def _set_accum_steps(self, value: int) -> None:
@@ -171,7 +171,7 @@ class Session(RunBase):
         data wait) and counting samples (dim 0 of the batch's first tensor) and tokens.
         Given a :class:`gpuopt.loader.ReconfigurableLoader`, its ``num_workers``,
         ``pin_memory`` and ``prefetch_factor`` become live knobs (announced to
-        dashboards at once), and ``micro_batch_size`` too when the session has
+        dashboards at once), and ``micro_batch_size`` too when the run has
         ``accum_steps``.
 
         Raises:
@@ -180,6 +180,12 @@ class Session(RunBase):
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
                                    or epochs < 1):
             raise ValueError(f"epochs must be None or an integer >= 1, got {epochs!r}")
+        self._bind_loader(batches)
+        return self._batches(batches, epochs)
+
+    def _bind_loader(self, batches: Any) -> None:
+        """The knobs of ``batches`` when it is the first ReconfigurableLoader seen (put
+        at the checkpoint's position after a resume); nothing for other data."""
         if isinstance(batches, ReconfigurableLoader) and self._reconfigurable is None:
             self._reconfigurable = batches
             if self._loader_position is not None:
@@ -189,16 +195,15 @@ class Session(RunBase):
                 and "num_workers" not in self.agent.knobs.knobs):
             for knob in loader_knobs(batches):
                 self.agent.knobs.add(knob)
-            if self._accum_steps is not None:
+            if ACCUM_STEPS.name in self.agent.knobs.knobs:
                 self.agent.knobs.add(micro_batch_size_knob(batches, lambda: self.accum_steps,
                                                            self._set_accum_steps))
             else:
                 self.agent.knobs.unsupported[MICRO_BATCH_SIZE.name] = (
-                    "this loop did not declare accum_steps, which micro_batch_size adjusts "
-                    "to keep the effective batch: pass agent.session(accum_steps=N)")
+                    "it moves accum_steps to keep the effective batch, and accum_steps: "
+                    + self.agent.knobs.unsupported[ACCUM_STEPS.name])
             self.agent.refresh_knobs()
             self._restore_unbound()
-        return self._batches(batches, epochs)
 
     def _restore_unbound(self) -> None:
         """The knobs of the checkpoint resumed from that only :meth:`loader` binds (the
@@ -237,36 +242,153 @@ class Session(RunBase):
 
         Args:
             loss: the window's mean (undivided) loss, a 0-dim tensor on any device; by
-                default the sum of the losses the window passed to :attr:`scaler`
-                (see the module docstring).
+                default the sum of the losses the window backpropagated through the run
+                (:attr:`Session.scaler`, or ``fabric.backward``; see the module
+                docstrings).
             samples, tokens: the window's, if :meth:`loader` / :meth:`timed` did not
                 see its batches.
-            skipped: fp16 only, when not using :attr:`scaler`: what
+            skipped: fp16 only, when not using :attr:`Session.scaler`: what
                 :meth:`gpuopt.MixedPrecision.step` returned.
             grad_norm: what ``clip_grad_norm_`` returned (a tensor: read later, on the
                 agent's thread); by default the norm the run clipped with
                 ``max_grad_norm``.
             activation_bytes: a measurement of your own
-                (:class:`gpuopt.memory.SavedActivations`); by default :attr:`autocast`
-                measures now and then.
+                (:class:`gpuopt.memory.SavedActivations`); by default
+                :attr:`Session.autocast` measures now and then.
 
         .. note:: Never synchronizes the device and never blocks: a few microseconds.
         """
-        scaled_loss, scaler_skipped, backwards = self.scaler.take_window()
+        window_loss, window_skipped, backwards, measured = self._take_window()
         data_wait_s, fetched, fetched_samples, fetched_tokens = self.meter.take()
-        measured, self._activation_bytes = self._activation_bytes, None
         lr = clipped = None  # the rates the step used (read as it stepped), its clip norm
         if self.optimizer_settings is not None:
             lr, clipped = self.optimizer_settings.take_step()
         self.boundary(StepRecord(
             micro_batches=backwards or fetched or 1,
             samples=fetched_samples if samples is None else samples,
-            data_wait_s=data_wait_s, loss=scaled_loss if loss is None else loss,
-            skipped=scaler_skipped if skipped is None else skipped,
+            data_wait_s=data_wait_s, loss=window_loss if loss is None else loss,
+            skipped=window_skipped if skipped is None else skipped,
             activation_bytes=measured if activation_bytes is None else activation_bytes,
             tokens=fetched_tokens if tokens is None else tokens, lr=lr,
             grad_norm=clipped if grad_norm is None else grad_norm))
+
+    def _take_window(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int, int | None]:
+        """``(loss_sum, skipped, backwards, activation_bytes)`` of the window that just
+        ended (the sum of its backpropagated losses on the device, fp16's skipped flag,
+        its backward passes, a measurement of one micro-batch's saved activations), and
+        a fresh start for the next one."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ checkpoints
+
+    def data_state(self) -> dict[str, Any]:
+        """The data position (:class:`gpuopt.position.DataPosition`'s), with a
+        ReconfigurableLoader's own position when :meth:`loader` has one."""
+        state = self.position.state_dict()
+        if self._reconfigurable is not None:
+            state["loader"] = self._reconfigurable.save_position()
+        return state
+
+    def _checkpoint(self, knobs: dict[str, Any], states: dict[str, Any]) -> dict[str, Any]:
+        """What the ``checkpoint`` command saves: ``states`` (the model's, the
+        optimizer's, ...) with the step, the knob values ``knobs``, the random number
+        generators and the data position (:meth:`data_state`)."""
+        return torch_checkpoint(self.agent, knobs, self.step, {
+            **states, "rng": rng_state(self.device), "data": self.data_state()})
+
+    def _load_states(self, saved: dict[str, Any], source: str, **targets: Any) -> None:
+        """Load each state ``saved`` has (``model``, ``optimizer``, ...) into its target
+        of ``targets`` (``target.load_state_dict``).
+
+        Raises:
+            ValueError: ``saved`` has a state whose target is None (not given to the run).
+        """
+        for part, target in targets.items():
+            if saved.get(part) is not None:
+                if target is None:
+                    raise ValueError(f"{source} has the {part}'s state: pass "
+                                     f"{self.declare.format(part + '=...')} to resume it")
+                target.load_state_dict(saved[part])
+
+    def _load_position(self, data: dict[str, Any] | None) -> None:
+        """Go back to the data position ``data`` (:meth:`data_state`'s, of a checkpoint
+        or a rollback's snapshot), if it has one: :meth:`loader`'s iteration (the one
+        running, or the next) goes back there; a ReconfigurableLoader is put back at its
+        own position (at once, or when :meth:`loader` gets it)."""
+        if data is None or self.no_position(data) is not None:
+            return
+        if "loader" in data:
+            if self._reconfigurable is not None:
+                self._reconfigurable.restore_position(data["loader"])
+            else:
+                self._loader_position = data["loader"]
+        self.position.load_state_dict(data, replay="loader" not in data)
+
+    def _resume_run(self, saved: dict[str, Any], source: str) -> None:
+        """Training thread, before training goes on from ``saved`` (a
+        :meth:`_checkpoint`): its step, data position, knob values (those
+        :meth:`loader` binds are set when it does; an event names them all) and
+        random number generators."""
+        self.step = saved["step"]
+        self._load_position(saved.get("data"))
+        self._unbound_knobs = self.restore(
+            saved["knobs"], source, differs=self.no_position(saved.get("data")),
+            unbound="not bound yet (set when run.loader() binds them)")
+        set_rng_state(saved["rng"])
+
+
+class Session(LoopRun):
+    """The agent of one hand-written loop (see :func:`session`, which makes it): the
+    loop run (:class:`LoopRun`) with the loop's precision, model and checkpoints.
+
+    Attributes:
+        model: the model (``kernels`` and ``checkpointing`` switch it in place, so the
+            loop's own ``model(...)`` calls, evaluation included, follow them).
+        mixed_precision: the live precision policy (:class:`gpuopt.MixedPrecision`).
+        scaler: a ``GradScaler`` lookalike that follows the precision knob
+            (:class:`gpuopt.precision.SwitchableGradScaler`): a real GradScaler in fp16.
+        autocast: the loop's reusable autocast context (``ctx``): ``with run.autocast:``.
+        lr_scheduler: the scheduler the checkpoints save, or None.
+        (and :class:`LoopRun`'s)
+    """
+
+    def __init__(self, agent: Agent, *, model: torch.nn.Module | None,
+                 optimizer: torch.optim.Optimizer | None,
+                 optimizer_settings: OptimizerSettings | None, lr_scheduler: Any,
+                 mixed_precision: MixedPrecision,
+                 accum_steps: int | None, model_backend: ModelBackend | None,
+                 checkpointing: ActivationCheckpointing | None,
+                 tokens_per_sample: int | None, measure_activations_every: int) -> None:
+        super().__init__(agent, accum_steps=accum_steps, optimizer_settings=optimizer_settings,
+                         tokens_per_sample=tokens_per_sample)
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.mixed_precision = mixed_precision
+        self.scaler = mixed_precision.grad_scaler
+        self.autocast = _MeasuredAutocast(self)
+        self.model_backend = model_backend
+        self.checkpointing = checkpointing
+        self.measure_activations_every = measure_activations_every
+        if model_backend is not None:
+            self.event_sources.append(model_backend.pop_events)
+        self._measured_settings: Any = None
+        self._measure_due = False
+        self._activation_bytes: int | None = None
         self._plan_measurement()
+
+    # ------------------------------------------------------------ the boundary
+
+    def optimizer_step(self, loss: torch.Tensor | None = None, **facts: Any) -> None:
+        """:meth:`LoopRun.optimizer_step` (the same arguments), then the next activation
+        measurement planned."""
+        super().optimizer_step(loss, **facts)
+        self._plan_measurement()
+
+    def _take_window(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int, int | None]:
+        scaled_loss, scaler_skipped, backwards = self.scaler.take_window()
+        measured, self._activation_bytes = self._activation_bytes, None
+        return scaled_loss, scaler_skipped, backwards, measured
 
     def _plan_measurement(self) -> None:
         if not self.measure_activations_every or self.model is None:
@@ -283,77 +405,124 @@ class Session(RunBase):
 
     # ------------------------------------------------------------ checkpoints
 
-    def data_state(self) -> dict[str, Any]:
-        """The data position (:class:`gpuopt.position.DataPosition`'s), with a
-        ReconfigurableLoader's own position when :meth:`loader` has one."""
-        state = self.position.state_dict()
-        if self._reconfigurable is not None:
-            state["loader"] = self._reconfigurable.save_position()
-        return state
-
-    def _state(self) -> dict[str, Any]:
-        """The live state a checkpoint or a rollback keeps (tensors not copied)."""
+    def _states(self) -> dict[str, Any]:
+        """The live states a checkpoint or a rollback keeps (tensors not copied)."""
         return {
             "model": None if self.model is None else self.model.state_dict(),
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
             "lr_scheduler": (None if self.lr_scheduler is None
                              else self.lr_scheduler.state_dict()),
-            "grad_scaler": self.scaler.state_dict(),
-            "rng": rng_state(self.agent.device), "data": self.data_state()}
+            "grad_scaler": self.scaler.state_dict()}
+
+    def _save(self, path: Any, knobs: dict[str, Any]) -> None:
+        """The ``checkpoint`` command's ``torch.save``: model, optimizer, scheduler,
+        GradScaler, random number generators, step, knob values and data position."""
+        torch.save(self._checkpoint(knobs, self._states()), path)
 
     def state_snapshot(self) -> dict[str, Any] | None:
-        """The loop's state in host memory (None without a model or optimizer)."""
+        """The loop's states, random numbers and data position in host memory (None
+        without a model or optimizer)."""
         if self.model is None and self.optimizer is None:
             return None
-        return host_copy(self._state())
+        return host_copy({**self._states(), "rng": rng_state(self.device),
+                          "data": self.data_state()})
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> str | None:
         """Go back to ``snapshot`` in the middle of the loop: the states, the random
         numbers and the data position (:meth:`loader`'s iteration goes back; a batch the
         loop holds itself cannot)."""
         held = self.position.ahead if self.position.fetched_total else 0
-        self._load(snapshot)
+        self._load_states(snapshot, "the rollback's snapshot", model=self.model,
+                          optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
+        self.scaler.load_state_dict(snapshot["grad_scaler"])
+        self._load_position(snapshot["data"])
+        set_rng_state(snapshot["rng"])
         if held:
             return (f"the loop holds {held} batch(es) it fetched ahead and trains them first: "
                     "the data after the rollback is that far off a run that never made "
                     "the change")
         return None
 
-    def _load(self, saved: dict[str, Any]) -> None:
-        for part, target in (("model", self.model), ("optimizer", self.optimizer),
-                             ("lr_scheduler", self.lr_scheduler)):
-            if saved.get(part) is not None:
-                if target is None:
-                    raise ValueError(f"the checkpoint has the {part}'s state: pass "
-                                     f"agent.session({part}=...) to resume it")
-                target.load_state_dict(saved[part])
-        self.scaler.load_state_dict(saved["grad_scaler"])
-        data = saved.get("data")
-        if data is not None and (data["fetched_total"] or not self.step):
-            if "loader" in data:
-                if self._reconfigurable is not None:
-                    self._reconfigurable.restore_position(data["loader"])
-                else:
-                    self._loader_position = data["loader"]
-            self.position.load_state_dict(data, replay="loader" not in data)
-        set_rng_state(saved["rng"])
-
-    def _save(self, path: Any, knobs: dict[str, Any]) -> None:
-        """The ``checkpoint`` command's ``torch.save``: model, optimizer, scheduler,
-        GradScaler, random number generators, step, knob values and data position."""
-        torch.save(torch_checkpoint(self.agent, knobs, self.step, self._state()), path)
-
     def _resume(self, saved: dict[str, Any], source: str) -> None:
         """Continue from a checkpoint :meth:`_save` wrote: every state it has, the step,
         the knob values, the data position and the random number generators (an event
         says which)."""
-        self.step = saved["step"]
-        self._load(saved)
-        self._unbound_knobs = self.restore(
-            saved["knobs"], source, differs=self.no_position(saved.get("data")),
-            unbound="not bound yet (set when run.loader() binds them)")
+        self._load_states(saved, source, model=self.model, optimizer=self.optimizer,
+                          lr_scheduler=self.lr_scheduler)
+        self.scaler.load_state_dict(saved["grad_scaler"])
+        self._resume_run(saved, source)
         self._plan_measurement()
-        set_rng_state(saved["rng"])
+
+
+def check_accum_steps(accum_steps: int | None) -> None:
+    """Raises ``ValueError`` unless ``accum_steps`` is None or an integer >= 1."""
+    if accum_steps is not None and (isinstance(accum_steps, bool)
+                                    or not isinstance(accum_steps, int) or accum_steps < 1):
+        raise ValueError(f"accum_steps must be an integer >= 1, got {accum_steps!r}")
+
+
+def model_knobs(knobs: KnobSet, model: torch.nn.Module, device: torch.device, *,
+                kernels_refused: str | None = None, compile_backend: str = "inductor",
+                checkpoint_blocks: Any = None, declare: str = LoopRun.declare
+                ) -> tuple[ModelBackend | None, ActivationCheckpointing | None]:
+    """Bind the ``kernels`` knob of ``model`` (switched in the model itself:
+    :class:`gpuopt.backends.ModelBackend` with ``in_place=True``; refused with
+    ``kernels_refused`` when it is a reason) and its ``checkpointing`` knob (its
+    repeated blocks, or ``checkpoint_blocks``; refused with the reason when it has
+    none). ``declare``: how the loop passes ``checkpoint_blocks`` (:attr:`LoopRun.declare`).
+
+    Returns:
+        ``(model_backend, checkpointing)``, each None where its knob is refused.
+
+    Raises:
+        ValueError: ``checkpoint_blocks`` that select nothing.
+    """
+    model_backend = checkpointing = None
+    if kernels_refused is None:
+        backend = model_backend = ModelBackend(model, device, compile_backend=compile_backend,
+                                               in_place=True)
+        knobs.add(Knob(KERNELS, get=lambda: backend.kernels,
+                       set=lambda value: setattr(backend, "kernels", value),
+                       check=lambda value: refuse(backend.support(value))))
+    else:
+        knobs.unsupported[KERNELS.name] = kernels_refused
+    try:
+        blocks = checkpointing = ActivationCheckpointing(model, checkpoint_blocks)
+    except ValueError as exc:
+        if checkpoint_blocks is not None:
+            raise
+        knobs.unsupported[CHECKPOINTING.name] = (
+            f"{exc} ({declare.format('checkpoint_blocks=...')})")
+    else:
+        knobs.add(Knob(CHECKPOINTING, get=lambda: blocks.enabled,
+                       set=lambda value: setattr(blocks, "enabled", value)))
+    return model_backend, checkpointing
+
+
+def optimizer_settings_knobs(knobs: KnobSet, optimizer: torch.optim.Optimizer,
+                             max_grad_norm: float | None, *, declare: str = LoopRun.declare,
+                             own_clip: str = "clip_grad_norm_") -> OptimizerSettings:
+    """Bind ``lr_scale`` and ``weight_decay`` of ``optimizer`` (a torch optimizer, not
+    a framework's wrapper: :class:`gpuopt.optim.OptimizerSettings` hooks its step), and
+    ``max_grad_norm`` when the loop declared it (``max_grad_norm``: the starting value,
+    0: off; the run clips inside ``optimizer.step()``, so the loop leaves out its own
+    ``own_clip``); ``declare`` as :func:`model_knobs`'.
+
+    Raises:
+        ValueError: ``max_grad_norm`` is not a finite number >= 0.
+    """
+    settings = OptimizerSettings(optimizer)
+    optimizer_knobs(settings, knobs)
+    if max_grad_norm is not None:
+        settings.max_grad_norm = max_grad_norm
+        knobs.add(Knob(MAX_GRAD_NORM, get=lambda: settings.max_grad_norm,
+                       set=lambda value: setattr(settings, "max_grad_norm", value)))
+    else:
+        knobs.unsupported[MAX_GRAD_NORM.name] = (
+            f"this loop did not declare max_grad_norm: pass "
+            f"{declare.format('max_grad_norm=X')} (0: off) and leave out the loop's own "
+            f"{own_clip}; the run then clips inside optimizer.step()")
+    return settings
 
 
 def session(*, model: torch.nn.Module | None = None,
@@ -439,9 +608,7 @@ def session(*, model: torch.nn.Module | None = None,
     """
     if precision is not None and mixed_precision is not None:
         raise ValueError("give precision= or mixed_precision=, not both")
-    if accum_steps is not None and (isinstance(accum_steps, bool)
-                                    or not isinstance(accum_steps, int) or accum_steps < 1):
-        raise ValueError(f"accum_steps must be an integer >= 1, got {accum_steps!r}")
+    check_accum_steps(accum_steps)
     if (isinstance(measure_activations_every, bool)
             or not isinstance(measure_activations_every, int) or measure_activations_every < 0):
         raise ValueError("measure_activations_every must be an integer >= 0, got "
@@ -463,44 +630,18 @@ def session(*, model: torch.nn.Module | None = None,
                                           "agent.session(precision=...) and use run.autocast "
                                           "and run.scaler")
     model_backend = checkpointing = None
-    if model is not None and kernels:
-        model_backend = ModelBackend(model, device, compile_backend=compile_backend,
-                                     in_place=True)
-        knobs.add(Knob(KERNELS, get=lambda: model_backend.kernels,
-                       set=lambda value: setattr(model_backend, "kernels", value),
-                       check=lambda value: refuse(model_backend.support(value))))
+    if model is not None:
+        model_backend, checkpointing = model_knobs(
+            knobs, model, device, compile_backend=compile_backend,
+            kernels_refused=None if kernels else "agent.session(kernels=False) leaves it out",
+            checkpoint_blocks=checkpoint_blocks)
     else:
         knobs.unsupported["kernels"] = ("this loop has no model for gpuwatch to switch: pass "
                                         "agent.session(model=model)")
-    if model is not None:
-        try:
-            checkpointing = ActivationCheckpointing(model, checkpoint_blocks)
-        except ValueError as exc:
-            if checkpoint_blocks is not None:
-                raise
-            knobs.unsupported["checkpointing"] = f"{exc} (agent.session(checkpoint_blocks=...))"
-        else:
-            knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
-                           set=lambda value: setattr(checkpointing, "enabled", value)))
-    else:
         knobs.unsupported["checkpointing"] = "pass agent.session(model=model) to checkpoint it"
-    for spec in (*LOADER_KNOBS, MICRO_BATCH_SIZE):
-        knobs.unsupported.setdefault(spec.name, (
-            "this loop's data does not come through a gpuopt.loader.ReconfigurableLoader "
-            "given to run.loader(...)"))
     settings = None
     if optimizer is not None:
-        settings = OptimizerSettings(optimizer)
-        optimizer_knobs(settings, knobs)
-        if max_grad_norm is not None:
-            settings.max_grad_norm = max_grad_norm
-            knobs.add(Knob(MAX_GRAD_NORM, get=lambda: settings.max_grad_norm,
-                           set=lambda value: setattr(settings, "max_grad_norm", value)))
-        else:
-            knobs.unsupported[MAX_GRAD_NORM.name] = (
-                "this loop did not declare max_grad_norm: pass agent.session("
-                "max_grad_norm=X) (0: off) and leave out the loop's own clip_grad_norm_; "
-                "the run then clips inside optimizer.step()")
+        settings = optimizer_settings_knobs(knobs, optimizer, max_grad_norm)
     else:
         for spec in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
             knobs.unsupported[spec.name] = ("pass agent.session(optimizer=optimizer) for "
@@ -515,12 +656,6 @@ def session(*, model: torch.nn.Module | None = None,
                   accum_steps=accum_steps, model_backend=model_backend,
                   checkpointing=checkpointing, tokens_per_sample=tokens_per_sample,
                   measure_activations_every=measure_activations_every)
-    if accum_steps is not None:
-        knobs.add(Knob(ACCUM_STEPS, get=lambda: run.accum_steps, set=run._set_accum_steps))
-    else:
-        knobs.unsupported["accum_steps"] = ("this loop did not declare accum_steps: pass "
-                                            "agent.session(accum_steps=N) and read "
-                                            "run.accum_steps in its micro-step loop")
     if model is not None or optimizer is not None:
         run.bind_checkpoint(run._save, directory=checkpoint_dir)
     else:

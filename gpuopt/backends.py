@@ -88,16 +88,21 @@ class ModelBackend:
         if self.compiled is not None:
             self.compiled.enabled = value == "compile"
         if self.in_place:
-            installed = self.model.__dict__.get("forward")
+            # the model's own instance dict, never setattr: a wrapper whose __setattr__
+            # passes attributes on to the module it wraps (Lightning Fabric's
+            # _FabricModule) would give that module the compiled wrapper's forward,
+            # which calls that module, which calls it again (RecursionError)
+            attributes = vars(self.model)
+            installed = attributes.get("forward")
             if value == "compile" and installed is not self.compiled:
                 assert self.compiled is not None  # made above on a switch to compile
                 self._shadowed = installed  # an instance forward of someone else's, or None
-                self.model.forward = self.compiled
+                attributes["forward"] = self.compiled
             elif value != "compile" and installed is self.compiled:
                 if self._shadowed is None:
-                    del self.model.forward  # the class's own forward shows through
+                    del attributes["forward"]  # the class's own forward shows through
                 else:
-                    self.model.forward = self._shadowed
+                    attributes["forward"] = self._shadowed
         self._kernels = value
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

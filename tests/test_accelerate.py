@@ -24,7 +24,7 @@ import agent  # noqa: E402
 from agent import runs  # noqa: E402
 from agent.integrations.accelerate import AcceleratorRun  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
-from tests.training import digits_loader, model as make_model  # noqa: E402
+from tests.training import BlockNet, digits_loader, model as make_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LR = 0.1
@@ -40,24 +40,6 @@ def fresh_accelerate(run_dir):
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-class BlockNet(nn.Module):
-    """The digits classifier with repeated residual ``blocks`` (for checkpointing)."""
-
-    def __init__(self, seed=0):
-        torch.manual_seed(seed)
-        super().__init__()
-        self.embed = nn.Linear(64, 32)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU())
-                                    for _ in range(2))
-        self.head = nn.Linear(32, 10)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
 
 
 class SlowDigits(torch.utils.data.Dataset):

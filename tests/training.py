@@ -1,6 +1,6 @@
-"""Shared pieces of the tests that train for real: digits data, a small model (and one
-that refuses saved-tensor hooks), a gate that pauses the training thread, and a message
-collector."""
+"""Shared pieces of the tests that train for real: digits data, small models (one with
+repeated blocks, one that refuses saved-tensor hooks), a gate that pauses the training
+thread, and a message collector."""
 
 import threading
 
@@ -18,6 +18,25 @@ def digits_loader(batch_size=16, n=1024):
 def model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+
+
+class BlockNet(torch.nn.Module):
+    """The digits classifier with repeated residual ``blocks`` (for checkpointing),
+    without dropout: a window's update is a function of its micro-batches alone."""
+
+    def __init__(self, seed=0):
+        torch.manual_seed(seed)
+        super().__init__()
+        self.embed = torch.nn.Linear(64, 32)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU()) for _ in range(2))
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
 
 
 class FuncInForward(torch.nn.Module):

@@ -6,6 +6,7 @@ them, and no framework is a dependency of gpuwatch):
 - :mod:`agent.integrations.lightning`: ``lightning.pytorch.Trainer``
 - :mod:`agent.integrations.hf`: ``transformers.Trainer``
 - :mod:`agent.integrations.accelerate`: hand-written loops on ``accelerate.Accelerator``
+- :mod:`agent.integrations.fabric`: loops on Lightning Fabric (``lightning.fabric.Fabric``)
 
 :func:`agent.attach` picks the module from the type of what it is given
 (:func:`integration_for`). What they share lives here: the count of an accumulation
@@ -24,6 +25,7 @@ _INTEGRATIONS = (
     ("pytorch_lightning.trainer", "Trainer", "agent.integrations.lightning"),
     ("transformers.trainer", "Trainer", "agent.integrations.hf"),
     ("accelerate.accelerator", "Accelerator", "agent.integrations.accelerate"),
+    ("lightning.fabric.fabric", "Fabric", "agent.integrations.fabric"),
 )
 
 
