@@ -154,7 +154,7 @@ def _as_float(value: Any) -> float | None:
 
 _NUMBER_PARSERS = {"int": (_as_int, "an integer"), "float": (_as_float, "a finite number")}
 
-#: The standard knobs (ARCHITECTURE.md, "Commands"); a trainer binds the ones it supports.
+#: The standard knobs (the README's knob table); a trainer binds the ones it supports.
 PRECISION = KnobSpec("precision", "choice", "autocast precision of forward/backward",
                      choices=("fp32", "bf16", "fp16"), tuning=TUNED_IF_ALLOWED,
                      group=NUMERICS)

@@ -71,12 +71,6 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
     return size
 
 
-def save_atomically(obj: Any, path: str | os.PathLike) -> int:
-    """``torch.save(obj)`` to ``path`` through :func:`write_atomically`; returns the file's
-    size in bytes (same raises and cost)."""
-    return write_atomically(path, lambda temporary: torch.save(obj, temporary))
-
-
 def rng_state(device: torch.device | None = None) -> dict[str, Any]:
     """The state of every random number generator a training step may draw from: torch's
     on the host, CUDA's on ``device``'s GPUs (when CUDA is in use), Python's ``random``
