@@ -10,6 +10,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from agent.protocol import EventKind
 from agent.core import Agent
 from agent.knobs import (CPU_THREADS, KERNELS, LR_SCALE, MEMORY_FRACTION,
                          MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
@@ -212,8 +213,8 @@ class MemoryKnobs:
         assert self.snapshot is not None  # steps are left only of a started snapshot
         path = self.snapshot.on_optimizer_step()
         if path is not None:
-            agent.event("info", f"memory snapshot written to {path}", kind="memory_snapshot",
-                        path=str(path), step=step)
+            agent.event("info", f"memory snapshot written to {path}",
+                        kind=EventKind.MEMORY_SNAPSHOT, path=str(path), step=step)
 
     def bind(self, knobs: KnobSet) -> None:
         """Add both knobs to ``knobs`` on CUDA; elsewhere mark them unsupported."""

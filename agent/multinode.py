@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agent import helpers
+from agent.protocol import EventKind
 from agent.nodes import (NodeEnv, listen_address, load_secret, node_entry, relay_token,
                          client_keys, server_keys, store_key)
 from agent.runs import RunInfo, write_run_file
@@ -156,5 +157,5 @@ def node_link(info: RunInfo, listen: str | None, report: Callable[[str, BaseExce
     except (OSError, ValueError) as exc:  # SecretError is an OSError
         event("warning", f"multi-node: node {env.node}'s ranks are seen and steered from "
               f"this node only, and a command from here cannot reach the other "
-              f"{env.nnodes - 1} nodes: {exc}", kind="warning")
+              f"{env.nnodes - 1} nodes: {exc}", kind=EventKind.WARNING)
         return None

@@ -171,6 +171,19 @@ class EventKind:
     COMPILED = "compiled"
     #: knob values came back from a checkpoint
     RESUMED = "resumed"
+    #: the framework's own moments: its evaluation started and ended (``metrics``), it
+    #: saved a checkpoint of its own, an epoch ended, it logged numbers (``logs``)
+    EVALUATION_START = "evaluation_start"
+    EVALUATION = "evaluation"
+    CHECKPOINT_SAVED = "checkpoint"
+    EPOCH_END = "epoch_end"
+    LOG = "log"
+    #: how the run trains differs from what a person may assume (a plan beyond the
+    #: planned epochs, the loss normalisation a loop uses)
+    PLAN = "plan"
+    LOSS_NORMALIZATION = "loss_normalization"
+    #: a CUDA memory snapshot was written (``path``)
+    MEMORY_SNAPSHOT = "memory_snapshot"
 
     #: kinds that settle a pending command (it applied, failed or was withdrawn)
     SETTLING = frozenset({APPLIED, FAILED, ROLLED_BACK, CANCELLED})

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from agent.protocol import EventKind
 from agent.adapters import MemoryKnobs, publish_events
 from agent.checkpoints import Checkpoints, restore_knobs
 from agent.core import Agent, ending_reason
@@ -300,7 +301,7 @@ class RunBase:
         message = (f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}; the run "
                    "is no longer observed (training continues)")
         log.warning(message)
-        self.agent.event("error", message, kind="agent_error")
+        self.agent.event("error", message, kind=EventKind.AGENT_ERROR)
 
     def __enter__(self) -> "RunBase":
         return self

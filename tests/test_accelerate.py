@@ -220,7 +220,7 @@ def test_attach_in_one_line_records_window_loss_samples_tokens_lr_and_data_wait(
     # each of the 96 samples took >= 1 ms to load, inside the loader's next() (accelerate
     # fetches one batch ahead, so the first window waits for 3 batches, the last for 1)
     assert sum(body["data_wait_s"] for body in steps.values()) >= 96 * 0.001
-    assert any(e.get("kind") == "loss_normalisation" for e in events)
+    assert any(e.get("kind") == "loss_normalization" for e in events)
     assert records[-1]["type"] == "bye" and runs.list_runs() == []
 
 

@@ -249,7 +249,7 @@ def test_one_line_attach_reports_every_window_with_hf_loss_tokens_data_wait_and_
     assert len(_events(records, "evaluation_start")) == 2
     saved = _events(records, "checkpoint")
     assert [e["step"] for e in saved] == [4, 6] and os.path.isdir(saved[0]["path"])
-    epochs = [(e["epoch"], e["complete"]) for e in _events(records, "epoch")]
+    epochs = [(e["epoch"], e["complete"]) for e in _events(records, "epoch_end")]
     assert epochs == [(1, True), (2, False)]  # 4 windows an epoch; max_steps in the 2nd
     assert any("train_loss" in e["logs"] for e in _events(records, "log"))
     assert records[-1]["type"] == "bye" and records[-1]["reason"] == "finished"
@@ -299,7 +299,7 @@ def test_accum_steps_change_live_every_window_matches_plain_torch_and_ends_at_ma
     assert [(e["step"], e["value"]) for e in applied] == [(3, 1), (8, 4)]
     assert trainer.args.gradient_accumulation_steps == 4
     if not per_micro_batch:
-        assert [e["complete"] for e in _events(records, "epoch")] == [True] * 5 + [False]
+        assert [e["complete"] for e in _events(records, "epoch_end")] == [True] * 5 + [False]
         assert trainer.state.num_train_epochs == 6  # 4 planned
         assert "planned step 16" in _events(records, "plan")[0]["text"]
 

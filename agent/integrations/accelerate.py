@@ -125,6 +125,7 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType
 from accelerate.utils.operations import convert_to_fp32
 
+from agent.protocol import EventKind
 from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
                             optimizer_knobs, refuse)
 from agent.checkpoints import (GRAD_SCALER_FILE, read_knobs_file, restore_knobs,
@@ -447,7 +448,7 @@ class AcceleratorRun(RunBase):
                 self.agent.event("warning", "run.loader() goes on from the checkpoint's "
                                  f"micro-batch itself: this loader skips {skipped} more "
                                  "(accelerator.skip_first_batches); give it the prepared "
-                                 "loader", kind="warning", step=self.step)
+                                 "loader", kind=EventKind.WARNING, step=self.step)
         if isinstance(batches, ReconfigurableLoader):
             self._bind_loader(batches)
         self._data = batches
@@ -534,7 +535,7 @@ class AcceleratorRun(RunBase):
         if not self._after_step and not self._misplaced_warned:
             self._misplaced_warned = True
             self.agent.event("warning", _MISPLACED + "; a precision change due at such a "
-                             "step is refused", kind="warning", step=self.step)
+                             "step is refused", kind=EventKind.WARNING, step=self.step)
         micro_batches, self._micro_batches = self._micro_batches, 0
         loss_sum, self._loss_sum = self._loss_sum, None
         data_wait_s, _, samples, tokens = self.meter.take()
@@ -553,7 +554,7 @@ class AcceleratorRun(RunBase):
             self._forward_lost = ("the model's forward was replaced outside gpuwatch (e.g. "
                                   "by unwrap_model(keep_fp32_wrapper=False))")
             self.agent.event("warning", f"{self._forward_lost}: precision and kernels "
-                             "changes are refused from now on", kind="warning",
+                             "changes are refused from now on", kind=EventKind.WARNING,
                              step=self.step)
         skipped = None
         if self._precision is not None and self._precision.precision == "fp16":
@@ -725,7 +726,7 @@ class AcceleratorRun(RunBase):
                 self._loader_warned = True
                 self.agent.event("warning", "the loader knobs steer the first "
                                  "ReconfigurableLoader given to run.loader(); this one "
-                                 "keeps its settings", kind="warning")
+                                 "keeps its settings", kind=EventKind.WARNING)
             return
         self._loader = loader
         for knob in loader_knobs(loader):
@@ -991,6 +992,6 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
     agent.event("info", "loss: the window's mean of the undivided micro-batch losses; "
                 "gradients: accelerate's, each micro-batch loss divided by "
                 "gradient_accumulation_steps (a mean of micro-batch means)",
-                kind="loss_normalisation", normalisation="micro_batch_mean")
+                kind=EventKind.LOSS_NORMALIZATION, normalization="micro_batch_mean")
     atexit.register(run.close)  # (before the agent's own: the last step, then bye)
     return run

@@ -108,6 +108,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import is_sagemaker_mp_enabled
 
+from agent.protocol import EventKind
 from agent.adapters import cpu_threads_knob
 from agent.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_knobs_file
 from agent.core import Agent, ending_reason
@@ -692,7 +693,7 @@ class _Run(RunBase):
                 self.agent.event("info", f"accum_steps={self._accum_value()}: the run trains "
                                  f"beyond its {state.num_train_epochs} planned epoch(s) to "
                                  f"reach its planned step {state.max_steps} (max_steps; the "
-                                 "LR schedule is built on it)", kind="plan",
+                                 "LR schedule is built on it)", kind=EventKind.PLAN,
                                  step=state.global_step)
             state.num_train_epochs = epoch + 1
             trainer.control = trainer.callback_handler.on_epoch_begin(
@@ -779,7 +780,7 @@ class _Run(RunBase):
         if not self._evaluating:
             self._evaluating = True
             self.agent.event("info", f"evaluation started after step {state.global_step}",
-                             kind="evaluation_start", step=state.global_step)
+                             kind=EventKind.EVALUATION_START, step=state.global_step)
 
     def evaluate(self, state: Any, metrics: dict[str, Any] | None) -> None:
         self._evaluating = False
@@ -787,7 +788,7 @@ class _Run(RunBase):
                    if isinstance(value, (int, float)) and not isinstance(value, bool)}
         shown = ", ".join(f"{key}={value:.4g}" for key, value in numbers.items())
         self.agent.event("info", f"evaluation at step {state.global_step}: {shown}",
-                         kind="evaluation", step=state.global_step, metrics=numbers)
+                         kind=EventKind.EVALUATION, step=state.global_step, metrics=numbers)
         self.agent.mark_start()  # the next step's time leaves the evaluation out
 
     def save(self, args: Any, state: Any) -> None:
@@ -800,7 +801,7 @@ class _Run(RunBase):
             write_knobs_file(Path(path), self.agent, self.chosen_knobs()[0],
                              state.global_step, self.data_state())
         self.agent.event("info", f"checkpoint saved at step {state.global_step}: {path}",
-                         kind="checkpoint", step=state.global_step, path=path)
+                         kind=EventKind.CHECKPOINT_SAVED, step=state.global_step, path=path)
         self.agent.mark_start()  # the next step's time leaves the save out
 
     def epoch_end(self, state: Any, control: Any) -> None:
@@ -808,7 +809,7 @@ class _Run(RunBase):
         complete = not control.should_training_stop  # HF also ends an epoch cut short
         how = "ended" if complete else "stopped (the run ends)"
         self.agent.event("info", f"epoch {self.epochs_done} {how} at step {state.global_step}",
-                         kind="epoch", epoch=self.epochs_done, complete=complete,
+                         kind=EventKind.EPOCH_END, epoch=self.epochs_done, complete=complete,
                          step=state.global_step)
 
     def log(self, state: Any, logs: dict[str, Any] | None) -> None:
@@ -817,7 +818,7 @@ class _Run(RunBase):
         if not numbers:
             return
         shown = ", ".join(f"{key}={value:.4g}" for key, value in numbers.items())
-        self.agent.event("info", f"log at step {state.global_step}: {shown}", kind="log",
+        self.agent.event("info", f"log at step {state.global_step}: {shown}", kind=EventKind.LOG,
                          step=state.global_step, logs=numbers)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from agent.protocol import EventKind
 from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
                             optimizer_knobs, precision_knob, refuse)
 from agent.checkpoints import load_checkpoint, torch_checkpoint
@@ -78,7 +79,7 @@ class TrainerRun(RunBase):
         if trainer.activation_measurement_error and not self._measurement_error_reported:
             self._measurement_error_reported = True
             self.agent.event("warning", "activation memory is not measured for this model "
-                             f"({trainer.activation_measurement_error})", kind="warning",
+                             f"({trainer.activation_measurement_error})", kind=EventKind.WARNING,
                              step=stats.step)
 
     def on_out_of_memory(self, trainer: Trainer, error: torch.OutOfMemoryError) -> bool:
