@@ -152,6 +152,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from agent.adapters import (cpu_threads_knob, loader_knobs, optimizer_knobs, precision_knob,
                             refuse)
@@ -1210,7 +1211,9 @@ class GpuwatchCallback(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        self._finish(ending_reason(exception))
+        # Lightning's own SIGTERM handler stops fit with this exception
+        self._finish("stopped by SIGTERM" if isinstance(exception, SIGTERMException)
+                     else ending_reason(exception))
 
     # plumbing
 
