@@ -92,6 +92,8 @@ class RunBase:
         self.event_sources: list[Callable[[], list[tuple[str, str, dict[str, Any]]]]] = []
         self.resumed_from: str | None = None
         self.closed = False
+        #: :meth:`close` is under way (a SIGTERM then waits for it: :func:`end_on_signals`)
+        self.closing = False
         self.broken = False
         #: the state kept for a rollback: ``(step, snapshot, bytes)``, or the reason none is
         self._kept: tuple[int, Any, int] | None = None
@@ -287,12 +289,17 @@ class RunBase:
         removed. Idempotent; any exit path calls it (see :func:`end_on_signals`)."""
         if self.closed:
             return
-        self.closed = True
+        self.closed = self.closing = True
         try:
-            self.uninstall()
-        except Exception as exc:  # noqa: BLE001 -- closing must go on
-            self.agent.report_error("putting the framework back", exc)
-        self.agent.close(reason)
+            try:
+                self.uninstall()
+            except Exception as exc:  # noqa: BLE001 -- closing must go on
+                self.agent.report_error("putting the framework back", exc)
+            self.agent.close(reason)
+        finally:
+            self.closing = False
+        if _sigterm_waiting:  # a SIGTERM came during this close: it is handled now
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def fail(self, where: str, exc: BaseException) -> None:
         """Stop observing after an internal error (``where``: what failed); an error
@@ -315,6 +322,8 @@ SIGTERM_RETRY_S = 0.01
 #: Runs not yet closed, for the process-wide exit paths below.
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _exit_paths_installed = False
+#: A SIGTERM came while a run was closing: the close sends it again once done.
+_sigterm_waiting = False
 
 
 def _close_live(reason: str) -> None:
@@ -351,6 +360,13 @@ def end_on_signals(run: Any) -> None:
             # own, and closing here waits for the I/O thread, so neither would move until
             # the close timed out and the run log lost its bye. Come back in a moment.
             threading.Timer(SIGTERM_RETRY_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            return
+        if any(getattr(live, "closing", False) for live in list(_LIVE)):
+            # it interrupted a run's close (a framework's own SIGTERM handling, Lightning's,
+            # ended the run): dying now would cut that close short, without its bye and
+            # with its run file left. The close sends the signal again when it is done.
+            global _sigterm_waiting
+            _sigterm_waiting = True
             return
         _close_live("stopped by SIGTERM")
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

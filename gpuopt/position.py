@@ -97,6 +97,16 @@ class DataPosition:
         at the boundary, before a checkpoint of it may be taken)."""
         self.trained_total += micro_batches
 
+    def epoch_made(self, rng: dict[str, Any]) -> None:
+        """A new epoch's iterator was made, by :meth:`epoch_iterator` or by a loop that
+        makes its own (a framework's epoch loop, which then sets
+        :attr:`fetched_in_epoch` from its own count): count from its first batch, and
+        keep ``rng`` (:func:`gpuopt.saving.rng_state`, taken just before the iterator was
+        made), from which a resume makes that epoch's iterator again."""
+        self._epoch_rng = rng
+        self.epoch += 1
+        self.fetched_in_epoch = 0
+
     @property
     def ahead(self) -> int:
         """Training batches fetched but not trained on by a finished window."""
@@ -187,6 +197,39 @@ class DataPosition:
             if empty:
                 return
 
+    def replay_epoch(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """The iterator of ``batches`` where the restored position (:meth:`load_state_dict`)
+        was: made again from the generators at the saved epoch's start, the batches the
+        saved run fetched in it dropped, and the generators put back as at the boundary
+        (a position restored with ``replay=False``: ``iter(batches)`` as it is).
+        :meth:`epoch_iterator` calls it where it goes back (a resume, a rollback); a
+        framework's loop that fetches from its own iterator calls it where it would make
+        that iterator.
+
+        Raises:
+            ValueError: the saved epoch had more batches than ``batches`` has (not the
+                same data), or no restored position is waiting.
+        """
+        restored, self._restored = self._restored, None
+        if restored is None:
+            raise ValueError("no restored position to replay: load_state_dict(state) "
+                             "first, with an epoch's start in it")
+        replay, state = restored
+        if not replay:
+            return iter(batches)
+        set_rng_state(state["epoch_rng"])
+        iterator = iter(batches)
+        try:
+            for _ in range(self.fetched_in_epoch):
+                next(iterator)
+        except StopIteration:
+            raise ValueError(
+                f"the checkpoint's epoch {self.epoch} had {self.fetched_in_epoch} "
+                "batches fetched, more than this data has: is it the same data "
+                "set?") from None
+        set_rng_state(state["rng"])
+        return iterator
+
     def epoch_iterator(self, batches: Iterable[Any],
                        next_batch: Callable[[Iterator[Any]], Any] = next) -> Iterator[Any]:
         """One epoch of ``batches``, each batch through ``next_batch(iterator)`` (e.g. a
@@ -203,14 +246,13 @@ class DataPosition:
         .. note:: Per batch, one attribute check for a restored position.
         """
         if self._restored is None:
-            self._epoch_rng = rng_state(self.device)
+            rng = rng_state(self.device)
             iterator = iter(batches)
             self.exact_reason = _replay_reason(batches, iterator)
-            self.epoch += 1
-            self.fetched_in_epoch = 0
+            self.epoch_made(rng)
         while True:
             if self._restored is not None:
-                iterator = self._go_back(batches)
+                iterator = self.replay_epoch(batches)
                 while self._replay and not self.restoring:  # (a rollback may come again)
                     yield self._replay.popleft()[1]
                 continue
@@ -226,24 +268,6 @@ class DataPosition:
     def restoring(self) -> bool:
         """Whether a restored position waits for the iteration to go back to it."""
         return self._restored is not None
-
-    def _go_back(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """The iterator of the restored position's epoch, where the saved run was."""
-        assert self._restored is not None  # (the caller's check)
-        (replay, state), self._restored = self._restored, None
-        if not replay:
-            return iter(batches)
-        set_rng_state(state["epoch_rng"])
-        iterator = iter(batches)
-        try:
-            for _ in range(self.fetched_in_epoch):
-                next(iterator)
-        except StopIteration:
-            raise ValueError(
-                f"the checkpoint's epoch {self.epoch} had {self.fetched_in_epoch} batches "
-                "fetched, more than this data has: is it the same data set?") from None
-        set_rng_state(state["rng"])
-        return iterator
 
 
 def _replay_reason(batches: Iterable[Any], iterator: Iterator[Any]) -> str | None:

@@ -3,6 +3,7 @@ one line, commands sent live over the agent's real ZeroMQ socket, and every wind
 change checked against arithmetic done here with plain torch."""
 
 import json
+import signal
 import threading
 import time
 
@@ -11,7 +12,7 @@ import torch
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 L = pytest.importorskip("lightning.pytorch")
 
@@ -20,6 +21,8 @@ from agent import runs  # noqa: E402
 from agent.integrations.lightning import GpuwatchCallback, attach  # noqa: E402
 from agent.knobs import KnobError  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
+from tests.contract import BATCH_SIZE, IndexedDigits, run  # noqa: E402
+from tests.contract.lightning import LightningDriver  # noqa: E402
 
 
 def _digits(n):
@@ -365,40 +368,94 @@ def test_lr_scale_and_max_grad_norm_change_each_update_as_computed_by_hand(run_d
     assert module.trainer.optimizers[0]._optimizer_step_pre_hooks == {}
 
 
-def test_checkpoint_now_saves_through_lightning_and_fit_ckpt_path_resumes_its_knobs(
-        run_dir, tmp_path):
-    """checkpoint=now at the end of epoch 0 (a DataLoader resumes exactly only at an
-    epoch's end in Lightning) is trainer.save_checkpoint, made atomic; fit(ckpt_path=)
-    in a fresh Trainer restores gpuwatch's knobs with Lightning's state and trains the
-    remaining steps exactly as the run that saved it."""
-    module, snapshots, hold = Digits(lr=0.1, decay=0.9), Snapshots(), Hold(at=2)
-    trainer = _trainer(max_steps=12, callbacks=[snapshots, hold])
-    monitor = attach(trainer, checkpoint_dir=tmp_path)
-    replies = _fit_with_commands(trainer, module, _loader(64), hold, monitor,
-                                 [("lr_scale", 0.5, None), ("checkpoint", "now", 9)])
-    assert all(reply["ok"] for reply in replies), replies
-    saved = [e for e in _records(monitor) if e["type"] == "event"
-             and e.get("knob") == "checkpoint" and e.get("kind") == "applied"]
-    path = tmp_path / "step-00000008.ckpt"
-    assert [(e["path"], e["checkpoint_step"]) for e in saved] == [(str(path), 8)]
-    assert path.stat().st_size == saved[0]["size_bytes"]
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]
-    assert torch.load(path, weights_only=False)["callbacks"]["GpuwatchCallback"][
-        "knobs"]["lr_scale"] == 0.5
+class Validating(LightningDriver):
+    """The contract's Lightning run, validating at each epoch's end."""
 
-    fresh, again = Digits(lr=0.1, decay=0.9, seed=1), Snapshots()
-    callback = GpuwatchCallback(name="resumed")
-    resumed = _trainer(max_steps=12, callbacks=[again, callback])
-    resumed.fit(fresh, _loader(64), ckpt_path=path)
-    for step in range(9, 13):
-        for name, value in again.params[step].items():
-            assert torch.equal(value, snapshots.params[step][name]), (step, name)
-    records = _records(callback.agent)
-    steps = _steps(records)
-    assert [steps[k]["lr"] for k in range(9, 13)] == pytest.approx(
-        [0.1 * 0.9 ** (k - 1) * 0.5 for k in range(9, 13)])
-    event = [r for r in records if r["type"] == "event" and r.get("kind") == "resumed"][0]
-    assert event["text"] == f"resumed from {path} at step 8 with lr_scale=0.5"
+    name = "lightning-validating"
+
+    def val_loader(self):
+        return DataLoader(IndexedDigits(), batch_size=32)
+
+
+class DistributedOrder(LightningDriver):
+    """The contract's Lightning run over a DistributedSampler (one replica): its order is
+    drawn from its seed and epoch, which Lightning sets only once the epoch loop runs."""
+
+    name = "lightning-distributed-sampler"
+
+    def loader(self):
+        data = IndexedDigits()
+        return DataLoader(data, batch_size=BATCH_SIZE, sampler=DistributedSampler(
+            data, num_replicas=1, rank=0, shuffle=True, seed=5))
+
+
+@pytest.mark.parametrize("driver, after", [(Validating(), 8), (DistributedOrder(), 11)],
+                         ids=["epoch-end-then-validation", "distributed-sampler-epoch-1"])
+def test_checkpoint_now_is_lightnings_own_and_resumes_exactly_where_the_contract_does_not(
+        driver, after, run_dir, tmp_path):
+    """checkpoint=now is trainer.save_checkpoint, made atomic, with gpuwatch's state as the
+    callback's; fit(ckpt_path=) goes on bit for bit (16 batches an epoch, 2 per step)
+    after epoch 0's last batch (step 8), whose validation Lightning's resume skips, and
+    mid-epoch 1 (step 11) under a sampler whose order depends on the epoch."""
+    twin = run(driver, steps=13, commands=[("checkpoint", "now", after + 1)],
+               checkpoint_dir=tmp_path)
+    path = tmp_path / f"step-{after:08d}.ckpt"
+    saved = twin.events("applied")
+    assert [(e["path"], e["checkpoint_step"]) for e in saved] == [(str(path), after)]
+    assert path.stat().st_size == saved[0]["size_bytes"]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # atomic: nothing else
+    state = torch.load(path, weights_only=False)["callbacks"]["GpuwatchCallback"]
+    assert state["knobs"]["accum_steps"] == 2 and not state["accumulation_changed"]
+    assert (state["data"]["epoch"], state["data"]["fetched_in_epoch"]) == (
+        (1, 16) if after == 8 else (2, 6))
+    assert state["data"]["validation_follows"] == (after == 8)
+
+    resumed = run(driver, steps=13, commands=[], checkpoint_dir=tmp_path / "again",
+                  resume_from=path)
+    want, got = twin.steps(), resumed.steps()
+    assert sorted(got) == list(range(after + 1, 14))
+    for step in got:
+        assert resumed.recorder.window(step) == twin.recorder.window(step), step
+        assert got[step]["loss"] == want[step]["loss"], step
+    for mine, theirs in zip(resumed.params, twin.params):
+        assert torch.equal(mine, theirs)
+    [event] = resumed.events("resumed")
+    assert event["text"] == (f"resumed from {path} at step {after} with precision=fp32, "
+                             "accum_steps=2, kernels=eager, lr_scale=1.0, weight_decay=0.05, "
+                             f"max_grad_norm=0.0, cpu_threads={torch.get_num_threads()}")
+    assert [e["text"] for e in resumed.events("epoch_end")] == [  # no epoch twice or lost
+        e["text"] for e in twin.events("epoch_end") if e["step"] > after]
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """The task's samples in an order drawn at each pass."""
+
+    def __iter__(self):
+        data = IndexedDigits()
+        return (data[int(i)] for i in torch.randperm(len(data)))
+
+
+class Streaming(LightningDriver):
+    name = "lightning-stream"
+
+    def loader(self):
+        return DataLoader(Stream(), batch_size=BATCH_SIZE)
+
+
+def test_data_a_resume_cannot_make_again_is_said_by_the_checkpoint_and_the_resume(
+        run_dir, tmp_path):
+    twin = run(Streaming(), steps=4, commands=[("checkpoint", "now", 3)],
+               checkpoint_dir=tmp_path)
+    why = "the train dataset is an IterableDataset (Stream): a resume starts it again"
+    reply = twin.recorder.replies["checkpoint"]
+    assert reply["ok"] and reply["warning"] == f"a resume from it will not be exact: {why}"
+    path = tmp_path / "step-00000002.ckpt"
+    resumed = run(Streaming(), steps=4, commands=[], checkpoint_dir=tmp_path / "again",
+                  resume_from=path)
+    [event] = resumed.events("resumed")
+    assert event["level"] == "warning"
+    assert event["text"].endswith(f"; not as in the saved run: {why}")
+    assert sorted(resumed.steps()) == [3, 4]
 
 
 class Gradients(L.Callback):
@@ -586,6 +643,48 @@ def test_a_reconfigurable_loader_gives_the_loader_knobs(run_dir):
         torch.testing.assert_close(snapshots.params[step]["head.weight"],
                                    expected["head.weight"], rtol=1e-5, atol=1e-6)
     loader.close()
+
+
+_SIGTERM_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import agent
+from tests.test_lightning import Digits, _loader, _trainer
+
+
+class Stopped(Digits):
+    def on_train_batch_end(self, *args):  # (after the callbacks': step 3 is recorded)
+        if self.trainer.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's stop, mid-fit
+
+
+trainer = _trainer(max_steps=1000)
+print(agent.attach(trainer, name="sigterm-fit").info.log_path, flush=True)
+trainer.fit(Stopped(), _loader(256))
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_mid_fit_ends_the_run_with_bye_after_lightnings_own_handler(run_dir,
+                                                                              tmp_path):
+    """Lightning's SIGTERM handler runs first (it stops fit with an exception at the
+    batch's end), then the run's, installed at attach: either ends the run, and the
+    other waits for it; the process dies of the signal, its run log ends with bye."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = tmp_path / "sigterm_fit.py"
+    script.write_text(_SIGTERM_SCRIPT.format(repo=str(pathlib.Path(__file__).parents[1])))
+    process = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             timeout=120)
+    assert process.returncode == -signal.SIGTERM, process.stderr[-2000:]
+    with open(process.stdout.splitlines()[0]) as log:
+        records = [json.loads(line) for line in log]
+    assert sorted(_steps(records)) == [1, 2, 3]
+    assert [r["reason"] for r in records if r["type"] == "bye"] == ["stopped by SIGTERM"]
+    assert records[-1]["type"] == "bye"
+    assert runs.list_runs() == []
 
 
 # ---------------------------------------------------------------------------- ranks

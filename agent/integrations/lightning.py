@@ -69,7 +69,9 @@ knob Lightning cannot change correctly in this run is refused with the reason):
   than single-device and DDP.
 - ``num_workers``, ``pin_memory``, ``prefetch_factor`` when the train dataloader is a
   :class:`gpuopt.loader.ReconfigurableLoader`; a ``torch.utils.data.DataLoader`` fixes
-  them when it is built, so they are refused with how to get them.
+  them when it is built, so they are refused with how to get them. ``micro_batch_size``
+  is refused: Lightning counts an epoch's batches once, when it sets up the train
+  dataloader (``trainer.num_training_batches``), and would end epochs at the wrong batch.
 - ``lr_scale``, ``weight_decay``: :class:`gpuopt.optim.OptimizerSettings` on the run's one
   optimizer (step hooks: the scale multiplies what Lightning's LR schedulers set, inside
   ``optimizer.step`` only, so the schedule keeps its shape and Lightning's
@@ -82,12 +84,26 @@ knob Lightning cannot change correctly in this run is refused with the reason):
   ``configure_gradient_clipping``, and under DeepSpeed / FSDP. The Trainer's own value
   is back after ``fit``.
 - ``checkpoint=now``: Lightning's ``trainer.save_checkpoint`` (every rank calls it, rank 0
-  writes) into ``<checkpoint_dir>/step-<N>.ckpt``, made atomic; gpuwatch's knob values
-  travel in every Lightning checkpoint as this callback's state, and
-  ``trainer.fit(module, ckpt_path=...)`` sets them again when training starts (with the
-  fp16 GradScaler the precision knob made). A plain DataLoader resumes exactly only
-  from an epoch's end (Lightning warns otherwise). Refused under DeepSpeed / FSDP.
+  writes) into ``<checkpoint_dir>/step-<N>.ckpt``, made atomic. gpuwatch's state rides in
+  every Lightning checkpoint as this callback's: the knob values a person chose, the fp16
+  GradScaler the precision knob made, and the data position (below).
+  ``trainer.fit(module, loader, ckpt_path=...)`` then continues exactly, mid-epoch and
+  after live changes too (Lightning alone starts a plain DataLoader's epoch again in a
+  new order, and warns that the loader is not resumable: with gpuwatch that is moot).
+  Refused under DeepSpeed / FSDP.
 - ``memory_fraction``, ``memory_snapshot_steps`` on CUDA (:class:`agent.adapters.MemoryKnobs`).
+
+Data position (a DataLoader): the random number generators just before Lightning made the
+epoch's iterator and at the boundary, and Lightning's count of the epoch's batches. A
+resume makes the iterator again from the first, drops the batches trained and puts the
+second back; after a checkpoint at an epoch's end, it makes the next epoch's iterator at
+its first fetch, as the saved run did. A ReconfigurableLoader resumes at its own
+position, a loader with ``state_dict`` at Lightning's. Exact for a map-style dataset
+ordered by torch's global generator (workers included), unless an ``on_train_start`` or
+``on_train_epoch_start`` hook draws random numbers before the epoch's first batch. Not
+exact, and said so in the checkpoint's reply and the resume's event: an IterableDataset,
+``reload_dataloaders_every_n_epochs``, a sampler with a generator of its own, several
+train dataloaders, a ``training_step`` that takes ``dataloader_iter``.
 
 Loss normalization (``hello``'s ``training.loss_normalization``): ``micro_batch_mean``,
 Lightning's: a window's gradient is the mean of its micro-batches' mean-loss gradients,
@@ -101,14 +117,16 @@ ranks as children of rank 0), so ``gpuwatch set`` reaches them all and a command
 at one optimizer step on every rank. A :class:`gpuopt.loader.ReconfigurableLoader` is not
 a DataLoader, so Lightning does not shard it: give it ``num_replicas`` and ``rank``.
 
-When ``fit`` ends (or raises) the agent closes (``bye`` with the reason) and the trainer
-and module are put back as they were before it: Lightning's accumulation, precision
-plugin, ``gradient_clip_val``, an eager ``forward``, no checkpointing and no step hooks.
+When ``fit`` ends (or raises), or the process gets SIGTERM (Lightning's own handler runs
+first), the agent closes (``bye`` with the reason) and the trainer and module are put
+back as they were before it: Lightning's accumulation, precision plugin, fit and epoch
+loops, ``gradient_clip_val``, an eager ``forward``, no checkpointing and no step hooks.
 
 Cost on the training thread: per micro-batch two clock reads around the fetch, a few
 attribute reads and one asynchronous add of the loss; per optimizer step a clone of the
-GradScaler's scale in fp16 and one :meth:`agent.Agent.optimizer_step`. Nothing reads a
-tensor's value or synchronizes the device.
+GradScaler's scale in fp16 and one :meth:`agent.Agent.optimizer_step`; per epoch two
+reads of the random number generators' states (host copies). Nothing reads a tensor's
+value or synchronizes the device.
 
 Importing this module imports ``lightning``; ``import agent`` does not import it.
 """
@@ -116,16 +134,17 @@ Importing this module imports ``lightning``; ``import agent`` does not import it
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import os
 import time
 from collections.abc import Mapping
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 import torch
 import lightning
 import lightning.pytorch as pl
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import (Callback, GradientAccumulationScheduler,
                                          StochasticWeightAveraging)
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
@@ -133,26 +152,28 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from agent.record import StepRecord
-from agent.adapters import (MemoryKnobs, cpu_threads_knob, loader_knobs, optimizer_knobs,
-                            precision_knob, publish_events, refuse)
-from agent.checkpoints import Checkpoints, restore_knobs
+from agent.adapters import (cpu_threads_knob, loader_knobs, optimizer_knobs, precision_knob,
+                            refuse)
 from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, WEIGHT_DECAY, Knob, KnobSet)
+                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
+                         KnobSet)
+from agent.record import StepRecord
+from agent.run import RunBase
 from agent.runs import RUN_ID_ENV
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.data import batch_size
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.optim import OptimizerSettings
+from gpuopt.position import DataPosition
 from gpuopt.precision import precision_support
+from gpuopt.saving import rng_state, set_rng_state
 
 __all__ = ["GpuwatchCallback", "attach"]
-
-log = logging.getLogger("gpuwatch.agent")
 
 #: Lightning plugin -> knob value, for the plugins the precision knob switches between.
 _MIXED_NAMES = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
@@ -497,44 +518,144 @@ class _FetchTimer:
             self.loop.__dict__.pop(name, None)
 
 
-class _Run:
-    """One ``fit`` under the agent: the knobs, the window being accumulated, and what the
-    callback's hooks do (each hook is one call here)."""
+class _EpochIterators:
+    """Where Lightning makes each epoch's iterator of the train data: the fit loop's
+    ``setup_data`` (the first epoch's, a resume's, a reload's) and the training epoch
+    loop's ``on_run_start`` (each later epoch's). Both are wrapped on the instances: each
+    notes the random number generators just before it runs and, when it made a new
+    iterator, hands them to the data position as the epoch's start
+    (:meth:`gpuopt.position.DataPosition.epoch_made`), from which a resume makes the
+    epoch again.
 
-    def __init__(self, agent: Agent, trainer: pl.Trainer, module: pl.LightningModule,
-                 options: dict[str, Any]) -> None:
-        self.agent = agent
+    .. note:: Costs one :func:`gpuopt.saving.rng_state` per call (twice an epoch).
+    """
+
+    def __init__(self, trainer: pl.Trainer, position: DataPosition,
+                 device: torch.device) -> None:
+        self.fit_loop = trainer.fit_loop
+        self.epoch_loop = trainer.fit_loop.epoch_loop
+        self.position = position
+        self.device = device
+        self._setup_data = self.fit_loop.setup_data
+        self._on_run_start = self.epoch_loop.on_run_start
+        self.fit_loop.setup_data = self.setup_data  # type: ignore[method-assign]
+        self.epoch_loop.on_run_start = self.on_run_start  # type: ignore[method-assign]
+
+    def setup_data(self) -> None:
+        """The fit loop's ``setup_data``, noted."""
+        self._noting(self._setup_data)
+
+    def on_run_start(self, data_fetcher: Any) -> None:
+        """The epoch loop's ``on_run_start``, noted."""
+        self._noting(lambda: self._on_run_start(data_fetcher))
+
+    def _noting(self, make: Callable[[], Any]) -> None:
+        rng = rng_state(self.device)
+        before = self.iterator()
+        make()
+        if self.iterator() is not before:
+            self.position.epoch_made(rng)
+
+    def iterator(self) -> Any:
+        """The train data's iterator now (the CombinedLoader's), or None before one."""
+        return getattr(self.fit_loop._combined_loader, "_iterator", None)
+
+    def _fetcher(self) -> Any:
+        fetcher = self.fit_loop._data_fetcher
+        assert fetcher is not None  # training started: setup_data made it
+        return fetcher
+
+    def replay(self) -> None:
+        """A resume mid-epoch (Lightning made the epoch's iterator anew, from its first
+        batch): the iterator made again from the epoch's start, with the samplers set to
+        the epoch (as Lightning sets them only later), its trained batches dropped, and
+        the generators as at the checkpoint's boundary
+        (:meth:`gpuopt.position.DataPosition.replay_epoch`)."""
+        combined = self._fetcher().combined_loader
+        for loader in combined.flattened:
+            _set_sampler_epoch(loader, self.fit_loop.trainer.current_epoch)
+        self.position.replay_epoch(combined)
+
+    def make_at_first_fetch(self, rng: dict[str, Any] | None) -> None:
+        """A resume at an epoch's end (Lightning would go on with an iterator it made
+        before the generators were back): the next epoch's iterator is made at its first
+        fetch, where the saved run made it, from the generators set to ``rng`` (None: as
+        they are then)."""
+        fetcher = self._fetcher()
+        combined = fetcher.combined_loader
+
+        def batches() -> Iterator[Any]:
+            if rng is not None:
+                set_rng_state(rng)
+            self._noting(lambda: iter(combined))
+            while True:
+                try:
+                    yield next(combined)
+                except StopIteration:
+                    return
+
+        fetcher.iterator = batches()
+
+    def restore(self) -> None:
+        self.fit_loop.__dict__.pop("setup_data", None)
+        self.epoch_loop.__dict__.pop("on_run_start", None)
+
+
+class _Run(RunBase):
+    """One ``fit`` under the agent: the run base with Lightning's reads of a step, its
+    knobs, its checkpoint and its data position; each callback hook is one call here."""
+
+    def __init__(self, agent: Agent, trainer: pl.Trainer, options: dict[str, Any]) -> None:
+        super().__init__(agent, device=trainer.strategy.root_device,
+                         tokens_per_sample=options.get("tokens_per_sample"))
         self.trainer = trainer
-        self.module = module
         self.options = options
-        self.device = trainer.strategy.root_device
-        self.meter = WindowMeter(batch_size, options.get("tokens_per_sample"))
         self.precision: _Precision | None = None
         self.accumulation: _Accumulation | None = None
         self.kernels: _Kernels | None = None
         self.checkpointing: ActivationCheckpointing | None = None
         self.fetch: _FetchTimer | None = None
-        self.memory: MemoryKnobs | None = None
+        self.epochs: _EpochIterators | None = None
         self.optimizer_settings: OptimizerSettings | None = None
         self._clip_val = trainer.gradient_clip_val  # the Trainer's own, put back at the end
+        self.fitting = False
         self.started = False
-        self.broken = False
-        self.step = trainer.global_step
-        self._global_step = trainer.global_step
+        self._global_step = 0
         self._loss_sum: torch.Tensor | None = None
         self._losses = 0
         self._lr: float | None = None
         self._scale_before: torch.Tensor | None = None
 
+    @property
+    def module(self) -> pl.LightningModule:
+        """The LightningModule of the ``fit`` under way."""
+        return self.trainer.lightning_module
+
     # ------------------------------------------------------------ setup
 
-    def start(self) -> None:
+    def fit_start(self) -> None:
+        """``fit`` starts (the callback's ``setup``, before Lightning makes the first
+        epoch's iterator): the module is known, and each epoch's start is noted."""
+        self.fitting = True
+        module = self.module
+        self.agent.params = sum(p.numel() for p in module.parameters())
+        self.agent.model_name = type(module).__name__
+        self.agent.refresh_knobs()  # announced: hello names the model now
+        try:
+            self.epochs = _EpochIterators(self.trainer, self.position, self.device)
+        except Exception as exc:  # the first rule: never crash the training
+            self.fail("following the train data", exc)
+
+    def train_start(self, restored: dict[str, Any] | None) -> None:
         """``on_train_start``: the dataloader and optimizer are known: bind the knobs (the
-        agent announces them) and start timing steps."""
+        agent announces them), resume from ``restored`` (this callback's state in the
+        checkpoint of ``fit(ckpt_path=...)``) and start timing steps."""
         trainer, knobs = self.trainer, self.agent.knobs
         targets = self.options.get("checkpoint_blocks")
         if targets is not None:  # asked for by name: a mistake in them is the caller's
             ActivationCheckpointing(self.module, targets)
+        if self.broken:
+            return
         try:
             self.step = self._global_step = trainer.global_step
             self._bind_precision(knobs)
@@ -543,16 +664,18 @@ class _Run:
             self._bind_loader_knobs(knobs)
             self._bind_optimizer_knobs(knobs)
             self._bind_checkpoint(knobs)
-            self.memory = MemoryKnobs(self.device, self.agent.run_id)
-            self.memory.bind(knobs)
             knobs.add(cpu_threads_knob(knobs))
+            knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+                "Lightning counts an epoch's batches once, when it sets up the train "
+                "dataloader (trainer.num_training_batches), so batches of another size "
+                "would end its epochs at the wrong batch: set the DataLoader's batch_size "
+                "and accumulate_grad_batches, and resume from a checkpoint")
             self.fetch = _FetchTimer(trainer.fit_loop.epoch_loop)
             self.fetch.install()
-            restored = self.options.get("restored")
-            if restored is not None:  # fit(ckpt_path=...) of a checkpoint with our state
-                self._restore(restored)
+            if restored is not None:
+                self._resume(restored)
         except Exception as exc:  # the first rule: never crash the training
-            self._fail("binding the knobs", exc)
+            self.fail("binding the knobs", exc)
             return
         self.agent.refresh_knobs()  # a new hello announces the schema
         self.agent.mark_start()
@@ -599,6 +722,7 @@ class _Run:
         else:
             self.kernels = kernels = _Kernels(module, self.device,
                                               self.options.get("compile_backend", "inductor"))
+            self.event_sources.append(kernels.events)
             knobs.add(Knob(KERNELS, get=lambda: kernels.backend.kernels, set=kernels.set,
                            check=lambda value: refuse(kernels.support(value))))
         targets = self.options.get("checkpoint_blocks")
@@ -640,36 +764,18 @@ class _Run:
 
     def _bind_checkpoint(self, knobs: KnobSet) -> None:
         """``checkpoint=now``: Lightning's ``trainer.save_checkpoint`` (every rank calls
-        it; rank 0 writes), made atomic; gpuwatch's knob values ride along as this
-        callback's state (:meth:`GpuwatchCallback.state_dict`)."""
+        it; rank 0 writes), made atomic; gpuwatch's knob values and data position ride
+        along as this callback's state (:meth:`saved_state`)."""
         strategy = self.trainer.strategy
         if not _simple_strategy(strategy):
             knobs.unsupported[CHECKPOINT.name] = (
                 f"{type(strategy).__name__} saves sharded checkpoints from every rank; "
                 "use Lightning's ModelCheckpoint")
             return
-        Checkpoints(self.agent, lambda path, values: self.trainer.save_checkpoint(path),
-                    step=lambda: self.trainer.global_step,
-                    directory=self.options.get("checkpoint_dir"),
-                    name="step-{step:08d}.ckpt", every_rank=True).bind(knobs)
-
-    def saved_state(self) -> dict[str, Any]:
-        """What a Lightning checkpoint keeps of gpuwatch: the knob values and, once the
-        precision knob made one, the kept fp16 GradScaler's state (Lightning saves only
-        the plugin the Trainer started with)."""
-        state: dict[str, Any] = {"knobs": self.agent.knobs.values()}
-        precision = self.precision
-        plugin = precision._plugins.get("fp16") if precision else None
-        if plugin is not None and precision is not None and plugin is not precision.original:
-            state["grad_scaler"] = plugin.scaler.state_dict()
-        return state
-
-    def _restore(self, saved: dict[str, Any]) -> None:
-        restore_knobs(self.agent, saved.get("knobs", {}), str(self.trainer.ckpt_path),
-                      self.trainer.global_step)
-        plugin = self.precision._plugins.get("fp16") if self.precision else None
-        if "grad_scaler" in saved and plugin is not None:
-            plugin.scaler.load_state_dict(saved["grad_scaler"])
+        self.bind_checkpoint(lambda path, knobs: self.trainer.save_checkpoint(path),
+                             step=lambda: self.trainer.global_step,
+                             directory=self.options.get("checkpoint_dir"),
+                             name="step-{step:08d}.ckpt", every_rank=True)
 
     def _bind_loader_knobs(self, knobs: KnobSet) -> None:
         trainer = self.trainer
@@ -689,6 +795,130 @@ class _Run:
                    "train_dataloaders (or from train_dataloader()) to change them live")
         for spec in LOADER_KNOBS:
             knobs.unsupported[spec.name] = why
+
+    # ------------------------------------------------------------ checkpoint and resume
+
+    def saved_state(self) -> dict[str, Any]:
+        """What every Lightning checkpoint of this ``fit`` keeps of gpuwatch (this
+        callback's state): the knob values a person chose, the data position
+        (:meth:`data_state`), whether ``accum_steps`` was changed (the windows are then
+        gpuwatch's, counted from the change) and, once the precision knob made one, the
+        kept fp16 GradScaler's state (Lightning saves only the plugin the Trainer started
+        with). Training thread; reads the random number generators (host work)."""
+        state: dict[str, Any] = {"knobs": self.chosen_knobs()[0], "data": self.data_state(),
+                                 "accumulation_changed": bool(self.accumulation
+                                                              and self.accumulation.engaged)}
+        precision = self.precision
+        plugin = precision._plugins.get("fp16") if precision else None
+        if plugin is not None and precision is not None and plugin is not precision.original:
+            state["grad_scaler"] = plugin.scaler.state_dict()
+        return state
+
+    def data_state(self) -> dict[str, Any]:
+        """The data position (:class:`gpuopt.position.DataPosition`'s: the generators at
+        the epoch's start and now, with Lightning's count of the epoch's batches), a
+        ReconfigurableLoader's own position, and whether Lightning validates right after
+        this batch (a resume skips that validation, and its random numbers)."""
+        fit_loop = self.trainer.fit_loop
+        progress = fit_loop.epoch_loop.batch_progress.current
+        self.position.fetched_in_epoch = progress.ready
+        state = self.position.state_dict()
+        fetcher = fit_loop._data_fetcher
+        state["validation_follows"] = (progress.completed < progress.ready  # in its batch
+                                       and fetcher is not None
+                                       and fit_loop.epoch_loop._should_check_val_fx(fetcher))
+        loader = self._train_loader()
+        if isinstance(loader, ReconfigurableLoader):
+            state["loader"] = loader.save_position()
+        return state
+
+    def data_reason(self, value: Any = None) -> str | None:
+        """Why a resume from a checkpoint now would not train the batches this run goes
+        on to, or None (any thread: attribute reads)."""
+        trainer, fit_loop = self.trainer, self.trainer.fit_loop
+        # set by Lightning's data connector, not declared on the Trainer class
+        reloads = trainer.reload_dataloaders_every_n_epochs  # type: ignore[attr-defined]
+        if reloads:
+            return (f"the Trainer reloads the train dataloader every {reloads} epochs "
+                    "(reload_dataloaders_every_n_epochs): a resume cannot make a reloaded "
+                    "epoch's batches again")
+        if isinstance(fit_loop._data_fetcher, _DataLoaderIterDataFetcher):
+            return ("training_step takes the dataloader iterator (dataloader_iter), so "
+                    "Lightning does not count the batches it trained")
+        combined = fit_loop._combined_loader
+        loaders = combined.flattened if combined is not None else []
+        if len(loaders) != 1:
+            return (f"the Trainer has {len(loaders)} train dataloaders; a resume makes the "
+                    "epoch again only of one")
+        loader = loaders[0]
+        if isinstance(loader, (ReconfigurableLoader, _Stateful)):
+            return None  # its own position: ReconfigurableLoader's, or Lightning's resume
+        if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
+            return (f"the train dataset is an IterableDataset "
+                    f"({type(loader.dataset).__name__}): a resume starts it again")
+        samplers = (loader, getattr(loader, "sampler", None),
+                    getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+        if any(getattr(part, "generator", None) is not None for part in samplers):
+            return ("the train dataloader draws its order from a torch.Generator of its own "
+                    "(generator=...), which a checkpoint does not keep: leave it to "
+                    "torch's global generator")
+        if self.position.epoch == 0:
+            return ("the train data was set up before gpuwatch followed this fit, so the "
+                    "checkpoint has no data position")
+        return None
+
+    def _train_loader(self) -> Any:
+        combined = self.trainer.fit_loop._combined_loader
+        return combined.flattened[0] if combined is not None and combined.flattened else None
+
+    def _resume(self, saved: dict[str, Any]) -> None:
+        """Training thread, at ``on_train_start`` of ``fit(ckpt_path=...)`` (Lightning has
+        restored its own state): the kept GradScaler, gpuwatch's accumulation windows,
+        the data position and generators at the checkpoint's boundary, then every knob
+        value (one ``resumed`` event, which says what will differ)."""
+        plugin = self.precision._plugins.get("fp16") if self.precision else None
+        if "grad_scaler" in saved and plugin is not None:
+            plugin.scaler.load_state_dict(saved["grad_scaler"])
+        knobs = saved.get("knobs", {})
+        # a checkpoint at its epoch's last batch: Lightning goes on with the next epoch
+        ended = (self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
+                 >= self.trainer.num_training_batches)
+        if saved.get("accumulation_changed") and self.accumulation is not None:
+            self.accumulation.set(knobs[ACCUM_STEPS.name])  # windows from this boundary
+            if ended:  # (Lightning calls no on_train_epoch_start for that epoch)
+                self.accumulation.on_epoch_start()
+        data, differs = saved.get("data"), self.data_reason()
+        if data is None or data["epoch_rng"] is None:
+            differs = ("the checkpoint has no data position (its run set up the train data "
+                       "before gpuwatch followed it): Lightning starts the epoch again")
+        else:
+            self._position_data(data, differs is None, ended)
+        self.restore(knobs, str(self.trainer.ckpt_path), differs=differs)
+
+    def _position_data(self, data: dict[str, Any], exact: bool, ended: bool) -> None:
+        """Put the train data and the generators back at the checkpoint's boundary: a
+        ReconfigurableLoader at its own position (a stateful loader: Lightning did); a
+        DataLoader's epoch made again from its start with the trained batches dropped,
+        or at an epoch's end the next epoch's iterator made at its first fetch, from
+        the generators at the boundary (or, when the saved run validated right after
+        it, as Lightning's resume leaves them after iterating the validation
+        dataloaders in place of that validation: the same draws)."""
+        loader = self._train_loader()
+        if isinstance(loader, ReconfigurableLoader):
+            loader.restore_position(data["loader"])
+            fetcher = self.trainer.fit_loop._data_fetcher
+            assert fetcher is not None  # training started: setup_data made it
+            iter(fetcher)  # the rest of its epoch, or the next
+        replay = (exact and self.epochs is not None
+                  and not isinstance(loader, (ReconfigurableLoader, _Stateful)))
+        self.position.load_state_dict(data, replay=replay and not ended)  # generators too
+        if not replay or self.epochs is None:
+            return
+        if ended:
+            self.epochs.make_at_first_fetch(None if data["validation_follows"]
+                                            else data["rng"])
+        else:
+            self.epochs.replay()
 
     # ------------------------------------------------------------ per batch
 
@@ -711,7 +941,7 @@ class _Run:
             scale = getattr(scaler, "_scale", None)  # torch.amp has no public tensor form
             self._scale_before = scale.clone() if isinstance(scale, torch.Tensor) else None
         except Exception as exc:  # the first rule: never crash the training
-            self._fail("reading the optimizer step", exc)
+            self.fail("reading the optimizer step", exc)
 
     def on_batch_end(self, outputs: Any, batch: Any) -> None:
         """``on_train_batch_end``: count the micro-batch; at a boundary (the optimizer
@@ -723,7 +953,7 @@ class _Run:
             if self.trainer.global_step != self._global_step:
                 self._boundary()
         except Exception as exc:  # the first rule: never crash the training
-            self._fail("reporting a step", exc)
+            self.fail("reporting a step", exc)
 
     def _count(self, outputs: Any, batch: Any) -> None:
         assert self.fetch is not None  # started: start() made it
@@ -741,7 +971,6 @@ class _Run:
     def _boundary(self) -> None:
         trainer = self.trainer
         self._global_step = trainer.global_step
-        self.step += 1
         wait_s, micro_batches, samples, tokens = self.meter.take()
         loss_sum = self._loss_sum  # (None exactly when no loss was counted)
         loss = loss_sum / self._losses if loss_sum is not None and self._losses else None
@@ -761,14 +990,10 @@ class _Run:
         self._loss_sum, self._losses, self._lr, self._scale_before = None, 0, None, None
         if self.precision is not None:
             self.precision.grad_norm = None
-        self.agent.optimizer_step(StepRecord(
-            step=self.step, micro_batches=max(micro_batches, 1), samples=samples,
+        self.boundary(StepRecord(
+            step=trainer.global_step, micro_batches=max(micro_batches, 1), samples=samples,
             data_wait_s=wait_s, loss=loss, skipped=skipped, tokens=tokens, lr=lr,
             grad_norm=grad_norm))
-        if self.kernels is not None:
-            publish_events(self.agent, self.step, self.kernels.events())
-        assert self.memory is not None  # started: start() made it
-        self.memory.after_step(self.agent, self.step)
 
     # ------------------------------------------------------------ events
 
@@ -807,27 +1032,21 @@ class _Run:
 
     # ------------------------------------------------------------ the end
 
-    def end(self, reason: str) -> None:
-        """Put the trainer and module back as before ``fit`` and close the agent."""
+    def uninstall(self) -> None:
+        """Put the trainer and module back as before ``fit`` (called once, by
+        :meth:`close`)."""
         self.trainer.gradient_clip_val = self._clip_val
         if self.optimizer_settings is not None:
             self.optimizer_settings.remove()
-        for part in (self.accumulation, self.fetch, self.precision, self.kernels):
+        for part in (self.accumulation, self.fetch, self.precision, self.kernels,
+                     self.epochs):
             if part is not None:
                 try:
                     part.restore()
                 except Exception as exc:  # noqa: BLE001 -- closing must go on
-                    self._fail(f"restoring {type(part).__name__}", exc)
+                    self.fail(f"restoring {type(part).__name__}", exc)
         if self.checkpointing is not None:
             self.checkpointing.enabled = False
-        self.agent.close(reason)
-
-    def _fail(self, where: str, exc: BaseException) -> None:
-        self.broken = True
-        message = (f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}; the run "
-                   "is no longer observed (training continues)")
-        log.warning(message)
-        self.agent.event("error", message, kind="agent_error")
 
 
 def _lightning_run_id(trainer: pl.Trainer) -> str | None:
@@ -909,27 +1128,35 @@ class GpuwatchCallback(Callback):
         self.agent_options = options
         #: the agent of the current (or next) ``fit``
         self.agent: Agent | None = None
-        self._run: _Run | None = None
-        self._agent_used = False
+        self._run: _Run | None = None  # the current (or next) fit's
         self._restored: dict[str, Any] | None = None  # from fit(ckpt_path=...)
 
     def state_dict(self) -> dict[str, Any]:
-        """In every Lightning checkpoint of a ``fit`` under way: gpuwatch's knob values
-        (and a GradScaler the precision knob made), restored by ``fit(ckpt_path=...)``."""
-        return self._run.saved_state() if self._run is not None and self._run.started else {}
+        """In every Lightning checkpoint of a ``fit`` under way: gpuwatch's knob values,
+        data position (and a GradScaler the precision knob made), restored by
+        ``fit(ckpt_path=...)``."""
+        run = self._run
+        if run is None or not run.started:
+            return {}
+        try:
+            return run.saved_state()
+        except Exception as exc:  # the first rule: never crash the training (or its save)
+            run.agent.report_error("saving gpuwatch's state in a checkpoint", exc)
+            return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``fit(ckpt_path=...)``: the knob values are set when training starts, once
-        the knobs are bound (an event says which)."""
+        """``fit(ckpt_path=...)``: the knob values and the data position are set when
+        training starts, once the knobs are bound (an event says which)."""
         self._restored = dict(state_dict) or None
 
     def __getstate__(self) -> dict[str, Any]:
         # spawned processes (ddp_spawn) get the settings and make their own agent
-        return {**self.__dict__, "agent": None, "_run": None, "_agent_used": False}
+        return {**self.__dict__, "agent": None, "_run": None}
 
     def new_agent(self, trainer: pl.Trainer, module: pl.LightningModule | None) -> Agent:
-        """A started agent for ``trainer``'s next ``fit``, kept in :attr:`agent` (its
-        knobs are bound when training starts)."""
+        """A started agent for ``trainer``'s next ``fit``, kept in :attr:`agent`, and its
+        run (its knobs are bound when training starts; SIGTERM and an uncaught
+        exception end it with ``bye``)."""
         options = dict(self.agent_options)
         options.setdefault("rank", trainer.global_rank)
         options.setdefault("world_size", trainer.world_size)
@@ -941,17 +1168,19 @@ class GpuwatchCallback(Callback):
         self.agent = Agent(KnobSet(), name=self.name, model=module,
                            device=trainer.strategy.root_device, transport=self.transport,
                            **options)
-        self.agent.start()
-        self._agent_used = False
+        self._run = _Run(self.agent, trainer, self.run_options)
+        self._run.start()
         return self.agent
 
     # hooks: one call each
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._run = self._begin(trainer, pl_module)
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._begin(trainer, pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._call("start")
+        restored, self._restored = self._restored, None
+        self._call("train_start", restored)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._call("on_epoch_start")
@@ -982,30 +1211,27 @@ class GpuwatchCallback(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        self._finish(ending_reason(exception))
+        # Lightning's own SIGTERM handler stops fit with this exception
+        self._finish("stopped by SIGTERM" if isinstance(exception, SIGTERMException)
+                     else ending_reason(exception))
 
     # plumbing
 
-    def _begin(self, trainer: pl.Trainer, module: pl.LightningModule) -> _Run:
-        agent = self.agent
-        if agent is None or self._agent_used:
-            agent = self.new_agent(trainer, module)
-        else:  # made by attach() before the module was known
-            agent.params = sum(p.numel() for p in module.parameters())
-            agent.model_name = type(module).__name__
-            agent.refresh_knobs()  # announced: hello names the model now
-        self._agent_used = True
-        restored, self._restored = self._restored, None
-        return _Run(agent, trainer, module, {**self.run_options, "restored": restored})
+    def _begin(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self._run is None:  # (attach() made one, before the module was known)
+            self.new_agent(trainer, module)
+        assert self._run is not None  # new_agent made it
+        self._run.fit_start()
 
     def _call(self, method: str, *args: Any) -> None:
-        if self._run is not None:
+        if self._run is not None and self._run.fitting:
             getattr(self._run, method)(*args)
 
     def _finish(self, reason: str) -> None:
-        run, self._run = self._run, None
-        if run is not None:
-            run.end(reason)
+        run = self._run
+        if run is not None and run.fitting:  # (a validate() before fit leaves it be)
+            self._run = None
+            run.close(reason)
 
 
 def attach(trainer: pl.Trainer, *, name: str = "", transport: str = "ipc",
