@@ -1,6 +1,6 @@
 """Screens compared with snapshots at 60x20, 80x24 and 120x40: the demo transformer, the
-CNN demo, a monitor-only run, a replay on a timeline, the help screen and the command
-line, each rendered by the real app (``run_test``) from fixed records.
+CNN demo, a monitor-only run, a replay on a timeline, the help screen, the command line
+and a key's question, each rendered by the real app (``run_test``) from fixed records.
 
 The snapshots are the screens' text (``tests/snapshots/<screen>-<W>x<H>.txt``), what a
 person reads, so a change shows as a readable diff in review; styles are left out.
@@ -263,9 +263,9 @@ async def test_the_checkpoint_question_is_shown(size):
     async with app.run_test(size=size) as pilot:
         await _settle(app, pilot)
         await pilot.press("s")
-        await pilot.pause()
+        await _settle(app, pilot)
         check(f"confirm-{size[0]}x{size[1]}", screen_text(app))
-        assert "y / enter: yes   n / escape: no" in screen_text(app)
+        assert "s/enter: send esc: cancel" in " ".join(screen_text(app).split())
 
 
 @pytest.mark.parametrize("size", [(80, 40), (120, 40)], ids=str)
