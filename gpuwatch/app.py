@@ -267,6 +267,8 @@ class GpuwatchApp(App[None]):
         why nothing is sent. Not while another screen (help, a dialog) or a text box has
         the keys (a text box takes keys typed after ``:`` however fast they come: it
         has the focus from the ``:`` on)."""
+        for last in self.query(LastEvent):  # none while another run's are composed
+            last.key_pressed()
         if len(self.screen_stack) > 1 or isinstance(self.focused, Input):
             return
         question = self._question
@@ -400,10 +402,12 @@ class GpuwatchApp(App[None]):
                 data.show(state)
             self.query_one(KnobsPanel).show(
                 state, now, data=() if data.display else verdict_texts(state))
-            self.query_one(LastEvent).show(state.events[-1] if state.events else None)
             new = min(state.events_total - self._events_shown, len(state.events))
             entries = list(state.events)[len(state.events) - new:] if new > 0 else []
             self._events_shown = state.events_total
+            self.query_one(LastEvent).show(  # a replay's warnings are not held
+                state.events[-1] if state.events else None,
+                entries if self.source.info is not None else (), log_shown=log.display)
         for entry in entries:
             log.add(entry)
         if knob_names != self._knob_names:  # the keys of knobs the run lacks go away

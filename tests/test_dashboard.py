@@ -23,6 +23,7 @@ from gpuwatch.client import Subscriber, send_command
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, STEP_HISTORY, RunState
 from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.widgets.last_event import HOLD_AFTER_KEY_S
 from gpuwatch.widgets.tune import TuneScreen
 from gpuwatch.widgets.panel import bucket_max, sparkline
 
@@ -1159,3 +1160,49 @@ async def test_quick_keys_send_at_once(make_agent, monkeypatch):
         assert not question_text(app)
         await pilot.press("question_mark")
         assert "send at once" in str(app.screen.query_one("#help-asks").content)
+
+
+FP16_WARNING = ("precision=fp16 accepted, applies at step 12 (warning: fp16 autocast on CPU "
+                "is typically 10-20x slower than fp32 (no native fp16 matmul); this CPU "
+                "has no native bf16 either (no AVX512-BF16/AMX): prefer fp32)")
+
+
+def last_lines(app):
+    """The last-event line's rows as shown ("" when it is not in view)."""
+    widget = app.query_one("#last")
+    return "\n".join(line.rstrip() for line in shown_lines(app, "#last")) \
+        if widget.display else ""
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40)])
+async def test_a_warning_stays_on_screen_until_a_few_seconds_after_the_next_key(size):
+    source, app = _silent_app()
+    shown_at = time.monotonic()
+    source.now = lambda: shown_at  # the run stays live: no status change is logged
+    async with app.run_test(size=size) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("step", {"step": 11}), shown_at)
+        await until(pilot, lambda: "run is live" in log_texts(app))
+        with source.lock:
+            source.state.ingest(envelope("event", {"level": "warning",
+                                                   "text": FP16_WARNING}))
+            for step in (12, 13):  # the next events: the warning stays, whole
+                source.state.ingest(envelope("event", {
+                    "level": "info", "text": f"checkpoint saved at step {step}"}))
+        await until(pilot, lambda: "prefer fp32)" in last_lines(app))
+        shown = " ".join(last_lines(app).replace("▸", " ").split())
+        assert shown.startswith(FP16_WARNING), shown  # every word of it ...
+        assert "checkpoint saved" not in shown  # ... and no newer event until a key
+        assert app.screen.max_scroll_y == 0  # nothing pushed out of view
+        await pilot.press("x")  # a key: it goes a few seconds later
+        pressed = time.monotonic()
+        assert "prefer fp32)" in last_lines(app)
+        if size[1] < 32:  # the newest event under it (the log is not in view)
+            assert last_lines(app).endswith("▸ checkpoint saved at step 13")
+        assert app.screen.max_scroll_y == 0
+        await until(pilot, lambda: "prefer fp32)" not in last_lines(app))
+        assert time.monotonic() - pressed >= HOLD_AFTER_KEY_S - 0.1
+        if size[1] < 32:  # the newest alone
+            assert last_lines(app) == " ▸ checkpoint saved at step 13"
+        else:
+            assert not app.query_one("#last").display  # the event log shows it
