@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from textual import events, work
@@ -19,6 +20,7 @@ from agent import protocol
 from agent.knobs import assignment
 from agent.runs import find_run
 from gpuwatch.client import new_command_id, parse_assignment, reply_text, send_command
+from gpuwatch.units import knob_text
 from gpuwatch.palette import BindingCommands
 from gpuwatch import history
 from gpuwatch.sources import Source
@@ -31,8 +33,8 @@ from gpuwatch.widgets.compare_screen import CompareScreen
 from gpuwatch.widgets.data import DataPanel, verdict_texts
 from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
-from gpuwatch.widgets.confirm_screen import ConfirmScreen
 from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.widgets.key_question import KeyQuestion, Question
 from gpuwatch.widgets.runs_screen import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
 from gpuwatch.widgets.last_event import LastEvent
@@ -85,7 +87,13 @@ _STATUS_NOTES = {
 #: Textual's palette entries left out (see :meth:`GpuwatchApp.get_system_commands`).
 _HIDDEN_SYSTEM_COMMANDS = frozenset({"Quit", "Keys", "Maximize", "Minimize"})
 #: The actions that send a command (their first parameter is the knob).
-_KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "confirm"})
+_KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "send"})
+#: The actions of the keys that change the run: each asks before it sends (see
+#: :meth:`GpuwatchApp.on_key`), unless quick keys are on.
+_RUN_ACTIONS = _KNOB_ACTIONS | {"tune"}
+#: ``GPUWATCH_QUICK_KEYS=1``: the keys that change the run send at once, without asking
+#: (as ``gpuwatch --quick-keys``).
+QUICK_KEYS_ENV = "GPUWATCH_QUICK_KEYS"
 #: The actions that move a replay on a timeline.
 _TIMELINE_ACTIONS = frozenset({"move_by", "move_to_mark", "move_to", "compare"})
 
@@ -96,6 +104,9 @@ class GpuwatchApp(App[None]):
     Args:
         source: where records come from; started on mount, closed on unmount.
         readonly: when True, keys log what they would send and send nothing.
+        quick_keys: when True, a key that changes the run sends its command at once;
+            when False it asks first (:meth:`on_key`); None: ``$GPUWATCH_QUICK_KEYS``
+            (``1``: on).
         notes: lines for the event log at start (e.g. where a demo writes its output).
     """
 
@@ -113,6 +124,7 @@ class GpuwatchApp(App[None]):
         Binding("q", "quit", "quit", id="quit",
                 tooltip="Quit the dashboard (a run goes on; a `gpuwatch demo` run stops)"),
         Binding("colon", "command_line", "cmd", id="command_line",
+                priority=True,  # acts as it comes: the keys queued behind it are text
                 tooltip="Type a command as `gpuwatch set` takes it: accum_steps=8, "
                         "kernels=compile, checkpoint=now (tab completes from the run's "
                         "knobs; enter sends, escape closes)"),
@@ -149,10 +161,10 @@ class GpuwatchApp(App[None]):
         Binding("g", "clip('max_grad_norm')", "clip", id="max_grad_norm.toggle",
                 tooltip="Gradient clipping off (max_grad_norm=0) / on again at the last "
                         f"threshold ({DEFAULT_MAX_GRAD_NORM:g} if it never had one)"),
-        Binding("s", "confirm('checkpoint', 'now')", "save", id="checkpoint.now",
+        Binding("s", "send('checkpoint', 'now')", "save", id="checkpoint.now",
                 show=False,  # in help and the palette: the footer is full at 80 columns
-                tooltip="Save a checkpoint at the next step (asks first: the training "
-                        "waits while it is written)"),
+                tooltip="Save a checkpoint at the next step (the training waits while "
+                        "it is written)"),
         # a replay on a timeline (before the focused widget's keys: the log scrolls too)
         Binding("left", "move_by(-1)", "step-", id="timeline.back", group=_STEP,
                 priority=True, tooltip="Timeline: one optimizer step back"),
@@ -190,10 +202,12 @@ class GpuwatchApp(App[None]):
     ]
 
     def __init__(self, source: Source, *, readonly: bool = False,
-                 notes: Iterable[str] = ()) -> None:
+                 quick_keys: bool | None = None, notes: Iterable[str] = ()) -> None:
         super().__init__()
         self.source = source
         self.readonly = readonly
+        self.quick_keys = (os.environ.get(QUICK_KEYS_ENV) == "1" if quick_keys is None
+                           else quick_keys)
         self._notes = list(notes)
         self._drawn: tuple[int, str, Any] | None = None
         self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
@@ -204,6 +218,10 @@ class GpuwatchApp(App[None]):
         self._knob_names: frozenset[str] = frozenset()
         #: the threshold clipping had before ``g`` turned it off, by knob
         self._clip_restore: dict[str, float] = {}
+        #: the command a key asked about, until it is answered
+        self._question: Question | None = None
+        #: the key whose action runs now (None: the palette or a click ran it)
+        self._key: str | None = None
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Hide a knob's keys (footer, help, palette) where no command can go: in a
@@ -214,6 +232,10 @@ class GpuwatchApp(App[None]):
             # never a text box's (the command palette's): its arrows stay its own
             return (isinstance(self.source, TimelineSource)
                     and not isinstance(self.focused, Input))
+        if action == "command_line":  # listed everywhere; acts on the dashboard only
+            # (a ``:`` typed in a text box, or on another screen, is that one's)
+            return (len(self.screen_stack) == 1
+                    and not isinstance(self.focused, Input)) or None
         if action == "tune":
             return self.source.info is not None  # a replay sends nothing
         if action not in _KNOB_ACTIONS:
@@ -233,20 +255,52 @@ class GpuwatchApp(App[None]):
                 yield command
 
     def on_key(self, event: events.Key) -> None:
-        """A knob's key that :meth:`check_action` hides (a replay, a knob the run lacks,
-        no schema yet) is not silent: its action runs anyway and says in the event log
-        why nothing is sent. Not while another screen (help, a dialog) or a text box
-        has the keys."""
+        """The keys that change the run, before any binding acts on them.
+
+        A key that changes the run asks first (:class:`KeyQuestion`, over the footer):
+        the same key again or enter sends, escape cancels, and any other key cancels
+        and then does what it does. A key the terminal delivered before the question
+        was asked (typed ahead, in the same burst) never answers it: it cancels, and
+        asks again if it is the same key. With quick keys on, the command is sent at
+        once. A knob's key that :meth:`check_action` hides (a replay, a knob the run
+        lacks, no schema yet) is not silent: its action runs and says in the event log
+        why nothing is sent. Not while another screen (help, a dialog) or a text box has
+        the keys (a text box takes keys typed after ``:`` however fast they come: it
+        has the focus from the ``:`` on)."""
+        for last in self.query(LastEvent):  # none while another run's are composed
+            last.key_pressed()
         if len(self.screen_stack) > 1 or isinstance(self.focused, Input):
             return
-        for binding in self.BINDINGS:
-            if not isinstance(binding, Binding) or event.key not in binding.key.split(","):
-                continue
-            _, name, parameters = parse_action(binding.action)
-            if name in _KNOB_ACTIONS and self.check_action(name, parameters) is False:
+        question = self._question
+        if question is not None:
+            if question.answered_by(event.key, event.time):
+                self._show_question(None)
                 event.stop()
-                getattr(self, f"action_{name}")(*parameters)
+                event.prevent_default()
+                self._command(question.knob, question.value, question.described,
+                              ask=False, then=question.then)
+                return
+            typed_ahead = event.key in ("enter", question.key)
+            self._ask(None, why=f": {self.get_key_display(Binding(event.key, ''))} was "
+                                "typed ahead of the question" if typed_ahead else "")
+            if event.key == "escape":
+                event.stop()
+                event.prevent_default()
+                return
+        binding = next((b for b in self.BINDINGS if isinstance(b, Binding)
+                        and event.key in b.key.split(",")), None)
+        if binding is None:
             return
+        _, name, parameters = parse_action(binding.action)
+        if name in _KNOB_ACTIONS or (name in _RUN_ACTIONS
+                                     and self.check_action(name, parameters)):
+            event.stop()
+            event.prevent_default()  # not the binding as well
+            self._key = event.key
+            try:
+                getattr(self, f"action_{name}")(*parameters)
+            finally:
+                self._key = None
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -267,6 +321,7 @@ class GpuwatchApp(App[None]):
         yield CommandLine(id="command", placeholder="knob=value (tab completes, escape "
                                                      "closes)",
                           suggester=SchemaSuggester(self._schema_and_knobs))  # over it
+        yield KeyQuestion(id="question")  # over it too
 
     def on_mount(self) -> None:
         self._start_source()
@@ -347,10 +402,12 @@ class GpuwatchApp(App[None]):
                 data.show(state)
             self.query_one(KnobsPanel).show(
                 state, now, data=() if data.display else verdict_texts(state))
-            self.query_one(LastEvent).show(state.events[-1] if state.events else None)
             new = min(state.events_total - self._events_shown, len(state.events))
             entries = list(state.events)[len(state.events) - new:] if new > 0 else []
             self._events_shown = state.events_total
+            self.query_one(LastEvent).show(  # a replay's warnings are not held
+                state.events[-1] if state.events else None,
+                entries if self.source.info is not None else (), log_shown=log.display)
         for entry in entries:
             log.add(entry)
         if knob_names != self._knob_names:  # the keys of knobs the run lacks go away
@@ -435,6 +492,7 @@ class GpuwatchApp(App[None]):
             self._state_shown, self._drawn = None, None
             self._charts_drawn, self._events_shown = (-1, 0.0), 0
             self._knob_names = frozenset()
+            self._question = None  # its widget goes with the others
             await self.recompose()  # a timeline has its bar, a live run has none
             self.set_focus(None)  # not the removed widget that had it: the keys are ours
         finally:
@@ -449,10 +507,15 @@ class GpuwatchApp(App[None]):
             return dict(self.source.state.schema), dict(self.source.state.knobs)
 
     def action_command_line(self) -> None:
-        """Open the command line (``:``)."""
+        """Open the command line (``:``) with the focus, at once: ``:`` is a priority
+        binding, so this runs as the app takes the key from the terminal, before it
+        passes on the keys queued behind it; they go to the command line however fast
+        they come (``focus()`` would move the focus only after them, and each would act
+        as a shortcut). A key's open question is not sent."""
+        self._ask(None)
         line = self.query_one(CommandLine)
         line.display = True
-        line.focus()
+        self.screen.set_focus(line)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         """The command line's enter: send what was typed as ``gpuwatch set`` sends it
@@ -470,11 +533,11 @@ class GpuwatchApp(App[None]):
         except ValueError as exc:
             self.note("error", f"{exc}; nothing sent")
             return
-        self._command(knob, value)
+        self._command(knob, value, ask=False)  # typed and entered: asked enough
 
     def action_help(self) -> None:
         """Open the help screen."""
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(quick_keys=self.quick_keys))
 
     def action_show_tune(self) -> None:
         """Open the search's screen."""
@@ -483,15 +546,15 @@ class GpuwatchApp(App[None]):
 
     def action_tune(self) -> None:
         """Start an in-run search with the run's default knobs, or stop the running one
-        (the best configuration so far stays); opens the search's screen."""
+        (the best configuration so far stays); opens the search's screen once sent."""
         with self.source.lock:
             running, hello = self.source.state.tuning, bool(self.source.state.hello)
         if not hello:
             self.note("warning", "no knob schema from the run yet; nothing sent")
             return
-        self.action_show_tune()
         self._command(protocol.TUNE, {"stop": True} if running else {},
-                      "tune: stop the search" if running else "tune: start a search")
+                      "tune: stop the search" if running else "tune: start a search",
+                      then=self.action_show_tune)
 
     def action_cycle(self, knob: str) -> None:
         """Ask the run for the next value of a choice knob (its schema's order)."""
@@ -569,25 +632,15 @@ class GpuwatchApp(App[None]):
             return
         self._command(knob, value)
 
-    def action_confirm(self, knob: str, value: str) -> None:
-        """Ask first, then send ``knob=value`` (a command such as ``checkpoint=now``)."""
+    def action_send(self, knob: str, value: str) -> None:
+        """Send ``knob=value``, a command such as ``checkpoint=now`` (or say that the
+        run has no such command)."""
         with self.source.lock:
-            spec = self.source.state.schema.get(knob)
-        if spec is None:
+            known = knob in self.source.state.schema
+        if not known:
             self.note("warning", f"this run has no {knob} command; nothing sent")
             return
-        if self.source.info is None or self.readonly or self.source.state.ended is not None:
-            self._command(knob, value)  # says why it is not sent
-            return
-
-        def answered(yes: bool | None) -> None:
-            if yes:
-                self._command(knob, value)
-            else:
-                self.note("info", f"{assignment(knob, value)} not sent")
-
-        self.push_screen(ConfirmScreen(f"Send {assignment(knob, value)} to the run?",
-                                       str(spec.get("help", ""))), answered)
+        self._command(knob, value)
 
     # the app's own "toggle" action (of a boolean knob), in place of DOMNode's coroutine
     # that toggles an attribute: nothing here binds that one
@@ -620,9 +673,11 @@ class GpuwatchApp(App[None]):
         self.note("warning", f"{reason}; nothing sent")
         return None, None
 
-    def _command(self, knob: str, value: Any, described: str | None = None) -> None:
+    def _command(self, knob: str, value: Any, described: str | None = None, *,
+                 ask: bool = True, then: Callable[[], None] | None = None) -> None:
         """Send ``knob=value`` (``described`` for people, by default the assignment; the
-        reply is logged when it comes), or say why not."""
+        reply is logged when it comes), then call ``then``; or say why not. With
+        ``ask`` (and quick keys off) it asks first (see :meth:`on_key`)."""
         described = described or assignment(knob, value)
         if self.source.info is None:
             self.note("warning", f"a replay takes no commands: {described} not sent")
@@ -630,9 +685,45 @@ class GpuwatchApp(App[None]):
             self.note("warning", f"read-only: {described} not sent")
         elif self.source.state.ended is not None:
             self.note("warning", f"the run has ended: {described} not sent")
+        elif ask and not self.quick_keys:
+            self._ask(Question(knob, value, described, self._what(knob, value, described),
+                               self._key, time.monotonic(), then))
         else:
             self.note("info", f"sent {described}")
             self._send(knob, value)
+            if then is not None:
+                then()
+
+    def _what(self, knob: str, value: Any, described: str) -> str:
+        """What sending ``knob=value`` will do, for its question: ``precision fp32 →
+        bf16 at the next step``, a command's help (``checkpoint=now: save a checkpoint
+        ...``), else ``described``."""
+        with self.source.lock:
+            state = self.source.state
+            spec = state.schema.get(knob) or {}
+            known, current = knob in state.knobs, state.knobs.get(knob)
+            pending = state.pending.get(knob)  # on its way: the key stepped from it
+        if pending is not None:
+            current = pending.value
+        if spec.get("kind") == "action":
+            return f"{described}: {spec.get('help', '')}"
+        if known:
+            return f"{knob} {knob_text(current)} → {knob_text(value)} at the next step"
+        return described
+
+    def _ask(self, question: Question | None, *, why: str = "") -> None:
+        """Show ``question`` over the footer, or close the one open (None); one open
+        until now is not sent, and the event log says so (``why``: the reason)."""
+        if self._question is not None:
+            self.note("info", f"{self._question.described} not sent{why}")
+        self._show_question(question)
+
+    def _show_question(self, question: Question | None) -> None:
+        """Show ``question`` over the footer (None: nothing)."""
+        self._question = question
+        key = question.key if question is not None else None
+        self.query_one(KeyQuestion).show(
+            question, self.get_key_display(Binding(key, "")) if key else None)
 
     @work(thread=True, group="commands")
     def _send(self, knob: str, value: Any) -> tuple[str, Any, protocol.Reply]:

@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
         attach, "run id, unique prefix, or endpoint (default: the newest live run)")
     attach.add_argument("--readonly", action="store_true",
                         help="watch only: keys send no commands")
+    attach.add_argument("--quick-keys", action="store_true",
+                        help="keys that change the run send at once, without asking "
+                             "(also GPUWATCH_QUICK_KEYS=1)")
     attach.set_defaults(handler=_attach)
 
     runs = commands.add_parser("runs", help="list live runs (--all: finished ones too)",
@@ -194,6 +197,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="run the job in this terminal; watch it from another")
     demo.add_argument("--readonly", action="store_true",
                       help="watch only: keys send no commands")
+    demo.add_argument("--quick-keys", action="store_true",
+                      help="keys that change the run send at once, without asking "
+                           "(also GPUWATCH_QUICK_KEYS=1)")
     demo.set_defaults(handler=_demo)
 
     doctor = commands.add_parser(
@@ -238,14 +244,17 @@ def _attach(args: argparse.Namespace) -> int:
             return history_commands.open_finished(log)
     if info is None:
         return _no_run(args.run)
-    return _watch(info, readonly=args.readonly)
+    return _watch(info, readonly=args.readonly, quick_keys=args.quick_keys)
 
 
-def _watch(info: RunInfo, *, readonly: bool, notes: Sequence[str] = ()) -> int:
+def _watch(info: RunInfo, *, readonly: bool, quick_keys: bool,
+           notes: Sequence[str] = ()) -> int:
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.live import LiveSource
 
-    app = GpuwatchApp(LiveSource(info), readonly=readonly, notes=notes)
+    app = GpuwatchApp(LiveSource(info), readonly=readonly,
+                      quick_keys=quick_keys or None,  # else $GPUWATCH_QUICK_KEYS
+                      notes=notes)
     app.run()
     return app.return_code or 0
 
@@ -588,7 +597,7 @@ def _demo(args: argparse.Namespace) -> int:
         info = _wait_for_run(child, log_path)
         if info is None:
             return 1
-        return _watch(info, readonly=args.readonly, notes=[
+        return _watch(info, readonly=args.readonly, quick_keys=args.quick_keys, notes=[
             f"demo training job pid {child.pid}, output in {log_path}"])
     finally:
         _stop_child(child)

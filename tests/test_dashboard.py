@@ -10,6 +10,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from textual import events
 from textual.geometry import Region
 from textual.widgets import Footer
 
@@ -17,12 +18,13 @@ from agent import protocol
 from agent.knobs import STANDARD_KNOBS
 from agent.runs import RunInfo
 from gpuwatch import state as state_module
-from gpuwatch.app import GpuwatchApp
+from gpuwatch.app import QUICK_KEYS_ENV, GpuwatchApp
 from gpuwatch.client import Subscriber, send_command
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, STEP_HISTORY, RunState
-from gpuwatch.widgets.confirm_screen import ConfirmScreen
 from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.widgets.last_event import HOLD_AFTER_KEY_S
+from gpuwatch.widgets.tune import TuneScreen
 from gpuwatch.widgets.panel import bucket_max, sparkline
 
 RUN = "20250101-000000-abcd"
@@ -334,6 +336,12 @@ def help_text(app):
     return "\n".join(str(cell.content) for cell in app.screen.query("#help-keys Static"))
 
 
+def question_text(app):
+    """The question a key asks, as shown ("" when none is open)."""
+    widget = app.query_one("#question")
+    return str(widget.content) if widget.display else ""
+
+
 def shown_keys(app):
     """The keys the footer shows now."""
     return {key for key, active in app.active_bindings.items() if active.binding.show}
@@ -359,7 +367,7 @@ async def test_p_sends_precision_and_knobs_panel_follows(fake_agent):
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: knows(app, "precision"))
         await until(pilot, lambda: "● live" in text_of(app, "#header"))
-        await pilot.press("p")
+        await pilot.press("p", "p")  # asks, then sends
         command = await next_command(fake_agent)
         assert (command["knob"], command["value"]) == ("precision", "bf16")
         assert command["token"] == fake_agent.info.token
@@ -376,7 +384,7 @@ async def test_shift_a_sends_accum_steps_and_bounds_hold(fake_agent):
         await until(pilot, lambda: knows(app, "accum_steps"))
         await pilot.press("a")  # already at the schema's minimum 1
         assert "accum_steps is already at its minimum 1; nothing sent" in log_texts(app)
-        await pilot.press("A")
+        await pilot.press("A", "A")
         command = await next_command(fake_agent)
         assert (command["knob"], command["value"]) == ("accum_steps", 2)
         await until(pilot, lambda: "accum_steps 2" in text_of(app, "#knobs"))
@@ -459,7 +467,7 @@ async def test_k_says_which_kernels_it_skips_and_why(make_agent):
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: knows(app, "kernels"))
-        await pilot.press("k")
+        await pilot.press("k", "k")
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("kernels", "triton")
         assert "kernels=compile skipped: needs a C compiler" in log_texts(app)
@@ -483,10 +491,10 @@ async def test_w_and_m_send_loader_knobs_within_bounds(make_agent):
         await until(pilot, lambda: knows(app, "num_workers") and knows(app, "pin_memory"))
         await pilot.press("w")  # already at the schema's minimum 0
         assert "num_workers is already at its minimum 0; nothing sent" in log_texts(app)
-        await pilot.press("W")
+        await pilot.press("W", "W")
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("num_workers", 1)
-        await pilot.press("m")
+        await pilot.press("m", "m")
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("pin_memory", True)
         assert "sent pin_memory=on" in log_texts(app)
@@ -502,15 +510,15 @@ async def test_k_cycles_kernels_and_c_toggles_checkpointing(make_agent):
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: knows(app, "kernels") and knows(app, "checkpointing"))
-        await pilot.press("k")
+        await pilot.press("k", "k")
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("kernels", "compile")
-        await pilot.press("c")
+        await pilot.press("c", "c")
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("checkpointing", True)
         await until(pilot, lambda: "kernels       compile" in text_of(app, "#knobs")
                     and "checkpointing on" in text_of(app, "#knobs"))
-        await pilot.press("k")  # steps from the applied value
+        await pilot.press("k", "k")  # steps from the applied value
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("kernels", "triton")
 
@@ -664,14 +672,14 @@ async def test_gone_run_that_comes_back_is_live_again(make_agent, monkeypatch,
         assert f"run {first.info.run_id} restarted (pid {second.info.pid})" in " ".join(
             log_texts(app))
         await until(pilot, lambda: knows(app, "accum_steps"))
-        await pilot.press("A")
+        await pilot.press("A", "A")
         command = await next_command(second)
         assert command["knob"] == "accum_steps" and command["token"] == second.info.token
 
 
 async def test_lr_clip_and_checkpoint_keys_send_commands_and_the_panel_shows_them(make_agent):
     """l / L halve and double lr_scale, g turns clipping off and back on at its threshold,
-    s asks first and then sends checkpoint=now; the knobs panel shows the learning rate
+    s sends checkpoint=now (each asks first); the knobs panel shows the learning rate
     the steps use and the clipping threshold with the last gradient norm."""
     agent = make_agent(knobs={"precision": "fp32", "lr_scale": 1.0, "max_grad_norm": 1.0,
                               "checkpoint": None},
@@ -684,21 +692,21 @@ async def test_lr_clip_and_checkpoint_keys_send_commands_and_the_panel_shows_the
         assert "clip 1 norm 0.834" in text_of(app, "#knobs")
         sent = []
         for key in ("l", "l", "L", "g", "g"):
-            await pilot.press(key)
+            await pilot.press(key, key)
             command = await next_command(agent)
             sent.append((command["knob"], command["value"]))
         assert sent == [("lr_scale", 0.5), ("lr_scale", 0.25), ("lr_scale", 0.5),
                         ("max_grad_norm", 0.0), ("max_grad_norm", 1.0)]
         await until(pilot, lambda: "x0.5" in text_of(app, "#knobs"))
         await pilot.press("s")
-        assert isinstance(app.screen, ConfirmScreen)
-        await pilot.press("n")
+        assert "checkpoint=now: save a checkpoint" in question_text(app)
+        await pilot.press("n")  # any other key cancels
         await until(pilot, lambda: "checkpoint=now not sent" in log_texts(app))
-        assert agent.commands.empty()
-        await pilot.press("s", "y")
+        assert agent.commands.empty() and not app.query_one("#question").display
+        await pilot.press("s", "enter")
         command = await next_command(agent)
         assert (command["knob"], command["value"]) == ("checkpoint", "now")
-        assert not isinstance(app.screen, ConfirmScreen)
+        assert not app.query_one("#question").display
 
 
 async def test_help_lists_every_binding_that_acts(make_agent):
@@ -740,6 +748,9 @@ async def test_command_palette_runs_binding_commands(fake_agent):
         await pilot.press(*"accum+")
         await until(pilot, lambda: "accum+" in str(app.screen.query("CommandList").first()
                                                    .get_option_at_index(0).prompt))
+        await pilot.press("enter")  # the palette's enter runs it: it asks, as the key
+        await until(pilot, lambda: "accum_steps 1 → 2" in question_text(app))
+        assert "enter: send" in question_text(app) and "/enter" not in question_text(app)
         await pilot.press("enter")
         command = await next_command(fake_agent)
         assert (command["knob"], command["value"]) == ("accum_steps", 2)
@@ -856,7 +867,7 @@ async def test_a_tiny_terminal_keeps_the_header_and_footer_in_view(make_agent):
         assert app.query_one(Footer).region.y == 14
         assert app.query_one("#charts").region.height >= 4
         assert not app.query_one("#log").display  # events: `gpuwatch tail`
-        await pilot.press("p")  # keys still work
+        await pilot.press("p", "p")  # keys still work
         command = await next_command(agent)
         assert command["knob"] == "precision"
 
@@ -882,7 +893,7 @@ async def test_every_size_keeps_header_feedback_knobs_and_quit_in_view(make_agen
     async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: knows(app, "precision") and knows(app, "kernels"))
         await until(pilot, lambda: app.query_one("#panels").size.width == width)
-        await pilot.press("p")
+        await pilot.press("p", "p")
         await next_command(agent)
         await pilot.pause(0.3)  # a redraw at the laid-out size
         assert app.screen.max_scroll_y == 0
@@ -1016,3 +1027,182 @@ async def test_throughput_shows_a_speed_up_that_a_few_fast_steps_do_not_hide():
         levels = [SPARK_BARS.index(bar) for bar in bars if bar in SPARK_BARS]
         half = len(levels) // 2
         assert max(levels[:half - 1]) < min(levels[half + 1:]), bars
+
+
+# --- keys that change the run ----------------------------------------------------------
+
+#: Textual's names of the characters typed in the tests below.
+KEY_NAMES = {":": "colon", "=": "equals_sign", "_": "underscore"}
+
+
+def burst(app, *keys):
+    """Hand ``keys`` to the app at once, as its terminal driver does with what it read in
+    one go (typed ahead while the app was busy, or pasted): every key is queued before
+    the app takes the first (``pilot.press`` waits for the app after each key)."""
+    for key in keys:
+        character = {"enter": "\r", "escape": "\x1b"}.get(key, key)
+        app.post_message(events.Key(KEY_NAMES.get(key, key), character))
+
+
+#: A run whose keys a burst of ``:cpu_threads=1`` would press, were they shortcuts: c
+#: checkpointing, p precision, t the search's screen, r runs, a accum_steps, s save.
+SHORTCUT_KNOBS = {"precision": "fp32", "accum_steps": 2, "checkpointing": False,
+                  "cpu_threads": 2, "checkpoint": None}
+
+
+@pytest.mark.parametrize("how", ["pilot", "burst"])
+async def test_text_typed_after_a_colon_goes_to_the_command_line_however_fast(make_agent,
+                                                                               how):
+    agent = make_agent(knobs=dict(SHORTCUT_KNOBS))
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "cpu_threads") and knows(app, "precision"))
+        if how == "pilot":
+            await pilot.press(*":cpu_threads=1", "enter")
+        else:
+            burst(app, *":cpu_threads=1", "enter")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("cpu_threads", "1")
+        await until(pilot, lambda: "cpu_threads=1 applied at step" in " ".join(
+            log_texts(app)))
+        assert agent.knobs == {"precision": "fp32", "accum_steps": 2,
+                               "checkpointing": False, "cpu_threads": 1}
+        assert agent.commands.empty()  # nothing else was sent ...
+        assert [text for text in log_texts(app)  # ... asked, or said
+                if not text.startswith(("waiting for", "run is live"))] == [
+            "sent cpu_threads=1", *(t for t in log_texts(app) if t.startswith(
+                "cpu_threads=1 accepted")), *(t for t in log_texts(app) if t.startswith(
+                    "cpu_threads=1 applied"))]
+        assert app.screen is app.screen_stack[0] and not question_text(app)
+        assert not app.query_one("#command").display and app.focused is None
+
+
+async def test_a_key_that_changes_the_run_asks_and_its_key_again_or_enter_sends(
+        make_agent):
+    agent = make_agent(knobs={"precision": "fp32", "accum_steps": 1,
+                              "checkpointing": False})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "precision") and knows(app, "checkpointing"))
+        await pilot.press("p")  # what it will do, and which keys answer
+        assert question_text(app) == ("? precision fp32 → bf16 at the next step  "
+                                      "p/enter: send  esc: cancel")
+        await pilot.press("escape")
+        assert log_texts(app)[-1] == "precision=bf16 not sent" and not question_text(app)
+        await pilot.press("p", "A")  # another key cancels, then does what it does
+        assert "precision=bf16 not sent" in log_texts(app)[-1:]
+        assert question_text(app).startswith("? accum_steps 1 → 2 at the next step")
+        await pilot.press("A")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("accum_steps", 2)
+        await until(pilot, lambda: "accum_steps=2 applied at step" in " ".join(
+            log_texts(app)))
+        await pilot.press("c", "enter")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("checkpointing", True)
+        await pilot.press("question_mark")  # help says how the keys confirm
+        assert "the same key again or enter sends" in str(
+            app.screen.query_one("#help-asks").content)
+        await pilot.press("escape")
+        await app.workers.wait_for_complete()
+    assert agent.commands.empty()  # precision never went
+
+
+async def test_a_key_typed_ahead_of_its_question_never_answers_it(make_agent):
+    agent = make_agent(knobs={"precision": "fp32", "checkpointing": False})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "precision") and knows(app, "checkpointing"))
+        burst(app, "p", "p", "c", "enter")  # a double press and an enter, in one burst
+        await until(pilot, lambda: "checkpointing=on not sent: ⏎ was typed ahead of the "
+                    "question" in log_texts(app))
+        assert log_texts(app)[-3:] == [  # the second p cancelled, then asked again
+            "precision=bf16 not sent: p was typed ahead of the question",
+            "precision=bf16 not sent",  # by c
+            "checkpointing=on not sent: ⏎ was typed ahead of the question"]
+        assert not question_text(app)
+        burst(app, "p", "p")  # the second p asks again: pressed after it, p sends
+        await until(pilot, lambda: question_text(app).startswith("? precision fp32 → bf16"))
+        await pilot.press("p")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("precision", "bf16")
+        await app.workers.wait_for_complete()
+    assert agent.commands.empty()
+
+
+async def test_T_asks_on_the_dashboard_even_from_the_search_screen(make_agent):
+    agent = make_agent(knobs={"precision": "fp32"})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "precision"))
+        await pilot.press("t")
+        assert isinstance(app.screen, TuneScreen)
+        await pilot.press("T")  # the question is the dashboard's
+        assert not isinstance(app.screen, TuneScreen)
+        assert question_text(app).startswith("? tune: start a search  T/enter: send")
+        await pilot.press("T")  # sent: the search's screen opens again
+        command = await next_command(agent)
+        assert command["knob"] == protocol.TUNE
+        assert isinstance(app.screen, TuneScreen)
+
+
+async def test_quick_keys_send_at_once(make_agent, monkeypatch):
+    agent = make_agent(knobs={"precision": "fp32"})
+    monkeypatch.setenv(QUICK_KEYS_ENV, "1")
+    app = GpuwatchApp(LiveSource(agent.info))
+    assert app.quick_keys and not GpuwatchApp(LiveSource(agent.info),
+                                              quick_keys=False).quick_keys
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: knows(app, "precision"))
+        await pilot.press("p")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("precision", "bf16")
+        assert not question_text(app)
+        await pilot.press("question_mark")
+        assert "send at once" in str(app.screen.query_one("#help-asks").content)
+
+
+FP16_WARNING = ("precision=fp16 accepted, applies at step 12 (warning: fp16 autocast on CPU "
+                "is typically 10-20x slower than fp32 (no native fp16 matmul); this CPU "
+                "has no native bf16 either (no AVX512-BF16/AMX): prefer fp32)")
+
+
+def last_lines(app):
+    """The last-event line's rows as shown ("" when it is not in view)."""
+    widget = app.query_one("#last")
+    return "\n".join(line.rstrip() for line in shown_lines(app, "#last")) \
+        if widget.display else ""
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40)])
+async def test_a_warning_stays_on_screen_until_a_few_seconds_after_the_next_key(size):
+    source, app = _silent_app()
+    shown_at = time.monotonic()
+    source.now = lambda: shown_at  # the run stays live: no status change is logged
+    async with app.run_test(size=size) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("step", {"step": 11}), shown_at)
+        await until(pilot, lambda: "run is live" in log_texts(app))
+        with source.lock:
+            source.state.ingest(envelope("event", {"level": "warning",
+                                                   "text": FP16_WARNING}))
+            for step in (12, 13):  # the next events: the warning stays, whole
+                source.state.ingest(envelope("event", {
+                    "level": "info", "text": f"checkpoint saved at step {step}"}))
+        await until(pilot, lambda: "prefer fp32)" in last_lines(app))
+        shown = " ".join(last_lines(app).replace("▸", " ").split())
+        assert shown.startswith(FP16_WARNING), shown  # every word of it ...
+        assert "checkpoint saved" not in shown  # ... and no newer event until a key
+        assert app.screen.max_scroll_y == 0  # nothing pushed out of view
+        await pilot.press("x")  # a key: it goes a few seconds later
+        pressed = time.monotonic()
+        assert "prefer fp32)" in last_lines(app)
+        if size[1] < 32:  # the newest event under it (the log is not in view)
+            assert last_lines(app).endswith("▸ checkpoint saved at step 13")
+        assert app.screen.max_scroll_y == 0
+        await until(pilot, lambda: "prefer fp32)" not in last_lines(app))
+        assert time.monotonic() - pressed >= HOLD_AFTER_KEY_S - 0.1
+        if size[1] < 32:  # the newest alone
+            assert last_lines(app) == " ▸ checkpoint saved at step 13"
+        else:
+            assert not app.query_one("#last").display  # the event log shows it

@@ -34,7 +34,7 @@ async def test_framework_run_shows_live_in_the_dashboard_and_takes_a_key(script,
             with app.source.lock:
                 record = app.source.state.last_step
             assert record["loss"] is not None and record["samples"] > 0
-            await pilot.press("A")  # accum_steps + 1
+            await pilot.press("A", "A")  # accum_steps + 1 (asked, then sent)
             await until(pilot, lambda: any(t.startswith("accum_steps=2 applied at step")
                                            for t in log_texts(app)), 60)
             await until(pilot, lambda: app.source.state.last_step["micro_batches"] == 2, 60)

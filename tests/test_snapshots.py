@@ -1,6 +1,7 @@
 """Screens compared with snapshots at 60x20, 80x24 and 120x40: the demo transformer, the
-CNN demo, a monitor-only run, a replay on a timeline, the help screen and the command
-line, each rendered by the real app (``run_test``) from fixed records.
+CNN demo, a monitor-only run, a replay on a timeline, the help screen, the command line,
+a key's question and a warning held over newer events, each rendered by the real app
+(``run_test``) from fixed records.
 
 The snapshots are the screens' text (``tests/snapshots/<screen>-<W>x<H>.txt``), what a
 person reads, so a change shows as a readable diff in review; styles are left out.
@@ -263,9 +264,28 @@ async def test_the_checkpoint_question_is_shown(size):
     async with app.run_test(size=size) as pilot:
         await _settle(app, pilot)
         await pilot.press("s")
-        await pilot.pause()
+        await _settle(app, pilot)
         check(f"confirm-{size[0]}x{size[1]}", screen_text(app))
-        assert "y / enter: yes   n / escape: no" in screen_text(app)
+        assert "s/enter: send esc: cancel" in " ".join(screen_text(app).split())
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_a_warning_held_over_newer_events(size):
+    """The fp16-on-CPU warning, whole, with two events after it (until a key)."""
+    app = _transformer()
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        with app.source.lock:
+            app.source.state.log(
+                "warning", "precision=fp16 accepted, applies at step 121 (warning: fp16 "
+                "autocast on CPU is typically 10-20x slower than fp32 (no native fp16 "
+                "matmul); this CPU has no native bf16 either (no AVX512-BF16/AMX): "
+                "prefer fp32)", 1_767_268_900.0)
+            app.source.state.log("info", "precision=fp16 applied at step 121",
+                                 1_767_268_901.0)
+        await _settle(app, pilot)
+        check(f"warning-{size[0]}x{size[1]}", screen_text(app))
+        assert "prefer fp32)" in screen_text(app)
 
 
 @pytest.mark.parametrize("size", [(80, 40), (120, 40)], ids=str)

@@ -867,7 +867,7 @@ async def test_T_starts_the_search_its_screen_shows_the_candidates_and_T_stops_i
         app = GpuwatchApp(LiveSource(monitor.info))
         async with app.run_test(size=(120, 40)) as pilot:
             await until(pilot, lambda: app.source.state.hello and app.source.state.steps)
-            await pilot.press("T")
+            await pilot.press("T", "T")  # asked, then sent
             await until(pilot, lambda: isinstance(app.screen, TuneScreen))
 
             def shown():
@@ -876,7 +876,7 @@ async def test_T_starts_the_search_its_screen_shows_the_candidates_and_T_stops_i
             await until(pilot, lambda: "cpu_threads=1" in shown(), timeout_s=60)
             assert shown().startswith("running at step ")
             assert "searching cpu_threads, step_delay" in shown()
-            await pilot.press("T")  # again: stop, keeping the best so far
+            await pilot.press("T", "T")  # again: stop, keeping the best so far
             await until(pilot, lambda: "tuned: " in shown(), timeout_s=60)
             assert shown().startswith("stopped at step ")
             assert any(text.startswith("tune: stopping") for text in log_texts(app))

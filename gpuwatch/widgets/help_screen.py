@@ -65,12 +65,19 @@ PANELS = (
 
 
 class HelpScreen(ModalScreen[None]):
-    """Lists the app's bindings that act here (key, description, longer help), then
-    what each panel shows (:data:`PANELS`); any listed key closes."""
+    """Lists the app's bindings that act here (key, description, longer help) and how
+    the keys that change the run confirm (``quick_keys``: they do not), then what each
+    panel shows (:data:`PANELS`); any listed key closes."""
 
     BINDINGS = [
         Binding("escape,q,question_mark", "dismiss", "close", id="help.close"),
     ]
+
+    def __init__(self, *, quick_keys: bool = False, name: str | None = None,
+                 id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(name=name, id=id, classes=classes)
+        #: the dashboard's keys that change the run send at once (else they ask first)
+        self.quick_keys = quick_keys
 
     def compose(self) -> ComposeResult:
         app = self.app
@@ -86,6 +93,14 @@ class HelpScreen(ModalScreen[None]):
                     yield Static(Content.styled(binding.description, "bold"),
                                  classes="description")
                     yield Static(binding.tooltip, classes="help")
+            yield Static(Content.styled(
+                "Keys that change the run send at once (quick keys are on)."
+                if self.quick_keys else
+                "Keys that change the run ask first, over the footer: the same key "
+                "again or enter sends; escape or any other key cancels (a key typed "
+                "before the question showed never answers it). Quick keys send at once: "
+                "gpuwatch --quick-keys, or GPUWATCH_QUICK_KEYS=1.", "$text-muted"),
+                id="help-asks")
             yield Static(Content.styled("panels", "bold $accent"), classes="heading")
             with Grid(id="help-panels"):
                 for panel, text in PANELS:

@@ -1,7 +1,12 @@
-"""One line with the newest entry of the event log, for a terminal too short for the
-log itself: the answer to the last key press stays in view at any size."""
+"""The newest entry of the event log on one line, for a terminal too short for the log
+itself (the answer to the last key press stays in view at any size), and the warnings
+and errors not read yet, whole, at any size."""
 
 from __future__ import annotations
+
+import textwrap
+import time
+from collections.abc import Iterable
 
 from textual.content import Content
 
@@ -9,16 +14,87 @@ from gpuwatch.state import LogEntry
 from gpuwatch.widgets.event_log import LEVEL_COLORS
 from gpuwatch.widgets.panel import Panel
 
+#: A warning or error stays on the line until this many seconds after the first key
+#: pressed once it was shown (a key pressed as it came is no sign that it was read).
+HOLD_AFTER_KEY_S = 3.0
+#: Warnings and errors held at most (the newest; the event log has them all).
+MAX_HELD = 2
+#: Lines one held entry takes at most (it wraps; a longer one ends in …).
+MAX_HELD_LINES = 4
+#: The levels that are held.
+HELD_LEVELS = frozenset({"warning", "error"})
+
 
 class LastEvent(Panel):
     """``▸ <text>`` of the newest log entry, coloured by its level (the stylesheet shows
-    it only where the event log is hidden)."""
+    it where the event log is hidden).
 
-    def show(self, entry: LogEntry | None) -> None:
-        """Show ``entry`` (None: nothing logged yet)."""
-        if entry is None:
-            self.set_content(Content.styled("no events yet", "$text-muted"))
-            return
+    A warning or error is held: it stays, whole (wrapped), until :data:`HOLD_AFTER_KEY_S`
+    after the next key, whatever comes after it, and the line shows it at every size
+    (class ``-held``). Until that key the held ones are all the line shows (a short
+    terminal's charts keep their rows); from it, the newest entry under them, the
+    answer to the key."""
+
+    def __init__(self, *, name: str | None = None, id: str | None = None,
+                 classes: str | None = None) -> None:
+        super().__init__(name=name, id=id, classes=classes)
+        #: the warnings and errors shown, each with when it goes (monotonic s; None:
+        #: no key pressed since it came)
+        self._held: list[tuple[LogEntry, float | None]] = []
+        self._newest: LogEntry | None = None
+        self._log_shown = False
+        self._rows = 1  # lines shown: the layout is redone when they change
+
+    def show(self, newest: LogEntry | None, new: Iterable[LogEntry] = (), *,
+             log_shown: bool = False) -> None:
+        """Show ``newest`` (None: nothing logged yet), and hold each warning or error of
+        ``new`` (the entries logged since the last call). ``log_shown``: the event log is
+        in view (it shows the newest entry: this line then shows only what it holds)."""
+        self._held += [(entry, None) for entry in new if entry.level in HELD_LEVELS]
+        del self._held[:-MAX_HELD]
+        self._newest, self._log_shown = newest, log_shown
+        self._draw()
+
+    def key_pressed(self) -> None:
+        """A key was pressed: what is held goes :data:`HOLD_AFTER_KEY_S` from now."""
+        if any(due is None for _, due in self._held):
+            until = time.monotonic() + HOLD_AFTER_KEY_S
+            self._held = [(entry, until if due is None else due)
+                          for entry, due in self._held]
+            self.set_timer(HOLD_AFTER_KEY_S, self._draw)
+            self._draw()  # the newest entry under them: the answer to this key
+
+    def on_resize(self) -> None:
+        """Wrap what is held again at the new width (first shown at a tall terminal's
+        size, the line had none)."""
+        self._draw()
+
+    def _draw(self) -> None:
+        """Show what is held and not yet due, and the newest entry (see the class)."""
+        now = time.monotonic()
+        self._held = [(entry, due) for entry, due in self._held if due is None or due > now]
+        lines = [self._line(entry, wrap=True) for entry, _ in self._held]
+        answer = all(due is not None for _, due in self._held)  # a key since they came
+        if self._newest is not None and not self._log_shown and answer and (
+                not self._held or self._newest is not self._held[-1][0]):
+            lines.append(self._line(self._newest, wrap=False))
+        elif not lines:
+            lines.append(Content.styled("no events yet", "$text-muted"))
+        self.set_class(bool(self._held), "-held")
+        content = Content("\n").join(lines)
+        rows = len(content.plain.split("\n"))
+        self.set_content(content, layout=rows != self._rows)
+        self._rows = rows
+
+    def _line(self, entry: LogEntry, *, wrap: bool) -> Content:
+        """``▸ text`` in the entry's colour: on one line (the stylesheet cuts it), or
+        wrapped to the width in at most :data:`MAX_HELD_LINES` lines."""
         variable = LEVEL_COLORS.get(entry.level)
-        self.set_content(Content.assemble(("▸ ", "$text-muted"),
-                                          (entry.text, f"${variable}" if variable else "")))
+        style = f"${variable}" if variable else ""
+        if not wrap:
+            return Content.assemble(("▸ ", "$text-muted"),
+                                    (" ".join(entry.text.splitlines()), style))
+        width = max(self.text_width - 2, 10)
+        lines = textwrap.wrap(entry.text, width, max_lines=MAX_HELD_LINES,
+                              placeholder=" …") or [""]
+        return Content.assemble(("▸ ", "$text-muted"), ("\n  ".join(lines), style))

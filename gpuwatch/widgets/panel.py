@@ -32,15 +32,16 @@ class Panel(Static):
         """Columns for text inside the border and padding (a default before layout)."""
         return self.content_region.width or DEFAULT_WIDTH
 
-    def set_content(self, content: Content | str) -> None:
+    def set_content(self, content: Content | str, *, layout: bool = False) -> None:
         """Show ``content``, its control characters made visible (see
-        :func:`safe_content`), unless it is what is shown already."""
+        :func:`safe_content`), unless it is what is shown already. ``layout``: its
+        height follows its lines (the layout is redone when it changes)."""
         content = safe_content(content)
         current = self.content
         if isinstance(current, Content) and (current.plain, current.spans) == (
                 content.plain, content.spans):
             return
-        self.update(content, layout=False)
+        self.update(content, layout=layout)
 
 
 def safe_content(content: Content | str) -> Content:

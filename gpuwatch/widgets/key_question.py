@@ -1,0 +1,59 @@
+"""The question a key that changes the run asks before its command is sent: what it will
+do and which keys answer, over the footer's row (as the ``:`` command line is)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from textual.content import Content
+from textual.widgets import Static
+
+from agent.protocol import printable
+
+
+@dataclass(frozen=True)
+class Question:
+    """A command that waits for its answer.
+
+    Attributes:
+        knob, value: the command (as :func:`gpuwatch.client.send_command` takes it).
+        described: the command for the event log (``precision=bf16``).
+        what: what it will do, for the question (``precision fp32 → bf16``).
+        key: the key that asked (Textual's name): it, or enter, sends; None (asked from
+            the command palette or a click): enter alone.
+        asked_at: when it was asked, on Textual's clock (``time.monotonic`` s, as a key
+            event's ``time``): a key the terminal delivered before it (typed ahead, in
+            the same burst as the key that asked) never answers it.
+        then: what to do once it is sent (the search's screen opens after ``T``).
+    """
+
+    knob: str
+    value: Any
+    described: str
+    what: str
+    key: str | None
+    asked_at: float
+    then: Callable[[], None] | None = None
+
+    def answered_by(self, key: str, delivered_at: float) -> bool:
+        """Whether a key (its name, and its event's ``time``) sends the command."""
+        return key in ("enter", self.key) and delivered_at >= self.asked_at
+
+
+class KeyQuestion(Static):
+    """``? <what it will do>  p/enter: send  esc: cancel`` while a question is open,
+    hidden otherwise; the app decides what answers it (``GpuwatchApp.on_key``)."""
+
+    def show(self, question: Question | None, key_display: str | None) -> None:
+        """Show ``question`` (``key_display``: its key as the footer shows it), or hide
+        (None)."""
+        self.display = question is not None
+        if question is None:
+            return
+        keys = f"{key_display}/enter" if key_display else "enter"
+        self.update(Content.assemble(("? ", "bold $warning"),
+                                     (printable(question.what), "bold"), "  ",
+                                     (keys, "bold $accent"), ": send  ",
+                                     ("esc", "bold $accent"), ": cancel"))
