@@ -237,11 +237,11 @@ def test_one_line_attach_reports_undivided_loss_data_wait_lr_tokens_and_events(r
                                  "loss_normalization": "micro_batch_mean"}
     events = [(r["kind"], r.get("step"), r.get("sanity_check")) for r in records
               if r["type"] == "event"]
-    assert events[:2] == [("validation_start", 0, True), ("validation_end", 0, True)]
+    assert events[:2] == [("evaluation_start", 0, True), ("evaluation", 0, True)]
     assert ("checkpoint", 3, None) in events
     epoch_end = events.index(("epoch_end", 4, None))  # 8 batches, 2 per step
-    assert events[epoch_end - 2:epoch_end] == [("validation_start", 4, False),
-                                               ("validation_end", 4, False)]
+    assert events[epoch_end - 2:epoch_end] == [("evaluation_start", 4, False),
+                                               ("evaluation", 4, False)]
     assert [r["text"] for r in records if r.get("kind") == "epoch_end"] == [
         "epoch 0 ended at step 4", "epoch 1 stopped at step 6: max_steps reached"]
     assert records[-1]["type"] == "bye" and records[-1]["reason"] == "finished"

@@ -154,6 +154,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleD
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from agent.protocol import EventKind
 from agent.adapters import (cpu_threads_knob, loader_knobs, optimizer_knobs, precision_knob,
                             refuse)
 from agent.core import Agent, ending_reason
@@ -1004,13 +1005,13 @@ class _Run(RunBase):
 
     def validation_start(self) -> None:
         sanity = self.trainer.sanity_checking
-        self.event("validation_start", "validation sanity check started" if sanity
+        self.event(EventKind.EVALUATION_START, "validation sanity check started" if sanity
                    else f"validation started at step {self.trainer.global_step}",
                    sanity_check=sanity)
 
     def validation_end(self) -> None:
         sanity = self.trainer.sanity_checking
-        self.event("validation_end", "validation sanity check ended" if sanity
+        self.event(EventKind.EVALUATION, "validation sanity check ended" if sanity
                    else f"validation ended at step {self.trainer.global_step}",
                    sanity_check=sanity)
         if self.started and not sanity and self.meter.fetched == 0 and not self.broken:
@@ -1023,12 +1024,12 @@ class _Run(RunBase):
         cut = (0 < trainer.max_steps <= step
                and isinstance(trainer.num_training_batches, int)
                and batches < trainer.num_training_batches)  # Lightning ends it on max_steps
-        self.event("epoch_end", f"epoch {epoch} stopped at step {step}: max_steps reached"
+        self.event(EventKind.EPOCH_END, f"epoch {epoch} stopped at step {step}: max_steps reached"
                    if cut else f"epoch {epoch} ended at step {step}", epoch=epoch)
 
     def checkpoint_saved(self) -> None:
-        self.event("checkpoint", f"checkpoint saved at step {self.trainer.global_step} "
-                   f"(epoch {self.trainer.current_epoch})")
+        self.event(EventKind.CHECKPOINT_SAVED, "checkpoint saved at step "
+                   f"{self.trainer.global_step} (epoch {self.trainer.current_epoch})")
 
     # ------------------------------------------------------------ the end
 

@@ -17,6 +17,16 @@ from tests.contract import (BATCH_SIZE, SAMPLES, Driver, IndexedDigits, Net, Rec
                             loss_fn, optimizer_and_schedule, params_of, send_at_first_step)
 
 
+def step(run: Any, optimizer: Any, scheduler: Any) -> None:
+    """The window's end as such loops write it: the optimizer and schedule step through
+    the run's GradScaler, then the boundary."""
+    run.scaler.step(optimizer)
+    run.scaler.update()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    run.optimizer_step()
+
+
 class LoopDriver(Driver):
     name = "loop"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
@@ -51,11 +61,7 @@ class LoopDriver(Driver):
                 with run.autocast:
                     loss = loss_fn(model(x), y) / run.accum_steps
                 run.scaler.scale(loss).backward()
-            run.scaler.step(optimizer)
-            run.scaler.update()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.optimizer_step()
+            step(run, optimizer, scheduler)
 
 
 class LoopDataLoaderDriver(LoopDriver):
@@ -96,11 +102,7 @@ class LoopFetchAheadDriver(LoopDriver):
                     loss = loss_fn(model(x), y) / run.accum_steps
                 x, y, index = get_batch("train")
                 run.scaler.scale(loss).backward()
-            run.scaler.step(optimizer)
-            run.scaler.update()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.optimizer_step()
+            step(run, optimizer, scheduler)
 
 
 DRIVERS = [LoopDriver, LoopDataLoaderDriver, LoopFetchAheadDriver]
