@@ -302,6 +302,11 @@ def _set(args: argparse.Namespace) -> int:
     info = find_run(args.run)
     if info is None:
         return _no_run(args.run)
+    others = {run.run_id for run in list_runs()} - {info.run_id}
+    if args.run is None and others:  # the newest: say which, before it changes anything
+        print(f"gpuwatch set: to run {printable(info.run_id)} "
+              f"({printable(info.name, 60)}), the newest of {len(others) + 1} live runs "
+              "(--run RUN picks another)", file=sys.stderr)
     reply = send_command(info, knob, value, timeout_s=args.timeout,
                          checkpoint=args.checkpoint)
     print(printable(reply_text(knob, value, reply), newlines=True),  # its warning line

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from agent import runs
+
 
 def gpuwatch(*args, timeout=30):
     return subprocess.run([sys.executable, "-m", "gpuwatch", *args], capture_output=True,
@@ -43,6 +45,21 @@ def test_set_accepted(make_agent):
     assert result.returncode == 0, result.stderr
     command = fake_agent.commands.get(timeout=5)
     assert (command["knob"], command["checkpoint"]) == ("precision", True)
+
+
+def test_set_without_run_names_the_run_it_sends_to_when_there_are_several(make_agent):
+    """Plain ``gpuwatch set`` goes to the newest live run: with several, it says which
+    (on stderr, before sending), so a person sees whose job it changed."""
+    older = make_agent(knobs={"accum_steps": 1}, run_id="20250101-000000-aaaa")
+    newer = make_agent(knobs={"accum_steps": 1}, run_id="20250101-000001-bbbb")
+    result = gpuwatch("set", "accum_steps=4")
+    assert result.returncode == 0, result.stderr
+    newest = runs.find_run()  # what plain `set` picks
+    assert newest.run_id in (older.info.run_id, newer.info.run_id)
+    assert f"to run {newest.run_id}" in result.stderr
+    assert "the newest of 2 live runs (--run RUN picks another)" in result.stderr
+    alone = gpuwatch("set", "accum_steps=2", "--run", older.info.run_id)
+    assert alone.returncode == 0 and "newest" not in alone.stderr
 
 
 @pytest.mark.parametrize("assignment, reason", [

@@ -821,6 +821,10 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         keys = app.query_one(Footer).query("FooterKey")
         assert {key.key for key in keys} >= {"p", "a", "A", "w", "W", "m", "k", "c", "l",
                                               "L", "g", "question_mark", "q"}
+        # the footer lays its keys out in a later refresh (a loaded machine: later still)
+        await until(pilot, lambda: all(key.region.width > 0 for key in
+                                       app.query_one(Footer).query("FooterKey")))
+        keys = app.query_one(Footer).query("FooterKey")
         for key in keys:  # every key in sight
             assert key.region.right <= width and key.region.y == height - 1, key.key
         timing_title = app.query_one("#timing").render().plain.split("\n")[0]
