@@ -582,6 +582,11 @@ def _human_line(message: dict[str, Any]) -> str | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.resume is not None and not Path(args.resume).is_file():
+        print(f"gpuwatch demo: no checkpoint at {printable(args.resume)} (the path the "
+              "checkpoint event named, e.g. .../checkpoints/<run>/step-00000040.pt)",
+              file=sys.stderr)
+        return 2
     command = [sys.executable, "-m", "agent.demo", "--model", args.model,
                "--compile-backend", args.compile_backend]
     if args.max_steps is not None:

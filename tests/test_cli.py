@@ -72,6 +72,13 @@ def test_set_rejected(fake_agent, assignment, reason):
     assert result.stderr.startswith("rejected: ") and reason in result.stderr
 
 
+def test_demo_resume_of_a_missing_checkpoint_is_one_clear_line(tmp_path):
+    result = gpuwatch("demo", "--resume", str(tmp_path / "nothing.pt"))
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"gpuwatch demo: no checkpoint at {tmp_path}")
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
+
+
 def test_set_needs_an_assignment(fake_agent):
     result = gpuwatch("set", "precision")
     assert result.returncode == 2 and "KNOB=VALUE" in result.stderr
