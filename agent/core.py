@@ -255,10 +255,10 @@ class Agent:
         return self._desk.commands_rejected
 
     @property
-    def watching_change(self) -> bool:
-        """Whether a guarded change is still watched (it may yet be rolled back). Any
-        thread; one attribute read."""
-        return self._change_guard.watching
+    def cleanly_watched_step(self) -> int:
+        """The step of the latest guarded change whose watch ended without a rollback
+        (0: none yet): nothing before it can be rolled back any more. Any thread."""
+        return self._change_guard.clean_through
 
     def keep_state_with(self, keeper: StateKeeper) -> None:
         """Let rollbacks put back the training state, not only the knob values: the

@@ -69,6 +69,9 @@ class ChangeGuard:
         #: what went wrong at the latest rollback decided (``loss was nan at step 12``),
         #: without the changes it undoes
         self.trouble = ""
+        #: the step of the latest change whose watch ended cleanly (no rollback): the
+        #: state kept for it can go (0: none yet). Only grows; any thread may read it.
+        self.clean_through = 0
 
     def observe(self, losses: Iterable[float | None]) -> None:
         """Steps published (in order, after :meth:`on_step` saw them): their finite
@@ -112,6 +115,7 @@ class ChangeGuard:
             if step - latest.step >= self.guard_steps or not any(
                     self.tuner or not change.by_tuner for change in entries):
                 self._answered = latest
+                self.clean_through = max(self.clean_through, latest.step)
             return None
         trouble = None
         baseline = self._baseline
@@ -129,6 +133,7 @@ class ChangeGuard:
         if trouble is None:
             if step - latest.step >= self.guard_steps:
                 self._answered = latest
+                self.clean_through = max(self.clean_through, latest.step)
             return None
         self._answered = latest
         self.trouble = trouble

@@ -117,7 +117,7 @@ class RunBase:
         self.step = record.step = record.step or self.step + 1
         self.position.window_done(record.micro_batches)
         self.agent.optimizer_step(record)
-        if self._kept is not None and not self.agent.watching_change:
+        if self._kept is not None and self.agent.cleanly_watched_step > self._kept[0]:
             self._kept = None  # the change's watch ended cleanly: nothing to go back to
         try:
             for source in self.event_sources:

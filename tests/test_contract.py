@@ -16,12 +16,14 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 from agent.knobs import assignment
-from tests.contract import Driver, all_drivers, run
+from gpuwatch.client import Subscriber
+from tests.contract import NAN_UNDER_BF16, Driver, Recorder, all_drivers, run
 
 STEPS = 9
 CHECKPOINT_AFTER = 5
@@ -71,6 +73,56 @@ def test_a_resume_after_live_changes_continues_the_run_exactly(driver, run_dir, 
         assert got[step]["loss"] == want[step]["loss"], step
         assert got[step]["knobs"] == want[step]["knobs"], step
     for mine, theirs in zip(resumed.params, twin.params):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].rollback])
+def test_a_rollback_puts_the_state_back_where_the_change_applied(driver, run_dir,
+                                                                  tmp_path):
+    """``precision=bf16`` at step 7 makes the loss NaN (a fault injected in the task's
+    loss under bf16), which breaks the weights; the guard rolls the change back, and the
+    training state (model, optimizer, schedule, random numbers, data position) goes back
+    to the boundary after step 6: steps 7 to 14 then equal a twin's that never made the
+    change (the same samples, losses and final parameters, bit for bit)."""
+    twin = run(driver, steps=14, commands=[], checkpoint_dir=tmp_path)
+    recorder = Recorder(hold_at=12)  # the training waits there for the guard's decision
+    decided = threading.Event()
+
+    def watch(info):
+        with Subscriber(info) as sub:
+            while not decided.is_set():
+                message = sub.recv(timeout_s=0.5)
+                if message and message["type"] == "event" and message["body"].get(
+                        "kind") == "rollback":
+                    decided.set()
+                    recorder.release.set()
+
+    import agent.core
+
+    started = agent.core.Agent.start  # the watcher subscribes as the run starts
+
+    def start_and_watch(self, *args, **kwargs):
+        result = started(self, *args, **kwargs)
+        threading.Thread(target=watch, args=(self.info,), daemon=True).start()
+        return result
+
+    agent.core.Agent.start = start_and_watch
+    NAN_UNDER_BF16.set()
+    try:
+        diverging = run(driver, steps=14, commands=[("precision", "bf16", 7)],
+                        checkpoint_dir=tmp_path, recorder=recorder)
+    finally:
+        agent.core.Agent.start = started
+        NAN_UNDER_BF16.clear()
+        decided.set()
+    [restored] = diverging.events("state_restored")
+    assert "boundary after step 6" in restored["text"], restored
+    want, got = twin.steps(), diverging.steps()
+    for step in range(7, 15):
+        assert got[step]["loss"] == want[step]["loss"], step
+        assert diverging.recorder.window(step) == twin.recorder.window(step), step
+        assert got[step]["knobs"]["precision"] == "fp32"
+    for mine, theirs in zip(diverging.params, twin.params):
         assert torch.equal(mine, theirs)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,15 @@ class Net(torch.nn.Module):
         return self.net(x)
 
 
+#: Fault injection for the rollback check: while True, a forward in bf16 gives a NaN loss.
+NAN_UNDER_BF16 = threading.Event()
+
+
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), y)
+    loss = F.cross_entropy(logits.float(), y)
+    if NAN_UNDER_BF16.is_set() and logits.dtype == torch.bfloat16:
+        return loss * float("nan")
+    return loss
 
 
 def optimizer_and_schedule(model: torch.nn.Module) -> tuple[Any, Any]:
@@ -72,6 +80,12 @@ class Recorder:
 
     trained: list[tuple[int, ...]] = field(default_factory=list)
     marks: dict[int, int] = field(default_factory=dict)
+    #: optimizer step -> its window's micro-batches (a step trained again, after a
+    #: rollback, replaces its window)
+    windows: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
+    #: the step at which the training thread waits for ``release`` (None: never)
+    hold_at: int | None = None
+    release: threading.Event = field(default_factory=threading.Event)
     #: the reply to each command sent (:func:`send_at_first_step`), by knob
     replies: dict[str, Any] = field(default_factory=dict)
     #: print ``step N <run log path>`` at the first step (for a parent process)
@@ -82,9 +96,8 @@ class Recorder:
         self.trained.append(tuple(int(i) for i in index))
 
     def window(self, step: int) -> list[tuple[int, ...]]:
-        """The micro-batches of optimizer step ``step``'s window."""
-        start = self.marks.get(step - 1, 0)
-        return self.trained[start:self.marks[step]]
+        """The micro-batches of optimizer step ``step``'s window (its last training)."""
+        return self.windows[step]
 
 
 @dataclass
@@ -111,12 +124,14 @@ class Driver:
             left out, and ``refused`` names them with a word of the reason).
         refused: ``{knob: a word of the refusal reason}``.
         slow: its runs start a framework whose start-up is long.
+        rollback: a rollback puts its training state back (not the knob values only).
     """
 
     name = ""
     changes: tuple[tuple[str, Any], ...] = ()
     refused: dict[str, str] = {}
     slow = False
+    rollback = False
 
     def train(self, *, steps: int, commands: list[tuple[str, Any, int]],
               checkpoint_dir: Path, resume_from: Path | None,
@@ -135,11 +150,18 @@ def send_at_first_step(monitor: Any, commands: list[tuple[str, Any, int]],
     from agent.fanout import send_command
 
     pending = list(commands)
+    ended = [0]  # micro-batches trained when the latest step ended
 
     def listener(record: dict[str, Any]) -> None:
         if record["type"] != "step":
             return
-        recorder.marks[record["step"]] = len(recorder.trained)
+        step = record["step"]
+        recorder.marks[step] = len(recorder.trained)
+        recorder.windows[step] = recorder.trained[ended[0]:]
+        ended[0] = len(recorder.trained)
+        if step == recorder.hold_at:
+            recorder.hold_at = None  # (once: a step trained again does not wait)
+            assert recorder.release.wait(60), "not released"
         if recorder.announce and len(recorder.marks) == 1:
             print(f"step {record['step']} {monitor.info.log_path}", flush=True)
         while pending:
@@ -151,9 +173,10 @@ def send_at_first_step(monitor: Any, commands: list[tuple[str, Any, int]],
 
 
 def run(driver: Driver, *, steps: int, commands: list[tuple[str, Any, int]],
-        checkpoint_dir: Path, resume_from: Path | None = None) -> Result:
+        checkpoint_dir: Path, resume_from: Path | None = None,
+        recorder: Recorder | None = None) -> Result:
     """One run of ``driver`` (see :meth:`Driver.train`)."""
-    recorder = Recorder()
+    recorder = recorder or Recorder()
     log_path, params = driver.train(steps=steps, commands=commands,
                                     checkpoint_dir=checkpoint_dir, resume_from=resume_from,
                                     recorder=recorder)

@@ -28,6 +28,7 @@ def step(run: Any, optimizer: Any, scheduler: Any) -> None:
 
 
 class LoopDriver(Driver):
+    rollback = True
     name = "loop"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
                ("precision", "bf16"), ("micro_batch_size", 4))
@@ -81,6 +82,7 @@ class LoopFetchAheadDriver(LoopDriver):
     has been fetched (and its random indices drawn) already."""
 
     name = "loop-fetch-ahead"
+    rollback = False  # the loop holds the batch it fetched ahead: the event says so
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
                ("precision", "bf16"))
     refused = {"micro_batch_size": "ReconfigurableLoader"}

@@ -27,6 +27,7 @@ def collate(samples: list[Any]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch
 
 
 class TrainerDriver(Driver):
+    rollback = True
     name = "trainer"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
                ("precision", "bf16"), ("micro_batch_size", 4))
