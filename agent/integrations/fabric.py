@@ -82,9 +82,11 @@ from agent.core import Agent
 from agent.knobs import (CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE, MAX_GRAD_NORM,
                          MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
 from agent.loop import LoopRun, check_accum_steps, model_knobs, optimizer_settings_knobs
+from agent.run import host_copy
 from gpuopt.backends import ModelBackend
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import precision_support
+from gpuopt.saving import rng_state, set_rng_state
 
 __all__ = ["FabricRun", "attach"]
 
@@ -288,6 +290,32 @@ class FabricRun(LoopRun):
             self.precision.load_scaler(saved["grad_scaler"])
         self._sampler_epoch = (saved.get("data") or {}).get("sampler_epoch")
         self._resume_run(saved, source)
+
+    def state_snapshot(self) -> dict[str, Any]:
+        """The model's, optimizer's, scheduler's and GradScaler's states, the random
+        numbers and the data position, in host memory (for a rollback)."""
+        scaler = None if self.precision is None else self.precision.scaler
+        return host_copy({
+            "model": self.model.state_dict(),
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "lr_scheduler": (None if self.lr_scheduler is None
+                             else self.lr_scheduler.state_dict()),
+            "grad_scaler": {} if scaler is None else scaler.state_dict(),
+            "rng": rng_state(self.device), "data": self.data_state()})
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Go back to ``snapshot`` in the middle of the loop: the states, the random
+        numbers and the data position (:meth:`loader`'s iteration goes back, the Fabric
+        loader's sampler epoch with it)."""
+        self._load_states(snapshot, "the rollback's snapshot", model=self.model,
+                          optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
+        if snapshot["grad_scaler"] and self.precision is not None:
+            self.precision.load_scaler(snapshot["grad_scaler"])
+        epoch = snapshot["data"].get("sampler_epoch")
+        if epoch is not None and self._fabric_loader is not None:
+            self._fabric_loader._num_iter_calls = epoch  # (its iter() counts it up again)
+        self._load_position(snapshot["data"])
+        set_rng_state(snapshot["rng"])
 
     def uninstall(self) -> None:
         """Give ``fabric.backward`` back (the precision a person chose stays)."""

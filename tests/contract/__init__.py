@@ -44,6 +44,11 @@ class IndexedDigits(torch.utils.data.Dataset):
         return self.x[index], self.y[index], torch.tensor(index)
 
 
+#: Fault injection for the rollback check: while set, a forward under bf16 autocast
+#: gives NaN logits (and so a NaN loss and NaN gradients).
+NAN_UNDER_BF16 = threading.Event()
+
+
 class Net(torch.nn.Module):
     """A small classifier with dropout (so a resume must restore the random numbers)."""
 
@@ -54,18 +59,15 @@ class Net(torch.nn.Module):
                                        torch.nn.Dropout(0.2), torch.nn.Linear(32, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-#: Fault injection for the rollback check: while True, a forward in bf16 gives a NaN loss.
-NAN_UNDER_BF16 = threading.Event()
+        out = self.net(x)
+        if (NAN_UNDER_BF16.is_set() and torch.is_autocast_enabled("cpu")
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+            return out * float("nan")
+        return out
 
 
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.cross_entropy(logits.float(), y)
-    if NAN_UNDER_BF16.is_set() and logits.dtype == torch.bfloat16:
-        return loss * float("nan")
-    return loss
+    return F.cross_entropy(logits.float(), y)
 
 
 def optimizer_and_schedule(model: torch.nn.Module) -> tuple[Any, Any]:

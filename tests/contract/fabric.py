@@ -21,6 +21,7 @@ from tests.contract import (BATCH_SIZE, Driver, IndexedDigits, Net, Recorder, lo
 
 
 class FabricDriver(Driver):
+    rollback = True
     name = "fabric"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
                ("precision", "bf16"))
