@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import agent
+from agent.checkpoints import load_checkpoint
 from agent import protocol
 from agent.knobs import TUNED, TUNED_IF_ALLOWED, Knob, KnobError, KnobSet, KnobSpec
 from agent.tune import (
@@ -968,3 +969,24 @@ def test_a_trades_setting_has_a_line_of_its_own_and_every_row_fits_80_columns():
     # the numbers line up under the header, in the 66 columns the screen has at 80
     assert len(header) == len(single) == len(numbers) <= 66
     assert numbers.split() == ["1,894", "±", "229", "samples/s", "+84%", "±", "34%", "32"]
+
+
+def test_a_checkpoint_taken_during_a_trial_keeps_the_persons_setting(run_dir):
+    """``checkpoint=now`` while the search tries ``step_delay=1``: the checkpoint holds
+    the value the trial is measured against (the person's 0), and its event says so; a
+    resume from it would otherwise train on in the trial's setting, unannounced."""
+    hold = Hold()
+    with _training("step_delay", callbacks=[hold]) as (knobs, monitor, sub):
+        assert send_command(monitor.info, protocol.TUNE, {"knobs": ["step_delay"]})["ok"]
+        messages(sub, lambda m: m["type"] == "step" and m["body"]["knobs"]["step_delay"])
+        hold.now()  # in the trial's setting, before it can be judged
+        assert knobs.delay != 0
+        assert send_command(monitor.info, "checkpoint", "now")["ok"]
+        hold.release.set()
+        [saved] = [m["body"] for m in messages(
+            sub, lambda m: m["type"] == "event" and m["body"].get("kind") == "applied"
+            and m["body"].get("knob") == "checkpoint")[-1:]]
+    assert saved["knobs"]["step_delay"] == 0, saved
+    assert "the search was trying step_delay=" in saved["text"], saved["text"]
+    assert "the checkpoint keeps step_delay=0" in saved["text"], saved["text"]
+    assert load_checkpoint(saved["path"])["knobs"]["step_delay"] == 0
