@@ -238,6 +238,14 @@ _HEAD_KEYS = ("type", "run", "rank", "seq", "t")
 MAX_TEXT_CHARS = 1000
 #: Longest name (a knob's, a run's, a model's, a device's) shown or echoed back.
 MAX_NAME_CHARS = 100
+#: Longest ``text`` of an ``event`` sent and logged (characters); a longer one is cut,
+#: with a note of its length (:func:`bounded_event`).
+MAX_EVENT_TEXT_CHARS = 16_384
+#: Fields of an ``event`` sent and logged at most.
+MAX_EVENT_FIELDS = 32
+#: Largest value of an event's other fields (packed bytes); a larger one is sent as its
+#: ``repr``, cut to :data:`MAX_TEXT_CHARS`.
+MAX_EVENT_VALUE_BYTES = 4096
 
 
 def _picture_table() -> dict[int, int]:
@@ -277,6 +285,48 @@ def terminal_json(line: bytes) -> bytes:
 def shorten(text: str, limit: int = MAX_TEXT_CHARS) -> str:
     """``text`` cut to at most ``limit`` characters, the last one "…" when cut."""
     return text if len(text) <= limit else text[:max(0, limit - 1)] + "…"
+
+
+def bounded_event(body: dict[str, Any]) -> dict[str, Any]:
+    """An ``event`` body as it is sent and logged: small whatever a caller put in it
+    (an event of 1 MB, 20 a second, would fill the dashboards' receive queues and the
+    run log, and a frame over :data:`MAX_MESSAGE_BYTES` is dropped by every reader).
+    The ``text`` is cut to :data:`MAX_EVENT_TEXT_CHARS` with a note of its length
+    (``… [cut: 1,048,576 characters in all]``), other strings to
+    :data:`MAX_TEXT_CHARS`, other values packed larger than
+    :data:`MAX_EVENT_VALUE_BYTES` become their cut ``repr``, and fields past
+    :data:`MAX_EVENT_FIELDS` go. Returns ``body`` itself when nothing is cut (the usual
+    case: a type and length check a field)."""
+    scalars = (int, float, bool, type(None))
+    for key, value in body.items():
+        if type(value) is str:
+            if len(value) > (MAX_EVENT_TEXT_CHARS if key == "text" else MAX_TEXT_CHARS):
+                break
+        elif type(value) not in scalars:
+            try:
+                if len(msgpack.packb(value, use_bin_type=True)) > MAX_EVENT_VALUE_BYTES:
+                    break
+            except Exception:  # msgpack raises several unrelated types
+                break
+    else:
+        if len(body) <= MAX_EVENT_FIELDS:
+            return body
+    cut: dict[str, Any] = {}
+    for key, value in list(body.items())[:MAX_EVENT_FIELDS]:
+        if key == "text" and isinstance(value, str) and len(value) > MAX_EVENT_TEXT_CHARS:
+            value = (value[:MAX_EVENT_TEXT_CHARS]
+                     + f"… [cut: {len(value):,} characters in all]")
+        elif isinstance(value, str):
+            value = shorten(value)
+        elif type(value) not in scalars:
+            try:
+                small = len(msgpack.packb(value, use_bin_type=True)) <= MAX_EVENT_VALUE_BYTES
+            except Exception:  # msgpack raises several unrelated types
+                small = False
+            if not small:
+                value = shorten(repr(value))
+        cut[key if isinstance(key, str) else shorten(repr(key), MAX_NAME_CHARS)] = value
+    return cut
 
 
 def short_name(value: Any) -> Any:

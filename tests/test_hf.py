@@ -3,7 +3,6 @@ underneath) training a tiny GPT-2 built from its config on characters of a text 
 here, the agent on real ZeroMQ sockets, commands through the agent's command socket,
 and every window after a live change checked against plain torch arithmetic."""
 
-import json
 import os
 import random
 import time
@@ -24,6 +23,7 @@ import agent  # noqa: E402
 from agent.integrations import hf  # noqa: E402
 from gpuopt.precision import precision_warning  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
+from gpuwatch.history import flat_records  # noqa: E402
 
 SEQ = 16
 BATCH = 4
@@ -132,8 +132,7 @@ class Snapshots(TrainerCallback):
 
 def _records(monitor):
     """The run log: one flat record per message (envelope and body fields)."""
-    with open(monitor.info.log_path) as log:
-        return [json.loads(line) for line in log]
+    return list(flat_records(monitor.info.log_path))
 
 
 def _steps(records):

@@ -1,7 +1,6 @@
 """Hand-written loops (agent.session): every loop knob live, checked by arithmetic, and
 the GPT-style example run in a subprocess with every loop knob changed."""
 
-import json
 import os
 import signal
 import subprocess
@@ -18,13 +17,13 @@ from gpuopt.checkpointing import find_blocks
 from gpuopt.precision import MixedPrecision
 from gpuwatch.client import send_command
 from tests.training import digits_loader, model as make_model
+from gpuwatch.history import flat_records
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _log_records(path):
-    with open(path) as log:
-        return [json.loads(line) for line in log]
+    return list(flat_records(path))
 
 
 def test_live_accum_steps_windows_equal_a_hand_computation(run_dir):
