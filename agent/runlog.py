@@ -89,15 +89,18 @@ EXT_INTEGERS = 2
 EXT_SAME = 3
 
 #: The writer ends a frame once it holds this many raw bytes (or at the flush interval).
-FRAME_RAW_BYTES = 1 << 20
+FRAME_RAW_BYTES = 256 << 10
 #: A record larger than this (packed) is logged as a note saying so (the wire's bound).
 MAX_ITEM_BYTES = protocol.MAX_MESSAGE_BYTES
 #: Readers refuse a frame that says it holds more than this (raw or compressed).
 MAX_FRAME_RAW_BYTES = 4 << 20
-#: A chunk (one deflate stream) ends once it holds this many raw bytes or is this old:
-#: a damaged frame loses the rest of its chunk at most, and a reader starts at a chunk.
-CHUNK_RAW_BYTES = 4 << 20
+#: A chunk (one deflate stream) ends once it holds this many raw bytes (about 2,500
+#: steps) or is this old: a damaged frame loses the rest of its chunk at most, and a
+#: reader starts again at a chunk (the timeline, a summary's end).
+CHUNK_RAW_BYTES = 256 << 10
 CHUNK_S = 30.0
+#: The summary is saved at a chunk's end at most this often (s), and at the log's end.
+SUMMARY_S = 5.0
 #: Default disk budget of one rank's log (bytes): about 10 million steps unthinned.
 DEFAULT_BUDGET_BYTES = 1 << 30
 #: Steps a thinned bucket holds (each time a part is thinned again: times this).
@@ -326,7 +329,8 @@ def _planes(array: Any) -> bytes:
 
 def decode_column(value: Any, n: int, *, arrays: bool = False) -> Any:
     """A stored ``steps`` column back as ``n`` values: a list (``arrays``: floats and
-    integers as a numpy array, float64 or int64).
+    integers, stored as such or one for every row, as a numpy array, float64 or
+    int64).
 
     Raises:
         agent.protocol.ProtocolError: not a column of ``n`` values.
@@ -343,6 +347,8 @@ def decode_column(value: Any, n: int, *, arrays: bool = False) -> Any:
             same = msgpack.unpackb(data, raw=False, strict_map_key=False)
         except Exception as exc:  # msgpack raises several unrelated types
             raise protocol.ProtocolError(f"a column's value: {exc}") from None
+        if arrays and type(same) in (int, float) and abs(same) < 1 << 63:
+            return _numpy().full(n, same)
         return [same] * n
     if code not in (EXT_FLOATS, EXT_INTEGERS) or len(data) != 8 * n:
         raise protocol.ProtocolError(f"a column of extension {code}, {len(data)} bytes")
@@ -525,9 +531,9 @@ class LogSummary:
                 return values
             return [common.get(name)] * (1 if name not in columns else n)
 
-        counts = columns.get("steps_in_bucket")
-        self.steps += (sum(count for count in counts if type(count) is int)
-                       if type(counts) is list else n)
+        counts = column("steps_in_bucket") if "steps_in_bucket" in columns else None
+        self.steps += (n if counts is None
+                       else sum(count for count in counts if type(count) is int))
         steps = column("step")
         first = steps[0] if "step.min" not in columns else column("step.min")[0]
         if type(first) is int and self.first_step is None:
@@ -680,6 +686,7 @@ class RunLog:
         self._frames = FrameWriter()
         self._first_pending = 0.0
         self._thinner: subprocess.Popen | None = None
+        self._summary_saved = 0.0
         self.closed = False
 
     def write(self, message: dict[str, Any]) -> None:
@@ -725,7 +732,10 @@ class RunLog:
         self._size += len(data)
 
     def _chunk_ended(self) -> None:
-        self.save_summary()
+        now = time.monotonic()
+        if now - self._summary_saved >= SUMMARY_S:
+            self._summary_saved = now
+            self.save_summary()
         if self._size >= self.part_bytes:
             os.close(self._fd)
             self._part += 1

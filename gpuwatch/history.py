@@ -615,12 +615,27 @@ def step_batch(envelope: dict[str, Any]) -> StepBatch | None:
     for name in names:
         if not isinstance(name, str) or len(name) > MAX_NAME_CHARS or name in ENVELOPE_KEYS:
             continue
-        values = columns[name] if name in columns else [common[name]] * n
+        if name not in columns:  # one value for every row
+            value = common[name]
+            if name == "knobs":
+                knobs = [value] * n
+            elif name in STEP_TEXTS:
+                texts[name] = [_text(value)] * n
+            elif name != BUCKET_COUNT and len(numbers) < MAX_STEP_COLUMNS + 2 and (
+                    (found := number(value)) is not None or name in STEP_NUMBERS):
+                numbers[name] = np.full(n, math.nan if found is None else found)
+            continue
+        values = columns[name]
         if name == "knobs":
             knobs = list(values)
         elif name in STEP_TEXTS:
-            texts[name] = [printable(value, MAX_TEXT_CHARS) if isinstance(value, str)
-                           else None for value in values]
+            if values.count(values[0]) == n:
+                texts[name] = [_text(values[0])] * n
+            else:
+                shown: dict[Any, str | None] = {}
+                texts[name] = [shown[value] if value in shown
+                               else shown.setdefault(value, _text(value))
+                               for value in values]
         elif name == BUCKET_COUNT:
             counts = np.maximum(np.nan_to_num(_numbers(values, n), nan=1.0), 1.0).astype(
                 np.int64)
@@ -634,6 +649,10 @@ def step_batch(envelope: dict[str, Any]) -> StepBatch | None:
     if "step" not in numbers:
         numbers["step"] = np.full(n, math.nan)
     return StepBatch(n, t, seq if type(seq) is int else None, numbers, texts, knobs, counts)
+
+
+def _text(value: Any) -> str | None:
+    return printable(value, MAX_TEXT_CHARS) if isinstance(value, str) else None
 
 
 def step_batches(log: LogFiles) -> Iterator[StepBatch]:
@@ -692,75 +711,99 @@ def _median(values: numpy.ndarray) -> float | None:
     return float(np.median(present)) if len(present) else None
 
 
-class Series:
-    """A field over the optimizer steps in at most ``buckets`` buckets of consecutive
-    rows, each with the steps it spans and the minimum, maximum and mean of the
+class Overview:
+    """Fields over the optimizer steps in at most ``buckets`` buckets of consecutive
+    rows, each with the steps it spans and the minimum, maximum and mean of each
     field's values (a thinned row counts as the steps it holds, with its own minimum
     and maximum): a plot of any length of run, spikes kept. Twice as many rows a
-    bucket each time the buckets are full."""
+    bucket each time the buckets are full. Every field in one array, so a batch costs
+    a few numpy operations whatever the number of fields.
 
-    def __init__(self, buckets: int = OVERVIEW_BUCKETS) -> None:
+    Args:
+        fields: the step fields it follows. buckets: at most this many (even).
+    """
+
+    def __init__(self, fields: Sequence[str] = OVERVIEW_FIELDS,
+                 buckets: int = OVERVIEW_BUCKETS) -> None:
         np = _np()
+        self.fields = tuple(fields)
         self.buckets = buckets
         self.width = 1  # rows a bucket
         self.rows = 0
-        self._first = np.full(buckets, math.inf)  # step range
-        self._last = np.full(buckets, -math.inf)
-        self._sum = np.zeros(buckets)
-        self._count = np.zeros(buckets)
-        self._min = np.full(buckets, math.inf)
-        self._max = np.full(buckets, -math.inf)
+        shape = (len(self.fields), buckets)
+        self._sum, self._count = np.zeros(shape), np.zeros(shape)
+        self._min, self._max = np.full(shape, math.inf), np.full(shape, -math.inf)
+        self._first, self._last = np.full(shape, math.inf), np.full(shape, -math.inf)
 
-    def add(self, steps: numpy.ndarray, values: numpy.ndarray, weights: numpy.ndarray,
-            lows: numpy.ndarray | None = None, highs: numpy.ndarray | None = None) -> None:
-        """Add the next rows: their step numbers, values, the steps each stands for,
-        and for thinned rows their minimum and maximum."""
+    def add(self, batch: StepBatch) -> None:
+        """Add a batch's rows."""
         np = _np()
-        n = len(values)
+        n = batch.n
         while (self.rows + n - 1) // self.width >= self.buckets:
             self._halve()
         ids = (self.rows + np.arange(n)) // self.width
         self.rows += n
         starts = np.flatnonzero(np.diff(ids, prepend=-1))
         at = ids[starts]
+        values = np.vstack([batch.column(name) for name in self.fields])
         present = ~np.isnan(values)
-        lows = values if lows is None else np.where(np.isnan(lows), values, lows)
-        highs = values if highs is None else np.where(np.isnan(highs), values, highs)
-        counts = np.where(present, weights, 0.0)
-        self._sum[at] += np.add.reduceat(np.where(present, values * weights, 0.0), starts)
-        self._count[at] += np.add.reduceat(counts, starts)
-        self._min[at] = np.minimum(self._min[at], np.minimum.reduceat(
-            np.where(present, lows, math.inf), starts))
-        self._max[at] = np.maximum(self._max[at], np.maximum.reduceat(
-            np.where(present, highs, -math.inf), starts))
+        thinned = batch.counts is not None
+        lows = np.vstack([batch.numbers.get(f"{name}.min", values[row])
+                          for row, name in enumerate(self.fields)]) if thinned else values
+        highs = np.vstack([batch.numbers.get(f"{name}.max", values[row])
+                           for row, name in enumerate(self.fields)]) if thinned else values
+        weights = batch.weights()
+        cut = self._sum[:, at]
+        self._sum[:, at] = cut + np.add.reduceat(np.where(present, values * weights, 0.0),
+                                                 starts, axis=1)
+        self._count[:, at] += np.add.reduceat(np.where(present, weights, 0.0), starts,
+                                              axis=1)
+        self._min[:, at] = np.minimum(self._min[:, at], np.minimum.reduceat(
+            np.where(present, lows, math.inf), starts, axis=1))
+        self._max[:, at] = np.maximum(self._max[:, at], np.maximum.reduceat(
+            np.where(present, highs, -math.inf), starts, axis=1))
+        steps = batch.numbers["step"]
         known = present & ~np.isnan(steps)
-        self._first[at] = np.minimum(self._first[at], np.minimum.reduceat(
-            np.where(known, steps, math.inf), starts))
-        self._last[at] = np.maximum(self._last[at], np.maximum.reduceat(
-            np.where(known, steps, -math.inf), starts))
+        self._first[:, at] = np.minimum(self._first[:, at], np.minimum.reduceat(
+            np.where(known, steps, math.inf), starts, axis=1))
+        self._last[:, at] = np.maximum(self._last[:, at], np.maximum.reduceat(
+            np.where(known, steps, -math.inf), starts, axis=1))
 
     def _halve(self) -> None:
         np = _np()
         half = self.buckets // 2
-        for name, merge in (("_sum", np.add), ("_count", np.add), ("_min", np.minimum),
-                            ("_max", np.maximum), ("_first", np.minimum),
-                            ("_last", np.maximum)):
+        for name, merge, empty in (("_sum", np.add, 0.0), ("_count", np.add, 0.0),
+                                   ("_min", np.minimum, math.inf),
+                                   ("_max", np.maximum, -math.inf),
+                                   ("_first", np.minimum, math.inf),
+                                   ("_last", np.maximum, -math.inf)):
             array = getattr(self, name)
-            merged = merge(array[0::2], array[1::2])
-            array[:half] = merged
-            array[half:] = 0.0 if merge is np.add else (
-                math.inf if merge is np.minimum else -math.inf)
+            array[:, :half] = merge(array[:, 0::2], array[:, 1::2])
+            array[:, half:] = empty
         self.width *= 2
 
-    def points(self) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray, numpy.ndarray]:
-        """``(steps, means, minimums, maximums)`` of the buckets with a value (a
-        bucket's step: the middle of the steps it spans)."""
-        used = (self._count > 0) & _np().isfinite(self._first)
-        return ((self._first[used] + self._last[used]) / 2,
-                self._sum[used] / self._count[used], self._min[used], self._max[used])
+    def get(self, name: str) -> Series | None:
+        """Field ``name``'s buckets; None when not followed or without a value."""
+        if name not in self.fields:
+            return None
+        row = self.fields.index(name)
+        if not (self._count[row] > 0).any():
+            return None
+        used = (self._count[row] > 0) & _np().isfinite(self._first[row])
+        return Series((self._first[row][used] + self._last[row][used]) / 2,
+                      self._sum[row][used] / self._count[row][used],
+                      self._min[row][used], self._max[row][used], self.width)
 
-    def __bool__(self) -> bool:
-        return bool((self._count > 0).any())
+
+class Series(NamedTuple):
+    """A field's buckets (:meth:`Overview.get`): each bucket's step (the middle of the
+    steps it spans), mean, minimum and maximum, and the rows a bucket holds."""
+
+    steps: numpy.ndarray
+    means: numpy.ndarray
+    lows: numpy.ndarray
+    highs: numpy.ndarray
+    width: int
 
 
 # --- a run's history ------------------------------------------------------------------
@@ -937,8 +980,10 @@ class RunHistory:
             optimizer steps, a thinned bucket's included).
         events: the first :data:`MAX_EVENTS` events. knob_changes: the first
             :data:`MAX_CHANGES` changes of a knob's value between consecutive steps.
-        overview: field -> :class:`Series` (:data:`OVERVIEW_FIELDS`, those reported).
-        whole: the whole run as one segment (None without steps).
+        overview: the run's fields in buckets (:class:`Overview` of
+            :data:`OVERVIEW_FIELDS`).
+        whole: the whole run as one segment (None without steps, or when not asked
+            for and the run has several).
         rows: step rows read (fewer than ``summary.steps`` when thinned).
         segments_omitted: segments between the first and last :data:`MAX_SEGMENTS`.
         malformed, truncated, unreadable, thinned: as :class:`LogReader` counted them.
@@ -950,7 +995,7 @@ class RunHistory:
     summary: LogSummary = field(default_factory=LogSummary)
     events: list[Event] = field(default_factory=list)
     knob_changes: list[KnobChange] = field(default_factory=list)
-    overview: dict[str, Series] = field(default_factory=dict)
+    overview: Overview = field(default_factory=Overview)
     whole: Segment | None = None
     rows: int = 0
     segments_omitted: int = 0
@@ -1016,13 +1061,20 @@ class HistoryBuilder:
     """Folds records, in order, into a :class:`RunHistory` (what :func:`read_history`
     does for a whole log; the timeline adds its own work to the same pass).
 
+    Args:
+        log: the log's files (named in the history).
+        overview: fill :attr:`RunHistory.overview` (what a report plots).
+        whole: take the whole run's figures apart from its segments' (what comparing
+            two runs needs; a run of one segment has them anyway).
+
     Attributes:
         history: what is folded so far (segments and the whole run once finished).
     """
 
-    def __init__(self, log: LogFiles) -> None:
+    def __init__(self, log: LogFiles, *, overview: bool = True, whole: bool = True) -> None:
         self.history = RunHistory(log)
-        self.history.overview = {name: Series() for name in OVERVIEW_FIELDS}
+        self._overview = overview
+        self._whole_wanted = whole
         self._knobs: Any = None  # the last step's knob values
         self._last_step: int | None = None
         self._fold: SegmentFold | None = None
@@ -1059,12 +1111,8 @@ class HistoryBuilder:
         history = self.history
         history.rows += batch.n
         steps = batch.numbers["step"]
-        weights = batch.weights()
-        for name, series in history.overview.items():
-            field_values = batch.numbers.get(name)
-            if field_values is not None:
-                series.add(steps, field_values, weights, batch.numbers.get(f"{name}.min"),
-                           batch.numbers.get(f"{name}.max"))
+        if self._overview:
+            history.overview.add(batch)
         changes: list[KnobChange] = []
         cuts: list[tuple[int, dict[str, Any]]] = []  # rows where a new segment starts
         knobs = batch.knobs
@@ -1094,7 +1142,8 @@ class HistoryBuilder:
             self._open_segment(values)
             start = row
         self._fold.add(batch, start, batch.n)  # type: ignore[union-attr]
-        self._whole.add(batch, 0, batch.n)  # type: ignore[union-attr]
+        if self._whole is not None:
+            self._whole.add(batch, 0, batch.n)
         present = steps[~np.isnan(steps)]
         if len(present):
             self._last_step = int(present[-1])
@@ -1108,7 +1157,7 @@ class HistoryBuilder:
         if previous is not None:
             self._close(previous)
         self._fold = SegmentFold(known, changed)
-        if self._whole is None:
+        if self._whole is None and self._whole_wanted:
             self._whole = SegmentFold(known, ())
 
     def _close(self, fold: SegmentFold) -> None:
@@ -1132,7 +1181,10 @@ class HistoryBuilder:
         peak = self._peak_reserved
         history._segments = [segment for fold in (*self._head, *self._tail)
                              if (segment := fold.segment(peak)) is not None]
-        history.whole = self._whole.segment(peak) if self._whole is not None else None
+        if self._whole is not None:
+            history.whole = self._whole.segment(peak)
+        elif len(history._segments) == 1 and not history.segments_omitted:
+            history.whole = history._segments[0]
         history.malformed += reader.malformed
         history.truncated, history.unreadable = reader.truncated, reader.unreadable
         history.thinned = reader.thinned
@@ -1148,14 +1200,16 @@ def _known(knobs: Any) -> dict[str, Any]:
             if isinstance(name, str) and len(name) <= MAX_NAME_CHARS}
 
 
-def read_history(log: LogFiles) -> RunHistory:
-    """Read one rank's run log in one pass (bounded memory; about a second for a
-    million steps here).
+def read_history(log: LogFiles, *, overview: bool = True, whole: bool = True
+                 ) -> RunHistory:
+    """Read one rank's run log in one pass (bounded memory; a few seconds for a
+    million steps here). ``overview``, ``whole``: as :class:`HistoryBuilder` takes
+    them (what a tool does not show, it need not compute).
 
     Never raises for the files' content; what could not be read is counted in the
     result (``malformed``, ``truncated``, ``unreadable``).
     """
-    builder = HistoryBuilder(log)
+    builder = HistoryBuilder(log, overview=overview, whole=whole)
     reader = LogReader(log, arrays=True)
     for _, envelope in reader:
         builder.add(envelope)
@@ -1275,8 +1329,9 @@ def summarize(history: RunHistory, *, ranks: Sequence[int] = (), live: bool = Fa
 
 def log_summary(log: LogFiles, *, live: bool = False) -> tuple[LogSummary, LogReader]:
     """A log's :class:`~agent.runlog.LogSummary`: the one saved beside it, with the
-    records written after what it covers folded on (at most a chunk: about
-    :data:`agent.runlog.CHUNK_S` of the run); without one (an older log, a run killed
+    records written after what it covers folded on (those of the last
+    :data:`agent.runlog.SUMMARY_S` to :data:`agent.runlog.CHUNK_S` of the run); without
+    one (an older log, a run killed
     before its first chunk ended), one pass over the log, saved beside it for the next
     time unless the run is live. Returns it with the reader of what was read (whose
     ``malformed``, ``truncated`` and ``thinned`` say what it met). Never raises for the

@@ -181,7 +181,7 @@ def _report(args: argparse.Namespace) -> int:
     log = _log_or_say(args.run, args.rank, "report")
     if log is None:
         return 1
-    run = history.read_history(log)
+    run = history.read_history(log, whole=False)
     try:
         report.write_report(run, args.output)
     except OSError as exc:
@@ -220,12 +220,12 @@ def _compare(args: argparse.Namespace) -> int:
         log = _log_or_say(selector, None, "compare")
         if log is None:
             return 1
-        runs.append(history.read_history(log))
+        runs.append(history.read_history(log, overview=False, whole=len(args.runs) == 2))
     columns = (compare.between_runs(*runs) if len(runs) == 2
                else compare.around_changes(runs[0]))
     if not columns:
         print(f"gpuwatch compare: run {runs[0].run_id} has no "
-              + ("steps" if len(runs) == 2 or runs[0].whole is None
+              + ("steps" if len(runs) == 2 or not runs[0].summary.steps
                  else "knob change to compare around"), file=sys.stderr)
         return 1
     if args.json:

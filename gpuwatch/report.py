@@ -91,10 +91,9 @@ def _plot(run: RunHistory, title: str, lines: Sequence[tuple[str, str, float]],
     data = []
     for label, name, scale in lines:
         series = run.overview.get(name)
-        if series:
-            steps, means, lows, highs = series.points()
-            data.append((label, steps, means * scale, lows * scale, highs * scale,
-                         series.width > 1 or run.thinned > 0))
+        if series is not None:
+            data.append((label, series.steps, series.means * scale, series.lows * scale,
+                         series.highs * scale, series.width > 1 or run.thinned > 0))
     if not data:
         return None
     figure, axes = plt.subplots(figsize=FIGURE_SIZE_IN)
@@ -128,11 +127,11 @@ def _plot(run: RunHistory, title: str, lines: Sequence[tuple[str, str, float]],
 def plots(run: RunHistory) -> list[tuple[str, str]]:
     """The report's plots as ``(title, base64 PNG)``, those the run has data for."""
     overview = run.overview
-    tokens = bool(overview.get("tokens_per_s"))
+    tokens = overview.get("tokens_per_s") is not None
     memory = [("host RSS", "host_rss_bytes", 1 / _MIB)]
     memory += [(label, name, 1 / _MIB) for label, name in (
         ("CUDA allocated", "mem_allocated_bytes"), ("CUDA reserved", "mem_reserved_bytes"),
-        ("CUDA peak reserved", "mem_peak_reserved_bytes")) if overview.get(name)]
+        ("CUDA peak reserved", "mem_peak_reserved_bytes")) if overview.get(name) is not None]
     specs = [
         ("Step time and data wait", [("step time", "step_time_s", 1e3),
                                      ("data wait", "data_wait_s", 1e3)], "ms",

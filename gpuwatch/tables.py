@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import queue
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -116,6 +118,8 @@ def columns_of(log: LogFiles) -> Columns:
 
 def _distinct(knobs: list[Any]) -> list[dict[str, Any]]:
     """The knob maps of a batch's rows, each once (rows share one map until a change)."""
+    if knobs.count(knobs[0]) == len(knobs):
+        return [knobs[0]] if isinstance(knobs[0], dict) else []
     seen: dict[int, dict[str, Any]] = {}
     for values in knobs:
         if isinstance(values, dict) and id(values) not in seen:
@@ -130,23 +134,46 @@ def _numbers(values: np.ndarray, whole: bool) -> pa.Array:
     return pa.array(values, mask=missing)
 
 
+def _knob_value(value: Any, kind: str) -> Any:
+    """A knob's value as its column holds it (None when it is not of the column's
+    type)."""
+    if kind == "bool":
+        return value if type(value) is bool else None
+    if kind == "int":
+        return value if type(value) is int and -(1 << 63) <= value < (1 << 63) else None
+    return None if value is None else knob_text(value)
+
+
 def _knob_array(batches: list[StepBatch], name: str, kind: str) -> pa.Array:
-    values: list[Any] = []
+    """A knob's column, built from runs of rows with one knob map (rows share a map
+    until a change): a lookup a run, then the runs repeated in C."""
+    np_runs: list[tuple[Any, int]] = []  # (value, rows), consecutive
     for batch in batches:
         knobs = batch.knobs
-        if knobs.count(knobs[0]) == batch.n:  # one map for the batch: one lookup
-            first = knobs[0]
-            values += [first.get(name) if isinstance(first, dict) else None] * batch.n
+        if knobs.count(knobs[0]) == batch.n:
+            pieces = [(knobs[0], batch.n)]
         else:
-            values += [row.get(name) if isinstance(row, dict) else None for row in knobs]
-    if kind == "bool":
-        return pa.array([value if type(value) is bool else None for value in values],
-                        type=pa.bool_())
-    if kind == "int":
-        return pa.array([value if type(value) is int and -(1 << 63) <= value < (1 << 63)
-                         else None for value in values], type=pa.int64())
-    return pa.array([None if value is None else knob_text(value) for value in values],
-                    type=pa.string())
+            pieces = []
+            for row in knobs:
+                if pieces and pieces[-1][0] is row:
+                    pieces[-1] = (row, pieces[-1][1] + 1)
+                else:
+                    pieces.append((row, 1))
+        for values, rows in pieces:
+            value = _knob_value(values.get(name) if isinstance(values, dict) else None, kind)
+            if np_runs and np_runs[-1][0] == value and type(np_runs[-1][0]) is type(value):
+                np_runs[-1] = (value, np_runs[-1][1] + rows)
+            else:
+                np_runs.append((value, rows))
+    dictionary: dict[tuple[type, Any], int] = {}
+    codes = [dictionary.setdefault((type(value), value), len(dictionary))
+             for value, _ in np_runs]
+    indices = np.repeat(np.array(codes, dtype=np.int32),
+                        np.array([rows for _, rows in np_runs], dtype=np.int64))
+    kind_type = {"bool": pa.bool_(), "int": pa.int64()}.get(kind, pa.string())
+    return pa.DictionaryArray.from_arrays(
+        pa.array(indices), pa.array([value for _, value in dictionary], type=kind_type)
+    ).dictionary_decode()
 
 
 def steps_table(batches: list[StepBatch], columns: Columns, run_id: str, rank: int
@@ -196,7 +223,8 @@ _EVENT_TYPES = pd.DataFrame({name: pd.Series(dtype=dtype) for name, dtype in (
 
 class _TableWriter:
     """Writes a table a chunk at a time to an open file, as CSV (a header once) or
-    Parquet (one row group a chunk)."""
+    Parquet (one row group a chunk), in a thread of its own: pyarrow formats a chunk
+    without the GIL while the next one is read (at most two chunks wait)."""
 
     def __init__(self, handle: BinaryIO, table_format: str, types: pd.DataFrame) -> None:
         self.handle = handle
@@ -205,9 +233,32 @@ class _TableWriter:
         self.rows = 0
         self._parquet: Any = None
         self._started = False
+        self._queue: queue.Queue[pa.Table | None] = queue.Queue(maxsize=2)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gpuwatch-export",
+                                        daemon=True)
+        self._thread.start()
 
     def write(self, table: pa.Table) -> None:
-        table = table.cast(pa.schema(list(self.schema)))
+        """Queue a chunk (waits while two are queued).
+
+        Raises:
+            OSError: writing an earlier chunk failed.
+        """
+        self._check()
+        self.rows += table.num_rows
+        self._queue.put(table.cast(pa.schema(list(self.schema))))
+
+    def _run(self) -> None:
+        while (table := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # (drain: the error is raised in the caller's thread)
+            try:
+                self._write(table)
+            except BaseException as exc:
+                self._error = exc
+
+    def _write(self, table: pa.Table) -> None:
         if self.format == "csv":
             pyarrow.csv.write_csv(table, self.handle, pyarrow.csv.WriteOptions(
                 include_header=not self._started))
@@ -216,11 +267,22 @@ class _TableWriter:
                 self._parquet = pyarrow.parquet.ParquetWriter(self.handle, self.schema)
             self._parquet.write_table(table.replace_schema_metadata(self.schema.metadata))
         self._started = True
-        self.rows += table.num_rows
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
 
     def close(self) -> None:
+        """Write what is queued and end the file.
+
+        Raises:
+            OSError: writing failed.
+        """
+        self._queue.put(None)
+        self._thread.join()
+        self._check()
         if not self._started:
-            self.write(self.schema.empty_table())
+            self._write(self.schema.empty_table())
         if self._parquet is not None:
             self._parquet.close()
 

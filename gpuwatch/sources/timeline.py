@@ -34,7 +34,7 @@ from gpuwatch.units import knob_text
 #: Step records between two kept copies of the state, at first.
 CHECKPOINT_STEPS = 200
 #: Copies of the state kept at most (each a few tens of kB).
-MAX_CHECKPOINTS = 512
+MAX_CHECKPOINTS = 256
 #: Marks (knob changes and events) kept at most: the first ones.
 MAX_MARKS = 100_000
 #: How often the thread checks whether to stop while loading (records).
@@ -76,7 +76,18 @@ class StepIndex(Sequence[int]):
         return self._length > 0
 
     def extend(self, steps: list[Any]) -> None:
-        """Append the steps of some records, in order."""
+        """Append the steps of some records, in order (a run of consecutive steps in
+        C, a list comparison)."""
+        if not steps:
+            return
+        first = steps[0]
+        if (type(first) is int and -(1 << 62) < first < (1 << 62) - len(steps)
+                and steps == list(range(first, first + len(steps)))):
+            if not self._length or first != self[self._length - 1] + 1:
+                self._starts.append(self._length)
+                self._steps.append(first)
+            self._length += len(steps)
+            return
         for step in steps:
             if type(step) is not int or not -(1 << 62) < step < (1 << 62):
                 step = self[self._length - 1] if self._length else 0
@@ -138,8 +149,8 @@ class Timeline:
         self._checkpoints: list[_Checkpoint] = []
         self._spacing = CHECKPOINT_STEPS
         self._next_checkpoint = 0  # the step index from which the next copy is due
-        builder = HistoryBuilder(log)
-        reader = LogReader(log)
+        builder = HistoryBuilder(log, overview=False, whole=False)
+        reader = LogReader(log, arrays=True)
         state = initial
         t = time.time()
         for count, (position, envelope) in enumerate(reader):
@@ -151,9 +162,13 @@ class Timeline:
                 first = len(self.steps)
                 if first >= self._next_checkpoint:
                     self._keep(_Checkpoint(state.copy(), first, position, t))
-                steps = body["columns"].get("step") or [body["common"].get("step")] * body["n"]
+                changes = builder.add(envelope)  # (with the numbers as arrays)
+                envelope = {**envelope, "body": {**body, "columns": {  # as the wire's
+                    name: values.tolist() if hasattr(values, "tolist") else values
+                    for name, values in body["columns"].items()}}}
+                steps = envelope["body"]["columns"].get("step") or [
+                    body["common"].get("step")] * body["n"]
                 self.steps.extend(steps)
-                changes = builder.add(envelope)
                 if changes and len(self.marks) < MAX_MARKS:
                     rows = {step: row for row, step in reversed(list(enumerate(steps)))}
                     for change in changes:
