@@ -652,7 +652,8 @@ class RunLog:
             the budget, between 1 MiB and 256 MiB).
 
     Attributes:
-        summary: the log's figures so far (saved beside it at each chunk's end).
+        summary: the log's figures so far (saved beside it when a chunk ends, at most
+            every :data:`SUMMARY_S`, when a part ends and at :meth:`close`).
 
     Raises:
         UnsafeLogFileError: ``path`` is a symbolic link, or not a regular file of this
@@ -753,8 +754,10 @@ class RunLog:
             write_private(summary_path(self.path), self.summary.to_json())
 
     def _thin_past_budget(self) -> None:
-        """Past the budget, start a child process that thins the older parts (one at a
-        time: none while the last one still runs)."""
+        """Past the budget, start a child process that thins the older parts, the least
+        thinned first, until the log would be within three quarters of it (one process
+        at a time: none while the last one still runs). Its work (reading and rewriting
+        parts of up to 256 MiB) is never the training process's."""
         if self._thinner is not None and self._thinner.poll() is None:
             return
         self._thinner = None
@@ -774,13 +777,17 @@ class RunLog:
                 break
             chosen.append(os.fspath(part_path(self.path, index)))
             total -= size - size // THIN_FACTOR
-        if chosen:
+        if chosen and sys.executable:
             home = str(Path(__file__).resolve().parent.parent)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(
                 part for part in (home, os.environ.get("PYTHONPATH", "")) if part)}
-            self._thinner = subprocess.Popen(
-                [sys.executable, "-m", "agent.runlog", "thin", *chosen], env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+            try:
+                self._thinner = subprocess.Popen(
+                    [sys.executable, "-m", "agent.runlog", "thin", *chosen], env=env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, close_fds=True)
+            except OSError:
+                pass  # no process to be had now: the next part tries again
 
     def close(self) -> None:
         """Write what is left, end the chunk, save the summary and close. Idempotent;

@@ -169,8 +169,8 @@ def write_big_records(path, *, legacy):
     if legacy:  # the earlier format: a line a record, a step a line
         with open(path, "wb") as handle:
             for message in messages:
-                handle.write(protocol.step_lines(message) if message["type"] == "steps"
-                             else protocol.to_json_line(message))
+                for record in protocol.expand(message):
+                    handle.write(protocol.to_json_line(record))
         return
     log = RunLog(path, budget_bytes=1 << 40)
     for message in messages:  # (just under the writer's bound of a record)

@@ -47,7 +47,6 @@ import math
 import os
 import re
 import stat
-import statistics
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -1247,14 +1246,6 @@ def write_output(path: os.PathLike | str, data: bytes) -> None:
     """
     with output_file(path) as handle:
         handle.write(data)
-
-
-# --- numbers --------------------------------------------------------------------------
-
-def median(values: Iterable[float]) -> float | None:
-    """The median of the finite values, None when there is none."""
-    present = [value for value in values if value == value]  # NaN is not equal to itself
-    return statistics.median(present) if present else None
 
 
 # --- summaries ------------------------------------------------------------------------

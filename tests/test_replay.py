@@ -36,8 +36,13 @@ class LegacyLog:
         self.hello = None
 
     def write(self, message):
-        line = (protocol.step_lines(message) if message["type"] == "steps"
-                else protocol.to_json_line(message))
+        if message["type"] == "steps":
+            names = list(message["body"]["columns"])
+            line = b"".join(protocol.to_json_line(
+                {**row, "body": {**dict.fromkeys(names), **row["body"]}})
+                for row in protocol.expand(message))
+        else:
+            line = protocol.to_json_line(message)
         if message["type"] == "hello":
             self.hello = line
         with open(self.path, "ab") as handle:
