@@ -479,3 +479,48 @@ def test_what_a_log_says_is_bounded_and_printed_without_control_characters(run_d
     assert listed.returncode == 0, listed.stderr
     assert "\x1b" not in listed.stdout and "\u202e" not in listed.stdout
     assert "␛[2J␛[31mevil" in listed.stdout and "␛]0;title␇done" in listed.stdout
+
+
+# --- figures in bounded memory --------------------------------------------------------
+
+def test_a_sample_keeps_every_value_then_an_evenly_spaced_half(tmp_path):
+    """Up to its capacity a sample is every value; past it, every second, fourth, ...
+    (the rows at multiples of its stride), however the rows come in batches."""
+    import numpy as np
+
+    sample = history.Sample(capacity=64)
+    rows = np.arange(1000, dtype=float)
+    start = 0
+    for size in (1, 7, 30, 100, 3, 500, 359):
+        sample.add(rows[start:start + size])
+        start += size
+    assert start == 1000 and sample.rows == 1000
+    kept = sample.values()
+    assert len(kept) <= 64 and sample.stride == 16
+    assert list(kept) == list(range(0, 1000, 16))
+    exact = history.Sample(capacity=64)
+    exact.add(rows[:64])
+    assert list(exact.values()) == list(range(64)) and exact.stride == 1
+
+
+def test_an_overview_holds_each_buckets_min_max_and_mean(tmp_path):
+    """Buckets of consecutive rows, merged in pairs as the run grows: each bucket's
+    mean, minimum and maximum are those of the steps it spans (a thinned row counting
+    as its steps)."""
+    import numpy as np
+
+    overview = history.Overview(fields=("loss",), buckets=8)
+    values = [float((step * 37) % 11) for step in range(1, 101)]
+    for start in range(0, 100, 25):
+        steps = np.arange(start + 1, start + 26, dtype=float)
+        overview.add(history.StepBatch(25, None, None, {
+            "step": steps, "loss": np.array(values[start:start + 25])}, {}, [None] * 25))
+    series = overview.get("loss")
+    assert series.width == 16 and len(series.steps) == 7  # 100 rows in buckets of 16
+    for index in range(7):
+        held = values[index * 16:(index + 1) * 16]
+        first, last = index * 16 + 1, min(100, (index + 1) * 16)
+        assert series.steps[index] == (first + last) / 2
+        assert series.means[index] == pytest.approx(sum(held) / len(held))
+        assert (series.lows[index], series.highs[index]) == (min(held), max(held))
+    assert overview.get("step_time_s") is None
