@@ -1369,7 +1369,7 @@ def _size(path: Path) -> int:
     return -1 if status is None else status.st_size
 
 
-def _part_thinning(log: LogFiles) -> int:
+def part_thinning(log: LogFiles) -> int:
     """The coarsest thinning of a run log's parts (their headers; 0: none)."""
     if log.kind != "runlog":
         return 0
@@ -1394,7 +1394,7 @@ def summarize_logs(logs: Sequence[LogFiles], live_run_ids: Iterable[str] = ()
             run_id, summary, ranks=sorted({log.rank for log in run_logs}),
             live=run_id in live, log_bytes=sum(log.size_bytes for log in run_logs),
             malformed=summary.malformed, truncated=summary.truncated,
-            thinned=max(reader.thinned, _part_thinning(first))))
+            thinned=max(reader.thinned, part_thinning(first))))
     summaries.sort(key=lambda summary: summary.started_at or 0.0, reverse=True)
     return summaries
 

@@ -282,8 +282,12 @@ def open_finished(log: LogFiles, notes: Sequence[str] = ()) -> int:
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.timeline import TimelineSource
 
+    thinned = history.part_thinning(log)
     app = GpuwatchApp(TimelineSource(log), readonly=True, notes=[
         *notes, f"replaying {log.first} on a timeline: left/right step, [ ] knob "
-                "changes, , . events, home/end"])
+                "changes, , . events, home/end",
+        *([f"this log reached its disk budget: older steps are kept as buckets of "
+           f"{thinned:,} (mean, min, max); every event and knob change is kept"]
+          if thinned else [])])
     app.run()
     return app.return_code or 0
