@@ -3,9 +3,11 @@
 A run log is ``<run>.rank<r>.runlog`` in :func:`log_dir` (mode 0600), and when it grows
 past a part's size, ``<run>.rank<r>.runlog.1``, ``.2``, ... (newer parts, higher
 numbers; none is ever deleted). Beside it, ``<run>.rank<r>.summary`` holds the run's
-figures (:class:`LogSummary`), so that ``gpuwatch runs --all`` never reads the log
-itself. ``gpuwatch tail --json FILE`` prints a run log as JSON lines (one object a
-step); ``gpuwatch.history`` reads it as column batches.
+figures (:class:`LogSummary`), so that ``gpuwatch runs --all`` reads at most the
+records written after it. ``gpuwatch tail --json FILE`` prints a run log as JSON lines
+(one object a step); ``gpuwatch.history`` reads it as column batches. A step takes 12
+bytes (a loop on the host) to 64 (a token model on a GPU, 16 fields of noisy floats):
+10 million steps in 120 to 640 MB.
 
 Format (version 1). Each part is a sequence of *frames*::
 
@@ -27,9 +29,12 @@ differences, so that deflate finds their repeats), any other column as a msgpack
 
 Crash safety: a frame is written with one ``write`` once it is complete, at least every
 ``flush_interval_s``; a run killed while writing leaves a last frame whose length or CRC
-does not match, which readers detect and skip (everything before it reads). A reader
-never trusts a length: frames over :data:`MAX_FRAME_RAW_BYTES` are refused, and
-decompression stops at the declared size.
+does not match, which readers detect and skip (everything before it reads). Bytes that
+are no frame (damage) are skipped to the next frame: reading goes on there when no
+frame of its chunk was lost (it decompresses to its raw CRC), else at the next chunk. A
+reader never trusts a length: frames over :data:`MAX_FRAME_RAW_BYTES` are refused,
+decompression stops at the declared size, and a batch has at most
+:data:`~agent.protocol.MAX_BATCH_STEPS` rows.
 
 Disk budget: a log never deletes a record. If its parts together pass ``budget_bytes``,
 the older parts are *thinned* by a child process (:func:`thin_part`, ``python -m
@@ -40,7 +45,8 @@ one heartbeat and system sample in :data:`THIN_FACTOR`. The part's header says s
 so do the history tools.
 
 Written only by the agent's I/O thread: a ``steps`` batch costs one conversion per
-column (numpy, no Python a step), one msgpack pack and its share of a deflate.
+column (numpy, no Python a step), one msgpack pack and its share of a deflate: 1.4 to
+2.0 us a step here (the JSON lines of earlier versions: 2.7 to 3.2 us, 536 bytes).
 """
 
 from __future__ import annotations

@@ -844,7 +844,8 @@ class Segment:
         step_time_s: median step time (s). samples_per_s, tokens_per_s: median
             throughput (None without it). data_wait_share: data wait over step time,
             summed over the segment (0..1). memory_bytes: the largest peak reserved
-            CUDA memory, or host RSS on a CPU run. activation_bytes: median activation
+            CUDA memory of its steps, or their host RSS where they report none (a CPU
+            run). activation_bytes: median activation
             memory measured in it. loss_first, loss_last: median loss of its first and
             last fifth. loss_slope_per_1k: least-squares slope of the loss per 1,000
             steps (negative: falling). None where the steps lack the field. Medians
@@ -879,22 +880,34 @@ class Segment:
 _SAMPLED = ("step_time_s", "samples_per_s", "tokens_per_s", "activation_bytes", "loss")
 
 
+#: A segment's rows are folded once this many wait (fewer stay slices of their batches
+#: until its figures are asked for): the many short segments of a run whose knobs change
+#: every few steps cost no numpy work unless they are among the segments kept.
+FOLD_ROWS = 64
+
+
 class SegmentFold:
     """The figures of a :class:`Segment`, folded from its rows a batch slice at a time
-    (memory: at most :data:`SAMPLE_VALUES` values of each of 5 fields).
+    (memory: at most :data:`SAMPLE_VALUES` values of each of 5 fields, and the slices of
+    fewer than :data:`FOLD_ROWS` rows not folded yet).
 
     Args:
         knobs: the knob values of its steps. changed: the knobs that changed at its
             start.
+
+    Attributes:
+        rows: the step rows added.
     """
 
     def __init__(self, knobs: dict[str, Any], changed: tuple[str, ...]) -> None:
         self.knobs = knobs
         self.changed = changed
-        self.first_step: float | None = None
-        self.last_step: float | None = None
-        self.steps = 0
         self.rows = 0
+        self._first_step: float | None = None
+        self._last_step: float | None = None
+        self._steps = 0
+        self._pending: list[tuple[StepBatch, int, int]] = []
+        self._pending_rows = 0
         self._samples = {name: Sample() for name in _SAMPLED}
         self._wait_s = self._time_s = 0.0
         self._peak_reserved = -math.inf
@@ -902,7 +915,24 @@ class SegmentFold:
         self._slope = [0.0] * 5  # n, sum x, sum y, sum xx, sum xy (x from first step)
 
     def add(self, batch: StepBatch, start: int, stop: int) -> None:
-        """Fold rows ``start:stop`` of ``batch``."""
+        """Add rows ``start:stop`` of ``batch`` (folded once :data:`FOLD_ROWS` wait)."""
+        self._pending.append((batch, start, stop))
+        self._pending_rows += stop - start
+        self.rows += stop - start
+        if self._pending_rows >= FOLD_ROWS:
+            self._fold_pending()
+
+    @property
+    def short(self) -> bool:
+        """Whether nothing is folded yet (fewer than :data:`FOLD_ROWS` rows)."""
+        return self._pending_rows == self.rows
+
+    def _fold_pending(self) -> None:
+        for batch, start, stop in self._pending:
+            self._fold(batch, start, stop)
+        self._pending, self._pending_rows = [], 0
+
+    def _fold(self, batch: StepBatch, start: int, stop: int) -> None:
         np = _np()
         rows = slice(start, stop)
         steps = batch.numbers["step"][rows]
@@ -910,12 +940,11 @@ class SegmentFold:
         if len(present):
             low = batch.numbers["step.min"][rows] if "step.min" in batch.numbers else steps
             first = float(np.nanmin(low)) if not np.isnan(low).all() else float(present[0])
-            if self.first_step is None:
-                self.first_step = first
-            self.last_step = float(present[-1])
+            if self._first_step is None:
+                self._first_step = first
+            self._last_step = float(present[-1])
         weights = batch.weights()[rows]
-        self.steps += int(weights.sum())
-        self.rows += stop - start
+        self._steps += int(weights.sum())
         for name, sample in self._samples.items():
             sample.add(batch.column(name)[rows])
         times, waits = batch.column("step_time_s")[rows], batch.column("data_wait_s")[rows]
@@ -931,7 +960,7 @@ class SegmentFold:
         loss = batch.column("loss")[rows]
         pairs = ~np.isnan(steps) & ~np.isnan(loss)
         if pairs.any():
-            x = steps[pairs] - (self.first_step or 0.0)
+            x = steps[pairs] - (self._first_step or 0.0)
             y = loss[pairs]
             sums = self._slope
             sums[0] += len(x)
@@ -940,15 +969,11 @@ class SegmentFold:
             sums[3] += float((x * x).sum())
             sums[4] += float((x * y).sum())
 
-    @property
-    def has_peak_reserved(self) -> bool:
-        """Whether its steps reported peak reserved CUDA memory."""
-        return self._peak_reserved > -math.inf
-
-    def segment(self, peak_reserved: bool) -> Segment | None:
-        """Its figures (``peak_reserved``: memory is the peak reserved CUDA memory, else
-        host RSS); None without a step number."""
-        if self.first_step is None or self.last_step is None:
+    def segment(self) -> Segment | None:
+        """Its figures (the rows still waiting folded first); None without a step
+        number."""
+        self._fold_pending()
+        if self._first_step is None or self._last_step is None:
             return None
         medians = {name: _median(sample.values()) for name, sample in self._samples.items()
                    if name != "loss"}
@@ -957,11 +982,11 @@ class SegmentFold:
         n, sx, sy, sxx, sxy = self._slope
         spread = n * sxx - sx * sx
         slope = (n * sxy - sx * sy) / spread if n >= 2 and spread > 0 else None
-        memory = self._peak_reserved if peak_reserved else self._rss
+        memory = self._peak_reserved if self._peak_reserved > -math.inf else self._rss
         return Segment(
-            int(self.first_step), int(self.last_step), self.steps, self.knobs, self.changed,
-            medians["step_time_s"], medians["samples_per_s"], medians["tokens_per_s"],
-            self._wait_s / self._time_s if self._time_s > 0 else None,
+            int(self._first_step), int(self._last_step), self._steps, self.knobs,
+            self.changed, medians["step_time_s"], medians["samples_per_s"],
+            medians["tokens_per_s"], self._wait_s / self._time_s if self._time_s > 0 else None,
             memory if memory > -math.inf else None, medians["activation_bytes"],
             _median(loss[:fifth]), _median(loss[-fifth:]),
             None if slope is None else slope * 1000.0)
@@ -1078,10 +1103,8 @@ class HistoryBuilder:
         self._last_step: int | None = None
         self._fold: SegmentFold | None = None
         self._whole: SegmentFold | None = None
-        self._tail: deque[SegmentFold] = deque(maxlen=MAX_SEGMENTS)
-        self._head: list[SegmentFold] = []
-        self._closed = 0
-        self._peak_reserved = False
+        self._head: list[Segment] = []  # the first segments' figures
+        self._tail: deque[Segment | SegmentFold] = deque(maxlen=MAX_SEGMENTS)
 
     def add(self, envelope: dict[str, Any]) -> list[KnobChange]:
         """Fold one envelope (a ``steps`` batch with list or array columns); returns
@@ -1160,16 +1183,17 @@ class HistoryBuilder:
             self._whole = SegmentFold(known, ())
 
     def _close(self, fold: SegmentFold) -> None:
-        """Keep a finished segment: among the first :data:`MAX_SEGMENTS`, else among
-        the last (those pushed out counted)."""
-        self._peak_reserved |= fold.has_peak_reserved
-        self._closed += 1
+        """Keep a finished segment: among the first :data:`MAX_SEGMENTS` (its figures
+        now), else among the last (those pushed out counted): a long one's figures now
+        (its samples freed), a short one's only if it is still among them at the end."""
         if len(self._head) < MAX_SEGMENTS:
-            self._head.append(fold)
+            segment = fold.segment()
+            if segment is not None:
+                self._head.append(segment)
             return
         if len(self._tail) == self._tail.maxlen:
             self.history.segments_omitted += 1
-        self._tail.append(fold)
+        self._tail.append(fold if fold.short else fold.segment() or fold)
 
     def finish(self, reader: LogReader) -> RunHistory:
         """The history, its segments computed, with what ``reader`` could not read."""
@@ -1177,11 +1201,11 @@ class HistoryBuilder:
         if self._fold is not None:
             self._close(self._fold)
             self._fold = None
-        peak = self._peak_reserved
-        history._segments = [segment for fold in (*self._head, *self._tail)
-                             if (segment := fold.segment(peak)) is not None]
+        tail = [kept.segment() if isinstance(kept, SegmentFold) else kept
+                for kept in self._tail]
+        history._segments = self._head + [segment for segment in tail if segment is not None]
         if self._whole is not None:
-            history.whole = self._whole.segment(peak)
+            history.whole = self._whole.segment()
         elif len(history._segments) == 1 and not history.segments_omitted:
             history.whole = history._segments[0]
         history.malformed += reader.malformed
