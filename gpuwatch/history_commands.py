@@ -194,7 +194,7 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_read(run: history.RunHistory) -> str:
+def _not_read(run: history.RunHistory | history.LogReader) -> str:
     """What a command says of a log it could not read whole, or kept thinned: "" when
     it read every step as logged."""
     notes = []
@@ -261,13 +261,16 @@ def _export(args: argparse.Namespace) -> int:
         return 1
     prefix = Path(args.output or log.run_id)
     try:
-        written = tables.write_tables(log, prefix, "parquet" if args.parquet else "csv")
+        written, reader = tables.write_tables(log, prefix,
+                                              "parquet" if args.parquet else "csv")
     except OSError as exc:
         print(f"gpuwatch export: cannot write {prefix}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
     for path, rows in written:
         print(f"wrote {path} ({rows:,} rows)")
+    if notes := _not_read(reader):
+        print(f"gpuwatch export: {log.run_id}: {notes[2:]}", file=sys.stderr)
     return 0
 
 

@@ -288,10 +288,10 @@ class _TableWriter:
 
 
 def write_tables(log: LogFiles, prefix: Path, table_format: str
-                 ) -> list[tuple[Path, int]]:
+                 ) -> tuple[list[tuple[Path, int]], LogReader]:
     """Write ``<prefix>.steps.<ext>`` and ``<prefix>.events.<ext>`` from ``log`` (each
     into a new file, renamed over the old once whole); returns each path with its
-    rows.
+    rows, and the reader of the log (what it could not read: ``malformed``, ...).
 
     Args:
         table_format: ``csv`` or ``parquet``.
@@ -313,7 +313,8 @@ def write_tables(log: LogFiles, prefix: Path, table_format: str
         rows = 0
         pending: list[Event] = []
         last_step: int | None = None
-        for _, envelope in LogReader(log, arrays=True):
+        reader = LogReader(log, arrays=True)
+        for _, envelope in reader:
             kind = envelope["type"]
             if kind == protocol.STEPS:
                 batch = step_batch(envelope)
@@ -338,4 +339,4 @@ def write_tables(log: LogFiles, prefix: Path, table_format: str
             events.write(events_table(pending, log.run_id, log.rank))
         steps.close()
         events.close()
-    return [(paths[0], steps.rows), (paths[1], events.rows)]
+    return [(paths[0], steps.rows), (paths[1], events.rows)], reader

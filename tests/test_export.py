@@ -81,8 +81,9 @@ def test_export_streams_a_long_log_in_chunks(logged_run, tmp_path, monkeypatch):
     """Rows are written a chunk at a time: the same table as at once."""
     monkeypatch.setattr(tables, "CHUNK_ROWS", 7)
     for table_format in ("csv", "parquet"):
-        [(path, rows), _] = tables.write_tables(history.log_at(logged_run),
-                                                tmp_path / table_format, table_format)
+        [(path, rows), _], reader = tables.write_tables(
+            history.log_at(logged_run), tmp_path / table_format, table_format)
+        assert reader.malformed == 0 and not reader.truncated
         steps = (pd.read_csv(path) if table_format == "csv" else pd.read_parquet(path))
         assert rows == 50 and list(steps["step"]) == list(range(1, 51))
         assert list(steps["knobs.precision"]) == ["fp32"] * 20 + ["bf16"] * 30

@@ -182,6 +182,10 @@ def test_a_crafted_log_cannot_make_a_reader_allocate_without_bound(tmp_path):
     assert peak < 64 << 20, peak
     run = history.read_history(log)  # and every tool over it: the same, no error
     assert run.summary.steps == 4 and run.malformed == 5
+    exported = gpuwatch("export", str(log.first), "--csv", "-o", str(tmp_path / "t"))
+    assert exported.returncode == 0 and "Traceback" not in exported.stderr
+    assert "5 damaged records skipped" in exported.stderr
+    assert (tmp_path / "t.steps.csv").read_text().count("\n") == 1 + 4
 
 
 def test_the_summary_beside_the_log_is_what_runs_all_lists(run_dir):
