@@ -95,6 +95,8 @@ SAMPLE_VALUES = 65_536
 OVERVIEW_BUCKETS = 2048
 #: A step number beyond this is not one (a float's exact integers end there).
 MAX_STEP = float(1 << 53)
+#: A value beyond this is left out of an overview (its sums would overflow).
+MAX_PLOTTED = 1e250
 
 #: Step fields with numbers, as :mod:`agent.protocol` documents them (others found in
 #: a log are kept too, up to :data:`MAX_STEP_COLUMNS`).
@@ -631,10 +633,10 @@ def step_batch(envelope: dict[str, Any]) -> StepBatch | None:
             if values.count(values[0]) == n:
                 texts[name] = [_text(values[0])] * n
             else:
-                shown: dict[Any, str | None] = {}
-                texts[name] = [shown[value] if value in shown
-                               else shown.setdefault(value, _text(value))
-                               for value in values]
+                shown: dict[str, str | None] = {}  # each distinct text made printable once
+                texts[name] = [(shown[value] if value in shown
+                                else shown.setdefault(value, _text(value)))
+                               if type(value) is str else None for value in values]
         elif name == BUCKET_COUNT:
             counts = np.maximum(np.nan_to_num(_numbers(values, n), nan=1.0), 1.0).astype(
                 np.int64)
@@ -745,6 +747,7 @@ class Overview:
         starts = np.flatnonzero(np.diff(ids, prepend=-1))
         at = ids[starts]
         values = np.vstack([batch.column(name) for name in self.fields])
+        values[np.abs(values) > MAX_PLOTTED] = math.nan  # (a damaged log's 1e308s)
         present = ~np.isnan(values)
         thinned = batch.counts is not None
         lows = np.vstack([batch.numbers.get(f"{name}.min", values[row])
@@ -933,6 +936,10 @@ class SegmentFold:
         self._pending, self._pending_rows = [], 0
 
     def _fold(self, batch: StepBatch, start: int, stop: int) -> None:
+        with _np().errstate(over="ignore", invalid="ignore"):  # (1e308s: inf, then None)
+            self._fold_rows(batch, start, stop)
+
+    def _fold_rows(self, batch: StepBatch, start: int, stop: int) -> None:
         np = _np()
         rows = slice(start, stop)
         steps = batch.numbers["step"][rows]
@@ -982,6 +989,8 @@ class SegmentFold:
         n, sx, sy, sxx, sxy = self._slope
         spread = n * sxx - sx * sx
         slope = (n * sxy - sx * sy) / spread if n >= 2 and spread > 0 else None
+        if slope is not None and not math.isfinite(slope):
+            slope = None  # (numbers too large to square: a damaged log)
         memory = self._peak_reserved if self._peak_reserved > -math.inf else self._rss
         return Segment(
             int(self._first_step), int(self._last_step), self._steps, self.knobs,

@@ -387,3 +387,37 @@ def test_a_run_of_a_million_steps_keeps_every_step(run_dir, tmp_path):
         first = table.readline().split(",")
         rows = 2 + sum(1 for _ in table)
     assert first[header.index('"step"')] == "1" and rows - 1 == steps
+
+
+def test_numbers_that_are_not_numbers_are_read_as_missing_by_every_tool(run_dir, tmp_path):
+    """A log whose fields hold text, maps, NaN, 1e308 and integers beyond 64 bits where
+    numbers belong (a crafted or damaged log): every tool reads it, such a value as
+    missing, and says nothing it cannot; none raises."""
+    path = tmp_path / f"{RUN}.rank0.runlog"
+    log = RunLog(path)
+    odd = ["x", {"a": [1]}, math.nan, math.inf, 1e308, 1 << 70, None, True, [1, 2]]
+    for seq, first in enumerate(range(1, 201, 20), start=1):
+        rows = list(range(first, first + 20))
+        columns = {"step": list(rows), "step_time_s": [0.01] * 20, "loss": [1.0] * 20,
+                   "input_verdict": ["compute-bound"] * 20,
+                   "knobs": [{"precision": "fp32"}] * 20}
+        for row, value in enumerate(odd):
+            name = ("step_time_s", "loss", "input_verdict", "knobs")[(seq + row) % 4]
+            columns[name][row + 5] = value
+        columns["step"][seq % 20] = odd[seq % len(odd)]
+        log.write(protocol.envelope("steps", protocol.steps_body(columns), run=RUN,
+                                    seq=seq, t=1e9 + seq))
+    log.close()
+    for command in (("compare", str(path)), ("report", str(path), "-o", str(tmp_path / "r")),
+                    ("export", str(path), "--csv", "-o", str(tmp_path / "t")),
+                    ("export", str(path), "--parquet", "-o", str(tmp_path / "t"))):
+        done = gpuwatch(*command)
+        assert "Traceback" not in done.stderr, (command, done.stderr)
+    run = history.read_history(history.log_at(path))
+    assert run.summary.steps == 200 and run.summary.last_step == 200
+    from gpuwatch.sources.timeline import Timeline
+    from gpuwatch.state import RunState
+
+    timeline = Timeline(history.log_at(path), RunState())  # (a batch with a bad row is
+    assert len(timeline.steps) == 200  # malformed to the dashboard from that row on)
+    assert timeline.state_at(100)[0].malformed > 0 and timeline.state_at(199)[0].ended is None

@@ -170,7 +170,8 @@ class Timeline:
                     body["common"].get("step")] * body["n"]
                 self.steps.extend(steps)
                 if changes and len(self.marks) < MAX_MARKS:
-                    rows = {step: row for row, step in reversed(list(enumerate(steps)))}
+                    rows = {step: row for row, step in reversed(list(enumerate(steps)))
+                            if type(step) is int}
                     for change in changes:
                         self._mark(first + rows.get(change.step, 0), "change",
                                    f"{change.knob}={knob_text(change.value)}")
