@@ -911,7 +911,7 @@ class SegmentFold:
         self._steps = 0
         self._pending: list[tuple[StepBatch, int, int]] = []
         self._pending_rows = 0
-        self._samples = {name: Sample() for name in _SAMPLED}
+        self._samples: dict[str, Sample] = {}  # made when the first rows are folded
         self._wait_s = self._time_s = 0.0
         self._peak_reserved = -math.inf
         self._rss = -math.inf
@@ -942,6 +942,8 @@ class SegmentFold:
     def _fold_rows(self, batch: StepBatch, start: int, stop: int) -> None:
         np = _np()
         rows = slice(start, stop)
+        if not self._samples:
+            self._samples = {name: Sample() for name in _SAMPLED}
         steps = batch.numbers["step"][rows]
         present = steps[~np.isnan(steps)]
         if len(present):
@@ -984,7 +986,7 @@ class SegmentFold:
             return None
         medians = {name: _median(sample.values()) for name, sample in self._samples.items()
                    if name != "loss"}
-        loss = self._samples["loss"].values()
+        loss = self._samples["loss"].values()  # (made: there was a step number)
         fifth = max(1, len(loss) // 5)
         n, sx, sy, sxx, sxy = self._slope
         spread = n * sxx - sx * sx
@@ -1117,7 +1119,8 @@ class HistoryBuilder:
 
     def add(self, envelope: dict[str, Any]) -> list[KnobChange]:
         """Fold one envelope (a ``steps`` batch with list or array columns); returns
-        the knob changes its steps show, at most :data:`MAX_CHANGES` in all."""
+        the knob changes its steps show, the first :data:`MAX_CHANGES` of the run's
+        (the others are counted in the summary)."""
         history = self.history
         history.summary.add(envelope)
         kind, body = envelope["type"], envelope["body"]
@@ -1154,13 +1157,14 @@ class HistoryBuilder:
             if self._knobs is not None:
                 cuts.append((row, values))
                 step = steps[row]
-                changed = [] if np.isnan(step) else [
-                    KnobChange(int(step), batch.t, name, self._knobs.get(name), value)
-                    for name, value in values.items()
-                    if isinstance(name, str) and self._knobs.get(name) != value]
-                room = max(0, MAX_CHANGES - len(history.knob_changes))
-                history.knob_changes += changed[:room]
-                changes += changed
+                room = MAX_CHANGES - len(history.knob_changes)
+                if room > 0 and not np.isnan(step):  # (past the first ones: counted only)
+                    changed = [
+                        KnobChange(int(step), batch.t, name, self._knobs.get(name), value)
+                        for name, value in values.items()
+                        if isinstance(name, str) and self._knobs.get(name) != value]
+                    history.knob_changes += changed[:room]
+                    changes += changed
             elif self._fold is not None:  # the first knob values, after steps without
                 self._fold.knobs = _known(values)
             self._knobs = values

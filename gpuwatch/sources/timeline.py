@@ -137,7 +137,8 @@ class Timeline:
 
     Attributes:
         steps: the optimizer step of each step record (index -> step).
-        marks: knob changes and events, by index (the first :data:`MAX_MARKS`).
+        marks: knob changes (the first :data:`~gpuwatch.history.MAX_CHANGES`) and
+            events, by index (the first :data:`MAX_MARKS` in all).
         history: the run's history (segments, knob changes) from the same read.
     """
 
