@@ -26,7 +26,7 @@ from agent import helpers, protocol
 from agent.multinode import node_link
 from agent.probes import Nvml, SystemProbe
 from agent.protocol import EventKind, Reply
-from agent.runlog import RunLog, log_dir
+from agent.runlog import LOG_SUFFIX, RunLog, log_dir
 from agent.runs import (
     RUN_ID_ENV,
     RunInfo,
@@ -323,7 +323,7 @@ class IOLoop:
             agent.runs.UnsafeDirectoryError, agent.runlog.UnsafeLogFileError, OSError:
                 the directory or the file is refused or cannot be made.
         """
-        return RunLog(log_dir() / f"{self._agent.run_id}.rank{self._agent.rank}.jsonl")
+        return RunLog(log_dir() / f"{self._agent.run_id}.rank{self._agent.rank}{LOG_SUFFIX}")
 
     def _loop(self, context: zmq.Context) -> None:
         pub, router = self._bind(context)
@@ -444,9 +444,13 @@ class IOLoop:
     def publish(self, msg_type: str, body: dict[str, Any], logged: bool = True) -> None:
         """Send one message (and append it to the run log). ``logged=False``: a repeat
         for new subscribers, sent with the latest ``seq`` and not logged. The steps
-        batched so far are sent first, so every message keeps its order with them."""
+        batched so far are sent first, so every message keeps its order with them. An
+        event is cut to a bounded size first (:func:`agent.protocol.bounded_event`), so
+        that large, frequent ones never crowd the steps out of the dashboards' queues."""
         if msg_type != protocol.STEPS:
             self._encoder.flush()
+            if msg_type == protocol.EVENT:
+                body = protocol.bounded_event(body)
         if logged:
             self.seq += 1
         message = protocol.envelope(msg_type, body, run=self._agent.run_id,

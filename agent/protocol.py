@@ -37,9 +37,8 @@ Message types and their bodies:
                message is one ``seq`` gap however many steps it held. Events and every
                other message keep their order with the steps: a batch is sent before
                any other message that follows its steps.
-``step``       one optimizer step (the rows of ``steps``; the run log holds one ``step``
-               line per step, all of a batch with its ``seq`` and ``t``, every column of
-               the batch in every row, ``null`` where a row lacks it; version 1 agents
+``step``       one optimizer step (the rows of ``steps``, as ``gpuwatch tail --json``
+               prints them, each with its batch's ``seq`` and ``t``; version 1 agents
                sent one ``step`` message per step, which readers still fold):
                ``step``, ``micro_batches``, ``samples``,
                ``step_time_s``, ``data_wait_s``, ``data_wait_share``, ``samples_per_s``,
@@ -256,6 +255,14 @@ _HEAD_KEYS = ("type", "run", "rank", "seq", "t")
 MAX_TEXT_CHARS = 1000
 #: Longest name (a knob's, a run's, a model's, a device's) shown or echoed back.
 MAX_NAME_CHARS = 100
+#: Longest ``text`` of an ``event`` sent and logged (characters); a longer one is cut,
+#: with a note of its length (:func:`bounded_event`).
+MAX_EVENT_TEXT_CHARS = 16_384
+#: Fields of an ``event`` sent and logged at most.
+MAX_EVENT_FIELDS = 32
+#: Largest value of an event's other fields (packed bytes); a larger one is sent as its
+#: ``repr``, cut to :data:`MAX_TEXT_CHARS`.
+MAX_EVENT_VALUE_BYTES = 4096
 
 
 def _picture_table() -> dict[int, int]:
@@ -295,6 +302,48 @@ def terminal_json(line: bytes) -> bytes:
 def shorten(text: str, limit: int = MAX_TEXT_CHARS) -> str:
     """``text`` cut to at most ``limit`` characters, the last one "…" when cut."""
     return text if len(text) <= limit else text[:max(0, limit - 1)] + "…"
+
+
+def bounded_event(body: dict[str, Any]) -> dict[str, Any]:
+    """An ``event`` body as it is sent and logged: small whatever a caller put in it
+    (an event of 1 MB, 20 a second, would fill the dashboards' receive queues and the
+    run log, and a frame over :data:`MAX_MESSAGE_BYTES` is dropped by every reader).
+    The ``text`` is cut to :data:`MAX_EVENT_TEXT_CHARS` with a note of its length
+    (``… [cut: 1,048,576 characters in all]``), other strings to
+    :data:`MAX_TEXT_CHARS`, other values packed larger than
+    :data:`MAX_EVENT_VALUE_BYTES` become their cut ``repr``, and fields past
+    :data:`MAX_EVENT_FIELDS` go. Returns ``body`` itself when nothing is cut (the usual
+    case: a type and length check a field)."""
+    scalars = (int, float, bool, type(None))
+    for key, value in body.items():
+        if type(value) is str:
+            if len(value) > (MAX_EVENT_TEXT_CHARS if key == "text" else MAX_TEXT_CHARS):
+                break
+        elif type(value) not in scalars:
+            try:
+                if len(msgpack.packb(value, use_bin_type=True)) > MAX_EVENT_VALUE_BYTES:
+                    break
+            except Exception:  # msgpack raises several unrelated types
+                break
+    else:
+        if len(body) <= MAX_EVENT_FIELDS:
+            return body
+    cut: dict[str, Any] = {}
+    for key, value in list(body.items())[:MAX_EVENT_FIELDS]:
+        if key == "text" and isinstance(value, str) and len(value) > MAX_EVENT_TEXT_CHARS:
+            value = (value[:MAX_EVENT_TEXT_CHARS]
+                     + f"… [cut: {len(value):,} characters in all]")
+        elif isinstance(value, str):
+            value = shorten(value)
+        elif type(value) not in scalars:
+            try:
+                small = len(msgpack.packb(value, use_bin_type=True)) <= MAX_EVENT_VALUE_BYTES
+            except Exception:  # msgpack raises several unrelated types
+                small = False
+            if not small:
+                value = shorten(repr(value))
+        cut[key if isinstance(key, str) else shorten(repr(key), MAX_NAME_CHARS)] = value
+    return cut
 
 
 def short_name(value: Any) -> Any:
@@ -407,8 +456,9 @@ def decode_frames(frames: list[bytes]) -> dict[str, Any]:
 def flatten(message: dict[str, Any]) -> dict[str, Any]:
     """An envelope as one flat record: ``{"type", "run", "rank", "seq", "t", **body}``.
 
-    This is the format of the run log and of ``gpuwatch tail --json`` (see
-    :func:`to_json_line`). Envelope keys win over body keys of the same name.
+    This is the format of ``gpuwatch tail --json`` (see :func:`to_json_line`) and of
+    the run logs of earlier versions (JSON lines). Envelope keys win over body keys of
+    the same name.
     """
     head = {"type": message.get("type"), "run": message.get("run"),
             "rank": message.get("rank"), "seq": message.get("seq"), "t": message.get("t")}
@@ -422,10 +472,10 @@ def flatten(message: dict[str, Any]) -> dict[str, Any]:
 def to_json_line(message: dict[str, Any]) -> bytes:
     """:func:`flatten` as one line of JSON, UTF-8, with its trailing newline.
 
-    One JSON object per line: ``pandas.read_json(path, lines=True)`` reads a run log as a
-    table. Non-finite floats (a diverged loss) become ``null``, so the line stays valid
-    JSON; values JSON cannot hold are written as their ``repr``. About 1 us a record
-    (orjson).
+    One JSON object per line (``gpuwatch tail --json``: ``pandas.read_json(path,
+    lines=True)`` reads its output as a table). Non-finite floats (a diverged loss)
+    become ``null``, so the line stays valid JSON; values JSON cannot hold are written
+    as their ``repr``. About 1 us a record (orjson).
     """
     record = flatten(message)
     try:
@@ -488,75 +538,6 @@ def expand(message: dict[str, Any]) -> list[dict[str, Any]]:
         return [message]
     head = {key: message.get(key) for key in ("v", "run", "rank", "seq", "t")}
     return [{**head, "type": STEP, "body": row} for row in step_bodies(message["body"])]
-
-
-def step_lines(message: dict[str, Any]) -> bytes:
-    """A ``steps`` message as run-log lines: one flat ``step`` record a row, as
-    :func:`to_json_line` writes a ``step`` envelope (the envelope's keys first, then the
-    columns, then the common fields), except that every row has every column of its
-    batch: a None of a sparse column is written ``null`` (not left out), so the log is
-    one table whose rows differ only in values.
-
-    Built column by column: a column of one value (``micro_batches``, ``samples``, a
-    verdict, nulls) is written once, into a template made once a batch; a column of
-    numbers is encoded by one ``orjson.dumps`` and split at its commas (numbers hold
-    none); then each line is one ``%`` of the template. About 1 us a row.
-
-    Raises:
-        ProtocolError: the body is not a batch.
-    """
-    body = message.get("body") or {}
-    columns, common = body.get("columns"), body.get("common", {})
-    if not isinstance(columns, dict) or not columns or not isinstance(common, dict):
-        raise ProtocolError("a steps body needs columns and common")
-    names = [name for name in columns if name not in _HEAD_KEYS]
-    n = len(columns[names[0]]) if names and type(columns[names[0]]) is list else 0
-    for name in names:
-        if type(columns[name]) is not list or len(columns[name]) != n:
-            raise ProtocolError(f"every column of a steps body must hold {n} values")
-    dumps = orjson.dumps
-    parts = [b""]  # the template's pieces: the head, then a piece a column
-    encoded = []  # the columns whose text changes from row to row
-    try:
-        head = dumps({"type": STEP, **{key: message.get(key) for key in _HEAD_KEYS[1:]}},
-                     default=repr)[1:-1]
-        tail = dumps({key: value for key, value in common.items()
-                      if key not in _HEAD_KEYS and key not in columns},
-                     default=repr, option=orjson.OPT_NON_STR_KEYS)[1:-1]
-        for name in names:
-            values = columns[name]
-            key = dumps(str(name))
-            kinds = set(map(type, values))
-            if n and len(kinds) == 1 and kinds <= _CONSTANT_TYPES and (
-                    values.count(values[0]) == n and values[0] != 0.0):
-                # the same text in every row (equal values of one such type; a float
-                # column of zeros is not: 0.0 and -0.0 are equal): in the template
-                parts.append((key + b":" + dumps(values[0])).replace(b"%", b"%%"))
-                continue
-            parts.append(key.replace(b"%", b"%%") + b":%s")
-            if kinds <= _NUMBER_TYPES:  # one encode, split at commas
-                encoded.append(dumps(values)[1:-1].split(b","))
-            else:
-                encoded.append([dumps(value, default=repr, option=orjson.OPT_NON_STR_KEYS)
-                                for value in values])
-    except (orjson.JSONEncodeError, RecursionError):  # e.g. an int beyond 64 bits
-        return b"".join(to_json_line({**message, "type": STEP, "body": row})
-                        for row in step_bodies(body))
-    if not n:
-        return b""
-    parts[0] = head.replace(b"%", b"%%")  # a % in a run id, a name or a common value
-    if tail:
-        parts.append(tail.replace(b"%", b"%%"))
-    template = b"{" + b",".join(parts) + b"}\n"
-    if not encoded:  # every row the same text but for none: n copies
-        return (template % ()) * n
-    return b"".join(map(template.__mod__, zip(*encoded)))
-
-
-#: Types of the values of a column :func:`step_lines` encodes in one call.
-_NUMBER_TYPES = frozenset({int, float, bool, type(None)})
-#: Types whose equal values have the same JSON text (not dicts: key order; not 0.0).
-_CONSTANT_TYPES = frozenset({int, float, bool, str, type(None)})
 
 
 def _finite(value: Any) -> Any:

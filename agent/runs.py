@@ -179,7 +179,7 @@ class RunInfo:
         pub_endpoint: ZeroMQ PUB endpoint (telemetry). cmd_endpoint: ROUTER endpoint
         (commands). token: secret that commands must carry. started_at: unix time (s).
         name: human label (script or model). host: hostname. path: the file itself.
-        log_path: the run log (JSON lines), "" when the run has none.
+        log_path: the run log (:mod:`agent.runlog`), "" when the run has none.
         curve_server_key, curve_client_public_key, curve_client_secret_key: Z85 keys
             of a run that listens beyond this machine (ZeroMQ CURVE encryption and
             authentication); "" for local runs.

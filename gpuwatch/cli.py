@@ -150,8 +150,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Print a live run's records until the run ends, Ctrl-C, or --count "
                     "records (exit status 1 when the run's process dies without saying "
                     "bye, or an endpoint says nothing for 10 s). Given a run-log file "
-                    "(JSON lines), print its records and exit, or with --follow go on "
-                    "printing what is appended.")
+                    "(.runlog, or an earlier version's .jsonl), print its records (a "
+                    "step a record) and exit, or with --follow go on printing what is "
+                    "appended.")
     tail.add_argument("target", nargs="?", metavar="RUN|FILE",
                       help="run id, prefix or endpoint (default: the newest), or a run "
                            "log file")
@@ -170,12 +171,13 @@ def _parser() -> argparse.ArgumentParser:
 
     replay = commands.add_parser(
         "replay", help="open the dashboard on a run log (read-only)",
-        description="Open the dashboard on a run log (the JSON-lines file of a finished "
+        description="Open the dashboard on a run log (the .runlog file of a finished "
                     "or running run; see `gpuwatch runs --json` for live runs' "
                     "log_path): a finished run's on a timeline (left/right, [ ], , ., "
                     "home/end move it), a live run's followed while it grows. Keys send "
                     "nothing.")
-    replay.add_argument("file", metavar="FILE", help="the run log (.jsonl)")
+    replay.add_argument("file", metavar="FILE",
+                        help="the run log (.runlog, or an earlier version's .jsonl)")
     replay.set_defaults(handler=_replay)
 
     demo = commands.add_parser(

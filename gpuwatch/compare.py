@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from agent.protocol import printable
-from gpuwatch.history import RunHistory, Segment, segment
+from gpuwatch.history import RunHistory, Segment
 from gpuwatch.units import human_bytes, human_ms, human_sig, knob_text
 
 
@@ -42,10 +42,10 @@ def around_changes(run: RunHistory) -> list[Column]:
 def between_runs(first: RunHistory, second: RunHistory) -> list[Column]:
     """The two runs, each as a whole (knobs: those of its first step); ``[]`` when
     either has no steps."""
-    if not len(first.steps) or not len(second.steps):
+    if first.whole is None or second.whole is None:
         return []
-    return [Column(run.run_id + (f" ({run.name})" if run.name else ""),
-                   segment(run.steps)) for run in (first, second)]
+    return [Column(run.run_id + (f" ({run.name})" if run.name else ""), run.whole)
+            for run in (first, second) if run.whole is not None]
 
 
 def _loss(segment: Segment) -> str:

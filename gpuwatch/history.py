@@ -1,24 +1,40 @@
-"""Runs after the fact: the run logs on disk, found and read back.
+"""Runs after the fact: the run logs on disk, found and read back in bounded memory.
 
-The one reader of run logs (:mod:`agent.runlog` writes them) for everything that looks
-at a run after the fact: ``gpuwatch runs --all``, the timeline, ``report``, ``compare``
-and ``export``. The live ``replay`` decodes its lines with :func:`decode_line` too, so a
-change of the log's format is made here, in one place.
+The one reader of run logs for everything that looks at a run after the fact:
+``gpuwatch runs --all``, the timeline, ``replay``, ``report``, ``compare`` and
+``export``. It reads both formats:
 
-What it tolerates, never raising for a file's content:
+- the run log (:mod:`agent.runlog`, ``<run>.rank<r>.runlog`` and its parts ``.1``,
+  ``.2``, ...): frames of compressed records, the steps as column batches;
+- the JSON lines of earlier versions (``<run>.rank<r>.jsonl``, rotated ``.1`` ... ``.N``
+  older files), one ``step`` line per optimizer step, regrouped here into the batches
+  they were written from.
 
-- rotation: ``<run>.rank<r>.jsonl`` with its older ``.1`` ... ``.N`` files, read oldest
-  first; the copy of the latest ``hello`` that heads each rotated file is not a second
-  hello (see :class:`LogReader`);
-- a truncated last line (a killed run), blank lines, lines that are not records
-  (counted in :attr:`LogReader.malformed`), lines longer than :data:`MAX_LINE_BYTES`;
-- unknown record types and extra fields (ignored), missing fields (None), records of
-  other protocol versions (the log holds no version; what is known is read);
-- links: a log file or rotated file that is a symbolic link, or not a regular file, is
-  never opened (``O_NOFOLLOW``) and is skipped;
-- text: every string kept to be shown (a name, an event's text) goes through
-  :func:`agent.protocol.printable`, the one sanitizer (no control character reaches a
-  terminal or a page) and is cut to a bound.
+One reader API, three levels:
+
+- :class:`LogReader`: every record in order, as envelopes; the steps as ``steps``
+  batches (at most :data:`~agent.protocol.MAX_BATCH_STEPS` rows, the wire's shape), with
+  a :class:`Position` to start again from;
+- :func:`step_batch`: a batch's rows as numbers, one float64 array a field
+  (:class:`StepBatch`), what the tools compute with;
+- :func:`read_history` (:class:`RunHistory`): one pass folded into what the report,
+  compare and the timeline show, and :func:`run_summaries` the run list, from the
+  summary the writer keeps beside each log (:class:`agent.runlog.LogSummary`) and the
+  records written after it.
+
+Memory: whatever the log's length, a reader holds one frame (at most
+:data:`agent.runlog.MAX_FRAME_RAW_BYTES` of records) or one line (at most
+:data:`MAX_LINE_BYTES`); a history holds figures of bounded size: medians from at most
+:data:`SAMPLE_VALUES` values a segment, plots of :data:`OVERVIEW_BUCKETS` buckets, the
+first :data:`MAX_EVENTS` events and :data:`MAX_CHANGES` knob changes, and
+:data:`MAX_SEGMENTS` segments at each end of the run.
+
+What it tolerates, never raising for a file's content: a run killed while writing (a
+torn last frame or line), damaged frames and lines that are not records (counted in
+``malformed``), unknown record types and fields, records of older agents (missing
+fields), numbers that are not numbers (read as missing), files that are symbolic links
+or not regular files (never opened, ``O_NOFOLLOW``). Every string kept to be shown goes
+through :func:`agent.protocol.printable` and is cut to a bound.
 
 Units: times are unix seconds (``t``, ``started_at``), durations seconds, memory bytes,
 throughput per second, as in the step records (:mod:`agent.protocol`).
@@ -26,48 +42,61 @@ throughput per second, as in the step records (:mod:`agent.protocol`).
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
 import re
 import stat
-import statistics
 import time
-from array import array
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 import orjson
 
-from agent import protocol
+from agent import protocol, runlog
 from agent.protocol import MAX_NAME_CHARS, MAX_TEXT_CHARS, printable
-from agent.runlog import log_dir
+from agent.runlog import LogSummary, log_dir, number, open_no_follow
 from agent.runs import list_runs
 from gpuwatch.state import MAX_KNOBS, KnobChange
 from gpuwatch.units import knob_text
 
+if TYPE_CHECKING:
+    import numpy
+
 #: A line longer than this is malformed (as a frame over the wire limit would be).
 MAX_LINE_BYTES = protocol.MAX_MESSAGE_BYTES
-#: Bytes read from a file at a time.
+#: Bytes read from a JSON-lines file at a time.
 CHUNK_BYTES = 1 << 20
 #: The envelope's fields in a flattened record; every other field is the body's.
 ENVELOPE_KEYS = ("type", "run", "rank", "seq", "t")
-#: A run log's file name: ``<run>.rank<r>.jsonl``, rotated ones with ``.<n>`` after it.
+#: A run log's file name: ``<run>.rank<r>.runlog`` (parts ``.1``, ...) or
+#: ``<run>.rank<r>.jsonl`` (rotated ``.1``, ...).
 LOG_NAME = re.compile(
-    r"(?P<run>[A-Za-z0-9][A-Za-z0-9._-]{0,99})\.rank(?P<rank>[0-9]{1,6})\.jsonl"
-    r"(?:\.(?P<backup>[0-9]{1,4}))?")
-#: Rotated files looked for beside a log given by path.
+    r"(?P<run>[A-Za-z0-9][A-Za-z0-9._-]{0,99})\.rank(?P<rank>[0-9]{1,6})"
+    r"\.(?P<kind>runlog|jsonl)(?:\.(?P<index>[0-9]{1,4}))?")
+#: Parts or rotated files looked for beside a log given by path.
 MAX_BACKUPS = 1000
-#: Numeric columns a step table keeps at most (the known ones, then the first others).
+#: Numeric fields a step batch keeps at most (the known ones, then the first others).
 MAX_STEP_COLUMNS = 64
-#: Distinct text and knob values a step table keeps, all its columns together (a run
-#: has a few); values beyond are kept as None.
-MAX_DISTINCT = 1024
-#: Events a run's history keeps (its first ones).
+#: Events a history keeps (its first ones; the others are counted).
 MAX_EVENTS = 100_000
+#: Knob changes a history keeps (its first ones; the others are counted).
+MAX_CHANGES = 10_000
+#: Segments a history keeps at each end of the run (the ones between are counted).
+MAX_SEGMENTS = 1000
+#: Values a segment's medians are taken from at most: every one up to this many, else
+#: an evenly spaced sample of them.
+SAMPLE_VALUES = 65_536
+#: Buckets of a field's overview (:class:`Series`): what a plot of the run draws.
+OVERVIEW_BUCKETS = 2048
+#: A step number beyond this is not one (a float's exact integers end there).
+MAX_STEP = float(1 << 53)
+#: A value beyond this is left out of an overview (its sums would overflow).
+MAX_PLOTTED = 1e250
 
 #: Step fields with numbers, as :mod:`agent.protocol` documents them (others found in
 #: a log are kept too, up to :data:`MAX_STEP_COLUMNS`).
@@ -79,9 +108,23 @@ STEP_NUMBERS = (
     "activation_bytes", "skipped_steps_total", "num_ooms", "num_alloc_retries")
 #: Step fields with text.
 STEP_TEXTS = ("input_verdict",)
+#: The fields of a history's overview (what the report plots).
+OVERVIEW_FIELDS = (
+    "step_time_s", "data_wait_s", "samples_per_s", "tokens_per_s", "loss",
+    "host_rss_bytes", "mem_allocated_bytes", "mem_reserved_bytes",
+    "mem_peak_reserved_bytes", "activation_bytes")
+#: Step-batch columns that are not fields of a step: a thinned bucket's count.
+BUCKET_COUNT = "steps_in_bucket"
 
 
-# --- lines and records ---------------------------------------------------------------
+def _np() -> Any:
+    """numpy, imported when first needed (``gpuwatch`` starts without it)."""
+    import numpy
+
+    return numpy
+
+
+# --- lines of the older format --------------------------------------------------------
 
 def envelope_from_record(record: Any) -> dict[str, Any] | None:
     """A flattened run-log record back as an envelope
@@ -102,9 +145,9 @@ def envelope_from_record(record: Any) -> dict[str, Any] | None:
 
 
 def decode_line(line: bytes) -> dict[str, Any] | None:
-    """One run-log line (without its newline) as an envelope, or None when it is not a
-    record: longer than :data:`MAX_LINE_BYTES`, not JSON, not UTF-8, nested beyond what
-    the parser takes, not a map, or without a string ``type``.
+    """One JSON-lines log line (without its newline) as an envelope, or None when it is
+    not a record: longer than :data:`MAX_LINE_BYTES`, not JSON, not UTF-8, nested beyond
+    what the parser takes, not a map, or without a string ``type``.
 
     Standard JSON goes through orjson (about 2 us for a step line); what orjson refuses
     (``NaN``, integers beyond 64 bits, as a hand-made log may hold) through :mod:`json`.
@@ -129,9 +172,12 @@ class LogFiles:
 
     Attributes:
         run_id: the run id from the file name. rank: the rank from the file name.
-        paths: the files, oldest first (``.N`` ... ``.1``, then the current one).
+        paths: the files in the order their records were written (a run log's parts
+            ``<first>``, ``.1``, ``.2``, ...; JSON lines' ``.N`` ... ``.1``, then the
+            current one).
         size_bytes: their sizes together, in bytes.
         modified_at: when the newest one was last written (unix s).
+        kind: ``runlog`` (:mod:`agent.runlog`) or ``jsonl`` (the earlier format).
     """
 
     run_id: str
@@ -139,6 +185,13 @@ class LogFiles:
     paths: tuple[Path, ...]
     size_bytes: int
     modified_at: float
+    kind: str = "runlog"
+
+    @property
+    def first(self) -> Path:
+        """The log's own path: the first part of a run log, the current file of JSON
+        lines (what a run file names as its ``log_path``)."""
+        return self.paths[0] if self.kind == "runlog" else self.paths[-1]
 
 
 def _regular_file(path: Path) -> os.stat_result | None:
@@ -152,56 +205,71 @@ def _regular_file(path: Path) -> os.stat_result | None:
 
 def _log_files(run_id: str, rank: int, found: dict[int, tuple[Path, os.stat_result]]
                ) -> LogFiles:
-    ordered = sorted(found.items(), key=lambda item: -item[0] if item[0] else 1)
-    return LogFiles(run_id, rank, tuple(path for _, (path, _) in ordered),
-                    sum(status.st_size for _, (_, status) in ordered),
-                    max(status.st_mtime for _, (_, status) in ordered))
+    # the format from the first bytes (a name is no proof): a run log's parts count up,
+    # rotated JSON lines count back in time
+    kind = "runlog" if _starts_with(found[min(found)][0], runlog.FRAME_MAGIC) else "jsonl"
+    order = sorted(found) if kind == "runlog" else sorted(
+        found, key=lambda index: -index if index else 1)
+    return LogFiles(run_id, rank, tuple(found[index][0] for index in order),
+                    sum(status.st_size for _, status in found.values()),
+                    max(status.st_mtime for _, status in found.values()), kind)
 
 
 def find_logs(directory: os.PathLike | str | None = None) -> list[LogFiles]:
     """The run logs in ``directory`` (default :func:`agent.runlog.log_dir`), one per run
-    and rank, newest first (by last write). Links and files that are not regular are
-    left out; so is a rotated file without the current one's name (its run's newest
-    file is then the newest rotated one).
+    and rank (and format), newest first (by last write). Links and files that are not
+    regular are left out.
 
     Raises:
         OSError: the directory cannot be listed.
     """
     directory = Path(directory) if directory is not None else log_dir()
-    groups: dict[tuple[str, int], dict[int, tuple[Path, os.stat_result]]] = {}
+    groups: dict[tuple[str, int, str], dict[int, tuple[Path, os.stat_result]]] = {}
     with os.scandir(directory) as entries:
         for entry in entries:
             match = LOG_NAME.fullmatch(entry.name)
             if match is None or not entry.is_file(follow_symlinks=False):
                 continue
             status = entry.stat(follow_symlinks=False)
-            key = (match["run"], int(match["rank"]))
-            groups.setdefault(key, {})[int(match["backup"] or 0)] = (
-                Path(entry.path), status)
-    logs = [_log_files(run_id, rank, found) for (run_id, rank), found in groups.items()]
+            key = (match["run"], int(match["rank"]), match["kind"])
+            groups.setdefault(key, {})[int(match["index"] or 0)] = (Path(entry.path), status)
+    logs = [_log_files(run_id, rank, found) for (run_id, rank, _), found in groups.items()]
     logs.sort(key=lambda log: (log.modified_at, -log.rank), reverse=True)
     return logs
 
 
 def log_at(path: os.PathLike | str) -> LogFiles | None:
-    """The run log whose current file is ``path``, with its rotated files beside it
-    (``path.1`` ... oldest last); None when ``path`` is not a regular file (missing, a
-    link, a directory). Run id and rank come from the name when it is a run log's, else
-    the name and 0."""
+    """The run log whose first part (or, JSON lines, current file) is ``path``, with
+    the files beside it; None when ``path`` is not a regular file (missing, a link, a
+    directory). Run id and rank come from the name when it is a run log's, else the
+    name and 0; the format from its first bytes."""
     path = Path(path)
     status = _regular_file(path)
     if status is None:
         return None
     found = {0: (path, status)}
-    for backup in range(1, MAX_BACKUPS + 1):
-        older = Path(f"{path}.{backup}")
-        older_status = _regular_file(older)
-        if older_status is None:
+    for index in range(1, MAX_BACKUPS + 1):
+        other = Path(f"{path}.{index}")
+        other_status = _regular_file(other)
+        if other_status is None:
             break
-        found[backup] = (older, older_status)
+        found[index] = (other, other_status)
     match = LOG_NAME.fullmatch(path.name)
     run_id, rank = (match["run"], int(match["rank"])) if match else (path.name, 0)
     return _log_files(run_id, rank, found)
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    try:
+        fd = open_no_follow(path)
+    except OSError:
+        return False
+    try:
+        return os.pread(fd, len(prefix), 0) == prefix
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def select_logs(selector: str, logs: Sequence[LogFiles]) -> list[LogFiles]:
@@ -211,68 +279,118 @@ def select_logs(selector: str, logs: Sequence[LogFiles]) -> list[LogFiles]:
     matches = exact or [log for log in logs if log.run_id.startswith(selector)]
     if len({log.run_id for log in matches}) != 1:
         return []
-    return sorted(matches, key=lambda log: log.rank)
+    return sorted(matches, key=lambda log: (log.rank, log.kind != "runlog"))
+
+
+def find_run_log(selector: str, rank: int | None = None) -> LogFiles | None:
+    """The log of the run that ``selector`` names: a run log's path, or a run id or
+    unique prefix of one among this user's logs; ``rank`` (default: the lowest with a
+    log). None when nothing (or several runs) match."""
+    if os.sep in selector or selector.endswith((".jsonl", runlog.LOG_SUFFIX)):
+        return log_at(selector)
+    try:
+        logs = select_logs(selector, find_logs())
+    except OSError:
+        return None
+    if rank is not None:
+        logs = [log for log in logs if log.rank == rank]
+    return logs[0] if logs else None
 
 
 # --- reading records ------------------------------------------------------------------
 
 class Position(NamedTuple):
-    """Where a record's line starts: the index of its file in :attr:`LogFiles.paths`
-    and the byte offset in that file."""
+    """Where a reader can start again: the index of a file in :attr:`LogFiles.paths`,
+    a byte offset in it (a run log's: where a chunk starts; JSON lines': where a line
+    starts) and the records to skip from there."""
 
     file: int
     offset: int
-
-
-def _open_no_follow(path: Path) -> int:
-    """A read-only descriptor of ``path``, never through a link and never blocking on a
-    FIFO.
-
-    Raises:
-        OSError: it cannot be opened, is a link (``ELOOP``) or is not a regular file.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
-    return fd
+    item: int = 0
 
 
 class LogReader:
-    """The records of one rank's run log, in order, as envelopes
-    (:func:`envelope_from_record`), with where each line starts.
+    """The records of one rank's run log, in order, as envelopes, with where to start
+    again from each: a run log's as stored, the older format's lines regrouped (every
+    ``step`` line of one ``steps`` batch, the ones with its ``seq``, back into that
+    batch). A ``steps`` batch's columns are lists, or with ``arrays`` the numbers of
+    a run log as numpy arrays.
 
-    Iterating reads the files oldest first, a chunk at a time; it never raises for their
-    content. A ``hello`` at the head of a file after the first is the copy a rotation
-    writes: it is skipped when the records before it were read, and otherwise (the older
-    files were deleted) folded with its ``seq`` set to None, so that the records the
-    deletion lost are not counted as records missed on the way.
+    Iterating never raises for the files' content. Older format: a ``hello`` at the
+    head of a file after the first is the copy a rotation writes, skipped when the
+    records before it were read, else (older files deleted) kept with its ``seq`` None
+    so that the records deleted are not counted as missed on the way.
 
     Args:
         log: the files to read.
         start: where to begin (a :class:`Position` an earlier iteration yielded).
+        arrays: see above.
 
     Attributes:
-        malformed: lines that were not records. truncated: the last file ends in a line
-        without its newline (a killed run; the line is not read). unreadable: files that
-        could not be opened (a link, gone, permissions), with why.
+        malformed: damaged frames and lines that were not records. truncated: the log
+            ends in an incomplete frame or line (a run killed while writing; it is not
+            read). unreadable: files that could not be opened or read (a link, gone,
+            permissions), with why. thinned: the largest bucket of thinned steps met
+            (0: every step as logged).
     """
 
-    def __init__(self, log: LogFiles, *, start: Position | None = None) -> None:
+    def __init__(self, log: LogFiles, *, start: Position | None = None,
+                 arrays: bool = False) -> None:
         self.log = log
         self.start = start or Position(0, 0)
+        self.arrays = arrays
         self.malformed = 0
         self.truncated = False
         self.unreadable: list[str] = []
+        self.thinned = 0
 
     def __iter__(self) -> Iterator[tuple[Position, dict[str, Any]]]:
+        if self.log.kind == "runlog":
+            return self._parts()
+        return _regrouped(self._lines())
+
+    # the run log's parts
+
+    def _parts(self) -> Iterator[tuple[Position, dict[str, Any]]]:
+        paths = self.log.paths
+        for index in range(self.start.file, len(paths)):
+            try:
+                fd = open_no_follow(paths[index])
+            except OSError as exc:
+                self.unreadable.append(f"{paths[index]}: {exc.strerror or exc}")
+                continue
+            try:
+                start = self.start if index == self.start.file and self.start.offset else None
+                reader = runlog.PartReader(fd, part=index, start=start, arrays=self.arrays)
+                while True:
+                    found = reader.read(max_bytes=1)  # a frame at a time
+                    for position, envelope in found:
+                        yield Position(*position), envelope
+                    if not found and (reader.pending or reader.offset >= os.fstat(fd).st_size):
+                        break
+            except OSError as exc:
+                self.unreadable.append(f"{paths[index]}: {exc.strerror or exc}")
+                continue
+            finally:
+                os.close(fd)
+            self.malformed += reader.malformed
+            self.thinned = max(self.thinned, reader.thinned)
+            if reader.pending:
+                if index == len(paths) - 1:
+                    self.truncated = True
+                else:
+                    self.malformed += 1  # a part cut short, with parts after it
+
+    # the older format's lines
+
+    def _lines(self) -> Iterator[tuple[Position, dict[str, Any]]]:
         last_seq: int | None = None
         for index in range(self.start.file, len(self.log.paths)):
             offset = self.start.offset if index == self.start.file else 0
             # a file read from its start may begin with a rotation's copy of a hello
             head = offset == 0 and (index > self.start.file or self.start.file == 0)
             held: tuple[Position, dict[str, Any]] | None = None
-            for position, envelope in self._file_records(index, offset):
+            for position, envelope in self._file_lines(index, offset):
                 if head and envelope["type"] == protocol.HELLO:
                     held, head = (position, envelope), False
                     continue
@@ -300,11 +418,11 @@ class LogReader:
             hello["seq"] = None
         yield held
 
-    def _file_records(self, index: int, offset: int
-                      ) -> Iterator[tuple[Position, dict[str, Any]]]:
+    def _file_lines(self, index: int, offset: int
+                    ) -> Iterator[tuple[Position, dict[str, Any]]]:
         path = self.log.paths[index]
         try:
-            fd = _open_no_follow(path)
+            fd = open_no_follow(path)
         except OSError as exc:
             self.unreadable.append(f"{path}: {exc.strerror or exc}")
             return
@@ -345,137 +463,352 @@ class LogReader:
                 self.truncated = bool(partial.strip()) and not skipping
 
 
-def write_output(path: os.PathLike | str, data: bytes) -> None:
-    """Write ``data`` to ``path`` (a report, a table), replacing what is there: into a
-    new file beside it first, created never through a link, then renamed over it, so a
-    reader never sees half a file.
+def _regrouped(records: Iterable[tuple[Position, dict[str, Any]]]
+               ) -> Iterator[tuple[Position, dict[str, Any]]]:
+    """Older-format records with the ``step`` lines of one batch (consecutive, with
+    the same ``run``, ``rank``, ``seq`` and ``t``) back as one ``steps`` batch: each
+    field a column (None where a line lacks it), a field with one value in every row
+    among the batch's ``common`` ones."""
+    rows: list[dict[str, Any]] = []
+    head: tuple[Any, ...] = ()
+    first: Position | None = None
+    for position, envelope in records:
+        if envelope["type"] == protocol.STEP:
+            key = tuple(envelope.get(name) for name in ("run", "rank", "seq", "t"))
+            if rows and (key != head or len(rows) >= protocol.MAX_BATCH_STEPS):
+                yield _batch(first, head, rows)  # type: ignore[arg-type]
+                rows = []
+            if not rows:
+                head, first = key, position
+            rows.append(envelope["body"])
+            continue
+        if rows:
+            yield _batch(first, head, rows)  # type: ignore[arg-type]
+            rows = []
+        yield position, envelope
+    if rows:
+        yield _batch(first, head, rows)  # type: ignore[arg-type]
+
+
+def _batch(position: Position, head: tuple[Any, ...], rows: list[dict[str, Any]]
+           ) -> tuple[Position, dict[str, Any]]:
+    n = len(rows)
+    names = dict.fromkeys(name for row in rows for name in row)
+    columns, common = {}, {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        first = values[0]
+        if type(first) in (int, float, str, bool, type(None)) and (
+                values.count(first) == n and set(map(type, values)) == {type(first)}):
+            common[name] = first
+        else:
+            columns[name] = values
+    if "step" not in columns:  # the batch's one column every reader looks for
+        columns["step"] = [common.pop("step", None)] * n
+    run, rank, seq, t = head
+    return position, {"v": protocol.PROTOCOL_VERSION, "type": protocol.STEPS, "run": run,
+                      "rank": rank, "seq": seq, "t": t,
+                      "body": {"n": n, "columns": columns, "common": common}}
+
+
+def flat_records(path: os.PathLike | str) -> Iterator[dict[str, Any]]:
+    """Every record of the run log at ``path`` as one flat map, as ``gpuwatch tail
+    --json`` prints it (:func:`agent.protocol.flatten`; a step a record):
+    ``pandas.DataFrame(flat_records(path)).query("type == 'step'")`` is the log's steps
+    as a table (in memory: for short runs; :func:`step_batches` for long ones).
 
     Raises:
-        OSError: the file cannot be written (a missing directory, permissions).
+        FileNotFoundError: ``path`` is not a regular file (missing, a link).
     """
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.unlink(missing_ok=True)  # a stale one (or a link put there) goes first
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        partial.replace(path)
-    finally:
-        partial.unlink(missing_ok=True)
+    log = log_at(path)
+    if log is None:
+        raise FileNotFoundError(f"no run log at {path}")
+    for _, envelope in LogReader(log):
+        for record in protocol.expand(envelope):
+            yield protocol.flatten(record)
 
 
-# --- numbers --------------------------------------------------------------------------
+# --- the steps as numbers -------------------------------------------------------------
 
-def number(value: Any) -> float | None:
-    """A log's number as a float: None for a missing, non-numeric (booleans too) or
-    non-finite value, or one beyond any float."""
-    if type(value) is float:
-        return value if math.isfinite(value) else None
-    if type(value) is int:
+@dataclass
+class StepBatch:
+    """The rows of a ``steps`` batch as numbers: what every tool computes with.
+
+    Attributes:
+        n: rows. t, seq: the batch's time (unix s) and sequence number (None when the
+            log lacks them).
+        numbers: field -> float64 array of ``n`` (NaN where a row lacks the field or
+            has no finite number in it): ``step`` (an optimizer step number, NaN past
+            2**53) and every numeric field found (:data:`STEP_NUMBERS` first), at most
+            :data:`MAX_STEP_COLUMNS`; a thinned bucket's ``<field>.min`` and
+            ``<field>.max`` too.
+        texts: field -> ``n`` strings or None (:data:`STEP_TEXTS`).
+        knobs: each row's knob values (the same map for rows that share it; None where
+            unknown).
+        counts: the steps each row stands for (int64 array; a thinned bucket's
+            ``steps_in_bucket``), None when one each.
+    """
+
+    n: int
+    t: float | None
+    seq: int | None
+    numbers: dict[str, numpy.ndarray]
+    texts: dict[str, list[str | None]]
+    knobs: list[Any]
+    counts: numpy.ndarray | None = None
+
+    def column(self, name: str) -> numpy.ndarray:
+        """The numbers of field ``name`` (all NaN when the batch lacks it)."""
+        found = self.numbers.get(name)
+        return found if found is not None else _np().full(self.n, math.nan)
+
+    def weights(self) -> numpy.ndarray:
+        """The steps each row stands for, as floats (ones unless thinned)."""
+        np = _np()
+        return np.ones(self.n) if self.counts is None else self.counts.astype(np.float64)
+
+
+_NUMBER_TYPES = frozenset({int, float, type(None)})
+
+
+def _numbers(values: Any, n: int) -> numpy.ndarray:
+    """A column (list or numpy array) of ``n`` values as float64, NaN where not a
+    finite number (booleans, text, maps, None, inf, integers beyond a float)."""
+    np = _np()
+    if isinstance(values, np.ndarray):
+        array = values.astype(np.float64)
+    elif set(map(type, values)) <= _NUMBER_TYPES:
         try:
-            return float(value)
+            array = np.array(values, dtype=np.float64)
         except OverflowError:
+            array = np.array([math.nan if (v := number(value)) is None else v
+                              for value in values])
+    else:
+        array = np.array([math.nan if (v := number(value)) is None else v
+                          for value in values])
+    if not np.isfinite(array).all():
+        array[~np.isfinite(array)] = math.nan
+    return array
+
+
+def step_batch(envelope: dict[str, Any]) -> StepBatch | None:
+    """A ``steps`` envelope (as :class:`LogReader` gives it) as numbers; None when its
+    body is not a batch."""
+    np = _np()
+    body = envelope.get("body") or {}
+    n, columns, common = body.get("n"), body.get("columns"), body.get("common") or {}
+    if (type(n) is not int or not 0 < n <= protocol.MAX_BATCH_STEPS
+            or not isinstance(columns, dict) or not isinstance(common, dict)):
+        return None
+    for values in columns.values():
+        if not hasattr(values, "__len__") or len(values) != n:
             return None
-    return None
+    numbers: dict[str, Any] = {}
+    texts: dict[str, list[str | None]] = {}
+    knobs: list[Any] = [None] * n
+    counts = None
+    t, seq = number(envelope.get("t")), envelope.get("seq")
+    numbers["t"] = np.full(n, math.nan if t is None else t)
+    numbers["seq"] = np.full(n, seq if type(seq) is int and abs(seq) < MAX_STEP
+                             else math.nan, dtype=np.float64)
+    names = [name for name in dict.fromkeys([*STEP_NUMBERS, *columns, *common])
+             if name in columns or name in common]
+    for name in names:
+        if not isinstance(name, str) or len(name) > MAX_NAME_CHARS or name in ENVELOPE_KEYS:
+            continue
+        if name not in columns:  # one value for every row
+            value = common[name]
+            if name == "knobs":
+                knobs = [value] * n
+            elif name in STEP_TEXTS:
+                texts[name] = [_text(value)] * n
+            elif name != BUCKET_COUNT and len(numbers) < MAX_STEP_COLUMNS + 2 and (
+                    (found := number(value)) is not None or name in STEP_NUMBERS):
+                numbers[name] = np.full(n, math.nan if found is None else found)
+            continue
+        values = columns[name]
+        if name == "knobs":
+            knobs = list(values)
+        elif name in STEP_TEXTS:
+            if values.count(values[0]) == n:
+                texts[name] = [_text(values[0])] * n
+            else:
+                shown: dict[str, str | None] = {}  # each distinct text made printable once
+                texts[name] = [(shown[value] if value in shown
+                                else shown.setdefault(value, _text(value)))
+                               if type(value) is str else None for value in values]
+        elif name == BUCKET_COUNT:
+            counts = np.maximum(np.nan_to_num(_numbers(values, n), nan=1.0), 1.0).astype(
+                np.int64)
+        elif len(numbers) < MAX_STEP_COLUMNS + 2:
+            array = _numbers(values, n)
+            if name == "step":
+                array[np.abs(array) > MAX_STEP] = math.nan
+            elif np.isnan(array).all() and name not in STEP_NUMBERS:
+                continue
+            numbers[name] = array
+    if "step" not in numbers:
+        numbers["step"] = np.full(n, math.nan)
+    return StepBatch(n, t, seq if type(seq) is int else None, numbers, texts, knobs, counts)
 
 
-def _finite(values: Iterable[float]) -> list[float]:
-    return [value for value in values if value == value]  # NaN is not equal to itself
+def _text(value: Any) -> str | None:
+    return printable(value, MAX_TEXT_CHARS) if isinstance(value, str) else None
 
 
-def median(values: Iterable[float]) -> float | None:
-    """The median of the finite values, None when there is none."""
-    present = _finite(values)
-    return statistics.median(present) if present else None
+def step_batches(log: LogFiles) -> Iterator[StepBatch]:
+    """Every step of ``log`` as :class:`StepBatch` es, in order (one batch in memory at
+    a time)."""
+    for _, envelope in LogReader(log, arrays=True):
+        if envelope["type"] == protocol.STEPS:
+            batch = step_batch(envelope)
+            if batch is not None:
+                yield batch
+
+
+# --- bounded statistics ---------------------------------------------------------------
+
+class Sample:
+    """The values of a field over consecutive rows, kept evenly spaced: every one up to
+    ``capacity``, then every second one, every fourth, ... (at most ``capacity``
+    values; medians and fifths are read from them)."""
+
+    def __init__(self, capacity: int = SAMPLE_VALUES) -> None:
+        self.capacity = capacity
+        self.stride = 1
+        self.rows = 0  # rows seen
+        self._values = _np().empty(16)
+        self._kept = 0
+
+    def add(self, values: numpy.ndarray) -> None:
+        """Add the next rows' values (NaN where missing)."""
+        np = _np()
+        start = (-self.rows) % self.stride  # the first of these rows that is kept
+        first = self.rows + start  # its index among all rows
+        kept = values[start::self.stride]
+        self.rows += len(values)
+        while self._kept + len(kept) > self.capacity:  # every second one, twice as sparse
+            self._values[:(self._kept + 1) // 2] = self._values[:self._kept:2].copy()
+            self._kept = (self._kept + 1) // 2
+            odd = (first // self.stride) % 2  # rows at odd multiples of the stride go
+            kept = kept[odd::2]
+            first += self.stride * odd
+            self.stride *= 2
+        if self._kept + len(kept) > len(self._values):
+            grown = np.empty(max(len(self._values) * 2, self._kept + len(kept)))
+            grown[:self._kept] = self._values[:self._kept]
+            self._values = grown
+        self._values[self._kept:self._kept + len(kept)] = kept
+        self._kept += len(kept)
+
+    def values(self) -> numpy.ndarray:
+        """The values kept, in row order (NaN included)."""
+        return self._values[:self._kept]
+
+
+def _median(values: numpy.ndarray) -> float | None:
+    np = _np()
+    present = values[~np.isnan(values)]
+    return float(np.median(present)) if len(present) else None
+
+
+class Overview:
+    """Fields over the optimizer steps in at most ``buckets`` buckets of consecutive
+    rows, each with the steps it spans and the minimum, maximum and mean of each
+    field's values (a thinned row counts as the steps it holds, with its own minimum
+    and maximum): a plot of any length of run, spikes kept. Twice as many rows a
+    bucket each time the buckets are full. Every field in one array, so a batch costs
+    a few numpy operations whatever the number of fields.
+
+    Args:
+        fields: the step fields it follows. buckets: at most this many (even).
+    """
+
+    def __init__(self, fields: Sequence[str] = OVERVIEW_FIELDS,
+                 buckets: int = OVERVIEW_BUCKETS) -> None:
+        np = _np()
+        self.fields = tuple(fields)
+        self.buckets = buckets
+        self.width = 1  # rows a bucket
+        self.rows = 0
+        shape = (len(self.fields), buckets)
+        self._sum, self._count = np.zeros(shape), np.zeros(shape)
+        self._min, self._max = np.full(shape, math.inf), np.full(shape, -math.inf)
+        self._first, self._last = np.full(shape, math.inf), np.full(shape, -math.inf)
+
+    def add(self, batch: StepBatch) -> None:
+        """Add a batch's rows."""
+        np = _np()
+        n = batch.n
+        while (self.rows + n - 1) // self.width >= self.buckets:
+            self._halve()
+        ids = (self.rows + np.arange(n)) // self.width
+        self.rows += n
+        starts = np.flatnonzero(np.diff(ids, prepend=-1))
+        at = ids[starts]
+        values = np.vstack([batch.column(name) for name in self.fields])
+        values[np.abs(values) > MAX_PLOTTED] = math.nan  # (a damaged log's 1e308s)
+        present = ~np.isnan(values)
+        thinned = batch.counts is not None
+        lows = np.vstack([batch.numbers.get(f"{name}.min", values[row])
+                          for row, name in enumerate(self.fields)]) if thinned else values
+        highs = np.vstack([batch.numbers.get(f"{name}.max", values[row])
+                           for row, name in enumerate(self.fields)]) if thinned else values
+        weights = batch.weights()
+        cut = self._sum[:, at]
+        self._sum[:, at] = cut + np.add.reduceat(np.where(present, values * weights, 0.0),
+                                                 starts, axis=1)
+        self._count[:, at] += np.add.reduceat(np.where(present, weights, 0.0), starts,
+                                              axis=1)
+        self._min[:, at] = np.minimum(self._min[:, at], np.minimum.reduceat(
+            np.where(present, lows, math.inf), starts, axis=1))
+        self._max[:, at] = np.maximum(self._max[:, at], np.maximum.reduceat(
+            np.where(present, highs, -math.inf), starts, axis=1))
+        steps = batch.numbers["step"]
+        known = present & ~np.isnan(steps)
+        self._first[:, at] = np.minimum(self._first[:, at], np.minimum.reduceat(
+            np.where(known, steps, math.inf), starts, axis=1))
+        self._last[:, at] = np.maximum(self._last[:, at], np.maximum.reduceat(
+            np.where(known, steps, -math.inf), starts, axis=1))
+
+    def _halve(self) -> None:
+        np = _np()
+        half = self.buckets // 2
+        for name, merge, empty in (("_sum", np.add, 0.0), ("_count", np.add, 0.0),
+                                   ("_min", np.minimum, math.inf),
+                                   ("_max", np.maximum, -math.inf),
+                                   ("_first", np.minimum, math.inf),
+                                   ("_last", np.maximum, -math.inf)):
+            array = getattr(self, name)
+            array[:, :half] = merge(array[:, 0::2], array[:, 1::2])
+            array[:, half:] = empty
+        self.width *= 2
+
+    def get(self, name: str) -> Series | None:
+        """Field ``name``'s buckets; None when not followed or without a value."""
+        if name not in self.fields:
+            return None
+        row = self.fields.index(name)
+        if not (self._count[row] > 0).any():
+            return None
+        used = (self._count[row] > 0) & _np().isfinite(self._first[row])
+        return Series((self._first[row][used] + self._last[row][used]) / 2,
+                      self._sum[row][used] / self._count[row][used],
+                      self._min[row][used], self._max[row][used], self.width)
+
+
+class Series(NamedTuple):
+    """A field's buckets (:meth:`Overview.get`): each bucket's step (the middle of the
+    steps it spans), mean, minimum and maximum, and the rows a bucket holds."""
+
+    steps: numpy.ndarray
+    means: numpy.ndarray
+    lows: numpy.ndarray
+    highs: numpy.ndarray
+    width: int
 
 
 # --- a run's history ------------------------------------------------------------------
-
-class StepTable:
-    """One rank's step records as columns: numbers as float arrays (NaN where a record
-    lacks the field), texts and knob values as lists (None where missing).
-
-    Attributes:
-        numbers: column name -> ``array('d')``: ``t`` (unix s), ``seq``, then the step
-            fields (:data:`STEP_NUMBERS` and others found, up to
-            :data:`MAX_STEP_COLUMNS`).
-        texts: column name -> list of str or None (:data:`STEP_TEXTS`).
-        knobs: knob name -> list of the value at each step (None before the knob is
-            known).
-    """
-
-    def __init__(self) -> None:
-        self.numbers: dict[str, array] = {"t": array("d"), "seq": array("d")}
-        for name in STEP_NUMBERS:
-            self.numbers[name] = array("d")
-        self.texts: dict[str, list[str | None]] = {name: [] for name in STEP_TEXTS}
-        self.knobs: dict[str, list[Any]] = {}
-        self._distinct: dict[Any, Any] = {}  # one object per distinct text or knob value
-        self._last_knobs: Any = None
-        self._length = 0
-
-    def __len__(self) -> int:
-        return self._length
-
-    def append(self, envelope: dict[str, Any]) -> dict[str, Any] | None:
-        """Add a ``step`` envelope's record; returns its knobs map when it differs from
-        the previous record's (None when the same or absent)."""
-        body = envelope["body"]
-        nan = math.nan
-        values = {"t": number(envelope.get("t")), "seq": number(envelope.get("seq"))}
-        for key, value in body.items():
-            if key not in self.numbers:
-                if (key in self.texts or key == "knobs" or len(self.numbers)
-                        >= MAX_STEP_COLUMNS or number(value) is None
-                        or not isinstance(key, str) or len(key) > MAX_NAME_CHARS):
-                    continue
-                self.numbers[key] = array("d", [nan]) * self._length
-            values[key] = number(value)
-        for name, column in self.numbers.items():
-            value = values.get(name)
-            column.append(nan if value is None else value)
-        for name, texts in self.texts.items():
-            value = body.get(name)
-            texts.append(self._keep(value) if isinstance(value, str) else None)
-        knobs = body.get("knobs")
-        changed = None
-        if isinstance(knobs, dict) and knobs != self._last_knobs:
-            changed = knobs
-            self._last_knobs = knobs
-            for name in knobs:
-                if (isinstance(name, str) and name not in self.knobs
-                        and len(self.knobs) < MAX_KNOBS and len(name) <= MAX_NAME_CHARS):
-                    self.knobs[name] = [None] * self._length
-        current = self._last_knobs if isinstance(self._last_knobs, dict) else {}
-        for name, knob_values in self.knobs.items():
-            value = current.get(name)
-            knob_values.append(self._keep(value) if isinstance(value, (str, int, float, bool))
-                               else None)
-        self._length += 1
-        return changed
-
-    def _keep(self, value: Any) -> Any:
-        """``value`` as the one object kept for it (few distinct values, many steps)."""
-        key = (type(value), value)
-        kept = self._distinct.get(key)
-        if kept is None and len(self._distinct) < MAX_DISTINCT:
-            if isinstance(value, str):
-                value = printable(value, MAX_TEXT_CHARS)
-            self._distinct[key] = kept = value
-        return kept
-
-    def column(self, name: str) -> array:
-        """The numbers of column ``name`` (NaN where missing; all NaN for a column the
-        records never had)."""
-        found = self.numbers.get(name)
-        return found if found is not None else array("d", [math.nan]) * self._length
-
-    def has(self, name: str) -> bool:
-        """Whether any record has a finite ``name``."""
-        column = self.numbers.get(name)
-        return column is not None and any(value == value for value in column)
-
 
 class Event(NamedTuple):
     """An event of the run: when (unix s), the last optimizer step completed before it
@@ -491,130 +824,8 @@ class Event(NamedTuple):
     text: str
 
 
-@dataclass
-class RunHistory:
-    """One rank's run log, read whole: what the report, compare, export and the
-    timeline's segments are made of.
-
-    Attributes:
-        log: the files read. hello: the latest ``hello`` body ({} when none).
-        steps: the step records as columns. events: the ``event`` records (the first
-            :data:`MAX_EVENTS`). knob_changes: every change of a knob's value between
-            consecutive step records. bye: the ``bye`` body, or None (a run that was
-            killed, or is still going). first_t, last_t: unix times of the first and
-            last record (None without any). records: records read.
-        malformed, truncated, unreadable: as :class:`LogReader` counted them.
-    """
-
-    log: LogFiles
-    hello: dict[str, Any] = field(default_factory=dict)
-    steps: StepTable = field(default_factory=StepTable)
-    events: list[Event] = field(default_factory=list)
-    knob_changes: list[KnobChange] = field(default_factory=list)
-    bye: dict[str, Any] | None = None
-    first_t: float | None = None
-    last_t: float | None = None
-    records: int = 0
-    malformed: int = 0
-    truncated: bool = False
-    unreadable: list[str] = field(default_factory=list)
-
-    @property
-    def run_id(self) -> str:
-        """The run's id (from the file name)."""
-        return self.log.run_id
-
-    @property
-    def name(self) -> str:
-        """The run's name from its hello (the script or model), "" without one."""
-        name = self.hello.get("name")
-        return printable(name, 100) if isinstance(name, str) else ""
-
-    @property
-    def started_at(self) -> float | None:
-        """When the run started (unix s): its hello's ``started_at``, else its first
-        record's time."""
-        return number(self.hello.get("started_at")) or self.first_t
-
-    @property
-    def duration_s(self) -> float | None:
-        """From the start to the last record, in s; None without records."""
-        start = self.started_at
-        if start is None or self.last_t is None:
-            return None
-        return max(0.0, self.last_t - start)
-
-    def segments(self) -> list[Segment]:
-        """The runs of consecutive steps with the same knob values (a new one starts
-        at each knob change), with their figures; ``[]`` without steps."""
-        return segments(self.steps)
-
-
-class HistoryBuilder:
-    """Folds records, in order, into a :class:`RunHistory` (what :func:`read_history`
-    does for a whole log; the timeline adds its own work to the same pass).
-
-    Attributes:
-        history: what is folded so far.
-    """
-
-    def __init__(self, log: LogFiles) -> None:
-        self.history = RunHistory(log)
-        self._previous: dict[str, Any] | None = None  # the last step's knobs
-        self._last_step: int | None = None
-
-    def add(self, envelope: dict[str, Any]) -> list[KnobChange]:
-        """Fold one envelope; returns the knob changes its step record shows."""
-        history = self.history
-        history.records += 1
-        kind, body = envelope["type"], envelope["body"]
-        t = number(envelope.get("t"))
-        if t is not None:
-            history.first_t = t if history.first_t is None else history.first_t
-            history.last_t = t
-        changes: list[KnobChange] = []
-        if kind == protocol.STEP:
-            changed = history.steps.append(envelope)
-            step = body.get("step")
-            self._last_step = step if type(step) is int else self._last_step
-            if changed is not None:
-                if self._previous is not None and self._last_step is not None:
-                    changes = [KnobChange(self._last_step, t, name,
-                                          self._previous.get(name), value)
-                               for name, value in changed.items()
-                               if isinstance(name, str)
-                               and self._previous.get(name) != value]
-                    history.knob_changes += changes
-                self._previous = changed
-        elif kind == protocol.HELLO:
-            history.hello = body
-        elif kind == protocol.EVENT and len(history.events) < MAX_EVENTS:
-            history.events.append(_event(t, self._last_step, body))
-        elif kind == protocol.BYE:
-            history.bye = body
-        return changes
-
-    def finish(self, reader: LogReader) -> RunHistory:
-        """The history, with what ``reader`` could not read."""
-        self.history.malformed, self.history.truncated = reader.malformed, reader.truncated
-        self.history.unreadable = reader.unreadable
-        return self.history
-
-
-def read_history(log: LogFiles) -> RunHistory:
-    """Read one rank's run log whole (a few us a record).
-
-    Never raises for the files' content; what could not be read is counted in the
-    result (``malformed``, ``truncated``, ``unreadable``).
-    """
-    builder = HistoryBuilder(log)
-    reader = LogReader(log)
-    for _, envelope in reader:
-        builder.add(envelope)
-    return builder.finish(reader)
-
-
-def _event(t: float | None, step: int | None, body: dict[str, Any]) -> Event:
+def event_of(t: float | None, step: int | None, body: dict[str, Any]) -> Event:
+    """An ``event`` body as an :class:`Event` (text made printable and cut)."""
     level = body.get("level")
     kind, knob, value = body.get("kind"), body.get("knob"), body.get("value")
     return Event(t, step, level if level in ("info", "warning", "error") else "info",
@@ -625,23 +836,23 @@ def _event(t: float | None, step: int | None, body: dict[str, Any]) -> Event:
                  printable(body.get("text", ""), MAX_TEXT_CHARS))
 
 
-# --- segments between knob changes ----------------------------------------------------
-
 @dataclass(frozen=True)
 class Segment:
     """Consecutive optimizer steps with the same knob values, and how they went.
 
     Attributes:
-        first_step, last_step: the steps it spans (inclusive). steps: step records in it.
-        knobs: the knob values of its steps. changed: the knobs whose value differs from
-            the segment before (empty for the first).
+        first_step, last_step: the steps it spans (inclusive). steps: optimizer steps
+            in it. knobs: the knob values of its steps. changed: the knobs whose value
+            differs from the segment before (empty for the first).
         step_time_s: median step time (s). samples_per_s, tokens_per_s: median
             throughput (None without it). data_wait_share: data wait over step time,
             summed over the segment (0..1). memory_bytes: the largest peak reserved
-            CUDA memory, or host RSS on a CPU run. activation_bytes: median activation
+            CUDA memory of its steps, or their host RSS where they report none (a CPU
+            run). activation_bytes: median activation
             memory measured in it. loss_first, loss_last: median loss of its first and
             last fifth. loss_slope_per_1k: least-squares slope of the loss per 1,000
-            steps (negative: falling). None where the steps lack the field.
+            steps (negative: falling). None where the steps lack the field. Medians
+            over more than :data:`SAMPLE_VALUES` steps are of an evenly spaced sample.
     """
 
     first_step: int
@@ -668,76 +879,410 @@ class Segment:
             f" ({changes})" if changes else "")
 
 
-def _slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    pairs = [(x, y) for x, y in zip(xs, ys) if x == x and y == y]
-    if len(pairs) < 2:
-        return None
-    mean_x = sum(x for x, _ in pairs) / len(pairs)
-    mean_y = sum(y for _, y in pairs) / len(pairs)
-    spread = sum((x - mean_x) ** 2 for x, _ in pairs)
-    if spread == 0:
-        return None
-    return sum((x - mean_x) * (y - mean_y) for x, y in pairs) / spread
+#: The fields a segment takes medians (and fifths) of.
+_SAMPLED = ("step_time_s", "samples_per_s", "tokens_per_s", "activation_bytes", "loss")
 
 
-def figures(table: StepTable, start: int = 0, stop: int | None = None
-            ) -> dict[str, float | None]:
-    """The figures of :class:`Segment` over the records ``start:stop`` of ``table``:
-    ``step_time_s``, ``samples_per_s``, ``tokens_per_s``, ``data_wait_share``,
-    ``memory_bytes``, ``activation_bytes``, ``loss_first``, ``loss_last``,
-    ``loss_slope_per_1k``."""
-    def column(name: str) -> array:
-        return table.column(name)[start:stop]
-
-    memory_name = ("mem_peak_reserved_bytes" if table.has("mem_peak_reserved_bytes")
-                   else "host_rss_bytes")
-    timed = [(s, w) for s, w in zip(column("step_time_s"), column("data_wait_s"))
-             if s == s and w == w]
-    total_s = sum(s for s, _ in timed)
-    memory = _finite(column(memory_name))
-    loss = column("loss")
-    fifth = max(1, len(loss) // 5)
-    slope = _slope(column("step"), loss)
-    return {
-        "step_time_s": median(column("step_time_s")),
-        "samples_per_s": median(column("samples_per_s")),
-        "tokens_per_s": median(column("tokens_per_s")),
-        "data_wait_share": sum(w for _, w in timed) / total_s if total_s > 0 else None,
-        "memory_bytes": max(memory) if memory else None,
-        "activation_bytes": median(column("activation_bytes")),
-        "loss_first": median(loss[:fifth]), "loss_last": median(loss[-fifth:]),
-        "loss_slope_per_1k": None if slope is None else slope * 1000.0,
-    }
+#: A segment's rows are folded once this many wait (fewer stay slices of their batches
+#: until its figures are asked for): the many short segments of a run whose knobs change
+#: every few steps cost no numpy work unless they are among the segments kept.
+FOLD_ROWS = 64
 
 
-def segment(table: StepTable, start: int = 0, stop: int | None = None) -> Segment:
-    """The records ``start:stop`` of ``table`` as one :class:`Segment` (its knobs:
-    those of its first record; ``changed``: those that differ from the record before).
+class SegmentFold:
+    """The figures of a :class:`Segment`, folded from its rows a batch slice at a time
+    (memory: at most :data:`SAMPLE_VALUES` values of each of 5 fields, and the slices of
+    fewer than :data:`FOLD_ROWS` rows not folded yet).
+
+    Args:
+        knobs: the knob values of its steps. changed: the knobs that changed at its
+            start.
+
+    Attributes:
+        rows: the step rows added.
+    """
+
+    def __init__(self, knobs: dict[str, Any], changed: tuple[str, ...]) -> None:
+        self.knobs = knobs
+        self.changed = changed
+        self.rows = 0
+        self._first_step: float | None = None
+        self._last_step: float | None = None
+        self._steps = 0
+        self._pending: list[tuple[StepBatch, int, int]] = []
+        self._pending_rows = 0
+        self._samples: dict[str, Sample] = {}  # made when the first rows are folded
+        self._wait_s = self._time_s = 0.0
+        self._peak_reserved = -math.inf
+        self._rss = -math.inf
+        self._slope = [0.0] * 5  # n, sum x, sum y, sum xx, sum xy (x from first step)
+
+    def add(self, batch: StepBatch, start: int, stop: int) -> None:
+        """Add rows ``start:stop`` of ``batch`` (folded once :data:`FOLD_ROWS` wait)."""
+        self._pending.append((batch, start, stop))
+        self._pending_rows += stop - start
+        self.rows += stop - start
+        if self._pending_rows >= FOLD_ROWS:
+            self._fold_pending()
+
+    @property
+    def short(self) -> bool:
+        """Whether nothing is folded yet (fewer than :data:`FOLD_ROWS` rows)."""
+        return self._pending_rows == self.rows
+
+    def _fold_pending(self) -> None:
+        for batch, start, stop in self._pending:
+            self._fold(batch, start, stop)
+        self._pending, self._pending_rows = [], 0
+
+    def _fold(self, batch: StepBatch, start: int, stop: int) -> None:
+        with _np().errstate(over="ignore", invalid="ignore"):  # (1e308s: inf, then None)
+            self._fold_rows(batch, start, stop)
+
+    def _fold_rows(self, batch: StepBatch, start: int, stop: int) -> None:
+        np = _np()
+        rows = slice(start, stop)
+        if not self._samples:
+            self._samples = {name: Sample() for name in _SAMPLED}
+        steps = batch.numbers["step"][rows]
+        present = steps[~np.isnan(steps)]
+        if len(present):
+            low = batch.numbers["step.min"][rows] if "step.min" in batch.numbers else steps
+            first = float(np.nanmin(low)) if not np.isnan(low).all() else float(present[0])
+            if self._first_step is None:
+                self._first_step = first
+            self._last_step = float(present[-1])
+        weights = batch.weights()[rows]
+        self._steps += int(weights.sum())
+        for name, sample in self._samples.items():
+            sample.add(batch.column(name)[rows])
+        times, waits = batch.column("step_time_s")[rows], batch.column("data_wait_s")[rows]
+        timed = ~np.isnan(times) & ~np.isnan(waits)
+        self._time_s += float((times[timed] * weights[timed]).sum())
+        self._wait_s += float((waits[timed] * weights[timed]).sum())
+        for attribute, name in (("_peak_reserved", "mem_peak_reserved_bytes"),
+                                ("_rss", "host_rss_bytes")):
+            values = batch.numbers.get(f"{name}.max", batch.numbers.get(name))
+            if values is not None and not np.isnan(values[rows]).all():
+                setattr(self, attribute, max(getattr(self, attribute),
+                                             float(np.nanmax(values[rows]))))
+        loss = batch.column("loss")[rows]
+        pairs = ~np.isnan(steps) & ~np.isnan(loss)
+        if pairs.any():
+            x = steps[pairs] - (self._first_step or 0.0)
+            y = loss[pairs]
+            sums = self._slope
+            sums[0] += len(x)
+            sums[1] += float(x.sum())
+            sums[2] += float(y.sum())
+            sums[3] += float((x * x).sum())
+            sums[4] += float((x * y).sum())
+
+    def segment(self) -> Segment | None:
+        """Its figures (the rows still waiting folded first); None without a step
+        number."""
+        self._fold_pending()
+        if self._first_step is None or self._last_step is None:
+            return None
+        medians = {name: _median(sample.values()) for name, sample in self._samples.items()
+                   if name != "loss"}
+        loss = self._samples["loss"].values()  # (made: there was a step number)
+        fifth = max(1, len(loss) // 5)
+        n, sx, sy, sxx, sxy = self._slope
+        spread = n * sxx - sx * sx
+        slope = (n * sxy - sx * sy) / spread if n >= 2 and spread > 0 else None
+        if slope is not None and not math.isfinite(slope):
+            slope = None  # (numbers too large to square: a damaged log)
+        memory = self._peak_reserved if self._peak_reserved > -math.inf else self._rss
+        return Segment(
+            int(self._first_step), int(self._last_step), self._steps, self.knobs,
+            self.changed, medians["step_time_s"], medians["samples_per_s"],
+            medians["tokens_per_s"], self._wait_s / self._time_s if self._time_s > 0 else None,
+            memory if memory > -math.inf else None, medians["activation_bytes"],
+            _median(loss[:fifth]), _median(loss[-fifth:]),
+            None if slope is None else slope * 1000.0)
+
+
+@dataclass
+class RunHistory:
+    """One rank's run log, folded in one pass into figures of bounded size: what the
+    report, compare and the timeline show.
+
+    Attributes:
+        log: the files read. hello: the latest ``hello`` body ({} when none).
+        bye: the ``bye`` body, or None (a run that was killed, or is still going).
+        summary: the run in figures (:class:`agent.runlog.LogSummary`; ``steps`` counts
+            optimizer steps, a thinned bucket's included).
+        events: the first :data:`MAX_EVENTS` events. knob_changes: the first
+            :data:`MAX_CHANGES` changes of a knob's value between consecutive steps.
+        overview: the run's fields in buckets (:class:`Overview` of
+            :data:`OVERVIEW_FIELDS`).
+        whole: the whole run as one segment (None without steps, or when not asked
+            for and the run has several).
+        rows: step rows read (fewer than ``summary.steps`` when thinned).
+        segments_omitted: segments between the first and last :data:`MAX_SEGMENTS`.
+        malformed, truncated, unreadable, thinned: as :class:`LogReader` counted them.
+    """
+
+    log: LogFiles
+    hello: dict[str, Any] = field(default_factory=dict)
+    bye: dict[str, Any] | None = None
+    summary: LogSummary = field(default_factory=LogSummary)
+    events: list[Event] = field(default_factory=list)
+    knob_changes: list[KnobChange] = field(default_factory=list)
+    overview: Overview = field(default_factory=Overview)
+    whole: Segment | None = None
+    rows: int = 0
+    segments_omitted: int = 0
+    malformed: int = 0
+    truncated: bool = False
+    unreadable: list[str] = field(default_factory=list)
+    thinned: int = 0
+    _segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def run_id(self) -> str:
+        """The run's id (from the file name)."""
+        return self.log.run_id
+
+    @property
+    def name(self) -> str:
+        """The run's name from its hello (the script or model), "" without one."""
+        name = self.hello.get("name")
+        return printable(name, 100) if isinstance(name, str) else ""
+
+    @property
+    def started_at(self) -> float | None:
+        """When the run started (unix s): its hello's ``started_at``, else its first
+        record's time."""
+        return number(self.hello.get("started_at")) or self.summary.first_t
+
+    @property
+    def first_t(self) -> float | None:
+        """The first record's time (unix s)."""
+        return self.summary.first_t
+
+    @property
+    def last_t(self) -> float | None:
+        """The last record's time (unix s)."""
+        return self.summary.last_t
+
+    @property
+    def duration_s(self) -> float | None:
+        """From the start to the last record, in s; None without records."""
+        start = self.started_at
+        if start is None or self.last_t is None:
+            return None
+        return max(0.0, self.last_t - start)
+
+    @property
+    def knob_changes_total(self) -> int:
+        """Every knob change of the run (also those past :data:`MAX_CHANGES`)."""
+        return self.summary.knob_changes
+
+    @property
+    def events_total(self) -> int:
+        """Every event of the run (also those past :data:`MAX_EVENTS`)."""
+        return self.summary.events
+
+    def segments(self) -> list[Segment]:
+        """The runs of consecutive steps with the same knob values (a new one at each
+        knob change), the first and last :data:`MAX_SEGMENTS` of them
+        (:attr:`segments_omitted` between); ``[]`` without steps."""
+        return list(self._segments)
+
+
+class HistoryBuilder:
+    """Folds records, in order, into a :class:`RunHistory` (what :func:`read_history`
+    does for a whole log; the timeline adds its own work to the same pass).
+
+    Args:
+        log: the log's files (named in the history).
+        overview: fill :attr:`RunHistory.overview` (what a report plots).
+        whole: take the whole run's figures apart from its segments' (what comparing
+            two runs needs; a run of one segment has them anyway).
+
+    Attributes:
+        history: what is folded so far (segments and the whole run once finished).
+    """
+
+    def __init__(self, log: LogFiles, *, overview: bool = True, whole: bool = True) -> None:
+        self.history = RunHistory(log)
+        self._overview = overview
+        self._whole_wanted = whole
+        self._knobs: Any = None  # the last step's knob values
+        self._last_step: int | None = None
+        self._fold: SegmentFold | None = None
+        self._whole: SegmentFold | None = None
+        self._head: list[Segment] = []  # the first segments' figures
+        self._tail: deque[Segment | SegmentFold] = deque(maxlen=MAX_SEGMENTS)
+
+    def add(self, envelope: dict[str, Any]) -> list[KnobChange]:
+        """Fold one envelope (a ``steps`` batch with list or array columns); returns
+        the knob changes its steps show, the first :data:`MAX_CHANGES` of the run's
+        (the others are counted in the summary)."""
+        history = self.history
+        history.summary.add(envelope)
+        kind, body = envelope["type"], envelope["body"]
+        if kind == protocol.STEPS:
+            batch = step_batch(envelope)
+            if batch is None:
+                history.malformed += 1
+                return []
+            return self.add_batch(batch)
+        t = number(envelope.get("t"))
+        if kind == protocol.HELLO:
+            history.hello = body
+        elif kind == protocol.EVENT and len(history.events) < MAX_EVENTS:
+            history.events.append(event_of(t, self._last_step, body))
+        elif kind == protocol.BYE:
+            history.bye = body
+        return []
+
+    def add_batch(self, batch: StepBatch) -> list[KnobChange]:
+        """Fold a batch of steps; the knob changes it shows."""
+        np = _np()
+        history = self.history
+        history.rows += batch.n
+        steps = batch.numbers["step"]
+        if self._overview:
+            history.overview.add(batch)
+        changes: list[KnobChange] = []
+        cuts: list[tuple[int, dict[str, Any]]] = []  # rows where a new segment starts
+        knobs = batch.knobs
+        for row in range(1) if knobs.count(knobs[0]) == batch.n else range(batch.n):
+            values = knobs[row]
+            if not isinstance(values, dict) or values is self._knobs or values == self._knobs:
+                continue
+            if self._knobs is not None:
+                cuts.append((row, values))
+                step = steps[row]
+                room = MAX_CHANGES - len(history.knob_changes)
+                if room > 0 and not np.isnan(step):  # (past the first ones: counted only)
+                    changed = [
+                        KnobChange(int(step), batch.t, name, self._knobs.get(name), value)
+                        for name, value in values.items()
+                        if isinstance(name, str) and self._knobs.get(name) != value]
+                    history.knob_changes += changed[:room]
+                    changes += changed
+            elif self._fold is not None:  # the first knob values, after steps without
+                self._fold.knobs = _known(values)
+            self._knobs = values
+        if self._fold is None:
+            self._open_segment(self._knobs)
+        start = 0
+        for row, values in cuts:
+            if row > start:
+                self._fold.add(batch, start, row)  # type: ignore[union-attr]
+            self._open_segment(values)
+            start = row
+        self._fold.add(batch, start, batch.n)  # type: ignore[union-attr]
+        if self._whole is not None:
+            self._whole.add(batch, 0, batch.n)
+        present = steps[~np.isnan(steps)]
+        if len(present):
+            self._last_step = int(present[-1])
+        return changes
+
+    def _open_segment(self, knobs: Any) -> None:
+        known = _known(knobs)
+        previous = self._fold
+        changed = () if previous is None else tuple(
+            name for name, value in known.items() if previous.knobs.get(name) != value)
+        if previous is not None:
+            self._close(previous)
+        self._fold = SegmentFold(known, changed)
+        if self._whole is None and self._whole_wanted:
+            self._whole = SegmentFold(known, ())
+
+    def _close(self, fold: SegmentFold) -> None:
+        """Keep a finished segment: among the first :data:`MAX_SEGMENTS` (its figures
+        now), else among the last (those pushed out counted): a long one's figures now
+        (its samples freed), a short one's only if it is still among them at the end."""
+        if len(self._head) < MAX_SEGMENTS:
+            segment = fold.segment()
+            if segment is not None:
+                self._head.append(segment)
+            return
+        if len(self._tail) == self._tail.maxlen:
+            self.history.segments_omitted += 1
+        self._tail.append(fold if fold.short else fold.segment() or fold)
+
+    def finish(self, reader: LogReader) -> RunHistory:
+        """The history, its segments computed, with what ``reader`` could not read."""
+        history = self.history
+        if self._fold is not None:
+            self._close(self._fold)
+            self._fold = None
+        tail = [kept.segment() if isinstance(kept, SegmentFold) else kept
+                for kept in self._tail]
+        history._segments = self._head + [segment for segment in tail if segment is not None]
+        if self._whole is not None:
+            history.whole = self._whole.segment()
+        elif len(history._segments) == 1 and not history.segments_omitted:
+            history.whole = history._segments[0]
+        history.malformed += reader.malformed
+        history.truncated, history.unreadable = reader.truncated, reader.unreadable
+        history.thinned = reader.thinned
+        return history
+
+
+def _known(knobs: Any) -> dict[str, Any]:
+    """Knob values as a segment keeps them: at most :data:`MAX_KNOBS`, with names of at
+    most :data:`MAX_NAME_CHARS` characters."""
+    if not isinstance(knobs, dict):
+        return {}
+    return {name: value for name, value in list(knobs.items())[:MAX_KNOBS]
+            if isinstance(name, str) and len(name) <= MAX_NAME_CHARS}
+
+
+def read_history(log: LogFiles, *, overview: bool = True, whole: bool = True
+                 ) -> RunHistory:
+    """Read one rank's run log in one pass (bounded memory; a few seconds for a
+    million steps here). ``overview``, ``whole``: as :class:`HistoryBuilder` takes
+    them (what a tool does not show, it need not compute).
+
+    Never raises for the files' content; what could not be read is counted in the
+    result (``malformed``, ``truncated``, ``unreadable``).
+    """
+    builder = HistoryBuilder(log, overview=overview, whole=whole)
+    reader = LogReader(log, arrays=True)
+    for _, envelope in reader:
+        builder.add(envelope)
+    return builder.finish(reader)
+
+
+# --- output files ---------------------------------------------------------------------
+
+@contextmanager
+def output_file(path: os.PathLike | str) -> Iterator[BinaryIO]:
+    """A file to write ``path`` (a report, a table) through: a new file beside it,
+    created never through a link, renamed over ``path`` when the block ends without
+    an error (a reader never sees half a file), removed otherwise.
 
     Raises:
-        ValueError: the range holds no record.
+        OSError: it cannot be written (a missing directory, permissions).
     """
-    stop = len(table) if stop is None else stop
-    if not 0 <= start < stop <= len(table):
-        raise ValueError(f"no records in {start}:{stop} of {len(table)}")
-    knobs = {name: column[start] for name, column in table.knobs.items()}
-    changed = tuple(name for name, column in table.knobs.items()
-                    if start and column[start] != column[start - 1])
-    present = _finite(table.column("step")[start:stop])
-    return Segment(int(present[0]) if present else start,
-                   int(present[-1]) if present else stop - 1, stop - start, knobs,
-                   changed, **figures(table, start, stop))
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.unlink(missing_ok=True)  # a stale one (or a link put there) goes first
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
-def segments(table: StepTable) -> list[Segment]:
-    """The segments of a step table, cut where the knob values change (see
-    :class:`Segment`)."""
-    count = len(table)
-    bounds = [0] + [index for index in range(1, count)
-                    if any(column[index] != column[index - 1]
-                           for column in table.knobs.values())] + [count]
-    return [segment(table, start, stop) for start, stop in zip(bounds, bounds[1:])
-            if stop > start]
+def write_output(path: os.PathLike | str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through :func:`output_file`.
+
+    Raises:
+        OSError: the file cannot be written (a missing directory, permissions).
+    """
+    with output_file(path) as handle:
+        handle.write(data)
 
 
 # --- summaries ------------------------------------------------------------------------
@@ -754,6 +1299,8 @@ class RunSummary:
             the largest throughput of a step (None without). knob_changes: changes of
             knob values. ended: the ``bye`` reason, or None (killed, or still going).
             log_bytes: all its files' sizes, every rank. malformed, truncated: as read.
+            thinned: the steps a bucket of its thinned steps stands for (0: none
+            thinned: every step kept as logged).
     """
 
     run_id: str
@@ -772,6 +1319,7 @@ class RunSummary:
     log_bytes: int
     malformed: int
     truncated: bool
+    thinned: int = 0
 
     def public(self) -> dict[str, Any]:
         """As a JSON-ready map (``gpuwatch runs --all --json``)."""
@@ -779,16 +1327,18 @@ class RunSummary:
                 for name, value in self.__dict__.items()}
 
 
-def _last_finite(values: Sequence[float]) -> float | None:
-    for value in reversed(values):
-        if value == value:
-            return value
-    return None
-
-
-def _largest(values: Sequence[float]) -> float | None:
-    present = _finite(values)
-    return max(present) if present else None
+def _summary_of(run_id: str, summary: LogSummary, *, ranks: Sequence[int], live: bool,
+                log_bytes: int, malformed: int, truncated: bool, thinned: int
+                ) -> RunSummary:
+    started = summary.started_at or summary.first_t
+    duration = (None if started is None or summary.last_t is None
+                else max(0.0, summary.last_t - started))
+    return RunSummary(
+        run_id, printable(summary.name or "", 100), tuple(ranks), live, started, duration,
+        summary.steps, summary.last_step, summary.final_loss, summary.best_samples_per_s,
+        summary.best_tokens_per_s, summary.knob_changes,
+        None if summary.ended is None else printable(summary.ended, 100), log_bytes,
+        malformed, truncated, thinned)
 
 
 def summarize(history: RunHistory, *, ranks: Sequence[int] = (), live: bool = False,
@@ -799,53 +1349,91 @@ def summarize(history: RunHistory, *, ranks: Sequence[int] = (), live: bool = Fa
         ranks: every rank with a log (default: the history's). live: a live run file
             names the run. log_bytes: the size of all its logs (default: this one's).
     """
-    table = history.steps
-    step = _last_finite(table.column("step"))
-    ended = None
-    if history.bye is not None:
-        reason = history.bye.get("reason")
-        ended = printable(reason, 100) if isinstance(reason, str) and reason else "ended"
-    return RunSummary(
-        history.run_id, history.name, tuple(ranks) or (history.log.rank,), live,
-        history.started_at, history.duration_s, len(table),
-        None if step is None else int(step), _last_finite(table.column("loss")),
-        _largest(table.column("samples_per_s")), _largest(table.column("tokens_per_s")),
-        len(history.knob_changes), ended,
-        history.log.size_bytes if log_bytes is None else log_bytes,
-        history.malformed, history.truncated)
+    return _summary_of(
+        history.run_id, history.summary, ranks=tuple(ranks) or (history.log.rank,),
+        live=live, log_bytes=history.log.size_bytes if log_bytes is None else log_bytes,
+        malformed=history.malformed, truncated=history.truncated, thinned=history.thinned)
+
+
+def log_summary(log: LogFiles, *, live: bool = False) -> tuple[LogSummary, LogReader]:
+    """A log's :class:`~agent.runlog.LogSummary`: the one saved beside it, with the
+    records written after what it covers folded on (those of the last
+    :data:`agent.runlog.SUMMARY_S` to :data:`agent.runlog.CHUNK_S` of the run); without
+    one (an older log, a run killed
+    before its first chunk ended), one pass over the log, saved beside it for the next
+    time unless the run is live. Returns it with the reader of what was read (whose
+    ``malformed``, ``truncated`` and ``thinned`` say what it met). Never raises for the
+    files' content.
+    """
+    path = runlog.summary_path(log.first)
+    saved = runlog.read_summary(path)
+    start = _resume_at(log, saved)
+    summary = saved if saved is not None and start is not None else LogSummary()
+    reader = LogReader(log, start=start)
+    for _, envelope in reader:
+        summary.add(envelope)
+    if start is None:
+        summary.malformed, summary.truncated = reader.malformed, reader.truncated
+        if not live:  # kept for the next time
+            last = len(log.paths) - 1
+            summary.covered = [last, _size(log.paths[last])]
+            try:
+                runlog.write_private(path, summary.to_json())
+            except OSError:
+                pass  # a directory we cannot write to: read again next time
+    else:
+        summary.malformed += reader.malformed
+        summary.truncated = summary.truncated or reader.truncated
+    return summary, reader
+
+
+def _resume_at(log: LogFiles, summary: LogSummary | None) -> Position | None:
+    """Where the records after what ``summary`` covers start in ``log``; None when it
+    covers nothing known (then the whole log is read)."""
+    if summary is None or summary.covered is None:
+        return None
+    file, offset = summary.covered
+    if file >= len(log.paths) or offset > _size(log.paths[file]):
+        return None
+    if log.kind == "jsonl" and (file, offset) != (len(log.paths) - 1,
+                                                 _size(log.paths[-1])):
+        return None  # rotated since: the offsets moved
+    return Position(file, offset)
+
+
+def _size(path: Path) -> int:
+    status = _regular_file(path)
+    return -1 if status is None else status.st_size
+
+
+def part_thinning(log: LogFiles) -> int:
+    """The coarsest thinning of a run log's parts (their headers; 0: none)."""
+    if log.kind != "runlog":
+        return 0
+    return max(runlog.thinned_level(path) for path in log.paths)
 
 
 def summarize_logs(logs: Sequence[LogFiles], live_run_ids: Iterable[str] = ()
                    ) -> list[RunSummary]:
-    """One summary per run of ``logs`` (from :func:`find_logs`), newest first; each read
-    from its lowest rank's log."""
+    """One summary per run of ``logs`` (from :func:`find_logs`), newest first; each from
+    its lowest rank's log (:func:`log_summary`: its saved summary and the records
+    after it)."""
     live = set(live_run_ids)
     by_run: dict[str, list[LogFiles]] = {}
     for log in logs:
         by_run.setdefault(log.run_id, []).append(log)
     summaries = []
     for run_id, run_logs in by_run.items():
-        run_logs.sort(key=lambda log: log.rank)
-        summaries.append(summarize(
-            read_history(run_logs[0]), ranks=[log.rank for log in run_logs],
-            live=run_id in live, log_bytes=sum(log.size_bytes for log in run_logs)))
+        run_logs.sort(key=lambda log: (log.rank, log.kind != "runlog"))
+        first = run_logs[0]
+        summary, reader = log_summary(first, live=run_id in live)
+        summaries.append(_summary_of(
+            run_id, summary, ranks=sorted({log.rank for log in run_logs}),
+            live=run_id in live, log_bytes=sum(log.size_bytes for log in run_logs),
+            malformed=summary.malformed, truncated=summary.truncated,
+            thinned=max(reader.thinned, part_thinning(first))))
     summaries.sort(key=lambda summary: summary.started_at or 0.0, reverse=True)
     return summaries
-
-
-def find_run_log(selector: str, rank: int | None = None) -> LogFiles | None:
-    """The log of the run that ``selector`` names: a run-log file's path, or a run id
-    or unique prefix of one among this user's logs; ``rank`` (default: the lowest with
-    a log). None when nothing (or several runs) match."""
-    if os.sep in selector or selector.endswith(".jsonl"):
-        return log_at(selector)
-    try:
-        logs = select_logs(selector, find_logs())
-    except OSError:
-        return None
-    if rank is not None:
-        logs = [log for log in logs if log.rank == rank]
-    return logs[0] if logs else None
 
 
 def all_runs() -> list[RunSummary]:

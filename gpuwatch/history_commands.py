@@ -83,7 +83,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "export", help="a run as CSV or Parquet tables, or live runs as Prometheus metrics",
         description="--csv/--parquet: write the run's steps (one row per optimizer step, "
                     "knobs as knobs.<name> columns) and events as two tables "
-                    "(needs pandas; Parquet also pyarrow). --prometheus HOST:PORT: serve "
+                    "(needs pandas and pyarrow). --prometheus HOST:PORT: serve "
                     "gpuwatch_* metrics of every live run of this user at "
                     "http://HOST:PORT/metrics until Ctrl-C (needs prometheus_client).")
     add_run_argument(export, "run id, unique prefix or run log (for --csv/--parquet)",
@@ -113,8 +113,8 @@ def _log_or_say(selector: str, rank: int | None, command: str) -> LogFiles | Non
 
 
 def is_written_by_a_live_run(log: LogFiles) -> bool:
-    """Whether a live run file of this user names ``log``'s current file as its log."""
-    current = log.paths[-1]
+    """Whether a live run file of this user names ``log`` as its log."""
+    current = log.first
     for info in list_runs():
         try:
             if info.log_path and os.path.samefile(info.log_path, current):
@@ -159,11 +159,12 @@ def print_all_runs(as_json: bool) -> int:
 
 def _state(summary: RunSummary) -> str:
     ranks = f" ({len(summary.ranks)} ranks)" if len(summary.ranks) > 1 else ""
+    thinned = f", thinned x{summary.thinned:,}" if summary.thinned else ""
     if summary.live:
-        return "live" + ranks
+        return "live" + ranks + thinned
     if summary.ended:
-        return printable(summary.ended, 60) + ranks
-    return "no bye (killed?)" + ranks
+        return printable(summary.ended, 60) + ranks + thinned
+    return "no bye (killed?)" + ranks + thinned
 
 
 # --- report, compare, export ----------------------------------------------------------
@@ -180,7 +181,7 @@ def _report(args: argparse.Namespace) -> int:
     log = _log_or_say(args.run, args.rank, "report")
     if log is None:
         return 1
-    run = history.read_history(log)
+    run = history.read_history(log, whole=False)
     try:
         report.write_report(run, args.output)
     except OSError as exc:
@@ -188,8 +189,23 @@ def _report(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     print(f"wrote {args.output} ({human_bytes(args.output.stat().st_size)}): "
-          f"{len(run.steps):,} steps, {len(run.knob_changes)} knob changes")
+          f"{run.summary.steps:,} steps, {run.knob_changes_total:,} knob changes"
+          + _not_read(run))
     return 0
+
+
+def _not_read(run: history.RunHistory | history.LogReader) -> str:
+    """What a command says of a log it could not read whole, or kept thinned: "" when
+    it read every step as logged."""
+    notes = []
+    if run.thinned:
+        notes.append(f"older steps thinned to buckets of {run.thinned:,} (min, max, mean)")
+    if run.malformed:
+        notes.append(f"{run.malformed:,} damaged records skipped")
+    if run.truncated:
+        notes.append("the last record was cut (a killed run)")
+    notes += [printable(why, 200) for why in run.unreadable]
+    return "".join(f"; {note}" for note in notes)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -204,18 +220,24 @@ def _compare(args: argparse.Namespace) -> int:
         log = _log_or_say(selector, None, "compare")
         if log is None:
             return 1
-        runs.append(history.read_history(log))
+        runs.append(history.read_history(log, overview=False, whole=len(args.runs) == 2))
     columns = (compare.between_runs(*runs) if len(runs) == 2
                else compare.around_changes(runs[0]))
     if not columns:
         print(f"gpuwatch compare: run {runs[0].run_id} has no "
-              + ("steps" if len(runs) == 2 or not len(runs[0].steps)
+              + ("steps" if len(runs) == 2 or not runs[0].summary.steps
                  else "knob change to compare around"), file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps([column.public() for column in columns], indent=2))
     else:
         print(compare.table(columns))
+    for run in runs:
+        notes = _not_read(run) + (
+            f"; {run.segments_omitted:,} segments between the first and last "
+            f"{history.MAX_SEGMENTS:,} left out" if run.segments_omitted else "")
+        if notes:
+            print(f"run {run.run_id}: {notes[2:]}", file=sys.stderr)
     return 0
 
 
@@ -227,7 +249,7 @@ def _export(args: argparse.Namespace) -> int:
             return _missing("export --prometheus", "export", exc)
         return prometheus.serve_forever(args.prometheus)
     try:
-        from gpuwatch import tables
+        from gpuwatch import tables  # pandas and pyarrow
     except ImportError as exc:
         return _missing("export", "export", exc)
     if not args.run:
@@ -237,18 +259,18 @@ def _export(args: argparse.Namespace) -> int:
     log = _log_or_say(args.run, args.rank, "export")
     if log is None:
         return 1
-    run = history.read_history(log)
-    prefix = Path(args.output or run.run_id)
+    prefix = Path(args.output or log.run_id)
     try:
-        written = tables.write_tables(run, prefix, "parquet" if args.parquet else "csv")
-    except ImportError as exc:  # pyarrow, for Parquet
-        return _missing("export --parquet", "export", exc)
+        written, reader = tables.write_tables(log, prefix,
+                                              "parquet" if args.parquet else "csv")
     except OSError as exc:
         print(f"gpuwatch export: cannot write {prefix}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
     for path, rows in written:
         print(f"wrote {path} ({rows:,} rows)")
+    if notes := _not_read(reader):
+        print(f"gpuwatch export: {log.run_id}: {notes[2:]}", file=sys.stderr)
     return 0
 
 
@@ -263,8 +285,12 @@ def open_finished(log: LogFiles, notes: Sequence[str] = ()) -> int:
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.timeline import TimelineSource
 
+    thinned = history.part_thinning(log)
     app = GpuwatchApp(TimelineSource(log), readonly=True, notes=[
-        *notes, f"replaying {log.paths[-1]} on a timeline: left/right step, [ ] knob "
-                "changes, , . events, home/end"])
+        *notes, f"replaying {log.first} on a timeline: left/right step, [ ] knob "
+                "changes, , . events, home/end",
+        *([f"this log reached its disk budget: older steps are kept as buckets of "
+           f"{thinned:,} (mean, min, max); every event and knob change is kept"]
+          if thinned else [])])
     app.run()
     return app.return_code or 0

@@ -7,6 +7,12 @@ line; the table of segments between changes (:mod:`gpuwatch.compare`'s figures, 
 per segment); the run's facts and its environment report. No script, no request: the
 file opens anywhere, offline. Every text from the log is escaped (and has no control
 characters).
+
+Bounded whatever the run's length: a plot draws the run's overview
+(:class:`gpuwatch.history.Series`: at most a few thousand buckets, each its mean as
+the line and its minimum to maximum as a band, so spikes stay), at most
+:data:`MAX_MARKED` knob changes are marked and :data:`MAX_TABLE_ROWS` rows of a table
+listed (the page says how many more there are).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 from agent.protocol import printable  # noqa: E402
 from gpuwatch.compare import Column, rows  # noqa: E402
-from gpuwatch.history import RunHistory, StepTable, write_output  # noqa: E402
+from gpuwatch.history import RunHistory, write_output  # noqa: E402
 from gpuwatch.units import human_age, human_bytes, knob_text  # noqa: E402
 
 #: Colour of the vertical lines at knob changes (the data lines keep matplotlib's).
@@ -41,25 +47,27 @@ SPIKE_QUANTILE = 0.98
 SPIKE_HEADROOM = 1.25
 #: Nested environment-report entries shown at most.
 MAX_ENV_ROWS = 400
+#: Knob changes marked in the plots at most (the first ones), and labelled at most.
+MAX_MARKED = 200
+MAX_LABELLED = 40
+#: Rows of the knob changes' and the segments' tables at most.
+MAX_TABLE_ROWS = 1000
 _MIB = float(1 << 20)
 
 
-def _series(table: StepTable, name: str, scale: float = 1.0
-            ) -> tuple[list[float], list[float]]:
-    """``(steps, values * scale)`` of the records with both finite."""
-    steps, values = table.column("step"), table.column(name)
-    pairs = [(s, v * scale) for s, v in zip(steps, values) if s == s and v == v]
-    return [s for s, _ in pairs], [v for _, v in pairs]
-
-
-def _marks(axes: Any, run: RunHistory, *, labels: bool) -> None:
-    """A vertical line at each knob change; with ``labels``, ``knob=value`` beside it."""
+def _marks(axes: Any, run: RunHistory) -> None:
+    """A vertical line at each knob change (the first :data:`MAX_MARKED` steps with
+    one), ``knob=value`` beside it while there are at most :data:`MAX_LABELLED`."""
     by_step: dict[int, list[str]] = {}
     for change in run.knob_changes:
+        if change.step not in by_step and len(by_step) >= MAX_MARKED:
+            break
         by_step.setdefault(change.step, []).append(
             f"{change.knob}={knob_text(change.value)}")
+    labels = len(by_step) <= MAX_LABELLED
     for step, names in by_step.items():
-        axes.axvline(step, color=MARK_COLOR, linewidth=1.4, linestyle="--")
+        axes.axvline(step, color=MARK_COLOR, linewidth=1.4 if labels else 0.6,
+                     linestyle="--")
         if labels:
             axes.annotate(printable(", ".join(names), 80), xy=(step, 1.0),
                           xycoords=("data", "axes fraction"), xytext=(3, -3),
@@ -77,19 +85,29 @@ def _png(figure: Any) -> str:
 def _plot(run: RunHistory, title: str, lines: Sequence[tuple[str, str, float]],
           unit: str, *, clip_spikes: bool = False, points: bool = False) -> str | None:
     """One plot of ``lines`` (label, step field, scale) against the step, with the
-    knob changes; None when no line has a value."""
-    data = [(label, *_series(run.steps, name, scale)) for label, name, scale in lines]
-    data = [(label, steps, values) for label, steps, values in data if values]
+    knob changes; None when no line has a value. A line is the mean of each of the
+    overview's buckets, and when a bucket holds several steps, a band from their
+    minimum to their maximum."""
+    data = []
+    for label, name, scale in lines:
+        series = run.overview.get(name)
+        if series is not None:
+            data.append((label, series.steps, series.means * scale, series.lows * scale,
+                         series.highs * scale, series.width > 1 or run.thinned > 0))
     if not data:
         return None
     figure, axes = plt.subplots(figsize=FIGURE_SIZE_IN)
-    for label, steps, values in data:
+    for label, steps, means, lows, highs, banded in data:
         if points:  # measured every few steps: markers joined
-            axes.plot(steps, values, marker="o", markersize=3, linewidth=1, label=label)
+            line, = axes.plot(steps, means, marker="o", markersize=3, linewidth=1,
+                              label=label)
         else:
-            axes.plot(steps, values, linewidth=1, label=label)
+            line, = axes.plot(steps, means, linewidth=1, label=label)
+        if banded:
+            axes.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2,
+                              linewidth=0)
     if clip_spikes:
-        values = sorted(v for *_, vs in data for v in vs)
+        values = sorted(float(value) for *_, highs, _ in data for value in highs)
         top = values[int(SPIKE_QUANTILE * (len(values) - 1))] * SPIKE_HEADROOM
         if values[-1] > top > 0:
             axes.set_ylim(0, top)
@@ -102,18 +120,18 @@ def _plot(run: RunHistory, title: str, lines: Sequence[tuple[str, str, float]],
     axes.grid(alpha=0.3)
     if len(data) > 1:
         axes.legend(loc="upper right", fontsize=8)
-    _marks(axes, run, labels=True)
+    _marks(axes, run)
     return _png(figure)
 
 
 def plots(run: RunHistory) -> list[tuple[str, str]]:
     """The report's plots as ``(title, base64 PNG)``, those the run has data for."""
-    table = run.steps
-    tokens = table.has("tokens_per_s")
+    overview = run.overview
+    tokens = overview.get("tokens_per_s") is not None
     memory = [("host RSS", "host_rss_bytes", 1 / _MIB)]
     memory += [(label, name, 1 / _MIB) for label, name in (
         ("CUDA allocated", "mem_allocated_bytes"), ("CUDA reserved", "mem_reserved_bytes"),
-        ("CUDA peak reserved", "mem_peak_reserved_bytes")) if table.has(name)]
+        ("CUDA peak reserved", "mem_peak_reserved_bytes")) if overview.get(name) is not None]
     specs = [
         ("Step time and data wait", [("step time", "step_time_s", 1e3),
                                      ("data wait", "data_wait_s", 1e3)], "ms",
@@ -150,16 +168,20 @@ def _facts(run: RunHistory) -> list[tuple[str, str]]:
         ("started", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
          if started else "-"),
         ("duration", human_age(run.duration_s) if run.duration_s is not None else "-"),
-        ("optimizer steps", f"{len(run.steps):,}"),
-        ("knob changes", str(len(run.knob_changes))),
+        ("optimizer steps", f"{run.summary.steps:,}"),
+        ("knob changes", f"{run.knob_changes_total:,}"),
         ("end", printable(run.bye.get("reason") or "ended", 200) if run.bye is not None
          else "no bye: the run was killed, or is still going"),
         ("run log", ", ".join(printable(os.fspath(path), 300) for path in run.log.paths)
          + f" ({human_bytes(run.log.size_bytes)})"),
     ]
+    if run.thinned:
+        facts.append(("thinned", f"the log reached its disk budget: older steps are kept "
+                      f"as buckets of {run.thinned:,} (mean, minimum, maximum); every "
+                      "event and knob change is kept"))
     if run.malformed or run.truncated or run.unreadable:
-        facts.append(("not read", f"{run.malformed} malformed lines"
-                      + ("; the last line was cut" if run.truncated else "")
+        facts.append(("not read", f"{run.malformed:,} damaged records"
+                      + ("; the last record was cut (a killed run)" if run.truncated else "")
                       + "".join(f"; {printable(why, 300)}" for why in run.unreadable)))
     return facts
 
@@ -217,7 +239,10 @@ def render(run: RunHistory) -> str:
         parts.append("<h2>Knob changes</h2>")
         parts.append(_table([("step", "knob", "before", "after"), *(
             (f"{change.step:,}", change.knob, knob_text(change.before),
-             knob_text(change.value)) for change in run.knob_changes)]))
+             knob_text(change.value)) for change in run.knob_changes[:MAX_TABLE_ROWS])]))
+        if run.knob_changes_total > MAX_TABLE_ROWS:
+            parts.append(f"<p>The first {MAX_TABLE_ROWS:,} of {run.knob_changes_total:,} "
+                         "knob changes.</p>")
     parts.append("<h2>Over the steps</h2>")
     images = plots(run)
     if not images:
@@ -229,8 +254,14 @@ def render(run: RunHistory) -> str:
         parts.append(f'<figure><img alt="{html.escape(caption)}" width="1100" '
                      f'src="data:image/png;base64,{image}"></figure>')
     segments = run.segments()
+    if len(segments) > MAX_TABLE_ROWS:
+        segments = segments[:MAX_TABLE_ROWS // 2] + segments[-MAX_TABLE_ROWS // 2:]
     if segments:
         parts.append("<h2>Segments between knob changes</h2>")
+        left_out = len(run.segments()) - len(segments) + run.segments_omitted
+        if left_out:
+            parts.append(f"<p>The first and last {len(segments) // 2:,} segments; "
+                         f"{left_out:,} between them are left out.</p>")
         columns = [Column(segment.label, segment) for segment in segments]
         transposed = [list(row) for row in zip(*rows(columns))]  # a row per segment
         transposed[0][0] = "segment"

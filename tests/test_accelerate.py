@@ -2,7 +2,6 @@
 and every live knob checked against a plain-torch hand computation of the same
 micro-batches, or refused with its reason."""
 
-import json
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ import agent  # noqa: E402
 from agent import runs  # noqa: E402
 from agent.integrations.accelerate import AcceleratorRun  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
+from gpuwatch.history import flat_records  # noqa: E402
 from tests.training import BlockNet, digits_loader, model as make_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,9 +188,8 @@ def _prepared(accum_steps=1, make=make_model, n=256, delay_s=0.0, **accelerator_
 def _records(run):
     path = run.agent.info.log_path
     run.close()
-    with open(path) as log:
-        records = [json.loads(line) for line in log]
-    steps = {r["step"]: r for r in records if r["type"] == "step"}  # the log is flat
+    records = list(flat_records(path))
+    steps = {r["step"]: r for r in records if r["type"] == "step"}  # a record a step
     events = [r for r in records if r["type"] == "event"]
     return steps, events, records
 
@@ -644,7 +643,6 @@ while True:
         assert process.wait(30) == -signal.SIGTERM
     finally:
         process.kill()
-    with open(log_path) as log:
-        last = json.loads(log.readlines()[-1])
+    last = list(flat_records(log_path))[-1]
     assert last["type"] == "bye" and last["reason"] == "stopped by SIGTERM"
     assert runs.list_runs() == []

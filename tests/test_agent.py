@@ -11,6 +11,7 @@ from agent import protocol, runs
 from agent.record import StepRecord
 from gpuopt import MixedPrecision, Trainer
 from gpuwatch.client import Subscriber, send_command
+from gpuwatch.history import flat_records
 from tests.training import (FuncInForward, Gate, digits_loader, messages,
                             model as make_model, start)
 
@@ -214,8 +215,6 @@ def test_hand_written_loop_session_streams_steps_and_takes_precision(run_dir):
 
 
 def test_run_log_holds_every_step_and_reads_as_a_table(run_dir):
-    import json
-
     model = make_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                       torch.nn.functional.cross_entropy, digits_loader())
@@ -224,7 +223,7 @@ def test_run_log_holds_every_step_and_reads_as_a_table(run_dir):
     assert log_path.startswith(os.path.join(run_dir, "logs"))
     assert oct(os.stat(log_path).st_mode & 0o777) == "0o600"
     trainer.fit(max_steps=150)
-    records = [json.loads(line) for line in open(log_path)]
+    records = list(flat_records(log_path))
     steps = [r["step"] for r in records if r["type"] == "step"]
     assert steps == list(range(1, 151))
     assert records[0]["type"] == "hello" and records[-1]["type"] == "bye"
@@ -236,7 +235,7 @@ def test_run_log_holds_every_step_and_reads_as_a_table(run_dir):
     assert not step_seqs & set(others)
     import pandas  # the README's one line
 
-    steps_table = pandas.read_json(log_path, lines=True).query("type == 'step'")
+    steps_table = pandas.DataFrame(flat_records(log_path)).query("type == 'step'")
     assert list(steps_table.step) == list(range(1, 151))
     assert steps_table.loss.notna().all() and (steps_table.step_time_s.dropna() > 0).all()
     assert "precision" in steps_table.knobs.iloc[0]  # a map of the step's knob values
@@ -245,9 +244,7 @@ def test_run_log_holds_every_step_and_reads_as_a_table(run_dir):
 def test_steps_queued_since_a_wake_up_go_as_one_batch_with_events_in_their_place(run_dir):
     """Steps recorded before the I/O thread runs are what it finds at its first wake-up:
     one ``steps`` message for the steps before the event, the event, one for the rest;
-    on the wire and in the run log (one ``step`` line a step)."""
-    import json
-
+    on the wire and in the run log (one ``step`` record a step)."""
     monitor = agent.Agent(name="batch")
     loss = torch.tensor(0.5)
     for step in range(1, 8):
@@ -258,7 +255,7 @@ def test_steps_queued_since_a_wake_up_go_as_one_batch_with_events_in_their_place
             monitor.event("info", "between steps 4 and 5", kind="note")
     monitor.start()
     monitor.close()
-    records = [json.loads(line) for line in open(monitor.info.log_path)]
+    records = list(flat_records(monitor.info.log_path))
     kinds = [(r["type"], r.get("step")) for r in records if r["type"] in ("step", "event")]
     assert kinds == [("step", 1), ("step", 2), ("step", 3), ("step", 4), ("event", None),
                      ("step", 5), ("step", 6), ("step", 7)]
@@ -268,25 +265,6 @@ def test_steps_queued_since_a_wake_up_go_as_one_batch_with_events_in_their_place
     assert steps[0]["samples"] == 32 and steps[0]["loss"] == 0.5
     assert steps[1]["samples_per_s"] == pytest.approx(32 / steps[1]["step_time_s"])
     assert "knobs" in steps[0] and "host_rss_bytes" in steps[0]
-
-
-def test_run_log_rotates_within_its_size_bound(tmp_path):
-    from agent.runlog import RunLog
-
-    log = RunLog(tmp_path / "r.jsonl", max_bytes=2000, backups=2)
-    log.write(protocol.envelope("hello", {"name": "first"}, run="r", seq=0))
-    for seq in range(200):
-        log.write(protocol.envelope("step", {"step": seq, "loss": float("nan")}, run="r",
-                                    seq=seq))
-    log.close()
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["r.jsonl", "r.jsonl.1", "r.jsonl.2"]
-    assert all(p.stat().st_size < 2200 for p in tmp_path.iterdir())
-    last = [json_line for json_line in (tmp_path / "r.jsonl").read_text().splitlines()][-1]
-    assert '"step":199' in last and '"loss":null' in last
-    for path in tmp_path.iterdir():  # each file replays alone: it starts with the hello
-        first = path.read_text().splitlines()[0]
-        assert '"type":"hello"' in first and '"name":"first"' in first, path
 
 
 def test_kernel_backend_switches_live_and_triton_is_refused_without_cuda(run_dir, monkeypatch):

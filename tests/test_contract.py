@@ -12,7 +12,6 @@ knob its framework refuses is refused with the reason.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import torch
 
 from agent.knobs import assignment
 from gpuwatch.client import Subscriber
+from gpuwatch.history import flat_records
 from tests.contract import NAN_UNDER_BF16, Driver, Recorder, all_drivers, run
 
 STEPS = 9
@@ -160,6 +160,5 @@ def test_sigterm_ends_the_run_with_bye(driver, run_dir, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
-    with open(log_path) as log:
-        last = json.loads(log.readlines()[-1])
+    last = list(flat_records(log_path))[-1]
     assert last["type"] == "bye" and last["reason"] == "stopped by SIGTERM", last

@@ -3,7 +3,6 @@ knob's windows against a plain-torch hand computation of the same micro-batches,
 refusal with the reason. (Checkpoint and resume after live changes: the contract,
 ``tests/contract/fabric.py``.)"""
 
-import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -23,7 +22,9 @@ from agent import runs  # noqa: E402
 from agent.integrations import fabric as fabric_integration  # noqa: E402
 from agent.integrations.fabric import FabricRun  # noqa: E402
 from gpuopt.compile import CompiledModel  # noqa: E402
+from agent.runlog import LOG_SUFFIX  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
+from gpuwatch.history import flat_records  # noqa: E402
 from tests.contract import BATCH_SIZE, IndexedDigits  # noqa: E402
 from tests.contract import run as contract_run  # noqa: E402
 from tests.contract.fabric import FabricDriver  # noqa: E402
@@ -125,8 +126,7 @@ def _by_hand(window, make=BlockNet):
 def _records(run):
     path = run.agent.info.log_path
     run.close()
-    with open(path) as log:
-        records = [json.loads(line) for line in log]
+    records = list(flat_records(path))
     steps = {r["step"]: r for r in records if r["type"] == "step"}
     events = [r for r in records if r["type"] == "event"]
     return steps, events, records
@@ -350,8 +350,7 @@ def test_the_example_runs_and_cleans_up(run_dir):
                              "--max-steps", "5"], capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr
     assert "watch it with `gpuwatch`" in result.stdout
-    logs = list(Path(run_dir, "logs").glob("*.jsonl"))
-    with open(logs[0]) as log:
-        records = [json.loads(line) for line in log]
+    logs = list(Path(run_dir, "logs").glob(f"*{LOG_SUFFIX}"))
+    records = list(flat_records(logs[0]))
     assert [r["step"] for r in records if r["type"] == "step"] == [1, 2, 3, 4, 5]
     assert records[-1]["type"] == "bye" and list(Path(run_dir).glob("*.json")) == []

@@ -29,6 +29,7 @@ import agent  # noqa: E402
 from agent.integrations import hf  # noqa: E402
 from gpuopt.precision import precision_warning  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
+from gpuwatch.history import flat_records  # noqa: E402
 
 SEQ = 16
 BATCH = 4
@@ -137,8 +138,7 @@ class Snapshots(TrainerCallback):
 
 def _records(monitor):
     """The run log: one flat record per message (envelope and body fields)."""
-    with open(monitor.info.log_path) as log:
-        return [json.loads(line) for line in log]
+    return list(flat_records(monitor.info.log_path))
 
 
 def _steps(records):
@@ -568,8 +568,7 @@ def test_sigterm_ends_the_run_with_bye(run_dir, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
-    with open(log_path) as log:
-        last = json.loads(log.readlines()[-1])
+    last = list(flat_records(log_path))[-1]
     assert last["type"] == "bye" and last["reason"] == "stopped by SIGTERM"
     assert [p for p in os.listdir(run_dir) if p != "logs"] == []  # run file and sockets
 

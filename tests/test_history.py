@@ -13,14 +13,16 @@ import time
 
 import pytest
 
+from agent import protocol, runlog
 from agent.knobs import STANDARD_KNOBS
+from agent.runlog import RunLog
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.timeline import CHECKPOINT_STEPS, Timeline, TimelineSource
 from gpuwatch.state import RunState
 from tests.test_dashboard import text_of, until
 from tests.test_end_to_end import Terminal
-from tests.test_replay import KNOBS, RUN, Writer
+from tests.test_replay import KNOBS, RUN, LegacyLog, Writer
 
 
 def gpuwatch(*args, timeout=60):
@@ -66,24 +68,41 @@ def write_run(path, *, steps=30, changes=(), bye=True, t0=None, events=(), **opt
 
 # --- reading --------------------------------------------------------------------------
 
-def test_rotated_log_reads_in_order_once_and_folds_without_gaps(run_dir):
+def _records(log):
+    """Every record of a log as the live wire gives them: a step an envelope."""
+    return [row for _, envelope in history.LogReader(log) for row in protocol.expand(envelope)]
+
+
+def _steps(log):
+    """The logged step numbers, from the column batches every tool reads."""
+    return [step for batch in history.step_batches(log)
+            for step in batch.numbers["step"].tolist()]
+
+
+def test_a_log_of_the_earlier_format_reads_in_order_once_and_folds_without_gaps(run_dir):
+    """JSON lines, rotated: read oldest first, each batch's lines back as that batch."""
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs)
     path = os.path.join(logs, f"{RUN}.rank0.jsonl")
-    write_run(path, steps=120, max_bytes=8000, backups=50)
+    write_run(path, steps=120, legacy=True, max_bytes=8000, backups=50)
     [log] = history.find_logs(logs)
-    assert len(log.paths) > 3 and log.paths[-1].name == f"{RUN}.rank0.jsonl"
+    assert log.kind == "jsonl" and len(log.paths) > 3
+    assert log.paths[-1].name == f"{RUN}.rank0.jsonl" == log.first.name
     assert log.paths[0].name.endswith(f".jsonl.{len(log.paths) - 1}")  # oldest first
     reader = history.LogReader(log)
     records = [envelope for _, envelope in reader]
-    assert [r["body"]["step"] for r in records if r["type"] == "step"] == list(range(1, 121))
+    assert {r["type"] for r in records} == {"hello", "steps", "heartbeat", "bye"}
+    assert all(r["body"]["n"] == 1 for r in records if r["type"] == "steps")  # as written
+    assert [r["body"]["step"] for r in _records(log) if r["type"] == "step"] == list(
+        range(1, 121))
     assert sum(r["type"] == "hello" for r in records) == 1  # the rotations' copies skipped
     state = RunState()
     for record in records:
         state.ingest(record)
     assert state.missed == 0 and state.malformed == 0 and reader.malformed == 0
+    assert state.steps_total == 120
 
-    # the oldest files deleted (as rotation does with few backups): the copy of hello
+    # the oldest files deleted (as rotation did with few backups): the copy of hello
     # heading the oldest file left is read, without counting the deleted records missed
     for old in log.paths[:2]:
         old.unlink()
@@ -96,9 +115,23 @@ def test_rotated_log_reads_in_order_once_and_folds_without_gaps(run_dir):
     assert state.missed == 0 and state.hello["name"] == "replayed"
 
 
-def test_reader_tolerates_truncation_garbage_unknown_types_and_old_records(tmp_path):
+def test_a_batch_of_the_earlier_format_reads_back_as_the_batch_it_was(tmp_path):
+    """The agent of earlier versions wrote a ``steps`` batch as a line a row, every
+    column in every row: read back, the batch is the one sent (constant columns in its
+    common fields, where the agent's own ``common`` had them)."""
+    body = protocol.steps_body({"step": [1, 2, 3], "loss": [0.5, 0.25, None],
+                                "activation_bytes": [None, 7, None]},
+                               {"host_rss_bytes": 9, "knobs": {"precision": "fp32"}})
+    log = LegacyLog(tmp_path / "r.rank0.jsonl")
+    log.write(protocol.envelope("steps", body, run="r", seq=4, t=1.5))
+    [(_, envelope)] = history.LogReader(history.log_at(log.path))
+    assert envelope["type"] == "steps" and envelope["seq"] == 4 and envelope["t"] == 1.5
+    assert protocol.step_bodies(envelope["body"]) == protocol.step_bodies(body)
+
+
+def test_the_reader_tolerates_truncation_garbage_unknown_types_and_old_records(tmp_path):
     path = tmp_path / f"{RUN}.rank0.jsonl"
-    write_run(path, steps=5, bye=False)
+    write_run(path, steps=5, bye=False, legacy=True)
     with open(path, "ab") as raw:
         raw.write(b"not json\n[1]\n\n{\"type\": 7}\n" + b'{"type":"x","pad":"'
                   + b"a" * (history.MAX_LINE_BYTES + 10) + b'"}\n')
@@ -111,24 +144,52 @@ def test_reader_tolerates_truncation_garbage_unknown_types_and_old_records(tmp_p
         raw.write(b'{"type":"step","step":8,"loss":0.5')  # killed mid-line
     log = history.log_at(path)
     run = history.read_history(log)
-    assert list(run.steps.column("step")) == [1, 2, 3, 4, 5, 6, 7]
-    assert math.isnan(run.steps.column("loss")[-1]) and run.steps.column("samples")[-1] > 1e28
+    assert _steps(log) == [1, 2, 3, 4, 5, 6, 7]
+    [last] = [b for b in history.step_batches(log)][-1:]
+    assert math.isnan(last.numbers["loss"][-1]) and last.numbers["samples"][-1] > 1e28
     assert run.malformed == 4 and run.truncated and run.bye is None
     summary = history.summarize(run)
     assert summary.steps == 7 and summary.last_step == 7 and summary.ended is None
     assert summary.final_loss == pytest.approx(2.0 / 5)  # the last finite loss
 
 
+def test_a_run_log_killed_mid_frame_or_damaged_reads_every_whole_frame(tmp_path):
+    """A torn last frame (SIGKILL while writing) is skipped and said; a damaged stretch
+    in the middle costs the rest of its chunk, and reading goes on at the next one (a
+    restarted agent appends a new chunk)."""
+    path = tmp_path / f"{RUN}.rank0.runlog"
+    write_run(path, steps=10, bye=False)
+    whole = path.stat().st_size
+    with open(path, "ab") as raw:  # the frame a killed writer left half written
+        raw.write(runlog.frame(runlog.FLAG_CHUNK, b"\x00" * 100, 400, 0)[:60])
+    run = history.read_history(history.log_at(path))
+    assert run.summary.steps == 10 and run.truncated and run.malformed == 0
+    with open(path, "r+b") as raw:  # and now a damaged byte in the middle too
+        raw.seek(whole // 2)
+        byte = raw.read(1)
+        raw.seek(whole // 2)
+        raw.write(bytes([byte[0] ^ 0xFF]))
+    writer = Writer(path, t0=time.time())  # restarted: appends a new chunk
+    writer.step(11)
+    writer.write("bye", {"reason": "finished", "steps": 11})
+    writer.log.close()
+    log = history.log_at(path)
+    steps = _steps(log)
+    run = history.read_history(log)
+    assert steps[-1] == 11 and 1 <= len(steps) < 11 and steps == sorted(steps)
+    assert run.malformed >= 1 and run.bye == {"reason": "finished", "steps": 11}
+
+
 def test_links_are_never_followed(tmp_path):
-    real = write_run(tmp_path / "elsewhere.jsonl", steps=3)
+    real = write_run(tmp_path / "elsewhere.runlog", steps=3)
     logs = tmp_path / "logs"
     logs.mkdir()
-    (logs / f"{RUN}.rank0.jsonl").symlink_to(real)
-    (logs / "20250101-000000-cafe.rank0.jsonl").mkdir()
+    (logs / f"{RUN}.rank0.runlog").symlink_to(real)
+    (logs / "20250101-000000-cafe.rank0.runlog").mkdir()
     assert history.find_logs(logs) == []
-    assert history.log_at(logs / f"{RUN}.rank0.jsonl") is None
+    assert history.log_at(logs / f"{RUN}.rank0.runlog") is None
     # a file swapped for a link after it was found is not opened either
-    swapped = write_run(logs / "20250101-000000-f00d.rank0.jsonl", steps=3)
+    swapped = write_run(logs / "20250101-000000-f00d.rank0.runlog", steps=3)
     [log] = history.find_logs(logs)
     swapped.unlink()
     swapped.symlink_to(real)
@@ -137,7 +198,7 @@ def test_links_are_never_followed(tmp_path):
 
 
 def test_history_summary_knob_changes_and_segments(tmp_path):
-    path = write_run(tmp_path / f"{RUN}.rank0.jsonl", steps=60,
+    path = write_run(tmp_path / f"{RUN}.rank0.runlog", steps=60,
                      changes=[(21, "precision", "bf16"), (41, "accum_steps", 4)])
     run = history.read_history(history.log_at(path))
     assert [(c.step, c.knob, c.before, c.value) for c in run.knob_changes] == [
@@ -150,7 +211,7 @@ def test_history_summary_knob_changes_and_segments(tmp_path):
 
 def test_segments_between_changes(tmp_path):
     knobs = {**KNOBS, "precision": "fp32"}
-    path = tmp_path / f"{RUN}.rank0.jsonl"
+    path = tmp_path / f"{RUN}.rank0.runlog"
     writer = Writer(path, t0=time.time() - 60)
     writer.hello()
     for step in range(1, 41):
@@ -178,9 +239,10 @@ def test_segments_between_changes(tmp_path):
 def test_runs_all_lists_finished_killed_and_live_runs(run_dir, fake_agent):
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
-    write_run(os.path.join(logs, f"{RUN}.rank0.jsonl"), steps=30,
+    write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=30,
               changes=[(11, "accum_steps", 4)])
-    write_run(os.path.join(logs, "20250102-000000-dead.rank0.jsonl"), steps=7, bye=False)
+    write_run(os.path.join(logs, "20250102-000000-dead.rank0.jsonl"), steps=7, bye=False,
+              legacy=True)  # an earlier version's log, of a killed run
     result = gpuwatch("runs", "--all")
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
@@ -197,7 +259,7 @@ def test_runs_all_lists_finished_killed_and_live_runs(run_dir, fake_agent):
                 if run["run_id"] == RUN]
     assert listed["steps"] == 30 and listed["best_samples_per_s"] == 320.0
     assert listed["knob_changes"] == 1 and listed["ended"] == "finished"
-    assert listed["log_bytes"] == os.path.getsize(os.path.join(logs, f"{RUN}.rank0.jsonl"))
+    assert listed["log_bytes"] == os.path.getsize(os.path.join(logs, f"{RUN}.rank0.runlog"))
 
 
 @pytest.mark.slow
@@ -234,12 +296,15 @@ def shows(terminal, text, timeout_s=60):
 
 # --- the timeline -----------------------------------------------------------------------
 
-def test_timeline_state_at_each_step_is_the_state_folded_to_it(tmp_path):
-    path = write_run(tmp_path / f"{RUN}.rank0.jsonl", steps=CHECKPOINT_STEPS * 2 + 50,
-                     changes=[(300, "accum_steps", 4)], events=[(260, "slow loader")])
-    timeline = Timeline(history.log_at(path), RunState())
+@pytest.mark.parametrize("legacy", [False, True])
+def test_timeline_state_at_each_step_is_the_state_folded_to_it(tmp_path, legacy):
+    path = write_run(tmp_path / f"{RUN}.rank0.log", steps=CHECKPOINT_STEPS * 2 + 50,
+                     changes=[(300, "accum_steps", 4)], events=[(260, "slow loader")],
+                     legacy=legacy)
+    log = history.log_at(path)
+    timeline = Timeline(log, RunState())
     assert len(timeline.steps) == CHECKPOINT_STEPS * 2 + 50
-    records = [envelope for _, envelope in history.LogReader(history.log_at(path))]
+    records = _records(log)
     for index in (0, 1, CHECKPOINT_STEPS - 1, CHECKPOINT_STEPS, 299, 300, 449):
         state, _ = timeline.state_at(index)
         expected = RunState()
@@ -259,8 +324,38 @@ def test_timeline_state_at_each_step_is_the_state_folded_to_it(tmp_path):
         ("event", 260), ("event", 299), ("change", 300)]  # applied is logged before 300
 
 
+def test_timeline_of_batches_cuts_a_batch_at_the_step_shown(tmp_path):
+    """Steps logged in batches (as the agent sends them): the state at a step inside
+    a batch has that batch's rows up to it and nothing after; the kept copies of the
+    state stay few however long the run (every second one dropped as it grows)."""
+    path = tmp_path / f"{RUN}.rank0.runlog"
+    log = RunLog(path)
+    for seq, first in enumerate(range(1, 5001, 500)):  # 10 batches of 500 steps
+        steps = list(range(first, first + 500))
+        log.write(protocol.envelope("steps", protocol.steps_body(
+            {"step": steps, "step_time_s": [0.01] * 500, "loss": [1 / s for s in steps]},
+            {"knobs": {"precision": "fp32"}}), run=RUN, seq=seq, t=1000.0 + seq))
+    log.close()
+    timeline = Timeline(history.log_at(path), RunState())
+    assert len(timeline.steps) == 5000 and timeline.steps[4999] == 5000
+    assert timeline.index_of_step(2500) == 2499
+    for index in (0, 499, 500, 1234, 4998):
+        state, t = timeline.state_at(index)
+        assert state.step == index + 1 and state.steps_total == index + 1
+        assert state.steps[-1].loss == 1 / (index + 1) and t == 1000.0 + index // 500
+
+
+def test_timeline_keeps_few_copies_of_the_state(tmp_path, monkeypatch):
+    monkeypatch.setattr("gpuwatch.sources.timeline.MAX_CHECKPOINTS", 4)
+    path = write_run(tmp_path / f"{RUN}.rank0.runlog", steps=CHECKPOINT_STEPS * 10)
+    timeline = Timeline(history.log_at(path), RunState())
+    assert len(timeline._checkpoints) <= 4 + 1
+    for index in (0, 777, CHECKPOINT_STEPS * 10 - 2):
+        assert timeline.state_at(index)[0].step == index + 1
+
+
 async def test_timeline_keys_move_every_panel_and_mark_the_changes(tmp_path):
-    path = write_run(tmp_path / f"{RUN}.rank0.jsonl", steps=80,
+    path = write_run(tmp_path / f"{RUN}.rank0.runlog", steps=80,
                      changes=[(31, "accum_steps", 4), (61, "precision", "bf16")],
                      events=[(50, "loader is slow")])
     app = GpuwatchApp(TimelineSource(history.log_at(path)), readonly=True)
@@ -333,9 +428,9 @@ async def test_timeline_keys_move_every_panel_and_mark_the_changes(tmp_path):
 async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_agent):
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
-    first = write_run(os.path.join(logs, f"{RUN}.rank0.jsonl"), steps=20,
+    first = write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=20,
                       t0=time.time() - 7200)
-    write_run(os.path.join(logs, "20250102-000000-0002.rank0.jsonl"), steps=35,
+    write_run(os.path.join(logs, "20250102-000000-0002.rank0.runlog"), steps=35,
               t0=time.time() - 3600, changes=[(11, "accum_steps", 4)])
     app = GpuwatchApp(TimelineSource(history.log_at(first)), readonly=True)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -364,7 +459,7 @@ async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_age
 def test_what_a_log_says_is_bounded_and_printed_without_control_characters(run_dir):
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
-    path = os.path.join(logs, f"{RUN}.rank0.jsonl")
+    path = os.path.join(logs, f"{RUN}.rank0.runlog")
     writer = Writer(path, t0=time.time() - 60)
     writer.write("hello", {"name": "\x1b[2J\x1b[31mevil\u202e", "device": "cpu"})
     for step in (1, 2):
@@ -375,11 +470,57 @@ def test_what_a_log_says_is_bounded_and_printed_without_control_characters(run_d
     writer.write("bye", {"reason": "\x1b]0;title\x07done"})
     writer.log.close()
     run = history.read_history(history.log_at(path))
-    assert list(run.steps.knobs) == ["precision"]  # a knob name no run has is left out
-    assert all(len(name) <= 100 for name in run.steps.numbers)
+    assert list(run.segments()[0].knobs) == ["precision"]  # no run has such a knob name
+    assert all(len(name) <= 100 for batch in history.step_batches(history.log_at(path))
+               for name in batch.numbers)
     [event] = run.events
     assert len(event.value) <= 1000 and len(event.text) <= 1000 and "\x07" not in event.text
     listed = gpuwatch("runs", "--all")
     assert listed.returncode == 0, listed.stderr
     assert "\x1b" not in listed.stdout and "\u202e" not in listed.stdout
     assert "␛[2J␛[31mevil" in listed.stdout and "␛]0;title␇done" in listed.stdout
+
+
+# --- figures in bounded memory --------------------------------------------------------
+
+def test_a_sample_keeps_every_value_then_an_evenly_spaced_half(tmp_path):
+    """Up to its capacity a sample is every value; past it, every second, fourth, ...
+    (the rows at multiples of its stride), however the rows come in batches."""
+    import numpy as np
+
+    sample = history.Sample(capacity=64)
+    rows = np.arange(1000, dtype=float)
+    start = 0
+    for size in (1, 7, 30, 100, 3, 500, 359):
+        sample.add(rows[start:start + size])
+        start += size
+    assert start == 1000 and sample.rows == 1000
+    kept = sample.values()
+    assert len(kept) <= 64 and sample.stride == 16
+    assert list(kept) == list(range(0, 1000, 16))
+    exact = history.Sample(capacity=64)
+    exact.add(rows[:64])
+    assert list(exact.values()) == list(range(64)) and exact.stride == 1
+
+
+def test_an_overview_holds_each_buckets_min_max_and_mean(tmp_path):
+    """Buckets of consecutive rows, merged in pairs as the run grows: each bucket's
+    mean, minimum and maximum are those of the steps it spans (a thinned row counting
+    as its steps)."""
+    import numpy as np
+
+    overview = history.Overview(fields=("loss",), buckets=8)
+    values = [float((step * 37) % 11) for step in range(1, 101)]
+    for start in range(0, 100, 25):
+        steps = np.arange(start + 1, start + 26, dtype=float)
+        overview.add(history.StepBatch(25, None, None, {
+            "step": steps, "loss": np.array(values[start:start + 25])}, {}, [None] * 25))
+    series = overview.get("loss")
+    assert series.width == 16 and len(series.steps) == 7  # 100 rows in buckets of 16
+    for index in range(7):
+        held = values[index * 16:(index + 1) * 16]
+        first, last = index * 16 + 1, min(100, (index + 1) * 16)
+        assert series.steps[index] == (first + last) / 2
+        assert series.means[index] == pytest.approx(sum(held) / len(held))
+        assert (series.lows[index], series.highs[index]) == (min(held), max(held))
+    assert overview.get("step_time_s") is None

@@ -2,7 +2,6 @@
 one line, commands sent live over the agent's real ZeroMQ socket, and every window after a
 change checked against arithmetic done here with plain torch."""
 
-import json
 import signal
 import threading
 import time
@@ -21,6 +20,7 @@ from agent import runs  # noqa: E402
 from agent.integrations.lightning import GpuwatchCallback, attach  # noqa: E402
 from agent.knobs import KnobError  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
+from gpuwatch.history import flat_records  # noqa: E402
 from tests.contract import BATCH_SIZE, IndexedDigits, run  # noqa: E402
 from tests.contract.lightning import LightningDriver  # noqa: E402
 
@@ -82,8 +82,7 @@ def _loader(n, batch_size=8, dataset=None):
 
 
 def _records(monitor):
-    with open(monitor.info.log_path) as log:
-        return [json.loads(line) for line in log]
+    return list(flat_records(monitor.info.log_path))
 
 
 def _steps(records):
@@ -679,8 +678,7 @@ def test_sigterm_mid_fit_ends_the_run_with_bye_after_lightnings_own_handler(run_
     process = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                              timeout=120)
     assert process.returncode == -signal.SIGTERM, process.stderr[-2000:]
-    with open(process.stdout.splitlines()[0]) as log:
-        records = [json.loads(line) for line in log]
+    records = list(flat_records(process.stdout.splitlines()[0]))
     assert sorted(_steps(records)) == [1, 2, 3]
     assert [r["reason"] for r in records if r["type"] == "bye"] == ["stopped by SIGTERM"]
     assert records[-1]["type"] == "bye"
@@ -739,7 +737,7 @@ def test_ddp_ranks_share_a_run_and_change_accum_steps_at_one_step(run_dir, tmp_p
         assert process.wait(120) == 0
     finally:
         process.kill()
-    logs = [[json.loads(line) for line in open(info.log_path)] for info in ranks]
+    logs = [list(flat_records(info.log_path)) for info in ranks]
     windows = [[(s["step"], s["micro_batches"], s["knobs"]["accum_steps"])
                 for s in log if s["type"] == "step"] for log in logs]
     assert windows[0] == windows[1] and len(windows[0]) == 9

@@ -1,7 +1,6 @@
 """Hand-written loops (agent.session): every loop knob live, checked by arithmetic, and
 the GPT-style example run in a subprocess with every loop knob changed."""
 
-import json
 import os
 import signal
 import subprocess
@@ -14,17 +13,18 @@ import torch
 
 import agent
 from agent import runs
+from agent.runlog import LOG_SUFFIX
 from gpuopt.checkpointing import find_blocks
 from gpuopt.precision import MixedPrecision
 from gpuwatch.client import send_command
 from tests.training import digits_loader, model as make_model
+from gpuwatch.history import flat_records
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _log_records(path):
-    with open(path) as log:
-        return [json.loads(line) for line in log]
+    return list(flat_records(path))
 
 
 def test_live_accum_steps_windows_equal_a_hand_computation(run_dir):
@@ -232,7 +232,7 @@ def test_gpt_example_resumes_exactly_after_a_live_change(run_dir, tmp_path):
                              text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr
     resumed_id = resumed.stdout.split()[1].rstrip(":")
-    [resumed_log] = Path(info.log_path).parent.glob(f"{resumed_id}*")
+    [resumed_log] = Path(info.log_path).parent.glob(f"{resumed_id}.rank0{LOG_SUFFIX}")
     steps = {r["step"]: r for r in records if r["type"] == "step"}
     resumed_records = _log_records(resumed_log)
     resumed_steps = {r["step"]: r for r in resumed_records if r["type"] == "step"}

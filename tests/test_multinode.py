@@ -6,7 +6,6 @@ but the network (and the job secret, which the user puts on each node)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import signal
@@ -21,6 +20,7 @@ import pytest
 
 from agent import nodes, runs
 from gpuwatch.sources.live import LiveSource
+from gpuwatch.history import flat_records
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 pytestmark = pytest.mark.slow
@@ -71,14 +71,10 @@ class Node:
                               capture_output=True, text=True, timeout=timeout_s)
 
     def log(self, run_id: str, rank: int) -> list[dict]:
-        path = self.log_dir / f"{run_id}.rank{rank}.jsonl"
+        path = self.log_dir / f"{run_id}.rank{rank}.runlog"
         if not path.exists():
             return []
-        records = []
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):  # the last one may be half written
-                records.append(json.loads(line))
-        return records
+        return list(flat_records(path))  # (a frame being written is left out)
 
     def processes(self) -> list[psutil.Process]:
         """torchrun and everything it started (workers, their gateways and relay)."""

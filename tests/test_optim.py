@@ -4,7 +4,6 @@ the agent's real socket, and every claim checked by arithmetic (a twin run, a ha
 computation, bit-identical resumes)."""
 
 import hashlib
-import json
 import os
 import select
 import signal
@@ -25,14 +24,14 @@ from gpuopt.loader import ReconfigurableLoader
 from gpuopt.optim import OptimizerSettings
 from gpuopt.saving import write_atomically
 from gpuwatch.client import Subscriber, send_command
+from gpuwatch.history import flat_records
 from tests.training import Gate, digits_loader, messages, model as make_model, start
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _records(path):
-    with open(path) as log:
-        return [json.loads(line) for line in log]
+    return list(flat_records(path))
 
 
 def _steps(records):

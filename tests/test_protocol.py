@@ -109,23 +109,6 @@ def test_a_steps_batch_reads_as_one_step_record_a_row():
     assert protocol.expand({"type": "event", "body": {}}) == [{"type": "event", "body": {}}]
 
 
-def test_a_steps_batch_in_the_run_log_is_the_lines_of_its_rows():
-    import json
-
-    message = _batch()
-    message["run"] = "r%s1"  # the lines are made by a % template
-    message["body"]["columns"]["odd %d name"] = [[1, {"a": "b,c"}], "x", None]
-    lines = protocol.step_lines(message).splitlines()
-    expected = [json.loads(protocol.to_json_line(row)) for row in protocol.expand(message)]
-    for row in expected:  # in the log every row has every column of its batch
-        row.setdefault("activation_bytes", None)
-        row.setdefault("odd %d name", None)
-    assert [json.loads(line) for line in lines] == expected
-    assert json.loads(lines[1])["loss"] is None  # NaN: valid JSON
-    message["body"]["columns"]["step"][0] = 1 << 70  # beyond orjson: the slow way
-    assert json.loads(protocol.step_lines(message).splitlines()[0])["step"] == 1 << 70
-
-
 @pytest.mark.parametrize("body", [
     {"n": 2, "columns": {"step": [1]}, "common": {}},
     {"n": 1, "columns": {"step": 1}, "common": {}},

@@ -19,6 +19,7 @@ from agent.fanout import _Connections
 from gpuwatch.client import Subscriber, reply_text, send_command
 from tests.conftest import FakeAgent
 from tests.training import Gate, digits_loader, messages, model as make_model, start
+from gpuwatch.history import flat_records
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -214,9 +215,9 @@ def test_a_second_job_with_the_same_run_id_gets_its_own(run_dir, monkeypatch):
             assert [info.run_id for info in first] == ["20250101-000000-same"]  # untouched
         finally:
             second.close()
-        log = Path(second.info.log_path).read_text()  # the run log holds every event
-        assert (f"rank 0 is in use by pid {holder.pid} (another job from the same "
-                "launcher?)") in log
+        texts = [record.get("text", "") for record in flat_records(second.info.log_path)]
+        assert any(f"rank 0 is in use by pid {holder.pid} (another job from the same "
+                   "launcher?)" in text for text in texts)  # the run log holds every event
     finally:
         holder.stdin.close()
         holder.wait(30)

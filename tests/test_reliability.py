@@ -14,6 +14,7 @@ from agent import protocol, runs
 from agent.desk import MAX_PENDING_COMMANDS
 from agent.knobs import Knob, KnobSpec
 from gpuopt import Trainer
+from gpuwatch.history import flat_records
 from tests.training import Gate, digits_loader, model as make_model, start
 
 
@@ -24,7 +25,7 @@ def _trainer(*callbacks):
 
 
 def _log_steps(path):
-    return [r["step"] for r in map(json.loads, open(path)) if r["type"] == "step"]
+    return [r["step"] for r in flat_records(path) if r["type"] == "step"]
 
 
 @pytest.mark.parametrize("kills", [pytest.param(10), pytest.param(50, marks=pytest.mark.slow)])
@@ -94,11 +95,11 @@ def test_a_command_flood_gets_replies_and_applies_nothing_by_mistake(run_dir):
     gate.release.set()
     thread.join(30)
     assert trainer.step == 50 and trainer.accum_steps == 2
-    rejected_events = [r for r in map(json.loads, open(monitor.info.log_path))
+    rejected_events = [r for r in flat_records(monitor.info.log_path)
                        if r["type"] == "event" and r.get("kind") == "rejected"]
     assert monitor.commands_rejected > 500
     assert 1 <= len(rejected_events) <= 15  # at most one a second, with the count
-    applied = [r for r in map(json.loads, open(monitor.info.log_path))
+    applied = [r for r in flat_records(monitor.info.log_path)
                if r["type"] == "event" and r.get("kind") == "applied"]
     assert len(applied) == 1  # the accepted commands for one boundary apply once
 
@@ -116,7 +117,7 @@ def test_an_exception_inside_the_agent_is_reported_once_and_training_goes_on(run
     assert trainer.fit(max_steps=30) == 30
     step_errors = [e for e in monitor.errors if "encoding a steps message" in e]
     assert len(step_errors) == 1  # 30 failing steps (in batches), reported once
-    errors = [r for r in map(json.loads, open(monitor.info.log_path))
+    errors = [r for r in flat_records(monitor.info.log_path)
               if r["type"] == "event" and r.get("kind") == "agent_error"]
     assert len(errors) == len(monitor.errors)  # (a periodic hello may fail as well)
     assert all("training continues" in e["text"] for e in errors)

@@ -6,7 +6,6 @@ micro_batch_size."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
@@ -37,6 +36,7 @@ from agent.tune import (
 from gpuopt import Trainer
 from gpuopt.loader import ReconfigurableLoader
 from gpuwatch.client import Subscriber, send_command
+from gpuwatch.history import flat_records
 from tests.training import digits_loader, messages, start
 from tests.training import model as make_model
 
@@ -164,8 +164,7 @@ def test_the_search_keeps_the_faster_setting_and_reverts_the_slow_one(run_dir):
     texts = [m["body"]["text"] for m in seen if m["type"] == "event"
              and m["body"].get("kind") in ("tune", "tuned")]
     assert any(t.startswith("tune: step_delay=2 reverted: slower") for t in texts)
-    with open(monitor.info.log_path) as log:  # the run log has the search's records
-        logged = [json.loads(line) for line in log]
+    logged = list(flat_records(monitor.info.log_path))  # the run log has the search's
     assert [r["status"] for r in logged if r["type"] == "tune"][-1] == "done"
 
 
@@ -842,10 +841,8 @@ def test_two_ranks_end_in_the_same_configuration_at_the_same_step(run_dir):
 
 
 def _log_records(info):
-    """The records of a rank's run log so far (a line being written is left out)."""
-    with open(info.log_path, "rb") as log:
-        lines = log.read().split(b"\n")[:-1]
-    return [json.loads(line) for line in lines]
+    """The records of a rank's run log so far (a frame being written is left out)."""
+    return list(flat_records(info.log_path))
 
 
 def _applied(records):

@@ -1,19 +1,19 @@
-"""The replay source: a run log (JSON lines, see :mod:`agent.runlog`) read back into a
-RunState, and followed while it grows (``tail -F``), for ``gpuwatch replay FILE``.
+"""The replay source: a run log read back into a RunState, and followed while it grows
+(``tail -F``), for ``gpuwatch replay FILE`` and ``gpuwatch tail FILE``.
 
-Each line is one flattened record, ``{"type", "run", "rank", "seq", "t", **body}``
-(:func:`agent.protocol.flatten`); :func:`gpuwatch.history.decode_line`, the one decoder
-of run-log lines, turns it back into the envelope that :meth:`RunState.ingest` folds, so
-a replay shows the same panels as the live run. A line that is not such a record is
-counted as malformed and skipped.
+:class:`RunLogReader` reads either format :mod:`gpuwatch.history` reads: a run log
+(:mod:`agent.runlog`: frames, followed from part to part as the writer starts new ones)
+or the JSON lines of earlier versions (followed across rotation). Its records are the
+envelopes :meth:`RunState.ingest` folds, so a replay shows the same panels as the live
+run; what cannot be read is counted as malformed and skipped.
 
 Time: each record is folded at the moment it was written (its ``t``, unix seconds,
 taken to the monotonic clock), never later than when it is read. So the run's status
 means what it means live: a run log whose last record is a ``bye`` is "ended"; one that
-keeps growing (the agent writes a heartbeat a second and flushes every 0.5 s) is "live"
-(or "stalled" or "compiling"); one that stopped growing without a ``bye`` (a killed run)
-is "gone" once its last record is :data:`~gpuwatch.state.GONE_AFTER_S` old. The backlog
-of a long run is folded at once without ever looking live.
+keeps growing (the agent writes a heartbeat a second and a frame at least every 0.5 s)
+is "live" (or "stalled" or "compiling"); one that stopped growing without a ``bye`` (a
+killed run) is "gone" once its last record is :data:`~gpuwatch.state.GONE_AFTER_S`
+old. The backlog of a long run is folded at once without ever looking live.
 """
 
 from __future__ import annotations
@@ -24,76 +24,96 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from agent import protocol, runlog
 from gpuwatch.history import MAX_LINE_BYTES, decode_line
 from gpuwatch.sources import Source
 
-#: How often a followed file is checked for new lines (s).
+#: How often a followed file is checked for new records (s).
 POLL_S = 0.2
-#: Lines folded per lock acquisition at most, so the app never waits long.
+#: Records returned per :meth:`RunLogReader.read` at most (about: a batch of steps
+#: counts once), so the app never waits long.
 BATCH = 1000
 #: Bytes read from the file at a time, and at most per :meth:`RunLogReader.read` (so
 #: that lines of 1 MB are folded a few at a time, never a gigabyte at once).
 CHUNK_BYTES = 1 << 20
-#: Bytes read at most per :meth:`RunLogReader.read`, however short the lines.
+#: Bytes read at most per :meth:`RunLogReader.read`, however short the records.
 READ_BYTES = 4 << 20
 
 
 class RunLogReader:
-    """Reads a run log's complete lines as envelopes: all of it, then what is appended.
-
-    A line is read only once its newline is there (the agent may be writing it). When
-    the path is replaced by a new file (the agent rotates ``run.jsonl`` to
-    ``run.jsonl.1`` at 64 MiB) or truncated, reading goes on from the new file's start,
-    as ``tail -F`` does. A path that does not exist yet is waited for.
+    """Reads a run log's complete records as envelopes: all of it, then what is
+    appended. A path that does not exist yet is waited for.
 
     Args:
-        path: the run log.
+        path: the run log (its first part, or the current file of JSON lines).
+        batches: a ``steps`` batch as one envelope (what :meth:`RunState.ingest` folds
+            fastest); by default as one ``step`` envelope a row
+            (:func:`agent.protocol.expand`), as ``gpuwatch tail`` prints them.
 
     Attributes:
-        malformed: lines skipped because they were not records (bad JSON, not a map,
+        malformed: damaged frames and lines that were not records (bad JSON, not a map,
             no ``type``, longer than :data:`MAX_LINE_BYTES`).
-        at_eof: the last :meth:`read` reached the end of the file.
+        at_eof: the last :meth:`read` reached the end of what is written.
     """
 
-    def __init__(self, path: os.PathLike | str) -> None:
+    def __init__(self, path: os.PathLike | str, *, batches: bool = False) -> None:
         self.path = Path(path)
-        self.malformed = 0
+        self.batches = batches
         self.at_eof = False
-        self._file: BinaryIO | None = None
-        self._inode: int | None = None
-        self._partial = b""
-        self._skipping = False  # inside a line over MAX_LINE_BYTES: drop to its newline
+        self._reader: _PartFollower | _LineFollower | None = None
 
-    def read(self, max_lines: int = BATCH) -> list[dict[str, Any]]:
-        """Envelopes of the next complete lines, at most about ``max_lines`` and
-        :data:`READ_BYTES` bytes of them; ``[]`` at the end of the file (see
+    @property
+    def malformed(self) -> int:
+        """Records skipped because they could not be read (see the class)."""
+        return 0 if self._reader is None else self._reader.malformed
+
+    def read(self, max_records: int = BATCH) -> list[dict[str, Any]]:
+        """Envelopes of the next complete records, at most about ``max_records`` and
+        :data:`READ_BYTES` bytes of them; ``[]`` at the end of what is written (see
         :attr:`at_eof`).
 
         Raises:
             OSError: the file exists but cannot be read (e.g. permissions).
         """
-        envelopes: list[dict[str, Any]] = []
-        self.at_eof = False
-        read = 0
-        while len(envelopes) < max_lines and read < READ_BYTES:
-            if self._file is None and not self._open():
+        if self._reader is None:
+            self._reader = self._open()
+            if self._reader is None:
                 self.at_eof = True
-                break
-            assert self._file is not None
-            chunk = self._file.read(CHUNK_BYTES) or b""  # None: a FIFO with nothing yet
-            read += len(chunk)
-            if not chunk:
-                if self._replaced():
-                    self._close_file()  # the old file is read to its end; on to the new
-                    continue
-                self.at_eof = True
-                break
-            envelopes += self._lines(chunk)
-        return envelopes
+                return []
+        envelopes, self.at_eof = self._reader.read(max_records)
+        if self.batches:
+            return envelopes
+        rows: list[dict[str, Any]] = []
+        for envelope in envelopes:
+            try:
+                rows += protocol.expand(envelope)
+            except protocol.ProtocolError:
+                self._reader.malformed += 1
+        return rows
+
+    def _open(self) -> _PartFollower | _LineFollower | None:
+        """The follower for the file's format (from its first bytes); None while the
+        file is missing or empty."""
+        try:  # never through a link; a FIFO never blocks
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        try:
+            start = os.read(fd, len(runlog.FRAME_MAGIC))
+        except OSError:
+            start = b""
+        finally:
+            os.close(fd)
+        if not start:
+            return None
+        if start == runlog.FRAME_MAGIC:
+            return _PartFollower(self.path)
+        return _LineFollower(self.path)
 
     def close(self) -> None:
         """Close the file. Idempotent."""
-        self._close_file()
+        if self._reader is not None:
+            self._reader.close()
 
     def __enter__(self) -> RunLogReader:
         return self
@@ -101,21 +121,94 @@ class RunLogReader:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _open(self) -> bool:
-        try:  # a FIFO in its place must not block the reader (NONBLOCK)
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return False
-        self._file = os.fdopen(fd, "rb")
-        self._inode = os.fstat(self._file.fileno()).st_ino
-        return True
 
-    def _close_file(self) -> None:
+class _PartFollower:
+    """A run log's parts, read as far as written (:class:`agent.runlog.PartReader`),
+    the next part once it exists (the writer finished the one before it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.malformed = 0
+        self._index = 0
+        self._fd: int | None = None
+        self._reader: runlog.PartReader | None = None
+        self._counted = 0  # the current part's malformed already in self.malformed
+
+    def read(self, max_records: int) -> tuple[list[dict[str, Any]], bool]:
+        envelopes: list[dict[str, Any]] = []
+        while len(envelopes) < max_records:
+            if self._reader is None:
+                try:
+                    self._fd = runlog.open_no_follow(runlog.part_path(self.path, self._index))
+                except FileNotFoundError:
+                    return envelopes, True
+                self._reader = runlog.PartReader(self._fd, part=self._index)
+                self._counted = 0
+            found = self._reader.read(max_bytes=READ_BYTES)
+            self.malformed += self._reader.malformed - self._counted
+            self._counted = self._reader.malformed
+            envelopes += [envelope for _, envelope in found]
+            if found:
+                continue
+            if not runlog.part_path(self.path, self._index + 1).exists():
+                return envelopes, True  # the end of what is written
+            if self._reader.pending:  # a part cut short, with a part after it
+                self.malformed += 1
+            self.close()
+            self._index += 1
+        return envelopes, False
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd, self._reader = None, None
+
+
+class _LineFollower:
+    """The JSON lines of earlier versions: complete lines only (the agent may be
+    writing one); when the path is replaced by a new file (rotation to ``.1``) or
+    truncated, reading goes on from the new file's start, as ``tail -F`` does."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.malformed = 0
+        self._file: BinaryIO | None = None
+        self._inode: int | None = None
+        self._partial = b""
+        self._skipping = False  # inside a line over MAX_LINE_BYTES: drop to its newline
+
+    def read(self, max_lines: int) -> tuple[list[dict[str, Any]], bool]:
+        envelopes: list[dict[str, Any]] = []
+        read = 0
+        while len(envelopes) < max_lines and read < READ_BYTES:
+            if self._file is None and not self._open():
+                return envelopes, True
+            assert self._file is not None
+            chunk = self._file.read(CHUNK_BYTES) or b""  # None: a FIFO with nothing yet
+            read += len(chunk)
+            if not chunk:
+                if self._replaced():
+                    self.close()  # the old file is read to its end; on to the new
+                    continue
+                return envelopes, True
+            envelopes += self._lines(chunk)
+        return envelopes, False
+
+    def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
         self._partial = b""  # a line cut by rotation or truncation is not a record
         self._skipping = False
+
+    def _open(self) -> bool:
+        try:  # never through a link; a FIFO in its place must not block (NONBLOCK)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return False
+        self._file = os.fdopen(fd, "rb")
+        self._inode = os.fstat(self._file.fileno()).st_ino
+        return True
 
     def _replaced(self) -> bool:
         """At the end of the file: is the path now another file, or was it truncated?"""
@@ -139,18 +232,14 @@ class RunLogReader:
             self._partial = b""
         envelopes = []
         for line in lines:
-            envelope = self._parse(line)
-            if envelope is not None:
+            if not line.strip():
+                continue  # a blank line is not a record, and not an error
+            envelope = decode_line(line)
+            if envelope is None:
+                self.malformed += 1
+            else:
                 envelopes.append(envelope)
         return envelopes
-
-    def _parse(self, line: bytes) -> dict[str, Any] | None:
-        if not line.strip():
-            return None  # a blank line is not a record, and not an error
-        envelope = decode_line(line)
-        if envelope is None:
-            self.malformed += 1
-        return envelope
 
 
 class ReplaySource(Source):
@@ -159,7 +248,7 @@ class ReplaySource(Source):
     Takes no commands (a replay is read-only).
 
     Args:
-        path: the run log (JSON lines as :class:`agent.runlog.RunLog` writes them).
+        path: the run log (either format, see :class:`RunLogReader`).
         follow: keep reading what is appended (default); False stops at the end.
     """
 
@@ -171,7 +260,7 @@ class ReplaySource(Source):
     def _run(self) -> None:
         counted = 0  # the reader's malformed lines already added to the state
         waited = False
-        with RunLogReader(self.path) as reader:
+        with RunLogReader(self.path, batches=True) as reader:
             while not self._stop.is_set():
                 try:
                     envelopes = reader.read()

@@ -2,11 +2,13 @@
 
 The log is read once (:mod:`gpuwatch.history`), in the source's thread, and folded into
 a :class:`~gpuwatch.state.RunState` as the live dashboard folds it; a copy of that state
-is kept every :data:`CHECKPOINT_STEPS` steps. The state at step index ``i`` is the
-nearest copy before it with the records up to step ``i`` folded on top (re-read from
-the file: at most :data:`CHECKPOINT_STEPS` steps' records), so every panel shows what it
-showed live at that step, in memory that grows with the run's length by a copy per
-checkpoint only.
+is kept at the batch of steps that starts every :data:`CHECKPOINT_STEPS` steps, and
+when more than :data:`MAX_CHECKPOINTS` are kept, every second one is dropped (the
+spacing doubles). The state at step index ``i`` is the nearest copy before it with the
+records up to step ``i`` folded on top (re-read from the log), so every panel shows
+what it showed live at that step, in memory bounded whatever the run's length (the
+copies, the step numbers as runs of consecutive steps, and at most :data:`MAX_MARKS`
+marks).
 
 Time: records are folded at their own time ``t`` (unix s), and the state is shown at the
 time of the last record folded (:meth:`TimelineSource.now`), so the status at a step is
@@ -18,7 +20,8 @@ from __future__ import annotations
 import bisect
 import time
 from array import array
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, overload
 
 from agent import protocol
 from agent.protocol import printable
@@ -28,10 +31,14 @@ from gpuwatch.sources import Source
 from gpuwatch.state import RunState
 from gpuwatch.units import knob_text
 
-#: Step records between two kept copies of the state.
+#: Step records between two kept copies of the state, at first.
 CHECKPOINT_STEPS = 200
+#: Copies of the state kept at most (each a few tens of kB).
+MAX_CHECKPOINTS = 256
+#: Marks (knob changes and events) kept at most: the first ones.
+MAX_MARKS = 100_000
 #: How often the thread checks whether to stop while loading (records).
-STOP_CHECK_RECORDS = 4096
+STOP_CHECK_RECORDS = 256
 
 
 class Mark(NamedTuple):
@@ -48,8 +55,74 @@ class Mark(NamedTuple):
 class _Checkpoint(NamedTuple):
     state: RunState  # everything before the step record with index ``index``
     index: int  # type: ignore[assignment]  # shadows tuple.index, as Mark's
-    position: Position  # where that step record's line starts
+    position: Position  # where the batch that starts with that step record is
     t: float  # the time of the last record folded into ``state`` (unix s)
+
+
+class StepIndex(Sequence[int]):
+    """Step index -> optimizer step, kept as runs of consecutive steps (a run of a
+    million steps is two numbers). A record without a step number has its previous
+    record's."""
+
+    def __init__(self) -> None:
+        self._starts = array("q")  # the index where each run starts
+        self._steps = array("q")  # its first step
+        self._length = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __bool__(self) -> bool:
+        return self._length > 0
+
+    def extend(self, steps: list[Any]) -> None:
+        """Append the steps of some records, in order (a run of consecutive steps in
+        C, a list comparison)."""
+        if not steps:
+            return
+        first = steps[0]
+        if (type(first) is int and -(1 << 62) < first < (1 << 62) - len(steps)
+                and steps == list(range(first, first + len(steps)))):
+            if not self._length or first != self[self._length - 1] + 1:
+                self._starts.append(self._length)
+                self._steps.append(first)
+            self._length += len(steps)
+            return
+        for step in steps:
+            if type(step) is not int or not -(1 << 62) < step < (1 << 62):
+                step = self[self._length - 1] if self._length else 0
+            if not self._length or step != self[self._length - 1] + 1:
+                self._starts.append(self._length)
+                self._steps.append(step)
+            self._length += 1
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return [self[at] for at in range(*index.indices(self._length))]
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError(f"step index {index} outside 0..{self._length - 1}")
+        run = bisect.bisect_right(self._starts, index) - 1
+        return self._steps[run] + index - self._starts[run]
+
+    def index_of(self, step: int) -> int | None:
+        """The index of the first record of optimizer step ``step`` or later (steps
+        in order); None when there is none."""
+        run = bisect.bisect_right(self._steps, step) - 1
+        if run < 0:
+            return 0 if self._length else None
+        end = self._starts[run + 1] if run + 1 < len(self._starts) else self._length
+        index = self._starts[run] + step - self._steps[run]
+        if index < end:
+            return index
+        return end if end < self._length else None
 
 
 class Timeline:
@@ -64,39 +137,66 @@ class Timeline:
 
     Attributes:
         steps: the optimizer step of each step record (index -> step).
-        marks: knob changes and events, by index.
+        marks: knob changes (the first :data:`~gpuwatch.history.MAX_CHANGES`) and
+            events, by index (the first :data:`MAX_MARKS` in all).
         history: the run's history (segments, knob changes) from the same read.
     """
 
     def __init__(self, log: LogFiles, initial: RunState, *, stopped=lambda: False) -> None:
         self.log = log
-        self.steps = array("q")
+        self.steps = StepIndex()
         self.marks: list[Mark] = []
+        self._by_kind: dict[str, list[int]] = {"change": [], "event": []}
         self._checkpoints: list[_Checkpoint] = []
-        builder = HistoryBuilder(log)
-        reader = LogReader(log)
+        self._spacing = CHECKPOINT_STEPS
+        self._next_checkpoint = 0  # the step index from which the next copy is due
+        builder = HistoryBuilder(log, overview=False, whole=False)
+        reader = LogReader(log, arrays=True)
         state = initial
         t = time.time()
         for count, (position, envelope) in enumerate(reader):
             if count % STOP_CHECK_RECORDS == 0 and stopped():
                 break
             t = number(envelope.get("t")) or t
-            if envelope["type"] == protocol.STEP:
-                index = len(self.steps)
-                if index % CHECKPOINT_STEPS == 0:
-                    self._checkpoints.append(_Checkpoint(state.copy(), index, position, t))
-                step = envelope["body"].get("step")
-                self.steps.append(step if type(step) is int else
-                                  (self.steps[-1] if self.steps else 0))
-            for change in builder.add(envelope):
-                self.marks.append(Mark(len(self.steps) - 1, "change",
-                                       printable(f"{change.knob}={knob_text(change.value)}", 200)))
-            if envelope["type"] == protocol.EVENT:
-                self.marks.append(Mark(max(0, len(self.steps) - 1), "event",
-                                       printable(envelope["body"].get("text", ""), 200)))
+            kind, body = envelope["type"], envelope["body"]
+            if kind == protocol.STEPS:
+                first = len(self.steps)
+                if first >= self._next_checkpoint:
+                    self._keep(_Checkpoint(state.copy(), first, position, t))
+                changes = builder.add(envelope)  # (with the numbers as arrays)
+                envelope = {**envelope, "body": {**body, "columns": {  # as the wire's
+                    name: values.tolist() if hasattr(values, "tolist") else values
+                    for name, values in body["columns"].items()}}}
+                steps = envelope["body"]["columns"].get("step") or [
+                    body["common"].get("step")] * body["n"]
+                self.steps.extend(steps)
+                if changes and len(self.marks) < MAX_MARKS:
+                    rows = {step: row for row, step in reversed(list(enumerate(steps)))
+                            if type(step) is int}
+                    for change in changes:
+                        self._mark(first + rows.get(change.step, 0), "change",
+                                   f"{change.knob}={knob_text(change.value)}")
+            else:
+                builder.add(envelope)
+                if kind == protocol.EVENT:
+                    self._mark(max(0, len(self.steps) - 1), "event", body.get("text", ""))
             state.ingest(envelope, t)
         self.history: RunHistory = builder.finish(reader)
         self._end = (state, t)
+
+    def _keep(self, checkpoint: _Checkpoint) -> None:
+        """Keep a copy of the state; past :data:`MAX_CHECKPOINTS`, every second one
+        goes and the spacing doubles."""
+        self._checkpoints.append(checkpoint)
+        if len(self._checkpoints) > MAX_CHECKPOINTS:
+            self._checkpoints = self._checkpoints[::2]
+            self._spacing *= 2
+        self._next_checkpoint = self._checkpoints[-1].index + self._spacing
+
+    def _mark(self, index: int, kind: str, text: Any) -> None:
+        if len(self.marks) < MAX_MARKS:
+            self.marks.append(Mark(index, kind, printable(text, 200)))
+            self._by_kind[kind].append(len(self.marks) - 1)
 
     @property
     def last_index(self) -> int | None:
@@ -115,31 +215,43 @@ class Timeline:
         if index == len(self.steps) - 1:
             state, t = self._end
             return state.copy(), t
-        checkpoint = self._checkpoints[index // CHECKPOINT_STEPS]
+        at = bisect.bisect_right([kept.index for kept in self._checkpoints], index) - 1
+        checkpoint = self._checkpoints[max(0, at)]
         state, t = checkpoint.state.copy(), checkpoint.t
-        seen = checkpoint.index - 1
+        seen = checkpoint.index  # the index of the next step record
         for _, envelope in LogReader(self.log, start=checkpoint.position):
-            if envelope["type"] == protocol.STEP:
-                seen += 1
+            cut = False
+            if envelope["type"] == protocol.STEPS:
                 if seen > index:
                     break
+                body = envelope["body"]
+                rows = body["n"]
+                if seen + rows > index + 1:  # the rows up to ``index``, and no more
+                    rows, cut = index + 1 - seen, True
+                    envelope = {**envelope, "body": {**body, "n": rows, "columns": {
+                        name: values[:rows] for name, values in body["columns"].items()}}}
+                seen += rows
             t = number(envelope.get("t")) or t
             state.ingest(envelope, t)
+            if cut:
+                break
         return state, t
 
     def index_of_step(self, step: int) -> int | None:
         """The index of the first record of optimizer step ``step`` or later (steps
         in order); None when the run has no such step."""
-        index = bisect.bisect_left(self.steps, step)
-        return index if index < len(self.steps) else None
+        return self.steps.index_of(step)
 
     def mark_after(self, index: int, kind: str, direction: int) -> Mark | None:
         """The first mark of ``kind`` after (``direction`` 1) or before (-1) ``index``,
         or None."""
-        marks = [mark for mark in self.marks if mark.kind == kind]
+        ids = self._by_kind.get(kind, [])
+        indexes = [self.marks[i].index for i in ids]
         if direction > 0:
-            return next((mark for mark in marks if mark.index > index), None)
-        return next((mark for mark in reversed(marks) if mark.index < index), None)
+            at = bisect.bisect_right(indexes, index)
+            return self.marks[ids[at]] if at < len(ids) else None
+        at = bisect.bisect_left(indexes, index) - 1
+        return self.marks[ids[at]] if at >= 0 else None
 
 
 class TimelineSource(Source):
@@ -156,7 +268,7 @@ class TimelineSource(Source):
     """
 
     def __init__(self, log: LogFiles) -> None:
-        super().__init__(None, f"run log {log.paths[-1]}", poll_s=0.1)
+        super().__init__(None, f"run log {log.first}", poll_s=0.1)
         self.log = log
         self.timeline: Timeline | None = None
         self.index: int | None = None

@@ -12,7 +12,6 @@ micro-batch trained on, and where each optimizer step ended.
 from __future__ import annotations
 
 import importlib
-import json
 import pkgutil
 import threading
 from dataclasses import dataclass, field
@@ -22,6 +21,8 @@ from typing import Any
 import torch
 from sklearn.datasets import load_digits
 from torch.nn import functional as F
+
+from gpuwatch.history import flat_records
 
 #: Samples in the task's data set: 16 batches of 8, so that the runs cross an epoch.
 SAMPLES = 128
@@ -182,9 +183,7 @@ def run(driver: Driver, *, steps: int, commands: list[tuple[str, Any, int]],
     log_path, params = driver.train(steps=steps, commands=commands,
                                     checkpoint_dir=checkpoint_dir, resume_from=resume_from,
                                     recorder=recorder)
-    with open(log_path) as log:
-        records = [json.loads(line) for line in log]
-    return Result(records, recorder, params)
+    return Result(list(flat_records(log_path)), recorder, params)
 
 
 def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
