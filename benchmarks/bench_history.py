@@ -277,11 +277,12 @@ def main() -> int:
     tracebacks = 0
     print(f"# load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'log':<22}{'size':>10}  {'tool':<18}{'time':>8}{'cpu':>8}{'peak':>9}  status")
-    for index, (name, make) in enumerate(logs):
-        directory = root / f"log{index}"
+    for name, make in logs:
+        slug = "".join(c if c.isalnum() else "-" for c in name).strip("-")
+        directory = root / slug  # (a log made once is measured again with --dir)
         directory.mkdir(exist_ok=True)
         legacy = "jsonl" in name
-        path = directory / f"{RUN}{index}.rank0.{'jsonl' if legacy else 'runlog'}"
+        path = directory / f"{RUN}-{slug[:30]}.rank0.{'jsonl' if legacy else 'runlog'}"
         if not path.exists():
             started = time.monotonic()
             make(path)
