@@ -747,7 +747,9 @@ def test_cpu_threads_applies_at_a_boundary_in_the_training_thread(run_dir):
         assert seen_threads[1:] == [1, 1, 1] and monitor.knobs.values()["cpu_threads"] == 1
         read.set()
         reader.join(30)
-        assert elsewhere == [previous, 1]
+        # (the other thread's own count is whatever OpenMP gave it: another test of
+        # this process may have changed the default; the knob must not follow it)
+        assert elsewhere[1] == 1
     finally:
         read.set()
         torch.set_num_threads(previous)
