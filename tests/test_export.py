@@ -15,9 +15,10 @@ import pandas as pd
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent import protocol
 from gpuwatch import history, tables
 from tests.test_history import gpuwatch, write_run
-from tests.test_replay import RUN
+from tests.test_replay import KNOBS, RUN, Writer
 
 H100 = {"index": 0, "name": "NVIDIA H100", "util_pct": 91.0, "mem_used_bytes": 60 << 30,
         "mem_total_bytes": 80 << 30, "power_w": 600.0, "temp_c": 70.0}
@@ -55,7 +56,8 @@ def test_csv_round_trip_through_pandas(logged_run, tmp_path):
     events = pd.read_csv(tmp_path / "run.events.csv")
     assert list(events["kind"]) == ["applied", "applied", "warning"]
     assert list(events["value"].fillna("")) == ["bf16", "false", ""]
-    assert list(events["step"]) == [20, 30, 40]  # the last step completed before it
+    # an applied event names its step; a warning has the last step completed before it
+    assert list(events["step"]) == [21, 31, 40]
 
 
 def test_parquet_round_trip_keeps_the_types(logged_run, tmp_path):
@@ -66,14 +68,14 @@ def test_parquet_round_trip_keeps_the_types(logged_run, tmp_path):
     assert list(steps["step"]) == [record["step"] for record in written]
     assert list(steps["loss"]) == [record["loss"] for record in written]
     assert list(steps["t"]) == [record["t"] for record in written]
-    assert str(steps["step"].dtype) == "Int64" and str(steps["loss"].dtype) == "float64"
-    assert str(steps["knobs.pin_memory"].dtype) == "boolean"
+    assert str(steps["step"].dtype) == "int64" and str(steps["loss"].dtype) == "float64"
+    assert str(steps["knobs.pin_memory"].dtype) == "bool"
     assert str(steps["knobs.precision"].dtype).startswith("str")
     assert list(steps["knobs.accum_steps"]) == [2] * 50
     assert steps["activation_bytes"].isna().sum() == 47  # measured every 20 steps
     events = pd.read_parquet(tmp_path / "run.events.parquet")
     assert list(events["kind"]) == ["applied", "applied", "warning"]
-    assert list(events["step"]) == [20, 30, 40] and str(events["step"].dtype) == "Int64"
+    assert list(events["step"]) == [21, 31, 40] and str(events["step"].dtype) == "int64"
     assert list(events["text"])[-1] == "loader is slow"
 
 
@@ -156,3 +158,102 @@ def test_prometheus_scrape_of_a_live_run(make_agent):
         if exporter.poll() is None:
             exporter.kill()
             exporter.wait()
+
+
+def test_csv_and_parquet_read_back_with_the_same_types_and_values(run_dir, tmp_path):
+    """Float knobs are numbers in both (``lr_scale * 2`` is arithmetic, not "1.01.0"),
+    a float that is whole is still a float in CSV, bytes measured now and then are the
+    same dtype in both, and each event has the step the log gives it."""
+    path = write_run(os.path.join(run_dir, f"{RUN}.rank0.runlog"), steps=50, changes=[
+        (1, "lr_scale", 1.0), (11, "lr_scale", 0.5), (1, "weight_decay", 0.01),
+        (1, "max_grad_norm", 1), (21, "max_grad_norm", 1.5)], events=[(40, "loader")])
+    for table_format in ("csv", "parquet"):
+        result = gpuwatch("export", str(path), f"--{table_format}", "-o",
+                          str(tmp_path / "run"))
+        assert result.returncode == 0, result.stderr
+    for kind, text in (("steps", {}), ("events", {"value": "str"})):
+        # (CSV has no types: text that reads as numbers, here every change's value)
+        from_csv = pd.read_csv(tmp_path / f"run.{kind}.csv", dtype=text)
+        from_parquet = pd.read_parquet(tmp_path / f"run.{kind}.parquet")
+        assert dict(from_csv.dtypes) == dict(from_parquet.dtypes), kind
+        pd.testing.assert_frame_equal(from_csv, from_parquet, check_exact=True)
+        nullable = [pd.read_csv(tmp_path / f"run.{kind}.csv",
+                                dtype={name: "string" for name in text},
+                                dtype_backend="numpy_nullable"),
+                    pd.read_parquet(tmp_path / f"run.{kind}.parquet",
+                                    dtype_backend="numpy_nullable")]
+        assert dict(nullable[0].dtypes) == dict(nullable[1].dtypes), kind
+    steps = pd.read_parquet(tmp_path / "run.steps.parquet")
+    assert list(steps["knobs.lr_scale"] * 2) == [2.0] * 10 + [1.0] * 40
+    assert list(steps["knobs.max_grad_norm"]) == [1.0] * 20 + [1.5] * 30
+    assert set(steps["knobs.weight_decay"]) == {0.01}
+    assert str(steps["activation_bytes"].dtype) == "float64"  # int64 with gaps, as in CSV
+    assert list(steps["activation_bytes"].dropna()) == [17 << 20] * 3
+    nullable = pd.read_csv(tmp_path / "run.steps.csv", dtype_backend="numpy_nullable")
+    assert str(nullable["activation_bytes"].dtype) == "Int64"
+    assert str(nullable["knobs.lr_scale"].dtype) == "Float64"
+    events = pd.read_csv(tmp_path / "run.events.csv")
+    applied = [record for record in history.flat_records(path)
+               if record["type"] == "event" and record.get("step") is not None]
+    assert list(events["step"])[:-1] == [record["step"] for record in applied] == [
+        1, 1, 1, 11, 21]
+    assert list(events["step"])[-1] == 40  # a warning: the last step completed before it
+
+
+def test_csv_cells_that_a_spreadsheet_would_run_start_with_a_quote(run_dir, tmp_path):
+    """OWASP's CSV-injection rule: a text cell starting with = + - @, a tab or a carriage
+    return gets a single quote before it (in CSV only); numbers stay numbers."""
+    formulas = ["=HYPERLINK(\"http://x\")", "+1+2", "-2+3", "@SUM(A1)", "\tcmd", "\rcmd"]
+    path = write_run(os.path.join(run_dir, f"{RUN}.rank0.runlog"), steps=10,
+                     changes=[(3, "precision", formulas[0]), (8, "precision", formulas[4]),
+                              (9, "precision", formulas[5])],
+                     events=[(4, formulas[1]), (5, formulas[2]), (6, formulas[3])])
+    for table_format in ("csv", "parquet"):
+        assert gpuwatch("export", str(path), f"--{table_format}", "-o",
+                        str(tmp_path / "run")).returncode == 0
+    steps = pd.read_csv(tmp_path / "run.steps.csv")
+    assert list(steps["knobs.precision"]) == (
+        ["fp32"] * 2 + ["'" + formulas[0]] * 5 + ["'\tcmd"] + ["'\rcmd"] * 2)
+    assert list(steps["step_time_s"]) == [0.1] * 10 and list(steps["step"]) == list(
+        range(1, 11))
+    events = pd.read_csv(tmp_path / "run.events.csv")
+    assert list(events["value"])[0] == "'" + formulas[0]
+    assert list(events["text"])[0] == f"precision={formulas[0]} applied at step 3"
+    assert list(events["text"])[1:4] == ["'" + text for text in formulas[1:4]]
+    parquet = pd.read_parquet(tmp_path / "run.events.parquet")
+    assert list(parquet["text"])[1:4] == formulas[1:4]  # not for spreadsheets: as it is
+    raw = (tmp_path / "run.steps.csv").read_text()
+    assert ",'" not in raw.replace(",\"'", "")  # only quoted text cells, no number, changed
+
+
+def test_values_that_cannot_be_read_are_missing_in_the_tables(run_dir, tmp_path):
+    """A crafted log: steps and events whose step is 1e308, text, 2**70 or negative,
+    a time of 1e308, knob values of the wrong type: read as missing (an event's step:
+    the last step completed before it; a knob of mixed types: text), no traceback."""
+    path = tmp_path / f"{RUN}.rank0.runlog"
+    writer = Writer(str(path), t0=1e9)
+    writer.hello()
+    for step in range(1, 11):
+        writer.step(step, lr_scale=1e308 if step == 2 else "x" if step == 3 else 1.0)
+    for odd in (1e308, "eleven"):
+        writer.write("steps", protocol.steps_body({"step": [odd], "knobs": [KNOBS]}))
+    writer.step(12, knobs={**KNOBS, "accum_steps": "two", "pin_memory": "yes"})
+    for named in (1e308, "x", 1 << 70, -5, 7):
+        writer.write("event", {"level": "warning", "text": f"named {named!r}",
+                               "step": named})
+    writer.write("steps", {"n": 1, "columns": {"step": [13]}}, dt_s=1e308)
+    writer.log.close()
+    for table_format in ("csv", "parquet"):
+        result = gpuwatch("export", str(path), f"--{table_format}", "-o",
+                          str(tmp_path / "run"))
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    steps = pd.read_parquet(tmp_path / "run.steps.parquet")
+    assert steps["step"].tolist()[:10] == list(range(1, 11))
+    assert steps["step"].isna().tolist()[10:12] == [True, True]
+    assert list(steps["step"])[12:] == [12, 13]
+    assert steps["lr_scale"].tolist()[:2] == [1.0, 1e308]
+    assert steps["lr_scale"].isna().tolist()[:4] == [False, False, True, False]
+    assert list(steps["knobs.accum_steps"])[-2] == "two"  # a mix of types is text
+    assert str(steps["t"].dtype) == "float64"
+    events = pd.read_csv(tmp_path / "run.events.csv")
+    assert list(events["step"]) == [12, 12, 12, 12, 7]
