@@ -110,3 +110,32 @@ def test_compare_one_run_around_its_changes_and_two_runs(logged_run, run_dir):
                      steps=20, changes=[(10, "lr", 0.01)])  # a knob that appears mid-run
     rows = gpuwatch("compare", str(late)).stdout.splitlines()
     assert next(row for row in rows if row.startswith("lr")).split() == ["lr", "-", "0.01"]
+
+
+def test_compare_of_a_run_with_20_changes_fits_120_columns_in_pages(run_dir):
+    """20 changes: 21 segments, in pages of the columns that fit 120 characters, each
+    with the labels, together every segment once and in order."""
+    changes = [(11 + 10 * i, "precision", ("bf16", "fp32")[i // 2 % 2]) if i % 2 == 0
+               else (11 + 10 * i, "num_workers", 10 + i) for i in range(20)]
+    path = write_run(os.path.join(run_dir, f"{RUN}.rank0.runlog"), steps=210,
+                     changes=changes)
+    result = gpuwatch("compare", str(path), "--json")
+    assert len(json.loads(result.stdout)) == 21, result.stderr
+    lines = gpuwatch("compare", str(path)).stdout.splitlines()
+    assert max(map(len, lines)) <= 120, max(lines, key=len)
+    heads = {i: re.fullmatch(r"columns? (\d+)(?:-(\d+))? of 21", line)
+             for i, line in enumerate(lines)}
+    pages = [i for i, head in heads.items() if head]
+    assert len(pages) >= 2 and pages[0] == 0
+    ranges, titles = [], []
+    for start, end in zip(pages, [*pages[1:], len(lines) + 1]):
+        page = [re.split(r"\s{2,}", line.strip()) for line in lines[start + 1:end - 1]]
+        first, last = heads[start].groups()
+        first, last = int(first), int(last or first)
+        titles += page[0]
+        [steps] = [row[1:] for row in page if row[0] == "steps"]
+        assert len(steps) == last - first + 1 == len(page[0])
+        ranges += steps
+    assert ranges == ["1-10 (10)", *(f"{s}-{s + 9} (10)" for s in range(11, 211, 10))]
+    assert titles[0] == "start" and titles[1:] == [f"{knob}={value}" for _, knob, value
+                                                   in changes]
