@@ -85,7 +85,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                     "knobs as knobs.<name> columns) and events as two tables "
                     "(needs pandas and pyarrow). --prometheus HOST:PORT: serve "
                     "gpuwatch_* metrics of every live run of this user at "
-                    "http://HOST:PORT/metrics until Ctrl-C (needs prometheus_client).")
+                    "http://HOST:PORT/metrics until Ctrl-C (needs prometheus_client); "
+                    "without --token-file every user of this machine (or host that "
+                    "reaches HOST) can read them.")
     add_run_argument(export, "run id, unique prefix or run log (for --csv/--parquet)",
                      metavar="RUN|FILE")
     formats = export.add_mutually_exclusive_group(required=True)
@@ -99,6 +101,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                         help="path prefix of the tables (default: the run id)")
     export.add_argument("--rank", type=int, default=None,
                         help="the rank whose log to use (default: the lowest)")
+    export.add_argument("--token-file", metavar="PATH",
+                        help="with --prometheus: answer only scrapes with the header "
+                             "'Authorization: Bearer <the file's token>' (a new random "
+                             "token, mode 0600, when PATH does not exist)")
     export.set_defaults(handler=_export)
 
 
@@ -247,7 +253,7 @@ def _export(args: argparse.Namespace) -> int:
             from gpuwatch import prometheus
         except ImportError as exc:
             return _missing("export --prometheus", "export", exc)
-        return prometheus.serve_forever(args.prometheus)
+        return prometheus.serve_forever(args.prometheus, args.token_file)
     try:
         from gpuwatch import tables  # pandas and pyarrow
     except ImportError as exc:

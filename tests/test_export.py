@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pandas as pd
@@ -257,3 +259,49 @@ def test_values_that_cannot_be_read_are_missing_in_the_tables(run_dir, tmp_path)
     assert str(steps["t"].dtype) == "float64"
     events = pd.read_csv(tmp_path / "run.events.csv")
     assert list(events["step"]) == [12, 12, 12, 12, 7]
+
+
+def _status(url, token=None):
+    request = urllib.request.Request(url, headers={} if token is None else {
+        "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_prometheus_with_a_token_file_answers_only_scrapes_that_carry_it(run_dir, tmp_path):
+    """--token-file: a new token (mode 0600) is made; a real HTTP request without it, or
+    with another, gets 401 and no metric; with it, the metrics. A token file others can
+    read is refused."""
+    token_file = tmp_path / "token"
+    exporter = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "export", "--prometheus", "127.0.0.1:0",
+         "--token-file", str(token_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = exporter.stdout.readline()
+        assert line.startswith("serving gpuwatch_* metrics"), exporter.stderr.read()
+        assert exporter.stdout.readline().strip() == (
+            f"scrapes need the bearer token in {token_file} (made now, mode 0600)")
+        url = line.split(" at ")[1].split()[0]
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) == 64
+        for wrong in (None, "", token[:-1], token + "0", "x" * 64):
+            code, body = _status(url, wrong)
+            assert code == 401 and "gpuwatch_" not in body, (wrong, code, body)
+        code, body = _status(url, token)
+        assert code == 200 and "# TYPE gpuwatch_run_up gauge" in body, body
+        exporter.send_signal(signal.SIGTERM)
+        assert exporter.wait(10) == 0
+    finally:
+        if exporter.poll() is None:
+            exporter.kill()
+            exporter.wait()
+    os.chmod(token_file, 0o644)
+    refused = gpuwatch("export", "--prometheus", "127.0.0.1:0", "--token-file",
+                       str(token_file))
+    assert refused.returncode == 2 and "readable or writable by others" in refused.stderr
+    assert len(refused.stderr.splitlines()) == 1 and "Traceback" not in refused.stderr
