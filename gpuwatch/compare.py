@@ -74,7 +74,7 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
     knobs = [name for name in dict.fromkeys(n for s in segments for n in s.knobs)
              if len({repr(s.knobs.get(name)) for s in segments}) > 1]
     figures: list[tuple[str, Any, Any]] = [
-        ("steps", lambda s: f"{s.first_step}-{s.last_step} ({s.steps:,})", None),
+        ("steps", lambda s: f"{s.first_step:,}-{s.last_step:,} ({s.steps:,})", None),
         ("step time (median)", lambda s: human_ms(s.step_time_s), "step_time_s"),
         ("samples/s (median)", lambda s: human_sig(s.samples_per_s),
          "samples_per_s")]

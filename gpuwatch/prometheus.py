@@ -345,7 +345,7 @@ def start_server(host: str, port: int, registry: CollectorRegistry,
         address_family = family
 
     app: WsgiApp = make_wsgi_app(registry)
-    server = make_server(address[0], port, bearer_only(app, token) if token else app,
+    server = make_server(str(address[0]), port, bearer_only(app, token) if token else app,
                          Server, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True,
                               name="gpuwatch-prometheus-http")
