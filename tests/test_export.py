@@ -4,6 +4,7 @@ live runs (a fake agent with real sockets) scraped as Prometheus metrics over HT
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -100,6 +101,27 @@ def test_export_needs_a_run_and_a_format(run_dir):
     assert missing.returncode == 1 and "no run log matches" in missing.stderr
 
 
+@contextlib.contextmanager
+def exporter_at(*options):
+    """A real ``gpuwatch export --prometheus 127.0.0.1:0`` process: yields it and the
+    URL it says it serves; it must stop on SIGTERM with status 0 (killed otherwise)."""
+    exporter = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "export", "--prometheus", "127.0.0.1:0",
+         *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = exporter.stdout.readline()
+        assert line.startswith("serving gpuwatch_* metrics"), exporter.stderr.read()
+        url = line.split(" at ")[1].split()[0]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        yield exporter, url
+        exporter.send_signal(signal.SIGTERM)
+        assert exporter.wait(10) == 0
+    finally:
+        if exporter.poll() is None:
+            exporter.kill()
+            exporter.wait()
+
+
 def scrape(url):
     with urllib.request.urlopen(url, timeout=10) as response:
         return {family.name: family for family in
@@ -110,14 +132,7 @@ def test_prometheus_scrape_of_a_live_run(make_agent):
     agent = make_agent(gpus=[H100], knobs={"precision": "bf16", "accum_steps": 2},
                        step_fields={"tokens": 4096, "tokens_per_s": 80_000.0,
                                     "activation_bytes": 3 << 20})
-    exporter = subprocess.Popen(
-        [sys.executable, "-m", "gpuwatch", "export", "--prometheus", "127.0.0.1:0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = exporter.stdout.readline()
-        assert line.startswith("serving gpuwatch_* metrics"), exporter.stderr.read()
-        url = line.split(" at ")[1].split()[0]
-        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+    with exporter_at() as (_, url):
         deadline = time.monotonic() + 30
         while True:  # the exporter subscribes within a second, then steps and a hello
             families = scrape(url)
@@ -154,12 +169,6 @@ def test_prometheus_scrape_of_a_live_run(make_agent):
             "gpuwatch_step_time_seconds_count"] <= 0.05
         assert values("gpuwatch_tokens_total" if "gpuwatch_tokens_total" in families
                       else "gpuwatch_tokens")[()] >= 3 * 4096
-        exporter.send_signal(signal.SIGTERM)
-        assert exporter.wait(10) == 0
-    finally:
-        if exporter.poll() is None:
-            exporter.kill()
-            exporter.wait()
 
 
 def test_csv_and_parquet_read_back_with_the_same_types_and_values(run_dir, tmp_path):
@@ -276,16 +285,9 @@ def test_prometheus_with_a_token_file_answers_only_scrapes_that_carry_it(run_dir
     with another, gets 401 and no metric; with it, the metrics. A token file others can
     read is refused."""
     token_file = tmp_path / "token"
-    exporter = subprocess.Popen(
-        [sys.executable, "-m", "gpuwatch", "export", "--prometheus", "127.0.0.1:0",
-         "--token-file", str(token_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = exporter.stdout.readline()
-        assert line.startswith("serving gpuwatch_* metrics"), exporter.stderr.read()
+    with exporter_at("--token-file", str(token_file)) as (exporter, url):
         assert exporter.stdout.readline().strip() == (
             f"scrapes need the bearer token in {token_file} (made now, mode 0600)")
-        url = line.split(" at ")[1].split()[0]
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
         token = token_file.read_text().strip()
         assert len(token) == 64
@@ -294,12 +296,6 @@ def test_prometheus_with_a_token_file_answers_only_scrapes_that_carry_it(run_dir
             assert code == 401 and "gpuwatch_" not in body, (wrong, code, body)
         code, body = _status(url, token)
         assert code == 200 and "# TYPE gpuwatch_run_up gauge" in body, body
-        exporter.send_signal(signal.SIGTERM)
-        assert exporter.wait(10) == 0
-    finally:
-        if exporter.poll() is None:
-            exporter.kill()
-            exporter.wait()
     os.chmod(token_file, 0o644)
     refused = gpuwatch("export", "--prometheus", "127.0.0.1:0", "--token-file",
                        str(token_file))
