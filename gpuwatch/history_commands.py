@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from agent.protocol import printable
 from agent.runs import list_runs
 from gpuwatch import history
 from gpuwatch.history import LogFiles, RunSummary
-from gpuwatch.units import human_age, human_bytes, human_number, human_sig
+from gpuwatch.units import human_age, human_bytes, human_number, human_sig, local_time
 
 
 def add_run_argument(parser: argparse.ArgumentParser, help: str, *,
@@ -148,8 +147,7 @@ def print_all_runs(as_json: bool) -> int:
         unit = " tok" if summary.best_tokens_per_s else ""
         rows.append((
             summary.run_id, printable(summary.name, 40) or "-",
-            time.strftime("%Y-%m-%d %H:%M", time.localtime(summary.started_at))
-            if summary.started_at else "-",
+            local_time(summary.started_at or None, "%Y-%m-%d %H:%M"),
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_number(summary.steps),
             human_sig(summary.final_loss),

@@ -41,7 +41,8 @@ import matplotlib.ticker  # noqa: E402
 from agent.protocol import printable  # noqa: E402
 from gpuwatch.compare import Column, rows  # noqa: E402
 from gpuwatch.history import RunHistory, write_output  # noqa: E402
-from gpuwatch.units import human_age, human_bytes, human_sig, knob_text  # noqa: E402
+from gpuwatch.units import (human_age, human_bytes, human_sig, knob_text,  # noqa: E402
+                            local_time)
 
 #: Colour of the vertical lines at knob changes (the data lines keep matplotlib's).
 MARK_COLOR = "#c2185b"
@@ -193,8 +194,7 @@ def _facts(run: RunHistory) -> list[tuple[str, str]]:
         ("device", printable(hello.get("device", "-"), 100)),
         ("ranks", printable(hello.get("world_size", 1), 20)
          + f" (this report: rank {run.log.rank})"),
-        ("started", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
-         if started else "-"),
+        ("started", local_time(started or None)),
         ("duration", human_age(run.duration_s) if run.duration_s is not None else "-"),
         ("optimizer steps", f"{run.summary.steps:,}"),
         ("knob changes", f"{run.knob_changes_total:,}"),

@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -239,11 +240,13 @@ def test_csv_cells_that_a_spreadsheet_would_run_start_with_a_quote(run_dir, tmp_
 
 def test_values_that_cannot_be_read_are_missing_in_the_tables(run_dir, tmp_path):
     """A crafted log: steps and events whose step is 1e308, text, 2**70 or negative,
-    a time of 1e308, knob values of the wrong type: read as missing (an event's step:
-    the last step completed before it; a knob of mixed types: text), no traceback."""
-    path = tmp_path / f"{RUN}.rank0.runlog"
+    a time and a start of 1e308, knob values of the wrong type: read as missing (an
+    event's step: the last step completed before it; a knob of mixed types: text), no
+    traceback from export, report, compare or ``runs --all``."""
+    os.makedirs(os.path.join(run_dir, "logs"), mode=0o700)
+    path = Path(run_dir) / "logs" / f"{RUN}.rank0.runlog"
     writer = Writer(str(path), t0=1e9)
-    writer.hello()
+    writer.write("hello", {"name": "odd", "device": "cpu", "started_at": 1e308})
     for step in range(1, 11):
         writer.step(step, lr_scale=1e308 if step == 2 else "x" if step == 3 else 1.0)
     for odd in (1e308, "eleven"):
@@ -254,10 +257,14 @@ def test_values_that_cannot_be_read_are_missing_in_the_tables(run_dir, tmp_path)
                                "step": named})
     writer.write("steps", {"n": 1, "columns": {"step": [13]}}, dt_s=1e308)
     writer.log.close()
-    for table_format in ("csv", "parquet"):
-        result = gpuwatch("export", str(path), f"--{table_format}", "-o",
-                          str(tmp_path / "run"))
-        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    for command in (("export", str(path), "--csv", "-o", str(tmp_path / "run")),
+                    ("export", str(path), "--parquet", "-o", str(tmp_path / "run")),
+                    ("report", str(path), "-o", str(tmp_path / "report.html")),
+                    ("compare", str(path)), ("runs", "--all")):
+        result = gpuwatch(*command)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, (
+            command, result.stderr)
+    assert "<td>started</td><td>-</td>" in (tmp_path / "report.html").read_text()
     steps = pd.read_parquet(tmp_path / "run.steps.parquet")
     assert steps["step"].tolist()[:10] == list(range(1, 11))
     assert steps["step"].isna().tolist()[10:12] == [True, True]
