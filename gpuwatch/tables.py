@@ -159,7 +159,7 @@ def _knob_value(value: Any, kind: str) -> Any:
     if kind == "int":
         return value if type(value) is int and -(1 << 63) <= value < (1 << 63) else None
     if kind == "float":
-        return float(value) if type(value) in (int, float) and abs(value) < math.inf else None
+        return number(value)  # (None: not finite, or an integer beyond any float)
     return None if value is None else knob_text(value)
 
 

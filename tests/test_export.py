@@ -308,3 +308,19 @@ def test_prometheus_with_a_token_file_answers_only_scrapes_that_carry_it(run_dir
                        str(token_file))
     assert refused.returncode == 2 and "readable or writable by others" in refused.stderr
     assert len(refused.stderr.splitlines()) == 1 and "Traceback" not in refused.stderr
+
+
+def test_a_number_knob_beyond_any_float_is_missing_in_the_tables(run_dir, tmp_path):
+    """A JSON-lines log (of the earlier format) holds integers of any size: a number knob
+    set to 2**1100 is missing at those steps, its column still numbers."""
+    path = write_run(os.path.join(run_dir, f"{RUN}.rank0.jsonl"), steps=6, legacy=True,
+                     changes=[(1, "lr_scale", 0.5), (4, "lr_scale", 1 << 1100)])
+    for table_format in ("csv", "parquet"):
+        result = gpuwatch("export", str(path), f"--{table_format}", "-o",
+                          str(tmp_path / "run"))
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    for steps in (pd.read_csv(tmp_path / "run.steps.csv"),
+                  pd.read_parquet(tmp_path / "run.steps.parquet")):
+        assert str(steps["knobs.lr_scale"].dtype) == "float64"
+        assert steps["knobs.lr_scale"].tolist()[:3] == [0.5] * 3
+        assert steps["knobs.lr_scale"].isna().tolist() == [False] * 3 + [True] * 3
