@@ -81,7 +81,7 @@ class Columns:
 
     Attributes:
         numbers: field -> whether its values are whole numbers (written as integers).
-        texts: text fields. knobs: knob -> ``bool``, ``int`` or ``text``.
+        texts: text fields. knobs: knob -> ``bool``, ``int``, ``float`` or ``text``.
     """
 
     numbers: dict[str, bool] = field(default_factory=dict)
