@@ -7,12 +7,17 @@ rename itself survives a power loss. A process killed while writing leaves the t
 file (removed by the next write into that directory once its writer is gone) and every
 earlier checkpoint as it was; a checkpoint under its final name is always complete.
 
+A checkpoint holds the model and the data's position, as private as the run logs: its
+files are made mode 0600 and its directories 0700 before the rename (whatever the
+framework that wrote them chose), and the directories created to hold it are 0700.
+
 Sources: the POSIX ``rename`` guarantee; "Files are hard" (Dan Luu, 2015) and
 LWN's "ext4 and data loss" (2009) for why both the file and its directory are synced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -31,8 +36,10 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
     """Have ``write(temporary)`` write a file or a directory, then make it ``path``.
 
     ``write`` gets a path in ``path``'s directory that does not exist yet and writes there
-    (``torch.save`` to it, or a framework saving a directory of files into it). Then every
-    file written is synced to disk, the temporary is renamed to ``path`` (replacing an
+    (``torch.save`` to it, or a framework saving a directory of files into it); the
+    directories missing above it are created with mode 0700. Then every file written
+    is made owner-only (files 0600, directories 0700; links left as they are) and
+    synced to disk, the temporary is renamed to ``path`` (replacing an
     earlier checkpoint of that name: a file in one atomic step; a directory is moved
     aside first and deleted after, so a crash between the two leaves it under its aside
     name), and the directory is synced.
@@ -49,7 +56,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
     """
     path = Path(path)
     directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
+    _make_directories(directory)
     _remove_abandoned(directory)
     temporary = directory / f".{path.name}.tmp-{os.getpid()}"
     _remove(temporary)
@@ -107,9 +114,24 @@ def _tuples(value: Any) -> Any:
         else value
 
 
+def _make_directories(directory: Path) -> None:
+    """Create ``directory`` and the directories missing above it, each with mode 0700
+    (those that exist are left as they are)."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:  # made meanwhile (another rank)
+            pass
+
+
 def _sync_tree(path: Path) -> int:
-    """fsync every file under ``path`` (or ``path`` itself) and every directory in it;
-    returns the bytes of the files."""
+    """Make every file under ``path`` (or ``path`` itself) mode 0600 and every
+    directory in it 0700 (a link: synced, its target's mode left alone), and fsync
+    them; returns the bytes of the files."""
     if not path.is_dir():
         _sync_file(path)
         return path.stat().st_size
@@ -119,24 +141,36 @@ def _sync_tree(path: Path) -> int:
             file = Path(root) / name
             _sync_file(file)
             size += file.stat().st_size
-        _sync_directory(Path(root))
+        _sync_directory(Path(root), private=True)
     return size
 
 
 def _sync_file(path: Path) -> None:
+    private = not path.is_symlink()
     fd = os.open(path, os.O_RDONLY)
     try:
+        if private:
+            _owner_only(fd, 0o600)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _sync_directory(path: Path) -> None:
+def _sync_directory(path: Path, *, private: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
+        if private:
+            _owner_only(fd, 0o700)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _owner_only(fd: int, mode: int) -> None:
+    """``fchmod``, where the file system allows it (one without modes, such as a CIFS
+    or FAT mount, may refuse: the checkpoint is written all the same)."""
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, mode)
 
 
 def _remove(path: Path) -> None:

@@ -13,6 +13,12 @@ from agent.protocol import printable
 from gpuwatch.history import RunHistory, Segment
 from gpuwatch.units import human_bytes, human_ms, human_sig, knob_text
 
+#: The widest line :func:`table` prints by default (characters): a terminal of 120.
+WIDTH_CHARS = 120
+#: The longest title, knob name and knob value in a cell (characters): with the
+#: longest figure label, one column and a ratio fit in :data:`WIDTH_CHARS`.
+TITLE_CHARS, NAME_CHARS, VALUE_CHARS = 60, 40, 40
+
 
 @dataclass(frozen=True)
 class Column:
@@ -68,7 +74,7 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
     knobs = [name for name in dict.fromkeys(n for s in segments for n in s.knobs)
              if len({repr(s.knobs.get(name)) for s in segments}) > 1]
     figures: list[tuple[str, Any, Any]] = [
-        ("steps", lambda s: f"{s.first_step}-{s.last_step} ({s.steps:,})", None),
+        ("steps", lambda s: f"{s.first_step:,}-{s.last_step:,} ({s.steps:,})", None),
         ("step time (median)", lambda s: human_ms(s.step_time_s), "step_time_s"),
         ("samples/s (median)", lambda s: human_sig(s.samples_per_s),
          "samples_per_s")]
@@ -84,12 +90,14 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
         ("loss (first -> last fifth)", _loss, None),
         ("loss slope / 1k steps", lambda s: "-" if s.loss_slope_per_1k is None
          else f"{s.loss_slope_per_1k:+.3g}", None)]
-    table = [["", *(printable(column.title, 60) for column in columns)]]
+    table = [["", *(printable(column.title, TITLE_CHARS) for column in columns)]]
     if len(columns) == 2:
         table[0].append("ratio")
     for name in knobs:
-        table.append([name, *("-" if s.knobs.get(name) is None  # no such knob there
-                              else printable(knob_text(s.knobs[name]), 40) for s in segments)]
+        table.append([printable(name, NAME_CHARS),
+                      *("-" if s.knobs.get(name) is None  # no such knob there
+                        else printable(knob_text(s.knobs[name]), VALUE_CHARS)
+                        for s in segments)]
                      + ([""] if len(columns) == 2 else []))
     for label, show, field in figures:
         row = [label, *(show(s) for s in segments)]
@@ -100,9 +108,33 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
     return table
 
 
-def table(columns: Sequence[Column]) -> str:
-    """:func:`rows` as aligned text, one line per row."""
+def table(columns: Sequence[Column], width_chars: int = WIDTH_CHARS) -> str:
+    """:func:`rows` as aligned text, one line per row, in lines of at most
+    ``width_chars`` characters (at least 110 are needed for the widest cells): when
+    the columns do not fit side by side, in pages of as many columns as fit, each
+    with the labels and under a line that says which columns it holds (``columns
+    6-10 of 20``), the ratio (of two runs) on the page of the second run."""
     cells = rows(columns)
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths))
-                     .rstrip() for row in cells)
+    groups = [[index] for index in range(1, len(columns) + 1)]
+    if len(widths) > len(columns) + 1:  # the ratio, with the column before it
+        groups[-1].append(len(columns) + 1)
+    pages: list[list[int]] = [[]]
+    used = widths[0]
+    for group in groups:
+        wide = sum(2 + widths[index] for index in group)
+        if pages[-1] and used + wide > width_chars:
+            pages.append([])
+            used = widths[0]
+        pages[-1] += group
+        used += wide
+    lines: list[str] = []
+    for page in pages:
+        if len(pages) > 1:
+            shown = [index for index in page if index <= len(columns)]
+            lines += [""] if lines else []
+            lines.append(f"columns {shown[0]}-{shown[-1]} of {len(columns)}"
+                         if len(shown) > 1 else f"column {shown[0]} of {len(columns)}")
+        lines += ["  ".join(row[index].ljust(widths[index]) for index in [0, *page])
+                  .rstrip() for row in cells]
+    return "\n".join(lines)

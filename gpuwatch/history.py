@@ -811,9 +811,9 @@ class Series(NamedTuple):
 # --- a run's history ------------------------------------------------------------------
 
 class Event(NamedTuple):
-    """An event of the run: when (unix s), the last optimizer step completed before it
-    (None before the first), its level, kind, knob and value (None when absent) and
-    text (one line, cut)."""
+    """An event of the run: when (unix s), its step (the one it names, else the last
+    optimizer step completed before it; None before the first), its level, kind, knob
+    and value (None when absent) and text (one line, cut)."""
 
     t: float | None
     step: int | None
@@ -825,9 +825,14 @@ class Event(NamedTuple):
 
 
 def event_of(t: float | None, step: int | None, body: dict[str, Any]) -> Event:
-    """An ``event`` body as an :class:`Event` (text made printable and cut)."""
+    """An ``event`` body as an :class:`Event` (text made printable and cut); its step is
+    the one the body names (a whole number from 0 to :data:`MAX_STEP`), else ``step``
+    (the last optimizer step completed before it)."""
     level = body.get("level")
     kind, knob, value = body.get("kind"), body.get("knob"), body.get("value")
+    named = body.get("step")
+    if type(named) is int and 0 <= named <= MAX_STEP:
+        step = named
     return Event(t, step, level if level in ("info", "warning", "error") else "info",
                  printable(kind, 100) if isinstance(kind, str) else None,
                  printable(knob, 100) if isinstance(knob, str) else None,

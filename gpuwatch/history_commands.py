@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from agent.protocol import printable
 from agent.runs import list_runs
 from gpuwatch import history
 from gpuwatch.history import LogFiles, RunSummary
-from gpuwatch.units import human_age, human_bytes, human_number, human_sig
+from gpuwatch.units import human_age, human_bytes, human_number, human_sig, local_time
 
 
 def add_run_argument(parser: argparse.ArgumentParser, help: str, *,
@@ -85,7 +84,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                     "knobs as knobs.<name> columns) and events as two tables "
                     "(needs pandas and pyarrow). --prometheus HOST:PORT: serve "
                     "gpuwatch_* metrics of every live run of this user at "
-                    "http://HOST:PORT/metrics until Ctrl-C (needs prometheus_client).")
+                    "http://HOST:PORT/metrics until Ctrl-C (needs prometheus_client); "
+                    "without --token-file every user of this machine (or host that "
+                    "reaches HOST) can read them.")
     add_run_argument(export, "run id, unique prefix or run log (for --csv/--parquet)",
                      metavar="RUN|FILE")
     formats = export.add_mutually_exclusive_group(required=True)
@@ -99,6 +100,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                         help="path prefix of the tables (default: the run id)")
     export.add_argument("--rank", type=int, default=None,
                         help="the rank whose log to use (default: the lowest)")
+    export.add_argument("--token-file", metavar="PATH",
+                        help="with --prometheus: answer only scrapes with the header "
+                             "'Authorization: Bearer <the file's token>' (a new random "
+                             "token, mode 0600, when PATH does not exist)")
     export.set_defaults(handler=_export)
 
 
@@ -142,8 +147,7 @@ def print_all_runs(as_json: bool) -> int:
         unit = " tok" if summary.best_tokens_per_s else ""
         rows.append((
             summary.run_id, printable(summary.name, 40) or "-",
-            time.strftime("%Y-%m-%d %H:%M", time.localtime(summary.started_at))
-            if summary.started_at else "-",
+            local_time(summary.started_at or None, "%Y-%m-%d %H:%M"),
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_number(summary.steps),
             human_sig(summary.final_loss),
@@ -247,7 +251,7 @@ def _export(args: argparse.Namespace) -> int:
             from gpuwatch import prometheus
         except ImportError as exc:
             return _missing("export --prometheus", "export", exc)
-        return prometheus.serve_forever(args.prometheus)
+        return prometheus.serve_forever(args.prometheus, args.token_file)
     try:
         from gpuwatch import tables  # pandas and pyarrow
     except ImportError as exc:

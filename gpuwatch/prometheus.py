@@ -9,22 +9,37 @@ for knob values, ``kind`` for memory, ``gpu`` for GPUs). Counters (``*_total``, 
 ``_sum`` and ``_count`` of the step time and data wait summaries) count what this
 exporter saw since it started following the rank. Units are in the names (seconds,
 bytes, per second, percent, watts, celsius) as Prometheus' conventions ask.
+
+Who can read them: HTTP has no notion of users, so without a token every process that
+can reach the address reads every metric (run names, losses, knob values): on
+``127.0.0.1`` every user of the machine, on another address every host that reaches it.
+With a token file (``--token-file PATH``) a scrape must carry ``Authorization: Bearer
+<the file's content>`` (Prometheus: ``authorization: {credentials_file: PATH}``); any
+other request is answered 401 without a metric.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import signal
+import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import zmq
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Metric,
                                     SummaryMetricFamily)
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from agent.nodes import SecretError, create_secret, load_secret
 from agent.protocol import printable
 from agent.runs import list_runs
 from gpuwatch.client import Subscriber
@@ -270,6 +285,13 @@ class RunsCollector(Collector):
                     *gauges.values(), memory, knob, changes, missed, *gpus.values())
 
 
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:9400`` for IPv6) as ``(host, port)``.
 
@@ -282,22 +304,94 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def serve_forever(address: str) -> int:
-    """Serve the metrics at ``address`` (``HOST:PORT``; port 0 picks a free one) until
-    SIGINT or SIGTERM; prints the URL first. Returns the exit status (2: a bad
-    address, 1: it cannot listen there)."""
-    from prometheus_client import start_http_server
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
+
+def bearer_only(app: WsgiApp, token: bytes) -> WsgiApp:
+    """``app``, answering only requests that carry ``Authorization: Bearer <token>``
+    (compared in constant time); any other gets 401 and no metric."""
+    expected = b"Bearer " + token
+
+    def checked(environ: dict[str, Any], start_response: Callable[..., Any]
+                ) -> Iterable[bytes]:
+        given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if hmac.compare_digest(given, expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"),
+                                            ("WWW-Authenticate", 'Bearer realm="gpuwatch"')])
+        return [b"a bearer token is required (gpuwatch export --token-file)\n"]
+
+    return checked
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        """No line per request on stderr."""
+
+
+def start_server(host: str, port: int, registry: CollectorRegistry,
+                 token: bytes | None) -> tuple[WSGIServer, threading.Thread]:
+    """An HTTP server of ``registry``'s metrics on ``host:port`` (IPv4 or IPv6), a
+    thread per request, requiring ``token`` (:func:`bearer_only`) from its first
+    request when one is given; serving in a daemon thread when this returns.
+
+    Raises:
+        OSError: it cannot listen there.
+    """
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    app: WsgiApp = make_wsgi_app(registry)
+    server = make_server(str(address[0]), port, bearer_only(app, token) if token else app,
+                         Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True,
+                              name="gpuwatch-prometheus-http")
+    thread.start()
+    return server, thread
+
+
+def read_token(path: Path) -> tuple[bytes, bool]:
+    """The token in ``path``, made first (random, mode 0600) when there is none;
+    returns it and whether it was made.
+
+    Raises:
+        agent.nodes.SecretError: the file is refused (a link, another user's, readable
+            or writable by others, too short or long; the message says why).
+        OSError: it cannot be made.
+    """
+    made = False
+    try:
+        create_secret(path)
+        made = True
+    except FileExistsError:
+        pass
+    return load_secret(path), made
+
+
+def serve_forever(address: str, token_file: str | None = None) -> int:
+    """Serve the metrics at ``address`` (``HOST:PORT``; port 0 picks a free one) until
+    SIGINT or SIGTERM; prints the URL first. With ``token_file``, a scrape must carry
+    its token (:func:`read_token`, :func:`bearer_only`). Returns the exit status (2: a
+    bad address or token file, 1: it cannot listen there)."""
     try:
         host, port = parse_address(address)
-    except ValueError as exc:
+        token, made = read_token(Path(token_file)) if token_file else (None, False)
+    except (ValueError, SecretError) as exc:
         print(f"gpuwatch export --prometheus: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print("gpuwatch export --prometheus: cannot make the token file "
+              f"{printable(token_file, 200)}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
         return 2
     registry = CollectorRegistry(auto_describe=False)
     follower = RunFollower()
     registry.register(RunsCollector(follower))
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        server, thread = start_server(host, port, registry, token)
     except OSError as exc:
         print(f"gpuwatch export --prometheus: cannot listen on {host}:{port}: "
               f"{exc.strerror or exc}", file=sys.stderr)
@@ -311,6 +405,13 @@ def serve_forever(address: str) -> int:
     shown = f"[{address}]" if ":" in address else address
     print(f"serving gpuwatch_* metrics of this user's live runs at "
           f"http://{shown}:{bound[1]}/metrics (Ctrl-C stops)", flush=True)
+    if token_file:
+        print(f"scrapes need the bearer token in {printable(token_file, 200)}"
+              + (" (made now, mode 0600)" if made else ""), flush=True)
+    else:
+        print("note: no --token-file: every " + (
+            "user of this machine" if _loopback(address) else "host that reaches it")
+            + " can read these metrics", file=sys.stderr, flush=True)
     stopped.wait()
     server.shutdown()
     server.server_close()

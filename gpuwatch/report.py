@@ -8,6 +8,12 @@ per segment); the run's facts and its environment report. No script, no request:
 file opens anywhere, offline. Every text from the log is escaped (and has no control
 characters).
 
+Readable from 1000 px wide up: the page is at most 1150 px wide and narrows with the
+window, the plots scale with it, a table wider than the page scrolls sideways in its
+own box (its cells wrap at spaces first), labels of knob changes closer than a label's
+height share one label (``+2 more``), and numbers are never in scientific notation
+(thousands separators on the step axis).
+
 Bounded whatever the run's length: a plot draws the run's overview
 (:class:`gpuwatch.history.Series`: at most a few thousand buckets, each its mean as
 the line and its minimum to maximum as a band, so spikes stay), at most
@@ -30,11 +36,13 @@ import matplotlib
 matplotlib.use("Agg")  # off screen: no display, no GUI toolkit
 
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+import matplotlib.ticker  # noqa: E402
 
 from agent.protocol import printable  # noqa: E402
 from gpuwatch.compare import Column, rows  # noqa: E402
 from gpuwatch.history import RunHistory, write_output  # noqa: E402
-from gpuwatch.units import human_age, human_bytes, knob_text  # noqa: E402
+from gpuwatch.units import (human_age, human_bytes, human_sig, knob_text,  # noqa: E402
+                            local_time)
 
 #: Colour of the vertical lines at knob changes (the data lines keep matplotlib's).
 MARK_COLOR = "#c2185b"
@@ -47,9 +55,14 @@ SPIKE_QUANTILE = 0.98
 SPIKE_HEADROOM = 1.25
 #: Nested environment-report entries shown at most.
 MAX_ENV_ROWS = 400
-#: Knob changes marked in the plots at most (the first ones), and labelled at most.
+#: Knob changes marked in the plots at most (the first ones).
 MAX_MARKED = 200
-MAX_LABELLED = 40
+#: Font size of a change's label (points), the least distance between two labels
+#: (pixels: a rotated label's height, 8 pt at :data:`FIGURE_DPI`, and a gap) and its
+#: longest text (characters; it runs down from the top of the plot).
+LABEL_POINTS = 8
+LABEL_GAP_PX = LABEL_POINTS / 72 * FIGURE_DPI + 3
+LABEL_CHARS = 40
 #: Rows of the knob changes' and the segments' tables at most.
 MAX_TABLE_ROWS = 1000
 _MIB = float(1 << 20)
@@ -57,22 +70,33 @@ _MIB = float(1 << 20)
 
 def _marks(axes: Any, run: RunHistory) -> None:
     """A vertical line at each knob change (the first :data:`MAX_MARKED` steps with
-    one), ``knob=value`` beside it while there are at most :data:`MAX_LABELLED`."""
+    one) and ``knob=value`` beside it; changes closer than :data:`LABEL_GAP_PX` to the
+    last label share it (``+N more``: the knob changes' table lists them all)."""
     by_step: dict[int, list[str]] = {}
     for change in run.knob_changes:
         if change.step not in by_step and len(by_step) >= MAX_MARKED:
             break
         by_step.setdefault(change.step, []).append(
             f"{change.knob}={knob_text(change.value)}")
-    labels = len(by_step) <= MAX_LABELLED
-    for step, names in by_step.items():
-        axes.axvline(step, color=MARK_COLOR, linewidth=1.4 if labels else 0.6,
+    x0, x1 = axes.get_xlim()
+    px_per_step = axes.get_window_extent().width / ((x1 - x0) or 1.0)
+    labels: list[tuple[int, list[str], int]] = []  # (step, its changes, more after it)
+    for step in sorted(by_step):
+        if labels and (step - labels[-1][0]) * px_per_step < LABEL_GAP_PX:
+            labels[-1] = (labels[-1][0], labels[-1][1], labels[-1][2] + len(by_step[step]))
+        else:
+            labels.append((step, by_step[step], 0))
+    thin = len(labels) < len(by_step)
+    for step in by_step:
+        axes.axvline(step, color=MARK_COLOR, linewidth=0.6 if thin else 1.4,
                      linestyle="--")
-        if labels:
-            axes.annotate(printable(", ".join(names), 80), xy=(step, 1.0),
-                          xycoords=("data", "axes fraction"), xytext=(3, -3),
-                          textcoords="offset points", rotation=90, va="top", ha="left",
-                          fontsize=8, color=MARK_COLOR)
+    for step, names, more in labels:
+        text = printable(", ".join(names), LABEL_CHARS) + (f" +{more} more" if more else "")
+        axes.annotate(text, xy=(step, 1.0), xycoords=("data", "axes fraction"),
+                      xytext=(3, -3), textcoords="offset points", rotation=90, va="top",
+                      ha="left", fontsize=LABEL_POINTS, color=MARK_COLOR, zorder=5,
+                      bbox={"boxstyle": "square,pad=0.1", "facecolor": "white",
+                            "edgecolor": "none", "alpha": 0.85})
 
 
 def _png(figure: Any) -> str:
@@ -82,12 +106,12 @@ def _png(figure: Any) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _plot(run: RunHistory, title: str, lines: Sequence[tuple[str, str, float]],
-          unit: str, *, clip_spikes: bool = False, points: bool = False) -> str | None:
-    """One plot of ``lines`` (label, step field, scale) against the step, with the
-    knob changes; None when no line has a value. A line is the mean of each of the
-    overview's buckets, and when a bucket holds several steps, a band from their
-    minimum to their maximum."""
+def figure_of(run: RunHistory, title: str, lines: Sequence[tuple[str, str, float]],
+              unit: str, *, clip_spikes: bool = False, points: bool = False) -> Any:
+    """One plot (a matplotlib figure) of ``lines`` (label, step field, scale) against
+    the step, with the knob changes; None when no line has a value. A line is the mean
+    of each of the overview's buckets, and when a bucket holds several steps, a band
+    from their minimum to their maximum."""
     data = []
     for label, name, scale in lines:
         series = run.overview.get(name)
@@ -111,17 +135,22 @@ def _plot(run: RunHistory, title: str, lines: Sequence[tuple[str, str, float]],
         top = values[int(SPIKE_QUANTILE * (len(values) - 1))] * SPIKE_HEADROOM
         if values[-1] > top > 0:
             axes.set_ylim(0, top)
-            axes.set_title(f"{title} (axis cut at {top:.3g} {unit}; "
-                           f"largest {values[-1]:.3g})", loc="left", fontsize=10)
+            axes.set_title(f"{title} (axis cut at {human_sig(top)} {unit}; "
+                           f"largest {human_sig(values[-1])} {unit})", loc="left", fontsize=10)
     if not axes.get_title(loc="left"):
         axes.set_title(title, loc="left", fontsize=10)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(unit)
+    axes.xaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:,.0f}"))
+    plain = matplotlib.ticker.ScalarFormatter(useOffset=False)
+    plain.set_scientific(False)
+    axes.yaxis.set_major_formatter(plain)
     axes.grid(alpha=0.3)
     if len(data) > 1:
-        axes.legend(loc="upper right", fontsize=8)
+        axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0),  # beside: never on
+                    fontsize=8)  # a change's label
     _marks(axes, run)
-    return _png(figure)
+    return figure
 
 
 def plots(run: RunHistory) -> list[tuple[str, str]]:
@@ -145,9 +174,9 @@ def plots(run: RunHistory) -> list[tuple[str, str]]:
     ]
     result = []
     for title, lines, unit, options in specs:
-        image = _plot(run, title, lines, unit, **options)
-        if image is not None:
-            result.append((title, image))
+        figure = figure_of(run, title, lines, unit, **options)
+        if figure is not None:
+            result.append((title, _png(figure)))
     return result
 
 
@@ -165,8 +194,7 @@ def _facts(run: RunHistory) -> list[tuple[str, str]]:
         ("device", printable(hello.get("device", "-"), 100)),
         ("ranks", printable(hello.get("world_size", 1), 20)
          + f" (this report: rank {run.log.rank})"),
-        ("started", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
-         if started else "-"),
+        ("started", local_time(started or None)),
         ("duration", human_age(run.duration_s) if run.duration_s is not None else "-"),
         ("optimizer steps", f"{run.summary.steps:,}"),
         ("knob changes", f"{run.knob_changes_total:,}"),
@@ -205,24 +233,31 @@ def _flatten(value: Any, prefix: str = "") -> list[tuple[str, str]]:
 
 def _table(cells: Sequence[Sequence[str]], *, header: bool = True,
            css_class: str = "") -> str:
-    out = [f'<table class="{css_class}">' if css_class else "<table>"]
+    """A table in a box that scrolls sideways when the table is wider than the page."""
+    out = ['<div class="wide">', f'<table class="{css_class}">' if css_class else "<table>"]
     for number, row in enumerate(cells):
         tag = "th" if header and number == 0 else "td"
         out.append("<tr>" + "".join(f"<{tag}>{html.escape(printable(cell, 500))}</{tag}>"
                                     for cell in row) + "</tr>")
-    out.append("</table>")
+    out.append("</table></div>")
     return "\n".join(out)
 
 
 _STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px;
-       color: #222; }
+body { font-family: system-ui, sans-serif; margin: 2em auto; padding: 0 1em;
+       max-width: 1150px; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 2em; }
 table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
 th, td { border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: left;
          vertical-align: top; }
 th { background: #f2f2f2; }
+div.wide { max-width: 100%; overflow-x: auto; }
 table.facts td:first-child, table.env td:first-child { color: #555; white-space: nowrap; }
+table.facts td + td, table.env td + td { overflow-wrap: anywhere; }
+table.segments td { white-space: nowrap; }
+table.segments td:first-child, table.segments th:first-child {
+  white-space: normal; min-width: 11em; position: sticky; left: 0; background: #fff; }
+table.segments th:first-child { background: #f2f2f2; }
 figure { margin: 1em 0; } figure img { width: 100%; max-width: 1100px; height: auto; }
 .mark { color: #c2185b; font-weight: bold; }
 """
@@ -265,7 +300,7 @@ def render(run: RunHistory) -> str:
         columns = [Column(segment.label, segment) for segment in segments]
         transposed = [list(row) for row in zip(*rows(columns))]  # a row per segment
         transposed[0][0] = "segment"
-        parts.append(_table(transposed))
+        parts.append(_table(transposed, css_class="segments"))
         parts.append("<p>Medians over each segment's steps (its first steps after a "
                      "change included); data wait share = data wait / step time summed "
                      "over the segment; memory: the largest of the segment; loss: "

@@ -4,16 +4,29 @@
 ``steps_in_bucket``), one column per field (``run``, ``rank``, ``t`` unix s, ``seq``,
 ``step``, then the step fields of :mod:`agent.protocol` the run reported, with their
 units in their names), and one ``knobs.<name>`` column per knob with its value at that
-step. ``events``: one row per event (``t``, ``step``: the last optimizer step completed
-before it, ``level``, ``kind``, ``knob``, ``value`` as text: a string as it is, else its
-JSON, and ``text``). Integer fields (steps, counts, bytes) are nullable integers when
-every value is whole, knob values keep their type (text, integer, boolean), so a
-Parquet file reads back as it was written and a CSV file as pandas parses it.
+step. ``events``: one row per event (``t``, ``step``: the step the event names, else the
+last optimizer step completed before it, ``level``, ``kind``, ``knob``, ``value`` as
+text: a string as it is, else its JSON, and ``text``).
+
+Types: integer fields (steps, counts, bytes) are 64-bit integers when every value is
+whole, the other numbers 64-bit floats; a knob column is boolean, integer, float (a mix
+of integers and floats) or text (any other mix). Missing values are nulls in Parquet and
+empty cells in CSV, and the CSV file writes every float with a decimal point, so pandas
+reads both files with the same dtypes (``pd.read_csv`` and ``pd.read_parquet``: int64,
+or float64 for an integer column with a missing value, as numpy cannot hold it; both
+with ``dtype_backend="numpy_nullable"``: Int64, Float64, boolean, string). CSV holds no
+types, so a text column whose every cell reads as a number (the events' ``value`` when
+every change set a number) or that is empty reads from CSV as numbers: pandas is told
+otherwise by ``dtype={"value": "str"}``.
+
+CSV cells are safe to open in a spreadsheet: a text cell that starts with ``=``, ``+``,
+``-``, ``@``, a tab or a carriage return is written with a single quote before it (the
+OWASP rule against formula injection); numbers are written as they are.
 
 Streamed: the log is read twice (:func:`gpuwatch.history.step_batches`), once for the
 columns and their types, once to write them :data:`CHUNK_ROWS` rows at a time, so the
 memory does not grow with the run. Both formats are written by pyarrow (its CSV writer
-is about ten times pandas'); pandas only describes the Parquet file's types.
+is about ten times pandas').
 """
 
 from __future__ import annotations
@@ -27,8 +40,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.compute as pc  # type: ignore[import-untyped]
 import pyarrow.csv  # type: ignore[import-untyped]
 import pyarrow.parquet  # type: ignore[import-untyped]
 
@@ -49,6 +62,12 @@ BYTES_SUFFIX = "_bytes"
 FORMATS = {"csv": ".csv", "parquet": ".parquet"}
 #: Rows written at a time (and held in memory at most).
 CHUNK_ROWS = 65_536
+#: A knob column's kind -> its Arrow type (any other kind: text).
+KNOB_TYPES = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64()}
+#: A CSV text cell a spreadsheet would read as a formula (OWASP: CSV injection).
+FORMULA_START = "^([=+\\-@\t\r])"
+#: A float that Arrow writes without a decimal point (``1``), read back as an integer.
+WHOLE_FLOAT = "^(-?[0-9]+)$"
 
 
 def _integral(name: str) -> bool:
@@ -62,32 +81,29 @@ class Columns:
 
     Attributes:
         numbers: field -> whether its values are whole numbers (written as integers).
-        texts: text fields. knobs: knob -> ``bool``, ``int`` or ``text``.
+        texts: text fields. knobs: knob -> ``bool``, ``int``, ``float`` or ``text``.
     """
 
     numbers: dict[str, bool] = field(default_factory=dict)
     texts: list[str] = field(default_factory=list)
     knobs: dict[str, str] = field(default_factory=dict)
 
-    def frame(self) -> pd.DataFrame:
-        """An empty table with these columns and types (what the Parquet file's types
-        are taken from)."""
-        columns: dict[str, Any] = {"run": pd.Series(dtype="string"),
-                                   "rank": pd.Series(dtype="Int64")}
-        for name, whole in self.numbers.items():
-            columns[name] = pd.Series(dtype="Int64" if whole else "float64")
-        for name in self.texts:
-            columns[name] = pd.Series(dtype="string")
-        for name, kind in self.knobs.items():
-            columns[f"knobs.{name}"] = pd.Series(dtype={"bool": "boolean", "int": "Int64"}
-                                                 .get(kind, "string"))
-        return pd.DataFrame(columns)
+    def schema(self) -> pa.Schema:
+        """The steps table's Arrow schema (no pandas metadata: pandas reads the
+        Parquet file's types as it reads the CSV file's)."""
+        fields = [("run", pa.string()), ("rank", pa.int64())]
+        fields += [(name, pa.int64() if whole else pa.float64())
+                   for name, whole in self.numbers.items()]
+        fields += [(name, pa.string()) for name in self.texts]
+        fields += [(f"knobs.{name}", KNOB_TYPES.get(kind, pa.string()))
+                   for name, kind in self.knobs.items()]
+        return pa.schema(fields)
 
 
 def columns_of(log: LogFiles) -> Columns:
     """The steps table's columns: every number field with a value in some row (in the
     order they first come), the text fields, and the knobs with the types of their
-    values (a mix of types is text)."""
+    values (booleans, integers, numbers: a mix of integers and floats, else text)."""
     found = Columns()
     whole: dict[str, bool] = {}
     kinds: dict[str, set[type]] = {}
@@ -112,7 +128,8 @@ def columns_of(log: LogFiles) -> Columns:
     for name, types in kinds.items():
         types.discard(type(None))
         found.knobs[printable(name, MAX_NAME_CHARS)] = (
-            "bool" if types == {bool} else "int" if types == {int} else "text")
+            "bool" if types == {bool} else "int" if types == {int}
+            else "float" if types and types <= {int, float} else "text")
     return found
 
 
@@ -141,6 +158,8 @@ def _knob_value(value: Any, kind: str) -> Any:
         return value if type(value) is bool else None
     if kind == "int":
         return value if type(value) is int and -(1 << 63) <= value < (1 << 63) else None
+    if kind == "float":
+        return number(value)  # (None: not finite, or an integer beyond any float)
     return None if value is None else knob_text(value)
 
 
@@ -170,7 +189,7 @@ def _knob_array(batches: list[StepBatch], name: str, kind: str) -> pa.Array:
              for value, _ in np_runs]
     indices = np.repeat(np.array(codes, dtype=np.int32),
                         np.array([rows for _, rows in np_runs], dtype=np.int64))
-    kind_type = {"bool": pa.bool_(), "int": pa.int64()}.get(kind, pa.string())
+    kind_type = KNOB_TYPES.get(kind, pa.string())
     return pa.DictionaryArray.from_arrays(
         pa.array(indices), pa.array([value for _, value in dictionary], type=kind_type)
     ).dictionary_decode()
@@ -215,10 +234,28 @@ def events_table(events: list[Event], run_id: str, rank: int) -> pa.Table:
     })
 
 
-_EVENT_TYPES = pd.DataFrame({name: pd.Series(dtype=dtype) for name, dtype in (
-    ("run", "string"), ("rank", "Int64"), ("t", "float64"), ("step", "Int64"),
-    ("level", "string"), ("kind", "string"), ("knob", "string"), ("value", "string"),
-    ("text", "string"))})
+#: The events table's Arrow schema.
+EVENT_SCHEMA = pa.schema([
+    ("run", pa.string()), ("rank", pa.int64()), ("t", pa.float64()), ("step", pa.int64()),
+    ("level", pa.string()), ("kind", pa.string()), ("knob", pa.string()),
+    ("value", pa.string()), ("text", pa.string())])
+
+
+def csv_cells(table: pa.Table) -> pa.Table:
+    """``table`` as its CSV file writes it: text cells that start like a formula with a
+    single quote before them, floats as text with a decimal point (``1.0``, which
+    Arrow would write as ``1``), the other columns as they are. Vectorized (a regular
+    expression per text or float column, in C)."""
+    columns = []
+    for column in table.columns:
+        if pa.types.is_string(column.type):
+            column = pc.replace_substring_regex(column, pattern=FORMULA_START,
+                                                replacement="'\\1", max_replacements=1)
+        elif pa.types.is_floating(column.type):
+            column = pc.replace_substring_regex(pc.cast(column, pa.string()),
+                                                pattern=WHOLE_FLOAT, replacement="\\1.0")
+        columns.append(column)
+    return pa.table(columns, names=table.column_names)
 
 
 class _TableWriter:
@@ -226,10 +263,10 @@ class _TableWriter:
     Parquet (one row group a chunk), in a thread of its own: pyarrow formats a chunk
     without the GIL while the next one is read (at most two chunks wait)."""
 
-    def __init__(self, handle: BinaryIO, table_format: str, types: pd.DataFrame) -> None:
+    def __init__(self, handle: BinaryIO, table_format: str, schema: pa.Schema) -> None:
         self.handle = handle
         self.format = table_format
-        self.schema = pa.Schema.from_pandas(types, preserve_index=False)
+        self.schema = schema
         self.rows = 0
         self._parquet: Any = None
         self._started = False
@@ -247,7 +284,7 @@ class _TableWriter:
         """
         self._check()
         self.rows += table.num_rows
-        self._queue.put(table.cast(pa.schema(list(self.schema))))
+        self._queue.put(table.cast(self.schema))
 
     def _run(self) -> None:
         while (table := self._queue.get()) is not None:
@@ -260,12 +297,12 @@ class _TableWriter:
 
     def _write(self, table: pa.Table) -> None:
         if self.format == "csv":
-            pyarrow.csv.write_csv(table, self.handle, pyarrow.csv.WriteOptions(
+            pyarrow.csv.write_csv(csv_cells(table), self.handle, pyarrow.csv.WriteOptions(
                 include_header=not self._started))
         else:
             if self._parquet is None:
                 self._parquet = pyarrow.parquet.ParquetWriter(self.handle, self.schema)
-            self._parquet.write_table(table.replace_schema_metadata(self.schema.metadata))
+            self._parquet.write_table(table)
         self._started = True
 
     def _check(self) -> None:
@@ -307,8 +344,8 @@ def write_tables(log: LogFiles, prefix: Path, table_format: str
     paths = [prefix.with_name(f"{prefix.name}.{kind}{FORMATS[table_format]}")
              for kind in ("steps", "events")]
     with output_file(paths[0]) as steps_out, output_file(paths[1]) as events_out:
-        steps = _TableWriter(steps_out, table_format, columns.frame())
-        events = _TableWriter(events_out, table_format, _EVENT_TYPES)
+        steps = _TableWriter(steps_out, table_format, columns.schema())
+        events = _TableWriter(events_out, table_format, EVENT_SCHEMA)
         batches: list[StepBatch] = []
         rows = 0
         pending: list[Event] = []

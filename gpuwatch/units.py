@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -18,6 +19,17 @@ def knob_text(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
     return str(value)
+
+
+def local_time(t_s: float | None, form: str = "%Y-%m-%d %H:%M:%S") -> str:
+    """Unix time ``t_s`` (s) as local time in ``form`` (:func:`time.strftime`); ``"-"``
+    for None and for a time the platform cannot hold (a damaged log's ``1e308``)."""
+    if t_s is None:
+        return "-"
+    try:
+        return time.strftime(form, time.localtime(t_s))
+    except (OverflowError, OSError, ValueError):
+        return "-"
 
 
 def human_bytes(value_bytes: float | None) -> str:

@@ -13,9 +13,11 @@ knob its framework refuses is refused with the reason.
 from __future__ import annotations
 
 import signal
+import stat
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +58,9 @@ def test_a_resume_after_live_changes_continues_the_run_exactly(driver, run_dir, 
     saved = [e for e in twin.events("applied") if e["knob"] == "checkpoint"]
     assert saved[0]["checkpoint_step"] == CHECKPOINT_AFTER
     path = saved[0]["path"]
+    for entry in [Path(path), *Path(path).rglob("*")]:  # owner-only, like the run logs
+        assert stat.S_IMODE(entry.lstat().st_mode) == (
+            0o700 if entry.is_dir() else 0o600), entry
 
     resumed = run(driver, steps=STEPS, commands=[], checkpoint_dir=tmp_path / "again",
                   resume_from=path)

@@ -7,6 +7,7 @@ import hashlib
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -444,6 +445,35 @@ def test_write_atomically_replaces_a_file_whole_and_cleans_up_after_the_dead(tmp
     (tmp_path / f".step-2.pt.tmp-{dead}").write_bytes(b"abandoned")
     size = write_atomically(tmp_path / "dir", lambda t: (t.mkdir(), (t / "a").write_bytes(b"12")))
     assert size == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["dir", "step-1.pt"]
+
+
+def test_checkpoints_are_owner_only_whatever_the_writer_chose(tmp_path):
+    """Files 0600 and directories 0700 (as the run logs), though the framework wrote
+    0644 / 0755 or 0666; directories created to hold it 0700; an existing one, a link
+    and its target as they were."""
+    def framework(temporary):  # a directory of files and a folder, world-readable
+        (temporary / "model").mkdir(parents=True, mode=0o755)
+        (temporary / "model" / "weights.bin").write_bytes(b"w")
+        (temporary / "state.pt").write_bytes(b"s")
+        os.chmod(temporary / "state.pt", 0o666)
+        os.chmod(temporary, 0o755)
+        (temporary / "elsewhere").symlink_to(outside)
+
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"x")
+    os.chmod(outside, 0o644)
+    os.chmod(tmp_path, 0o755)
+    path = tmp_path / "runs" / "run-1" / "checkpoint-5"
+    assert write_atomically(path, framework) == 3
+    modes = {str(entry.relative_to(tmp_path)): stat.S_IMODE(entry.lstat().st_mode)
+             for entry in tmp_path.rglob("*") if not entry.is_symlink()}
+    assert modes == {"runs": 0o700, "runs/run-1": 0o700, "runs/run-1/checkpoint-5": 0o700,
+                     "runs/run-1/checkpoint-5/model": 0o700,
+                     "runs/run-1/checkpoint-5/model/weights.bin": 0o600,
+                     "runs/run-1/checkpoint-5/state.pt": 0o600, "outside.txt": 0o644}
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
+    file = write_atomically(tmp_path / "step-1.pt", lambda t: t.write_bytes(b"1"))
+    assert file == 1 and stat.S_IMODE((tmp_path / "step-1.pt").stat().st_mode) == 0o600
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ by the real RunLog; the report opened in a real headless Chromium."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -12,7 +13,7 @@ import subprocess
 import pytest
 
 from tests.test_history import gpuwatch, write_run
-from tests.test_replay import RUN
+from tests.test_replay import KNOBS, RUN, Writer
 
 #: Chromium (Debian's package), for the report's rendering; .ci/run installs it.
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -110,3 +111,123 @@ def test_compare_one_run_around_its_changes_and_two_runs(logged_run, run_dir):
                      steps=20, changes=[(10, "lr", 0.01)])  # a knob that appears mid-run
     rows = gpuwatch("compare", str(late)).stdout.splitlines()
     assert next(row for row in rows if row.startswith("lr")).split() == ["lr", "-", "0.01"]
+
+
+def test_compare_of_a_run_with_20_changes_fits_120_columns_in_pages(run_dir):
+    """20 changes: 21 segments, in pages of the columns that fit 120 characters, each
+    with the labels, together every segment once and in order."""
+    changes = [(11 + 10 * i, "precision", ("bf16", "fp32")[i // 2 % 2]) if i % 2 == 0
+               else (11 + 10 * i, "num_workers", 10 + i) for i in range(20)]
+    path = write_run(os.path.join(run_dir, f"{RUN}.rank0.runlog"), steps=210,
+                     changes=changes)
+    result = gpuwatch("compare", str(path), "--json")
+    assert len(json.loads(result.stdout)) == 21, result.stderr
+    lines = gpuwatch("compare", str(path)).stdout.splitlines()
+    assert max(map(len, lines)) <= 120, max(lines, key=len)
+    heads = {i: re.fullmatch(r"columns? (\d+)(?:-(\d+))? of 21", line)
+             for i, line in enumerate(lines)}
+    pages = [i for i, head in heads.items() if head]
+    assert len(pages) >= 2 and pages[0] == 0
+    ranges, titles = [], []
+    for start, end in zip(pages, [*pages[1:], len(lines) + 1]):
+        page = [re.split(r"\s{2,}", line.strip()) for line in lines[start + 1:end - 1]]
+        first, last = heads[start].groups()
+        first, last = int(first), int(last or first)
+        titles += page[0]
+        [steps] = [row[1:] for row in page if row[0] == "steps"]
+        assert len(steps) == last - first + 1 == len(page[0])
+        ranges += steps
+    assert ranges == ["1-10 (10)", *(f"{s}-{s + 9} (10)" for s in range(11, 211, 10))]
+    assert titles[0] == "start" and titles[1:] == [f"{knob}={value}" for _, knob, value
+                                                   in changes]
+
+
+def _crowded_run(run_dir):
+    """A run of 3,000,000 steps (300 records 10,000 steps apart) of about 1.2 s with a
+    spike of 90 s and a loss near 1e-6, whose knob changes come in bursts (12 changes
+    10,000 steps apart, then 6 spread out)."""
+    path = os.path.join(run_dir, f"{RUN}.rank0.runlog")
+    writer = Writer(path, t0=1e9)
+    writer.hello()
+    knobs = dict(KNOBS)
+    change_at = {*range(100, 112), 150, 180, 200, 230, 260, 290}
+    for index in range(1, 301):
+        if index in change_at:
+            knobs = {**knobs, "num_workers": index}
+        writer.step(index * 10_000, knobs=dict(knobs), loss=1e-6 / index,
+                    step_time_s=90.0 if index == 200 else 1.2 + index % 3 * 0.01)
+    writer.log.close()
+    return path, len(change_at)
+
+
+def test_report_plots_label_every_change_without_overlap_and_no_scientific_notation(run_dir):
+    from matplotlib import pyplot
+
+    from gpuwatch import history, report
+
+    path, changes = _crowded_run(run_dir)
+    run = history.read_history(history.log_at(path))
+    assert len(run.knob_changes) == changes
+    figure = report.figure_of(run, "Step time", [("step time", "step_time_s", 1e3)], "ms",
+                              clip_spikes=True)
+    try:
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        [axes] = figure.axes
+        labels = [text for text in axes.texts if text.get_text()]
+        boxes = [label.get_window_extent(renderer) for label in labels]
+        for i, one in enumerate(boxes):
+            for other in boxes[i + 1:]:
+                assert not one.overlaps(other), [label.get_text() for label in labels]
+        shown = [label.get_text() for label in labels]
+        more = sum(int(re.search(r"\+(\d+) more", text).group(1)) for text in shown
+                   if "more" in text)
+        assert len(shown) + more == changes and 2 <= len(shown) < changes, shown
+        assert shown[0].startswith("num_workers=100 +") and shown[-1] == "num_workers=290"
+        words = [axes.get_title(loc="left"), *shown,
+                 *(tick.get_text() for tick in axes.get_xticklabels()),
+                 *(tick.get_text() for tick in axes.get_yticklabels())]
+        assert "axis cut at" in words[0] and "largest 90,000" in words[0], words[0]
+        assert "3,000,000" in words
+        assert not [word for word in words if re.search(r"\de[+-]?\d", word)], words
+    finally:
+        pyplot.close(figure)
+    loss = report.figure_of(run, "Loss", [("loss", "loss", 1.0)], "loss")
+    try:
+        loss.canvas.draw()
+        ticks = [tick.get_text() for tick in loss.axes[0].get_yticklabels()]
+        assert ticks and not [t for t in ticks if re.search(r"e|\u00d7", t)], ticks
+    finally:
+        pyplot.close(loss)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed")
+@pytest.mark.parametrize("width_px", [1400, 1000])
+def test_report_fits_a_window_of_1400_and_1000_px(run_dir, tmp_path, width_px):
+    """Nothing wider than the window: the plots scale down, a table wider than the
+    page scrolls in its own box; a screenshot of each width is kept to look at."""
+    path, _ = _crowded_run(run_dir)
+    report = tmp_path / "report.html"
+    assert gpuwatch("report", str(path), "-o", str(report)).returncode == 0
+    probe = tmp_path / "probe.html"
+    probe.write_text(report.read_text().replace("</body>", """<script>
+window.addEventListener("load", () => {
+  const page = document.body.getBoundingClientRect();
+  const out = [...document.querySelectorAll("table, img")].filter(e => {
+    const box = e.getBoundingClientRect(), holder = e.closest("div.wide");
+    return box.left < page.left - 1 || (box.right > page.right + 1 && !(holder
+      && getComputedStyle(holder).overflowX === "auto"
+      && holder.getBoundingClientRect().right <= page.right + 1));
+  }).map(e => e.tagName + (e.className ? "." + e.className : ""));
+  document.body.setAttribute("data-fit", JSON.stringify({
+    window: window.innerWidth, page: document.documentElement.scrollWidth,
+    tables: document.querySelectorAll("div.wide > table").length, out}));
+});</script></body>"""))
+    dom = chromium("--dump-dom", f"--window-size={width_px},2000", probe.as_uri(),
+                   cwd=tmp_path)
+    fit = json.loads(html.unescape(re.search(r'data-fit="([^"]*)"', dom).group(1)))
+    assert fit["window"] == width_px and fit["page"] <= width_px, fit
+    assert fit["tables"] == 3 and fit["out"] == [], fit  # facts, changes, segments
+    chromium(f"--screenshot=report-{width_px}.png", f"--window-size={width_px},5000",
+             report.as_uri(), cwd=tmp_path)
+    assert (tmp_path / f"report-{width_px}.png").stat().st_size > 10_000

@@ -11,6 +11,7 @@ from textual.widgets import RichLog
 
 from agent.protocol import printable
 from gpuwatch.state import LogEntry
+from gpuwatch.units import local_time
 
 #: Theme variable that colours each log level (info keeps the widget's colour).
 LEVEL_COLORS = {"success": "success", "warning": "warning", "error": "error"}
@@ -54,7 +55,7 @@ class EventLog(RichLog):
         (:func:`agent.protocol.printable`)."""
         variable = LEVEL_COLORS.get(entry.level)
         color = self.app.theme_variables.get(variable, "") if variable else ""
-        stamp = time.strftime("%H:%M:%S ", time.localtime(entry.t))  # now when t is None
+        stamp = local_time(time.time() if entry.t is None else entry.t, "%H:%M:%S") + " "
         text = Text.assemble((stamp, "dim"), (printable(entry.text), color))
         self._entries.append(text)
         self._wrapped_at = self.scrollable_content_region.width

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 
 from textual import work
 from textual.app import ComposeResult
@@ -15,7 +14,7 @@ from textual.widgets import DataTable, Static
 
 from agent.protocol import printable
 from gpuwatch.history import RunSummary, all_runs
-from gpuwatch.units import human_age, human_bytes, human_number, human_sig
+from gpuwatch.units import human_age, human_bytes, human_number, human_sig, local_time
 
 #: The table's columns.
 COLUMNS = ("run", "name", "started", "duration", "steps", "final loss", "best/s",
@@ -27,8 +26,7 @@ def _row(summary: RunSummary) -> tuple[str, ...]:
     state = ("live" if summary.live else printable(summary.ended, 40) if summary.ended
              else "no bye (killed?)")
     return (summary.run_id, printable(summary.name, 40) or "-",
-            time.strftime("%Y-%m-%d %H:%M", time.localtime(summary.started_at))
-            if summary.started_at else "-",
+            local_time(summary.started_at or None, "%Y-%m-%d %H:%M"),
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_number(summary.steps),
             human_sig(summary.final_loss),
