@@ -570,9 +570,14 @@ class LogSummary:
             self.knobs = values
 
     def to_json(self) -> bytes:
-        """The summary as a JSON document (what the summary file holds)."""
-        data = orjson.dumps(asdict(self), default=repr, option=orjson.OPT_NON_STR_KEYS)
-        if len(data) > MAX_SUMMARY_BYTES:  # a run with huge knob maps: not kept
+        """The summary as a JSON document (what the summary file holds). Never raises:
+        knob maps too large, or holding what JSON cannot (an integer past 64 bits),
+        are left out (a reader then counts changes from the next step's map)."""
+        try:
+            data = orjson.dumps(asdict(self), default=repr, option=orjson.OPT_NON_STR_KEYS)
+        except orjson.JSONEncodeError:
+            data = b""
+        if not data or len(data) > MAX_SUMMARY_BYTES:  # huge or odd knob maps: not kept
             data = orjson.dumps({**asdict(self), "knobs": None}, default=repr)
         return data
 

@@ -421,3 +421,20 @@ def test_numbers_that_are_not_numbers_are_read_as_missing_by_every_tool(run_dir,
     timeline = Timeline(history.log_at(path), RunState())  # (a batch with a bad row is
     assert len(timeline.steps) == 200  # malformed to the dashboard from that row on)
     assert timeline.state_at(100)[0].malformed > 0 and timeline.state_at(199)[0].ended is None
+
+
+def test_a_knob_value_past_64_bits_never_stops_the_log_from_closing(tmp_path):
+    """A knob whose value JSON cannot hold (an integer of 2**70, from a custom knob):
+    the log closes without raising (this runs in the training process), its summary
+    leaves the knob map out and keeps the counts."""
+    path = tmp_path / f"{RUN}.rank0.runlog"
+    log = RunLog(path)
+    log.write(protocol.envelope("hello", {"name": "big"}, run=RUN, seq=0, t=1e9))
+    columns = {"step": [1, 2], "step_time_s": [0.01, 0.01], "loss": [1.0, 0.5],
+               "knobs": [{"huge": 1 << 70}] * 2}
+    log.write(protocol.envelope("steps", protocol.steps_body(columns), run=RUN, seq=1,
+                                t=1e9 + 1))
+    log.close()
+    summary = runlog.read_summary(runlog.summary_path(path))
+    assert summary is not None and summary.knobs is None
+    assert (summary.steps, summary.last_step, summary.final_loss) == (2, 2, 0.5)
