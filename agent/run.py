@@ -214,7 +214,11 @@ class RunBase:
         """A copy in host memory of everything a rollback puts back (model, optimizer,
         scheduler, GradScaler, random numbers, data position), or None when this
         integration cannot take one. Nothing in the base: an integration that can
-        overrides it with :meth:`load_snapshot`."""
+        overrides it with :meth:`load_snapshot`.
+
+        Raises:
+            Exception: why the state cannot be kept now (the rollback's event says it).
+        """
         return None
 
     def load_snapshot(self, snapshot: Any) -> str | None:
@@ -234,7 +238,7 @@ class RunBase:
         try:
             snapshot = self.state_snapshot()
         except Exception as exc:  # noqa: BLE001 -- said in the rollback's event
-            self._not_kept = f"the state could not be copied ({type(exc).__name__}: {exc})"
+            self._not_kept = f"the state could not be kept ({type(exc).__name__}: {exc})"
             return
         if snapshot is None:
             self._not_kept = (f"{type(self).__name__} does not keep the training state for "
