@@ -478,6 +478,12 @@ class _Run(RunBase):
         if scaler.exists() and self._scaler_installed:
             self.policy.grad_scaler.load_state_dict(torch.load(scaler, weights_only=True))
 
+    @property
+    def rolling_back(self) -> bool:
+        """Whether a rollback ended HF's epoch call, and its position waits to be gone
+        back to (:meth:`_go_back`)."""
+        return self._rollback is not None
+
     def _scaler(self) -> Any:
         """The GradScaler in use: the precision knob's, else accelerate's (or None)."""
         if self._scaler_installed:
@@ -498,11 +504,13 @@ class _Run(RunBase):
                   "this Trainer's epoch loop is not the one gpuwatch plans")
         if reason is not None:
             raise ValueError(f"the train data cannot be put back live: {reason}")
-        scaler = self._scaler()
+        scaler, model = self._scaler(), trainer.model
+        optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
+        assert model is not None and optimizer is not None and scheduler is not None
         return host_copy({
-            "model": trainer.model.state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
-            "lr_scheduler": trainer.lr_scheduler.state_dict(),
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": scheduler.state_dict(),
             "grad_scaler": None if scaler is None else scaler.state_dict(),
             "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
             "epochs_done": self.epochs_done,
@@ -515,9 +523,11 @@ class _Run(RunBase):
         position (:meth:`_go_back`). HF calls ``on_epoch_end`` for the epoch so ended
         (other callbacks see an epoch's end there; gpuwatch reports none)."""
         trainer = self.trainer
-        trainer.model.load_state_dict(snapshot["model"])
-        trainer.optimizer.load_state_dict(snapshot["optimizer"])
-        trainer.lr_scheduler.load_state_dict(snapshot["lr_scheduler"])
+        model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.lr_scheduler
+        assert model is not None and optimizer is not None and scheduler is not None
+        model.load_state_dict(snapshot["model"])
+        optimizer.load_state_dict(snapshot["optimizer"])
+        scheduler.load_state_dict(snapshot["lr_scheduler"])
         scaler = self._scaler()
         if scaler is not None and snapshot["grad_scaler"] is not None:
             scaler.load_state_dict(snapshot["grad_scaler"])
@@ -794,8 +804,8 @@ class _Run(RunBase):
             set_rng_state(back["epoch_rng"] if back["micro_batches"] else back["rng"])
             self._rollback_rng = back["rng"] if back["micro_batches"] else None
             for again in epochs:
-                if trainer.control.should_training_stop or self._rollback is not None:
-                    break
+                if trainer.control.should_training_stop or self.rolling_back:
+                    break  # (a rollback again, in an epoch trained again)
                 trainer.control = trainer.callback_handler.on_epoch_begin(
                     trainer.args, trainer.state, trainer.control)
                 self._start_epoch(again)
@@ -905,7 +915,7 @@ class _Run(RunBase):
         self.agent.mark_start()  # the next step's time leaves the save out
 
     def epoch_end(self, state: Any, control: Any) -> None:
-        if self._rollback is not None:  # ended by a rollback: no epoch's end
+        if self.rolling_back:  # ended by a rollback: no epoch's end
             return
         self.epochs_done += 1
         complete = not control.should_training_stop  # HF also ends an epoch cut short

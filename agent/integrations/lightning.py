@@ -966,9 +966,9 @@ class _Run(RunBase):
         and the random numbers."""
         trainer, scaler = self.trainer, self._fp16_scaler()
         self.module.load_state_dict(snapshot["model"])
+        schedulers: list[Any] = [config.scheduler for config in trainer.lr_scheduler_configs]
         for targets, states in ((trainer.optimizers, snapshot["optimizers"]),
-                                ([config.scheduler for config in trainer.lr_scheduler_configs],
-                                 snapshot["schedulers"])):
+                                (schedulers, snapshot["schedulers"])):
             for target, state in zip(targets, states, strict=True):
                 target.load_state_dict(state)
         if scaler is not None and snapshot["grad_scaler"] is not None:
