@@ -117,8 +117,12 @@ class RunBase:
         self.step = record.step = record.step or self.step + 1
         self.position.window_done(record.micro_batches)
         self.agent.optimizer_step(record)
-        if self._kept is not None and self.agent.cleanly_watched_step > self._kept[0]:
-            self._kept = None  # the change's watch ended cleanly: nothing to go back to
+        if (self._kept is not None and self.agent.rank == 0
+                and self.agent.cleanly_watched_step > self._kept[0]):
+            # the change's watch ended cleanly: nothing to go back to (rank 0's guard
+            # decides for every rank; another rank keeps its state until the next
+            # change, since rank 0's rollback may come after its own watch ended)
+            self._kept = None
         try:
             for source in self.event_sources:
                 events = source()
