@@ -350,7 +350,8 @@ class Agent:
     def _check_step(self, step: int, loss: float | None, skipped: bool | None) -> None:
         """I/O thread (from the encoder): a step the guard must see. A rollback it
         decides is scheduled on the desk for the boundary after the next step (with one
-        rank; with several, a warning names the command that would do it), and a
+        rank; with several, rank 0's is sent to every rank for one common step:
+        :meth:`_roll_back_every_rank`, and the other ranks' are left to it), and a
         non-finite loss with nothing to roll back is warned of once."""
         rollback = self._change_guard.on_step(step, loss, skipped)
         if rollback is not None and self.world_size > 1:  # this rank alone must not
