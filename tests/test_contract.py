@@ -15,15 +15,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 
 from agent.knobs import assignment
-from gpuwatch.client import Subscriber
 from gpuwatch.history import flat_records
-from tests.contract import NAN_UNDER_BF16, Driver, Recorder, all_drivers, run
+from tests.contract import Driver, all_drivers, run, run_diverging
 
 STEPS = 9
 CHECKPOINT_AFTER = 5
@@ -85,36 +83,7 @@ def test_a_rollback_puts_the_state_back_where_the_change_applied(driver, run_dir
     to the boundary after step 6: steps 7 to 14 then equal a twin's that never made the
     change (the same samples, losses and final parameters, bit for bit)."""
     twin = run(driver, steps=14, commands=[], checkpoint_dir=tmp_path)
-    recorder = Recorder(hold_at=12)  # the training waits there for the guard's decision
-    decided = threading.Event()
-
-    def watch(info):
-        with Subscriber(info) as sub:
-            while not decided.is_set():
-                message = sub.recv(timeout_s=0.5)
-                if message and message["type"] == "event" and message["body"].get(
-                        "kind") == "rollback":
-                    decided.set()
-                    recorder.release.set()
-
-    import agent.core
-
-    started = agent.core.Agent.start  # the watcher subscribes as the run starts
-
-    def start_and_watch(self, *args, **kwargs):
-        result = started(self, *args, **kwargs)
-        threading.Thread(target=watch, args=(self.info,), daemon=True).start()
-        return result
-
-    agent.core.Agent.start = start_and_watch
-    NAN_UNDER_BF16.set()
-    try:
-        diverging = run(driver, steps=14, commands=[("precision", "bf16", 7)],
-                        checkpoint_dir=tmp_path, recorder=recorder)
-    finally:
-        agent.core.Agent.start = started
-        NAN_UNDER_BF16.clear()
-        decided.set()
+    diverging = run_diverging(driver, tmp_path)
     [restored] = diverging.events("state_restored")
     assert "boundary after step 6" in restored["text"], restored
     want, got = twin.steps(), diverging.steps()
