@@ -854,6 +854,7 @@ class _Run(RunBase):
             self.optimizer_settings = OptimizerSettings(
                 optimizer, decay_groups=_decay_groups(self.trainer, optimizer))
             self._weight_decay_reason = self.optimizer_settings.weight_decay_reason()
+            self.agent.refresh_knobs()  # the optimizer's own weight_decay, not args'
         if self.resume_path is not None:
             self._resume(self.resume_path)
             self.resume_path = None
