@@ -77,20 +77,21 @@ def test_a_resume_after_live_changes_continues_the_run_exactly(driver, run_dir, 
 @pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].rollback])
 def test_a_rollback_puts_the_state_back_where_the_change_applied(driver, run_dir,
                                                                   tmp_path):
-    """``precision=bf16`` at step 7 makes the loss NaN (a fault injected in the task's
-    loss under bf16), which breaks the weights; the guard rolls the change back, and the
-    training state (model, optimizer, schedule, random numbers, data position) goes back
-    to the boundary after step 6: steps 7 to 14 then equal a twin's that never made the
-    change (the same samples, losses and final parameters, bit for bit)."""
+    """``precision=bf16`` with ``accum_steps=3`` at step 7 makes the loss NaN (a fault
+    injected in the task's loss under bf16), which breaks the weights; the guard rolls
+    both changes back, and the training state (model, optimizer, schedule, random
+    numbers, data position, accumulation windows) goes back to the boundary after step
+    6: steps 7 to 14 then equal a twin's that never made the changes (the same samples,
+    losses, knob values and final parameters, bit for bit)."""
     twin = run(driver, steps=14, commands=[], checkpoint_dir=tmp_path)
-    diverging = run_diverging(driver, tmp_path)
+    diverging = run_diverging(driver, tmp_path, also=(("accum_steps", 3),))
     [restored] = diverging.events("state_restored")
     assert "boundary after step 6" in restored["text"], restored
     want, got = twin.steps(), diverging.steps()
     for step in range(7, 15):
         assert got[step]["loss"] == want[step]["loss"], step
         assert diverging.recorder.window(step) == twin.recorder.window(step), step
-        assert got[step]["knobs"]["precision"] == "fp32"
+        assert got[step]["knobs"] == want[step]["knobs"], step  # fp32, accum_steps 2
     for mine, theirs in zip(diverging.params, twin.params):
         assert torch.equal(mine, theirs)
 

@@ -938,7 +938,8 @@ class _Run(RunBase):
     def state_snapshot(self) -> dict[str, Any]:
         """For a rollback, in host memory: the module's, optimizers', schedulers' and
         fp16 GradScaler's states, the fit loop's progress (epoch, batch and optimizer
-        step counts), the random numbers and the data position (:meth:`data_state`).
+        step counts), the accumulation windows, the random numbers and the data
+        position (:meth:`data_state`).
 
         Raises:
             ValueError: the train data cannot be put back live (:meth:`data_reason`).
@@ -955,6 +956,8 @@ class _Run(RunBase):
                            for config in trainer.lr_scheduler_configs],
             "grad_scaler": None if scaler is None else scaler.state_dict(),
             "loops": trainer.fit_loop.state_dict(),
+            "accumulation": None if self.accumulation is None else (
+                self.accumulation.engaged, self.accumulation.size, self.accumulation.anchor),
             "rng": rng_state(self.device), "data": self.data_state()})
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
@@ -977,6 +980,13 @@ class _Run(RunBase):
         fit_loop.load_state_dict(snapshot["loops"])
         _not_restarting(fit_loop)  # going on, not starting again from a checkpoint
         self._global_step = trainer.global_step
+        if self.accumulation is not None:  # the windows as they were counted there
+            engaged, size, anchor = snapshot["accumulation"]
+            if engaged:
+                self.accumulation.set(size)
+                self.accumulation.anchor = anchor
+            else:
+                self.accumulation.restore()  # Lightning's own again
         data = snapshot["data"]
         loader = self._train_loader()
         if isinstance(loader, ReconfigurableLoader):

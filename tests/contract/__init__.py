@@ -203,11 +203,13 @@ def all_drivers() -> list[Driver]:
     return drivers
 
 
-def run_diverging(driver: Driver, checkpoint_dir: Path) -> Result:
-    """A run of ``driver`` to step 14 with ``precision=bf16`` at step 7 under the fault
-    :data:`NAN_UNDER_BF16` (the loss NaN from there): the guard rolls the change back;
-    the training waits at step 12 until its ``rollback`` event is published (the guard
-    decides on the I/O thread, from the published steps)."""
+def run_diverging(driver: Driver, checkpoint_dir: Path,
+                  also: tuple[tuple[str, Any], ...] = ()) -> Result:
+    """A run of ``driver`` to step 14 with ``precision=bf16`` (and the changes ``also``,
+    ``(knob, value)``) at step 7 under the fault :data:`NAN_UNDER_BF16` (the loss NaN
+    from there): the guard rolls the changes back; the training waits at step 12 until
+    its ``rollback`` event is published (the guard decides on the I/O thread, from the
+    published steps)."""
     recorder = Recorder(hold_at=12)
     decided = threading.Event()
 
@@ -230,7 +232,8 @@ def run_diverging(driver: Driver, checkpoint_dir: Path) -> Result:
     agent.core.Agent.start = start_and_watch
     NAN_UNDER_BF16.set()
     try:
-        return run(driver, steps=14, commands=[("precision", "bf16", 7)],
+        return run(driver, steps=14, commands=[("precision", "bf16", 7)] + [
+            (knob, value, 7) for knob, value in also],
                    checkpoint_dir=checkpoint_dir, recorder=recorder)
     finally:
         agent.core.Agent.start = started
