@@ -24,6 +24,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,9 +35,10 @@ import torch
 from agent import protocol
 from agent.desk import CommandDesk
 from agent.encoder import StepEncoder
+from agent.fanout import send_command
 from agent.guard import ChangeGuard
 from agent.knobs import KnobSet, assignment
-from agent.ledger import ChangeLedger, StateKeeper
+from agent.ledger import ChangeLedger, Rollback, StateKeeper
 from agent.markers import marker_for
 from agent.ioloop import IOLoop
 from agent.probes import Nvml
@@ -47,6 +49,11 @@ from agent.tune import AutoTune
 from gpuopt.environment import usable_cpu_count
 
 log = logging.getLogger("gpuwatch.agent")
+
+#: How long rank 0's rollback waits for each phase of the fan-out to every rank (s): the
+#: ranks answer from their I/O threads, which a busy host can starve for a while.
+ROLLBACK_TIMEOUT_S = 30.0
+
 
 class Agent:
     """Measures every optimizer step of one rank and takes live commands for its knobs.
@@ -263,8 +270,8 @@ class Agent:
     def keep_state_with(self, keeper: StateKeeper) -> None:
         """Let rollbacks put back the training state, not only the knob values: the
         ``keeper`` (the run base) keeps it at the boundary where a guarded change starts
-        an episode and restores it when the episode is rolled back. One rank only (with
-        several, no rank rolls back alone)."""
+        an episode and restores it when the episode is rolled back (with several ranks,
+        every rank at the one step of rank 0's rollback commands)."""
         self._desk.state_keeper = keeper
 
     def roll_back_last_change(self, step: int, reason: str) -> bool:
@@ -343,16 +350,19 @@ class Agent:
     def _check_step(self, step: int, loss: float | None, skipped: bool | None) -> None:
         """I/O thread (from the encoder): a step the guard must see. A rollback it
         decides is scheduled on the desk for the boundary after the next step (with one
-        rank; with several, a warning names the command that would do it), and a
+        rank; with several, rank 0's is sent to every rank for one common step:
+        :meth:`_roll_back_every_rank`, and the other ranks' are left to it), and a
         non-finite loss with nothing to roll back is warned of once."""
         rollback = self._change_guard.on_step(step, loss, skipped)
         if rollback is not None and self.world_size > 1:  # this rank alone must not
-            self._io.publish(protocol.EVENT, {
-                "level": "warning", "kind": EventKind.WARNING, "step": step,
-                "text": f"{rollback.reason}; not rolled back: with {self.world_size} ranks "
-                        "only a command to every rank may change a knob (gpuwatch set "
-                        + " ".join(assignment(k, v) for k, v in rollback.values.items())
-                        + ")"})
+            if self.rank == 0:  # rank 0's guard decides for every rank
+                self._io.publish(protocol.EVENT, {
+                    "level": "warning", "kind": EventKind.ROLLBACK, "step": step,
+                    "text": f"{rollback.reason}: rolling back to "
+                            + ", ".join(assignment(k, v) for k, v in rollback.values.items())
+                            + f" on every rank ({self.world_size})"})
+                threading.Thread(target=self._roll_back_every_rank, args=(rollback,),
+                                 name="gpuwatch-rollback", daemon=True).start()
             return
         if rollback is not None:
             apply_step = self._last_step + 2
@@ -368,6 +378,29 @@ class Agent:
         if warning:
             self._io.publish(protocol.EVENT, {"level": "warning", "kind": EventKind.WARNING,
                                            "text": warning, "step": step})
+
+
+    def _roll_back_every_rank(self, rollback: Rollback) -> None:
+        """Its own thread (rank 0, several ranks): send ``rollback``'s values to every
+        rank as rollback commands (:data:`agent.protocol.ROLLBACK_ID_PREFIX`), the first
+        at the step the fan-out picks, the others at that same step, so that every rank
+        restores its state at one boundary. A refusal (a rank not reachable, the step
+        passed) is an event: nothing is then rolled back anywhere by that command."""
+        info, apply_step = self.info, None
+        prefix = f"{protocol.ROLLBACK_ID_PREFIX}{secrets.token_hex(4)}-"
+        for index, (knob, value) in enumerate(rollback.values.items()):
+            reply = (send_command(info, knob, value, apply_step=apply_step,
+                                  command_id=f"{prefix}{index}", reason=rollback.reason,
+                                  timeout_s=ROLLBACK_TIMEOUT_S) if info is not None else
+                     {"ok": False, "reason": "the agent has no sockets"})
+            if not reply["ok"]:
+                self.event("error", f"{rollback.reason}; {assignment(knob, value)} not "
+                           f"rolled back on the {self.world_size} ranks: {reply['reason']}"
+                           + (" (gpuwatch set " + " ".join(
+                               assignment(k, v) for k, v in rollback.values.items()) + ")"),
+                           kind=EventKind.WARNING, step=self._last_step)
+                return
+            apply_step = reply["apply_step"]
 
 
 def ending_reason(error: BaseException | None) -> str:

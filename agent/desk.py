@@ -25,7 +25,7 @@ from agent import protocol
 from agent.guard import GUARDED_KNOBS
 from agent.knobs import CHECKPOINT, KnobError, KnobSet, assignment
 from agent.ledger import Change, ChangeLedger, Rollback, StateKeeper
-from agent.protocol import TUNE_ID_PREFIX, EventKind, Reply
+from agent.protocol import ROLLBACK_ID_PREFIX, TUNE_ID_PREFIX, EventKind, Reply
 from agent.tune import AutoTune
 
 #: How far ahead a command may be scheduled (optimizer steps).
@@ -172,7 +172,10 @@ class CommandDesk:
                     "apply_step": apply_step, "note": self.tune.start(value, apply_step)}
         if checkpoint:  # no id of its own: withdrawing the change leaves a harmless save
             self.schedule(Pending(apply_step, 0, CHECKPOINT.name, "now", None))
-        self.schedule(Pending(apply_step, 0, knob_name, value, command_id,
+        reason = body.get("reason")
+        rollback = (protocol.shorten(reason) if isinstance(reason, str)
+                    and str(command_id).startswith(ROLLBACK_ID_PREFIX) else None)
+        self.schedule(Pending(apply_step, 0, knob_name, value, command_id, rollback,
                               after_checkpoint=checkpoint))
         reply: Reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
                         "apply_step": apply_step, "step": step_now}
@@ -189,7 +192,8 @@ class CommandDesk:
             reply["warning"] = warning
             self._publish(protocol.EVENT, {"level": "warning", "text": warning,
                                            "kind": EventKind.WARNING, "knob": knob_name})
-        note = self.tune.person_set(command_id, knob_name, value, apply_step)
+        note = None if rollback else self.tune.person_set(command_id, knob_name, value,
+                                                          apply_step)
         if note:  # a person's command on a knob the search explores: theirs now
             reply["note"] = note
         return reply
@@ -294,7 +298,7 @@ class CommandDesk:
             if command.after_checkpoint and checkpoint_failed and self.world_size == 1:
                 raise RuntimeError("the checkpoint asked for before it was not saved")
             if (self.state_keeper is not None and command.knob in GUARDED_KNOBS
-                    and not command.rollback_reason and self.world_size == 1
+                    and not command.rollback_reason
                     and not str(command.command_id or "").startswith(TUNE_ID_PREFIX)
                     and self.ledger.starts_episode(step)):
                 self.state_keeper.keep_state(step - 1)

@@ -45,7 +45,8 @@ MAX_FAN_OUT_MARGIN_STEPS = 1000
 
 def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None = None,
                  timeout_s: float = 3.0, cancelled: Callable[[], bool] | None = None,
-                 command_id: str | None = None, checkpoint: bool = False) -> protocol.Reply:
+                 command_id: str | None = None, checkpoint: bool = False,
+                 reason: str | None = None) -> protocol.Reply:
     """Ask the run to set ``knob`` to ``value`` and wait for its reply.
 
     The agent validates the value against the knob's schema (strings are parsed there,
@@ -79,6 +80,9 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
         checkpoint: save a checkpoint at the same boundary first (``checkpoint=now``
             before a risky change); the change is not applied if that save fails, and a
             run that cannot save one refuses the command.
+        reason: with a ``command_id`` starting with
+            :data:`agent.protocol.ROLLBACK_ID_PREFIX`: the command is a rollback, for
+            this reason (rank 0's guard, to every rank).
 
     Returns:
         The reply body: ``{"id", "ok": True, "knob", "value", "apply_step"}`` (with
@@ -93,6 +97,8 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     body: dict[str, Any] = {"id": command_id, "knob": knob, "value": value}
     if checkpoint:
         body["checkpoint"] = True
+    if reason is not None:
+        body["reason"] = reason
     if apply_step is not None:
         body["apply_step"] = apply_step
     if info.world_size <= 1 or info.run_id == "?":

@@ -76,7 +76,11 @@ Message types and their bodies:
                when listed here); or ``{"stop": true}``, which ends a search and keeps
                the best configuration). It is answered and fanned out like any
                command; rank 0 runs the search, and the commands the search sends have
-               ids starting with :data:`TUNE_ID_PREFIX`.
+               ids starting with :data:`TUNE_ID_PREFIX`. A command whose id starts with
+               :data:`ROLLBACK_ID_PREFIX` and that has a ``reason`` (string) is a
+               rollback: rank 0's guard sends it to every rank of a run of several,
+               and each applies it as its own guard's rollback (``rolled_back`` with
+               the reason, the training state put back: ``state_restored``).
 ``reply``      agent -> client (every field: :class:`Reply`): ``id``, ``ok``, ``knob``,
                ``value``, ``apply_step`` or ``reason``; an accepted command's reply also
                has ``step``, the last optimizer step the run had completed when it
@@ -137,6 +141,9 @@ MESSAGE_TYPES = (HELLO, STEPS, STEP, SYSTEM, STATE, EVENT, COMMAND, REPLY, HEART
 
 #: Ids of the commands the agent's tuner sends start with this.
 TUNE_ID_PREFIX = "tune-"
+#: Ids of the commands that roll a guarded change back on every rank start with this
+#: (rank 0's guard sends them, with the ``reason``).
+ROLLBACK_ID_PREFIX = "rollback-"
 
 
 class EventKind:

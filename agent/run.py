@@ -117,8 +117,12 @@ class RunBase:
         self.step = record.step = record.step or self.step + 1
         self.position.window_done(record.micro_batches)
         self.agent.optimizer_step(record)
-        if self._kept is not None and self.agent.cleanly_watched_step > self._kept[0]:
-            self._kept = None  # the change's watch ended cleanly: nothing to go back to
+        if (self._kept is not None and self.agent.rank == 0
+                and self.agent.cleanly_watched_step > self._kept[0]):
+            # the change's watch ended cleanly: nothing to go back to (rank 0's guard
+            # decides for every rank; another rank keeps its state until the next
+            # change, since rank 0's rollback may come after its own watch ended)
+            self._kept = None
         try:
             for source in self.event_sources:
                 events = source()
@@ -214,7 +218,11 @@ class RunBase:
         """A copy in host memory of everything a rollback puts back (model, optimizer,
         scheduler, GradScaler, random numbers, data position), or None when this
         integration cannot take one. Nothing in the base: an integration that can
-        overrides it with :meth:`load_snapshot`."""
+        overrides it with :meth:`load_snapshot`.
+
+        Raises:
+            Exception: why the state cannot be kept now (the rollback's event says it).
+        """
         return None
 
     def load_snapshot(self, snapshot: Any) -> str | None:
@@ -234,7 +242,7 @@ class RunBase:
         try:
             snapshot = self.state_snapshot()
         except Exception as exc:  # noqa: BLE001 -- said in the rollback's event
-            self._not_kept = f"the state could not be copied ({type(exc).__name__}: {exc})"
+            self._not_kept = f"the state could not be kept ({type(exc).__name__}: {exc})"
             return
         if snapshot is None:
             self._not_kept = (f"{type(self).__name__} does not keep the training state for "

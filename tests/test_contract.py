@@ -16,16 +16,14 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from agent.knobs import assignment
-from gpuwatch.client import Subscriber
 from gpuwatch.history import flat_records
-from tests.contract import NAN_UNDER_BF16, Driver, Recorder, all_drivers, run
+from tests.contract import Driver, all_drivers, run, run_diverging
 
 STEPS = 9
 CHECKPOINT_AFTER = 5
@@ -84,49 +82,21 @@ def test_a_resume_after_live_changes_continues_the_run_exactly(driver, run_dir, 
 @pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].rollback])
 def test_a_rollback_puts_the_state_back_where_the_change_applied(driver, run_dir,
                                                                   tmp_path):
-    """``precision=bf16`` at step 7 makes the loss NaN (a fault injected in the task's
-    loss under bf16), which breaks the weights; the guard rolls the change back, and the
-    training state (model, optimizer, schedule, random numbers, data position) goes back
-    to the boundary after step 6: steps 7 to 14 then equal a twin's that never made the
-    change (the same samples, losses and final parameters, bit for bit)."""
+    """``precision=bf16`` with ``accum_steps=3`` at step 7 makes the loss NaN (a fault
+    injected in the task's loss under bf16), which breaks the weights; the guard rolls
+    both changes back, and the training state (model, optimizer, schedule, random
+    numbers, data position, accumulation windows) goes back to the boundary after step
+    6: steps 7 to 14 then equal a twin's that never made the changes (the same samples,
+    losses, knob values and final parameters, bit for bit)."""
     twin = run(driver, steps=14, commands=[], checkpoint_dir=tmp_path)
-    recorder = Recorder(hold_at=12)  # the training waits there for the guard's decision
-    decided = threading.Event()
-
-    def watch(info):
-        with Subscriber(info) as sub:
-            while not decided.is_set():
-                message = sub.recv(timeout_s=0.5)
-                if message and message["type"] == "event" and message["body"].get(
-                        "kind") == "rollback":
-                    decided.set()
-                    recorder.release.set()
-
-    import agent.core
-
-    started = agent.core.Agent.start  # the watcher subscribes as the run starts
-
-    def start_and_watch(self, *args, **kwargs):
-        result = started(self, *args, **kwargs)
-        threading.Thread(target=watch, args=(self.info,), daemon=True).start()
-        return result
-
-    agent.core.Agent.start = start_and_watch
-    NAN_UNDER_BF16.set()
-    try:
-        diverging = run(driver, steps=14, commands=[("precision", "bf16", 7)],
-                        checkpoint_dir=tmp_path, recorder=recorder)
-    finally:
-        agent.core.Agent.start = started
-        NAN_UNDER_BF16.clear()
-        decided.set()
+    diverging = run_diverging(driver, tmp_path, also=(("accum_steps", 3),))
     [restored] = diverging.events("state_restored")
     assert "boundary after step 6" in restored["text"], restored
     want, got = twin.steps(), diverging.steps()
     for step in range(7, 15):
         assert got[step]["loss"] == want[step]["loss"], step
         assert diverging.recorder.window(step) == twin.recorder.window(step), step
-        assert got[step]["knobs"]["precision"] == "fp32"
+        assert got[step]["knobs"] == want[step]["knobs"], step  # fp32, accum_steps 2
     for mine, theirs in zip(diverging.params, twin.params):
         assert torch.equal(mine, theirs)
 

@@ -21,7 +21,7 @@ from agent.integrations.lightning import GpuwatchCallback, attach  # noqa: E402
 from agent.knobs import KnobError  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
 from gpuwatch.history import flat_records  # noqa: E402
-from tests.contract import BATCH_SIZE, IndexedDigits, run  # noqa: E402
+from tests.contract import BATCH_SIZE, IndexedDigits, run, run_diverging  # noqa: E402
 from tests.contract.lightning import LightningDriver  # noqa: E402
 
 
@@ -455,6 +455,21 @@ def test_data_a_resume_cannot_make_again_is_said_by_the_checkpoint_and_the_resum
     assert event["level"] == "warning"
     assert event["text"].endswith(f"; not as in the saved run: {why}")
     assert sorted(resumed.steps()) == [3, 4]
+
+
+def test_a_rollback_where_the_data_cannot_go_back_says_the_weights_were_not_restored(
+        run_dir, tmp_path):
+    """An IterableDataset cannot be put back live: the rollback sets precision back and
+    its event says why the training state was not kept, rather than pretend."""
+    result = run_diverging(Streaming(), tmp_path)
+    [rolled] = [e for e in result.events("rolled_back") if e["knob"] == "precision"]
+    assert rolled["value"] == "fp32"
+    [restored] = result.events("state_restored")
+    assert restored["level"] == "warning"
+    assert restored["text"].startswith(
+        "the weights were not restored (the state could not be kept (ValueError: the "
+        "train data cannot be put back live: the train dataset is an IterableDataset "
+        "(Stream): a resume starts it again)): training goes on from them")
 
 
 class Gradients(L.Callback):

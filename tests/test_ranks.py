@@ -221,3 +221,47 @@ def test_a_second_job_with_the_same_run_id_gets_its_own(run_dir, monkeypatch):
     finally:
         holder.stdin.close()
         holder.wait(30)
+
+
+def _ddp_rollback_job(out, mode):
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(Path(__file__).with_name("ddp_rollback_job.py")), str(out), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1",
+             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        start_new_session=True)
+
+
+@pytest.mark.slow
+def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path):
+    """DDP on gloo, 2 ranks, a hand-written loop: precision=bf16 at step 7 makes the loss
+    NaN on both ranks; rank 0's guard sends the rollback to every rank, and each puts
+    its state back to the boundary after step 6 at the same step: steps 7-20 then equal
+    a twin job's that never made the change on each rank (bit-equal losses and final
+    parameters)."""
+    jobs = {mode: _ddp_rollback_job(tmp_path, mode) for mode in ("twin", "change")}
+    try:
+        for mode, job in jobs.items():
+            output = job.communicate(timeout=300)[0]
+            assert job.returncode == 0, (mode, output)
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+    restored_at = set()
+    for rank in (0, 1):
+        twin = torch.load(tmp_path / f"twin-rank{rank}.pt")
+        changed = torch.load(tmp_path / f"change-rank{rank}.pt")
+        [rolled] = [e for e in changed["events"] if e["kind"] == "rolled_back"]
+        [restored] = [e for e in changed["events"] if e["kind"] == "state_restored"]
+        assert "precision=fp32" in rolled["text"] and "loss was nan" in rolled["text"]
+        assert "boundary after step 6" in restored["text"], restored
+        assert rolled["step"] == restored["step"]
+        restored_at.add(restored["step"])
+        assert {step: changed["losses"][step] for step in range(1, 21)} == {
+            step: twin["losses"][step] for step in range(1, 21)}, rank
+        for mine, theirs in zip(changed["params"], twin["params"], strict=True):
+            assert torch.equal(mine, theirs)
+    assert len(restored_at) == 1  # the same step on both ranks

@@ -58,32 +58,37 @@ def test_forced_nan_after_switch_to_fp16_is_rolled_back_and_training_goes_on(run
         assert torch.isfinite(param).all()
 
 
-def test_one_rank_of_several_does_not_roll_back_alone(run_dir):
-    """A rollback decided by one rank would leave it alone with another precision: with
-    several ranks the agent says what to send to all of them instead."""
+def test_a_rollback_that_cannot_reach_every_rank_rolls_back_nowhere(run_dir):
+    """With several ranks, rank 0's guard sends its rollback to every rank; where one
+    cannot be reached (here: rank 1 never started), no rank rolls back alone and the
+    warning names the command to send once they all can."""
     from agent.fanout import _Connections  # the raw wire: this rank only
 
     model = make_model()
-    gate = Gate(hold_at=3)
+    changed, waiting = Gate(hold_at=3), Gate(hold_at=20)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nan_under_fp16,
-                      digits_loader(), callbacks=[gate])
+                      digits_loader(), callbacks=[changed, waiting])
     agent.attach(trainer, rank=0, world_size=2)
     info = runs.find_run()
     with Subscriber(info) as sub:
         thread = start(trainer, max_steps=40)
-        assert gate.reached.wait(30)
+        assert changed.reached.wait(30)
         with _Connections([info]) as connection:
             command = {"id": "f16", "knob": "precision", "value": "fp16", "apply_step": 5}
             assert connection.exchange(command, 3.0, None)[0]["ok"]
-        gate.release.set()
-        seen = messages(sub, lambda m: m["type"] == "bye", timeout_s=60)
+        changed.release.set()
+        assert waiting.reached.wait(30)  # the I/O thread decides from the published steps
+        seen = messages(sub, lambda m: m["type"] == "event"
+                        and "not rolled back" in m["body"]["text"], timeout_s=60)
+        waiting.release.set()
+        seen += messages(sub, lambda m: m["type"] == "bye", timeout_s=60)
         thread.join(30)
     texts = [m["body"]["text"] for m in seen if m["type"] == "event"]
-    assert not any("rolled back" in t and "not rolled back" not in t for t in texts)
-    warning = next(t for t in texts if "not rolled back" in t)
-    assert "loss was nan" in warning and warning.endswith(
-        "with 2 ranks only a command to every rank may change a knob "
-        "(gpuwatch set precision=fp32)")
+    assert not any("rolled back because" in t for t in texts)
+    [warning] = [t for t in texts if "not rolled back" in t]
+    assert warning.startswith("loss was nan at step 5 after precision=fp16; precision=fp32 "
+                              "not rolled back on the 2 ranks: 1 of the run's 2 ranks")
+    assert warning.endswith("(gpuwatch set precision=fp32)")
     assert trainer.precision == "fp16"  # unchanged on this rank, as on the others
 
 

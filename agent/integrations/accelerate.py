@@ -135,13 +135,14 @@ from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER
                          LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PRECISION,
                          WEIGHT_DECAY, Knob, KnobSet)
 from agent.record import StepRecord
-from agent.run import RunBase
+from agent.run import RunBase, host_copy
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing, find_blocks
 from gpuopt.kernels.backend import KernelBackendMixin
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import ReusableAutocast, precision_support, precision_warning
+from gpuopt.saving import rng_state, set_rng_state
 
 __all__ = ["AcceleratorRun", "attach"]
 
@@ -661,6 +662,45 @@ class AcceleratorRun(RunBase):
         if (scaler_file.exists() and self._precision is not None
                 and self._precision.scaler is not None):
             self._precision.scaler.load_state_dict(torch.load(scaler_file, weights_only=True))
+
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        """The run's GradScaler: the one the precision knob keeps, else accelerate's."""
+        if self._precision is not None and self._precision.scaler is not None:
+            return self._precision.scaler
+        return self.accelerator.scaler
+
+    def state_snapshot(self) -> dict[str, Any]:
+        """For a rollback, in host memory: every model, optimizer and scheduler the
+        Accelerator prepared, the GradScaler, accelerate's micro-batch count, the random
+        numbers and the data position (:meth:`data_state`)."""
+        accelerator, scaler = self.accelerator, self._scaler()
+        return host_copy({
+            "models": [model.state_dict() for model in accelerator._models],
+            "optimizers": [optimizer.state_dict() for optimizer in accelerator._optimizers],
+            "schedulers": [scheduler.state_dict() for scheduler in accelerator._schedulers],
+            "grad_scaler": None if scaler is None else scaler.state_dict(),
+            "micro_batches": accelerator.step,
+            "rng": rng_state(self.device), "data": self.data_state()})
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Go back to ``snapshot`` in the middle of the loop: the states, accelerate's
+        micro-batch count, the random numbers and the data position (:meth:`loader`'s
+        iteration goes back: the epoch made again, accelerate's epoch count or a
+        ReconfigurableLoader's position put back)."""
+        accelerator, scaler = self.accelerator, self._scaler()
+        for targets, states in ((accelerator._models, snapshot["models"]),
+                                (accelerator._optimizers, snapshot["optimizers"]),
+                                (accelerator._schedulers, snapshot["schedulers"])):
+            for target, state in zip(targets, states, strict=True):
+                target.load_state_dict(state)
+        if scaler is not None and snapshot["grad_scaler"] is not None:
+            scaler.load_state_dict(snapshot["grad_scaler"])
+        accelerator.step = snapshot["micro_batches"]
+        data = snapshot["data"]
+        if self.no_position(data) is None:
+            _put_back(self._data, data["loader"])
+            self.position.load_state_dict(data, replay="position" not in data["loader"])
+        set_rng_state(snapshot["rng"])
 
     # ------------------------------------------------------------ knobs
 

@@ -117,9 +117,10 @@ from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCA
                          MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
                          PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
 from agent.record import StepRecord
-from agent.run import RunBase
+from agent.run import RunBase, host_copy
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
+from gpuopt.saving import rng_state, set_rng_state
 
 __all__ = ["GpuwatchCallback", "attach"]
 
@@ -140,6 +141,11 @@ _EPOCH_KEYWORDS = frozenset({"epoch", "steps_in_epoch", "num_update_steps_per_ep
 def _refuse(reason: str | None) -> None:
     if reason is not None:
         raise ValueError(reason)
+
+
+#: The ``resume_from_checkpoint`` a rollback gives HF's epoch call: HF then skips the
+#: trained micro-batches; no such directory, so HF loads no random numbers from it.
+_NO_CHECKPOINT = os.path.join(os.sep, "nonexistent", "gpuwatch-rollback")
 
 
 class _TimedIterator:
@@ -206,6 +212,15 @@ class _Run(RunBase):
         self.epoch_offset = 0
         self._resume_at: dict[str, int] = {}
         self._saved_position: dict[str, int] | None = None  # until the resumed epoch starts
+        #: the random numbers where HF made the epoch's iterator (a rollback makes it
+        #: again from them)
+        self._epoch_rng: dict[str, Any] | None = None
+        #: a rollback's position (:meth:`state_snapshot`'s ``data``) that HF's loop goes
+        #: back to once its epoch call returns (:meth:`_run_epoch`)
+        self._rollback: dict[str, Any] | None = None
+        #: the random numbers at a rollback's boundary, set after the first window of
+        #: its epoch made again is fetched (as HF's own resume does)
+        self._rollback_rng: dict[str, Any] | None = None
         self._epoch_note_sent = False
         self._evaluating = False
         self.epochs_done = 0
@@ -463,6 +478,68 @@ class _Run(RunBase):
         if scaler.exists() and self._scaler_installed:
             self.policy.grad_scaler.load_state_dict(torch.load(scaler, weights_only=True))
 
+    @property
+    def rolling_back(self) -> bool:
+        """Whether a rollback ended HF's epoch call, and its position waits to be gone
+        back to (:meth:`_go_back`)."""
+        return self._rollback is not None
+
+    def _scaler(self) -> Any:
+        """The GradScaler in use: the precision knob's, else accelerate's (or None)."""
+        if self._scaler_installed:
+            return self.policy.grad_scaler
+        return getattr(self.trainer.accelerator, "scaler", None)
+
+    def state_snapshot(self) -> dict[str, Any]:
+        """For a rollback, in host memory: the model's, optimizer's, scheduler's and
+        GradScaler's states, HF's step and epoch counts, the random numbers now and at
+        the epoch's start, and the data position (epoch, micro-batches trained in it).
+
+        Raises:
+            ValueError: the data position cannot be put back (the windows are not
+                planned here, or :meth:`data_reason`).
+        """
+        trainer = self.trainer
+        reason = (self.data_reason() if self.plan and self._epoch_rng is not None else
+                  "this Trainer's epoch loop is not the one gpuwatch plans")
+        if reason is not None:
+            raise ValueError(f"the train data cannot be put back live: {reason}")
+        scaler, model = self._scaler(), trainer.model
+        optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
+        assert model is not None and optimizer is not None and scheduler is not None
+        return host_copy({
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": scheduler.state_dict(),
+            "grad_scaler": None if scaler is None else scaler.state_dict(),
+            "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
+            "epochs_done": self.epochs_done,
+            "data": {"epoch": self._epoch, "micro_batches": self.micro_index,
+                     "epoch_rng": self._epoch_rng, "rng": rng_state(self.device)}})
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Put the states and HF's counts back at once, and end HF's epoch call after
+        this step: :meth:`_run_epoch` then trains again from the snapshot's data
+        position (:meth:`_go_back`). HF calls ``on_epoch_end`` for the epoch so ended
+        (other callbacks see an epoch's end there; gpuwatch reports none)."""
+        trainer = self.trainer
+        model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.lr_scheduler
+        assert model is not None and optimizer is not None and scheduler is not None
+        model.load_state_dict(snapshot["model"])
+        optimizer.load_state_dict(snapshot["optimizer"])
+        scheduler.load_state_dict(snapshot["lr_scheduler"])
+        scaler = self._scaler()
+        if scaler is not None and snapshot["grad_scaler"] is not None:
+            scaler.load_state_dict(snapshot["grad_scaler"])
+        trainer.state.global_step = snapshot["global_step"]
+        trainer.state.epoch = snapshot["epoch"]
+        self.epochs_done = snapshot["epochs_done"]
+        trainer._globalstep_last_logged = min(trainer._globalstep_last_logged,
+                                              snapshot["global_step"])
+        trainer.control.should_training_stop = False
+        trainer.control.should_epoch_stop = True
+        self._rollback = snapshot["data"]
+
     def _bind_accum(self, knobs: KnobSet) -> None:
         trainer = self.trainer
         reason = None
@@ -632,6 +709,9 @@ class _Run(RunBase):
             num_batches = self._accum_value()
         batches, num_items = self._originals["get_batch_samples"](
             _TimedIterator(epoch_iterator, self.meter), num_batches, device, *args, **kwargs)
+        if self._rollback_rng is not None:  # the boundary's, after the epoch is made again
+            rng, self._rollback_rng = self._rollback_rng, None
+            set_rng_state(rng)
         if self.plan:
             self._plan_window(len(batches))
         return batches, num_items
@@ -684,6 +764,7 @@ class _Run(RunBase):
         self._start_epoch(kwargs)
         result = run_epoch(**kwargs)
         epoch = kwargs["epoch"]
+        result = self._go_back(run_epoch, kwargs, result)
         while (last_planned and (self.accum_changed or self.epoch_offset)
                and not trainer.control.should_training_stop
                and state.global_step < state.max_steps):
@@ -700,7 +781,35 @@ class _Run(RunBase):
                 trainer.args, state, trainer.control)
             kwargs = {**kwargs, "epoch": epoch}
             self._start_epoch(kwargs)
-            result = run_epoch(**kwargs)
+            result = self._go_back(run_epoch, kwargs, run_epoch(**kwargs))
+        return result
+
+    def _go_back(self, run_epoch: Callable[..., Any], kwargs: dict[str, Any],
+                 result: Any) -> Any:
+        """After HF's epoch call ``run_epoch(**kwargs)`` returned ``result``: where a
+        rollback ended it (:meth:`load_snapshot`), train again from the rollback's
+        position to the end of this epoch, as HF's own resume would: the rollback's
+        epoch from its micro-batch (its iterator made again from the random numbers at
+        its start, the trained batches skipped by HF, the random numbers set to the
+        boundary's after the first window), then each later epoch up to this one.
+        Returns the last epoch call's result."""
+        trainer = self.trainer
+        while self._rollback is not None and not trainer.control.should_training_stop:
+            back, self._rollback = self._rollback, None
+            epochs = [{**kwargs, "epoch": back["epoch"], "epochs_trained": back["epoch"],
+                       "steps_trained_in_current_epoch": back["micro_batches"],
+                       "resume_from_checkpoint": _NO_CHECKPOINT}]
+            epochs += [{**kwargs, "epoch": epoch}
+                       for epoch in range(back["epoch"] + 1, kwargs["epoch"] + 1)]
+            set_rng_state(back["epoch_rng"] if back["micro_batches"] else back["rng"])
+            self._rollback_rng = back["rng"] if back["micro_batches"] else None
+            for again in epochs:
+                if trainer.control.should_training_stop or self.rolling_back:
+                    break  # (a rollback again, in an epoch trained again)
+                trainer.control = trainer.callback_handler.on_epoch_begin(
+                    trainer.args, trainer.state, trainer.control)
+                self._start_epoch(again)
+                result = run_epoch(**again)
         return result
 
     def _at_saved_position(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -719,6 +828,7 @@ class _Run(RunBase):
 
     def _start_epoch(self, kwargs: dict[str, Any]) -> None:
         args = self.trainer.args
+        self._epoch_rng = rng_state(self.device)  # HF makes the epoch's iterator next
         self._epoch = kwargs["epoch"]
         self.micro_index = 0
         if (kwargs["resume_from_checkpoint"] is not None
@@ -744,6 +854,7 @@ class _Run(RunBase):
             self.optimizer_settings = OptimizerSettings(
                 optimizer, decay_groups=_decay_groups(self.trainer, optimizer))
             self._weight_decay_reason = self.optimizer_settings.weight_decay_reason()
+            self.agent.refresh_knobs()  # the optimizer's own weight_decay, not args'
         if self.resume_path is not None:
             self._resume(self.resume_path)
             self.resume_path = None
@@ -805,6 +916,8 @@ class _Run(RunBase):
         self.agent.mark_start()  # the next step's time leaves the save out
 
     def epoch_end(self, state: Any, control: Any) -> None:
+        if self.rolling_back:  # ended by a rollback: no epoch's end
+            return
         self.epochs_done += 1
         complete = not control.should_training_stop  # HF also ends an epoch cut short
         how = "ended" if complete else "stopped (the run ends)"

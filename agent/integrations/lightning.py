@@ -163,7 +163,7 @@ from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER
                          LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
                          KnobSet)
 from agent.record import StepRecord
-from agent.run import RunBase
+from agent.run import RunBase, host_copy
 from agent.runs import RUN_ID_ENV
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
@@ -602,6 +602,15 @@ class _EpochIterators:
         self.epoch_loop.__dict__.pop("on_run_start", None)
 
 
+def _not_restarting(loop: Any) -> None:
+    """Clear the ``restarting`` flag that ``load_state_dict`` sets on ``loop`` and every
+    loop in it (it makes Lightning's loops resume from a checkpoint's start)."""
+    loop._restarting = False
+    for child in vars(loop).values():
+        if isinstance(child, pl.loops.loop._Loop):
+            _not_restarting(child)
+
+
 class _Run(RunBase):
     """One ``fit`` under the agent: the run base with Lightning's reads of a step, its
     knobs, its checkpoint and its data position; each callback hook is one call here."""
@@ -920,6 +929,75 @@ class _Run(RunBase):
                                             else data["rng"])
         else:
             self.epochs.replay()
+
+    def _fp16_scaler(self) -> torch.amp.GradScaler | None:
+        """The fp16 plugin's GradScaler (in use, or kept while in another precision)."""
+        plugin = self.precision._plugins.get("fp16") if self.precision else None
+        return getattr(plugin, "scaler", None)
+
+    def state_snapshot(self) -> dict[str, Any]:
+        """For a rollback, in host memory: the module's, optimizers', schedulers' and
+        fp16 GradScaler's states, the fit loop's progress (epoch, batch and optimizer
+        step counts), the accumulation windows, the random numbers and the data
+        position (:meth:`data_state`).
+
+        Raises:
+            ValueError: the train data cannot be put back live (:meth:`data_reason`).
+        """
+        reason = self.data_reason() if self.epochs is not None else (
+            "gpuwatch did not follow the train data from fit's start")
+        if reason is not None:
+            raise ValueError(f"the train data cannot be put back live: {reason}")
+        trainer, scaler = self.trainer, self._fp16_scaler()
+        return host_copy({
+            "model": self.module.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+            "schedulers": [config.scheduler.state_dict()
+                           for config in trainer.lr_scheduler_configs],
+            "grad_scaler": None if scaler is None else scaler.state_dict(),
+            "loops": trainer.fit_loop.state_dict(),
+            "accumulation": None if self.accumulation is None else (
+                self.accumulation.engaged, self.accumulation.size, self.accumulation.anchor),
+            "rng": rng_state(self.device), "data": self.data_state()})
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Go back to ``snapshot`` in the middle of ``fit``, at the same hook
+        (``on_train_batch_end``): the states, the loops' progress (Lightning's epoch
+        and step counts go back, its epoch loop goes on with the snapshot's epoch),
+        the train data's iterator made again at the snapshot's batch
+        (:meth:`_EpochIterators.replay`; a ReconfigurableLoader at its own position)
+        and the random numbers."""
+        trainer, scaler = self.trainer, self._fp16_scaler()
+        self.module.load_state_dict(snapshot["model"])
+        schedulers: list[Any] = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for targets, states in ((trainer.optimizers, snapshot["optimizers"]),
+                                (schedulers, snapshot["schedulers"])):
+            for target, state in zip(targets, states, strict=True):
+                target.load_state_dict(state)
+        if scaler is not None and snapshot["grad_scaler"] is not None:
+            scaler.load_state_dict(snapshot["grad_scaler"])
+        fit_loop = trainer.fit_loop
+        fit_loop.load_state_dict(snapshot["loops"])
+        _not_restarting(fit_loop)  # going on, not starting again from a checkpoint
+        self._global_step = trainer.global_step
+        if self.accumulation is not None:  # the windows as they were counted there
+            engaged, size, anchor = snapshot["accumulation"]
+            if engaged:
+                self.accumulation.set(size)
+                self.accumulation.anchor = anchor
+            else:
+                self.accumulation.restore()  # Lightning's own again
+        data = snapshot["data"]
+        loader = self._train_loader()
+        if isinstance(loader, ReconfigurableLoader):
+            loader.restore_position(data["loader"])
+        self.position.load_state_dict(data, replay=not isinstance(loader, ReconfigurableLoader))
+        assert self.epochs is not None  # a snapshot is taken only with it
+        self.epochs.replay()
+        fetcher = self.epochs._fetcher()
+        fetcher.fetched = data["fetched_in_epoch"]
+        fetcher.done = fetcher.length is not None and fetcher.fetched >= fetcher.length
+        set_rng_state(snapshot["rng"])
 
     # ------------------------------------------------------------ per batch
 

@@ -22,6 +22,8 @@ import torch
 from sklearn.datasets import load_digits
 from torch.nn import functional as F
 
+import agent.core
+from gpuwatch.client import Subscriber
 from gpuwatch.history import flat_records
 
 #: Samples in the task's data set: 16 batches of 8, so that the runs cross an epoch.
@@ -199,3 +201,41 @@ def all_drivers() -> list[Driver]:
         drivers.extend(cls() for cls in importlib.import_module(
             f"{__name__}.{module.name}").DRIVERS)
     return drivers
+
+
+def run_diverging(driver: Driver, checkpoint_dir: Path,
+                  also: tuple[tuple[str, Any], ...] = ()) -> Result:
+    """A run of ``driver`` to step 14 with ``precision=bf16`` (and the changes ``also``,
+    ``(knob, value)``) at step 7 under the fault :data:`NAN_UNDER_BF16` (the loss NaN
+    from there): the guard rolls the changes back; the training waits at step 12 until
+    its ``rollback`` event is published (the guard decides on the I/O thread, from the
+    published steps)."""
+    recorder = Recorder(hold_at=12)
+    decided = threading.Event()
+
+    def watch(info: Any) -> None:
+        with Subscriber(info) as sub:
+            while not decided.is_set():
+                message = sub.recv(timeout_s=0.5)
+                if message and message["type"] == "event" and message["body"].get(
+                        "kind") == "rollback":
+                    decided.set()
+                    recorder.release.set()
+
+    started = agent.core.Agent.start  # the watcher subscribes as the run starts
+
+    def start_and_watch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = started(self, *args, **kwargs)
+        threading.Thread(target=watch, args=(self.info,), daemon=True).start()
+        return result
+
+    agent.core.Agent.start = start_and_watch
+    NAN_UNDER_BF16.set()
+    try:
+        return run(driver, steps=14, commands=[("precision", "bf16", 7)] + [
+            (knob, value, 7) for knob, value in also],
+                   checkpoint_dir=checkpoint_dir, recorder=recorder)
+    finally:
+        agent.core.Agent.start = started
+        NAN_UNDER_BF16.clear()
+        decided.set()

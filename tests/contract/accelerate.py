@@ -23,6 +23,7 @@ LOOP_MAX_NORM = 1.0
 
 
 class AccelerateDriver(Driver):
+    rollback = True
     name = "accelerate"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
                ("precision", "bf16"))

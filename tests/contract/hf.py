@@ -45,6 +45,7 @@ class Classifier(torch.nn.Module):
 
 
 class HFDriver(Driver):
+    rollback = True
     name = "hf"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
                ("precision", "bf16"))

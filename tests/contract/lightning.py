@@ -19,6 +19,7 @@ from tests.contract import (BATCH_SIZE, Driver, IndexedDigits, Net, Recorder, lo
 
 
 class LightningDriver(Driver):
+    rollback = True
     name = "lightning"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
                ("precision", "bf16"))

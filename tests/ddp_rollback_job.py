@@ -1,0 +1,83 @@
+"""A DDP job (gloo, CPU) for the test of a rollback on every rank:
+``torchrun --nproc-per-node 2 tests/ddp_rollback_job.py OUT twin|change``.
+
+Each rank trains the contract's task (:mod:`tests.contract`: its Net, AdamW and
+LambdaLR, windows of 2 micro-batches) in a hand-written loop (:func:`agent.session`)
+over a DistributedSampler's shard, the model in DistributedDataParallel. ``twin``
+trains 20 optimizer steps. ``change``: the loss is NaN under bf16 (the contract's
+fault), and rank 0 sends ``precision=bf16`` to every rank for step 7 at its first step;
+rank 0's guard then rolls it back on every rank, and the job trains on until the state
+was restored and step 20 is reached. Each rank saves ``OUT/<mode>-rank<N>.pt``: each
+step's window loss (a step trained again overwrites), the final parameters and its
+``rolled_back`` and ``state_restored`` events."""
+
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+import agent
+from agent.fanout import send_command
+from tests.contract import (BATCH_SIZE, NAN_UNDER_BF16, IndexedDigits, Net, loss_fn,
+                            optimizer_and_schedule, params_of)
+
+STEPS = 20
+
+
+def main(out: Path, mode: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = Net(seed=0)
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    optimizer, scheduler = optimizer_and_schedule(model)
+    run = agent.session(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                        precision="fp32", accum_steps=2, max_grad_norm=0.0,
+                        name=f"ddp-rollback-{mode}")
+    restored = threading.Event()
+    events: list[dict] = []
+
+    def listener(record: dict) -> None:
+        if record["type"] == "event" and record.get("kind") in ("rolled_back",
+                                                               "state_restored"):
+            events.append({key: record[key] for key in ("kind", "step", "text")})
+            if record["kind"] == "state_restored":
+                restored.set()
+        if (mode == "change" and rank == 0 and record["type"] == "step"
+                and record["step"] == 1):
+            reply = send_command(run.agent.info, "precision", "bf16", apply_step=7,
+                                 timeout_s=30)
+            assert reply["ok"], reply
+
+    run.agent.add_listener(listener)
+    if mode == "change":
+        NAN_UNDER_BF16.set()
+    data = DataLoader(IndexedDigits(), batch_size=BATCH_SIZE,
+                      sampler=DistributedSampler(IndexedDigits(), shuffle=True, seed=3))
+    batches = iter(run.loader(data, epochs=None))
+    losses: dict[int, float] = {}
+    while not (run.step >= STEPS and (mode == "twin" or restored.is_set())):
+        window = 0.0
+        for _ in range(run.accum_steps):
+            x, y, _index = next(batches)
+            with run.autocast:
+                loss = loss_fn(model(x), y) / run.accum_steps
+            run.scaler.scale(loss).backward()
+            window += loss.item()
+        run.scaler.step(optimizer)
+        run.scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses[run.step + 1] = window  # (a rollback at this boundary moves run.step)
+        run.optimizer_step()
+    run.close()
+    torch.save({"losses": losses, "params": params_of(net), "events": events},
+               out / f"{mode}-rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
