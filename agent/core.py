@@ -108,7 +108,6 @@ class Agent:
         self.device = torch.device(device) if device is not None else None
         self.transport = transport
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.run_id = run_id or shared_run_id(self.world_size)
         self.token = secrets.token_hex(16)
         self.params = sum(p.numel() for p in model.parameters()) if model is not None else None
         self.model_name = type(model).__name__ if model is not None else ""
@@ -120,7 +119,8 @@ class Agent:
         self._ending = False
         self._bye_reason: str | None = None
         self._broken = False
-        self._started_at = time.time()
+        #: when the agent was made (s since the epoch)
+        self.started_at = time.time()
 
         def publish(msg_type: str, body: dict[str, Any]) -> None:  # (the I/O thread's)
             self._io.publish(msg_type, body)
@@ -143,7 +143,9 @@ class Agent:
         self._encoder = StepEncoder(self._records, self._marker, publish=publish,
                                     guard=self._change_guard, check_step=self._check_step,
                                     tune=self.tune, device=self.device)
-        self._io = IOLoop(self, desk=self._desk, encoder=self._encoder, nvml=nvml)
+        self._io = IOLoop(self, run_id or shared_run_id(self.world_size), desk=self._desk,
+                          encoder=self._encoder, guard=self._change_guard, tune=self.tune,
+                          records_bound=self._records.maxlen, nvml=nvml)
         self.errors: list[str] = []
         self._listeners: tuple[Any, ...] = ()
 
@@ -225,6 +227,32 @@ class Agent:
     def _apply_pending(self, step: int) -> None:
         if self._desk.apply_due(step):
             self._knob_values = self.knobs.values()
+
+    @property
+    def run_id(self) -> str:
+        """The run's id: the one given (or derived), or a new one when another process
+        held it as the sockets were bound."""
+        return self._io.run_id
+
+    @property
+    def last_step(self) -> int:
+        """The latest optimizer step recorded (0 before the first)."""
+        return self._last_step
+
+    @property
+    def ending(self) -> bool:
+        """Whether :meth:`mark_ending` was called: commands are now rejected."""
+        return self._ending
+
+    @property
+    def bye_reason(self) -> str | None:
+        """What ``bye`` will say, if :meth:`mark_ending` was given a reason."""
+        return self._bye_reason
+
+    @property
+    def knob_values(self) -> dict[str, Any]:
+        """The knob values as of the latest applied command (a dict not changed after)."""
+        return self._knob_values
 
     @property
     def info(self) -> RunInfo | None:
