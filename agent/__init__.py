@@ -4,7 +4,7 @@
 Trainer, an accelerate Accelerator or a Lightning Fabric; ``agent.session(...)`` for a
 hand-written loop.
 Importing :mod:`agent` itself is light (no torch, no framework): the dashboard imports
-:mod:`agent.protocol` and :mod:`agent.runs` from here.
+:mod:`agent.wire.protocol` and :mod:`agent.wire.runs` from here.
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from agent.core import Agent
-from agent.knobs import (CPU_THREADS, KERNELS, LR_SCALE, MEMORY_FRACTION,
+from agent.wire.knobs import (CPU_THREADS, KERNELS, LR_SCALE, MEMORY_FRACTION,
                          MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
                          PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
-from agent.runlog import log_dir
+from agent.wire.runlog import log_dir
 from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import MemorySnapshot, set_memory_fraction
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
@@ -25,7 +25,7 @@ from gpuopt.trainer import Trainer
 
 
 def refuse(reason: str | None) -> None:
-    """A :attr:`agent.knobs.Knob.check` helper: raise ``ValueError(reason)`` unless
+    """A :attr:`agent.wire.knobs.Knob.check` helper: raise ``ValueError(reason)`` unless
     ``reason`` is None."""
     if reason is not None:
         raise ValueError(reason)

@@ -32,9 +32,9 @@ from typing import Any, Callable
 import torch
 
 from agent.core import Agent
-from agent.knobs import CHECKPOINT, Knob, KnobSet, assignment
-from agent.protocol import EventKind
-from agent.runlog import log_dir
+from agent.wire.knobs import CHECKPOINT, Knob, KnobSet, assignment
+from agent.wire.protocol import EventKind
+from agent.wire.runlog import log_dir
 from gpuopt.memory import format_bytes
 from gpuopt.saving import write_atomically
 
@@ -49,7 +49,7 @@ GRAD_SCALER_FILE = "gpuwatch-grad-scaler.pt"
 
 def default_checkpoint_dir(run_id: str) -> Path:
     """The directory a run's checkpoints go to when no ``checkpoint_dir=`` is given:
-    ``checkpoints/<run id>`` in the run-log directory (:func:`agent.runlog.log_dir`)."""
+    ``checkpoints/<run id>`` in the run-log directory (:func:`agent.wire.runlog.log_dir`)."""
     return log_dir() / "checkpoints" / run_id
 
 

@@ -31,18 +31,18 @@ from typing import Any
 
 import torch
 
-from agent import protocol
+from agent.wire import protocol
 from agent.desk import CommandDesk
 from agent.encoder import StepEncoder
 from agent.guard import ChangeGuard
-from agent.knobs import KnobSet, assignment
+from agent.wire.knobs import KnobSet, assignment
 from agent.ledger import ChangeLedger, StateKeeper
 from agent.markers import marker_for
 from agent.ioloop import IOLoop
 from agent.probes import Nvml
 from agent.record import StepRecord
-from agent.protocol import EventKind
-from agent.runs import RunInfo, shared_run_id
+from agent.wire.protocol import EventKind
+from agent.wire.runs import RunInfo, shared_run_id
 from agent.tune import AutoTune
 from gpuopt.environment import usable_cpu_count
 
@@ -73,7 +73,7 @@ class Agent:
             thread never waits.
         nvml: the GPU probe (tests pass one with a fake NVML module).
         run_id: the run id, when the caller derives one that every rank of its job
-            shares (default: :func:`agent.runs.shared_run_id`).
+            shares (default: :func:`agent.wire.runs.shared_run_id`).
         training: facts of the training loop for ``hello`` (``framework``, and e.g.
             ``loss_normalization``: how a window's loss and gradient are averaged).
 

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent import protocol
+from agent.wire import protocol
 from agent.guard import GUARDED_KNOBS
-from agent.knobs import CHECKPOINT, KnobError, KnobSet, assignment
+from agent.wire.knobs import CHECKPOINT, KnobError, KnobSet, assignment
 from agent.ledger import Change, ChangeLedger, Rollback, StateKeeper
-from agent.protocol import TUNE_ID_PREFIX, EventKind, Reply
+from agent.wire.protocol import TUNE_ID_PREFIX, EventKind, Reply
 from agent.tune import AutoTune
 
 #: How far ahead a command may be scheduled (optimizer steps).
@@ -107,7 +107,7 @@ class CommandDesk:
     # ------------------------------------------------------------ I/O thread
 
     def answer(self, body: dict[str, Any]) -> Reply:
-        """The reply to one ``command`` body (see :mod:`agent.protocol`): accepted and
+        """The reply to one ``command`` body (see :mod:`agent.wire.protocol`): accepted and
         scheduled, checked (dry run), cancelled, or rejected with the reason. A
         rejection changes nothing. Never raises for bad input."""
         command_id = body.get("id")

@@ -1,5 +1,5 @@
 """The step encoder: turns the step records the training thread queued into ``steps``
-batches (see :func:`agent.protocol.steps_body`), on the I/O thread.
+batches (see :func:`agent.wire.protocol.steps_body`), on the I/O thread.
 
 Owns the records in flight (queued, their markers not yet ready), the rows of the batch
 being built, the expected next step (to count records lost to the queue's bound), the
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from agent import protocol
+from agent.wire import protocol
 from agent.guard import BASELINE_STEPS, ChangeGuard
 from agent.markers import CpuMarker
 from agent.record import StepRecord, host_columns
@@ -163,7 +163,7 @@ class StepEncoder:
 
     def drain(self, final: bool = False) -> None:
         """Turn the records queued since the last call into messages: the steps into
-        one ``steps`` batch (several past :data:`~agent.protocol.MAX_BATCH_STEPS`),
+        one ``steps`` batch (several past :data:`~agent.wire.protocol.MAX_BATCH_STEPS`),
         each event in its place among them. A step whose marker is not ready waits for
         the next call, and the steps after it with it; ``final``: the run is ending,
         nothing waits (a marker not ready gives no device values).

@@ -42,7 +42,7 @@ class ChangeGuard:
         ledger: the changes to watch (the window, ``guard_steps``, is the ledger's).
         max_skipped_in_row: consecutive GradScaler-skipped steps that count as trouble.
         tuner: whether the tuner's changes (command ids starting with
-            :data:`agent.protocol.TUNE_ID_PREFIX`) are watched. The agent's guard leaves
+            :data:`agent.wire.protocol.TUNE_ID_PREFIX`) are watched. The agent's guard leaves
             them to the tuner, which watches its candidates with a guard of its own and
             reverts them on every rank at once.
     """

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import zmq
 
-from agent import helpers, protocol
+from agent import helpers
+from agent.wire import protocol
 from agent.multinode import node_link
 from agent.probes import Nvml, SystemProbe
-from agent.protocol import EventKind, Reply
-from agent.runlog import LOG_SUFFIX, RunLog, log_dir
-from agent.runs import (
+from agent.wire.protocol import EventKind, Reply
+from agent.wire.runlog import LOG_SUFFIX, RunLog, log_dir
+from agent.wire.runs import (
     RUN_ID_ENV,
     RunInfo,
     new_run_id,
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from agent.desk import CommandDesk
     from agent.encoder import StepEncoder
     from agent.guard import ChangeGuard
-    from agent.knobs import KnobSet
+    from agent.wire.knobs import KnobSet
     from agent.tune import AutoTune
 
 _HEARTBEAT_INTERVAL_S = 1.0
@@ -320,7 +321,7 @@ class IOLoop:
         """Bind the sockets, open the run log and write the run file.
 
         Raises:
-            agent.runs.UnsafeDirectoryError, OSError: the run directory is refused or
+            agent.wire.runs.UnsafeDirectoryError, OSError: the run directory is refused or
                 cannot be made (the agent then stays inert: training goes on
                 unobserved). A run log that cannot be opened is not an error: the run
                 goes on without one, and an event says why.
@@ -373,10 +374,10 @@ class IOLoop:
         return pub, router
 
     def _open_log(self) -> RunLog:
-        """The run log of this rank, in :func:`agent.runlog.log_dir`.
+        """The run log of this rank, in :func:`agent.wire.runlog.log_dir`.
 
         Raises:
-            agent.runs.UnsafeDirectoryError, agent.runlog.UnsafeLogFileError, OSError:
+            agent.wire.runs.UnsafeDirectoryError, agent.wire.runlog.UnsafeLogFileError, OSError:
                 the directory or the file is refused or cannot be made.
         """
         return RunLog(log_dir() / f"{self.run_id}.rank{self._agent.rank}{LOG_SUFFIX}")
@@ -500,7 +501,7 @@ class IOLoop:
         """Send one message (and append it to the run log). ``logged=False``: a repeat
         for new subscribers, sent with the latest ``seq`` and not logged. The steps
         batched so far are sent first, so every message keeps its order with them. An
-        event is cut to a bounded size first (:func:`agent.protocol.bounded_event`), so
+        event is cut to a bounded size first (:func:`agent.wire.protocol.bounded_event`), so
         that large, frequent ones never crowd the steps out of the dashboards' queues."""
         if msg_type != protocol.STEPS:
             self._encoder.flush()

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agent.knobs import assignment
-from agent.protocol import TUNE_ID_PREFIX
+from agent.wire.knobs import assignment
+from agent.wire.protocol import TUNE_ID_PREFIX
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Change:
     @property
     def by_tuner(self) -> bool:
         """Made by the agent's tuner (its ids start with
-        :data:`agent.protocol.TUNE_ID_PREFIX`), which watches its candidates itself."""
+        :data:`agent.wire.protocol.TUNE_ID_PREFIX`), which watches its candidates itself."""
         return str(self.command_id or "").startswith(TUNE_ID_PREFIX)
 
 

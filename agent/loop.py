@@ -49,7 +49,7 @@ from agent.checkpoints import load_checkpoint, restore_knobs, torch_checkpoint
 from agent.core import Agent
 from agent.record import StepRecord
 from agent.run import RunBase, host_copy
-from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
                          LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
                          KnobSet)
 from gpuopt.backends import ModelBackend

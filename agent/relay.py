@@ -4,7 +4,7 @@ the node's local rank 0 (``python -m agent.relay``), like the tcp gateway
 a training process.
 
 It listens with CURVE (its server key pair and the one client key it lets in are
-derived from the user's job secret: see :mod:`agent.nodes`), behind the same tcp front
+derived from the user's job secret: see :mod:`agent.wire.nodes`), behind the same tcp front
 door as the gateway (:class:`agent.gateway.Front`: a bounded number of connections per
 peer, so no one can exhaust its descriptors or crowd the owner's dashboards out), and:
 
@@ -40,10 +40,11 @@ from typing import Any
 
 import zmq
 
-from agent import helpers, protocol
-from agent.fanout import _Connections, secure
+from agent import helpers
+from agent.wire import protocol
+from agent.wire.commands import _Connections, secure
 from agent.gateway import Front
-from agent.runs import RunInfo, run_ranks
+from agent.wire.runs import RunInfo, run_ranks
 
 #: How often the node summary is published, and the run files looked at again (s).
 SUMMARY_S = 1.0

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from agent.adapters import MemoryKnobs, publish_events
 from agent.checkpoints import Checkpoints, restore_knobs
 from agent.core import Agent, ending_reason

@@ -43,7 +43,7 @@ import time
 
 import zmq
 
-from agent import protocol, runs
+from agent.wire import protocol, runs
 from agent.core import Agent
 
 

@@ -41,8 +41,8 @@ import sys
 import tempfile
 from typing import Any
 
-from agent import protocol, runs
-from agent.knobs import assignment
+from agent.wire import protocol, runs
+from agent.wire.knobs import assignment
 from agent.tune import Series
 from gpuwatch.client import Subscriber, send_command
 

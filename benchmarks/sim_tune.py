@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.knobs import CPU_THREADS, NUM_WORKERS, PREFETCH_FACTOR, Knob, KnobSet  # noqa: E402
+from agent.wire.knobs import CPU_THREADS, NUM_WORKERS, PREFETCH_FACTOR, Knob, KnobSet  # noqa: E402
 from agent.tune import Tuner, TuneRequest  # noqa: E402
 
 #: samples/s at (num_workers, cpu_threads), measured live on the CNN demo here.

@@ -16,9 +16,9 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from agent import protocol
-from agent.knobs import assignment
-from agent.runs import find_run
+from agent.wire import protocol
+from agent.wire.knobs import assignment
+from agent.wire.runs import find_run
 from gpuwatch.client import new_command_id, parse_assignment, reply_text, send_command
 from gpuwatch.units import knob_text
 from gpuwatch.palette import BindingCommands

@@ -25,8 +25,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Metr
                                     SummaryMetricFamily)
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from agent.protocol import printable
-from agent.runs import list_runs
+from agent.wire.protocol import printable
+from agent.wire.runs import list_runs
 from gpuwatch.client import Subscriber
 from gpuwatch.history import number
 from gpuwatch.state import RunState

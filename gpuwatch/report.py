@@ -31,7 +31,7 @@ matplotlib.use("Agg")  # off screen: no display, no GUI toolkit
 
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from agent.protocol import printable  # noqa: E402
+from agent.wire.protocol import printable  # noqa: E402
 from gpuwatch.compare import Column, rows  # noqa: E402
 from gpuwatch.history import RunHistory, write_output  # noqa: E402
 from gpuwatch.units import human_age, human_bytes, knob_text  # noqa: E402

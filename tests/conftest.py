@@ -23,12 +23,12 @@ if not torch.cuda.is_available():
     # Triton is first imported with this set: set it before any test module imports it.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from agent import protocol
+from agent.wire import protocol
 from agent.desk import CommandDesk
-from agent.knobs import STANDARD_KNOBS, Knob, KnobSet
+from agent.wire.knobs import STANDARD_KNOBS, Knob, KnobSet
 from agent.ledger import ChangeLedger
 from agent.tune import AutoTune
-from agent.runs import RunInfo, remove_run_file, write_run_file
+from agent.wire.runs import RunInfo, remove_run_file, write_run_file
 
 
 class FakeAgent:
@@ -37,7 +37,7 @@ class FakeAgent:
     and a thread that publishes a training step every ``step_s`` seconds (with heartbeat,
     and hello/system every 10 steps) and applies accepted commands at their step. With
     ``gpus`` (``system`` GPU maps) it also reports CUDA memory in each step; ``knobs``
-    (names of :data:`~agent.knobs.STANDARD_KNOBS` and start values; an ``action`` knob
+    (names of :data:`~agent.wire.knobs.STANDARD_KNOBS` and start values; an ``action`` knob
     such as ``checkpoint`` with any value, which is not kept) is its schema, and
     ``unavailable`` ({knob: {value: reason}}) the values its device checks refuse;
     ``step_fields`` are added to (or replace fields of) every step body. ``run_id`` and

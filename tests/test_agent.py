@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import agent
-from agent import protocol, runs
+from agent.wire import protocol, runs
 from agent.record import StepRecord
 from gpuopt import MixedPrecision, Trainer
 from gpuwatch.client import Subscriber, send_command

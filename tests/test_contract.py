@@ -20,7 +20,7 @@ import threading
 import pytest
 import torch
 
-from agent.knobs import assignment
+from agent.wire.knobs import assignment
 from gpuwatch.client import Subscriber
 from gpuwatch.history import flat_records
 from tests.contract import NAN_UNDER_BF16, Driver, Recorder, all_drivers, run

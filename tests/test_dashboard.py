@@ -15,9 +15,9 @@ from textual import events
 from textual.geometry import Region
 from textual.widgets import Footer
 
-from agent import protocol
-from agent.knobs import STANDARD_KNOBS
-from agent.runs import RunInfo
+from agent.wire import protocol
+from agent.wire.knobs import STANDARD_KNOBS
+from agent.wire.runs import RunInfo
 from gpuwatch import state as state_module
 from gpuwatch.app import QUICK_KEYS_ENV, GpuwatchApp
 from gpuwatch.client import Subscriber, send_command

@@ -2,12 +2,12 @@
 
 from typing import Any
 
-from agent import protocol
+from agent.wire import protocol
 from agent.desk import MAX_PENDING_COMMANDS, CommandDesk
 from agent.guard import ChangeGuard
-from agent.knobs import ACCUM_STEPS, LR_SCALE, PRECISION, Knob, KnobSet
+from agent.wire.knobs import ACCUM_STEPS, LR_SCALE, PRECISION, Knob, KnobSet
 from agent.ledger import Change, ChangeLedger
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from agent.tune import AutoTune
 
 TOKEN = "secret"

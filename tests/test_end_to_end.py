@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import runs
+from agent.wire import runs
 from gpuwatch.client import Subscriber, send_command
 from tests.training import messages
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import runs
+from agent.wire import runs
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.live import LiveSource
 from tests.test_dashboard import knows, log_texts, text_of, until

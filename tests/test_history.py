@@ -1,4 +1,4 @@
-"""Runs after the fact: run logs written by the real agent.runlog.RunLog (and by the real
+"""Runs after the fact: run logs written by the real agent.wire.runlog.RunLog (and by the real
 demo job), found and read back by gpuwatch.history, listed by ``gpuwatch runs --all``
 and replayed on a timeline in the real app."""
 
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from agent import protocol, runlog
-from agent.knobs import STANDARD_KNOBS
-from agent.runlog import RunLog
+from agent.wire import protocol, runlog
+from agent.wire.knobs import STANDARD_KNOBS
+from agent.wire.runlog import RunLog
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.timeline import CHECKPOINT_STEPS, Timeline, TimelineSource

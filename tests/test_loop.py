@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import agent
-from agent import runs
-from agent.runlog import LOG_SUFFIX
+from agent.wire import runs
+from agent.wire.runlog import LOG_SUFFIX
 from gpuopt.checkpointing import find_blocks
 from gpuopt.precision import MixedPrecision
 from gpuwatch.client import send_command

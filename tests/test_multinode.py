@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent import nodes, runs
+from agent.wire import nodes, runs
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.history import flat_records
 

@@ -18,8 +18,8 @@ import psutil
 import pytest
 import zmq
 
-from agent import nodes, protocol, runs
-from agent.fanout import _Connections, remote_relays, send_command
+from agent.wire import nodes, protocol, runs
+from agent.wire.commands import _Connections, remote_relays, send_command
 from gpuwatch.multinode_commands import node_lines
 from gpuwatch.state import RunState
 from tests.conftest import FakeAgent
@@ -373,7 +373,7 @@ def test_a_dashboard_follows_a_few_hundred_ranks_through_one_socket_per_node(run
 SCALE_PUBLISHERS = r"""
 import json, sys, time
 import zmq
-from agent import nodes, protocol
+from agent.wire import nodes, protocol
 
 secret = nodes.load_secret(__import__("pathlib").Path(sys.argv[1]))
 run_id, count, per_node = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

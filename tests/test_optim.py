@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import agent
-from agent import runs
+from agent.wire import runs
 from agent.checkpoints import load_checkpoint
 from gpuopt import Trainer
 from gpuopt.loader import ReconfigurableLoader

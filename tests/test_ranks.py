@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import agent
-from agent import runs
+from agent.wire import runs
 from gpuopt import Trainer
-from agent.fanout import _Connections
+from agent.wire.commands import _Connections
 from gpuwatch.client import Subscriber, reply_text, send_command
 from tests.conftest import FakeAgent
 from tests.training import Gate, digits_loader, messages, model as make_model, start

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import agent
-from agent import runs
+from agent.wire import runs
 from agent.guard import ChangeGuard
 from agent.ledger import Change, ChangeLedger
 from gpuopt import Trainer
@@ -61,7 +61,7 @@ def test_forced_nan_after_switch_to_fp16_is_rolled_back_and_training_goes_on(run
 def test_one_rank_of_several_does_not_roll_back_alone(run_dir):
     """A rollback decided by one rank would leave it alone with another precision: with
     several ranks the agent says what to send to all of them instead."""
-    from agent.fanout import _Connections  # the raw wire: this rank only
+    from agent.wire.commands import _Connections  # the raw wire: this rank only
 
     model = make_model()
     gate = Gate(hold_at=3)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import protocol, runs
-from agent.runlog import RunLog, UnsafeLogFileError
+from agent.wire import protocol, runs
+from agent.wire.runlog import RunLog, UnsafeLogFileError
 from gpuwatch.history import flat_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -648,7 +648,7 @@ def intruder(request) -> User:
     return request.getfixturevalue("planter")
 
 
-#: tests/tcp_attack.py, run as the intruder (it needs nothing but agent.protocol).
+#: tests/tcp_attack.py, run as the intruder (it needs nothing but agent.wire.protocol).
 ATTACK = (ROOT / "tests" / "tcp_attack.py").read_text()
 
 
@@ -872,7 +872,8 @@ def test_another_users_connections_cannot_exhaust_a_node_relays_descriptors(
     owner's dashboard, with the job secret's keys, still hears the node's summaries."""
     import psutil
 
-    from agent import nodes, tcpfront
+    from agent.wire import nodes
+    from agent import tcpfront
     from tests.test_nodes import RUN_ID, OtherNode
 
     if not intruder.foreign:
@@ -911,7 +912,7 @@ def test_another_users_connections_cannot_exhaust_a_node_relays_descriptors(
 #: stdin closes (then os._exit: ZeroMQ crashes closing a SUB of megabytes).
 HUGE_SUBSCRIPTION = r"""
 import os, sys, zmq
-from agent import runs
+from agent.wire import runs
 from gpuwatch.client import secure
 info = runs.find_run()
 sub = zmq.Context.instance().socket(zmq.SUB)
@@ -1008,7 +1009,7 @@ def test_resubscribing_in_a_loop_neither_fills_the_run_log_nor_floods_the_wire(r
 #: watches what connects: prints "bound", then on stdin's end what its sockets saw.
 SQUAT = r"""
 import json, sys, time, zmq
-from agent import protocol
+from agent.wire import protocol
 pub_port, cmd_port = int(sys.argv[1]), int(sys.argv[2])
 context = zmq.Context()
 pub, router = context.socket(zmq.PUB), context.socket(zmq.ROUTER)

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from agent import protocol
-from agent.knobs import STANDARD_KNOBS
-from agent.runs import RunInfo
+from agent.wire import protocol
+from agent.wire.knobs import STANDARD_KNOBS
+from agent.wire.runs import RunInfo
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.live import LiveSource

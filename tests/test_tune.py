@@ -20,8 +20,8 @@ import torch
 
 import agent
 from agent.checkpoints import load_checkpoint
-from agent import protocol
-from agent.knobs import TUNED, TUNED_IF_ALLOWED, Knob, KnobError, KnobSet, KnobSpec
+from agent.wire import protocol
+from agent.wire.knobs import TUNED, TUNED_IF_ALLOWED, Knob, KnobError, KnobSet, KnobSpec
 from agent.tune import (
     Block,
     CoordinateSearch,
@@ -599,7 +599,7 @@ def _trade_search(step_time_s, fails=()):
     step records directly; each command applies at the next step, except those in
     ``fails`` (``(knob, value)``), which fail there. Returns the tuner and every command
     sent, ``(knob, value)``. ``step_time_s(threads, workers)`` is a step's time."""
-    from agent.knobs import CPU_THREADS, NUM_WORKERS
+    from agent.wire.knobs import CPU_THREADS, NUM_WORKERS
 
     values = {"cpu_threads": 2, "num_workers": 0}
     knobs = KnobSet()
@@ -699,7 +699,7 @@ def test_the_warm_up_is_cut_off_and_steady_noise_is_not():
 
 
 def test_knob_specs_say_what_the_search_may_do():
-    from agent.knobs import STANDARD_KNOBS
+    from agent.wire.knobs import STANDARD_KNOBS
 
     tuned = {name for name, spec in STANDARD_KNOBS.items() if spec.tuning == TUNED}
     allowed = {name for name, spec in STANDARD_KNOBS.items()
@@ -917,7 +917,7 @@ def test_cpu_threads_warns_while_the_model_is_compiled_so_the_search_skips_it():
     """torch.compile guards on the thread count: a change recompiles (a stall of tens of
     seconds that the search would measure as the candidate's)."""
     from agent.adapters import cpu_threads_knob
-    from agent.knobs import KERNELS
+    from agent.wire.knobs import KERNELS
 
     mode = {"kernels": "eager"}
     knobs = KnobSet()

@@ -22,7 +22,7 @@ import threading
 import torch
 
 from agent.core import Agent
-from agent.knobs import ACCUM_STEPS, Knob, KnobSet
+from agent.wire.knobs import ACCUM_STEPS, Knob, KnobSet
 from agent.record import StepRecord
 
 

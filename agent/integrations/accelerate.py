@@ -125,13 +125,13 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType
 from accelerate.utils.operations import convert_to_fp32
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
                             optimizer_knobs, refuse)
 from agent.checkpoints import (GRAD_SCALER_FILE, read_knobs_file, restore_knobs,
                                write_knobs_file)
 from agent.core import Agent
-from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
                          LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PRECISION,
                          WEIGHT_DECAY, Knob, KnobSet)
 from agent.record import StepRecord

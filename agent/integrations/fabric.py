@@ -79,7 +79,7 @@ from torch._dynamo import OptimizedModule
 from agent.adapters import cpu_threads_knob, precision_knob, refuse
 from agent.checkpoints import FORMAT
 from agent.core import Agent
-from agent.knobs import (CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE, MAX_GRAD_NORM,
+from agent.wire.knobs import (CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE, MAX_GRAD_NORM,
                          MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
 from agent.loop import LoopRun, check_accum_steps, model_knobs, optimizer_settings_knobs
 from agent.run import host_copy

@@ -108,12 +108,12 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import is_sagemaker_mp_enabled
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from agent.adapters import cpu_threads_knob
 from agent.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_knobs_file
 from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE,
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE,
                          MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
                          PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
 from agent.record import StepRecord

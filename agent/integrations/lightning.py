@@ -154,17 +154,17 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleD
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from agent.adapters import (cpu_threads_knob, loader_knobs, optimizer_knobs, precision_knob,
                             refuse)
 from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
                          LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
                          KnobSet)
 from agent.record import StepRecord
 from agent.run import RunBase
-from agent.runs import RUN_ID_ENV
+from agent.wire.runs import RUN_ID_ENV
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.data import batch_size
@@ -1052,7 +1052,7 @@ class _Run(RunBase):
 
 def _lightning_run_id(trainer: pl.Trainer) -> str | None:
     """A run id every rank of a Lightning job derives alike, or None to leave it to
-    :func:`agent.runs.shared_run_id` (one process; ``$GPUWATCH_RUN_ID`` set; torchrun).
+    :func:`agent.wire.runs.shared_run_id` (one process; ``$GPUWATCH_RUN_ID`` set; torchrun).
 
     Lightning's own launcher (``devices=N``) starts ranks 1.. as children of rank 0,
     which starts from a shell: the launcher-based id of ``shared_run_id`` differs between

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from agent import protocol
+from agent.wire import protocol
 from agent.core import Agent
 
 #: Prefix of every name this module logs.

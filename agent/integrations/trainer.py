@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from agent.protocol import EventKind
+from agent.wire.protocol import EventKind
 from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
                             optimizer_knobs, precision_knob, refuse)
 from agent.checkpoints import load_checkpoint, torch_checkpoint
 from agent.core import Agent, ending_reason
-from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MAX_GRAD_NORM,
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MAX_GRAD_NORM,
                          MICRO_BATCH_SIZE, Knob, KnobSet)
 from agent.record import StepRecord
 from agent.run import RunBase, host_copy

@@ -23,8 +23,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, NamedTuple, overload
 
-from agent import protocol
-from agent.protocol import printable
+from agent.wire import protocol
+from agent.wire.protocol import printable
 from gpuwatch.history import (HistoryBuilder, LogFiles, LogReader, Position, RunHistory,
                               number)
 from gpuwatch.sources import Source

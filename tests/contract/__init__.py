@@ -150,7 +150,7 @@ def send_at_first_step(monitor: Any, commands: list[tuple[str, Any, int]],
                        recorder: Recorder) -> None:
     """Mark each step's end in ``recorder``, and at the first step recorded send
     ``commands`` through real sockets (their replies in ``recorder.replies``)."""
-    from agent.fanout import send_command
+    from agent.wire.commands import send_command
 
     pending = list(commands)
     ended = [0]  # micro-batches trained when the latest step ended

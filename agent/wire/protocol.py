@@ -16,7 +16,7 @@ Message types and their bodies:
 
 ``hello``      run metadata: ``name``, ``pid``, ``host``, ``rank``, ``world_size``, ``device``,
                ``model`` (``params``, ``name``), ``env`` (environment report),
-               ``knobs`` (the knob schema, see :mod:`agent.knobs`), ``started_at``,
+               ``knobs`` (the knob schema, see :mod:`agent.wire.knobs`), ``started_at``,
                ``training`` (``framework``: gpuopt.Trainer, lightning, transformers,
                accelerate or loop; ``loss_normalization`` where known: how a window's
                loss and gradient are averaged, e.g. micro_batch_mean or samples),
@@ -195,7 +195,7 @@ class EventKind:
 
 class Reply(TypedDict, total=False):
     """The body of a ``reply`` (agent -> client), declared once for the agent's command
-    desk, the fan-out to several ranks (:mod:`agent.fanout`) and the clients; extra
+    desk, the fan-out to several ranks (:mod:`agent.wire.commands`) and the clients; extra
     fields are ignored, as everywhere on the wire."""
 
     #: the command's ``id`` (None when the command's own id was unusable)

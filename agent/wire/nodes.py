@@ -20,7 +20,7 @@ sending them anywhere:
 - the one CURVE client key pair the relays let in (:func:`client_keys`);
 - the token that commands to a relay carry (:func:`relay_token`).
 
-No torch here, and zmq only where keys are made: the dashboard and :mod:`agent.runs`
+No torch here, and zmq only where keys are made: the dashboard and :mod:`agent.wire.runs`
 import it too.
 """
 

@@ -16,8 +16,8 @@ from typing import Any, Callable, cast
 
 import zmq
 
-from agent import protocol
-from agent.runs import RunInfo, node_list, run_ranks
+from agent.wire import protocol
+from agent.wire.runs import RunInfo, node_list, run_ranks
 
 #: How often :func:`send_command` checks whether its wait was cancelled (s).
 CANCEL_CHECK_S = 0.1
@@ -63,7 +63,7 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     never differ between ranks): a single-node run needs every rank's run file on this
     machine; a multi-node torchrun job reaches this machine's ranks directly and each
     other node's through that node's relay (:mod:`agent.relay`), which the job's store
-    names and the user's job secret lets in (:mod:`agent.nodes`). A relay passes each
+    names and the user's job secret lets in (:mod:`agent.wire.nodes`). A relay passes each
     phase to its node's ranks and answers for all of them, within ``0.7 * timeout_s``;
     a node that does not answer (stopped, partitioned) counts as a refusal of each of
     its ranks, so the command is refused, or withdrawn, everywhere.
@@ -149,7 +149,7 @@ class _Group:
 def _groups(info: RunInfo) -> tuple[list[_Group], str | None]:
     """The connections that reach every rank of ``info``'s run: this machine's ranks
     directly (their run files), the other nodes' through their relays (as the job's
-    store names them; see :mod:`agent.nodes`); or the reason they cannot all be
+    store names them; see :mod:`agent.wire.nodes`); or the reason they cannot all be
     reached."""
     ranks = run_ranks(info.run_id)
     groups = [_Group(rank, [rank.rank]) for rank in ranks]
@@ -185,9 +185,9 @@ def remote_relays(run_id: str, world_size: int, here: set[int]
     """The relays of the nodes of multi-node run ``run_id`` other than ``here`` (the
     nodes of this machine's ranks), as the job's store names them: ``(node, entry,
     info)`` where ``info`` connects to the relay (its CURVE keys and token derived from
-    this user's job secret, :mod:`agent.nodes`); and why some cannot be used (no job
+    this user's job secret, :mod:`agent.wire.nodes`); and why some cannot be used (no job
     secret, or an entry whose server key is not the one the secret gives), or None."""
-    from agent.nodes import SecretError, client_keys, load_secret, relay_token, server_keys
+    from agent.wire.nodes import SecretError, client_keys, load_secret, relay_token, server_keys
 
     remote = [entry for entry in node_list(run_id) if entry["node"] not in here]
     if not remote:
