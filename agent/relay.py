@@ -42,7 +42,7 @@ import zmq
 
 from agent import helpers
 from agent.wire import protocol
-from agent.wire.commands import _Connections, secure
+from agent.wire.commands import RankConnections, secure
 from agent.gateway import Front
 from agent.wire.runs import RunInfo, run_ranks
 
@@ -95,7 +95,7 @@ class Relay:
         self.token: str = settings["token"]
         self.front_pub, self.front_cmd = front_pub, front_cmd
         self.stop = threading.Event()
-        self._connections: dict[str, tuple[_Connections, float]] = {}
+        self._connections: dict[str, tuple[RankConnections, float]] = {}
 
     # ---------------------------------------------------------------- commands
 
@@ -152,7 +152,7 @@ class Relay:
         within_s = min(MAX_WITHIN_S, max(0.1, float(within_s)))
         kept = self._connections.get(command_id)
         if kept is None:
-            connections = _Connections(self._local_ranks())
+            connections = RankConnections(self._local_ranks())
             self._expire(room_for_one=True)
         else:
             connections = kept[0]

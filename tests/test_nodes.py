@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from agent.wire import nodes, protocol, runs
-from agent.wire.commands import _Connections, remote_relays, send_command
+from agent.wire.commands import RankConnections, remote_relays, send_command
 from gpuwatch.multinode_commands import node_lines
 from gpuwatch.state import RunState
 from tests.conftest import FakeAgent
@@ -260,7 +260,7 @@ def test_a_relay_lets_in_only_the_job_secrets_client_key_and_token(job):
                          started_at=0.0)
     # the right server key and client keys, a wrong token: answered, refused
     relay = next(info for node, _, info in remote_relays(RUN_ID, 4, {0})[0] if node == 1)
-    with _Connections([runs.RunInfo(**{**relay.__dict__, "token": "0" * 64})]) as c:
+    with RankConnections([runs.RunInfo(**{**relay.__dict__, "token": "0" * 64})]) as c:
         answer = c.exchange({"id": "x1", "knob": "precision", "value": "bf16",
                              "dry_run": True}, 3.0, None)[0]
     assert answer["relay"] and not answer["ok"]
@@ -270,7 +270,7 @@ def test_a_relay_lets_in_only_the_job_secrets_client_key_and_token(job):
     wrong.curve_server_key = other.entry["server_key"]
     wrong.curve_client_public_key = stranger_public.decode()
     wrong.curve_client_secret_key = stranger_secret.decode()
-    with _Connections([wrong]) as c:
+    with RankConnections([wrong]) as c:
         silent = c.exchange({"id": "x2", "knob": "precision", "value": "bf16",
                              "dry_run": True}, 1.0, None)[0]
     assert silent["answered"] is False

@@ -15,7 +15,7 @@ import torch
 import agent
 from agent.wire import runs
 from gpuopt import Trainer
-from agent.wire.commands import _Connections
+from agent.wire.commands import RankConnections
 from gpuwatch.client import Subscriber, reply_text, send_command
 from tests.conftest import FakeAgent
 from tests.training import Gate, digits_loader, messages, model as make_model, start
@@ -144,13 +144,13 @@ def test_cancel_withdraws_a_pending_command_and_says_when_it_came_too_late(run_d
     assert send_command(single, "accum_steps", 3, apply_step=5, command_id="c1")["ok"]
     assert send_command(single, "accum_steps", 2, apply_step=3, command_id="c2")["ok"]
     cancel = {"id": "c1", "cancel": True, "reason": "changed my mind"}
-    with _Connections([single]) as connection:
+    with RankConnections([single]) as connection:
         assert connection.exchange(cancel, 3.0, None)[0]["ok"]
         again = connection.exchange(cancel, 3.0, None)[0]
     assert not again["ok"] and again["reason"] == "no pending command with id 'c1'"
     thread = start(trainer, max_steps=8)
     assert gate.reached.wait(30)
-    with _Connections([single]) as connection:  # too late: it says when it applied
+    with RankConnections([single]) as connection:  # too late: it says when it applied
         late = connection.exchange({"id": "c2", "cancel": True}, 3.0, None)[0]
     gate.release.set()
     thread.join(30)

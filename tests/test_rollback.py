@@ -61,7 +61,7 @@ def test_forced_nan_after_switch_to_fp16_is_rolled_back_and_training_goes_on(run
 def test_one_rank_of_several_does_not_roll_back_alone(run_dir):
     """A rollback decided by one rank would leave it alone with another precision: with
     several ranks the agent says what to send to all of them instead."""
-    from agent.wire.commands import _Connections  # the raw wire: this rank only
+    from agent.wire.commands import RankConnections  # the raw wire: this rank only
 
     model = make_model()
     gate = Gate(hold_at=3)
@@ -72,7 +72,7 @@ def test_one_rank_of_several_does_not_roll_back_alone(run_dir):
     with Subscriber(info) as sub:
         thread = start(trainer, max_steps=40)
         assert gate.reached.wait(30)
-        with _Connections([info]) as connection:
+        with RankConnections([info]) as connection:
             command = {"id": "f16", "knob": "precision", "value": "fp16", "apply_step": 5}
             assert connection.exchange(command, 3.0, None)[0]["ok"]
         gate.release.set()
