@@ -5,6 +5,7 @@ dashboard started without torch."""
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,7 +18,23 @@ def test_import_contracts_are_kept():
          "sys.exit(lint_imports_command())", "--no-cache"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 kept, 0 broken" in result.stdout
+    assert "5 kept, 0 broken" in result.stdout
+
+
+def test_the_wire_contracts_name_every_module_of_agent_outside_the_wire():
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    outside = {_module_name(path) for path in (ROOT / "agent").iterdir()
+               if path.name != "__init__.py" and path.name != "wire"
+               and (path.suffix == ".py" or (path / "__init__.py").exists())}
+    assert {"agent.core", "agent.integrations", "agent.tune"} <= outside
+    wire_contracts = [contract for contract in contracts["contracts"]
+                      if contract["source_modules"] in (["agent.wire"], ["gpuwatch"])
+                      and any(name.startswith("agent.") for name in
+                              contract["forbidden_modules"])]
+    assert len(wire_contracts) == 2
+    for contract in wire_contracts:
+        named = {name for name in contract["forbidden_modules"] if name.startswith("agent.")}
+        assert named == outside, contract["name"]
 
 
 def test_the_dashboard_and_cli_load_without_importing_torch():
