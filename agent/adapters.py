@@ -233,7 +233,7 @@ def publish_events(agent: Agent, step: int,
     """Publish ``(kind, text, fields)`` events of ``step`` (e.g. a model backend's compile
     events): level ``warning`` for kind ``warning``, else ``info``."""
     for kind, text, fields in events:
-        agent.event("warning" if kind == "warning" else "info", text, kind=kind, step=step,
+        agent.event("warning" if kind == EventKind.WARNING else "info", text, kind=kind, step=step,
                     **fields)
 
 

@@ -718,28 +718,28 @@ class Tuner:
     def on_event(self, event: dict[str, Any]) -> None:
         """One event of the run, in order with its step records."""
         kind, knob = event.get("kind"), event.get("knob")
-        if kind == "compiling":  # (re)compiling: nothing is measured until "compiled"
+        if kind == EventKind.COMPILING:  # (re)compiling: nothing is measured until "compiled"
             self._compiling = True
-        elif kind == "compiled":
+        elif kind == EventKind.COMPILED:
             self._compiling = False
             self._series = Series()
         if self.status != "running":
             return
         if event.get("id") in self._waiting:
             del self._waiting[event["id"]]
-            if kind == "applied":
+            if kind == EventKind.APPLIED:
                 if self._watch:  # watched here (the agent's guard leaves it to us)
                     self._ledger.record(Change(int(event.get("step", 0)), str(knob),
                                                event.get("value"), event.get("previous")))
                 if not self._waiting:
                     self._switched()
-            elif kind == "failed" and self._watch:  # that knob kept its value
+            elif kind == EventKind.FAILED and self._watch:  # that knob kept its value
                 self._verdict("reverted", f"applying it failed: {event.get('text', '')}")
                 self._back_to_best()  # the rest of its setting may have applied
                 self._next_candidate()
-            elif kind == "failed":
+            elif kind == EventKind.FAILED:
                 self._finish("stopped", f"going back failed: {event.get('text', '')}")
-        elif kind == "rolled_back" and knob in self.best:
+        elif kind == EventKind.ROLLED_BACK and knob in self.best:
             self._rolled_back(knob, event.get("value"), str(event.get("text", "")))
         elif kind in CHANGE_KINDS and not self.own(event.get("id")) and (
                 knob not in self.knobs.knobs

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 import orjson
 
 from agent.wire import protocol, runlog
-from agent.wire.protocol import MAX_NAME_CHARS, MAX_TEXT_CHARS, printable
+from agent.wire.protocol import ENVELOPE_KEYS, MAX_NAME_CHARS, MAX_TEXT_CHARS, printable
 from agent.wire.runlog import LogSummary, log_dir, number, open_no_follow
 from agent.wire.runs import list_runs
 from gpuwatch.state import MAX_KNOBS, KnobChange
@@ -71,8 +71,6 @@ if TYPE_CHECKING:
 MAX_LINE_BYTES = protocol.MAX_MESSAGE_BYTES
 #: Bytes read from a JSON-lines file at a time.
 CHUNK_BYTES = 1 << 20
-#: The envelope's fields in a flattened record; every other field is the body's.
-ENVELOPE_KEYS = ("type", "run", "rank", "seq", "t")
 #: A run log's file name: ``<run>.rank<r>.runlog`` (parts ``.1``, ...) or
 #: ``<run>.rank<r>.jsonl`` (rotated ``.1``, ...).
 LOG_NAME = re.compile(

@@ -246,8 +246,9 @@ MAX_BATCH_STEPS = 1024
 STEP_FIELDS = frozenset({
     "step", "micro_batches", "samples", "step_time_s", "data_wait_s", "data_wait_share",
     "samples_per_s", "loss", "gpu_step_time_s", "knobs", "skipped_steps_total"})
-#: Envelope keys: a body field of one of these names is dropped from flat records.
-_HEAD_KEYS = ("type", "run", "rank", "seq", "t")
+#: The envelope's fields in a flat record (:func:`flatten`); every other field is the
+#: body's, and a body field of one of these names is dropped from flat records.
+ENVELOPE_KEYS = ("type", "run", "rank", "seq", "t")
 
 
 #: Longest text (characters) kept of a string from the wire or a log where it is shown
@@ -460,8 +461,7 @@ def flatten(message: dict[str, Any]) -> dict[str, Any]:
     the run logs of earlier versions (JSON lines). Envelope keys win over body keys of
     the same name.
     """
-    head = {"type": message.get("type"), "run": message.get("run"),
-            "rank": message.get("rank"), "seq": message.get("seq"), "t": message.get("t")}
+    head = {key: message.get(key) for key in ENVELOPE_KEYS}
     body = message.get("body") or {}
     record = {**head, **body}
     if len(record) != len(head) + len(body):  # a body key shadowed an envelope key
