@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pandas as pd
@@ -16,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatch import history, tables
+from tests.conftest import wait_until
 from tests.test_history import gpuwatch, write_run
 from tests.test_replay import RUN
 
@@ -114,15 +114,15 @@ def test_prometheus_scrape_of_a_live_run(make_agent):
         assert line.startswith("serving gpuwatch_* metrics"), exporter.stderr.read()
         url = line.split(" at ")[1].split()[0]
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
-        deadline = time.monotonic() + 30
-        while True:  # the exporter subscribes within a second, then steps and a hello
+        def scraped():  # the exporter subscribes within a second, then steps and a hello
             families = scrape(url)
             steps, info = families.get("gpuwatch_steps"), families.get("gpuwatch_run_info")
-            if (steps is not None and steps.samples and steps.samples[0].value >= 3
-                    and info.samples[0].labels["device"]):
-                break
-            assert time.monotonic() < deadline, sorted(families)
-            time.sleep(0.1)
+            ready = (steps is not None and steps.samples and steps.samples[0].value >= 3
+                     and info.samples[0].labels["device"])
+            return families if ready else None
+
+        families = wait_until(scraped, "3 steps and a device in the scrape", timeout_s=30,
+                              poll_s=0.1, detail=lambda: str(sorted(scrape(url))))
         run = {"run": agent.info.run_id, "rank": "0"}
 
         def values(name):

@@ -20,7 +20,7 @@ from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.timeline import CHECKPOINT_STEPS, Timeline, TimelineSource
 from gpuwatch.state import RunState
-from tests.test_dashboard import text_of, until
+from tests.conftest import text_of, until, wait_until
 from tests.test_end_to_end import Terminal
 from tests.test_replay import KNOBS, RUN, LegacyLog, Writer
 
@@ -287,11 +287,9 @@ def test_a_finished_demo_run_is_listed_and_opens_by_id(run_dir):
 
 def shows(terminal, text, timeout_s=60):
     """Wait until the terminal has drawn ``text`` (bytes, within one styled span)."""
-    deadline = time.monotonic() + timeout_s
-    while text not in terminal.output:
-        assert terminal.process.poll() is None, bytes(terminal.output)[-2000:]
-        assert time.monotonic() < deadline, bytes(terminal.output)[-2000:]
-        time.sleep(0.05)
+    wait_until(lambda: text in terminal.output, f"the terminal to show {text!r}",
+               timeout_s=timeout_s, alive=[terminal.process],
+               detail=lambda: repr(bytes(terminal.output)[-2000:]))
 
 
 # --- the timeline -----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from agent.wire.runlog import LOG_SUFFIX
 from gpuopt.checkpointing import find_blocks
 from gpuopt.precision import MixedPrecision
 from gpuwatch.client import send_command
+from tests.conftest import wait_until
 from tests.training import digits_loader, model as make_model
 from gpuwatch.history import flat_records
 
@@ -145,13 +146,11 @@ def test_repeated_blocks_are_found_without_a_blocks_attribute():
 
 
 def _wait_for(predicate, path, timeout_s=120):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def seen():  # a file another process writes: no event to await
         records = _log_records(path) if os.path.exists(path) else []
-        if predicate(records):
-            return records
-        time.sleep(0.2)  # polling a file another process writes: no event to await
-    raise AssertionError(f"not seen within {timeout_s} s in {path}")
+        return records if predicate(records) else None
+
+    return wait_until(seen, f"the records awaited in {path}", timeout_s=timeout_s, poll_s=0.2)
 
 
 @pytest.mark.slow

@@ -408,7 +408,7 @@ while True:
 async def test_the_dashboard_header_names_a_straggler_on_another_node_with_its_node(job):
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.live import LiveSource
-    from tests.test_dashboard import text_of, until
+    from tests.conftest import text_of, until
 
     fast, slow = {"step_fields": {"step_time_s": 0.020}}, {"step_fields": {
         "step_time_s": 0.030, "data_wait_share": 0.4}}

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from agent.wire import runs
 from gpuopt import Trainer
 from agent.wire.commands import RankConnections
 from gpuwatch.client import Subscriber, reply_text, send_command
-from tests.conftest import FakeAgent
+from tests.conftest import FakeAgent, wait_until
 from tests.training import Gate, digits_loader, messages, model as make_model, start
 from gpuwatch.history import flat_records
 
@@ -27,14 +26,12 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def wait_for_ranks(process, world_size, timeout_s=90):
     """The run files of the job's ranks, once all ``world_size`` are there (polled: they
     are written by other processes)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stdout.read()
+    def all_there():
         found = runs.list_runs()
-        if len(found) == world_size:
-            return sorted(found, key=lambda info: info.rank)
-        time.sleep(0.1)
-    raise AssertionError(f"{len(runs.list_runs())} of {world_size} run files appeared")
+        return sorted(found, key=lambda info: info.rank) if len(found) == world_size else None
+
+    return wait_until(all_there, f"{world_size} run files", timeout_s=timeout_s, poll_s=0.1,
+                      alive=[process])
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from agent.wire.runlog import FrameWriter, RunLog, pack_message
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.history import envelope_from_record
 from gpuwatch.sources.replay import ReplaySource, RunLogReader
-from tests.test_dashboard import log_texts, text_of, until
+from tests.conftest import log_texts, text_of, until
 
 RUN = "20250101-000000-beef"
 KNOBS = {"precision": "bf16", "accum_steps": 2, "num_workers": 4, "pin_memory": True,

@@ -28,7 +28,7 @@ from agent.wire.runlog import (EXT_FLOATS, FLAG_CHUNK, FLAG_END, LogSummary, Run
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.live import LiveSource
-from tests.test_dashboard import text_of, until
+from tests.conftest import text_of, until
 from tests.test_history import gpuwatch
 from tests.test_replay import RUN, Writer
 

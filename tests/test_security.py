@@ -27,6 +27,7 @@ import pytest
 from agent.wire import protocol, runs
 from agent.wire.runlog import RunLog, UnsafeLogFileError
 from gpuwatch.history import flat_records
+from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 VICTIM = ROOT / "tests" / "victim_job.py"
@@ -581,12 +582,10 @@ def test_a_flood_of_1_mb_records_and_event_texts_keeps_the_dashboard_bounded(run
         assert flood.stdout.readline().strip() == "ready"
         terminal = Terminal(run_id)
         memory = MemoryWatch(terminal.process.pid)
-        deadline = time.monotonic() + 120
         # it is drawing the flood: its events (in the log, or the newest alone where the
         # log folds) or its 1 MB input verdict (cut to the panel)
-        while b"FLOOD" not in terminal.output and b"A" * 30 not in terminal.output:
-            assert terminal.process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: b"FLOOD" in terminal.output or b"A" * 30 in terminal.output,
+                   "the dashboard to draw the flood", timeout_s=120, alive=[terminal.process])
         assert flood.stdout.readline().startswith("flooded")  # 3 GB sent its way
         terminal.type(b"q")
         assert terminal.process.wait(60) == 0  # q is answered (no speed asserted)
@@ -741,10 +740,8 @@ def test_the_tcp_front_door_relays_and_lets_in_a_bounded_share(tmp_path):
         assert len(inside) == tcpfront.OWNER_CONNECTIONS
         assert door.held() == {("uid", os.getuid()): tcpfront.OWNER_CONNECTIONS}
         clients.pop().close()
-        deadline = time.monotonic() + 10
-        while sum(door.held().values()) == tcpfront.OWNER_CONNECTIONS:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: sum(door.held().values()) != tcpfront.OWNER_CONNECTIONS,
+                   "the front to let a closed connection go", timeout_s=10, poll_s=0.01)
         again = socket.create_connection(("127.0.0.1", door.ports[0]), timeout=10)
         clients.append(again)
         again.sendall(b"ping")
@@ -1062,13 +1059,11 @@ def test_a_dashboard_never_trusts_a_port_taken_over_after_its_run_ended(make_age
     source.start()
     squatter = None
     try:
-        deadline = time.monotonic() + 30
-        while True:
+        def stepped():
             with source.lock:
-                if source.state.step:
-                    break
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+                return source.state.step
+
+        wait_until(stepped, "the dashboard's first step", timeout_s=30)
         pub_port = int(agent.info.pub_endpoint.rsplit(":", 1)[1])
         cmd_port = int(agent.info.cmd_endpoint.rsplit(":", 1)[1])
         agent.stop()  # the run ends; its ports are free

@@ -37,6 +37,7 @@ from gpuopt import Trainer
 from gpuopt.loader import ReconfigurableLoader
 from gpuwatch.client import Subscriber, send_command
 from gpuwatch.history import flat_records
+from tests.conftest import wait_until
 from tests.training import digits_loader, messages, start
 from tests.training import model as make_model
 
@@ -817,19 +818,18 @@ def test_two_ranks_end_in_the_same_configuration_at_the_same_step(run_dir):
                              timeout=600)
         assert cli.returncode == 0, cli.stderr
         assert cli.stdout.splitlines()[-1].startswith("tuned: ")
-        deadline = time.monotonic() + 180
-        while True:  # the run logs (every record, unlike a subscriber on a busy host),
-            logs = [_log_records(info) for info in (rank0, rank1)]  # polled as flushed
+        def stepped_on():  # the run logs (every record, unlike a subscriber on a busy
+            logs = [_log_records(info) for info in (rank0, rank1)]  # host), as flushed
             # the last change's step: applied, or accepted for a later step (the fan-out
             # schedules a second ahead, which may be past the search's end)
             last = max((event["step"] for log in logs for event in log
                         if event["type"] == "event"
                         and event.get("kind") in ("applied", "accepted")), default=0)
             tuned = any(r.get("kind") == "tuned" for r in logs[0] if r["type"] == "event")
-            if tuned and min(max(_step_knobs(log), default=0) for log in logs) >= last + 100:
-                break  # the search's end flushed, both ranks 100 steps past its last change
-            assert time.monotonic() < deadline, "the ranks did not step on"
-            time.sleep(0.2)
+            # the search's end flushed, both ranks 100 steps past its last change
+            return tuned and min(max(_step_knobs(log), default=0) for log in logs) >= last + 100
+
+        wait_until(stepped_on, "the ranks to step on", timeout_s=180, poll_s=0.2, alive=[job])
     finally:
         job.send_signal(signal.SIGTERM)
         job.wait(60)
@@ -861,7 +861,7 @@ async def test_T_starts_the_search_its_screen_shows_the_candidates_and_T_stops_i
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.live import LiveSource
     from gpuwatch.widgets.tune import TuneScreen
-    from tests.test_dashboard import log_texts, until
+    from tests.conftest import log_texts, until
 
     with _training("step_delay") as (_, monitor, _):
         app = GpuwatchApp(LiveSource(monitor.info))
