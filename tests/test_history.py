@@ -336,7 +336,7 @@ def test_timeline_of_batches_cuts_a_batch_at_the_step_shown(tmp_path):
     log.close()
     timeline = Timeline(history.log_at(path), RunState())
     assert len(timeline.steps) == 5000 and timeline.steps[4999] == 5000
-    assert timeline.index_of_step(2500) == 2499
+    assert timeline.steps.index_of(2500) == 2499
     for index in (0, 499, 500, 1234, 4998):
         state, t = timeline.state_at(index)
         assert state.step == index + 1 and state.steps_total == index + 1

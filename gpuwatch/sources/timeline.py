@@ -237,11 +237,6 @@ class Timeline:
                 break
         return state, t
 
-    def index_of_step(self, step: int) -> int | None:
-        """The index of the first record of optimizer step ``step`` or later (steps
-        in order); None when the run has no such step."""
-        return self.steps.index_of(step)
-
     def mark_after(self, index: int, kind: str, direction: int) -> Mark | None:
         """The first mark of ``kind`` after (``direction`` 1) or before (-1) ``index``,
         or None."""
