@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-_HOMES = {"attach": "agent.adapters", "session": "agent.loop", "Session": "agent.loop",
-          "Agent": "agent.core"}
+_HOMES = {"attach": "agent.integrations.adapters", "session": "agent.integrations.loop",
+          "Session": "agent.integrations.loop", "Agent": "agent.step.core"}
 
 __all__ = list(_HOMES)
 

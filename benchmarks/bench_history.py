@@ -87,7 +87,7 @@ def _envelope(kind, body, seq, t):
 
 
 def _steps_body(first, n, rng, t, knobs):
-    """A batch as the encoder makes it (:mod:`agent.encoder`): lists of Python values."""
+    """A batch as the encoder makes it (:mod:`agent.step.encoder`): lists of Python values."""
     steps = np.arange(first, first + n)
     times = rng.lognormal(math.log(0.5e-3), 0.2, n)
     waits = times * rng.uniform(0.0, 0.05, n)

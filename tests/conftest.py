@@ -26,10 +26,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from agent.wire import protocol
-from agent.desk import CommandDesk
+from agent.control.desk import CommandDesk
 from agent.wire.knobs import STANDARD_KNOBS, Knob, KnobSet
-from agent.ledger import ChangeLedger
-from agent.tune import AutoTune
+from agent.control.ledger import ChangeLedger
+from agent.search.tune import AutoTune
 from agent.wire.runs import RunInfo, remove_run_file, write_run_file
 
 
@@ -126,7 +126,7 @@ class FakeAgent:
     is not a dry run is refused with that reason (a rank that refuses the second phase
     of a command to several ranks); with ``stall_s`` it answers such a command that
     late (a rank whose agent is held up). Commands are answered, scheduled and applied
-    by the agent's own :class:`~agent.desk.CommandDesk`.
+    by the agent's own :class:`~agent.control.desk.CommandDesk`.
 
     Attributes:
         commands: command bodies received, in order (a queue tests can wait on).

@@ -97,22 +97,22 @@ def test_a_rollback_puts_the_state_back_where_the_change_applied(driver, run_dir
                     decided.set()
                     recorder.release.set()
 
-    import agent.core
+    import agent.step.core
 
-    started = agent.core.Agent.start  # the watcher subscribes as the run starts
+    started = agent.step.core.Agent.start  # the watcher subscribes as the run starts
 
     def start_and_watch(self, *args, **kwargs):
         result = started(self, *args, **kwargs)
         threading.Thread(target=watch, args=(self.info,), daemon=True).start()
         return result
 
-    agent.core.Agent.start = start_and_watch
+    agent.step.core.Agent.start = start_and_watch
     NAN_UNDER_BF16.set()
     try:
         diverging = run(driver, steps=14, commands=[("precision", "bf16", 7)],
                         checkpoint_dir=tmp_path, recorder=recorder)
     finally:
-        agent.core.Agent.start = started
+        agent.step.core.Agent.start = started
         NAN_UNDER_BF16.clear()
         decided.set()
     [restored] = diverging.events("state_restored")

@@ -3,12 +3,12 @@
 from typing import Any
 
 from agent.wire import protocol
-from agent.desk import MAX_PENDING_COMMANDS, CommandDesk
-from agent.guard import ChangeGuard
+from agent.control.desk import MAX_PENDING_COMMANDS, CommandDesk
+from agent.control.guard import ChangeGuard
 from agent.wire.knobs import ACCUM_STEPS, LR_SCALE, PRECISION, Knob, KnobSet
-from agent.ledger import Change, ChangeLedger
+from agent.control.ledger import Change, ChangeLedger
 from agent.wire.protocol import EventKind
-from agent.tune import AutoTune
+from agent.search.tune import AutoTune
 
 TOKEN = "secret"
 

@@ -26,7 +26,7 @@ def test_the_wire_contracts_name_every_module_of_agent_outside_the_wire():
     outside = {_module_name(path) for path in (ROOT / "agent").iterdir()
                if path.name != "__init__.py" and path.name != "wire"
                and (path.suffix == ".py" or (path / "__init__.py").exists())}
-    assert {"agent.core", "agent.integrations", "agent.tune"} <= outside
+    assert {"agent.step.core", "agent.integrations", "agent.search.tune"} <= outside
     wire_contracts = [contract for contract in contracts["contracts"]
                       if contract["source_modules"] in (["agent.wire"], ["gpuwatch"])
                       and any(name.startswith("agent.") for name in
@@ -127,5 +127,5 @@ def test_no_import_cycle_between_the_modules_of_the_three_packages():
     modules = set(paths)
     graph = {name: _module_imports(path, name, modules) for name, path in paths.items()}
     assert len(graph) > 90 and sum(map(len, graph.values())) > 300  # the graph was read
-    assert graph["agent.core"] >= {"agent.ioloop", "agent.desk"}
+    assert graph["agent.step.core"] >= {"agent.io.ioloop", "agent.control.desk"}
     assert _import_cycles(graph) == []

@@ -245,7 +245,8 @@ def test_gpt_example_resumes_exactly_after_a_live_change(run_dir, tmp_path):
 
 
 def test_agent_imports_no_framework_and_attach_names_what_it_takes():
-    code = ("import sys, agent, agent.adapters, agent.loop, agent.integrations\n"
+    code = ("import sys, agent, agent.integrations.adapters, agent.integrations.loop, "
+            "agent.integrations\n"
             "frameworks = {'lightning', 'pytorch_lightning', 'transformers', 'accelerate'}\n"
             "loaded = sorted(m for m in sys.modules if m.split('.')[0] in frameworks)\n"
             "assert not loaded, loaded\n"
@@ -307,7 +308,7 @@ SIGTERM_IN_IMPORT = r"""
 import _imp, os, signal, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import agent
-import agent.ioloop as ioloop
+import agent.io.ioloop as ioloop
 
 blocked = threading.Event()
 real_report = ioloop._environment_report

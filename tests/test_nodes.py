@@ -1,5 +1,5 @@
 """Multi-node parts on their own: the job secret and what derives from it, torchrun's
-layout, store entries, a real node relay (``python -m agent.relay``) in front of fake
+layout, store entries, a real node relay (``python -m agent.io.relay``) in front of fake
 agents in a run directory of its own (another "node"), the fan-out through it, and the
 dashboard's folding of node summaries (with a scale run of a few hundred ranks)."""
 
@@ -145,7 +145,7 @@ class OtherNode:
                     "client_public": nodes.client_keys(secret, RUN_ID)[0],
                     "token": nodes.relay_token(secret, RUN_ID)}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "agent.relay"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "agent.io.relay"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True,
             env={**os.environ, runs.RUN_DIR_ENV: str(directory)})
         self.process.stdin.write(json.dumps(settings) + "\n")

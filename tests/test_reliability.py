@@ -11,7 +11,7 @@ import zmq
 
 import agent
 from agent.wire import protocol, runs
-from agent.desk import MAX_PENDING_COMMANDS
+from agent.control.desk import MAX_PENDING_COMMANDS
 from agent.wire.knobs import Knob, KnobSpec
 from gpuopt import Trainer
 from gpuwatch.history import flat_records

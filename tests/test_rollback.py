@@ -5,8 +5,8 @@ import torch
 
 import agent
 from agent.wire import runs
-from agent.guard import ChangeGuard
-from agent.ledger import Change, ChangeLedger
+from agent.control.guard import ChangeGuard
+from agent.control.ledger import Change, ChangeLedger
 from gpuopt import Trainer
 from gpuwatch.client import Subscriber, send_command
 from tests.training import Gate, digits_loader, messages, model as make_model, start

@@ -22,7 +22,7 @@ import torch
 
 import agent
 from agent.wire import protocol, runlog, runs
-from agent.record import StepRecord
+from agent.step.record import StepRecord
 from agent.wire.runlog import (EXT_FLOATS, FLAG_CHUNK, FLAG_END, LogSummary, RunLog, decode_column,
                           encode_column, frame, summary_path)
 from gpuwatch import history

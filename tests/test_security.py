@@ -687,13 +687,13 @@ def test_another_user_gets_nothing_from_a_tcp_run_and_costs_it_nothing(run_dir, 
 
 
 def test_the_tcp_front_door_relays_and_lets_in_a_bounded_share(tmp_path):
-    """agent.tcpfront, alone: bytes relayed both ways to its ipc socket; this user's
+    """agent.io.tcpfront, alone: bytes relayed both ways to its ipc socket; this user's
     connections let in up to the owner's share, the next one closed at once and never
     relayed; a slot freed is taken again."""
     import socket
     import threading
 
-    from agent import tcpfront
+    from agent.io import tcpfront
 
     path = str(tmp_path / "echo")
     echo = socket.socket(socket.AF_UNIX)
@@ -758,7 +758,7 @@ def test_the_tcp_front_door_relays_and_lets_in_a_bounded_share(tmp_path):
 SMALL_FRONT = r"""
 import os, resource, socket, sys, threading
 resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
-from agent import tcpfront
+from agent.io import tcpfront
 echo = socket.socket(socket.AF_UNIX)
 echo.bind(sys.argv[1])
 echo.listen(512)
@@ -827,7 +827,7 @@ def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, 
     gateway holds a few of them (another user's share), and the owner is served."""
     import psutil
 
-    from agent import tcpfront
+    from agent.io import tcpfront
     from gpuwatch.client import send_command
 
     if not intruder.foreign:
@@ -864,13 +864,13 @@ def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, 
 
 def test_another_users_connections_cannot_exhaust_a_node_relays_descriptors(
         run_dir, tmp_path, monkeypatch, intruder):
-    """The same flood against a multi-node job's relay (a real ``python -m agent.relay``
+    """The same flood against a multi-node job's relay (a real ``python -m agent.io.relay``
     in front of node 1's ranks): it holds a few of them (another user's share), and the
     owner's dashboard, with the job secret's keys, still hears the node's summaries."""
     import psutil
 
     from agent.wire import nodes
-    from agent import tcpfront
+    from agent.io import tcpfront
     from tests.test_nodes import RUN_ID, OtherNode
 
     if not intruder.foreign:
@@ -928,7 +928,7 @@ def _is_gateway(process) -> bool:
     import psutil
 
     try:
-        return "agent.gateway" in process.cmdline()
+        return "agent.io.gateway" in process.cmdline()
     except psutil.Error:  # a zombie, or gone
         return False
 

@@ -19,20 +19,20 @@ import pytest
 import torch
 
 import agent
-from agent.checkpoints import load_checkpoint
+from agent.control.checkpoints import load_checkpoint
 from agent.wire import protocol
 from agent.wire.knobs import TUNED, TUNED_IF_ALLOWED, Knob, KnobError, KnobSet, KnobSpec
-from agent.tune import (
-    Block,
-    CoordinateSearch,
-    Series,
-    Tuner,
-    TuneRequest,
-    _side,
-    ladder,
-    paired_gain,
-    t_quantile,
-)
+from agent.search.tune import (
+                               Block,
+                               CoordinateSearch,
+                               Series,
+                               Tuner,
+                               TuneRequest,
+                               _side,
+                               ladder,
+                               paired_gain,
+                               t_quantile,
+                               )
 from gpuopt import Trainer
 from gpuopt.loader import ReconfigurableLoader
 from gpuwatch.client import Subscriber, send_command
@@ -309,7 +309,7 @@ def test_a_change_during_a_trials_measurement_voids_it_and_it_is_measured_again(
                    and m["body"]["text"].startswith("tune: step_delay=1 kept"))
     # measured again: at least MIN_PAIRS_FASTER pairs of sub-blocks of more than
     # SUB_BLOCK_STEPS steps each after the change
-    from agent.tune import MIN_PAIRS_FASTER, SUB_BLOCK_STEPS
+    from agent.search.tune import MIN_PAIRS_FASTER, SUB_BLOCK_STEPS
 
     assert verdict["step"] - reply["apply_step"] >= MIN_PAIRS_FASTER * 2 * (SUB_BLOCK_STEPS + 1)
     again = [m["body"] for m in seen if m["type"] == "event" and "measuring it again"
@@ -543,7 +543,7 @@ def test_a_candidate_that_cannot_be_shown_faster_is_reverted_without_every_pair(
 
 
 def test_the_futility_rules_of_a_candidate_between_its_pairs():
-    from agent.tune import FUTILE_FROM_PAIRS, MAX_PAIRS, _not_faster, could_be_shown_faster
+    from agent.search.tune import FUTILE_FROM_PAIRS, MAX_PAIRS, _not_faster, could_be_shown_faster
 
     assert _not_faster(2, -0.2, 0.5) is None  # too early for any rule
     assert _not_faster(3, -0.01, 0.5) == "not faster: slower on average"
@@ -916,7 +916,7 @@ def test_the_data_verdict_says_whether_idle_cpu_exists_for_more_workers():
 def test_cpu_threads_warns_while_the_model_is_compiled_so_the_search_skips_it():
     """torch.compile guards on the thread count: a change recompiles (a stall of tens of
     seconds that the search would measure as the candidate's)."""
-    from agent.adapters import cpu_threads_knob
+    from agent.integrations.adapters import cpu_threads_knob
     from agent.wire.knobs import KERNELS
 
     mode = {"kernels": "eager"}

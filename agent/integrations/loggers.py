@@ -48,7 +48,7 @@ from typing import Any
 
 from agent.wire import protocol
 from agent.wire.protocol import EventKind
-from agent.core import Agent
+from agent.step.core import Agent
 
 #: Prefix of every name this module logs.
 PREFIX = "gpuwatch/"

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 
 from agent.wire.protocol import EventKind
-from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
-                            optimizer_knobs, precision_knob, refuse)
-from agent.checkpoints import load_checkpoint, torch_checkpoint
-from agent.core import Agent, ending_reason
+from agent.integrations.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
+                                         optimizer_knobs, precision_knob, refuse)
+from agent.control.checkpoints import load_checkpoint, torch_checkpoint
+from agent.step.core import Agent, ending_reason
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MAX_GRAD_NORM,
                          MICRO_BATCH_SIZE, Knob, KnobSet)
-from agent.record import StepRecord
-from agent.run import RunBase, host_copy
+from agent.step.record import StepRecord
+from agent.integrations.run import RunBase, host_copy
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.trainer import StepStats, Trainer
 

@@ -2,7 +2,7 @@
 at one common optimizer step (:func:`send_command`).
 
 Used by the dashboard and ``gpuwatch set`` (through :mod:`gpuwatch.client`) and by the
-agent's own tuner (:mod:`agent.tune`), so that a change reaches every rank the same way
+agent's own tuner (:mod:`agent.search.tune`), so that a change reaches every rank the same way
 whoever decides it. ZeroMQ and the protocol only: no torch. Each call makes its own
 sockets on the process-wide :func:`zmq.Context.instance`, so any thread may call it.
 """
@@ -62,7 +62,7 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     differ. It is refused before (1) when not every rank can be reached (a knob must
     never differ between ranks): a single-node run needs every rank's run file on this
     machine; a multi-node torchrun job reaches this machine's ranks directly and each
-    other node's through that node's relay (:mod:`agent.relay`), which the job's store
+    other node's through that node's relay (:mod:`agent.io.relay`), which the job's store
     names and the user's job secret lets in (:mod:`agent.wire.nodes`). A relay passes each
     phase to its node's ranks and answers for all of them, within ``0.7 * timeout_s``;
     a node that does not answer (stopped, partitioned) counts as a refusal of each of
@@ -295,7 +295,7 @@ class RankConnections:
 
     Each rank receives its dry run, the command and a cancel on one connection, in the
     order they were sent; :func:`send_command` and the node relays
-    (:mod:`agent.relay`) use it. Connecting costs no round trip (ZeroMQ connects in the
+    (:mod:`agent.io.relay`) use it. Connecting costs no round trip (ZeroMQ connects in the
     background); :meth:`exchange` waits at most its ``timeout_s``. Closed on exit.
     """
 

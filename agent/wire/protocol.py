@@ -96,7 +96,7 @@ Message types and their bodies:
                ``records_dropped``, ``errors``, ``commands_refused``,
                ``commands_rejected`` (bad token, knob or value).
 ``bye``        the run ends: ``reason``, ``steps``.
-``node``       about 1 Hz, from a node's relay in a multi-node job (:mod:`agent.relay`):
+``node``       about 1 Hz, from a node's relay in a multi-node job (:mod:`agent.io.relay`):
                ``node``, ``host``, ``expected`` (the node's global ranks), ``ranks`` (a
                list of maps: ``rank``, ``step``, ``step_time_s`` and
                ``data_wait_share`` smoothed over about 20 steps, ``heard_s_ago``),

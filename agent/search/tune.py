@@ -94,7 +94,7 @@ from typing import Any
 
 from agent.wire import protocol
 from agent.wire.commands import send_command
-from agent.guard import ChangeGuard
+from agent.control.guard import ChangeGuard
 from agent.wire.knobs import (
     NOT_TUNED,
     TUNED,
@@ -103,7 +103,7 @@ from agent.wire.knobs import (
     KnobSet,
     assignment,
 )
-from agent.ledger import Change, ChangeLedger
+from agent.control.ledger import Change, ChangeLedger
 from agent.wire.protocol import EventKind
 from agent.wire.runs import RunInfo
 

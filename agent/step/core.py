@@ -1,19 +1,19 @@
 """The agent: the training thread's hot path, and the parts it is assembled from.
 
 Training thread, at each optimizer-step boundary (:meth:`Agent.optimizer_step`): read a
-host clock, make a step marker (see :mod:`agent.markers`), append the step's typed
-record (:class:`agent.record.StepRecord`) to a bounded deque, and apply pending commands
+host clock, make a step marker (see :mod:`agent.step.markers`), append the step's typed
+record (:class:`agent.step.record.StepRecord`) to a bounded deque, and apply pending commands
 whose step has come. Nothing else: no device sync, no ``.item()``, no NVML or psutil,
 no I/O, no lock unless a command is pending.
 :class:`Agent` owns that hot path, the events and their in-process listeners, and wires
 up the parts that do the rest, each owning one thing:
 
-- :mod:`agent.desk`: the command desk (validate, schedule at a step, cancel, apply);
-- :mod:`agent.ledger`: the one ledger of applied changes, read by both rollback paths
-  (the NaN / skipped-steps guard of :mod:`agent.guard`, and
+- :mod:`agent.control.desk`: the command desk (validate, schedule at a step, cancel, apply);
+- :mod:`agent.control.ledger`: the one ledger of applied changes, read by both rollback paths
+  (the NaN / skipped-steps guard of :mod:`agent.control.guard`, and
   :meth:`Agent.roll_back_last_change` after an out-of-memory error);
-- :mod:`agent.encoder`: the step records turned into ``steps`` batches;
-- :mod:`agent.ioloop`: the I/O thread (sockets, CURVE gateway, run file, run log,
+- :mod:`agent.step.encoder`: the step records turned into ``steps`` batches;
+- :mod:`agent.io.ioloop`: the I/O thread (sockets, CURVE gateway, run file, run log,
   heartbeats).
 """
 
@@ -32,18 +32,18 @@ from typing import Any
 import torch
 
 from agent.wire import protocol
-from agent.desk import CommandDesk
-from agent.encoder import StepEncoder
-from agent.guard import ChangeGuard
+from agent.control.desk import CommandDesk
+from agent.step.encoder import StepEncoder
+from agent.control.guard import ChangeGuard
 from agent.wire.knobs import KnobSet, assignment
-from agent.ledger import ChangeLedger, StateKeeper
-from agent.markers import marker_for
-from agent.ioloop import IOLoop
-from agent.probes import Nvml
-from agent.record import StepRecord
+from agent.control.ledger import ChangeLedger, StateKeeper
+from agent.step.markers import marker_for
+from agent.io.ioloop import IOLoop
+from agent.io.probes import Nvml
+from agent.step.record import StepRecord
 from agent.wire.protocol import EventKind
 from agent.wire.runs import RunInfo, shared_run_id
-from agent.tune import AutoTune
+from agent.search.tune import AutoTune
 from gpuopt.environment import usable_cpu_count
 
 log = logging.getLogger("gpuwatch.agent")
@@ -61,7 +61,7 @@ class Agent:
             included (loopback is shared with every local user): traffic is encrypted
             and only a client holding the run's client key (kept in the owner-only run
             file) may connect; they are bound by a child process, the gateway
-            (:mod:`agent.gateway`), which forwards to the agent's private ipc sockets,
+            (:mod:`agent.io.gateway`), which forwards to the agent's private ipc sockets,
             so no tcp client can make the training process hold connections, file
             descriptors or buffers. Commands still need the token.
         listen: an address other than 127.0.0.1 to listen on with tcp (e.g.
@@ -193,7 +193,7 @@ class Agent:
 
         Args:
             record: what the integration measured of the step (see
-                :class:`agent.record.StepRecord`); this fills in its ``step_time_s``,
+                :class:`agent.step.record.StepRecord`); this fills in its ``step_time_s``,
                 ``marker`` and ``knobs`` and queues it (it must not be changed after).
 
         .. note:: Never synchronizes the device and never blocks: a clock read, a marker

@@ -1,8 +1,8 @@
 """The ledger of applied changes: what a guarded knob was before a live change.
 
-One record, read by both rollback paths: the guard of :mod:`agent.guard` (a non-finite
+One record, read by both rollback paths: the guard of :mod:`agent.control.guard` (a non-finite
 loss or fp16 steps skipped in a row, decided on the I/O thread from the step records)
-and :meth:`agent.core.Agent.roll_back_last_change` (an out-of-memory error, on the
+and :meth:`agent.step.core.Agent.roll_back_last_change` (an out-of-memory error, on the
 training thread). Both restore the same last good values: those the knobs had before
 the first change of the latest episode.
 
@@ -51,7 +51,7 @@ class Rollback:
 
 class StateKeeper(Protocol):
     """What keeps the training state for rollbacks (the run base,
-    :class:`agent.run.RunBase`). Both are called on the training thread, at a
+    :class:`agent.integrations.run.RunBase`). Both are called on the training thread, at a
     boundary."""
 
     def keep_state(self, step: int) -> None:

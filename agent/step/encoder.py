@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from agent.wire import protocol
-from agent.guard import BASELINE_STEPS, ChangeGuard
-from agent.markers import CpuMarker
-from agent.record import StepRecord, host_columns
-from agent.tune import AutoTune
+from agent.control.guard import BASELINE_STEPS, ChangeGuard
+from agent.step.markers import CpuMarker
+from agent.step.record import StepRecord, host_columns
+from agent.search.tune import AutoTune
 from gpuopt.memory import memory_stats
 from gpuopt.optim import host_rate
 
@@ -115,8 +115,8 @@ class StepEncoder:
 
     Args:
         records: the queue the training thread appends to: step records
-            (:class:`agent.record.StepRecord`) and events (their ``event`` body, a dict).
-        marker: the step markers' API (:func:`agent.markers.marker_for`).
+            (:class:`agent.step.record.StepRecord`) and events (their ``event`` body, a dict).
+        marker: the step markers' API (:func:`agent.step.markers.marker_for`).
         publish: ``publish(msg_type, body)``, the I/O loop's send (which first sends the
             batch built so far, through :meth:`flush`, for any other message type).
         guard: the rollback guard, told each step's loss and GradScaler skip.

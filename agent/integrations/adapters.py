@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from agent.wire.protocol import EventKind
-from agent.core import Agent
+from agent.step.core import Agent
 from agent.wire.knobs import (CPU_THREADS, KERNELS, LR_SCALE, MEMORY_FRACTION,
                          MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
                          PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
@@ -266,7 +266,7 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
     ``micro_batch_size`` when the trainer's loader is a
     :class:`gpuopt.loader.ReconfigurableLoader`; and the ``checkpoint`` command
     (:meth:`Trainer.state_dict` and the knob values, by ``torch.save``, see
-    :mod:`agent.checkpoints`). It closes (``bye``, run file removed) when that ``fit``
+    :mod:`agent.control.checkpoints`). It closes (``bye``, run file removed) when that ``fit``
     returns. After a guarded change (precision, accumulation, micro-batch size, kernels,
     the optimizer's knobs), an out-of-memory error in the next steps rolls the change
     back and the window is run again
@@ -278,7 +278,7 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
         name: label for the run (default: the script name).
         transport: ``"ipc"`` or ``"tcp"`` (see :class:`agent.Agent`).
         checkpoint_dir: where ``checkpoint=now`` saves (default:
-            :func:`agent.checkpoints.default_checkpoint_dir`).
+            :func:`agent.control.checkpoints.default_checkpoint_dir`).
         resume_from: a checkpoint the command saved: the trainer continues from it (its
             state, loader position, random numbers and every knob value; see
             :meth:`Trainer.load_state_dict`), and an event says so.

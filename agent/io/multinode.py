@@ -1,5 +1,5 @@
 """The agent's side of a multi-node job: on each node's local rank 0, the node relay
-(:mod:`agent.relay`) and a thread that says where it is in the job's store and learns
+(:mod:`agent.io.relay`) and a thread that says where it is in the job's store and learns
 where the other nodes' relays are (see :mod:`agent.wire.nodes`).
 
 Nothing here runs on the training thread, nor on the agent's I/O thread beyond
@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from agent import helpers
+from agent.io import helpers
 from agent.wire.protocol import EventKind
 from agent.wire.nodes import (NodeEnv, listen_address, load_secret, node_entry, relay_token,
                          client_keys, server_keys, store_key)
@@ -54,7 +54,7 @@ class NodeLink:
         server_public, server_secret = server_keys(secret, info.run_id, env.node)
         client_public, _ = client_keys(secret, info.run_id)
         address = listen_address(env, listen)
-        self.relay, answer = helpers.start("agent.relay", {
+        self.relay, answer = helpers.start("agent.io.relay", {
             "run_id": info.run_id, "node": env.node, "host": socket.gethostname(),
             "ranks": env.ranks, "address": address, "server_public": server_public,
             "server_secret": server_secret, "client_public": client_public,

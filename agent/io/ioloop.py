@@ -2,11 +2,11 @@
 
 Owns the ZeroMQ context and sockets (XPUB for telemetry, ROUTER for commands, on ipc in
 the private run directory), the tcp gateway child process with the run's CURVE keys
-(:mod:`agent.gateway`), the run file and the run log, the node relay link of a multi-node
+(:mod:`agent.io.gateway`), the run file and the run log, the node relay link of a multi-node
 job, the sequence numbers of published messages, greetings of new subscribers,
 heartbeats, the periodic ``hello`` and ``state``, and the system probe (about 1 Hz).
-Each wake-up it drains the step encoder (:mod:`agent.encoder`) and hands each command
-body to the command desk (:mod:`agent.desk`), answering at once. It never runs on the
+Each wake-up it drains the step encoder (:mod:`agent.step.encoder`) and hands each command
+body to the command desk (:mod:`agent.control.desk`), answering at once. It never runs on the
 training thread; what it sends, it sends without blocking (PUB drops at its high-water
 mark).
 """
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import zmq
 
-from agent import helpers
+from agent.io import helpers
 from agent.wire import protocol
-from agent.multinode import node_link
-from agent.probes import Nvml, SystemProbe
+from agent.io.multinode import node_link
+from agent.io.probes import Nvml, SystemProbe
 from agent.wire.protocol import EventKind, Reply
 from agent.wire.runlog import LOG_SUFFIX, RunLog, log_dir
 from agent.wire.runs import (
@@ -39,11 +39,11 @@ from agent.wire.runs import (
 )
 
 if TYPE_CHECKING:
-    from agent.desk import CommandDesk
-    from agent.encoder import StepEncoder
-    from agent.guard import ChangeGuard
+    from agent.control.desk import CommandDesk
+    from agent.step.encoder import StepEncoder
+    from agent.control.guard import ChangeGuard
     from agent.wire.knobs import KnobSet
-    from agent.tune import AutoTune
+    from agent.search.tune import AutoTune
 
 _HEARTBEAT_INTERVAL_S = 1.0
 _HELLO_EVERY_HEARTBEATS = 30  # a new subscriber is greeted at once anyway
@@ -60,7 +60,7 @@ _POLL_MS = 100
 #: times longer; sooner when the record queue would otherwise fill past a quarter of
 #: its bound.
 _QUIET_POLL_MS = 500
-#: While an in-run search runs (:mod:`agent.tune`): it decides from each step record,
+#: While an in-run search runs (:mod:`agent.search.tune`): it decides from each step record,
 #: and each of its switches waits for the I/O thread to read the record that ends a
 #: sub-block, so it reads them within 10 ms (100 wake-ups a second for the search's
 #: few minutes: 1 to 2% of a core here, from the 100 to 200 us a wake-up costs; not
@@ -104,7 +104,7 @@ class _Endpoints(TypedDict, total=False):
 
 
 class AgentView(Protocol):
-    """What the I/O thread reads of its agent (:class:`agent.core.Agent`): the run's
+    """What the I/O thread reads of its agent (:class:`agent.step.core.Agent`): the run's
     facts for ``hello`` and the run file, the hot path's latest state, and where to
     report. Public members only; each read is an attribute read, never a wait."""
 
@@ -262,7 +262,7 @@ class IOLoop:
             context.destroy(linger=0)
 
     def _start_gateway(self, pub_endpoint: str, cmd_endpoint: str) -> _Endpoints:
-        """Start the tcp side of this run in a child process (:mod:`agent.gateway`):
+        """Start the tcp side of this run in a child process (:mod:`agent.io.gateway`):
         tcp ports with CURVE, forwarding to this agent's private ipc sockets, so that
         what a tcp client makes a process hold (connections, descriptors, buffers) is
         never held by the training process. Its keys go in the owner-only run file: a
@@ -288,7 +288,7 @@ class IOLoop:
                     # where its ZeroMQ sockets listen behind its tcp front door
                     "inside_pub": f"{self._ipc_paths[0]}.gw",
                     "inside_cmd": f"{self._ipc_paths[1]}.gw"}
-        self._gateway, answer = helpers.start("agent.gateway", settings, "tcp gateway")
+        self._gateway, answer = helpers.start("agent.io.gateway", settings, "tcp gateway")
         shown = "127.0.0.1" if address in ("0.0.0.0", "*") else address
         return {"pub_endpoint": f"tcp://{shown}:{answer['pub_port']}",
                 "cmd_endpoint": f"tcp://{shown}:{answer['cmd_port']}",
