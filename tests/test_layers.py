@@ -26,7 +26,7 @@ def test_the_wire_contracts_name_every_module_of_agent_outside_the_wire():
     outside = {_module_name(path) for path in (ROOT / "agent").iterdir()
                if path.name != "__init__.py" and path.name != "wire"
                and (path.suffix == ".py" or (path / "__init__.py").exists())}
-    assert {"agent.step.core", "agent.integrations", "agent.search.tune"} <= outside
+    assert {"agent.step", "agent.integrations", "agent.search", "agent.io"} <= outside
     wire_contracts = [contract for contract in contracts["contracts"]
                       if contract["source_modules"] in (["agent.wire"], ["gpuwatch"])
                       and any(name.startswith("agent.") for name in
