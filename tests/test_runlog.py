@@ -24,7 +24,7 @@ import agent
 from agent.wire import protocol, runlog, runs
 from agent.step.record import StepRecord
 from agent.wire.runlog import (EXT_FLOATS, FLAG_CHUNK, FLAG_END, LogSummary, RunLog, decode_column,
-                          encode_column, frame, summary_path)
+                               encode_column, frame, summary_path)
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.live import LiveSource

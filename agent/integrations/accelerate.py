@@ -132,8 +132,8 @@ from agent.control.checkpoints import (GRAD_SCALER_FILE, read_knobs_file, restor
                                        write_knobs_file)
 from agent.step.core import Agent
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PRECISION,
-                         WEIGHT_DECAY, Knob, KnobSet)
+                              LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PRECISION,
+                              WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase
 from gpuopt.backends import ModelBackend

@@ -13,8 +13,8 @@ import torch
 from agent.wire.protocol import EventKind
 from agent.step.core import Agent
 from agent.wire.knobs import (CPU_THREADS, KERNELS, LR_SCALE, MEMORY_FRACTION,
-                         MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
-                         PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
+                              MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
+                              PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
 from agent.wire.runlog import log_dir
 from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import MemorySnapshot, set_memory_fraction

@@ -81,7 +81,7 @@ from agent.integrations.adapters import cpu_threads_knob, precision_knob, refuse
 from agent.control.checkpoints import FORMAT
 from agent.step.core import Agent
 from agent.wire.knobs import (CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE, MAX_GRAD_NORM,
-                         MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
+                              MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
 from agent.integrations.loop import (LoopRun, check_accum_steps, model_knobs,
                                      optimizer_settings_knobs)
 from agent.integrations.run import host_copy

@@ -114,8 +114,8 @@ from agent.control.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_k
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE,
-                         MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
-                         PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
+                              MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
+                              PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase
 from gpuopt.optim import OptimizerSettings

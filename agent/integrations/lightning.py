@@ -161,8 +161,8 @@ from agent.integrations.adapters import (cpu_threads_knob, loader_knobs, optimiz
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
-                         KnobSet)
+                              LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
+                              KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase
 from agent.wire.runs import RUN_ID_ENV

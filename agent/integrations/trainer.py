@@ -19,7 +19,7 @@ from agent.integrations.adapters import (cpu_threads_knob, loader_knobs, micro_b
 from agent.control.checkpoints import load_checkpoint, torch_checkpoint
 from agent.step.core import Agent, ending_reason
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MAX_GRAD_NORM,
-                         MICRO_BATCH_SIZE, Knob, KnobSet)
+                              MICRO_BATCH_SIZE, Knob, KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
 from gpuopt.loader import ReconfigurableLoader

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from agent.io import helpers
 from agent.wire.protocol import EventKind
 from agent.wire.nodes import (NodeEnv, listen_address, load_secret, node_entry, relay_token,
-                         client_keys, server_keys, store_key)
+                              client_keys, server_keys, store_key)
 from agent.wire.runs import RunInfo, write_run_file
 
 #: The store is looked at this often until every node is known, then this often (s).
