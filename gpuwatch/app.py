@@ -29,13 +29,13 @@ from gpuwatch.sources.timeline import TimelineSource
 from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
 from gpuwatch.compare import Column
 from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
-from gpuwatch.widgets.compare_screen import CompareScreen
+from gpuwatch.screens.compare import CompareScreen
 from gpuwatch.widgets.data import DataPanel, verdict_texts
 from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
-from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.screens.help import HelpScreen
 from gpuwatch.widgets.key_question import KeyQuestion, Question
-from gpuwatch.widgets.runs_screen import RunsScreen
+from gpuwatch.screens.runs import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
 from gpuwatch.widgets.last_event import LastEvent
 from gpuwatch.widgets.memory import MemoryPanel
@@ -43,7 +43,7 @@ from gpuwatch.widgets.step_chart import LOSS, TIMING, StepChart
 from gpuwatch.widgets.system import SystemPanel
 from gpuwatch.widgets.throughput import ThroughputBar
 from gpuwatch.widgets.timeline_bar import TimelineBar
-from gpuwatch.widgets.tune import TuneScreen
+from gpuwatch.screens.tune import TuneScreen
 
 #: Seconds between checks for new records; the screen is redrawn only when they changed.
 REDRAW_S = 0.2

@@ -23,9 +23,9 @@ from gpuwatch.app import QUICK_KEYS_ENV, GpuwatchApp
 from gpuwatch.client import Subscriber, send_command
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, STEP_HISTORY, RunState
-from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.screens.help import HelpScreen
 from gpuwatch.widgets.last_event import HOLD_AFTER_KEY_S
-from gpuwatch.widgets.tune import TuneScreen
+from gpuwatch.screens.tune import TuneScreen
 from gpuwatch.widgets.panel import bucket_max, sparkline
 from tests.conftest import knows, log_texts, redrawn, text_of, until
 

@@ -31,7 +31,7 @@ from gpuwatch.sources.live import LiveSource
 from gpuwatch.sources.timeline import TimelineSource
 from gpuwatch.widgets import event_log
 from gpuwatch.widgets.command_line import CommandLine
-from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.screens.help import HelpScreen
 
 from .test_dashboard import until
 from .test_history import RUN, write_run

@@ -860,7 +860,7 @@ def _step_knobs(records):
 async def test_T_starts_the_search_its_screen_shows_the_candidates_and_T_stops_it(run_dir):
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.live import LiveSource
-    from gpuwatch.widgets.tune import TuneScreen
+    from gpuwatch.screens.tune import TuneScreen
     from tests.conftest import log_texts, until
 
     with _training("step_delay") as (_, monitor, _):
@@ -933,7 +933,7 @@ def test_cpu_threads_warns_while_the_model_is_compiled_so_the_search_skips_it():
 
 
 def test_a_candidates_verdict_has_a_line_of_its_own_so_it_is_never_cut():
-    from gpuwatch.widgets.tune import candidate_line
+    from gpuwatch.screens.tune import candidate_line
 
     reason = "not faster beyond noise: +12% (-19% to +55%) (632 ± 97 samples/s over 25 steps)"
     line = candidate_line({"setting": {"num_workers": 2}, "per_s": 632.0,
@@ -947,7 +947,7 @@ def test_a_candidates_verdict_has_a_line_of_its_own_so_it_is_never_cut():
 
 def test_a_trades_setting_has_a_line_of_its_own_and_every_row_fits_80_columns():
     from gpuwatch.state import RunState
-    from gpuwatch.widgets.tune import tune_text
+    from gpuwatch.screens.tune import tune_text
 
     state = RunState()
     state.tune = {"status": "running", "step": 40, "steps": 36, "budget_steps": 600,
