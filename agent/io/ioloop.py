@@ -17,6 +17,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
@@ -445,8 +446,8 @@ class IOLoop:
             if stopping:
                 for _ in range(2):  # the second pass sends events the first one raised
                     self._guard("step publishing", self._encoder.drain, True)
-                self.publish(protocol.BYE, {"reason": self._agent.bye_reason or "",
-                                             "steps": self._agent.last_step})
+                self.publish(protocol.BYE, protocol.Bye(reason=self._agent.bye_reason or "",
+                                                       steps=self._agent.last_step))
                 return
 
     def _greet_subscribers(self, pub: zmq.Socket) -> None:
@@ -497,7 +498,7 @@ class IOLoop:
             self._agent.report_error(where, exc)
             return default
 
-    def publish(self, msg_type: str, body: dict[str, Any], logged: bool = True) -> None:
+    def publish(self, msg_type: str, body: Mapping[str, Any], logged: bool = True) -> None:
         """Send one message (and append it to the run log). ``logged=False``: a repeat
         for new subscribers, sent with the latest ``seq`` and not logged. The steps
         batched so far are sent first, so every message keeps its order with them. An
@@ -506,7 +507,7 @@ class IOLoop:
         if msg_type != protocol.STEPS:
             self._encoder.flush()
             if msg_type == protocol.EVENT:
-                body = protocol.bounded_event(body)
+                body = protocol.bounded_event(dict(body))
         if logged:
             self.seq += 1
         message = protocol.envelope(msg_type, body, run=self.run_id,
@@ -532,17 +533,17 @@ class IOLoop:
     def _publish_system(self) -> None:
         self.publish(protocol.SYSTEM, self._probe.sample())
 
-    def _heartbeat(self) -> dict[str, Any]:
+    def _heartbeat(self) -> protocol.Heartbeat:
         return {"step": self._agent.last_step, "ending": self._agent.ending,
                 "records_dropped": self._encoder.records_dropped,
                 "errors": len(self._agent.errors),
                 "commands_refused": self._desk.commands_refused,
                 "commands_rejected": self._desk.commands_rejected}
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self) -> protocol.State:
         return {"knobs": self._agent.knob_values, "step": self._agent.last_step}
 
-    def _hello(self) -> dict[str, Any]:
+    def _hello(self) -> protocol.Hello:
         if self._env_report is None:
             self._env_report = _environment_report()
         agent = self._agent
