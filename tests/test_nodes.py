@@ -22,7 +22,7 @@ from agent.wire import nodes, protocol, runs
 from agent.wire.commands import RankConnections, remote_relays, send_command
 from gpuwatch.multinode_commands import node_lines
 from gpuwatch.state import RunState
-from tests.conftest import FakeAgent
+from tests.conftest import FakeAgent, wait_until
 
 RUN_ID = "torchrun-0badcafe"
 
@@ -336,13 +336,13 @@ def test_a_dashboard_follows_a_few_hundred_ranks_through_one_socket_per_node(run
             started = time.monotonic()
             source.start()
             try:
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:
+                def all_seen():
                     with source.lock:
-                        if len(source.state.nodes) == node_count - 1 and len(
-                                source.state.ranks) >= expected_ranks:
-                            break
-                    time.sleep(0.2)
+                        return len(source.state.nodes) == node_count - 1 and len(
+                            source.state.ranks) >= expected_ranks
+
+                wait_until(all_seen, "every node and rank on the dashboard", timeout_s=60,
+                           poll_s=0.2)
                 time.sleep(5.0)  # a steady stretch to measure (not a wait for an event)
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 rss_after = psutil.Process().memory_info().rss

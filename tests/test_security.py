@@ -430,15 +430,17 @@ def dashboard_output(terminal, until: bytes = b"PWNED-TITLE", timeout_s: float =
     """Wait until the dashboard drew ``until`` (in its visible form), calling ``poke``
     every half second meanwhile (to say it again to a dashboard that came late), press
     q, and return everything it wrote to the terminal."""
-    deadline = time.monotonic() + timeout_s
     next_poke = 0.0
-    while until not in terminal.output:
-        assert terminal.process.poll() is None, bytes(terminal.output[-2000:])
-        assert time.monotonic() < deadline, bytes(terminal.output[-2000:])
+
+    def drawn():
+        nonlocal next_poke
         if poke is not None and time.monotonic() >= next_poke:
             next_poke = time.monotonic() + 0.5
             poke()
-        time.sleep(0.05)
+        return until in terminal.output
+
+    wait_until(drawn, f"the dashboard to draw {until!r}", timeout_s=timeout_s,
+               alive=[terminal.process], detail=lambda: repr(bytes(terminal.output[-2000:])))
     terminal.type(b"q")
     assert terminal.process.wait(60) == 0
     return bytes(terminal.output)
