@@ -4,15 +4,15 @@
 Trainer, an accelerate Accelerator or a Lightning Fabric; ``agent.session(...)`` for a
 hand-written loop.
 Importing :mod:`agent` itself is light (no torch, no framework): the dashboard imports
-:mod:`agent.protocol` and :mod:`agent.runs` from here.
+:mod:`agent.wire.protocol` and :mod:`agent.wire.runs` from here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_HOMES = {"attach": "agent.adapters", "session": "agent.loop", "Session": "agent.loop",
-          "Agent": "agent.core"}
+_HOMES = {"attach": "agent.integrations.adapters", "session": "agent.integrations.loop",
+          "Session": "agent.integrations.loop", "Agent": "agent.step.core"}
 
 __all__ = list(_HOMES)
 

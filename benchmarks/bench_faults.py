@@ -43,8 +43,8 @@ import time
 
 import zmq
 
-from agent import protocol, runs
-from agent.core import Agent
+from agent.wire import protocol, runs
+from agent.step.core import Agent
 
 
 ATTACK = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests",

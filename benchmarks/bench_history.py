@@ -3,7 +3,7 @@
     python benchmarks/bench_history.py [--steps 10000000] [--dir DIR] [--keep]
     python benchmarks/bench_history.py --short       # a quick check that it works
 
-Makes run logs with the real writer (:class:`agent.runlog.RunLog`) in a temporary
+Makes run logs with the real writer (:class:`agent.wire.runlog.RunLog`) in a temporary
 directory (``--dir``; ``--keep`` leaves them there), then runs each tool on each log as
 its own process, as a person would, and reads its peak memory (the child's maximum
 resident set, from ``wait4``):
@@ -52,8 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent import protocol
-from agent.runlog import RunLog, part_path, summary_path
+from agent.wire import protocol
+from agent.wire.runlog import RunLog, part_path, summary_path
 
 RUN = "20260101-000000-bench"
 BATCH = 1000
@@ -87,7 +87,7 @@ def _envelope(kind, body, seq, t):
 
 
 def _steps_body(first, n, rng, t, knobs):
-    """A batch as the encoder makes it (:mod:`agent.encoder`): lists of Python values."""
+    """A batch as the encoder makes it (:mod:`agent.step.encoder`): lists of Python values."""
     steps = np.arange(first, first + n)
     times = rng.lognormal(math.log(0.5e-3), 0.2, n)
     waits = times * rng.uniform(0.0, 0.05, n)

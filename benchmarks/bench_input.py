@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-from agent import runs
+from agent.wire import runs
 from gpuwatch.client import Subscriber, send_command
 
 

@@ -56,11 +56,11 @@ from sklearn.datasets import load_digits
 from tqdm import tqdm
 
 import agent
-from agent import runs
+from agent.wire import runs
 
 SUBSCRIBER = """
 import sys
-from agent import runs
+from agent.wire import runs
 from gpuwatch.client import Subscriber
 info = [r for r in runs.list_runs() if r.run_id == sys.argv[1]][0]
 with Subscriber(info) as sub:

@@ -38,8 +38,8 @@ import msgpack
 import psutil
 import zmq
 
-from agent import protocol
-from agent.runs import RunInfo
+from agent.wire import protocol
+from agent.wire.runs import RunInfo
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.state import RunState
 
@@ -51,7 +51,7 @@ PUBLISHER = """
 import sys, time, zmq
 sys.path[:0] = [sys.argv[3]]
 from bench_stream import batch_message
-from agent import protocol
+from agent.wire import protocol
 endpoint, count = sys.argv[1], int(sys.argv[2])
 pub = zmq.Context.instance().socket(zmq.PUB)
 pub.setsockopt(zmq.SNDHWM, 0)
@@ -68,7 +68,7 @@ time.sleep(2.0)
 
 DASHBOARD = """
 import sys
-from agent.runs import RunInfo
+from agent.wire.runs import RunInfo
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.live import LiveSource
 info = RunInfo(run_id="bench", rank=0, world_size=8, pid=0, pub_endpoint=sys.argv[1],

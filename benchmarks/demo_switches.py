@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from agent import runs
+from agent.wire import runs
 from gpuwatch.client import Subscriber, send_command
 
 SWITCHES = [("precision", "bf16"), ("kernels", "compile"), ("checkpointing", True),

@@ -32,7 +32,7 @@ def main() -> int:
     os.environ.setdefault("GPUWATCH_RUN_DIR", tempfile.mkdtemp(prefix="gw-sync-"))
     os.environ.setdefault("GPUWATCH_LOG_DIR", tempfile.mkdtemp(prefix="gw-sync-log-"))
     import agent
-    from agent import runs
+    from agent.wire import runs
     from gpuopt import Trainer
     from gpuopt.demo import build_demo
     from gpuwatch.client import send_command

@@ -16,9 +16,9 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from agent import protocol
-from agent.knobs import assignment
-from agent.runs import find_run
+from agent.wire import protocol
+from agent.wire.knobs import assignment
+from agent.wire.runs import find_run
 from gpuwatch.client import new_command_id, parse_assignment, reply_text, send_command
 from gpuwatch.units import knob_text
 from gpuwatch.palette import BindingCommands
@@ -29,13 +29,13 @@ from gpuwatch.sources.timeline import TimelineSource
 from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
 from gpuwatch.compare import Column
 from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
-from gpuwatch.widgets.compare_screen import CompareScreen
+from gpuwatch.screens.compare import CompareScreen
 from gpuwatch.widgets.data import DataPanel, verdict_texts
 from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
-from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.screens.help import HelpScreen
 from gpuwatch.widgets.key_question import KeyQuestion, Question
-from gpuwatch.widgets.runs_screen import RunsScreen
+from gpuwatch.screens.runs import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
 from gpuwatch.widgets.last_event import LastEvent
 from gpuwatch.widgets.memory import MemoryPanel
@@ -43,7 +43,7 @@ from gpuwatch.widgets.step_chart import LOSS, TIMING, StepChart
 from gpuwatch.widgets.system import SystemPanel
 from gpuwatch.widgets.throughput import ThroughputBar
 from gpuwatch.widgets.timeline_bar import TimelineBar
-from gpuwatch.widgets.tune import TuneScreen
+from gpuwatch.screens.tune import TuneScreen
 
 #: Seconds between checks for new records; the screen is redrawn only when they changed.
 REDRAW_S = 0.2

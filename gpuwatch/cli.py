@@ -22,9 +22,9 @@ from typing import Any, Sequence
 
 import zmq
 
-from agent import protocol
-from agent.protocol import printable
-from agent.runs import RunInfo, alive, find_run, list_runs, node_list, run_dir, run_ranks
+from agent.wire import protocol
+from agent.wire.protocol import printable
+from agent.wire.runs import RunInfo, alive, find_run, list_runs, node_list, run_dir, run_ranks
 from gpuwatch import history, history_commands, multinode_commands
 from gpuwatch.units import human_age, human_ms, human_sig, knob_text
 
@@ -420,7 +420,7 @@ def _tail(args: argparse.Namespace) -> int:
 
 def _tail_relays(info: RunInfo) -> list[Any]:
     """Subscribers of the other nodes' relays of a multi-node run (``tail --nodes``)."""
-    from agent.fanout import remote_relays
+    from agent.wire.commands import remote_relays
     from gpuwatch.client import Subscriber
 
     if info.nnodes <= 1:

@@ -1,7 +1,7 @@
 """The dashboard's side of the sockets: telemetry (SUB) and commands (DEALER).
 
 ZeroMQ sockets are not thread-safe: a :class:`Subscriber` belongs to the thread that
-made it. :func:`send_command` (from :mod:`agent.fanout`, which the agent's tuner uses
+made it. :func:`send_command` (from :mod:`agent.wire.commands`, which the agent's tuner uses
 too) makes fresh sockets each call, so any thread may call it. Both use the
 process-wide :func:`zmq.Context.instance`.
 """
@@ -14,10 +14,10 @@ from typing import Any, Iterator
 
 import zmq
 
-from agent import protocol
-from agent.fanout import new_command_id, secure, send_command
-from agent.knobs import assignment
-from agent.runs import RunInfo
+from agent.wire import protocol
+from agent.wire.commands import new_command_id, secure, send_command
+from agent.wire.knobs import assignment
+from agent.wire.runs import RunInfo
 from gpuwatch.state import SeqGaps
 
 __all__ = ["Subscriber", "new_command_id", "reply_text", "secure", "send_command"]
@@ -83,7 +83,7 @@ class Subscriber:
         """The next decoded envelope, or None when none came within ``timeout_s`` s.
 
         A ``steps`` batch comes out as its rows, one ``step`` envelope each
-        (:func:`agent.protocol.expand`), in order, one a call."""
+        (:func:`agent.wire.protocol.expand`), in order, one a call."""
         if self._rows:
             return self._rows.popleft()
         deadline = time.monotonic() + timeout_s

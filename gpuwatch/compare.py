@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from agent.protocol import printable
+from agent.wire.protocol import printable
 from gpuwatch.history import RunHistory, Segment
 from gpuwatch.units import human_bytes, human_ms, human_sig, knob_text
 

@@ -4,7 +4,7 @@ The one reader of run logs for everything that looks at a run after the fact:
 ``gpuwatch runs --all``, the timeline, ``replay``, ``report``, ``compare`` and
 ``export``. It reads both formats:
 
-- the run log (:mod:`agent.runlog`, ``<run>.rank<r>.runlog`` and its parts ``.1``,
+- the run log (:mod:`agent.wire.runlog`, ``<run>.rank<r>.runlog`` and its parts ``.1``,
   ``.2``, ...): frames of compressed records, the steps as column batches;
 - the JSON lines of earlier versions (``<run>.rank<r>.jsonl``, rotated ``.1`` ... ``.N``
   older files), one ``step`` line per optimizer step, regrouped here into the batches
@@ -13,17 +13,17 @@ The one reader of run logs for everything that looks at a run after the fact:
 One reader API, three levels:
 
 - :class:`LogReader`: every record in order, as envelopes; the steps as ``steps``
-  batches (at most :data:`~agent.protocol.MAX_BATCH_STEPS` rows, the wire's shape), with
+  batches (at most :data:`~agent.wire.protocol.MAX_BATCH_STEPS` rows, the wire's shape), with
   a :class:`Position` to start again from;
 - :func:`step_batch`: a batch's rows as numbers, one float64 array a field
   (:class:`StepBatch`), what the tools compute with;
 - :func:`read_history` (:class:`RunHistory`): one pass folded into what the report,
   compare and the timeline show, and :func:`run_summaries` the run list, from the
-  summary the writer keeps beside each log (:class:`agent.runlog.LogSummary`) and the
+  summary the writer keeps beside each log (:class:`agent.wire.runlog.LogSummary`) and the
   records written after it.
 
 Memory: whatever the log's length, a reader holds one frame (at most
-:data:`agent.runlog.MAX_FRAME_RAW_BYTES` of records) or one line (at most
+:data:`agent.wire.runlog.MAX_FRAME_RAW_BYTES` of records) or one line (at most
 :data:`MAX_LINE_BYTES`); a history holds figures of bounded size: medians from at most
 :data:`SAMPLE_VALUES` values a segment, plots of :data:`OVERVIEW_BUCKETS` buckets, the
 first :data:`MAX_EVENTS` events and :data:`MAX_CHANGES` knob changes, and
@@ -34,10 +34,10 @@ torn last frame or line), damaged frames and lines that are not records (counted
 ``malformed``), unknown record types and fields, records of older agents (missing
 fields), numbers that are not numbers (read as missing), files that are symbolic links
 or not regular files (never opened, ``O_NOFOLLOW``). Every string kept to be shown goes
-through :func:`agent.protocol.printable` and is cut to a bound.
+through :func:`agent.wire.protocol.printable` and is cut to a bound.
 
 Units: times are unix seconds (``t``, ``started_at``), durations seconds, memory bytes,
-throughput per second, as in the step records (:mod:`agent.protocol`).
+throughput per second, as in the step records (:mod:`agent.wire.protocol`).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 import orjson
 
-from agent import protocol, runlog
-from agent.protocol import MAX_NAME_CHARS, MAX_TEXT_CHARS, printable
-from agent.runlog import LogSummary, log_dir, number, open_no_follow
-from agent.runs import list_runs
+from agent.wire import protocol, runlog
+from agent.wire.protocol import ENVELOPE_KEYS, MAX_NAME_CHARS, MAX_TEXT_CHARS, printable
+from agent.wire.runlog import LogSummary, log_dir, number, open_no_follow
+from agent.wire.runs import list_runs
 from gpuwatch.state import MAX_KNOBS, KnobChange
 from gpuwatch.units import knob_text
 
@@ -71,8 +71,6 @@ if TYPE_CHECKING:
 MAX_LINE_BYTES = protocol.MAX_MESSAGE_BYTES
 #: Bytes read from a JSON-lines file at a time.
 CHUNK_BYTES = 1 << 20
-#: The envelope's fields in a flattened record; every other field is the body's.
-ENVELOPE_KEYS = ("type", "run", "rank", "seq", "t")
 #: A run log's file name: ``<run>.rank<r>.runlog`` (parts ``.1``, ...) or
 #: ``<run>.rank<r>.jsonl`` (rotated ``.1``, ...).
 LOG_NAME = re.compile(
@@ -98,7 +96,7 @@ MAX_STEP = float(1 << 53)
 #: A value beyond this is left out of an overview (its sums would overflow).
 MAX_PLOTTED = 1e250
 
-#: Step fields with numbers, as :mod:`agent.protocol` documents them (others found in
+#: Step fields with numbers, as :mod:`agent.wire.protocol` documents them (others found in
 #: a log are kept too, up to :data:`MAX_STEP_COLUMNS`).
 STEP_NUMBERS = (
     "step", "micro_batches", "samples", "step_time_s", "data_wait_s", "data_wait_share",
@@ -131,9 +129,9 @@ def envelope_from_record(record: Any) -> dict[str, Any] | None:
     ``{"v", "type", "run", "rank", "seq", "t", "body"}``; None when ``record`` is not a
     map with a string ``type``.
 
-    The inverse of :func:`agent.protocol.flatten` for what the agent writes (a body key
+    The inverse of :func:`agent.wire.protocol.flatten` for what the agent writes (a body key
     named like an envelope key is lost by flattening, and ``v`` is not logged: the
-    current :data:`agent.protocol.PROTOCOL_VERSION` is assumed).
+    current :data:`agent.wire.protocol.PROTOCOL_VERSION` is assumed).
     """
     if not isinstance(record, dict) or not isinstance(record.get("type"), str):
         return None
@@ -177,7 +175,7 @@ class LogFiles:
             current one).
         size_bytes: their sizes together, in bytes.
         modified_at: when the newest one was last written (unix s).
-        kind: ``runlog`` (:mod:`agent.runlog`) or ``jsonl`` (the earlier format).
+        kind: ``runlog`` (:mod:`agent.wire.runlog`) or ``jsonl`` (the earlier format).
     """
 
     run_id: str
@@ -216,7 +214,7 @@ def _log_files(run_id: str, rank: int, found: dict[int, tuple[Path, os.stat_resu
 
 
 def find_logs(directory: os.PathLike | str | None = None) -> list[LogFiles]:
-    """The run logs in ``directory`` (default :func:`agent.runlog.log_dir`), one per run
+    """The run logs in ``directory`` (default :func:`agent.wire.runlog.log_dir`), one per run
     and rank (and format), newest first (by last write). Links and files that are not
     regular are left out.
 
@@ -513,7 +511,7 @@ def _batch(position: Position, head: tuple[Any, ...], rows: list[dict[str, Any]]
 
 def flat_records(path: os.PathLike | str) -> Iterator[dict[str, Any]]:
     """Every record of the run log at ``path`` as one flat map, as ``gpuwatch tail
-    --json`` prints it (:func:`agent.protocol.flatten`; a step a record):
+    --json`` prints it (:func:`agent.wire.protocol.flatten`; a step a record):
     ``pandas.DataFrame(flat_records(path)).query("type == 'step'")`` is the log's steps
     as a table (in memory: for short runs; :func:`step_batches` for long ones).
 
@@ -1016,7 +1014,7 @@ class RunHistory:
     Attributes:
         log: the files read. hello: the latest ``hello`` body ({} when none).
         bye: the ``bye`` body, or None (a run that was killed, or is still going).
-        summary: the run in figures (:class:`agent.runlog.LogSummary`; ``steps`` counts
+        summary: the run in figures (:class:`agent.wire.runlog.LogSummary`; ``steps`` counts
             optimizer steps, a thinned bucket's included).
         events: the first :data:`MAX_EVENTS` events. knob_changes: the first
             :data:`MAX_CHANGES` changes of a knob's value between consecutive steps.
@@ -1361,9 +1359,9 @@ def summarize(history: RunHistory, *, ranks: Sequence[int] = (), live: bool = Fa
 
 
 def log_summary(log: LogFiles, *, live: bool = False) -> tuple[LogSummary, LogReader]:
-    """A log's :class:`~agent.runlog.LogSummary`: the one saved beside it, with the
+    """A log's :class:`~agent.wire.runlog.LogSummary`: the one saved beside it, with the
     records written after what it covers folded on (those of the last
-    :data:`agent.runlog.SUMMARY_S` to :data:`agent.runlog.CHUNK_S` of the run); without
+    :data:`agent.wire.runlog.SUMMARY_S` to :data:`agent.wire.runlog.CHUNK_S` of the run); without
     one (an older log, a run killed
     before its first chunk ended), one pass over the log, saved beside it for the next
     time unless the run is live. Returns it with the reader of what was read (whose

@@ -2,7 +2,7 @@
 ``export``, and opening a finished run in the dashboard (``gpuwatch RUN``).
 
 Everything here reads run logs through :mod:`gpuwatch.history`; every text from a log
-is printed through :func:`agent.protocol.printable` (no control characters). The
+is printed through :func:`agent.wire.protocol.printable` (no control characters). The
 plotting, table and metrics libraries are imported by the command that needs them, with
 a clear message when they are not installed.
 """
@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.protocol import printable
-from agent.runs import list_runs
+from agent.wire.protocol import printable
+from agent.wire.runs import list_runs
 from gpuwatch import history
 from gpuwatch.history import LogFiles, RunSummary
 from gpuwatch.units import human_age, human_bytes, human_number, human_sig, local_time

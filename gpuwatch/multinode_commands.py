@@ -9,10 +9,10 @@ import time
 
 import zmq
 
-from agent import nodes, protocol
-from agent.fanout import remote_relays
-from agent.protocol import printable
-from agent.runs import find_run, node_list, run_ranks
+from agent.wire import nodes, protocol
+from agent.wire.commands import remote_relays
+from agent.wire.protocol import printable
+from agent.wire.runs import find_run, node_list, run_ranks
 from gpuwatch.client import Subscriber
 from gpuwatch.state import GONE_AFTER_S, RunState
 from gpuwatch.units import human_ms

@@ -39,9 +39,9 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Metr
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from agent.nodes import SecretError, create_secret, load_secret
-from agent.protocol import printable
-from agent.runs import list_runs
+from agent.wire.nodes import SecretError, create_secret, load_secret
+from agent.wire.protocol import printable
+from agent.wire.runs import list_runs
 from gpuwatch.client import Subscriber
 from gpuwatch.history import number
 from gpuwatch.state import RunState
@@ -358,7 +358,7 @@ def read_token(path: Path) -> tuple[bytes, bool]:
     returns it and whether it was made.
 
     Raises:
-        agent.nodes.SecretError: the file is refused (a link, another user's, readable
+        agent.wire.nodes.SecretError: the file is refused (a link, another user's, readable
             or writable by others, too short or long; the message says why).
         OSError: it cannot be made.
     """

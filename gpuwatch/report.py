@@ -38,7 +38,7 @@ matplotlib.use("Agg")  # off screen: no display, no GUI toolkit
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 import matplotlib.ticker  # noqa: E402
 
-from agent.protocol import printable  # noqa: E402
+from agent.wire.protocol import printable  # noqa: E402
 from gpuwatch.compare import Column, rows  # noqa: E402
 from gpuwatch.history import RunHistory, write_output  # noqa: E402
 from gpuwatch.units import (human_age, human_bytes, human_sig, knob_text,  # noqa: E402

@@ -15,8 +15,8 @@ from functools import partial
 from itertools import islice, repeat
 from typing import Any, Callable, NamedTuple
 
-from agent import protocol
-from agent.protocol import MAX_NAME_CHARS, MAX_TEXT_CHARS, shorten
+from agent.wire import protocol
+from agent.wire.protocol import MAX_NAME_CHARS, MAX_TEXT_CHARS, shorten
 
 #: Step records kept for the charts (about 10 minutes at one step a second).
 STEP_HISTORY = 600
@@ -52,8 +52,8 @@ MAX_VALUES = 4096
 
 def bounded(value: Any) -> Any:
     """A copy of a wire value that the dashboard may keep: strings cut to
-    :data:`~agent.protocol.MAX_TEXT_CHARS` (map keys to
-    :data:`~agent.protocol.MAX_NAME_CHARS`), maps and lists to their first
+    :data:`~agent.wire.protocol.MAX_TEXT_CHARS` (map keys to
+    :data:`~agent.wire.protocol.MAX_NAME_CHARS`), maps and lists to their first
     :data:`MAX_ITEMS` entries, nesting to :data:`MAX_DEPTH`, :data:`MAX_VALUES` values in
     all (what is beyond becomes None), values of other types (bytes, ...) None. Numbers,
     booleans and None are kept as they are. Costs at most about :data:`MAX_VALUES`
@@ -229,8 +229,8 @@ class RunState:
     """Everything the dashboard knows about one run, in bounded memory.
 
     What it keeps from the wire is bounded as it is folded: texts cut to
-    :data:`~agent.protocol.MAX_TEXT_CHARS`, names to
-    :data:`~agent.protocol.MAX_NAME_CHARS`, maps and lists to :data:`MAX_ITEMS`, at most
+    :data:`~agent.wire.protocol.MAX_TEXT_CHARS`, names to
+    :data:`~agent.wire.protocol.MAX_NAME_CHARS`, maps and lists to :data:`MAX_ITEMS`, at most
     :data:`MAX_KNOBS` knobs and :data:`MAX_RANKS` ranks (see :func:`bounded`). Control
     characters are kept (a panel or the log shows them visibly, never raw).
 
@@ -395,7 +395,7 @@ class RunState:
         types is counted in :attr:`malformed` and otherwise ignored, never raised.
 
         Args:
-            message: an envelope as :func:`agent.protocol.decode` returns it.
+            message: an envelope as :func:`agent.wire.protocol.decode` returns it.
             now: receive time, monotonic s (``time.monotonic()`` when omitted).
         """
         if now is None:
@@ -542,7 +542,7 @@ class RunState:
         over all of them, the knobs of the latest :data:`RANK_KNOB_STEPS`.
 
         Raises:
-            agent.protocol.ProtocolError (a ValueError), TypeError: a malformed batch.
+            agent.wire.protocol.ProtocolError (a ValueError), TypeError: a malformed batch.
         """
         columns, common = body["columns"], body.get("common", {})
         if not isinstance(common, dict):
@@ -671,7 +671,7 @@ class RunState:
 
     def log(self, level: str, text: str, t: float | None = None) -> None:
         """Append a line to the event log (``t``: when the run said it, unix s), cut to
-        :data:`~agent.protocol.MAX_TEXT_CHARS` (the log widget makes its control
+        :data:`~agent.wire.protocol.MAX_TEXT_CHARS` (the log widget makes its control
         characters visible)."""
         self.events.append(LogEntry(level, _text(text), t))
         self.events_total += 1
@@ -734,7 +734,7 @@ class RunState:
         latest row. A batch whose knobs changed within it is folded row by row.
 
         Raises:
-            agent.protocol.ProtocolError (a ValueError), TypeError, KeyError: a
+            agent.wire.protocol.ProtocolError (a ValueError), TypeError, KeyError: a
                 malformed batch (counted in :attr:`malformed` by :meth:`ingest`).
         """
         columns, common = body["columns"], body.get("common", {})
@@ -935,7 +935,7 @@ class RunState:
 
 def _text(value: Any) -> str:
     """A text from the wire as the event log keeps it: a string (anything else as its
-    ``str``), cut to :data:`~agent.protocol.MAX_TEXT_CHARS`."""
+    ``str``), cut to :data:`~agent.wire.protocol.MAX_TEXT_CHARS`."""
     if type(value) is not str:
         value = str(bounded(value))
     return shorten(value)
@@ -943,7 +943,7 @@ def _text(value: Any) -> str:
 
 def _bounded_knobs(knobs: Any) -> dict[str, Any] | None:
     """A knobs map from the wire as the state keeps it: names of at most
-    :data:`~agent.protocol.MAX_NAME_CHARS` characters (longer ones are no knob of
+    :data:`~agent.wire.protocol.MAX_NAME_CHARS` characters (longer ones are no knob of
     ours), at most :data:`MAX_KNOBS` of them, values :func:`bounded`; None for what is
     none.
 

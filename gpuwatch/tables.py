@@ -2,7 +2,7 @@
 
 ``steps``: one row per optimizer step (a thinned log: per bucket of steps, with its
 ``steps_in_bucket``), one column per field (``run``, ``rank``, ``t`` unix s, ``seq``,
-``step``, then the step fields of :mod:`agent.protocol` the run reported, with their
+``step``, then the step fields of :mod:`agent.wire.protocol` the run reported, with their
 units in their names), and one ``knobs.<name>`` column per knob with its value at that
 step. ``events``: one row per event (``t``, ``step``: the step the event names, else the
 last optimizer step completed before it, ``level``, ``kind``, ``knob``, ``value`` as
@@ -45,8 +45,8 @@ import pyarrow.compute as pc  # type: ignore[import-untyped]
 import pyarrow.csv  # type: ignore[import-untyped]
 import pyarrow.parquet  # type: ignore[import-untyped]
 
-from agent import protocol
-from agent.protocol import MAX_NAME_CHARS, printable
+from agent.wire import protocol
+from agent.wire.protocol import MAX_NAME_CHARS, printable
 from gpuwatch.history import (BUCKET_COUNT, Event, LogFiles, LogReader, StepBatch, event_of,
                               number, output_file, step_batch, step_batches)
 from gpuwatch.state import MAX_KNOBS

@@ -1,5 +1,6 @@
-"""Shared fixtures: a private run directory, and a fake agent with real sockets for
-testing the dashboard alone."""
+"""Shared fixtures and helpers: a private run directory, a fake agent with real sockets
+for testing the dashboard alone, and the one wait of the tests (:func:`wait_until`, and
+:func:`until` for a Textual app); test modules import the helpers from here."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -23,12 +25,90 @@ if not torch.cuda.is_available():
     # Triton is first imported with this set: set it before any test module imports it.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from agent import protocol
-from agent.desk import CommandDesk
-from agent.knobs import STANDARD_KNOBS, Knob, KnobSet
-from agent.ledger import ChangeLedger
-from agent.tune import AutoTune
-from agent.runs import RunInfo, remove_run_file, write_run_file
+from agent.wire import protocol
+from agent.control.desk import CommandDesk
+from agent.wire.knobs import STANDARD_KNOBS, Knob, KnobSet
+from agent.control.ledger import ChangeLedger
+from agent.search.tune import AutoTune
+from agent.wire.runs import RunInfo, remove_run_file, write_run_file
+
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], T], what: str, *, timeout_s: float = 60.0,
+               poll_s: float = 0.05, alive: Sequence[Any] = (),
+               detail: Callable[[], str] | None = None) -> T:
+    """Call ``condition`` every ``poll_s`` seconds until it returns a true value, and
+    return that value: the wait for what other processes or threads write (files, run
+    files, sockets), where there is no event to await.
+
+    Args:
+        condition: reads the state awaited; a false value (None, empty) means "not yet".
+        what: what is awaited, for the failure's message.
+        timeout_s: the most it waits (s); a generous bound, never a measure of speed.
+        poll_s: the pause between two calls (s).
+        alive: processes (:class:`subprocess.Popen`, or anything with ``poll()``) that
+            make what is awaited: one that ends first fails the wait at once, with its
+            output when it has a readable ``stdout``.
+        detail: called on a failure, its text added to the message (e.g. logs).
+
+    Raises:
+        AssertionError: ``timeout_s`` passed, or a process of ``alive`` ended.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for process in alive:
+            if process.poll() is not None:
+                output = process.stdout.read() if getattr(process, "stdout", None) else ""
+                extra = detail() if detail is not None else ""
+                raise AssertionError(f"{what}: a process ended (status {process.returncode})"
+                                     f" first: {output} {extra}")
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            extra = detail() if detail is not None else ""
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what} {extra}")
+        time.sleep(poll_s)
+
+
+async def until(pilot: Any, predicate: Callable[[], Any], timeout_s: float = 20.0) -> None:
+    """Let the app of ``pilot`` (Textual's) run until ``predicate()`` holds: the wait of
+    the dashboard's tests, whose records arrive from another thread.
+
+    Raises:
+        AssertionError: ``timeout_s`` (s) passed first.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the dashboard"
+        await pilot.pause(0.05)
+
+
+async def redrawn(app: Any, pilot: Any) -> None:
+    """Redraw the dashboard ``app`` now (at the size its panels are laid out at) and let
+    Textual render it: what a test reads next is what a person sees after the next
+    redraw, with no fixed pause."""
+    app.redraw()
+    await pilot.pause()
+
+
+def text_of(app: Any, selector: str) -> str:
+    """The content of the app's widget ``selector`` (a CSS selector), as text."""
+    return str(app.query_one(selector).content)
+
+
+def knows(app: Any, knob: str) -> bool:
+    """Whether the dashboard has the knob's schema and current value."""
+    with app.source.lock:
+        return knob in app.source.state.schema and knob in app.source.state.knobs
+
+
+def log_texts(app: Any) -> list[str]:
+    """The texts of the dashboard's event log, oldest first."""
+    with app.source.lock:
+        return [entry.text for entry in app.source.state.events]
 
 
 class FakeAgent:
@@ -37,7 +117,7 @@ class FakeAgent:
     and a thread that publishes a training step every ``step_s`` seconds (with heartbeat,
     and hello/system every 10 steps) and applies accepted commands at their step. With
     ``gpus`` (``system`` GPU maps) it also reports CUDA memory in each step; ``knobs``
-    (names of :data:`~agent.knobs.STANDARD_KNOBS` and start values; an ``action`` knob
+    (names of :data:`~agent.wire.knobs.STANDARD_KNOBS` and start values; an ``action`` knob
     such as ``checkpoint`` with any value, which is not kept) is its schema, and
     ``unavailable`` ({knob: {value: reason}}) the values its device checks refuse;
     ``step_fields`` are added to (or replace fields of) every step body. ``run_id`` and
@@ -46,7 +126,7 @@ class FakeAgent:
     is not a dry run is refused with that reason (a rank that refuses the second phase
     of a command to several ranks); with ``stall_s`` it answers such a command that
     late (a rank whose agent is held up). Commands are answered, scheduled and applied
-    by the agent's own :class:`~agent.desk.CommandDesk`.
+    by the agent's own :class:`~agent.control.desk.CommandDesk`.
 
     Attributes:
         commands: command bodies received, in order (a queue tests can wait on).

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 import agent
-from agent.fanout import send_command
+from agent.wire.commands import send_command
 from tests.contract import (BATCH_SIZE, NAN_UNDER_BF16, IndexedDigits, Net, loss_fn,
                             optimizer_and_schedule, params_of)
 

@@ -19,8 +19,8 @@ import time
 
 import zmq
 
-from agent import protocol
-from agent.runs import RunInfo, remove_run_file, run_dir, write_run_file
+from agent.wire import protocol
+from agent.wire.runs import RunInfo, remove_run_file, run_dir, write_run_file
 
 
 def main() -> int:

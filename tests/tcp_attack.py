@@ -14,7 +14,7 @@ import sys
 
 import zmq
 
-from agent import protocol
+from agent.wire import protocol
 
 pub, cmd, run_dir = sys.argv[1:4]
 result = {"received": 0, "replies": 0, "raw_connections": 0}

@@ -20,7 +20,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 import agent  # noqa: E402
-from agent import runs  # noqa: E402
+from agent.wire import runs  # noqa: E402
 from agent.integrations.accelerate import AcceleratorRun  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
 from gpuwatch.history import flat_records  # noqa: E402

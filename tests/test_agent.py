@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import agent
-from agent import protocol, runs
-from agent.record import StepRecord
+from agent.wire import protocol, runs
+from agent.step.record import StepRecord
 from gpuopt import MixedPrecision, Trainer
 from gpuwatch.client import Subscriber, send_command
 from gpuwatch.history import flat_records
@@ -359,8 +359,8 @@ class _ThreadRecordingNvml:
 
 def test_nvml_psutil_and_allocator_readings_never_run_on_the_training_thread(
         run_dir, monkeypatch):
-    import agent.encoder as encoder
-    from agent.probes import Nvml
+    import agent.step.encoder as encoder
+    from agent.io.probes import Nvml
 
     nvml = _ThreadRecordingNvml()
     readings = []

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import runs
+from agent.wire import runs
 
 
 def gpuwatch(*args, timeout=30):

@@ -253,7 +253,7 @@ def test_a_monitor_thread_sees_which_graph_compiles_and_for_how_long():
     import threading
     import time
 
-    from agent.probes import SystemProbe
+    from agent.io.probes import SystemProbe
     from gpuopt.compile import COMPILE_WATCH
 
     model = make_model()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.knobs import assignment
+from agent.wire.knobs import assignment
 from gpuwatch.history import flat_records
 from tests.contract import Driver, all_drivers, run, run_diverging
 

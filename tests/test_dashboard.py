@@ -15,18 +15,19 @@ from textual import events
 from textual.geometry import Region
 from textual.widgets import Footer
 
-from agent import protocol
-from agent.knobs import STANDARD_KNOBS
-from agent.runs import RunInfo
+from agent.wire import protocol
+from agent.wire.knobs import STANDARD_KNOBS
+from agent.wire.runs import RunInfo
 from gpuwatch import state as state_module
 from gpuwatch.app import QUICK_KEYS_ENV, GpuwatchApp
 from gpuwatch.client import Subscriber, send_command
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, STEP_HISTORY, RunState
-from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.screens.help import HelpScreen
 from gpuwatch.widgets.last_event import HOLD_AFTER_KEY_S
-from gpuwatch.widgets.tune import TuneScreen
+from gpuwatch.screens.tune import TuneScreen
 from gpuwatch.widgets.panel import bucket_max, sparkline
+from tests.conftest import knows, log_texts, redrawn, text_of, until
 
 RUN = "20250101-000000-abcd"
 
@@ -320,14 +321,6 @@ def test_a_token_is_never_sent_over_tcp_without_the_runs_server_key():
 
 # --- the app -------------------------------------------------------------------------
 
-async def until(pilot, predicate, timeout_s=20.0):
-    """Let the app run until ``predicate()`` holds (records arrive from another thread)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the dashboard"
-        await pilot.pause(0.05)
-
-
 async def next_command(agent):
     return await asyncio.to_thread(agent.commands.get, timeout=20)  # soon, unless loaded
 
@@ -346,21 +339,6 @@ def question_text(app):
 def shown_keys(app):
     """The keys the footer shows now."""
     return {key for key, active in app.active_bindings.items() if active.binding.show}
-
-
-def text_of(app, selector):
-    return str(app.query_one(selector).content)
-
-
-def knows(app, knob):
-    """Whether the dashboard has the knob's schema and current value."""
-    with app.source.lock:
-        return knob in app.source.state.schema and knob in app.source.state.knobs
-
-
-def log_texts(app):
-    with app.source.lock:
-        return [entry.text for entry in app.source.state.events]
 
 
 async def test_p_sends_precision_and_knobs_panel_follows(fake_agent):
@@ -583,7 +561,7 @@ async def test_one_stall_does_not_flatten_the_step_time_chart():
                     "step": step, "step_time_s": 1.5 if step == 50 else 0.020 + step * 1e-5,
                     "data_wait_s": 0.001, "loss": 2.0}))
         await until(pilot, lambda: "off scale" in "\n".join(shown_lines(app, "#timing")))
-        await pilot.pause(0.3)
+        await redrawn(app, pilot)  # at the laid-out size
         chart = "\n".join(shown_lines(app, "#timing"))
         assert "max 1.50 s off scale" in chart
         assert "▲" in chart.split("\n", 1)[1]  # the stall, marked at the axis' end
@@ -607,7 +585,7 @@ async def test_memory_panel_shows_a_checkpointing_toggle_on_a_cpu_run(size):
                     "step": step, "host_rss_bytes": 400 << 20,
                     "knobs": {"checkpointing": step > 60}, **fields}))
         await until(pilot, lambda: "activ" in text_of(app, "#memory"))
-        await pilot.pause(0.3)  # a redraw at the laid-out width
+        await redrawn(app, pilot)  # at the laid-out size
         lines = shown_lines(app, "#memory")
         activation = next(line for line in lines if "activ" in line)
         if size[0] >= 120:
@@ -788,7 +766,7 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
                     and "accum_steps" in text_of(app, "#knobs")
                     and "31%" in text_of(app, "#data" if width >= 100 else "#knobs"))
         await until(pilot, lambda: app.query_one("#panels").size.width == width)
-        await pilot.pause(0.3)  # a redraw at the laid-out width
+        await redrawn(app, pilot)  # at the laid-out size
         assert "0  97% 70/141G 650/700W 72°C 1980MHz" in text_of(app, "#system")
         # under 100 columns the data panel folds, under 32 rows the event log
         for widget in ("#header", "#timing", "#loss", "#throughput", "#memory",
@@ -901,7 +879,7 @@ async def test_every_size_keeps_header_feedback_knobs_and_quit_in_view(make_agen
         await until(pilot, lambda: app.query_one("#panels").size.width == width)
         await pilot.press("p", "p")
         await next_command(agent)
-        await pilot.pause(0.3)  # a redraw at the laid-out size
+        await redrawn(app, pilot)  # at the laid-out size
         assert app.screen.max_scroll_y == 0
         header = shown_lines(app, "#header")[0]
         assert "● live" in header and "step " in header and agent.run_id in header, header
@@ -1027,7 +1005,7 @@ async def test_throughput_shows_a_speed_up_that_a_few_fast_steps_do_not_hide():
                 source.state.ingest(envelope("step", {"step": step,
                                                       "samples_per_s": rate}))
         await until(pilot, lambda: "300 samples/s" in text_of(app, "#throughput .value"))
-        await pilot.pause(0.3)  # a redraw at the laid-out width
+        await redrawn(app, pilot)  # at the laid-out size
         bars = text_of(app, "#throughput .spark").split()[-1]
         from gpuwatch.widgets.panel import SPARK_BARS
         levels = [SPARK_BARS.index(bar) for bar in bars if bar in SPARK_BARS]

@@ -2,13 +2,13 @@
 
 from typing import Any
 
-from agent import protocol
-from agent.desk import MAX_PENDING_COMMANDS, CommandDesk
-from agent.guard import ChangeGuard
-from agent.knobs import ACCUM_STEPS, LR_SCALE, PRECISION, Knob, KnobSet
-from agent.ledger import Change, ChangeLedger
-from agent.protocol import EventKind
-from agent.tune import AutoTune
+from agent.wire import protocol
+from agent.control.desk import MAX_PENDING_COMMANDS, CommandDesk
+from agent.control.guard import ChangeGuard
+from agent.wire.knobs import ACCUM_STEPS, LR_SCALE, PRECISION, Knob, KnobSet
+from agent.control.ledger import Change, ChangeLedger
+from agent.wire.protocol import EventKind
+from agent.search.tune import AutoTune
 
 TOKEN = "secret"
 

@@ -4,26 +4,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from agent import runs
+from agent.wire import runs
 from gpuwatch.client import Subscriber, send_command
+from tests.conftest import wait_until
 from tests.training import messages
 
 
 def wait_for_run(process, timeout_s=60):
     """The run file of ``process`` (polled: the file appears from another process)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stdout.read()
-        for info in runs.list_runs():
-            if info.pid == process.pid:
-                return info
-        time.sleep(0.05)
-    raise AssertionError("the demo wrote no run file")
+    return wait_until(lambda: next((info for info in runs.list_runs()
+                                    if info.pid == process.pid), None),
+                      "the demo's run file", timeout_s=timeout_s, alive=[process])
 
 
 @pytest.fixture
@@ -175,14 +170,10 @@ class Terminal:
 
 def training_child_of(dashboard, timeout_s=90):
     """The run file of the training job the ``gpuwatch demo`` dashboard started."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert dashboard.poll() is None, "the dashboard exited"
-        for info in runs.list_runs():
-            if info.pid != dashboard.pid:
-                return info
-        time.sleep(0.1)
-    raise AssertionError("the demo job wrote no run file")
+    return wait_until(lambda: next((info for info in runs.list_runs()
+                                    if info.pid != dashboard.pid), None),
+                      "the demo job's run file", timeout_s=timeout_s, poll_s=0.1,
+                      alive=[dashboard])
 
 
 def gone(pid, timeout_s=30):

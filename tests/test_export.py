@@ -10,7 +10,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,8 +18,9 @@ import pandas as pd
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import protocol
+from agent.wire import protocol
 from gpuwatch import history, tables
+from tests.conftest import wait_until
 from tests.test_history import gpuwatch, write_run
 from tests.test_replay import KNOBS, RUN, Writer
 
@@ -134,15 +134,15 @@ def test_prometheus_scrape_of_a_live_run(make_agent):
                        step_fields={"tokens": 4096, "tokens_per_s": 80_000.0,
                                     "activation_bytes": 3 << 20})
     with exporter_at() as (_, url):
-        deadline = time.monotonic() + 30
-        while True:  # the exporter subscribes within a second, then steps and a hello
+        def scraped():  # the exporter subscribes within a second, then steps and a hello
             families = scrape(url)
             steps, info = families.get("gpuwatch_steps"), families.get("gpuwatch_run_info")
-            if (steps is not None and steps.samples and steps.samples[0].value >= 3
-                    and info.samples[0].labels["device"]):
-                break
-            assert time.monotonic() < deadline, sorted(families)
-            time.sleep(0.1)
+            ready = (steps is not None and steps.samples and steps.samples[0].value >= 3
+                     and info.samples[0].labels["device"])
+            return families if ready else None
+
+        families = wait_until(scraped, "3 steps and a device in the scrape", timeout_s=30,
+                              poll_s=0.1, detail=lambda: str(sorted(scrape(url))))
         run = {"run": agent.info.run_id, "rank": "0"}
 
         def values(name):

@@ -18,11 +18,11 @@ pytest.importorskip("lightning")
 from lightning.fabric import Fabric  # noqa: E402
 
 import agent  # noqa: E402
-from agent import runs  # noqa: E402
+from agent.wire import runs  # noqa: E402
 from agent.integrations import fabric as fabric_integration  # noqa: E402
 from agent.integrations.fabric import FabricRun  # noqa: E402
 from gpuopt.compile import CompiledModel  # noqa: E402
-from agent.runlog import LOG_SUFFIX  # noqa: E402
+from agent.wire.runlog import LOG_SUFFIX  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
 from gpuwatch.history import flat_records  # noqa: E402
 from tests.contract import BATCH_SIZE, IndexedDigits  # noqa: E402

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from agent import runs
+from agent.wire import runs
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.live import LiveSource
-from tests.test_dashboard import knows, log_texts, text_of, until
+from tests.conftest import knows, log_texts, text_of, until
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -4,8 +4,8 @@ and never yield a value outside the knob's schema."""
 import msgpack
 from hypothesis import given, settings, strategies as st
 
-from agent import protocol
-from agent.knobs import STANDARD_KNOBS, Knob, KnobError, KnobSet
+from agent.wire import protocol
+from agent.wire.knobs import STANDARD_KNOBS, Knob, KnobError, KnobSet
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()

@@ -1,4 +1,4 @@
-"""Runs after the fact: run logs written by the real agent.runlog.RunLog (and by the real
+"""Runs after the fact: run logs written by the real agent.wire.runlog.RunLog (and by the real
 demo job), found and read back by gpuwatch.history, listed by ``gpuwatch runs --all``
 and replayed on a timeline in the real app."""
 
@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from agent import protocol, runlog
-from agent.knobs import STANDARD_KNOBS
-from agent.runlog import RunLog
+from agent.wire import protocol, runlog
+from agent.wire.knobs import STANDARD_KNOBS
+from agent.wire.runlog import RunLog
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.timeline import CHECKPOINT_STEPS, Timeline, TimelineSource
 from gpuwatch.state import RunState
-from tests.test_dashboard import text_of, until
+from tests.conftest import text_of, until, wait_until
 from tests.test_end_to_end import Terminal
 from tests.test_replay import KNOBS, RUN, LegacyLog, Writer
 
@@ -287,11 +287,9 @@ def test_a_finished_demo_run_is_listed_and_opens_by_id(run_dir):
 
 def shows(terminal, text, timeout_s=60):
     """Wait until the terminal has drawn ``text`` (bytes, within one styled span)."""
-    deadline = time.monotonic() + timeout_s
-    while text not in terminal.output:
-        assert terminal.process.poll() is None, bytes(terminal.output)[-2000:]
-        assert time.monotonic() < deadline, bytes(terminal.output)[-2000:]
-        time.sleep(0.05)
+    wait_until(lambda: text in terminal.output, f"the terminal to show {text!r}",
+               timeout_s=timeout_s, alive=[terminal.process],
+               detail=lambda: repr(bytes(terminal.output)[-2000:]))
 
 
 # --- the timeline -----------------------------------------------------------------------
@@ -338,7 +336,7 @@ def test_timeline_of_batches_cuts_a_batch_at_the_step_shown(tmp_path):
     log.close()
     timeline = Timeline(history.log_at(path), RunState())
     assert len(timeline.steps) == 5000 and timeline.steps[4999] == 5000
-    assert timeline.index_of_step(2500) == 2499
+    assert timeline.steps.index_of(2500) == 2499
     for index in (0, 499, 500, 1234, 4998):
         state, t = timeline.state_at(index)
         assert state.step == index + 1 and state.steps_total == index + 1

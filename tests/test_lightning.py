@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 L = pytest.importorskip("lightning.pytorch")
 
 import agent  # noqa: E402
-from agent import runs  # noqa: E402
+from agent.wire import runs  # noqa: E402
 from agent.integrations.lightning import GpuwatchCallback, attach  # noqa: E402
-from agent.knobs import KnobError  # noqa: E402
+from agent.wire.knobs import KnobError  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
 from gpuwatch.history import flat_records  # noqa: E402
 from tests.contract import BATCH_SIZE, IndexedDigits, run, run_diverging  # noqa: E402

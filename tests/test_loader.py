@@ -314,7 +314,7 @@ def test_refused_combinations_are_normalised_and_reported():
 
 
 def test_prefetch_factor_knob_warns_that_it_waits_for_workers():
-    from agent.adapters import loader_knobs
+    from agent.integrations.adapters import loader_knobs
 
     loader = ReconfigurableLoader(Indices(40), BATCH)
     prefetch = next(k for k in loader_knobs(loader) if k.spec.name == "prefetch_factor")

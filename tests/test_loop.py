@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import agent
-from agent import runs
-from agent.runlog import LOG_SUFFIX
+from agent.wire import runs
+from agent.wire.runlog import LOG_SUFFIX
 from gpuopt.checkpointing import find_blocks
 from gpuopt.precision import MixedPrecision
 from gpuwatch.client import send_command
+from tests.conftest import wait_until
 from tests.training import digits_loader, model as make_model
 from gpuwatch.history import flat_records
 
@@ -145,13 +146,11 @@ def test_repeated_blocks_are_found_without_a_blocks_attribute():
 
 
 def _wait_for(predicate, path, timeout_s=120):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def seen():  # a file another process writes: no event to await
         records = _log_records(path) if os.path.exists(path) else []
-        if predicate(records):
-            return records
-        time.sleep(0.2)  # polling a file another process writes: no event to await
-    raise AssertionError(f"not seen within {timeout_s} s in {path}")
+        return records if predicate(records) else None
+
+    return wait_until(seen, f"the records awaited in {path}", timeout_s=timeout_s, poll_s=0.2)
 
 
 @pytest.mark.slow
@@ -246,7 +245,8 @@ def test_gpt_example_resumes_exactly_after_a_live_change(run_dir, tmp_path):
 
 
 def test_agent_imports_no_framework_and_attach_names_what_it_takes():
-    code = ("import sys, agent, agent.adapters, agent.loop, agent.integrations\n"
+    code = ("import sys, agent, agent.integrations.adapters, agent.integrations.loop, "
+            "agent.integrations\n"
             "frameworks = {'lightning', 'pytorch_lightning', 'transformers', 'accelerate'}\n"
             "loaded = sorted(m for m in sys.modules if m.split('.')[0] in frameworks)\n"
             "assert not loaded, loaded\n"
@@ -308,7 +308,7 @@ SIGTERM_IN_IMPORT = r"""
 import _imp, os, signal, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import agent
-import agent.ioloop as ioloop
+import agent.io.ioloop as ioloop
 
 blocked = threading.Event()
 real_report = ioloop._environment_report

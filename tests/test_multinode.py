@@ -12,15 +12,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from agent import nodes, runs
+from agent.wire import nodes, runs
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.history import flat_records
+from tests.conftest import wait_until
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 pytestmark = pytest.mark.slow
@@ -102,18 +102,11 @@ class Node:
                 process.kill()
 
 
-def wait_until(condition, what: str, timeout_s: float = 120.0, nodes_=()):
-    """Poll ``condition`` (what it looks at is written by other processes)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for node in nodes_:
-            assert node.process.poll() is None, node.output.read_text()[-3000:]
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: "
-                         + " | ".join(node.output.read_text()[-2000:] for node in nodes_))
+def watching(*nodes_):
+    """:func:`tests.conftest.wait_until`'s options for a wait on ``nodes_``: fail as soon
+    as one's torchrun ends, say what each printed, poll every 0.2 s for up to 120 s."""
+    return {"alive": [node.process for node in nodes_], "timeout_s": 120.0, "poll_s": 0.2,
+            "detail": lambda: " | ".join(node.output.read_text()[-2000:] for node in nodes_)}
 
 
 @pytest.fixture
@@ -135,7 +128,7 @@ def two_nodes(tmp_path_factory):
                 return None  # each node's relay has not yet learnt of the other's
             return found
 
-        found = wait_until(ready, "both nodes' ranks and relays", nodes_=pair)
+        found = wait_until(ready, "both nodes' ranks and relays", **watching(*pair))
         # a c10d rendezvous numbers the nodes as they join: node 0 is the one of rank 0
         order = sorted(range(2), key=lambda i: found[i][0].rank)
         yield [pair[i] for i in order], [found[i] for i in order]
@@ -167,7 +160,7 @@ def test_a_command_from_node_0_applies_on_all_four_ranks_at_one_step_and_a_stopp
     where = {info.rank: node for node, ranks in ((node0, ranks0), (node1, ranks1))
              for info in ranks}
     wait_until(lambda: all(steps_and_events(where[r], run_id, r)[0] for r in range(4)),
-               "every rank's log to have steps", nodes_=(node0, node1))
+               "every rank's log to have steps", **watching(node0, node1))
 
     done = node0.gpuwatch("set", "precision=bf16")
     assert done.returncode == 0, done.stderr
@@ -182,7 +175,7 @@ def test_a_command_from_node_0_applies_on_all_four_ranks_at_one_step_and_a_stopp
                 return False
         return True
 
-    wait_until(applied_everywhere, "every rank past the step", nodes_=(node0, node1))
+    wait_until(applied_everywhere, "every rank past the step", **watching(node0, node1))
     for rank in range(4):
         steps, events = steps_and_events(where[rank], run_id, rank)
         applied = [(e["knob"], e["step"]) for e in events if e.get("kind") == "applied"]
@@ -219,7 +212,7 @@ def test_a_command_from_node_0_applies_on_all_four_ranks_at_one_step_and_a_stopp
                             and state.steps and state.primary_rank == 0
                             and state.schema and state)
             state = wait_until(sees_every_rank, "node 1's dashboard to see every rank",
-                               nodes_=(node0, node1))
+                               **watching(node0, node1))
             with source.lock:
                 assert {rank: state.node_of(rank) for rank in range(4)} == {
                     0: 0, 1: 0, 2: 1, 3: 1}
@@ -246,7 +239,7 @@ def test_a_command_from_node_0_applies_on_all_four_ranks_at_one_step_and_a_stopp
         return all(steps_and_events(where[r], run_id, r)[0][-1]["step"]
                    >= resumed_at[r] + 30 for r in range(4))
 
-    wait_until(trained_on, "every rank to train on after the stop", nodes_=(node0, node1))
+    wait_until(trained_on, "every rank to train on after the stop", **watching(node0, node1))
     for rank in range(4):
         steps, events = steps_and_events(where[rank], run_id, rank)
         assert not [e for e in events if e.get("knob") == "accum_steps"], rank

@@ -1,5 +1,5 @@
 """Multi-node parts on their own: the job secret and what derives from it, torchrun's
-layout, store entries, a real node relay (``python -m agent.relay``) in front of fake
+layout, store entries, a real node relay (``python -m agent.io.relay``) in front of fake
 agents in a run directory of its own (another "node"), the fan-out through it, and the
 dashboard's folding of node summaries (with a scale run of a few hundred ranks)."""
 
@@ -18,11 +18,11 @@ import psutil
 import pytest
 import zmq
 
-from agent import nodes, protocol, runs
-from agent.fanout import _Connections, remote_relays, send_command
+from agent.wire import nodes, protocol, runs
+from agent.wire.commands import RankConnections, remote_relays, send_command
 from gpuwatch.multinode_commands import node_lines
 from gpuwatch.state import RunState
-from tests.conftest import FakeAgent
+from tests.conftest import FakeAgent, wait_until
 
 RUN_ID = "torchrun-0badcafe"
 
@@ -145,7 +145,7 @@ class OtherNode:
                     "client_public": nodes.client_keys(secret, RUN_ID)[0],
                     "token": nodes.relay_token(secret, RUN_ID)}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "agent.relay"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "agent.io.relay"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True,
             env={**os.environ, runs.RUN_DIR_ENV: str(directory)})
         self.process.stdin.write(json.dumps(settings) + "\n")
@@ -260,7 +260,7 @@ def test_a_relay_lets_in_only_the_job_secrets_client_key_and_token(job):
                          started_at=0.0)
     # the right server key and client keys, a wrong token: answered, refused
     relay = next(info for node, _, info in remote_relays(RUN_ID, 4, {0})[0] if node == 1)
-    with _Connections([runs.RunInfo(**{**relay.__dict__, "token": "0" * 64})]) as c:
+    with RankConnections([runs.RunInfo(**{**relay.__dict__, "token": "0" * 64})]) as c:
         answer = c.exchange({"id": "x1", "knob": "precision", "value": "bf16",
                              "dry_run": True}, 3.0, None)[0]
     assert answer["relay"] and not answer["ok"]
@@ -270,7 +270,7 @@ def test_a_relay_lets_in_only_the_job_secrets_client_key_and_token(job):
     wrong.curve_server_key = other.entry["server_key"]
     wrong.curve_client_public_key = stranger_public.decode()
     wrong.curve_client_secret_key = stranger_secret.decode()
-    with _Connections([wrong]) as c:
+    with RankConnections([wrong]) as c:
         silent = c.exchange({"id": "x2", "knob": "precision", "value": "bf16",
                              "dry_run": True}, 1.0, None)[0]
     assert silent["answered"] is False
@@ -336,13 +336,13 @@ def test_a_dashboard_follows_a_few_hundred_ranks_through_one_socket_per_node(run
             started = time.monotonic()
             source.start()
             try:
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:
+                def all_seen():
                     with source.lock:
-                        if len(source.state.nodes) == node_count - 1 and len(
-                                source.state.ranks) >= expected_ranks:
-                            break
-                    time.sleep(0.2)
+                        return len(source.state.nodes) == node_count - 1 and len(
+                            source.state.ranks) >= expected_ranks
+
+                wait_until(all_seen, "every node and rank on the dashboard", timeout_s=60,
+                           poll_s=0.2)
                 time.sleep(5.0)  # a steady stretch to measure (not a wait for an event)
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 rss_after = psutil.Process().memory_info().rss
@@ -373,7 +373,7 @@ def test_a_dashboard_follows_a_few_hundred_ranks_through_one_socket_per_node(run
 SCALE_PUBLISHERS = r"""
 import json, sys, time
 import zmq
-from agent import nodes, protocol
+from agent.wire import nodes, protocol
 
 secret = nodes.load_secret(__import__("pathlib").Path(sys.argv[1]))
 run_id, count, per_node = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -408,7 +408,7 @@ while True:
 async def test_the_dashboard_header_names_a_straggler_on_another_node_with_its_node(job):
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.live import LiveSource
-    from tests.test_dashboard import text_of, until
+    from tests.conftest import text_of, until
 
     fast, slow = {"step_fields": {"step_time_s": 0.020}}, {"step_fields": {
         "step_time_s": 0.030, "data_wait_share": 0.4}}

@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import agent
-from agent import runs
-from agent.checkpoints import load_checkpoint
+from agent.wire import runs
+from agent.control.checkpoints import load_checkpoint
 from gpuopt import Trainer
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.optim import OptimizerSettings

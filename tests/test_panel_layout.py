@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from textual.content import Content
 
-from agent.knobs import GROUPS, OTHER, STANDARD_KNOBS
+from agent.wire.knobs import GROUPS, OTHER, STANDARD_KNOBS
 from gpuwatch.widgets.knobs import KnobGroup, _KnobLine, knob_columns
 
 

@@ -3,8 +3,8 @@
 import msgpack
 import pytest
 
-from agent import protocol
-from agent.knobs import ACCUM_STEPS, PRECISION, KnobError, KnobSet, Knob
+from agent.wire import protocol
+from agent.wire.knobs import ACCUM_STEPS, PRECISION, KnobError, KnobSet, Knob
 
 
 def test_round_trip_keeps_every_field():

@@ -6,18 +6,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import agent
-from agent import runs
+from agent.wire import runs
 from gpuopt import Trainer
-from agent.fanout import _Connections
+from agent.wire.commands import RankConnections
 from gpuwatch.client import Subscriber, reply_text, send_command
-from tests.conftest import FakeAgent
+from tests.conftest import FakeAgent, wait_until
 from tests.training import Gate, digits_loader, messages, model as make_model, start
 from gpuwatch.history import flat_records
 
@@ -27,14 +26,12 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def wait_for_ranks(process, world_size, timeout_s=90):
     """The run files of the job's ranks, once all ``world_size`` are there (polled: they
     are written by other processes)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stdout.read()
+    def all_there():
         found = runs.list_runs()
-        if len(found) == world_size:
-            return sorted(found, key=lambda info: info.rank)
-        time.sleep(0.1)
-    raise AssertionError(f"{len(runs.list_runs())} of {world_size} run files appeared")
+        return sorted(found, key=lambda info: info.rank) if len(found) == world_size else None
+
+    return wait_until(all_there, f"{world_size} run files", timeout_s=timeout_s, poll_s=0.1,
+                      alive=[process])
 
 
 @pytest.fixture
@@ -144,13 +141,13 @@ def test_cancel_withdraws_a_pending_command_and_says_when_it_came_too_late(run_d
     assert send_command(single, "accum_steps", 3, apply_step=5, command_id="c1")["ok"]
     assert send_command(single, "accum_steps", 2, apply_step=3, command_id="c2")["ok"]
     cancel = {"id": "c1", "cancel": True, "reason": "changed my mind"}
-    with _Connections([single]) as connection:
+    with RankConnections([single]) as connection:
         assert connection.exchange(cancel, 3.0, None)[0]["ok"]
         again = connection.exchange(cancel, 3.0, None)[0]
     assert not again["ok"] and again["reason"] == "no pending command with id 'c1'"
     thread = start(trainer, max_steps=8)
     assert gate.reached.wait(30)
-    with _Connections([single]) as connection:  # too late: it says when it applied
+    with RankConnections([single]) as connection:  # too late: it says when it applied
         late = connection.exchange({"id": "c2", "cancel": True}, 3.0, None)[0]
     gate.release.set()
     thread.join(30)

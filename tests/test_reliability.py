@@ -10,9 +10,9 @@ import torch
 import zmq
 
 import agent
-from agent import protocol, runs
-from agent.desk import MAX_PENDING_COMMANDS
-from agent.knobs import Knob, KnobSpec
+from agent.wire import protocol, runs
+from agent.control.desk import MAX_PENDING_COMMANDS
+from agent.wire.knobs import Knob, KnobSpec
 from gpuopt import Trainer
 from gpuwatch.history import flat_records
 from tests.training import Gate, digits_loader, model as make_model, start

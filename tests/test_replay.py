@@ -1,4 +1,4 @@
-"""Replay: a run log written by the real agent.runlog.RunLog, read back by
+"""Replay: a run log written by the real agent.wire.runlog.RunLog, read back by
 gpuwatch.sources.replay into the dashboard, and printed by ``gpuwatch tail FILE``."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from agent import protocol
-from agent.knobs import STANDARD_KNOBS
-from agent.runlog import FrameWriter, RunLog, pack_message
+from agent.wire import protocol
+from agent.wire.knobs import STANDARD_KNOBS
+from agent.wire.runlog import FrameWriter, RunLog, pack_message
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.history import envelope_from_record
 from gpuwatch.sources.replay import ReplaySource, RunLogReader
-from tests.test_dashboard import log_texts, text_of, until
+from tests.conftest import log_texts, text_of, until
 
 RUN = "20250101-000000-beef"
 KNOBS = {"precision": "bf16", "accum_steps": 2, "num_workers": 4, "pin_memory": True,
@@ -224,7 +224,7 @@ def test_reader_follows_the_earlier_format_across_rotation(tmp_path):
 
 
 def test_reader_follows_a_run_log_from_part_to_part(tmp_path, monkeypatch):
-    monkeypatch.setattr("agent.runlog.CHUNK_S", 0.0)  # a chunk a frame
+    monkeypatch.setattr("agent.wire.runlog.CHUNK_S", 0.0)  # a chunk a frame
     path = tmp_path / "run.rank0.runlog"
     writer = Writer(path, part_bytes=1, budget_bytes=1 << 40)  # a part a chunk
     with RunLogReader(path, batches=True) as reader:

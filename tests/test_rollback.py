@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import agent
-from agent import runs
-from agent.guard import ChangeGuard
-from agent.ledger import Change, ChangeLedger
+from agent.wire import runs
+from agent.control.guard import ChangeGuard
+from agent.control.ledger import Change, ChangeLedger
 from gpuopt import Trainer
 from gpuwatch.client import Subscriber, send_command
 from tests.training import Gate, digits_loader, messages, model as make_model, start
@@ -62,7 +62,7 @@ def test_a_rollback_that_cannot_reach_every_rank_rolls_back_nowhere(run_dir):
     """With several ranks, rank 0's guard sends its rollback to every rank; where one
     cannot be reached (here: rank 1 never started), no rank rolls back alone and the
     warning names the command to send once they all can."""
-    from agent.fanout import _Connections  # the raw wire: this rank only
+    from agent.wire.commands import RankConnections  # the raw wire: this rank only
 
     model = make_model()
     changed, waiting = Gate(hold_at=3), Gate(hold_at=20)
@@ -73,7 +73,7 @@ def test_a_rollback_that_cannot_reach_every_rank_rolls_back_nowhere(run_dir):
     with Subscriber(info) as sub:
         thread = start(trainer, max_steps=40)
         assert changed.reached.wait(30)
-        with _Connections([info]) as connection:
+        with RankConnections([info]) as connection:
             command = {"id": "f16", "knob": "precision", "value": "fp16", "apply_step": 5}
             assert connection.exchange(command, 3.0, None)[0]["ok"]
         changed.release.set()

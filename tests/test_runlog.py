@@ -1,4 +1,4 @@
-"""The run log (agent.runlog): what the real agent writes, read back exactly; a log
+"""The run log (agent.wire.runlog): what the real agent writes, read back exactly; a log
 killed while written, damaged or crafted, read in bounded memory; the summary beside it;
 thinning past a disk budget; and events that never crowd steps out."""
 
@@ -21,14 +21,14 @@ import pytest
 import torch
 
 import agent
-from agent import protocol, runlog, runs
-from agent.record import StepRecord
-from agent.runlog import (EXT_FLOATS, FLAG_CHUNK, FLAG_END, LogSummary, RunLog, decode_column,
-                          encode_column, frame, summary_path)
+from agent.wire import protocol, runlog, runs
+from agent.step.record import StepRecord
+from agent.wire.runlog import (EXT_FLOATS, FLAG_CHUNK, FLAG_END, LogSummary, RunLog, decode_column,
+                               encode_column, frame, summary_path)
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.live import LiveSource
-from tests.test_dashboard import text_of, until
+from tests.conftest import text_of, until
 from tests.test_history import gpuwatch
 from tests.test_replay import RUN, Writer
 
@@ -95,8 +95,8 @@ def test_a_column_reads_back_as_it_was(values):
 
 KILLED_WRITER = """
 import sys, time
-from agent import protocol
-from agent.runlog import RunLog
+from agent.wire import protocol
+from agent.wire.runlog import RunLog
 log = RunLog(sys.argv[1], flush_interval_s=0.0)
 step = 0
 while True:

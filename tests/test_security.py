@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from agent import protocol, runs
-from agent.runlog import RunLog, UnsafeLogFileError
+from agent.wire import protocol, runs
+from agent.wire.runlog import RunLog, UnsafeLogFileError
 from gpuwatch.history import flat_records
+from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 VICTIM = ROOT / "tests" / "victim_job.py"
@@ -429,15 +430,17 @@ def dashboard_output(terminal, until: bytes = b"PWNED-TITLE", timeout_s: float =
     """Wait until the dashboard drew ``until`` (in its visible form), calling ``poke``
     every half second meanwhile (to say it again to a dashboard that came late), press
     q, and return everything it wrote to the terminal."""
-    deadline = time.monotonic() + timeout_s
     next_poke = 0.0
-    while until not in terminal.output:
-        assert terminal.process.poll() is None, bytes(terminal.output[-2000:])
-        assert time.monotonic() < deadline, bytes(terminal.output[-2000:])
+
+    def drawn():
+        nonlocal next_poke
         if poke is not None and time.monotonic() >= next_poke:
             next_poke = time.monotonic() + 0.5
             poke()
-        time.sleep(0.05)
+        return until in terminal.output
+
+    wait_until(drawn, f"the dashboard to draw {until!r}", timeout_s=timeout_s,
+               alive=[terminal.process], detail=lambda: repr(bytes(terminal.output[-2000:])))
     terminal.type(b"q")
     assert terminal.process.wait(60) == 0
     return bytes(terminal.output)
@@ -581,12 +584,10 @@ def test_a_flood_of_1_mb_records_and_event_texts_keeps_the_dashboard_bounded(run
         assert flood.stdout.readline().strip() == "ready"
         terminal = Terminal(run_id)
         memory = MemoryWatch(terminal.process.pid)
-        deadline = time.monotonic() + 120
         # it is drawing the flood: its events (in the log, or the newest alone where the
         # log folds) or its 1 MB input verdict (cut to the panel)
-        while b"FLOOD" not in terminal.output and b"A" * 30 not in terminal.output:
-            assert terminal.process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: b"FLOOD" in terminal.output or b"A" * 30 in terminal.output,
+                   "the dashboard to draw the flood", timeout_s=120, alive=[terminal.process])
         assert flood.stdout.readline().startswith("flooded")  # 3 GB sent its way
         terminal.type(b"q")
         assert terminal.process.wait(60) == 0  # q is answered (no speed asserted)
@@ -648,7 +649,7 @@ def intruder(request) -> User:
     return request.getfixturevalue("planter")
 
 
-#: tests/tcp_attack.py, run as the intruder (it needs nothing but agent.protocol).
+#: tests/tcp_attack.py, run as the intruder (it needs nothing but agent.wire.protocol).
 ATTACK = (ROOT / "tests" / "tcp_attack.py").read_text()
 
 
@@ -688,13 +689,13 @@ def test_another_user_gets_nothing_from_a_tcp_run_and_costs_it_nothing(run_dir, 
 
 
 def test_the_tcp_front_door_relays_and_lets_in_a_bounded_share(tmp_path):
-    """agent.tcpfront, alone: bytes relayed both ways to its ipc socket; this user's
+    """agent.io.tcpfront, alone: bytes relayed both ways to its ipc socket; this user's
     connections let in up to the owner's share, the next one closed at once and never
     relayed; a slot freed is taken again."""
     import socket
     import threading
 
-    from agent import tcpfront
+    from agent.io import tcpfront
 
     path = str(tmp_path / "echo")
     echo = socket.socket(socket.AF_UNIX)
@@ -741,10 +742,8 @@ def test_the_tcp_front_door_relays_and_lets_in_a_bounded_share(tmp_path):
         assert len(inside) == tcpfront.OWNER_CONNECTIONS
         assert door.held() == {("uid", os.getuid()): tcpfront.OWNER_CONNECTIONS}
         clients.pop().close()
-        deadline = time.monotonic() + 10
-        while sum(door.held().values()) == tcpfront.OWNER_CONNECTIONS:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: sum(door.held().values()) != tcpfront.OWNER_CONNECTIONS,
+                   "the front to let a closed connection go", timeout_s=10, poll_s=0.01)
         again = socket.create_connection(("127.0.0.1", door.ports[0]), timeout=10)
         clients.append(again)
         again.sendall(b"ping")
@@ -761,7 +760,7 @@ def test_the_tcp_front_door_relays_and_lets_in_a_bounded_share(tmp_path):
 SMALL_FRONT = r"""
 import os, resource, socket, sys, threading
 resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
-from agent import tcpfront
+from agent.io import tcpfront
 echo = socket.socket(socket.AF_UNIX)
 echo.bind(sys.argv[1])
 echo.listen(512)
@@ -830,7 +829,7 @@ def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, 
     gateway holds a few of them (another user's share), and the owner is served."""
     import psutil
 
-    from agent import tcpfront
+    from agent.io import tcpfront
     from gpuwatch.client import send_command
 
     if not intruder.foreign:
@@ -867,12 +866,13 @@ def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, 
 
 def test_another_users_connections_cannot_exhaust_a_node_relays_descriptors(
         run_dir, tmp_path, monkeypatch, intruder):
-    """The same flood against a multi-node job's relay (a real ``python -m agent.relay``
+    """The same flood against a multi-node job's relay (a real ``python -m agent.io.relay``
     in front of node 1's ranks): it holds a few of them (another user's share), and the
     owner's dashboard, with the job secret's keys, still hears the node's summaries."""
     import psutil
 
-    from agent import nodes, tcpfront
+    from agent.wire import nodes
+    from agent.io import tcpfront
     from tests.test_nodes import RUN_ID, OtherNode
 
     if not intruder.foreign:
@@ -911,7 +911,7 @@ def test_another_users_connections_cannot_exhaust_a_node_relays_descriptors(
 #: stdin closes (then os._exit: ZeroMQ crashes closing a SUB of megabytes).
 HUGE_SUBSCRIPTION = r"""
 import os, sys, zmq
-from agent import runs
+from agent.wire import runs
 from gpuwatch.client import secure
 info = runs.find_run()
 sub = zmq.Context.instance().socket(zmq.SUB)
@@ -930,7 +930,7 @@ def _is_gateway(process) -> bool:
     import psutil
 
     try:
-        return "agent.gateway" in process.cmdline()
+        return "agent.io.gateway" in process.cmdline()
     except psutil.Error:  # a zombie, or gone
         return False
 
@@ -1008,7 +1008,7 @@ def test_resubscribing_in_a_loop_neither_fills_the_run_log_nor_floods_the_wire(r
 #: watches what connects: prints "bound", then on stdin's end what its sockets saw.
 SQUAT = r"""
 import json, sys, time, zmq
-from agent import protocol
+from agent.wire import protocol
 pub_port, cmd_port = int(sys.argv[1]), int(sys.argv[2])
 context = zmq.Context()
 pub, router = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
@@ -1061,13 +1061,11 @@ def test_a_dashboard_never_trusts_a_port_taken_over_after_its_run_ended(make_age
     source.start()
     squatter = None
     try:
-        deadline = time.monotonic() + 30
-        while True:
+        def stepped():
             with source.lock:
-                if source.state.step:
-                    break
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+                return source.state.step
+
+        wait_until(stepped, "the dashboard's first step", timeout_s=30)
         pub_port = int(agent.info.pub_endpoint.rsplit(":", 1)[1])
         cmd_port = int(agent.info.cmd_endpoint.rsplit(":", 1)[1])
         agent.stop()  # the run ends; its ports are free

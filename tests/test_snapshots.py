@@ -22,16 +22,16 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from agent import protocol
-from agent.knobs import STANDARD_KNOBS
-from agent.runs import RunInfo
+from agent.wire import protocol
+from agent.wire.knobs import STANDARD_KNOBS
+from agent.wire.runs import RunInfo
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.sources.timeline import TimelineSource
 from gpuwatch.widgets import event_log
 from gpuwatch.widgets.command_line import CommandLine
-from gpuwatch.widgets.help_screen import HelpScreen
+from gpuwatch.screens.help import HelpScreen
 
 from .test_dashboard import until
 from .test_history import RUN, write_run

@@ -19,24 +19,25 @@ import pytest
 import torch
 
 import agent
-from agent.checkpoints import load_checkpoint
-from agent import protocol
-from agent.knobs import TUNED, TUNED_IF_ALLOWED, Knob, KnobError, KnobSet, KnobSpec
-from agent.tune import (
-    Block,
-    CoordinateSearch,
-    Series,
-    Tuner,
-    TuneRequest,
-    _side,
-    ladder,
-    paired_gain,
-    t_quantile,
-)
+from agent.control.checkpoints import load_checkpoint
+from agent.wire import protocol
+from agent.wire.knobs import TUNED, TUNED_IF_ALLOWED, Knob, KnobError, KnobSet, KnobSpec
+from agent.search.tune import (
+                               Block,
+                               CoordinateSearch,
+                               Series,
+                               Tuner,
+                               TuneRequest,
+                               _side,
+                               ladder,
+                               paired_gain,
+                               t_quantile,
+                               )
 from gpuopt import Trainer
 from gpuopt.loader import ReconfigurableLoader
 from gpuwatch.client import Subscriber, send_command
 from gpuwatch.history import flat_records
+from tests.conftest import wait_until
 from tests.training import digits_loader, messages, start
 from tests.training import model as make_model
 
@@ -308,7 +309,7 @@ def test_a_change_during_a_trials_measurement_voids_it_and_it_is_measured_again(
                    and m["body"]["text"].startswith("tune: step_delay=1 kept"))
     # measured again: at least MIN_PAIRS_FASTER pairs of sub-blocks of more than
     # SUB_BLOCK_STEPS steps each after the change
-    from agent.tune import MIN_PAIRS_FASTER, SUB_BLOCK_STEPS
+    from agent.search.tune import MIN_PAIRS_FASTER, SUB_BLOCK_STEPS
 
     assert verdict["step"] - reply["apply_step"] >= MIN_PAIRS_FASTER * 2 * (SUB_BLOCK_STEPS + 1)
     again = [m["body"] for m in seen if m["type"] == "event" and "measuring it again"
@@ -542,7 +543,7 @@ def test_a_candidate_that_cannot_be_shown_faster_is_reverted_without_every_pair(
 
 
 def test_the_futility_rules_of_a_candidate_between_its_pairs():
-    from agent.tune import FUTILE_FROM_PAIRS, MAX_PAIRS, _not_faster, could_be_shown_faster
+    from agent.search.tune import FUTILE_FROM_PAIRS, MAX_PAIRS, _not_faster, could_be_shown_faster
 
     assert _not_faster(2, -0.2, 0.5) is None  # too early for any rule
     assert _not_faster(3, -0.01, 0.5) == "not faster: slower on average"
@@ -599,7 +600,7 @@ def _trade_search(step_time_s, fails=()):
     step records directly; each command applies at the next step, except those in
     ``fails`` (``(knob, value)``), which fail there. Returns the tuner and every command
     sent, ``(knob, value)``. ``step_time_s(threads, workers)`` is a step's time."""
-    from agent.knobs import CPU_THREADS, NUM_WORKERS
+    from agent.wire.knobs import CPU_THREADS, NUM_WORKERS
 
     values = {"cpu_threads": 2, "num_workers": 0}
     knobs = KnobSet()
@@ -699,7 +700,7 @@ def test_the_warm_up_is_cut_off_and_steady_noise_is_not():
 
 
 def test_knob_specs_say_what_the_search_may_do():
-    from agent.knobs import STANDARD_KNOBS
+    from agent.wire.knobs import STANDARD_KNOBS
 
     tuned = {name for name, spec in STANDARD_KNOBS.items() if spec.tuning == TUNED}
     allowed = {name for name, spec in STANDARD_KNOBS.items()
@@ -817,19 +818,18 @@ def test_two_ranks_end_in_the_same_configuration_at_the_same_step(run_dir):
                              timeout=600)
         assert cli.returncode == 0, cli.stderr
         assert cli.stdout.splitlines()[-1].startswith("tuned: ")
-        deadline = time.monotonic() + 180
-        while True:  # the run logs (every record, unlike a subscriber on a busy host),
-            logs = [_log_records(info) for info in (rank0, rank1)]  # polled as flushed
+        def stepped_on():  # the run logs (every record, unlike a subscriber on a busy
+            logs = [_log_records(info) for info in (rank0, rank1)]  # host), as flushed
             # the last change's step: applied, or accepted for a later step (the fan-out
             # schedules a second ahead, which may be past the search's end)
             last = max((event["step"] for log in logs for event in log
                         if event["type"] == "event"
                         and event.get("kind") in ("applied", "accepted")), default=0)
             tuned = any(r.get("kind") == "tuned" for r in logs[0] if r["type"] == "event")
-            if tuned and min(max(_step_knobs(log), default=0) for log in logs) >= last + 100:
-                break  # the search's end flushed, both ranks 100 steps past its last change
-            assert time.monotonic() < deadline, "the ranks did not step on"
-            time.sleep(0.2)
+            # the search's end flushed, both ranks 100 steps past its last change
+            return tuned and min(max(_step_knobs(log), default=0) for log in logs) >= last + 100
+
+        wait_until(stepped_on, "the ranks to step on", timeout_s=180, poll_s=0.2, alive=[job])
     finally:
         job.send_signal(signal.SIGTERM)
         job.wait(60)
@@ -860,8 +860,8 @@ def _step_knobs(records):
 async def test_T_starts_the_search_its_screen_shows_the_candidates_and_T_stops_it(run_dir):
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.live import LiveSource
-    from gpuwatch.widgets.tune import TuneScreen
-    from tests.test_dashboard import log_texts, until
+    from gpuwatch.screens.tune import TuneScreen
+    from tests.conftest import log_texts, until
 
     with _training("step_delay") as (_, monitor, _):
         app = GpuwatchApp(LiveSource(monitor.info))
@@ -916,8 +916,8 @@ def test_the_data_verdict_says_whether_idle_cpu_exists_for_more_workers():
 def test_cpu_threads_warns_while_the_model_is_compiled_so_the_search_skips_it():
     """torch.compile guards on the thread count: a change recompiles (a stall of tens of
     seconds that the search would measure as the candidate's)."""
-    from agent.adapters import cpu_threads_knob
-    from agent.knobs import KERNELS
+    from agent.integrations.adapters import cpu_threads_knob
+    from agent.wire.knobs import KERNELS
 
     mode = {"kernels": "eager"}
     knobs = KnobSet()
@@ -933,7 +933,7 @@ def test_cpu_threads_warns_while_the_model_is_compiled_so_the_search_skips_it():
 
 
 def test_a_candidates_verdict_has_a_line_of_its_own_so_it_is_never_cut():
-    from gpuwatch.widgets.tune import candidate_line
+    from gpuwatch.screens.tune import candidate_line
 
     reason = "not faster beyond noise: +12% (-19% to +55%) (632 ± 97 samples/s over 25 steps)"
     line = candidate_line({"setting": {"num_workers": 2}, "per_s": 632.0,
@@ -947,7 +947,7 @@ def test_a_candidates_verdict_has_a_line_of_its_own_so_it_is_never_cut():
 
 def test_a_trades_setting_has_a_line_of_its_own_and_every_row_fits_80_columns():
     from gpuwatch.state import RunState
-    from gpuwatch.widgets.tune import tune_text
+    from gpuwatch.screens.tune import tune_text
 
     state = RunState()
     state.tune = {"status": "running", "step": 40, "steps": 36, "budget_steps": 600,

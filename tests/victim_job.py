@@ -21,9 +21,9 @@ import threading
 
 import torch
 
-from agent.core import Agent
-from agent.knobs import ACCUM_STEPS, Knob, KnobSet
-from agent.record import StepRecord
+from agent.step.core import Agent
+from agent.wire.knobs import ACCUM_STEPS, Knob, KnobSet
+from agent.step.record import StepRecord
 
 
 def main() -> int:

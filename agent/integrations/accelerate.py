@@ -125,17 +125,17 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType
 from accelerate.utils.operations import convert_to_fp32
 
-from agent.protocol import EventKind
-from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
-                            optimizer_knobs, refuse)
-from agent.checkpoints import (GRAD_SCALER_FILE, read_knobs_file, restore_knobs,
-                               write_knobs_file)
-from agent.core import Agent
-from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PRECISION,
-                         WEIGHT_DECAY, Knob, KnobSet)
-from agent.record import StepRecord
-from agent.run import RunBase, host_copy
+from agent.wire.protocol import EventKind
+from agent.integrations.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
+                                         optimizer_knobs, refuse)
+from agent.control.checkpoints import (GRAD_SCALER_FILE, read_knobs_file, restore_knobs,
+                                       write_knobs_file)
+from agent.step.core import Agent
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
+                              LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PRECISION,
+                              WEIGHT_DECAY, Knob, KnobSet)
+from agent.step.record import StepRecord
+from agent.integrations.run import RunBase, host_copy
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing, find_blocks
 from gpuopt.kernels.backend import KernelBackendMixin
@@ -344,11 +344,11 @@ class _GradNormRecorder:
 
 class AcceleratorRun(RunBase):
     """gpuwatch's view of one accelerate training loop (made by :func:`attach`): the run
-    base (:class:`agent.run.RunBase`) with accelerate's reads of a step, its knobs, its
+    base (:class:`agent.integrations.run.RunBase`) with accelerate's reads of a step, its knobs, its
     ``save_state`` / ``load_state`` and the loop's data.
 
     Attributes:
-        agent: the :class:`agent.core.Agent` (run id, knobs, events).
+        agent: the :class:`agent.step.core.Agent` (run id, knobs, events).
         accelerator: the Accelerator. model: the prepared model.
         step: optimizer steps taken so far, counted as accelerate takes each one (at the
             :meth:`micro_batch` that ends a window; a resumed run counts on from its
@@ -518,7 +518,7 @@ class AcceleratorRun(RunBase):
 
     def _optimizer_step(self, after_step: bool = False) -> None:
         """Record the optimizer step :attr:`step` that ended, at its boundary
-        (:meth:`agent.run.RunBase.boundary`); ``after_step``: the loop's iteration is
+        (:meth:`agent.integrations.run.RunBase.boundary`); ``after_step``: the loop's iteration is
         known to be over (a fetch from :meth:`loader` came since). Never raises."""
         self._boundary_pending = False
         if self.broken:
@@ -577,7 +577,7 @@ class AcceleratorRun(RunBase):
         return None if lr is None else float(lr)
 
     def close(self, reason: str = "finished") -> None:
-        """End the run (:meth:`agent.run.RunBase.close`), the last step recorded first
+        """End the run (:meth:`agent.integrations.run.RunBase.close`), the last step recorded first
         when a loop left :meth:`loader` by ``break`` and its iterator is still held.
         Called at interpreter exit, on SIGTERM and on an uncaught exception too. The
         model keeps following the last precision and kernels."""
@@ -988,7 +988,7 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
             else the model's repeated blocks; with none, the knob is refused).
         compile_backend: the ``torch.compile`` backend of ``kernels=compile``.
         checkpoint_dir: where ``checkpoint=now`` saves (default:
-            :func:`agent.checkpoints.default_checkpoint_dir`).
+            :func:`agent.control.checkpoints.default_checkpoint_dir`).
         resume_from: a ``checkpoint=now`` checkpoint to continue from, with nothing
             left to the loop: accelerate's ``load_state`` (model, optimizer, scheduler,
             GradScaler, random numbers), :attr:`~AcceleratorRun.step` and

@@ -19,13 +19,14 @@ Attach after ``fabric.setup(...)``, and take the window from the run::
                 break
 
 :func:`attach` finds the module and optimizer ``fabric.setup`` wrapped (or takes
-``model=`` / ``optimizer=``). The run is :class:`agent.loop.LoopRun`'s, as a hand-written
-loop's: :meth:`~agent.loop.LoopRun.loader` times and counts the data (the data position
-a checkpoint keeps), :attr:`~agent.loop.LoopRun.accum_steps` and
-:attr:`FabricRun.is_accumulating` say where the window ends, and
-:meth:`~agent.loop.LoopRun.optimizer_step` marks the boundary. The step's loss is the sum
-of the losses given to ``fabric.backward`` in the window (the window's mean when each is
-divided by ``run.accum_steps``), or what ``run.optimizer_step(loss)`` is given.
+``model=`` / ``optimizer=``). The run is :class:`agent.integrations.loop.LoopRun`'s, as a
+hand-written loop's: :meth:`~agent.integrations.loop.LoopRun.loader` times and counts the
+data (the data position a checkpoint keeps),
+:attr:`~agent.integrations.loop.LoopRun.accum_steps` and :attr:`FabricRun.is_accumulating`
+say where the window ends, and :meth:`~agent.integrations.loop.LoopRun.optimizer_step`
+marks the boundary. The step's loss is the sum of the losses given to ``fabric.backward``
+in the window (the window's mean when each is divided by ``run.accum_steps``), or what
+``run.optimizer_step(loss)`` is given.
 
 **Knobs** (each applies at an optimizer-step boundary and trains as a fresh run so
 configured from that step, or is refused with the reason):
@@ -76,13 +77,14 @@ from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.fabric.wrappers import _FabricDataLoader, _FabricModule, _FabricOptimizer
 from torch._dynamo import OptimizedModule
 
-from agent.adapters import cpu_threads_knob, precision_knob, refuse
-from agent.checkpoints import FORMAT
-from agent.core import Agent
-from agent.knobs import (CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE, MAX_GRAD_NORM,
-                         MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
-from agent.loop import LoopRun, check_accum_steps, model_knobs, optimizer_settings_knobs
-from agent.run import host_copy
+from agent.integrations.adapters import cpu_threads_knob, precision_knob, refuse
+from agent.control.checkpoints import FORMAT
+from agent.step.core import Agent
+from agent.wire.knobs import (CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE, MAX_GRAD_NORM,
+                              MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
+from agent.integrations.loop import (LoopRun, check_accum_steps, model_knobs,
+                                     optimizer_settings_knobs)
+from agent.integrations.run import host_copy
 from gpuopt.backends import ModelBackend
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import precision_support
@@ -103,7 +105,7 @@ def _knob_value(plugin: Any) -> str | None:
 
 
 class _PluginSwitch:
-    """The ``precision`` knob's target (an :class:`agent.adapters.PrecisionPolicy`):
+    """The ``precision`` knob's target (an :class:`agent.integrations.adapters.PrecisionPolicy`):
     Fabric's own plugin for each value, set on the strategy (and ``fabric._precision``,
     which ``fabric.autocast()`` reads) at an optimizer-step boundary.
 
@@ -154,7 +156,7 @@ def _precision_refusal(value: str, device_type: str) -> str | None:
 
 class FabricRun(LoopRun):
     """The agent of one loop on a Lightning Fabric (see :func:`attach`, which makes it):
-    the loop run (:class:`agent.loop.LoopRun`: ``loader``, ``accum_steps``,
+    the loop run (:class:`agent.integrations.loop.LoopRun`: ``loader``, ``accum_steps``,
     ``optimizer_step``, ``step``, ``close``) with :attr:`is_accumulating`.
 
     Attributes:
@@ -210,7 +212,7 @@ class FabricRun(LoopRun):
         return fetched < accum_steps
 
     def loader(self, batches: Iterable[Any], *, epochs: int | None = 1) -> Iterator[Any]:
-        """:meth:`agent.loop.LoopRun.loader`; a Fabric loader's sampler epoch is put
+        """:meth:`agent.integrations.loop.LoopRun.loader`; a Fabric loader's sampler epoch is put
         back after a resume (Fabric sets it from its count of ``iter()`` calls)."""
         if isinstance(batches, _FabricDataLoader):
             self._fabric_loader = batches
@@ -251,7 +253,7 @@ class FabricRun(LoopRun):
     # ------------------------------------------------------------ checkpoints
 
     def data_state(self) -> dict[str, Any]:
-        """:meth:`agent.loop.LoopRun.data_state`, with the sampler epoch of the Fabric
+        """:meth:`agent.integrations.loop.LoopRun.data_state`, with the sampler epoch of the Fabric
         loader :meth:`loader` iterates."""
         state = super().data_state()
         if self._fabric_loader is not None and self.position.epoch:
@@ -432,7 +434,7 @@ def attach(fabric: Fabric, *, model: _FabricModule | None = None,
         tokens_per_sample: tokens in one sample, for token models whose batches carry no
             ``input_ids``.
         checkpoint_dir: where ``checkpoint=now`` saves (default:
-            :func:`agent.checkpoints.default_checkpoint_dir`).
+            :func:`agent.control.checkpoints.default_checkpoint_dir`).
         resume_from: a ``checkpoint=now`` checkpoint to continue from: its states, step,
             knob values, data position (``run.loader`` goes on where it was) and random
             numbers.

@@ -83,7 +83,7 @@ Knobs (commands apply at an optimizer-step boundary, in ``on_step_end``, after
   builds its DataLoader in ``get_train_dataloader`` when ``train()`` starts).
 
 The run ends (``bye``) when ``train()`` returns, when it raises (the exception named),
-on SIGTERM ("stopped by SIGTERM") and at process exit (:class:`agent.run.RunBase`).
+on SIGTERM ("stopped by SIGTERM") and at process exit (:class:`agent.integrations.run.RunBase`).
 
 Everything here is imported only when a ``transformers.Trainer`` is attached; importing
 :mod:`agent` imports no framework.
@@ -108,16 +108,16 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import is_sagemaker_mp_enabled
 
-from agent.protocol import EventKind
-from agent.adapters import cpu_threads_knob
-from agent.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_knobs_file
-from agent.core import Agent, ending_reason
+from agent.wire.protocol import EventKind
+from agent.integrations.adapters import cpu_threads_knob
+from agent.control.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_knobs_file
+from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE,
-                         MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
-                         PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
-from agent.record import StepRecord
-from agent.run import RunBase, host_copy
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE,
+                              MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
+                              PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
+from agent.step.record import StepRecord
+from agent.integrations.run import RunBase, host_copy
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
 from gpuopt.saving import rng_state, set_rng_state
@@ -173,7 +173,7 @@ def _model_of(trainer: transformers.Trainer) -> nn.Module:
 
 
 class _Run(RunBase):
-    """One Trainer under the agent, on the run base (:class:`agent.run.RunBase`): its
+    """One Trainer under the agent, on the run base (:class:`agent.integrations.run.RunBase`): its
     wrappers, its accumulation windows, its knobs and its data position. Every hook of
     :class:`GpuwatchCallback` calls one method here.
 
@@ -393,7 +393,8 @@ class _Run(RunBase):
     def _bind_checkpoint(self, knobs: KnobSet, checkpoint_dir: Any) -> None:
         """``checkpoint=now``: HF's own ``Trainer._save_checkpoint`` (model, optimizer,
         scheduler, GradScaler, RNG states, trainer state), into a directory made atomic,
-        with gpuwatch's knob values and data position (:data:`agent.checkpoints.KNOBS_FILE`);
+        with gpuwatch's knob values and data position
+        (:data:`agent.control.checkpoints.KNOBS_FILE`);
         ``train(resume_from_checkpoint=...)`` resumes from it, knobs and data included."""
         args = self.trainer.args
         if args.world_size > 1:
@@ -1058,7 +1059,7 @@ class GpuwatchCallback(TrainerCallback):
         tokens_per_sample: tokens in one sample, for token models whose batches have no
             ``input_ids``; by default tokens are the elements of ``input_ids``.
         checkpoint_dir: where ``checkpoint=now`` saves (default:
-            :func:`agent.checkpoints.default_checkpoint_dir`).
+            :func:`agent.control.checkpoints.default_checkpoint_dir`).
         options: more :class:`agent.Agent` arguments.
 
     Attributes:

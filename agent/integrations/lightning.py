@@ -91,7 +91,8 @@ knob Lightning cannot change correctly in this run is refused with the reason):
   after live changes too (Lightning alone starts a plain DataLoader's epoch again in a
   new order, and warns that the loader is not resumable: with gpuwatch that is moot).
   Refused under DeepSpeed / FSDP.
-- ``memory_fraction``, ``memory_snapshot_steps`` on CUDA (:class:`agent.adapters.MemoryKnobs`).
+- ``memory_fraction``, ``memory_snapshot_steps`` on CUDA
+  (:class:`agent.integrations.adapters.MemoryKnobs`).
 
 Data position (a DataLoader): the random number generators just before Lightning made the
 epoch's iterator and at the boundary, and Lightning's count of the epoch's batches. A
@@ -154,17 +155,17 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleD
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from agent.protocol import EventKind
-from agent.adapters import (cpu_threads_knob, loader_knobs, optimizer_knobs, precision_knob,
-                            refuse)
-from agent.core import Agent, ending_reason
+from agent.wire.protocol import EventKind
+from agent.integrations.adapters import (cpu_threads_knob, loader_knobs, optimizer_knobs,
+                                         precision_knob, refuse)
+from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
-                         KnobSet)
-from agent.record import StepRecord
-from agent.run import RunBase, host_copy
-from agent.runs import RUN_ID_ENV
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
+                              LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
+                              KnobSet)
+from agent.step.record import StepRecord
+from agent.integrations.run import RunBase, host_copy
+from agent.wire.runs import RUN_ID_ENV
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.data import batch_size
@@ -202,7 +203,7 @@ def _simple_strategy(strategy: Any) -> bool:
 class _Precision:
     """The target of the ``precision`` knob: the strategy's precision plugin, swapped at an
     optimizer-step boundary (duck-types :class:`gpuopt.MixedPrecision` for
-    :func:`agent.adapters.precision_knob`: ``device_type`` and ``precision``).
+    :func:`agent.integrations.adapters.precision_knob`: ``device_type`` and ``precision``).
 
     Also keeps the gradient norm when the Trainer clips by norm: on the plugins it uses it
     replaces ``clip_grad_by_norm`` (Lightning's two lines, ``clip_grad_norm_`` over the
@@ -1130,7 +1131,7 @@ class _Run(RunBase):
 
 def _lightning_run_id(trainer: pl.Trainer) -> str | None:
     """A run id every rank of a Lightning job derives alike, or None to leave it to
-    :func:`agent.runs.shared_run_id` (one process; ``$GPUWATCH_RUN_ID`` set; torchrun).
+    :func:`agent.wire.runs.shared_run_id` (one process; ``$GPUWATCH_RUN_ID`` set; torchrun).
 
     Lightning's own launcher (``devices=N``) starts ranks 1.. as children of rank 0,
     which starts from a shell: the launcher-based id of ``shared_run_id`` differs between
@@ -1179,7 +1180,7 @@ class GpuwatchCallback(Callback):
         grad_scaler: the ``torch.amp.GradScaler`` of fp16 (default: a new one on the
             module's device), when the Trainer does not start in 16-mixed.
         checkpoint_dir: where ``checkpoint=now`` saves (default:
-            :func:`agent.checkpoints.default_checkpoint_dir`).
+            :func:`agent.control.checkpoints.default_checkpoint_dir`).
         options: more :class:`agent.Agent` arguments (``listen``, ``queue_size``, ...).
 
     Raises:

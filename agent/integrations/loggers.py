@@ -46,16 +46,15 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from agent import protocol
-from agent.core import Agent
+from agent.wire import protocol
+from agent.wire.protocol import EventKind
+from agent.step.core import Agent
 
 #: Prefix of every name this module logs.
 PREFIX = "gpuwatch/"
 #: Memory readings logged as they are at the log.
 MEMORY_FIELDS = ("host_rss_bytes", "mem_allocated_bytes", "mem_reserved_bytes",
                  "mem_peak_reserved_bytes")
-#: Event kinds that change a knob's value (the agent's).
-CHANGE_KINDS = frozenset({"applied", "rolled_back"})
 #: Records kept between two logs; beyond, the oldest go (a log interval of more steps
 #: than this averages over its latest steps only).
 MAX_RECORDS_PER_LOG = 100_000
@@ -111,11 +110,11 @@ class Measurements:
                     number = self.knob_number(str(name), value)
                     if number is not None:
                         self._knobs[str(name)] = number
-        elif (record.get("type") == protocol.EVENT and record.get("kind") in CHANGE_KINDS
+        elif (record.get("type") == protocol.EVENT and record.get("kind") in EventKind.CHANGED
               and isinstance(record.get("knob"), str) and type(record.get("step")) is int):
             self._changes.append((record["step"], f"step {record['step']}: "
                                   f"{record['knob']}={_text(record.get('value'))}"
-                                  + (" (rolled back)" if record["kind"] == "rolled_back"
+                                  + (" (rolled back)" if record["kind"] == EventKind.ROLLED_BACK
                                      else "")))
 
     def add_memory(self, memory: Mapping[str, Any]) -> None:

@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
-from agent.protocol import EventKind
-from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
-                            optimizer_knobs, precision_knob, refuse)
-from agent.checkpoints import load_checkpoint, torch_checkpoint
-from agent.core import Agent, ending_reason
-from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MAX_GRAD_NORM,
-                         MICRO_BATCH_SIZE, Knob, KnobSet)
-from agent.record import StepRecord
-from agent.run import RunBase, host_copy
+from agent.wire.protocol import EventKind
+from agent.integrations.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
+                                         optimizer_knobs, precision_knob, refuse)
+from agent.control.checkpoints import load_checkpoint, torch_checkpoint
+from agent.step.core import Agent, ending_reason
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MAX_GRAD_NORM,
+                              MICRO_BATCH_SIZE, Knob, KnobSet)
+from agent.step.record import StepRecord
+from agent.integrations.run import RunBase, host_copy
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.trainer import StepStats, Trainer
 

@@ -9,7 +9,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 
-from agent.runs import RunInfo
+from agent.wire.runs import RunInfo
 from gpuwatch.state import RunState
 
 

@@ -16,7 +16,7 @@ by default), the other ranks' steps give their pace (:attr:`RunState.ranks`, the
 slowest rank in the header) and their warnings and errors reach the log.
 
 A multi-node job's other nodes are followed through their relays (one socket per node,
-as the job's store names them: :func:`agent.fanout.remote_relays`): their ``node``
+as the job's store names them: :func:`agent.wire.commands.remote_relays`): their ``node``
 summaries give their ranks' pace and the node's data wait, the relay of rank 0's node
 forwards rank 0's own records (the charts show rank 0 from any node), and every rank's
 events reach the log.
@@ -29,9 +29,9 @@ from typing import Any
 
 import zmq
 
-from agent import protocol
-from agent.fanout import remote_relays
-from agent.runs import RunInfo, list_runs, run_ranks
+from agent.wire import protocol
+from agent.wire.commands import remote_relays
+from agent.wire.runs import RunInfo, list_runs, run_ranks
 from gpuwatch import state as run_state
 from gpuwatch.client import Subscriber
 from gpuwatch.sources import Source
@@ -52,7 +52,7 @@ class LiveSource(Source):
     """Telemetry of a live run, received on a SUB socket in a daemon thread.
 
     Args:
-        info: the run (from :func:`agent.runs.find_run`); commands go to it too.
+        info: the run (from :func:`agent.wire.runs.find_run`); commands go to it too.
     """
 
     def __init__(self, info: RunInfo) -> None:

@@ -2,7 +2,7 @@
 (``tail -F``), for ``gpuwatch replay FILE`` and ``gpuwatch tail FILE``.
 
 :class:`RunLogReader` reads either format :mod:`gpuwatch.history` reads: a run log
-(:mod:`agent.runlog`: frames, followed from part to part as the writer starts new ones)
+(:mod:`agent.wire.runlog`: frames, followed from part to part as the writer starts new ones)
 or the JSON lines of earlier versions (followed across rotation). Its records are the
 envelopes :meth:`RunState.ingest` folds, so a replay shows the same panels as the live
 run; what cannot be read is counted as malformed and skipped.
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from agent import protocol, runlog
+from agent.wire import protocol, runlog
 from gpuwatch.history import MAX_LINE_BYTES, decode_line
 from gpuwatch.sources import Source
 
@@ -48,7 +48,7 @@ class RunLogReader:
         path: the run log (its first part, or the current file of JSON lines).
         batches: a ``steps`` batch as one envelope (what :meth:`RunState.ingest` folds
             fastest); by default as one ``step`` envelope a row
-            (:func:`agent.protocol.expand`), as ``gpuwatch tail`` prints them.
+            (:func:`agent.wire.protocol.expand`), as ``gpuwatch tail`` prints them.
 
     Attributes:
         malformed: damaged frames and lines that were not records (bad JSON, not a map,
@@ -123,7 +123,7 @@ class RunLogReader:
 
 
 class _PartFollower:
-    """A run log's parts, read as far as written (:class:`agent.runlog.PartReader`),
+    """A run log's parts, read as far as written (:class:`agent.wire.runlog.PartReader`),
     the next part once it exists (the writer finished the one before it)."""
 
     def __init__(self, path: Path) -> None:

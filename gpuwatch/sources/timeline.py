@@ -23,8 +23,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, NamedTuple, overload
 
-from agent import protocol
-from agent.protocol import printable
+from agent.wire import protocol
+from agent.wire.protocol import printable
 from gpuwatch.history import (HistoryBuilder, LogFiles, LogReader, Position, RunHistory,
                               number)
 from gpuwatch.sources import Source
@@ -236,11 +236,6 @@ class Timeline:
             if cut:
                 break
         return state, t
-
-    def index_of_step(self, step: int) -> int | None:
-        """The index of the first record of optimizer step ``step`` or later (steps
-        in order); None when the run has no such step."""
-        return self.steps.index_of(step)
 
     def mark_after(self, index: int, kind: str, direction: int) -> Mark | None:
         """The first mark of ``kind`` after (``direction`` 1) or before (-1) ``index``,

@@ -9,7 +9,7 @@ from rich.text import Text
 from textual import events
 from textual.widgets import RichLog
 
-from agent.protocol import printable
+from agent.wire.protocol import printable
 from gpuwatch.state import LogEntry
 from gpuwatch.units import local_time
 
@@ -52,7 +52,7 @@ class EventLog(RichLog):
 
     def add(self, entry: LogEntry) -> None:
         """Append one entry, coloured by its level, its control characters made visible
-        (:func:`agent.protocol.printable`)."""
+        (:func:`agent.wire.protocol.printable`)."""
         variable = LEVEL_COLORS.get(entry.level)
         color = self.app.theme_variables.get(variable, "") if variable else ""
         stamp = local_time(time.time() if entry.t is None else entry.t, "%H:%M:%S") + " "

@@ -10,7 +10,7 @@ from typing import Any
 from textual.content import Content
 from textual.widgets import Static
 
-from agent.protocol import printable
+from agent.wire.protocol import printable
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 from textual.content import Content
 
-from agent.knobs import DATA, GROUPS, OTHER, STANDARD_KNOBS
+from agent.wire.knobs import DATA, GROUPS, OTHER, STANDARD_KNOBS
 from gpuwatch.state import RunState
 from gpuwatch.units import human_sig, knob_text
 from gpuwatch.widgets.panel import Panel
@@ -114,7 +114,7 @@ def knob_group(name: str, spec: dict[str, Any]) -> str:
 
 def grouped_knobs(state: RunState) -> list[tuple[str, list[str]]]:
     """The run's settings (not its actions, such as ``checkpoint``) by group, the groups
-    in :data:`agent.knobs.GROUPS` order (others after, in the schema's order), in each
+    in :data:`agent.wire.knobs.GROUPS` order (others after, in the schema's order), in each
     the standard knobs in their declared order (``lr`` and ``clip`` first among the
     optimizer's), the rest in the schema's; read ``state`` under the lock."""
     names = [name for name in (list(state.schema) or list(state.knobs))
@@ -273,7 +273,7 @@ def _render(columns: list[list[_Cell]], width: int, cells: list[int] | None = No
 
 class KnobsPanel(Panel):
     """Every setting of the run's schema with its value, under its group (numerics,
-    kernels & memory, data, optimizer: :attr:`agent.knobs.KnobSpec.group`), in as many
+    kernels & memory, data, optimizer: :attr:`agent.wire.knobs.KnobSpec.group`), in as many
     columns as the panel's width needs; ``-> v (at step N)`` while pending; ``lr`` (the
     effective learning rate and ``lr_scale``) and ``clip`` (``max_grad_norm`` and the
     gradient norm) for the optimizer's. Commands that are not settings (``checkpoint``)

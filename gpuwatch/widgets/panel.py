@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from textual.content import Content
 from textual.widgets import Static
 
-from agent.protocol import printable
+from agent.wire.protocol import printable
 
 #: Block characters of a sparkline, lowest first.
 SPARK_BARS = "▁▂▃▄▅▆▇█"
@@ -24,7 +24,7 @@ class Panel(Static):
     """A Static whose size never depends on its text (set in the stylesheet), so an
     update needs no layout pass, and an update to the same text and styles is skipped:
     the dashboard calls ``show()`` several times a second. Every panel's text passes
-    :func:`agent.protocol.printable` here (its own line breaks kept), so no string of a
+    :func:`agent.wire.protocol.printable` here (its own line breaks kept), so no string of a
     run or a log reaches the terminal as control sequences."""
 
     @property
@@ -46,7 +46,7 @@ class Panel(Static):
 
 def safe_content(content: Content | str) -> Content:
     """``content`` as a terminal may show it: its lines cut to :data:`MAX_LINE_CHARS`
-    and its control characters made visible by :func:`agent.protocol.printable` (its
+    and its control characters made visible by :func:`agent.wire.protocol.printable` (its
     own line breaks kept), its styles where they were. For every text of a run or a log
     that a widget shows."""
     content = Content(content) if isinstance(content, str) else content

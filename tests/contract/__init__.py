@@ -22,7 +22,7 @@ import torch
 from sklearn.datasets import load_digits
 from torch.nn import functional as F
 
-import agent.core
+import agent.step.core
 from gpuwatch.client import Subscriber
 from gpuwatch.history import flat_records
 
@@ -152,7 +152,7 @@ def send_at_first_step(monitor: Any, commands: list[tuple[str, Any, int]],
                        recorder: Recorder) -> None:
     """Mark each step's end in ``recorder``, and at the first step recorded send
     ``commands`` through real sockets (their replies in ``recorder.replies``)."""
-    from agent.fanout import send_command
+    from agent.wire.commands import send_command
 
     pending = list(commands)
     ended = [0]  # micro-batches trained when the latest step ended
@@ -222,20 +222,20 @@ def run_diverging(driver: Driver, checkpoint_dir: Path,
                     decided.set()
                     recorder.release.set()
 
-    started = agent.core.Agent.start  # the watcher subscribes as the run starts
+    started = agent.step.core.Agent.start  # the watcher subscribes as the run starts
 
     def start_and_watch(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = started(self, *args, **kwargs)
         threading.Thread(target=watch, args=(self.info,), daemon=True).start()
         return result
 
-    agent.core.Agent.start = start_and_watch
+    agent.step.core.Agent.start = start_and_watch
     NAN_UNDER_BF16.set()
     try:
         return run(driver, steps=14, commands=[("precision", "bf16", 7)] + [
             (knob, value, 7) for knob, value in also],
                    checkpoint_dir=checkpoint_dir, recorder=recorder)
     finally:
-        agent.core.Agent.start = started
+        agent.step.core.Agent.start = started
         NAN_UNDER_BF16.clear()
         decided.set()

@@ -46,7 +46,7 @@ class KnobSpec:
         ``"action"``: a command with no value to keep (``checkpoint=now``), absent from
         :meth:`KnobSet.values`. choices: allowed values for ``choice`` and ``action``.
         minimum / maximum: inclusive bounds for ``int`` and ``float``. help: one line for people.
-        tuning: what the in-run search (:mod:`agent.tune`) may do with it:
+        tuning: what the in-run search (:mod:`agent.search.tune`) may do with it:
         :data:`TUNED` (a speed setting that leaves the training's results as they are:
         searched by default), :data:`TUNED_IF_ALLOWED` (it changes the numerics or the
         memory: searched only when the ``tune`` command allows it) or

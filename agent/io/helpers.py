@@ -1,5 +1,5 @@
-"""The agent's helper processes: the tcp gateway (:mod:`agent.gateway`) and the node
-relay (:mod:`agent.relay`). Each is ``python -m <module>`` with the agent's own import
+"""The agent's helper processes: the tcp gateway (:mod:`agent.io.gateway`) and the node
+relay (:mod:`agent.io.relay`). Each is ``python -m <module>`` with the agent's own import
 path; it reads one JSON line of settings on stdin, answers one JSON line on stdout
 (with ``pub_port`` and ``cmd_port``, or ``error``), and ends when its stdin closes: when
 the agent closes it, or when the training process dies, however.

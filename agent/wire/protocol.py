@@ -14,9 +14,10 @@ package version and changes only when a field changes meaning.
 
 Message types and their bodies:
 
-``hello``      run metadata: ``name``, ``pid``, ``host``, ``rank``, ``world_size``, ``device``,
-               ``model`` (``params``, ``name``), ``env`` (environment report),
-               ``knobs`` (the knob schema, see :mod:`agent.knobs`), ``started_at``,
+``hello``      run metadata (:class:`Hello`): ``name``, ``pid``, ``host``, ``rank``,
+               ``world_size``, ``device``, ``model`` (``params``, ``name``), ``env``
+               (environment report), ``knobs`` (the knob schema, see
+               :mod:`agent.wire.knobs`), ``started_at``,
                ``training`` (``framework``: gpuopt.Trainer, lightning, transformers,
                accelerate or loop; ``loss_normalization`` where known: how a window's
                loss and gradient are averaged, e.g. micro_batch_mean or samples),
@@ -55,7 +56,7 @@ Message types and their bodies:
 ``system``     about 1 Hz: ``cpu_pct``, ``host_mem_used_bytes``, ``host_mem_total_bytes``,
                ``gpus`` (list of per-GPU maps) and ``gpu_status`` (None or a reason such
                as "no NVIDIA GPU").
-``state``      current knob values: ``knobs``, ``step``.
+``state``      current knob values: ``knobs``, ``step`` (:class:`State`).
 ``event``      ``level`` (info | warning | error), ``text``, optional ``kind``
                (applied | rejected | warning | resumed | ...), ``knob``, ``value``,
                ``step``; ``checkpoint=now`` applied adds ``path``, ``size_bytes``,
@@ -96,11 +97,11 @@ Message types and their bodies:
                ``per_s`` and ``per_s_spread`` (throughput in units/s and its 95%
                half-width), ``gain`` and ``gain_spread`` (against the best so far, as
                fractions), ``steps``), and once ended ``text`` (the one-line result).
-``heartbeat``  about 1 Hz: ``step`` (last completed optimizer step), ``ending``,
-               ``records_dropped``, ``errors``, ``commands_refused``,
+``heartbeat``  about 1 Hz (:class:`Heartbeat`): ``step`` (last completed optimizer step),
+               ``ending``, ``records_dropped``, ``errors``, ``commands_refused``,
                ``commands_rejected`` (bad token, knob or value).
-``bye``        the run ends: ``reason``, ``steps``.
-``node``       about 1 Hz, from a node's relay in a multi-node job (:mod:`agent.relay`):
+``bye``        the run ends: ``reason``, ``steps`` (:class:`Bye`).
+``node``       about 1 Hz, from a node's relay in a multi-node job (:mod:`agent.io.relay`):
                ``node``, ``host``, ``expected`` (the node's global ranks), ``ranks`` (a
                list of maps: ``rank``, ``step``, ``step_time_s`` and
                ``data_wait_share`` smoothed over about 20 steps, ``heard_s_ago``),
@@ -202,7 +203,7 @@ class EventKind:
 
 class Reply(TypedDict, total=False):
     """The body of a ``reply`` (agent -> client), declared once for the agent's command
-    desk, the fan-out to several ranks (:mod:`agent.fanout`) and the clients; extra
+    desk, the fan-out to several ranks (:mod:`agent.wire.commands`) and the clients; extra
     fields are ignored, as everywhere on the wire."""
 
     #: the command's ``id`` (None when the command's own id was unusable)
@@ -243,6 +244,67 @@ class Reply(TypedDict, total=False):
     replies: list[Reply]
     rank: int
 
+
+class Hello(TypedDict):
+    """The body of ``hello`` (agent -> readers, at once to a new subscriber and every
+    30 heartbeats): the run's facts. Readers take each field with ``.get``: an older or
+    newer agent may lack one."""
+
+    name: str
+    pid: int
+    host: str
+    rank: int
+    world_size: int
+    #: unix time (s) the agent was made
+    started_at: float
+    #: the model's device, e.g. ``cuda:0`` or ``cpu``
+    device: str
+    #: ``name`` and ``params`` (a count, or None)
+    model: dict[str, Any]
+    #: the environment report (versions, devices)
+    env: dict[str, Any] | None
+    #: the knob schema: one spec a knob (see :meth:`agent.wire.knobs.KnobSet.schema`)
+    knobs: list[dict[str, Any]]
+    #: the run log's path, "" when the run has none
+    log_path: str
+    #: current knob values
+    knob_values: dict[str, Any]
+    #: facts of the training loop: ``framework``, ``loss_normalization``
+    training: dict[str, Any]
+    #: the agent's latest internal errors (at most 10)
+    errors: list[str]
+
+
+class Heartbeat(TypedDict):
+    """The body of ``heartbeat`` (about 1 Hz)."""
+
+    #: the last completed optimizer step
+    step: int
+    #: the run is ending: commands are rejected
+    ending: bool
+    #: step records the agent's queue lost (its I/O thread fell behind)
+    records_dropped: int
+    #: the agent's internal errors so far
+    errors: int
+    #: commands refused (a valid command the run cannot take) and rejected (bad token,
+    #: knob or value)
+    commands_refused: int
+    commands_rejected: int
+
+
+class State(TypedDict):
+    """The body of ``state``: the current knob values at the last completed step."""
+
+    knobs: dict[str, Any]
+    step: int
+
+
+class Bye(TypedDict):
+    """The body of ``bye``: why the run ended, and its last completed step."""
+
+    reason: str
+    steps: int
+
 #: Largest payload either side decodes; larger frames are dropped as malformed.
 MAX_MESSAGE_BYTES = 1 << 20
 #: Most rows in one ``steps`` message (a batch of about 150 kB at most); the agent sends a
@@ -253,8 +315,9 @@ MAX_BATCH_STEPS = 1024
 STEP_FIELDS = frozenset({
     "step", "micro_batches", "samples", "step_time_s", "data_wait_s", "data_wait_share",
     "samples_per_s", "loss", "gpu_step_time_s", "knobs", "skipped_steps_total"})
-#: Envelope keys: a body field of one of these names is dropped from flat records.
-_HEAD_KEYS = ("type", "run", "rank", "seq", "t")
+#: The envelope's fields in a flat record (:func:`flatten`); every other field is the
+#: body's, and a body field of one of these names is dropped from flat records.
+ENVELOPE_KEYS = ("type", "run", "rank", "seq", "t")
 
 
 #: Longest text (characters) kept of a string from the wire or a log where it is shown
@@ -467,8 +530,7 @@ def flatten(message: dict[str, Any]) -> dict[str, Any]:
     the run logs of earlier versions (JSON lines). Envelope keys win over body keys of
     the same name.
     """
-    head = {"type": message.get("type"), "run": message.get("run"),
-            "rank": message.get("rank"), "seq": message.get("seq"), "t": message.get("t")}
+    head = {key: message.get(key) for key in ENVELOPE_KEYS}
     body = message.get("body") or {}
     record = {**head, **body}
     if len(record) != len(head) + len(body):  # a body key shadowed an envelope key

@@ -1,11 +1,11 @@
 """A node's relay in a multi-node job: the node's one tcp door, in a child process of
-the node's local rank 0 (``python -m agent.relay``), like the tcp gateway
-(:mod:`agent.gateway`): what remote clients make a process hold is held here, never by
+the node's local rank 0 (``python -m agent.io.relay``), like the tcp gateway
+(:mod:`agent.io.gateway`): what remote clients make a process hold is held here, never by
 a training process.
 
 It listens with CURVE (its server key pair and the one client key it lets in are
-derived from the user's job secret: see :mod:`agent.nodes`), behind the same tcp front
-door as the gateway (:class:`agent.gateway.Front`: a bounded number of connections per
+derived from the user's job secret: see :mod:`agent.wire.nodes`), behind the same tcp front
+door as the gateway (:class:`agent.io.gateway.Front`: a bounded number of connections per
 peer, so no one can exhaust its descriptors or crowd the owner's dashboards out), and:
 
 - commands: a ``command`` with the relay's token is passed to every rank of the node
@@ -40,10 +40,11 @@ from typing import Any
 
 import zmq
 
-from agent import helpers, protocol
-from agent.fanout import _Connections, secure
-from agent.gateway import Front
-from agent.runs import RunInfo, run_ranks
+from agent.io import helpers
+from agent.wire import protocol
+from agent.wire.commands import RankConnections, secure
+from agent.io.gateway import Front
+from agent.wire.runs import RunInfo, run_ranks
 
 #: How often the node summary is published, and the run files looked at again (s).
 SUMMARY_S = 1.0
@@ -94,7 +95,7 @@ class Relay:
         self.token: str = settings["token"]
         self.front_pub, self.front_cmd = front_pub, front_cmd
         self.stop = threading.Event()
-        self._connections: dict[str, tuple[_Connections, float]] = {}
+        self._connections: dict[str, tuple[RankConnections, float]] = {}
 
     # ---------------------------------------------------------------- commands
 
@@ -151,7 +152,7 @@ class Relay:
         within_s = min(MAX_WITHIN_S, max(0.1, float(within_s)))
         kept = self._connections.get(command_id)
         if kept is None:
-            connections = _Connections(self._local_ranks())
+            connections = RankConnections(self._local_ranks())
             self._expire(room_for_one=True)
         else:
             connections = kept[0]

@@ -2,11 +2,11 @@
 
 Owns the ZeroMQ context and sockets (XPUB for telemetry, ROUTER for commands, on ipc in
 the private run directory), the tcp gateway child process with the run's CURVE keys
-(:mod:`agent.gateway`), the run file and the run log, the node relay link of a multi-node
+(:mod:`agent.io.gateway`), the run file and the run log, the node relay link of a multi-node
 job, the sequence numbers of published messages, greetings of new subscribers,
 heartbeats, the periodic ``hello`` and ``state``, and the system probe (about 1 Hz).
-Each wake-up it drains the step encoder (:mod:`agent.encoder`) and hands each command
-body to the command desk (:mod:`agent.desk`), answering at once. It never runs on the
+Each wake-up it drains the step encoder (:mod:`agent.step.encoder`) and hands each command
+body to the command desk (:mod:`agent.control.desk`), answering at once. It never runs on the
 training thread; what it sends, it sends without blocking (PUB drops at its high-water
 mark).
 """
@@ -17,17 +17,19 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import zmq
 
-from agent import helpers, protocol
-from agent.multinode import node_link
-from agent.probes import Nvml, SystemProbe
-from agent.protocol import EventKind, Reply
-from agent.runlog import LOG_SUFFIX, RunLog, log_dir
-from agent.runs import (
+from agent.io import helpers
+from agent.wire import protocol
+from agent.io.multinode import node_link
+from agent.io.probes import Nvml, SystemProbe
+from agent.wire.protocol import EventKind, Reply
+from agent.wire.runlog import LOG_SUFFIX, RunLog, log_dir
+from agent.wire.runs import (
     RUN_ID_ENV,
     RunInfo,
     new_run_id,
@@ -38,9 +40,11 @@ from agent.runs import (
 )
 
 if TYPE_CHECKING:
-    from agent.core import Agent
-    from agent.desk import CommandDesk
-    from agent.encoder import StepEncoder
+    from agent.control.desk import CommandDesk
+    from agent.step.encoder import StepEncoder
+    from agent.control.guard import ChangeGuard
+    from agent.wire.knobs import KnobSet
+    from agent.search.tune import AutoTune
 
 _HEARTBEAT_INTERVAL_S = 1.0
 _HELLO_EVERY_HEARTBEATS = 30  # a new subscriber is greeted at once anyway
@@ -57,7 +61,7 @@ _POLL_MS = 100
 #: times longer; sooner when the record queue would otherwise fill past a quarter of
 #: its bound.
 _QUIET_POLL_MS = 500
-#: While an in-run search runs (:mod:`agent.tune`): it decides from each step record,
+#: While an in-run search runs (:mod:`agent.search.tune`): it decides from each step record,
 #: and each of its switches waits for the I/O thread to read the record that ends a
 #: sub-block, so it reads them within 10 ms (100 wake-ups a second for the search's
 #: few minutes: 1 to 2% of a core here, from the 100 to 200 us a wake-up costs; not
@@ -100,23 +104,77 @@ class _Endpoints(TypedDict, total=False):
     curve_client_secret_key: str
 
 
+class AgentView(Protocol):
+    """What the I/O thread reads of its agent (:class:`agent.step.core.Agent`): the run's
+    facts for ``hello`` and the run file, the hot path's latest state, and where to
+    report. Public members only; each read is an attribute read, never a wait."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def transport(self) -> str: ...
+    @property
+    def listen(self) -> str | None: ...
+    @property
+    def device(self) -> Any: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def params(self) -> int | None: ...
+    @property
+    def training(self) -> dict[str, Any]: ...
+    @property
+    def knobs(self) -> KnobSet: ...
+    @property
+    def errors(self) -> list[str]: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def last_step(self) -> int: ...
+    @property
+    def ending(self) -> bool: ...
+    @property
+    def bye_reason(self) -> str | None: ...
+    @property
+    def knob_values(self) -> dict[str, Any]: ...
+
+    def event(self, level: str, text: str, **fields: Any) -> None: ...
+    def report_error(self, where: str, exc: BaseException) -> None: ...
+
+
 class IOLoop:
     """The I/O thread of one agent: sockets, gateway, run file, run log, heartbeats.
 
     Args:
         agent: the agent whose run this is: its facts (name, rank, knobs, errors) and
-            the hot path's latest step and knob values are read here; its ``run_id`` is
-            replaced when another process holds it (see :meth:`_bind`).
+            the hot path's latest step and knob values are read here.
+        run_id: the run's id, kept in :attr:`run_id` (replaced when another process
+            holds it, see :meth:`_bind`).
         desk: answers each command body.
         encoder: drained at each wake-up, and flushed before any other message.
+        guard: the rollback guard; while it watches a change the loop wakes often.
+        tune: the in-run search; while it runs the loop wakes more often still.
+        records_bound: the bound of the record queue (None: unbounded).
         nvml: the GPU probe (tests pass one with a fake NVML module).
     """
 
-    def __init__(self, agent: Agent, *, desk: CommandDesk, encoder: StepEncoder,
-                 nvml: Nvml | None = None) -> None:
+    def __init__(self, agent: AgentView, run_id: str, *, desk: CommandDesk,
+                 encoder: StepEncoder, guard: ChangeGuard, tune: AutoTune,
+                 records_bound: int | None, nvml: Nvml | None = None) -> None:
         self._agent = agent
+        #: the run's id: the one given, or a new one if another process held it
+        self.run_id = run_id
         self._desk = desk
         self._encoder = encoder
+        self._change_guard = guard
+        self._tune = tune
+        self._records_bound = records_bound
         #: the run file's facts, once the sockets are bound (None before, or when they
         #: could not be)
         self.info: RunInfo | None = None
@@ -205,7 +263,7 @@ class IOLoop:
             context.destroy(linger=0)
 
     def _start_gateway(self, pub_endpoint: str, cmd_endpoint: str) -> _Endpoints:
-        """Start the tcp side of this run in a child process (:mod:`agent.gateway`):
+        """Start the tcp side of this run in a child process (:mod:`agent.io.gateway`):
         tcp ports with CURVE, forwarding to this agent's private ipc sockets, so that
         what a tcp client makes a process hold (connections, descriptors, buffers) is
         never held by the training process. Its keys go in the owner-only run file: a
@@ -231,7 +289,7 @@ class IOLoop:
                     # where its ZeroMQ sockets listen behind its tcp front door
                     "inside_pub": f"{self._ipc_paths[0]}.gw",
                     "inside_cmd": f"{self._ipc_paths[1]}.gw"}
-        self._gateway, answer = helpers.start("agent.gateway", settings, "tcp gateway")
+        self._gateway, answer = helpers.start("agent.io.gateway", settings, "tcp gateway")
         shown = "127.0.0.1" if address in ("0.0.0.0", "*") else address
         return {"pub_endpoint": f"tcp://{shown}:{answer['pub_port']}",
                 "cmd_endpoint": f"tcp://{shown}:{answer['cmd_port']}",
@@ -264,19 +322,19 @@ class IOLoop:
         """Bind the sockets, open the run log and write the run file.
 
         Raises:
-            agent.runs.UnsafeDirectoryError, OSError: the run directory is refused or
+            agent.wire.runs.UnsafeDirectoryError, OSError: the run directory is refused or
                 cannot be made (the agent then stays inert: training goes on
                 unobserved). A run log that cannot be opened is not an error: the run
                 goes on without one, and an event says why.
         """
         agent = self._agent
         directory = run_dir()  # resolved and checked once, used for all that follows
-        holder = rank_taken(agent.run_id, agent.rank, directory)
+        holder = rank_taken(self.run_id, agent.rank, directory)
         if holder is not None:  # never take over another job's sockets and run file
-            taken, agent.run_id = agent.run_id, new_run_id()
+            taken, self.run_id = self.run_id, new_run_id()
             agent.event("warning", f"run id {taken} rank {agent.rank} is in use by pid "
                         f"{holder} (another job from the same launcher?); this process is "
-                        f"run {agent.run_id}: set {RUN_ID_ENV} to one value on every rank "
+                        f"run {self.run_id}: set {RUN_ID_ENV} to one value on every rank "
                         "of a job to keep its ranks together", kind=EventKind.WARNING)
         pub = context.socket(zmq.XPUB)  # a PUB that also hears (un)subscriptions
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, to greet each newcomer
@@ -292,7 +350,7 @@ class IOLoop:
             socket.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
         # ipc in the private run directory, always: only this user can connect; a tcp
         # run's ports are bound by its gateway process, never by the training process
-        base = directory / f"{agent.run_id}.r{agent.rank}"
+        base = directory / f"{self.run_id}.r{agent.rank}"
         ipc = {}
         for socket, suffix in ((pub, "pub"), (router, "cmd")):
             endpoint = f"ipc://{base}.{suffix}"
@@ -305,10 +363,10 @@ class IOLoop:
             endpoints = self._start_gateway(endpoints["pub_endpoint"],
                                             endpoints["cmd_endpoint"])
         self._log = self._guard("run log", self._open_log)
-        self.info = RunInfo(run_id=agent.run_id, rank=agent.rank,
+        self.info = RunInfo(run_id=self.run_id, rank=agent.rank,
                             world_size=agent.world_size,
                             pid=os.getpid(), token=agent.token,
-                            started_at=agent._started_at, name=agent.name,
+                            started_at=agent.started_at, name=agent.name,
                             log_path=str(self._log.path) if self._log else "", **endpoints)
         # a multi-node torchrun job: the node's relay and the job's store (local rank 0)
         self._node_link = self._guard("multi-node", node_link, self.info, agent.listen,
@@ -317,13 +375,13 @@ class IOLoop:
         return pub, router
 
     def _open_log(self) -> RunLog:
-        """The run log of this rank, in :func:`agent.runlog.log_dir`.
+        """The run log of this rank, in :func:`agent.wire.runlog.log_dir`.
 
         Raises:
-            agent.runs.UnsafeDirectoryError, agent.runlog.UnsafeLogFileError, OSError:
+            agent.wire.runs.UnsafeDirectoryError, agent.wire.runlog.UnsafeLogFileError, OSError:
                 the directory or the file is refused or cannot be made.
         """
-        return RunLog(log_dir() / f"{self._agent.run_id}.rank{self._agent.rank}{LOG_SUFFIX}")
+        return RunLog(log_dir() / f"{self.run_id}.rank{self._agent.rank}{LOG_SUFFIX}")
 
     def _loop(self, context: zmq.Context) -> None:
         pub, router = self._bind(context)
@@ -388,8 +446,8 @@ class IOLoop:
             if stopping:
                 for _ in range(2):  # the second pass sends events the first one raised
                     self._guard("step publishing", self._encoder.drain, True)
-                self.publish(protocol.BYE, {"reason": self._agent._bye_reason or "",
-                                             "steps": self._agent._last_step})
+                self.publish(protocol.BYE, protocol.Bye(reason=self._agent.bye_reason or "",
+                                                       steps=self._agent.last_step))
                 return
 
     def _greet_subscribers(self, pub: zmq.Socket) -> None:
@@ -423,13 +481,12 @@ class IOLoop:
         change, else
         :data:`_QUIET_POLL_MS` or less (the time a quarter of the record queue takes to
         fill at the latest step time)."""
-        agent = self._agent
-        if agent.tune.running:
+        if self._tune.running:
             return _TUNE_POLL_MS
-        if self._subscriptions or agent._change_guard.watching:
+        if self._subscriptions or self._change_guard.watching:
             return _POLL_MS
         step_time_s = self._encoder.recent_step_time_s
-        bound = agent._records.maxlen
+        bound = self._records_bound
         if step_time_s is None or bound is None:
             return _POLL_MS
         return int(min(_QUIET_POLL_MS, max(_POLL_MS, bound / 4 * step_time_s * 1000)))
@@ -441,19 +498,19 @@ class IOLoop:
             self._agent.report_error(where, exc)
             return default
 
-    def publish(self, msg_type: str, body: dict[str, Any], logged: bool = True) -> None:
+    def publish(self, msg_type: str, body: Mapping[str, Any], logged: bool = True) -> None:
         """Send one message (and append it to the run log). ``logged=False``: a repeat
         for new subscribers, sent with the latest ``seq`` and not logged. The steps
         batched so far are sent first, so every message keeps its order with them. An
-        event is cut to a bounded size first (:func:`agent.protocol.bounded_event`), so
+        event is cut to a bounded size first (:func:`agent.wire.protocol.bounded_event`), so
         that large, frequent ones never crowd the steps out of the dashboards' queues."""
         if msg_type != protocol.STEPS:
             self._encoder.flush()
             if msg_type == protocol.EVENT:
-                body = protocol.bounded_event(body)
+                body = protocol.bounded_event(dict(body))
         if logged:
             self.seq += 1
-        message = protocol.envelope(msg_type, body, run=self._agent.run_id,
+        message = protocol.envelope(msg_type, body, run=self.run_id,
                                     rank=self._agent.rank, seq=self.seq)
         if self._log is not None and logged:
             try:
@@ -476,17 +533,17 @@ class IOLoop:
     def _publish_system(self) -> None:
         self.publish(protocol.SYSTEM, self._probe.sample())
 
-    def _heartbeat(self) -> dict[str, Any]:
-        return {"step": self._agent._last_step, "ending": self._agent._ending,
+    def _heartbeat(self) -> protocol.Heartbeat:
+        return {"step": self._agent.last_step, "ending": self._agent.ending,
                 "records_dropped": self._encoder.records_dropped,
                 "errors": len(self._agent.errors),
                 "commands_refused": self._desk.commands_refused,
                 "commands_rejected": self._desk.commands_rejected}
 
-    def _state(self) -> dict[str, Any]:
-        return {"knobs": self._agent._knob_values, "step": self._agent._last_step}
+    def _state(self) -> protocol.State:
+        return {"knobs": self._agent.knob_values, "step": self._agent.last_step}
 
-    def _hello(self) -> dict[str, Any]:
+    def _hello(self) -> protocol.Hello:
         if self._env_report is None:
             self._env_report = _environment_report()
         agent = self._agent
@@ -494,12 +551,12 @@ class IOLoop:
             "name": agent.name, "pid": os.getpid(),
             "host": self.info.host if self.info else "",
             "rank": agent.rank, "world_size": agent.world_size,
-            "started_at": agent._started_at,
+            "started_at": agent.started_at,
             "device": str(agent.device) if agent.device is not None else "cpu",
             "model": {"name": agent.model_name, "params": agent.params},
             "env": self._env_report, "knobs": agent.knobs.schema(),
             "log_path": self.info.log_path if self.info else "",
-            "knob_values": agent._knob_values, "training": agent.training,
+            "knob_values": agent.knob_values, "training": agent.training,
             "errors": agent.errors[-10:],  # what a dashboard that comes late missed
         }
 
@@ -523,7 +580,7 @@ class IOLoop:
             if "knob" in reply:
                 reply["knob"] = protocol.short_name(reply["knob"])
             frames_out = protocol.encode(protocol.envelope(
-                protocol.REPLY, reply, run=self._agent.run_id, rank=self._agent.rank))
+                protocol.REPLY, reply, run=self.run_id, rank=self._agent.rank))
             try:
                 router.send_multipart([*route, *frames_out], flags=zmq.NOBLOCK)
             except zmq.ZMQError:

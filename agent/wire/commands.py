@@ -2,7 +2,7 @@
 at one common optimizer step (:func:`send_command`).
 
 Used by the dashboard and ``gpuwatch set`` (through :mod:`gpuwatch.client`) and by the
-agent's own tuner (:mod:`agent.tune`), so that a change reaches every rank the same way
+agent's own tuner (:mod:`agent.search.tune`), so that a change reaches every rank the same way
 whoever decides it. ZeroMQ and the protocol only: no torch. Each call makes its own
 sockets on the process-wide :func:`zmq.Context.instance`, so any thread may call it.
 """
@@ -16,8 +16,8 @@ from typing import Any, Callable, cast
 
 import zmq
 
-from agent import protocol
-from agent.runs import RunInfo, node_list, run_ranks
+from agent.wire import protocol
+from agent.wire.runs import RunInfo, node_list, run_ranks
 
 #: How often :func:`send_command` checks whether its wait was cancelled (s).
 CANCEL_CHECK_S = 0.1
@@ -63,8 +63,8 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     differ. It is refused before (1) when not every rank can be reached (a knob must
     never differ between ranks): a single-node run needs every rank's run file on this
     machine; a multi-node torchrun job reaches this machine's ranks directly and each
-    other node's through that node's relay (:mod:`agent.relay`), which the job's store
-    names and the user's job secret lets in (:mod:`agent.nodes`). A relay passes each
+    other node's through that node's relay (:mod:`agent.io.relay`), which the job's store
+    names and the user's job secret lets in (:mod:`agent.wire.nodes`). A relay passes each
     phase to its node's ranks and answers for all of them, within ``0.7 * timeout_s``;
     a node that does not answer (stopped, partitioned) counts as a refusal of each of
     its ranks, so the command is refused, or withdrawn, everywhere.
@@ -81,7 +81,7 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
             before a risky change); the change is not applied if that save fails, and a
             run that cannot save one refuses the command.
         reason: with a ``command_id`` starting with
-            :data:`agent.protocol.ROLLBACK_ID_PREFIX`: the command is a rollback, for
+            :data:`agent.wire.protocol.ROLLBACK_ID_PREFIX`: the command is a rollback, for
             this reason (rank 0's guard, to every rank).
 
     Returns:
@@ -102,7 +102,7 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     if apply_step is not None:
         body["apply_step"] = apply_step
     if info.world_size <= 1 or info.run_id == "?":
-        with _Connections([info]) as single:
+        with RankConnections([info]) as single:
             return single.exchange(body, timeout_s, cancelled)[0]
     groups, unreachable = _groups(info)
     if unreachable is not None:
@@ -110,7 +110,7 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     relayed = any(group.node is not None for group in groups)
     if relayed:  # a relay waits this long for its ranks, then answers for them
         body["within_s"] = round(0.7 * timeout_s, 3)
-    with _Connections([group.info for group in groups]) as connections:
+    with RankConnections([group.info for group in groups]) as connections:
         checks = _expand(groups, connections.exchange({**body, "dry_run": True},
                                                       timeout_s, cancelled))
         refusal = _first_refusal(checks)
@@ -155,7 +155,7 @@ class _Group:
 def _groups(info: RunInfo) -> tuple[list[_Group], str | None]:
     """The connections that reach every rank of ``info``'s run: this machine's ranks
     directly (their run files), the other nodes' through their relays (as the job's
-    store names them; see :mod:`agent.nodes`); or the reason they cannot all be
+    store names them; see :mod:`agent.wire.nodes`); or the reason they cannot all be
     reached."""
     ranks = run_ranks(info.run_id)
     groups = [_Group(rank, [rank.rank]) for rank in ranks]
@@ -191,9 +191,9 @@ def remote_relays(run_id: str, world_size: int, here: set[int]
     """The relays of the nodes of multi-node run ``run_id`` other than ``here`` (the
     nodes of this machine's ranks), as the job's store names them: ``(node, entry,
     info)`` where ``info`` connects to the relay (its CURVE keys and token derived from
-    this user's job secret, :mod:`agent.nodes`); and why some cannot be used (no job
+    this user's job secret, :mod:`agent.wire.nodes`); and why some cannot be used (no job
     secret, or an entry whose server key is not the one the secret gives), or None."""
-    from agent.nodes import SecretError, client_keys, load_secret, relay_token, server_keys
+    from agent.wire.nodes import SecretError, client_keys, load_secret, relay_token, server_keys
 
     remote = [entry for entry in node_list(run_id) if entry["node"] not in here]
     if not remote:
@@ -296,9 +296,14 @@ def _first_refusal(replies: list[tuple[int, protocol.Reply]]) -> protocol.Reply 
     return None
 
 
-class _Connections:
-    """One DEALER socket per rank for the whole of one command: each rank receives its
-    dry run, the command and a cancel on one connection, in the order they were sent."""
+class RankConnections:
+    """One DEALER socket per rank for the whole of one command (a context manager).
+
+    Each rank receives its dry run, the command and a cancel on one connection, in the
+    order they were sent; :func:`send_command` and the node relays
+    (:mod:`agent.io.relay`) use it. Connecting costs no round trip (ZeroMQ connects in the
+    background); :meth:`exchange` waits at most its ``timeout_s``. Closed on exit.
+    """
 
     def __init__(self, ranks: list[RunInfo]) -> None:
         """Connect one DEALER per rank (a rank that cannot be reached gets its reason
@@ -328,7 +333,7 @@ class _Connections:
             self._sockets.append(sock)
             self._errors.append(error)
 
-    def __enter__(self) -> _Connections:
+    def __enter__(self) -> RankConnections:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -2,7 +2,7 @@
 
 Owns the commands accepted but not yet applied (ordered by the step they apply at), the
 ids of those applied lately (for a late cancel's reply), the counters of refused and
-rejected commands, and the entries of the :class:`~agent.ledger.ChangeLedger` (each
+rejected commands, and the entries of the :class:`~agent.control.ledger.ChangeLedger` (each
 guarded change it applies, and each rollback). It holds no socket: the I/O loop decodes
 a ``command`` message and hands its body to :meth:`CommandDesk.answer` (I/O thread);
 the training thread calls :meth:`CommandDesk.apply_due` at each optimizer-step boundary
@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent import protocol
-from agent.guard import GUARDED_KNOBS
-from agent.knobs import CHECKPOINT, KnobError, KnobSet, assignment
-from agent.ledger import Change, ChangeLedger, Rollback, StateKeeper
-from agent.protocol import ROLLBACK_ID_PREFIX, TUNE_ID_PREFIX, EventKind, Reply
-from agent.tune import AutoTune
+from agent.wire import protocol
+from agent.control.guard import GUARDED_KNOBS
+from agent.wire.knobs import CHECKPOINT, KnobError, KnobSet, assignment
+from agent.control.ledger import Change, ChangeLedger, Rollback, StateKeeper
+from agent.wire.protocol import ROLLBACK_ID_PREFIX, TUNE_ID_PREFIX, EventKind, Reply
+from agent.search.tune import AutoTune
 
 #: How far ahead a command may be scheduled (optimizer steps).
 MAX_STEPS_AHEAD = 100_000
@@ -100,14 +100,15 @@ class CommandDesk:
         self._next_rejection_event = 0.0
         #: keeps the training state at the boundary where a guarded change starts an
         #: episode, and puts it back when the episode is rolled back
-        #: (:class:`agent.ledger.StateKeeper`: the run base, :class:`agent.run.RunBase`); None:
+        #: (:class:`agent.control.ledger.StateKeeper`: the run base,
+        #: :class:`agent.integrations.run.RunBase`); None:
         #: a rollback restores the knob values only
         self.state_keeper: StateKeeper | None = None
 
     # ------------------------------------------------------------ I/O thread
 
     def answer(self, body: dict[str, Any]) -> Reply:
-        """The reply to one ``command`` body (see :mod:`agent.protocol`): accepted and
+        """The reply to one ``command`` body (see :mod:`agent.wire.protocol`): accepted and
         scheduled, checked (dry run), cancelled, or rejected with the reason. A
         rejection changes nothing. Never raises for bad input."""
         command_id = body.get("id")

@@ -47,7 +47,7 @@ How a setting is judged:
   A full pass that keeps something is followed by one more. A value the run refuses (its
   check) or warns about (slow here, or without effect here, such as ``pin_memory``
   without CUDA) is skipped with the reason. Knobs whose spec says they change numerics
-  or memory (:data:`agent.knobs.TUNED_IF_ALLOWED`) are searched only when allowed.
+  or memory (:data:`agent.wire.knobs.TUNED_IF_ALLOWED`) are searched only when allowed.
 
 Safety: a candidate that fails to apply, that the out-of-memory path rolls back, or
 that is slower, is reverted at once. When the loss is non-finite or the GradScaler
@@ -61,7 +61,7 @@ The agent's own non-finite-loss warning is not held back meanwhile.
 
 People first: a person's command on a knob the search explores (any command the desk
 accepts whose id is not one of the search's: its ids start with
-:data:`agent.protocol.TUNE_ID_PREFIX` and a random part of its own) takes that knob out
+:data:`agent.wire.protocol.TUNE_ID_PREFIX` and a random part of its own) takes that knob out
 of the search at once, with an event and a note in the reply; the search never sends
 it again, and a command of the search's for it that reaches the desk after the
 person's is refused, so it never reverts past the person's value. A change the search
@@ -69,7 +69,7 @@ did not make (a person's, a rollback, a framework's resume) that applies while a
 measures voids the trial's measurement so far: it is measured again from there.
 
 Several ranks: rank 0 decides, from its own step records, and each change it decides is
-a command to every rank sent through :func:`agent.fanout.send_command`, the path of a
+a command to every rank sent through :func:`agent.wire.commands.send_command`, the path of a
 dashboard's command (a dry run on every rank, then one common optimizer step, withdrawn
 everywhere if one rank refuses). The other ranks run no search: they take its commands
 as any other. So every rank has the same configuration at every step, with no collective
@@ -92,10 +92,10 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any
 
-from agent import protocol
-from agent.fanout import send_command
-from agent.guard import ChangeGuard
-from agent.knobs import (
+from agent.wire import protocol
+from agent.wire.commands import send_command
+from agent.control.guard import ChangeGuard
+from agent.wire.knobs import (
     NOT_TUNED,
     TUNED,
     TUNED_IF_ALLOWED,
@@ -103,9 +103,9 @@ from agent.knobs import (
     KnobSet,
     assignment,
 )
-from agent.ledger import Change, ChangeLedger
-from agent.protocol import EventKind
-from agent.runs import RunInfo
+from agent.control.ledger import Change, ChangeLedger
+from agent.wire.protocol import EventKind
+from agent.wire.runs import RunInfo
 
 #: Default step budget of a search (optimizer steps, warm-up and switches included).
 DEFAULT_BUDGET_STEPS = 600
@@ -169,7 +169,7 @@ class TuneRequest:
     """
 
     def __init__(self, value: Any, knobs: KnobSet) -> None:
-        """Parse and check ``value`` (see :mod:`agent.protocol`, ``tune``).
+        """Parse and check ``value`` (see :mod:`agent.wire.protocol`, ``tune``).
 
         Raises:
             KnobError: not a map, an unknown key, a knob this run does not have or that
@@ -513,7 +513,7 @@ def _key(config: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def ladder(knob: Any, cpus: int) -> tuple[bool, list[Any]]:
-    """The values a search may try for a bound knob (:class:`agent.knobs.Knob`):
+    """The values a search may try for a bound knob (:class:`agent.wire.knobs.Knob`):
     ``(ordered, values)``. Integers: the minimum, the powers of two and the maximum in
     between (``num_workers`` and ``cpu_threads`` capped at ``cpus``), and the current
     value; choices: the schema's; booleans: both."""
@@ -718,28 +718,28 @@ class Tuner:
     def on_event(self, event: dict[str, Any]) -> None:
         """One event of the run, in order with its step records."""
         kind, knob = event.get("kind"), event.get("knob")
-        if kind == "compiling":  # (re)compiling: nothing is measured until "compiled"
+        if kind == EventKind.COMPILING:  # (re)compiling: nothing is measured until "compiled"
             self._compiling = True
-        elif kind == "compiled":
+        elif kind == EventKind.COMPILED:
             self._compiling = False
             self._series = Series()
         if self.status != "running":
             return
         if event.get("id") in self._waiting:
             del self._waiting[event["id"]]
-            if kind == "applied":
+            if kind == EventKind.APPLIED:
                 if self._watch:  # watched here (the agent's guard leaves it to us)
                     self._ledger.record(Change(int(event.get("step", 0)), str(knob),
                                                event.get("value"), event.get("previous")))
                 if not self._waiting:
                     self._switched()
-            elif kind == "failed" and self._watch:  # that knob kept its value
+            elif kind == EventKind.FAILED and self._watch:  # that knob kept its value
                 self._verdict("reverted", f"applying it failed: {event.get('text', '')}")
                 self._back_to_best()  # the rest of its setting may have applied
                 self._next_candidate()
-            elif kind == "failed":
+            elif kind == EventKind.FAILED:
                 self._finish("stopped", f"going back failed: {event.get('text', '')}")
-        elif kind == "rolled_back" and knob in self.best:
+        elif kind == EventKind.ROLLED_BACK and knob in self.best:
             self._rolled_back(knob, event.get("value"), str(event.get("text", "")))
         elif kind in CHANGE_KINDS and not self.own(event.get("id")) and (
                 knob not in self.knobs.knobs
@@ -1130,7 +1130,7 @@ def _gain_text(gain: float, low: float, high: float) -> str:
 
 class CommandSender:
     """The thread that sends the tuner's commands to every rank
-    (:func:`agent.fanout.send_command`), so that the agent's I/O thread, which answers
+    (:func:`agent.wire.commands.send_command`), so that the agent's I/O thread, which answers
     them, never waits; replies come back in :meth:`replies` (any thread)."""
 
     def __init__(self, info: Callable[[], RunInfo | None]) -> None:

@@ -1,7 +1,7 @@
 """The one model of an optimizer step: :class:`StepRecord`.
 
 Every integration hands the agent one :class:`StepRecord` per optimizer step (through
-:meth:`agent.run.RunBase.boundary`), and everything after reads it by name: the agent's
+:meth:`agent.integrations.run.RunBase.boundary`), and everything after reads it by name: the agent's
 hot path fills in what only it knows (the step time, the device marker, the knob values
 the step trained with), the encoder turns runs of them into ``steps`` columns.
 """
@@ -43,7 +43,7 @@ class StepRecord:
         step: 1-based index of the optimizer step (the run base counts, unless the
             integration gives its framework's own count).
         step_time_s: host seconds since the previous boundary (None for the first).
-        marker: the device marker of the step (:mod:`agent.markers`): holds the loss,
+        marker: the device marker of the step (:mod:`agent.step.markers`): holds the loss,
             the skipped flag and the gradient norm until the device has them.
         knobs: the knob values the step trained with (a dict replaced, never changed,
             when a knob changes).

@@ -8,7 +8,7 @@ next ``guard_steps`` optimizer steps. A non-finite loss, a divergence (the loss 
 the weights are), or the GradScaler skipping ``max_skipped_in_row`` fp16 steps in a row,
 rolls the guarded knobs back to the values
 they had before the change (the last good settings, read from the
-:class:`~agent.ledger.ChangeLedger` that the out-of-memory path reads too), at the next
+:class:`~agent.control.ledger.ChangeLedger` that the out-of-memory path reads too), at the next
 optimizer-step boundary. Runs on the agent's I/O thread only, from the values the step
 markers deliver: it never reads a device tensor itself.
 """
@@ -20,7 +20,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable
 
-from agent.ledger import Change, ChangeLedger, Rollback
+from agent.control.ledger import Change, ChangeLedger, Rollback
 
 #: Knobs whose changes are watched and rolled back.
 GUARDED_KNOBS = frozenset({"precision", "accum_steps", "micro_batch_size", "kernels",
@@ -42,7 +42,7 @@ class ChangeGuard:
         ledger: the changes to watch (the window, ``guard_steps``, is the ledger's).
         max_skipped_in_row: consecutive GradScaler-skipped steps that count as trouble.
         tuner: whether the tuner's changes (command ids starting with
-            :data:`agent.protocol.TUNE_ID_PREFIX`) are watched. The agent's guard leaves
+            :data:`agent.wire.protocol.TUNE_ID_PREFIX`) are watched. The agent's guard leaves
             them to the tuner, which watches its candidates with a guard of its own and
             reverts them on every rank at once.
     """
@@ -91,7 +91,7 @@ class ChangeGuard:
         return bool(entries) and entries[-1] is not self._answered
 
     def on_step(self, step: int, loss: float | None, skipped: bool | None) -> Rollback | None:
-        """One published step; returns a :class:`~agent.ledger.Rollback` once when the
+        """One published step; returns a :class:`~agent.control.ledger.Rollback` once when the
         watched changes must be undone, else None. Ends the watch when ``guard_steps``
         passed cleanly."""
         entries = self.ledger.entries

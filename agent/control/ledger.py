@@ -1,8 +1,8 @@
 """The ledger of applied changes: what a guarded knob was before a live change.
 
-One record, read by both rollback paths: the guard of :mod:`agent.guard` (a non-finite
+One record, read by both rollback paths: the guard of :mod:`agent.control.guard` (a non-finite
 loss or fp16 steps skipped in a row, decided on the I/O thread from the step records)
-and :meth:`agent.core.Agent.roll_back_last_change` (an out-of-memory error, on the
+and :meth:`agent.step.core.Agent.roll_back_last_change` (an out-of-memory error, on the
 training thread). Both restore the same last good values: those the knobs had before
 the first change of the latest episode.
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agent.knobs import assignment
-from agent.protocol import TUNE_ID_PREFIX
+from agent.wire.knobs import assignment
+from agent.wire.protocol import TUNE_ID_PREFIX
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Change:
     @property
     def by_tuner(self) -> bool:
         """Made by the agent's tuner (its ids start with
-        :data:`agent.protocol.TUNE_ID_PREFIX`), which watches its candidates itself."""
+        :data:`agent.wire.protocol.TUNE_ID_PREFIX`), which watches its candidates itself."""
         return str(self.command_id or "").startswith(TUNE_ID_PREFIX)
 
 
@@ -51,7 +51,7 @@ class Rollback:
 
 class StateKeeper(Protocol):
     """What keeps the training state for rollbacks (the run base,
-    :class:`agent.run.RunBase`). Both are called on the training thread, at a
+    :class:`agent.integrations.run.RunBase`). Both are called on the training thread, at a
     boundary."""
 
     def keep_state(self, step: int) -> None:

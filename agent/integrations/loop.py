@@ -43,15 +43,15 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
-                            optimizer_knobs, precision_knob, refuse)
-from agent.checkpoints import load_checkpoint, restore_knobs, torch_checkpoint
-from agent.core import Agent
-from agent.record import StepRecord
-from agent.run import RunBase, host_copy
-from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
-                         KnobSet)
+from agent.integrations.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
+                                         optimizer_knobs, precision_knob, refuse)
+from agent.control.checkpoints import load_checkpoint, restore_knobs, torch_checkpoint
+from agent.step.core import Agent
+from agent.step.record import StepRecord
+from agent.integrations.run import RunBase, host_copy
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
+                              LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
+                              KnobSet)
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.loader import ReconfigurableLoader
@@ -566,7 +566,7 @@ def session(*, model: torch.nn.Module | None = None,
       reports that norm. The loop then leaves out its own ``clip_grad_norm_``.
     - the ``checkpoint`` command with a ``model=`` or ``optimizer=``: ``torch.save`` of the
       model, optimizer, ``lr_scheduler=``, GradScaler, random number generators, step
-      and knob values (see :mod:`agent.checkpoints`); ``resume_from=`` continues from one.
+      and knob values (see :mod:`agent.control.checkpoints`); ``resume_from=`` continues from one.
     - ``cpu_threads`` (``torch.set_num_threads``) always.
     - ``memory_fraction``, ``memory_snapshot_steps`` on CUDA; and ``knobs=`` of your own.
 
@@ -588,7 +588,7 @@ def session(*, model: torch.nn.Module | None = None,
         max_grad_norm: declares the ``max_grad_norm`` knob and its starting value (0: no
             clipping); see above.
         checkpoint_dir: where ``checkpoint=now`` saves (default:
-            :func:`agent.checkpoints.default_checkpoint_dir`).
+            :func:`agent.control.checkpoints.default_checkpoint_dir`).
         resume_from: a checkpoint the command saved: the model, optimizer, scheduler,
             GradScaler, random number generators, knob values and data position are
             restored, and :attr:`Session.step` is its step (the loop goes on from

@@ -21,7 +21,7 @@ steps stands for). Every other frame holds a piece of a *chunk*: one raw deflate
 (zlib, level 1) that starts at a frame flagged :data:`FLAG_CHUNK`, runs over the frames
 written after it (each ends with a sync flush, so its records decode once it is on
 disk) and ends once it holds :data:`CHUNK_RAW_BYTES` or :data:`CHUNK_S`. Decompressed,
-a frame is whole msgpack items, each an envelope as :func:`agent.protocol.envelope`
+a frame is whole msgpack items, each an envelope as :func:`agent.wire.protocol.envelope`
 makes it; a ``steps`` batch keeps its columns as columns: a column of one value as
 :data:`EXT_SAME`, floats as :data:`EXT_FLOATS` and integers as :data:`EXT_INTEGERS`
 (little-endian 8-byte values stored byte plane by byte plane, the integers as
@@ -34,11 +34,11 @@ are no frame (damage) are skipped to the next frame: reading goes on there when 
 frame of its chunk was lost (it decompresses to its raw CRC), else at the next chunk. A
 reader never trusts a length: frames over :data:`MAX_FRAME_RAW_BYTES` are refused,
 decompression stops at the declared size, and a batch has at most
-:data:`~agent.protocol.MAX_BATCH_STEPS` rows.
+:data:`~agent.wire.protocol.MAX_BATCH_STEPS` rows.
 
 Disk budget: a log never deletes a record. If its parts together pass ``budget_bytes``,
 the older parts are *thinned* by a child process (:func:`thin_part`, ``python -m
-agent.runlog thin``): each run of :data:`THIN_FACTOR` steps with the same knob values
+agent.wire.runlog thin``): each run of :data:`THIN_FACTOR` steps with the same knob values
 becomes one row holding their mean, minimum (``<field>.min``), maximum (``<field>.max``)
 and count (``steps_in_bucket``); every event, hello, state, tune and bye is kept, and
 one heartbeat and system sample in :data:`THIN_FACTOR`. The part's header says so, and
@@ -69,8 +69,8 @@ import msgpack
 import orjson
 import platformdirs
 
-from agent import protocol
-from agent.runs import private_dir
+from agent.wire import protocol
+from agent.wire.runs import private_dir
 
 #: Environment variable that overrides the run-log directory.
 LOG_DIR_ENV = "GPUWATCH_LOG_DIR"
@@ -127,12 +127,12 @@ def log_dir() -> Path:
     """The per-user directory of run logs (``$GPUWATCH_LOG_DIR``, else the user data
     directory's ``runs/``), created with mode 0700.
 
-    Checked as :func:`agent.runs.private_dir` checks: a symbolic link, another user's
+    Checked as :func:`agent.wire.runs.private_dir` checks: a symbolic link, another user's
     directory or one writable by others (a shared ``$GPUWATCH_LOG_DIR`` where another
     user could plant links to your files) is refused.
 
     Raises:
-        agent.runs.UnsafeDirectoryError: the directory is refused (see above).
+        agent.wire.runs.UnsafeDirectoryError: the directory is refused (see above).
         OSError: it cannot be created.
     """
     override = os.environ.get(LOG_DIR_ENV)
@@ -339,7 +339,7 @@ def decode_column(value: Any, n: int, *, arrays: bool = False) -> Any:
     int64).
 
     Raises:
-        agent.protocol.ProtocolError: not a column of ``n`` values.
+        agent.wire.protocol.ProtocolError: not a column of ``n`` values.
     """
     if type(value) is list:
         if len(value) != n:
@@ -794,7 +794,7 @@ class RunLog:
                 part for part in (home, os.environ.get("PYTHONPATH", "")) if part)}
             try:
                 self._thinner = subprocess.Popen(
-                    [sys.executable, "-m", "agent.runlog", "thin", *chosen], env=env,
+                    [sys.executable, "-m", "agent.wire.runlog", "thin", *chosen], env=env,
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL, close_fds=True)
             except OSError:
@@ -857,8 +857,8 @@ def decode_steps(message: dict[str, Any], *, arrays: bool = False) -> dict[str, 
     in place; the message.
 
     Raises:
-        agent.protocol.ProtocolError: not a batch of at most
-            :data:`~agent.protocol.MAX_BATCH_STEPS` rows.
+        agent.wire.protocol.ProtocolError: not a batch of at most
+            :data:`~agent.wire.protocol.MAX_BATCH_STEPS` rows.
     """
     body = message["body"]
     n, columns, common = body.get("n"), body.get("columns"), body.get("common", {})
@@ -1067,7 +1067,7 @@ def thinned_level(path: os.PathLike | str) -> int:
 class _Buckets:
     """Step rows folded into buckets of at most ``factor`` rows with the same knob
     values (rows that are buckets already fold by their counts), emitted as ``steps``
-    batches of at most :data:`~agent.protocol.MAX_BATCH_STEPS` buckets."""
+    batches of at most :data:`~agent.wire.protocol.MAX_BATCH_STEPS` buckets."""
 
     def __init__(self, factor: int) -> None:
         self.factor = factor
@@ -1173,10 +1173,10 @@ def _thinned_frames(path: Path, factor: int) -> Iterator[bytes]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m agent.runlog thin PART...``: thin each part (the writer's child
+    """``python -m agent.wire.runlog thin PART...``: thin each part (the writer's child
     process, run at a low priority); the exit status."""
     if len(argv) < 2 or argv[0] != "thin":
-        print("usage: python -m agent.runlog thin PART...", file=sys.stderr)
+        print("usage: python -m agent.wire.runlog thin PART...", file=sys.stderr)
         return 2
     try:
         os.nice(10)

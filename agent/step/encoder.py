@@ -1,5 +1,5 @@
 """The step encoder: turns the step records the training thread queued into ``steps``
-batches (see :func:`agent.protocol.steps_body`), on the I/O thread.
+batches (see :func:`agent.wire.protocol.steps_body`), on the I/O thread.
 
 Owns the records in flight (queued, their markers not yet ready), the rows of the batch
 being built, the expected next step (to count records lost to the queue's bound), the
@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from agent import protocol
-from agent.guard import BASELINE_STEPS, ChangeGuard
-from agent.markers import CpuMarker
-from agent.record import StepRecord, host_columns
-from agent.tune import AutoTune
+from agent.wire import protocol
+from agent.control.guard import BASELINE_STEPS, ChangeGuard
+from agent.step.markers import CpuMarker
+from agent.step.record import StepRecord, host_columns
+from agent.search.tune import AutoTune
 from gpuopt.memory import memory_stats
 from gpuopt.optim import host_rate
 
@@ -115,8 +115,8 @@ class StepEncoder:
 
     Args:
         records: the queue the training thread appends to: step records
-            (:class:`agent.record.StepRecord`) and events (their ``event`` body, a dict).
-        marker: the step markers' API (:func:`agent.markers.marker_for`).
+            (:class:`agent.step.record.StepRecord`) and events (their ``event`` body, a dict).
+        marker: the step markers' API (:func:`agent.step.markers.marker_for`).
         publish: ``publish(msg_type, body)``, the I/O loop's send (which first sends the
             batch built so far, through :meth:`flush`, for any other message type).
         guard: the rollback guard, told each step's loss and GradScaler skip.
@@ -163,7 +163,7 @@ class StepEncoder:
 
     def drain(self, final: bool = False) -> None:
         """Turn the records queued since the last call into messages: the steps into
-        one ``steps`` batch (several past :data:`~agent.protocol.MAX_BATCH_STEPS`),
+        one ``steps`` batch (several past :data:`~agent.wire.protocol.MAX_BATCH_STEPS`),
         each event in its place among them. A step whose marker is not ready waits for
         the next call, and the steps after it with it; ``final``: the run is ending,
         nothing waits (a marker not ready gives no device values).

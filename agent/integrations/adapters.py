@@ -10,12 +10,12 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from agent.protocol import EventKind
-from agent.core import Agent
-from agent.knobs import (CPU_THREADS, KERNELS, LR_SCALE, MEMORY_FRACTION,
-                         MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
-                         PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
-from agent.runlog import log_dir
+from agent.wire.protocol import EventKind
+from agent.step.core import Agent
+from agent.wire.knobs import (CPU_THREADS, KERNELS, LR_SCALE, MEMORY_FRACTION,
+                              MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
+                              PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
+from agent.wire.runlog import log_dir
 from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import MemorySnapshot, set_memory_fraction
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
@@ -25,7 +25,7 @@ from gpuopt.trainer import Trainer
 
 
 def refuse(reason: str | None) -> None:
-    """A :attr:`agent.knobs.Knob.check` helper: raise ``ValueError(reason)`` unless
+    """A :attr:`agent.wire.knobs.Knob.check` helper: raise ``ValueError(reason)`` unless
     ``reason`` is None."""
     if reason is not None:
         raise ValueError(reason)
@@ -233,7 +233,7 @@ def publish_events(agent: Agent, step: int,
     """Publish ``(kind, text, fields)`` events of ``step`` (e.g. a model backend's compile
     events): level ``warning`` for kind ``warning``, else ``info``."""
     for kind, text, fields in events:
-        agent.event("warning" if kind == "warning" else "info", text, kind=kind, step=step,
+        agent.event("warning" if kind == EventKind.WARNING else "info", text, kind=kind, step=step,
                     **fields)
 
 
@@ -266,7 +266,7 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
     ``micro_batch_size`` when the trainer's loader is a
     :class:`gpuopt.loader.ReconfigurableLoader`; and the ``checkpoint`` command
     (:meth:`Trainer.state_dict` and the knob values, by ``torch.save``, see
-    :mod:`agent.checkpoints`). It closes (``bye``, run file removed) when that ``fit``
+    :mod:`agent.control.checkpoints`). It closes (``bye``, run file removed) when that ``fit``
     returns. After a guarded change (precision, accumulation, micro-batch size, kernels,
     the optimizer's knobs), an out-of-memory error in the next steps rolls the change
     back and the window is run again
@@ -278,7 +278,7 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
         name: label for the run (default: the script name).
         transport: ``"ipc"`` or ``"tcp"`` (see :class:`agent.Agent`).
         checkpoint_dir: where ``checkpoint=now`` saves (default:
-            :func:`agent.checkpoints.default_checkpoint_dir`).
+            :func:`agent.control.checkpoints.default_checkpoint_dir`).
         resume_from: a checkpoint the command saved: the trainer continues from it (its
             state, loader position, random numbers and every knob value; see
             :meth:`Trainer.load_state_dict`), and an event says so.

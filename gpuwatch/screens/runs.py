@@ -12,7 +12,7 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
-from agent.protocol import printable
+from agent.wire.protocol import printable
 from gpuwatch.history import RunSummary, all_runs
 from gpuwatch.units import human_age, human_bytes, human_number, human_sig, local_time
 

@@ -1,7 +1,7 @@
 """Beyond one node: what the nodes of a multi-node torchrun job know of each other.
 
 A job whose ranks span several machines is found through its own rendezvous: the
-local rank 0 of each node starts a node relay (:mod:`agent.relay`, a child process)
+local rank 0 of each node starts a node relay (:mod:`agent.io.relay`, a child process)
 and publishes where it listens in torch.distributed's store (the TCPStore at
 ``MASTER_ADDR:MASTER_PORT`` that torchrun's ranks already share), under
 :func:`store_key`. The relay is the node's one tcp door: it relays commands to the
@@ -20,7 +20,7 @@ sending them anywhere:
 - the one CURVE client key pair the relays let in (:func:`client_keys`);
 - the token that commands to a relay carry (:func:`relay_token`).
 
-No torch here, and zmq only where keys are made: the dashboard and :mod:`agent.runs`
+No torch here, and zmq only where keys are made: the dashboard and :mod:`agent.wire.runs`
 import it too.
 """
 

@@ -1,6 +1,6 @@
 """The agent's side of a multi-node job: on each node's local rank 0, the node relay
-(:mod:`agent.relay`) and a thread that says where it is in the job's store and learns
-where the other nodes' relays are (see :mod:`agent.nodes`).
+(:mod:`agent.io.relay`) and a thread that says where it is in the job's store and learns
+where the other nodes' relays are (see :mod:`agent.wire.nodes`).
 
 Nothing here runs on the training thread, nor on the agent's I/O thread beyond
 starting it: the store is reached from a thread of its own (``gpuwatch-store``), whose
@@ -17,11 +17,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from agent import helpers
-from agent.protocol import EventKind
-from agent.nodes import (NodeEnv, listen_address, load_secret, node_entry, relay_token,
-                         client_keys, server_keys, store_key)
-from agent.runs import RunInfo, write_run_file
+from agent.io import helpers
+from agent.wire.protocol import EventKind
+from agent.wire.nodes import (NodeEnv, listen_address, load_secret, node_entry, relay_token,
+                              client_keys, server_keys, store_key)
+from agent.wire.runs import RunInfo, write_run_file
 
 #: The store is looked at this often until every node is known, then this often (s).
 STORE_POLL_S, STORE_RECHECK_S = 1.0, 10.0
@@ -36,12 +36,12 @@ class NodeLink:
         info: the agent's run info (its file gains ``nodes``; ``node``, ``nnodes`` and
             ``store`` are set by the caller for every rank).
         env: the job's layout. listen: the address to listen on (the agent's
-            ``listen=``), else see :func:`agent.nodes.listen_address`.
+            ``listen=``), else see :func:`agent.wire.nodes.listen_address`.
         report: called with (where, exception) for what goes wrong (the agent's
             ``report_error``: an event, training goes on).
 
     Raises:
-        agent.nodes.SecretError: no usable job secret (the node is then seen and
+        agent.wire.nodes.SecretError: no usable job secret (the node is then seen and
             steered from itself only). OSError: the relay did not start.
     """
 
@@ -54,7 +54,7 @@ class NodeLink:
         server_public, server_secret = server_keys(secret, info.run_id, env.node)
         client_public, _ = client_keys(secret, info.run_id)
         address = listen_address(env, listen)
-        self.relay, answer = helpers.start("agent.relay", {
+        self.relay, answer = helpers.start("agent.io.relay", {
             "run_id": info.run_id, "node": env.node, "host": socket.gethostname(),
             "ranks": env.ranks, "address": address, "server_public": server_public,
             "server_secret": server_secret, "client_public": client_public,

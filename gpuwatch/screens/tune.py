@@ -13,7 +13,7 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from agent.knobs import assignment
+from agent.wire.knobs import assignment
 from gpuwatch.state import RunState
 from gpuwatch.units import human_number
 from gpuwatch.widgets.panel import safe_content

@@ -179,7 +179,7 @@ class RunInfo:
         pub_endpoint: ZeroMQ PUB endpoint (telemetry). cmd_endpoint: ROUTER endpoint
         (commands). token: secret that commands must carry. started_at: unix time (s).
         name: human label (script or model). host: hostname. path: the file itself.
-        log_path: the run log (:mod:`agent.runlog`), "" when the run has none.
+        log_path: the run log (:mod:`agent.wire.runlog`), "" when the run has none.
         curve_server_key, curve_client_public_key, curve_client_secret_key: Z85 keys
             of a run that listens beyond this machine (ZeroMQ CURVE encryption and
             authentication); "" for local runs.
@@ -187,7 +187,7 @@ class RunInfo:
             0 and 1 otherwise). store: ``host:port`` of the job's torch.distributed
             store, where each node's relay says where it listens ("" for one node).
         nodes: in the file of a node's local rank 0, what the store says of the job's
-            nodes (see :func:`agent.nodes.node_entry`), refreshed as it learns them.
+            nodes (see :func:`agent.wire.nodes.node_entry`), refreshed as it learns them.
     """
 
     run_id: str
@@ -402,8 +402,8 @@ def run_ranks(run_id: str, directory: Path | None = None) -> list[RunInfo]:
 def node_list(run_id: str, directory: Path | None = None) -> list[dict]:
     """The nodes of multi-node run ``run_id`` as this machine's ranks know them from the
     job's store (the freshest list of their run files; entries checked by
-    :func:`agent.nodes.node_entry`), by node; empty for a single-node run."""
-    from agent.nodes import node_entry
+    :func:`agent.wire.nodes.node_entry`), by node; empty for a single-node run."""
+    from agent.wire.nodes import node_entry
 
     ranks = run_ranks(run_id, directory)
     listed = max((info.nodes for info in ranks), key=len, default=[])

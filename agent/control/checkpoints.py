@@ -31,10 +31,10 @@ from typing import Any, Callable
 
 import torch
 
-from agent.core import Agent
-from agent.knobs import CHECKPOINT, Knob, KnobSet, assignment
-from agent.protocol import EventKind
-from agent.runlog import log_dir
+from agent.step.core import Agent
+from agent.wire.knobs import CHECKPOINT, Knob, KnobSet, assignment
+from agent.wire.protocol import EventKind
+from agent.wire.runlog import log_dir
 from gpuopt.memory import format_bytes
 from gpuopt.saving import write_atomically
 
@@ -49,7 +49,7 @@ GRAD_SCALER_FILE = "gpuwatch-grad-scaler.pt"
 
 def default_checkpoint_dir(run_id: str) -> Path:
     """The directory a run's checkpoints go to when no ``checkpoint_dir=`` is given:
-    ``checkpoints/<run id>`` in the run-log directory (:func:`agent.runlog.log_dir`)."""
+    ``checkpoints/<run id>`` in the run-log directory (:func:`agent.wire.runlog.log_dir`)."""
     return log_dir() / "checkpoints" / run_id
 
 
@@ -71,7 +71,7 @@ class Checkpoints:
             path (where they write nothing). Otherwise only rank 0 saves (data
             parallelism keeps the state identical on every rank).
         chosen: returns the knob values to save and a note for the event (or None);
-            default: the values now (:meth:`agent.run.RunBase.chosen_knobs` leaves a
+            default: the values now (:meth:`agent.integrations.run.RunBase.chosen_knobs` leaves a
             search's trial out).
         warn: ``warn(value)`` returns why a resume from this checkpoint would not be
             exact, or None; said in the command's reply, before anything is saved.
@@ -163,7 +163,7 @@ def write_knobs_file(directory: Path, agent: Agent, knobs: dict[str, Any],
                      step: int, data: dict[str, Any] | None = None) -> None:
     """The knob values of a checkpoint that is a directory, as :data:`KNOBS_FILE`, and
     ``data``, the data position (plain JSON values), when the integration keeps one
-    there (:meth:`agent.run.RunBase.data_state`)."""
+    there (:meth:`agent.integrations.run.RunBase.data_state`)."""
     record = {"format": FORMAT, "version": 1, "run": agent.run_id, "step": step,
               "knobs": knobs}
     if data is not None:

@@ -6,7 +6,7 @@ A tcp port, loopback included, is open to every user of the machine, and ZeroMQ 
 limit on the connections a bound socket accepts: 1,200 connections that never finish
 their handshake exhaust the file descriptors of whoever holds the port. So the agent
 binds only its private ipc sockets, and for a tcp run it starts this gateway (``python
--m agent.gateway``). Its tcp ports are a front door of its own (:mod:`agent.tcpfront`:
+-m agent.io.gateway``). Its tcp ports are a front door of its own (:mod:`agent.io.tcpfront`:
 a bounded number of connections per peer, the owner's share apart, so no one can hold
 more than a few hundred of its descriptors or crowd the owner out), which relays each
 connection let in to the gateway's ZeroMQ sockets with CURVE (only the run's client key
@@ -36,8 +36,8 @@ from typing import Any
 
 import zmq
 
-from agent import helpers
-from agent.tcpfront import TcpFront
+from agent.io import helpers
+from agent.io.tcpfront import TcpFront
 
 #: Largest subscription message a client may send (a topic is a few bytes).
 MAX_SUBSCRIPTION_BYTES = 1024
@@ -69,7 +69,7 @@ class Front:
     telemetry out, subscriptions in, at most :data:`MAX_SUBSCRIPTION_BYTES` each) and
     ``cmd`` (ROUTER: commands, at most :data:`MAX_COMMAND_BYTES` and
     :data:`COMMAND_QUEUE` per client), listening on private ipc paths behind a tcp front
-    door (:class:`agent.tcpfront.TcpFront`) that lets in a bounded number of
+    door (:class:`agent.io.tcpfront.TcpFront`) that lets in a bounded number of
     connections per peer.
 
     Args:
@@ -143,7 +143,7 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
             ``client_public`` (Z85 CURVE keys), ``routing_id`` (hex: the id the agent
             knows this gateway's commands by), ``inside_pub`` and ``inside_cmd`` (paths in
             the agent's private run directory where the gateway's own ZeroMQ sockets
-            listen, behind its tcp front door: :mod:`agent.tcpfront`).
+            listen, behind its tcp front door: :mod:`agent.io.tcpfront`).
         stdin_fd: closed by the agent (or by the training process's death) to stop.
         out: where the one JSON line with the ports goes.
 

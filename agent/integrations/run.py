@@ -5,7 +5,7 @@ accelerate, Lightning Fabric) is a subclass. The base owns, once for all of them
 
 - **the optimizer-step boundary** (:meth:`RunBase.boundary`): count the step, note the
   micro-batches its window trained (the data position), hand the typed record
-  (:class:`agent.record.StepRecord`) to the agent, which applies the commands due, then
+  (:class:`agent.step.record.StepRecord`) to the agent, which applies the commands due, then
   publish the step's events (compile progress) and tick the memory knobs;
 - **checkpoint and resume** (:meth:`RunBase.bind_checkpoint`, :meth:`RunBase.restore`):
   the knob values a person chose (never a search's trial), the data position
@@ -39,12 +39,12 @@ from typing import Any, Callable
 
 import torch
 
-from agent.protocol import EventKind
-from agent.adapters import MemoryKnobs, publish_events
-from agent.checkpoints import Checkpoints, restore_knobs
-from agent.core import Agent, ending_reason
+from agent.wire.protocol import EventKind
+from agent.integrations.adapters import MemoryKnobs, publish_events
+from agent.control.checkpoints import Checkpoints, restore_knobs
+from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.record import StepRecord
+from agent.step.record import StepRecord
 from gpuopt.data import batch_size
 from gpuopt.memory import format_bytes
 from gpuopt.position import DataPosition
@@ -66,7 +66,7 @@ class RunBase:
             ``input_ids``).
 
     Attributes:
-        agent: the :class:`agent.core.Agent`. knobs: its knob set.
+        agent: the :class:`agent.step.core.Agent`. knobs: its knob set.
         step: optimizer steps taken so far (a resumed run counts on from its checkpoint).
         meter: the window's data wait, micro-batches, samples and tokens
             (:class:`agent.integrations.WindowMeter`), for integrations that time fetches.
@@ -144,7 +144,7 @@ class RunBase:
         framework's checkpoint with the knob values ``knobs`` (the person's: see
         :meth:`chosen_knobs`) and :meth:`data_state` in it. The reply warns before
         saving when :meth:`data_reason` says a resume will not be exact. Other
-        arguments as :class:`agent.checkpoints.Checkpoints`'."""
+        arguments as :class:`agent.control.checkpoints.Checkpoints`'."""
         Checkpoints(self.agent, save, step=step or (lambda: self.step), directory=directory,
                     name=name, refusal=refusal, every_rank=every_rank,
                     chosen=self.chosen_knobs, warn=self.data_reason).bind(self.knobs)
@@ -257,7 +257,7 @@ class RunBase:
 
     def restore_state(self, step: int) -> tuple[str, str]:
         """Training thread, at the boundary before ``step``, after a rollback set the
-        knobs back: put the kept state back (see :class:`agent.ledger.StateKeeper`)."""
+        knobs back: put the kept state back (see :class:`agent.control.ledger.StateKeeper`)."""
         kept, self._kept = self._kept, None
         if kept is None:
             return "warning", ("the weights were not restored (" + (

@@ -1,19 +1,19 @@
 """The agent: the training thread's hot path, and the parts it is assembled from.
 
 Training thread, at each optimizer-step boundary (:meth:`Agent.optimizer_step`): read a
-host clock, make a step marker (see :mod:`agent.markers`), append the step's typed
-record (:class:`agent.record.StepRecord`) to a bounded deque, and apply pending commands
+host clock, make a step marker (see :mod:`agent.step.markers`), append the step's typed
+record (:class:`agent.step.record.StepRecord`) to a bounded deque, and apply pending commands
 whose step has come. Nothing else: no device sync, no ``.item()``, no NVML or psutil,
 no I/O, no lock unless a command is pending.
 :class:`Agent` owns that hot path, the events and their in-process listeners, and wires
 up the parts that do the rest, each owning one thing:
 
-- :mod:`agent.desk`: the command desk (validate, schedule at a step, cancel, apply);
-- :mod:`agent.ledger`: the one ledger of applied changes, read by both rollback paths
-  (the NaN / skipped-steps guard of :mod:`agent.guard`, and
+- :mod:`agent.control.desk`: the command desk (validate, schedule at a step, cancel, apply);
+- :mod:`agent.control.ledger`: the one ledger of applied changes, read by both rollback paths
+  (the NaN / skipped-steps guard of :mod:`agent.control.guard`, and
   :meth:`Agent.roll_back_last_change` after an out-of-memory error);
-- :mod:`agent.encoder`: the step records turned into ``steps`` batches;
-- :mod:`agent.ioloop`: the I/O thread (sockets, CURVE gateway, run file, run log,
+- :mod:`agent.step.encoder`: the step records turned into ``steps`` batches;
+- :mod:`agent.io.ioloop`: the I/O thread (sockets, CURVE gateway, run file, run log,
   heartbeats).
 """
 
@@ -32,20 +32,20 @@ from typing import Any
 
 import torch
 
-from agent import protocol
-from agent.desk import CommandDesk
-from agent.encoder import StepEncoder
-from agent.fanout import send_command
-from agent.guard import ChangeGuard
-from agent.knobs import KnobSet, assignment
-from agent.ledger import ChangeLedger, Rollback, StateKeeper
-from agent.markers import marker_for
-from agent.ioloop import IOLoop
-from agent.probes import Nvml
-from agent.record import StepRecord
-from agent.protocol import EventKind
-from agent.runs import RunInfo, shared_run_id
-from agent.tune import AutoTune
+from agent.wire import protocol
+from agent.control.desk import CommandDesk
+from agent.step.encoder import StepEncoder
+from agent.wire.commands import send_command
+from agent.control.guard import ChangeGuard
+from agent.wire.knobs import KnobSet, assignment
+from agent.control.ledger import ChangeLedger, Rollback, StateKeeper
+from agent.step.markers import marker_for
+from agent.io.ioloop import IOLoop
+from agent.io.probes import Nvml
+from agent.step.record import StepRecord
+from agent.wire.protocol import EventKind
+from agent.wire.runs import RunInfo, shared_run_id
+from agent.search.tune import AutoTune
 from gpuopt.environment import usable_cpu_count
 
 log = logging.getLogger("gpuwatch.agent")
@@ -68,7 +68,7 @@ class Agent:
             included (loopback is shared with every local user): traffic is encrypted
             and only a client holding the run's client key (kept in the owner-only run
             file) may connect; they are bound by a child process, the gateway
-            (:mod:`agent.gateway`), which forwards to the agent's private ipc sockets,
+            (:mod:`agent.io.gateway`), which forwards to the agent's private ipc sockets,
             so no tcp client can make the training process hold connections, file
             descriptors or buffers. Commands still need the token.
         listen: an address other than 127.0.0.1 to listen on with tcp (e.g.
@@ -80,7 +80,7 @@ class Agent:
             thread never waits.
         nvml: the GPU probe (tests pass one with a fake NVML module).
         run_id: the run id, when the caller derives one that every rank of its job
-            shares (default: :func:`agent.runs.shared_run_id`).
+            shares (default: :func:`agent.wire.runs.shared_run_id`).
         training: facts of the training loop for ``hello`` (``framework``, and e.g.
             ``loss_normalization``: how a window's loss and gradient are averaged).
 
@@ -115,7 +115,6 @@ class Agent:
         self.device = torch.device(device) if device is not None else None
         self.transport = transport
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.run_id = run_id or shared_run_id(self.world_size)
         self.token = secrets.token_hex(16)
         self.params = sum(p.numel() for p in model.parameters()) if model is not None else None
         self.model_name = type(model).__name__ if model is not None else ""
@@ -127,7 +126,8 @@ class Agent:
         self._ending = False
         self._bye_reason: str | None = None
         self._broken = False
-        self._started_at = time.time()
+        #: when the agent was made (s since the epoch)
+        self.started_at = time.time()
 
         def publish(msg_type: str, body: dict[str, Any]) -> None:  # (the I/O thread's)
             self._io.publish(msg_type, body)
@@ -150,7 +150,9 @@ class Agent:
         self._encoder = StepEncoder(self._records, self._marker, publish=publish,
                                     guard=self._change_guard, check_step=self._check_step,
                                     tune=self.tune, device=self.device)
-        self._io = IOLoop(self, desk=self._desk, encoder=self._encoder, nvml=nvml)
+        self._io = IOLoop(self, run_id or shared_run_id(self.world_size), desk=self._desk,
+                          encoder=self._encoder, guard=self._change_guard, tune=self.tune,
+                          records_bound=self._records.maxlen, nvml=nvml)
         self.errors: list[str] = []
         self._listeners: tuple[Any, ...] = ()
 
@@ -198,7 +200,7 @@ class Agent:
 
         Args:
             record: what the integration measured of the step (see
-                :class:`agent.record.StepRecord`); this fills in its ``step_time_s``,
+                :class:`agent.step.record.StepRecord`); this fills in its ``step_time_s``,
                 ``marker`` and ``knobs`` and queues it (it must not be changed after).
 
         .. note:: Never synchronizes the device and never blocks: a clock read, a marker
@@ -232,6 +234,32 @@ class Agent:
     def _apply_pending(self, step: int) -> None:
         if self._desk.apply_due(step):
             self._knob_values = self.knobs.values()
+
+    @property
+    def run_id(self) -> str:
+        """The run's id: the one given (or derived), or a new one when another process
+        held it as the sockets were bound."""
+        return self._io.run_id
+
+    @property
+    def last_step(self) -> int:
+        """The latest optimizer step recorded (0 before the first)."""
+        return self._last_step
+
+    @property
+    def ending(self) -> bool:
+        """Whether :meth:`mark_ending` was called: commands are now rejected."""
+        return self._ending
+
+    @property
+    def bye_reason(self) -> str | None:
+        """What ``bye`` will say, if :meth:`mark_ending` was given a reason."""
+        return self._bye_reason
+
+    @property
+    def knob_values(self) -> dict[str, Any]:
+        """The knob values as of the latest applied command (a dict not changed after)."""
+        return self._knob_values
 
     @property
     def info(self) -> RunInfo | None:
@@ -382,7 +410,7 @@ class Agent:
 
     def _roll_back_every_rank(self, rollback: Rollback) -> None:
         """Its own thread (rank 0, several ranks): send ``rollback``'s values to every
-        rank as rollback commands (:data:`agent.protocol.ROLLBACK_ID_PREFIX`), the first
+        rank as rollback commands (:data:`agent.wire.protocol.ROLLBACK_ID_PREFIX`), the first
         at the step the fan-out picks, the others at that same step, so that every rank
         restores its state at one boundary. A refusal (a rank not reachable, the step
         passed) is an event: nothing is then rolled back anywhere by that command."""
