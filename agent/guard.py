@@ -20,11 +20,11 @@ import statistics
 from collections import deque
 from collections.abc import Iterable
 
+from agent.knobs import STANDARD_KNOBS
 from agent.ledger import Change, ChangeLedger, Rollback
 
-#: Knobs whose changes are watched and rolled back.
-GUARDED_KNOBS = frozenset({"precision", "accum_steps", "micro_batch_size", "kernels",
-                           "lr_scale", "weight_decay", "max_grad_norm"})
+#: Knobs whose changes are watched and rolled back (:attr:`agent.knobs.KnobSpec.guarded`).
+GUARDED_KNOBS = frozenset(name for name, spec in STANDARD_KNOBS.items() if spec.guarded)
 
 
 #: A loss this many times its median before the change counts toward a divergence ...

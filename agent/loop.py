@@ -67,9 +67,10 @@ MEASURE_ACTIVATIONS_EVERY = 20
 class _MeasuredAutocast:
     """The loop's ``ctx``: the policy's reusable autocast, and on the first micro-batch
     of every :attr:`Session.measure_activations_every`-th window (and the first after a
-    change of precision, kernels or checkpointing) a :class:`SavedActivations` around the
-    forward. Never measures under ``no_grad`` (evaluation), under ``kernels=compile``
-    (Dynamo would trace the meter's hooks) or under saved-tensor hooks of your own."""
+    change of a knob that changes activations: precision, kernels, checkpointing) a
+    :class:`SavedActivations` around the forward. Never measures under ``no_grad``
+    (evaluation), under ``kernels=compile`` (Dynamo would trace the meter's hooks) or
+    under saved-tensor hooks of your own."""
 
     def __init__(self, run: "Session") -> None:
         self._run = run
@@ -396,8 +397,9 @@ class Session(LoopRun):
         kernels = self.model_backend.kernels if self.model_backend is not None else "eager"
         if kernels == "compile":
             return
-        settings = (self.mixed_precision.precision, kernels,
-                    self.checkpointing is not None and self.checkpointing.enabled)
+        # the bound knobs that change the activations (KnobSpec.activation_memory)
+        settings = tuple(knob.get() for knob in self.agent.knobs.knobs.values()
+                         if knob.spec.activation_memory)
         due_step = (self.step + 1) % self.measure_activations_every == 0
         if due_step or settings != self._measured_settings:
             self._measured_settings = settings
