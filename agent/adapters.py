@@ -168,7 +168,7 @@ def optimizer_knobs(settings: OptimizerSettings, knobs: KnobSet) -> None:
                    set=lambda value: setattr(settings, "lr_scale", value)))
     reason = settings.weight_decay_reason()
     if reason is not None:
-        knobs.unsupported[WEIGHT_DECAY.name] = reason
+        knobs.bind(WEIGHT_DECAY, reason)
         return
 
     def every_group(value: float) -> str | None:
@@ -220,8 +220,8 @@ class MemoryKnobs:
         """Add both knobs to ``knobs`` on CUDA; elsewhere mark them unsupported."""
         if self.snapshot is None:
             for spec in (MEMORY_FRACTION, MEMORY_SNAPSHOT_STEPS):
-                knobs.unsupported[spec.name] = (f"needs CUDA; this run is on "
-                                                f"{self.device.type}")
+                knobs.bind(spec, f"needs CUDA; this run is on "
+                                 f"{self.device.type}")
             return
         knobs.add(Knob(MEMORY_FRACTION, get=lambda: self.fraction, set=self.set_fraction))
         knobs.add(Knob(MEMORY_SNAPSHOT_STEPS, get=lambda: self.snapshot_steps_left,

@@ -395,6 +395,21 @@ class KnobSet:
             self.unsupported = {name: reason for name, reason in self.unsupported.items()
                                 if name != knob.spec.name}
 
+    def bind(self, spec: KnobSpec, bound: Knob | str) -> None:
+        """Take what an integration's binder gave for ``spec``: the live knob (bound, as
+        :meth:`add`), or the reason this run cannot have it (absent from the schema; a
+        command for it is refused with the reason).
+
+        Raises:
+            ValueError: a knob of another spec's name, or bound twice.
+        """
+        if isinstance(bound, str):
+            self.unsupported = {**self.unsupported, spec.name: bound}
+            return
+        if bound.spec.name != spec.name:
+            raise ValueError(f"a {bound.spec.name!r} knob bound as {spec.name!r}")
+        self.add(bound)
+
     def schema(self) -> list[dict[str, Any]]:
         """The wire schema of every bound knob, for ``hello``. A choice knob's values
         that its device check refuses are listed in ``unavailable`` ({value: reason}),

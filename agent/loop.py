@@ -50,8 +50,8 @@ from agent.core import Agent
 from agent.record import StepRecord
 from agent.run import RunBase, host_copy
 from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, WEIGHT_DECAY, Knob,
-                         KnobSet)
+                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY,
+                         Knob, KnobSet)
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.loader import ReconfigurableLoader
@@ -138,9 +138,10 @@ class LoopRun(RunBase):
             self.knobs.add(Knob(ACCUM_STEPS, get=lambda: self.accum_steps,
                                 set=self._set_accum_steps))
         else:  # (a window size the knob may not change is still the loop's)
-            self.knobs.unsupported[ACCUM_STEPS.name] = accum_refused or (
+            self.knobs.bind(ACCUM_STEPS, (
+                accum_refused or (
                 f"this loop did not declare accum_steps: pass "
-                f"{self.declare.format('accum_steps=N')} and {self.accum_use}")
+                f"{self.declare.format('accum_steps=N')} and {self.accum_use}")))
         for spec in (*LOADER_KNOBS, MICRO_BATCH_SIZE):  # (bound by loader())
             self.knobs.unsupported.setdefault(spec.name, (
                 "this loop's data does not come through a gpuopt.loader.ReconfigurableLoader "
@@ -200,9 +201,9 @@ class LoopRun(RunBase):
                 self.agent.knobs.add(micro_batch_size_knob(batches, lambda: self.accum_steps,
                                                            self._set_accum_steps))
             else:
-                self.agent.knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+                self.agent.knobs.bind(MICRO_BATCH_SIZE, (
                     "it moves accum_steps to keep the effective batch, and accum_steps: "
-                    + self.agent.knobs.unsupported[ACCUM_STEPS.name])
+                    + self.agent.knobs.unsupported[ACCUM_STEPS.name]))
             self.agent.refresh_knobs()
             self._restore_unbound()
 
@@ -487,14 +488,13 @@ def model_knobs(knobs: KnobSet, model: torch.nn.Module, device: torch.device, *,
                        set=lambda value: setattr(backend, "kernels", value),
                        check=lambda value: refuse(backend.support(value))))
     else:
-        knobs.unsupported[KERNELS.name] = kernels_refused
+        knobs.bind(KERNELS, kernels_refused)
     try:
         blocks = checkpointing = ActivationCheckpointing(model, checkpoint_blocks)
     except ValueError as exc:
         if checkpoint_blocks is not None:
             raise
-        knobs.unsupported[CHECKPOINTING.name] = (
-            f"{exc} ({declare.format('checkpoint_blocks=...')})")
+        knobs.bind(CHECKPOINTING, f"{exc} ({declare.format('checkpoint_blocks=...')})")
     else:
         knobs.add(Knob(CHECKPOINTING, get=lambda: blocks.enabled,
                        set=lambda value: setattr(blocks, "enabled", value)))
@@ -520,10 +520,10 @@ def optimizer_settings_knobs(knobs: KnobSet, optimizer: torch.optim.Optimizer,
         knobs.add(Knob(MAX_GRAD_NORM, get=lambda: settings.max_grad_norm,
                        set=lambda value: setattr(settings, "max_grad_norm", value)))
     else:
-        knobs.unsupported[MAX_GRAD_NORM.name] = (
+        knobs.bind(MAX_GRAD_NORM, (
             f"this loop did not declare max_grad_norm: pass "
             f"{declare.format('max_grad_norm=X')} (0: off) and leave out the loop's own "
-            f"{own_clip}; the run then clips inside optimizer.step()")
+            f"{own_clip}; the run then clips inside optimizer.step()"))
     return settings
 
 
@@ -628,9 +628,9 @@ def session(*, model: torch.nn.Module | None = None,
     if declared:
         knobs.add(precision_knob(mixed_precision))
     else:
-        knobs.unsupported["precision"] = ("this loop did not declare precision: pass "
-                                          "agent.session(precision=...) and use run.autocast "
-                                          "and run.scaler")
+        knobs.bind(PRECISION, "this loop did not declare precision: pass "
+                              "agent.session(precision=...) and use run.autocast "
+                              "and run.scaler")
     model_backend = checkpointing = None
     if model is not None:
         model_backend, checkpointing = model_knobs(
@@ -638,16 +638,16 @@ def session(*, model: torch.nn.Module | None = None,
             kernels_refused=None if kernels else "agent.session(kernels=False) leaves it out",
             checkpoint_blocks=checkpoint_blocks)
     else:
-        knobs.unsupported["kernels"] = ("this loop has no model for gpuwatch to switch: pass "
-                                        "agent.session(model=model)")
-        knobs.unsupported["checkpointing"] = "pass agent.session(model=model) to checkpoint it"
+        knobs.bind(KERNELS, "this loop has no model for gpuwatch to switch: pass "
+                            "agent.session(model=model)")
+        knobs.bind(CHECKPOINTING, "pass agent.session(model=model) to checkpoint it")
     settings = None
     if optimizer is not None:
         settings = optimizer_settings_knobs(knobs, optimizer, max_grad_norm)
     else:
         for spec in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
-            knobs.unsupported[spec.name] = ("pass agent.session(optimizer=optimizer) for "
-                                            "gpuwatch to set it in the optimizer's step")
+            knobs.bind(spec, "pass agent.session(optimizer=optimizer) for "
+                             "gpuwatch to set it in the optimizer's step")
     knobs.add(cpu_threads_knob(knobs))
     agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
                   training={"framework": "loop",
@@ -661,8 +661,8 @@ def session(*, model: torch.nn.Module | None = None,
     if model is not None or optimizer is not None:
         run.bind_checkpoint(run._save, directory=checkpoint_dir)
     else:
-        knobs.unsupported[CHECKPOINT.name] = ("pass agent.session(model=..., optimizer=...) "
-                                              "for a checkpoint to have their states")
+        knobs.bind(CHECKPOINT, "pass agent.session(model=..., optimizer=...) "
+                               "for a checkpoint to have their states")
     if resume_from is not None:
         run._resume(load_checkpoint(resume_from), str(resume_from))
     run.start()

@@ -359,17 +359,17 @@ def _bind(run: FabricRun, knobs: KnobSet, *, checkpoint_blocks: Any, compile_bac
     if not_plain is not None:
         for spec in (PRECISION, KERNELS, CHECKPOINTING, LR_SCALE, WEIGHT_DECAY,
                      MAX_GRAD_NORM, MICRO_BATCH_SIZE):
-            knobs.unsupported[spec.name] = not_plain
+            knobs.bind(spec, not_plain)
         return
     device_type = fabric.device.type
     if _knob_value(strategy.precision) is None:
-        knobs.unsupported[PRECISION.name] = (
+        knobs.bind(PRECISION, (
             f"the Fabric's precision is {strategy.precision.precision!r} "
             f"({type(strategy.precision).__name__}); gpuwatch switches only between "
-            "Fabric's Precision (32-true) and MixedPrecision (bf16-mixed, 16-mixed)")
+            "Fabric's Precision (32-true) and MixedPrecision (bf16-mixed, 16-mixed)"))
     elif device_type not in ("cpu", "cuda"):
-        knobs.unsupported[PRECISION.name] = (f"live precision changes are verified on cpu "
-                                             f"and cuda, not {device_type}")
+        knobs.bind(PRECISION, f"live precision changes are verified on cpu "
+                              f"and cuda, not {device_type}")
     else:
         run.precision = _PluginSwitch(fabric)
         knobs.add(dataclasses.replace(
@@ -394,8 +394,8 @@ def _bind(run: FabricRun, knobs: KnobSet, *, checkpoint_blocks: Any, compile_bac
             own_clip="fabric.clip_gradients")
     else:
         for spec in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
-            knobs.unsupported[spec.name] = ("no optimizer set up by fabric.setup: pass "
-                                            "agent.attach(fabric, optimizer=optimizer)")
+            knobs.bind(spec, "no optimizer set up by fabric.setup: pass "
+                             "agent.attach(fabric, optimizer=optimizer)")
 
 
 def attach(fabric: Fabric, *, model: _FabricModule | None = None,
@@ -478,9 +478,9 @@ def attach(fabric: Fabric, *, model: _FabricModule | None = None,
               compile_backend=compile_backend, max_grad_norm=max_grad_norm)
         knobs.add(cpu_threads_knob(knobs))
         if fabric.world_size > 1:
-            knobs.unsupported[CHECKPOINT.name] = (
+            knobs.bind(CHECKPOINT, (
                 "not with several processes: a checkpoint would hold rank 0's data "
-                "position and random numbers for every rank")
+                "position and random numbers for every rank"))
         else:
             run.bind_checkpoint(run._save, directory=checkpoint_dir)
         if loader is not None:

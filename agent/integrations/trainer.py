@@ -128,9 +128,9 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
         knobs.add(micro_batch_size_knob(trainer.loader, lambda: trainer.accum_steps,
                                         lambda value: setattr(trainer, "accum_steps", value)))
     else:
-        knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+        knobs.bind(MICRO_BATCH_SIZE, (
             "the Trainer's loader is not a gpuopt.loader.ReconfigurableLoader, whose "
-            "batches can change size mid-epoch")
+            "batches can change size mid-epoch"))
     knobs.add(cpu_threads_knob(knobs))
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
                   transport=transport, training={"framework": "gpuopt.Trainer",
