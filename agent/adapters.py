@@ -12,10 +12,11 @@ import torch
 
 from agent.protocol import EventKind
 from agent.core import Agent
-from agent.knobs import (CPU_THREADS, KERNELS, LR_SCALE, MEMORY_FRACTION,
+from agent.knobs import (CPU_THREADS, DROPOUT, KERNELS, LR_SCALE, MEMORY_FRACTION,
                          MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
                          PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
 from agent.runlog import log_dir
+from gpuopt.dropout import DropoutRate
 from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import MemorySnapshot, set_memory_fraction
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
@@ -52,6 +53,14 @@ def precision_knob(mixed_precision: PrecisionPolicy) -> Knob:
                 set=lambda value: setattr(mixed_precision, "precision", value),
                 check=lambda value: refuse(precision_support(value, device_type)),
                 warn=lambda value: precision_warning(value, device_type))
+
+
+def dropout_knob(rate: DropoutRate) -> Knob | str:
+    """The binder of ``dropout``: the knob of a model's dropout modules
+    (:class:`gpuopt.dropout.DropoutRate`), or the reason the model has none."""
+    if rate.refusal is not None:
+        return rate.refusal
+    return Knob(DROPOUT, get=lambda: rate.p, set=lambda value: setattr(rate, "p", value))
 
 
 def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:

@@ -232,6 +232,14 @@ def _max_grad_norm_stops(value: float) -> str | None:
     return None
 
 
+def _dropout_stops(value: float) -> str | None:
+    """1: every element through a dropout module is zeroed."""
+    if value >= 1:
+        return ("dropout=1 zeroes everything that passes a dropout module: the layers "
+                "after them get no signal, so training stops learning")
+    return None
+
+
 #: The threshold the dashboard's ``g`` turns clipping on with when the run never had one
 #: (a common default: HF's ``max_grad_norm``, nanoGPT's ``grad_clip``).
 DEFAULT_MAX_GRAD_NORM = 1.0
@@ -312,6 +320,10 @@ MAX_GRAD_NORM = KnobSpec("max_grad_norm", "float", "clip the global gradient nor
                                        "(max_grad_norm=0) / on again at the last threshold "
                                        f"({DEFAULT_MAX_GRAD_NORM:g} if it never had one)",
                                        "toggle"),))
+DROPOUT = KnobSpec("dropout", "float", "p of every nn.Dropout module of the model, from "
+                   "the next forward (dropout drawn without a module is out of reach)",
+                   minimum=0.0, maximum=1.0, group=OPTIMIZER, guarded=True,
+                   stops=_dropout_stops)
 CHECKPOINT = KnobSpec("checkpoint", "action", "save a checkpoint (model, optimizer, "
                       "scheduler, GradScaler, knobs) at the next step boundary",
                       choices=("now",), group=OTHER,
@@ -337,7 +349,7 @@ OPTIMIZER_KNOBS = (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM)
 STANDARD_KNOBS = {spec.name: spec for spec in
                   (PRECISION, ACCUM_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
                    PREFETCH_FACTOR, CPU_THREADS, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
-                   MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, CHECKPOINT)}
+                   MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, DROPOUT, CHECKPOINT)}
 
 
 @dataclass

@@ -43,17 +43,18 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
-                            optimizer_knobs, precision_knob, refuse)
+from agent.adapters import (cpu_threads_knob, dropout_knob, loader_knobs,
+                            micro_batch_size_knob, optimizer_knobs, precision_knob, refuse)
 from agent.checkpoints import load_checkpoint, restore_knobs, torch_checkpoint
 from agent.core import Agent
 from agent.record import StepRecord
 from agent.run import RunBase, host_copy
 from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY,
-                         Knob, KnobSet)
+                         DROPOUT, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION,
+                         WEIGHT_DECAY, Knob, KnobSet)
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
+from gpuopt.dropout import DropoutRate
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.memory import SavedActivations
 from gpuopt.optim import OptimizerSettings
@@ -649,6 +650,8 @@ def session(*, model: torch.nn.Module | None = None,
             knobs.bind(spec, "pass agent.session(optimizer=optimizer) for "
                              "gpuwatch to set it in the optimizer's step")
     knobs.add(cpu_threads_knob(knobs))
+    knobs.bind(DROPOUT, "pass agent.session(model=model) for gpuwatch to set its dropout"
+               if model is None else dropout_knob(DropoutRate(model)))
     agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
                   training={"framework": "loop",
                             "loss_normalization": "as the loop divides its losses"},

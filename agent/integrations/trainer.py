@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from agent.protocol import EventKind
-from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
-                            optimizer_knobs, precision_knob, refuse)
+from agent.adapters import (cpu_threads_knob, dropout_knob, loader_knobs,
+                            micro_batch_size_knob, optimizer_knobs, precision_knob, refuse)
 from agent.checkpoints import load_checkpoint, torch_checkpoint
 from agent.core import Agent, ending_reason
-from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS, MAX_GRAD_NORM,
+from agent.knobs import (ACCUM_STEPS, CHECKPOINTING, DROPOUT, KERNELS, MAX_GRAD_NORM,
                          MICRO_BATCH_SIZE, Knob, KnobSet)
 from agent.record import StepRecord
 from agent.run import RunBase, host_copy
@@ -132,6 +132,7 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
             "the Trainer's loader is not a gpuopt.loader.ReconfigurableLoader, whose "
             "batches can change size mid-epoch"))
     knobs.add(cpu_threads_knob(knobs))
+    knobs.bind(DROPOUT, dropout_knob(trainer.dropout_rate))
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
                   transport=transport, training={"framework": "gpuopt.Trainer",
                                                  "loss_normalization": trainer.loss_normalization},
