@@ -55,9 +55,11 @@ def precision_knob(mixed_precision: PrecisionPolicy) -> Knob:
                 warn=lambda value: precision_warning(value, device_type))
 
 
-def dropout_knob(rate: DropoutRate) -> Knob | str:
-    """The binder of ``dropout``: the knob of a model's dropout modules
-    (:class:`gpuopt.dropout.DropoutRate`), or the reason the model has none."""
+def dropout_knob(model: torch.nn.Module) -> Knob | str:
+    """The binder of ``dropout``: the knob of the model's dropout modules
+    (:class:`gpuopt.dropout.DropoutRate`; exact in any framework, as a module reads its
+    ``p`` at each forward), or the reason the model has none."""
+    rate = DropoutRate(model)
     if rate.refusal is not None:
         return rate.refusal
     return Knob(DROPOUT, get=lambda: rate.p, set=lambda value: setattr(rate, "p", value))

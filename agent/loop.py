@@ -54,7 +54,6 @@ from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER
                          WEIGHT_DECAY, Knob, KnobSet)
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
-from gpuopt.dropout import DropoutRate
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.memory import SavedActivations
 from gpuopt.optim import OptimizerSettings
@@ -651,7 +650,7 @@ def session(*, model: torch.nn.Module | None = None,
                              "gpuwatch to set it in the optimizer's step")
     knobs.add(cpu_threads_knob(knobs))
     knobs.bind(DROPOUT, "pass agent.session(model=model) for gpuwatch to set its dropout"
-               if model is None else dropout_knob(DropoutRate(model)))
+               if model is None else dropout_knob(model))
     agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
                   training={"framework": "loop",
                             "loss_normalization": "as the loop divides its losses"},

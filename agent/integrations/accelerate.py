@@ -126,14 +126,14 @@ from accelerate.utils import DistributedType
 from accelerate.utils.operations import convert_to_fp32
 
 from agent.protocol import EventKind
-from agent.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
-                            optimizer_knobs, refuse)
+from agent.adapters import (cpu_threads_knob, dropout_knob, loader_knobs,
+                            micro_batch_size_knob, optimizer_knobs, refuse)
 from agent.checkpoints import (GRAD_SCALER_FILE, read_knobs_file, restore_knobs,
                                write_knobs_file)
 from agent.core import Agent
-from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PRECISION,
-                         WEIGHT_DECAY, Knob, KnobSet)
+from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS,
+                         LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS,
+                         PRECISION, WEIGHT_DECAY, Knob, KnobSet)
 from agent.record import StepRecord
 from agent.run import RunBase
 from gpuopt.backends import ModelBackend
@@ -817,6 +817,7 @@ class AcceleratorRun(RunBase):
             knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
                            set=lambda value: setattr(checkpointing, "enabled", value)))
 
+        knobs.bind(DROPOUT, dropout_knob(inner) if plain else not_plain)
         if not plain:
             knobs.bind(ACCUM_STEPS, not_plain)
         else:

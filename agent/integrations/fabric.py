@@ -76,11 +76,11 @@ from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.fabric.wrappers import _FabricDataLoader, _FabricModule, _FabricOptimizer
 from torch._dynamo import OptimizedModule
 
-from agent.adapters import cpu_threads_knob, precision_knob, refuse
+from agent.adapters import cpu_threads_knob, dropout_knob, precision_knob, refuse
 from agent.checkpoints import FORMAT
 from agent.core import Agent
-from agent.knobs import (CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE, MAX_GRAD_NORM,
-                         MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
+from agent.knobs import (CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS, LR_SCALE,
+                         MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
 from agent.loop import LoopRun, check_accum_steps, model_knobs, optimizer_settings_knobs
 from agent.run import host_copy
 from gpuopt.backends import ModelBackend
@@ -358,7 +358,7 @@ def _bind(run: FabricRun, knobs: KnobSet, *, checkpoint_blocks: Any, compile_bac
     not_plain = _not_plain(strategy)
     if not_plain is not None:
         for spec in (PRECISION, KERNELS, CHECKPOINTING, LR_SCALE, WEIGHT_DECAY,
-                     MAX_GRAD_NORM, MICRO_BATCH_SIZE):
+                     MAX_GRAD_NORM, MICRO_BATCH_SIZE, DROPOUT):
             knobs.bind(spec, not_plain)
         return
     device_type = fabric.device.type
@@ -388,6 +388,7 @@ def _bind(run: FabricRun, knobs: KnobSet, *, checkpoint_blocks: Any, compile_bac
                                        declare=run.declare)
     if run.model_backend is not None:
         run.event_sources.append(run.model_backend.pop_events)
+    knobs.bind(DROPOUT, dropout_knob(inner))
     if optimizer is not None:
         run.optimizer_settings = optimizer_settings_knobs(
             knobs, optimizer.optimizer, max_grad_norm, declare=run.declare,

@@ -109,11 +109,11 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import is_sagemaker_mp_enabled
 
 from agent.protocol import EventKind
-from agent.adapters import cpu_threads_knob
+from agent.adapters import cpu_threads_knob, dropout_knob
 from agent.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_knobs_file
 from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE,
+from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS, LR_SCALE,
                          MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
                          PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
 from agent.record import StepRecord
@@ -221,6 +221,7 @@ class _Run(RunBase):
         self._bind_checkpointing(knobs)
         self._bind_kernels(knobs, compile_backend)
         self._bind_optimizer(knobs)
+        knobs.bind(DROPOUT, dropout_knob(_model_of(trainer)))
         for spec in (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR):
             knobs.bind(spec, LOADER_REASON)
         knobs.bind(MICRO_BATCH_SIZE, BATCH_SIZE_REASON)

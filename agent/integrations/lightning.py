@@ -155,13 +155,13 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from agent.protocol import EventKind
-from agent.adapters import (cpu_threads_knob, loader_knobs, optimizer_knobs, precision_knob,
-                            refuse)
+from agent.adapters import (cpu_threads_knob, dropout_knob, loader_knobs, optimizer_knobs,
+                            precision_knob, refuse)
 from agent.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                         LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY,
-                         Knob, KnobSet)
+from agent.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS,
+                         LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION,
+                         WEIGHT_DECAY, Knob, KnobSet)
 from agent.record import StepRecord
 from agent.run import RunBase
 from agent.runs import RUN_ID_ENV
@@ -666,6 +666,7 @@ class _Run(RunBase):
             self._bind_optimizer_knobs(knobs)
             self._bind_checkpoint(knobs)
             knobs.add(cpu_threads_knob(knobs))
+            knobs.bind(DROPOUT, dropout_knob(self.module))
             knobs.bind(MICRO_BATCH_SIZE, (
                 "Lightning counts an epoch's batches once, when it sets up the train "
                 "dataloader (trainer.num_training_batches), so batches of another size "

@@ -132,7 +132,7 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
             "the Trainer's loader is not a gpuopt.loader.ReconfigurableLoader, whose "
             "batches can change size mid-epoch"))
     knobs.add(cpu_threads_knob(knobs))
-    knobs.bind(DROPOUT, dropout_knob(trainer.dropout_rate))
+    knobs.bind(DROPOUT, dropout_knob(trainer.model))
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
                   transport=transport, training={"framework": "gpuopt.Trainer",
                                                  "loss_normalization": trainer.loss_normalization},
