@@ -1,16 +1,15 @@
 """Safe changes: roll a live change back when the steps after it go bad.
 
-After a change of precision, accumulation, micro-batch size, kernels or the optimizer's
-settings (learning rate scale, weight decay, gradient clipping), the agent watches the
-next ``guard_steps`` optimizer steps. A non-finite loss, a divergence (the loss above
-:data:`DIVERGENCE_FACTOR` times its median over the steps before the change for
-:data:`DIVERGENCE_STEPS` steps in a row: caught while the loss is still finite, before
-the weights are), or the GradScaler skipping ``max_skipped_in_row`` fp16 steps in a row,
-rolls the guarded knobs back to the values
-they had before the change (the last good settings, read from the
-:class:`~agent.ledger.ChangeLedger` that the out-of-memory path reads too), at the next
-optimizer-step boundary. Runs on the agent's I/O thread only, from the values the step
-markers deliver: it never reads a device tensor itself.
+After a change of a guarded knob (:attr:`agent.knobs.KnobSpec.guarded`: precision,
+accumulation, micro-batch size, kernels, the optimizer's settings, dropout), the agent
+watches the next ``guard_steps`` optimizer steps. A non-finite loss, a divergence (the
+loss above :data:`DIVERGENCE_FACTOR` times its median over the steps before the change
+for :data:`DIVERGENCE_STEPS` steps in a row: caught while the loss is still finite,
+before the weights are), or the GradScaler skipping ``max_skipped_in_row`` fp16 steps in
+a row, rolls the guarded knobs back to the values they had before the change (the last
+good settings, read from the :class:`~agent.ledger.ChangeLedger` that the out-of-memory
+path reads too), at the next optimizer-step boundary. Runs on the agent's I/O thread
+only, from the values the step markers deliver: it never reads a device tensor itself.
 """
 
 from __future__ import annotations
