@@ -49,10 +49,9 @@ def precision_knob(mixed_precision: PrecisionPolicy) -> Knob:
     """
     device_type = mixed_precision.device_type
 
-    return Knob(PRECISION, get=lambda: mixed_precision.precision,
-                set=lambda value: setattr(mixed_precision, "precision", value),
-                check=lambda value: refuse(precision_support(value, device_type)),
-                warn=lambda value: precision_warning(value, device_type))
+    return Knob.attribute(PRECISION, mixed_precision,
+                          check=lambda value: refuse(precision_support(value, device_type)),
+                          warn=lambda value: precision_warning(value, device_type))
 
 
 def dropout_knob(model: torch.nn.Module) -> Knob | str:
@@ -62,7 +61,7 @@ def dropout_knob(model: torch.nn.Module) -> Knob | str:
     rate = DropoutRate(model)
     if rate.refusal is not None:
         return rate.refusal
-    return Knob(DROPOUT, get=lambda: rate.p, set=lambda value: setattr(rate, "p", value))
+    return Knob.attribute(DROPOUT, rate, "p")
 
 
 def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
@@ -175,8 +174,7 @@ def optimizer_knobs(settings: OptimizerSettings, knobs: KnobSet) -> None:
     inside the step only; the decay goes to the param groups that decay (a warning says
     so when none did, and every group gets it). ``weight_decay`` is marked unsupported,
     with the reason, for an optimizer that has none."""
-    knobs.add(Knob(LR_SCALE, get=lambda: settings.lr_scale,
-                   set=lambda value: setattr(settings, "lr_scale", value)))
+    knobs.add(Knob.attribute(LR_SCALE, settings))
     reason = settings.weight_decay_reason()
     if reason is not None:
         knobs.bind(WEIGHT_DECAY, reason)
@@ -189,9 +187,7 @@ def optimizer_knobs(settings: OptimizerSettings, knobs: KnobSet) -> None:
                     "of their own with weight_decay=0 to keep them out)")
         return None
 
-    knobs.add(Knob(WEIGHT_DECAY, get=lambda: settings.weight_decay,
-                   set=lambda value: setattr(settings, "weight_decay", value),
-                   warn=every_group))
+    knobs.add(Knob.attribute(WEIGHT_DECAY, settings, warn=every_group))
 
 
 class MemoryKnobs:

@@ -375,6 +375,16 @@ class Knob:
     check: Callable[[Any], None] | None = None
     warn: Callable[[Any], str | None] | None = None
 
+    @classmethod
+    def attribute(cls, spec: KnobSpec, owner: Any, name: str = "", *,
+                  check: Callable[[Any], None] | None = None,
+                  warn: Callable[[Any], str | None] | None = None) -> "Knob":
+        """A knob that reads and writes the attribute ``name`` of ``owner`` (default:
+        the spec's name), such as a property that applies the value when set."""
+        attribute = name or spec.name
+        return cls(spec, get=lambda: getattr(owner, attribute),
+                   set=lambda value: setattr(owner, attribute, value), check=check, warn=warn)
+
     def warning(self, value: Any) -> str | None:
         """What a person should know about an accepted ``value`` (the reply's and the
         event log's warning): that it stops the training, or nearly (the spec's

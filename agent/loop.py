@@ -484,9 +484,8 @@ def model_knobs(knobs: KnobSet, model: torch.nn.Module, device: torch.device, *,
     if kernels_refused is None:
         backend = model_backend = ModelBackend(model, device, compile_backend=compile_backend,
                                                in_place=True)
-        knobs.add(Knob(KERNELS, get=lambda: backend.kernels,
-                       set=lambda value: setattr(backend, "kernels", value),
-                       check=lambda value: refuse(backend.support(value))))
+        knobs.add(Knob.attribute(KERNELS, backend,
+                                 check=lambda value: refuse(backend.support(value))))
     else:
         knobs.bind(KERNELS, kernels_refused)
     try:
@@ -496,8 +495,7 @@ def model_knobs(knobs: KnobSet, model: torch.nn.Module, device: torch.device, *,
             raise
         knobs.bind(CHECKPOINTING, f"{exc} ({declare.format('checkpoint_blocks=...')})")
     else:
-        knobs.add(Knob(CHECKPOINTING, get=lambda: blocks.enabled,
-                       set=lambda value: setattr(blocks, "enabled", value)))
+        knobs.add(Knob.attribute(CHECKPOINTING, blocks, "enabled"))
     return model_backend, checkpointing
 
 
@@ -517,8 +515,7 @@ def optimizer_settings_knobs(knobs: KnobSet, optimizer: torch.optim.Optimizer,
     optimizer_knobs(settings, knobs)
     if max_grad_norm is not None:
         settings.max_grad_norm = max_grad_norm
-        knobs.add(Knob(MAX_GRAD_NORM, get=lambda: settings.max_grad_norm,
-                       set=lambda value: setattr(settings, "max_grad_norm", value)))
+        knobs.add(Knob.attribute(MAX_GRAD_NORM, settings))
     else:
         knobs.bind(MAX_GRAD_NORM, (
             f"this loop did not declare max_grad_norm: pass "

@@ -814,8 +814,7 @@ class AcceleratorRun(RunBase):
         else:
             checkpointing = self.checkpointing = ActivationCheckpointing(inner,
                                                                          checkpoint_blocks)
-            knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
-                           set=lambda value: setattr(checkpointing, "enabled", value)))
+            knobs.add(Knob.attribute(CHECKPOINTING, checkpointing, "enabled"))
 
         knobs.bind(DROPOUT, dropout_knob(inner) if plain else not_plain)
         if not plain:

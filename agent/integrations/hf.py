@@ -537,8 +537,7 @@ class _Run(RunBase):
         except ValueError as exc:
             knobs.bind(CHECKPOINTING, str(exc))
             return
-        knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
-                       set=lambda value: setattr(checkpointing, "enabled", value)))
+        knobs.add(Knob.attribute(CHECKPOINTING, checkpointing, "enabled"))
 
     def _bind_kernels(self, knobs: KnobSet, compile_backend: str) -> None:
         trainer = self.trainer

@@ -737,8 +737,7 @@ class _Run(RunBase):
             knobs.bind(CHECKPOINTING,
                        f"{exc} (attach(trainer, checkpoint_blocks=[...]) names them)")
         else:
-            knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
-                           set=lambda value: setattr(checkpointing, "enabled", value)))
+            knobs.add(Knob.attribute(CHECKPOINTING, checkpointing, "enabled"))
 
     def _bind_optimizer_knobs(self, knobs: KnobSet) -> None:
         """``lr_scale`` and ``weight_decay`` on the one optimizer (step hooks, see

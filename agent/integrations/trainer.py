@@ -109,17 +109,14 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
         trainer.load_state_dict(saved["trainer"])
     knobs = KnobSet()
     knobs.add(precision_knob(trainer.mixed_precision))
-    knobs.add(Knob(ACCUM_STEPS, get=lambda: trainer.accum_steps,
-                   set=lambda value: setattr(trainer, "accum_steps", value)))
+    knobs.add(Knob.attribute(ACCUM_STEPS, trainer))
     if isinstance(trainer.loader, ReconfigurableLoader):
         for knob in loader_knobs(trainer.loader):
             knobs.add(knob)
-    knobs.add(Knob(KERNELS, get=lambda: trainer.kernels,
-                   set=lambda value: setattr(trainer, "kernels", value),
-                   check=lambda value: refuse(trainer.model_backend.support(value))))
+    knobs.add(Knob.attribute(KERNELS, trainer,
+                             check=lambda value: refuse(trainer.model_backend.support(value))))
     if trainer.activation_checkpointing is not None:
-        knobs.add(Knob(CHECKPOINTING, get=lambda: trainer.checkpointing,
-                       set=lambda value: setattr(trainer, "checkpointing", value)))
+        knobs.add(Knob.attribute(CHECKPOINTING, trainer))
     optimizer_knobs(trainer.optimizer_settings, knobs)
     knobs.add(Knob(MAX_GRAD_NORM, get=lambda: trainer.max_grad_norm or 0.0,
                    set=lambda value: setattr(trainer, "max_grad_norm", value)))
