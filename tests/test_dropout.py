@@ -134,3 +134,22 @@ def test_dropout_values_beyond_its_range_are_refused_and_1_is_warned_of(run_dir)
     finally:
         run.close()
     assert model[2].p == 0.1  # no boundary came: nothing applied
+
+
+def test_the_demo_transformers_attention_dropout_follows_the_knob_too():
+    """The demo transformer draws its attention weights' dropout inside
+    scaled_dot_product_attention from a module's p: at dropout 0 its training forward is
+    its evaluation forward, bit for bit (with the attention's rate left behind, it would
+    still drop)."""
+    from gpuopt.demo.models import CharTransformer
+    from gpuopt.dropout import DropoutRate
+
+    torch.manual_seed(0)
+    model = CharTransformer(40, d_model=32, n_heads=4, n_layers=2, context_len=16,
+                            dropout=0.3)
+    idx = torch.randint(0, 40, (8, 16))
+    rate = DropoutRate(model)
+    assert rate.refusal is None and rate.p == 0.3
+    assert not torch.equal(model.train()(idx), model.eval()(idx))
+    rate.p = 0.0
+    assert torch.equal(model.train()(idx), model.eval()(idx))
