@@ -17,7 +17,7 @@ from textual.widgets import Footer, Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from agent.wire import protocol
-from agent.wire.knobs import assignment
+from agent.wire.knobs import DEFAULT_MAX_GRAD_NORM, STANDARD_KNOBS, assignment
 from agent.wire.runs import find_run
 from gpuwatch.client import new_command_id, parse_assignment, reply_text, send_command
 from gpuwatch.units import knob_text
@@ -55,17 +55,11 @@ CHART_REDRAW_S = 1.0
 CHART_CPU_SHARE = 0.05
 
 #: The footer shows each -/+ pair of keys once, with one description.
-_ACCUM = Binding.Group("accum", compact=True)
-_WORKERS = Binding.Group("work", compact=True)
-_LR = Binding.Group("lr", compact=True)
 _STEP = Binding.Group("step", compact=True)
 _CHANGE = Binding.Group("change", compact=True)
 _EVENT = Binding.Group("event", compact=True)
 #: Steps that shift+left / shift+right move on a timeline.
 TIMELINE_LEAP_STEPS = 100
-#: The threshold ``g`` turns clipping on with when the run never had one (a common
-#: default: HF's ``max_grad_norm``, nanoGPT's ``grad_clip``).
-DEFAULT_MAX_GRAD_NORM = 1.0
 #: Under this many columns the footer is compact (no padding around keys, no ctrl+p); its
 #: short descriptions (prec, work, kern) keep every key within 80 columns.
 COMPACT_FOOTER_BELOW = 100
@@ -98,6 +92,19 @@ QUICK_KEYS_ENV = "GPUWATCH_QUICK_KEYS"
 _TIMELINE_ACTIONS = frozenset({"move_by", "move_to_mark", "move_to", "compare"})
 
 
+def _knob_bindings() -> list[Binding]:
+    """The standard knobs' keys (:attr:`agent.wire.knobs.KnobSpec.keys`), in their order.
+
+    A knob's keys sit side by side in the footer under its
+    :attr:`~agent.wire.knobs.KnobSpec.key_group`."""
+    return [Binding(key.key, f"{key.action}({', '.join(map(repr, (spec.name, *key.arguments)))})",
+                    key.description, id=f"{spec.name}.{key.id}", show=key.show,
+                    tooltip=key.tooltip,
+                    group=Binding.Group(spec.key_group, compact=True) if spec.key_group
+                    else None)
+            for spec in STANDARD_KNOBS.values() for key in spec.keys]
+
+
 class GpuwatchApp(App[None]):
     """The dashboard of one run.
 
@@ -128,23 +135,7 @@ class GpuwatchApp(App[None]):
                 tooltip="Type a command as `gpuwatch set` takes it: accum_steps=8, "
                         "kernels=compile, checkpoint=now (tab completes from the run's "
                         "knobs; enter sends, escape closes)"),
-        Binding("p", "cycle('precision')", "prec", id="precision.cycle",
-                tooltip="Cycle precision fp32 -> bf16 -> fp16 (the run's choices)"),
-        Binding("a", "step('accum_steps', -1)", "accum-", id="accum_steps.decrease",
-                tooltip="accum_steps - 1 (micro-batches per optimizer step)", group=_ACCUM),
-        Binding("A", "step('accum_steps', 1)", "accum+", id="accum_steps.increase",
-                tooltip="accum_steps + 1 (micro-batches per optimizer step)", group=_ACCUM),
-        Binding("w", "step('num_workers', -1)", "workers-", id="num_workers.decrease",
-                tooltip="num_workers - 1 (DataLoader worker processes)", group=_WORKERS),
-        Binding("W", "step('num_workers', 1)", "workers+", id="num_workers.increase",
-                tooltip="num_workers + 1 (DataLoader worker processes)", group=_WORKERS),
-        Binding("m", "toggle('pin_memory')", "pin", id="pin_memory.toggle",
-                tooltip="pin_memory on/off (page-locked host batches, faster copies to "
-                        "the GPU)"),
-        Binding("k", "cycle('kernels')", "kern", id="kernels.cycle",
-                tooltip="Cycle kernels eager -> compile -> triton (the run's choices)"),
-        Binding("c", "toggle('checkpointing')", "ckpt", id="checkpointing.toggle",
-                tooltip="Activation checkpointing on/off (less memory, more compute)"),
+        *_knob_bindings(),
         Binding("T", "tune", "tune", id="tune",
                 show=False,  # in help and the palette: the footer is full at 80 columns
                 tooltip="Start the in-run search for the fastest safe configuration (the "
@@ -152,19 +143,6 @@ class GpuwatchApp(App[None]):
                         "stop it, keeping the best"),
         Binding("t", "show_tune", "search", id="tune.show", show=False,
                 tooltip="Show the search: each candidate, its throughput, kept or why not"),
-        Binding("l", "scale('lr_scale', 0.5)", "lr/2", id="lr_scale.halve",
-                tooltip="lr_scale x0.5: half the learning rate the schedule sets, from the "
-                        "next step (the schedule keeps its shape)", group=_LR),
-        Binding("L", "scale('lr_scale', 2)", "lr*2", id="lr_scale.double",
-                tooltip="lr_scale x2: twice the learning rate the schedule sets, from the "
-                        "next step", group=_LR),
-        Binding("g", "clip('max_grad_norm')", "clip", id="max_grad_norm.toggle",
-                tooltip="Gradient clipping off (max_grad_norm=0) / on again at the last "
-                        f"threshold ({DEFAULT_MAX_GRAD_NORM:g} if it never had one)"),
-        Binding("s", "send('checkpoint', 'now')", "save", id="checkpoint.now",
-                show=False,  # in help and the palette: the footer is full at 80 columns
-                tooltip="Save a checkpoint at the next step (the training waits while "
-                        "it is written)"),
         # a replay on a timeline (before the focused widget's keys: the log scrolls too)
         Binding("left", "move_by(-1)", "step-", id="timeline.back", group=_STEP,
                 priority=True, tooltip="Timeline: one optimizer step back"),

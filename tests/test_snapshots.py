@@ -15,7 +15,6 @@ import difflib
 import io
 import math
 import os
-import types
 from functools import partial
 from pathlib import Path
 
@@ -182,8 +181,7 @@ def check(name: str, text: str) -> None:
 @pytest.fixture(autouse=True)
 def fixed_clock(monkeypatch):
     """The event log's stamps at one time of day whatever the machine's zone."""
-    monkeypatch.setattr(event_log, "time", types.SimpleNamespace(
-        strftime=lambda fmt, t=None: "12:00:00 ", localtime=lambda t=None: None))
+    monkeypatch.setattr(event_log, "local_time", lambda t_s, form: "12:00:00")
 
 
 async def _settle(app, pilot) -> None:
