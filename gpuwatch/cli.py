@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -36,6 +36,9 @@ DEMO_START_TIMEOUT_S = 60.0
 PROGRESS_EVERY_S = 5.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
 DEMO_STOP_TIMEOUT_S = 20.0
+#: The signals that end a command as Ctrl-C does, its child process with it: SIGTERM
+#: (what ``timeout``, job schedulers and systemd send) and SIGHUP (a closed terminal).
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 #: ``gpuwatch tail ENDPOINT`` (no run file to check) gives up after this long with
 #: nothing heard (s); a run sends a heartbeat a second.
 TAIL_SILENCE_S = 10.0
@@ -257,6 +260,7 @@ def _watch(info: RunInfo, *, readonly: bool, quick_keys: bool,
     app = GpuwatchApp(LiveSource(info), readonly=readonly,
                       quick_keys=quick_keys or None,  # else $GPUWATCH_QUICK_KEYS
                       notes=notes)
+    _end_on_signals(app.exit)  # the terminal put back, as on q
     app.run()
     return app.return_code or 0
 
@@ -596,23 +600,26 @@ def _demo(args: argparse.Namespace) -> int:
     for option, value in (("--resume", args.resume), ("--checkpoint-dir", args.checkpoint_dir)):
         if value is not None:
             command += [option, value]
+    command += ["--parent-pid", str(os.getpid())]  # ends with this command, however
     if args.no_ui:
         return _demo_without_ui(command)
-    command += ["--parent-pid", str(os.getpid())]  # ends with this dashboard, however
     log_path = run_dir() / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     with open(log_path, "wb") as log:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT)
+    info = None
     try:
-        print(f"gpuwatch demo: starting {args.model} training (output in {log_path})",
-              flush=True)
+        print(f"gpuwatch demo: starting {args.model} training (its output in {log_path}, "
+              "removed when it ends cleanly)", flush=True)
+        _end_on_signals()
         info = _wait_for_run(child, log_path)
         if info is None:
             return 1
         return _watch(info, readonly=args.readonly, quick_keys=args.quick_keys, notes=[
-            f"demo training job pid {child.pid}, output in {log_path}"])
+            f"demo training job pid {child.pid}, output in {log_path} (removed when it "
+            "ends cleanly)"])
     finally:
-        _stop_child(child)
+        _stop_child(child, info, log_path=log_path)
         if child.returncode == 0:  # a clean stop: its output holds nothing to look at
             log_path.unlink(missing_ok=True)
 
@@ -626,7 +633,9 @@ def _demo_without_ui(command: list[str]) -> int:
     print("gpuwatch demo: training in this terminal; watch it with `gpuwatch` from "
           "another one", flush=True)
     child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    info = None
     try:
+        _end_on_signals()
         info = _wait_for_run(child, None)
         if info is None:
             return 1
@@ -634,16 +643,18 @@ def _demo_without_ui(command: list[str]) -> int:
         with Subscriber(info) as subscriber:
             while child.poll() is None:
                 message = subscriber.recv(timeout_s=0.5)
+                if message is not None and message["type"] == protocol.BYE:
+                    break  # its last line ("stopped after N ...") stays the last one
                 if message is not None and message["type"] == protocol.STEP:
                     last = message["body"]
                 if time.monotonic() - shown_at >= PROGRESS_EVERY_S:
                     shown_at = time.monotonic()
                     print(_progress_line(last, time.monotonic() - started), flush=True)
-        return child.returncode or 0
+        return child.wait() or 0
     except KeyboardInterrupt:  # the terminal sent SIGINT to the job as well
         return 130
     finally:
-        _stop_child(child)
+        _stop_child(child, info)
 
 
 def _progress_line(step: dict[str, Any] | None, elapsed_s: float) -> str:
@@ -691,23 +702,57 @@ def _tail_of(path: Path, lines: int = 20) -> str:
         return f"(cannot read it: {exc})"
 
 
-def _stop_child(child: subprocess.Popen) -> None:
-    """SIGINT (so the run can say bye and remove its run file), then SIGKILL."""
+def _end_on_signals(end: Callable[[], None] | None = None) -> None:
+    """Make :data:`ENDING_SIGNALS` end this command as Ctrl-C does, so that the
+    ``finally`` that stops its child process runs: ``end`` is called (a dashboard's
+    exit), or without it ``SystemExit(128 + signal)`` is raised in the main thread
+    (once: a second signal is ignored while the child is being stopped, which takes at
+    most :data:`DEMO_STOP_TIMEOUT_S` and a second)."""
+    def ending(signum: int, frame: object) -> None:
+        if end is not None:
+            end()
+            return
+        for each in ENDING_SIGNALS:
+            signal.signal(each, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    for each in ENDING_SIGNALS:
+        signal.signal(each, ending)
+
+
+def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
+                log_path: Path | None = None) -> None:
+    """Stop the demo's training job: SIGINT, so that it ends at its next optimizer step
+    (says bye, removes its run file), then SIGKILL after :data:`DEMO_STOP_TIMEOUT_S`
+    (or at once on Ctrl-C). ``info``: its run, None if it wrote no run file; a run whose
+    run file is gone has ended and is only exiting: it is waited for without a signal
+    or a word. ``log_path``: where its output went, named when it is killed."""
     if child.poll() is not None:
         return
-    child.send_signal(signal.SIGINT)
+    said_bye = info is not None and not os.path.exists(info.path)
+    if not said_bye:
+        child.send_signal(signal.SIGINT)
     try:
         child.wait(1.0)
-    except subprocess.TimeoutExpired:  # a busy machine: say what it is waiting for
-        print(f"gpuwatch demo: stopping the training job (pid {child.pid}) at its next "
-              "optimizer step ...", flush=True)
-        try:
-            child.wait(DEMO_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            print(f"gpuwatch demo: it did not stop within {DEMO_STOP_TIMEOUT_S:.0f} s; "
-                  "killed", file=sys.stderr, flush=True)
-            child.kill()
-            child.wait()
+        return
+    except subprocess.TimeoutExpired:  # a busy machine, or a long step
+        pass
+    if info is None or os.path.exists(info.path):
+        print(f"gpuwatch demo: stopping the training job (pid {child.pid}) at the end of "
+              f"its optimizer step; killed if that takes over {DEMO_STOP_TIMEOUT_S:.0f} s "
+              "(Ctrl-C: now) ...", flush=True)
+    try:
+        child.wait(DEMO_STOP_TIMEOUT_S)
+        return
+    except subprocess.TimeoutExpired:
+        why = f"its step did not end within {DEMO_STOP_TIMEOUT_S:.0f} s"
+    except KeyboardInterrupt:
+        why = "Ctrl-C"
+    child.kill()
+    child.wait()
+    print(f"gpuwatch demo: killed the training job ({why})"
+          + (f"; its output is kept in {log_path}" if log_path is not None else ""),
+          file=sys.stderr, flush=True)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -720,4 +765,5 @@ def _doctor(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", "gpuopt.environment"]
     if args.json:
         command.append("--json")
+    _end_on_signals()  # (call kills its child on the way out)
     return subprocess.call(command)
