@@ -194,3 +194,36 @@ def test_no_ui_progress_line_reads_at_a_glance():
     line = _progress_line({"step": 1200, "step_time_s": 0.2884, "samples_per_s": 109.2,
                            "loss": 2.0391}, 310)
     assert line == "demo: step 1,200  288 ms/step  109 samples/s  loss 2.04  (5m10s)"
+
+
+def test_a_job_in_a_long_step_is_killed_with_its_output_file_named(tmp_path, monkeypatch,
+                                                                    capsys):
+    """``q`` while the demo's job is in a long step: it is asked to stop, waited for,
+    then killed, and the message names the output file that is kept (a stand-in job
+    that ignores SIGINT plays the long step)."""
+    from gpuwatch import cli
+
+    monkeypatch.setattr(cli, "DEMO_STOP_TIMEOUT_S", 1.0)
+    run_file = tmp_path / "run.json"
+    run_file.write_text("{}")  # the job has not said bye: its run file is there
+    log_path = tmp_path / "demo.log"
+    job = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                            "signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                            "print('ready', flush=True); time.sleep(60)"],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline() == "ready\n"
+        info = runs.RunInfo(run_id="r", rank=0, world_size=1, pid=job.pid,
+                            pub_endpoint="", cmd_endpoint="", token="", started_at=0.0,
+                            path=str(run_file))
+        cli._stop_child(job, info, log_path=log_path)
+        assert job.returncode == -9
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    out, err = capsys.readouterr()
+    assert out == (f"gpuwatch demo: stopping the training job (pid {job.pid}) at the end "
+                   "of its optimizer step; killed if that takes over 1 s (Ctrl-C: now) ...\n")
+    assert err == ("gpuwatch demo: killed the training job (its step did not end within "
+                   f"1 s); its output is kept in {log_path}\n")
