@@ -26,7 +26,7 @@ from agent import protocol
 from agent.protocol import printable
 from agent.runs import RunInfo, alive, find_run, list_runs, node_list, run_dir, run_ranks
 from gpuwatch import history, history_commands, multinode_commands
-from gpuwatch.units import human_age, human_ms, human_sig, knob_text
+from gpuwatch.units import counted, human_age, human_ms, human_sig, knob_text
 
 SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor",
                "report", "compare", "export", "nodes", "secret")
@@ -63,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `gpuwatch runs --all | head`: the reader has enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (exit's flush)
+        return 0
     except OSError as exc:  # UnsafeDirectoryError among them: a squatted run directory
         print(f"gpuwatch: {printable(str(exc))}", file=sys.stderr)
         return 1
@@ -378,6 +381,7 @@ def _tail(args: argparse.Namespace) -> int:
     if info is None:
         return _no_run(selector)
     printed = 0
+    hellos: set[str] = set()
     try:
         subscriber = Subscriber(info)
     except zmq.ZMQError as exc:
@@ -393,7 +397,8 @@ def _tail(args: argparse.Namespace) -> int:
                 if other is not None:  # another node's relay: summaries, events
                     if other["type"] not in (protocol.NODE, protocol.EVENT):
                         continue  # (rank 0's records, another rank's bye: not this tail's)
-                    if _print_record(other, as_json=args.json, rank=info.rank):
+                    if _print_record(other, as_json=args.json, hellos=hellos,
+                                     rank=info.rank):
                         printed += 1
                         sys.stdout.buffer.flush()
                     if args.count and printed >= args.count:
@@ -406,18 +411,16 @@ def _tail(args: argparse.Namespace) -> int:
                         return 1
                     continue
                 heard_at = time.monotonic()
-                if _print_record(message, as_json=args.json):
+                if _print_record(message, as_json=args.json, hellos=hellos):
                     printed += 1
                     sys.stdout.buffer.flush()
                 if message["type"] == protocol.BYE or (args.count and printed >= args.count):
                     break
-        except BrokenPipeError:  # e.g. `gpuwatch tail | head`: stop quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         finally:
             for relay in relays:
                 relay.close()
             if subscriber.missed or subscriber.malformed:
-                print(f"gpuwatch tail: {subscriber.missed} records missed, "
+                print(f"gpuwatch tail: {counted(subscriber.missed, 'record')} missed, "
                       f"{subscriber.malformed} malformed", file=sys.stderr)
     return 0
 
@@ -484,6 +487,7 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
     from gpuwatch.sources.replay import POLL_S, RunLogReader
 
     printed = 0
+    hellos: set[str] = set()
     with RunLogReader(path) as reader:
         try:
             while True:
@@ -494,7 +498,7 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                           file=sys.stderr)
                     return 1
                 for message in messages:
-                    if _print_record(message, as_json=args.json):
+                    if _print_record(message, as_json=args.json, hellos=hellos):
                         printed += 1
                     if ((args.follow and message["type"] == protocol.BYE)
                             or (args.count and printed >= args.count)):
@@ -504,20 +508,20 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                     if not args.follow:
                         return 0
                     time.sleep(POLL_S)
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 0
         finally:
             if reader.malformed:
-                print(f"gpuwatch tail: {reader.malformed} malformed lines skipped",
+                print(f"gpuwatch tail: {counted(reader.malformed, 'malformed line')} "
+                      "skipped",
                       file=sys.stderr)
 
 
-def _print_record(message: dict[str, Any], *, as_json: bool, rank: int | None = None
-                  ) -> bool:
+def _print_record(message: dict[str, Any], *, as_json: bool, hellos: set[str],
+                  rank: int | None = None) -> bool:
     """Print one envelope as a JSON line (the run log's format) or a line for people
     (``[rank N]`` in front when ``rank`` is given and the record is another rank's);
-    False when there is no line for people for its type."""
+    False when there is no line for people for its type, or it is a hello line already
+    in ``hellos`` (the lines printed so far: a run repeats its hello for subscribers
+    that come late, a person needs it once)."""
     if as_json:
         # bytes, with newline; what a terminal would obey escaped (exact all the same)
         sys.stdout.buffer.write(protocol.terminal_json(protocol.to_json_line(message)))
@@ -526,8 +530,10 @@ def _print_record(message: dict[str, Any], *, as_json: bool, rank: int | None = 
         line = _human_line(message)
     except Exception:  # a record of unexpected shape: show it raw rather than fail
         line = protocol.to_json_line(message).decode().rstrip("\n")
-    if line is None:
+    if line is None or line in hellos:
         return False
+    if message.get("type") == protocol.HELLO:
+        hellos.add(line)
     if (rank is not None and message.get("rank") != rank
             and message.get("type") != protocol.NODE):
         line = f"[rank {message.get('rank')}] {line}"
@@ -576,7 +582,9 @@ def _human_line(message: dict[str, Any]) -> str | None:
                 f"{body.get('device', '?')}; knobs: "
                 + ", ".join(k.get("name", "?") for k in body.get("knobs") or ()))
     if kind == protocol.BYE:
-        return f"run ended ({body.get('reason', '')}) after {body.get('steps')} steps"
+        steps = body.get("steps")
+        return (f"run ended ({body.get('reason', '')}) after "
+                + (counted(steps, "step") if type(steps) is int else "? steps"))
     if kind == protocol.NODE:
         return (f"node {body.get('node')} ({body.get('host', '')}): " + ", ".join(
             f"rank {entry.get('rank')} step {entry.get('step')} "

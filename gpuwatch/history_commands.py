@@ -21,7 +21,7 @@ from agent.protocol import printable
 from agent.runs import list_runs
 from gpuwatch import history
 from gpuwatch.history import LogFiles, RunSummary
-from gpuwatch.units import human_age, human_bytes, human_number, human_sig
+from gpuwatch.units import counted, human_age, human_bytes, human_number, human_sig
 
 
 def add_run_argument(parser: argparse.ArgumentParser, help: str, *,
@@ -189,7 +189,8 @@ def _report(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     print(f"wrote {args.output} ({human_bytes(args.output.stat().st_size)}): "
-          f"{run.summary.steps:,} steps, {run.knob_changes_total:,} knob changes"
+          f"{counted(run.summary.steps, 'step')}, "
+          f"{counted(run.knob_changes_total, 'knob change')}"
           + _not_read(run))
     return 0
 

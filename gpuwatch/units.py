@@ -90,6 +90,12 @@ def human_ms(value_s: float | None) -> str:
     return human_duration(value_s)
 
 
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun`` in the plural it takes: ``1 step``, ``0 steps``, ``1,200
+    steps`` (English nouns whose plural adds ``s``)."""
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
 def human_number(value: float | None, digits: int = 0) -> str:
     """A number with thousands separators (``12,345.6``); None or non-finite -> ``"-"``."""
     if value is None or not math.isfinite(value):

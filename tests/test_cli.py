@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -227,3 +228,26 @@ def test_a_job_in_a_long_step_is_killed_with_its_output_file_named(tmp_path, mon
                    "of its optimizer step; killed if that takes over 1 s (Ctrl-C: now) ...\n")
     assert err == ("gpuwatch demo: killed the training job (its step did not end within "
                    f"1 s); its output is kept in {log_path}\n")
+
+
+def test_tail_for_people_says_hello_once(fake_agent):
+    """The run repeats its hello (every 10 steps here) for subscribers that come late;
+    a person reading the lines needs it once."""
+    result = gpuwatch("tail", "--count", "25")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("step ") for line in lines) >= 20  # two hellos' worth
+    assert sum(line.startswith(f"run {fake_agent.info.run_id} ") for line in lines) == 1
+
+
+@pytest.mark.parametrize("args", [("runs", "--all"), ("runs",)])
+def test_output_into_a_closed_pipe_ends_quietly(run_dir, args):
+    """``gpuwatch runs --all | head``: the reader has gone before the writing ends."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "gpuwatch", *args], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=30)
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (0, "")

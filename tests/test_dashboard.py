@@ -115,7 +115,7 @@ def test_state_status_transitions():
     assert state.status_at(15.5 + GONE_AFTER_S + 0.1) == "gone"
     state.ingest(envelope("bye", {"reason": "finished", "steps": 1}), 20.0)
     assert state.status_at(1000.0) == "ended"
-    assert state.events[-1].text == "run ended (finished) after 1 steps"
+    assert state.events[-1].text == "run ended (finished) after 1 step"
 
 
 def test_state_clears_pending_when_applied():

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gpuwatch.units import human_duration, human_ms, human_sig
+from gpuwatch.units import counted, human_duration, human_ms, human_sig
 
 
 @pytest.mark.parametrize("value, text", [
@@ -36,3 +36,9 @@ def test_no_magnitude_is_written_in_scientific_notation():
                 for text in (human_sig(value), human_duration(abs(value))):
                     assert "e" not in text.replace("min", "").replace(" ", ""), (value, text)
                     assert "E" not in text, (value, text)
+
+
+@pytest.mark.parametrize("count, text", [(0, "0 runs"), (1, "1 run"), (2, "2 runs"),
+                                         (1200, "1,200 runs")])
+def test_counts_take_the_plural_they_need(count, text):
+    assert counted(count, "run") == text

@@ -15,7 +15,7 @@ from textual.widgets import DataTable, Static
 
 from agent.protocol import printable
 from gpuwatch.history import RunSummary, all_runs
-from gpuwatch.units import human_age, human_bytes, human_number, human_sig
+from gpuwatch.units import counted, human_age, human_bytes, human_number, human_sig
 
 #: The table's columns.
 COLUMNS = ("run", "name", "started", "duration", "steps", "final loss", "best/s",
@@ -78,7 +78,7 @@ class RunsScreen(ModalScreen[RunSummary | None]):
         for index, summary in enumerate(summaries):
             table.add_row(*_row(summary), key=str(index))
         self.query_one("#runs-status", Static).update(Content.styled(
-            f"{len(summaries)} runs" if summaries else "no runs: no run logs and no live "
+            counted(len(summaries), "run") if summaries else "no runs: no run logs and no live "
             "runs", "$text-muted"))
         table.focus()
 
