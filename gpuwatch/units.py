@@ -14,9 +14,13 @@ _DURATION_UNITS = (("ms", 1e-3, 1000.0), ("s", 1.0, 60.0), ("min", 60.0, 60.0),
 
 
 def knob_text(value: Any) -> str:
-    """A knob value as a person reads it: booleans as ``on`` / ``off``, the rest as is."""
+    """A knob value as a person reads it: booleans as ``on`` / ``off``, floats in their
+    shortest form to 12 significant digits (``0.05000000000000001`` -> ``0.05``, the
+    noise of a run's own arithmetic), the rest as is."""
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, float) and math.isfinite(value):
+        return str(float(f"{value:.12g}"))
     return str(value)
 
 

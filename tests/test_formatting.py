@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gpuwatch.units import counted, human_duration, human_ms, human_sig
+from gpuwatch.units import counted, human_duration, human_ms, human_sig, knob_text
 
 
 @pytest.mark.parametrize("value, text", [
@@ -42,3 +42,11 @@ def test_no_magnitude_is_written_in_scientific_notation():
                                          (1200, "1,200 runs")])
 def test_counts_take_the_plural_they_need(count, text):
     assert counted(count, "run") == text
+
+
+@pytest.mark.parametrize("value, text", [(0.05000000000000001, "0.05"), (0.2, "0.2"),
+                                         (0.20000000000000004, "0.2"), (1e-05, "1e-05"),
+                                         (3.0, "3.0"), (4, "4"), (True, "on"),
+                                         ("bf16", "bf16"), (math.inf, "inf")])
+def test_knob_values_read_without_float_noise(value, text):
+    assert knob_text(value) == text
