@@ -388,6 +388,7 @@ class IOLoop:
             if stopping:
                 for _ in range(2):  # the second pass sends events the first one raised
                     self._guard("step publishing", self._encoder.drain, True)
+                self._guard("tune", self._agent.tune.run_ended)
                 self.publish(protocol.BYE, {"reason": self._agent._bye_reason or "",
                                              "steps": self._agent._last_step})
                 return
