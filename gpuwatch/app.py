@@ -13,7 +13,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import Screen
-from textual.widgets import Footer, Input
+from textual.widgets import Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from agent import protocol
@@ -35,6 +35,7 @@ from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
 from gpuwatch.widgets.help_screen import HelpScreen
 from gpuwatch.widgets.key_question import KeyQuestion, Question
+from gpuwatch.widgets.key_bar import KeyBar
 from gpuwatch.widgets.runs_screen import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
 from gpuwatch.widgets.last_event import LastEvent
@@ -66,9 +67,6 @@ TIMELINE_LEAP_STEPS = 100
 #: The threshold ``g`` turns clipping on with when the run never had one (a common
 #: default: HF's ``max_grad_norm``, nanoGPT's ``grad_clip``).
 DEFAULT_MAX_GRAD_NORM = 1.0
-#: Under this many columns the footer is compact (no padding around keys, no ctrl+p); its
-#: short descriptions (prec, work, kern) keep every key within 80 columns.
-COMPACT_FOOTER_BELOW = 100
 #: Under this many columns the memory and host & GPU panels fold (the stylesheet's
 #: ``-cramped``): the knobs and the data panel keep the width.
 CRAMPED_BELOW = 80
@@ -317,7 +315,7 @@ class GpuwatchApp(App[None]):
             yield KnobsPanel(id="knobs")
         yield LastEvent(id="last")
         yield EventLog(id="log")
-        yield Footer()
+        yield KeyBar(id="footer")
         yield CommandLine(id="command", placeholder="knob=value (tab completes, escape "
                                                      "closes)",
                           suggester=SchemaSuggester(self._schema_and_knobs))  # over it
@@ -334,16 +332,6 @@ class GpuwatchApp(App[None]):
                 self.source.state.log("info", note)
             self.source.state.log("info", f"waiting for {self.source.description} ...")
         self.source.start()
-
-    def on_resize(self, event: events.Resize) -> None:
-        """Under :data:`COMPACT_FOOTER_BELOW` columns the footer is compact and leaves
-        out ctrl+p (the help screen lists it), so that every key fits in 80 columns."""
-        footer = self.query_one(Footer)
-        compact = event.size.width < COMPACT_FOOTER_BELOW
-        if footer.show_command_palette == compact:
-            footer.compact = compact
-            footer.show_command_palette = not compact
-            footer.refresh(recompose=True)
 
     def on_unmount(self) -> None:
         self.source.close()
