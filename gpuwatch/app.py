@@ -381,7 +381,8 @@ class GpuwatchApp(App[None]):
                     timeline.marks if timeline else ())
             self.query_one(RunHeader).show(state, status, now,
                                            description=self.source.description,
-                                           readonly=self.readonly)
+                                           readonly=self.readonly,
+                                           replay=isinstance(self.source, TimelineSource))
             self.query_one(ThroughputBar).show(state.steps)
             self.query_one(MemoryPanel).show(state)
             self.query_one(SystemPanel).show(state)
