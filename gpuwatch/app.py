@@ -84,6 +84,8 @@ _STATUS_NOTES = {
 
 #: Textual's palette entries left out (see :meth:`GpuwatchApp.get_system_commands`).
 _HIDDEN_SYSTEM_COMMANDS = frozenset({"Quit", "Keys", "Maximize", "Minimize"})
+#: What Textual's own palette entries start with: the terminal's look, not the run.
+SYSTEM_COMMANDS_GROUP = "display: "
 #: The actions that send a command (their first parameter is the knob).
 _KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "send"})
 #: The actions of the keys that change the run: each asks before it sends (see
@@ -247,10 +249,12 @@ class GpuwatchApp(App[None]):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Textual's own palette entries, less those our bindings already offer (quit)
-        or that do nothing useful here (its key list: ? is ours; maximize)."""
+        or that do nothing useful here (its key list: ? is ours; maximize); the rest
+        (theme, screenshot) grouped under :data:`SYSTEM_COMMANDS_GROUP`, apart from the
+        run's commands."""
         for command in super().get_system_commands(screen):
             if command.title not in _HIDDEN_SYSTEM_COMMANDS:
-                yield command
+                yield command._replace(title=f"{SYSTEM_COMMANDS_GROUP}{command.title}")
 
     def on_key(self, event: events.Key) -> None:
         """The keys that change the run, before any binding acts on them.
