@@ -26,7 +26,7 @@ from agent import protocol
 from agent.protocol import printable
 from agent.runs import RunInfo, alive, find_run, list_runs, node_list, run_dir, run_ranks
 from gpuwatch import history, history_commands, multinode_commands
-from gpuwatch.units import counted, human_age, human_ms, human_sig, knob_text
+from gpuwatch.units import counted, human_age, human_ms, human_rate, human_sig, knob_text
 
 SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor",
                "report", "compare", "export", "nodes", "secret")
@@ -566,9 +566,10 @@ def _human_line(message: dict[str, Any]) -> str | None:
     if kind == protocol.STEP:
         knobs = " ".join(f"{k}={knob_text(v)}" for k, v in (body.get("knobs") or {}).items())
         loss, lr, tokens = body.get("loss"), body.get("lr"), body.get("tokens_per_s")
+        wait = "unknown" if body.get("samples") == 0 else human_ms(body.get("data_wait_s"))
         return (f"step {body.get('step')}  {human_ms(body.get('step_time_s'))}  "
-                f"wait {human_ms(body.get('data_wait_s'))}  "
-                f"{human_sig(body.get('samples_per_s'))} samples/s  "
+                f"wait {wait}  "
+                f"{human_rate(body.get('samples_per_s'), 'samples/s')}  "
                 + (f"{human_sig(tokens)} tokens/s  " if isinstance(tokens, (int, float)) else "")
                 + f"loss {human_sig(loss) if isinstance(loss, (int, float)) else '-'}  "
                 + (f"lr {human_sig(lr)}  " if isinstance(lr, (int, float)) else "")
@@ -675,7 +676,7 @@ def _progress_line(step: dict[str, Any] | None, elapsed_s: float) -> str:
     loss = step.get("loss")
     number = step.get("step")
     return (f"demo: step {f'{number:,}' if isinstance(number, int) else '?'}  "
-            f"{human_ms(step.get('step_time_s'))}/step  {human_sig(rate)} {unit}  "
+            f"{human_ms(step.get('step_time_s'))}/step  {human_rate(rate, unit)}  "
             f"loss {human_sig(loss) if isinstance(loss, (int, float)) else '-'}  "
             f"({human_age(elapsed_s)})")
 

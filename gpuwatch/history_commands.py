@@ -21,7 +21,8 @@ from agent.protocol import printable
 from agent.runs import list_runs
 from gpuwatch import history
 from gpuwatch.history import LogFiles, RunSummary
-from gpuwatch.units import counted, human_age, human_bytes, human_number, human_sig
+from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_rate,
+                            human_sig)
 
 
 def add_run_argument(parser: argparse.ArgumentParser, help: str, *,
@@ -147,7 +148,7 @@ def print_all_runs(as_json: bool) -> int:
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_number(summary.steps),
             human_sig(summary.final_loss),
-            "-" if best is None else human_sig(best) + unit,
+            human_rate(best) + (unit if best else ""),
             str(summary.knob_changes), human_bytes(summary.log_bytes),
             _state(summary)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]

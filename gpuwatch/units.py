@@ -94,6 +94,17 @@ def human_ms(value_s: float | None) -> str:
     return human_duration(value_s)
 
 
+def human_rate(value: float | None, unit: str = "") -> str:
+    """A throughput as a person reads it (:func:`human_sig`, then `` unit``): ``0`` is
+    ``unknown`` (a step trains on a sample at least: 0 says that nothing counted its
+    batches, as in a monitoring-only session), None or non-finite ``-``."""
+    if value == 0:
+        text = "unknown"
+    else:
+        text = human_sig(value)
+    return f"{text} {unit}" if unit else text
+
+
 def counted(count: int, noun: str) -> str:
     """``count`` and ``noun`` in the plural it takes: ``1 step``, ``0 steps``, ``1,200
     steps`` (English nouns whose plural adds ``s``)."""

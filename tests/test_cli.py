@@ -251,3 +251,14 @@ def test_output_into_a_closed_pipe_ends_quietly(run_dir, args):
     finally:
         os.close(write_end)
     assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_a_step_with_no_batch_seen_reads_unknown_not_0():
+    """A monitoring-only session (`run.optimizer_step(loss)` alone) counts no batch."""
+    from gpuwatch.cli import _human_line, _progress_line
+
+    step = {"step": 3, "step_time_s": 0.1, "data_wait_s": 0.0, "samples": 0,
+            "samples_per_s": 0.0, "loss": 2.0}
+    assert _human_line({"type": "step", "body": step}) == (
+        "step 3  100 ms  wait unknown  unknown samples/s  loss 2.00")
+    assert "unknown samples/s" in _progress_line(step, 10)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gpuwatch.units import counted, human_duration, human_ms, human_sig, knob_text
+from gpuwatch.units import counted, human_duration, human_ms, human_rate, human_sig, knob_text
 
 
 @pytest.mark.parametrize("value, text", [
@@ -50,3 +50,12 @@ def test_counts_take_the_plural_they_need(count, text):
                                          ("bf16", "bf16"), (math.inf, "inf")])
 def test_knob_values_read_without_float_noise(value, text):
     assert knob_text(value) == text
+
+
+def test_a_throughput_of_0_is_unknown_not_measured_as_0():
+    """A step trains on a sample at least: 0 samples/s says nothing counted them (a
+    monitoring-only session)."""
+    assert human_rate(0.0, "samples/s") == "unknown samples/s"
+    assert human_rate(None, "samples/s") == "- samples/s"
+    assert human_rate(109.2, "samples/s") == "109 samples/s"
+    assert human_rate(0) == "unknown"

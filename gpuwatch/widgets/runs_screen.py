@@ -15,7 +15,8 @@ from textual.widgets import DataTable, Static
 
 from agent.protocol import printable
 from gpuwatch.history import RunSummary, all_runs
-from gpuwatch.units import counted, human_age, human_bytes, human_number, human_sig
+from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_rate,
+                            human_sig)
 
 #: The table's columns.
 COLUMNS = ("run", "name", "started", "duration", "steps", "final loss", "best/s",
@@ -32,7 +33,7 @@ def _row(summary: RunSummary) -> tuple[str, ...]:
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_number(summary.steps),
             human_sig(summary.final_loss),
-            "-" if best is None else human_sig(best),
+            human_rate(best),
             str(summary.knob_changes), human_bytes(summary.log_bytes), state)
 
 
