@@ -99,7 +99,7 @@ class KeyBar(Static):
         # in the app's order (its priority), whatever has focus: the same at every size
         order = {binding.id: index for index, binding in enumerate(self.app.BINDINGS)
                  if isinstance(binding, Binding) and binding.id}
-        shown.sort(key=lambda pair: order.get(pair[0].id, len(order)))
+        shown.sort(key=lambda pair: order.get(pair[0].id or "", len(order)))
         items = []
         for group, members in groupby(shown, key=lambda pair: pair[0].group):
             pairs = list(members)
