@@ -13,7 +13,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import Screen
-from textual.widgets import Footer, Input
+from textual.widgets import Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from agent.wire import protocol
@@ -35,6 +35,7 @@ from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
 from gpuwatch.screens.help import HelpScreen
 from gpuwatch.widgets.key_question import KeyQuestion, Question
+from gpuwatch.widgets.key_bar import KeyBar
 from gpuwatch.screens.runs import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
 from gpuwatch.widgets.last_event import LastEvent
@@ -60,9 +61,6 @@ _CHANGE = Binding.Group("change", compact=True)
 _EVENT = Binding.Group("event", compact=True)
 #: Steps that shift+left / shift+right move on a timeline.
 TIMELINE_LEAP_STEPS = 100
-#: Under this many columns the footer is compact (no padding around keys, no ctrl+p); its
-#: short descriptions (prec, work, kern) keep every key within 80 columns.
-COMPACT_FOOTER_BELOW = 100
 #: Under this many columns the memory and host & GPU panels fold (the stylesheet's
 #: ``-cramped``): the knobs and the data panel keep the width.
 CRAMPED_BELOW = 80
@@ -80,6 +78,8 @@ _STATUS_NOTES = {
 
 #: Textual's palette entries left out (see :meth:`GpuwatchApp.get_system_commands`).
 _HIDDEN_SYSTEM_COMMANDS = frozenset({"Quit", "Keys", "Maximize", "Minimize"})
+#: What Textual's own palette entries start with: the terminal's look, not the run.
+SYSTEM_COMMANDS_GROUP = "display: "
 #: The actions that send a command (their first parameter is the knob).
 _KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "send"})
 #: The actions of the keys that change the run: each asks before it sends (see
@@ -227,10 +227,12 @@ class GpuwatchApp(App[None]):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Textual's own palette entries, less those our bindings already offer (quit)
-        or that do nothing useful here (its key list: ? is ours; maximize)."""
+        or that do nothing useful here (its key list: ? is ours; maximize); the rest
+        (theme, screenshot) grouped under :data:`SYSTEM_COMMANDS_GROUP`, apart from the
+        run's commands."""
         for command in super().get_system_commands(screen):
             if command.title not in _HIDDEN_SYSTEM_COMMANDS:
-                yield command
+                yield command._replace(title=f"{SYSTEM_COMMANDS_GROUP}{command.title}")
 
     def on_key(self, event: events.Key) -> None:
         """The keys that change the run, before any binding acts on them.
@@ -295,7 +297,7 @@ class GpuwatchApp(App[None]):
             yield KnobsPanel(id="knobs")
         yield LastEvent(id="last")
         yield EventLog(id="log")
-        yield Footer()
+        yield KeyBar(id="footer")
         yield CommandLine(id="command", placeholder="knob=value (tab completes, escape "
                                                      "closes)",
                           suggester=SchemaSuggester(self._schema_and_knobs))  # over it
@@ -312,16 +314,6 @@ class GpuwatchApp(App[None]):
                 self.source.state.log("info", note)
             self.source.state.log("info", f"waiting for {self.source.description} ...")
         self.source.start()
-
-    def on_resize(self, event: events.Resize) -> None:
-        """Under :data:`COMPACT_FOOTER_BELOW` columns the footer is compact and leaves
-        out ctrl+p (the help screen lists it), so that every key fits in 80 columns."""
-        footer = self.query_one(Footer)
-        compact = event.size.width < COMPACT_FOOTER_BELOW
-        if footer.show_command_palette == compact:
-            footer.compact = compact
-            footer.show_command_palette = not compact
-            footer.refresh(recompose=True)
 
     def on_unmount(self) -> None:
         self.source.close()
@@ -371,7 +363,8 @@ class GpuwatchApp(App[None]):
                     timeline.marks if timeline else ())
             self.query_one(RunHeader).show(state, status, now,
                                            description=self.source.description,
-                                           readonly=self.readonly)
+                                           readonly=self.readonly,
+                                           replay=isinstance(self.source, TimelineSource))
             self.query_one(ThroughputBar).show(state.steps)
             self.query_one(MemoryPanel).show(state)
             self.query_one(SystemPanel).show(state)

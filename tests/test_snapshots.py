@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from textual import events
 
 from agent.wire import protocol
 from agent.wire.knobs import STANDARD_KNOBS
@@ -252,6 +253,21 @@ async def test_help_scrolls_to_its_end_with_the_keyboard(size):
         await until(pilot, lambda: last in screen_text(app))
         await pilot.press("home")
         await until(pilot, lambda: last not in screen_text(app) or size[1] >= 40)
+
+
+async def test_a_burst_of_down_keys_scrolls_the_help_a_line_each():
+    app = _transformer()
+    async with app.run_test(size=(60, 20)) as pilot:
+        await _settle(app, pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        box = app.screen.query_one("#help")
+        assert box.max_scroll_y > 20
+        for key, count in (("down", 15), ("up", 4)):  # queued at once, as a terminal
+            for _ in range(count):                    # sends a held key's repeats
+                app.post_message(events.Key(key, None))
+            await pilot.pause()
+        assert box.scroll_y == 11
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")

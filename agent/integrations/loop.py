@@ -226,11 +226,14 @@ class LoopRun(RunBase):
         return self.position.iterate(batches, epochs, self.meter.timed_next)
 
     def timed(self, fetch: Callable[..., Any]) -> Callable[..., Any]:
-        """``fetch`` (e.g. nanoGPT's ``get_batch``), each call timed as data wait and its
-        batch counted like :meth:`loader`'s; the batches of training calls (not under
-        ``no_grad``) are the data position a checkpoint keeps, a batch fetched ahead of
-        the boundary included (nanoGPT's ``X, Y = get_batch()`` at the end of its
-        micro-step loop): after a resume the first call gets that batch back."""
+        """``fetch`` (e.g. nanoGPT's ``get_batch``), each training call (not under
+        ``no_grad``) timed as data wait and its batch counted like :meth:`loader`'s: an
+        evaluation's calls (nanoGPT's ``estimate_loss()``, under ``@torch.no_grad()``)
+        count in neither; a loop that evaluates with grad enabled wraps only the
+        training calls. The training calls' batches are the data position a checkpoint
+        keeps, a batch fetched ahead of the boundary included (nanoGPT's ``X, Y =
+        get_batch()`` at the end of its micro-step loop): after a resume the first call
+        gets that batch back."""
         return self.position.timed_fetch(fetch, self.meter.add)
 
     # ------------------------------------------------------------ the boundary

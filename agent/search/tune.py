@@ -1065,6 +1065,28 @@ class Tuner:
         self._waiting = {}  # nothing more to measure: the commands go out all the same
         self._finish("stopped" if reason else "done", "" if reason is None else why)
 
+    def run_ended(self) -> None:
+        """The run ends while the search runs: the candidate being tried is not judged,
+        each knob the search changed goes back to its best value, set here at once (no
+        step boundary comes any more; the training thread waits for the agent's close),
+        and the search ends ``stopped`` with an event that says so. I/O thread."""
+        if self.status != "running":
+            return
+        self._verdict("reverted", "not judged: the run ended")
+        put_back, failed = [], []
+        for knob, value in self.best.items():
+            if self.knobs.knobs[knob].get() == value:
+                continue
+            try:
+                self.knobs.knobs[knob].set(value)
+                put_back.append(assignment(knob, value))
+            except Exception as exc:  # noqa: BLE001 -- said in the search's last words
+                failed.append(f"{assignment(knob, value)} failed: {exc}")
+        self._waiting = {}
+        self._finish("stopped", "; ".join(
+            ["the run ended before the search did"]
+            + ([f"put back {', '.join(put_back)}"] if put_back else []) + failed))
+
     def _finish(self, status: str, why: str = "") -> None:
         self.status = status
         self._trial = None
@@ -1297,6 +1319,15 @@ class AutoTune:
             tuner.on_step(step, step_time_s, samples, tokens, loss, skipped)
         except Exception as exc:
             self._failed(exc)
+
+    def run_ended(self) -> None:
+        """The run is ending (its last records published): a running search ends with
+        it (:meth:`Tuner.run_ended`). I/O thread, before ``bye``."""
+        if self.tuner is not None:
+            try:
+                self.tuner.run_ended()
+            except Exception as exc:
+                self._failed(exc)
 
     def _failed(self, exc: Exception) -> None:
         self.tuner = None
