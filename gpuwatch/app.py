@@ -26,7 +26,7 @@ from gpuwatch import history
 from gpuwatch.sources import Source
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.sources.timeline import TimelineSource
-from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
+from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, STEP_HISTORY, RunState
 from gpuwatch.compare import Column
 from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
 from gpuwatch.widgets.compare_screen import CompareScreen
@@ -161,6 +161,10 @@ class GpuwatchApp(App[None]):
         Binding("g", "clip('max_grad_norm')", "clip", id="max_grad_norm.toggle",
                 tooltip="Gradient clipping off (max_grad_norm=0) / on again at the last "
                         f"threshold ({DEFAULT_MAX_GRAD_NORM:g} if it never had one)"),
+        Binding("z", "zoom", "zoom", id="charts.zoom",
+                show=False,  # in help and the palette: the footer is full at 80 columns
+                tooltip="Charts: the whole run from step 1 (read from the run's log, "
+                        f"spikes kept) or its last {STEP_HISTORY} steps"),
         Binding("s", "send('checkpoint', 'now')", "save", id="checkpoint.now",
                 show=False,  # in help and the palette: the footer is full at 80 columns
                 tooltip="Save a checkpoint at the next step (the training waits while "
@@ -210,7 +214,12 @@ class GpuwatchApp(App[None]):
                            else quick_keys)
         self._notes = list(notes)
         self._drawn: tuple[int, str, Any] | None = None
-        self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
+        #: ((state.steps_total, the whole run's rows, zoomed out), monotonic s) at the
+        #: charts' last draw
+        self._charts_drawn: tuple[Any, float] = (-1, 0.0)
+        #: the charts show the whole run (the source's :attr:`~Source.whole`), not only
+        #: the steps received (``z``)
+        self._whole_run = True
         self._chart_interval_s = CHART_REDRAW_S  # until the next draw (see CHART_CPU_SHARE)
         self._events_shown = 0
         self._state_shown: RunState | None = None  # a timeline replaces the state
@@ -372,12 +381,16 @@ class GpuwatchApp(App[None]):
             if (previous is not None and previous != status and status in _STATUS_NOTES
                     and (previous, status) != ("compiling", "live")):
                 state.log(*_STATUS_NOTES[status])
-            if (state.steps_total != self._charts_drawn[0]
+            whole = self.source.whole
+            past = whole.past if whole is not None and self._whole_run else None
+            drawn = (state.steps_total, past.rows if past is not None else -1,
+                     self._whole_run)
+            if (drawn != self._charts_drawn[0]
                     and wall - self._charts_drawn[1] >= self._chart_interval_s):
-                self._charts_drawn = (state.steps_total, wall)
+                self._charts_drawn = (drawn, wall)
                 cost_s = 0.0  # this draw's, and the last render's (the compositor's)
                 for chart in self.query(StepChart):
-                    chart.show(state.steps, marks=state.knob_changes)
+                    chart.show(state.steps, marks=state.knob_changes, past=past)
                     cost_s += chart.show_s + chart.render_s
                 self._chart_interval_s = max(CHART_REDRAW_S, cost_s / CHART_CPU_SHARE)
             knob_names = frozenset(state.schema)
@@ -413,6 +426,18 @@ class GpuwatchApp(App[None]):
         if knob_names != self._knob_names:  # the keys of knobs the run lacks go away
             self._knob_names = knob_names
             self.refresh_bindings()
+
+    def action_zoom(self) -> None:
+        """Charts: between the whole run (from its log, then live) and the steps
+        received last (at most :data:`~gpuwatch.state.STEP_HISTORY`)."""
+        self._whole_run = not self._whole_run
+        self._charts_drawn = (-1, 0.0)  # at once
+        if not self._whole_run:
+            self.note("info", f"charts: the last {STEP_HISTORY} steps")
+        elif self.source.whole is None:
+            self.note("info", "charts: the whole run received (no run log to read)")
+        else:
+            self.note("info", "charts: the whole run from step 1")
 
     def note(self, level: str, text: str) -> None:
         """Add a line to the event log (level: info, success, warning or error)."""

@@ -35,6 +35,7 @@ from agent.runs import RunInfo, list_runs, run_ranks
 from gpuwatch import state as run_state
 from gpuwatch.client import Subscriber
 from gpuwatch.sources import Source
+from gpuwatch.sources.whole_run import WholeRun
 
 #: How long the thread waits for a message before checking whether to stop (s).
 POLL_S = 0.1
@@ -70,6 +71,8 @@ class LiveSource(Source):
             relays, _ = remote_relays(info.run_id, info.world_size, {info.node})
             if any(0 in entry["ranks"] for _, entry, _ in relays):
                 self.state.primary_rank = 0
+        if info.log_path and self.state.primary_rank == info.rank:  # the charts' rank
+            self.whole = WholeRun(info.log_path)  # the run from step 1, from its log
 
     def _subscribe(self, info: RunInfo) -> Subscriber | None:
         try:
