@@ -20,6 +20,11 @@ as the job's store names them: :func:`agent.fanout.remote_relays`): their ``node
 summaries give their ranks' pace and the node's data wait, the relay of rank 0's node
 forwards rank 0's own records (the charts show rank 0 from any node), and every rank's
 events reach the log.
+
+The charts show the whole run from step 1: the run's log (its run file's ``log_path``)
+is read by :class:`~gpuwatch.sources.whole_run.WholeRun` in a thread of its own, which
+this source's thread never waits for (not when it follows rank 0 of another node: that
+log is on the other machine).
 """
 
 from __future__ import annotations
