@@ -151,13 +151,17 @@ class StepChart(PlotextPlot):
         self.series = tuple(series)
         self.clip_spikes = clip_spikes
         self._shown: tuple[list[StepRecord], list[KnobChange], Past | None] | None = None
+        self._shown_size = self.size  # the size :attr:`_shown` was drawn for
         #: seconds the last :meth:`show` and the last render took (CPU of the main thread)
         self.show_s = self.render_s = 0.0
 
     def render(self) -> Any:
-        """plotext's drawing of what :meth:`show` set, timed (:attr:`render_s`)."""
+        """plotext's drawing of what :meth:`show` set, timed (:attr:`render_s`); set
+        again first if it was set at another size (its ticks and labels fit a width)."""
         start = time.perf_counter()
         try:
+            if self._shown is not None and self._shown_size != self.size:
+                self._show(*self._shown)
             return super().render()
         finally:
             self.render_s = time.perf_counter() - start
@@ -185,6 +189,7 @@ class StepChart(PlotextPlot):
               past: Past | None) -> None:
         records = [record for record in records if record.step is not None]
         self._shown = (records, list(marks), past)
+        self._shown_size = self.size
         marks = self._shown[1]
         plt = self.plt
         plt.clear_data()
@@ -206,13 +211,19 @@ class StepChart(PlotextPlot):
             if xs:
                 lines.append((series, xs, ys))
         every = [value for *_, values in lines for value in values]
+        ends = [step for _, xs, _ in lines for step in (xs[0], xs[-1])]
+        first = min([*ends, *(float(record.step or 0) for record in records[:1])], default=0)
+        last = max([*ends, *(float(record.step or 0) for record in records[-1:])], default=0)
         top = _top(lines) if self.clip_spikes else None
-        legend = len(self.series) > 1 and self.size.height >= _LEGEND_MIN_HEIGHT
-        outliers: list[float] = []  # their steps: no label covers their marker
+        outliers = [step for _, steps, values in lines  # (no label covers their marker)
+                    for step, value in zip(steps, values) if top is not None and value > top]
+        legend_columns = max(len(self._label(series)) for series in self.series) + 4
+        legend = (len(self.series) > 1 and self.size.height >= _LEGEND_MIN_HEIGHT
+                  and not any((step - first) / max(last - first, 1) * self.size.width
+                              <= legend_columns for step in outliers))  # hides no ▲
         for series, steps, values in lines:
             if top is not None:
                 beyond = [step for step, value in zip(steps, values) if value > top]
-                outliers += beyond
                 values = [min(value, top) for value in values]
             steps, values = thin(steps, values, self.size.width)
             plt.plot(steps, values, marker="braille", color=series.color,
@@ -227,23 +238,13 @@ class StepChart(PlotextPlot):
         tick_width = self._y_ticks(low, high)
         titles = self._title(lines, top, self.size.width - tick_width - 3, legend=legend)
         if titles:
-            ends = [step for _, xs, _ in lines for step in (xs[0], xs[-1])]
-            first = min([*ends, *(float(record.step or 0) for record in records[:1])])
-            last = max([*ends, *(float(record.step or 0) for record in records[-1:])])
             self._mark(marks, first, last, high, self.size.width - tick_width - 3,
                        outliers)
             width = self.size.width - tick_width - 3
             count = max(2, min(_X_TICKS, width // (len(f"{last:,.0f}") + 3) + 1))  # room
             ticks: list[float] = sorted({round(first + (last - first) * i / (count - 1))
                                          for i in range(count)})  # ints are floats to plotext
-            unit = "step " if self.series[0].unit else ""  # a chart with units says so
-            labels = [("" if i else unit) + f"{tick:,.0f}"  # step 1 ... 12,000
-                      for i, tick in enumerate(ticks)]
-            plt.xticks(ticks, labels)
-            overhang = len(labels[-1]) // 2 - 1  # columns the last label passes the frame
-            if overhang > 0 and width > 2 * overhang and last > first:  # (plotext would
-                # leave it out): the axis goes on a little past the last step
-                plt.xlim(first, last + (last - first) * overhang / (width - overhang))
+            plt.xticks(ticks, [f"{tick:,.0f}" for tick in ticks])  # 12,000: steps
             plt.title(titles)
         else:
             plt.title(f"{' & '.join(self._label(s) for s in self.series)}: no steps yet")
@@ -320,9 +321,10 @@ class StepChart(PlotextPlot):
             largest_text = _human(largest, lines[0][0].unit)
             extra = [f"{_OUTLIER_MARKER} max {largest_text} off scale",
                      f"{_OUTLIER_MARKER} {largest_text}"]
-        for short in (False, True):
+        for short in (False, True):  # the largest outlier before the colours' names
             for colours in ((True, False) if several else (False,)):
                 candidates += [[*named(short, colours), tail] for tail in extra]
+            for colours in ((True, False) if several else (False,)):
                 candidates.append(named(short, colours))
         fitting = (" | ".join(c) for c in candidates)
         return next((title for title in fitting if len(title) <= width),
