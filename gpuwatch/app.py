@@ -26,7 +26,7 @@ from gpuwatch import history
 from gpuwatch.sources import Source
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.sources.timeline import TimelineSource
-from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
+from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, STEP_HISTORY, RunState
 from gpuwatch.compare import Column
 from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
 from gpuwatch.screens.compare import CompareScreen
@@ -143,6 +143,10 @@ class GpuwatchApp(App[None]):
                         "stop it, keeping the best"),
         Binding("t", "show_tune", "search", id="tune.show", show=False,
                 tooltip="Show the search: each candidate, its throughput, kept or why not"),
+        Binding("z", "zoom", "zoom", id="charts.zoom",
+                show=False,  # in help and the palette: the footer is full at 80 columns
+                tooltip="Charts: the whole run from step 1 (read from the run's log, "
+                        f"spikes kept) or its last {STEP_HISTORY} steps"),
         # a replay on a timeline (before the focused widget's keys: the log scrolls too)
         Binding("left", "move_by(-1)", "step-", id="timeline.back", group=_STEP,
                 priority=True, tooltip="Timeline: one optimizer step back"),
@@ -188,7 +192,12 @@ class GpuwatchApp(App[None]):
                            else quick_keys)
         self._notes = list(notes)
         self._drawn: tuple[int, str, Any] | None = None
-        self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
+        #: ((state.steps_total, the whole run's rows, zoomed out), monotonic s) at the
+        #: charts' last draw
+        self._charts_drawn: tuple[Any, float] = (-1, 0.0)
+        #: the charts show the whole run (the source's :attr:`~Source.whole`), not only
+        #: the steps received (``z``)
+        self._whole_run = True
         self._chart_interval_s = CHART_REDRAW_S  # until the next draw (see CHART_CPU_SHARE)
         self._events_shown = 0
         self._state_shown: RunState | None = None  # a timeline replaces the state
@@ -342,12 +351,16 @@ class GpuwatchApp(App[None]):
             if (previous is not None and previous != status and status in _STATUS_NOTES
                     and (previous, status) != ("compiling", "live")):
                 state.log(*_STATUS_NOTES[status])
-            if (state.steps_total != self._charts_drawn[0]
+            whole = self.source.whole
+            past = whole.past if whole is not None and self._whole_run else None
+            drawn = (state.steps_total, past.rows if past is not None else -1,
+                     self._whole_run)
+            if (drawn != self._charts_drawn[0]
                     and wall - self._charts_drawn[1] >= self._chart_interval_s):
-                self._charts_drawn = (state.steps_total, wall)
+                self._charts_drawn = (drawn, wall)
                 cost_s = 0.0  # this draw's, and the last render's (the compositor's)
                 for chart in self.query(StepChart):
-                    chart.show(state.steps, marks=state.knob_changes)
+                    chart.show(state.steps, marks=state.knob_changes, past=past)
                     cost_s += chart.show_s + chart.render_s
                 self._chart_interval_s = max(CHART_REDRAW_S, cost_s / CHART_CPU_SHARE)
             knob_names = frozenset(state.schema)
@@ -384,6 +397,18 @@ class GpuwatchApp(App[None]):
         if knob_names != self._knob_names:  # the keys of knobs the run lacks go away
             self._knob_names = knob_names
             self.refresh_bindings()
+
+    def action_zoom(self) -> None:
+        """Charts: between the whole run (from its log, then live) and the steps
+        received last (at most :data:`~gpuwatch.state.STEP_HISTORY`)."""
+        self._whole_run = not self._whole_run
+        self._charts_drawn = (-1, 0.0)  # at once
+        if not self._whole_run:
+            self.note("info", f"charts: the last {STEP_HISTORY} steps")
+        elif self.source.whole is None:
+            self.note("info", "charts: the whole run received (no run log to read)")
+        else:
+            self.note("info", "charts: the whole run from step 1")
 
     def note(self, level: str, text: str) -> None:
         """Add a line to the event log (level: info, success, warning or error)."""

@@ -571,9 +571,10 @@ async def test_one_stall_does_not_flatten_the_step_time_chart():
         chart = "\n".join(shown_lines(app, "#timing"))
         assert "max 1.50 s off scale" in chart
         assert "▲" in chart.split("\n", 1)[1]  # the stall, marked at the axis' end
-        y_labels = [float(line.split("┤")[0].replace(",", ""))
+        y_labels = [line.split("┤")[0].strip().replace(",", "").split(" ")
                     for line in chart.splitlines() if "┤" in line]
-        assert max(y_labels) < 40, y_labels  # the axis ends near the 21 ms steps
+        assert {unit for _, unit in y_labels} == {"ms"}, y_labels  # each with its unit
+        assert max(float(value) for value, _ in y_labels) < 40, y_labels  # near 21 ms
         loss = "\n".join(shown_lines(app, "#loss"))
         assert "off scale" not in loss  # the loss chart shows every value
 

@@ -27,8 +27,12 @@ PANELS = (
     ("step time & data wait", (
         "Milliseconds per optimizer step (GPU time on CUDA, the host clock on "
         "CPU) and, of it, the time the loop waited inside the data loader's "
-        "next(). ▲ marks a step beyond the axis' end (a compile, a checkpoint "
-        "save): the title gives the largest. Orange lines: knob changes.")),
+        "next(), each axis in its unit. ▲ marks a step beyond the axis' end (a "
+        "compile, a checkpoint save: an outlier never sets the scale): the title "
+        "gives the largest. Orange lines: knob changes. Both charts show the whole "
+        "run from step 1 (its log, read in the background: each column spans its "
+        "steps' least and largest value, so spikes show), then live; z: only the "
+        "steps received last, and back.")),
     ("loss", (
         "The training loss the run reports, per optimizer step.")),
     ("throughput", (
