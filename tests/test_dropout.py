@@ -153,3 +153,47 @@ def test_the_demo_transformers_attention_dropout_follows_the_knob_too():
     assert not torch.equal(model.train()(idx), model.eval()(idx))
     rate.p = 0.0
     assert torch.equal(model.train()(idx), model.eval()(idx))
+
+
+@pytest.mark.parametrize("make", ["llama", "multihead"])
+def test_dropout_drawn_from_a_rate_attribute_follows_the_knob_too(make):
+    """Dropout a module draws from a float rate it reads at each forward (a Hugging Face
+    Llama's ``attention_dropout``, ``nn.MultiheadAttention.dropout``) is set with the
+    modules': at dropout 0 the training forward is the evaluation forward, bit for bit
+    (left at its old rate, the attention would still drop); rates that differ from the
+    modules' are refused."""
+    from gpuopt.dropout import DropoutRate
+
+    torch.manual_seed(0)
+    if make == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, attention_dropout=0.3,
+            attn_implementation="eager"))
+        inputs = torch.randint(0, 50, (4, 12))
+
+        def forward():
+            return model(inputs).logits
+    else:
+        model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.3,
+                                                 batch_first=True)
+        inputs = torch.randn(4, 12, 16)
+
+        def forward():
+            return model(inputs)
+    rate = DropoutRate(model)
+    assert rate.refusal is None and rate.p == 0.3
+
+    def train_and_eval():
+        model.train()
+        trained = forward()
+        model.eval()
+        return trained, forward()
+
+    assert not torch.equal(*train_and_eval())
+    rate.p = 0.0
+    assert torch.equal(*train_and_eval())
+    mixed = torch.nn.MultiheadAttention(16, 2, dropout=0.1)
+    assert "different rates (0, 0.1)" in DropoutRate(
+        torch.nn.Sequential(torch.nn.Dropout(0.0), mixed)).refusal

@@ -320,8 +320,9 @@ MAX_GRAD_NORM = KnobSpec("max_grad_norm", "float", "clip the global gradient nor
                                        "(max_grad_norm=0) / on again at the last threshold "
                                        f"({DEFAULT_MAX_GRAD_NORM:g} if it never had one)",
                                        "toggle"),))
-DROPOUT = KnobSpec("dropout", "float", "p of every nn.Dropout module of the model, from "
-                   "the next forward (dropout drawn without a module is out of reach)",
+DROPOUT = KnobSpec("dropout", "float", "p of every nn.Dropout module of the model and "
+                   "its attention's rate, from the next forward (a plain number in a "
+                   "forward is out of reach)",
                    minimum=0.0, maximum=1.0, group=OPTIMIZER, guarded=True,
                    stops=_dropout_stops)
 CHECKPOINT = KnobSpec("checkpoint", "action", "save a checkpoint (model, optimizer, "
