@@ -421,7 +421,8 @@ def test_checkpoint_now_is_lightnings_own_and_resumes_exactly_where_the_contract
     [event] = resumed.events("resumed")
     assert event["text"] == (f"resumed from {path} at step {after} with precision=fp32, "
                              "accum_steps=2, kernels=eager, lr_scale=1.0, weight_decay=0.05, "
-                             f"max_grad_norm=0.0, cpu_threads={torch.get_num_threads()}")
+                             f"max_grad_norm=0.0, cpu_threads={torch.get_num_threads()}, "
+                             "dropout=0.2")
     assert [e["text"] for e in resumed.events("epoch_end")] == [  # no epoch twice or lost
         e["text"] for e in twin.events("epoch_end") if e["step"] > after]
 
