@@ -747,9 +747,9 @@ def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
     except subprocess.TimeoutExpired:  # a busy machine, or a long step
         pass
     if info is None or os.path.exists(info.path):
-        print(f"gpuwatch demo: stopping the training job (pid {child.pid}) at the end of "
-              f"its optimizer step; killed if that takes over {DEMO_STOP_TIMEOUT_S:.0f} s "
-              "(Ctrl-C: now) ...", flush=True)
+        _say(f"gpuwatch demo: stopping the training job (pid {child.pid}) at the end of "
+             f"its optimizer step; killed if that takes over {DEMO_STOP_TIMEOUT_S:.0f} s "
+             "(Ctrl-C: now) ...")
     try:
         child.wait(DEMO_STOP_TIMEOUT_S)
         return
@@ -759,9 +759,20 @@ def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
         why = "Ctrl-C"
     child.kill()
     child.wait()
-    print(f"gpuwatch demo: killed the training job ({why})"
-          + (f"; its output is kept in {log_path}" if log_path is not None else ""),
-          file=sys.stderr, flush=True)
+    _say(f"gpuwatch demo: killed the training job ({why})"
+         + (f"; its output is kept in {log_path}" if log_path is not None else ""),
+         file=sys.stderr)
+
+
+def _say(text: str, file: Any = None) -> None:
+    """Print ``text`` (to stdout, or ``file``) where a terminal that has gone (a closed
+    SSH session or tmux window: SIGHUP, then EIO on every write) is no error: what a
+    command does on its way out (stop its child, remove its files) must not depend on
+    saying so."""
+    try:
+        print(text, file=file or sys.stdout, flush=True)
+    except OSError:
+        pass
 
 
 def _doctor(args: argparse.Namespace) -> int:
