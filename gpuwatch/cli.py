@@ -156,12 +156,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Print a live run's records until the run ends, Ctrl-C, or --count "
                     "records (exit status 1 when the run's process dies without saying "
                     "bye, or an endpoint says nothing for 10 s). Given a run-log file "
-                    "(.runlog, or an earlier version's .jsonl), print its records (a "
-                    "step a record) and exit, or with --follow go on printing what is "
-                    "appended.")
+                    "(.runlog, or an earlier version's .jsonl), or the id of a run that "
+                    "is no longer live, print its log's records (a step a record) and "
+                    "exit, or with --follow go on printing what is appended.")
     tail.add_argument("target", nargs="?", metavar="RUN|FILE",
                       help="run id, prefix or endpoint (default: the newest), or a run "
-                           "log file")
+                           "log file (a finished run's id: its log)")
     tail.add_argument("--run", help="run id, prefix or endpoint (default: the newest)")
     tail.add_argument("--json", action="store_true",
                       help="every record as one JSON object per line")
@@ -378,6 +378,10 @@ def _tail(args: argparse.Namespace) -> int:
 
     selector = args.run or args.target
     info = find_run(selector)
+    if info is None and selector:
+        log = history.find_run_log(selector)
+        if log is not None:  # a finished run: its log, as `gpuwatch RUN` opens it
+            return _tail_file(log.first, args)
     if info is None:
         return _no_run(selector)
     printed = 0
