@@ -156,12 +156,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Print a live run's records until the run ends, Ctrl-C, or --count "
                     "records (exit status 1 when the run's process dies without saying "
                     "bye, or an endpoint says nothing for 10 s). Given a run-log file "
-                    "(.runlog, or an earlier version's .jsonl), print its records (a "
-                    "step a record) and exit, or with --follow go on printing what is "
-                    "appended.")
+                    "(.runlog, or an earlier version's .jsonl), or the id of a run that "
+                    "is no longer live, print its log's records (a step a record) and "
+                    "exit, or with --follow go on printing what is appended.")
     tail.add_argument("target", nargs="?", metavar="RUN|FILE",
                       help="run id, prefix or endpoint (default: the newest), or a run "
-                           "log file")
+                           "log file (a finished run's id: its log)")
     tail.add_argument("--run", help="run id, prefix or endpoint (default: the newest)")
     tail.add_argument("--json", action="store_true",
                       help="every record as one JSON object per line")
@@ -378,6 +378,10 @@ def _tail(args: argparse.Namespace) -> int:
 
     selector = args.run or args.target
     info = find_run(selector)
+    if info is None and selector:
+        log = history.find_run_log(selector)
+        if log is not None:  # a finished run: its log, as `gpuwatch RUN` opens it
+            return _tail_file(log.first, args)
     if info is None:
         return _no_run(selector)
     printed = 0
@@ -747,9 +751,9 @@ def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
     except subprocess.TimeoutExpired:  # a busy machine, or a long step
         pass
     if info is None or os.path.exists(info.path):
-        print(f"gpuwatch demo: stopping the training job (pid {child.pid}) at the end of "
-              f"its optimizer step; killed if that takes over {DEMO_STOP_TIMEOUT_S:.0f} s "
-              "(Ctrl-C: now) ...", flush=True)
+        _say(f"gpuwatch demo: stopping the training job (pid {child.pid}) at the end of "
+             f"its optimizer step; killed if that takes over {DEMO_STOP_TIMEOUT_S:.0f} s "
+             "(Ctrl-C: now) ...")
     try:
         child.wait(DEMO_STOP_TIMEOUT_S)
         return
@@ -759,9 +763,20 @@ def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
         why = "Ctrl-C"
     child.kill()
     child.wait()
-    print(f"gpuwatch demo: killed the training job ({why})"
-          + (f"; its output is kept in {log_path}" if log_path is not None else ""),
-          file=sys.stderr, flush=True)
+    _say(f"gpuwatch demo: killed the training job ({why})"
+         + (f"; its output is kept in {log_path}" if log_path is not None else ""),
+         file=sys.stderr)
+
+
+def _say(text: str, file: Any = None) -> None:
+    """Print ``text`` (to stdout, or ``file``) where a terminal that has gone (a closed
+    SSH session or tmux window: SIGHUP, then EIO on every write) is no error: what a
+    command does on its way out (stop its child, remove its files) must not depend on
+    saying so."""
+    try:
+        print(text, file=file or sys.stdout, flush=True)
+    except OSError:
+        pass
 
 
 def _doctor(args: argparse.Namespace) -> int:

@@ -142,6 +142,29 @@ def test_tail_of_a_bad_endpoint_says_so(run_dir):
     assert "Traceback" not in result.stderr
 
 
+def test_tail_of_a_finished_run_by_id_prints_its_log(run_dir):
+    """A run that is no longer live is named by its id as `gpuwatch RUN`, `report` and
+    `export` name it: `tail` prints its log, as `tail FILE` does, not "no live run"."""
+    from tests.test_history import write_run
+    from tests.test_replay import RUN
+
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(exist_ok=True)
+    path = logs / f"{RUN}.rank0.runlog"
+    write_run(path, steps=40)
+    by_file = gpuwatch("tail", "--json", str(path))
+    assert by_file.returncode == 0, by_file.stderr
+    steps = [json.loads(line)["step"] for line in by_file.stdout.splitlines()
+             if json.loads(line)["type"] == "step"]
+    assert steps == list(range(1, 41))
+    for args in ((RUN,), ("--run", RUN[:18])):
+        by_id = gpuwatch("tail", "--json", *args)
+        assert by_id.returncode == 0, by_id.stderr
+        assert by_id.stdout == by_file.stdout
+    unknown = gpuwatch("tail", "20990101-000000-dead")
+    assert unknown.returncode == 1 and "no live run matches" in unknown.stderr
+
+
 def test_tail_of_odd_records_prints_them_raw(tmp_path):
     log = tmp_path / "odd.jsonl"
     log.write_text('{"type":"step","step":1,"knobs":[1,2],"loss":"x"}\n'

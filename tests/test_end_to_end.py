@@ -147,6 +147,7 @@ class Terminal:
             start_new_session=True)
         os.close(slave)
         self.output = bytearray()
+        self.hung_up = False
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self):
@@ -162,11 +163,19 @@ class Terminal:
     def type(self, keys):
         os.write(self.master, keys)
 
+    def hang_up(self):
+        """What closing the terminal (an SSH session, a tmux window) does: the pty goes
+        (every later write to it fails with EIO) and its process group gets SIGHUP."""
+        os.close(self.master)  # (the drain thread's read then fails: it ends)
+        self.hung_up = True
+        os.killpg(self.process.pid, signal.SIGHUP)
+
     def close(self):
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        os.close(self.master)
+        if not self.hung_up:
+            os.close(self.master)
 
 
 def training_child_of(dashboard, timeout_s=90):
@@ -191,6 +200,7 @@ def gone(pid, timeout_s=30):
 
 
 @pytest.mark.parametrize("end", ["q", pytest.param("SIGTERM", marks=pytest.mark.slow),
+                                 pytest.param("hangup", marks=pytest.mark.slow),
                                  pytest.param("SIGKILL", marks=pytest.mark.slow)])
 def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
     terminal = Terminal("demo", "--model", "cnn")
@@ -203,6 +213,9 @@ def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
             assert terminal.process.wait(60) == 0
         elif end == "SIGTERM":  # as `timeout` or a scheduler ends it: as q does
             terminal.process.send_signal(signal.SIGTERM)
+            assert terminal.process.wait(60) == 0
+        elif end == "hangup":  # its terminal closed: no write can say anything any more
+            terminal.hang_up()
             assert terminal.process.wait(60) == 0
         else:  # a dashboard killed outright: its job must not train on
             terminal.process.kill()

@@ -39,16 +39,8 @@ import zmq
 from agent.io import helpers
 from agent.io.tcpfront import TcpFront
 
-#: Largest subscription message a client may send (a topic is a few bytes).
-MAX_SUBSCRIPTION_BYTES = 1024
-#: Largest command message (bytes) and messages queued per client.
-MAX_COMMAND_BYTES = 64 * 1024
-COMMAND_QUEUE = 64
-#: A connection that has not completed its CURVE handshake by then is closed (ms).
-HANDSHAKE_MS = 2000
-#: Telemetry messages queued per subscriber before the gateway drops (as the agent's
-#: PUB does).
-SEND_HIGH_WATER_MARK = 10_000
+from agent.io.helpers import (COMMAND_QUEUE, HANDSHAKE_MS, MAX_COMMAND_BYTES,
+                               MAX_SUBSCRIPTION_BYTES, SEND_HIGH_WATER_MARK)
 
 
 class _OneClientKey:

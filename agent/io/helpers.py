@@ -21,6 +21,21 @@ import zmq
 #: Python.
 START_S = 30.0
 
+# What a client can make a run's sockets hold, the same on the training process's ipc
+# sockets (agent.io.ioloop) and on a helper's tcp ones (agent.io.gateway, agent.io.relay).
+#: Largest message a subscriber may send a PUB socket (a subscription: a topic of a
+#: few bytes); a larger one disconnects it (a 100 MB "subscription" is never held).
+MAX_SUBSCRIPTION_BYTES = 1024
+#: Largest command message (bytes) and command messages queued per client: bound what
+#: a flood of large messages can make a process hold.
+MAX_COMMAND_BYTES = 64 * 1024
+COMMAND_QUEUE = 64
+#: A connection that has not completed its handshake (CURVE on tcp) by then is closed:
+#: a peer without the run's key holds a file descriptor this long at most (ms).
+HANDSHAKE_MS = 2000
+#: Telemetry messages queued per subscriber before a PUB socket drops them.
+SEND_HIGH_WATER_MARK = 10_000
+
 
 def start(module: str, settings: dict[str, Any], what: str
           ) -> tuple[subprocess.Popen, dict[str, Any]]:

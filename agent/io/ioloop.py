@@ -73,17 +73,6 @@ _MAX_COMMANDS_PER_POLL = 100
 #: of wrong tokens) costs the training process a bounded ~1% of a core; the excess waits
 #: in ZeroMQ's small receive queue, and beyond it the sender is throttled.
 COMMANDS_PER_S = 200
-#: Receive queue per client (messages) and the largest command message (bytes): bounds
-#: what a flood of large messages can make the training process hold.
-_COMMAND_QUEUE = 64
-_MAX_COMMAND_BYTES = 64 * 1024
-#: Largest message a subscriber may send the PUB socket (a subscription: a topic of a
-#: few bytes); a larger one disconnects it (a 100 MB "subscription" is never held).
-_MAX_SUBSCRIPTION_BYTES = 1024
-#: A connection that has not completed its handshake (CURVE on tcp) by then is closed:
-#: a peer without the run's key holds a file descriptor this long at most (ms).
-_HANDSHAKE_MS = 2000
-#: How long the tcp gateway may take to start and bind (s).
 #: New subscribers are greeted (hello + state, on the wire only) at most this often;
 #: those who come in between share the next greeting.
 GREETINGS_PER_S = 2
@@ -339,15 +328,15 @@ class IOLoop:
         pub = context.socket(zmq.XPUB)  # a PUB that also hears (un)subscriptions
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, to greet each newcomer
         pub.setsockopt(zmq.XPUB_VERBOSER, 1)  # and every unsubscription: who still reads
-        pub.setsockopt(zmq.SNDHWM, 10_000)
+        pub.setsockopt(zmq.SNDHWM, helpers.SEND_HIGH_WATER_MARK)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
+        pub.setsockopt(zmq.MAXMSGSIZE, helpers.MAX_SUBSCRIPTION_BYTES)
         router = context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, _MAX_COMMAND_BYTES)
-        router.setsockopt(zmq.RCVHWM, _COMMAND_QUEUE)
+        router.setsockopt(zmq.MAXMSGSIZE, helpers.MAX_COMMAND_BYTES)
+        router.setsockopt(zmq.RCVHWM, helpers.COMMAND_QUEUE)
         for socket in (pub, router):
-            socket.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
+            socket.setsockopt(zmq.HANDSHAKE_IVL, helpers.HANDSHAKE_MS)
         # ipc in the private run directory, always: only this user can connect; a tcp
         # run's ports are bound by its gateway process, never by the training process
         base = directory / f"{self.run_id}.r{agent.rank}"
