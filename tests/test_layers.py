@@ -185,3 +185,41 @@ def test_no_module_reads_a_private_field_another_module_declares():
     # plugin, read as Lightning's own connector does), not a part of this project's.
     found = {(module, read) for module, _, read in _foreign_private_reads(sources)}
     assert found == {("agent.integrations.fabric", "self.fabric._precision")}
+
+
+#: The packages whose public docstrings all open with a one-line summary (PEP 257); the
+#: others are to follow.
+ONE_LINE_SUMMARIES = ("agent/search",)
+
+
+def _wrapped_summaries(path: Path) -> list[str]:
+    """The public modules, classes and functions of ``path`` (not under a name starting
+    with ``_``) whose docstring's first line runs on into the next: ``name:line`` each."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef)):
+            continue
+        name = getattr(node, "name", "<module>")
+        docstring = ast.get_docstring(node, clean=False)
+        if name.startswith("_") or not docstring:
+            continue
+        lines = docstring.strip("\n").splitlines()
+        if len(lines) > 1 and lines[1].strip():
+            found.append(f"{name}:{getattr(node, 'lineno', 1)}")
+    return found
+
+
+def test_the_summary_finder_finds_a_wrapped_first_line_only(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text('"""One line.\n\nMore."""\n\n\ndef f():\n    """Runs on\n    here."""\n\n\n'
+                      'def _g():\n    """Runs on\n    here."""\n\n\nclass C:\n    """One."""\n')
+    assert _wrapped_summaries(source) == ["f:6"]
+
+
+def test_public_docstrings_open_with_a_one_line_summary():
+    paths = [path for package in ONE_LINE_SUMMARIES for path in (ROOT / package).rglob("*.py")]
+    assert len(paths) >= 5
+    assert [f"{path.relative_to(ROOT)}:{where}" for path in paths
+            for where in _wrapped_summaries(path)] == []

@@ -1,5 +1,7 @@
-"""The candidates of the in-run search (:mod:`agent.search.tune`): a coordinate search
-from the run's configuration, along each knob's ladder and the trades between knobs."""
+"""The candidates of the in-run search (:mod:`agent.search.tune`).
+
+A coordinate search from the run's configuration, along each knob's ladder and the
+trades between knobs."""
 
 from __future__ import annotations
 
@@ -35,8 +37,10 @@ TRADES = tuple((name, spec.trades_with) for name, spec in STANDARD_KNOBS.items()
 
 @dataclass
 class Candidate:
-    """One setting tried: ``setting`` ({knob: value}, one knob or a trade of two) in place
-    of those knobs' values in the best configuration at that moment."""
+    """One setting tried in place of its knobs' values in the best configuration.
+
+    ``setting`` ({knob: value}, one knob or a trade of two) in place of those knobs'
+    values in the best configuration at that moment."""
 
     setting: dict[str, Any]
     state: str = "measuring"  # measuring | kept | reverted | skipped
@@ -60,8 +64,9 @@ class Candidate:
 
 
 class CoordinateSearch:
-    """Which setting to try next, from the best configuration so far (see the module
-    docstring). Pure: no I/O, no clock.
+    """Which setting to try next, from the best configuration so far.
+
+    See the module docstring. Pure: no I/O, no clock.
 
     The search moves along axes, one after the other: each knob on its own, and each
     trade (:data:`TRADES`) whose two knobs are both searched, right after the later of
@@ -91,8 +96,10 @@ class CoordinateSearch:
         self._dropped: set[str] = set()
 
     def drop(self, knob: str) -> None:
-        """Search ``knob`` no more: every axis that moves it is passed over (a person
-        set it; see :meth:`Tuner.person_set`)."""
+        """Search ``knob`` no more.
+
+        Every axis that moves it is passed over (a person set it; see
+        :meth:`Tuner.person_set`)."""
         self._dropped.add(knob)
 
     def next(self, best: dict[str, Any]) -> dict[str, Any] | None:
@@ -171,10 +178,11 @@ def _key(config: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def ladder(knob: Any, cpus: int) -> tuple[bool, list[Any]]:
-    """The values a search may try for a bound knob (:class:`agent.wire.knobs.Knob`):
-    ``(ordered, values)``. Integers: the minimum, the powers of two and the maximum in
-    between (``num_workers`` and ``cpu_threads`` capped at ``cpus``), and the current
-    value; choices: the schema's; booleans: both."""
+    """The values a search may try for a bound knob (:class:`agent.wire.knobs.Knob`).
+
+    Returns ``(ordered, values)``. Integers: the minimum, the powers of two and the
+    maximum in between (``num_workers`` and ``cpu_threads`` capped at ``cpus``), and
+    the current value; choices: the schema's; booleans: both."""
     spec = knob.spec
     if spec.kind == "bool":
         return False, [False, True]

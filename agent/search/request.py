@@ -1,5 +1,7 @@
-"""The ``tune`` command's request (:mod:`agent.search.tune`): its budget, the knobs it
-searches and those it is allowed to change, checked against the run's knobs."""
+"""The ``tune`` command's request (:mod:`agent.search.tune`).
+
+Its budget, the knobs it searches and those it is allowed to change, checked against
+the run's knobs."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The statistics of the in-run search (:mod:`agent.search.tune`): blocks of measured
-steps, the warm-up cut by MSER, and the paired t-interval that judges a candidate."""
+"""The statistics of the in-run search (:mod:`agent.search.tune`).
+
+Blocks of measured steps, the warm-up cut by MSER, and the paired t-interval that
+judges a candidate."""
 
 from __future__ import annotations
 
@@ -23,9 +25,11 @@ CONFIDENCE = 0.95
 
 
 def t_quantile(p: float, df: float) -> float:
-    """Student's t quantile at probability ``p`` with ``df`` degrees of freedom (the
-    Cornish-Fisher expansion of Abramowitz & Stegun 26.7.5 around the normal quantile;
-    within 1% of the exact value for ``df >= 2``; ``df`` below 1 counts as 1)."""
+    """Student's t quantile at probability ``p`` with ``df`` degrees of freedom.
+
+    By the Cornish-Fisher expansion of Abramowitz & Stegun 26.7.5 around the normal
+    quantile; within 1% of the exact value for ``df >= 2``; ``df`` below 1 counts as
+    1."""
     z = NormalDist().inv_cdf(p)
     v = max(float(df), 1.0)
     z2 = z * z
@@ -36,8 +40,10 @@ def t_quantile(p: float, df: float) -> float:
 
 
 class Block:
-    """Measured steps of one configuration: their count, the mean and sample variance of
-    seconds per unit, and the units and seconds in all."""
+    """Measured steps of one configuration.
+
+    Their count, the mean and sample variance of seconds per unit, and the units and
+    seconds in all."""
 
     __slots__ = ("n", "mean", "variance", "units", "seconds")
 
@@ -59,11 +65,13 @@ class Block:
 
 def paired_gain(pairs: list[tuple[Block, Block]], confidence: float = CONFIDENCE
                 ) -> tuple[float, float, float]:
-    """A candidate's throughput gain over the best configuration's from ``(best's
-    sub-block, candidate's sub-block)`` pairs measured next to each other: ``(gain,
-    low, high)``, fractions, with the two-sided ``confidence`` interval of a paired
-    t-test on the pairs' log ratios (so the machine's load moving between pairs counts
-    as noise, and within a pair cancels). The interval is infinite below two pairs."""
+    """A candidate's throughput gain over the best configuration's, with its interval.
+
+    From ``(best's sub-block, candidate's sub-block)`` pairs measured next to each
+    other: ``(gain, low, high)``, fractions, with the two-sided ``confidence`` interval
+    of a paired t-test on the pairs' log ratios (so the machine's load moving between
+    pairs counts as noise, and within a pair cancels). The interval is infinite below
+    two pairs."""
     ratios = [math.log(best.mean / candidate.mean) for best, candidate in pairs
               if best.mean > 0 and candidate.mean > 0]
     if not ratios:
@@ -78,12 +86,14 @@ def paired_gain(pairs: list[tuple[Block, Block]], confidence: float = CONFIDENCE
 
 
 def could_be_shown_faster(gain: float, high: float, pairs: int) -> bool:
-    """Whether :data:`MAX_PAIRS` pairs could show a candidate faster beyond noise if its
-    mean gain and the spread of its pairs stayed as they are after ``pairs`` pairs
-    (``gain`` and ``high`` as :func:`paired_gain` gives them): the interval at
-    :data:`MAX_PAIRS` pairs, ``t(MAX_PAIRS - 1) * sd / sqrt(MAX_PAIRS)`` each side of
-    the mean, would be above zero. A futility check of sequential testing: a candidate
-    that could not be shown faster even then is not worth its further pairs."""
+    """Whether :data:`MAX_PAIRS` pairs could show a candidate faster beyond noise.
+
+    That is, if its mean gain and the spread of its pairs stayed as they are after
+    ``pairs`` pairs (``gain`` and ``high`` as :func:`paired_gain` gives them): the
+    interval at :data:`MAX_PAIRS` pairs, ``t(MAX_PAIRS - 1) * sd / sqrt(MAX_PAIRS)``
+    each side of the mean, would be above zero. A futility check of sequential testing:
+    a candidate that could not be shown faster even then is not worth its further
+    pairs."""
     if pairs < 2 or not math.isfinite(high):
         return True  # no spread yet: it could be anything
     mean = math.log1p(gain)  # the pairs' mean log ratio (gain > -1: rates are positive)
@@ -93,8 +103,9 @@ def could_be_shown_faster(gain: float, high: float, pairs: int) -> bool:
 
 
 class Series:
-    """The steps since a change, in one configuration, and the block they measure once
-    the warm-up is cut off.
+    """The steps since a change in one configuration, and the block they measure.
+
+    The block is measured once the warm-up is cut off.
 
     The warm-up is found by MSER, the marginal standard error rule of simulation
     output analysis (White, 1997): of the first half of the steps, cut the prefix that

@@ -106,9 +106,11 @@ COMMAND_TIMEOUT_S = 120.0
 
 
 class CommandSender:
-    """The thread that sends the tuner's commands to every rank
-    (:func:`agent.wire.commands.send_command`), so that the agent's I/O thread, which answers
-    them, never waits; replies come back in :meth:`replies` (any thread)."""
+    """The thread that sends the tuner's commands to every rank.
+
+    It sends through :func:`agent.wire.commands.send_command`, so that the agent's
+    I/O thread, which answers them, never waits; replies come back in :meth:`replies`
+    (any thread)."""
 
     def __init__(self, info: Callable[[], RunInfo | None]) -> None:
         self._info = info
@@ -150,8 +152,10 @@ class CommandSender:
 
 
 class AutoTune:
-    """The agent's side of the ``tune`` command: parses it, runs the :class:`Tuner` on
-    rank 0, and feeds it the agent's records. I/O thread only.
+    """The agent's side of the ``tune`` command.
+
+    It parses it, runs the :class:`Tuner` on rank 0, and feeds it the agent's records. I/O
+    thread only.
 
     Args:
         knobs: the run's knobs. rank: this process's rank.
@@ -199,9 +203,10 @@ class AutoTune:
         return isinstance(command_id, str) and command_id.startswith(self._id_prefixes)
 
     def refusal(self, command_id: Any, knob: Any) -> str | None:
-        """Why the search's own command on ``knob`` is refused now (a person set that
-        knob during the search: a command sent before the search knew it would undo
-        theirs), or None. I/O thread (the desk's)."""
+        """Why the search's own command on ``knob`` is refused now, or None.
+
+        Refused when a person set that knob during the search: a command sent before
+        the search knew it would undo theirs. I/O thread (the desk's)."""
         tuner = self.tuner
         if tuner is None or not self.own(command_id) or knob not in tuner.released:
             return None
@@ -209,8 +214,10 @@ class AutoTune:
 
     def person_set(self, command_id: Any, knob: str, value: Any,
                    apply_step: int) -> str | None:
-        """The desk accepted a command: when it is a person's (not the search's) on a
-        knob the running search explores, the search leaves that knob
+        """Leave a knob a person set while the search explores it.
+
+        The desk accepted a command: when it is a person's (not the search's) on a knob
+        the running search explores, the search leaves that knob
         (:meth:`Tuner.person_set`); returns what it did, for the reply, or None. I/O
         thread (the desk's)."""
         tuner = self.tuner
@@ -223,9 +230,11 @@ class AutoTune:
             return None
 
     def trial_values(self, values: dict[str, Any]) -> dict[str, Any]:
-        """While a search runs: the knobs of ``values`` (the values now) that it is
-        trying, each with the value it measures the trial against (the best kept so far:
-        the person's setting until the search keeps another). Empty otherwise. Any
+        """The knobs of ``values`` the running search is trying, with their best values.
+
+        While a search runs: the knobs of ``values`` (the values now) that it is
+        trying, each with the value it measures the trial against (the best kept so
+        far: the person's setting until the search keeps another). Empty otherwise. Any
         thread (reads a dict replaced whole)."""
         tuner = self.tuner
         if tuner is None or tuner.status != "running":
@@ -272,8 +281,10 @@ class AutoTune:
             self._failed(exc)
 
     def run_ended(self) -> None:
-        """The run is ending (its last records published): a running search ends with
-        it (:meth:`Tuner.run_ended`). I/O thread, before ``bye``."""
+        """End a running search with the run.
+
+        The run is ending (its last records published): a running search ends with it
+        (:meth:`Tuner.run_ended`). I/O thread, before ``bye``."""
         if self.tuner is not None:
             try:
                 self.tuner.run_ended()

@@ -1,6 +1,7 @@
-"""The in-run search's state machine (:mod:`agent.search.tune`): trials measured in
-sub-blocks against the best configuration, kept or reverted, and the blame after a
-non-finite loss."""
+"""The in-run search's state machine (:mod:`agent.search.tune`).
+
+Trials measured in sub-blocks against the best configuration, kept or reverted, and the
+blame after a non-finite loss."""
 
 from __future__ import annotations
 
@@ -84,8 +85,9 @@ def _side(sub_block: int) -> str:
 
 
 class Trial:
-    """One candidate measured against the best configuration in sub-blocks (see
-    :func:`_side`): the pairs measured so far and the sub-block in progress.
+    """One candidate measured against the best configuration in sub-blocks.
+
+    See :func:`_side`; it holds the pairs measured so far and the sub-block in progress.
 
     Args:
         candidate: what is measured. side: the configuration the first sub-block
@@ -117,8 +119,9 @@ class Trial:
 
 
 class Tuner:
-    """The search itself: a state machine fed with the agent's step records and events
-    (on its I/O thread only), which decides and sends its changes through ``send``.
+    """The search itself: a state machine fed with the agent's step records and events.
+
+    It runs on the I/O thread only, and decides and sends its changes through ``send``.
 
     Each candidate is a :class:`Trial`: sub-blocks of steps alternate between the best
     configuration and the candidate (best, candidate, candidate, best, best, ...; a
@@ -205,9 +208,10 @@ class Tuner:
 
     @property
     def gain(self) -> float:
-        """The best configuration's throughput over the baseline's, minus 1: the gains
-        of the candidates kept, each measured against the best before it, chained (a
-        knob a person took since is left out)."""
+        """The best configuration's throughput over the baseline's, minus 1.
+
+        The gains of the candidates kept, each measured against the best before it,
+        chained (a knob a person took since is left out)."""
         product = 1.0
         for candidate in self.candidates:
             if (candidate.state == "kept" and candidate.gain is not None
@@ -231,8 +235,10 @@ class Tuner:
             self._stop_reason = reason
 
     def on_reply(self, command_id: str, reply: protocol.Reply) -> None:
-        """The reply to a command this search sent (only a refusal matters: an accepted
-        one is followed by its ``applied`` or ``failed`` event)."""
+        """Take the reply to a command this search sent.
+
+        Only a refusal matters: an accepted one is followed by its ``applied`` or
+        ``failed`` event."""
         if command_id not in self._waiting or reply.get("ok"):
             return
         knob, value = self._waiting.pop(command_id)
@@ -277,8 +283,10 @@ class Tuner:
             self._changed_under(str(event.get("text", kind)))
 
     def person_set(self, knob: str, value: Any, apply_step: int) -> str | None:
-        """A person's command (not one of the search's own) was accepted: ``knob`` set
-        to ``value`` from step ``apply_step``. A knob the search explores leaves it: the
+        """Take a person's accepted command on ``knob``.
+
+        A person's command (not one of the search's own) was accepted: ``knob`` set to
+        ``value`` from step ``apply_step``. A knob the search explores leaves it: the
         search never sends it again (so never reverts past the person's value), a trial
         that moves it ends without a verdict, and its other knobs go back to the best;
         with no knob left the search ends. I/O thread (the desk's, when it accepts).
@@ -334,10 +342,12 @@ class Tuner:
 
     def on_step(self, step: int, step_time_s: float | None, samples: int,
                 tokens: int | None, loss: float | None, skipped: bool | None) -> None:
-        """One step record: ``step_time_s`` (host clock, None for the first), the
-        step's samples and tokens (None if unknown), its loss (None if not read) and
-        whether the GradScaler skipped it. Costs a few additions, and the warm-up cut
-        of :meth:`Series.block` (O(steps of a sub-block))."""
+        """Take one step record.
+
+        The record: ``step_time_s`` (host clock, None for the first), the step's
+        samples and tokens (None if unknown), its loss (None if not read) and whether
+        the GradScaler skipped it. Costs a few additions, and the warm-up cut of
+        :meth:`Series.block` (O(steps of a sub-block))."""
         if step < self.start_step or self.status != "running":
             return
         self.step = step
@@ -592,7 +602,9 @@ class Tuner:
         self._finish("stopped" if reason else "done", "" if reason is None else why)
 
     def run_ended(self) -> None:
-        """The run ends while the search runs: the candidate being tried is not judged,
+        """End the search with the run, each knob it changed back at its best value.
+
+        The run ends while the search runs: the candidate being tried is not judged,
         each knob the search changed goes back to its best value, set here at once (no
         step boundary comes any more; the training thread waits for the agent's close),
         and the search ends ``stopped`` with an event that says so. I/O thread."""
