@@ -11,7 +11,7 @@ For each demo workload (``python -m agent.demo``, real training):
    ladder of values).
 2. The grid: every combination of that space, each in a fresh run started in that
    configuration, each measured the same way, with the tuner's own measure
-   (:class:`agent.search.tune.Series`: the warm-up cut off by MSER), until its throughput's
+   (:class:`agent.search.stats.Series`: the warm-up cut off by MSER), until its throughput's
    95% half-width is within ``--grid-precision`` of the mean, or
    ``--grid-max-steps`` measured steps, or ``--grid-max-s`` seconds of them. A
    combination that differs from another only in a setting without effect
@@ -43,7 +43,7 @@ from typing import Any
 
 from agent.wire import protocol, runs
 from agent.wire.knobs import assignment
-from agent.search.tune import Series
+from agent.search.stats import Series
 from gpuwatch.client import Subscriber, send_command
 
 #: The demo's command-line flag for each knob a grid configuration sets.

@@ -1,4 +1,4 @@
-"""The in-run search (agent.search.tune.Tuner) on a simulated run: how many steps it spends and
+"""The in-run search (agent.search.tuner.Tuner) on a simulated run: how many steps it spends and
 how often it ends within 5% of the best configuration, at three levels of noise.
 
     python benchmarks/sim_tune.py [--runs 200] [--seed 0]
@@ -32,7 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.wire.knobs import CPU_THREADS, NUM_WORKERS, PREFETCH_FACTOR, Knob, KnobSet  # noqa: E402
-from agent.search.tune import Tuner, TuneRequest  # noqa: E402
+from agent.search.request import TuneRequest  # noqa: E402
+from agent.search.tuner import Tuner  # noqa: E402
 
 #: samples/s at (num_workers, cpu_threads), measured live on the CNN demo here.
 RATE = {(0, 2): 1500, (1, 2): 1230, (1, 1): 1900, (0, 1): 1250, (2, 1): 1850, (2, 2): 1300}

@@ -1,5 +1,6 @@
-"""Knobs declared once: the README's knob table is the one the specs print, and the
-Trainer's own checkpoint keeps the knobs bound on it."""
+"""Knobs declared once: the README's knob table is the one the specs print, its keys table
+has the specs' keys and the dashboard's own, and the Trainer's own checkpoint keeps the
+knobs bound on it."""
 
 import re
 import subprocess
@@ -9,8 +10,9 @@ from pathlib import Path
 import torch
 
 import agent
-from agent.wire.knobs import markdown_table
+from agent.wire.knobs import STANDARD_KNOBS, markdown_table
 from gpuopt import Trainer
+from gpuwatch.app import GpuwatchApp
 from tests.training import BlockNet, digits_loader
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -43,3 +45,28 @@ def test_the_trainers_checkpoint_keeps_every_setting_of_its_own_the_agent_binds(
     assert {"precision", "checkpointing", "dropout", "weight_decay"} <= bound
     settings = {name for name in bound if hasattr(Trainer, name)}
     assert settings <= set(Trainer.SETTINGS), settings - set(Trainer.SETTINGS)
+
+
+def _readme_keys_table() -> dict[str, list[str]]:
+    """The README's table of dashboard keys: the keys of each row (``a`` / ``A``, ``?``,
+    ``q`` as separate keys) by its knob column (empty for the keys of no knob; ``any``)."""
+    block = re.search(r"\| key \| knob \| \|\n\|---\|---\|---\|\n((?:\|.*\n)+)",
+                      README.read_text())
+    assert block is not None, "the README has no keys table"
+    rows: dict[str, list[str]] = {}
+    for line in block.group(1).splitlines():
+        keys, knob = line.split("|")[1:3]
+        rows.setdefault(knob.strip("` "), []).extend(re.findall(r"`([^`]+)`", keys))
+    return rows
+
+
+def test_the_readmes_keys_table_lists_every_knobs_keys_and_the_apps_own():
+    rows = _readme_keys_table()
+    with_keys = {name: [key.key for key in spec.keys]
+                 for name, spec in STANDARD_KNOBS.items() if spec.keys}
+    assert len(with_keys) >= 7  # the specs were read
+    assert {knob: keys for knob, keys in rows.items() if knob not in ("", "any")} == with_keys
+    names = {"question_mark": "?", "colon": ":"}
+    own = {names.get(binding.key, binding.key) for binding in GpuwatchApp.BINDINGS
+           if (binding.id or "").partition(".")[0] not in ("timeline", *STANDARD_KNOBS)}
+    assert own == set(rows[""]) | set(rows["any"])

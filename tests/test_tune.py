@@ -22,17 +22,10 @@ import agent
 from agent.control.checkpoints import load_checkpoint
 from agent.wire import protocol
 from agent.wire.knobs import TUNED, TUNED_IF_ALLOWED, Knob, KnobError, KnobSet, KnobSpec
-from agent.search.tune import (
-                               Block,
-                               CoordinateSearch,
-                               Series,
-                               Tuner,
-                               TuneRequest,
-                               _side,
-                               ladder,
-                               paired_gain,
-                               t_quantile,
-                               )
+from agent.search.coordinate import CoordinateSearch, ladder
+from agent.search.request import TuneRequest
+from agent.search.stats import Block, Series, paired_gain, t_quantile
+from agent.search.tuner import Tuner, _side
 from gpuopt import Trainer
 from gpuopt.loader import ReconfigurableLoader
 from gpuwatch.client import Subscriber, send_command
@@ -309,7 +302,8 @@ def test_a_change_during_a_trials_measurement_voids_it_and_it_is_measured_again(
                    and m["body"]["text"].startswith("tune: step_delay=1 kept"))
     # measured again: at least MIN_PAIRS_FASTER pairs of sub-blocks of more than
     # SUB_BLOCK_STEPS steps each after the change
-    from agent.search.tune import MIN_PAIRS_FASTER, SUB_BLOCK_STEPS
+    from agent.search.stats import MIN_PAIRS_FASTER
+    from agent.search.tuner import SUB_BLOCK_STEPS
 
     assert verdict["step"] - reply["apply_step"] >= MIN_PAIRS_FASTER * 2 * (SUB_BLOCK_STEPS + 1)
     again = [m["body"] for m in seen if m["type"] == "event" and "measuring it again"
@@ -543,7 +537,8 @@ def test_a_candidate_that_cannot_be_shown_faster_is_reverted_without_every_pair(
 
 
 def test_the_futility_rules_of_a_candidate_between_its_pairs():
-    from agent.search.tune import FUTILE_FROM_PAIRS, MAX_PAIRS, _not_faster, could_be_shown_faster
+    from agent.search.stats import FUTILE_FROM_PAIRS, MAX_PAIRS, could_be_shown_faster
+    from agent.search.tuner import _not_faster
 
     assert _not_faster(2, -0.2, 0.5) is None  # too early for any rule
     assert _not_faster(3, -0.01, 0.5) == "not faster: slower on average"

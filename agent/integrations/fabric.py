@@ -260,7 +260,7 @@ class FabricRun(LoopRun):
             state["sampler_epoch"] = self._fabric_loader._num_iter_calls - 1
         return state
 
-    def _save(self, path: Any, knobs: dict[str, Any]) -> None:
+    def save_checkpoint(self, path: Any, knobs: dict[str, Any]) -> None:
         """The ``checkpoint`` command's ``fabric.save``: the model, optimizer and
         scheduler (by Fabric), the GradScaler, random number generators, step, knob
         values and data position."""
@@ -270,8 +270,8 @@ class FabricRun(LoopRun):
             "lr_scheduler": self.lr_scheduler,
             "grad_scaler": {} if scaler is None else scaler.state_dict()}))
 
-    def _resume(self, path: str | os.PathLike) -> None:
-        """Continue from a checkpoint :meth:`_save` wrote, read by ``fabric.load``:
+    def resume(self, path: str | os.PathLike) -> None:
+        """Continue from a checkpoint :meth:`save_checkpoint` wrote, read by ``fabric.load``:
         every state it has, the step, the knob values, the data position and the random
         number generators (an event says which).
 
@@ -485,11 +485,11 @@ def attach(fabric: Fabric, *, model: _FabricModule | None = None,
                 "not with several processes: a checkpoint would hold rank 0's data "
                 "position and random numbers for every rank"))
         else:
-            run.bind_checkpoint(run._save, directory=checkpoint_dir)
+            run.bind_checkpoint(run.save_checkpoint, directory=checkpoint_dir)
         if loader is not None:
-            run._bind_loader(loader)
+            run.bind_loader(loader)
         if resume_from is not None:
-            run._resume(resume_from)
+            run.resume(resume_from)
     except BaseException:
         run.uninstall()
         raise

@@ -183,10 +183,10 @@ class LoopRun(RunBase):
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
                                    or epochs < 1):
             raise ValueError(f"epochs must be None or an integer >= 1, got {epochs!r}")
-        self._bind_loader(batches)
+        self.bind_loader(batches)
         return self._batches(batches, epochs)
 
-    def _bind_loader(self, batches: Any) -> None:
+    def bind_loader(self, batches: Any) -> None:
         """The knobs of ``batches`` when it is the first ReconfigurableLoader seen (put
         at the checkpoint's position after a resume); nothing for other data."""
         if isinstance(batches, ReconfigurableLoader) and self._reconfigurable is None:
@@ -421,7 +421,7 @@ class Session(LoopRun):
                              else self.lr_scheduler.state_dict()),
             "grad_scaler": self.scaler.state_dict()}
 
-    def _save(self, path: Any, knobs: dict[str, Any]) -> None:
+    def save_checkpoint(self, path: Any, knobs: dict[str, Any]) -> None:
         """The ``checkpoint`` command's ``torch.save``: model, optimizer, scheduler,
         GradScaler, random number generators, step, knob values and data position."""
         torch.save(self._checkpoint(knobs, self._states()), path)
@@ -450,8 +450,8 @@ class Session(LoopRun):
                     "the change")
         return None
 
-    def _resume(self, saved: dict[str, Any], source: str) -> None:
-        """Continue from a checkpoint :meth:`_save` wrote: every state it has, the step,
+    def resume(self, saved: dict[str, Any], source: str) -> None:
+        """Continue from a checkpoint :meth:`save_checkpoint` wrote: every state it has, the step,
         the knob values, the data position and the random number generators (an event
         says which)."""
         self._load_states(saved, source, model=self.model, optimizer=self.optimizer,
@@ -662,11 +662,11 @@ def session(*, model: torch.nn.Module | None = None,
                   checkpointing=checkpointing, tokens_per_sample=tokens_per_sample,
                   measure_activations_every=measure_activations_every)
     if model is not None or optimizer is not None:
-        run.bind_checkpoint(run._save, directory=checkpoint_dir)
+        run.bind_checkpoint(run.save_checkpoint, directory=checkpoint_dir)
     else:
         knobs.bind(CHECKPOINT, "pass agent.session(model=..., optimizer=...) "
                                "for a checkpoint to have their states")
     if resume_from is not None:
-        run._resume(load_checkpoint(resume_from), str(resume_from))
+        run.resume(load_checkpoint(resume_from), str(resume_from))
     run.start()
     return run

@@ -84,7 +84,7 @@ class KnobSpec:
         and rolled back when the steps after it go bad (:mod:`agent.control.guard`).
         search_rank: its place in the search's default order (lower first; None:
         after the ranked ones, in the run's order). trades_with: a knob drawing on the
-        same resource, also searched as a trade with it (:data:`agent.search.tune.TRADES`).
+        same resource, also searched as a trade with it (:data:`agent.search.coordinate.TRADES`).
         activation_memory: a change changes the memory a forward saves for backward
         (the next window measures it again). stops: the warning that a value stops the
         training, or nearly (:meth:`Knob.warning`); None where no value does.

@@ -19,8 +19,8 @@ def input_advice(state: RunState, width: int) -> Content | None:
     """For a run waiting on its input: whether the host has idle CPU for more DataLoader
     workers (from the latest ``system`` sample and the CPUs in ``hello``) and what the
     search (``T``) would try (with no idle CPU: a worker for a compute thread, the trade
-    of :data:`agent.search.tune.TRADES`); the longest wording that fits ``width`` columns. None
-    when the run is not waiting on its input, or the numbers are not known yet."""
+    of :data:`agent.search.coordinate.TRADES`); the longest wording that fits ``width`` columns.
+    None when the run is not waiting on its input, or the numbers are not known yet."""
     if state.last_step.get("input_verdict") not in ("input-bound", "partly input-bound"):
         return None
     cpu_pct = (state.system or {}).get("cpu_pct")
