@@ -50,6 +50,8 @@ from agent.control.checkpoints import load_checkpoint, restore_knobs, torch_chec
 from agent.step.core import Agent
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
+from agent.integrations.sharded import (fsdp_modules, is_sharded, load_sharded, save_sharded,
+                                        sharded_precision, sync_at_window_end)
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
                               DROPOUT, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION,
                               WEIGHT_DECAY, Knob, KnobSet)
@@ -378,6 +380,11 @@ class Session(LoopRun):
         self.measure_activations_every = measure_activations_every
         if model_backend is not None:
             self.event_sources.append(model_backend.pop_events)
+        #: the model's parameters are sharded (DTensors: FSDP2, tensor parallelism):
+        #: checkpoints are directories every rank writes its part into
+        self.sharded = is_sharded(model)
+        if model is not None and fsdp_modules(model) and accum_steps is not None:
+            self.scaler.before_backward = sync_at_window_end(model, lambda: self.accum_steps)
         self._measured_settings: Any = None
         self._measure_due = False
         self._activation_bytes: int | None = None
@@ -423,8 +430,17 @@ class Session(LoopRun):
 
     def _save(self, path: Any, knobs: dict[str, Any]) -> None:
         """The ``checkpoint`` command's ``torch.save``: model, optimizer, scheduler,
-        GradScaler, random number generators, step, knob values and data position."""
-        torch.save(self._checkpoint(knobs, self._states()), path)
+        GradScaler, random number generators, step, knob values and data position. A
+        sharded model (:attr:`sharded`) is saved by every rank into one directory
+        (:func:`agent.integrations.sharded.save_sharded`), each rank with its own random numbers and
+        data position."""
+        if not self.sharded:
+            torch.save(self._checkpoint(knobs, self._states()), path)
+            return
+        assert self.model is not None  # (sharded says there is one)
+        save_sharded(path, self.model, self.optimizer, self._checkpoint(knobs, {
+            **self._states(), "model": None, "optimizer": None,
+            "world_size": torch.distributed.get_world_size()}))
 
     def state_snapshot(self) -> dict[str, Any] | None:
         """The loop's states, random numbers and data position in host memory (None
@@ -450,10 +466,16 @@ class Session(LoopRun):
                     "the change")
         return None
 
-    def _resume(self, saved: dict[str, Any], source: str) -> None:
-        """Continue from a checkpoint :meth:`_save` wrote: every state it has, the step,
-        the knob values, the data position and the random number generators (an event
-        says which)."""
+    def _resume(self, source: str | os.PathLike) -> None:
+        """Continue from the checkpoint :meth:`_save` wrote at ``source``: every state it
+        has, the step, the knob values, the data position and the random number
+        generators (an event says which)."""
+        if self.sharded:
+            assert self.model is not None  # (sharded says there is one)
+            saved = load_sharded(source, self.model, self.optimizer)
+        else:
+            saved = load_checkpoint(source)
+        source = str(source)
         self._load_states(saved, source, model=self.model, optimizer=self.optimizer,
                           lr_scheduler=self.lr_scheduler)
         self.scaler.load_state_dict(saved["grad_scaler"])
@@ -627,7 +649,7 @@ def session(*, model: torch.nn.Module | None = None,
     mixed_precision = mixed_precision or MixedPrecision(
         device.type, precision_name(precision or "fp32"))
     if declared:
-        knobs.add(precision_knob(mixed_precision))
+        knobs.add(precision_knob(mixed_precision, sharded_precision(model)))
     else:
         knobs.bind(PRECISION, "this loop did not declare precision: pass "
                               "agent.session(precision=...) and use run.autocast "
@@ -662,11 +684,12 @@ def session(*, model: torch.nn.Module | None = None,
                   checkpointing=checkpointing, tokens_per_sample=tokens_per_sample,
                   measure_activations_every=measure_activations_every)
     if model is not None or optimizer is not None:
-        run.bind_checkpoint(run._save, directory=checkpoint_dir)
+        run.bind_checkpoint(run._save, directory=checkpoint_dir, every_rank=run.sharded,
+                            name="step-{step:08d}" if run.sharded else "step-{step:08d}.pt")
     else:
         knobs.bind(CHECKPOINT, "pass agent.session(model=..., optimizer=...) "
                                "for a checkpoint to have their states")
     if resume_from is not None:
-        run._resume(load_checkpoint(resume_from), str(resume_from))
+        run._resume(resume_from)
     run.start()
     return run
