@@ -13,13 +13,15 @@ import pytest
 import torch
 
 JOB = Path(__file__).with_name("fsdp_job.py")
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_job(out: Path, mode: str) -> None:
-    """``tests/fsdp_job.py OUT mode`` under ``torchrun --nproc-per-node 2``, to its end."""
+def run_job(*args: str) -> str:
+    """``args`` (a script and its arguments) under ``torchrun --nproc-per-node 2``, to its
+    end; its output."""
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(JOB), str(out), mode],
+         "2", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1",
              "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
@@ -30,7 +32,15 @@ def run_job(out: Path, mode: str) -> None:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    assert job.returncode == 0, (mode, output)
+    assert job.returncode == 0, (args, output)
+    return output
+
+
+@pytest.mark.slow
+def test_the_fsdp_example_runs_as_it_is_and_cleans_up(run_dir):
+    output = run_job(str(EXAMPLES / "fsdp_loop.py"), "--max-steps", "10")
+    assert "(2 ranks): watch it with `gpuwatch`" in output
+    assert list(Path(run_dir).glob("*.json")) == []  # both run files removed at exit
 
 
 @pytest.mark.slow
@@ -40,7 +50,7 @@ def test_every_knob_of_a_sharded_loop_is_exact_and_its_checkpoint_resumes_bit_id
     both ranks; and that gradients are reduced at a window's last micro-batch only);
     here: every command applied at one step on both ranks, the refusals, the checkpoint
     written by both ranks, and the resume equal to the run it came from, bit for bit."""
-    run_job(tmp_path, "knobs")
+    run_job(str(JOB), str(tmp_path), "knobs")
     ranks = [torch.load(tmp_path / f"knobs-rank{rank}.pt", weights_only=False)
              for rank in (0, 1)]
     replies = ranks[0]["replies"]
@@ -74,7 +84,7 @@ def test_every_knob_of_a_sharded_loop_is_exact_and_its_checkpoint_resumes_bit_id
         assert f"saved {'after' if data is ranks[0] else 'with rank 0 after'} step " \
                f"{saved_step} to {directory}" in saved["text"], saved
 
-    run_job(tmp_path, "resume")
+    run_job(str(JOB), str(tmp_path), "resume")
     for rank, data in enumerate(ranks):
         resumed = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
         [event] = [e for e in resumed["events"] if e["kind"] == "resumed"]

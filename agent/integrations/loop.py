@@ -597,6 +597,15 @@ def session(*, model: torch.nn.Module | None = None,
 
     A knob the loop did not declare is refused with what to declare.
 
+    A model sharded by FSDP2 (``fully_shard``) gets the same knobs, kept exact
+    (:mod:`agent.integrations.sharded`): a window's gradients are reduced at its last
+    ``run.scaler.scale(loss).backward()`` only, the checkpointed blocks are the
+    ``fully_shard`` modules inside the model when it has no others, ``precision`` is
+    refused for fp16 and for a ``MixedPrecisionPolicy`` that casts, ``kernels`` is
+    refused (compiling it is not verified), and a checkpoint (of any model with DTensor
+    parameters) is a ``torch.distributed.checkpoint`` directory every rank writes its
+    part into and resumes its part from.
+
     Args:
         model: the model (parameter count, device, kernels, checkpointing,
             activation memory).
@@ -614,7 +623,8 @@ def session(*, model: torch.nn.Module | None = None,
             clipping); see above.
         checkpoint_dir: where ``checkpoint=now`` saves (default:
             :func:`agent.control.checkpoints.default_checkpoint_dir`).
-        resume_from: a checkpoint the command saved: the model, optimizer, scheduler,
+        resume_from: a checkpoint the command saved (a sharded model's: its directory,
+            on every rank): the model, optimizer, scheduler,
             GradScaler, random number generators, knob values and data position are
             restored, and :attr:`Session.step` is its step (the loop goes on from
             there). Data that comes through :meth:`Session.loader` continues where it
@@ -658,7 +668,9 @@ def session(*, model: torch.nn.Module | None = None,
     if model is not None:
         model_backend, checkpointing = model_knobs(
             knobs, model, device, compile_backend=compile_backend,
-            kernels_refused=None if kernels else "agent.session(kernels=False) leaves it out",
+            kernels_refused=("compiling a model sharded by fully_shard is not verified"
+                             if fsdp_modules(model) else None if kernels
+                             else "agent.session(kernels=False) leaves it out"),
             checkpoint_blocks=checkpoint_blocks)
     else:
         knobs.bind(KERNELS, "this loop has no model for gpuwatch to switch: pass "
