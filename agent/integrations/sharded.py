@@ -23,9 +23,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -112,6 +109,8 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         OSError: the directory cannot be written (on the rank that failed; the others
             wait at the barrier until the process group's timeout).
     """
+    import torch.distributed.checkpoint as dcp  # (seconds to import: only when saving)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     directory = _shared_path(path)
     if optimizer is None:
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -133,6 +132,9 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
         ValueError: ``path`` is not such a directory, or was written by another number
             of ranks. OSError: it cannot be read.
     """
+    import torch.distributed.checkpoint as dcp  # (seconds to import: only when resuming)
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                         set_model_state_dict, set_state_dict)
     directory = Path(path)
     rank_file = directory / RANK_FILE.format(rank=dist.get_rank())
     if not directory.is_dir() or not rank_file.is_file():
