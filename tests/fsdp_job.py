@@ -17,7 +17,8 @@ parameters must equal the copy's (fp32 tolerances: the reduction sums in another
 order). It also checks that a window's gradients are reduced at its last micro-batch
 only (no sharded gradient before).
 
-``resume``: resumes from the checkpoint ``knobs`` saved and trains on to the same step.
+``resume``: resumes from the checkpoint ``knobs`` saved and trains on to the same step
+(after checking that one rank's file of it is refused as a checkpoint).
 
 Each rank saves ``OUT/<mode>-rank<N>.pt``: each step's full parameters and knob values,
 the command replies (rank 0) and the ``applied`` and ``resumed`` events of its run log.
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import agent
+from agent.integrations.sharded import load_sharded
 from agent.wire.commands import send_command
 from agent.wire.knobs import Knob, KnobSet, KnobSpec
 from gpuwatch.history import flat_records
@@ -72,11 +74,17 @@ def main(out: Path, mode: str) -> None:
                  get=lambda: label["value"], set=lambda value: label.update(value=value),
                  check=lambda value: (_ for _ in ()).throw(ValueError("rank 1 keeps its label"))
                  if rank == 1 else None))
+    saved = next((out / "checkpoints").glob("step-*")) if mode == "resume" else None
+    if saved is not None:  # one rank's file is no sharded checkpoint: refused, untouched
+        try:
+            load_sharded(saved / "rank-0.pt", model, optimizer)
+        except ValueError as exc:
+            assert "resumes from the directory its checkpoint command wrote" in str(exc)
+        else:
+            raise AssertionError("a sharded model resumed from one rank's file")
     run = agent.session(model=model, optimizer=optimizer, precision="fp32", accum_steps=2,
                         max_grad_norm=0.0, knobs=own, name=f"fsdp-{mode}",
-                        checkpoint_dir=out / "checkpoints",
-                        resume_from=(next((out / "checkpoints").glob("step-*"))
-                                     if mode == "resume" else None))
+                        checkpoint_dir=out / "checkpoints", resume_from=saved)
     assert run.checkpointing is not None and len(run.checkpointing) == 3
     assert run.agent.knobs.unsupported["kernels"] == (
         "compiling a model sharded by fully_shard is not verified")
