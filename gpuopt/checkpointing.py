@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["ActivationCheckpointing", "find_blocks"]
@@ -54,7 +55,9 @@ def find_blocks(
         targets: what to wrap. None (the default): every module of the
             ``nn.ModuleList`` attribute ``model.blocks``, or without one the repeated
             blocks: the children of the largest ``nn.ModuleList`` of two or more modules
-            of one type (``transformer.h`` in GPT-2 and nanoGPT). Otherwise names and/or types:
+            of one type (``transformer.h`` in GPT-2 and nanoGPT), or without one the
+            modules ``torch.distributed.fsdp.fully_shard`` wrapped inside the model (a
+            sharded ``Sequential``'s blocks; outermost only). Otherwise names and/or types:
             a name (as in ``model.named_modules()``, e.g. ``"encoder.layers.3"``)
             selects that module, or each child of it if it is an ``nn.ModuleList``
             (which has no ``forward`` of its own); a type selects every submodule that
@@ -73,7 +76,7 @@ def find_blocks(
         if isinstance(blocks, nn.ModuleList) and len(blocks):
             return [(f"{DEFAULT_BLOCKS_ATTR}.{name}", block)
                     for name, block in blocks.named_children()]
-        return _repeated_blocks(model)
+        return _repeated_blocks(model) or _sharded_blocks(model)
 
     names: list[str] = []
     types: list[type[nn.Module]] = []
@@ -121,6 +124,20 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return []
     prefix = f"{best[0]}." if best[0] else ""
     return [(f"{prefix}{name}", child) for name, child in best[1].named_children()]
+
+
+def _sharded_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules inside ``model`` that ``fully_shard`` wrapped (FSDP2 units:
+    what a sharded model gathers one at a time), in ``named_modules()`` order; empty
+    when there is none. Checkpointing one recomputes its forward after FSDP2's
+    pre-backward hook gathered its parameters again."""
+    selected: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        wrapped = isinstance(module, FSDPModule)
+        if (wrapped and module is not model
+                and not any(name.startswith(prefix + ".") for prefix, _ in selected)):
+            selected.append((name, module))
+    return selected
 
 
 class _CheckpointedForward:

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class OptimizerSettings:
@@ -179,6 +180,8 @@ class OptimizerSettings:
             self.grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None], self._max_grad_norm)
+            if isinstance(self.grad_norm, DTensor):  # sharded parameters: every rank's
+                self.grad_norm = self.grad_norm.full_tensor()  # norm is the global one
         scale = self._lr_scale
         if scale != 1.0:
             self._unscaled = [(group, group["lr"]) for group in optimizer.param_groups]

@@ -138,7 +138,10 @@ class SwitchableGradScaler:
     the last ``update()`` backed off because the step found inf/NaN gradients; else
     None) and :attr:`loss_sum` (the sum of the detached losses passed to :meth:`scale`
     since :meth:`take_window`, on the device: the window's mean loss when each
-    micro-batch loss was divided by the window size).
+    micro-batch loss was divided by the window size). :attr:`before_backward`, when set,
+    is called with the window's micro-batch count so far (1 for the first) each time
+    :meth:`scale` is (the loop's next call is that micro-batch's ``backward()``): a
+    sharded run turns its gradient reduction on for the window's last one only.
 
     .. note:: Adds one asynchronous device add per micro-batch (the loss sum) and, in
        fp16, a clone of the scale per step; never synchronizes the device itself (the
@@ -151,6 +154,7 @@ class SwitchableGradScaler:
         self.skipped: torch.Tensor | None = None
         self.loss_sum: torch.Tensor | None = None
         self.micro_batches = 0
+        self.before_backward: Callable[[int], None] | None = None
 
     def _active(self) -> torch.amp.GradScaler | None:
         return self._policy.scaler if self._policy.precision == "fp16" else None
@@ -164,6 +168,8 @@ class SwitchableGradScaler:
         detached = loss.detach()
         self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
         self.micro_batches += 1
+        if self.before_backward is not None:
+            self.before_backward(self.micro_batches)
         scaler = self._active()
         return loss if scaler is None else scaler.scale(loss)
 

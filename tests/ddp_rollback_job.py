@@ -1,15 +1,17 @@
-"""A DDP job (gloo, CPU) for the test of a rollback on every rank:
-``torchrun --nproc-per-node 2 tests/ddp_rollback_job.py OUT twin|change``.
+"""A DDP or FSDP2 job (gloo, CPU) for the test of a rollback on every rank:
+``torchrun --nproc-per-node 2 tests/ddp_rollback_job.py OUT twin|change [ddp|fsdp]``.
 
 Each rank trains the contract's task (:mod:`tests.contract`: its Net, AdamW and
 LambdaLR, windows of 2 micro-batches) in a hand-written loop (:func:`agent.session`)
-over a DistributedSampler's shard, the model in DistributedDataParallel. ``twin``
+over a DistributedSampler's shard, the model in DistributedDataParallel (``ddp``, the
+default) or sharded by ``fully_shard`` (``fsdp``: each rank snapshots and puts back its
+own shards). ``twin``
 trains 20 optimizer steps. ``change``: the loss is NaN under bf16 (the contract's
 fault), and rank 0 sends ``precision=bf16`` to every rank for step 7 at its first step;
 rank 0's guard then rolls it back on every rank, and the job trains on until the state
 was restored and step 20 is reached. Each rank saves ``OUT/<mode>-rank<N>.pt``: each
-step's window loss (a step trained again overwrites), the final parameters and its
-``rolled_back`` and ``state_restored`` events."""
+step's window loss (a step trained again overwrites), the final (full) parameters and
+its ``rolled_back`` and ``state_restored`` events."""
 
 import sys
 import threading
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 import agent
@@ -27,12 +31,15 @@ from tests.contract import (BATCH_SIZE, NAN_UNDER_BF16, IndexedDigits, Net, loss
 STEPS = 20
 
 
-def main(out: Path, mode: str) -> None:
+def main(out: Path, mode: str, wrap: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = Net(seed=0)
-    model = torch.nn.parallel.DistributedDataParallel(net)
+    if wrap == "fsdp":
+        model = fully_shard(net)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(net)
     optimizer, scheduler = optimizer_and_schedule(model)
     run = agent.session(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                         precision="fp32", accum_steps=2, max_grad_norm=0.0,
@@ -74,10 +81,11 @@ def main(out: Path, mode: str) -> None:
         losses[run.step + 1] = window  # (a rollback at this boundary moves run.step)
         run.optimizer_step()
     run.close()
-    torch.save({"losses": losses, "params": params_of(net), "events": events},
+    params = [p.full_tensor() if isinstance(p, DTensor) else p for p in params_of(net)]
+    torch.save({"losses": losses, "params": params, "events": events},
                out / f"{mode}-rank{rank}.pt")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "ddp")

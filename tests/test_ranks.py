@@ -220,10 +220,10 @@ def test_a_second_job_with_the_same_run_id_gets_its_own(run_dir, monkeypatch):
         holder.wait(30)
 
 
-def _ddp_rollback_job(out, mode):
+def _ddp_rollback_job(out, mode, wrap):
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(Path(__file__).with_name("ddp_rollback_job.py")), str(out), mode],
+         "2", str(Path(__file__).with_name("ddp_rollback_job.py")), str(out), mode, wrap],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1",
              "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
@@ -231,13 +231,14 @@ def _ddp_rollback_job(out, mode):
 
 
 @pytest.mark.slow
-def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path):
-    """DDP on gloo, 2 ranks, a hand-written loop: precision=bf16 at step 7 makes the loss
-    NaN on both ranks; rank 0's guard sends the rollback to every rank, and each puts
-    its state back to the boundary after step 6 at the same step: steps 7-20 then equal
-    a twin job's that never made the change on each rank (bit-equal losses and final
-    parameters)."""
-    jobs = {mode: _ddp_rollback_job(tmp_path, mode) for mode in ("twin", "change")}
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path, wrap):
+    """DDP (or FSDP2: each rank its shards) on gloo, 2 ranks, a hand-written loop:
+    precision=bf16 at step 7 makes the loss NaN on both ranks; rank 0's guard sends
+    the rollback to every rank, and each puts its state back to the boundary after
+    step 6 at the same step: steps 7-20 then equal a twin job's that never made the
+    change on each rank (bit-equal losses and final parameters)."""
+    jobs = {mode: _ddp_rollback_job(tmp_path, mode, wrap) for mode in ("twin", "change")}
     try:
         for mode, job in jobs.items():
             output = job.communicate(timeout=300)[0]

@@ -67,8 +67,10 @@ class Checkpoints:
         refusal: returns why no checkpoint can be saved now, or None (also asked when the
             command arrives, on the agent's I/O thread: keep it cheap).
         every_rank: ``save`` must run on every rank (it has a collective inside, as
-            Lightning's): rank 0 saves atomically, the others call ``save`` at the final
-            path (where they write nothing). Otherwise only rank 0 saves (data
+            Lightning's, or every rank writes its part of a sharded model, as
+            :func:`agent.integrations.sharded.save_sharded`): rank 0 saves atomically,
+            the others call ``save`` at the final path (a ``save`` that writes into rank
+            0's temporary asks rank 0 for it). Otherwise only rank 0 saves (data
             parallelism keeps the state identical on every rank).
         chosen: returns the knob values to save and a note for the event (or None);
             default: the values now (:meth:`agent.integrations.run.RunBase.chosen_knobs` leaves a
@@ -125,10 +127,12 @@ class Checkpoints:
         knobs, note = self.chosen()
         note = "" if note is None else f"; {note}"
         if self.agent.rank != 0:
-            if self.every_rank:
-                self.save(path, knobs)
-            return {"text": f"rank 0 saves the state after step {step}{note}",
-                    "checkpoint_step": step}
+            if not self.every_rank:
+                return {"text": f"rank 0 saves the state after step {step}{note}",
+                        "checkpoint_step": step}
+            self.save(path, knobs)
+            return {"text": f"saved with rank 0 after step {step} to {path}{note}",
+                    "path": str(path), "checkpoint_step": step}
         start = time.perf_counter()
         size = write_atomically(path, lambda temporary: self.save(temporary, knobs))
         elapsed_s = time.perf_counter() - start

@@ -40,17 +40,23 @@ class PrecisionPolicy(Protocol):
     precision: str
 
 
-def precision_knob(mixed_precision: PrecisionPolicy) -> Knob:
+def precision_knob(mixed_precision: PrecisionPolicy,
+                   refusal: Callable[[str], str | None] | None = None) -> Knob:
     """The ``precision`` knob bound to a :class:`gpuopt.MixedPrecision` policy (or any
     :class:`PrecisionPolicy`).
 
-    Values the device cannot run are refused when the command arrives, with the reason;
-    fp16 on a CPU is accepted with a warning (it runs, slowly).
+    Values the device cannot run are refused when the command arrives, with the reason,
+    and so are those ``refusal(value)`` gives a reason for (the model's: e.g.
+    :func:`agent.integrations.sharded.precision_refusal`); fp16 on a CPU is accepted with a warning
+    (it runs, slowly).
     """
     device_type = mixed_precision.device_type
 
-    return Knob.attribute(PRECISION, mixed_precision,
-                          check=lambda value: refuse(precision_support(value, device_type)),
+    def check(value: str) -> None:
+        refuse(precision_support(value, device_type)
+               or (refusal(value) if refusal is not None else None))
+
+    return Knob.attribute(PRECISION, mixed_precision, check=check,
                           warn=lambda value: precision_warning(value, device_type))
 
 

@@ -39,6 +39,8 @@ Knobs (commands apply at an optimizer-step boundary, in ``on_step_end``, after
   ``accelerator.scaler`` and on the ``AcceleratedOptimizer``: ``accelerator.backward``
   scales, the GradScaler steps and updates, a skipped step skips HF's scheduler step as
   in an fp16 run, and gradients are unscaled before HF's clipping and grad norm.
+  Refused under DeepSpeed and FSDP (``fsdp=``: its mixed precision policy is fixed when
+  ``train()`` wraps the model).
 - ``accum_steps``: exact from the next window: every window after the change has exactly
   N micro-batches (an epoch's last one fewer when the epoch ends, as HF's own), its loss
   divided by its real size (or normalised by its own ``num_items_in_batch``), the LR
@@ -262,6 +264,12 @@ class _Run(RunBase):
             knobs.bind(PRECISION, (
                 "DeepSpeed keeps its own mixed precision and loss scaling (its config "
                 "file); set it there and restart"))
+            return
+        if getattr(trainer, "is_fsdp_enabled", False):
+            knobs.unsupported[PRECISION.name] = (
+                "FSDP fixes its MixedPrecisionPolicy when train() wraps the model "
+                "(accelerate's fsdp plugin, from --bf16 / --fp16): an autocast over it would "
+                "not give the precision asked for; restart with the one you want")
             return
         started = getattr(trainer.accelerator, "mixed_precision", "no") or "no"
         if started not in ("no", "bf16", "fp16"):

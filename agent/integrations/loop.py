@@ -50,6 +50,8 @@ from agent.control.checkpoints import load_checkpoint, restore_knobs, torch_chec
 from agent.step.core import Agent
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
+from agent.integrations.sharded import (fsdp_modules, is_sharded, load_sharded, save_sharded,
+                                        sharded_precision, sync_at_window_end)
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
                               DROPOUT, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION,
                               WEIGHT_DECAY, Knob, KnobSet)
@@ -378,6 +380,11 @@ class Session(LoopRun):
         self.measure_activations_every = measure_activations_every
         if model_backend is not None:
             self.event_sources.append(model_backend.pop_events)
+        #: the model's parameters are sharded (DTensors: FSDP2, tensor parallelism):
+        #: checkpoints are directories every rank writes its part into
+        self.sharded = is_sharded(model)
+        if model is not None and fsdp_modules(model) and accum_steps is not None:
+            self.scaler.before_backward = sync_at_window_end(model, lambda: self.accum_steps)
         self._measured_settings: Any = None
         self._measure_due = False
         self._activation_bytes: int | None = None
@@ -423,8 +430,17 @@ class Session(LoopRun):
 
     def save_checkpoint(self, path: Any, knobs: dict[str, Any]) -> None:
         """The ``checkpoint`` command's ``torch.save``: model, optimizer, scheduler,
-        GradScaler, random number generators, step, knob values and data position."""
-        torch.save(self._checkpoint(knobs, self._states()), path)
+        GradScaler, random number generators, step, knob values and data position. A
+        sharded model (:attr:`sharded`) is saved by every rank into one directory
+        (:func:`agent.integrations.sharded.save_sharded`), each rank with its own random
+        numbers and data position."""
+        if not self.sharded:
+            torch.save(self._checkpoint(knobs, self._states()), path)
+            return
+        assert self.model is not None  # (sharded says there is one)
+        save_sharded(path, self.model, self.optimizer, self._checkpoint(knobs, {
+            **self._states(), "model": None, "optimizer": None,
+            "world_size": torch.distributed.get_world_size()}))
 
     def state_snapshot(self) -> dict[str, Any] | None:
         """The loop's states, random numbers and data position in host memory (None
@@ -450,10 +466,16 @@ class Session(LoopRun):
                     "the change")
         return None
 
-    def resume(self, saved: dict[str, Any], source: str) -> None:
-        """Continue from a checkpoint :meth:`save_checkpoint` wrote: every state it has, the step,
-        the knob values, the data position and the random number generators (an event
-        says which)."""
+    def resume(self, source: str | os.PathLike) -> None:
+        """Continue from the checkpoint :meth:`save_checkpoint` wrote at ``source``: every
+        state it has, the step, the knob values, the data position and the random number
+        generators (an event says which)."""
+        if self.sharded:
+            assert self.model is not None  # (sharded says there is one)
+            saved = load_sharded(source, self.model, self.optimizer)
+        else:
+            saved = load_checkpoint(source)
+        source = str(source)
         self._load_states(saved, source, model=self.model, optimizer=self.optimizer,
                           lr_scheduler=self.lr_scheduler)
         self.scaler.load_state_dict(saved["grad_scaler"])
@@ -575,6 +597,15 @@ def session(*, model: torch.nn.Module | None = None,
 
     A knob the loop did not declare is refused with what to declare.
 
+    A model sharded by FSDP2 (``fully_shard``) gets the same knobs, kept exact
+    (:mod:`agent.integrations.sharded`): a window's gradients are reduced at its last
+    ``run.scaler.scale(loss).backward()`` only, the checkpointed blocks are the
+    ``fully_shard`` modules inside the model when it has no others, ``precision`` is
+    refused for fp16 and for a ``MixedPrecisionPolicy`` that casts, ``kernels`` is
+    refused (compiling it is not verified), and a checkpoint (of any model with DTensor
+    parameters) is a ``torch.distributed.checkpoint`` directory every rank writes its
+    part into and resumes its part from.
+
     Args:
         model: the model (parameter count, device, kernels, checkpointing,
             activation memory).
@@ -592,7 +623,8 @@ def session(*, model: torch.nn.Module | None = None,
             clipping); see above.
         checkpoint_dir: where ``checkpoint=now`` saves (default:
             :func:`agent.control.checkpoints.default_checkpoint_dir`).
-        resume_from: a checkpoint the command saved: the model, optimizer, scheduler,
+        resume_from: a checkpoint the command saved (a sharded model's: its directory,
+            on every rank): the model, optimizer, scheduler,
             GradScaler, random number generators, knob values and data position are
             restored, and :attr:`Session.step` is its step (the loop goes on from
             there). Data that comes through :meth:`Session.loader` continues where it
@@ -627,7 +659,7 @@ def session(*, model: torch.nn.Module | None = None,
     mixed_precision = mixed_precision or MixedPrecision(
         device.type, precision_name(precision or "fp32"))
     if declared:
-        knobs.add(precision_knob(mixed_precision))
+        knobs.add(precision_knob(mixed_precision, sharded_precision(model)))
     else:
         knobs.bind(PRECISION, "this loop did not declare precision: pass "
                               "agent.session(precision=...) and use run.autocast "
@@ -636,7 +668,9 @@ def session(*, model: torch.nn.Module | None = None,
     if model is not None:
         model_backend, checkpointing = model_knobs(
             knobs, model, device, compile_backend=compile_backend,
-            kernels_refused=None if kernels else "agent.session(kernels=False) leaves it out",
+            kernels_refused=("compiling a model sharded by fully_shard is not verified"
+                             if fsdp_modules(model) else None if kernels
+                             else "agent.session(kernels=False) leaves it out"),
             checkpoint_blocks=checkpoint_blocks)
     else:
         knobs.bind(KERNELS, "this loop has no model for gpuwatch to switch: pass "
@@ -662,11 +696,13 @@ def session(*, model: torch.nn.Module | None = None,
                   checkpointing=checkpointing, tokens_per_sample=tokens_per_sample,
                   measure_activations_every=measure_activations_every)
     if model is not None or optimizer is not None:
-        run.bind_checkpoint(run.save_checkpoint, directory=checkpoint_dir)
+        run.bind_checkpoint(run.save_checkpoint, directory=checkpoint_dir,
+                            every_rank=run.sharded,
+                            name="step-{step:08d}" if run.sharded else "step-{step:08d}.pt")
     else:
         knobs.bind(CHECKPOINT, "pass agent.session(model=..., optimizer=...) "
                                "for a checkpoint to have their states")
     if resume_from is not None:
-        run.resume(load_checkpoint(resume_from), str(resume_from))
+        run.resume(resume_from)
     run.start()
     return run

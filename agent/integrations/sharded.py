@@ -1,0 +1,158 @@
+"""A model sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``) in a run: what its
+knobs need to stay exact, and its checkpoints (:mod:`torch.distributed.checkpoint`).
+
+Each rank holds a shard of every parameter, gradient and optimizer state (DTensors), so:
+
+- gradient accumulation reduces the gradients only at the window's last micro-batch
+  (:func:`sync_at_window_end`: ``set_requires_gradient_sync``); the others accumulate
+  unreduced local gradients, as ``no_sync`` does under DDP;
+- the precision knob is autocast over fp32 parameters: exact as on an unsharded model
+  unless ``fully_shard`` was given a ``MixedPrecisionPolicy`` that casts (it is fixed
+  when the model is wrapped), and never fp16, whose GradScaler would check each rank's
+  gradient shard for inf alone (:func:`precision_refusal`);
+- a checkpoint is a directory every rank writes its shard into (:func:`save_sharded`)
+  and every rank reads its shard back from (:func:`load_sharded`); ``torch.save`` of
+  rank 0's state would hold rank 0's shards only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from agent.control.checkpoints import load_checkpoint
+
+#: The file of one rank's own states (random numbers, data position, step, knob values)
+#: in a sharded checkpoint directory, formatted with the rank.
+RANK_FILE = "rank-{rank}.pt"
+
+
+def fsdp_modules(model: torch.nn.Module | None) -> list[FSDPModule]:
+    """The modules of ``model`` (itself included) that ``fully_shard`` wrapped; empty for
+    None or a model that is not sharded."""
+    if model is None:
+        return []
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def is_sharded(model: torch.nn.Module | None) -> bool:
+    """Whether ``model`` has parameters that are DTensors (sharded by FSDP2, tensor
+    parallelism, ...): each rank holds a part, so a checkpoint needs every rank's."""
+    return model is not None and any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def sharded_precision(model: torch.nn.Module | None
+                      ) -> Callable[[str], str | None] | None:
+    """The refusal of the precision knob (:func:`agent.integrations.adapters.precision_knob`'s
+    ``refusal``) for ``model`` when ``fully_shard`` wrapped it, else None:
+    :func:`precision_refusal` of it."""
+    modules = fsdp_modules(model)
+    return (lambda value: precision_refusal(modules, value)) if modules else None
+
+
+def precision_refusal(modules: list[FSDPModule], value: str) -> str | None:
+    """Why the precision knob may not switch the model whose ``fully_shard`` modules
+    are ``modules`` to ``value`` (``"fp32"``, ``"bf16"``, ``"fp16"``), or None when
+    autocast over its fp32 parameters gives ``value`` exactly as on an unsharded model."""
+    for module in modules:
+        policy = module._get_fsdp_state()._mp_policy  # (FSDP2 keeps it nowhere public)
+        if policy.param_dtype is not None or policy.reduce_dtype is not None:
+            return (f"fully_shard fixed this model's MixedPrecisionPolicy when it wrapped it "
+                    f"(param_dtype={policy.param_dtype}, reduce_dtype="
+                    f"{policy.reduce_dtype}); autocast over it would not be {value}: set the "
+                    "precision in the fully_shard call")
+    if value == "fp16":
+        return ("FSDP2 shards the gradients, and the GradScaler would check each rank's "
+                "shard for inf/NaN alone: a step skipped on one rank and taken on another "
+                "splits the model (use bf16)")
+    return None
+
+
+def sync_at_window_end(model: torch.nn.Module, accum_steps: Callable[[], int]
+                       ) -> Callable[[int], None]:
+    """A :attr:`gpuopt.precision.SwitchableGradScaler.before_backward` for the FSDP2
+    model ``model``: before the ``n``-th backward of a window of ``accum_steps()``
+    micro-batches, gradient reduction on for the last one only (a flag on each
+    ``fully_shard`` module: no communication, no synchronization)."""
+    modules = fsdp_modules(model)
+
+    def before_backward(micro_batch: int) -> None:
+        last = micro_batch >= accum_steps()
+        for module in modules:
+            module.set_requires_gradient_sync(last, recurse=False)
+
+    return before_backward
+
+
+def _shared_path(path: Path) -> Path:
+    """Rank 0's ``path`` on every rank (a collective on the default process group)."""
+    shared = [str(path)]
+    dist.broadcast_object_list(shared, src=0)
+    return Path(shared[0])
+
+
+def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 rank_state: dict[str, Any]) -> None:
+    """Write a sharded checkpoint into the directory rank 0 gives as ``path``: the
+    model's and the optimizer's shards (``torch.distributed.checkpoint``, each rank its
+    own) and each rank's ``rank_state`` (:data:`RANK_FILE`, ``torch.save``). Every rank
+    calls it at the same step; it returns once every rank has written (a barrier), so
+    rank 0 may then rename the directory.
+
+    Raises:
+        OSError: the directory cannot be written (on the rank that failed; the others
+            wait at the barrier until the process group's timeout).
+    """
+    import torch.distributed.checkpoint as dcp  # (seconds to import: only when saving)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    directory = _shared_path(path)
+    if optimizer is None:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.save(state, checkpoint_id=directory)
+    torch.save(rank_state, directory / RANK_FILE.format(rank=dist.get_rank()))
+    dist.barrier()
+
+
+def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Load the shards of a :func:`save_sharded` directory into ``model`` and
+    ``optimizer`` (every rank, at once) and return this rank's own state (what
+    :func:`agent.control.checkpoints.load_checkpoint` reads; no code runs from the files).
+
+    Raises:
+        ValueError: ``path`` is not such a directory, or was written by another number
+            of ranks. OSError: it cannot be read.
+    """
+    import torch.distributed.checkpoint as dcp  # (seconds to import: only when resuming)
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                         set_model_state_dict, set_state_dict)
+    directory = Path(path)
+    rank_file = directory / RANK_FILE.format(rank=dist.get_rank())
+    if not directory.is_dir() or not rank_file.is_file():
+        raise ValueError(f"{path} is not a sharded checkpoint of this model's rank "
+                         f"{dist.get_rank()}: a model sharded by fully_shard resumes from the "
+                         "directory its checkpoint command wrote")
+    rank_state = load_checkpoint(rank_file)
+    if rank_state.get("world_size") != dist.get_world_size():
+        raise ValueError(f"{path} was written by {rank_state.get('world_size')} ranks, this "
+                         f"job has {dist.get_world_size()}")
+    if optimizer is None:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=directory)
+        set_model_state_dict(model, state["model"])
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+    return rank_state

@@ -1,0 +1,160 @@
+"""An FSDP2 job (gloo, CPU) for the tests of every knob on a sharded model:
+``torchrun --nproc-per-node 2 tests/fsdp_job.py OUT knobs|resume``.
+
+Each rank trains a ``Sequential`` of three blocks, each block and the whole model
+``fully_shard``-ed, with AdamW, in a hand-written loop (:func:`agent.session`), its
+micro-batches drawn by ``run.timed`` from its own seeded random numbers.
+
+``knobs``: rank 0's training thread sends, one at a time, ``accum_steps=3``,
+``lr_scale=0.5``, ``weight_decay=0.2``, ``max_grad_norm=0.05``, ``checkpointing=true``,
+``precision=bf16``, then ``checkpoint=now`` (every rank writes its shard into
+``OUT/checkpoints``), ``precision=fp16`` (refused by both ranks) and ``label=5`` (a
+knob of the job's own that rank 1 refuses). Every rank keeps an unsharded copy of the
+model and, each window, computes the update by hand from both ranks' micro-batches
+(gathered) with the knob values of the window (fp32 AdamW with the scaled learning rate
+and the decay, the global norm clipped, the same autocast): after each window the full
+parameters must equal the copy's (fp32 tolerances: the reduction sums in another
+order). It also checks that a window's gradients are reduced at its last micro-batch
+only (no sharded gradient before).
+
+``resume``: resumes from the checkpoint ``knobs`` saved and trains on to the same step
+(after checking that one rank's file of it is refused as a checkpoint).
+
+Each rank saves ``OUT/<mode>-rank<N>.pt``: each step's full parameters and knob values,
+the command replies (rank 0) and the ``applied`` and ``resumed`` events of its run log.
+"""
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import agent
+from agent.integrations.sharded import load_sharded
+from agent.wire.commands import send_command
+from agent.wire.knobs import Knob, KnobSet, KnobSpec
+from gpuwatch.history import flat_records
+
+STEPS = 18
+BASE_LR = 0.01
+COMMANDS = {2: ("accum_steps", 3), 4: ("lr_scale", 0.5), 6: ("weight_decay", 0.2),
+            8: ("max_grad_norm", 0.05), 10: ("checkpointing", True),
+            12: ("precision", "bf16"), 14: ("checkpoint", "now"), 15: ("precision", "fp16"),
+            16: ("label", 5)}
+
+
+def make_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                 for _ in range(3)])
+
+
+def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def main(out: Path, mode: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = make_model()
+    model = make_model()
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=BASE_LR, weight_decay=0.0)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=BASE_LR,
+                                            weight_decay=0.0)
+    torch.manual_seed(100 + rank)  # each rank's data (a resume puts back where it was)
+    label = {"value": 0}
+    own = KnobSet()
+    own.add(Knob(KnobSpec("label", "int", "test: a knob rank 1 refuses"),
+                 get=lambda: label["value"], set=lambda value: label.update(value=value),
+                 check=lambda value: (_ for _ in ()).throw(ValueError("rank 1 keeps its label"))
+                 if rank == 1 else None))
+    saved = next((out / "checkpoints").glob("step-*")) if mode == "resume" else None
+    if saved is not None:  # one rank's file is no sharded checkpoint: refused, untouched
+        try:
+            load_sharded(saved / "rank-0.pt", model, optimizer)
+        except ValueError as exc:
+            assert "resumes from the directory its checkpoint command wrote" in str(exc)
+        else:
+            raise AssertionError("a sharded model resumed from one rank's file")
+    run = agent.session(model=model, optimizer=optimizer, precision="fp32", accum_steps=2,
+                        max_grad_norm=0.0, knobs=own, name=f"fsdp-{mode}",
+                        checkpoint_dir=out / "checkpoints", resume_from=saved)
+    assert run.checkpointing is not None and len(run.checkpointing) == 3
+    assert run.agent.knobs.unsupported["kernels"] == (
+        "compiling a model sharded by fully_shard is not verified")
+    get_batch = run.timed(lambda: (torch.randn(4, 8), torch.randn(4, 8)))
+    steps: dict[int, dict[str, Any]] = {}
+    replies: dict[str, Any] = {}
+    while run.step < STEPS:
+        knobs = run.agent.knobs.values()
+        micro_batches = []
+        for micro_batch in range(run.accum_steps):
+            x, y = get_batch()
+            micro_batches.append((x, y))
+            with run.autocast:
+                loss = torch.nn.functional.mse_loss(model(x), y) / run.accum_steps
+            run.scaler.scale(loss).backward()
+            synced = [p.grad is not None for p in model.parameters()]
+            assert all(synced) == (micro_batch == run.accum_steps - 1), (micro_batch, synced)
+        run.scaler.step(optimizer)
+        run.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if mode == "knobs":
+            by_hand(reference, reference_optimizer, micro_batches, knobs, world)
+            for mine, theirs in zip(full_params(model), reference.parameters(), strict=True):
+                torch.testing.assert_close(mine, theirs.detach(), rtol=2e-5, atol=2e-6)
+        run.optimizer_step()
+        steps[run.step] = {"params": full_params(model), "knobs": knobs}
+        if mode == "knobs" and rank == 0 and run.step in COMMANDS:  # (rank 1 waits in
+            # the next window's collectives: the step after it is not reached yet)
+            name, value = COMMANDS[run.step]
+            replies[name if name != "precision" else f"precision={value}"] = send_command(
+                run.agent.info, name, value, apply_step=run.step + 2, timeout_s=30)
+    run.close()
+    events = [{key: record.get(key) for key in ("kind", "knob", "step", "text")}
+              for record in flat_records(run.agent.info.log_path)
+              if record["type"] == "event" and record.get("kind") in ("applied", "resumed")]
+    torch.save({"steps": steps, "replies": replies, "label": label["value"],
+                "events": events},
+               out / f"{mode}-rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def by_hand(reference: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            micro_batches: list[tuple[torch.Tensor, torch.Tensor]], knobs: dict[str, Any],
+            world: int) -> None:
+    """One window's update of the unsharded ``reference``: every rank's micro-batches
+    (gathered), each rank's loss divided by the window and by the ranks (FSDP2 averages
+    the reduced gradients), the knob values of the window set by hand."""
+    accum = len(micro_batches)
+    for x, y in micro_batches:
+        gathered = [[torch.empty_like(x) for _ in range(world)] for _ in range(2)]
+        dist.all_gather(gathered[0], x)
+        dist.all_gather(gathered[1], y)
+        for rank_x, rank_y in zip(*gathered, strict=True):
+            dtype = torch.bfloat16 if knobs["precision"] == "bf16" else torch.float32
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                loss = torch.nn.functional.mse_loss(reference(rank_x), rank_y)
+            (loss / accum / world).backward()
+    params = list(reference.parameters())
+    if knobs["max_grad_norm"] > 0:
+        norm = torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad) for p in params]))
+        coefficient = torch.clamp(knobs["max_grad_norm"] / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coefficient)
+    for group in optimizer.param_groups:
+        group["lr"] = BASE_LR * knobs["lr_scale"]
+        group["weight_decay"] = knobs["weight_decay"]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

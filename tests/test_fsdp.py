@@ -1,0 +1,97 @@
+"""FSDP2 (``fully_shard``) in a hand-written loop: every knob exact against an unsharded
+copy, commands at one step on every rank, refused everywhere when one rank refuses, and
+a sharded checkpoint every rank writes its part of, resumed bit-identically (real
+torchrun jobs, gloo on the CPU: :mod:`tests.fsdp_job`)."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+JOB = Path(__file__).with_name("fsdp_job.py")
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_job(*args: str) -> str:
+    """``args`` (a script and its arguments) under ``torchrun --nproc-per-node 2``, to its
+    end; its output."""
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1",
+             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        start_new_session=True)
+    try:
+        output = job.communicate(timeout=300)[0]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, (args, output)
+    return output
+
+
+@pytest.mark.slow
+def test_the_fsdp_example_runs_as_it_is_and_cleans_up(run_dir):
+    output = run_job(str(EXAMPLES / "fsdp_loop.py"), "--max-steps", "10")
+    assert "(2 ranks): watch it with `gpuwatch`" in output
+    assert list(Path(run_dir).glob("*.json")) == []  # both run files removed at exit
+
+
+@pytest.mark.slow
+def test_every_knob_of_a_sharded_loop_is_exact_and_its_checkpoint_resumes_bit_identically(
+        run_dir, tmp_path):
+    """The job checks each window against the unsharded copy itself (fp32 tolerances,
+    both ranks; and that gradients are reduced at a window's last micro-batch only);
+    here: every command applied at one step on both ranks, the refusals, the checkpoint
+    written by both ranks, and the resume equal to the run it came from, bit for bit."""
+    run_job(str(JOB), str(tmp_path), "knobs")
+    ranks = [torch.load(tmp_path / f"knobs-rank{rank}.pt", weights_only=False)
+             for rank in (0, 1)]
+    replies = ranks[0]["replies"]
+    for name in ("accum_steps", "lr_scale", "weight_decay", "max_grad_norm", "checkpointing",
+                 "precision=bf16", "checkpoint"):
+        assert replies[name]["ok"] and replies[name]["ranks"] == [0, 1], replies[name]
+    assert not replies["precision=fp16"]["ok"]
+    assert "GradScaler would check each rank's shard" in replies["precision=fp16"]["reason"]
+    assert not replies["label"]["ok"]  # rank 1 refused: neither rank has it
+    assert replies["label"]["reason"] == "label=5: rank 1 keeps its label (rank 1)"
+    assert [data["label"] for data in ranks] == [0, 0]
+    # the same knob values at every step on both ranks, and each change at its step
+    assert [{step: s["knobs"] for step, s in data["steps"].items()} for data in ranks][0] == {
+        step: s["knobs"] for step, s in ranks[1]["steps"].items()}
+    last = ranks[0]["steps"][max(ranks[0]["steps"])]["knobs"]
+    assert {name: last[name] for name in ("accum_steps", "lr_scale", "weight_decay",
+                                          "max_grad_norm", "checkpointing", "precision")} == {
+        "accum_steps": 3, "lr_scale": 0.5, "weight_decay": 0.2, "max_grad_norm": 0.05,
+        "checkpointing": True, "precision": "bf16"}
+    for name, value in last.items():  # each new value first trained at its apply step
+        reply = replies.get(name) or replies.get(f"{name}={value}")
+        if reply is not None and reply["ok"]:
+            assert min(step for step, s in ranks[0]["steps"].items()
+                       if s["knobs"][name] == value) == reply["apply_step"], name
+    [directory] = (tmp_path / "checkpoints").iterdir()
+    saved_step = replies["checkpoint"]["apply_step"] - 1
+    assert directory.name == f"step-{saved_step:08d}"
+    assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in directory.iterdir()}
+    for data in ranks:  # rank 0 saved it (and named it), rank 1 with it
+        [saved] = [e for e in data["events"] if e["knob"] == "checkpoint"]
+        assert f"saved {'after' if data is ranks[0] else 'with rank 0 after'} step " \
+               f"{saved_step} to {directory}" in saved["text"], saved
+
+    run_job(str(JOB), str(tmp_path), "resume")
+    for rank, data in enumerate(ranks):
+        resumed = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
+        [event] = [e for e in resumed["events"] if e["kind"] == "resumed"]
+        assert f"resumed from {directory} at step {saved_step}" in event["text"], event
+        assert sorted(resumed["steps"]) == [step for step in sorted(data["steps"])
+                                            if step > saved_step]
+        for step, state in resumed["steps"].items():
+            assert state["knobs"] == data["steps"][step]["knobs"]
+            for mine, theirs in zip(state["params"], data["steps"][step]["params"], strict=True):
+                assert torch.equal(mine, theirs), (rank, step)
