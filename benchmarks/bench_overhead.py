@@ -17,25 +17,32 @@ interleaved (the order rotates each round) and repeated. Monitors:
 
 Two measures, each per optimizer step:
 
-- **CPU time**, which a loaded machine's noise does not hide: the per-thread CPU clock
-  (``clock_gettime`` of each thread's CPU clock) of every thread the monitor starts
-  (the agent's I/O thread and ZeroMQ's background threads; tqdm's monitor thread), read
-  once the monitor has handled the last step, and the training thread's own CPU time
-  (``time.thread_time``) minus that of the bare loop in the same round (what the hot
-  path adds there; this difference is noisy), and, measured alone without a model (a
-  loop that only iterates: no noise from torch), the CPU each monitor's per-step code
-  adds to the training thread (the agent's loader wrapper and ``optimizer_step``;
-  tqdm's iteration). The monitor threads' CPU is GIL time the training thread may have
-  to wait for.
+- **CPU time**: the whole process's (``time.process_time``: every thread, the training
+  thread's and ZeroMQ's included) minus the bare loop's in the same round (mean over
+  rounds, 95% interval: the difference carries torch's noise); the per-thread CPU
+  clock (``clock_gettime`` of each thread's CPU clock) of every thread the monitor
+  starts (the agent's I/O thread and ZeroMQ's background threads; tqdm's monitor
+  thread), read once the monitor has handled the last step; the training thread's own
+  CPU time (``time.thread_time``) minus the bare loop's in the same round (noisy);
+  and, measured alone without a model (a loop that only iterates: no noise from
+  torch), the CPU each monitor's per-step code adds to the training thread (the
+  agent's loader wrapper and ``optimizer_step``; tqdm's iteration): the training
+  thread's share. The monitor threads' CPU is GIL time the training thread may have to
+  wait for.
 - **Wall clock**: the ratio of each round's step time under the monitor to the bare
   loop's in the same round; mean over rounds with a 95% confidence interval (Student t).
 
-Last line: ``RESULT agent_cpu_us_per_step=<a> agent_overhead_ratio=<r>
-agent_overhead_ci95=<c> agent_sub_overhead_ratio=<s> tqdm_cpu_us_per_step=<t>``: ``a`` is
-the CPU time of all agent threads a step (target <= 3 us at 1,000+ steps/s), ``r`` the
-mean wall-clock ratio and ``c`` the half-width of its 95% interval (target ``r <= 1.01``),
-``s`` the ratio with a subscriber reading, ``t`` tqdm's CPU a step (its per-step code on
-the training thread, measured alone, and its monitor thread).
+Last line: ``RESULT agent_cpu_us_per_step=<a> agent_cpu_ci95=<ac>
+agent_train_cpu_us_per_step=<at> agent_threads_cpu_us_per_step=<ah>
+agent_overhead_ratio=<r> agent_overhead_ci95=<c> agent_sub_overhead_ratio=<s>
+tqdm_cpu_us_per_step=<t> tqdm_overhead_ratio=<tr> tqdm_overhead_ci95=<tc>``: ``a`` is
+the training process's CPU a step beyond the bare loop's, all its threads (target <= 3
+us at 1,000+ steps/s) and ``ac`` the half-width of its 95% interval; ``at`` the
+training thread's share (its per-step code measured alone), ``ah`` the agent's own
+threads'; ``r`` the mean wall-clock ratio and ``c`` the half-width of its 95% interval
+(target: an interval that reaches 1.02 or less), ``s`` the ratio with a subscriber
+reading; ``t`` tqdm's CPU a step (its per-step code on the training thread, measured
+alone, and its monitor thread), ``tr`` and ``tc`` its wall-clock ratio and interval.
 """
 
 from __future__ import annotations
@@ -99,17 +106,25 @@ class Clocks:
     def begin(self) -> None:
         self._tids = thread_ids() - self._before
         self._cpu0 = {tid: thread_cpu_s(tid) or 0.0 for tid in self._tids}
+        self._process0 = time.process_time()
+        self._train_loop: float | None = None
         self._train0 = time.thread_time()
         self._wall0 = time.perf_counter()
 
-    def end(self) -> tuple[float, float, float]:
-        """``(wall s, training thread CPU s, monitor threads' CPU s)`` since begin()."""
+    def end(self) -> tuple[float, float, float, float]:
+        """``(wall s, training thread CPU s, monitor threads' CPU s, process CPU s)``
+        since begin(): the process's (all its threads) without the training thread's
+        after the loop, so a wait for the monitor's last step (a call of
+        :meth:`end` after the loop's) is not counted."""
         wall = time.perf_counter() - self._wall0
         train = time.thread_time() - self._train0
+        if self._train_loop is None:
+            self._train_loop = train
+        process = time.process_time() - self._process0 - (train - self._train_loop)
         threads = thread_ids() - self._before
         monitor = sum((thread_cpu_s(tid) or 0.0) - self._cpu0.get(tid, 0.0)
                       for tid in threads)
-        return wall, train, monitor
+        return wall, self._train_loop, monitor, process
 
 
 def make_loop(batch_size: int = 64, hidden: int = 512):
@@ -179,12 +194,12 @@ def run_agent(stream, step, steps, clocks, subscriber=False):
         for inputs, targets in run.loader(stream(steps)):
             loss = step(inputs, targets)
             run.optimizer_step(loss)
-        wall, train, _ = clocks.end()
+        wall, train, _, _ = clocks.end()
         _handled(run, steps)
-        _, _, monitor = clocks.end()
+        _, _, monitor, process = clocks.end()
     if reader is not None:
         reader.wait(30)
-    return wall, train, monitor
+    return wall, train, monitor, process
 
 
 def run_naive_logger(stream, step, steps, clocks):
@@ -295,46 +310,59 @@ def main() -> None:
     monitors = {**MONITORS, **(EXTRA if args.all else {})}
     stream, step = make_loop()
     run_bare(stream, step, 200, Clocks())  # warm up
-    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in monitors}
+    samples: dict[str, list[tuple[float, float, float, float]]] = {
+        name: [] for name in monitors}
     for round_index in range(args.rounds):
         order = list(monitors)
         order = order[round_index % len(order):] + order[:round_index % len(order)]
         for name in order:
             samples[name].append(monitors[name](stream, step, args.steps, Clocks()))
     n = args.steps
-    bare_wall = [wall / n * 1e6 for wall, _, _ in samples["bare"]]
-    bare_train = [train / n * 1e6 for _, train, _ in samples["bare"]]
+    bare_wall = [row[0] / n * 1e6 for row in samples["bare"]]
+    bare_train = [row[1] / n * 1e6 for row in samples["bare"]]
+    bare_process = [row[3] / n * 1e6 for row in samples["bare"]]
     print(f"bare loop: {statistics.median(bare_wall):.1f} us a step "
           f"({1e6 / statistics.median(bare_wall):.0f} steps/s), {args.rounds} interleaved "
           f"rounds of {n} steps, torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'monitor':<15}{'wall us':>9}{'ratio':>8}{'95% CI':>9}"
-          f"{'train +cpu us':>15}{'threads cpu us':>16}")
+          f"{'process +cpu us':>17}{'95% CI':>8}{'train +cpu us':>15}{'threads cpu us':>16}")
     figures = {}
     for name, rows in samples.items():
-        wall = [w / n * 1e6 for w, _, _ in rows]
-        ratios = [w / b for w, b in zip(wall, bare_wall)]
-        ratio, ci = mean_ci(ratios)
-        train_added = statistics.median(t / n * 1e6 - b for (_, t, _), b in zip(rows, bare_train))
-        threads = statistics.median(m / n * 1e6 for _, _, m in rows)
-        figures[name] = (ratio, ci, train_added, threads)
-        print(f"{name:<15}{statistics.median(wall):>9.1f}{ratio:>8.4f}{'±' + format(ci, '.4f'):>9}"
+        wall = [row[0] / n * 1e6 for row in rows]
+        ratio, ci = mean_ci([w / b for w, b in zip(wall, bare_wall)])
+        process, process_ci = mean_ci([row[3] / n * 1e6 - b
+                                       for row, b in zip(rows, bare_process)])
+        train_added = statistics.median(row[1] / n * 1e6 - b
+                                        for row, b in zip(rows, bare_train))
+        threads = statistics.median(row[2] / n * 1e6 for row in rows)
+        figures[name] = (ratio, ci, process, process_ci, threads)
+        print(f"{name:<15}{statistics.median(wall):>9.1f}{ratio:>8.4f}"
+              f"{'±' + format(ci, '.4f'):>9}{process:>17.2f}{'±' + format(process_ci, '.2f'):>8}"
               f"{train_added:>15.2f}{threads:>16.2f}")
-    agent_ratio, agent_ci, agent_train, agent_threads = figures["agent"]
-    print("agent threads: the I/O thread and ZeroMQ's; 'train +cpu': the training "
-          "thread's CPU minus the bare loop's in the same round (median; noisy)")
+    print("'process +cpu': the process's CPU (all its threads) minus the bare loop's in the "
+          "same round, mean; 'train +cpu': the training thread's alone (median); 'threads': "
+          "the monitor's own threads (the agent's I/O thread and ZeroMQ's; median); the "
+          "differences carry torch's noise")
     hot = hot_path_cpu_us(min(args.steps, 2000))
-    tqdm_cpu = hot["tqdm"] + figures["tqdm"][3]
+    agent_ratio, agent_ci, agent_process, agent_process_ci, agent_threads = figures["agent"]
+    tqdm_cpu = hot["tqdm"] + figures["tqdm"][4]
     print(f"training thread's per-step code alone (no model, best of 5): agent "
-          f"{hot['agent']:.2f} us a step (loader wrapper, clock reads, marker, deque "
-          f"append), tqdm {hot['tqdm']:.2f} us")
+          f"{hot['agent']:.2f} us a step (loader wrapper, clock reads, marker, record, "
+          f"deque append, pending-command check), tqdm {hot['tqdm']:.2f} us")
     print(f"agent, all its work a step: {agent_threads + hot['agent']:.2f} us of CPU "
           f"({agent_threads:.2f} on its threads, {hot['agent']:.2f} on the training "
-          "thread)")
-    print(f"RESULT agent_cpu_us_per_step={agent_threads:.2f} "
+          f"thread); the process's CPU beyond the bare loop's: {agent_process:.2f} "
+          f"± {agent_process_ci:.2f} us (tqdm {figures['tqdm'][2]:.2f} "
+          f"± {figures['tqdm'][3]:.2f})")
+    print(f"RESULT agent_cpu_us_per_step={agent_process:.2f} "
+          f"agent_cpu_ci95={agent_process_ci:.2f} "
+          f"agent_train_cpu_us_per_step={hot['agent']:.2f} "
+          f"agent_threads_cpu_us_per_step={agent_threads:.2f} "
           f"agent_overhead_ratio={agent_ratio:.4f} agent_overhead_ci95={agent_ci:.4f} "
           f"agent_sub_overhead_ratio={figures['agent+sub'][0]:.4f} "
-          f"tqdm_cpu_us_per_step={tqdm_cpu:.2f}")
+          f"tqdm_cpu_us_per_step={tqdm_cpu:.2f} tqdm_overhead_ratio={figures['tqdm'][0]:.4f} "
+          f"tqdm_overhead_ci95={figures['tqdm'][1]:.4f}")
 
 
 if __name__ == "__main__":

@@ -12,17 +12,20 @@ def batch_size(batch: Any) -> int:
 
     ``batch`` may be a tensor, or a tuple/list/dict nesting tensors (as DataLoader's
     default collate builds them). Returns 0 when it holds no tensor. Never touches the
-    tensor's data (no device sync).
+    tensor's data (no device sync). Runs on the training thread for every batch: the
+    containers are checked first (``isinstance`` of :class:`torch.Tensor` goes through
+    torch's metaclass): a few hundred nanoseconds for an ``(inputs, targets)`` tuple.
     """
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
     if isinstance(batch, (list, tuple)):
         for item in batch:
             size = batch_size(item)
             if size:
                 return size
+        return 0
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, dict):
+        return batch_size(list(batch.values()))
     return 0
 
 

@@ -47,6 +47,8 @@ def batch_tokens(batch: Any, samples: int, tokens_per_sample: int | None) -> int
     None. Reads shapes only: never touches tensor data."""
     if tokens_per_sample is not None:
         return samples * tokens_per_sample
+    if type(batch) is tuple or type(batch) is list:  # (the common batch: no ABC check)
+        return None
     if isinstance(batch, Mapping):
         ids = batch.get("input_ids")
         numel = getattr(ids, "numel", None)

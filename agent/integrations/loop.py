@@ -24,7 +24,7 @@ as on a normal exit (``bye`` sent, run file removed); ``with agent.session(...)`
 :meth:`Session.close` end it sooner.
 
 Loss convention: the loss a step reports is the window's mean loss. Without an argument
-:meth:`Session.optimizer_step` takes it from :attr:`Session.scaler`: the sum of the
+:meth:`LoopRun.optimizer_step` takes it from :attr:`Session.scaler`: the sum of the
 losses passed to ``scaler.scale()`` in the window, which is the window's mean when each
 micro-batch's loss was divided by the window size (``loss / run.accum_steps``) before
 backward, as gradient accumulation requires. A loop without the scaler passes the
@@ -279,6 +279,11 @@ class LoopRun(RunBase):
             activation_bytes=measured if activation_bytes is None else activation_bytes,
             tokens=fetched_tokens if tokens is None else tokens, lr=lr,
             grad_norm=clipped if grad_norm is None else grad_norm))
+        self._next_window()
+
+    def _next_window(self) -> None:
+        """Training thread, after the boundary: prepare the next window (by default
+        nothing; :class:`Session` plans its next activation measurement)."""
 
     def _take_window(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int, int | None]:
         """``(loss_sum, skipped, backwards, activation_bytes)`` of the window that just
@@ -388,22 +393,16 @@ class Session(LoopRun):
         self._measured_settings: Any = None
         self._measure_due = False
         self._activation_bytes: int | None = None
-        self._plan_measurement()
+        self._next_window()
 
     # ------------------------------------------------------------ the boundary
-
-    def optimizer_step(self, loss: torch.Tensor | None = None, **facts: Any) -> None:
-        """:meth:`LoopRun.optimizer_step` (the same arguments), then the next activation
-        measurement planned."""
-        super().optimizer_step(loss, **facts)
-        self._plan_measurement()
 
     def _take_window(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int, int | None]:
         scaled_loss, scaler_skipped, backwards = self.scaler.take_window()
         measured, self._activation_bytes = self._activation_bytes, None
         return scaled_loss, scaler_skipped, backwards, measured
 
-    def _plan_measurement(self) -> None:
+    def _next_window(self) -> None:  # the next activation measurement planned
         if not self.measure_activations_every or self.model is None:
             return
         kernels = self.model_backend.kernels if self.model_backend is not None else "eager"
@@ -480,7 +479,7 @@ class Session(LoopRun):
                           lr_scheduler=self.lr_scheduler)
         self.scaler.load_state_dict(saved["grad_scaler"])
         self._resume_run(saved, source)
-        self._plan_measurement()
+        self._next_window()
 
 
 def check_accum_steps(accum_steps: int | None) -> None:

@@ -178,9 +178,8 @@ class StepEncoder:
            (the agent reports it) and leaves the records after it queued.
         """
         records, in_flight = self._records, self._in_flight
-        if records:
-            popleft = records.popleft
-            in_flight.extend([popleft() for _ in range(len(records))])
+        if records:  # (popped in C: the training thread may append meanwhile)
+            in_flight.extend(map(deque.popleft, repeat(records, len(records))))
         if in_flight:
             pending = list(in_flight)
             in_flight.clear()
@@ -251,7 +250,7 @@ class StepEncoder:
             if kinds == _NONE:
                 losses = nones
             elif kinds == _TENSOR and set(map(torch.Tensor.dim, loss_ts)) == _ZERO:
-                losses = [loss.item() for loss in loss_ts]
+                losses = list(map(torch.Tensor.item, loss_ts))  # (a stack costs more)
             else:
                 losses = [None if loss is None else (
                     loss.item() if loss.dim() == 0 else float(loss.float().mean()))
