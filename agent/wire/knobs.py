@@ -197,6 +197,16 @@ MAX_GRAD_NORM = KnobSpec("max_grad_norm", "float", "clip the global gradient nor
 CHECKPOINT = KnobSpec("checkpoint", "action", "save a checkpoint (model, optimizer, "
                       "scheduler, GradScaler, knobs) at the next step boundary",
                       choices=("now",), group=OTHER)
+PAUSE = KnobSpec("pause", "action", "on: hold the training at the next optimizer-step "
+                 "boundary, waiting without using the CPU or GPU; off: go on from there",
+                 choices=("on", "off"), group=OTHER)
+STOP = KnobSpec("stop", "action", "end the training cleanly at the next optimizer-step "
+                "boundary (the framework's end hooks run); checkpoint: save one first",
+                choices=("now", "checkpoint"), group=OTHER)
+EVALUATE = KnobSpec("evaluate", "action", "run the framework's evaluation (or the "
+                    "eval_fn given to attach / session) at the next optimizer-step "
+                    "boundary; its metrics go to the event log", choices=("now",),
+                    group=OTHER)
 MEMORY_FRACTION = KnobSpec("memory_fraction", "float",
                            "cap of this process's CUDA memory, as a fraction of the device",
                            minimum=0.01, maximum=1.0, group=KERNELS_MEMORY)
@@ -215,7 +225,8 @@ OPTIMIZER_KNOBS = (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM)
 STANDARD_KNOBS = {spec.name: spec for spec in
                   (PRECISION, ACCUM_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
                    PREFETCH_FACTOR, CPU_THREADS, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
-                   MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, CHECKPOINT)}
+                   MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, CHECKPOINT, PAUSE, STOP,
+                   EVALUATE)}
 
 
 @dataclass
