@@ -307,15 +307,16 @@ class RunBase:
 
         self.knobs.add(Knob(EVALUATE, get=lambda: None, set=now))
 
-    def publish_evaluation(self, step: int, metrics: dict[str, Any] | None) -> dict[str, float]:
+    def publish_evaluation(self, step: int, metrics: dict[str, Any] | None,
+                           **fields: Any) -> dict[str, float]:
         """An ``evaluation`` event at ``step`` with the numbers of ``metrics`` (booleans
-        and non-numbers left out), for the event log, the dashboard and the run log.
-        Returns the numbers."""
+        and non-numbers left out) and ``fields``, for the event log, the dashboard and
+        the run log. Returns the numbers."""
         numbers = {str(key): float(value) for key, value in (metrics or {}).items()
                    if isinstance(value, (int, float)) and not isinstance(value, bool)}
         shown = ", ".join(f"{key}={value:.4g}" for key, value in numbers.items())
         self.agent.event("info", f"evaluation at step {step}: {shown or 'no numbers'}",
-                         kind=EventKind.EVALUATION, step=step, metrics=numbers)
+                         kind=EventKind.EVALUATION, step=step, metrics=numbers, **fields)
         return numbers
 
     # ------------------------------------------------------------ rollback of the state
