@@ -2,18 +2,24 @@
 training on real digits, commanded over real ZeroMQ; every loss checked against an
 unsteered twin, bit for bit."""
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import torch
 
 import agent
 from agent.control.checkpoints import load_checkpoint
 from agent.wire import runs
+from examples.steer import plateaued
 from gpuopt import Trainer
 from gpuwatch.client import Subscriber, send_command
 from tests.training import Gate, digits_loader, messages, model as make_model, start
 
 STEPS = 16
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Losses:
@@ -201,3 +207,51 @@ def test_a_loop_pauses_and_resumes_with_the_losses_of_an_unpaused_twin_then_stop
     assert seen[-1]["body"]["reason"] == f"stopped by stop=now after step {last}"
     assert run.stopping and sorted(losses) == list(range(1, last + 1))  # loader() ended
     assert losses == {step: twin_losses[step] for step in losses}
+
+
+def test_plateau_compares_the_means_of_the_last_two_windows():
+    assert not plateaued([3.0, 2.0, 1.0], 2, 0.01)  # fewer than two windows
+    assert not plateaued([4.0, 4.0, 2.0, 2.0], 2, 0.5)  # fell by half: 2 <= 4 x 0.5
+    assert plateaued([4.0, 4.0, 2.0, 2.02], 2, 0.5)  # 2.01 > 2
+    assert plateaued([1.0, 1.0, 1.0, 1.0], 2, 0.01)  # flat
+
+
+def test_the_steer_example_halves_lr_scale_of_a_live_run_at_each_plateau(run_dir):
+    """examples/steer.py in its own process against a live Trainer (trained until the
+    test stops it): with any fall too small (--min-improvement 1), each 4-step window
+    pair is a plateau, so lr_scale goes to 0.5 then 0.25, each from the step its event
+    names (the learning rate the steps report halves with it), and the script ends with
+    the run."""
+    gate = Gate(hold_at=1)
+    trainer, _ = _trainer(gate)
+    agent.attach(trainer)
+    info = runs.find_run()
+    script = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "steer.py"), info.run_id, "--window", "4",
+         "--min-improvement", "1", "--max-halvings", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert script.stdout.readline() == f"following {info.run_id}\n", script.stderr.read()
+        with Subscriber(info) as sub:
+            thread = start(trainer)  # until stopped: the script's pace is its own
+            gate.release.set()
+            # (or the script ended early: the assertions below say how)
+            seen = messages(sub, lambda m: _applied("lr_scale", 0.25)(m)
+                            or script.poll() is not None)
+            assert send_command(info, "stop", "now")["ok"]
+            seen += messages(sub, lambda m: m["type"] == "bye")
+        thread.join(30)
+        out, err = script.communicate(timeout=60)
+    finally:
+        if script.poll() is None:
+            script.kill()
+    assert script.returncode == 0, err
+    halvings = _events(seen, "applied", "lr_scale")
+    assert [event["value"] for event in halvings] == [0.5, 0.25]
+    assert out.splitlines() == [event["text"] for event in halvings]
+    steps = {m["body"]["step"]: m["body"] for m in seen if m["type"] == "step"}
+    for step, body in steps.items():
+        scale = 0.25 if step >= halvings[1]["step"] else (
+            0.5 if step >= halvings[0]["step"] else 1.0)
+        assert body["knobs"]["lr_scale"] == scale and body["lr"] == 3e-3 * scale, step
