@@ -87,7 +87,7 @@ _STATUS_NOTES = {
 #: Textual's palette entries left out (see :meth:`GpuwatchApp.get_system_commands`).
 _HIDDEN_SYSTEM_COMMANDS = frozenset({"Quit", "Keys", "Maximize", "Minimize"})
 #: The actions that send a command (their first parameter is the knob).
-_KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "send"})
+_KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "send", "pause"})
 #: The actions of the keys that change the run: each asks before it sends (see
 #: :meth:`GpuwatchApp.on_key`), unless quick keys are on.
 _RUN_ACTIONS = _KNOB_ACTIONS | {"tune"}
@@ -165,6 +165,18 @@ class GpuwatchApp(App[None]):
                 show=False,  # in help and the palette: the footer is full at 80 columns
                 tooltip="Save a checkpoint at the next step (the training waits while "
                         "it is written)"),
+        Binding("P", "pause('pause')", "pause", id="pause.toggle", show=False,
+                tooltip="Pause the training at the next step boundary (it waits there, "
+                        "asleep, and takes commands), or let a paused run go on: "
+                        "pause=on / pause=off"),
+        Binding("E", "send('evaluate', 'now')", "eval", id="evaluate.now", show=False,
+                tooltip="Run the framework's evaluation (or the run's eval_fn) at the next "
+                        "step boundary: evaluate=now; its metrics go to the event log"),
+        Binding("X", "send('stop', 'checkpoint')", "stop", id="stop.checkpoint",
+                show=False,
+                tooltip="Save a checkpoint, then end the training at the next step "
+                        "boundary as the framework ends it: stop=checkpoint (`:stop=now` "
+                        "ends it without one)"),
         # a replay on a timeline (before the focused widget's keys: the log scrolls too)
         Binding("left", "move_by(-1)", "step-", id="timeline.back", group=_STEP,
                 priority=True, tooltip="Timeline: one optimizer step back"),
@@ -641,6 +653,13 @@ class GpuwatchApp(App[None]):
             self.note("warning", f"this run has no {knob} command; nothing sent")
             return
         self._command(knob, value)
+
+    def action_pause(self, knob: str) -> None:
+        """Pause the run at the next boundary with the ``knob`` command (``pause``), or
+        let a paused one go on."""
+        with self.source.lock:
+            paused = self.source.state.paused_after is not None
+        self.action_send(knob, "off" if paused else "on")
 
     # the app's own "toggle" action (of a boolean knob), in place of DOMNode's coroutine
     # that toggles an attribute: nothing here binds that one
