@@ -41,6 +41,14 @@ def _trainer(*callbacks):
     return trainer, losses
 
 
+def _held_run(**options):
+    """A Trainer that its Gate holds at step 3, attached with ``options``; the run."""
+    gate = Gate(hold_at=3)
+    trainer, losses = _trainer(gate)
+    agent.attach(trainer, **options)
+    return trainer, losses, gate, runs.find_run()
+
+
 def _unsteered_losses():
     trainer, losses = _trainer()
     trainer.fit(max_steps=STEPS)
@@ -58,10 +66,7 @@ def _applied(knob, value):
 
 
 def test_trainer_pauses_at_a_boundary_takes_commands_there_and_resumes_losing_no_step(run_dir):
-    gate = Gate(hold_at=3)
-    trainer, losses = _trainer(gate)
-    agent.attach(trainer)
-    info = runs.find_run()
+    trainer, losses, gate, info = _held_run()
     with Subscriber(info) as sub:
         thread = start(trainer, max_steps=STEPS)
         assert gate.reached.wait(30)
@@ -88,10 +93,7 @@ def test_trainer_pauses_at_a_boundary_takes_commands_there_and_resumes_losing_no
 
 
 def test_trainer_stops_cleanly_after_a_checkpoint_and_bye_names_the_command(run_dir):
-    gate = Gate(hold_at=3)
-    trainer, losses = _trainer(gate)
-    agent.attach(trainer)
-    info = runs.find_run()
+    trainer, losses, gate, info = _held_run()
     with Subscriber(info) as sub:
         thread = start(trainer, max_steps=STEPS)
         assert gate.reached.wait(30)
@@ -125,10 +127,7 @@ def test_trainer_evaluates_now_with_the_eval_fn_and_its_metrics_equal_a_hand_cal
                         for x, y in held_out)
         return {"val_loss": float(total) / sum(len(y) for _, y in held_out), "note": "x"}
 
-    gate = Gate(hold_at=3)
-    trainer, losses = _trainer(gate)
-    agent.attach(trainer, eval_fn=eval_fn)
-    info = runs.find_run()
+    trainer, losses, gate, info = _held_run(eval_fn=eval_fn)
     with Subscriber(info) as sub:
         thread = start(trainer, max_steps=STEPS)
         assert gate.reached.wait(30)
