@@ -4,7 +4,7 @@ trained by :class:`gpuopt.Trainer` with the agent attached.
 Run as ``python -m agent.demo [--model transformer|cnn] [--max-steps N]``; with
 ``--resume CHECKPOINT`` (and the options it was started with) it continues exactly from a
 checkpoint it saved (``checkpoint=now``: its state, loader position, random numbers and
-knobs; see :mod:`agent.control.checkpoints`). SIGTERM or
+knobs; see :mod:`agent.control.checkpoints`). SIGTERM, SIGHUP or
 SIGINT stops it cleanly at the next optimizer-step boundary (``bye`` is published and
 the run file removed); so does the end of the ``--parent-pid`` process, however it ends
 (``gpuwatch demo`` passes its own pid: a dashboard killed or hung up on does not leave
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         monitor.mark_ending(f"stopped by {signal.Signals(signum).name}")
         trainer.stop()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, stop)
     if args.parent_pid is not None:
         def parent_ended() -> None:
             monitor.mark_ending(f"its parent process {args.parent_pid} ended")

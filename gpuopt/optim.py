@@ -127,7 +127,10 @@ class OptimizerSettings:
         for index in self.decay_groups:
             base = self._decay_bases[index]
             assert base is not None  # weight_decay_reason() said every decay group has one
-            groups[index]["weight_decay"] = value * base / reference if reference else value
+            # the first group gets the value as given: 0.05 * 0.1 / 0.1 would read back
+            # 0.05000000000000001 (and so would every record and reply)
+            groups[index]["weight_decay"] = (value * base / reference if reference
+                                             and base != reference else value)
 
     @property
     def decays_every_group(self) -> bool:

@@ -164,7 +164,9 @@ class DataPosition:
         """``fetch`` (e.g. nanoGPT's ``get_batch(split)``) with each training call
         counted; after a resume, a call with the same arguments as a batch fetched
         ahead gets that batch back instead of a new one. ``on_batch(batch, wait_s)``
-        (with ``clock``) times each real call. Arguments are told apart by ``repr``."""
+        (with ``clock``) times each real training call: a call under ``no_grad`` (an
+        evaluation's, e.g. nanoGPT's ``estimate_loss()``) is neither counted nor timed.
+        Arguments are told apart by ``repr``."""
         import time
 
         now = clock or time.perf_counter
@@ -175,7 +177,7 @@ class DataPosition:
                 return self._replay.popleft()[1]
             start = now()
             batch = fetch(*args, **kwargs)
-            if on_batch is not None:
+            if on_batch is not None and torch.is_grad_enabled():
                 on_batch(batch, now() - start)
             self.fetched(batch, key)
             return batch

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.data import batch_size, to_device
+from gpuopt.dropout import DropoutRate
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.memory import SavedActivations
 from gpuopt.optim import OptimizerSettings
@@ -276,6 +277,8 @@ class Trainer:
                 raise
             self.activation_checkpointing = None
         self.checkpointing = checkpointing
+        #: the rate of the model's dropout modules (:attr:`dropout`)
+        self.dropout_rate = DropoutRate(model)
         if (not isinstance(measure_activations_every, int)
                 or isinstance(measure_activations_every, bool) or measure_activations_every < 0):
             raise ValueError("measure_activations_every must be an integer >= 0, got "
@@ -450,9 +453,21 @@ class Trainer:
             return
         self.activation_checkpointing.enabled = value
 
+    @property
+    def dropout(self) -> float | None:
+        """The ``p`` of every dropout module of the model, from the next forward
+        (:class:`gpuopt.dropout.DropoutRate`); None for a model whose dropout cannot be
+        set (its ``dropout_rate.refusal`` says why: the setter raises ``ValueError``
+        with it for any value but None)."""
+        return self.dropout_rate.p
+
+    @dropout.setter
+    def dropout(self, value: float | None) -> None:
+        self.dropout_rate.p = value
+
     #: The settings :meth:`state_dict` keeps, in the order :meth:`load_state_dict` sets them.
     SETTINGS = ("precision", "accum_steps", "kernels", "checkpointing", "max_grad_norm",
-                "lr_scale", "weight_decay", "loss_normalization")
+                "lr_scale", "weight_decay", "loss_normalization", "dropout")
 
     def state_dict(self) -> dict[str, Any]:
         """What a fresh Trainer needs to go on from this optimizer-step boundary as this

@@ -13,11 +13,11 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import Screen
-from textual.widgets import Footer, Input
+from textual.widgets import Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from agent.wire import protocol
-from agent.wire.knobs import assignment
+from agent.wire.knobs import DEFAULT_MAX_GRAD_NORM, STANDARD_KNOBS, assignment
 from agent.wire.runs import find_run
 from gpuwatch.client import new_command_id, parse_assignment, reply_text, send_command
 from gpuwatch.units import knob_text
@@ -26,7 +26,7 @@ from gpuwatch import history
 from gpuwatch.sources import Source
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.sources.timeline import TimelineSource
-from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, RunState
+from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, STEP_HISTORY, RunState
 from gpuwatch.compare import Column
 from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
 from gpuwatch.screens.compare import CompareScreen
@@ -35,6 +35,7 @@ from gpuwatch.widgets.event_log import EventLog
 from gpuwatch.widgets.header import RunHeader
 from gpuwatch.screens.help import HelpScreen
 from gpuwatch.widgets.key_question import KeyQuestion, Question
+from gpuwatch.widgets.key_bar import KeyBar
 from gpuwatch.screens.runs import RunsScreen
 from gpuwatch.widgets.knobs import KnobsPanel
 from gpuwatch.widgets.last_event import LastEvent
@@ -55,20 +56,11 @@ CHART_REDRAW_S = 1.0
 CHART_CPU_SHARE = 0.05
 
 #: The footer shows each -/+ pair of keys once, with one description.
-_ACCUM = Binding.Group("accum", compact=True)
-_WORKERS = Binding.Group("work", compact=True)
-_LR = Binding.Group("lr", compact=True)
 _STEP = Binding.Group("step", compact=True)
 _CHANGE = Binding.Group("change", compact=True)
 _EVENT = Binding.Group("event", compact=True)
 #: Steps that shift+left / shift+right move on a timeline.
 TIMELINE_LEAP_STEPS = 100
-#: The threshold ``g`` turns clipping on with when the run never had one (a common
-#: default: HF's ``max_grad_norm``, nanoGPT's ``grad_clip``).
-DEFAULT_MAX_GRAD_NORM = 1.0
-#: Under this many columns the footer is compact (no padding around keys, no ctrl+p); its
-#: short descriptions (prec, work, kern) keep every key within 80 columns.
-COMPACT_FOOTER_BELOW = 100
 #: Under this many columns the memory and host & GPU panels fold (the stylesheet's
 #: ``-cramped``): the knobs and the data panel keep the width.
 CRAMPED_BELOW = 80
@@ -86,6 +78,8 @@ _STATUS_NOTES = {
 
 #: Textual's palette entries left out (see :meth:`GpuwatchApp.get_system_commands`).
 _HIDDEN_SYSTEM_COMMANDS = frozenset({"Quit", "Keys", "Maximize", "Minimize"})
+#: What Textual's own palette entries start with: the terminal's look, not the run.
+SYSTEM_COMMANDS_GROUP = "display: "
 #: The actions that send a command (their first parameter is the knob).
 _KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "send", "pause"})
 #: The actions of the keys that change the run: each asks before it sends (see
@@ -96,6 +90,19 @@ _RUN_ACTIONS = _KNOB_ACTIONS | {"tune"}
 QUICK_KEYS_ENV = "GPUWATCH_QUICK_KEYS"
 #: The actions that move a replay on a timeline.
 _TIMELINE_ACTIONS = frozenset({"move_by", "move_to_mark", "move_to", "compare"})
+
+
+def _knob_bindings() -> list[Binding]:
+    """The standard knobs' keys (:attr:`agent.wire.knobs.KnobSpec.keys`), in their order.
+
+    A knob's keys sit side by side in the footer under its
+    :attr:`~agent.wire.knobs.KnobSpec.key_group`."""
+    return [Binding(key.key, f"{key.action}({', '.join(map(repr, (spec.name, *key.arguments)))})",
+                    key.description, id=f"{spec.name}.{key.id}", show=key.show,
+                    tooltip=key.tooltip,
+                    group=Binding.Group(spec.key_group, compact=True) if spec.key_group
+                    else None)
+            for spec in STANDARD_KNOBS.values() for key in spec.keys]
 
 
 class GpuwatchApp(App[None]):
@@ -128,23 +135,7 @@ class GpuwatchApp(App[None]):
                 tooltip="Type a command as `gpuwatch set` takes it: accum_steps=8, "
                         "kernels=compile, checkpoint=now (tab completes from the run's "
                         "knobs; enter sends, escape closes)"),
-        Binding("p", "cycle('precision')", "prec", id="precision.cycle",
-                tooltip="Cycle precision fp32 -> bf16 -> fp16 (the run's choices)"),
-        Binding("a", "step('accum_steps', -1)", "accum-", id="accum_steps.decrease",
-                tooltip="accum_steps - 1 (micro-batches per optimizer step)", group=_ACCUM),
-        Binding("A", "step('accum_steps', 1)", "accum+", id="accum_steps.increase",
-                tooltip="accum_steps + 1 (micro-batches per optimizer step)", group=_ACCUM),
-        Binding("w", "step('num_workers', -1)", "workers-", id="num_workers.decrease",
-                tooltip="num_workers - 1 (DataLoader worker processes)", group=_WORKERS),
-        Binding("W", "step('num_workers', 1)", "workers+", id="num_workers.increase",
-                tooltip="num_workers + 1 (DataLoader worker processes)", group=_WORKERS),
-        Binding("m", "toggle('pin_memory')", "pin", id="pin_memory.toggle",
-                tooltip="pin_memory on/off (page-locked host batches, faster copies to "
-                        "the GPU)"),
-        Binding("k", "cycle('kernels')", "kern", id="kernels.cycle",
-                tooltip="Cycle kernels eager -> compile -> triton (the run's choices)"),
-        Binding("c", "toggle('checkpointing')", "ckpt", id="checkpointing.toggle",
-                tooltip="Activation checkpointing on/off (less memory, more compute)"),
+        *_knob_bindings(),
         Binding("T", "tune", "tune", id="tune",
                 show=False,  # in help and the palette: the footer is full at 80 columns
                 tooltip="Start the in-run search for the fastest safe configuration (the "
@@ -152,31 +143,10 @@ class GpuwatchApp(App[None]):
                         "stop it, keeping the best"),
         Binding("t", "show_tune", "search", id="tune.show", show=False,
                 tooltip="Show the search: each candidate, its throughput, kept or why not"),
-        Binding("l", "scale('lr_scale', 0.5)", "lr/2", id="lr_scale.halve",
-                tooltip="lr_scale x0.5: half the learning rate the schedule sets, from the "
-                        "next step (the schedule keeps its shape)", group=_LR),
-        Binding("L", "scale('lr_scale', 2)", "lr*2", id="lr_scale.double",
-                tooltip="lr_scale x2: twice the learning rate the schedule sets, from the "
-                        "next step", group=_LR),
-        Binding("g", "clip('max_grad_norm')", "clip", id="max_grad_norm.toggle",
-                tooltip="Gradient clipping off (max_grad_norm=0) / on again at the last "
-                        f"threshold ({DEFAULT_MAX_GRAD_NORM:g} if it never had one)"),
-        Binding("s", "send('checkpoint', 'now')", "save", id="checkpoint.now",
+        Binding("z", "zoom", "zoom", id="charts.zoom",
                 show=False,  # in help and the palette: the footer is full at 80 columns
-                tooltip="Save a checkpoint at the next step (the training waits while "
-                        "it is written)"),
-        Binding("P", "pause('pause')", "pause", id="pause.toggle", show=False,
-                tooltip="Pause the training at the next step boundary (it waits there, "
-                        "asleep, and takes commands), or let a paused run go on: "
-                        "pause=on / pause=off"),
-        Binding("E", "send('evaluate', 'now')", "eval", id="evaluate.now", show=False,
-                tooltip="Run the framework's evaluation (or the run's eval_fn) at the next "
-                        "step boundary: evaluate=now; its metrics go to the event log"),
-        Binding("X", "send('stop', 'checkpoint')", "stop", id="stop.checkpoint",
-                show=False,
-                tooltip="Save a checkpoint, then end the training at the next step "
-                        "boundary as the framework ends it: stop=checkpoint (`:stop=now` "
-                        "ends it without one)"),
+                tooltip="Charts: the whole run from step 1 (read from the run's log, "
+                        f"spikes kept) or its last {STEP_HISTORY} steps"),
         # a replay on a timeline (before the focused widget's keys: the log scrolls too)
         Binding("left", "move_by(-1)", "step-", id="timeline.back", group=_STEP,
                 priority=True, tooltip="Timeline: one optimizer step back"),
@@ -222,7 +192,12 @@ class GpuwatchApp(App[None]):
                            else quick_keys)
         self._notes = list(notes)
         self._drawn: tuple[int, str, Any] | None = None
-        self._charts_drawn = (-1, 0.0)  # (state.steps_total, monotonic s) at the last draw
+        #: ((state.steps_total, the whole run's rows, zoomed out), monotonic s) at the
+        #: charts' last draw
+        self._charts_drawn: tuple[Any, float] = (-1, 0.0)
+        #: the charts show the whole run (the source's :attr:`~Source.whole`), not only
+        #: the steps received (``z``)
+        self._whole_run = True
         self._chart_interval_s = CHART_REDRAW_S  # until the next draw (see CHART_CPU_SHARE)
         self._events_shown = 0
         self._state_shown: RunState | None = None  # a timeline replaces the state
@@ -261,10 +236,12 @@ class GpuwatchApp(App[None]):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Textual's own palette entries, less those our bindings already offer (quit)
-        or that do nothing useful here (its key list: ? is ours; maximize)."""
+        or that do nothing useful here (its key list: ? is ours; maximize); the rest
+        (theme, screenshot) grouped under :data:`SYSTEM_COMMANDS_GROUP`, apart from the
+        run's commands."""
         for command in super().get_system_commands(screen):
             if command.title not in _HIDDEN_SYSTEM_COMMANDS:
-                yield command
+                yield command._replace(title=f"{SYSTEM_COMMANDS_GROUP}{command.title}")
 
     def on_key(self, event: events.Key) -> None:
         """The keys that change the run, before any binding acts on them.
@@ -329,7 +306,7 @@ class GpuwatchApp(App[None]):
             yield KnobsPanel(id="knobs")
         yield LastEvent(id="last")
         yield EventLog(id="log")
-        yield Footer()
+        yield KeyBar(id="footer")
         yield CommandLine(id="command", placeholder="knob=value (tab completes, escape "
                                                      "closes)",
                           suggester=SchemaSuggester(self._schema_and_knobs))  # over it
@@ -346,16 +323,6 @@ class GpuwatchApp(App[None]):
                 self.source.state.log("info", note)
             self.source.state.log("info", f"waiting for {self.source.description} ...")
         self.source.start()
-
-    def on_resize(self, event: events.Resize) -> None:
-        """Under :data:`COMPACT_FOOTER_BELOW` columns the footer is compact and leaves
-        out ctrl+p (the help screen lists it), so that every key fits in 80 columns."""
-        footer = self.query_one(Footer)
-        compact = event.size.width < COMPACT_FOOTER_BELOW
-        if footer.show_command_palette == compact:
-            footer.compact = compact
-            footer.show_command_palette = not compact
-            footer.refresh(recompose=True)
 
     def on_unmount(self) -> None:
         self.source.close()
@@ -384,12 +351,16 @@ class GpuwatchApp(App[None]):
             if (previous is not None and previous != status and status in _STATUS_NOTES
                     and (previous, status) != ("compiling", "live")):
                 state.log(*_STATUS_NOTES[status])
-            if (state.steps_total != self._charts_drawn[0]
+            whole = self.source.whole
+            past = whole.past if whole is not None and self._whole_run else None
+            drawn = (state.steps_total, past.rows if past is not None else -1,
+                     self._whole_run)
+            if (drawn != self._charts_drawn[0]
                     and wall - self._charts_drawn[1] >= self._chart_interval_s):
-                self._charts_drawn = (state.steps_total, wall)
+                self._charts_drawn = (drawn, wall)
                 cost_s = 0.0  # this draw's, and the last render's (the compositor's)
                 for chart in self.query(StepChart):
-                    chart.show(state.steps, marks=state.knob_changes)
+                    chart.show(state.steps, marks=state.knob_changes, past=past)
                     cost_s += chart.show_s + chart.render_s
                 self._chart_interval_s = max(CHART_REDRAW_S, cost_s / CHART_CPU_SHARE)
             knob_names = frozenset(state.schema)
@@ -405,7 +376,8 @@ class GpuwatchApp(App[None]):
                     timeline.marks if timeline else ())
             self.query_one(RunHeader).show(state, status, now,
                                            description=self.source.description,
-                                           readonly=self.readonly)
+                                           readonly=self.readonly,
+                                           replay=isinstance(self.source, TimelineSource))
             self.query_one(ThroughputBar).show(state.steps)
             self.query_one(MemoryPanel).show(state)
             self.query_one(SystemPanel).show(state)
@@ -425,6 +397,18 @@ class GpuwatchApp(App[None]):
         if knob_names != self._knob_names:  # the keys of knobs the run lacks go away
             self._knob_names = knob_names
             self.refresh_bindings()
+
+    def action_zoom(self) -> None:
+        """Charts: between the whole run (from its log, then live) and the steps
+        received last (at most :data:`~gpuwatch.state.STEP_HISTORY`)."""
+        self._whole_run = not self._whole_run
+        self._charts_drawn = (-1, 0.0)  # at once
+        if not self._whole_run:
+            self.note("info", f"charts: the last {STEP_HISTORY} steps")
+        elif self.source.whole is None:
+            self.note("info", "charts: the whole run received (no run log to read)")
+        else:
+            self.note("info", "charts: the whole run from step 1")
 
     def note(self, level: str, text: str) -> None:
         """Add a line to the event log (level: info, success, warning or error)."""

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -26,7 +26,7 @@ from agent.wire import protocol
 from agent.wire.protocol import printable
 from agent.wire.runs import RunInfo, alive, find_run, list_runs, node_list, run_dir, run_ranks
 from gpuwatch import history, history_commands, multinode_commands
-from gpuwatch.units import human_age, human_ms, human_sig, knob_text
+from gpuwatch.units import counted, human_age, human_ms, human_rate, human_sig, knob_text
 
 SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor",
                "report", "compare", "export", "nodes", "secret")
@@ -36,6 +36,9 @@ DEMO_START_TIMEOUT_S = 60.0
 PROGRESS_EVERY_S = 5.0
 #: How long the demo child gets to end after SIGINT before it is killed (s).
 DEMO_STOP_TIMEOUT_S = 20.0
+#: The signals that end a command as Ctrl-C does, its child process with it: SIGTERM
+#: (what ``timeout``, job schedulers and systemd send) and SIGHUP (a closed terminal).
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 #: ``gpuwatch tail ENDPOINT`` (no run file to check) gives up after this long with
 #: nothing heard (s); a run sends a heartbeat a second.
 TAIL_SILENCE_S = 10.0
@@ -60,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `gpuwatch runs --all | head`: the reader has enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (exit's flush)
+        return 0
     except OSError as exc:  # UnsafeDirectoryError among them: a squatted run directory
         print(f"gpuwatch: {printable(str(exc))}", file=sys.stderr)
         return 1
@@ -257,6 +263,7 @@ def _watch(info: RunInfo, *, readonly: bool, quick_keys: bool,
     app = GpuwatchApp(LiveSource(info), readonly=readonly,
                       quick_keys=quick_keys or None,  # else $GPUWATCH_QUICK_KEYS
                       notes=notes)
+    _end_on_signals(app.exit)  # the terminal put back, as on q
     app.run()
     return app.return_code or 0
 
@@ -374,6 +381,7 @@ def _tail(args: argparse.Namespace) -> int:
     if info is None:
         return _no_run(selector)
     printed = 0
+    hellos: set[str] = set()
     try:
         subscriber = Subscriber(info)
     except zmq.ZMQError as exc:
@@ -389,7 +397,8 @@ def _tail(args: argparse.Namespace) -> int:
                 if other is not None:  # another node's relay: summaries, events
                     if other["type"] not in (protocol.NODE, protocol.EVENT):
                         continue  # (rank 0's records, another rank's bye: not this tail's)
-                    if _print_record(other, as_json=args.json, rank=info.rank):
+                    if _print_record(other, as_json=args.json, hellos=hellos,
+                                     rank=info.rank):
                         printed += 1
                         sys.stdout.buffer.flush()
                     if args.count and printed >= args.count:
@@ -402,18 +411,16 @@ def _tail(args: argparse.Namespace) -> int:
                         return 1
                     continue
                 heard_at = time.monotonic()
-                if _print_record(message, as_json=args.json):
+                if _print_record(message, as_json=args.json, hellos=hellos):
                     printed += 1
                     sys.stdout.buffer.flush()
                 if message["type"] == protocol.BYE or (args.count and printed >= args.count):
                     break
-        except BrokenPipeError:  # e.g. `gpuwatch tail | head`: stop quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         finally:
             for relay in relays:
                 relay.close()
             if subscriber.missed or subscriber.malformed:
-                print(f"gpuwatch tail: {subscriber.missed} records missed, "
+                print(f"gpuwatch tail: {counted(subscriber.missed, 'record')} missed, "
                       f"{subscriber.malformed} malformed", file=sys.stderr)
     return 0
 
@@ -480,6 +487,7 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
     from gpuwatch.sources.replay import POLL_S, RunLogReader
 
     printed = 0
+    hellos: set[str] = set()
     with RunLogReader(path) as reader:
         try:
             while True:
@@ -490,7 +498,7 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                           file=sys.stderr)
                     return 1
                 for message in messages:
-                    if _print_record(message, as_json=args.json):
+                    if _print_record(message, as_json=args.json, hellos=hellos):
                         printed += 1
                     if ((args.follow and message["type"] == protocol.BYE)
                             or (args.count and printed >= args.count)):
@@ -500,20 +508,20 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                     if not args.follow:
                         return 0
                     time.sleep(POLL_S)
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 0
         finally:
             if reader.malformed:
-                print(f"gpuwatch tail: {reader.malformed} malformed lines skipped",
+                print(f"gpuwatch tail: {counted(reader.malformed, 'malformed line')} "
+                      "skipped",
                       file=sys.stderr)
 
 
-def _print_record(message: dict[str, Any], *, as_json: bool, rank: int | None = None
-                  ) -> bool:
+def _print_record(message: dict[str, Any], *, as_json: bool, hellos: set[str],
+                  rank: int | None = None) -> bool:
     """Print one envelope as a JSON line (the run log's format) or a line for people
     (``[rank N]`` in front when ``rank`` is given and the record is another rank's);
-    False when there is no line for people for its type."""
+    False when there is no line for people for its type, or it is a hello line already
+    in ``hellos`` (the lines printed so far: a run repeats its hello for subscribers
+    that come late, a person needs it once)."""
     if as_json:
         # bytes, with newline; what a terminal would obey escaped (exact all the same)
         sys.stdout.buffer.write(protocol.terminal_json(protocol.to_json_line(message)))
@@ -522,8 +530,10 @@ def _print_record(message: dict[str, Any], *, as_json: bool, rank: int | None = 
         line = _human_line(message)
     except Exception:  # a record of unexpected shape: show it raw rather than fail
         line = protocol.to_json_line(message).decode().rstrip("\n")
-    if line is None:
+    if line is None or line in hellos:
         return False
+    if message.get("type") == protocol.HELLO:
+        hellos.add(line)
     if (rank is not None and message.get("rank") != rank
             and message.get("type") != protocol.NODE):
         line = f"[rank {message.get('rank')}] {line}"
@@ -556,9 +566,10 @@ def _human_line(message: dict[str, Any]) -> str | None:
     if kind == protocol.STEP:
         knobs = " ".join(f"{k}={knob_text(v)}" for k, v in (body.get("knobs") or {}).items())
         loss, lr, tokens = body.get("loss"), body.get("lr"), body.get("tokens_per_s")
+        wait = "unknown" if body.get("samples") == 0 else human_ms(body.get("data_wait_s"))
         return (f"step {body.get('step')}  {human_ms(body.get('step_time_s'))}  "
-                f"wait {human_ms(body.get('data_wait_s'))}  "
-                f"{human_sig(body.get('samples_per_s'))} samples/s  "
+                f"wait {wait}  "
+                f"{human_rate(body.get('samples_per_s'), 'samples/s')}  "
                 + (f"{human_sig(tokens)} tokens/s  " if isinstance(tokens, (int, float)) else "")
                 + f"loss {human_sig(loss) if isinstance(loss, (int, float)) else '-'}  "
                 + (f"lr {human_sig(lr)}  " if isinstance(lr, (int, float)) else "")
@@ -572,7 +583,9 @@ def _human_line(message: dict[str, Any]) -> str | None:
                 f"{body.get('device', '?')}; knobs: "
                 + ", ".join(k.get("name", "?") for k in body.get("knobs") or ()))
     if kind == protocol.BYE:
-        return f"run ended ({body.get('reason', '')}) after {body.get('steps')} steps"
+        steps = body.get("steps")
+        return (f"run ended ({body.get('reason', '')}) after "
+                + (counted(steps, "step") if type(steps) is int else "? steps"))
     if kind == protocol.NODE:
         return (f"node {body.get('node')} ({body.get('host', '')}): " + ", ".join(
             f"rank {entry.get('rank')} step {entry.get('step')} "
@@ -596,23 +609,26 @@ def _demo(args: argparse.Namespace) -> int:
     for option, value in (("--resume", args.resume), ("--checkpoint-dir", args.checkpoint_dir)):
         if value is not None:
             command += [option, value]
+    command += ["--parent-pid", str(os.getpid())]  # ends with this command, however
     if args.no_ui:
         return _demo_without_ui(command)
-    command += ["--parent-pid", str(os.getpid())]  # ends with this dashboard, however
     log_path = run_dir() / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     with open(log_path, "wb") as log:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT)
+    info = None
     try:
-        print(f"gpuwatch demo: starting {args.model} training (output in {log_path})",
-              flush=True)
+        print(f"gpuwatch demo: starting {args.model} training (its output in {log_path}, "
+              "removed when it ends cleanly)", flush=True)
+        _end_on_signals()
         info = _wait_for_run(child, log_path)
         if info is None:
             return 1
         return _watch(info, readonly=args.readonly, quick_keys=args.quick_keys, notes=[
-            f"demo training job pid {child.pid}, output in {log_path}"])
+            f"demo training job pid {child.pid}, output in {log_path} (removed when it "
+            "ends cleanly)"])
     finally:
-        _stop_child(child)
+        _stop_child(child, info, log_path=log_path)
         if child.returncode == 0:  # a clean stop: its output holds nothing to look at
             log_path.unlink(missing_ok=True)
 
@@ -626,7 +642,9 @@ def _demo_without_ui(command: list[str]) -> int:
     print("gpuwatch demo: training in this terminal; watch it with `gpuwatch` from "
           "another one", flush=True)
     child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    info = None
     try:
+        _end_on_signals()
         info = _wait_for_run(child, None)
         if info is None:
             return 1
@@ -634,16 +652,18 @@ def _demo_without_ui(command: list[str]) -> int:
         with Subscriber(info) as subscriber:
             while child.poll() is None:
                 message = subscriber.recv(timeout_s=0.5)
+                if message is not None and message["type"] == protocol.BYE:
+                    break  # its last line ("stopped after N ...") stays the last one
                 if message is not None and message["type"] == protocol.STEP:
                     last = message["body"]
                 if time.monotonic() - shown_at >= PROGRESS_EVERY_S:
                     shown_at = time.monotonic()
                     print(_progress_line(last, time.monotonic() - started), flush=True)
-        return child.returncode or 0
+        return child.wait() or 0
     except KeyboardInterrupt:  # the terminal sent SIGINT to the job as well
         return 130
     finally:
-        _stop_child(child)
+        _stop_child(child, info)
 
 
 def _progress_line(step: dict[str, Any] | None, elapsed_s: float) -> str:
@@ -656,7 +676,7 @@ def _progress_line(step: dict[str, Any] | None, elapsed_s: float) -> str:
     loss = step.get("loss")
     number = step.get("step")
     return (f"demo: step {f'{number:,}' if isinstance(number, int) else '?'}  "
-            f"{human_ms(step.get('step_time_s'))}/step  {human_sig(rate)} {unit}  "
+            f"{human_ms(step.get('step_time_s'))}/step  {human_rate(rate, unit)}  "
             f"loss {human_sig(loss) if isinstance(loss, (int, float)) else '-'}  "
             f"({human_age(elapsed_s)})")
 
@@ -691,23 +711,57 @@ def _tail_of(path: Path, lines: int = 20) -> str:
         return f"(cannot read it: {exc})"
 
 
-def _stop_child(child: subprocess.Popen) -> None:
-    """SIGINT (so the run can say bye and remove its run file), then SIGKILL."""
+def _end_on_signals(end: Callable[[], None] | None = None) -> None:
+    """Make :data:`ENDING_SIGNALS` end this command as Ctrl-C does, so that the
+    ``finally`` that stops its child process runs: ``end`` is called (a dashboard's
+    exit), or without it ``SystemExit(128 + signal)`` is raised in the main thread
+    (once: a second signal is ignored while the child is being stopped, which takes at
+    most :data:`DEMO_STOP_TIMEOUT_S` and a second)."""
+    def ending(signum: int, frame: object) -> None:
+        if end is not None:
+            end()
+            return
+        for each in ENDING_SIGNALS:
+            signal.signal(each, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    for each in ENDING_SIGNALS:
+        signal.signal(each, ending)
+
+
+def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
+                log_path: Path | None = None) -> None:
+    """Stop the demo's training job: SIGINT, so that it ends at its next optimizer step
+    (says bye, removes its run file), then SIGKILL after :data:`DEMO_STOP_TIMEOUT_S`
+    (or at once on Ctrl-C). ``info``: its run, None if it wrote no run file; a run whose
+    run file is gone has ended and is only exiting: it is waited for without a signal
+    or a word. ``log_path``: where its output went, named when it is killed."""
     if child.poll() is not None:
         return
-    child.send_signal(signal.SIGINT)
+    said_bye = info is not None and not os.path.exists(info.path)
+    if not said_bye:
+        child.send_signal(signal.SIGINT)
     try:
         child.wait(1.0)
-    except subprocess.TimeoutExpired:  # a busy machine: say what it is waiting for
-        print(f"gpuwatch demo: stopping the training job (pid {child.pid}) at its next "
-              "optimizer step ...", flush=True)
-        try:
-            child.wait(DEMO_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            print(f"gpuwatch demo: it did not stop within {DEMO_STOP_TIMEOUT_S:.0f} s; "
-                  "killed", file=sys.stderr, flush=True)
-            child.kill()
-            child.wait()
+        return
+    except subprocess.TimeoutExpired:  # a busy machine, or a long step
+        pass
+    if info is None or os.path.exists(info.path):
+        print(f"gpuwatch demo: stopping the training job (pid {child.pid}) at the end of "
+              f"its optimizer step; killed if that takes over {DEMO_STOP_TIMEOUT_S:.0f} s "
+              "(Ctrl-C: now) ...", flush=True)
+    try:
+        child.wait(DEMO_STOP_TIMEOUT_S)
+        return
+    except subprocess.TimeoutExpired:
+        why = f"its step did not end within {DEMO_STOP_TIMEOUT_S:.0f} s"
+    except KeyboardInterrupt:
+        why = "Ctrl-C"
+    child.kill()
+    child.wait()
+    print(f"gpuwatch demo: killed the training job ({why})"
+          + (f"; its output is kept in {log_path}" if log_path is not None else ""),
+          file=sys.stderr, flush=True)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -720,4 +774,5 @@ def _doctor(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", "gpuopt.environment"]
     if args.json:
         command.append("--json")
+    _end_on_signals()  # (call kills its child on the way out)
     return subprocess.call(command)

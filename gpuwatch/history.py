@@ -790,20 +790,23 @@ class Overview:
         if not (self._count[row] > 0).any():
             return None
         used = (self._count[row] > 0) & _np().isfinite(self._first[row])
-        return Series((self._first[row][used] + self._last[row][used]) / 2,
-                      self._sum[row][used] / self._count[row][used],
-                      self._min[row][used], self._max[row][used], self.width)
+        first, last = self._first[row][used], self._last[row][used]
+        return Series((first + last) / 2, self._sum[row][used] / self._count[row][used],
+                      self._min[row][used], self._max[row][used], self.width, first, last)
 
 
 class Series(NamedTuple):
     """A field's buckets (:meth:`Overview.get`): each bucket's step (the middle of the
-    steps it spans), mean, minimum and maximum, and the rows a bucket holds."""
+    steps it spans), mean, minimum and maximum, the rows a bucket holds, and the first
+    and last step each bucket spans."""
 
     steps: numpy.ndarray
     means: numpy.ndarray
     lows: numpy.ndarray
     highs: numpy.ndarray
     width: int
+    first_steps: numpy.ndarray
+    last_steps: numpy.ndarray
 
 
 # --- a run's history ------------------------------------------------------------------

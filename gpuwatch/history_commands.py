@@ -20,7 +20,8 @@ from agent.wire.protocol import printable
 from agent.wire.runs import list_runs
 from gpuwatch import history
 from gpuwatch.history import LogFiles, RunSummary
-from gpuwatch.units import human_age, human_bytes, human_number, human_sig, local_time
+from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_rate,
+                            human_sig, local_time)
 
 
 def add_run_argument(parser: argparse.ArgumentParser, help: str, *,
@@ -151,7 +152,7 @@ def print_all_runs(as_json: bool) -> int:
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_number(summary.steps),
             human_sig(summary.final_loss),
-            "-" if best is None else human_sig(best) + unit,
+            human_rate(best) + (unit if best else ""),
             str(summary.knob_changes), human_bytes(summary.log_bytes),
             _state(summary)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
@@ -193,7 +194,8 @@ def _report(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     print(f"wrote {args.output} ({human_bytes(args.output.stat().st_size)}): "
-          f"{run.summary.steps:,} steps, {run.knob_changes_total:,} knob changes"
+          f"{counted(run.summary.steps, 'step')}, "
+          f"{counted(run.knob_changes_total, 'knob change')}"
           + _not_read(run))
     return 0
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 
 from agent.wire import protocol
 from agent.wire.protocol import MAX_NAME_CHARS, MAX_TEXT_CHARS, shorten
+from gpuwatch.units import counted
 
 #: Step records kept for the charts (about 10 minutes at one step a second).
 STEP_HISTORY = 600
@@ -916,7 +917,8 @@ class RunState:
         self.ended = body
         steps = body.get("steps")
         self.log("info", f"run ended ({body.get('reason') or 'no reason given'})"
-                 + (f" after {steps} steps" if steps is not None else ""), self.message_t)
+                 + (f" after {counted(steps, 'step')}" if type(steps) is int else ""),
+                 self.message_t)
 
     def _set_knobs(self, knobs: dict[str, Any], now: float, *,
                    at_step: int | None = None) -> None:

@@ -15,9 +15,13 @@ _DURATION_UNITS = (("ms", 1e-3, 1000.0), ("s", 1.0, 60.0), ("min", 60.0, 60.0),
 
 
 def knob_text(value: Any) -> str:
-    """A knob value as a person reads it: booleans as ``on`` / ``off``, the rest as is."""
+    """A knob value as a person reads it: booleans as ``on`` / ``off``, floats in their
+    shortest form to 12 significant digits (``0.05000000000000001`` -> ``0.05``, the
+    noise of a run's own arithmetic), the rest as is."""
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, float) and math.isfinite(value):
+        return str(float(f"{value:.12g}"))
     return str(value)
 
 
@@ -100,6 +104,23 @@ def human_ms(value_s: float | None) -> str:
     """Seconds as a person reads them (see :func:`human_duration`): ``0.0123`` ->
     ``"12.3 ms"``, ``11.2`` -> ``"11.2 s"``; None -> ``"-"``."""
     return human_duration(value_s)
+
+
+def human_rate(value: float | None, unit: str = "") -> str:
+    """A throughput as a person reads it (:func:`human_sig`, then `` unit``): ``0`` is
+    ``unknown`` (a step trains on a sample at least: 0 says that nothing counted its
+    batches, as in a monitoring-only session), None or non-finite ``-``."""
+    if value == 0:
+        text = "unknown"
+    else:
+        text = human_sig(value)
+    return f"{text} {unit}" if unit else text
+
+
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun`` in the plural it takes: ``1 step``, ``0 steps``, ``1,200
+    steps`` (English nouns whose plural adds ``s``)."""
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
 def human_number(value: float | None, digits: int = 0) -> str:

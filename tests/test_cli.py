@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +195,70 @@ def test_no_ui_progress_line_reads_at_a_glance():
     line = _progress_line({"step": 1200, "step_time_s": 0.2884, "samples_per_s": 109.2,
                            "loss": 2.0391}, 310)
     assert line == "demo: step 1,200  288 ms/step  109 samples/s  loss 2.04  (5m10s)"
+
+
+def test_a_job_in_a_long_step_is_killed_with_its_output_file_named(tmp_path, monkeypatch,
+                                                                    capsys):
+    """``q`` while the demo's job is in a long step: it is asked to stop, waited for,
+    then killed, and the message names the output file that is kept (a stand-in job
+    that ignores SIGINT plays the long step)."""
+    from gpuwatch import cli
+
+    monkeypatch.setattr(cli, "DEMO_STOP_TIMEOUT_S", 1.0)
+    run_file = tmp_path / "run.json"
+    run_file.write_text("{}")  # the job has not said bye: its run file is there
+    log_path = tmp_path / "demo.log"
+    job = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                            "signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                            "print('ready', flush=True); time.sleep(60)"],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline() == "ready\n"
+        info = runs.RunInfo(run_id="r", rank=0, world_size=1, pid=job.pid,
+                            pub_endpoint="", cmd_endpoint="", token="", started_at=0.0,
+                            path=str(run_file))
+        cli._stop_child(job, info, log_path=log_path)
+        assert job.returncode == -9
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    out, err = capsys.readouterr()
+    assert out == (f"gpuwatch demo: stopping the training job (pid {job.pid}) at the end "
+                   "of its optimizer step; killed if that takes over 1 s (Ctrl-C: now) ...\n")
+    assert err == ("gpuwatch demo: killed the training job (its step did not end within "
+                   f"1 s); its output is kept in {log_path}\n")
+
+
+def test_tail_for_people_says_hello_once(fake_agent):
+    """The run repeats its hello (every 10 steps here) for subscribers that come late;
+    a person reading the lines needs it once."""
+    result = gpuwatch("tail", "--count", "25")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("step ") for line in lines) >= 20  # two hellos' worth
+    assert sum(line.startswith(f"run {fake_agent.info.run_id} ") for line in lines) == 1
+
+
+@pytest.mark.parametrize("args", [("runs", "--all"), ("runs",)])
+def test_output_into_a_closed_pipe_ends_quietly(run_dir, args):
+    """``gpuwatch runs --all | head``: the reader has gone before the writing ends."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "gpuwatch", *args], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=30)
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_a_step_with_no_batch_seen_reads_unknown_not_0():
+    """A monitoring-only session (`run.optimizer_step(loss)` alone) counts no batch."""
+    from gpuwatch.cli import _human_line, _progress_line
+
+    step = {"step": 3, "step_time_s": 0.1, "data_wait_s": 0.0, "samples": 0,
+            "samples_per_s": 0.0, "loss": 2.0}
+    assert _human_line({"type": "step", "body": step}) == (
+        "step 3  100 ms  wait unknown  unknown samples/s  loss 2.00")
+    assert "unknown samples/s" in _progress_line(step, 10)

@@ -2,12 +2,12 @@
 
 A run (the twin) trains 9 optimizer steps with every live change its framework offers
 applied at steps 3 and 4 (``accum_steps``, ``lr_scale``, ``max_grad_norm``, then
-``precision=bf16`` and ``micro_batch_size``) and ``checkpoint=now`` after step 5. A fresh
-run resumes from that checkpoint (other initial weights: the checkpoint's must win) and
-trains to step 9. It must continue the twin exactly: the same samples in every window,
-bit-equal per-step losses, bit-equal final parameters (fp32 on the CPU; bf16 steps
-equal to the twin's bf16 steps); the resume event lists every knob value restored; a
-knob its framework refuses is refused with the reason.
+``precision=bf16``, ``micro_batch_size`` and ``dropout=0.5``) and ``checkpoint=now``
+after step 5. A fresh run resumes from that checkpoint (other initial weights: the
+checkpoint's must win) and trains to step 9. It must continue the twin exactly: the
+same samples in every window, bit-equal per-step losses, bit-equal final parameters
+(fp32 on the CPU; bf16 steps equal to the twin's bf16 steps); the resume event lists
+every knob value restored; a knob its framework refuses is refused with the reason.
 """
 
 from __future__ import annotations

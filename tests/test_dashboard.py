@@ -13,7 +13,6 @@ import pytest
 import zmq
 from textual import events
 from textual.geometry import Region
-from textual.widgets import Footer
 
 from agent.wire import protocol
 from agent.wire.knobs import STANDARD_KNOBS
@@ -24,6 +23,8 @@ from gpuwatch.client import Subscriber, send_command
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, STEP_HISTORY, RunState
 from gpuwatch.screens.help import HelpScreen
+from gpuwatch.widgets.key_bar import KeyBar, KeyItem, fold
+from gpuwatch.screens.runs import RunsScreen
 from gpuwatch.widgets.last_event import HOLD_AFTER_KEY_S
 from gpuwatch.screens.tune import TuneScreen
 from gpuwatch.widgets.panel import bucket_max, sparkline
@@ -116,7 +117,7 @@ def test_state_status_transitions():
     assert state.status_at(15.5 + GONE_AFTER_S + 0.1) == "gone"
     state.ingest(envelope("bye", {"reason": "finished", "steps": 1}), 20.0)
     assert state.status_at(1000.0) == "ended"
-    assert state.events[-1].text == "run ended (finished) after 1 steps"
+    assert state.events[-1].text == "run ended (finished) after 1 step"
 
 
 def test_state_clears_pending_when_applied():
@@ -334,6 +335,11 @@ def question_text(app):
     """The question a key asks, as shown ("" when none is open)."""
     widget = app.query_one("#question")
     return str(widget.content) if widget.display else ""
+
+
+def footer_line(app):
+    """The footer's line as shown (trailing blanks left out)."""
+    return str(app.query_one(KeyBar).content).rstrip()
 
 
 def shown_keys(app):
@@ -565,9 +571,10 @@ async def test_one_stall_does_not_flatten_the_step_time_chart():
         chart = "\n".join(shown_lines(app, "#timing"))
         assert "max 1.50 s off scale" in chart
         assert "▲" in chart.split("\n", 1)[1]  # the stall, marked at the axis' end
-        y_labels = [float(line.split("┤")[0].replace(",", ""))
+        y_labels = [line.split("┤")[0].strip().replace(",", "").split(" ")
                     for line in chart.splitlines() if "┤" in line]
-        assert max(y_labels) < 40, y_labels  # the axis ends near the 21 ms steps
+        assert {unit for _, unit in y_labels} == {"ms"}, y_labels  # each with its unit
+        assert max(float(value) for value, _ in y_labels) < 40, y_labels  # near 21 ms
         loss = "\n".join(shown_lines(app, "#loss"))
         assert "off scale" not in loss  # the loss chart shows every value
 
@@ -735,7 +742,8 @@ async def test_command_palette_runs_binding_commands(fake_agent):
         command = await next_command(fake_agent)
         assert (command["knob"], command["value"]) == ("accum_steps", 2)
         titles = [command.title for command in app.get_system_commands(app.screen)]
-        assert "Quit" not in titles and "Keys" not in titles and "Maximize" not in titles
+        assert titles and all(title.startswith("display: ") for title in titles), titles
+        assert not {"display: Quit", "display: Keys", "display: Maximize"} & set(titles)
 
 
 def shown_lines(app, selector):
@@ -799,15 +807,13 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
             assert text in " ".join(shown["#knobs"].split()), (text, shown["#knobs"])
         assert "…" not in shown["#data"] + shown["#knobs"]
         assert "checkpoint " not in shown["#knobs"]  # a command, not a setting
-        keys = app.query_one(Footer).query("FooterKey")
-        assert {key.key for key in keys} >= {"p", "a", "A", "w", "W", "m", "k", "c", "l",
-                                              "L", "g", "question_mark", "q"}
-        # the footer lays its keys out in a later refresh (a loaded machine: later still)
-        await until(pilot, lambda: all(key.region.width > 0 for key in
-                                       app.query_one(Footer).query("FooterKey")))
-        keys = app.query_one(Footer).query("FooterKey")
-        for key in keys:  # every key in sight
-            assert key.region.right <= width and key.region.y == height - 1, key.key
+        footer = app.query_one(KeyBar)
+        assert footer.region.y == height - 1
+        line = footer_line(app)
+        assert len(line) <= width, line
+        assert line.removesuffix("^p palette").split() == [  # every key in sight
+            "?", "help", "q", "quit", ":", "cmd", "p", "prec", "aA", "accum", "wW", "work",
+            "m", "pin", "k", "kern", "c", "ckpt", "lL", "lr", "g", "clip"], line
         timing_title = app.query_one("#timing").render().plain.split("\n")[0]
         assert "step time" in timing_title and "data wait" in timing_title, timing_title
         assert "ms" in timing_title, timing_title  # the unit, at every size
@@ -849,7 +855,7 @@ async def test_a_tiny_terminal_keeps_the_header_and_footer_in_view(make_agent):
                     and "accum_steps" in text_of(app, "#knobs") and knows(app, "precision"))
         assert app.screen.max_scroll_y == 0  # nothing to scroll: all of it fits
         assert app.query_one("#header").region.y == 0
-        assert app.query_one(Footer).region.y == 14
+        assert app.query_one(KeyBar).region.y == 14
         assert app.query_one("#charts").region.height >= 4
         assert not app.query_one("#log").display  # events: `gpuwatch tail`
         await pilot.press("p", "p")  # keys still work
@@ -884,9 +890,8 @@ async def test_every_size_keeps_header_feedback_knobs_and_quit_in_view(make_agen
         assert app.screen.max_scroll_y == 0
         header = shown_lines(app, "#header")[0]
         assert "● live" in header and "step " in header and agent.run_id in header, header
-        footer = {key.key: key for key in app.query_one(Footer).query("FooterKey")}
-        for key in ("q", "question_mark"):
-            assert footer[key].region.right <= width and footer[key].region.y == height - 1
+        assert app.query_one(KeyBar).region.y == height - 1
+        assert footer_line(app).startswith(" ? help") and "q quit" in footer_line(app)
         knobs = "\n".join(shown_lines(app, "#knobs"))
         for text in ("precision", "accum_steps", "lr", "clip"):
             assert text in knobs, knobs
@@ -901,6 +906,49 @@ async def test_every_size_keeps_header_feedback_knobs_and_quit_in_view(make_agen
                 feedback in line.text for line in log.lines[int(log.scroll_y):])
         for widget in ("#timing", "#loss"):
             assert app.query_one(widget).region.height >= 4, widget
+
+
+def test_the_footer_folds_whole_keys_from_the_last():
+    items = [KeyItem("?", "help"), KeyItem("q", "quit"), KeyItem("aA", "accum"),
+             KeyItem("g", "clip")]
+    # 26 columns of keys, a margin at each end, 2 columns between keys where they fit
+    assert fold(items, 46) == (items, 2, True)  # and ^p palette: 12 columns more
+    assert fold(items, 45) == (items, 2, False)
+    assert fold(items, 34) == (items, 2, False)
+    assert fold(items, 33) == (items, 1, False)  # tighter before a key goes
+    assert fold(items, 31) == (items, 1, False)
+    assert fold(items, 30) == (items[:3], 1, False)  # never "g cl"
+    assert fold(items, 5) == ([], 1, False)
+
+
+async def test_one_footer_at_every_size_and_under_every_screen(make_agent):
+    """Resized 60x20 -> 120x40 -> 80x24, and with the help, search and runs screens
+    open: the same keys in the same order, the tail folded whole (never a word cut),
+    laid out for the new width at once."""
+    agent = make_agent(knobs=dict(EVERY_KNOB))
+    app = GpuwatchApp(LiveSource(agent.info))
+    every = "? help q quit : cmd p prec aA accum wW work m pin k kern c ckpt lL lr g clip".split()
+    async with app.run_test(size=(60, 20)) as pilot:
+        await until(pilot, lambda: knows(app, "precision") and knows(app, "kernels"))
+        lines = {}
+        for size in ((60, 20), (120, 40), (80, 24)):
+            await pilot.resize_terminal(*size)
+            await until(pilot, lambda: app.size == size)
+            await pilot.pause()
+            lines[size] = footer_line(app)
+            for screen in (HelpScreen(), TuneScreen(), RunsScreen()):
+                app.push_screen(screen)
+                await pilot.pause()
+                assert footer_line(app) == lines[size]
+                app.pop_screen()
+                await pilot.pause()
+        for (width, _), line in lines.items():
+            words = line.removesuffix("^p palette").split()
+            assert len(line) <= width and words == every[:len(words)], line
+            assert words[-1] in every[1::2], line  # a description, whole
+        assert lines[(120, 40)].split() == [*every, "^p", "palette"]
+        assert lines[(80, 24)].split() == every
+        assert lines[(60, 20)].split()[-2:] == ["k", "kern"]
 
 
 async def test_command_line_sends_a_typed_value_with_completion_from_the_schema(make_agent):
@@ -1101,7 +1149,8 @@ async def test_a_key_typed_ahead_of_its_question_never_answers_it(make_agent):
         burst(app, "p", "p", "c", "enter")  # a double press and an enter, in one burst
         await until(pilot, lambda: "checkpointing=on not sent: ⏎ was typed ahead of the "
                     "question" in log_texts(app))
-        assert log_texts(app)[-3:] == [  # the second p cancelled, then asked again
+        unsent = [text for text in log_texts(app) if "not sent" in text]  # the run's own
+        assert unsent[-3:] == [  # lines may come between: the second p cancelled, asked again
             "precision=bf16 not sent: p was typed ahead of the question",
             "precision=bf16 not sent",  # by c
             "checkpointing=on not sent: ⏎ was typed ahead of the question"]

@@ -1,5 +1,6 @@
 """End to end: the demo training job in a real subprocess, a real client, real signals."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -189,7 +190,8 @@ def gone(pid, timeout_s=30):
     return True
 
 
-@pytest.mark.parametrize("end", ["q", pytest.param("SIGKILL", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("end", ["q", pytest.param("SIGTERM", marks=pytest.mark.slow),
+                                 pytest.param("SIGKILL", marks=pytest.mark.slow)])
 def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
     terminal = Terminal("demo", "--model", "cnn")
     try:
@@ -199,12 +201,44 @@ def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
         if end == "q":
             terminal.type(b"q")
             assert terminal.process.wait(60) == 0
+        elif end == "SIGTERM":  # as `timeout` or a scheduler ends it: as q does
+            terminal.process.send_signal(signal.SIGTERM)
+            assert terminal.process.wait(60) == 0
         else:  # a dashboard killed outright: its job must not train on
             terminal.process.kill()
             terminal.process.wait()
         assert gone(info.pid), "the training job is still running"
         assert not os.path.exists(info.path)
         logs = list(Path(run_dir).glob("demo-*.log"))
-        assert logs == [] if end == "q" else len(logs) == 1  # kept when not clean
+        assert logs == [] if end != "SIGKILL" else len(logs) == 1  # kept when not clean
     finally:
         terminal.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_gpuwatch_demo_no_ui_ends_its_training_job(run_dir, signum):
+    """What ``timeout``, a scheduler or systemd send (SIGTERM), or a closed terminal
+    (SIGHUP), to ``gpuwatch demo --no-ui`` alone: the job must end with it, said bye."""
+    command = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "demo", "--no-ui", "--model", "cnn"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)  # the signal reaches the command only, not its group
+    try:
+        info = training_child_of(command)
+        with Subscriber(info) as sub:
+            assert messages(sub, lambda m: m["type"] == "step", timeout_s=60)
+            command.send_signal(signum)
+            bye = messages(sub, lambda m: m["type"] == "bye", timeout_s=60)
+        assert bye[-1]["body"]["reason"] == "stopped by SIGINT"  # as on Ctrl-C
+        assert command.wait(60) == 128 + signum
+        assert gone(info.pid), "the training job is still running"
+        assert not os.path.exists(info.path)
+        output = command.stdout.read()
+        assert output.rstrip().splitlines()[-1].startswith("gpuwatch demo: stopped after")
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait()
+        for left in runs.list_runs():  # (a failed test leaves no job behind either)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(left.pid, signal.SIGKILL)

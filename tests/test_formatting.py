@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gpuwatch.units import human_duration, human_ms, human_sig
+from gpuwatch.units import counted, human_duration, human_ms, human_rate, human_sig, knob_text
 
 
 @pytest.mark.parametrize("value, text", [
@@ -36,3 +36,26 @@ def test_no_magnitude_is_written_in_scientific_notation():
                 for text in (human_sig(value), human_duration(abs(value))):
                     assert "e" not in text.replace("min", "").replace(" ", ""), (value, text)
                     assert "E" not in text, (value, text)
+
+
+@pytest.mark.parametrize("count, text", [(0, "0 runs"), (1, "1 run"), (2, "2 runs"),
+                                         (1200, "1,200 runs")])
+def test_counts_take_the_plural_they_need(count, text):
+    assert counted(count, "run") == text
+
+
+@pytest.mark.parametrize("value, text", [(0.05000000000000001, "0.05"), (0.2, "0.2"),
+                                         (0.20000000000000004, "0.2"), (1e-05, "1e-05"),
+                                         (3.0, "3.0"), (4, "4"), (True, "on"),
+                                         ("bf16", "bf16"), (math.inf, "inf")])
+def test_knob_values_read_without_float_noise(value, text):
+    assert knob_text(value) == text
+
+
+def test_a_throughput_of_0_is_unknown_not_measured_as_0():
+    """A step trains on a sample at least: 0 samples/s says nothing counted them (a
+    monitoring-only session)."""
+    assert human_rate(0.0, "samples/s") == "unknown samples/s"
+    assert human_rate(None, "samples/s") == "- samples/s"
+    assert human_rate(109.2, "samples/s") == "109 samples/s"
+    assert human_rate(0) == "unknown"

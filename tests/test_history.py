@@ -370,7 +370,8 @@ async def test_timeline_keys_move_every_panel_and_mark_the_changes(tmp_path):
         assert bar.count("┃") == 2 and "no later change" in bar
         await pilot.press("home")
         header, bar, knobs = shown()
-        assert "step 1 " in header and "● live" in header and "accum_steps 2" in knobs
+        assert "step 1 " in header and "accum_steps 2" in knobs
+        assert "● replay" in header and "live" not in header  # a finished run's steps
         assert bar.endswith("next: accum_steps=4 at 31")
         await pilot.press("right", "right")
         assert "step 3 " in text_of(app, "#header")

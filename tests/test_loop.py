@@ -358,3 +358,41 @@ def test_a_sigterm_during_an_import_still_ends_the_run_with_bye(run_dir, tmp_pat
     assert records[-1]["reason"] == "stopped by SIGTERM"
     assert records[0]["type"] == "hello"  # the hello that waited for the lock came out
     assert time.monotonic() - started < 60
+
+
+def test_timed_fetches_of_an_evaluation_count_in_neither_samples_nor_data_wait(run_dir):
+    """nanoGPT's ``estimate_loss()`` fetches its batches through the same ``get_batch``
+    under ``no_grad``: a step's samples are its window's alone (2 x 8 here, not 2 x 8 +
+    5 x 8), and the evaluation's fetch time is not data wait."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = agent.session(model=model, optimizer=optimizer, accum_steps=2, name="loop-eval")
+    data = digits_loader(batch_size=8)
+    fetched = []  # the splits fetched, in order
+
+    def get_batch(split):
+        time.sleep(0.2 if split == "val" else 0.0)  # the evaluation's fetches are slow
+        fetched.append(split)
+        return data[len(fetched) % len(data)]
+
+    get_batch = run.timed(get_batch)
+    for step in range(3):
+        if step == 1:
+            with torch.no_grad():
+                for _ in range(5):
+                    get_batch("val")
+        for _ in range(run.accum_steps):
+            x, y = get_batch("train")
+            loss = torch.nn.functional.cross_entropy(model(x), y) / run.accum_steps
+            run.scaler.scale(loss).backward()
+        run.scaler.step(optimizer)
+        run.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        run.optimizer_step()
+    assert fetched.count("val") == 5
+    log_path = run.agent.info.log_path
+    run.close()
+    steps = [r for r in _log_records(log_path) if r["type"] == "step"]
+    assert [s["samples"] for s in steps] == [16, 16, 16]
+    assert [s["micro_batches"] for s in steps] == [2, 2, 2]
+    assert steps[1]["data_wait_s"] < 0.2  # the evaluation slept 1 s in fetches

@@ -278,7 +278,7 @@ def test_tail_json_file_prints_every_record_and_exits(tmp_path, run_dir):
     lines = result.stdout.splitlines()
     assert [json.loads(line) for line in lines] == writer.records()
     assert json.loads(lines[-2])["loss"] is None  # a NaN loss: null in JSON
-    assert result.stderr == "gpuwatch tail: 1 malformed lines skipped\n"
+    assert result.stderr == "gpuwatch tail: 1 malformed line skipped\n"
     human = gpuwatch("tail", str(path), "--count", "2")
     assert human.returncode == 0 and human.stdout.splitlines()[0].startswith(
         f"run {RUN} replayed on cpu; knobs: precision")

@@ -4,8 +4,10 @@ issue 11, each against real processes, sockets and terminals.
 The other local user is a real unprivileged account (``gpuwatch-other``, created once
 with ``useradd`` when missing, else ``nobody``), and its code runs in a child process
 that drops to it with ``setpriv``: that needs root, so those tests are skipped with the
-reason otherwise. Attacks that one user can stage alone (a link planted in one's own
-directory) run without root.
+reason otherwise. From a clone in a private folder (mode 0700, as home folders often
+are), that user gets a readable copy of what its code imports (``agent``, zmq, ...); where
+it cannot even run this Python, those tests are skipped saying so. Attacks that one user
+can stage alone (a link planted in one's own directory) run without root.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -36,10 +39,11 @@ VICTIM = ROOT / "tests" / "victim_job.py"
 # --- people and processes ------------------------------------------------------------
 
 class User:
-    """Runs Python code as a given local user (a child process)."""
+    """Runs Python code as a given local user (a child process); ``pythonpath``: where
+    it finds ``agent`` and the packages it imports (this clone, or a readable copy)."""
 
-    def __init__(self, uid: int, gid: int) -> None:
-        self.uid, self.gid = uid, gid
+    def __init__(self, uid: int, gid: int, pythonpath: str = str(ROOT)) -> None:
+        self.uid, self.gid, self.pythonpath = uid, gid, pythonpath
 
     @property
     def foreign(self) -> bool:
@@ -51,7 +55,7 @@ class User:
         return [*prefix, sys.executable, "-c", code, *map(str, args)]
 
     def env(self) -> dict[str, str]:
-        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT),
+        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": self.pythonpath,
                 "HOME": "/"}
 
     def run(self, code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -95,7 +99,7 @@ class Hostile:
 
 
 @pytest.fixture(scope="session")
-def other_user() -> User:
+def other_user() -> Iterator[User]:
     """A second, unprivileged local user (skips unless this runs as root)."""
     if os.geteuid() != 0:
         pytest.skip("a second local user needs root (useradd, setpriv): run the tests "
@@ -113,7 +117,62 @@ def other_user() -> User:
             entry = pwd.getpwnam(name)
         except KeyError:
             entry = pwd.getpwnam("nobody")
-    return User(entry.pw_uid, entry.pw_gid)
+    user = User(entry.pw_uid, entry.pw_gid)
+    if user_imports(user) is None:
+        yield user
+        return
+    # a clone in a private folder (mode 0700, as home folders often are): a copy it can read
+    copy = Path(tempfile.mkdtemp(prefix="gw-readable-"))
+    try:
+        user.pythonpath = str(readable_copy(copy))
+        problem = user_imports(user)
+        if problem is not None:
+            pytest.skip(f"user {entry.pw_name} cannot run this Python or import what it "
+                        f"needs even from a readable copy ({problem}): put the clone and "
+                        "its Python where every user can read them to stage attacks from "
+                        "another user")
+        yield user
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+#: What the other user's code imports: tests/tcp_attack.py, tests/tcp_flood.py.
+USER_IMPORTS = "import zmq, agent.wire.protocol"
+
+
+def user_imports(user: User) -> str | None:
+    """None if ``user`` can run this Python and :data:`USER_IMPORTS`, else the last line
+    of what went wrong."""
+    try:
+        result = subprocess.run(user.command(USER_IMPORTS), env=user.env(), cwd="/",
+                                capture_output=True, text=True, timeout=60)
+    except OSError as exc:
+        return str(exc)
+    if result.returncode == 0:
+        return None
+    return (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+
+
+def readable_copy(directory: Path) -> Path:
+    """``directory``, made readable by every user, holding copies of the packages
+    :data:`USER_IMPORTS` loads (this clone's ``agent``, zmq and the libraries beside it,
+    msgpack, ...): what another user cannot read in a private folder."""
+    listing = subprocess.run(  # {top-level package: its folder}, as that import loads them
+        [sys.executable, "-c", f"{USER_IMPORTS}; import json, sys; print(json.dumps("
+         "{name: list(module.__path__)[0] for name, module in list(sys.modules.items()) "
+         "if '.' not in name and name not in sys.stdlib_module_names "
+         "and getattr(module, '__path__', None)}))"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        check=True, timeout=60)
+    for name, folder in json.loads(listing.stdout).items():
+        package = Path(folder)
+        shutil.copytree(package, directory / name, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        for libraries in package.parent.glob(f"*{name}.libs"):  # pyzmq.libs: libzmq
+            shutil.copytree(libraries, directory / libraries.name, dirs_exist_ok=True)
+    for path in (directory, *directory.rglob("*")):
+        path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
+    return directory
 
 
 @pytest.fixture

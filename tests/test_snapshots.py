@@ -11,16 +11,17 @@ the diff.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import io
 import math
 import os
-import types
 from functools import partial
 from pathlib import Path
 
 import pytest
 from rich.console import Console
+from textual import events
 
 from agent.wire import protocol
 from agent.wire.knobs import STANDARD_KNOBS
@@ -152,6 +153,42 @@ def _replay(tmp_path, monkeypatch):
     return GpuwatchApp(TimelineSource(history.log_at(path)), readonly=True)
 
 
+#: The run opened late: its log's steps, and the last of them received live.
+LATE_STEPS, LATE_RECEIVED = 5_000, 120
+
+
+def _late(tmp_path):
+    """A run opened at step 5,000 (:data:`LATE_STEPS`): its log has every step (a
+    compile at step 1, a spike at step 50,000 beyond it, ``num_workers`` 0 -> 2 at
+    step 2,501), the dashboard received the last :data:`LATE_RECEIVED`; the whole
+    run is read before the app starts, so the screen is the same on every machine."""
+    from tests.test_whole_run import loss, step_time_s, write_log
+
+    path = tmp_path / "20260101-120000-abcd.rank0.runlog"
+    write_log(path, LATE_STEPS, run="20260101-120000-abcd", change_at=LATE_STEPS // 2 + 1)
+
+    def fold(source: FixedSource) -> None:
+        messages = [_envelope("hello", {
+            "name": "late", "device": "cpu", "world_size": 1,
+            "knobs": [STANDARD_KNOBS["num_workers"].to_wire()]}, 1)]
+        for step in range(LATE_STEPS - LATE_RECEIVED + 1, LATE_STEPS + 1):
+            messages.append(_envelope("step", {
+                "step": step, "step_time_s": step_time_s(step), "data_wait_s": 0.001,
+                "loss": loss(step), "samples_per_s": 32 / step_time_s(step),
+                "knobs": {"num_workers": 2}}, len(messages) + 1))
+        with source.lock:
+            for index, message in enumerate(messages):
+                source.state.ingest(message, NOW - (len(messages) - index) * 0.001)
+
+    info = _info("20260101-120000-abcd")
+    app = GpuwatchApp(FixedSource(dataclasses.replace(info, log_path=str(path)), fold),
+                      readonly=True)
+    assert app.source.whole is not None
+    app.source.whole.start()  # (the fixed source starts no thread of its own)
+    assert app.source.whole.loaded.wait(60)
+    return app
+
+
 def screen_text(app) -> str:
     """The screen as a person reads it: every cell's character, no styles (a modal
     screen over the ones below it, as the terminal shows it)."""
@@ -182,8 +219,7 @@ def check(name: str, text: str) -> None:
 @pytest.fixture(autouse=True)
 def fixed_clock(monkeypatch):
     """The event log's stamps at one time of day whatever the machine's zone."""
-    monkeypatch.setattr(event_log, "time", types.SimpleNamespace(
-        strftime=lambda fmt, t=None: "12:00:00 ", localtime=lambda t=None: None))
+    monkeypatch.setattr(event_log, "local_time", lambda t_s, form: "12:00:00")
 
 
 async def _settle(app, pilot) -> None:
@@ -215,6 +251,30 @@ async def test_replay_screen(tmp_path, monkeypatch, size):
         await pilot.press("home", "right_square_bracket", "right_square_bracket", "left")
         await _settle(app, pilot)
         check(f"replay-{size[0]}x{size[1]}", screen_text(app))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_whole_run_screen(tmp_path, size):
+    """Opened late: the whole run from step 1 (its log's steps, thinned, the compile
+    marked at the axis' end), then the steps received; ``z``: those alone."""
+    app = _late(tmp_path)
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        check(f"whole-run-{size[0]}x{size[1]}", _steady_step_labels(screen_text(app)))
+        await pilot.press("z")
+        await _settle(app, pilot)
+        check(f"received-{size[0]}x{size[1]}", _steady_step_labels(screen_text(app)))
+
+
+def _steady_step_labels(text: str) -> str:
+    """``text`` with the charts' step labels one space apart: plotext places a label a
+    column either way depending on Python's hash seed (its ``brush`` drops repeated
+    points through a set), seen with the thinned buckets of a whole run."""
+    lines = text.split("\n")
+    for row, line in enumerate(lines[:-1]):
+        if "└┬" in line:
+            lines[row + 1] = " ".join(lines[row + 1].split())
+    return "\n".join(lines)
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
@@ -254,6 +314,21 @@ async def test_help_scrolls_to_its_end_with_the_keyboard(size):
         await until(pilot, lambda: last in screen_text(app))
         await pilot.press("home")
         await until(pilot, lambda: last not in screen_text(app) or size[1] >= 40)
+
+
+async def test_a_burst_of_down_keys_scrolls_the_help_a_line_each():
+    app = _transformer()
+    async with app.run_test(size=(60, 20)) as pilot:
+        await _settle(app, pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        box = app.screen.query_one("#help")
+        assert box.max_scroll_y > 20
+        for key, count in (("down", 15), ("up", 4)):  # queued at once, as a terminal
+            for _ in range(count):                    # sends a held key's repeats
+                app.post_message(events.Key(key, None))
+            await pilot.pause()
+        assert box.scroll_y == 11
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")

@@ -989,3 +989,55 @@ def test_a_checkpoint_taken_during_a_trial_keeps_the_persons_setting(run_dir):
     assert "the search was trying step_delay=" in saved["text"], saved["text"]
     assert "the checkpoint keeps step_delay=0" in saved["text"], saved["text"]
     assert load_checkpoint(saved["path"])["knobs"]["step_delay"] == 0
+
+
+def test_a_search_cut_short_by_the_runs_end_puts_its_candidate_back():
+    """The run ends in the middle of a trial: the candidate is not judged, the knob goes
+    back to its best value at once (no boundary comes any more), and the search ends
+    ``stopped`` saying why, in an event and in its state."""
+    values = {"x": 0}
+    knobs = KnobSet()
+    knobs.add(Knob(KnobSpec("x", "int", "", minimum=0, maximum=1, tuning=TUNED),
+                   get=lambda: values["x"], set=lambda v: values.update(x=v)))
+    sent, published = [], []
+    tuner = Tuner(TuneRequest({"knobs": ["x"]}, knobs), knobs, 1,
+                  send=lambda *command: sent.append(command),
+                  publish=lambda *message: published.append(message), cpus=2)
+    step = 0
+    while not sent:  # the baseline is measured, then the trial of x=1 starts
+        step += 1
+        tuner.on_step(step, 0.1, 32, None, 1.0, False)
+    [(command_id, knob, new)] = sent
+    values[knob] = new
+    tuner.on_event({"kind": "applied", "id": command_id, "knob": knob, "value": new,
+                    "previous": 0, "step": step + 1})
+    tuner.on_step(step + 1, 0.1, 32, None, 1.0, False)
+    assert tuner.status == "running" and values == {"x": 1}
+    tuner.run_ended()
+    assert values == {"x": 0} and tuner.status == "stopped"
+    assert tuner.text.endswith("; the run ended before the search did; put back x=0")
+    events = [body["text"] for kind, body in published if kind == "event"]
+    assert events[-2:] == ["tune: x=1 reverted: not judged: the run ended", tuner.text]
+    assert published[-1][0] == protocol.TUNE and published[-1][1]["status"] == "stopped"
+    tuner.run_ended()  # once
+    assert published[-1][1]["status"] == "stopped" and events == [
+        body["text"] for kind, body in published if kind == "event"]
+
+
+def test_a_run_that_ends_during_a_search_ends_it_before_its_bye(run_dir):
+    trainer = _trainer()
+    FakeKnobs(trainer).bind(monitor := agent.attach(trainer), "step_delay")
+    with Subscriber(monitor.info) as sub:
+        thread = start(trainer, max_steps=100_000)
+        try:
+            messages(sub, lambda m: m["type"] == "step")
+            assert send_command(monitor.info, protocol.TUNE, {"knobs": ["step_delay"]})["ok"]
+            messages(sub, lambda m: m["type"] == protocol.TUNE)
+        finally:
+            trainer.stop()
+            thread.join(30)
+        seen = messages(sub, lambda m: m["type"] == "bye")
+    final = _tune_records(seen)[-1]["body"]
+    assert final["status"] == "stopped"
+    assert "the run ended before the search did" in final["text"]
+    assert _event_texts(seen, "tuned") == [final["text"]]

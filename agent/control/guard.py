@@ -1,16 +1,15 @@
 """Safe changes: roll a live change back when the steps after it go bad.
 
-After a change of precision, accumulation, micro-batch size, kernels or the optimizer's
-settings (learning rate scale, weight decay, gradient clipping), the agent watches the
-next ``guard_steps`` optimizer steps. A non-finite loss, a divergence (the loss above
-:data:`DIVERGENCE_FACTOR` times its median over the steps before the change for
-:data:`DIVERGENCE_STEPS` steps in a row: caught while the loss is still finite, before
-the weights are), or the GradScaler skipping ``max_skipped_in_row`` fp16 steps in a row,
-rolls the guarded knobs back to the values
-they had before the change (the last good settings, read from the
-:class:`~agent.control.ledger.ChangeLedger` that the out-of-memory path reads too), at the next
-optimizer-step boundary. Runs on the agent's I/O thread only, from the values the step
-markers deliver: it never reads a device tensor itself.
+After a change of a guarded knob (:attr:`agent.wire.knobs.KnobSpec.guarded`: precision,
+accumulation, micro-batch size, kernels, the optimizer's settings, dropout), the agent
+watches the next ``guard_steps`` optimizer steps. A non-finite loss, a divergence (the
+loss above :data:`DIVERGENCE_FACTOR` times its median over the steps before the change
+for :data:`DIVERGENCE_STEPS` steps in a row: caught while the loss is still finite,
+before the weights are), or the GradScaler skipping ``max_skipped_in_row`` fp16 steps in
+a row, rolls the guarded knobs back to the values they had before the change (the last
+good settings, read from the :class:`~agent.control.ledger.ChangeLedger` that the out-of-memory
+path reads too), at the next optimizer-step boundary. Runs on the agent's I/O thread
+only, from the values the step markers deliver: it never reads a device tensor itself.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ import statistics
 from collections import deque
 from collections.abc import Iterable
 
+from agent.wire.knobs import STANDARD_KNOBS
 from agent.control.ledger import Change, ChangeLedger, Rollback
 
-#: Knobs whose changes are watched and rolled back.
-GUARDED_KNOBS = frozenset({"precision", "accum_steps", "micro_batch_size", "kernels",
-                           "lr_scale", "weight_decay", "max_grad_norm"})
+#: Knobs whose changes are watched and rolled back (:attr:`agent.wire.knobs.KnobSpec.guarded`).
+GUARDED_KNOBS = frozenset(name for name, spec in STANDARD_KNOBS.items() if spec.guarded)
 
 
 #: A loss this many times its median before the change counts toward a divergence ...

@@ -126,14 +126,14 @@ from accelerate.utils import DistributedType
 from accelerate.utils.operations import convert_to_fp32
 
 from agent.wire.protocol import EventKind
-from agent.integrations.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
-                                         optimizer_knobs, refuse)
+from agent.integrations.adapters import (cpu_threads_knob, dropout_knob, loader_knobs,
+                                         micro_batch_size_knob, optimizer_knobs, refuse)
 from agent.control.checkpoints import (GRAD_SCALER_FILE, read_knobs_file, restore_knobs,
                                        write_knobs_file)
 from agent.step.core import Agent
-from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
-                              LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PRECISION,
-                              WEIGHT_DECAY, Knob, KnobSet)
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS,
+                              LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS,
+                              PRECISION, WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
 from gpuopt.backends import ModelBackend
@@ -812,11 +812,12 @@ class AcceleratorRun(RunBase):
         knobs = self.knobs
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
         if not plain:
-            knobs.unsupported[LR_SCALE.name] = knobs.unsupported[WEIGHT_DECAY.name] = \
-                knobs.unsupported[MAX_GRAD_NORM.name] = not_plain
+            for refused in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
+                knobs.bind(refused, not_plain)
         elif not isinstance(inner, torch.optim.Optimizer):
-            knobs.unsupported[LR_SCALE.name] = knobs.unsupported[WEIGHT_DECAY.name] = (
-                "no torch optimizer prepared by the accelerator (pass optimizer=)")
+            for refused in (LR_SCALE, WEIGHT_DECAY):
+                knobs.bind(refused, "no torch optimizer prepared by the accelerator "
+                                    "(pass optimizer=)")
         else:
             self.optimizer_settings = OptimizerSettings(inner)
             optimizer_knobs(self.optimizer_settings, knobs)
@@ -825,7 +826,7 @@ class AcceleratorRun(RunBase):
                            set=self._set_max_grad_norm, check=self._check_max_grad_norm))
         reason = self._checkpoint_reason()
         if reason is not None:
-            knobs.unsupported[CHECKPOINT.name] = reason
+            knobs.bind(CHECKPOINT, reason)
         else:
             self.bind_checkpoint(self._save, directory=checkpoint_dir,
                                  name="checkpoint-{step}")
@@ -846,20 +847,20 @@ class AcceleratorRun(RunBase):
 
         # first: a bad checkpoint_blocks raises before anything is changed
         if not plain:
-            knobs.unsupported[CHECKPOINTING.name] = not_plain
+            knobs.bind(CHECKPOINTING, not_plain)
         elif checkpoint_blocks is None and not find_blocks(inner):
-            knobs.unsupported[CHECKPOINTING.name] = (
+            knobs.bind(CHECKPOINTING, (
                 f"{type(inner).__name__} has no repeated blocks to checkpoint (an "
                 "nn.ModuleList 'blocks', or of 2+ modules of one type); pass "
-                "checkpoint_blocks= (names or nn.Module types of its blocks) to attach()")
+                "checkpoint_blocks= (names or nn.Module types of its blocks) to attach()"))
         else:
             checkpointing = self.checkpointing = ActivationCheckpointing(inner,
                                                                          checkpoint_blocks)
-            knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
-                           set=lambda value: setattr(checkpointing, "enabled", value)))
+            knobs.add(Knob.attribute(CHECKPOINTING, checkpointing, "enabled"))
 
+        knobs.bind(DROPOUT, dropout_knob(inner) if plain else not_plain)
         if not plain:
-            knobs.unsupported[ACCUM_STEPS.name] = not_plain
+            knobs.bind(ACCUM_STEPS, not_plain)
         else:
             knobs.add(Knob(ACCUM_STEPS, get=lambda: accelerator.gradient_accumulation_steps,
                            set=self._set_accum_steps,
@@ -887,7 +888,7 @@ class AcceleratorRun(RunBase):
                            set=self._set_precision, check=self._check_precision,
                            warn=lambda value: precision_warning(value, device_type)))
         else:
-            knobs.unsupported[PRECISION.name] = precision_reason
+            knobs.bind(PRECISION, precision_reason)
 
         kernels_reason = None
         if distributed != DistributedType.NO:
@@ -904,16 +905,15 @@ class AcceleratorRun(RunBase):
             knobs.add(Knob(KERNELS, get=lambda: backend.kernels, set=self._set_kernels,
                            check=self._check_kernels))
         else:
-            knobs.unsupported[KERNELS.name] = kernels_reason
+            knobs.bind(KERNELS, kernels_reason)
         if self._precision is not None or self.backend is not None:
             self._forward = _Forward(original, self._precision, self.backend)
             inner.forward = self._forward
         self._bind_optimizer(plain, not_plain, checkpoint_dir)
 
         for spec in LOADER_KNOBS:
-            knobs.unsupported[spec.name] = _LOADER_REASON
-        knobs.unsupported[MICRO_BATCH_SIZE.name] = (
-            _MICRO_BATCH_REASON if plain else not_plain)
+            knobs.bind(spec, _LOADER_REASON)
+        knobs.bind(MICRO_BATCH_SIZE, _MICRO_BATCH_REASON if plain else not_plain)
         self._loader = loader
         if isinstance(loader, ReconfigurableLoader):
             self._bind_loader(loader)

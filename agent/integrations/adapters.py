@@ -12,10 +12,11 @@ import torch
 
 from agent.wire.protocol import EventKind
 from agent.step.core import Agent
-from agent.wire.knobs import (CPU_THREADS, KERNELS, LR_SCALE, MEMORY_FRACTION,
+from agent.wire.knobs import (CPU_THREADS, DROPOUT, KERNELS, LR_SCALE, MEMORY_FRACTION,
                               MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
                               PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
 from agent.wire.runlog import log_dir
+from gpuopt.dropout import DropoutRate
 from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import MemorySnapshot, set_memory_fraction
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
@@ -48,10 +49,19 @@ def precision_knob(mixed_precision: PrecisionPolicy) -> Knob:
     """
     device_type = mixed_precision.device_type
 
-    return Knob(PRECISION, get=lambda: mixed_precision.precision,
-                set=lambda value: setattr(mixed_precision, "precision", value),
-                check=lambda value: refuse(precision_support(value, device_type)),
-                warn=lambda value: precision_warning(value, device_type))
+    return Knob.attribute(PRECISION, mixed_precision,
+                          check=lambda value: refuse(precision_support(value, device_type)),
+                          warn=lambda value: precision_warning(value, device_type))
+
+
+def dropout_knob(model: torch.nn.Module) -> Knob | str:
+    """The binder of ``dropout``: the knob of the model's dropout modules
+    (:class:`gpuopt.dropout.DropoutRate`; exact in any framework, as a module reads its
+    ``p`` at each forward), or the reason the model has none."""
+    rate = DropoutRate(model)
+    if rate.refusal is not None:
+        return rate.refusal
+    return Knob.attribute(DROPOUT, rate, "p")
 
 
 def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
@@ -164,11 +174,10 @@ def optimizer_knobs(settings: OptimizerSettings, knobs: KnobSet) -> None:
     inside the step only; the decay goes to the param groups that decay (a warning says
     so when none did, and every group gets it). ``weight_decay`` is marked unsupported,
     with the reason, for an optimizer that has none."""
-    knobs.add(Knob(LR_SCALE, get=lambda: settings.lr_scale,
-                   set=lambda value: setattr(settings, "lr_scale", value)))
+    knobs.add(Knob.attribute(LR_SCALE, settings))
     reason = settings.weight_decay_reason()
     if reason is not None:
-        knobs.unsupported[WEIGHT_DECAY.name] = reason
+        knobs.bind(WEIGHT_DECAY, reason)
         return
 
     def every_group(value: float) -> str | None:
@@ -178,9 +187,7 @@ def optimizer_knobs(settings: OptimizerSettings, knobs: KnobSet) -> None:
                     "of their own with weight_decay=0 to keep them out)")
         return None
 
-    knobs.add(Knob(WEIGHT_DECAY, get=lambda: settings.weight_decay,
-                   set=lambda value: setattr(settings, "weight_decay", value),
-                   warn=every_group))
+    knobs.add(Knob.attribute(WEIGHT_DECAY, settings, warn=every_group))
 
 
 class MemoryKnobs:
@@ -220,8 +227,8 @@ class MemoryKnobs:
         """Add both knobs to ``knobs`` on CUDA; elsewhere mark them unsupported."""
         if self.snapshot is None:
             for spec in (MEMORY_FRACTION, MEMORY_SNAPSHOT_STEPS):
-                knobs.unsupported[spec.name] = (f"needs CUDA; this run is on "
-                                                f"{self.device.type}")
+                knobs.bind(spec, f"needs CUDA; this run is on "
+                                 f"{self.device.type}")
             return
         knobs.add(Knob(MEMORY_FRACTION, get=lambda: self.fraction, set=self.set_fraction))
         knobs.add(Knob(MEMORY_SNAPSHOT_STEPS, get=lambda: self.snapshot_steps_left,

@@ -77,11 +77,11 @@ from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.fabric.wrappers import _FabricDataLoader, _FabricModule, _FabricOptimizer
 from torch._dynamo import OptimizedModule
 
-from agent.integrations.adapters import cpu_threads_knob, precision_knob, refuse
+from agent.integrations.adapters import cpu_threads_knob, dropout_knob, precision_knob, refuse
 from agent.control.checkpoints import FORMAT
 from agent.step.core import Agent
-from agent.wire.knobs import (CHECKPOINT, CHECKPOINTING, KERNELS, LR_SCALE, MAX_GRAD_NORM,
-                              MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
+from agent.wire.knobs import (CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS, LR_SCALE,
+                              MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
 from agent.integrations.loop import (LoopRun, check_accum_steps, model_knobs,
                                      optimizer_settings_knobs)
 from agent.integrations.run import host_copy
@@ -360,18 +360,18 @@ def _bind(run: FabricRun, knobs: KnobSet, *, checkpoint_blocks: Any, compile_bac
     not_plain = _not_plain(strategy)
     if not_plain is not None:
         for spec in (PRECISION, KERNELS, CHECKPOINTING, LR_SCALE, WEIGHT_DECAY,
-                     MAX_GRAD_NORM, MICRO_BATCH_SIZE):
-            knobs.unsupported[spec.name] = not_plain
+                     MAX_GRAD_NORM, MICRO_BATCH_SIZE, DROPOUT):
+            knobs.bind(spec, not_plain)
         return
     device_type = fabric.device.type
     if _knob_value(strategy.precision) is None:
-        knobs.unsupported[PRECISION.name] = (
+        knobs.bind(PRECISION, (
             f"the Fabric's precision is {strategy.precision.precision!r} "
             f"({type(strategy.precision).__name__}); gpuwatch switches only between "
-            "Fabric's Precision (32-true) and MixedPrecision (bf16-mixed, 16-mixed)")
+            "Fabric's Precision (32-true) and MixedPrecision (bf16-mixed, 16-mixed)"))
     elif device_type not in ("cpu", "cuda"):
-        knobs.unsupported[PRECISION.name] = (f"live precision changes are verified on cpu "
-                                             f"and cuda, not {device_type}")
+        knobs.bind(PRECISION, f"live precision changes are verified on cpu "
+                              f"and cuda, not {device_type}")
     else:
         run.precision = _PluginSwitch(fabric)
         knobs.add(dataclasses.replace(
@@ -390,14 +390,15 @@ def _bind(run: FabricRun, knobs: KnobSet, *, checkpoint_blocks: Any, compile_bac
                                        declare=run.declare)
     if run.model_backend is not None:
         run.event_sources.append(run.model_backend.pop_events)
+    knobs.bind(DROPOUT, dropout_knob(inner))
     if optimizer is not None:
         run.optimizer_settings = optimizer_settings_knobs(
             knobs, optimizer.optimizer, max_grad_norm, declare=run.declare,
             own_clip="fabric.clip_gradients")
     else:
         for spec in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
-            knobs.unsupported[spec.name] = ("no optimizer set up by fabric.setup: pass "
-                                            "agent.attach(fabric, optimizer=optimizer)")
+            knobs.bind(spec, "no optimizer set up by fabric.setup: pass "
+                             "agent.attach(fabric, optimizer=optimizer)")
 
 
 def attach(fabric: Fabric, *, model: _FabricModule | None = None,
@@ -481,9 +482,9 @@ def attach(fabric: Fabric, *, model: _FabricModule | None = None,
               compile_backend=compile_backend, max_grad_norm=max_grad_norm)
         knobs.add(cpu_threads_knob(knobs))
         if fabric.world_size > 1:
-            knobs.unsupported[CHECKPOINT.name] = (
+            knobs.bind(CHECKPOINT, (
                 "not with several processes: a checkpoint would hold rank 0's data "
-                "position and random numbers for every rank")
+                "position and random numbers for every rank"))
         else:
             run.bind_checkpoint(run._save, directory=checkpoint_dir)
         run.bind_evaluate(eval_fn, model.module, declare="agent.attach(fabric, eval_fn=...)")

@@ -109,12 +109,12 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import is_sagemaker_mp_enabled
 
 from agent.wire.protocol import EventKind
-from agent.integrations.adapters import cpu_threads_knob
+from agent.integrations.adapters import cpu_threads_knob, dropout_knob
 from agent.control.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_knobs_file
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, EVALUATE, KERNELS,
-                              LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS,
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, EVALUATE,
+                              KERNELS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS,
                               PIN_MEMORY, PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob,
                               KnobSet)
 from agent.step.record import StepRecord
@@ -237,9 +237,10 @@ class _Run(RunBase):
         self._bind_checkpointing(knobs)
         self._bind_kernels(knobs, compile_backend)
         self._bind_optimizer(knobs)
+        knobs.bind(DROPOUT, dropout_knob(_model_of(trainer)))
         for spec in (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR):
-            knobs.unsupported[spec.name] = LOADER_REASON
-        knobs.unsupported[MICRO_BATCH_SIZE.name] = BATCH_SIZE_REASON
+            knobs.bind(spec, LOADER_REASON)
+        knobs.bind(MICRO_BATCH_SIZE, BATCH_SIZE_REASON)
         # HF normalises by the window's num_items_in_batch (labels != -100) when the
         # model takes it (or with compute_loss_func); else micro-batch means / window size
         by_tokens = bool(getattr(trainer, "model_accepts_loss_kwargs", False)
@@ -281,15 +282,15 @@ class _Run(RunBase):
     def _bind_precision(self, knobs: KnobSet) -> None:
         trainer = self.trainer
         if getattr(trainer, "is_deepspeed_enabled", False):
-            knobs.unsupported[PRECISION.name] = (
+            knobs.bind(PRECISION, (
                 "DeepSpeed keeps its own mixed precision and loss scaling (its config "
-                "file); set it there and restart")
+                "file); set it there and restart"))
             return
         started = getattr(trainer.accelerator, "mixed_precision", "no") or "no"
         if started not in ("no", "bf16", "fp16"):
-            knobs.unsupported[PRECISION.name] = (
+            knobs.bind(PRECISION, (
                 f"this run started with mixed precision {started!r}, which accelerate "
-                "runs its own way; start with fp32, bf16 or fp16 to switch live")
+                "runs its own way; start with fp32, bf16 or fp16 to switch live"))
             return
         if started != "no":
             self.policy.precision = started
@@ -379,9 +380,9 @@ class _Run(RunBase):
         it at every step: ``accelerator.clip_grad_norm_``, after unscaling)."""
         if getattr(self.trainer, "is_deepspeed_enabled", False):
             for spec in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
-                knobs.unsupported[spec.name] = (
+                knobs.bind(spec, (
                     "DeepSpeed runs the optimizer and clips the gradients itself (its "
-                    "config's optimizer and gradient_clipping); set them there and restart")
+                    "config's optimizer and gradient_clipping); set them there and restart"))
             return
         args = self.trainer.args
 
@@ -421,14 +422,14 @@ class _Run(RunBase):
         ``train(resume_from_checkpoint=...)`` resumes from it, knobs and data included."""
         args = self.trainer.args
         if args.world_size > 1:
-            knobs.unsupported[CHECKPOINT.name] = (
+            knobs.bind(CHECKPOINT, (
                 f"this run has {args.world_size} processes, which HF's checkpoint writes "
-                "from together; use TrainingArguments(save_steps=...)")
+                "from together; use TrainingArguments(save_steps=...)"))
             return
         if args.push_to_hub:
-            knobs.unsupported[CHECKPOINT.name] = (
+            knobs.bind(CHECKPOINT, (
                 "this run pushes each checkpoint to the Hub (push_to_hub): use HF's "
-                "save_steps, or start without push_to_hub")
+                "save_steps, or start without push_to_hub"))
             return
         self.bind_checkpoint(self._save_checkpoint, directory=checkpoint_dir,
                              name="checkpoint-{step}",
@@ -580,7 +581,7 @@ class _Run(RunBase):
                       "an epoch as max_steps x gradient_accumulation_steps micro-batches "
                       "when train() starts; restart with --gradient_accumulation_steps N")
         if reason is not None:
-            knobs.unsupported[ACCUM_STEPS.name] = reason
+            knobs.bind(ACCUM_STEPS, reason)
             self.plan = False
             return
         self.plan = True
@@ -626,26 +627,25 @@ class _Run(RunBase):
                 knobs.add(Knob(CHECKPOINTING, get=lambda: _hf_checkpointing(model),
                                set=set_checkpointing))
                 return
-            knobs.unsupported[CHECKPOINTING.name] = (
+            knobs.bind(CHECKPOINTING, (
                 f"{type(model).__name__} does not support activation checkpointing "
-                "(supports_gradient_checkpointing is False)")
+                "(supports_gradient_checkpointing is False)"))
             return
         from gpuopt.checkpointing import ActivationCheckpointing
 
         try:
             checkpointing = ActivationCheckpointing(model)
         except ValueError as exc:
-            knobs.unsupported[CHECKPOINTING.name] = str(exc)
+            knobs.bind(CHECKPOINTING, str(exc))
             return
-        knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
-                       set=lambda value: setattr(checkpointing, "enabled", value)))
+        knobs.add(Knob.attribute(CHECKPOINTING, checkpointing, "enabled"))
 
     def _bind_kernels(self, knobs: KnobSet, compile_backend: str) -> None:
         trainer = self.trainer
         if trainer.args.torch_compile:
-            knobs.unsupported[KERNELS.name] = (
+            knobs.bind(KERNELS, (
                 "this run started with torch_compile=True: accelerate compiles the model "
-                "when train() prepares it; start without it to switch kernels live")
+                "when train() prepares it; start without it to switch kernels live"))
             return
         from gpuopt.compile import compile_support
         from gpuopt.kernels.backend import KernelBackendMixin

@@ -156,13 +156,13 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from agent.wire.protocol import EventKind
-from agent.integrations.adapters import (cpu_threads_knob, loader_knobs, optimizer_knobs,
-                                         precision_knob, refuse)
+from agent.integrations.adapters import (cpu_threads_knob, dropout_knob, loader_knobs,
+                                         optimizer_knobs, precision_knob, refuse)
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, EVALUATE, KERNELS,
-                              LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE,
-                              WEIGHT_DECAY, Knob, KnobSet)
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, EVALUATE,
+                              KERNELS, LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE,
+                              PRECISION, WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
 from agent.wire.runs import RUN_ID_ENV
@@ -701,11 +701,12 @@ class _Run(RunBase):
             self._bind_optimizer_knobs(knobs)
             self._bind_checkpoint(knobs)
             knobs.add(cpu_threads_knob(knobs))
-            knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+            knobs.bind(DROPOUT, dropout_knob(self.module))
+            knobs.bind(MICRO_BATCH_SIZE, (
                 "Lightning counts an epoch's batches once, when it sets up the train "
                 "dataloader (trainer.num_training_batches), so batches of another size "
                 "would end its epochs at the wrong batch: set the DataLoader's batch_size "
-                "and accumulate_grad_batches, and resume from a checkpoint")
+                "and accumulate_grad_batches, and resume from a checkpoint"))
             self.fetch = _FetchTimer(trainer.fit_loop.epoch_loop)
             self.fetch.install()
             self.validate_now = _ValidateNow(trainer.fit_loop.epoch_loop)
@@ -725,25 +726,25 @@ class _Run(RunBase):
         trainer = self.trainer
         self.precision = _Precision(trainer.strategy, self.options.get("grad_scaler"))
         if not self.module.automatic_optimization:
-            knobs.unsupported["precision"] = (
+            knobs.bind(PRECISION, (
                 "the LightningModule uses manual optimization: gpuwatch cannot tell where "
                 "its accumulation windows end, so a precision switch could meet "
-                "gradients of another precision")
+                "gradients of another precision"))
         elif not _simple_strategy(trainer.strategy):
-            knobs.unsupported["precision"] = (
-                f"{type(trainer.strategy).__name__} has its own precision handling")
+            knobs.bind(PRECISION,
+                       f"{type(trainer.strategy).__name__} has its own precision handling")
         elif _precision_of(self.precision.original) is None:
-            knobs.unsupported["precision"] = (
+            knobs.bind(PRECISION, (
                 f"the Trainer's precision plugin is {type(self.precision.original).__name__} "
                 f"(precision={trainer.precision!r}); gpuwatch switches only between "
-                "Lightning's Precision (32-true) and MixedPrecision (16-mixed, bf16-mixed)")
+                "Lightning's Precision (32-true) and MixedPrecision (16-mixed, bf16-mixed)"))
         else:
             knobs.add(precision_knob(self.precision))
 
     def _bind_accumulation(self, knobs: KnobSet) -> None:
         reason = _accumulation_refusal(self.trainer, self.module)
         if reason is not None:
-            knobs.unsupported["accum_steps"] = reason
+            knobs.bind(ACCUM_STEPS, reason)
             return
         self.accumulation = accumulation = _Accumulation(self.trainer)
         knobs.add(Knob(ACCUM_STEPS, get=lambda: accumulation.value, set=accumulation.set))
@@ -753,12 +754,13 @@ class _Run(RunBase):
         if not _simple_strategy(strategy):
             why = (f"{type(strategy).__name__} wraps or shards the module; gpuwatch changes "
                    "the module only under single-device and DDP strategies")
-            knobs.unsupported["kernels"] = knobs.unsupported["checkpointing"] = why
+            for refused in (KERNELS, CHECKPOINTING):
+                knobs.bind(refused, why)
             return
         if getattr(module, "_compiler_ctx", None) is not None or "forward" in module.__dict__:
-            knobs.unsupported["kernels"] = (
+            knobs.bind(KERNELS, (
                 "the LightningModule was given to fit already compiled (or has a forward "
-                "of its own set on the instance): gpuwatch leaves its forward alone")
+                "of its own set on the instance): gpuwatch leaves its forward alone"))
         else:
             self.kernels = kernels = _Kernels(module, self.device,
                                               self.options.get("compile_backend", "inductor"))
@@ -771,11 +773,10 @@ class _Run(RunBase):
         except ValueError as exc:
             if targets is not None:
                 raise
-            knobs.unsupported["checkpointing"] = (
-                f"{exc} (attach(trainer, checkpoint_blocks=[...]) names them)")
+            knobs.bind(CHECKPOINTING,
+                       f"{exc} (attach(trainer, checkpoint_blocks=[...]) names them)")
         else:
-            knobs.add(Knob(CHECKPOINTING, get=lambda: checkpointing.enabled,
-                           set=lambda value: setattr(checkpointing, "enabled", value)))
+            knobs.add(Knob.attribute(CHECKPOINTING, checkpointing, "enabled"))
 
     def _bind_optimizer_knobs(self, knobs: KnobSet) -> None:
         """``lr_scale`` and ``weight_decay`` on the one optimizer (step hooks, see
@@ -793,10 +794,11 @@ class _Run(RunBase):
             self.optimizer_settings = OptimizerSettings(optimizers[0])
             optimizer_knobs(self.optimizer_settings, knobs)
         else:
-            knobs.unsupported[LR_SCALE.name] = knobs.unsupported[WEIGHT_DECAY.name] = reason
+            for refused in (LR_SCALE, WEIGHT_DECAY):
+                knobs.bind(refused, reason)
         reason = _clipping_refusal(trainer, self.module)
         if reason is not None:
-            knobs.unsupported[MAX_GRAD_NORM.name] = reason
+            knobs.bind(MAX_GRAD_NORM, reason)
             return
         knobs.add(Knob(MAX_GRAD_NORM, get=lambda: float(trainer.gradient_clip_val or 0.0),
                        set=lambda value: setattr(trainer, "gradient_clip_val",
@@ -825,9 +827,9 @@ class _Run(RunBase):
         along as this callback's state (:meth:`saved_state`)."""
         strategy = self.trainer.strategy
         if not _simple_strategy(strategy):
-            knobs.unsupported[CHECKPOINT.name] = (
+            knobs.bind(CHECKPOINT, (
                 f"{type(strategy).__name__} saves sharded checkpoints from every rank; "
-                "use Lightning's ModelCheckpoint")
+                "use Lightning's ModelCheckpoint"))
             return
         self.bind_checkpoint(lambda path, knobs: self.trainer.save_checkpoint(path),
                              step=lambda: self.trainer.global_step,
@@ -851,7 +853,7 @@ class _Run(RunBase):
                    "fixed when it is built: pass a gpuopt.loader.ReconfigurableLoader as "
                    "train_dataloaders (or from train_dataloader()) to change them live")
         for spec in LOADER_KNOBS:
-            knobs.unsupported[spec.name] = why
+            knobs.bind(spec, why)
 
     # ------------------------------------------------------------ checkpoint and resume
 

@@ -43,14 +43,15 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from agent.integrations.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
-                                         optimizer_knobs, precision_knob, refuse)
+from agent.integrations.adapters import (cpu_threads_knob, dropout_knob, loader_knobs,
+                                         micro_batch_size_knob, optimizer_knobs, precision_knob,
+                                         refuse)
 from agent.control.checkpoints import load_checkpoint, restore_knobs, torch_checkpoint
 from agent.step.core import Agent
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
-from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS,
-                              LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE,
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
+                              DROPOUT, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION,
                               WEIGHT_DECAY, Knob, KnobSet)
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
@@ -67,9 +68,10 @@ MEASURE_ACTIVATIONS_EVERY = 20
 class _MeasuredAutocast:
     """The loop's ``ctx``: the policy's reusable autocast, and on the first micro-batch
     of every :attr:`Session.measure_activations_every`-th window (and the first after a
-    change of precision, kernels or checkpointing) a :class:`SavedActivations` around the
-    forward. Never measures under ``no_grad`` (evaluation), under ``kernels=compile``
-    (Dynamo would trace the meter's hooks) or under saved-tensor hooks of your own."""
+    change of a knob that changes activations: precision, kernels, checkpointing) a
+    :class:`SavedActivations` around the forward. Never measures under ``no_grad``
+    (evaluation), under ``kernels=compile`` (Dynamo would trace the meter's hooks) or
+    under saved-tensor hooks of your own."""
 
     def __init__(self, run: "Session") -> None:
         self._run = run
@@ -137,9 +139,10 @@ class LoopRun(RunBase):
             self.knobs.add(Knob(ACCUM_STEPS, get=lambda: self.accum_steps,
                                 set=self._set_accum_steps))
         else:  # (a window size the knob may not change is still the loop's)
-            self.knobs.unsupported[ACCUM_STEPS.name] = accum_refused or (
+            self.knobs.bind(ACCUM_STEPS, (
+                accum_refused or (
                 f"this loop did not declare accum_steps: pass "
-                f"{self.declare.format('accum_steps=N')} and {self.accum_use}")
+                f"{self.declare.format('accum_steps=N')} and {self.accum_use}")))
         for spec in (*LOADER_KNOBS, MICRO_BATCH_SIZE):  # (bound by loader())
             self.knobs.unsupported.setdefault(spec.name, (
                 "this loop's data does not come through a gpuopt.loader.ReconfigurableLoader "
@@ -199,9 +202,9 @@ class LoopRun(RunBase):
                 self.agent.knobs.add(micro_batch_size_knob(batches, lambda: self.accum_steps,
                                                            self._set_accum_steps))
             else:
-                self.agent.knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+                self.agent.knobs.bind(MICRO_BATCH_SIZE, (
                     "it moves accum_steps to keep the effective batch, and accum_steps: "
-                    + self.agent.knobs.unsupported[ACCUM_STEPS.name])
+                    + self.agent.knobs.unsupported[ACCUM_STEPS.name]))
             self.agent.refresh_knobs()
             self._restore_unbound()
 
@@ -231,11 +234,14 @@ class LoopRun(RunBase):
             yield batch
 
     def timed(self, fetch: Callable[..., Any]) -> Callable[..., Any]:
-        """``fetch`` (e.g. nanoGPT's ``get_batch``), each call timed as data wait and its
-        batch counted like :meth:`loader`'s; the batches of training calls (not under
-        ``no_grad``) are the data position a checkpoint keeps, a batch fetched ahead of
-        the boundary included (nanoGPT's ``X, Y = get_batch()`` at the end of its
-        micro-step loop): after a resume the first call gets that batch back."""
+        """``fetch`` (e.g. nanoGPT's ``get_batch``), each training call (not under
+        ``no_grad``) timed as data wait and its batch counted like :meth:`loader`'s: an
+        evaluation's calls (nanoGPT's ``estimate_loss()``, under ``@torch.no_grad()``)
+        count in neither; a loop that evaluates with grad enabled wraps only the
+        training calls. The training calls' batches are the data position a checkpoint
+        keeps, a batch fetched ahead of the boundary included (nanoGPT's ``X, Y =
+        get_batch()`` at the end of its micro-step loop): after a resume the first call
+        gets that batch back."""
         return self.position.timed_fetch(fetch, self.meter.add)
 
     # ------------------------------------------------------------ the boundary
@@ -404,8 +410,9 @@ class Session(LoopRun):
         kernels = self.model_backend.kernels if self.model_backend is not None else "eager"
         if kernels == "compile":
             return
-        settings = (self.mixed_precision.precision, kernels,
-                    self.checkpointing is not None and self.checkpointing.enabled)
+        # the bound knobs that change the activations (KnobSpec.activation_memory)
+        settings = tuple(knob.get() for knob in self.agent.knobs.knobs.values()
+                         if knob.spec.activation_memory)
         due_step = (self.step + 1) % self.measure_activations_every == 0
         if due_step or settings != self._measured_settings:
             self._measured_settings = settings
@@ -489,21 +496,18 @@ def model_knobs(knobs: KnobSet, model: torch.nn.Module, device: torch.device, *,
     if kernels_refused is None:
         backend = model_backend = ModelBackend(model, device, compile_backend=compile_backend,
                                                in_place=True)
-        knobs.add(Knob(KERNELS, get=lambda: backend.kernels,
-                       set=lambda value: setattr(backend, "kernels", value),
-                       check=lambda value: refuse(backend.support(value))))
+        knobs.add(Knob.attribute(KERNELS, backend,
+                                 check=lambda value: refuse(backend.support(value))))
     else:
-        knobs.unsupported[KERNELS.name] = kernels_refused
+        knobs.bind(KERNELS, kernels_refused)
     try:
         blocks = checkpointing = ActivationCheckpointing(model, checkpoint_blocks)
     except ValueError as exc:
         if checkpoint_blocks is not None:
             raise
-        knobs.unsupported[CHECKPOINTING.name] = (
-            f"{exc} ({declare.format('checkpoint_blocks=...')})")
+        knobs.bind(CHECKPOINTING, f"{exc} ({declare.format('checkpoint_blocks=...')})")
     else:
-        knobs.add(Knob(CHECKPOINTING, get=lambda: blocks.enabled,
-                       set=lambda value: setattr(blocks, "enabled", value)))
+        knobs.add(Knob.attribute(CHECKPOINTING, blocks, "enabled"))
     return model_backend, checkpointing
 
 
@@ -523,13 +527,12 @@ def optimizer_settings_knobs(knobs: KnobSet, optimizer: torch.optim.Optimizer,
     optimizer_knobs(settings, knobs)
     if max_grad_norm is not None:
         settings.max_grad_norm = max_grad_norm
-        knobs.add(Knob(MAX_GRAD_NORM, get=lambda: settings.max_grad_norm,
-                       set=lambda value: setattr(settings, "max_grad_norm", value)))
+        knobs.add(Knob.attribute(MAX_GRAD_NORM, settings))
     else:
-        knobs.unsupported[MAX_GRAD_NORM.name] = (
+        knobs.bind(MAX_GRAD_NORM, (
             f"this loop did not declare max_grad_norm: pass "
             f"{declare.format('max_grad_norm=X')} (0: off) and leave out the loop's own "
-            f"{own_clip}; the run then clips inside optimizer.step()")
+            f"{own_clip}; the run then clips inside optimizer.step()"))
     return settings
 
 
@@ -643,9 +646,9 @@ def session(*, model: torch.nn.Module | None = None,
     if declared:
         knobs.add(precision_knob(mixed_precision))
     else:
-        knobs.unsupported["precision"] = ("this loop did not declare precision: pass "
-                                          "agent.session(precision=...) and use run.autocast "
-                                          "and run.scaler")
+        knobs.bind(PRECISION, "this loop did not declare precision: pass "
+                              "agent.session(precision=...) and use run.autocast "
+                              "and run.scaler")
     model_backend = checkpointing = None
     if model is not None:
         model_backend, checkpointing = model_knobs(
@@ -653,17 +656,19 @@ def session(*, model: torch.nn.Module | None = None,
             kernels_refused=None if kernels else "agent.session(kernels=False) leaves it out",
             checkpoint_blocks=checkpoint_blocks)
     else:
-        knobs.unsupported["kernels"] = ("this loop has no model for gpuwatch to switch: pass "
-                                        "agent.session(model=model)")
-        knobs.unsupported["checkpointing"] = "pass agent.session(model=model) to checkpoint it"
+        knobs.bind(KERNELS, "this loop has no model for gpuwatch to switch: pass "
+                            "agent.session(model=model)")
+        knobs.bind(CHECKPOINTING, "pass agent.session(model=model) to checkpoint it")
     settings = None
     if optimizer is not None:
         settings = optimizer_settings_knobs(knobs, optimizer, max_grad_norm)
     else:
         for spec in (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM):
-            knobs.unsupported[spec.name] = ("pass agent.session(optimizer=optimizer) for "
-                                            "gpuwatch to set it in the optimizer's step")
+            knobs.bind(spec, "pass agent.session(optimizer=optimizer) for "
+                             "gpuwatch to set it in the optimizer's step")
     knobs.add(cpu_threads_knob(knobs))
+    knobs.bind(DROPOUT, "pass agent.session(model=model) for gpuwatch to set its dropout"
+               if model is None else dropout_knob(model))
     agent = Agent(knobs, name=name, model=model, device=device, transport=transport,
                   training={"framework": "loop",
                             "loss_normalization": "as the loop divides its losses"},
@@ -676,8 +681,8 @@ def session(*, model: torch.nn.Module | None = None,
     if model is not None or optimizer is not None:
         run.bind_checkpoint(run._save, directory=checkpoint_dir)
     else:
-        knobs.unsupported[CHECKPOINT.name] = ("pass agent.session(model=..., optimizer=...) "
-                                              "for a checkpoint to have their states")
+        knobs.bind(CHECKPOINT, "pass agent.session(model=..., optimizer=...) "
+                               "for a checkpoint to have their states")
     run.bind_evaluate(eval_fn, model, declare="agent.session(eval_fn=...)")
     if resume_from is not None:
         run._resume(load_checkpoint(resume_from), str(resume_from))

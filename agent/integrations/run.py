@@ -289,8 +289,7 @@ class RunBase:
         ``model``'s train/eval mode is put back after it; the next step's time leaves
         the evaluation out."""
         if evaluate is None:
-            self.knobs.unsupported[EVALUATE.name] = (f"pass {declare} for evaluate=now to "
-                                                     "run it")
+            self.knobs.bind(EVALUATE, f"pass {declare} for evaluate=now to run it")
             return
 
         def now(value: str) -> dict[str, Any]:

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 
 from agent.wire.protocol import EventKind
-from agent.integrations.adapters import (cpu_threads_knob, loader_knobs, micro_batch_size_knob,
-                                         optimizer_knobs, precision_knob, refuse)
+from agent.integrations.adapters import (cpu_threads_knob, dropout_knob, loader_knobs,
+                                         micro_batch_size_knob, optimizer_knobs, precision_knob,
+                                         refuse)
 from agent.control.checkpoints import load_checkpoint, torch_checkpoint
 from agent.step.core import Agent, ending_reason
-from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINTING, KERNELS,
-                              MAX_GRAD_NORM, MICRO_BATCH_SIZE, Knob, KnobSet)
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINTING, DROPOUT, KERNELS, MAX_GRAD_NORM,
+                              MICRO_BATCH_SIZE, Knob, KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
 from gpuopt.loader import ReconfigurableLoader
@@ -119,17 +120,14 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
         trainer.load_state_dict(saved["trainer"])
     knobs = KnobSet()
     knobs.add(precision_knob(trainer.mixed_precision))
-    knobs.add(Knob(ACCUM_STEPS, get=lambda: trainer.accum_steps,
-                   set=lambda value: setattr(trainer, "accum_steps", value)))
+    knobs.add(Knob.attribute(ACCUM_STEPS, trainer))
     if isinstance(trainer.loader, ReconfigurableLoader):
         for knob in loader_knobs(trainer.loader):
             knobs.add(knob)
-    knobs.add(Knob(KERNELS, get=lambda: trainer.kernels,
-                   set=lambda value: setattr(trainer, "kernels", value),
-                   check=lambda value: refuse(trainer.model_backend.support(value))))
+    knobs.add(Knob.attribute(KERNELS, trainer,
+                             check=lambda value: refuse(trainer.model_backend.support(value))))
     if trainer.activation_checkpointing is not None:
-        knobs.add(Knob(CHECKPOINTING, get=lambda: trainer.checkpointing,
-                       set=lambda value: setattr(trainer, "checkpointing", value)))
+        knobs.add(Knob.attribute(CHECKPOINTING, trainer))
     optimizer_knobs(trainer.optimizer_settings, knobs)
     knobs.add(Knob(MAX_GRAD_NORM, get=lambda: trainer.max_grad_norm or 0.0,
                    set=lambda value: setattr(trainer, "max_grad_norm", value)))
@@ -138,10 +136,11 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
         knobs.add(micro_batch_size_knob(trainer.loader, lambda: trainer.accum_steps,
                                         lambda value: setattr(trainer, "accum_steps", value)))
     else:
-        knobs.unsupported[MICRO_BATCH_SIZE.name] = (
+        knobs.bind(MICRO_BATCH_SIZE, (
             "the Trainer's loader is not a gpuopt.loader.ReconfigurableLoader, whose "
-            "batches can change size mid-epoch")
+            "batches can change size mid-epoch"))
     knobs.add(cpu_threads_knob(knobs))
+    knobs.bind(DROPOUT, dropout_knob(trainer.model))
     agent = Agent(knobs, name=name, model=trainer.model, device=trainer.device,
                   transport=transport, training={"framework": "gpuopt.Trainer",
                                                  "loss_normalization": trainer.loss_normalization},

@@ -446,6 +446,7 @@ class IOLoop:
             if stopping:
                 for _ in range(2):  # the second pass sends events the first one raised
                     self._guard("step publishing", self._encoder.drain, True)
+                self._guard("tune", self._tune.run_ended)
                 self.publish(protocol.BYE, protocol.Bye(reason=self._agent.bye_reason or "",
                                                        steps=self._agent.last_step))
                 return

@@ -97,6 +97,7 @@ from agent.wire.commands import send_command
 from agent.control.guard import ChangeGuard
 from agent.wire.knobs import (
     NOT_TUNED,
+    STANDARD_KNOBS,
     TUNED,
     TUNED_IF_ALLOWED,
     KnobError,
@@ -129,19 +130,22 @@ FUTILE_FROM_PAIRS = 6
 CONFIDENCE = 0.95
 #: Full passes over the knobs at most (a pass that keeps nothing ends the search).
 MAX_PASSES = 2
-#: The order knobs are searched in by default (others follow in the run's order): the
-#: intra-op thread count first, as it sets the pace of every later measurement (on a
-#: busy host one thread per core is often far from the best), then the input pipeline,
-#: then what needs allowing.
-SEARCH_ORDER = ("cpu_threads", "num_workers", "prefetch_factor", "pin_memory", "kernels",
-                "micro_batch_size", "accum_steps", "precision", "checkpointing")
-#: Knobs that draw on one resource, also searched as a trade: the first one rung up and
-#: the second one rung down, and the other way. A DataLoader worker more for an intra-op
-#: thread fewer keeps the threads the run uses: on a CPU-bound host each move alone can
-#: be slower (the worker takes a core from the compute threads; one thread fewer leaves
-#: a core idle) while the trade is the fastest configuration (bench_tune on this
-#: 2-core machine: -18% and -17% alone, the grid's best together).
-TRADES = (("num_workers", "cpu_threads"),)
+#: The order knobs are searched in by default (:attr:`agent.wire.knobs.KnobSpec.search_rank`;
+#: others follow in the run's order): the intra-op thread count first, as it sets the
+#: pace of every later measurement (on a busy host one thread per core is often far from
+#: the best), then the input pipeline, then what needs allowing.
+SEARCH_ORDER = tuple(sorted((name for name, spec in STANDARD_KNOBS.items()
+                             if spec.search_rank is not None),
+                            key=lambda name: STANDARD_KNOBS[name].search_rank or 0))
+#: Knobs that draw on one resource, also searched as a trade
+#: (:attr:`agent.wire.knobs.KnobSpec.trades_with`): the first one rung up and the second one
+#: rung down, and the other way. A DataLoader worker more for an intra-op thread fewer
+#: keeps the threads the run uses: on a CPU-bound host each move alone can be slower (the
+#: worker takes a core from the compute threads; one thread fewer leaves a core idle)
+#: while the trade is the fastest configuration (bench_tune on this 2-core machine: -18%
+#: and -17% alone, the grid's best together).
+TRADES = tuple((name, spec.trades_with) for name, spec in STANDARD_KNOBS.items()
+               if spec.trades_with)
 #: How long the search waits for each phase of its own command's replies (s): on a
 #: busy host the run's own I/O thread, which answers, can be starved for seconds; a
 #: command not answered at all counts as refused.
@@ -1061,6 +1065,28 @@ class Tuner:
         self._waiting = {}  # nothing more to measure: the commands go out all the same
         self._finish("stopped" if reason else "done", "" if reason is None else why)
 
+    def run_ended(self) -> None:
+        """The run ends while the search runs: the candidate being tried is not judged,
+        each knob the search changed goes back to its best value, set here at once (no
+        step boundary comes any more; the training thread waits for the agent's close),
+        and the search ends ``stopped`` with an event that says so. I/O thread."""
+        if self.status != "running":
+            return
+        self._verdict("reverted", "not judged: the run ended")
+        put_back, failed = [], []
+        for knob, value in self.best.items():
+            if self.knobs.knobs[knob].get() == value:
+                continue
+            try:
+                self.knobs.knobs[knob].set(value)
+                put_back.append(assignment(knob, value))
+            except Exception as exc:  # noqa: BLE001 -- said in the search's last words
+                failed.append(f"{assignment(knob, value)} failed: {exc}")
+        self._waiting = {}
+        self._finish("stopped", "; ".join(
+            ["the run ended before the search did"]
+            + ([f"put back {', '.join(put_back)}"] if put_back else []) + failed))
+
     def _finish(self, status: str, why: str = "") -> None:
         self.status = status
         self._trial = None
@@ -1293,6 +1319,15 @@ class AutoTune:
             tuner.on_step(step, step_time_s, samples, tokens, loss, skipped)
         except Exception as exc:
             self._failed(exc)
+
+    def run_ended(self) -> None:
+        """The run is ending (its last records published): a running search ends with
+        it (:meth:`Tuner.run_ended`). I/O thread, before ``bye``."""
+        if self.tuner is not None:
+            try:
+                self.tuner.run_ended()
+            except Exception as exc:
+                self._failed(exc)
 
     def _failed(self, exc: Exception) -> None:
         self.tuner = None

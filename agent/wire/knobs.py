@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class KnobError(ValueError):
@@ -38,8 +39,31 @@ GROUPS = (NUMERICS, KERNELS_MEMORY, DATA, OPTIMIZER, OTHER)
 
 
 @dataclass(frozen=True)
+class KnobKey:
+    """A dashboard key that changes one knob (the footer, ``?`` and the palette list it).
+
+    Attributes:
+        key: Textual's name of the key (``"p"``, ``"A"``). action: the dashboard's action
+        (``cycle``, ``step``, ``toggle``, ``scale``, ``clip``, ``send``), called with the
+        knob's name and then ``arguments``. description: the footer's word. tooltip: the
+        line ``?`` and the palette show. id: the binding's id after the knob's name
+        (``precision.cycle``). show: whether the footer shows it (else ``?`` and the
+        palette only).
+    """
+
+    key: str
+    action: str
+    description: str
+    tooltip: str
+    id: str
+    arguments: tuple[int | float | str, ...] = ()
+    show: bool = True
+
+
+@dataclass(frozen=True)
 class KnobSpec:
-    """The schema of one knob.
+    """The schema of one knob, with every trait the agent, the search, the dashboard
+    and the README read from it.
 
     Attributes:
         name: wire name. kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"``, or
@@ -52,6 +76,18 @@ class KnobSpec:
         memory: searched only when the ``tune`` command allows it) or
         :data:`NOT_TUNED` (never: the optimizer's settings, actions, memory tools).
         group: one of :data:`GROUPS`, under which people see it (``group`` on the wire).
+        unit: what a value counts (``"micro-batches"``), for the README's table; empty
+        where the value is a word or a ratio. label: the knobs panel's name for it where
+        the panel shows what the steps use rather than the value (``lr`` for
+        ``lr_scale``); empty: its name. keys: its dashboard keys; key_group: the footer's
+        word for several of them together (``aA accum``). guarded: a change is watched
+        and rolled back when the steps after it go bad (:mod:`agent.control.guard`).
+        search_rank: its place in the search's default order (lower first; None:
+        after the ranked ones, in the run's order). trades_with: a knob drawing on the
+        same resource, also searched as a trade with it (:data:`agent.search.tune.TRADES`).
+        activation_memory: a change changes the memory a forward saves for backward
+        (the next window measures it again). stops: the warning that a value stops the
+        training, or nearly (:meth:`Knob.warning`); None where no value does.
     """
 
     name: str
@@ -62,6 +98,15 @@ class KnobSpec:
     maximum: int | float | None = None
     tuning: str = NOT_TUNED
     group: str = OTHER
+    unit: str = ""
+    label: str = ""
+    keys: tuple[KnobKey, ...] = ()
+    key_group: str = ""
+    guarded: bool = False
+    search_rank: int | None = None
+    trades_with: str = ""
+    activation_memory: bool = False
+    stops: Callable[[float], str | None] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The schema as a msgpack-ready map."""
@@ -154,79 +199,181 @@ def _as_float(value: Any) -> float | None:
 
 _NUMBER_PARSERS = {"int": (_as_int, "an integer"), "float": (_as_float, "a finite number")}
 
-#: The standard knobs (the README's knob table); a trainer binds the ones it supports.
+def _lr_scale_stops(value: float) -> str | None:
+    """0: no update at all; below 0.001: updates a thousand times smaller or less; from
+    10: the usual cause of a diverging loss."""
+    if value == 0:
+        return ("lr_scale=0 makes every learning rate 0: the weights stop changing, so "
+                "training stops learning (while costing as much) until it is set back")
+    if value < 1e-3:
+        return (f"lr_scale={value} divides every learning rate by {1 / value:,.0f}: "
+                "training nearly stops learning")
+    if value >= 10:
+        return (f"lr_scale={value} multiplies every learning rate by {value:g}: the loss "
+                "may diverge")
+    return None
+
+
+def _weight_decay_stops(value: float) -> str | None:
+    """From 1: 10 to 10,000 times the usual 0.0001 to 0.1; the decay can outweigh the
+    gradient and pull the weights to 0."""
+    if value >= 1:
+        return (f"weight_decay={value} is far above the usual 0.0001 to 0.1: the decay can "
+                "outweigh the gradient and pull the weights to 0, so that training stops "
+                "learning")
+    return None
+
+
+def _max_grad_norm_stops(value: float) -> str | None:
+    """Above 0 and below 0.001: every update clipped that small."""
+    if 0 < value < 1e-3:
+        return (f"max_grad_norm={value} clips every update to a gradient norm of {value}: "
+                "training nearly stops learning (0 turns clipping off)")
+    return None
+
+
+def _dropout_stops(value: float) -> str | None:
+    """1: every element through a dropout module is zeroed."""
+    if value >= 1:
+        return ("dropout=1 zeroes everything that passes a dropout module: the layers "
+                "after them get no signal, so training stops learning")
+    return None
+
+
+#: The threshold the dashboard's ``g`` turns clipping on with when the run never had one
+#: (a common default: HF's ``max_grad_norm``, nanoGPT's ``grad_clip``).
+DEFAULT_MAX_GRAD_NORM = 1.0
+
+#: The standard knobs (the README's knob table: ``python -m agent.wire.knobs --markdown``); a
+#: trainer binds the ones it supports.
 PRECISION = KnobSpec("precision", "choice", "autocast precision of forward/backward",
                      choices=("fp32", "bf16", "fp16"), tuning=TUNED_IF_ALLOWED,
-                     group=NUMERICS)
+                     group=NUMERICS, guarded=True, search_rank=7, activation_memory=True,
+                     keys=(KnobKey("p", "cycle", "prec", "Cycle precision fp32 -> bf16 -> "
+                                   "fp16 (the run's choices)", "cycle"),))
 ACCUM_STEPS = KnobSpec("accum_steps", "int", "micro-batches per optimizer step",
-                       minimum=1, maximum=1024, tuning=TUNED_IF_ALLOWED, group=NUMERICS)
+                       minimum=1, maximum=1024, tuning=TUNED_IF_ALLOWED, group=NUMERICS,
+                       unit="micro-batches", guarded=True, search_rank=6, key_group="accum",
+                       keys=(KnobKey("a", "step", "accum-", "accum_steps - 1 (micro-batches "
+                                     "per optimizer step)", "decrease", (-1,)),
+                             KnobKey("A", "step", "accum+", "accum_steps + 1 (micro-batches "
+                                     "per optimizer step)", "increase", (1,))))
 MICRO_BATCH_SIZE = KnobSpec("micro_batch_size", "int",
                             "samples per micro-batch; accum_steps follows, so that the "
                             "effective batch (micro-batch size x accum_steps) stays",
                             minimum=1, maximum=1 << 20, tuning=TUNED_IF_ALLOWED,
-                            group=NUMERICS)
+                            group=NUMERICS, unit="samples", guarded=True, search_rank=5)
 
 NUM_WORKERS = KnobSpec("num_workers", "int", "DataLoader worker processes",
-                       minimum=0, maximum=64, tuning=TUNED, group=DATA)
+                       minimum=0, maximum=64, tuning=TUNED, group=DATA, unit="processes",
+                       search_rank=1, trades_with="cpu_threads", key_group="work",
+                       keys=(KnobKey("w", "step", "workers-", "num_workers - 1 (DataLoader "
+                                     "worker processes)", "decrease", (-1,)),
+                             KnobKey("W", "step", "workers+", "num_workers + 1 (DataLoader "
+                                     "worker processes)", "increase", (1,))))
 PIN_MEMORY = KnobSpec("pin_memory", "bool", "page-locked host batches (faster H2D copies)",
-                      tuning=TUNED, group=DATA)
+                      tuning=TUNED, group=DATA, search_rank=3,
+                      keys=(KnobKey("m", "toggle", "pin", "pin_memory on/off (page-locked "
+                                    "host batches, faster copies to the GPU)", "toggle"),))
 PREFETCH_FACTOR = KnobSpec("prefetch_factor", "int", "batches prefetched per worker",
-                           minimum=1, maximum=64, tuning=TUNED, group=DATA)
+                           minimum=1, maximum=64, tuning=TUNED, group=DATA,
+                           unit="batches per worker", search_rank=2)
+# first in the search: it sets the pace of every later measurement
 CPU_THREADS = KnobSpec("cpu_threads", "int",
                        "torch intra-op CPU threads of the training process "
                        "(torch.set_num_threads)", minimum=1, maximum=1024, tuning=TUNED,
-                       group=DATA)
+                       group=DATA, unit="threads", search_rank=0)
 
 # searched only when allowed: fused code reorders float ops and inductor draws its own
 # dropout masks, and compiling is a long warm-up (gpuopt.compile)
 KERNELS = KnobSpec("kernels", "choice", "forward implementation: eager, torch.compile, "
                    "or fused Triton kernels", choices=("eager", "compile", "triton"),
-                   tuning=TUNED_IF_ALLOWED, group=KERNELS_MEMORY)
+                   tuning=TUNED_IF_ALLOWED, group=KERNELS_MEMORY, guarded=True,
+                   search_rank=4, activation_memory=True,
+                   keys=(KnobKey("k", "cycle", "kern", "Cycle kernels eager -> compile -> "
+                                 "triton (the run's choices)", "cycle"),))
 CHECKPOINTING = KnobSpec("checkpointing", "bool",
                          "activation checkpointing of the repeated blocks",
-                         tuning=TUNED_IF_ALLOWED, group=KERNELS_MEMORY)
+                         tuning=TUNED_IF_ALLOWED, group=KERNELS_MEMORY, search_rank=8,
+                         activation_memory=True,
+                         keys=(KnobKey("c", "toggle", "ckpt", "Activation checkpointing "
+                                       "on/off (less memory, more compute)", "toggle"),))
 LR_SCALE = KnobSpec("lr_scale", "float", "multiplier on the learning rate the schedule "
                     "sets, in every param group (the schedule keeps its shape)",
-                    minimum=0.0, maximum=100.0, group=OPTIMIZER)
+                    minimum=0.0, maximum=100.0, group=OPTIMIZER, label="lr", guarded=True,
+                    stops=_lr_scale_stops, key_group="lr",
+                    keys=(KnobKey("l", "scale", "lr/2", "lr_scale x0.5: half the learning "
+                                  "rate the schedule sets, from the next step (the "
+                                  "schedule keeps its shape)", "halve", (0.5,)),
+                          KnobKey("L", "scale", "lr*2", "lr_scale x2: twice the learning "
+                                  "rate the schedule sets, from the next step", "double",
+                                  (2,))))
 WEIGHT_DECAY = KnobSpec("weight_decay", "float", "weight decay of the param groups that "
                         "decay (groups at 0, such as biases and norms, stay 0)",
-                        minimum=0.0, maximum=10.0, group=OPTIMIZER)
+                        minimum=0.0, maximum=10.0, group=OPTIMIZER, guarded=True,
+                        stops=_weight_decay_stops)
 MAX_GRAD_NORM = KnobSpec("max_grad_norm", "float", "clip the global gradient norm to this "
                          "before each optimizer step (0: no clipping)",
-                         minimum=0.0, maximum=1e6, group=OPTIMIZER)
+                         minimum=0.0, maximum=1e6, group=OPTIMIZER, label="clip",
+                         guarded=True, stops=_max_grad_norm_stops,
+                         keys=(KnobKey("g", "clip", "clip", "Gradient clipping off "
+                                       "(max_grad_norm=0) / on again at the last threshold "
+                                       f"({DEFAULT_MAX_GRAD_NORM:g} if it never had one)",
+                                       "toggle"),))
+DROPOUT = KnobSpec("dropout", "float", "p of every nn.Dropout module of the model and "
+                   "its attention's rate, from the next forward (a plain number in a "
+                   "forward is out of reach)",
+                   minimum=0.0, maximum=1.0, group=OPTIMIZER, guarded=True,
+                   stops=_dropout_stops)
 CHECKPOINT = KnobSpec("checkpoint", "action", "save a checkpoint (model, optimizer, "
                       "scheduler, GradScaler, knobs) at the next step boundary",
-                      choices=("now",), group=OTHER)
+                      choices=("now",), group=OTHER,
+                      keys=(KnobKey("s", "send", "save", "Save a checkpoint at the next step "
+                                    "(the training waits while it is written)", "now",
+                                    ("now",), show=False),))
 PAUSE = KnobSpec("pause", "action", "on: hold the training at the next optimizer-step "
                  "boundary, waiting without using the CPU or GPU; off: go on from there",
-                 choices=("on", "off"), group=OTHER)
+                 choices=("on", "off"), group=OTHER,
+                 keys=(KnobKey("P", "pause", "pause", "Pause the training at the next step "
+                               "boundary (it waits there, asleep, and takes commands), or "
+                               "let a paused run go on: pause=on / pause=off", "toggle",
+                               show=False),))
 STOP = KnobSpec("stop", "action", "end the training cleanly at the next optimizer-step "
                 "boundary (the framework's end hooks run); checkpoint: save one first",
-                choices=("now", "checkpoint"), group=OTHER)
+                choices=("now", "checkpoint"), group=OTHER,
+                keys=(KnobKey("X", "send", "stop", "Save a checkpoint, then end the training "
+                              "at the next step boundary as the framework ends it: "
+                              "stop=checkpoint (`:stop=now` ends it without one)",
+                              "checkpoint", ("checkpoint",), show=False),))
 EVALUATE = KnobSpec("evaluate", "action", "run the framework's evaluation (or the "
                     "eval_fn given to attach / session) at the next optimizer-step "
                     "boundary; its metrics go to the event log", choices=("now",),
-                    group=OTHER)
+                    group=OTHER,
+                    keys=(KnobKey("E", "send", "eval", "Run the framework's evaluation (or "
+                                  "the run's eval_fn) at the next step boundary: "
+                                  "evaluate=now; its metrics go to the event log", "now",
+                                  ("now",), show=False),))
 MEMORY_FRACTION = KnobSpec("memory_fraction", "float",
                            "cap of this process's CUDA memory, as a fraction of the device",
                            minimum=0.01, maximum=1.0, group=KERNELS_MEMORY)
 MEMORY_SNAPSHOT_STEPS = KnobSpec("memory_snapshot_steps", "int",
                                  "record CUDA allocations for this many steps, then dump a "
                                  "snapshot (0: none running)", minimum=1, maximum=1000,
-                                 group=KERNELS_MEMORY)
+                                 group=KERNELS_MEMORY, unit="optimizer steps")
 
 #: The knobs of a rebuildable DataLoader (:class:`gpuopt.loader.ReconfigurableLoader`).
 LOADER_KNOBS = (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR)
 #: The optimizer's knobs (:class:`gpuopt.optim.OptimizerSettings`, or the framework's).
 OPTIMIZER_KNOBS = (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM)
 
-#: Every standard knob by name (a dashboard reads a knob's group from its schema, and
-#: from here for a run whose schema has none).
+#: Every standard knob by name, in the order the dashboard lists them (in their group)
+#: and binds their keys (a dashboard reads a knob's group from its schema, and from here
+#: for a run whose schema has none).
 STANDARD_KNOBS = {spec.name: spec for spec in
                   (PRECISION, ACCUM_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
                    PREFETCH_FACTOR, CPU_THREADS, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
-                   MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, CHECKPOINT, PAUSE, STOP,
-                   EVALUATE)}
+                   MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, DROPOUT, CHECKPOINT, PAUSE,
+                   STOP, EVALUATE)}
 
 
 @dataclass
@@ -252,46 +399,27 @@ class Knob:
     check: Callable[[Any], None] | None = None
     warn: Callable[[Any], str | None] | None = None
 
+    @classmethod
+    def attribute(cls, spec: KnobSpec, owner: Any, name: str = "", *,
+                  check: Callable[[Any], None] | None = None,
+                  warn: Callable[[Any], str | None] | None = None) -> "Knob":
+        """A knob that reads and writes the attribute ``name`` of ``owner`` (default:
+        the spec's name), such as a property that applies the value when set."""
+        attribute = name or spec.name
+        return cls(spec, get=lambda: getattr(owner, attribute),
+                   set=lambda value: setattr(owner, attribute, value), check=check, warn=warn)
+
     def warning(self, value: Any) -> str | None:
         """What a person should know about an accepted ``value`` (the reply's and the
-        event log's warning): that it stops the training, or nearly
-        (:func:`stops_training`), and this knob's own :attr:`warn`; None when nothing."""
-        found = [text for text in (stops_training(self.spec.name, value),
-                                   self.warn(value) if self.warn is not None else None)
-                 if text]
+        event log's warning): that it stops the training, or nearly (the spec's
+        :attr:`KnobSpec.stops`; accepted all the same, as a person may mean it), and
+        this knob's own :attr:`warn`; None when nothing."""
+        stops = self.spec.stops
+        found = [text for text in (
+            stops(value) if stops is not None and isinstance(value, (int, float))
+            and not isinstance(value, bool) else None,
+            self.warn(value) if self.warn is not None else None) if text]
         return "; ".join(found) or None
-
-
-def stops_training(name: str, value: Any) -> str | None:
-    """Why ``name=value`` of an optimizer's knob stops the training, or nearly, or makes
-    it diverge, or None. Accepted all the same (a person may mean it): the warning says
-    so. From the value alone (the optimizer and its learning rate are the run's):
-
-    - ``lr_scale`` 0: no update at all; below 0.001: updates a thousand times smaller
-      or less; from 10: the usual cause of a diverging loss.
-    - ``weight_decay`` from 1: 10 to 10,000 times the usual 0.0001 to 0.1; the decay
-      can outweigh the gradient and pull the weights to 0.
-    - ``max_grad_norm`` above 0 and below 0.001: every update clipped that small.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    if name == LR_SCALE.name and value == 0:
-        return ("lr_scale=0 makes every learning rate 0: the weights stop changing, so "
-                "training stops learning (while costing as much) until it is set back")
-    if name == LR_SCALE.name and value < 1e-3:
-        return (f"lr_scale={value} divides every learning rate by {1 / value:,.0f}: "
-                "training nearly stops learning")
-    if name == LR_SCALE.name and value >= 10:
-        return (f"lr_scale={value} multiplies every learning rate by {value:g}: the loss "
-                "may diverge")
-    if name == WEIGHT_DECAY.name and value >= 1:
-        return (f"weight_decay={value} is far above the usual 0.0001 to 0.1: the decay can "
-                "outweigh the gradient and pull the weights to 0, so that training stops "
-                "learning")
-    if name == MAX_GRAD_NORM.name and 0 < value < 1e-3:
-        return (f"max_grad_norm={value} clips every update to a gradient norm of {value}: "
-                "training nearly stops learning (0 turns clipping off)")
-    return None
 
 
 @dataclass
@@ -312,6 +440,21 @@ class KnobSet:
         if knob.spec.name in self.unsupported:
             self.unsupported = {name: reason for name, reason in self.unsupported.items()
                                 if name != knob.spec.name}
+
+    def bind(self, spec: KnobSpec, bound: Knob | str) -> None:
+        """Take what an integration's binder gave for ``spec``: the live knob (bound, as
+        :meth:`add`), or the reason this run cannot have it (absent from the schema; a
+        command for it is refused with the reason).
+
+        Raises:
+            ValueError: a knob of another spec's name, or bound twice.
+        """
+        if isinstance(bound, str):
+            self.unsupported = {**self.unsupported, spec.name: bound}
+            return
+        if bound.spec.name != spec.name:
+            raise ValueError(f"a {bound.spec.name!r} knob bound as {spec.name!r}")
+        self.add(bound)
 
     def schema(self) -> list[dict[str, Any]]:
         """The wire schema of every bound knob, for ``hello``. A choice knob's values
@@ -357,3 +500,43 @@ class KnobSet:
             except ValueError as exc:
                 raise KnobError(f"{name}={coerced}: {exc}") from None
         return coerced
+
+
+def _values_text(spec: KnobSpec) -> str:
+    """A knob's values for the README: its choices, on / off, or its bounds and unit."""
+    if spec.choices:
+        return " / ".join(f"`{choice}`" for choice in spec.choices)
+    if spec.kind == "bool":
+        return "on / off"
+    bounds = " to ".join(f"{int(bound):,}" if float(bound).is_integer() else f"{bound:g}"
+                         for bound in (spec.minimum, spec.maximum) if bound is not None)
+    return f"{bounds} {spec.unit}".strip()
+
+
+def markdown_table() -> str:
+    """The README's knob table, one row per standard knob: values, group, keys,
+    guarded, its role in the search, whether it changes activation memory, and its
+    help line. ``python -m agent.wire.knobs --markdown`` prints it;
+    a test checks that the README holds it as printed."""
+    rows = ["| knob | values | group | keys | guarded | searched | activation memory "
+            "| what it does |",
+            "|---|---|---|---|---|---|---|---|"]
+    for spec in STANDARD_KNOBS.values():
+        search = {TUNED: "yes", TUNED_IF_ALLOWED: "if allowed"}.get(spec.tuning, "")
+        if search and spec.search_rank is not None:
+            search += f", #{spec.search_rank + 1}"
+        if spec.trades_with:
+            search += f", traded with `{spec.trades_with}`"
+        rows.append(" | ".join((
+            f"| `{spec.name}`", _values_text(spec), spec.group,
+            " / ".join(f"`{key.key}`" for key in spec.keys), "yes" if spec.guarded else "",
+            search, "yes" if spec.activation_memory else "", spec.help + " |")))
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m agent.wire.knobs --markdown  (the README's knob table)")
+    print(markdown_table())

@@ -51,7 +51,9 @@ class CausalSelfAttention(nn.Module):
         if d_model % n_heads != 0:
             raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
         self.n_heads = n_heads
-        self.dropout = dropout
+        # the attention weights' dropout, drawn by scaled_dot_product_attention from this
+        # module's p: a module, so that a live change of every dropout's p reaches it too
+        self.attn_dropout = nn.Dropout(dropout)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.proj_dropout = nn.Dropout(dropout)
@@ -67,7 +69,7 @@ class CausalSelfAttention(nn.Module):
             .unbind(0)
         )
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, dropout_p=self.attn_dropout.p if self.training else 0.0, is_causal=True
         )
         y = y.transpose(1, 2).reshape(batch, time, channels)
         return self.proj_dropout(self.proj(y))

@@ -17,14 +17,22 @@ PANELS = (
         "The run's state (waiting, live, compiling… with the seconds so far "
         "against the run's last compile and the graph Dynamo is at, "
         "stalled: no optimizer step for several step times, quiet: nothing "
-        "heard but the process lives, gone, ended), the last optimizer step, "
-        "records missed on the way to the dashboard, the run's name, device and "
-        "id.")),
+        "heard but the process lives, gone, ended; replay: a finished run on a "
+        "timeline), the last optimizer step, records missed on the way to the "
+        "dashboard, the run's name, device and id. Shown when not 0, counted by the "
+        "run since it started: dropped (records its queue had no room for), agent "
+        "errors, rejected (commands it refused, from any dashboard or client: a bad "
+        "token, an unknown knob, a value out of range, a run that is ending; the "
+        "event log says why, one a second).")),
     ("step time & data wait", (
         "Milliseconds per optimizer step (GPU time on CUDA, the host clock on "
         "CPU) and, of it, the time the loop waited inside the data loader's "
-        "next(). ▲ marks a step beyond the axis' end (a compile, a checkpoint "
-        "save): the title gives the largest. Orange lines: knob changes.")),
+        "next(), each axis in its unit. ▲ marks a step beyond the axis' end (a "
+        "compile, a checkpoint save: an outlier never sets the scale): the title "
+        "gives the largest. Orange lines: knob changes. Both charts show the whole "
+        "run from step 1 (its log, read in the background: each column spans its "
+        "steps' least and largest value, so spikes show), then live; z: only the "
+        "steps received last, and back.")),
     ("loss", (
         "The training loss the run reports, per optimizer step.")),
     ("throughput", (
@@ -71,6 +79,11 @@ class HelpScreen(ModalScreen[None]):
 
     BINDINGS = [
         Binding("escape,q,question_mark", "dismiss", "close", id="help.close"),
+        # a line a key, however fast they come (Textual's own scrolls from the target
+        # of the last one only after a refresh: a burst of 15 moved one line)
+        Binding("down", "scroll_lines(1)", "down", id="help.down", show=False,
+                priority=True),
+        Binding("up", "scroll_lines(-1)", "up", id="help.up", show=False, priority=True),
     ]
 
     def __init__(self, *, quick_keys: bool = False, name: str | None = None,
@@ -108,6 +121,13 @@ class HelpScreen(ModalScreen[None]):
                     yield Static(text, classes="help")
             yield Static(Content.styled("up/down, page up/down, home/end scroll; escape, q "
                                         "or ? closes this screen", "$text-muted"))
+
+    def action_scroll_lines(self, lines: int) -> None:
+        """Scroll the help ``lines`` lines (negative: up) from where the last key
+        scrolled it, at once."""
+        help_box = self.query_one("#help")
+        help_box.scroll_to(y=help_box.scroll_target_y + lines, animate=False,
+                           immediate=True)
 
     def on_mount(self) -> None:
         help_box = self.query_one("#help")

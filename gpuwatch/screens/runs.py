@@ -14,7 +14,8 @@ from textual.widgets import DataTable, Static
 
 from agent.wire.protocol import printable
 from gpuwatch.history import RunSummary, all_runs
-from gpuwatch.units import human_age, human_bytes, human_number, human_sig, local_time
+from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_rate,
+                            human_sig, local_time)
 
 #: The table's columns.
 COLUMNS = ("run", "name", "started", "duration", "steps", "final loss", "best/s",
@@ -30,7 +31,7 @@ def _row(summary: RunSummary) -> tuple[str, ...]:
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_number(summary.steps),
             human_sig(summary.final_loss),
-            "-" if best is None else human_sig(best),
+            human_rate(best),
             str(summary.knob_changes), human_bytes(summary.log_bytes), state)
 
 
@@ -76,7 +77,7 @@ class RunsScreen(ModalScreen[RunSummary | None]):
         for index, summary in enumerate(summaries):
             table.add_row(*_row(summary), key=str(index))
         self.query_one("#runs-status", Static).update(Content.styled(
-            f"{len(summaries)} runs" if summaries else "no runs: no run logs and no live "
+            counted(len(summaries), "run") if summaries else "no runs: no run logs and no live "
             "runs", "$text-muted"))
         table.focus()
 

@@ -10,6 +10,7 @@ import time
 from abc import ABC, abstractmethod
 
 from agent.wire.runs import RunInfo
+from gpuwatch.sources.whole_run import WholeRun
 from gpuwatch.state import RunState
 
 
@@ -24,6 +25,8 @@ class Source(ABC):
         lock: guards ``state`` between the source's thread and the app.
         info: the run to send commands to, or None when this source takes none.
         description: what is being watched, for people ("run abc at ipc://...").
+        whole: the whole run read from its log, for the charts (None: none to read);
+            started with the source and closed with it.
     """
 
     def __init__(self, info: RunInfo | None, description: str, *, poll_s: float) -> None:
@@ -31,6 +34,7 @@ class Source(ABC):
         self.lock = threading.Lock()
         self.info = info
         self.description = description
+        self.whole: WholeRun | None = None
         self._poll_s = poll_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -42,12 +46,17 @@ class Source(ABC):
         return time.monotonic()
 
     def start(self) -> None:
-        """Start delivering records (returns at once; the work runs in the thread)."""
+        """Start delivering records (returns at once; the work runs in the thread), and
+        reading :attr:`whole` if there is one."""
         self._thread.start()
+        if self.whole is not None:
+            self.whole.start()
 
     def close(self) -> None:
-        """Stop the thread; returns within about ``poll_s`` seconds."""
+        """Stop the threads; returns within about ``poll_s`` seconds."""
         self._stop.set()
+        if self.whole is not None:
+            self.whole.close()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self._poll_s + 1.0)
 

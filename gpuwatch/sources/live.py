@@ -20,6 +20,11 @@ as the job's store names them: :func:`agent.wire.commands.remote_relays`): their
 summaries give their ranks' pace and the node's data wait, the relay of rank 0's node
 forwards rank 0's own records (the charts show rank 0 from any node), and every rank's
 events reach the log.
+
+The charts show the whole run from step 1: the run's log (its run file's ``log_path``)
+is read by :class:`~gpuwatch.sources.whole_run.WholeRun` in a thread of its own, which
+this source's thread never waits for (not when it follows rank 0 of another node: that
+log is on the other machine).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from agent.wire.runs import RunInfo, list_runs, run_ranks
 from gpuwatch import state as run_state
 from gpuwatch.client import Subscriber
 from gpuwatch.sources import Source
+from gpuwatch.sources.whole_run import WholeRun
 
 #: How long the thread waits for a message before checking whether to stop (s).
 POLL_S = 0.1
@@ -70,6 +76,8 @@ class LiveSource(Source):
             relays, _ = remote_relays(info.run_id, info.world_size, {info.node})
             if any(0 in entry["ranks"] for _, entry, _ in relays):
                 self.state.primary_rank = 0
+        if info.log_path and self.state.primary_rank == info.rank:  # the charts' rank
+            self.whole = WholeRun(info.log_path)  # the run from step 1, from its log
 
     def _subscribe(self, info: RunInfo) -> Subscriber | None:
         try:

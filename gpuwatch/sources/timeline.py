@@ -28,6 +28,7 @@ from agent.wire.protocol import printable
 from gpuwatch.history import (HistoryBuilder, LogFiles, LogReader, Position, RunHistory,
                               number)
 from gpuwatch.sources import Source
+from gpuwatch.sources.whole_run import WholeRun
 from gpuwatch.state import RunState
 from gpuwatch.units import knob_text
 
@@ -267,6 +268,7 @@ class TimelineSource(Source):
         self.log = log
         self.timeline: Timeline | None = None
         self.index: int | None = None
+        self.whole = WholeRun(str(log.first))  # the run up to the step shown, from step 1
         self._now = time.monotonic()
 
     def now(self) -> float:

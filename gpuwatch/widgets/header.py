@@ -27,7 +27,7 @@ class RunHeader(Panel):
     any."""
 
     def show(self, state: RunState, status: str, now: float, *, description: str,
-             readonly: bool) -> None:
+             readonly: bool, replay: bool = False) -> None:
         """Redraw from ``state`` (read under the source's lock).
 
         Args:
@@ -35,29 +35,37 @@ class RunHeader(Panel):
             now: monotonic time in s (how long a compile has taken).
             description: what the source watches, shown while waiting.
             readonly: whether keys send commands.
+            replay: a finished run on a timeline: the steps a run made while it was live
+                are labelled ``● replay``, not ``● live``.
         """
         width = self.app.size.width
-        for narrow, graph in ((False, True), (True, True), (True, False)):
-            # what matters first: no name, then no compiled graph
+        for narrow, graph, name in ((False, True, True), (True, True, True),
+                                    (True, False, True), (True, False, False)):
+            # what gives way first: the dashboard's name and missed 0, then the compiled
+            # graph, then the run's name and device: the run id stays whole
             content = self._content(state, status, now, description=description,
-                                    readonly=readonly, narrow=narrow, graph=graph)
+                                    readonly=readonly, narrow=narrow, graph=graph,
+                                    name=name, replay=replay)
             if not len(content.plain) + 2 > width > 0:
                 break
         self.set_content(content)
 
     def _content(self, state: RunState, status: str, now: float, *, description: str,
-                 readonly: bool, narrow: bool, graph: bool = True) -> Content:
+                 readonly: bool, narrow: bool, graph: bool = True, name: bool = True,
+                 replay: bool = False) -> Content:
         """The header's text; ``narrow``: without the dashboard's name and ``missed 0``,
-        the device after the run id; ``graph``: with the graph a compile is at."""
+        the device after the run id; ``graph``: with the graph a compile is at;
+        ``name``: with the run's name and device; ``replay``: see :meth:`show`."""
         parts: list[str | tuple[str, str]] = [] if narrow else [
             ("gpuwatch", "bold $primary"), "  "]
         if status == "waiting":
             parts.append((f"waiting for {description} ...", STATUS_STYLES[status]))
         else:
-            label = status
+            label = "replay" if replay and status == "live" else status
             if status == "compiling" and state.compiling_since is not None:
                 label = compile_label(state, now, graph=graph)
-            parts += [(f"● {label}", STATUS_STYLES[status]), "  "]
+            parts += [(f"● {label}", "bold $text-muted" if label == "replay"
+                       else STATUS_STYLES[status]), "  "]
             if readonly:
                 parts += [("read-only", "$warning"), "  "]
             parts.append((f"step {human_number(state.step)}", "bold"))
@@ -74,10 +82,10 @@ class RunHeader(Panel):
                 parts += ["  ", (f"rejected {state.agent_commands_rejected}", "$warning")]
             # what a person reads before the run id; narrow: the device after it
             for key in ("name",) if narrow else ("name", "device"):
-                if state.hello.get(key):
+                if state.hello.get(key) and name:
                     parts += ["  ", (str(state.hello[key]), "bold" if key == "name" else "")]
             parts.append(f"  run {state.run_id}")
-            if narrow and state.hello.get("device"):
+            if narrow and name and state.hello.get("device"):
                 parts.append(f"  {state.hello['device']}")
             world_size = state.hello.get("world_size")
             if type(world_size) is int and world_size > 1:  # the charts are one rank's

@@ -19,9 +19,6 @@ from gpuwatch.widgets.panel import Panel
 RECENT_CHANGE_S = 10.0
 
 
-#: Knobs shown under another label, as what the steps use (see :func:`optimizer_texts`).
-SHOWN_AS = {"lr_scale": "lr", "max_grad_norm": "clip"}
-
 
 def optimizer_texts(state: RunState) -> dict[str, str]:
     """What the optimizer's knobs mean for the steps, from the latest step record:
@@ -87,12 +84,19 @@ def _knob_line(state: RunState, name: str, now: float, text: str | None) -> _Kno
     changed_at = state.knob_changed_at.get(name)
     pending = state.pending.get(name)
     return _KnobLine(
-        label=SHOWN_AS.get(name, name) if text else name,
+        label=(_label(name) or name) if text else name,
         value=text or knob_text(state.knobs.get(name, "?")),
         recent=changed_at is not None and now - changed_at < RECENT_CHANGE_S,
         pending="" if pending is None else f" -> {knob_text(pending.value)}",
         pending_at="" if pending is None or pending.apply_step is None
         else f" (at step {pending.apply_step})")
+
+
+def _label(name: str) -> str:
+    """The label of a knob shown as what the steps use (:func:`optimizer_texts`):
+    :attr:`agent.wire.knobs.KnobSpec.label`; empty for a knob shown by its name."""
+    spec = STANDARD_KNOBS.get(name)
+    return spec.label if spec is not None else ""
 
 
 def _label_width(lines: Sequence[_KnobLine], width: int) -> int:
@@ -120,7 +124,7 @@ def grouped_knobs(state: RunState) -> list[tuple[str, list[str]]]:
     names = [name for name in (list(state.schema) or list(state.knobs))
              if state.schema.get(name, {}).get("kind") != "action"]
     order = {name: index for index, name in enumerate(
-        sorted(STANDARD_KNOBS, key=lambda name: name not in SHOWN_AS))}
+        sorted(STANDARD_KNOBS, key=lambda name: not _label(name)))}
     groups: dict[str, list[str]] = {}
     for name in names:
         groups.setdefault(knob_group(name, state.schema.get(name, {})), []).append(name)

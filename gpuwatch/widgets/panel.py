@@ -68,6 +68,10 @@ def safe_content(content: Content | str) -> Content:
 OUTLIER_QUANTILE = 0.9
 OUTLIER_HEADROOM = 1.5
 OUTLIER_MIN_VALUES = 20
+#: With fewer values (at least :data:`OUTLIER_FEW_VALUES`: a run's first steps, its
+#: compile among them), the scale ends at their median times this.
+OUTLIER_FEW_VALUES = 3
+OUTLIER_FEW_HEADROOM = 4.0
 
 
 def robust_top(values: Sequence[float | None]) -> float | None:
@@ -75,9 +79,12 @@ def robust_top(values: Sequence[float | None]) -> float | None:
     (they are drawn at the end and marked), or None when every value fits (too few
     values, or none beyond the bulk)."""
     finite = sorted(v for v in values if v is not None and math.isfinite(v))
-    if len(finite) < OUTLIER_MIN_VALUES:
+    if len(finite) < OUTLIER_FEW_VALUES:
         return None
-    top = finite[int(OUTLIER_QUANTILE * (len(finite) - 1))] * OUTLIER_HEADROOM
+    if len(finite) < OUTLIER_MIN_VALUES:  # a compile among a run's first steps
+        top = finite[(len(finite) - 1) // 2] * OUTLIER_FEW_HEADROOM
+    else:
+        top = finite[int(OUTLIER_QUANTILE * (len(finite) - 1))] * OUTLIER_HEADROOM
     return top if finite[-1] > top > 0 else None
 
 

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 from textual_plotext import PlotextPlot
 
+from gpuwatch.sources.whole_run import Past
 from gpuwatch.state import KnobChange, StepRecord
 from gpuwatch.units import human_duration, human_sig, knob_text
 from gpuwatch.widgets.panel import robust_top
@@ -44,6 +45,9 @@ _X_TICKS = 5
 _Y_TICKS = 4
 #: The marker of a value beyond the end of the axis (drawn at the end), and its colour.
 _OUTLIER_MARKER, _OUTLIER_COLOR = "▲", "red"
+#: A chart with a unit (durations) starts its value axis at 0 when its lowest value is
+#: under this share of its span.
+_FROM_ZERO_BELOW = 0.05
 #: Knob changes in view up to which each gets a label (more: their lines alone).
 _LABELLED_MARKS = 3
 #: plotext colour of the vertical line at a knob change.
@@ -54,8 +58,8 @@ _MARK_COLOR = "orange"
 _DOTS_ACROSS = 2
 
 
-def thin(steps: Sequence[int], values: Sequence[float], columns: int
-         ) -> tuple[Sequence[int], Sequence[float]]:
+def thin(steps: Sequence[float], values: Sequence[float], columns: int
+         ) -> tuple[Sequence[float], Sequence[float]]:
     """A line of ``steps`` and ``values`` with at most four points per column of
     ``columns`` cells (braille: two columns of dots each): in each column of dots the
     lowest and the highest value, in the order they came, and nothing else. The line
@@ -67,7 +71,7 @@ def thin(steps: Sequence[int], values: Sequence[float], columns: int
     if len(steps) <= 2 * pixels:
         return steps, values
     first, span = steps[0], max(steps[-1] - steps[0], 1)
-    kept_steps: list[int] = []
+    kept_steps: list[float] = []
     kept_values: list[float] = []
     start, count = 0, len(steps)
     while start < count:
@@ -84,6 +88,42 @@ def thin(steps: Sequence[int], values: Sequence[float], columns: int
             kept_values.append(values[index])
         start = stop
     return kept_steps, kept_values
+
+
+def _past_points(past: Past | None, series: Series, before: float
+                 ) -> tuple[list[float], list[float]]:
+    """The points of ``series`` from ``past``'s buckets of steps before step
+    ``before``: each bucket's minimum at its first step and its maximum at its last
+    (one point where they are the same), so that a spike in a bucket still shows."""
+    xs: list[float] = []
+    ys: list[float] = []
+    buckets = past.series.get(series.field) if past is not None else None
+    if buckets is None:
+        return xs, ys
+    for first, last, low, high in zip(buckets.first_steps.tolist(),
+                                      buckets.last_steps.tolist(),
+                                      (buckets.lows * series.scale).tolist(),
+                                      (buckets.highs * series.scale).tolist()):
+        if last >= before:
+            break
+        xs.append(first)
+        ys.append(low)
+        if (last, high) != (first, low):
+            xs.append(last)
+            ys.append(high)
+    return xs, ys
+
+
+def _top(lines: Sequence[tuple[Series, Sequence[float], Sequence[float]]]
+         ) -> float | None:
+    """Where the value axis ends so that no outlier sets the scale: the highest of
+    the lines' own ends (each line's :func:`~gpuwatch.widgets.panel.robust_top`, else
+    its largest value: a data wait's bulk never cuts the step times), or None when no
+    value is beyond it."""
+    tops = [robust_top(values) or max(values) for _, _, values in lines]
+    top = max(tops, default=None)
+    return top if top is not None and any(
+        value > top for _, _, values in lines for value in values) else None
 
 
 def _human(value: float, unit: str) -> str:
@@ -110,14 +150,18 @@ class StepChart(PlotextPlot):
         super().__init__(name=name, id=id, classes=classes)
         self.series = tuple(series)
         self.clip_spikes = clip_spikes
-        self._shown: tuple[list[StepRecord], list[KnobChange]] | None = None
+        self._shown: tuple[list[StepRecord], list[KnobChange], Past | None] | None = None
+        self._shown_size = self.size  # the size :attr:`_shown` was drawn for
         #: seconds the last :meth:`show` and the last render took (CPU of the main thread)
         self.show_s = self.render_s = 0.0
 
     def render(self) -> Any:
-        """plotext's drawing of what :meth:`show` set, timed (:attr:`render_s`)."""
+        """plotext's drawing of what :meth:`show` set, timed (:attr:`render_s`); set
+        again first if it was set at another size (its ticks and labels fit a width)."""
         start = time.perf_counter()
         try:
+            if self._shown is not None and self._shown_size != self.size:
+                self._show(*self._shown)
             return super().render()
         finally:
             self.render_s = time.perf_counter() - start
@@ -125,37 +169,58 @@ class StepChart(PlotextPlot):
     def on_resize(self) -> None:
         """Draw what is shown again for the new size (the legend, the labels that fit)."""
         if self._shown is not None:
-            records, marks = self._shown
-            self.show(records, marks=marks)
+            records, marks, past = self._shown
+            self.show(records, marks=marks, past=past)
 
-    def show(self, records: Iterable[StepRecord], *, marks: Iterable[KnobChange] = ()
-             ) -> None:
-        """Redraw from step records (oldest first), with a vertical line at each knob
-        change in ``marks`` that falls within their steps (labelled ``knob=value``
-        when there are few)."""
+    def show(self, records: Iterable[StepRecord], *, marks: Iterable[KnobChange] = (),
+             past: Past | None = None) -> None:
+        """Redraw from step records (oldest first), after the steps of ``past`` (the
+        whole run from its log, in buckets: each drawn from its minimum to its maximum)
+        that come before them, with a vertical line at each knob change in ``marks``
+        and ``past`` that falls within the steps drawn (labelled ``knob=value`` when
+        there are few). Costs O(records + buckets + marks)."""
         start = time.perf_counter()
         try:
-            self._show(records, marks)
+            self._show(records, marks, past)
         finally:
             self.show_s = time.perf_counter() - start
 
-    def _show(self, records: Iterable[StepRecord], marks: Iterable[KnobChange]) -> None:
+    def _show(self, records: Iterable[StepRecord], marks: Iterable[KnobChange],
+              past: Past | None) -> None:
         records = [record for record in records if record.step is not None]
-        self._shown = (records, list(marks))
+        self._shown = (records, list(marks), past)
+        self._shown_size = self.size
         marks = self._shown[1]
         plt = self.plt
         plt.clear_data()
-        lines: list[tuple[Series, Sequence[int], Sequence[float]]] = []
+        live_from: float = records[0].step or 0 if records else math.inf
+        if past is not None:  # the log's changes before the live ones (a change seen
+            # both ways is the same step and knob)
+            seen = {(mark.step, mark.knob) for mark in marks}
+            marks = [mark for mark in past.knob_changes
+                     if mark.step < live_from and (mark.step, mark.knob) not in seen
+                     ] + marks
+        lines: list[tuple[Series, Sequence[float], Sequence[float]]] = []
         for series in self.series:
-            points = [(record.step, value * series.scale) for record in records
-                      if (value := getattr(record, series.field)) is not None
-                      and math.isfinite(value)]
-            if points:
-                xs, ys = zip(*points)
+            xs, ys = _past_points(past, series, live_from)
+            for record in records:
+                value = getattr(record, series.field)
+                if record.step is not None and value is not None and math.isfinite(value):
+                    xs.append(record.step)
+                    ys.append(value * series.scale)
+            if xs:
                 lines.append((series, xs, ys))
         every = [value for *_, values in lines for value in values]
-        top = robust_top(every) if self.clip_spikes else None
-        legend = len(self.series) > 1 and self.size.height >= _LEGEND_MIN_HEIGHT
+        ends = [step for _, xs, _ in lines for step in (xs[0], xs[-1])]
+        first = min([*ends, *(float(record.step or 0) for record in records[:1])], default=0)
+        last = max([*ends, *(float(record.step or 0) for record in records[-1:])], default=0)
+        top = _top(lines) if self.clip_spikes else None
+        outliers = [step for _, steps, values in lines  # (no label covers their marker)
+                    for step, value in zip(steps, values) if top is not None and value > top]
+        legend_columns = max(len(self._label(series)) for series in self.series) + 4
+        legend = (len(self.series) > 1 and self.size.height >= _LEGEND_MIN_HEIGHT
+                  and not any((step - first) / max(last - first, 1) * self.size.width
+                              <= legend_columns for step in outliers))  # hides no ▲
         for series, steps, values in lines:
             if top is not None:
                 beyond = [step for step, value in zip(steps, values) if value > top]
@@ -168,32 +233,38 @@ class StepChart(PlotextPlot):
                             color=_OUTLIER_COLOR)
         high = top if top is not None else max(every, default=0.0)
         low = min(every, default=0.0)
+        if self.series[0].unit and 0 <= low < (high - low) * _FROM_ZERO_BELOW:
+            low = 0.0  # durations near 0 start at 0 (not at 0.0000000605 ms)
         tick_width = self._y_ticks(low, high)
         titles = self._title(lines, top, self.size.width - tick_width - 3, legend=legend)
         if titles:
-            first, last = records[0].step, records[-1].step
-            assert first is not None and last is not None  # stepless records left out above
-            self._mark(marks, first, last, high, self.size.width - tick_width - 3)
-            ticks: list[float] = sorted({round(first + (last - first) * i / (_X_TICKS - 1))
-                                         for i in range(_X_TICKS)})  # ints are floats to plotext
+            self._mark(marks, first, last, high, self.size.width - tick_width - 3,
+                       outliers)
+            width = self.size.width - tick_width - 3
+            count = max(2, min(_X_TICKS, width // (len(f"{last:,.0f}") + 3) + 1))  # room
+            ticks: list[float] = sorted({round(first + (last - first) * i / (count - 1))
+                                         for i in range(count)})  # ints are floats to plotext
             plt.xticks(ticks, [f"{tick:,.0f}" for tick in ticks])  # 12,000: steps
             plt.title(titles)
         else:
             plt.title(f"{' & '.join(self._label(s) for s in self.series)}: no steps yet")
         self.refresh()
 
-    def _mark(self, marks: Iterable[KnobChange], first: int, last: int, top: float,
-              width: int) -> None:
+    def _mark(self, marks: Iterable[KnobChange], first: float, last: float, top: float,
+              width: int, outliers: Sequence[float] = ()) -> None:
         """Vertical lines at the knob changes between steps ``first`` and ``last``; a
         label at the top of each when there are few and it fits on the side with more
-        room (``top``: the y-axis' end; ``width``: the plot's columns)."""
+        room, over no outlier's marker (``top``: the y-axis' end; ``width``: the plot's
+        columns; ``outliers``: the steps of the values beyond ``top``)."""
         # step -> labels: changes of several knobs at one step share a line
         shown: dict[int, list[str]] = {}
         for mark in marks:
             if first < mark.step <= last:
                 shown.setdefault(mark.step, []).append(
                     f"{mark.knob}={knob_text(mark.value)}")
-        taken: list[tuple[float, float]] = []  # columns of the labels drawn
+        taken: list[tuple[float, float]] = [  # columns of the labels and markers drawn
+            (at - 1, at + 1) for at in ((step - first) / max(last - first, 1) * width
+                                        for step in outliers)]
         for step, labels in sorted(shown.items(), reverse=True):  # the newest first
             self.plt.vline(step, _MARK_COLOR)
             right = step - first > (last - first) / 2
@@ -207,15 +278,16 @@ class StepChart(PlotextPlot):
                               color=_MARK_COLOR, alignment="right" if right else "left")
 
     def _y_ticks(self, low: float, high: float) -> int:
-        """Label the value axis in :func:`~gpuwatch.units.human_sig` form (never
-        plotext's scientific notation); returns the labels' width in columns."""
+        """Label the value axis in :func:`~gpuwatch.units.human_sig` form with the
+        series' unit (durations in ms, s or min; never plotext's scientific notation);
+        returns the labels' width in columns."""
         low = min(low, high)
         if high <= low:
             high = low + (abs(low) or 1.0)
         rows = max(self.size.height - 4, 2)  # title, frame and step labels take 4
         count = max(2, min(_Y_TICKS, rows // 2 + 1))  # one row each, with room between
         ticks = [low + (high - low) * i / (count - 1) for i in range(count)]
-        labels = [human_sig(tick) for tick in ticks]
+        labels = [_human(tick, self.series[0].unit) for tick in ticks]  # with its unit
         self.plt.yticks(ticks, labels)
         self.plt.ylim(low, high)
         return max(len(label) for label in labels)
@@ -229,7 +301,7 @@ class StepChart(PlotextPlot):
             return f"{name} ({series.unit})" if series.unit else name
         return f"{name} {_human(value, series.unit)}"
 
-    def _title(self, lines: list[tuple[Series, Sequence[int], Sequence[float]]],
+    def _title(self, lines: list[tuple[Series, Sequence[float], Sequence[float]]],
                top: float | None, width: int, *, legend: bool = False) -> str:
         """Each line's name, latest value and unit (with several lines, their colours;
         when outliers are off scale, the largest), as much of it as fits ``width``
@@ -249,9 +321,10 @@ class StepChart(PlotextPlot):
             largest_text = _human(largest, lines[0][0].unit)
             extra = [f"{_OUTLIER_MARKER} max {largest_text} off scale",
                      f"{_OUTLIER_MARKER} {largest_text}"]
-        for short in (False, True):
+        for short in (False, True):  # the largest outlier before the colours' names
             for colours in ((True, False) if several else (False,)):
                 candidates += [[*named(short, colours), tail] for tail in extra]
+            for colours in ((True, False) if several else (False,)):
                 candidates.append(named(short, colours))
         fitting = (" | ".join(c) for c in candidates)
         return next((title for title in fitting if len(title) <= width),

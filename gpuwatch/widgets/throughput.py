@@ -12,7 +12,7 @@ from textual.containers import Horizontal
 from textual.content import Content
 
 from gpuwatch.state import StepRecord
-from gpuwatch.units import human_sig
+from gpuwatch.units import human_rate
 from gpuwatch.widgets.panel import Panel, bucket_max, robust_top, sparkline
 
 #: The marker after a sparkline whose scale leaves out a few outliers.
@@ -51,4 +51,4 @@ class ThroughputBar(Horizontal):
             (label, "$text-muted"), (sparkline(columns, len(columns), high=top), "$primary"),
             (mark, "$error")))
         self.query_one(".value", Panel).set_content(
-            f"{human_sig(rates[-1])} {unit}" if rates else f"- {unit}")
+            human_rate(rates[-1] if rates else None, unit))

@@ -26,7 +26,7 @@ class AccelerateDriver(Driver):
     rollback = True
     name = "accelerate"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
-               ("precision", "bf16"))
+               ("precision", "bf16"), ("dropout", 0.5))
     refused = {"micro_batch_size": "ReconfigurableLoader"}
 
     def data(self, accelerator: Any) -> Any:

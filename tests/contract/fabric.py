@@ -24,7 +24,7 @@ class FabricDriver(Driver):
     rollback = True
     name = "fabric"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
-               ("precision", "bf16"))
+               ("precision", "bf16"), ("dropout", 0.5))
     refused = {"micro_batch_size": "ReconfigurableLoader"}
 
     def data(self, fabric: Fabric) -> Any:
@@ -67,7 +67,7 @@ class FabricReconfigurableDriver(FabricDriver):
 
     name = "fabric-reconfigurable"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
-               ("precision", "bf16"), ("micro_batch_size", 4))
+               ("precision", "bf16"), ("micro_batch_size", 4), ("dropout", 0.5))
     refused: dict[str, str] = {}
 
     def data(self, fabric: Fabric) -> Any:

@@ -48,7 +48,7 @@ class HFDriver(Driver):
     rollback = True
     name = "hf"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
-               ("precision", "bf16"))
+               ("precision", "bf16"), ("dropout", 0.5))
     refused = {"micro_batch_size": "per_device_train_batch_size"}
 
     def train(self, *, steps: int, commands: list[tuple[str, Any, int]],

@@ -22,7 +22,7 @@ class LightningDriver(Driver):
     rollback = True
     name = "lightning"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
-               ("precision", "bf16"))
+               ("precision", "bf16"), ("dropout", 0.5))
     # Lightning counts an epoch's batches once (trainer.num_training_batches)
     refused = {"micro_batch_size": "num_training_batches"}
 

@@ -31,7 +31,7 @@ class LoopDriver(Driver):
     rollback = True
     name = "loop"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
-               ("precision", "bf16"), ("micro_batch_size", 4))
+               ("precision", "bf16"), ("micro_batch_size", 4), ("dropout", 0.5))
 
     def batches(self, run: Any) -> Iterator[Any]:
         return iter(run.loader(ReconfigurableLoader(IndexedDigits(), BATCH_SIZE,
@@ -68,7 +68,7 @@ class LoopDriver(Driver):
 class LoopDataLoaderDriver(LoopDriver):
     name = "loop-dataloader"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
-               ("precision", "bf16"))
+               ("precision", "bf16"), ("dropout", 0.5))
     refused = {"micro_batch_size": "ReconfigurableLoader"}
 
     def batches(self, run: Any) -> Iterator[Any]:
@@ -84,7 +84,7 @@ class LoopFetchAheadDriver(LoopDriver):
     name = "loop-fetch-ahead"
     rollback = False  # the loop holds the batch it fetched ahead: the event says so
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
-               ("precision", "bf16"))
+               ("precision", "bf16"), ("dropout", 0.5))
     refused = {"micro_batch_size": "ReconfigurableLoader"}
 
     def loop(self, run: Any, model: torch.nn.Module, optimizer: Any, scheduler: Any,

@@ -30,7 +30,7 @@ class TrainerDriver(Driver):
     rollback = True
     name = "trainer"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
-               ("precision", "bf16"), ("micro_batch_size", 4))
+               ("precision", "bf16"), ("micro_batch_size", 4), ("dropout", 0.5))
 
     def loader(self) -> Any:
         return ReconfigurableLoader(IndexedDigits(), BATCH_SIZE, shuffle=True, seed=3,
@@ -61,7 +61,7 @@ class TrainerDriver(Driver):
 class TrainerDataLoaderDriver(TrainerDriver):
     name = "trainer-dataloader"
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
-               ("precision", "bf16"))
+               ("precision", "bf16"), ("dropout", 0.5))
     refused = {"micro_batch_size": "ReconfigurableLoader"}
 
     def loader(self) -> Any:
