@@ -81,7 +81,7 @@ _HIDDEN_SYSTEM_COMMANDS = frozenset({"Quit", "Keys", "Maximize", "Minimize"})
 #: What Textual's own palette entries start with: the terminal's look, not the run.
 SYSTEM_COMMANDS_GROUP = "display: "
 #: The actions that send a command (their first parameter is the knob).
-_KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "send"})
+_KNOB_ACTIONS = frozenset({"cycle", "step", "toggle", "scale", "clip", "send", "pause"})
 #: The actions of the keys that change the run: each asks before it sends (see
 #: :meth:`GpuwatchApp.on_key`), unless quick keys are on.
 _RUN_ACTIONS = _KNOB_ACTIONS | {"tune"}
@@ -637,6 +637,13 @@ class GpuwatchApp(App[None]):
             self.note("warning", f"this run has no {knob} command; nothing sent")
             return
         self._command(knob, value)
+
+    def action_pause(self, knob: str) -> None:
+        """Pause the run at the next boundary with the ``knob`` command (``pause``), or
+        let a paused one go on."""
+        with self.source.lock:
+            paused = self.source.state.paused_after is not None
+        self.action_send(knob, "off" if paused else "on")
 
     # the app's own "toggle" action (of a boolean knob), in place of DOMNode's coroutine
     # that toggles an attribute: nothing here binds that one

@@ -1,9 +1,23 @@
-"""The dashboard's side of the sockets: telemetry (SUB) and commands (DEALER).
+"""The client side of a run's sockets: telemetry (SUB) and commands (DEALER), for the
+dashboard and for scripts.
 
-ZeroMQ sockets are not thread-safe: a :class:`Subscriber` belongs to the thread that
-made it. :func:`send_command` (from :mod:`agent.wire.commands`, which the agent's tuner uses
-too) makes fresh sockets each call, so any thread may call it. Both use the
-process-wide :func:`zmq.Context.instance`.
+A script (or an LLM agent) steers a run as a person does from the dashboard through
+:class:`RunClient` (no torch needed)::
+
+    from gpuwatch.client import RunClient, list_runs
+
+    print([run.run_id for run in list_runs()])     # the live runs on this machine
+    with RunClient() as run:                       # the only (or newest) one
+        for step in run.steps():                   # each optimizer step's record
+            if step["loss"] < 0.5:
+                event = run.set("lr_scale", 0.5)   # waits until it applied
+                print(event["text"])               # lr_scale=0.5 applied at step 123
+                break
+
+ZeroMQ sockets are not thread-safe: a :class:`Subscriber` (and a :class:`RunClient`)
+belongs to the thread that made it. :func:`send_command` (from :mod:`agent.wire.commands`,
+which the agent's tuner uses too) makes fresh sockets each call, so any thread may call
+it. Both use the process-wide :func:`zmq.Context.instance`.
 """
 
 from __future__ import annotations
@@ -17,10 +31,11 @@ import zmq
 from agent.wire import protocol
 from agent.wire.commands import new_command_id, secure, send_command
 from agent.wire.knobs import assignment
-from agent.wire.runs import RunInfo
+from agent.wire.runs import RunInfo, find_run, list_runs
 from gpuwatch.state import SeqGaps
 
-__all__ = ["Subscriber", "new_command_id", "reply_text", "secure", "send_command"]
+__all__ = ["CommandError", "RunClient", "Subscriber", "list_runs", "new_command_id",
+           "reply_text", "secure", "send_command"]
 
 #: Largest telemetry message received (bytes): ZeroMQ disconnects a sender of a larger
 #: one before it is held in memory (it reconnects; seq gaps show what was lost).
@@ -157,3 +172,118 @@ def reply_text(knob: str, value: Any, reply: protocol.Reply) -> str:
     if reason.startswith((f"{knob}=", f"{knob}:")):  # the run named the knob already
         return f"{verdict}: {reason}"
     return f"{verdict}: {assignment(knob, value)}: {reason}"
+
+
+class CommandError(RuntimeError):
+    """A command the run refused, did not answer, or could not apply (the message says
+    why, as :func:`reply_text` does; :attr:`body` is the reply or the ``failed`` event)."""
+
+    def __init__(self, text: str, body: dict[str, Any]) -> None:
+        super().__init__(text)
+        self.body = body
+
+
+class RunClient:
+    """One live run, for a script: follow its records, send a command and wait until it
+    applied.
+
+    Args:
+        run: the run: a :class:`agent.wire.runs.RunInfo`, a run id or name (as ``gpuwatch
+            set --run`` takes it), or None for the only (else the newest) run here.
+
+    The telemetry socket connects at once, so nothing published after the constructor
+    returns is missed (ZeroMQ drops what a run sends before a subscriber joins).
+    Messages read while :meth:`set` waits are kept for :meth:`records` (up to
+    :data:`KEPT_MESSAGES`, the oldest dropped first).
+
+    Raises:
+        LookupError: no such run.
+    """
+
+    #: Messages :meth:`set` read past while waiting, kept for :meth:`records` at most.
+    KEPT_MESSAGES = 10_000
+
+    def __init__(self, run: RunInfo | str | None = None) -> None:
+        info = run if isinstance(run, RunInfo) else find_run(run)
+        if info is None:
+            raise LookupError(f"no live run {run!r}" if run else "no live run")
+        self.info = info
+        self._subscriber = Subscriber(info)
+        self._kept: deque[dict[str, Any]] = deque(maxlen=self.KEPT_MESSAGES)
+        #: the ``bye`` once the run said it (its ``reason``), else None
+        self.bye: dict[str, Any] | None = None
+
+    def records(self, timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
+        """Every message of the run as it comes (envelopes: ``type``, ``body``, ...),
+        until its ``bye`` (yielded last) or, with ``timeout_s``, until nothing came for
+        that many seconds."""
+        while self.bye is None:
+            message = self._next(timeout_s)
+            if message is None:
+                return
+            yield message
+
+    def steps(self, timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
+        """The body of each optimizer step's record (``step``, ``loss``, ``lr``,
+        ``step_time_s``, ``knobs``, ...), as :meth:`records` ends."""
+        for message in self.records(timeout_s):
+            if message["type"] == protocol.STEP:
+                yield message["body"]
+
+    def set(self, knob: str, value: Any, *, apply_step: int | None = None,
+            timeout_s: float = 60.0) -> dict[str, Any]:
+        """Send ``knob=value`` (a setting, or a command such as ``pause=on``,
+        ``evaluate=now``) and wait until the run applied it.
+
+        Returns:
+            The ``applied`` event's body (``step``: the step it applies at; ``text``).
+
+        Raises:
+            CommandError: refused or unanswered (the reply), failed or withdrawn when
+                due (the event), or the run ended first.
+            TimeoutError: not applied within ``timeout_s`` seconds.
+        """
+        reply = send_command(self.info, knob, value, apply_step=apply_step)
+        if not reply.get("ok"):
+            raise CommandError(reply_text(knob, value, reply), dict(reply))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            message = self._subscriber.recv(max(0.0, left)) if left > 0 else None
+            if message is None:
+                raise TimeoutError(f"{assignment(knob, value)} not applied within "
+                                   f"{timeout_s:g} s (accepted for step "
+                                   f"{reply.get('apply_step')})")
+            self._kept.append(message)
+            body = message.get("body") or {}
+            if message["type"] == protocol.BYE:
+                self.bye = body
+                raise CommandError(f"{assignment(knob, value)}: the run ended first "
+                                   f"({body.get('reason')})", body)
+            if (message["type"] == protocol.EVENT and body.get("id") == reply.get("id")
+                    and body.get("kind") in protocol.EventKind.SETTLING):
+                if body["kind"] == protocol.EventKind.APPLIED:
+                    return body
+                raise CommandError(str(body.get("text")), body)
+
+    def _next(self, timeout_s: float | None) -> dict[str, Any] | None:
+        message = self._kept.popleft() if self._kept else None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while message is None:
+            wait_s = 1.0 if deadline is None else deadline - time.monotonic()
+            if wait_s <= 0:
+                return None
+            message = self._subscriber.recv(wait_s)
+        if message["type"] == protocol.BYE:
+            self.bye = message.get("body") or {}
+        return message
+
+    def close(self) -> None:
+        """Close the telemetry socket."""
+        self._subscriber.close()
+
+    def __enter__(self) -> RunClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

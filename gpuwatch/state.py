@@ -328,6 +328,8 @@ class RunState:
         self.system: dict[str, Any] | None = None
         self.tune: dict[str, Any] | None = None
         self.ended: dict[str, Any] | None = None
+        #: the step after which ``pause=on`` holds the run (None: not paused)
+        self.paused_after: int | None = None
         self.events: deque[LogEntry] = deque(maxlen=EVENT_HISTORY)
         self.events_total = 0
         self.records = 0
@@ -860,6 +862,10 @@ class RunState:
         kind = body.get("kind")
         if kind in _KIND.SETTLING and knob in self.pending:
             del self.pending[knob]
+        if kind == _KIND.APPLIED and knob == "pause":  # (an action: no knob value)
+            step = body.get("step")
+            self.paused_after = (step - 1 if type(step) is int else 0) if (
+                body.get("value") == "on") else None
         if kind in _KIND.CHANGED and isinstance(knob, str) and "value" in body:
             # the run says so before the next step record (which can be seconds away):
             # a key pressed again meanwhile must start from the new value

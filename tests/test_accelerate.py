@@ -536,7 +536,7 @@ def test_knobs_that_cannot_be_right_are_refused_with_their_reason():
     info = runs.find_run(run.agent.run_id)
     schema = {knob["name"] for knob in run.agent.knobs.schema()}
     assert schema == {"accum_steps", "precision", "kernels", "lr_scale", "weight_decay",
-                      "max_grad_norm", "checkpoint", "cpu_threads"}
+                      "max_grad_norm", "checkpoint", "cpu_threads", "pause", "stop"}
 
     def reason(knob, value):
         reply = send_command(info, knob, value)
@@ -646,3 +646,25 @@ while True:
     last = list(flat_records(log_path))[-1]
     assert last["type"] == "bye" and last["reason"] == "stopped by SIGTERM"
     assert runs.list_runs() == []
+
+
+def test_stop_ends_run_loader_at_its_boundary_after_a_pause_lost_no_window(run_dir):
+    """The shared run base in accelerate: pause=on for step 3 holds after step 2 until
+    pause=off (queued before, for step 4: a held run of one rank applies it there), then
+    stop=now for step 5 ends run.loader() there: four windows, and bye names it."""
+    accelerator, model, optimizer, loader = _prepared(n=96)
+    run = agent.attach(accelerator)
+    info = runs.find_run(run.agent.run_id)
+    for knob, value, step in (("pause", "on", 3), ("pause", "off", 4), ("stop", "now", 5)):
+        reply = send_command(info, knob, value, apply_step=step)
+        assert reply["ok"] and reply["apply_step"] == step, reply
+    windows = _train(accelerator, model, optimizer, loader, run)
+    assert len(windows) == 4 and run.step == 4 and run.stopping
+    steps, events, records = _records(run)
+    assert sorted(steps) == [1, 2, 3, 4]
+    applied = [(e["knob"], e["value"], e["step"]) for e in events if e["kind"] == "applied"]
+    # pause=off, sent for step 4, applied at the held boundary, before step 3 (one rank
+    # takes what was due at the step after next there too)
+    assert applied == [("pause", "on", 3), ("pause", "off", 3), ("stop", "now", 5)]
+    assert records[-1]["type"] == "bye" and records[-1]["reason"] == (
+        "stopped by stop=now after step 4")

@@ -758,7 +758,8 @@ H200 = {"index": 0, "name": "NVIDIA H200", "util_pct": 97.0, "mem_used_bytes": 7
         "temp_c": 72.0, "sm_clock_mhz": 1980}
 EVERY_KNOB = {"precision": "bf16", "accum_steps": 4, **LOADER, "kernels": "eager",
               "checkpointing": False, "lr_scale": 1.0, "weight_decay": 0.0,
-              "max_grad_norm": 1.0, "checkpoint": None}
+              "max_grad_norm": 1.0, "checkpoint": None, "pause": None,
+              "stop": None, "evaluate": None}
 
 
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
@@ -1239,3 +1240,24 @@ async def test_a_warning_stays_on_screen_until_a_few_seconds_after_the_next_key(
             assert last_lines(app) == " ▸ checkpoint saved at step 13"
         else:
             assert not app.query_one("#last").display  # the event log shows it
+
+
+async def test_P_pauses_then_lets_the_run_go_on_E_evaluates_and_X_stops(make_agent):
+    agent = make_agent(knobs={"precision": "fp32", "pause": "on", "stop": "now",
+                              "evaluate": "now"})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: "pause" in app.source.state.schema)  # (no value)
+        await pilot.press("P", "P")  # the key again answers its question
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("pause", "on")
+        await until(pilot, lambda: app.source.state.paused_after is not None)
+        await pilot.press("P", "P")
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("pause", "off")
+        await until(pilot, lambda: app.source.state.paused_after is None)
+        for key, knob, value in (("E", "evaluate", "now"), ("X", "stop", "checkpoint")):
+            await pilot.press(key, key)
+            command = await next_command(agent)
+            assert (command["knob"], command["value"]) == (knob, value)
+    assert agent.commands.empty()

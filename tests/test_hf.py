@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
 import agent  # noqa: E402
 from agent.integrations import hf  # noqa: E402
 from gpuopt.precision import precision_warning  # noqa: E402
-from gpuwatch.client import send_command  # noqa: E402
+from gpuwatch.client import Subscriber, send_command  # noqa: E402
 from gpuwatch.history import flat_records  # noqa: E402
 
 SEQ = 16
@@ -654,3 +655,52 @@ def test_kernels_compile_switches_live_and_trains_the_same_windows(run_dir, tmp_
     assert _events(records, "compiling") and _events(records, "compiled")
     assert _callback(trainer).run.forward.compiled.compiles >= 1
     _check_windows(snapshots, train, [2] * 8, steps)
+
+
+def _resume_when_paused(info):
+    """A thread that sends pause=off once the run says pause=on applied."""
+    subscriber = Subscriber(info)  # connected before the pause can apply
+    replies = []
+
+    def resume():
+        with subscriber as sub:
+            for message in sub:
+                body = message.get("body") or {}
+                if (message["type"] == "event" and body.get("kind") == "applied"
+                        and body.get("knob") == "pause"):
+                    replies.append(send_command(info, "pause", "off"))
+                    return
+
+    thread = threading.Thread(target=resume, daemon=True)
+    thread.start()
+    return thread, replies
+
+
+def test_pause_resume_then_evaluate_and_stop_at_one_boundary_are_hfs_own(run_dir, tmp_path):
+    """pause=on holds after step 2 until pause=off: no step lost or repeated (the losses
+    equal an unpaused twin's); evaluate=now is HF's evaluate() after step 4, whose
+    eval_loss a hand call on the stopped model equals; stop=now at the same boundary
+    ends train() there through HF's own flag, on_train_end closing the run."""
+    evaluation = Characters(8, offset=40)
+    twin = _trainer(tmp_path, Characters(32), max_steps=6, eval_dataset=evaluation)
+    twin_monitor = hf.attach(twin)
+    twin.train()
+    twin_steps = _steps(_records(twin_monitor))
+    trainer = _trainer(tmp_path, Characters(32), max_steps=6, eval_dataset=evaluation)
+    monitor = hf.attach(trainer)
+    for knob, value, step in (("pause", "on", 3), ("evaluate", "now", 5), ("stop", "now", 5)):
+        reply = send_command(monitor.info, knob, value, apply_step=step)
+        assert reply["ok"] and reply["apply_step"] == step, reply
+    resumer, resumed = _resume_when_paused(monitor.info)
+    trainer.train()
+    resumer.join(30)
+    assert resumed and resumed[0]["ok"] and resumed[0]["apply_step"] == 3, resumed
+    records = _records(monitor)
+    steps = _steps(records)
+    assert sorted(steps) == [1, 2, 3, 4] and trainer.state.global_step == 4
+    assert [steps[k]["loss"] for k in steps] == [twin_steps[k]["loss"] for k in steps]
+    assert records[-1]["type"] == "bye" and records[-1]["reason"] == (
+        "stopped by stop=now after step 4")
+    [event] = _events(records, "evaluation")
+    assert event["step"] == 4
+    assert event["metrics"]["eval_loss"] == trainer.evaluate()["eval_loss"]

@@ -19,7 +19,7 @@ import agent  # noqa: E402
 from agent.wire import runs  # noqa: E402
 from agent.integrations.lightning import GpuwatchCallback, attach  # noqa: E402
 from agent.wire.knobs import KnobError  # noqa: E402
-from gpuwatch.client import send_command  # noqa: E402
+from gpuwatch.client import Subscriber, send_command  # noqa: E402
 from gpuwatch.history import flat_records  # noqa: E402
 from tests.contract import BATCH_SIZE, IndexedDigits, run, run_diverging  # noqa: E402
 from tests.contract.lightning import LightningDriver  # noqa: E402
@@ -230,8 +230,8 @@ def test_one_line_attach_reports_undivided_loss_data_wait_lr_tokens_and_events(r
     assert hello["model"] == {"name": "Digits",
                               "params": sum(p.numel() for p in module.parameters())}
     assert [k["name"] for k in hello["knobs"]] == [
-        "precision", "accum_steps", "kernels", "checkpointing", "lr_scale", "weight_decay",
-        "max_grad_norm", "checkpoint", "cpu_threads"]
+        "pause", "stop", "precision", "accum_steps", "kernels", "checkpointing", "lr_scale",
+        "weight_decay", "max_grad_norm", "checkpoint", "cpu_threads", "evaluate"]
     assert hello["training"] == {"framework": f"lightning {L.__version__}",
                                  "loss_normalization": "micro_batch_mean"}
     events = [(r["kind"], r.get("step"), r.get("sanity_check")) for r in records
@@ -764,3 +764,54 @@ def test_ddp_ranks_share_a_run_and_change_accum_steps_at_one_step(run_dir, tmp_p
         expected.append((step, size, accum))
         batch = (batch + size) % 16
     assert windows[0] == expected
+
+
+class LoggingDigits(Digits):
+    """Digits that logs its validation loss (``val_loss``, the epoch's mean)."""
+
+    def validation_step(self, batch, batch_idx):
+        loss = super().validation_step(batch, batch_idx)
+        self.log("val_loss", loss)
+        return loss
+
+
+def test_pause_resume_then_validate_and_stop_at_one_boundary_are_lightnings_own(run_dir):
+    """pause=on holds after step 2 until pause=off: the losses equal an unpaused twin's;
+    evaluate=now runs Lightning's validation loop after step 4 (its val_loss equals
+    trainer.validate by hand on the stopped model); stop=now there is should_stop:
+    fit ends as Lightning ends it, and bye names the command."""
+    twin = _trainer(max_steps=6, num_sanity_val_steps=0)
+    twin_monitor = attach(twin)
+    twin.fit(LoggingDigits(), _loader(64), _loader(32))
+    twin_steps = _steps(_records(twin_monitor))
+    module, hold = LoggingDigits(), Hold(at=1)
+    trainer = _trainer(max_steps=6, num_sanity_val_steps=0, callbacks=[hold])
+    monitor = attach(trainer)
+    thread = threading.Thread(target=trainer.fit, args=(module, _loader(64), _loader(32)),
+                              daemon=True)
+    with Subscriber(monitor.info) as sub:
+        thread.start()
+        assert hold.reached.wait(60)
+        replies = [send_command(monitor.info, knob, value, apply_step=step) for knob, value, step
+                   in (("pause", "on", 3), ("evaluate", "now", 5), ("stop", "now", 5))]
+        assert all(reply["ok"] for reply in replies), replies
+        hold.release.set()
+        for message in sub:
+            body = message.get("body") or {}
+            if body.get("kind") == "applied" and body.get("knob") == "pause":
+                break
+        assert trainer.global_step == 2 and thread.is_alive()
+        resumed = send_command(monitor.info, "pause", "off")
+        assert resumed["ok"] and resumed["apply_step"] == 3, resumed
+        thread.join(60)
+    assert not thread.is_alive() and trainer.state.status == "finished"
+    records = _records(monitor)
+    steps = _steps(records)
+    assert sorted(steps) == [1, 2, 3, 4] and trainer.global_step == 4
+    assert [steps[k]["loss"] for k in steps] == [twin_steps[k]["loss"] for k in steps]
+    assert records[-1]["type"] == "bye" and records[-1]["reason"] == (
+        "stopped by stop=now after step 4")
+    [event] = [r for r in records if r["type"] == "event" and r.get("kind") == "evaluation"]
+    assert event["step"] == 4
+    [by_hand] = trainer.validate(module, _loader(32), verbose=False)
+    assert event["metrics"]["val_loss"] == by_hand["val_loss"]

@@ -89,6 +89,11 @@ class CommandDesk:
         #: (the agent's hot path holds this list), under ``_lock``
         self.pending: list[Pending] = []
         self._lock = threading.Lock()
+        #: set whenever a command is queued: a run held at a boundary (a pause) waits on it
+        self.arrived = threading.Event()
+        #: the training thread is held at the boundary after the last step (a pause):
+        #: a command may apply at the next boundary, this one
+        self.holding = False
         self._seq = 0
         #: (command id, step) of the latest applied commands, for a late cancel's reply
         self._applied_ids: deque[tuple[Any, int]] = deque(maxlen=256)
@@ -151,7 +156,9 @@ class CommandDesk:
             return {**rejected, "reason": f"{MAX_PENDING_COMMANDS} commands are already "
                                           "waiting for the next step boundary; try again"}
         step_now = self._step_now()
-        earliest = step_now + 2
+        # the training thread is in the middle of the next step, unless it is held at
+        # the boundary after step_now (a pause), where a command can apply at once
+        earliest = step_now + (1 if self.holding else 2)
         apply_step = body.get("apply_step", earliest)
         if isinstance(apply_step, bool) or not isinstance(apply_step, int):
             return {**rejected, "reason": f"apply_step must be an integer, got {apply_step!r}"}
@@ -206,6 +213,7 @@ class CommandDesk:
             self._seq += 1
             pending.seq = self._seq
             bisect.insort(self.pending, pending)
+        self.arrived.set()
 
     def schedule_rollback(self, rollback: Rollback, apply_step: int) -> None:
         """Queue the values of ``rollback`` for step ``apply_step``: each applies as a
@@ -256,13 +264,15 @@ class CommandDesk:
 
     # ------------------------------------------------------------ training thread
 
-    def apply_due(self, step: int) -> bool:
+    def apply_due(self, step: int, ahead: int = 0) -> bool:
         """Training thread, after optimizer step ``step``: apply the commands due at step
-        ``step + 1``, each atomically (a knob that fails to set keeps its value, and a
+        ``step + 1`` (and those due up to ``ahead`` steps later: a run held at this
+        boundary), each atomically (a knob that fails to set keeps its value, and a
         ``failed`` event says why). Returns whether any applied (the knob values may
         have changed)."""
         with self._lock:
-            due = bisect.bisect_right(self.pending, step + 1, key=lambda p: p.apply_step)
+            due = bisect.bisect_right(self.pending, step + 1 + ahead,
+                                      key=lambda p: p.apply_step)
             commands, self.pending[:due] = self.pending[:due], []
         if self.world_size > 1:  # arrival order differs between ranks; ids do not
             commands.sort(key=lambda command: (command.apply_step, str(command.command_id)))

@@ -467,6 +467,8 @@ class AcceleratorRun(RunBase):
                 yield batch
                 if self._boundary_pending:  # the iteration that ended a window is over:
                     self._optimizer_step(True)  # step and zero_grad done
+                if self.stopping:  # stop applied at that boundary: nothing more fetched
+                    return
         finally:
             self._iterating -= 1
             if self._boundary_pending and threading.current_thread() is self._thread:
@@ -957,7 +959,9 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
            checkpoint_blocks: Iterable[str | type[nn.Module]] | None = None,
            compile_backend: str = "inductor",
            checkpoint_dir: str | os.PathLike | None = None,
-           resume_from: str | os.PathLike | None = None, **options: Any) -> AcceleratorRun:
+           resume_from: str | os.PathLike | None = None,
+           eval_fn: Callable[[], dict[str, Any] | None] | None = None,
+           **options: Any) -> AcceleratorRun:
     """Attach a started agent to a loop on ``accelerator``; returns the run (see the
     module docstring for the loop and the knobs). Call it after ``accelerator.prepare``.
 
@@ -1025,6 +1029,8 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
     run._hooks = [optimizer.optimizer.register_step_pre_hook(run._on_optimizer_step)
                   for optimizer in _prepared_optimizers(accelerator)]
     run.knobs.add(cpu_threads_knob(run.knobs))
+    run.bind_evaluate(eval_fn, _inner_module(model)[0] if model is not None else None,
+                      declare="agent.attach(accelerator, eval_fn=...)")
     if resume_from is not None:
         run.resume(resume_from)
     accelerator.clip_grad_norm_ = run._grad_norm

@@ -67,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from lightning.fabric import Fabric
@@ -407,7 +407,8 @@ def attach(fabric: Fabric, *, model: _FabricModule | None = None,
            max_grad_norm: float | None = None, checkpoint_blocks: Any = None,
            compile_backend: str = "inductor", tokens_per_sample: int | None = None,
            checkpoint_dir: str | os.PathLike | None = None,
-           resume_from: str | os.PathLike | None = None, name: str = "",
+           resume_from: str | os.PathLike | None = None,
+           eval_fn: Callable[[], dict[str, Any] | None] | None = None, name: str = "",
            transport: str = "ipc", **options: Any) -> FabricRun:
     """Start the agent for a loop on ``fabric`` and return its :class:`FabricRun` (see the
     module docstring for the loop and the knobs). Call it after ``fabric.setup``.
@@ -486,6 +487,7 @@ def attach(fabric: Fabric, *, model: _FabricModule | None = None,
                 "position and random numbers for every rank"))
         else:
             run.bind_checkpoint(run.save_checkpoint, directory=checkpoint_dir)
+        run.bind_evaluate(eval_fn, model.module, declare="agent.attach(fabric, eval_fn=...)")
         if loader is not None:
             run.bind_loader(loader)
         if resume_from is not None:

@@ -115,9 +115,10 @@ from agent.integrations.adapters import cpu_threads_knob, dropout_knob
 from agent.control.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_knobs_file
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS, LR_SCALE,
-                              MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY, PRECISION,
-                              PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, EVALUATE,
+                              KERNELS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS,
+                              PIN_MEMORY, PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob,
+                              KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
 from gpuopt.optim import OptimizerSettings
@@ -254,7 +255,29 @@ class _Run(RunBase):
                          device=args.device, tokens_per_sample=tokens_per_sample)
         knobs.add(cpu_threads_knob(knobs))
         self._bind_checkpoint(knobs, checkpoint_dir)
+        knobs.add(Knob(EVALUATE, get=lambda: None, set=self._evaluate_now,
+                       check=lambda value: self._check_evaluate()))
         self._install()
+
+    # ------------------------------------------------------------------ commands
+
+    def end_loop(self) -> None:
+        """HF's own stop: ``control.should_training_stop``, read right after the step's
+        callbacks; ``on_train_end`` and the end of ``train()`` run as for ``max_steps``."""
+        self.trainer.control.should_training_stop = True
+
+    def _check_evaluate(self) -> None:
+        if self.trainer.eval_dataset is None:
+            raise ValueError("this Trainer has no eval_dataset for its evaluate()")
+
+    def _evaluate_now(self, value: str) -> dict[str, Any]:
+        """HF's own evaluation: ``control.should_evaluate``, so that ``evaluate()`` runs
+        right after this step's callbacks, as at an ``eval_steps`` boundary (its metrics
+        in the ``evaluation`` event, :meth:`evaluate`)."""
+        self._check_evaluate()
+        self.trainer.control.should_evaluate = True
+        return {"text": "the Trainer's evaluate() runs after this step; its metrics in "
+                        "the evaluation event"}
 
     # ------------------------------------------------------------------ knobs
 
@@ -904,11 +927,7 @@ class _Run(RunBase):
 
     def evaluate(self, state: Any, metrics: dict[str, Any] | None) -> None:
         self._evaluating = False
-        numbers = {key: float(value) for key, value in (metrics or {}).items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
-        shown = ", ".join(f"{key}={value:.4g}" for key, value in numbers.items())
-        self.agent.event("info", f"evaluation at step {state.global_step}: {shown}",
-                         kind=EventKind.EVALUATION, step=state.global_step, metrics=numbers)
+        self.publish_evaluation(state.global_step, metrics)
         self.agent.mark_start()  # the next step's time leaves the evaluation out
 
     def save(self, args: Any, state: Any) -> None:

@@ -160,9 +160,9 @@ from agent.integrations.adapters import (cpu_threads_knob, dropout_knob, loader_
                                          optimizer_knobs, precision_knob, refuse)
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
-from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS,
-                              LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION,
-                              WEIGHT_DECAY, Knob, KnobSet)
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, EVALUATE,
+                              KERNELS, LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE,
+                              PRECISION, WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
 from agent.wire.runs import RUN_ID_ENV
@@ -483,6 +483,30 @@ class _Kernels:
             self.backend.kernels = "eager"
 
 
+class _ValidateNow:
+    """``evaluate=now`` in Lightning: the training epoch loop's "validate now?"
+    (``_should_check_val_fx``, asked at the end of each training batch) answers yes once
+    after the command applied, so that Lightning runs its own validation loop there, as
+    at a ``val_check_interval`` (its hooks, loggers and callbacks all see it)."""
+
+    def __init__(self, epoch_loop: Any) -> None:
+        self.loop = epoch_loop
+        self.due = False
+        self._ask = epoch_loop._should_check_val_fx
+
+    def install(self) -> None:
+        self.loop._should_check_val_fx = self.should_check_val
+
+    def should_check_val(self, data_fetcher: Any) -> bool:
+        if self.due:
+            self.due = False
+            return True
+        return self._ask(data_fetcher)
+
+    def restore(self) -> None:
+        self.loop.__dict__.pop("_should_check_val_fx", None)
+
+
 class _FetchTimer:
     """Data wait: host time inside Lightning's fetch of each training batch. Wraps the
     training epoch loop's ``_on_before_fetch`` / ``_on_after_fetch`` (which start and
@@ -627,6 +651,7 @@ class _Run(RunBase):
         self.checkpointing: ActivationCheckpointing | None = None
         self.fetch: _FetchTimer | None = None
         self.epochs: _EpochIterators | None = None
+        self.validate_now: _ValidateNow | None = None
         self.optimizer_settings: OptimizerSettings | None = None
         self._clip_val = trainer.gradient_clip_val  # the Trainer's own, put back at the end
         self.fitting = False
@@ -684,6 +709,10 @@ class _Run(RunBase):
                 "and accumulate_grad_batches, and resume from a checkpoint"))
             self.fetch = _FetchTimer(trainer.fit_loop.epoch_loop)
             self.fetch.install()
+            self.validate_now = _ValidateNow(trainer.fit_loop.epoch_loop)
+            self.validate_now.install()
+            knobs.add(Knob(EVALUATE, get=lambda: None, set=self._evaluate_now,
+                           check=lambda value: self._check_evaluate()))
             if restored is not None:
                 self._resume(restored)
         except Exception as exc:  # the first rule: never crash the training
@@ -774,6 +803,23 @@ class _Run(RunBase):
         knobs.add(Knob(MAX_GRAD_NORM, get=lambda: float(trainer.gradient_clip_val or 0.0),
                        set=lambda value: setattr(trainer, "gradient_clip_val",
                                                  value or None)))
+
+    def end_loop(self) -> None:
+        """Lightning's own stop, ``trainer.should_stop`` (as ``EarlyStopping``'s): the
+        fit loop ends after this batch, its end hooks and callbacks run."""
+        self.trainer.should_stop = True
+
+    def _check_evaluate(self) -> None:
+        if not self.trainer.enable_validation:
+            raise ValueError("this fit has no validation (no val_dataloaders, no "
+                             "validation_step, or limit_val_batches=0)")
+
+    def _evaluate_now(self, value: str) -> dict[str, Any]:
+        self._check_evaluate()
+        assert self.validate_now is not None  # bound with it
+        self.validate_now.due = True
+        return {"text": "Lightning's validation loop runs at the end of this batch; its "
+                        "metrics in the evaluation event"}
 
     def _bind_checkpoint(self, knobs: KnobSet) -> None:
         """``checkpoint=now``: Lightning's ``trainer.save_checkpoint`` (every rank calls
@@ -1092,9 +1138,15 @@ class _Run(RunBase):
 
     def validation_end(self) -> None:
         sanity = self.trainer.sanity_checking
-        self.event(EventKind.EVALUATION, "validation sanity check ended" if sanity
-                   else f"validation ended at step {self.trainer.global_step}",
-                   sanity_check=sanity)
+        if sanity:
+            self.event(EventKind.EVALUATION, "validation sanity check ended",
+                       sanity_check=sanity)
+        elif not self.broken:
+            self.publish_evaluation(self.trainer.global_step, {
+                name: value.item() if isinstance(value, torch.Tensor) else value
+                for name, value in self.trainer.callback_metrics.items()
+                if not isinstance(value, torch.Tensor) or value.numel() == 1},
+                sanity_check=False)
         if self.started and not sanity and self.meter.fetched == 0 and not self.broken:
             self.agent.mark_start()  # at a boundary: the next step's time leaves it out
 
@@ -1121,7 +1173,7 @@ class _Run(RunBase):
         if self.optimizer_settings is not None:
             self.optimizer_settings.remove()
         for part in (self.accumulation, self.fetch, self.precision, self.kernels,
-                     self.epochs):
+                     self.epochs, self.validate_now):
             if part is not None:
                 try:
                     part.restore()

@@ -225,7 +225,15 @@ class LoopRun(RunBase):
         restore_knobs(self.agent, knobs, self.resumed_from or "", self.step)
 
     def _batches(self, batches: Iterable[Any], epochs: int | None) -> Iterator[Any]:
-        return self.position.iterate(batches, epochs, self.meter.timed_next)
+        iterator = iter(self.position.iterate(batches, epochs, self.meter.timed_next))
+        # after stop (applied at a boundary in the last batch's iteration) nothing more
+        # is fetched, in this epoch or a later one's loader()
+        while not self.stopping:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch
 
     def timed(self, fetch: Callable[..., Any]) -> Callable[..., Any]:
         """``fetch`` (e.g. nanoGPT's ``get_batch``), each training call (not under
@@ -559,6 +567,7 @@ def session(*, model: torch.nn.Module | None = None,
             lr_scheduler: Any = None, max_grad_norm: float | None = None,
             checkpoint_dir: str | os.PathLike | None = None,
             resume_from: str | os.PathLike | None = None,
+            eval_fn: Callable[[], dict[str, Any] | None] | None = None,
             name: str = "", transport: str = "ipc", **options: Any) -> Session:
     """Start the agent for a hand-written loop and return its :class:`Session`.
 
@@ -631,7 +640,15 @@ def session(*, model: torch.nn.Module | None = None,
             ReconfigurableLoader is put back at its position); through
             :meth:`Session.timed`, the batches fetched ahead of the boundary come back
             first, then the restored random numbers draw the rest.
+        eval_fn: what ``evaluate=now`` runs (on the training thread, at the boundary it
+            applies at): returns a dict of metric names to numbers for the
+            ``evaluation`` event; the model's train/eval mode is put back after it.
+            Without it the run has no ``evaluate`` command.
         name, transport, options: as for :class:`agent.Agent`.
+
+    The run also takes ``pause=on|off`` (the loop waits inside :meth:`Session.optimizer_step`)
+    and ``stop=now|checkpoint``: :meth:`Session.loader` ends at the next fetch, and a loop
+    whose data does not come through it leaves its loop on :attr:`Session.stopping`.
 
     Raises:
         ValueError: a precision the device cannot run, ``accum_steps < 1``,
@@ -701,6 +718,7 @@ def session(*, model: torch.nn.Module | None = None,
     else:
         knobs.bind(CHECKPOINT, "pass agent.session(model=..., optimizer=...) "
                                "for a checkpoint to have their states")
+    run.bind_evaluate(eval_fn, model, declare="agent.session(eval_fn=...)")
     if resume_from is not None:
         run.resume(resume_from)
     run.start()

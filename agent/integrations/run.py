@@ -17,6 +17,12 @@ accelerate, Lightning Fabric) is a subclass. The base owns, once for all of them
   non-finite loss, a divergence), the model, optimizer, scheduler, GradScaler, random
   numbers and data position go back to it with the previous setting, and the steps
   since are trained again;
+- **pause, stop and evaluate** (the ``pause``, ``stop`` and ``evaluate`` commands):
+  ``pause=on`` holds the training thread at the boundary it applies at, asleep on an
+  event until ``pause=off`` (or ``stop``) arrives; ``stop`` ends the framework's loop
+  there (:meth:`RunBase.end_loop`), after a checkpoint for ``stop=checkpoint``;
+  ``evaluate=now`` runs the evaluation an integration binds (:meth:`RunBase.bind_evaluate`)
+  and publishes its metrics (:meth:`RunBase.publish_evaluation`);
 - **the end** (:meth:`RunBase.close`): on a normal end, an exception, Ctrl-C or SIGTERM,
   the integration's patches are put back and ``bye`` says why, in every integration.
 
@@ -39,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 
+from agent.wire.knobs import CHECKPOINT, EVALUATE, PAUSE, STOP, Knob
 from agent.wire.protocol import EventKind
 from agent.integrations.adapters import MemoryKnobs, publish_events
 from agent.control.checkpoints import Checkpoints, restore_knobs
@@ -99,6 +106,13 @@ class RunBase:
         self._kept: tuple[int, Any, int] | None = None
         self._not_kept = ""
         agent.keep_state_with(self)
+        #: ``pause=on`` applied and no ``pause=off`` since: the next boundary holds
+        self._pause_requested = False
+        #: the ``stop`` command's value once it applied (``"now"``, ``"checkpoint"``)
+        self.stop_requested: str | None = None
+        self.knobs.add(Knob(PAUSE, get=lambda: None, set=self._set_pause))
+        self.knobs.add(Knob(STOP, get=lambda: None, set=self._set_stop,
+                            check=self._check_stop))
 
     # ------------------------------------------------------------ the boundary
 
@@ -117,6 +131,8 @@ class RunBase:
         self.step = record.step = record.step or self.step + 1
         self.position.window_done(record.micro_batches)
         self.agent.optimizer_step(record)
+        if self._pause_requested:
+            self.agent.hold(lambda: not self._pause_requested or self.stop_requested is not None)
         if (self._kept is not None and self.agent.rank == 0
                 and self.agent.cleanly_watched_step > self._kept[0]):
             # the change's watch ended cleanly: nothing to go back to (rank 0's guard
@@ -211,6 +227,96 @@ class RunBase:
             self.position.load_state_dict(data)
         return restore_knobs(self.agent, knobs, source, self.step, unbound=unbound,
                              differs=differs)
+
+    # ------------------------------------------------------------ pause, stop, evaluate
+
+    @property
+    def stopping(self) -> bool:
+        """Whether ``stop`` applied: a loop whose batches do not come through the run
+        (``run.loader()``, which ends by itself then) leaves its loop when this is True."""
+        return self.stop_requested is not None
+
+    def _set_pause(self, value: str) -> dict[str, Any]:
+        was, self._pause_requested = self._pause_requested, value == "on"
+        if value == "on":
+            return {"text": "the training waits at this boundary, asleep, until pause=off"}
+        return {"text": "the training goes on" if was else "the training was not paused"}
+
+    def _check_stop(self, value: str) -> None:
+        if value != "checkpoint":
+            return
+        checkpoint = self.knobs.knobs.get(CHECKPOINT.name)
+        if checkpoint is None:
+            raise ValueError("this run has no checkpoint command ("
+                             + self.knobs.unsupported.get(CHECKPOINT.name, "none bound")
+                             + "): use stop=now")
+        if checkpoint.check is not None:
+            checkpoint.check("now")
+
+    def _set_stop(self, value: str) -> dict[str, Any]:
+        """Training thread, at a boundary: save a checkpoint first for ``checkpoint``
+        (with one rank a failed save refuses the stop, so nothing is lost; with several
+        every rank stops all the same, as one rank alone must not go on), then end the
+        framework's loop there (:meth:`end_loop`) with ``bye`` naming the command."""
+        saved = ""
+        if value == "checkpoint":
+            try:
+                detail = self.knobs.knobs[CHECKPOINT.name].set("now") or {}
+                saved = f"; checkpoint {detail.get('text', 'saved')}"
+            except Exception as exc:
+                if self.agent.world_size == 1:
+                    raise RuntimeError(f"the checkpoint was not saved ({exc}): the training "
+                                       "goes on") from exc
+                saved = (f"; the checkpoint failed on this rank ({exc}), stopped all the "
+                         f"same (every one of the {self.agent.world_size} ranks stops)")
+        self.stop_requested = value
+        self.agent.mark_ending(f"stopped by stop={value} after step {self.step}")
+        self.end_loop()
+        return {"text": f"the training ends after step {self.step}{saved}"}
+
+    def end_loop(self) -> None:
+        """Training thread, at a boundary: make the framework's loop end there, cleanly
+        (its end hooks run). Nothing in the base: :meth:`stopping` is True, which the
+        run's own loaders and a hand-written loop look at."""
+
+    def bind_evaluate(self, evaluate: Callable[[], dict[str, Any] | None] | None,
+                      model: torch.nn.Module | None, *, declare: str) -> None:
+        """Offer ``evaluate=now`` (without ``evaluate``: refuse it, saying to give one
+        as ``declare`` shows, e.g. ``agent.session(eval_fn=...)``): at the boundary it
+        applies at, ``evaluate()`` runs on the training thread and its metrics (a dict
+        of names to numbers; other values are left out) go to an ``evaluation`` event
+        (:meth:`publish_evaluation`). The
+        ``model``'s train/eval mode is put back after it; the next step's time leaves
+        the evaluation out."""
+        if evaluate is None:
+            self.knobs.bind(EVALUATE, f"pass {declare} for evaluate=now to run it")
+            return
+
+        def now(value: str) -> dict[str, Any]:
+            training = model.training if model is not None else None
+            try:
+                metrics = evaluate()  # (not None: checked above)
+            finally:
+                if model is not None and training is not None:
+                    model.train(training)
+            numbers = self.publish_evaluation(self.step, metrics)
+            self.agent.mark_start()  # the next step's time leaves the evaluation out
+            return {"text": "metrics in the evaluation event" if numbers else
+                    "the evaluation returned no numbers"}
+
+        self.knobs.add(Knob(EVALUATE, get=lambda: None, set=now))
+
+    def publish_evaluation(self, step: int, metrics: dict[str, Any] | None,
+                           **fields: Any) -> dict[str, float]:
+        """An ``evaluation`` event at ``step`` with the numbers of ``metrics`` (booleans
+        and non-numbers left out) and ``fields``, for the event log, the dashboard and
+        the run log. Returns the numbers."""
+        numbers = {str(key): float(value) for key, value in (metrics or {}).items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        shown = ", ".join(f"{key}={value:.4g}" for key, value in numbers.items())
+        self.agent.event("info", f"evaluation at step {step}: {shown or 'no numbers'}",
+                         kind=EventKind.EVALUATION, step=step, metrics=numbers, **fields)
+        return numbers
 
     # ------------------------------------------------------------ rollback of the state
 

@@ -9,6 +9,7 @@ position, random numbers), with the knob values a person chose.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +52,11 @@ class TrainerRun(RunBase):
         if isinstance(self.trainer.loader, ReconfigurableLoader):
             return None
         return self.trainer.data_position.exact_reason
+
+    def end_loop(self) -> None:
+        """The Trainer's :meth:`gpuopt.Trainer.stop`: ``fit`` returns before the next
+        step, its ``on_fit_end`` hooks run."""
+        self.trainer.stop()
 
     def state_snapshot(self) -> dict[str, Any]:
         """:meth:`gpuopt.Trainer.state_dict`, copied to host memory."""
@@ -96,9 +102,13 @@ class TrainerRun(RunBase):
 
 def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
            checkpoint_dir: str | os.PathLike | None = None,
-           resume_from: str | os.PathLike | None = None, **options: Any) -> Agent:
+           resume_from: str | os.PathLike | None = None,
+           eval_fn: Callable[[], dict[str, Any] | None] | None = None,
+           **options: Any) -> Agent:
     """Attach the agent to a :class:`gpuopt.Trainer` (see :func:`agent.attach`, which
-    calls this). Returns the started agent.
+    calls this). Returns the started agent. ``eval_fn()`` (returning a dict of metric
+    names to numbers) is what ``evaluate=now`` runs, on the training thread at a
+    boundary; without it the run has no ``evaluate`` command.
 
     Raises:
         ValueError: ``resume_from`` is not a checkpoint of the ``checkpoint`` command,
@@ -137,6 +147,7 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
                   **options)
     run = TrainerRun(agent, trainer)
     run.bind_checkpoint(run.save, step=lambda: trainer.step, directory=checkpoint_dir)
+    run.bind_evaluate(eval_fn, trainer.model, declare="agent.attach(trainer, eval_fn=...)")
     if saved is not None:
         run.restore(saved["knobs"], str(resume_from))
     trainer.callbacks.append(run)

@@ -175,6 +175,7 @@ class Agent:
         if reason is not None and self._bye_reason is None:
             self._bye_reason = reason
         self._ending = True
+        self._desk.arrived.set()  # a run held at a boundary (a pause) goes on to its end
 
     def close(self, reason: str = "finished", timeout_s: float = 5.0) -> None:
         """Publish ``bye``, close the sockets and remove the run file. Idempotent.
@@ -231,9 +232,35 @@ class Agent:
             self._broken = True
             self.report_error("hot path", exc)
 
-    def _apply_pending(self, step: int) -> None:
-        if self._desk.apply_due(step):
+    def _apply_pending(self, step: int, ahead: int = 0) -> None:
+        if self._desk.apply_due(step, ahead):
             self._knob_values = self.knobs.values()
+
+    def hold(self, should_go_on: Callable[[], bool], wait_s: float = 1.0) -> None:
+        """Training thread, at the boundary after :attr:`last_step`: wait there while
+        ``should_go_on()`` is False, applying each command as it arrives (it applies at
+        this boundary: a ``pause=off`` among them ends the wait). The thread sleeps on an
+        event that a command's arrival sets, and looks at ``should_go_on`` and
+        :attr:`ending` again at least every ``wait_s`` seconds: no CPU or GPU is used.
+
+        With one rank, commands sent before the hold for the step after next apply here
+        too; with several, only those due at the next step (every rank holds at the same
+        boundary, so what applies while held applies on each at the same step).
+        """
+        desk = self._desk
+        desk.holding = True
+        try:
+            while not should_go_on() and not self._ending and not self._broken:
+                desk.arrived.wait(wait_s)
+                desk.arrived.clear()
+                if self._pending:
+                    self._apply_pending(self._last_step, 1 if self.world_size == 1 else 0)
+        except Exception as exc:  # the first rule: never crash the training
+            self._broken = True
+            self.report_error("holding at a boundary", exc)
+        finally:
+            desk.holding = False
+        self.mark_start()  # the next step's time leaves the wait out
 
     @property
     def run_id(self) -> str:

@@ -331,6 +331,28 @@ CHECKPOINT = KnobSpec("checkpoint", "action", "save a checkpoint (model, optimiz
                       keys=(KnobKey("s", "send", "save", "Save a checkpoint at the next step "
                                     "(the training waits while it is written)", "now",
                                     ("now",), show=False),))
+PAUSE = KnobSpec("pause", "action", "on: hold the training at the next optimizer-step "
+                 "boundary, waiting without using the CPU or GPU; off: go on from there",
+                 choices=("on", "off"), group=OTHER,
+                 keys=(KnobKey("P", "pause", "pause", "Pause the training at the next step "
+                               "boundary (it waits there, asleep, and takes commands), or "
+                               "let a paused run go on: pause=on / pause=off", "toggle",
+                               show=False),))
+STOP = KnobSpec("stop", "action", "end the training cleanly at the next optimizer-step "
+                "boundary (the framework's end hooks run); checkpoint: save one first",
+                choices=("now", "checkpoint"), group=OTHER,
+                keys=(KnobKey("X", "send", "stop", "Save a checkpoint, then end the training "
+                              "at the next step boundary as the framework ends it: "
+                              "stop=checkpoint (`:stop=now` ends it without one)",
+                              "checkpoint", ("checkpoint",), show=False),))
+EVALUATE = KnobSpec("evaluate", "action", "run the framework's evaluation (or the "
+                    "eval_fn given to attach / session) at the next optimizer-step "
+                    "boundary; its metrics go to the event log", choices=("now",),
+                    group=OTHER,
+                    keys=(KnobKey("E", "send", "eval", "Run the framework's evaluation (or "
+                                  "the run's eval_fn) at the next step boundary: "
+                                  "evaluate=now; its metrics go to the event log", "now",
+                                  ("now",), show=False),))
 MEMORY_FRACTION = KnobSpec("memory_fraction", "float",
                            "cap of this process's CUDA memory, as a fraction of the device",
                            minimum=0.01, maximum=1.0, group=KERNELS_MEMORY)
@@ -350,7 +372,8 @@ OPTIMIZER_KNOBS = (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM)
 STANDARD_KNOBS = {spec.name: spec for spec in
                   (PRECISION, ACCUM_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
                    PREFETCH_FACTOR, CPU_THREADS, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
-                   MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, DROPOUT, CHECKPOINT)}
+                   MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, DROPOUT, CHECKPOINT, PAUSE,
+                   STOP, EVALUATE)}
 
 
 @dataclass
