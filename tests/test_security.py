@@ -1241,6 +1241,16 @@ def test_a_run_on_a_loaded_machine_is_never_reported_gone(run_dir):
         for burner in burners:
             burner.kill()
             burner.wait()
+
+        def status() -> str:
+            with source.lock:
+                return source.state.status_at(time.monotonic())
+
+        # Steps may lag the heartbeats under the burners ("stalled" is no error); with
+        # the CPU back the run is live again.
+        statuses.append(wait_until(lambda: status() == "live" and "live",
+                                   "the run live again once the burners stop",
+                                   timeout_s=60, poll_s=0.05))
         summary = job.stop()
     finally:
         for burner in burners:
