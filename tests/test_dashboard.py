@@ -1116,7 +1116,8 @@ async def test_a_key_that_changes_the_run_asks_and_its_key_again_or_enter_sends(
                               "checkpointing": False})
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: knows(app, "precision") and knows(app, "checkpointing"))
+        await until(pilot, lambda: knows(app, "precision") and knows(app, "checkpointing")
+                    and "run is live" in log_texts(app))  # no line of the run's after
         await pilot.press("p")  # what it will do, and which keys answer
         assert question_text(app) == ("? precision fp32 → bf16 at the next step  "
                                       "p/enter: send  esc: cancel")
@@ -1145,7 +1146,8 @@ async def test_a_key_typed_ahead_of_its_question_never_answers_it(make_agent):
     agent = make_agent(knobs={"precision": "fp32", "checkpointing": False})
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: knows(app, "precision") and knows(app, "checkpointing"))
+        await until(pilot, lambda: knows(app, "precision") and knows(app, "checkpointing")
+                    and "run is live" in log_texts(app))
         burst(app, "p", "p", "c", "enter")  # a double press and an enter, in one burst
         await until(pilot, lambda: "checkpointing=on not sent: ⏎ was typed ahead of the "
                     "question" in log_texts(app))
