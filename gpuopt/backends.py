@@ -117,8 +117,8 @@ class ModelBackend:
     def pop_events(self) -> list[tuple[str, str, dict[str, Any]]]:
         """Compile events since the last call, as ``(kind, text, fields)``.
 
-        ``compiling`` when compiled steps start, ``compiled`` (with ``compile_time_s``) when a step
-        ran without compiling, and the compiler's own notes (recompilations, graph
+        ``compiling`` when compiled steps start, ``compiled`` (with ``compile_time_s``) when
+        a step ran without compiling, and the compiler's own notes (recompilations, graph
         breaks, fallbacks to eager) as ``compile_note``. Empty and free when compile was
         never used. Call it on the training thread, between optimizer steps."""
         return [] if self.compiled is None else self.compiled.pop_step_events()

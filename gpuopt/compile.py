@@ -136,9 +136,8 @@ class CompileWatch:
     def install(self) -> None:
         """Register the callbacks with Dynamo, unless they are registered.
 
-        Call it again after ``torch._dynamo.reset()``, which clears them. A torch without them
-        leaves
-        :meth:`progress` None."""
+        Call it again after ``torch._dynamo.reset()``, which clears them. A torch without
+        them leaves :meth:`progress` None."""
         try:
             from torch._dynamo.callback import callback_handler
         except ImportError:  # another torch: no progress, nothing else lost
@@ -159,10 +158,10 @@ class CompileWatch:
     def progress(self) -> dict[str, Any] | None:
         """The compile under way, or None.
 
-        ``compiling_graph`` (Dynamo's compile id,
-        ``"frame/attempt"``), ``compiling_graph_kind`` (``forward``: a frame traced;
-        ``backward``: its backward graph), ``compiling_graph_s`` (seconds since this
-        graph's compile began) and ``graphs_compiled`` (graphs done in this process)."""
+        ``compiling_graph`` (Dynamo's compile id, ``"frame/attempt"``),
+        ``compiling_graph_kind`` (``forward``: a frame traced; ``backward``: its backward
+        graph), ``compiling_graph_s`` (seconds since this graph's compile began) and
+        ``graphs_compiled`` (graphs done in this process)."""
         current = self._current
         if current is None:
             return None
@@ -280,8 +279,8 @@ class CompiledModel:
     def compiling(self) -> bool:
         """Whether a step time measured now is mostly compile time.
 
-        True from a switch to compiled until a call runs without compiling, and after a
-        call that (re)compiled."""
+        True from a switch to compiled until a call runs without compiling, and after a call
+        that (re)compiled."""
         return self._compiling
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -322,10 +321,9 @@ class CompiledModel:
     def pop_step_events(self) -> list[tuple[str, str, dict[str, Any]]]:
         """Events for a training loop's log since the last call, as ``(kind, text, fields)``.
 
-        ``compiling`` when compiled steps start, ``compiled`` (with
-        ``compile_time_s``) when a step ran without compiling, and the reports of
-        :meth:`pop_events` as ``compile_note``. Call it on the training thread, between
-        optimizer steps."""
+        ``compiling`` when compiled steps start, ``compiled`` (with ``compile_time_s``) when
+        a step ran without compiling, and the reports of :meth:`pop_events` as
+        ``compile_note``. Call it on the training thread, between optimizer steps."""
         events: list[tuple[str, str, dict[str, Any]]] = [
             ("compile_note", text, {}) for text in self.pop_events()]
         compiling = self.compiling
@@ -342,8 +340,8 @@ class CompiledModel:
     def pop_events(self) -> list[str]:
         """Readable reports since the last call, oldest first, then forgotten.
 
-        Compiles with their time, recompiles with the failed guard, graph breaks and fallbacks
-        to eager with their reasons. Call it after the optimizer step to include a
+        Compiles with their time, recompiles with the failed guard, graph breaks and
+        fallbacks to eager with their reasons. Call it after the optimizer step to include a
         backward compiled during ``backward()``."""
         self._harvest(in_call=False)
         events, self._events = self._events, []
@@ -352,10 +350,9 @@ class CompiledModel:
     def stats(self) -> dict[str, Any]:
         """Numbers for a ``state`` or ``step`` message.
 
-        ``compile_enabled``,
-        ``compiling``, ``compile_time_s``, ``compiles``, ``recompiles``,
-        ``graph_breaks``, ``compile_fallbacks``. Does not read new records (see
-        :meth:`pop_events`)."""
+        ``compile_enabled``, ``compiling``, ``compile_time_s``, ``compiles``,
+        ``recompiles``, ``graph_breaks``, ``compile_fallbacks``. Does not read new records
+        (see :meth:`pop_events`)."""
         return {
             "compile_enabled": self._enabled,
             "compiling": self._compiling,

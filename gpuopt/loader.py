@@ -559,8 +559,8 @@ class ReconfigurableLoader:
     def save_position(self) -> dict[str, Any]:
         """Where the loader is, and the state of its workers' seed generator.
 
-        The epoch, the batches of it handed out, its batch size and where in the epoch
-        that size began:
+        The epoch, the batches of it handed out, its batch size and where in the epoch that
+        size began:
         :meth:`restore_position` in a fresh loader over the same dataset goes on with the
         same batches, also after a mid-epoch change of batch size
         (:meth:`gpuopt.Trainer.state_dict` keeps it).
@@ -577,10 +577,10 @@ class ReconfigurableLoader:
     def restore_position(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (:meth:`save_position`'s).
 
-        The next batch is the first one
-        the saving loader had not handed out, and :attr:`batch_size` is the saving
-        loader's (a position saved without one keeps this loader's). Batches fetched
-        ahead are dropped; persistent workers stay up unless the batch size changes.
+        The next batch is the first one the saving loader had not handed out, and
+        :attr:`batch_size` is the saving loader's (a position saved without one keeps this
+        loader's). Batches fetched ahead are dropped; persistent workers stay up unless the
+        batch size changes.
 
         Raises:
             ValueError: a position outside this loader's epochs (another dataset length,

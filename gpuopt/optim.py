@@ -1,18 +1,17 @@
 """Live optimizer settings: learning-rate multiplier, weight decay, gradient clipping.
 
-A learning-rate multiplier that keeps the schedule's shape, the weight decay of the
-decaying param groups, and gradient clipping inside the step.
+A learning-rate multiplier that keeps the schedule's shape, the weight decay of the decaying
+param groups, and gradient clipping inside the step.
 
 The learning rate: a scheduler (or the loop) sets each param group's ``lr`` between
 optimizer steps. :class:`OptimizerSettings` multiplies it by :attr:`~OptimizerSettings.
-lr_scale` only while ``optimizer.step()`` runs (a step pre-hook multiplies, a step
-post-hook puts back what was there), so between steps every param group holds the
-schedule's own, unscaled value: chainable schedulers that read it (``StepLR``,
-``ExponentialLR``, ``CosineAnnealingLR``'s recursive form, ``ReduceLROnPlateau``) do not
-compound the scale, closed-form ones (``LambdaLR``, HF's warmup schedules) are
-unaffected, and a checkpoint taken between steps holds the schedule's values. A step
-under ``lr_scale = s`` is the step of a run whose schedule was ``s`` times higher from
-then on.
+lr_scale` only while ``optimizer.step()`` runs (a step pre-hook multiplies, a step post-hook
+puts back what was there), so between steps every param group holds the schedule's own,
+unscaled value: chainable schedulers that read it (``StepLR``, ``ExponentialLR``,
+``CosineAnnealingLR``'s recursive form, ``ReduceLROnPlateau``) do not compound the scale,
+closed-form ones (``LambdaLR``, HF's warmup schedules) are unaffected, and a checkpoint
+taken between steps holds the schedule's values. A step under ``lr_scale = s`` is the step
+of a run whose schedule was ``s`` times higher from then on.
 
 Weight decay: the param groups that decay are those whose ``weight_decay`` is not 0 when
 the settings are made (or the groups given as ``decay_groups``; with none decaying,
@@ -169,9 +168,9 @@ class OptimizerSettings:
         """``(lrs, grad_norm)`` of the optimizer step taken since the last call.
 
         The learning rate of each param group as the step used it, as the group held it (a
-        float, or a tensor for a rate kept in one: read it with :func:`host_rate`, off
-        the training thread), and the norm it clipped (else None). Both None when no step
-        was taken (e.g. the GradScaler skipped it)."""
+        float, or a tensor for a rate kept in one: read it with :func:`host_rate`, off the
+        training thread), and the norm it clipped (else None). Both None when no step was
+        taken (e.g. the GradScaler skipped it)."""
         taken = (self._step_lrs, self.grad_norm)
         self._step_lrs, self.grad_norm = None, None
         return taken
@@ -229,8 +228,8 @@ def _non_negative(name: str, value: Any) -> float:
 def host_rate(lr: Any) -> float | None:
     """A param group's learning rate as a float, or None.
 
-    A number as it is, a CPU tensor's value; None for a tensor on a device (reading it
-    would synchronize) or anything else."""
+    A number as it is, a CPU tensor's value; None for a tensor on a device (reading it would
+    synchronize) or anything else."""
     if isinstance(lr, torch.Tensor):
         return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else None
     return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None

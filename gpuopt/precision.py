@@ -27,8 +27,9 @@ def precision_name(value: torch.dtype) -> str | torch.dtype: ...
 def precision_name(value: str | torch.dtype) -> str | torch.dtype:
     """The precision name (``"fp32"``, ``"bf16"``, ``"fp16"``) of ``value``.
 
-    ``value`` is such a name, a torch dtype (``torch.bfloat16``) or a dtype's name (``"bfloat16"``,
-    as nanoGPT's ``dtype``). Anything else is returned unchanged (for the caller to refuse)."""
+    ``value`` is such a name, a torch dtype (``torch.bfloat16``) or a dtype's name
+    (``"bfloat16"``, as nanoGPT's ``dtype``). Anything else is returned unchanged (for the
+    caller to refuse)."""
     return _PRECISION_NAMES.get(value, value)
 
 
@@ -64,8 +65,8 @@ def precision_support(precision: str, device_type: str) -> str | None:
 def cpu_native_bf16() -> bool:
     """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX tiles).
 
-    Only then can bf16 autocast be faster than fp32. Without them CPU autocast emulates bf16, which
-    made a small transformer 10-19x slower than fp32 on a 2-core x86 CPU.
+    Only then can bf16 autocast be faster than fp32. Without them CPU autocast emulates
+    bf16, which made a small transformer 10-19x slower than fp32 on a 2-core x86 CPU.
 
     .. note:: Asked once (cached); reads CPU flags through torch, no device work.
     """
@@ -101,9 +102,9 @@ def precision_warning(precision: str, device_type: str) -> str | None:
 class ReusableAutocast:
     """A reusable, re-entrant autocast context that follows a live precision.
 
-    Each ``with`` enters the context that ``make_context()`` gives at that moment (None: nothing, as
-    in fp32), so one stored object (a hand-written loop's ``ctx``) follows a live precision, in
-    evaluation code too, and may be nested.
+    Each ``with`` enters the context that ``make_context()`` gives at that moment (None:
+    nothing, as in fp32), so one stored object (a hand-written loop's ``ctx``) follows a
+    live precision, in evaluation code too, and may be nested.
 
     Args:
         make_context: returns a fresh context manager (e.g. ``torch.autocast(...)``) or
@@ -132,12 +133,12 @@ class ReusableAutocast:
 class SwitchableGradScaler:
     """A ``torch.amp.GradScaler`` lookalike that follows a live precision.
 
-    It follows a :class:`MixedPrecision`'s precision: in fp16 every call goes to the policy's one
-    kept GradScaler (its scale and growth tracker survive switches); in fp32 and bf16 it behaves as
-    a disabled GradScaler (``scale`` returns the loss, ``step`` calls ``optimizer.step()``,
-    ``update`` does nothing). A hand-written loop replaces ``scaler = torch.amp.GradScaler(...)``
-    with it and keeps its ``scaler.scale(loss).backward()``, ``scaler.unscale_``, ``scaler.step``,
-    ``scaler.update`` lines.
+    It follows a :class:`MixedPrecision`'s precision: in fp16 every call goes to the
+    policy's one kept GradScaler (its scale and growth tracker survive switches); in fp32
+    and bf16 it behaves as a disabled GradScaler (``scale`` returns the loss, ``step`` calls
+    ``optimizer.step()``, ``update`` does nothing). A hand-written loop replaces ``scaler =
+    torch.amp.GradScaler(...)`` with it and keeps its ``scaler.scale(loss).backward()``,
+    ``scaler.unscale_``, ``scaler.step``, ``scaler.update`` lines.
 
     It also keeps, for the agent: :attr:`skipped` (fp16: a 0-dim bool tensor, True when
     the last ``update()`` backed off because the step found inf/NaN gradients; else
@@ -287,9 +288,9 @@ class MixedPrecision:
     def autocast(self) -> ReusableAutocast:
         """Context for the forward pass (and loss) of one micro-batch.
 
-        Autocast to the current precision (nothing in fp32). The same reusable object each time, so
-        ``ctx = mp.autocast()`` may be stored and entered again and again (also nested,
-        and in evaluation code), always following the precision current at entry."""
+        Autocast to the current precision (nothing in fp32). The same reusable object each
+        time, so ``ctx = mp.autocast()`` may be stored and entered again and again (also
+        nested, and in evaluation code), always following the precision current at entry."""
         return self._autocast
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -176,8 +176,8 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fused LayerNorm backward for ``dy`` and ``x`` ``[M, N]`` with unit column stride.
 
-    Returns ``(dx [M, N] of dx_dtype, dweight [N] or None, dbias [N] or None)``; parameter gradients
-    have the parameters' dtypes, summed in float32."""
+    Returns ``(dx [M, N] of dx_dtype, dweight [N] or None, dbias [N] or None)``; parameter
+    gradients have the parameters' dtypes, summed in float32."""
     n_rows, n_cols = x.shape
     dx = torch.empty((n_rows, n_cols), dtype=dx_dtype, device=x.device)
     block_m, block_n = _blocks(n_rows, n_cols)
