@@ -172,9 +172,9 @@ class GpuwatchApp(App[None]):
         Binding("full_stop", "move_to_mark('event', 1)", "event+",
                 id="timeline.next_event", group=_EVENT, priority=True,
                 tooltip="Timeline: the next event the run logged"),
-        Binding("home", "move_to('start')", "start", id="timeline.start", priority=True,
+        Binding("home", "move_to('start')", "first", id="timeline.start", priority=True,
                 tooltip="Timeline: the first optimizer step"),
-        Binding("end", "move_to('end')", "end", id="timeline.end", priority=True,
+        Binding("end", "move_to('end')", "last", id="timeline.end", priority=True,
                 tooltip="Timeline: the last optimizer step (the run's end)"),
         Binding("v", "compare", "compare", id="timeline.compare",
                 tooltip="Timeline: the segments before and after the knob change at or "
