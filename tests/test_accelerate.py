@@ -21,6 +21,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 import agent  # noqa: E402
 from agent.wire import runs  # noqa: E402
+from agent.integrations.adapters import NOT_A_MIXTURE  # noqa: E402
 from agent.integrations.accelerate import AcceleratorRun  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
 from gpuwatch.history import flat_records  # noqa: E402
@@ -558,6 +559,7 @@ def test_knobs_that_cannot_be_right_are_refused_with_their_reason():
             "DataLoader fixes its workers when it is built); give one to run.loader() for "
             "live loader knobs")
     assert reason("memory_fraction", 0.5) == "memory_fraction: needs CUDA; this run is on cpu"
+    assert reason("mixture", "0.5,0.5") == f"mixture: {NOT_A_MIXTURE}"
 
     def at_boundary(n):  # a step was taken without accelerator.clip_grad_norm_
         if n == 2:

@@ -602,6 +602,8 @@ def test_knobs_the_trainer_cannot_apply_are_refused_with_the_reason(run_dir, tmp
             assert not reply["ok"] and reply["reason"] == f"{knob}: {hf.LOADER_REASON}"
         reply = send_command(monitor.info, "memory_fraction", 0.5)
         assert reply["reason"] == "memory_fraction: needs CUDA; this run is on cpu"
+        reply = send_command(monitor.info, "mixture", "0.5,0.5")
+        assert not reply["ok"] and reply["reason"] == f"mixture: {hf.MIXTURE_REASON}"
         reply = send_command(monitor.info, "kernels", "triton")
         assert not reply["ok"] and "GPT2LMHeadModel has none" in reply["reason"]
     finally:
