@@ -611,6 +611,31 @@ def test_loader_knobs_of_a_reconfigurable_loader_change_workers_mid_epoch():
     loader.close()
 
 
+def test_a_mixture_loader_given_to_run_loader_binds_the_mixture_knob():
+    from torch.utils.data import TensorDataset
+
+    from agent.wire.knobs import KnobError
+    from gpuopt.mixture import MixtureLoader
+
+    accelerator = Accelerator(cpu=True)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    run = agent.attach(accelerator)
+    assert run.knobs.unsupported["mixture"] == NOT_A_MIXTURE
+    x, y = (torch.cat(t) for t in zip(*digits_loader(batch_size=64, n=128)))
+    loader = MixtureLoader([TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])],
+                           [1, 3], batch_size=8)
+    run.loader(loader)  # binds the loader knobs, mixture among them
+    knob = run.knobs.knobs["mixture"]
+    assert "mixture" not in run.knobs.unsupported and knob.get() == "0.25,0.75"
+    assert run.knobs.validate("mixture", "1,1") == "0.5,0.5"
+    with pytest.raises(KnobError, match="3 weights, and this run's mixture has 2"):
+        run.knobs.validate("mixture", "1,1,1")
+    knob.set("0.5,0.5")  # as the agent applies it at a boundary
+    assert loader.weights == (0.5, 0.5)
+    run.close()
+
+
 def test_sigterm_ends_the_run_cleanly(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(f"""
