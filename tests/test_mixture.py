@@ -237,6 +237,44 @@ def test_a_loop_changes_the_mixture_at_its_step_and_a_resume_draws_the_same(run_
     assert resumed_steps[9]["knobs"]["mixture"] == "0.1,0.9"
 
 
+def test_a_rollback_puts_the_weights_and_the_draws_back_as_they_were(run_dir):
+    """In a loop: 0.1 / 0.9 after step 2, the rollback's snapshot after step 4, 0.5 / 0.5
+    after step 5, then back to the snapshot after step 7 (as the guard does): steps 8-10
+    train the batches of a run that made the first change only (step 5's again, then
+    two more at 0.1 / 0.9)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = agent.session(model=model, optimizer=optimizer)
+    loader = MixtureLoader(_digits_by_label(), [0.7, 0.3], batch_size=16, seed=7)
+    twin = MixtureLoader(_digits_by_label(), [0.7, 0.3], batch_size=16, seed=7)
+    twin_batches = iter(twin)
+    expected = _take(twin_batches, 2)
+    twin.set_weights([0.1, 0.9])
+    expected += _take(twin_batches, 5)
+    seen, snapshot = [], None
+    for x, y in run.loader(loader, epochs=None):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        run.optimizer_step()
+        seen.append(y)
+        if len(seen) == 2:
+            run.knobs.knobs["mixture"].set("0.1,0.9")  # as the agent applies it
+        elif len(seen) == 4:
+            snapshot = run.state_snapshot()
+        elif len(seen) == 5:
+            run.knobs.knobs["mixture"].set("0.5,0.5")
+        elif len(seen) == 7:
+            assert run.load_snapshot(snapshot) is None
+            assert loader.weights == (0.1, 0.9)
+        elif len(seen) == 10:
+            break
+    run.close()
+    assert not torch.equal(seen[5], expected[5][1])  # 0.5 / 0.5 drew another batch 6
+    for mine, theirs in zip(seen[:5] + seen[7:], expected[:5] + expected[4:], strict=True):
+        assert torch.equal(mine, theirs[1])
+
+
 def test_the_trainer_binds_a_mixture_loader_and_refuses_the_knob_for_other_data(run_dir):
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
