@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
-from gpuopt.loader import _NO_BATCH, ReconfigurableLoader
+from gpuopt.loader import ReconfigurableLoader
 
 __all__ = ["MAX_DATASETS", "MixtureLoader", "check_weights"]
 
@@ -125,12 +125,13 @@ class MixtureLoader(ReconfigurableLoader):
         return self._weights
 
     def set_weights(self, weights: Sequence[float]) -> None:
-        """Draw from the first sample not yet handed out on with ``weights`` (one per
-        dataset, >= 0, not all 0; normalised): the rest of the epoch is drawn again,
-        and later epochs start with them. Call it between two batches (at an
-        optimizer-step boundary) on the thread that iterates; every rank must call it
-        at the same batch of the epoch. Batches loaded ahead are dropped and loaded
-        again from the new draw.
+        """Draw the samples not yet handed out with ``weights``, from the next one on.
+
+        ``weights``: one per dataset, >= 0, not all 0 (normalised). The rest of the
+        epoch is drawn again, and later epochs start with them. Call it between two
+        batches (at an optimizer-step boundary) on the thread that iterates; every rank
+        must call it at the same batch of the epoch. Batches loaded ahead are dropped
+        and loaded again from the new draw (persistent workers are restarted).
 
         Raises:
             ValueError: weights :func:`check_weights` refuses; nothing changes.
@@ -148,17 +149,20 @@ class MixtureLoader(ReconfigurableLoader):
             self._redraw()
 
     def save_position(self) -> dict[str, Any]:
-        """The base loader's position with the weights and the epoch's weight changes
-        (``mixture``): :meth:`restore_position` in a fresh loader over the same datasets
-        goes on with the same samples."""
+        """The base loader's position, with the weights and the epoch's weight changes.
+
+        Under ``mixture``: :meth:`restore_position` in a fresh loader over the same
+        datasets goes on with the same samples."""
         with self._lock:
             return {**super().save_position(), "mixture": {
                 "weights": list(self._weights),
                 "segments": [[start, list(weights)] for start, weights in self._segments]}}
 
     def restore_position(self, state: dict[str, Any]) -> None:
-        """Go on from ``state`` (:meth:`save_position`'s): the base loader's position,
-        the weights and the epoch's draw as the saving loader had them.
+        """Go on from ``state`` (:meth:`save_position`'s), with the saving loader's draw.
+
+        The base loader's position, the weights and the epoch's weight changes are put
+        back, so the next samples are the ones the saving loader would have given.
 
         Raises:
             ValueError: a position of another loader (no ``mixture``, or weights for
@@ -186,12 +190,9 @@ class MixtureLoader(ReconfigurableLoader):
 
     def _redraw(self) -> None:
         """The epoch's shard drawn again from :attr:`_segments`; the batches loaded
-        ahead are dropped (the next one is loaded from the new shard)."""
-        if self._effective["persistent_workers"]:
-            self._iterator = None  # iter(dataloader) resets the persistent pool
-            self._pending = _NO_BATCH
-        else:
-            self._close_inner()
+        ahead are dropped with the workers (the next batch starts new ones on the new
+        shard: a change of weights is rare, a pool's start is tens of ms)."""
+        self._close_inner()
         self._shard = self._epoch_shard(self._epoch)
 
     def _epoch_shard(self, epoch: int) -> torch.Tensor:

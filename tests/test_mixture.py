@@ -97,10 +97,10 @@ def test_a_position_saved_after_a_change_resumes_the_same_draws_bit_for_bit():
 
 
 def test_workers_loading_ahead_give_the_batches_of_a_loader_without_workers():
-    """Two workers load batches ahead of the change: those are drawn again."""
+    """Two persistent workers load batches ahead of the change: those are drawn again."""
     plain = MixtureLoader(_sources(100, 100), [0.9, 0.1], batch_size=5, seed=4)
     loaded = MixtureLoader(_sources(100, 100), [0.9, 0.1], batch_size=5, seed=4,
-                           num_workers=2, prefetch_factor=4)
+                           num_workers=2, prefetch_factor=4, persistent_workers=True)
     seen = []
     for loader in (plain, loaded):
         batches = iter(loader)

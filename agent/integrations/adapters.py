@@ -79,8 +79,9 @@ NOT_A_MIXTURE = ("this run's data is not a mixture: build it with "
 
 
 def mixture_knob(loader: MixtureLoader) -> Knob:
-    """The ``mixture`` knob of a :class:`gpuopt.mixture.MixtureLoader`: its weights, one
-    per dataset (a command with another count is refused with it), set with
+    """The ``mixture`` knob of a :class:`gpuopt.mixture.MixtureLoader`: its weights.
+
+    One weight per dataset (a command with another count is refused with it), set with
     :meth:`~gpuopt.mixture.MixtureLoader.set_weights` at the boundary (the rest of the
     epoch drawn again: one pass over its indices). A value whose text is the current
     weights' changes nothing, so a resume that sets the saved value keeps the saved

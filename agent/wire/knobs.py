@@ -197,8 +197,10 @@ MAX_WEIGHTS = 64
 
 
 def weights_text(weights: Any) -> str:
-    """Weights as a ``weights`` knob's value: ``"0.7,0.3"`` (6 significant digits each,
-    comma-separated; what people type, what the panel and the events show)."""
+    """Weights as a ``weights`` knob's value: ``"0.7,0.3"``.
+
+    6 significant digits each, comma-separated: what people type, what the panel and
+    the events show."""
     return ",".join(f"{float(weight):.6g}" for weight in weights)
 
 
