@@ -58,5 +58,9 @@ def test_validator_accepts_only_values_inside_the_schema(knob, value):
         assert isinstance(coerced, bool)
     elif spec.kind == "float":
         assert type(coerced) is float and spec.minimum <= coerced <= spec.maximum
+    elif spec.kind == "weights":
+        weights = [float(part) for part in coerced.split(",")]
+        assert spec.minimum <= len(weights) <= spec.maximum
+        assert all(0 <= weight <= 1 for weight in weights) and sum(weights) > 0.99
     else:
         assert type(coerced) is int and spec.minimum <= coerced <= spec.maximum

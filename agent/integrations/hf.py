@@ -116,9 +116,9 @@ from agent.control.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_k
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, EVALUATE,
-                              KERNELS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS,
-                              PIN_MEMORY, PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob,
-                              KnobSet)
+                              KERNELS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, MIXTURE,
+                              NUM_WORKERS, PIN_MEMORY, PRECISION, PREFETCH_FACTOR,
+                              WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
 from gpuopt.optim import OptimizerSettings
@@ -134,6 +134,9 @@ LOADER_REASON = ("transformers.Trainer builds its DataLoader in get_train_datalo
 BATCH_SIZE_REASON = ("transformers.Trainer fixes the micro-batch size in the DataLoader it "
                      "builds when train() starts; set TrainingArguments("
                      "per_device_train_batch_size=) and restart")
+MIXTURE_REASON = ("transformers.Trainer draws its batches from train_dataset with a sampler "
+                  "of its own: this run's data is not a mixture gpuwatch can weight (use a "
+                  "loop or Lightning over a gpuopt.mixture.MixtureLoader)")
 #: The keywords of ``Trainer._run_epoch`` the windows and the data position are planned
 #: with (transformers 5).
 _EPOCH_KEYWORDS = frozenset({"epoch", "steps_in_epoch", "num_update_steps_per_epoch",
@@ -243,6 +246,7 @@ class _Run(RunBase):
         for spec in (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR):
             knobs.bind(spec, LOADER_REASON)
         knobs.bind(MICRO_BATCH_SIZE, BATCH_SIZE_REASON)
+        knobs.bind(MIXTURE, MIXTURE_REASON)
         # HF normalises by the window's num_items_in_batch (labels != -100) when the
         # model takes it (or with compute_loss_func); else micro-batch means / window size
         by_tokens = bool(getattr(trainer, "model_accepts_loss_kwargs", False)

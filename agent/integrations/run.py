@@ -45,9 +45,9 @@ from typing import Any, Callable
 
 import torch
 
-from agent.wire.knobs import CHECKPOINT, EVALUATE, PAUSE, STOP, Knob
+from agent.wire.knobs import CHECKPOINT, EVALUATE, MIXTURE, PAUSE, STOP, Knob
 from agent.wire.protocol import EventKind
-from agent.integrations.adapters import MemoryKnobs, publish_events
+from agent.integrations.adapters import NOT_A_MIXTURE, MemoryKnobs, publish_events
 from agent.control.checkpoints import Checkpoints, restore_knobs
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
@@ -110,6 +110,8 @@ class RunBase:
         self._pause_requested = False
         #: the ``stop`` command's value once it applied (``"now"``, ``"checkpoint"``)
         self.stop_requested: str | None = None
+        if MIXTURE.name not in self.knobs.knobs and MIXTURE.name not in self.knobs.unsupported:
+            self.knobs.bind(MIXTURE, NOT_A_MIXTURE)  # until a MixtureLoader's knobs bind it
         self.knobs.add(Knob(PAUSE, get=lambda: None, set=self._set_pause))
         self.knobs.add(Knob(STOP, get=lambda: None, set=self._set_stop,
                             check=self._check_stop))

@@ -1,11 +1,13 @@
 """Knob schemas: the live-tunable settings of a run, and the validation of commands.
 
 A knob has a wire name (``precision``, ``accum_steps``, ...), a kind (``choice``, ``int``,
-``float``, ``bool``, or ``action`` for a command that is not a setting, such as
-``checkpoint=now``) and bounds. The agent publishes the schema of the knobs its trainer supports in
-``hello``; a knob a trainer cannot support is absent from the schema, so a command naming
-it is rejected with "unknown knob". Validation here is pure (no torch): the trainer may
-add a device check (e.g. bf16 on a GPU without bf16) through :attr:`Knob.check`.
+``float``, ``bool``, ``weights`` for a list of weights such as ``mixture=0.7,0.3``, or
+``action`` for a command that is not a setting, such as ``checkpoint=now``) and bounds.
+The agent publishes the schema of the knobs its trainer supports in ``hello``; a knob a
+trainer cannot support is absent from the schema, so a command naming it is rejected
+with "unknown knob" (or with the reason the trainer gave). Validation here is pure (no
+torch): the trainer may add a device check (e.g. bf16 on a GPU without bf16) through
+:attr:`Knob.check`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 
 class KnobError(ValueError):
@@ -66,10 +68,13 @@ class KnobSpec:
     and the README read from it.
 
     Attributes:
-        name: wire name. kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"``, or
+        name: wire name. kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"``,
+        ``"weights"`` (numbers >= 0, not all 0, given as ``"0.7,0.3"`` or a list; the
+        value is their canonical text, normalised to sum 1: :func:`weights_text`), or
         ``"action"``: a command with no value to keep (``checkpoint=now``), absent from
         :meth:`KnobSet.values`. choices: allowed values for ``choice`` and ``action``.
-        minimum / maximum: inclusive bounds for ``int`` and ``float``. help: one line for people.
+        minimum / maximum: inclusive bounds for ``int`` and ``float``; for ``weights``,
+        of how many weights (a run binds its own count as both). help: one line for people.
         tuning: what the in-run search (:mod:`agent.search.tune`) may do with it:
         :data:`TUNED` (a speed setting that leaves the training's results as they are:
         searched by default), :data:`TUNED_IF_ALLOWED` (it changes the numerics or the
@@ -147,6 +152,8 @@ class KnobSpec:
             if isinstance(value, str) and value.lower() in _BOOL_WORDS:
                 return _BOOL_WORDS[value.lower()]
             raise KnobError(f"{self.name}: {value!r} is not a boolean (true/false)")
+        if self.kind == "weights":
+            return self._coerce_weights(value)
         if self.kind in _NUMBER_PARSERS:
             parse, expected = _NUMBER_PARSERS[self.kind]
             number = parse(value)
@@ -158,6 +165,43 @@ class KnobSpec:
                 raise KnobError(f"{self.name}: {number} is above the maximum {self.maximum}")
             return number
         raise KnobError(f"{self.name}: unknown knob kind {self.kind!r}")
+
+    def _coerce_weights(self, value: Any) -> str:
+        parts = value.split(",") if isinstance(value, str) else value
+        if not isinstance(parts, (list, tuple)) or len(parts) > MAX_WEIGHTS:
+            raise KnobError(f"{self.name}: {value!r} is not a list of weights "
+                            f"(at most {MAX_WEIGHTS}, e.g. 0.7,0.3)")
+        weights = [_as_float(part) for part in parts]
+        if any(weight is None or weight < 0 for weight in weights):
+            raise KnobError(f"{self.name}: {value!r} is not a list of numbers >= 0 "
+                            "(e.g. 0.7,0.3)")
+        low, high = self.minimum, self.maximum
+        if (low is not None and len(weights) < low) or (high is not None
+                                                         and len(weights) > high):
+            wanted = f"{low}" if low == high else f"{low} to {high}"
+            plural = "" if len(weights) == 1 else "s"
+            raise KnobError(f"{self.name}: {len(weights)} weight{plural}, and this run's "
+                            f"mixture has {wanted} datasets: one weight each")
+        numbers = cast(list[float], weights)  # (None refused above)
+        peak = max(numbers, default=0.0)
+        if peak == 0:
+            raise KnobError(f"{self.name}: {value!r}: the weights are all 0: no dataset "
+                            "to draw from")
+        ratios = [weight / peak for weight in numbers]  # in [0, 1]: a sum that never overflows
+        total = math.fsum(ratios)
+        return weights_text([ratio / total for ratio in ratios])
+
+
+#: The most weights a ``weights`` knob takes.
+MAX_WEIGHTS = 64
+
+
+def weights_text(weights: Any) -> str:
+    """Weights as a ``weights`` knob's value: ``"0.7,0.3"``.
+
+    6 significant digits each, comma-separated: what people type, what the panel and
+    the events show."""
+    return ",".join(f"{float(weight):.6g}" for weight in weights)
 
 
 def _shorten(text: str, limit: int = 200) -> str:
@@ -325,6 +369,10 @@ DROPOUT = KnobSpec("dropout", "float", "p of every nn.Dropout module of the mode
                    "forward is out of reach)",
                    minimum=0.0, maximum=1.0, group=OPTIMIZER, guarded=True,
                    stops=_dropout_stops)
+MIXTURE = KnobSpec("mixture", "weights", "weights of the datasets a "
+                   "gpuopt.mixture.MixtureLoader draws from, one per dataset (normalised "
+                   "to sum 1), from the next sample it draws",
+                   minimum=1, maximum=MAX_WEIGHTS, group=DATA, unit="weights")
 CHECKPOINT = KnobSpec("checkpoint", "action", "save a checkpoint (model, optimizer, "
                       "scheduler, GradScaler, knobs) at the next step boundary",
                       choices=("now",), group=OTHER,
@@ -371,7 +419,7 @@ OPTIMIZER_KNOBS = (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM)
 #: for a run whose schema has none).
 STANDARD_KNOBS = {spec.name: spec for spec in
                   (PRECISION, ACCUM_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
-                   PREFETCH_FACTOR, CPU_THREADS, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
+                   PREFETCH_FACTOR, CPU_THREADS, MIXTURE, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
                    MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, DROPOUT, CHECKPOINT, PAUSE,
                    STOP, EVALUATE)}
 
