@@ -50,16 +50,22 @@ def changes_text(branch: Branch) -> str:
     return ", ".join(shown + ([f"{more:,} more"] if more > 0 else []))
 
 
-def branch_label(branch: Branch) -> str:
-    """One branch in a line: ``b1 from step 120 (rewind=120) steps 121-300:
-    lr_scale=0.5`` (``b0 steps 1-200`` for the start)."""
+def branch_title(branch: Branch) -> str:
+    """A branch in a few words: ``b1 from step 120 (rewind=120)`` (``b0`` for the
+    start)."""
     text = f"b{branch.branch}"
     if branch.parent is not None:
         fork = "?" if branch.fork_step is None else f"{branch.fork_step:,}"
         text += f" from step {fork}"
         why = printable(branch.cause or branch.source, 60)
         text += f" ({why})" if why else ""
-    text += f" {_steps(branch)}"
+    return text
+
+
+def branch_label(branch: Branch) -> str:
+    """One branch in a line: ``b1 from step 120 (rewind=120) steps 121-300:
+    lr_scale=0.5`` (``b0 steps 1-200`` for the start)."""
+    text = f"{branch_title(branch)} {_steps(branch)}"
     changes = changes_text(branch)
     return text + (f": {changes}" if changes else "")
 

@@ -1322,6 +1322,39 @@ def read_history(log: LogFiles, *, overview: bool = True, whole: bool = True,
     return run
 
 
+#: Branches :func:`branch_segments` folds at most (the latest ones).
+MAX_COMPARED_BRANCHES = 12
+
+
+def branch_segments(log: LogFiles, tree: BranchTree
+                    ) -> list[tuple[runlog.Branch, Segment]]:
+    """Each branch's own steps (from its fork on, not its parent's) as one
+    :class:`Segment` (knobs: those of its first step), in one pass: the latest
+    :data:`MAX_COMPARED_BRANCHES` branches of ``tree`` (:func:`log_summary`'s), those
+    with steps. What ``compare RUN`` shows of a run with branches. Memory: one
+    :class:`SegmentFold` a branch. Never raises for the files' content."""
+    chosen = list(tree.branches)[-MAX_COMPARED_BRANCHES:]
+    folds: dict[int, SegmentFold] = {}
+    fold = LogSummary()  # which branch each record is on
+    for _, envelope in LogReader(log, arrays=True):
+        fold.add(envelope)
+        branch = fold.tree.current
+        if envelope["type"] != protocol.STEPS or branch not in chosen:
+            continue
+        batch = step_batch(envelope)
+        if batch is None or not batch.n:
+            continue
+        if branch not in folds:
+            folds[branch] = SegmentFold(_known(batch.knobs[0]), ())
+        folds[branch].add(batch, 0, batch.n)
+    found = []
+    for branch, segment_fold in folds.items():
+        segment = segment_fold.segment()
+        if segment is not None and branch in tree.branches:
+            found.append((tree.branches[branch], segment))
+    return found
+
+
 # --- output files ---------------------------------------------------------------------
 
 @contextmanager
