@@ -566,8 +566,9 @@ def _replay(args: argparse.Namespace) -> int:
             print(f"gpuwatch replay: {str(path)!r} has no branch {args.branch} (see "
                   "`gpuwatch runs --all`)", file=sys.stderr)
             return 1
-    elif log is not None and not history_commands.is_written_by_a_live_run(log):
-        return history_commands.open_finished(log)
+    if log is not None and not history_commands.is_written_by_a_live_run(log):
+        return history_commands.open_finished(
+            log, branch=None if tree is None else (tree, args.branch))
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.replay import ReplaySource
 

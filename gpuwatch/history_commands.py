@@ -20,6 +20,7 @@ from agent.wire.protocol import printable
 from agent.wire.runs import list_runs
 from gpuwatch import history
 from gpuwatch.branches import split_selector, tree_lines
+from agent.wire.runlog import BranchTree
 from gpuwatch.history import LogFiles, RunSummary
 from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_rate,
                             human_sig, local_time)
@@ -325,13 +326,15 @@ def _missing(command: str, extra: str, exc: ImportError) -> int:
     return 1
 
 
-def open_finished(log: LogFiles, notes: Sequence[str] = ()) -> int:
-    """Open a run log in the dashboard on a timeline (read-only); the exit status."""
+def open_finished(log: LogFiles, notes: Sequence[str] = (), *,
+                  branch: tuple[BranchTree, int] | None = None) -> int:
+    """Open a run log in the dashboard on a timeline (read-only), on ``branch``'s path
+    (``(tree, N)``; by default the branch taken last); the exit status."""
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.timeline import TimelineSource
 
     thinned = history.part_thinning(log)
-    app = GpuwatchApp(TimelineSource(log), readonly=True, notes=[
+    app = GpuwatchApp(TimelineSource(log, branch=branch), readonly=True, notes=[
         *notes, f"replaying {log.first} on a timeline: left/right step, [ ] knob "
                 "changes, , . events, home/end",
         *([f"this log reached its disk budget: older steps are kept as buckets of "

@@ -251,3 +251,50 @@ async def test_the_runs_screen_draws_the_branches_of_the_run_under_the_cursor(ru
         assert shown == ["b0 steps 1-200: accum_steps=2",
                          "└ b1 from step 120 (rewind=120) steps 121-300: lr_scale=0.5  "
                          "(latest)"]
+
+
+async def test_a_finished_branched_run_plays_on_a_timeline_along_one_path(run_dir):
+    """`gpuwatch RUN` / replay of a finished run: the timeline is the path of the
+    branch taken last (steps 1-120 of b0, then 121-300 of b1: 300 positions, each
+    step once), its whole-run view too; `--branch 0` plays b0's."""
+    path = branched_run(run_dir)
+    log = history.log_at(path)
+    source = TimelineSource(log)
+    app = GpuwatchApp(source, readonly=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: "step 300 of 300" in text_of(app, "#timeline"))
+        timeline = source.timeline
+        assert list(timeline.steps) == list(range(1, 301))
+        state, _ = timeline.state_at(150)  # b1's step 151, its loss, not b0's
+        assert state.steps[-1].step == 151 and state.steps[-1].loss == _loss(151, 1)
+        state, _ = timeline.state_at(60)
+        assert state.steps[-1].loss == _loss(61, 0)
+        await until(pilot, lambda: source.whole.past is not None and source.whole.past.loaded)
+        series = source.whole.past.series["loss"]
+        assert list(series.first_steps) == list(range(1, 301))
+        assert series.means[-1] == _loss(300, 1) and series.means[119] == _loss(120, 0)
+    tree = history.log_summary(log)[0].tree
+    source = TimelineSource(log, branch=(tree, 0))
+    app = GpuwatchApp(source, readonly=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: "step 200 of 200" in text_of(app, "#timeline"))
+        await until(pilot, lambda: source.whole.past is not None and source.whole.past.loaded)
+        assert source.whole.past.series["loss"].last_steps[-1] == 200
+
+
+def test_the_whole_run_view_follows_the_branch_being_trained(run_dir):
+    """Read as it was written (a live run's log), the whole-run view goes back to the
+    fork at the branched event: its buckets and knob changes are the new branch's
+    path, never back in x."""
+    from gpuwatch.sources.whole_run import WholeRun
+
+    path = branched_run(run_dir)
+    whole = WholeRun(path)
+    whole.start()
+    try:
+        assert whole.loaded.wait(60)  # (set once the whole log is read and published)
+    finally:
+        whole.close()
+    series = whole.past.series["loss"]
+    assert list(series.first_steps) == list(range(1, 301))
+    assert series.means[125] == _loss(126, 1)
