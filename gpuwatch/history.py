@@ -42,6 +42,7 @@ throughput per second, as in the step records (:mod:`agent.wire.protocol`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -1455,10 +1456,11 @@ def summarize(history: RunHistory, *, ranks: Sequence[int] = (), live: bool = Fa
         ranks: every rank with a log (default: the history's). live: a live run file
             names the run. log_bytes: the size of all its logs (default: this one's).
     """
-    return _summary_of(
+    return dataclasses.replace(_summary_of(
         history.run_id, history.summary, ranks=tuple(ranks) or (history.log.rank,),
         live=live, log_bytes=history.log.size_bytes if log_bytes is None else log_bytes,
-        malformed=history.malformed, truncated=history.truncated, thinned=history.thinned)
+        malformed=history.malformed, truncated=history.truncated, thinned=history.thinned),
+        tree=history.tree)  # (the whole log's: its summary may be of one path)
 
 
 def log_summary(log: LogFiles, *, live: bool = False) -> tuple[LogSummary, LogReader]:

@@ -32,7 +32,7 @@ def _loss(step, branch):
 def branched_run(run_dir):
     """A real agent: steps 1-200 on b0, a knob change at 150, a rewind to 120 (the
     contract's event, published in order with the steps), then 121-300 on b1 with
-    lr_scale=0.5 applied at 160. Returns the log's path."""
+    lr_scale=0.5 applied at 160 (and a pause, an action). Returns the log's path."""
     monitor = agent.Agent(name="branchy").start()
 
     def train(first, last, branch):
@@ -46,6 +46,8 @@ def branched_run(run_dir):
             if step == 160 and branch == 1:
                 monitor.event("info", "lr_scale=0.5 applied at step 161",
                               kind=EventKind.APPLIED, knob="lr_scale", value=0.5, step=161)
+                monitor.event("info", "pause=on applied at step 161",  # (an action: no
+                              kind=EventKind.APPLIED, knob="pause", value="on", step=161)
 
     train(1, 200, 0)
     monitor.event("info", "rewound to step 120 from /ck/step120.pt", kind=EventKind.BRANCHED,
@@ -89,7 +91,8 @@ def test_the_log_keeps_the_branch_event_before_the_new_branchs_steps(run_dir):
     run = history.read_history(log)  # the branch taken last, by default
     assert run.branch == 1 and run.summary.steps == 300
     assert [(c.step, c.knob) for c in run.knob_changes] == []  # (applied: no knob column)
-    assert [e.kind for e in run.events].count(EventKind.APPLIED) == 1  # b0's at 151: gone
+    assert [e.text.split(" applied")[0] for e in run.events] == [  # b0's at 151: gone
+        "rewound to step 120 from /ck/step120.pt", "lr_scale=0.5", "pause=on"]
     assert history.read_history(log, branch=0).summary.steps == 200
     with pytest.raises(ValueError, match="no branch 7"):
         history.read_history(log, branch=7)
@@ -298,3 +301,41 @@ def test_the_whole_run_view_follows_the_branch_being_trained(run_dir):
     series = whole.past.series["loss"]
     assert list(series.first_steps) == list(range(1, 301))
     assert series.means[125] == _loss(126, 1)
+
+
+async def test_the_live_dashboard_goes_on_along_the_new_branch(run_dir):
+    """A live run (real agent, real ZeroMQ) that rewinds: the dashboard's charts hold
+    b0's steps up to the fork, then b1's (each step once, in order), the log says the
+    run went on as b1, and the chart draws up to step 300."""
+    from agent.wire import runs
+    from gpuwatch.sources.live import LiveSource
+
+    monitor = agent.Agent(name="rewinding").start()
+    app = GpuwatchApp(LiveSource(runs.find_run(monitor.run_id)), readonly=True)
+
+    def train(first, last, branch):
+        for step in range(first, last + 1):
+            monitor.optimizer_step(StepRecord(step=step, micro_batches=1, samples=8,
+                                              data_wait_s=0.0,
+                                              loss=torch.tensor(_loss(step, branch))))
+
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.source.state.hello)  # subscribed
+            train(1, 200, 0)
+            await until(pilot, lambda: app.source.state.steps_total == 200, timeout_s=60)
+            monitor.event("info", "rewound to step 120", kind=EventKind.BRANCHED, branch=1,
+                          parent=0, step=120, source="/ck/step120.pt", cause="rewind=120")
+            train(121, 300, 1)
+            await until(pilot, lambda: app.source.state.steps_total == 380, timeout_s=60)
+            await until(pilot, lambda: "step 300 " in text_of(app, "#header"))
+            with app.source.lock:
+                state = app.source.state
+                steps = [record.step for record in state.steps]
+                assert steps == list(range(1, 301))[-len(steps):] and len(steps) >= 180
+                assert state.steps[-1].loss == _loss(300, 1) and state.tree.current == 1
+            log_text = "\n".join(str(line.text) for line in app.query_one("#log").lines)
+            assert "rewound to step 120" in log_text
+            assert "now on branch b1, from step 120 of b0" in log_text
+    finally:
+        monitor.close()

@@ -70,6 +70,7 @@ import orjson
 import platformdirs
 
 from agent.wire import protocol
+from agent.wire.knobs import STANDARD_KNOBS
 from agent.wire.runs import private_dir
 
 #: Environment variable that overrides the run-log directory.
@@ -444,8 +445,9 @@ class Branch:
             one). steps: its own optimizer steps (a thinned bucket counts the steps
             it holds).
         applied: its first :data:`MAX_BRANCH_CHANGES` knob changes (``applied`` and
-            ``rolled_back`` events) as ``[step or None, knob, value]`` (the value as a
-            number, boolean, None or printable text). changes: all of them.
+            ``rolled_back`` events of knobs that are settings, not actions) as
+            ``[step or None, knob, value]`` (the value as a number, boolean, None or
+            printable text). changes: all of them.
     """
 
     branch: int
@@ -556,10 +558,13 @@ class BranchTree:
 
     def applied(self, body: dict[str, Any]) -> None:
         """Fold an ``applied`` or ``rolled_back`` event's body: a change on the current
-        branch."""
+        branch (not an action's: ``pause=on``, ``checkpoint=now`` set no value)."""
+        knob = body.get("knob")
+        spec = STANDARD_KNOBS.get(knob) if isinstance(knob, str) else None
+        if spec is not None and spec.kind == "action":
+            return
         branch = self.branches[self.current]
         branch.changes += 1
-        knob = body.get("knob")
         if len(branch.applied) < MAX_BRANCH_CHANGES and isinstance(knob, str):
             branch.applied.append([_whole(body.get("step")), protocol.printable(knob, 100),
                                    _change_value(body.get("value"))])
