@@ -25,6 +25,8 @@ BRANCH_SELECTOR = re.compile(r"(?P<run>.+)@b(?P<branch>[0-9]{1,7})")
 MAX_TREE_LINES = 40
 #: Indentation levels drawn at most (deeper branches are drawn at this depth).
 MAX_DEPTH = 12
+#: Characters of a branch's cause shown (a longer one loses its middle).
+MAX_CAUSE_CHARS = 40
 
 
 def split_selector(selector: str) -> tuple[str, int | None]:
@@ -57,7 +59,9 @@ def branch_title(branch: Branch) -> str:
     if branch.parent is not None:
         fork = "?" if branch.fork_step is None else f"{branch.fork_step:,}"
         text += f" from step {fork}"
-        why = printable(branch.cause or branch.source, 60)
+        why = printable(branch.cause or branch.source)
+        if len(why) > MAX_CAUSE_CHARS:  # a checkpoint's path: its end says the most
+            why = why[:MAX_CAUSE_CHARS // 3] + "…" + why[-(MAX_CAUSE_CHARS * 2 // 3 - 1):]
         text += f" ({why})" if why else ""
     return text
 

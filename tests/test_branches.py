@@ -16,7 +16,7 @@ from agent.wire import protocol, runlog
 from agent.wire.protocol import EventKind
 from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
-from gpuwatch.branches import split_selector, tree_lines
+from gpuwatch.branches import branch_title, split_selector, tree_lines
 from gpuwatch.sources.replay import ReplaySource
 from gpuwatch.sources.timeline import TimelineSource
 from gpuwatch.state import RunState
@@ -134,6 +134,13 @@ def test_runs_compare_and_report_show_the_branches(run_dir):
     page = open(out, encoding="utf-8").read()
     assert "<h2>Branches</h2>" in page and "b1: its path" in page
     assert "└ b1 from step 120 (rewind=120) steps 121-300: lr_scale=0.5" in page
+
+
+def test_a_long_cause_keeps_its_end():
+    branch = runlog.Branch(2, 1, 5, cause="rewind=/checkpoints/experiment-42/"
+                                          "lr-sweep/step-00000005.pt")
+    assert branch_title(branch) == "b2 from step 5 (rewind=/check…lr-sweep/step-00000005.pt)"
+    assert branch_title(runlog.Branch(0)) == "b0"
 
 
 def test_a_selector_names_a_branch():
@@ -339,3 +346,48 @@ async def test_the_live_dashboard_goes_on_along_the_new_branch(run_dir):
             assert "now on branch b1, from step 120 of b0" in log_text
     finally:
         monitor.close()
+
+
+def test_a_real_rewound_run_reads_as_its_tree_and_paths(run_dir, tmp_path):
+    """With ``rewind=`` (A1's, tests/test_rewind.py; skipped until it is merged): a
+    checkpoint after step 3, rewind=3 after step 6, a checkpoint after step 5 of b1, a
+    rewind by its path after step 7. The tree is b0 1-6, b1 from 3: 4-7, b2 from 5:
+    6-7, with no change listed (the rewinds are commands, not settings); b2's path
+    has each step's loss as logged on its branch, and the live fold draws the same."""
+    rewind = pytest.importorskip("tests.test_rewind", reason="rewind= is not merged yet")
+    loop = rewind.Loop(tmp_path)
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]
+    loop.train(3)
+    assert loop.send("rewind", "3")["ok"]
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]
+    loop.train(2)
+    assert loop.send("rewind", str(tmp_path / "step-00000005.pt"))["ok"]
+    loop.train(3)
+    path = loop.run.agent.info.log_path
+    records = loop.records()
+    losses, branch = {}, 0
+    for record in records:
+        if record["type"] == "event" and record.get("kind") == EventKind.BRANCHED:
+            branch = record["branch"]
+        elif record["type"] == "step":
+            losses[(branch, record["step"])] = record["loss"]
+    log = history.log_at(path)
+    tree = history.log_summary(log)[0].tree
+    assert [(b.branch, b.parent, b.fork_step, b.first_step, b.last_step, b.applied)
+            for b in tree.branches.values()] == [
+        (0, None, None, 1, 6, []), (1, 0, 3, 4, 7, []), (2, 1, 5, 6, 7, [])]
+    want = [(0, 1), (0, 2), (0, 3), (1, 4), (1, 5), (2, 6), (2, 7)]
+    on_path = runlog.BranchPath(tree)
+    got = []
+    for _, envelope in history.LogReader(log):
+        kept = on_path.keep(envelope)
+        if kept is not None and kept["type"] == protocol.STEPS:
+            got += zip(kept["body"]["columns"]["step"], kept["body"]["columns"]["loss"])
+    assert got == [(step, losses[(b, step)]) for b, step in want]
+    state = RunState()
+    for _, envelope in history.LogReader(log):
+        state.ingest(envelope)
+    assert [(r.step, r.loss) for r in state.steps] == got
+    assert tree_lines(tree)[2].endswith("step-00000005.pt) steps 6-7  (latest)")
