@@ -391,3 +391,43 @@ def test_a_real_rewound_run_reads_as_its_tree_and_paths(run_dir, tmp_path):
         state.ingest(envelope)
     assert [(r.step, r.loss) for r in state.steps] == got
     assert tree_lines(tree)[2].endswith("step-00000005.pt) steps 6-7  (latest)")
+
+
+def test_a_log_of_many_branches_is_read_in_bounded_memory(tmp_path):
+    """42,000 steps over 1,050 branches (each rewinds 10 steps and trains 40): the
+    tree keeps 1,000 and counts the rest, and reading a path, the branches side by
+    side and the runs' summary holds a few MiB whatever the log's length."""
+    import tracemalloc
+
+    path = tmp_path / "many.rank0.runlog"
+    log = runlog.RunLog(path, flush_interval_s=0.0)
+    seq, step = 0, 0
+
+    def write(kind, body):
+        nonlocal seq
+        seq += 1
+        log.write(protocol.envelope(kind, body, run="many", seq=seq, t=1.0e9 + seq))
+
+    write(protocol.HELLO, {"name": "many"})
+    for branch in range(1, 1051):
+        columns = {"step": list(range(step + 1, step + 41)), "loss": [1.0 / branch] * 40,
+                   "step_time_s": [0.1] * 40, "knobs": [{"lr_scale": branch}] * 40}
+        write(protocol.STEPS, protocol.steps_body(columns))
+        step += 40 - 10
+        write(protocol.EVENT, {"level": "info", "kind": EventKind.BRANCHED, "branch": branch,
+                               "parent": branch - 1, "step": step, "source": "rollback",
+                               "cause": f"rewind={step}", "text": "back"})
+    log.close()
+    files = history.log_at(path)
+    tracemalloc.start()
+    try:
+        run = history.read_history(files)
+        segments = history.branch_segments(files, run.tree)
+        summaries = history.summarize_logs([files])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(run.tree) == runlog.MAX_BRANCHES and run.tree.omitted == 51
+    assert run.branch == 999 and len(segments) == history.MAX_COMPARED_BRANCHES
+    assert summaries[0].tree.omitted == 51
+    assert peak < 32 << 20, f"{peak / 2**20:.1f} MiB"
