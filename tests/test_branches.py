@@ -431,3 +431,35 @@ def test_a_log_of_many_branches_is_read_in_bounded_memory(tmp_path):
     assert run.branch == 999 and len(segments) == history.MAX_COMPARED_BRANCHES
     assert summaries[0].tree.omitted == 51
     assert peak < 32 << 20, f"{peak / 2**20:.1f} MiB"
+
+
+def test_runs_draws_a_live_runs_branches(run_dir):
+    """`gpuwatch runs` (the live runs) draws the tree of a run that is still training,
+    from its log as written so far."""
+    from tests.conftest import wait_until
+
+    monitor = agent.Agent(name="live-branches").start()
+    try:
+        for step in range(1, 11):
+            monitor.optimizer_step(StepRecord(step=step, micro_batches=1, samples=8,
+                                              data_wait_s=0.0))
+        monitor.event("info", "rolled back to step 6", kind=EventKind.BRANCHED, branch=1,
+                      parent=0, step=6, source="rollback", cause="out of memory")
+        for step in range(7, 9):
+            monitor.optimizer_step(StepRecord(step=step, micro_batches=1, samples=8,
+                                              data_wait_s=0.0))
+        log = history.log_at(monitor.info.log_path)
+
+        def written():
+            branch = history.log_summary(log, live=True)[0].tree.branches.get(1)
+            return branch is not None and branch.last_step == 8
+
+        wait_until(written, "the log to hold b1's steps")
+        listed = gpuwatch("runs")
+        assert listed.returncode == 0, listed.stderr
+        lines = listed.stdout.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith(monitor.run_id))
+        assert lines[at + 1:at + 3] == [
+            "  b0 steps 1-10", "  └ b1 from step 6 (out of memory) steps 7-8  (latest)"]
+    finally:
+        monitor.close()
