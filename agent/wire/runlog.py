@@ -44,6 +44,11 @@ and count (``steps_in_bucket``); every event, hello, state, tune and bye is kept
 one heartbeat and system sample in :data:`THIN_FACTOR`. The part's header says so, and
 so do the history tools.
 
+Branches: records carry no branch; a ``branched`` event (the branch contract) puts
+every record after it on its new branch. :class:`BranchTree` folds them (the summary
+keeps it) and :class:`BranchPath` keeps one branch's path (its parent's steps up to the
+fork, then its own) from the records read in order, in one pass.
+
 Written only by the agent's I/O thread: a ``steps`` batch costs one conversion per
 column (numpy, no Python a step), one msgpack pack and its share of a deflate: 1.4 to
 2.0 us a step here (the JSON lines of earlier versions: 2.7 to 3.2 us, 536 bytes).
