@@ -191,6 +191,11 @@ class EventKind:
     LOSS_NORMALIZATION = "loss_normalization"
     #: a CUDA memory snapshot was written (``path``)
     MEMORY_SNAPSHOT = "memory_snapshot"
+    #: the training state was put back and the run goes on as a new branch (``branch``:
+    #: its id, ``parent``: the branch left, ``step``: the fork step, the last one kept;
+    #: ``source``: the checkpoint's path, "rollback", "recovery"; ``cause``: what asked);
+    #: every step record after it, in order, is the new branch's
+    BRANCHED = "branched"
 
     #: kinds that settle a pending command (it applied, failed or was withdrawn)
     SETTLING = frozenset({APPLIED, FAILED, ROLLED_BACK, CANCELLED})
