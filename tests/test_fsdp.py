@@ -95,3 +95,62 @@ def test_every_knob_of_a_sharded_loop_is_exact_and_its_checkpoint_resumes_bit_id
             assert state["knobs"] == data["steps"][step]["knobs"]
             for mine, theirs in zip(state["params"], data["steps"][step]["params"], strict=True):
                 assert torch.equal(mine, theirs), (rank, step)
+
+
+@pytest.mark.slow
+def test_every_knob_of_a_fabric_model_parallel_loop_is_exact_and_resumes_bit_identically(
+        run_dir, tmp_path):
+    """Fabric's ModelParallelStrategy (fully_shard on its data-parallel mesh): the job
+    checks each window against the unsharded copy and the reduction at the window's
+    last micro-batch only (``fabric.no_backward_sync``); here: each command at one step
+    on both ranks, the refusals, and the sharded checkpoint resumed bit for bit."""
+    job = str(JOB.with_name("fabric_fsdp_job.py"))
+    run_job(job, str(tmp_path), "knobs")
+    ranks = [torch.load(tmp_path / f"knobs-rank{rank}.pt", weights_only=False)
+             for rank in (0, 1)]
+    replies = ranks[0]["replies"]
+    for name in ("accum_steps", "lr_scale", "weight_decay", "max_grad_norm", "checkpointing",
+                 "precision=bf16", "checkpoint"):
+        assert replies[name]["ok"] and replies[name]["ranks"] == [0, 1], replies[name]
+    assert not replies["precision=fp16"]["ok"]  # (Fabric has no fp16 AMP on a CPU)
+    assert "choose bf16" in replies["precision=fp16"]["reason"]
+    assert not replies["kernels"]["ok"]
+    assert "compiling a model sharded by fully_shard" in replies["kernels"]["reason"]
+    assert [{step: s["knobs"] for step, s in data["steps"].items()} for data in ranks][0] == {
+        step: s["knobs"] for step, s in ranks[1]["steps"].items()}
+    for name, value in ranks[0]["steps"][max(ranks[0]["steps"])]["knobs"].items():
+        reply = replies.get(name) or replies.get(f"{name}={value}")
+        if reply is not None and reply["ok"]:
+            assert min(step for step, s in ranks[0]["steps"].items()
+                       if s["knobs"][name] == value) == reply["apply_step"], name
+    [directory] = (tmp_path / "checkpoints").iterdir()
+    saved_step = replies["checkpoint"]["apply_step"] - 1
+    assert directory.name == f"step-{saved_step:08d}"
+    assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in directory.iterdir()}
+
+    run_job(job, str(tmp_path), "resume")
+    for rank, data in enumerate(ranks):
+        resumed = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
+        [event] = [e for e in resumed["events"] if e["kind"] == "resumed"]
+        assert f"resumed from {directory} at step {saved_step}" in event["text"], event
+        assert sorted(resumed["steps"]) == [step for step in sorted(data["steps"])
+                                            if step > saved_step]
+        for step, state in resumed["steps"].items():
+            assert state["knobs"] == data["steps"][step]["knobs"]
+            for mine, theirs in zip(state["params"], data["steps"][step]["params"], strict=True):
+                assert torch.equal(mine, theirs), (rank, step)
+
+
+@pytest.mark.slow
+def test_a_fabric_model_parallel_mesh_with_tensor_parallelism_refuses_every_knob(
+        run_dir, tmp_path):
+    """ModelParallelStrategy's 'auto' sizes give both devices to tensor parallelism: a
+    module fully_shard-ed on its (one-rank) data-parallel mesh is then not what the
+    knobs were verified on, and each rank refuses them with the mesh in the reason."""
+    run_job(str(JOB.with_name("fabric_fsdp_job.py")), str(tmp_path), "auto")
+    for rank in (0, 1):
+        unsupported = torch.load(tmp_path / f"auto-rank{rank}.pt", weights_only=False)
+        for name in ("accum_steps", "precision", "checkpointing", "lr_scale", "weight_decay",
+                     "max_grad_norm", "dropout", "micro_batch_size", "checkpoint"):
+            assert "a tensor-parallel dimension of 2 ranks (its mesh: data_parallel=1, " \
+                   "tensor_parallel=2;" in unsupported[name], (rank, name)
