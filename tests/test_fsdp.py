@@ -154,3 +154,31 @@ def test_a_fabric_model_parallel_mesh_with_tensor_parallelism_refuses_every_knob
                      "max_grad_norm", "dropout", "micro_batch_size", "checkpoint"):
             assert "a tensor-parallel dimension of 2 ranks (its mesh: data_parallel=1, " \
                    "tensor_parallel=2;" in unsupported[name], (rank, name)
+
+
+@pytest.mark.slow
+def test_every_knob_of_a_lightning_model_parallel_fit_is_exact(run_dir, tmp_path):
+    """Lightning's ModelParallelStrategy (fully_shard in configure_model): the job's
+    callback checks each window against the unsharded copy and that its gradients are
+    reduced at its last micro-batch only (Lightning's own block_backward_sync blocks
+    DDP's only: without gpuwatch every micro-batch is reduced); here: each command at
+    one step on both ranks, and the refusals with their reasons."""
+    run_job(str(JOB.with_name("lightning_fsdp_job.py")), str(tmp_path), "knobs")
+    ranks = [torch.load(tmp_path / f"knobs-rank{rank}.pt", weights_only=False)
+             for rank in (0, 1)]
+    replies = ranks[0]["replies"]
+    for name in ("accum_steps", "lr_scale", "weight_decay", "max_grad_norm", "checkpointing",
+                 "precision=bf16"):
+        assert replies[name]["ok"] and replies[name]["ranks"] == [0, 1], replies[name]
+    assert "GradScaler would check each rank's shard" in replies["precision=fp16"]["reason"]
+    assert "compiling a model sharded by fully_shard" in replies["kernels"]["reason"]
+    assert "rank 0's other state (meta.pt)" in replies["checkpoint"]["reason"]
+    assert not any(replies[name]["ok"] for name in ("precision=fp16", "kernels", "checkpoint"))
+    assert sorted(ranks[0]["steps"]) == list(range(1, 19))
+    assert [{step: s["knobs"] for step, s in data["steps"].items()} for data in ranks][0] == {
+        step: s["knobs"] for step, s in ranks[1]["steps"].items()}
+    for name, value in ranks[0]["steps"][18]["knobs"].items():
+        reply = replies.get(name) or replies.get(f"{name}={value}")
+        if reply is not None and reply["ok"]:
+            assert min(step for step, s in ranks[0]["steps"].items()
+                       if s["knobs"][name] == value) == reply["apply_step"], name
