@@ -1,7 +1,9 @@
 """FSDP2 (``fully_shard``) in a hand-written loop: every knob exact against an unsharded
 copy, commands at one step on every rank, refused everywhere when one rank refuses, and
 a sharded checkpoint every rank writes its part of, resumed bit-identically (real
-torchrun jobs, gloo on the CPU: :mod:`tests.fsdp_job`)."""
+torchrun jobs, gloo on the CPU: :mod:`tests.fsdp_job`); the same under Lightning's
+``ModelParallelStrategy``, in a Fabric loop (:mod:`tests.fabric_fsdp_job`) and a
+Trainer's ``fit`` (:mod:`tests.lightning_fsdp_job`)."""
 
 import os
 import signal
