@@ -125,8 +125,9 @@ while the run lasts by one that leaves a window's gradients unreduced until its 
 micro-batch (Lightning's own blocks DDP's reduction only, so FSDP2 would reduce each
 micro-batch), ``max_grad_norm`` clips the global norm over every rank's shards,
 ``checkpointing`` wraps the ``fully_shard`` blocks; ``precision`` is refused for a
-``MixedPrecisionPolicy`` that casts and for fp16, ``kernels`` is refused, and so is
-``checkpoint=now`` (the strategy saves rank 0's callback states for every rank). Under
+``MixedPrecisionPolicy`` that casts and for fp16, ``kernels`` is refused, and
+``checkpoint=now`` is the strategy's sharded directory (every rank's shards; the
+callbacks' states, gpuwatch's among them, are rank 0's, as under DDP). Under
 a tensor-parallel mesh (the strategy's 'auto' sizes) and Lightning's ``FSDPStrategy``
 (FSDP1, GPUs only) the knobs that change the module or the step are refused.
 
@@ -876,13 +877,6 @@ class _Run(RunBase):
         it; rank 0 writes), made atomic; gpuwatch's knob values and data position ride
         along as this callback's state (:meth:`saved_state`)."""
         strategy = self.trainer.strategy
-        if _fsdp2_strategy(strategy):
-            knobs.bind(CHECKPOINT, (
-                "ModelParallelStrategy saves a directory of every rank's shards and rank "
-                "0's other state (meta.pt), gpuwatch's random numbers and data position "
-                "among it, for every rank: a resume of it is not verified exact; use "
-                "Lightning's ModelCheckpoint"))
-            return
         if not _simple_strategy(strategy):
             knobs.bind(CHECKPOINT, (
                 f"{type(strategy).__name__} saves sharded checkpoints from every rank; "
