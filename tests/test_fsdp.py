@@ -200,3 +200,33 @@ def test_every_knob_of_a_lightning_model_parallel_fit_is_exact_and_resumes_bit_i
             assert state["knobs"] == data["steps"][step]["knobs"]
             for mine, theirs in zip(state["params"], data["steps"][step]["params"], strict=True):
                 assert torch.equal(mine, theirs), (rank, step)
+
+
+@pytest.mark.slow
+def test_accelerate_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir, tmp_path):
+    """accelerate makes its FSDP plugin FSDP only from a GPU-like distributed type
+    (accelerate/state.py, AcceleratorState): on a CPU, ``cpu=True`` gives DDP
+    (MULTI_CPU: its knobs and refusals), and without it each torchrun rank is a
+    one-process run (NO) that never reduces with the others: gpuwatch warns on every
+    rank, and refuses the checkpoint, which would be rank 0's model for all."""
+    job = str(JOB.with_name("accelerate_fsdp_job.py"))
+    run_job(job, str(tmp_path), "plain")
+    run_job(job, str(tmp_path), "cpu")
+    for rank in (0, 1):
+        plain = torch.load(tmp_path / f"plain-rank{rank}.pt", weights_only=False)
+        assert (plain["distributed_type"], plain["num_processes"], plain["dtensors"]) == (
+            "NO", 1, False)
+        assert (plain["rank"], plain["world_size"]) == (rank, 2)
+        apart = ("the launcher started 2 ranks and accelerate runs each as a run of its own "
+                 "(distributed_type NO: no GPU, and no Accelerator(cpu=True)): they train "
+                 "apart, their gradients never reduced, and an FSDP plugin is not used")
+        assert plain["warnings"] == [apart]
+        assert plain["unsupported"]["checkpoint"] == (
+            f"{apart}; rank 0's checkpoint would not hold the other ranks' models")
+        cpu = torch.load(tmp_path / f"cpu-rank{rank}.pt", weights_only=False)
+        assert (cpu["distributed_type"], cpu["num_processes"], cpu["dtensors"]) == (
+            "MULTI_CPU", 2, False)
+        assert cpu["warnings"] == []
+        assert "save_state writes from together" in cpu["unsupported"]["checkpoint"]
+        for name in ("accum_steps", "precision", "lr_scale", "max_grad_norm"):
+            assert name not in cpu["unsupported"], name  # (DDP's, as its column says)
