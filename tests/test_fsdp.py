@@ -203,15 +203,17 @@ def test_every_knob_of_a_lightning_model_parallel_fit_is_exact_and_resumes_bit_i
 
 
 @pytest.mark.slow
-def test_accelerate_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir, tmp_path):
+def test_accelerate_and_hf_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir, tmp_path):
     """accelerate makes its FSDP plugin FSDP only from a GPU-like distributed type
     (accelerate/state.py, AcceleratorState): on a CPU, ``cpu=True`` gives DDP
     (MULTI_CPU: its knobs and refusals), and without it each torchrun rank is a
     one-process run (NO) that never reduces with the others: gpuwatch warns on every
-    rank, and refuses the checkpoint, which would be rank 0's model for all."""
+    rank, and refuses the checkpoint, which would be rank 0's model for all. The HF
+    Trainer's ``fsdp=`` with ``use_cpu`` is that DDP: gpuwatch warns that it is."""
     job = str(JOB.with_name("accelerate_fsdp_job.py"))
     run_job(job, str(tmp_path), "plain")
     run_job(job, str(tmp_path), "cpu")
+    run_job(job, str(tmp_path), "hf")
     for rank in (0, 1):
         plain = torch.load(tmp_path / f"plain-rank{rank}.pt", weights_only=False)
         assert (plain["distributed_type"], plain["num_processes"], plain["dtensors"]) == (
@@ -230,3 +232,9 @@ def test_accelerate_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir, tmp_p
         assert "save_state writes from together" in cpu["unsupported"]["checkpoint"]
         for name in ("accum_steps", "precision", "lr_scale", "max_grad_norm"):
             assert name not in cpu["unsupported"], name  # (DDP's, as its column says)
+        hf = torch.load(tmp_path / f"hf-rank{rank}.pt", weights_only=False)
+        assert (hf["distributed_type"], hf["is_fsdp_enabled"], hf["dtensors"]) == (
+            "MULTI_CPU", False, False)
+        assert hf["warnings"] == [
+            "fsdp=True is not FSDP here: accelerate runs MULTI_CPU (its FSDP plugin only on "
+            "a GPU-like device), so the model is not sharded and the knobs are that run's"]
