@@ -10,7 +10,8 @@ against the update of an unsharded copy (:func:`tests.fsdp_job.by_hand`), and th
 gradients are reduced at its last micro-batch only; ``checkpoint=now`` is Lightning's
 sharded checkpoint. ``resume``: ``fit(ckpt_path=)`` from it, on to the same step. Each
 rank saves ``OUT/<mode>-rank<N>.pt`` (each step's full parameters and knob values, the
-replies, the refused knobs' reasons).
+replies, the refused knobs' reasons, how many blocks the checkpointing knob wraps and
+whether it is on at the end).
 """
 
 import sys
@@ -24,6 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
 import agent
+from agent.integrations.lightning import GpuwatchCallback
 from agent.wire.commands import send_command
 from tests.fsdp_job import BASE_LR, STEPS, by_hand, full_params, make_model
 
@@ -67,9 +69,15 @@ class Check(L.Callback):
         self.replies: dict[str, Any] = {}
         self.agent: Any = None
         self.last_step = 0
+        self.checkpointed: tuple[int, bool] | None = None
 
     def on_train_start(self, trainer: L.Trainer, module: Any) -> None:
         self.last_step = trainer.global_step
+
+    def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
+        [watching] = [c for c in trainer.callbacks if isinstance(c, GpuwatchCallback)]
+        checkpointing = watching._run.checkpointing  # (the run's: bound at train start)
+        self.checkpointed = (len(checkpointing), checkpointing.enabled)
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any,
                              index: int) -> None:
@@ -119,6 +127,7 @@ def main(out: Path, mode: str) -> None:
     saved = next((out / "checkpoints").glob("step-*")) if mode == "resume" else None
     trainer.fit(Sharded(), torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=saved)
     torch.save({"steps": check.steps, "replies": check.replies,
+                "checkpointed": check.checkpointed,
                 "unsupported": check.agent.knobs.unsupported},
                out / f"{mode}-rank{trainer.global_rank}.pt")
     dist.destroy_process_group()

@@ -179,6 +179,7 @@ def test_every_knob_of_a_lightning_model_parallel_fit_is_exact_and_resumes_bit_i
     assert "compiling a model sharded by fully_shard" in replies["kernels"]["reason"]
     assert not any(replies[name]["ok"] for name in ("precision=fp16", "kernels"))
     assert sorted(ranks[0]["steps"]) == list(range(1, 19))
+    assert [data["checkpointed"] for data in ranks] == [(3, True)] * 2  # the fully_shard blocks
     assert [{step: s["knobs"] for step, s in data["steps"].items()} for data in ranks][0] == {
         step: s["knobs"] for step, s in ranks[1]["steps"].items()}
     for name, value in ranks[0]["steps"][18]["knobs"].items():
