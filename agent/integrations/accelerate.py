@@ -619,8 +619,22 @@ class AcceleratorRun(RunBase):
         if scaler is not None and self.accelerator.scaler is None:  # kept while not fp16
             torch.save(scaler.state_dict(), path / GRAD_SCALER_FILE)
 
+    def _apart(self) -> str | None:
+        """Why this run's ranks train apart, or None: the launcher started several and
+        accelerate runs each as a one-process run (on a CPU without ``cpu=True``)."""
+        accelerator, world_size = self.accelerator, self.agent.world_size
+        if accelerator.num_processes > 1 or world_size == 1:
+            return None
+        return (f"the launcher started {world_size} ranks and accelerate runs each as a "
+                f"run of its own (distributed_type {accelerator.distributed_type.value}: no "
+                "GPU, and no Accelerator(cpu=True)): they train apart, their gradients "
+                "never reduced, and an FSDP plugin is not used")
+
     def _checkpoint_reason(self) -> str | None:
         accelerator = self.accelerator
+        apart = self._apart()
+        if apart is not None:
+            return f"{apart}; rank 0's checkpoint would not hold the other ranks' models"
         if accelerator.num_processes > 1:
             return (f"this run has {accelerator.num_processes} processes, which "
                     "accelerate's save_state writes from together: call "
@@ -1039,5 +1053,8 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
                 "gradients: accelerate's, each micro-batch loss divided by "
                 "gradient_accumulation_steps (a mean of micro-batch means)",
                 kind=EventKind.LOSS_NORMALIZATION, normalization="micro_batch_mean")
+    apart = run._apart()
+    if apart is not None:
+        agent.event("warning", apart, kind=EventKind.WARNING)
     atexit.register(run.close)  # (before the agent's own: the last step, then bye)
     return run

@@ -894,6 +894,13 @@ class _Run(RunBase):
         if self.resume_path is not None:
             self._resume(self.resume_path)
             self.resume_path = None
+        accelerator = self.trainer.accelerator
+        if self.trainer.args.fsdp and not getattr(self.trainer, "is_fsdp_enabled", False):
+            self.agent.event("warning", (
+                f"fsdp={self.trainer.args.fsdp!r} is not FSDP here: accelerate runs "
+                f"{accelerator.distributed_type.value} (its FSDP plugin only on a GPU-like "
+                "device), so the model is not sharded and the knobs are that run's"),
+                kind=EventKind.WARNING)
         self.agent.mark_start()
 
     def optimizer_step(self, optimizer: Any) -> None:
