@@ -1,11 +1,13 @@
 """Knob schemas: the live-tunable settings of a run, and the validation of commands.
 
 A knob has a wire name (``precision``, ``accum_steps``, ...), a kind (``choice``, ``int``,
-``float``, ``bool``, or ``action`` for a command that is not a setting, such as
-``checkpoint=now``) and bounds. The agent publishes the schema of the knobs its trainer supports in
-``hello``; a knob a trainer cannot support is absent from the schema, so a command naming
-it is rejected with "unknown knob". Validation here is pure (no torch): the trainer may
-add a device check (e.g. bf16 on a GPU without bf16) through :attr:`Knob.check`.
+``float``, ``bool``; ``action`` for a command that is not a setting, such as
+``checkpoint=now``; ``text`` for such a command whose value is free text, such as
+``rewind=<step or path>``) and bounds. The agent publishes the schema of the knobs its
+trainer supports in ``hello``; a knob a trainer cannot support is absent from the
+schema, so a command naming it is rejected with "unknown knob". Validation here is pure
+(no torch): the trainer may add a device check (e.g. bf16 on a GPU without bf16) through
+:attr:`Knob.check`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ def assignment(knob: str, value: Any) -> str:
     (booleans as ``on`` / ``off``, the one spelling the dashboard, ``gpuwatch set``,
     ``tail`` and the run's events use; not Python's ``True``)."""
     return f"{knob}={('on' if value else 'off') if isinstance(value, bool) else value}"
+
+
+#: The kinds of a command that is not a setting (no value to keep, absent from
+#: :meth:`KnobSet.values`): ``action`` (one of its choices) and ``text`` (free text).
+COMMAND_KINDS = frozenset({"action", "text"})
+#: The longest value a ``text`` knob takes (characters).
+TEXT_MAX_CHARS = 4096
 
 
 #: :attr:`KnobSpec.tuning`: searched by default, searched only when allowed, never.
@@ -66,9 +75,11 @@ class KnobSpec:
     and the README read from it.
 
     Attributes:
-        name: wire name. kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"``, or
+        name: wire name. kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"``,
         ``"action"``: a command with no value to keep (``checkpoint=now``), absent from
-        :meth:`KnobSet.values`. choices: allowed values for ``choice`` and ``action``.
+        :meth:`KnobSet.values`, or ``"text"``: such a command whose value is free text
+        (at most :data:`TEXT_MAX_CHARS` characters, no control characters).
+        choices: allowed values for ``choice`` and ``action``.
         minimum / maximum: inclusive bounds for ``int`` and ``float``. help: one line for people.
         tuning: what the in-run search (:mod:`agent.search.tune`) may do with it:
         :data:`TUNED` (a speed setting that leaves the training's results as they are:
@@ -108,6 +119,11 @@ class KnobSpec:
     activation_memory: bool = False
     stops: Callable[[float], str | None] | None = None
 
+    @property
+    def command(self) -> bool:
+        """Whether it is a command rather than a setting (:data:`COMMAND_KINDS`)."""
+        return self.kind in COMMAND_KINDS
+
     def to_wire(self) -> dict[str, Any]:
         """The schema as a msgpack-ready map."""
         wire: dict[str, Any] = {"name": self.name, "kind": self.kind, "help": self.help,
@@ -118,6 +134,8 @@ class KnobSpec:
             wire["min"] = self.minimum
         if self.maximum is not None:
             wire["max"] = self.maximum
+        if self.kind == "text":
+            wire["max_chars"] = TEXT_MAX_CHARS
         return wire
 
     def coerce(self, value: Any) -> Any:
@@ -141,6 +159,8 @@ class KnobSpec:
                 raise KnobError(
                     f"{self.name}: {value!r} is not one of {', '.join(self.choices)}")
             return value
+        if self.kind == "text":
+            return self._text(value)
         if self.kind == "bool":
             if isinstance(value, bool):
                 return value
@@ -158,6 +178,32 @@ class KnobSpec:
                 raise KnobError(f"{self.name}: {number} is above the maximum {self.maximum}")
             return number
         raise KnobError(f"{self.name}: unknown knob kind {self.kind!r}")
+
+
+    def _text(self, value: Any) -> str:
+        """A ``text`` knob's value: a string (an integer is taken as its digits) of 1 to
+        :data:`TEXT_MAX_CHARS` characters without control characters, stripped of
+        surrounding spaces."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            raise KnobError(f"{self.name}: {value!r} is not text")
+        value = value.strip()
+        if not value:
+            raise KnobError(f"{self.name}: the value is empty")
+        if len(value) > TEXT_MAX_CHARS:
+            raise KnobError(f"{self.name}: the value has {len(value):,} characters, more "
+                            f"than the {TEXT_MAX_CHARS:,} allowed")
+        control = next((char for char in value if _is_control(char)), None)
+        if control is not None:
+            raise KnobError(f"{self.name}: the value has a control character "
+                            f"(U+{ord(control):04X}), which no step or path here has")
+        return value
+
+
+def _is_control(char: str) -> bool:
+    """C0 and C1 control characters and DEL (a terminal would act on them)."""
+    return ord(char) < 0x20 or 0x7F <= ord(char) < 0xA0
 
 
 def _shorten(text: str, limit: int = 200) -> str:
@@ -353,6 +399,10 @@ EVALUATE = KnobSpec("evaluate", "action", "run the framework's evaluation (or th
                                   "the run's eval_fn) at the next step boundary: "
                                   "evaluate=now; its metrics go to the event log", "now",
                                   ("now",), show=False),))
+REWIND = KnobSpec("rewind", "text", "put the training state back to a checkpoint at the "
+                  "next optimizer-step boundary and go on from it as a new branch: a step "
+                  "the checkpoint command saved (rewind=120), or a checkpoint's path; its "
+                  "knob values come back with it", group=OTHER)
 MEMORY_FRACTION = KnobSpec("memory_fraction", "float",
                            "cap of this process's CUDA memory, as a fraction of the device",
                            minimum=0.01, maximum=1.0, group=KERNELS_MEMORY)
@@ -373,7 +423,7 @@ STANDARD_KNOBS = {spec.name: spec for spec in
                   (PRECISION, ACCUM_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
                    PREFETCH_FACTOR, CPU_THREADS, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
                    MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, DROPOUT, CHECKPOINT, PAUSE,
-                   STOP, EVALUATE)}
+                   STOP, EVALUATE, REWIND)}
 
 
 @dataclass
@@ -476,9 +526,9 @@ class KnobSet:
         return schema
 
     def values(self) -> dict[str, Any]:
-        """Current values of every knob that is a setting (``action`` knobs have none)."""
+        """Current values of every knob that is a setting (commands have none)."""
         return {name: knob.get() for name, knob in self.knobs.items()
-                if knob.spec.kind != "action"}
+                if not knob.spec.command}
 
     def validate(self, name: Any, value: Any) -> Any:
         """Validate a command; return the coerced value.
@@ -506,6 +556,8 @@ def _values_text(spec: KnobSpec) -> str:
     """A knob's values for the README: its choices, on / off, or its bounds and unit."""
     if spec.choices:
         return " / ".join(f"`{choice}`" for choice in spec.choices)
+    if spec.kind == "text":
+        return f"text (at most {TEXT_MAX_CHARS:,} characters)"
     if spec.kind == "bool":
         return "on / off"
     bounds = " to ".join(f"{int(bound):,}" if float(bound).is_integer() else f"{bound:g}"
