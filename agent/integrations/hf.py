@@ -523,6 +523,14 @@ class _Run(RunBase):
             return self.policy.grad_scaler
         return getattr(self.trainer.accelerator, "scaler", None)
 
+    def rewind_refusal(self) -> str:
+        """Why ``rewind`` is refused here: HF's checkpoint does not keep the random
+        numbers at its epoch's start, from which a live rewind would make the epoch's
+        batch order again (a rollback keeps them in its snapshot)."""
+        return ("HF's checkpoint does not keep the random numbers at its epoch's start, "
+                "which putting its data position back live needs: resume from it with "
+                "trainer.train(resume_from_checkpoint=...)")
+
     def state_snapshot(self) -> dict[str, Any]:
         """For a rollback, in host memory: the model's, optimizer's, scheduler's and
         GradScaler's states, HF's step and epoch counts, the random numbers now and at
