@@ -150,6 +150,11 @@ def test_a_rollback_puts_the_state_back_where_the_change_applied(driver, run_dir
     diverging = run_diverging(driver, tmp_path, also=(("accum_steps", 3),))
     [restored] = diverging.events("state_restored")
     assert "boundary after step 6" in restored["text"], restored
+    [branched] = diverging.events("branched")  # a rollback of the state is a branch
+    assert (branched["branch"], branched["parent"], branched["step"],
+            branched["source"]) == (1, 0, 6, "rollback"), branched
+    assert branched["cause"].startswith("rolled back: loss was nan at step 7"), branched
+    assert diverging.records.index(branched) < diverging.records.index(restored)
     want, got = twin.steps(), diverging.steps()
     for step in range(7, 15):
         assert got[step]["loss"] == want[step]["loss"], step

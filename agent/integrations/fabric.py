@@ -304,6 +304,14 @@ class FabricRun(LoopRun):
             raise ValueError(f"{source} is not a checkpoint of gpuwatch's checkpoint command")
         return saved
 
+    def rewind_refusal(self) -> str | None:
+        """Several processes cannot rewind: a checkpoint holds one rank's data position
+        and random numbers (their checkpoint command is refused for it too)."""
+        if self.fabric.world_size > 1:
+            return ("not with several processes: a checkpoint holds rank 0's data "
+                    "position and random numbers, not every rank's")
+        return None
+
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
         """A checkpoint :meth:`save_checkpoint` wrote, read as :meth:`resume` reads it,
         in :meth:`state_snapshot`'s form, with its step and knob values."""
