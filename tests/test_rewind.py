@@ -6,10 +6,14 @@ every integration is the contract's (``tests/test_contract.py``)."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import agent
 from agent.wire.knobs import REWIND, TEXT_MAX_CHARS, KnobError
@@ -166,3 +170,58 @@ def test_rewinds_make_a_tree_of_branches_each_announced_before_its_steps(run_dir
         assert losses[(1, step)] == losses[(0, step)], step
     for step in (6, 7):
         assert losses[(2, step)] == losses[(1, step)], step
+
+
+def _ddp_rewind_job(out: Path, mode: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(Path(__file__).with_name("ddp_rewind_job.py")), str(out), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1",
+             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        start_new_session=True)
+
+
+def _finish(job: subprocess.Popen, mode: str) -> None:
+    try:
+        output = job.communicate(timeout=300)[0]
+        assert job.returncode == 0, (mode, output)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+
+
+@pytest.mark.slow
+def test_a_rewind_applies_on_every_rank_at_one_step_or_on_none(run_dir, tmp_path):
+    """DDP on gloo, 2 ranks (torchrun), a hand-written loop: ``rewind=3`` after step 7
+    puts both ranks back to the checkpoint of step 3 at the same boundary (branch 1 of
+    0 on each), and steps 4-10 equal, on each rank, those of a job resumed from that
+    checkpoint (bit-equal losses and final parameters). When rank 1 cannot read it, no
+    rank rewinds: both say why, at the same step, and train on from where they were."""
+    _finish(_ddp_rewind_job(tmp_path, "rewind"), "rewind")
+    refused = tmp_path / "refused"
+    refused.mkdir()
+    jobs = {"resume": _ddp_rewind_job(tmp_path, "resume"),
+            "refused": _ddp_rewind_job(refused, "refused")}
+    for mode, job in jobs.items():
+        _finish(job, mode)
+    for rank in (0, 1):
+        rewound = torch.load(tmp_path / f"rewind-rank{rank}.pt")
+        resumed = torch.load(tmp_path / f"resume-rank{rank}.pt")
+        [branched] = rewound["events"]
+        assert (branched["kind"], branched["branch"], branched["parent"],
+                branched["step"]) == ("branched", 1, 0, 3), branched
+        assert rewound["order"] == [1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10], rank
+        assert sorted(resumed["losses"]) == list(range(4, 11))
+        for step in range(4, 11):
+            assert rewound["losses"][step] == resumed["losses"][step], (rank, step)
+        for mine, theirs in zip(rewound["params"], resumed["params"], strict=True):
+            assert torch.equal(mine, theirs)
+        failed = torch.load(refused / f"refused-rank{rank}.pt")
+        [event] = failed["events"]
+        assert event["kind"] == "failed" and event["step"] == 8, event
+        words = ("injected: rank 1 cannot read" if rank == 1
+                 else "another rank could not read its checkpoint: no rank rewinds")
+        assert words in event["text"], event
+        assert failed["order"] == list(range(1, 11)), rank
