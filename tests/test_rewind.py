@@ -113,6 +113,12 @@ def test_a_bad_rewind_is_refused_at_once_with_the_reason_and_changes_nothing(run
     for value, words in refused.items():
         reply = loop.send("rewind", value)
         assert not reply["ok"] and words in reply["reason"], (value, reply)
+    # gpuwatch set passes the text through, and prints the run's reason
+    cli = subprocess.run([sys.executable, "-m", "gpuwatch", "set",
+                          f"rewind={tmp_path / 'none.pt'}"], capture_output=True, text=True,
+                         timeout=60)
+    assert cli.returncode == 1 and cli.stderr.startswith("rejected: "), cli.stderr
+    assert f"no checkpoint at {tmp_path / 'none.pt'}" in cli.stderr, cli.stderr
     # readable, but no checkpoint: it fails where it applies (after step 5), and the
     # training goes on as if it had never been sent
     assert loop.send("rewind", str(tmp_path / "junk.pt"))["ok"]
