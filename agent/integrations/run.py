@@ -426,8 +426,7 @@ class RunBase:
         self._kept = None  # a state kept for a rollback belongs to the branch left
         parent, self.branch = self.branch, self._last_branch + 1
         self._last_branch = self.branch
-        text = (f"branch {self.branch} from branch {parent} at step {step}: the state of "
-                f"{source} ({cause})")
+        text = f"branch {self.branch} of branch {parent} at step {step}: {source} ({cause})"
         failed: list[str] = []
         if knobs is not None:
             restored, failed, absent = set_knobs(self.agent, knobs)
