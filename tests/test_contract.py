@@ -97,9 +97,6 @@ def test_a_rewind_goes_on_exactly_as_a_resume_from_the_checkpoint(driver, run_di
     live = run(driver, steps=STEPS, commands=_commands(driver), checkpoint_dir=tmp_path,
                recorder=recorder)
     reply = recorder.replies["rewind"]
-    if driver.name in REWIND_REFUSED:
-        assert not reply["ok"] and REWIND_REFUSED[driver.name] in reply["reason"], reply
-        return
     assert reply["ok"], reply
     [saved] = [e["path"] for e in live.events("applied") if e["knob"] == "checkpoint"]
     [branched] = live.events("branched")
@@ -131,10 +128,6 @@ def test_a_rewind_goes_on_exactly_as_a_resume_from_the_checkpoint(driver, run_di
         assert record["knobs"] == want[step]["knobs"], step
     for mine, theirs in zip(live.params, resumed.params, strict=True):
         assert torch.equal(mine, theirs)
-
-
-#: The drivers whose integration cannot load a checkpoint live (yet), and a word of why.
-REWIND_REFUSED = {"hf": "does not keep the random numbers at its epoch's start"}
 
 
 @pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].rollback])
