@@ -8,6 +8,8 @@ checkpoint's must win) and trains to step 9. It must continue the twin exactly: 
 same samples in every window, bit-equal per-step losses, bit-equal final parameters
 (fp32 on the CPU; bf16 steps equal to the twin's bf16 steps); the resume event lists
 every knob value restored; a knob its framework refuses is refused with the reason.
+The same run told ``rewind=5`` after step 7 goes on exactly as that resume (a new
+branch); a rollback of the state is a branch too.
 """
 
 from __future__ import annotations

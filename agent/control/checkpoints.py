@@ -16,6 +16,10 @@ moves it with the run logs). Each checkpoint is named after the optimizer step i
 (``step-00001234.pt``, or a directory ``checkpoint-1234`` for the frameworks that save
 directories).
 
+``rewind=<step or path>`` loads such a checkpoint back into the live run, as a new branch
+(:meth:`agent.integrations.run.RunBase.rewind_state`; :meth:`Checkpoints.path` names
+step N's).
+
 .. note:: The training thread waits while the checkpoint is written, as for the
    framework's own checkpoints (about its size over the disk's write speed); nothing is
    written, read or synchronized at any other step.
