@@ -79,6 +79,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -309,13 +310,7 @@ class FabricRun(LoopRun):
                 nothing for (or a GradScaler's, where ``precision`` is refused).
         """
         source = os.fspath(path)
-        if self.sharded:
-            saved = load_sharded(source, self.model.module,
-                                 None if self.optimizer is None else self.optimizer.optimizer)
-        else:
-            saved = self.fabric.load(source, weights_only=True)
-        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-            raise ValueError(f"{source} is not a checkpoint of gpuwatch's checkpoint command")
+        saved = self._read(source)
         self._load_states(saved, source, model=self.model, optimizer=self.optimizer,
                           lr_scheduler=self.lr_scheduler)
         if saved["grad_scaler"]:
@@ -325,6 +320,39 @@ class FabricRun(LoopRun):
             self.precision.load_scaler(saved["grad_scaler"])
         self._sampler_epoch = (saved.get("data") or {}).get("sampler_epoch")
         self._resume_run(saved, source)
+
+    def _read(self, source: str) -> dict[str, Any]:
+        """The checkpoint :meth:`save_checkpoint` wrote at ``source``, by ``fabric.load``
+        (``weights_only``: no code runs from it); a sharded module's directory by
+        :func:`agent.integrations.sharded.load_sharded`, on every rank.
+
+        Raises:
+            ValueError: it is no such checkpoint.
+        """
+        if self.sharded:
+            saved = load_sharded(source, self.model.module,
+                                 None if self.optimizer is None else self.optimizer.optimizer)
+        else:
+            saved = self.fabric.load(source, weights_only=True)
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+            raise ValueError(f"{source} is not a checkpoint of gpuwatch's checkpoint command")
+        return saved
+
+    def rewind_refusal(self) -> str | None:
+        """Several processes cannot rewind: a checkpoint holds one rank's data position
+        and random numbers (their checkpoint command is refused for it too)."""
+        if self.fabric.world_size > 1:
+            return ("not with several processes: a checkpoint holds rank 0's data "
+                    "position and random numbers, not every rank's")
+        return None
+
+    def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
+        """A checkpoint :meth:`save_checkpoint` wrote, read as :meth:`resume` reads it,
+        in :meth:`state_snapshot`'s form, with its step and knob values."""
+        saved = self._read(os.fspath(path))
+        snapshot = {part: saved.get(part) for part in ("model", "optimizer", "lr_scheduler",
+                                                      "grad_scaler", "rng", "data")}
+        return snapshot, saved["step"], saved["knobs"]
 
     def state_snapshot(self) -> dict[str, Any]:
         """The model's, optimizer's, scheduler's and GradScaler's states, the random

@@ -150,6 +150,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from pathlib import Path
 import time
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator, Literal
@@ -1029,6 +1030,43 @@ class _Run(RunBase):
                                             else data["rng"])
         else:
             self.epochs.replay()
+
+    def rewind_refusal(self) -> str | None:
+        """A strategy that saves sharded checkpoints from every rank cannot rewind (its
+        checkpoint command is refused too)."""
+        strategy = self.trainer.strategy
+        if not _simple_strategy(strategy):
+            return (f"{type(strategy).__name__} saves sharded checkpoints from every rank, "
+                    "which are not loaded into a live run")
+        return None
+
+    def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
+        """A checkpoint of ``trainer.save_checkpoint`` (the ``checkpoint`` command's, or
+        any of this fit's with gpuwatch's state), read as ``fit(ckpt_path=...)`` reads
+        it (the strategy's ``load_checkpoint``), in :meth:`state_snapshot`'s form: the
+        windows counted from its boundary as a resume counts them (:meth:`_resume`).
+
+        Raises:
+            ValueError: it has no state of gpuwatch's (no data position to go back to).
+        """
+        saved = self.trainer.strategy.load_checkpoint(path)
+        state = next((saved.get("callbacks", {}).get(callback.state_key)
+                      for callback in self.trainer.callbacks  # type: ignore[attr-defined]
+                      if isinstance(callback, GpuwatchCallback)), None)
+        if not state or not state.get("data") or state["data"].get("epoch_rng") is None:
+            raise ValueError(f"{path} has no data position of gpuwatch's (it was not "
+                             "saved by a fit gpuwatch followed from its start)")
+        data, knobs = state["data"], state.get("knobs", {})
+        ended = data["fetched_in_epoch"] >= self.trainer.num_training_batches
+        accumulation = (bool(state.get("accumulation_changed")),
+                        knobs.get(ACCUM_STEPS.name, self.trainer.accumulate_grad_batches),
+                        0 if ended else data["fetched_in_epoch"])
+        return ({"model": saved["state_dict"], "optimizers": saved["optimizer_states"],
+                 "schedulers": saved["lr_schedulers"],
+                 "grad_scaler": state.get("grad_scaler", saved.get("MixedPrecision")),
+                 "loops": saved["loops"]["fit_loop"], "accumulation": accumulation,
+                 "rng": data["rng"], "data": data},
+                int(saved["global_step"]), knobs)
 
     def _fp16_scaler(self) -> torch.amp.GradScaler | None:
         """The fp16 plugin's GradScaler (in use, or kept while in another precision)."""

@@ -563,10 +563,10 @@ class BranchTree:
 
     def applied(self, body: dict[str, Any]) -> None:
         """Fold an ``applied`` or ``rolled_back`` event's body: a change on the current
-        branch (not an action's: ``pause=on``, ``checkpoint=now`` set no value)."""
+        branch (not a command's: ``pause=on``, ``rewind=120`` set no value)."""
         knob = body.get("knob")
         spec = STANDARD_KNOBS.get(knob) if isinstance(knob, str) else None
-        if spec is not None and spec.kind == "action":
+        if spec is not None and spec.command:
             return
         branch = self.branches[self.current]
         branch.changes += 1
