@@ -147,7 +147,10 @@ def test_rewinds_make_a_tree_of_branches_each_announced_before_its_steps(run_dir
     assert loop.send("rewind", "3")["ok"]
     loop.train(1)
     assert loop.run.branch == 1 and loop.run.step == 3
-    loop.train(1)  # (the agent counts from the new branch's steps once one is recorded)
+    # the agent counts from the fork at once: a command's earliest step is the new
+    # branch's next one, not the left branch's
+    assert loop.run.agent.last_step == 3
+    loop.train(1)
     assert loop.send("checkpoint", "now")["ok"]
     loop.train(2)
     second = tmp_path / "step-00000005.pt"

@@ -426,6 +426,7 @@ class RunBase:
         """
         differs = self.load_snapshot(snapshot)
         self.step = step
+        self.agent.rewound(step)
         self._kept = None  # a state kept for a rollback belongs to the branch left
         parent, self.branch = self.branch, self._last_branch + 1
         self._last_branch = self.branch

@@ -273,6 +273,18 @@ class Agent:
         """The latest optimizer step recorded (0 before the first)."""
         return self._last_step
 
+    def rewound(self, step: int) -> None:
+        """Training thread, at a boundary: the run's state went back to the one after
+        optimizer step ``step`` (a new branch), so count on from there.
+
+        A command's earliest step then follows the new branch's steps (not the left
+        branch's, where it would land that many steps late), and the change guard forgets
+        the left branch's changes: none of them is in the state trained from now on.
+        Commands pending for a later step keep their step number. Two assignments.
+        """
+        self._last_step = step
+        self._ledger.clear()
+
     @property
     def ending(self) -> bool:
         """Whether :meth:`mark_ending` was called: commands are now rejected."""
