@@ -39,6 +39,9 @@ DEMO_STOP_TIMEOUT_S = 20.0
 #: The signals that end a command as Ctrl-C does, its child process with it: SIGTERM
 #: (what ``timeout``, job schedulers and systemd send) and SIGHUP (a closed terminal).
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+#: The ending signal this command received, if one came: its child is stopped with the
+#: same one (its run log and ``bye`` say SIGTERM, not the SIGINT of a Ctrl-C).
+_ended_by: signal.Signals | None = None
 #: ``gpuwatch tail ENDPOINT`` (no run file to check) gives up after this long with
 #: nothing heard (s); a run sends a heartbeat a second.
 TAIL_SILENCE_S = 10.0
@@ -722,6 +725,8 @@ def _end_on_signals(end: Callable[[], None] | None = None) -> None:
     (once: a second signal is ignored while the child is being stopped, which takes at
     most :data:`DEMO_STOP_TIMEOUT_S` and a second)."""
     def ending(signum: int, frame: object) -> None:
+        global _ended_by
+        _ended_by = signal.Signals(signum)
         if end is not None:
             end()
             return
@@ -735,7 +740,8 @@ def _end_on_signals(end: Callable[[], None] | None = None) -> None:
 
 def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
                 log_path: Path | None = None) -> None:
-    """Stop the demo's training job: SIGINT, so that it ends at its next optimizer step
+    """Stop the demo's training job: SIGINT (or the ending signal this command received,
+    so that the job's ``bye`` names it), so that it ends at its next optimizer step
     (says bye, removes its run file), then SIGKILL after :data:`DEMO_STOP_TIMEOUT_S`
     (or at once on Ctrl-C). ``info``: its run, None if it wrote no run file; a run whose
     run file is gone has ended and is only exiting: it is waited for without a signal
@@ -744,7 +750,7 @@ def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
         return
     said_bye = info is not None and not os.path.exists(info.path)
     if not said_bye:
-        child.send_signal(signal.SIGINT)
+        child.send_signal(_ended_by or signal.SIGINT)
     try:
         child.wait(1.0)
         return
