@@ -191,7 +191,7 @@ class GpuwatchApp(App[None]):
         self.quick_keys = (os.environ.get(QUICK_KEYS_ENV) == "1" if quick_keys is None
                            else quick_keys)
         self._notes = list(notes)
-        self._drawn: tuple[int, str, Any] | None = None
+        self._drawn: tuple[int, str, Any, int] | None = None
         #: ((state.steps_total, the whole run's rows, zoomed out), monotonic s) at the
         #: charts' last draw
         self._charts_drawn: tuple[Any, float] = (-1, 0.0)
@@ -366,9 +366,10 @@ class GpuwatchApp(App[None]):
             knob_names = frozenset(state.schema)
             if isinstance(self.screen, TuneScreen):
                 self.screen.show(state)
-            if self._drawn == (state.version, status, size):
+            drawn_panels = (state.version, status, size, past.rows if past else -1)
+            if self._drawn == drawn_panels:
                 return
-            self._drawn = (state.version, status, size)
+            self._drawn = drawn_panels
             if isinstance(self.source, TimelineSource):
                 timeline = self.source.timeline
                 self.query_one(TimelineBar).show(
@@ -378,7 +379,7 @@ class GpuwatchApp(App[None]):
                                            description=self.source.description,
                                            readonly=self.readonly,
                                            replay=isinstance(self.source, TimelineSource))
-            self.query_one(ThroughputBar).show(state.steps)
+            self.query_one(ThroughputBar).show(state.steps, past=past)
             self.query_one(MemoryPanel).show(state)
             self.query_one(SystemPanel).show(state)
             data = self.query_one(DataPanel)
