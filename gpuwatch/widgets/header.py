@@ -68,7 +68,7 @@ class RunHeader(Panel):
                        else STATUS_STYLES[status]), "  "]
             if readonly:
                 parts += [("read-only", "$warning"), "  "]
-            parts.append((f"step {human_number(state.step)}", "bold"))
+            parts.append((f"step {human_number(state.shown_step)}", "bold"))
             if state.missed or state.malformed:  # said only when there are some
                 parts += ["  ", (f"missed {state.missed}" + (
                     f" malformed {state.malformed}" if state.malformed else ""), "$warning")]
