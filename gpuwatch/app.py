@@ -474,8 +474,9 @@ class GpuwatchApp(App[None]):
         if summary.live:
             info = find_run(summary.run_id)
             source = LiveSource(info) if info is not None else None
-        if source is None:
-            log = history.find_run_log(summary.run_id)
+        if source is None:  # its own log (a copy's name may name another run)
+            log = (history.log_at(summary.log_path) if summary.log_path is not None
+                   else history.find_run_log(summary.run_id))
             source = TimelineSource(log) if log is not None else None
         if source is None:
             self.notify(f"run {summary.run_id} is neither live nor logged any more",

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -385,6 +386,12 @@ def _tail(args: argparse.Namespace) -> int:
         log = history.find_run_log(selector)
         if log is not None:  # a finished run: its log, as `gpuwatch RUN` opens it
             return _tail_file(log.first, args)
+    kind = _not_a_file(args.target) if info is None and args.target and not args.run \
+        else None
+    if kind is not None:  # never opened: a FIFO's open would wait for a writer
+        print(f"gpuwatch tail: {printable(args.target)} is {kind}, not a run log file",
+              file=sys.stderr)
+        return 1
     if info is None:
         return _no_run(selector)
     printed = 0
@@ -486,6 +493,21 @@ def _tail_gone(info: RunInfo, silent_s: float) -> str | None:
     if silent_s >= TAIL_SILENCE_S:
         return (f"nothing heard from {info.pub_endpoint} for {TAIL_SILENCE_S:.0f} s: "
                 "is a run there? (see `gpuwatch runs`)")
+    return None
+
+
+def _not_a_file(path: str) -> str | None:
+    """What ``path`` is when it exists and is neither a regular file nor a link (``a
+    FIFO``, ``a directory``...), else None; asks ``lstat`` only (opens nothing)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
     return None
 
 

@@ -244,7 +244,7 @@ def test_runs_all_lists_finished_killed_and_live_runs(run_dir, fake_agent):
     write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=30,
               changes=[(11, "accum_steps", 4)])
     write_run(os.path.join(logs, "20250102-000000-dead.rank0.jsonl"), steps=7, bye=False,
-              legacy=True)  # an earlier version's log, of a killed run
+              legacy=True, run="20250102-000000-dead")  # an earlier version's log, of a killed run
     result = gpuwatch("runs", "--all")
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
@@ -432,6 +432,7 @@ async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_age
     first = write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=20,
                       t0=time.time() - 7200)
     write_run(os.path.join(logs, "20250102-000000-0002.rank0.runlog"), steps=35,
+              run="20250102-000000-0002",
               t0=time.time() - 3600, changes=[(11, "accum_steps", 4)])
     app = GpuwatchApp(TimelineSource(history.log_at(first)), readonly=True)
     async with app.run_test(size=(120, 40)) as pilot:
