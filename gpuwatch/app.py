@@ -32,7 +32,7 @@ from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
 from gpuwatch.screens.compare import CompareScreen
 from gpuwatch.widgets.data import DataPanel, verdict_texts
 from gpuwatch.widgets.event_log import EventLog
-from gpuwatch.widgets.header import RunHeader
+from gpuwatch.widgets.header import RunHeader, compile_label
 from gpuwatch.screens.help import HelpScreen
 from gpuwatch.widgets.key_question import KeyQuestion, Question
 from gpuwatch.widgets.key_bar import KeyBar
@@ -392,7 +392,9 @@ class GpuwatchApp(App[None]):
             self._events_shown = state.events_total
             self.query_one(LastEvent).show(  # a replay's warnings are not held
                 state.events[-1] if state.events else None,
-                entries if self.source.info is not None else (), log_shown=log.display)
+                entries if self.source.info is not None else (), log_shown=log.display,
+                progress=compile_label(state, now) if status == "compiling"
+                and state.compiling_since is not None else None)
         for entry in entries:
             log.add(entry)
         if knob_names != self._knob_names:  # the keys of knobs the run lacks go away
