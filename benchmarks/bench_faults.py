@@ -1,5 +1,6 @@
-"""A run under a hostile dashboard side: killed dashboards, a stalled subscriber and a
-command flood, against the same disturbance aimed at a decoy, in one run.
+"""A run under a hostile dashboard side, against the same disturbance aimed at a decoy.
+
+Killed dashboards, a stalled subscriber and a command flood, in one run.
 
     python benchmarks/bench_faults.py [--phase-s 20] [--kills 50]
 
@@ -53,8 +54,10 @@ ATTACK = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "te
 
 def disturb(pub_endpoint: str, cmd_endpoint: str, seconds: float, kills: int,
             run_dir: str) -> tuple[int, dict]:
-    """Run the disturbance against the endpoints for ``seconds``; returns the kills done
-    and what the keyless attacker got (``tests/tcp_attack.py``'s result)."""
+    """Run the disturbance against the endpoints for ``seconds``.
+
+    Returns the kills done and what the keyless attacker got (``tests/tcp_attack.py``'s
+    result)."""
     command = [sys.executable, ATTACK, pub_endpoint, cmd_endpoint, run_dir]
     env = None
     if os.geteuid() == 0 and shutil.which("setpriv"):  # as another local user: nobody

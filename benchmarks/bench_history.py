@@ -219,8 +219,10 @@ print(usage.ru_maxrss, usage.ru_utime + usage.ru_stime, os.waitstatus_to_exitcod
 
 
 def measure(command, env):
-    """Run ``command``; its ``(seconds, CPU seconds, peak RSS in MiB, exit status, last
-    stderr line, whether it printed a traceback)``."""
+    """Run ``command``; returns what it cost and how it ended.
+
+    ``(seconds, CPU seconds, peak RSS in MiB, exit status, last stderr line, whether it
+    printed a traceback)``."""
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", MEASURE, *command], env=env,
                           capture_output=True, text=True)

@@ -1,5 +1,7 @@
-"""The input-bound demo relieved live: data-wait share and samples/s at 0 workers, then
-after ``num_workers`` is raised through the command path, in one run.
+"""The input-bound demo relieved live, in one run.
+
+Data-wait share and samples/s at 0 workers, then after ``num_workers`` is raised through the
+command path.
 
     python benchmarks/bench_input.py [--workers 1] [--steps 150]
 

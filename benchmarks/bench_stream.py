@@ -1,5 +1,7 @@
-"""How much telemetry the dashboard takes: ingest rate of batched step records against a
-floor, and the running dashboard's CPU and memory under load.
+"""How much telemetry the dashboard takes.
+
+The ingest rate of batched step records against a floor, and the running dashboard's CPU and
+memory under load.
 
     python benchmarks/bench_stream.py [--records 400000] [--seconds 60]
     python benchmarks/bench_stream.py --short        # a quick check that it works
@@ -79,8 +81,7 @@ GpuwatchApp(LiveSource(info), readonly=True).run(headless=True, size=(120, 40))
 
 def batch_message(rank: int, first_step: int, seq: int, rows: int = BATCH_ROWS,
                   step_time_s: float = 0.001) -> dict:
-    """A ``steps`` envelope as an agent on the host sends it: ``rows`` steps from
-    ``first_step``."""
+    """A ``steps`` envelope of ``rows`` steps from ``first_step``, as an agent sends it."""
     steps = list(range(first_step, first_step + rows))
     times = [step_time_s * (1 + 0.01 * (step % 7)) for step in steps]
     waits = [0.0001] * rows

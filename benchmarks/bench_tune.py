@@ -117,8 +117,9 @@ def measure(model: str, config: dict[str, Any], precision: float, max_steps: int
 
 
 def in_run_tune(model: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The tune from the demo's default configuration: its last ``tune`` record, and the
-    run's ``hello``."""
+    """The tune from the demo's default configuration.
+
+    Returns its last ``tune`` record, and the run's ``hello``."""
     demo = Demo(model, {})
     try:
         hello = None
@@ -141,9 +142,10 @@ def in_run_tune(model: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def grid_configs(space: dict[str, list[Any]], defaults: dict[str, Any], cuda: bool
                  ) -> list[dict[str, Any]]:
-    """Every combination of ``space``, once per effective configuration (as the loader
-    normalises its settings: ``prefetch_factor`` without workers, ``pin_memory``
-    without CUDA, change nothing)."""
+    """Every combination of ``space``, once per effective configuration.
+
+    As the loader normalises its settings: ``prefetch_factor`` without workers,
+    ``pin_memory`` without CUDA, change nothing)."""
     configs, seen = [], set()
     for values in itertools.product(*space.values()):
         config = dict(zip(space, values))
@@ -160,9 +162,10 @@ def grid_configs(space: dict[str, list[Any]], defaults: dict[str, Any], cuda: bo
 
 def head_to_head(model: str, tuned: dict[str, Any], best: dict[str, Any],
                  args: argparse.Namespace) -> float:
-    """Tuned over grid best, from ``args.rounds`` pairs of fresh runs in the order
-    tuned-best, best-tuned, tuned-best, ... (a drift of the load cancels), as the
-    geometric mean of the pairs' ratios."""
+    """Tuned over grid best, as the geometric mean of ``args.rounds`` pairs' ratios.
+
+    Pairs of fresh runs in the order tuned-best, best-tuned, tuned-best, ... (a drift of the
+    load cancels), as the geometric mean of the pairs' ratios."""
     ratios = []
     for round_ in range(args.rounds):
         order = (tuned, best) if round_ % 2 == 0 else (best, tuned)

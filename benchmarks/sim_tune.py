@@ -1,5 +1,7 @@
-"""The in-run search (agent.search.tuner.Tuner) on a simulated run: how many steps it spends and
-how often it ends within 5% of the best configuration, at three levels of noise.
+"""The in-run search (agent.search.tuner.Tuner) on a simulated run.
+
+How many steps it spends and how often it ends within 5% of the best configuration, at three
+levels of noise.
 
     python benchmarks/sim_tune.py [--runs 200] [--seed 0]
 

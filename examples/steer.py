@@ -21,9 +21,11 @@ from gpuwatch.client import CommandError, RunClient
 
 
 def plateaued(losses: list[float], window: int, min_improvement: float) -> bool:
-    """Whether the mean of the last ``window`` losses is not ``min_improvement`` (a
-    fraction) below the mean of the ``window`` before them; False with fewer than
-    ``2 * window`` losses."""
+    """Whether the loss has plateaued over the last ``2 * window`` losses.
+
+    True when the mean of the last ``window`` losses is not ``min_improvement`` (a fraction)
+    below the mean of the ``window`` before them; False with fewer than ``2 * window``
+    losses."""
     if len(losses) < 2 * window:
         return False
     before = sum(losses[-2 * window:-window]) / window
@@ -33,10 +35,10 @@ def plateaued(losses: list[float], window: int, min_improvement: float) -> bool:
 
 def steer(client: RunClient, *, window: int, min_improvement: float, max_halvings: int,
           say: Callable[[str], Any] = print) -> list[dict[str, Any]]:
-    """Follow ``client``'s run to its end, halving ``lr_scale`` at each plateau (at most
-    ``max_halvings`` times; the losses of the steps before it applied are left out of
-    the next comparison). Returns the
-    ``applied`` events of the halvings."""
+    """Follow ``client``'s run to its end, halving ``lr_scale`` at each plateau.
+
+    At most ``max_halvings`` times; the losses of the steps before a halving applied are
+    left out of the next comparison. Returns the ``applied`` events of the halvings."""
     losses: list[float] = []
     applied: list[dict[str, Any]] = []
     since = 0  # the step the last halving applied at: steps before it trained without it

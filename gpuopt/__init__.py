@@ -1,5 +1,7 @@
-"""gpuopt: the training optimizations themselves (precision, accumulation, data loading,
-checkpointing, fused kernels, compile, memory, environment) and a reference Trainer.
+"""gpuopt: the training optimizations themselves, and a reference Trainer.
+
+Precision, accumulation, data loading, checkpointing, fused kernels, compile, memory,
+environment.
 
 Never imports agent, gpuwatch, zmq or textual.
 """

@@ -1,5 +1,6 @@
-"""Which implementation runs a model's forward: eager PyTorch, torch.compile, or the
-fused Triton kernels, switchable between optimizer steps.
+"""Which implementation runs a model's forward, switchable between optimizer steps.
+
+Eager PyTorch, torch.compile, or the fused Triton kernels:
 
 - ``eager``: the fused modules run their plain-torch references.
 - ``compile``: one kept ``torch.compile`` view of the model (sharing its parameters, so
@@ -114,9 +115,10 @@ class ModelBackend:
         return self.model(*args, **kwargs)
 
     def pop_events(self) -> list[tuple[str, str, dict[str, Any]]]:
-        """Compile events since the last call, as ``(kind, text, fields)``: ``compiling``
-        when compiled steps start, ``compiled`` (with ``compile_time_s``) when a step
-        ran without compiling, and the compiler's own notes (recompilations, graph
+        """Compile events since the last call, as ``(kind, text, fields)``.
+
+        ``compiling`` when compiled steps start, ``compiled`` (with ``compile_time_s``) when
+        a step ran without compiling, and the compiler's own notes (recompilations, graph
         breaks, fallbacks to eager) as ``compile_note``. Empty and free when compile was
         never used. Call it on the training thread, between optimizer steps."""
         return [] if self.compiled is None else self.compiled.pop_step_events()

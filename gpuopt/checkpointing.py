@@ -56,8 +56,9 @@ def find_blocks(
             ``nn.ModuleList`` attribute ``model.blocks``, or without one the repeated
             blocks: the children of the largest ``nn.ModuleList`` of two or more modules
             of one type (``transformer.h`` in GPT-2 and nanoGPT), or without one the
-            modules ``torch.distributed.fsdp.fully_shard`` wrapped inside the model (a
-            sharded ``Sequential``'s blocks; outermost only). Otherwise names and/or types:
+            modules ``torch.distributed.fsdp.fully_shard`` wrapped inside another it
+            wrapped, the model included (a sharded ``Sequential``'s blocks under its root
+            unit; outermost only). Otherwise names and/or types:
             a name (as in ``model.named_modules()``, e.g. ``"encoder.layers.3"``)
             selects that module, or each child of it if it is an ``nn.ModuleList``
             (which has no ``forward`` of its own); a type selects every submodule that
@@ -127,15 +128,22 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _sharded_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost modules inside ``model`` that ``fully_shard`` wrapped (FSDP2 units:
-    what a sharded model gathers one at a time), in ``named_modules()`` order; empty
-    when there is none. Checkpointing one recomputes its forward after FSDP2's
-    pre-backward hook gathered its parameters again."""
+    """The modules inside ``model`` that ``fully_shard`` wrapped inside another module it
+    wrapped (``model`` itself included): the FSDP2 units a sharded model gathers one at a
+    time under its root unit (a ``fully_shard``-ed ``Sequential``'s blocks, whether the
+    ``Sequential`` is ``model`` or inside it, as a LightningModule's), outermost only, in
+    ``named_modules()`` order; empty when there is none. Checkpointing one recomputes its
+    forward after FSDP2's pre-backward hook gathered its parameters again."""
+    modules = list(model.named_modules())
+    units = [name for name, module in modules if isinstance(module, FSDPModule)]
+
+    def inside(name: str, outer: str) -> bool:
+        return name != outer and (outer == "" or name.startswith(outer + "."))
+
     selected: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        wrapped = isinstance(module, FSDPModule)
-        if (wrapped and module is not model
-                and not any(name.startswith(prefix + ".") for prefix, _ in selected)):
+    for name, module in modules:
+        if (name in units and any(inside(name, unit) for unit in units)
+                and not any(inside(name, chosen) for chosen, _ in selected)):
             selected.append((name, module))
     return selected
 

@@ -119,9 +119,10 @@ def compile_support(backend: str, device_type: str) -> str | None:
 
 
 class CompileWatch:
-    """Which graph Dynamo is compiling in this process now, for another thread to read
-    (a monitor's, while the training thread is inside the compile): from Dynamo's
-    compile start and end callbacks, installed once (:meth:`install`).
+    """Which graph Dynamo is compiling in this process now, for another thread to read.
+
+    A monitor reads it while the training thread is inside the compile; it comes from
+    Dynamo's compile start and end callbacks, installed once (:meth:`install`).
 
     .. note:: Each callback is two attribute assignments on the compiling thread; a
        read (:meth:`progress`) copies a tuple. Nothing else is touched.
@@ -133,9 +134,10 @@ class CompileWatch:
         self.graphs_compiled = 0
 
     def install(self) -> None:
-        """Register the callbacks with Dynamo, unless they are registered (again after
-        ``torch._dynamo.reset()``, which clears them). A torch without them leaves
-        :meth:`progress` None."""
+        """Register the callbacks with Dynamo, unless they are registered.
+
+        Call it again after ``torch._dynamo.reset()``, which clears them. A torch without
+        them leaves :meth:`progress` None."""
         try:
             from torch._dynamo.callback import callback_handler
         except ImportError:  # another torch: no progress, nothing else lost
@@ -154,10 +156,12 @@ class CompileWatch:
         self.graphs_compiled += 1
 
     def progress(self) -> dict[str, Any] | None:
-        """The compile under way, or None: ``compiling_graph`` (Dynamo's compile id,
-        ``"frame/attempt"``), ``compiling_graph_kind`` (``forward``: a frame traced;
-        ``backward``: its backward graph), ``compiling_graph_s`` (seconds since this
-        graph's compile began) and ``graphs_compiled`` (graphs done in this process)."""
+        """The compile under way, or None.
+
+        ``compiling_graph`` (Dynamo's compile id, ``"frame/attempt"``),
+        ``compiling_graph_kind`` (``forward``: a frame traced; ``backward``: its backward
+        graph), ``compiling_graph_s`` (seconds since this graph's compile began) and
+        ``graphs_compiled`` (graphs done in this process)."""
         current = self._current
         if current is None:
             return None
@@ -273,8 +277,10 @@ class CompiledModel:
 
     @property
     def compiling(self) -> bool:
-        """True from a switch to compiled until a call runs without compiling, and after
-        a call that (re)compiled: a step time measured now is mostly compile time."""
+        """Whether a step time measured now is mostly compile time.
+
+        True from a switch to compiled until a call runs without compiling, and after a call
+        that (re)compiled."""
         return self._compiling
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -313,11 +319,11 @@ class CompiledModel:
         return output
 
     def pop_step_events(self) -> list[tuple[str, str, dict[str, Any]]]:
-        """Events for a training loop's log since the last call, as ``(kind, text,
-        fields)``: ``compiling`` when compiled steps start, ``compiled`` (with
-        ``compile_time_s``) when a step ran without compiling, and the reports of
-        :meth:`pop_events` as ``compile_note``. Call it on the training thread, between
-        optimizer steps."""
+        """Events for a training loop's log since the last call, as ``(kind, text, fields)``.
+
+        ``compiling`` when compiled steps start, ``compiled`` (with ``compile_time_s``) when
+        a step ran without compiling, and the reports of :meth:`pop_events` as
+        ``compile_note``. Call it on the training thread, between optimizer steps."""
         events: list[tuple[str, str, dict[str, Any]]] = [
             ("compile_note", text, {}) for text in self.pop_events()]
         compiling = self.compiling
@@ -332,19 +338,21 @@ class CompiledModel:
         return events
 
     def pop_events(self) -> list[str]:
-        """Readable reports since the last call, oldest first, then forgotten: compiles
-        with their time, recompiles with the failed guard, graph breaks and fallbacks
-        to eager with their reasons. Call it after the optimizer step to include a
+        """Readable reports since the last call, oldest first, then forgotten.
+
+        Compiles with their time, recompiles with the failed guard, graph breaks and
+        fallbacks to eager with their reasons. Call it after the optimizer step to include a
         backward compiled during ``backward()``."""
         self._harvest(in_call=False)
         events, self._events = self._events, []
         return events
 
     def stats(self) -> dict[str, Any]:
-        """Numbers for a ``state`` or ``step`` message: ``compile_enabled``,
-        ``compiling``, ``compile_time_s``, ``compiles``, ``recompiles``,
-        ``graph_breaks``, ``compile_fallbacks``. Does not read new records (see
-        :meth:`pop_events`)."""
+        """Numbers for a ``state`` or ``step`` message.
+
+        ``compile_enabled``, ``compiling``, ``compile_time_s``, ``compiles``,
+        ``recompiles``, ``graph_breaks``, ``compile_fallbacks``. Does not read new records
+        (see :meth:`pop_events`)."""
         return {
             "compile_enabled": self._enabled,
             "compiling": self._compiling,

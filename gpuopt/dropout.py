@@ -67,9 +67,11 @@ class DropoutRate:
 
     @property
     def p(self) -> float | None:
-        """The rate of every dropout module, in ``[0, 1]``; None where :attr:`refusal`
-        says why there is none. Setting it sets every module's ``p`` (a few attribute
-        writes: call it between optimizer steps; it never touches the device).
+        """The rate of every dropout module, in ``[0, 1]``.
+
+        None where :attr:`refusal` says why there is none. Setting it sets every module's
+        ``p`` (a few attribute writes: call it between optimizer steps; it never touches the
+        device).
 
         Raises (the setter):
             ValueError: a rate outside ``[0, 1]`` or not a number, or a model with a

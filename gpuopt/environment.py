@@ -149,8 +149,10 @@ def _cuda_group(torch: Any) -> dict[str, Any]:
 
 
 def usable_cpu_count() -> int:
-    """The CPUs this process may run on (its affinity mask where the platform has one,
-    else every CPU; 1 when the count is unknown)."""
+    """The CPUs this process may run on.
+
+    Its affinity mask where the platform has one, else every CPU; 1 when the count is
+    unknown."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1

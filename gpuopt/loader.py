@@ -1,5 +1,4 @@
-"""A data loader whose worker settings and batch size can change in the middle of an
-epoch.
+"""A data loader whose worker settings and batch size can change in mid-epoch.
 
 ``torch.utils.data.DataLoader`` fixes ``num_workers``, ``pin_memory``, ``prefetch_factor``
 and ``persistent_workers`` when it is built; changing them means a new DataLoader, and a
@@ -360,9 +359,11 @@ class _EpochIterator:
 
 
 class ReconfigurableLoader:
-    """Batches of a map-style dataset, one epoch per ``for batch in loader``, whose
-    ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``persistent_workers`` and
-    ``batch_size`` can change between two batches without losing the epoch's place.
+    """Batches of a map-style dataset whose loader settings can change mid-epoch.
+
+    One epoch per ``for batch in loader``; ``num_workers``, ``pin_memory``,
+    ``prefetch_factor``, ``persistent_workers`` and ``batch_size`` can change between two
+    batches without losing the epoch's place.
 
     Epochs: epoch ``e`` visits the indices in the order
     ``DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last)`` gives
@@ -556,8 +557,10 @@ class ReconfigurableLoader:
             return LoaderPosition(self._epoch, self._yielded, self._batches_per_epoch)
 
     def save_position(self) -> dict[str, Any]:
-        """Where the loader is (epoch, batches of it handed out, its batch size and where
-        in the epoch that size began) and the state of its workers' seed generator:
+        """Where the loader is, and the state of its workers' seed generator.
+
+        The epoch, the batches of it handed out, its batch size and where in the epoch that
+        size began:
         :meth:`restore_position` in a fresh loader over the same dataset goes on with the
         same batches, also after a mid-epoch change of batch size
         (:meth:`gpuopt.Trainer.state_dict` keeps it).
@@ -572,10 +575,12 @@ class ReconfigurableLoader:
                     "seed_generator": self._seed_generator.get_state()}
 
     def restore_position(self, state: dict[str, Any]) -> None:
-        """Go on from ``state`` (:meth:`save_position`'s): the next batch is the first one
-        the saving loader had not handed out, and :attr:`batch_size` is the saving
-        loader's (a position saved without one keeps this loader's). Batches fetched
-        ahead are dropped; persistent workers stay up unless the batch size changes.
+        """Go on from ``state`` (:meth:`save_position`'s).
+
+        The next batch is the first one the saving loader had not handed out, and
+        :attr:`batch_size` is the saving loader's (a position saved without one keeps this
+        loader's). Batches fetched ahead are dropped; persistent workers stay up unless the
+        batch size changes.
 
         Raises:
             ValueError: a position outside this loader's epochs (another dataset length,
@@ -639,8 +644,7 @@ class ReconfigurableLoader:
         persistent_workers: bool | None = None,
         batch_size: int | None = None,
     ) -> dict[str, Any]:
-        """Change worker settings or the batch size between two batches; the epoch goes
-        on where it was.
+        """Change worker settings or the batch size; the epoch goes on where it was.
 
         Call it from the thread that iterates, between two batches (at an optimizer-step
         boundary). The new settings apply from the first batch not yet handed to the
@@ -752,8 +756,9 @@ class ReconfigurableLoader:
             return self._describe(self._requested, self._effective)
 
     def close(self) -> None:
-        """Shut the workers down now (persistent ones too). Iterating again restarts them
-        at the same position."""
+        """Shut the workers down now (persistent ones too).
+
+        Iterating again restarts them at the same position."""
         with self._lock:
             self._close_inner()
 

@@ -431,8 +431,9 @@ class MemorySnapshot:
         self.path = path
 
     def on_optimizer_step(self) -> str | None:
-        """Count one optimizer step; at the last one dump, stop recording and return the
-        path. None otherwise (and always when idle)."""
+        """Count one optimizer step; at the last one dump, stop and return the path.
+
+        None otherwise (and always when idle)."""
         if not self.recording:
             return None
         self.steps_left -= 1
@@ -441,8 +442,9 @@ class MemorySnapshot:
         return self.stop()
 
     def stop(self, *, dump: bool = True) -> str | None:
-        """Stop recording now; dump first unless ``dump=False``. Returns the path written,
-        or None (idle, or not dumped)."""
+        """Stop recording now; dump first unless ``dump=False``.
+
+        Returns the path written, or None (idle, or not dumped)."""
         if not self.recording:
             return None
         path = self.path
@@ -514,8 +516,9 @@ class SavedActivations:
 
     @staticmethod
     def blocked_reason() -> str | None:
-        """Why this thread should not open a :class:`SavedActivations` now, or None:
-        saved-tensor hooks of someone else's are active (they would be set aside), or
+        """Why this thread should not open a :class:`SavedActivations` now, or None.
+
+        Saved-tensor hooks of someone else's are active (they would be set aside), or
         saved-tensor hooks are disabled here."""
         graph = torch._C._autograd
         try:

@@ -1,16 +1,17 @@
-"""Live optimizer settings: a learning-rate multiplier that keeps the schedule's shape,
-the weight decay of the decaying param groups, and gradient clipping inside the step.
+"""Live optimizer settings: learning-rate multiplier, weight decay, gradient clipping.
+
+A learning-rate multiplier that keeps the schedule's shape, the weight decay of the decaying
+param groups, and gradient clipping inside the step.
 
 The learning rate: a scheduler (or the loop) sets each param group's ``lr`` between
 optimizer steps. :class:`OptimizerSettings` multiplies it by :attr:`~OptimizerSettings.
-lr_scale` only while ``optimizer.step()`` runs (a step pre-hook multiplies, a step
-post-hook puts back what was there), so between steps every param group holds the
-schedule's own, unscaled value: chainable schedulers that read it (``StepLR``,
-``ExponentialLR``, ``CosineAnnealingLR``'s recursive form, ``ReduceLROnPlateau``) do not
-compound the scale, closed-form ones (``LambdaLR``, HF's warmup schedules) are
-unaffected, and a checkpoint taken between steps holds the schedule's values. A step
-under ``lr_scale = s`` is the step of a run whose schedule was ``s`` times higher from
-then on.
+lr_scale` only while ``optimizer.step()`` runs (a step pre-hook multiplies, a step post-hook
+puts back what was there), so between steps every param group holds the schedule's own,
+unscaled value: chainable schedulers that read it (``StepLR``, ``ExponentialLR``,
+``CosineAnnealingLR``'s recursive form, ``ReduceLROnPlateau``) do not compound the scale,
+closed-form ones (``LambdaLR``, HF's warmup schedules) are unaffected, and a checkpoint
+taken between steps holds the schedule's values. A step under ``lr_scale = s`` is the step
+of a run whose schedule was ``s`` times higher from then on.
 
 Weight decay: the param groups that decay are those whose ``weight_decay`` is not 0 when
 the settings are made (or the groups given as ``decay_groups``; with none decaying,
@@ -40,8 +41,10 @@ from torch.distributed.tensor import DTensor
 
 
 class OptimizerSettings:
-    """``lr_scale``, ``weight_decay`` and ``max_grad_norm`` of one ``torch.optim.Optimizer``,
-    changeable between optimizer steps (see the module docstring for how each applies).
+    """``lr_scale``, ``weight_decay`` and ``max_grad_norm`` of one optimizer, live.
+
+    Each is changeable between optimizer steps of one ``torch.optim.Optimizer`` (see the
+    module docstring for how each applies).
 
     Args:
         optimizer: the optimizer; two step hooks are registered on it (:meth:`remove`
@@ -86,8 +89,9 @@ class OptimizerSettings:
 
     @property
     def lr_scale(self) -> float:
-        """The multiplier on every param group's learning rate inside the step (1.0:
-        none). Set it between optimizer steps.
+        """The multiplier on every param group's learning rate inside the step.
+
+        1.0: none. Set it between optimizer steps.
 
         Raises:
             ValueError (on set): not a finite number >= 0.
@@ -107,9 +111,10 @@ class OptimizerSettings:
 
     @property
     def weight_decay(self) -> float:
-        """The weight decay of the first decaying param group (the others keep their
-        starting proportion to it; groups that started at 0 stay 0). Set it between
-        optimizer steps.
+        """The weight decay of the first decaying param group.
+
+        The others keep their starting proportion to it; groups that started at 0 stay 0.
+        Set it between optimizer steps.
 
         Raises:
             ValueError (on set): not a finite number >= 0, or an optimizer without
@@ -135,15 +140,18 @@ class OptimizerSettings:
 
     @property
     def decays_every_group(self) -> bool:
-        """Whether ``weight_decay`` sets every param group (none decayed at the start, so
-        nothing tells which groups are biases and norms)."""
+        """Whether ``weight_decay`` sets every param group.
+
+        It does when none decayed at the start: nothing tells which groups are biases and
+        norms."""
         return (len(self.decay_groups) == len(self._decay_bases)
                 and not any(self._decay_bases))
 
     @property
     def max_grad_norm(self) -> float:
-        """Clip the global gradient norm to this inside each step; 0: no clipping. Set it
-        between optimizer steps.
+        """Clip the global gradient norm to this inside each step; 0: no clipping.
+
+        Set it between optimizer steps.
 
         Raises:
             ValueError (on set): not a finite number >= 0.
@@ -157,18 +165,20 @@ class OptimizerSettings:
     # ------------------------------------------------------------ per step
 
     def take_step(self) -> tuple[tuple[Any, ...] | None, torch.Tensor | None]:
-        """``(lrs, grad_norm)`` of the optimizer step taken since the last call: the
-        learning rate of each param group as the step used it, as the group held it (a
-        float, or a tensor for a rate kept in one: read it with :func:`host_rate`, off
-        the training thread), and the norm it clipped (else None). Both None when no step
-        was taken (e.g. the GradScaler skipped it)."""
+        """``(lrs, grad_norm)`` of the optimizer step taken since the last call.
+
+        The learning rate of each param group as the step used it, as the group held it (a
+        float, or a tensor for a rate kept in one: read it with :func:`host_rate`, off the
+        training thread), and the norm it clipped (else None). Both None when no step was
+        taken (e.g. the GradScaler skipped it)."""
         taken = (self._step_lrs, self.grad_norm)
         self._step_lrs, self.grad_norm = None, None
         return taken
 
     def effective_lrs(self) -> tuple[Any, ...]:
-        """Each param group's learning rate times :attr:`lr_scale`, as a step taken now
-        would use it (floats, or tensors as :meth:`take_step`'s)."""
+        """Each param group's learning rate times :attr:`lr_scale`, as a step now uses it.
+
+        Floats, or tensors as :meth:`take_step`'s."""
         scale = self._lr_scale
         return tuple(group["lr"] * scale if scale != 1.0 else group["lr"]
                      for group in self.optimizer.param_groups)
@@ -216,8 +226,10 @@ def _non_negative(name: str, value: Any) -> float:
 
 
 def host_rate(lr: Any) -> float | None:
-    """A param group's learning rate as a float: a number as it is, a CPU tensor's value;
-    None for a tensor on a device (reading it would synchronize) or anything else."""
+    """A param group's learning rate as a float, or None.
+
+    A number as it is, a CPU tensor's value; None for a tensor on a device (reading it would
+    synchronize) or anything else."""
     if isinstance(lr, torch.Tensor):
         return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else None
     return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None

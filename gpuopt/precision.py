@@ -25,9 +25,11 @@ def precision_name(value: str) -> str: ...
 @overload
 def precision_name(value: torch.dtype) -> str | torch.dtype: ...
 def precision_name(value: str | torch.dtype) -> str | torch.dtype:
-    """The precision name (``"fp32"``, ``"bf16"``, ``"fp16"``) of ``value``: such a name,
-    a torch dtype (``torch.bfloat16``) or a dtype's name (``"bfloat16"``, as nanoGPT's
-    ``dtype``). Anything else is returned unchanged (for the caller to refuse)."""
+    """The precision name (``"fp32"``, ``"bf16"``, ``"fp16"``) of ``value``.
+
+    ``value`` is such a name, a torch dtype (``torch.bfloat16``) or a dtype's name
+    (``"bfloat16"``, as nanoGPT's ``dtype``). Anything else is returned unchanged (for the
+    caller to refuse)."""
     return _PRECISION_NAMES.get(value, value)
 
 
@@ -61,9 +63,10 @@ def precision_support(precision: str, device_type: str) -> str | None:
 
 @functools.cache
 def cpu_native_bf16() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX tiles), so that
-    bf16 autocast can be faster than fp32. Without them CPU autocast emulates bf16, which
-    made a small transformer 10-19x slower than fp32 on a 2-core x86 CPU.
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX tiles).
+
+    Only then can bf16 autocast be faster than fp32. Without them CPU autocast emulates
+    bf16, which made a small transformer 10-19x slower than fp32 on a 2-core x86 CPU.
 
     .. note:: Asked once (cached); reads CPU flags through torch, no device work.
     """
@@ -73,8 +76,9 @@ def cpu_native_bf16() -> bool:
 
 
 def precision_warning(precision: str, device_type: str) -> str | None:
-    """A performance warning for a precision that runs but is slow on this hardware, or
-    None. True to the machine: on a CPU, bf16 is advised only when the CPU has native bf16
+    """A warning for a precision that runs but is slow on this hardware, or None.
+
+    True to the machine: on a CPU, bf16 is advised only when the CPU has native bf16
     (:func:`cpu_native_bf16`).
 
     On most CPUs fp16 autocast runs many times slower than fp32 (13-21x measured on a
@@ -96,10 +100,11 @@ def precision_warning(precision: str, device_type: str) -> str | None:
 
 
 class ReusableAutocast:
-    """A reusable, re-entrant autocast context: each ``with`` enters the context that
-    ``make_context()`` gives at that moment (None: nothing, as in fp32), so one stored
-    object (a hand-written loop's ``ctx``) follows a live precision, in evaluation code
-    too, and may be nested.
+    """A reusable, re-entrant autocast context that follows a live precision.
+
+    Each ``with`` enters the context that ``make_context()`` gives at that moment (None:
+    nothing, as in fp32), so one stored object (a hand-written loop's ``ctx``) follows a
+    live precision, in evaluation code too, and may be nested.
 
     Args:
         make_context: returns a fresh context manager (e.g. ``torch.autocast(...)``) or
@@ -126,13 +131,14 @@ class ReusableAutocast:
 
 
 class SwitchableGradScaler:
-    """A ``torch.amp.GradScaler`` lookalike that follows a :class:`MixedPrecision`'s
-    live precision: in fp16 every call goes to the policy's one kept GradScaler (its
-    scale and growth tracker survive switches); in fp32 and bf16 it behaves as a disabled
-    GradScaler (``scale`` returns the loss, ``step`` calls ``optimizer.step()``, ``update``
-    does nothing). A hand-written loop replaces ``scaler = torch.amp.GradScaler(...)``
-    with it and keeps its ``scaler.scale(loss).backward()``, ``scaler.unscale_``,
-    ``scaler.step``, ``scaler.update`` lines.
+    """A ``torch.amp.GradScaler`` lookalike that follows a live precision.
+
+    It follows a :class:`MixedPrecision`'s precision: in fp16 every call goes to the
+    policy's one kept GradScaler (its scale and growth tracker survive switches); in fp32
+    and bf16 it behaves as a disabled GradScaler (``scale`` returns the loss, ``step`` calls
+    ``optimizer.step()``, ``update`` does nothing). A hand-written loop replaces ``scaler =
+    torch.amp.GradScaler(...)`` with it and keeps its ``scaler.scale(loss).backward()``,
+    ``scaler.unscale_``, ``scaler.step``, ``scaler.update`` lines.
 
     It also keeps, for the agent: :attr:`skipped` (fp16: a 0-dim bool tensor, True when
     the last ``update()`` backed off because the step found inf/NaN gradients; else
@@ -203,14 +209,16 @@ class SwitchableGradScaler:
         self._scale_before = None
 
     def get_scale(self) -> float:
-        """The current loss scale (1.0 outside fp16). Synchronizes the device, as
-        GradScaler's does."""
+        """The current loss scale (1.0 outside fp16).
+
+        Synchronizes the device, as GradScaler's does."""
         scaler = self._active()
         return 1.0 if scaler is None else scaler.get_scale()
 
     def take_window(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-        """``(loss_sum, skipped, micro_batches)`` of the window that just ended, and a
-        fresh start for the next one."""
+        """``(loss_sum, skipped, micro_batches)`` of the window that just ended.
+
+        The next window starts afresh."""
         window = (self.loss_sum, self.skipped, self.micro_batches)
         self.loss_sum, self.skipped, self.micro_batches = None, None, 0
         return window
@@ -278,10 +286,11 @@ class MixedPrecision:
         return torch.autocast(self.device_type, dtype=_AUTOCAST_DTYPE[self._precision])
 
     def autocast(self) -> ReusableAutocast:
-        """Context for the forward pass (and loss) of one micro-batch: autocast to the
-        current precision (nothing in fp32). The same reusable object each time, so
-        ``ctx = mp.autocast()`` may be stored and entered again and again (also nested,
-        and in evaluation code), always following the precision current at entry."""
+        """Context for the forward pass (and loss) of one micro-batch.
+
+        Autocast to the current precision (nothing in fp32). The same reusable object each
+        time, so ``ctx = mp.autocast()`` may be stored and entered again and again (also
+        nested, and in evaluation code), always following the precision current at entry."""
         return self._autocast
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -299,8 +308,9 @@ class MixedPrecision:
             self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-        """The optimizer step; in fp16 through the GradScaler (which skips the step on
-        inf/NaN gradients and backs off its scale).
+        """The optimizer step; in fp16 through the GradScaler.
+
+        The GradScaler skips the step on inf/NaN gradients and backs off its scale.
 
         Returns:
             In fp16, a 0-dim bool tensor on the device, True when the GradScaler skipped

@@ -79,9 +79,10 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
 
 
 def rng_state(device: torch.device | None = None) -> dict[str, Any]:
-    """The state of every random number generator a training step may draw from: torch's
-    on the host, CUDA's on ``device``'s GPUs (when CUDA is in use), Python's ``random``
-    and NumPy's global one; only tensors and plain values (``torch.load(...,
+    """The state of every random number generator a training step may draw from.
+
+    Torch's on the host, CUDA's on ``device``'s GPUs (when CUDA is in use), Python's
+    ``random`` and NumPy's global one; only tensors and plain values (``torch.load(...,
     weights_only=True)`` reads it back).
 
     .. note:: Host work only: the CUDA generators' states are host-side (seed and offset).

@@ -17,7 +17,7 @@ from textual.widgets import Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from agent.wire import protocol
-from agent.wire.knobs import DEFAULT_MAX_GRAD_NORM, STANDARD_KNOBS, assignment
+from agent.wire.knobs import COMMAND_KINDS, DEFAULT_MAX_GRAD_NORM, STANDARD_KNOBS, assignment
 from agent.wire.runs import find_run
 from gpuwatch.client import new_command_id, parse_assignment, reply_text, send_command
 from gpuwatch.units import knob_text
@@ -133,8 +133,10 @@ class GpuwatchApp(App[None]):
         Binding("colon", "command_line", "cmd", id="command_line",
                 priority=True,  # acts as it comes: the keys queued behind it are text
                 tooltip="Type a command as `gpuwatch set` takes it: accum_steps=8, "
-                        "kernels=compile, checkpoint=now (tab completes from the run's "
-                        "knobs; enter sends, escape closes)"),
+                        "kernels=compile, checkpoint=now, rewind=120 (back to the "
+                        "checkpoint of step 120, or a checkpoint's path, as a new branch; "
+                        "no key: only here) (tab completes from the run's knobs; enter "
+                        "sends, escape closes)"),
         *_knob_bindings(),
         Binding("T", "tune", "tune", id="tune",
                 show=False,  # in help and the palette: the footer is full at 80 columns
@@ -172,9 +174,9 @@ class GpuwatchApp(App[None]):
         Binding("full_stop", "move_to_mark('event', 1)", "event+",
                 id="timeline.next_event", group=_EVENT, priority=True,
                 tooltip="Timeline: the next event the run logged"),
-        Binding("home", "move_to('start')", "start", id="timeline.start", priority=True,
+        Binding("home", "move_to('start')", "first", id="timeline.start", priority=True,
                 tooltip="Timeline: the first optimizer step"),
-        Binding("end", "move_to('end')", "end", id="timeline.end", priority=True,
+        Binding("end", "move_to('end')", "last", id="timeline.end", priority=True,
                 tooltip="Timeline: the last optimizer step (the run's end)"),
         Binding("v", "compare", "compare", id="timeline.compare",
                 tooltip="Timeline: the segments before and after the knob change at or "
@@ -712,7 +714,7 @@ class GpuwatchApp(App[None]):
             pending = state.pending.get(knob)  # on its way: the key stepped from it
         if pending is not None:
             current = pending.value
-        if spec.get("kind") == "action":
+        if spec.get("kind") in COMMAND_KINDS:
             return f"{described}: {spec.get('help', '')}"
         if known:
             return f"{knob} {knob_text(current)} → {knob_text(value)} at the next step"

@@ -185,9 +185,13 @@ def _parser() -> argparse.ArgumentParser:
                     "or running run; see `gpuwatch runs --json` for live runs' "
                     "log_path): a finished run's on a timeline (left/right, [ ], , ., "
                     "home/end move it), a live run's followed while it grows. Keys send "
-                    "nothing.")
+                    "nothing. A run with branches (rewind, rollback, recovery) plays the "
+                    "branch taken last: its parent's steps up to the fork, then its own; "
+                    "--branch N plays branch N's path.")
     replay.add_argument("file", metavar="FILE",
                         help="the run log (.runlog, or an earlier version's .jsonl)")
+    replay.add_argument("--branch", type=int, default=None, metavar="N",
+                        help="play branch N's path (see `gpuwatch runs --all`)")
     replay.set_defaults(handler=_replay)
 
     demo = commands.add_parser(
@@ -288,9 +292,12 @@ def _runs(args: argparse.Namespace) -> int:
          str(info.pid), printable(info.name or "-", protocol.MAX_NAME_CHARS),
          human_age(now - info.started_at), printable(info.pub_endpoint)) for info in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
+    for index, row in enumerate(rows):
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
               + row[-1])
+        if index:
+            for line in history_commands.branch_lines(runs[index - 1].log_path):
+                print("  " + line)
     for run_id in dict.fromkeys(info.run_id for info in runs if info.nnodes > 1):
         here = [info for info in runs if info.run_id == run_id]
         known = node_list(run_id)
@@ -577,13 +584,24 @@ def _replay(args: argparse.Namespace) -> int:
               "log_path of `gpuwatch runs --json`)", file=sys.stderr)
         return 1
     log = history.log_at(path)
+    tree = None
+    if args.branch is not None:
+        tree = history.log_summary(log)[0].tree if log is not None else None
+        if tree is None or args.branch not in tree.branches:
+            print(f"gpuwatch replay: {str(path)!r} has no branch {args.branch} (see "
+                  "`gpuwatch runs --all`)", file=sys.stderr)
+            return 1
     if log is not None and not history_commands.is_written_by_a_live_run(log):
-        return history_commands.open_finished(log)
+        return history_commands.open_finished(
+            log, branch=None if tree is None else (tree, args.branch))
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.replay import ReplaySource
 
-    app = GpuwatchApp(ReplaySource(path), readonly=True,
-                      notes=[f"replaying {path} (read-only; followed while it grows)"])
+    branch = "" if args.branch is None else f", branch b{args.branch}'s path"
+    app = GpuwatchApp(ReplaySource(path, branch=None if tree is None else (tree, args.branch)),
+                      readonly=True,
+                      notes=[f"replaying {path}{branch} (read-only; followed while it "
+                             "grows)"])
     app.run()
     return app.return_code or 0
 

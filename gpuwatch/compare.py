@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from agent.wire.protocol import printable
+from agent.wire.runlog import Branch
+from gpuwatch.branches import branch_title
 from gpuwatch.history import RunHistory, Segment
 from gpuwatch.units import human_bytes, human_ms, human_sig, knob_text
 
@@ -46,12 +48,23 @@ def around_changes(run: RunHistory) -> list[Column]:
 
 
 def between_runs(first: RunHistory, second: RunHistory) -> list[Column]:
-    """The two runs, each as a whole (knobs: those of its first step); ``[]`` when
-    either has no steps."""
+    """The two runs, each as a whole (knobs: those of its first step; a run with
+    branches: the path :func:`gpuwatch.history.read_history` read, titled
+    ``RUN@bN``); ``[]`` when either has no steps."""
     if first.whole is None or second.whole is None:
         return []
-    return [Column(run.run_id + (f" ({run.name})" if run.name else ""), run.whole)
+    return [Column(run.run_id + (f"@b{run.branch}" if len(run.tree) > 1 else "")
+                   + (f" ({run.name})" if run.name else ""), run.whole)
             for run in (first, second) if run.whole is not None]
+
+
+def between_branches(branches: Sequence[tuple[Branch, Segment]]) -> list[Column]:
+    """A run's branches side by side, each its own steps (from its fork on:
+    :func:`gpuwatch.history.branch_segments`),
+    titled by :func:`gpuwatch.branches.branch_title`; ``[]`` for fewer than two."""
+    if len(branches) < 2:
+        return []
+    return [Column(branch_title(branch), segment) for branch, segment in branches]
 
 
 def _loss(segment: Segment) -> str:

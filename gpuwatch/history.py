@@ -42,6 +42,7 @@ throughput per second, as in the step records (:mod:`agent.wire.protocol`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -59,7 +60,8 @@ import orjson
 
 from agent.wire import protocol, runlog
 from agent.wire.protocol import ENVELOPE_KEYS, MAX_NAME_CHARS, MAX_TEXT_CHARS, printable
-from agent.wire.runlog import LogSummary, log_dir, number, open_no_follow
+from agent.wire.runlog import (BranchPath, BranchTree, LogSummary, log_dir, number,
+                               open_no_follow)
 from agent.wire.runs import list_runs
 from gpuwatch.state import MAX_KNOBS, KnobChange
 from gpuwatch.units import knob_text
@@ -782,6 +784,27 @@ class Overview:
             array[:, half:] = empty
         self.width *= 2
 
+    def cut(self, step: int) -> None:
+        """Drop the buckets that begin after optimizer step ``step`` (the run went back
+        there: a new branch); the rows added next go on from the last bucket kept. The
+        bucket that holds ``step`` keeps its figures of the rows after it (at most one
+        bucket's width of them), its last step set to ``step``."""
+        np = _np()
+        firsts = self._first.min(axis=0)
+        kept = np.flatnonzero(firsts <= step)
+        used = np.flatnonzero(np.isfinite(firsts))
+        if not len(used) or (len(kept) and kept[-1] == used[-1]
+                             and self._last[:, kept[-1]].max() <= step):
+            return  # nothing after the step
+        end = int(kept[-1]) + 1 if len(kept) else 0
+        for name, empty in (("_sum", 0.0), ("_count", 0.0), ("_min", math.inf),
+                            ("_max", -math.inf), ("_first", math.inf),
+                            ("_last", -math.inf)):
+            getattr(self, name)[:, end:] = empty
+        if end:
+            self._last[:, end - 1] = np.minimum(self._last[:, end - 1], step)
+        self.rows = end * self.width
+
     def get(self, name: str) -> Series | None:
         """Field ``name``'s buckets; None when not followed or without a value."""
         if name not in self.fields:
@@ -1028,6 +1051,9 @@ class RunHistory:
         rows: step rows read (fewer than ``summary.steps`` when thinned).
         segments_omitted: segments between the first and last :data:`MAX_SEGMENTS`.
         malformed, truncated, unreadable, thinned: as :class:`LogReader` counted them.
+        tree: the run's branches (the whole log's). branch: the branch whose path the
+            figures are of (:class:`agent.wire.runlog.BranchPath`: its ancestors' steps
+            up to each fork, then its own); the whole log when the run has one branch.
     """
 
     log: LogFiles
@@ -1044,6 +1070,8 @@ class RunHistory:
     truncated: bool = False
     unreadable: list[str] = field(default_factory=list)
     thinned: int = 0
+    tree: BranchTree = field(default_factory=BranchTree)
+    branch: int = 0
     _segments: list[Segment] = field(default_factory=list)
 
     @property
@@ -1139,8 +1167,11 @@ class HistoryBuilder:
         t = number(envelope.get("t"))
         if kind == protocol.HELLO:
             history.hello = body
-        elif kind == protocol.EVENT and len(history.events) < MAX_EVENTS:
-            history.events.append(event_of(t, self._last_step, body))
+        elif kind == protocol.EVENT:
+            if len(history.events) < MAX_EVENTS:
+                history.events.append(event_of(t, self._last_step, body))
+            if body.get("kind") == protocol.EventKind.BRANCHED:
+                self._branched()
         elif kind == protocol.BYE:
             history.bye = body
         return []
@@ -1189,6 +1220,20 @@ class HistoryBuilder:
         if len(present):
             self._last_step = int(present[-1])
         return changes
+
+    def _branched(self) -> None:
+        """The run went back to the fork step of the branch just begun: its overview and
+        knob changes follow the new branch (no change nor bucket after the fork is
+        kept). In a log read along one branch's path, nothing is after it already."""
+        tree = self.history.summary.tree
+        fork = tree.branches[tree.current].fork_step
+        if fork is None:
+            return
+        self.history.overview.cut(fork)
+        changes = self.history.knob_changes
+        while changes and changes[-1].step > fork:
+            changes.pop()
+        self._last_step = fork
 
     def _open_segment(self, knobs: Any) -> None:
         known = _known(knobs)
@@ -1242,20 +1287,73 @@ def _known(knobs: Any) -> dict[str, Any]:
             if isinstance(name, str) and len(name) <= MAX_NAME_CHARS}
 
 
-def read_history(log: LogFiles, *, overview: bool = True, whole: bool = True
-                 ) -> RunHistory:
+def read_history(log: LogFiles, *, overview: bool = True, whole: bool = True,
+                 branch: int | None = None) -> RunHistory:
     """Read one rank's run log in one pass (bounded memory; a few seconds for a
-    million steps here). ``overview``, ``whole``: as :class:`HistoryBuilder` takes
-    them (what a tool does not show, it need not compute).
+    million steps here), of one branch's path when the run has several: ``branch``'s,
+    by default the branch taken last (the tree from :func:`log_summary`: the summary
+    beside the log and what was written after it). ``overview``, ``whole``: as
+    :class:`HistoryBuilder` takes them (what a tool does not show, it need not
+    compute).
 
     Never raises for the files' content; what could not be read is counted in the
     result (``malformed``, ``truncated``, ``unreadable``).
+
+    Raises:
+        ValueError: the run has no branch ``branch``.
     """
+    tree = log_summary(log)[0].tree
+    if branch is not None and branch not in tree.branches:
+        raise ValueError(f"run {log.run_id} has no branch {branch} (its branches: "
+                         + ", ".join(f"b{known}" for known in list(tree.branches)[:20])
+                         + ("..." if len(tree) > 20 else "") + ")")
     builder = HistoryBuilder(log, overview=overview, whole=whole)
     reader = LogReader(log, arrays=True)
+    path = BranchPath(tree, branch) if len(tree) > 1 else None
     for _, envelope in reader:
+        if path is not None:
+            kept = path.keep(envelope)
+            if kept is None:
+                continue
+            envelope = kept
         builder.add(envelope)
-    return builder.finish(reader)
+    run = builder.finish(reader)
+    run.tree = tree if path is None else path.summary.tree
+    run.branch = tree.current if path is None else path.branch
+    return run
+
+
+#: Branches :func:`branch_segments` folds at most (the latest ones).
+MAX_COMPARED_BRANCHES = 12
+
+
+def branch_segments(log: LogFiles, tree: BranchTree
+                    ) -> list[tuple[runlog.Branch, Segment]]:
+    """Each branch's own steps (from its fork on, not its parent's) as one
+    :class:`Segment` (knobs: those of its first step), in one pass: the latest
+    :data:`MAX_COMPARED_BRANCHES` branches of ``tree`` (:func:`log_summary`'s), those
+    with steps. What ``compare RUN`` shows of a run with branches. Memory: one
+    :class:`SegmentFold` a branch. Never raises for the files' content."""
+    chosen = list(tree.branches)[-MAX_COMPARED_BRANCHES:]
+    folds: dict[int, SegmentFold] = {}
+    fold = LogSummary()  # which branch each record is on
+    for _, envelope in LogReader(log, arrays=True):
+        fold.add(envelope)
+        branch = fold.tree.current
+        if envelope["type"] != protocol.STEPS or branch not in chosen:
+            continue
+        batch = step_batch(envelope)
+        if batch is None or not batch.n:
+            continue
+        if branch not in folds:
+            folds[branch] = SegmentFold(_known(batch.knobs[0]), ())
+        folds[branch].add(batch, 0, batch.n)
+    found = []
+    for branch, segment_fold in folds.items():
+        segment = segment_fold.segment()
+        if segment is not None and branch in tree.branches:
+            found.append((tree.branches[branch], segment))
+    return found
 
 
 # --- output files ---------------------------------------------------------------------
@@ -1328,11 +1426,14 @@ class RunSummary:
     malformed: int
     truncated: bool
     thinned: int = 0
+    tree: BranchTree = field(default_factory=BranchTree)
     log_path: str | None = None
 
     def public(self) -> dict[str, Any]:
-        """As a JSON-ready map (``gpuwatch runs --all --json``)."""
-        return {name: (list(value) if isinstance(value, tuple) else value)
+        """As a JSON-ready map (``gpuwatch runs --all --json``; ``tree``: the run's
+        branches, :meth:`agent.wire.runlog.BranchTree.public`)."""
+        return {name: (list(value) if isinstance(value, tuple) else value.public()
+                       if isinstance(value, BranchTree) else value)
                 for name, value in self.__dict__.items()}
 
 
@@ -1347,7 +1448,7 @@ def _summary_of(run_id: str, summary: LogSummary, *, ranks: Sequence[int], live:
         summary.steps, summary.last_step, summary.final_loss, summary.best_samples_per_s,
         summary.best_tokens_per_s, summary.knob_changes,
         None if summary.ended is None else printable(summary.ended, 100), log_bytes,
-        malformed, truncated, thinned, log_path)
+        malformed, truncated, thinned, summary.tree, log_path)
 
 
 def summarize(history: RunHistory, *, ranks: Sequence[int] = (), live: bool = False,
@@ -1358,10 +1459,11 @@ def summarize(history: RunHistory, *, ranks: Sequence[int] = (), live: bool = Fa
         ranks: every rank with a log (default: the history's). live: a live run file
             names the run. log_bytes: the size of all its logs (default: this one's).
     """
-    return _summary_of(
+    return dataclasses.replace(_summary_of(
         history.run_id, history.summary, ranks=tuple(ranks) or (history.log.rank,),
         live=live, log_bytes=history.log.size_bytes if log_bytes is None else log_bytes,
-        malformed=history.malformed, truncated=history.truncated, thinned=history.thinned)
+        malformed=history.malformed, truncated=history.truncated, thinned=history.thinned),
+        tree=history.tree)  # (the whole log's: its summary may be of one path)
 
 
 def log_summary(log: LogFiles, *, live: bool = False) -> tuple[LogSummary, LogReader]:

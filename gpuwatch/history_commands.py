@@ -19,6 +19,8 @@ from pathlib import Path
 from agent.wire.protocol import printable
 from agent.wire.runs import list_runs
 from gpuwatch import history
+from gpuwatch.branches import split_selector, tree_lines
+from agent.wire.runlog import BranchTree
 from gpuwatch.history import LogFiles, RunSummary
 from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_rate,
                             human_sig, local_time)
@@ -60,7 +62,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                     "every knob change marked, the table of segments between changes, "
                     "and the run's environment report. Needs matplotlib "
                     "(pip install 'gpuwatch[report]').")
-    add_run_argument(report, "run id or unique prefix (live or finished), or a run log",
+    add_run_argument(report, "run id or unique prefix (live or finished), or a run log; "
+                     "RUN@bN: branch N's path (default: the branch taken last)",
                      metavar="RUN|FILE")
     report.add_argument("-o", "--output", type=Path, metavar="FILE", required=True,
                         help="the HTML file to write")
@@ -70,12 +73,16 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
     compare = commands.add_parser(
         "compare", help="two runs, or the segments around a knob change, side by side",
-        description="Compare two runs (their last segments: steps with the same knob "
-                    "values), or, with one run, the segments before and after each of "
-                    "its knob changes: median step time, samples/s (tokens/s), data "
-                    "wait share, memory and the loss trend.")
-    add_run_argument(compare, "one run (its changes) or two runs", metavar="RUN|FILE",
-                     several=True)
+        description="Compare two runs (each as a whole), or, with one run, the segments "
+                    "before and after each of its knob changes, or, when the run has "
+                    "branches (rewind, rollback, recovery), its branches side by side "
+                    "(each from its fork on): median step time, samples/s (tokens/s), "
+                    "data wait share, memory and the loss trend. RUN@bN names branch N "
+                    "of RUN: its path (its parent's steps up to the fork, then its "
+                    "own), e.g. `compare RUN@b0 RUN@b1`, or `compare RUN@b1` for the "
+                    "knob changes along it.")
+    add_run_argument(compare, "one run (its changes or branches) or two runs; RUN@bN: "
+                     "branch N of RUN", metavar="RUN|FILE", several=True)
     compare.add_argument("--json", action="store_true", help="print the figures as JSON")
     compare.set_defaults(handler=_compare)
 
@@ -141,6 +148,7 @@ def print_all_runs(as_json: bool) -> int:
     if not summaries:
         print("no runs: no run logs and no live runs")
         return 0
+    width = os.get_terminal_size().columns if sys.stdout.isatty() else 80
     rows = [("RUN", "NAME", "STARTED", "DURATION", "STEPS", "FINAL LOSS", "BEST/S",
              "CHANGES", "LOG", "STATE")]
     for summary in summaries:
@@ -156,9 +164,12 @@ def print_all_runs(as_json: bool) -> int:
             str(summary.knob_changes), human_bytes(summary.log_bytes),
             _state(summary) + _copied(summary)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
+    for index, row in enumerate(rows):
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
               + row[-1])
+        if index:
+            for line in tree_lines(summaries[index - 1].tree, width_chars=width - 2):
+                print("  " + line)
     return 0
 
 
@@ -169,6 +180,18 @@ def _copied(summary: RunSummary) -> str:
     if path is None or Path(path).name.startswith(f"{summary.run_id}.rank"):
         return ""
     return f", log {printable(path)}"
+
+
+def branch_lines(log_path: str | None) -> list[str]:
+    """The branches of a live run's log as :func:`gpuwatch.branches.tree_lines` draws
+    them, to the terminal's width (80 when not a terminal); ``[]`` for a run of one
+    branch or without a readable log. Reads the summary beside the log and what was
+    written after it."""
+    log = history.log_at(log_path) if log_path else None
+    if log is None:
+        return []
+    width = os.get_terminal_size().columns if sys.stdout.isatty() else 80
+    return tree_lines(history.log_summary(log, live=True)[0].tree, width_chars=width - 2)
 
 
 def _state(summary: RunSummary) -> str:
@@ -192,10 +215,15 @@ def _report(args: argparse.Namespace) -> int:
         print("gpuwatch report: which run? give RUN or --run RUN (see `gpuwatch runs "
               "--all`)", file=sys.stderr)
         return 2
-    log = _log_or_say(args.run, args.rank, "report")
+    selector, branch = split_selector(args.run)
+    log = _log_or_say(selector, args.rank, "report")
     if log is None:
         return 1
-    run = history.read_history(log, whole=False)
+    try:
+        run = history.read_history(log, whole=False, branch=branch)
+    except ValueError as exc:
+        print(f"gpuwatch report: {exc}", file=sys.stderr)
+        return 1
     try:
         report.write_report(run, args.output)
     except OSError as exc:
@@ -231,12 +259,24 @@ def _compare(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     runs = []
-    for selector in args.runs:
+    branched = None  # one run given, with branches: them side by side
+    for given in args.runs:
+        selector, branch = split_selector(given)
         log = _log_or_say(selector, None, "compare")
         if log is None:
             return 1
-        runs.append(history.read_history(log, overview=False, whole=len(args.runs) == 2))
+        if len(args.runs) == 1 and branch is None:
+            tree = history.log_summary(log)[0].tree
+            if len(tree) > 1:
+                branched = history.branch_segments(log, tree)
+        try:
+            runs.append(history.read_history(log, overview=False,
+                                              whole=len(args.runs) == 2, branch=branch))
+        except ValueError as exc:
+            print(f"gpuwatch compare: {exc}", file=sys.stderr)
+            return 1
     columns = (compare.between_runs(*runs) if len(runs) == 2
+               else compare.between_branches(branched) if branched
                else compare.around_changes(runs[0]))
     if not columns:
         print(f"gpuwatch compare: run {runs[0].run_id} has no "
@@ -295,13 +335,15 @@ def _missing(command: str, extra: str, exc: ImportError) -> int:
     return 1
 
 
-def open_finished(log: LogFiles, notes: Sequence[str] = ()) -> int:
-    """Open a run log in the dashboard on a timeline (read-only); the exit status."""
+def open_finished(log: LogFiles, notes: Sequence[str] = (), *,
+                  branch: tuple[BranchTree, int] | None = None) -> int:
+    """Open a run log in the dashboard on a timeline (read-only), on ``branch``'s path
+    (``(tree, N)``; by default the branch taken last); the exit status."""
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.timeline import TimelineSource
 
     thinned = history.part_thinning(log)
-    app = GpuwatchApp(TimelineSource(log), readonly=True, notes=[
+    app = GpuwatchApp(TimelineSource(log, branch=branch), readonly=True, notes=[
         *notes, f"replaying {log.first} on a timeline: left/right step, [ ] knob "
                 "changes, , . events, home/end",
         *([f"this log reached its disk budget: older steps are kept as buckets of "

@@ -10,8 +10,9 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 
 class BindingCommands(Provider):
-    """Offers each of the app's bindings that act here (as the help screen lists them)
-    by its description; help shows its key."""
+    """Offers each of the app's bindings that act here, by its description.
+
+    As the help screen lists them; help shows its key."""
 
     def _commands(self) -> list[tuple[str, str, str]]:
         app = self.app

@@ -1,5 +1,6 @@
-"""``gpuwatch export --prometheus HOST:PORT``: the live runs of this user as Prometheus
-metrics, at ``http://HOST:PORT/metrics`` (prometheus_client).
+"""``gpuwatch export --prometheus HOST:PORT``: this user's live runs as Prometheus metrics.
+
+Served at ``http://HOST:PORT/metrics`` (prometheus_client).
 
 A thread follows every live run file (every rank) of this user, as the dashboard does:
 it subscribes to each, folds what arrives into a :class:`~gpuwatch.state.RunState` per
@@ -308,8 +309,9 @@ WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
 def bearer_only(app: WsgiApp, token: bytes) -> WsgiApp:
-    """``app``, answering only requests that carry ``Authorization: Bearer <token>``
-    (compared in constant time); any other gets 401 and no metric."""
+    """``app``, answering only requests that carry ``Authorization: Bearer <token>``.
+
+    The token is compared in constant time; any other request gets 401 and no metric."""
     expected = b"Bearer " + token
 
     def checked(environ: dict[str, Any], start_response: Callable[..., Any]
@@ -331,9 +333,10 @@ class _QuietHandler(WSGIRequestHandler):
 
 def start_server(host: str, port: int, registry: CollectorRegistry,
                  token: bytes | None) -> tuple[WSGIServer, threading.Thread]:
-    """An HTTP server of ``registry``'s metrics on ``host:port`` (IPv4 or IPv6), a
-    thread per request, requiring ``token`` (:func:`bearer_only`) from its first
-    request when one is given; serving in a daemon thread when this returns.
+    """An HTTP server of ``registry``'s metrics on ``host:port`` (IPv4 or IPv6).
+
+    A thread per request, requiring ``token`` (:func:`bearer_only`) from its first request
+    when one is given; serving in a daemon thread when this returns.
 
     Raises:
         OSError: it cannot listen there.
@@ -354,8 +357,9 @@ def start_server(host: str, port: int, registry: CollectorRegistry,
 
 
 def read_token(path: Path) -> tuple[bytes, bool]:
-    """The token in ``path``, made first (random, mode 0600) when there is none;
-    returns it and whether it was made.
+    """The token in ``path``, and whether it was made.
+
+    It is made first (random, mode 0600) when there is none.
 
     Raises:
         agent.wire.nodes.SecretError: the file is refused (a link, another user's, readable
@@ -372,10 +376,11 @@ def read_token(path: Path) -> tuple[bytes, bool]:
 
 
 def serve_forever(address: str, token_file: str | None = None) -> int:
-    """Serve the metrics at ``address`` (``HOST:PORT``; port 0 picks a free one) until
-    SIGINT or SIGTERM; prints the URL first. With ``token_file``, a scrape must carry
-    its token (:func:`read_token`, :func:`bearer_only`). Returns the exit status (2: a
-    bad address or token file, 1: it cannot listen there)."""
+    """Serve the metrics at ``address`` until SIGINT or SIGTERM; returns the exit status.
+
+    ``address`` is ``HOST:PORT`` (port 0 picks a free one); prints the URL first. With
+    ``token_file``, a scrape must carry its token (:func:`read_token`, :func:`bearer_only`).
+    Returns the exit status (2: a bad address or token file, 1: it cannot listen there)."""
     try:
         host, port = parse_address(address)
         token, made = read_token(Path(token_file)) if token_file else (None, False)

@@ -39,6 +39,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 import matplotlib.ticker  # noqa: E402
 
 from agent.wire.protocol import printable  # noqa: E402
+from gpuwatch.branches import tree_lines  # noqa: E402
 from gpuwatch.compare import Column, rows  # noqa: E402
 from gpuwatch.history import RunHistory, write_output  # noqa: E402
 from gpuwatch.units import (human_age, human_bytes, human_sig, knob_text,  # noqa: E402
@@ -90,6 +91,9 @@ def _marks(axes: Any, run: RunHistory) -> None:
     for step in by_step:
         axes.axvline(step, color=MARK_COLOR, linewidth=0.6 if thin else 1.4,
                      linestyle="--")
+    for step, label in forks(run):
+        axes.axvline(step, color=MARK_COLOR, linewidth=1.4, linestyle="-")
+        labels.append((step, [label], 0))
     for step, names, more in labels:
         text = printable(", ".join(names), LABEL_CHARS) + (f" +{more} more" if more else "")
         axes.annotate(text, xy=(step, 1.0), xycoords=("data", "axes fraction"),
@@ -180,6 +184,20 @@ def plots(run: RunHistory) -> list[tuple[str, str]]:
     return result
 
 
+def forks(run: RunHistory) -> list[tuple[int, str]]:
+    """The forks on the path the report shows (a run with branches: the path of
+    :attr:`RunHistory.branch`), oldest first: the fork step and ``b1 from 120
+    (rewind=120)``."""
+    found = []
+    for branch_id in run.tree.path(run.branch):
+        branch = run.tree.branches[branch_id]
+        if branch.parent is not None and branch.fork_step is not None:
+            why = printable(branch.cause or branch.source, 40)
+            found.append((branch.fork_step, f"b{branch.branch} from {branch.fork_step:,}"
+                          + (f" ({why})" if why else "")))
+    return found[::-1]
+
+
 def _facts(run: RunHistory) -> list[tuple[str, str]]:
     hello = run.hello
     model = hello.get("model")
@@ -203,6 +221,9 @@ def _facts(run: RunHistory) -> list[tuple[str, str]]:
         ("run log", ", ".join(printable(os.fspath(path), 300) for path in run.log.paths)
          + f" ({human_bytes(run.log.size_bytes)})"),
     ]
+    if len(run.tree) > 1:
+        facts.append(("branch", f"b{run.branch}: its path (its parents' steps up to each "
+                      f"fork, then its own), of {len(run.tree):,} branches"))
     if run.thinned:
         facts.append(("thinned", f"the log reached its disk budget: older steps are kept "
                       f"as buckets of {run.thinned:,} (mean, minimum, maximum); every "
@@ -278,6 +299,13 @@ def render(run: RunHistory) -> str:
         if run.knob_changes_total > MAX_TABLE_ROWS:
             parts.append(f"<p>The first {MAX_TABLE_ROWS:,} of {run.knob_changes_total:,} "
                          "knob changes.</p>")
+    tree = tree_lines(run.tree, width_chars=160, max_lines=MAX_TABLE_ROWS)
+    if tree:
+        parts.append("<h2>Branches</h2>")
+        parts.append("<p>Each time the training state was put back (rewind, rollback, "
+                     "recovery) the run went on as a new branch; solid lines in the plots "
+                     "mark the forks on this report's path.</p>")
+        parts.append(f'<pre class="branches">{html.escape(chr(10).join(tree))}</pre>')
     parts.append("<h2>Over the steps</h2>")
     images = plots(run)
     if not images:

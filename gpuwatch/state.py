@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 
 from agent.wire import protocol
 from agent.wire.protocol import MAX_NAME_CHARS, MAX_TEXT_CHARS, shorten
+from agent.wire.runlog import MAX_BRANCHES, BranchTree
 from gpuwatch.units import counted
 
 #: Step records kept for the charts (about 10 minutes at one step a second).
@@ -343,6 +344,8 @@ class RunState:
         self._raw_knobs: Any = None
         self._kept_knobs: dict[str, Any] | None = None
         self._gaps = SeqGaps()
+        #: the run's branches (the latest record's: :attr:`BranchTree.current`)
+        self.tree = BranchTree()
         self._fold: dict[str, Callable[[dict[str, Any], float], None]] = {
             protocol.HELLO: self._fold_hello,
             protocol.STEP: self._fold_step,
@@ -368,6 +371,7 @@ class RunState:
         clone._rank_knobs = {rank: dict(recent) for rank, recent in self._rank_knobs.items()}
         clone._gaps = copy.copy(self._gaps)
         clone._gaps._last = dict(self._gaps._last)
+        clone.tree = copy.deepcopy(self.tree)
         clone._fold = {kind: getattr(clone, fold.__name__)
                        for kind, fold in self._fold.items()}
         return clone
@@ -721,6 +725,7 @@ class RunState:
             _number(body.get("loss")), peak_reserved, rss, self.activation_bytes,
             _number(body.get("tokens_per_s"))))
         self.steps_total += 1
+        self.tree.stepped(1, step, step)
         raw_knobs = body.get("knobs")
         knobs = self._step_knobs(raw_knobs) if isinstance(raw_knobs, dict) else None
         if self.primary_rank is not None:
@@ -800,6 +805,7 @@ class RunState:
         parts = [field if type(field) is list else repeat(field, kept) for field in fields]
         self.steps.extend(map(_step_record, zip(steps, *parts)))
         self.steps_total += n
+        self.tree.stepped(n, columns["step"][0], columns["step"][-1])
         last = dict(common)  # the latest row, as protocol.step_bodies makes it
         for name, values in columns.items():
             if values[-1] is not None or name in protocol.STEP_FIELDS:
@@ -888,6 +894,29 @@ class RunState:
             self._compiling_until_step = step if type(step) is int else None
         elif kind in _KIND.COMPILE_ENDED:
             self._compile_ended(now)
+        elif kind == _KIND.BRANCHED:
+            self._branched(body)
+
+    def _branched(self, body: dict[str, Any]) -> None:
+        """A ``branched`` event: the run went back to its fork step and goes on as a
+        new branch, so the charts continue along its path: the step records, knob
+        changes and activation measurements after the fork step are dropped (the
+        parent's steps up to it stay), and the log says so."""
+        parent = self.tree.current
+        branch = self.tree.branched(body)
+        if branch is None:
+            self.log("warning", f"more than {MAX_BRANCHES:,} branches: the charts no longer "
+                     "follow the run's branches", self.message_t)
+            return
+        fork = branch.fork_step
+        if fork is not None:
+            for kept in (self.steps, self.knob_changes, self.activation_history):
+                while kept and kept[-1][0] is not None and kept[-1][0] > fork:
+                    kept.pop()
+            self.step = fork
+        where = "?" if fork is None else f"{fork:,}"
+        self.log("info", f"now on branch b{branch.branch}, from step {where} of b{parent}: "
+                 f"the charts go on from step {where}", self.message_t)
 
     def _compile_ended(self, now: float) -> None:
         """The compile under way (if any) is over: keep how long it took."""

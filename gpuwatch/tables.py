@@ -76,8 +76,9 @@ def _integral(name: str) -> bool:
 
 @dataclass
 class Columns:
-    """The columns of a run's steps table and their types, found by one pass over its
-    log (:func:`columns_of`).
+    """The columns of a run's steps table and their types.
+
+    Found by one pass over its log (:func:`columns_of`).
 
     Attributes:
         numbers: field -> whether its values are whole numbers (written as integers).
@@ -89,8 +90,9 @@ class Columns:
     knobs: dict[str, str] = field(default_factory=dict)
 
     def schema(self) -> pa.Schema:
-        """The steps table's Arrow schema (no pandas metadata: pandas reads the
-        Parquet file's types as it reads the CSV file's)."""
+        """The steps table's Arrow schema.
+
+        No pandas metadata: pandas reads the Parquet file's types as it reads the CSV's."""
         fields = [("run", pa.string()), ("rank", pa.int64())]
         fields += [(name, pa.int64() if whole else pa.float64())
                    for name, whole in self.numbers.items()]
@@ -101,9 +103,11 @@ class Columns:
 
 
 def columns_of(log: LogFiles) -> Columns:
-    """The steps table's columns: every number field with a value in some row (in the
-    order they first come), the text fields, and the knobs with the types of their
-    values (booleans, integers, numbers: a mix of integers and floats, else text)."""
+    """The steps table's columns, from one pass over ``log``.
+
+    Every number field with a value in some row (in the order they first come), the text
+    fields, and the knobs with the types of their values (booleans, integers, numbers: a mix
+    of integers and floats, else text)."""
     found = Columns()
     whole: dict[str, bool] = {}
     kinds: dict[str, set[type]] = {}
@@ -242,10 +246,11 @@ EVENT_SCHEMA = pa.schema([
 
 
 def csv_cells(table: pa.Table) -> pa.Table:
-    """``table`` as its CSV file writes it: text cells that start like a formula with a
-    single quote before them, floats as text with a decimal point (``1.0``, which
-    Arrow would write as ``1``), the other columns as they are. Vectorized (a regular
-    expression per text or float column, in C)."""
+    """``table`` as its CSV file writes it.
+
+    Text cells that start like a formula with a single quote before them, floats as text
+    with a decimal point (``1.0``, which Arrow would write as ``1``), the other columns as
+    they are. Vectorized (a regular expression per text or float column, in C)."""
     columns = []
     for column in table.columns:
         if pa.types.is_string(column.type):
@@ -326,8 +331,9 @@ class _TableWriter:
 
 def write_tables(log: LogFiles, prefix: Path, table_format: str
                  ) -> tuple[list[tuple[Path, int]], LogReader]:
-    """Write ``<prefix>.steps.<ext>`` and ``<prefix>.events.<ext>`` from ``log`` (each
-    into a new file, renamed over the old once whole); returns each path with its
+    """Write ``<prefix>.steps.<ext>`` and ``<prefix>.events.<ext>`` from ``log``.
+
+    Each goes into a new file, renamed over the old once whole; returns each path with its
     rows, and the reader of the log (what it could not read: ``malformed``, ...).
 
     Args:

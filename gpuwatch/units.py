@@ -15,9 +15,11 @@ _DURATION_UNITS = (("ms", 1e-3, 1000.0), ("s", 1.0, 60.0), ("min", 60.0, 60.0),
 
 
 def knob_text(value: Any) -> str:
-    """A knob value as a person reads it: booleans as ``on`` / ``off``, floats in their
-    shortest form to 12 significant digits (``0.05000000000000001`` -> ``0.05``, the
-    noise of a run's own arithmetic), the rest as is."""
+    """A knob value as a person reads it.
+
+    Booleans as ``on`` / ``off``, floats in their shortest form to 12 significant digits
+    (``0.05000000000000001`` -> ``0.05``, the noise of a run's own arithmetic), the rest as
+    is."""
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, float) and math.isfinite(value):
@@ -26,8 +28,9 @@ def knob_text(value: Any) -> str:
 
 
 def local_time(t_s: float | None, form: str = "%Y-%m-%d %H:%M:%S") -> str:
-    """Unix time ``t_s`` (s) as local time in ``form`` (:func:`time.strftime`); ``"-"``
-    for None and for a time the platform cannot hold (a damaged log's ``1e308``)."""
+    """Unix time ``t_s`` (s) as local time in ``form`` (:func:`time.strftime`).
+
+    ``"-"`` for None and for a time the platform cannot hold (a damaged log's ``1e308``)."""
     if t_s is None:
         return "-"
     try:
@@ -72,11 +75,13 @@ def human_age(age_s: float) -> str:
 
 
 def human_sig(value: float | None, digits: int = 3) -> str:
-    """A number with ``digits`` significant digits, never in scientific notation, with
-    thousands separators: ``2.0391`` -> ``"2.04"``, ``11234.5`` -> ``"11,234"`` (a
-    number of ``digits`` or more integer digits keeps them all), ``0.0003`` ->
-    ``"0.000300"``; None or non-finite -> ``"-"``. The one form of every measured
-    number a person reads on the dashboard (step times, loss, rates, norms)."""
+    """A number with ``digits`` significant digits, as a person reads it on the dashboard.
+
+    Never in scientific notation, with thousands separators: ``2.0391`` -> ``"2.04"``,
+    ``11234.5``
+    -> ``"11,234"`` (a number of ``digits`` or more integer digits keeps them all), ``0.0003`` ->
+    ``"0.000300"``; None or non-finite -> ``"-"``. The one form of every measured number a person
+    reads on the dashboard (step times, loss, rates, norms)."""
     if value is None or isinstance(value, bool) or not math.isfinite(value):
         return "-"
     if value == 0:
@@ -91,7 +96,8 @@ def human_sig(value: float | None, digits: int = 3) -> str:
 
 
 def human_duration(value_s: float | None) -> str:
-    """A duration in seconds with 3 significant digits in the unit that reads best:
+    """A duration in seconds with 3 significant digits in the unit that reads best.
+
     ``0.0123`` -> ``"12.3 ms"``, ``11.2`` -> ``"11.2 s"``, ``150`` -> ``"2.50 min"``,
     ``7200`` -> ``"2.00 h"``; None or non-finite -> ``"-"``."""
     if value_s is None or isinstance(value_s, bool) or not math.isfinite(value_s):
@@ -104,15 +110,18 @@ def human_duration(value_s: float | None) -> str:
 
 
 def human_ms(value_s: float | None) -> str:
-    """Seconds as a person reads them (see :func:`human_duration`): ``0.0123`` ->
+    """Seconds as a person reads them (see :func:`human_duration`).
+
+    ``0.0123`` ->
     ``"12.3 ms"``, ``11.2`` -> ``"11.2 s"``; None -> ``"-"``."""
     return human_duration(value_s)
 
 
 def human_rate(value: float | None, unit: str = "") -> str:
-    """A throughput as a person reads it (:func:`human_sig`, then `` unit``): ``0`` is
-    ``unknown`` (a step trains on a sample at least: 0 says that nothing counted its
-    batches, as in a monitoring-only session), None or non-finite ``-``."""
+    """A throughput as a person reads it (:func:`human_sig`, then `` unit``).
+
+    ``0`` is ``unknown`` (a step trains on a sample at least: 0 says that nothing counted
+    its batches, as in a monitoring-only session), None or non-finite ``-``."""
     if value == 0:
         text = "unknown"
     else:
@@ -121,8 +130,9 @@ def human_rate(value: float | None, unit: str = "") -> str:
 
 
 def counted(count: int, noun: str) -> str:
-    """``count`` and ``noun`` in the plural it takes: ``1 step``, ``0 steps``, ``1,200
-    steps`` (English nouns whose plural adds ``s``)."""
+    """``count`` and ``noun`` in the plural it takes.
+
+    ``1 step``, ``0 steps``, ``1,200 steps`` (English nouns whose plural adds ``s``)."""
     return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 

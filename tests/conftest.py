@@ -158,7 +158,7 @@ class FakeAgent:
         self._knob_set = KnobSet()
         for name in list(self.knobs):
             spec = STANDARD_KNOBS[name]
-            if spec.kind == "action":  # a command, not a setting: nothing to keep
+            if spec.command:  # a command, not a setting: nothing to keep
                 del self.knobs[name]
             refused = (unavailable or {}).get(name, {})
             self._knob_set.add(Knob(
@@ -174,7 +174,7 @@ class FakeAgent:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _set(self, name: str, value: Any) -> None:
-        if self._knob_set.knobs[name].spec.kind != "action":
+        if not self._knob_set.knobs[name].spec.command:
             self.knobs[name] = value
 
     @property

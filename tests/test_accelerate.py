@@ -21,6 +21,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 import agent  # noqa: E402
 from agent.wire import runs  # noqa: E402
+from agent.integrations.adapters import NOT_A_MIXTURE  # noqa: E402
 from agent.integrations.accelerate import AcceleratorRun  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
 from gpuwatch.history import flat_records  # noqa: E402
@@ -536,7 +537,7 @@ def test_knobs_that_cannot_be_right_are_refused_with_their_reason():
     info = runs.find_run(run.agent.run_id)
     schema = {knob["name"] for knob in run.agent.knobs.schema()}
     assert schema == {"accum_steps", "precision", "kernels", "lr_scale", "weight_decay",
-                      "max_grad_norm", "checkpoint", "cpu_threads", "pause", "stop"}
+                      "max_grad_norm", "checkpoint", "cpu_threads", "pause", "stop", "rewind"}
 
     def reason(knob, value):
         reply = send_command(info, knob, value)
@@ -558,6 +559,7 @@ def test_knobs_that_cannot_be_right_are_refused_with_their_reason():
             "DataLoader fixes its workers when it is built); give one to run.loader() for "
             "live loader knobs")
     assert reason("memory_fraction", 0.5) == "memory_fraction: needs CUDA; this run is on cpu"
+    assert reason("mixture", "0.5,0.5") == f"mixture: {NOT_A_MIXTURE}"
 
     def at_boundary(n):  # a step was taken without accelerator.clip_grad_norm_
         if n == 2:
@@ -607,6 +609,31 @@ def test_loader_knobs_of_a_reconfigurable_loader_change_workers_mid_epoch():
     steps, _, _ = _records(run)
     assert [steps[s]["knobs"]["num_workers"] for s in sorted(steps)] == [0, 0] + [1] * 6
     loader.close()
+
+
+def test_a_mixture_loader_given_to_run_loader_binds_the_mixture_knob():
+    from torch.utils.data import TensorDataset
+
+    from agent.wire.knobs import KnobError
+    from gpuopt.mixture import MixtureLoader
+
+    accelerator = Accelerator(cpu=True)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    run = agent.attach(accelerator)
+    assert run.knobs.unsupported["mixture"] == NOT_A_MIXTURE
+    x, y = (torch.cat(t) for t in zip(*digits_loader(batch_size=64, n=128)))
+    loader = MixtureLoader([TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])],
+                           [1, 3], batch_size=8)
+    run.loader(loader)  # binds the loader knobs, mixture among them
+    knob = run.knobs.knobs["mixture"]
+    assert "mixture" not in run.knobs.unsupported and knob.get() == "0.25,0.75"
+    assert run.knobs.validate("mixture", "1,1") == "0.5,0.5"
+    with pytest.raises(KnobError, match="3 weights, and this run's mixture has 2"):
+        run.knobs.validate("mixture", "1,1,1")
+    knob.set("0.5,0.5")  # as the agent applies it at a boundary
+    assert loader.weights == (0.5, 0.5)
+    run.close()
 
 
 def test_sigterm_ends_the_run_cleanly(tmp_path):

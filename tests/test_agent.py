@@ -70,7 +70,7 @@ def test_hello_carries_schema_environment_and_model(run_dir):
         # the CUDA-only memory knobs are absent from a CPU run's schema
         assert [k["name"] for k in body["knobs"]] == [
             "precision", "accum_steps", "kernels", "lr_scale", "weight_decay",
-            "max_grad_norm", "cpu_threads", "pause", "stop", "checkpoint"]
+            "max_grad_norm", "cpu_threads", "pause", "stop", "checkpoint", "rewind"]
         assert body["model"] == {"name": "Sequential", "params": 64 * 64 + 64 + 64 * 10 + 10}
         assert body["env"]["torch"]["version"] == torch.__version__
         assert body["knob_values"] == {"precision": "fp32", "accum_steps": 1, "kernels": "eager",

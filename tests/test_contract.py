@@ -8,6 +8,8 @@ checkpoint's must win) and trains to step 9. It must continue the twin exactly: 
 same samples in every window, bit-equal per-step losses, bit-equal final parameters
 (fp32 on the CPU; bf16 steps equal to the twin's bf16 steps); the resume event lists
 every knob value restored; a knob its framework refuses is refused with the reason.
+The same run told ``rewind=5`` after step 7 goes on exactly as that resume (a new
+branch); a rollback of the state is a branch too.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from agent.wire.knobs import assignment
 from gpuwatch.history import flat_records
-from tests.contract import Driver, all_drivers, run, run_diverging
+from tests.contract import Driver, Recorder, all_drivers, run, run_diverging
 
 STEPS = 9
 CHECKPOINT_AFTER = 5
@@ -79,6 +81,57 @@ def test_a_resume_after_live_changes_continues_the_run_exactly(driver, run_dir, 
         assert torch.equal(mine, theirs)
 
 
+#: ``rewind=5`` applies at the boundary after step 7 (sent at step 6: the checkpoint of
+#: step 5 exists by then, and the command's check looks for it)
+REWIND_AT = 8
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_rewind_goes_on_exactly_as_a_resume_from_the_checkpoint(driver, run_dir, tmp_path):
+    """The twin's live changes and ``checkpoint=now`` after step 5, then training on to
+    step 7 and ``rewind=5`` (the step: the run's checkpoint directory and names): the
+    run goes on from the checkpoint as branch 1 of branch 0 at step 5, its knob values
+    back (named in the ``branched`` event, which comes before any step of the new
+    branch in the run log), and its steps 6 to 9 equal those of a fresh run resumed
+    from that checkpoint: the same samples, bit-equal fp32 losses, the same knob
+    values, bit-equal final parameters."""
+    recorder = Recorder(later=[(6, "rewind", str(CHECKPOINT_AFTER), REWIND_AT)])
+    live = run(driver, steps=STEPS, commands=_commands(driver), checkpoint_dir=tmp_path,
+               recorder=recorder)
+    reply = recorder.replies["rewind"]
+    assert reply["ok"], reply
+    [saved] = [e["path"] for e in live.events("applied") if e["knob"] == "checkpoint"]
+    [branched] = live.events("branched")
+    assert (branched["branch"], branched["parent"], branched["step"]) == (
+        1, 0, CHECKPOINT_AFTER), branched
+    assert branched["source"] == saved and branched["cause"] == "rewind=5", branched
+    at = live.records.index(branched)
+    before = [r["step"] for r in live.records[:at] if r["type"] == "step"]
+    after = [r for r in live.records[at:] if r["type"] == "step"]
+    assert before == list(range(1, REWIND_AT)), before
+    assert [r["step"] for r in after] == list(range(CHECKPOINT_AFTER + 1, STEPS + 1))
+    [rewound] = [e for e in live.events("applied") if e["knob"] == "rewind"]
+    assert rewound["step"] == REWIND_AT and rewound["branch"] == 1, rewound
+
+    if not driver.rollback:  # the loop holds a batch it fetched ahead: the event says so
+        assert branched["level"] == "warning" and "fetched ahead" in branched["text"]
+        return
+    assert branched["level"] == "info", branched
+    resumed = run(driver, steps=STEPS, commands=[], checkpoint_dir=tmp_path / "again",
+                  resume_from=saved)
+    want = resumed.steps()
+    for knob, _ in driver.changes:  # the checkpoint's values came back, and are named
+        assert assignment(knob, want[CHECKPOINT_AFTER + 1]["knobs"][knob]) in (
+            branched["text"]), branched["text"]
+    for record in after:
+        step = record["step"]
+        assert live.recorder.window(step) == resumed.recorder.window(step), step
+        assert record["loss"] == want[step]["loss"], step
+        assert record["knobs"] == want[step]["knobs"], step
+    for mine, theirs in zip(live.params, resumed.params, strict=True):
+        assert torch.equal(mine, theirs)
+
+
 @pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].rollback])
 def test_a_rollback_puts_the_state_back_where_the_change_applied(driver, run_dir,
                                                                   tmp_path):
@@ -92,6 +145,11 @@ def test_a_rollback_puts_the_state_back_where_the_change_applied(driver, run_dir
     diverging = run_diverging(driver, tmp_path, also=(("accum_steps", 3),))
     [restored] = diverging.events("state_restored")
     assert "boundary after step 6" in restored["text"], restored
+    [branched] = diverging.events("branched")  # a rollback of the state is a branch
+    assert (branched["branch"], branched["parent"], branched["step"],
+            branched["source"]) == (1, 0, 6, "rollback"), branched
+    assert branched["cause"].startswith("rolled back: loss was nan at step 7"), branched
+    assert diverging.records.index(branched) < diverging.records.index(restored)
     want, got = twin.steps(), diverging.steps()
     for step in range(7, 15):
         assert got[step]["loss"] == want[step]["loss"], step

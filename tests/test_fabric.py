@@ -28,7 +28,7 @@ from gpuwatch.history import flat_records  # noqa: E402
 from tests.contract import BATCH_SIZE, IndexedDigits  # noqa: E402
 from tests.contract import run as contract_run  # noqa: E402
 from tests.contract.fabric import FabricDriver  # noqa: E402
-from tests.training import BlockNet, digits_loader  # noqa: E402
+from tests.training import BlockNet, digits_loader, resume_when_paused  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LR = 0.1
@@ -265,7 +265,7 @@ def test_knobs_that_cannot_be_exact_are_refused_with_their_reason(tmp_path):
     fabric, model, optimizer, loader, run = _set_up(n=32)
     schema = {knob["name"] for knob in run.agent.knobs.schema()}
     assert schema == {"precision", "kernels", "checkpointing", "lr_scale", "weight_decay",
-                      "checkpoint", "cpu_threads", "pause", "stop"}
+                      "checkpoint", "cpu_threads", "pause", "stop", "rewind"}
 
     def reason(knob, value):
         reply = send_command(run.agent.info, knob, value)
@@ -312,6 +312,81 @@ def test_knobs_that_cannot_be_exact_are_refused_with_their_reason(tmp_path):
     agent.attach(fabric, model=modules[1]).close()
     with pytest.raises(TypeError, match="or a lightning.fabric.Fabric, not builtins.object"):
         agent.attach(object())
+
+
+def _held_out_loss(model, x, y):
+    """The eval_fn of the steering tests: the mean loss on held-out digits, no grad."""
+    model.eval()
+    with torch.no_grad():
+        return {"val_loss": float(F.cross_entropy(model(x), y)), "note": "x"}
+
+
+def test_pause_then_resume_loses_no_step_then_evaluate_and_stop_at_one_boundary(run_dir):
+    """pause=on holds after step 2 until pause=off: steps 1..4 recorded once each, with
+    an unpaused twin's losses bit for bit; evaluate=now after step 4 runs the eval_fn
+    given to attach (its val_loss equals a hand call on the stopped model); stop=now at
+    the same boundary ends run.loader() there, so the loop's own end runs; bye names it."""
+    x_val, y_val = (torch.cat(t) for t in zip(*digits_loader(batch_size=64, n=1797)[-1:]))
+    fabric, model, optimizer, loader, twin = _set_up(n=96, accum_steps=1, max_grad_norm=0.0)
+    _train(fabric, model, optimizer, loader, twin, steps=6)
+    twin_steps, _, _ = _records(twin)
+    fabric, model, optimizer, loader, run = _set_up(
+        n=96, accum_steps=1, max_grad_norm=0.0,
+        eval_fn=lambda: _held_out_loss(model, x_val, y_val))
+    info = runs.find_run(run.agent.run_id)
+    for knob, value, step in (("pause", "on", 3), ("evaluate", "now", 5), ("stop", "now", 5)):
+        reply = send_command(info, knob, value, apply_step=step)
+        assert reply["ok"] and reply["apply_step"] == step, reply
+    resumer, resumed = resume_when_paused(info)
+    # returns before its 6 steps: run.loader() ended, and the loop's own end runs
+    windows = _train(fabric, model, optimizer, loader, run, steps=6)
+    resumer.join(30)
+    assert resumed and resumed[0]["ok"] and resumed[0]["apply_step"] == 3, resumed
+    assert run.stopping and len(windows) == 4 and run.step == 4
+    steps, events, records = _records(run)
+    assert sorted(steps) == [1, 2, 3, 4]  # none lost or repeated
+    assert [steps[k]["loss"] for k in steps] == [twin_steps[k]["loss"] for k in steps]
+    applied = [(e["knob"], e["value"], e["step"]) for e in events if e["kind"] == "applied"]
+    assert applied == [("pause", "on", 3), ("pause", "off", 3), ("evaluate", "now", 5),
+                       ("stop", "now", 5)]
+    assert records[-1]["type"] == "bye" and records[-1]["reason"] == (
+        "stopped by stop=now after step 4")
+    [event] = [e for e in events if e["kind"] == "evaluation"]
+    assert event["step"] == 4
+    assert event["metrics"] == {"val_loss": _held_out_loss(model, x_val, y_val)["val_loss"]}
+    assert runs.list_runs() == []
+
+
+def test_stop_checkpoint_saves_then_ends_and_the_checkpoint_resumes_the_run(run_dir,
+                                                                           tmp_path):
+    """stop=checkpoint for step 4 saves after step 3 and ends run.loader() there (bye
+    names it); a run resumed from that checkpoint trains steps 4..6 with the losses of a
+    run that never stopped."""
+    fabric, model, optimizer, loader, twin = _set_up(n=96, accum_steps=1, max_grad_norm=0.0)
+    _train(fabric, model, optimizer, loader, twin, steps=6)
+    twin_steps, _, _ = _records(twin)
+    fabric, model, optimizer, loader, run = _set_up(n=96, accum_steps=1, max_grad_norm=0.0,
+                                                    checkpoint_dir=tmp_path)
+    reply = send_command(runs.find_run(run.agent.run_id), "stop", "checkpoint",
+                         apply_step=4)
+    assert reply["ok"], reply
+    windows = _train(fabric, model, optimizer, loader, run, steps=6)
+    assert len(windows) == 3 and run.step == 3 and run.stopping
+    steps, events, records = _records(run)
+    assert sorted(steps) == [1, 2, 3]
+    [stop] = [e for e in events if e["kind"] == "applied" and e["knob"] == "stop"]
+    assert stop["text"].startswith("stop=checkpoint applied at step 4: the training ends "
+                                   "after step 3; checkpoint saved")
+    assert records[-1]["type"] == "bye" and records[-1]["reason"] == (
+        "stopped by stop=checkpoint after step 3")
+    [path] = list(tmp_path.iterdir())
+    fabric, model, optimizer, loader, resumed = _set_up(n=96, accum_steps=1, max_grad_norm=0.0,
+                                                        resume_from=path)
+    assert resumed.step == 3
+    _train(fabric, model, optimizer, loader, resumed, steps=6)
+    steps, _, _ = _records(resumed)
+    assert sorted(steps) == [4, 5, 6]
+    assert [steps[k]["loss"] for k in steps] == [twin_steps[k]["loss"] for k in steps]
 
 
 class SetEpochDriver(FabricDriver):

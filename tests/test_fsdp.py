@@ -1,7 +1,9 @@
 """FSDP2 (``fully_shard``) in a hand-written loop: every knob exact against an unsharded
 copy, commands at one step on every rank, refused everywhere when one rank refuses, and
 a sharded checkpoint every rank writes its part of, resumed bit-identically (real
-torchrun jobs, gloo on the CPU: :mod:`tests.fsdp_job`)."""
+torchrun jobs, gloo on the CPU: :mod:`tests.fsdp_job`); the same under Lightning's
+``ModelParallelStrategy``, in a Fabric loop (:mod:`tests.fabric_fsdp_job`) and a
+Trainer's ``fit`` (:mod:`tests.lightning_fsdp_job`)."""
 
 import os
 import signal
@@ -95,3 +97,145 @@ def test_every_knob_of_a_sharded_loop_is_exact_and_its_checkpoint_resumes_bit_id
             assert state["knobs"] == data["steps"][step]["knobs"]
             for mine, theirs in zip(state["params"], data["steps"][step]["params"], strict=True):
                 assert torch.equal(mine, theirs), (rank, step)
+
+
+@pytest.mark.slow
+def test_every_knob_of_a_fabric_model_parallel_loop_is_exact_and_resumes_bit_identically(
+        run_dir, tmp_path):
+    """Fabric's ModelParallelStrategy (fully_shard on its data-parallel mesh): the job
+    checks each window against the unsharded copy and the reduction at the window's
+    last micro-batch only (``fabric.no_backward_sync``); here: each command at one step
+    on both ranks, the refusals, and the sharded checkpoint resumed bit for bit."""
+    job = str(JOB.with_name("fabric_fsdp_job.py"))
+    run_job(job, str(tmp_path), "knobs")
+    ranks = [torch.load(tmp_path / f"knobs-rank{rank}.pt", weights_only=False)
+             for rank in (0, 1)]
+    replies = ranks[0]["replies"]
+    for name in ("accum_steps", "lr_scale", "weight_decay", "max_grad_norm", "checkpointing",
+                 "precision=bf16", "checkpoint"):
+        assert replies[name]["ok"] and replies[name]["ranks"] == [0, 1], replies[name]
+    assert not replies["precision=fp16"]["ok"]  # (Fabric has no fp16 AMP on a CPU)
+    assert "choose bf16" in replies["precision=fp16"]["reason"]
+    assert not replies["kernels"]["ok"]
+    assert "compiling a model sharded by fully_shard" in replies["kernels"]["reason"]
+    assert [{step: s["knobs"] for step, s in data["steps"].items()} for data in ranks][0] == {
+        step: s["knobs"] for step, s in ranks[1]["steps"].items()}
+    for name, value in ranks[0]["steps"][max(ranks[0]["steps"])]["knobs"].items():
+        reply = replies.get(name) or replies.get(f"{name}={value}")
+        if reply is not None and reply["ok"]:
+            assert min(step for step, s in ranks[0]["steps"].items()
+                       if s["knobs"][name] == value) == reply["apply_step"], name
+    [directory] = (tmp_path / "checkpoints").iterdir()
+    saved_step = replies["checkpoint"]["apply_step"] - 1
+    assert directory.name == f"step-{saved_step:08d}"
+    assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in directory.iterdir()}
+
+    run_job(job, str(tmp_path), "resume")
+    for rank, data in enumerate(ranks):
+        resumed = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
+        [event] = [e for e in resumed["events"] if e["kind"] == "resumed"]
+        assert f"resumed from {directory} at step {saved_step}" in event["text"], event
+        assert sorted(resumed["steps"]) == [step for step in sorted(data["steps"])
+                                            if step > saved_step]
+        for step, state in resumed["steps"].items():
+            assert state["knobs"] == data["steps"][step]["knobs"]
+            for mine, theirs in zip(state["params"], data["steps"][step]["params"], strict=True):
+                assert torch.equal(mine, theirs), (rank, step)
+
+
+@pytest.mark.slow
+def test_a_fabric_model_parallel_mesh_with_tensor_parallelism_refuses_every_knob(
+        run_dir, tmp_path):
+    """ModelParallelStrategy's 'auto' sizes give both devices to tensor parallelism: a
+    module fully_shard-ed on its (one-rank) data-parallel mesh is then not what the
+    knobs were verified on, and each rank refuses them with the mesh in the reason."""
+    run_job(str(JOB.with_name("fabric_fsdp_job.py")), str(tmp_path), "auto")
+    for rank in (0, 1):
+        unsupported = torch.load(tmp_path / f"auto-rank{rank}.pt", weights_only=False)
+        for name in ("accum_steps", "precision", "checkpointing", "lr_scale", "weight_decay",
+                     "max_grad_norm", "dropout", "micro_batch_size", "checkpoint"):
+            assert "a tensor-parallel dimension of 2 ranks (its mesh: data_parallel=1, " \
+                   "tensor_parallel=2;" in unsupported[name], (rank, name)
+
+
+@pytest.mark.slow
+def test_every_knob_of_a_lightning_model_parallel_fit_is_exact_and_resumes_bit_identically(
+        run_dir, tmp_path):
+    """Lightning's ModelParallelStrategy (fully_shard in configure_model): the job's
+    callback checks each window against the unsharded copy and that its gradients are
+    reduced at its last micro-batch only (Lightning's own block_backward_sync blocks
+    DDP's only: without gpuwatch every micro-batch is reduced); here: each command at
+    one step on both ranks, the refusals with their reasons, and Lightning's sharded
+    checkpoint, resumed by ``fit(ckpt_path=)``, equal to the run bit for bit."""
+    job = str(JOB.with_name("lightning_fsdp_job.py"))
+    run_job(job, str(tmp_path), "knobs")
+    ranks = [torch.load(tmp_path / f"knobs-rank{rank}.pt", weights_only=False)
+             for rank in (0, 1)]
+    replies = ranks[0]["replies"]
+    for name in ("accum_steps", "lr_scale", "weight_decay", "max_grad_norm", "checkpointing",
+                 "precision=bf16", "checkpoint"):
+        assert replies[name]["ok"] and replies[name]["ranks"] == [0, 1], replies[name]
+    assert "GradScaler would check each rank's shard" in replies["precision=fp16"]["reason"]
+    assert "compiling a model sharded by fully_shard" in replies["kernels"]["reason"]
+    assert not any(replies[name]["ok"] for name in ("precision=fp16", "kernels"))
+    assert sorted(ranks[0]["steps"]) == list(range(1, 19))
+    assert [data["checkpointed"] for data in ranks] == [(3, True)] * 2  # the fully_shard blocks
+    assert [{step: s["knobs"] for step, s in data["steps"].items()} for data in ranks][0] == {
+        step: s["knobs"] for step, s in ranks[1]["steps"].items()}
+    for name, value in ranks[0]["steps"][18]["knobs"].items():
+        reply = replies.get(name) or replies.get(f"{name}={value}")
+        if reply is not None and reply["ok"]:
+            assert min(step for step, s in ranks[0]["steps"].items()
+                       if s["knobs"][name] == value) == reply["apply_step"], name
+    [directory] = (tmp_path / "checkpoints").iterdir()  # every rank's shards, rank 0's rest
+    saved_step = replies["checkpoint"]["apply_step"] - 1
+    assert directory.name == f"step-{saved_step:08d}.ckpt"
+    assert {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= {p.name for p in directory.iterdir()}
+
+    run_job(job, str(tmp_path), "resume")
+    for rank, data in enumerate(ranks):
+        resumed = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
+        assert sorted(resumed["steps"]) == [step for step in sorted(data["steps"])
+                                            if step > saved_step]
+        for step, state in resumed["steps"].items():
+            assert state["knobs"] == data["steps"][step]["knobs"]
+            for mine, theirs in zip(state["params"], data["steps"][step]["params"], strict=True):
+                assert torch.equal(mine, theirs), (rank, step)
+
+
+@pytest.mark.slow
+def test_accelerate_and_hf_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir, tmp_path):
+    """accelerate makes its FSDP plugin FSDP only from a GPU-like distributed type
+    (accelerate/state.py, AcceleratorState): on a CPU, ``cpu=True`` gives DDP
+    (MULTI_CPU: its knobs and refusals), and without it each torchrun rank is a
+    one-process run (NO) that never reduces with the others: gpuwatch warns on every
+    rank, and refuses the checkpoint, which would be rank 0's model for all. The HF
+    Trainer's ``fsdp=`` with ``use_cpu`` is that DDP: gpuwatch warns that it is."""
+    job = str(JOB.with_name("accelerate_fsdp_job.py"))
+    run_job(job, str(tmp_path), "plain")
+    run_job(job, str(tmp_path), "cpu")
+    run_job(job, str(tmp_path), "hf")
+    for rank in (0, 1):
+        plain = torch.load(tmp_path / f"plain-rank{rank}.pt", weights_only=False)
+        assert (plain["distributed_type"], plain["num_processes"], plain["dtensors"]) == (
+            "NO", 1, False)
+        assert (plain["rank"], plain["world_size"]) == (rank, 2)
+        apart = ("the launcher started 2 ranks and accelerate runs each as a run of its own "
+                 "(distributed_type NO: no GPU, and no Accelerator(cpu=True)): they train "
+                 "apart, their gradients never reduced, and an FSDP plugin is not used")
+        assert plain["warnings"] == [apart]
+        assert plain["unsupported"]["checkpoint"] == (
+            f"{apart}; rank 0's checkpoint would not hold the other ranks' models")
+        cpu = torch.load(tmp_path / f"cpu-rank{rank}.pt", weights_only=False)
+        assert (cpu["distributed_type"], cpu["num_processes"], cpu["dtensors"]) == (
+            "MULTI_CPU", 2, False)
+        assert cpu["warnings"] == []
+        assert "save_state writes from together" in cpu["unsupported"]["checkpoint"]
+        for name in ("accum_steps", "precision", "lr_scale", "max_grad_norm"):
+            assert name not in cpu["unsupported"], name  # (DDP's, as its column says)
+        hf = torch.load(tmp_path / f"hf-rank{rank}.pt", weights_only=False)
+        assert (hf["distributed_type"], hf["is_fsdp_enabled"], hf["dtensors"]) == (
+            "MULTI_CPU", False, False)
+        assert hf["warnings"] == [
+            "fsdp=True is not FSDP here: accelerate runs MULTI_CPU (its FSDP plugin only on "
+            "a GPU-like device), so the model is not sharded and the knobs are that run's"]

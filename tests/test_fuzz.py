@@ -5,7 +5,7 @@ import msgpack
 from hypothesis import given, settings, strategies as st
 
 from agent.wire import protocol
-from agent.wire.knobs import STANDARD_KNOBS, Knob, KnobError, KnobSet
+from agent.wire.knobs import STANDARD_KNOBS, TEXT_MAX_CHARS, Knob, KnobError, KnobSet
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
@@ -58,5 +58,12 @@ def test_validator_accepts_only_values_inside_the_schema(knob, value):
         assert isinstance(coerced, bool)
     elif spec.kind == "float":
         assert type(coerced) is float and spec.minimum <= coerced <= spec.maximum
+    elif spec.kind == "weights":
+        weights = [float(part) for part in coerced.split(",")]
+        assert spec.minimum <= len(weights) <= spec.maximum
+        assert all(0 <= weight <= 1 for weight in weights) and sum(weights) > 0.99
+    elif spec.kind == "text":
+        assert type(coerced) is str and 1 <= len(coerced) <= TEXT_MAX_CHARS
+        assert not any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in coerced)
     else:
         assert type(coerced) is int and spec.minimum <= coerced <= spec.maximum

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,8 +28,9 @@ from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
 import agent  # noqa: E402
 from agent.integrations import hf  # noqa: E402
 from gpuopt.precision import precision_warning  # noqa: E402
-from gpuwatch.client import Subscriber, send_command  # noqa: E402
+from gpuwatch.client import send_command  # noqa: E402
 from gpuwatch.history import flat_records  # noqa: E402
+from tests.training import resume_when_paused  # noqa: E402
 
 SEQ = 16
 BATCH = 4
@@ -602,6 +602,8 @@ def test_knobs_the_trainer_cannot_apply_are_refused_with_the_reason(run_dir, tmp
             assert not reply["ok"] and reply["reason"] == f"{knob}: {hf.LOADER_REASON}"
         reply = send_command(monitor.info, "memory_fraction", 0.5)
         assert reply["reason"] == "memory_fraction: needs CUDA; this run is on cpu"
+        reply = send_command(monitor.info, "mixture", "0.5,0.5")
+        assert not reply["ok"] and reply["reason"] == f"mixture: {hf.MIXTURE_REASON}"
         reply = send_command(monitor.info, "kernels", "triton")
         assert not reply["ok"] and "GPT2LMHeadModel has none" in reply["reason"]
     finally:
@@ -657,25 +659,6 @@ def test_kernels_compile_switches_live_and_trains_the_same_windows(run_dir, tmp_
     _check_windows(snapshots, train, [2] * 8, steps)
 
 
-def _resume_when_paused(info):
-    """A thread that sends pause=off once the run says pause=on applied."""
-    subscriber = Subscriber(info)  # connected before the pause can apply
-    replies = []
-
-    def resume():
-        with subscriber as sub:
-            for message in sub:
-                body = message.get("body") or {}
-                if (message["type"] == "event" and body.get("kind") == "applied"
-                        and body.get("knob") == "pause"):
-                    replies.append(send_command(info, "pause", "off"))
-                    return
-
-    thread = threading.Thread(target=resume, daemon=True)
-    thread.start()
-    return thread, replies
-
-
 def test_pause_resume_then_evaluate_and_stop_at_one_boundary_are_hfs_own(run_dir, tmp_path):
     """pause=on holds after step 2 until pause=off: no step lost or repeated (the losses
     equal an unpaused twin's); evaluate=now is HF's evaluate() after step 4, whose
@@ -691,7 +674,7 @@ def test_pause_resume_then_evaluate_and_stop_at_one_boundary_are_hfs_own(run_dir
     for knob, value, step in (("pause", "on", 3), ("evaluate", "now", 5), ("stop", "now", 5)):
         reply = send_command(monitor.info, knob, value, apply_step=step)
         assert reply["ok"] and reply["apply_step"] == step, reply
-    resumer, resumed = _resume_when_paused(monitor.info)
+    resumer, resumed = resume_when_paused(monitor.info)
     trainer.train()
     resumer.join(30)
     assert resumed and resumed[0]["ok"] and resumed[0]["apply_step"] == 3, resumed

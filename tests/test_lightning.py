@@ -17,6 +17,7 @@ L = pytest.importorskip("lightning.pytorch")
 
 import agent  # noqa: E402
 from agent.wire import runs  # noqa: E402
+from agent.integrations.adapters import NOT_A_MIXTURE  # noqa: E402
 from agent.integrations.lightning import GpuwatchCallback, attach  # noqa: E402
 from agent.wire.knobs import KnobError  # noqa: E402
 from gpuwatch.client import Subscriber, send_command  # noqa: E402
@@ -230,8 +231,8 @@ def test_one_line_attach_reports_undivided_loss_data_wait_lr_tokens_and_events(r
     assert hello["model"] == {"name": "Digits",
                               "params": sum(p.numel() for p in module.parameters())}
     assert [k["name"] for k in hello["knobs"]] == [
-        "pause", "stop", "precision", "accum_steps", "kernels", "checkpointing", "lr_scale",
-        "weight_decay", "max_grad_norm", "checkpoint", "cpu_threads", "evaluate"]
+        "pause", "stop", "rewind", "precision", "accum_steps", "kernels", "checkpointing",
+        "lr_scale", "weight_decay", "max_grad_norm", "checkpoint", "cpu_threads", "evaluate"]
     assert hello["training"] == {"framework": f"lightning {L.__version__}",
                                  "loss_normalization": "micro_batch_mean"}
     events = [(r["kind"], r.get("step"), r.get("sanity_check")) for r in records
@@ -613,6 +614,7 @@ def test_knobs_that_cannot_change_correctly_are_refused_with_the_reason(run_dir)
         reason = _refusal(monitor, knob, value)
         assert "DataLoader" in reason and "ReconfigurableLoader" in reason
     assert "needs CUDA" in _refusal(monitor, "memory_fraction", 0.5)
+    assert _refusal(monitor, "mixture", "0.5,0.5") == f"mixture: {NOT_A_MIXTURE}"
     steps = _steps(_records(monitor))
     assert sorted(steps) == [1, 2, 3]  # still measured: one record per optimizer step
     assert all(s["loss"] > 1.0 for s in steps.values())  # manual: not divided at all
@@ -658,6 +660,39 @@ def test_a_reconfigurable_loader_gives_the_loader_knobs(run_dir):
         torch.testing.assert_close(snapshots.params[step]["head.weight"],
                                    expected["head.weight"], rtol=1e-5, atol=1e-6)
     loader.close()
+
+
+class Targets(L.Callback):
+    """Each training batch's targets, by the step it trains."""
+
+    def __init__(self):
+        self.by_step = {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.by_step[trainer.global_step + 1] = batch[1]
+
+
+def test_a_mixture_loader_gives_the_mixture_knob_from_its_step(run_dir):
+    """mixture=1,9 sent at step 2 applies at step 3: its records say so, and the 48
+    samples of steps 3-8 hold within 6 binomial standard deviations of 43 from the
+    second dataset (labels 5-9; at the first weights, 0.3, it would be 14)."""
+    from gpuopt.mixture import MixtureLoader
+
+    x, y = _digits(1797)
+    loader = MixtureLoader([TensorDataset(x[y < 5], y[y < 5]),
+                            TensorDataset(x[y >= 5], y[y >= 5])], [0.7, 0.3], batch_size=8)
+    targets, hold = Targets(), Hold(at=2)
+    trainer = _trainer(max_steps=8, callbacks=[targets, hold])
+    monitor = attach(trainer)
+    replies = _fit_with_commands(trainer, Digits(), loader, hold, monitor,
+                                 [("mixture", "1,9", None)])
+    assert replies[0]["ok"] and replies[0]["value"] == "0.1,0.9", replies[0]
+    steps = _steps(_records(monitor))
+    assert [steps[s]["knobs"]["mixture"] for s in range(1, 9)] == (
+        ["0.7,0.3"] * 2 + ["0.1,0.9"] * 6)
+    second = sum(int((targets.by_step[s] >= 5).sum()) for s in range(3, 9))
+    assert abs(second - 48 * 0.9) <= 6 * (48 * 0.9 * 0.1) ** 0.5, second
+    assert abs(second - 48 * 0.3) > 6 * (48 * 0.3 * 0.7) ** 0.5
 
 
 _SIGTERM_SCRIPT = """

@@ -7,6 +7,8 @@ import threading
 import torch
 from sklearn.datasets import load_digits
 
+from gpuwatch.client import Subscriber, send_command
+
 
 def digits_loader(batch_size=16, n=1024):
     digits = load_digits()
@@ -85,3 +87,23 @@ def messages(sub, until, timeout_s=30):
         seen.append(message)
         if until(message):
             return seen
+
+
+def resume_when_paused(info):
+    """A thread that sends pause=off once the run ``info`` says pause=on applied; the
+    thread and the list its reply goes to."""
+    subscriber = Subscriber(info)  # connected before the pause can apply
+    replies = []
+
+    def resume():
+        with subscriber as sub:
+            for message in sub:
+                body = message.get("body") or {}
+                if (message["type"] == "event" and body.get("kind") == "applied"
+                        and body.get("knob") == "pause"):
+                    replies.append(send_command(info, "pause", "off"))
+                    return
+
+    thread = threading.Thread(target=resume, daemon=True)
+    thread.start()
+    return thread, replies

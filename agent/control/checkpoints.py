@@ -16,6 +16,10 @@ moves it with the run logs). Each checkpoint is named after the optimizer step i
 (``step-00001234.pt``, or a directory ``checkpoint-1234`` for the frameworks that save
 directories).
 
+``rewind=<step or path>`` loads such a checkpoint back into the live run, as a new branch
+(:meth:`agent.integrations.run.RunBase.rewind_state`; :meth:`Checkpoints.path` names
+step N's).
+
 .. note:: The training thread waits while the checkpoint is written, as for the
    framework's own checkpoints (about its size over the disk's write speed); nothing is
    written, read or synchronized at any other step.
@@ -101,6 +105,11 @@ class Checkpoints:
         knobs.add(Knob(CHECKPOINT, get=lambda: None, set=self.save_now,
                        check=lambda value: self._check(), warn=self._warning))
 
+    def path(self, step: int) -> Path:
+        """Where this run's checkpoint of optimizer step ``step`` goes (or went)."""
+        directory = self.directory or default_checkpoint_dir(self.agent.run_id)
+        return directory / self.name.format(step=step)
+
     def _warning(self, value: Any) -> str | None:
         reason = self.warn(value) if self.warn is not None else None
         return None if reason is None else f"a resume from it will not be exact: {reason}"
@@ -122,8 +131,7 @@ class Checkpoints:
         """
         self._check()
         step = self.step()
-        directory = self.directory or default_checkpoint_dir(self.agent.run_id)
-        path = directory / self.name.format(step=step)
+        path = self.path(step)
         knobs, note = self.chosen()
         note = "" if note is None else f"; {note}"
         if self.agent.rank != 0:
@@ -199,6 +207,22 @@ def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *
     Returns:
         The knobs of ``knobs`` this run does not have (yet), by name.
     """
+    restored, failed, absent = set_knobs(agent, knobs)
+    text = f"resumed from {source} at step {step}" + knobs_text(restored, failed, absent,
+                                                               unbound)
+    if differs:
+        text += f"; not as in the saved run: {differs}"
+    agent.event("warning" if failed or differs else "info", text, kind=EventKind.RESUMED,
+                path=source, step=step, knobs=knobs)
+    return absent
+
+
+def set_knobs(agent: Agent, knobs: dict[str, Any]
+              ) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Training thread: set each knob of ``knobs`` (a checkpoint's) that this run has
+    (see :func:`restore_knobs`). Returns ``(restored, failed, absent)``: the values now
+    as saved (``knob=value`` each), those that could not be set (with the reason), and
+    the knobs this run does not have, by name."""
     restored: list[str] = []
     failed: list[str] = []
     absent = {name: value for name, value in knobs.items() if name not in agent.knobs.knobs}
@@ -221,15 +245,16 @@ def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *
                 if assignment(name, value) not in restored:
                     restored.append(assignment(name, value))
     agent.refresh_knobs()
-    text = f"resumed from {source} at step {step}"
-    if restored:
-        text += " with " + ", ".join(restored)
+    return restored, failed, absent
+
+
+def knobs_text(restored: list[str], failed: list[str], absent: dict[str, Any],
+               unbound: str = "not in this run") -> str:
+    """``" with a=1, b=2; not restored: ...; <unbound>: ..."``: :func:`set_knobs`'s
+    outcome for an event's text (empty when there is nothing to say)."""
+    text = " with " + ", ".join(restored) if restored else ""
     if failed:
         text += "; not restored: " + "; ".join(failed)
     if absent:
         text += f"; {unbound}: " + ", ".join(assignment(k, v) for k, v in absent.items())
-    if differs:
-        text += f"; not as in the saved run: {differs}"
-    agent.event("warning" if failed or differs else "info", text, kind=EventKind.RESUMED,
-                path=source, step=step, knobs=knobs)
-    return absent
+    return text

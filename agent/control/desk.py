@@ -316,19 +316,21 @@ class CommandDesk:
             commands.sort(key=lambda command: (command.apply_step, str(command.command_id)))
         # commands that are not settings (a checkpoint) first: they see the state before
         # the changes of the same boundary (a stable sort keeps the order above)
-        commands.sort(key=lambda command: self.knobs.knobs[command.knob].spec.kind != "action")
+        commands.sort(key=lambda command: not self.knobs.knobs[command.knob].spec.command)
         last = {command.knob: command for command in commands}
-        checkpoint_failed = changed = rolled_back = False
+        checkpoint_failed = changed = False
+        rolled_back = ""  # why, once a rollback applied
         for command in commands:
             if last[command.knob] is not command:  # a later command for the same knob
                 continue                            # at the same boundary wins
             if self._apply(step + 1, command, checkpoint_failed):
                 changed = True
-                rolled_back = rolled_back or bool(command.rollback_reason)
+                rolled_back = rolled_back or command.rollback_reason or ""
             elif command.knob == CHECKPOINT.name:
                 checkpoint_failed = True
         if rolled_back and self.state_keeper is not None:
-            level, text = self.state_keeper.restore_state(step + 1)
+            level, text = self.state_keeper.restore_state(step + 1,
+                                                          f"rolled back: {rolled_back}")
             self._event(level, text, kind=EventKind.STATE_RESTORED, step=step + 1)
         return changed
 
@@ -336,7 +338,7 @@ class CommandDesk:
         """Apply one due command at the boundary before ``step``; returns whether it
         applied (False: it failed, and a ``failed`` event says why)."""
         knob = self.knobs.knobs[command.knob]
-        action = knob.spec.kind == "action"
+        action = knob.spec.command
         previous = None if action else knob.get()
         if command.after_checkpoint and checkpoint_failed and self.world_size > 1:
             self._event("warning", f"{assignment(command.knob, command.value)}: the "

@@ -58,10 +58,11 @@ class StateKeeper(Protocol):
         """A guarded change starts an episode at the boundary after optimizer step
         ``step``: keep the state there (or note why it cannot be kept)."""
 
-    def restore_state(self, step: int) -> tuple[str, str]:
-        """The episode was rolled back at the boundary before optimizer step ``step``:
-        put the kept state back; returns the event's ``(level, text)`` saying what was
-        restored, what it cost and how many steps will be trained again (or why not)."""
+    def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
+        """The episode was rolled back at the boundary before optimizer step ``step``
+        (``cause``: why): put the kept state back, as a new branch; returns the event's
+        ``(level, text)`` saying what was restored, what it cost and how many steps
+        will be trained again (or why not)."""
 
 
 class ChangeLedger:

@@ -619,8 +619,22 @@ class AcceleratorRun(RunBase):
         if scaler is not None and self.accelerator.scaler is None:  # kept while not fp16
             torch.save(scaler.state_dict(), path / GRAD_SCALER_FILE)
 
+    def _apart(self) -> str | None:
+        """Why this run's ranks train apart, or None: the launcher started several and
+        accelerate runs each as a one-process run (on a CPU without ``cpu=True``)."""
+        accelerator, world_size = self.accelerator, self.agent.world_size
+        if accelerator.num_processes > 1 or world_size == 1:
+            return None
+        return (f"the launcher started {world_size} ranks and accelerate runs each as a "
+                f"run of its own (distributed_type {accelerator.distributed_type.value}: no "
+                "GPU, and no Accelerator(cpu=True)): they train apart, their gradients "
+                "never reduced, and an FSDP plugin is not used")
+
     def _checkpoint_reason(self) -> str | None:
         accelerator = self.accelerator
+        apart = self._apart()
+        if apart is not None:
+            return f"{apart}; rank 0's checkpoint would not hold the other ranks' models"
         if accelerator.num_processes > 1:
             return (f"this run has {accelerator.num_processes} processes, which "
                     "accelerate's save_state writes from together: call "
@@ -664,6 +678,43 @@ class AcceleratorRun(RunBase):
         if (scaler_file.exists() and self._precision is not None
                 and self._precision.scaler is not None):
             self._precision.scaler.load_state_dict(torch.load(scaler_file, weights_only=True))
+
+    def rewind_refusal(self) -> str | None:
+        """Several processes cannot rewind: accelerate's ``load_state`` loads in place,
+        before the processes could agree that each can."""
+        if self.accelerator.num_processes > 1:
+            return (f"this run has {self.accelerator.num_processes} processes, and "
+                    "accelerate's load_state loads in place, on each alone: resume with "
+                    "agent.attach(..., resume_from=...)")
+        return None
+
+    def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
+        """A ``checkpoint=now`` checkpoint in :meth:`state_snapshot`'s form, read as
+        :meth:`resume` reads it: accelerate's ``load_state`` (which loads in place: the
+        state now is kept in host memory first and put back if anything fails), the
+        data position, the GradScaler the precision knob kept, the step and knob values.
+
+        Raises:
+            ValueError: it has no data position of gpuwatch's. OSError, ValueError: from
+                ``load_state``.
+        """
+        before = self.state_snapshot()
+        try:
+            self.accelerator.load_state(os.fspath(path))
+            saved = read_knobs_file(path)
+            data_file = Path(path) / DATA_FILE
+            data = torch.load(data_file, weights_only=True) if data_file.is_file() else None
+            if data is None or self.no_position(data) is not None:
+                raise ValueError(f"{path} has no data position of gpuwatch's")
+            snapshot = self.state_snapshot()
+            scaler_file = Path(path) / GRAD_SCALER_FILE
+            if scaler_file.exists() and snapshot["grad_scaler"] is not None:
+                snapshot["grad_scaler"] = torch.load(scaler_file, weights_only=True)
+        except Exception:
+            self.load_snapshot(before)
+            raise
+        snapshot["data"] = data
+        return snapshot, int(saved.get("step", 0)), saved.get("knobs", {})
 
     def _scaler(self) -> torch.amp.GradScaler | None:
         """The run's GradScaler: the one the precision knob keeps, else accelerate's."""
@@ -1039,5 +1090,8 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
                 "gradients: accelerate's, each micro-batch loss divided by "
                 "gradient_accumulation_steps (a mean of micro-batch means)",
                 kind=EventKind.LOSS_NORMALIZATION, normalization="micro_batch_mean")
+    apart = run._apart()
+    if apart is not None:
+        agent.event("warning", apart, kind=EventKind.WARNING)
     atexit.register(run.close)  # (before the agent's own: the last step, then bye)
     return run

@@ -13,12 +13,14 @@ import torch
 from agent.wire.protocol import EventKind
 from agent.step.core import Agent
 from agent.wire.knobs import (CPU_THREADS, DROPOUT, KERNELS, LR_SCALE, MEMORY_FRACTION,
-                              MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
-                              PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet)
+                              MEMORY_SNAPSHOT_STEPS, MICRO_BATCH_SIZE, MIXTURE, NUM_WORKERS,
+                              PIN_MEMORY, PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob, KnobSet,
+                              weights_text)
 from agent.wire.runlog import log_dir
 from gpuopt.dropout import DropoutRate
 from gpuopt.environment import usable_cpu_count
 from gpuopt.memory import MemorySnapshot, set_memory_fraction
+from gpuopt.mixture import MixtureLoader
 from gpuopt.loader import MAX_NUM_WORKERS, MAX_PREFETCH_FACTOR, ReconfigurableLoader
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import precision_support, precision_warning
@@ -70,9 +72,34 @@ def dropout_knob(model: torch.nn.Module) -> Knob | str:
     return Knob.attribute(DROPOUT, rate, "p")
 
 
+#: Why a run has no ``mixture`` knob, unless its integration says why more precisely.
+NOT_A_MIXTURE = ("this run's data is not a mixture: build it with "
+                 "gpuopt.mixture.MixtureLoader(datasets, weights, batch_size) and train "
+                 "from that loader")
+
+
+def mixture_knob(loader: MixtureLoader) -> Knob:
+    """The ``mixture`` knob of a :class:`gpuopt.mixture.MixtureLoader`: its weights.
+
+    One weight per dataset (a command with another count is refused with it), set with
+    :meth:`~gpuopt.mixture.MixtureLoader.set_weights` at the boundary (the rest of the
+    epoch drawn again: one pass over its indices). A value whose text is the current
+    weights' changes nothing, so a resume that sets the saved value keeps the saved
+    draw bit for bit."""
+    count = len(loader.datasets)
+
+    def set_weights(value: str) -> None:
+        if value != weights_text(loader.weights):
+            loader.set_weights([float(weight) for weight in value.split(",")])
+
+    return Knob(dataclasses.replace(MIXTURE, minimum=count, maximum=count),
+                get=lambda: weights_text(loader.weights), set=set_weights)
+
+
 def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
     """The ``num_workers``, ``pin_memory`` and ``prefetch_factor`` knobs of a
-    :class:`gpuopt.loader.ReconfigurableLoader`.
+    :class:`gpuopt.loader.ReconfigurableLoader`, and ``mixture`` (:func:`mixture_knob`)
+    for a :class:`gpuopt.mixture.MixtureLoader`.
 
     Applying one rebuilds the loader's workers on the rest of the epoch (every sample
     still once); it costs the training thread about the new workers' start-up (tens of
@@ -92,6 +119,7 @@ def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
         return 2 if value is None else value  # None: DataLoader's default, 2
 
     return [
+        *([mixture_knob(loader)] if isinstance(loader, MixtureLoader) else []),
         Knob(dataclasses.replace(NUM_WORKERS, maximum=MAX_NUM_WORKERS),
              get=lambda: loader.config["num_workers"], set=setter("num_workers")),
         Knob(PIN_MEMORY, get=lambda: loader.config["pin_memory"], set=setter("pin_memory"),

@@ -59,6 +59,18 @@ configured from that step, or is refused with the reason):
   on exactly. Refused with several processes.
 - ``cpu_threads``; ``memory_fraction``, ``memory_snapshot_steps`` on CUDA.
 
+Under ``ModelParallelStrategy(parallelize_fn, data_parallel_size=N,
+tensor_parallel_size=1)`` with a module ``parallelize_fn`` sharded by ``fully_shard``
+(FSDP2) the knobs are the same and stay exact (:mod:`agent.integrations.sharded`): the
+loop's ``fabric.no_backward_sync`` leaves a window's gradients unreduced until its last
+micro-batch, ``max_grad_norm`` clips the global norm over every rank's shards,
+``checkpointing`` wraps the ``fully_shard`` blocks, ``precision`` is refused for a
+``MixedPrecisionPolicy`` that casts and for fp16, ``kernels`` is refused, and
+``checkpoint=now`` writes a ``torch.distributed.checkpoint`` directory every rank writes
+its shards, random numbers and data position into (``resume_from=DIR`` on every rank).
+With a tensor-parallel dimension (the strategy's 'auto' sizes give a node's devices to
+it) every knob that changes the training is refused, saying so.
+
 Imported only when used: ``import agent`` does not import Lightning.
 """
 
@@ -67,13 +79,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
-from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.fabric.wrappers import _FabricDataLoader, _FabricModule, _FabricOptimizer
 from torch._dynamo import OptimizedModule
 
@@ -85,6 +98,8 @@ from agent.wire.knobs import (CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS, LR_SC
 from agent.integrations.loop import (LoopRun, check_accum_steps, model_knobs,
                                      optimizer_settings_knobs)
 from agent.integrations.run import host_copy
+from agent.integrations.sharded import (fsdp_modules, is_sharded, load_sharded, save_sharded,
+                                        sharded_precision)
 from gpuopt.backends import ModelBackend
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import precision_support
@@ -181,6 +196,9 @@ class FabricRun(LoopRun):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.precision: _PluginSwitch | None = None
+        #: the module's parameters are sharded (DTensors: ``fully_shard`` under a
+        #: ModelParallelStrategy): checkpoints are directories every rank writes its part of
+        self.sharded = is_sharded(model.module)
         self.model_backend: ModelBackend | None = None
         self._fabric_backward = fabric.backward
         self._loss_sum: torch.Tensor | None = None
@@ -263,26 +281,36 @@ class FabricRun(LoopRun):
     def save_checkpoint(self, path: Any, knobs: dict[str, Any]) -> None:
         """The ``checkpoint`` command's ``fabric.save``: the model, optimizer and
         scheduler (by Fabric), the GradScaler, random number generators, step, knob
-        values and data position."""
+        values and data position. A sharded module (:attr:`sharded`) is saved by every
+        rank into one directory (:func:`agent.integrations.sharded.save_sharded`: its
+        shards, and each rank's own random numbers and data position, which
+        ``fabric.save`` would keep rank 0's of)."""
         scaler = None if self.precision is None else self.precision.scaler
-        self.fabric.save(path, self._checkpoint(knobs, {
-            "model": self.model, "optimizer": self.optimizer,
-            "lr_scheduler": self.lr_scheduler,
-            "grad_scaler": {} if scaler is None else scaler.state_dict()}))
+        states = {"lr_scheduler": self.lr_scheduler,
+                  "grad_scaler": {} if scaler is None else scaler.state_dict()}
+        if not self.sharded:
+            self.fabric.save(path, self._checkpoint(knobs, {
+                "model": self.model, "optimizer": self.optimizer, **states}))
+            return
+        states["lr_scheduler"] = (None if self.lr_scheduler is None
+                                  else self.lr_scheduler.state_dict())
+        save_sharded(path, self.model.module,
+                     None if self.optimizer is None else self.optimizer.optimizer,
+                     self._checkpoint(knobs, {**states, "model": None, "optimizer": None,
+                                              "world_size": self.fabric.world_size}))
 
     def resume(self, path: str | os.PathLike) -> None:
-        """Continue from a checkpoint :meth:`save_checkpoint` wrote, read by ``fabric.load``:
-        every state it has, the step, the knob values, the data position and the random
-        number generators (an event says which).
+        """Continue from a checkpoint :meth:`save_checkpoint` wrote, read by ``fabric.load``
+        (a sharded module's directory by :func:`agent.integrations.sharded.load_sharded`,
+        on every rank): every state it has, the step, the knob values, the data position
+        and the random number generators (an event says which).
 
         Raises:
             ValueError: it is no such checkpoint, or has a state this run was given
                 nothing for (or a GradScaler's, where ``precision`` is refused).
         """
         source = os.fspath(path)
-        saved = self.fabric.load(source, weights_only=True)
-        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-            raise ValueError(f"{source} is not a checkpoint of gpuwatch's checkpoint command")
+        saved = self._read(source)
         self._load_states(saved, source, model=self.model, optimizer=self.optimizer,
                           lr_scheduler=self.lr_scheduler)
         if saved["grad_scaler"]:
@@ -292,6 +320,39 @@ class FabricRun(LoopRun):
             self.precision.load_scaler(saved["grad_scaler"])
         self._sampler_epoch = (saved.get("data") or {}).get("sampler_epoch")
         self._resume_run(saved, source)
+
+    def _read(self, source: str) -> dict[str, Any]:
+        """The checkpoint :meth:`save_checkpoint` wrote at ``source``, by ``fabric.load``
+        (``weights_only``: no code runs from it); a sharded module's directory by
+        :func:`agent.integrations.sharded.load_sharded`, on every rank.
+
+        Raises:
+            ValueError: it is no such checkpoint.
+        """
+        if self.sharded:
+            saved = load_sharded(source, self.model.module,
+                                 None if self.optimizer is None else self.optimizer.optimizer)
+        else:
+            saved = self.fabric.load(source, weights_only=True)
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+            raise ValueError(f"{source} is not a checkpoint of gpuwatch's checkpoint command")
+        return saved
+
+    def rewind_refusal(self) -> str | None:
+        """Several processes cannot rewind: a checkpoint holds one rank's data position
+        and random numbers (their checkpoint command is refused for it too)."""
+        if self.fabric.world_size > 1:
+            return ("not with several processes: a checkpoint holds rank 0's data "
+                    "position and random numbers, not every rank's")
+        return None
+
+    def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
+        """A checkpoint :meth:`save_checkpoint` wrote, read as :meth:`resume` reads it,
+        in :meth:`state_snapshot`'s form, with its step and knob values."""
+        saved = self._read(os.fspath(path))
+        snapshot = {part: saved.get(part) for part in ("model", "optimizer", "lr_scheduler",
+                                                      "grad_scaler", "rng", "data")}
+        return snapshot, saved["step"], saved["knobs"]
 
     def state_snapshot(self) -> dict[str, Any]:
         """The model's, optimizer's, scheduler's and GradScaler's states, the random
@@ -342,12 +403,26 @@ def _set_up(fabric: Fabric) -> tuple[list[_FabricModule], list[_FabricOptimizer]
     return models, optimizers
 
 
-def _not_plain(strategy: Any) -> str | None:
+def _not_plain(strategy: Any, module: torch.nn.Module) -> str | None:
     """Why the knobs that change the training are refused under ``strategy``, or None
     for single-device and DDP strategies, which leave the module, its gradients and
-    the optimizer step to Fabric's wrappers (DeepSpeed, FSDP, XLA, ... do not)."""
+    the optimizer step to Fabric's wrappers (DeepSpeed, FSDP, XLA, ... do not), and for
+    a ``ModelParallelStrategy`` whose ``module`` ``fully_shard`` sharded on a mesh
+    without tensor parallelism (FSDP2: the plain backward and optimizer step over
+    DTensor shards, :mod:`agent.integrations.sharded`)."""
     if type(strategy) in (SingleDeviceStrategy, DDPStrategy):
         return None
+    if type(strategy) is ModelParallelStrategy and fsdp_modules(module):
+        mesh = strategy.device_mesh
+        tensor_parallel = mesh["tensor_parallel"].size()
+        if tensor_parallel == 1:
+            return None
+        return (f"not supported under Fabric's ModelParallelStrategy with a tensor-parallel "
+                f"dimension of {tensor_parallel} ranks (its mesh: data_parallel="
+                f"{mesh['data_parallel'].size()}, tensor_parallel={tensor_parallel}; 'auto' "
+                "gives every device of a node to tensor parallelism): gpuwatch verifies "
+                "fully_shard alone, ModelParallelStrategy(data_parallel_size=<ranks>, "
+                "tensor_parallel_size=1)")
     return (f"not supported under Fabric's {type(strategy).__name__} (it runs the module, "
             "backward or optimizer step its own way)")
 
@@ -357,7 +432,7 @@ def _bind(run: FabricRun, knobs: KnobSet, *, checkpoint_blocks: Any, compile_bac
     """Bind every knob the run can apply exactly; the others get their reason."""
     fabric, model, optimizer = run.fabric, run.model, run.optimizer
     strategy = fabric.strategy
-    not_plain = _not_plain(strategy)
+    not_plain = _not_plain(strategy, model.module)
     if not_plain is not None:
         for spec in (PRECISION, KERNELS, CHECKPOINTING, LR_SCALE, WEIGHT_DECAY,
                      MAX_GRAD_NORM, MICRO_BATCH_SIZE, DROPOUT):
@@ -374,12 +449,16 @@ def _bind(run: FabricRun, knobs: KnobSet, *, checkpoint_blocks: Any, compile_bac
                               f"and cuda, not {device_type}")
     else:
         run.precision = _PluginSwitch(fabric)
+        sharded = sharded_precision(model.module)
         knobs.add(dataclasses.replace(
             precision_knob(run.precision),
-            check=lambda value: refuse(_precision_refusal(value, device_type))))
+            check=lambda value: refuse(_precision_refusal(value, device_type)
+                                       or (sharded and sharded(value)))))
     inner = model.module
     kernels_refused = None
-    if fabric.world_size > 1:
+    if fsdp_modules(inner):
+        kernels_refused = "compiling a model sharded by fully_shard is not verified"
+    elif fabric.world_size > 1:
         kernels_refused = "torch.compile of the module with several processes is not verified"
     elif isinstance(model._forward_module, OptimizedModule):
         kernels_refused = "the module was torch.compile'd before fabric.setup"
@@ -474,14 +553,20 @@ def attach(fabric: Fabric, *, model: _FabricModule | None = None,
                   training={"framework": "lightning.fabric",
                             "loss_normalization": "as the loop divides its losses"},
                   **options)
+    not_plain = _not_plain(fabric.strategy, model.module)
     run = FabricRun(agent, fabric, model, optimizer, lr_scheduler=lr_scheduler,
                     optimizer_settings=None, accum_steps=accum_steps,
-                    tokens_per_sample=tokens_per_sample, not_plain=_not_plain(fabric.strategy))
+                    tokens_per_sample=tokens_per_sample, not_plain=not_plain)
     try:
         _bind(run, knobs, checkpoint_blocks=checkpoint_blocks,
               compile_backend=compile_backend, max_grad_norm=max_grad_norm)
         knobs.add(cpu_threads_knob(knobs))
-        if fabric.world_size > 1:
+        if run.sharded and not_plain is not None:
+            knobs.bind(CHECKPOINT, not_plain)
+        elif run.sharded:
+            run.bind_checkpoint(run.save_checkpoint, directory=checkpoint_dir,
+                                every_rank=True, name="step-{step:08d}")
+        elif fabric.world_size > 1:
             knobs.bind(CHECKPOINT, (
                 "not with several processes: a checkpoint would hold rank 0's data "
                 "position and random numbers for every rank"))

@@ -116,16 +116,23 @@ from agent.control.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_k
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, EVALUATE,
-                              KERNELS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS,
-                              PIN_MEMORY, PRECISION, PREFETCH_FACTOR, WEIGHT_DECAY, Knob,
-                              KnobSet)
+                              KERNELS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, MIXTURE,
+                              NUM_WORKERS, PIN_MEMORY, PRECISION, PREFETCH_FACTOR,
+                              WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
+
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
 from gpuopt.saving import rng_state, set_rng_state
 
 __all__ = ["GpuwatchCallback", "attach"]
+
+#: In a ``checkpoint=now`` directory: the random numbers at its epoch's start and at its
+#: boundary (:func:`gpuopt.saving.rng_state`'s), which ``rewind`` puts back to make the
+#: epoch's batches and what follows again, live (HF's own ``rng_state.pth`` has the
+#: boundary's only).
+RNG_FILE = "gpuwatch-rng.pt"
 
 LOADER_REASON = ("transformers.Trainer builds its DataLoader in get_train_dataloader when "
                  "train() starts and iterates it inside its own epoch loop; set "
@@ -134,6 +141,9 @@ LOADER_REASON = ("transformers.Trainer builds its DataLoader in get_train_datalo
 BATCH_SIZE_REASON = ("transformers.Trainer fixes the micro-batch size in the DataLoader it "
                      "builds when train() starts; set TrainingArguments("
                      "per_device_train_batch_size=) and restart")
+MIXTURE_REASON = ("transformers.Trainer draws its batches from train_dataset with a sampler "
+                  "of its own: this run's data is not a mixture gpuwatch can weight (use a "
+                  "loop or Lightning over a gpuopt.mixture.MixtureLoader)")
 #: The keywords of ``Trainer._run_epoch`` the windows and the data position are planned
 #: with (transformers 5).
 _EPOCH_KEYWORDS = frozenset({"epoch", "steps_in_epoch", "num_update_steps_per_epoch",
@@ -243,6 +253,7 @@ class _Run(RunBase):
         for spec in (NUM_WORKERS, PIN_MEMORY, PREFETCH_FACTOR):
             knobs.bind(spec, LOADER_REASON)
         knobs.bind(MICRO_BATCH_SIZE, BATCH_SIZE_REASON)
+        knobs.bind(MIXTURE, MIXTURE_REASON)
         # HF normalises by the window's num_items_in_batch (labels != -100) when the
         # model takes it (or with compute_loss_func); else micro-batch means / window size
         by_tokens = bool(getattr(trainer, "model_accepts_loss_kwargs", False)
@@ -464,6 +475,9 @@ class _Run(RunBase):
         if self._scaler_installed and self._started_precision != "fp16" and scaler.exists():
             os.replace(scaler, path / GRAD_SCALER_FILE)
         write_knobs_file(path, self.agent, knobs, step, self.data_state())
+        if self._epoch_rng is not None:
+            torch.save({"epoch_rng": self._epoch_rng, "rng": rng_state(self.device)},
+                       path / RNG_FILE)
 
     @property
     def epoch(self) -> int:
@@ -522,6 +536,50 @@ class _Run(RunBase):
         if self._scaler_installed:
             return self.policy.grad_scaler
         return getattr(self.trainer.accelerator, "scaler", None)
+
+    def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
+        """A ``checkpoint=now`` checkpoint in :meth:`state_snapshot`'s form, read as
+        ``train(resume_from_checkpoint=...)`` reads it: HF's ``_load_from_checkpoint``
+        and ``_load_optimizer_and_scheduler`` (which load in place: the states now are
+        kept in host memory first and put back if anything fails), its
+        ``trainer_state.json`` (step, epoch), the GradScaler, and gpuwatch's data
+        position and random numbers (:data:`RNG_FILE`).
+
+        Raises:
+            ValueError: it has no data position or random numbers of gpuwatch's (HF
+                saved it on its own), or the data cannot be put back live here.
+        """
+        trainer, source = self.trainer, os.fspath(path)
+        saved = read_knobs_file(path)
+        rng_file = Path(path) / RNG_FILE
+        if not saved.get("data") or not rng_file.is_file():
+            raise ValueError(f"{path} has no data position and random numbers of "
+                             "gpuwatch's (a checkpoint=now checkpoint has them): resume "
+                             "from it with trainer.train(resume_from_checkpoint=...)")
+        rng = torch.load(rng_file, weights_only=True)
+        state = transformers.TrainerState.load_from_json(str(Path(path) / "trainer_state.json"))
+        before = self.state_snapshot()  # (raises when the data cannot be put back live)
+        model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.lr_scheduler
+        assert model is not None and optimizer is not None and scheduler is not None
+        try:
+            trainer._load_from_checkpoint(source)
+            trainer._load_optimizer_and_scheduler(source)
+            snapshot = self.state_snapshot()
+        except Exception:
+            for target, part in ((model, "model"), (optimizer, "optimizer"),
+                                 (scheduler, "lr_scheduler")):
+                target.load_state_dict(before[part])
+            raise
+        for name in (GRAD_SCALER_FILE, "scaler.pt"):  # (HF's name: SCALER_NAME)
+            if (Path(path) / name).is_file() and snapshot["grad_scaler"] is not None:
+                snapshot["grad_scaler"] = torch.load(Path(path) / name, weights_only=True)
+                break
+        data = saved["data"]
+        snapshot.update(global_step=state.global_step, epoch=state.epoch,
+                        epochs_done=data["epoch"],
+                        data={"epoch": data["epoch"], "micro_batches": data["micro_batches"],
+                              "epoch_rng": rng["epoch_rng"], "rng": rng["rng"]})
+        return snapshot, state.global_step, saved.get("knobs", {})
 
     def state_snapshot(self) -> dict[str, Any]:
         """For a rollback, in host memory: the model's, optimizer's, scheduler's and
@@ -890,6 +948,13 @@ class _Run(RunBase):
         if self.resume_path is not None:
             self._resume(self.resume_path)
             self.resume_path = None
+        accelerator = self.trainer.accelerator
+        if self.trainer.args.fsdp and not getattr(self.trainer, "is_fsdp_enabled", False):
+            self.agent.event("warning", (
+                f"fsdp={self.trainer.args.fsdp!r} is not FSDP here: accelerate runs "
+                f"{accelerator.distributed_type.value} (its FSDP plugin only on a GPU-like "
+                "device), so the model is not sharded and the knobs are that run's"),
+                kind=EventKind.WARNING)
         self.agent.mark_start()
 
     def optimizer_step(self, optimizer: Any) -> None:

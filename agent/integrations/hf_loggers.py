@@ -1,5 +1,6 @@
-"""gpuwatch's measurements and knob changes in a ``transformers.Trainer``'s own
-loggers, its ``report_to`` integrations (what is logged and how:
+"""gpuwatch's measurements and knob changes in a ``transformers.Trainer``'s own loggers.
+
+Its ``report_to`` integrations log them (what is logged and how:
 :mod:`agent.integrations.loggers`)."""
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ from agent.integrations.loggers import PREFIX, Bridge, agent_of
 
 
 class GpuwatchHFLoggers(TrainerCallback):
-    """Adds gpuwatch's measurements to every log of the Trainer (``on_log``), so its
-    reporting integrations (TensorBoard, W&B, MLflow, ... of ``report_to``) log them at
-    the Trainer's step (with their own prefix: TensorBoard's is ``train/``, so
-    ``train/gpuwatch/step_time_s``); ``gpuwatch/knob_changes`` counts the changes since
-    the last log
-    (the ``gpuwatch/knob/<name>`` series show each). Add it with
-    ``trainer.add_callback(GpuwatchHFLoggers(trainer))`` beside the gpuwatch callback;
-    when training begins it moves itself first among the Trainer's callbacks, so that
-    the reporters see what it adds.
+    """Adds gpuwatch's measurements to every log of the Trainer (``on_log``).
+
+    So its reporting integrations (TensorBoard, W&B, MLflow, ... of ``report_to``) log them
+    at the Trainer's step (with their own prefix: TensorBoard's is ``train/``, so
+    ``train/gpuwatch/step_time_s``); ``gpuwatch/knob_changes`` counts the changes since the
+    last log (the ``gpuwatch/knob/<name>`` series show each). Add it with
+    ``trainer.add_callback(GpuwatchHFLoggers(trainer))`` beside the gpuwatch callback; when
+    training begins it moves itself first among the Trainer's callbacks, so that the
+    reporters see what it adds.
 
     Args:
         trainer: the Trainer whose logs it adds to.

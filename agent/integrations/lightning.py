@@ -118,6 +118,19 @@ ranks as children of rank 0), so ``gpuwatch set`` reaches them all and a command
 at one optimizer step on every rank. A :class:`gpuopt.loader.ReconfigurableLoader` is not
 a DataLoader, so Lightning does not shard it: give it ``num_replicas`` and ``rank``.
 
+FSDP2: ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`` with a
+module that ``configure_model`` sharded by ``fully_shard`` gets the knobs above, exact
+(:mod:`agent.integrations.sharded`): the strategy's ``block_backward_sync`` is replaced
+while the run lasts by one that leaves a window's gradients unreduced until its last
+micro-batch (Lightning's own blocks DDP's reduction only, so FSDP2 would reduce each
+micro-batch), ``max_grad_norm`` clips the global norm over every rank's shards,
+``checkpointing`` wraps the ``fully_shard`` blocks; ``precision`` is refused for a
+``MixedPrecisionPolicy`` that casts and for fp16, ``kernels`` is refused, and
+``checkpoint=now`` is the strategy's sharded directory (every rank's shards; the
+callbacks' states, gpuwatch's among them, are rank 0's, as under DDP). Under
+a tensor-parallel mesh (the strategy's 'auto' sizes) and Lightning's ``FSDPStrategy``
+(FSDP1, GPUs only) the knobs that change the module or the step are refused.
+
 When ``fit`` ends (or raises), or the process gets SIGTERM (Lightning's own handler runs
 first), the agent closes (``bye`` with the reason) and the trainer and module are put
 back as they were before it: Lightning's accumulation, precision plugin, fit and epoch
@@ -137,6 +150,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from pathlib import Path
 import time
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator, Literal
@@ -151,7 +165,8 @@ from lightning.pytorch.callbacks import (Callback, GradientAccumulationScheduler
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy,
+                                         SingleDeviceStrategy)
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -165,6 +180,7 @@ from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, E
                               PRECISION, WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase, host_copy
+from agent.integrations.sharded import fsdp_modules, gradient_sync_off, sharded_precision
 from agent.wire.runs import RUN_ID_ENV
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing
@@ -194,10 +210,41 @@ def _precision_of(plugin: Any) -> str | None:
 
 
 def _simple_strategy(strategy: Any) -> bool:
-    """Single-device and DDP strategies leave the module and its gradients alone; others
-    (DeepSpeed, FSDP, XLA, ...) wrap, shard or accumulate them their own way."""
-    return (isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
-            and not isinstance(strategy, DeepSpeedStrategy))
+    """Single-device and DDP strategies leave the module and its gradients alone, and so
+    does :func:`_fsdp2_strategy`'s; others (DeepSpeed, FSDP, XLA, ...) wrap, shard or
+    accumulate them their own way."""
+    return ((isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
+             and not isinstance(strategy, DeepSpeedStrategy)) or _fsdp2_strategy(strategy))
+
+
+def _fsdp2_strategy(strategy: Any) -> bool:
+    """Whether ``strategy`` is a ``ModelParallelStrategy`` whose module ``fully_shard``
+    sharded (in ``configure_model``) on a mesh without tensor parallelism: FSDP2 alone,
+    whose backward and optimizer step are the plain ones over DTensor shards
+    (:mod:`agent.integrations.sharded`). Its 'auto' sizes give a node's devices to
+    tensor parallelism: that is not it."""
+    return (type(strategy) is ModelParallelStrategy
+            and strategy.device_mesh["tensor_parallel"].size() == 1
+            and bool(fsdp_modules(strategy.lightning_module)))
+
+
+class _SyncAtWindowEnd:
+    """The strategy's ``block_backward_sync`` for a module sharded by ``fully_shard``
+    (:func:`_fsdp2_strategy`): Lightning calls it around each micro-batch of a window
+    but its last, and its own blocks DDP's reduction only, so FSDP2 would reduce every
+    micro-batch; this one leaves them unreduced until the window's last
+    (:func:`agent.integrations.sharded.gradient_sync_off`)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        module = strategy.lightning_module
+        self._block = lambda: gradient_sync_off(module)
+        strategy.block_backward_sync = self._block
+
+    def restore(self) -> None:
+        """Lightning's own method again."""
+        if vars(self.strategy).get("block_backward_sync") is self._block:
+            del self.strategy.block_backward_sync
 
 
 class _Precision:
@@ -648,6 +695,7 @@ class _Run(RunBase):
         self.precision: _Precision | None = None
         self.accumulation: _Accumulation | None = None
         self.kernels: _Kernels | None = None
+        self.sharded_sync: _SyncAtWindowEnd | None = None
         self.checkpointing: ActivationCheckpointing | None = None
         self.fetch: _FetchTimer | None = None
         self.epochs: _EpochIterators | None = None
@@ -694,6 +742,8 @@ class _Run(RunBase):
             return
         try:
             self.step = self._global_step = trainer.global_step
+            if _fsdp2_strategy(trainer.strategy):
+                self.sharded_sync = _SyncAtWindowEnd(trainer.strategy)
             self._bind_precision(knobs)
             self._bind_accumulation(knobs)
             self._bind_model_knobs(knobs)
@@ -739,7 +789,7 @@ class _Run(RunBase):
                 f"(precision={trainer.precision!r}); gpuwatch switches only between "
                 "Lightning's Precision (32-true) and MixedPrecision (16-mixed, bf16-mixed)"))
         else:
-            knobs.add(precision_knob(self.precision))
+            knobs.add(precision_knob(self.precision, sharded_precision(self.module)))
 
     def _bind_accumulation(self, knobs: KnobSet) -> None:
         reason = _accumulation_refusal(self.trainer, self.module)
@@ -757,7 +807,9 @@ class _Run(RunBase):
             for refused in (KERNELS, CHECKPOINTING):
                 knobs.bind(refused, why)
             return
-        if getattr(module, "_compiler_ctx", None) is not None or "forward" in module.__dict__:
+        if fsdp_modules(module):
+            knobs.bind(KERNELS, "compiling a model sharded by fully_shard is not verified")
+        elif getattr(module, "_compiler_ctx", None) is not None or "forward" in module.__dict__:
             knobs.bind(KERNELS, (
                 "the LightningModule was given to fit already compiled (or has a forward "
                 "of its own set on the instance): gpuwatch leaves its forward alone"))
@@ -979,6 +1031,43 @@ class _Run(RunBase):
         else:
             self.epochs.replay()
 
+    def rewind_refusal(self) -> str | None:
+        """A strategy that saves sharded checkpoints from every rank cannot rewind (its
+        checkpoint command is refused too)."""
+        strategy = self.trainer.strategy
+        if not _simple_strategy(strategy):
+            return (f"{type(strategy).__name__} saves sharded checkpoints from every rank, "
+                    "which are not loaded into a live run")
+        return None
+
+    def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
+        """A checkpoint of ``trainer.save_checkpoint`` (the ``checkpoint`` command's, or
+        any of this fit's with gpuwatch's state), read as ``fit(ckpt_path=...)`` reads
+        it (the strategy's ``load_checkpoint``), in :meth:`state_snapshot`'s form: the
+        windows counted from its boundary as a resume counts them (:meth:`_resume`).
+
+        Raises:
+            ValueError: it has no state of gpuwatch's (no data position to go back to).
+        """
+        saved = self.trainer.strategy.load_checkpoint(path)
+        state = next((saved.get("callbacks", {}).get(callback.state_key)
+                      for callback in self.trainer.callbacks  # type: ignore[attr-defined]
+                      if isinstance(callback, GpuwatchCallback)), None)
+        if not state or not state.get("data") or state["data"].get("epoch_rng") is None:
+            raise ValueError(f"{path} has no data position of gpuwatch's (it was not "
+                             "saved by a fit gpuwatch followed from its start)")
+        data, knobs = state["data"], state.get("knobs", {})
+        ended = data["fetched_in_epoch"] >= self.trainer.num_training_batches
+        accumulation = (bool(state.get("accumulation_changed")),
+                        knobs.get(ACCUM_STEPS.name, self.trainer.accumulate_grad_batches),
+                        0 if ended else data["fetched_in_epoch"])
+        return ({"model": saved["state_dict"], "optimizers": saved["optimizer_states"],
+                 "schedulers": saved["lr_schedulers"],
+                 "grad_scaler": state.get("grad_scaler", saved.get("MixedPrecision")),
+                 "loops": saved["loops"]["fit_loop"], "accumulation": accumulation,
+                 "rng": data["rng"], "data": data},
+                int(saved["global_step"]), knobs)
+
     def _fp16_scaler(self) -> torch.amp.GradScaler | None:
         """The fp16 plugin's GradScaler (in use, or kept while in another precision)."""
         plugin = self.precision._plugins.get("fp16") if self.precision else None
@@ -1173,7 +1262,7 @@ class _Run(RunBase):
         if self.optimizer_settings is not None:
             self.optimizer_settings.remove()
         for part in (self.accumulation, self.fetch, self.precision, self.kernels,
-                     self.epochs, self.validate_now):
+                     self.epochs, self.validate_now, self.sharded_sync):
             if part is not None:
                 try:
                     part.restore()

@@ -1,5 +1,6 @@
-"""gpuwatch's measurements and knob changes in a Lightning Trainer's own loggers (what
-is logged and how: :mod:`agent.integrations.loggers`)."""
+"""gpuwatch's measurements and knob changes in a Lightning Trainer's own loggers.
+
+What is logged and how: :mod:`agent.integrations.loggers`."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from agent.integrations.loggers import PREFIX, Bridge, agent_of
 
 
 class GpuwatchLoggers(pl.Callback):
-    """Logs gpuwatch's measurements and knob changes to the Trainer's loggers
-    (``trainer.loggers``) every ``log_every_n_steps`` optimizer steps and when ``fit``
+    """Logs gpuwatch's measurements and knob changes to the Trainer's loggers.
+
+    To ``trainer.loggers``, every ``log_every_n_steps`` optimizer steps and when ``fit``
     ends, each at the optimizer step of the latest record; add it beside the gpuwatch
-    callback (``agent.attach(trainer)`` or ``GpuwatchCallback``). Knob changes also go
-    to a logger that takes text (TensorBoard's ``add_text``).
+    callback (``agent.attach(trainer)`` or ``GpuwatchCallback``). Knob changes also go to a
+    logger that takes text (TensorBoard's ``add_text``).
 
     .. note:: Without a gpuwatch agent among the Trainer's callbacks it logs nothing.
     """

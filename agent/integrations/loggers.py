@@ -84,8 +84,10 @@ class Measurements:
         self._changes: list[tuple[int, str]] = []
 
     def add(self, record: Mapping[str, Any]) -> None:
-        """Fold one listener record (a step's host facts, or an event that changed a
-        knob: :meth:`agent.Agent.add_listener`)."""
+        """Fold one listener record.
+
+        A step's host facts, or an event that changed a knob
+        (:meth:`agent.Agent.add_listener`)."""
         if record.get("type") == protocol.STEP:
             step = record.get("step")
             if type(step) is int:
@@ -129,8 +131,10 @@ class Measurements:
         self._counts[name] = self._counts.get(name, 0) + 1
 
     def knob_number(self, name: str, value: Any) -> float | None:
-        """A knob value as a number: booleans 0/1, numbers as they are, a choice by
-        its index in the schema; None for what has no number."""
+        """A knob value as a number, or None.
+
+        Booleans 0/1, numbers as they are, a choice by its index in the schema; None for
+        what has no number."""
         if isinstance(value, bool):
             return float(value)
         if isinstance(value, (int, float)):
@@ -139,8 +143,10 @@ class Measurements:
         return float(choices.index(value)) if value in choices else None
 
     def take(self) -> tuple[dict[str, float], list[tuple[int, str]]]:
-        """The metrics to log (``gpuwatch/...`` names, see the module) and the knob
-        changes as ``(step, text)``, both since the last call; then a fresh start."""
+        """The metrics to log and the knob changes, both since the last call.
+
+        Metrics by ``gpuwatch/...`` names (see the module), changes as ``(step, text)``;
+        then a fresh start."""
         metrics = {f"{PREFIX}{name}": self._sums[name] / self._counts[name]
                    for name in self._sums}
         wait, step = metrics.get(f"{PREFIX}data_wait_s"), metrics.get(f"{PREFIX}step_time_s")
@@ -179,8 +185,9 @@ class Bridge:
             self._records.append(record)
 
     def collect(self) -> tuple[int | None, dict[str, float], list[tuple[int, str]]]:
-        """``(latest step, metrics, changes)`` of the records since the last call (the
-        knob choices as the agent's schema has them now: knobs are bound as training
+        """``(latest step, metrics, changes)`` of the records since the last call.
+
+        The knob choices as the agent's schema has them now: knobs are bound as training
         starts). Training thread; never blocks, never synchronizes the device."""
         self.measurements.choices = {
             spec["name"]: list(spec.get("choices") or ())

@@ -39,6 +39,7 @@ knobs (:func:`model_knobs`, :func:`optimizer_settings_knobs`).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -472,6 +473,24 @@ class Session(LoopRun):
                     "the data after the rollback is that far off a run that never made "
                     "the change")
         return None
+
+    def rewind_refusal(self) -> str | None:
+        """Why ``rewind`` cannot load a checkpoint here: a sharded model (each rank's
+        part in a directory is not read live yet), or no model and optimizer."""
+        if self.sharded:
+            return ("a sharded model's checkpoint (every rank's part) is not loaded into "
+                    "a live run yet: resume from it (agent.session(resume_from=...))")
+        if self.model is None and self.optimizer is None:
+            return "pass agent.session(model=..., optimizer=...) for a checkpoint to have them"
+        return None
+
+    def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
+        """A checkpoint :meth:`save_checkpoint` wrote, read as :meth:`resume` reads it,
+        in :meth:`state_snapshot`'s form, with its step and knob values."""
+        saved = load_checkpoint(path)
+        snapshot = {part: saved.get(part) for part in ("model", "optimizer", "lr_scheduler",
+                                                      "grad_scaler", "rng", "data")}
+        return snapshot, saved["step"], saved["knobs"]
 
     def resume(self, source: str | os.PathLike) -> None:
         """Continue from the checkpoint :meth:`save_checkpoint` wrote at ``source``: every

@@ -17,6 +17,12 @@ accelerate, Lightning Fabric) is a subclass. The base owns, once for all of them
   non-finite loss, a divergence), the model, optimizer, scheduler, GradScaler, random
   numbers and data position go back to it with the previous setting, and the steps
   since are trained again;
+- **rewind and branches** (:meth:`RunBase.rewind_state`, the ``rewind`` command): every
+  time the training state is put back (``rewind=<step or path>``, a rollback, spike
+  recovery) the run goes on as a new branch, announced by one ``branched`` event before
+  any step record of it; ``rewind`` reads a checkpoint of the integration's own format
+  (:meth:`RunBase.read_checkpoint`, the code its resume uses) into the rollback's
+  snapshot form, with its knob values;
 - **pause, stop and evaluate** (the ``pause``, ``stop`` and ``evaluate`` commands):
   ``pause=on`` holds the training thread at the boundary it applies at, asleep on an
   event until ``pause=off`` (or ``stop``) arrives; ``stop`` ends the framework's loop
@@ -36,7 +42,9 @@ from __future__ import annotations
 import _imp
 import logging
 import os
+import re
 import signal
+import stat
 import sys
 import threading
 import weakref
@@ -45,10 +53,11 @@ from typing import Any, Callable
 
 import torch
 
-from agent.wire.knobs import CHECKPOINT, EVALUATE, PAUSE, STOP, Knob
+from agent.wire.knobs import (CHECKPOINT, EVALUATE, MIXTURE, PAUSE, REWIND, STOP, Knob,
+                              assignment)
 from agent.wire.protocol import EventKind
-from agent.integrations.adapters import MemoryKnobs, publish_events
-from agent.control.checkpoints import Checkpoints, restore_knobs
+from agent.integrations.adapters import NOT_A_MIXTURE, MemoryKnobs, publish_events
+from agent.control.checkpoints import Checkpoints, knobs_text, restore_knobs, set_knobs
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.step.record import StepRecord
@@ -84,6 +93,8 @@ class RunBase:
         event_sources: callables returning ``(kind, text, fields)`` events to publish
             after each step (e.g. a model backend's compile progress).
         resumed_from: the checkpoint the run resumed from, or None.
+        branch: the branch being trained now (0 until the state is put back:
+            :meth:`rewind_state`).
     """
 
     def __init__(self, agent: Agent, *, device: torch.device | str | None = None,
@@ -98,6 +109,11 @@ class RunBase:
         self.memory.bind(self.knobs)
         self.event_sources: list[Callable[[], list[tuple[str, str, dict[str, Any]]]]] = []
         self.resumed_from: str | None = None
+        self.branch = 0
+        #: the highest branch id so far (a new branch's is one more)
+        self._last_branch = 0
+        #: the ``checkpoint`` command, where bound (``rewind=N`` finds step N's by it)
+        self._checkpoints: Checkpoints | None = None
         self.closed = False
         #: :meth:`close` is under way (a SIGTERM then waits for it: :func:`end_on_signals`)
         self.closing = False
@@ -110,6 +126,8 @@ class RunBase:
         self._pause_requested = False
         #: the ``stop`` command's value once it applied (``"now"``, ``"checkpoint"``)
         self.stop_requested: str | None = None
+        if MIXTURE.name not in self.knobs.knobs and MIXTURE.name not in self.knobs.unsupported:
+            self.knobs.bind(MIXTURE, NOT_A_MIXTURE)  # until a MixtureLoader's knobs bind it
         self.knobs.add(Knob(PAUSE, get=lambda: None, set=self._set_pause))
         self.knobs.add(Knob(STOP, get=lambda: None, set=self._set_stop,
                             check=self._check_stop))
@@ -161,9 +179,11 @@ class RunBase:
         :meth:`chosen_knobs`) and :meth:`data_state` in it. The reply warns before
         saving when :meth:`data_reason` says a resume will not be exact. Other
         arguments as :class:`agent.control.checkpoints.Checkpoints`'."""
-        Checkpoints(self.agent, save, step=step or (lambda: self.step), directory=directory,
-                    name=name, refusal=refusal, every_rank=every_rank,
-                    chosen=self.chosen_knobs, warn=self.data_reason).bind(self.knobs)
+        self._checkpoints = Checkpoints(
+            self.agent, save, step=step or (lambda: self.step), directory=directory,
+            name=name, refusal=refusal, every_rank=every_rank, chosen=self.chosen_knobs,
+            warn=self.data_reason)
+        self._checkpoints.bind(self.knobs)
 
     def chosen_knobs(self) -> tuple[dict[str, Any], str | None]:
         """The knob values a checkpoint keeps: the ones now, except that a knob the
@@ -361,9 +381,10 @@ class RunBase:
             return
         self._kept = (step, snapshot, size)
 
-    def restore_state(self, step: int) -> tuple[str, str]:
+    def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
         """Training thread, at the boundary before ``step``, after a rollback set the
-        knobs back: put the kept state back (see :class:`agent.control.ledger.StateKeeper`)."""
+        knobs back: put the kept state back (see :class:`agent.control.ledger.StateKeeper`)
+        through :meth:`rewind_state` (a new branch, source ``rollback``; ``cause``: why)."""
         kept, self._kept = self._kept, None
         if kept is None:
             return "warning", ("the weights were not restored (" + (
@@ -372,23 +393,162 @@ class RunBase:
         kept_step, snapshot, size = kept
         again = self.step - kept_step
         try:
-            differs = self.load_snapshot(snapshot)
+            _, differs = self.rewind_state(snapshot, kept_step, source="rollback",
+                                           cause=cause)
         except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
             return "error", (f"restoring the state of step {kept_step} failed "
                              f"({type(exc).__name__}: {exc}): training goes on from the "
                              "weights as they are, with the previous setting")
-        self.step = kept_step
         text = (f"state restored to the boundary after step {kept_step}, where the change "
                 f"applied: model, optimizer, schedule, GradScaler, random numbers and data "
                 f"position ({format_bytes(size)} kept in host memory); {again} steps will "
                 "be trained again")
         return "warning", text + (f"; not as before: {differs}" if differs else "")
 
+    # ------------------------------------------------------------ rewind and branches
+
+    def rewind_state(self, snapshot: Any, step: int, *, source: str, cause: str,
+                     knobs: dict[str, Any] | None = None) -> tuple[int, str | None]:
+        """Training thread, at an optimizer-step boundary: put back ``snapshot``
+        (:meth:`state_snapshot`'s, taken at the boundary after ``step``) with
+        :meth:`load_snapshot`, set :attr:`step` to ``step`` and start a new branch: one
+        ``branched`` event (``branch``, ``parent``, ``step``, ``source``, ``cause``,
+        ``knobs``), published before any step record of the new branch. ``knobs``: the
+        knob values that come back with the state (a checkpoint's), set after it and
+        named in the event.
+
+        Returns:
+            ``(the new branch's id, what is not as it was or None)``.
+
+        Raises:
+            Exception: what :meth:`load_snapshot` raised (no new branch then; the
+                state may be partly put back).
+        """
+        differs = self.load_snapshot(snapshot)
+        self.step = step
+        self._kept = None  # a state kept for a rollback belongs to the branch left
+        parent, self.branch = self.branch, self._last_branch + 1
+        self._last_branch = self.branch
+        text = f"branch {self.branch} of branch {parent} at step {step}: {source} ({cause})"
+        failed: list[str] = []
+        if knobs is not None:
+            restored, failed, absent = set_knobs(self.agent, knobs)
+            text += knobs_text(restored, failed, absent)
+        if differs:
+            text += f"; not as before: {differs}"
+        self.agent.event("warning" if failed or differs else "info", text,
+                         kind=EventKind.BRANCHED, branch=self.branch, parent=parent,
+                         step=step, source=source, cause=cause, knobs=knobs or {})
+        return self.branch, differs
+
+    def read_checkpoint(self, path: Path) -> tuple[Any, int, dict[str, Any]]:
+        """Read the checkpoint at ``path`` (this integration's own format, through the
+        code its resume uses) into :meth:`state_snapshot`'s form: ``(snapshot, the
+        optimizer step it holds, its knob values)``, for ``rewind``. Training thread, at
+        a boundary; reads the file (about its size over the disk's read speed).
+        Nothing in the base: an integration that can overrides it (and
+        :meth:`rewind_refusal`).
+
+        Raises:
+            Exception: it is not such a checkpoint, or cannot be read.
+        """
+        raise NotImplementedError
+
+    def rewind_refusal(self) -> str | None:
+        """Why this run cannot load a checkpoint live (the ``rewind`` command is refused
+        with it), or None. By default: unless the integration reads its checkpoints
+        (:meth:`read_checkpoint`)."""
+        if type(self).read_checkpoint is RunBase.read_checkpoint:
+            return f"{type(self).__name__} does not load a checkpoint into a live run"
+        return None
+
+    def _bind_rewind(self) -> None:
+        """Offer ``rewind`` (or refuse it with :meth:`rewind_refusal`'s reason)."""
+        if REWIND.name in self.knobs.knobs:
+            return
+        reason = self.rewind_refusal()
+        if reason is not None:
+            self.knobs.bind(REWIND, reason)
+            return
+        self.knobs.add(Knob(REWIND, get=lambda: None, set=self._rewind,
+                            check=self._check_rewind))
+
+    def _check_rewind(self, value: str) -> None:
+        self._checked_checkpoint(value)
+
+    def _checked_checkpoint(self, value: str) -> Path:
+        """``rewind``'s value as the checkpoint it names: an integer N is the one the
+        ``checkpoint`` command saved at step N (its directory and name), anything else
+        an absolute path. Any thread: a few file-system calls, no read.
+
+        Raises:
+            ValueError: no such checkpoint, a symlink (not followed), not readable.
+        """
+        if _STEP.fullmatch(value):
+            if self._checkpoints is None:
+                raise ValueError(
+                    "this run has no checkpoint command ("
+                    + self.knobs.unsupported.get(CHECKPOINT.name, "none bound")
+                    + ") to have saved a step: give a checkpoint's absolute path")
+            path = self._checkpoints.path(int(value))
+            missing = f"the checkpoint command saved no step {int(value)} (no {path})"
+        else:
+            path = Path(value)
+            if not path.is_absolute():
+                raise ValueError(f"{value!r} is neither a step nor an absolute path (the "
+                                 "training process's working directory is not yours)")
+            missing = f"no checkpoint at {path}"
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            raise ValueError(missing) from None
+        except OSError as exc:
+            raise ValueError(f"{path} cannot be read: {exc.strerror or exc}") from None
+        if stat.S_ISLNK(mode):
+            raise ValueError(f"{path} is a symlink, which is not followed: give its target")
+        if not os.access(path, os.R_OK | (os.X_OK if stat.S_ISDIR(mode) else 0)):
+            raise ValueError(f"{path} is not readable by the training process")
+        return path
+
+    def _rewind(self, value: str) -> dict[str, Any]:
+        """Training thread, at a boundary: read the checkpoint ``value`` names and go on
+        from it as a new branch (:meth:`rewind_state`, with its knob values). With
+        several ranks every rank reads its copy and they agree first: if one cannot,
+        every rank refuses (nothing changes on any)."""
+        error: Exception | None = None
+        try:
+            path = self._checked_checkpoint(value)
+            snapshot, step, knobs = self.read_checkpoint(path)
+        except Exception as exc:  # noqa: BLE001 -- every rank must hear of it first
+            error = exc
+        if not self._every_rank_ok(error is None):
+            if error is not None:
+                raise error
+            raise RuntimeError("another rank could not read its checkpoint: no rank "
+                               "rewinds, the training goes on")
+        branch, _ = self.rewind_state(snapshot, step, source=str(path),
+                                      cause=assignment(REWIND.name, value), knobs=knobs)
+        return {"text": f"branch {branch} goes on from step {step} of {path}",
+                "branch": branch, "checkpoint_step": step, "path": str(path)}
+
+    def _every_rank_ok(self, ok: bool) -> bool:
+        """Whether every rank's ``ok`` is True: a collective over the job's process
+        group, which every rank calls at the same boundary (the command applies at one
+        step on each); with one rank, or no initialized process group, this rank's."""
+        dist = torch.distributed
+        if self.agent.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return ok
+        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([1 if ok else 0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     # ------------------------------------------------------------ the end
 
     def start(self) -> None:
         """Announce the knobs, start the agent and the first step's clock, and make
         every way the process ends close this run (:func:`end_on_signals`)."""
+        self._bind_rewind()
         self.agent.refresh_knobs()
         self.agent.start()
         self.agent.mark_start()
@@ -431,6 +591,8 @@ class RunBase:
         self.close(ending_reason(exc_info[1]))
 
 
+#: ``rewind``'s value when it names a step
+_STEP = re.compile(r"[0-9]{1,12}")
 #: How long a SIGTERM that came during an import waits to be handled again (s).
 SIGTERM_RETRY_S = 0.01
 #: Runs not yet closed, for the process-wide exit paths below.

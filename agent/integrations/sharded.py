@@ -18,8 +18,9 @@ Each rank holds a shard of every parameter, gradient and optimizer state (DTenso
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -88,6 +89,22 @@ def sync_at_window_end(model: torch.nn.Module, accum_steps: Callable[[], int]
             module.set_requires_gradient_sync(last, recurse=False)
 
     return before_backward
+
+
+@contextmanager
+def gradient_sync_off(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: the backward passes through the FSDP2 model ``model`` accumulate unreduced
+    local gradients (``set_requires_gradient_sync(False)`` on each ``fully_shard``
+    module: a flag, no communication); after: reduction on again, so the next backward
+    reduces everything accumulated."""
+    modules = fsdp_modules(model)
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)
 
 
 def _shared_path(path: Path) -> Path:

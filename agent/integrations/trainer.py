@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,6 +67,12 @@ class TrainerRun(RunBase):
         """The Trainer goes back to ``snapshot`` in the middle of ``fit`` (its data
         position too: the batches after it come again)."""
         self.trainer.load_state_dict(snapshot)
+
+    def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
+        """A checkpoint :meth:`save` wrote, read as :func:`attach`'s ``resume_from`` reads
+        it: the Trainer's state (the snapshot), its step and knob values."""
+        saved = load_checkpoint(path)
+        return saved["trainer"], saved["step"], saved["knobs"]
 
     def save(self, path: Any, knobs: dict[str, Any]) -> None:
         """``torch.save`` of :meth:`gpuopt.Trainer.state_dict` and the knob values."""

@@ -1,6 +1,7 @@
-"""The tcp side of a run, in a child process of its own: what a tcp client can make a
-process hold (connections, file descriptors, buffers) is held here, never by the
-training process.
+"""The tcp side of a run, in a child process of its own.
+
+What a tcp client can make a process hold (connections, file descriptors, buffers) is held
+here, never by the training process.
 
 A tcp port, loopback included, is open to every user of the machine, and ZeroMQ has no
 limit on the connections a bound socket accepts: 1,200 connections that never finish
@@ -55,8 +56,9 @@ class _OneClientKey:
 
 
 class Front:
-    """What clients of a helper process (this gateway, a node's relay) talk to: its two
-    ZeroMQ sockets with CURVE (only ``client_public`` let in, by a ZAP check; a
+    """What clients of a helper process (this gateway, a node's relay) talk to.
+
+    Its two ZeroMQ sockets with CURVE (only ``client_public`` let in, by a ZAP check; a
     connection not authenticated within :data:`HANDSHAKE_MS` closed), ``pub`` (XPUB:
     telemetry out, subscriptions in, at most :data:`MAX_SUBSCRIPTION_BYTES` each) and
     ``cmd`` (ROUTER: commands, at most :data:`MAX_COMMAND_BYTES` and
@@ -114,8 +116,9 @@ class Front:
         return {"pub_port": self.door.ports[0], "cmd_port": self.door.ports[1]}
 
     def close(self) -> None:
-        """Close the front door, stop the ZAP check and remove the ipc paths (the
-        sockets close with the context)."""
+        """Close the front door, stop the ZAP check and remove the ipc paths.
+
+        The sockets close with the context."""
         if self.door is not None:
             self.door.close()
         self._authenticator.stop()

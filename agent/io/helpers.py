@@ -1,9 +1,10 @@
-"""The agent's helper processes: the tcp gateway (:mod:`agent.io.gateway`) and the node
-relay (:mod:`agent.io.relay`). Each is ``python -m <module>`` with the agent's own import
-path; it reads one JSON line of settings on stdin, answers one JSON line on stdout
-(with ``pub_port`` and ``cmd_port``, or ``error``), and ends when its stdin closes: when
-the agent closes it, or when the training process dies, however.
-"""
+"""The agent's helper processes: the tcp gateway and the node relay.
+
+The tcp gateway is :mod:`agent.io.gateway`, the node relay :mod:`agent.io.relay`. Each is
+``python -m <module>`` with the agent's own import path; it reads one JSON line of settings
+on stdin, answers one JSON line on stdout (with ``pub_port`` and ``cmd_port``, or
+``error``), and ends when its stdin closes: when the agent closes it, or when the training
+process dies, however."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ SEND_HIGH_WATER_MARK = 10_000
 def start(module: str, settings: dict[str, Any], what: str
           ) -> tuple[subprocess.Popen, dict[str, Any]]:
     """Start ``python -m module`` with ``settings``; returns the process and its answer.
+
     Blocks until it answers (at most :data:`START_S`).
 
     Raises:
@@ -76,8 +78,9 @@ def start(module: str, settings: dict[str, Any], what: str
 
 
 def stop(process: subprocess.Popen) -> None:
-    """Close the helper's stdin (it ends on EOF) and wait for it; kill it if it lingers
-    past 2 s."""
+    """Close the helper's stdin (it ends on EOF) and wait for it.
+
+    Kill it if it lingers past 2 s."""
     assert process.stdin is not None and process.stdout is not None  # started with PIPE
     try:
         process.stdin.close()
@@ -89,10 +92,11 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def main(serve: Callable[[dict[str, Any], int, TextIO], int]) -> int:
-    """The helper's side (its ``python -m`` entry): read one JSON line of settings on
-    stdin and run ``serve(settings, stdin's fd, stdout)``, which answers on stdout and
-    returns the exit status once stdin closes; bad settings, or a failure to bind,
-    are answered with ``{"error"}`` (exit status 1)."""
+    """The helper's side (its ``python -m`` entry); returns the exit status.
+
+    Read one JSON line of settings on stdin and run ``serve(settings, stdin's fd, stdout)``,
+    which answers on stdout and returns the exit status once stdin closes; bad settings, or
+    a failure to bind, are answered with ``{"error"}`` (exit status 1)."""
     line = sys.stdin.buffer.readline()
     try:
         return serve(json.loads(line), sys.stdin.fileno(), sys.stdout)

@@ -90,12 +90,13 @@ def _text(value: Any) -> str:
 
 
 def descendant_pids(pid: int) -> list[int] | None:
-    """The pids of the descendants of process ``pid`` (children, their children, ...),
-    read from Linux's ``/proc/<pid>/task/<tid>/children``: a few small files (one a
-    thread of each process in the tree), where psutil's ``children(recursive=True)``
-    reads the ``stat`` file of every process on the host (about 1 ms at 80 processes,
-    once a second on the agent's I/O thread). The kernel's list may miss a child that
-    is created or ends while it is read (fine for a 1 Hz CPU reading).
+    """The pids of the descendants of process ``pid`` (children, their children, ...).
+
+    Read from Linux's ``/proc/<pid>/task/<tid>/children``: a few small files (one a thread
+    of each process in the tree), where psutil's ``children(recursive=True)`` reads the
+    ``stat`` file of every process on the host (about 1 ms at 80 processes, once a second on
+    the agent's I/O thread). The kernel's list may miss a child that is created or ends
+    while it is read (fine for a 1 Hz CPU reading).
 
     Returns:
         The pids, parents before their children; None where the kernel has no such
@@ -146,9 +147,10 @@ class SystemProbe:
         self._children: dict[int, psutil.Process] = {}  # by pid: cpu_percent deltas
 
     def children_cpu_pct(self) -> float:
-        """CPU of the training process's child processes (100 = one core), since the
-        last call: compiler workers (torch.compile's inductor compiles in a pool of
-        processes), DataLoader workers. A child first seen counts from its next call."""
+        """CPU of the training process's child processes since the last call (100 = one core).
+
+        Compiler workers (torch.compile's inductor compiles in a pool of processes),
+        DataLoader workers. A child first seen counts from its next call."""
         pids = descendant_pids(self._process.pid)
         if pids is None:  # no /proc/<pid>/task/<tid>/children here: ask psutil
             try:
@@ -177,8 +179,9 @@ class SystemProbe:
         return rss if rss is not None else self._process.memory_info().rss
 
     def host_cpu_pct(self) -> float:
-        """CPU of the whole host since the last call, in % of all its cores (as
-        ``psutil.cpu_percent``: busy = all but idle and iowait, guest time counted once)."""
+        """CPU of the whole host since the last call, in % of all its cores.
+
+        As ``psutil.cpu_percent``: busy = all but idle and iowait, guest time counted once."""
         times = _host_cpu_times()
         if times is None or self._host_times is None:
             return psutil.cpu_percent(interval=None)
@@ -189,19 +192,22 @@ class SystemProbe:
         return round(min(100.0, max(0.0, busy / total * 100)), 1) if total > 0 else 0.0
 
     def process_cpu_pct(self) -> float:
-        """CPU of the training process since the last call (100 = one core), as
-        ``psutil.Process.cpu_percent``, from ``time.process_time`` (no file read)."""
+        """CPU of the training process since the last call (100 = one core).
+
+        As ``psutil.Process.cpu_percent``, from ``time.process_time`` (no file read)."""
         now, cpu = time.monotonic(), time.process_time()
         (then, before), self._process_times = self._process_times, (now, cpu)
         return round((cpu - before) / (now - then) * 100, 1) if now > then else 0.0
 
     def sample(self) -> dict[str, Any]:
-        """A ``system`` body: ``cpu_pct`` (host, % of all cores since the last call),
-        ``process_cpu_pct`` (this process; 100 = one core), ``children_cpu_pct`` (its
-        child processes: compiler and loader workers; 100 = one core), ``host_mem_used_bytes``,
-        ``host_mem_total_bytes``, ``host_rss_bytes``, ``gpus`` and ``gpu_status``; while
-        torch.compile compiles, which graph and for how long
-        (:meth:`gpuopt.compile.CompileWatch.progress`: ``compiling_graph``, ...).
+        """A ``system`` body: the host's and the process's CPU and memory, and the GPUs.
+
+        ``cpu_pct`` (host, % of all cores since the last call), ``process_cpu_pct`` (this
+        process; 100 = one core), ``children_cpu_pct`` (its child processes: compiler and
+        loader workers; 100 = one core), ``host_mem_used_bytes``, ``host_mem_total_bytes``,
+        ``host_rss_bytes``, ``gpus`` and ``gpu_status``; while torch.compile compiles, which
+        graph and for how long (:meth:`gpuopt.compile.CompileWatch.progress`:
+        ``compiling_graph``, ...).
 
         .. note:: On Linux about 0.1 ms of the I/O thread a second: ``/proc`` files read
            directly (psutil's readers cost about 0.15 ms each there, on a cold cache)."""

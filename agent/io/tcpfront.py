@@ -1,6 +1,7 @@
-"""The tcp front door of a gateway: it accepts the tcp connections itself, lets in a
-bounded number per peer, and relays each one's bytes to a private ipc socket where
-ZeroMQ (with CURVE) listens.
+"""The tcp front door of a gateway.
+
+It accepts the tcp connections itself, lets in a bounded number per peer, and relays each
+one's bytes to a private ipc socket where ZeroMQ (with CURVE) listens.
 
 ZeroMQ has no limit on the connections a bound socket accepts (``ZMQ_MAX_SOCKETS``
 counts sockets of a context, not connections; ``ZMQ_HANDSHAKE_IVL`` closes a connection
@@ -55,9 +56,11 @@ _NLM_F_REQUEST = 1
 
 
 def peer_uid(connection: socket.socket, netlink: socket.socket | None) -> int | None:
-    """The uid that owns the other end of an accepted tcp ``connection`` when that end is
-    a socket of this machine (in this network namespace), else None (a remote peer, or no
-    sock_diag here). One exact lookup in the kernel's socket table, no scan."""
+    """The uid that owns the other end of an accepted tcp ``connection``, or None.
+
+    Known when that end is a socket of this machine (in this network namespace), else None
+    (a remote peer, or no sock_diag here). One exact lookup in the kernel's socket table, no
+    scan."""
     if netlink is None:
         return None
     try:

@@ -279,7 +279,7 @@ class Tuner:
             self._rolled_back(knob, event.get("value"), str(event.get("text", "")))
         elif kind in CHANGE_KINDS and not self.own(event.get("id")) and (
                 knob not in self.knobs.knobs
-                or self.knobs.knobs[knob].spec.kind != "action"):
+                or not self.knobs.knobs[knob].spec.command):
             self._changed_under(str(event.get("text", kind)))
 
     def person_set(self, knob: str, value: Any, apply_step: int) -> str | None:

@@ -1,11 +1,14 @@
 """Knob schemas: the live-tunable settings of a run, and the validation of commands.
 
 A knob has a wire name (``precision``, ``accum_steps``, ...), a kind (``choice``, ``int``,
-``float``, ``bool``, or ``action`` for a command that is not a setting, such as
-``checkpoint=now``) and bounds. The agent publishes the schema of the knobs its trainer supports in
-``hello``; a knob a trainer cannot support is absent from the schema, so a command naming
-it is rejected with "unknown knob". Validation here is pure (no torch): the trainer may
-add a device check (e.g. bf16 on a GPU without bf16) through :attr:`Knob.check`.
+``float``, ``bool``, ``weights`` for a list of weights such as ``mixture=0.7,0.3``;
+``action`` for a command that is not a setting, such as ``checkpoint=now``; ``text`` for
+such a command whose value is free text, such as ``rewind=<step or path>``) and bounds.
+The agent publishes the schema of the knobs its trainer supports in ``hello``; a knob a
+trainer cannot support is absent from the schema, so a command naming it is rejected
+with "unknown knob" (or with the reason the trainer gave). Validation here is pure (no
+torch): the trainer may add a device check (e.g. bf16 on a GPU without bf16) through
+:attr:`Knob.check`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 
 class KnobError(ValueError):
@@ -26,6 +29,13 @@ def assignment(knob: str, value: Any) -> str:
     (booleans as ``on`` / ``off``, the one spelling the dashboard, ``gpuwatch set``,
     ``tail`` and the run's events use; not Python's ``True``)."""
     return f"{knob}={('on' if value else 'off') if isinstance(value, bool) else value}"
+
+
+#: The kinds of a command that is not a setting (no value to keep, absent from
+#: :meth:`KnobSet.values`): ``action`` (one of its choices) and ``text`` (free text).
+COMMAND_KINDS = frozenset({"action", "text"})
+#: The longest value a ``text`` knob takes (characters).
+TEXT_MAX_CHARS = 4096
 
 
 #: :attr:`KnobSpec.tuning`: searched by default, searched only when allowed, never.
@@ -66,10 +76,15 @@ class KnobSpec:
     and the README read from it.
 
     Attributes:
-        name: wire name. kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"``, or
+        name: wire name. kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"``,
+        ``"weights"`` (numbers >= 0, not all 0, given as ``"0.7,0.3"`` or a list; the
+        value is their canonical text, normalised to sum 1: :func:`weights_text`),
         ``"action"``: a command with no value to keep (``checkpoint=now``), absent from
-        :meth:`KnobSet.values`. choices: allowed values for ``choice`` and ``action``.
-        minimum / maximum: inclusive bounds for ``int`` and ``float``. help: one line for people.
+        :meth:`KnobSet.values`, or ``"text"``: such a command whose value is free text
+        (at most :data:`TEXT_MAX_CHARS` characters, no control characters).
+        choices: allowed values for ``choice`` and ``action``.
+        minimum / maximum: inclusive bounds for ``int`` and ``float``; for ``weights``,
+        of how many weights (a run binds its own count as both). help: one line for people.
         tuning: what the in-run search (:mod:`agent.search.tune`) may do with it:
         :data:`TUNED` (a speed setting that leaves the training's results as they are:
         searched by default), :data:`TUNED_IF_ALLOWED` (it changes the numerics or the
@@ -108,6 +123,11 @@ class KnobSpec:
     activation_memory: bool = False
     stops: Callable[[float], str | None] | None = None
 
+    @property
+    def command(self) -> bool:
+        """Whether it is a command rather than a setting (:data:`COMMAND_KINDS`)."""
+        return self.kind in COMMAND_KINDS
+
     def to_wire(self) -> dict[str, Any]:
         """The schema as a msgpack-ready map."""
         wire: dict[str, Any] = {"name": self.name, "kind": self.kind, "help": self.help,
@@ -118,6 +138,8 @@ class KnobSpec:
             wire["min"] = self.minimum
         if self.maximum is not None:
             wire["max"] = self.maximum
+        if self.kind == "text":
+            wire["max_chars"] = TEXT_MAX_CHARS
         return wire
 
     def coerce(self, value: Any) -> Any:
@@ -141,12 +163,16 @@ class KnobSpec:
                 raise KnobError(
                     f"{self.name}: {value!r} is not one of {', '.join(self.choices)}")
             return value
+        if self.kind == "text":
+            return self._text(value)
         if self.kind == "bool":
             if isinstance(value, bool):
                 return value
             if isinstance(value, str) and value.lower() in _BOOL_WORDS:
                 return _BOOL_WORDS[value.lower()]
             raise KnobError(f"{self.name}: {value!r} is not a boolean (true/false)")
+        if self.kind == "weights":
+            return self._coerce_weights(value)
         if self.kind in _NUMBER_PARSERS:
             parse, expected = _NUMBER_PARSERS[self.kind]
             number = parse(value)
@@ -158,6 +184,69 @@ class KnobSpec:
                 raise KnobError(f"{self.name}: {number} is above the maximum {self.maximum}")
             return number
         raise KnobError(f"{self.name}: unknown knob kind {self.kind!r}")
+
+    def _coerce_weights(self, value: Any) -> str:
+        parts = value.split(",") if isinstance(value, str) else value
+        if not isinstance(parts, (list, tuple)) or len(parts) > MAX_WEIGHTS:
+            raise KnobError(f"{self.name}: {value!r} is not a list of weights "
+                            f"(at most {MAX_WEIGHTS}, e.g. 0.7,0.3)")
+        weights = [_as_float(part) for part in parts]
+        if any(weight is None or weight < 0 for weight in weights):
+            raise KnobError(f"{self.name}: {value!r} is not a list of numbers >= 0 "
+                            "(e.g. 0.7,0.3)")
+        low, high = self.minimum, self.maximum
+        if (low is not None and len(weights) < low) or (high is not None
+                                                         and len(weights) > high):
+            wanted = f"{low}" if low == high else f"{low} to {high}"
+            plural = "" if len(weights) == 1 else "s"
+            raise KnobError(f"{self.name}: {len(weights)} weight{plural}, and this run's "
+                            f"mixture has {wanted} datasets: one weight each")
+        numbers = cast(list[float], weights)  # (None refused above)
+        peak = max(numbers, default=0.0)
+        if peak == 0:
+            raise KnobError(f"{self.name}: {value!r}: the weights are all 0: no dataset "
+                            "to draw from")
+        ratios = [weight / peak for weight in numbers]  # in [0, 1]: a sum that never overflows
+        total = math.fsum(ratios)
+        return weights_text([ratio / total for ratio in ratios])
+
+
+    def _text(self, value: Any) -> str:
+        """A ``text`` knob's value: a string (an integer is taken as its digits) of 1 to
+        :data:`TEXT_MAX_CHARS` characters without control characters, stripped of
+        surrounding spaces."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            raise KnobError(f"{self.name}: {value!r} is not text")
+        value = value.strip()
+        if not value:
+            raise KnobError(f"{self.name}: the value is empty")
+        if len(value) > TEXT_MAX_CHARS:
+            raise KnobError(f"{self.name}: the value has {len(value):,} characters, more "
+                            f"than the {TEXT_MAX_CHARS:,} allowed")
+        control = next((char for char in value if _is_control(char)), None)
+        if control is not None:
+            raise KnobError(f"{self.name}: the value has a control character "
+                            f"(U+{ord(control):04X}), which no step or path here has")
+        return value
+
+
+#: The most weights a ``weights`` knob takes.
+MAX_WEIGHTS = 64
+
+
+def weights_text(weights: Any) -> str:
+    """Weights as a ``weights`` knob's value: ``"0.7,0.3"``.
+
+    6 significant digits each, comma-separated: what people type, what the panel and
+    the events show."""
+    return ",".join(f"{float(weight):.6g}" for weight in weights)
+
+
+def _is_control(char: str) -> bool:
+    """C0 and C1 control characters and DEL (a terminal would act on them)."""
+    return ord(char) < 0x20 or 0x7F <= ord(char) < 0xA0
 
 
 def _shorten(text: str, limit: int = 200) -> str:
@@ -325,6 +414,10 @@ DROPOUT = KnobSpec("dropout", "float", "p of every nn.Dropout module of the mode
                    "forward is out of reach)",
                    minimum=0.0, maximum=1.0, group=OPTIMIZER, guarded=True,
                    stops=_dropout_stops)
+MIXTURE = KnobSpec("mixture", "weights", "weights of the datasets a "
+                   "gpuopt.mixture.MixtureLoader draws from, one per dataset (normalised "
+                   "to sum 1), from the next sample it draws",
+                   minimum=1, maximum=MAX_WEIGHTS, group=DATA, unit="weights")
 CHECKPOINT = KnobSpec("checkpoint", "action", "save a checkpoint (model, optimizer, "
                       "scheduler, GradScaler, knobs) at the next step boundary",
                       choices=("now",), group=OTHER,
@@ -353,6 +446,10 @@ EVALUATE = KnobSpec("evaluate", "action", "run the framework's evaluation (or th
                                   "the run's eval_fn) at the next step boundary: "
                                   "evaluate=now; its metrics go to the event log", "now",
                                   ("now",), show=False),))
+REWIND = KnobSpec("rewind", "text", "put the training state back to a checkpoint at the "
+                  "next optimizer-step boundary and go on from it as a new branch: a step "
+                  "the checkpoint command saved (rewind=120), or a checkpoint's path; its "
+                  "knob values come back with it", group=OTHER)
 MEMORY_FRACTION = KnobSpec("memory_fraction", "float",
                            "cap of this process's CUDA memory, as a fraction of the device",
                            minimum=0.01, maximum=1.0, group=KERNELS_MEMORY)
@@ -371,9 +468,9 @@ OPTIMIZER_KNOBS = (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM)
 #: for a run whose schema has none).
 STANDARD_KNOBS = {spec.name: spec for spec in
                   (PRECISION, ACCUM_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
-                   PREFETCH_FACTOR, CPU_THREADS, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
+                   PREFETCH_FACTOR, CPU_THREADS, MIXTURE, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
                    MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, DROPOUT, CHECKPOINT, PAUSE,
-                   STOP, EVALUATE)}
+                   STOP, EVALUATE, REWIND)}
 
 
 @dataclass
@@ -476,9 +573,9 @@ class KnobSet:
         return schema
 
     def values(self) -> dict[str, Any]:
-        """Current values of every knob that is a setting (``action`` knobs have none)."""
+        """Current values of every knob that is a setting (commands have none)."""
         return {name: knob.get() for name, knob in self.knobs.items()
-                if knob.spec.kind != "action"}
+                if not knob.spec.command}
 
     def validate(self, name: Any, value: Any) -> Any:
         """Validate a command; return the coerced value.
@@ -506,6 +603,8 @@ def _values_text(spec: KnobSpec) -> str:
     """A knob's values for the README: its choices, on / off, or its bounds and unit."""
     if spec.choices:
         return " / ".join(f"`{choice}`" for choice in spec.choices)
+    if spec.kind == "text":
+        return f"text (at most {TEXT_MAX_CHARS:,} characters)"
     if spec.kind == "bool":
         return "on / off"
     bounds = " to ".join(f"{int(bound):,}" if float(bound).is_integer() else f"{bound:g}"

@@ -178,6 +178,14 @@ class EventKind:
     COMPILED = "compiled"
     #: knob values came back from a checkpoint
     RESUMED = "resumed"
+    #: the training state was put back to an earlier (or other) point and the run goes
+    #: on as a new branch: ``branch`` (its id), ``parent`` (the branch left), ``step``
+    #: (the fork: the last optimizer step kept; the next step record is ``step + 1``),
+    #: ``source`` (a checkpoint's path, ``rollback``, ``recovery``), ``cause`` (what
+    #: asked for it, e.g. ``rewind=120``) and ``knobs`` (the values that came back with a
+    #: checkpoint). Published before any step record of the new branch: readers assign
+    #: every step record after it, in order, to its branch (records carry none).
+    BRANCHED = "branched"
     #: the framework's own moments: its evaluation started and ended (``metrics``), it
     #: saved a checkpoint of its own, an epoch ended, it logged numbers (``logs``)
     EVALUATION_START = "evaluation_start"

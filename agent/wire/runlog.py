@@ -44,6 +44,11 @@ and count (``steps_in_bucket``); every event, hello, state, tune and bye is kept
 one heartbeat and system sample in :data:`THIN_FACTOR`. The part's header says so, and
 so do the history tools.
 
+Branches: records carry no branch; a ``branched`` event (the branch contract) puts
+every record after it on its new branch. :class:`BranchTree` folds them (the summary
+keeps it) and :class:`BranchPath` keeps one branch's path (its parent's steps up to the
+fork, then its own) from the records read in order, in one pass.
+
 Written only by the agent's I/O thread: a ``steps`` batch costs one conversion per
 column (numpy, no Python a step), one msgpack pack and its share of a deflate: 1.4 to
 2.0 us a step here (the JSON lines of earlier versions: 2.7 to 3.2 us, 536 bytes).
@@ -61,7 +66,7 @@ import sys
 import time
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +75,7 @@ import orjson
 import platformdirs
 
 from agent.wire import protocol
+from agent.wire.knobs import STANDARD_KNOBS
 from agent.wire.runs import private_dir
 
 #: Environment variable that overrides the run-log directory.
@@ -112,7 +118,7 @@ DEFAULT_BUDGET_BYTES = 1 << 30
 #: Steps a thinned bucket holds (each time a part is thinned again: times this).
 THIN_FACTOR = 16
 #: Largest summary file read (bytes).
-MAX_SUMMARY_BYTES = 256 << 10
+MAX_SUMMARY_BYTES = 1 << 20
 #: zlib level: 1 compresses a step batch at about 60 MB/s here, as small as 6 does.
 _LEVEL = 1
 #: Types whose equal values are the same value (floats apart from 0.0 and -0.0).
@@ -410,6 +416,300 @@ def printable_type(message: dict[str, Any]) -> str:
     return protocol.printable(message.get("type"), protocol.MAX_NAME_CHARS)
 
 
+# --- branches -------------------------------------------------------------------------
+
+#: Branches a tree keeps (the run's first ones): a ``branched`` event past them is
+#: counted in :attr:`BranchTree.omitted` and its steps are read as the last kept one's.
+MAX_BRANCHES = 1000
+#: Knob changes a branch keeps (its first ones; :attr:`Branch.changes` counts them all).
+MAX_BRANCH_CHANGES = 8
+#: Characters of a branch's ``source`` and ``cause``, and of a change's value, kept.
+MAX_BRANCH_TEXT = 200
+#: Largest branch id or step number read as one (a float's exact integers end there).
+MAX_BRANCH_NUMBER = 1 << 53
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` when it is a whole number from 0 to :data:`MAX_BRANCH_NUMBER`."""
+    return value if type(value) is int and 0 <= value <= MAX_BRANCH_NUMBER else None
+
+
+@dataclass
+class Branch:
+    """A branch of a run: a segment of its steps, from its fork to its latest step
+    (see :class:`BranchTree`).
+
+    Attributes:
+        branch: its id (0: where the run started). parent: the branch it left (None
+            for branch 0). fork_step: the last step kept from the parent: the branch's
+            first step is the next one (None for branch 0, and when neither the event
+            nor the parent's steps name one). source: where its state came from (a
+            checkpoint's path, "rollback", "recovery"). cause: what asked for it
+            (``rewind=120``). Both "" for branch 0, printable, cut.
+        first_step, last_step: its own first and latest optimizer step (None before
+            one). steps: its own optimizer steps (a thinned bucket counts the steps
+            it holds).
+        applied: its first :data:`MAX_BRANCH_CHANGES` knob changes (``applied`` and
+            ``rolled_back`` events of knobs that are settings, not actions) as
+            ``[step or None, knob, value]`` (the value as a number, boolean, None or
+            printable text). changes: all of them.
+    """
+
+    branch: int
+    parent: int | None = None
+    fork_step: int | None = None
+    source: str = ""
+    cause: str = ""
+    first_step: int | None = None
+    last_step: int | None = None
+    steps: int = 0
+    applied: list[list[Any]] = field(default_factory=list)
+    changes: int = 0
+
+    @classmethod
+    def from_public(cls, value: Any) -> Branch | None:
+        """A branch from :func:`dataclasses.asdict`'s map of one (a summary file's);
+        None when it is not one."""
+        if not isinstance(value, dict) or _whole(value.get("branch")) is None:
+            return None
+        branch = cls(value["branch"])
+        for name in ("parent", "fork_step", "first_step", "last_step"):
+            item = value.get(name)
+            if item is not None and _whole(item) is None:
+                return None
+            setattr(branch, name, item)
+        for name in ("steps", "changes"):
+            if _whole(value.get(name, 0)) is None:
+                return None
+            setattr(branch, name, value.get(name, 0))
+        for name in ("source", "cause"):
+            item = value.get(name, "")
+            if not isinstance(item, str):
+                return None
+            setattr(branch, name, protocol.printable(item, MAX_BRANCH_TEXT))
+        applied = value.get("applied", [])
+        if not isinstance(applied, list) or len(applied) > MAX_BRANCH_CHANGES:
+            return None
+        for change in applied:
+            if (not isinstance(change, list) or len(change) != 3
+                    or (change[0] is not None and _whole(change[0]) is None)
+                    or not isinstance(change[1], str)):
+                return None
+            branch.applied.append([change[0], protocol.printable(change[1], 100),
+                                   _change_value(change[2])])
+        return branch
+
+
+def _change_value(value: Any) -> Any:
+    """A knob's new value as a branch keeps it: a number, boolean or None as it is,
+    anything else as printable text, cut."""
+    if value is None or type(value) in (bool, int, float):
+        return value if type(value) is not int or abs(value) <= MAX_BRANCH_NUMBER else str(value)
+    return protocol.printable(value if isinstance(value, str) else repr(value),
+                              MAX_BRANCH_TEXT)
+
+
+class BranchTree:
+    """A run's branches, folded from its records in order: every record belongs to the
+    branch of the latest ``branched`` event before it (branch 0 before any), as the
+    agent publishes and the log keeps them (the branch contract; records carry no
+    branch field).
+
+    A ``branched`` event that does not make sense is read as far as it does, never
+    raised for: a ``branch`` id that is not a new whole number gets the next free one;
+    a ``parent`` that is not a known branch is the branch the records were on (so
+    parents never loop); a ``step`` that is not a whole number is the parent's latest
+    step. Memory: at most :data:`MAX_BRANCHES` branches of at most
+    :data:`MAX_BRANCH_CHANGES` changes each; a few operations a record.
+
+    Attributes:
+        branches: the branches by id, in the order they began (0 first).
+        current: the branch the latest record belongs to (the one trained now, in a
+            live run's log). omitted: ``branched`` events past :data:`MAX_BRANCHES`.
+    """
+
+    def __init__(self) -> None:
+        self.branches: dict[int, Branch] = {0: Branch(0)}
+        self.current = 0
+        self.omitted = 0
+
+    def __len__(self) -> int:
+        return len(self.branches)
+
+    def branched(self, body: dict[str, Any]) -> Branch | None:
+        """Fold a ``branched`` event's body: the new branch, now the current one; None
+        past :data:`MAX_BRANCHES` (counted in :attr:`omitted`)."""
+        if len(self.branches) >= MAX_BRANCHES:
+            self.omitted += 1
+            return None
+        wanted = _whole(body.get("branch"))
+        branch_id = wanted if wanted and wanted not in self.branches else max(
+            self.branches) + 1
+        parent = body.get("parent")
+        if type(parent) is not int or parent not in self.branches:
+            parent = self.current
+        fork = _whole(body.get("step"))
+        if fork is None:
+            fork = self.branches[parent].last_step
+        source, cause = body.get("source"), body.get("cause")
+        branch = Branch(branch_id, parent, fork,
+                        protocol.printable(source, MAX_BRANCH_TEXT)
+                        if isinstance(source, str) else "",
+                        protocol.printable(cause, MAX_BRANCH_TEXT)
+                        if isinstance(cause, str) else "")
+        self.branches[branch_id] = branch
+        self.current = branch_id
+        return branch
+
+    def applied(self, body: dict[str, Any]) -> None:
+        """Fold an ``applied`` or ``rolled_back`` event's body: a change on the current
+        branch (not a command's: ``pause=on``, ``rewind=120`` set no value)."""
+        knob = body.get("knob")
+        spec = STANDARD_KNOBS.get(knob) if isinstance(knob, str) else None
+        if spec is not None and spec.command:
+            return
+        branch = self.branches[self.current]
+        branch.changes += 1
+        if len(branch.applied) < MAX_BRANCH_CHANGES and isinstance(knob, str):
+            branch.applied.append([_whole(body.get("step")), protocol.printable(knob, 100),
+                                   _change_value(body.get("value"))])
+
+    def stepped(self, steps: int, first: Any, last: Any) -> None:
+        """Fold ``steps`` optimizer steps of the current branch, its first and last
+        step numbers ``first`` and ``last`` (ignored unless whole numbers)."""
+        branch = self.branches[self.current]
+        branch.steps += steps
+        if branch.first_step is None:
+            branch.first_step = _whole(first)
+        if _whole(last) is not None:
+            branch.last_step = last
+
+    def path(self, branch: int) -> dict[int, float]:
+        """The branches whose steps make ``branch``'s path (the steps a run on it
+        trained through: its ancestors' up to each fork, then its own), each with
+        the last step of it the path takes (``math.inf``: all of its own); ``{}`` for
+        an unknown branch."""
+        limits: dict[int, float] = {}
+        limit = math.inf
+        at: int | None = branch
+        while at is not None and at in self.branches and at not in limits:
+            limits[at] = limit
+            node = self.branches[at]
+            if node.parent is not None:
+                limit = min(limit, -1 if node.fork_step is None else node.fork_step)
+            at = node.parent
+        return limits
+
+    def children(self) -> dict[int | None, list[Branch]]:
+        """The branches by parent, each list in the order they began."""
+        found: dict[int | None, list[Branch]] = {}
+        for branch in self.branches.values():
+            found.setdefault(branch.parent, []).append(branch)
+        return found
+
+    def public(self) -> dict[str, Any]:
+        """The tree as JSON-ready values (what a summary file keeps)."""
+        return {"branches": [asdict(branch) for branch in self.branches.values()],
+                "current": self.current, "omitted": self.omitted}
+
+    @classmethod
+    def from_public(cls, value: Any) -> BranchTree | None:
+        """A tree from :meth:`public`'s values; None when they are not one (no branch 0,
+        a parent before its child, a current branch that is not one, too many)."""
+        if not isinstance(value, dict) or not isinstance(value.get("branches"), list):
+            return None
+        listed = value["branches"]
+        if not listed or len(listed) > MAX_BRANCHES:
+            return None
+        tree = cls()
+        tree.branches = {}
+        for item in listed:
+            branch = Branch.from_public(item)
+            if (branch is None or branch.branch in tree.branches
+                    or (branch.parent is None) != (branch.branch == 0)
+                    or (branch.parent is not None and branch.parent not in tree.branches)):
+                return None
+            tree.branches[branch.branch] = branch
+        current, omitted = value.get("current"), _whole(value.get("omitted"))
+        if 0 not in tree.branches or current not in tree.branches or omitted is None:
+            return None
+        tree.current, tree.omitted = current, omitted
+        return tree
+
+
+def steps_on_path(message: dict[str, Any], limit: float) -> dict[str, Any] | None:
+    """A decoded ``steps`` envelope cut to the rows whose step is at most ``limit``
+    (:meth:`BranchTree.path`'s); the same envelope when all are, None when none is.
+    A row without a step number is kept only when ``limit`` is ``math.inf``. Columns
+    of lists or numpy arrays; a new body, the envelope given is not changed.
+
+    Raises:
+        KeyError, TypeError: not a decoded ``steps`` batch (:func:`decode_steps`).
+    """
+    if limit == math.inf:
+        return message
+    body = message["body"]
+    steps = body["columns"].get("step")
+    if steps is None:
+        step = body.get("common", {}).get("step")
+        return message if _whole(step) is not None and step <= limit else None
+    if hasattr(steps, "tolist"):
+        steps = steps.tolist()
+    rows = [row for row, step in enumerate(steps) if _whole(step) is not None
+            and step <= limit]
+    if len(rows) == body["n"]:
+        return message
+    if not rows:
+        return None
+    columns = {}
+    for name, values in body["columns"].items():
+        if hasattr(values, "tolist"):
+            columns[name] = values[_numpy().asarray(rows)]
+        else:
+            columns[name] = [values[row] for row in rows]
+    return {**message, "body": {**body, "n": len(rows), "columns": columns}}
+
+
+class BranchPath:
+    """One branch's path through a run log's records (:meth:`BranchTree.path`): feed
+    every record in order to :meth:`keep`, which says what of it is on the path.
+
+    Args:
+        tree: the log's branches (a first pass over it, or its summary's).
+        branch: the branch whose path is kept (default: the tree's current one, the
+            branch taken last).
+
+    What a path keeps: its branches' step rows up to each fork (:func:`steps_on_path`);
+    their other records (events, state, system samples) from before a step past the
+    fork; the ``branched`` events of its forks; every ``hello`` and ``bye``. Memory: a
+    :class:`LogSummary` folded on the way (its tree: the same ids as ``tree``'s).
+    """
+
+    def __init__(self, tree: BranchTree, branch: int | None = None) -> None:
+        self.branch = tree.current if branch is None else branch
+        self.limits = tree.path(self.branch)
+        self.summary = LogSummary()
+
+    def keep(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        """What of ``message`` (an envelope, a ``steps`` batch decoded) is on the
+        path: it, its rows on the path, or None."""
+        kind = message.get("type")
+        self.summary.add(message)
+        if kind in (protocol.HELLO, protocol.BYE):
+            return message
+        tree = self.summary.tree
+        limit = self.limits.get(tree.current)
+        if limit is None:
+            return None
+        if kind == protocol.STEPS:
+            try:
+                return steps_on_path(message, limit)
+            except (KeyError, TypeError, AttributeError, IndexError):
+                return None
+        last = tree.branches[tree.current].last_step
+        return message if last is None or last <= limit else None
+
+
 # --- the summary ----------------------------------------------------------------------
 
 def number(value: Any) -> float | None:
@@ -461,6 +761,8 @@ class LogSummary:
             can go on (a chunk's start; a line's for the older format).
         malformed, truncated: what a reader that made this summary could not read
             (damaged frames or lines; a torn end): the writer's own has none.
+        tree: the run's branches (:class:`BranchTree`; one, branch 0, until the state
+            is put back).
     """
 
     run: str | None = None
@@ -483,6 +785,7 @@ class LogSummary:
     covered: list[int] | None = None
     malformed: int = 0
     truncated: bool = False
+    tree: BranchTree = field(default_factory=BranchTree)
 
     def add(self, message: dict[str, Any]) -> None:
         """Fold one envelope (a ``steps`` batch with list columns, as the wire has it,
@@ -519,6 +822,11 @@ class LogSummary:
             self.ended = None  # a hello after a bye: the run id restarted
         elif kind == protocol.EVENT:
             self.events += 1
+            event = body.get("kind")
+            if event == protocol.EventKind.BRANCHED:
+                self.tree.branched(body)
+            elif event in protocol.EventKind.CHANGED:
+                self.tree.applied(body)
         elif kind == protocol.BYE:
             reason = body.get("reason")
             self.ended = (protocol.printable(reason, protocol.MAX_NAME_CHARS)
@@ -538,10 +846,12 @@ class LogSummary:
             return [common.get(name)] * (1 if name not in columns else n)
 
         counts = column("steps_in_bucket") if "steps_in_bucket" in columns else None
-        self.steps += (n if counts is None
-                       else sum(count for count in counts if type(count) is int))
+        steps_in = (n if counts is None
+                    else sum(count for count in counts if type(count) is int))
+        self.steps += steps_in
         steps = column("step")
         first = steps[0] if "step.min" not in columns else column("step.min")[0]
+        self.tree.stepped(steps_in, first, steps[-1])
         if type(first) is int and self.first_step is None:
             self.first_step = first
         if type(steps[-1]) is int:
@@ -573,12 +883,14 @@ class LogSummary:
         """The summary as a JSON document (what the summary file holds). Never raises:
         knob maps too large, or holding what JSON cannot (an integer past 64 bits),
         are left out (a reader then counts changes from the next step's map)."""
+        values = {spec.name: getattr(self, spec.name) for spec in fields(self)}
+        values["tree"] = self.tree.public()
         try:
-            data = orjson.dumps(asdict(self), default=repr, option=orjson.OPT_NON_STR_KEYS)
+            data = orjson.dumps(values, default=repr, option=orjson.OPT_NON_STR_KEYS)
         except orjson.JSONEncodeError:
             data = b""
         if not data or len(data) > MAX_SUMMARY_BYTES:  # huge or odd knob maps: not kept
-            data = orjson.dumps({**asdict(self), "knobs": None}, default=repr)
+            data = orjson.dumps({**values, "knobs": None}, default=repr)
         return data
 
     @classmethod
@@ -609,6 +921,10 @@ class LogSummary:
                 ok = value is None or isinstance(value, dict)
             elif spec.name == "truncated":
                 ok = type(value) is bool
+            elif spec.name == "tree":
+                value = (BranchTree() if value is default
+                         else BranchTree.from_public(value))
+                ok = value is not None
             elif spec.name == "covered":
                 ok = value is None or (type(value) is list and len(value) == 2 and all(
                     type(part) is int and part >= 0 for part in value))

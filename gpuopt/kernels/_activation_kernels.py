@@ -1,5 +1,7 @@
-"""Triton helpers shared by the fused kernels: activations, their derivatives, and the
-column reduction that finishes a bias or LayerNorm weight gradient.
+"""Triton helpers shared by the fused kernels.
+
+Activations, their derivatives, and the column reduction that finishes a bias or LayerNorm
+weight gradient.
 
 Imported only when a Triton kernel first runs (see :func:`gpuopt.kernels.backend.kernels`).
 All arithmetic is float32. ``ACTIVATION`` is a ``tl.constexpr`` string from
@@ -123,11 +125,12 @@ def _sm_count(index: int) -> int:
 
 
 def launch_options(tile_elements: int) -> dict[str, object]:
-    """Launch options for a program of ``tile_elements``: warps as the 02-fused-softmax /
-    05-layer-norm tutorials (about 8 elements a thread, up to 8 warps) and, for the long
-    rows of a LayerNorm, Liger-Kernel's ``calculate_settings`` (16 warps from 8192
-    elements, 32 from 32768); FMA contraction on, stated so (Triton 3.9 warns when it is
-    left to its default)."""
+    """Launch options for a program of ``tile_elements``.
+
+    Warps as the 02-fused-softmax / 05-layer-norm tutorials (about 8 elements a thread, up
+    to 8 warps) and, for the long rows of a LayerNorm, Liger-Kernel's ``calculate_settings``
+    (16 warps from 8192 elements, 32 from 32768); FMA contraction on, stated so (Triton 3.9
+    warns when it is left to its default)."""
     if tile_elements >= 32768:
         num_warps = 32
     elif tile_elements >= 8192:

@@ -97,15 +97,17 @@ def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
 
 
 def saves_output(activation: str) -> bool:
-    """Whether the backward of ``activation`` needs the forward's output (ReLU) rather
-    than its input (GELU); identity needs neither."""
+    """Whether the backward of ``activation`` needs the forward's output.
+
+    ReLU's does (rather than its input, as GELU's); identity needs neither."""
     return activation == "relu"
 
 
 def bias_activation_fwd(x: torch.Tensor, bias: torch.Tensor | None, activation: str,
                         out_dtype: torch.dtype) -> torch.Tensor:
-    """``activation(x + bias)`` for ``x [M, N]`` (unit column stride) into a new
-    contiguous ``[M, N]`` tensor of ``out_dtype``."""
+    """``activation(x + bias)`` into a new contiguous ``[M, N]`` tensor of ``out_dtype``.
+
+    ``x`` is ``[M, N]`` with unit column stride."""
     n_rows, n_cols = x.shape
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     block_m, block_n = _blocks(n_rows, n_cols)

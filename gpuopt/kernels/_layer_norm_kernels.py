@@ -150,8 +150,10 @@ def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                    eps: float, p: float, seed: int, activation: str,
                    out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused forward of ``x [M, N]`` (unit column stride): ``(y [M, N] of out_dtype,
-    mean [M] float32, rstd [M] float32)``; dropout with probability ``p`` when ``p > 0``."""
+    """Fused LayerNorm forward of ``x [M, N]`` (unit column stride).
+
+    Returns ``(y [M, N] of out_dtype, mean [M] float32, rstd [M] float32)``; dropout with
+    probability ``p`` when ``p > 0``."""
     n_rows, n_cols = x.shape
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -172,9 +174,10 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
                    p: float, seed: int, activation: str, *, dx_dtype: torch.dtype,
                    need_dweight: bool, need_dbias: bool,
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Fused backward: ``(dx [M, N] of dx_dtype, dweight [N] or None, dbias [N] or None)``
-    for ``dy`` and ``x`` ``[M, N]`` with unit column stride; parameter gradients have the
-    parameters' dtypes, summed in float32."""
+    """Fused LayerNorm backward for ``dy`` and ``x`` ``[M, N]`` with unit column stride.
+
+    Returns ``(dx [M, N] of dx_dtype, dweight [N] or None, dbias [N] or None)``; parameter
+    gradients have the parameters' dtypes, summed in float32."""
     n_rows, n_cols = x.shape
     dx = torch.empty((n_rows, n_cols), dtype=dx_dtype, device=x.device)
     block_m, block_n = _blocks(n_rows, n_cols)

@@ -64,8 +64,10 @@ PANELS = (
         "kernels & memory, data: the loader's, optimizer), green for 10 s after a "
         "change; '-> v (at step N)' while a command waits for its step; lr: the "
         "learning rate the last step used (and lr_scale when not 1); clip: "
-        "max_grad_norm and the last gradient norm. '+N more': the ones that do "
-        "not fit (: sets any).")),
+        "max_grad_norm and the last gradient norm; mixture: the weights a "
+        "gpuopt.mixture.MixtureLoader draws its datasets with, in their order "
+        "(:mixture=0.7,0.3 sets them, normalised to sum 1, from the next sample). "
+        "'+N more': the ones that do not fit (: sets any).")),
     ("events", (
         "Commands sent, the run's replies and applied changes, warnings; the "
         "newest line alone when the terminal is short (gpuwatch tail shows "

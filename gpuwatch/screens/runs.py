@@ -13,6 +13,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
 from agent.wire.protocol import printable
+from gpuwatch.branches import tree_lines
 from gpuwatch.history import RunSummary, all_runs
 from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_rate,
                             human_sig, local_time)
@@ -20,7 +21,7 @@ from gpuwatch.units import (counted, human_age, human_bytes, human_number, human
 #: The table's columns, what tells runs apart first: at 80 columns the table is cut
 #: after the steps (a demo's name is 16 characters).
 COLUMNS = ("run", "name", "steps", "started", "duration", "final loss", "best/s",
-           "changes", "log", "state")
+           "changes", "branches", "log", "state")
 
 
 def _row(summary: RunSummary) -> tuple[str, ...]:
@@ -32,12 +33,15 @@ def _row(summary: RunSummary) -> tuple[str, ...]:
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_sig(summary.final_loss),
             human_rate(best),
-            str(summary.knob_changes), human_bytes(summary.log_bytes), state)
+            str(summary.knob_changes), str(len(summary.tree) + summary.tree.omitted),
+            human_bytes(summary.log_bytes), state)
 
 
 class RunsScreen(ModalScreen[RunSummary | None]):
-    """The runs in a table, newest first (read in a thread: logs can be large); enter
-    opens the run under the cursor (dismissed with its summary), escape closes."""
+    """The runs in a table, newest first (read in a thread: logs can be large), and
+    under it the branches of the run under the cursor (a tree of segments, when it
+    has several); enter opens the run under the cursor (dismissed with its summary),
+    escape closes."""
 
     BINDINGS = [
         Binding("escape,q", "dismiss(None)", "close", id="runs.close"),
@@ -53,6 +57,7 @@ class RunsScreen(ModalScreen[RunSummary | None]):
             yield Static(Content.styled("reading the run logs ...", "$text-muted"),
                          id="runs-status")
             yield DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
+            yield Static("", id="runs-branches")
 
     def on_mount(self) -> None:
         self._load()
@@ -80,6 +85,15 @@ class RunsScreen(ModalScreen[RunSummary | None]):
             counted(len(summaries), "run") if summaries else "no runs: no run logs and no live "
             "runs", "$text-muted"))
         table.focus()
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        """Show the branches of the run under the cursor."""
+        key = event.row_key.value
+        if key is None or not self.summaries:
+            return
+        lines = tree_lines(self.summaries[int(key)].tree,
+                           width_chars=max(20, self.size.width - 4), max_lines=12)
+        self.query_one("#runs-branches", Static).update(Content("\n".join(lines)))
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         """Open the chosen run."""

@@ -250,12 +250,19 @@ class ReplaySource(Source):
     Args:
         path: the run log (either format, see :class:`RunLogReader`).
         follow: keep reading what is appended (default); False stops at the end.
+        branch: ``(tree, N)``: fold only branch N's path
+            (:class:`agent.wire.runlog.BranchPath`; the tree from
+            :func:`gpuwatch.history.log_summary`). By default every record is folded,
+            and the charts follow the branch taken last (:class:`RunState` goes back
+            to each fork).
     """
 
-    def __init__(self, path: os.PathLike | str, *, follow: bool = True) -> None:
+    def __init__(self, path: os.PathLike | str, *, follow: bool = True,
+                 branch: tuple[runlog.BranchTree, int] | None = None) -> None:
         super().__init__(None, f"run log {path}", poll_s=POLL_S)
         self.path = Path(path)
         self.follow = follow
+        self._path = None if branch is None else runlog.BranchPath(*branch)
 
     def _run(self) -> None:
         counted = 0  # the reader's malformed lines already added to the state
@@ -285,6 +292,11 @@ class ReplaySource(Source):
             now = time.monotonic()
             offset_s = now - time.time()  # unix time -> monotonic time
             for envelope in envelopes:
+                if self._path is not None:
+                    kept = self._path.keep(envelope)
+                    if kept is None:
+                        continue
+                    envelope = kept
                 t: Any = envelope.get("t")  # as decoded: its type is checked here
                 written = (min(now, t + offset_s) if type(t) in (int, float)
                            and math.isfinite(t) else now)

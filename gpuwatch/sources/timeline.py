@@ -18,6 +18,7 @@ what it was then (live, compiling, stalled, ended at the end).
 from __future__ import annotations
 
 import bisect
+import copy
 import time
 from array import array
 from collections.abc import Sequence
@@ -25,8 +26,9 @@ from typing import Any, NamedTuple, overload
 
 from agent.wire import protocol
 from agent.wire.protocol import printable
+from agent.wire.runlog import BranchPath, BranchTree
 from gpuwatch.history import (HistoryBuilder, LogFiles, LogReader, Position, RunHistory,
-                              number)
+                              log_summary, number)
 from gpuwatch.sources import Source
 from gpuwatch.sources.whole_run import WholeRun
 from gpuwatch.state import RunState
@@ -58,6 +60,7 @@ class _Checkpoint(NamedTuple):
     index: int  # type: ignore[assignment]  # shadows tuple.index, as Mark's
     position: Position  # where the batch that starts with that step record is
     t: float  # the time of the last record folded into ``state`` (unix s)
+    path: BranchPath | None  # the branch path's fold, with that batch folded
 
 
 class StepIndex(Sequence[int]):
@@ -133,6 +136,8 @@ class Timeline:
         log: the rank's log files.
         initial: the state to fold into (lines the dashboard logged before it loaded
             stay in every position).
+        path: fold only the records of a branch's path (:class:`BranchPath`, a new
+            one), not every record of the log.
         stopped: called every :data:`STOP_CHECK_RECORDS` records; True stops reading
             (the timeline then holds what was read).
 
@@ -143,7 +148,8 @@ class Timeline:
         history: the run's history (segments, knob changes) from the same read.
     """
 
-    def __init__(self, log: LogFiles, initial: RunState, *, stopped=lambda: False) -> None:
+    def __init__(self, log: LogFiles, initial: RunState, *, stopped=lambda: False,
+                 path: BranchPath | None = None) -> None:
         self.log = log
         self.steps = StepIndex()
         self.marks: list[Mark] = []
@@ -158,12 +164,18 @@ class Timeline:
         for count, (position, envelope) in enumerate(reader):
             if count % STOP_CHECK_RECORDS == 0 and stopped():
                 break
+            if path is not None:
+                kept = path.keep(envelope)
+                if kept is None:
+                    continue
+                envelope = kept
             t = number(envelope.get("t")) or t
             kind, body = envelope["type"], envelope["body"]
             if kind == protocol.STEPS:
                 first = len(self.steps)
-                if first >= self._next_checkpoint:
-                    self._keep(_Checkpoint(state.copy(), first, position, t))
+                if first >= self._next_checkpoint:  # (the batch read again is kept again)
+                    self._keep(_Checkpoint(state.copy(), first, position, t,
+                                           copy.deepcopy(path)))
                 changes = builder.add(envelope)  # (with the numbers as arrays)
                 envelope = {**envelope, "body": {**body, "columns": {  # as the wire's
                     name: values.tolist() if hasattr(values, "tolist") else values
@@ -220,7 +232,13 @@ class Timeline:
         checkpoint = self._checkpoints[max(0, at)]
         state, t = checkpoint.state.copy(), checkpoint.t
         seen = checkpoint.index  # the index of the next step record
+        path = copy.deepcopy(checkpoint.path)
         for _, envelope in LogReader(self.log, start=checkpoint.position):
+            if path is not None:
+                kept = path.keep(envelope)
+                if kept is None:
+                    continue
+                envelope = kept
             cut = False
             if envelope["type"] == protocol.STEPS:
                 if seen > index:
@@ -257,18 +275,25 @@ class TimelineSource(Source):
 
     Args:
         log: the rank's run log (:func:`gpuwatch.history.find_logs`, ``log_at``).
+        branch: ``(tree, N)``: the path of branch N of the run's ``tree``
+            (:func:`gpuwatch.history.log_summary`'s). By default, the path of the branch
+            taken last (the whole log for a run of one branch).
 
     Attributes:
         timeline: the loaded timeline, None until the thread has read the log.
         index: the step index shown (None before loading, or without steps).
     """
 
-    def __init__(self, log: LogFiles) -> None:
+    def __init__(self, log: LogFiles, *, branch: tuple[BranchTree, int] | None = None
+                 ) -> None:
         super().__init__(None, f"run log {log.first}", poll_s=0.1)
         self.log = log
+        self.branch = branch
         self.timeline: Timeline | None = None
         self.index: int | None = None
-        self.whole = WholeRun(str(log.first))  # the run up to the step shown, from step 1
+        # the run up to the step shown, from step 1 (by default it follows the branch
+        # trained, which ends on the one taken last)
+        self.whole = WholeRun(str(log.first), branch=branch)
         self._now = time.monotonic()
 
     def now(self) -> float:
@@ -279,7 +304,9 @@ class TimelineSource(Source):
     def _run(self) -> None:
         with self.lock:
             initial = self.state.copy()
-        timeline = Timeline(self.log, initial, stopped=self._stop.is_set)
+        tree, branch = self.branch or (log_summary(self.log)[0].tree, None)
+        path = BranchPath(tree, branch) if len(tree) > 1 else None
+        timeline = Timeline(self.log, initial, stopped=self._stop.is_set, path=path)
         with self.lock:
             self.timeline = timeline
             last = timeline.last_index

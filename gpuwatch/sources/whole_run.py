@@ -19,6 +19,7 @@ import time
 from typing import NamedTuple
 
 from agent.wire import protocol
+from agent.wire.runlog import BranchPath, BranchTree
 from gpuwatch import history
 from gpuwatch.history import HistoryBuilder, LogReader, Position
 from gpuwatch.state import KnobChange
@@ -55,6 +56,10 @@ class WholeRun:
     Args:
         path: the log's first part (a run file's ``log_path``); never followed through
             a link (:func:`gpuwatch.history.log_at`).
+        branch: ``(tree, N)``: read only branch N's path (a finished log's: ``tree`` is
+            its :func:`gpuwatch.history.log_summary`'s). By default every record, the
+            view following the branch being trained: at each ``branched`` event it
+            goes back to the fork step (:meth:`gpuwatch.history.Overview.cut`).
 
     Attributes:
         past: the latest :class:`Past`, None until the first is published.
@@ -66,8 +71,9 @@ class WholeRun:
     log is looked for again every :data:`FOLLOW_S`).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, branch: tuple[BranchTree, int] | None = None) -> None:
         self.path = path
+        self._branch = None if branch is None else BranchPath(*branch)
         self.past: Past | None = None
         self.loaded = threading.Event()
         self._stop = threading.Event()
@@ -105,8 +111,13 @@ class WholeRun:
         resume = reader.start
         published_at = time.monotonic()
         for position, envelope in reader:
-            builder.add(envelope)
             resume = position._replace(item=position.item + 1)  # after this record
+            if self._branch is not None:
+                kept = self._branch.keep(envelope)
+                if kept is None:
+                    continue
+                envelope = kept
+            builder.add(envelope)
             if envelope["type"] == protocol.STEPS and (
                     time.monotonic() - published_at >= PUBLISH_S):
                 if self._stop.is_set():

@@ -1,5 +1,6 @@
-"""The input pipeline: is the run waiting for data (the loader's knobs are in the knobs
-panel, under ``data``)."""
+"""The input pipeline: is the run waiting for data.
+
+The loader's knobs are in the knobs panel, under ``data``."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ IDLE_CORES_FOR_A_WORKER = 0.5
 
 
 def input_advice(state: RunState, width: int) -> Content | None:
-    """For a run waiting on its input: whether the host has idle CPU for more DataLoader
-    workers (from the latest ``system`` sample and the CPUs in ``hello``) and what the
-    search (``T``) would try (with no idle CPU: a worker for a compute thread, the trade
-    of :data:`agent.search.coordinate.TRADES`); the longest wording that fits ``width`` columns.
-    None when the run is not waiting on its input, or the numbers are not known yet."""
+    """For a run waiting on its input: idle CPU for more workers, and what the search tries.
+
+    Whether the host has idle CPU for more DataLoader workers (from the latest ``system``
+    sample and the CPUs in ``hello``) and what the search (``T``) would try (with no idle
+    CPU: a worker for a compute thread, the trade of
+    :data:`agent.search.coordinate.TRADES`); the longest wording that fits ``width``
+    columns. None when the run is not waiting on its input, or the numbers are not known
+    yet."""
     if state.last_step.get("input_verdict") not in ("input-bound", "partly input-bound"):
         return None
     cpu_pct = (state.system or {}).get("cpu_pct")
@@ -48,10 +52,12 @@ def input_advice(state: RunState, width: int) -> Content | None:
 
 
 def verdict_texts(state: RunState) -> list[Content]:
-    """The agent's input verdict in its colour with the share of step time waiting for
-    data over its window, in shorter wordings after it (``compute-bound 1%``,
-    ``compute-bound``, ``wait 1%``: the colour still says the verdict); none before the
-    first verdict. The knobs panel's ``data`` heading, when the data panel is folded."""
+    """The agent's input verdict in its colour, in wordings from longest to shortest.
+
+    With the share of step time waiting for data over its window, in shorter wordings after
+    it (``compute-bound 1%``, ``compute-bound``, ``wait 1%``: the colour still says the
+    verdict); none before the first verdict. The knobs panel's ``data`` heading, when the
+    data panel is folded."""
     step = state.last_step
     verdict = step.get("input_verdict")
     if not isinstance(verdict, str):
@@ -65,12 +71,13 @@ def verdict_texts(state: RunState) -> list[Content]:
 
 
 class DataPanel(Panel):
-    """The agent's verdict (input-bound, partly input-bound, compute-bound) in its
-    colour and, when waiting on input, whether idle CPU exists for more workers
-    (:func:`input_advice`); the share of step time spent waiting for data, over the
-    agent's window and as one bar per step (0-100%). The loader's knobs are in the
-    knobs panel. Folded under 100 columns (its verdict then heads the knobs panel's
-    ``data`` group)."""
+    """The agent's input verdict and the share of step time spent waiting for data.
+
+    The verdict (input-bound, partly input-bound, compute-bound) in its colour and, when
+    waiting on input, whether idle CPU exists for more workers (:func:`input_advice`); the
+    share of step time spent waiting for data, over the agent's window and as one bar per
+    step (0-100%). The loader's knobs are in the knobs panel. Folded under 100 columns (its
+    verdict then heads the knobs panel's ``data`` group)."""
 
     BORDER_TITLE = "data"
 

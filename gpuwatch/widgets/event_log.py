@@ -18,8 +18,10 @@ LEVEL_COLORS = {"success": "success", "warning": "warning", "error": "error"}
 
 
 class EventLog(RichLog):
-    """A scrolling log; entries are stamped with the local time the run said them
-    (the time they were shown, for the dashboard's own lines)."""
+    """A scrolling log of the run's events and the dashboard's answers.
+
+    Entries are stamped with the local time the run said them (the time they were shown, for
+    the dashboard's own lines)."""
 
     BORDER_TITLE = "events"
 
@@ -33,9 +35,10 @@ class EventLog(RichLog):
         self._wrapped_at = 0
 
     def on_resize(self, event: events.Resize) -> None:
-        """Wrap every entry again at the new width (a line keeps the width it was
-        written at) and keep the newest line in view: it is the answer to the last key
-        pressed."""
+        """Wrap every entry again at the new width and keep the newest line in view.
+
+        A line keeps the width it was written at; the newest line is the answer to the last
+        key pressed."""
         width = self.scrollable_content_region.width
         if width != self._wrapped_at and self._entries:
             self._wrapped_at = width
@@ -51,8 +54,9 @@ class EventLog(RichLog):
         return self
 
     def add(self, entry: LogEntry) -> None:
-        """Append one entry, coloured by its level, its control characters made visible
-        (:func:`agent.wire.protocol.printable`)."""
+        """Append one entry, coloured by its level, its control characters made visible.
+
+        See :func:`agent.wire.protocol.printable`."""
         variable = LEVEL_COLORS.get(entry.level)
         color = self.app.theme_variables.get(variable, "") if variable else ""
         stamp = local_time(time.time() if entry.t is None else entry.t, "%H:%M:%S") + " "

@@ -1,5 +1,7 @@
-"""The footer: the dashboard's keys on one line, the same keys in the same order at
-every size and under every screen, folded by priority where the line is too short."""
+"""The footer: the dashboard's keys on one line.
+
+The same keys in the same order at every size and under every screen, folded by priority
+where the line is too short."""
 
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ class KeyItem(NamedTuple):
 
 
 def fold(items: list[KeyItem], width: int) -> tuple[list[KeyItem], int, bool]:
-    """Which items fit in ``width`` columns, from the first (the bindings' order is
-    their priority), never a word cut: ``(items, gap, palette)``, where ``gap`` is the
-    columns between two items (:data:`WIDE_GAP` where all of them fit so, else 1) and
+    """Which items fit in ``width`` columns, from the first, never a word cut.
+
+    The bindings' order is their priority. Returns ``(items, gap, palette)``, where ``gap``
+    is the columns between two items (:data:`WIDE_GAP` where all of them fit so, else 1) and
     ``palette`` says whether :data:`PALETTE_ITEM` fits as well, at the right."""
     def length(shown: list[KeyItem], gap: int) -> int:
         return sum(len(item.keys) + 1 + len(item.description) for item in shown) + gap * max(
@@ -46,8 +49,9 @@ def fold(items: list[KeyItem], width: int) -> tuple[list[KeyItem], int, bool]:
 
 
 def key_line(items: list[KeyItem], width: int) -> Content:
-    """The footer's line for ``width`` columns (see :func:`fold`): keys bold in the
-    accent colour, descriptions plain, keys that do nothing now dimmed."""
+    """The footer's line for ``width`` columns (see :func:`fold`).
+
+    Keys bold in the accent colour, descriptions plain, keys that do nothing now dimmed."""
     shown, gap, palette = fold(items, width)
     parts: list[Content | tuple[str, str] | str] = [" "]
     for index, item in enumerate(shown):
@@ -64,11 +68,12 @@ def key_line(items: list[KeyItem], width: int) -> Content:
 
 
 class KeyBar(Static):
-    """The footer (docked at the bottom of the main screen; the other screens open over
-    the rest of it, so it stays as it is under them): the screen's bindings that
-    ``show``, in the app's order, a -/+ pair (a compact binding group) as one entry
-    (``aA accum``). Redrawn when the bindings change (a knob the run lacks hides its
-    keys) and on resize, from the new width at once (never a line cut mid-word)."""
+    """The footer: the screen's bindings that ``show``, in the app's order.
+
+    Docked at the bottom of the main screen (the other screens open over the rest of it, so
+    it stays as it is under them), a -/+ pair (a compact binding group) as one entry (``aA
+    accum``). Redrawn when the bindings change (a knob the run lacks hides its keys) and on
+    resize, from the new width at once (never a line cut mid-word)."""
 
     def __init__(self, *, name: str | None = None, id: str | None = None,
                  classes: str | None = None) -> None:

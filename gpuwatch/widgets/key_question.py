@@ -1,5 +1,6 @@
-"""The question a key that changes the run asks before its command is sent: what it will
-do and which keys answer, over the footer's row (as the ``:`` command line is)."""
+"""The question a key that changes the run asks before its command is sent.
+
+What it will do and which keys answer, over the footer's row (as the ``:`` command line is)."""
 
 from __future__ import annotations
 
@@ -43,12 +44,14 @@ class Question:
 
 
 class KeyQuestion(Static):
-    """``? <what it will do>  p/enter: send  esc: cancel`` while a question is open,
-    hidden otherwise; the app decides what answers it (``GpuwatchApp.on_key``)."""
+    """``? <what it will do>  p/enter: send  esc: cancel`` while a question is open.
+
+    Hidden otherwise; the app decides what answers it (``GpuwatchApp.on_key``)."""
 
     def show(self, question: Question | None, key_display: str | None) -> None:
-        """Show ``question`` (``key_display``: its key as the footer shows it), or hide
-        (None)."""
+        """Show ``question``, or hide (None).
+
+        ``key_display``: its key as the footer shows it."""
         self.display = question is not None
         if question is None:
             return

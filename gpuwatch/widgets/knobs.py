@@ -10,7 +10,7 @@ from typing import Any
 
 from textual.content import Content
 
-from agent.wire.knobs import DATA, GROUPS, OTHER, STANDARD_KNOBS
+from agent.wire.knobs import COMMAND_KINDS, DATA, GROUPS, OTHER, STANDARD_KNOBS
 from gpuwatch.state import RunState
 from gpuwatch.units import human_sig, knob_text
 from gpuwatch.widgets.panel import Panel
@@ -122,7 +122,7 @@ def grouped_knobs(state: RunState) -> list[tuple[str, list[str]]]:
     the standard knobs in their declared order (``lr`` and ``clip`` first among the
     optimizer's), the rest in the schema's; read ``state`` under the lock."""
     names = [name for name in (list(state.schema) or list(state.knobs))
-             if state.schema.get(name, {}).get("kind") != "action"]
+             if state.schema.get(name, {}).get("kind") not in COMMAND_KINDS]
     order = {name: index for index, name in enumerate(
         sorted(STANDARD_KNOBS, key=lambda name: not _label(name)))}
     groups: dict[str, list[str]] = {}

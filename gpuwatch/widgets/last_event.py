@@ -1,6 +1,7 @@
-"""The newest entry of the event log on one line, for a terminal too short for the log
-itself (the answer to the last key press stays in view at any size), and the warnings
-and errors not read yet, whole, at any size."""
+"""The newest entry of the event log on one line, and the warnings not read yet.
+
+For a terminal too short for the log itself (the answer to the last key press stays in view
+at any size), and the warnings and errors not read yet, whole, at any size."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ HELD_LEVELS = frozenset({"warning", "error"})
 
 
 class LastEvent(Panel):
-    """``▸ <text>`` of the newest log entry, coloured by its level (the stylesheet shows
-    it where the event log is hidden).
+    """``▸ <text>`` of the newest log entry, coloured by its level.
+
+    The stylesheet shows it where the event log is hidden.
 
     A warning or error is held: it stays, whole (wrapped), until :data:`HOLD_AFTER_KEY_S`
     after the next key, whatever comes after it, and the line shows it at every size
@@ -48,11 +50,13 @@ class LastEvent(Panel):
 
     def show(self, newest: LogEntry | None, new: Iterable[LogEntry] = (), *,
              log_shown: bool = False, progress: str | None = None) -> None:
-        """Show ``newest`` (None: nothing logged yet), and hold each warning or error of
-        ``new`` (the entries logged since the last call). ``log_shown``: the event log is
-        in view (it shows the newest entry: this line then shows only what it holds).
-        ``progress``: what the run is doing now (a compile's progress, longer than the
-        header has room for), shown instead of the newest entry."""
+        """Show ``newest``, and hold each warning or error of ``new``.
+
+        ``newest`` None: nothing logged yet; ``new``: the entries logged since the last
+        call. ``log_shown``: the event log is in view (it shows the newest entry: this line
+        then shows only what it holds). ``progress``: what the run is doing now (a
+        compile's progress, longer than the header has room for), shown instead of the
+        newest entry."""
         self._held += [(entry, None) for entry in new if entry.level in HELD_LEVELS]
         del self._held[:-MAX_HELD]
         self._newest, self._log_shown, self._progress = newest, log_shown, progress
@@ -68,8 +72,9 @@ class LastEvent(Panel):
             self._draw()  # the newest entry under them: the answer to this key
 
     def on_resize(self) -> None:
-        """Wrap what is held again at the new width (first shown at a tall terminal's
-        size, the line had none)."""
+        """Wrap what is held again at the new width.
+
+        First shown at a tall terminal's size, the line had none."""
         self._draw()
 
     def _draw(self) -> None:

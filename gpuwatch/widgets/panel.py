@@ -1,5 +1,7 @@
-"""The base of the text panels: a fixed-size Static that redraws only on real change,
-and the one-line text sparkline they draw with (per record, or per bucket of records)."""
+"""The base of the text panels, and the one-line sparkline they draw with.
+
+A fixed-size Static that redraws only on real change, and the text sparkline (per record, or
+per bucket of records)."""
 
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ MAX_LINE_CHARS = 500
 
 
 class Panel(Static):
-    """A Static whose size never depends on its text (set in the stylesheet), so an
-    update needs no layout pass, and an update to the same text and styles is skipped:
-    the dashboard calls ``show()`` several times a second. Every panel's text passes
+    """A Static whose size never depends on its text, and that skips an update to the same.
+
+    Its size is set in the stylesheet, so an update needs no layout pass, and an update to
+    the same text and styles is skipped: the dashboard calls ``show()`` several times a
+    second. Every panel's text passes
     :func:`agent.wire.protocol.printable` here (its own line breaks kept), so no string of a
     run or a log reaches the terminal as control sequences."""
 
@@ -33,8 +37,9 @@ class Panel(Static):
         return self.content_region.width or DEFAULT_WIDTH
 
     def set_content(self, content: Content | str, *, layout: bool = False) -> None:
-        """Show ``content``, its control characters made visible (see
-        :func:`safe_content`), unless it is what is shown already. ``layout``: its
+        """Show ``content``, unless it is what is shown already.
+
+        Its control characters are made visible (see :func:`safe_content`). ``layout``: its
         height follows its lines (the layout is redone when it changes)."""
         content = safe_content(content)
         current = self.content
@@ -45,10 +50,11 @@ class Panel(Static):
 
 
 def safe_content(content: Content | str) -> Content:
-    """``content`` as a terminal may show it: its lines cut to :data:`MAX_LINE_CHARS`
-    and its control characters made visible by :func:`agent.wire.protocol.printable` (its
-    own line breaks kept), its styles where they were. For every text of a run or a log
-    that a widget shows."""
+    """``content`` as a terminal may show it.
+
+    Its lines cut to :data:`MAX_LINE_CHARS` and its control characters made visible by
+    :func:`agent.wire.protocol.printable` (its own line breaks kept), its styles where they
+    were. For every text of a run or a log that a widget shows."""
     content = Content(content) if isinstance(content, str) else content
     plain = content.plain
     if len(plain) > MAX_LINE_CHARS and any(
@@ -75,8 +81,9 @@ OUTLIER_FEW_HEADROOM = 4.0
 
 
 def robust_top(values: Sequence[float | None]) -> float | None:
-    """Where a scale of ``values`` should end so that outliers do not flatten the rest
-    (they are drawn at the end and marked), or None when every value fits (too few
+    """Where a scale of ``values`` should end so that outliers do not flatten the rest.
+
+    Outliers are drawn at the end and marked. Returns or None when every value fits (too few
     values, or none beyond the bulk)."""
     finite = sorted(v for v in values if v is not None and math.isfinite(v))
     if len(finite) < OUTLIER_FEW_VALUES:
@@ -90,8 +97,9 @@ def robust_top(values: Sequence[float | None]) -> float | None:
 
 def sparkline(values: Sequence[float | None], width: int, *,
               high: float | None = None) -> str:
-    """The last ``width`` values as one line of block characters, one per value, the
-    newest at the right, scaled from 0 to ``high`` (the largest value shown when None).
+    """The last ``width`` values as one line of block characters, one per value.
+
+    The newest at the right, scaled from 0 to ``high`` (the largest value shown when None).
 
     A missing or non-finite value is a space; with fewer values than ``width`` the line
     is shorter (it is not stretched, so one column is always one record).
@@ -114,11 +122,13 @@ def sparkline(values: Sequence[float | None], width: int, *,
 
 def bucket_max(values: Sequence[float | None], buckets: int, *,
                reduce: Callable[[list[float]], float] = max) -> list[float | None]:
-    """``values`` (oldest first) cut into at most ``buckets`` consecutive runs of equal
-    length (the oldest run takes the remainder), each run's largest value (None when a
-    run has none): a long history for a short sparkline, where a peak is not lost.
-    ``reduce``: another summary of each run (e.g. :func:`statistics.median`, for a rate
-    whose few fast steps should not stand for the rest)."""
+    """Each bucket's largest value, of ``values`` cut into at most ``buckets`` runs.
+
+    ``values`` (oldest first) cut into at most ``buckets`` consecutive runs of equal length
+    (the oldest run takes the remainder), each run's largest value (None when a run has
+    none): a long history for a short sparkline, where a peak is not lost. ``reduce``:
+    another summary of each run (e.g. :func:`statistics.median`, for a rate whose few fast
+    steps should not stand for the rest)."""
     count = len(values)
     if buckets <= 0 or count == 0:
         return []

@@ -44,8 +44,9 @@ def _percent(value: Any) -> str:
 
 
 class SystemPanel(Panel):
-    """CPU (the host's, % of all cores, and the training process's, 100% = one core)
-    and host memory, then one line per GPU, or why there is no GPU data."""
+    """The host's CPU and memory, then one line per GPU, or why there is no GPU data.
+
+    CPU: the host's (% of all cores) and the training process's (100% = one core)."""
 
     BORDER_TITLE = "host & GPU"
 

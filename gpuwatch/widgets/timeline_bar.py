@@ -1,5 +1,6 @@
-"""Where a replay on a timeline is: the step shown, the run as a bar with its knob
-changes marked, and the next change."""
+"""Where a replay on a timeline is.
+
+The step shown, the run as a bar with its knob changes marked, and the next change."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ MIN_BAR_COLUMNS = 10
 
 
 class TimelineBar(Panel):
-    """``step 1,234 of 5,000 ━━┃━━━●───┃── next: precision=bf16 at 1,669``: the bar is
-    the whole run (``●`` the step shown, ``┃`` a knob change, done part bold)."""
+    """``step 1,234 of 5,000 ━━┃━━━●───┃── next: precision=bf16 at 1,669``.
+
+    The bar is the whole run (``●`` the step shown, ``┃`` a knob change, done part bold)."""
 
     def show(self, steps: Sequence[int], index: int | None, marks: Sequence[Mark]
              ) -> None:

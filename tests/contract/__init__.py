@@ -95,6 +95,9 @@ class Recorder:
     replies: dict[str, Any] = field(default_factory=dict)
     #: print ``step N <run log path>`` at the first step (for a parent process)
     announce: bool = False
+    #: commands sent later, once each: ``(at_step, knob, value, apply_step)``, sent when
+    #: step ``at_step`` is recorded (a ``rewind`` to a checkpoint saved by then)
+    later: list[tuple[int, str, Any, int]] = field(default_factory=list)
 
     def micro_batch(self, index: torch.Tensor) -> None:
         """A micro-batch of samples ``index`` (a 1-d int tensor) is trained."""
@@ -173,6 +176,11 @@ def send_at_first_step(monitor: Any, commands: list[tuple[str, Any, int]],
             knob, value, step = pending.pop(0)
             recorder.replies[knob] = send_command(monitor.info, knob, value,
                                                   apply_step=step, timeout_s=10)
+        for entry in [entry for entry in recorder.later if entry[0] == record["step"]]:
+            recorder.later.remove(entry)
+            _, knob, value, apply_step = entry
+            recorder.replies[knob] = send_command(monitor.info, knob, value,
+                                                  apply_step=apply_step, timeout_s=10)
 
     monitor.add_listener(listener)
 

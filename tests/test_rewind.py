@@ -1,0 +1,233 @@
+"""``rewind=<step or path>``: its value kind, its refusals (at once, with the reason,
+changing nothing), branch ids over several rewinds, the ``branched`` event's place in
+the run log, and the rollback of the state as a branch. The exactness of a rewind in
+every integration is the contract's (``tests/test_contract.py``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import agent
+from agent.wire.knobs import REWIND, TEXT_MAX_CHARS, KnobError
+from gpuopt.loader import ReconfigurableLoader
+from gpuwatch.client import send_command
+from gpuwatch.history import flat_records
+from tests.contract import IndexedDigits, Net, loss_fn, optimizer_and_schedule
+
+
+def test_the_text_kind_takes_bounded_text_without_control_characters():
+    assert REWIND.coerce(" 120 ") == "120"
+    assert REWIND.coerce(120) == "120"
+    assert REWIND.coerce("/ckpt/step 1.pt") == "/ckpt/step 1.pt"
+    assert REWIND.coerce("é" * TEXT_MAX_CHARS) == "é" * TEXT_MAX_CHARS
+    for bad, words in ((True, "not text"), (1.5, "not text"), (None, "not text"),
+                       ("", "empty"), ("   ", "empty"),
+                       ("x" * (TEXT_MAX_CHARS + 1), "4,097 characters, more than the 4,096"),
+                       ("/ckpt\x1b[2J", "U+001B"), ("/a\nb", "U+000A"),
+                       ("/a\x85b", "U+0085"), ("/a\x7f", "U+007F")):
+        with pytest.raises(KnobError, match="^rewind: ") as error:
+            REWIND.coerce(bad)
+        assert words in str(error.value), (bad, error.value)
+        assert len(str(error.value)) <= 200  # the bad value is quoted, shortened
+    assert REWIND.to_wire()["kind"] == "text" and REWIND.to_wire()["max_chars"] == 4096
+    assert REWIND.command and not REWIND.keys  # no key: too dangerous for a stray one
+
+
+class Loop:
+    """A hand-written loop under :func:`agent.session` on the contract's task, trained
+    here step by step (the test is its training thread), with the losses of each step
+    as the run log has them."""
+
+    def __init__(self, checkpoint_dir: Path) -> None:
+        self.model = Net()
+        self.optimizer, self.scheduler = optimizer_and_schedule(self.model)
+        self.run = agent.session(model=self.model, optimizer=self.optimizer,
+                                 lr_scheduler=self.scheduler, precision="fp32",
+                                 accum_steps=2, checkpoint_dir=checkpoint_dir)
+        self.batches = iter(self.run.loader(ReconfigurableLoader(
+            IndexedDigits(), 8, shuffle=True, seed=3), epochs=None))
+
+    def train(self, steps: int) -> None:
+        """Train ``steps`` optimizer steps."""
+        for _ in range(steps):
+            for _ in range(self.run.accum_steps):
+                x, y, _ = next(self.batches)
+                with self.run.autocast:
+                    loss = loss_fn(self.model(x), y) / self.run.accum_steps
+                self.run.scaler.scale(loss).backward()
+            self.run.scaler.step(self.optimizer)
+            self.run.scaler.update()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.run.optimizer_step()
+
+    def send(self, knob: str, value: Any) -> dict[str, Any]:
+        """Send ``knob=value`` through the run's socket, to apply at the boundary after
+        the next step (the test is between two steps)."""
+        return dict(send_command(self.run.agent.info, knob, value,
+                                 apply_step=self.run.step + 2, timeout_s=10))
+
+    def records(self) -> list[dict[str, Any]]:
+        """The run log, once the run is closed."""
+        path = self.run.agent.info.log_path
+        self.run.close()
+        return list(flat_records(path))
+
+
+def test_a_bad_rewind_is_refused_at_once_with_the_reason_and_changes_nothing(run_dir,
+                                                                             tmp_path):
+    twin = Loop(tmp_path / "twin")  # the run without the commands refused
+    twin.train(2)
+    assert twin.send("checkpoint", "now")["ok"]  # saved after step 3
+    twin.train(4)
+    want = [r["loss"] for r in twin.records() if r["type"] == "step"]
+    loop = Loop(tmp_path)
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]
+    loop.train(2)
+    saved = tmp_path / "step-00000003.pt"
+    assert saved.is_file()
+    (tmp_path / "link.pt").symlink_to(saved)
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    refused = {
+        "7": "the checkpoint command saved no step 7",
+        "step-00000003.pt": "neither a step nor an absolute path",
+        str(tmp_path / "none.pt"): "no checkpoint at",
+        str(tmp_path / "link.pt"): "is a symlink, which is not followed",
+        "/a\x1b[2J": "control character",
+        "x" * (TEXT_MAX_CHARS + 1): "more than the 4,096",
+    }
+    if os.geteuid() != 0:  # (root reads any file)
+        unreadable = tmp_path / "unreadable.pt"
+        unreadable.write_bytes(saved.read_bytes())
+        unreadable.chmod(0)
+        refused[str(unreadable)] = "is not readable by the training process"
+    for value, words in refused.items():
+        reply = loop.send("rewind", value)
+        assert not reply["ok"] and words in reply["reason"], (value, reply)
+    # gpuwatch set passes the text through, and prints the run's reason
+    cli = subprocess.run([sys.executable, "-m", "gpuwatch", "set",
+                          f"rewind={tmp_path / 'none.pt'}"], capture_output=True, text=True,
+                         timeout=60)
+    assert cli.returncode == 1 and cli.stderr.startswith("rejected: "), cli.stderr
+    assert f"no checkpoint at {tmp_path / 'none.pt'}" in cli.stderr, cli.stderr
+    # readable, but no checkpoint: it fails where it applies (after step 5), and the
+    # training goes on as if it had never been sent
+    assert loop.send("rewind", str(tmp_path / "junk.pt"))["ok"]
+    loop.train(2)
+    assert loop.run.step == 6 and loop.run.branch == 0
+    records = loop.records()
+    events = [r for r in records if r["type"] == "event"]
+    [failed] = [e for e in events if e.get("kind") == "failed"]
+    assert failed["knob"] == "rewind" and failed["step"] == 6, failed
+    assert "not a checkpoint" in failed["text"] or "junk.pt" in failed["text"], failed
+    assert not [e for e in events if e.get("kind") == "branched"]
+    assert [r["step"] for r in records if r["type"] == "step"] == list(range(1, 7))
+    assert [r["loss"] for r in records if r["type"] == "step"] == want
+
+
+def test_rewinds_make_a_tree_of_branches_each_announced_before_its_steps(run_dir,
+                                                                          tmp_path):
+    """A checkpoint after step 3; rewind=3 after step 6 (branch 1 of 0 at step 3); a
+    checkpoint after step 5 of branch 1; a rewind by that checkpoint's path after its
+    step 7 (branch 2 of 1 at step 5). Each branch's steps equal its parent's from the
+    fork (the same state, data position and random numbers), bit for bit."""
+    loop = Loop(tmp_path)
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]
+    loop.train(3)
+    assert loop.send("rewind", "3")["ok"]
+    loop.train(1)
+    assert loop.run.branch == 1 and loop.run.step == 3
+    loop.train(1)  # (the agent counts from the new branch's steps once one is recorded)
+    assert loop.send("checkpoint", "now")["ok"]
+    loop.train(2)
+    second = tmp_path / "step-00000005.pt"
+    assert loop.send("rewind", str(second))["ok"]
+    loop.train(1)
+    assert loop.run.branch == 2 and loop.run.step == 5
+    loop.train(2)
+    records = loop.records()
+    branched = [r for r in records if r["type"] == "event" and r.get("kind") == "branched"]
+    assert [(r["branch"], r["parent"], r["step"], r["source"], r["cause"])
+            for r in branched] == [
+        (1, 0, 3, str(tmp_path / "step-00000003.pt"), "rewind=3"),
+        (2, 1, 5, str(second), f"rewind={second}")]
+    assert " with " in branched[0]["text"] and "accum_steps=2" in branched[0]["text"]
+    # readers give each step record the branch of the last branched event before it
+    branch, segments = 0, {0: [], 1: [], 2: []}
+    losses: dict[tuple[int, int], float] = {}
+    for record in records:
+        if record["type"] == "event" and record.get("kind") == "branched":
+            branch = record["branch"]
+        elif record["type"] == "step":
+            segments[branch].append(record["step"])
+            losses[(branch, record["step"])] = record["loss"]
+    assert segments == {0: [1, 2, 3, 4, 5, 6], 1: [4, 5, 6, 7], 2: [6, 7]}
+    for step in (4, 5, 6):
+        assert losses[(1, step)] == losses[(0, step)], step
+    for step in (6, 7):
+        assert losses[(2, step)] == losses[(1, step)], step
+
+
+def _ddp_rewind_job(out: Path, mode: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(Path(__file__).with_name("ddp_rewind_job.py")), str(out), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1",
+             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        start_new_session=True)
+
+
+def _finish(job: subprocess.Popen, mode: str) -> None:
+    try:
+        output = job.communicate(timeout=300)[0]
+        assert job.returncode == 0, (mode, output)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+
+
+@pytest.mark.slow
+def test_a_rewind_applies_on_every_rank_at_one_step_or_on_none(run_dir, tmp_path):
+    """DDP on gloo, 2 ranks (torchrun), a hand-written loop: ``rewind=3`` after step 7
+    puts both ranks back to the checkpoint of step 3 at the same boundary (branch 1 of
+    0 on each), and steps 4-10 equal, on each rank, those of a job resumed from that
+    checkpoint (bit-equal losses and final parameters). When rank 1 cannot read it, no
+    rank rewinds: both say why, at the same step, and train on from where they were."""
+    _finish(_ddp_rewind_job(tmp_path, "rewind"), "rewind")
+    refused = tmp_path / "refused"
+    refused.mkdir()
+    jobs = {"resume": _ddp_rewind_job(tmp_path, "resume"),
+            "refused": _ddp_rewind_job(refused, "refused")}
+    for mode, job in jobs.items():
+        _finish(job, mode)
+    for rank in (0, 1):
+        rewound = torch.load(tmp_path / f"rewind-rank{rank}.pt")
+        resumed = torch.load(tmp_path / f"resume-rank{rank}.pt")
+        [branched] = rewound["events"]
+        assert (branched["kind"], branched["branch"], branched["parent"],
+                branched["step"]) == ("branched", 1, 0, 3), branched
+        assert rewound["order"] == [1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10], rank
+        assert sorted(resumed["losses"]) == list(range(4, 11))
+        for step in range(4, 11):
+            assert rewound["losses"][step] == resumed["losses"][step], (rank, step)
+        for mine, theirs in zip(rewound["params"], resumed["params"], strict=True):
+            assert torch.equal(mine, theirs)
+        failed = torch.load(refused / f"refused-rank{rank}.pt")
+        [event] = failed["events"]
+        assert event["kind"] == "failed" and event["step"] == 8, event
+        words = ("injected: rank 1 cannot read" if rank == 1
+                 else "another rank could not read its checkpoint: no rank rewinds")
+        assert words in event["text"], event
+        assert failed["order"] == list(range(1, 11)), rank
