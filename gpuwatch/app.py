@@ -32,7 +32,7 @@ from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
 from gpuwatch.screens.compare import CompareScreen
 from gpuwatch.widgets.data import DataPanel, verdict_texts
 from gpuwatch.widgets.event_log import EventLog
-from gpuwatch.widgets.header import RunHeader
+from gpuwatch.widgets.header import RunHeader, compile_label
 from gpuwatch.screens.help import HelpScreen
 from gpuwatch.widgets.key_question import KeyQuestion, Question
 from gpuwatch.widgets.key_bar import KeyBar
@@ -193,7 +193,7 @@ class GpuwatchApp(App[None]):
         self.quick_keys = (os.environ.get(QUICK_KEYS_ENV) == "1" if quick_keys is None
                            else quick_keys)
         self._notes = list(notes)
-        self._drawn: tuple[int, str, Any] | None = None
+        self._drawn: tuple[int, str, Any, int] | None = None
         #: ((state.steps_total, the whole run's rows, zoomed out), monotonic s) at the
         #: charts' last draw
         self._charts_drawn: tuple[Any, float] = (-1, 0.0)
@@ -368,9 +368,10 @@ class GpuwatchApp(App[None]):
             knob_names = frozenset(state.schema)
             if isinstance(self.screen, TuneScreen):
                 self.screen.show(state)
-            if self._drawn == (state.version, status, size):
+            drawn_panels = (state.version, status, size, past.rows if past else -1)
+            if self._drawn == drawn_panels:
                 return
-            self._drawn = (state.version, status, size)
+            self._drawn = drawn_panels
             if isinstance(self.source, TimelineSource):
                 timeline = self.source.timeline
                 self.query_one(TimelineBar).show(
@@ -380,7 +381,7 @@ class GpuwatchApp(App[None]):
                                            description=self.source.description,
                                            readonly=self.readonly,
                                            replay=isinstance(self.source, TimelineSource))
-            self.query_one(ThroughputBar).show(state.steps)
+            self.query_one(ThroughputBar).show(state.steps, past=past)
             self.query_one(MemoryPanel).show(state)
             self.query_one(SystemPanel).show(state)
             data = self.query_one(DataPanel)
@@ -393,7 +394,9 @@ class GpuwatchApp(App[None]):
             self._events_shown = state.events_total
             self.query_one(LastEvent).show(  # a replay's warnings are not held
                 state.events[-1] if state.events else None,
-                entries if self.source.info is not None else (), log_shown=log.display)
+                entries if self.source.info is not None else (), log_shown=log.display,
+                progress=compile_label(state, now) if status == "compiling"
+                and state.compiling_since is not None else None)
         for entry in entries:
             log.add(entry)
         if knob_names != self._knob_names:  # the keys of knobs the run lacks go away
@@ -475,8 +478,9 @@ class GpuwatchApp(App[None]):
         if summary.live:
             info = find_run(summary.run_id)
             source = LiveSource(info) if info is not None else None
-        if source is None:
-            log = history.find_run_log(summary.run_id)
+        if source is None:  # its own log (a copy's name may name another run)
+            log = (history.log_at(summary.log_path) if summary.log_path is not None
+                   else history.find_run_log(summary.run_id))
             source = TimelineSource(log) if log is not None else None
         if source is None:
             self.notify(f"run {summary.run_id} is neither live nor logged any more",

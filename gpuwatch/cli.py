@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -39,6 +40,9 @@ DEMO_STOP_TIMEOUT_S = 20.0
 #: The signals that end a command as Ctrl-C does, its child process with it: SIGTERM
 #: (what ``timeout``, job schedulers and systemd send) and SIGHUP (a closed terminal).
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+#: The ending signal this command received, if one came: its child is stopped with the
+#: same one (its run log and ``bye`` say SIGTERM, not the SIGINT of a Ctrl-C).
+_ended_by: signal.Signals | None = None
 #: ``gpuwatch tail ENDPOINT`` (no run file to check) gives up after this long with
 #: nothing heard (s); a run sends a heartbeat a second.
 TAIL_SILENCE_S = 10.0
@@ -389,6 +393,12 @@ def _tail(args: argparse.Namespace) -> int:
         log = history.find_run_log(selector)
         if log is not None:  # a finished run: its log, as `gpuwatch RUN` opens it
             return _tail_file(log.first, args)
+    kind = _not_a_file(args.target) if info is None and args.target and not args.run \
+        else None
+    if kind is not None:  # never opened: a FIFO's open would wait for a writer
+        print(f"gpuwatch tail: {printable(args.target)} is {kind}, not a run log file",
+              file=sys.stderr)
+        return 1
     if info is None:
         return _no_run(selector)
     printed = 0
@@ -490,6 +500,21 @@ def _tail_gone(info: RunInfo, silent_s: float) -> str | None:
     if silent_s >= TAIL_SILENCE_S:
         return (f"nothing heard from {info.pub_endpoint} for {TAIL_SILENCE_S:.0f} s: "
                 "is a run there? (see `gpuwatch runs`)")
+    return None
+
+
+def _not_a_file(path: str) -> str | None:
+    """What ``path`` is when it exists and is neither a regular file nor a link (``a
+    FIFO``, ``a directory``...), else None; asks ``lstat`` only (opens nothing)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
     return None
 
 
@@ -740,6 +765,8 @@ def _end_on_signals(end: Callable[[], None] | None = None) -> None:
     (once: a second signal is ignored while the child is being stopped, which takes at
     most :data:`DEMO_STOP_TIMEOUT_S` and a second)."""
     def ending(signum: int, frame: object) -> None:
+        global _ended_by
+        _ended_by = signal.Signals(signum)
         if end is not None:
             end()
             return
@@ -753,7 +780,8 @@ def _end_on_signals(end: Callable[[], None] | None = None) -> None:
 
 def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
                 log_path: Path | None = None) -> None:
-    """Stop the demo's training job: SIGINT, so that it ends at its next optimizer step
+    """Stop the demo's training job: SIGINT (or the ending signal this command received,
+    so that the job's ``bye`` names it), so that it ends at its next optimizer step
     (says bye, removes its run file), then SIGKILL after :data:`DEMO_STOP_TIMEOUT_S`
     (or at once on Ctrl-C). ``info``: its run, None if it wrote no run file; a run whose
     run file is gone has ended and is only exiting: it is waited for without a signal
@@ -762,7 +790,7 @@ def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
         return
     said_bye = info is not None and not os.path.exists(info.path)
     if not said_bye:
-        child.send_signal(signal.SIGINT)
+        child.send_signal(_ended_by or signal.SIGINT)
     try:
         child.wait(1.0)
         return

@@ -1404,7 +1404,9 @@ class RunSummary:
             knob values. ended: the ``bye`` reason, or None (killed, or still going).
             log_bytes: all its files' sizes, every rank. malformed, truncated: as read.
             thinned: the steps a bucket of its thinned steps stands for (0: none
-            thinned: every step kept as logged).
+            thinned: every step kept as logged). log_path: its lowest rank's log (the
+            first file), None for a live run without one; run_id is what its records
+            say (a copied log's file name may name another).
     """
 
     run_id: str
@@ -1425,6 +1427,7 @@ class RunSummary:
     truncated: bool
     thinned: int = 0
     tree: BranchTree = field(default_factory=BranchTree)
+    log_path: str | None = None
 
     def public(self) -> dict[str, Any]:
         """As a JSON-ready map (``gpuwatch runs --all --json``; ``tree``: the run's
@@ -1435,8 +1438,8 @@ class RunSummary:
 
 
 def _summary_of(run_id: str, summary: LogSummary, *, ranks: Sequence[int], live: bool,
-                log_bytes: int, malformed: int, truncated: bool, thinned: int
-                ) -> RunSummary:
+                log_bytes: int, malformed: int, truncated: bool, thinned: int,
+                log_path: str | None = None) -> RunSummary:
     started = summary.started_at or summary.first_t
     duration = (None if started is None or summary.last_t is None
                 else max(0.0, summary.last_t - started))
@@ -1445,7 +1448,7 @@ def _summary_of(run_id: str, summary: LogSummary, *, ranks: Sequence[int], live:
         summary.steps, summary.last_step, summary.final_loss, summary.best_samples_per_s,
         summary.best_tokens_per_s, summary.knob_changes,
         None if summary.ended is None else printable(summary.ended, 100), log_bytes,
-        malformed, truncated, thinned, summary.tree)
+        malformed, truncated, thinned, summary.tree, log_path)
 
 
 def summarize(history: RunHistory, *, ranks: Sequence[int] = (), live: bool = False,
@@ -1525,7 +1528,8 @@ def summarize_logs(logs: Sequence[LogFiles], live_run_ids: Iterable[str] = ()
                    ) -> list[RunSummary]:
     """One summary per run of ``logs`` (from :func:`find_logs`), newest first; each from
     its lowest rank's log (:func:`log_summary`: its saved summary and the records
-    after it)."""
+    after it), under the run id its records say (a copied log's name may say another),
+    with its path."""
     live = set(live_run_ids)
     by_run: dict[str, list[LogFiles]] = {}
     for log in logs:
@@ -1536,10 +1540,10 @@ def summarize_logs(logs: Sequence[LogFiles], live_run_ids: Iterable[str] = ()
         first = run_logs[0]
         summary, reader = log_summary(first, live=run_id in live)
         summaries.append(_summary_of(
-            run_id, summary, ranks=sorted({log.rank for log in run_logs}),
+            summary.run or run_id, summary, ranks=sorted({log.rank for log in run_logs}),
             live=run_id in live, log_bytes=sum(log.size_bytes for log in run_logs),
             malformed=summary.malformed, truncated=summary.truncated,
-            thinned=max(reader.thinned, part_thinning(first))))
+            thinned=max(reader.thinned, part_thinning(first)), log_path=str(first.first)))
     summaries.sort(key=lambda summary: summary.started_at or 0.0, reverse=True)
     return summaries
 

@@ -162,7 +162,7 @@ def print_all_runs(as_json: bool) -> int:
             human_sig(summary.final_loss),
             human_rate(best) + (unit if best else ""),
             str(summary.knob_changes), human_bytes(summary.log_bytes),
-            _state(summary)))
+            _state(summary) + _copied(summary)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for index, row in enumerate(rows):
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
@@ -171,6 +171,15 @@ def print_all_runs(as_json: bool) -> int:
             for line in tree_lines(summaries[index - 1].tree, width_chars=width - 2):
                 print("  " + line)
     return 0
+
+
+def _copied(summary: RunSummary) -> str:
+    """``, log PATH`` for a log whose file name names another run than its records
+    (a copy), else nothing."""
+    path = summary.log_path
+    if path is None or Path(path).name.startswith(f"{summary.run_id}.rank"):
+        return ""
+    return f", log {printable(path)}"
 
 
 def branch_lines(log_path: str | None) -> list[str]:

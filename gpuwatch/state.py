@@ -377,6 +377,16 @@ class RunState:
         return clone
 
     @property
+    def shown_step(self) -> int | None:
+        """The step a person is shown: the latest step record's (what the charts draw),
+        else the last step the run reported (a heartbeat's or a ``state``'s, which run
+        ahead of the records: the agent sends a step's record once its time is
+        measured)."""
+        if self.steps and self.steps[-1].step is not None:
+            return self.steps[-1].step
+        return self.step
+
+    @property
     def missed(self) -> int:
         """Records lost between the run and this dashboard (sequence gaps)."""
         return self._gaps.missed

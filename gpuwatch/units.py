@@ -52,13 +52,16 @@ def human_bytes(value_bytes: float | None) -> str:
 
 
 def human_bytes_pair(used_bytes: float | None, total_bytes: float | None) -> str:
-    """Used and total in the total's unit: ``"3.0/16.0 GiB"``; ``"-"`` for None."""
+    """Used and total in the total's unit, used with two significant digits at least:
+    ``"3.0/16.0 GiB"``, ``"0.45/16.0 GiB"``; ``"-"`` for None."""
     if used_bytes is None or total_bytes is None:
         return f"{human_bytes(used_bytes)}/{human_bytes(total_bytes)}"
     total = human_bytes(total_bytes)
     number, unit = total.split(" ")
-    scale = 1024 ** _BYTE_UNITS.index(unit)
-    return f"{used_bytes / scale:.{0 if unit == 'B' else 1}f}/{number} {unit}"
+    used = used_bytes / 1024 ** _BYTE_UNITS.index(unit)
+    text = f"{used:.0f}" if unit == "B" else (
+        f"{used:.1f}" if abs(used) >= 1 or used == 0 else human_sig(used, 2))
+    return f"{text}/{number} {unit}"
 
 
 def human_age(age_s: float) -> str:

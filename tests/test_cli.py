@@ -165,6 +165,32 @@ def test_tail_of_a_finished_run_by_id_prints_its_log(run_dir):
     assert unknown.returncode == 1 and "no live run matches" in unknown.stderr
 
 
+def test_tail_of_a_fifo_says_it_is_not_a_run_log_and_never_opens_it(run_dir, tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # opening it to read would wait for a writer: a hang
+    for target in (fifo, tmp_path):
+        result = gpuwatch("tail", str(target), timeout=20)
+        kind = "a FIFO" if target == fifo else "a directory"
+        assert result.returncode == 1, result.stderr
+        assert result.stderr == f"gpuwatch tail: {target} is {kind}, not a run log file\n"
+
+
+def test_a_copied_log_is_listed_under_its_runs_id_with_its_path(run_dir):
+    from tests.test_history import write_run
+    from tests.test_replay import RUN
+
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(exist_ok=True)
+    copy = logs / "backup.rank0.runlog"  # the copy's name names no run
+    write_run(copy, steps=12)
+    [listed] = json.loads(gpuwatch("runs", "--all", "--json").stdout)
+    assert (listed["run_id"], listed["name"]) == (RUN, "replayed")  # as its records say
+    assert listed["log_path"] == str(copy) and listed["steps"] == 12
+    table = gpuwatch("runs", "--all").stdout.splitlines()
+    assert table[1].startswith(RUN) and table[1].endswith(f"finished, log {copy}")
+    assert "backup" not in table[1].split()[0]
+
+
 def test_tail_of_odd_records_prints_them_raw(tmp_path):
     log = tmp_path / "odd.jsonl"
     log.write_text('{"type":"step","step":1,"knobs":[1,2],"loss":"x"}\n'

@@ -1044,6 +1044,54 @@ async def test_compile_shows_its_time_so_far_the_last_compile_and_the_compiler_c
         await until(pilot, lambda: "CPU 99% proc 388%\n  children 350%" in text_of(app, "#system"))
 
 
+async def test_the_header_names_the_step_the_charts_end_at():
+    # the agent's heartbeat names the step it completed before that step's record is
+    # sent (once measured): the header said step 5 over charts that end at step 4
+    from tests.test_whole_run import _timing_lines  # (it imports this module)
+
+    source, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("heartbeat", {"step": 1}))
+        await until(pilot, lambda: "step 1 " in text_of(app, "#header"))  # no record yet
+        with source.lock:
+            for step in range(1, 5):
+                source.state.ingest(envelope("step", {"step": step, "step_time_s": 0.1},
+                                             seq=step))
+            source.state.ingest(envelope("heartbeat", {"step": 5}, seq=5))
+        await until(pilot, lambda: _timing_lines(app)[-1].split()[-1:] == ["4"])
+        await redrawn(app, pilot)
+        assert "step 4 " in text_of(app, "#header")
+
+
+async def test_at_80_columns_a_compiles_progress_has_a_line_of_its_own():
+    # the header at 80 columns had room for "compiling… 30s" alone: not the estimate,
+    # nor the graph; the line above the keys shows them whole
+    source, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        with source.lock:
+            now = time.monotonic()
+            source.state.ingest(envelope("hello", {"name": "demo-transformer",
+                                                   "device": "cpu"}), now - 200)
+            source.state.ingest(envelope("step", {"step": 1}, seq=1), now - 200)
+            source.state.ingest(envelope("event", {"kind": "compiling", "step": 2}, seq=2),
+                                now - 190)
+            source.state.ingest(envelope("event", {"kind": "compiled"}, seq=3), now - 106)
+            source.state.ingest(envelope("event", {"kind": "compiling", "step": 9}, seq=4),
+                                now - 30)
+            source.state.ingest(envelope("system", {
+                "compiling_graph": "0/1", "compiling_graph_kind": "backward",
+                "compiling_graph_s": 4.0, "graphs_compiled": 7}, seq=5), now)
+        await until(pilot, lambda: "▸ compiling… 30s of ~1m24s, graph 1 [0/1 backward]"
+                    in text_of(app, "#last"))
+        header = text_of(app, "#header")
+        assert "● compiling… 30s" in header and "run 20250101-000000-abcd" in header
+        assert len(header) <= 78  # (in its width: nothing cut)
+        with source.lock:  # compiled: the line has the newest entry again
+            source.state.ingest(envelope("step", {"step": 9}, seq=6), time.monotonic())
+        await until(pilot, lambda: "compiling" not in text_of(app, "#last"))
+
+
 async def test_throughput_shows_a_speed_up_that_a_few_fast_steps_do_not_hide():
     # before: 100 samples/s with a fast step (a prefetched batch) in five; after: 300
     source, app = _silent_app()

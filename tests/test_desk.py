@@ -118,6 +118,36 @@ def test_a_flood_of_valid_commands_is_refused_not_queued():
         MAX_PENDING_COMMANDS - 1]
 
 
+def test_repeats_of_an_accepted_no_op_in_a_step_make_one_event():
+    run = Run()
+    run.train(3)
+    replies = [run.command("precision", "fp32", id=n) for n in range(20)]  # fp32 already
+    assert all(reply["ok"] for reply in replies)
+    accepted = [e for e in run.events if e["kind"] == EventKind.ACCEPTED]
+    assert [e["text"] for e in accepted] == [
+        "precision=fp32 accepted, applies at step 5 (no change)"]
+    # a command that changes something always has its event, and so has a no-op after
+    # it (the value it keeps is then the pending one's)
+    run.command("accum_steps", 4, id="a1")
+    run.command("accum_steps", 4, id="a2")
+    run.command("accum_steps", 1, id="a3")  # back to the value now: still a change
+    texts = [e["text"] for e in run.events if e["kind"] == EventKind.ACCEPTED][1:]
+    assert texts == ["accum_steps=4 accepted, applies at step 5",
+                     "accum_steps=4 accepted, applies at step 5 (no change)",
+                     "accum_steps=1 accepted, applies at step 5"]
+    # the next step's first one says how many were left out
+    run.train(1)
+    run.command("precision", "fp32", id="later")
+    assert run.events[-1]["text"] == ("precision=fp32 accepted, applies at step 6 "
+                                      "(no change) (19 more before it not shown)")
+    run.train(2)
+    assert run.values["accum_steps"] == 1  # the last command of the boundary won
+    # rejections keep their own limit: one event a second
+    for _ in range(10):
+        run.command("precision", "fp8")
+    assert run.kinds().count(EventKind.REJECTED) == 1
+
+
 def test_a_nan_and_an_out_of_memory_error_restore_the_same_last_good_values():
     """One ledger, two readers: the guard (I/O thread, after a NaN loss) and the desk's
     rollback (training thread, after an OOM) undo the same changes to the same values."""

@@ -1,6 +1,7 @@
 """End to end: the demo training job in a real subprocess, a real client, real signals."""
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -242,12 +243,17 @@ def test_a_signal_to_gpuwatch_demo_no_ui_ends_its_training_job(run_dir, signum):
             assert messages(sub, lambda m: m["type"] == "step", timeout_s=60)
             command.send_signal(signum)
             bye = messages(sub, lambda m: m["type"] == "bye", timeout_s=60)
-        assert bye[-1]["body"]["reason"] == "stopped by SIGINT"  # as on Ctrl-C
+        assert bye[-1]["body"]["reason"] == f"stopped by {signum.name}"  # as it was sent
         assert command.wait(60) == 128 + signum
         assert gone(info.pid), "the training job is still running"
         assert not os.path.exists(info.path)
         output = command.stdout.read()
         assert output.rstrip().splitlines()[-1].startswith("gpuwatch demo: stopped after")
+        [logged] = [run for run in json.loads(subprocess.run(  # the run log says it too
+            [sys.executable, "-m", "gpuwatch", "runs", "--all", "--json"],
+            capture_output=True, text=True, check=True).stdout)
+                    if run["run_id"] == info.run_id]
+        assert logged["ended"] == f"stopped by {signum.name}"
     finally:
         if command.poll() is None:
             command.kill()

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from gpuwatch.units import counted, human_duration, human_ms, human_rate, human_sig, knob_text
+from gpuwatch.units import (counted, human_bytes_pair, human_duration, human_ms, human_rate,
+                            human_sig, knob_text)
 
 
 @pytest.mark.parametrize("value, text", [
@@ -26,6 +27,15 @@ def test_human_sig_has_three_significant_digits_and_separators(value, text):
     (7200, "2.00 h"), (None, "-")])
 def test_human_duration_picks_the_unit(value_s, text):
     assert human_duration(value_s) == text == human_ms(value_s)
+
+
+@pytest.mark.parametrize("used, total, text", [
+    (6 * 2**30, 16 * 2**30, "6.0/16.0 GiB"), (462 * 2**20, 16 * 2**30, "0.45/16.0 GiB"),
+    (48 * 2**20, 16 * 2**30, "0.047/16.0 GiB"), (0, 16 * 2**30, "0.0/16.0 GiB"),
+    (100, 1000, "100/1000 B"), (None, 2**30, "-/1.0 GiB")])
+def test_memory_used_of_a_total_keeps_two_significant_digits(used, total, text):
+    # 462 MiB of 16 GiB once read "0.5/16.0 GiB": one significant digit
+    assert human_bytes_pair(used, total) == text
 
 
 def test_no_magnitude_is_written_in_scientific_notation():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,12 +31,13 @@ def gpuwatch(*args, timeout=60):
                           text=True, timeout=timeout)
 
 
-def write_run(path, *, steps=30, changes=(), bye=True, t0=None, events=(), **options):
-    """A run log of ``steps`` steps at 0.1 s each; ``changes`` are (step, knob, value)
-    taking effect at that step (with the agent's applied event just before it);
-    ``events`` are (step, text) warnings logged after that step."""
+def write_run(path, *, steps=30, changes=(), bye=True, t0=None, events=(),
+              name="replayed", **options):
+    """A run log of ``steps`` steps at 0.1 s each, of a run called ``name``; ``changes``
+    are (step, knob, value) taking effect at that step (with the agent's applied event
+    just before it); ``events`` are (step, text) warnings logged after that step."""
     writer = Writer(path, t0=time.time() - 3600 if t0 is None else t0, **options)
-    writer.write("hello", {"name": "replayed", "device": "cpu", "world_size": 1,
+    writer.write("hello", {"name": name, "device": "cpu", "world_size": 1,
                            "model": {"name": "TinyNet", "params": 1234},
                            "env": {"torch": {"version": "2.13.0+cpu", "num_threads": 2},
                                    "cuda": {"available": False, "devices": []}},
@@ -242,7 +244,7 @@ def test_runs_all_lists_finished_killed_and_live_runs(run_dir, fake_agent):
     write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=30,
               changes=[(11, "accum_steps", 4)])
     write_run(os.path.join(logs, "20250102-000000-dead.rank0.jsonl"), steps=7, bye=False,
-              legacy=True)  # an earlier version's log, of a killed run
+              legacy=True, run="20250102-000000-dead")  # an earlier version's log, of a killed run
     result = gpuwatch("runs", "--all")
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
@@ -430,6 +432,7 @@ async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_age
     first = write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=20,
                       t0=time.time() - 7200)
     write_run(os.path.join(logs, "20250102-000000-0002.rank0.runlog"), steps=35,
+              run="20250102-000000-0002",
               t0=time.time() - 3600, changes=[(11, "accum_steps", 4)])
     app = GpuwatchApp(TimelineSource(history.log_at(first)), readonly=True)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -439,7 +442,8 @@ async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_age
         await until(pilot, lambda: table.row_count == 3)
         runs = [table.get_row_at(index)[0] for index in range(3)]
         assert runs == [fake_agent.info.run_id, "20250102-000000-0002", RUN]  # newest first
-        assert table.get_row_at(1)[4:8] == ["35", "0.0571", "320", "1"]
+        assert table.get_row_at(1)[1:3] == ["replayed", "35"]
+        assert table.get_row_at(1)[5:8] == ["0.0571", "320", "1"]
         await pilot.press("down", "enter")  # the second: finished, opens on a timeline
         await until(pilot, lambda: "step 35 of 35" in text_of(app, "#timeline"))
         assert "step 35 " in text_of(app, "#header")  # (its records name RUN as run)
@@ -453,6 +457,24 @@ async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_age
                     and f"run {fake_agent.info.run_id}" in text_of(app, "#header"))
         assert not app.query("#timeline")  # a live run has no timeline bar
         assert "step 1 " not in text_of(app, "#header")
+
+
+async def test_runs_screen_at_80_columns_shows_each_runs_steps_whole(run_dir):
+    from .test_snapshots import screen_text  # (it imports this module)
+
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    first = write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=1_234,
+                      name="demo-transformer")
+    app = GpuwatchApp(TimelineSource(history.log_at(first)), readonly=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: "of 1,234" in text_of(app, "#timeline"))
+        await pilot.press("r")
+        table = app.screen.query_one("#runs-table")
+        await until(pilot, lambda: table.row_count == 1)
+        await pilot.pause()
+        screen = screen_text(app)
+        assert re.search(rf"{RUN} +demo-transformer +1,234 ", screen), screen
 
 
 def test_what_a_log_says_is_bounded_and_printed_without_control_characters(run_dir):

@@ -162,7 +162,7 @@ def _late(tmp_path):
     compile at step 1, a spike at step 50,000 beyond it, ``num_workers`` 0 -> 2 at
     step 2,501), the dashboard received the last :data:`LATE_RECEIVED`; the whole
     run is read before the app starts, so the screen is the same on every machine."""
-    from tests.test_whole_run import loss, step_time_s, write_log
+    from tests.test_whole_run import loss, samples_per_s, step_time_s, write_log
 
     path = tmp_path / "20260101-120000-abcd.rank0.runlog"
     write_log(path, LATE_STEPS, run="20260101-120000-abcd", change_at=LATE_STEPS // 2 + 1)
@@ -174,7 +174,7 @@ def _late(tmp_path):
         for step in range(LATE_STEPS - LATE_RECEIVED + 1, LATE_STEPS + 1):
             messages.append(_envelope("step", {
                 "step": step, "step_time_s": step_time_s(step), "data_wait_s": 0.001,
-                "loss": loss(step), "samples_per_s": 32 / step_time_s(step),
+                "loss": loss(step), "samples_per_s": samples_per_s(step),
                 "knobs": {"num_workers": 2}}, len(messages) + 1))
         with source.lock:
             for index, message in enumerate(messages):

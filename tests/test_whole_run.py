@@ -21,6 +21,7 @@ from gpuwatch.sources.timeline import TimelineSource
 from gpuwatch.sources.whole_run import WholeRun
 from gpuwatch.state import KnobChange
 from gpuwatch.widgets.panel import robust_top
+from tests.conftest import text_of
 from tests.test_dashboard import until
 from tests.test_snapshots import screen_text
 
@@ -33,6 +34,11 @@ COMPILE_S, STEP_S, SPIKE_STEP, SPIKE_S = 30.0, 0.010, 50_000, 0.5
 def step_time_s(step: int) -> float:
     """The step time of ``step`` in the logs written here (s)."""
     return COMPILE_S if step == 1 else SPIKE_S if step == SPIKE_STEP else STEP_S
+
+
+def samples_per_s(step: int) -> float:
+    """The throughput of ``step`` in the logs written here (32 samples a step)."""
+    return 32 / step_time_s(step)
 
 
 def loss(step: int) -> float:
@@ -51,7 +57,8 @@ def write_log(path, last_step: int, *, run: str, change_at: int | None = None) -
         steps = list(range(first, min(first + BATCH, last_step + 1)))
         workers = [2 if change_at is not None and s >= change_at else 0 for s in steps]
         columns = {"step": steps, "step_time_s": [step_time_s(s) for s in steps],
-                   "data_wait_s": [0.001] * len(steps), "loss": [loss(s) for s in steps]}
+                   "data_wait_s": [0.001] * len(steps), "loss": [loss(s) for s in steps],
+                   "samples_per_s": [samples_per_s(s) for s in steps]}
         common: dict = {}
         if len(set(workers)) == 1:
             common["knobs"] = {"num_workers": workers[0]}
@@ -147,7 +154,10 @@ async def test_a_dashboard_opened_at_step_100000_draws_the_run_from_step_1(run_d
             drawn_s = time.monotonic() - opened
             lines = _timing_lines(app)
             axis = lines[-1]
-            assert axis.split()[0] == "1" and axis.split()[-1] == "100,000", lines
+            assert axis.split()[:2] == ["step", "1"] and axis.split()[-1] == "100,000", lines
+            # the throughput too: the log's steps, then the 10 received
+            spark = text_of(app, "#throughput .spark")
+            assert spark.startswith("100,000 steps ") and len(spark.split()[-1]) > 10
             assert "▲" in "".join(lines)  # the compile, marked at the axis' end
             top = next(line for line in lines if "┤" in line).split("┤")[0].strip()
             assert top.endswith(" ms") and float(top.split()[0]) < COMPILE_S * 1e3
@@ -155,9 +165,9 @@ async def test_a_dashboard_opened_at_step_100000_draws_the_run_from_step_1(run_d
 
             await pilot.press("z")  # the steps received only
             await until(pilot, lambda: "99,991" in "".join(_timing_lines(app)))
-            assert _timing_lines(app)[-1].split()[0] == "99,991"
+            assert _timing_lines(app)[-1].split()[:2] == ["step", "99,991"]
             await pilot.press("z")  # the whole run again
-            await until(pilot, lambda: _timing_lines(app)[-1].split()[0] == "1")
+            await until(pilot, lambda: _timing_lines(app)[-1].split()[:2] == ["step", "1"])
     finally:
         monitor.close()
 
@@ -172,8 +182,8 @@ async def test_a_replay_draws_the_run_from_step_1_up_to_the_step_shown(tmp_path)
         await until(pilot, lambda: app.source.whole.past is not None
                     and app.source.whole.past.loaded and app.source.index == 4_999
                     and _timing_lines(app)[-1].split()[-1] == "5,000")
-        assert _timing_lines(app)[-1].split()[0] == "1"
+        assert _timing_lines(app)[-1].split()[:2] == ["step", "1"]
         for _ in range(20):
             await pilot.press("shift+left")  # 100 steps back each
         await until(pilot, lambda: _timing_lines(app)[-1].split()[-1] == "3,000")
-        assert _timing_lines(app)[-1].split()[0] == "1"
+        assert _timing_lines(app)[-1].split()[:2] == ["step", "1"]

@@ -103,6 +103,13 @@ class CommandDesk:
         self.commands_rejected = 0
         self._rejections_reported = 0
         self._next_rejection_event = 0.0
+        #: the accepted no-ops (knob, value) that had their event in step
+        #: ``_no_op_step`` (the step the run was at when they came)
+        self._no_op_step = -1
+        self._no_ops_shown: set[tuple[str, Any]] = set()
+        #: accepted no-ops whose event was left out, by (knob, value): the next one shown
+        #: says how many (``n more``)
+        self._no_ops_hidden: dict[tuple[str, Any], int] = {}
         #: keeps the training state at the boundary where a guarded change starts an
         #: episode, and puts it back when the episode is rolled back
         #: (:class:`agent.control.ledger.StateKeeper`: the run base,
@@ -183,6 +190,9 @@ class CommandDesk:
         reason = body.get("reason")
         rollback = (protocol.shorten(reason) if isinstance(reason, str)
                     and str(command_id).startswith(ROLLBACK_ID_PREFIX) else None)
+        no_op = (not checkpoint and rollback is None
+                 and self.knobs.knobs[knob_name].spec.kind != "action"
+                 and value == self._value_at(knob_name, apply_step))
         self.schedule(Pending(apply_step, 0, knob_name, value, command_id, rollback,
                               after_checkpoint=checkpoint))
         reply: Reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
@@ -191,10 +201,17 @@ class CommandDesk:
         if checkpoint:
             reply["checkpoint"] = True
             text += " after a checkpoint"
-        self._publish(protocol.EVENT, {"level": "info", "text": text,
-                                       "kind": EventKind.ACCEPTED, "knob": knob_name,
-                                       "value": value, "step": apply_step,
-                                       "id": command_id})
+        shown = not no_op or self._no_op_shown(knob_name, value, step_now)
+        if no_op and shown:
+            text += " (no change)"
+            hidden = self._no_ops_hidden.pop((knob_name, value), 0)
+            if hidden:
+                text += f" ({hidden} more before it not shown)"
+        if shown:
+            self._publish(protocol.EVENT, {"level": "info", "text": text,
+                                           "kind": EventKind.ACCEPTED, "knob": knob_name,
+                                           "value": value, "step": apply_step,
+                                           "id": command_id})
         warning = self.knobs.knobs[knob_name].warning(value)
         if warning:
             reply["warning"] = warning
@@ -205,6 +222,27 @@ class CommandDesk:
         if note:  # a person's command on a knob the search explores: theirs now
             reply["note"] = note
         return reply
+
+    def _value_at(self, knob: str, apply_step: int) -> Any:
+        """The value ``knob`` will have at step ``apply_step`` as things stand: that of
+        the last command pending for it by then, else its value now."""
+        with self._lock:
+            due = [p.value for p in self.pending
+                   if p.knob == knob and p.apply_step <= apply_step]
+        return due[-1] if due else self.knobs.knobs[knob].get()
+
+    def _no_op_shown(self, knob: str, value: Any, step_now: int) -> bool:
+        """Whether an accepted no-op ``knob=value`` gets its ``accepted`` event: the
+        first of its kind in step ``step_now`` does, the repeats are counted (a flood
+        of one command made an event each, up to :data:`MAX_PENDING_COMMANDS` a step)."""
+        if step_now != self._no_op_step:
+            self._no_op_step, self._no_ops_shown = step_now, set()
+        key = (knob, value)
+        if key not in self._no_ops_shown:
+            self._no_ops_shown.add(key)
+            return True
+        self._no_ops_hidden[key] = self._no_ops_hidden.get(key, 0) + 1
+        return False
 
     def schedule(self, pending: Pending) -> None:
         """Queue ``pending`` for its step (after those queued for the same step). Any

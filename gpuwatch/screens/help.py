@@ -18,9 +18,10 @@ PANELS = (
         "against the run's last compile and the graph Dynamo is at, "
         "stalled: no optimizer step for several step times, quiet: nothing "
         "heard but the process lives, gone, ended; replay: a finished run on a "
-        "timeline), the last optimizer step, records missed on the way to the "
-        "dashboard, the run's name, device and id. Shown when not 0, counted by the "
-        "run since it started: dropped (records its queue had no room for), agent "
+        "timeline), the last optimizer step (where the charts end), the run's name, "
+        "device and id. Shown when not 0: missed (records lost on the way to the "
+        "dashboard) and, counted by the run since it started, dropped (records its "
+        "queue had no room for), agent "
         "errors, rejected (commands it refused, from any dashboard or client: a bad "
         "token, an unknown knob, a value out of range, a run that is ending; the "
         "event log says why, one a second).")),

@@ -28,8 +28,8 @@ from gpuwatch.state import KnobChange
 FOLLOW_S = 1.0
 #: While reading, how often what was read so far is published (s).
 PUBLISH_S = 0.25
-#: The fields published: what the dashboard's step charts draw.
-FIELDS = ("step_time_s", "data_wait_s", "loss")
+#: The fields published: what the dashboard's step charts and throughput draw.
+FIELDS = ("step_time_s", "data_wait_s", "loss", "samples_per_s", "tokens_per_s")
 
 
 class Past(NamedTuple):

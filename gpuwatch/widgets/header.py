@@ -1,4 +1,4 @@
-"""The one-line run header: status, step, records missed, name, device, run id (with
+"""The one-line run header: status, step, records missed (when any), name, device, run id (with
 several ranks: the rank shown and the slowest rank when it lags)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class RunHeader(Panel):
         width = self.app.size.width
         for narrow, graph, name in ((False, True, True), (True, True, True),
                                     (True, False, True), (True, False, False)):
-            # what gives way first: the dashboard's name and missed 0, then the compiled
+            # what gives way first: the dashboard's name, then the compiled
             # graph, then the run's name and device: the run id stays whole
             content = self._content(state, status, now, description=description,
                                     readonly=readonly, narrow=narrow, graph=graph,
@@ -53,9 +53,9 @@ class RunHeader(Panel):
     def _content(self, state: RunState, status: str, now: float, *, description: str,
                  readonly: bool, narrow: bool, graph: bool = True, name: bool = True,
                  replay: bool = False) -> Content:
-        """The header's text; ``narrow``: without the dashboard's name and ``missed 0``,
-        the device after the run id; ``graph``: with the graph a compile is at;
-        ``name``: with the run's name and device; ``replay``: see :meth:`show`."""
+        """The header's text; ``narrow``: without the dashboard's name, the device
+        after the run id; ``graph``: with the graph a compile is at; ``name``: with the
+        run's name and device; ``replay``: see :meth:`show`."""
         parts: list[str | tuple[str, str]] = [] if narrow else [
             ("gpuwatch", "bold $primary"), "  "]
         if status == "waiting":
@@ -68,12 +68,10 @@ class RunHeader(Panel):
                        else STATUS_STYLES[status]), "  "]
             if readonly:
                 parts += [("read-only", "$warning"), "  "]
-            parts.append((f"step {human_number(state.step)}", "bold"))
-            if state.missed or state.malformed:
+            parts.append((f"step {human_number(state.shown_step)}", "bold"))
+            if state.missed or state.malformed:  # said only when there are some
                 parts += ["  ", (f"missed {state.missed}" + (
                     f" malformed {state.malformed}" if state.malformed else ""), "$warning")]
-            elif not narrow:
-                parts.append("  missed 0")
             if state.agent_records_dropped:
                 parts += ["  ", (f"dropped {state.agent_records_dropped}", "$warning")]
             if state.agent_errors:

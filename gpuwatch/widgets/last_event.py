@@ -44,19 +44,22 @@ class LastEvent(Panel):
         #: no key pressed since it came)
         self._held: list[tuple[LogEntry, float | None]] = []
         self._newest: LogEntry | None = None
+        self._progress: str | None = None
         self._log_shown = False
         self._rows = 1  # lines shown: the layout is redone when they change
 
     def show(self, newest: LogEntry | None, new: Iterable[LogEntry] = (), *,
-             log_shown: bool = False) -> None:
+             log_shown: bool = False, progress: str | None = None) -> None:
         """Show ``newest``, and hold each warning or error of ``new``.
 
         ``newest`` None: nothing logged yet; ``new``: the entries logged since the last
         call. ``log_shown``: the event log is in view (it shows the newest entry: this line
-        then shows only what it holds)."""
+        then shows only what it holds). ``progress``: what the run is doing now (a
+        compile's progress, longer than the header has room for), shown instead of the
+        newest entry."""
         self._held += [(entry, None) for entry in new if entry.level in HELD_LEVELS]
         del self._held[:-MAX_HELD]
-        self._newest, self._log_shown = newest, log_shown
+        self._newest, self._log_shown, self._progress = newest, log_shown, progress
         self._draw()
 
     def key_pressed(self) -> None:
@@ -80,7 +83,10 @@ class LastEvent(Panel):
         self._held = [(entry, due) for entry, due in self._held if due is None or due > now]
         lines = [self._line(entry, wrap=True) for entry, _ in self._held]
         answer = all(due is not None for _, due in self._held)  # a key since they came
-        if self._newest is not None and not self._log_shown and answer and (
+        if self._progress is not None and not self._log_shown and answer:
+            lines.append(Content.assemble(("▸ ", "$text-muted"),
+                                          (self._progress, "$warning")))
+        elif self._newest is not None and not self._log_shown and answer and (
                 not self._held or self._newest is not self._held[-1][0]):
             lines.append(self._line(self._newest, wrap=False))
         elif not lines:

@@ -39,8 +39,10 @@ TIMING = (Series("step time", "step_time_s", 1e3, "ms", "step", "cyan"),
 #: The training loss.
 LOSS = (Series("loss", "loss", color="cyan"),)
 
-#: Labelled ticks on the step axis.
+#: Labelled ticks on the step axis (at most).
 _X_TICKS = 5
+#: The step axis' unit, before its first label.
+_X_UNIT = "step"
 #: Labelled ticks on the value axis.
 _Y_TICKS = 4
 #: The marker of a value beyond the end of the axis (drawn at the end), and its colour.
@@ -241,10 +243,19 @@ class StepChart(PlotextPlot):
             self._mark(marks, first, last, high, self.size.width - tick_width - 3,
                        outliers)
             width = self.size.width - tick_width - 3
-            count = max(2, min(_X_TICKS, width // (len(f"{last:,.0f}") + 3) + 1))  # room
+            # room: 3 columns between labels, the first ("step 1", the axis' unit) half
+            # under the value labels (plotext centres a label; one that would touch
+            # another is left out, which one depending on the hash seed)
+            label, first_label = len(f"{last:,.0f}"), len(f"{_X_UNIT} {first:,.0f}")
+            count = _X_TICKS
+            while count > 2 and width / (count - 1) < max(label + 3,
+                                                          (first_label + label) / 2 + 3):
+                count -= 1
             ticks: list[float] = sorted({round(first + (last - first) * i / (count - 1))
                                          for i in range(count)})  # ints are floats to plotext
-            plt.xticks(ticks, [f"{tick:,.0f}" for tick in ticks])  # 12,000: steps
+            labels = [f"{tick:,.0f}" for tick in ticks]  # 12,000: steps
+            labels[0] = f"{_X_UNIT} {labels[0]}"
+            plt.xticks(ticks, labels)
             plt.title(titles)
         else:
             plt.title(f"{' & '.join(self._label(s) for s in self.series)}: no steps yet")
