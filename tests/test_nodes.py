@@ -468,3 +468,47 @@ def test_a_rank_of_another_node_too_busy_to_answer_gets_the_command_withdrawn_to
     assert reply["reason"].endswith("(rank 3); withdrawn from ranks 0-3")
     for fake in here + other.fakes:
         assert not fake.pending and fake.knobs["accum_steps"] == 1
+
+
+# ------------------------------------------------------------------ a job of 1,024 nodes
+
+
+def test_a_leaders_run_file_listing_a_thousand_nodes_is_read(run_dir):
+    """About 240 bytes a node: 1,024 nodes make a file of 250 KB (one of 64 KiB was the
+    limit, and the leader's rank then went unseen)."""
+    entries = [{"node": node, "host": f"node-{node}", "server_key": "k" * 40,
+                "pub_endpoint": f"tcp://10.0.{node // 256}.{node % 256}:29600",
+                "cmd_endpoint": f"tcp://10.0.{node // 256}.{node % 256}:29601",
+                "ranks": list(range(8 * node, 8 * node + 8))} for node in range(1024)]
+    leader = runs.RunInfo(run_id=RUN_ID, rank=0, world_size=8192, pid=os.getpid(),
+                          pub_endpoint="ipc:///nowhere", cmd_endpoint="", token="t",
+                          started_at=0.0, nnodes=1024, nodes=entries)
+    path = runs.write_run_file(leader, Path(run_dir))
+    assert path.stat().st_size > 200_000
+    assert [info.rank for info in runs.run_ranks(RUN_ID)] == [0]
+    assert runs.node_list(RUN_ID) == entries
+
+
+def test_the_dashboards_sockets_outnumber_zeromqs_default_and_a_low_file_limit():
+    """A job of 1,024 nodes: a socket per node's relay, and one more per node while a
+    command is out (ZeroMQ's default context holds 1,023; a login node's soft limit of
+    open files is often 1,024)."""
+    made = subprocess.run([sys.executable, "-c", """
+import resource, zmq
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+from agent.wire.commands import shared_context
+sockets = [shared_context().socket(zmq.SUB) for _ in range(2100)]
+print(len(sockets), resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 1024)
+"""], capture_output=True, text=True, timeout=60)
+    assert made.stdout.split() == ["2100", "True"], made.stderr[-2000:]
+
+
+def test_node_summaries_of_a_thousand_nodes_give_every_ranks_pace():
+    state = RunState(primary_rank=0)
+    now = time.monotonic()
+    for node in range(1, 1024):
+        state.ingest(node_message(node, [(rank, 100, 0.1 + (rank == 5000) * 0.05, 0.01)
+                                         for rank in range(8 * node, 8 * node + 8)]), now)
+    assert len(state.ranks) == 1023 * 8 and len(state.nodes) == 1023
+    assert state.slowest_rank(now)[0] == 5000 and state.node_of(5000) == 625

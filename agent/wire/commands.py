@@ -4,13 +4,14 @@ at one common optimizer step (:func:`send_command`).
 Used by the dashboard and ``gpuwatch set`` (through :mod:`gpuwatch.client`) and by the
 agent's own tuner (:mod:`agent.search.tune`), so that a change reaches every rank the same way
 whoever decides it. ZeroMQ and the protocol only: no torch. Each call makes its own
-sockets on the process-wide :func:`zmq.Context.instance`, so any thread may call it.
+sockets on the process-wide context (:func:`shared_context`), so any thread may call it.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+import threading
 import time
 from typing import Any, Callable, cast
 
@@ -23,15 +24,50 @@ from agent.wire.runs import RunInfo, node_list, run_ranks
 CANCEL_CHECK_S = 0.1
 
 
+#: Sockets the process-wide ZeroMQ context may hold. A dashboard holds one per node of a
+#: multi-node job and, while a command is out, one more per node: ZeroMQ's default (1,023)
+#: ran out at about 500 nodes.
+MAX_SOCKETS = 1 << 16
+
+
+def shared_context() -> zmq.Context:
+    """The process-wide ZeroMQ context of :mod:`agent.wire` and the dashboard (its own,
+    not :func:`zmq.Context.instance`, whose limit is fixed by whoever makes the first
+    socket on it), allowed :data:`MAX_SOCKETS` sockets; the first call also raises this
+    process's soft limit of open files towards its hard one (each socket holds one or
+    two descriptors; a login node's soft limit is often 1,024). Any thread may call it."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            wanted = 2 * MAX_SOCKETS if hard == resource.RLIM_INFINITY else min(
+                hard, 2 * MAX_SOCKETS)
+            if soft != resource.RLIM_INFINITY and soft < wanted:
+                try:
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+                except (ValueError, OSError):
+                    pass  # the soft limit stays: fewer nodes can be followed
+            context = zmq.Context()
+            context.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+            _context = context
+        return _context
+
+
+_context: zmq.Context | None = None
+_context_lock = threading.Lock()
+
+
 def secure(socket: zmq.Socket, info: RunInfo) -> None:
     """Set the CURVE client keys of a tcp run (its run file holds them; nothing for an
     ipc run). With the run's server key set, the connection completes only with the
     process that holds its secret key: a port that another process took after the run
     ended is never talked to."""
-    if info.curve_server_key:
-        socket.curve_serverkey = info.curve_server_key.encode()
-        socket.curve_publickey = info.curve_client_public_key.encode()
-        socket.curve_secretkey = info.curve_client_secret_key.encode()
+    if info.curve_server_key:  # (setsockopt: a third of the cost of the attributes)
+        socket.setsockopt(zmq.CURVE_SERVERKEY, info.curve_server_key.encode())
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, info.curve_client_public_key.encode())
+        socket.setsockopt(zmq.CURVE_SECRETKEY, info.curve_client_secret_key.encode())
 
 
 def new_command_id() -> str:
@@ -203,6 +239,7 @@ def remote_relays(run_id: str, world_size: int, here: set[int]
     except SecretError as exc:
         return [], str(exc)
     client_public, client_secret = client_keys(secret, run_id)
+    token = relay_token(secret, run_id)
     relays, problem = [], None
     for entry in remote:
         server_public, _ = server_keys(secret, run_id, entry["node"])
@@ -214,7 +251,7 @@ def remote_relays(run_id: str, world_size: int, here: set[int]
         relays.append((entry["node"], entry, RunInfo(
             run_id=run_id, rank=min(entry["ranks"], default=-1), world_size=world_size,
             pid=0, pub_endpoint=entry["pub_endpoint"], cmd_endpoint=entry["cmd_endpoint"],
-            token=relay_token(secret, run_id), started_at=0.0, host=entry["host"],
+            token=token, started_at=0.0, host=entry["host"],
             node=entry["node"], curve_server_key=server_public,
             curve_client_public_key=client_public, curve_client_secret_key=client_secret)))
     return relays, problem
@@ -322,7 +359,7 @@ class RankConnections:
                          "its run file, so nothing proves it is the run: its token is "
                          "not sent (an agent of this version always has one)")
             else:
-                sock = zmq.Context.instance().socket(zmq.DEALER)
+                sock = shared_context().socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 try:
                     secure(sock, info)
