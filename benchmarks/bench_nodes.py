@@ -29,7 +29,10 @@ the large one, in the same run:
 - its memory: this process's RSS growth from before the source started to the end of
   the window (MB);
 - a command's round trip (``accum_steps``, both phases, to every rank): the worst of
-  ``--commands`` commands, s; and whether every rank accepted it.
+  ``--commands`` commands, s; and whether every rank accepted it; with the CPU time a
+  command took here and in the simulated relays' process (median): on 2 busy CPUs the
+  round trip is mostly the two processes waiting for a CPU, and the relays' share is
+  the simulation's (real relays answer in parallel, each on its own node).
 
 Targets at 1,024 nodes: under 10% of a core, under 500 MB, every rank answers within 2 s.
 
@@ -227,11 +230,15 @@ def measure(node_count: int, seconds: float, commands: int) -> dict[str, Any]:
                 time.sleep(seconds)
                 cpu_pct = 100 * (_cpu_s() - cpu_start) / (time.monotonic() - wall_start)
                 rss_growth_mb = (process.memory_info().rss - rss_before) / 2**20
-                trips, answered = [], True
+                trips, answered, own_cpu, relays_cpu = [], True, [], []
+                relays = psutil.Process(child.pid)
                 for index in range(commands):
-                    began = time.monotonic()
+                    began, cpu, child_cpu = time.monotonic(), _cpu_s(), sum(
+                        relays.cpu_times()[:2])
                     reply = send_command(info, "accum_steps", 2 + index % 2, timeout_s=5.0)
                     trips.append(time.monotonic() - began)
+                    own_cpu.append(_cpu_s() - cpu)
+                    relays_cpu.append(sum(relays.cpu_times()[:2]) - child_cpu)
                     answered = answered and bool(reply.get("ok")) and (
                         reply.get("ranks") == list(range(node_count * PER_NODE)))
                     if not reply.get("ok"):
@@ -244,7 +251,9 @@ def measure(node_count: int, seconds: float, commands: int) -> dict[str, Any]:
             child.wait()
     return {"nodes": node_count, "all_seen_s": all_seen_s, "cpu_pct": cpu_pct,
             "rss_growth_mb": rss_growth_mb, "trip_s": max(trips),
-            "trip_median_s": statistics.median(trips), "answered": answered}
+            "trip_median_s": statistics.median(trips), "answered": answered,
+            "command_cpu_s": statistics.median(own_cpu),
+            "relays_cpu_s": statistics.median(relays_cpu)}
 
 
 def main() -> None:
@@ -271,7 +280,9 @@ def main() -> None:
               f"{result['all_seen_s']:.1f} s; live source {result['cpu_pct']:.1f}% of a "
               f"core, RSS +{result['rss_growth_mb']:.1f} MB; command to every rank: "
               f"worst {result['trip_s']:.3f} s (median {result['trip_median_s']:.3f}), "
-              f"{'every rank accepted' if result['answered'] else 'NOT every rank'}",
+              f"{'every rank accepted' if result['answered'] else 'NOT every rank'}; CPU a "
+              f"command: dashboard {result['command_cpu_s']:.2f} s (its source's included), "
+              f"simulated relays {result['relays_cpu_s']:.2f} s (their summaries included)",
               flush=True)
     base, large = results
     print(f"ratios {large['nodes']} / {base['nodes']} nodes: CPU "
