@@ -231,6 +231,30 @@ def test_a_stopped_node_refuses_the_command_before_any_rank_takes_it(job):
         assert not fake.pending
 
 
+def test_a_relays_connection_is_kept_only_while_all_sent_on_it_was_answered(job):
+    """Kept, a command to 1,024 nodes skips 1,023 CURVE handshakes; one with a message
+    unanswered is closed (what is queued on it goes with it, never delivered later)."""
+    from agent.wire import commands
+
+    here, other = job()
+    key = (other.entry["cmd_endpoint"], other.entry["server_key"])
+    assert send_command(here[0].info, "precision", "bf16")["ok"]
+    kept = commands._kept_relays[key]
+    assert send_command(here[0].info, "precision", "fp32")["ok"]
+    assert commands._kept_relays[key] is kept  # the same connection
+    for fake in other.fakes:
+        assert [(body.get("value"), bool(body.get("dry_run"))) for body in drain(fake)] == [
+            ("bf16", True), ("bf16", False), ("fp32", True), ("fp32", False)]
+    os.kill(other.process.pid, signal.SIGSTOP)
+    try:
+        stopped = send_command(here[0].info, "accum_steps", 2, timeout_s=1.0)
+    finally:
+        os.kill(other.process.pid, signal.SIGCONT)
+    assert not stopped["ok"] and key not in commands._kept_relays
+    assert send_command(here[0].info, "precision", "bf16")["ok"]  # on a new connection
+    assert commands._kept_relays[key] is not kept
+
+
 def test_without_the_job_secret_or_with_a_forged_entry_nothing_is_sent(job, monkeypatch,
                                                                        tmp_path):
     here, other = job()
