@@ -341,6 +341,10 @@ def _first_refusal(replies: list[tuple[int, protocol.Reply]]) -> protocol.Reply 
 #: nodes (3 to 4 s of its 4.5 s round trip on 2 busy CPUs; an exchange on kept
 #: connections took 0.3 s). One that goes unanswered is closed.
 MAX_KEPT_RELAYS = 1 << 14
+#: Longest wait between two tries to reach a rank or relay that is not there (ms; the
+#: first waits ZeroMQ's 100 ms, each next one twice as long): kept connections to the
+#: relays of a job that ended are not tried 10 times a second each.
+RECONNECT_MAX_MS = 10_000
 #: Kept relay connections, by (endpoint, server key); a socket is taken out while one
 #: command uses it.
 _kept_relays: dict[tuple[str, str], zmq.Socket] = {}
@@ -393,6 +397,8 @@ class RankConnections:
             else:
                 sock = shared_context().socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
+                # a kept connection whose relay went away tries again ever less often
+                sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
                 try:
                     secure(sock, info)
                     sock.connect(info.cmd_endpoint)
