@@ -29,10 +29,9 @@ the large one, in the same run:
 - its memory: this process's RSS growth from before the source started to the end of
   the window (MB);
 - a command's round trip (``accum_steps``, both phases, to every rank): the worst of
-  ``--commands`` commands (the first, whose connections to the relays are new: each
-  costs a CURVE handshake on both sides) and the median of the later ones (on the
-  connections kept, :data:`agent.wire.commands.MAX_KEPT_RELAYS`), s; whether every rank
-  accepted each; with the CPU time a
+  ``--commands`` commands, the first (on the command connections to the relays that the
+  live source opened when it followed them: each costs a CURVE handshake on both sides)
+  and the median of the later ones, s; whether every rank accepted each; with the CPU time a
   command took here and in the simulated relays' process (median): on 2 busy CPUs the
   round trip is mostly the two processes waiting for a CPU, and the relays' share is
   the simulation's (real relays answer in parallel, each on its own node).
@@ -283,8 +282,8 @@ def main() -> None:
         print(f"{count:5d} nodes x {PER_NODE} ranks: every node heard in "
               f"{result['all_seen_s']:.1f} s; live source {result['cpu_pct']:.1f}% of a "
               f"core, RSS +{result['rss_growth_mb']:.1f} MB; command to every rank: "
-              f"worst {result['trip_s']:.3f} s (the first {result['first_trip_s']:.3f}: new "
-              f"connections; the later ones' median {result['trip_median_s']:.3f}), "
+              f"worst {result['trip_s']:.3f} s (the first {result['first_trip_s']:.3f}, the "
+              f"later ones' median {result['trip_median_s']:.3f}), "
               f"{'every rank accepted' if result['answered'] else 'NOT every rank'}; CPU a "
               f"command: dashboard {result['command_cpu_s']:.2f} s (its source's included), "
               f"simulated relays {result['relays_cpu_s']:.2f} s (their summaries included)",

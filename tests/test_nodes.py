@@ -255,6 +255,24 @@ def test_a_relays_connection_is_kept_only_while_all_sent_on_it_was_answered(job)
     assert commands._kept_relays[key] is not kept
 
 
+def test_a_dashboard_following_a_node_opens_its_command_connection_before_a_command(job):
+    from agent.wire import commands
+    from gpuwatch.sources.live import LiveSource
+
+    here, other = job()
+    key = (other.entry["cmd_endpoint"], other.entry["server_key"])
+    commands._kept_relays.pop(key, None)
+    source = LiveSource(here[0].info)
+    source.start()
+    try:
+        wait_until(lambda: key in commands._kept_relays, "the relay's connection kept")
+        kept = commands._kept_relays[key]
+        assert send_command(here[0].info, "precision", "bf16")["ok"]
+        assert commands._kept_relays[key] is kept  # the first command used it
+    finally:
+        source.close()
+
+
 def test_without_the_job_secret_or_with_a_forged_entry_nothing_is_sent(job, monkeypatch,
                                                                        tmp_path):
     here, other = job()
@@ -403,17 +421,20 @@ secret = nodes.load_secret(__import__("pathlib").Path(sys.argv[1]))
 run_id, count, per_node = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 context = zmq.Context()
 sockets, entries = [], []
+commanded = []  # (the dashboard opens a command connection to each relay it follows)
 for node in range(count):
-    socket = context.socket(zmq.PUB)
-    public, private = nodes.server_keys(secret, run_id, node)
-    socket.curve_secretkey, socket.curve_publickey = private.encode(), public.encode()
-    socket.curve_server = True
-    port = socket.bind_to_random_port("tcp://127.0.0.1")
-    sockets.append(socket)
+    ports = []
+    for kind in (zmq.PUB, zmq.ROUTER):
+        socket = context.socket(kind)
+        public, private = nodes.server_keys(secret, run_id, node)
+        socket.curve_secretkey, socket.curve_publickey = private.encode(), public.encode()
+        socket.curve_server = True
+        ports.append(socket.bind_to_random_port("tcp://127.0.0.1"))
+        (sockets if kind == zmq.PUB else commanded).append(socket)
     ranks = list(range(node * per_node, (node + 1) * per_node))
     entries.append({"node": node, "host": f"host-{node}", "server_key": public,
-                    "pub_endpoint": f"tcp://127.0.0.1:{port}",
-                    "cmd_endpoint": f"tcp://127.0.0.1:{port}", "ranks": ranks})
+                    "pub_endpoint": f"tcp://127.0.0.1:{ports[0]}",
+                    "cmd_endpoint": f"tcp://127.0.0.1:{ports[1]}", "ranks": ranks})
 print(json.dumps(entries), flush=True)
 step = 0
 while True:

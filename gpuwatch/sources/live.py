@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 
 from agent.wire import protocol
-from agent.wire.commands import remote_relays
+from agent.wire.commands import RankConnections, remote_relays
 from agent.wire.runs import RunInfo, list_runs, run_ranks
 from gpuwatch import state as run_state
 from gpuwatch.client import Subscriber
@@ -206,11 +206,16 @@ class LiveSource(Source):
                                             {self._info.node})
         except OSError:
             return
+        new = [info for node, _, info in relays if node not in self._relays]
         for node, _, info in relays:
             if node not in self._relays:
                 subscriber = self._subscribe(info)
                 if subscriber is not None:
                     self._relays[node] = subscriber
+        if new:  # their command connections too, kept for the first command: a CURVE
+            # handshake each (1,023 at 1,024 nodes), paid now rather than while it waits
+            with RankConnections(new, keep=[True] * len(new)):
+                pass
         if problem and problem != self._relay_problem:
             self._relay_problem = problem
             with self.lock:
