@@ -17,7 +17,7 @@ A script (or an LLM agent) steers a run as a person does from the dashboard thro
 ZeroMQ sockets are not thread-safe: a :class:`Subscriber` (and a :class:`RunClient`)
 belongs to the thread that made it. :func:`send_command` (from :mod:`agent.wire.commands`,
 which the agent's tuner uses too) makes fresh sockets each call, so any thread may call
-it. Both use the process-wide :func:`zmq.Context.instance`.
+it. Both use the process-wide context (:func:`agent.wire.commands.shared_context`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import zmq
 
 from agent.wire import protocol
-from agent.wire.commands import new_command_id, secure, send_command
+from agent.wire.commands import new_command_id, secure, send_command, shared_context
 from agent.wire.knobs import assignment
 from agent.wire.runs import RunInfo, find_run, list_runs
 from gpuwatch.state import SeqGaps
@@ -66,7 +66,7 @@ class Subscriber:
         """Frames dropped because they were not gpuwatch envelopes."""
         self._gaps = SeqGaps()
         self._rows: deque[dict[str, Any]] = deque()  # of a batch, not yet returned
-        self._socket: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket: zmq.Socket = shared_context().socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.MAXMSGSIZE, RECEIVE_MAX_BYTES)

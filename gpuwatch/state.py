@@ -42,9 +42,11 @@ STALL_WINDOW_STEPS = 20
 MAX_ITEMS = 256
 #: Nesting kept of a value from the wire; deeper parts become None.
 MAX_DEPTH = 6
-#: Knobs, and ranks, a run may have in the dashboard's memory; more are ignored.
+#: Knobs, and ranks, a run may have in the dashboard's memory; more are ignored (a
+#: rank's pace is about 150 bytes: 65,536 ranks, 8,192 nodes of 8, hold 10 MB; 1,024
+#: left 7,168 ranks of a job of 1,024 nodes unseen).
 MAX_KNOBS = 128
-MAX_RANKS = 1024
+MAX_RANKS = 1 << 16
 
 
 #: Values (strings, numbers, maps, lists) kept of one message's body at most: a body

@@ -231,6 +231,48 @@ def test_a_stopped_node_refuses_the_command_before_any_rank_takes_it(job):
         assert not fake.pending
 
 
+def test_a_relays_connection_is_kept_only_while_all_sent_on_it_was_answered(job):
+    """Kept, a command to 1,024 nodes skips 1,023 CURVE handshakes; one with a message
+    unanswered is closed (what is queued on it goes with it, never delivered later)."""
+    from agent.wire import commands
+
+    here, other = job()
+    key = (other.entry["cmd_endpoint"], other.entry["server_key"])
+    assert send_command(here[0].info, "precision", "bf16")["ok"]
+    kept = commands._kept_relays[key]
+    assert send_command(here[0].info, "precision", "fp32")["ok"]
+    assert commands._kept_relays[key] is kept  # the same connection
+    for fake in other.fakes:
+        assert [(body.get("value"), bool(body.get("dry_run"))) for body in drain(fake)] == [
+            ("bf16", True), ("bf16", False), ("fp32", True), ("fp32", False)]
+    os.kill(other.process.pid, signal.SIGSTOP)
+    try:
+        stopped = send_command(here[0].info, "accum_steps", 2, timeout_s=1.0)
+    finally:
+        os.kill(other.process.pid, signal.SIGCONT)
+    assert not stopped["ok"] and key not in commands._kept_relays
+    assert send_command(here[0].info, "precision", "bf16")["ok"]  # on a new connection
+    assert commands._kept_relays[key] is not kept
+
+
+def test_a_dashboard_following_a_node_opens_its_command_connection_before_a_command(job):
+    from agent.wire import commands
+    from gpuwatch.sources.live import LiveSource
+
+    here, other = job()
+    key = (other.entry["cmd_endpoint"], other.entry["server_key"])
+    commands._kept_relays.pop(key, None)
+    source = LiveSource(here[0].info)
+    source.start()
+    try:
+        wait_until(lambda: key in commands._kept_relays, "the relay's connection kept")
+        kept = commands._kept_relays[key]
+        assert send_command(here[0].info, "precision", "bf16")["ok"]
+        assert commands._kept_relays[key] is kept  # the first command used it
+    finally:
+        source.close()
+
+
 def test_without_the_job_secret_or_with_a_forged_entry_nothing_is_sent(job, monkeypatch,
                                                                        tmp_path):
     here, other = job()
@@ -379,17 +421,20 @@ secret = nodes.load_secret(__import__("pathlib").Path(sys.argv[1]))
 run_id, count, per_node = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 context = zmq.Context()
 sockets, entries = [], []
+commanded = []  # (the dashboard opens a command connection to each relay it follows)
 for node in range(count):
-    socket = context.socket(zmq.PUB)
-    public, private = nodes.server_keys(secret, run_id, node)
-    socket.curve_secretkey, socket.curve_publickey = private.encode(), public.encode()
-    socket.curve_server = True
-    port = socket.bind_to_random_port("tcp://127.0.0.1")
-    sockets.append(socket)
+    ports = []
+    for kind in (zmq.PUB, zmq.ROUTER):
+        socket = context.socket(kind)
+        public, private = nodes.server_keys(secret, run_id, node)
+        socket.curve_secretkey, socket.curve_publickey = private.encode(), public.encode()
+        socket.curve_server = True
+        ports.append(socket.bind_to_random_port("tcp://127.0.0.1"))
+        (sockets if kind == zmq.PUB else commanded).append(socket)
     ranks = list(range(node * per_node, (node + 1) * per_node))
     entries.append({"node": node, "host": f"host-{node}", "server_key": public,
-                    "pub_endpoint": f"tcp://127.0.0.1:{port}",
-                    "cmd_endpoint": f"tcp://127.0.0.1:{port}", "ranks": ranks})
+                    "pub_endpoint": f"tcp://127.0.0.1:{ports[0]}",
+                    "cmd_endpoint": f"tcp://127.0.0.1:{ports[1]}", "ranks": ranks})
 print(json.dumps(entries), flush=True)
 step = 0
 while True:
@@ -468,3 +513,47 @@ def test_a_rank_of_another_node_too_busy_to_answer_gets_the_command_withdrawn_to
     assert reply["reason"].endswith("(rank 3); withdrawn from ranks 0-3")
     for fake in here + other.fakes:
         assert not fake.pending and fake.knobs["accum_steps"] == 1
+
+
+# ------------------------------------------------------------------ a job of 1,024 nodes
+
+
+def test_a_leaders_run_file_listing_a_thousand_nodes_is_read(run_dir):
+    """About 240 bytes a node: 1,024 nodes make a file of 250 KB (one of 64 KiB was the
+    limit, and the leader's rank then went unseen)."""
+    entries = [{"node": node, "host": f"node-{node}", "server_key": "k" * 40,
+                "pub_endpoint": f"tcp://10.0.{node // 256}.{node % 256}:29600",
+                "cmd_endpoint": f"tcp://10.0.{node // 256}.{node % 256}:29601",
+                "ranks": list(range(8 * node, 8 * node + 8))} for node in range(1024)]
+    leader = runs.RunInfo(run_id=RUN_ID, rank=0, world_size=8192, pid=os.getpid(),
+                          pub_endpoint="ipc:///nowhere", cmd_endpoint="", token="t",
+                          started_at=0.0, nnodes=1024, nodes=entries)
+    path = runs.write_run_file(leader, Path(run_dir))
+    assert path.stat().st_size > 200_000
+    assert [info.rank for info in runs.run_ranks(RUN_ID)] == [0]
+    assert runs.node_list(RUN_ID) == entries
+
+
+def test_the_dashboards_sockets_outnumber_zeromqs_default_and_a_low_file_limit():
+    """A job of 1,024 nodes: a socket per node's relay, and one more per node while a
+    command is out (ZeroMQ's default context holds 1,023; a login node's soft limit of
+    open files is often 1,024)."""
+    made = subprocess.run([sys.executable, "-c", """
+import resource, zmq
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+from agent.wire.commands import shared_context
+sockets = [shared_context().socket(zmq.SUB) for _ in range(2100)]
+print(len(sockets), resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 1024)
+"""], capture_output=True, text=True, timeout=60)
+    assert made.stdout.split() == ["2100", "True"], made.stderr[-2000:]
+
+
+def test_node_summaries_of_a_thousand_nodes_give_every_ranks_pace():
+    state = RunState(primary_rank=0)
+    now = time.monotonic()
+    for node in range(1, 1024):
+        state.ingest(node_message(node, [(rank, 100, 0.1 + (rank == 5000) * 0.05, 0.01)
+                                         for rank in range(8 * node, 8 * node + 8)]), now)
+    assert len(state.ranks) == 1023 * 8 and len(state.nodes) == 1023
+    assert state.slowest_rank(now)[0] == 5000 and state.node_of(5000) == 625

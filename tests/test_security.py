@@ -574,9 +574,10 @@ def test_tail_runs_and_set_print_no_control_sequence(tmp_path, make_agent, run_d
 DASHBOARD_RSS_LIMIT = 200 << 20
 
 
-def test_the_state_keeps_bounded_texts_knobs_and_ranks():
+def test_the_state_keeps_bounded_texts_knobs_and_ranks(monkeypatch):
     from gpuwatch import state as state_module
 
+    monkeypatch.setattr(state_module, "MAX_RANKS", 1024)  # the bound, at a size to flood
     state = state_module.RunState(primary_rank=0)
     huge = "x" * 1_000_000
 
@@ -598,7 +599,7 @@ def test_the_state_keeps_bounded_texts_knobs_and_ranks():
     assert max(len(entry.text) for entry in state.events) <= protocol.MAX_TEXT_CHARS
     assert len(state.knobs) <= state_module.MAX_KNOBS
     assert all(len(value) <= protocol.MAX_TEXT_CHARS for value in state.knobs.values())
-    assert len(state.ranks) <= state_module.MAX_RANKS + 1
+    assert 1024 <= len(state.ranks) <= state_module.MAX_RANKS + 1
 
 
 class MemoryWatch:

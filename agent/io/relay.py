@@ -42,7 +42,7 @@ import zmq
 
 from agent.io import helpers
 from agent.wire import protocol
-from agent.wire.commands import RankConnections, secure
+from agent.wire.commands import RankConnections, secure, shared_context
 from agent.io.gateway import Front
 from agent.wire.runs import RunInfo, run_ranks
 
@@ -270,7 +270,7 @@ class Relay:
             if known is not None:
                 poller.unregister(known[1])
                 known[1].close(linger=0)
-            socket: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
+            socket: zmq.Socket = shared_context().socket(zmq.SUB)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.RCVHWM, 1000)
             socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)

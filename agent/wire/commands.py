@@ -4,13 +4,16 @@ at one common optimizer step (:func:`send_command`).
 Used by the dashboard and ``gpuwatch set`` (through :mod:`gpuwatch.client`) and by the
 agent's own tuner (:mod:`agent.search.tune`), so that a change reaches every rank the same way
 whoever decides it. ZeroMQ and the protocol only: no torch. Each call makes its own
-sockets on the process-wide :func:`zmq.Context.instance`, so any thread may call it.
+sockets on the process-wide context (:func:`shared_context`), or takes the kept ones of
+other nodes' relays (one call at a time each: :class:`RankConnections`), so any thread
+may call it.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+import threading
 import time
 from typing import Any, Callable, cast
 
@@ -23,15 +26,50 @@ from agent.wire.runs import RunInfo, node_list, run_ranks
 CANCEL_CHECK_S = 0.1
 
 
+#: Sockets the process-wide ZeroMQ context may hold. A dashboard holds one per node of a
+#: multi-node job and, while a command is out, one more per node: ZeroMQ's default (1,023)
+#: ran out at about 500 nodes.
+MAX_SOCKETS = 1 << 16
+
+
+def shared_context() -> zmq.Context:
+    """The process-wide ZeroMQ context of :mod:`agent.wire` and the dashboard (its own,
+    not :func:`zmq.Context.instance`, whose limit is fixed by whoever makes the first
+    socket on it), allowed :data:`MAX_SOCKETS` sockets; the first call also raises this
+    process's soft limit of open files towards its hard one (each socket holds one or
+    two descriptors; a login node's soft limit is often 1,024). Any thread may call it."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            wanted = 2 * MAX_SOCKETS if hard == resource.RLIM_INFINITY else min(
+                hard, 2 * MAX_SOCKETS)
+            if soft != resource.RLIM_INFINITY and soft < wanted:
+                try:
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+                except (ValueError, OSError):
+                    pass  # the soft limit stays: fewer nodes can be followed
+            context = zmq.Context()
+            context.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+            _context = context
+        return _context
+
+
+_context: zmq.Context | None = None
+_context_lock = threading.Lock()
+
+
 def secure(socket: zmq.Socket, info: RunInfo) -> None:
     """Set the CURVE client keys of a tcp run (its run file holds them; nothing for an
     ipc run). With the run's server key set, the connection completes only with the
     process that holds its secret key: a port that another process took after the run
     ended is never talked to."""
-    if info.curve_server_key:
-        socket.curve_serverkey = info.curve_server_key.encode()
-        socket.curve_publickey = info.curve_client_public_key.encode()
-        socket.curve_secretkey = info.curve_client_secret_key.encode()
+    if info.curve_server_key:  # (setsockopt: a third of the cost of the attributes)
+        socket.setsockopt(zmq.CURVE_SERVERKEY, info.curve_server_key.encode())
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, info.curve_client_public_key.encode())
+        socket.setsockopt(zmq.CURVE_SECRETKEY, info.curve_client_secret_key.encode())
 
 
 def new_command_id() -> str:
@@ -110,7 +148,8 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     relayed = any(group.node is not None for group in groups)
     if relayed:  # a relay waits this long for its ranks, then answers for them
         body["within_s"] = round(0.7 * timeout_s, 3)
-    with RankConnections([group.info for group in groups]) as connections:
+    with RankConnections([group.info for group in groups],
+                         keep=[group.node is not None for group in groups]) as connections:
         checks = _expand(groups, connections.exchange({**body, "dry_run": True},
                                                       timeout_s, cancelled))
         refusal = _first_refusal(checks)
@@ -203,6 +242,7 @@ def remote_relays(run_id: str, world_size: int, here: set[int]
     except SecretError as exc:
         return [], str(exc)
     client_public, client_secret = client_keys(secret, run_id)
+    token = relay_token(secret, run_id)
     relays, problem = [], None
     for entry in remote:
         server_public, _ = server_keys(secret, run_id, entry["node"])
@@ -214,7 +254,7 @@ def remote_relays(run_id: str, world_size: int, here: set[int]
         relays.append((entry["node"], entry, RunInfo(
             run_id=run_id, rank=min(entry["ranks"], default=-1), world_size=world_size,
             pid=0, pub_endpoint=entry["pub_endpoint"], cmd_endpoint=entry["cmd_endpoint"],
-            token=relay_token(secret, run_id), started_at=0.0, host=entry["host"],
+            token=token, started_at=0.0, host=entry["host"],
             node=entry["node"], curve_server_key=server_public,
             curve_client_public_key=client_public, curve_client_secret_key=client_secret)))
     return relays, problem
@@ -296,24 +336,57 @@ def _first_refusal(replies: list[tuple[int, protocol.Reply]]) -> protocol.Reply 
     return None
 
 
+#: Connections to other nodes' relays kept for the next command, at most: a new one
+#: costs a CURVE handshake on both sides, 1,023 of them a command to a job of 1,024
+#: nodes (3 to 4 s of its 4.5 s round trip on 2 busy CPUs; an exchange on kept
+#: connections took 0.3 s). One that goes unanswered is closed.
+MAX_KEPT_RELAYS = 1 << 14
+#: Longest wait between two tries to reach a rank or relay that is not there (ms; the
+#: first waits ZeroMQ's 100 ms, each next one twice as long): kept connections to the
+#: relays of a job that ended are not tried 10 times a second each.
+RECONNECT_MAX_MS = 10_000
+#: Kept relay connections, by (endpoint, server key); a socket is taken out while one
+#: command uses it.
+_kept_relays: dict[tuple[str, str], zmq.Socket] = {}
+_kept_lock = threading.Lock()
+
+
 class RankConnections:
     """One DEALER socket per rank for the whole of one command (a context manager).
 
     Each rank receives its dry run, the command and a cancel on one connection, in the
     order they were sent; :func:`send_command` and the node relays
     (:mod:`agent.io.relay`) use it. Connecting costs no round trip (ZeroMQ connects in the
-    background); :meth:`exchange` waits at most its ``timeout_s``. Closed on exit.
+    background); :meth:`exchange` waits at most its ``timeout_s``. Closed on exit, but
+    for the connections to other nodes' relays (``keep``) every message of which was
+    answered: those are kept for the next command (at most :data:`MAX_KEPT_RELAYS`),
+    and nothing is ever left queued on a kept one.
     """
 
-    def __init__(self, ranks: list[RunInfo]) -> None:
+    def __init__(self, ranks: list[RunInfo], keep: list[bool] | None = None) -> None:
         """Connect one DEALER per rank (a rank that cannot be reached gets its reason
-        instead); raises nothing."""
+        instead), or take the kept connection of a relay (``keep[i]``); raises
+        nothing."""
         self.ranks = ranks
         self._sockets: list[zmq.Socket | None] = []
         self._errors: list[str | None] = []
-        for info in ranks:
+        self._keys: list[tuple[str, str] | None] = []
+        #: Messages sent on each socket and not answered yet (only a socket with none
+        #: left is kept).
+        self._unanswered = [0] * len(ranks)
+        for index, info in enumerate(ranks):
             sock: zmq.Socket | None = None
             error: str | None = None
+            key = ((info.cmd_endpoint, info.curve_server_key)
+                   if keep is not None and keep[index] and info.curve_server_key else None)
+            self._keys.append(key)
+            if key is not None:
+                with _kept_lock:
+                    kept = _kept_relays.pop(key, None)
+                if kept is not None:
+                    self._sockets.append(kept)
+                    self._errors.append(None)
+                    continue
             if not info.cmd_endpoint:
                 error = "this run has no command endpoint (attach by run id)"
             elif (info.cmd_endpoint.startswith("tcp://") and info.token
@@ -322,8 +395,10 @@ class RankConnections:
                          "its run file, so nothing proves it is the run: its token is "
                          "not sent (an agent of this version always has one)")
             else:
-                sock = zmq.Context.instance().socket(zmq.DEALER)
+                sock = shared_context().socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
+                # a kept connection whose relay went away tries again ever less often
+                sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
                 try:
                     secure(sock, info)
                     sock.connect(info.cmd_endpoint)
@@ -337,9 +412,15 @@ class RankConnections:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for sock in self._sockets:
-            if sock is not None:
-                sock.close(linger=0)
+        for sock, key, unanswered in zip(self._sockets, self._keys, self._unanswered):
+            if sock is None:
+                continue
+            if key is not None and not unanswered:
+                with _kept_lock:
+                    if key not in _kept_relays and len(_kept_relays) < MAX_KEPT_RELAYS:
+                        _kept_relays[key] = sock
+                        continue
+            sock.close(linger=0)  # what is queued on it goes with it
 
     def exchange(self, body: dict[str, Any], timeout_s: float,
                  cancelled: Callable[[], bool] | None,
@@ -366,6 +447,7 @@ class RankConnections:
             replies[index] = None
             sock.send_multipart(protocol.encode(protocol.envelope(
                 protocol.COMMAND, {**body, "token": info.token}, run=info.run_id)))
+            self._unanswered[index] += 1
             poller.register(sock, zmq.POLLIN)
         owner = {sock: index for index, sock in enumerate(self._sockets) if sock is not None}
         deadline = time.monotonic() + timeout_s
@@ -380,6 +462,8 @@ class RankConnections:
                 except protocol.ProtocolError:
                     continue
                 answer = reply["body"]
+                if reply["type"] == protocol.REPLY:
+                    self._unanswered[owner[sock]] -= 1
                 if (reply["type"] == protocol.REPLY and answer.get("id") == command_id
                         and (bool(answer.get("dry_run")), bool(answer.get("cancel")))
                         == phase):

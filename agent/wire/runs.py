@@ -283,8 +283,10 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "store": str, "nodes": list}
 
 
-#: Largest run file read (bytes); a larger one is not ours.
-MAX_RUN_FILE_BYTES = 64 * 1024
+#: Largest run file read (bytes); a larger one is not ours. A node leader's file lists
+#: every node of the job (about 240 bytes a node): 8 MiB holds 30,000 nodes (64 KiB
+#: held 270, and a leader's file over it was not read: its rank was not seen at all).
+MAX_RUN_FILE_BYTES = 8 << 20
 
 
 def _read_run_file(path: Path) -> RunInfo | None:

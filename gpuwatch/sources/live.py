@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 
 from agent.wire import protocol
-from agent.wire.commands import remote_relays
+from agent.wire.commands import RankConnections, remote_relays
 from agent.wire.runs import RunInfo, list_runs, run_ranks
 from gpuwatch import state as run_state
 from gpuwatch.client import Subscriber
@@ -71,6 +71,15 @@ class LiveSource(Source):
         self._others: dict[int, Subscriber] = {}
         #: Subscribers of the other nodes' relays, by node (this thread's).
         self._relays: dict[int, Subscriber] = {}
+        #: Every subscriber of this thread, by socket, each registered in the one poller
+        #: (a wake-up costs what is ready, not what is followed: 1,031 sockets at 1,024
+        #: nodes, where a poller made each time cost 12% of a core).
+        self._followed: dict[zmq.Socket, Subscriber] = {}
+        self._poller = zmq.Poller()
+        #: The ranks of this machine besides the shown one (a multi-node job's other
+        #: ranks are heard through their relays: their files are not looked for).
+        self._local_others = (info.world_size // info.nnodes if info.nnodes > 1
+                              else info.world_size) - 1
         self._relay_problem: str | None = None
         if info.nnodes > 1 and info.rank != 0:  # rank 0's charts, through its node's relay
             relays, _ = remote_relays(info.run_id, info.world_size, {info.node})
@@ -81,11 +90,19 @@ class LiveSource(Source):
 
     def _subscribe(self, info: RunInfo) -> Subscriber | None:
         try:
-            return Subscriber(info)  # the socket lives in this thread
+            subscriber = Subscriber(info)  # the socket lives in this thread
         except zmq.ZMQError as exc:  # e.g. a malformed endpoint in the run file
             with self.lock:
                 self.state.log("error", f"cannot subscribe to {info.pub_endpoint}: {exc}")
             return None
+        self._followed[subscriber.socket] = subscriber
+        self._poller.register(subscriber.socket, zmq.POLLIN)
+        return subscriber
+
+    def _unsubscribe(self, subscriber: Subscriber) -> None:
+        self._poller.unregister(subscriber.socket)
+        del self._followed[subscriber.socket]
+        subscriber.close()
 
     def _run(self) -> None:
         subscriber = self._subscribe(self._info)
@@ -97,16 +114,14 @@ class LiveSource(Source):
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                if (len(self._others) < self._info.world_size - 1
-                        and now >= next_rank_check):
+                if len(self._others) < self._local_others and now >= next_rank_check:
                     next_rank_check = now + RECHECK_S
                     self._subscribe_other_ranks()
                 if (len(self._relays) < self._info.nnodes - 1
                         and now >= next_relay_check):
                     next_relay_check = now + RECHECK_S
                     self._subscribe_relays()
-                ready = self._poll([subscriber, *self._others.values(),
-                                    *self._relays.values()])
+                ready = self._poll(subscriber)
                 now = time.monotonic()
                 if subscriber not in ready:
                     if now - heard_at > run_state.GONE_AFTER_S and now >= next_check:
@@ -133,9 +148,8 @@ class LiveSource(Source):
                     next_adopt = now + RECHECK_S  # until that file is read
                     subscriber = self._refresh(subscriber)
         finally:
-            subscriber.close()
-            for other in (*self._others.values(), *self._relays.values()):
-                other.close()
+            for followed in list(self._followed.values()):
+                self._unsubscribe(followed)
 
     @staticmethod
     def _receive(ready: list[Subscriber]) -> list[dict[str, Any] | None]:
@@ -158,14 +172,15 @@ class LiveSource(Source):
                     return batch
         return batch
 
-    @staticmethod
-    def _poll(subscribers: list[Subscriber]) -> list[Subscriber]:
-        """The subscribers with a message waiting, after up to :data:`POLL_S`."""
-        poller = zmq.Poller()
-        for subscriber in subscribers:
-            poller.register(subscriber.socket, zmq.POLLIN)
-        ready = dict(poller.poll(int(POLL_S * 1000)))
-        return [subscriber for subscriber in subscribers if subscriber.socket in ready]
+    def _poll(self, first: Subscriber) -> list[Subscriber]:
+        """The subscribers with a message waiting, after up to :data:`POLL_S`; ``first``
+        (the shown rank's) first when it is one of them."""
+        ready = [self._followed[socket] for socket, _ in self._poller.poll(
+            int(POLL_S * 1000))]
+        if first in ready and ready[0] is not first:
+            ready.remove(first)
+            ready.insert(0, first)
+        return ready
 
     def _subscribe_other_ranks(self) -> None:
         """Subscribe to the run's ranks found since the last look (a rank's file
@@ -191,11 +206,16 @@ class LiveSource(Source):
                                             {self._info.node})
         except OSError:
             return
+        new = [info for node, _, info in relays if node not in self._relays]
         for node, _, info in relays:
             if node not in self._relays:
                 subscriber = self._subscribe(info)
                 if subscriber is not None:
                     self._relays[node] = subscriber
+        if new:  # their command connections too, kept for the first command: a CURVE
+            # handshake each (1,023 at 1,024 nodes), paid now rather than while it waits
+            with RankConnections(new, keep=[True] * len(new)):
+                pass
         if problem and problem != self._relay_problem:
             self._relay_problem = problem
             with self.lock:
@@ -229,5 +249,5 @@ class LiveSource(Source):
         replacement = self._subscribe(fresh)
         if replacement is None:
             return subscriber
-        subscriber.close()
+        self._unsubscribe(subscriber)
         return replacement
