@@ -155,7 +155,8 @@ class RunBase:
                         name: str = "step-{step:08d}.pt",
                         step: Callable[[], int] | None = None,
                         refusal: Callable[[], str | None] | None = None,
-                        every_rank: bool = False) -> None:
+                        every_rank: bool = False,
+                        agree: Callable[[str | None], str | None] | None = None) -> None:
         """Offer the ``checkpoint`` command: ``save(path, knobs)`` writes the
         framework's checkpoint with the knob values ``knobs`` (the person's: see
         :meth:`chosen_knobs`) and :meth:`data_state` in it. The reply warns before
@@ -163,7 +164,8 @@ class RunBase:
         arguments as :class:`agent.control.checkpoints.Checkpoints`'."""
         Checkpoints(self.agent, save, step=step or (lambda: self.step), directory=directory,
                     name=name, refusal=refusal, every_rank=every_rank,
-                    chosen=self.chosen_knobs, warn=self.data_reason).bind(self.knobs)
+                    chosen=self.chosen_knobs, warn=self.data_reason,
+                    agree=agree).bind(self.knobs)
 
     def chosen_knobs(self) -> tuple[dict[str, Any], str | None]:
         """The knob values a checkpoint keeps: the ones now, except that a knob the
