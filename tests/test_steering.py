@@ -2,16 +2,19 @@
 training on real digits, commanded over real ZeroMQ; every loss checked against an
 unsteered twin, bit for bit."""
 
+import math
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import agent
 from agent.control.checkpoints import load_checkpoint
+from agent.integrations.run import metric_numbers
 from agent.wire import runs
 from examples.steer import plateaued
 from gpuopt import Trainer
@@ -142,6 +145,44 @@ def test_trainer_evaluates_now_with_the_eval_fn_and_its_metrics_equal_a_hand_cal
     assert event["step"] == evaluate["apply_step"] - 1 == trainer.step
     assert event["metrics"] == {"val_loss": eval_fn()["val_loss"]}  # numbers only
     assert trainer.model.training is False  # (eval_fn's own; the run had put it back)
+
+
+def test_evaluate_now_keeps_tensors_numpy_scalars_and_non_finite_values_as_numbers(run_dir):
+    """An eval_fn's tensors (one element), NumPy scalars, nan and inf are numbers of the
+    evaluation event; an integer too large for a float is left out with a note, after
+    the evaluation ran, and the training goes on."""
+    def eval_fn():
+        return {"val_loss": torch.tensor(0.25), "acc": np.float32(0.5), "seen": np.int64(7),
+                "top1": torch.tensor([0.75]), "nan": float("nan"), "inf": torch.tensor(
+                    float("inf")), "huge": 10 ** 400, "ok": True, "per_class": torch.ones(3),
+                "name": "x"}
+
+    trainer, losses, gate, info = _held_run(eval_fn=eval_fn)
+    with Subscriber(info) as sub:
+        thread = start(trainer, max_steps=6)
+        assert gate.reached.wait(30)
+        evaluate = send_command(info, "evaluate", "now")
+        assert evaluate["ok"], evaluate
+        gate.release.set()
+        seen = messages(sub, lambda m: m["type"] == "bye")
+        thread.join(30)
+    [event] = _events(seen, "evaluation")
+    metrics = event["metrics"]
+    assert math.isnan(metrics.pop("nan"))
+    assert metrics == {"val_loss": 0.25, "acc": 0.5, "seen": 7.0, "top1": 0.75,
+                       "inf": math.inf}
+    assert event["text"] == (f"evaluation at step {evaluate['apply_step'] - 1}: "
+                             "val_loss=0.25, acc=0.5, seen=7, top1=0.75, nan=nan, inf=inf; "
+                             "left out: huge (an integer too large for a float)")
+    [applied] = _events(seen, "applied", "evaluate")
+    assert applied["text"].endswith("metrics in the evaluation event")
+    assert sorted(losses.by_step) == list(range(1, 7))
+
+
+def test_an_evaluation_of_only_non_numbers_says_so():
+    assert metric_numbers({"name": "x", "flag": np.bool_(True), "big": -(10 ** 400)}) == (
+        {}, "no numbers; left out: big (an integer too large for a float)")
+    assert metric_numbers(None) == ({}, "no numbers")
 
 
 def test_a_run_without_eval_fn_refuses_evaluate_saying_what_to_pass(run_dir):

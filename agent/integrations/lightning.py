@@ -1151,11 +1151,8 @@ class _Run(RunBase):
             self.event(EventKind.EVALUATION, "validation sanity check ended",
                        sanity_check=sanity)
         elif not self.broken:
-            self.publish_evaluation(self.trainer.global_step, {
-                name: value.item() if isinstance(value, torch.Tensor) else value
-                for name, value in self.trainer.callback_metrics.items()
-                if not isinstance(value, torch.Tensor) or value.numel() == 1},
-                sanity_check=False)
+            self.publish_evaluation(self.trainer.global_step,
+                                    dict(self.trainer.callback_metrics), sanity_check=False)
         if self.started and not sanity and self.meter.fetched == 0 and not self.broken:
             self.agent.mark_start()  # at a boundary: the next step's time leaves it out
 
