@@ -256,6 +256,39 @@ def test_plateau_compares_the_means_of_the_last_two_windows():
     assert plateaued([1.0, 1.0, 1.0, 1.0], 2, 0.01)  # flat
 
 
+def test_the_steer_example_says_so_and_ends_on_a_run_without_lr_scale(run_dir):
+    """A loop with no optimizer has no lr_scale: steer.py says so at the run's first step
+    and exits 1, no traceback; a window below 1 is refused before it connects."""
+    run = agent.session(name="no-optimizer")
+    info = runs.find_run()
+    script = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "steer.py"), info.run_id, "--window", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert script.stdout.readline() == f"following {info.run_id}\n", script.stderr.read()
+        for _ in range(400):  # flat losses (a plateau) until the script has seen a step
+            if script.poll() is not None:
+                break
+            run.optimizer_step(torch.tensor(1.0))
+            try:
+                script.wait(0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        out, err = script.communicate(timeout=60)
+    finally:
+        run.close()
+        if script.poll() is None:
+            script.kill()
+    assert script.returncode == 1 and out == "", (out, err)
+    assert err == f"steer: run {info.run_id} has no lr_scale knob to halve\n"
+    refused = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "steer.py"), "--window", "0"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert refused.returncode == 2
+    assert "--window must be at least 1, got 0" in refused.stderr
+
+
 def test_the_steer_example_halves_lr_scale_of_a_live_run_at_each_plateau(run_dir):
     """examples/steer.py in its own process against a live Trainer (trained until the
     test stops it): with any fall too small (--min-improvement 1), each 4-step window
