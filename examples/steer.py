@@ -38,18 +38,27 @@ def steer(client: RunClient, *, window: int, min_improvement: float, max_halving
     """Follow ``client``'s run to its end, halving ``lr_scale`` at each plateau.
 
     At most ``max_halvings`` times; the losses of the steps before a halving applied are
-    left out of the next comparison. Returns the ``applied`` events of the halvings."""
-    losses: list[float] = []
+    left out of the next comparison. Returns the ``applied`` events of the halvings.
+
+    Raises:
+        LookupError: the run has no ``lr_scale`` knob (its framework refuses it, or it
+            has no optimizer), said at its first step.
+    """
+    losses: list[float] = []  # the last 2 * window: what plateaued() compares
     applied: list[dict[str, Any]] = []
     since = 0  # the step the last halving applied at: steps before it trained without it
     for step in client.steps():
+        scale = (step.get("knobs") or {}).get("lr_scale")
+        if not isinstance(scale, (int, float)):
+            raise LookupError(f"run {client.info.run_id} has no lr_scale knob to halve")
         loss = step.get("loss")
         if step["step"] < since or not isinstance(loss, (int, float)) or not math.isfinite(loss):
             continue
         losses.append(float(loss))
+        del losses[:-2 * window]
         if len(applied) < max_halvings and plateaued(losses, window, min_improvement):
             try:
-                event = client.set("lr_scale", step["knobs"]["lr_scale"] / 2)
+                event = client.set("lr_scale", scale / 2)
             except CommandError as exc:
                 say(f"not applied: {exc}")
                 break
@@ -68,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="fraction the loss must fall by from one window to the next")
     parser.add_argument("--max-halvings", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.window < 1:
+        parser.error(f"--window must be at least 1, got {args.window}")
     try:
         client = RunClient(args.run)
     except LookupError as exc:
@@ -75,8 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     with client:
         print(f"following {client.info.run_id}", flush=True)
-        steer(client, window=args.window, min_improvement=args.min_improvement,
-              max_halvings=args.max_halvings, say=lambda text: print(text, flush=True))
+        try:
+            steer(client, window=args.window, min_improvement=args.min_improvement,
+                  max_halvings=args.max_halvings, say=lambda text: print(text, flush=True))
+        except LookupError as exc:
+            print(f"steer: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 

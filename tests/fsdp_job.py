@@ -20,6 +20,10 @@ only (no sharded gradient before).
 ``resume``: resumes from the checkpoint ``knobs`` saved and trains on to the same step
 (after checking that one rank's file of it is refused as a checkpoint).
 
+``blocked``: ``OUT/checkpoints`` is a file, so rank 0 cannot make the checkpoint's
+directory; rank 0 sends ``checkpoint=now`` for step 6 and both ranks train on to step
+18 (a rank left waiting at a collective would hang the job).
+
 Each rank saves ``OUT/<mode>-rank<N>.pt``: each step's full parameters and knob values,
 the command replies (rank 0) and the ``applied`` and ``resumed`` events of its run log.
 """
@@ -111,6 +115,9 @@ def main(out: Path, mode: str) -> None:
                 torch.testing.assert_close(mine, theirs.detach(), rtol=2e-5, atol=2e-6)
         run.optimizer_step()
         steps[run.step] = {"params": full_params(model), "knobs": knobs}
+        if mode == "blocked" and rank == 0 and run.step == 4:
+            replies["checkpoint"] = send_command(run.agent.info, "checkpoint", "now",
+                                                 apply_step=6, timeout_s=30)
         if mode == "knobs" and rank == 0 and run.step in COMMANDS:  # (rank 1 waits in
             # the next window's collectives: the step after it is not reached yet)
             name, value = COMMANDS[run.step]
@@ -119,7 +126,8 @@ def main(out: Path, mode: str) -> None:
     run.close()
     events = [{key: record.get(key) for key in ("kind", "knob", "step", "text")}
               for record in flat_records(run.agent.info.log_path)
-              if record["type"] == "event" and record.get("kind") in ("applied", "resumed")]
+              if record["type"] == "event"
+              and record.get("kind") in ("applied", "resumed", "failed")]
     torch.save({"steps": steps, "replies": replies, "label": label["value"],
                 "events": events},
                out / f"{mode}-rank{rank}.pt")

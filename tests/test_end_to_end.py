@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from agent.demo import held_out_evaluation
 from agent.wire import runs
+from gpuopt.demo import build_demo
 from gpuwatch.client import Subscriber, send_command
 from tests.conftest import wait_until
 from tests.training import messages
@@ -98,6 +101,46 @@ def test_num_workers_switch_live_through_the_command_path(demo):
                 assert body["knobs"]["num_workers"] == 0
     demo.send_signal(signal.SIGTERM)
     assert demo.wait(30) == 0
+
+
+@pytest.mark.parametrize("name", ["cnn", "transformer"])
+def test_the_demo_evaluates_on_its_held_out_split_drawing_no_random_number(name):
+    """The demo's eval_fn equals the loss (and, for the digits, the accuracy) over the
+    whole held-out split in one batch, computed by hand; the global generator is left
+    as it was (the training after it goes on as without it)."""
+    workload = build_demo(name)
+    evaluate = held_out_evaluation(workload, 64)
+    assert evaluate is not None
+    rng = torch.get_rng_state()
+    metrics = evaluate()
+    assert torch.equal(torch.get_rng_state(), rng) and not workload.model.training
+    val = workload.val_dataset
+    inputs, targets = (torch.stack(column) for column in zip(*(val[i] for i in range(len(val)))))
+    with torch.no_grad():
+        output = workload.model(inputs)
+    assert metrics["val_loss"] == pytest.approx(float(workload.loss_fn(output, targets)),
+                                                rel=1e-5)
+    if name == "cnn":
+        assert metrics["val_accuracy"] == float((output.argmax(-1) == targets).sum()) / len(val)
+    else:
+        assert set(metrics) == {"val_loss"}
+
+
+def test_evaluate_now_in_the_demo_runs_on_its_held_out_split(demo):
+    """E / evaluate=now in `gpuwatch demo`: an evaluation event with the held-out loss
+    and accuracy, and the training goes on."""
+    info = wait_for_run(demo)
+    with Subscriber(info) as sub:
+        messages(sub, lambda m: m["type"] == "step", timeout_s=60)
+        reply = send_command(info, "evaluate", "now", timeout_s=30)
+        assert reply["ok"], reply
+        seen = messages(sub, lambda m: m["type"] == "step"
+                        and m["body"]["step"] >= reply["apply_step"] + 1, timeout_s=60)
+    [event] = [m["body"] for m in seen if m["type"] == "event"
+               and m["body"].get("kind") == "evaluation"]
+    assert event["step"] == reply["apply_step"] - 1
+    assert set(event["metrics"]) == {"val_loss", "val_accuracy"}
+    assert 0 < event["metrics"]["val_loss"] < 10 and 0 <= event["metrics"]["val_accuracy"] <= 1
 
 
 def test_the_demo_job_ends_with_the_process_that_started_it(run_dir):

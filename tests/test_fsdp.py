@@ -239,3 +239,26 @@ def test_accelerate_and_hf_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir
         assert hf["warnings"] == [
             "fsdp=True is not FSDP here: accelerate runs MULTI_CPU (its FSDP plugin only on "
             "a GPU-like device), so the model is not sharded and the knobs are that run's"]
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_failing_on_rank_0_is_reported_on_every_rank(run_dir, tmp_path):
+    """A file where rank 0 makes the checkpoint's directory: rank 0 fails before its
+    shards are written, the other rank learns of it at its first collective of the
+    save (no wait for the process group's timeout), and both report the failure and
+    train on to the end."""
+    (tmp_path / "checkpoints").write_text("in the way")
+    run_job(str(JOB), str(tmp_path), "blocked")
+    ranks = [torch.load(tmp_path / f"blocked-rank{rank}.pt", weights_only=False)
+             for rank in (0, 1)]
+    reply = ranks[0]["replies"]["checkpoint"]
+    assert reply["ok"] and reply["ranks"] == [0, 1], reply
+    for rank, data in enumerate(ranks):
+        assert max(data["steps"]) == 18, rank
+        [failed] = [event for event in data["events"] if event["kind"] == "failed"]
+        assert failed["knob"] == "checkpoint" and failed["step"] == 6, failed
+        assert "Not a directory" in failed["text"]
+        assert ("failed on rank 0: NotADirectoryError" in failed["text"]) == (rank == 1)
+        assert not [event for event in data["events"] if event["kind"] == "applied"
+                    and event["knob"] == "checkpoint"]
+    assert (tmp_path / "checkpoints").read_text() == "in the way"

@@ -850,3 +850,19 @@ def test_pause_resume_then_validate_and_stop_at_one_boundary_are_lightnings_own(
     assert event["step"] == 4
     [by_hand] = trainer.validate(module, _loader(32), verbose=False)
     assert event["metrics"]["val_loss"] == by_hand["val_loss"]
+
+
+@pytest.mark.parametrize("minimum", [{"min_steps": 20}, {"min_epochs": 3}])
+def test_stop_now_ends_a_fit_whose_min_steps_or_min_epochs_are_not_met(run_dir, minimum):
+    """Lightning keeps training on should_stop until min_steps and min_epochs are met;
+    stop=now ends the fit at its step all the same (8 steps an epoch here)."""
+    hold = Hold(at=1)
+    trainer = _trainer(max_steps=40, num_sanity_val_steps=0, callbacks=[hold], **minimum)
+    monitor = attach(trainer)
+    [reply] = _fit_with_commands(trainer, Digits(), _loader(64), hold, monitor,
+                                 [("stop", "now", 3)])
+    assert reply["ok"], reply
+    records = _records(monitor)
+    assert sorted(_steps(records)) == [1, 2] and trainer.global_step == 2
+    assert records[-1]["type"] == "bye" and records[-1]["reason"] == (
+        "stopped by stop=now after step 2")

@@ -95,6 +95,64 @@ def test_ddp_ranks_share_one_run_and_a_command_applies_at_the_same_step_on_each(
     assert list(Path(run_dir).glob("*.json")) == []  # each rank ended cleanly
 
 
+@pytest.mark.slow
+def test_a_paused_job_of_several_ranks_goes_on_and_stops_at_the_boundary_held(ddp_job,
+                                                                               run_dir):
+    """pause=on holds both ranks at one boundary; a command sent then applies there on
+    each (no margin past a step no held rank reaches): pause=off lets both go on with
+    no step lost or repeated, and stop=now at a second pause ends both with bye."""
+    rank0, rank1 = wait_for_ranks(ddp_job, 2)
+    subs = [Subscriber(rank0), Subscriber(rank1)]
+    steps: list[list[int]] = [[], []]
+
+    def until(rank, done):
+        def seen(message):
+            if message["type"] == "step":
+                steps[rank].append(message["body"]["step"])
+            return done(message)
+        return messages(subs[rank], seen, timeout_s=60)
+
+    def applied(knob):
+        return lambda m: (m["type"] == "event" and m["body"].get("kind") == "applied"
+                          and m["body"].get("knob") == knob)
+
+    try:
+        for rank in (0, 1):
+            until(rank, lambda m: m["type"] == "step")
+        paused = send_command(rank0, "pause", "on", timeout_s=30)
+        assert paused["ok"], paused
+        held_at = paused["apply_step"]
+        for rank in (0, 1):
+            [event] = [m["body"] for m in until(rank, applied("pause"))
+                       if m["type"] == "event" and m["body"].get("kind") == "applied"]
+            assert event["step"] == held_at and event["value"] == "on"
+        resumed = send_command(rank1, "pause", "off", timeout_s=30)
+        assert resumed["ok"] and resumed["apply_step"] == held_at, resumed
+        assert reply_text("pause", "off", resumed) == (
+            f"accepted: pause=off applies at step {held_at} on ranks 0, 1")
+        for rank in (0, 1):
+            until(rank, lambda m: m["type"] == "step" and m["body"]["step"] >= held_at + 5)
+            first = steps[rank][0]
+            assert steps[rank] == list(range(first, held_at + 6)), rank  # none lost
+        paused = send_command(rank0, "pause", "on", timeout_s=30)   # or repeated
+        assert paused["ok"], paused
+        held_at = paused["apply_step"]
+        for rank in (0, 1):
+            until(rank, applied("pause"))
+        stopped = send_command(rank0, "stop", "now", timeout_s=30)
+        assert stopped["ok"] and stopped["apply_step"] == held_at, stopped
+        for rank in (0, 1):
+            [bye] = [m["body"] for m in until(rank, lambda m: m["type"] == "bye")
+                     if m["type"] == "bye"]
+            assert bye["reason"] == f"stopped by stop=now after step {held_at - 1}", bye
+            assert steps[rank][-1] == held_at - 1
+        assert ddp_job.wait(60) == 0
+        assert list(Path(run_dir).glob("*.json")) == []  # each rank ended cleanly
+    finally:
+        for sub in subs:
+            sub.close()
+
+
 def test_a_command_needs_every_rank_reachable(run_dir):
     lone = FakeAgent(run_dir, run_id="20250101-000000-ab12", rank=0, world_size=2).start()
     try:

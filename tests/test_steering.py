@@ -2,16 +2,19 @@
 training on real digits, commanded over real ZeroMQ; every loss checked against an
 unsteered twin, bit for bit."""
 
+import math
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import agent
 from agent.control.checkpoints import load_checkpoint
+from agent.integrations.run import metric_numbers
 from agent.wire import runs
 from examples.steer import plateaued
 from gpuopt import Trainer
@@ -144,6 +147,44 @@ def test_trainer_evaluates_now_with_the_eval_fn_and_its_metrics_equal_a_hand_cal
     assert trainer.model.training is False  # (eval_fn's own; the run had put it back)
 
 
+def test_evaluate_now_keeps_tensors_numpy_scalars_and_non_finite_values_as_numbers(run_dir):
+    """An eval_fn's tensors (one element), NumPy scalars, nan and inf are numbers of the
+    evaluation event; an integer too large for a float is left out with a note, after
+    the evaluation ran, and the training goes on."""
+    def eval_fn():
+        return {"val_loss": torch.tensor(0.25), "acc": np.float32(0.5), "seen": np.int64(7),
+                "top1": torch.tensor([0.75]), "nan": float("nan"), "inf": torch.tensor(
+                    float("inf")), "huge": 10 ** 400, "ok": True, "per_class": torch.ones(3),
+                "name": "x"}
+
+    trainer, losses, gate, info = _held_run(eval_fn=eval_fn)
+    with Subscriber(info) as sub:
+        thread = start(trainer, max_steps=6)
+        assert gate.reached.wait(30)
+        evaluate = send_command(info, "evaluate", "now")
+        assert evaluate["ok"], evaluate
+        gate.release.set()
+        seen = messages(sub, lambda m: m["type"] == "bye")
+        thread.join(30)
+    [event] = _events(seen, "evaluation")
+    metrics = event["metrics"]
+    assert math.isnan(metrics.pop("nan"))
+    assert metrics == {"val_loss": 0.25, "acc": 0.5, "seen": 7.0, "top1": 0.75,
+                       "inf": math.inf}
+    assert event["text"] == (f"evaluation at step {evaluate['apply_step'] - 1}: "
+                             "val_loss=0.25, acc=0.5, seen=7, top1=0.75, nan=nan, inf=inf; "
+                             "left out: huge (an integer too large for a float)")
+    [applied] = _events(seen, "applied", "evaluate")
+    assert applied["text"].endswith("metrics in the evaluation event")
+    assert sorted(losses.by_step) == list(range(1, 7))
+
+
+def test_an_evaluation_of_only_non_numbers_says_so():
+    assert metric_numbers({"name": "x", "flag": np.bool_(True), "big": -(10 ** 400)}) == (
+        {}, "no numbers; left out: big (an integer too large for a float)")
+    assert metric_numbers(None) == ({}, "no numbers")
+
+
 def test_a_run_without_eval_fn_refuses_evaluate_saying_what_to_pass(run_dir):
     trainer, _ = _trainer()
     monitor = agent.attach(trainer)
@@ -213,6 +254,39 @@ def test_plateau_compares_the_means_of_the_last_two_windows():
     assert not plateaued([4.0, 4.0, 2.0, 2.0], 2, 0.5)  # fell by half: 2 <= 4 x 0.5
     assert plateaued([4.0, 4.0, 2.0, 2.02], 2, 0.5)  # 2.01 > 2
     assert plateaued([1.0, 1.0, 1.0, 1.0], 2, 0.01)  # flat
+
+
+def test_the_steer_example_says_so_and_ends_on_a_run_without_lr_scale(run_dir):
+    """A loop with no optimizer has no lr_scale: steer.py says so at the run's first step
+    and exits 1, no traceback; a window below 1 is refused before it connects."""
+    run = agent.session(name="no-optimizer")
+    info = runs.find_run()
+    script = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "steer.py"), info.run_id, "--window", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert script.stdout.readline() == f"following {info.run_id}\n", script.stderr.read()
+        for _ in range(400):  # flat losses (a plateau) until the script has seen a step
+            if script.poll() is not None:
+                break
+            run.optimizer_step(torch.tensor(1.0))
+            try:
+                script.wait(0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        out, err = script.communicate(timeout=60)
+    finally:
+        run.close()
+        if script.poll() is None:
+            script.kill()
+    assert script.returncode == 1 and out == "", (out, err)
+    assert err == f"steer: run {info.run_id} has no lr_scale knob to halve\n"
+    refused = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "steer.py"), "--window", "0"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert refused.returncode == 2
+    assert "--window must be at least 1, got 0" in refused.stderr
 
 
 def test_the_steer_example_halves_lr_scale_of_a_live_run_at_each_plateau(run_dir):

@@ -81,6 +81,13 @@ class Checkpoints:
             search's trial out).
         warn: ``warn(value)`` returns why a resume from this checkpoint would not be
             exact, or None; said in the command's reply, before anything is saved.
+        agree: with ``every_rank``, tells every rank of a failure on any
+            (:func:`agent.integrations.sharded.agree_on_checkpoint`): ``agree(failure)``
+            is a collective matching the first and the last of ``save``'s, which
+            returns the first rank's failure (a text) or None. Rank 0 calls it in place
+            of ``save`` when the checkpoint failed before ``save`` ran, and every rank
+            once ``save`` returned (rank 0 after the rename), so that no rank waits at a
+            collective another left, and every rank reports the failure.
     """
 
     def __init__(self, agent: Agent, save: Callable[[Path, dict[str, Any]], None], *,
@@ -89,7 +96,8 @@ class Checkpoints:
                  refusal: Callable[[], str | None] | None = None,
                  every_rank: bool = False,
                  chosen: Callable[[], tuple[dict[str, Any], str | None]] | None = None,
-                 warn: Callable[[Any], str | None] | None = None) -> None:
+                 warn: Callable[[Any], str | None] | None = None,
+                 agree: Callable[[str | None], str | None] | None = None) -> None:
         self.agent = agent
         self.save = save
         self.step = step
@@ -99,6 +107,7 @@ class Checkpoints:
         self.every_rank = every_rank
         self.chosen = chosen or (lambda: (agent.knobs.values(), None))
         self.warn = warn
+        self.agree = agree if every_rank else None
 
     def bind(self, knobs: KnobSet) -> None:
         """Add the ``checkpoint`` command to ``knobs``."""
@@ -139,15 +148,41 @@ class Checkpoints:
                 return {"text": f"rank 0 saves the state after step {step}{note}",
                         "checkpoint_step": step}
             self.save(path, knobs)
+            self._agree(None)
             return {"text": f"saved with rank 0 after step {step} to {path}{note}",
                     "path": str(path), "checkpoint_step": step}
         start = time.perf_counter()
-        size = write_atomically(path, lambda temporary: self.save(temporary, knobs))
+        phase = "before"  # of save: "in" it, or "after" it returned
+
+        def write(temporary: Path) -> None:
+            nonlocal phase
+            phase = "in"
+            self.save(temporary, knobs)
+            phase = "after"
+
+        try:
+            size = write_atomically(path, write)
+        except Exception as exc:
+            if phase != "in":  # (a failure in save told every rank there)
+                self._agree(f"{type(exc).__name__}: {exc}")
+            raise
+        self._agree(None)
         elapsed_s = time.perf_counter() - start
         return {"text": f"saved after step {step} to {path} ({format_bytes(size)} in "
                         f"{elapsed_s:.2f} s){note}",
                 "path": str(path), "knobs": knobs, "size_bytes": size, "save_s": elapsed_s,
                 "checkpoint_step": step}
+
+
+    def _agree(self, failure: str | None) -> None:
+        """Every rank, with ``every_rank`` and ``agree``: learn whether the checkpoint
+        failed on any rank (``failure``: on this one); raises OSError naming the rank
+        when it failed on another."""
+        if self.agree is None:
+            return
+        first = self.agree(failure)
+        if failure is None and first is not None:
+            raise OSError(f"the checkpoint failed on {first}")
 
 
 def torch_checkpoint(agent: Agent, knobs: dict[str, Any], step: int,

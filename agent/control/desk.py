@@ -179,9 +179,12 @@ class CommandDesk:
         if search is not None:  # sent before a person took that knob from the search
             return {**rejected, "reason": search}
         if body.get("dry_run") is True:  # the first phase of a command to every rank
-            return {"id": command_id, "ok": True, "dry_run": True, "knob": knob_name,
-                    "value": raw if knob_name == protocol.TUNE else value,
-                    "apply_step": apply_step, "step_time_s": self._step_time_s()}
+            check: Reply = {"id": command_id, "ok": True, "dry_run": True, "knob": knob_name,
+                            "value": raw if knob_name == protocol.TUNE else value,
+                            "apply_step": apply_step, "step_time_s": self._step_time_s()}
+            if self.holding:  # the fan-out needs no margin: this rank waits for it
+                check["held"] = True
+            return check
         if knob_name == protocol.TUNE:  # not a setting: the search starts (rank 0)
             return {"id": command_id, "ok": True, "knob": knob_name, "value": raw,
                     "apply_step": apply_step, "note": self.tune.start(value, apply_step)}

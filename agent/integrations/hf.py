@@ -120,7 +120,7 @@ from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, E
                               NUM_WORKERS, PIN_MEMORY, PRECISION, PREFETCH_FACTOR,
                               WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
-from agent.integrations.run import RunBase, host_copy
+from agent.integrations.run import RunBase, host_copy, metric_numbers
 
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
@@ -1019,11 +1019,9 @@ class _Run(RunBase):
                          step=state.global_step)
 
     def log(self, state: Any, logs: dict[str, Any] | None) -> None:
-        numbers = {key: float(value) for key, value in (logs or {}).items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        numbers, shown = metric_numbers(logs)
         if not numbers:
             return
-        shown = ", ".join(f"{key}={value:.4g}" for key, value in numbers.items())
         self.agent.event("info", f"log at step {state.global_step}: {shown}", kind=EventKind.LOG,
                          step=state.global_step, logs=numbers)
 

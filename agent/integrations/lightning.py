@@ -858,7 +858,16 @@ class _Run(RunBase):
 
     def end_loop(self) -> None:
         """Lightning's own stop, ``trainer.should_stop`` (as ``EarlyStopping``'s): the
-        fit loop ends after this batch, its end hooks and callbacks run."""
+        fit loop ends after this batch, its end hooks and callbacks run. The fit's
+        ``min_steps`` and ``min_epochs`` are lowered to what is done, as Lightning
+        ignores ``should_stop`` until both are met (the command stops it all the same)."""
+        fit_loop = self.trainer.fit_loop
+        if fit_loop.min_epochs:
+            fit_loop.min_epochs = min(fit_loop.min_epochs,
+                                      fit_loop.epoch_progress.current.completed)
+        if fit_loop.epoch_loop.min_steps:
+            fit_loop.epoch_loop.min_steps = min(fit_loop.epoch_loop.min_steps,
+                                                fit_loop.epoch_loop.global_step)
         self.trainer.should_stop = True
 
     def _check_evaluate(self) -> None:
@@ -1231,11 +1240,8 @@ class _Run(RunBase):
             self.event(EventKind.EVALUATION, "validation sanity check ended",
                        sanity_check=sanity)
         elif not self.broken:
-            self.publish_evaluation(self.trainer.global_step, {
-                name: value.item() if isinstance(value, torch.Tensor) else value
-                for name, value in self.trainer.callback_metrics.items()
-                if not isinstance(value, torch.Tensor) or value.numel() == 1},
-                sanity_check=False)
+            self.publish_evaluation(self.trainer.global_step,
+                                    dict(self.trainer.callback_metrics), sanity_check=False)
         if self.started and not sanity and self.meter.fetched == 0 and not self.broken:
             self.agent.mark_start()  # at a boundary: the next step's time leaves it out
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import _imp
 import logging
+from numbers import Real
 import os
 import re
 import signal
@@ -173,7 +174,8 @@ class RunBase:
                         name: str = "step-{step:08d}.pt",
                         step: Callable[[], int] | None = None,
                         refusal: Callable[[], str | None] | None = None,
-                        every_rank: bool = False) -> None:
+                        every_rank: bool = False,
+                        agree: Callable[[str | None], str | None] | None = None) -> None:
         """Offer the ``checkpoint`` command: ``save(path, knobs)`` writes the
         framework's checkpoint with the knob values ``knobs`` (the person's: see
         :meth:`chosen_knobs`) and :meth:`data_state` in it. The reply warns before
@@ -182,7 +184,7 @@ class RunBase:
         self._checkpoints = Checkpoints(
             self.agent, save, step=step or (lambda: self.step), directory=directory,
             name=name, refusal=refusal, every_rank=every_rank, chosen=self.chosen_knobs,
-            warn=self.data_reason)
+            warn=self.data_reason, agree=agree)
         self._checkpoints.bind(self.knobs)
 
     def chosen_knobs(self) -> tuple[dict[str, Any], str | None]:
@@ -328,13 +330,11 @@ class RunBase:
 
     def publish_evaluation(self, step: int, metrics: dict[str, Any] | None,
                            **fields: Any) -> dict[str, float]:
-        """An ``evaluation`` event at ``step`` with the numbers of ``metrics`` (booleans
-        and non-numbers left out) and ``fields``, for the event log, the dashboard and
-        the run log. Returns the numbers."""
-        numbers = {str(key): float(value) for key, value in (metrics or {}).items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
-        shown = ", ".join(f"{key}={value:.4g}" for key, value in numbers.items())
-        self.agent.event("info", f"evaluation at step {step}: {shown or 'no numbers'}",
+        """An ``evaluation`` event at ``step`` with the numbers of ``metrics``
+        (:func:`metric_numbers`; call it once the evaluation has ended) and ``fields``,
+        for the event log, the dashboard and the run log. Returns the numbers."""
+        numbers, shown = metric_numbers(metrics)
+        self.agent.event("info", f"evaluation at step {step}: {shown}",
                          kind=EventKind.EVALUATION, step=step, metrics=numbers, **fields)
         return numbers
 
@@ -650,6 +650,36 @@ def end_on_signals(run: Any) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the exit status says SIGTERM, as before
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def metric_numbers(metrics: dict[str, Any] | None) -> tuple[dict[str, float], str]:
+    """The numbers of a dict of metrics (an evaluation's, a framework's logs), as floats
+    by name, and a line showing them (``"no numbers"`` when none).
+
+    Python ints and floats, NumPy scalars and one-element tensors are numbers (nan and
+    inf kept as they are); booleans and other values are left out, and so is an
+    integer too large for a float, which the line notes.
+
+    .. note:: A tensor is read with ``item()``, which waits for the device: call it
+       where that is fine (an evaluation has ended, a framework logged the values).
+    """
+    numbers: dict[str, float] = {}
+    too_large: list[str] = []
+    for key, value in (metrics or {}).items():
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                continue
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, Real):
+            continue  # (NumPy registers its integers and floats as Real, not its bool)
+        try:
+            numbers[str(key)] = float(value)
+        except OverflowError:
+            too_large.append(str(key))
+    shown = ", ".join(f"{key}={value:.4g}" for key, value in numbers.items()) or "no numbers"
+    if too_large:
+        shown += f"; left out: {', '.join(too_large)} (an integer too large for a float)"
+    return numbers, shown
 
 
 def host_copy(state: Any) -> Any:

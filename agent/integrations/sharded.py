@@ -107,11 +107,25 @@ def gradient_sync_off(model: torch.nn.Module) -> Iterator[None]:
             module.set_requires_gradient_sync(True, recurse=False)
 
 
-def _shared_path(path: Path) -> Path:
-    """Rank 0's ``path`` on every rank (a collective on the default process group)."""
-    shared = [str(path)]
-    dist.broadcast_object_list(shared, src=0)
-    return Path(shared[0])
+def agree(failure: str | None, path: Path | None = None) -> tuple[str | None, Path | None]:
+    """Tell every rank of a failure on any: a collective on the default process group
+    (``all_gather_object`` of a short text) that each rank calls at the same point of a
+    checkpoint with its own ``failure`` (None: it went well) and rank 0 with its
+    ``path``. Returns the first rank's failure as ``"rank N: ..."`` (or None) and rank
+    0's ``path`` (None from rank 0's failure)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"failure": failure,
+                                      "path": None if path is None else str(path)})
+    failures = [f"rank {rank}: {item['failure']}" for rank, item in enumerate(gathered)
+                if item["failure"] is not None]
+    shared = gathered[0]["path"]
+    return (failures[0] if failures else None), (None if shared is None else Path(shared))
+
+
+def agree_on_checkpoint(failure: str | None) -> str | None:
+    """:func:`agree` without a path: the ``agree`` of a sharded model's
+    :class:`agent.control.checkpoints.Checkpoints`."""
+    return agree(failure)[0]
 
 
 def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -119,24 +133,32 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     """Write a sharded checkpoint into the directory rank 0 gives as ``path``: the
     model's and the optimizer's shards (``torch.distributed.checkpoint``, each rank its
     own) and each rank's ``rank_state`` (:data:`RANK_FILE`, ``torch.save``). Every rank
-    calls it at the same step; it returns once every rank has written (a barrier), so
-    rank 0 may then rename the directory.
+    calls it at the same step; it returns once every rank has written, so rank 0 may
+    then rename the directory. Its first collective is an :func:`agree` (rank 0's
+    failure before it calls this reaches the others there), its last one too.
 
     Raises:
-        OSError: the directory cannot be written (on the rank that failed; the others
-            wait at the barrier until the process group's timeout).
+        OSError: the checkpoint failed on some rank (every rank raises it, naming that
+            rank), e.g. a directory that cannot be written.
     """
     import torch.distributed.checkpoint as dcp  # (seconds to import: only when saving)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-    directory = _shared_path(path)
-    if optimizer is None:
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    else:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.save(state, checkpoint_id=directory)
-    torch.save(rank_state, directory / RANK_FILE.format(rank=dist.get_rank()))
-    dist.barrier()
+    failure, directory = agree(None, path if dist.get_rank() == 0 else None)
+    if failure is None:
+        assert directory is not None  # (rank 0 gives it when it did not fail)
+        try:
+            if optimizer is None:
+                state: dict[str, Any] = {"model": get_model_state_dict(model)}
+            else:
+                model_state, optimizer_state = get_state_dict(model, optimizer)
+                state = {"model": model_state, "optimizer": optimizer_state}
+            dcp.save(state, checkpoint_id=directory)  # (raises on every rank on a failure)
+            torch.save(rank_state, directory / RANK_FILE.format(rank=dist.get_rank()))
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        failure = agree(failure)[0]
+    if failure is not None:
+        raise OSError(f"the sharded checkpoint failed on {failure}")
 
 
 def load_sharded(path: str | os.PathLike, model: torch.nn.Module,

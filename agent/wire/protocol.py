@@ -65,8 +65,8 @@ Message types and their bodies:
                ``apply_step``; with ``checkpoint: true`` a checkpoint is saved at the same
                boundary first (with one rank the change is not applied if that fails; the
                reply and ``accepted`` event say so); with ``dry_run: true`` it is only
-               checked (the reply gives the earliest ``apply_step`` and the rank's
-               ``step_time_s``); with
+               checked (the reply gives the earliest ``apply_step``, the rank's
+               ``step_time_s`` and ``held: true`` on a paused rank); with
                ``cancel: true`` (and ``id``, ``token``, optional ``reason``) the pending
                command ``id`` is withdrawn. Several ranks: dry run on all, then the
                command at one common ``apply_step`` on all, then cancel where needed.
@@ -235,6 +235,9 @@ class Reply(TypedDict, total=False):
     applied_step: int
     #: a dry run's answer: the rank's latest step time (s), or None
     step_time_s: float | None
+    #: a dry run's answer: the rank is held at a boundary (paused); its ``apply_step`` is
+    #: that boundary's step, where a command applies at once
+    held: bool
     #: what a person should know about the value (it may be slow here, or stop the
     #: training), and what the ``tune`` command started or a running search did with
     #: the command (it leaves the knob to the person)
