@@ -98,8 +98,8 @@ from agent.wire.knobs import (CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS, LR_SC
 from agent.integrations.loop import (LoopRun, check_accum_steps, model_knobs,
                                      optimizer_settings_knobs)
 from agent.integrations.run import host_copy
-from agent.integrations.sharded import (fsdp_modules, is_sharded, load_sharded, save_sharded,
-                                        sharded_precision)
+from agent.integrations.sharded import (agree_on_checkpoint, fsdp_modules, is_sharded,
+                                        load_sharded, save_sharded, sharded_precision)
 from gpuopt.backends import ModelBackend
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import precision_support
@@ -565,7 +565,8 @@ def attach(fabric: Fabric, *, model: _FabricModule | None = None,
             knobs.bind(CHECKPOINT, not_plain)
         elif run.sharded:
             run.bind_checkpoint(run.save_checkpoint, directory=checkpoint_dir,
-                                every_rank=True, name="step-{step:08d}")
+                                every_rank=True, agree=agree_on_checkpoint,
+                                name="step-{step:08d}")
         elif fabric.world_size > 1:
             knobs.bind(CHECKPOINT, (
                 "not with several processes: a checkpoint would hold rank 0's data "
