@@ -1062,6 +1062,20 @@ async def test_throughput_shows_a_speed_up_that_a_few_fast_steps_do_not_hide():
         assert max(levels[:half - 1]) < min(levels[half + 1:]), bars
 
 
+async def test_memory_and_throughput_count_one_step_in_the_singular():
+    source, app = _silent_app()
+    async with app.run_test(size=(200, 50)) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("step", {"step": 1, "samples_per_s": 50.0,
+                                                  "host_rss_bytes": 400 << 20}))
+        await until(pilot, lambda: "samples/s" in text_of(app, "#throughput .value"))
+        await redrawn(app, pilot)  # at the laid-out size
+        assert text_of(app, "#throughput .spark").startswith("1 step "), text_of(
+            app, "#throughput .spark")
+        assert "last 1 step " in text_of(app, "#memory") and "1 steps" not in text_of(
+            app, "#memory")
+
+
 # --- keys that change the run ----------------------------------------------------------
 
 #: Textual's names of the characters typed in the tests below.

@@ -12,7 +12,7 @@ from textual.containers import Horizontal
 from textual.content import Content
 
 from gpuwatch.state import StepRecord
-from gpuwatch.units import human_rate
+from gpuwatch.units import counted, human_rate
 from gpuwatch.widgets.panel import Panel, bucket_max, robust_top, sparkline
 
 #: The marker after a sparkline whose scale leaves out a few outliers.
@@ -40,7 +40,7 @@ class ThroughputBar(Horizontal):
                  if (rate := getattr(r, field)) is not None and math.isfinite(rate)]
         spark = self.query_one(".spark", Panel)
         width = spark.text_width
-        label = f"{len(rates):,} steps " if rates and width >= 30 else ""
+        label = f"{counted(len(rates), 'step')} " if rates and width >= 30 else ""
         # each column the median of its steps: a few fast steps (batches already
         # prefetched) do not stand for the rest
         columns = bucket_max(rates, max(width - len(label) - 2, 0), reduce=median)
