@@ -20,7 +20,7 @@ from agent.wire import protocol
 from agent.wire.knobs import DEFAULT_MAX_GRAD_NORM, STANDARD_KNOBS, assignment
 from agent.wire.runs import find_run
 from gpuwatch.client import new_command_id, parse_assignment, reply_text, send_command
-from gpuwatch.units import knob_text
+from gpuwatch.units import human_number, knob_text
 from gpuwatch.palette import BindingCommands
 from gpuwatch import history
 from gpuwatch.sources import Source
@@ -70,6 +70,7 @@ _STATUS_NOTES = {
     "live": ("info", "run is live"),
     "stalled": ("warning", "run is stalled: no optimizer step for several of its step "
                            "times"),
+    "paused": ("info", "run is paused after step {step}: P lets it go on"),
     "quiet": ("warning", f"run is quiet: nothing heard for {QUIET_AFTER_S:g} s, but its "
                          "process is alive (a loaded machine?)"),
     "gone": ("error", f"run is gone: nothing heard for {GONE_AFTER_S:g} s"),
@@ -350,7 +351,8 @@ class GpuwatchApp(App[None]):
             previous = self._drawn[1] if self._drawn is not None else None
             if (previous is not None and previous != status and status in _STATUS_NOTES
                     and (previous, status) != ("compiling", "live")):
-                state.log(*_STATUS_NOTES[status])
+                level, note = _STATUS_NOTES[status]
+                state.log(level, note.format(step=human_number(state.paused_after)))
             whole = self.source.whole
             past = whole.past if whole is not None and self._whole_run else None
             drawn = (state.steps_total, past.rows if past is not None else -1,

@@ -120,6 +120,20 @@ def test_state_status_transitions():
     assert state.events[-1].text == "run ended (finished) after 1 step"
 
 
+def test_state_says_paused_not_stalled_while_pause_holds_the_run():
+    state = RunState()
+    state.ingest(envelope("step", {"step": 102, "step_time_s": 0.1}), 10.0)
+    state.ingest(envelope("event", {"kind": "applied", "knob": "pause", "value": "on",
+                                    "step": 103}), 10.1)
+    state.ingest(envelope("heartbeat", {"step": 102}), 16.0)
+    assert state.paused_after == 102 and state.status_at(16.1) == "paused"
+    state.ingest(envelope("event", {"kind": "applied", "knob": "pause", "value": "off",
+                                    "step": 103}), 16.5)
+    assert state.status_at(16.6) == "stalled"  # let go, yet no step: stalled again
+    state.ingest(envelope("step", {"step": 103, "step_time_s": 0.1}), 17.0)
+    assert state.status_at(17.1) == "live"
+
+
 def test_state_clears_pending_when_applied():
     state = RunState()
     state.ingest(envelope("step", {"step": 1, "knobs": {"precision": "fp32"}}), 1.0)
@@ -1074,6 +1088,27 @@ async def test_memory_and_throughput_count_one_step_in_the_singular():
             app, "#throughput .spark")
         assert "last 1 step " in text_of(app, "#memory") and "1 steps" not in text_of(
             app, "#memory")
+
+
+async def test_header_and_log_say_paused_after_which_step_not_stalled():
+    source, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("step", {"step": 102, "step_time_s": 0.1}))
+        await until(pilot, lambda: "● live" in text_of(app, "#header"))
+        with source.lock:
+            source.state.ingest(envelope("event", {"kind": "applied", "knob": "pause",
+                                                   "value": "on", "step": 103}))
+
+        def heard_and_paused():  # heartbeats go on while the run is held
+            with source.lock:
+                source.state.ingest(envelope("heartbeat", {"step": 102}))
+            return "● paused" in text_of(app, "#header")
+        await until(pilot, heard_and_paused)
+        await until(pilot, lambda: "run is paused after step 102: P lets it go on"
+                    in log_texts(app))
+        assert not any("stalled" in line for line in log_texts(app))
+        assert "stalled" not in text_of(app, "#header")
 
 
 # --- keys that change the run ----------------------------------------------------------

@@ -16,7 +16,8 @@ PANELS = (
     ("header", (
         "The run's state (waiting, live, compiling… with the seconds so far "
         "against the run's last compile and the graph Dynamo is at, "
-        "stalled: no optimizer step for several step times, quiet: nothing "
+        "stalled: no optimizer step for several step times, paused: held by P "
+        "after the step shown, quiet: nothing "
         "heard but the process lives, gone, ended; replay: a finished run on a "
         "timeline), the last optimizer step, records missed on the way to the "
         "dashboard, the run's name, device and id. Shown when not 0, counted by the "
