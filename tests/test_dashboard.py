@@ -572,6 +572,20 @@ async def test_under_100_columns_the_verdict_heads_the_knobs_data_group(size):
             assert text in content.plain, content.plain
 
 
+async def test_step_chart_legend_leaves_the_unit_to_the_axis():
+    source, app = _silent_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        with source.lock:
+            for step in range(1, 41):
+                source.state.ingest(envelope("step", {
+                    "step": step, "step_time_s": 1.6 + step * 1e-3, "data_wait_s": 0.4}))
+        await until(pilot, lambda: "⢕ data wait" in "\n".join(shown_lines(app, "#timing")))
+        await redrawn(app, pilot)  # at the laid-out size
+        chart = "\n".join(shown_lines(app, "#timing"))
+        assert "step time" in chart and "(ms)" not in chart, chart
+        assert "1.64 s┤" in chart, chart  # the unit: the axis', in the one that reads best
+
+
 async def test_one_stall_does_not_flatten_the_step_time_chart():
     source, app = _silent_app()
     async with app.run_test(size=(120, 40)) as pilot:

@@ -26,9 +26,10 @@ PANELS = (
         "token, an unknown knob, a value out of range, a run that is ending; the "
         "event log says why, one a second).")),
     ("step time & data wait", (
-        "Milliseconds per optimizer step (GPU time on CUDA, the host clock on "
+        "The time each optimizer step took (GPU time on CUDA, the host clock on "
         "CPU) and, of it, the time the loop waited inside the data loader's "
-        "next(), each axis in its unit. ▲ marks a step beyond the axis' end (a "
+        "next(), in the unit the axis shows (ms, s or min, as reads best). ▲ marks "
+        "a step beyond the axis' end (a "
         "compile, a checkpoint save: an outlier never sets the scale): the title "
         "gives the largest. Orange lines: knob changes. Both charts show the whole "
         "run from step 1 (its log, read in the background: each column spans its "

@@ -295,10 +295,12 @@ class StepChart(PlotextPlot):
     @staticmethod
     def _label(series: Series, value: float | None = None, *, short: bool = False
                ) -> str:
-        """``step time 12.3 ms`` (the latest value, when given) or ``step 12.3 ms``."""
+        """``step time 12.3 ms`` (the latest value, when given) or ``step 12.3 ms``;
+        without a value the name alone (the legend's: the value axis names the unit,
+        which adapts, ``ms`` to ``s`` to ``min``)."""
         name = series.short if short and series.short else series.label
         if value is None:
-            return f"{name} ({series.unit})" if series.unit else name
+            return name
         return f"{name} {_human(value, series.unit)}"
 
     def _title(self, lines: list[tuple[Series, Sequence[float], Sequence[float]]],
