@@ -586,6 +586,29 @@ async def test_step_chart_legend_leaves_the_unit_to_the_axis():
         assert "1.64 s┤" in chart, chart  # the unit: the axis', in the one that reads best
 
 
+@pytest.mark.parametrize("step_times_s, off_scale, axis_top", [
+    ([8.23, 1.5], True, "6.00 s"),  # a first step that compiled: a lone outlier
+    ([1.5] * 100 + [2.6, 2.7, 2.65], False, "2.70 s"),  # slowed for good: followed
+    ([1.5] * 100 + [2.6, 2.7, 40.0], True, "2.70 s"),  # ... a spike among them is not
+    ([1.5] * 100 + [8.0], True, "2.25 s"),  # the newest step alone, a spike
+], ids=["first-step", "sustained", "sustained-and-spike", "newest-spike"])
+async def test_step_chart_follows_a_sustained_change_not_a_lone_outlier(
+        step_times_s, off_scale, axis_top):
+    source, app = _silent_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        with source.lock:
+            for step, step_time_s in enumerate(step_times_s, 1):
+                source.state.ingest(envelope("step", {"step": step,
+                                                      "step_time_s": step_time_s}))
+        last = f"step time {step_times_s[-1]:.3g}"
+        await until(pilot, lambda: last in "\n".join(shown_lines(app, "#timing")))
+        await redrawn(app, pilot)  # at the laid-out size
+        chart = "\n".join(shown_lines(app, "#timing"))
+        assert ("off scale" in chart) == off_scale, chart
+        top = chart.split("┤")[0].split("\n")[-1].strip()  # the axis' first label
+        assert top == axis_top, chart
+
+
 async def test_one_stall_does_not_flatten_the_step_time_chart():
     source, app = _silent_app()
     async with app.run_test(size=(120, 40)) as pilot:
