@@ -120,7 +120,7 @@ class GpuwatchApp(App[None]):
 
     CSS_PATH = "gpuwatch.tcss"
     TITLE = "gpuwatch"
-    COMMANDS = App.COMMANDS | {BindingCommands}
+    COMMANDS = {BindingCommands}  # Textual's own commands too, after the run's
     VERTICAL_BREAKPOINTS = [(0, "-tiny"), (24, "-short"), (32, "-tall")]
     HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (CRAMPED_BELOW, "-narrow"), (100, "-wide"),
                               (120, "-wider")]

@@ -795,6 +795,17 @@ async def test_command_palette_runs_binding_commands(fake_agent):
         titles = [command.title for command in app.get_system_commands(app.screen)]
         assert titles and all(title.startswith("display: ") for title in titles), titles
         assert not {"display: Quit", "display: Keys", "display: Maximize"} & set(titles)
+        await pilot.press("ctrl+p")  # with nothing typed: the run's commands first
+        commands = app.screen.query("CommandList").first()
+        await until(pilot, lambda: commands.option_count >= 10 and any(
+            "display: Theme" in str(option.prompt) for option in commands.options))
+        prompts = [str(option.prompt).split("\n")[0] for option in commands.options]
+        first_display = next(i for i, prompt in enumerate(prompts) if "display: " in prompt)
+        assert first_display >= 5 and all("display: " in prompt
+                                          for prompt in prompts[first_display:]), prompts
+        await pilot.press("backspace", *"theme")  # and found when typed
+        await until(pilot, lambda: commands.option_count and "Theme" in str(
+            commands.get_option_at_index(0).prompt))
 
 
 def shown_lines(app, selector):
