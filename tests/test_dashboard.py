@@ -1207,6 +1207,21 @@ async def test_text_typed_after_a_colon_goes_to_the_command_line_however_fast(ma
         assert not app.query_one("#command").display and app.focused is None
 
 
+async def test_the_question_of_a_key_takes_one_line_at_60_columns(make_agent):
+    agent = make_agent(knobs={"precision": "fp32"})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(60, 20)) as pilot:
+        await until(pilot, lambda: knows(app, "precision"))
+        await pilot.press("p")
+        assert question_text(app) == ("? precision fp32 → bf16 at the next step  "
+                                      "p: yes  esc: no")
+        await pilot.pause()
+        assert app.query_one("#question").size.height == 1
+        await pilot.press("p")  # and its key still sends
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("precision", "bf16")
+
+
 async def test_a_key_that_changes_the_run_asks_and_its_key_again_or_enter_sends(
         make_agent):
     agent = make_agent(knobs={"precision": "fp32", "accum_steps": 1,
