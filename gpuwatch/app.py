@@ -89,6 +89,8 @@ _RUN_ACTIONS = _KNOB_ACTIONS | {"tune"}
 #: ``GPUWATCH_QUICK_KEYS=1``: the keys that change the run send at once, without asking
 #: (as ``gpuwatch --quick-keys``).
 QUICK_KEYS_ENV = "GPUWATCH_QUICK_KEYS"
+#: The screens under which the footer's keys that change the run act (closing them).
+_KEYS_ACT_UNDER = (HelpScreen, TuneScreen, RunsScreen)
 #: The actions that move a replay on a timeline.
 _TIMELINE_ACTIONS = frozenset({"move_by", "move_to_mark", "move_to", "compare"})
 
@@ -254,13 +256,23 @@ class GpuwatchApp(App[None]):
         asks again if it is the same key. With quick keys on, the command is sent at
         once. A knob's key that :meth:`check_action` hides (a replay, a knob the run
         lacks, no schema yet) is not silent: its action runs and says in the event log
-        why nothing is sent. Not while another screen (help, a dialog) or a text box has
-        the keys (a text box takes keys typed after ``:`` however fast they come: it
-        has the focus from the ``:`` on)."""
+        why nothing is sent. Under a screen whose footer offers these keys (help, search,
+        runs: :data:`_KEYS_ACT_UNDER`), a key of theirs that the screen does not bind
+        closes it and acts as here (its question then in view); not under another screen
+        (a dialog), nor while a text box has the keys (a text box takes keys typed after
+        ``:`` however fast they come: it has the focus from the ``:`` on)."""
         for last in self.query(LastEvent):  # none while another run's are composed
             last.key_pressed()
-        if len(self.screen_stack) > 1 or isinstance(self.focused, Input):
+        if isinstance(self.focused, Input):
             return
+        if len(self.screen_stack) > 1:
+            screen = self.screen
+            if (not isinstance(screen, _KEYS_ACT_UNDER) or len(self.screen_stack) > 2
+                    or any(event.key in binding.key.split(",")
+                           for binding in screen.BINDINGS if isinstance(binding, Binding))
+                    or self._run_binding(event.key) is None):
+                return
+            screen.dismiss()  # (popped at once: the dashboard has the keys again)
         question = self._question
         if question is not None:
             if question.answered_by(event.key, event.time):
@@ -277,8 +289,7 @@ class GpuwatchApp(App[None]):
                 event.stop()
                 event.prevent_default()
                 return
-        binding = next((b for b in self.BINDINGS if isinstance(b, Binding)
-                        and event.key in b.key.split(",")), None)
+        binding = self._run_binding(event.key)
         if binding is None:
             return
         _, name, parameters = parse_action(binding.action)
@@ -291,6 +302,14 @@ class GpuwatchApp(App[None]):
                 getattr(self, f"action_{name}")(*parameters)
             finally:
                 self._key = None
+
+    def _run_binding(self, key: str) -> Binding | None:
+        """The app's binding of ``key`` (Textual's name) if it changes the run."""
+        binding = next((b for b in self.BINDINGS if isinstance(b, Binding)
+                        and key in b.key.split(",")), None)
+        if binding is None or parse_action(binding.action)[1] not in _RUN_ACTIONS:
+            return None
+        return binding
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")

@@ -1294,6 +1294,28 @@ async def test_T_asks_on_the_dashboard_even_from_the_search_screen(make_agent):
         assert isinstance(app.screen, TuneScreen)
 
 
+async def test_the_footers_run_keys_act_under_the_search_and_help_screens(make_agent):
+    agent = make_agent(knobs={"precision": "fp32", "pause": "on"})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: "pause" in app.source.state.schema)
+        for opens, screen in (("t", TuneScreen), ("question_mark", HelpScreen)):
+            await pilot.press(opens)
+            assert isinstance(app.screen, screen)
+            await pilot.press("P")  # the screen closes: the question is in view
+            assert not isinstance(app.screen, screen)
+            assert question_text(app).startswith("? pause"), question_text(app)
+            await pilot.press("P")
+            command = await next_command(agent)
+            assert (command["knob"], command["value"]) == ("pause", "on")
+            await until(pilot, lambda: app.source.state.paused_after is not None)
+            with app.source.lock:  # (the fake run holds nothing: let it go on)
+                app.source.state.paused_after = None
+        await pilot.press("question_mark", "q")  # the help's own keys stay its own
+        assert app.screen is app.screen_stack[0] and not question_text(app)
+    assert agent.commands.empty()
+
+
 async def test_quick_keys_send_at_once(make_agent, monkeypatch):
     agent = make_agent(knobs={"precision": "fp32"})
     monkeypatch.setenv(QUICK_KEYS_ENV, "1")
