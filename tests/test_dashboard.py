@@ -876,9 +876,12 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         assert line.removesuffix("^p palette").split() == [  # every key in sight
             "?", "help", "q", "quit", ":", "cmd", "p", "prec", "aA", "accum", "wW", "work",
             "m", "pin", "k", "kern", "c", "ckpt", "lL", "lr", "g", "clip"], line
-        timing_title = app.query_one("#timing").render().plain.split("\n")[0]
-        assert "step time" in timing_title and "data wait" in timing_title, timing_title
-        assert "ms" in timing_title, timing_title  # the unit, at every size
+        def timing_title():
+            return app.query_one("#timing").render().plain.split("\n")[0]
+        await until(pilot, lambda: "no steps yet" not in timing_title())  # charts drawn
+        assert "step time" in timing_title() and "data wait" in timing_title(), (
+            timing_title())
+        assert "ms" in timing_title(), timing_title()  # the unit, at every size
         assert "loss" in app.query_one("#loss").render().plain
         assert "samples/s" in text_of(app, "#throughput .value")
 
