@@ -63,6 +63,8 @@ def main() -> None:
               flush=True)
     try:
         trainer.fit(max_steps=args.max_steps)
+        if rank == 0:
+            print(monitor.ended_line(), flush=True)  # steps, final loss, the run log
     finally:
         dist.destroy_process_group()
 

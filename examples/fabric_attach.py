@@ -80,6 +80,8 @@ def main() -> None:
             run.optimizer_step()         # the boundary: commands apply here
             if run.step >= args.max_steps:
                 break
+    run.close()
+    print(run.agent.ended_line(), flush=True)  # steps trained, final loss, the run log
 
 
 if __name__ == "__main__":

@@ -84,6 +84,8 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             run.optimizer_step()                      # the boundary: commands apply here
         run.close()
+        if rank == 0:
+            print(run.agent.ended_line(), flush=True)  # steps, final loss, the run log
     finally:
         dist.destroy_process_group()
 

@@ -156,6 +156,8 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         run.optimizer_step()  # gpuwatch
         iter_num += 1
+    run.close()  # gpuwatch
+    print(run.agent.ended_line(), flush=True)  # gpuwatch: steps, final loss, the run log
 
 
 if __name__ == "__main__":

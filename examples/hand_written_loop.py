@@ -52,6 +52,8 @@ def main() -> None:
         run.scaler.update()
         optimizer.zero_grad(set_to_none=True)
         run.optimizer_step()                      # the boundary: commands apply here
+    run.close()
+    print(run.agent.ended_line(), flush=True)    # steps trained, final loss, the run log
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ def main():
     monitor = agent.attach(trainer, name="hf-gpt2-chars")
     print(f"run {monitor.run_id}: watch it with `gpuwatch`", flush=True)
     trainer.train()
+    print(monitor.ended_line(), flush=True)  # steps trained, final loss, the run log
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ def main():
     trainer.fit(DigitsClassifier(),
                 torch.utils.data.DataLoader(train, batch_size=32, shuffle=True),
                 torch.utils.data.DataLoader(val, batch_size=100))
+    print(monitor.ended_line(), flush=True)  # steps trained, final loss, the run log
 
 
 if __name__ == "__main__":

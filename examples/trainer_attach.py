@@ -39,6 +39,7 @@ def main() -> None:
     monitor = agent.attach(trainer, name="digits-mlp")
     print(f"run {monitor.run_id}: watch it with `gpuwatch`", flush=True)
     trainer.fit(max_steps=args.max_steps)
+    print(monitor.ended_line(), flush=True)  # steps trained, final loss, the run log
 
 
 if __name__ == "__main__":

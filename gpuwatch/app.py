@@ -20,7 +20,7 @@ from agent.wire import protocol
 from agent.wire.knobs import COMMAND_KINDS, DEFAULT_MAX_GRAD_NORM, STANDARD_KNOBS, assignment
 from agent.wire.runs import find_run
 from gpuwatch.client import new_command_id, parse_assignment, reply_text, send_command
-from gpuwatch.units import knob_text
+from gpuwatch.units import human_number, knob_text
 from gpuwatch.palette import BindingCommands
 from gpuwatch import history
 from gpuwatch.sources import Source
@@ -70,6 +70,7 @@ _STATUS_NOTES = {
     "live": ("info", "run is live"),
     "stalled": ("warning", "run is stalled: no optimizer step for several of its step "
                            "times"),
+    "paused": ("info", "run is paused after step {step}: P lets it go on"),
     "quiet": ("warning", f"run is quiet: nothing heard for {QUIET_AFTER_S:g} s, but its "
                          "process is alive (a loaded machine?)"),
     "gone": ("error", f"run is gone: nothing heard for {GONE_AFTER_S:g} s"),
@@ -88,6 +89,8 @@ _RUN_ACTIONS = _KNOB_ACTIONS | {"tune"}
 #: ``GPUWATCH_QUICK_KEYS=1``: the keys that change the run send at once, without asking
 #: (as ``gpuwatch --quick-keys``).
 QUICK_KEYS_ENV = "GPUWATCH_QUICK_KEYS"
+#: The screens under which the footer's keys that change the run act (closing them).
+_KEYS_ACT_UNDER = (HelpScreen, TuneScreen, RunsScreen)
 #: The actions that move a replay on a timeline.
 _TIMELINE_ACTIONS = frozenset({"move_by", "move_to_mark", "move_to", "compare"})
 
@@ -119,7 +122,7 @@ class GpuwatchApp(App[None]):
 
     CSS_PATH = "gpuwatch.tcss"
     TITLE = "gpuwatch"
-    COMMANDS = App.COMMANDS | {BindingCommands}
+    COMMANDS = {BindingCommands}  # Textual's own commands too, after the run's
     VERTICAL_BREAKPOINTS = [(0, "-tiny"), (24, "-short"), (32, "-tall")]
     HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (CRAMPED_BELOW, "-narrow"), (100, "-wide"),
                               (120, "-wider")]
@@ -255,13 +258,23 @@ class GpuwatchApp(App[None]):
         asks again if it is the same key. With quick keys on, the command is sent at
         once. A knob's key that :meth:`check_action` hides (a replay, a knob the run
         lacks, no schema yet) is not silent: its action runs and says in the event log
-        why nothing is sent. Not while another screen (help, a dialog) or a text box has
-        the keys (a text box takes keys typed after ``:`` however fast they come: it
-        has the focus from the ``:`` on)."""
+        why nothing is sent. Under a screen whose footer offers these keys (help, search,
+        runs: :data:`_KEYS_ACT_UNDER`), a key of theirs that the screen does not bind
+        closes it and acts as here (its question then in view); not under another screen
+        (a dialog), nor while a text box has the keys (a text box takes keys typed after
+        ``:`` however fast they come: it has the focus from the ``:`` on)."""
         for last in self.query(LastEvent):  # none while another run's are composed
             last.key_pressed()
-        if len(self.screen_stack) > 1 or isinstance(self.focused, Input):
+        if isinstance(self.focused, Input):
             return
+        if len(self.screen_stack) > 1:
+            screen = self.screen
+            if (not isinstance(screen, _KEYS_ACT_UNDER) or len(self.screen_stack) > 2
+                    or any(event.key in binding.key.split(",")
+                           for binding in screen.BINDINGS if isinstance(binding, Binding))
+                    or self._run_binding(event.key) is None):
+                return
+            screen.dismiss()  # (popped at once: the dashboard has the keys again)
         question = self._question
         if question is not None:
             if question.answered_by(event.key, event.time):
@@ -278,8 +291,7 @@ class GpuwatchApp(App[None]):
                 event.stop()
                 event.prevent_default()
                 return
-        binding = next((b for b in self.BINDINGS if isinstance(b, Binding)
-                        and event.key in b.key.split(",")), None)
+        binding = self._run_binding(event.key)
         if binding is None:
             return
         _, name, parameters = parse_action(binding.action)
@@ -292,6 +304,14 @@ class GpuwatchApp(App[None]):
                 getattr(self, f"action_{name}")(*parameters)
             finally:
                 self._key = None
+
+    def _run_binding(self, key: str) -> Binding | None:
+        """The app's binding of ``key`` (Textual's name) if it changes the run."""
+        binding = next((b for b in self.BINDINGS if isinstance(b, Binding)
+                        and key in b.key.split(",")), None)
+        if binding is None or parse_action(binding.action)[1] not in _RUN_ACTIONS:
+            return None
+        return binding
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -352,7 +372,8 @@ class GpuwatchApp(App[None]):
             previous = self._drawn[1] if self._drawn is not None else None
             if (previous is not None and previous != status and status in _STATUS_NOTES
                     and (previous, status) != ("compiling", "live")):
-                state.log(*_STATUS_NOTES[status])
+                level, note = _STATUS_NOTES[status]
+                state.log(level, note.format(step=human_number(state.paused_after)))
             whole = self.source.whole
             past = whole.past if whole is not None and self._whole_run else None
             drawn = (state.steps_total, past.rows if past is not None else -1,

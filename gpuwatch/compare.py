@@ -126,12 +126,16 @@ def table(columns: Sequence[Column], width_chars: int = WIDTH_CHARS) -> str:
     ``width_chars`` characters (at least 110 are needed for the widest cells): when
     the columns do not fit side by side, in pages of as many columns as fit, each
     with the labels and under a line that says which columns it holds (``columns
-    6-10 of 20``), the ratio (of two runs) on the page of the second run."""
+    6-10 of 20``), the ratio (of two runs) on the page of the second run, or on its
+    own where the two do not fit. A cell is never cut: a column wider than
+    ``width_chars`` with the labels makes a longer line."""
     cells = rows(columns)
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     groups = [[index] for index in range(1, len(columns) + 1)]
     if len(widths) > len(columns) + 1:  # the ratio, with the column before it
         groups[-1].append(len(columns) + 1)
+        if widths[0] + sum(2 + widths[index] for index in groups[-1]) > width_chars:
+            groups[-1:] = [[index] for index in groups[-1]]  # or on a page of its own
     pages: list[list[int]] = [[]]
     used = widths[0]
     for group in groups:
@@ -147,7 +151,8 @@ def table(columns: Sequence[Column], width_chars: int = WIDTH_CHARS) -> str:
             shown = [index for index in page if index <= len(columns)]
             lines += [""] if lines else []
             lines.append(f"columns {shown[0]}-{shown[-1]} of {len(columns)}"
-                         if len(shown) > 1 else f"column {shown[0]} of {len(columns)}")
+                         if len(shown) > 1 else f"column {shown[0]} of {len(columns)}"
+                         if shown else "ratio (column 2 over column 1)")
         lines += ["  ".join(row[index].ljust(widths[index]) for index in [0, *page])
                   .rstrip() for row in cells]
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""The command palette (ctrl+p): every key binding of the app as a command."""
+"""The command palette (ctrl+p): every key binding of the app as a command, then the
+terminal's own (theme, screenshot)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 
 class BindingCommands(Provider):
-    """Offers each of the app's bindings that act here, by its description.
+    """Offers each of the app's bindings that act here, by its description, then
+    Textual's own commands (:meth:`~textual.app.App.get_system_commands`).
 
-    As the help screen lists them; help shows its key."""
+    As the help screen lists them; help shows its key. One provider for both, so that
+    the run's commands come first: the palette lists discovered commands in the order
+    they arrive, and Textual's own provider would answer first."""
 
     def _commands(self) -> list[tuple[str, str, str]]:
         app = self.app
@@ -24,6 +28,10 @@ class BindingCommands(Provider):
     async def discover(self) -> Hits:
         for title, help_text, action in self._commands():
             yield DiscoveryHit(title, partial(self.app.run_action, action), help=help_text)
+        for name, help_text, callback, discover in sorted(
+                self.app.get_system_commands(self.screen), key=lambda command: command[0]):
+            if discover:
+                yield DiscoveryHit(name, callback, help=help_text)
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
@@ -32,3 +40,6 @@ class BindingCommands(Provider):
             if score > 0:
                 yield Hit(score, matcher.highlight(title),
                           partial(self.app.run_action, action), text=title, help=help_text)
+        for name, help_text, callback, _ in self.app.get_system_commands(self.screen):
+            if (score := matcher.match(name)) > 0:
+                yield Hit(score, matcher.highlight(name), callback, help=help_text)

@@ -196,7 +196,7 @@ class RunsCollector(Collector):
                                  "with its name and device",
                                  labels=[*labels, "name", "device"])
         up = GaugeMetricFamily("gpuwatch_run_up", "1 while the rank is live "
-                               "(training, compiling or stalled), 0 once gone or ended",
+                               "(training, compiling, stalled or paused), 0 once gone or ended",
                                labels=labels)
         step = GaugeMetricFamily("gpuwatch_optimizer_step",
                                  "The last optimizer step completed", labels=labels)
@@ -245,7 +245,7 @@ class RunsCollector(Collector):
                                                  100),
                                  printable(state.hello.get("device", ""), 100)], 1)
                 up.add_metric(key, state.status_at(now) in ("live", "compiling",
-                                                            "stalled"))
+                                                            "stalled", "paused"))
                 if state.step is not None:
                     step.add_metric(key, state.step)
                 steps.add_metric(key, followed.steps_total)

@@ -655,7 +655,7 @@ class RunState:
         if self.compiling_since is not None:
             return "compiling"
         if judged_at - (self.last_step_at or self.first_seen_at) > self.stall_after_s():
-            return "stalled"
+            return "stalled" if self.paused_after is None else "paused"
         return "live"
 
     def stall_after_s(self) -> float:
@@ -674,7 +674,8 @@ class RunState:
         """``waiting`` (nothing received yet), ``live``, ``compiling`` (a ``compiling``
         event has come and not its end: steps are slow, not stalled), ``stalled``
         (messages but no step for :meth:`stall_after_s`; a heartbeat whose step moved
-        counts as a step), ``gone`` (no message, heartbeats included, for
+        counts as a step), ``paused`` (as stalled, but ``pause=on`` holds the run:
+        :attr:`paused_after`), ``gone`` (no message, heartbeats included, for
         :data:`GONE_AFTER_S`, and its process is not known to be alive), ``quiet``
         (nothing heard for :data:`QUIET_AFTER_S` but its process is alive) or ``ended``
         (the run said ``bye``). A gone run whose messages come back is live again."""

@@ -9,6 +9,7 @@ import torch
 import agent
 from agent.wire import protocol, runs
 from agent.step.record import StepRecord
+from agent.wire.runlog import summary_path
 from gpuopt import MixedPrecision, Trainer
 from gpuwatch.client import Subscriber, send_command
 from gpuwatch.history import flat_records
@@ -265,6 +266,20 @@ def test_steps_queued_since_a_wake_up_go_as_one_batch_with_events_in_their_place
     assert steps[0]["samples"] == 32 and steps[0]["loss"] == 0.5
     assert steps[1]["samples_per_s"] == pytest.approx(32 / steps[1]["step_time_s"])
     assert "knobs" in steps[0] and "host_rss_bytes" in steps[0]
+
+
+def test_ended_line_says_the_steps_the_final_loss_and_the_run_log(run_dir):
+    monitor = agent.Agent(name="ended")
+    monitor.start()
+    for step, loss in enumerate((0.9, 0.7, 0.4125), 1):
+        monitor.optimizer_step(StepRecord(step=step, micro_batches=1, samples=8, data_wait_s=0.0,
+                                          loss=torch.tensor(loss)))
+    line = monitor.ended_line()  # closes the run: its log's summary is saved
+    log_path = monitor.info.log_path
+    assert line == (f"run {monitor.run_id} ended: steps trained 3, final loss 0.4125, "
+                    f"run log {log_path} (`gpuwatch runs --all`)")
+    summary_path(log_path).write_text("not json")  # damaged: said, never raised
+    assert "steps trained ?, final loss ?" in monitor.ended_line()
 
 
 def test_kernel_backend_switches_live_and_triton_is_refused_without_cuda(run_dir, monkeypatch):

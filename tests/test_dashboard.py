@@ -120,6 +120,20 @@ def test_state_status_transitions():
     assert state.events[-1].text == "run ended (finished) after 1 step"
 
 
+def test_state_says_paused_not_stalled_while_pause_holds_the_run():
+    state = RunState()
+    state.ingest(envelope("step", {"step": 102, "step_time_s": 0.1}), 10.0)
+    state.ingest(envelope("event", {"kind": "applied", "knob": "pause", "value": "on",
+                                    "step": 103}), 10.1)
+    state.ingest(envelope("heartbeat", {"step": 102}), 16.0)
+    assert state.paused_after == 102 and state.status_at(16.1) == "paused"
+    state.ingest(envelope("event", {"kind": "applied", "knob": "pause", "value": "off",
+                                    "step": 103}), 16.5)
+    assert state.status_at(16.6) == "stalled"  # let go, yet no step: stalled again
+    state.ingest(envelope("step", {"step": 103, "step_time_s": 0.1}), 17.0)
+    assert state.status_at(17.1) == "live"
+
+
 def test_state_clears_pending_when_applied():
     state = RunState()
     state.ingest(envelope("step", {"step": 1, "knobs": {"precision": "fp32"}}), 1.0)
@@ -558,6 +572,43 @@ async def test_under_100_columns_the_verdict_heads_the_knobs_data_group(size):
             assert text in content.plain, content.plain
 
 
+async def test_step_chart_legend_leaves_the_unit_to_the_axis():
+    source, app = _silent_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        with source.lock:
+            for step in range(1, 41):
+                source.state.ingest(envelope("step", {
+                    "step": step, "step_time_s": 1.6 + step * 1e-3, "data_wait_s": 0.4}))
+        await until(pilot, lambda: "⢕ data wait" in "\n".join(shown_lines(app, "#timing")))
+        await redrawn(app, pilot)  # at the laid-out size
+        chart = "\n".join(shown_lines(app, "#timing"))
+        assert "step time" in chart and "(ms)" not in chart, chart
+        assert "1.64 s┤" in chart, chart  # the unit: the axis', in the one that reads best
+
+
+@pytest.mark.parametrize("step_times_s, off_scale, axis_top", [
+    ([8.23, 1.5], True, "6.00 s"),  # a first step that compiled: a lone outlier
+    ([1.5] * 100 + [2.6, 2.7, 2.65], False, "2.70 s"),  # slowed for good: followed
+    ([1.5] * 100 + [2.6, 2.7, 40.0], True, "2.70 s"),  # ... a spike among them is not
+    ([1.5] * 100 + [8.0], True, "2.25 s"),  # the newest step alone, a spike
+], ids=["first-step", "sustained", "sustained-and-spike", "newest-spike"])
+async def test_step_chart_follows_a_sustained_change_not_a_lone_outlier(
+        step_times_s, off_scale, axis_top):
+    source, app = _silent_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        with source.lock:
+            for step, step_time_s in enumerate(step_times_s, 1):
+                source.state.ingest(envelope("step", {"step": step,
+                                                      "step_time_s": step_time_s}))
+        last = f"step time {step_times_s[-1]:.3g}"
+        await until(pilot, lambda: last in "\n".join(shown_lines(app, "#timing")))
+        await redrawn(app, pilot)  # at the laid-out size
+        chart = "\n".join(shown_lines(app, "#timing"))
+        assert ("off scale" in chart) == off_scale, chart
+        top = chart.split("┤")[0].split("\n")[-1].strip()  # the axis' first label
+        assert top == axis_top, chart
+
+
 async def test_one_stall_does_not_flatten_the_step_time_chart():
     source, app = _silent_app()
     async with app.run_test(size=(120, 40)) as pilot:
@@ -744,6 +795,17 @@ async def test_command_palette_runs_binding_commands(fake_agent):
         titles = [command.title for command in app.get_system_commands(app.screen)]
         assert titles and all(title.startswith("display: ") for title in titles), titles
         assert not {"display: Quit", "display: Keys", "display: Maximize"} & set(titles)
+        await pilot.press("ctrl+p")  # with nothing typed: the run's commands first
+        commands = app.screen.query("CommandList").first()
+        await until(pilot, lambda: commands.option_count >= 10 and any(
+            "display: Theme" in str(option.prompt) for option in commands.options))
+        prompts = [str(option.prompt).split("\n")[0] for option in commands.options]
+        first_display = next(i for i, prompt in enumerate(prompts) if "display: " in prompt)
+        assert first_display >= 5 and all("display: " in prompt
+                                          for prompt in prompts[first_display:]), prompts
+        await pilot.press("backspace", *"theme")  # and found when typed
+        await until(pilot, lambda: commands.option_count and "Theme" in str(
+            commands.get_option_at_index(0).prompt))
 
 
 def shown_lines(app, selector):
@@ -814,9 +876,12 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         assert line.removesuffix("^p palette").split() == [  # every key in sight
             "?", "help", "q", "quit", ":", "cmd", "p", "prec", "aA", "accum", "wW", "work",
             "m", "pin", "k", "kern", "c", "ckpt", "lL", "lr", "g", "clip"], line
-        timing_title = app.query_one("#timing").render().plain.split("\n")[0]
-        assert "step time" in timing_title and "data wait" in timing_title, timing_title
-        assert "ms" in timing_title, timing_title  # the unit, at every size
+        def timing_title():
+            return app.query_one("#timing").render().plain.split("\n")[0]
+        await until(pilot, lambda: "no steps yet" not in timing_title())  # charts drawn
+        assert "step time" in timing_title() and "data wait" in timing_title(), (
+            timing_title())
+        assert "ms" in timing_title(), timing_title()  # the unit, at every size
         assert "loss" in app.query_one("#loss").render().plain
         assert "samples/s" in text_of(app, "#throughput .value")
 
@@ -1110,6 +1175,41 @@ async def test_throughput_shows_a_speed_up_that_a_few_fast_steps_do_not_hide():
         assert max(levels[:half - 1]) < min(levels[half + 1:]), bars
 
 
+async def test_memory_and_throughput_count_one_step_in_the_singular():
+    source, app = _silent_app()
+    async with app.run_test(size=(200, 50)) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("step", {"step": 1, "samples_per_s": 50.0,
+                                                  "host_rss_bytes": 400 << 20}))
+        await until(pilot, lambda: "samples/s" in text_of(app, "#throughput .value"))
+        await redrawn(app, pilot)  # at the laid-out size
+        assert text_of(app, "#throughput .spark").startswith("1 step "), text_of(
+            app, "#throughput .spark")
+        assert "last 1 step " in text_of(app, "#memory") and "1 steps" not in text_of(
+            app, "#memory")
+
+
+async def test_header_and_log_say_paused_after_which_step_not_stalled():
+    source, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("step", {"step": 102, "step_time_s": 0.1}))
+        await until(pilot, lambda: "● live" in text_of(app, "#header"))
+        with source.lock:
+            source.state.ingest(envelope("event", {"kind": "applied", "knob": "pause",
+                                                   "value": "on", "step": 103}))
+
+        def heard_and_paused():  # heartbeats go on while the run is held
+            with source.lock:
+                source.state.ingest(envelope("heartbeat", {"step": 102}))
+            return "● paused" in text_of(app, "#header")
+        await until(pilot, heard_and_paused)
+        await until(pilot, lambda: "run is paused after step 102: P lets it go on"
+                    in log_texts(app))
+        assert not any("stalled" in line for line in log_texts(app))
+        assert "stalled" not in text_of(app, "#header")
+
+
 # --- keys that change the run ----------------------------------------------------------
 
 #: Textual's names of the characters typed in the tests below.
@@ -1156,6 +1256,21 @@ async def test_text_typed_after_a_colon_goes_to_the_command_line_however_fast(ma
                     "cpu_threads=1 applied"))]
         assert app.screen is app.screen_stack[0] and not question_text(app)
         assert not app.query_one("#command").display and app.focused is None
+
+
+async def test_the_question_of_a_key_takes_one_line_at_60_columns(make_agent):
+    agent = make_agent(knobs={"precision": "fp32"})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(60, 20)) as pilot:
+        await until(pilot, lambda: knows(app, "precision"))
+        await pilot.press("p")
+        assert question_text(app) == ("? precision fp32 → bf16 at the next step  "
+                                      "p: yes  esc: no")
+        await pilot.pause()
+        assert app.query_one("#question").size.height == 1
+        await pilot.press("p")  # and its key still sends
+        command = await next_command(agent)
+        assert (command["knob"], command["value"]) == ("precision", "bf16")
 
 
 async def test_a_key_that_changes_the_run_asks_and_its_key_again_or_enter_sends(
@@ -1228,6 +1343,28 @@ async def test_T_asks_on_the_dashboard_even_from_the_search_screen(make_agent):
         command = await next_command(agent)
         assert command["knob"] == protocol.TUNE
         assert isinstance(app.screen, TuneScreen)
+
+
+async def test_the_footers_run_keys_act_under_the_search_and_help_screens(make_agent):
+    agent = make_agent(knobs={"precision": "fp32", "pause": "on"})
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: "pause" in app.source.state.schema)
+        for opens, screen in (("t", TuneScreen), ("question_mark", HelpScreen)):
+            await pilot.press(opens)
+            assert isinstance(app.screen, screen)
+            await pilot.press("P")  # the screen closes: the question is in view
+            assert not isinstance(app.screen, screen)
+            assert question_text(app).startswith("? pause"), question_text(app)
+            await pilot.press("P")
+            command = await next_command(agent)
+            assert (command["knob"], command["value"]) == ("pause", "on")
+            await until(pilot, lambda: app.source.state.paused_after is not None)
+            with app.source.lock:  # (the fake run holds nothing: let it go on)
+                app.source.state.paused_after = None
+        await pilot.press("question_mark", "q")  # the help's own keys stay its own
+        assert app.screen is app.screen_stack[0] and not question_text(app)
+    assert agent.commands.empty()
 
 
 async def test_quick_keys_send_at_once(make_agent, monkeypatch):

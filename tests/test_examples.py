@@ -1,5 +1,6 @@
 """The README's examples run as written and publish their steps."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,4 +19,8 @@ def test_example_runs_and_cleans_up(script, run_dir):
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr
     assert "watch it with `gpuwatch`" in result.stdout
+    last = result.stdout.splitlines()[-1]  # the end, said: steps, final loss, run log
+    assert re.fullmatch(r"run \S+ ended: steps trained 10, final loss \d\S*, run log "
+                        r"\S+\.runlog \(`gpuwatch runs --all`\)", last), last
+    assert Path(last.split(", run log ")[1].split(" (")[0]).is_file()
     assert list(Path(run_dir).glob("*.json")) == []  # run file removed at exit

@@ -426,6 +426,29 @@ async def test_timeline_keys_move_every_panel_and_mark_the_changes(tmp_path):
                               "q"}
 
 
+@pytest.mark.parametrize("size", [(60, 20), (80, 24)])
+async def test_compare_screen_pages_its_columns_rather_than_cut_a_number(tmp_path, size):
+    path = write_run(tmp_path / f"{RUN}.rank0.runlog", steps=80,
+                     changes=[(31, "accum_steps", 4), (61, "precision", "bf16")])
+    app = GpuwatchApp(TimelineSource(history.log_at(path)), readonly=True)
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: "● ended" in text_of(app, "#header"))
+        await pilot.press("end", "v")  # the segments before and after step 61's change
+        await pilot.pause()
+        box = app.screen.query_one("#compare")
+        compared = str(app.screen.query_one("#compare-table").content).splitlines()
+        titles = [line for line in compared if "steps 31-60 (" in line or "steps 61-80 (" in line]
+        assert max(len(line) for line in compared if line not in titles) <= (
+            box.content_size.width), compared  # (at 60 columns a title is wider)
+        assert "column 1 of 2" in compared  # paged
+        rows = [line.split() for line in compared]
+        assert ["step", "time", "(median)", "100", "ms"] in rows, compared
+        ratio = ["x0.50"] if size[0] < 80 else []  # on a page of its own
+        assert ["step", "time", "(median)", "50.0", "ms", *([] if ratio else ["x0.50"])
+                ] in rows, compared
+        assert not ratio or ["step", "time", "(median)", *ratio] in rows, compared
+
+
 async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_agent):
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)

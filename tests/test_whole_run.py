@@ -114,11 +114,14 @@ def test_the_whole_run_is_read_in_buckets_with_its_spikes(tmp_path):
 
 
 def test_a_compile_among_the_first_steps_never_sets_the_scale():
-    """With 3 to 19 values the scale ends at 4x their median: a 224 s compile over
-    8 s steps is beyond it; three steps alike have no outlier."""
-    assert robust_top([224.0, 8.0, 8.1]) == 8.1 * 4
+    """With 2 to 19 values the scale ends at 4x the median of all but the largest (the
+    lower middle one): a 224 s compile over 8 s steps is beyond it, even beside a slow
+    second step or as one of two steps; three steps alike have no outlier."""
+    assert robust_top([224.0, 8.0, 8.1]) == 8.0 * 4
     assert robust_top([8.0, 8.2, 8.1]) is None
-    assert robust_top([224.0, 8.0]) is None  # two values: nothing to tell
+    assert robust_top([224.0, 8.0]) == 8.0 * 4  # the first step compiled: off scale
+    assert robust_top([8.23, 2.1, 1.5]) == 1.5 * 4  # a slow second step: still
+    assert robust_top([1.5, 1.6, 1.5, 1.7]) is None
 
 
 def _timing_lines(app) -> list[str]:

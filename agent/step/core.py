@@ -44,6 +44,7 @@ from agent.io.ioloop import IOLoop
 from agent.io.probes import Nvml
 from agent.step.record import StepRecord
 from agent.wire.protocol import EventKind
+from agent.wire.runlog import read_summary, summary_path
 from agent.wire.runs import RunInfo, shared_run_id
 from agent.search.tune import AutoTune
 from gpuopt.environment import usable_cpu_count
@@ -188,6 +189,27 @@ class Agent:
         self.mark_ending(reason)
         self._io.stop(timeout_s)
         self.tune.close()
+
+    def ended_line(self) -> str:
+        """One line for a script to print at its end: the run closed (:meth:`close`,
+        if it is still open), the steps trained, the final loss and where its run log
+        is, as the log's summary (saved beside it at close) has them::
+
+            run 20260101-000000-abcd ended: steps trained 200, final loss 0.412,
+            run log /run/user/1000/gpuwatch/logs/...runlog (`gpuwatch runs --all`)
+
+        Reads one small file; never raises (a figure it cannot read is ``?``)."""
+        self.close()
+        log_path = self.info.log_path if self.info is not None else ""
+        try:
+            summary = read_summary(summary_path(log_path)) if log_path else None
+        except Exception:  # noqa: BLE001 -- a last line must not fail the script
+            summary = None
+        steps = f"{summary.steps:,}" if summary is not None else "?"
+        loss = (f"{summary.final_loss:.4g}" if summary is not None
+                and summary.final_loss is not None else "?")
+        where = f"run log {log_path} (`gpuwatch runs --all`)" if log_path else "no run log"
+        return f"run {self.run_id} ended: steps trained {steps}, final loss {loss}, {where}"
 
     # ---------------------------------------------------------------- hot path
 

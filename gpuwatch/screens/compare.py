@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -14,10 +15,15 @@ from textual.widgets import Static
 
 from gpuwatch.compare import Column, table
 
+#: The share of the screen's width the box may take (the stylesheet's ``max-width``),
+#: and the columns its border and padding take.
+BOX_WIDTH_SHARE, BOX_FRAME_COLUMNS = 0.95, 6
+
 
 class CompareScreen(ModalScreen[None]):
-    """The figures of two or more segments (:func:`gpuwatch.compare.table`); any listed
-    key closes.
+    """The figures of two or more segments (:func:`gpuwatch.compare.table`), in pages of
+    the columns that fit the screen's width (a number is never cut); any listed key
+    closes.
 
     Args:
         columns: the segments, in order.
@@ -36,6 +42,15 @@ class CompareScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="compare") as box:
             box.border_title = self.title
-            yield Static(table(self.columns), id="compare-table")
+            yield Static(self._table(), id="compare-table")
             yield Static(Content.styled("escape, q or v closes this screen",
                                         "$text-muted"))
+
+    def _table(self) -> str:
+        """The table in lines as wide as the box can show."""
+        return table(self.columns, int(self.app.size.width * BOX_WIDTH_SHARE)
+                     - BOX_FRAME_COLUMNS)
+
+    def on_resize(self, event: events.Resize) -> None:
+        """Page the table again for the new width."""
+        self.query_one("#compare-table", Static).update(self._table())

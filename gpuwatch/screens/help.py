@@ -16,7 +16,8 @@ PANELS = (
     ("header", (
         "The run's state (waiting, live, compiling… with the seconds so far "
         "against the run's last compile and the graph Dynamo is at, "
-        "stalled: no optimizer step for several step times, quiet: nothing "
+        "stalled: no optimizer step for several step times, paused: held by P "
+        "after the step shown, quiet: nothing "
         "heard but the process lives, gone, ended; replay: a finished run on a "
         "timeline), the last optimizer step (where the charts end), the run's name, "
         "device and id. Shown when not 0: missed (records lost on the way to the "
@@ -26,9 +27,10 @@ PANELS = (
         "token, an unknown knob, a value out of range, a run that is ending; the "
         "event log says why, one a second).")),
     ("step time & data wait", (
-        "Milliseconds per optimizer step (GPU time on CUDA, the host clock on "
+        "The time each optimizer step took (GPU time on CUDA, the host clock on "
         "CPU) and, of it, the time the loop waited inside the data loader's "
-        "next(), each axis in its unit. ▲ marks a step beyond the axis' end (a "
+        "next(), in the unit the axis shows (ms, s or min, as reads best). ▲ marks "
+        "a step beyond the axis' end (a "
         "compile, a checkpoint save: an outlier never sets the scale): the title "
         "gives the largest. Orange lines: knob changes. Both charts show the whole "
         "run from step 1 (its log, read in the background: each column spans its "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -95,17 +94,12 @@ def tune_text(state: RunState) -> Content:
 
 class TuneScreen(ModalScreen[None]):
     """The search's state, redrawn by the app from the run's ``tune`` records; ``T``
-    starts or stops a search (the dashboard's key), escape or ``t`` closes."""
+    starts or stops a search (the dashboard's key: this screen closes, and opens again
+    once it is sent), escape or ``t`` closes."""
 
     BINDINGS = [
         Binding("escape,t,q", "dismiss", "close", id="tune.close"),
     ]
-
-    def on_key(self, event: events.Key) -> None:
-        """``T``: this screen closes and the key goes on to the dashboard, whose ``T``
-        asks before it starts or stops the search (and opens this screen once sent)."""
-        if event.key == "T":
-            self.dismiss()
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="tune"):  # focused: the arrow keys scroll a long list

@@ -17,6 +17,7 @@ NODE_DATA_WAIT_SHARE = 0.2
 #: Theme variable that colours each run status.
 STATUS_STYLES = {"waiting": "$text-muted", "live": "bold $success",
                  "compiling": "bold $warning", "stalled": "bold $warning",
+                 "paused": "bold $warning",
                  "quiet": "bold $warning", "gone": "bold $error", "ended": "$text-muted"}
 
 

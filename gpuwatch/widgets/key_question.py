@@ -46,7 +46,9 @@ class Question:
 class KeyQuestion(Static):
     """``? <what it will do>  p/enter: send  esc: cancel`` while a question is open.
 
-    Hidden otherwise; the app decides what answers it (``GpuwatchApp.on_key``)."""
+    On one line: where that does not fit, ``p: send  esc: cancel``, then ``p: yes  esc:
+    no`` (where none fits, the first, wrapped). Hidden otherwise; the app decides what
+    answers it (``GpuwatchApp.on_key``)."""
 
     def show(self, question: Question | None, key_display: str | None) -> None:
         """Show ``question``, or hide (None).
@@ -55,8 +57,14 @@ class KeyQuestion(Static):
         self.display = question is not None
         if question is None:
             return
-        keys = f"{key_display}/enter" if key_display else "enter"
-        self.update(Content.assemble(("? ", "bold $warning"),
-                                     (printable(question.what), "bold"), "  ",
-                                     (keys, "bold $accent"), ": send  ",
-                                     ("esc", "bold $accent"), ": cancel"))
+        width = self.app.size.width - self.styles.gutter.width  # docked: the screen's
+        key = key_display or "enter"
+        forms = [(f"{key_display}/enter" if key_display else "enter", "send", "cancel"),
+                 (key, "send", "cancel"), (key, "yes", "no")]
+        shown = [Content.assemble(("? ", "bold $warning"), (printable(question.what), "bold"),
+                                  "  ", (keys, "bold $accent"), f": {send}  ",
+                                  ("esc", "bold $accent"), f": {cancel}")
+                 for keys, send, cancel in forms]
+        # the first that fits on one line; none: the whole, wrapped
+        self.update(next((content for content in shown if len(content.plain) <= width),
+                         shown[0]))

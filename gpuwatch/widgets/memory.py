@@ -10,7 +10,7 @@ from typing import Any
 from textual.content import Content
 
 from gpuwatch.state import RunState
-from gpuwatch.units import human_bytes, human_bytes_pair
+from gpuwatch.units import counted, human_bytes, human_bytes_pair
 from gpuwatch.widgets.panel import Panel, bucket_max, sparkline
 
 #: CUDA fields of a step record, with their labels.
@@ -140,7 +140,7 @@ def _trend(values: list[Any], width: int, *, steps: int | None = None) -> Conten
     stays in view for minutes, not only for the last few dozen steps. ``steps``: the
     steps the values span (default: one value per step)."""
     steps = len(values) if steps is None else steps
-    label = f"last {steps:,} steps " if width >= 28 else "trend "  # never a bare bar
+    label = f"last {counted(steps, 'step')} " if width >= 28 else "trend "  # never a bare bar
     columns = bucket_max(values, width - len(label))
     return Content.assemble((label, "$text-muted"), (sparkline(columns, len(columns)),
                                                       "$primary"))

@@ -75,8 +75,10 @@ OUTLIER_QUANTILE = 0.9
 OUTLIER_HEADROOM = 1.5
 OUTLIER_MIN_VALUES = 20
 #: With fewer values (at least :data:`OUTLIER_FEW_VALUES`: a run's first steps, its
-#: compile among them), the scale ends at their median times this.
-OUTLIER_FEW_VALUES = 3
+#: compile among them), the scale ends at the median of all but their largest (the lower
+#: middle one: a first step that compiled, and a slow second one, do not set the scale
+#: of the others) times this.
+OUTLIER_FEW_VALUES = 2
 OUTLIER_FEW_HEADROOM = 4.0
 
 
@@ -89,7 +91,7 @@ def robust_top(values: Sequence[float | None]) -> float | None:
     if len(finite) < OUTLIER_FEW_VALUES:
         return None
     if len(finite) < OUTLIER_MIN_VALUES:  # a compile among a run's first steps
-        top = finite[(len(finite) - 1) // 2] * OUTLIER_FEW_HEADROOM
+        top = finite[(len(finite) - 2) // 2] * OUTLIER_FEW_HEADROOM
     else:
         top = finite[int(OUTLIER_QUANTILE * (len(finite) - 1))] * OUTLIER_HEADROOM
     return top if finite[-1] > top > 0 else None

@@ -12,7 +12,7 @@ from textual_plotext import PlotextPlot
 from gpuwatch.sources.whole_run import Past
 from gpuwatch.state import KnobChange, StepRecord
 from gpuwatch.units import human_duration, human_sig, knob_text
-from gpuwatch.widgets.panel import robust_top
+from gpuwatch.widgets.panel import OUTLIER_FEW_HEADROOM, robust_top
 
 
 #: Rows below which the legend is left out (it would cover the lines; the title still
@@ -50,6 +50,9 @@ _OUTLIER_MARKER, _OUTLIER_COLOR = "▲", "red"
 #: A chart with a unit (durations) starts its value axis at 0 when its lowest value is
 #: under this share of its span.
 _FROM_ZERO_BELOW = 0.05
+#: The newest values of a line that, when all are beyond its scale, are a sustained
+#: change (a slowdown under load), not an outlier: the scale follows them.
+_NEWEST_IN_VIEW = 3
 #: Knob changes in view up to which each gets a label (more: their lines alone).
 _LABELLED_MARKS = 3
 #: plotext colour of the vertical line at a knob change.
@@ -121,11 +124,21 @@ def _top(lines: Sequence[tuple[Series, Sequence[float], Sequence[float]]]
     """Where the value axis ends so that no outlier sets the scale: the highest of
     the lines' own ends (each line's :func:`~gpuwatch.widgets.panel.robust_top`, else
     its largest value: a data wait's bulk never cuts the step times), or None when no
-    value is beyond it."""
-    tops = [robust_top(values) or max(values) for _, _, values in lines]
-    top = max(tops, default=None)
-    return top if top is not None and any(
-        value > top for _, _, values in lines for value in values) else None
+    value is beyond it. A line whose :data:`_NEWEST_IN_VIEW` newest values are all
+    beyond its end changed for good: its end rises to them (a lone spike among them,
+    over :data:`~gpuwatch.widgets.panel.OUTLIER_FEW_HEADROOM` times their least, left
+    out), so the newest steps are always in view."""
+    tops: list[float] = []
+    for _, _, values in lines:
+        top = robust_top(values) or max(values)
+        newest = values[-_NEWEST_IN_VIEW:]
+        if len(newest) == _NEWEST_IN_VIEW and min(newest) > top:
+            top = max(value for value in newest
+                      if value <= min(newest) * OUTLIER_FEW_HEADROOM)
+        tops.append(top)
+    highest = max(tops, default=None)
+    return highest if highest is not None and any(
+        value > highest for _, _, values in lines for value in values) else None
 
 
 def _human(value: float, unit: str) -> str:
@@ -306,10 +319,12 @@ class StepChart(PlotextPlot):
     @staticmethod
     def _label(series: Series, value: float | None = None, *, short: bool = False
                ) -> str:
-        """``step time 12.3 ms`` (the latest value, when given) or ``step 12.3 ms``."""
+        """``step time 12.3 ms`` (the latest value, when given) or ``step 12.3 ms``;
+        without a value the name alone (the legend's: the value axis names the unit,
+        which adapts, ``ms`` to ``s`` to ``min``)."""
         name = series.short if short and series.short else series.label
         if value is None:
-            return f"{name} ({series.unit})" if series.unit else name
+            return name
         return f"{name} {_human(value, series.unit)}"
 
     def _title(self, lines: list[tuple[Series, Sequence[float], Sequence[float]]],

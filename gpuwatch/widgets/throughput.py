@@ -13,7 +13,7 @@ from textual.content import Content
 
 from gpuwatch.sources.whole_run import Past
 from gpuwatch.state import StepRecord
-from gpuwatch.units import human_rate
+from gpuwatch.units import counted, human_rate
 from gpuwatch.widgets.panel import Panel, bucket_max, robust_top, sparkline
 
 #: The marker after a sparkline whose scale leaves out a few outliers.
@@ -46,7 +46,7 @@ class ThroughputBar(Horizontal):
         width = spark.text_width
         every = [*earlier, *points]
         steps = every[-1][1] - every[0][0] + 1 if every else 0  # the steps drawn
-        label = f"{steps:,} steps " if steps and width >= 30 else ""
+        label = f"{counted(steps, 'step')} " if steps and width >= 30 else ""
         # each column the median of its steps: a few fast steps (batches already
         # prefetched) do not stand for the rest
         wide = max(width - len(label) - 2, 0)
