@@ -523,6 +523,10 @@ class _Run(RunBase):
             return self.policy.grad_scaler
         return getattr(self.trainer.accelerator, "scaler", None)
 
+    #: a recovery keeps these of the state as they are now (the epoch, its micro-batches
+    #: and random numbers, HF's epoch count)
+    recovery_data_keys = ("data", "epochs_done", "epoch")
+
     def state_snapshot(self) -> dict[str, Any]:
         """For a rollback, in host memory: the model's, optimizer's, scheduler's and
         GradScaler's states, HF's step and epoch counts, the random numbers now and at
