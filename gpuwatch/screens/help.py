@@ -63,8 +63,12 @@ PANELS = (
         "kernels & memory, data: the loader's, optimizer), green for 10 s after a "
         "change; '-> v (at step N)' while a command waits for its step; lr: the "
         "learning rate the last step used (and lr_scale when not 1); clip: "
-        "max_grad_norm and the last gradient norm. '+N more': the ones that do "
-        "not fit (: sets any).")),
+        "max_grad_norm and the last gradient norm; recover: loss-spike recovery "
+        "with its settings, e.g. on (every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100): "
+        "a state kept every 25 steps, the last 2; 3 losses in a row above the median "
+        "by 6 robust deviations are a spike, after which the run goes back to the "
+        "last state before it, skips the data since and runs at half the lr for 100 "
+        "steps. '+N more': the ones that do not fit (: sets any).")),
     ("events", (
         "Commands sent, the run's replies and applied changes, warnings; the "
         "newest line alone when the terminal is short (gpuwatch tail shows "
