@@ -540,17 +540,15 @@ class RunBase:
                              f"not be read ({type(exc).__name__}: {exc})",
                              kind=EventKind.WARNING, step=step)
             return
-        lr_text, lr_knob = "", self.knobs.knobs.get(LR_SCALE.name)
+        lr_text, lr_knob, lr_to = "", self.knobs.knobs.get(LR_SCALE.name), None
         if policy.lr_scale != 1 and policy.lr_steps:
             if lr_knob is None:
                 lr_text = "; the lr is not scaled (" + self.knobs.unsupported.get(
                     LR_SCALE.name, "this run has no lr_scale knob") + ")"
-            else:
+            else:  # (a recovery during the scaled steps scales the value before them)
                 base = self._lr_back[1] if self._lr_back is not None else lr_knob.get()
-                lr_knob.set(base * policy.lr_scale)
-                self._lr_back = (kept_step + policy.lr_steps, base)
-                lr_text = (f"; lr_scale {base:g} -> {base * policy.lr_scale:g} for "
-                           f"{policy.lr_steps} steps")
+                lr_to = (base, base * policy.lr_scale)
+                lr_text = f"; lr_scale {base:g} -> {lr_to[1]:g} for {policy.lr_steps} steps"
         cause = (f"{reason}; restored the state kept after step {kept_step} "
                  f"({format_bytes(size)} in host memory); skipped the "
                  f"{self._micro_batches - micro_batches} micro-batches ("
@@ -559,14 +557,19 @@ class RunBase:
             self.rewind_state(snapshot, kept_step, source="recovery", cause=cause)
         except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
             spikes.rearm()
-            if self._lr_back is not None and lr_knob is not None:
-                lr_knob.set(self._lr_back[1])
-                self._lr_back = None
             self.agent.event("error", f"{reason}; putting back the state of step "
                              f"{kept_step} failed ({type(exc).__name__}: {exc}): training "
                              "goes on from the weights as they are", kind=EventKind.WARNING,
                              step=step)
             return
+        if lr_to is not None and lr_knob is not None:  # (after: a state may hold the
+            try:                                        # lr_scale it had then)
+                lr_knob.set(lr_to[1])
+                self._lr_back = (kept_step + policy.lr_steps, lr_to[0])
+            except Exception as exc:  # noqa: BLE001 -- said in the event
+                self.agent.event("error", f"lr_scale={lr_to[1]:g} after the recovery "
+                                 f"failed ({exc}): the lr stays as it is",
+                                 kind=EventKind.FAILED, knob=LR_SCALE.name, step=step)
         while self._ring and self._ring[-1][0] > kept_step:  # of the branch left
             self._ring.pop()
         self.agent.refresh_knobs()

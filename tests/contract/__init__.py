@@ -150,6 +150,8 @@ class Driver:
         refused: ``{knob: a word of the refusal reason}``.
         slow: its runs start a framework whose start-up is long.
         rollback: a rollback puts its training state back (not the knob values only).
+        clips_gradients: its loop clips the gradient norm itself (a poisoned window
+            then does little harm).
     """
 
     name = ""
@@ -157,6 +159,7 @@ class Driver:
     refused: dict[str, str] = {}
     slow = False
     rollback = False
+    clips_gradients = False
 
     def train(self, *, steps: int, commands: list[tuple[str, Any, int]],
               checkpoint_dir: Path, resume_from: Path | None,
