@@ -111,3 +111,27 @@ def test_the_knobs_panel_shows_the_settings_after_the_value():
     assert line.value == "on (every 25 x2\u241b[31m, lr x0.5 for 100)"
     state.knobs = {"recover": "off"}
     assert _knob_line(state, "recover", 0.0, None).value == "off"
+
+
+def test_the_ring_keeps_the_latest_states_within_its_budget(run_dir):
+    model = torch.nn.Linear(4, 2)  # 10 parameters: 40 bytes of weights
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    run = agent.session(model=model, optimizer=optimizer, name="ring",
+                        recover=Recovery(keep_every_steps=2, keep_states=2))
+    try:
+        run.knobs.knobs["recover"].set("on")
+        for _ in range(7):
+            model(torch.ones(1, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.optimizer_step()
+        assert [kept[0] for kept in run._ring] == [4, 6]
+    finally:
+        run.close()
+    small = agent.session(model=model, optimizer=optimizer, name="small",
+                          recover=Recovery(budget_bytes=16))
+    try:
+        with pytest.raises(ValueError, match="larger than the 16 B budget of Recovery"):
+            small.knobs.knobs["recover"].set("on")
+    finally:
+        small.close()

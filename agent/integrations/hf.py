@@ -524,7 +524,7 @@ class _Run(RunBase):
         return getattr(self.trainer.accelerator, "scaler", None)
 
     #: a recovery keeps these of the state as they are now (the epoch, its micro-batches
-    #: and random numbers, HF's epoch count)
+    #: and the random numbers, HF's epoch count)
     recovery_data_keys = ("data", "epochs_done", "epoch")
 
     def state_snapshot(self) -> dict[str, Any]:

@@ -574,9 +574,11 @@ class RunBase:
             self._ring.pop()
         self.agent.refresh_knobs()
 
-    #: the keys of :meth:`state_snapshot`'s dict that hold the data position: a
-    #: recovery puts back the rest of a kept state and these as they are now
-    recovery_data_keys: tuple[str, ...] = ("data",)
+    #: the keys of :meth:`state_snapshot`'s dict that hold the data position and the
+    #: random numbers (which draw random batches and the next epoch's order): a
+    #: recovery puts back the rest of a kept state and these as they are now, so the
+    #: data goes on as the run without the recovery would have had it
+    recovery_data_keys: tuple[str, ...] = ("data", "rng")
 
     # ------------------------------------------------------------ the end
 
