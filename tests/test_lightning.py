@@ -230,7 +230,7 @@ def test_one_line_attach_reports_undivided_loss_data_wait_lr_tokens_and_events(r
     assert hello["model"] == {"name": "Digits",
                               "params": sum(p.numel() for p in module.parameters())}
     assert [k["name"] for k in hello["knobs"]] == [
-        "pause", "stop", "precision", "accum_steps", "kernels", "checkpointing", "lr_scale",
+        "pause", "stop", "recover", "precision", "accum_steps", "kernels", "checkpointing", "lr_scale",
         "weight_decay", "max_grad_norm", "checkpoint", "cpu_threads", "evaluate"]
     assert hello["training"] == {"framework": f"lightning {L.__version__}",
                                  "loss_normalization": "micro_batch_mean"}
