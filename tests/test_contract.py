@@ -163,7 +163,7 @@ def test_a_loss_spike_is_recovered_from_past_the_poisoned_batches(driver, run_di
     kept after step 20 (a new branch), the data goes on past the 8 micro-batches
     trained since (never trained again), the lr is halved for 4 steps,
     all said in one ``branched`` event; the last epoch's loss is then within 10% of
-    the twin's (1-8%: it trained other windows, 4 of them at half the lr)."""
+    the twin's (4-9%: it trained other windows, 4 of them at half the lr)."""
     twin = run_poisoned(driver, tmp_path / "twin", steps=RECOVERY_STEPS, poisoned=None)
     spiked = run_poisoned(driver, tmp_path / "spiked", steps=RECOVERY_STEPS,
                           poisoned=POISONED)

@@ -419,8 +419,8 @@ def test_checkpoint_now_is_lightnings_own_and_resumes_exactly_where_the_contract
     for mine, theirs in zip(resumed.params, twin.params):
         assert torch.equal(mine, theirs)
     [event] = resumed.events("resumed")
-    assert event["text"] == (f"resumed from {path} at step {after} with precision=fp32, "
-                             "accum_steps=2, kernels=eager, lr_scale=1.0, weight_decay=0.05, "
+    assert event["text"] == (f"resumed from {path} at step {after} with recover=off, "
+                             "precision=fp32, accum_steps=2, kernels=eager, lr_scale=1.0, weight_decay=0.05, "
                              f"max_grad_norm=0.0, cpu_threads={torch.get_num_threads()}, "
                              "dropout=0.2")
     assert [e["text"] for e in resumed.events("epoch_end")] == [  # no epoch twice or lost

@@ -39,7 +39,7 @@ from agent.wire.commands import send_command
 from agent.control.guard import ChangeGuard
 from agent.wire.knobs import KnobSet, assignment
 from agent.control.ledger import ChangeLedger, Rollback, StateKeeper
-from agent.control.recovery import Recovery, Spike, SpikeWatch
+from agent.control.recovery import Recovery, SpikeWatch
 from agent.step.markers import marker_for
 from agent.io.ioloop import IOLoop
 from agent.io.probes import Nvml
@@ -447,7 +447,6 @@ class Agent:
             self._io.publish(protocol.EVENT, {"level": "warning", "kind": EventKind.WARNING,
                                            "text": warning, "step": step})
 
-
     def _watch_losses(self, steps: list[int], losses: list[float | None]) -> None:
         """I/O thread, rank 0 (from the encoder, for every published step): a spike
         the watch finds is recovered from on every rank at one boundary (with one rank:
@@ -460,10 +459,10 @@ class Agent:
         if self.world_size == 1:
             self._desk.schedule_recovery(command_id, reason, self._last_step + 2)
             return
-        threading.Thread(target=self._recover_every_rank, args=(spike, command_id, reason),
+        threading.Thread(target=self._recover_every_rank, args=(command_id, reason),
                          name="gpuwatch-recovery", daemon=True).start()
 
-    def _recover_every_rank(self, spike: Spike, command_id: str, reason: str) -> None:
+    def _recover_every_rank(self, command_id: str, reason: str) -> None:
         """Its own thread (rank 0, several ranks): send the recovery to every rank for
         one common step (``recover=on`` with a :data:`agent.wire.protocol.RECOVERY_ID_PREFIX`
         id); a refusal is an event, and the watch looks for spikes again."""
