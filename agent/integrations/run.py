@@ -124,7 +124,7 @@ class RunBase:
         self.branch = 0
         self._branches = 0
         #: micro-batches trained in all (every branch), for what a recovery skips
-        self._micro_batches = 0
+        self._micro_batches_trained = 0
         #: ``recover=on``: the states kept for a recovery, oldest first, each
         #: ``(step, snapshot, bytes, micro-batches trained by then)``, and why the latest
         #: one due was not kept ("" when it was)
@@ -157,7 +157,7 @@ class RunBase:
             return
         self.step = record.step = record.step or self.step + 1
         self.position.window_done(record.micro_batches)
-        self._micro_batches += record.micro_batches
+        self._micro_batches_trained += record.micro_batches
         self.agent.optimizer_step(record)
         if self._pause_requested:
             self.agent.hold(lambda: not self._pause_requested or self.stop_requested is not None)
@@ -486,7 +486,7 @@ class RunBase:
         while ring and (len(ring) >= policy.keep_states
                         or sum(kept[2] for kept in ring) + size > policy.budget_bytes):
             ring.popleft()
-        ring.append((self.step, snapshot, size, self._micro_batches))
+        ring.append((self.step, snapshot, size, self._micro_batches_trained))
         self._ring_not_kept = ""
         self.agent.mark_start()  # the next step's time leaves the copy out
         log.debug("kept the state of step %d for recoveries (%s, %.3f s)", self.step,
@@ -551,7 +551,7 @@ class RunBase:
                 lr_text = f"; lr_scale {base:g} -> {lr_to[1]:g} for {policy.lr_steps} steps"
         cause = (f"{reason}; restored the state kept after step {kept_step} "
                  f"({format_bytes(size)} in host memory); skipped the "
-                 f"{self._micro_batches - micro_batches} micro-batches ("
+                 f"{self._micro_batches_trained - micro_batches} micro-batches ("
                  f"{step - kept_step} windows) trained since{lr_text}")
         try:
             self.rewind_state(snapshot, kept_step, source="recovery", cause=cause)
