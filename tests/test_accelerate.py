@@ -537,7 +537,8 @@ def test_knobs_that_cannot_be_right_are_refused_with_their_reason():
     info = runs.find_run(run.agent.run_id)
     schema = {knob["name"] for knob in run.agent.knobs.schema()}
     assert schema == {"accum_steps", "precision", "kernels", "lr_scale", "weight_decay",
-                      "max_grad_norm", "checkpoint", "cpu_threads", "pause", "stop", "rewind"}
+                      "max_grad_norm", "checkpoint", "cpu_threads", "pause", "stop",
+                      "recover", "rewind"}
 
     def reason(knob, value):
         reply = send_command(info, knob, value)

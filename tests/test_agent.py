@@ -71,13 +71,14 @@ def test_hello_carries_schema_environment_and_model(run_dir):
         # the CUDA-only memory knobs are absent from a CPU run's schema
         assert [k["name"] for k in body["knobs"]] == [
             "precision", "accum_steps", "kernels", "lr_scale", "weight_decay",
-            "max_grad_norm", "cpu_threads", "pause", "stop", "checkpoint", "rewind"]
+            "max_grad_norm", "cpu_threads", "pause", "stop", "recover", "checkpoint",
+            "rewind"]
         assert body["model"] == {"name": "Sequential", "params": 64 * 64 + 64 + 64 * 10 + 10}
         assert body["env"]["torch"]["version"] == torch.__version__
         assert body["knob_values"] == {"precision": "fp32", "accum_steps": 1, "kernels": "eager",
                                        "lr_scale": 1.0, "weight_decay": 0.0,
                                        "max_grad_norm": 0.0,
-                                       "cpu_threads": torch.get_num_threads()}
+                                       "cpu_threads": torch.get_num_threads(), "recover": "off"}
     finally:
         monitor.close()
 

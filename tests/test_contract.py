@@ -25,7 +25,8 @@ import torch
 
 from agent.wire.knobs import assignment
 from gpuwatch.history import flat_records
-from tests.contract import Driver, Recorder, all_drivers, run, run_diverging
+from agent.control.recovery import Recovery
+from tests.contract import Driver, Recorder, all_drivers, run, run_diverging, run_poisoned
 
 STEPS = 9
 CHECKPOINT_AFTER = 5
@@ -195,3 +196,67 @@ def test_sigterm_ends_the_run_with_bye(driver, run_dir, tmp_path):
             process.wait()
     last = list(flat_records(log_path))[-1]
     assert last["type"] == "bye" and last["reason"] == "stopped by SIGTERM", last
+
+
+#: The recovery check: 48 steps of windows of 2, micro-batches 41-46 (steps 21-23)
+#: poisoned; states kept every 4 steps, 3 of them.
+RECOVERY_STEPS = 48
+POISONED = range(41, 47)
+
+
+def _final_loss(result) -> float:
+    """The mean loss of the last 8 steps (an epoch of the task's data; HF's run ends
+    when its planned epochs of data do, 4 steps early after 4 windows skipped)."""
+    steps = result.steps()  # (a step trained again on a new branch: its latest record)
+    return sum(steps[step]["loss"] for step in range(max(steps) - 7, max(steps) + 1)) / 8
+
+
+@pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].rollback])
+def test_a_loss_spike_is_recovered_from_past_the_poisoned_batches(driver, run_dir,
+                                                                   tmp_path):
+    """Three windows of poisoned labels (steps 21-23) wreck the weights and AdamW's
+    moments: without recovery the loss of the last epoch stays far above an unpoisoned
+    twin's. With ``recover=on`` the spike watch fires at step 23 (the training waits
+    there for it), and at the boundary after step 24 the state goes back to the one
+    kept after step 20 (a new branch), the data goes on past the 8 micro-batches
+    trained since (never trained again), the lr is halved for 4 steps,
+    all said in one ``branched`` event; the last epoch's loss is then within 10% of
+    the twin's (4-9%: it trained other windows, 4 of them at half the lr)."""
+    twin = run_poisoned(driver, tmp_path / "twin", steps=RECOVERY_STEPS, poisoned=None)
+    spiked = run_poisoned(driver, tmp_path / "spiked", steps=RECOVERY_STEPS,
+                          poisoned=POISONED)
+    recovered = run_poisoned(driver, tmp_path / "recovered", steps=RECOVERY_STEPS,
+                             poisoned=POISONED, hold_at=23, policy=Recovery(
+                                 keep_every_steps=4, keep_states=3, lr_scale=0.5,
+                                 lr_steps=4))
+    assert spiked.steps()[22]["loss"] > 1000 * twin.steps()[22]["loss"]
+    want, unrecovered, got = (_final_loss(r) for r in (twin, spiked, recovered))
+    if not driver.clips_gradients:  # (clipping keeps the damage within 2%)
+        assert unrecovered > 1.15 * want, (unrecovered, want)
+    assert abs(got - want) < 0.1 * want, (got, want, unrecovered)
+
+    [branched] = recovered.events("branched")
+    assert (branched["branch"], branched["parent"], branched["step"],
+            branched["source"]) == (1, 0, 20, "recovery"), branched
+    for said in ("loss spike", "steps 21-23", "restored the state kept after step 20",
+                 "skipped the 8 micro-batches (4 windows)", "lr_scale 1 -> 0.5 for 4 steps"):
+        assert said in branched["text"], (said, branched["text"])
+    [back] = [e for e in recovered.events("applied") if e["knob"] == "lr_scale"]
+    assert back["step"] == 25 and back["value"] == 1, back
+    steps = recovered.steps()
+    assert [steps[step]["knobs"]["lr_scale"] for step in (21, 24, 25)] == [0.5, 0.5, 1]
+    # the data never goes back: the recovered run trains the spiked run's stream, its
+    # 8 micro-batches after step 20 (the poisoned ones among them) once
+    trained = recovered.recorder.trained
+    assert trained[:len(spiked.recorder.trained)] == spiked.recorder.trained
+
+
+@pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].name == "loop"])
+def test_a_single_noisy_step_is_not_a_spike(driver, run_dir, tmp_path):
+    """One poisoned window (step 21: its loss thousands of times the median) is noise to
+    the spike watch (3 steps in a row make a spike): nothing is recovered."""
+    noisy = run_poisoned(driver, tmp_path, steps=30, poisoned=range(41, 43),
+                         policy=Recovery(keep_every_steps=4))
+    assert noisy.steps()[21]["loss"] > 1000 * noisy.steps()[20]["loss"]
+    assert not noisy.events("branched") and not noisy.events("warning")
+    assert sorted(noisy.steps()) == list(range(1, 31))

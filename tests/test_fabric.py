@@ -265,7 +265,7 @@ def test_knobs_that_cannot_be_exact_are_refused_with_their_reason(tmp_path):
     fabric, model, optimizer, loader, run = _set_up(n=32)
     schema = {knob["name"] for knob in run.agent.knobs.schema()}
     assert schema == {"precision", "kernels", "checkpointing", "lr_scale", "weight_decay",
-                      "checkpoint", "cpu_threads", "pause", "stop", "rewind"}
+                      "checkpoint", "cpu_threads", "pause", "stop", "recover", "rewind"}
 
     def reason(knob, value):
         reply = send_command(run.agent.info, knob, value)

@@ -231,7 +231,8 @@ def test_one_line_attach_reports_undivided_loss_data_wait_lr_tokens_and_events(r
     assert hello["model"] == {"name": "Digits",
                               "params": sum(p.numel() for p in module.parameters())}
     assert [k["name"] for k in hello["knobs"]] == [
-        "pause", "stop", "rewind", "precision", "accum_steps", "kernels", "checkpointing",
+        "pause", "stop", "recover", "rewind", "precision", "accum_steps", "kernels",
+        "checkpointing",
         "lr_scale", "weight_decay", "max_grad_norm", "checkpoint", "cpu_threads", "evaluate"]
     assert hello["training"] == {"framework": f"lightning {L.__version__}",
                                  "loss_normalization": "micro_batch_mean"}
@@ -420,9 +421,10 @@ def test_checkpoint_now_is_lightnings_own_and_resumes_exactly_where_the_contract
     for mine, theirs in zip(resumed.params, twin.params):
         assert torch.equal(mine, theirs)
     [event] = resumed.events("resumed")
-    assert event["text"] == (f"resumed from {path} at step {after} with precision=fp32, "
-                             "accum_steps=2, kernels=eager, lr_scale=1.0, weight_decay=0.05, "
-                             f"max_grad_norm=0.0, cpu_threads={torch.get_num_threads()}, "
+    assert event["text"] == (f"resumed from {path} at step {after} with recover=off, "
+                             "precision=fp32, accum_steps=2, kernels=eager, lr_scale=1.0, "
+                             "weight_decay=0.05, max_grad_norm=0.0, "
+                             f"cpu_threads={torch.get_num_threads()}, "
                              "dropout=0.2")
     assert [e["text"] for e in resumed.events("epoch_end")] == [  # no epoch twice or lost
         e["text"] for e in twin.events("epoch_end") if e["step"] > after]

@@ -321,3 +321,34 @@ def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path, wrap):
         for mine, theirs in zip(changed["params"], twin["params"], strict=True):
             assert torch.equal(mine, theirs)
     assert len(restored_at) == 1  # the same step on both ranks
+
+
+@pytest.mark.slow
+def test_a_loss_spike_is_recovered_from_on_every_rank_at_one_step(run_dir, tmp_path):
+    """DDP on gloo, 2 ranks, a hand-written loop with ``recover=on``: three poisoned
+    windows (steps 21-23) on each rank; rank 0's spike watch sends the recovery to
+    every rank, and both go back to the state kept after step 20 at the same boundary
+    (one ``branched`` event each) and end with bit-equal parameters."""
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(Path(__file__).with_name("ddp_recovery_job.py")), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1",
+             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        start_new_session=True)
+    try:
+        output = job.communicate(timeout=300)[0]
+        assert job.returncode == 0, output
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    [first], [second] = (saved["events"] for saved in ranks)
+    assert first["after"] == second["after"] > 23  # the one boundary of the fan-out
+    for event in (first, second):
+        assert (event["branch"], event["parent"], event["step"], event["source"]) == (
+            1, 0, 20, "recovery"), event
+        assert "loss spike" in event["text"] and "steps 21-23" in event["text"], event
+    for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(mine, theirs)

@@ -23,9 +23,10 @@ from typing import Any
 
 from agent.wire import protocol
 from agent.control.guard import GUARDED_KNOBS
-from agent.wire.knobs import CHECKPOINT, KnobError, KnobSet, assignment
+from agent.wire.knobs import CHECKPOINT, RECOVER, KnobError, KnobSet, assignment
 from agent.control.ledger import Change, ChangeLedger, Rollback, StateKeeper
-from agent.wire.protocol import ROLLBACK_ID_PREFIX, TUNE_ID_PREFIX, EventKind, Reply
+from agent.wire.protocol import (RECOVERY_ID_PREFIX, ROLLBACK_ID_PREFIX, TUNE_ID_PREFIX,
+                                 EventKind, Reply)
 from agent.search.tune import AutoTune
 
 #: How far ahead a command may be scheduled (optimizer steps).
@@ -192,9 +193,10 @@ class CommandDesk:
             self.schedule(Pending(apply_step, 0, CHECKPOINT.name, "now", None))
         reason = body.get("reason")
         rollback = (protocol.shorten(reason) if isinstance(reason, str)
-                    and str(command_id).startswith(ROLLBACK_ID_PREFIX) else None)
+                    and str(command_id).startswith((ROLLBACK_ID_PREFIX, RECOVERY_ID_PREFIX))
+                    else None)
         no_op = (not checkpoint and rollback is None
-                 and self.knobs.knobs[knob_name].spec.kind != "action"
+                 and not self.knobs.knobs[knob_name].spec.command
                  and value == self._value_at(knob_name, apply_step))
         self.schedule(Pending(apply_step, 0, knob_name, value, command_id, rollback,
                               after_checkpoint=checkpoint))
@@ -262,6 +264,11 @@ class CommandDesk:
         for knob, value in rollback.values.items():
             self.schedule(Pending(apply_step, 0, knob, value, None, rollback.reason))
 
+    def schedule_recovery(self, command_id: str, reason: str, apply_step: int) -> None:
+        """Queue a loss-spike recovery (``command_id``: :data:`RECOVERY_ID_PREFIX`, the
+        spike's first step, ``-``...) for the boundary before ``apply_step``."""
+        self.schedule(Pending(apply_step, 0, RECOVER.name, "on", command_id, reason))
+
     def cancel(self, command_id: Any, reason: Any) -> Reply:
         """Withdraw the pending command ``command_id`` (another rank refused it); the
         reply says whether it was pending, applied already (``applied_step``) or unknown."""
@@ -328,7 +335,8 @@ class CommandDesk:
                 continue                            # at the same boundary wins
             if self._apply(step + 1, command, checkpoint_failed):
                 changed = True
-                rolled_back = rolled_back or command.rollback_reason or ""
+                if _spike_start(command) is None:  # (a recovery is no rollback)
+                    rolled_back = rolled_back or command.rollback_reason or ""
             elif command.knob == CHECKPOINT.name:
                 checkpoint_failed = True
         if rolled_back and self.state_keeper is not None:
@@ -341,6 +349,11 @@ class CommandDesk:
         """Apply one due command at the boundary before ``step``; returns whether it
         applied (False: it failed, and a ``failed`` event says why)."""
         knob = self.knobs.knobs[command.knob]
+        before = _spike_start(command)
+        if before is not None and self.state_keeper is not None:  # not a setting
+            assert command.rollback_reason is not None  # (_spike_start checks it)
+            self.state_keeper.recover(step - 1, before, command.rollback_reason)
+            return True
         action = knob.spec.command
         previous = None if action else knob.get()
         if command.after_checkpoint and checkpoint_failed and self.world_size > 1:
@@ -413,3 +426,15 @@ class CommandDesk:
                         f"rolled back because {why}", kind=EventKind.ROLLED_BACK, knob=name,
                         value=value, step=step)
         return True
+
+
+def _spike_start(command: Pending) -> int | None:
+    """The first step of the loss spike that ``command`` recovers from (a ``recover``
+    command with a reason and a :data:`RECOVERY_ID_PREFIX` ``<step>-`` id), or None
+    when it is not a recovery."""
+    command_id = str(command.command_id)
+    if (command.knob != RECOVER.name or not command.rollback_reason
+            or not command_id.startswith(RECOVERY_ID_PREFIX)):
+        return None
+    step = command_id.removeprefix(RECOVERY_ID_PREFIX).split("-", 1)[0]
+    return int(step) if step.isdigit() and len(step) < 19 else None

@@ -64,6 +64,11 @@ class StateKeeper(Protocol):
         ``(level, text)`` saying what was restored, what it cost and how many steps
         will be trained again (or why not)."""
 
+    def recover(self, step: int, before: int, reason: str) -> None:
+        """A loss spike began at optimizer step ``before`` (``reason``: what it was),
+        at the boundary after ``step``: put back the latest state kept before it, move
+        the data past what was trained since, and say so in one event (or why not)."""
+
 
 class ChangeLedger:
     """The changes of the latest episode, with the values before them.

@@ -323,12 +323,15 @@ def attach(trainer: Any, *, name: str = "", transport: str = "ipc",
         resume_from: a checkpoint the command saved: the trainer continues from it (its
             state, loader position, random numbers and every knob value; see
             :meth:`Trainer.load_state_dict`), and an event says so.
-        options: more :class:`agent.Agent` arguments (and the integration's own, such
-            as ``eval_fn=``: what ``evaluate=now`` runs, for the gpuopt Trainer,
-            accelerate and Fabric; Lightning and HF run their own evaluation).
+        options: more :class:`agent.Agent` arguments, such as ``recover=`` (the
+            :class:`agent.control.recovery.Recovery` settings of ``recover=on``), and the
+            integration's own, such as ``eval_fn=``: what ``evaluate=now`` runs, for the
+            gpuopt Trainer, accelerate and Fabric (Lightning and HF run their own
+            evaluation).
 
-    Every run also takes ``pause=on|off``, ``stop=now|checkpoint`` and, where it has an
-    evaluation, ``evaluate=now`` (see :mod:`agent.integrations.run`).
+    Every run also takes ``pause=on|off``, ``stop=now|checkpoint``, ``recover=on|off``
+    where it keeps its state and, where it has an evaluation, ``evaluate=now`` (see
+    :mod:`agent.integrations.run`).
 
     Raises:
         ValueError: ``resume_from`` is not such a checkpoint, or this trainer cannot take

@@ -537,6 +537,10 @@ class _Run(RunBase):
             return self.policy.grad_scaler
         return getattr(self.trainer.accelerator, "scaler", None)
 
+    #: a recovery keeps these of the state as they are now (the epoch, its micro-batches
+    #: and the random numbers, HF's epoch count)
+    recovery_data_keys = ("data", "epochs_done", "epoch")
+
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
         """A ``checkpoint=now`` checkpoint in :meth:`state_snapshot`'s form, read as
         ``train(resume_from_checkpoint=...)`` reads it: HF's ``_load_from_checkpoint``

@@ -23,6 +23,11 @@ accelerate, Lightning Fabric) is a subclass. The base owns, once for all of them
   any step record of it; ``rewind`` reads a checkpoint of the integration's own format
   (:meth:`RunBase.read_checkpoint`, the code its resume uses) into the rollback's
   snapshot form, with its knob values;
+- **loss-spike recovery** (the ``recover`` knob, :mod:`agent.control.recovery`): with
+  ``recover=on``, host copies of the state every ``keep_every_steps`` (a ring within a
+  byte budget); after a spike rank 0 found, every rank goes back to the latest state
+  kept before it (:meth:`RunBase.rewind_state`, a new branch), the data moves past what
+  was trained since, and the learning rate is scaled a while (:meth:`RunBase.recover`);
 - **pause, stop and evaluate** (the ``pause``, ``stop`` and ``evaluate`` commands):
   ``pause=on`` holds the training thread at the boundary it applies at, asleep on an
   event until ``pause=off`` (or ``stop``) arrives; ``stop`` ends the framework's loop
@@ -48,14 +53,16 @@ import signal
 import stat
 import sys
 import threading
+import time
 import weakref
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from agent.wire.knobs import (CHECKPOINT, EVALUATE, MIXTURE, PAUSE, REWIND, STOP, Knob,
-                              assignment)
+from agent.wire.knobs import (CHECKPOINT, EVALUATE, LR_SCALE, MIXTURE, PAUSE, RECOVER,
+                              REWIND, STOP, Knob, assignment)
 from agent.wire.protocol import EventKind
 from agent.integrations.adapters import NOT_A_MIXTURE, MemoryKnobs, publish_events
 from agent.control.checkpoints import Checkpoints, knobs_text, restore_knobs, set_knobs
@@ -110,6 +117,7 @@ class RunBase:
         self.memory.bind(self.knobs)
         self.event_sources: list[Callable[[], list[tuple[str, str, dict[str, Any]]]]] = []
         self.resumed_from: str | None = None
+        #: the branch being trained now (0: the run's first)
         self.branch = 0
         #: the highest branch id so far (a new branch's is one more)
         self._last_branch = 0
@@ -132,6 +140,23 @@ class RunBase:
         self.knobs.add(Knob(PAUSE, get=lambda: None, set=self._set_pause))
         self.knobs.add(Knob(STOP, get=lambda: None, set=self._set_stop,
                             check=self._check_stop))
+        #: micro-batches trained in all (every branch), for what a recovery skips
+        self._micro_batches_trained = 0
+        #: ``recover=on``: the states kept for a recovery, oldest first, each
+        #: ``(step, snapshot, bytes, micro-batches trained by then)``, and why the latest
+        #: one due was not kept ("" when it was)
+        self._recovering = False
+        self._ring: deque[tuple[int, Any, int, int]] = deque()
+        self._ring_not_kept = ""
+        #: a recovery's scaled learning rate: (the step it ends after, the value then)
+        self._lr_back: tuple[int, float] | None = None
+        if type(self).state_snapshot is RunBase.state_snapshot:
+            self.knobs.bind(RECOVER, f"{type(self).__name__} keeps no training state to go "
+                                     "back to")
+        else:
+            self.knobs.add(Knob(RECOVER, get=lambda: "on" if self._recovering else "off",
+                                set=self._set_recover,
+                                detail=agent.recovery.describe()))
 
     # ------------------------------------------------------------ the boundary
 
@@ -149,6 +174,7 @@ class RunBase:
             return
         self.step = record.step = record.step or self.step + 1
         self.position.window_done(record.micro_batches)
+        self._micro_batches_trained += record.micro_batches
         self.agent.optimizer_step(record)
         if self._pause_requested:
             self.agent.hold(lambda: not self._pause_requested or self.stop_requested is not None)
@@ -159,6 +185,8 @@ class RunBase:
             # change, since rank 0's rollback may come after its own watch ended)
             self._kept = None
         try:
+            if self._recovering or self._lr_back is not None:
+                self._recovery_step()
             for source in self.event_sources:
                 events = source()
                 if events:
@@ -543,6 +571,151 @@ class RunBase:
         flag = torch.tensor([1 if ok else 0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
+
+    # ------------------------------------------------------------ loss-spike recovery
+
+    def _set_recover(self, value: str) -> dict[str, Any]:
+        """``recover=on``: keep the state at this boundary at once (refused with the
+        reason where it cannot be kept); ``off``: drop the kept states."""
+        if value == "off":
+            self._recovering = self.agent.spikes.on = False
+            self._ring.clear()
+            return {"text": "no state is kept for recoveries"}
+        if not self._recovering:
+            self._keep_for_recovery(force=True)
+            if not self._ring:
+                raise ValueError(self._ring_not_kept)
+        self._recovering = self.agent.spikes.on = True
+        step, _, size, _ = self._ring[-1]
+        return {"text": f"{self.agent.recovery.describe()}; the state after step {step} "
+                        f"kept ({format_bytes(size)} in host memory)"}
+
+    def _keep_for_recovery(self, *, force: bool = False) -> None:
+        """Training thread, at the boundary after :attr:`step`: keep a host copy of the
+        state there when the policy's ``keep_every_steps`` says so (or ``force``),
+        dropping the oldest copies beyond ``keep_states`` or the byte budget.
+
+        .. note:: Copies the state to host memory (on GPU a device sync): the training
+           thread waits about the state's size over the copy bandwidth at these
+           boundaries only.
+        """
+        policy = self.agent.recovery
+        if not force and (self.step % policy.keep_every_steps
+                          or (self._ring and self._ring[-1][0] == self.step)):
+            return
+        started = time.perf_counter()
+        try:
+            snapshot = self.state_snapshot()
+        except Exception as exc:  # noqa: BLE001 -- said when a recovery needs it
+            self._ring_not_kept = (f"the state could not be kept at step {self.step} "
+                                   f"({type(exc).__name__}: {exc})")
+            return
+        if snapshot is None:
+            self._ring_not_kept = (f"{type(self).__name__} keeps no training state to go "
+                                   "back to")
+            return
+        size = _host_bytes(snapshot)
+        if size > policy.budget_bytes:
+            self._ring_not_kept = (f"the state ({format_bytes(size)}) is larger than the "
+                                   f"{format_bytes(policy.budget_bytes)} budget of Recovery")
+            return
+        ring = self._ring
+        while ring and (len(ring) >= policy.keep_states
+                        or sum(kept[2] for kept in ring) + size > policy.budget_bytes):
+            ring.popleft()
+        ring.append((self.step, snapshot, size, self._micro_batches_trained))
+        self._ring_not_kept = ""
+        self.agent.mark_start()  # the next step's time leaves the copy out
+        log.debug("kept the state of step %d for recoveries (%s, %.3f s)", self.step,
+                  format_bytes(size), time.perf_counter() - started)
+
+    def _recovery_step(self) -> None:
+        """Training thread, at each boundary while recovering or the lr is scaled: keep
+        the state when due, and put the lr back when its steps are over."""
+        if self._lr_back is not None and self.step >= self._lr_back[0]:
+            value = self._lr_back[1]
+            self._lr_back = None
+            self.knobs.knobs[LR_SCALE.name].set(value)
+            self.agent.refresh_knobs()
+            self.agent.event("info", f"lr_scale back to {value:g} after step {self.step}, "
+                             "as the recovery planned", kind=EventKind.APPLIED,
+                             knob=LR_SCALE.name, value=value, step=self.step + 1)
+        if self._recovering:
+            self._keep_for_recovery()
+
+    def recover(self, step: int, before: int, reason: str) -> None:
+        """Training thread, at the boundary after ``step``: a loss spike began at step
+        ``before`` (``reason``: what rank 0 saw). Put back the latest state kept before
+        it (:meth:`rewind_state`: a new branch from that step) with the data position
+        as it is now, so that the data goes on past every micro-batch trained since
+        (the ones that led to the spike among them); scale ``lr_scale`` for
+        ``lr_steps`` steps; one ``branched`` event says what was restored, skipped and
+        changed (a warning says why not, when nothing was kept before it).
+
+        .. note:: Copies the state now (its data position is kept), then loads the
+           kept one: the training thread waits about twice the state's copy time, at
+           this boundary only.
+        """
+        policy, spikes = self.agent.recovery, self.agent.spikes
+        kept = next((entry for entry in reversed(self._ring) if entry[0] < before), None)
+        if not self._recovering or kept is None:
+            spikes.rearm()
+            why = ("recover is off on this rank" if not self._recovering else
+                   f"no state was kept before step {before} (kept: "
+                   + (", ".join(f"step {entry[0]}" for entry in self._ring) or "none")
+                   + (f"; {self._ring_not_kept}" if self._ring_not_kept else "") + ")")
+            self.agent.event("warning", f"{reason}; not recovered: {why}",
+                             kind=EventKind.WARNING, step=step)
+            return
+        kept_step, snapshot, size, micro_batches = kept
+        try:
+            now = self.state_snapshot()
+            snapshot = {**snapshot, **{key: now[key] for key in self.recovery_data_keys}}
+        except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
+            spikes.rearm()
+            self.agent.event("error", f"{reason}; not recovered: the data position could "
+                             f"not be read ({type(exc).__name__}: {exc})",
+                             kind=EventKind.WARNING, step=step)
+            return
+        lr_text, lr_knob, lr_to = "", self.knobs.knobs.get(LR_SCALE.name), None
+        if policy.lr_scale != 1 and policy.lr_steps:
+            if lr_knob is None:
+                lr_text = "; the lr is not scaled (" + self.knobs.unsupported.get(
+                    LR_SCALE.name, "this run has no lr_scale knob") + ")"
+            else:  # (a recovery during the scaled steps scales the value before them)
+                base = self._lr_back[1] if self._lr_back is not None else lr_knob.get()
+                lr_to = (base, base * policy.lr_scale)
+                lr_text = f"; lr_scale {base:g} -> {lr_to[1]:g} for {policy.lr_steps} steps"
+        cause = (f"{reason}; restored the state kept after step {kept_step} "
+                 f"({format_bytes(size)} in host memory); skipped the "
+                 f"{self._micro_batches_trained - micro_batches} micro-batches ("
+                 f"{step - kept_step} windows) trained since{lr_text}")
+        try:
+            self.rewind_state(snapshot, kept_step, source="recovery", cause=cause)
+        except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
+            spikes.rearm()
+            self.agent.event("error", f"{reason}; putting back the state of step "
+                             f"{kept_step} failed ({type(exc).__name__}: {exc}): training "
+                             "goes on from the weights as they are", kind=EventKind.WARNING,
+                             step=step)
+            return
+        if lr_to is not None and lr_knob is not None:  # (after: a state may hold the
+            try:                                        # lr_scale it had then)
+                lr_knob.set(lr_to[1])
+                self._lr_back = (kept_step + policy.lr_steps, lr_to[0])
+            except Exception as exc:  # noqa: BLE001 -- said in the event
+                self.agent.event("error", f"lr_scale={lr_to[1]:g} after the recovery "
+                                 f"failed ({exc}): the lr stays as it is",
+                                 kind=EventKind.FAILED, knob=LR_SCALE.name, step=step)
+        while self._ring and self._ring[-1][0] > kept_step:  # of the branch left
+            self._ring.pop()
+        self.agent.refresh_knobs()
+
+    #: the keys of :meth:`state_snapshot`'s dict that hold the data position and the
+    #: random numbers (which draw random batches and the next epoch's order): a
+    #: recovery puts back the rest of a kept state and these as they are now, so the
+    #: data goes on as the run without the recovery would have had it
+    recovery_data_keys: tuple[str, ...] = ("data", "rng")
 
     # ------------------------------------------------------------ the end
 

@@ -59,6 +59,10 @@ class TrainerRun(RunBase):
         step, its ``on_fit_end`` hooks run."""
         self.trainer.stop()
 
+    #: a recovery keeps these of the state as they are now (the Trainer's loader
+    #: position, epoch and random numbers)
+    recovery_data_keys = ("loader", "data", "epoch", "rng")
+
     def state_snapshot(self) -> dict[str, Any]:
         """:meth:`gpuopt.Trainer.state_dict`, copied to host memory."""
         return host_copy(self.trainer.state_dict())

@@ -39,6 +39,7 @@ from agent.wire.commands import send_command
 from agent.control.guard import ChangeGuard
 from agent.wire.knobs import KnobSet, assignment
 from agent.control.ledger import ChangeLedger, Rollback, StateKeeper
+from agent.control.recovery import Recovery, SpikeWatch
 from agent.step.markers import marker_for
 from agent.io.ioloop import IOLoop
 from agent.io.probes import Nvml
@@ -84,6 +85,8 @@ class Agent:
             shares (default: :func:`agent.wire.runs.shared_run_id`).
         training: facts of the training loop for ``hello`` (``framework``, and e.g.
             ``loss_normalization``: how a window's loss and gradient are averaged).
+        recover: the settings of loss-spike recovery (:class:`agent.control.recovery.Recovery`),
+            which the ``recover`` knob turns on; None: the defaults.
 
     Raises:
         ValueError: unknown ``transport``.
@@ -104,6 +107,7 @@ class Agent:
         listen: str | None = None,
         training: dict[str, Any] | None = None,
         run_id: str | None = None,
+        recover: Recovery | None = None,
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
@@ -156,6 +160,15 @@ class Agent:
                           records_bound=self._records.maxlen, nvml=nvml)
         self.errors: list[str] = []
         self._listeners: tuple[Any, ...] = ()
+        if recover is not None and not isinstance(recover, Recovery):
+            raise TypeError(f"recover must be an agent.control.recovery.Recovery, got "
+                            f"{type(recover).__name__}")
+        #: the ``recover`` knob's settings, and the spike watch (rank 0's decides for
+        #: every rank; the knob turns it on)
+        self.recovery = recover or Recovery()
+        self.spikes = SpikeWatch(self.recovery)
+        if self.rank == 0:
+            self._encoder.loss_watch = self._watch_losses
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -468,6 +481,33 @@ class Agent:
             self._io.publish(protocol.EVENT, {"level": "warning", "kind": EventKind.WARNING,
                                            "text": warning, "step": step})
 
+    def _watch_losses(self, steps: list[int], losses: list[float | None]) -> None:
+        """I/O thread, rank 0 (from the encoder, for every published step): a spike
+        the watch finds is recovered from on every rank at one boundary (with one rank:
+        the boundary after the next step; with several: the step the fan-out picks)."""
+        spike = self.spikes.observe(steps, losses)
+        if spike is None:
+            return
+        command_id = f"{protocol.RECOVERY_ID_PREFIX}{spike.first}-{secrets.token_hex(4)}"
+        reason = f"loss spike: {spike.describe()}"
+        if self.world_size == 1:
+            self._desk.schedule_recovery(command_id, reason, self._last_step + 2)
+            return
+        threading.Thread(target=self._recover_every_rank, args=(command_id, reason),
+                         name="gpuwatch-recovery", daemon=True).start()
+
+    def _recover_every_rank(self, command_id: str, reason: str) -> None:
+        """Its own thread (rank 0, several ranks): send the recovery to every rank for
+        one common step (``recover=on`` with a :data:`agent.wire.protocol.RECOVERY_ID_PREFIX`
+        id); a refusal is an event, and the watch looks for spikes again."""
+        info = self.info
+        reply = (send_command(info, "recover", "on", command_id=command_id, reason=reason,
+                              timeout_s=ROLLBACK_TIMEOUT_S) if info is not None else
+                 {"ok": False, "reason": "the agent has no sockets"})
+        if not reply["ok"]:
+            self.spikes.rearm()
+            self.event("warning", f"{reason}; not recovered on the {self.world_size} ranks: "
+                       f"{reply['reason']}", kind=EventKind.WARNING, step=self._last_step)
 
     def _roll_back_every_rank(self, rollback: Rollback) -> None:
         """Its own thread (rank 0, several ranks): send ``rollback``'s values to every

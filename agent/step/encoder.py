@@ -151,6 +151,9 @@ class StepEncoder:
         #: how many records of the list :meth:`drain` took were handled
         self._done = 0
         self._input = InputWindow()
+        #: ``loss_watch(steps, losses)``: told every step published, in order, with its
+        #: loss (the agent's loss-spike watch, on rank 0); None: nobody
+        self.loss_watch: Callable[[list[int], list[Any]], None] | None = None
         #: the step expected next, to count records the queue's bound dropped
         self.expected_step: int | None = None
         #: Step records lost because the queue overflowed (the I/O thread fell behind).
@@ -294,6 +297,8 @@ class StepEncoder:
         steps, times, waits, rates = (host["step"], host["step_time_s"], host["data_wait_s"],
                                       host["lr"])
         self._count_steps(steps)
+        if self.loss_watch is not None:
+            self.loss_watch(steps, losses)
         nones = skipped  # every one None
         rate_kinds = set(map(type, rates))
         if rate_kinds == _NONE:
@@ -345,6 +350,8 @@ class StepEncoder:
                     or (loss is not None and loss - loss != 0.0)):  # NaN or inf loss
                 self._check_step(step, loss, flag)  # (an event it publishes sends the batch)
             guard.observe((loss,))
+            if self.loss_watch is not None:
+                self.loss_watch([step], [loss])  # (idem)
             if tune is not None:  # a search is on (started by a command, never here)
                 tune.on_step(step, step_time_s, samples, tokens, loss, flag)  # (idem)
             share = verdict = None

@@ -450,6 +450,10 @@ REWIND = KnobSpec("rewind", "text", "put the training state back to a checkpoint
                   "next optimizer-step boundary and go on from it as a new branch: a step "
                   "the checkpoint command saved (rewind=120), or a checkpoint's path; its "
                   "knob values come back with it", group=OTHER)
+RECOVER = KnobSpec("recover", "choice", "on: keep host copies of the state and, after a "
+                   "loss spike, go back to the last one before it, skip the data since "
+                   "and scale the lr a while (the run's Recovery settings)",
+                   choices=("off", "on"), group=OTHER)
 MEMORY_FRACTION = KnobSpec("memory_fraction", "float",
                            "cap of this process's CUDA memory, as a fraction of the device",
                            minimum=0.01, maximum=1.0, group=KERNELS_MEMORY)
@@ -468,9 +472,10 @@ OPTIMIZER_KNOBS = (LR_SCALE, WEIGHT_DECAY, MAX_GRAD_NORM)
 #: for a run whose schema has none).
 STANDARD_KNOBS = {spec.name: spec for spec in
                   (PRECISION, ACCUM_STEPS, MICRO_BATCH_SIZE, NUM_WORKERS, PIN_MEMORY,
-                   PREFETCH_FACTOR, CPU_THREADS, MIXTURE, KERNELS, CHECKPOINTING, MEMORY_FRACTION,
+                   PREFETCH_FACTOR, CPU_THREADS, MIXTURE, KERNELS, CHECKPOINTING,
+                   MEMORY_FRACTION,
                    MEMORY_SNAPSHOT_STEPS, *OPTIMIZER_KNOBS, DROPOUT, CHECKPOINT, PAUSE,
-                   STOP, EVALUATE, REWIND)}
+                   STOP, EVALUATE, REWIND, RECOVER)}
 
 
 @dataclass
@@ -488,6 +493,9 @@ class Knob:
             arrives; raises ``ValueError`` with the reason (e.g. "this GPU has no bf16").
         warn: optional; returns a performance warning for an accepted value (e.g. fp16
             on a CPU), shown in the reply and the event log (see :meth:`warning`).
+        detail: optional; the run's settings behind the value in a few words (the
+            ``recover`` knob's policy), sent in the schema as ``detail`` and shown by
+            the knobs panel after a value other than ``off``.
     """
 
     spec: KnobSpec
@@ -495,6 +503,7 @@ class Knob:
     set: Callable[[Any], dict[str, Any] | None]
     check: Callable[[Any], None] | None = None
     warn: Callable[[Any], str | None] | None = None
+    detail: str = ""
 
     @classmethod
     def attribute(cls, spec: KnobSpec, owner: Any, name: str = "", *,
@@ -569,6 +578,8 @@ class KnobSet:
                         unavailable[choice] = str(exc)
                 if unavailable:
                     wire["unavailable"] = unavailable
+            if knob.detail:
+                wire["detail"] = knob.detail
             schema.append(wire)
         return schema
 

@@ -81,7 +81,11 @@ Message types and their bodies:
                :data:`ROLLBACK_ID_PREFIX` and that has a ``reason`` (string) is a
                rollback: rank 0's guard sends it to every rank of a run of several,
                and each applies it as its own guard's rollback (``rolled_back`` with
-               the reason, the training state put back: ``state_restored``).
+               the reason, the training state put back: ``state_restored``). One
+               whose id is :data:`RECOVERY_ID_PREFIX` ``<step>-...`` with
+               ``recover=on`` is a loss-spike recovery (:mod:`agent.control.recovery`):
+               each rank puts back its latest state kept before optimizer step
+               ``<step>`` (``branched``), instead of setting the knob.
 ``reply``      agent -> client (every field: :class:`Reply`): ``id``, ``ok``, ``knob``,
                ``value``, ``apply_step`` or ``reason``; an accepted command's reply also
                has ``step``, the last optimizer step the run had completed when it
@@ -145,6 +149,9 @@ TUNE_ID_PREFIX = "tune-"
 #: Ids of the commands that roll a guarded change back on every rank start with this
 #: (rank 0's guard sends them, with the ``reason``).
 ROLLBACK_ID_PREFIX = "rollback-"
+#: Ids of the commands of a loss-spike recovery start with this, then the spike's first
+#: step and ``-`` (rank 0 sends them to every rank, with the ``reason``).
+RECOVERY_ID_PREFIX = "recovery-"
 
 
 class EventKind:
@@ -197,6 +204,10 @@ class EventKind:
     #: planned epochs, the loss normalisation a loop uses)
     PLAN = "plan"
     LOSS_NORMALIZATION = "loss_normalization"
+    #: the training state was put back to an earlier point and the run goes on on a
+    #: new branch (``branch``, ``parent``, ``step``: the last step kept, ``source``,
+    #: ``cause``): a rewind, a rollback of the state, a loss-spike recovery
+    BRANCHED = "branched"
     #: a CUDA memory snapshot was written (``path``)
     MEMORY_SNAPSHOT = "memory_snapshot"
 

@@ -68,8 +68,13 @@ PANELS = (
         "learning rate the last step used (and lr_scale when not 1); clip: "
         "max_grad_norm and the last gradient norm; mixture: the weights a "
         "gpuopt.mixture.MixtureLoader draws its datasets with, in their order "
-        "(:mixture=0.7,0.3 sets them, normalised to sum 1, from the next sample). "
-        "'+N more': the ones that do not fit (: sets any).")),
+        "(:mixture=0.7,0.3 sets them, normalised to sum 1, from the next sample); "
+        "recover: loss-spike recovery "
+        "with its settings, e.g. on (every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100): "
+        "a state kept every 25 steps, the last 2; 3 losses in a row above the median "
+        "by 6 robust deviations are a spike, after which the run goes back to the "
+        "last state before it, skips the data since and runs at half the lr for 100 "
+        "steps. '+N more': the ones that do not fit (: sets any).")),
     ("events", (
         "Commands sent, the run's replies and applied changes, warnings; the "
         "newest line alone when the terminal is short (gpuwatch tail shows "

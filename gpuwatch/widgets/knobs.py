@@ -11,12 +11,15 @@ from typing import Any
 from textual.content import Content
 
 from agent.wire.knobs import COMMAND_KINDS, DATA, GROUPS, OTHER, STANDARD_KNOBS
+from agent.wire.protocol import printable
 from gpuwatch.state import RunState
 from gpuwatch.units import human_sig, knob_text
 from gpuwatch.widgets.panel import Panel
 
 #: A knob whose value changed within this many seconds is highlighted.
 RECENT_CHANGE_S = 10.0
+#: Longest settings text (a schema's ``detail``) shown after a knob's value.
+MAX_DETAIL_CHARS = 60
 
 
 
@@ -83,9 +86,14 @@ class _KnobLine:
 def _knob_line(state: RunState, name: str, now: float, text: str | None) -> _KnobLine:
     changed_at = state.knob_changed_at.get(name)
     pending = state.pending.get(name)
+    value = knob_text(state.knobs.get(name, "?"))
+    detail = state.schema.get(name, {}).get("detail")
+    if isinstance(detail, str) and detail and value != "off":
+        # the settings behind the value (recover's policy): on (every 25 x2, ...)
+        value += f" ({printable(detail, MAX_DETAIL_CHARS)})"
     return _KnobLine(
         label=(_label(name) or name) if text else name,
-        value=text or knob_text(state.knobs.get(name, "?")),
+        value=text or value,
         recent=changed_at is not None and now - changed_at < RECENT_CHANGE_S,
         pending="" if pending is None else f" -> {knob_text(pending.value)}",
         pending_at="" if pending is None or pending.apply_step is None

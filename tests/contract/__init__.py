@@ -69,7 +69,27 @@ class Net(torch.nn.Module):
         return out
 
 
+@dataclass
+class Poison:
+    """Fault injection for the recovery check: while ``micro_batches`` is set, the
+    training micro-batches (forwards with gradients, counted in training order from 1
+    in :attr:`trained`) whose number is in it have poisoned labels: their one-hot
+    labels scaled far out of range (x :data:`POISON_SCALE`, a squared error), which
+    wrecks the weights and AdamW's moments for many steps."""
+
+    micro_batches: range | None = None
+    trained: int = 0
+
+
+POISON = Poison()
+POISON_SCALE = 1000.0
+
+
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if POISON.micro_batches is not None and torch.is_grad_enabled():
+        POISON.trained += 1
+        if POISON.trained in POISON.micro_batches:
+            return F.mse_loss(logits.float(), F.one_hot(y, 10).float() * POISON_SCALE)
     return F.cross_entropy(logits.float(), y)
 
 
@@ -133,6 +153,8 @@ class Driver:
         refused: ``{knob: a word of the refusal reason}``.
         slow: its runs start a framework whose start-up is long.
         rollback: a rollback puts its training state back (not the knob values only).
+        clips_gradients: its loop clips the gradient norm itself (a poisoned window
+            then does little harm).
     """
 
     name = ""
@@ -140,6 +162,7 @@ class Driver:
     refused: dict[str, str] = {}
     slow = False
     rollback = False
+    clips_gradients = False
 
     def train(self, *, steps: int, commands: list[tuple[str, Any, int]],
               checkpoint_dir: Path, resume_from: Path | None,
@@ -247,3 +270,43 @@ def run_diverging(driver: Driver, checkpoint_dir: Path,
         agent.step.core.Agent.start = started
         NAN_UNDER_BF16.clear()
         decided.set()
+
+
+def run_poisoned(driver: Driver, checkpoint_dir: Path, *, steps: int, poisoned: range | None,
+                 policy: Any = None, hold_at: int | None = None) -> Result:
+    """A run of ``driver`` to step ``steps`` whose micro-batches ``poisoned`` (their
+    numbers in training order, from 1; None: none) have poisoned labels (:class:`Poison`);
+    with ``policy`` (an :class:`agent.control.recovery.Recovery`) the run has it and
+    ``recover=on`` from step 3. With ``hold_at``, the training waits at that step until
+    rank 0's spike watch found the spike (it decides on the I/O thread, from the
+    published steps, and the kept state from before the spike must still be in the
+    ring when the recovery applies)."""
+    import time
+
+    recorder = Recorder(hold_at=hold_at)
+    made = agent.step.core.Agent.__init__
+    agents: list[Any] = []
+
+    def with_policy(self: Any, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, recover=policy, **kwargs)
+        agents.append(self)
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not recorder.release.is_set():
+            if agents and agents[0].spikes.waiting_since is not None:
+                recorder.release.set()
+            time.sleep(0.01)
+
+    agent.step.core.Agent.__init__ = with_policy  # type: ignore[method-assign]
+    POISON.micro_batches, POISON.trained = poisoned or range(0), 0
+    watcher = threading.Thread(target=watch, daemon=True)
+    if hold_at is not None:
+        watcher.start()
+    try:
+        return run(driver, steps=steps, commands=[("recover", "on", 3)] if policy else [],
+                   checkpoint_dir=checkpoint_dir, recorder=recorder)
+    finally:
+        agent.step.core.Agent.__init__ = made  # type: ignore[method-assign]
+        POISON.micro_batches = None
+        recorder.release.set()

@@ -25,6 +25,7 @@ LOOP_MAX_NORM = 1.0
 class AccelerateDriver(Driver):
     rollback = True
     name = "accelerate"
+    clips_gradients = True
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
                ("precision", "bf16"), ("dropout", 0.5))
     refused = {"micro_batch_size": "ReconfigurableLoader"}

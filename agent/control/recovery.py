@@ -1,0 +1,181 @@
+"""Loss-spike recovery: the policy (:class:`Recovery`) and the spike test (:class:`SpikeWatch`).
+
+With ``recover=on`` the run base (:class:`agent.integrations.run.RunBase`) keeps host
+copies of the training state every :attr:`Recovery.keep_every_steps` optimizer steps (a
+ring of :attr:`Recovery.keep_states`, within :attr:`Recovery.budget_bytes`). Rank 0's
+I/O thread watches the losses the step markers deliver (never a ``.item()`` on the
+training thread): a loss far above its running median, by a margin of
+:attr:`Recovery.spike_mads` median absolute deviations, for
+:attr:`Recovery.spike_steps` steps in a row is a spike (one noisy step is not). The
+agent then asks every rank, for one common step, to put back the latest state kept
+before the spike began, to move the data past every micro-batch trained since that
+state, and to scale the learning rate by :attr:`Recovery.lr_scale` for
+:attr:`Recovery.lr_steps` steps; one ``branched`` event says all of it.
+
+Nothing here imports torch: the watch runs on the I/O thread from plain floats.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Host memory the kept states may take together by default (bytes).
+RECOVERY_BUDGET_BYTES = 4 << 30
+#: Finite losses the running median is taken over (the latest ones before a step).
+MEDIAN_STEPS = 50
+#: Losses needed before the watch judges a step (a run's first steps set its level).
+MIN_STEPS = 10
+#: The MAD is taken as at least this fraction of the median: a loss that has settled
+#: to nearly constant values must still move by that much to count.
+MIN_SPREAD = 0.02
+#: 1.4826 x MAD estimates the standard deviation of normally spread losses.
+MAD_TO_SIGMA = 1.4826
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """The settings of ``recover=on`` (``agent.attach(..., recover=Recovery(...))``,
+    ``agent.session(..., recover=...)``; the ``recover`` knob turns it on and off live).
+
+    Attributes:
+        keep_every_steps: keep a host copy of the state at every boundary after an
+            optimizer step that is a multiple of this (>= 1).
+        keep_states: how many kept states the ring holds (>= 1; 2 or more, so that the
+            one from before a spike is still there when a state is kept during it).
+        spike_steps: steps in a row whose loss must be above the margin (>= 2: one
+            noisy step never fires).
+        spike_mads: the margin above the running median, in robust standard
+            deviations (``1.4826 x`` the median absolute deviation, at least
+            :data:`MIN_SPREAD` of the median).
+        lr_scale: multiplier of the ``lr_scale`` knob after a recovery (1: unchanged).
+        lr_steps: optimizer steps the scaled learning rate lasts, then it goes back.
+        budget_bytes: host memory the kept states may take together; a state that
+            would not fit is not kept (the recovery then goes back further, or says it
+            cannot).
+
+    Raises:
+        ValueError: a setting out of its range.
+    """
+
+    keep_every_steps: int = 25
+    keep_states: int = 2
+    spike_steps: int = 3
+    spike_mads: float = 6.0
+    lr_scale: float = 1.0
+    lr_steps: int = 0
+    budget_bytes: int = RECOVERY_BUDGET_BYTES
+
+    def __post_init__(self) -> None:
+        for name, least in (("keep_every_steps", 1), ("keep_states", 1), ("spike_steps", 2),
+                            ("lr_steps", 0), ("budget_bytes", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Recovery.{name} must be an integer >= {least}, "
+                                 f"got {value!r}")
+        for name in ("spike_mads", "lr_scale"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"Recovery.{name} must be a number > 0, got {value!r}")
+
+    def describe(self) -> str:
+        """The settings in a few words, for the knobs panel and ``?``:
+        ``every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100``."""
+        text = (f"every {self.keep_every_steps} x{self.keep_states}, "
+                f"{self.spike_steps} steps > {self.spike_mads:g} MAD")
+        if self.lr_scale != 1 and self.lr_steps:
+            text += f", lr x{self.lr_scale:g} for {self.lr_steps}"
+        return text
+
+
+@dataclass(frozen=True)
+class Spike:
+    """A spike found: the losses of steps ``first`` to ``last`` were above ``limit``
+    (the running ``median`` plus the margin); ``loss`` is the last one."""
+
+    first: int
+    last: int
+    loss: float
+    median: float
+    limit: float
+
+    def describe(self) -> str:
+        """For people: ``loss 41.2 at steps 31-33, above 2.31 (median 0.52 + 6 MAD)``."""
+        return (f"loss {self.loss:.4g} at steps {self.first}-{self.last}, above "
+                f"{self.limit:.4g} (median {self.median:.4g} + margin)")
+
+
+class SpikeWatch:
+    """Finds loss spikes in the published steps (rank 0's I/O thread only).
+
+    Args:
+        policy: the spike's definition (:attr:`Recovery.spike_steps`,
+            :attr:`Recovery.spike_mads`).
+
+    Attributes:
+        on: whether spikes are looked for (the ``recover`` knob; any thread sets it).
+    """
+
+    def __init__(self, policy: Recovery) -> None:
+        self.policy = policy
+        self.on = False
+        self._recent: deque[float] = deque(maxlen=MEDIAN_STEPS)
+        #: the steps above the margin in a row: (first step, count)
+        self._first = 0
+        self._above = 0
+        #: the first step of the spike a recovery was asked for (None: none is waiting):
+        #: until a step at or before it comes (the new branch), steps are not judged
+        self.waiting_since: int | None = None
+        self._last_step = 0
+
+    def rearm(self) -> None:
+        """The recovery asked for did not happen (refused, nothing kept): judge the
+        next steps again. Any thread."""
+        self.waiting_since = None
+
+    def observe(self, steps: Sequence[int], losses: Sequence[float | None]) -> Spike | None:
+        """Published steps, in order, with their losses (None: not read): returns the
+        first spike they complete, or None. A few microseconds a step while on (a
+        median of :data:`MEDIAN_STEPS` floats); nothing while off."""
+        if not self.on:
+            return None
+        found = None
+        for step, loss in zip(steps, losses):
+            if step <= self._last_step:  # a new branch starts: its losses are new
+                self._above = 0
+                if self.waiting_since is not None and step <= self.waiting_since:
+                    self.waiting_since = None
+            self._last_step = step
+            if loss is None or self.waiting_since is not None or found is not None:
+                continue
+            spike = self._judge(step, loss)
+            if spike is not None:
+                found = spike
+                self.waiting_since = spike.first
+        return found
+
+    def _judge(self, step: int, loss: float) -> Spike | None:
+        recent = self._recent
+        if len(recent) < MIN_STEPS:
+            if math.isfinite(loss):
+                recent.append(loss)
+            return None
+        median = statistics.median(recent)
+        spread = max(MAD_TO_SIGMA * statistics.median(abs(x - median) for x in recent),
+                     MIN_SPREAD * abs(median))
+        limit = median + self.policy.spike_mads * spread
+        if not loss <= limit:  # (a NaN or inf loss counts as above)
+            if self._above == 0:
+                self._first = step
+            self._above += 1
+            if self._above >= self.policy.spike_steps:
+                self._above = 0
+                return Spike(self._first, step, loss, median, limit)
+            return None  # (a step above is left out of the median)
+        self._above = 0
+        recent.append(loss)
+        return None

@@ -1,0 +1,93 @@
+"""A DDP job (gloo, CPU) for the test of a loss-spike recovery on every rank:
+``torchrun --nproc-per-node 2 tests/ddp_recovery_job.py OUT``.
+
+Each rank trains the contract's task (:mod:`tests.contract`: its Net, AdamW and
+LambdaLR, windows of 2 micro-batches) in a hand-written loop (:func:`agent.session`,
+``recover=Recovery(keep_every_steps=10, keep_states=30)``: the fan-out's margin is
+tens of these millisecond steps) over a DistributedSampler's
+shard, the model in DistributedDataParallel; rank 0 sends ``recover=on`` to every rank
+for step 3. Micro-batches 41-46 of each rank (steps 21-23) have poisoned labels
+(:class:`tests.contract.Poison`); rank 0 waits at step 23 until its spike watch found
+the spike and the recovery was scheduled on it for the step every rank agreed on (the
+other rank waits for it in DDP's all-reduce), and the job trains on
+until it was done and step 40 is reached. Each rank saves ``OUT/rank<N>.pt``: its
+``branched`` events, the step each came after, and the final parameters."""
+
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+import agent
+from agent.control.recovery import Recovery
+from agent.wire.commands import send_command
+from tests.contract import (BATCH_SIZE, POISON, IndexedDigits, Net, loss_fn,
+                            optimizer_and_schedule, params_of)
+
+STEPS = 40
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = Net(seed=0)
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    optimizer, scheduler = optimizer_and_schedule(model)
+    run = agent.session(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                        precision="fp32", accum_steps=2, max_grad_norm=0.0,
+                        name="ddp-recovery", recover=Recovery(keep_every_steps=10,
+                                                              keep_states=30))
+    recovered = threading.Event()
+    events: list[dict] = []
+    last_step = [0]
+
+    def listener(record: dict) -> None:
+        if record["type"] == "step":
+            last_step[0] = record["step"]
+            if rank == 0 and record["step"] == 1:
+                reply = send_command(run.agent.info, "recover", "on", apply_step=3,
+                                     timeout_s=30)
+                assert reply["ok"], reply
+            if rank == 0 and record["step"] == 23 and not recovered.is_set():
+                # the watch decides on the I/O thread, and the fan-out to every rank
+                # takes its two phases: the test waits for both (on a busy host the
+                # training would otherwise run on far past the spike first)
+                for _ in range(6000):
+                    if any(pending.knob == "recover"
+                           for pending in list(run.agent._desk.pending)):
+                        break
+                    threading.Event().wait(0.01)
+        elif record.get("kind") == "branched":
+            events.append({key: record[key] for key in (
+                "branch", "parent", "step", "source", "text")} | {"after": last_step[0]})
+            recovered.set()
+
+    run.agent.add_listener(listener)
+    POISON.micro_batches, POISON.trained = range(41, 47), 0
+    data = DataLoader(IndexedDigits(), batch_size=BATCH_SIZE,
+                      sampler=DistributedSampler(IndexedDigits(), shuffle=True, seed=3))
+    batches = iter(run.loader(data, epochs=None))
+    while not (run.step >= STEPS and recovered.is_set()):
+        for _ in range(run.accum_steps):
+            x, y, _index = next(batches)
+            with run.autocast:
+                loss = loss_fn(model(x), y) / run.accum_steps
+            run.scaler.scale(loss).backward()
+        run.scaler.step(optimizer)
+        run.scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.optimizer_step()
+        if run.step > 400:
+            break
+    run.close()
+    torch.save({"events": events, "params": params_of(net)}, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,137 @@
+"""Loss-spike recovery's parts on their own: the policy's checks and words, the spike
+watch's rule (``tests/test_contract.py`` recovers real runs of every integration, and
+``tests/test_ranks.py`` a DDP job), the refusal where no state is kept, and the knobs
+panel's line."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import agent
+from agent.control.recovery import MIN_STEPS, Recovery, SpikeWatch
+from agent.integrations.run import RunBase
+from gpuwatch.state import RunState
+from gpuwatch.widgets.knobs import _knob_line
+
+
+@pytest.mark.parametrize("bad", [dict(keep_every_steps=0), dict(keep_states=0),
+                                 dict(spike_steps=1), dict(spike_mads=0.0),
+                                 dict(spike_mads=math.nan), dict(lr_scale=-1.0),
+                                 dict(lr_steps=-1), dict(budget_bytes=0),
+                                 dict(keep_every_steps=2.5), dict(keep_states=True)])
+def test_a_setting_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Recovery(**bad)
+
+
+def test_the_policy_in_a_few_words():
+    assert Recovery().describe() == "every 25 x2, 3 steps > 6 MAD"
+    assert Recovery(lr_scale=0.5, lr_steps=100).describe() == (
+        "every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100")
+
+
+def _watch(**settings) -> SpikeWatch:
+    watch = SpikeWatch(Recovery(**settings))
+    watch.on = True
+    losses = [2.0 + 0.01 * (i % 5) for i in range(20)]  # median 2.02, MAD 0.01
+    assert watch.observe(list(range(1, 21)), losses) is None
+    return watch
+
+
+def test_a_spike_is_spike_steps_losses_in_a_row_above_the_margin():
+    watch = _watch()
+    # limit: 2.02 + 6 x max(1.4826 x 0.01, 2% of 2.02) = 2.2624
+    assert watch.observe([21, 22, 23, 24], [2.3, 2.3, 2.0, 2.26]) is None  # no row of 3
+    spike = watch.observe([25, 26, 27], [2.3, math.nan, 9.0])  # NaN counts as above
+    assert spike is not None and (spike.first, spike.last, spike.loss) == (25, 27, 9.0)
+    assert spike.median == pytest.approx(2.02) and spike.limit == pytest.approx(2.2624)
+    assert "steps 25-27" in spike.describe()
+    # waiting for the recovery: the old branch's next steps are not judged...
+    assert watch.observe([28, 29, 30], [9.0, 9.0, 9.0]) is None
+    # ...until a step at or before the spike's first comes (the new branch)
+    assert watch.observe([21, 22, 23], [9.0, 9.0, 9.0]) is not None
+
+
+def test_one_noisy_step_is_not_a_spike_nor_are_steps_while_off():
+    watch = _watch()
+    for step in range(21, 60, 2):
+        assert watch.observe([step, step + 1], [1e6, 2.0]) is None
+    watch.on = False
+    assert watch.observe([61, 62, 63], [1e6, 1e6, 1e6]) is None
+    fresh = SpikeWatch(Recovery())
+    fresh.on = True  # too few losses to know the run's level: nothing is judged
+    assert fresh.observe(list(range(1, MIN_STEPS + 1)),
+                         [1.0] * (MIN_STEPS - 3) + [1e6] * 3) is None
+
+
+def test_a_refused_recovery_rearms_the_watch():
+    watch = _watch()
+    assert watch.observe([21, 22, 23], [9.0] * 3) is not None
+    watch.rearm()
+    assert watch.observe([24, 25, 26], [9.0] * 3) is not None
+
+
+def test_recover_on_is_refused_where_no_state_is_kept(run_dir):
+    plain = RunBase(agent.Agent())
+    assert "keeps no training state" in plain.knobs.unsupported["recover"]
+    plain.close()
+    run = agent.session(name="no-model")  # a loop with no model nor optimizer
+    try:
+        with pytest.raises(ValueError, match="keeps no training state"):
+            run.knobs.knobs["recover"].set("on")
+        assert run.knobs.knobs["recover"].get() == "off"
+    finally:
+        run.close()
+
+
+def test_recover_on_keeps_the_state_at_once_and_off_drops_it(run_dir):
+    model = torch.nn.Linear(4, 2)
+    run = agent.session(model=model, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+                        name="keeps", recover=Recovery(keep_every_steps=3))
+    try:
+        knob = run.knobs.knobs["recover"]
+        assert knob.detail == "every 3 x2, 3 steps > 6 MAD"
+        assert "the state after step 0 kept" in knob.set("on")["text"]
+        assert knob.get() == "on" and run.agent.spikes.on
+        knob.set("off")
+        assert knob.get() == "off" and not run.agent.spikes.on
+    finally:
+        run.close()
+
+
+def test_the_knobs_panel_shows_the_settings_after_the_value():
+    state = RunState()
+    state.schema = {"recover": {"name": "recover", "kind": "choice",
+                                "detail": "every 25 x2\x1b[31m, lr x0.5 for 100"}}
+    state.knobs = {"recover": "on"}
+    line = _knob_line(state, "recover", 0.0, None)
+    assert line.value == "on (every 25 x2\u241b[31m, lr x0.5 for 100)"
+    state.knobs = {"recover": "off"}
+    assert _knob_line(state, "recover", 0.0, None).value == "off"
+
+
+def test_the_ring_keeps_the_latest_states_within_its_budget(run_dir):
+    model = torch.nn.Linear(4, 2)  # 10 parameters: 40 bytes of weights
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    run = agent.session(model=model, optimizer=optimizer, name="ring",
+                        recover=Recovery(keep_every_steps=2, keep_states=2))
+    try:
+        run.knobs.knobs["recover"].set("on")
+        for _ in range(7):
+            model(torch.ones(1, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.optimizer_step()
+        assert [kept[0] for kept in run._ring] == [4, 6]
+    finally:
+        run.close()
+    small = agent.session(model=model, optimizer=optimizer, name="small",
+                          recover=Recovery(budget_bytes=16))
+    try:
+        with pytest.raises(ValueError, match="larger than the 16 B budget of Recovery"):
+            small.knobs.knobs["recover"].set("on")
+    finally:
+        small.close()
