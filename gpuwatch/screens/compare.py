@@ -1,5 +1,6 @@
-"""The ``v`` screen of a replay on a timeline: the segments before and after a knob
-change, side by side."""
+"""The ``v`` screen of a replay on a timeline: the segments around a knob change, side by side.
+
+The segments before and after the change."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from gpuwatch.compare import Column, table
 
 
 class CompareScreen(ModalScreen[None]):
-    """The figures of two or more segments (:func:`gpuwatch.compare.table`); any listed
-    key closes.
+    """The figures of two or more segments (:func:`gpuwatch.compare.table`).
+
+    Any listed key closes.
 
     Args:
         columns: the segments, in order.
