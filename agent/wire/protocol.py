@@ -389,11 +389,11 @@ def bounded_event(body: dict[str, Any]) -> dict[str, Any]:
 
     An event of 1 MB, 20 a second, would fill the dashboards' receive queues and the run
     log, and a frame over :data:`MAX_MESSAGE_BYTES` is dropped by every reader. The ``text``
-    is cut to :data:`MAX_EVENT_TEXT_CHARS` with a note of its length (``… [cut: 1,048,576
-    characters in all]``), other strings to :data:`MAX_TEXT_CHARS`, other values packed
-    larger than :data:`MAX_EVENT_VALUE_BYTES` become their cut ``repr``, and fields past
-    :data:`MAX_EVENT_FIELDS` go. Returns ``body`` itself when nothing is cut (the usual
-    case: a type and length check a field)."""
+    is cut to :data:`MAX_EVENT_TEXT_CHARS` with a note of its length
+    (``… [cut: 1,048,576 characters in all]``), other strings to :data:`MAX_TEXT_CHARS`,
+    other values packed larger than :data:`MAX_EVENT_VALUE_BYTES` become their cut ``repr``,
+    and fields past :data:`MAX_EVENT_FIELDS` go. Returns ``body`` itself when nothing is cut
+    (the usual case: a type and length check a field)."""
     scalars = (int, float, bool, type(None))
     for key, value in body.items():
         if type(value) is str:
