@@ -1,5 +1,6 @@
-"""Throughput (tokens/s for token models, else samples/s) as a labelled sparkline with
-the latest value."""
+"""Throughput as a labelled sparkline with the latest value.
+
+Tokens/s for token models, else samples/s."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ OUTLIER_MARK = "▲"
 
 
 class ThroughputBar(Horizontal):
-    """Tokens per second (runs that report tokens) or samples per second over the kept
-    steps (each column the median of its steps, from 0 to where the bulk of the
-    values ends: a few outlying steps are drawn full and marked, not allowed to
-    flatten the rest), and the latest value as a number."""
+    """Tokens or samples per second over the kept steps, and the latest value as a number.
+
+    Tokens per second (runs that report tokens) or samples per second; each column the
+    median of its steps, from 0 to where the bulk of the values ends: a few outlying steps
+    are drawn full and marked, not allowed to flatten the rest."""
 
     def compose(self) -> ComposeResult:
         yield Panel("throughput", classes="label")
