@@ -1,5 +1,6 @@
-"""The demo training job behind ``gpuwatch demo``: a real model on real packaged data,
-trained by :class:`gpuopt.Trainer` with the agent attached.
+"""The demo training job behind ``gpuwatch demo``: a real model on real packaged data.
+
+Trained by :class:`gpuopt.Trainer` with the agent attached.
 
 Run as ``python -m agent.demo [--model transformer|cnn] [--max-steps N]``; with
 ``--resume CHECKPOINT`` (and the options it was started with) it continues exactly from a
@@ -147,9 +148,10 @@ def held_out_evaluation(workload: DemoWorkload, batch_size: int
 
 
 def watch_parent(pid: int, on_exit: Callable[[], None]) -> None:
-    """Call ``on_exit`` from a daemon thread once process ``pid`` (the parent) ends:
-    woken by a pidfd (Linux 5.3+) when there is one, else by checking ``os.getppid()``
-    each second; at once if it has ended already."""
+    """Call ``on_exit`` from a daemon thread once process ``pid`` (the parent) ends.
+
+    Woken by a pidfd (Linux 5.3+) when there is one, else by checking ``os.getppid()`` each
+    second; at once if it has ended already."""
     def watch() -> None:
         try:
             pidfd = os.pidfd_open(pid)

@@ -1,5 +1,6 @@
-"""What each monitor adds to one optimizer step of a small real training loop (CPU), in CPU
-time per thread and in wall-clock time.
+"""What each monitor adds to one optimizer step of a small real training loop (CPU).
+
+In CPU time per thread and in wall-clock time.
 
     python benchmarks/bench_overhead.py [--steps 2000] [--rounds 15] [--all]
     python benchmarks/bench_overhead.py --short        # a quick check that it works
@@ -80,8 +81,9 @@ with Subscriber(info) as sub:
 
 
 def thread_cpu_s(tid: int) -> float | None:
-    """CPU time (s) of thread ``tid`` of this process (Linux's per-thread CPU clock, as
-    ``pthread_getcpuclockid`` gives it); None once the thread has ended."""
+    """CPU time (s) of thread ``tid`` of this process; None once the thread has ended.
+
+    Linux's per-thread CPU clock, as ``pthread_getcpuclockid`` gives it."""
     try:
         return time.clock_gettime((~tid << 3) | 6)  # MAKE_THREAD_CPUCLOCK(tid, SCHED)
     except OSError:
@@ -112,10 +114,11 @@ class Clocks:
         self._wall0 = time.perf_counter()
 
     def end(self) -> tuple[float, float, float, float]:
-        """``(wall s, training thread CPU s, monitor threads' CPU s, process CPU s)``
-        since begin(): the process's (all its threads) without the training thread's
-        after the loop, so a wait for the monitor's last step (a call of
-        :meth:`end` after the loop's) is not counted."""
+        """``(wall s, training thread CPU s, monitor threads' CPU s, process CPU s)`` since begin().
+
+        Process CPU: the process's (all its threads) without the training thread's after the
+        loop, so a wait for the monitor's last step (a call of :meth:`end` after the loop's)
+        is not counted."""
         wall = time.perf_counter() - self._wall0
         train = time.thread_time() - self._train0
         if self._train_loop is None:
@@ -239,10 +242,11 @@ EXTRA = {"naive_logger": run_naive_logger, "torch_profiler": run_profiler}
 
 
 def hot_path_cpu_us(steps: int, repeats: int = 5) -> dict[str, float]:
-    """The training thread's CPU a step that each monitor's per-step code adds, measured
-    without a model (so torch's noise is absent): a loop that only iterates, bare, under
-    tqdm and through the agent's loader and ``optimizer_step``; the best of ``repeats``
-    minus the bare loop's, in us a step."""
+    """The training thread's CPU a step that each monitor's per-step code adds, in us a step.
+
+    Measured without a model (so torch's noise is absent): a loop that only iterates, bare,
+    under tqdm and through the agent's loader and ``optimizer_step``; the best of
+    ``repeats`` minus the bare loop's, in us a step."""
     loss = torch.tensor(0.5)
     batches = [(None, None)] * steps
 

@@ -30,8 +30,9 @@ def batch_size(batch: Any) -> int:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in ``batch`` to ``device`` with ``non_blocking=True`` (overlaps
-    the host-to-device copy with compute when the batch is in pinned memory)."""
+    """Move every tensor in ``batch`` to ``device`` with ``non_blocking=True``.
+
+    It overlaps the host-to-device copy with compute when the batch is in pinned memory."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, dict):

@@ -82,8 +82,9 @@ class DataPosition:
     # ------------------------------------------------------------ counting
 
     def fetched(self, batch: Any, key: str = "") -> None:
-        """A batch was fetched (``key``: which source, for :meth:`timed_fetch`'s
-        arguments). Ignored under ``no_grad`` (an evaluation's fetch)."""
+        """A batch was fetched (``key``: which source, for :meth:`timed_fetch`'s arguments).
+
+        Ignored under ``no_grad`` (an evaluation's fetch)."""
         if torch.is_grad_enabled():
             self._count(batch, key)
 
@@ -93,16 +94,18 @@ class DataPosition:
         self._recent.append((key, batch))
 
     def window_done(self, micro_batches: int) -> None:
-        """An accumulation window of ``micro_batches`` micro-batches was trained (call
-        at the boundary, before a checkpoint of it may be taken)."""
+        """An accumulation window of ``micro_batches`` micro-batches was trained.
+
+        Call at the boundary, before a checkpoint of it may be taken."""
         self.trained_total += micro_batches
 
     def epoch_made(self, rng: dict[str, Any]) -> None:
-        """A new epoch's iterator was made, by :meth:`epoch_iterator` or by a loop that
-        makes its own (a framework's epoch loop, which then sets
-        :attr:`fetched_in_epoch` from its own count): count from its first batch, and
-        keep ``rng`` (:func:`gpuopt.saving.rng_state`, taken just before the iterator was
-        made), from which a resume makes that epoch's iterator again."""
+        """A new epoch's iterator was made: count from its first batch, and keep ``rng``.
+
+        Made by :meth:`epoch_iterator` or by a loop that makes its own (a framework's epoch
+        loop, which then sets :attr:`fetched_in_epoch` from its own count). ``rng``
+        (:func:`gpuopt.saving.rng_state`, taken just before the iterator was made) is what a
+        resume makes that epoch's iterator again from."""
         self._epoch_rng = rng
         self.epoch += 1
         self.fetched_in_epoch = 0
@@ -115,9 +118,11 @@ class DataPosition:
     # ------------------------------------------------------------ save and restore
 
     def state_dict(self) -> dict[str, Any]:
-        """The position at this boundary: epoch, batches fetched in it, the generators at
-        its start and now, and the batches fetched ahead (tensors moved to the host).
-        Tensors and plain values only (``torch.load(..., weights_only=True)``).
+        """The position at this boundary: epoch, batches fetched, generators, batches fetched ahead.
+
+        The epoch, batches fetched in it, the generators at its start and now, and the
+        batches fetched ahead (tensors moved to the host). Tensors and plain values only
+        (``torch.load(..., weights_only=True)``).
 
         Raises:
             ValueError: more batches are fetched ahead than a position keeps
@@ -136,12 +141,13 @@ class DataPosition:
                 "ahead": [(key, _to_host(batch)) for key, batch in batches]}
 
     def load_state_dict(self, state: dict[str, Any], *, replay: bool = True) -> None:
-        """Go back to ``state`` (:meth:`state_dict`'s), before training or in the middle
-        of it (a rollback): the generators are set to the boundary's now; the batches
+        """Go back to ``state`` (:meth:`state_dict`'s), before training or in the middle of it.
+
+        In the middle: a rollback. The generators are set to the boundary's now; the batches
         fetched ahead come back first from the next fetch (:meth:`timed_fetch`) or from
         :meth:`epoch_iterator`, which first replays the epoch from its start
-        (``replay=False``: a loader that restores its own position, whose next
-        iterator goes on from there, is only iterated again)."""
+        (``replay=False``: a loader that restores its own position, whose next iterator goes
+        on from there, is only iterated again)."""
         self.epoch = int(state["epoch"])
         self.epochs_done = int(state.get("epochs_done", self.epoch))
         self.fetched_in_epoch = int(state["fetched_in_epoch"])
@@ -161,12 +167,13 @@ class DataPosition:
     def timed_fetch(self, fetch: Callable[..., Any],
                     on_batch: Callable[[Any, float], None] | None = None,
                     clock: Callable[[], float] | None = None) -> Callable[..., Any]:
-        """``fetch`` (e.g. nanoGPT's ``get_batch(split)``) with each training call
-        counted; after a resume, a call with the same arguments as a batch fetched
-        ahead gets that batch back instead of a new one. ``on_batch(batch, wait_s)``
-        (with ``clock``) times each real training call: a call under ``no_grad`` (an
-        evaluation's, e.g. nanoGPT's ``estimate_loss()``) is neither counted nor timed.
-        Arguments are told apart by ``repr``."""
+        """``fetch`` (e.g. nanoGPT's ``get_batch(split)``) with each training call counted.
+
+        After a resume, a call with the same arguments as a batch fetched ahead gets that
+        batch back instead of a new one. ``on_batch(batch, wait_s)`` (with ``clock``) times
+        each real training call: a call under ``no_grad`` (an evaluation's, e.g. nanoGPT's
+        ``estimate_loss()``) is neither counted nor timed. Arguments are told apart by
+        ``repr``."""
         import time
 
         now = clock or time.perf_counter
@@ -186,8 +193,9 @@ class DataPosition:
 
     def iterate(self, batches: Iterable[Any], epochs: int | None = 1,
                 next_batch: Callable[[Iterator[Any]], Any] = next) -> Iterator[Any]:
-        """``batches`` for ``epochs`` epochs (None: without end; an epoch that yields
-        nothing ends it), each through :meth:`epoch_iterator`. After
+        """``batches`` for ``epochs`` epochs, each through :meth:`epoch_iterator`.
+
+        ``epochs`` None: without end; an epoch that yields nothing ends it. After
         :meth:`load_state_dict` the first of them is the rest of the saved epoch."""
         done = 0
         while epochs is None or done < epochs:
@@ -200,13 +208,13 @@ class DataPosition:
                 return
 
     def replay_epoch(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """The iterator of ``batches`` where the restored position (:meth:`load_state_dict`)
-        was: made again from the generators at the saved epoch's start, the batches the
-        saved run fetched in it dropped, and the generators put back as at the boundary
-        (a position restored with ``replay=False``: ``iter(batches)`` as it is).
-        :meth:`epoch_iterator` calls it where it goes back (a resume, a rollback); a
-        framework's loop that fetches from its own iterator calls it where it would make
-        that iterator.
+        """The iterator of ``batches`` where the restored position (:meth:`load_state_dict`) was.
+
+        Made again from the generators at the saved epoch's start, the batches the saved run
+        fetched in it dropped, and the generators put back as at the boundary (a position
+        restored with ``replay=False``: ``iter(batches)`` as it is). :meth:`epoch_iterator`
+        calls it where it goes back (a resume, a rollback); a framework's loop that fetches
+        from its own iterator calls it where it would make that iterator.
 
         Raises:
             ValueError: the saved epoch had more batches than ``batches`` has (not the
@@ -234,12 +242,13 @@ class DataPosition:
 
     def epoch_iterator(self, batches: Iterable[Any],
                        next_batch: Callable[[Iterator[Any]], Any] = next) -> Iterator[Any]:
-        """One epoch of ``batches``, each batch through ``next_batch(iterator)`` (e.g. a
-        timed ``next``) and counted whatever the grad mode. After :meth:`load_state_dict`
-        (before this call or while it iterates): the rest of the saved epoch (its iterator
-        made again from the generators at its start, the batches the saved run fetched
-        dropped, the generators put back as at the boundary, the batches fetched ahead,
-        then the epoch's remaining ones).
+        """One epoch of ``batches``, each through ``next_batch(iterator)`` and counted.
+
+        ``next_batch``: e.g. a timed ``next``; each batch is counted whatever the grad mode.
+        After :meth:`load_state_dict` (before this call or while it iterates): the rest of
+        the saved epoch (its iterator made again from the generators at its start, the
+        batches the saved run fetched dropped, the generators put back as at the boundary,
+        the batches fetched ahead, then the epoch's remaining ones).
 
         Raises:
             ValueError: the saved epoch had more batches than ``batches`` has (not the

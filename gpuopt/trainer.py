@@ -91,9 +91,11 @@ LOSS_NORMALIZATIONS = ("micro_batch_mean", "samples", "tokens")
 
 
 def count_target_tokens(batch: Any, ignore_index: int = -100) -> int:
-    """Tokens in an ``(input, target)`` batch that the loss counts: the elements of the
-    target tensor not equal to ``ignore_index`` (padding, as ``cross_entropy``'s
-    default ``ignore_index=-100`` leaves out). For ``Trainer(count_tokens=...)``.
+    """Tokens in an ``(input, target)`` batch that the loss counts.
+
+    For ``Trainer(count_tokens=...)``: the elements of the target tensor not equal to
+    ``ignore_index`` (padding, as ``cross_entropy``'s default ``ignore_index=-100`` leaves
+    out).
 
     A dict batch uses its ``"labels"`` (else the sum of its ``"attention_mask"``).
     Called with the batch as the loader gives it, before it is moved to the device: on
@@ -126,12 +128,15 @@ class Callback(Protocol):
     def on_fit_end(self, trainer: "Trainer") -> None: ...
 
     def on_exception(self, trainer: "Trainer", error: BaseException) -> None:
-        """:meth:`Trainer.fit` is ending with ``error`` (Ctrl-C included); ``on_fit_end``
-        follows."""
+        """:meth:`Trainer.fit` is ending with ``error`` (Ctrl-C included).
+
+        ``on_fit_end`` follows."""
 
     def on_out_of_memory(self, trainer: "Trainer", error: torch.OutOfMemoryError) -> bool:
-        """A micro-batch ran out of memory: undo what caused it (e.g. a live change)
-        and return True to have the window run once more; False lets it raise."""
+        """A micro-batch ran out of memory: undo the cause and return True to run the window again.
+
+        Undo what caused it (e.g. a live change) and return True to have the window run once
+        more; False lets it raise."""
 
 
 class Trainer:
@@ -319,8 +324,9 @@ class Trainer:
 
     @property
     def precision(self) -> str:
-        """Current precision; set it between optimizer steps (raises ValueError if the
-        device cannot run it)."""
+        """Current precision; set it between optimizer steps.
+
+        Setting it raises ValueError if the device cannot run it."""
         return self.mixed_precision.precision
 
     @precision.setter
@@ -340,8 +346,10 @@ class Trainer:
 
     @property
     def max_grad_norm(self) -> float | None:
-        """Clip the global gradient norm to this before each optimizer step (in fp16 after
-        unscaling); None (or 0 when set): no clipping. Set it between optimizer steps.
+        """Clip the global gradient norm to this before each optimizer step.
+
+        In fp16 after unscaling. None (or 0 when set): no clipping. Set it between optimizer
+        steps.
 
         Raises:
             ValueError (on set): not None and not a finite number >= 0.
@@ -358,9 +366,10 @@ class Trainer:
 
     @property
     def lr_scale(self) -> float:
-        """The multiplier on every param group's learning rate, applied inside the
-        optimizer step only, so the schedule keeps its shape (see
-        :mod:`gpuopt.optim`). Set it between optimizer steps.
+        """The multiplier on every param group's learning rate, applied inside the optimizer step.
+
+        Only there, so the schedule keeps its shape (see :mod:`gpuopt.optim`). Set it
+        between optimizer steps.
 
         Raises:
             ValueError (on set): not a finite number >= 0.
@@ -373,9 +382,10 @@ class Trainer:
 
     @property
     def weight_decay(self) -> float:
-        """The weight decay of the decaying param groups (those not at 0 when the Trainer
-        was made; the others stay 0; see :class:`gpuopt.optim.OptimizerSettings`). Set it
-        between optimizer steps.
+        """The weight decay of the decaying param groups; set it between optimizer steps.
+
+        The decaying groups: those not at 0 when the Trainer was made; the others stay 0
+        (see :class:`gpuopt.optim.OptimizerSettings`).
 
         Raises:
             ValueError (on set): not a finite number >= 0, or an optimizer without
@@ -429,8 +439,10 @@ class Trainer:
 
     @property
     def kernels(self) -> str:
-        """The kernel backend (``"eager"``, ``"compile"``, ``"triton"``); set it between
-        optimizer steps (raises ValueError with the reason if it cannot run here)."""
+        """The kernel backend: ``"eager"``, ``"compile"`` or ``"triton"``.
+
+        Set it between optimizer steps; setting raises ValueError with the reason if it
+        cannot run here."""
         return self.model_backend.kernels
 
     @kernels.setter
@@ -455,10 +467,11 @@ class Trainer:
 
     @property
     def dropout(self) -> float | None:
-        """The ``p`` of every dropout module of the model, from the next forward
-        (:class:`gpuopt.dropout.DropoutRate`); None for a model whose dropout cannot be
-        set (its ``dropout_rate.refusal`` says why: the setter raises ``ValueError``
-        with it for any value but None)."""
+        """The ``p`` of every dropout module of the model, from the next forward.
+
+        See :class:`gpuopt.dropout.DropoutRate`. None for a model whose dropout cannot be
+        set (its ``dropout_rate.refusal`` says why: the setter raises ``ValueError`` with it
+        for any value but None)."""
         return self.dropout_rate.p
 
     @dropout.setter
@@ -470,14 +483,14 @@ class Trainer:
                 "lr_scale", "weight_decay", "loss_normalization", "dropout")
 
     def state_dict(self) -> dict[str, Any]:
-        """What a fresh Trainer needs to go on from this optimizer-step boundary as this
-        one would: the step and epoch; the model's, optimizer's, scheduler's and
-        GradScaler's states; the settings (:attr:`SETTINGS`); the data position (a
-        :class:`gpuopt.loader.ReconfigurableLoader`'s own in ``loader``, any other
-        loader's in ``data``: :class:`gpuopt.position.DataPosition`, whose resume makes
-        the epoch's iterator again and drops the batches already trained); and the
-        random number generators
-        (:func:`gpuopt.saving.rng_state`). Tensors and plain values only:
+        """What a fresh Trainer needs to go on from this optimizer-step boundary as this one would.
+
+        The step and epoch; the model's, optimizer's, scheduler's and GradScaler's states;
+        the settings (:attr:`SETTINGS`); the data position (a
+        :class:`gpuopt.loader.ReconfigurableLoader`'s own in ``loader``, any other loader's
+        in ``data``: :class:`gpuopt.position.DataPosition`, whose resume makes the epoch's
+        iterator again and drops the batches already trained); and the random number
+        generators (:func:`gpuopt.saving.rng_state`). Tensors and plain values only:
         ``torch.load(path, weights_only=True)`` reads it back.
 
         Call it between optimizer steps (in a callback's ``on_optimizer_step``). The
@@ -502,11 +515,11 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (what :meth:`state_dict` returned, in this run or in an
-        earlier process): the next :meth:`fit` trains step ``state["step"] + 1`` on, with
-        the same batches (a :class:`gpuopt.loader.ReconfigurableLoader` over the same
-        dataset) and random numbers as the run that saved it, so on the same machine it
-        continues bit for bit.
+        """Continue from ``state``: what :meth:`state_dict` returned, here or in an earlier process.
+
+        The next :meth:`fit` trains step ``state["step"] + 1`` on, with the same batches (a
+        :class:`gpuopt.loader.ReconfigurableLoader` over the same dataset) and random
+        numbers as the run that saved it, so on the same machine it continues bit for bit.
 
         Raises:
             ValueError: a setting this Trainer cannot take (a precision or kernels the
@@ -539,8 +552,9 @@ class Trainer:
         set_rng_state(state["rng"])
 
     def stop(self) -> None:
-        """Ask :meth:`fit` to return at the next optimizer-step boundary (any thread);
-        asked before :meth:`fit` starts, the next one returns before its first step."""
+        """Ask :meth:`fit` to return at the next optimizer-step boundary (any thread).
+
+        Asked before :meth:`fit` starts, the next one returns before its first step."""
         self._stop.set()
 
     def _batches(self, epochs: int | None) -> Iterator[Any]:

@@ -216,10 +216,11 @@ class GpuwatchApp(App[None]):
         self._key: str | None = None
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Hide a knob's keys (footer, help, palette) where no command can go: in a
-        replay, and once the run's schema is known, for a knob it does not have. A
-        read-only dashboard keeps them: a key then says what it would send. The
-        timeline's keys act on a replay on a timeline only."""
+        """Hide a knob's keys (footer, help, palette) where no command can go.
+
+        In a replay, and once the run's schema is known, for a knob it does not have. A
+        read-only dashboard keeps them: a key then says what it would send. The timeline's
+        keys act on a replay on a timeline only."""
         if action in _TIMELINE_ACTIONS:  # before the focused widget's keys, but
             # never a text box's (the command palette's): its arrows stay its own
             return (isinstance(self.source, TimelineSource)
@@ -240,10 +241,11 @@ class GpuwatchApp(App[None]):
         return parameters[0] in schema
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        """Textual's own palette entries, less those our bindings already offer (quit)
-        or that do nothing useful here (its key list: ? is ours; maximize); the rest
-        (theme, screenshot) grouped under :data:`SYSTEM_COMMANDS_GROUP`, apart from the
-        run's commands."""
+        """Textual's own palette entries, less those our keys offer or that do nothing useful here.
+
+        Left out: quit (our bindings offer it), and its key list (? is ours) and maximize,
+        which do nothing useful here; the rest (theme, screenshot) grouped under
+        :data:`SYSTEM_COMMANDS_GROUP`, apart from the run's commands."""
         for command in super().get_system_commands(screen):
             if command.title not in _HIDDEN_SYSTEM_COMMANDS:
                 yield command._replace(title=f"{SYSTEM_COMMANDS_GROUP}{command.title}")
@@ -350,9 +352,11 @@ class GpuwatchApp(App[None]):
         self.source.close()
 
     def redraw(self) -> None:
-        """Redraw the panels if a record arrived, the run's status changed or the panels
-        were resized, and the charts if steps arrived (at most every
-        :data:`CHART_REDRAW_S`, and within :data:`CHART_CPU_SHARE` of a core)."""
+        """Redraw the panels and the charts that have something new, at a bounded cost.
+
+        The panels if a record arrived, the run's status changed or the panels were resized,
+        and the charts if steps arrived (at most every :data:`CHART_REDRAW_S`, and within
+        :data:`CHART_CPU_SHARE` of a core)."""
         if not self.is_running or self._switching:  # the widgets are being replaced
             return
         wall = time.monotonic()
@@ -425,8 +429,9 @@ class GpuwatchApp(App[None]):
             self.refresh_bindings()
 
     def action_zoom(self) -> None:
-        """Charts: between the whole run (from its log, then live) and the steps
-        received last (at most :data:`~gpuwatch.state.STEP_HISTORY`)."""
+        """Charts: between the whole run (from its log, then live) and the steps received last.
+
+        The steps received last: at most :data:`~gpuwatch.state.STEP_HISTORY`."""
         self._whole_run = not self._whole_run
         self._charts_drawn = (-1, 0.0)  # at once
         if not self._whole_run:
@@ -454,8 +459,10 @@ class GpuwatchApp(App[None]):
             self.redraw()
 
     def action_move_to_mark(self, kind: str, direction: int) -> None:
-        """Timeline: go to the next (``direction`` 1) or previous (-1) knob change
-        (``kind`` change) or event (event), or say there is none."""
+        """Timeline: go to the next or previous knob change or event, or say there is none.
+
+        ``direction`` 1: the next, -1: the previous; ``kind`` change: a knob change, event:
+        an event."""
         if not isinstance(self.source, TimelineSource):
             return
         if self.source.move_to_mark(kind, direction) is None:
@@ -466,8 +473,9 @@ class GpuwatchApp(App[None]):
         self.redraw()
 
     def action_compare(self) -> None:
-        """Timeline: open the comparison of the segment shown and the one before it (the
-        first two while the first is shown), or say there is no knob change."""
+        """Timeline: open the comparison of the segment shown and the one before it.
+
+        The first two while the first is shown; or say there is no knob change."""
         source = self.source
         if not isinstance(source, TimelineSource) or source.timeline is None \
                 or source.index is None:
@@ -530,20 +538,21 @@ class GpuwatchApp(App[None]):
             return dict(self.source.state.schema), dict(self.source.state.knobs)
 
     def action_command_line(self) -> None:
-        """Open the command line (``:``) with the focus, at once: ``:`` is a priority
-        binding, so this runs as the app takes the key from the terminal, before it
-        passes on the keys queued behind it; they go to the command line however fast
-        they come (``focus()`` would move the focus only after them, and each would act
-        as a shortcut). A key's open question is not sent."""
+        """Open the command line (``:``) with the focus, at once, before the keys queued behind it.
+
+        ``:`` is a priority binding, so this runs as the app takes the key from the
+        terminal, before it passes on the keys queued behind it; they go to the command line
+        however fast they come (``focus()`` would move the focus only after them, and each
+        would act as a shortcut). A key's open question is not sent."""
         self._ask(None)
         line = self.query_one(CommandLine)
         line.display = True
         self.screen.set_focus(line)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
-        """The command line's enter: send what was typed as ``gpuwatch set`` sends it
-        (the run checks the value; its reply is logged), or say why it is not a
-        command."""
+        """The command line's enter: send what was typed as ``gpuwatch set`` sends it.
+
+        The run checks the value; its reply is logged. Or say why it is not a command."""
         if not isinstance(event.input, CommandLine):
             return
         event.stop()
@@ -568,8 +577,9 @@ class GpuwatchApp(App[None]):
             self.push_screen(TuneScreen())
 
     def action_tune(self) -> None:
-        """Start an in-run search with the run's default knobs, or stop the running one
-        (the best configuration so far stays); opens the search's screen once sent."""
+        """Start an in-run search with the run's default knobs, or stop the running one.
+
+        The best configuration so far stays; opens the search's screen once sent."""
         with self.source.lock:
             running, hello = self.source.state.tuning, bool(self.source.state.hello)
         if not hello:
@@ -623,8 +633,9 @@ class GpuwatchApp(App[None]):
                                      f"{knob} {current:g} x{factor:g} is beyond")
 
     def action_clip(self, knob: str) -> None:
-        """Turn clipping off (``knob=0``), or on again at the threshold it had (else
-        :data:`DEFAULT_MAX_GRAD_NORM`)."""
+        """Turn clipping off (``knob=0``), or on again at the threshold it had.
+
+        Else at :data:`DEFAULT_MAX_GRAD_NORM`."""
         spec, current = self._number(knob)
         if spec is None:
             return
@@ -656,8 +667,9 @@ class GpuwatchApp(App[None]):
         self._command(knob, value)
 
     def action_send(self, knob: str, value: str) -> None:
-        """Send ``knob=value``, a command such as ``checkpoint=now`` (or say that the
-        run has no such command)."""
+        """Send ``knob=value``, a command such as ``checkpoint=now``.
+
+        Or say that the run has no such command."""
         with self.source.lock:
             known = knob in self.source.state.schema
         if not known:
@@ -666,8 +678,9 @@ class GpuwatchApp(App[None]):
         self._command(knob, value)
 
     def action_pause(self, knob: str) -> None:
-        """Pause the run at the next boundary with the ``knob`` command (``pause``), or
-        let a paused one go on."""
+        """Pause the run at the next boundary with the ``knob`` command, or let a paused one go on.
+
+        ``knob``: ``pause``."""
         with self.source.lock:
             paused = self.source.state.paused_after is not None
         self.action_send(knob, "off" if paused else "on")

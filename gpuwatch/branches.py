@@ -1,5 +1,7 @@
-"""A run's branches as people read them: the tree of segments that ``gpuwatch runs``,
-its screen, ``compare`` and ``report`` show, and the ``RUN@bN`` syntax that names one.
+"""A run's branches as people read them: the tree of segments, and ``RUN@bN`` that names one.
+
+The tree of segments that ``gpuwatch runs``, its screen, ``compare`` and ``report`` show,
+and the ``RUN@bN`` syntax that names one branch.
 
 A run starts on branch 0; each time its training state is put back (``rewind=``, a
 rollback that restores the state, spike recovery) it goes on as a new branch (the
@@ -44,8 +46,9 @@ def _steps(branch: Branch) -> str:
 
 
 def changes_text(branch: Branch) -> str:
-    """The knob changes made on ``branch``: ``lr_scale=0.5, accum_steps=2`` (and how
-    many more were made than it keeps); "" without one."""
+    """The knob changes made on ``branch``: ``lr_scale=0.5, accum_steps=2``; "" without one.
+
+    And how many more were made than it keeps."""
     shown = [f"{printable(knob, 40)}={printable(knob_text(value), 40)}"
              for _, knob, value in branch.applied]
     more = branch.changes - len(shown)
@@ -53,8 +56,7 @@ def changes_text(branch: Branch) -> str:
 
 
 def branch_title(branch: Branch) -> str:
-    """A branch in a few words: ``b1 from step 120 (rewind=120)`` (``b0`` for the
-    start)."""
+    """A branch in a few words: ``b1 from step 120 (rewind=120)`` (``b0`` for the start)."""
     text = f"b{branch.branch}"
     if branch.parent is not None:
         fork = "?" if branch.fork_step is None else f"{branch.fork_step:,}"
@@ -67,8 +69,9 @@ def branch_title(branch: Branch) -> str:
 
 
 def branch_label(branch: Branch) -> str:
-    """One branch in a line: ``b1 from step 120 (rewind=120) steps 121-300:
-    lr_scale=0.5`` (``b0 steps 1-200`` for the start)."""
+    """One branch in a line: ``b1 from step 120 (rewind=120) steps 121-300: lr_scale=0.5``.
+
+    ``b0 steps 1-200`` for the start."""
     text = f"{branch_title(branch)} {_steps(branch)}"
     changes = changes_text(branch)
     return text + (f": {changes}" if changes else "")
@@ -76,10 +79,11 @@ def branch_label(branch: Branch) -> str:
 
 def tree_lines(tree: BranchTree, *, width_chars: int = 80,
                max_lines: int = MAX_TREE_LINES) -> list[str]:
-    """The tree drawn one branch a line, each under its parent (``└``, ``├``), the
-    branch taken last marked ``(latest)``, lines cut to ``width_chars``; at most
-    ``max_lines`` lines (the last then counts the branches left out). ``[]`` for a
-    run of one branch."""
+    """The tree drawn one branch a line, each under its parent; ``[]`` for a run of one branch.
+
+    Each under its parent (``└``, ``├``), the branch taken last marked ``(latest)``, lines
+    cut to ``width_chars``; at most ``max_lines`` lines (the last then counts the branches
+    left out)."""
     if len(tree) < 2 and not tree.omitted:
         return []
     children = tree.children()

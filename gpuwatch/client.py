@@ -1,5 +1,6 @@
-"""The client side of a run's sockets: telemetry (SUB) and commands (DEALER), for the
-dashboard and for scripts.
+"""The client side of a run's sockets: telemetry (SUB) and commands (DEALER).
+
+For the dashboard and for scripts.
 
 A script (or an LLM agent) steers a run as a person does from the dashboard through
 :class:`RunClient` (no torch needed)::
@@ -137,8 +138,9 @@ class Subscriber:
 
 
 def parse_assignment(text: str) -> tuple[str, str]:
-    """``"accum_steps=8"`` -> ``("accum_steps", "8")``: a command as people type it (on
-    ``gpuwatch set`` and the dashboard's command line); the run parses and checks the
+    """``"accum_steps=8"`` -> ``("accum_steps", "8")``: a command as people type it.
+
+    On ``gpuwatch set`` and the dashboard's command line; the run parses and checks the
     value against its schema.
 
     Raises:
@@ -151,11 +153,11 @@ def parse_assignment(text: str) -> tuple[str, str]:
 
 
 def reply_text(knob: str, value: Any, reply: protocol.Reply) -> str:
-    """What to tell people about a reply from :func:`send_command`:
+    """What to tell people about a reply from :func:`send_command`: accepted, rejected, no answer.
+
     ``accepted: accum_steps=4 applies at step 123`` (``... on ranks 0, 1`` for several),
-    followed by a second line ``warning: ...`` when the run warned about the value (e.g.
-    an autocast precision that is slow on its hardware),
-    ``rejected: <knob>=<value>: <reason>``
+    followed by a second line ``warning: ...`` when the run warned about the value (e.g. an
+    autocast precision that is slow on its hardware), ``rejected: <knob>=<value>: <reason>``
     or, when the run never answered, ``no answer: <knob>=<value>: <reason>``."""
     if reply.get("ok"):
         step = reply.get("apply_step")
@@ -175,8 +177,10 @@ def reply_text(knob: str, value: Any, reply: protocol.Reply) -> str:
 
 
 class CommandError(RuntimeError):
-    """A command the run refused, did not answer, or could not apply (the message says
-    why, as :func:`reply_text` does; :attr:`body` is the reply or the ``failed`` event)."""
+    """A command the run refused, did not answer, or could not apply.
+
+    The message says why, as :func:`reply_text` does; :attr:`body` is the reply or the
+    ``failed`` event."""
 
     def __init__(self, text: str, body: dict[str, Any]) -> None:
         super().__init__(text)
@@ -184,8 +188,7 @@ class CommandError(RuntimeError):
 
 
 class RunClient:
-    """One live run, for a script: follow its records, send a command and wait until it
-    applied.
+    """One live run, for a script: follow its records, send a command and wait until it applied.
 
     Args:
         run: the run: a :class:`agent.wire.runs.RunInfo`, a run id or name (as ``gpuwatch
@@ -214,9 +217,10 @@ class RunClient:
         self.bye: dict[str, Any] | None = None
 
     def records(self, timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
-        """Every message of the run as it comes (envelopes: ``type``, ``body``, ...),
-        until its ``bye`` (yielded last) or, with ``timeout_s``, until nothing came for
-        that many seconds."""
+        """Every message of the run as it comes, until its ``bye``.
+
+        Envelopes (``type``, ``body``, ...). The ``bye`` is yielded last; with
+        ``timeout_s``, until nothing came for that many seconds."""
         while self.bye is None:
             message = self._next(timeout_s)
             if message is None:
@@ -224,16 +228,18 @@ class RunClient:
             yield message
 
     def steps(self, timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
-        """The body of each optimizer step's record (``step``, ``loss``, ``lr``,
-        ``step_time_s``, ``knobs``, ...), as :meth:`records` ends."""
+        """The body of each optimizer step's record, as :meth:`records` ends.
+
+        ``step``, ``loss``, ``lr``, ``step_time_s``, ``knobs``, ..."""
         for message in self.records(timeout_s):
             if message["type"] == protocol.STEP:
                 yield message["body"]
 
     def set(self, knob: str, value: Any, *, apply_step: int | None = None,
             timeout_s: float = 60.0) -> dict[str, Any]:
-        """Send ``knob=value`` (a setting, or a command such as ``pause=on``,
-        ``evaluate=now``) and wait until the run applied it.
+        """Send ``knob=value`` and wait until the run applied it.
+
+        A setting, or a command such as ``pause=on``, ``evaluate=now``.
 
         Returns:
             The ``applied`` event's body (``step``: the step it applies at; ``text``).

@@ -1,7 +1,8 @@
-"""Side by side: two runs, or the segments of one run between its knob changes, in the
-figures of :class:`gpuwatch.history.Segment` (median step time, throughput, data wait
-share, memory, loss trend), as ``gpuwatch compare`` prints them and the dashboard's
-compare screen shows them."""
+"""Side by side: two runs, or the segments of one run between its knob changes.
+
+In the figures of :class:`gpuwatch.history.Segment` (median step time, throughput, data wait
+share, memory, loss trend), as ``gpuwatch compare`` prints them and the dashboard's compare
+screen shows them."""
 
 from __future__ import annotations
 
@@ -24,8 +25,7 @@ TITLE_CHARS, NAME_CHARS, VALUE_CHARS = 60, 40, 40
 
 @dataclass(frozen=True)
 class Column:
-    """One side: a title (a run id, or what changed at a segment's start) and its
-    figures."""
+    """One side: a title (a run id, or what changed at a segment's start) and its figures."""
 
     title: str
     segment: Segment
@@ -37,8 +37,9 @@ class Column:
 
 
 def around_changes(run: RunHistory) -> list[Column]:
-    """Every segment of ``run`` in order (the first, then one per knob change); ``[]``
-    when the run has no knob change (nothing to compare)."""
+    """Every segment of ``run`` in order (the first, then one per knob change).
+
+    ``[]`` when the run has no knob change (nothing to compare)."""
     segments = run.segments()
     if len(segments) < 2:
         return []
@@ -48,9 +49,10 @@ def around_changes(run: RunHistory) -> list[Column]:
 
 
 def between_runs(first: RunHistory, second: RunHistory) -> list[Column]:
-    """The two runs, each as a whole (knobs: those of its first step; a run with
-    branches: the path :func:`gpuwatch.history.read_history` read, titled
-    ``RUN@bN``); ``[]`` when either has no steps."""
+    """The two runs, each as a whole; ``[]`` when either has no steps.
+
+    Knobs: those of its first step; a run with branches: the path
+    :func:`gpuwatch.history.read_history` read, titled ``RUN@bN``."""
     if first.whole is None or second.whole is None:
         return []
     return [Column(run.run_id + (f"@b{run.branch}" if len(run.tree) > 1 else "")
@@ -59,9 +61,10 @@ def between_runs(first: RunHistory, second: RunHistory) -> list[Column]:
 
 
 def between_branches(branches: Sequence[tuple[Branch, Segment]]) -> list[Column]:
-    """A run's branches side by side, each its own steps (from its fork on:
-    :func:`gpuwatch.history.branch_segments`),
-    titled by :func:`gpuwatch.branches.branch_title`; ``[]`` for fewer than two."""
+    """A run's branches side by side, each its own steps; ``[]`` for fewer than two.
+
+    Each from its fork on (:func:`gpuwatch.history.branch_segments`), titled by
+    :func:`gpuwatch.branches.branch_title`."""
     if len(branches) < 2:
         return []
     return [Column(branch_title(branch), segment) for branch, segment in branches]
@@ -80,9 +83,11 @@ def _ratio(before: float | None, after: float | None) -> str:
 
 
 def rows(columns: Sequence[Column]) -> list[list[str]]:
-    """The comparison as rows of cells: a header row (the titles), then one row per
-    figure and per knob whose value differs between the columns; with two columns a
-    last cell, ``ratio``, with the second's figure over the first's (``x0.50``)."""
+    """The comparison as rows of cells: the titles, then each figure and each knob that differs.
+
+    A header row (the titles), then one row per figure and per knob whose value differs
+    between the columns; with two columns a last cell, ``ratio``, with the second's figure
+    over the first's (``x0.50``)."""
     segments = [column.segment for column in columns]
     knobs = [name for name in dict.fromkeys(n for s in segments for n in s.knobs)
              if len({repr(s.knobs.get(name)) for s in segments}) > 1]

@@ -127,9 +127,10 @@ def _np() -> Any:
 # --- lines of the older format --------------------------------------------------------
 
 def envelope_from_record(record: Any) -> dict[str, Any] | None:
-    """A flattened run-log record back as an envelope
-    ``{"v", "type", "run", "rank", "seq", "t", "body"}``; None when ``record`` is not a
-    map with a string ``type``.
+    """A flattened run-log record back as an envelope; None when it is not one.
+
+    The envelope is ``{"v", "type", "run", "rank", "seq", "t", "body"}``; None when
+    ``record`` is not a map with a string ``type``.
 
     The inverse of :func:`agent.wire.protocol.flatten` for what the agent writes (a body key
     named like an envelope key is lost by flattening, and ``v`` is not logged: the
@@ -145,8 +146,9 @@ def envelope_from_record(record: Any) -> dict[str, Any] | None:
 
 
 def decode_line(line: bytes) -> dict[str, Any] | None:
-    """One JSON-lines log line (without its newline) as an envelope, or None when it is
-    not a record: longer than :data:`MAX_LINE_BYTES`, not JSON, not UTF-8, nested beyond
+    """One JSON-lines log line (without its newline) as an envelope, or None for a non-record.
+
+    Not a record: longer than :data:`MAX_LINE_BYTES`, not JSON, not UTF-8, nested beyond
     what the parser takes, not a map, or without a string ``type``.
 
     Standard JSON goes through orjson (about 2 us for a step line); what orjson refuses
@@ -189,8 +191,9 @@ class LogFiles:
 
     @property
     def first(self) -> Path:
-        """The log's own path: the first part of a run log, the current file of JSON
-        lines (what a run file names as its ``log_path``)."""
+        """The log's own path: the first part of a run log, the current file of JSON lines.
+
+        What a run file names as its ``log_path``."""
         return self.paths[0] if self.kind == "runlog" else self.paths[-1]
 
 
@@ -216,9 +219,10 @@ def _log_files(run_id: str, rank: int, found: dict[int, tuple[Path, os.stat_resu
 
 
 def find_logs(directory: os.PathLike | str | None = None) -> list[LogFiles]:
-    """The run logs in ``directory`` (default :func:`agent.wire.runlog.log_dir`), one per run
-    and rank (and format), newest first (by last write). Links and files that are not
-    regular are left out.
+    """The run logs in ``directory``, one per run and rank (and format), newest first.
+
+    ``directory`` defaults to :func:`agent.wire.runlog.log_dir`; newest by last write. Links
+    and files that are not regular are left out.
 
     Raises:
         OSError: the directory cannot be listed.
@@ -239,9 +243,10 @@ def find_logs(directory: os.PathLike | str | None = None) -> list[LogFiles]:
 
 
 def log_at(path: os.PathLike | str) -> LogFiles | None:
-    """The run log whose first part (or, JSON lines, current file) is ``path``, with
-    the files beside it; None when ``path`` is not a regular file (missing, a link, a
-    directory). Run id and rank come from the name when it is a run log's, else the
+    """The run log whose first part (or, JSON lines, current file) is ``path``, with its files.
+
+    The files beside it come with it; None when ``path`` is not a regular file (missing, a
+    link, a directory). Run id and rank come from the name when it is a run log's, else the
     name and 0; the format from its first bytes."""
     path = Path(path)
     status = _regular_file(path)
@@ -273,7 +278,8 @@ def _starts_with(path: Path, prefix: bytes) -> bool:
 
 
 def select_logs(selector: str, logs: Sequence[LogFiles]) -> list[LogFiles]:
-    """The logs (every rank) of the one run whose id is ``selector`` or starts with it;
+    """The logs (every rank) of the one run whose id is ``selector`` or starts with it.
+
     ``[]`` when none or several runs match. Ranks in order."""
     exact = [log for log in logs if log.run_id == selector]
     matches = exact or [log for log in logs if log.run_id.startswith(selector)]
@@ -283,9 +289,11 @@ def select_logs(selector: str, logs: Sequence[LogFiles]) -> list[LogFiles]:
 
 
 def find_run_log(selector: str, rank: int | None = None) -> LogFiles | None:
-    """The log of the run that ``selector`` names: a run log's path, or a run id or
-    unique prefix of one among this user's logs; ``rank`` (default: the lowest with a
-    log). None when nothing (or several runs) match."""
+    """The log of the run that ``selector`` names, at ``rank``; None when none or several match.
+
+    ``selector``: a run log's path, or a run id or unique prefix of one among this user's
+    logs; ``rank`` defaults to the lowest with a log. None when nothing (or several runs)
+    match."""
     if os.sep in selector or selector.endswith((".jsonl", runlog.LOG_SUFFIX)):
         return log_at(selector)
     try:
@@ -300,9 +308,10 @@ def find_run_log(selector: str, rank: int | None = None) -> LogFiles | None:
 # --- reading records ------------------------------------------------------------------
 
 class Position(NamedTuple):
-    """Where a reader can start again: the index of a file in :attr:`LogFiles.paths`,
-    a byte offset in it (a run log's: where a chunk starts; JSON lines': where a line
-    starts) and the records to skip from there."""
+    """Where a reader can start again: a file, a byte offset in it and the records to skip.
+
+    The index of a file in :attr:`LogFiles.paths`, a byte offset in it (a run log's: where a
+    chunk starts; JSON lines': where a line starts) and the records to skip from there."""
 
     file: int
     offset: int
@@ -310,11 +319,12 @@ class Position(NamedTuple):
 
 
 class LogReader:
-    """The records of one rank's run log, in order, as envelopes, with where to start
-    again from each: a run log's as stored, the older format's lines regrouped (every
-    ``step`` line of one ``steps`` batch, the ones with its ``seq``, back into that
-    batch). A ``steps`` batch's columns are lists, or with ``arrays`` the numbers of
-    a run log as numpy arrays.
+    """The records of one rank's run log, in order, as envelopes, with where to start again.
+
+    Where to start again from each: a run log's records as stored, the older format's lines
+    regrouped (every ``step`` line of one ``steps`` batch, the ones with its ``seq``, back
+    into that batch). A ``steps`` batch's columns are lists, or with ``arrays`` the numbers
+    of a run log as numpy arrays.
 
     Iterating never raises for the files' content. Older format: a ``hello`` at the
     head of a file after the first is the copy a rotation writes, skipped when the
@@ -512,10 +522,11 @@ def _batch(position: Position, head: tuple[Any, ...], rows: list[dict[str, Any]]
 
 
 def flat_records(path: os.PathLike | str) -> Iterator[dict[str, Any]]:
-    """Every record of the run log at ``path`` as one flat map, as ``gpuwatch tail
-    --json`` prints it (:func:`agent.wire.protocol.flatten`; a step a record):
-    ``pandas.DataFrame(flat_records(path)).query("type == 'step'")`` is the log's steps
-    as a table (in memory: for short runs; :func:`step_batches` for long ones).
+    """Every record of the run log at ``path`` as one flat map, as ``gpuwatch tail --json`` has it.
+
+    See :func:`agent.wire.protocol.flatten`; a step a record:
+    ``pandas.DataFrame(flat_records(path)).query("type == 'step'")`` is the log's steps as a
+    table (in memory: for short runs; :func:`step_batches` for long ones).
 
     Raises:
         FileNotFoundError: ``path`` is not a regular file (missing, a link).
@@ -592,8 +603,9 @@ def _numbers(values: Any, n: int) -> numpy.ndarray:
 
 
 def step_batch(envelope: dict[str, Any]) -> StepBatch | None:
-    """A ``steps`` envelope (as :class:`LogReader` gives it) as numbers; None when its
-    body is not a batch."""
+    """A ``steps`` envelope (as :class:`LogReader` gives it) as numbers.
+
+    None when its body is not a batch."""
     np = _np()
     body = envelope.get("body") or {}
     n, columns, common = body.get("n"), body.get("columns"), body.get("common") or {}
@@ -657,8 +669,7 @@ def _text(value: Any) -> str | None:
 
 
 def step_batches(log: LogFiles) -> Iterator[StepBatch]:
-    """Every step of ``log`` as :class:`StepBatch` es, in order (one batch in memory at
-    a time)."""
+    """Every step of ``log`` as :class:`StepBatch` es, in order, one batch in memory at a time."""
     for _, envelope in LogReader(log, arrays=True):
         if envelope["type"] == protocol.STEPS:
             batch = step_batch(envelope)
@@ -669,9 +680,10 @@ def step_batches(log: LogFiles) -> Iterator[StepBatch]:
 # --- bounded statistics ---------------------------------------------------------------
 
 class Sample:
-    """The values of a field over consecutive rows, kept evenly spaced: every one up to
-    ``capacity``, then every second one, every fourth, ... (at most ``capacity``
-    values; medians and fifths are read from them)."""
+    """The values of a field over consecutive rows, kept evenly spaced in at most ``capacity``.
+
+    Every one up to ``capacity``, then every second one, every fourth, ... (at most
+    ``capacity`` values; medians and fifths are read from them)."""
 
     def __init__(self, capacity: int = SAMPLE_VALUES) -> None:
         self.capacity = capacity
@@ -713,12 +725,13 @@ def _median(values: numpy.ndarray) -> float | None:
 
 
 class Overview:
-    """Fields over the optimizer steps in at most ``buckets`` buckets of consecutive
-    rows, each with the steps it spans and the minimum, maximum and mean of each
-    field's values (a thinned row counts as the steps it holds, with its own minimum
-    and maximum): a plot of any length of run, spikes kept. Twice as many rows a
-    bucket each time the buckets are full. Every field in one array, so a batch costs
-    a few numpy operations whatever the number of fields.
+    """Fields over the optimizer steps in at most ``buckets`` buckets of consecutive rows.
+
+    Each bucket has the steps it spans and the minimum, maximum and mean of each field's
+    values (a thinned row counts as the steps it holds, with its own minimum and maximum): a
+    plot of any length of run, spikes kept. Twice as many rows a bucket each time the
+    buckets are full. Every field in one array, so a batch costs a few numpy operations
+    whatever the number of fields.
 
     Args:
         fields: the step fields it follows. buckets: at most this many (even).
@@ -785,10 +798,11 @@ class Overview:
         self.width *= 2
 
     def cut(self, step: int) -> None:
-        """Drop the buckets that begin after optimizer step ``step`` (the run went back
-        there: a new branch); the rows added next go on from the last bucket kept. The
-        bucket that holds ``step`` keeps its figures of the rows after it (at most one
-        bucket's width of them), its last step set to ``step``."""
+        """Drop the buckets that begin after optimizer step ``step`` (the run went back there).
+
+        A new branch: the rows added next go on from the last bucket kept. The bucket that
+        holds ``step`` keeps its figures of the rows after it (at most one bucket's width of
+        them), its last step set to ``step``."""
         np = _np()
         firsts = self._first.min(axis=0)
         kept = np.flatnonzero(firsts <= step)
@@ -819,9 +833,10 @@ class Overview:
 
 
 class Series(NamedTuple):
-    """A field's buckets (:meth:`Overview.get`): each bucket's step (the middle of the
-    steps it spans), mean, minimum and maximum, the rows a bucket holds, and the first
-    and last step each bucket spans."""
+    """A field's buckets (:meth:`Overview.get`): steps, mean, minimum, maximum and rows of each.
+
+    Each bucket's step (the middle of the steps it spans), mean, minimum and maximum, the
+    rows a bucket holds, and the first and last step each bucket spans."""
 
     steps: numpy.ndarray
     means: numpy.ndarray
@@ -835,9 +850,11 @@ class Series(NamedTuple):
 # --- a run's history ------------------------------------------------------------------
 
 class Event(NamedTuple):
-    """An event of the run: when (unix s), its step (the one it names, else the last
-    optimizer step completed before it; None before the first), its level, kind, knob
-    and value (None when absent) and text (one line, cut)."""
+    """An event of the run: when, its step, level, kind, knob, value and text.
+
+    When (unix s), its step (the one it names, else the last optimizer step completed before
+    it; None before the first), its level, kind, knob and value (None when absent) and text
+    (one line, cut)."""
 
     t: float | None
     step: int | None
@@ -849,9 +866,10 @@ class Event(NamedTuple):
 
 
 def event_of(t: float | None, step: int | None, body: dict[str, Any]) -> Event:
-    """An ``event`` body as an :class:`Event` (text made printable and cut); its step is
-    the one the body names (a whole number from 0 to :data:`MAX_STEP`), else ``step``
-    (the last optimizer step completed before it)."""
+    """An ``event`` body as an :class:`Event` (text made printable and cut).
+
+    Its step is the one the body names (a whole number from 0 to :data:`MAX_STEP`), else
+    ``step`` (the last optimizer step completed before it)."""
     level = body.get("level")
     kind, knob, value = body.get("kind"), body.get("knob"), body.get("value")
     named = body.get("step")
@@ -919,9 +937,10 @@ FOLD_ROWS = 64
 
 
 class SegmentFold:
-    """The figures of a :class:`Segment`, folded from its rows a batch slice at a time
-    (memory: at most :data:`SAMPLE_VALUES` values of each of 5 fields, and the slices of
-    fewer than :data:`FOLD_ROWS` rows not folded yet).
+    """The figures of a :class:`Segment`, folded from its rows a batch slice at a time.
+
+    Memory: at most :data:`SAMPLE_VALUES` values of each of 5 fields, and the slices of
+    fewer than :data:`FOLD_ROWS` rows not folded yet.
 
     Args:
         knobs: the knob values of its steps. changed: the knobs that changed at its
@@ -1008,8 +1027,7 @@ class SegmentFold:
             sums[4] += float((x * y).sum())
 
     def segment(self) -> Segment | None:
-        """Its figures (the rows still waiting folded first); None without a step
-        number."""
+        """Its figures (the rows still waiting folded first); None without a step number."""
         self._fold_pending()
         if self._first_step is None or self._last_step is None:
             return None
@@ -1034,8 +1052,9 @@ class SegmentFold:
 
 @dataclass
 class RunHistory:
-    """One rank's run log, folded in one pass into figures of bounded size: what the
-    report, compare and the timeline show.
+    """One rank's run log, folded in one pass into figures of bounded size.
+
+    What the report, compare and the timeline show.
 
     Attributes:
         log: the files read. hello: the latest ``hello`` body ({} when none).
@@ -1087,8 +1106,7 @@ class RunHistory:
 
     @property
     def started_at(self) -> float | None:
-        """When the run started (unix s): its hello's ``started_at``, else its first
-        record's time."""
+        """When the run started (unix s): hello's ``started_at``, else the first record's time."""
         return number(self.hello.get("started_at")) or self.summary.first_t
 
     @property
@@ -1120,15 +1138,18 @@ class RunHistory:
         return self.summary.events
 
     def segments(self) -> list[Segment]:
-        """The runs of consecutive steps with the same knob values (a new one at each
-        knob change), the first and last :data:`MAX_SEGMENTS` of them
-        (:attr:`segments_omitted` between); ``[]`` without steps."""
+        """The runs of consecutive steps with the same knob values (a new one at each knob change).
+
+        The first and last :data:`MAX_SEGMENTS` of them (:attr:`segments_omitted` between);
+        ``[]`` without steps."""
         return list(self._segments)
 
 
 class HistoryBuilder:
-    """Folds records, in order, into a :class:`RunHistory` (what :func:`read_history`
-    does for a whole log; the timeline adds its own work to the same pass).
+    """Folds records, in order, into a :class:`RunHistory`.
+
+    What :func:`read_history` does for a whole log; the timeline adds its own work to the
+    same pass.
 
     Args:
         log: the log's files (named in the history).
@@ -1152,9 +1173,10 @@ class HistoryBuilder:
         self._tail: deque[Segment | SegmentFold] = deque(maxlen=MAX_SEGMENTS)
 
     def add(self, envelope: dict[str, Any]) -> list[KnobChange]:
-        """Fold one envelope (a ``steps`` batch with list or array columns); returns
-        the knob changes its steps show, the first :data:`MAX_CHANGES` of the run's
-        (the others are counted in the summary)."""
+        """Fold one envelope (a ``steps`` batch, list or array columns); return its knob changes.
+
+        The knob changes its steps show, the first :data:`MAX_CHANGES` of the run's (the
+        others are counted in the summary)."""
         history = self.history
         history.summary.add(envelope)
         kind, body = envelope["type"], envelope["body"]
@@ -1289,12 +1311,12 @@ def _known(knobs: Any) -> dict[str, Any]:
 
 def read_history(log: LogFiles, *, overview: bool = True, whole: bool = True,
                  branch: int | None = None) -> RunHistory:
-    """Read one rank's run log in one pass (bounded memory; a few seconds for a
-    million steps here), of one branch's path when the run has several: ``branch``'s,
-    by default the branch taken last (the tree from :func:`log_summary`: the summary
-    beside the log and what was written after it). ``overview``, ``whole``: as
-    :class:`HistoryBuilder` takes them (what a tool does not show, it need not
-    compute).
+    """Read one rank's run log in one pass, of one branch's path when the run has several.
+
+    Bounded memory; a few seconds for a million steps here. ``branch``'s path, by default
+    the branch taken last (the tree from :func:`log_summary`: the summary beside the log and
+    what was written after it). ``overview``, ``whole``: as :class:`HistoryBuilder` takes
+    them (what a tool does not show, it need not compute).
 
     Never raises for the files' content; what could not be read is counted in the
     result (``malformed``, ``truncated``, ``unreadable``).
@@ -1329,11 +1351,12 @@ MAX_COMPARED_BRANCHES = 12
 
 def branch_segments(log: LogFiles, tree: BranchTree
                     ) -> list[tuple[runlog.Branch, Segment]]:
-    """Each branch's own steps (from its fork on, not its parent's) as one
-    :class:`Segment` (knobs: those of its first step), in one pass: the latest
-    :data:`MAX_COMPARED_BRANCHES` branches of ``tree`` (:func:`log_summary`'s), those
-    with steps. What ``compare RUN`` shows of a run with branches. Memory: one
-    :class:`SegmentFold` a branch. Never raises for the files' content."""
+    """Each branch's own steps (from its fork on, not its parent's) as one :class:`Segment`.
+
+    Knobs: those of its first step; in one pass: the latest :data:`MAX_COMPARED_BRANCHES`
+    branches of ``tree`` (:func:`log_summary`'s), those with steps. What ``compare RUN``
+    shows of a run with branches. Memory: one :class:`SegmentFold` a branch. Never raises
+    for the files' content."""
     chosen = list(tree.branches)[-MAX_COMPARED_BRANCHES:]
     folds: dict[int, SegmentFold] = {}
     fold = LogSummary()  # which branch each record is on
@@ -1360,9 +1383,10 @@ def branch_segments(log: LogFiles, tree: BranchTree
 
 @contextmanager
 def output_file(path: os.PathLike | str) -> Iterator[BinaryIO]:
-    """A file to write ``path`` (a report, a table) through: a new file beside it,
-    created never through a link, renamed over ``path`` when the block ends without
-    an error (a reader never sees half a file), removed otherwise.
+    """A file to write ``path`` (a report, a table) through, renamed over it on success.
+
+    A new file beside it, created never through a link, renamed over ``path`` when the block
+    ends without an error (a reader never sees half a file), removed otherwise.
 
     Raises:
         OSError: it cannot be written (a missing directory, permissions).
@@ -1430,8 +1454,9 @@ class RunSummary:
     log_path: str | None = None
 
     def public(self) -> dict[str, Any]:
-        """As a JSON-ready map (``gpuwatch runs --all --json``; ``tree``: the run's
-        branches, :meth:`agent.wire.runlog.BranchTree.public`)."""
+        """As a JSON-ready map (``gpuwatch runs --all --json``).
+
+        ``tree``: the run's branches, :meth:`agent.wire.runlog.BranchTree.public`."""
         return {name: (list(value) if isinstance(value, tuple) else value.public()
                        if isinstance(value, BranchTree) else value)
                 for name, value in self.__dict__.items()}
@@ -1467,14 +1492,14 @@ def summarize(history: RunHistory, *, ranks: Sequence[int] = (), live: bool = Fa
 
 
 def log_summary(log: LogFiles, *, live: bool = False) -> tuple[LogSummary, LogReader]:
-    """A log's :class:`~agent.wire.runlog.LogSummary`: the one saved beside it, with the
-    records written after what it covers folded on (those of the last
-    :data:`agent.wire.runlog.SUMMARY_S` to :data:`agent.wire.runlog.CHUNK_S` of the run); without
-    one (an older log, a run killed
-    before its first chunk ended), one pass over the log, saved beside it for the next
-    time unless the run is live. Returns it with the reader of what was read (whose
-    ``malformed``, ``truncated`` and ``thinned`` say what it met). Never raises for the
-    files' content.
+    """A log's :class:`~agent.wire.runlog.LogSummary`, with the reader of what was read.
+
+    The one saved beside it, with the records written after what it covers folded on (those
+    of the last :data:`agent.wire.runlog.SUMMARY_S` to :data:`agent.wire.runlog.CHUNK_S` of
+    the run); without one (an older log, a run killed before its first chunk ended), one
+    pass over the log, saved beside it for the next time unless the run is live. Returns it
+    with the reader of what was read (whose ``malformed``, ``truncated`` and ``thinned`` say
+    what it met). Never raises for the files' content.
     """
     path = runlog.summary_path(log.first)
     saved = runlog.read_summary(path)
@@ -1549,8 +1574,9 @@ def summarize_logs(logs: Sequence[LogFiles], live_run_ids: Iterable[str] = ()
 
 
 def all_runs() -> list[RunSummary]:
-    """Every run of this user with a run log, and every live run (with or without a
-    log), newest first."""
+    """Every run of this user with a run log, and every live run (with or without a log).
+
+    Newest first."""
     live = list_runs()
     try:
         logs = find_logs()

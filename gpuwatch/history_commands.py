@@ -1,5 +1,6 @@
-"""The commands about runs after the fact: ``runs --all``, ``report``, ``compare`` and
-``export``, and opening a finished run in the dashboard (``gpuwatch RUN``).
+"""The commands about runs after the fact: ``runs --all``, ``report``, ``compare``, ``export``.
+
+And opening a finished run in the dashboard (``gpuwatch RUN``).
 
 Everything here reads run logs through :mod:`gpuwatch.history`; every text from a log
 is printed through :func:`agent.wire.protocol.printable` (no control characters). The
@@ -28,9 +29,10 @@ from gpuwatch.units import (counted, human_age, human_bytes, human_number, human
 
 def add_run_argument(parser: argparse.ArgumentParser, help: str, *,
                      metavar: str = "RUN", several: bool = False) -> None:
-    """The run a subcommand acts on, given as every subcommand takes it: positionally or
-    as ``--run`` (:func:`resolve_run_arguments` merges them into ``args.run``, or
-    ``args.runs`` with ``several``)."""
+    """The run a subcommand acts on, given as every subcommand takes it: positionally or ``--run``.
+
+    :func:`resolve_run_arguments` merges them into ``args.run``, or ``args.runs`` with
+    ``several``."""
     if several:
         parser.add_argument("runs", nargs="*", metavar=metavar, help=help)
         parser.add_argument("--run", dest="run_options", action="append", default=[],
@@ -43,8 +45,9 @@ def add_run_argument(parser: argparse.ArgumentParser, help: str, *,
 
 def resolve_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
                           ) -> None:
-    """Fold ``--run`` into the positional run (see :func:`add_run_argument`); two
-    different runs given both ways are an error of usage."""
+    """Fold ``--run`` into the positional run (see :func:`add_run_argument`).
+
+    Two different runs given both ways are an error of usage."""
     if getattr(args, "run_option", None):
         if args.run and args.run != args.run_option:
             parser.error(f"two runs given: {args.run!r} and --run {args.run_option!r}")
@@ -183,10 +186,11 @@ def _copied(summary: RunSummary) -> str:
 
 
 def branch_lines(log_path: str | None) -> list[str]:
-    """The branches of a live run's log as :func:`gpuwatch.branches.tree_lines` draws
-    them, to the terminal's width (80 when not a terminal); ``[]`` for a run of one
-    branch or without a readable log. Reads the summary beside the log and what was
-    written after it."""
+    """The branches of a live run's log as :func:`gpuwatch.branches.tree_lines` draws them.
+
+    To the terminal's width (80 when not a terminal); ``[]`` for a run of one branch or
+    without a readable log. Reads the summary beside the log and what was written after
+    it."""
     log = history.log_at(log_path) if log_path else None
     if log is None:
         return []
@@ -337,8 +341,9 @@ def _missing(command: str, extra: str, exc: ImportError) -> int:
 
 def open_finished(log: LogFiles, notes: Sequence[str] = (), *,
                   branch: tuple[BranchTree, int] | None = None) -> int:
-    """Open a run log in the dashboard on a timeline (read-only), on ``branch``'s path
-    (``(tree, N)``; by default the branch taken last); the exit status."""
+    """Open a run log in the dashboard on a timeline (read-only); return the exit status.
+
+    On ``branch``'s path (``(tree, N)``; by default the branch taken last)."""
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.timeline import TimelineSource
 

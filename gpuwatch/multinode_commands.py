@@ -1,5 +1,7 @@
-"""``gpuwatch nodes`` (every rank of a multi-node job, from any of its nodes) and
-``gpuwatch secret`` (the job secret that lets a node's dashboard reach the others)."""
+"""``gpuwatch nodes`` (every rank of a multi-node job) and ``gpuwatch secret`` (the job secret).
+
+``nodes`` works from any of the job's nodes; the job secret lets a node's dashboard reach
+the others."""
 
 from __future__ import annotations
 
@@ -56,8 +58,9 @@ def _secret(args: argparse.Namespace) -> int:
 
 
 def node_lines(state: RunState, now: float) -> list[str]:
-    """The table ``gpuwatch nodes`` prints: one line per rank, by node, then the slowest
-    rank (with its node) when two or more were heard."""
+    """The table ``gpuwatch nodes`` prints: one line per rank, by node, then the slowest rank.
+
+    The slowest rank (with its node) when two or more were heard."""
     rows = [("NODE", "HOST", "RANK", "STEP", "STEP TIME", "DATA WAIT")]
     for node in sorted(state.nodes):
         pace = state.nodes[node]

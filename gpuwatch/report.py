@@ -112,9 +112,10 @@ def _png(figure: Any) -> str:
 
 def figure_of(run: RunHistory, title: str, lines: Sequence[tuple[str, str, float]],
               unit: str, *, clip_spikes: bool = False, points: bool = False) -> Any:
-    """One plot (a matplotlib figure) of ``lines`` (label, step field, scale) against
-    the step, with the knob changes; None when no line has a value. A line is the mean
-    of each of the overview's buckets, and when a bucket holds several steps, a band
+    """One plot (a matplotlib figure) of ``lines`` against the step, with the knob changes.
+
+    ``lines``: (label, step field, scale) each; None when no line has a value. A line is the
+    mean of each of the overview's buckets, and when a bucket holds several steps, a band
     from their minimum to their maximum."""
     data = []
     for label, name, scale in lines:
@@ -185,9 +186,10 @@ def plots(run: RunHistory) -> list[tuple[str, str]]:
 
 
 def forks(run: RunHistory) -> list[tuple[int, str]]:
-    """The forks on the path the report shows (a run with branches: the path of
-    :attr:`RunHistory.branch`), oldest first: the fork step and ``b1 from 120
-    (rewind=120)``."""
+    """The forks on the path the report shows, oldest first: the fork step and its title.
+
+    A run with branches: the path of :attr:`RunHistory.branch`; each fork as its step and
+    ``b1 from 120 (rewind=120)``."""
     found = []
     for branch_id in run.tree.path(run.branch):
         branch = run.tree.branches[branch_id]

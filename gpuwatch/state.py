@@ -55,13 +55,14 @@ MAX_VALUES = 4096
 
 
 def bounded(value: Any) -> Any:
-    """A copy of a wire value that the dashboard may keep: strings cut to
-    :data:`~agent.wire.protocol.MAX_TEXT_CHARS` (map keys to
+    """A copy of a wire value that the dashboard may keep: bounded in size, whatever the value.
+
+    Strings cut to :data:`~agent.wire.protocol.MAX_TEXT_CHARS` (map keys to
     :data:`~agent.wire.protocol.MAX_NAME_CHARS`), maps and lists to their first
     :data:`MAX_ITEMS` entries, nesting to :data:`MAX_DEPTH`, :data:`MAX_VALUES` values in
     all (what is beyond becomes None), values of other types (bytes, ...) None. Numbers,
-    booleans and None are kept as they are. Costs at most about :data:`MAX_VALUES`
-    steps, whatever the value."""
+    booleans and None are kept as they are. Costs at most about :data:`MAX_VALUES` steps,
+    whatever the value."""
     budget = [MAX_VALUES]
 
     def copy(value: Any, depth: int) -> Any:
@@ -96,8 +97,10 @@ def bounded(value: Any) -> Any:
 
 
 class StepRecord(NamedTuple):
-    """One optimizer step as the charts and sparklines need it (times in s, shares in
-    0..1, throughput in samples/s, memory in bytes; None where the record lacks it)."""
+    """One optimizer step as the charts and sparklines need it.
+
+    Times in s, shares in 0..1, throughput in samples/s, memory in bytes; None where the
+    record lacks it."""
 
     step: int | None
     step_time_s: float | None
@@ -121,9 +124,10 @@ _INTS = {int}
 
 
 class RankPace(NamedTuple):
-    """How one rank of a run of several is doing: its latest optimizer step, its step
-    time smoothed over about :data:`RANK_PACE_STEPS` steps (s), and when it was last
-    heard (monotonic s)."""
+    """How one rank of a run of several is doing: its latest step, step time, when last heard.
+
+    Its latest optimizer step, its step time smoothed over about :data:`RANK_PACE_STEPS`
+    steps (s), and when it was last heard (monotonic s)."""
 
     step: int | None
     step_time_s: float | None
@@ -137,8 +141,9 @@ RANK_KNOB_STEPS = 8
 
 
 class NodePace(NamedTuple):
-    """One node of a multi-node job as its relay sums it up (``node`` messages): its
-    host, the global ranks it has and has been heard from, its ranks' mean data-wait
+    """One node of a multi-node job as its relay sums it up (``node`` messages).
+
+    Its host, the global ranks it has and has been heard from, its ranks' mean data-wait
     share (0..1, None when unknown), and when the summary came (monotonic s)."""
 
     node: int
@@ -154,8 +159,10 @@ MAX_NODES = 4096
 
 
 class LogEntry(NamedTuple):
-    """A line for the event log: ``level`` is info, warning or error; ``t`` is when the
-    run said it (unix time, s), None for the dashboard's own lines."""
+    """A line for the event log, with its level and when the run said it.
+
+    ``level`` is info, warning or error; ``t`` is when the run said it (unix time, s), None
+    for the dashboard's own lines."""
 
     level: str
     text: str
@@ -170,9 +177,10 @@ class Pending(NamedTuple):
 
 
 class KnobChange(NamedTuple):
-    """A knob's value changed at optimizer ``step`` (the step whose record first has
-    ``value``, or the step an ``applied`` event names), at unix time ``t`` (s, None when
-    unknown); ``before`` is the value it had."""
+    """A knob's value changed at optimizer ``step``, at unix time ``t``, from ``before``.
+
+    ``step``: the step whose record first has ``value``, or the step an ``applied`` event
+    names; ``t`` in s, None when unknown; ``before`` is the value it had."""
 
     step: int
     t: float | None
@@ -361,9 +369,10 @@ class RunState:
         }
 
     def copy(self) -> RunState:
-        """An independent copy, to fold on from where this one is (a timeline keeps
-        such copies). The containers that folding changes in place are copied; the
-        records and bodies in them, never changed once folded, are shared."""
+        """An independent copy, to fold on from where this one is (a timeline keeps such copies).
+
+        The containers that folding changes in place are copied; the records and bodies in
+        them, never changed once folded, are shared."""
         clone = copy.copy(self)
         for name, value in vars(self).items():
             if type(value) in (dict, set, list):
@@ -515,16 +524,18 @@ class RunState:
             sum(shares) / len(shares) if shares else None, now)
 
     def silent_nodes(self, now: float) -> list[int]:
-        """Nodes whose relay has sent no summary for :data:`GONE_AFTER_S` (stopped,
-        partitioned, or its relay died): a command to the run is refused until they
+        """Nodes whose relay has sent no summary for :data:`GONE_AFTER_S`: commands wait for them.
+
+        Stopped, partitioned, or its relay died: a command to the run is refused until they
         answer again."""
         return sorted(node for node, pace in self.nodes.items()
                       if now - pace.heard_at > GONE_AFTER_S)
 
     def most_waiting_node(self, now: float) -> tuple[int, float] | None:
-        """Of the nodes heard within :data:`GONE_AFTER_S`, the one whose ranks wait
-        longest for data (mean data-wait share, 0..1) and that share; None when no node
-        summary says. One node's input pipeline starving sets everyone's pace."""
+        """Of the nodes heard lately, the one whose ranks wait longest for data, and that share.
+
+        Heard within :data:`GONE_AFTER_S`; the share: mean data-wait share, 0..1. None when
+        no node summary says. One node's input pipeline starving sets everyone's pace."""
         shares = [(pace.data_wait_share, node) for node, pace in self.nodes.items()
                   if pace.data_wait_share is not None
                   and now - pace.heard_at <= GONE_AFTER_S]
@@ -610,9 +621,10 @@ class RunState:
                 del recent[old]
 
     def knobs_differ(self) -> tuple[int, int, str, Any, Any] | None:
-        """A knob whose value at one optimizer step differs between the shown rank and
-        another: ``(rank, step, knob, shown rank's value, that rank's value)``, or None.
-        Commands apply at one step on every rank; this catches what went wrong anyway."""
+        """A knob whose value at one optimizer step differs between the shown rank and another.
+
+        ``(rank, step, knob, shown rank's value, that rank's value)``, or None. Commands
+        apply at one step on every rank; this catches what went wrong anyway."""
         shown = self._rank_knobs.get(self.primary_rank) if self.primary_rank is not None \
             else None
         if not shown:
@@ -628,10 +640,11 @@ class RunState:
         return None
 
     def slowest_rank(self, now: float) -> tuple[int, float] | None:
-        """With two or more ranks heard within :data:`GONE_AFTER_S`: the rank with the
-        longest smoothed step time and how much longer it is than the fastest's (0.08:
-        8%); else None. Under data parallelism every rank waits for the slowest at each
-        gradient all-reduce, so a straggler sets the pace of all."""
+        """The slowest rank by smoothed step time and how much longer it is than the fastest's.
+
+        With two or more ranks heard within :data:`GONE_AFTER_S` (0.08: 8%); else None.
+        Under data parallelism every rank waits for the slowest at each gradient all-reduce,
+        so a straggler sets the pace of all."""
         paces = [(pace.step_time_s, rank) for rank, pace in self.ranks.items()
                  if pace.step_time_s and now - pace.heard_at <= GONE_AFTER_S]
         if len(paces) < 2:
@@ -659,10 +672,11 @@ class RunState:
         return "live"
 
     def stall_after_s(self) -> float:
-        """How long this run may go without an optimizer step before it is "stalled":
+        """How long this run may go without an optimizer step before it is "stalled".
+
         :data:`STALLED_AFTER_S`, or :data:`STALL_STEPS` times the longest of its last
-        :data:`STALL_WINDOW_STEPS` step times when that is longer (a run of 10 s steps
-        is not stalled after 5 s)."""
+        :data:`STALL_WINDOW_STEPS` step times when that is longer (a run of 10 s steps is
+        not stalled after 5 s)."""
         longest = 0.0
         for record in islice(reversed(self.steps), STALL_WINDOW_STEPS):
             if record.step_time_s is not None and record.step_time_s > longest:
@@ -682,16 +696,18 @@ class RunState:
         return self.status_at(time.monotonic())
 
     def note_pending(self, knob: str, value: Any, apply_step: int | None) -> None:
-        """Remember an accepted command until a record shows it applied (or an event
-        says it failed); nothing to remember if the knob already has that value (the
-        step that applied it can arrive before the reply is handled)."""
+        """Remember an accepted command until a record shows it applied or an event that it failed.
+
+        Nothing to remember if the knob already has that value (the step that applied it can
+        arrive before the reply is handled)."""
         if self.knobs.get(knob, _MISSING) != value:
             self.pending[knob] = Pending(value, apply_step)
             self.version += 1
 
     def log(self, level: str, text: str, t: float | None = None) -> None:
-        """Append a line to the event log (``t``: when the run said it, unix s), cut to
-        :data:`~agent.wire.protocol.MAX_TEXT_CHARS` (the log widget makes its control
+        """Append a line to the event log (``t``: when the run said it, unix s), cut in length.
+
+        Cut to :data:`~agent.wire.protocol.MAX_TEXT_CHARS` (the log widget makes its control
         characters visible)."""
         self.events.append(LogEntry(level, _text(text), t))
         self.events_total += 1

@@ -187,9 +187,8 @@ def test_no_module_reads_a_private_field_another_module_declares():
     assert found == {("agent.integrations.fabric", "self.fabric._precision")}
 
 
-#: The packages whose public docstrings all open with a one-line summary (PEP 257); the
-#: others are to follow.
-ONE_LINE_SUMMARIES = ("agent/search",)
+#: The packages whose public docstrings all open with a one-line summary (PEP 257).
+ONE_LINE_SUMMARIES = ("agent", "benchmarks", "examples", "gpuopt", "gpuwatch")
 
 
 def _wrapped_summaries(path: Path) -> list[str]:

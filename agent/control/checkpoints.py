@@ -1,5 +1,4 @@
-"""The ``checkpoint`` command (``gpuwatch set checkpoint=now``), and resuming from what it
-saved.
+"""The ``checkpoint`` command (``gpuwatch set checkpoint=now``), and resuming from what it saved.
 
 At the optimizer-step boundary the command applies at, the run saves itself through its
 framework's own mechanism (Lightning's ``trainer.save_checkpoint``, Hugging Face's
@@ -52,8 +51,10 @@ GRAD_SCALER_FILE = "gpuwatch-grad-scaler.pt"
 
 
 def default_checkpoint_dir(run_id: str) -> Path:
-    """The directory a run's checkpoints go to when no ``checkpoint_dir=`` is given:
-    ``checkpoints/<run id>`` in the run-log directory (:func:`agent.wire.runlog.log_dir`)."""
+    """The directory a run's checkpoints go to when no ``checkpoint_dir=`` is given.
+
+    ``checkpoints/<run id>`` in the run-log directory
+    (:func:`agent.wire.runlog.log_dir`)."""
     return log_dir() / "checkpoints" / run_id
 
 
@@ -187,15 +188,17 @@ class Checkpoints:
 
 def torch_checkpoint(agent: Agent, knobs: dict[str, Any], step: int,
                      state: dict[str, Any]) -> dict[str, Any]:
-    """The contents of a ``torch.save`` checkpoint: ``state`` with what it is, the run,
-    its step and the knob values."""
+    """The contents of a ``torch.save`` checkpoint: ``state`` with what it is, run, step and knobs.
+
+    ``state`` with what it is, the run, its step and the knob values."""
     return {"format": FORMAT, "version": 1, "run": agent.run_id, "step": step,
             "knobs": knobs, **state}
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a ``torch.save`` checkpoint the ``checkpoint`` command wrote (tensors on the
-    CPU; ``weights_only``, so it runs no code from the file).
+    """Read a ``torch.save`` checkpoint the ``checkpoint`` command wrote, running no code from it.
+
+    Tensors on the CPU; ``weights_only``, so it runs no code from the file.
 
     Raises:
         ValueError: ``path`` is not such a checkpoint. OSError: it cannot be read.
@@ -208,9 +211,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 def write_knobs_file(directory: Path, agent: Agent, knobs: dict[str, Any],
                      step: int, data: dict[str, Any] | None = None) -> None:
-    """The knob values of a checkpoint that is a directory, as :data:`KNOBS_FILE`, and
-    ``data``, the data position (plain JSON values), when the integration keeps one
-    there (:meth:`agent.integrations.run.RunBase.data_state`)."""
+    """The knob values of a checkpoint that is a directory, as :data:`KNOBS_FILE`, with ``data``.
+
+    ``data``: the data position (plain JSON values), when the integration keeps one there
+    (:meth:`agent.integrations.run.RunBase.data_state`)."""
     record = {"format": FORMAT, "version": 1, "run": agent.run_id, "step": step,
               "knobs": knobs}
     if data is not None:
@@ -219,9 +223,10 @@ def write_knobs_file(directory: Path, agent: Agent, knobs: dict[str, Any],
 
 
 def read_knobs_file(directory: str | os.PathLike) -> dict[str, Any]:
-    """What :func:`write_knobs_file` saved in a checkpoint directory (``knobs``, ``step``,
-    ``run``, and ``data`` when given), or {} when it has none (a checkpoint the
-    framework saved on its own)."""
+    """What :func:`write_knobs_file` saved in a checkpoint directory, or {} when it has none.
+
+    ``knobs``, ``step``, ``run``, and ``data`` when given; {} for a checkpoint the framework
+    saved on its own."""
     path = Path(directory) / KNOBS_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -229,11 +234,12 @@ def read_knobs_file(directory: str | os.PathLike) -> dict[str, Any]:
 def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *,
                   unbound: str = "not in this run", differs: str | None = None
                   ) -> dict[str, Any]:
-    """Set each knob of ``knobs`` (a checkpoint's) that this run has and that differs, on
-    the training thread before training goes on; one ``resumed`` event lists every knob
-    value restored (those already at their saved value too), what could not be set
-    (with the reason), what this run does not have (``unbound`` says how it is told)
-    and ``differs``: what will not be as in the saved run.
+    """Set each knob of ``knobs`` (a checkpoint's) that this run has and that differs.
+
+    On the training thread before training goes on; one ``resumed`` event lists every knob
+    value restored (those already at their saved value too), what could not be set (with the
+    reason), what this run does not have (``unbound`` says how it is told) and ``differs``:
+    what will not be as in the saved run.
 
     A knob whose setting moves another (``micro_batch_size`` adjusts ``accum_steps`` to
     keep the effective batch) is set first, then every knob that is not at its saved

@@ -38,8 +38,10 @@ MAX_PENDING_COMMANDS = 32
 
 @dataclass(order=True)
 class Pending:
-    """A command waiting for its step: ``knob`` set to ``value`` at the boundary before
-    optimizer step ``apply_step``; ordered by step, then by arrival (``seq``)."""
+    """A command waiting for its step: ``knob`` set to ``value`` before step ``apply_step``.
+
+    At the boundary before optimizer step ``apply_step``; ordered by step, then by arrival
+    (``seq``)."""
 
     apply_step: int
     seq: int
@@ -121,9 +123,11 @@ class CommandDesk:
     # ------------------------------------------------------------ I/O thread
 
     def answer(self, body: dict[str, Any]) -> Reply:
-        """The reply to one ``command`` body (see :mod:`agent.wire.protocol`): accepted and
-        scheduled, checked (dry run), cancelled, or rejected with the reason. A
-        rejection changes nothing. Never raises for bad input."""
+        """The reply to one ``command`` body: scheduled, checked, cancelled, or rejected.
+
+        Accepted and scheduled, checked (dry run), cancelled, or rejected with the reason.
+        See :mod:`agent.wire.protocol`. A rejection changes nothing. Never raises for bad
+        input."""
         command_id = body.get("id")
         if isinstance(command_id, bool) or not isinstance(command_id, (str, int, type(None))):
             return {"id": None, "ok": False, "knob": body.get("knob"),
@@ -250,8 +254,9 @@ class CommandDesk:
         return False
 
     def schedule(self, pending: Pending) -> None:
-        """Queue ``pending`` for its step (after those queued for the same step). Any
-        thread; takes the desk's lock for an insertion."""
+        """Queue ``pending`` for its step (after those queued for the same step).
+
+        Any thread; takes the desk's lock for an insertion."""
         with self._lock:
             self._seq += 1
             pending.seq = self._seq
@@ -259,8 +264,9 @@ class CommandDesk:
         self.arrived.set()
 
     def schedule_rollback(self, rollback: Rollback, apply_step: int) -> None:
-        """Queue the values of ``rollback`` for step ``apply_step``: each applies as a
-        ``rolled_back`` event naming ``rollback.reason``."""
+        """Queue the values of ``rollback`` for step ``apply_step``.
+
+        Each applies as a ``rolled_back`` event naming ``rollback.reason``."""
         for knob, value in rollback.values.items():
             self.schedule(Pending(apply_step, 0, knob, value, None, rollback.reason))
 
@@ -270,8 +276,10 @@ class CommandDesk:
         self.schedule(Pending(apply_step, 0, RECOVER.name, "on", command_id, reason))
 
     def cancel(self, command_id: Any, reason: Any) -> Reply:
-        """Withdraw the pending command ``command_id`` (another rank refused it); the
-        reply says whether it was pending, applied already (``applied_step``) or unknown."""
+        """Withdraw the pending command ``command_id`` (another rank refused it).
+
+        The reply says whether it was pending, applied already (``applied_step``) or
+        unknown."""
         with self._lock:
             found = next((p for p in self.pending
                           if command_id is not None and p.command_id == command_id), None)
@@ -296,8 +304,9 @@ class CommandDesk:
                 "value": found.value, "apply_step": found.apply_step}
 
     def note_rejection(self, reason: str, knob: Any, command_id: Any = None) -> None:
-        """Count a rejected command and raise a ``rejected`` event for it: at most one a
-        second (a flood of bad commands must not flood the run log and every dashboard)."""
+        """Count a rejected command and raise a ``rejected`` event for it: at most one a second.
+
+        A flood of bad commands must not flood the run log and every dashboard."""
         self.commands_rejected += 1
         now = time.monotonic()
         if now < self._next_rejection_event:
@@ -313,11 +322,11 @@ class CommandDesk:
     # ------------------------------------------------------------ training thread
 
     def apply_due(self, step: int, ahead: int = 0) -> bool:
-        """Training thread, after optimizer step ``step``: apply the commands due at step
-        ``step + 1`` (and those due up to ``ahead`` steps later: a run held at this
-        boundary), each atomically (a knob that fails to set keeps its value, and a
-        ``failed`` event says why). Returns whether any applied (the knob values may
-        have changed)."""
+        """Training thread, after optimizer step ``step``: apply the commands due at ``step + 1``.
+
+        And those due up to ``ahead`` steps later (a run held at this boundary), each
+        atomically (a knob that fails to set keeps its value, and a ``failed`` event says
+        why). Returns whether any applied (the knob values may have changed)."""
         with self._lock:
             due = bisect.bisect_right(self.pending, step + 1 + ahead,
                                       key=lambda p: p.apply_step)
@@ -396,10 +405,11 @@ class CommandDesk:
         return True
 
     def roll_back(self, step: int, reason: str) -> bool:
-        """Training thread, between steps: undo at once the changes the ledger holds for
-        step ``step`` (1-based; those of the last ``guard_steps`` steps), e.g. after an
-        out-of-memory error. With several ranks nothing is undone (one rank alone must
-        not change a knob): a warning names the command that would.
+        """Training thread, between steps: undo at once the ledger's changes for step ``step``.
+
+        ``step`` is 1-based; the changes are those of the last ``guard_steps`` steps, undone
+        e.g. after an out-of-memory error. With several ranks nothing is undone (one rank
+        alone must not change a knob): a warning names the command that would.
 
         Returns:
             True when something was rolled back.

@@ -73,8 +73,9 @@ class ChangeGuard:
         self.clean_through = 0
 
     def observe(self, losses: Iterable[float | None]) -> None:
-        """Steps published (in order, after :meth:`on_step` saw them): their finite
-        losses join the window a change's baseline is taken from. A C-level extend."""
+        """Steps published: their finite losses join the window a change's baseline is taken from.
+
+        In order, after :meth:`on_step` saw them. A C-level extend."""
         self._recent.extend(loss for loss in losses if loss is not None and loss - loss == 0)
 
     @property
@@ -84,15 +85,18 @@ class ChangeGuard:
 
     @property
     def watching(self) -> bool:
-        """Whether a change is being watched: only then (or for a skipped step or a
-        non-finite loss) does :meth:`on_step` have anything to do. One attribute read."""
+        """Whether a change is being watched; one attribute read.
+
+        Only then (or for a skipped step or a non-finite loss) does :meth:`on_step` have
+        anything to do."""
         entries = self.ledger.entries
         return bool(entries) and entries[-1] is not self._answered
 
     def on_step(self, step: int, loss: float | None, skipped: bool | None) -> Rollback | None:
-        """One published step; returns a :class:`~agent.control.ledger.Rollback` once when the
-        watched changes must be undone, else None. Ends the watch when ``guard_steps``
-        passed cleanly."""
+        """One published step; returns a rollback when the watched changes must be undone.
+
+        A :class:`~agent.control.ledger.Rollback`, returned once when the watched changes
+        must be undone, else None. Ends the watch when ``guard_steps`` passed cleanly."""
         entries = self.ledger.entries
         latest = next((change for change in reversed(entries) if change.step <= step),
                       None) if entries else None
@@ -141,7 +145,8 @@ class ChangeGuard:
 
     def non_finite_warning(self, step: int, loss: float | None, *,
                            searching: bool = False) -> str | None:
-        """A warning, once, for a non-finite loss with no change to roll back;
+        """A warning, once, for a non-finite loss with no change to roll back.
+
         ``searching``: while the in-run search runs (it checks its own changes)."""
         if (loss is None or math.isfinite(loss) or self.watching
                 or self._warned_non_finite):

@@ -23,8 +23,9 @@ from agent.wire.protocol import TUNE_ID_PREFIX
 
 @dataclass(frozen=True)
 class Change:
-    """One applied change: ``knob`` set to ``value`` from ``previous``, for the steps
-    from ``step`` (1-based optimizer step) on; ``command_id`` as the command had it."""
+    """One applied change: ``knob`` set to ``value`` from ``previous``, from step ``step`` on.
+
+    ``step``: the 1-based optimizer step; ``command_id`` as the command had it."""
 
     step: int
     knob: str
@@ -34,15 +35,18 @@ class Change:
 
     @property
     def by_tuner(self) -> bool:
-        """Made by the agent's tuner (its ids start with
-        :data:`agent.wire.protocol.TUNE_ID_PREFIX`), which watches its candidates itself."""
+        """Made by the agent's tuner, which watches its candidates itself.
+
+        Its ids start with :data:`agent.wire.protocol.TUNE_ID_PREFIX`."""
         return str(self.command_id or "").startswith(TUNE_ID_PREFIX)
 
 
 @dataclass
 class Rollback:
-    """What to restore and why: ``values`` {knob: last good value}, ``changes`` the
-    changes undone (``"knob=value"`` each, in order), ``reason`` for people."""
+    """What to restore and why: the last good values, the changes undone, and the reason.
+
+    ``values`` {knob: last good value}, ``changes`` the changes undone (``"knob=value"``
+    each, in order), ``reason`` for people."""
 
     values: dict[str, Any]
     changes: list[str]
@@ -50,13 +54,14 @@ class Rollback:
 
 
 class StateKeeper(Protocol):
-    """What keeps the training state for rollbacks (the run base,
-    :class:`agent.integrations.run.RunBase`). Both are called on the training thread, at a
-    boundary."""
+    """What keeps the training state for rollbacks (:class:`agent.integrations.run.RunBase`).
+
+    The run base. Both are called on the training thread, at a boundary."""
 
     def keep_state(self, step: int) -> None:
-        """A guarded change starts an episode at the boundary after optimizer step
-        ``step``: keep the state there (or note why it cannot be kept)."""
+        """A guarded change starts an episode after optimizer step ``step``: keep the state there.
+
+        At the boundary after that step; or note why it cannot be kept."""
 
     def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
         """The episode was rolled back at the boundary before optimizer step ``step``
@@ -89,17 +94,19 @@ class ChangeLedger:
         self.entries: tuple[Change, ...] = ()
 
     def record(self, change: Change) -> None:
-        """A change was applied (not a rollback: see :meth:`clear`). Costs a tuple copy
-        of the episode (a few entries)."""
+        """A change was applied (not a rollback: see :meth:`clear`).
+
+        Costs a tuple copy of the episode (a few entries)."""
         entries = self.entries
         if entries and change.step - entries[-1].step > self.guard_steps:
             entries = ()
         self.entries = (*entries, change)
 
     def starts_episode(self, step: int) -> bool:
-        """Whether a change applied at optimizer step ``step`` starts a new episode (no
-        change of the latest one is within ``guard_steps`` of it): the state before it
-        is the one a rollback of the episode goes back to."""
+        """Whether a change applied at optimizer step ``step`` starts a new episode.
+
+        A new one when no change of the latest one is within ``guard_steps`` of it: the
+        state before it is the one a rollback of the episode goes back to."""
         entries = self.entries
         return not entries or step - entries[-1].step > self.guard_steps
 

@@ -30,8 +30,9 @@ _INTEGRATIONS = (
 
 
 def integration_for(obj: Any) -> str | None:
-    """The integration module for ``obj`` (by the classes in its type's MRO, without
-    importing any framework), or None when no integration knows it."""
+    """The integration module for ``obj``, or None when no integration knows it.
+
+    Found by the classes in its type's MRO, without importing any framework."""
     for cls in type(obj).__mro__:
         module = getattr(cls, "__module__", "") or ""
         for prefix, name, integration in _INTEGRATIONS:
@@ -41,10 +42,12 @@ def integration_for(obj: Any) -> str | None:
 
 
 def batch_tokens(batch: Any, samples: int, tokens_per_sample: int | None) -> int | None:
-    """Tokens in ``batch``: ``samples * tokens_per_sample`` when declared, else the
-    number of elements of its ``input_ids`` (a mapping's, as Hugging Face batches are;
-    padding included, as ``transformers.Trainer``'s ``num_input_tokens_seen``), else
-    None. Reads shapes only: never touches tensor data."""
+    """Tokens in ``batch``, from its shapes only (never its tensor data); None when unknown.
+
+    ``samples * tokens_per_sample`` when declared, else the number of elements of its
+    ``input_ids`` (a mapping's, as Hugging Face batches are; padding included, as
+    ``transformers.Trainer``'s ``num_input_tokens_seen``), else None. Reads shapes only:
+    never touches tensor data."""
     if tokens_per_sample is not None:
         return samples * tokens_per_sample
     if type(batch) is tuple or type(batch) is list:  # (the common batch: no ABC check)
@@ -58,8 +61,9 @@ def batch_tokens(batch: Any, samples: int, tokens_per_sample: int | None) -> int
 
 
 class WindowMeter:
-    """What the accumulation window in progress has fetched: data wait (host seconds
-    inside the fetch of each micro-batch), micro-batches, samples and tokens.
+    """What the accumulation window in progress fetched: data wait, micro-batches, samples, tokens.
+
+    Data wait: host seconds inside the fetch of each micro-batch.
 
     Args:
         count_samples: ``batch -> samples`` (e.g. :func:`gpuopt.data.batch_size`: dim 0
@@ -106,8 +110,9 @@ class WindowMeter:
         return batch
 
     def take(self) -> tuple[float, int, int, int | None]:
-        """``(data_wait_s, fetched, samples, tokens)`` of the window that just ended, and
-        a fresh start for the next one."""
+        """``(data_wait_s, fetched, samples, tokens)`` of the window that just ended.
+
+        And a fresh start for the next one."""
         window = (self.data_wait_s, self.fetched, self.samples, self.tokens)
         self.data_wait_s, self.fetched, self.samples, self.tokens = 0.0, 0, 0, None
         return window

@@ -194,8 +194,10 @@ class _Precision:
         self.scaler: torch.amp.GradScaler | None = accelerator.scaler
 
     def set(self, value: str) -> None:
-        """Switch to ``value`` (between optimizer steps). Raises ``ValueError`` (the
-        reason) before changing anything when ``value`` cannot run here."""
+        """Switch to ``value`` (between optimizer steps).
+
+        Raises ``ValueError`` (the reason) before changing anything when ``value`` cannot
+        run here."""
         reason = precision_support(value, self.device_type)
         if reason is not None:
             raise ValueError(reason)
@@ -343,9 +345,10 @@ class _GradNormRecorder:
 
 
 class AcceleratorRun(RunBase):
-    """gpuwatch's view of one accelerate training loop (made by :func:`attach`): the run
-    base (:class:`agent.integrations.run.RunBase`) with accelerate's reads of a step, its knobs, its
-    ``save_state`` / ``load_state`` and the loop's data.
+    """gpuwatch's view of one accelerate training loop (made by :func:`attach`).
+
+    The run base (:class:`agent.integrations.run.RunBase`) with accelerate's reads of a
+    step, its knobs, its ``save_state`` / ``load_state`` and the loop's data.
 
     Attributes:
         agent: the :class:`agent.step.core.Agent` (run id, knobs, events).
@@ -414,19 +417,21 @@ class AcceleratorRun(RunBase):
     # ------------------------------------------------------------ the loop's calls
 
     def loader(self, batches: Iterable[Any] | None = None) -> Iterator[Any]:
-        """One epoch of ``batches`` (default: the ``loader=`` given to :func:`attach`),
-        timing each ``next()`` (the data wait, host seconds) and counting samples (dim 0
-        of the batch's first tensor) and tokens (``tokens_per_sample`` per sample if
-        declared, else the ``input_ids`` of mapping batches); each batch is the data
-        position a checkpoint keeps. After ``attach(..., resume_from=)`` the first call
-        is the rest of the checkpoint's epoch, from the first micro-batch the saved run
-        had not trained (the epoch's iterator made again from the random numbers at its
-        start, the batches trained dropped; accelerate's epoch count ``iteration`` and a
-        ReconfigurableLoader's own position put back): give it the prepared loader
-        itself, not ``accelerator.skip_first_batches``. The first ``next()`` starts the
-        first step's clock. A :class:`gpuopt.loader.ReconfigurableLoader` gets the live
-        loader knobs and ``micro_batch_size`` (the first one given; later ones are
-        warned about). Evaluation data does not go through here.
+        """One epoch of ``batches``, each ``next()`` timed and its samples and tokens counted.
+
+        ``batches`` defaults to the ``loader=`` given to :func:`attach`. Timing each
+        ``next()`` (the data wait, host seconds) and counting samples (dim 0 of the batch's
+        first tensor) and tokens (``tokens_per_sample`` per sample if declared, else the
+        ``input_ids`` of mapping batches); each batch is the data position a checkpoint
+        keeps. After ``attach(..., resume_from=)`` the first call is the rest of the
+        checkpoint's epoch, from the first micro-batch the saved run had not trained (the
+        epoch's iterator made again from the random numbers at its start, the batches
+        trained dropped; accelerate's epoch count ``iteration`` and a ReconfigurableLoader's
+        own position put back): give it the prepared loader itself, not
+        ``accelerator.skip_first_batches``. The first ``next()`` starts the first step's
+        clock. A :class:`gpuopt.loader.ReconfigurableLoader` gets the live loader knobs and
+        ``micro_batch_size`` (the first one given; later ones are warned about). Evaluation
+        data does not go through here.
 
         Raises:
             ValueError: no ``batches`` and no ``loader=`` at :func:`attach`; or (at the
@@ -475,15 +480,16 @@ class AcceleratorRun(RunBase):
                 self._optimizer_step(True)  # a loop left by `break`
 
     def micro_batch(self, loss: torch.Tensor | float | None = None) -> None:
-        """Call once per micro-batch, after its loss is computed (anywhere in the loop's
-        iteration when batches come from :meth:`loader`; without it, after
-        ``optimizer.step()`` / ``zero_grad()``). When accelerate's ``sync_gradients``
+        """Call once per micro-batch, after its loss is computed.
+
+        Anywhere in the loop's iteration when batches come from :meth:`loader`; without it,
+        after ``optimizer.step()`` / ``zero_grad()``. When accelerate's ``sync_gradients``
         says this micro-batch ends an accumulation window (accelerate stepped the
-        optimizer), :attr:`step` counts it at once; the step is recorded (window mean
-        loss, micro-batches, samples, tokens, data wait, learning rate, gradient norm if
-        ``accelerator.clip_grad_norm_`` ran) and the live commands due are applied once
-        the iteration is over: at the next fetch from :meth:`loader` (or at the end of its
-        data, or a ``break`` out of it), else at once.
+        optimizer), :attr:`step` counts it at once; the step is recorded (window mean loss,
+        micro-batches, samples, tokens, data wait, learning rate, gradient norm if
+        ``accelerator.clip_grad_norm_`` ran) and the live commands due are applied once the
+        iteration is over: at the next fetch from :meth:`loader` (or at the end of its data,
+        or a ``break`` out of it), else at once.
 
         Args:
             loss: this micro-batch's undivided loss (what ``loss_fn`` returned and was
@@ -579,18 +585,21 @@ class AcceleratorRun(RunBase):
         return None if lr is None else float(lr)
 
     def close(self, reason: str = "finished") -> None:
-        """End the run (:meth:`agent.integrations.run.RunBase.close`), the last step recorded first
-        when a loop left :meth:`loader` by ``break`` and its iterator is still held.
-        Called at interpreter exit, on SIGTERM and on an uncaught exception too. The
-        model keeps following the last precision and kernels."""
+        """End the run (:meth:`agent.integrations.run.RunBase.close`), the last step recorded first.
+
+        The last step is recorded first when a loop left :meth:`loader` by ``break`` and its
+        iterator is still held. Called at interpreter exit, on SIGTERM and on an uncaught
+        exception too. The model keeps following the last precision and kernels."""
         if (not self.closed and self._boundary_pending
                 and threading.current_thread() is self._thread):
             self._optimizer_step()
         super().close(reason)
 
     def uninstall(self) -> None:
-        """Give back ``accelerator.clip_grad_norm_``, the optimizer step hooks and the
-        optimizer's ``lr_scale`` / ``weight_decay`` hooks."""
+        """Give back ``accelerator.clip_grad_norm_`` and the optimizer's step and setting hooks.
+
+        The optimizer step hooks and the optimizer's ``lr_scale`` / ``weight_decay``
+        hooks."""
         if self.accelerator.__dict__.get("clip_grad_norm_") is self._grad_norm:
             del self.accelerator.clip_grad_norm_
         for hook in self._hooks:
@@ -601,8 +610,9 @@ class AcceleratorRun(RunBase):
     # ------------------------------------------------------------ checkpoint and resume
 
     def data_state(self) -> dict[str, Any]:
-        """The data position (:class:`gpuopt.position.DataPosition`'s) and the loop
-        loader's own place (:func:`_loader_place`)."""
+        """The data position (:class:`gpuopt.position.DataPosition`'s) and the loop loader's place.
+
+        The loop loader's own place: :func:`_loader_place`."""
         state = self.position.state_dict()
         state["loader"] = _loader_place(self._data)
         return state
@@ -645,11 +655,13 @@ class AcceleratorRun(RunBase):
         return None
 
     def resume(self, path: str | os.PathLike) -> None:
-        """Continue from a ``checkpoint=now`` checkpoint: accelerate's ``load_state``
-        (model, optimizer, scheduler, GradScaler, random numbers, its micro-batch count),
-        the step, the data position (:meth:`loader`'s next call goes on from it) and
-        every knob value; one ``resumed`` event names them (the loader knobs and
-        ``micro_batch_size`` of a ReconfigurableLoader once :meth:`loader` binds them).
+        """Continue from a ``checkpoint=now`` checkpoint: states, step, data position, knobs.
+
+        Accelerate's ``load_state`` (model, optimizer, scheduler, GradScaler, random
+        numbers, its micro-batch count), the step, the data position (:meth:`loader`'s next
+        call goes on from it) and every knob value; one ``resumed`` event names them (the
+        loader knobs and ``micro_batch_size`` of a ReconfigurableLoader once :meth:`loader`
+        binds them).
 
         ``max_grad_norm`` is set now, before the loop's first
         ``accelerator.clip_grad_norm_`` call (a live change waits for one): the
@@ -723,9 +735,11 @@ class AcceleratorRun(RunBase):
         return self.accelerator.scaler
 
     def state_snapshot(self) -> dict[str, Any]:
-        """For a rollback, in host memory: every model, optimizer and scheduler the
-        Accelerator prepared, the GradScaler, accelerate's micro-batch count, the random
-        numbers and the data position (:meth:`data_state`)."""
+        """For a rollback, in host memory: the prepared states, random numbers and data position.
+
+        Every model, optimizer and scheduler the Accelerator prepared, the GradScaler,
+        accelerate's micro-batch count, the random numbers and the data position
+        (:meth:`data_state`)."""
         accelerator, scaler = self.accelerator, self._scaler()
         return host_copy({
             "models": [model.state_dict() for model in accelerator._models],
@@ -736,10 +750,11 @@ class AcceleratorRun(RunBase):
             "rng": rng_state(self.device), "data": self.data_state()})
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-        """Go back to ``snapshot`` in the middle of the loop: the states, accelerate's
-        micro-batch count, the random numbers and the data position (:meth:`loader`'s
-        iteration goes back: the epoch made again, accelerate's epoch count or a
-        ReconfigurableLoader's position put back)."""
+        """Go back to ``snapshot`` in the middle of the loop.
+
+        The states, accelerate's micro-batch count, the random numbers and the data position
+        (:meth:`loader`'s iteration goes back: the epoch made again, accelerate's epoch
+        count or a ReconfigurableLoader's position put back)."""
         accelerator, scaler = self.accelerator, self._scaler()
         for targets, states in ((accelerator._models, snapshot["models"]),
                                 (accelerator._optimizers, snapshot["optimizers"]),
@@ -1013,8 +1028,10 @@ def attach(accelerator: Accelerator, *, model: nn.Module | None = None,
            resume_from: str | os.PathLike | None = None,
            eval_fn: Callable[[], dict[str, Any] | None] | None = None,
            **options: Any) -> AcceleratorRun:
-    """Attach a started agent to a loop on ``accelerator``; returns the run (see the
-    module docstring for the loop and the knobs). Call it after ``accelerator.prepare``.
+    """Attach a started agent to a loop on ``accelerator``; returns the run.
+
+    See the module docstring for the loop and the knobs. Call it after
+    ``accelerator.prepare``.
 
     The prepared model's ``forward`` is replaced by one that follows the ``precision``
     and ``kernels`` knobs (accelerate's fixed mixed-precision wrapper, if any, is

@@ -1,5 +1,6 @@
-"""Attaching the agent: :func:`attach` for a trainer (the reference Trainer here, the
-frameworks' in :mod:`agent.integrations`), and the knob bindings they share."""
+"""Attaching the agent: :func:`attach` for a trainer, and the knob bindings they share.
+
+A trainer: the reference Trainer here, the frameworks' in :mod:`agent.integrations`."""
 
 from __future__ import annotations
 
@@ -28,15 +29,17 @@ from gpuopt.trainer import Trainer
 
 
 def refuse(reason: str | None) -> None:
-    """A :attr:`agent.wire.knobs.Knob.check` helper: raise ``ValueError(reason)`` unless
-    ``reason`` is None."""
+    """A :attr:`agent.wire.knobs.Knob.check` helper: raise ``ValueError(reason)`` unless None.
+
+    Unless ``reason`` is None."""
     if reason is not None:
         raise ValueError(reason)
 
 
 class PrecisionPolicy(Protocol):
-    """What :func:`precision_knob` binds to: a :class:`gpuopt.MixedPrecision`, or an
-    integration's stand-in with the same two members."""
+    """What :func:`precision_knob` binds to: a :class:`gpuopt.MixedPrecision`, or a stand-in.
+
+    An integration's stand-in with the same two members."""
 
     device_type: str
     precision: str
@@ -44,8 +47,9 @@ class PrecisionPolicy(Protocol):
 
 def precision_knob(mixed_precision: PrecisionPolicy,
                    refusal: Callable[[str], str | None] | None = None) -> Knob:
-    """The ``precision`` knob bound to a :class:`gpuopt.MixedPrecision` policy (or any
-    :class:`PrecisionPolicy`).
+    """The ``precision`` knob bound to a :class:`gpuopt.MixedPrecision` policy.
+
+    Or any :class:`PrecisionPolicy`.
 
     Values the device cannot run are refused when the command arrives, with the reason,
     and so are those ``refusal(value)`` gives a reason for (the model's: e.g.
@@ -63,9 +67,10 @@ def precision_knob(mixed_precision: PrecisionPolicy,
 
 
 def dropout_knob(model: torch.nn.Module) -> Knob | str:
-    """The binder of ``dropout``: the knob of the model's dropout modules
-    (:class:`gpuopt.dropout.DropoutRate`; exact in any framework, as a module reads its
-    ``p`` at each forward), or the reason the model has none."""
+    """The binder of ``dropout``: the knob of the model's dropout modules, or why it has none.
+
+    :class:`gpuopt.dropout.DropoutRate`; exact in any framework, as a module reads its ``p``
+    at each forward. Or the reason the model has none."""
     rate = DropoutRate(model)
     if rate.refusal is not None:
         return rate.refusal
@@ -97,8 +102,9 @@ def mixture_knob(loader: MixtureLoader) -> Knob:
 
 
 def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
-    """The ``num_workers``, ``pin_memory`` and ``prefetch_factor`` knobs of a
-    :class:`gpuopt.loader.ReconfigurableLoader`, and ``mixture`` (:func:`mixture_knob`)
+    """The ``num_workers``, ``pin_memory``, ``prefetch_factor`` knobs of a loader, and ``mixture``.
+
+    Of a :class:`gpuopt.loader.ReconfigurableLoader`, and ``mixture`` (:func:`mixture_knob`)
     for a :class:`gpuopt.mixture.MixtureLoader`.
 
     Applying one rebuilds the loader's workers on the rest of the epoch (every sample
@@ -133,8 +139,9 @@ def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
 
 
 def cpu_threads_knob(knobs: KnobSet) -> Knob:
-    """The ``cpu_threads`` knob: torch's intra-op threads in this process
-    (``torch.set_num_threads``), from 1 to the CPUs it may run on.
+    """The ``cpu_threads`` knob: torch's intra-op threads in this process.
+
+    Set with ``torch.set_num_threads``, from 1 to the CPUs it may run on.
 
     On a CPU-bound host it trades against ``num_workers``: DataLoader workers (one
     thread each) and the training's own threads share the same cores. Applying it costs
@@ -167,8 +174,9 @@ def cpu_threads_knob(knobs: KnobSet) -> Knob:
 
 def effective_batch_refusal(micro_batch_size: int, batch_size: int, accum_steps: int
                             ) -> str | None:
-    """Why ``micro_batch_size`` cannot keep the effective batch (``batch_size`` samples
-    per micro-batch x ``accum_steps``) exactly, or None when it can."""
+    """Why ``micro_batch_size`` cannot keep the effective batch exactly, or None when it can.
+
+    The effective batch: ``batch_size`` samples per micro-batch x ``accum_steps``."""
     effective = batch_size * accum_steps
     now = f"the effective batch of {effective} samples ({batch_size} x accum_steps {accum_steps})"
     if micro_batch_size > effective:
@@ -181,13 +189,14 @@ def effective_batch_refusal(micro_batch_size: int, batch_size: int, accum_steps:
 
 def micro_batch_size_knob(loader: ReconfigurableLoader, get_accum: Callable[[], int],
                           set_accum: Callable[[int], None]) -> Knob:
-    """The ``micro_batch_size`` knob of a loop whose micro-batches come from ``loader``
-    and whose window size is ``get_accum()`` / ``set_accum(n)``: a new size rebuilds the
-    loader on the rest of the epoch (every sample still once, in the same order) and sets
-    ``accum_steps`` so that the effective batch stays the same. A size that cannot keep
-    it exactly is refused with the reason. Costs what a loader rebuild costs
-    (:meth:`gpuopt.loader.ReconfigurableLoader.reconfigure`); if the new workers fail,
-    both settings stay as they were.
+    """The ``micro_batch_size`` knob of a loop, keeping the effective batch with ``accum_steps``.
+
+    Its micro-batches come from ``loader`` and its window size is ``get_accum()`` /
+    ``set_accum(n)``: a new size rebuilds the loader on the rest of the epoch (every sample
+    still once, in the same order) and sets ``accum_steps`` so that the effective batch
+    stays the same. A size that cannot keep it exactly is refused with the reason. Costs
+    what a loader rebuild costs (:meth:`gpuopt.loader.ReconfigurableLoader.reconfigure`); if
+    the new workers fail, both settings stay as they were.
     """
     def check(value: int) -> None:
         refuse(effective_batch_refusal(value, loader.batch_size, get_accum()))
@@ -203,10 +212,11 @@ def micro_batch_size_knob(loader: ReconfigurableLoader, get_accum: Callable[[], 
 
 
 def optimizer_knobs(settings: OptimizerSettings, knobs: KnobSet) -> None:
-    """Bind ``lr_scale`` and ``weight_decay`` of an optimizer's
-    :class:`gpuopt.optim.OptimizerSettings`: the scale multiplies what the schedule sets,
-    inside the step only; the decay goes to the param groups that decay (a warning says
-    so when none did, and every group gets it). ``weight_decay`` is marked unsupported,
+    """Bind ``lr_scale`` and ``weight_decay`` of an optimizer's settings.
+
+    Of its :class:`gpuopt.optim.OptimizerSettings`: the scale multiplies what the schedule
+    sets, inside the step only; the decay goes to the param groups that decay (a warning
+    says so when none did, and every group gets it). ``weight_decay`` is marked unsupported,
     with the reason, for an optimizer that has none."""
     knobs.add(Knob.attribute(LR_SCALE, settings))
     reason = settings.weight_decay_reason()
@@ -225,9 +235,9 @@ def optimizer_knobs(settings: OptimizerSettings, knobs: KnobSet) -> None:
 
 
 class MemoryKnobs:
-    """The ``memory_fraction`` and ``memory_snapshot_steps`` knobs of a run on a CUDA
-    ``device``; on any other device :meth:`bind` marks them unsupported, with the
-    reason."""
+    """The ``memory_fraction`` and ``memory_snapshot_steps`` knobs of a run on a CUDA ``device``.
+
+    On any other device :meth:`bind` marks them unsupported, with the reason."""
 
     def __init__(self, device: torch.device, run_name: str) -> None:
         self.device = device
@@ -246,8 +256,9 @@ class MemoryKnobs:
         self.snapshot_steps_left = steps
 
     def after_step(self, agent: Agent, step: int) -> None:
-        """Training thread, after the boundary of ``step``: tick a running snapshot;
-        once its file is written, an event says where."""
+        """Training thread, after the boundary of ``step``: tick a running snapshot.
+
+        Once its file is written, an event says where."""
         if not self.snapshot_steps_left:
             return
         self.snapshot_steps_left -= 1
@@ -271,8 +282,9 @@ class MemoryKnobs:
 
 def publish_events(agent: Agent, step: int,
                    events: list[tuple[str, str, dict[str, Any]]]) -> None:
-    """Publish ``(kind, text, fields)`` events of ``step`` (e.g. a model backend's compile
-    events): level ``warning`` for kind ``warning``, else ``info``."""
+    """Publish ``(kind, text, fields)`` events of ``step`` (e.g. a model backend's compile events).
+
+    Level ``warning`` for kind ``warning``, else ``info``."""
     for kind, text, fields in events:
         agent.event("warning" if kind == EventKind.WARNING else "info", text, kind=kind, step=step,
                     **fields)

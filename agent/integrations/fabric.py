@@ -170,8 +170,9 @@ def _precision_refusal(value: str, device_type: str) -> str | None:
 
 
 class FabricRun(LoopRun):
-    """The agent of one loop on a Lightning Fabric (see :func:`attach`, which makes it):
-    the loop run (:class:`agent.integrations.loop.LoopRun`: ``loader``, ``accum_steps``,
+    """The agent of one loop on a Lightning Fabric (see :func:`attach`, which makes it).
+
+    The loop run (:class:`agent.integrations.loop.LoopRun`: ``loader``, ``accum_steps``,
     ``optimizer_step``, ``step``, ``close``) with :attr:`is_accumulating`.
 
     Attributes:
@@ -214,9 +215,10 @@ class FabricRun(LoopRun):
 
     @property
     def is_accumulating(self) -> bool:
-        """Whether the micro-batch last fetched from :meth:`loader` is not the last of its
-        accumulation window (``accum_steps`` micro-batches): the loop steps the
-        optimizer after the micro-batch for which it is False. Read it after the fetch.
+        """Whether the micro-batch last fetched from :meth:`loader` is not the last of its window.
+
+        Its accumulation window: ``accum_steps`` micro-batches. The loop steps the optimizer
+        after the micro-batch for which it is False. Read it after the fetch.
 
         Raises:
             AttributeError: the run has no ``accum_steps`` (``attach(accum_steps=)``).
@@ -230,8 +232,10 @@ class FabricRun(LoopRun):
         return fetched < accum_steps
 
     def loader(self, batches: Iterable[Any], *, epochs: int | None = 1) -> Iterator[Any]:
-        """:meth:`agent.integrations.loop.LoopRun.loader`; a Fabric loader's sampler epoch is put
-        back after a resume (Fabric sets it from its count of ``iter()`` calls)."""
+        """:meth:`agent.integrations.loop.LoopRun.loader`, with a Fabric loader's sampler epoch.
+
+        A Fabric loader's sampler epoch is put back after a resume (Fabric sets it from its
+        count of ``iter()`` calls)."""
         if isinstance(batches, _FabricDataLoader):
             self._fabric_loader = batches
             if self._sampler_epoch is not None:
@@ -271,20 +275,22 @@ class FabricRun(LoopRun):
     # ------------------------------------------------------------ checkpoints
 
     def data_state(self) -> dict[str, Any]:
-        """:meth:`agent.integrations.loop.LoopRun.data_state`, with the sampler epoch of the Fabric
-        loader :meth:`loader` iterates."""
+        """:meth:`agent.integrations.loop.LoopRun.data_state`, with the loader's sampler epoch.
+
+        The sampler epoch of the Fabric loader :meth:`loader` iterates."""
         state = super().data_state()
         if self._fabric_loader is not None and self.position.epoch:
             state["sampler_epoch"] = self._fabric_loader._num_iter_calls - 1
         return state
 
     def save_checkpoint(self, path: Any, knobs: dict[str, Any]) -> None:
-        """The ``checkpoint`` command's ``fabric.save``: the model, optimizer and
-        scheduler (by Fabric), the GradScaler, random number generators, step, knob
-        values and data position. A sharded module (:attr:`sharded`) is saved by every
-        rank into one directory (:func:`agent.integrations.sharded.save_sharded`: its
-        shards, and each rank's own random numbers and data position, which
-        ``fabric.save`` would keep rank 0's of)."""
+        """The ``checkpoint`` command's ``fabric.save``: states, step, knob values, data position.
+
+        The model, optimizer and scheduler (by Fabric), the GradScaler, random number
+        generators, step, knob values and data position. A sharded module (:attr:`sharded`)
+        is saved by every rank into one directory
+        (:func:`agent.integrations.sharded.save_sharded`: its shards, and each rank's own
+        random numbers and data position, which ``fabric.save`` would keep rank 0's of)."""
         scaler = None if self.precision is None else self.precision.scaler
         states = {"lr_scheduler": self.lr_scheduler,
                   "grad_scaler": {} if scaler is None else scaler.state_dict()}
@@ -300,10 +306,11 @@ class FabricRun(LoopRun):
                                               "world_size": self.fabric.world_size}))
 
     def resume(self, path: str | os.PathLike) -> None:
-        """Continue from a checkpoint :meth:`save_checkpoint` wrote, read by ``fabric.load``
-        (a sharded module's directory by :func:`agent.integrations.sharded.load_sharded`,
-        on every rank): every state it has, the step, the knob values, the data position
-        and the random number generators (an event says which).
+        """Continue from a checkpoint :meth:`save_checkpoint` wrote, read by ``fabric.load``.
+
+        A sharded module's directory by :func:`agent.integrations.sharded.load_sharded`, on
+        every rank. Every state it has, the step, the knob values, the data position and the
+        random number generators (an event says which).
 
         Raises:
             ValueError: it is no such checkpoint, or has a state this run was given
@@ -355,8 +362,9 @@ class FabricRun(LoopRun):
         return snapshot, saved["step"], saved["knobs"]
 
     def state_snapshot(self) -> dict[str, Any]:
-        """The model's, optimizer's, scheduler's and GradScaler's states, the random
-        numbers and the data position, in host memory (for a rollback)."""
+        """The states, the random numbers and the data position, in host memory (for a rollback).
+
+        The model's, optimizer's, scheduler's and GradScaler's states."""
         scaler = None if self.precision is None else self.precision.scaler
         return host_copy({
             "model": self.model.state_dict(),
@@ -367,9 +375,10 @@ class FabricRun(LoopRun):
             "rng": rng_state(self.device), "data": self.data_state()})
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-        """Go back to ``snapshot`` in the middle of the loop: the states, the random
-        numbers and the data position (:meth:`loader`'s iteration goes back, the Fabric
-        loader's sampler epoch with it)."""
+        """Go back to ``snapshot`` in the middle of the loop.
+
+        The states, the random numbers and the data position (:meth:`loader`'s iteration
+        goes back, the Fabric loader's sampler epoch with it)."""
         self._load_states(snapshot, "the rollback's snapshot", model=self.model,
                           optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
         if snapshot["grad_scaler"] and self.precision is not None:
@@ -489,8 +498,9 @@ def attach(fabric: Fabric, *, model: _FabricModule | None = None,
            resume_from: str | os.PathLike | None = None,
            eval_fn: Callable[[], dict[str, Any] | None] | None = None, name: str = "",
            transport: str = "ipc", **options: Any) -> FabricRun:
-    """Start the agent for a loop on ``fabric`` and return its :class:`FabricRun` (see the
-    module docstring for the loop and the knobs). Call it after ``fabric.setup``.
+    """Start the agent for a loop on ``fabric`` and return its :class:`FabricRun`.
+
+    See the module docstring for the loop and the knobs. Call it after ``fabric.setup``.
 
     ``fabric.backward`` is replaced by one that also counts the window's loss (given
     back at :meth:`FabricRun.close`). The run ends at interpreter exit, on SIGTERM (where

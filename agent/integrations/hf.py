@@ -273,8 +273,9 @@ class _Run(RunBase):
     # ------------------------------------------------------------------ commands
 
     def end_loop(self) -> None:
-        """HF's own stop: ``control.should_training_stop``, read right after the step's
-        callbacks; ``on_train_end`` and the end of ``train()`` run as for ``max_steps``."""
+        """HF's own stop: ``control.should_training_stop``, read right after the step's callbacks.
+
+        ``on_train_end`` and the end of ``train()`` run as for ``max_steps``."""
         self.trainer.control.should_training_stop = True
 
     def _check_evaluate(self) -> None:
@@ -485,19 +486,21 @@ class _Run(RunBase):
         return self._epoch
 
     def data_state(self) -> dict[str, int] | None:
-        """The data position at this boundary: ``epoch`` (0-based) and ``micro_batches``
-        trained in it, which a resume makes HF skip instead of its own count
-        (``global_step`` x ``gradient_accumulation_steps``, wrong once ``accum_steps``
-        changed: transformers#5605, #22143). None where the windows are not planned
-        here (``accum_steps`` cannot change, so HF's count is right)."""
+        """The data position at this boundary: ``epoch`` and ``micro_batches`` trained in it.
+
+        ``epoch`` is 0-based; ``micro_batches`` is what a resume makes HF skip instead of
+        its own count (``global_step`` x ``gradient_accumulation_steps``, wrong once
+        ``accum_steps`` changed: transformers#5605, #22143). None where the windows are not
+        planned here (``accum_steps`` cannot change, so HF's count is right)."""
         if not self.plan:
             return None
         return {"epoch": self._epoch, "micro_batches": self.micro_index}
 
     def data_reason(self, value: Any = None) -> str | None:
-        """Why a resume would not train the data this run goes on to: HF told to skip
-        nothing, a dataset without a length, or a sampler whose order a resume draws
-        again from other random numbers; None when it would."""
+        """Why a resume would not train the data this run goes on to; None when it would.
+
+        HF told to skip nothing, a dataset without a length, or a sampler whose order a
+        resume draws again from other random numbers."""
         trainer = self.trainer
         if trainer.args.ignore_data_skip:
             return ("ignore_data_skip=True: transformers.Trainer trains the resumed epoch "
@@ -527,8 +530,9 @@ class _Run(RunBase):
 
     @property
     def rolling_back(self) -> bool:
-        """Whether a rollback ended HF's epoch call, and its position waits to be gone
-        back to (:meth:`_go_back`)."""
+        """Whether a rollback ended HF's epoch call, and its position waits to be gone back to.
+
+        See :meth:`_go_back`."""
         return self._rollback is not None
 
     def _scaler(self) -> Any:
@@ -586,9 +590,11 @@ class _Run(RunBase):
         return snapshot, state.global_step, saved.get("knobs", {})
 
     def state_snapshot(self) -> dict[str, Any]:
-        """For a rollback, in host memory: the model's, optimizer's, scheduler's and
-        GradScaler's states, HF's step and epoch counts, the random numbers now and at
-        the epoch's start, and the data position (epoch, micro-batches trained in it).
+        """For a rollback, in host memory: the states, HF's counts, random numbers, data position.
+
+        The model's, optimizer's, scheduler's and GradScaler's states, HF's step and epoch
+        counts, the random numbers now and at the epoch's start, and the data position
+        (epoch, micro-batches trained in it).
 
         Raises:
             ValueError: the data position cannot be put back (the windows are not
@@ -613,10 +619,11 @@ class _Run(RunBase):
                      "epoch_rng": self._epoch_rng, "rng": rng_state(self.device)}})
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-        """Put the states and HF's counts back at once, and end HF's epoch call after
-        this step: :meth:`_run_epoch` then trains again from the snapshot's data
-        position (:meth:`_go_back`). HF calls ``on_epoch_end`` for the epoch so ended
-        (other callbacks see an epoch's end there; gpuwatch reports none)."""
+        """Put the states and HF's counts back at once, and end HF's epoch call after this step.
+
+        :meth:`_run_epoch` then trains again from the snapshot's data position
+        (:meth:`_go_back`). HF calls ``on_epoch_end`` for the epoch so ended (other
+        callbacks see an epoch's end there; gpuwatch reports none)."""
         trainer = self.trainer
         model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.lr_scheduler
         assert model is not None and optimizer is not None and scheduler is not None
@@ -763,8 +770,9 @@ class _Run(RunBase):
             setattr(trainer, name, getattr(self, name))
 
     def uninstall(self) -> None:
-        """After ``train()``: HF's own methods and the optimizer's own step again, with
-        the window size in force (``args.gradient_accumulation_steps``); the precision
+        """After ``train()``: HF's own methods and the optimizer's own step again.
+
+        With the window size in force (``args.gradient_accumulation_steps``); the precision
         and kernels in force stay (the model keeps its :class:`_Forward`)."""
         if self.optimizer_settings is not None:
             self.optimizer_settings.remove()
@@ -780,8 +788,9 @@ class _Run(RunBase):
 
     def training_step(self, model: torch.nn.Module, inputs: Any, *args: Any,
                       **kwargs: Any) -> torch.Tensor:
-        """``Trainer.training_step`` of one micro-batch, its returned (detached) loss
-        added to the window's sum on the device."""
+        """``Trainer.training_step`` of one micro-batch, its loss added to the window's sum.
+
+        Its returned (detached) loss is added to the window's sum on the device."""
         loss = self._originals["training_step"](model, inputs, *args, **kwargs)
         try:
             value = loss.detach().float() if isinstance(loss, torch.Tensor) else \
@@ -797,8 +806,9 @@ class _Run(RunBase):
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any,
                           *args: Any, **kwargs: Any) -> Any:
-        """HF's fetch of one accumulation window, each ``next()`` timed; with the
-        ``accum_steps`` knob in use, the window has the knob's size."""
+        """HF's fetch of one accumulation window, each ``next()`` timed.
+
+        With the ``accum_steps`` knob in use, the window has the knob's size."""
         if self.plan:
             num_batches = self._accum_value()
         batches, num_items = self._originals["get_batch_samples"](
@@ -1000,10 +1010,11 @@ class _Run(RunBase):
         self.agent.mark_start()  # the next step's time leaves the evaluation out
 
     def save(self, args: Any, state: Any) -> None:
-        """After HF saved a checkpoint of its own (``save_steps``, ``save_strategy``):
-        gpuwatch's knob values and data position go into it too, so that
-        ``train(resume_from_checkpoint=...)`` resumes it exactly as a ``checkpoint=now``
-        one (a few hundred bytes of JSON, on the process that saves)."""
+        """After HF saved a checkpoint of its own: gpuwatch's knob values and data position go in.
+
+        HF's own: ``save_steps``, ``save_strategy``. With them in it,
+        ``train(resume_from_checkpoint=...)`` resumes it exactly as a ``checkpoint=now`` one
+        (a few hundred bytes of JSON, on the process that saves)."""
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if args.should_save and os.path.isdir(path):
             write_knobs_file(Path(path), self.agent, self.chosen_knobs()[0],
@@ -1071,8 +1082,9 @@ class _Forward:
         return convert_to_fp32(outputs)
 
     def pop_events(self) -> list[tuple[str, str, dict[str, Any]]]:
-        """Compile events since the last call (see :meth:`gpuopt.compile.CompiledModel.
-        pop_step_events`); empty and free when compile was never used."""
+        """Compile events since the last call; empty and free when compile was never used.
+
+        See :meth:`gpuopt.compile.CompiledModel.pop_step_events`."""
         return [] if self.compiled is None else self.compiled.pop_step_events()
 
 
@@ -1239,8 +1251,7 @@ class GpuwatchCallback(TrainerCallback):
 def attach(trainer: transformers.Trainer, *, name: str = "", transport: str = "ipc",
            loggers: bool = False,
            **options: Any) -> Agent:
-    """Attach a started agent to a ``transformers.Trainer`` before ``train()``; returns
-    the agent.
+    """Attach a started agent to a ``transformers.Trainer`` before ``train()``; return the agent.
 
     Adds a :class:`GpuwatchCallback` (``trainer.add_callback``) and wraps the
     instance's ``train`` so that the agent also closes when training raises (``bye``

@@ -402,9 +402,11 @@ class _Accumulation:
             trainer.accumulate_grad_batches = divisor
 
     def before_optimizer_step(self, optimizer: Any) -> None:
-        """A window that ran out of data before its planned size (an epoch of unknown
-        length, or a dataloader shorter than its ``len``): scale its gradients from
-        ``1/divisor`` to ``1/real size`` before clipping and the step."""
+        """A window that ran out of data early: scale its gradients to its real size.
+
+        Ran out before its planned size (an epoch of unknown length, or a dataloader shorter
+        than its ``len``): its gradients are scaled from ``1/divisor`` to ``1/real size``
+        before clipping and the step."""
         if not self.engaged:
             return
         batch_idx = self.epoch_loop.batch_progress.current.ready - 1
@@ -509,8 +511,10 @@ class _Kernels:
             raise
 
     def events(self) -> list[tuple[str, str, dict[str, Any]]]:
-        """Compile events since the last boundary, plus a warning once when compile ran a
-        whole step without the module's forward being called."""
+        """Compile events since the last boundary, with a warning once for a step without forward.
+
+        A warning once when compile ran a whole step without the module's forward being
+        called."""
         events = self.backend.pop_events()
         compiled = self.backend.compiled
         if compiled is not None and compiled.enabled and self._compile_steps < 2:
@@ -639,21 +643,23 @@ class _EpochIterators:
         return fetcher
 
     def replay(self) -> None:
-        """A resume mid-epoch (Lightning made the epoch's iterator anew, from its first
-        batch): the iterator made again from the epoch's start, with the samplers set to
-        the epoch (as Lightning sets them only later), its trained batches dropped, and
-        the generators as at the checkpoint's boundary
-        (:meth:`gpuopt.position.DataPosition.replay_epoch`)."""
+        """A resume mid-epoch: the epoch's iterator made again and its trained batches dropped.
+
+        Lightning made the epoch's iterator anew, from its first batch: the iterator is made
+        again from the epoch's start, with the samplers set to the epoch (as Lightning sets
+        them only later), its trained batches dropped, and the generators as at the
+        checkpoint's boundary (:meth:`gpuopt.position.DataPosition.replay_epoch`)."""
         combined = self._fetcher().combined_loader
         for loader in combined.flattened:
             _set_sampler_epoch(loader, self.fit_loop.trainer.current_epoch)
         self.position.replay_epoch(combined)
 
     def make_at_first_fetch(self, rng: dict[str, Any] | None) -> None:
-        """A resume at an epoch's end (Lightning would go on with an iterator it made
-        before the generators were back): the next epoch's iterator is made at its first
-        fetch, where the saved run made it, from the generators set to ``rng`` (None: as
-        they are then)."""
+        """A resume at an epoch's end: the next epoch's iterator is made at its first fetch.
+
+        Lightning would go on with an iterator it made before the generators were back: the
+        next epoch's iterator is made at its first fetch, where the saved run made it, from
+        the generators set to ``rng`` (None: as they are then)."""
         fetcher = self._fetcher()
         combined = fetcher.combined_loader
 
@@ -718,8 +724,9 @@ class _Run(RunBase):
     # ------------------------------------------------------------ setup
 
     def fit_start(self) -> None:
-        """``fit`` starts (the callback's ``setup``, before Lightning makes the first
-        epoch's iterator): the module is known, and each epoch's start is noted."""
+        """``fit`` starts: the module is known, and each epoch's start is noted.
+
+        The callback's ``setup``, before Lightning makes the first epoch's iterator."""
         self.fitting = True
         module = self.module
         self.agent.params = sum(p.numel() for p in module.parameters())
@@ -731,9 +738,11 @@ class _Run(RunBase):
             self.fail("following the train data", exc)
 
     def train_start(self, restored: dict[str, Any] | None) -> None:
-        """``on_train_start``: the dataloader and optimizer are known: bind the knobs (the
-        agent announces them), resume from ``restored`` (this callback's state in the
-        checkpoint of ``fit(ckpt_path=...)``) and start timing steps."""
+        """``on_train_start``: bind the knobs, resume from ``restored`` and start timing steps.
+
+        The dataloader and optimizer are known: bind the knobs (the agent announces them),
+        resume from ``restored`` (this callback's state in the checkpoint of
+        ``fit(ckpt_path=...)``) and start timing steps."""
         trainer, knobs = self.trainer, self.agent.knobs
         targets = self.options.get("checkpoint_blocks")
         if targets is not None:  # asked for by name: a mistake in them is the caller's
@@ -919,12 +928,13 @@ class _Run(RunBase):
     # ------------------------------------------------------------ checkpoint and resume
 
     def saved_state(self) -> dict[str, Any]:
-        """What every Lightning checkpoint of this ``fit`` keeps of gpuwatch (this
-        callback's state): the knob values a person chose, the data position
-        (:meth:`data_state`), whether ``accum_steps`` was changed (the windows are then
-        gpuwatch's, counted from the change) and, once the precision knob made one, the
-        kept fp16 GradScaler's state (Lightning saves only the plugin the Trainer started
-        with). Training thread; reads the random number generators (host work)."""
+        """What every Lightning checkpoint of this ``fit`` keeps of gpuwatch: this callback's state.
+
+        The knob values a person chose, the data position (:meth:`data_state`), whether
+        ``accum_steps`` was changed (the windows are then gpuwatch's, counted from the
+        change) and, once the precision knob made one, the kept fp16 GradScaler's state
+        (Lightning saves only the plugin the Trainer started with). Training thread; reads
+        the random number generators (host work)."""
         state: dict[str, Any] = {"knobs": self.chosen_knobs()[0], "data": self.data_state(),
                                  "accumulation_changed": bool(self.accumulation
                                                               and self.accumulation.engaged)}
@@ -935,8 +945,10 @@ class _Run(RunBase):
         return state
 
     def data_state(self) -> dict[str, Any]:
-        """The data position (:class:`gpuopt.position.DataPosition`'s: the generators at
-        the epoch's start and now, with Lightning's count of the epoch's batches), a
+        """The data position, a loader's own, and whether validation follows this batch.
+
+        The data position (:class:`gpuopt.position.DataPosition`'s: the generators at the
+        epoch's start and now, with Lightning's count of the epoch's batches), a
         ReconfigurableLoader's own position, and whether Lightning validates right after
         this batch (a resume skips that validation, and its random numbers)."""
         fit_loop = self.trainer.fit_loop
@@ -953,8 +965,9 @@ class _Run(RunBase):
         return state
 
     def data_reason(self, value: Any = None) -> str | None:
-        """Why a resume from a checkpoint now would not train the batches this run goes
-        on to, or None (any thread: attribute reads)."""
+        """Why a resume from a checkpoint now would not train this run's next batches, or None.
+
+        The batches this run goes on to. Any thread: attribute reads."""
         trainer, fit_loop = self.trainer, self.trainer.fit_loop
         # set by Lightning's data connector, not declared on the Trainer class
         reloads = trainer.reload_dataloaders_every_n_epochs  # type: ignore[attr-defined]
@@ -1083,10 +1096,11 @@ class _Run(RunBase):
         return getattr(plugin, "scaler", None)
 
     def state_snapshot(self) -> dict[str, Any]:
-        """For a rollback, in host memory: the module's, optimizers', schedulers' and
-        fp16 GradScaler's states, the fit loop's progress (epoch, batch and optimizer
-        step counts), the accumulation windows, the random numbers and the data
-        position (:meth:`data_state`).
+        """For a rollback, in host memory: states, progress, windows, random numbers, data position.
+
+        The module's, optimizers', schedulers' and fp16 GradScaler's states, the fit loop's
+        progress (epoch, batch and optimizer step counts), the accumulation windows, the
+        random numbers and the data position (:meth:`data_state`).
 
         Raises:
             ValueError: the train data cannot be put back live (:meth:`data_reason`).
@@ -1108,12 +1122,13 @@ class _Run(RunBase):
             "rng": rng_state(self.device), "data": self.data_state()})
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-        """Go back to ``snapshot`` in the middle of ``fit``, at the same hook
-        (``on_train_batch_end``): the states, the loops' progress (Lightning's epoch
-        and step counts go back, its epoch loop goes on with the snapshot's epoch),
-        the train data's iterator made again at the snapshot's batch
-        (:meth:`_EpochIterators.replay`; a ReconfigurableLoader at its own position)
-        and the random numbers."""
+        """Go back to ``snapshot`` in the middle of ``fit``, at ``on_train_batch_end``.
+
+        At the same hook, ``on_train_batch_end``. The states, the loops' progress
+        (Lightning's epoch and step counts go back, its epoch loop goes on with the
+        snapshot's epoch), the train data's iterator made again at the snapshot's batch
+        (:meth:`_EpochIterators.replay`; a ReconfigurableLoader at its own position) and the
+        random numbers."""
         trainer, scaler = self.trainer, self._fp16_scaler()
         self.module.load_state_dict(snapshot["model"])
         schedulers: list[Any] = [config.scheduler for config in trainer.lr_scheduler_configs]
@@ -1153,8 +1168,10 @@ class _Run(RunBase):
             self.accumulation.on_epoch_start()
 
     def before_optimizer_step(self, optimizer: Any) -> None:
-        """Inside Lightning's optimizer step, after the window's last backward (and the
-        GradScaler's unscale), before clipping and the step itself."""
+        """Inside Lightning's optimizer step, after the window's last backward, before clipping.
+
+        After the window's last backward (and the GradScaler's unscale), before clipping and
+        the step itself."""
         if self.accumulation is not None:
             self.accumulation.before_optimizer_step(optimizer)
         if self.broken or not self.started:
@@ -1170,8 +1187,10 @@ class _Run(RunBase):
             self.fail("reading the optimizer step", exc)
 
     def on_batch_end(self, outputs: Any, batch: Any) -> None:
-        """``on_train_batch_end``: count the micro-batch; at a boundary (the optimizer
-        stepped in this batch) report the step and let the agent apply commands."""
+        """``on_train_batch_end``: count the micro-batch; at a boundary, report the step.
+
+        At a boundary (the optimizer stepped in this batch) report the step and let the
+        agent apply commands."""
         if self.broken or not self.started:
             return
         try:
@@ -1262,8 +1281,7 @@ class _Run(RunBase):
     # ------------------------------------------------------------ the end
 
     def uninstall(self) -> None:
-        """Put the trainer and module back as before ``fit`` (called once, by
-        :meth:`close`)."""
+        """Put the trainer and module back as before ``fit`` (called once, by :meth:`close`)."""
         self.trainer.gradient_clip_val = self._clip_val
         if self.optimizer_settings is not None:
             self.optimizer_settings.remove()
@@ -1304,9 +1322,10 @@ def _lightning_run_id(trainer: pl.Trainer) -> str | None:
 
 
 class GpuwatchCallback(Callback):
-    """The Lightning callback of gpuwatch: measures every optimizer step of ``fit`` and
-    serves the live knobs (see the module docstring for what is reported, the knobs and
-    what each refusal means).
+    """The Lightning callback of gpuwatch: measures every optimizer step of ``fit``.
+
+    It serves the live knobs; see the module docstring for what is reported, the knobs and
+    what each refusal means.
 
     ``Trainer(callbacks=[GpuwatchCallback()])`` starts its agent when ``fit`` starts;
     :func:`attach` starts it at once (and returns it). The knobs are bound, and announced
@@ -1361,8 +1380,9 @@ class GpuwatchCallback(Callback):
         self._restored: dict[str, Any] | None = None  # from fit(ckpt_path=...)
 
     def state_dict(self) -> dict[str, Any]:
-        """In every Lightning checkpoint of a ``fit`` under way: gpuwatch's knob values,
-        data position (and a GradScaler the precision knob made), restored by
+        """In every Lightning checkpoint of a ``fit``: gpuwatch's knob values and data position.
+
+        Of a ``fit`` under way, with a GradScaler the precision knob made; restored by
         ``fit(ckpt_path=...)``."""
         run = self._run
         if run is None or not run.started:
@@ -1374,8 +1394,9 @@ class GpuwatchCallback(Callback):
             return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``fit(ckpt_path=...)``: the knob values and the data position are set when
-        training starts, once the knobs are bound (an event says which)."""
+        """``fit(ckpt_path=...)``: the knob values and data position are set when training starts.
+
+        Once the knobs are bound (an event says which)."""
         self._restored = dict(state_dict) or None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -1383,9 +1404,10 @@ class GpuwatchCallback(Callback):
         return {**self.__dict__, "agent": None, "_run": None}
 
     def new_agent(self, trainer: pl.Trainer, module: pl.LightningModule | None) -> Agent:
-        """A started agent for ``trainer``'s next ``fit``, kept in :attr:`agent`, and its
-        run (its knobs are bound when training starts; SIGTERM and an uncaught
-        exception end it with ``bye``)."""
+        """A started agent for ``trainer``'s next ``fit``, kept in :attr:`agent`, and its run.
+
+        Its knobs are bound when training starts; SIGTERM and an uncaught exception end it
+        with ``bye``."""
         options = dict(self.agent_options)
         options.setdefault("rank", trainer.global_rank)
         options.setdefault("world_size", trainer.world_size)
@@ -1465,8 +1487,9 @@ class GpuwatchCallback(Callback):
 
 def attach(trainer: pl.Trainer, *, name: str = "", transport: str = "ipc",
            loggers: bool = False, **options: Any) -> Agent:
-    """Attach gpuwatch to a ``lightning.pytorch.Trainer`` before ``fit``: adds a
-    :class:`GpuwatchCallback` and returns its started agent (its knobs are bound when
+    """Attach gpuwatch to a ``lightning.pytorch.Trainer`` before ``fit``; return its started agent.
+
+    Adds a :class:`GpuwatchCallback` and returns its started agent (its knobs are bound when
     training starts; see there).
 
     Args:

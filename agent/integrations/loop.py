@@ -104,12 +104,13 @@ class _MeasuredAutocast:
 
 
 class LoopRun(RunBase):
-    """A run whose loop takes its data and its window size from the run: batches through
-    :meth:`loader` (or :meth:`timed`), micro-batches per optimizer step from
+    """A run whose loop takes its data and its window size from the run.
+
+    Batches through :meth:`loader` (or :meth:`timed`), micro-batches per optimizer step from
     :attr:`accum_steps`, the boundary at :meth:`optimizer_step`. What a hand-written loop
     (:class:`Session`) and a Lightning Fabric loop
-    (:class:`agent.integrations.fabric.FabricRun`) share; a subclass says how its
-    window's losses are counted (:meth:`_take_window`) and how it saves and resumes.
+    (:class:`agent.integrations.fabric.FabricRun`) share; a subclass says how its window's
+    losses are counted (:meth:`_take_window`) and how it saves and resumes.
 
     Attributes:
         agent: the :class:`agent.Agent`. step: optimizer steps marked so far (after a
@@ -156,8 +157,9 @@ class LoopRun(RunBase):
 
     @property
     def accum_steps(self) -> int:
-        """Micro-batches per optimizer step: read it at the start of each window (the
-        knob changes it only at a boundary, so it is constant within a window).
+        """Micro-batches per optimizer step: read it at the start of each window.
+
+        The knob changes it only at a boundary, so it is constant within a window.
 
         Raises:
             AttributeError: the run was made without ``accum_steps=``.
@@ -173,13 +175,14 @@ class LoopRun(RunBase):
     # ------------------------------------------------------------ data
 
     def loader(self, batches: Iterable[Any], *, epochs: int | None = 1) -> Iterator[Any]:
-        """Iterate ``batches`` for ``epochs`` epochs (None: epoch after epoch until the
-        loop stops; an epoch that yields nothing ends it), timing each ``next()`` (the
-        data wait) and counting samples (dim 0 of the batch's first tensor) and tokens.
-        Given a :class:`gpuopt.loader.ReconfigurableLoader`, its ``num_workers``,
-        ``pin_memory`` and ``prefetch_factor`` become live knobs (announced to
-        dashboards at once), and ``micro_batch_size`` too when the run has
-        ``accum_steps``.
+        """Iterate ``batches`` for ``epochs`` epochs, timing each ``next()`` and counting its batch.
+
+        ``epochs`` None: epoch after epoch until the loop stops; an epoch that yields
+        nothing ends it. Each ``next()`` is timed (the data wait), and samples (dim 0 of the
+        batch's first tensor) and tokens are counted. Given a
+        :class:`gpuopt.loader.ReconfigurableLoader`, its ``num_workers``, ``pin_memory`` and
+        ``prefetch_factor`` become live knobs (announced to dashboards at once), and
+        ``micro_batch_size`` too when the run has ``accum_steps``.
 
         Raises:
             ValueError: ``epochs`` is not None or an integer >= 1.
@@ -191,8 +194,9 @@ class LoopRun(RunBase):
         return self._batches(batches, epochs)
 
     def bind_loader(self, batches: Any) -> None:
-        """The knobs of ``batches`` when it is the first ReconfigurableLoader seen (put
-        at the checkpoint's position after a resume); nothing for other data."""
+        """The knobs of ``batches`` when it is the first ReconfigurableLoader seen; else nothing.
+
+        Put at the checkpoint's position after a resume; nothing for other data."""
         if isinstance(batches, ReconfigurableLoader) and self._reconfigurable is None:
             self._reconfigurable = batches
             if self._loader_position is not None:
@@ -238,14 +242,15 @@ class LoopRun(RunBase):
             yield batch
 
     def timed(self, fetch: Callable[..., Any]) -> Callable[..., Any]:
-        """``fetch`` (e.g. nanoGPT's ``get_batch``), each training call (not under
-        ``no_grad``) timed as data wait and its batch counted like :meth:`loader`'s: an
-        evaluation's calls (nanoGPT's ``estimate_loss()``, under ``@torch.no_grad()``)
-        count in neither; a loop that evaluates with grad enabled wraps only the
-        training calls. The training calls' batches are the data position a checkpoint
-        keeps, a batch fetched ahead of the boundary included (nanoGPT's ``X, Y =
-        get_batch()`` at the end of its micro-step loop): after a resume the first call
-        gets that batch back."""
+        """``fetch`` (e.g. nanoGPT's ``get_batch``), each training call timed and its batch counted.
+
+        Each training call (not under ``no_grad``) timed as data wait and its batch counted
+        like :meth:`loader`'s: an evaluation's calls (nanoGPT's ``estimate_loss()``, under
+        ``@torch.no_grad()``) count in neither; a loop that evaluates with grad enabled
+        wraps only the training calls. The training calls' batches are the data position a
+        checkpoint keeps, a batch fetched ahead of the boundary included (nanoGPT's
+        ``X, Y = get_batch()`` at the end of its micro-step loop): after a resume the first
+        call gets that batch back."""
         return self.position.timed_fetch(fetch, self.meter.add)
 
     # ------------------------------------------------------------ the boundary
@@ -254,8 +259,9 @@ class LoopRun(RunBase):
                        tokens: int | None = None, skipped: torch.Tensor | None = None,
                        grad_norm: torch.Tensor | float | None = None,
                        activation_bytes: int | None = None) -> None:
-        """Mark an optimizer-step boundary: call it once per optimizer step, after
-        ``optimizer.step()`` (or ``scaler.step``/``update``) and ``zero_grad()``.
+        """Mark an optimizer-step boundary: call it once per optimizer step, after ``zero_grad()``.
+
+        After ``optimizer.step()`` (or ``scaler.step``/``update``) and ``zero_grad()``.
         Pending commands apply here, so the next window runs with them.
 
         Args:
@@ -305,8 +311,9 @@ class LoopRun(RunBase):
     # ------------------------------------------------------------ checkpoints
 
     def data_state(self) -> dict[str, Any]:
-        """The data position (:class:`gpuopt.position.DataPosition`'s), with a
-        ReconfigurableLoader's own position when :meth:`loader` has one."""
+        """The data position (:class:`gpuopt.position.DataPosition`'s) and a loader's own.
+
+        A ReconfigurableLoader's own position when :meth:`loader` has one."""
         state = self.position.state_dict()
         if self._reconfigurable is not None:
             state["loader"] = self._reconfigurable.save_position()
@@ -361,8 +368,9 @@ class LoopRun(RunBase):
 
 
 class Session(LoopRun):
-    """The agent of one hand-written loop (see :func:`session`, which makes it): the
-    loop run (:class:`LoopRun`) with the loop's precision, model and checkpoints.
+    """The agent of one hand-written loop (see :func:`session`, which makes it).
+
+    The loop run (:class:`LoopRun`) with the loop's precision, model and checkpoints.
 
     Attributes:
         model: the model (``kernels`` and ``checkpointing`` switch it in place, so the
@@ -438,11 +446,12 @@ class Session(LoopRun):
             "grad_scaler": self.scaler.state_dict()}
 
     def save_checkpoint(self, path: Any, knobs: dict[str, Any]) -> None:
-        """The ``checkpoint`` command's ``torch.save``: model, optimizer, scheduler,
-        GradScaler, random number generators, step, knob values and data position. A
-        sharded model (:attr:`sharded`) is saved by every rank into one directory
-        (:func:`agent.integrations.sharded.save_sharded`), each rank with its own random
-        numbers and data position."""
+        """The ``checkpoint`` command's ``torch.save``: states, step, knob values and data position.
+
+        Model, optimizer, scheduler, GradScaler, random number generators, step, knob values
+        and data position. A sharded model (:attr:`sharded`) is saved by every rank into one
+        directory (:func:`agent.integrations.sharded.save_sharded`), each rank with its own
+        random numbers and data position."""
         if not self.sharded:
             torch.save(self._checkpoint(knobs, self._states()), path)
             return
@@ -452,17 +461,19 @@ class Session(LoopRun):
             "world_size": torch.distributed.get_world_size()}))
 
     def state_snapshot(self) -> dict[str, Any] | None:
-        """The loop's states, random numbers and data position in host memory (None
-        without a model or optimizer)."""
+        """The loop's states, random numbers and data position in host memory.
+
+        None without a model or optimizer."""
         if self.model is None and self.optimizer is None:
             return None
         return host_copy({**self._states(), "rng": rng_state(self.device),
                           "data": self.data_state()})
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> str | None:
-        """Go back to ``snapshot`` in the middle of the loop: the states, the random
-        numbers and the data position (:meth:`loader`'s iteration goes back; a batch the
-        loop holds itself cannot)."""
+        """Go back to ``snapshot`` in the middle of the loop.
+
+        The states, the random numbers and the data position (:meth:`loader`'s iteration
+        goes back; a batch the loop holds itself cannot)."""
         held = self.position.ahead if self.position.fetched_total else 0
         self._load_states(snapshot, "the rollback's snapshot", model=self.model,
                           optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
@@ -494,9 +505,10 @@ class Session(LoopRun):
         return snapshot, saved["step"], saved["knobs"]
 
     def resume(self, source: str | os.PathLike) -> None:
-        """Continue from the checkpoint :meth:`save_checkpoint` wrote at ``source``: every
-        state it has, the step, the knob values, the data position and the random number
-        generators (an event says which)."""
+        """Continue from the checkpoint :meth:`save_checkpoint` wrote at ``source``.
+
+        Every state it has, the step, the knob values, the data position and the random
+        number generators (an event says which)."""
         if self.sharded:
             assert self.model is not None  # (sharded says there is one)
             saved = load_sharded(source, self.model, self.optimizer)
@@ -521,11 +533,13 @@ def model_knobs(knobs: KnobSet, model: torch.nn.Module, device: torch.device, *,
                 kernels_refused: str | None = None, compile_backend: str = "inductor",
                 checkpoint_blocks: Any = None, declare: str = LoopRun.declare
                 ) -> tuple[ModelBackend | None, ActivationCheckpointing | None]:
-    """Bind the ``kernels`` knob of ``model`` (switched in the model itself:
-    :class:`gpuopt.backends.ModelBackend` with ``in_place=True``; refused with
-    ``kernels_refused`` when it is a reason) and its ``checkpointing`` knob (its
-    repeated blocks, or ``checkpoint_blocks``; refused with the reason when it has
-    none). ``declare``: how the loop passes ``checkpoint_blocks`` (:attr:`LoopRun.declare`).
+    """Bind the ``kernels`` and ``checkpointing`` knobs of ``model``, or their refusals.
+
+    ``kernels`` is switched in the model itself (:class:`gpuopt.backends.ModelBackend` with
+    ``in_place=True``; refused with ``kernels_refused`` when it is a reason);
+    ``checkpointing`` covers its repeated blocks, or ``checkpoint_blocks`` (refused with the
+    reason when it has none). ``declare``: how the loop passes ``checkpoint_blocks``
+    (:attr:`LoopRun.declare`).
 
     Returns:
         ``(model_backend, checkpointing)``, each None where its knob is refused.
@@ -555,11 +569,13 @@ def model_knobs(knobs: KnobSet, model: torch.nn.Module, device: torch.device, *,
 def optimizer_settings_knobs(knobs: KnobSet, optimizer: torch.optim.Optimizer,
                              max_grad_norm: float | None, *, declare: str = LoopRun.declare,
                              own_clip: str = "clip_grad_norm_") -> OptimizerSettings:
-    """Bind ``lr_scale`` and ``weight_decay`` of ``optimizer`` (a torch optimizer, not
-    a framework's wrapper: :class:`gpuopt.optim.OptimizerSettings` hooks its step), and
-    ``max_grad_norm`` when the loop declared it (``max_grad_norm``: the starting value,
-    0: off; the run clips inside ``optimizer.step()``, so the loop leaves out its own
-    ``own_clip``); ``declare`` as :func:`model_knobs`'.
+    """Bind ``lr_scale`` and ``weight_decay`` of ``optimizer``, and ``max_grad_norm`` if declared.
+
+    ``optimizer``: a torch optimizer, not a framework's wrapper
+    (:class:`gpuopt.optim.OptimizerSettings` hooks its step). ``max_grad_norm`` when the
+    loop declared it (``max_grad_norm``: the starting value, 0: off; the run clips inside
+    ``optimizer.step()``, so the loop leaves out its own ``own_clip``); ``declare`` as
+    :func:`model_knobs`'.
 
     Raises:
         ValueError: ``max_grad_norm`` is not a finite number >= 0.

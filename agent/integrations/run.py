@@ -161,11 +161,12 @@ class RunBase:
     # ------------------------------------------------------------ the boundary
 
     def boundary(self, record: StepRecord) -> None:
-        """Training thread, at an optimizer-step boundary (after ``step()`` and
-        ``zero_grad``): count the step (``record.step``: the framework's own count,
-        when it keeps one; else :attr:`step` + 1), note its window in the data position, record
-        it and apply the commands due (a checkpoint among them holds this step), then
-        publish its events and tick the memory knobs.
+        """Training thread, at an optimizer-step boundary: count, record and publish the step.
+
+        After ``step()`` and ``zero_grad``: count the step (``record.step``: the framework's
+        own count, when it keeps one; else :attr:`step` + 1), note its window in the data
+        position, record it and apply the commands due (a checkpoint among them holds this
+        step), then publish its events and tick the memory knobs.
 
         .. note:: Never synchronizes the device; a few microseconds. Never raises: an
            error of gpuwatch's stops the observing (an event says so), never training.
@@ -216,9 +217,11 @@ class RunBase:
         self._checkpoints.bind(self.knobs)
 
     def chosen_knobs(self) -> tuple[dict[str, Any], str | None]:
-        """The knob values a checkpoint keeps: the ones now, except that a knob the
-        in-run search is trying has the value the search measures it against (the
-        person's, or the best kept so far); and a note saying so, or None."""
+        """The knob values a checkpoint keeps, and a note when one is not the current value.
+
+        The ones now, except that a knob the in-run search is trying has the value the
+        search measures it against (the person's, or the best kept so far); and a note
+        saying so, or None."""
         values = self.agent.knobs.values()
         trial = self.agent.tune.trial_values(values)
         if not trial:
@@ -229,23 +232,26 @@ class RunBase:
             + "; the checkpoint keeps " + ", ".join(f"{k}={v}" for k, v in trial.items()))
 
     def data_state(self) -> dict[str, Any] | None:
-        """The data position a checkpoint keeps (:class:`gpuopt.position.DataPosition`'s
-        state by default; an integration whose framework positions its own data returns
-        what it needs, or None)."""
+        """The data position a checkpoint keeps.
+
+        :class:`gpuopt.position.DataPosition`'s state by default; an integration whose
+        framework positions its own data returns what it needs, or None."""
         return self.position.state_dict()
 
     @property
     def epoch(self) -> int:
-        """Epochs the run's data (:attr:`position`) was iterated to their end: the
-        0-based index of the epoch in progress, the checkpoint's after a resume (a loop
+        """Epochs the run's data (:attr:`position`) was iterated to their end.
+
+        The 0-based index of the epoch in progress, the checkpoint's after a resume (a loop
         that counts its epochs goes on with ``for epoch in range(run.epoch, n)``)."""
         return self.position.epochs_done
 
     def data_reason(self, value: Any = None) -> str | None:
-        """Why a resume from a checkpoint now would not train the same data as this run
-        goes on to, or None when it would (the ``checkpoint`` reply's warning). By
-        default: the data must come through :attr:`position` (``run.loader()`` and
-        the like), in a form that can be iterated again."""
+        """Why a resume from a checkpoint now would not train the same data as this run goes on to.
+
+        None when it would (the ``checkpoint`` reply's warning). By default: the data must
+        come through :attr:`position` (``run.loader()`` and the like), in a form that can be
+        iterated again."""
         if self.position.fetched_total == 0 and self.step:
             return ("this loop's batches do not come through the run (run.loader(), "
                     "run.timed()), so the checkpoint has no data position: the loop must "
@@ -253,9 +259,10 @@ class RunBase:
         return self.position.exact_reason
 
     def no_position(self, data: dict[str, Any] | None) -> str | None:
-        """What a resume from a checkpoint whose :meth:`data_state` was ``data`` will not
-        have as the saved run did (None: it has the data position), for
-        :meth:`restore`'s ``differs``."""
+        """What a resume from a checkpoint will not have as the saved run did, for ``differs``.
+
+        A checkpoint whose :meth:`data_state` was ``data``. None: it has the data position.
+        For :meth:`restore`'s ``differs``."""
         if data is None or (data["fetched_total"] == 0 and self.step):
             return ("the checkpoint has no data position (the loop's batches did not come "
                     "through the run): the loop positions its data itself")
@@ -264,8 +271,9 @@ class RunBase:
     def restore(self, knobs: dict[str, Any], source: str, *,
                 data: dict[str, Any] | None = None, differs: str | None = None,
                 unbound: str = "not in this run") -> dict[str, Any]:
-        """Training thread, before training goes on from a checkpoint at :attr:`step`:
-        the data position (``data``, :meth:`data_state`'s), then every knob value of
+        """Training thread, before training goes on from a checkpoint at :attr:`step`: restore it.
+
+        The data position (``data``, :meth:`data_state`'s), then every knob value of
         ``knobs``; one ``resumed`` event names them all, what could not be set, and
         ``differs`` (what will not be as in the saved run), if anything.
 
@@ -282,8 +290,10 @@ class RunBase:
 
     @property
     def stopping(self) -> bool:
-        """Whether ``stop`` applied: a loop whose batches do not come through the run
-        (``run.loader()``, which ends by itself then) leaves its loop when this is True."""
+        """Whether ``stop`` applied: a loop whose batches do not come through the run then leaves.
+
+        A loop whose batches do not come through the run (``run.loader()``, which ends by
+        itself then) leaves its loop when this is True."""
         return self.stop_requested is not None
 
     def _set_pause(self, value: str) -> dict[str, Any]:
@@ -325,19 +335,21 @@ class RunBase:
         return {"text": f"the training ends after step {self.step}{saved}"}
 
     def end_loop(self) -> None:
-        """Training thread, at a boundary: make the framework's loop end there, cleanly
-        (its end hooks run). Nothing in the base: :meth:`stopping` is True, which the
-        run's own loaders and a hand-written loop look at."""
+        """Training thread, at a boundary: make the framework's loop end there, cleanly.
+
+        Its end hooks run. Nothing in the base: :meth:`stopping` is True, which the run's
+        own loaders and a hand-written loop look at."""
 
     def bind_evaluate(self, evaluate: Callable[[], dict[str, Any] | None] | None,
                       model: torch.nn.Module | None, *, declare: str) -> None:
-        """Offer ``evaluate=now`` (without ``evaluate``: refuse it, saying to give one
-        as ``declare`` shows, e.g. ``agent.session(eval_fn=...)``): at the boundary it
-        applies at, ``evaluate()`` runs on the training thread and its metrics (a dict
-        of names to numbers; other values are left out) go to an ``evaluation`` event
-        (:meth:`publish_evaluation`). The
-        ``model``'s train/eval mode is put back after it; the next step's time leaves
-        the evaluation out."""
+        """Offer ``evaluate=now``: ``evaluate()`` runs at a boundary and its metrics go to an event.
+
+        Without ``evaluate``: refuse it, saying to give one as ``declare`` shows, e.g.
+        ``agent.session(eval_fn=...)``. At the boundary it applies at, ``evaluate()`` runs
+        on the training thread and its metrics (a dict of names to numbers; other values are
+        left out) go to an ``evaluation`` event (:meth:`publish_evaluation`). The
+        ``model``'s train/eval mode is put back after it; the next step's time leaves the
+        evaluation out."""
         if evaluate is None:
             self.knobs.bind(EVALUATE, f"pass {declare} for evaluate=now to run it")
             return
@@ -369,9 +381,10 @@ class RunBase:
     # ------------------------------------------------------------ rollback of the state
 
     def state_snapshot(self) -> Any:
-        """A copy in host memory of everything a rollback puts back (model, optimizer,
-        scheduler, GradScaler, random numbers, data position), or None when this
-        integration cannot take one. Nothing in the base: an integration that can
+        """A copy in host memory of everything a rollback puts back, or None.
+
+        Model, optimizer, scheduler, GradScaler, random numbers, data position; None when
+        this integration cannot take one. Nothing in the base: an integration that can
         overrides it with :meth:`load_snapshot`.
 
         Raises:
@@ -380,13 +393,15 @@ class RunBase:
         return None
 
     def load_snapshot(self, snapshot: Any) -> str | None:
-        """Put back :meth:`state_snapshot`'s ``snapshot`` (the training goes on from its
-        step); returns what is not as it was, or None."""
+        """Put back :meth:`state_snapshot`'s ``snapshot`` (the training goes on from its step).
+
+        Returns what is not as it was, or None."""
         raise NotImplementedError
 
     def keep_state(self, step: int) -> None:
-        """Training thread, at the boundary after ``step``, before a guarded change that
-        starts an episode applies: keep the state there for a rollback.
+        """Training thread, at the boundary after ``step``: keep the state there for a rollback.
+
+        Before a guarded change that starts an episode applies.
 
         .. note:: Copies the state to host memory (a device sync on GPU): the training
            thread waits about the state's size over the copy bandwidth, at such a
@@ -729,12 +744,14 @@ class RunBase:
         end_on_signals(self)
 
     def uninstall(self) -> None:
-        """Put back what the integration patched in its framework (called once, by
-        :meth:`close`, before ``bye``). Nothing in the base."""
+        """Put back what the integration patched in its framework.
+
+        Called once, by :meth:`close`, before ``bye``. Nothing in the base."""
 
     def close(self, reason: str = "finished") -> None:
-        """End the run: :meth:`uninstall`, then ``bye`` with ``reason`` and the run file
-        removed. Idempotent; any exit path calls it (see :func:`end_on_signals`)."""
+        """End the run: :meth:`uninstall`, then ``bye`` with ``reason`` and the run file removed.
+
+        Idempotent; any exit path calls it (see :func:`end_on_signals`)."""
         if self.closed:
             return
         self.closed = self.closing = True
@@ -750,8 +767,9 @@ class RunBase:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def fail(self, where: str, exc: BaseException) -> None:
-        """Stop observing after an internal error (``where``: what failed); an error
-        event says so. Training goes on, untouched."""
+        """Stop observing after an internal error (``where``: what failed); an error event says so.
+
+        Training goes on, untouched."""
         self.broken = True
         message = (f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}; the run "
                    "is no longer observed (training continues)")
@@ -782,10 +800,11 @@ def _close_live(reason: str) -> None:
 
 
 def end_on_signals(run: Any) -> None:
-    """End ``run`` (anything with ``close(reason)``) cleanly on SIGTERM (torchrun's and
-    schedulers' stop) where nobody handles it yet, then die of it as before; and name an
-    uncaught exception in ``bye``. The hooks are installed once per process; a normal
-    exit is the agent's ``atexit``."""
+    """End ``run`` cleanly on SIGTERM where nobody handles it yet, and name uncaught exceptions.
+
+    ``run``: anything with ``close(reason)``. SIGTERM is torchrun's and schedulers' stop;
+    the process then dies of it as before; an uncaught exception is named in ``bye``. The
+    hooks are installed once per process; a normal exit is the agent's ``atexit``."""
     global _exit_paths_installed
     _LIVE.add(run)
     if _exit_paths_installed:
@@ -856,8 +875,10 @@ def metric_numbers(metrics: dict[str, Any] | None) -> tuple[dict[str, float], st
 
 
 def host_copy(state: Any) -> Any:
-    """``state`` (dicts, lists, tuples of tensors and plain values) with every tensor
-    copied to host memory, detached: a snapshot later steps cannot change."""
+    """``state`` with every tensor copied to host memory, detached: later steps cannot change it.
+
+    ``state``: dicts, lists, tuples of tensors and plain values; a snapshot later steps
+    cannot change."""
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):

@@ -1,5 +1,7 @@
-"""A model sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``) in a run: what its
-knobs need to stay exact, and its checkpoints (:mod:`torch.distributed.checkpoint`).
+"""A model sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``) in a run.
+
+What its knobs need to stay exact, and its checkpoints
+(:mod:`torch.distributed.checkpoint`).
 
 Each rank holds a shard of every parameter, gradient and optimizer state (DTensors), so:
 
@@ -35,32 +37,38 @@ RANK_FILE = "rank-{rank}.pt"
 
 
 def fsdp_modules(model: torch.nn.Module | None) -> list[FSDPModule]:
-    """The modules of ``model`` (itself included) that ``fully_shard`` wrapped; empty for
-    None or a model that is not sharded."""
+    """The modules of ``model`` (itself included) that ``fully_shard`` wrapped.
+
+    Empty for None or a model that is not sharded."""
     if model is None:
         return []
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
 def is_sharded(model: torch.nn.Module | None) -> bool:
-    """Whether ``model`` has parameters that are DTensors (sharded by FSDP2, tensor
-    parallelism, ...): each rank holds a part, so a checkpoint needs every rank's."""
+    """Whether ``model`` has parameters that are DTensors: a checkpoint needs every rank's part.
+
+    Sharded by FSDP2, tensor parallelism, ...: each rank holds a part, so a checkpoint needs
+    every rank's."""
     return model is not None and any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def sharded_precision(model: torch.nn.Module | None
                       ) -> Callable[[str], str | None] | None:
-    """The refusal of the precision knob (:func:`agent.integrations.adapters.precision_knob`'s
-    ``refusal``) for ``model`` when ``fully_shard`` wrapped it, else None:
+    """The precision knob's refusal for ``model`` when ``fully_shard`` wrapped it, else None.
+
+    :func:`agent.integrations.adapters.precision_knob`'s ``refusal``:
     :func:`precision_refusal` of it."""
     modules = fsdp_modules(model)
     return (lambda value: precision_refusal(modules, value)) if modules else None
 
 
 def precision_refusal(modules: list[FSDPModule], value: str) -> str | None:
-    """Why the precision knob may not switch the model whose ``fully_shard`` modules
-    are ``modules`` to ``value`` (``"fp32"``, ``"bf16"``, ``"fp16"``), or None when
-    autocast over its fp32 parameters gives ``value`` exactly as on an unsharded model."""
+    """Why the precision knob may not switch the sharded ``modules``' model to ``value``, or None.
+
+    The model whose ``fully_shard`` modules are ``modules``; ``value``: ``"fp32"``,
+    ``"bf16"``, ``"fp16"``. None when autocast over its fp32 parameters gives ``value``
+    exactly as on an unsharded model."""
     for module in modules:
         policy = module._get_fsdp_state()._mp_policy  # (FSDP2 keeps it nowhere public)
         if policy.param_dtype is not None or policy.reduce_dtype is not None:
@@ -77,10 +85,12 @@ def precision_refusal(modules: list[FSDPModule], value: str) -> str | None:
 
 def sync_at_window_end(model: torch.nn.Module, accum_steps: Callable[[], int]
                        ) -> Callable[[int], None]:
-    """A :attr:`gpuopt.precision.SwitchableGradScaler.before_backward` for the FSDP2
-    model ``model``: before the ``n``-th backward of a window of ``accum_steps()``
-    micro-batches, gradient reduction on for the last one only (a flag on each
-    ``fully_shard`` module: no communication, no synchronization)."""
+    """A ``before_backward`` for FSDP2 ``model``: reduce gradients at a window's end only.
+
+    A :attr:`gpuopt.precision.SwitchableGradScaler.before_backward`: before the ``n``-th
+    backward of a window of ``accum_steps()`` micro-batches, gradient reduction on for the
+    last one only (a flag on each ``fully_shard`` module: no communication, no
+    synchronization)."""
     modules = fsdp_modules(model)
 
     def before_backward(micro_batch: int) -> None:
@@ -93,10 +103,11 @@ def sync_at_window_end(model: torch.nn.Module, accum_steps: Callable[[], int]
 
 @contextmanager
 def gradient_sync_off(model: torch.nn.Module) -> Iterator[None]:
-    """Inside: the backward passes through the FSDP2 model ``model`` accumulate unreduced
-    local gradients (``set_requires_gradient_sync(False)`` on each ``fully_shard``
-    module: a flag, no communication); after: reduction on again, so the next backward
-    reduces everything accumulated."""
+    """Inside: backward passes through FSDP2 ``model`` accumulate unreduced local gradients.
+
+    ``set_requires_gradient_sync(False)`` on each ``fully_shard`` module: a flag, no
+    communication. After: reduction on again, so the next backward reduces everything
+    accumulated."""
     modules = fsdp_modules(model)
     for module in modules:
         module.set_requires_gradient_sync(False, recurse=False)
@@ -130,8 +141,9 @@ def agree_on_checkpoint(failure: str | None) -> str | None:
 
 def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  rank_state: dict[str, Any]) -> None:
-    """Write a sharded checkpoint into the directory rank 0 gives as ``path``: the
-    model's and the optimizer's shards (``torch.distributed.checkpoint``, each rank its
+    """Write a sharded checkpoint into the directory rank 0 gives as ``path``, on every rank.
+
+    The model's and the optimizer's shards (``torch.distributed.checkpoint``, each rank its
     own) and each rank's ``rank_state`` (:data:`RANK_FILE`, ``torch.save``). Every rank
     calls it at the same step; it returns once every rank has written, so rank 0 may
     then rename the directory. Its first collective is an :func:`agree` (rank 0's
@@ -163,8 +175,9 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
 
 def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Load the shards of a :func:`save_sharded` directory into ``model`` and
-    ``optimizer`` (every rank, at once) and return this rank's own state (what
+    """Load a :func:`save_sharded` directory's shards into ``model`` and ``optimizer``.
+
+    On every rank, at once; returns this rank's own state (what
     :func:`agent.control.checkpoints.load_checkpoint` reads; no code runs from the files).
 
     Raises:

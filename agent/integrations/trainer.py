@@ -48,15 +48,18 @@ class TrainerRun(RunBase):
         return None
 
     def data_reason(self, value: Any = None) -> str | None:
-        """The Trainer's loader position is exact for a ReconfigurableLoader; another
-        loader's is its :class:`gpuopt.position.DataPosition`'s."""
+        """Why a resume would not train the same data: None for a ReconfigurableLoader.
+
+        The Trainer's loader position is exact for a ReconfigurableLoader; another loader's
+        is its :class:`gpuopt.position.DataPosition`'s."""
         if isinstance(self.trainer.loader, ReconfigurableLoader):
             return None
         return self.trainer.data_position.exact_reason
 
     def end_loop(self) -> None:
-        """The Trainer's :meth:`gpuopt.Trainer.stop`: ``fit`` returns before the next
-        step, its ``on_fit_end`` hooks run."""
+        """The Trainer's :meth:`gpuopt.Trainer.stop`: ``fit`` returns before the next step.
+
+        Its ``on_fit_end`` hooks run."""
         self.trainer.stop()
 
     #: a recovery keeps these of the state as they are now (the Trainer's loader
@@ -68,8 +71,9 @@ class TrainerRun(RunBase):
         return host_copy(self.trainer.state_dict())
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-        """The Trainer goes back to ``snapshot`` in the middle of ``fit`` (its data
-        position too: the batches after it come again)."""
+        """The Trainer goes back to ``snapshot`` in the middle of ``fit``, its data position too.
+
+        The batches after it come again."""
         self.trainer.load_state_dict(snapshot)
 
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
@@ -116,10 +120,11 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
            resume_from: str | os.PathLike | None = None,
            eval_fn: Callable[[], dict[str, Any] | None] | None = None,
            **options: Any) -> Agent:
-    """Attach the agent to a :class:`gpuopt.Trainer` (see :func:`agent.attach`, which
-    calls this). Returns the started agent. ``eval_fn()`` (returning a dict of metric
-    names to numbers) is what ``evaluate=now`` runs, on the training thread at a
-    boundary; without it the run has no ``evaluate`` command.
+    """Attach the agent to a :class:`gpuopt.Trainer` (see :func:`agent.attach`); return the agent.
+
+    :func:`agent.attach` calls this. Returns the started agent. ``eval_fn()`` (returning a
+    dict of metric names to numbers) is what ``evaluate=now`` runs, on the training thread
+    at a boundary; without it the run has no ``evaluate`` command.
 
     Raises:
         ValueError: ``resume_from`` is not a checkpoint of the ``checkpoint`` command,

@@ -1,5 +1,4 @@
-"""I/O and transport: everything the agent does off the training thread to be seen and
-reached.
+"""I/O and transport: everything the agent does off the training thread to be seen and reached.
 
 It owns the I/O thread with its sockets, run file, run log and heartbeats
 (:mod:`agent.io.ioloop`), the system and GPU probes it samples (:mod:`agent.io.probes`),

@@ -94,9 +94,10 @@ class _Endpoints(TypedDict, total=False):
 
 
 class AgentView(Protocol):
-    """What the I/O thread reads of its agent (:class:`agent.step.core.Agent`): the run's
-    facts for ``hello`` and the run file, the hot path's latest state, and where to
-    report. Public members only; each read is an attribute read, never a wait."""
+    """What the I/O thread reads of its agent (:class:`agent.step.core.Agent`), never waiting.
+
+    The run's facts for ``hello`` and the run file, the hot path's latest state, and where
+    to report. Public members only; each read is an attribute read, never a wait."""
 
     @property
     def name(self) -> str: ...
@@ -204,8 +205,10 @@ class IOLoop:
         return self._stop.is_set()
 
     def start(self, timeout_s: float) -> None:
-        """Start the thread; wait at most ``timeout_s`` (s) until the sockets are bound
-        and the run file written, or binding failed (the agent then stays inert)."""
+        """Start the thread; wait at most ``timeout_s`` (s) until the sockets are bound.
+
+        Until the sockets are bound and the run file written, or binding failed (the agent
+        then stays inert)."""
         self._wake = os.pipe()
         for fd in self._wake:
             os.set_blocking(fd, False)
@@ -213,8 +216,9 @@ class IOLoop:
         self._ready.wait(timeout_s)
 
     def stop(self, timeout_s: float) -> None:
-        """Publish what is queued and ``bye``, close the sockets, remove the run file;
-        wait at most ``timeout_s`` (s) for the thread. Any thread but the I/O one."""
+        """Publish what is queued and ``bye``, close the sockets, remove the run file, join.
+
+        Wait at most ``timeout_s`` (s) for the thread. Any thread but the I/O one."""
         self._stop.set()
         if self._wake is not None:
             try:
@@ -489,11 +493,13 @@ class IOLoop:
             return default
 
     def publish(self, msg_type: str, body: Mapping[str, Any], logged: bool = True) -> None:
-        """Send one message (and append it to the run log). ``logged=False``: a repeat
-        for new subscribers, sent with the latest ``seq`` and not logged. The steps
-        batched so far are sent first, so every message keeps its order with them. An
-        event is cut to a bounded size first (:func:`agent.wire.protocol.bounded_event`), so
-        that large, frequent ones never crowd the steps out of the dashboards' queues."""
+        """Send one message (and append it to the run log), in order with the steps batched so far.
+
+        ``logged=False``: a repeat for new subscribers, sent with the latest ``seq`` and not
+        logged. The steps batched so far are sent first, so every message keeps its order
+        with them. An event is cut to a bounded size first
+        (:func:`agent.wire.protocol.bounded_event`), so that large, frequent ones never
+        crowd the steps out of the dashboards' queues."""
         if msg_type != protocol.STEPS:
             self._encoder.flush()
             if msg_type == protocol.EVENT:

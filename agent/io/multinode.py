@@ -1,6 +1,8 @@
-"""The agent's side of a multi-node job: on each node's local rank 0, the node relay
-(:mod:`agent.io.relay`) and a thread that says where it is in the job's store and learns
-where the other nodes' relays are (see :mod:`agent.wire.nodes`).
+"""The agent's side of a multi-node job: the node relay, and a thread that finds the others.
+
+On each node's local rank 0, the node relay (:mod:`agent.io.relay`) and a thread that says
+where it is in the job's store and learns where the other nodes' relays are (see
+:mod:`agent.wire.nodes`).
 
 Nothing here runs on the training thread, nor on the agent's I/O thread beyond
 starting it: the store is reached from a thread of its own (``gpuwatch-store``), whose
@@ -141,10 +143,12 @@ class NodeLink:
 
 def node_link(info: RunInfo, listen: str | None, report: Callable[[str, BaseException], None],
               event: Callable[..., None]) -> NodeLink | None:
-    """For the agent, when its run file is written: set the multi-node fields of
-    ``info`` (every rank of a multi-node torchrun job) and, on a node's local rank 0,
-    start the :class:`NodeLink`. None for a single-node job (nothing changes) or when
-    it cannot start (an event says why; the node is then steered from itself only)."""
+    """When the agent's run file is written: set ``info``'s multi-node fields, start the link.
+
+    Set the multi-node fields of ``info`` (every rank of a multi-node torchrun job) and, on
+    a node's local rank 0, start the :class:`NodeLink`. None for a single-node job (nothing
+    changes) or when it cannot start (an event says why; the node is then steered from
+    itself only)."""
     env = NodeEnv.from_env()
     if env is None or env.world_size != info.world_size:
         return None

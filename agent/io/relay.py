@@ -1,7 +1,8 @@
-"""A node's relay in a multi-node job: the node's one tcp door, in a child process of
-the node's local rank 0 (``python -m agent.io.relay``), like the tcp gateway
-(:mod:`agent.io.gateway`): what remote clients make a process hold is held here, never by
-a training process.
+"""A node's relay in a multi-node job: the node's one tcp door, in a child process of rank 0.
+
+A child process of the node's local rank 0 (``python -m agent.io.relay``), like the tcp
+gateway (:mod:`agent.io.gateway`): what remote clients make a process hold is held here,
+never by a training process.
 
 It listens with CURVE (its server key pair and the one client key it lets in are
 derived from the user's job secret: see :mod:`agent.wire.nodes`), behind the same tcp front

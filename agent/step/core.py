@@ -183,9 +183,10 @@ class Agent:
         return self
 
     def mark_ending(self, reason: str | None = None) -> None:
-        """The run is about to end (e.g. on SIGTERM): from now on commands are rejected
-        with "the run is ending" and heartbeats say so; ``reason``, if given, is what
-        ``bye`` will say. Any thread; idempotent."""
+        """The run is about to end (e.g. on SIGTERM): commands are rejected, heartbeats say so.
+
+        From now on commands are rejected with "the run is ending" and heartbeats say so;
+        ``reason``, if given, is what ``bye`` will say. Any thread; idempotent."""
         if reason is not None and self._bye_reason is None:
             self._bye_reason = reason
         self._ending = True
@@ -231,8 +232,10 @@ class Agent:
         self._last_boundary_t = time.perf_counter()
 
     def optimizer_step(self, record: StepRecord) -> None:
-        """Training thread: record the optimizer step ``record.step`` that just ended,
-        then apply the commands due at step ``record.step + 1``.
+        """Training thread: record the optimizer step that ended, then apply the commands due next.
+
+        The step ``record.step``, which just ended; the commands due at step
+        ``record.step + 1``.
 
         Args:
             record: what the integration measured of the step (see
@@ -272,11 +275,13 @@ class Agent:
             self._knob_values = self.knobs.values()
 
     def hold(self, should_go_on: Callable[[], bool], wait_s: float = 1.0) -> None:
-        """Training thread, at the boundary after :attr:`last_step`: wait there while
-        ``should_go_on()`` is False, applying each command as it arrives (it applies at
-        this boundary: a ``pause=off`` among them ends the wait). The thread sleeps on an
-        event that a command's arrival sets, and looks at ``should_go_on`` and
-        :attr:`ending` again at least every ``wait_s`` seconds: no CPU or GPU is used.
+        """Training thread: wait at this boundary until ``should_go_on()``, applying commands.
+
+        At the boundary after :attr:`last_step`: wait there while ``should_go_on()`` is
+        False, applying each command as it arrives (it applies at this boundary: a
+        ``pause=off`` among them ends the wait). The thread sleeps on an event that a
+        command's arrival sets, and looks at ``should_go_on`` and :attr:`ending` again at
+        least every ``wait_s`` seconds: no CPU or GPU is used.
 
         With one rank, commands sent before the hold for the step after next apply here
         too; with several, only those due at the next step (every rank holds at the same
@@ -299,8 +304,9 @@ class Agent:
 
     @property
     def run_id(self) -> str:
-        """The run's id: the one given (or derived), or a new one when another process
-        held it as the sockets were bound."""
+        """The run's id: the one given (or derived), or a new one if another process held it.
+
+        A new one when another process held it as the sockets were bound."""
         return self._io.run_id
 
     @property
@@ -337,7 +343,8 @@ class Agent:
 
     @property
     def info(self) -> RunInfo | None:
-        """The run file's facts (endpoints, token, log path), once the sockets are bound;
+        """The run file's facts (endpoints, token, log path), once the sockets are bound.
+
         None before, or when they could not be (the agent is then inert)."""
         return self._io.info
 
@@ -348,9 +355,10 @@ class Agent:
 
     @property
     def latest_memory(self) -> dict[str, Any]:
-        """The memory readings of the latest step records published
-        (:func:`gpuopt.memory.memory_stats`, read on the I/O thread); replaced whole, so
-        any thread may read it."""
+        """The memory readings of the latest step records published; any thread may read it.
+
+        :func:`gpuopt.memory.memory_stats`, read on the I/O thread; replaced whole, so any
+        thread may read it."""
         return self._encoder.latest_memory
 
     @property
@@ -365,21 +373,25 @@ class Agent:
 
     @property
     def cleanly_watched_step(self) -> int:
-        """The step of the latest guarded change whose watch ended without a rollback
-        (0: none yet): nothing before it can be rolled back any more. Any thread."""
+        """The step of the latest guarded change whose watch ended without a rollback (0: none yet).
+
+        Nothing before it can be rolled back any more. Any thread."""
         return self._change_guard.clean_through
 
     def keep_state_with(self, keeper: StateKeeper) -> None:
-        """Let rollbacks put back the training state, not only the knob values: the
-        ``keeper`` (the run base) keeps it at the boundary where a guarded change starts
+        """Let rollbacks put back the training state, not only the knob values.
+
+        The ``keeper`` (the run base) keeps it at the boundary where a guarded change starts
         an episode and restores it when the episode is rolled back (with several ranks,
         every rank at the one step of rank 0's rollback commands)."""
         self._desk.state_keeper = keeper
 
     def roll_back_last_change(self, step: int, reason: str) -> bool:
-        """Training thread, between steps: undo the guarded changes made within the last
-        ``guard_steps`` optimizer steps (e.g. after an out-of-memory error), at once, to
-        the same last good values the NaN guard would restore (one ledger).
+        """Training thread, between steps: undo the latest guarded changes at once.
+
+        The changes made within the last ``guard_steps`` optimizer steps (e.g. after an
+        out-of-memory error), undone at once, to the same last good values the NaN guard
+        would restore (one ledger).
 
         Args:
             step: the 1-based optimizer step that failed (it is retried after this).
@@ -394,18 +406,21 @@ class Agent:
         return rolled_back
 
     def event(self, level: str, text: str, **fields: Any) -> None:
-        """Publish an ``event`` (``level``: info | warning | error) in order with the
-        step records. Any thread; one deque append (and the listeners' calls)."""
+        """Publish an ``event`` (``level``: info | warning | error) in order with the step records.
+
+        Any thread; one deque append (and the listeners' calls)."""
         body = {"level": level, "text": text, **fields}
         self._records.append(body)
         if self._listeners:
             self._tell_listeners({"type": protocol.EVENT, **body})
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
-        """Call ``listener(record)`` with each optimizer step's host facts as it is
-        recorded and with each event as it is raised, in this process, before anything
-        is published: what an in-process consumer (the framework loggers bridge) reads
-        without a socket, and without waiting for the I/O thread.
+        """Call ``listener(record)`` with each step's host facts and each event, before publishing.
+
+        With each optimizer step's host facts as it is recorded and with each event as it is
+        raised, in this process, before anything is published: what an in-process consumer
+        (the framework loggers bridge) reads without a socket, and without waiting for the
+        I/O thread.
 
         A step record: ``{"type": "step", "step", "step_time_s" (None for the first),
         "micro_batches", "samples", "data_wait_s" (s), "tokens" (or None),
@@ -433,16 +448,19 @@ class Agent:
                 self.report_error("a record listener", exc)
 
     def refresh_knobs(self) -> None:
-        """Re-read the current values of every knob (after knobs were added or set
-        outside a command). Call between optimizer steps. Knobs added after
-        :meth:`start` are announced to dashboards (a new ``hello`` with the schema)."""
+        """Re-read the current values of every knob.
+
+        After knobs were added or set outside a command. Call between optimizer steps. Knobs
+        added after :meth:`start` are announced to dashboards (a new ``hello`` with the
+        schema)."""
         self._knob_values = self.knobs.values()
         self._io.announce = True
 
     def report_error(self, where: str, exc: BaseException) -> None:
-        """An internal error of gpuwatch's (``where``: what failed): logged and published
-        as an ``agent_error`` event once per distinct message; training continues. Any
-        thread."""
+        """An internal error of gpuwatch's (``where``: what failed): logged and published once.
+
+        Logged and published as an ``agent_error`` event once per distinct message; training
+        continues. Any thread."""
         message = f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}"
         if message not in self.errors:
             self.errors.append(message)
@@ -533,8 +551,9 @@ class Agent:
 
 
 def ending_reason(error: BaseException | None) -> str:
-    """What ``bye`` says of a run that ends with ``error`` (None: it finished): the same
-    words in every integration (``finished``, ``stopped by SIGINT`` for Ctrl-C,
+    """What ``bye`` says of a run that ends with ``error`` (None: it finished).
+
+    The same words in every integration (``finished``, ``stopped by SIGINT`` for Ctrl-C,
     ``error: <the exception>``)."""
     if error is None:
         return "finished"

@@ -1,5 +1,6 @@
-"""The step encoder: turns the step records the training thread queued into ``steps``
-batches (see :func:`agent.wire.protocol.steps_body`), on the I/O thread.
+"""The step encoder: the step records the training thread queued as ``steps`` batches.
+
+Turned into batches (see :func:`agent.wire.protocol.steps_body`) on the I/O thread.
 
 Owns the records in flight (queued, their markers not yet ready), the rows of the batch
 being built, the expected next step (to count records lost to the queue's bound), the
@@ -54,8 +55,10 @@ class InputWindow:
         self._step_s = 0.0
 
     def add(self, data_wait_s: float, step_time_s: float) -> tuple[float, str]:
-        """Add one step; return ``(share, verdict)`` over the window. ``verdict`` is
-        ``"input-bound"``, ``"partly input-bound"`` or ``"compute-bound"``."""
+        """Add one step; return ``(share, verdict)`` over the window.
+
+        ``verdict`` is ``"input-bound"``, ``"partly input-bound"`` or
+        ``"compute-bound"``."""
         if len(self._window) == self._window.maxlen:
             old_wait, old_step = self._window[0]
             self._wait_s -= old_wait
@@ -72,10 +75,11 @@ class InputWindow:
 
 
     def add_many(self, waits: list[float], times: list[float]) -> tuple[list[float], list[str]]:
-        """Add several steps (every step time > 0); return the share and the verdict
-        after each, as :meth:`add` one at a time would. The window's sums are prefix
-        sums of the batch (C loops, no Python a step), not kept by adding and
-        subtracting: the same shares but for their last bits."""
+        """Add several steps (every step time > 0); return the share and the verdict after each.
+
+        As :meth:`add` one at a time would. The window's sums are prefix sums of the batch
+        (C loops, no Python a step), not kept by adding and subtracting: the same shares but
+        for their last bits."""
         window = self._window
         size = window.maxlen or len(waits)
         held = len(window)
@@ -165,11 +169,13 @@ class StepEncoder:
         self.latest_memory: dict[str, Any] = {}
 
     def drain(self, final: bool = False) -> None:
-        """Turn the records queued since the last call into messages: the steps into
-        one ``steps`` batch (several past :data:`~agent.wire.protocol.MAX_BATCH_STEPS`),
-        each event in its place among them. A step whose marker is not ready waits for
-        the next call, and the steps after it with it; ``final``: the run is ending,
-        nothing waits (a marker not ready gives no device values).
+        """Turn the records queued since the last call into messages: ``steps`` batches and events.
+
+        The steps into one ``steps`` batch (several past
+        :data:`~agent.wire.protocol.MAX_BATCH_STEPS`), each event in its place among them. A
+        step whose marker is not ready waits for the next call, and the steps after it with
+        it; ``final``: the run is ending, nothing waits (a marker not ready gives no device
+        values).
 
         .. note:: The cost of a step here is paid in GIL time by the training thread,
            so the steps between two events are handled a run at a time, in columns
@@ -395,8 +401,9 @@ class StepEncoder:
         self._batch_steps += len(columns[0])
 
     def flush(self) -> None:
-        """Publish the steps batched so far as one ``steps`` message (columns); nothing
-        when there are none."""
+        """Publish the steps batched so far as one ``steps`` message (columns).
+
+        Nothing when there are none."""
         self._rows_to_columns()
         parts, self._batch, self._batch_steps = self._batch, [], 0
         if not parts:
@@ -445,8 +452,9 @@ class StepEncoder:
         self._publish(protocol.STEPS, protocol.steps_body(columns, common))
 
     def read_memory(self) -> None:
-        """Take a memory reading now (I/O thread): the first, before any step, so that
-        :attr:`latest_memory` has one from the start (a short run may end before its
+        """Take a memory reading now (I/O thread), the first before any step.
+
+        So that :attr:`latest_memory` has one from the start (a short run may end before its
         first batch)."""
         self.latest_memory = self._memory()
 

@@ -1,5 +1,6 @@
-"""Step markers: how the training thread hands a step's loss (and GPU time) to the I/O
-thread without synchronizing the device.
+"""Step markers: how the training thread hands a step's loss to the I/O thread without a sync.
+
+The loss (and GPU time), handed over without synchronizing the device.
 
 On CPU the loss is already on the host: the marker is the detached tensor itself. On CUDA
 the marker records a CUDA event after the step's kernels and starts a non-blocking copy of
@@ -20,9 +21,10 @@ class CpuMarker:
 
     def mark(self, loss: torch.Tensor | None, skipped: torch.Tensor | None = None,
              grad_norm: torch.Tensor | float | None = None) -> Any:
-        """Training thread: the marker of this step: the detached loss, the
-        GradScaler's skipped flag and the gradient norm (0-dim tensors, a float for the
-        norm, or None).
+        """Training thread: the marker of this step: loss, skipped flag and gradient norm.
+
+        The detached loss, the GradScaler's skipped flag and the gradient norm (0-dim
+        tensors, a float for the norm, or None).
 
         .. note:: Does not copy or read the tensors' data."""
         if loss is not None and loss.requires_grad:
@@ -73,8 +75,9 @@ class CudaMarker:
 
     def mark(self, loss: torch.Tensor | None, skipped: torch.Tensor | None = None,
              grad_norm: torch.Tensor | float | None = None) -> tuple[torch.cuda.Event, int]:
-        """Training thread: record an event (and copy the loss, skipped flag and
-        gradient norm) for this step.
+        """Training thread: record an event for this step, and copy its loss, skipped flag and norm.
+
+        The loss, the skipped flag and the gradient norm.
 
         Returns:
             ``(event, slot)``; ``slot`` is -1 when no values are kept for this step.
@@ -112,6 +115,7 @@ class CudaMarker:
 
     def grad_norm(self, marker: tuple[torch.cuda.Event, int]) -> float | None:
         """I/O thread, after :meth:`ready`: the gradient norm (None if not recorded).
+
         Call it before :meth:`skipped`, which frees the slot."""
         slot = marker[1]
         if slot < 0:
@@ -120,8 +124,9 @@ class CudaMarker:
         return None if norm != norm else norm
 
     def skipped(self, marker: tuple[torch.cuda.Event, int]) -> bool | None:
-        """I/O thread, after :meth:`ready`: the skipped flag; frees the slot. Call it
-        after :meth:`loss` and :meth:`grad_norm`."""
+        """I/O thread, after :meth:`ready`: the skipped flag; frees the slot.
+
+        Call it after :meth:`loss` and :meth:`grad_norm`."""
         slot = marker[1]
         if slot < 0:
             return None

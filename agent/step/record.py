@@ -71,6 +71,7 @@ _HOST = attrgetter(*HOST_FIELDS)
 
 
 def host_columns(records: list[StepRecord]) -> dict[str, list[Any]]:
-    """The host fields (:data:`HOST_FIELDS`) of ``records`` as one list per field name:
-    one C-level read per record (``attrgetter``), then a transpose."""
+    """The host fields (:data:`HOST_FIELDS`) of ``records`` as one list per field name.
+
+    One C-level read per record (``attrgetter``), then a transpose."""
     return dict(zip(HOST_FIELDS, map(list, zip(*map(_HOST, records)))))

@@ -1,5 +1,6 @@
-"""The wire: what the agent and its readers (the dashboard, the CLI, other ranks' agents,
-node relays) share, and nothing else of the agent; imports no torch.
+"""The wire: what the agent and its readers share, and nothing else of the agent; no torch.
+
+Its readers: the dashboard, the CLI, other ranks' agents, node relays.
 
 It owns the message envelope, the message types, event kinds and replies
 (:mod:`agent.wire.protocol`), the run registry, i.e. the run files (:mod:`agent.wire.runs`),

@@ -1,5 +1,6 @@
-"""The client side of the command protocol: one command to every rank of a run, applied
-at one common optimizer step (:func:`send_command`).
+"""The client side of the command protocol: one command to every rank of a run, at one step.
+
+Applied at one common optimizer step (:func:`send_command`).
 
 Used by the dashboard and ``gpuwatch set`` (through :mod:`gpuwatch.client`) and by the
 agent's own tuner (:mod:`agent.search.tune`), so that a change reaches every rank the same way
@@ -235,11 +236,13 @@ def _groups(info: RunInfo) -> tuple[list[_Group], str | None]:
 
 def remote_relays(run_id: str, world_size: int, here: set[int]
                   ) -> tuple[list[tuple[int, dict[str, Any], RunInfo]], str | None]:
-    """The relays of the nodes of multi-node run ``run_id`` other than ``here`` (the
-    nodes of this machine's ranks), as the job's store names them: ``(node, entry,
-    info)`` where ``info`` connects to the relay (its CURVE keys and token derived from
-    this user's job secret, :mod:`agent.wire.nodes`); and why some cannot be used (no job
-    secret, or an entry whose server key is not the one the secret gives), or None."""
+    """The relays of the other nodes of multi-node run ``run_id``, and why some cannot be used.
+
+    The nodes other than ``here`` (the nodes of this machine's ranks), as the job's store
+    names them: ``(node, entry, info)`` where ``info`` connects to the relay (its CURVE keys
+    and token derived from this user's job secret, :mod:`agent.wire.nodes`); and why some
+    cannot be used (no job secret, or an entry whose server key is not the one the secret
+    gives), or None."""
     from agent.wire.nodes import SecretError, client_keys, load_secret, relay_token, server_keys
 
     remote = [entry for entry in node_list(run_id) if entry["node"] not in here]
@@ -433,10 +436,11 @@ class RankConnections:
     def exchange(self, body: dict[str, Any], timeout_s: float,
                  cancelled: Callable[[], bool] | None,
                  only: list[int] | None = None) -> list[protocol.Reply]:
-        """Send ``body`` (plus each rank's token) to the ranks (``only``: those indexes)
-        and wait up to ``timeout_s`` for their replies to it (a late reply to an earlier
-        phase is skipped: replies echo ``dry_run`` and ``cancel``); one reply body per
-        rank of :attr:`ranks` (``ok: False, answered: False`` and the reason where none
+        """Send ``body`` with each rank's token to the ranks; wait ``timeout_s`` for their replies.
+
+        Wait up to ``timeout_s``. ``only``: those rank indexes. A late reply to an earlier
+        phase is skipped (replies echo ``dry_run`` and ``cancel``). Returns one reply body
+        per rank of :attr:`ranks` (``ok: False, answered: False`` and the reason where none
         came, or where the rank was not asked)."""
         command_id = body["id"]
         phase = (bool(body.get("dry_run")), bool(body.get("cancel")))

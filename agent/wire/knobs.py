@@ -25,9 +25,10 @@ class KnobError(ValueError):
 
 
 def assignment(knob: str, value: Any) -> str:
-    """A knob setting as people type it: ``precision=bf16``, ``checkpointing=on``
-    (booleans as ``on`` / ``off``, the one spelling the dashboard, ``gpuwatch set``,
-    ``tail`` and the run's events use; not Python's ``True``)."""
+    """A knob setting as people type it: ``precision=bf16``, ``checkpointing=on``.
+
+    Booleans as ``on`` / ``off``, the one spelling the dashboard, ``gpuwatch set``, ``tail``
+    and the run's events use; not Python's ``True``."""
     return f"{knob}={('on' if value else 'off') if isinstance(value, bool) else value}"
 
 
@@ -72,8 +73,7 @@ class KnobKey:
 
 @dataclass(frozen=True)
 class KnobSpec:
-    """The schema of one knob, with every trait the agent, the search, the dashboard
-    and the README read from it.
+    """The schema of one knob: every trait the agent, search, dashboard and README read from it.
 
     Attributes:
         name: wire name. kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"``,
@@ -509,17 +509,20 @@ class Knob:
     def attribute(cls, spec: KnobSpec, owner: Any, name: str = "", *,
                   check: Callable[[Any], None] | None = None,
                   warn: Callable[[Any], str | None] | None = None) -> "Knob":
-        """A knob that reads and writes the attribute ``name`` of ``owner`` (default:
-        the spec's name), such as a property that applies the value when set."""
+        """A knob that reads and writes the attribute ``name`` of ``owner``.
+
+        ``name`` defaults to the spec's name. The attribute may be a property that applies the
+        value when set."""
         attribute = name or spec.name
         return cls(spec, get=lambda: getattr(owner, attribute),
                    set=lambda value: setattr(owner, attribute, value), check=check, warn=warn)
 
     def warning(self, value: Any) -> str | None:
-        """What a person should know about an accepted ``value`` (the reply's and the
-        event log's warning): that it stops the training, or nearly (the spec's
-        :attr:`KnobSpec.stops`; accepted all the same, as a person may mean it), and
-        this knob's own :attr:`warn`; None when nothing."""
+        """What a person should know about an accepted ``value``; None when nothing.
+
+        The reply's and the event log's warning: that it stops the training, or nearly (the
+        spec's :attr:`KnobSpec.stops`; accepted all the same, as a person may mean it), and
+        this knob's own :attr:`warn`."""
         stops = self.spec.stops
         found = [text for text in (
             stops(value) if stops is not None and isinstance(value, (int, float))
@@ -548,9 +551,10 @@ class KnobSet:
                                 if name != knob.spec.name}
 
     def bind(self, spec: KnobSpec, bound: Knob | str) -> None:
-        """Take what an integration's binder gave for ``spec``: the live knob (bound, as
-        :meth:`add`), or the reason this run cannot have it (absent from the schema; a
-        command for it is refused with the reason).
+        """Take what an integration's binder gave for ``spec``: the live knob, or why it is absent.
+
+        The live knob is bound, as :meth:`add`; with the reason this run cannot have it, the
+        knob is absent from the schema and a command for it is refused with the reason.
 
         Raises:
             ValueError: a knob of another spec's name, or bound twice.
@@ -563,9 +567,10 @@ class KnobSet:
         self.add(bound)
 
     def schema(self) -> list[dict[str, Any]]:
-        """The wire schema of every bound knob, for ``hello``. A choice knob's values
-        that its device check refuses are listed in ``unavailable`` ({value: reason}),
-        so that a dashboard cycling through the choices skips them."""
+        """The wire schema of every bound knob, for ``hello``.
+
+        A choice knob's values that its device check refuses are listed in ``unavailable``
+        ({value: reason}), so that a dashboard cycling through the choices skips them."""
         schema = []
         for knob in self.knobs.values():
             wire = knob.spec.to_wire()
@@ -624,10 +629,11 @@ def _values_text(spec: KnobSpec) -> str:
 
 
 def markdown_table() -> str:
-    """The README's knob table, one row per standard knob: values, group, keys,
-    guarded, its role in the search, whether it changes activation memory, and its
-    help line. ``python -m agent.wire.knobs --markdown`` prints it;
-    a test checks that the README holds it as printed."""
+    """The README's knob table, one row per standard knob.
+
+    Its values, group, keys, guarded, its role in the search, whether it changes activation
+    memory, and its help line. ``python -m agent.wire.knobs --markdown`` prints it; a test
+    checks that the README holds it as printed."""
     rows = ["| knob | values | group | keys | guarded | searched | activation memory "
             "| what it does |",
             "|---|---|---|---|---|---|---|---|"]

@@ -47,8 +47,9 @@ LISTEN_ENV = "GPUWATCH_LISTEN"
 
 
 class SecretError(PermissionError):
-    """A job secret file that gpuwatch refuses to use (another user's, readable by
-    others, a link, too short), or none at all."""
+    """A job secret file that gpuwatch refuses to use, or none at all.
+
+    Refused: another user's, readable by others, a link, too short."""
 
 
 def secret_path(environ: Mapping[str, str] = os.environ) -> Path:
@@ -162,8 +163,9 @@ class NodeEnv:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> NodeEnv | None:
-        """The job's layout under torchrun with more than one node, else None (a
-        single-node job, or not torchrun: nothing changes for it)."""
+        """The job's layout under torchrun with more than one node, else None.
+
+        None: a single-node job, or not torchrun (nothing changes for it)."""
         try:
             world = int(environ["WORLD_SIZE"])
             local_world = int(environ["LOCAL_WORLD_SIZE"])
@@ -194,9 +196,11 @@ class NodeEnv:
 
 def listen_address(env: NodeEnv, listen: str | None = None,
                    environ: Mapping[str, str] = os.environ) -> str:
-    """The address this node's relay listens on: ``listen``, else ``$GPUWATCH_LISTEN``,
-    else that of this machine's interface towards the store (where the other nodes
-    reach this one: they reach the store the same way). No packet is sent to find it."""
+    """The address this node's relay listens on, found without sending a packet.
+
+    ``listen``, else ``$GPUWATCH_LISTEN``, else that of this machine's interface towards the
+    store (where the other nodes reach this one: they reach the store the same way). No
+    packet is sent to find it."""
     chosen = listen or environ.get(LISTEN_ENV)
     if chosen:
         return chosen
@@ -217,8 +221,9 @@ NODE_FIELDS: dict[str, type] = {"node": int, "host": str, "pub_endpoint": str, "
 
 
 def node_entry(value: Any) -> dict[str, Any] | None:
-    """A node entry read from the store or a run file, checked (None when malformed:
-    the store is writable by anyone who reaches it)."""
+    """A node entry read from the store or a run file, checked; None when malformed.
+
+    The store is writable by anyone who reaches it."""
     if not isinstance(value, dict):
         return None
     entry: dict[str, Any] = {}

@@ -155,9 +155,10 @@ RECOVERY_ID_PREFIX = "recovery-"
 
 
 class EventKind:
-    """The ``kind`` of an ``event`` body, declared once for the agent, the dashboard,
-    the loggers bridge and the tests (plain strings on the wire: a peer may send kinds
-    not listed here, which readers show and otherwise ignore)."""
+    """The ``kind`` of an ``event`` body, declared once for everyone who sends or reads events.
+
+    For the agent, the dashboard, the loggers bridge and the tests. Plain strings on the
+    wire: a peer may send kinds not listed here, which readers show and otherwise ignore."""
 
     #: a command was accepted for a later step (``step``: the step it applies at)
     ACCEPTED = "accepted"
@@ -221,9 +222,10 @@ class EventKind:
 
 
 class Reply(TypedDict, total=False):
-    """The body of a ``reply`` (agent -> client), declared once for the agent's command
-    desk, the fan-out to several ranks (:mod:`agent.wire.commands`) and the clients; extra
-    fields are ignored, as everywhere on the wire."""
+    """The body of a ``reply`` (agent -> client), declared once for every sender and reader.
+
+    For the agent's command desk, the fan-out to several ranks (:mod:`agent.wire.commands`)
+    and the clients; extra fields are ignored, as everywhere on the wire."""
 
     #: the command's ``id`` (None when the command's own id was unusable)
     id: Any
@@ -268,9 +270,10 @@ class Reply(TypedDict, total=False):
 
 
 class Hello(TypedDict):
-    """The body of ``hello`` (agent -> readers, at once to a new subscriber and every
-    30 heartbeats): the run's facts. Readers take each field with ``.get``: an older or
-    newer agent may lack one."""
+    """The body of ``hello`` (agent -> readers): the run's facts.
+
+    Sent at once to a new subscriber and every 30 heartbeats. Readers take each field with
+    ``.get``: an older or newer agent may lack one."""
 
     name: str
     pid: int
@@ -381,10 +384,12 @@ _JSON_ESCAPES = {code: f"\\u{code:04x}" for code in [
 
 
 def terminal_json(line: bytes) -> bytes:
-    """A JSON line (:func:`to_json_line`'s) that a terminal shows as text: the characters
-    that JSON leaves raw but a terminal obeys (a C1 CSI, a right-to-left override) as
-    ``\\uXXXX`` escapes. Exact: a JSON reader gets the same strings back (outside strings
-    a JSON line is ASCII). About 0.1 us for an ASCII line (the common case: no copy)."""
+    """A JSON line (:func:`to_json_line`'s) that a terminal shows as text, raw controls escaped.
+
+    The characters that JSON leaves raw but a terminal obeys (a C1 CSI, a right-to-left
+    override) become ``\\uXXXX`` escapes. Exact: a JSON reader gets the same strings back
+    (outside strings a JSON line is ASCII). About 0.1 us for an ASCII line (the common case:
+    no copy)."""
     if line.isascii() and b"\x7f" not in line:
         return line
     return line.decode("utf-8", "surrogatepass").translate(_JSON_ESCAPES).encode(
@@ -397,15 +402,15 @@ def shorten(text: str, limit: int = MAX_TEXT_CHARS) -> str:
 
 
 def bounded_event(body: dict[str, Any]) -> dict[str, Any]:
-    """An ``event`` body as it is sent and logged: small whatever a caller put in it
-    (an event of 1 MB, 20 a second, would fill the dashboards' receive queues and the
-    run log, and a frame over :data:`MAX_MESSAGE_BYTES` is dropped by every reader).
-    The ``text`` is cut to :data:`MAX_EVENT_TEXT_CHARS` with a note of its length
-    (``… [cut: 1,048,576 characters in all]``), other strings to
-    :data:`MAX_TEXT_CHARS`, other values packed larger than
-    :data:`MAX_EVENT_VALUE_BYTES` become their cut ``repr``, and fields past
-    :data:`MAX_EVENT_FIELDS` go. Returns ``body`` itself when nothing is cut (the usual
-    case: a type and length check a field)."""
+    """An ``event`` body as it is sent and logged: small whatever a caller put in it.
+
+    An event of 1 MB, 20 a second, would fill the dashboards' receive queues and the run
+    log, and a frame over :data:`MAX_MESSAGE_BYTES` is dropped by every reader. The ``text``
+    is cut to :data:`MAX_EVENT_TEXT_CHARS` with a note of its length
+    (``… [cut: 1,048,576 characters in all]``), other strings to :data:`MAX_TEXT_CHARS`,
+    other values packed larger than :data:`MAX_EVENT_VALUE_BYTES` become their cut ``repr``,
+    and fields past :data:`MAX_EVENT_FIELDS` go. Returns ``body`` itself when nothing is cut
+    (the usual case: a type and length check a field)."""
     scalars = (int, float, bool, type(None))
     for key, value in body.items():
         if type(value) is str:
@@ -439,9 +444,10 @@ def bounded_event(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def short_name(value: Any) -> Any:
-    """A name from a command (knob, id) as echoed in replies and events: as it is when
-    it is not a string or is at most :data:`MAX_NAME_CHARS` long (every real one), else
-    cut."""
+    """A name from a command (knob, id) as echoed in replies and events; cut when too long.
+
+    As it is when it is not a string or is at most :data:`MAX_NAME_CHARS` long (every real
+    one), else cut."""
     if isinstance(value, str) and len(value) > MAX_NAME_CHARS:
         return shorten(value, MAX_NAME_CHARS)
     return value
@@ -618,9 +624,10 @@ def step_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def expand(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A received envelope as the records readers handle: a ``steps`` batch as one
-    ``step`` envelope per row (each with the batch's ``run``, ``rank``, ``seq`` and
-    ``t``), any other envelope as itself.
+    """A received envelope as the records readers handle: a ``steps`` batch as one per row.
+
+    A ``steps`` batch as one ``step`` envelope per row (each with the batch's ``run``,
+    ``rank``, ``seq`` and ``t``), any other envelope as itself.
 
     Raises:
         ProtocolError: a ``steps`` message whose body is not a batch.

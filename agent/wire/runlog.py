@@ -132,8 +132,9 @@ KEPT_WHOLE = frozenset({protocol.HELLO, protocol.EVENT, protocol.STATE, protocol
 
 
 def log_dir() -> Path:
-    """The per-user directory of run logs (``$GPUWATCH_LOG_DIR``, else the user data
-    directory's ``runs/``), created with mode 0700.
+    """The per-user directory of run logs, created with mode 0700.
+
+    ``$GPUWATCH_LOG_DIR``, else the user data directory's ``runs/``.
 
     Checked as :func:`agent.wire.runs.private_dir` checks: a symbolic link, another user's
     directory or one writable by others (a shared ``$GPUWATCH_LOG_DIR`` where another
@@ -155,8 +156,9 @@ def part_path(path: os.PathLike | str, index: int) -> Path:
 
 
 def summary_path(path: os.PathLike | str) -> Path:
-    """The summary file of the log at ``path`` (either format): ``<run>.rank<r>.summary``
-    beside it."""
+    """The summary file of the log at ``path``: ``<run>.rank<r>.summary`` beside it.
+
+    For either format."""
     path = Path(path)
     name = path.name
     for suffix in (LOG_SUFFIX, ".jsonl"):
@@ -167,13 +169,14 @@ def summary_path(path: os.PathLike | str) -> Path:
 
 
 class UnsafeLogFileError(PermissionError):
-    """The run log's path is a symbolic link, or a file that is not a regular file of
-    this user with a single link: it is never written through."""
+    """The run log's path is a link or not this user's regular file: it is never written through.
+
+    A symbolic link, or a file that is not a regular file of this user with a single
+    link."""
 
 
 def open_no_follow(path: os.PathLike | str) -> int:
-    """A read-only descriptor of ``path``, never through a link and never blocking on a
-    FIFO.
+    """A read-only descriptor of ``path``, never through a link and never blocking on a FIFO.
 
     Raises:
         OSError: it cannot be opened, is a link (``ELOOP``) or is not a regular file.
@@ -211,9 +214,10 @@ def _open_for_append(path: Path) -> int:
 
 
 def write_private(path: Path, data: bytes | Iterable[bytes]) -> None:
-    """Replace ``path`` with ``data`` (bytes, or pieces of it; mode 0600): a new file
-    beside it, created never through a link, renamed over it (a reader sees the old
-    file or the new one).
+    """Replace ``path`` with ``data`` (bytes, or pieces of it; mode 0600) through a new file.
+
+    A new file beside it, created never through a link, renamed over it (a reader sees the
+    old file or the new one).
 
     Raises:
         OSError: it cannot be written.
@@ -234,17 +238,19 @@ def write_private(path: Path, data: bytes | Iterable[bytes]) -> None:
 # --- frames ---------------------------------------------------------------------------
 
 def frame(flags: int, payload: bytes, raw_len: int, raw_crc: int) -> bytes:
-    """One frame: its header, then ``payload`` (``raw_len``, ``raw_crc``: its size and
-    CRC-32 decompressed)."""
+    """One frame: its header, then ``payload``.
+
+    ``raw_len``, ``raw_crc``: the payload's size and CRC-32 decompressed."""
     head = struct.pack("<4sBBHIIII", FRAME_MAGIC, FORMAT_VERSION, flags, 0, len(payload),
                        raw_len, zlib.crc32(payload), raw_crc)
     return head + struct.pack("<I", zlib.crc32(head)) + payload
 
 
 class FrameWriter:
-    """Builds frames out of packed items (:func:`pack_message`): one deflate stream a
-    chunk, a sync flush at each frame's end. Not thread-safe; holds the compressed
-    bytes of one frame.
+    """Builds frames out of packed items (:func:`pack_message`): one deflate stream a chunk.
+
+    A sync flush at each frame's end. Not thread-safe; holds the compressed bytes of one
+    frame.
 
     Attributes:
         pending_raw: raw bytes of the items since the last frame. chunk_raw: raw bytes
@@ -271,8 +277,9 @@ class FrameWriter:
         self.chunk_raw += len(data)
 
     def frame(self, end_chunk: bool = False) -> bytes:
-        """The frame of the items added since the last one (``b""`` when none); the
-        chunk ends with it when ``end_chunk`` or once it holds :data:`CHUNK_RAW_BYTES`
+        """The frame of the items added since the last one (``b""`` when none).
+
+        The chunk ends with it when ``end_chunk`` or once it holds :data:`CHUNK_RAW_BYTES`
         (see :attr:`chunk_open`)."""
         if not self.pending_raw:
             return b""
@@ -349,9 +356,10 @@ _INT64 = 1 << 63
 
 
 def decode_column(value: Any, n: int, *, arrays: bool = False) -> Any:
-    """A stored ``steps`` column back as ``n`` values: a list (``arrays``: floats and
-    integers, stored as such or one for every row, as a numpy array, float64 or
-    int64).
+    """A stored ``steps`` column back as ``n`` values: a list, or with ``arrays`` a numpy array.
+
+    ``arrays``: floats and integers, stored as such or one for every row, as a numpy array,
+    float64 or int64.
 
     Raises:
         agent.wire.protocol.ProtocolError: not a column of ``n`` values.
@@ -383,8 +391,9 @@ def decode_column(value: Any, n: int, *, arrays: bool = False) -> Any:
 
 
 def pack_message(message: dict[str, Any]) -> bytes:
-    """An envelope as one msgpack item of the log; a ``steps`` batch with its columns
-    encoded (:func:`encode_column`). Values msgpack cannot hold are stored as their
+    """An envelope as one msgpack item of the log; a ``steps`` batch with its columns encoded.
+
+    Columns by :func:`encode_column`. Values msgpack cannot hold are stored as their
     ``repr``; a record over :data:`MAX_ITEM_BYTES` as a note of its type and size."""
     if message.get("type") == protocol.STEPS:
         body = message.get("body") or {}
@@ -445,8 +454,9 @@ def _whole(value: Any) -> int | None:
 
 @dataclass
 class Branch:
-    """A branch of a run: a segment of its steps, from its fork to its latest step
-    (see :class:`BranchTree`).
+    """A branch of a run: a segment of its steps, from its fork to its latest step.
+
+    See :class:`BranchTree`.
 
     Attributes:
         branch: its id (0: where the run started). parent: the branch it left (None
@@ -477,8 +487,9 @@ class Branch:
 
     @classmethod
     def from_public(cls, value: Any) -> Branch | None:
-        """A branch from :func:`dataclasses.asdict`'s map of one (a summary file's);
-        None when it is not one."""
+        """A branch from :func:`dataclasses.asdict`'s map of one; None when it is not one.
+
+        The map as a summary file holds it."""
         if not isinstance(value, dict) or _whole(value.get("branch")) is None:
             return None
         branch = cls(value["branch"])
@@ -519,10 +530,11 @@ def _change_value(value: Any) -> Any:
 
 
 class BranchTree:
-    """A run's branches, folded from its records in order: every record belongs to the
-    branch of the latest ``branched`` event before it (branch 0 before any), as the
-    agent publishes and the log keeps them (the branch contract; records carry no
-    branch field).
+    """A run's branches, folded from its records in order.
+
+    Every record belongs to the branch of the latest ``branched`` event before it (branch 0
+    before any), as the agent publishes and the log keeps them (the branch contract; records
+    carry no branch field).
 
     A ``branched`` event that does not make sense is read as far as it does, never
     raised for: a ``branch`` id that is not a new whole number gets the next free one;
@@ -546,8 +558,9 @@ class BranchTree:
         return len(self.branches)
 
     def branched(self, body: dict[str, Any]) -> Branch | None:
-        """Fold a ``branched`` event's body: the new branch, now the current one; None
-        past :data:`MAX_BRANCHES` (counted in :attr:`omitted`)."""
+        """Fold a ``branched`` event's body: the new branch, now the current one.
+
+        None past :data:`MAX_BRANCHES` (counted in :attr:`omitted`)."""
         if len(self.branches) >= MAX_BRANCHES:
             self.omitted += 1
             return None
@@ -584,8 +597,9 @@ class BranchTree:
                                    _change_value(body.get("value"))])
 
     def stepped(self, steps: int, first: Any, last: Any) -> None:
-        """Fold ``steps`` optimizer steps of the current branch, its first and last
-        step numbers ``first`` and ``last`` (ignored unless whole numbers)."""
+        """Fold ``steps`` optimizer steps of the current branch, numbered ``first`` to ``last``.
+
+        ``first`` and ``last`` are ignored unless whole numbers."""
         branch = self.branches[self.current]
         branch.steps += steps
         if branch.first_step is None:
@@ -594,10 +608,11 @@ class BranchTree:
             branch.last_step = last
 
     def path(self, branch: int) -> dict[int, float]:
-        """The branches whose steps make ``branch``'s path (the steps a run on it
-        trained through: its ancestors' up to each fork, then its own), each with
-        the last step of it the path takes (``math.inf``: all of its own); ``{}`` for
-        an unknown branch."""
+        """The branches whose steps make ``branch``'s path, each with the last step the path takes.
+
+        The path: the steps a run on it trained through (its ancestors' up to each fork,
+        then its own); each branch's last step the path takes (``math.inf``: all of its
+        own). ``{}`` for an unknown branch."""
         limits: dict[int, float] = {}
         limit = math.inf
         at: int | None = branch
@@ -623,8 +638,10 @@ class BranchTree:
 
     @classmethod
     def from_public(cls, value: Any) -> BranchTree | None:
-        """A tree from :meth:`public`'s values; None when they are not one (no branch 0,
-        a parent before its child, a current branch that is not one, too many)."""
+        """A tree from :meth:`public`'s values; None when they are not one.
+
+        Not one: no branch 0, a parent before its child, a current branch that is not one,
+        too many."""
         if not isinstance(value, dict) or not isinstance(value.get("branches"), list):
             return None
         listed = value["branches"]
@@ -647,10 +664,11 @@ class BranchTree:
 
 
 def steps_on_path(message: dict[str, Any], limit: float) -> dict[str, Any] | None:
-    """A decoded ``steps`` envelope cut to the rows whose step is at most ``limit``
-    (:meth:`BranchTree.path`'s); the same envelope when all are, None when none is.
-    A row without a step number is kept only when ``limit`` is ``math.inf``. Columns
-    of lists or numpy arrays; a new body, the envelope given is not changed.
+    """A decoded ``steps`` envelope cut to the rows whose step is at most ``limit``.
+
+    ``limit``: :meth:`BranchTree.path`'s. The same envelope when all are, None when none is.
+    A row without a step number is kept only when ``limit`` is ``math.inf``. Columns of
+    lists or numpy arrays; a new body, the envelope given is not changed.
 
     Raises:
         KeyError, TypeError: not a decoded ``steps`` batch (:func:`decode_steps`).
@@ -680,8 +698,9 @@ def steps_on_path(message: dict[str, Any], limit: float) -> dict[str, Any] | Non
 
 
 class BranchPath:
-    """One branch's path through a run log's records (:meth:`BranchTree.path`): feed
-    every record in order to :meth:`keep`, which says what of it is on the path.
+    """One branch's path through a run log's records (:meth:`BranchTree.path`).
+
+    Feed every record in order to :meth:`keep`, which says what of it is on the path.
 
     Args:
         tree: the log's branches (a first pass over it, or its summary's).
@@ -700,8 +719,9 @@ class BranchPath:
         self.summary = LogSummary()
 
     def keep(self, message: dict[str, Any]) -> dict[str, Any] | None:
-        """What of ``message`` (an envelope, a ``steps`` batch decoded) is on the
-        path: it, its rows on the path, or None."""
+        """What of ``message`` (an envelope, a ``steps`` batch decoded) is on the path.
+
+        It, its rows on the path, or None."""
         kind = message.get("type")
         self.summary.add(message)
         if kind in (protocol.HELLO, protocol.BYE):
@@ -722,8 +742,10 @@ class BranchPath:
 # --- the summary ----------------------------------------------------------------------
 
 def number(value: Any) -> float | None:
-    """A logged number as a finite float: None for a missing, non-numeric (booleans
-    too) or non-finite value, or an integer beyond any float."""
+    """A logged number as a finite float; None for anything else.
+
+    None for a missing, non-numeric (booleans too) or non-finite value, or an integer beyond
+    any float."""
     if type(value) is float:
         return value if value - value == 0.0 else None
     if type(value) is int:
@@ -750,10 +772,11 @@ def _best(values: list[Any]) -> float | None:
 
 @dataclass
 class LogSummary:
-    """A run log in figures, folded record by record (:meth:`add`): by the writer as it
-    writes (saved beside the log, :func:`summary_path`), and by readers for a log
-    without one (an older one, or a run killed before it wrote one). What
-    ``gpuwatch runs --all`` lists.
+    """A run log in figures, folded record by record (:meth:`add`).
+
+    What ``gpuwatch runs --all`` lists. Folded by the writer as it writes (saved beside the
+    log, :func:`summary_path`), and by readers for a log without one (an older one, or a run
+    killed before it wrote one).
 
     Attributes:
         run, rank: the run id and rank of its records. name: the hello's name.
@@ -797,9 +820,10 @@ class LogSummary:
     tree: BranchTree = field(default_factory=BranchTree)
 
     def add(self, message: dict[str, Any]) -> None:
-        """Fold one envelope (a ``steps`` batch with list columns, as the wire has it,
-        or an older log's ``step``). A few operations per batch in C; never raises for
-        a body's content."""
+        """Fold one envelope: a ``steps`` batch, or an older log's ``step``.
+
+        A ``steps`` batch with list columns, as the wire has it. A few operations per batch
+        in C; never raises for a body's content."""
         self.records += 1
         kind = message.get("type")
         t = number(message.get("t"))
@@ -889,9 +913,10 @@ class LogSummary:
             self.knobs = values
 
     def to_json(self) -> bytes:
-        """The summary as a JSON document (what the summary file holds). Never raises:
-        knob maps too large, or holding what JSON cannot (an integer past 64 bits),
-        are left out (a reader then counts changes from the next step's map)."""
+        """The summary as a JSON document (what the summary file holds); never raises.
+
+        Knob maps too large, or holding what JSON cannot (an integer past 64 bits), are left
+        out (a reader then counts changes from the next step's map)."""
         values = {spec.name: getattr(self, spec.name) for spec in fields(self)}
         values["tree"] = self.tree.public()
         try:
@@ -904,8 +929,9 @@ class LogSummary:
 
     @classmethod
     def from_json(cls, data: bytes) -> LogSummary | None:
-        """A summary from :meth:`to_json`'s document; None when it is not one (wrong
-        field types, unknown format, too large)."""
+        """A summary from :meth:`to_json`'s document; None when it is not one.
+
+        Not one: wrong field types, unknown format, too large."""
         if len(data) > MAX_SUMMARY_BYTES:
             return None
         try:
@@ -947,8 +973,9 @@ class LogSummary:
 
 
 def read_summary(path: os.PathLike | str) -> LogSummary | None:
-    """The summary file at ``path`` (never through a link, at most
-    :data:`MAX_SUMMARY_BYTES`); None when missing or not a summary."""
+    """The summary file at ``path``; None when missing or not a summary.
+
+    Never read through a link, and at most :data:`MAX_SUMMARY_BYTES` of it."""
     try:
         fd = open_no_follow(path)
     except OSError:
@@ -973,8 +1000,7 @@ def _budget_from_env() -> int:
 
 
 class RunLog:
-    """The writer of one rank's run log (see the module's documentation). I/O thread
-    only.
+    """The writer of one rank's run log (see the module's documentation); I/O thread only.
 
     Args:
         path: the log's first part (created with mode 0600; a log already there, e.g.
@@ -1027,9 +1053,10 @@ class RunLog:
         self.closed = False
 
     def write(self, message: dict[str, Any]) -> None:
-        """Append one envelope (a ``steps`` batch as columns). It reaches the disk with
-        its frame: within ``flush_interval_s`` (:meth:`maybe_flush`), or at once when
-        the frame is full.
+        """Append one envelope (a ``steps`` batch as columns); it reaches the disk with its frame.
+
+        Within ``flush_interval_s`` (:meth:`maybe_flush`), or at once when the frame is
+        full.
 
         Raises:
             OSError: the disk is full, the file went away (the log is then dropped).
@@ -1045,8 +1072,9 @@ class RunLog:
             self._write_frame(now)
 
     def maybe_flush(self) -> None:
-        """Write the frame being built if its oldest record is ``flush_interval_s``
-        old. Each I/O wake-up calls it."""
+        """Write the frame being built if its oldest record is ``flush_interval_s`` old.
+
+        Each I/O wake-up calls it."""
         if self._frames.pending_raw:
             now = time.monotonic()
             if now - self._first_pending >= self.flush_interval_s:
@@ -1083,8 +1111,9 @@ class RunLog:
             self._thin_past_budget()
 
     def save_summary(self) -> None:
-        """Save :attr:`summary` beside the log (covering it up to here), unless the log
-        held records of an earlier writer."""
+        """Save :attr:`summary` beside the log (covering it up to here).
+
+        Unless the log held records of an earlier writer."""
         if self._summarized:
             self.summary.covered = [self._part, self._size]
             write_private(summary_path(self.path), self.summary.to_json())
@@ -1126,8 +1155,9 @@ class RunLog:
                 pass  # no process to be had now: the next part tries again
 
     def close(self) -> None:
-        """Write what is left, end the chunk, save the summary and close. Idempotent;
-        a thinning process still running goes on alone."""
+        """Write what is left, end the chunk, save the summary and close.
+
+        Idempotent; a thinning process still running goes on alone."""
         if self.closed:
             return
         self.closed = True
@@ -1142,9 +1172,10 @@ class RunLog:
 # --- the reader -----------------------------------------------------------------------
 
 class Position(tuple):
-    """Where a reader can start again: ``(part, chunk offset, item)``, the part's index,
-    the byte offset of the frame that starts the chunk, and the items of the chunk
-    before it."""
+    """Where a reader can start again: ``(part, chunk offset, item)``.
+
+    The part's index, the byte offset of the frame that starts the chunk, and the items of
+    the chunk before it."""
 
     __slots__ = ()
 
@@ -1178,8 +1209,9 @@ def _envelope(item: Any) -> dict[str, Any] | None:
 
 
 def decode_steps(message: dict[str, Any], *, arrays: bool = False) -> dict[str, Any]:
-    """A stored ``steps`` item's body with its columns decoded (:func:`decode_column`),
-    in place; the message.
+    """A stored ``steps`` item's body with its columns decoded (:func:`decode_column`), in place.
+
+    Returns the message.
 
     Raises:
         agent.wire.protocol.ProtocolError: not a batch of at most
@@ -1197,8 +1229,9 @@ def decode_steps(message: dict[str, Any], *, arrays: bool = False) -> dict[str, 
 
 
 class PartReader:
-    """The records of one part file, read as far as it is complete; call
-    :meth:`read` again to get what was appended since (a log being written).
+    """The records of one part file, read as far as it is complete.
+
+    Call :meth:`read` again to get what was appended since (a log being written).
 
     Never raises for the file's content: a damaged frame is counted in
     :attr:`malformed` and reading goes on at the next chunk; a frame not complete at
@@ -1234,8 +1267,9 @@ class PartReader:
         self._garbage = False  # in bytes that are no frame (counted once)
 
     def read(self, max_bytes: int = 16 << 20) -> list[tuple[Position, dict[str, Any]]]:
-        """The records of the complete frames after the last call, with their
-        positions (about ``max_bytes`` of compressed frames at most).
+        """The records of the complete frames after the last call, with their positions.
+
+        At most about ``max_bytes`` of compressed frames.
 
         Raises:
             OSError: the file cannot be read.
@@ -1461,10 +1495,10 @@ class _Buckets:
 
 
 def thin_part(path: os.PathLike | str, factor: int = THIN_FACTOR) -> None:
-    """Rewrite a finished part of a run log thinned (see the module's documentation):
-    into a new file beside it, then renamed over it (a reader reading it goes on
-    reading the old one). A part thinned already is thinned again, ``factor`` times
-    coarser.
+    """Rewrite a finished part of a run log thinned (see the module's documentation).
+
+    Into a new file beside it, then renamed over it (a reader reading it goes on reading the
+    old one). A part thinned already is thinned again, ``factor`` times coarser.
 
     Raises:
         OSError: it cannot be read or written (a link is never followed).
@@ -1498,8 +1532,9 @@ def _thinned_frames(path: Path, factor: int) -> Iterator[bytes]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m agent.wire.runlog thin PART...``: thin each part (the writer's child
-    process, run at a low priority); the exit status."""
+    """``python -m agent.wire.runlog thin PART...``: thin each part; return the exit status.
+
+    The writer's child process, run at a low priority."""
     if len(argv) < 2 or argv[0] != "thin":
         print("usage: python -m agent.wire.runlog thin PART...", file=sys.stderr)
         return 2

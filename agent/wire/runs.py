@@ -25,14 +25,17 @@ RUN_DIR_ENV = "GPUWATCH_RUN_DIR"
 
 
 class UnsafeDirectoryError(PermissionError):
-    """A run or log directory that gpuwatch refuses to use: a symbolic link (or not a
-    directory), owned by another user, or writable by other users (so another local
-    user could plant links or files in it, or read what is written there)."""
+    """A run or log directory that gpuwatch refuses to use: a link, another user's, or writable.
+
+    A symbolic link (or not a directory), owned by another user, or writable by other users
+    (so another local user could plant links or files in it, or read what is written
+    there)."""
 
 
 def private_dir(path: os.PathLike | str, setting: str = RUN_DIR_ENV) -> Path:
-    """The directory ``path``, created with mode 0700 if missing, after checking that
-    nobody else can use it against this user.
+    """The directory ``path``, created with mode 0700 if missing, once checked as safe.
+
+    Checked first that nobody else can use it against this user.
 
     The last component is never followed through a symbolic link (it is created with
     ``mkdir`` and opened with ``O_NOFOLLOW``); it must be a directory owned by this user
@@ -323,8 +326,9 @@ def _read_run_file(path: Path) -> RunInfo | None:
 
 
 def remove_sockets(info: RunInfo, directory: Path) -> None:
-    """Remove the ipc socket files of ``info``'s endpoints that lie in ``directory``
-    (and are sockets: nothing else is ever removed); missing is fine."""
+    """Remove the ipc socket files of ``info``'s endpoints that lie in ``directory``.
+
+    Only sockets: nothing else is ever removed; missing is fine."""
     for endpoint in (info.pub_endpoint, info.cmd_endpoint):
         if not endpoint.startswith("ipc://"):
             continue
@@ -386,8 +390,9 @@ def find_run(selector: str | None = None, directory: Path | None = None) -> RunI
 
 
 def rank_taken(run_id: str, rank: int, directory: Path | None = None) -> int | None:
-    """The pid of another live process whose run file is rank ``rank`` of run
-    ``run_id`` (another job that derived the same id), or None."""
+    """The pid of another live process whose run file is rank ``rank`` of run ``run_id``, or None.
+
+    Another job that derived the same id."""
     path = (directory or run_dir()) / f"{run_id}.rank{rank}.json"
     info = _read_run_file(path) if path.exists() else None
     if info is None or info.pid == os.getpid() or not _alive(info.pid):
@@ -402,9 +407,10 @@ def run_ranks(run_id: str, directory: Path | None = None) -> list[RunInfo]:
 
 
 def node_list(run_id: str, directory: Path | None = None) -> list[dict]:
-    """The nodes of multi-node run ``run_id`` as this machine's ranks know them from the
-    job's store (the freshest list of their run files; entries checked by
-    :func:`agent.wire.nodes.node_entry`), by node; empty for a single-node run."""
+    """The nodes of multi-node run ``run_id`` as this machine's ranks know them, by node.
+
+    From the job's store (the freshest list of their run files; entries checked by
+    :func:`agent.wire.nodes.node_entry`); empty for a single-node run."""
     from agent.wire.nodes import node_entry
 
     ranks = run_ranks(run_id, directory)

@@ -1,5 +1,6 @@
-"""The ``v`` screen of a replay on a timeline: the segments before and after a knob
-change, side by side."""
+"""The ``v`` screen of a replay on a timeline: the segments around a knob change, side by side.
+
+The segments before and after the change."""
 
 from __future__ import annotations
 

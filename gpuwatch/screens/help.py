@@ -1,5 +1,6 @@
-"""The ``?`` screen: every key of the dashboard with what it does, then what each panel
-shows and what its numbers mean."""
+"""The ``?`` screen: every key of the dashboard with what it does, then what each panel shows.
+
+And what the numbers of each panel mean."""
 
 from __future__ import annotations
 
@@ -83,9 +84,11 @@ PANELS = (
 
 
 class HelpScreen(ModalScreen[None]):
-    """Lists the app's bindings that act here (key, description, longer help) and how
-    the keys that change the run confirm (``quick_keys``: they do not), then what each
-    panel shows (:data:`PANELS`); any listed key closes."""
+    """Lists the app's bindings that act here, how run-changing keys confirm, and the panels.
+
+    The bindings as key, description, longer help; how the keys that change the run confirm
+    (``quick_keys``: they do not); then what each panel shows (:data:`PANELS`). Any listed
+    key closes."""
 
     BINDINGS = [
         Binding("escape,q,question_mark", "dismiss", "close", id="help.close"),
@@ -133,8 +136,7 @@ class HelpScreen(ModalScreen[None]):
                                         "or ? closes this screen", "$text-muted"))
 
     def action_scroll_lines(self, lines: int) -> None:
-        """Scroll the help ``lines`` lines (negative: up) from where the last key
-        scrolled it, at once."""
+        """Scroll the help ``lines`` lines (negative: up) at once, from the last key's place."""
         help_box = self.query_one("#help")
         help_box.scroll_to(y=help_box.scroll_target_y + lines, animate=False,
                            immediate=True)

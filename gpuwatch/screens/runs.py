@@ -1,5 +1,6 @@
-"""The ``r`` screen: every run of this user, live and finished (``gpuwatch runs
---all``), to open one in the dashboard."""
+"""The ``r`` screen: every run of this user, live and finished, to open one in the dashboard.
+
+The runs of ``gpuwatch runs --all``."""
 
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ def _row(summary: RunSummary) -> tuple[str, ...]:
 
 
 class RunsScreen(ModalScreen[RunSummary | None]):
-    """The runs in a table, newest first (read in a thread: logs can be large), and
-    under it the branches of the run under the cursor (a tree of segments, when it
-    has several); enter opens the run under the cursor (dismissed with its summary),
+    """The runs in a table, newest first, and under it the branches of the run under the cursor.
+
+    The table is read in a thread (logs can be large); the branches are a tree of segments,
+    when it has several. Enter opens the run under the cursor (dismissed with its summary),
     escape closes."""
 
     BINDINGS = [

@@ -1,5 +1,4 @@
-"""The ``t`` / ``T`` screen: the in-run search, each candidate it tried and why it kept or
-reverted it."""
+"""The ``t`` / ``T`` screen: the in-run search, each candidate and why it was kept or reverted."""
 
 from __future__ import annotations
 
@@ -37,9 +36,11 @@ def setting_text(candidate: dict[str, Any]) -> str:
 
 
 def candidate_line(candidate: dict[str, Any], unit: str) -> Content:
-    """One candidate, in two lines: setting, throughput with its 95% half-width, gain
-    over the best then (with its own) and steps spent; then its state and reason. A
-    setting longer than :data:`SETTING_WIDTH` is on a line of its own above the rest."""
+    """One candidate, in two lines: its setting and figures, then its state and reason.
+
+    The first line: setting, throughput with its 95% half-width, gain over the best then
+    (with its own) and steps spent. A setting longer than :data:`SETTING_WIDTH` is on a line
+    of its own above the rest."""
     setting = setting_text(candidate)
     if len(setting) > SETTING_WIDTH:
         setting = f"{setting}\n{'':<{SETTING_WIDTH}}"
@@ -59,8 +60,9 @@ def candidate_line(candidate: dict[str, Any], unit: str) -> Content:
 
 
 def tune_text(state: RunState) -> Content:
-    """The whole screen's text from the run's latest ``tune`` record, as it comes (the
-    screen makes it safe to show, :func:`gpuwatch.widgets.panel.safe_content`)."""
+    """The whole screen's text from the run's latest ``tune`` record, as it comes.
+
+    The screen makes it safe to show (:func:`gpuwatch.widgets.panel.safe_content`)."""
     tune = state.tune
     if tune is None:
         return Content.styled("no search yet: T starts one (the run tries its speed "

@@ -1,7 +1,8 @@
-"""Where a dashboard's records come from: a live run (:mod:`gpuwatch.sources.live`) or
-a run log (:mod:`gpuwatch.sources.replay`). A source owns its thread and folds records
-into its :class:`~gpuwatch.state.RunState` under :attr:`Source.lock`; the app only
-reads."""
+"""Where a dashboard's records come from: a live run or a run log.
+
+A live run: :mod:`gpuwatch.sources.live`; a run log: :mod:`gpuwatch.sources.replay`. A
+source owns its thread and folds records into its :class:`~gpuwatch.state.RunState` under
+:attr:`Source.lock`; the app only reads."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from gpuwatch.state import RunState
 
 
 class Source(ABC):
-    """The small interface the app needs from a source of records: a daemon thread that
-    folds records into :attr:`state`, started by :meth:`start` and stopped by
-    :meth:`close`. Subclasses implement :meth:`_run`, which must return soon after
-    :attr:`_stop` is set (within ``poll_s``).
+    """The small interface the app needs from a source of records: a thread folding into a state.
+
+    A daemon thread that folds records into :attr:`state`, started by :meth:`start` and
+    stopped by :meth:`close`. Subclasses implement :meth:`_run`, which must return soon
+    after :attr:`_stop` is set (within ``poll_s``).
 
     Attributes:
         state: the run as folded so far; read it while holding ``lock``.
@@ -41,13 +43,15 @@ class Source(ABC):
                                         name=f"gpuwatch-{type(self).__name__}")
 
     def now(self) -> float:
-        """The time the state is shown at, on the clock its records were folded with:
-        the monotonic clock (s) for a run being watched; a timeline's own."""
+        """The time the state is shown at, on the clock its records were folded with.
+
+        The monotonic clock (s) for a run being watched; a timeline's own."""
         return time.monotonic()
 
     def start(self) -> None:
-        """Start delivering records (returns at once; the work runs in the thread), and
-        reading :attr:`whole` if there is one."""
+        """Start delivering records, and reading :attr:`whole` if there is one; returns at once.
+
+        The work runs in the thread."""
         self._thread.start()
         if self.whole is not None:
             self.whole.start()

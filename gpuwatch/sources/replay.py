@@ -1,5 +1,6 @@
-"""The replay source: a run log read back into a RunState, and followed while it grows
-(``tail -F``), for ``gpuwatch replay FILE`` and ``gpuwatch tail FILE``.
+"""The replay source: a run log read back into a RunState, and followed while it grows.
+
+Followed like ``tail -F``, for ``gpuwatch replay FILE`` and ``gpuwatch tail FILE``.
 
 :class:`RunLogReader` reads either format :mod:`gpuwatch.history` reads: a run log
 (:mod:`agent.wire.runlog`: frames, followed from part to part as the writer starts new ones)
@@ -41,8 +42,9 @@ READ_BYTES = 4 << 20
 
 
 class RunLogReader:
-    """Reads a run log's complete records as envelopes: all of it, then what is
-    appended. A path that does not exist yet is waited for.
+    """Reads a run log's complete records as envelopes: all of it, then what is appended.
+
+    A path that does not exist yet is waited for.
 
     Args:
         path: the run log (its first part, or the current file of JSON lines).
@@ -68,9 +70,10 @@ class RunLogReader:
         return 0 if self._reader is None else self._reader.malformed
 
     def read(self, max_records: int = BATCH) -> list[dict[str, Any]]:
-        """Envelopes of the next complete records, at most about ``max_records`` and
-        :data:`READ_BYTES` bytes of them; ``[]`` at the end of what is written (see
-        :attr:`at_eof`).
+        """Envelopes of the next complete records, at most about ``max_records`` of them.
+
+        And at most about :data:`READ_BYTES` bytes of them; ``[]`` at the end of what is
+        written (see :attr:`at_eof`).
 
         Raises:
             OSError: the file exists but cannot be read (e.g. permissions).

@@ -45,9 +45,10 @@ STOP_CHECK_RECORDS = 256
 
 
 class Mark(NamedTuple):
-    """A place on the timeline worth jumping to: the step index where it shows, its
-    kind (``change``: a knob's value changed; ``event``: the run said something) and a
-    label for people."""
+    """A place on the timeline worth jumping to: its step index, its kind and a label.
+
+    The step index where it shows, its kind (``change``: a knob's value changed; ``event``:
+    the run said something) and a label for people."""
 
     # the field shadows tuple.index, which nothing here calls (the widgets read mark.index)
     index: int  # type: ignore[assignment]
@@ -64,8 +65,9 @@ class _Checkpoint(NamedTuple):
 
 
 class StepIndex(Sequence[int]):
-    """Step index -> optimizer step, kept as runs of consecutive steps (a run of a
-    million steps is two numbers). A record without a step number has its previous
+    """Step index -> optimizer step, kept as runs of consecutive steps.
+
+    A run of a million steps is two numbers. A record without a step number has its previous
     record's."""
 
     def __init__(self) -> None:
@@ -80,8 +82,9 @@ class StepIndex(Sequence[int]):
         return self._length > 0
 
     def extend(self, steps: list[Any]) -> None:
-        """Append the steps of some records, in order (a run of consecutive steps in
-        C, a list comparison)."""
+        """Append the steps of some records, in order.
+
+        A run of consecutive steps in C, a list comparison."""
         if not steps:
             return
         first = steps[0]
@@ -117,8 +120,9 @@ class StepIndex(Sequence[int]):
         return self._steps[run] + index - self._starts[run]
 
     def index_of(self, step: int) -> int | None:
-        """The index of the first record of optimizer step ``step`` or later (steps
-        in order); None when there is none."""
+        """The index of the first record of optimizer step ``step`` or later (steps in order).
+
+        None when there is none."""
         run = bisect.bisect_right(self._steps, step) - 1
         if run < 0:
             return 0 if self._length else None
@@ -217,8 +221,10 @@ class Timeline:
         return len(self.steps) - 1 if self.steps else None
 
     def state_at(self, index: int) -> tuple[RunState, float]:
-        """The state at step index ``index`` (all records up to the next step record)
-        and the time it is shown at (unix s). The last index shows the end of the log.
+        """The state at step index ``index`` and the time it is shown at (unix s).
+
+        The state holds all records up to the next step record. The last index shows the end
+        of the log.
 
         Raises:
             IndexError: ``index`` is not a step index of this timeline.
@@ -257,8 +263,7 @@ class Timeline:
         return state, t
 
     def mark_after(self, index: int, kind: str, direction: int) -> Mark | None:
-        """The first mark of ``kind`` after (``direction`` 1) or before (-1) ``index``,
-        or None."""
+        """The first mark of ``kind`` after (``direction`` 1) or before (-1) ``index``, or None."""
         ids = self._by_kind.get(kind, [])
         indexes = [self.marks[i].index for i in ids]
         if direction > 0:
@@ -269,9 +274,10 @@ class Timeline:
 
 
 class TimelineSource(Source):
-    """A finished run log in the dashboard, at one optimizer step at a time; the app's
-    timeline keys move it (:meth:`move_by`, :meth:`move_to`, :meth:`move_to_mark`).
-    Takes no commands. Opens at the end of the run.
+    """A finished run log in the dashboard, at one optimizer step at a time.
+
+    The app's timeline keys move it (:meth:`move_by`, :meth:`move_to`,
+    :meth:`move_to_mark`). Takes no commands. Opens at the end of the run.
 
     Args:
         log: the rank's run log (:func:`gpuwatch.history.find_logs`, ``log_at``).
@@ -297,8 +303,9 @@ class TimelineSource(Source):
         self._now = time.monotonic()
 
     def now(self) -> float:
-        """The time of the last record shown (unix s, the clock records are folded
-        with); while loading, the monotonic clock."""
+        """The time of the last record shown (unix s, the clock records are folded with).
+
+        While loading, the monotonic clock."""
         return self._now
 
     def _run(self) -> None:
@@ -322,8 +329,9 @@ class TimelineSource(Source):
         self.index = index
 
     def move_to(self, index: int) -> bool:
-        """Show step index ``index``, clamped to the run's steps; False when there is
-        nothing to move (not loaded, no steps, already there)."""
+        """Show step index ``index``, clamped to the run's steps; False when nothing moves.
+
+        Nothing to move: not loaded, no steps, already there."""
         with self.lock:
             if self.timeline is None or self.timeline.last_index is None:
                 return False
@@ -338,8 +346,9 @@ class TimelineSource(Source):
         return self.index is not None and self.move_to(self.index + steps)
 
     def move_to_mark(self, kind: str, direction: int) -> Mark | None:
-        """Move to the next (``direction`` 1) or previous (-1) mark of ``kind``
-        (``change`` or ``event``); the mark, or None when there is none that way."""
+        """Move to the next (``direction`` 1) or previous (-1) mark of ``kind``; return the mark.
+
+        ``kind``: ``change`` or ``event``; None when there is none that way."""
         if self.timeline is None or self.index is None:
             return None
         mark = self.timeline.mark_after(self.index, kind, direction)

@@ -1,5 +1,6 @@
-"""The whole run behind a live dashboard: its run log read from the first step in a
-thread of its own, so that a dashboard opened late, re-opened from ``r`` or restarted
+"""The whole run behind a live dashboard: its run log read from the first step in a thread.
+
+A thread of its own, so that a dashboard opened late, re-opened from ``r`` or restarted
 draws the run from step 1, not only the steps it received since it attached.
 
 The log is folded into a :class:`~gpuwatch.history.RunHistory` (its overview: each

@@ -1,5 +1,6 @@
-"""The ``:`` command line: type ``accum_steps=8`` or ``kernels=compile``, completed from
-the run's knob schema, sent as ``gpuwatch set`` sends it."""
+"""The ``:`` command line: type ``accum_steps=8`` or ``kernels=compile``, with completion.
+
+Completed from the run's knob schema, sent as ``gpuwatch set`` sends it."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from gpuwatch.units import knob_text
 
 def completions(schema: Mapping[str, Mapping[str, Any]], knobs: Mapping[str, Any]
                 ) -> list[str]:
-    """What may be typed, from a run's schema: ``knob=`` for every knob, then
-    ``knob=value`` for each value a choice, bool or action knob takes (choices the run
-    cannot run here left out), and ``knob=<current>`` for a number knob."""
+    """What may be typed, from a run's schema: ``knob=``, then ``knob=value`` for each value known.
+
+    ``knob=`` for every knob, then ``knob=value`` for each value a choice, bool or action
+    knob takes (choices the run cannot run here left out), and ``knob=<current>`` for a
+    number knob."""
     names = [f"{name}=" for name in schema]
     values = []
     for name, spec in schema.items():
@@ -33,8 +36,10 @@ def completions(schema: Mapping[str, Mapping[str, Any]], knobs: Mapping[str, Any
 
 
 class SchemaSuggester(Suggester):
-    """Completes a command from the run's schema as it is now (``source`` gives the
-    schema and the knob values, read under the source's lock by the caller)."""
+    """Completes a command from the run's schema as it is now.
+
+    ``source`` gives the schema and the knob values, read under the source's lock by the
+    caller."""
 
     def __init__(self, source: Callable[[], tuple[Mapping[str, Any], Mapping[str, Any]]]
                  ) -> None:
@@ -54,6 +59,7 @@ class SchemaSuggester(Suggester):
 
 class CommandLine(Input):
     """A one-line text box shown by ``:``; enter sends (the app decides), escape closes.
+
     Tab or right takes the completion shown in grey."""
 
     BINDINGS = [

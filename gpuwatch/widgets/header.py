@@ -22,10 +22,11 @@ STATUS_STYLES = {"waiting": "$text-muted", "live": "bold $success",
 
 
 class RunHeader(Panel):
-    """Who the dashboard watches and whether the run is alive (``compiling…`` with the
-    seconds so far while the run compiles), then records missed or malformed on the way
-    and the agent's own dropped records, errors and rejected commands when there are
-    any."""
+    """Who the dashboard watches and whether the run is alive, then what was missed on the way.
+
+    ``compiling…`` with the seconds so far while the run compiles; then records missed or
+    malformed on the way and the agent's own dropped records, errors and rejected commands
+    when there are any."""
 
     def show(self, state: RunState, status: str, now: float, *, description: str,
              readonly: bool, replay: bool = False) -> None:
@@ -117,10 +118,12 @@ class RunHeader(Panel):
 
 
 def compile_label(state: RunState, now: float, *, graph: bool = True) -> str:
-    """What the header says while the run compiles: the time so far, against the run's
-    own last compile (``of ~1m24s``, or ``last took 1m24s`` once this one is longer),
-    and which graph (``graph 3 [0/1 backward]``: the third of this compile, Dynamo's
-    compile id and which pass; with ``graph``). Needs ``state.compiling_since``."""
+    """What the header says while the run compiles: the time so far, against its last compile.
+
+    The time so far, against the run's own last compile (``of ~1m24s``, or
+    ``last took 1m24s`` once this one is longer), and which graph
+    (``graph 3 [0/1 backward]``: the third of this compile, Dynamo's compile id and which
+    pass; with ``graph``). Needs ``state.compiling_since``."""
     assert state.compiling_since is not None
     elapsed = now - state.compiling_since
     label = f"compiling… {human_age(elapsed)}"

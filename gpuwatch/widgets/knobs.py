@@ -1,5 +1,6 @@
-"""The run's knobs: current values, recent changes and commands not applied yet; the
-optimizer's as what the steps use (the effective learning rate, the clipping threshold
+"""The run's knobs: current values, recent changes and commands not applied yet.
+
+The optimizer's as what the steps use (the effective learning rate, the clipping threshold
 and the gradient norm)."""
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ MAX_DETAIL_CHARS = 60
 
 
 def optimizer_texts(state: RunState) -> dict[str, str]:
-    """What the optimizer's knobs mean for the steps, from the latest step record:
+    """What the optimizer's knobs mean for the steps, from the latest step record.
+
     ``lr_scale`` as the learning rate the last step used (param group 0) and the scale
     (``0.000300 x0.5``), ``max_grad_norm`` as the threshold (``off`` at 0) and the last
     step's gradient norm (``1 norm 0.830``). Read ``state`` under the lock."""
@@ -66,8 +68,9 @@ class _KnobLine:
                 + (len(self.pending_at) if at else 0))
 
     def render(self, label_width: int, width: int) -> Content:
-        """The line in ``width`` columns (padded), its label padded to ``label_width``;
-        the pending step is left out, then the name cut, before the value is."""
+        """The line in ``width`` columns (padded), its label padded to ``label_width``.
+
+        The pending step is left out, then the name cut, before the value is."""
         label = self.label.ljust(label_width) if len(self.label) < label_width \
             else self.label + " "
         at = self.pending_at if self.width(label_width) <= width else ""
@@ -115,8 +118,9 @@ def _label_width(lines: Sequence[_KnobLine], width: int) -> int:
 
 
 def knob_group(name: str, spec: dict[str, Any]) -> str:
-    """The group a knob is listed under: its schema's ``group``, else the standard
-    knob's of that name (a run whose agent sends none), else ``other``."""
+    """The group a knob is listed under: its schema's ``group``, else a standard one's.
+
+    Else the standard knob's of that name (a run whose agent sends none), else ``other``."""
     group = spec.get("group")
     if isinstance(group, str) and group:
         return group
@@ -125,10 +129,11 @@ def knob_group(name: str, spec: dict[str, Any]) -> str:
 
 
 def grouped_knobs(state: RunState) -> list[tuple[str, list[str]]]:
-    """The run's settings (not its actions, such as ``checkpoint``) by group, the groups
-    in :data:`agent.wire.knobs.GROUPS` order (others after, in the schema's order), in each
-    the standard knobs in their declared order (``lr`` and ``clip`` first among the
-    optimizer's), the rest in the schema's; read ``state`` under the lock."""
+    """The run's settings (not its actions, such as ``checkpoint``) by group, in a fixed order.
+
+    The groups in :data:`agent.wire.knobs.GROUPS` order (others after, in the schema's
+    order), in each the standard knobs in their declared order (``lr`` and ``clip`` first
+    among the optimizer's), the rest in the schema's; read ``state`` under the lock."""
     names = [name for name in (list(state.schema) or list(state.knobs))
              if state.schema.get(name, {}).get("kind") not in COMMAND_KINDS]
     order = {name: index for index, name in enumerate(
@@ -175,14 +180,16 @@ class KnobGroup:
         return heading.truncate(width, ellipsis=True)
 
     def need(self) -> int:
-        """The fewest columns its lines take, each name a space before its value
-        (pending values and what follows the heading's name may be cut)."""
+        """The fewest columns its lines take, each name a space before its value.
+
+        Pending values and what follows the heading's name may be cut."""
         return max((len(line.label) + 1 + len(line.value) for line in self.lines),
                    default=self.heading.cell_length)
 
     def label_width(self, width: int) -> int:
-        """Where its values start in a column of ``width``: after its longest name, or
-        as far right as leaves its longest value room."""
+        """Where its values start in a column of ``width``.
+
+        After its longest name, or as far right as leaves its longest value room."""
         return _label_width(self.lines, width)
 
 
@@ -226,9 +233,11 @@ def _need(column: Sequence[_Cell]) -> int:
 
 
 def knob_columns(groups: Sequence[KnobGroup], width: int, height: int) -> list[Content]:
-    """The knobs' lines laid out in ``width`` x ``height``: in as few columns as show
-    every knob under its group's heading; else with only the essential headings (the
-    groups still in order); else as many as fit, the last line ``+N more (? or :)``."""
+    """The knobs' lines laid out in ``width`` x ``height``, in as few columns as show every knob.
+
+    In as few columns as show every knob under its group's heading; else with only the
+    essential headings (the groups still in order); else as many as fit, the last line
+    ``+N more (? or :)``."""
     if height < 1 or not groups:
         return []
     for headings in ("all", "essential"):
@@ -284,12 +293,14 @@ def _render(columns: list[list[_Cell]], width: int, cells: list[int] | None = No
 
 
 class KnobsPanel(Panel):
-    """Every setting of the run's schema with its value, under its group (numerics,
-    kernels & memory, data, optimizer: :attr:`agent.wire.knobs.KnobSpec.group`), in as many
-    columns as the panel's width needs; ``-> v (at step N)`` while pending; ``lr`` (the
-    effective learning rate and ``lr_scale``) and ``clip`` (``max_grad_norm`` and the
-    gradient norm) for the optimizer's. Commands that are not settings (``checkpoint``)
-    are left out. Where not all fit, the last line says how many more (``?``, ``:``).
+    """Every setting of the run's schema with its value, under its group, in columns.
+
+    Groups: numerics, kernels & memory, data, optimizer
+    (:attr:`agent.wire.knobs.KnobSpec.group`); as many columns as the panel's width needs;
+    ``-> v (at step N)`` while pending; ``lr`` (the effective learning rate and
+    ``lr_scale``) and ``clip`` (``max_grad_norm`` and the gradient norm) for the
+    optimizer's. Commands that are not settings (``checkpoint``) are left out. Where not all
+    fit, the last line says how many more (``?``, ``:``).
     """
 
     BORDER_TITLE = "knobs"

@@ -1,7 +1,8 @@
-"""Memory of the training process against its device's limit: on CUDA allocated,
-reserved and peak reserved (caching allocator) against the GPU's memory; always host
-RSS and its peak against the host's memory; the activation memory (bytes saved for
-backward) and what it was before the last change; and the footprint over the steps."""
+"""Memory of the training process against its device's limit, activation memory, the footprint.
+
+On CUDA allocated, reserved and peak reserved (caching allocator) against the GPU's memory;
+always host RSS and its peak against the host's memory; the activation memory (bytes saved
+for backward) and what it was before the last change; and the footprint over the steps."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ ALLOCATOR_FIELDS = (("OOMs", "num_ooms"), ("retries", "num_alloc_retries"))
 
 def usage_line(label: str, used: Any, total: Any, width: int, *, label_width: int = 5
                ) -> str:
-    """``rsvd  6.0/141.0 GiB (4%)`` when it fits in ``width`` columns, else
-    ``rsvd   6.0 GiB   4%`` as tight as it needs; without a total only the amount."""
+    """``rsvd  6.0/141.0 GiB (4%)`` when it fits in ``width`` columns, else tighter.
+
+    Else ``rsvd   6.0 GiB   4%`` as tight as it needs; without a total only the amount."""
     if not isinstance(used, (int, float)):
         return f"{label:<{label_width}} -"
     if not isinstance(total, (int, float)) or total <= 0:
@@ -47,11 +49,12 @@ def device_total_bytes(state: RunState) -> float | None:
 
 
 class MemoryPanel(Panel):
-    """Memory fields of the latest step record against the limits, the activation
-    memory, and a sparkline of the footprint over the kept steps (peak reserved on
-    CUDA; on a CPU the activation memory, else host RSS; each column the largest of its
-    steps, from 0 to the largest shown) so that e.g. turning activation checkpointing on
-    shows as a drop."""
+    """Memory fields of the latest step record against the limits, and the footprint over the steps.
+
+    The activation memory too, and a sparkline of the footprint over the kept steps (peak
+    reserved on CUDA; on a CPU the activation memory, else host RSS; each column the largest
+    of its steps, from 0 to the largest shown) so that e.g. turning activation checkpointing
+    on shows as a drop."""
 
     BORDER_TITLE = "memory"
 
@@ -117,10 +120,11 @@ class MemoryPanel(Panel):
 
 
 def activation_line(state: RunState, width: int, *, label_width: int = 5) -> Content:
-    """``activ  2.4 MiB was 17.5 MiB`` (the measurement before the last change, when
-    there was one and it fits), else ``activ  2.4 MiB``; ``activ  - (compile)`` while
-    the run is compiled (it is not measured then: a value shown would be stale). Needs
-    ``state.activation_bytes``."""
+    """``activ  2.4 MiB was 17.5 MiB``: the activation memory, and before the last change.
+
+    The measurement before the last change, when there was one and it fits; else
+    ``activ  2.4 MiB``; ``activ  - (compile)`` while the run is compiled (it is not measured
+    then: a value shown would be stale). Needs ``state.activation_bytes``."""
     label = f"{'activ':<{label_width}}"
     if state.knobs.get("kernels") == "compile":
         text = " - (not measured under compile)" if width >= 37 else " - (compile)"

@@ -21,9 +21,10 @@ _LEGEND_MIN_HEIGHT = 14
 
 
 class Series(NamedTuple):
-    """One line: ``field`` of :class:`StepRecord` times ``scale``, called ``label``
-    (``short`` where the width is tight), its values in ``unit``, drawn in ``color``
-    (a plotext colour, named in the title when there are several lines)."""
+    """One line: ``field`` of :class:`StepRecord` times ``scale``, called ``label``, in ``color``.
+
+    ``short`` is its label where the width is tight; its values in ``unit``, drawn in
+    ``color`` (a plotext colour, named in the title when there are several lines)."""
 
     label: str
     field: str
@@ -65,13 +66,13 @@ _DOTS_ACROSS = 2
 
 def thin(steps: Sequence[float], values: Sequence[float], columns: int
          ) -> tuple[Sequence[float], Sequence[float]]:
-    """A line of ``steps`` and ``values`` with at most four points per column of
-    ``columns`` cells (braille: two columns of dots each): in each column of dots the
-    lowest and the highest value, in the order they came, and nothing else. The line
-    drawn through them spans what the full line spans in each column of dots (a spike
-    still shows; a dot or two of a noisy line's in-between may go); the chart draws a
-    fraction of the segments (plotext's cost is per segment). The first and the last
-    point are kept."""
+    """A line of ``steps`` and ``values`` with at most four points per column of ``columns`` cells.
+
+    Braille: two columns of dots each. In each column of dots the lowest and the highest
+    value, in the order they came, and nothing else. The line drawn through them spans what
+    the full line spans in each column of dots (a spike still shows; a dot or two of a noisy
+    line's in-between may go); the chart draws a fraction of the segments (plotext's cost is
+    per segment). The first and the last point are kept."""
     pixels = max(1, columns) * _DOTS_ACROSS
     if len(steps) <= 2 * pixels:
         return steps, values
@@ -150,8 +151,9 @@ def _human(value: float, unit: str) -> str:
 
 
 class StepChart(PlotextPlot):
-    """Lines of step-record fields over the steps kept (records without a finite value
-    for a series are left out of that line).
+    """Lines of step-record fields over the steps kept.
+
+    Records without a finite value for a series are left out of that line.
 
     Args:
         series: the lines to draw.
@@ -171,8 +173,9 @@ class StepChart(PlotextPlot):
         self.show_s = self.render_s = 0.0
 
     def render(self) -> Any:
-        """plotext's drawing of what :meth:`show` set, timed (:attr:`render_s`); set
-        again first if it was set at another size (its ticks and labels fit a width)."""
+        """plotext's drawing of what :meth:`show` set, timed (:attr:`render_s`).
+
+        Set again first if it was set at another size (its ticks and labels fit a width)."""
         start = time.perf_counter()
         try:
             if self._shown is not None and self._shown_size != self.size:
@@ -189,11 +192,12 @@ class StepChart(PlotextPlot):
 
     def show(self, records: Iterable[StepRecord], *, marks: Iterable[KnobChange] = (),
              past: Past | None = None) -> None:
-        """Redraw from step records (oldest first), after the steps of ``past`` (the
-        whole run from its log, in buckets: each drawn from its minimum to its maximum)
-        that come before them, with a vertical line at each knob change in ``marks``
-        and ``past`` that falls within the steps drawn (labelled ``knob=value`` when
-        there are few). Costs O(records + buckets + marks)."""
+        """Redraw from step records (oldest first), after the earlier steps of ``past``.
+
+        The steps of ``past`` that come before them. ``past``: the whole run from its log,
+        in buckets, each drawn from its minimum to its maximum. A vertical line at each knob
+        change in ``marks`` and ``past`` that falls within the steps drawn (labelled
+        ``knob=value`` when there are few). Costs O(records + buckets + marks)."""
         start = time.perf_counter()
         try:
             self._show(records, marks, past)

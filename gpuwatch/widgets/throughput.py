@@ -1,5 +1,6 @@
-"""Throughput (tokens/s for token models, else samples/s) as a labelled sparkline with
-the latest value."""
+"""Throughput as a labelled sparkline with the latest value.
+
+Tokens/s for token models, else samples/s."""
 
 from __future__ import annotations
 
