@@ -261,3 +261,37 @@ def test_a_loops_rollback_restores_its_state_and_data_position(run_dir):
         step: twin_losses[step] for step in range(7, 21)}
     for mine, theirs in zip(model.parameters(), twin.parameters()):
         assert torch.equal(mine, theirs)
+
+
+def test_a_state_over_its_budget_is_counted_on_the_live_tensors_never_copied(run_dir,
+                                                                             monkeypatch):
+    """The state's size is counted before anything is copied: a state over its budget
+    (a large model's Adam state would take its own size in host memory, on the training
+    thread, only to be dropped) is never copied, and the rollback's text says why."""
+    import agent.integrations.run as run_module
+    from agent.integrations.run import StateTooLarge
+
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with agent.session(model=model, optimizer=optimizer, name="over-budget") as run:
+        x, y = next(iter(digits_loader()))
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()  # Adam's two moments: the state is three times the parameters
+        optimizer.zero_grad(set_to_none=True)
+        run.optimizer_step(None)
+        parameters_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        copies = []
+        copy = run_module.host_copy
+        monkeypatch.setattr(run_module, "host_copy",
+                            lambda state: copies.append(1) or copy(state))
+        with pytest.raises(StateTooLarge) as caught:
+            run.state_snapshot(budget_bytes=2 * parameters_bytes)
+        assert caught.value.size_bytes >= 3 * parameters_bytes and copies == []
+        monkeypatch.setattr(run_module, "ROLLBACK_BUDGET_BYTES", 2 * parameters_bytes)
+        run.keep_state(run.step)
+        assert copies == []
+        level, text = run.restore_state(run.step + 1)
+        assert level == "warning" and "is larger than the" in text, text
+        assert "kept for rollbacks" in text and "not restored" in text
+        snapshot = run.state_snapshot(budget_bytes=4 * parameters_bytes)
+        assert copies and snapshot["model"].keys() == model.state_dict().keys()

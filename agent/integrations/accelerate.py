@@ -135,7 +135,7 @@ from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, K
                               LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS,
                               PRECISION, WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
-from agent.integrations.run import RunBase, host_copy
+from agent.integrations.run import RunBase
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing, find_blocks
 from gpuopt.kernels.backend import KernelBackendMixin
@@ -734,14 +734,14 @@ class AcceleratorRun(RunBase):
             return self._precision.scaler
         return self.accelerator.scaler
 
-    def state_snapshot(self) -> dict[str, Any]:
-        """For a rollback, in host memory: the prepared states, random numbers and data position.
+    def live_state(self) -> dict[str, Any]:
+        """For a rollback, live: the prepared states, random numbers and data position.
 
         Every model, optimizer and scheduler the Accelerator prepared, the GradScaler,
         accelerate's micro-batch count, the random numbers and the data position
         (:meth:`data_state`)."""
         accelerator, scaler = self.accelerator, self._scaler()
-        return host_copy({
+        return ({
             "models": [model.state_dict() for model in accelerator._models],
             "optimizers": [optimizer.state_dict() for optimizer in accelerator._optimizers],
             "schedulers": [scheduler.state_dict() for scheduler in accelerator._schedulers],

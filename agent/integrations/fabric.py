@@ -97,7 +97,6 @@ from agent.wire.knobs import (CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS, LR_SC
                               MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
 from agent.integrations.loop import (LoopRun, check_accum_steps, model_knobs,
                                      optimizer_settings_knobs)
-from agent.integrations.run import host_copy
 from agent.integrations.sharded import (agree_on_checkpoint, fsdp_modules, is_sharded,
                                         load_sharded, save_sharded, sharded_precision)
 from gpuopt.backends import ModelBackend
@@ -361,12 +360,12 @@ class FabricRun(LoopRun):
                                                       "grad_scaler", "rng", "data")}
         return snapshot, saved["step"], saved["knobs"]
 
-    def state_snapshot(self) -> dict[str, Any]:
-        """The states, the random numbers and the data position, in host memory (for a rollback).
+    def live_state(self) -> dict[str, Any]:
+        """The states, the random numbers and the data position, live (for a rollback).
 
         The model's, optimizer's, scheduler's and GradScaler's states."""
         scaler = None if self.precision is None else self.precision.scaler
-        return host_copy({
+        return ({
             "model": self.model.state_dict(),
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
             "lr_scheduler": (None if self.lr_scheduler is None

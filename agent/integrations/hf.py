@@ -120,7 +120,7 @@ from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, E
                               NUM_WORKERS, PIN_MEMORY, PRECISION, PREFETCH_FACTOR,
                               WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
-from agent.integrations.run import RunBase, host_copy, metric_numbers
+from agent.integrations.run import RunBase, metric_numbers
 
 from gpuopt.optim import OptimizerSettings
 from gpuopt.precision import MixedPrecision, precision_support, precision_warning
@@ -589,8 +589,8 @@ class _Run(RunBase):
                               "epoch_rng": rng["epoch_rng"], "rng": rng["rng"]})
         return snapshot, state.global_step, saved.get("knobs", {})
 
-    def state_snapshot(self) -> dict[str, Any]:
-        """For a rollback, in host memory: the states, HF's counts, random numbers, data position.
+    def live_state(self) -> dict[str, Any]:
+        """For a rollback, live: the states, HF's counts, random numbers, data position.
 
         The model's, optimizer's, scheduler's and GradScaler's states, HF's step and epoch
         counts, the random numbers now and at the epoch's start, and the data position
@@ -608,7 +608,7 @@ class _Run(RunBase):
         scaler, model = self._scaler(), trainer.model
         optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
         assert model is not None and optimizer is not None and scheduler is not None
-        return host_copy({
+        return ({
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "lr_scheduler": scheduler.state_dict(),

@@ -179,7 +179,7 @@ from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, E
                               KERNELS, LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE,
                               PRECISION, WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
-from agent.integrations.run import RunBase, host_copy
+from agent.integrations.run import RunBase
 from agent.integrations.sharded import fsdp_modules, gradient_sync_off, sharded_precision
 from agent.wire.runs import RUN_ID_ENV
 from gpuopt.backends import ModelBackend
@@ -1095,8 +1095,8 @@ class _Run(RunBase):
         plugin = self.precision._plugins.get("fp16") if self.precision else None
         return getattr(plugin, "scaler", None)
 
-    def state_snapshot(self) -> dict[str, Any]:
-        """For a rollback, in host memory: states, progress, windows, random numbers, data position.
+    def live_state(self) -> dict[str, Any]:
+        """For a rollback, live: states, progress, windows, random numbers, data position.
 
         The module's, optimizers', schedulers' and fp16 GradScaler's states, the fit loop's
         progress (epoch, batch and optimizer step counts), the accumulation windows, the
@@ -1110,7 +1110,7 @@ class _Run(RunBase):
         if reason is not None:
             raise ValueError(f"the train data cannot be put back live: {reason}")
         trainer, scaler = self.trainer, self._fp16_scaler()
-        return host_copy({
+        return ({
             "model": self.module.state_dict(),
             "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
             "schedulers": [config.scheduler.state_dict()

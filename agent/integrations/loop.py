@@ -50,7 +50,7 @@ from agent.integrations.adapters import (cpu_threads_knob, dropout_knob, loader_
 from agent.control.checkpoints import load_checkpoint, restore_knobs, torch_checkpoint
 from agent.step.core import Agent
 from agent.step.record import StepRecord
-from agent.integrations.run import RunBase, host_copy
+from agent.integrations.run import RunBase
 from agent.integrations.sharded import (agree_on_checkpoint, fsdp_modules, is_sharded,
                                         load_sharded, save_sharded,
                                         sharded_precision, sync_at_window_end)
@@ -460,13 +460,13 @@ class Session(LoopRun):
             **self._states(), "model": None, "optimizer": None,
             "world_size": torch.distributed.get_world_size()}))
 
-    def state_snapshot(self) -> dict[str, Any] | None:
-        """The loop's states, random numbers and data position in host memory.
+    def live_state(self) -> dict[str, Any] | None:
+        """The loop's states, random numbers and data position, live, for a rollback.
 
         None without a model or optimizer."""
         if self.model is None and self.optimizer is None:
             return None
-        return host_copy({**self._states(), "rng": rng_state(self.device),
+        return ({**self._states(), "rng": rng_state(self.device),
                           "data": self.data_state()})
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> str | None:

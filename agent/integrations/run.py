@@ -80,6 +80,19 @@ log = logging.getLogger("gpuwatch.agent")
 ROLLBACK_BUDGET_BYTES = 2 << 30
 
 
+class StateTooLarge(ValueError):
+    """The training state is larger than the host memory allowed for a copy of it.
+
+    Attributes:
+        size_bytes: the state's tensors' bytes. budget_bytes: what was allowed.
+    """
+
+    def __init__(self, size_bytes: int, budget_bytes: int) -> None:
+        super().__init__(f"the state ({format_bytes(size_bytes)}) is larger than the "
+                         f"{format_bytes(budget_bytes)} allowed")
+        self.size_bytes, self.budget_bytes = size_bytes, budget_bytes
+
+
 class RunBase:
     """One training run under the agent, as every integration has it.
 
@@ -150,7 +163,7 @@ class RunBase:
         self._ring_not_kept = ""
         #: a recovery's scaled learning rate: (the step it ends after, the value then)
         self._lr_back: tuple[int, float] | None = None
-        if type(self).state_snapshot is RunBase.state_snapshot:
+        if type(self).live_state is RunBase.live_state:
             self.knobs.bind(RECOVER, f"{type(self).__name__} keeps no training state to go "
                                      "back to")
         else:
@@ -380,17 +393,38 @@ class RunBase:
 
     # ------------------------------------------------------------ rollback of the state
 
-    def state_snapshot(self) -> Any:
-        """A copy in host memory of everything a rollback puts back, or None.
+    def live_state(self) -> Any:
+        """Everything a rollback puts back, as it is now (the live tensors), or None.
 
         Model, optimizer, scheduler, GradScaler, random numbers, data position; None when
         this integration cannot take one. Nothing in the base: an integration that can
-        overrides it with :meth:`load_snapshot`.
+        overrides it with :meth:`load_snapshot`. Copies nothing (the random numbers' few
+        bytes aside): :meth:`state_snapshot` copies it.
 
         Raises:
             Exception: why the state cannot be kept now (the rollback's event says it).
         """
         return None
+
+    def state_snapshot(self, budget_bytes: int | None = None) -> Any:
+        """A copy in host memory of :meth:`live_state` that later steps cannot change, or None.
+
+        With ``budget_bytes``, the state's size is counted on the live tensors first and
+        nothing is copied when it is larger: a state that does not fit never takes the
+        host memory (or the time) of a copy.
+
+        Raises:
+            StateTooLarge: the state is larger than ``budget_bytes``.
+            Exception: :meth:`live_state`'s.
+        """
+        live = self.live_state()
+        if live is None:
+            return None
+        if budget_bytes is not None:
+            size = _host_bytes(live)
+            if size > budget_bytes:
+                raise StateTooLarge(size, budget_bytes)
+        return host_copy(live)
 
     def load_snapshot(self, snapshot: Any) -> str | None:
         """Put back :meth:`state_snapshot`'s ``snapshot`` (the training goes on from its step).
@@ -409,7 +443,11 @@ class RunBase:
         """
         self._kept = None
         try:
-            snapshot = self.state_snapshot()
+            snapshot = self.state_snapshot(ROLLBACK_BUDGET_BYTES)
+        except StateTooLarge as exc:
+            self._not_kept = (f"the state ({format_bytes(exc.size_bytes)}) is larger than "
+                              f"the {format_bytes(ROLLBACK_BUDGET_BYTES)} kept for rollbacks")
+            return
         except Exception as exc:  # noqa: BLE001 -- said in the rollback's event
             self._not_kept = f"the state could not be kept ({type(exc).__name__}: {exc})"
             return
@@ -417,12 +455,7 @@ class RunBase:
             self._not_kept = (f"{type(self).__name__} does not keep the training state for "
                               "rollbacks")
             return
-        size = _host_bytes(snapshot)
-        if size > ROLLBACK_BUDGET_BYTES:
-            self._not_kept = (f"the state ({format_bytes(size)}) is larger than the "
-                              f"{format_bytes(ROLLBACK_BUDGET_BYTES)} kept for rollbacks")
-            return
-        self._kept = (step, snapshot, size)
+        self._kept = (step, snapshot, _host_bytes(snapshot))
 
     def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
         """Training thread, at the boundary before ``step``, after a rollback set the
@@ -620,7 +653,12 @@ class RunBase:
             return
         started = time.perf_counter()
         try:
-            snapshot = self.state_snapshot()
+            snapshot = self.state_snapshot(policy.budget_bytes)
+        except StateTooLarge as exc:
+            self._ring_not_kept = (f"the state ({format_bytes(exc.size_bytes)}) is larger "
+                                   f"than the {format_bytes(policy.budget_bytes)} budget of "
+                                   "Recovery")
+            return
         except Exception as exc:  # noqa: BLE001 -- said when a recovery needs it
             self._ring_not_kept = (f"the state could not be kept at step {self.step} "
                                    f"({type(exc).__name__}: {exc})")
@@ -630,10 +668,6 @@ class RunBase:
                                    "back to")
             return
         size = _host_bytes(snapshot)
-        if size > policy.budget_bytes:
-            self._ring_not_kept = (f"the state ({format_bytes(size)}) is larger than the "
-                                   f"{format_bytes(policy.budget_bytes)} budget of Recovery")
-            return
         ring = self._ring
         while ring and (len(ring) >= policy.keep_states
                         or sum(kept[2] for kept in ring) + size > policy.budget_bytes):
@@ -684,8 +718,9 @@ class RunBase:
             return
         kept_step, snapshot, size, micro_batches = kept
         try:
-            now = self.state_snapshot()
-            snapshot = {**snapshot, **{key: now[key] for key in self.recovery_data_keys}}
+            now = self.live_state()  # (the data position's part only is copied)
+            snapshot = {**snapshot,
+                        **{key: host_copy(now[key]) for key in self.recovery_data_keys}}
         except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
             spikes.rearm()
             self.agent.event("error", f"{reason}; not recovered: the data position could "

@@ -24,7 +24,7 @@ from agent.step.core import Agent, ending_reason
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINTING, DROPOUT, KERNELS, MAX_GRAD_NORM,
                               MICRO_BATCH_SIZE, Knob, KnobSet)
 from agent.step.record import StepRecord
-from agent.integrations.run import RunBase, host_copy
+from agent.integrations.run import RunBase
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.trainer import StepStats, Trainer
 
@@ -66,9 +66,9 @@ class TrainerRun(RunBase):
     #: position, epoch and random numbers)
     recovery_data_keys = ("loader", "data", "epoch", "rng")
 
-    def state_snapshot(self) -> dict[str, Any]:
-        """:meth:`gpuopt.Trainer.state_dict`, copied to host memory."""
-        return host_copy(self.trainer.state_dict())
+    def live_state(self) -> dict[str, Any]:
+        """:meth:`gpuopt.Trainer.state_dict`: its live tensors, for a rollback."""
+        return self.trainer.state_dict()
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
         """The Trainer goes back to ``snapshot`` in the middle of ``fit``, its data position too.
