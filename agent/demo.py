@@ -108,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def held_out_evaluation(workload: DemoWorkload, batch_size: int
                         ) -> Callable[[], dict[str, float]] | None:
-    """The demo's ``eval_fn`` (``evaluate=now``, ``E``): the mean loss over the
-    workload's held-out split (``val_loss``; per token for the transformer) and, for a
-    classifier (logits ``[B, K]``), the share classified right (``val_accuracy``), in
-    batches of ``batch_size``; None when the workload has no held-out split.
+    """The demo's ``eval_fn`` (``evaluate=now``, ``E``): loss and accuracy on the held-out split.
+
+    The mean loss over the workload's held-out split (``val_loss``; per token for the
+    transformer) and, for a classifier (logits ``[B, K]``), the share classified right
+    (``val_accuracy``), in batches of ``batch_size``; None when the workload has no held-out
+    split.
 
     The model runs in eval mode under ``no_grad`` in fp32 on its device (the run puts
     its train mode back); the batches are stacked by hand, not by a DataLoader, so no

@@ -1,5 +1,7 @@
-"""The dashboard at cluster scale: its live source following a multi-node job of 1,024
-nodes of 8 ranks, and one command's round trip to all 8,192 ranks.
+"""The dashboard at cluster scale: following 1,024 nodes of 8 ranks, a command to all 8,192.
+
+Its live source following a multi-node job of 1,024 nodes of 8 ranks, and one command's
+round trip to all 8,192 ranks.
 
     python benchmarks/bench_nodes.py [--nodes 1024] [--baseline 64] [--seconds 20]
     python benchmarks/bench_nodes.py --short        # a quick check that it works
@@ -196,8 +198,9 @@ def _cpu_s() -> float:
 
 
 def measure(node_count: int, seconds: float, commands: int) -> dict[str, Any]:
-    """Simulate a job of ``node_count`` nodes and measure the live source following it
-    (see the module's docstring)."""
+    """Simulate a job of ``node_count`` nodes and measure the live source following it.
+
+    See the module's docstring."""
     from agent.wire.commands import send_command
     from gpuwatch.sources.live import LiveSource
 

@@ -127,13 +127,13 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
 
 
 def table(columns: Sequence[Column], width_chars: int = WIDTH_CHARS) -> str:
-    """:func:`rows` as aligned text, one line per row, in lines of at most
-    ``width_chars`` characters (at least 110 are needed for the widest cells): when
-    the columns do not fit side by side, in pages of as many columns as fit, each
-    with the labels and under a line that says which columns it holds (``columns
-    6-10 of 20``), the ratio (of two runs) on the page of the second run, or on its
-    own where the two do not fit. A cell is never cut: a column wider than
-    ``width_chars`` with the labels makes a longer line."""
+    """:func:`rows` as aligned text, one line per row, at most ``width_chars`` characters wide.
+
+    At least 110 are needed for the widest cells. When the columns do not fit side by side,
+    in pages of as many columns as fit, each with the labels and under a line that says
+    which columns it holds (``columns 6-10 of 20``), the ratio (of two runs) on the page of
+    the second run, or on its own where the two do not fit. A cell is never cut: a column
+    wider than ``width_chars`` with the labels makes a longer line."""
     cells = rows(columns)
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     groups = [[index] for index in range(1, len(columns) + 1)]

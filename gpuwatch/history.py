@@ -1551,10 +1551,10 @@ def part_thinning(log: LogFiles) -> int:
 
 def summarize_logs(logs: Sequence[LogFiles], live_run_ids: Iterable[str] = ()
                    ) -> list[RunSummary]:
-    """One summary per run of ``logs`` (from :func:`find_logs`), newest first; each from
-    its lowest rank's log (:func:`log_summary`: its saved summary and the records
-    after it), under the run id its records say (a copied log's name may say another),
-    with its path."""
+    """One summary per run of ``logs`` (from :func:`find_logs`), newest first, with its path.
+
+    Each from its lowest rank's log (:func:`log_summary`: its saved summary and the records
+    after it), under the run id its records say (a copied log's name may say another)."""
     live = set(live_run_ids)
     by_run: dict[str, list[LogFiles]] = {}
     for log in logs:

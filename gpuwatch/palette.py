@@ -1,5 +1,7 @@
-"""The command palette (ctrl+p): every key binding of the app as a command, then the
-terminal's own (theme, screenshot)."""
+"""The command palette (ctrl+p): the app's key bindings as commands, then the terminal's own.
+
+Every key binding of the app comes first, then the terminal's own commands (theme,
+screenshot)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 
 class BindingCommands(Provider):
-    """Offers each of the app's bindings that act here, by its description, then
-    Textual's own commands (:meth:`~textual.app.App.get_system_commands`).
+    """Offers the app's bindings that act here, by description, then Textual's own commands.
+
+    Each binding by its description; Textual's own are
+    :meth:`~textual.app.App.get_system_commands`.
 
     As the help screen lists them; help shows its key. One provider for both, so that
     the run's commands come first: the palette lists discovered commands in the order

@@ -389,10 +389,11 @@ class RunState:
 
     @property
     def shown_step(self) -> int | None:
-        """The step a person is shown: the latest step record's (what the charts draw),
-        else the last step the run reported (a heartbeat's or a ``state``'s, which run
-        ahead of the records: the agent sends a step's record once its time is
-        measured)."""
+        """The step shown: the latest step record's, else the last step the run reported.
+
+        The step a person is shown. The latest step record's is what the charts draw; the
+        last step reported is a heartbeat's or a ``state``'s, which run ahead of the
+        records: the agent sends a step's record once its time is measured."""
         if self.steps and self.steps[-1].step is not None:
             return self.steps[-1].step
         return self.step
@@ -685,14 +686,16 @@ class RunState:
 
     @property
     def status(self) -> str:
-        """``waiting`` (nothing received yet), ``live``, ``compiling`` (a ``compiling``
-        event has come and not its end: steps are slow, not stalled), ``stalled``
-        (messages but no step for :meth:`stall_after_s`; a heartbeat whose step moved
-        counts as a step), ``paused`` (as stalled, but ``pause=on`` holds the run:
-        :attr:`paused_after`), ``gone`` (no message, heartbeats included, for
-        :data:`GONE_AFTER_S`, and its process is not known to be alive), ``quiet``
-        (nothing heard for :data:`QUIET_AFTER_S` but its process is alive) or ``ended``
-        (the run said ``bye``). A gone run whose messages come back is live again."""
+        """The run's status: waiting, live, compiling, stalled, paused, gone, quiet or ended.
+
+        ``waiting``: nothing received yet. ``compiling``: a ``compiling`` event has come and
+        not its end (steps are slow, not stalled). ``stalled``: messages but no step for
+        :meth:`stall_after_s` (a heartbeat whose step moved counts as a step). ``paused``:
+        as stalled, but ``pause=on`` holds the run (:attr:`paused_after`). ``gone``: no
+        message, heartbeats included, for :data:`GONE_AFTER_S`, and its process is not known
+        to be alive. ``quiet``: nothing heard for :data:`QUIET_AFTER_S` but its process is
+        alive. ``ended``: the run said ``bye``. A gone run whose messages come back is live
+        again."""
         return self.status_at(time.monotonic())
 
     def note_pending(self, knob: str, value: Any, apply_step: int | None) -> None:

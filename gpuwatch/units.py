@@ -52,8 +52,9 @@ def human_bytes(value_bytes: float | None) -> str:
 
 
 def human_bytes_pair(used_bytes: float | None, total_bytes: float | None) -> str:
-    """Used and total in the total's unit, used with two significant digits at least:
-    ``"3.0/16.0 GiB"``, ``"0.45/16.0 GiB"``; ``"-"`` for None."""
+    """Used and total in the total's unit, used with two significant digits at least.
+
+    For example ``"3.0/16.0 GiB"``, ``"0.45/16.0 GiB"``; ``"-"`` for None."""
     if used_bytes is None or total_bytes is None:
         return f"{human_bytes(used_bytes)}/{human_bytes(total_bytes)}"
     total = human_bytes(total_bytes)

@@ -260,10 +260,11 @@ def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *
 
 def set_knobs(agent: Agent, knobs: dict[str, Any]
               ) -> tuple[list[str], list[str], dict[str, Any]]:
-    """Training thread: set each knob of ``knobs`` (a checkpoint's) that this run has
-    (see :func:`restore_knobs`). Returns ``(restored, failed, absent)``: the values now
-    as saved (``knob=value`` each), those that could not be set (with the reason), and
-    the knobs this run does not have, by name."""
+    """Training thread: set each knob of ``knobs`` (a checkpoint's) that this run has.
+
+    See :func:`restore_knobs`. Returns ``(restored, failed, absent)``: the values now as
+    saved (``knob=value`` each), those that could not be set (with the reason), and the
+    knobs this run does not have, by name."""
     restored: list[str] = []
     failed: list[str] = []
     absent = {name: value for name, value in knobs.items() if name not in agent.knobs.knobs}
@@ -291,8 +292,9 @@ def set_knobs(agent: Agent, knobs: dict[str, Any]
 
 def knobs_text(restored: list[str], failed: list[str], absent: dict[str, Any],
                unbound: str = "not in this run") -> str:
-    """``" with a=1, b=2; not restored: ...; <unbound>: ..."``: :func:`set_knobs`'s
-    outcome for an event's text (empty when there is nothing to say)."""
+    """:func:`set_knobs`'s outcome as an event's text (empty when there is nothing to say).
+
+    Of the form ``" with a=1, b=2; not restored: ...; <unbound>: ..."``."""
     text = " with " + ", ".join(restored) if restored else ""
     if failed:
         text += "; not restored: " + "; ".join(failed)

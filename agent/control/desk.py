@@ -271,8 +271,9 @@ class CommandDesk:
             self.schedule(Pending(apply_step, 0, knob, value, None, rollback.reason))
 
     def schedule_recovery(self, command_id: str, reason: str, apply_step: int) -> None:
-        """Queue a loss-spike recovery (``command_id``: :data:`RECOVERY_ID_PREFIX`, the
-        spike's first step, ``-``...) for the boundary before ``apply_step``."""
+        """Queue a loss-spike recovery for the boundary before ``apply_step``.
+
+        Its ``command_id``: :data:`RECOVERY_ID_PREFIX`, the spike's first step, ``-``..."""
         self.schedule(Pending(apply_step, 0, RECOVER.name, "on", command_id, reason))
 
     def cancel(self, command_id: Any, reason: Any) -> Reply:

@@ -64,15 +64,18 @@ class StateKeeper(Protocol):
         At the boundary after that step; or note why it cannot be kept."""
 
     def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
-        """The episode was rolled back at the boundary before optimizer step ``step``
-        (``cause``: why): put the kept state back, as a new branch; returns the event's
-        ``(level, text)`` saying what was restored, what it cost and how many steps
+        """The episode was rolled back before optimizer step ``step``: put the kept state back.
+
+        At the boundary before ``step`` (``cause``: why), as a new branch; returns the
+        event's ``(level, text)`` saying what was restored, what it cost and how many steps
         will be trained again (or why not)."""
 
     def recover(self, step: int, before: int, reason: str) -> None:
-        """A loss spike began at optimizer step ``before`` (``reason``: what it was),
-        at the boundary after ``step``: put back the latest state kept before it, move
-        the data past what was trained since, and say so in one event (or why not)."""
+        """A loss spike began at step ``before``: put back the latest state kept before it.
+
+        ``before`` is an optimizer step (``reason``: what it was); called at the boundary
+        after ``step``. Moves the data past what was trained since, and says so in one event
+        (or why not)."""
 
 
 class ChangeLedger:

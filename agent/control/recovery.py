@@ -38,8 +38,10 @@ MAD_TO_SIGMA = 1.4826
 
 @dataclass(frozen=True)
 class Recovery:
-    """The settings of ``recover=on`` (``agent.attach(..., recover=Recovery(...))``,
-    ``agent.session(..., recover=...)``; the ``recover`` knob turns it on and off live).
+    """The settings of ``recover=on``; the ``recover`` knob turns it on and off live.
+
+    Given as ``agent.attach(..., recover=Recovery(...))`` or
+    ``agent.session(..., recover=...)``.
 
     Attributes:
         keep_every_steps: keep a host copy of the state at every boundary after an
@@ -83,8 +85,9 @@ class Recovery:
                 raise ValueError(f"Recovery.{name} must be a number > 0, got {value!r}")
 
     def describe(self) -> str:
-        """The settings in a few words, for the knobs panel and ``?``:
-        ``every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100``."""
+        """The settings in a few words, for the knobs panel and ``?``.
+
+        For example ``every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100``."""
         text = (f"every {self.keep_every_steps} x{self.keep_states}, "
                 f"{self.spike_steps} steps > {self.spike_mads:g} MAD")
         if self.lr_scale != 1 and self.lr_steps:
@@ -94,8 +97,9 @@ class Recovery:
 
 @dataclass(frozen=True)
 class Spike:
-    """A spike found: the losses of steps ``first`` to ``last`` were above ``limit``
-    (the running ``median`` plus the margin); ``loss`` is the last one."""
+    """A spike found: the losses of steps ``first`` to ``last`` were above ``limit``.
+
+    ``limit`` is the running ``median`` plus the margin; ``loss`` is the last one."""
 
     first: int
     last: int
@@ -133,14 +137,16 @@ class SpikeWatch:
         self._last_step = 0
 
     def rearm(self) -> None:
-        """The recovery asked for did not happen (refused, nothing kept): judge the
-        next steps again. Any thread."""
+        """The recovery asked for did not happen: judge the next steps again.
+
+        It was refused, or nothing was kept. Any thread."""
         self.waiting_since = None
 
     def observe(self, steps: Sequence[int], losses: Sequence[float | None]) -> Spike | None:
-        """Published steps, in order, with their losses (None: not read): returns the
-        first spike they complete, or None. A few microseconds a step while on (a
-        median of :data:`MEDIAN_STEPS` floats); nothing while off."""
+        """Published steps with their losses: returns the first spike they complete, or None.
+
+        The steps come in order; a loss of None was not read. A few microseconds a step
+        while on (a median of :data:`MEDIAN_STEPS` floats); nothing while off."""
         if not self.on:
             return None
         found = None

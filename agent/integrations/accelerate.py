@@ -692,8 +692,9 @@ class AcceleratorRun(RunBase):
             self._precision.scaler.load_state_dict(torch.load(scaler_file, weights_only=True))
 
     def rewind_refusal(self) -> str | None:
-        """Several processes cannot rewind: accelerate's ``load_state`` loads in place,
-        before the processes could agree that each can."""
+        """Several processes cannot rewind: accelerate's ``load_state`` loads in place.
+
+        It loads before the processes could agree that each can."""
         if self.accelerator.num_processes > 1:
             return (f"this run has {self.accelerator.num_processes} processes, and "
                     "accelerate's load_state loads in place, on each alone: resume with "
@@ -701,10 +702,12 @@ class AcceleratorRun(RunBase):
         return None
 
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
-        """A ``checkpoint=now`` checkpoint in :meth:`state_snapshot`'s form, read as
-        :meth:`resume` reads it: accelerate's ``load_state`` (which loads in place: the
-        state now is kept in host memory first and put back if anything fails), the
-        data position, the GradScaler the precision knob kept, the step and knob values.
+        """A ``checkpoint=now`` checkpoint read as :meth:`resume` does, in the snapshot's form.
+
+        In :meth:`state_snapshot`'s form, read as :meth:`resume` reads it: accelerate's
+        ``load_state`` (which loads in place: the state now is kept in host memory first and
+        put back if anything fails), the data position, the GradScaler the precision knob
+        kept, the step and knob values.
 
         Raises:
             ValueError: it has no data position of gpuwatch's. OSError, ValueError: from

@@ -345,16 +345,18 @@ class FabricRun(LoopRun):
         return saved
 
     def rewind_refusal(self) -> str | None:
-        """Several processes cannot rewind: a checkpoint holds one rank's data position
-        and random numbers (their checkpoint command is refused for it too)."""
+        """Several processes cannot rewind: a checkpoint holds one rank's data position.
+
+        And that rank's random numbers (their checkpoint command is refused for it too)."""
         if self.fabric.world_size > 1:
             return ("not with several processes: a checkpoint holds rank 0's data "
                     "position and random numbers, not every rank's")
         return None
 
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
-        """A checkpoint :meth:`save_checkpoint` wrote, read as :meth:`resume` reads it,
-        in :meth:`state_snapshot`'s form, with its step and knob values."""
+        """A checkpoint :meth:`save_checkpoint` wrote, read as :meth:`resume` reads it.
+
+        In :meth:`state_snapshot`'s form, with its step and knob values."""
         saved = self._read(os.fspath(path))
         snapshot = {part: saved.get(part) for part in ("model", "optimizer", "lr_scheduler",
                                                       "grad_scaler", "rng", "data")}

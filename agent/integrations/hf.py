@@ -546,12 +546,13 @@ class _Run(RunBase):
     recovery_data_keys = ("data", "epochs_done", "epoch")
 
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
-        """A ``checkpoint=now`` checkpoint in :meth:`state_snapshot`'s form, read as
-        ``train(resume_from_checkpoint=...)`` reads it: HF's ``_load_from_checkpoint``
-        and ``_load_optimizer_and_scheduler`` (which load in place: the states now are
-        kept in host memory first and put back if anything fails), its
-        ``trainer_state.json`` (step, epoch), the GradScaler, and gpuwatch's data
-        position and random numbers (:data:`RNG_FILE`).
+        """A ``checkpoint=now`` checkpoint read as HF's resume does, in the snapshot's form.
+
+        In :meth:`state_snapshot`'s form, read as ``train(resume_from_checkpoint=...)``
+        reads it: HF's ``_load_from_checkpoint`` and ``_load_optimizer_and_scheduler``
+        (which load in place: the states now are kept in host memory first and put back if
+        anything fails), its ``trainer_state.json`` (step, epoch), the GradScaler, and
+        gpuwatch's data position and random numbers (:data:`RNG_FILE`).
 
         Raises:
             ValueError: it has no data position or random numbers of gpuwatch's (HF

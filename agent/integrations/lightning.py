@@ -866,10 +866,11 @@ class _Run(RunBase):
                                                  value or None)))
 
     def end_loop(self) -> None:
-        """Lightning's own stop, ``trainer.should_stop`` (as ``EarlyStopping``'s): the
-        fit loop ends after this batch, its end hooks and callbacks run. The fit's
-        ``min_steps`` and ``min_epochs`` are lowered to what is done, as Lightning
-        ignores ``should_stop`` until both are met (the command stops it all the same)."""
+        """Lightning's own stop, ``trainer.should_stop`` (as ``EarlyStopping``'s), after this batch.
+
+        The fit loop ends after this batch, its end hooks and callbacks run. The fit's
+        ``min_steps`` and ``min_epochs`` are lowered to what is done, as Lightning ignores
+        ``should_stop`` until both are met (the command stops it all the same)."""
         fit_loop = self.trainer.fit_loop
         if fit_loop.min_epochs:
             fit_loop.min_epochs = min(fit_loop.min_epochs,
@@ -1054,8 +1055,9 @@ class _Run(RunBase):
             self.epochs.replay()
 
     def rewind_refusal(self) -> str | None:
-        """A strategy that saves sharded checkpoints from every rank cannot rewind (its
-        checkpoint command is refused too)."""
+        """A strategy that saves sharded checkpoints from every rank cannot rewind.
+
+        Its checkpoint command is refused too."""
         strategy = self.trainer.strategy
         if not _simple_strategy(strategy):
             return (f"{type(strategy).__name__} saves sharded checkpoints from every rank, "
@@ -1063,9 +1065,10 @@ class _Run(RunBase):
         return None
 
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
-        """A checkpoint of ``trainer.save_checkpoint`` (the ``checkpoint`` command's, or
-        any of this fit's with gpuwatch's state), read as ``fit(ckpt_path=...)`` reads
-        it (the strategy's ``load_checkpoint``), in :meth:`state_snapshot`'s form: the
+        """A checkpoint of ``trainer.save_checkpoint``, read as ``fit(ckpt_path=...)`` reads it.
+
+        The ``checkpoint`` command's, or any of this fit's with gpuwatch's state; read
+        through the strategy's ``load_checkpoint``, in :meth:`state_snapshot`'s form: the
         windows counted from its boundary as a resume counts them (:meth:`_resume`).
 
         Raises:

@@ -487,8 +487,10 @@ class Session(LoopRun):
         return None
 
     def rewind_refusal(self) -> str | None:
-        """Why ``rewind`` cannot load a checkpoint here: a sharded model (each rank's
-        part in a directory is not read live yet), or no model and optimizer."""
+        """Why ``rewind`` cannot load a checkpoint here: a sharded model, or no model and optimizer.
+
+        A sharded model's checkpoint is each rank's part in a directory, which is not read
+        live yet."""
         if self.sharded:
             return ("a sharded model's checkpoint (every rank's part) is not loaded into "
                     "a live run yet: resume from it (agent.session(resume_from=...))")
@@ -497,8 +499,9 @@ class Session(LoopRun):
         return None
 
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
-        """A checkpoint :meth:`save_checkpoint` wrote, read as :meth:`resume` reads it,
-        in :meth:`state_snapshot`'s form, with its step and knob values."""
+        """A checkpoint :meth:`save_checkpoint` wrote, read as :meth:`resume` reads it.
+
+        In :meth:`state_snapshot`'s form, with its step and knob values."""
         saved = load_checkpoint(path)
         snapshot = {part: saved.get(part) for part in ("model", "optimizer", "lr_scheduler",
                                                       "grad_scaler", "rng", "data")}

@@ -218,11 +218,12 @@ class RunBase:
                         refusal: Callable[[], str | None] | None = None,
                         every_rank: bool = False,
                         agree: Callable[[str | None], str | None] | None = None) -> None:
-        """Offer the ``checkpoint`` command: ``save(path, knobs)`` writes the
-        framework's checkpoint with the knob values ``knobs`` (the person's: see
-        :meth:`chosen_knobs`) and :meth:`data_state` in it. The reply warns before
-        saving when :meth:`data_reason` says a resume will not be exact. Other
-        arguments as :class:`agent.control.checkpoints.Checkpoints`'."""
+        """Offer the ``checkpoint`` command: write the framework's checkpoint with the knob values.
+
+        ``save(path, knobs)`` writes the framework's checkpoint with the knob values
+        ``knobs`` (the person's: see :meth:`chosen_knobs`) and :meth:`data_state` in it. The
+        reply warns before saving when :meth:`data_reason` says a resume will not be exact.
+        Other arguments as :class:`agent.control.checkpoints.Checkpoints`'."""
         self._checkpoints = Checkpoints(
             self.agent, save, step=step or (lambda: self.step), directory=directory,
             name=name, refusal=refusal, every_rank=every_rank, chosen=self.chosen_knobs,
@@ -383,9 +384,11 @@ class RunBase:
 
     def publish_evaluation(self, step: int, metrics: dict[str, Any] | None,
                            **fields: Any) -> dict[str, float]:
-        """An ``evaluation`` event at ``step`` with the numbers of ``metrics``
-        (:func:`metric_numbers`; call it once the evaluation has ended) and ``fields``,
-        for the event log, the dashboard and the run log. Returns the numbers."""
+        """Publish an ``evaluation`` event at ``step`` with ``metrics``' numbers; returns them.
+
+        The numbers are :func:`metric_numbers`'s (call it once the evaluation has ended);
+        the event has ``fields`` too, and is for the event log, the dashboard and the run
+        log."""
         numbers, shown = metric_numbers(metrics)
         self.agent.event("info", f"evaluation at step {step}: {shown}",
                          kind=EventKind.EVALUATION, step=step, metrics=numbers, **fields)
@@ -458,9 +461,11 @@ class RunBase:
         self._kept = (step, snapshot, _host_bytes(snapshot))
 
     def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
-        """Training thread, at the boundary before ``step``, after a rollback set the
-        knobs back: put the kept state back (see :class:`agent.control.ledger.StateKeeper`)
-        through :meth:`rewind_state` (a new branch, source ``rollback``; ``cause``: why)."""
+        """Training thread, after a rollback set the knobs back: put the kept state back.
+
+        At the boundary before ``step``; the kept state (see
+        :class:`agent.control.ledger.StateKeeper`) goes back through :meth:`rewind_state` (a
+        new branch, source ``rollback``; ``cause``: why)."""
         kept, self._kept = self._kept, None
         if kept is None:
             return "warning", ("the weights were not restored (" + (
@@ -485,13 +490,14 @@ class RunBase:
 
     def rewind_state(self, snapshot: Any, step: int, *, source: str, cause: str,
                      knobs: dict[str, Any] | None = None) -> tuple[int, str | None]:
-        """Training thread, at an optimizer-step boundary: put back ``snapshot``
-        (:meth:`state_snapshot`'s, taken at the boundary after ``step``) with
-        :meth:`load_snapshot`, set :attr:`step` to ``step`` and start a new branch: one
+        """Training thread, at an optimizer-step boundary: put ``snapshot`` back, on a new branch.
+
+        ``snapshot`` is :meth:`state_snapshot`'s, taken at the boundary after ``step``; it
+        is put back with :meth:`load_snapshot`, :attr:`step` is set to ``step``, and one
         ``branched`` event (``branch``, ``parent``, ``step``, ``source``, ``cause``,
-        ``knobs``), published before any step record of the new branch. ``knobs``: the
-        knob values that come back with the state (a checkpoint's), set after it and
-        named in the event.
+        ``knobs``) is published before any step record of the new branch. ``knobs``: the
+        knob values that come back with the state (a checkpoint's), set after it and named
+        in the event.
 
         Returns:
             ``(the new branch's id, what is not as it was or None)``.
@@ -519,12 +525,12 @@ class RunBase:
         return self.branch, differs
 
     def read_checkpoint(self, path: Path) -> tuple[Any, int, dict[str, Any]]:
-        """Read the checkpoint at ``path`` (this integration's own format, through the
-        code its resume uses) into :meth:`state_snapshot`'s form: ``(snapshot, the
-        optimizer step it holds, its knob values)``, for ``rewind``. Training thread, at
-        a boundary; reads the file (about its size over the disk's read speed).
-        Nothing in the base: an integration that can overrides it (and
-        :meth:`rewind_refusal`).
+        """Read the checkpoint at ``path`` into :meth:`state_snapshot`'s form, for ``rewind``.
+
+        Read in this integration's own format, through the code its resume uses:
+        ``(snapshot, the optimizer step it holds, its knob values)``. Training thread, at a
+        boundary; reads the file (about its size over the disk's read speed). Nothing in the
+        base: an integration that can overrides it (and :meth:`rewind_refusal`).
 
         Raises:
             Exception: it is not such a checkpoint, or cannot be read.
@@ -532,9 +538,9 @@ class RunBase:
         raise NotImplementedError
 
     def rewind_refusal(self) -> str | None:
-        """Why this run cannot load a checkpoint live (the ``rewind`` command is refused
-        with it), or None. By default: unless the integration reads its checkpoints
-        (:meth:`read_checkpoint`)."""
+        """Why this run cannot load a checkpoint live (``rewind`` is refused with it), or None.
+
+        By default: unless the integration reads its checkpoints (:meth:`read_checkpoint`)."""
         if type(self).read_checkpoint is RunBase.read_checkpoint:
             return f"{type(self).__name__} does not load a checkpoint into a live run"
         return None
@@ -693,13 +699,14 @@ class RunBase:
             self._keep_for_recovery()
 
     def recover(self, step: int, before: int, reason: str) -> None:
-        """Training thread, at the boundary after ``step``: a loss spike began at step
-        ``before`` (``reason``: what rank 0 saw). Put back the latest state kept before
-        it (:meth:`rewind_state`: a new branch from that step) with the data position
-        as it is now, so that the data goes on past every micro-batch trained since
-        (the ones that led to the spike among them); scale ``lr_scale`` for
-        ``lr_steps`` steps; one ``branched`` event says what was restored, skipped and
-        changed (a warning says why not, when nothing was kept before it).
+        """Training thread: go back to the latest state kept before a spike began at ``before``.
+
+        At the boundary after ``step``; the spike began at step ``before`` (``reason``: what
+        rank 0 saw). The kept state goes back through :meth:`rewind_state` (a new branch
+        from that step) with the data position as it is now, so that the data goes on past
+        every micro-batch trained since (the ones that led to the spike among them); scale
+        ``lr_scale`` for ``lr_steps`` steps; one ``branched`` event says what was restored,
+        skipped and changed (a warning says why not, when nothing was kept before it).
 
         .. note:: Copies the state now (its data position is kept), then loads the
            kept one: the training thread waits about twice the state's copy time, at
@@ -770,8 +777,9 @@ class RunBase:
     # ------------------------------------------------------------ the end
 
     def start(self) -> None:
-        """Announce the knobs, start the agent and the first step's clock, and make
-        every way the process ends close this run (:func:`end_on_signals`)."""
+        """Announce the knobs, start the agent and the first step's clock, close on any process end.
+
+        Every way the process ends closes this run (:func:`end_on_signals`)."""
         self._bind_rewind()
         self.agent.refresh_knobs()
         self.agent.start()
@@ -880,8 +888,10 @@ def end_on_signals(run: Any) -> None:
 
 
 def metric_numbers(metrics: dict[str, Any] | None) -> tuple[dict[str, float], str]:
-    """The numbers of a dict of metrics (an evaluation's, a framework's logs), as floats
-    by name, and a line showing them (``"no numbers"`` when none).
+    """The numbers of a dict of metrics, as floats by name, and a line showing them.
+
+    The metrics are an evaluation's or a framework's logs; the line is ``"no numbers"`` when
+    there are none.
 
     Python ints and floats, NumPy scalars and one-element tensors are numbers (nan and
     inf kept as they are); booleans and other values are left out, and so is an

@@ -119,11 +119,12 @@ def gradient_sync_off(model: torch.nn.Module) -> Iterator[None]:
 
 
 def agree(failure: str | None, path: Path | None = None) -> tuple[str | None, Path | None]:
-    """Tell every rank of a failure on any: a collective on the default process group
-    (``all_gather_object`` of a short text) that each rank calls at the same point of a
-    checkpoint with its own ``failure`` (None: it went well) and rank 0 with its
-    ``path``. Returns the first rank's failure as ``"rank N: ..."`` (or None) and rank
-    0's ``path`` (None from rank 0's failure)."""
+    """Tell every rank of a failure on any, with a collective on the default process group.
+
+    ``all_gather_object`` of a short text, which each rank calls at the same point of a
+    checkpoint with its own ``failure`` (None: it went well) and rank 0 with its ``path``.
+    Returns the first rank's failure as ``"rank N: ..."`` (or None) and rank 0's ``path``
+    (None from rank 0's failure)."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"failure": failure,
                                       "path": None if path is None else str(path)})
@@ -134,8 +135,9 @@ def agree(failure: str | None, path: Path | None = None) -> tuple[str | None, Pa
 
 
 def agree_on_checkpoint(failure: str | None) -> str | None:
-    """:func:`agree` without a path: the ``agree`` of a sharded model's
-    :class:`agent.control.checkpoints.Checkpoints`."""
+    """The ``agree`` of a sharded model's :class:`agent.control.checkpoints.Checkpoints`.
+
+    :func:`agree` without a path."""
     return agree(failure)[0]
 
 

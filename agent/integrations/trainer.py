@@ -77,8 +77,9 @@ class TrainerRun(RunBase):
         self.trainer.load_state_dict(snapshot)
 
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
-        """A checkpoint :meth:`save` wrote, read as :func:`attach`'s ``resume_from`` reads
-        it: the Trainer's state (the snapshot), its step and knob values."""
+        """A checkpoint :meth:`save` wrote, read as :func:`attach`'s ``resume_from`` reads it.
+
+        The Trainer's state (the snapshot), its step and knob values."""
         saved = load_checkpoint(path)
         return saved["trainer"], saved["step"], saved["knobs"]
 

@@ -205,9 +205,11 @@ class Agent:
         self.tune.close()
 
     def ended_line(self) -> str:
-        """One line for a script to print at its end: the run closed (:meth:`close`,
-        if it is still open), the steps trained, the final loss and where its run log
-        is, as the log's summary (saved beside it at close) has them::
+        """One line for a script to print at its end: steps trained, final loss, where the log is.
+
+        The run is closed first (:meth:`close`, if it is still open); the steps trained, the
+        final loss and where its run log is, as the log's summary (saved beside it at close)
+        has them::
 
             run 20260101-000000-abcd ended: steps trained 200, final loss 0.412,
             run log /run/user/1000/gpuwatch/logs/...runlog (`gpuwatch runs --all`)
@@ -315,8 +317,10 @@ class Agent:
         return self._last_step
 
     def rewound(self, step: int) -> None:
-        """Training thread, at a boundary: the run's state went back to the one after
-        optimizer step ``step`` (a new branch), so count on from there.
+        """Count on from optimizer step ``step``: the run's state went back to it (a new branch).
+
+        Training thread, at a boundary: the run's state is now the one after optimizer step
+        ``step``, on a new branch.
 
         A command's earliest step then follows the new branch's steps (not the left
         branch's, where it would land that many steps late), and the change guard forgets

@@ -34,11 +34,12 @@ MAX_SOCKETS = 1 << 16
 
 
 def shared_context() -> zmq.Context:
-    """The process-wide ZeroMQ context of :mod:`agent.wire` and the dashboard (its own,
-    not :func:`zmq.Context.instance`, whose limit is fixed by whoever makes the first
-    socket on it), allowed :data:`MAX_SOCKETS` sockets; the first call also raises this
-    process's soft limit of open files towards its hard one (each socket holds one or
-    two descriptors; a login node's soft limit is often 1,024). Any thread may call it."""
+    """The process-wide ZeroMQ context of :mod:`agent.wire` and the dashboard; any thread.
+
+    Its own, not :func:`zmq.Context.instance`, whose limit is fixed by whoever makes the
+    first socket on it; allowed :data:`MAX_SOCKETS` sockets. The first call also raises this
+    process's soft limit of open files towards its hard one (each socket holds one or two
+    descriptors; a login node's soft limit is often 1,024). Any thread may call it."""
     global _context
     with _context_lock:
         if _context is None:
@@ -63,10 +64,10 @@ _context_lock = threading.Lock()
 
 
 def secure(socket: zmq.Socket, info: RunInfo) -> None:
-    """Set the CURVE client keys of a tcp run (its run file holds them; nothing for an
-    ipc run). With the run's server key set, the connection completes only with the
-    process that holds its secret key: a port that another process took after the run
-    ended is never talked to."""
+    """Set the CURVE client keys of a tcp run (its run file holds them; nothing for an ipc run).
+
+    With the run's server key set, the connection completes only with the process that holds
+    its secret key: a port that another process took after the run ended is never talked to."""
     if info.curve_server_key:  # (setsockopt: a third of the cost of the attributes)
         socket.setsockopt(zmq.CURVE_SERVERKEY, info.curve_server_key.encode())
         socket.setsockopt(zmq.CURVE_PUBLICKEY, info.curve_client_public_key.encode())

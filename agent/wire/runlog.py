@@ -318,10 +318,11 @@ def _pack_value(value: Any) -> bytes:
 
 
 def encode_column(values: Any, n: int) -> Any:
-    """A ``steps`` column as the log stores it (see the module's documentation): a list
-    of ``n`` values of one of the types numpy holds exactly becomes an extension; any
-    other value is returned as it is. About 10 ns a value (``struct`` and byte slices,
-    not numpy: numpy's fixed cost a column was most of a batch of 100 steps)."""
+    """A ``steps`` column as the log stores it (see the module's documentation).
+
+    A list of ``n`` values of one of the types numpy holds exactly becomes an extension; any
+    other value is returned as it is. About 10 ns a value (``struct`` and byte slices, not
+    numpy: numpy's fixed cost a column was most of a batch of 100 steps)."""
     if type(values) is not list or len(values) != n or not n:
         return values
     first = values[0]
@@ -584,8 +585,9 @@ class BranchTree:
         return branch
 
     def applied(self, body: dict[str, Any]) -> None:
-        """Fold an ``applied`` or ``rolled_back`` event's body: a change on the current
-        branch (not a command's: ``pause=on``, ``rewind=120`` set no value)."""
+        """Fold an ``applied`` or ``rolled_back`` event's body: a change on the current branch.
+
+        Not a command's: ``pause=on``, ``rewind=120`` set no value."""
         knob = body.get("knob")
         spec = STANDARD_KNOBS.get(knob) if isinstance(knob, str) else None
         if spec is not None and spec.command:

@@ -22,9 +22,9 @@ BOX_WIDTH_SHARE, BOX_FRAME_COLUMNS = 0.95, 6
 
 
 class CompareScreen(ModalScreen[None]):
-    """The figures of two or more segments (:func:`gpuwatch.compare.table`), in pages of
-    the columns that fit the screen's width (a number is never cut); any listed key
-    closes.
+    """The figures of two or more segments (:func:`gpuwatch.compare.table`); any listed key closes.
+
+    In pages of the columns that fit the screen's width (a number is never cut).
 
     Args:
         columns: the segments, in order.

@@ -95,8 +95,9 @@ def tune_text(state: RunState) -> Content:
 
 
 class TuneScreen(ModalScreen[None]):
-    """The search's state, redrawn by the app from the run's ``tune`` records; ``T``
-    starts or stops a search (the dashboard's key: this screen closes, and opens again
+    """The search's state, redrawn by the app from the run's ``tune`` records.
+
+    ``T`` starts or stops a search (the dashboard's key: this screen closes, and opens again
     once it is sent), escape or ``t`` closes."""
 
     BINDINGS = [

@@ -1,5 +1,6 @@
-"""The one-line run header: status, step, records missed (when any), name, device, run id (with
-several ranks: the rank shown and the slowest rank when it lags)."""
+"""The one-line run header: status, step, records missed (when any), name, device, run id.
+
+With several ranks, also the rank shown and the slowest rank when it lags."""
 
 from __future__ import annotations
 

@@ -22,11 +22,12 @@ OUTLIER_MARK = "▲"
 
 
 class ThroughputBar(Horizontal):
-    """Tokens per second (runs that report tokens) or samples per second over the kept
-    steps (each column the median of its steps, from 0 to where the bulk of the
-    values ends: a few outlying steps are drawn full and marked, not allowed to
-    flatten the rest), and the latest value as a number; with the whole run's log, from
-    its first step as the charts are."""
+    """Tokens per second (runs that report tokens) or samples per second over the kept steps.
+
+    Each column is the median of its steps, from 0 to where the bulk of the values ends: a
+    few outlying steps are drawn full and marked, not allowed to flatten the rest. The
+    latest value is shown as a number; with the whole run's log, the bar starts from its
+    first step as the charts do."""
 
     def compose(self) -> ComposeResult:
         yield Panel("throughput", classes="label")
@@ -34,8 +35,10 @@ class ThroughputBar(Horizontal):
         yield Panel("-", classes="value")
 
     def show(self, records: Iterable[StepRecord], *, past: Past | None = None) -> None:
-        """Redraw from step records (oldest first), after the buckets of ``past`` (the
-        whole run from its log) that come before them."""
+        """Redraw from step records (oldest first), after the earlier buckets of ``past``.
+
+        ``past`` is the whole run from its log; its buckets that come before the records are
+        drawn first."""
         records = [r for r in records if r.step is not None]
         field, unit = "samples_per_s", "samples/s"
         if records and records[-1].tokens_per_s is not None:
@@ -76,10 +79,11 @@ def _past_points(past: Past | None, field: str, before: int | None
 
 
 def by_step(points: list[tuple[int, int, float]], columns: int) -> list[float | None]:
-    """Points (first step, last step, value; oldest first) in at most ``columns``
-    columns of equal spans of steps, each the median of the values whose middle step
-    it holds (None: none): buckets of many steps and single steps on one axis of
-    steps. One column a step when the steps fit. Costs O(points)."""
+    """Points (first step, last step, value; oldest first) in at most ``columns`` columns.
+
+    Columns of equal spans of steps, each the median of the values whose middle step it
+    holds (None: none): buckets of many steps and single steps on one axis of steps. One
+    column a step when the steps fit. Costs O(points)."""
     if columns <= 0 or not points:
         return []
     start, span = points[0][0], points[-1][1] - points[0][0] + 1
