@@ -157,7 +157,7 @@ def main():
         run.optimizer_step()  # gpuwatch
         iter_num += 1
     run.close()  # gpuwatch
-    print(run.agent.ended_line(), flush=True)  # gpuwatch: steps, final loss, the run log
+    print(run.agent.ended_line(), flush=True)  # steps, final loss, the run log (optional)
 
 
 if __name__ == "__main__":

@@ -902,6 +902,9 @@ class RunState:
             del self.pending[knob]
         if kind == _KIND.APPLIED and knob == "pause":  # (an action: no knob value)
             step = body.get("step")
+            if body.get("value") != "on" and self.paused_after is not None:
+                self.last_step_at = now  # the wait for its next step starts now, not
+                # at its last step before the pause (it would read as stalled at once)
             self.paused_after = (step - 1 if type(step) is int else 0) if (
                 body.get("value") == "on") else None
         if kind in _KIND.CHANGED and isinstance(knob, str) and "value" in body:

@@ -1208,6 +1208,13 @@ async def test_header_and_log_say_paused_after_which_step_not_stalled():
                     in log_texts(app))
         assert not any("stalled" in line for line in log_texts(app))
         assert "stalled" not in text_of(app, "#header")
+        # let go: the wait for its next step starts now, not at its step before the pause
+        with source.lock:
+            source.state.ingest(envelope("event", {"kind": "applied", "knob": "pause",
+                                                   "value": "off", "step": 103}))
+            source.state.ingest(envelope("heartbeat", {"step": 102}))
+        await until(pilot, lambda: "● live" in text_of(app, "#header"))
+        assert not any("stalled" in line for line in log_texts(app))
 
 
 # --- keys that change the run ----------------------------------------------------------
