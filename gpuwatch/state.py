@@ -403,6 +403,13 @@ class RunState:
         """Records lost between the run and this dashboard (sequence gaps)."""
         return self._gaps.missed
 
+    def pass_over(self, message: dict[str, Any]) -> None:
+        """Account for a record left out on purpose: its ``seq`` is then no gap.
+
+        A replay of one branch's path leaves out the other branches' records, which were
+        not lost. Folds nothing else of it."""
+        self._gaps.observe(message)
+
     def ingest_frames(self, frames: list[bytes], now: float | None = None) -> None:
         """Decode a received multipart message and fold it; count it if malformed.
 

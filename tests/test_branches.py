@@ -279,6 +279,9 @@ async def test_a_finished_branched_run_plays_on_a_timeline_along_one_path(run_di
         assert state.steps[-1].step == 151 and state.steps[-1].loss == _loss(151, 1)
         state, _ = timeline.state_at(60)
         assert state.steps[-1].loss == _loss(61, 0)
+        # the other branch's records were left out, not lost: no "missed" anywhere
+        assert timeline.state_at(299)[0].missed == 0 and timeline.state_at(150)[0].missed == 0
+        assert "missed" not in text_of(app, "#header")
         await until(pilot, lambda: source.whole.past is not None and source.whole.past.loaded)
         series = source.whole.past.series["loss"]
         assert list(series.first_steps) == list(range(1, 301))
@@ -288,6 +291,8 @@ async def test_a_finished_branched_run_plays_on_a_timeline_along_one_path(run_di
     app = GpuwatchApp(source, readonly=True)
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: "step 200 of 200" in text_of(app, "#timeline"))
+        assert source.timeline.state_at(199)[0].missed == 0
+        assert "missed" not in text_of(app, "#header")
         await until(pilot, lambda: source.whole.past is not None and source.whole.past.loaded)
         assert source.whole.past.series["loss"].last_steps[-1] == 200
 

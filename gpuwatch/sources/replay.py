@@ -298,6 +298,7 @@ class ReplaySource(Source):
                 if self._path is not None:
                     kept = self._path.keep(envelope)
                     if kept is None:
+                        self.state.pass_over(envelope)  # another branch's: not lost
                         continue
                     envelope = kept
                 t: Any = envelope.get("t")  # as decoded: its type is checked here

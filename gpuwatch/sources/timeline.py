@@ -171,6 +171,7 @@ class Timeline:
             if path is not None:
                 kept = path.keep(envelope)
                 if kept is None:
+                    state.pass_over(envelope)  # another branch's: not lost
                     continue
                 envelope = kept
             t = number(envelope.get("t")) or t
@@ -243,6 +244,7 @@ class Timeline:
             if path is not None:
                 kept = path.keep(envelope)
                 if kept is None:
+                    state.pass_over(envelope)  # another branch's: not lost
                     continue
                 envelope = kept
             cut = False
