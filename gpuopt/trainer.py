@@ -614,7 +614,7 @@ class Trainer:
             return False  # (Dynamo would trace the meter's hooks and guard on them)
         if self._measured_at is not None:
             step, settings = self._measured_at
-            if (self.step + 1 - step < self.measure_activations_every
+            if (0 <= self.step + 1 - step < self.measure_activations_every
                     and settings == (self.precision, self.kernels, self.checkpointing)):
                 return False  # not due: the usual step costs two comparisons
         return SavedActivations.blocked_reason() is None  # else: a later window

@@ -328,3 +328,30 @@ def test_a_plain_dataloader_gets_set_epoch_and_a_warning_when_workers_persist():
     with pytest.warns(RuntimeWarning, match="pytorch/pytorch#97326"):
         trainer.fit(epochs=1)
     del stale
+
+
+def test_activations_are_measured_again_after_the_state_goes_back():
+    """After the state goes back to an earlier step (a rewind, a rollback: its
+    ``load_state_dict``), the last measurement's step lies ahead: it must not hold the
+    next measurement off until training passes it again."""
+    import copy
+
+    x, y = _digits(64)
+    measured = {}
+
+    class Record:
+        def on_optimizer_step(self, trainer, stats):
+            measured[stats.step] = stats.activation_bytes
+
+    model = _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.nn.functional.cross_entropy, list(zip(x.split(8), y.split(8))),
+                      callbacks=[Record()], measure_activations_every=4)
+    trainer.fit(max_steps=2)
+    back = copy.deepcopy(trainer.state_dict())
+    trainer.fit(max_steps=9)
+    assert [step for step, value in measured.items() if value is not None] == [1, 5, 9]
+    trainer.load_state_dict(back)
+    measured.clear()
+    trainer.fit(max_steps=5)
+    assert measured[3] is not None and sorted(measured) == [3, 4, 5]
