@@ -171,6 +171,7 @@ def test_switching_mid_training_inductor():
     check_switching_mid_training("inductor", 1e-4, dropout=0.0)
 
 
+@pytest.mark.slow
 def test_toggling_checkpointing_under_compile_compiles_each_state_once():
     model = make_model(dropout=0.1)
     checkpointing = ActivationCheckpointing(model)

@@ -986,6 +986,7 @@ def test_the_footer_folds_whole_keys_from_the_last():
     assert fold(items, 5) == ([], 1, False)
 
 
+@pytest.mark.slow
 async def test_one_footer_at_every_size_and_under_every_screen(make_agent):
     """Resized 60x20 -> 120x40 -> 80x24, and with the help, search and runs screens
     open: the same keys in the same order, the tail folded whole (never a word cut),
@@ -1016,6 +1017,7 @@ async def test_one_footer_at_every_size_and_under_every_screen(make_agent):
         assert lines[(60, 20)].split()[-2:] == ["k", "kern"]
 
 
+@pytest.mark.slow
 async def test_command_line_sends_a_typed_value_with_completion_from_the_schema(make_agent):
     agent = make_agent(knobs={"precision": "fp32", "accum_steps": 1, "kernels": "eager"})
     app = GpuwatchApp(LiveSource(agent.info))
@@ -1045,6 +1047,7 @@ async def test_command_line_sends_a_typed_value_with_completion_from_the_schema(
                                        for text in log_texts(app)))
 
 
+@pytest.mark.slow
 async def test_command_line_replies_as_gpuwatch_set(make_agent, capsys):
     from gpuwatch.cli import main
     agent = make_agent(knobs={"accum_steps": 1})

@@ -37,6 +37,7 @@ def demo(run_dir):
         process.wait()
 
 
+@pytest.mark.slow
 def test_precision_change_shows_at_a_step_boundary_and_sigterm_ends_cleanly(demo):
     info = wait_for_run(demo)
     with Subscriber(info) as sub:
@@ -77,6 +78,7 @@ def test_precision_change_shows_at_a_step_boundary_and_sigterm_ends_cleanly(demo
     assert not os.path.exists(info.path)
 
 
+@pytest.mark.slow
 def test_num_workers_switch_live_through_the_command_path(demo):
     info = wait_for_run(demo)
     with Subscriber(info) as sub:
@@ -143,6 +145,7 @@ def test_evaluate_now_in_the_demo_runs_on_its_held_out_split(demo):
     assert 0 < event["metrics"]["val_loss"] < 10 and 0 <= event["metrics"]["val_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_the_demo_job_ends_with_the_process_that_started_it(run_dir):
     """``gpuwatch demo`` passes its pid: a dashboard killed (or hung up on) must not
     leave its training job running. A stand-in parent that we SIGKILL plays its part."""
@@ -246,6 +249,7 @@ def gone(pid, timeout_s=30):
 @pytest.mark.parametrize("end", ["q", pytest.param("SIGTERM", marks=pytest.mark.slow),
                                  pytest.param("hangup", marks=pytest.mark.slow),
                                  pytest.param("SIGKILL", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
     terminal = Terminal("demo", "--model", "cnn")
     try:
@@ -272,6 +276,7 @@ def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
         terminal.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_gpuwatch_demo_no_ui_ends_its_training_job(run_dir, signum):
     """What ``timeout``, a scheduler or systemd send (SIGTERM), or a closed terminal

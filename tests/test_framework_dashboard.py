@@ -17,6 +17,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 @pytest.mark.parametrize("script", ["lightning_attach.py",
                                     pytest.param("hf_attach.py", marks=pytest.mark.slow)])
+@pytest.mark.slow
 async def test_framework_run_shows_live_in_the_dashboard_and_takes_a_key(script, run_dir):
     process = subprocess.Popen([sys.executable, str(EXAMPLES / script)],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

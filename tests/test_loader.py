@@ -229,6 +229,7 @@ def _wait_for_children(baseline, timeout_s=10.0):
     return alive
 
 
+@pytest.mark.slow
 def test_hundred_alternations_leak_no_process_fd_or_shared_memory():
     children = psutil.Process().children(recursive=True)
     fds = _open_fds()

@@ -348,6 +348,7 @@ def test_node_summaries_give_every_ranks_pace_and_the_straggler_with_its_node():
     assert state.malformed == 1  # read, never raised
 
 
+@pytest.mark.slow
 def test_a_dashboard_follows_a_few_hundred_ranks_through_one_socket_per_node(run_dir,
                                                                               secret_file,
                                                                               capsys):

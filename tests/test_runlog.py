@@ -300,6 +300,7 @@ def test_an_event_is_cut_to_a_bounded_size_with_a_note():
     assert len(msgpack.packb(huge)) < 64 << 10
 
 
+@pytest.mark.slow
 async def test_large_frequent_events_never_keep_steps_from_the_dashboard(run_dir):
     """Events of 1 MiB, 20 a second, while the run steps: the dashboard shows every
     step, and each event, cut with a note (before, each one larger than a dashboard

@@ -713,6 +713,7 @@ def intruder(request) -> User:
 ATTACK = (ROOT / "tests" / "tcp_attack.py").read_text()
 
 
+@pytest.mark.slow
 def test_another_user_gets_nothing_from_a_tcp_run_and_costs_it_nothing(run_dir, intruder):
     import psutil
 
@@ -883,6 +884,7 @@ def test_a_front_door_out_of_descriptors_rests_instead_of_spinning(tmp_path):
 FLOOD = (ROOT / "tests" / "tcp_flood.py").read_text()
 
 
+@pytest.mark.slow
 def test_another_users_connections_cannot_exhaust_the_runs_descriptors(run_dir, intruder):
     """1,500 raw connections held against a run whose limit is 1,024 open files (each
     one closed replaced at once): the training process's own open() keeps working, its
@@ -995,6 +997,7 @@ def _is_gateway(process) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_even_with_the_runs_keys_a_huge_subscription_is_not_held(run_dir):
     import psutil
 
@@ -1030,6 +1033,7 @@ def test_even_with_the_runs_keys_a_huge_subscription_is_not_held(run_dir):
     assert max(grown) < 20, f"training process, gateway grew {grown} MiB"
 
 
+@pytest.mark.slow
 def test_resubscribing_in_a_loop_neither_fills_the_run_log_nor_floods_the_wire(run_dir):
     import zmq
 

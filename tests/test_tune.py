@@ -852,6 +852,7 @@ def _step_knobs(records):
 
 # --- the dashboard ---------------------------------------------------------------------
 
+@pytest.mark.slow
 async def test_T_starts_the_search_its_screen_shows_the_candidates_and_T_stops_it(run_dir):
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.live import LiveSource
