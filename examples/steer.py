@@ -6,7 +6,8 @@ It follows the run's step records through :class:`gpuwatch.client.RunClient` (no
 needed, any machine that can reach the run) and, when the mean loss of the last
 ``window`` steps is not at least ``min_improvement`` (a fraction) below the mean of the
 ``window`` steps before, sets ``lr_scale`` to half its value and waits until the run
-applied it. It ends when the run ends. An LLM agent steers a run the same way.
+applied it. It ends when the run ends, with a line of what it did (the steps it followed,
+the halvings). An LLM agent steers a run the same way.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ def plateaued(losses: list[float], window: int, min_improvement: float) -> bool:
 
 
 def steer(client: RunClient, *, window: int, min_improvement: float, max_halvings: int,
-          say: Callable[[str], Any] = print) -> list[dict[str, Any]]:
+          say: Callable[[str], Any] = print) -> tuple[list[int], list[dict[str, Any]]]:
     """Follow ``client``'s run to its end, halving ``lr_scale`` at each plateau.
 
     At most ``max_halvings`` times; the losses of the steps before a halving applied are
-    left out of the next comparison. Returns the ``applied`` events of the halvings.
+    left out of the next comparison. Returns the numbers of the steps it followed and
+    the ``applied`` events of the halvings.
 
     Raises:
         LookupError: the run has no ``lr_scale`` knob (its framework refuses it, or it
@@ -47,7 +49,9 @@ def steer(client: RunClient, *, window: int, min_improvement: float, max_halving
     losses: list[float] = []  # the last 2 * window: what plateaued() compares
     applied: list[dict[str, Any]] = []
     since = 0  # the step the last halving applied at: steps before it trained without it
+    followed: list[int] = []
     for step in client.steps():
+        followed.append(step["step"])
         scale = (step.get("knobs") or {}).get("lr_scale")
         if not isinstance(scale, (int, float)):
             raise LookupError(f"run {client.info.run_id} has no lr_scale knob to halve")
@@ -66,7 +70,17 @@ def steer(client: RunClient, *, window: int, min_improvement: float, max_halving
             applied.append(event)
             losses.clear()
             since = event["step"]
-    return applied
+    return followed, applied
+
+
+def ended_line(run_id: str, followed: list[int], applied: list[dict[str, Any]]) -> str:
+    """The script's last line: ``steer: followed run <id> for 40 steps (1..40); lr_scale
+    halved 2 times, to 0.25`` (``never halved`` without a halving)."""
+    steps = (f"{len(followed):,} steps ({followed[0]:,}..{followed[-1]:,})" if followed
+             else "no step")
+    halved = (f"halved {len(applied)} times, to {applied[-1]['value']:g}" if applied
+              else "never halved")
+    return f"steer: followed run {run_id} for {steps}; lr_scale {halved}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,11 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     with client:
         print(f"following {client.info.run_id}", flush=True)
         try:
-            steer(client, window=args.window, min_improvement=args.min_improvement,
-                  max_halvings=args.max_halvings, say=lambda text: print(text, flush=True))
+            followed, applied = steer(client, window=args.window,
+                                      min_improvement=args.min_improvement,
+                                      max_halvings=args.max_halvings,
+                                      say=lambda text: print(text, flush=True))
         except LookupError as exc:
             print(f"steer: {exc}", file=sys.stderr)
             return 1
+        print(ended_line(client.info.run_id, followed, applied))
     return 0
 
 

@@ -729,18 +729,22 @@ class GpuwatchApp(App[None]):
         elif self.source.state.ended is not None:
             self.note("warning", f"the run has ended: {described} not sent")
         elif ask and not self.quick_keys:
-            self._ask(Question(knob, value, described, self._what(knob, value, described),
-                               self._key, time.monotonic(), then))
+            what, brief = self._what(knob, value, described)
+            self._ask(Question(knob, value, described, what, self._key, time.monotonic(),
+                               then, brief))
         else:
             self.note("info", f"sent {described}")
             self._send(knob, value)
             if then is not None:
                 then()
 
-    def _what(self, knob: str, value: Any, described: str) -> str:
-        """What sending ``knob=value`` will do, for its question: ``precision fp32 →
-        bf16 at the next step``, a command's help (``checkpoint=now: save a checkpoint
-        ...``), else ``described``."""
+    def _what(self, knob: str, value: Any, described: str) -> tuple[str, str]:
+        """What sending ``knob=value`` will do, for its question, and a brief form of it.
+
+        ``precision fp32 → bf16 at the next step`` (brief: without ``at the next
+        step``); a command: what its key's press does (:meth:`KnobKey.question_of`,
+        ``pause=on: hold the training at the next step``, brief: without ``pause=on:``),
+        else its help; else ``described``."""
         with self.source.lock:
             state = self.source.state
             spec = state.schema.get(knob) or {}
@@ -749,10 +753,15 @@ class GpuwatchApp(App[None]):
         if pending is not None:
             current = pending.value
         if spec.get("kind") in COMMAND_KINDS:
-            return f"{described}: {spec.get('help', '')}"
+            standard = STANDARD_KNOBS.get(knob)
+            said = next((key.question_of(value) for key in (standard.keys if standard else ())
+                         if key.key == self._key and key.question_of(value)), "")
+            text = said or str(spec.get("help", ""))
+            return f"{described}: {text}", text
         if known:
-            return f"{knob} {knob_text(current)} → {knob_text(value)} at the next step"
-        return described
+            change = f"{knob} {knob_text(current)} → {knob_text(value)}"
+            return f"{change} at the next step", change
+        return described, described
 
     def _ask(self, question: Question | None, *, why: str = "") -> None:
         """Show ``question`` over the footer, or close the one open (None); one open

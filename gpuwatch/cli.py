@@ -676,8 +676,33 @@ def _demo(args: argparse.Namespace) -> int:
             "ends cleanly)"])
     finally:
         _stop_child(child, info, log_path=log_path)
+        ended = _job_ended_line(log_path)
+        if ended:  # as --no-ui ends, once the dashboard has closed
+            _say(ended)
         if child.returncode == 0:  # a clean stop: its output holds nothing to look at
             log_path.unlink(missing_ok=True)
+
+
+#: How the demo job's last line starts (agent.demo): ``... 112 optimizer steps``.
+_JOB_ENDED = "gpuwatch demo: stopped after "
+#: How much of the end of its output :func:`_job_ended_line` reads (bytes).
+_JOB_ENDED_TAIL_BYTES = 4096
+
+
+def _job_ended_line(log_path: Path) -> str:
+    """The demo job's last line (``gpuwatch demo: stopped after 112 optimizer steps``)
+    from the end of its output, control characters stripped; "" without one (killed, or
+    the file is gone). Reads at most :data:`_JOB_ENDED_TAIL_BYTES`; never follows a
+    symlink."""
+    try:
+        fd = os.open(log_path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as log:
+        log.seek(max(0, os.fstat(fd).st_size - _JOB_ENDED_TAIL_BYTES))
+        tail = log.read(_JOB_ENDED_TAIL_BYTES).decode("utf-8", "replace")
+    return next((printable(line.strip()) for line in reversed(tail.splitlines())
+                 if line.startswith(_JOB_ENDED)), "")
 
 
 def _demo_without_ui(command: list[str]) -> int:

@@ -1458,3 +1458,34 @@ async def test_P_pauses_then_lets_the_run_go_on_E_evaluates_and_X_stops(make_age
             command = await next_command(agent)
             assert (command["knob"], command["value"]) == (knob, value)
     assert agent.commands.empty()
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24)])
+async def test_every_key_that_asks_asks_in_one_row(make_agent, size):
+    agent = make_agent(knobs={"precision": "fp32", "accum_steps": 2, "num_workers": 2,
+                              "pin_memory": False, "kernels": "eager",
+                              "checkpointing": False, "lr_scale": 1.0,
+                              "max_grad_norm": 1.0, "checkpoint": "now", "pause": "on",
+                              "stop": "now", "evaluate": "now"})
+    app = GpuwatchApp(LiveSource(agent.info))
+    asking = [key.key for spec in STANDARD_KNOBS.values() for key in spec.keys]
+    questions = {}
+    assert {"p", "a", "A", "c", "k", "l", "L", "g", "P", "E", "X", "s", "m", "w",
+            "W"} <= set(asking)
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: all(spec.name in app.source.state.schema for spec in
+                                       STANDARD_KNOBS.values() if spec.keys))
+        for key in asking:
+            await pilot.press(key)
+            await pilot.pause()
+            shown = question_text(app)
+            assert shown.startswith("? "), (key, shown)
+            assert app.query_one("#question").size.height == 1, (key, shown)
+            await pilot.press("escape")
+            questions[key] = shown
+        assert agent.commands.empty()
+    if size == (80, 24):  # what this press does, not the knob's whole help
+        assert questions["P"].startswith("? pause=on: hold the training at the next step ")
+        assert questions["X"].startswith("? stop=checkpoint: save a checkpoint and end ")
+    else:  # the assignment goes where the whole does not fit
+        assert questions["P"].startswith("? hold the training at the next step  P: ")

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -259,6 +260,12 @@ def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
         if end == "q":
             terminal.type(b"q")
             assert terminal.process.wait(60) == 0
+            # the job's last line, as --no-ui ends, once the dashboard has closed (the
+            # drain thread may not have read it yet)
+            ended = re.compile(rb"gpuwatch demo: stopped after \d+ optimizer steps\s*$")
+            wait_until(lambda: ended.search(bytes(terminal.output)),
+                       "the demo job's last line after the dashboard", timeout_s=30,
+                       detail=lambda: bytes(terminal.output[-400:]).decode(errors="replace"))
         elif end == "SIGTERM":  # as `timeout` or a scheduler ends it: as q does
             terminal.process.send_signal(signal.SIGTERM)
             assert terminal.process.wait(60) == 0

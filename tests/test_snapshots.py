@@ -341,7 +341,9 @@ async def test_the_checkpoint_question_is_shown(size):
         await pilot.press("s")
         await _settle(app, pilot)
         check(f"confirm-{size[0]}x{size[1]}", screen_text(app))
-        assert "s/enter: send esc: cancel" in " ".join(screen_text(app).split())
+        question = screen_text(app).splitlines()[-1]  # one row, over the footer
+        assert question.endswith(("s/enter: send  esc: cancel", "s: send  esc: cancel"))
+        assert question.startswith(" ? ") and "save a checkpoint at the next step" in question
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")

@@ -59,7 +59,9 @@ class KnobKey:
         knob's name and then ``arguments``. description: the footer's word. tooltip: the
         line ``?`` and the palette show. id: the binding's id after the knob's name
         (``precision.cycle``). show: whether the footer shows it (else ``?`` and the
-        palette only).
+        palette only). question: for a command's key, what one press will do, by the
+        value it sends (``(("on", "hold the training at the next step"), ...)``): the
+        dashboard's question before it is sent (short: one line at 60 columns).
     """
 
     key: str
@@ -69,6 +71,11 @@ class KnobKey:
     id: str
     arguments: tuple[int | float | str, ...] = ()
     show: bool = True
+    question: tuple[tuple[str, str], ...] = ()
+
+    def question_of(self, value: object) -> str:
+        """What a press that sends ``value`` will do (:attr:`question`); "" if not said."""
+        return next((text for sent, text in self.question if sent == value), "")
 
 
 @dataclass(frozen=True)
@@ -423,21 +430,27 @@ CHECKPOINT = KnobSpec("checkpoint", "action", "save a checkpoint (model, optimiz
                       choices=("now",), group=OTHER,
                       keys=(KnobKey("s", "send", "save", "Save a checkpoint at the next step "
                                     "(the training waits while it is written)", "now",
-                                    ("now",), show=False),))
+                                    ("now",), show=False,
+                                    question=(("now", "save a checkpoint at the next "
+                                               "step"),)),))
 PAUSE = KnobSpec("pause", "action", "on: hold the training at the next optimizer-step "
                  "boundary, waiting without using the CPU or GPU; off: go on from there",
                  choices=("on", "off"), group=OTHER,
                  keys=(KnobKey("P", "pause", "pause", "Pause the training at the next step "
                                "boundary (it waits there, asleep, and takes commands), or "
                                "let a paused run go on: pause=on / pause=off", "toggle",
-                               show=False),))
+                               show=False,
+                               question=(("on", "hold the training at the next step"),
+                                         ("off", "let the paused training go on"))),))
 STOP = KnobSpec("stop", "action", "end the training cleanly at the next optimizer-step "
                 "boundary (the framework's end hooks run); checkpoint: save one first",
                 choices=("now", "checkpoint"), group=OTHER,
                 keys=(KnobKey("X", "send", "stop", "Save a checkpoint, then end the training "
                               "at the next step boundary as the framework ends it: "
                               "stop=checkpoint (`:stop=now` ends it without one)",
-                              "checkpoint", ("checkpoint",), show=False),))
+                              "checkpoint", ("checkpoint",), show=False,
+                              question=(("checkpoint", "save a checkpoint and end the "
+                                         "training"),)),))
 EVALUATE = KnobSpec("evaluate", "action", "run the framework's evaluation (or the "
                     "eval_fn given to attach / session) at the next optimizer-step "
                     "boundary; its metrics go to the event log", choices=("now",),
@@ -445,7 +458,9 @@ EVALUATE = KnobSpec("evaluate", "action", "run the framework's evaluation (or th
                     keys=(KnobKey("E", "send", "eval", "Run the framework's evaluation (or "
                                   "the run's eval_fn) at the next step boundary: "
                                   "evaluate=now; its metrics go to the event log", "now",
-                                  ("now",), show=False),))
+                                  ("now",), show=False,
+                                  question=(("now", "run the evaluation at the next "
+                                             "step"),)),))
 REWIND = KnobSpec("rewind", "text", "put the training state back to a checkpoint at the "
                   "next optimizer-step boundary and go on from it as a new branch: a step "
                   "the checkpoint command saved (rewind=120), or a checkpoint's path; its "

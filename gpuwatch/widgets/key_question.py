@@ -21,7 +21,9 @@ class Question:
     Attributes:
         knob, value: the command (as :func:`gpuwatch.client.send_command` takes it).
         described: the command for the event log (``precision=bf16``).
-        what: what it will do, for the question (``precision fp32 → bf16``).
+        what: what it will do, for the question (``precision fp32 → bf16 at the next
+            step``). brief: a shorter what, where that does not fit (``precision fp32 →
+            bf16``).
         key: the key that asked (Textual's name): it, or enter, sends; None (asked from
             the command palette or a click): enter alone.
         asked_at: when it was asked, on Textual's clock (``time.monotonic`` s, as a key
@@ -37,6 +39,7 @@ class Question:
     key: str | None
     asked_at: float
     then: Callable[[], None] | None = None
+    brief: str = ""
 
     def answered_by(self, key: str, delivered_at: float) -> bool:
         """Whether a key (its name, and its event's ``time``) sends the command."""
@@ -47,8 +50,8 @@ class KeyQuestion(Static):
     """``? <what it will do>  p/enter: send  esc: cancel`` while a question is open.
 
     On one line: where that does not fit, ``p: send  esc: cancel``, then ``p: yes  esc:
-    no`` (where none fits, the first, wrapped). Hidden otherwise; the app decides what
-    answers it (``GpuwatchApp.on_key``)."""
+    no``, then the same with its brief what (where none fits, the first, wrapped).
+    Hidden otherwise; the app decides what answers it (``GpuwatchApp.on_key``)."""
 
     def show(self, question: Question | None, key_display: str | None) -> None:
         """Show ``question``, or hide (None).
@@ -61,9 +64,10 @@ class KeyQuestion(Static):
         key = key_display or "enter"
         forms = [(f"{key_display}/enter" if key_display else "enter", "send", "cancel"),
                  (key, "send", "cancel"), (key, "yes", "no")]
-        shown = [Content.assemble(("? ", "bold $warning"), (printable(question.what), "bold"),
+        shown = [Content.assemble(("? ", "bold $warning"), (printable(what), "bold"),
                                   "  ", (keys, "bold $accent"), f": {send}  ",
                                   ("esc", "bold $accent"), f": {cancel}")
+                 for what in (question.what, question.brief or question.what)
                  for keys, send, cancel in forms]
         # the first that fits on one line; none: the whole, wrapped
         self.update(next((content for content in shown if len(content.plain) <= width),
