@@ -15,13 +15,15 @@ from agent.control.recovery import MIN_STEPS, Recovery, SpikeWatch
 from agent.integrations.run import RunBase
 from gpuwatch.state import RunState
 from gpuwatch.widgets.knobs import _knob_line
+from tests.conftest import wait_until
 
 
 @pytest.mark.parametrize("bad", [dict(keep_every_steps=0), dict(keep_states=0),
                                  dict(spike_steps=1), dict(spike_mads=0.0),
                                  dict(spike_mads=math.nan), dict(lr_scale=-1.0),
                                  dict(lr_steps=-1), dict(budget_bytes=0),
-                                 dict(keep_every_steps=2.5), dict(keep_states=True)])
+                                 dict(keep_every_steps=2.5), dict(keep_states=True),
+                                 dict(max_repeats=-1), dict(max_repeats=1.0)])
 def test_a_setting_out_of_range_is_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Recovery(**bad)
@@ -31,6 +33,9 @@ def test_the_policy_in_a_few_words():
     assert Recovery().describe() == "every 25 x2, 3 steps > 6 MAD"
     assert Recovery(lr_scale=0.5, lr_steps=100).describe() == (
         "every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100")
+    assert Recovery(max_repeats=3).describe() == (
+        "every 25 x2, 3 steps > 6 MAD, off after 3 repeats")
+    assert Recovery(keep_every_steps=4, keep_states=3).repeat_span_steps == 12
 
 
 def _watch(**settings) -> SpikeWatch:
@@ -135,3 +140,73 @@ def test_the_ring_keeps_the_latest_states_within_its_budget(run_dir):
             small.knobs.knobs["recover"].set("on")
     finally:
         small.close()
+
+
+def _train_poisoned(run_dir, steps: int, poisoned, policy: Recovery):
+    """A linear regression's session to step ``steps`` with ``recover=on`` from step 0,
+    one window a step; the windows ``poisoned`` (their numbers in training order, from
+    1: the data, which a recovery skips past) have their targets x 1000. The training
+    waits at each poisoned window's boundary until the spike watch has judged the step
+    (the I/O thread publishes twice a second), so that each spike is recovered from at
+    the boundary after the next step. Returns the run's events, the steps it trained and
+    the ``recover`` knob's value at the end."""
+    torch.manual_seed(0)
+    true_w = torch.randn(4, 1)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), 0.02)
+    run = agent.session(model=model, optimizer=optimizer, name="repeats", recover=policy)
+    events: list[dict] = []
+    run.agent.add_listener(lambda record: events.append(record)
+                           if record["type"] == "event" else None)
+    watch, windows, trained = run.agent.spikes, 0, []
+    try:
+        run.knobs.knobs["recover"].set("on")
+        while run.step < steps and windows < 10 * steps:  # (endless recoveries: fail)
+            windows += 1
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(windows))
+            y = x @ true_w * (1000.0 if windows in poisoned else 1.0)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            done = run.step + 1
+            trained.append(done)
+            run.optimizer_step(loss.detach())
+            if watch.on and windows in poisoned:
+                wait_until(lambda: watch._last_step == done, f"step {done} judged",
+                           poll_s=0.002)
+        recover = run.knobs.knobs["recover"].get()
+    finally:
+        run.close()
+    return events, trained, recover
+
+
+def test_a_spike_that_recurs_after_max_repeats_recoveries_turns_recover_off(run_dir):
+    """Every window from the 21st is poisoned: the spike (steps 21-23) recurs on each
+    new branch from step 20, within the 8 steps the kept states cover: the first and
+    max_repeats=2 repeats are recovered from, the third repeat turns recover off with
+    one warning, and the run trains on to its last step."""
+    events, trained, recover = _train_poisoned(
+        run_dir, 30, range(21, 10_000), Recovery(keep_every_steps=4, keep_states=2))
+    branched = [e for e in events if e.get("kind") == "branched"]
+    assert [(e["branch"], e["parent"], e["step"]) for e in branched] == [
+        (1, 0, 20), (2, 1, 20), (3, 2, 20)], branched
+    [warning] = [e for e in events if e["level"] == "warning"]
+    for said in ("loss spike", "steps 21-23", "the spike recurs after 3 recoveries in a "
+                 "row (each within 8 steps of the last one's fork at step 20)",
+                 "its cause is not in the skipped data", "recover is off"):
+        assert said in warning["text"], (said, warning["text"])
+    assert recover == "off" and trained[-1] == 30
+    assert trained.count(21) == 4  # the first branch and the 3 recovered ones
+
+
+def test_spikes_far_apart_are_each_recovered_from(run_dir):
+    """Two spikes 40 windows apart, with max_repeats=0 (a repeat would turn recover
+    off): the second begins far past the first recovery's fork, so both recover."""
+    events, trained, recover = _train_poisoned(
+        run_dir, 70, set(range(21, 24)) | set(range(61, 64)),
+        Recovery(keep_every_steps=4, keep_states=2, max_repeats=0))
+    branched = [e for e in events if e.get("kind") == "branched"]
+    assert [(e["branch"], e["step"]) for e in branched] == [(1, 20), (2, 56)], branched
+    assert not [e for e in events if e["level"] == "warning"], events
+    assert recover == "on" and trained[-1] == 70

@@ -12,6 +12,12 @@ before the spike began, to move the data past every micro-batch trained since th
 state, and to scale the learning rate by :attr:`Recovery.lr_scale` for
 :attr:`Recovery.lr_steps` steps; one ``branched`` event says all of it.
 
+A spike whose first step is within :attr:`Recovery.repeat_span_steps` steps after the
+last recovery's fork (the span the kept states cover) is a repeat of it: the skipped
+data was not its cause. After :attr:`Recovery.max_repeats` repeats in a row, the next
+one is not recovered: ``recover`` goes off with one warning and the training goes on. A
+spike further from the last fork starts the count again.
+
 Nothing here imports torch: the watch runs on the I/O thread from plain floats.
 """
 
@@ -58,6 +64,8 @@ class Recovery:
         budget_bytes: host memory the kept states may take together; a state that
             would not fit is not kept (the recovery then goes back further, or says it
             cannot).
+        max_repeats: recoveries of repeated spikes in a row (>= 0) after which a spike
+            that recurs again turns ``recover`` off (:attr:`repeat_span_steps`).
 
     Raises:
         ValueError: a setting out of its range.
@@ -70,10 +78,12 @@ class Recovery:
     lr_scale: float = 1.0
     lr_steps: int = 0
     budget_bytes: int = RECOVERY_BUDGET_BYTES
+    max_repeats: int = 2
 
     def __post_init__(self) -> None:
         for name, least in (("keep_every_steps", 1), ("keep_states", 1), ("spike_steps", 2),
-                            ("lr_steps", 0), ("budget_bytes", 1)):
+                            ("lr_steps", 0), ("budget_bytes", 1),
+                            ("max_repeats", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"Recovery.{name} must be an integer >= {least}, "
@@ -84,14 +94,23 @@ class Recovery:
                     or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"Recovery.{name} must be a number > 0, got {value!r}")
 
+    @property
+    def repeat_span_steps(self) -> int:
+        """Steps after a recovery's fork within which a spike's first step makes it a
+        repeat: the span the kept states cover (``keep_every_steps x keep_states``)."""
+        return self.keep_every_steps * self.keep_states
+
     def describe(self) -> str:
         """The settings in a few words, for the knobs panel and ``?``.
 
-        For example ``every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100``."""
+        For example ``every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100``; ``max_repeats``
+        is named when not the default 2 (``, off after 3 repeats``)."""
         text = (f"every {self.keep_every_steps} x{self.keep_states}, "
                 f"{self.spike_steps} steps > {self.spike_mads:g} MAD")
         if self.lr_scale != 1 and self.lr_steps:
             text += f", lr x{self.lr_scale:g} for {self.lr_steps}"
+        if self.max_repeats != 2:
+            text += f", off after {self.max_repeats} repeats"
         return text
 
 

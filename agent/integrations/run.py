@@ -159,6 +159,10 @@ class RunBase:
         #: ``(step, snapshot, bytes, micro-batches trained by then)``, and why the latest
         #: one due was not kept ("" when it was)
         self._recovering = False
+        #: the step the last recovery went back to (None: none since ``recover=on``),
+        #: and the repeated spikes recovered from in a row since (Recovery.max_repeats)
+        self._recovered_to: int | None = None
+        self._repeats = 0
         self._ring: deque[tuple[int, Any, int, int]] = deque()
         self._ring_not_kept = ""
         #: a recovery's scaled learning rate: (the step it ends after, the value then)
@@ -633,7 +637,9 @@ class RunBase:
         reason where it cannot be kept); ``off``: drop the kept states."""
         if value == "off":
             self._recovering = self.agent.spikes.on = False
+            self.agent.spikes.rearm()
             self._ring.clear()
+            self._recovered_to, self._repeats = None, 0
             return {"text": "no state is kept for recoveries"}
         if not self._recovering:
             self._keep_for_recovery(force=True)
@@ -707,6 +713,9 @@ class RunBase:
         every micro-batch trained since (the ones that led to the spike among them); scale
         ``lr_scale`` for ``lr_steps`` steps; one ``branched`` event says what was restored,
         skipped and changed (a warning says why not, when nothing was kept before it).
+        A spike beginning within :attr:`Recovery.repeat_span_steps` of the last
+        recovery's fork is a repeat; one past :attr:`Recovery.max_repeats` repeats in a
+        row is not recovered: ``recover`` goes off, with one warning.
 
         .. note:: Copies the state now (its data position is kept), then loads the
            kept one: the training thread waits about twice the state's copy time, at
@@ -722,6 +731,19 @@ class RunBase:
                    + (f"; {self._ring_not_kept}" if self._ring_not_kept else "") + ")")
             self.agent.event("warning", f"{reason}; not recovered: {why}",
                              kind=EventKind.WARNING, step=step)
+            return
+        last = self._recovered_to
+        repeats = (self._repeats + 1 if last is not None
+                   and before <= last + policy.repeat_span_steps else 0)
+        if repeats > policy.max_repeats:
+            self._set_recover("off")
+            self.agent.refresh_knobs()
+            self.agent.event("warning", f"{reason}; not recovered: the spike recurs after "
+                             f"{repeats} recoveries in a row (each within "
+                             f"{policy.repeat_span_steps} steps of the last one's fork at "
+                             f"step {last}): its cause is not in the skipped data; recover "
+                             "is off, the training goes on", kind=EventKind.WARNING,
+                             knob=RECOVER.name, step=step)
             return
         kept_step, snapshot, size, micro_batches = kept
         try:
@@ -766,6 +788,7 @@ class RunBase:
                                  kind=EventKind.FAILED, knob=LR_SCALE.name, step=step)
         while self._ring and self._ring[-1][0] > kept_step:  # of the branch left
             self._ring.pop()
+        self._recovered_to, self._repeats = kept_step, repeats
         self.agent.refresh_knobs()
 
     #: the keys of :meth:`state_snapshot`'s dict that hold the data position and the
