@@ -74,8 +74,10 @@ def steer(client: RunClient, *, window: int, min_improvement: float, max_halving
 
 
 def ended_line(run_id: str, followed: list[int], applied: list[dict[str, Any]]) -> str:
-    """The script's last line: ``steer: followed run <id> for 40 steps (1..40); lr_scale
-    halved 2 times, to 0.25`` (``never halved`` without a halving)."""
+    """The script's last line: the run it followed, its steps and the halvings.
+
+    E.g. ``steer: followed run <id> for 40 steps (1..40); lr_scale halved 2 times, to
+    0.25`` (``never halved`` without a halving)."""
     steps = (f"{len(followed):,} steps ({followed[0]:,}..{followed[-1]:,})" if followed
              else "no step")
     halved = (f"halved {len(applied)} times, to {applied[-1]['value']:g}" if applied

@@ -96,8 +96,9 @@ class Recovery:
 
     @property
     def repeat_span_steps(self) -> int:
-        """Steps after a recovery's fork within which a spike's first step makes it a
-        repeat: the span the kept states cover (``keep_every_steps x keep_states``)."""
+        """Steps after a recovery's fork within which a spike's first step makes it a repeat.
+
+        The span the kept states cover (``keep_every_steps x keep_states``)."""
         return self.keep_every_steps * self.keep_states
 
     def describe(self) -> str:
