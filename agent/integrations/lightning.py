@@ -1059,7 +1059,9 @@ class _Run(RunBase):
 
         Its checkpoint command is refused too."""
         strategy = self.trainer.strategy
-        if not _simple_strategy(strategy):
+        # (ModelParallelStrategy first: its mesh, which _simple_strategy reads, does not
+        # exist before the processes have initialized, when this is asked)
+        if type(strategy) is ModelParallelStrategy or not _simple_strategy(strategy):
             return (f"{type(strategy).__name__} saves sharded checkpoints from every rank, "
                     "which are not loaded into a live run")
         return None
