@@ -156,8 +156,7 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         run.optimizer_step()  # gpuwatch
         iter_num += 1
-    run.close()  # gpuwatch
-    print(run.agent.ended_line(), flush=True)  # steps, final loss, the run log (optional)
+    print(run.agent.ended_line(), flush=True)  # optional: closes the run, says what it trained
 
 
 if __name__ == "__main__":

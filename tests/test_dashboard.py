@@ -129,7 +129,11 @@ def test_state_says_paused_not_stalled_while_pause_holds_the_run():
     assert state.paused_after == 102 and state.status_at(16.1) == "paused"
     state.ingest(envelope("event", {"kind": "applied", "knob": "pause", "value": "off",
                                     "step": 103}), 16.5)
-    assert state.status_at(16.6) == "stalled"  # let go, yet no step: stalled again
+    # let go: the wait for its next step starts now (not at step 102, before the pause)
+    assert state.status_at(16.6) == "live"
+    later = 16.5 + state.stall_after_s() + 0.1
+    state.ingest(envelope("heartbeat", {"step": 102}), later - 0.05)  # heard, no step since
+    assert state.status_at(later) == "stalled"
     state.ingest(envelope("step", {"step": 103, "step_time_s": 0.1}), 17.0)
     assert state.status_at(17.1) == "live"
 
