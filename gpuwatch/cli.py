@@ -10,6 +10,7 @@ draw a screen, so the scriptable ones start fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import json
 import os
@@ -272,7 +273,14 @@ def _watch(info: RunInfo, *, readonly: bool, quick_keys: bool,
                       quick_keys=quick_keys or None,  # else $GPUWATCH_QUICK_KEYS
                       notes=notes)
     _end_on_signals(app.exit)  # the terminal put back, as on q
-    app.run()
+    try:
+        app.run()
+    except OSError as exc:
+        if _ended_by is not signal.SIGHUP or exc.errno != errno.EIO:
+            raise
+        # its terminal closed: Textual's last words (an error it met on the way out) had
+        # nowhere to go; the run and its files are dealt with by the caller as on q
+        return 128 + signal.SIGHUP
     return app.return_code or 0
 
 
@@ -846,7 +854,7 @@ def _say(text: str, file: Any = None) -> None:
     saying so."""
     try:
         print(text, file=file or sys.stdout, flush=True)
-    except OSError:
+    except (OSError, ValueError):  # (ValueError: a stream already closed on the way out)
         pass
 
 
