@@ -13,6 +13,7 @@ import torch
 import agent
 from agent.control.recovery import MIN_STEPS, Recovery, SpikeWatch
 from agent.integrations.run import RunBase
+from agent.wire import protocol
 from gpuwatch.state import RunState
 from gpuwatch.widgets.knobs import _knob_line
 from tests.conftest import wait_until
@@ -147,9 +148,11 @@ def _train_poisoned(run_dir, steps: int, poisoned, policy: Recovery):
     one window a step; the windows ``poisoned`` (their numbers in training order, from
     1: the data, which a recovery skips past) have their targets x 1000. The training
     waits at each poisoned window's boundary until the spike watch has judged the step
-    (the I/O thread publishes twice a second), so that each spike is recovered from at
-    the boundary after the next step. Returns the run's events, the steps it trained and
-    the ``recover`` knob's value at the end."""
+    (the I/O thread publishes twice a second) and, when it completes a spike, has
+    queued its recovery (else, under load, the training could pass the kept states
+    first), so that each spike is recovered from at the boundary after the next step.
+    Returns the run's events, the steps it trained and the ``recover`` knob's value at
+    the end."""
     torch.manual_seed(0)
     true_w = torch.randn(4, 1)
     model = torch.nn.Linear(4, 1)
@@ -172,9 +175,12 @@ def _train_poisoned(run_dir, steps: int, poisoned, policy: Recovery):
             done = run.step + 1
             trained.append(done)
             run.optimizer_step(loss.detach())
-            if watch.on and windows in poisoned:
-                wait_until(lambda: watch._last_step == done, f"step {done} judged",
-                           poll_s=0.002)
+            if watch.on and windows in poisoned:  # judged; a spike's recovery queued
+                wait_until(lambda: watch._last_step == done and (  # (or applied now)
+                    watch.waiting_since is None or run.step != done or any(
+                        p.command_id.startswith(protocol.RECOVERY_ID_PREFIX)
+                        for p in list(run.agent._desk.pending))),
+                    f"step {done} judged", poll_s=0.002)
         recover = run.knobs.knobs["recover"].get()
     finally:
         run.close()

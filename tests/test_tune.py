@@ -311,9 +311,11 @@ def test_a_change_during_a_trials_measurement_voids_it_and_it_is_measured_again(
     assert [body["text"] for body in again] == [
         f"tune: max_grad_norm=10.0 applied at step {reply['apply_step']}, during the "
         "measurement of step_delay=1: measuring it again"]
-    # the tune record right after: the trial's measurement so far is gone
-    after = next(m["body"] for m in seen if m["type"] == protocol.TUNE
-                 and m["body"]["step"] >= again[0]["step"])
+    # the tune record published right after that event (one of the same step may
+    # come before it): the trial's measurement so far is gone
+    said = next(i for i, m in enumerate(seen) if m["type"] == "event"
+                and "measuring it again" in m["body"]["text"])
+    after = next(m["body"] for m in seen[said:] if m["type"] == protocol.TUNE)
     trial = next(c for c in after["candidates"] if c["setting"] == {"step_delay": 1})
     assert trial["state"] == "measuring" and trial["per_s"] is None and trial["gain"] is None
 
