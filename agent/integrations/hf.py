@@ -733,7 +733,7 @@ class _Run(RunBase):
         fused = any(isinstance(module, KernelBackendMixin) for module in model.modules())
         device_type = trainer.args.device.type
 
-        def support(value: str) -> str | None:
+        def support(value: str, thorough: bool = False) -> str | None:
             if value == "triton":
                 if fused:
                     return ("kernels=triton is not wired for transformers models here; "
@@ -741,12 +741,12 @@ class _Run(RunBase):
                 return (f"kernels=triton runs gpuopt's fused Triton modules; "
                         f"{type(model).__name__} has none (a transformers model picks its "
                         "attention kernels with attn_implementation= when it is loaded)")
-            if value == "compile":
-                return compile_support(compile_backend, device_type)
+            if value == "compile":  # (thorough at the switch only: see compile_support)
+                return compile_support(compile_backend, device_type, thorough=thorough)
             return None
 
         def set_kernels(value: str) -> None:
-            _refuse(support(value))
+            _refuse(support(value, thorough=True))
             self._take_over_forward()
             assert self.forward is not None  # _take_over_forward put it there
             self.forward.set_compiled(value == "compile", compile_backend)
