@@ -244,6 +244,28 @@ def test_a_pending_command_keeps_its_distance_from_the_rewind(run_dir, tmp_path)
     assert steps == [4, 5, 6, 7, 8]
 
 
+def test_a_command_at_the_rewinds_own_boundary_applies_at_the_forks_step(run_dir, tmp_path):
+    """``rewind=3`` and ``lr_scale=0.5`` both for the boundary before step 7: the rewind
+    applies first (it is not a setting), and the setting after it, on branch 1, at the
+    fork's boundary: its event says step 4, and step 4 of branch 1 trains with it."""
+    loop = Loop(tmp_path)
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]  # saved after step 3
+    loop.train(3)
+    assert loop.send("rewind", "3")["apply_step"] == 7
+    assert loop.send("lr_scale", 0.5)["apply_step"] == 7
+    loop.train(2)
+    assert loop.run.branch == 1 and loop.run.step == 4
+    records = loop.records()
+    [applied] = [r for r in records if r["type"] == "event" and r.get("knob") == "lr_scale"
+                 and r.get("kind") == "applied"]
+    assert applied["step"] == 4 and applied["text"].startswith(
+        "lr_scale=0.5 applied at step 4"), applied
+    assert not [r for r in records if r.get("kind") == "rescheduled"]
+    assert [(r["step"], r["knobs"]["lr_scale"]) for r in records
+            if r["type"] == "step"][-2:] == [(6, 1.0), (4, 0.5)]
+
+
 def _ddp_rewind_job(out: Path, mode: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",

@@ -203,13 +203,13 @@ class CommandDesk:
             self.commands_refused += 1
             return {**rejected, "reason": f"{MAX_PENDING_COMMANDS} commands are already "
                                           "waiting for the next step boundary; try again"}
-        apply_step = body.get("apply_step")
-        if apply_step is not None and (isinstance(apply_step, bool)
-                                       or not isinstance(apply_step, int)):
+        apply_step = body.get("apply_step")  # (None: the earliest, below)
+        if "apply_step" in body and (isinstance(apply_step, bool)
+                                     or not isinstance(apply_step, int)):
             return {**rejected, "reason": f"apply_step must be an integer, got {apply_step!r}"}
         counted_on = body.get("branch")
-        if counted_on is not None and (isinstance(counted_on, bool)
-                                       or not isinstance(counted_on, int) or counted_on < 0):
+        if "branch" in body and (isinstance(counted_on, bool)
+                                 or not isinstance(counted_on, int) or counted_on < 0):
             return {**rejected, "reason": f"branch must be an integer >= 0, got {counted_on!r}"}
         with self._lock:  # (a rewind moves the step and the branch together, under it)
             step_now, branch = self._step_now(), self.branch
