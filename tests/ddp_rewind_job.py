@@ -18,30 +18,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
-
-import agent
 from agent.wire.commands import send_command
-from tests.contract import (BATCH_SIZE, IndexedDigits, Net, loss_fn, optimizer_and_schedule,
-                            params_of)
+from tests.jobs import ContractLoop
 
 STEPS = 10
 
 
 def main(out: Path, mode: str) -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    net = Net(seed=0 if mode != "resume" else 1)
-    model = torch.nn.parallel.DistributedDataParallel(net)
-    optimizer, scheduler = optimizer_and_schedule(model)
-    run = agent.session(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                        precision="fp32", accum_steps=2, max_grad_norm=0.0,
-                        checkpoint_dir=out / "checkpoints", name=f"ddp-rewind-{mode}",
+    loop = ContractLoop(f"ddp-rewind-{mode}", seed=0 if mode != "resume" else 1,
+                        checkpoint_dir=out / "checkpoints",
                         resume_from=(out / "checkpoints" / "step-00000003.pt"
                                      if mode == "resume" else None))
+    run, rank = loop.run, loop.rank
     if mode == "refused" and rank == 1:
         def cannot_read(path: Path) -> Any:
             raise OSError(f"injected: rank 1 cannot read {path}")
@@ -67,28 +55,12 @@ def main(out: Path, mode: str) -> None:
                 assert reply["ok"], reply
 
     run.agent.add_listener(listener)
-    data = DataLoader(IndexedDigits(), batch_size=BATCH_SIZE,
-                      sampler=DistributedSampler(IndexedDigits(), shuffle=True, seed=3))
-    batches = iter(run.loader(data, epochs=None))
     losses: dict[int, float] = {}
     while run.step < STEPS:
-        window = 0.0
-        for _ in range(run.accum_steps):
-            x, y, _index = next(batches)
-            with run.autocast:
-                loss = loss_fn(model(x), y) / run.accum_steps
-            run.scaler.scale(loss).backward()
-            window += loss.item()
-        run.scaler.step(optimizer)
-        run.scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses[run.step + 1] = window  # (a rewind at this boundary moves run.step)
-        run.optimizer_step()
-    run.close()
-    torch.save({"losses": losses, "params": params_of(net), "events": events,
+        trained, window = loop.train_window()
+        losses[trained] = window  # (a step trained again overwrites)
+    loop.close({"losses": losses, "params": loop.params(), "events": events,
                 "order": order}, out / f"{mode}-rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

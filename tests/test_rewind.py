@@ -6,7 +6,6 @@ every integration is the contract's (``tests/test_contract.py``)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from gpuopt.loader import ReconfigurableLoader
 from gpuwatch.client import send_command
 from gpuwatch.history import flat_records
 from tests.contract import IndexedDigits, Net, loss_fn, optimizer_and_schedule
+from tests.jobs import finish, run_job, torchrun
 
 
 def test_the_text_kind_takes_bounded_text_without_control_characters():
@@ -266,26 +266,6 @@ def test_a_command_at_the_rewinds_own_boundary_applies_at_the_forks_step(run_dir
             if r["type"] == "step"][-2:] == [(6, 1.0), (4, 0.5)]
 
 
-def _ddp_rewind_job(out: Path, mode: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(Path(__file__).with_name("ddp_rewind_job.py")), str(out), mode],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        start_new_session=True)
-
-
-def _finish(job: subprocess.Popen, mode: str) -> None:
-    try:
-        output = job.communicate(timeout=300)[0]
-        assert job.returncode == 0, (mode, output)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-
-
 @pytest.mark.slow
 def test_a_rewind_applies_on_every_rank_at_one_step_or_on_none(run_dir, tmp_path):
     """DDP on gloo, 2 ranks (torchrun), a hand-written loop: ``rewind=3`` after step 7
@@ -295,13 +275,11 @@ def test_a_rewind_applies_on_every_rank_at_one_step_or_on_none(run_dir, tmp_path
     both for step 10 keeps its 2 steps from the rewind's boundary on both: it applies
     at 10 - (7 - 3) = 6. When rank 1 cannot read it, no rank rewinds: both say why, at
     the same step, and train on from where they were (the command applies at 10)."""
-    _finish(_ddp_rewind_job(tmp_path, "rewind"), "rewind")
+    job = str(Path(__file__).with_name("ddp_rewind_job.py"))
+    run_job(job, str(tmp_path), "rewind")
     refused = tmp_path / "refused"
     refused.mkdir()
-    jobs = {"resume": _ddp_rewind_job(tmp_path, "resume"),
-            "refused": _ddp_rewind_job(refused, "refused")}
-    for mode, job in jobs.items():
-        _finish(job, mode)
+    finish(torchrun(job, str(tmp_path), "resume"), torchrun(job, str(refused), "refused"))
     for rank in (0, 1):
         rewound = torch.load(tmp_path / f"rewind-rank{rank}.pt")
         resumed = torch.load(tmp_path / f"resume-rank{rank}.pt")
