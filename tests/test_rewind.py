@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,15 @@ import agent
 from agent.wire.commands import RankConnections
 from agent.wire.knobs import REWIND, TEXT_MAX_CHARS, KnobError
 from gpuopt.loader import ReconfigurableLoader
-from gpuwatch.client import send_command
+from gpuwatch.client import RunClient, send_command
 from gpuwatch.history import flat_records
+from tests.conftest import wait_until
 from tests.contract import IndexedDigits, Net, loss_fn, optimizer_and_schedule
 from tests.jobs import finish, run_job, torchrun
+
+#: How long a script's wait for a moved command lasts before it ends (s): a generous
+#: bound for one step and an event to arrive; the test takes that long.
+WAIT_S = 8
 
 
 def test_the_text_kind_takes_bounded_text_without_control_characters():
@@ -264,6 +270,35 @@ def test_a_command_at_the_rewinds_own_boundary_applies_at_the_forks_step(run_dir
     assert not [r for r in records if r.get("kind") == "rescheduled"]
     assert [(r["step"], r["knobs"]["lr_scale"]) for r in records
             if r["type"] == "step"][-2:] == [(6, 1.0), (4, 0.5)]
+
+
+def test_a_scripts_wait_follows_its_command_moved_by_a_rewind(run_dir, tmp_path):
+    """``RunClient.set`` waits for its own command by id: one that a rewind moved is
+    followed to its new step; when the wait ends first, its error says where it went."""
+    loop = Loop(tmp_path)
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]  # saved after step 3
+    loop.train(3)
+    assert loop.send("rewind", "3")["apply_step"] == 7
+    client = RunClient(loop.run.agent.info)
+    outcome: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            client.set("lr_scale", 0.5, apply_step=9, timeout_s=WAIT_S)
+        except TimeoutError as exc:
+            outcome["error"] = str(exc)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    wait_until(lambda: any(p.knob == "lr_scale" for p in list(loop.run.agent._desk.pending)),
+               "the command accepted")
+    loop.train(1)  # rewind=3 applies: the command moves from step 9 to 6; no step 6 comes
+    waiting.join(WAIT_S + 60)
+    client.close()
+    assert outcome["error"] == (f"lr_scale=0.5 not applied within {WAIT_S:g} s (accepted "
+                                "for step 9, moved to step 6 of branch 1)"), outcome
+    loop.records()
 
 
 @pytest.mark.slow
