@@ -17,10 +17,12 @@ from gpuopt import Trainer
 from agent.wire.commands import RankConnections
 from gpuwatch.client import Subscriber, reply_text, send_command
 from tests.conftest import FakeAgent, wait_until
+from tests.jobs import finish, run_job, torchrun
 from tests.training import Gate, digits_loader, messages, model as make_model, start
 from gpuwatch.history import flat_records
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+JOBS = Path(__file__).parent
 
 
 def wait_for_ranks(process, world_size, timeout_s=90):
@@ -36,11 +38,7 @@ def wait_for_ranks(process, world_size, timeout_s=90):
 
 @pytest.fixture
 def ddp_job(run_dir):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(EXAMPLES / "ddp_attach.py"), "--max-steps", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    process = torchrun(str(EXAMPLES / "ddp_attach.py"), "--max-steps", "100000")
     yield process
     workers = [info.pid for info in runs.list_runs()]
     process.send_signal(signal.SIGTERM)  # torchrun stops its workers (own sessions)
@@ -278,16 +276,6 @@ def test_a_second_job_with_the_same_run_id_gets_its_own(run_dir, monkeypatch):
         holder.wait(30)
 
 
-def _ddp_rollback_job(out, mode, wrap):
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(Path(__file__).with_name("ddp_rollback_job.py")), str(out), mode, wrap],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        start_new_session=True)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
 def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path, wrap):
@@ -296,16 +284,8 @@ def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path, wrap):
     the rollback to every rank, and each puts its state back to the boundary after
     step 6 at the same step: steps 7-20 then equal a twin job's that never made the
     change on each rank (bit-equal losses and final parameters)."""
-    jobs = {mode: _ddp_rollback_job(tmp_path, mode, wrap) for mode in ("twin", "change")}
-    try:
-        for mode, job in jobs.items():
-            output = job.communicate(timeout=300)[0]
-            assert job.returncode == 0, (mode, output)
-    finally:
-        for job in jobs.values():
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.wait()
+    finish(*(torchrun(str(JOBS / "ddp_rollback_job.py"), str(tmp_path), mode, wrap)
+             for mode in ("twin", "change")))
     restored_at = set()
     for rank in (0, 1):
         twin = torch.load(tmp_path / f"twin-rank{rank}.pt")
@@ -329,20 +309,7 @@ def test_a_loss_spike_is_recovered_from_on_every_rank_at_one_step(run_dir, tmp_p
     windows (steps 21-23) on each rank; rank 0's spike watch sends the recovery to
     every rank, and both go back to the state kept after step 20 at the same boundary
     (one ``branched`` event each) and end with bit-equal parameters."""
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(Path(__file__).with_name("ddp_recovery_job.py")), str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        start_new_session=True)
-    try:
-        output = job.communicate(timeout=300)[0]
-        assert job.returncode == 0, output
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+    run_job(str(JOBS / "ddp_recovery_job.py"), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     [first], [second] = (saved["events"] for saved in ranks)
     assert first["after"] == second["after"] > 23  # the one boundary of the fan-out

@@ -501,7 +501,8 @@ class RunBase:
         ``branched`` event (``branch``, ``parent``, ``step``, ``source``, ``cause``,
         ``knobs``) is published before any step record of the new branch. ``knobs``: the
         knob values that come back with the state (a checkpoint's), set after it and named
-        in the event.
+        in the event. Each pending command then keeps its distance from now
+        (:meth:`agent.step.core.Agent.rewound`: a ``rescheduled`` event each).
 
         Returns:
             ``(the new branch's id, what is not as it was or None)``.
@@ -512,7 +513,6 @@ class RunBase:
         """
         differs = self.load_snapshot(snapshot)
         self.step = step
-        self.agent.rewound(step)
         self._kept = None  # a state kept for a rollback belongs to the branch left
         parent, self.branch = self.branch, self._last_branch + 1
         self._last_branch = self.branch
@@ -526,6 +526,7 @@ class RunBase:
         self.agent.event("warning" if failed or differs else "info", text,
                          kind=EventKind.BRANCHED, branch=self.branch, parent=parent,
                          step=step, source=source, cause=cause, knobs=knobs or {})
+        self.agent.rewound(step, self.branch)  # (the pending commands' events follow)
         return self.branch, differs
 
     def read_checkpoint(self, path: Path) -> tuple[Any, int, dict[str, Any]]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from agent.wire import protocol, runlog
-from gpuwatch.history import MAX_LINE_BYTES, decode_line
+from gpuwatch.history import MAX_LINE_BYTES, decode_line, on_path
 from gpuwatch.sources import Source
 
 #: How often a followed file is checked for new records (s).
@@ -295,12 +295,9 @@ class ReplaySource(Source):
             now = time.monotonic()
             offset_s = now - time.time()  # unix time -> monotonic time
             for envelope in envelopes:
-                if self._path is not None:
-                    kept = self._path.keep(envelope)
-                    if kept is None:
-                        self.state.pass_over(envelope)  # another branch's: not lost
-                        continue
-                    envelope = kept
+                if (kept := on_path(self._path, envelope, self.state.pass_over)) is None:
+                    continue  # another branch's: not lost
+                envelope = kept
                 t: Any = envelope.get("t")  # as decoded: its type is checked here
                 written = (min(now, t + offset_s) if type(t) in (int, float)
                            and math.isfinite(t) else now)
