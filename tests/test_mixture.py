@@ -96,6 +96,37 @@ def test_a_position_saved_after_a_change_resumes_the_same_draws_bit_for_bit():
                                 if key != "mixture"})
 
 
+@pytest.mark.parametrize(("segments", "message"), [
+    ([[150, [0.5, 0.5]]], "first mixture segment must start at sample 0, got 150"),
+    ([[0, [0.5, 0.5]], [80, [1, 0]], [80, [0, 1]]], "rise strictly .* got 80 after 80"),
+    ([[0, [0.5, 0.5]], [90, [1, 0]], [40, [0, 1]]], "rise strictly .* got 40 after 90"),
+    ([[0, [0.5, 0.5]], [200, [1, 0]]], "below the epoch's 200 samples, got 200"),
+    ([[0, [0.5, 0.5]], [10.5, [1, 0]]], "must be a whole number, got '10.5'"),
+    ([[0, [0.5, 0.5]], [True, [1, 0]]], "must be a whole number, got 'True'"),
+    ([[0, [0.5, -1]]], "finite numbers >= 0, got -1"),
+    ([[0, [1, 1, 1]]], "has 2 datasets, got 3 weights"),
+    ([[0]], r"must be \[first sample, weights\]"),
+    ([], "a list of 1 to 200 .* got list of 0"),
+    ([[start, [1, 1]] for start in range(201)], "a list of 1 to 200 .* got list of 201"),
+    ("0,0.5,0.5", "a list of 1 to 200"),
+    (None, "a list of 1 to 200"),
+])
+def test_a_position_whose_weight_changes_do_not_cover_the_epoch_is_refused(segments,
+                                                                           message):
+    """A position from a file is untrusted: weight changes that would leave samples of the
+    epoch undrawn (indices never written) are refused with the reason, and the loader
+    goes on as it was: its next batch is the one it would have given."""
+    loader = MixtureLoader(_sources(100, 100), [0.5, 0.5], batch_size=10, seed=0)
+    expected = next(iter(MixtureLoader(_sources(100, 100), [0.5, 0.5], batch_size=10,
+                                       seed=0)))
+    saved = loader.save_position()
+    with pytest.raises(ValueError, match=message):
+        loader.restore_position({**saved, "mixture": {"weights": [0.5, 0.5],
+                                                      "segments": segments}})
+    assert torch.equal(next(iter(loader))[0], expected[0])
+    assert loader.weights == (0.5, 0.5)
+
+
 def test_workers_loading_ahead_give_the_batches_of_a_loader_without_workers():
     """Two persistent workers load batches ahead of the change: those are drawn again."""
     plain = MixtureLoader(_sources(100, 100), [0.9, 0.1], batch_size=5, seed=4)
