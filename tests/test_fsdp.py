@@ -210,7 +210,8 @@ def test_accelerate_and_hf_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir
     (MULTI_CPU: its knobs and refusals), and without it each torchrun rank is a
     one-process run (NO) that never reduces with the others: gpuwatch warns on every
     rank, and refuses the checkpoint, which would be rank 0's model for all. The HF
-    Trainer's ``fsdp=`` with ``use_cpu`` is that DDP: gpuwatch warns that it is."""
+    Trainer's ``fsdp=`` with ``use_cpu`` is that DDP: gpuwatch warns that it is, and
+    refuses ``rewind`` (HF loads a checkpoint in place on each process alone)."""
     job = str(JOB.with_name("accelerate_fsdp_job.py"))
     run_job(job, str(tmp_path), "plain")
     run_job(job, str(tmp_path), "cpu")
@@ -239,6 +240,11 @@ def test_accelerate_and_hf_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir
         assert hf["warnings"] == [
             "fsdp=True is not FSDP here: accelerate runs MULTI_CPU (its FSDP plugin only on "
             "a GPU-like device), so the model is not sharded and the knobs are that run's"]
+        # each process would load a checkpoint in place, alone (as accelerate's would)
+        assert hf["unsupported"]["rewind"] == (
+            "this run has 2 processes, and HF's _load_from_checkpoint loads in place, on "
+            "each alone, and a checkpoint holds one process's random numbers: resume with "
+            "trainer.train(resume_from_checkpoint=...)")
 
 
 @pytest.mark.slow
