@@ -248,6 +248,27 @@ def test_accelerate_and_hf_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir
 
 
 @pytest.mark.slow
+def test_a_rank_state_failing_on_rank_1_fails_the_sharded_checkpoint_on_every_rank(
+        run_dir, tmp_path):
+    """Rank 1's data position cannot be read when the checkpoint is saved: it says so
+    at the save's first collective (rank 0 does not wait there for ever: the job ends
+    within run_job's timeout), no rank writes a shard, both report the failure naming
+    rank 1 and train on to the end."""
+    run_job(str(JOB), str(tmp_path), "unreadable")
+    ranks = [torch.load(tmp_path / f"unreadable-rank{rank}.pt", weights_only=False)
+             for rank in (0, 1)]
+    reply = ranks[0]["replies"]["checkpoint"]
+    assert reply["ok"] and reply["ranks"] == [0, 1], reply
+    assert list((tmp_path / "checkpoints").glob("step-*")) == []
+    for rank, data in enumerate(ranks):
+        assert max(data["steps"]) == 18, rank
+        [failed] = [event for event in data["events"] if event["kind"] == "failed"]
+        assert failed["knob"] == "checkpoint" and failed["step"] == 6, failed
+        assert ("the sharded checkpoint failed on rank 1: RuntimeError: rank 1's data "
+                "position cannot be read") in failed["text"], failed
+
+
+@pytest.mark.slow
 def test_a_sharded_checkpoint_failing_on_rank_0_is_reported_on_every_rank(run_dir, tmp_path):
     """A file where rank 0 makes the checkpoint's directory: rank 0 fails before its
     shards are written, the other rank learns of it at its first collective of the
