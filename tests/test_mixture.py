@@ -230,7 +230,9 @@ def test_a_loop_changes_the_mixture_at_its_step_and_a_resume_draws_the_same(run_
     """mixture=1,9 (0.1 / 0.9) for step 4: steps 1-3 draw at 0.7 / 0.3, steps 4-20 at 0.1 / 0.9
     (272 samples: 245 expected from dataset 1, within 6 standard deviations; 82 at the
     old weights is far outside); a checkpoint after step 8 resumes steps 9-20 with the
-    same batches and losses, bit for bit, from a loader built with the first weights."""
+    same batches and losses, bit for bit, from a loader built with the first weights; a
+    copy of it whose weight changes skip samples of the epoch is refused with the
+    reason."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     run = agent.session(model=model, optimizer=optimizer, checkpoint_dir=tmp_path)
@@ -266,6 +268,22 @@ def test_a_loop_changes_the_mixture_at_its_step_and_a_resume_draws_the_same(run_
     resumed_steps = {r["step"]: r for r in records if r["type"] == "step"}
     assert [resumed_steps[s]["loss"] for s in again] == [steps[s]["loss"] for s in again]
     assert resumed_steps[9]["knobs"]["mixture"] == "0.1,0.9"
+
+    # the same checkpoint with a weight change that skips the epoch's first 150 samples:
+    # the resume says why when the loader is bound, and draws nothing from it
+    tampered = torch.load(saved, weights_only=True)
+    tampered["data"]["loader"]["mixture"]["segments"] = [[150, [0.1, 0.9]]]
+    torch.save(tampered, tmp_path / "tampered.pt")
+    model = make_model(seed=1)
+    resumed = agent.session(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            resume_from=tmp_path / "tampered.pt")
+    try:
+        with pytest.raises(ValueError, match="first mixture segment must start at sample 0, "
+                                             "got 150"):
+            resumed.loader(MixtureLoader(_digits_by_label(), [0.7, 0.3], batch_size=16,
+                                         seed=6))
+    finally:
+        resumed.close()
 
 
 def test_a_rollback_puts_the_weights_and_the_draws_back_as_they_were(run_dir):
