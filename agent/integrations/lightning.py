@@ -1101,10 +1101,8 @@ class _Run(RunBase):
             raise ValueError(f"{path} has no data position of gpuwatch's (it was not "
                              "saved by a fit gpuwatch followed from its start)")
         data, knobs = state["data"], state.get("knobs", {})
-        ended = data["fetched_in_epoch"] >= self.trainer.num_training_batches
         accumulation = (bool(state.get("accumulation_changed")),
-                        knobs.get(ACCUM_STEPS.name, self.trainer.accumulate_grad_batches),
-                        0 if ended else data["fetched_in_epoch"])
+                        knobs.get(ACCUM_STEPS.name, self.trainer.accumulate_grad_batches))
         return ({"model": saved["state_dict"], "optimizers": saved["optimizer_states"],
                  "schedulers": saved["lr_schedulers"],
                  "grad_scaler": state.get("grad_scaler", saved.get("MixedPrecision")),
@@ -1146,7 +1144,7 @@ class _Run(RunBase):
             "grad_scaler": None if scaler is None else scaler.state_dict(),
             **_split_loops(trainer.fit_loop.state_dict()),
             "accumulation": None if self.accumulation is None else (
-                self.accumulation.engaged, self.accumulation.size, self.accumulation.anchor),
+                self.accumulation.engaged, self.accumulation.size),
             "rng": rng_state(self.device), "data": self.data_state()})
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
@@ -1170,11 +1168,10 @@ class _Run(RunBase):
         fit_loop.load_state_dict({**snapshot["loops"], **snapshot["progress"]})
         _not_restarting(fit_loop)  # going on, not starting again from a checkpoint
         self._global_step = trainer.global_step
-        if self.accumulation is not None:  # the windows as they were counted there
-            engaged, size, anchor = snapshot["accumulation"]
-            if engaged:
-                self.accumulation.set(size)
-                self.accumulation.anchor = anchor
+        if self.accumulation is not None:
+            engaged, size = snapshot["accumulation"]
+            if engaged:  # windows counted from the batch the data is at: the snapshot's
+                self.accumulation.set(size)  # boundary, or now's in a recovery
             else:
                 self.accumulation.restore()  # Lightning's own again
         data = snapshot["data"]
