@@ -24,6 +24,10 @@ only (no sharded gradient before).
 directory; rank 0 sends ``checkpoint=now`` for step 6 and both ranks train on to step
 18 (a rank left waiting at a collective would hang the job).
 
+``unreadable``: the same command, with rank 1's data position failing to be read (its
+run's ``data_state`` raises from step 4 on): every rank learns of it at the save's first
+collective, and both train on to step 18.
+
 Each rank saves ``OUT/<mode>-rank<N>.pt``: each step's full parameters and knob values,
 the command replies (rank 0) and the ``applied`` and ``resumed`` events of its run log.
 """
@@ -100,7 +104,11 @@ def main(out: Path, mode: str) -> None:
             reference.check(model, micro_batches, knobs, world)
         run.optimizer_step()
         steps[run.step] = {"params": full_params(model), "knobs": knobs}
-        if mode == "blocked" and rank == 0 and run.step == 4:
+        if mode == "unreadable" and rank == 1 and run.step == 4:
+            def unreadable() -> dict[str, Any]:
+                raise RuntimeError("rank 1's data position cannot be read")
+            run.data_state = unreadable  # type: ignore[method-assign]
+        if mode in ("blocked", "unreadable") and rank == 0 and run.step == 4:
             replies["checkpoint"] = send_command(run.agent.info, "checkpoint", "now",
                                                  apply_step=6, timeout_s=30)
         if mode == "knobs" and rank == 0:  # (rank 1 waits in the next window's

@@ -159,7 +159,8 @@ def test_accelerate_and_hf_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir
     (MULTI_CPU: its knobs and refusals), and without it each torchrun rank is a
     one-process run (NO) that never reduces with the others: gpuwatch warns on every
     rank, and refuses the checkpoint, which would be rank 0's model for all. The HF
-    Trainer's ``fsdp=`` with ``use_cpu`` is that DDP: gpuwatch warns that it is."""
+    Trainer's ``fsdp=`` with ``use_cpu`` is that DDP: gpuwatch warns that it is, and
+    refuses ``rewind`` (HF loads a checkpoint in place on each process alone)."""
     job = str(JOB.with_name("accelerate_fsdp_job.py"))
     run_job(job, str(tmp_path), "plain")
     run_job(job, str(tmp_path), "cpu")
@@ -188,6 +189,32 @@ def test_accelerate_and_hf_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir
         assert hf["warnings"] == [
             "fsdp=True is not FSDP here: accelerate runs MULTI_CPU (its FSDP plugin only on "
             "a GPU-like device), so the model is not sharded and the knobs are that run's"]
+        # each process would load a checkpoint in place, alone (as accelerate's would)
+        assert hf["unsupported"]["rewind"] == (
+            "this run has 2 processes, and HF's _load_from_checkpoint loads in place, on "
+            "each alone, and a checkpoint holds one process's random numbers: resume with "
+            "trainer.train(resume_from_checkpoint=...)")
+
+
+@pytest.mark.slow
+def test_a_rank_state_failing_on_rank_1_fails_the_sharded_checkpoint_on_every_rank(
+        run_dir, tmp_path):
+    """Rank 1's data position cannot be read when the checkpoint is saved: it says so
+    at the save's first collective (rank 0 does not wait there for ever: the job ends
+    within run_job's timeout), no rank writes a shard, both report the failure naming
+    rank 1 and train on to the end."""
+    run_job(str(JOB), str(tmp_path), "unreadable")
+    ranks = [torch.load(tmp_path / f"unreadable-rank{rank}.pt", weights_only=False)
+             for rank in (0, 1)]
+    reply = ranks[0]["replies"]["checkpoint"]
+    assert reply["ok"] and reply["ranks"] == [0, 1], reply
+    assert list((tmp_path / "checkpoints").glob("step-*")) == []
+    for rank, data in enumerate(ranks):
+        assert max(data["steps"]) == 18, rank
+        [failed] = [event for event in data["events"] if event["kind"] == "failed"]
+        assert failed["knob"] == "checkpoint" and failed["step"] == 6, failed
+        assert ("the sharded checkpoint failed on rank 1: RuntimeError: rank 1's data "
+                "position cannot be read") in failed["text"], failed
 
 
 @pytest.mark.slow

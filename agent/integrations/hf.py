@@ -545,6 +545,19 @@ class _Run(RunBase):
     #: and the random numbers, HF's epoch count)
     recovery_data_keys = ("data", "epochs_done", "epoch")
 
+    def rewind_refusal(self) -> str | None:
+        """Several processes cannot rewind: HF's ``_load_from_checkpoint`` loads in place.
+
+        On each process alone, before the processes could agree that each can (one that
+        fails leaves the others on the checkpoint's weights); and a checkpoint holds one
+        process's random numbers."""
+        world_size = self.trainer.args.world_size
+        if world_size > 1:
+            return (f"this run has {world_size} processes, and HF's _load_from_checkpoint "
+                    "loads in place, on each alone, and a checkpoint holds one process's "
+                    "random numbers: resume with trainer.train(resume_from_checkpoint=...)")
+        return super().rewind_refusal()
+
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
         """A ``checkpoint=now`` checkpoint read as HF's resume does, in the snapshot's form.
 

@@ -142,22 +142,32 @@ def agree_on_checkpoint(failure: str | None) -> str | None:
 
 
 def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 rank_state: dict[str, Any]) -> None:
+                 rank_state: Callable[[], dict[str, Any]]) -> None:
     """Write a sharded checkpoint into the directory rank 0 gives as ``path``, on every rank.
 
     The model's and the optimizer's shards (``torch.distributed.checkpoint``, each rank its
-    own) and each rank's ``rank_state`` (:data:`RANK_FILE`, ``torch.save``). Every rank
+    own) and each rank's ``rank_state()`` (:data:`RANK_FILE`, ``torch.save``). Every rank
     calls it at the same step; it returns once every rank has written, so rank 0 may
     then rename the directory. Its first collective is an :func:`agree` (rank 0's
-    failure before it calls this reaches the others there), its last one too.
+    failure before it calls this reaches the others there), its last one too;
+    ``rank_state`` is called before the first, so that its failure on any rank reaches
+    every rank there (none is left waiting at a collective the failed one never calls).
 
     Raises:
         OSError: the checkpoint failed on some rank (every rank raises it, naming that
-            rank), e.g. a directory that cannot be written.
+            rank), e.g. a directory that cannot be written, or a ``rank_state`` that
+            raised.
     """
     import torch.distributed.checkpoint as dcp  # (seconds to import: only when saving)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-    failure, directory = agree(None, path if dist.get_rank() == 0 else None)
+    own: dict[str, Any] | None = None
+    try:
+        own = rank_state()
+    except Exception as exc:
+        failure: str | None = f"{type(exc).__name__}: {exc}"
+    else:
+        failure = None
+    failure, directory = agree(failure, path if dist.get_rank() == 0 else None)
     if failure is None:
         assert directory is not None  # (rank 0 gives it when it did not fail)
         try:
@@ -167,7 +177,7 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                 model_state, optimizer_state = get_state_dict(model, optimizer)
                 state = {"model": model_state, "optimizer": optimizer_state}
             dcp.save(state, checkpoint_id=directory)  # (raises on every rank on a failure)
-            torch.save(rank_state, directory / RANK_FILE.format(rank=dist.get_rank()))
+            torch.save(own, directory / RANK_FILE.format(rank=dist.get_rank()))
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
         failure = agree(failure)[0]
