@@ -1269,3 +1269,91 @@ def test_a_run_on_a_loaded_machine_is_never_reported_gone(run_dir):
     assert "gone" not in statuses and "quiet" not in statuses, sorted(set(statuses))
     assert statuses[-1] == "live"
     assert summary["steps"] > 10
+
+
+# --- rewind: a checkpoint another user wrote, or can swap ------------------------------
+
+def _saved_loop(tmp_path: Path):
+    """A hand-written loop (tests/test_rewind.py) with its checkpoint of step 3 saved in
+    ``tmp_path/mine`` (0700, this user's), trained to step 4; and that checkpoint's path."""
+    from tests.test_rewind import Loop
+
+    loop = Loop(tmp_path / "mine")
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]
+    loop.train(2)
+    return loop, tmp_path / "mine" / "step-00000003.pt"
+
+
+def _refused(loop, refused: dict[str, str]) -> None:
+    """Each ``rewind=<path>`` of ``refused`` is refused at once with its words."""
+    for value, words in refused.items():
+        reply = loop.send("rewind", value)
+        assert not reply["ok"] and words in reply["reason"], (value, reply)
+
+
+def test_a_rewind_reads_no_checkpoint_another_user_wrote_or_can_swap(run_dir, tmp_path,
+                                                                      shared_tmp,
+                                                                      other_user):
+    """Another local user plants checkpoints (real ones of this run's format, weights of
+    its choice) in a /tmp-like directory: its own file, this user's file in its own
+    folder, a folder of a group it is in; the owner's ``rewind=<path>`` to any of them
+    is refused at once, naming who could swap it, and the run stays on branch 0. A link
+    it planted to the owner's folder is read through its target (a link swapped later
+    changes nothing)."""
+    loop, saved = _saved_loop(tmp_path)
+    source = shared_tmp / "source.pt"  # (a copy the other user can read)
+    shutil.copy(saved, source)
+    source.chmod(0o644)
+    other_user.run(
+        "import os, shutil, sys\n"
+        "source, tmp, mine = map(sys.argv.__getitem__, (1, 2, 3))\n"
+        "shutil.copy(source, tmp + '/theirs.pt')\n"
+        "for folder, mode in (('theirs', 0o755), ('open', 0o777)):\n"
+        "    os.mkdir(tmp + '/' + folder); os.chmod(tmp + '/' + folder, mode)\n"
+        "shutil.copy(source, tmp + '/theirs/step.pt')\n"
+        "os.symlink(mine, tmp + '/link')\n",
+        str(source), str(shared_tmp), str(saved.parent))
+    theirs = other_user.uid
+    shutil.copy(saved, shared_tmp / "open" / "mine.pt")  # this user's file, their folder
+    group = tmp_path / "group"
+    group.mkdir()
+    shutil.copy(saved, group / "mine.pt")
+    os.chown(group, -1, other_user.gid)
+    group.chmod(0o770)
+    _refused(loop, {
+        str(shared_tmp / "theirs.pt"): f"belongs to uid {theirs}, another user",
+        str(shared_tmp / "theirs" / "step.pt"): f"{shared_tmp / 'theirs'} belongs to uid",
+        str(shared_tmp / "open" / "mine.pt"): f"{shared_tmp / 'open'} belongs to uid",
+        str(group / "mine.pt"): f"other users can write in {group} (mode 0770)",
+    })
+    assert loop.send("rewind", str(shared_tmp / "link" / saved.name))["ok"]
+    loop.train(1)
+    assert loop.run.branch == 1 and loop.run.step == 3
+    [branched] = [r for r in loop.records() if r.get("kind") == "branched"]
+    assert branched["source"] == str(saved), branched  # read through the link's target
+
+
+def test_a_rewind_reads_nothing_in_reach_of_other_users(run_dir, tmp_path):
+    """What one user stages alone: a checkpoint in a folder every user can write (no
+    sticky bit), one every user can write itself, a checkpoint folder holding a symlink:
+    each ``rewind`` is refused at once with the reason."""
+    loop, saved = _saved_loop(tmp_path)
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    shutil.copy(saved, open_folder / "mine.pt")
+    open_folder.chmod(0o777)
+    writable = tmp_path / "writable.pt"
+    shutil.copy(saved, writable)
+    writable.chmod(0o666)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "model.pt").symlink_to(saved)
+    _refused(loop, {
+        str(open_folder / "mine.pt"): f"other users can write in {open_folder} (mode 0777)",
+        str(writable): f"other users can write {writable} (mode 0666)",
+        str(folder): f"{folder / 'model.pt'} is a symlink, which is not followed",
+    })
+    loop.train(2)
+    assert loop.run.branch == 0 and loop.run.step == 6
+    loop.records()
