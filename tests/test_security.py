@@ -686,6 +686,41 @@ def test_a_crafted_log_of_1_mb_event_texts_replays_bounded(tmp_path, run_dir):
     assert peak < DASHBOARD_RSS_LIMIT, f"dashboard RSS peaked at {peak / 2**20:.0f} MiB"
 
 
+def test_a_log_that_decompresses_to_200_times_its_size_is_read_in_bounded_memory(tmp_path):
+    """A 1.4 MB run log of 8,000 events of 16 kB and 150 of 1 MB (278 MB once
+    decompressed): each read of `tail` and replay holds a few MB of it, whatever the
+    ratio and the records' size."""
+    import tracemalloc
+
+    from gpuwatch.sources.replay import RunLogReader
+
+    path = tmp_path / "bomb.rank0.runlog"
+    log = RunLog(path, flush_interval_s=0.0)
+    log.write(protocol.envelope(protocol.HELLO, {"name": "bomb"}, run="bomb", seq=0, t=1e9))
+    for seq in range(1, 8001):
+        log.write(protocol.envelope(protocol.EVENT, {"level": "info", "text": "A" * 16_000},
+                                    run="bomb", seq=seq, t=1e9 + seq))
+    for seq in range(8001, 8151):
+        log.write(protocol.envelope(protocol.EVENT, {"level": "info", "text": "B" * 1_000_000},
+                                    run="bomb", seq=seq, t=1e9 + seq))
+    log.close()
+    assert path.stat().st_size < 1500 << 10
+    tracemalloc.start()
+    try:
+        with RunLogReader(path) as reader:
+            read = len(reader.read())
+            first_peak = tracemalloc.get_traced_memory()[1]
+            while not reader.at_eof:
+                read += len(reader.read())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    print(f"peak {peak / 2**20:.1f} MiB, {first_peak / 2**20:.1f} MiB in the first read")
+    assert read == 8151
+    assert first_peak < 24 << 20, f"{first_peak / 2**20:.0f} MiB in one read"
+    assert peak < 24 << 20, f"{peak / 2**20:.0f} MiB"
+
+
 # --- V1: tcp on loopback -------------------------------------------------------------
 
 def _hear(info: runs.RunInfo, msg_type: str, count: int) -> None:
