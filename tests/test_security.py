@@ -1392,3 +1392,71 @@ def test_a_rewind_reads_nothing_in_reach_of_other_users(run_dir, tmp_path):
     loop.train(2)
     assert loop.run.branch == 0 and loop.run.step == 6
     loop.records()
+
+
+# --- rewind: a checkpoint with a pickle payload ----------------------------------------
+
+class Payload:
+    """Runs code when unpickled: makes the directory ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple:
+        return (os.mkdir, (self.marker,))
+
+
+def _poison(checkpoint: Path, marker: Path) -> int:
+    """Put a :class:`Payload` beside the contents of every ``torch.save`` file of
+    ``checkpoint`` (a file, or a directory's files); returns how many were poisoned."""
+    import zipfile
+
+    import torch
+
+    poisoned = 0
+    for path in [checkpoint] if checkpoint.is_file() else sorted(checkpoint.rglob("*")):
+        if path.is_file() and zipfile.is_zipfile(path):
+            contents = torch.load(path, weights_only=False)  # (ours: trusted)
+            if isinstance(contents, dict):
+                contents["payload"] = Payload(marker)
+                torch.save(contents, path)
+                poisoned += 1
+    return poisoned
+
+
+def _one_driver_each() -> list:
+    from tests.contract import all_drivers
+
+    return [pytest.param(driver, id=driver.name) for driver in all_drivers()
+            if "-" not in driver.name]
+
+
+@pytest.mark.parametrize("driver", _one_driver_each())
+def test_a_rewind_runs_no_code_from_a_checkpoint(driver, run_dir, tmp_path, monkeypatch):
+    """Every integration's checkpoint with a pickle payload in each of its
+    ``torch.save`` files: ``rewind`` to it fails where it applies, no code runs, and the
+    training goes on on branch 0; even with ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (set
+    to load old checkpoints), which turns every ``torch.load`` not told
+    ``weights_only=True`` into a full unpickler."""
+    from tests.contract import Recorder, run
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    first = run(driver, steps=4, commands=[("checkpoint", "now", 4)],
+                checkpoint_dir=tmp_path / "first")
+    [saved] = [Path(e["path"]) for e in first.events("applied") if e["knob"] == "checkpoint"]
+    crafted = tmp_path / "crafted"
+    if saved.is_dir():
+        shutil.copytree(saved, crafted)
+    else:
+        shutil.copy2(saved, crafted)
+    marker = tmp_path / "PWNED"
+    assert _poison(crafted, marker) >= 1
+    recorder = Recorder(later=[(2, "rewind", str(crafted), 4)])
+    second = run(driver, steps=6, commands=[], checkpoint_dir=tmp_path / "second",
+                 recorder=recorder)
+    assert recorder.replies["rewind"]["ok"], recorder.replies["rewind"]
+    assert not marker.exists(), "code from the checkpoint ran"
+    [failed] = [e for e in second.events("failed") if e["knob"] == "rewind"]
+    assert failed["step"] == 4, failed
+    assert not second.events("branched")
+    assert sorted(second.steps()) == list(range(1, 7))
