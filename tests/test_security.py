@@ -1460,3 +1460,60 @@ def test_a_rewind_runs_no_code_from_a_checkpoint(driver, run_dir, tmp_path, monk
     assert failed["step"] == 4, failed
     assert not second.events("branched")
     assert sorted(second.steps()) == list(range(1, 7))
+
+
+class _Counter:
+    """An object of the loop's own, registered with ``accelerator.register_for_checkpointing``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = state["count"]
+
+
+@pytest.mark.parametrize("registered", ["before attach", "after attach"])
+def test_accelerate_refuses_a_rewind_while_it_would_unpickle_registered_objects(
+        registered, run_dir, tmp_path):
+    """accelerate loads the states of objects registered for checkpointing with
+    ``weights_only=False``: while one is registered (before ``agent.attach``, or once
+    training is under way), ``rewind`` is refused at once with the reason, and no code
+    from a checkpoint's ``custom_checkpoint_0.pkl`` runs."""
+    from tests.contract import Recorder, run
+    from tests.contract.accelerate import AccelerateDriver
+
+    class Registering(AccelerateDriver):
+        at_start = True
+
+        def data(self, accelerator):
+            self.accelerator = accelerator
+            if self.at_start:
+                accelerator.register_for_checkpointing(_Counter())
+            return super().data(accelerator)
+
+    class RegisteringAtFirstBatch(Recorder):
+        def micro_batch(self, index):
+            if not driver.accelerator._custom_objects:
+                driver.accelerator.register_for_checkpointing(_Counter())
+            super().micro_batch(index)
+
+    driver = Registering()
+    first = run(driver, steps=4, commands=[("checkpoint", "now", 4)],
+                checkpoint_dir=tmp_path / "first")
+    [saved] = [Path(e["path"]) for e in first.events("applied") if e["knob"] == "checkpoint"]
+    marker = tmp_path / "PWNED"
+    assert _poison(saved / "custom_checkpoint_0.pkl", marker) == 1
+    later = [(2, "rewind", str(saved), 4)]
+    if registered == "before attach":
+        recorder = Recorder(later=later)
+    else:
+        driver.at_start, recorder = False, RegisteringAtFirstBatch(later=later)
+    second = run(driver, steps=6, commands=[], checkpoint_dir=tmp_path / "second",
+                 recorder=recorder)
+    reply = recorder.replies["rewind"]
+    assert not reply["ok"] and "register_for_checkpointing" in reply["reason"], reply
+    assert not marker.exists(), "code from the checkpoint ran"
+    assert not second.events("branched")

@@ -572,9 +572,13 @@ class RunBase:
         Any thread: a few file-system calls a path component and a checkpoint file, no read.
 
         Raises:
-            ValueError: no such checkpoint, a symlink (not followed), not readable, another
+            ValueError: :meth:`rewind_refusal`'s reason (one that came since ``rewind`` was
+                bound), no such checkpoint, a symlink (not followed), not readable, another
                 user's or in reach of another user.
         """
+        reason = self.rewind_refusal()
+        if reason is not None:
+            raise ValueError(reason)
         if _STEP.fullmatch(value):
             if self._checkpoints is None:
                 raise ValueError(
