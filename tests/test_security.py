@@ -1517,3 +1517,45 @@ def test_accelerate_refuses_a_rewind_while_it_would_unpickle_registered_objects(
     assert not reply["ok"] and "register_for_checkpointing" in reply["reason"], reply
     assert not marker.exists(), "code from the checkpoint ran"
     assert not second.events("branched")
+
+
+def test_a_sharded_checkpoint_runs_no_code_from_its_metadata(tmp_path):
+    """``torch.distributed.checkpoint`` reads a directory's ``.metadata`` with a full
+    ``pickle.load``; ``load_sharded`` (the rewind and resume of a model ``fully_shard``
+    wrapped, e.g. Fabric's on one process) reads it naming nothing but the metadata's
+    classes: a real one loads back bit for bit, one with a payload runs no code."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from agent.control.checkpoints import FORMAT
+    from agent.integrations.sharded import load_sharded, save_sharded
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        saved = tmp_path / "sharded"
+        save_sharded(saved, model, optimizer, {"format": FORMAT, "world_size": 1,
+                                               "step": 1, "knobs": {}})
+        want = [parameter.detach().clone() for parameter in model.parameters()]
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.zero_()
+        assert load_sharded(saved, model, optimizer)["step"] == 1
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(model.parameters(), want))
+        marker = tmp_path / "PWNED"
+        (saved / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+        with pytest.raises(BaseException) as error:
+            load_sharded(saved, model, optimizer)
+        assert not marker.exists(), "code from the checkpoint ran"
+        # a ValueError, not torch's CheckpointException (a BaseException no caller catches)
+        assert error.type is ValueError, error.type
+        assert "the checkpoint's metadata names posix.mkdir" in str(error.value)
+        assert "Traceback" not in str(error.value)
+    finally:
+        dist.destroy_process_group()
