@@ -1362,17 +1362,28 @@ def test_a_rewind_reads_no_checkpoint_another_user_wrote_or_can_swap(run_dir, tm
         str(shared_tmp / "open" / "mine.pt"): f"{shared_tmp / 'open'} belongs to uid",
         str(group / "mine.pt"): f"other users can write in {group} (mode 0770)",
     })
+    deeper = shared_tmp / "theirs" / "mine"  # this user's folder in theirs
+    deeper.mkdir(mode=0o700)
+    shutil.copy(saved, deeper / "mine.pt")
+    assert loop.send("rewind", str(deeper / "mine.pt"))["ok"]  # (a command's check: the
+    loop.train(1)  # checkpoint and its folder; the whole path before the read)
+    assert loop.run.branch == 0
     assert loop.send("rewind", str(shared_tmp / "link" / saved.name))["ok"]
     loop.train(1)
     assert loop.run.branch == 1 and loop.run.step == 3
-    [branched] = [r for r in loop.records() if r.get("kind") == "branched"]
+    records = loop.records()
+    [failed] = [r for r in records if r.get("kind") == "failed"]
+    assert (f"{shared_tmp / 'theirs'} belongs to uid {theirs}, another user"
+            in failed["text"]), failed
+    [branched] = [r for r in records if r.get("kind") == "branched"]
     assert branched["source"] == str(saved), branched  # read through the link's target
 
 
 def test_a_rewind_reads_nothing_in_reach_of_other_users(run_dir, tmp_path):
     """What one user stages alone: a checkpoint in a folder every user can write (no
-    sticky bit), one every user can write itself, a checkpoint folder holding a symlink:
-    each ``rewind`` is refused at once with the reason."""
+    sticky bit), one every user can write itself: each ``rewind`` is refused at once with
+    the reason; a checkpoint folder holding a symlink: where it applies (its entries
+    are looked at before the read, not by a command's check)."""
     loop, saved = _saved_loop(tmp_path)
     open_folder = tmp_path / "open"
     open_folder.mkdir()
@@ -1387,11 +1398,12 @@ def test_a_rewind_reads_nothing_in_reach_of_other_users(run_dir, tmp_path):
     _refused(loop, {
         str(open_folder / "mine.pt"): f"other users can write in {open_folder} (mode 0777)",
         str(writable): f"other users can write {writable} (mode 0666)",
-        str(folder): f"{folder / 'model.pt'} is a symlink, which is not followed",
     })
+    assert loop.send("rewind", str(folder))["ok"]
     loop.train(2)
     assert loop.run.branch == 0 and loop.run.step == 6
-    loop.records()
+    [failed] = [r for r in loop.records() if r.get("kind") == "failed"]
+    assert f"{folder / 'model.pt'} is a symlink, which is not followed" in failed["text"]
 
 
 # --- rewind: a checkpoint with a pickle payload ----------------------------------------

@@ -216,7 +216,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 MAX_CHECKPOINT_ENTRIES = 10_000
 
 
-def own_checkpoint(path: Path) -> Path:
+def own_checkpoint(path: Path, *, whole: bool = True) -> Path:
     """``path``, its parents' links resolved, once no other user can have written or swap it.
 
     What ``rewind`` reads must be this user's (or root's) from ``/`` down: every
@@ -230,35 +230,37 @@ def own_checkpoint(path: Path) -> Path:
 
     Args:
         path: an absolute path whose last component is not a symlink (checked before).
+        whole: all of the above (before the read). False: the checkpoint and the
+            directory holding it only, as given (a command's check on the I/O thread,
+            which a flood of commands must not make costly).
 
     Returns:
         The path to read: the same file, its parents' symlinks resolved (read through it,
-        a link swapped later changes nothing).
+        a link swapped later changes nothing); ``path`` itself when not ``whole``.
 
     Raises:
         ValueError: why another user could have written or could swap it.
         OSError: a part of it cannot be examined.
 
-    .. note:: A few ``lstat`` calls a path component, and one an entry of a directory.
+    .. note:: ``whole``: an ``lstat`` a path component (each of them resolving the path
+       so far) and one an entry of a directory: about 0.3 ms for 8 components, 2.5 ms
+       for 64, 130 ms for 10,000 entries. Not ``whole``: two ``stat`` calls.
     """
     trusted = {os.getuid(), 0}
+    way_out = "copy it to a directory only you can write, and rewind to the copy"
+    if not whole:
+        status = os.lstat(path)
+        _may_hold(path.parent, os.stat(path.parent), path, status, trusted, way_out)
+        _own_entry(path, status, trusted, way_out)
+        return path
     real = (Path(os.path.realpath(path)) if path.name in ("", "..")
             else Path(os.path.realpath(path.parent)) / path.name)
-    way_out = "copy it to a directory only you can write, and rewind to the copy"
     at = Path(real.anchor)
     status = os.lstat(at)
     for name in real.parts[1:]:
         below = at / name
         below_status = os.lstat(below)
-        if status.st_uid not in trusted:
-            raise ValueError(f"{at} belongs to uid {status.st_uid}, another user, who "
-                             f"could swap {below}: {way_out}")
-        if _writable_by_others(status):
-            if not status.st_mode & stat.S_ISVTX:
-                raise ValueError(f"other users can write in {at} (mode "
-                                 f"{stat.S_IMODE(status.st_mode):04o}), so {below} could "
-                                 f"be theirs or be swapped: {way_out}")
-            _trusted_owner(below, below_status, trusted, way_out)  # (sticky: ours stay ours)
+        _may_hold(at, status, below, below_status, trusted, way_out)
         if stat.S_ISLNK(below_status.st_mode):
             raise ValueError(f"{below} changed into a symlink while being checked")
         at, status = below, below_status
@@ -278,6 +280,22 @@ def own_checkpoint(path: Path) -> Path:
                                      f"{way_out}")
                 _own_entry(entry, entry_status, trusted, way_out)
     return real
+
+
+def _may_hold(folder: Path, status: os.stat_result, below: Path, below_status: os.stat_result,
+              trusted: set[int], way_out: str) -> None:
+    """Raises ValueError unless no other user can swap ``below`` in ``folder`` (their
+    ``lstat`` s): ``folder`` is a trusted user's, and writable by no one else unless it
+    has the sticky bit and ``below`` is a trusted user's."""
+    if status.st_uid not in trusted:
+        raise ValueError(f"{folder} belongs to uid {status.st_uid}, another user, who "
+                         f"could swap {below}: {way_out}")
+    if _writable_by_others(status):
+        if not status.st_mode & stat.S_ISVTX:
+            raise ValueError(f"other users can write in {folder} (mode "
+                             f"{stat.S_IMODE(status.st_mode):04o}), so {below} could "
+                             f"be theirs or be swapped: {way_out}")
+        _trusted_owner(below, below_status, trusted, way_out)  # (sticky: ours stay ours)
 
 
 def _trusted_owner(path: Path, status: os.stat_result, trusted: set[int],

@@ -562,14 +562,15 @@ class RunBase:
                             check=self._check_rewind))
 
     def _check_rewind(self, value: str) -> None:
-        self._checked_checkpoint(value)
+        self._checked_checkpoint(value, whole=False)
 
-    def _checked_checkpoint(self, value: str) -> Path:
+    def _checked_checkpoint(self, value: str, *, whole: bool = True) -> Path:
         """``rewind``'s value as the checkpoint it names: an integer N is the one the
         ``checkpoint`` command saved at step N (its directory and name), anything else
         an absolute path; returned with its parents' symlinks resolved, once no other
-        user can have written or swap it (:func:`agent.control.checkpoints.own_checkpoint`).
-        Any thread: a few file-system calls a path component and a checkpoint file, no read.
+        user can have written or swap it (:func:`agent.control.checkpoints.own_checkpoint`,
+        with ``whole``: not ``whole``, a command's check on the I/O thread, looks at the
+        checkpoint and its directory only). Any thread; no read.
 
         Raises:
             ValueError: :meth:`rewind_refusal`'s reason (one that came since ``rewind`` was
@@ -604,7 +605,7 @@ class RunBase:
         if not os.access(path, os.R_OK | (os.X_OK if stat.S_ISDIR(mode) else 0)):
             raise ValueError(f"{path} is not readable by the training process")
         try:
-            return own_checkpoint(path)
+            return own_checkpoint(path, whole=whole)
         except OSError as exc:
             raise ValueError(f"{path} cannot be examined: {exc.strerror or exc}") from None
 
