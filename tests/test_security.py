@@ -1571,3 +1571,26 @@ def test_a_sharded_checkpoint_runs_no_code_from_its_metadata(tmp_path):
         assert "Traceback" not in str(error.value)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_sharded_checkpoint_that_cannot_be_written_raises_os_error(tmp_path):
+    """``torch.distributed.checkpoint`` reports a failure as its CheckpointException, a
+    BaseException: ``save_sharded`` says it as the OSError it documents (every rank
+    hears of it at its last collective), not as something no caller catches."""
+    import torch
+    import torch.distributed as dist
+
+    from agent.control.checkpoints import FORMAT
+    from agent.integrations.sharded import save_sharded
+
+    (tmp_path / "a-file").write_text("not a directory")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 3)
+        with pytest.raises(BaseException) as error:
+            save_sharded(tmp_path / "a-file" / "sharded", model, None,
+                         {"format": FORMAT, "world_size": 1, "step": 1, "knobs": {}})
+        assert error.type is OSError, error.type
+        assert str(error.value).startswith("the sharded checkpoint failed on rank 0"), error
+    finally:
+        dist.destroy_process_group()

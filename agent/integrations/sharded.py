@@ -142,6 +142,17 @@ def agree_on_checkpoint(failure: str | None) -> str | None:
     return agree(failure)[0]
 
 
+def _failure_text(exc: BaseException) -> str:
+    """``exc`` in one line; torch's ``CheckpointException`` as each rank's own failure
+    (its text holds their tracebacks)."""
+    # (told by its name: torch.distributed.checkpoint takes seconds to import)
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict):
+        return "; ".join(f"{type(error).__name__}: {error} (rank {rank})"
+                         for rank, (error, _) in failures.items())
+    return f"{type(exc).__name__}: {exc}"
+
+
 def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  rank_state: dict[str, Any]) -> None:
     """Write a sharded checkpoint into the directory rank 0 gives as ``path``, on every rank.
@@ -157,6 +168,7 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
             rank), e.g. a directory that cannot be written.
     """
     import torch.distributed.checkpoint as dcp  # (seconds to import: only when saving)
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     failure, directory = agree(None, path if dist.get_rank() == 0 else None)
     if failure is None:
@@ -169,8 +181,8 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                 state = {"model": model_state, "optimizer": optimizer_state}
             dcp.save(state, checkpoint_id=directory)  # (raises on every rank on a failure)
             torch.save(rank_state, directory / RANK_FILE.format(rank=dist.get_rank()))
-        except Exception as exc:
-            failure = f"{type(exc).__name__}: {exc}"
+        except (Exception, CheckpointException) as exc:  # (the latter: a BaseException)
+            failure = _failure_text(exc)
         failure = agree(failure)[0]
     if failure is not None:
         raise OSError(f"the sharded checkpoint failed on {failure}")
@@ -265,9 +277,7 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
     try:
         dcp.load(state, storage_reader=_metadata_reader(directory))
     except CheckpointException as exc:  # (a BaseException, which no caller would catch)
-        failures = "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
-                             for rank, (error, _) in exc.failures.items())
-        raise ValueError(f"{path} cannot be loaded ({failures})") from None
+        raise ValueError(f"{path} cannot be loaded ({_failure_text(exc)})") from None
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
