@@ -1594,3 +1594,39 @@ def test_a_sharded_checkpoint_that_cannot_be_written_raises_os_error(tmp_path):
         assert str(error.value).startswith("the sharded checkpoint failed on rank 0"), error
     finally:
         dist.destroy_process_group()
+
+
+def test_a_script_clients_errors_carry_no_control_sequence(run_dir, tmp_path):
+    """A rewind to a crafted file fails where it applies with torch's reason, which
+    quotes the file (a global named with escape sequences) and has its own bold ones:
+    ``RunClient.set`` raises CommandError with them shown as text, for a script that
+    prints it (the steer example does); its ``body`` keeps the event as sent."""
+    from gpuwatch.client import CommandError, RunClient
+
+    loop, _ = _saved_loop(tmp_path)
+    crafted = tmp_path / "crafted.pt"
+    crafted.write_bytes(b"\x80\x02cevil\x1b]0;PWNED-TITLE\x07\nname\n.")
+    crafted.chmod(0o600)
+    client = RunClient(loop.run.agent.info)
+    errors: list[BaseException] = []
+
+    def steer() -> None:
+        try:
+            client.set("rewind", str(crafted), apply_step=loop.run.step + 2, timeout_s=60)
+        except BaseException as exc:  # noqa: BLE001 -- looked at below
+            errors.append(exc)
+
+    import threading
+
+    thread = threading.Thread(target=steer)
+    thread.start()
+    while thread.is_alive():  # the test is the training thread
+        loop.train(1)
+        thread.join(0.01)
+    client.close()
+    loop.records()
+    [error] = errors
+    assert isinstance(error, CommandError), error
+    assert "\x1b" not in str(error) and "\x07" not in str(error)
+    assert "␛]0;PWNED-TITLE␇" in str(error), str(error)
+    assert "\x1b]0;PWNED-TITLE\x07" in error.body["text"]  # the event as the run sent it
