@@ -179,11 +179,12 @@ def reply_text(knob: str, value: Any, reply: protocol.Reply) -> str:
 class CommandError(RuntimeError):
     """A command the run refused, did not answer, or could not apply.
 
-    The message says why, as :func:`reply_text` does; :attr:`body` is the reply or the
-    ``failed`` event."""
+    The message says why, as :func:`reply_text` does, its control characters shown as
+    text (:func:`agent.wire.protocol.printable`: it quotes the run, whose reasons may
+    quote a crafted file); :attr:`body` is the reply or the ``failed`` event, as sent."""
 
     def __init__(self, text: str, body: dict[str, Any]) -> None:
-        super().__init__(text)
+        super().__init__(protocol.printable(text, newlines=True))
         self.body = body
 
 

@@ -1087,13 +1087,16 @@ class _Run(RunBase):
         """A checkpoint of ``trainer.save_checkpoint``, read as ``fit(ckpt_path=...)`` reads it.
 
         The ``checkpoint`` command's, or any of this fit's with gpuwatch's state; read
-        through the strategy's ``load_checkpoint``, in :meth:`state_snapshot`'s form: the
-        windows counted from its boundary as a resume counts them (:meth:`_resume`).
+        through the strategy's ``load_checkpoint`` with ``weights_only`` (no code runs from
+        it, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says), in :meth:`state_snapshot`'s
+        form: the windows counted from its boundary as a resume counts them
+        (:meth:`_resume`).
 
         Raises:
             ValueError: it has no state of gpuwatch's (no data position to go back to).
+            pickle.UnpicklingError: it holds more than tensors and plain values.
         """
-        saved = self.trainer.strategy.load_checkpoint(path)
+        saved = self.trainer.strategy.load_checkpoint(path, weights_only=True)
         state = next((saved.get("callbacks", {}).get(callback.state_key)
                       for callback in self.trainer.callbacks  # type: ignore[attr-defined]
                       if isinstance(callback, GpuwatchCallback)), None)

@@ -65,7 +65,8 @@ from agent.wire.knobs import (CHECKPOINT, EVALUATE, LR_SCALE, MIXTURE, PAUSE, RE
                               REWIND, STOP, Knob, assignment)
 from agent.wire.protocol import EventKind
 from agent.integrations.adapters import NOT_A_MIXTURE, MemoryKnobs, publish_events
-from agent.control.checkpoints import Checkpoints, knobs_text, restore_knobs, set_knobs
+from agent.control.checkpoints import (Checkpoints, knobs_text, own_checkpoint, restore_knobs,
+                                       set_knobs)
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.step.record import StepRecord
@@ -562,16 +563,24 @@ class RunBase:
                             check=self._check_rewind))
 
     def _check_rewind(self, value: str) -> None:
-        self._checked_checkpoint(value)
+        self._checked_checkpoint(value, whole=False)
 
-    def _checked_checkpoint(self, value: str) -> Path:
+    def _checked_checkpoint(self, value: str, *, whole: bool = True) -> Path:
         """``rewind``'s value as the checkpoint it names: an integer N is the one the
         ``checkpoint`` command saved at step N (its directory and name), anything else
-        an absolute path. Any thread: a few file-system calls, no read.
+        an absolute path; returned with its parents' symlinks resolved, once no other
+        user can have written or swap it (:func:`agent.control.checkpoints.own_checkpoint`,
+        with ``whole``: not ``whole``, a command's check on the I/O thread, looks at the
+        checkpoint and its directory only). Any thread; no read.
 
         Raises:
-            ValueError: no such checkpoint, a symlink (not followed), not readable.
+            ValueError: :meth:`rewind_refusal`'s reason (one that came since ``rewind`` was
+                bound), no such checkpoint, a symlink (not followed), not readable, another
+                user's or in reach of another user.
         """
+        reason = self.rewind_refusal()
+        if reason is not None:
+            raise ValueError(reason)
         if _STEP.fullmatch(value):
             if self._checkpoints is None:
                 raise ValueError(
@@ -596,7 +605,10 @@ class RunBase:
             raise ValueError(f"{path} is a symlink, which is not followed: give its target")
         if not os.access(path, os.R_OK | (os.X_OK if stat.S_ISDIR(mode) else 0)):
             raise ValueError(f"{path} is not readable by the training process")
-        return path
+        try:
+            return own_checkpoint(path, whole=whole)
+        except OSError as exc:
+            raise ValueError(f"{path} cannot be examined: {exc.strerror or exc}") from None
 
     def _rewind(self, value: str) -> dict[str, Any]:
         """Training thread, at a boundary: read the checkpoint ``value`` names and go on

@@ -139,7 +139,8 @@ class _PartFollower:
 
     def read(self, max_records: int) -> tuple[list[dict[str, Any]], bool]:
         envelopes: list[dict[str, Any]] = []
-        while len(envelopes) < max_records:
+        budget = READ_BYTES  # (decompressed: records of 1 MB are few a read)
+        while len(envelopes) < max_records and budget > 0:
             if self._reader is None:
                 try:
                     self._fd = runlog.open_no_follow(runlog.part_path(self.path, self._index))
@@ -147,7 +148,9 @@ class _PartFollower:
                     return envelopes, True
                 self._reader = runlog.PartReader(self._fd, part=self._index)
                 self._counted = 0
-            found = self._reader.read(max_bytes=READ_BYTES)
+            counted = self._reader.counted_bytes
+            found = self._reader.read(max_bytes=budget)
+            budget -= self._reader.counted_bytes - counted
             self.malformed += self._reader.malformed - self._counted
             self._counted = self._reader.malformed
             envelopes += [envelope for _, envelope in found]
