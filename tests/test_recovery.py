@@ -114,9 +114,11 @@ def test_the_knobs_panel_shows_the_settings_after_the_value():
                                 "detail": "every 25 x2\x1b[31m, lr x0.5 for 100"}}
     state.knobs = {"recover": "on"}
     line = _knob_line(state, "recover", 0.0, None)
-    assert line.value == "on (every 25 x2\u241b[31m, lr x0.5 for 100)"
+    assert (line.value, line.detail) == ("on", "every 25 x2\u241b[31m, lr x0.5 for 100")
+    assert line.render(8, 60).plain.rstrip() == (
+        "recover on (every 25 x2\u241b[31m, lr x0.5 for 100)")
     state.knobs = {"recover": "off"}
-    assert _knob_line(state, "recover", 0.0, None).value == "off"
+    assert _knob_line(state, "recover", 0.0, None).detail == ""
 
 
 def test_the_ring_keeps_the_latest_states_within_its_budget(run_dir):
