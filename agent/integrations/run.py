@@ -379,24 +379,25 @@ class RunBase:
             finally:
                 if model is not None and training is not None:
                     model.train(training)
-            numbers = self.publish_evaluation(self.step, metrics)
+            numbers, shown = self.publish_evaluation(self.step, metrics)
             self.agent.mark_start()  # the next step's time leaves the evaluation out
-            return {"text": "metrics in the evaluation event" if numbers else
-                    "the evaluation returned no numbers"}
+            # the metrics in the reply too: where a dashboard shows one line of events,
+            # the applied event is the last, and a script's RunClient.set returns it
+            return {"text": shown if numbers else f"the evaluation returned {shown}"}
 
         self.knobs.add(Knob(EVALUATE, get=lambda: None, set=now))
 
     def publish_evaluation(self, step: int, metrics: dict[str, Any] | None,
-                           **fields: Any) -> dict[str, float]:
-        """Publish an ``evaluation`` event at ``step`` with ``metrics``' numbers; returns them.
+                           **fields: Any) -> tuple[dict[str, float], str]:
+        """Publish an ``evaluation`` event at ``step`` with ``metrics``' numbers.
 
-        The numbers are :func:`metric_numbers`'s (call it once the evaluation has ended);
-        the event has ``fields`` too, and is for the event log, the dashboard and the run
-        log."""
+        Returns :func:`metric_numbers`'s numbers and line (call it once the evaluation
+        has ended); the event has ``fields`` too, and is for the event log, the dashboard
+        and the run log."""
         numbers, shown = metric_numbers(metrics)
         self.agent.event("info", f"evaluation at step {step}: {shown}",
                          kind=EventKind.EVALUATION, step=step, metrics=numbers, **fields)
-        return numbers
+        return numbers, shown
 
     # ------------------------------------------------------------ rollback of the state
 
