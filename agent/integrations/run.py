@@ -567,7 +567,8 @@ class RunBase:
     def _checked_checkpoint(self, value: str) -> Path:
         """``rewind``'s value as the checkpoint it names: an integer N is the one the
         ``checkpoint`` command saved at step N (its directory and name), anything else
-        an absolute path. Any thread: a few file-system calls, no read.
+        an absolute path. Any thread: a few file-system calls, no read (a missing step's
+        refusal lists the checkpoint directory's names, to say which steps were saved).
 
         Raises:
             ValueError: no such checkpoint, a symlink (not followed), not readable.
@@ -578,18 +579,23 @@ class RunBase:
                     "this run has no checkpoint command ("
                     + self.knobs.unsupported.get(CHECKPOINT.name, "none bound")
                     + ") to have saved a step: give a checkpoint's absolute path")
+            wanted: int | None = int(value)
             path = self._checkpoints.path(int(value))
-            missing = f"the checkpoint command saved no step {int(value)} (no {path})"
         else:
+            wanted = None
             path = Path(value)
             if not path.is_absolute():
                 raise ValueError(f"{value!r} is neither a step nor an absolute path (the "
                                  "training process's working directory is not yours)")
-            missing = f"no checkpoint at {path}"
         try:
             mode = path.lstat().st_mode
         except FileNotFoundError:
-            raise ValueError(missing) from None
+            if wanted is None:
+                raise ValueError(f"no checkpoint at {path}") from None
+            assert self._checkpoints is not None  # (a step names one it saved)
+            raise ValueError(f"the checkpoint command saved no step {wanted} (no {path})"
+                             + _saved_steps_text(self._checkpoints.saved_steps(), wanted)
+                             ) from None
         except OSError as exc:
             raise ValueError(f"{path} cannot be read: {exc.strerror or exc}") from None
         if stat.S_ISLNK(mode):
@@ -909,6 +915,23 @@ def end_on_signals(run: Any) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the exit status says SIGTERM, as before
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+#: Saved steps a refused ``rewind=N`` names at most (those nearest N).
+MAX_NAMED_STEPS = 6
+
+
+def _saved_steps_text(steps: list[int], wanted: int) -> str:
+    """What a refused ``rewind=N`` adds: the saved steps nearest ``wanted``, in order.
+
+    ``; saved: steps 707, 806``, or that none is saved yet."""
+    if not steps:
+        return "; none saved yet (checkpoint=now saves one)"
+    nearest = sorted(sorted(steps, key=lambda step: abs(step - wanted))[:MAX_NAMED_STEPS])
+    shown = ", ".join(str(step) for step in nearest)
+    more = len(steps) - len(nearest)
+    return (f"; saved: step{'s' if len(steps) > 1 else ''} {shown}"
+            + (f" ({more:,} more)" if more else ""))
 
 
 def metric_numbers(metrics: dict[str, Any] | None) -> tuple[dict[str, float], str]:
