@@ -502,7 +502,9 @@ class RunBase:
         ``branched`` event (``branch``, ``parent``, ``step``, ``source``, ``cause``,
         ``knobs``) is published before any step record of the new branch. ``knobs``: the
         knob values that come back with the state (a checkpoint's), set after it and named
-        in the event.
+        in the event; without them, the event names the settings the state itself put
+        back (a Trainer's, an optimizer's weight decay: ``back as at step 20:
+        weight_decay=0.0``), so that a change made since is not undone unsaid.
 
         Returns:
             ``(the new branch's id, what is not as it was or None)``.
@@ -511,6 +513,7 @@ class RunBase:
             Exception: what :meth:`load_snapshot` raised (no new branch then; the
                 state may be partly put back).
         """
+        before = self.agent.knobs.values() if knobs is None else {}
         differs = self.load_snapshot(snapshot)
         self.step = step
         self.agent.rewound(step)
@@ -522,6 +525,11 @@ class RunBase:
         if knobs is not None:
             restored, failed, absent = set_knobs(self.agent, knobs)
             text += knobs_text(restored, failed, absent)
+        else:  # the state's own settings (a Trainer's, an optimizer's weight decay)
+            back = [assignment(name, value) for name, value in self.agent.knobs.values(
+                ).items() if name in before and before[name] != value]
+            if back:
+                text += f"; back as at step {step}: " + ", ".join(back)
         if differs:
             text += f"; not as before: {differs}"
         self.agent.event("warning" if failed or differs else "info", text,
