@@ -986,10 +986,11 @@ class RunState:
     def _fold_bye(self, body: dict[str, Any], now: float) -> None:
         body = bounded(body)
         self.ended = body
-        steps = body.get("steps")
-        self.log("info", f"run ended ({body.get('reason') or 'no reason given'})"
-                 + (f" after {counted(steps, 'step')}" if type(steps) is int else ""),
-                 self.message_t)
+        steps = body["steps"] if type(body.get("steps")) is int else None
+        reason = str(body.get("reason") or "no reason given")
+        counts = (f" after {counted(steps, 'step')}" if steps is not None
+                  and not reason.endswith(f"after step {steps}") else "")
+        self.log("info", f"run ended ({reason}){counts}", self.message_t)
 
     def _set_knobs(self, knobs: dict[str, Any], now: float, *,
                    at_step: int | None = None) -> None:

@@ -118,6 +118,9 @@ def test_state_status_transitions():
     state.ingest(envelope("bye", {"reason": "finished", "steps": 1}), 20.0)
     assert state.status_at(1000.0) == "ended"
     assert state.events[-1].text == "run ended (finished) after 1 step"
+    state.ingest(envelope("bye", {"reason": "stopped by stop=now after step 830",
+                                  "steps": 830}), 21.0)  # not "... after 830 steps" again
+    assert state.events[-1].text == "run ended (stopped by stop=now after step 830)"
 
 
 def test_state_says_paused_not_stalled_while_pause_holds_the_run():
