@@ -38,6 +38,9 @@ STALLED_AFTER_S = 5.0
 STALL_STEPS = 3
 #: Latest steps whose time sets how long a run may go without a step.
 STALL_WINDOW_STEPS = 20
+#: Commands that hold the run at a boundary while they work, and its status meanwhile
+#: (an evaluation can take minutes: no step then is not a stall).
+BUSY_STATUSES = {"evaluate": "evaluating", "checkpoint": "saving"}
 #: Entries kept of one map or list from the wire (a knob schema has dozens).
 MAX_ITEMS = 256
 #: Nesting kept of a value from the wire; deeper parts become None.
@@ -676,8 +679,18 @@ class RunState:
         if self.compiling_since is not None:
             return "compiling"
         if judged_at - (self.last_step_at or self.first_seen_at) > self.stall_after_s():
-            return "stalled" if self.paused_after is None else "paused"
+            if self.paused_after is not None:
+                return "paused"
+            return next((status for knob, status in BUSY_STATUSES.items()
+                         if self._due(knob)), "stalled")
         return "live"
+
+    def _due(self, knob: str) -> bool:
+        """Whether a command of ``knob`` was accepted for the boundary after the last
+        step (so the run is at it) and has not settled."""
+        pending = self.pending.get(knob)
+        return (pending is not None and pending.apply_step is not None
+                and self.step is not None and pending.apply_step <= self.step + 1)
 
     def stall_after_s(self) -> float:
         """How long this run may go without an optimizer step before it is "stalled".
@@ -693,12 +706,15 @@ class RunState:
 
     @property
     def status(self) -> str:
-        """The run's status: waiting, live, compiling, stalled, paused, gone, quiet or ended.
+        """The run's status: waiting, live, compiling, stalled, paused, evaluating, saving,
+        gone, quiet or ended.
 
         ``waiting``: nothing received yet. ``compiling``: a ``compiling`` event has come and
         not its end (steps are slow, not stalled). ``stalled``: messages but no step for
         :meth:`stall_after_s` (a heartbeat whose step moved counts as a step). ``paused``:
-        as stalled, but ``pause=on`` holds the run (:attr:`paused_after`). ``gone``: no
+        as stalled, but ``pause=on`` holds the run (:attr:`paused_after`). ``evaluating``,
+        ``saving``: as stalled, but an accepted ``evaluate`` / ``checkpoint`` command is due
+        at the boundary after the last step (:data:`BUSY_STATUSES`). ``gone``: no
         message, heartbeats included, for :data:`GONE_AFTER_S`, and its process is not known
         to be alive. ``quiet``: nothing heard for :data:`QUIET_AFTER_S` but its process is
         alive. ``ended``: the run said ``bye``. A gone run whose messages come back is live
@@ -905,8 +921,13 @@ class RunState:
         if type(knob) is str and len(knob) > MAX_NAME_CHARS:
             knob = None  # no knob of ours has such a name
         kind = body.get("kind")
+        step = body.get("step")
+        if kind == _KIND.ACCEPTED and knob in BUSY_STATUSES and type(step) is int:
+            self.pending[knob] = Pending(body.get("value"), step)  # any client's command
         if kind in _KIND.SETTLING and knob in self.pending:
             del self.pending[knob]
+        if kind in _KIND.SETTLING and knob in BUSY_STATUSES:
+            self.last_step_at = now  # the wait for the next step starts after it
         if kind == _KIND.APPLIED and knob == "pause":  # (an action: no knob value)
             step = body.get("step")
             if body.get("value") != "on" and self.paused_after is not None:
