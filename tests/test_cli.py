@@ -210,6 +210,20 @@ def test_each_command_help_names_itself(command):
     assert result.stdout.startswith(f"usage: gpuwatch {command} [-h]"), result.stdout
 
 
+def test_every_option_of_every_command_says_what_it_does():
+    """`gpuwatch demo --help` listed --model {transformer,cnn} with no word on either."""
+    import argparse
+
+    from gpuwatch.cli import _parser
+
+    [commands] = [action for action in _parser()._actions
+                  if isinstance(action, argparse._SubParsersAction)]
+    for name, parser in commands.choices.items():
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, (name, action.option_strings or action.dest)
+
+
 def test_version():
     result = gpuwatch("--version")
     assert result.returncode == 0 and result.stdout.startswith("gpuwatch ")
