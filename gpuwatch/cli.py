@@ -85,9 +85,11 @@ def _with_default_command(argv: list[str]) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gpuwatch", usage="gpuwatch [RUN] [--readonly]\n       gpuwatch COMMAND ...",
+        prog="gpuwatch",
+        usage="gpuwatch [RUN] [--readonly] [--quick-keys]\n       gpuwatch COMMAND ...",
         description="Watch and tune a live PyTorch training run from the terminal. "
-                    "Without a subcommand: open the dashboard on the newest live run.",
+                    "Without a subcommand: open the dashboard on the newest live run "
+                    "(its options: gpuwatch attach --help).",
         epilog="Start a run with `gpuwatch demo`, or `agent.attach(trainer)` in a script.")
     parser.add_argument("--version", action="version", version=f"gpuwatch {_version()}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", prog="gpuwatch")

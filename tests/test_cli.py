@@ -224,6 +224,12 @@ def test_every_option_of_every_command_says_what_it_does():
                 assert action.help, (name, action.option_strings or action.dest)
 
 
+def test_the_top_help_points_to_the_dashboards_options():
+    result = gpuwatch("--help")
+    assert result.returncode == 0 and "[--readonly] [--quick-keys]" in result.stdout
+    assert "gpuwatch attach --help" in " ".join(result.stdout.split())  # (wrapped)
+
+
 def test_version():
     result = gpuwatch("--version")
     assert result.returncode == 0 and result.stdout.startswith("gpuwatch ")
