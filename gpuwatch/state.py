@@ -678,9 +678,10 @@ class RunState:
             judged_at = self.last_seen_at  # unheard is not unstepping: as last heard
         if self.compiling_since is not None:
             return "compiling"
+        if self.paused_after is not None and (self.step is None
+                                              or self.step <= self.paused_after):
+            return "paused"  # at once: the run said so (no step after it: not lost)
         if judged_at - (self.last_step_at or self.first_seen_at) > self.stall_after_s():
-            if self.paused_after is not None:
-                return "paused"
             return next((status for knob, status in BUSY_STATUSES.items()
                          if self._due(knob)), "stalled")
         return "live"
@@ -712,7 +713,8 @@ class RunState:
         ``waiting``: nothing received yet. ``compiling``: a ``compiling`` event has come and
         not its end (steps are slow, not stalled). ``stalled``: messages but no step for
         :meth:`stall_after_s` (a heartbeat whose step moved counts as a step). ``paused``:
-        as stalled, but ``pause=on`` holds the run (:attr:`paused_after`). ``evaluating``,
+        ``pause=on`` holds the run (:attr:`paused_after`, and no step after it), from its
+        applied event on. ``evaluating``,
         ``saving``: as stalled, but an accepted ``evaluate`` / ``checkpoint`` command is due
         at the boundary after the last step (:data:`BUSY_STATUSES`). ``gone``: no
         message, heartbeats included, for :data:`GONE_AFTER_S`, and its process is not known

@@ -149,6 +149,9 @@ def test_state_says_paused_not_stalled_while_pause_holds_the_run():
     state.ingest(envelope("step", {"step": 102, "step_time_s": 0.1}), 10.0)
     state.ingest(envelope("event", {"kind": "applied", "knob": "pause", "value": "on",
                                     "step": 103}), 10.1)
+    # at once, not "live" for the seconds a stall takes (the demo's header said live
+    # under "pause=on applied at step 103: the training waits at this boundary")
+    assert state.status_at(10.2) == "paused"
     state.ingest(envelope("heartbeat", {"step": 102}), 16.0)
     assert state.paused_after == 102 and state.status_at(16.1) == "paused"
     state.ingest(envelope("event", {"kind": "applied", "knob": "pause", "value": "off",
