@@ -81,9 +81,9 @@ _STATUS_NOTES = {
     "gone": ("error", f"run is gone: nothing heard for {GONE_AFTER_S:g} s"),
 }
 
-#: Statuses whose end an event already tells (a compile's end, the command's applied
-#: event with its answer): back to live, the log says nothing more.
-_QUIET_RETURNS = frozenset({"compiling", *BUSY_STATUSES.values()})
+#: Statuses whose end an event already tells (a compile's end, pause=off's or the
+#: command's applied event with its answer): back to live, the log says nothing more.
+_QUIET_RETURNS = frozenset({"compiling", "paused", *BUSY_STATUSES.values()})
 
 
 #: Textual's palette entries left out (see :meth:`GpuwatchApp.get_system_commands`).

@@ -1286,6 +1286,10 @@ async def test_header_and_log_say_paused_after_which_step_not_stalled():
             source.state.ingest(envelope("heartbeat", {"step": 102}))
         await until(pilot, lambda: "● live" in text_of(app, "#header"))
         assert not any("stalled" in line for line in log_texts(app))
+        # pause=off's applied event says it goes on: no "run is live" over it
+        texts = log_texts(app)
+        assert "run is live" not in texts[texts.index(
+            "run is paused after step 102: P lets it go on"):], texts
 
 
 # --- keys that change the run ----------------------------------------------------------
