@@ -73,6 +73,29 @@ def test_one_noisy_step_is_not_a_spike_nor_are_steps_while_off():
                          [1.0] * (MIN_STEPS - 3) + [1e6] * 3) is None
 
 
+def test_a_change_that_shifts_the_loss_starts_a_new_level_and_others_do_not():
+    """dropout=0.5 raises the loss from 2.02 to 3.0: not a spike (the level starts again
+    after the change, from MIN_STEPS losses); a spike above the new level still is. A
+    command (checkpoint=now), recover itself, a failed change or a knob whose change
+    does not move the loss's level (accum_steps) leaves the level as it was."""
+    watch = _watch()
+    watch.on_event({"kind": "applied", "knob": "dropout", "value": 0.5, "step": 21})
+    assert watch.observe(list(range(21, 21 + MIN_STEPS + 5)),
+                         [3.0 + 0.01 * (i % 5) for i in range(MIN_STEPS + 5)]) is None
+    spike = watch.observe([40, 41, 42], [9.0] * 3)
+    assert spike is not None and spike.median == pytest.approx(3.02)
+    for event in ({"kind": "applied", "knob": "checkpoint", "value": "now"},
+                  {"kind": "applied", "knob": "recover", "value": "on"},
+                  {"kind": "failed", "knob": "dropout", "value": 0.5},
+                  {"kind": "applied", "knob": "accum_steps", "value": 3}):
+        again = _watch()
+        again.on_event(event)
+        assert again.observe([21, 22, 23], [9.0] * 3) is not None, event
+    rolled = _watch()  # a rollback's values put back: a change too
+    rolled.on_event({"kind": "rolled_back", "knob": "mixture", "value": "1,1"})
+    assert rolled.observe([21, 22, 23], [9.0] * 3) is None
+
+
 def test_a_refused_recovery_rearms_the_watch():
     watch = _watch()
     assert watch.observe([21, 22, 23], [9.0] * 3) is not None
@@ -237,3 +260,52 @@ def test_spikes_far_apart_are_each_recovered_from(run_dir):
     assert [(e["branch"], e["step"]) for e in branched] == [(1, 20), (2, 56)], branched
     assert not [e for e in events if e["level"] == "warning"], events
     assert recover == "on" and trained[-1] == 70
+
+
+def test_a_persons_change_that_raises_the_loss_is_not_undone_as_a_spike(run_dir):
+    """Measured by a new user: dropout=0.1 raised the loss, the spike watch took it for a
+    spike and the recovery went back past the change (dropout quietly 0.0 again; here,
+    before the fix: 3 recoveries to step 80, then recover off). A noisy linear
+    regression (its loss settles near 1.0) behind an nn.Dropout trains with recover=on;
+    dropout=0.1, a real command, raises the loss to about 1.8 for good: above the spike
+    limit (1.46), below the change guard's divergence (10x). No recovery, no spike
+    warning, and dropout stays 0.1 to the end."""
+    from agent.wire.commands import send_command
+
+    torch.manual_seed(0)
+    true_w = torch.randn(4, 1)
+    model = torch.nn.Sequential(torch.nn.Dropout(0.0), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), 0.05)
+    run = agent.session(model=model, optimizer=optimizer, name="level",
+                        recover=Recovery(keep_every_steps=4, keep_states=2))
+    events: list[dict] = []
+    run.agent.add_listener(lambda record: events.append(record)
+                           if record["type"] == "event" else None)
+    watch, losses = run.agent.spikes, []
+    try:
+        run.knobs.knobs["recover"].set("on")
+        for window in range(1, 111):
+            generator = torch.Generator().manual_seed(window)
+            x = torch.randn(256, 4, generator=generator)
+            y = x @ true_w + torch.randn(256, 1, generator=generator)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            done = run.step + 1
+            run.optimizer_step(loss.detach())
+            if window == 80:
+                reply = send_command(run.agent.info, "dropout", 0.1)
+                assert reply["ok"] and reply["apply_step"] == 82, reply
+            if window > 80:  # each step judged before the next (as a slow step would be)
+                wait_until(lambda: watch._last_step == done, f"step {done} judged",
+                           poll_s=0.002)
+        dropout = run.knobs.knobs["dropout"].get()
+    finally:
+        run.close()
+    before, after = sorted(losses[70:80])[5], sorted(losses[90:110])[10]
+    assert 1.5 * before < after < 10 * before, (before, after)
+    assert not [e for e in events if e.get("kind") == "branched"], events
+    assert not [e for e in events if "loss spike" in e.get("text", "")], events
+    assert dropout == 0.1 and run.step == 110

@@ -28,6 +28,10 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from agent.wire.knobs import STANDARD_KNOBS
+from agent.wire.protocol import EventKind
 
 #: Host memory the kept states may take together by default (bytes).
 RECOVERY_BUDGET_BYTES = 4 << 30
@@ -35,6 +39,8 @@ RECOVERY_BUDGET_BYTES = 4 << 30
 MEDIAN_STEPS = 50
 #: Losses needed before the watch judges a step (a run's first steps set its level).
 MIN_STEPS = 10
+#: The event kinds of a setting changed: applied, or put back by a rollback.
+_CHANGED = frozenset({EventKind.APPLIED, EventKind.ROLLED_BACK})
 #: The MAD is taken as at least this fraction of the median: a loss that has settled
 #: to nearly constant values must still move by that much to count.
 MIN_SPREAD = 0.02
@@ -155,6 +161,24 @@ class SpikeWatch:
         #: until a step at or before it comes (the new branch), steps are not judged
         self.waiting_since: int | None = None
         self._last_step = 0
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """An event, in its place among the steps :meth:`observe` is told of (I/O thread).
+
+        A change of a knob whose change moves the loss's level by design
+        (:attr:`agent.wire.knobs.KnobSpec.shifts_loss`: dropout, the mixture), applied or
+        put back by a rollback, starts a new level: the losses before it are dropped from
+        the median and the next :data:`MIN_STEPS` ones make the new level before any is
+        judged, so such a change is never taken for a spike and undone by a recovery. A
+        change of another knob keeps the level (a spike after it is still recovered
+        from; the harm a change does is the change guard's to judge). O(1)."""
+        if event.get("kind") not in _CHANGED:
+            return
+        knob = event.get("knob")
+        spec = STANDARD_KNOBS.get(knob) if isinstance(knob, str) else None
+        if spec is not None and spec.shifts_loss:
+            self._recent.clear()
+            self._above = 0
 
     def rearm(self) -> None:
         """The recovery asked for did not happen: judge the next steps again.

@@ -169,6 +169,7 @@ class Agent:
         self.spikes = SpikeWatch(self.recovery)
         if self.rank == 0:
             self._encoder.loss_watch = self._watch_losses
+            self._encoder.change_watch = self.spikes.on_event
 
     # ---------------------------------------------------------------- lifecycle
 

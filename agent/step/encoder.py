@@ -158,6 +158,9 @@ class StepEncoder:
         #: ``loss_watch(steps, losses)``: told every step published, in order, with its
         #: loss (the agent's loss-spike watch, on rank 0); None: nobody
         self.loss_watch: Callable[[list[int], list[Any]], None] | None = None
+        #: ``change_watch(event)``: told every event in its place among the steps (the
+        #: spike watch, which starts a new level after a change); None: nobody
+        self.change_watch: Callable[[dict[str, Any]], None] | None = None
         #: the step expected next, to count records the queue's bound dropped
         self.expected_step: int | None = None
         #: Step records lost because the queue overflowed (the I/O thread fell behind).
@@ -215,6 +218,8 @@ class StepEncoder:
                 self._done = start + 1
                 body = pending[start]
                 self._tune.on_event(body)
+                if self.change_watch is not None:
+                    self.change_watch(body)
                 self._publish(protocol.EVENT, body)  # sends the batch before it
                 continue
             try:

@@ -110,6 +110,9 @@ class KnobSpec:
         activation_memory: a change changes the memory a forward saves for backward
         (the next window measures it again). stops: the warning that a value stops the
         training, or nearly (:meth:`Knob.warning`); None where no value does.
+        shifts_loss: a change moves the training loss's level by design (dropout's masks,
+        another data mixture), so the loss-spike watch starts a new level after it
+        (:meth:`agent.control.recovery.SpikeWatch.on_event`).
     """
 
     name: str
@@ -129,6 +132,7 @@ class KnobSpec:
     trades_with: str = ""
     activation_memory: bool = False
     stops: Callable[[float], str | None] | None = None
+    shifts_loss: bool = False
 
     @property
     def command(self) -> bool:
@@ -420,11 +424,12 @@ DROPOUT = KnobSpec("dropout", "float", "p of every nn.Dropout module of the mode
                    "its attention's rate, from the next forward (a plain number in a "
                    "forward is out of reach)",
                    minimum=0.0, maximum=1.0, group=OPTIMIZER, guarded=True,
-                   stops=_dropout_stops)
+                   stops=_dropout_stops, shifts_loss=True)
 MIXTURE = KnobSpec("mixture", "weights", "weights of the datasets a "
                    "gpuopt.mixture.MixtureLoader draws from, one per dataset (normalised "
                    "to sum 1), from the next sample it draws",
-                   minimum=1, maximum=MAX_WEIGHTS, group=DATA, unit="weights")
+                   minimum=1, maximum=MAX_WEIGHTS, group=DATA, unit="weights",
+                   shifts_loss=True)
 CHECKPOINT = KnobSpec("checkpoint", "action", "save a checkpoint (model, optimizer, "
                       "scheduler, GradScaler, knobs) at the next step boundary",
                       choices=("now",), group=OTHER,
