@@ -294,6 +294,60 @@ def test_a_recovery_counts_lightnings_windows_from_where_the_data_is(driver, run
     assert sizes == [3, 1] + [3, 3, 3, 3, 3, 1] + [3, 3, 3, 3], sizes
 
 
+def _epochs(trained: list[tuple[int, ...]]) -> list[set[int]]:
+    """The samples of each run of 16 micro-batches (an epoch of the task's data)."""
+    return [set().union(*trained[at:at + 16]) for at in range(0, len(trained), 16)]
+
+
+@pytest.mark.parametrize("skip", [3, 6])
+@pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].rollback])
+def test_a_recovery_skips_skip_windows_counted_from_the_kept_state(driver, skip,
+                                                                    run_dir, tmp_path):
+    """``skip_windows`` counts from the kept state (step 20, micro-batch 40; 4 windows,
+    micro-batches 41-48, trained since when the recovery applies after step 24).
+
+    3: the kept state's data, its first 3 windows (41-46, the poisoned ones) dropped:
+    the new branch trains 47-48 again (the clean window of step 24), then whole
+    epochs. 6: the data as it is now, 2 more windows (49-52) drawn from the loader and
+    dropped: the new branch trains the twin's 53-64 (the epoch made at once from the
+    same random numbers), then whole epochs. HF skips within the kept epoch only (it
+    makes an epoch's order when it starts it: 6 ends past epoch 3's end), Lightning
+    not at all (its epoch loop counts every batch): refused with the reason, not
+    recovered."""
+    stream = run_poisoned(driver, tmp_path / "twin", steps=32, poisoned=None)
+    result = run_poisoned(driver, tmp_path / "skip", steps=34, poisoned=POISONED,
+                          hold_at=23, policy=Recovery(keep_every_steps=4, keep_states=3,
+                                                      skip_windows=skip))
+    trained, twin = result.recorder.trained, stream.recorder.trained
+    assert trained[:48] == twin[:48]  # branch 0, to step 24
+    refused = driver.skips not in ("any", "epoch") or (driver.skips == "epoch" and skip == 6)
+    if refused:
+        assert not result.events("branched")
+        [warning] = [e for e in result.events("warning") if "not recovered" in e["text"]]
+        words = ("only the 0 micro-batches left in epoch 2" if driver.skips == "epoch"
+                 else driver.skips)
+        for said in (f"skip_windows={skip} needs {2 * skip - 8 if skip > 4 else 6} "
+                     "micro-batches drawn and dropped", words):
+            assert said in warning["text"], (said, warning["text"])
+        return
+    [branched] = result.events("branched")
+    assert (branched["step"], branched["source"]) == (20, "recovery"), branched
+    said = ("skipped 6 micro-batches (3 windows) from it; the 2 after them (1 window) "
+            "are trained again" if skip == 3 else "skipped 12 micro-batches (6 windows) "
+            "from it: the 8 trained since (4 windows) and 4 more drawn and dropped "
+            "(2 windows of 2)")
+    assert said in branched["text"], branched["text"]
+    after = trained[48:]  # the new branch, from step 21
+    if skip == 3:
+        assert after[:2] == twin[46:48]
+        rest = after[2:]
+    else:
+        assert after[:12] == twin[52:64]
+        rest = after[12:]
+    assert len(rest) >= 16 and _epochs(rest)[0] == set(range(128)), rest
+    assert sorted(result.steps()) == list(range(1, 35))
+
+
 @pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].name == "loop"])
 def test_a_single_noisy_step_is_not_a_spike(driver, run_dir, tmp_path):
     """One poisoned window (step 21: its loss thousands of times the median) is noise to

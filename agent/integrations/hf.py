@@ -218,6 +218,7 @@ class _Run(RunBase):
         self.accum_changed = False
         self._epoch = 0  # HF's epoch in progress (:attr:`epoch`)
         self.micro_index = 0
+        self._steps_in_epoch: int | None = None  # HF's micro-batches in an epoch
         self.window_end = 0  # micro-batch index after the current window
         self.misaligned = False
         #: a resume's correction of HF's position: the saved epoch minus HF's count, and
@@ -656,6 +657,29 @@ class _Run(RunBase):
         trainer.control.should_epoch_stop = True
         self._rollback = snapshot["data"]
 
+    def drop_refusal(self, snapshot: Any, micro_batches: int) -> str | None:
+        """Why HF cannot skip ``micro_batches`` from ``snapshot``'s position, or None.
+
+        HF skips an epoch's first micro-batches itself when it makes the epoch again
+        (:meth:`_go_back`); it makes a later epoch's order only when it starts it, so the
+        skip must end within the snapshot's epoch."""
+        data = snapshot["data"]
+        if self._steps_in_epoch is None:
+            return "HF's epoch loop is not the one gpuwatch plans"
+        left = self._steps_in_epoch - data["micro_batches"]
+        if micro_batches > left:
+            return (f"HF makes an epoch's order only when it starts it: only the {left} "
+                    f"micro-batches left in epoch {data['epoch']} can be skipped")
+        return None
+
+    def drop_micro_batches(self, micro_batches: int) -> None:
+        """HF's epoch made again skips ``micro_batches`` more of its first micro-batches.
+
+        After :meth:`load_snapshot` (within the epoch: :meth:`drop_refusal`)."""
+        assert self._rollback is not None  # (load_snapshot set it)
+        self._rollback = {**self._rollback,
+                          "micro_batches": self._rollback["micro_batches"] + micro_batches}
+
     def _bind_accum(self, knobs: KnobSet) -> None:
         trainer = self.trainer
         reason = None
@@ -948,6 +972,7 @@ class _Run(RunBase):
         args = self.trainer.args
         self._epoch_rng = rng_state(self.device)  # HF makes the epoch's iterator next
         self._epoch = kwargs["epoch"]
+        self._steps_in_epoch = kwargs["steps_in_epoch"]
         self.micro_index = 0
         if (kwargs["resume_from_checkpoint"] is not None
                 and kwargs["epoch"] == kwargs["epochs_trained"]
