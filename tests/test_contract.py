@@ -205,10 +205,9 @@ POISONED = range(41, 47)
 
 
 def _final_loss(result) -> float:
-    """The mean loss of the last 8 steps (an epoch of the task's data; HF's run ends
-    when its planned epochs of data do, 4 steps early after 4 windows skipped)."""
+    """The mean loss of steps 41-48 (an epoch of the task's data)."""
     steps = result.steps()  # (a step trained again on a new branch: its latest record)
-    return sum(steps[step]["loss"] for step in range(max(steps) - 7, max(steps) + 1)) / 8
+    return sum(steps[step]["loss"] for step in range(41, 49)) / 8
 
 
 @pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].rollback])
@@ -220,8 +219,11 @@ def test_a_loss_spike_is_recovered_from_past_the_poisoned_batches(driver, run_di
     there for it), and at the boundary after step 24 the state goes back to the one
     kept after step 20 (a new branch), the data goes on past the 8 micro-batches
     trained since (never trained again), the lr is halved for 4 steps,
-    all said in one ``branched`` event; the last epoch's loss is then within 10% of
-    the twin's (4-9%: it trained other windows, 4 of them at half the lr)."""
+    all said in one ``branched`` event; the run reaches step 48 (HF too: it trains
+    past its 6 planned epochs of data, 4 windows of them skipped) and the last epoch's
+    loss is then within 6% of the twin's (3.5-4.8%: it trained other windows, 4 of them
+    at half the lr; HF ended at step 44, 8.6% above, before it trained on: at its
+    steps 37-44 it was 2.0% above the twin's)."""
     twin = run_poisoned(driver, tmp_path / "twin", steps=RECOVERY_STEPS, poisoned=None)
     spiked = run_poisoned(driver, tmp_path / "spiked", steps=RECOVERY_STEPS,
                           poisoned=POISONED)
@@ -233,7 +235,12 @@ def test_a_loss_spike_is_recovered_from_past_the_poisoned_batches(driver, run_di
     want, unrecovered, got = (_final_loss(r) for r in (twin, spiked, recovered))
     if not driver.clips_gradients:  # (clipping keeps the damage within 2%)
         assert unrecovered > 1.15 * want, (unrecovered, want)
-    assert abs(got - want) < 0.1 * want, (got, want, unrecovered)
+    assert abs(got - want) < 0.06 * want, (got, want, unrecovered)
+    assert max(recovered.steps()) == RECOVERY_STEPS
+    if driver.name == "hf":
+        [plan] = recovered.events("plan")
+        assert plan["text"].startswith("4 windows of data skipped by a loss-spike recovery: "
+                                       "the run trains beyond its 6 planned epoch(s)"), plan
 
     [branched] = recovered.events("branched")
     assert (branched["branch"], branched["parent"], branched["step"],

@@ -891,8 +891,8 @@ class _Run(RunBase):
         per epoch becomes an upper bound (the epoch ends when its data does); on a
         resume it starts at the saved data position (:meth:`_at_saved_position`); and
         after HF's last planned epoch more run while the planned max_steps is not
-        reached (only after an ``accum_steps`` change, or a resume HF counted other
-        epochs for)."""
+        reached (only after an ``accum_steps`` change, a resume HF counted other epochs
+        for, or a loss-spike recovery that skipped data)."""
         run_epoch = self._originals["_run_epoch"]
         if args or not _EPOCH_KEYWORDS <= kwargs.keys():
             self.plan = False  # an unknown signature: HF's own plan, and no accum_steps
@@ -907,13 +907,17 @@ class _Run(RunBase):
         result = run_epoch(**kwargs)
         epoch = kwargs["epoch"]
         result = self._go_back(run_epoch, kwargs, result)
-        while (last_planned and (self.accum_changed or self.epoch_offset)
+        while (last_planned and (self.accum_changed or self.epoch_offset
+                                 or self.skipped_windows)
                and not trainer.control.should_training_stop
                and state.global_step < state.max_steps):
             epoch += 1
             if not self._epoch_note_sent:
                 self._epoch_note_sent = True
-                self.agent.event("info", f"accum_steps={self._accum_value()}: the run trains "
+                why = (f"{self.skipped_windows} windows of data skipped by a loss-spike "
+                       "recovery" if self.skipped_windows and not self.accum_changed
+                       else f"accum_steps={self._accum_value()}")
+                self.agent.event("info", f"{why}: the run trains "
                                  f"beyond its {state.num_train_epochs} planned epoch(s) to "
                                  f"reach its planned step {state.max_steps} (max_steps; the "
                                  "LR schedule is built on it)", kind=EventKind.PLAN,
