@@ -54,7 +54,10 @@ class DataPosition:
             progress (a loop that counts its epochs resumes from it).
         fetched_in_epoch: training batches fetched in that epoch.
         fetched_total, trained_total: training batches fetched, and trained on by
-            finished windows, since the run began (a resumed run counts on).
+            finished windows (or dropped: :meth:`drop`), since the run began (a resumed
+            run counts on).
+        dropping: training batches the iteration is still to draw and drop
+            (:meth:`drop`).
         exact_reason: why a resume from here would not continue exactly, or None.
 
     .. note:: Per fetch: a grad-mode check, three counter additions and a deque append
@@ -70,6 +73,7 @@ class DataPosition:
         self.fetched_total = 0
         self.trained_total = 0
         self.exact_reason: str | None = None
+        self.dropping = 0
         self._epoch_rng: dict[str, Any] | None = None
         #: the latest training batches fetched: ``(key, batch)``
         self._recent: deque[tuple[str, Any]] = deque(maxlen=MAX_AHEAD)
@@ -110,6 +114,15 @@ class DataPosition:
         self.epoch += 1
         self.fetched_in_epoch = 0
 
+    def drop(self, batches: int) -> None:
+        """Draw the next ``batches`` training batches and drop them, untrained.
+
+        :meth:`epoch_iterator` (and :meth:`timed_fetch`'s function) draws them from the
+        loader, in its order, before the next batch it yields, across epochs as the
+        iteration goes on; each counts as fetched and trained (never fetched ahead). A
+        loss-spike recovery skips the data that led to it this way."""
+        self.dropping += batches
+
     @property
     def ahead(self) -> int:
         """Training batches fetched but not trained on by a finished window."""
@@ -138,7 +151,8 @@ class DataPosition:
                 "fetched_in_epoch": self.fetched_in_epoch,
                 "fetched_total": self.fetched_total, "trained_total": self.trained_total,
                 "epoch_rng": self._epoch_rng, "rng": rng_state(self.device),
-                "ahead": [(key, _to_host(batch)) for key, batch in batches]}
+                "ahead": [(key, _to_host(batch)) for key, batch in batches],
+                "dropping": self.dropping}
 
     def load_state_dict(self, state: dict[str, Any], *, replay: bool = True) -> None:
         """Go back to ``state`` (:meth:`state_dict`'s), before training or in the middle of it.
@@ -153,6 +167,7 @@ class DataPosition:
         self.fetched_in_epoch = int(state["fetched_in_epoch"])
         self.fetched_total = int(state["fetched_total"])
         self.trained_total = int(state["trained_total"])
+        self.dropping = int(state.get("dropping", 0))
         self._epoch_rng = state["epoch_rng"]
         self._recent.clear()
         self._replay = deque((key, _to_device(batch, self.device))
@@ -180,6 +195,12 @@ class DataPosition:
 
         def counted_fetch(*args: Any, **kwargs: Any) -> Any:
             key = repr((args, sorted(kwargs.items()))) if args or kwargs else ""
+            while self.dropping and torch.is_grad_enabled():
+                if self._replay and self._replay[0][0] == key:
+                    self._replay.popleft()
+                else:
+                    self._count(fetch(*args, **kwargs), key)
+                self._dropped()
             if self._replay and torch.is_grad_enabled() and self._replay[0][0] == key:
                 return self._replay.popleft()[1]
             start = now()
@@ -265,15 +286,27 @@ class DataPosition:
             if self._restored is not None:
                 iterator = self.replay_epoch(batches)
                 while self._replay and not self.restoring:  # (a rollback may come again)
-                    yield self._replay.popleft()[1]
+                    batch = self._replay.popleft()[1]
+                    if self.dropping:
+                        self._dropped()
+                        continue
+                    yield batch
                 continue
             try:
+                while self.dropping:  # (not next_batch: nothing of them is timed)
+                    self._count(next(iterator))
+                    self._dropped()
                 batch = next_batch(iterator)
             except StopIteration:
                 self.epochs_done += 1
                 return
             self._count(batch)
             yield batch
+
+    def _dropped(self) -> None:
+        """One batch of :meth:`drop`'s, fetched (counted already), dropped."""
+        self.dropping -= 1
+        self.trained_total += 1
 
     @property
     def restoring(self) -> bool:

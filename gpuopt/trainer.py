@@ -568,6 +568,9 @@ class Trainer:
             for batch in (self.loader if isinstance(self.loader, ReconfigurableLoader)
                           else self.data_position.epoch_iterator(self.loader)):
                 empty = False
+                if self.data_position.dropping:  # (a ReconfigurableLoader's: drawn, dropped)
+                    self.data_position.dropping -= 1
+                    continue
                 yield batch
             self.epoch += 1
             if empty:

@@ -1,17 +1,19 @@
 """A DDP job (gloo, CPU) for the test of a loss-spike recovery on every rank:
-``torchrun --nproc-per-node 2 tests/ddp_recovery_job.py OUT``.
+``torchrun --nproc-per-node 2 tests/ddp_recovery_job.py OUT loop|fabric``.
 
 Each rank trains the contract's task (:mod:`tests.contract`: its Net, AdamW and
-LambdaLR, windows of 2 micro-batches) in a hand-written loop (:func:`agent.session`,
-``recover=Recovery(keep_every_steps=10, keep_states=30)``: the fan-out's margin is
-tens of these millisecond steps) over a DistributedSampler's
-shard, the model in DistributedDataParallel; rank 0 sends ``recover=on`` to every rank
+LambdaLR, windows of 2 micro-batches) with
+``recover=Recovery(keep_every_steps=10, keep_states=30)`` (the fan-out's margin is
+tens of these millisecond steps) over a DistributedSampler's shard: in a hand-written
+loop, the model in DistributedDataParallel (``loop``: :class:`tests.jobs.ContractLoop`),
+or in Fabric's loop under ``strategy="ddp"`` (``fabric``:
+:class:`tests.jobs.ContractFabricLoop`); rank 0 sends ``recover=on`` to every rank
 for step 3. Micro-batches 41-46 of each rank (steps 21-23) have poisoned labels
 (:class:`tests.contract.Poison`); rank 0 waits at step 23 until its spike watch found
 the spike and the recovery was scheduled on it for the step every rank agreed on (the
 other rank waits for it in DDP's all-reduce), and the job trains on
-until it was done and step 40 is reached. Each rank saves ``OUT/rank<N>.pt``: its
-``branched`` events, the step each came after, and the final parameters."""
+until it was done and step 40 is reached. Each rank saves ``OUT/<mode>-rank<N>.pt``:
+its ``branched`` events, the step each came after, and the final parameters."""
 
 import sys
 import threading
@@ -20,13 +22,15 @@ from pathlib import Path
 from agent.control.recovery import Recovery
 from agent.wire.commands import send_command
 from tests.contract import POISON
-from tests.jobs import ContractLoop
+from tests.jobs import ContractFabricLoop, ContractLoop
 
 STEPS = 40
 
 
-def main(out: Path) -> None:
-    loop = ContractLoop("ddp-recovery", recover=Recovery(keep_every_steps=10, keep_states=30))
+def main(out: Path, mode: str) -> None:
+    policy = Recovery(keep_every_steps=10, keep_states=30)
+    loop = (ContractLoop("ddp-recovery", recover=policy) if mode == "loop"
+            else ContractFabricLoop("fabric-ddp-recovery", recover=policy))
     run, rank = loop.run, loop.rank
     recovered = threading.Event()
     events: list[dict] = []
@@ -59,8 +63,8 @@ def main(out: Path) -> None:
         loop.train_window()
         if run.step > 400:
             break
-    loop.close({"events": events, "params": loop.params()}, out / f"rank{rank}.pt")
+    loop.close({"events": events, "params": loop.params()}, out / f"{mode}-rank{rank}.pt")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2])

@@ -7,7 +7,8 @@ The jobs' side (inside each rank's process):
 
 - the contract's task (:mod:`tests.contract`: its Net, AdamW and LambdaLR, windows of 2
   micro-batches) in DDP (or sharded) over a DistributedSampler's shard, in a
-  hand-written loop (``tests/ddp_*_job.py``): :class:`ContractLoop`;
+  hand-written loop (``tests/ddp_*_job.py``): :class:`ContractLoop`; in Fabric's loop
+  under ``strategy="ddp"``: :class:`ContractFabricLoop`;
 - a ``Sequential`` of three blocks, sharded (``tests/*fsdp_job.py``): :func:`make_model`,
   :func:`full_params`, each window checked against an unsharded copy updated by hand
   (:class:`UnshardedCopy`), the knob changes rank 0 sends (:func:`send_listed`) and the
@@ -137,6 +138,59 @@ class ContractLoop:
     def params(self) -> list[torch.Tensor]:
         """The model's parameters, whole (a sharded one's gathered from every rank)."""
         return [p.full_tensor() if isinstance(p, DTensor) else p for p in params_of(self.net)]
+
+    def close(self, saved: dict[str, Any], path: Path) -> None:
+        """Close the run, save ``saved`` to ``path`` and leave the process group."""
+        self.run.close()
+        torch.save(saved, path)
+        dist.destroy_process_group()
+
+
+class ContractFabricLoop:
+    """The contract's task on this rank in Lightning Fabric's loop: ``Fabric(strategy="ddp",
+    devices=2)`` on the CPU (gloo, under torchrun), the :class:`Net` and optimizer through
+    ``fabric.setup``, a shuffling DataLoader through ``fabric.setup_dataloaders`` (its
+    DistributedSampler), and ``agent.attach`` of the Fabric (the contract's schedule,
+    windows of 2, no clipping, ``name`` and ``options``). Attributes and methods as
+    :class:`ContractLoop`'s (:meth:`train_window` returns the step only)."""
+
+    def __init__(self, name: str, **options: Any) -> None:
+        from lightning.fabric import Fabric
+
+        self.fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+        self.fabric.launch()
+        self.rank = self.fabric.global_rank
+        self.net = Net(seed=0)
+        optimizer, self.scheduler = optimizer_and_schedule(self.net)
+        self.model, self.optimizer = self.fabric.setup(self.net, optimizer)
+        self.run = agent.attach(self.fabric, lr_scheduler=self.scheduler, accum_steps=2,
+                                max_grad_norm=0.0, name=name, **options)
+        self._batches: Iterator[Any] | None = None
+
+    def train_window(self) -> int:
+        """Train one window as Fabric's loop does (``no_backward_sync`` while
+        ``run.is_accumulating``, ``fabric.backward``), then its boundary; returns the step
+        trained (read before the boundary)."""
+        if self._batches is None:
+            data = self.fabric.setup_dataloaders(DataLoader(
+                IndexedDigits(), batch_size=BATCH_SIZE, shuffle=True))
+            self._batches = iter(self.run.loader(data, epochs=None))
+        accumulating = True
+        while accumulating:
+            x, y, _index = next(self._batches)
+            accumulating = self.run.is_accumulating
+            with self.fabric.no_backward_sync(self.model, enabled=accumulating):
+                self.fabric.backward(loss_fn(self.model(x), y) / self.run.accum_steps)
+        trained = self.run.step + 1
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        self.run.optimizer_step()
+        return trained
+
+    def params(self) -> list[torch.Tensor]:
+        """The model's parameters."""
+        return params_of(self.net)
 
     def close(self, saved: dict[str, Any], path: Path) -> None:
         """Close the run, save ``saved`` to ``path`` and leave the process group."""

@@ -304,13 +304,15 @@ def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path, wrap):
 
 
 @pytest.mark.slow
-def test_a_loss_spike_is_recovered_from_on_every_rank_at_one_step(run_dir, tmp_path):
-    """DDP on gloo, 2 ranks, a hand-written loop with ``recover=on``: three poisoned
-    windows (steps 21-23) on each rank; rank 0's spike watch sends the recovery to
-    every rank, and both go back to the state kept after step 20 at the same boundary
-    (one ``branched`` event each) and end with bit-equal parameters."""
-    run_job(str(JOBS / "ddp_recovery_job.py"), str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+@pytest.mark.parametrize("mode", ["loop", "fabric"])
+def test_a_loss_spike_is_recovered_from_on_every_rank_at_one_step(mode, run_dir, tmp_path):
+    """DDP on gloo, 2 ranks, a hand-written loop or Fabric's (``strategy="ddp"``) with
+    ``recover=on``: three poisoned windows (steps 21-23) on each rank; rank 0's spike
+    watch sends the recovery to every rank, and both go back to the state kept after
+    step 20 at the same boundary (one ``branched`` event each) and end with bit-equal
+    parameters (about 20 s each on 2 busy cores)."""
+    run_job(str(JOBS / "ddp_recovery_job.py"), str(tmp_path), mode)
+    ranks = [torch.load(tmp_path / f"{mode}-rank{rank}.pt") for rank in (0, 1)]
     [first], [second] = (saved["events"] for saved in ranks)
     assert first["after"] == second["after"] > 23  # the one boundary of the fan-out
     for event in (first, second):

@@ -14,6 +14,7 @@ import agent
 from agent.control.recovery import MIN_STEPS, Recovery, SpikeWatch
 from agent.integrations.run import RunBase
 from agent.wire import protocol
+from gpuopt.position import DataPosition
 from gpuwatch.state import RunState
 from gpuwatch.widgets.knobs import _knob_line
 from tests.conftest import wait_until
@@ -24,7 +25,9 @@ from tests.conftest import wait_until
                                  dict(spike_mads=math.nan), dict(lr_scale=-1.0),
                                  dict(lr_steps=-1), dict(budget_bytes=0),
                                  dict(keep_every_steps=2.5), dict(keep_states=True),
-                                 dict(max_repeats=-1), dict(max_repeats=1.0)])
+                                 dict(max_repeats=-1), dict(max_repeats=1.0),
+                                 dict(skip_windows=-1), dict(skip_windows=2.5),
+                                 dict(skip_windows=True)])
 def test_a_setting_out_of_range_is_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Recovery(**bad)
@@ -36,7 +39,45 @@ def test_the_policy_in_a_few_words():
         "every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100")
     assert Recovery(max_repeats=3).describe() == (
         "every 25 x2, 3 steps > 6 MAD, off after 3 repeats")
+    assert Recovery(skip_windows=200, lr_scale=0.5, lr_steps=100).describe() == (
+        "every 25 x2, 3 steps > 6 MAD, skip 200, lr x0.5 for 100")
+    assert Recovery(skip_windows=0).describe() == "every 25 x2, 3 steps > 6 MAD, skip 0"
     assert Recovery(keep_every_steps=4, keep_states=3).repeat_span_steps == 12
+
+
+def test_a_drop_draws_the_next_batches_across_an_epoch_and_drops_them():
+    """An epoch of 5 batches: 3 trained, then 4 dropped (3, 4 and the next epoch's 0,
+    1): the next batch is that epoch's 2; each dropped one counts as fetched and
+    trained, so the 4 yielded since the window are the ones fetched ahead."""
+    position = DataPosition()
+    batches = position.iterate([torch.tensor(i) for i in range(5)], epochs=None)
+    got = [int(next(batches)) for _ in range(3)]
+    position.window_done(3)
+    position.drop(4)
+    assert position.state_dict()["dropping"] == 4  # (a checkpoint now keeps it)
+    got += [int(next(batches)) for _ in range(4)]
+    assert got == [0, 1, 2, 2, 3, 4, 0]
+    assert (position.epoch, position.fetched_total, position.trained_total,
+            position.ahead, position.dropping) == (3, 11, 7, 4, 0)
+
+
+def test_a_drop_calls_a_fetch_function_for_training_batches_only():
+    """``run.timed(get_batch)``: the next training call calls it 2 more times first;
+    an evaluation's call (under ``no_grad``) neither drops nor is dropped."""
+    position = DataPosition()
+    calls: list[str] = []
+
+    def get_batch(split: str) -> torch.Tensor:
+        calls.append(split)
+        return torch.tensor(len(calls))
+
+    fetch = position.timed_fetch(get_batch)
+    assert int(fetch("train")) == 1
+    position.drop(2)
+    with torch.no_grad():
+        assert int(fetch("val")) == 2
+    assert int(fetch("train")) == 5 and calls == ["train", "val", "train", "train", "train"]
+    assert (position.fetched_total, position.trained_total) == (4, 2)
 
 
 def _watch(**settings) -> SpikeWatch:

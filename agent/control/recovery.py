@@ -72,6 +72,14 @@ class Recovery:
             cannot).
         max_repeats: recoveries of repeated spikes in a row (>= 0) after which a spike
             that recurs again turns ``recover`` off (:attr:`repeat_span_steps`).
+        skip_windows: accumulation windows of data skipped, counted from the kept state
+            gone back to (>= 0; PaLM skipped 200-500 batches from about 100 steps before
+            its spikes). None: every window trained since it (the data goes on as it is
+            now). Fewer than were trained since: the kept state's data position, moved
+            on past the first ``skip_windows`` of them (the ones after are trained
+            again). More: the data as it is now, then as many more windows (of the last
+            window's size) drawn from the loader and dropped. A count the integration's
+            data cannot skip exactly is refused with the reason (not recovered).
 
     Raises:
         ValueError: a setting out of its range.
@@ -85,12 +93,15 @@ class Recovery:
     lr_steps: int = 0
     budget_bytes: int = RECOVERY_BUDGET_BYTES
     max_repeats: int = 2
+    skip_windows: int | None = None
 
     def __post_init__(self) -> None:
         for name, least in (("keep_every_steps", 1), ("keep_states", 1), ("spike_steps", 2),
                             ("lr_steps", 0), ("budget_bytes", 1),
-                            ("max_repeats", 0)):
+                            ("max_repeats", 0), ("skip_windows", 0)):
             value = getattr(self, name)
+            if name == "skip_windows" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"Recovery.{name} must be an integer >= {least}, "
                                  f"got {value!r}")
@@ -110,10 +121,13 @@ class Recovery:
     def describe(self) -> str:
         """The settings in a few words, for the knobs panel and ``?``.
 
-        For example ``every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100``; ``max_repeats``
-        is named when not the default 2 (``, off after 3 repeats``)."""
+        For example ``every 25 x2, 3 steps > 6 MAD, skip 200, lr x0.5 for 100``
+        (``skip N``: :attr:`skip_windows`, when set); ``max_repeats`` is named when not
+        the default 2 (``, off after 3 repeats``)."""
         text = (f"every {self.keep_every_steps} x{self.keep_states}, "
                 f"{self.spike_steps} steps > {self.spike_mads:g} MAD")
+        if self.skip_windows is not None:
+            text += f", skip {self.skip_windows}"
         if self.lr_scale != 1 and self.lr_steps:
             text += f", lr x{self.lr_scale:g} for {self.lr_steps}"
         if self.max_repeats != 2:

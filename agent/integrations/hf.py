@@ -218,6 +218,7 @@ class _Run(RunBase):
         self.accum_changed = False
         self._epoch = 0  # HF's epoch in progress (:attr:`epoch`)
         self.micro_index = 0
+        self._steps_in_epoch: int | None = None  # HF's micro-batches in an epoch
         self.window_end = 0  # micro-batch index after the current window
         self.misaligned = False
         #: a resume's correction of HF's position: the saved epoch minus HF's count, and
@@ -656,6 +657,29 @@ class _Run(RunBase):
         trainer.control.should_epoch_stop = True
         self._rollback = snapshot["data"]
 
+    def drop_refusal(self, snapshot: Any, micro_batches: int) -> str | None:
+        """Why HF cannot skip ``micro_batches`` from ``snapshot``'s position, or None.
+
+        HF skips an epoch's first micro-batches itself when it makes the epoch again
+        (:meth:`_go_back`); it makes a later epoch's order only when it starts it, so the
+        skip must end within the snapshot's epoch."""
+        data = snapshot["data"]
+        if self._steps_in_epoch is None:
+            return "HF's epoch loop is not the one gpuwatch plans"
+        left = self._steps_in_epoch - data["micro_batches"]
+        if micro_batches > left:
+            return (f"HF makes an epoch's order only when it starts it: only the {left} "
+                    f"micro-batches left in epoch {data['epoch']} can be skipped")
+        return None
+
+    def drop_micro_batches(self, micro_batches: int) -> None:
+        """HF's epoch made again skips ``micro_batches`` more of its first micro-batches.
+
+        After :meth:`load_snapshot` (within the epoch: :meth:`drop_refusal`)."""
+        assert self._rollback is not None  # (load_snapshot set it)
+        self._rollback = {**self._rollback,
+                          "micro_batches": self._rollback["micro_batches"] + micro_batches}
+
     def _bind_accum(self, knobs: KnobSet) -> None:
         trainer = self.trainer
         reason = None
@@ -867,8 +891,8 @@ class _Run(RunBase):
         per epoch becomes an upper bound (the epoch ends when its data does); on a
         resume it starts at the saved data position (:meth:`_at_saved_position`); and
         after HF's last planned epoch more run while the planned max_steps is not
-        reached (only after an ``accum_steps`` change, or a resume HF counted other
-        epochs for)."""
+        reached (only after an ``accum_steps`` change, a resume HF counted other epochs
+        for, or a loss-spike recovery that skipped data)."""
         run_epoch = self._originals["_run_epoch"]
         if args or not _EPOCH_KEYWORDS <= kwargs.keys():
             self.plan = False  # an unknown signature: HF's own plan, and no accum_steps
@@ -883,13 +907,17 @@ class _Run(RunBase):
         result = run_epoch(**kwargs)
         epoch = kwargs["epoch"]
         result = self._go_back(run_epoch, kwargs, result)
-        while (last_planned and (self.accum_changed or self.epoch_offset)
+        while (last_planned and (self.accum_changed or self.epoch_offset
+                                 or self.skipped_windows)
                and not trainer.control.should_training_stop
                and state.global_step < state.max_steps):
             epoch += 1
             if not self._epoch_note_sent:
                 self._epoch_note_sent = True
-                self.agent.event("info", f"accum_steps={self._accum_value()}: the run trains "
+                why = (f"{self.skipped_windows} windows of data skipped by a loss-spike "
+                       "recovery" if self.skipped_windows and not self.accum_changed
+                       else f"accum_steps={self._accum_value()}")
+                self.agent.event("info", f"{why}: the run trains "
                                  f"beyond its {state.num_train_epochs} planned epoch(s) to "
                                  f"reach its planned step {state.max_steps} (max_steps; the "
                                  "LR schedule is built on it)", kind=EventKind.PLAN,
@@ -948,6 +976,7 @@ class _Run(RunBase):
         args = self.trainer.args
         self._epoch_rng = rng_state(self.device)  # HF makes the epoch's iterator next
         self._epoch = kwargs["epoch"]
+        self._steps_in_epoch = kwargs["steps_in_epoch"]
         self.micro_index = 0
         if (kwargs["resume_from_checkpoint"] is not None
                 and kwargs["epoch"] == kwargs["epochs_trained"]

@@ -1123,6 +1123,15 @@ class _Run(RunBase):
     #: trained) with the kept optimizer-step counts
     recovery_data_keys = ("data", "rng", "progress")
 
+    def drop_refusal(self, snapshot: Any, micro_batches: int) -> str:
+        """Why Lightning's data cannot skip micro-batches: its epoch loop counts each batch.
+
+        Its fetcher and batch progress count every batch the epoch loop trains: a batch
+        drawn and dropped would shift them."""
+        return ("Lightning's epoch loop counts every batch it fetches (its batch progress "
+                "and fetcher), so none can be dropped between them: use skip_windows=None "
+                "(every window trained since)")
+
     def live_state(self) -> dict[str, Any]:
         """For a rollback, live: states, progress, windows, random numbers, data position.
 

@@ -27,7 +27,9 @@ accelerate, Lightning Fabric) is a subclass. The base owns, once for all of them
   ``recover=on``, host copies of the state every ``keep_every_steps`` (a ring within a
   byte budget); after a spike rank 0 found, every rank goes back to the latest state
   kept before it (:meth:`RunBase.rewind_state`, a new branch), the data moves past what
-  was trained since, and the learning rate is scaled a while (:meth:`RunBase.recover`);
+  was trained since (or ``skip_windows`` windows from the kept state: drawn and dropped
+  through the integration's loader, :meth:`RunBase.drop_micro_batches`), and the
+  learning rate is scaled a while (:meth:`RunBase.recover`);
 - **pause, stop and evaluate** (the ``pause``, ``stop`` and ``evaluate`` commands):
   ``pause=on`` holds the training thread at the boundary it applies at, asleep on an
   event until ``pause=off`` (or ``stop``) arrives; ``stop`` ends the framework's loop
@@ -166,6 +168,12 @@ class RunBase:
         self._repeats = 0
         self._ring: deque[tuple[int, Any, int, int]] = deque()
         self._ring_not_kept = ""
+        #: while recovering: ``(step, micro-batches trained in all by then)`` at each
+        #: boundary since the oldest kept state (the windows a recovery skips)
+        self._window_ends: deque[tuple[int, int]] = deque()
+        #: accumulation windows of data recoveries skipped in all (an integration whose
+        #: planned epochs end with the data trains on to its planned steps)
+        self.skipped_windows = 0
         #: a recovery's scaled learning rate: (the step it ends after, the value then)
         self._lr_back: tuple[int, float] | None = None
         if type(self).live_state is RunBase.live_state:
@@ -669,6 +677,7 @@ class RunBase:
             self._recovering = self.agent.spikes.on = False
             self.agent.spikes.rearm()
             self._ring.clear()
+            self._window_ends.clear()
             self._recovered_to, self._repeats = None, 0
             return {"text": "no state is kept for recoveries"}
         if not self._recovering:
@@ -733,6 +742,12 @@ class RunBase:
                              knob=LR_SCALE.name, value=value, step=self.step + 1)
         if self._recovering:
             self._keep_for_recovery()
+            ends = self._window_ends
+            while ends and ends[-1][0] >= self.step:  # of a branch left
+                ends.pop()
+            while ends and self._ring and ends[0][0] < self._ring[0][0]:
+                ends.popleft()
+            ends.append((self.step, self._micro_batches_trained))
 
     def recover(self, step: int, before: int, reason: str) -> None:
         """Training thread: go back to the latest state kept before a spike began at ``before``.
@@ -775,15 +790,30 @@ class RunBase:
                              "is off, the training goes on", kind=EventKind.WARNING,
                              knob=RECOVER.name, step=step)
             return
-        kept_step, snapshot, size, micro_batches = kept
+        kept_step, snapshot, size, _ = kept
+        skip = self._skip_plan(kept_step, step)
+        if isinstance(skip, str):
+            spikes.rearm()
+            self.agent.event("warning", f"{reason}; not recovered: {skip}",
+                             kind=EventKind.WARNING, step=step)
+            return
+        windows, drop, skipped_text = skip
         try:
-            now = self.live_state()  # (the data position's part only is copied)
-            snapshot = {**snapshot,
-                        **{key: host_copy(now[key]) for key in self.recovery_data_keys}}
+            if windows >= step - kept_step:  # the data as it is now, then any drop
+                now = self.live_state()  # (the data position's part only is copied)
+                snapshot = {**snapshot,
+                            **{key: host_copy(now[key]) for key in self.recovery_data_keys}}
+            refusal = self.drop_refusal(snapshot, drop) if drop else None
         except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
             spikes.rearm()
             self.agent.event("error", f"{reason}; not recovered: the data position could "
                              f"not be read ({type(exc).__name__}: {exc})",
+                             kind=EventKind.WARNING, step=step)
+            return
+        if refusal is not None:
+            spikes.rearm()
+            self.agent.event("warning", f"{reason}; not recovered: skip_windows={windows} "
+                             f"needs {drop} micro-batches drawn and dropped, and {refusal}",
                              kind=EventKind.WARNING, step=step)
             return
         lr_text, lr_knob, lr_to = "", self.knobs.knobs.get(LR_SCALE.name), None
@@ -796,11 +826,11 @@ class RunBase:
                 lr_to = (base, base * policy.lr_scale)
                 lr_text = f"; lr_scale {base:g} -> {lr_to[1]:g} for {policy.lr_steps} steps"
         cause = (f"{reason}; restored the state kept after step {kept_step} "
-                 f"({format_bytes(size)} in host memory); skipped the "
-                 f"{self._micro_batches_trained - micro_batches} micro-batches ("
-                 f"{step - kept_step} windows) trained since{lr_text}")
+                 f"({format_bytes(size)} in host memory); {skipped_text}{lr_text}")
         try:
             self.rewind_state(snapshot, kept_step, source="recovery", cause=cause)
+            if drop:
+                self.drop_micro_batches(drop)
         except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
             spikes.rearm()
             self.agent.event("error", f"{reason}; putting back the state of step "
@@ -819,7 +849,60 @@ class RunBase:
         while self._ring and self._ring[-1][0] > kept_step:  # of the branch left
             self._ring.pop()
         self._recovered_to, self._repeats = kept_step, repeats
+        self.skipped_windows += windows
         self.agent.refresh_knobs()
+
+    def _skip_plan(self, kept_step: int, step: int) -> tuple[int, int, str] | str:
+        """What a recovery from the state kept after ``kept_step``, at the boundary after
+        ``step``, skips: ``(windows, micro-batches to draw and drop, the event's words)``
+        (:attr:`Recovery.skip_windows`), or why it cannot be counted.
+
+        ``windows`` at least those trained since (``step - kept_step``): the data as it
+        is now, then the micro-batches of the windows beyond them (each of the last
+        window's size) dropped; fewer: the kept state's data, then the micro-batches of
+        its first ``windows`` windows dropped."""
+        trained = step - kept_step
+        windows = self.agent.recovery.skip_windows
+        ends = dict(self._window_ends)
+        ends[step] = self._micro_batches_trained  # (this boundary's: counted, not noted)
+        if kept_step not in ends:
+            return (f"the windows trained since step {kept_step} were not counted (kept "
+                    f"from step {min(ends, default=step)})")
+        since = ends[step] - ends[kept_step]
+        if windows is None or windows == trained:
+            return trained, 0, (f"skipped the {since} micro-batches ({trained} windows) "
+                                "trained since")
+        if windows < trained:
+            drop = ends[kept_step + windows] - ends[kept_step]
+            return windows, drop, (
+                f"skipped {drop} micro-batches ({windows} windows) from it; the "
+                f"{since - drop} after them ({_windows(trained - windows)}) are trained "
+                "again")
+        last = ends[step] - ends.get(step - 1, ends[step])
+        drop = (windows - trained) * last
+        return windows, drop, (
+            f"skipped {since + drop} micro-batches ({windows} windows) from it: the "
+            f"{since} trained since ({_windows(trained)}) and {drop} more drawn and "
+            f"dropped ({_windows(windows - trained)} of {last})")
+
+    def drop_refusal(self, snapshot: Any, micro_batches: int) -> str | None:
+        """Why the data cannot skip ``micro_batches`` from ``snapshot``'s position, or None.
+
+        ``snapshot``: :meth:`state_snapshot`'s, about to be put back. By default the
+        batches must come through :attr:`position` (``run.loader()``, ``run.timed()``),
+        whose iteration draws and drops them."""
+        if self.position.fetched_total == 0:
+            return ("this loop's batches do not come through the run (run.loader(), "
+                    "run.timed()), which would draw and drop them")
+        return None
+
+    def drop_micro_batches(self, micro_batches: int) -> None:
+        """Training thread, after a recovery put a state back: draw the next ``micro_batches``
+        training micro-batches from the loader and drop them, untrained.
+
+        By default through :attr:`position` (:meth:`gpuopt.position.DataPosition.drop`):
+        as the iteration goes on, before the next micro-batch it yields."""
+        self.position.drop(micro_batches)
 
     #: the keys of :meth:`state_snapshot`'s dict that hold the data position and the
     #: random numbers (which draw random batches and the next epoch's order): a
@@ -877,6 +960,11 @@ class RunBase:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close(ending_reason(exc_info[1]))
+
+
+def _windows(count: int) -> str:
+    """``1 window``, ``3 windows``: a count of accumulation windows in words."""
+    return f"{count} window" + ("" if count == 1 else "s")
 
 
 #: ``rewind``'s value when it names a step

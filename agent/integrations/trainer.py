@@ -66,6 +66,17 @@ class TrainerRun(RunBase):
     #: position, epoch and random numbers)
     recovery_data_keys = ("loader", "data", "epoch", "rng")
 
+    def drop_refusal(self, snapshot: Any, micro_batches: int) -> None:
+        """None: the Trainer's loader draws and drops them (:meth:`drop_micro_batches`)."""
+        return None
+
+    def drop_micro_batches(self, micro_batches: int) -> None:
+        """The Trainer's loader draws the next ``micro_batches`` and drops them, untrained.
+
+        Through :meth:`gpuopt.position.DataPosition.drop` of the Trainer's data position,
+        which its loop (a ReconfigurableLoader's too) follows."""
+        self.trainer.data_position.drop(micro_batches)
+
     def live_state(self) -> dict[str, Any]:
         """:meth:`gpuopt.Trainer.state_dict`: its live tensors, for a rollback."""
         return self.trainer.state_dict()

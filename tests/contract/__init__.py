@@ -155,6 +155,9 @@ class Driver:
         rollback: a rollback puts its training state back (not the knob values only).
         clips_gradients: its loop clips the gradient norm itself (a poisoned window
             then does little harm).
+        skips: how a recovery skips data other than the windows trained since
+            (``Recovery.skip_windows``): ``"any"`` count (drawn and dropped across
+            epochs), only within the kept ``"epoch"``, or a word of the refusal.
     """
 
     name = ""
@@ -163,6 +166,7 @@ class Driver:
     slow = False
     rollback = False
     clips_gradients = False
+    skips = "any"
 
     def train(self, *, steps: int, commands: list[tuple[str, Any, int]],
               checkpoint_dir: Path, resume_from: Path | None,

@@ -50,6 +50,7 @@ class HFDriver(Driver):
     changes = (("accum_steps", 3), ("lr_scale", 0.5), ("max_grad_norm", 0.3),
                ("precision", "bf16"), ("dropout", 0.5))
     refused = {"micro_batch_size": "per_device_train_batch_size"}
+    skips = "epoch"  # HF makes an epoch's order only when it starts it
 
     def train(self, *, steps: int, commands: list[tuple[str, Any, int]],
               checkpoint_dir: Path, resume_from: Path | None,

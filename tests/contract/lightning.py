@@ -25,6 +25,7 @@ class LightningDriver(Driver):
                ("precision", "bf16"), ("dropout", 0.5))
     # Lightning counts an epoch's batches once (trainer.num_training_batches)
     refused = {"micro_batch_size": "num_training_batches"}
+    skips = "counts every batch"  # (its epoch loop's batch progress)
 
     def loader(self) -> Any:
         return DataLoader(IndexedDigits(), batch_size=BATCH_SIZE, shuffle=True)
