@@ -238,14 +238,17 @@ class RunBase:
         """The knob values a checkpoint keeps, and a note when one is not the current value.
 
         The ones now, except that a knob the in-run search is trying has the value the
-        search measures it against (the person's, or the best kept so far); and a note
+        search measures it against (the person's, or the best kept so far), and
+        ``lr_scale`` while a recovery scales it has the value it goes back to; and a note
         saying so, or None."""
         values = self.agent.knobs.values()
         trial = self.agent.tune.trial_values(values)
+        if self._lr_back is not None and LR_SCALE.name in values:  # a recovery's, for now
+            trial = {**trial, LR_SCALE.name: self._lr_back[1]}
         if not trial:
             return values, None
         values.update(trial)
-        return values, ("the search was trying " + ", ".join(
+        return values, ("the search or a recovery was trying " + ", ".join(
             f"{name}={self.agent.knobs.values()[name]}" for name in trial)
             + "; the checkpoint keeps " + ", ".join(f"{k}={v}" for k, v in trial.items()))
 
@@ -501,7 +504,9 @@ class RunBase:
         ``branched`` event (``branch``, ``parent``, ``step``, ``source``, ``cause``,
         ``knobs``) is published before any step record of the new branch. ``knobs``: the
         knob values that come back with the state (a checkpoint's), set after it and named
-        in the event.
+        in the event. The states ``recover=on`` kept on the branch left go with it, and
+        so does a recovery's scaled lr unless this is that recovery
+        (:meth:`_leave_branch`).
 
         Returns:
             ``(the new branch's id, what is not as it was or None)``.
@@ -517,6 +522,7 @@ class RunBase:
         parent, self.branch = self.branch, self._last_branch + 1
         self._last_branch = self.branch
         text = f"branch {self.branch} of branch {parent} at step {step}: {source} ({cause})"
+        text += self._leave_branch(step, source, knobs is not None)
         failed: list[str] = []
         if knobs is not None:
             restored, failed, absent = set_knobs(self.agent, knobs)
@@ -527,6 +533,32 @@ class RunBase:
                          kind=EventKind.BRANCHED, branch=self.branch, parent=parent,
                          step=step, source=source, cause=cause, knobs=knobs or {})
         return self.branch, differs
+
+    def _leave_branch(self, step: int, source: str, other_lineage: bool) -> str:
+        """Training thread, in :meth:`rewind_state`: what the recovery kept of the branch
+        left goes with it. The states it kept past ``step`` are dropped (all of them
+        when the state put back is a checkpoint's, ``other_lineage``: then one is kept
+        at ``step`` itself); a rewind that is not a recovery (``source``) ends the
+        recovery's scaled lr (``lr_scale`` back to the value before it) and its count of
+        repeats. Returns what the ``branched`` event says of it ("" or ``"; ..."``)."""
+        if other_lineage:
+            self._ring.clear()
+        while self._ring and self._ring[-1][0] > step:
+            self._ring.pop()
+        if self._recovering and other_lineage:
+            self._keep_for_recovery(force=True)
+        if source == "recovery":
+            return ""
+        self._recovered_to, self._repeats = None, 0
+        if self._lr_back is None:
+            return ""
+        value, self._lr_back = self._lr_back[1], None
+        try:
+            self.knobs.knobs[LR_SCALE.name].set(value)
+        except Exception as exc:  # noqa: BLE001 -- said in the event
+            return f"; lr_scale could not go back to {value:g} after the recovery ({exc})"
+        self.agent.refresh_knobs()
+        return f"; the recovery's scaled lr ends: lr_scale back to {value:g}"
 
     def read_checkpoint(self, path: Path) -> tuple[Any, int, dict[str, Any]]:
         """Read the checkpoint at ``path`` into :meth:`state_snapshot`'s form, for ``rewind``.
@@ -786,8 +818,6 @@ class RunBase:
                 self.agent.event("error", f"lr_scale={lr_to[1]:g} after the recovery "
                                  f"failed ({exc}): the lr stays as it is",
                                  kind=EventKind.FAILED, knob=LR_SCALE.name, step=step)
-        while self._ring and self._ring[-1][0] > kept_step:  # of the branch left
-            self._ring.pop()
         self._recovered_to, self._repeats = kept_step, repeats
         self.agent.refresh_knobs()
 
