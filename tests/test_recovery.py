@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import agent
+from agent.control.desk import Pending
 from agent.control.recovery import MIN_STEPS, Recovery, SpikeWatch
 from agent.integrations.run import RunBase
 from agent.wire import protocol
@@ -304,5 +305,28 @@ def test_a_recoverys_scaled_lr_is_not_saved_and_ends_with_a_rewind(run_dir, tmp_
             loop.train_to(run.step + 1)
             seen[run.step] = lr.get()
         assert set(seen.values()) == {0.3}, seen
+    finally:
+        run.close()
+
+
+def test_a_recovery_applies_beside_a_persons_recover_at_the_same_boundary(run_dir,
+                                                                          tmp_path):
+    """A person's ``recover=on`` due at the boundary a recovery is due at does not
+    drop the recovery (last-command-wins is for settings): the run goes back, and the
+    spike watch judges the new branch's steps again."""
+    loop = _Regression(tmp_path, Recovery(keep_every_steps=2))
+    run, desk = loop.run, loop.run.agent._desk
+    events: list[dict] = []
+    run.agent.add_listener(lambda record: events.append(record)
+                           if record.get("kind") == "branched" else None)
+    try:
+        loop.train_to(6)
+        run.agent.spikes.waiting_since = 5  # as the watch is when it found a spike at 5
+        desk.schedule_recovery(f"{protocol.RECOVERY_ID_PREFIX}5-abcd", "loss spike: test", 8)
+        desk.schedule(Pending(8, 0, "recover", "on", "person-1"))
+        loop.train_to(7)
+        assert (run.step, run.branch) == (7, 1)  # (back to 4 after step 7, then on)
+        assert [(e["step"], e["source"]) for e in events] == [(4, "recovery")]
+        assert run.knobs.knobs["recover"].get() == "on"
     finally:
         run.close()

@@ -337,12 +337,16 @@ class CommandDesk:
         # commands that are not settings (a checkpoint) first: they see the state before
         # the changes of the same boundary (a stable sort keeps the order above)
         commands.sort(key=lambda command: not self.knobs.knobs[command.knob].spec.command)
-        last = {command.knob: command for command in commands}
+        # a later command for the same knob at the same boundary wins; a recovery is
+        # no setting and always applies (a person's recover= beside it dropped it, and
+        # the spike watch then waited for it to the run's end)
+        last = {command.knob: command for command in commands
+                if _spike_start(command) is None}
         checkpoint_failed = changed = False
         rolled_back = ""  # why, once a rollback applied
         for command in commands:
-            if last[command.knob] is not command:  # a later command for the same knob
-                continue                            # at the same boundary wins
+            if _spike_start(command) is None and last[command.knob] is not command:
+                continue
             if self._apply(step + 1, command, checkpoint_failed):
                 changed = True
                 if _spike_start(command) is None:  # (a recovery is no rollback)
