@@ -1,5 +1,5 @@
 """A DDP job (gloo, CPU) for the test of a loss-spike recovery on every rank:
-``torchrun --nproc-per-node 2 tests/ddp_recovery_job.py OUT``.
+``torchrun --nproc-per-node 2 tests/ddp_recovery_job.py OUT [MODE]``.
 
 Each rank trains the contract's task (:mod:`tests.contract`: its Net, AdamW and
 LambdaLR, windows of 2 micro-batches) in a hand-written loop (:func:`agent.session`,
@@ -10,8 +10,12 @@ for step 3. Micro-batches 41-46 of each rank (steps 21-23) have poisoned labels
 (:class:`tests.contract.Poison`); rank 0 waits at step 23 until its spike watch found
 the spike and the recovery was scheduled on it for the step every rank agreed on (the
 other rank waits for it in DDP's all-reduce), and the job trains on
-until it was done and step 40 is reached. Each rank saves ``OUT/rank<N>.pt``: its
-``branched`` events, the step each came after, and the final parameters."""
+until it was done and step 40 is reached. ``MODE`` makes rank 1's copy of its state
+fail at one step: ``copy-20`` at step 20 (rank 0 holds step 20's state, rank 1 only
+step 10's), ``copy-2`` at step 2, where ``recover=on`` applies (the job then trains to
+step 40 with recover off). Each rank saves ``OUT/rank<N>.pt``: its ``branched``
+events, the step each came after, its warnings and failed events, its ``recover``
+value at the end, and the final parameters."""
 
 import sys
 import threading
@@ -30,7 +34,7 @@ from tests.contract import (BATCH_SIZE, POISON, IndexedDigits, Net, loss_fn,
 STEPS = 40
 
 
-def main(out: Path) -> None:
+def main(out: Path, mode: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -42,7 +46,10 @@ def main(out: Path) -> None:
                         name="ddp-recovery", recover=Recovery(keep_every_steps=10,
                                                               keep_states=30))
     recovered = threading.Event()
+    if mode == "copy-2":
+        recovered.set()  # (recover=on fails: there is no recovery to wait for)
     events: list[dict] = []
+    problems: list[dict] = []
     last_step = [0]
 
     def listener(record: dict) -> None:
@@ -65,7 +72,18 @@ def main(out: Path) -> None:
             events.append({key: record[key] for key in (
                 "branch", "parent", "step", "source", "text")} | {"after": last_step[0]})
             recovered.set()
+        elif record["type"] == "event" and record.get("kind") in ("warning", "failed"):
+            problems.append({key: record.get(key) for key in ("kind", "knob", "text")})
 
+    if mode.startswith("copy-") and rank == 1:
+        failing_step, snapshot = int(mode.removeprefix("copy-")), run.state_snapshot
+
+        def state_snapshot(*args, **kwargs):
+            if run.step == failing_step:
+                raise MemoryError("injected: host memory short on rank 1")
+            return snapshot(*args, **kwargs)
+
+        run.state_snapshot = state_snapshot
     run.agent.add_listener(listener)
     POISON.micro_batches, POISON.trained = range(41, 47), 0
     data = DataLoader(IndexedDigits(), batch_size=BATCH_SIZE,
@@ -85,9 +103,11 @@ def main(out: Path) -> None:
         if run.step > 400:
             break
     run.close()
-    torch.save({"events": events, "params": params_of(net)}, out / f"rank{rank}.pt")
+    torch.save({"events": events, "problems": problems,
+                "recover": run.knobs.knobs["recover"].get(), "params": params_of(net)},
+               out / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "")

@@ -323,15 +323,11 @@ def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path, wrap):
     assert len(restored_at) == 1  # the same step on both ranks
 
 
-@pytest.mark.slow
-def test_a_loss_spike_is_recovered_from_on_every_rank_at_one_step(run_dir, tmp_path):
-    """DDP on gloo, 2 ranks, a hand-written loop with ``recover=on``: three poisoned
-    windows (steps 21-23) on each rank; rank 0's spike watch sends the recovery to
-    every rank, and both go back to the state kept after step 20 at the same boundary
-    (one ``branched`` event each) and end with bit-equal parameters."""
+def _ddp_recovery_job(out, mode=""):
+    """Run ``tests/ddp_recovery_job.py`` (2 ranks) to its end; each rank's saved results."""
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(Path(__file__).with_name("ddp_recovery_job.py")), str(tmp_path)],
+         "2", str(Path(__file__).with_name("ddp_recovery_job.py")), str(out), mode],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1",
              "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
@@ -343,12 +339,42 @@ def test_a_loss_spike_is_recovered_from_on_every_rank_at_one_step(run_dir, tmp_p
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    return [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, fork", [("", 20), ("copy-20", 10)])
+def test_a_loss_spike_is_recovered_from_on_every_rank_at_one_step(run_dir, tmp_path, mode,
+                                                                  fork):
+    """DDP on gloo, 2 ranks, a hand-written loop with ``recover=on``: three poisoned
+    windows (steps 21-23) on each rank; rank 0's spike watch sends the recovery to
+    every rank, and both go back to the state kept after step 20 at the same boundary
+    (one ``branched`` event each) and end with bit-equal parameters. Where rank 1's
+    copy at step 20 failed (``copy-20``), both go back to step 10, the latest state
+    every rank holds (rank 0 went back to 20 and rank 1 to 10 before: the replicas
+    split)."""
+    ranks = _ddp_recovery_job(tmp_path, mode)
     [first], [second] = (saved["events"] for saved in ranks)
     assert first["after"] == second["after"] > 23  # the one boundary of the fan-out
     for event in (first, second):
         assert (event["branch"], event["parent"], event["step"], event["source"]) == (
-            1, 0, 20, "recovery"), event
+            1, 0, fork, "recovery"), event
         assert "loss spike" in event["text"] and "steps 21-23" in event["text"], event
+    for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.slow
+def test_recover_on_failing_on_one_rank_stays_off_on_every_rank(run_dir, tmp_path):
+    """DDP on gloo, 2 ranks: rank 1 cannot copy its state where ``recover=on`` applies
+    (step 2): every rank refuses it, with rank 1's reason (before, rank 0 turned it on
+    alone and would have gone back alone)."""
+    ranks = _ddp_recovery_job(tmp_path, "copy-2")
+    for saved in ranks:
+        assert saved["recover"] == "off" and saved["events"] == []
+        [failed] = [p for p in saved["problems"] if p["kind"] == "failed"]
+        assert failed["knob"] == "recover", failed
+        assert "rank 1: the state could not be kept at step 2 (MemoryError: injected" in (
+            failed["text"]) and "no rank turns recover on" in failed["text"], failed
     for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(mine, theirs)

@@ -86,7 +86,7 @@ class Checkpoints:
         warn: ``warn(value)`` returns why a resume from this checkpoint would not be
             exact, or None; said in the command's reply, before anything is saved.
         agree: with ``every_rank``, tells every rank of a failure on any
-            (:func:`agent.integrations.sharded.agree_on_checkpoint`): ``agree(failure)``
+            (:func:`agent.integrations.ranks.agree`): ``agree(failure)``
             is a collective matching the first and the last of ``save``'s, which
             returns the first rank's failure (a text) or None. Rank 0 calls it in place
             of ``save`` when the checkpoint failed before ``save`` ran, and every rank

@@ -353,6 +353,10 @@ class CommandDesk:
                     rolled_back = rolled_back or command.rollback_reason or ""
             elif command.knob == CHECKPOINT.name:
                 checkpoint_failed = True
+            elif self.world_size > 1 and _spike_start(command) is None:
+                # the state goes back all the same: every rank puts it back together
+                # (restore_state is a collective), and its failed event says why
+                rolled_back = rolled_back or command.rollback_reason or ""
         if rolled_back and self.state_keeper is not None:
             level, text = self.state_keeper.restore_state(step + 1,
                                                           f"rolled back: {rolled_back}")

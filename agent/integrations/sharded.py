@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from agent.control.checkpoints import load_checkpoint
+from agent.integrations.ranks import agree, every_rank
 
 #: The file of one rank's own states (random numbers, data position, step, knob values)
 #: in a sharded checkpoint directory, formatted with the rank.
@@ -118,29 +119,6 @@ def gradient_sync_off(model: torch.nn.Module) -> Iterator[None]:
             module.set_requires_gradient_sync(True, recurse=False)
 
 
-def agree(failure: str | None, path: Path | None = None) -> tuple[str | None, Path | None]:
-    """Tell every rank of a failure on any, with a collective on the default process group.
-
-    ``all_gather_object`` of a short text, which each rank calls at the same point of a
-    checkpoint with its own ``failure`` (None: it went well) and rank 0 with its ``path``.
-    Returns the first rank's failure as ``"rank N: ..."`` (or None) and rank 0's ``path``
-    (None from rank 0's failure)."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"failure": failure,
-                                      "path": None if path is None else str(path)})
-    failures = [f"rank {rank}: {item['failure']}" for rank, item in enumerate(gathered)
-                if item["failure"] is not None]
-    shared = gathered[0]["path"]
-    return (failures[0] if failures else None), (None if shared is None else Path(shared))
-
-
-def agree_on_checkpoint(failure: str | None) -> str | None:
-    """The ``agree`` of a sharded model's :class:`agent.control.checkpoints.Checkpoints`.
-
-    :func:`agree` without a path."""
-    return agree(failure)[0]
-
-
 def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  rank_state: dict[str, Any]) -> None:
     """Write a sharded checkpoint into the directory rank 0 gives as ``path``, on every rank.
@@ -148,8 +126,10 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     The model's and the optimizer's shards (``torch.distributed.checkpoint``, each rank its
     own) and each rank's ``rank_state`` (:data:`RANK_FILE`, ``torch.save``). Every rank
     calls it at the same step; it returns once every rank has written, so rank 0 may
-    then rename the directory. Its first collective is an :func:`agree` (rank 0's
-    failure before it calls this reaches the others there), its last one too.
+    then rename the directory. Its first collective is an
+    :func:`agent.integrations.ranks.every_rank` of rank 0's ``path`` (or of rank 0's
+    failure before it calls this, from its ``agree``), its last one an
+    :func:`agent.integrations.ranks.agree`.
 
     Raises:
         OSError: the checkpoint failed on some rank (every rank raises it, naming that
@@ -157,9 +137,12 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     """
     import torch.distributed.checkpoint as dcp  # (seconds to import: only when saving)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-    failure, directory = agree(None, path if dist.get_rank() == 0 else None)
+    # rank 0 gives its path here, or, failed before it called this, its failure (the
+    # text its Checkpoints' agree gives in this same collective)
+    shared = every_rank({"path": str(path)} if dist.get_rank() == 0 else None)[0]
+    failure = None if isinstance(shared, dict) else f"rank 0: {shared}"
     if failure is None:
-        assert directory is not None  # (rank 0 gives it when it did not fail)
+        directory = Path(shared["path"])
         try:
             if optimizer is None:
                 state: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -170,7 +153,7 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
             torch.save(rank_state, directory / RANK_FILE.format(rank=dist.get_rank()))
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
-        failure = agree(failure)[0]
+        failure = agree(failure)
     if failure is not None:
         raise OSError(f"the sharded checkpoint failed on {failure}")
 
