@@ -207,7 +207,8 @@ def test_a_rewind_applies_on_every_rank_at_one_step_or_on_none(run_dir, tmp_path
     puts both ranks back to the checkpoint of step 3 at the same boundary (branch 1 of
     0 on each), and steps 4-10 equal, on each rank, those of a job resumed from that
     checkpoint (bit-equal losses and final parameters). When rank 1 cannot read it, no
-    rank rewinds: both say why, at the same step, and train on from where they were."""
+    rank rewinds: both say why (rank 0 with rank 1's reason), at the same step, and
+    train on from where they were."""
     _finish(_ddp_rewind_job(tmp_path, "rewind"), "rewind")
     refused = tmp_path / "refused"
     refused.mkdir()
@@ -230,9 +231,10 @@ def test_a_rewind_applies_on_every_rank_at_one_step_or_on_none(run_dir, tmp_path
         failed = torch.load(refused / f"refused-rank{rank}.pt")
         [event] = failed["events"]
         assert event["kind"] == "failed" and event["step"] == 8, event
-        words = ("injected: rank 1 cannot read" if rank == 1
-                 else "another rank could not read its checkpoint: no rank rewinds")
+        words = ("injected: rank 1 cannot read" if rank == 1  # (its own error)
+                 else "rank 1: OSError: injected: rank 1 cannot read")
         assert words in event["text"], event
+        assert rank == 1 or "no rank rewinds" in event["text"], event
         assert failed["order"] == list(range(1, 11)), rank
 
 
