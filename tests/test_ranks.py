@@ -323,6 +323,34 @@ def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path, wrap):
     assert len(restored_at) == 1  # the same step on both ranks
 
 
+@pytest.mark.slow
+def test_a_rollback_puts_no_state_back_unless_every_rank_kept_one(run_dir, tmp_path):
+    """The rollback job of the test above, where rank 1 could not copy its state when
+    the change applied (host memory short): no rank puts its state back, and each says
+    why with every rank's part, at the same step (rank 0 went back alone before)."""
+    job = _ddp_rollback_job(tmp_path, "no-copy", "ddp")
+    try:
+        output = job.communicate(timeout=300)[0]
+        assert job.returncode == 0, output
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    ranks = [torch.load(tmp_path / f"no-copy-rank{rank}.pt") for rank in (0, 1)]
+    steps = set()
+    for saved in ranks:
+        [rolled] = [e for e in saved["events"] if e["kind"] == "rolled_back"]
+        [restored] = [e for e in saved["events"] if e["kind"] == "state_restored"]
+        assert "precision=fp32" in rolled["text"], rolled
+        assert restored["text"].startswith("the weights were not restored (rank 0: kept "
+                                           "step 6; rank 1: the state could not be kept "
+                                           "(MemoryError: injected"), restored
+        steps.add(restored["step"])
+    assert len(steps) == 1
+    for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(mine.view(torch.int32), theirs.view(torch.int32))  # (NaN too)
+
+
 def _ddp_recovery_job(out, mode=""):
     """Run ``tests/ddp_recovery_job.py`` (2 ranks) to its end; each rank's saved results."""
     job = subprocess.Popen(
