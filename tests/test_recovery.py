@@ -295,7 +295,9 @@ def test_a_recoverys_scaled_lr_is_not_saved_and_ends_with_a_rewind(run_dir, tmp_
         loop.train_to(12)
         run.recover(12, 11, "loss spike: test")
         assert (run.step, lr.get(), run._lr_back) == (10, 0.5, (20, 1.0))
-        run.knobs.knobs["checkpoint"].set("now")
+        said = run.knobs.knobs["checkpoint"].set("now")["text"]
+        assert ("a recovery scales lr_scale to 0.5 until step 20; the checkpoint keeps "
+                "lr_scale=1.0") in said, said
         saved = torch.load(tmp_path / "step-00000010.pt", weights_only=True)
         assert saved["knobs"]["lr_scale"] == 1.0
         run.knobs.knobs["rewind"].set("3")

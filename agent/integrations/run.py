@@ -244,14 +244,17 @@ class RunBase:
         saying so, or None."""
         values = self.agent.knobs.values()
         trial = self.agent.tune.trial_values(values)
+        notes = ["the search was trying " + ", ".join(
+            f"{name}={values[name]}" for name in trial)] if trial else []
         if self._lr_back is not None and LR_SCALE.name in values:  # a recovery's, for now
+            notes.append(f"a recovery scales {LR_SCALE.name} to {values[LR_SCALE.name]:g} "
+                         f"until step {self._lr_back[0]}")
             trial = {**trial, LR_SCALE.name: self._lr_back[1]}
         if not trial:
             return values, None
         values.update(trial)
-        return values, ("the search or a recovery was trying " + ", ".join(
-            f"{name}={self.agent.knobs.values()[name]}" for name in trial)
-            + "; the checkpoint keeps " + ", ".join(f"{k}={v}" for k, v in trial.items()))
+        return values, ("; ".join(notes) + "; the checkpoint keeps "
+                        + ", ".join(f"{k}={v}" for k, v in trial.items()))
 
     def data_state(self) -> dict[str, Any] | None:
         """The data position a checkpoint keeps.
