@@ -298,8 +298,9 @@ def set_knobs(agent: Agent, knobs: dict[str, Any]
               ) -> tuple[list[str], list[str], dict[str, Any]]:
     """Training thread: set each knob of ``knobs`` (a checkpoint's) that this run has.
 
-    See :func:`restore_knobs`. Each value is validated as a command's is first (a file is
-    untrusted): a bad one is not set, and is among ``failed`` with the reason; a knob
+    See :func:`restore_knobs`. Each value is checked against its knob's declaration
+    first (type, choices, range: a file is untrusted): a bad one is not set, and is
+    among ``failed`` with the reason; a knob
     that is a command (``stop``, ``rewind``, ``checkpoint``...) is never run from a
     file, and is among ``failed`` too. Returns ``(restored, failed, absent)``: the
     values now as saved (``knob=value`` each), those that could not be set (with the
@@ -316,8 +317,10 @@ def set_knobs(agent: Agent, knobs: dict[str, Any]
                           "checkpoint)")
             present.remove(name)
             continue
+        # the value's type, choices and range; the run's own checks are the set's (a
+        # command's would refuse some before a framework's loop has started: a resume)
         try:
-            valid[name] = agent.knobs.validate(name, knobs[name])
+            valid[name] = agent.knobs.knobs[name].spec.coerce(knobs[name])
         except KnobError as exc:
             failed.append(f"{assignment(name, knobs[name])} ({exc})")
             present.remove(name)
