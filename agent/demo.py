@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import default_collate
 
 import agent
+from agent.wire.protocol import DEMO_ENDED
 from gpuopt import Trainer
 from gpuopt.demo import DemoWorkload, build_demo
 from gpuopt.loader import ReconfigurableLoader
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = trainer.fit(max_steps=args.max_steps)
     finally:
         loader.close()
-    print(f"gpuwatch demo: stopped after {steps} optimizer steps", flush=True)
+    print(f"{DEMO_ENDED}{steps} optimizer steps", flush=True)
     return 0
 
 

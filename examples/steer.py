@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from agent.wire.protocol import printable
 from gpuwatch.client import CommandError, RunClient
 
 
@@ -66,7 +67,7 @@ def steer(client: RunClient, *, window: int, min_improvement: float, max_halving
             except CommandError as exc:
                 say(f"not applied: {exc}")
                 break
-            say(event["text"])
+            say(printable(str(event["text"])))  # (the run's text: no escape reaches a terminal)
             applied.append(event)
             losses.clear()
             since = event["step"]

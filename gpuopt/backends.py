@@ -57,8 +57,12 @@ class ModelBackend:
         self._kernels = "eager"
         self._shadowed: Any = None  # in place: the instance forward compile replaced
 
-    def support(self, kernels: str) -> str | None:
-        """Why ``kernels`` cannot run here, or None. Cheap; never touches the device."""
+    def support(self, kernels: str, *, thorough: bool = False) -> str | None:
+        """Why ``kernels`` cannot run here, or None. Never touches the device.
+
+        Cheap (any thread): ``compile`` is checked without importing Dynamo until it is
+        imported (:func:`gpuopt.compile.compile_support`); ``thorough``: in full (the
+        switch itself does it)."""
         if kernels not in KERNEL_BACKENDS:
             return f"unknown kernels {kernels!r} (choose from {', '.join(KERNEL_BACKENDS)})"
         if kernels == "triton":
@@ -67,7 +71,8 @@ class ModelBackend:
                         "(gpuopt.kernels) for Triton kernels to run")
             return triton_available(self.device)
         if kernels == "compile":
-            return compile_support(self.compile_backend, self.device.type)
+            return compile_support(self.compile_backend, self.device.type,
+                                   thorough=thorough)
         return None
 
     @property
@@ -77,7 +82,7 @@ class ModelBackend:
 
     @kernels.setter
     def kernels(self, value: str) -> None:
-        reason = self.support(value)
+        reason = self.support(value, thorough=True)
         if reason is not None:
             raise ValueError(reason)
         set_kernel_backend(self.model, "triton" if value == "triton" else "eager")

@@ -56,6 +56,10 @@ Troubleshooting" (recompilations, graph breaks).
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+import sys
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -68,7 +72,7 @@ __all__ = ["COMPILE_WATCH", "CompileWatch", "CompiledModel", "compile_support"]
 _REASON_CHARS = 240  # reasons in events are cut to their first line and this length
 
 
-def compile_support(backend: str, device_type: str) -> str | None:
+def compile_support(backend: str, device_type: str, *, thorough: bool = True) -> str | None:
     """Why ``torch.compile(backend=backend)`` cannot run on ``device_type``, or None.
 
     Checks what can be checked without compiling: Dynamo supports this Python and
@@ -78,10 +82,17 @@ def compile_support(backend: str, device_type: str) -> str | None:
     Args:
         backend: a ``torch.compile`` backend name (``"inductor"``, ``"aot_eager"``, ...).
         device_type: ``torch.device.type`` of the model (``"cpu"``, ``"cuda"``).
+        thorough: False: only what needs no import (the backend is not looked up; a
+            C++ compiler on ``PATH``; Triton installed and the GPU's capability), for a
+            monitor's thread, which must not hold the GIL through the imports while the
+            training thread steps. The thorough check is made where the switch happens.
 
-    .. note:: Imports ``torch._dynamo`` (about 1 s the first time in a process); looks
-       up the compiler on ``PATH`` but does not run it. Call it once, at setup.
+    .. note:: ``thorough``: imports ``torch._dynamo`` and its backends (about 0.5-2 s
+       of CPU the first time in a process, holding the GIL); looks up the compiler on
+       ``PATH`` but does not run it. Call it once, at setup or at the switch.
     """
+    if not thorough:
+        return _quick_compile_support(backend, device_type)
     try:
         from torch._dynamo.eval_frame import check_if_dynamo_supported
 
@@ -114,6 +125,36 @@ def compile_support(backend: str, device_type: str) -> str | None:
             return (f"inductor needs a GPU of compute capability 7.0+ for Triton, "
                     f"{torch.cuda.get_device_name()} is {major}.{minor}")
         if not has_triton():
+            return "inductor on CUDA needs Triton, which is not installed"
+    return None
+
+
+def _quick_compile_support(backend: str, device_type: str) -> str | None:
+    """:func:`compile_support`'s answer from what needs no import: Dynamo supports this
+    Python (once it is imported), inductor's C++ compiler on ``PATH`` (CPU; ``CXX`` or
+    g++ / clang++), Triton installed and a GPU of compute capability 7.0+ (CUDA).
+    Microseconds."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None:
+        try:
+            eval_frame.check_if_dynamo_supported()
+        except Exception as exc:  # noqa: BLE001 -- any reason is the answer
+            return f"torch.compile is not supported here: {exc}"
+    if backend != "inductor":
+        return None
+    if device_type == "cpu":
+        compilers = (os.environ.get("CXX", ""), "g++", "clang++")
+        if not any(name and shutil.which(name) for name in compilers):
+            return ("inductor on CPU needs a C++ compiler (g++ or clang++ on PATH): none "
+                    "found")
+    elif device_type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        major, minor = torch.cuda.get_device_capability()
+        if major < 7:
+            return (f"inductor needs a GPU of compute capability 7.0+ for Triton, "
+                    f"{torch.cuda.get_device_name()} is {major}.{minor}")
+        if importlib.util.find_spec("triton") is None:
             return "inductor on CUDA needs Triton, which is not installed"
     return None
 

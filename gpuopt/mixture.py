@@ -166,23 +166,64 @@ class MixtureLoader(ReconfigurableLoader):
 
         Raises:
             ValueError: a position of another loader (no ``mixture``, or weights for
-                another number of datasets), or one the base loader refuses. Nothing
-                changes.
+                another number of datasets), weight changes that do not cover the epoch
+                (the first not at sample 0, starts not rising strictly below the epoch's
+                samples, not whole numbers, more than the epoch's samples), or one the
+                base loader refuses. The message says which; nothing changes.
         """
         mixture = state.get("mixture")
         if not isinstance(mixture, dict):
             raise ValueError("the position is not a MixtureLoader's (it has no mixture "
                              "weights): its samples would differ")
         count = len(self.datasets)
-        weights = check_weights(mixture["weights"], count)
-        segments = [(int(start), check_weights(segment, count))
-                    for start, segment in mixture["segments"]]
+        weights = check_weights(mixture.get("weights"), count)
+        segments = self._check_segments(mixture.get("segments"))
         with self._lock:
             super().restore_position(state)
             self._weights, self._segments = weights, segments
             self._redraw()
 
     # ----------------------------------------------------------------- internals
+
+    def _check_segments(self, segments: Any) -> list[tuple[int, tuple[float, ...]]]:
+        """A position's weight changes (``[[first global sample, weights], ...]``) as
+        :attr:`_segments`, once they could be this loader's.
+
+        Raises:
+            ValueError: not a list of 1 to (the epoch's samples) pairs; a start that is
+                not a whole number, or starts that do not begin at 0 and rise strictly
+                below the epoch's samples (the draw would leave samples of the epoch
+                undrawn, or draw them twice); weights :func:`check_weights` refuses.
+                The message says which.
+        """
+        total = self._samples_per_rank * self.num_replicas
+        if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence) \
+                or not 1 <= len(segments) <= total:
+            raise ValueError(f"the position's mixture segments must be a list of 1 to "
+                             f"{total} (the epoch's samples) weight changes, got "
+                             f"{type(segments).__name__} of "
+                             f"{len(segments) if isinstance(segments, Sequence) else '?'}")
+        checked: list[tuple[int, tuple[float, ...]]] = []
+        for segment in segments:
+            if isinstance(segment, (str, bytes)) or not isinstance(segment, Sequence) \
+                    or len(segment) != 2:
+                raise ValueError(f"a mixture segment must be [first sample, weights], "
+                                 f"got {str(segment)[:80]!r}")
+            first, weights = segment
+            if isinstance(first, bool) or not isinstance(first, numbers.Integral):
+                raise ValueError(f"a mixture segment's first sample must be a whole "
+                                 f"number, got {str(first)[:40]!r}")
+            start = int(first)
+            if not checked and start != 0:
+                raise ValueError(f"the first mixture segment must start at sample 0, "
+                                 f"got {start}: the epoch's first samples would "
+                                 "not be drawn")
+            if checked and not checked[-1][0] < start < total:
+                raise ValueError(f"the mixture segments' starts must rise strictly below "
+                                 f"the epoch's {total} samples, got {start} after "
+                                 f"{checked[-1][0]}: the epoch would not be drawn once")
+            checked.append((start, check_weights(weights, len(self.datasets))))
+        return checked
 
     def _move_to_epoch(self, epoch: int) -> None:
         self._segments = [(0, self._weights)]

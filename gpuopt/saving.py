@@ -71,7 +71,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
             _remove(aside)
         else:
             os.replace(temporary, path)
-        _sync_directory(directory)
+        _sync(directory, flags=os.O_DIRECTORY)
     except BaseException:
         _remove(temporary)
         raise
@@ -142,26 +142,21 @@ def _sync_tree(path: Path) -> int:
             file = Path(root) / name
             _sync_file(file)
             size += file.stat().st_size
-        _sync_directory(Path(root), private=True)
+        _sync(Path(root), flags=os.O_DIRECTORY, mode=0o700)
     return size
 
 
 def _sync_file(path: Path) -> None:
-    private = not path.is_symlink()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if private:
-            _owner_only(fd, 0o600)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _sync(path, mode=None if path.is_symlink() else 0o600)
 
 
-def _sync_directory(path: Path, *, private: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _sync(path: Path, *, flags: int = 0, mode: int | None = None) -> None:
+    """fsync ``path``, opened read-only with ``flags`` (``os.O_DIRECTORY`` for a
+    directory); made ``mode`` first (:func:`_owner_only`) when one is given."""
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
-        if private:
-            _owner_only(fd, 0o700)
+        if mode is not None:
+            _owner_only(fd, mode)
         os.fsync(fd)
     finally:
         os.close(fd)

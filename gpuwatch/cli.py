@@ -691,8 +691,6 @@ def _demo(args: argparse.Namespace) -> int:
             log_path.unlink(missing_ok=True)
 
 
-#: How the demo job's last line starts (agent.demo): ``... 112 optimizer steps``.
-_JOB_ENDED = "gpuwatch demo: stopped after "
 #: How much of the end of its output :func:`_job_ended_line` reads (bytes).
 _JOB_ENDED_TAIL_BYTES = 4096
 
@@ -710,7 +708,7 @@ def _job_ended_line(log_path: Path) -> str:
         log.seek(max(0, os.fstat(fd).st_size - _JOB_ENDED_TAIL_BYTES))
         tail = log.read(_JOB_ENDED_TAIL_BYTES).decode("utf-8", "replace")
     return next((printable(line.strip()) for line in reversed(tail.splitlines())
-                 if line.startswith(_JOB_ENDED)), "")
+                 if line.startswith(protocol.DEMO_ENDED)), "")
 
 
 def _demo_without_ui(command: list[str]) -> int:

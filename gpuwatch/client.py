@@ -179,11 +179,12 @@ def reply_text(knob: str, value: Any, reply: protocol.Reply) -> str:
 class CommandError(RuntimeError):
     """A command the run refused, did not answer, or could not apply.
 
-    The message says why, as :func:`reply_text` does; :attr:`body` is the reply or the
-    ``failed`` event."""
+    The message says why, as :func:`reply_text` does, its control characters shown as
+    text (:func:`agent.wire.protocol.printable`: it quotes the run, whose reasons may
+    quote a crafted file); :attr:`body` is the reply or the ``failed`` event, as sent."""
 
     def __init__(self, text: str, body: dict[str, Any]) -> None:
-        super().__init__(text)
+        super().__init__(protocol.printable(text, newlines=True))
         self.body = body
 
 
@@ -253,21 +254,24 @@ class RunClient:
         if not reply.get("ok"):
             raise CommandError(reply_text(knob, value, reply), dict(reply))
         deadline = time.monotonic() + timeout_s
+        due = f"accepted for step {reply.get('apply_step')}"
         while True:
             left = deadline - time.monotonic()
             message = self._subscriber.recv(max(0.0, left)) if left > 0 else None
             if message is None:
                 raise TimeoutError(f"{assignment(knob, value)} not applied within "
-                                   f"{timeout_s:g} s (accepted for step "
-                                   f"{reply.get('apply_step')})")
+                                   f"{timeout_s:g} s ({due})")
             self._kept.append(message)
             body = message.get("body") or {}
             if message["type"] == protocol.BYE:
                 self.bye = body
                 raise CommandError(f"{assignment(knob, value)}: the run ended first "
                                    f"({body.get('reason')})", body)
-            if (message["type"] == protocol.EVENT and body.get("id") == reply.get("id")
-                    and body.get("kind") in protocol.EventKind.SETTLING):
+            if message["type"] != protocol.EVENT or body.get("id") != reply.get("id"):
+                continue
+            if body.get("kind") == protocol.EventKind.RESCHEDULED:  # the run went back
+                due += f", moved to step {body.get('step')} of branch {body.get('branch')}"
+            elif body.get("kind") in protocol.EventKind.SETTLING:
                 if body["kind"] == protocol.EventKind.APPLIED:
                     return body
                 raise CommandError(str(body.get("text")), body)

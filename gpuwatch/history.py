@@ -50,7 +50,7 @@ import re
 import stat
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1309,6 +1309,21 @@ def _known(knobs: Any) -> dict[str, Any]:
             if isinstance(name, str) and len(name) <= MAX_NAME_CHARS}
 
 
+def on_path(path: BranchPath | None, envelope: dict[str, Any],
+            passed_over: Callable[[dict[str, Any]], None] | None = None
+            ) -> dict[str, Any] | None:
+    """What of ``envelope`` is on ``path`` (:meth:`BranchPath.keep`), all of it without one.
+
+    None where it is another branch's; ``passed_over`` is then given it (a dashboard's
+    :meth:`gpuwatch.state.RunState.pass_over`: a record left out on purpose is no gap)."""
+    if path is None:
+        return envelope
+    kept = path.keep(envelope)
+    if kept is None and passed_over is not None:
+        passed_over(envelope)
+    return kept
+
+
 def read_history(log: LogFiles, *, overview: bool = True, whole: bool = True,
                  branch: int | None = None) -> RunHistory:
     """Read one rank's run log in one pass, of one branch's path when the run has several.
@@ -1333,12 +1348,8 @@ def read_history(log: LogFiles, *, overview: bool = True, whole: bool = True,
     reader = LogReader(log, arrays=True)
     path = BranchPath(tree, branch) if len(tree) > 1 else None
     for _, envelope in reader:
-        if path is not None:
-            kept = path.keep(envelope)
-            if kept is None:
-                continue
-            envelope = kept
-        builder.add(envelope)
+        if (kept := on_path(path, envelope)) is not None:
+            builder.add(kept)
     run = builder.finish(reader)
     run.tree = tree if path is None else path.summary.tree
     run.branch = tree.current if path is None else path.branch

@@ -907,6 +907,10 @@ class RunState:
         kind = body.get("kind")
         if kind in _KIND.SETTLING and knob in self.pending:
             del self.pending[knob]
+        elif kind == _KIND.RESCHEDULED and knob in self.pending:
+            step = body.get("step")  # the run went back: it applies at another step
+            if type(step) is int and self.pending[knob].value == body.get("value"):
+                self.pending[knob] = Pending(self.pending[knob].value, step)
         if kind == _KIND.APPLIED and knob == "pause":  # (an action: no knob value)
             step = body.get("step")
             if body.get("value") != "on" and self.paused_after is not None:

@@ -6,7 +6,8 @@
 rank saves ``OUT/<mode>-rank<N>.pt``: accelerate's distributed type and number of
 processes, whether the prepared model's parameters are DTensors, the run's rank and
 world size, the refused knobs' reasons and the run log's warnings. ``hf``: the HF
-Trainer with ``fsdp=True`` (version 2) and ``use_cpu=True``, through that plugin.
+Trainer with ``fsdp=True`` (version 2) and ``use_cpu=True``, through that plugin
+(its refused knobs too).
 """
 
 import sys
@@ -69,6 +70,7 @@ def hf(out: Path) -> None:
         "distributed_type": trainer.accelerator.distributed_type.value,
         "is_fsdp_enabled": trainer.is_fsdp_enabled,
         "dtensors": any(isinstance(p, DTensor) for p in trainer.model.parameters()),
+        "unsupported": watched.knobs.unsupported,
         "warnings": [record["text"] for record in flat_records(watched.info.log_path)
                      if record["type"] == "event" and record.get("kind") == "warning"]},
         out / f"hf-rank{watched.rank}.pt")

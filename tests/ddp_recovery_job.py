@@ -21,30 +21,17 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
-
-import agent
 from agent.control.recovery import Recovery
 from agent.wire.commands import send_command
-from tests.contract import (BATCH_SIZE, POISON, IndexedDigits, Net, loss_fn,
-                            optimizer_and_schedule, params_of)
+from tests.contract import POISON
+from tests.jobs import ContractLoop
 
 STEPS = 40
 
 
 def main(out: Path, mode: str) -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    net = Net(seed=0)
-    model = torch.nn.parallel.DistributedDataParallel(net)
-    optimizer, scheduler = optimizer_and_schedule(model)
-    run = agent.session(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                        precision="fp32", accum_steps=2, max_grad_norm=0.0,
-                        name="ddp-recovery", recover=Recovery(keep_every_steps=10,
-                                                              keep_states=30))
+    loop = ContractLoop("ddp-recovery", recover=Recovery(keep_every_steps=10, keep_states=30))
+    run, rank = loop.run, loop.rank
     recovered = threading.Event()
     if mode == "copy-2":
         recovered.set()  # (recover=on fails: there is no recovery to wait for)
@@ -86,27 +73,13 @@ def main(out: Path, mode: str) -> None:
         run.state_snapshot = state_snapshot
     run.agent.add_listener(listener)
     POISON.micro_batches, POISON.trained = range(41, 47), 0
-    data = DataLoader(IndexedDigits(), batch_size=BATCH_SIZE,
-                      sampler=DistributedSampler(IndexedDigits(), shuffle=True, seed=3))
-    batches = iter(run.loader(data, epochs=None))
     while not (run.step >= STEPS and recovered.is_set()):
-        for _ in range(run.accum_steps):
-            x, y, _index = next(batches)
-            with run.autocast:
-                loss = loss_fn(model(x), y) / run.accum_steps
-            run.scaler.scale(loss).backward()
-        run.scaler.step(optimizer)
-        run.scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        run.optimizer_step()
+        loop.train_window()
         if run.step > 400:
             break
-    run.close()
-    torch.save({"events": events, "problems": problems,
-                "recover": run.knobs.knobs["recover"].get(), "params": params_of(net)},
+    loop.close({"events": events, "problems": problems,
+                "recover": run.knobs.knobs["recover"].get(), "params": loop.params()},
                out / f"rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -19,33 +19,16 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, DistributedSampler
-
-import agent
 from agent.wire.commands import send_command
-from tests.contract import (BATCH_SIZE, NAN_UNDER_BF16, IndexedDigits, Net, loss_fn,
-                            optimizer_and_schedule, params_of)
+from tests.contract import NAN_UNDER_BF16
+from tests.jobs import ContractLoop
 
 STEPS = 20
 
 
 def main(out: Path, mode: str, wrap: str) -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    net = Net(seed=0)
-    if wrap == "fsdp":
-        model = fully_shard(net)
-    else:
-        model = torch.nn.parallel.DistributedDataParallel(net)
-    optimizer, scheduler = optimizer_and_schedule(model)
-    run = agent.session(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                        precision="fp32", accum_steps=2, max_grad_norm=0.0,
-                        name=f"ddp-rollback-{mode}")
+    loop = ContractLoop(f"ddp-rollback-{mode}", wrap=wrap)
+    run, rank = loop.run, loop.rank
     restored = threading.Event()
     events: list[dict] = []
 
@@ -73,29 +56,12 @@ def main(out: Path, mode: str, wrap: str) -> None:
     run.agent.add_listener(listener)
     if mode != "twin":
         NAN_UNDER_BF16.set()
-    data = DataLoader(IndexedDigits(), batch_size=BATCH_SIZE,
-                      sampler=DistributedSampler(IndexedDigits(), shuffle=True, seed=3))
-    batches = iter(run.loader(data, epochs=None))
     losses: dict[int, float] = {}
     while not (run.step >= STEPS and (mode == "twin" or restored.is_set())):
-        window = 0.0
-        for _ in range(run.accum_steps):
-            x, y, _index = next(batches)
-            with run.autocast:
-                loss = loss_fn(model(x), y) / run.accum_steps
-            run.scaler.scale(loss).backward()
-            window += loss.item()
-        run.scaler.step(optimizer)
-        run.scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses[run.step + 1] = window  # (a rollback at this boundary moves run.step)
-        run.optimizer_step()
-    run.close()
-    params = [p.full_tensor() if isinstance(p, DTensor) else p for p in params_of(net)]
-    torch.save({"losses": losses, "params": params, "events": events},
+        trained, window = loop.train_window()
+        losses[trained] = window  # (a step trained again overwrites)
+    loop.close({"losses": losses, "params": loop.params(), "events": events},
                out / f"{mode}-rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -2,18 +2,17 @@
 of every knob on a sharded module:
 ``torchrun --nproc-per-node 2 tests/fabric_fsdp_job.py OUT knobs|resume|auto``.
 
-The module and the knobs are :mod:`tests.fsdp_job`'s (each block and the whole
-``Sequential`` ``fully_shard``-ed, here by the strategy's parallelize function on its
-data-parallel mesh); the loop is Fabric's: ``fabric.no_backward_sync`` while
-``run.is_accumulating``, ``fabric.backward``, the optimizer Fabric wrapped, and
-``agent.attach(fabric, ...)``. ``knobs``: rank 0 sends :data:`COMMANDS`, one at a
-time; every rank checks each window against an unsharded copy
-(:func:`tests.fsdp_job.by_hand`) and that a window's gradients are reduced at its last
-micro-batch only. ``resume``: resumes from the checkpoint ``knobs`` saved and trains on
-to the same step. Each rank saves ``OUT/<mode>-rank<N>.pt`` as :mod:`tests.fsdp_job`.
-``auto``: the strategy's default mesh (every device to tensor parallelism), attached
-only: each rank saves the refused knobs' reasons.
-"""
+The module is :func:`tests.jobs.make_model`'s (each block and the whole ``Sequential``
+``fully_shard``-ed, here by the strategy's parallelize function on its data-parallel
+mesh); the loop is Fabric's: ``fabric.no_backward_sync`` while ``run.is_accumulating``,
+``fabric.backward``, the optimizer Fabric wrapped, and ``agent.attach(fabric, ...)``.
+``knobs``: rank 0 sends :data:`COMMANDS`, one at a time; every rank checks each window
+against an unsharded copy (:class:`tests.jobs.UnshardedCopy`) and that a window's
+gradients are reduced at its last micro-batch only. ``resume``: resumes from the
+checkpoint ``knobs`` saved and trains on to the same step. Each rank saves
+``OUT/<mode>-rank<N>.pt`` as :mod:`tests.fsdp_job`. ``auto``: the strategy's default
+mesh (every device to tensor parallelism), attached only: each rank saves the refused
+knobs' reasons."""
 
 import sys
 from pathlib import Path
@@ -26,9 +25,8 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
 import agent
-from agent.wire.commands import send_command
-from gpuwatch.history import flat_records
-from tests.fsdp_job import BASE_LR, STEPS, by_hand, full_params, make_model
+from tests.jobs import (BASE_LR, SHARDED_STEPS, UnshardedCopy, full_params, logged_events,
+                        make_model, send_listed)
 
 COMMANDS = {2: ("accum_steps", 3), 4: ("lr_scale", 0.5), 6: ("weight_decay", 0.2),
             8: ("max_grad_norm", 0.05), 10: ("checkpointing", True),
@@ -56,12 +54,10 @@ def main(out: Path, mode: str) -> None:
         dist.destroy_process_group()
         return
     rank, world = fabric.global_rank, fabric.world_size
-    reference = make_model()
+    reference = UnshardedCopy()
     model = fabric.setup_module(make_model())
     optimizer = fabric.setup_optimizers(
         torch.optim.AdamW(model.parameters(), lr=BASE_LR, weight_decay=0.0))
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=BASE_LR,
-                                            weight_decay=0.0)
     torch.manual_seed(100 + rank)  # each rank's data (a resume puts back where it was)
     saved = next((out / "checkpoints").glob("step-*")) if mode == "resume" else None
     run = agent.attach(fabric, accum_steps=2, max_grad_norm=0.0, name=f"fabric-fsdp-{mode}",
@@ -69,7 +65,7 @@ def main(out: Path, mode: str) -> None:
     get_batch = run.timed(lambda: (torch.randn(4, 8), torch.randn(4, 8)))
     steps: dict[int, dict[str, Any]] = {}
     replies: dict[str, Any] = {}
-    while run.step < STEPS:
+    while run.step < SHARDED_STEPS:
         knobs = run.agent.knobs.values()
         micro_batches = []
         while True:
@@ -86,19 +82,13 @@ def main(out: Path, mode: str) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if mode == "knobs":
-            by_hand(reference, reference_optimizer, micro_batches, knobs, world)
-            for mine, theirs in zip(full_params(model), reference.parameters(), strict=True):
-                torch.testing.assert_close(mine, theirs.detach(), rtol=2e-5, atol=2e-6)
+            reference.check(model, micro_batches, knobs, world)
         run.optimizer_step()
         steps[run.step] = {"params": full_params(model), "knobs": knobs}
-        if mode == "knobs" and rank == 0 and run.step in COMMANDS:
-            name, value = COMMANDS[run.step]
-            replies[name if name != "precision" else f"precision={value}"] = send_command(
-                run.agent.info, name, value, apply_step=run.step + 2, timeout_s=30)
+        if mode == "knobs" and rank == 0:
+            send_listed(run.agent.info, COMMANDS, run.step, replies)
     run.close()
-    events = [{key: record.get(key) for key in ("kind", "knob", "step", "text")}
-              for record in flat_records(run.agent.info.log_path)
-              if record["type"] == "event" and record.get("kind") in ("applied", "resumed")]
+    events = logged_events(run.agent.info.log_path, ("applied", "resumed"))
     torch.save({"steps": steps, "replies": replies, "events": events},
                out / f"{mode}-rank{rank}.pt")
     dist.destroy_process_group()

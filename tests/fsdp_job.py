@@ -24,6 +24,10 @@ only (no sharded gradient before).
 directory; rank 0 sends ``checkpoint=now`` for step 6 and both ranks train on to step
 18 (a rank left waiting at a collective would hang the job).
 
+``unreadable``: the same command, with rank 1's data position failing to be read (its
+run's ``data_state`` raises from step 4 on): every rank learns of it at the save's first
+collective, and both train on to step 18.
+
 Each rank saves ``OUT/<mode>-rank<N>.pt``: each step's full parameters and knob values,
 the command replies (rank 0) and the ``applied`` and ``resumed`` events of its run log.
 """
@@ -40,37 +44,24 @@ import agent
 from agent.integrations.sharded import load_sharded
 from agent.wire.commands import send_command
 from agent.wire.knobs import Knob, KnobSet, KnobSpec
-from gpuwatch.history import flat_records
+from tests.jobs import (BASE_LR, SHARDED_STEPS, UnshardedCopy, full_params, logged_events,
+                        make_model, send_listed)
 
-STEPS = 18
-BASE_LR = 0.01
 COMMANDS = {2: ("accum_steps", 3), 4: ("lr_scale", 0.5), 6: ("weight_decay", 0.2),
             8: ("max_grad_norm", 0.05), 10: ("checkpointing", True),
             12: ("precision", "bf16"), 14: ("checkpoint", "now"), 15: ("precision", "fp16"),
             16: ("label", 5)}
 
 
-def make_model() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
-                                 for _ in range(3)])
-
-
-def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.full_tensor().detach().clone() for p in model.parameters()]
-
-
 def main(out: Path, mode: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    reference = make_model()
+    reference = UnshardedCopy()
     model = make_model()
     for block in model:
         fully_shard(block)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=BASE_LR, weight_decay=0.0)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=BASE_LR,
-                                            weight_decay=0.0)
     torch.manual_seed(100 + rank)  # each rank's data (a resume puts back where it was)
     label = {"value": 0}
     own = KnobSet()
@@ -95,7 +86,7 @@ def main(out: Path, mode: str) -> None:
     get_batch = run.timed(lambda: (torch.randn(4, 8), torch.randn(4, 8)))
     steps: dict[int, dict[str, Any]] = {}
     replies: dict[str, Any] = {}
-    while run.step < STEPS:
+    while run.step < SHARDED_STEPS:
         knobs = run.agent.knobs.values()
         micro_batches = []
         for micro_batch in range(run.accum_steps):
@@ -110,58 +101,25 @@ def main(out: Path, mode: str) -> None:
         run.scaler.update()
         optimizer.zero_grad(set_to_none=True)
         if mode == "knobs":
-            by_hand(reference, reference_optimizer, micro_batches, knobs, world)
-            for mine, theirs in zip(full_params(model), reference.parameters(), strict=True):
-                torch.testing.assert_close(mine, theirs.detach(), rtol=2e-5, atol=2e-6)
+            reference.check(model, micro_batches, knobs, world)
         run.optimizer_step()
         steps[run.step] = {"params": full_params(model), "knobs": knobs}
-        if mode == "blocked" and rank == 0 and run.step == 4:
+        if mode == "unreadable" and rank == 1 and run.step == 4:
+            def unreadable() -> dict[str, Any]:
+                raise RuntimeError("rank 1's data position cannot be read")
+            run.data_state = unreadable  # type: ignore[method-assign]
+        if mode in ("blocked", "unreadable") and rank == 0 and run.step == 4:
             replies["checkpoint"] = send_command(run.agent.info, "checkpoint", "now",
                                                  apply_step=6, timeout_s=30)
-        if mode == "knobs" and rank == 0 and run.step in COMMANDS:  # (rank 1 waits in
-            # the next window's collectives: the step after it is not reached yet)
-            name, value = COMMANDS[run.step]
-            replies[name if name != "precision" else f"precision={value}"] = send_command(
-                run.agent.info, name, value, apply_step=run.step + 2, timeout_s=30)
+        if mode == "knobs" and rank == 0:  # (rank 1 waits in the next window's
+            # collectives: the step after it is not reached yet)
+            send_listed(run.agent.info, COMMANDS, run.step, replies)
     run.close()
-    events = [{key: record.get(key) for key in ("kind", "knob", "step", "text")}
-              for record in flat_records(run.agent.info.log_path)
-              if record["type"] == "event"
-              and record.get("kind") in ("applied", "resumed", "failed")]
+    events = logged_events(run.agent.info.log_path, ("applied", "resumed", "failed"))
     torch.save({"steps": steps, "replies": replies, "label": label["value"],
                 "events": events},
                out / f"{mode}-rank{rank}.pt")
     dist.destroy_process_group()
-
-
-def by_hand(reference: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            micro_batches: list[tuple[torch.Tensor, torch.Tensor]], knobs: dict[str, Any],
-            world: int) -> None:
-    """One window's update of the unsharded ``reference``: every rank's micro-batches
-    (gathered), each rank's loss divided by the window and by the ranks (FSDP2 averages
-    the reduced gradients), the knob values of the window set by hand."""
-    accum = len(micro_batches)
-    for x, y in micro_batches:
-        gathered = [[torch.empty_like(x) for _ in range(world)] for _ in range(2)]
-        dist.all_gather(gathered[0], x)
-        dist.all_gather(gathered[1], y)
-        for rank_x, rank_y in zip(*gathered, strict=True):
-            dtype = torch.bfloat16 if knobs["precision"] == "bf16" else torch.float32
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                loss = torch.nn.functional.mse_loss(reference(rank_x), rank_y)
-            (loss / accum / world).backward()
-    params = list(reference.parameters())
-    if knobs["max_grad_norm"] > 0:
-        norm = torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(p.grad) for p in params]))
-        coefficient = torch.clamp(knobs["max_grad_norm"] / (norm + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(coefficient)
-    for group in optimizer.param_groups:
-        group["lr"] = BASE_LR * knobs["lr_scale"]
-        group["weight_decay"] = knobs["weight_decay"]
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 if __name__ == "__main__":

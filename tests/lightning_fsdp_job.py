@@ -2,17 +2,17 @@
 tests of every knob on a sharded module:
 ``torchrun --nproc-per-node 2 tests/lightning_fsdp_job.py OUT knobs|resume``.
 
-The module is :mod:`tests.fsdp_job`'s ``Sequential``, each block and the whole of it
-``fully_shard``-ed in ``configure_model`` on the strategy's data-parallel mesh; the data
-a fixed random set that Lightning's sampler splits between the ranks. ``knobs``: rank 0
-sends :data:`COMMANDS` one at a time, and a callback checks each window on every rank:
-against the update of an unsharded copy (:func:`tests.fsdp_job.by_hand`), and that its
-gradients are reduced at its last micro-batch only; ``checkpoint=now`` is Lightning's
-sharded checkpoint. ``resume``: ``fit(ckpt_path=)`` from it, on to the same step. Each
-rank saves ``OUT/<mode>-rank<N>.pt`` (each step's full parameters and knob values, the
-replies, the refused knobs' reasons, how many blocks the checkpointing knob wraps and
-whether it is on at the end).
-"""
+The module is :func:`tests.jobs.make_model`'s ``Sequential``, each block and the whole
+of it ``fully_shard``-ed in ``configure_model`` on the strategy's data-parallel mesh;
+the data a fixed random set that Lightning's sampler splits between the ranks.
+``knobs``: rank 0 sends :data:`COMMANDS` one at a time, and a callback checks each
+window on every rank: against the update of an unsharded copy
+(:class:`tests.jobs.UnshardedCopy`), and that its gradients are reduced at its last
+micro-batch only; ``checkpoint=now`` is Lightning's sharded checkpoint. ``resume``:
+``fit(ckpt_path=)`` from it, on to the same step. Each rank saves
+``OUT/<mode>-rank<N>.pt`` (each step's full parameters and knob values, the replies, the
+refused knobs' reasons, how many blocks the checkpointing knob wraps and whether it is
+on at the end)."""
 
 import sys
 from pathlib import Path
@@ -26,8 +26,8 @@ from torch.distributed.fsdp import fully_shard
 
 import agent
 from agent.integrations.lightning import GpuwatchCallback
-from agent.wire.commands import send_command
-from tests.fsdp_job import BASE_LR, STEPS, by_hand, full_params, make_model
+from tests.jobs import (BASE_LR, SHARDED_STEPS, UnshardedCopy, full_params, make_model,
+                        send_listed)
 
 COMMANDS = {2: ("accum_steps", 3), 4: ("lr_scale", 0.5), 6: ("weight_decay", 0.2),
             8: ("max_grad_norm", 0.05), 10: ("checkpointing", True),
@@ -59,9 +59,7 @@ class Check(L.Callback):
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self.reference = make_model()
-        self.optimizer = torch.optim.AdamW(self.reference.parameters(), lr=BASE_LR,
-                                           weight_decay=0.0)
+        self.reference = UnshardedCopy()
         self.micro_batches: list[Any] = []
         self.synced: list[bool] = []
         self.knobs: dict[str, Any] = {}
@@ -98,25 +96,18 @@ class Check(L.Callback):
         self.last_step = step
         assert self.synced == [False] * (len(self.synced) - 1) + [True], self.synced
         if self.mode == "knobs":
-            by_hand(self.reference, self.optimizer, self.micro_batches, self.knobs,
-                    trainer.world_size)
-            for mine, theirs in zip(full_params(module), self.reference.parameters(),
-                                    strict=True):
-                torch.testing.assert_close(mine, theirs.detach(), rtol=2e-5, atol=2e-6)
+            self.reference.check(module, self.micro_batches, self.knobs, trainer.world_size)
         self.steps[step] = {"params": full_params(module), "knobs": self.knobs}
         self.micro_batches, self.synced = [], []
-        if self.mode == "knobs" and trainer.global_rank == 0 and step in COMMANDS:
-            name, value = COMMANDS[step]
-            self.replies[name if name != "precision" else f"precision={value}"] = (
-                send_command(self.agent.info, name, value, apply_step=step + 2,
-                             timeout_s=30))
+        if self.mode == "knobs" and trainer.global_rank == 0:
+            send_listed(self.agent.info, COMMANDS, step, self.replies)
 
 
 def main(out: Path, mode: str) -> None:
     torch.manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(4 * 2 * 60, 8), torch.randn(4 * 2 * 60, 8))
     check = Check(mode)
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS,
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=SHARDED_STEPS,
                         strategy=ModelParallelStrategy(data_parallel_size=2,
                                                        tensor_parallel_size=1),
                         accumulate_grad_batches=2, callbacks=[check], logger=False,

@@ -12,6 +12,9 @@ it is collected.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,6 +63,51 @@ def test_compile_support_reasons():
         "unknown torch.compile backend 'no-such-backend'"
     reason = compile_support("inductor", "cpu")
     assert reason is None or "C++ compiler" in reason
+
+
+QUICK_CHECK = """
+import sys
+import torch
+import agent
+from gpuopt.compile import compile_support
+print("quick:", compile_support("inductor", "cpu", thorough=False))
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), 0.1)
+run = agent.session(model=model, optimizer=optimizer, name="quick")
+for _ in range(3):
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    run.optimizer_step()
+run.close()  # (after the I/O thread's hello and its knob schema)
+[kernels] = [knob for knob in run.knobs.schema() if knob["name"] == "kernels"]
+print("refused:", kernels.get("unavailable", {}).get("compile"))
+print("dynamo backends imported:", "torch._dynamo.backends.common" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("compiler", [True, False])
+def test_a_monitor_never_imports_dynamo_to_answer_whether_compile_can_run(compiler, run_dir,
+                                                                         tmp_path):
+    """Measured: the first ``hello``'s knob schema asked ``compile_support``, which
+    imported Dynamo's backends (0.55 s of CPU on the I/O thread, holding the GIL the
+    training thread steps with). The quick check answers from ``PATH`` alone (the switch checks in
+    full); without a C++ compiler on ``PATH`` it refuses inductor on CPU, with the
+    reason, and a session's schema says so."""
+    import subprocess
+    import sys
+
+    env = {name: value for name, value in os.environ.items() if name != "CXX"}
+    expected = "None"
+    if not compiler:
+        env["PATH"] = str(tmp_path)  # (no g++ nor clang++ there)
+        expected = ("inductor on CPU needs a C++ compiler (g++ or clang++ on PATH): none "
+                    "found")
+    done = subprocess.run([sys.executable, "-c", QUICK_CHECK], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"quick: {expected}", f"refused: {expected}",
+                                        "dynamo backends imported: False"], done.stdout
 
 
 def test_bad_arguments_are_value_errors():

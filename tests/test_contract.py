@@ -251,6 +251,49 @@ def test_a_loss_spike_is_recovered_from_past_the_poisoned_batches(driver, run_di
     assert trained[:len(spiked.recorder.trained)] == spiked.recorder.trained
 
 
+@pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].rollback])
+def test_a_recovery_to_a_state_kept_in_the_previous_epoch_goes_on_with_this_epoch(
+        driver, run_dir, tmp_path):
+    """States kept every 3 steps; micro-batches 33-38 (steps 17-19, epoch 2 of 8-step
+    epochs) poisoned: the recovery after step 20 puts back the state kept after step 15,
+    in epoch 1. The data goes on where it is, 8 micro-batches into epoch 2: the recovered
+    run trains the rest of epoch 2 (micro-batches 40-47), then epoch 3, as the spiked run
+    did; epoch 2 trains each sample once. (A run that took the kept epoch and batch
+    counts along ended epoch 2 two micro-batches after the recovery: Lightning's did.)"""
+    spiked = run_poisoned(driver, tmp_path / "spiked", steps=24, poisoned=range(33, 39))
+    recovered = run_poisoned(driver, tmp_path / "recovered", steps=24,
+                             poisoned=range(33, 39), hold_at=19,
+                             policy=Recovery(keep_every_steps=3, keep_states=3))
+    [branched] = recovered.events("branched")
+    assert (branched["step"], branched["source"]) == (15, "recovery"), branched
+    assert "skipped the 10 micro-batches (5 windows)" in branched["text"], branched["text"]
+    trained, before = recovered.recorder.trained, spiked.recorder.trained
+    assert len(before) == 48 and trained[:48] == before, (len(trained), len(before))
+    epoch_2 = sorted(sample for micro_batch in trained[32:48] for sample in micro_batch)
+    assert epoch_2 == sorted(sample for micro_batch in trained[:16]
+                             for sample in micro_batch), "epoch 2 is not the data once"
+
+
+@pytest.mark.parametrize("driver", [d for d in DRIVERS
+                                    if d.values[0].name.startswith("lightning")])
+def test_a_recovery_counts_lightnings_windows_from_where_the_data_is(driver, run_dir,
+                                                                     tmp_path):
+    """``accum_steps=3`` from step 10: epoch 1's windows counted from its batch 2,
+    epoch 2's from its batch 0 (16 batches an epoch); states kept every 6 steps;
+    micro-batches 33-41 (epoch 2's first 9) poisoned. The recovery after step 18 (epoch
+    2's batch 12) puts back the state kept after step 12, in epoch 1: its windows go on
+    from where the data is, 12-14 then 15 (the epoch's end), then epoch 3's from its
+    batch 0. (Counted from the kept state's batch 2, a window of batches 12-13 alone
+    was stepped, its loss divided by 3.)"""
+    recovered = run_poisoned(driver, tmp_path, steps=24, poisoned=range(33, 42),
+                             hold_at=17, commands=[("accum_steps", 3, 10)],
+                             policy=Recovery(keep_every_steps=6, keep_states=3))
+    [branched] = recovered.events("branched")
+    assert branched["step"] == 12 and "steps 15-17" in branched["text"], branched["text"]
+    sizes = [len(recovered.recorder.windows[step]) for step in range(13, 25)]
+    assert sizes == [3, 1] + [3, 3, 3, 3, 3, 1] + [3, 3, 3, 3], sizes
+
+
 @pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].name == "loop"])
 def test_a_single_noisy_step_is_not_a_spike(driver, run_dir, tmp_path):
     """One poisoned window (step 21: its loss thousands of times the median) is noise to

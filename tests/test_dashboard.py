@@ -406,6 +406,18 @@ async def test_pending_command_is_shown_until_applied():
             source.state.ingest(envelope("step", {"step": 5, "knobs": {"precision": "fp32"}}))
             source.state.note_pending("precision", "bf16", 9)
         await until(pilot, lambda: "fp32 -> bf16 (at step 9)" in text_of(app, "#knobs"))
+        # the run went back from step 6 to 2 at the boundary before step 7: the command
+        # keeps its 2 steps from that boundary, 9 - (6 - 2) = 5, and the panel says so
+        with source.lock:
+            source.state.ingest(envelope("event", {
+                "kind": "branched", "branch": 1, "parent": 0, "step": 2,
+                "text": "branch 1 of branch 0 at step 2"}))
+            for value, step in (("bf16", 5), ("fp16", 1)):  # (another value's: not ours)
+                source.state.ingest(envelope("event", {
+                    "kind": "rescheduled", "knob": "precision", "value": value,
+                    "step": step, "previous_step": step + 4, "branch": 1,
+                    "text": f"precision={value} now applies at step {step}"}))
+        await until(pilot, lambda: "fp32 -> bf16 (at step 5)" in text_of(app, "#knobs"))
 
 
 async def test_bad_endpoint_is_reported_not_raised():

@@ -58,6 +58,11 @@ def test_a_command_is_validated_and_a_bad_one_changes_nothing():
     assert not reply["ok"] and "fp8" in reply["reason"]
     reply = run.command("accum_steps", 2, apply_step=True)
     assert reply["reason"] == "apply_step must be an integer, got True"
+    reply = run.command("accum_steps", 2, apply_step=None)
+    assert reply["reason"] == "apply_step must be an integer, got None"
+    for bad in (None, True, -1, "0"):  # the branch a step is counted on
+        reply = run.command("accum_steps", 2, apply_step=5, branch=bad)
+        assert reply["reason"] == f"branch must be an integer >= 0, got {bad!r}", bad
     assert run.desk.answer({"id": [1], "token": TOKEN})["reason"].startswith("id must be")
     check = run.command("accum_steps", "4", dry_run=True)
     assert check == {"id": "c-accum_steps", "ok": True, "dry_run": True,

@@ -5,37 +5,60 @@ torchrun jobs, gloo on the CPU: :mod:`tests.fsdp_job`); the same under Lightning
 ``ModelParallelStrategy``, in a Fabric loop (:mod:`tests.fabric_fsdp_job`) and a
 Trainer's ``fit`` (:mod:`tests.lightning_fsdp_job`)."""
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+
+from tests.jobs import run_job
 
 JOB = Path(__file__).with_name("fsdp_job.py")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_job(*args: str) -> str:
-    """``args`` (a script and its arguments) under ``torchrun --nproc-per-node 2``, to its
-    end; its output."""
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        start_new_session=True)
-    try:
-        output = job.communicate(timeout=300)[0]
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    assert job.returncode == 0, (args, output)
-    return output
+CHANGED = ("accum_steps", "lr_scale", "weight_decay", "max_grad_norm", "checkpointing",
+           "precision=bf16", "checkpoint")
+
+
+def knobs_job(job: str, out: Path) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+    """Run ``job`` in its ``knobs`` mode and check what every such job must show.
+
+    Each of :data:`CHANGED` accepted on both ranks, the same knob values at every step on
+    both, each new value first trained at its reply's ``apply_step``. Returns each rank's
+    saved data, rank 0's replies and the step its checkpoint holds."""
+    run_job(job, str(out), "knobs")
+    ranks = [torch.load(out / f"knobs-rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    replies = ranks[0]["replies"]
+    for name in CHANGED:
+        assert replies[name]["ok"] and replies[name]["ranks"] == [0, 1], replies[name]
+    assert [{step: s["knobs"] for step, s in data["steps"].items()} for data in ranks][0] == {
+        step: s["knobs"] for step, s in ranks[1]["steps"].items()}
+    for name, value in ranks[0]["steps"][max(ranks[0]["steps"])]["knobs"].items():
+        reply = replies.get(name) or replies.get(f"{name}={value}")
+        if reply is not None and reply["ok"]:  # each new value first trained at its step
+            assert min(step for step, s in ranks[0]["steps"].items()
+                       if s["knobs"][name] == value) == reply["apply_step"], name
+    return ranks, replies, replies["checkpoint"]["apply_step"] - 1
+
+
+def resumes_bit_identically(job: str, out: Path, ranks: list[dict[str, Any]],
+                            saved_step: int, resumed_from: Path | None = None) -> None:
+    """Run ``job`` in its ``resume`` mode: each rank's steps after ``saved_step`` equal
+    ``ranks``' (the ``knobs`` run's) bit for bit, with the same knob values; with
+    ``resumed_from``, its ``resumed`` event names it."""
+    run_job(job, str(out), "resume")
+    for rank, data in enumerate(ranks):
+        resumed = torch.load(out / f"resume-rank{rank}.pt", weights_only=False)
+        if resumed_from is not None:
+            [event] = [e for e in resumed["events"] if e["kind"] == "resumed"]
+            assert f"resumed from {resumed_from} at step {saved_step}" in event["text"], event
+        assert sorted(resumed["steps"]) == [step for step in sorted(data["steps"])
+                                            if step > saved_step]
+        for step, state in resumed["steps"].items():
+            assert state["knobs"] == data["steps"][step]["knobs"]
+            for mine, theirs in zip(state["params"], data["steps"][step]["params"], strict=True):
+                assert torch.equal(mine, theirs), (rank, step)
 
 
 @pytest.mark.slow
@@ -52,51 +75,25 @@ def test_every_knob_of_a_sharded_loop_is_exact_and_its_checkpoint_resumes_bit_id
     both ranks; and that gradients are reduced at a window's last micro-batch only);
     here: every command applied at one step on both ranks, the refusals, the checkpoint
     written by both ranks, and the resume equal to the run it came from, bit for bit."""
-    run_job(str(JOB), str(tmp_path), "knobs")
-    ranks = [torch.load(tmp_path / f"knobs-rank{rank}.pt", weights_only=False)
-             for rank in (0, 1)]
-    replies = ranks[0]["replies"]
-    for name in ("accum_steps", "lr_scale", "weight_decay", "max_grad_norm", "checkpointing",
-                 "precision=bf16", "checkpoint"):
-        assert replies[name]["ok"] and replies[name]["ranks"] == [0, 1], replies[name]
+    ranks, replies, saved_step = knobs_job(str(JOB), tmp_path)
     assert not replies["precision=fp16"]["ok"]
     assert "GradScaler would check each rank's shard" in replies["precision=fp16"]["reason"]
     assert not replies["label"]["ok"]  # rank 1 refused: neither rank has it
     assert replies["label"]["reason"] == "label=5: rank 1 keeps its label (rank 1)"
     assert [data["label"] for data in ranks] == [0, 0]
-    # the same knob values at every step on both ranks, and each change at its step
-    assert [{step: s["knobs"] for step, s in data["steps"].items()} for data in ranks][0] == {
-        step: s["knobs"] for step, s in ranks[1]["steps"].items()}
     last = ranks[0]["steps"][max(ranks[0]["steps"])]["knobs"]
     assert {name: last[name] for name in ("accum_steps", "lr_scale", "weight_decay",
                                           "max_grad_norm", "checkpointing", "precision")} == {
         "accum_steps": 3, "lr_scale": 0.5, "weight_decay": 0.2, "max_grad_norm": 0.05,
         "checkpointing": True, "precision": "bf16"}
-    for name, value in last.items():  # each new value first trained at its apply step
-        reply = replies.get(name) or replies.get(f"{name}={value}")
-        if reply is not None and reply["ok"]:
-            assert min(step for step, s in ranks[0]["steps"].items()
-                       if s["knobs"][name] == value) == reply["apply_step"], name
     [directory] = (tmp_path / "checkpoints").iterdir()
-    saved_step = replies["checkpoint"]["apply_step"] - 1
     assert directory.name == f"step-{saved_step:08d}"
     assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in directory.iterdir()}
     for data in ranks:  # rank 0 saved it (and named it), rank 1 with it
         [saved] = [e for e in data["events"] if e["knob"] == "checkpoint"]
         assert f"saved {'after' if data is ranks[0] else 'with rank 0 after'} step " \
                f"{saved_step} to {directory}" in saved["text"], saved
-
-    run_job(str(JOB), str(tmp_path), "resume")
-    for rank, data in enumerate(ranks):
-        resumed = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
-        [event] = [e for e in resumed["events"] if e["kind"] == "resumed"]
-        assert f"resumed from {directory} at step {saved_step}" in event["text"], event
-        assert sorted(resumed["steps"]) == [step for step in sorted(data["steps"])
-                                            if step > saved_step]
-        for step, state in resumed["steps"].items():
-            assert state["knobs"] == data["steps"][step]["knobs"]
-            for mine, theirs in zip(state["params"], data["steps"][step]["params"], strict=True):
-                assert torch.equal(mine, theirs), (rank, step)
+    resumes_bit_identically(str(JOB), tmp_path, ranks, saved_step, directory)
 
 
 @pytest.mark.slow
@@ -107,40 +104,15 @@ def test_every_knob_of_a_fabric_model_parallel_loop_is_exact_and_resumes_bit_ide
     last micro-batch only (``fabric.no_backward_sync``); here: each command at one step
     on both ranks, the refusals, and the sharded checkpoint resumed bit for bit."""
     job = str(JOB.with_name("fabric_fsdp_job.py"))
-    run_job(job, str(tmp_path), "knobs")
-    ranks = [torch.load(tmp_path / f"knobs-rank{rank}.pt", weights_only=False)
-             for rank in (0, 1)]
-    replies = ranks[0]["replies"]
-    for name in ("accum_steps", "lr_scale", "weight_decay", "max_grad_norm", "checkpointing",
-                 "precision=bf16", "checkpoint"):
-        assert replies[name]["ok"] and replies[name]["ranks"] == [0, 1], replies[name]
+    ranks, replies, saved_step = knobs_job(job, tmp_path)
     assert not replies["precision=fp16"]["ok"]  # (Fabric has no fp16 AMP on a CPU)
     assert "choose bf16" in replies["precision=fp16"]["reason"]
     assert not replies["kernels"]["ok"]
     assert "compiling a model sharded by fully_shard" in replies["kernels"]["reason"]
-    assert [{step: s["knobs"] for step, s in data["steps"].items()} for data in ranks][0] == {
-        step: s["knobs"] for step, s in ranks[1]["steps"].items()}
-    for name, value in ranks[0]["steps"][max(ranks[0]["steps"])]["knobs"].items():
-        reply = replies.get(name) or replies.get(f"{name}={value}")
-        if reply is not None and reply["ok"]:
-            assert min(step for step, s in ranks[0]["steps"].items()
-                       if s["knobs"][name] == value) == reply["apply_step"], name
     [directory] = (tmp_path / "checkpoints").iterdir()
-    saved_step = replies["checkpoint"]["apply_step"] - 1
     assert directory.name == f"step-{saved_step:08d}"
     assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in directory.iterdir()}
-
-    run_job(job, str(tmp_path), "resume")
-    for rank, data in enumerate(ranks):
-        resumed = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
-        [event] = [e for e in resumed["events"] if e["kind"] == "resumed"]
-        assert f"resumed from {directory} at step {saved_step}" in event["text"], event
-        assert sorted(resumed["steps"]) == [step for step in sorted(data["steps"])
-                                            if step > saved_step]
-        for step, state in resumed["steps"].items():
-            assert state["knobs"] == data["steps"][step]["knobs"]
-            for mine, theirs in zip(state["params"], data["steps"][step]["params"], strict=True):
-                assert torch.equal(mine, theirs), (rank, step)
+    resumes_bit_identically(job, tmp_path, ranks, saved_step, directory)
 
 
 @pytest.mark.slow
@@ -168,39 +140,16 @@ def test_every_knob_of_a_lightning_model_parallel_fit_is_exact_and_resumes_bit_i
     one step on both ranks, the refusals with their reasons, and Lightning's sharded
     checkpoint, resumed by ``fit(ckpt_path=)``, equal to the run bit for bit."""
     job = str(JOB.with_name("lightning_fsdp_job.py"))
-    run_job(job, str(tmp_path), "knobs")
-    ranks = [torch.load(tmp_path / f"knobs-rank{rank}.pt", weights_only=False)
-             for rank in (0, 1)]
-    replies = ranks[0]["replies"]
-    for name in ("accum_steps", "lr_scale", "weight_decay", "max_grad_norm", "checkpointing",
-                 "precision=bf16", "checkpoint"):
-        assert replies[name]["ok"] and replies[name]["ranks"] == [0, 1], replies[name]
+    ranks, replies, saved_step = knobs_job(job, tmp_path)
     assert "GradScaler would check each rank's shard" in replies["precision=fp16"]["reason"]
     assert "compiling a model sharded by fully_shard" in replies["kernels"]["reason"]
     assert not any(replies[name]["ok"] for name in ("precision=fp16", "kernels"))
     assert sorted(ranks[0]["steps"]) == list(range(1, 19))
     assert [data["checkpointed"] for data in ranks] == [(3, True)] * 2  # the fully_shard blocks
-    assert [{step: s["knobs"] for step, s in data["steps"].items()} for data in ranks][0] == {
-        step: s["knobs"] for step, s in ranks[1]["steps"].items()}
-    for name, value in ranks[0]["steps"][18]["knobs"].items():
-        reply = replies.get(name) or replies.get(f"{name}={value}")
-        if reply is not None and reply["ok"]:
-            assert min(step for step, s in ranks[0]["steps"].items()
-                       if s["knobs"][name] == value) == reply["apply_step"], name
     [directory] = (tmp_path / "checkpoints").iterdir()  # every rank's shards, rank 0's rest
-    saved_step = replies["checkpoint"]["apply_step"] - 1
     assert directory.name == f"step-{saved_step:08d}.ckpt"
     assert {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= {p.name for p in directory.iterdir()}
-
-    run_job(job, str(tmp_path), "resume")
-    for rank, data in enumerate(ranks):
-        resumed = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=False)
-        assert sorted(resumed["steps"]) == [step for step in sorted(data["steps"])
-                                            if step > saved_step]
-        for step, state in resumed["steps"].items():
-            assert state["knobs"] == data["steps"][step]["knobs"]
-            for mine, theirs in zip(state["params"], data["steps"][step]["params"], strict=True):
-                assert torch.equal(mine, theirs), (rank, step)
+    resumes_bit_identically(job, tmp_path, ranks, saved_step)
 
 
 @pytest.mark.slow
@@ -210,7 +159,8 @@ def test_accelerate_and_hf_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir
     (MULTI_CPU: its knobs and refusals), and without it each torchrun rank is a
     one-process run (NO) that never reduces with the others: gpuwatch warns on every
     rank, and refuses the checkpoint, which would be rank 0's model for all. The HF
-    Trainer's ``fsdp=`` with ``use_cpu`` is that DDP: gpuwatch warns that it is."""
+    Trainer's ``fsdp=`` with ``use_cpu`` is that DDP: gpuwatch warns that it is, and
+    refuses ``rewind`` (HF loads a checkpoint in place on each process alone)."""
     job = str(JOB.with_name("accelerate_fsdp_job.py"))
     run_job(job, str(tmp_path), "plain")
     run_job(job, str(tmp_path), "cpu")
@@ -239,6 +189,32 @@ def test_accelerate_and_hf_fsdp_on_a_cpu_is_no_fsdp_and_gpuwatch_says_so(run_dir
         assert hf["warnings"] == [
             "fsdp=True is not FSDP here: accelerate runs MULTI_CPU (its FSDP plugin only on "
             "a GPU-like device), so the model is not sharded and the knobs are that run's"]
+        # each process would load a checkpoint in place, alone (as accelerate's would)
+        assert hf["unsupported"]["rewind"] == (
+            "this run has 2 processes, and HF's _load_from_checkpoint loads in place, on "
+            "each alone, and a checkpoint holds one process's random numbers: resume with "
+            "trainer.train(resume_from_checkpoint=...)")
+
+
+@pytest.mark.slow
+def test_a_rank_state_failing_on_rank_1_fails_the_sharded_checkpoint_on_every_rank(
+        run_dir, tmp_path):
+    """Rank 1's data position cannot be read when the checkpoint is saved: it says so
+    at the save's first collective (rank 0 does not wait there for ever: the job ends
+    within run_job's timeout), no rank writes a shard, both report the failure naming
+    rank 1 and train on to the end."""
+    run_job(str(JOB), str(tmp_path), "unreadable")
+    ranks = [torch.load(tmp_path / f"unreadable-rank{rank}.pt", weights_only=False)
+             for rank in (0, 1)]
+    reply = ranks[0]["replies"]["checkpoint"]
+    assert reply["ok"] and reply["ranks"] == [0, 1], reply
+    assert list((tmp_path / "checkpoints").glob("step-*")) == []
+    for rank, data in enumerate(ranks):
+        assert max(data["steps"]) == 18, rank
+        [failed] = [event for event in data["events"] if event["kind"] == "failed"]
+        assert failed["knob"] == "checkpoint" and failed["step"] == 6, failed
+        assert ("the sharded checkpoint failed on rank 1: RuntimeError: rank 1's data "
+                "position cannot be read") in failed["text"], failed
 
 
 @pytest.mark.slow

@@ -96,6 +96,37 @@ def test_a_position_saved_after_a_change_resumes_the_same_draws_bit_for_bit():
                                 if key != "mixture"})
 
 
+@pytest.mark.parametrize(("segments", "message"), [
+    ([[150, [0.5, 0.5]]], "first mixture segment must start at sample 0, got 150"),
+    ([[0, [0.5, 0.5]], [80, [1, 0]], [80, [0, 1]]], "rise strictly .* got 80 after 80"),
+    ([[0, [0.5, 0.5]], [90, [1, 0]], [40, [0, 1]]], "rise strictly .* got 40 after 90"),
+    ([[0, [0.5, 0.5]], [200, [1, 0]]], "below the epoch's 200 samples, got 200"),
+    ([[0, [0.5, 0.5]], [10.5, [1, 0]]], "must be a whole number, got '10.5'"),
+    ([[0, [0.5, 0.5]], [True, [1, 0]]], "must be a whole number, got 'True'"),
+    ([[0, [0.5, -1]]], "finite numbers >= 0, got -1"),
+    ([[0, [1, 1, 1]]], "has 2 datasets, got 3 weights"),
+    ([[0]], r"must be \[first sample, weights\]"),
+    ([], "a list of 1 to 200 .* got list of 0"),
+    ([[start, [1, 1]] for start in range(201)], "a list of 1 to 200 .* got list of 201"),
+    ("0,0.5,0.5", "a list of 1 to 200"),
+    (None, "a list of 1 to 200"),
+])
+def test_a_position_whose_weight_changes_do_not_cover_the_epoch_is_refused(segments,
+                                                                           message):
+    """A position from a file is untrusted: weight changes that would leave samples of the
+    epoch undrawn (indices never written) are refused with the reason, and the loader
+    goes on as it was: its next batch is the one it would have given."""
+    loader = MixtureLoader(_sources(100, 100), [0.5, 0.5], batch_size=10, seed=0)
+    expected = next(iter(MixtureLoader(_sources(100, 100), [0.5, 0.5], batch_size=10,
+                                       seed=0)))
+    saved = loader.save_position()
+    with pytest.raises(ValueError, match=message):
+        loader.restore_position({**saved, "mixture": {"weights": [0.5, 0.5],
+                                                      "segments": segments}})
+    assert torch.equal(next(iter(loader))[0], expected[0])
+    assert loader.weights == (0.5, 0.5)
+
+
 def test_workers_loading_ahead_give_the_batches_of_a_loader_without_workers():
     """Two persistent workers load batches ahead of the change: those are drawn again."""
     plain = MixtureLoader(_sources(100, 100), [0.9, 0.1], batch_size=5, seed=4)
@@ -199,7 +230,9 @@ def test_a_loop_changes_the_mixture_at_its_step_and_a_resume_draws_the_same(run_
     """mixture=1,9 (0.1 / 0.9) for step 4: steps 1-3 draw at 0.7 / 0.3, steps 4-20 at 0.1 / 0.9
     (272 samples: 245 expected from dataset 1, within 6 standard deviations; 82 at the
     old weights is far outside); a checkpoint after step 8 resumes steps 9-20 with the
-    same batches and losses, bit for bit, from a loader built with the first weights."""
+    same batches and losses, bit for bit, from a loader built with the first weights; a
+    copy of it whose weight changes skip samples of the epoch is refused with the
+    reason."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     run = agent.session(model=model, optimizer=optimizer, checkpoint_dir=tmp_path)
@@ -235,6 +268,22 @@ def test_a_loop_changes_the_mixture_at_its_step_and_a_resume_draws_the_same(run_
     resumed_steps = {r["step"]: r for r in records if r["type"] == "step"}
     assert [resumed_steps[s]["loss"] for s in again] == [steps[s]["loss"] for s in again]
     assert resumed_steps[9]["knobs"]["mixture"] == "0.1,0.9"
+
+    # the same checkpoint with a weight change that skips the epoch's first 150 samples:
+    # the resume says why when the loader is bound, and draws nothing from it
+    tampered = torch.load(saved, weights_only=True)
+    tampered["data"]["loader"]["mixture"]["segments"] = [[150, [0.1, 0.9]]]
+    torch.save(tampered, tmp_path / "tampered.pt")
+    model = make_model(seed=1)
+    resumed = agent.session(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            resume_from=tmp_path / "tampered.pt")
+    try:
+        with pytest.raises(ValueError, match="first mixture segment must start at sample 0, "
+                                             "got 150"):
+            resumed.loader(MixtureLoader(_digits_by_label(), [0.7, 0.3], batch_size=16,
+                                         seed=6))
+    finally:
+        resumed.close()
 
 
 def test_a_rollback_puts_the_weights_and_the_draws_back_as_they_were(run_dir):

@@ -17,10 +17,12 @@ from gpuopt import Trainer
 from agent.wire.commands import RankConnections
 from gpuwatch.client import Subscriber, reply_text, send_command
 from tests.conftest import FakeAgent, wait_until
+from tests.jobs import finish, run_job, torchrun
 from tests.training import Gate, digits_loader, messages, model as make_model, start
 from gpuwatch.history import flat_records
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+JOBS = Path(__file__).parent
 
 
 def wait_for_ranks(process, world_size, timeout_s=90):
@@ -36,11 +38,7 @@ def wait_for_ranks(process, world_size, timeout_s=90):
 
 @pytest.fixture
 def ddp_job(run_dir):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(EXAMPLES / "ddp_attach.py"), "--max-steps", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    process = torchrun(str(EXAMPLES / "ddp_attach.py"), "--max-steps", "100000")
     yield process
     workers = [info.pid for info in runs.list_runs()]
     process.send_signal(signal.SIGTERM)  # torchrun stops its workers (own sessions)
@@ -278,16 +276,6 @@ def test_a_second_job_with_the_same_run_id_gets_its_own(run_dir, monkeypatch):
         holder.wait(30)
 
 
-def _ddp_rollback_job(out, mode, wrap):
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(Path(__file__).with_name("ddp_rollback_job.py")), str(out), mode, wrap],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        start_new_session=True)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
 def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path, wrap):
@@ -296,16 +284,8 @@ def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path, wrap):
     the rollback to every rank, and each puts its state back to the boundary after
     step 6 at the same step: steps 7-20 then equal a twin job's that never made the
     change on each rank (bit-equal losses and final parameters)."""
-    jobs = {mode: _ddp_rollback_job(tmp_path, mode, wrap) for mode in ("twin", "change")}
-    try:
-        for mode, job in jobs.items():
-            output = job.communicate(timeout=300)[0]
-            assert job.returncode == 0, (mode, output)
-    finally:
-        for job in jobs.values():
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.wait()
+    finish(*(torchrun(str(JOBS / "ddp_rollback_job.py"), str(tmp_path), mode, wrap)
+             for mode in ("twin", "change")))
     restored_at = set()
     for rank in (0, 1):
         twin = torch.load(tmp_path / f"twin-rank{rank}.pt")
@@ -328,14 +308,7 @@ def test_a_rollback_puts_no_state_back_unless_every_rank_kept_one(run_dir, tmp_p
     """The rollback job of the test above, where rank 1 could not copy its state when
     the change applied (host memory short): no rank puts its state back, and each says
     why with every rank's part, at the same step (rank 0 went back alone before)."""
-    job = _ddp_rollback_job(tmp_path, "no-copy", "ddp")
-    try:
-        output = job.communicate(timeout=300)[0]
-        assert job.returncode == 0, output
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+    run_job(str(JOBS / "ddp_rollback_job.py"), str(tmp_path), "no-copy", "ddp")
     ranks = [torch.load(tmp_path / f"no-copy-rank{rank}.pt") for rank in (0, 1)]
     steps = set()
     for saved in ranks:
@@ -351,22 +324,9 @@ def test_a_rollback_puts_no_state_back_unless_every_rank_kept_one(run_dir, tmp_p
         assert torch.equal(mine.view(torch.int32), theirs.view(torch.int32))  # (NaN too)
 
 
-def _ddp_recovery_job(out, mode=""):
-    """Run ``tests/ddp_recovery_job.py`` (2 ranks) to its end; each rank's saved results."""
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(Path(__file__).with_name("ddp_recovery_job.py")), str(out), mode],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        start_new_session=True)
-    try:
-        output = job.communicate(timeout=300)[0]
-        assert job.returncode == 0, output
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+def _recovery_job(out, mode=""):
+    """``tests/ddp_recovery_job.py`` (2 ranks) in ``mode``, to its end; each rank's results."""
+    run_job(str(JOBS / "ddp_recovery_job.py"), str(out), mode)
     return [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
 
 
@@ -381,7 +341,7 @@ def test_a_loss_spike_is_recovered_from_on_every_rank_at_one_step(run_dir, tmp_p
     copy at step 20 failed (``copy-20``), both go back to step 10, the latest state
     every rank holds (rank 0 went back to 20 and rank 1 to 10 before: the replicas
     split)."""
-    ranks = _ddp_recovery_job(tmp_path, mode)
+    ranks = _recovery_job(tmp_path, mode)
     [first], [second] = (saved["events"] for saved in ranks)
     assert first["after"] == second["after"] > 23  # the one boundary of the fan-out
     for event in (first, second):
@@ -397,7 +357,7 @@ def test_recover_on_failing_on_one_rank_stays_off_on_every_rank(run_dir, tmp_pat
     """DDP on gloo, 2 ranks: rank 1 cannot copy its state where ``recover=on`` applies
     (step 2): every rank refuses it, with rank 1's reason (before, rank 0 turned it on
     alone and would have gone back alone)."""
-    ranks = _ddp_recovery_job(tmp_path, "copy-2")
+    ranks = _recovery_job(tmp_path, "copy-2")
     for saved in ranks:
         assert saved["recover"] == "off" and saved["events"] == []
         [failed] = [p for p in saved["problems"] if p["kind"] == "failed"]

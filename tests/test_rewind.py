@@ -6,9 +6,9 @@ every integration is the contract's (``tests/test_contract.py``)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +16,18 @@ import pytest
 import torch
 
 import agent
+from agent.wire.commands import RankConnections
 from agent.wire.knobs import REWIND, TEXT_MAX_CHARS, KnobError
 from gpuopt.loader import ReconfigurableLoader
-from gpuwatch.client import send_command
+from gpuwatch.client import RunClient, send_command
 from gpuwatch.history import flat_records
+from tests.conftest import wait_until
 from tests.contract import IndexedDigits, Net, loss_fn, optimizer_and_schedule
+from tests.jobs import finish, run_job, torchrun
+
+#: How long a script's wait for a moved command lasts before it ends (s): a generous
+#: bound for one step and an event to arrive; the test takes that long.
+WAIT_S = 8
 
 
 def test_the_text_kind_takes_bounded_text_without_control_characters():
@@ -181,24 +188,117 @@ def test_rewinds_make_a_tree_of_branches_each_announced_before_its_steps(run_dir
         assert losses[(2, step)] == losses[(1, step)], step
 
 
-def _ddp_rewind_job(out: Path, mode: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(Path(__file__).with_name("ddp_rewind_job.py")), str(out), mode],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        start_new_session=True)
+def test_a_pending_command_keeps_its_distance_from_the_rewind(run_dir, tmp_path):
+    """``lr_scale=0.5`` accepted for step 9 while the run is at step 5; ``rewind=3``
+    applies at the boundary before step 7: due 9 - 7 = 2 steps after that boundary, it
+    applies 2 steps after the fork's (before step 4), at 4 + 2 = 6 = 9 - (6 - 3), with a
+    ``rescheduled`` event. The branch's steps 4-8 equal, bit for bit, those of a twin
+    that sets lr_scale=0.5 for step 6 with no rewind. A command counted on branch 0 that
+    arrives after the rewind (a fan-out's second phase) is moved the same way, or
+    refused where its step was at or before the rewind's."""
+    twin = Loop(tmp_path / "twin")
+    twin.train(2)
+    assert twin.send("checkpoint", "now")["ok"]
+    twin.train(1)
+    assert dict(send_command(twin.run.agent.info, "lr_scale", 0.5, apply_step=6,
+                             timeout_s=10))["ok"]
+    twin.train(5)
+    want = {r["step"]: r["loss"] for r in twin.records() if r["type"] == "step"}
+    loop = Loop(tmp_path)
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]  # saved after step 3
+    loop.train(3)
+    assert loop.send("rewind", "3")["apply_step"] == 7
+    reply = dict(send_command(loop.run.agent.info, "lr_scale", 0.5, apply_step=9,
+                              timeout_s=10))
+    assert reply["ok"] and reply["apply_step"] == 9 and reply["step"] == 5, reply
+    loop.train(1)
+    assert loop.run.branch == 1 and loop.run.step == 3
+    info = loop.run.agent.info
+    with RankConnections([info]) as connection:  # counted on branch 0, come late (the
+        late = [connection.exchange({"id": f"late-{apply_step}", "knob": "accum_steps",
+                                     "value": 2, "apply_step": apply_step,  # value it has)
+                                     "branch": branch},
+                                    10, None)[0]
+                for apply_step, branch in ((10, 0), (7, 0), (10, 2))]
+    assert late[0]["ok"] and late[0]["apply_step"] == 10 - 3 and late[0]["branch"] == 1
+    assert late[1]["reason"] == ("apply_step 7 of branch 0 has passed on rank 0: the run "
+                                 "went back to step 3 at step 7 (branch 1)"), late[1]
+    assert late[2]["reason"] == ("branch 2 is not one rank 0 can count from (it trains "
+                                 "branch 1)"), late[2]
+    loop.train(5)
+    records = loop.records()
+    events = [r for r in records if r["type"] == "event"]
+    [moved] = [e for e in events if e.get("kind") == "rescheduled"]
+    assert (moved["knob"], moved["value"], moved["step"], moved["previous_step"],
+            moved["branch"]) == ("lr_scale", 0.5, 6, 9, 1), moved
+    assert moved["text"] == ("lr_scale=0.5 now applies at step 6, not 9: the run went "
+                             "back to step 3 at step 7 (branch 1) and it stays 2 steps "
+                             "after that boundary"), moved
+    kinds = [e.get("kind") for e in events]
+    assert kinds.index("rescheduled") == kinds.index("branched") + 1
+    applied = {(e["knob"], e["step"]) for e in events if e.get("kind") == "applied"}
+    assert {("lr_scale", 6), ("accum_steps", 7)} <= applied, applied
+    branch, steps = 0, []
+    for record in records:
+        if record["type"] == "event" and record.get("kind") == "branched":
+            branch = record["branch"]
+        elif record["type"] == "step" and branch == 1:
+            steps.append(record["step"])
+            assert record["knobs"]["lr_scale"] == (0.5 if record["step"] >= 6 else 1.0)
+            assert record["loss"] == want[record["step"]], record["step"]
+    assert steps == [4, 5, 6, 7, 8]
 
 
-def _finish(job: subprocess.Popen, mode: str) -> None:
-    try:
-        output = job.communicate(timeout=300)[0]
-        assert job.returncode == 0, (mode, output)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+def test_a_command_at_the_rewinds_own_boundary_applies_at_the_forks_step(run_dir, tmp_path):
+    """``rewind=3`` and ``lr_scale=0.5`` both for the boundary before step 7: the rewind
+    applies first (it is not a setting), and the setting after it, on branch 1, at the
+    fork's boundary: its event says step 4, and step 4 of branch 1 trains with it."""
+    loop = Loop(tmp_path)
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]  # saved after step 3
+    loop.train(3)
+    assert loop.send("rewind", "3")["apply_step"] == 7
+    assert loop.send("lr_scale", 0.5)["apply_step"] == 7
+    loop.train(2)
+    assert loop.run.branch == 1 and loop.run.step == 4
+    records = loop.records()
+    [applied] = [r for r in records if r["type"] == "event" and r.get("knob") == "lr_scale"
+                 and r.get("kind") == "applied"]
+    assert applied["step"] == 4 and applied["text"].startswith(
+        "lr_scale=0.5 applied at step 4"), applied
+    assert not [r for r in records if r.get("kind") == "rescheduled"]
+    assert [(r["step"], r["knobs"]["lr_scale"]) for r in records
+            if r["type"] == "step"][-2:] == [(6, 1.0), (4, 0.5)]
+
+
+def test_a_scripts_wait_follows_its_command_moved_by_a_rewind(run_dir, tmp_path):
+    """``RunClient.set`` waits for its own command by id: one that a rewind moved is
+    followed to its new step; when the wait ends first, its error says where it went."""
+    loop = Loop(tmp_path)
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]  # saved after step 3
+    loop.train(3)
+    assert loop.send("rewind", "3")["apply_step"] == 7
+    client = RunClient(loop.run.agent.info)
+    outcome: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            client.set("lr_scale", 0.5, apply_step=9, timeout_s=WAIT_S)
+        except TimeoutError as exc:
+            outcome["error"] = str(exc)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    wait_until(lambda: any(p.knob == "lr_scale" for p in list(loop.run.agent._desk.pending)),
+               "the command accepted")
+    loop.train(1)  # rewind=3 applies: the command moves from step 9 to 6; no step 6 comes
+    waiting.join(WAIT_S + 60)
+    client.close()
+    assert outcome["error"] == (f"lr_scale=0.5 not applied within {WAIT_S:g} s (accepted "
+                                "for step 9, moved to step 6 of branch 1)"), outcome
+    loop.records()
 
 
 @pytest.mark.slow
@@ -206,22 +306,26 @@ def test_a_rewind_applies_on_every_rank_at_one_step_or_on_none(run_dir, tmp_path
     """DDP on gloo, 2 ranks (torchrun), a hand-written loop: ``rewind=3`` after step 7
     puts both ranks back to the checkpoint of step 3 at the same boundary (branch 1 of
     0 on each), and steps 4-10 equal, on each rank, those of a job resumed from that
-    checkpoint (bit-equal losses and final parameters). When rank 1 cannot read it, no
-    rank rewinds: both say why (rank 0 with rank 1's reason), at the same step, and
-    train on from where they were."""
-    _finish(_ddp_rewind_job(tmp_path, "rewind"), "rewind")
+    checkpoint (bit-equal losses and final parameters); ``accum_steps=2`` accepted on
+    both for step 10 keeps its 2 steps from the rewind's boundary on both: it applies
+    at 10 - (7 - 3) = 6. When rank 1 cannot read it, no rank rewinds: both say why
+    (rank 0 with rank 1's reason), at the same step, and train on from where they were
+    (the command applies at 10)."""
+    job = str(Path(__file__).with_name("ddp_rewind_job.py"))
+    run_job(job, str(tmp_path), "rewind")
     refused = tmp_path / "refused"
     refused.mkdir()
-    jobs = {"resume": _ddp_rewind_job(tmp_path, "resume"),
-            "refused": _ddp_rewind_job(refused, "refused")}
-    for mode, job in jobs.items():
-        _finish(job, mode)
+    finish(torchrun(job, str(tmp_path), "resume"), torchrun(job, str(refused), "refused"))
     for rank in (0, 1):
         rewound = torch.load(tmp_path / f"rewind-rank{rank}.pt")
         resumed = torch.load(tmp_path / f"resume-rank{rank}.pt")
-        [branched] = rewound["events"]
+        branched, moved, applied = rewound["events"]
         assert (branched["kind"], branched["branch"], branched["parent"],
                 branched["step"]) == ("branched", 1, 0, 3), branched
+        assert (moved["kind"], moved["step"], moved["previous_step"], moved["branch"]) == (
+            "rescheduled", 6, 10, 1), moved
+        assert "stays 2 steps after that boundary" in moved["text"], moved
+        assert (applied["kind"], applied["step"]) == ("applied", 6), applied
         assert rewound["order"] == [1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10], rank
         assert sorted(resumed["losses"]) == list(range(4, 11))
         for step in range(4, 11):
@@ -229,8 +333,9 @@ def test_a_rewind_applies_on_every_rank_at_one_step_or_on_none(run_dir, tmp_path
         for mine, theirs in zip(rewound["params"], resumed["params"], strict=True):
             assert torch.equal(mine, theirs)
         failed = torch.load(refused / f"refused-rank{rank}.pt")
-        [event] = failed["events"]
+        event, applied = failed["events"]
         assert event["kind"] == "failed" and event["step"] == 8, event
+        assert (applied["kind"], applied["step"]) == ("applied", 10), applied
         words = ("injected: rank 1 cannot read" if rank == 1  # (its own error)
                  else "rank 1: OSError: injected: rank 1 cannot read")
         assert words in event["text"], event

@@ -686,6 +686,41 @@ def test_a_crafted_log_of_1_mb_event_texts_replays_bounded(tmp_path, run_dir):
     assert peak < DASHBOARD_RSS_LIMIT, f"dashboard RSS peaked at {peak / 2**20:.0f} MiB"
 
 
+def test_a_log_that_decompresses_to_200_times_its_size_is_read_in_bounded_memory(tmp_path):
+    """A 1.4 MB run log of 8,000 events of 16 kB and 150 of 1 MB (278 MB once
+    decompressed): each read of `tail` and replay holds a few MB of it, whatever the
+    ratio and the records' size."""
+    import tracemalloc
+
+    from gpuwatch.sources.replay import RunLogReader
+
+    path = tmp_path / "bomb.rank0.runlog"
+    log = RunLog(path, flush_interval_s=0.0)
+    log.write(protocol.envelope(protocol.HELLO, {"name": "bomb"}, run="bomb", seq=0, t=1e9))
+    for seq in range(1, 8001):
+        log.write(protocol.envelope(protocol.EVENT, {"level": "info", "text": "A" * 16_000},
+                                    run="bomb", seq=seq, t=1e9 + seq))
+    for seq in range(8001, 8151):
+        log.write(protocol.envelope(protocol.EVENT, {"level": "info", "text": "B" * 1_000_000},
+                                    run="bomb", seq=seq, t=1e9 + seq))
+    log.close()
+    assert path.stat().st_size < 1500 << 10
+    tracemalloc.start()
+    try:
+        with RunLogReader(path) as reader:
+            read = len(reader.read())
+            first_peak = tracemalloc.get_traced_memory()[1]
+            while not reader.at_eof:
+                read += len(reader.read())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    print(f"peak {peak / 2**20:.1f} MiB, {first_peak / 2**20:.1f} MiB in the first read")
+    assert read == 8151
+    assert first_peak < 24 << 20, f"{first_peak / 2**20:.0f} MiB in one read"
+    assert peak < 24 << 20, f"{peak / 2**20:.0f} MiB"
+
+
 # --- V1: tcp on loopback -------------------------------------------------------------
 
 def _hear(info: runs.RunInfo, msg_type: str, count: int) -> None:
@@ -1269,3 +1304,329 @@ def test_a_run_on_a_loaded_machine_is_never_reported_gone(run_dir):
     assert "gone" not in statuses and "quiet" not in statuses, sorted(set(statuses))
     assert statuses[-1] == "live"
     assert summary["steps"] > 10
+
+
+# --- rewind: a checkpoint another user wrote, or can swap ------------------------------
+
+def _saved_loop(tmp_path: Path):
+    """A hand-written loop (tests/test_rewind.py) with its checkpoint of step 3 saved in
+    ``tmp_path/mine`` (0700, this user's), trained to step 4; and that checkpoint's path."""
+    from tests.test_rewind import Loop
+
+    loop = Loop(tmp_path / "mine")
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]
+    loop.train(2)
+    return loop, tmp_path / "mine" / "step-00000003.pt"
+
+
+def _refused(loop, refused: dict[str, str]) -> None:
+    """Each ``rewind=<path>`` of ``refused`` is refused at once with its words."""
+    for value, words in refused.items():
+        reply = loop.send("rewind", value)
+        assert not reply["ok"] and words in reply["reason"], (value, reply)
+
+
+def test_a_rewind_reads_no_checkpoint_another_user_wrote_or_can_swap(run_dir, tmp_path,
+                                                                      shared_tmp,
+                                                                      other_user):
+    """Another local user plants checkpoints (real ones of this run's format, weights of
+    its choice) in a /tmp-like directory: its own file, this user's file in its own
+    folder, a folder of a group it is in; the owner's ``rewind=<path>`` to any of them
+    is refused at once, naming who could swap it, and the run stays on branch 0. A link
+    it planted to the owner's folder is read through its target (a link swapped later
+    changes nothing)."""
+    loop, saved = _saved_loop(tmp_path)
+    source = shared_tmp / "source.pt"  # (a copy the other user can read)
+    shutil.copy(saved, source)
+    source.chmod(0o644)
+    other_user.run(
+        "import os, shutil, sys\n"
+        "source, tmp, mine = map(sys.argv.__getitem__, (1, 2, 3))\n"
+        "shutil.copy(source, tmp + '/theirs.pt')\n"
+        "for folder, mode in (('theirs', 0o755), ('open', 0o777)):\n"
+        "    os.mkdir(tmp + '/' + folder); os.chmod(tmp + '/' + folder, mode)\n"
+        "shutil.copy(source, tmp + '/theirs/step.pt')\n"
+        "os.symlink(mine, tmp + '/link')\n",
+        str(source), str(shared_tmp), str(saved.parent))
+    theirs = other_user.uid
+    shutil.copy(saved, shared_tmp / "open" / "mine.pt")  # this user's file, their folder
+    group = tmp_path / "group"
+    group.mkdir()
+    shutil.copy(saved, group / "mine.pt")
+    os.chown(group, -1, other_user.gid)
+    group.chmod(0o770)
+    _refused(loop, {
+        str(shared_tmp / "theirs.pt"): f"belongs to uid {theirs}, another user",
+        str(shared_tmp / "theirs" / "step.pt"): f"{shared_tmp / 'theirs'} belongs to uid",
+        str(shared_tmp / "open" / "mine.pt"): f"{shared_tmp / 'open'} belongs to uid",
+        str(group / "mine.pt"): f"other users can write in {group} (mode 0770)",
+    })
+    deeper = shared_tmp / "theirs" / "mine"  # this user's folder in theirs
+    deeper.mkdir(mode=0o700)
+    shutil.copy(saved, deeper / "mine.pt")
+    assert loop.send("rewind", str(deeper / "mine.pt"))["ok"]  # (a command's check: the
+    loop.train(1)  # checkpoint and its folder; the whole path before the read)
+    assert loop.run.branch == 0
+    assert loop.send("rewind", str(shared_tmp / "link" / saved.name))["ok"]
+    loop.train(1)
+    assert loop.run.branch == 1 and loop.run.step == 3
+    records = loop.records()
+    [failed] = [r for r in records if r.get("kind") == "failed"]
+    assert (f"{shared_tmp / 'theirs'} belongs to uid {theirs}, another user"
+            in failed["text"]), failed
+    [branched] = [r for r in records if r.get("kind") == "branched"]
+    assert branched["source"] == str(saved), branched  # read through the link's target
+
+
+def test_a_rewind_reads_nothing_in_reach_of_other_users(run_dir, tmp_path):
+    """What one user stages alone: a checkpoint in a folder every user can write (no
+    sticky bit), one every user can write itself: each ``rewind`` is refused at once with
+    the reason; a checkpoint folder holding a symlink: where it applies (its entries
+    are looked at before the read, not by a command's check)."""
+    loop, saved = _saved_loop(tmp_path)
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    shutil.copy(saved, open_folder / "mine.pt")
+    open_folder.chmod(0o777)
+    writable = tmp_path / "writable.pt"
+    shutil.copy(saved, writable)
+    writable.chmod(0o666)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "model.pt").symlink_to(saved)
+    _refused(loop, {
+        str(open_folder / "mine.pt"): f"other users can write in {open_folder} (mode 0777)",
+        str(writable): f"other users can write {writable} (mode 0666)",
+    })
+    assert loop.send("rewind", str(folder))["ok"]
+    loop.train(2)
+    assert loop.run.branch == 0 and loop.run.step == 6
+    [failed] = [r for r in loop.records() if r.get("kind") == "failed"]
+    assert f"{folder / 'model.pt'} is a symlink, which is not followed" in failed["text"]
+
+
+# --- rewind: a checkpoint with a pickle payload ----------------------------------------
+
+class Payload:
+    """Runs code when unpickled: makes the directory ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple:
+        return (os.mkdir, (self.marker,))
+
+
+def _poison(checkpoint: Path, marker: Path) -> int:
+    """Put a :class:`Payload` beside the contents of every ``torch.save`` file of
+    ``checkpoint`` (a file, or a directory's files); returns how many were poisoned."""
+    import zipfile
+
+    import torch
+
+    poisoned = 0
+    for path in [checkpoint] if checkpoint.is_file() else sorted(checkpoint.rglob("*")):
+        if path.is_file() and zipfile.is_zipfile(path):
+            contents = torch.load(path, weights_only=False)  # (ours: trusted)
+            if isinstance(contents, dict):
+                contents["payload"] = Payload(marker)
+                torch.save(contents, path)
+                poisoned += 1
+    return poisoned
+
+
+def _one_driver_each() -> list:
+    from tests.contract import all_drivers
+
+    return [pytest.param(driver, id=driver.name) for driver in all_drivers()
+            if "-" not in driver.name]
+
+
+@pytest.mark.parametrize("driver", _one_driver_each())
+def test_a_rewind_runs_no_code_from_a_checkpoint(driver, run_dir, tmp_path, monkeypatch):
+    """Every integration's checkpoint with a pickle payload in each of its
+    ``torch.save`` files: ``rewind`` to it fails where it applies, no code runs, and the
+    training goes on on branch 0; even with ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (set
+    to load old checkpoints), which turns every ``torch.load`` not told
+    ``weights_only=True`` into a full unpickler."""
+    from tests.contract import Recorder, run
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    first = run(driver, steps=4, commands=[("checkpoint", "now", 4)],
+                checkpoint_dir=tmp_path / "first")
+    [saved] = [Path(e["path"]) for e in first.events("applied") if e["knob"] == "checkpoint"]
+    crafted = tmp_path / "crafted"
+    if saved.is_dir():
+        shutil.copytree(saved, crafted)
+    else:
+        shutil.copy2(saved, crafted)
+    marker = tmp_path / "PWNED"
+    assert _poison(crafted, marker) >= 1
+    recorder = Recorder(later=[(2, "rewind", str(crafted), 4)])
+    second = run(driver, steps=6, commands=[], checkpoint_dir=tmp_path / "second",
+                 recorder=recorder)
+    assert recorder.replies["rewind"]["ok"], recorder.replies["rewind"]
+    assert not marker.exists(), "code from the checkpoint ran"
+    [failed] = [e for e in second.events("failed") if e["knob"] == "rewind"]
+    assert failed["step"] == 4, failed
+    assert not second.events("branched")
+    assert sorted(second.steps()) == list(range(1, 7))
+
+
+class _Counter:
+    """An object of the loop's own, registered with ``accelerator.register_for_checkpointing``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = state["count"]
+
+
+@pytest.mark.parametrize("registered", ["before attach", "after attach"])
+def test_accelerate_refuses_a_rewind_while_it_would_unpickle_registered_objects(
+        registered, run_dir, tmp_path):
+    """accelerate loads the states of objects registered for checkpointing with
+    ``weights_only=False``: while one is registered (before ``agent.attach``, or once
+    training is under way), ``rewind`` is refused at once with the reason, and no code
+    from a checkpoint's ``custom_checkpoint_0.pkl`` runs."""
+    from tests.contract import Recorder, run
+    from tests.contract.accelerate import AccelerateDriver
+
+    class Registering(AccelerateDriver):
+        at_start = True
+
+        def data(self, accelerator):
+            self.accelerator = accelerator
+            if self.at_start:
+                accelerator.register_for_checkpointing(_Counter())
+            return super().data(accelerator)
+
+    class RegisteringAtFirstBatch(Recorder):
+        def micro_batch(self, index):
+            if not driver.accelerator._custom_objects:
+                driver.accelerator.register_for_checkpointing(_Counter())
+            super().micro_batch(index)
+
+    driver = Registering()
+    first = run(driver, steps=4, commands=[("checkpoint", "now", 4)],
+                checkpoint_dir=tmp_path / "first")
+    [saved] = [Path(e["path"]) for e in first.events("applied") if e["knob"] == "checkpoint"]
+    marker = tmp_path / "PWNED"
+    assert _poison(saved / "custom_checkpoint_0.pkl", marker) == 1
+    later = [(2, "rewind", str(saved), 4)]
+    if registered == "before attach":
+        recorder = Recorder(later=later)
+    else:
+        driver.at_start, recorder = False, RegisteringAtFirstBatch(later=later)
+    second = run(driver, steps=6, commands=[], checkpoint_dir=tmp_path / "second",
+                 recorder=recorder)
+    reply = recorder.replies["rewind"]
+    assert not reply["ok"] and "register_for_checkpointing" in reply["reason"], reply
+    assert not marker.exists(), "code from the checkpoint ran"
+    assert not second.events("branched")
+
+
+def test_a_sharded_checkpoint_runs_no_code_from_its_metadata(tmp_path):
+    """``torch.distributed.checkpoint`` reads a directory's ``.metadata`` with a full
+    ``pickle.load``; ``load_sharded`` (the rewind and resume of a model ``fully_shard``
+    wrapped, e.g. Fabric's on one process) reads it naming nothing but the metadata's
+    classes: a real one loads back bit for bit, one with a payload runs no code."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from agent.control.checkpoints import FORMAT
+    from agent.integrations.sharded import load_sharded, save_sharded
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        saved = tmp_path / "sharded"
+        save_sharded(saved, model, optimizer, {"format": FORMAT, "world_size": 1,
+                                               "step": 1, "knobs": {}})
+        want = [parameter.detach().clone() for parameter in model.parameters()]
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.zero_()
+        assert load_sharded(saved, model, optimizer)["step"] == 1
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(model.parameters(), want))
+        marker = tmp_path / "PWNED"
+        (saved / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+        with pytest.raises(BaseException) as error:
+            load_sharded(saved, model, optimizer)
+        assert not marker.exists(), "code from the checkpoint ran"
+        # a ValueError, not torch's CheckpointException (a BaseException no caller catches)
+        assert error.type is ValueError, error.type
+        assert "the checkpoint's metadata names posix.mkdir" in str(error.value)
+        assert "Traceback" not in str(error.value)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_checkpoint_that_cannot_be_written_raises_os_error(tmp_path):
+    """``torch.distributed.checkpoint`` reports a failure as its CheckpointException, a
+    BaseException: ``save_sharded`` says it as the OSError it documents (every rank
+    hears of it at its last collective), not as something no caller catches."""
+    import torch
+    import torch.distributed as dist
+
+    from agent.control.checkpoints import FORMAT
+    from agent.integrations.sharded import save_sharded
+
+    (tmp_path / "a-file").write_text("not a directory")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 3)
+        with pytest.raises(BaseException) as error:
+            save_sharded(tmp_path / "a-file" / "sharded", model, None,
+                         {"format": FORMAT, "world_size": 1, "step": 1, "knobs": {}})
+        assert error.type is OSError, error.type
+        assert str(error.value).startswith("the sharded checkpoint failed on rank 0"), error
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_script_clients_errors_carry_no_control_sequence(run_dir, tmp_path):
+    """A rewind to a crafted file fails where it applies with torch's reason, which
+    quotes the file (a global named with escape sequences) and has its own bold ones:
+    ``RunClient.set`` raises CommandError with them shown as text, for a script that
+    prints it (the steer example does); its ``body`` keeps the event as sent."""
+    from gpuwatch.client import CommandError, RunClient
+
+    loop, _ = _saved_loop(tmp_path)
+    crafted = tmp_path / "crafted.pt"
+    crafted.write_bytes(b"\x80\x02cevil\x1b]0;PWNED-TITLE\x07\nname\n.")
+    crafted.chmod(0o600)
+    client = RunClient(loop.run.agent.info)
+    errors: list[BaseException] = []
+
+    def steer() -> None:
+        try:
+            client.set("rewind", str(crafted), apply_step=loop.run.step + 2, timeout_s=60)
+        except BaseException as exc:  # noqa: BLE001 -- looked at below
+            errors.append(exc)
+
+    import threading
+
+    thread = threading.Thread(target=steer)
+    thread.start()
+    while thread.is_alive():  # the test is the training thread
+        loop.train(1)
+        thread.join(0.01)
+    client.close()
+    loop.records()
+    [error] = errors
+    assert isinstance(error, CommandError), error
+    assert "\x1b" not in str(error) and "\x07" not in str(error)
+    assert "␛]0;PWNED-TITLE␇" in str(error), str(error)
+    assert "\x1b]0;PWNED-TITLE\x07" in error.body["text"]  # the event as the run sent it

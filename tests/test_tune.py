@@ -800,13 +800,10 @@ def test_micro_batch_size_keeps_the_effective_batch_and_every_sample(run_dir):
 def test_two_ranks_end_in_the_same_configuration_at_the_same_step(run_dir):
     """Real torchrun, gloo: rank 0 decides, every change reaches both ranks at one
     step; every step record of both ranks has the same knobs."""
+    from tests.jobs import torchrun
     from tests.test_ranks import EXAMPLES, wait_for_ranks
 
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(EXAMPLES / "ddp_attach.py"), "--max-steps", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    job = torchrun(str(EXAMPLES / "ddp_attach.py"), "--max-steps", "100000")
     try:
         rank0, rank1 = wait_for_ranks(job, 2)
         cli = subprocess.run([sys.executable, "-m", "gpuwatch", "tune", "--run",

@@ -184,8 +184,9 @@ async def test_a_replay_draws_the_run_from_step_1_up_to_the_step_shown(tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: app.source.whole.past is not None
                     and app.source.whole.past.loaded and app.source.index == 4_999
-                    and _timing_lines(app)[-1].split()[-1] == "5,000")
-        assert _timing_lines(app)[-1].split()[:2] == ["step", "1"]
+                    and _timing_lines(app)[-1].split()[-1] == "5,000"
+                    # (the chart is redrawn with the loaded past a refresh later)
+                    and _timing_lines(app)[-1].split()[:2] == ["step", "1"])
         for _ in range(20):
             await pilot.press("shift+left")  # 100 steps back each
         await until(pilot, lambda: _timing_lines(app)[-1].split()[-1] == "3,000")

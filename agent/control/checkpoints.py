@@ -26,8 +26,11 @@ step N's).
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import pwd
+import stat
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -225,6 +228,125 @@ def load_tensors(path: str | os.PathLike) -> Any:
     """
     with os.fdopen(open_no_follow(path), "rb") as file:
         return torch.load(file, map_location="cpu", weights_only=True)
+
+
+#: The most entries a checkpoint directory may hold for :func:`own_checkpoint` to check.
+MAX_CHECKPOINT_ENTRIES = 10_000
+
+
+def own_checkpoint(path: Path, *, whole: bool = True) -> Path:
+    """``path``, its parents' links resolved, once no other user can have written or swap it.
+
+    What ``rewind`` reads must be this user's (or root's) from ``/`` down: every
+    directory on the way belongs to this user or root and no one else may write in it,
+    unless it has the sticky bit (as ``/tmp`` has) and what it holds on the way is this
+    user's or root's; the checkpoint too, and for a directory everything in it (at most
+    :data:`MAX_CHECKPOINT_ENTRIES` entries, no symlink). Otherwise another local user
+    could have planted it, or swap it between this check and the read. A directory
+    writable by its group counts as writable by others unless the group is this user's
+    own (its primary group, with no other member).
+
+    Args:
+        path: an absolute path whose last component is not a symlink (checked before).
+        whole: all of the above (before the read). False: the checkpoint and the
+            directory holding it only, as given (a command's check on the I/O thread,
+            which a flood of commands must not make costly).
+
+    Returns:
+        The path to read: the same file, its parents' symlinks resolved (read through it,
+        a link swapped later changes nothing); ``path`` itself when not ``whole``.
+
+    Raises:
+        ValueError: why another user could have written or could swap it.
+        OSError: a part of it cannot be examined.
+
+    .. note:: ``whole``: an ``lstat`` a path component (each of them resolving the path
+       so far) and one an entry of a directory: about 0.3 ms for 8 components, 2.5 ms
+       for 64, 130 ms for 10,000 entries. Not ``whole``: two ``stat`` calls.
+    """
+    trusted = {os.getuid(), 0}
+    way_out = "copy it to a directory only you can write, and rewind to the copy"
+    if not whole:
+        status = os.lstat(path)
+        _may_hold(path.parent, os.stat(path.parent), path, status, trusted, way_out)
+        _own_entry(path, status, trusted, way_out)
+        return path
+    real = (Path(os.path.realpath(path)) if path.name in ("", "..")
+            else Path(os.path.realpath(path.parent)) / path.name)
+    at = Path(real.anchor)
+    status = os.lstat(at)
+    for name in real.parts[1:]:
+        below = at / name
+        below_status = os.lstat(below)
+        _may_hold(at, status, below, below_status, trusted, way_out)
+        if stat.S_ISLNK(below_status.st_mode):
+            raise ValueError(f"{below} changed into a symlink while being checked")
+        at, status = below, below_status
+    _own_entry(real, status, trusted, way_out)
+    if stat.S_ISDIR(status.st_mode):
+        entries = 0
+        for folder, names, files in os.walk(real):  # (never follows a link)
+            for name in (*names, *files):
+                entries += 1
+                if entries > MAX_CHECKPOINT_ENTRIES:
+                    raise ValueError(f"{real} holds more than {MAX_CHECKPOINT_ENTRIES:,} "
+                                     "entries, more than a checkpoint has")
+                entry = Path(folder) / name
+                entry_status = os.lstat(entry)
+                if stat.S_ISLNK(entry_status.st_mode):
+                    raise ValueError(f"{entry} is a symlink, which is not followed: "
+                                     f"{way_out}")
+                _own_entry(entry, entry_status, trusted, way_out)
+    return real
+
+
+def _may_hold(folder: Path, status: os.stat_result, below: Path, below_status: os.stat_result,
+              trusted: set[int], way_out: str) -> None:
+    """Raises ValueError unless no other user can swap ``below`` in ``folder`` (their
+    ``lstat`` s): ``folder`` is a trusted user's, and writable by no one else unless it
+    has the sticky bit and ``below`` is a trusted user's."""
+    if status.st_uid not in trusted:
+        raise ValueError(f"{folder} belongs to uid {status.st_uid}, another user, who "
+                         f"could swap {below}: {way_out}")
+    if _writable_by_others(status):
+        if not status.st_mode & stat.S_ISVTX:
+            raise ValueError(f"other users can write in {folder} (mode "
+                             f"{stat.S_IMODE(status.st_mode):04o}), so {below} could "
+                             f"be theirs or be swapped: {way_out}")
+        _trusted_owner(below, below_status, trusted, way_out)  # (sticky: ours stay ours)
+
+
+def _trusted_owner(path: Path, status: os.stat_result, trusted: set[int],
+                   way_out: str) -> None:
+    """Raises ValueError unless ``path`` (``status``: its ``lstat``) is a trusted user's."""
+    if status.st_uid not in trusted:
+        raise ValueError(f"{path} belongs to uid {status.st_uid}, another user, so it is "
+                         f"not read: {way_out}")
+
+
+def _own_entry(path: Path, status: os.stat_result, trusted: set[int], way_out: str) -> None:
+    """Raises ValueError unless ``path`` (``status``: its ``lstat``) is a trusted user's
+    and no one else may write it."""
+    _trusted_owner(path, status, trusted, way_out)
+    if _writable_by_others(status):
+        raise ValueError(f"other users can write {path} (mode "
+                         f"{stat.S_IMODE(status.st_mode):04o}), so it is not read: {way_out}")
+
+
+def _writable_by_others(status: os.stat_result) -> bool:
+    """Whether users other than the owner may write the file ``status`` describes: its
+    mode lets every user, or a group that is not this user's own (see :func:`own_checkpoint`)."""
+    if status.st_mode & stat.S_IWOTH:
+        return True
+    if not status.st_mode & stat.S_IWGRP:
+        return False
+    if status.st_gid != os.getgid():
+        return True
+    try:
+        members, me = grp.getgrgid(status.st_gid).gr_mem, pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return True
+    return any(member != me for member in members)
 
 
 def write_knobs_file(directory: Path, agent: Agent, knobs: dict[str, Any],

@@ -17,9 +17,10 @@ import hmac
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent.wire import protocol
 from agent.control.guard import GUARDED_KNOBS
@@ -34,6 +35,9 @@ MAX_STEPS_AHEAD = 100_000
 #: Commands accepted but not yet applied, at most; more are rejected (a flood is refused,
 #: not queued).
 MAX_PENDING_COMMANDS = 32
+#: Rewinds a rank remembers, to place a command counted on a branch it has left; one
+#: counted on an older branch is rejected.
+MAX_REWINDS_KEPT = 64
 
 
 @dataclass(order=True)
@@ -51,6 +55,24 @@ class Pending:
     rollback_reason: str | None = field(compare=False, default=None)
     #: sent with ``checkpoint: true``: applied only if the checkpoint before it was saved
     after_checkpoint: bool = field(compare=False, default=False)
+
+
+class Rewind(NamedTuple):
+    """The run went back (a rewind, a rollback of the state, a loss-spike recovery).
+
+    At the boundary before optimizer step ``at_step`` of the branch left, to the state
+    after step ``fork_step``, as branch ``branch``: a command due ``n`` steps after that
+    boundary is due ``n`` steps after the fork's, ``at_step - 1 - fork_step`` steps
+    earlier (later, for a rewind forward)."""
+
+    branch: int
+    at_step: int
+    fork_step: int
+
+    @property
+    def steps_back(self) -> int:
+        """How many steps earlier a command due after this rewind's boundary applies."""
+        return self.at_step - 1 - self.fork_step
 
 
 class CommandDesk:
@@ -73,6 +95,13 @@ class CommandDesk:
         step_time_s: the latest step time published (s), for dry-run replies, or None.
         rank, world_size: this rank and the job's ranks (with several, one rank never
             rolls back alone, and commands due at one boundary apply in id order).
+
+    When the run goes back (:meth:`rewinding`), each pending command keeps its distance
+    from now: due ``n`` steps after the boundary the rewind applies at, it applies ``n``
+    steps after the fork's, and a ``rescheduled`` event says so. A command counted on a
+    branch the rank has left (its ``branch``: the fan-out's second phase, sent before a
+    rewind and arriving after it) is placed the same way, so every rank applies it at
+    one step whichever side of the rewind it arrived on.
     """
 
     def __init__(self, knobs: KnobSet, *, token: str, ledger: ChangeLedger,
@@ -98,6 +127,13 @@ class CommandDesk:
         #: a command may apply at the next boundary, this one
         self.holding = False
         self._seq = 0
+        #: the branch trained now (0: the run's first; each rewind makes a new one)
+        self.branch = 0
+        #: the latest rewinds, oldest first, to place commands counted on a branch left
+        self._rewinds: deque[Rewind] = deque(maxlen=MAX_REWINDS_KEPT)
+        #: steps the run went back during the :meth:`apply_due` under way (the commands
+        #: after a rewind at that boundary apply at the fork's step)
+        self._moved_back = 0
         #: (command id, step) of the latest applied commands, for a late cancel's reply
         self._applied_ids: deque[tuple[Any, int]] = deque(maxlen=256)
         #: Valid commands refused because too many were pending (a flood).
@@ -167,13 +203,25 @@ class CommandDesk:
             self.commands_refused += 1
             return {**rejected, "reason": f"{MAX_PENDING_COMMANDS} commands are already "
                                           "waiting for the next step boundary; try again"}
-        step_now = self._step_now()
+        apply_step = body.get("apply_step")  # (None: the earliest, below)
+        if "apply_step" in body and (isinstance(apply_step, bool)
+                                     or not isinstance(apply_step, int)):
+            return {**rejected, "reason": f"apply_step must be an integer, got {apply_step!r}"}
+        counted_on = body.get("branch")
+        if "branch" in body and (isinstance(counted_on, bool)
+                                 or not isinstance(counted_on, int) or counted_on < 0):
+            return {**rejected, "reason": f"branch must be an integer >= 0, got {counted_on!r}"}
+        with self._lock:  # (a rewind moves the step and the branch together, under it)
+            step_now, branch = self._step_now(), self.branch
+            if apply_step is not None and counted_on is not None:
+                apply_step, passed = self._placed(apply_step, counted_on)
+                if passed:
+                    return {**rejected, "reason": passed}
         # the training thread is in the middle of the next step, unless it is held at
         # the boundary after step_now (a pause), where a command can apply at once
         earliest = step_now + (1 if self.holding else 2)
-        apply_step = body.get("apply_step", earliest)
-        if isinstance(apply_step, bool) or not isinstance(apply_step, int):
-            return {**rejected, "reason": f"apply_step must be an integer, got {apply_step!r}"}
+        if apply_step is None:
+            apply_step = earliest
         if apply_step > earliest + MAX_STEPS_AHEAD:
             return {**rejected, "reason": f"apply_step {apply_step} is more than "
                                           f"{MAX_STEPS_AHEAD} steps ahead"}
@@ -189,12 +237,14 @@ class CommandDesk:
                             "apply_step": apply_step, "step_time_s": self._step_time_s()}
             if self.holding:  # the fan-out needs no margin: this rank waits for it
                 check["held"] = True
+            if branch:  # the fan-out's second phase names it (a rewind may come between)
+                check["branch"] = branch
             return check
         if knob_name == protocol.TUNE:  # not a setting: the search starts (rank 0)
             return {"id": command_id, "ok": True, "knob": knob_name, "value": raw,
                     "apply_step": apply_step, "note": self.tune.start(value, apply_step)}
         if checkpoint:  # no id of its own: withdrawing the change leaves a harmless save
-            self.schedule(Pending(apply_step, 0, CHECKPOINT.name, "now", None))
+            self.schedule(Pending(apply_step, 0, CHECKPOINT.name, "now", None), branch)
         reason = body.get("reason")
         rollback = (protocol.shorten(reason) if isinstance(reason, str)
                     and str(command_id).startswith((ROLLBACK_ID_PREFIX, RECOVERY_ID_PREFIX))
@@ -202,10 +252,16 @@ class CommandDesk:
         no_op = (not checkpoint and rollback is None
                  and not self.knobs.knobs[knob_name].spec.command
                  and value == self._value_at(knob_name, apply_step))
-        self.schedule(Pending(apply_step, 0, knob_name, value, command_id, rollback,
-                              after_checkpoint=checkpoint))
+        pending = Pending(apply_step, 0, knob_name, value, command_id, rollback,
+                          after_checkpoint=checkpoint)
+        passed = self.schedule(pending, branch)
+        if passed:
+            return {**rejected, "reason": passed}
+        apply_step = pending.apply_step  # (moved if the run went back meanwhile)
         reply: Reply = {"id": command_id, "ok": True, "knob": knob_name, "value": value,
                         "apply_step": apply_step, "step": step_now}
+        if self.branch:
+            reply["branch"] = self.branch
         text = f"{assignment(knob_name, value)} accepted, applies at step {apply_step}"
         if checkpoint:
             reply["checkpoint"] = True
@@ -253,15 +309,75 @@ class CommandDesk:
         self._no_ops_hidden[key] = self._no_ops_hidden.get(key, 0) + 1
         return False
 
-    def schedule(self, pending: Pending) -> None:
+    def _placed(self, apply_step: int, counted_on: int) -> tuple[int, str]:
+        """``apply_step`` counted on branch ``counted_on``, as a step of the branch now,
+        and why it cannot be placed ("" when it can): it was due at or before the
+        boundary where the run left that branch, or the branch is not known here.
+        Under the desk's lock."""
+        if counted_on == self.branch:
+            return apply_step, ""
+        since = [rewind for rewind in self._rewinds if rewind.branch > counted_on]
+        if counted_on > self.branch or len(since) != self.branch - counted_on:
+            return apply_step, (f"branch {counted_on} is not one rank {self.rank} can count "
+                                f"from (it trains branch {self.branch})")
+        for rewind in since:
+            if apply_step <= rewind.at_step:
+                return apply_step, (f"apply_step {apply_step} of branch {counted_on} has "
+                                    f"passed on rank {self.rank}: the run went back to "
+                                    f"step {rewind.fork_step} at step {rewind.at_step} "
+                                    f"(branch {rewind.branch})")
+            apply_step -= rewind.steps_back
+        return apply_step, ""
+
+    def schedule(self, pending: Pending, branch: int | None = None) -> str:
         """Queue ``pending`` for its step (after those queued for the same step).
 
-        Any thread; takes the desk's lock for an insertion."""
+        ``branch``: the branch its step was counted on (None: the branch now); when the
+        run has left it since, the step is moved as a pending command's is
+        (:meth:`rewinding`), or nothing is queued and the reason is returned (it has
+        passed). Returns "" when queued. Any thread; takes the desk's lock for an
+        insertion."""
         with self._lock:
+            if branch is not None:
+                pending.apply_step, passed = self._placed(pending.apply_step, branch)
+                if passed:
+                    return passed
             self._seq += 1
             pending.seq = self._seq
             bisect.insort(self.pending, pending)
         self.arrived.set()
+        return ""
+
+    @contextmanager
+    def rewinding(self, left_step: int, fork_step: int, branch: int) -> Iterator[None]:
+        """Training thread: the run goes back from step ``left_step`` to ``fork_step``.
+
+        At the boundary after ``left_step``, as branch ``branch``; what the ``with`` block
+        does (the run's step counter set to the fork's) is seen by the I/O thread's
+        :meth:`answer` together with the new branch. Then each pending command keeps its
+        distance from now: due ``n`` steps after this boundary, it applies ``n`` steps
+        after the fork's boundary, and one ``rescheduled`` event each says so (at most
+        :data:`MAX_PENDING_COMMANDS`). A few list operations."""
+        rewind = Rewind(branch, left_step + 1, fork_step)
+        with self._lock:
+            yield
+            for pending in self.pending:  # (the order is kept: no new sort)
+                pending.apply_step -= rewind.steps_back
+            moved = list(self.pending)
+            self.branch = branch
+            self._rewinds.append(rewind)
+        self._moved_back += rewind.steps_back
+        for pending in moved:
+            after = pending.apply_step - fork_step - 1
+            self._event("info", f"{assignment(pending.knob, pending.value)} now applies at "
+                        f"step {pending.apply_step}, not {pending.apply_step + rewind.steps_back}"
+                        f": the run went back to step {fork_step} at step {rewind.at_step} "
+                        f"(branch {branch}) and it stays {after} "
+                        f"step{'s' if after != 1 else ''} after that boundary",
+                        kind=EventKind.RESCHEDULED, knob=pending.knob, value=pending.value,
+                        step=pending.apply_step,
+                        previous_step=pending.apply_step + rewind.steps_back,
+                        branch=branch, id=pending.command_id)
 
     def schedule_rollback(self, rollback: Rollback, apply_step: int) -> None:
         """Queue the values of ``rollback`` for step ``apply_step``.
@@ -332,6 +448,7 @@ class CommandDesk:
             due = bisect.bisect_right(self.pending, step + 1 + ahead,
                                       key=lambda p: p.apply_step)
             commands, self.pending[:due] = self.pending[:due], []
+        self._moved_back = 0
         if self.world_size > 1:  # arrival order differs between ranks; ids do not
             commands.sort(key=lambda command: (command.apply_step, str(command.command_id)))
         # commands that are not settings (a checkpoint) first: they see the state before
@@ -347,7 +464,9 @@ class CommandDesk:
         for command in commands:
             if _spike_start(command) is None and last[command.knob] is not command:
                 continue
-            if self._apply(step + 1, command, checkpoint_failed):
+            # (after a rewind at this boundary, the fork's step: the rewind's event
+            # comes first, the next step record is the fork's next)
+            if self._apply(step + 1 - self._moved_back, command, checkpoint_failed):
                 changed = True
                 if _spike_start(command) is None:  # (a recovery is no rollback)
                     rolled_back = rolled_back or command.rollback_reason or ""
@@ -358,9 +477,9 @@ class CommandDesk:
                 # (restore_state is a collective), and its failed event says why
                 rolled_back = rolled_back or command.rollback_reason or ""
         if rolled_back and self.state_keeper is not None:
-            level, text = self.state_keeper.restore_state(step + 1,
-                                                          f"rolled back: {rolled_back}")
-            self._event(level, text, kind=EventKind.STATE_RESTORED, step=step + 1)
+            at = step + 1 - self._moved_back
+            level, text = self.state_keeper.restore_state(at, f"rolled back: {rolled_back}")
+            self._event(level, text, kind=EventKind.STATE_RESTORED, step=at)
         return changed
 
     def _apply(self, step: int, command: Pending, checkpoint_failed: bool) -> bool:

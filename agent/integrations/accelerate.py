@@ -692,13 +692,20 @@ class AcceleratorRun(RunBase):
             self._precision.scaler.load_state_dict(load_tensors(scaler_file))
 
     def rewind_refusal(self) -> str | None:
-        """Several processes cannot rewind: accelerate's ``load_state`` loads in place.
+        """Why accelerate's ``load_state`` cannot load a checkpoint live here, or None.
 
-        It loads before the processes could agree that each can."""
+        With several processes it loads in place, before they could agree that each
+        can; and it unpickles the states of objects registered for checkpointing with
+        ``weights_only=False`` (code in a checkpoint would run)."""
         if self.accelerator.num_processes > 1:
             return (f"this run has {self.accelerator.num_processes} processes, and "
                     "accelerate's load_state loads in place, on each alone: resume with "
                     "agent.attach(..., resume_from=...)")
+        if self.accelerator._custom_objects:
+            return ("accelerate loads the states of objects registered with "
+                    "register_for_checkpointing with weights_only=False, so code in a "
+                    "checkpoint would run: resume with agent.attach(..., resume_from=...) "
+                    "from a checkpoint you trust")
         return None
 
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:

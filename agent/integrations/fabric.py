@@ -292,18 +292,20 @@ class FabricRun(LoopRun):
         (:func:`agent.integrations.sharded.save_sharded`: its shards, and each rank's own
         random numbers and data position, which ``fabric.save`` would keep rank 0's of)."""
         scaler = None if self.precision is None else self.precision.scaler
-        states = {"lr_scheduler": self.lr_scheduler,
-                  "grad_scaler": {} if scaler is None else scaler.state_dict()}
         if not self.sharded:
             self.fabric.save(path, self._checkpoint(knobs, {
-                "model": self.model, "optimizer": self.optimizer, **states}))
+                "model": self.model, "optimizer": self.optimizer,
+                "lr_scheduler": self.lr_scheduler,
+                "grad_scaler": {} if scaler is None else scaler.state_dict()}))
             return
-        states["lr_scheduler"] = (None if self.lr_scheduler is None
-                                  else self.lr_scheduler.state_dict())
         save_sharded(path, self.model.module,
                      None if self.optimizer is None else self.optimizer.optimizer,
-                     self._checkpoint(knobs, {**states, "model": None, "optimizer": None,
-                                              "world_size": self.fabric.world_size}))
+                     lambda: self._checkpoint(knobs, {
+                         "model": None, "optimizer": None,
+                         "lr_scheduler": (None if self.lr_scheduler is None
+                                          else self.lr_scheduler.state_dict()),
+                         "grad_scaler": {} if scaler is None else scaler.state_dict(),
+                         "world_size": self.fabric.world_size}))
 
     def resume(self, path: str | os.PathLike) -> None:
         """Continue from a checkpoint :meth:`save_checkpoint` wrote, read by ``fabric.load``.

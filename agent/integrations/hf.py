@@ -546,6 +546,19 @@ class _Run(RunBase):
     #: and the random numbers, HF's epoch count)
     recovery_data_keys = ("data", "epochs_done", "epoch")
 
+    def rewind_refusal(self) -> str | None:
+        """Several processes cannot rewind: HF's ``_load_from_checkpoint`` loads in place.
+
+        On each process alone, before the processes could agree that each can (one that
+        fails leaves the others on the checkpoint's weights); and a checkpoint holds one
+        process's random numbers."""
+        world_size = self.trainer.args.world_size
+        if world_size > 1:
+            return (f"this run has {world_size} processes, and HF's _load_from_checkpoint "
+                    "loads in place, on each alone, and a checkpoint holds one process's "
+                    "random numbers: resume with trainer.train(resume_from_checkpoint=...)")
+        return super().rewind_refusal()
+
     def read_checkpoint(self, path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
         """A ``checkpoint=now`` checkpoint read as HF's resume does, in the snapshot's form.
 
@@ -734,7 +747,7 @@ class _Run(RunBase):
         fused = any(isinstance(module, KernelBackendMixin) for module in model.modules())
         device_type = trainer.args.device.type
 
-        def support(value: str) -> str | None:
+        def support(value: str, thorough: bool = False) -> str | None:
             if value == "triton":
                 if fused:
                     return ("kernels=triton is not wired for transformers models here; "
@@ -742,12 +755,12 @@ class _Run(RunBase):
                 return (f"kernels=triton runs gpuopt's fused Triton modules; "
                         f"{type(model).__name__} has none (a transformers model picks its "
                         "attention kernels with attn_implementation= when it is loaded)")
-            if value == "compile":
-                return compile_support(compile_backend, device_type)
+            if value == "compile":  # (thorough at the switch only: see compile_support)
+                return compile_support(compile_backend, device_type, thorough=thorough)
             return None
 
         def set_kernels(value: str) -> None:
-            _refuse(support(value))
+            _refuse(support(value, thorough=True))
             self._take_over_forward()
             assert self.forward is not None  # _take_over_forward put it there
             self.forward.set_compiled(value == "compile", compile_backend)

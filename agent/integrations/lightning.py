@@ -680,6 +680,23 @@ class _EpochIterators:
         self.epoch_loop.__dict__.pop("on_run_start", None)
 
 
+#: The parts of Lightning's fit loop state (``fit_loop.state_dict()``) that count
+#: optimizer steps (and the scheduler steps and logged steps that go with them); the
+#: rest is its epoch and batch progress, which goes with the data
+_STEP_COUNTS = ("epoch_loop.state_dict", "epoch_loop.scheduler_progress",
+                "epoch_loop.automatic_optimization.optim_progress",
+                "epoch_loop.manual_optimization.optim_step_progress")
+
+
+def _split_loops(fit_loop: dict[str, Any]) -> dict[str, Any]:
+    """A fit loop state as a snapshot's ``loops`` (its optimizer-step counts) and
+    ``progress`` (the rest: epoch and batch progress, validation's). A recovery keeps the
+    progress from now, with the data, and puts the step counts back from the kept state."""
+    return {"loops": {key: value for key, value in fit_loop.items() if key in _STEP_COUNTS},
+            "progress": {key: value for key, value in fit_loop.items()
+                         if key not in _STEP_COUNTS}}
+
+
 def _not_restarting(loop: Any) -> None:
     """Clear the ``restarting`` flag that ``load_state_dict`` sets on ``loop`` and every
     loop in it (it makes Lightning's loops resume from a checkpoint's start)."""
@@ -1070,13 +1087,16 @@ class _Run(RunBase):
         """A checkpoint of ``trainer.save_checkpoint``, read as ``fit(ckpt_path=...)`` reads it.
 
         The ``checkpoint`` command's, or any of this fit's with gpuwatch's state; read
-        through the strategy's ``load_checkpoint``, in :meth:`state_snapshot`'s form: the
-        windows counted from its boundary as a resume counts them (:meth:`_resume`).
+        through the strategy's ``load_checkpoint`` with ``weights_only`` (no code runs from
+        it, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says), in :meth:`state_snapshot`'s
+        form: the windows counted from its boundary as a resume counts them
+        (:meth:`_resume`).
 
         Raises:
             ValueError: it has no state of gpuwatch's (no data position to go back to).
+            pickle.UnpicklingError: it holds more than tensors and plain values.
         """
-        saved = self.trainer.strategy.load_checkpoint(path)
+        saved = self.trainer.strategy.load_checkpoint(path, weights_only=True)
         state = next((saved.get("callbacks", {}).get(callback.state_key)
                       for callback in self.trainer.callbacks  # type: ignore[attr-defined]
                       if isinstance(callback, GpuwatchCallback)), None)
@@ -1084,14 +1104,12 @@ class _Run(RunBase):
             raise ValueError(f"{path} has no data position of gpuwatch's (it was not "
                              "saved by a fit gpuwatch followed from its start)")
         data, knobs = state["data"], state.get("knobs", {})
-        ended = data["fetched_in_epoch"] >= self.trainer.num_training_batches
         accumulation = (bool(state.get("accumulation_changed")),
-                        knobs.get(ACCUM_STEPS.name, self.trainer.accumulate_grad_batches),
-                        0 if ended else data["fetched_in_epoch"])
+                        knobs.get(ACCUM_STEPS.name, self.trainer.accumulate_grad_batches))
         return ({"model": saved["state_dict"], "optimizers": saved["optimizer_states"],
                  "schedulers": saved["lr_schedulers"],
                  "grad_scaler": state.get("grad_scaler", saved.get("MixedPrecision")),
-                 "loops": saved["loops"]["fit_loop"], "accumulation": accumulation,
+                 **_split_loops(saved["loops"]["fit_loop"]), "accumulation": accumulation,
                  "rng": data["rng"], "data": data},
                 int(saved["global_step"]), knobs)
 
@@ -1100,12 +1118,18 @@ class _Run(RunBase):
         plugin = self.precision._plugins.get("fp16") if self.precision else None
         return getattr(plugin, "scaler", None)
 
+    #: a recovery goes on from the epoch and batch the data is at now (a state kept in
+    #: the previous epoch would end this one at the kept batch: its last batches never
+    #: trained) with the kept optimizer-step counts
+    recovery_data_keys = ("data", "rng", "progress")
+
     def live_state(self) -> dict[str, Any]:
         """For a rollback, live: states, progress, windows, random numbers, data position.
 
         The module's, optimizers', schedulers' and fp16 GradScaler's states, the fit loop's
-        progress (epoch, batch and optimizer step counts), the accumulation windows, the
-        random numbers and the data position (:meth:`data_state`).
+        optimizer-step counts (``loops``) and epoch and batch progress (``progress``), the
+        accumulation windows, the random numbers and the data position
+        (:meth:`data_state`).
 
         Raises:
             ValueError: the train data cannot be put back live (:meth:`data_reason`).
@@ -1121,9 +1145,9 @@ class _Run(RunBase):
             "schedulers": [config.scheduler.state_dict()
                            for config in trainer.lr_scheduler_configs],
             "grad_scaler": None if scaler is None else scaler.state_dict(),
-            "loops": trainer.fit_loop.state_dict(),
+            **_split_loops(trainer.fit_loop.state_dict()),
             "accumulation": None if self.accumulation is None else (
-                self.accumulation.engaged, self.accumulation.size, self.accumulation.anchor),
+                self.accumulation.engaged, self.accumulation.size),
             "rng": rng_state(self.device), "data": self.data_state()})
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
@@ -1144,14 +1168,13 @@ class _Run(RunBase):
         if scaler is not None and snapshot["grad_scaler"] is not None:
             scaler.load_state_dict(snapshot["grad_scaler"])
         fit_loop = trainer.fit_loop
-        fit_loop.load_state_dict(snapshot["loops"])
+        fit_loop.load_state_dict({**snapshot["loops"], **snapshot["progress"]})
         _not_restarting(fit_loop)  # going on, not starting again from a checkpoint
         self._global_step = trainer.global_step
-        if self.accumulation is not None:  # the windows as they were counted there
-            engaged, size, anchor = snapshot["accumulation"]
-            if engaged:
-                self.accumulation.set(size)
-                self.accumulation.anchor = anchor
+        if self.accumulation is not None:
+            engaged, size = snapshot["accumulation"]
+            if engaged:  # windows counted from the batch the data is at: the snapshot's
+                self.accumulation.set(size)  # boundary, or now's in a recovery
             else:
                 self.accumulation.restore()  # Lightning's own again
         data = snapshot["data"]

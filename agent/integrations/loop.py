@@ -457,7 +457,7 @@ class Session(LoopRun):
             torch.save(self._checkpoint(knobs, self._states()), path)
             return
         assert self.model is not None  # (sharded says there is one)
-        save_sharded(path, self.model, self.optimizer, self._checkpoint(knobs, {
+        save_sharded(path, self.model, self.optimizer, lambda: self._checkpoint(knobs, {
             **self._states(), "model": None, "optimizer": None,
             "world_size": torch.distributed.get_world_size()}))
 

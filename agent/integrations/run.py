@@ -66,7 +66,8 @@ from agent.wire.knobs import (CHECKPOINT, EVALUATE, LR_SCALE, MIXTURE, PAUSE, RE
 from agent.wire.protocol import EventKind
 from agent.integrations.adapters import NOT_A_MIXTURE, MemoryKnobs, publish_events
 from agent.integrations.ranks import agree, every_rank
-from agent.control.checkpoints import Checkpoints, knobs_text, restore_knobs, set_knobs
+from agent.control.checkpoints import (Checkpoints, knobs_text, own_checkpoint, restore_knobs,
+                                       set_knobs)
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.step.record import StepRecord
@@ -521,7 +522,8 @@ class RunBase:
         knob values that come back with the state (a checkpoint's), set after it and named
         in the event. The states ``recover=on`` kept on the branch left go with it, and
         so does a recovery's scaled lr unless this is that recovery
-        (:meth:`_leave_branch`).
+        (:meth:`_leave_branch`). Each pending command then keeps its distance from now
+        (:meth:`agent.step.core.Agent.rewound`: a ``rescheduled`` event each).
 
         Returns:
             ``(the new branch's id, what is not as it was or None)``.
@@ -532,7 +534,6 @@ class RunBase:
         """
         differs = self.load_snapshot(snapshot)
         self.step = step
-        self.agent.rewound(step)
         self._kept = None  # a state kept for a rollback belongs to the branch left
         parent, self.branch = self.branch, self._last_branch + 1
         self._last_branch = self.branch
@@ -547,6 +548,7 @@ class RunBase:
         self.agent.event("warning" if failed or differs else "info", text,
                          kind=EventKind.BRANCHED, branch=self.branch, parent=parent,
                          step=step, source=source, cause=cause, knobs=knobs or {})
+        self.agent.rewound(step, self.branch)  # (the pending commands' events follow)
         return self.branch, differs
 
     def _leave_branch(self, step: int, source: str, other_lineage: bool) -> str:
@@ -608,16 +610,24 @@ class RunBase:
                             check=self._check_rewind))
 
     def _check_rewind(self, value: str) -> None:
-        self._checked_checkpoint(value)
+        self._checked_checkpoint(value, whole=False)
 
-    def _checked_checkpoint(self, value: str) -> Path:
+    def _checked_checkpoint(self, value: str, *, whole: bool = True) -> Path:
         """``rewind``'s value as the checkpoint it names: an integer N is the one the
         ``checkpoint`` command saved at step N (its directory and name), anything else
-        an absolute path. Any thread: a few file-system calls, no read.
+        an absolute path; returned with its parents' symlinks resolved, once no other
+        user can have written or swap it (:func:`agent.control.checkpoints.own_checkpoint`,
+        with ``whole``: not ``whole``, a command's check on the I/O thread, looks at the
+        checkpoint and its directory only). Any thread; no read.
 
         Raises:
-            ValueError: no such checkpoint, a symlink (not followed), not readable.
+            ValueError: :meth:`rewind_refusal`'s reason (one that came since ``rewind`` was
+                bound), no such checkpoint, a symlink (not followed), not readable, another
+                user's or in reach of another user.
         """
+        reason = self.rewind_refusal()
+        if reason is not None:
+            raise ValueError(reason)
         if _STEP.fullmatch(value):
             if self._checkpoints is None:
                 raise ValueError(
@@ -642,7 +652,10 @@ class RunBase:
             raise ValueError(f"{path} is a symlink, which is not followed: give its target")
         if not os.access(path, os.R_OK | (os.X_OK if stat.S_ISDIR(mode) else 0)):
             raise ValueError(f"{path} is not readable by the training process")
-        return path
+        try:
+            return own_checkpoint(path, whole=whole)
+        except OSError as exc:
+            raise ValueError(f"{path} cannot be examined: {exc.strerror or exc}") from None
 
     def _rewind(self, value: str) -> dict[str, Any]:
         """Training thread, at a boundary: read the checkpoint ``value`` names and go on

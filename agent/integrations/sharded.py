@@ -20,6 +20,7 @@ Each rank holds a shard of every parameter, gradient and optimizer state (DTenso
 from __future__ import annotations
 
 import os
+import pickle
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -119,30 +120,56 @@ def gradient_sync_off(model: torch.nn.Module) -> Iterator[None]:
             module.set_requires_gradient_sync(True, recurse=False)
 
 
+def _failure_text(exc: BaseException) -> str:
+    """``exc`` in one line; torch's ``CheckpointException`` as each rank's own failure
+    (its text holds their tracebacks)."""
+    # (told by its name: torch.distributed.checkpoint takes seconds to import)
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict):
+        return "; ".join(f"{type(error).__name__}: {error} (rank {rank})"
+                         for rank, (error, _) in failures.items())
+    return f"{type(exc).__name__}: {exc}"
+
+
 def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 rank_state: dict[str, Any]) -> None:
+                 rank_state: Callable[[], dict[str, Any]]) -> None:
     """Write a sharded checkpoint into the directory rank 0 gives as ``path``, on every rank.
 
     The model's and the optimizer's shards (``torch.distributed.checkpoint``, each rank its
-    own) and each rank's ``rank_state`` (:data:`RANK_FILE`, ``torch.save``). Every rank
+    own) and each rank's ``rank_state()`` (:data:`RANK_FILE`, ``torch.save``). Every rank
     calls it at the same step; it returns once every rank has written, so rank 0 may
     then rename the directory. Its first collective is an
-    :func:`agent.integrations.ranks.every_rank` of rank 0's ``path`` (or of rank 0's
-    failure before it calls this, from its ``agree``), its last one an
-    :func:`agent.integrations.ranks.agree`.
+    :func:`agent.integrations.ranks.every_rank` of each rank's failure and rank 0's
+    ``path`` (rank 0's failure before it calls this comes there from its ``agree``),
+    its last one an :func:`agent.integrations.ranks.agree`; ``rank_state`` is called
+    before the first, so that its failure on any rank reaches every rank there (none
+    is left waiting at a collective the failed one never calls).
 
     Raises:
         OSError: the checkpoint failed on some rank (every rank raises it, naming that
-            rank), e.g. a directory that cannot be written.
+            rank), e.g. a directory that cannot be written, or a ``rank_state`` that
+            raised.
     """
     import torch.distributed.checkpoint as dcp  # (seconds to import: only when saving)
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-    # rank 0 gives its path here, or, failed before it called this, its failure (the
-    # text its Checkpoints' agree gives in this same collective)
-    shared = every_rank({"path": str(path)} if dist.get_rank() == 0 else None)[0]
-    failure = None if isinstance(shared, dict) else f"rank 0: {shared}"
+    own: dict[str, Any] | None = None
+    try:
+        own = rank_state()
+    except Exception as exc:
+        failure: str | None = f"{type(exc).__name__}: {exc}"
+    else:
+        failure = None
+    # each rank's failure, and rank 0's path; or rank 0's failure before it called this
+    # (a text: its Checkpoints' agree, in this same collective)
+    gathered = every_rank({"failure": failure,
+                           "path": str(path) if dist.get_rank() == 0 else None})
+    failures = [f"rank {rank}: {item if isinstance(item, str) else item['failure']}"
+                for rank, item in enumerate(gathered)
+                if isinstance(item, str) or item["failure"] is not None]
+    failure = failures[0] if failures else None
     if failure is None:
-        directory = Path(shared["path"])
+        directory = Path(gathered[0]["path"])
         try:
             if optimizer is None:
                 state: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -150,12 +177,64 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                 model_state, optimizer_state = get_state_dict(model, optimizer)
                 state = {"model": model_state, "optimizer": optimizer_state}
             dcp.save(state, checkpoint_id=directory)  # (raises on every rank on a failure)
-            torch.save(rank_state, directory / RANK_FILE.format(rank=dist.get_rank()))
-        except Exception as exc:
-            failure = f"{type(exc).__name__}: {exc}"
+            torch.save(own, directory / RANK_FILE.format(rank=dist.get_rank()))
+        except (Exception, CheckpointException) as exc:  # (the latter: a BaseException)
+            failure = _failure_text(exc)
         failure = agree(failure)
     if failure is not None:
         raise OSError(f"the sharded checkpoint failed on {failure}")
+
+
+#: What a ``torch.distributed.checkpoint`` directory's ``.metadata`` pickle may name:
+#: ``(module, name)``, besides torch's dtypes, layouts and memory formats.
+METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"), ("torch", "Size"),
+    ("pathlib", "PosixPath"), ("collections", "OrderedDict")})
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a checkpoint directory's ``.metadata`` naming nothing but :data:`METADATA_GLOBALS`.
+
+    ``torch.distributed.checkpoint`` reads it with a full ``pickle.load``, which runs
+    any code the file names; this runs none.
+
+    Raises:
+        pickle.UnpicklingError: the file names anything else.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"the checkpoint's metadata names {module}.{name}, which no checkpoint's "
+            "metadata holds: not read (it could run code)")
+
+
+def _metadata_reader(directory: Path) -> Any:
+    """A ``FileSystemReader`` of ``directory`` whose ``.metadata`` is read by
+    :class:`MetadataUnpickler` (else as torch reads it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = MetadataUnpickler(stream).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError(f"{path} holds no checkpoint metadata")
+            storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            storage_meta.load_id = self.load_id
+            metadata.storage_meta = storage_meta
+            return metadata
+
+    return Reader(directory)
 
 
 def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
@@ -163,13 +242,18 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
     """Load a :func:`save_sharded` directory's shards into ``model`` and ``optimizer``.
 
     On every rank, at once; returns this rank's own state (what
-    :func:`agent.control.checkpoints.load_checkpoint` reads; no code runs from the files).
+    :func:`agent.control.checkpoints.load_checkpoint` reads; no code runs from the files:
+    the shards' metadata is read by :class:`MetadataUnpickler`).
 
     Raises:
-        ValueError: ``path`` is not such a directory, or was written by another number
-            of ranks. OSError: it cannot be read.
+        ValueError: ``path`` is not such a directory, was written by another number of
+            ranks, or its shards cannot be loaded (their metadata names what no
+            checkpoint's metadata holds, a file is missing or damaged: torch's
+            ``CheckpointException``, a BaseException, said on every rank).
+            OSError: it cannot be read.
     """
     import torch.distributed.checkpoint as dcp  # (seconds to import: only when resuming)
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                          set_model_state_dict, set_state_dict)
     directory = Path(path)
@@ -184,12 +268,16 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
                          f"job has {dist.get_world_size()}")
     if optimizer is None:
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=directory)
-        set_model_state_dict(model, state["model"])
     else:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=directory)
+    try:
+        dcp.load(state, storage_reader=_metadata_reader(directory))
+    except CheckpointException as exc:  # (a BaseException, which no caller would catch)
+        raise ValueError(f"{path} cannot be loaded ({_failure_text(exc)})") from None
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
     return rank_state

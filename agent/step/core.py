@@ -316,18 +316,20 @@ class Agent:
         """The latest optimizer step recorded (0 before the first)."""
         return self._last_step
 
-    def rewound(self, step: int) -> None:
-        """Count on from optimizer step ``step``: the run's state went back to it (a new branch).
+    def rewound(self, step: int, branch: int) -> None:
+        """Count on from optimizer step ``step``: the run's state went back to it, as ``branch``.
 
         Training thread, at a boundary: the run's state is now the one after optimizer step
-        ``step``, on a new branch.
+        ``step``, on the new branch ``branch``.
 
         A command's earliest step then follows the new branch's steps (not the left
-        branch's, where it would land that many steps late), and the change guard forgets
-        the left branch's changes: none of them is in the state trained from now on.
-        Commands pending for a later step keep their step number. Two assignments.
+        branch's, where it would land that many steps late), each pending command keeps
+        its distance from now (:meth:`agent.control.desk.CommandDesk.rewinding`: a
+        ``rescheduled`` event each), and the change guard forgets the left branch's
+        changes: none of them is in the state trained from now on. A few list operations.
         """
-        self._last_step = step
+        with self._desk.rewinding(self._last_step, step, branch):
+            self._last_step = step
         self._ledger.clear()
 
     @property

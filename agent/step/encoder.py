@@ -17,7 +17,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from itertools import accumulate, chain, repeat
-from operator import attrgetter, sub, truediv
+from operator import attrgetter, itemgetter, sub, truediv
 from typing import Any
 
 import torch
@@ -360,6 +360,11 @@ class StepEncoder:
             lr = lr_groups = nones
         elif rate_kinds <= _RATE_TYPES:
             lr, lr_groups = [None if rate is None else float(rate) for rate in rates], nones
+        elif rate_kinds == _TUPLE and set(map(type, chain.from_iterable(rates))) == _FLOAT:
+            # each param group's rate as a float (a scheduler's usual): in C
+            lr_groups = list(map(list, rates))
+            lr = list(map(itemgetter(0), rates)) if all(rates) else [
+                groups[0] if groups else None for groups in rates]
         else:
             lr, lr_groups = [], []
             for rate in rates:
@@ -523,6 +528,8 @@ _TENSOR = {torch.Tensor}
 _ZERO = {0}
 #: Types of ``lr`` values read with ``float`` alone (no param groups' tuple).
 _RATE_TYPES = frozenset({float, int, type(None)})
+_TUPLE = {tuple}
+_FLOAT = {float}
 
 
 def _finite_or_none(losses: list[Any], n: int) -> bool:

@@ -95,21 +95,23 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
     A run of several ranks (``info.world_size > 1``) gets the command on every rank, to
     apply at one common optimizer step, in two phases and without any collective in the
     training: (1) every rank checks it (``dry_run``) and answers with the earliest step
-    it could apply it at and its step time; (2) every rank schedules it at the latest of
-    those steps plus a margin for the time the second phase takes at the fastest rank's
-    pace (no margin on a paused run: the step of the boundary its ranks are held at,
-    where it applies as it arrives). If a rank refuses or does not answer (2), every
-    other rank is told to cancel it, on the same connection (so after the command), and
-    their answers are checked: a rank that applied it already makes the reply say that
-    the ranks may now differ. It is refused before (1) when not every rank can be
-    reached (a knob must never differ between ranks): a single-node run needs every
-    rank's run file on this machine; a multi-node torchrun job reaches this machine's
-    ranks directly and each other node's through that node's relay
-    (:mod:`agent.io.relay`), which the job's store names and the user's job secret lets
-    in (:mod:`agent.wire.nodes`). A relay passes each phase to its node's ranks and
-    answers for all of them, within ``0.7 * timeout_s``; a node that does not answer
-    (stopped, partitioned) counts as a refusal of each of its ranks, so the command is
-    refused, or withdrawn, everywhere.
+    it could apply it at, its step time and its branch; (2) every rank schedules it at
+    the latest of those steps plus a margin for the time the second phase takes at the
+    fastest rank's pace (no margin on a paused run: the step of the boundary its ranks
+    are held at, where it applies as it arrives), counted on that branch: a rank that
+    went back meanwhile (a rewind) moves it as it moves its pending commands. Ranks that
+    answer (1) from different branches (a rewind is applying) refuse it. If a rank
+    refuses or does not answer (2), every other rank is told to cancel it, on the same
+    connection (so after the command), and their answers are checked: a rank that
+    applied it already makes the reply say that the ranks may now differ. It is refused
+    before (1) when not every rank can be reached (a knob must never differ between
+    ranks): a single-node run needs every rank's run file on this machine; a multi-node
+    torchrun job reaches this machine's ranks directly and each other node's through
+    that node's relay (:mod:`agent.io.relay`), which the job's store names and the
+    user's job secret lets in (:mod:`agent.wire.nodes`). A relay passes each phase to
+    its node's ranks and answers for all of them, within ``0.7 * timeout_s``; a node
+    that does not answer (stopped, partitioned) counts as a refusal of each of its
+    ranks, so the command is refused, or withdrawn, everywhere.
 
     Args:
         info: the run (any rank's file); its ``cmd_endpoint`` and ``token`` are used.
@@ -159,6 +161,16 @@ def send_command(info: RunInfo, knob: str, value: Any, *, apply_step: int | None
         refusal = _first_refusal(checks)
         if refusal is not None:
             return refusal
+        branches = {check.get("branch", 0) for _, check in checks}
+        if len(branches) > 1:  # their steps are counted on different branches
+            return {"id": command_id, "ok": False, "knob": knob, "reason": (
+                "the ranks are on different branches (a rewind is applying: "
+                + "; ".join(f"rank {rank} on branch {check.get('branch', 0)}"
+                            for rank, check in checks[:8])
+                + "): send it again")}
+        # a rank that goes back before the command reaches it places its step as it
+        # places its pending commands' (agent.control.desk)
+        body["branch"] = branches.pop()
         held = [check["apply_step"] for _, check in checks if check.get("held")]
         if apply_step is None and held:
             # paused: every rank holds at the boundary the pause applied at on each (a

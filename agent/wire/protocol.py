@@ -69,7 +69,11 @@ Message types and their bodies:
                ``step_time_s`` and ``held: true`` on a paused rank); with
                ``cancel: true`` (and ``id``, ``token``, optional ``reason``) the pending
                command ``id`` is withdrawn. Several ranks: dry run on all, then the
-               command at one common ``apply_step`` on all, then cancel where needed.
+               command at one common ``apply_step`` on all, then cancel where needed;
+               the command names the ``branch`` its ``apply_step`` is counted on (the
+               dry runs' replies say it): a rank that went back since (a rewind) moves
+               it as it moves its pending commands (``rescheduled``: each keeps its
+               distance from the rewind's boundary).
                Commands that are not settings name no knob of the schema: ``tune``
                (:data:`TUNE`, value a map: ``knobs`` (names to search; default every
                knob whose spec says it is tuned), ``budget_steps`` (int),
@@ -152,6 +156,10 @@ ROLLBACK_ID_PREFIX = "rollback-"
 #: Ids of the commands of a loss-spike recovery start with this, then the spike's first
 #: step and ``-`` (rank 0 sends them to every rank, with the ``reason``).
 RECOVERY_ID_PREFIX = "recovery-"
+#: The demo training job's last line starts with this, then ``<N> optimizer steps``:
+#: :mod:`agent.demo` prints it, ``gpuwatch demo`` looks for it at the end of the job's
+#: output.
+DEMO_ENDED = "gpuwatch demo: stopped after "
 
 
 class EventKind:
@@ -170,6 +178,10 @@ class EventKind:
     REJECTED = "rejected"
     #: a pending command was withdrawn before its step
     CANCELLED = "cancelled"
+    #: the run went back (a ``branched`` event) and a pending command keeps its distance
+    #: from now: ``step`` (the step it applies at now), ``previous_step`` (the one it was
+    #: accepted for), ``branch``, ``id``, ``knob``, ``value``
+    RESCHEDULED = "rescheduled"
     #: a guarded change is being undone (announced), and the knob set back (applied)
     ROLLBACK = "rollback"
     ROLLED_BACK = "rolled_back"
@@ -205,10 +217,6 @@ class EventKind:
     #: planned epochs, the loss normalisation a loop uses)
     PLAN = "plan"
     LOSS_NORMALIZATION = "loss_normalization"
-    #: the training state was put back to an earlier point and the run goes on on a
-    #: new branch (``branch``, ``parent``, ``step``: the last step kept, ``source``,
-    #: ``cause``): a rewind, a rollback of the state, a loss-spike recovery
-    BRANCHED = "branched"
     #: a CUDA memory snapshot was written (``path``)
     MEMORY_SNAPSHOT = "memory_snapshot"
 
@@ -238,6 +246,9 @@ class Reply(TypedDict, total=False):
     value: Any
     #: the optimizer step it applies at (1-based)
     apply_step: int
+    #: the branch ``apply_step`` is counted on, once the rank has left branch 0 (a
+    #: rewind); absent: 0
+    branch: int
     #: the last optimizer step the rank had completed when it accepted the command
     step: int
     #: the phase answered: a check only, a withdrawal, a change after a checkpoint

@@ -1249,7 +1249,8 @@ class PartReader:
     Attributes:
         malformed: damaged stretches, frames or items that could not be read.
         pending: bytes after the last complete frame. thinned: the part header's
-            ``thinned`` (0: every step as logged).
+            ``thinned`` (0: every step as logged). counted_bytes: the frames read so far,
+            each at its larger size, compressed or not (what bounds :meth:`read`).
     """
 
     def __init__(self, fd: int, *, part: int = 0, start: tuple[int, int, int] | None = None,
@@ -1260,6 +1261,7 @@ class PartReader:
         self.malformed = 0
         self.pending = 0
         self.thinned = 0
+        self.counted_bytes = 0
         self.offset = start[1] if start else 0
         self._skip = start[2] if start else 0
         self._decompressor: Any = None
@@ -1271,7 +1273,9 @@ class PartReader:
     def read(self, max_bytes: int = 16 << 20) -> list[tuple[Position, dict[str, Any]]]:
         """The records of the complete frames after the last call, with their positions.
 
-        At most about ``max_bytes`` of compressed frames.
+        At most about ``max_bytes`` of frames, each counted at its larger size,
+        compressed or not (a crafted frame may decompress to a thousand times its size;
+        a frame is at most :data:`MAX_FRAME_RAW_BYTES` either way).
 
         Raises:
             OSError: the file cannot be read.
@@ -1301,7 +1305,8 @@ class PartReader:
                 continue
             start, self._garbage, self.pending = self.offset, False, 0
             self.offset += FRAME_HEADER.size + comp_len
-            read += FRAME_HEADER.size + comp_len
+            read += max(FRAME_HEADER.size + comp_len, raw_len)
+            self.counted_bytes += max(FRAME_HEADER.size + comp_len, raw_len)
             found += self._frame(start, flags, payload, raw_len, raw_crc)
         return found
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from agent.wire import protocol, runlog
-from gpuwatch.history import MAX_LINE_BYTES, decode_line
+from gpuwatch.history import MAX_LINE_BYTES, decode_line, on_path
 from gpuwatch.sources import Source
 
 #: How often a followed file is checked for new records (s).
@@ -139,7 +139,8 @@ class _PartFollower:
 
     def read(self, max_records: int) -> tuple[list[dict[str, Any]], bool]:
         envelopes: list[dict[str, Any]] = []
-        while len(envelopes) < max_records:
+        budget = READ_BYTES  # (decompressed: records of 1 MB are few a read)
+        while len(envelopes) < max_records and budget > 0:
             if self._reader is None:
                 try:
                     self._fd = runlog.open_no_follow(runlog.part_path(self.path, self._index))
@@ -147,7 +148,9 @@ class _PartFollower:
                     return envelopes, True
                 self._reader = runlog.PartReader(self._fd, part=self._index)
                 self._counted = 0
-            found = self._reader.read(max_bytes=READ_BYTES)
+            counted = self._reader.counted_bytes
+            found = self._reader.read(max_bytes=budget)
+            budget -= self._reader.counted_bytes - counted
             self.malformed += self._reader.malformed - self._counted
             self._counted = self._reader.malformed
             envelopes += [envelope for _, envelope in found]
@@ -295,12 +298,9 @@ class ReplaySource(Source):
             now = time.monotonic()
             offset_s = now - time.time()  # unix time -> monotonic time
             for envelope in envelopes:
-                if self._path is not None:
-                    kept = self._path.keep(envelope)
-                    if kept is None:
-                        self.state.pass_over(envelope)  # another branch's: not lost
-                        continue
-                    envelope = kept
+                if (kept := on_path(self._path, envelope, self.state.pass_over)) is None:
+                    continue  # another branch's: not lost
+                envelope = kept
                 t: Any = envelope.get("t")  # as decoded: its type is checked here
                 written = (min(now, t + offset_s) if type(t) in (int, float)
                            and math.isfinite(t) else now)

@@ -28,7 +28,7 @@ from agent.wire import protocol
 from agent.wire.protocol import printable
 from agent.wire.runlog import BranchPath, BranchTree
 from gpuwatch.history import (HistoryBuilder, LogFiles, LogReader, Position, RunHistory,
-                              log_summary, number)
+                              log_summary, number, on_path)
 from gpuwatch.sources import Source
 from gpuwatch.sources.whole_run import WholeRun
 from gpuwatch.state import RunState
@@ -168,12 +168,9 @@ class Timeline:
         for count, (position, envelope) in enumerate(reader):
             if count % STOP_CHECK_RECORDS == 0 and stopped():
                 break
-            if path is not None:
-                kept = path.keep(envelope)
-                if kept is None:
-                    state.pass_over(envelope)  # another branch's: not lost
-                    continue
-                envelope = kept
+            if (kept := on_path(path, envelope, state.pass_over)) is None:
+                continue  # another branch's: not lost
+            envelope = kept
             t = number(envelope.get("t")) or t
             kind, body = envelope["type"], envelope["body"]
             if kind == protocol.STEPS:
@@ -241,12 +238,9 @@ class Timeline:
         seen = checkpoint.index  # the index of the next step record
         path = copy.deepcopy(checkpoint.path)
         for _, envelope in LogReader(self.log, start=checkpoint.position):
-            if path is not None:
-                kept = path.keep(envelope)
-                if kept is None:
-                    state.pass_over(envelope)  # another branch's: not lost
-                    continue
-                envelope = kept
+            if (kept := on_path(path, envelope, state.pass_over)) is None:
+                continue  # another branch's: not lost
+            envelope = kept
             cut = False
             if envelope["type"] == protocol.STEPS:
                 if seen > index:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 from agent.wire import protocol
 from agent.wire.runlog import BranchPath, BranchTree
 from gpuwatch import history
-from gpuwatch.history import HistoryBuilder, LogReader, Position
+from gpuwatch.history import HistoryBuilder, LogReader, Position, on_path
 from gpuwatch.state import KnobChange
 
 #: How often the log is read again for the records appended since (s).
@@ -113,11 +113,9 @@ class WholeRun:
         published_at = time.monotonic()
         for position, envelope in reader:
             resume = position._replace(item=position.item + 1)  # after this record
-            if self._branch is not None:
-                kept = self._branch.keep(envelope)
-                if kept is None:
-                    continue
-                envelope = kept
+            if (kept := on_path(self._branch, envelope)) is None:
+                continue
+            envelope = kept
             builder.add(envelope)
             if envelope["type"] == protocol.STEPS and (
                     time.monotonic() - published_at >= PUBLISH_S):

@@ -16,7 +16,7 @@ import pkgutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from sklearn.datasets import load_digits
@@ -273,14 +273,15 @@ def run_diverging(driver: Driver, checkpoint_dir: Path,
 
 
 def run_poisoned(driver: Driver, checkpoint_dir: Path, *, steps: int, poisoned: range | None,
-                 policy: Any = None, hold_at: int | None = None) -> Result:
+                 policy: Any = None, hold_at: int | None = None,
+                 commands: Sequence[tuple[str, Any, int]] = ()) -> Result:
     """A run of ``driver`` to step ``steps`` whose micro-batches ``poisoned`` (their
     numbers in training order, from 1; None: none) have poisoned labels (:class:`Poison`);
     with ``policy`` (an :class:`agent.control.recovery.Recovery`) the run has it and
     ``recover=on`` from step 3. With ``hold_at``, the training waits at that step until
     rank 0's spike watch found the spike (it decides on the I/O thread, from the
     published steps, and the kept state from before the spike must still be in the
-    ring when the recovery applies)."""
+    ring when the recovery applies). ``commands``: sent as well (:func:`run`'s)."""
     import time
 
     recorder = Recorder(hold_at=hold_at)
@@ -304,7 +305,8 @@ def run_poisoned(driver: Driver, checkpoint_dir: Path, *, steps: int, poisoned: 
     if hold_at is not None:
         watcher.start()
     try:
-        return run(driver, steps=steps, commands=[("recover", "on", 3)] if policy else [],
+        return run(driver, steps=steps,
+                   commands=([("recover", "on", 3)] if policy else []) + list(commands),
                    checkpoint_dir=checkpoint_dir, recorder=recorder)
     finally:
         agent.step.core.Agent.__init__ = made  # type: ignore[method-assign]

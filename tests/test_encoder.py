@@ -1,0 +1,71 @@
+"""The step encoder's two paths give the same ``steps`` message: in columns (the usual,
+no Python a step) and one step at a time (while the rollback guard watches a change).
+
+Real step records through a real :class:`agent.step.encoder.StepEncoder` with the host's
+markers, each path's message compared field by field."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+
+from agent.control.guard import ChangeGuard
+from agent.control.ledger import Change, ChangeLedger
+from agent.search.tune import AutoTune
+from agent.step.encoder import StepEncoder
+from agent.step.markers import CpuMarker
+from agent.step.record import StepRecord
+from agent.wire import protocol
+from agent.wire.knobs import KnobSet
+
+RATES = {
+    "float": lambda step: 0.1 / step,
+    "one group": lambda step: (0.1 / step,),
+    "two groups": lambda step: (0.1 / step, 0.01),
+    "a tensor rate": lambda step: (torch.tensor(0.1 / step), 0.02),
+    "no groups": lambda step: () if step % 2 else (0.5,),
+    "none": lambda step: None,
+}
+
+
+def _message(rate, *, one_at_a_time: bool) -> dict:
+    """The ``steps`` body of 12 records (step time 10 ms, data wait 1 ms a step, the
+    rates from ``rate(step)``) through one drain."""
+    ledger = ChangeLedger()
+    if one_at_a_time:  # a change the guard watches: every step is seen alone
+        ledger.record(Change(step=1, knob="lr_scale", value=0.5, previous=1.0))
+    sent: list[tuple[str, dict]] = []
+    records: deque = deque()
+    marker = CpuMarker()
+    encoder = StepEncoder(records, marker, publish=lambda kind, body: sent.append((kind, body)),
+                          guard=ChangeGuard(ledger), check_step=lambda *args: None,
+                          tune=AutoTune(KnobSet(), 0, lambda kind, body: None, lambda: None,
+                                        1, lambda where, exc: None), device=None)
+    for step in range(1, 13):
+        record = StepRecord(micro_batches=2, samples=8, data_wait_s=0.001,
+                            loss=torch.tensor(1.0 / step), lr=rate(step), tokens=None)
+        record.step, record.step_time_s = step, None if step == 1 else 0.01
+        record.marker, record.knobs = marker.mark(record.loss), {"lr_scale": 1.0}
+        records.append(record)
+    encoder.drain()
+    [(kind, body)] = sent
+    assert kind == protocol.STEPS
+    return body
+
+
+@pytest.mark.parametrize("rate", RATES.values(), ids=RATES.keys())
+def test_the_steps_in_columns_equal_the_steps_one_at_a_time(rate):
+    columns = _message(rate, one_at_a_time=False)
+    each = _message(rate, one_at_a_time=True)
+    assert columns["columns"] == each["columns"]  # (memory readings differ: read twice)
+    assert columns["common"]["knobs"] == each["common"]["knobs"] == {"lr_scale": 1.0}
+    rows = protocol.step_bodies(columns)
+    assert [row["step"] for row in rows] == list(range(1, 13))
+    expected = [rate(step) for step in range(1, 13)]  # (as host floats)
+    for row, given in zip(rows, expected):
+        groups = None if given is None or isinstance(given, float) else [
+            float(value) for value in given]
+        first = given if isinstance(given, float) else groups[0] if groups else None
+        assert (row.get("lr"), row.get("lr_groups")) == (first, groups), row
