@@ -26,7 +26,8 @@ from gpuwatch import history
 from gpuwatch.sources import Source
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.sources.timeline import TimelineSource
-from gpuwatch.state import GONE_AFTER_S, QUIET_AFTER_S, STEP_HISTORY, RunState
+from gpuwatch.state import (BUSY_STATUSES, GONE_AFTER_S, QUIET_AFTER_S, STEP_HISTORY,
+                            RunState)
 from gpuwatch.compare import Column
 from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
 from gpuwatch.screens.compare import CompareScreen
@@ -71,10 +72,18 @@ _STATUS_NOTES = {
     "stalled": ("warning", "run is stalled: no optimizer step for several of its step "
                            "times"),
     "paused": ("info", "run is paused after step {step}: P lets it go on"),
+    "evaluating": ("info", "run is evaluating after step {step} (evaluate=now): no "
+                           "optimizer step until it ends"),
+    "saving": ("info", "run is saving a checkpoint after step {step}: no optimizer step "
+                       "until it is written"),
     "quiet": ("warning", f"run is quiet: nothing heard for {QUIET_AFTER_S:g} s, but its "
                          "process is alive (a loaded machine?)"),
     "gone": ("error", f"run is gone: nothing heard for {GONE_AFTER_S:g} s"),
 }
+
+#: Statuses whose end an event already tells (a compile's end, pause=off's or the
+#: command's applied event with its answer): back to live, the log says nothing more.
+_QUIET_RETURNS = frozenset({"compiling", "paused", *BUSY_STATUSES.values()})
 
 
 #: Textual's palette entries left out (see :meth:`GpuwatchApp.get_system_commands`).
@@ -375,9 +384,10 @@ class GpuwatchApp(App[None]):
                 self._drawn = None
             previous = self._drawn[1] if self._drawn is not None else None
             if (previous is not None and previous != status and status in _STATUS_NOTES
-                    and (previous, status) != ("compiling", "live")):
+                    and not (status == "live" and previous in _QUIET_RETURNS)):
                 level, note = _STATUS_NOTES[status]
-                state.log(level, note.format(step=human_number(state.paused_after)))
+                state.log(level, note.format(step=human_number(
+                    state.paused_after if status == "paused" else state.step)))
             whole = self.source.whole
             past = whole.past if whole is not None and self._whole_run else None
             drawn = (state.steps_total, past.rows if past is not None else -1,

@@ -61,11 +61,22 @@ def branch_title(branch: Branch) -> str:
     if branch.parent is not None:
         fork = "?" if branch.fork_step is None else f"{branch.fork_step:,}"
         text += f" from step {fork}"
-        why = printable(branch.cause or branch.source)
-        if len(why) > MAX_CAUSE_CHARS:  # a checkpoint's path: its end says the most
-            why = why[:MAX_CAUSE_CHARS // 3] + "…" + why[-(MAX_CAUSE_CHARS * 2 // 3 - 1):]
+        why = _short(printable(branch.cause or branch.source))
         text += f" ({why})" if why else ""
     return text
+
+
+def _short(why: str) -> str:
+    """A branch's cause in :data:`MAX_CAUSE_CHARS`: a checkpoint's path loses its middle
+    (its end says the most), prose its end, at a word (``loss spike: loss 1.99 at…``)."""
+    if len(why) <= MAX_CAUSE_CHARS:
+        return why
+    if "/" in why.split(" ", 1)[0]:  # rewind=/a/path (a path may have spaces later)
+        return why[:MAX_CAUSE_CHARS // 3] + "…" + why[-(MAX_CAUSE_CHARS * 2 // 3 - 1):]
+    cut = why[:MAX_CAUSE_CHARS - 1]
+    if why[len(cut)] not in " ,;:" and " " in cut:  # (a word goes whole or not at all)
+        cut = cut.rsplit(" ", 1)[0]
+    return cut.rstrip(" ,;:(") + "…"
 
 
 def branch_label(branch: Branch) -> str:

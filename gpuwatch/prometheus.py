@@ -245,7 +245,8 @@ class RunsCollector(Collector):
                                                  100),
                                  printable(state.hello.get("device", ""), 100)], 1)
                 up.add_metric(key, state.status_at(now) in ("live", "compiling",
-                                                            "stalled", "paused"))
+                                                            "stalled", "paused",
+                                                            "evaluating", "saving"))
                 if state.step is not None:
                     step.add_metric(key, state.step)
                 steps.add_metric(key, followed.steps_total)

@@ -38,6 +38,9 @@ STALLED_AFTER_S = 5.0
 STALL_STEPS = 3
 #: Latest steps whose time sets how long a run may go without a step.
 STALL_WINDOW_STEPS = 20
+#: Commands that hold the run at a boundary while they work, and its status meanwhile
+#: (an evaluation can take minutes: no step then is not a stall).
+BUSY_STATUSES = {"evaluate": "evaluating", "checkpoint": "saving"}
 #: Entries kept of one map or list from the wire (a knob schema has dozens).
 MAX_ITEMS = 256
 #: Nesting kept of a value from the wire; deeper parts become None.
@@ -675,9 +678,20 @@ class RunState:
             judged_at = self.last_seen_at  # unheard is not unstepping: as last heard
         if self.compiling_since is not None:
             return "compiling"
+        if self.paused_after is not None and (self.step is None
+                                              or self.step <= self.paused_after):
+            return "paused"  # at once: the run said so (no step after it: not lost)
         if judged_at - (self.last_step_at or self.first_seen_at) > self.stall_after_s():
-            return "stalled" if self.paused_after is None else "paused"
+            return next((status for knob, status in BUSY_STATUSES.items()
+                         if self._due(knob)), "stalled")
         return "live"
+
+    def _due(self, knob: str) -> bool:
+        """Whether a command of ``knob`` was accepted for the boundary after the last
+        step (so the run is at it) and has not settled."""
+        pending = self.pending.get(knob)
+        return (pending is not None and pending.apply_step is not None
+                and self.step is not None and pending.apply_step <= self.step + 1)
 
     def stall_after_s(self) -> float:
         """How long this run may go without an optimizer step before it is "stalled".
@@ -693,12 +707,16 @@ class RunState:
 
     @property
     def status(self) -> str:
-        """The run's status: waiting, live, compiling, stalled, paused, gone, quiet or ended.
+        """The run's status: waiting, live, compiling, stalled, paused, evaluating, saving,
+        gone, quiet or ended.
 
         ``waiting``: nothing received yet. ``compiling``: a ``compiling`` event has come and
         not its end (steps are slow, not stalled). ``stalled``: messages but no step for
         :meth:`stall_after_s` (a heartbeat whose step moved counts as a step). ``paused``:
-        as stalled, but ``pause=on`` holds the run (:attr:`paused_after`). ``gone``: no
+        ``pause=on`` holds the run (:attr:`paused_after`, and no step after it), from its
+        applied event on. ``evaluating``,
+        ``saving``: as stalled, but an accepted ``evaluate`` / ``checkpoint`` command is due
+        at the boundary after the last step (:data:`BUSY_STATUSES`). ``gone``: no
         message, heartbeats included, for :data:`GONE_AFTER_S`, and its process is not known
         to be alive. ``quiet``: nothing heard for :data:`QUIET_AFTER_S` but its process is
         alive. ``ended``: the run said ``bye``. A gone run whose messages come back is live
@@ -905,12 +923,17 @@ class RunState:
         if type(knob) is str and len(knob) > MAX_NAME_CHARS:
             knob = None  # no knob of ours has such a name
         kind = body.get("kind")
+        step = body.get("step")
+        if kind == _KIND.ACCEPTED and knob in BUSY_STATUSES and type(step) is int:
+            self.pending[knob] = Pending(body.get("value"), step)  # any client's command
         if kind in _KIND.SETTLING and knob in self.pending:
             del self.pending[knob]
         elif kind == _KIND.RESCHEDULED and knob in self.pending:
             step = body.get("step")  # the run went back: it applies at another step
             if type(step) is int and self.pending[knob].value == body.get("value"):
                 self.pending[knob] = Pending(self.pending[knob].value, step)
+        if kind in _KIND.SETTLING and knob in BUSY_STATUSES:
+            self.last_step_at = now  # the wait for the next step starts after it
         if kind == _KIND.APPLIED and knob == "pause":  # (an action: no knob value)
             step = body.get("step")
             if body.get("value") != "on" and self.paused_after is not None:
@@ -990,10 +1013,11 @@ class RunState:
     def _fold_bye(self, body: dict[str, Any], now: float) -> None:
         body = bounded(body)
         self.ended = body
-        steps = body.get("steps")
-        self.log("info", f"run ended ({body.get('reason') or 'no reason given'})"
-                 + (f" after {counted(steps, 'step')}" if type(steps) is int else ""),
-                 self.message_t)
+        steps = body["steps"] if type(body.get("steps")) is int else None
+        reason = str(body.get("reason") or "no reason given")
+        counts = (f" after {counted(steps, 'step')}" if steps is not None
+                  and not reason.endswith(f"after step {steps}") else "")
+        self.log("info", f"run ended ({reason}){counts}", self.message_t)
 
     def _set_knobs(self, knobs: dict[str, Any], now: float, *,
                    at_step: int | None = None) -> None:

@@ -143,6 +143,18 @@ def test_a_long_cause_keeps_its_end():
     assert branch_title(runlog.Branch(0)) == "b0"
 
 
+def test_a_long_prose_cause_keeps_its_start_cut_at_a_word():
+    """A recovery's cause is a paragraph: its start says what happened; a middle cut
+    read "(loss spike: l…13 windows) trained since)"."""
+    cause = ("loss spike: loss 1.992 at steps 743-745, above 1.863 (median 1.663 + "
+             "margin); restored the state kept after step 733 (4.8 MiB in host memory); "
+             "skipped the 26 micro-batches (13 windows) trained since")
+    assert branch_title(runlog.Branch(1, 0, 733, cause=cause)) == (
+        "b1 from step 733 (loss spike: loss 1.992 at steps 743-745…)")
+    assert branch_title(runlog.Branch(1, 0, 7, cause="x" * 60)) == (
+        f"b1 from step 7 ({'x' * 39}…)")
+
+
 def test_a_selector_names_a_branch():
     assert split_selector("20250101-000000-0001@b12") == ("20250101-000000-0001", 12)
     assert split_selector("run@x1") == ("run@x1", None)

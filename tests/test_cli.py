@@ -210,6 +210,26 @@ def test_each_command_help_names_itself(command):
     assert result.stdout.startswith(f"usage: gpuwatch {command} [-h]"), result.stdout
 
 
+def test_every_option_of_every_command_says_what_it_does():
+    """`gpuwatch demo --help` listed --model {transformer,cnn} with no word on either."""
+    import argparse
+
+    from gpuwatch.cli import _parser
+
+    [commands] = [action for action in _parser()._actions
+                  if isinstance(action, argparse._SubParsersAction)]
+    for name, parser in commands.choices.items():
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, (name, action.option_strings or action.dest)
+
+
+def test_the_top_help_points_to_the_dashboards_options():
+    result = gpuwatch("--help")
+    assert result.returncode == 0 and "[--readonly] [--quick-keys]" in result.stdout
+    assert "gpuwatch attach --help" in " ".join(result.stdout.split())  # (wrapped)
+
+
 def test_version():
     result = gpuwatch("--version")
     assert result.returncode == 0 and result.stdout.startswith("gpuwatch ")

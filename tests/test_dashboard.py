@@ -104,6 +104,27 @@ def test_state_counts_malformed_frames_and_bodies_without_raising():
     assert state.steps[-1].step is None and state.steps[-1].loss is None
 
 
+def test_a_run_at_an_evaluation_or_a_save_reads_so_rather_than_stalled():
+    """evaluate=now can hold the run minutes at a boundary (20 s for the demo on a loaded
+    machine, which read "stalled" and then "run is live" over the metrics)."""
+    later = STALLED_AFTER_S + 0.1
+    for knob, status in (("evaluate", "evaluating"), ("checkpoint", "saving")):
+        state = RunState()
+        state.ingest(envelope("step", {"step": 7, "step_time_s": 0.1}), 10.0)
+        state.ingest(envelope("event", {"kind": "accepted", "knob": knob, "value": "now",
+                                        "step": 9, "text": "accepted"}), 10.1)
+        state.ingest(envelope("heartbeat", {"step": 7}), 10.0 + later)
+        assert state.status_at(10.0 + later) == "stalled"  # not at its boundary yet
+        state.ingest(envelope("event", {"kind": "accepted", "knob": knob, "value": "now",
+                                        "step": 8, "text": "accepted"}), 10.0 + later)
+        assert state.status_at(10.0 + later) == status
+        state.ingest(envelope("event", {"kind": "applied", "knob": knob, "value": "now",
+                                        "step": 8, "text": "applied"}), 30.0)
+        assert state.status_at(30.5) == "live"  # the wait for step 8 starts there
+        state.ingest(envelope("heartbeat", {"step": 7}), 30.0 + later)
+        assert state.status_at(30.0 + later) == "stalled"
+
+
 def test_state_status_transitions():
     state = RunState()
     assert state.status_at(0.0) == "waiting"
@@ -118,6 +139,9 @@ def test_state_status_transitions():
     state.ingest(envelope("bye", {"reason": "finished", "steps": 1}), 20.0)
     assert state.status_at(1000.0) == "ended"
     assert state.events[-1].text == "run ended (finished) after 1 step"
+    state.ingest(envelope("bye", {"reason": "stopped by stop=now after step 830",
+                                  "steps": 830}), 21.0)  # not "... after 830 steps" again
+    assert state.events[-1].text == "run ended (stopped by stop=now after step 830)"
 
 
 def test_state_says_paused_not_stalled_while_pause_holds_the_run():
@@ -125,6 +149,9 @@ def test_state_says_paused_not_stalled_while_pause_holds_the_run():
     state.ingest(envelope("step", {"step": 102, "step_time_s": 0.1}), 10.0)
     state.ingest(envelope("event", {"kind": "applied", "knob": "pause", "value": "on",
                                     "step": 103}), 10.1)
+    # at once, not "live" for the seconds a stall takes (the demo's header said live
+    # under "pause=on applied at step 103: the training waits at this boundary")
+    assert state.status_at(10.2) == "paused"
     state.ingest(envelope("heartbeat", {"step": 102}), 16.0)
     assert state.paused_after == 102 and state.status_at(16.1) == "paused"
     state.ingest(envelope("event", {"kind": "applied", "knob": "pause", "value": "off",
@@ -1208,6 +1235,43 @@ async def test_memory_and_throughput_count_one_step_in_the_singular():
             app, "#memory")
 
 
+async def test_an_evaluation_reads_as_evaluating_and_its_answer_stays_on_the_line():
+    """At 80x24 (one line of events): while evaluate=now holds the run the header says
+    evaluating, and once it applied its metrics stay the line, no "run is live" over
+    them."""
+    source, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        with source.lock:
+            source.state.ingest(envelope("step", {"step": 102, "step_time_s": 0.1}))
+            source.state.ingest(envelope("event", {
+                "kind": "accepted", "knob": "evaluate", "value": "now", "step": 103,
+                "text": "evaluate=now accepted, applies at step 103"}))
+
+        def heard_and_evaluating():  # heartbeats go on while it evaluates
+            with source.lock:
+                source.state.ingest(envelope("heartbeat", {"step": 102}))
+            return "● evaluating" in text_of(app, "#header")
+        await until(pilot, heard_and_evaluating)
+        await until(pilot, lambda: "run is evaluating after step 102 (evaluate=now): no "
+                    "optimizer step until it ends" in log_texts(app))
+        with source.lock:
+            source.state.ingest(envelope("event", {
+                "kind": "evaluation", "step": 102, "metrics": {"val_loss": 0.412},
+                "text": "evaluation at step 102: val_loss=0.412"}))
+            source.state.ingest(envelope("event", {
+                "kind": "applied", "knob": "evaluate", "value": "now", "step": 103,
+                "text": "evaluate=now applied at step 103: val_loss=0.412"}))
+            source.state.ingest(envelope("step", {"step": 103, "step_time_s": 0.1}))
+        await until(pilot, lambda: "● live" in text_of(app, "#header"))
+        await redrawn(app, pilot)
+        assert "evaluate=now applied at step 103: val_loss=0.412" in text_of(app, "#last")
+        texts = log_texts(app)
+        after = texts[next(index for index, line in enumerate(texts)
+                           if line.startswith("run is evaluating")):]
+        assert not [line for line in texts if "stalled" in line], texts
+        assert "run is live" not in after, texts  # (it was, once, as it connected)
+
+
 async def test_header_and_log_say_paused_after_which_step_not_stalled():
     source, app = _silent_app()
     async with app.run_test(size=(80, 24)) as pilot:
@@ -1234,6 +1298,10 @@ async def test_header_and_log_say_paused_after_which_step_not_stalled():
             source.state.ingest(envelope("heartbeat", {"step": 102}))
         await until(pilot, lambda: "● live" in text_of(app, "#header"))
         assert not any("stalled" in line for line in log_texts(app))
+        # pause=off's applied event says it goes on: no "run is live" over it
+        texts = log_texts(app)
+        assert "run is live" not in texts[texts.index(
+            "run is paused after step 102: P lets it go on"):], texts
 
 
 # --- keys that change the run ----------------------------------------------------------

@@ -50,6 +50,19 @@ def test_headings_give_way_but_the_verdict_stays_then_the_rest_is_counted():
     assert all(len(row) <= 16 for row in rows)
 
 
+def test_a_knobs_settings_show_as_far_as_they_fit_in_whole_parts_never_cutting_a_name():
+    detail = "every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100"
+    groups = [KnobGroup(Content("numerics"), (_KnobLine("micro_batch_size", "16"),)),
+              KnobGroup(Content("other"), (_KnobLine("recover", "on", detail=detail),))]
+    shown = {width: "\n".join(row.plain for row in knob_columns(groups, width, 4))
+             for width in (58, 50, 30, 20)}
+    assert f"recover on ({detail})" in shown[58]
+    assert "recover on (every 25 x2, 3 steps > 6 MAD, …)" in shown[50]
+    assert "recover on (every 25 x2, …)" in shown[30]
+    assert "recover on" in shown[20] and "(" not in shown[20]
+    assert all("micro_batch_size 16" in text for text in shown.values())
+
+
 def test_a_long_line_is_thinned_to_its_extremes_per_column_of_dots():
     from gpuwatch.widgets.step_chart import thin
 

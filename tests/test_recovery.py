@@ -115,9 +115,11 @@ def test_the_knobs_panel_shows_the_settings_after_the_value():
                                 "detail": "every 25 x2\x1b[31m, lr x0.5 for 100"}}
     state.knobs = {"recover": "on"}
     line = _knob_line(state, "recover", 0.0, None)
-    assert line.value == "on (every 25 x2\u241b[31m, lr x0.5 for 100)"
+    assert (line.value, line.detail) == ("on", "every 25 x2\u241b[31m, lr x0.5 for 100")
+    assert line.render(8, 60).plain.rstrip() == (
+        "recover on (every 25 x2\u241b[31m, lr x0.5 for 100)")
     state.knobs = {"recover": "off"}
-    assert _knob_line(state, "recover", 0.0, None).value == "off"
+    assert _knob_line(state, "recover", 0.0, None).detail == ""
 
 
 def test_the_ring_keeps_the_latest_states_within_its_budget(run_dir):
@@ -144,7 +146,8 @@ def test_the_ring_keeps_the_latest_states_within_its_budget(run_dir):
         small.close()
 
 
-def _train_poisoned(run_dir, steps: int, poisoned, policy: Recovery):
+def _train_poisoned(run_dir, steps: int, poisoned, policy: Recovery,
+                    changes: dict[int, tuple[str, object]] | None = None):
     """A linear regression's session to step ``steps`` with ``recover=on`` from step 0,
     one window a step; the windows ``poisoned`` (their numbers in training order, from
     1: the data, which a recovery skips past) have their targets x 1000. The training
@@ -152,8 +155,9 @@ def _train_poisoned(run_dir, steps: int, poisoned, policy: Recovery):
     (the I/O thread publishes twice a second) and, when it completes a spike, has
     queued its recovery (else, under load, the training could pass the kept states
     first), so that each spike is recovered from at the boundary after the next step.
-    Returns the run's events, the steps it trained and the ``recover`` knob's value at
-    the end."""
+    ``changes``: knob values set at the boundary after a window (its number). Returns
+    the run's events, the steps it trained and the ``recover`` knob's value at the
+    end."""
     torch.manual_seed(0)
     true_w = torch.randn(4, 1)
     model = torch.nn.Linear(4, 1)
@@ -176,6 +180,9 @@ def _train_poisoned(run_dir, steps: int, poisoned, policy: Recovery):
             done = run.step + 1
             trained.append(done)
             run.optimizer_step(loss.detach())
+            if windows in (changes or {}):
+                name, value = (changes or {})[windows]
+                run.knobs.knobs[name].set(value)
             if watch.on and windows in poisoned:  # judged; a spike's recovery queued
                 wait_until(lambda: watch._last_step == done and (  # (or applied now)
                     watch.waiting_since is None or run.step != done or any(
@@ -205,6 +212,20 @@ def test_a_spike_that_recurs_after_max_repeats_recoveries_turns_recover_off(run_
         assert said in warning["text"], (said, warning["text"])
     assert recover == "off" and trained[-1] == 30
     assert trained.count(21) == 4  # the first branch and the 3 recovered ones
+
+
+def test_a_recovery_says_which_settings_went_back_with_the_state(run_dir):
+    """weight_decay set after the kept state (step 20) and before the spike lives in the
+    optimizer's state: the recovery puts it back, and its branched event says so
+    (the demo's dropout=0.1 was undone unsaid)."""
+    events, trained, _ = _train_poisoned(
+        run_dir, 30, range(23, 26), Recovery(keep_every_steps=4, keep_states=2,
+                                             max_repeats=0), changes={21: ("weight_decay",
+                                                                           0.001)})
+    [branched] = [e for e in events if e.get("kind") == "branched"]
+    assert branched["step"] == 20
+    assert branched["text"].endswith("; back as at step 20: weight_decay=0.0"), branched
+    assert trained[-1] == 30
 
 
 def test_spikes_far_apart_are_each_recovered_from(run_dir):

@@ -105,7 +105,8 @@ def test_a_bad_rewind_is_refused_at_once_with_the_reason_and_changes_nothing(run
     (tmp_path / "link.pt").symlink_to(saved)
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     refused = {
-        "7": "the checkpoint command saved no step 7",
+        "7": "the checkpoint command saved no step 7 (no "
+             f"{tmp_path / 'step-00000007.pt'}); saved: step 3",
         "step-00000003.pt": "neither a step nor an absolute path",
         str(tmp_path / "none.pt"): "no checkpoint at",
         str(tmp_path / "link.pt"): "is a symlink, which is not followed",
@@ -394,3 +395,26 @@ def test_a_checkpoint_directorys_files_are_read_bounded_never_through_a_link(tmp
     (elsewhere / KNOBS_FILE).write_text("[1, 2]")
     with pytest.raises(ValueError, match="does not hold gpuwatch's knob values"):
         read_knobs_file(elsewhere)
+
+
+def test_a_missing_step_names_the_saved_steps_nearest_it(tmp_path):
+    """rewind=N for a step with no checkpoint says which steps have one (the dashboard
+    says a checkpoint applied at step 708 "saved after step 707"), in each naming."""
+    from agent.control.checkpoints import Checkpoints
+    from agent.integrations.run import _saved_steps_text
+
+    assert _saved_steps_text([], 5) == "; none saved yet (checkpoint=now saves one)"
+    assert _saved_steps_text([707], 708) == "; saved: step 707"
+    assert _saved_steps_text(list(range(10, 200, 10)), 100) == (
+        "; saved: steps 70, 80, 90, 100, 110, 120 (13 more)")
+    for name, files in (("step-{step:08d}.pt", ["step-00000707.pt", "step-00000806.pt"]),
+                        ("checkpoint-{step}", ["checkpoint-707", "checkpoint-806"])):
+        directory = tmp_path / name.split("-")[0]
+        directory.mkdir()
+        for file in files + ["notes.txt", "step-x.pt", "checkpoint-"]:
+            (directory / file).write_bytes(b"")
+        saver = Checkpoints(None, lambda path, knobs: None,  # type: ignore[arg-type]
+                            step=lambda: 0, directory=directory, name=name)
+        assert saver.saved_steps() == [707, 806], name
+    assert Checkpoints(None, lambda path, knobs: None,  # type: ignore[arg-type]
+                       step=lambda: 0, directory=tmp_path / "none").saved_steps() == []

@@ -1552,8 +1552,8 @@ def test_a_sharded_checkpoint_runs_no_code_from_its_metadata(tmp_path):
         model(torch.randn(2, 4)).sum().backward()
         optimizer.step()
         saved = tmp_path / "sharded"
-        save_sharded(saved, model, optimizer, {"format": FORMAT, "world_size": 1,
-                                               "step": 1, "knobs": {}})
+        save_sharded(saved, model, optimizer, lambda: {"format": FORMAT, "world_size": 1,
+                                                       "step": 1, "knobs": {}})
         want = [parameter.detach().clone() for parameter in model.parameters()]
         with torch.no_grad():
             for parameter in model.parameters():
@@ -1589,7 +1589,7 @@ def test_a_sharded_checkpoint_that_cannot_be_written_raises_os_error(tmp_path):
         model = torch.nn.Linear(4, 3)
         with pytest.raises(BaseException) as error:
             save_sharded(tmp_path / "a-file" / "sharded", model, None,
-                         {"format": FORMAT, "world_size": 1, "step": 1, "knobs": {}})
+                         lambda: {"format": FORMAT, "world_size": 1, "step": 1, "knobs": {}})
         assert error.type is OSError, error.type
         assert str(error.value).startswith("the sharded checkpoint failed on rank 0"), error
     finally:

@@ -34,6 +34,7 @@ from gpuwatch.widgets import event_log
 from gpuwatch.widgets.command_line import CommandLine
 from gpuwatch.screens.help import HelpScreen
 
+from .conftest import text_of
 from .test_dashboard import until
 from .test_history import RUN, write_run
 
@@ -71,8 +72,8 @@ def _envelope(msg_type, body, seq):
                              t=1_767_268_800.0 + seq)
 
 
-def _fold(source: FixedSource, *, name: str, knobs: dict, tokens: bool, cnn: bool = False
-          ) -> None:
+def _fold(source: FixedSource, *, name: str, knobs: dict, tokens: bool, cnn: bool = False,
+          details: dict | None = None) -> None:
     """A run of :data:`STEPS` steps: a compile stall at step 40 (an outlier), a knob
     change at step 80 that speeds it up, the loss falling; received up to :data:`NOW`."""
     state, messages = source.state, []
@@ -81,7 +82,7 @@ def _fold(source: FixedSource, *, name: str, knobs: dict, tokens: bool, cnn: boo
         messages.append(_envelope(msg_type, body, len(messages) + 1))
 
     with source.lock:
-        _make(fold, knobs=knobs, name=name, tokens=tokens, cnn=cnn)
+        _make(fold, knobs=knobs, name=name, tokens=tokens, cnn=cnn, details=details or {})
         for index, message in enumerate(messages):
             state.ingest(message, NOW - (len(messages) - index) * 0.001)
         if knobs:
@@ -90,10 +91,14 @@ def _fold(source: FixedSource, *, name: str, knobs: dict, tokens: bool, cnn: boo
                       1_767_268_900.0)
 
 
-def _make(fold, *, name: str, knobs: dict, tokens: bool, cnn: bool) -> None:
-    """The records of a run, in order (see :func:`_fold`)."""
+def _make(fold, *, name: str, knobs: dict, tokens: bool, cnn: bool,
+          details: dict | None = None) -> None:
+    """The records of a run, in order (see :func:`_fold`); ``details``: knobs' schema
+    ``detail`` (recover's policy)."""
     fold("hello", {"name": name, "device": "cpu", "world_size": 1,
-                   "knobs": [STANDARD_KNOBS[k].to_wire() for k in knobs]})
+                   "knobs": [STANDARD_KNOBS[k].to_wire() | (
+                       {"detail": details[k]} if k in (details or {}) else {})
+                             for k in knobs]})
     fold("system", {"cpu_pct": 97.0, "process_cpu_pct": 180.0,
                     "host_mem_used_bytes": 6 << 30, "host_mem_total_bytes": 16 << 30,
                     "gpus": [], "gpu_status": "no NVIDIA GPU (NVML unavailable: "
@@ -138,6 +143,21 @@ def _cnn():
         _fold, name="demo-cnn", tokens=False, cnn=True, knobs={
             "precision": "fp32", "accum_steps": 1, "num_workers": 0, "pin_memory": False,
             "prefetch_factor": 2, "kernels": "eager", "checkpointing": False})))
+
+
+#: Every knob the transformer demo has now, loss-spike recovery on with its policy.
+DEMO_KNOBS = {
+    "precision": "fp32", "accum_steps": 1, "micro_batch_size": 16, "num_workers": 0,
+    "pin_memory": False, "prefetch_factor": 2, "cpu_threads": 2, "kernels": "eager",
+    "checkpointing": False, "lr_scale": 1.0, "max_grad_norm": 1.0, "weight_decay": 0.01,
+    "dropout": 0.0, "recover": "on"}
+RECOVER_DETAIL = "every 25 x2, 3 steps > 6 MAD, lr x0.5 for 100"
+
+
+def _recover():
+    return GpuwatchApp(FixedSource(_info("20260101-120000-abcd"), partial(
+        _fold, name="demo-transformer", tokens=True, knobs=DEMO_KNOBS,
+        details={"recover": RECOVER_DETAIL})))
 
 
 def _monitor_only():
@@ -231,7 +251,8 @@ async def _settle(app, pilot) -> None:
     await pilot.pause()
 
 
-SCREENS = {"transformer": _transformer, "cnn": _cnn, "monitor-only": _monitor_only}
+SCREENS = {"transformer": _transformer, "cnn": _cnn, "monitor-only": _monitor_only,
+           "recover": _recover}
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
@@ -241,6 +262,21 @@ async def test_live_screens(screen, size):
     async with app.run_test(size=size) as pilot:
         await _settle(app, pilot)
         check(f"{screen}-{size[0]}x{size[1]}", screen_text(app))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_recovers_policy_never_cuts_a_knobs_name(size):
+    """recover's policy (46 characters) never cuts a knob's name: it is left out where
+    no part of it fits (every panel here: its parts, in test_panel_layout)."""
+    app = _recover()
+    async with app.run_test(size=size) as pilot:
+        await _settle(app, pilot)
+        text = text_of(app, "#knobs")
+    words = text.split()
+    assert "recover" in words and "on" in words
+    for name in DEMO_KNOBS.keys() - {"lr_scale", "max_grad_norm"}:
+        assert name in words, (name, text)
+    assert "…" not in text.replace(", …)", "")
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda size: f"{size[0]}x{size[1]}")

@@ -30,7 +30,9 @@ import grp
 import json
 import os
 import pwd
+import re
 import stat
+import string
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -46,6 +48,8 @@ from gpuopt.saving import write_atomically
 
 #: Saved with every checkpoint: what it is, for :func:`load_checkpoint`.
 FORMAT = "gpuwatch-checkpoint"
+#: Entries of a checkpoint directory read at most to tell which steps were saved.
+MAX_LISTED_ENTRIES = 10_000
 #: The knob values in a checkpoint that is a directory (Hugging Face, accelerate).
 KNOBS_FILE = "gpuwatch.json"
 #: In such a directory: the GradScaler that gpuwatch's precision knob made, which the
@@ -125,6 +129,28 @@ class Checkpoints:
         """Where this run's checkpoint of optimizer step ``step`` goes (or went)."""
         directory = self.directory or default_checkpoint_dir(self.agent.run_id)
         return directory / self.name.format(step=step)
+
+    def saved_steps(self) -> list[int]:
+        """The steps this run's checkpoints in its directory were saved at, in order.
+
+        From the names alone (:meth:`path`'s), among the directory's first
+        :data:`MAX_LISTED_ENTRIES` entries; [] when it cannot be read."""
+        directory = self.directory or default_checkpoint_dir(self.agent.run_id)
+        name = re.compile("".join(
+            re.escape(literal) + ("([0-9]+)" if field == "step" else "")
+            for literal, field, _, _ in string.Formatter().parse(self.name)))
+        steps = []
+        try:
+            with os.scandir(directory) as entries:
+                for index, entry in enumerate(entries):
+                    if index >= MAX_LISTED_ENTRIES:
+                        break
+                    found = name.fullmatch(entry.name)
+                    if found is not None:
+                        steps.append(int(found[1]))
+        except OSError:
+            return []
+        return sorted(steps)
 
     def _warning(self, value: Any) -> str | None:
         reason = self.warn(value) if self.warn is not None else None

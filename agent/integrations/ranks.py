@@ -45,11 +45,7 @@ def every_rank(item: Any, device: torch.device | None = None) -> list[Any]:
 def agree(failure: str | None, device: torch.device | None = None) -> str | None:
     """The first rank's failure as ``"rank N: <its failure>"``, the same on every rank, or None.
 
-    ``failure``: this rank's (None: it went well); with one rank it is returned as it is.
-    A collective: :func:`every_rank`."""
-    gathered = every_rank(failure, device)
-    if len(gathered) == 1:
-        return failure
-    failures = [f"rank {rank}: {text}" for rank, text in enumerate(gathered)
-                if text is not None]
+    ``failure``: this rank's (None: it went well). A collective: :func:`every_rank`."""
+    failures = [f"rank {rank}: {text}" for rank, text in
+                enumerate(every_rank(failure, device)) if text is not None]
     return failures[0] if failures else None

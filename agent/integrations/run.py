@@ -387,24 +387,25 @@ class RunBase:
             finally:
                 if model is not None and training is not None:
                     model.train(training)
-            numbers = self.publish_evaluation(self.step, metrics)
+            numbers, shown = self.publish_evaluation(self.step, metrics)
             self.agent.mark_start()  # the next step's time leaves the evaluation out
-            return {"text": "metrics in the evaluation event" if numbers else
-                    "the evaluation returned no numbers"}
+            # the metrics in the reply too: where a dashboard shows one line of events,
+            # the applied event is the last, and a script's RunClient.set returns it
+            return {"text": shown if numbers else f"the evaluation returned {shown}"}
 
         self.knobs.add(Knob(EVALUATE, get=lambda: None, set=now))
 
     def publish_evaluation(self, step: int, metrics: dict[str, Any] | None,
-                           **fields: Any) -> dict[str, float]:
-        """Publish an ``evaluation`` event at ``step`` with ``metrics``' numbers; returns them.
+                           **fields: Any) -> tuple[dict[str, float], str]:
+        """Publish an ``evaluation`` event at ``step`` with ``metrics``' numbers.
 
-        The numbers are :func:`metric_numbers`'s (call it once the evaluation has ended);
-        the event has ``fields`` too, and is for the event log, the dashboard and the run
-        log."""
+        Returns :func:`metric_numbers`'s numbers and line (call it once the evaluation
+        has ended); the event has ``fields`` too, and is for the event log, the dashboard
+        and the run log."""
         numbers, shown = metric_numbers(metrics)
         self.agent.event("info", f"evaluation at step {step}: {shown}",
                          kind=EventKind.EVALUATION, step=step, metrics=numbers, **fields)
-        return numbers
+        return numbers, shown
 
     # ------------------------------------------------------------ rollback of the state
 
@@ -520,9 +521,12 @@ class RunBase:
         ``branched`` event (``branch``, ``parent``, ``step``, ``source``, ``cause``,
         ``knobs``) is published before any step record of the new branch. ``knobs``: the
         knob values that come back with the state (a checkpoint's), set after it and named
-        in the event. The states ``recover=on`` kept on the branch left go with it, and
-        so does a recovery's scaled lr unless this is that recovery
-        (:meth:`_leave_branch`). Each pending command then keeps its distance from now
+        in the event; without them, the event names the settings the state itself put
+        back (a Trainer's, an optimizer's weight decay: ``back as at step 20:
+        weight_decay=0.0``), so that a change made since is not undone unsaid. The states
+        ``recover=on`` kept on the branch left go with it, and so does a recovery's
+        scaled lr unless this is that recovery (:meth:`_leave_branch`). Each pending
+        command then keeps its distance from now
         (:meth:`agent.step.core.Agent.rewound`: a ``rescheduled`` event each).
 
         Returns:
@@ -532,6 +536,7 @@ class RunBase:
             Exception: what :meth:`load_snapshot` raised (no new branch then; the
                 state may be partly put back).
         """
+        before = self.agent.knobs.values() if knobs is None else {}
         differs = self.load_snapshot(snapshot)
         self.step = step
         self._kept = None  # a state kept for a rollback belongs to the branch left
@@ -543,6 +548,11 @@ class RunBase:
         if knobs is not None:
             restored, failed, absent = set_knobs(self.agent, knobs)
             text += knobs_text(restored, failed, absent)
+        else:  # the state's own settings (a Trainer's, an optimizer's weight decay)
+            back = [assignment(name, value) for name, value in self.agent.knobs.values(
+                ).items() if name in before and before[name] != value]
+            if back:
+                text += f"; back as at step {step}: " + ", ".join(back)
         if differs:
             text += f"; not as before: {differs}"
         self.agent.event("warning" if failed or differs else "info", text,
@@ -618,7 +628,9 @@ class RunBase:
         an absolute path; returned with its parents' symlinks resolved, once no other
         user can have written or swap it (:func:`agent.control.checkpoints.own_checkpoint`,
         with ``whole``: not ``whole``, a command's check on the I/O thread, looks at the
-        checkpoint and its directory only). Any thread; no read.
+        checkpoint and its directory only). Any thread: file-system calls, no read (a
+        missing step's refusal lists the checkpoint directory's names, to say which
+        steps were saved).
 
         Raises:
             ValueError: :meth:`rewind_refusal`'s reason (one that came since ``rewind`` was
@@ -634,18 +646,23 @@ class RunBase:
                     "this run has no checkpoint command ("
                     + self.knobs.unsupported.get(CHECKPOINT.name, "none bound")
                     + ") to have saved a step: give a checkpoint's absolute path")
+            wanted: int | None = int(value)
             path = self._checkpoints.path(int(value))
-            missing = f"the checkpoint command saved no step {int(value)} (no {path})"
         else:
+            wanted = None
             path = Path(value)
             if not path.is_absolute():
                 raise ValueError(f"{value!r} is neither a step nor an absolute path (the "
                                  "training process's working directory is not yours)")
-            missing = f"no checkpoint at {path}"
         try:
             mode = path.lstat().st_mode
         except FileNotFoundError:
-            raise ValueError(missing) from None
+            if wanted is None:
+                raise ValueError(f"no checkpoint at {path}") from None
+            assert self._checkpoints is not None  # (a step names one it saved)
+            raise ValueError(f"the checkpoint command saved no step {wanted} (no {path})"
+                             + _saved_steps_text(self._checkpoints.saved_steps(), wanted)
+                             ) from None
         except OSError as exc:
             raise ValueError(f"{path} cannot be read: {exc.strerror or exc}") from None
         if stat.S_ISLNK(mode):
@@ -683,7 +700,8 @@ class RunBase:
 
     def _set_recover(self, value: str) -> dict[str, Any]:
         """``recover=on``: keep the state at this boundary at once (refused with the
-        reason where it cannot be kept); ``off``: drop the kept states."""
+        reason where it cannot be kept: with several ranks, on every rank where it
+        cannot on one, which the reason names); ``off``: drop the kept states."""
         if value == "off":
             self._recovering = self.agent.spikes.on = False
             self.agent.spikes.rearm()
@@ -697,7 +715,7 @@ class RunBase:
         if failure is not None:
             if not self._recovering:
                 self._ring.clear()
-            raise ValueError(failure if self.agent.world_size == 1 else
+            raise ValueError(self._ring_not_kept if self.agent.world_size == 1 else
                              f"{failure}: no rank turns recover on")
         self._recovering = self.agent.spikes.on = True
         step, _, size, _ = self._ring[-1]
@@ -981,6 +999,23 @@ def end_on_signals(run: Any) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the exit status says SIGTERM, as before
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+#: Saved steps a refused ``rewind=N`` names at most (those nearest N).
+MAX_NAMED_STEPS = 6
+
+
+def _saved_steps_text(steps: list[int], wanted: int) -> str:
+    """What a refused ``rewind=N`` adds: the saved steps nearest ``wanted``, in order.
+
+    ``; saved: steps 707, 806``, or that none is saved yet."""
+    if not steps:
+        return "; none saved yet (checkpoint=now saves one)"
+    nearest = sorted(sorted(steps, key=lambda step: abs(step - wanted))[:MAX_NAMED_STEPS])
+    shown = ", ".join(str(step) for step in nearest)
+    more = len(steps) - len(nearest)
+    return (f"; saved: step{'s' if len(steps) > 1 else ''} {shown}"
+            + (f" ({more:,} more)" if more else ""))
 
 
 def metric_numbers(metrics: dict[str, Any] | None) -> tuple[dict[str, float], str]:

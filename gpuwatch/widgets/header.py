@@ -18,7 +18,8 @@ NODE_DATA_WAIT_SHARE = 0.2
 #: Theme variable that colours each run status.
 STATUS_STYLES = {"waiting": "$text-muted", "live": "bold $success",
                  "compiling": "bold $warning", "stalled": "bold $warning",
-                 "paused": "bold $warning",
+                 "paused": "bold $warning", "evaluating": "bold $warning",
+                 "saving": "bold $warning",
                  "quiet": "bold $warning", "gone": "bold $error", "ended": "$text-muted"}
 
 

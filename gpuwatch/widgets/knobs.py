@@ -53,14 +53,16 @@ def optimizer_texts(state: RunState) -> dict[str, str]:
 @dataclass(frozen=True)
 class _KnobLine:
     """One knob's line in parts: its label, its value (highlighted after a recent
-    change) and, while a command is on its way, the pending value with and without the
-    step it applies at."""
+    change), the settings behind the value (``detail``: recover's policy, shown as far
+    as it fits and never at a name's cost) and, while a command is on its way, the
+    pending value with and without the step it applies at."""
 
     label: str
     value: str
     recent: bool = False
     pending: str = ""
     pending_at: str = ""
+    detail: str = ""
 
     def width(self, label_width: int, *, at: bool = True) -> int:
         """Columns it takes with its label padded to ``label_width``."""
@@ -79,6 +81,9 @@ class _KnobLine:
             label = self.label[:room - 2] + "… "
         parts: list[str | tuple[str, str]] = [
             label, (self.value, "bold $success" if self.recent else "bold")]
+        detail = _detail_in(self.detail, room - len(label))
+        if detail:
+            parts.append((detail, "$text-muted"))
         if self.pending:
             parts.append((self.pending + at, "$warning"))
         line = Content.assemble(*parts)
@@ -86,17 +91,30 @@ class _KnobLine:
             else line
 
 
+def _detail_in(detail: str, room: int) -> str:
+    """`` (every 25 x2, 3 steps > 6 MAD)`` in ``room`` columns: its comma-separated parts
+    that fit, ``…`` for the rest; "" where not even the first part fits."""
+    if not detail:
+        return ""
+    parts = detail.split(", ")
+    for kept in range(len(parts), 0, -1):
+        text = " (" + ", ".join(parts[:kept]) + (")" if kept == len(parts) else ", …)")
+        if len(text) <= room:
+            return text
+    return ""
+
+
 def _knob_line(state: RunState, name: str, now: float, text: str | None) -> _KnobLine:
     changed_at = state.knob_changed_at.get(name)
     pending = state.pending.get(name)
     value = knob_text(state.knobs.get(name, "?"))
     detail = state.schema.get(name, {}).get("detail")
-    if isinstance(detail, str) and detail and value != "off":
-        # the settings behind the value (recover's policy): on (every 25 x2, ...)
-        value += f" ({printable(detail, MAX_DETAIL_CHARS)})"
     return _KnobLine(
         label=(_label(name) or name) if text else name,
         value=text or value,
+        # the settings behind the value (recover's policy): on (every 25 x2, ...)
+        detail=printable(detail, MAX_DETAIL_CHARS) if isinstance(detail, str) and detail
+        and value != "off" and not text else "",
         recent=changed_at is not None and now - changed_at < RECENT_CHANGE_S,
         pending="" if pending is None else f" -> {knob_text(pending.value)}",
         pending_at="" if pending is None or pending.apply_step is None
