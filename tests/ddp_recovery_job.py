@@ -1,5 +1,5 @@
 """A DDP job (gloo, CPU) for the test of a loss-spike recovery on every rank:
-``torchrun --nproc-per-node 2 tests/ddp_recovery_job.py OUT loop|fabric``.
+``torchrun --nproc-per-node 2 tests/ddp_recovery_job.py OUT MODE``.
 
 Each rank trains the contract's task (:mod:`tests.contract`: its Net, AdamW and
 LambdaLR, windows of 2 micro-batches) with
@@ -12,8 +12,13 @@ for step 3. Micro-batches 41-46 of each rank (steps 21-23) have poisoned labels
 (:class:`tests.contract.Poison`); rank 0 waits at step 23 until its spike watch found
 the spike and the recovery was scheduled on it for the step every rank agreed on (the
 other rank waits for it in DDP's all-reduce), and the job trains on
-until it was done and step 40 is reached. Each rank saves ``OUT/<mode>-rank<N>.pt``:
-its ``branched`` events, the step each came after, and the final parameters."""
+until it was done and step 40 is reached. ``MODE``: ``loop`` or ``fabric``; or, in
+the loop, one that makes rank 1's copy of its state fail at one step: ``copy-20`` at
+step 20 (rank 0 holds step 20's state, rank 1 only step 10's), ``copy-2`` at step 2,
+where ``recover=on`` applies (the job then trains to step 40 with recover off). Each
+rank saves ``OUT/<MODE>-rank<N>.pt``: its ``branched`` events, the step each came after,
+its warnings and failed events, its ``recover`` value at the end, and the final
+parameters."""
 
 import sys
 import threading
@@ -29,11 +34,14 @@ STEPS = 40
 
 def main(out: Path, mode: str) -> None:
     policy = Recovery(keep_every_steps=10, keep_states=30)
-    loop = (ContractLoop("ddp-recovery", recover=policy) if mode == "loop"
-            else ContractFabricLoop("fabric-ddp-recovery", recover=policy))
+    loop = (ContractFabricLoop("fabric-ddp-recovery", recover=policy) if mode == "fabric"
+            else ContractLoop("ddp-recovery", recover=policy))
     run, rank = loop.run, loop.rank
     recovered = threading.Event()
+    if mode == "copy-2":
+        recovered.set()  # (recover=on fails: there is no recovery to wait for)
     events: list[dict] = []
+    problems: list[dict] = []
     last_step = [0]
 
     def listener(record: dict) -> None:
@@ -56,14 +64,27 @@ def main(out: Path, mode: str) -> None:
             events.append({key: record[key] for key in (
                 "branch", "parent", "step", "source", "text")} | {"after": last_step[0]})
             recovered.set()
+        elif record["type"] == "event" and record.get("kind") in ("warning", "failed"):
+            problems.append({key: record.get(key) for key in ("kind", "knob", "text")})
 
+    if mode.startswith("copy-") and rank == 1:
+        failing_step, snapshot = int(mode.removeprefix("copy-")), run.state_snapshot
+
+        def state_snapshot(*args, **kwargs):
+            if run.step == failing_step:
+                raise MemoryError("injected: host memory short on rank 1")
+            return snapshot(*args, **kwargs)
+
+        run.state_snapshot = state_snapshot
     run.agent.add_listener(listener)
     POISON.micro_batches, POISON.trained = range(41, 47), 0
     while not (run.step >= STEPS and recovered.is_set()):
         loop.train_window()
         if run.step > 400:
             break
-    loop.close({"events": events, "params": loop.params()}, out / f"{mode}-rank{rank}.pt")
+    loop.close({"events": events, "problems": problems,
+                "recover": run.knobs.knobs["recover"].get(), "params": loop.params()},
+               out / f"{mode}-rank{rank}.pt")
 
 
 if __name__ == "__main__":

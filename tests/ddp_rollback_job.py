@@ -1,5 +1,6 @@
 """A DDP or FSDP2 job (gloo, CPU) for the test of a rollback on every rank:
-``torchrun --nproc-per-node 2 tests/ddp_rollback_job.py OUT twin|change [ddp|fsdp]``.
+``torchrun --nproc-per-node 2 tests/ddp_rollback_job.py OUT twin|change|no-copy
+[ddp|fsdp]``.
 
 Each rank trains the contract's task (:mod:`tests.contract`: its Net, AdamW and
 LambdaLR, windows of 2 micro-batches) in a hand-written loop (:func:`agent.session`)
@@ -9,9 +10,10 @@ own shards). ``twin``
 trains 20 optimizer steps. ``change``: the loss is NaN under bf16 (the contract's
 fault), and rank 0 sends ``precision=bf16`` to every rank for step 7 at its first step;
 rank 0's guard then rolls it back on every rank, and the job trains on until the state
-was restored and step 20 is reached. Each rank saves ``OUT/<mode>-rank<N>.pt``: each
-step's window loss (a step trained again overwrites), the final (full) parameters and
-its ``rolled_back`` and ``state_restored`` events."""
+was restored and step 20 is reached. ``no-copy``: ``change`` where rank 1 cannot copy its
+state when the change applies (a fault injected here). Each rank saves
+``OUT/<mode>-rank<N>.pt``: each step's window loss (a step trained again overwrites), the
+final (full) parameters and its ``rolled_back`` and ``state_restored`` events."""
 
 import sys
 import threading
@@ -36,14 +38,23 @@ def main(out: Path, mode: str, wrap: str) -> None:
             events.append({key: record[key] for key in ("kind", "step", "text")})
             if record["kind"] == "state_restored":
                 restored.set()
-        if (mode == "change" and rank == 0 and record["type"] == "step"
+        if (mode != "twin" and rank == 0 and record["type"] == "step"
                 and record["step"] == 1):
             reply = send_command(run.agent.info, "precision", "bf16", apply_step=7,
                                  timeout_s=30)
             assert reply["ok"], reply
 
+    if mode == "no-copy" and rank == 1:
+        snapshot = run.state_snapshot
+
+        def state_snapshot(*args, **kwargs):
+            if run.step == 6:
+                raise MemoryError("injected: host memory short on rank 1")
+            return snapshot(*args, **kwargs)
+
+        run.state_snapshot = state_snapshot
     run.agent.add_listener(listener)
-    if mode == "change":
+    if mode != "twin":
         NAN_UNDER_BF16.set()
     losses: dict[int, float] = {}
     while not (run.step >= STEPS and (mode == "twin" or restored.is_set())):

@@ -426,3 +426,30 @@ def test_a_listener_sees_every_step_as_it_is_recorded_and_one_that_raises_is_dro
     assert "a record listener failed: RuntimeError: listener bug" in error["text"]
     assert [e for e in monitor.errors if "listener" in e] == [
         "gpuwatch agent: a record listener failed: RuntimeError: listener bug"]
+
+
+def test_an_event_the_record_queue_drops_is_counted_and_said(run_dir):
+    """Events share the bounded record queue with the steps: where the I/O thread falls
+    behind, the queue drops its oldest entries, events among them (a ``branched`` event
+    lost so leaves the run log's branches wrong). Each loss is said in a warning event,
+    in its place, and counted; the surviving events are published as raised."""
+    monitor = agent.Agent(name="lost", queue_size=8)
+    loss = torch.tensor(0.5)
+    monitor.event("info", "branch 1 of branch 0 at step 0", kind="branched", branch=1)
+    for step in range(1, 21):  # the first event and steps 1-12 are pushed out
+        monitor.optimizer_step(StepRecord(step=step, micro_batches=1, samples=8,
+                                          data_wait_s=0.0, loss=loss))
+    monitor.event("info", "after step 20", kind="note")
+    for step in range(21, 31):  # the note too; steps 23-30 stay
+        monitor.optimizer_step(StepRecord(step=step, micro_batches=1, samples=8,
+                                          data_wait_s=0.0, loss=loss))
+    monitor.start()
+    monitor.event("info", "kept", kind="note")
+    monitor.close()
+    records = [r for r in flat_records(monitor.info.log_path) if r["type"] == "event"]
+    lost = [r for r in records if "events lost" in r["text"]]
+    assert [(r["text"].split(":")[0], r["events_dropped"]) for r in lost] == [
+        ("2 events lost (2 in all)", 2)], records
+    assert [r["text"] for r in records if r.get("kind") == "note"] == ["kept"]
+    assert not [r for r in records if "_event_number" in r]
+    assert monitor._encoder.events_dropped == 2

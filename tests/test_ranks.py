@@ -304,20 +304,65 @@ def test_a_rollback_restores_every_rank_at_one_step(run_dir, tmp_path, wrap):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["loop", "fabric"])
-def test_a_loss_spike_is_recovered_from_on_every_rank_at_one_step(mode, run_dir, tmp_path):
+def test_a_rollback_puts_no_state_back_unless_every_rank_kept_one(run_dir, tmp_path):
+    """The rollback job of the test above, where rank 1 could not copy its state when
+    the change applied (host memory short): no rank puts its state back, and each says
+    why with every rank's part, at the same step (rank 0 went back alone before)."""
+    run_job(str(JOBS / "ddp_rollback_job.py"), str(tmp_path), "no-copy", "ddp")
+    ranks = [torch.load(tmp_path / f"no-copy-rank{rank}.pt") for rank in (0, 1)]
+    steps = set()
+    for saved in ranks:
+        [rolled] = [e for e in saved["events"] if e["kind"] == "rolled_back"]
+        [restored] = [e for e in saved["events"] if e["kind"] == "state_restored"]
+        assert "precision=fp32" in rolled["text"], rolled
+        assert restored["text"].startswith("the weights were not restored (rank 0: kept "
+                                           "step 6; rank 1: the state could not be kept "
+                                           "(MemoryError: injected"), restored
+        steps.add(restored["step"])
+    assert len(steps) == 1
+    for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(mine.view(torch.int32), theirs.view(torch.int32))  # (NaN too)
+
+
+def _recovery_job(out, mode):
+    """``tests/ddp_recovery_job.py`` (2 ranks) in ``mode``, to its end; each rank's results."""
+    run_job(str(JOBS / "ddp_recovery_job.py"), str(out), mode)
+    return [torch.load(out / f"{mode}-rank{rank}.pt") for rank in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, fork", [("loop", 20), ("fabric", 20), ("copy-20", 10)])
+def test_a_loss_spike_is_recovered_from_on_every_rank_at_one_step(run_dir, tmp_path, mode,
+                                                                  fork):
     """DDP on gloo, 2 ranks, a hand-written loop or Fabric's (``strategy="ddp"``) with
     ``recover=on``: three poisoned windows (steps 21-23) on each rank; rank 0's spike
     watch sends the recovery to every rank, and both go back to the state kept after
     step 20 at the same boundary (one ``branched`` event each) and end with bit-equal
-    parameters (about 20 s each on 2 busy cores)."""
-    run_job(str(JOBS / "ddp_recovery_job.py"), str(tmp_path), mode)
-    ranks = [torch.load(tmp_path / f"{mode}-rank{rank}.pt") for rank in (0, 1)]
+    parameters (about 20 s each on 2 busy cores). Where rank 1's copy at step 20 failed
+    (``copy-20``, the loop), both go back to step 10, the latest state every rank holds
+    (rank 0 went back to 20 and rank 1 to 10 before: the replicas split)."""
+    ranks = _recovery_job(tmp_path, mode)
     [first], [second] = (saved["events"] for saved in ranks)
     assert first["after"] == second["after"] > 23  # the one boundary of the fan-out
     for event in (first, second):
         assert (event["branch"], event["parent"], event["step"], event["source"]) == (
-            1, 0, 20, "recovery"), event
+            1, 0, fork, "recovery"), event
         assert "loss spike" in event["text"] and "steps 21-23" in event["text"], event
+    for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.slow
+def test_recover_on_failing_on_one_rank_stays_off_on_every_rank(run_dir, tmp_path):
+    """DDP on gloo, 2 ranks: rank 1 cannot copy its state where ``recover=on`` applies
+    (step 2): every rank refuses it, with rank 1's reason (before, rank 0 turned it on
+    alone and would have gone back alone)."""
+    ranks = _recovery_job(tmp_path, "copy-2")
+    for saved in ranks:
+        assert saved["recover"] == "off" and saved["events"] == []
+        [failed] = [p for p in saved["problems"] if p["kind"] == "failed"]
+        assert failed["knob"] == "recover", failed
+        assert "rank 1: the state could not be kept at step 2 (MemoryError: injected" in (
+            failed["text"]) and "no rank turns recover on" in failed["text"], failed
     for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(mine, theirs)

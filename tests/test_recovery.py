@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import agent
+from agent.control.desk import Pending
 from agent.control.recovery import MIN_STEPS, Recovery, SpikeWatch
 from agent.integrations.run import RunBase
 from agent.wire import protocol
@@ -350,3 +351,118 @@ def test_a_persons_change_that_raises_the_loss_is_not_undone_as_a_spike(run_dir)
     assert not [e for e in events if e.get("kind") == "branched"], events
     assert not [e for e in events if "loss spike" in e.get("text", "")], events
     assert dropout == 0.1 and run.step == 110
+
+
+class _Regression:
+    """A linear regression under :func:`agent.session` with ``recover=on`` from step 0
+    and a checkpoint directory; the test is its training thread. Window ``n`` of a
+    branch trains on data seeded ``seed_base + n``."""
+
+    def __init__(self, checkpoint_dir, policy: Recovery) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(4, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), 0.1)
+        self.run = agent.session(model=self.model, optimizer=self.optimizer, name="branches",
+                                 recover=policy, checkpoint_dir=checkpoint_dir)
+        self.run.knobs.knobs["recover"].set("on")
+
+    def train_to(self, step: int, seed_base: int = 0) -> None:
+        while self.run.step < step:
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(
+                seed_base + self.run.step + 1))
+            loss = torch.nn.functional.mse_loss(self.model(x), x.sum(1, keepdim=True))
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.run.optimizer_step(loss.detach())
+
+    def ring(self) -> list[int]:
+        return [kept[0] for kept in self.run._ring]
+
+    def weight(self) -> torch.Tensor:
+        return self.model.weight.detach().clone()
+
+
+def test_the_states_kept_for_recoveries_are_the_branch_being_trained(run_dir, tmp_path):
+    """A rewind to a checkpoint drops every state the recovery kept (another lineage:
+    they are not this branch's past) and keeps one at the fork; a rollback drops those
+    past its fork; a later spike then goes back to the new branch's own state (the
+    abandoned branch's step 10 was kept at the same step number)."""
+    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=3))
+    run = loop.run
+    try:
+        loop.train_to(7)
+        run.knobs.knobs["checkpoint"].set("now")
+        loop.train_to(12)
+        assert loop.ring() == [0, 5, 10]
+        old10 = run._ring[-1][1]["model"]["weight"]
+        run.knobs.knobs["rewind"].set("7")
+        assert (run.step, run.branch, loop.ring()) == (7, 1, [7])
+        loop.train_to(10, seed_base=1000)  # other data on the new branch
+        new10 = loop.weight()
+        assert not torch.equal(new10, old10)
+        loop.train_to(11, seed_base=1000)
+        run.keep_state(11)  # as a guarded change does, then a rollback to it
+        loop.train_to(16, seed_base=1000)
+        assert loop.ring() == [7, 10, 15]
+        run.restore_state(17, "rolled back: test")
+        assert (run.step, run.branch, loop.ring()) == (11, 2, [7, 10])
+        run.recover(11, 11, "loss spike: test")
+        assert (run.step, run.branch) == (10, 3)
+        assert torch.equal(loop.weight(), new10)
+    finally:
+        run.close()
+
+
+def test_a_recoverys_scaled_lr_is_not_saved_and_ends_with_a_rewind(run_dir, tmp_path):
+    """While a recovery scales the lr, a checkpoint keeps the person's lr_scale; a rewind
+    to a checkpoint (lr_scale=0.3 in it) ends the recovery's timer, which would put 1.0
+    back at step 20 of the new branch."""
+    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
+                                          lr_steps=10))
+    run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
+    try:
+        loop.train_to(3)
+        lr.set(0.3)
+        run.knobs.knobs["checkpoint"].set("now")
+        lr.set(1.0)
+        loop.train_to(12)
+        run.recover(12, 11, "loss spike: test")
+        assert (run.step, lr.get(), run._lr_back) == (10, 0.5, (20, 1.0))
+        said = run.knobs.knobs["checkpoint"].set("now")["text"]
+        assert ("a recovery scales lr_scale to 0.5 until step 20; the checkpoint keeps "
+                "lr_scale=1.0") in said, said
+        saved = torch.load(tmp_path / "step-00000010.pt", weights_only=True)
+        assert saved["knobs"]["lr_scale"] == 1.0
+        run.knobs.knobs["rewind"].set("3")
+        assert (run.step, lr.get(), run._lr_back) == (3, 0.3, None)
+        seen = {}
+        while run.step < 25:
+            loop.train_to(run.step + 1)
+            seen[run.step] = lr.get()
+        assert set(seen.values()) == {0.3}, seen
+    finally:
+        run.close()
+
+
+def test_a_recovery_applies_beside_a_persons_recover_at_the_same_boundary(run_dir,
+                                                                          tmp_path):
+    """A person's ``recover=on`` due at the boundary a recovery is due at does not
+    drop the recovery (last-command-wins is for settings): the run goes back, and the
+    spike watch judges the new branch's steps again."""
+    loop = _Regression(tmp_path, Recovery(keep_every_steps=2))
+    run, desk = loop.run, loop.run.agent._desk
+    events: list[dict] = []
+    run.agent.add_listener(lambda record: events.append(record)
+                           if record.get("kind") == "branched" else None)
+    try:
+        loop.train_to(6)
+        run.agent.spikes.waiting_since = 5  # as the watch is when it found a spike at 5
+        desk.schedule_recovery(f"{protocol.RECOVERY_ID_PREFIX}5-abcd", "loss spike: test", 8)
+        desk.schedule(Pending(8, 0, "recover", "on", "person-1"))
+        loop.train_to(7)
+        assert (run.step, run.branch) == (7, 1)  # (back to 4 after step 7, then on)
+        assert [(e["step"], e["source"]) for e in events] == [(4, "recovery")]
+        assert run.knobs.knobs["recover"].get() == "on"
+    finally:
+        run.close()

@@ -309,8 +309,9 @@ def test_a_rewind_applies_on_every_rank_at_one_step_or_on_none(run_dir, tmp_path
     0 on each), and steps 4-10 equal, on each rank, those of a job resumed from that
     checkpoint (bit-equal losses and final parameters); ``accum_steps=2`` accepted on
     both for step 10 keeps its 2 steps from the rewind's boundary on both: it applies
-    at 10 - (7 - 3) = 6. When rank 1 cannot read it, no rank rewinds: both say why, at
-    the same step, and train on from where they were (the command applies at 10)."""
+    at 10 - (7 - 3) = 6. When rank 1 cannot read it, no rank rewinds: both say why
+    (rank 0 with rank 1's reason), at the same step, and train on from where they were
+    (the command applies at 10)."""
     job = str(Path(__file__).with_name("ddp_rewind_job.py"))
     run_job(job, str(tmp_path), "rewind")
     refused = tmp_path / "refused"
@@ -336,10 +337,64 @@ def test_a_rewind_applies_on_every_rank_at_one_step_or_on_none(run_dir, tmp_path
         event, applied = failed["events"]
         assert event["kind"] == "failed" and event["step"] == 8, event
         assert (applied["kind"], applied["step"]) == ("applied", 10), applied
-        words = ("injected: rank 1 cannot read" if rank == 1
-                 else "another rank could not read its checkpoint: no rank rewinds")
+        words = ("injected: rank 1 cannot read" if rank == 1  # (its own error)
+                 else "rank 1: OSError: injected: rank 1 cannot read")
         assert words in event["text"], event
+        assert rank == 1 or "no rank rewinds" in event["text"], event
         assert failed["order"] == list(range(1, 11)), rank
+
+
+def test_a_checkpoints_knob_values_are_validated_and_its_commands_never_run(run_dir,
+                                                                            tmp_path):
+    """A checkpoint file is untrusted: ``stop=now`` in its knobs does not stop the run
+    (a command is never run from a file), a bad value is refused with the reason in the
+    ``branched`` event, and the other values still apply."""
+    loop = Loop(tmp_path)
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]
+    loop.train(2)
+    saved = torch.load(tmp_path / "step-00000003.pt", weights_only=True)
+    saved["knobs"] = {**saved["knobs"], "stop": "now", "pause": "on",
+                      "precision": "fp99", "lr_scale": "much", "accum_steps": 4}
+    crafted = tmp_path / "crafted.pt"
+    torch.save(saved, crafted)
+    assert loop.send("rewind", str(crafted))["ok"]
+    loop.train(3)
+    assert loop.run.stop_requested is None and not loop.run.stopping
+    assert loop.run.step == 5 and loop.run.branch == 1 and loop.run.accum_steps == 4
+    assert loop.run.knobs.knobs["precision"].get() == "fp32"
+    [branched] = [e for e in loop.records() if e.get("kind") == "branched"]
+    assert branched["level"] == "warning", branched
+    for said in ("accum_steps=4", "not restored: ", "stop=now (a command, never run from "
+                 "a checkpoint)", "pause=on (a command", "precision=fp99 (", "lr_scale=much ("):
+        assert said in branched["text"], (said, branched["text"])
+
+
+def test_a_checkpoint_directorys_files_are_read_bounded_never_through_a_link(tmp_path):
+    from agent.control.checkpoints import (KNOBS_FILE, MAX_KNOBS_FILE_BYTES, load_tensors,
+                                           read_knobs_file)
+    assert read_knobs_file(tmp_path) == {}  # the framework saved it on its own
+    (tmp_path / KNOBS_FILE).write_text('{"step": 3, "knobs": {"accum_steps": 2}}')
+    assert read_knobs_file(tmp_path) == {"step": 3, "knobs": {"accum_steps": 2}}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "secret.json").write_text('{"knobs": {}}')
+    torch.save({"rng": torch.zeros(2)}, elsewhere / "rng.pt")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / KNOBS_FILE).symlink_to(elsewhere / "secret.json")
+    (linked / "rng.pt").symlink_to(elsewhere / "rng.pt")
+    with pytest.raises(OSError):
+        read_knobs_file(linked)
+    with pytest.raises(OSError):
+        load_tensors(linked / "rng.pt")
+    assert torch.equal(load_tensors(elsewhere / "rng.pt")["rng"], torch.zeros(2))
+    (elsewhere / KNOBS_FILE).write_text(" " * MAX_KNOBS_FILE_BYTES + "{}")
+    with pytest.raises(ValueError, match="larger than the 1.0 MiB"):
+        read_knobs_file(elsewhere)
+    (elsewhere / KNOBS_FILE).write_text("[1, 2]")
+    with pytest.raises(ValueError, match="does not hold gpuwatch's knob values"):
+        read_knobs_file(elsewhere)
 
 
 def test_a_missing_step_names_the_saved_steps_nearest_it(tmp_path):

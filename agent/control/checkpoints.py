@@ -40,9 +40,9 @@ from typing import Any, Callable
 import torch
 
 from agent.step.core import Agent
-from agent.wire.knobs import CHECKPOINT, Knob, KnobSet, assignment
+from agent.wire.knobs import CHECKPOINT, Knob, KnobError, KnobSet, assignment
 from agent.wire.protocol import EventKind
-from agent.wire.runlog import log_dir
+from agent.wire.runlog import log_dir, open_no_follow
 from gpuopt.memory import format_bytes
 from gpuopt.saving import write_atomically
 
@@ -55,6 +55,9 @@ KNOBS_FILE = "gpuwatch.json"
 #: In such a directory: the GradScaler that gpuwatch's precision knob made, which the
 #: framework would not load into a run started without fp16 (it has no GradScaler).
 GRAD_SCALER_FILE = "gpuwatch-grad-scaler.pt"
+#: The largest :data:`KNOBS_FILE` read (bytes): knob values and a data position are a
+#: few KiB; a larger file is refused, never read whole.
+MAX_KNOBS_FILE_BYTES = 1 << 20
 
 
 def default_checkpoint_dir(run_id: str) -> Path:
@@ -90,7 +93,7 @@ class Checkpoints:
         warn: ``warn(value)`` returns why a resume from this checkpoint would not be
             exact, or None; said in the command's reply, before anything is saved.
         agree: with ``every_rank``, tells every rank of a failure on any
-            (:func:`agent.integrations.sharded.agree_on_checkpoint`): ``agree(failure)``
+            (:func:`agent.integrations.ranks.agree`): ``agree(failure)``
             is a collective matching the first and the last of ``save``'s, which
             returns the first rank's failure (a text) or None. Rank 0 calls it in place
             of ``save`` when the checkpoint failed before ``save`` ran, and every rank
@@ -230,12 +233,27 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     Tensors on the CPU; ``weights_only``, so it runs no code from the file.
 
     Raises:
-        ValueError: ``path`` is not such a checkpoint. OSError: it cannot be read.
+        ValueError: ``path`` is not such a checkpoint. OSError: it cannot be read, or
+            is a symlink (not followed) or not a regular file.
     """
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_tensors(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a checkpoint of gpuwatch's checkpoint command")
     return state
+
+
+def load_tensors(path: str | os.PathLike) -> Any:
+    """``torch.load`` of the file at ``path``, never through a symlink, running no code from it.
+
+    Tensors on the CPU; ``weights_only``. For the files gpuwatch writes in a checkpoint
+    (random numbers, data position, GradScaler): a checkpoint's directory is untrusted.
+
+    Raises:
+        OSError: it cannot be opened, is a symlink (``ELOOP``) or not a regular file.
+        Exception: what ``torch.load`` raises for a file that is not its format.
+    """
+    with os.fdopen(open_no_follow(path), "rb") as file:
+        return torch.load(file, map_location="cpu", weights_only=True)
 
 
 #: The most entries a checkpoint directory may hold for :func:`own_checkpoint` to check.
@@ -374,9 +392,27 @@ def read_knobs_file(directory: str | os.PathLike) -> dict[str, Any]:
     """What :func:`write_knobs_file` saved in a checkpoint directory, or {} when it has none.
 
     ``knobs``, ``step``, ``run``, and ``data`` when given; {} for a checkpoint the framework
-    saved on its own."""
+    saved on its own. Opened without following a symlink, at most
+    :data:`MAX_KNOBS_FILE_BYTES` read.
+
+    Raises:
+        ValueError: the file is larger than :data:`MAX_KNOBS_FILE_BYTES`, or is not a
+            JSON object. OSError: it is a symlink, not a regular file, or unreadable.
+    """
     path = Path(directory) / KNOBS_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        fd = open_no_follow(path)
+    except FileNotFoundError:
+        return {}
+    with os.fdopen(fd, "rb") as file:
+        text = file.read(MAX_KNOBS_FILE_BYTES + 1)
+    if len(text) > MAX_KNOBS_FILE_BYTES:
+        raise ValueError(f"{path} is larger than the {format_bytes(MAX_KNOBS_FILE_BYTES)} "
+                         "a checkpoint's knob values take: not read")
+    saved = json.loads(text)
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} does not hold gpuwatch's knob values")
+    return saved
 
 
 def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *,
@@ -410,21 +446,39 @@ def set_knobs(agent: Agent, knobs: dict[str, Any]
               ) -> tuple[list[str], list[str], dict[str, Any]]:
     """Training thread: set each knob of ``knobs`` (a checkpoint's) that this run has.
 
-    See :func:`restore_knobs`. Returns ``(restored, failed, absent)``: the values now as
-    saved (``knob=value`` each), those that could not be set (with the reason), and the
-    knobs this run does not have, by name."""
+    See :func:`restore_knobs`. Each value is checked against its knob's declaration
+    first (type, choices, range: a file is untrusted): a bad one is not set, and is
+    among ``failed`` with the reason; a knob
+    that is a command (``stop``, ``rewind``, ``checkpoint``...) is never run from a
+    file, and is among ``failed`` too. Returns ``(restored, failed, absent)``: the
+    values now as saved (``knob=value`` each), those that could not be set (with the
+    reason), and the knobs this run does not have, by name."""
     restored: list[str] = []
     failed: list[str] = []
     absent = {name: value for name, value in knobs.items() if name not in agent.knobs.knobs}
     present = [name for name in knobs if name not in absent]
     present.sort(key=lambda name: name != "micro_batch_size")
+    valid: dict[str, Any] = {}
+    for name in list(present):
+        if agent.knobs.knobs[name].spec.command:
+            failed.append(f"{assignment(name, knobs[name])} (a command, never run from a "
+                          "checkpoint)")
+            present.remove(name)
+            continue
+        # the value's type, choices and range; the run's own checks are the set's (a
+        # command's would refuse some before a framework's loop has started: a resume)
+        try:
+            valid[name] = agent.knobs.knobs[name].spec.coerce(knobs[name])
+        except KnobError as exc:
+            failed.append(f"{assignment(name, knobs[name])} ({exc})")
+            present.remove(name)
     for _ in range(2):  # the second pass puts back what a first-pass side effect moved
         for name in present:
-            knob, value = agent.knobs.knobs[name], knobs[name]
+            knob, value = agent.knobs.knobs[name], valid[name]
             if any(line.startswith(f"{name}=") for line in failed):
                 continue
             if knob.get() == value:
-                if assignment(name, value) not in restored and name != CHECKPOINT.name:
+                if assignment(name, value) not in restored:
                     restored.append(assignment(name, value))
                 continue
             try:

@@ -454,12 +454,16 @@ class CommandDesk:
         # commands that are not settings (a checkpoint) first: they see the state before
         # the changes of the same boundary (a stable sort keeps the order above)
         commands.sort(key=lambda command: not self.knobs.knobs[command.knob].spec.command)
-        last = {command.knob: command for command in commands}
+        # a later command for the same knob at the same boundary wins; a recovery is
+        # no setting and always applies (a person's recover= beside it dropped it, and
+        # the spike watch then waited for it to the run's end)
+        last = {command.knob: command for command in commands
+                if _spike_start(command) is None}
         checkpoint_failed = changed = False
         rolled_back = ""  # why, once a rollback applied
         for command in commands:
-            if last[command.knob] is not command:  # a later command for the same knob
-                continue                            # at the same boundary wins
+            if _spike_start(command) is None and last[command.knob] is not command:
+                continue
             # (after a rewind at this boundary, the fork's step: the rewind's event
             # comes first, the next step record is the fork's next)
             if self._apply(step + 1 - self._moved_back, command, checkpoint_failed):
@@ -468,6 +472,10 @@ class CommandDesk:
                     rolled_back = rolled_back or command.rollback_reason or ""
             elif command.knob == CHECKPOINT.name:
                 checkpoint_failed = True
+            elif self.world_size > 1 and _spike_start(command) is None:
+                # the state goes back all the same: every rank puts it back together
+                # (restore_state is a collective), and its failed event says why
+                rolled_back = rolled_back or command.rollback_reason or ""
         if rolled_back and self.state_keeper is not None:
             at = step + 1 - self._moved_back
             level, text = self.state_keeper.restore_state(at, f"rolled back: {rolled_back}")

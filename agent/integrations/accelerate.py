@@ -128,8 +128,8 @@ from accelerate.utils.operations import convert_to_fp32
 from agent.wire.protocol import EventKind
 from agent.integrations.adapters import (cpu_threads_knob, dropout_knob, loader_knobs,
                                          micro_batch_size_knob, optimizer_knobs, refuse)
-from agent.control.checkpoints import (GRAD_SCALER_FILE, read_knobs_file, restore_knobs,
-                                       write_knobs_file)
+from agent.control.checkpoints import (GRAD_SCALER_FILE, load_tensors, read_knobs_file,
+                                       restore_knobs, write_knobs_file)
 from agent.step.core import Agent
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS,
                               LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS,
@@ -677,7 +677,7 @@ class AcceleratorRun(RunBase):
         self.step = self._first_step = int(saved.get("step", 0))
         knobs = saved.get("knobs", {})
         data_file = Path(path) / DATA_FILE
-        data = torch.load(data_file, weights_only=True) if data_file.is_file() else None
+        data = load_tensors(data_file) if data_file.is_file() else None
         differs = self.no_position(data)
         if data is not None and differs is None:
             self._place = data["loader"]
@@ -689,7 +689,7 @@ class AcceleratorRun(RunBase):
         scaler_file = Path(path) / GRAD_SCALER_FILE
         if (scaler_file.exists() and self._precision is not None
                 and self._precision.scaler is not None):
-            self._precision.scaler.load_state_dict(torch.load(scaler_file, weights_only=True))
+            self._precision.scaler.load_state_dict(load_tensors(scaler_file))
 
     def rewind_refusal(self) -> str | None:
         """Why accelerate's ``load_state`` cannot load a checkpoint live here, or None.
@@ -725,13 +725,13 @@ class AcceleratorRun(RunBase):
             self.accelerator.load_state(os.fspath(path))
             saved = read_knobs_file(path)
             data_file = Path(path) / DATA_FILE
-            data = torch.load(data_file, weights_only=True) if data_file.is_file() else None
+            data = load_tensors(data_file) if data_file.is_file() else None
             if data is None or self.no_position(data) is not None:
                 raise ValueError(f"{path} has no data position of gpuwatch's")
             snapshot = self.state_snapshot()
             scaler_file = Path(path) / GRAD_SCALER_FILE
             if scaler_file.exists() and snapshot["grad_scaler"] is not None:
-                snapshot["grad_scaler"] = torch.load(scaler_file, weights_only=True)
+                snapshot["grad_scaler"] = load_tensors(scaler_file)
         except Exception:
             self.load_snapshot(before)
             raise

@@ -97,7 +97,8 @@ from agent.wire.knobs import (CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS, LR_SC
                               MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION, WEIGHT_DECAY, KnobSet)
 from agent.integrations.loop import (LoopRun, check_accum_steps, model_knobs,
                                      optimizer_settings_knobs)
-from agent.integrations.sharded import (agree_on_checkpoint, fsdp_modules, is_sharded,
+from agent.integrations.ranks import agree
+from agent.integrations.sharded import (fsdp_modules, is_sharded,
                                         load_sharded, save_sharded, sharded_precision)
 from gpuopt.backends import ModelBackend
 from gpuopt.optim import OptimizerSettings
@@ -578,7 +579,7 @@ def attach(fabric: Fabric, *, model: _FabricModule | None = None,
             knobs.bind(CHECKPOINT, not_plain)
         elif run.sharded:
             run.bind_checkpoint(run.save_checkpoint, directory=checkpoint_dir,
-                                every_rank=True, agree=agree_on_checkpoint,
+                                every_rank=True, agree=agree,
                                 name="step-{step:08d}")
         elif fabric.world_size > 1:
             knobs.bind(CHECKPOINT, (

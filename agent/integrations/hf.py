@@ -112,7 +112,8 @@ from transformers.utils import is_sagemaker_mp_enabled
 
 from agent.wire.protocol import EventKind
 from agent.integrations.adapters import cpu_threads_knob, dropout_knob
-from agent.control.checkpoints import GRAD_SCALER_FILE, read_knobs_file, write_knobs_file
+from agent.control.checkpoints import (GRAD_SCALER_FILE, load_tensors, read_knobs_file,
+                                       write_knobs_file)
 from agent.step.core import Agent, ending_reason
 from agent.integrations import WindowMeter
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, EVALUATE,
@@ -527,7 +528,7 @@ class _Run(RunBase):
         self.restore(saved.get("knobs", {}), checkpoint, differs=differs)
         scaler = Path(checkpoint) / GRAD_SCALER_FILE
         if scaler.exists() and self._scaler_installed:
-            self.policy.grad_scaler.load_state_dict(torch.load(scaler, weights_only=True))
+            self.policy.grad_scaler.load_state_dict(load_tensors(scaler))
 
     @property
     def rolling_back(self) -> bool:
@@ -579,7 +580,7 @@ class _Run(RunBase):
             raise ValueError(f"{path} has no data position and random numbers of "
                              "gpuwatch's (a checkpoint=now checkpoint has them): resume "
                              "from it with trainer.train(resume_from_checkpoint=...)")
-        rng = torch.load(rng_file, weights_only=True)
+        rng = load_tensors(rng_file)
         state = transformers.TrainerState.load_from_json(str(Path(path) / "trainer_state.json"))
         before = self.state_snapshot()  # (raises when the data cannot be put back live)
         model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.lr_scheduler
@@ -595,7 +596,7 @@ class _Run(RunBase):
             raise
         for name in (GRAD_SCALER_FILE, "scaler.pt"):  # (HF's name: SCALER_NAME)
             if (Path(path) / name).is_file() and snapshot["grad_scaler"] is not None:
-                snapshot["grad_scaler"] = torch.load(Path(path) / name, weights_only=True)
+                snapshot["grad_scaler"] = load_tensors(Path(path) / name)
                 break
         data = saved["data"]
         snapshot.update(global_step=state.global_step, epoch=state.epoch,

@@ -51,7 +51,8 @@ from agent.control.checkpoints import load_checkpoint, restore_knobs, torch_chec
 from agent.step.core import Agent
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase
-from agent.integrations.sharded import (agree_on_checkpoint, fsdp_modules, is_sharded,
+from agent.integrations.ranks import agree
+from agent.integrations.sharded import (fsdp_modules, is_sharded,
                                         load_sharded, save_sharded,
                                         sharded_precision, sync_at_window_end)
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
@@ -753,7 +754,7 @@ def session(*, model: torch.nn.Module | None = None,
     if model is not None or optimizer is not None:
         run.bind_checkpoint(run.save_checkpoint, directory=checkpoint_dir,
                             every_rank=run.sharded,
-                            agree=agree_on_checkpoint if run.sharded else None,
+                            agree=agree if run.sharded else None,
                             name="step-{step:08d}" if run.sharded else "step-{step:08d}.pt")
     else:
         knobs.bind(CHECKPOINT, "pass agent.session(model=..., optimizer=...) "

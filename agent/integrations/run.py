@@ -67,6 +67,7 @@ from agent.wire.knobs import (CHECKPOINT, EVALUATE, LR_SCALE, MIXTURE, PAUSE, RE
                               REWIND, STOP, Knob, assignment)
 from agent.wire.protocol import EventKind
 from agent.integrations.adapters import NOT_A_MIXTURE, MemoryKnobs, publish_events
+from agent.integrations.ranks import agree, every_rank
 from agent.control.checkpoints import (Checkpoints, knobs_text, own_checkpoint, restore_knobs,
                                        set_knobs)
 from agent.step.core import Agent, ending_reason
@@ -247,16 +248,22 @@ class RunBase:
         """The knob values a checkpoint keeps, and a note when one is not the current value.
 
         The ones now, except that a knob the in-run search is trying has the value the
-        search measures it against (the person's, or the best kept so far); and a note
+        search measures it against (the person's, or the best kept so far), and
+        ``lr_scale`` while a recovery scales it has the value it goes back to; and a note
         saying so, or None."""
         values = self.agent.knobs.values()
         trial = self.agent.tune.trial_values(values)
+        notes = ["the search was trying " + ", ".join(
+            f"{name}={values[name]}" for name in trial)] if trial else []
+        if self._lr_back is not None and LR_SCALE.name in values:  # a recovery's, for now
+            notes.append(f"a recovery scales {LR_SCALE.name} to {values[LR_SCALE.name]:g} "
+                         f"until step {self._lr_back[0]}")
+            trial = {**trial, LR_SCALE.name: self._lr_back[1]}
         if not trial:
             return values, None
         values.update(trial)
-        return values, ("the search was trying " + ", ".join(
-            f"{name}={self.agent.knobs.values()[name]}" for name in trial)
-            + "; the checkpoint keeps " + ", ".join(f"{k}={v}" for k, v in trial.items()))
+        return values, ("; ".join(notes) + "; the checkpoint keeps "
+                        + ", ".join(f"{k}={v}" for k, v in trial.items()))
 
     def data_state(self) -> dict[str, Any] | None:
         """The data position a checkpoint keeps.
@@ -479,12 +486,23 @@ class RunBase:
 
         At the boundary before ``step``; the kept state (see
         :class:`agent.control.ledger.StateKeeper`) goes back through :meth:`rewind_state` (a
-        new branch, source ``rollback``; ``cause``: why)."""
+        new branch, source ``rollback``; ``cause``: why). With several ranks, every rank
+        calls it at that boundary and they agree first (one collective): unless every
+        rank holds a state of the same step, none is put back, and the event names each
+        rank's."""
         kept, self._kept = self._kept, None
-        if kept is None:
-            return "warning", ("the weights were not restored (" + (
-                self._not_kept or "no state was kept") + "): training goes on from them "
-                "with the previous setting")
+        # one rank alone must not go back: every rank holds a state of one step, or none
+        # is put back (a copy failed, or went over the budget, on one)
+        ranks = every_rank((None if kept is None else kept[0],
+                            self._not_kept or "no state was kept"), self.device)
+        held = {kept_step for kept_step, _ in ranks}
+        if None in held or len(held) > 1:
+            why = (ranks[0][1] if len(ranks) == 1 else "; ".join(
+                f"rank {rank}: " + (text if kept_step is None else f"kept step {kept_step}")
+                for rank, (kept_step, text) in enumerate(ranks)))
+            return "warning", (f"the weights were not restored ({why}): training goes on "
+                               "from them with the previous setting")
+        assert kept is not None  # (every rank holds one)
         kept_step, snapshot, size = kept
         again = self.step - kept_step
         try:
@@ -513,8 +531,10 @@ class RunBase:
         knob values that come back with the state (a checkpoint's), set after it and named
         in the event; without them, the event names the settings the state itself put
         back (a Trainer's, an optimizer's weight decay: ``back as at step 20:
-        weight_decay=0.0``), so that a change made since is not undone unsaid. Each
-        pending command then keeps its distance from now
+        weight_decay=0.0``), so that a change made since is not undone unsaid. The states
+        ``recover=on`` kept on the branch left go with it, and so does a recovery's
+        scaled lr unless this is that recovery (:meth:`_leave_branch`). Each pending
+        command then keeps its distance from now
         (:meth:`agent.step.core.Agent.rewound`: a ``rescheduled`` event each).
 
         Returns:
@@ -531,6 +551,7 @@ class RunBase:
         parent, self.branch = self.branch, self._last_branch + 1
         self._last_branch = self.branch
         text = f"branch {self.branch} of branch {parent} at step {step}: {source} ({cause})"
+        text += self._leave_branch(step, source, knobs is not None)
         failed: list[str] = []
         if knobs is not None:
             restored, failed, absent = set_knobs(self.agent, knobs)
@@ -547,6 +568,32 @@ class RunBase:
                          step=step, source=source, cause=cause, knobs=knobs or {})
         self.agent.rewound(step, self.branch)  # (the pending commands' events follow)
         return self.branch, differs
+
+    def _leave_branch(self, step: int, source: str, other_lineage: bool) -> str:
+        """Training thread, in :meth:`rewind_state`: what the recovery kept of the branch
+        left goes with it. The states it kept past ``step`` are dropped (all of them
+        when the state put back is a checkpoint's, ``other_lineage``: then one is kept
+        at ``step`` itself); a rewind that is not a recovery (``source``) ends the
+        recovery's scaled lr (``lr_scale`` back to the value before it) and its count of
+        repeats. Returns what the ``branched`` event says of it ("" or ``"; ..."``)."""
+        if other_lineage:
+            self._ring.clear()
+        while self._ring and self._ring[-1][0] > step:
+            self._ring.pop()
+        if self._recovering and other_lineage:
+            self._keep_for_recovery(force=True)
+        if source == "recovery":
+            return ""
+        self._recovered_to, self._repeats = None, 0
+        if self._lr_back is None:
+            return ""
+        value, self._lr_back = self._lr_back[1], None
+        try:
+            self.knobs.knobs[LR_SCALE.name].set(value)
+        except Exception as exc:  # noqa: BLE001 -- said in the event
+            return f"; lr_scale could not go back to {value:g} after the recovery ({exc})"
+        self.agent.refresh_knobs()
+        return f"; the recovery's scaled lr ends: lr_scale back to {value:g}"
 
     def read_checkpoint(self, path: Path) -> tuple[Any, int, dict[str, Any]]:
         """Read the checkpoint at ``path`` into :meth:`state_snapshot`'s form, for ``rewind``.
@@ -646,33 +693,23 @@ class RunBase:
             snapshot, step, knobs = self.read_checkpoint(path)
         except Exception as exc:  # noqa: BLE001 -- every rank must hear of it first
             error = exc
-        if not self._every_rank_ok(error is None):
-            if error is not None:
-                raise error
-            raise RuntimeError("another rank could not read its checkpoint: no rank "
-                               "rewinds, the training goes on")
+        failure = agree(None if error is None else f"{type(error).__name__}: {error}",
+                        self.device)
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise RuntimeError(f"{failure}: no rank rewinds, the training goes on")
         branch, _ = self.rewind_state(snapshot, step, source=str(path),
                                       cause=assignment(REWIND.name, value), knobs=knobs)
         return {"text": f"branch {branch} goes on from step {step} of {path}",
                 "branch": branch, "checkpoint_step": step, "path": str(path)}
 
-    def _every_rank_ok(self, ok: bool) -> bool:
-        """Whether every rank's ``ok`` is True: a collective over the job's process
-        group, which every rank calls at the same boundary (the command applies at one
-        step on each); with one rank, or no initialized process group, this rank's."""
-        dist = torch.distributed
-        if self.agent.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return ok
-        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        flag = torch.tensor([1 if ok else 0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
     # ------------------------------------------------------------ loss-spike recovery
 
     def _set_recover(self, value: str) -> dict[str, Any]:
         """``recover=on``: keep the state at this boundary at once (refused with the
-        reason where it cannot be kept); ``off``: drop the kept states."""
+        reason where it cannot be kept: with several ranks, on every rank where it
+        cannot on one, which the reason names); ``off``: drop the kept states."""
         if value == "off":
             self._recovering = self.agent.spikes.on = False
             self.agent.spikes.rearm()
@@ -682,8 +719,13 @@ class RunBase:
             return {"text": "no state is kept for recoveries"}
         if not self._recovering:
             self._keep_for_recovery(force=True)
-            if not self._ring:
-                raise ValueError(self._ring_not_kept)
+        # one rank alone must not recover: every rank keeps its state, or none turns on
+        failure = agree(None if self._ring else self._ring_not_kept, self.device)
+        if failure is not None:
+            if not self._recovering:
+                self._ring.clear()
+            raise ValueError(self._ring_not_kept if self.agent.world_size == 1 else
+                             f"{failure}: no rank turns recover on")
         self._recovering = self.agent.spikes.on = True
         step, _, size, _ = self._ring[-1]
         return {"text": f"{self.agent.recovery.describe()}; the state after step {step} "
@@ -767,13 +809,9 @@ class RunBase:
            this boundary only.
         """
         policy, spikes = self.agent.recovery, self.agent.spikes
-        kept = next((entry for entry in reversed(self._ring) if entry[0] < before), None)
-        if not self._recovering or kept is None:
+        kept, why = self._kept_on_every_rank(before)
+        if kept is None:
             spikes.rearm()
-            why = ("recover is off on this rank" if not self._recovering else
-                   f"no state was kept before step {before} (kept: "
-                   + (", ".join(f"step {entry[0]}" for entry in self._ring) or "none")
-                   + (f"; {self._ring_not_kept}" if self._ring_not_kept else "") + ")")
             self.agent.event("warning", f"{reason}; not recovered: {why}",
                              kind=EventKind.WARNING, step=step)
             return
@@ -846,8 +884,6 @@ class RunBase:
                 self.agent.event("error", f"lr_scale={lr_to[1]:g} after the recovery "
                                  f"failed ({exc}): the lr stays as it is",
                                  kind=EventKind.FAILED, knob=LR_SCALE.name, step=step)
-        while self._ring and self._ring[-1][0] > kept_step:  # of the branch left
-            self._ring.pop()
         self._recovered_to, self._repeats = kept_step, repeats
         self.skipped_windows += windows
         self.agent.refresh_knobs()
@@ -903,6 +939,31 @@ class RunBase:
         By default through :attr:`position` (:meth:`gpuopt.position.DataPosition.drop`):
         as the iteration goes on, before the next micro-batch it yields."""
         self.position.drop(micro_batches)
+
+    def _kept_on_every_rank(self, before: int) -> tuple[tuple[int, Any, int, int] | None, str]:
+        """Training thread, in :meth:`recover`: the latest state kept before step ``before``
+        that every rank holds (one collective, :func:`agent.integrations.ranks.every_rank`,
+        of the steps each kept), or None and why (every rank's part in it: the same text
+        on each). A rank whose copy at a step failed, or went over its budget, holds an
+        older one: the ranks go back to one step or none does."""
+        kept_steps = [entry[0] for entry in self._ring if entry[0] < before]
+        if not self._recovering:
+            mine = "recover is off"
+        else:
+            mine = ("kept: " + (", ".join(f"step {entry[0]}" for entry in self._ring)
+                                or "none")
+                    + (f"; {self._ring_not_kept}" if self._ring_not_kept else ""))
+        ranks = every_rank((kept_steps if self._recovering else [], mine), self.device)
+        common = set(ranks[0][0]).intersection(*(set(steps) for steps, _ in ranks[1:]))
+        if common:
+            step = max(common)
+            return next(entry for entry in self._ring if entry[0] == step), ""
+        if len(ranks) == 1:
+            return None, ("recover is off on this rank" if not self._recovering else
+                          f"no state was kept before step {before} ({mine})")
+        return None, (f"no state kept before step {before} is held by every rank (one "
+                      "rank alone must not go back): " + "; ".join(
+                          f"rank {rank} {text}" for rank, (_, text) in enumerate(ranks)))
 
     #: the keys of :meth:`state_snapshot`'s dict that hold the data position and the
     #: random numbers (which draw random batches and the next epoch's order): a

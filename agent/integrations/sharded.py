@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from agent.control.checkpoints import load_checkpoint
+from agent.integrations.ranks import agree, every_rank
 
 #: The file of one rank's own states (random numbers, data position, step, knob values)
 #: in a sharded checkpoint directory, formatted with the rank.
@@ -119,29 +120,6 @@ def gradient_sync_off(model: torch.nn.Module) -> Iterator[None]:
             module.set_requires_gradient_sync(True, recurse=False)
 
 
-def agree(failure: str | None, path: Path | None = None) -> tuple[str | None, Path | None]:
-    """Tell every rank of a failure on any, with a collective on the default process group.
-
-    ``all_gather_object`` of a short text, which each rank calls at the same point of a
-    checkpoint with its own ``failure`` (None: it went well) and rank 0 with its ``path``.
-    Returns the first rank's failure as ``"rank N: ..."`` (or None) and rank 0's ``path``
-    (None from rank 0's failure)."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"failure": failure,
-                                      "path": None if path is None else str(path)})
-    failures = [f"rank {rank}: {item['failure']}" for rank, item in enumerate(gathered)
-                if item["failure"] is not None]
-    shared = gathered[0]["path"]
-    return (failures[0] if failures else None), (None if shared is None else Path(shared))
-
-
-def agree_on_checkpoint(failure: str | None) -> str | None:
-    """The ``agree`` of a sharded model's :class:`agent.control.checkpoints.Checkpoints`.
-
-    :func:`agree` without a path."""
-    return agree(failure)[0]
-
-
 def _failure_text(exc: BaseException) -> str:
     """``exc`` in one line; torch's ``CheckpointException`` as each rank's own failure
     (its text holds their tracebacks)."""
@@ -160,10 +138,12 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     The model's and the optimizer's shards (``torch.distributed.checkpoint``, each rank its
     own) and each rank's ``rank_state()`` (:data:`RANK_FILE`, ``torch.save``). Every rank
     calls it at the same step; it returns once every rank has written, so rank 0 may
-    then rename the directory. Its first collective is an :func:`agree` (rank 0's
-    failure before it calls this reaches the others there), its last one too;
-    ``rank_state`` is called before the first, so that its failure on any rank reaches
-    every rank there (none is left waiting at a collective the failed one never calls).
+    then rename the directory. Its first collective is an
+    :func:`agent.integrations.ranks.every_rank` of each rank's failure and rank 0's
+    ``path`` (rank 0's failure before it calls this comes there from its ``agree``),
+    its last one an :func:`agent.integrations.ranks.agree`; ``rank_state`` is called
+    before the first, so that its failure on any rank reaches every rank there (none
+    is left waiting at a collective the failed one never calls).
 
     Raises:
         OSError: the checkpoint failed on some rank (every rank raises it, naming that
@@ -180,9 +160,16 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         failure: str | None = f"{type(exc).__name__}: {exc}"
     else:
         failure = None
-    failure, directory = agree(failure, path if dist.get_rank() == 0 else None)
+    # each rank's failure, and rank 0's path; or rank 0's failure before it called this
+    # (a text: its Checkpoints' agree, in this same collective)
+    gathered = every_rank({"failure": failure,
+                           "path": str(path) if dist.get_rank() == 0 else None})
+    failures = [f"rank {rank}: {item if isinstance(item, str) else item['failure']}"
+                for rank, item in enumerate(gathered)
+                if isinstance(item, str) or item["failure"] is not None]
+    failure = failures[0] if failures else None
     if failure is None:
-        assert directory is not None  # (rank 0 gives it when it did not fail)
+        directory = Path(gathered[0]["path"])
         try:
             if optimizer is None:
                 state: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -193,7 +180,7 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
             torch.save(own, directory / RANK_FILE.format(rank=dist.get_rank()))
         except (Exception, CheckpointException) as exc:  # (the latter: a BaseException)
             failure = _failure_text(exc)
-        failure = agree(failure)[0]
+        failure = agree(failure)
     if failure is not None:
         raise OSError(f"the sharded checkpoint failed on {failure}")
 

@@ -415,11 +415,14 @@ class Agent:
     def event(self, level: str, text: str, **fields: Any) -> None:
         """Publish an ``event`` (``level``: info | warning | error) in order with the step records.
 
-        Any thread; one deque append (and the listeners' calls)."""
+        Any thread; a lock and one deque append (and the listeners' calls). Never lost
+        silently: where the record queue's bound drops it, a warning event says how many
+        were lost (:meth:`agent.step.encoder.StepEncoder.queue_event`)."""
         body = {"level": level, "text": text, **fields}
-        self._records.append(body)
-        if self._listeners:
-            self._tell_listeners({"type": protocol.EVENT, **body})
+        told = {"type": protocol.EVENT, **body} if self._listeners else None
+        self._encoder.queue_event(body)
+        if told is not None:
+            self._tell_listeners(told)
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """Call ``listener(record)`` with each step's host facts and each event, before publishing.

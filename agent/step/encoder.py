@@ -12,6 +12,7 @@ a batch through the I/O loop's ``publish``.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from agent.wire import protocol
+from agent.wire.protocol import EventKind
 from agent.control.guard import BASELINE_STEPS, ChangeGuard
 from agent.step.markers import CpuMarker
 from agent.step.record import StepRecord, host_columns
@@ -29,6 +31,9 @@ from agent.search.tune import AutoTune
 from gpuopt.memory import memory_stats
 from gpuopt.optim import host_rate
 
+#: The key of an event's number in the record queue (:meth:`StepEncoder.queue_event`),
+#: taken off before the event is published.
+EVENT_NUMBER = "_event_number"
 #: Steps in the sliding window of the data-wait share and the input-bound verdict.
 INPUT_WINDOW_STEPS = 20
 #: Share of step time spent waiting for data above which a run is called input-bound
@@ -165,11 +170,51 @@ class StepEncoder:
         self.expected_step: int | None = None
         #: Step records lost because the queue overflowed (the I/O thread fell behind).
         self.records_dropped = 0
+        #: events queued so far (:meth:`queue_event` numbers each), the number of the
+        #: next one expected here, and those the queue's bound lost (each loss is said
+        #: in a warning event of its own)
+        self.events_queued = 0
+        self._next_event = 1
+        self.events_dropped = 0
+        self._event_lock = threading.Lock()
         #: step time (s) of the latest step encoded, for command replies
         self.recent_step_time_s: float | None = None
         #: The memory readings of the latest batch (:func:`gpuopt.memory.memory_stats`);
         #: replaced whole, so any thread may read it.
         self.latest_memory: dict[str, Any] = {}
+
+    def queue_event(self, body: dict[str, Any]) -> None:
+        """Any thread: queue the event ``body`` in order with the step records, numbered.
+
+        The number (under :data:`EVENT_NUMBER`, taken off before it is published) lets
+        :meth:`drain` count every event the queue's bound drops, and say so: an event
+        is never lost silently. Step records are not numbered (the training thread's
+        append stays one deque append); they are counted by their steps.
+
+        .. note:: A lock and one deque append."""
+        with self._event_lock:  # (numbers in the queue's order, whatever the thread)
+            self.events_queued += 1
+            body[EVENT_NUMBER] = self.events_queued
+            self._records.append(body)
+
+    def _count_event(self, body: dict[str, Any]) -> None:
+        """Take the number off the event ``body`` (about to be published) and say, in a
+        warning event before it, how many events the queue lost before it, if any."""
+        number = body.pop(EVENT_NUMBER, None)
+        if number is None:
+            return
+        if number > self._next_event:
+            self._events_lost(number - self._next_event)
+        self._next_event = number + 1
+
+    def _events_lost(self, lost: int) -> None:
+        self.events_dropped += lost
+        self._publish(protocol.EVENT, {
+            "level": "warning", "kind": EventKind.WARNING,
+            "events_dropped": self.events_dropped,
+            "text": f"{lost} events lost ({self.events_dropped} in all): the agent's "
+                    f"record queue ({self._records.maxlen}) overflowed while its I/O "
+                    "thread fell behind; the run log lacks them"})
 
     def drain(self, final: bool = False) -> None:
         """Turn the records queued since the last call into messages: ``steps`` batches and events.
@@ -201,6 +246,9 @@ class StepEncoder:
             finally:
                 if self._done < len(pending):  # not ready yet, or after an error
                     in_flight.extend(pending[self._done:])
+        if final and self.events_queued >= self._next_event and not in_flight:
+            self._events_lost(self.events_queued - self._next_event + 1)  # (the last)
+            self._next_event = self.events_queued + 1
         if self._batch_steps:
             self.flush()
 
@@ -217,6 +265,7 @@ class StepEncoder:
             if tags[start]:
                 self._done = start + 1
                 body = pending[start]
+                self._count_event(body)
                 self._tune.on_event(body)
                 if self.change_watch is not None:
                     self.change_watch(body)
