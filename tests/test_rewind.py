@@ -418,3 +418,46 @@ def test_a_missing_step_names_the_saved_steps_nearest_it(tmp_path):
         assert saver.saved_steps() == [707, 806], name
     assert Checkpoints(None, lambda path, knobs: None,  # type: ignore[arg-type]
                        step=lambda: 0, directory=tmp_path / "none").saved_steps() == []
+
+
+@pytest.mark.parametrize("copy", ["kept", "too large"])
+def test_a_checkpoint_that_loads_part_way_changes_nothing_or_stops_the_run(
+        copy, run_dir, tmp_path, monkeypatch):
+    """A checkpoint of another model (its last layer one class wider): torch loads the
+    layers that match, then raises. Before, the training went on from that mix of two
+    models. Now the state as it was comes back (a host copy taken first) and the run
+    trains on bit for bit as its twin without the command; where no copy can be taken
+    (over its budget), the run stops at that boundary with an error event instead."""
+    twin = Loop(tmp_path / "twin")
+    twin.train(2)
+    assert twin.send("checkpoint", "now")["ok"]  # saved after step 3
+    twin.train(4)
+    want = [r["loss"] for r in twin.records() if r["type"] == "step"]
+    loop = Loop(tmp_path)
+    loop.train(2)
+    assert loop.send("checkpoint", "now")["ok"]
+    loop.train(1)
+    other = tmp_path / "other-model.pt"
+    state = torch.load(tmp_path / "step-00000003.pt", weights_only=True)
+    model_state = next(value for value in state.values() if isinstance(value, dict)
+                       and any(key.endswith("weight") for key in value))
+    last = [key for key in model_state if key.endswith("weight")][-1]
+    model_state[last] = torch.cat([model_state[last], model_state[last][:1]])
+    torch.save(state, other)
+    if copy == "too large":
+        monkeypatch.setattr("agent.integrations.run.ROLLBACK_BUDGET_BYTES", 16)
+    assert loop.send("rewind", str(other))["ok"]  # applies after step 4
+    loop.train(3 if copy == "kept" else 1)
+    records = loop.records()
+    events = [r for r in records if r["type"] == "event"]
+    [failed] = [e for e in events if e.get("kind") == "failed"]
+    assert failed["knob"] == "rewind" and "size mismatch" in failed["text"], failed
+    assert not [e for e in events if e.get("kind") == "branched"]
+    losses = [r["loss"] for r in records if r["type"] == "step"]
+    if copy == "kept":
+        assert loop.run.step == 6 and losses == want  # as if never sent
+        return
+    assert losses == want[:4] and loop.run.stop_requested == "now"
+    [stopped] = [e for e in events if "could not be put back either" in e["text"]]
+    assert stopped["level"] == "error" and "the training stops after step 4" in (
+        stopped["text"]) and "larger than the 16 B" in stopped["text"], stopped

@@ -511,7 +511,7 @@ class RunBase:
         except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
             return "error", (f"restoring the state of step {kept_step} failed "
                              f"({type(exc).__name__}: {exc}): training goes on from the "
-                             "weights as they are, with the previous setting")
+                             "state as it was, with the previous setting")
         text = (f"state restored to the boundary after step {kept_step}, where the change "
                 f"applied: model, optimizer, schedule, GradScaler, random numbers and data "
                 f"position ({format_bytes(size)} kept in host memory); {again} steps will "
@@ -537,15 +537,27 @@ class RunBase:
         command then keeps its distance from now
         (:meth:`agent.step.core.Agent.rewound`: a ``rescheduled`` event each).
 
+        All or nothing, on every rank: a host copy of the state as it is (within
+        :data:`ROLLBACK_BUDGET_BYTES`) is taken first; when :meth:`load_snapshot` fails on
+        any rank (a checkpoint of another model loads its matching layers, then raises),
+        every rank puts that copy back and raises, and the training goes on as if nothing
+        happened. Where no copy could be taken and the load failed part way, the run stops
+        at this boundary (an error event says why): it would train on from a state that
+        never existed.
+
         Returns:
             ``(the new branch's id, what is not as it was or None)``.
 
         Raises:
-            Exception: what :meth:`load_snapshot` raised (no new branch then; the
-                state may be partly put back).
+            Exception: what :meth:`load_snapshot` raised on this rank, or a RuntimeError
+                naming the rank it failed on (no new branch then; the state as it was).
+
+        .. note:: A collective (:func:`agent.integrations.ranks.agree`) with several
+           ranks: every rank calls it at the same boundary. Copies the state to host
+           memory once (a device sync on GPU), at this boundary only.
         """
         before = self.agent.knobs.values() if knobs is None else {}
-        differs = self.load_snapshot(snapshot)
+        differs = self._load_on_every_rank(snapshot)
         self.step = step
         self._kept = None  # a state kept for a rollback belongs to the branch left
         parent, self.branch = self.branch, self._last_branch + 1
@@ -594,6 +606,46 @@ class RunBase:
             return f"; lr_scale could not go back to {value:g} after the recovery ({exc})"
         self.agent.refresh_knobs()
         return f"; the recovery's scaled lr ends: lr_scale back to {value:g}"
+
+    def _load_on_every_rank(self, snapshot: Any) -> str | None:
+        """:meth:`load_snapshot` of ``snapshot`` on every rank, or on none (see
+        :meth:`rewind_state`); returns its answer."""
+        try:
+            safe, unsafe = self.state_snapshot(ROLLBACK_BUDGET_BYTES), ""
+        except StateTooLarge as exc:
+            safe, unsafe = None, (f"the state ({format_bytes(exc.size_bytes)}) is larger "
+                                  f"than the {format_bytes(ROLLBACK_BUDGET_BYTES)} a copy "
+                                  "may take")
+        except Exception as exc:  # noqa: BLE001 -- the load may still go well
+            safe, unsafe = None, f"it could not be copied ({type(exc).__name__}: {exc})"
+        error: Exception | None = None
+        differs = None
+        try:
+            differs = self.load_snapshot(snapshot)
+        except Exception as exc:  # noqa: BLE001 -- every rank must hear of it first
+            error = exc
+        failure = agree(None if error is None else f"{type(error).__name__}: {error}",
+                        self.device)
+        if failure is None:
+            return differs
+        try:
+            if safe is None:
+                raise RuntimeError(unsafe or "nothing was kept")
+            self.load_snapshot(safe)
+        except Exception as exc:  # noqa: BLE001 -- the run cannot go on from here
+            self.stop_requested = "now"
+            self.agent.mark_ending(f"stopped after step {self.step}: the state is partly "
+                                   "put back")
+            self.end_loop()
+            self.agent.event("error", f"putting a state back failed ({failure}) and the "
+                             f"state as it was could not be put back either ({exc}): the "
+                             f"training stops after step {self.step} rather than train "
+                             "on from a state that never existed", kind=EventKind.WARNING,
+                             step=self.step)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"putting the state back failed on {failure}: no rank puts it "
+                           "back, the training goes on")
 
     def read_checkpoint(self, path: Path) -> tuple[Any, int, dict[str, Any]]:
         """Read the checkpoint at ``path`` into :meth:`state_snapshot`'s form, for ``rewind``.
@@ -872,9 +924,8 @@ class RunBase:
         except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
             spikes.rearm()
             self.agent.event("error", f"{reason}; putting back the state of step "
-                             f"{kept_step} failed ({type(exc).__name__}: {exc}): training "
-                             "goes on from the weights as they are", kind=EventKind.WARNING,
-                             step=step)
+                             f"{kept_step} failed ({type(exc).__name__}: {exc}): not "
+                             "recovered", kind=EventKind.WARNING, step=step)
             return
         if lr_to is not None and lr_knob is not None:  # (after: a state may hold the
             try:                                        # lr_scale it had then)
