@@ -342,6 +342,8 @@ def test_a_loss_spike_is_recovered_from_on_every_rank_at_one_step(run_dir, tmp_p
     (``copy-20``, the loop), both go back to step 10, the latest state every rank holds
     (rank 0 went back to 20 and rank 1 to 10 before: the replicas split)."""
     ranks = _recovery_job(tmp_path, mode)
+    assert [len(saved["events"]) for saved in ranks] == [1, 1], [
+        (saved["events"], saved["problems"]) for saved in ranks]
     [first], [second] = (saved["events"] for saved in ranks)
     assert first["after"] == second["after"] > 23  # the one boundary of the fan-out
     for event in (first, second):
