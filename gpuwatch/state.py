@@ -707,20 +707,19 @@ class RunState:
 
     @property
     def status(self) -> str:
-        """The run's status: waiting, live, compiling, stalled, paused, evaluating, saving,
-        gone, quiet or ended.
+        """The run's status: waiting, live, compiling, stalled, paused, busy, gone, quiet, ended.
 
-        ``waiting``: nothing received yet. ``compiling``: a ``compiling`` event has come and
-        not its end (steps are slow, not stalled). ``stalled``: messages but no step for
-        :meth:`stall_after_s` (a heartbeat whose step moved counts as a step). ``paused``:
-        ``pause=on`` holds the run (:attr:`paused_after`, and no step after it), from its
-        applied event on. ``evaluating``,
-        ``saving``: as stalled, but an accepted ``evaluate`` / ``checkpoint`` command is due
-        at the boundary after the last step (:data:`BUSY_STATUSES`). ``gone``: no
-        message, heartbeats included, for :data:`GONE_AFTER_S`, and its process is not known
-        to be alive. ``quiet``: nothing heard for :data:`QUIET_AFTER_S` but its process is
-        alive. ``ended``: the run said ``bye``. A gone run whose messages come back is live
-        again."""
+        Busy is ``evaluating`` or ``saving``. ``waiting``: nothing received
+        yet. ``compiling``: a ``compiling`` event has come and not its end (steps are slow,
+        not stalled). ``stalled``: messages but no step for :meth:`stall_after_s` (a
+        heartbeat whose step moved counts as a step). ``paused``: ``pause=on`` holds the run
+        (:attr:`paused_after`, and no step after it), from its applied event on.
+        ``evaluating``, ``saving``: as stalled, but an accepted ``evaluate`` /
+        ``checkpoint`` command is due at the boundary after the last step
+        (:data:`BUSY_STATUSES`). ``gone``: no message, heartbeats included, for
+        :data:`GONE_AFTER_S`, and its process is not known to be alive. ``quiet``: nothing
+        heard for :data:`QUIET_AFTER_S` but its process is alive. ``ended``: the run said
+        ``bye``. A gone run whose messages come back is live again."""
         return self.status_at(time.monotonic())
 
     def note_pending(self, knob: str, value: Any, apply_step: int | None) -> None:

@@ -984,10 +984,10 @@ class RunBase:
         return None
 
     def drop_micro_batches(self, micro_batches: int) -> None:
-        """Training thread, after a recovery put a state back: draw the next ``micro_batches``
-        training micro-batches from the loader and drop them, untrained.
+        """Training thread, after a recovery: draw the next ``micro_batches`` and drop them.
 
-        By default through :attr:`position` (:meth:`gpuopt.position.DataPosition.drop`):
+        After a recovery put a state back: they are drawn from the loader, untrained. By
+        default through :attr:`position` (:meth:`gpuopt.position.DataPosition.drop`):
         as the iteration goes on, before the next micro-batch it yields."""
         self.position.drop(micro_batches)
 
