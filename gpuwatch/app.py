@@ -215,6 +215,7 @@ class GpuwatchApp(App[None]):
         self._chart_interval_s = CHART_REDRAW_S  # until the next draw (see CHART_CPU_SHARE)
         self._events_shown = 0
         self._state_shown: RunState | None = None  # a timeline replaces the state
+        self._log_epoch = 0  # the state's log_epoch drawn: another, the log is drawn afresh
         self._switching = False  # another run replaces this one (widgets recomposed)
         self._knob_names: frozenset[str] = frozenset()
         #: the threshold clipping had before ``g`` turned it off, by knob
@@ -375,10 +376,12 @@ class GpuwatchApp(App[None]):
             state = self.source.state
             now = self.source.now()  # the state's clock: a timeline's is its step's
             status = state.status_at(now)
-            if state is not self._state_shown:  # a timeline moved: draw it afresh
+            if (state is not self._state_shown  # a timeline moved: draw it afresh
+                    or state.log_epoch != self._log_epoch):  # lines put before the others
                 if self._state_shown is not None:
                     log.clear()
                 self._state_shown = state
+                self._log_epoch = state.log_epoch
                 self._events_shown = state.events_total - len(state.events)
                 self._charts_drawn = (-1, 0.0)
                 self._drawn = None
