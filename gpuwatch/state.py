@@ -280,9 +280,10 @@ class RunState:
             (cleared if the same run id speaks again: it was restarted).
         tune: the latest ``tune`` body (the in-run search: status, best, candidates),
             or None before any search.
-        events: the last :data:`EVENT_HISTORY` log entries; events_total counts all ever.
-            log_epoch: bumped when lines are put before those logged (the run's events
-            from before the dashboard joined, :meth:`add_earlier`): the log is redrawn.
+        events: the last :data:`EVENT_HISTORY` log entries; events_total counts all ever
+            logged (not those :meth:`add_earlier` puts first). log_epoch: bumped when
+            lines are put before those logged (the run's events from before the
+            dashboard joined, :meth:`add_earlier`): the log is drawn afresh.
         joined: ``(seq, type, t)`` of the first envelope of the shown rank folded (where
             the run log's records and the live ones meet), None before one with a seq.
         records: envelopes ingested. missed: records lost (sequence gaps).
@@ -762,14 +763,15 @@ class RunState:
         accepted commands not yet applied, its pause and its branches are taken where
         this state has heard nothing of them (a later event wins); ``activation``
         (``(step, bytes)``, the log's last measurement) where this state has none.
-        Bumps :attr:`log_epoch`."""
+        Bumps :attr:`log_epoch`; the lines put first are not counted in
+        :attr:`events_total` (they were not logged now: nothing holds them as news)."""
         lines = list(earlier.events)[-shown:] if shown > 0 else []
         left_out = earlier.events_total - len(lines)
         if left_out > 0:
             lines.insert(0, LogEntry("info", f"+{left_out:,} earlier events in the run log"))
-        self.events = deque([*lines, *self.events], maxlen=EVENT_HISTORY)
-        self.events_total += len(lines)
-        self.log_epoch += 1
+        if lines:
+            self.events = deque([*lines, *self.events], maxlen=EVENT_HISTORY)
+            self.log_epoch += 1
         for name, value in earlier.knobs.items():
             if name not in self.knobs and len(self.knobs) < MAX_KNOBS:
                 self.knobs[name] = value

@@ -271,7 +271,7 @@ def test_a_live_state_keeps_what_it_heard_after_joining_over_the_past():
     assert live.paused_after == 9 and live.status_at(live.last_seen_at) == "paused"
     assert live.knobs == {"accum_steps": 2, "checkpoint": "now", "lr_scale": 0.5,
                           "pause": "on"}  # (actions too, as the live path keeps them)
-    assert live.log_epoch == 1 and live.events_total == 6
+    assert live.log_epoch == 1 and live.events_total == 2  # the live lines
 
 
 def test_a_run_whose_log_cannot_be_read_says_where_its_earlier_events_are(run_dir,
