@@ -22,7 +22,8 @@ from gpuwatch.app import GpuwatchApp
 from gpuwatch.client import send_command
 from gpuwatch.history import flat_records
 from gpuwatch.sources.live import LiveSource
-from gpuwatch.sources.whole_run import EARLIER_EVENTS, HELD_RECORDS, EarlierEvents
+from gpuwatch.sources.whole_run import (EARLIER_EVENTS, HELD_RECORDS, MEET_WAIT_S,
+                                        EarlierEvents)
 from gpuwatch.state import Pending, RunState
 from gpuwatch.widgets.event_log import EventLog
 from tests.conftest import log_texts, until, wait_until
@@ -244,6 +245,26 @@ def test_the_log_and_the_live_records_meet_where_the_first_live_one_was_sent():
     earlier.add(_envelope("event", 7, 40.0, text="seq 7, live"))
     [state] = delivered
     assert [entry.text for entry in state.events] == ["seq 6"]
+
+
+def test_a_log_that_stops_before_the_first_live_record_is_delivered_saying_so():
+    """A log whose writer stopped (no record of the first live one, nor after it):
+    read to its end :data:`MEET_WAIT_S` after the first live record came, what it has is
+    delivered, after a line saying where it stops; not before then."""
+    delivered: list[RunState] = []
+    earlier = EarlierEvents(lambda state, activation: delivered.append(state))
+    earlier.add(_envelope("event", 1, 20.0, text="seq 1"))
+    earlier.join((90, "heartbeat", 50.0))
+    joined_at = earlier._joined_at
+    earlier.read_to_end(joined_at + MEET_WAIT_S / 2)
+    assert not delivered
+    earlier.read_to_end(joined_at + MEET_WAIT_S)
+    [state] = delivered
+    texts = [entry.text for entry in state.events]
+    assert texts[0] == "seq 1" and texts[1].startswith("the run log stops at ")
+    assert texts[1].endswith(" are not shown") and len(texts) == 2
+    earlier.read_to_end(joined_at + 2 * MEET_WAIT_S)
+    assert len(delivered) == 1  # once
 
 
 def test_a_live_state_keeps_what_it_heard_after_joining_over_the_past():

@@ -45,6 +45,9 @@ EARLIER_EVENTS = 100
 #: past this the oldest are taken as earlier (they were, but for a run that went
 #: silent before a record reached the dashboard).
 HELD_RECORDS = 256
+#: How long after the first live record the log may lack it (s): then the log stopped
+#: (its writer failed, the disk filled) and what it has is delivered, saying so.
+MEET_WAIT_S = 10.0
 #: The records that change what the event log and the panels show of the past.
 _FOLDED = frozenset({protocol.EVENT, protocol.STATE, protocol.BYE})
 
@@ -91,6 +94,8 @@ class EarlierEvents:
                                          None]) -> None:
         self._deliver = deliver
         self._joined: tuple[int, Any, float | None] | None = None
+        self._joined_at = 0.0  # when it was known (monotonic s)
+        self._last_t: float | None = None  # the time of the latest record read (unix s)
         self._state = RunState()
         self._held: deque[dict[str, Any]] = deque()
         self._activation: tuple[int | None, float] | None = None
@@ -101,7 +106,25 @@ class EarlierEvents:
 
         Any thread; the first call counts."""
         if self._joined is None:
+            self._joined_at = time.monotonic()
             self._joined = joined
+
+    def read_to_end(self, now: float | None = None) -> None:
+        """The log was read to its end (reading thread): if it still lacks the first live
+        record :data:`MEET_WAIT_S` after it came (monotonic ``now``), deliver what it has,
+        with a line saying it stops there."""
+        joined = self._joined
+        if now is None:
+            now = time.monotonic()
+        if self.delivered or joined is None or now - self._joined_at < MEET_WAIT_S:
+            return
+        if self._fold_held(joined):  # (it was among them after all)
+            return
+        stops, joined_at = (local_time(t, "%H:%M:%S") for t in (self._last_t, joined[2]))
+        self._state.log("warning", f"the run log stops at {stops}: events from then until "
+                        f"{joined_at} are not shown")
+        self.delivered = True
+        self._deliver(self._state, self._activation)
 
     def unreadable(self, path: str) -> None:
         """The log at ``path`` cannot be read: once the first live record is known,
@@ -120,6 +143,7 @@ class EarlierEvents:
         if self.delivered:
             return
         kind = envelope.get("type")
+        self._last_t = number(envelope.get("t")) or self._last_t
         if kind == protocol.STEPS:
             self._measure(envelope)
         # a record not folded is held as its head only (where it is is all it tells)
@@ -131,8 +155,9 @@ class EarlierEvents:
         elif len(self._held) > HELD_RECORDS:
             self._fold(self._held.popleft())
 
-    def _fold_held(self, joined: tuple[int, Any, float | None]) -> None:
-        """Fold the records held up to the first live one; deliver when it is among them."""
+    def _fold_held(self, joined: tuple[int, Any, float | None]) -> bool:
+        """Fold the records held up to the first live one; deliver when it is among them
+        (then True)."""
         while self._held:
             held = self._held.popleft()
             if self._meets(held, joined):
@@ -140,8 +165,9 @@ class EarlierEvents:
                 self.delivered = True
                 self._deliver(self._state, self._activation)
                 self._state = RunState()  # (what was delivered is the receiver's)
-                return
+                return True
             self._fold(held)
+        return False
 
     def _fold(self, held: dict[str, Any]) -> None:
         if held.get("type") in _FOLDED:
@@ -260,6 +286,8 @@ class WholeRun:
                 self._publish(builder, loaded=self.loaded.is_set())
                 published_at = time.monotonic()
         self._publish(builder, loaded=True)
+        if self.earlier is not None:
+            self.earlier.read_to_end()
         return resume
 
     def _publish(self, builder: HistoryBuilder, *, loaded: bool) -> None:
