@@ -215,6 +215,7 @@ class GpuwatchApp(App[None]):
         self._chart_interval_s = CHART_REDRAW_S  # until the next draw (see CHART_CPU_SHARE)
         self._events_shown = 0
         self._state_shown: RunState | None = None  # a timeline replaces the state
+        self._log_epoch = 0  # the state's log_epoch drawn: another, the log is drawn afresh
         self._switching = False  # another run replaces this one (widgets recomposed)
         self._knob_names: frozenset[str] = frozenset()
         #: the threshold clipping had before ``g`` turned it off, by knob
@@ -375,11 +376,18 @@ class GpuwatchApp(App[None]):
             state = self.source.state
             now = self.source.now()  # the state's clock: a timeline's is its step's
             status = state.status_at(now)
-            if state is not self._state_shown:  # a timeline moved: draw it afresh
+            afresh = False  # the whole log drawn again
+            if state is not self._state_shown or state.log_epoch != self._log_epoch:
+                # a timeline moved, or the run's events from before the first record
+                # received were put first (not counted in events_total: not news)
                 if self._state_shown is not None:
                     log.clear()
+                afresh = True
+                self._log_epoch = state.log_epoch
+            if state is not self._state_shown:
                 self._state_shown = state
-                self._events_shown = state.events_total - len(state.events)
+                self._events_shown = state.events_total - min(state.events_total,
+                                                              len(state.events))
                 self._charts_drawn = (-1, 0.0)
                 self._drawn = None
             previous = self._drawn[1] if self._drawn is not None else None
@@ -427,12 +435,13 @@ class GpuwatchApp(App[None]):
             new = min(state.events_total - self._events_shown, len(state.events))
             entries = list(state.events)[len(state.events) - new:] if new > 0 else []
             self._events_shown = state.events_total
+            drawn_log = list(state.events) if afresh else entries
             self.query_one(LastEvent).show(  # a replay's warnings are not held
                 state.events[-1] if state.events else None,
                 entries if self.source.info is not None else (), log_shown=log.display,
                 progress=compile_label(state, now) if status == "compiling"
                 and state.compiling_since is not None else None)
-        for entry in entries:
+        for entry in drawn_log:
             log.add(entry)
         if knob_names != self._knob_names:  # the keys of knobs the run lacks go away
             self._knob_names = knob_names

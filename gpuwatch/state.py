@@ -280,7 +280,12 @@ class RunState:
             (cleared if the same run id speaks again: it was restarted).
         tune: the latest ``tune`` body (the in-run search: status, best, candidates),
             or None before any search.
-        events: the last :data:`EVENT_HISTORY` log entries; events_total counts all ever.
+        events: the last :data:`EVENT_HISTORY` log entries; events_total counts all ever
+            logged (not those :meth:`add_earlier` puts first). log_epoch: bumped when
+            lines are put before those logged (the run's events from before the
+            dashboard joined, :meth:`add_earlier`): the log is drawn afresh.
+        joined: ``(seq, type, t)`` of the first envelope of the shown rank folded (where
+            the run log's records and the live ones meet), None before one with a seq.
         records: envelopes ingested. missed: records lost (sequence gaps).
         message_t: the ``t`` (unix time, s) of the latest envelope, None if it had none.
         primary_rank: the rank whose records fill the charts, panels and log (the first
@@ -346,6 +351,11 @@ class RunState:
         self.paused_after: int | None = None
         self.events: deque[LogEntry] = deque(maxlen=EVENT_HISTORY)
         self.events_total = 0
+        self.log_epoch = 0
+        self.joined: tuple[int, Any, float | None] | None = None
+        #: knobs (``pause`` included) an event folded here named: the run said what
+        #: became of them, so the events before it say nothing newer (:meth:`add_earlier`)
+        self._knobs_told: set[str] = set()
         self.records = 0
         self.malformed = 0
         self.version = 0
@@ -463,6 +473,8 @@ class RunState:
             self.run_id = bounded(message.get("run"))
         self._gaps.observe(message)
         msg_type: Any = message.get("type")  # as decoded: any value; one with no fold is ignored
+        if self.joined is None and type(message.get("seq")) is int:
+            self.joined = (message["seq"], msg_type, self.message_t)
         if self.ended is not None and msg_type != protocol.BYE:
             self.ended = None  # the same run id speaks after bye: restarted by its agent
             self.first_seen_at, self.last_step_at = now, None  # stalled counts afresh
@@ -740,6 +752,41 @@ class RunState:
         self.events_total += 1
         self.version += 1
 
+    def add_earlier(self, earlier: RunState, *, shown: int,
+                    activation: tuple[int | None, float] | None = None) -> None:
+        """Put the run's past before what this state folded since it joined the run.
+
+        ``earlier`` is the run's records before :attr:`joined` (from its log) folded into
+        a state of their own, as the live path folds them. Its last ``shown`` log lines go
+        before this state's, after a line counting those left out; its knob values, its
+        accepted commands not yet applied, its pause and its branches are taken where
+        this state has heard nothing of them (a later event wins); ``activation``
+        (``(step, bytes)``, the log's last measurement) where this state has none.
+        Bumps :attr:`log_epoch`; the lines put first are not counted in
+        :attr:`events_total` (they were not logged now: nothing holds them as news)."""
+        lines = list(earlier.events)[-shown:] if shown > 0 else []
+        left_out = earlier.events_total - len(lines)
+        if left_out > 0:
+            lines.insert(0, LogEntry("info", f"+{left_out:,} earlier events in the run log"))
+        if lines:
+            self.events = deque([*lines, *self.events], maxlen=EVENT_HISTORY)
+            self.log_epoch += 1
+        for name, value in earlier.knobs.items():
+            if name not in self.knobs and len(self.knobs) < MAX_KNOBS:
+                self.knobs[name] = value
+        for name, pending in earlier.pending.items():
+            if (name not in self._knobs_told and name not in self.pending
+                    and self.knobs.get(name, _MISSING) != pending.value):
+                self.pending[name] = pending
+        if "pause" not in self._knobs_told and self.paused_after is None:
+            self.paused_after = earlier.paused_after
+        if len(self.tree) == 1 and len(earlier.tree) > 1:
+            self.tree = earlier.tree
+        if activation is not None and self.activation_bytes is None:
+            self.activation_bytes = activation[1]
+            self.activation_history.appendleft(activation)
+        self.version += 1
+
     def _fold_hello(self, body: dict[str, Any], now: float) -> None:
         body = bounded(body)
         if not self.hello:  # errors the run had before this dashboard came (no log, ...)
@@ -923,6 +970,8 @@ class RunState:
             knob = None  # no knob of ours has such a name
         kind = body.get("kind")
         step = body.get("step")
+        if type(knob) is str and len(self._knobs_told) < MAX_KNOBS:
+            self._knobs_told.add(knob)
         if kind == _KIND.ACCEPTED and knob in BUSY_STATUSES and type(step) is int:
             self.pending[knob] = Pending(body.get("value"), step)  # any client's command
         if kind in _KIND.SETTLING and knob in self.pending:

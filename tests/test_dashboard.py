@@ -1344,7 +1344,7 @@ async def test_text_typed_after_a_colon_goes_to_the_command_line_however_fast(ma
                                "checkpointing": False, "cpu_threads": 1}
         assert agent.commands.empty()  # nothing else was sent ...
         assert [text for text in log_texts(app)  # ... asked, or said
-                if not text.startswith(("waiting for", "run is live"))] == [
+                if not text.startswith(("waiting for", "run is live", "events before"))] == [
             "sent cpu_threads=1", *(t for t in log_texts(app) if t.startswith(
                 "cpu_threads=1 accepted")), *(t for t in log_texts(app) if t.startswith(
                     "cpu_threads=1 applied"))]

@@ -24,7 +24,10 @@ events reach the log.
 The charts show the whole run from step 1: the run's log (its run file's ``log_path``)
 is read by :class:`~gpuwatch.sources.whole_run.WholeRun` in a thread of its own, which
 this source's thread never waits for (not when it follows rank 0 of another node: that
-log is on the other machine).
+log is on the other machine). The same reading fills the event log with the run's events
+before the first record received (:class:`~gpuwatch.sources.whole_run.EarlierEvents`),
+and the panels with what they imply; where the log cannot be read, one line says where
+those events are.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from agent.wire.runs import RunInfo, list_runs, run_ranks
 from gpuwatch import state as run_state
 from gpuwatch.client import Subscriber
 from gpuwatch.sources import Source
-from gpuwatch.sources.whole_run import WholeRun
+from gpuwatch.sources.whole_run import EARLIER_EVENTS, EarlierEvents, WholeRun
+from gpuwatch.units import local_time
 
 #: How long the thread waits for a message before checking whether to stop (s).
 POLL_S = 0.1
@@ -85,8 +89,34 @@ class LiveSource(Source):
             relays, _ = remote_relays(info.run_id, info.world_size, {info.node})
             if any(0 in entry["ranks"] for _, entry, _ in relays):
                 self.state.primary_rank = 0
+        #: the run's records before the first one received, from its log (None: no
+        #: log here to read them from)
+        self._earlier: EarlierEvents | None = None
+        self._joined = False  # the first record received was handed on
         if info.log_path and self.state.primary_rank == info.rank:  # the charts' rank
-            self.whole = WholeRun(info.log_path)  # the run from step 1, from its log
+            self._earlier = EarlierEvents(self._add_earlier)
+            # the run from step 1, and its events before this dashboard, from its log
+            self.whole = WholeRun(info.log_path, earlier=self._earlier)
+
+    def _add_earlier(self, earlier: run_state.RunState,
+                     activation: tuple[int | None, float] | None) -> None:
+        """Put the run's events before the first record received before the others
+        (the log reader's thread)."""
+        with self.lock:
+            self.state.add_earlier(earlier, shown=EARLIER_EVENTS, activation=activation)
+
+    def _join(self, joined: tuple[int, object, float | None]) -> None:
+        """The first record of the shown rank was received: ``(seq, type, t)``; where
+        the run's earlier events come from, or one line saying where they are."""
+        self._joined = True
+        if self._earlier is not None:
+            self._earlier.join(joined)
+            return
+        before = local_time(joined[2], "%H:%M:%S")
+        where = ("are in rank 0's run log, on its node" if self.state.primary_rank
+                 != self._info.rank else "are not shown: the run keeps no run log")
+        with self.lock:
+            self.state.log("info", f"events before {before} {where}")
 
     def _subscribe(self, info: RunInfo) -> Subscriber | None:
         try:
@@ -140,7 +170,10 @@ class LiveSource(Source):
                         else:
                             self.state.ingest(message, now)
                     hello = self.state.hello
+                    joined = self.state.joined
                     speaker = (hello.get("pid"), hello.get("started_at")) if hello else None
+                if joined is not None and not self._joined:
+                    self._join(joined)
                 adopted = (self._info.pid, self._info.started_at)
                 if (speaker is not None and speaker != adopted and self._info.run_id != "?"
                         and self.state.primary_rank == self._info.rank

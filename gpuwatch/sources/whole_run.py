@@ -11,19 +11,26 @@ memory bounded whatever the run's length, and read again from where it stopped e
 one immutable :class:`Past` (replaced whole, so the app reads it without a lock) every
 :data:`PUBLISH_S` while reading: a 10M-step log fills in from step 1 as it is read. The
 live source's thread never waits for this one; this one never writes the log.
+
+The same reading gives a live dashboard the run's events before it joined
+(:class:`EarlierEvents`): the records before the first one it received live, folded as
+the live path folds them, handed to it once the log has been read to where the two meet.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import NamedTuple
+from collections import deque
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from agent.wire import protocol
 from agent.wire.runlog import BranchPath, BranchTree
 from gpuwatch import history
-from gpuwatch.history import HistoryBuilder, LogReader, Position, on_path
-from gpuwatch.state import KnobChange
+from gpuwatch.history import HistoryBuilder, LogReader, Position, number, on_path
+from gpuwatch.state import KnobChange, RunState, bounded
+from gpuwatch.units import local_time
 
 #: How often the log is read again for the records appended since (s).
 FOLLOW_S = 1.0
@@ -31,6 +38,18 @@ FOLLOW_S = 1.0
 PUBLISH_S = 0.25
 #: The fields published: what the dashboard's step charts and throughput draw.
 FIELDS = ("step_time_s", "data_wait_s", "loss", "samples_per_s", "tokens_per_s")
+#: The run's events before a live dashboard joined that its event log shows at most
+#: (the last ones; a line counts the others).
+EARLIER_EVENTS = 100
+#: Records held, read before the dashboard's first live record was known, at most;
+#: past this the oldest are taken as earlier (they were, but for a run that went
+#: silent before a record reached the dashboard).
+HELD_RECORDS = 256
+#: How long after the first live record the log may lack it (s): then the log stopped
+#: (its writer failed, the disk filled) and what it has is delivered, saying so.
+MEET_WAIT_S = 10.0
+#: The records that change what the event log and the panels show of the past.
+_FOLDED = frozenset({protocol.EVENT, protocol.STATE, protocol.BYE})
 
 
 class Past(NamedTuple):
@@ -51,6 +70,141 @@ class Past(NamedTuple):
     loaded: bool
 
 
+class EarlierEvents:
+    """The run's records before a live dashboard joined it, folded from its log.
+
+    The reading thread gives every record of the log in order (:meth:`add`); the live
+    source says which record it received first (:meth:`join`). The records before it
+    (those with a lower ``seq``, or the same ``seq`` and another type: a greeting repeats
+    the latest ``seq``; an earlier process's, whatever their ``seq``, as they are older
+    than the first one received) are folded into a :class:`~gpuwatch.state.RunState` of
+    their own, as the live path folds them; once the log is read to where the live
+    records start (a record of a ``seq`` after it, sent after it), ``deliver`` gets that
+    state and the log's last activation measurement, once.
+
+    Args:
+        deliver: called with ``(state, activation)`` in the reading thread; activation:
+            ``(step, bytes)`` or None.
+
+    Cost: memory bounded (:data:`HELD_RECORDS` records at most, a state of bounded size);
+    about 1 us a record read (a steps batch: one look at its activation column).
+    """
+
+    def __init__(self, deliver: Callable[[RunState, tuple[int | None, float] | None],
+                                         None]) -> None:
+        self._deliver = deliver
+        self._joined: tuple[int, Any, float | None] | None = None
+        self._joined_at = 0.0  # when it was known (monotonic s)
+        self._last_t: float | None = None  # the time of the latest record read (unix s)
+        self._state = RunState()
+        self._held: deque[dict[str, Any]] = deque()
+        self._activation: tuple[int | None, float] | None = None
+        self.delivered = False
+
+    def join(self, joined: tuple[int, Any, float | None]) -> None:
+        """The first record received live: ``(seq, type, t)`` (:attr:`RunState.joined`).
+
+        Any thread; the first call counts."""
+        if self._joined is None:
+            self._joined_at = time.monotonic()
+            self._joined = joined
+
+    def read_to_end(self, now: float | None = None) -> None:
+        """The log was read to its end (reading thread): if it still lacks the first live
+        record :data:`MEET_WAIT_S` after it came (monotonic ``now``), deliver what it has,
+        with a line saying it stops there."""
+        joined = self._joined
+        if now is None:
+            now = time.monotonic()
+        if self.delivered or joined is None or now - self._joined_at < MEET_WAIT_S:
+            return
+        if self._fold_held(joined):  # (it was among them after all)
+            return
+        stops, joined_at = (local_time(t, "%H:%M:%S") for t in (self._last_t, joined[2]))
+        self._state.log("warning", f"the run log stops at {stops}: events from then until "
+                        f"{joined_at} are not shown")
+        self.delivered = True
+        self._deliver(self._state, self._activation)
+
+    def unreadable(self, path: str) -> None:
+        """The log at ``path`` cannot be read: once the first live record is known,
+        deliver one line that says where the run's earlier events are."""
+        joined = self._joined
+        if self.delivered or joined is None:
+            return
+        self.delivered = True
+        self._state.log("warning", f"events before {local_time(joined[2], '%H:%M:%S')} are "
+                        f"in the run log {path}, which cannot be read here (not a "
+                        "regular file)")
+        self._deliver(self._state, None)
+
+    def add(self, envelope: dict[str, Any]) -> None:
+        """Take the next record of the log (reading thread, in the log's order)."""
+        if self.delivered:
+            return
+        kind = envelope.get("type")
+        self._last_t = number(envelope.get("t")) or self._last_t
+        if kind == protocol.STEPS:
+            self._measure(envelope)
+        # a record not folded is held as its head only (where it is is all it tells)
+        self._held.append(bounded(envelope) if kind in _FOLDED else {
+            key: envelope.get(key) for key in ("type", "seq", "t")})
+        joined = self._joined
+        if joined is not None:
+            self._fold_held(joined)
+        elif len(self._held) > HELD_RECORDS:
+            self._fold(self._held.popleft())
+
+    def _fold_held(self, joined: tuple[int, Any, float | None]) -> bool:
+        """Fold the records held up to the first live one; deliver when it is among them
+        (then True)."""
+        while self._held:
+            held = self._held.popleft()
+            if self._meets(held, joined):
+                self._held.clear()
+                self.delivered = True
+                self._deliver(self._state, self._activation)
+                self._state = RunState()  # (what was delivered is the receiver's)
+                return True
+            self._fold(held)
+        return False
+
+    def _fold(self, held: dict[str, Any]) -> None:
+        if held.get("type") in _FOLDED:
+            self._state.ingest(held, 0.0)  # (the time folded: no one asks this state)
+
+    @staticmethod
+    def _meets(envelope: dict[str, Any], joined: tuple[int, Any, float | None]) -> bool:
+        """Whether ``envelope`` is the first live record or one sent after it."""
+        seq, kind, t = joined
+        own_seq, own_t = envelope.get("seq"), envelope.get("t")
+        if type(own_seq) is not int or not isinstance(own_t, (int, float)) or t is None:
+            return False
+        if own_seq == seq:
+            return envelope.get("type") == kind and own_t == t
+        return own_seq > seq and own_t >= t  # (an earlier process's is older)
+
+    def _measure(self, envelope: dict[str, Any]) -> None:
+        """Keep the batch's last activation measurement (a column of numbers, a list or
+        an array, NaN or None where a step did not measure)."""
+        columns = envelope["body"].get("columns") or {}
+        values = columns.get("activation_bytes")
+        if values is None:
+            return
+        steps = columns.get("step")
+        for row in range(len(values) - 1, -1, -1):
+            measured = _number(values[row])
+            if measured is not None and measured >= 0:
+                step = _number(steps[row]) if steps is not None and row < len(steps) else None
+                self._activation = (None if step is None else int(step), measured)
+                return
+
+
+def _number(value: Any) -> float | None:
+    """A column's value, a Python or a numpy number, as a finite float; None for others."""
+    return number(value.item() if hasattr(value, "item") else value)
+
+
 class WholeRun:
     """A run log read from its first step, then followed, in a daemon thread.
 
@@ -61,6 +215,8 @@ class WholeRun:
             its :func:`gpuwatch.history.log_summary`'s). By default every record, the
             view following the branch being trained: at each ``branched`` event it
             goes back to the fork step (:meth:`gpuwatch.history.Overview.cut`).
+        earlier: given every record read, for a live dashboard's event log (the run's
+            events before it joined); told when the log cannot be read.
 
     Attributes:
         past: the latest :class:`Past`, None until the first is published.
@@ -72,8 +228,10 @@ class WholeRun:
     log is looked for again every :data:`FOLLOW_S`).
     """
 
-    def __init__(self, path: str, *, branch: tuple[BranchTree, int] | None = None) -> None:
+    def __init__(self, path: str, *, branch: tuple[BranchTree, int] | None = None,
+                 earlier: EarlierEvents | None = None) -> None:
         self.path = path
+        self.earlier = earlier
         self._branch = None if branch is None else BranchPath(*branch)
         self.past: Past | None = None
         self.loaded = threading.Event()
@@ -96,6 +254,8 @@ class WholeRun:
         start: Position | None = None
         while not self._stop.is_set():
             log = history.log_at(self.path)  # again: the run may have started a part
+            if log is None and self.earlier is not None:
+                self.earlier.unreadable(self.path)
             if log is not None:
                 if builder is None:
                     builder = HistoryBuilder(log, overview=True, whole=False)
@@ -113,6 +273,8 @@ class WholeRun:
         published_at = time.monotonic()
         for position, envelope in reader:
             resume = position._replace(item=position.item + 1)  # after this record
+            if self.earlier is not None:
+                self.earlier.add(envelope)
             if (kept := on_path(self._branch, envelope)) is None:
                 continue
             envelope = kept
@@ -124,6 +286,8 @@ class WholeRun:
                 self._publish(builder, loaded=self.loaded.is_set())
                 published_at = time.monotonic()
         self._publish(builder, loaded=True)
+        if self.earlier is not None:
+            self.earlier.read_to_end()
         return resume
 
     def _publish(self, builder: HistoryBuilder, *, loaded: bool) -> None:
