@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = trainer.fit(max_steps=args.max_steps)
     finally:
         loader.close()
+    monitor.close()  # bye and the run file gone before the last line: `gpuwatch demo`
+    # waits for either, and its own words would otherwise come after this line
     print(f"{DEMO_ENDED}{steps} optimizer steps", flush=True)
     return 0
 

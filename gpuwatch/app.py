@@ -217,6 +217,9 @@ class GpuwatchApp(App[None]):
         self._state_shown: RunState | None = None  # a timeline replaces the state
         self._log_epoch = 0  # the state's log_epoch drawn: another, the log is drawn afresh
         self._switching = False  # another run replaces this one (widgets recomposed)
+        #: the first frame is up (Textual's Ready); an exit asked before it waits for it
+        self._up = False
+        self._exit_asked = False
         self._knob_names: frozenset[str] = frozenset()
         #: the threshold clipping had before ``g`` turned it off, by knob
         self._clip_restore: dict[str, float] = {}
@@ -350,6 +353,20 @@ class GpuwatchApp(App[None]):
         self._start_source()
         self.set_interval(REDRAW_S, self.redraw)
         self.redraw()
+
+    def on_ready(self) -> None:
+        self._up = True
+        if self._exit_asked:
+            self.exit()
+
+    def end(self) -> None:
+        """Exit as ``q`` does, at once, or once the first frame is up: what a signal
+        handler calls (SIGTERM, SIGHUP), any time from the start (an exit while the
+        widgets mount tore them down under their own handlers: tracebacks, exit 1)."""
+        if self._up:
+            self.exit()
+        else:
+            self._exit_asked = True
 
     def _start_source(self) -> None:
         with self.source.lock:

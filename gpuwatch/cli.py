@@ -277,7 +277,7 @@ def _watch(info: RunInfo, *, readonly: bool, quick_keys: bool,
     app = GpuwatchApp(LiveSource(info), readonly=readonly,
                       quick_keys=quick_keys or None,  # else $GPUWATCH_QUICK_KEYS
                       notes=notes)
-    _end_on_signals(app.exit)  # the terminal put back, as on q
+    _end_on_signals(app.end)  # the terminal put back, as on q
     try:
         app.run()
     except OSError as exc:
