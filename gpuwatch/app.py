@@ -360,9 +360,11 @@ class GpuwatchApp(App[None]):
             self.exit()
 
     def end(self) -> None:
-        """Exit as ``q`` does, at once, or once the first frame is up: what a signal
-        handler calls (SIGTERM, SIGHUP), any time from the start (an exit while the
-        widgets mount tore them down under their own handlers: tracebacks, exit 1)."""
+        """Exit as ``q`` does: at once, or once the first frame is up.
+
+        What a signal handler calls (SIGTERM, SIGHUP), any time from the start (an exit
+        while the widgets mount tore them down under their own handlers: tracebacks,
+        exit 1)."""
         if self._up:
             self.exit()
         else:

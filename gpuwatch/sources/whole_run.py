@@ -110,9 +110,10 @@ class EarlierEvents:
             self._joined = joined
 
     def read_to_end(self, now: float | None = None) -> None:
-        """The log was read to its end (reading thread): if it still lacks the first live
-        record :data:`MEET_WAIT_S` after it came (monotonic ``now``), deliver what it has,
-        with a line saying it stops there."""
+        """The log was read to its end (reading thread): deliver it if it stops short.
+
+        If it still lacks the first live record :data:`MEET_WAIT_S` after it came
+        (monotonic ``now``), what it has is delivered, with a line saying it stops there."""
         joined = self._joined
         if now is None:
             now = time.monotonic()
@@ -127,8 +128,9 @@ class EarlierEvents:
         self._deliver(self._state, self._activation)
 
     def unreadable(self, path: str) -> None:
-        """The log at ``path`` cannot be read: once the first live record is known,
-        deliver one line that says where the run's earlier events are."""
+        """The log at ``path`` cannot be read: say where the run's earlier events are.
+
+        Once the first live record is known: one line, delivered in place of them."""
         joined = self._joined
         if self.delivered or joined is None:
             return
