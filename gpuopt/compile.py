@@ -118,14 +118,21 @@ def compile_support(backend: str, device_type: str, *, thorough: bool = True) ->
     elif device_type == "cuda":
         from torch.utils._triton import has_triton
 
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        major, minor = torch.cuda.get_device_capability()
-        if major < 7:
-            return (f"inductor needs a GPU of compute capability 7.0+ for Triton, "
-                    f"{torch.cuda.get_device_name()} is {major}.{minor}")
-        if not has_triton():
-            return "inductor on CUDA needs Triton, which is not installed"
+        return _inductor_cuda_problem(has_triton)
+    return None
+
+
+def _inductor_cuda_problem(triton_installed: Callable[[], bool]) -> str | None:
+    """Why inductor cannot run on this CUDA device (no CUDA, compute capability under
+    7.0, ``triton_installed()`` False), or None. Never synchronizes the device."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 7:
+        return (f"inductor needs a GPU of compute capability 7.0+ for Triton, "
+                f"{torch.cuda.get_device_name()} is {major}.{minor}")
+    if not triton_installed():
+        return "inductor on CUDA needs Triton, which is not installed"
     return None
 
 
@@ -147,15 +154,8 @@ def _quick_compile_support(backend: str, device_type: str) -> str | None:
         if not any(name and shutil.which(name) for name in compilers):
             return ("inductor on CPU needs a C++ compiler (g++ or clang++ on PATH): none "
                     "found")
-    elif device_type == "cuda":
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        major, minor = torch.cuda.get_device_capability()
-        if major < 7:
-            return (f"inductor needs a GPU of compute capability 7.0+ for Triton, "
-                    f"{torch.cuda.get_device_name()} is {major}.{minor}")
-        if importlib.util.find_spec("triton") is None:
-            return "inductor on CUDA needs Triton, which is not installed"
+    elif device_type == "cuda":  # (Triton found, not imported)
+        return _inductor_cuda_problem(lambda: importlib.util.find_spec("triton") is not None)
     return None
 
 

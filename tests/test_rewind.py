@@ -89,9 +89,10 @@ class Loop:
         return list(flat_records(path))
 
 
-def test_a_bad_rewind_is_refused_at_once_with_the_reason_and_changes_nothing(run_dir,
-                                                                             tmp_path):
-    twin = Loop(tmp_path / "twin")  # the run without the commands refused
+def _twin_and_saved(tmp_path: Path) -> tuple[list[float], Loop]:
+    """The losses of a twin's 6 steps (a checkpoint after step 3, no other command), and
+    a loop at step 2 with the same checkpoint asked for (saved after its step 3)."""
+    twin = Loop(tmp_path / "twin")
     twin.train(2)
     assert twin.send("checkpoint", "now")["ok"]  # saved after step 3
     twin.train(4)
@@ -99,6 +100,12 @@ def test_a_bad_rewind_is_refused_at_once_with_the_reason_and_changes_nothing(run
     loop = Loop(tmp_path)
     loop.train(2)
     assert loop.send("checkpoint", "now")["ok"]
+    return want, loop
+
+
+def test_a_bad_rewind_is_refused_at_once_with_the_reason_and_changes_nothing(run_dir,
+                                                                             tmp_path):
+    want, loop = _twin_and_saved(tmp_path)  # (the twin: without the commands refused)
     loop.train(2)
     saved = tmp_path / "step-00000003.pt"
     assert saved.is_file()
@@ -428,14 +435,7 @@ def test_a_checkpoint_that_loads_part_way_changes_nothing_or_stops_the_run(
     models. Now the state as it was comes back (a host copy taken first) and the run
     trains on bit for bit as its twin without the command; where no copy can be taken
     (over its budget), the run stops at that boundary with an error event instead."""
-    twin = Loop(tmp_path / "twin")
-    twin.train(2)
-    assert twin.send("checkpoint", "now")["ok"]  # saved after step 3
-    twin.train(4)
-    want = [r["loss"] for r in twin.records() if r["type"] == "step"]
-    loop = Loop(tmp_path)
-    loop.train(2)
-    assert loop.send("checkpoint", "now")["ok"]
+    want, loop = _twin_and_saved(tmp_path)
     loop.train(1)
     other = tmp_path / "other-model.pt"
     state = torch.load(tmp_path / "step-00000003.pt", weights_only=True)
