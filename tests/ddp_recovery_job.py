@@ -15,7 +15,10 @@ other rank waits for it in DDP's all-reduce), and the job trains on
 until it was done and step 40 is reached. ``MODE``: ``loop`` or ``fabric``; or, in
 the loop, one that makes rank 1's copy of its state fail at one step: ``copy-20`` at
 step 20 (rank 0 holds step 20's state, rank 1 only step 10's), ``copy-2`` at step 2,
-where ``recover=on`` applies (the job then trains to step 40 with recover off). Each
+where ``recover=on`` applies (the job then trains to step 40 with recover off); or
+``position``: rank 1's data position cannot be read once the spike began (its
+``state_dict`` raises after step 20), so the recovery, which reads it, cannot go on
+there (the job trains to step 40 after the warning that says so). Each
 rank saves ``OUT/<MODE>-rank<N>.pt``: its ``branched`` events, the step each came after,
 its warnings and failed events, its ``recover`` value at the end, and the final
 parameters."""
@@ -67,6 +70,8 @@ def main(out: Path, mode: str) -> None:
             recovered.set()
         elif record["type"] == "event" and record.get("kind") in ("warning", "failed"):
             problems.append({key: record.get(key) for key in ("kind", "knob", "text")})
+            if "not recovered" in record["text"]:
+                recovered.set()  # (the recovery's answer: none)
 
     if mode.startswith("copy-") and rank == 1:
         failing_step, snapshot = int(mode.removeprefix("copy-")), run.state_snapshot
@@ -77,6 +82,15 @@ def main(out: Path, mode: str) -> None:
             return snapshot(*args, **kwargs)
 
         run.state_snapshot = state_snapshot
+    if mode == "position" and rank == 1:
+        read = run.position.state_dict
+
+        def position_state() -> dict:
+            if run.step > 20:
+                raise OSError("injected: rank 1's data position cannot be read")
+            return read()
+
+        run.position.state_dict = position_state
     run.agent.add_listener(listener)
     POISON.micro_batches, POISON.trained = range(41, 47), 0
     while not (run.step >= STEPS and recovered.is_set()):

@@ -368,3 +368,26 @@ def test_recover_on_failing_on_one_rank_stays_off_on_every_rank(run_dir, tmp_pat
             failed["text"]) and "no rank turns recover on" in failed["text"], failed
     for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.slow
+def test_a_recovery_one_rank_cannot_make_is_made_by_no_rank(run_dir, tmp_path):
+    """DDP on gloo, 2 ranks, ``recover=on``: rank 1's data position cannot be read where
+    the recovery applies (``position``: its ``state_dict`` raises after step 20). No rank
+    goes back: the job ends (within :data:`tests.jobs.JOB_TIMEOUT_S`), both ranks say so
+    with rank 1's reason, and their parameters end bit-equal (about 13 s on 2 busy
+    cores). Before, rank 1 alone refused and trained on while rank 0 put step 20's state
+    back and waited for it in the load's collective, which crossed rank 1's DDP
+    all-reduces until rank 1 ended and left rank 0 with step 20's state: the replicas
+    split."""
+    ranks = _recovery_job(tmp_path, "position")
+    said = [[problem["text"] for problem in saved["problems"]] for saved in ranks]
+    assert said[0] == said[1] and said[0], said  # the same decision, the same words
+    for text in said[0]:
+        assert "loss spike" in text and "not recovered: rank 1: the data position could " \
+            "not be read (OSError: injected: rank 1's data position cannot be read); no " \
+            "rank goes back" in text, text
+    for saved in ranks:
+        assert saved["events"] == [] and saved["recover"] == "on", saved["events"]
+    for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(mine, theirs)

@@ -466,3 +466,45 @@ def test_a_recovery_applies_beside_a_persons_recover_at_the_same_boundary(run_di
         assert run.knobs.knobs["recover"].get() == "on"
     finally:
         run.close()
+
+
+def test_a_drop_that_fails_puts_the_state_and_data_position_as_they_were_back(run_dir):
+    """``skip_windows`` past the windows trained since the kept state: the recovery
+    loads it, then the drop of the windows beyond raises: the load's all or nothing
+    puts back the state as it was (the parameters, the step, the data position with no
+    drop pending), no branch starts, and the error says why (with several ranks, a
+    drop failing on one puts it back on every rank: no rank trains other data)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    run = agent.session(model=model, optimizer=optimizer, name="drop",
+                        recover=Recovery(keep_every_steps=2, skip_windows=4))
+    events: list[dict] = []
+    run.agent.add_listener(lambda record: events.append(record)
+                           if record["type"] == "event" else None)
+    try:
+        run.knobs.knobs["recover"].set("on")
+        batches = iter(run.loader([torch.randn(2, 4) for _ in range(20)], epochs=None))
+        for _ in range(5):
+            model(next(batches)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.optimizer_step()
+
+        def drop(micro_batches: int) -> None:
+            raise RuntimeError(f"injected: {micro_batches} cannot be dropped")
+
+        run.drop_micro_batches = drop
+        params, position = [p.detach().clone() for p in model.parameters()], (
+            run.position.state_dict())
+        run.recover(5, 5, "loss spike")
+        assert run.step == 5 and run.position.dropping == 0
+        assert run.position.state_dict()["fetched_total"] == position["fetched_total"]
+        for mine, was in zip(model.parameters(), params, strict=True):
+            assert torch.equal(mine.detach(), was)
+        assert not [e for e in events if e.get("kind") == "branched"]
+        [error] = [e for e in events if e["level"] == "error"]
+        assert ("loss spike; putting back the state of step 4 failed (RuntimeError: "
+                "injected: 3 cannot be dropped)") in error["text"], error["text"]
+    finally:
+        run.close()

@@ -59,7 +59,7 @@ import time
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -95,6 +95,21 @@ class StateTooLarge(ValueError):
         super().__init__(f"the state ({format_bytes(size_bytes)}) is larger than the "
                          f"{format_bytes(budget_bytes)} allowed")
         self.size_bytes, self.budget_bytes = size_bytes, budget_bytes
+
+
+class _Recovery(NamedTuple):
+    """What a loss-spike recovery puts back on this rank (:meth:`RunBase._plan_recovery`).
+
+    ``snapshot``: the kept state, with the data position as it is now where it goes on
+    from there; ``windows``: windows skipped; ``drop``: micro-batches drawn and dropped
+    after the load; ``text``: the ``branched`` event's words for the skip and the lr;
+    ``lr_to``: ``lr_scale`` from and to, or None (not scaled)."""
+
+    snapshot: Any
+    windows: int
+    drop: int
+    text: str
+    lr_to: tuple[float, float] | None
 
 
 class RunBase:
@@ -521,7 +536,8 @@ class RunBase:
     # ------------------------------------------------------------ rewind and branches
 
     def rewind_state(self, snapshot: Any, step: int, *, source: str, cause: str,
-                     knobs: dict[str, Any] | None = None) -> tuple[int, str | None]:
+                     knobs: dict[str, Any] | None = None,
+                     drop: int = 0) -> tuple[int, str | None]:
         """Training thread, at an optimizer-step boundary: put ``snapshot`` back, on a new branch.
 
         ``snapshot`` is :meth:`state_snapshot`'s, taken at the boundary after ``step``; it
@@ -535,29 +551,33 @@ class RunBase:
         ``recover=on`` kept on the branch left go with it, and so does a recovery's
         scaled lr unless this is that recovery (:meth:`_leave_branch`). Each pending
         command then keeps its distance from now
-        (:meth:`agent.step.core.Agent.rewound`: a ``rescheduled`` event each).
+        (:meth:`agent.step.core.Agent.rewound`: a ``rescheduled`` event each). ``drop``:
+        micro-batches the data then draws and drops (:meth:`drop_micro_batches`, a
+        recovery's skip), within the load's all or nothing.
 
         All or nothing, on every rank: a host copy of the state as it is (within
-        :data:`ROLLBACK_BUDGET_BYTES`) is taken first; when :meth:`load_snapshot` fails on
-        any rank (a checkpoint of another model loads its matching layers, then raises),
-        every rank puts that copy back and raises, and the training goes on as if nothing
-        happened. Where no copy could be taken and the load failed part way, the run stops
-        at this boundary (an error event says why): it would train on from a state that
-        never existed.
+        :data:`ROLLBACK_BUDGET_BYTES`) is taken first; when :meth:`load_snapshot` (or the
+        drop after it) fails on any rank (a checkpoint of another model loads its matching
+        layers, then raises), every rank puts that copy back (the data position with it:
+        no rank drops) and raises, and the training goes on as if nothing happened. Where
+        no copy could be taken and the load failed part way, the run stops at this
+        boundary (an error event says why): it would train on from a state that never
+        existed.
 
         Returns:
             ``(the new branch's id, what is not as it was or None)``.
 
         Raises:
-            Exception: what :meth:`load_snapshot` raised on this rank, or a RuntimeError
-                naming the rank it failed on (no new branch then; the state as it was).
+            Exception: what :meth:`load_snapshot` (or the drop) raised on this rank, or a
+                RuntimeError naming the rank it failed on (no new branch then; the state
+                as it was).
 
         .. note:: A collective (:func:`agent.integrations.ranks.agree`) with several
            ranks: every rank calls it at the same boundary. Copies the state to host
            memory once (a device sync on GPU), at this boundary only.
         """
         before = self.agent.knobs.values() if knobs is None else {}
-        differs = self._load_on_every_rank(snapshot)
+        differs = self._load_on_every_rank(snapshot, drop)
         self.step = step
         self._kept = None  # a state kept for a rollback belongs to the branch left
         parent, self.branch = self.branch, self._last_branch + 1
@@ -607,9 +627,10 @@ class RunBase:
         self.agent.refresh_knobs()
         return f"; the recovery's scaled lr ends: lr_scale back to {value:g}"
 
-    def _load_on_every_rank(self, snapshot: Any) -> str | None:
-        """:meth:`load_snapshot` of ``snapshot`` on every rank, or on none (see
-        :meth:`rewind_state`); returns its answer."""
+    def _load_on_every_rank(self, snapshot: Any, drop: int = 0) -> str | None:
+        """:meth:`load_snapshot` of ``snapshot``, then the ``drop`` of micro-batches
+        (:meth:`drop_micro_batches`), on every rank, or on none (see
+        :meth:`rewind_state`); returns the load's answer."""
         try:
             safe, unsafe = self.state_snapshot(ROLLBACK_BUDGET_BYTES), ""
         except StateTooLarge as exc:
@@ -622,6 +643,8 @@ class RunBase:
         differs = None
         try:
             differs = self.load_snapshot(snapshot)
+            if drop:  # (a rank that drops trains other data than one that does not)
+                self.drop_micro_batches(drop)
         except Exception as exc:  # noqa: BLE001 -- every rank must hear of it first
             error = exc
         failure = agree(None if error is None else f"{type(error).__name__}: {error}",
@@ -856,9 +879,18 @@ class RunBase:
         recovery's fork is a repeat; one past :attr:`Recovery.max_repeats` repeats in a
         row is not recovered: ``recover`` goes off, with one warning.
 
-        .. note:: Copies the state now (its data position is kept), then loads the
-           kept one: the training thread waits about twice the state's copy time, at
-           this boundary only.
+        With several ranks every rank recovers, or none does: they agree on the state
+        kept (:meth:`_kept_on_every_rank`), then on whether each can go back to it (its
+        count of the windows to skip, its data position, the drop, the repeats:
+        :meth:`_plan_recovery`), and the first rank that cannot says why for every rank
+        (``rank N: ...``, the same warning on each); then the load and the drop
+        (:meth:`rewind_state`, all or nothing) and the lr's scaling
+        (:meth:`_scale_lr_on_every_rank`).
+
+        .. note:: Collectives (:mod:`agent.integrations.ranks`), two to four, that every
+           rank calls at this boundary. Copies the state now (its data position is
+           kept), then loads the kept one: the training thread waits about twice the
+           state's copy time, at this boundary only.
         """
         policy, spikes = self.agent.recovery, self.agent.spikes
         kept, why = self._kept_on_every_rank(before)
@@ -870,23 +902,75 @@ class RunBase:
         last = self._recovered_to
         repeats = (self._repeats + 1 if last is not None
                    and before <= last + policy.repeat_span_steps else 0)
+        plan: _Recovery | tuple[str, str, bool]
         if repeats > policy.max_repeats:
-            self._set_recover("off")
-            self.agent.refresh_knobs()
-            self.agent.event("warning", f"{reason}; not recovered: the spike recurs after "
-                             f"{repeats} recoveries in a row (each within "
-                             f"{policy.repeat_span_steps} steps of the last one's fork at "
-                             f"step {last}): its cause is not in the skipped data; recover "
-                             "is off, the training goes on", kind=EventKind.WARNING,
-                             knob=RECOVER.name, step=step)
+            plan = ("warning", f"the spike recurs after {repeats} recoveries in a row (each "
+                    f"within {policy.repeat_span_steps} steps of the last one's fork at step "
+                    f"{last}): its cause is not in the skipped data; recover is off, the "
+                    "training goes on", True)
+        else:
+            try:
+                plan = self._plan_recovery(kept, step)
+            except Exception as exc:  # noqa: BLE001 -- every rank must hear of it first
+                plan = ("error", f"the recovery could not be planned ({type(exc).__name__}: "
+                        f"{exc})", False)
+        # one rank alone must not go back (nor wait alone in the load's collective for
+        # the ranks that left): every rank recovers, or none does
+        refusals = [(rank, refusal) for rank, refusal in enumerate(every_rank(
+            None if isinstance(plan, _Recovery) else plan, self.device)) if refusal is not None]
+        if refusals:
+            rank, (level, text, off) = refusals[0]
+            if off:
+                self._set_recover("off")
+                self.agent.refresh_knobs()
+            else:
+                spikes.rearm()
+            if self.agent.world_size > 1:
+                text = f"rank {rank}: {text}" + ("" if off else "; no rank goes back")
+            self.agent.event(level, f"{reason}; not recovered: {text}",
+                             kind=EventKind.WARNING, step=step,
+                             **({"knob": RECOVER.name} if off else {}))
             return
-        kept_step, snapshot, size, _ = kept
+        assert isinstance(plan, _Recovery)  # (no rank refused, this one neither)
+        kept_step, _, size, _ = kept
+        cause = (f"{reason}; restored the state kept after step {kept_step} "
+                 f"({format_bytes(size)} in host memory); {plan.text}")
+        recovered = True
+        try:
+            self.rewind_state(plan.snapshot, kept_step, source="recovery", cause=cause,
+                              drop=plan.drop)
+        except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
+            recovered = False
+            spikes.rearm()
+            self.agent.event("error", f"{reason}; putting back the state of step "
+                             f"{kept_step} failed ({type(exc).__name__}: {exc}): not "
+                             "recovered", kind=EventKind.WARNING, step=step)
+        if policy.lr_scale != 1 and policy.lr_steps:  # (after: a state may hold the
+            # lr_scale it had then; every rank, recovered or not: a collective)
+            self._scale_lr_on_every_rank(plan.lr_to, kept_step, step, recovered)
+        if not recovered:
+            return
+        self._recovered_to, self._repeats = kept_step, repeats
+        self.skipped_windows += plan.windows
+        self.agent.refresh_knobs()
+
+    def _plan_recovery(self, kept: tuple[int, Any, int, int],
+                       step: int) -> _Recovery | tuple[str, str, bool]:
+        """Training thread, in :meth:`recover`: this rank's recovery to ``kept`` (a state
+        :meth:`_kept_on_every_rank` found) at the boundary after ``step``, or why it
+        cannot go back: ``(the event's level, why, False)``.
+
+        The windows to skip (:meth:`_skip_plan`), the kept state with the data position
+        as it is now (a copy of that part), the drop's refusal (:meth:`drop_refusal`)
+        and the lr's scaling. Changes nothing.
+
+        Raises:
+            Exception: what counting the windows or reading the lr raised.
+        """
+        kept_step, snapshot, _, _ = kept
         skip = self._skip_plan(kept_step, step)
         if isinstance(skip, str):
-            spikes.rearm()
-            self.agent.event("warning", f"{reason}; not recovered: {skip}",
-                             kind=EventKind.WARNING, step=step)
-            return
+            return "warning", skip, False
         windows, drop, skipped_text = skip
         try:
             if windows >= step - kept_step:  # the data as it is now, then any drop
@@ -895,17 +979,12 @@ class RunBase:
                             **{key: host_copy(now[key]) for key in self.recovery_data_keys}}
             refusal = self.drop_refusal(snapshot, drop) if drop else None
         except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
-            spikes.rearm()
-            self.agent.event("error", f"{reason}; not recovered: the data position could "
-                             f"not be read ({type(exc).__name__}: {exc})",
-                             kind=EventKind.WARNING, step=step)
-            return
+            return "error", (f"the data position could not be read ({type(exc).__name__}: "
+                             f"{exc})"), False
         if refusal is not None:
-            spikes.rearm()
-            self.agent.event("warning", f"{reason}; not recovered: skip_windows={windows} "
-                             f"needs {drop} micro-batches drawn and dropped, and {refusal}",
-                             kind=EventKind.WARNING, step=step)
-            return
+            return "warning", (f"skip_windows={windows} needs {drop} micro-batches drawn and "
+                               f"dropped, and {refusal}"), False
+        policy = self.agent.recovery
         lr_text, lr_knob, lr_to = "", self.knobs.knobs.get(LR_SCALE.name), None
         if policy.lr_scale != 1 and policy.lr_steps:
             if lr_knob is None:
@@ -915,29 +994,44 @@ class RunBase:
                 base = self._lr_back[1] if self._lr_back is not None else lr_knob.get()
                 lr_to = (base, base * policy.lr_scale)
                 lr_text = f"; lr_scale {base:g} -> {lr_to[1]:g} for {policy.lr_steps} steps"
-        cause = (f"{reason}; restored the state kept after step {kept_step} "
-                 f"({format_bytes(size)} in host memory); {skipped_text}{lr_text}")
-        try:
-            self.rewind_state(snapshot, kept_step, source="recovery", cause=cause)
-            if drop:
-                self.drop_micro_batches(drop)
-        except Exception as exc:  # noqa: BLE001 -- said in the event, training goes on
-            spikes.rearm()
-            self.agent.event("error", f"{reason}; putting back the state of step "
-                             f"{kept_step} failed ({type(exc).__name__}: {exc}): not "
-                             "recovered", kind=EventKind.WARNING, step=step)
+        return _Recovery(snapshot, windows, drop, skipped_text + lr_text, lr_to)
+
+    def _scale_lr_on_every_rank(self, lr_to: tuple[float, float] | None, kept_step: int,
+                                step: int, recovered: bool) -> None:
+        """Training thread, in :meth:`recover` after the load at the boundary after
+        ``step``: set ``lr_scale`` from ``lr_to[0]`` to ``lr_to[1]`` until
+        ``lr_steps`` after ``kept_step``, on every rank or on none.
+
+        One collective (:func:`agent.integrations.ranks.agree`) that every rank calls,
+        ``recovered`` or not (this rank's load went well; ``lr_to`` None: no lr_scale
+        knob, nothing to set): where the setting failed on one rank, or one did not
+        recover, a rank that set it puts its value back, and an error event says so
+        (ranks that train at different learning rates split, as DDP replicas would).
+        """
+        knob = self.knobs.knobs[LR_SCALE.name] if lr_to is not None else None
+        error, was = (None if recovered else "it did not recover"), None
+        if recovered and knob is not None and lr_to is not None:
+            try:
+                was = knob.get()
+                knob.set(lr_to[1])
+            except Exception as exc:  # noqa: BLE001 -- every rank must hear of it first
+                error, was = f"{type(exc).__name__}: {exc}", None
+        failure = agree(error, self.device)
+        if failure is None:
+            if lr_to is not None:
+                self._lr_back = (kept_step + self.agent.recovery.lr_steps, lr_to[0])
             return
-        if lr_to is not None and lr_knob is not None:  # (after: a state may hold the
-            try:                                        # lr_scale it had then)
-                lr_knob.set(lr_to[1])
-                self._lr_back = (kept_step + policy.lr_steps, lr_to[0])
+        if not recovered or lr_to is None:
+            return  # (this rank's event says why: it did not recover)
+        where = error if self.agent.world_size == 1 else f"{failure}; no rank scales it"
+        text = f"lr_scale={lr_to[1]:g} after the recovery failed ({where}): the lr stays as it is"
+        if knob is not None and was is not None:
+            try:
+                knob.set(was)
             except Exception as exc:  # noqa: BLE001 -- said in the event
-                self.agent.event("error", f"lr_scale={lr_to[1]:g} after the recovery "
-                                 f"failed ({exc}): the lr stays as it is",
-                                 kind=EventKind.FAILED, knob=LR_SCALE.name, step=step)
-        self._recovered_to, self._repeats = kept_step, repeats
-        self.skipped_windows += windows
-        self.agent.refresh_knobs()
+                text += (f", but lr_scale could not go back to {was:g} on this rank "
+                         f"({type(exc).__name__}: {exc}): its lr differs from the others'")
+        self.agent.event("error", text, kind=EventKind.FAILED, knob=LR_SCALE.name, step=step)
 
     def _skip_plan(self, kept_step: int, step: int) -> tuple[int, int, str] | str:
         """What a recovery from the state kept after ``kept_step``, at the boundary after
