@@ -232,15 +232,14 @@ class LoopRun(RunBase):
         restore_knobs(self.agent, knobs, self.resumed_from or "", self.step)
 
     def _batches(self, batches: Iterable[Any], epochs: int | None) -> Iterator[Any]:
-        iterator = iter(self.position.iterate(batches, epochs, self.meter.timed_next))
         # after stop (applied at a boundary in the last batch's iteration) nothing more
         # is fetched, in this epoch or a later one's loader()
-        while not self.stopping:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
+        if self.stopping:
+            return
+        for batch in self.position.iterate(batches, epochs, self.meter.timed_next):
             yield batch
+            if self.stop_requested is not None:  # (:attr:`stopping`, without a call)
+                return
 
     def timed(self, fetch: Callable[..., Any]) -> Callable[..., Any]:
         """``fetch`` (e.g. nanoGPT's ``get_batch``), each training call timed and its batch counted.
