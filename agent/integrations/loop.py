@@ -287,14 +287,16 @@ class LoopRun(RunBase):
         lr = clipped = None  # the rates the step used (read as it stepped), its clip norm
         if self.optimizer_settings is not None:
             lr, clipped = self.optimizer_settings.take_step()
-        self.boundary(StepRecord(
-            micro_batches=backwards or fetched or 1,
-            samples=fetched_samples if samples is None else samples,
-            data_wait_s=data_wait_s, loss=window_loss if loss is None else loss,
-            skipped=window_skipped if skipped is None else skipped,
-            activation_bytes=measured if activation_bytes is None else activation_bytes,
-            tokens=fetched_tokens if tokens is None else tokens, lr=lr,
-            grad_norm=clipped if grad_norm is None else grad_norm))
+        self.boundary(StepRecord(  # (by position: a keyword costs ~40 ns)
+            backwards or fetched or 1,  # micro_batches
+            fetched_samples if samples is None else samples,
+            data_wait_s,
+            window_loss if loss is None else loss,
+            window_skipped if skipped is None else skipped,
+            measured if activation_bytes is None else activation_bytes,
+            fetched_tokens if tokens is None else tokens,
+            lr,
+            clipped if grad_norm is None else grad_norm))
         self._next_window()
 
     def _next_window(self) -> None:
