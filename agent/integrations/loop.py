@@ -411,6 +411,8 @@ class Session(LoopRun):
         if model is not None and fsdp_modules(model) and accum_steps is not None:
             self.scaler.before_backward = sync_at_window_end(model, lambda: self.accum_steps)
         self._measured_settings: Any = None
+        #: the agent's knob values when the settings were last read
+        self._measured_values: dict[str, Any] | None = None
         self._measure_due = False
         self._activation_bytes: int | None = None
         self._next_window()
@@ -428,11 +430,16 @@ class Session(LoopRun):
         kernels = self.model_backend.kernels if self.model_backend is not None else "eager"
         if kernels == "compile":
             return
+        if (self.step + 1) % self.measure_activations_every == 0:
+            self._measure_due = True
+        values = self.agent.knob_values
+        if values is self._measured_values:  # (replaced when a knob changes: none did)
+            return
+        self._measured_values = values
         # the bound knobs that change the activations (KnobSpec.activation_memory)
         settings = tuple(knob.get() for knob in self.agent.knobs.knobs.values()
                          if knob.spec.activation_memory)
-        due_step = (self.step + 1) % self.measure_activations_every == 0
-        if due_step or settings != self._measured_settings:
+        if settings != self._measured_settings:
             self._measured_settings = settings
             self._measure_due = True
 
