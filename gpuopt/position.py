@@ -30,7 +30,7 @@ function again: its draws come from the generators restored at the boundary.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Generator, Iterable, Iterator
 
 import torch
 
@@ -221,11 +221,7 @@ class DataPosition:
         done = 0
         while epochs is None or done < epochs:
             done += 1
-            empty = True
-            for batch in self.epoch_iterator(batches, next_batch):
-                empty = False
-                yield batch
-            if empty:
+            if not (yield from self.epoch_iterator(batches, next_batch)):
                 return
 
     def replay_epoch(self, batches: Iterable[Any]) -> Iterator[Any]:
@@ -262,26 +258,30 @@ class DataPosition:
         return iterator
 
     def epoch_iterator(self, batches: Iterable[Any],
-                       next_batch: Callable[[Iterator[Any]], Any] = next) -> Iterator[Any]:
+                       next_batch: Callable[[Iterator[Any]], Any] = next
+                       ) -> Generator[Any, None, bool]:
         """One epoch of ``batches``, each through ``next_batch(iterator)`` and counted.
 
         ``next_batch``: e.g. a timed ``next``; each batch is counted whatever the grad mode.
         After :meth:`load_state_dict` (before this call or while it iterates): the rest of
         the saved epoch (its iterator made again from the generators at its start, the
         batches the saved run fetched dropped, the generators put back as at the boundary,
-        the batches fetched ahead, then the epoch's remaining ones).
+        the batches fetched ahead, then the epoch's remaining ones). The generator returns
+        whether it yielded a batch (``yield from``'s value).
 
         Raises:
             ValueError: the saved epoch had more batches than ``batches`` has (not the
                 same data).
 
-        .. note:: Per batch, one attribute check for a restored position.
+        .. note:: Per batch, two attribute checks (a restored position, batches to drop).
         """
         if self._restored is None:
             rng = rng_state(self.device)
             iterator = iter(batches)
             self.exact_reason = _replay_reason(batches, iterator)
             self.epoch_made(rng)
+        count = self._count
+        yielded = False
         while True:
             if self._restored is not None:
                 iterator = self.replay_epoch(batches)
@@ -290,17 +290,19 @@ class DataPosition:
                     if self.dropping:
                         self._dropped()
                         continue
+                    yielded = True
                     yield batch
                 continue
             try:
                 while self.dropping:  # (not next_batch: nothing of them is timed)
-                    self._count(next(iterator))
+                    count(next(iterator))
                     self._dropped()
                 batch = next_batch(iterator)
             except StopIteration:
                 self.epochs_done += 1
-                return
-            self._count(batch)
+                return yielded
+            count(batch)
+            yielded = True
             yield batch
 
     def _dropped(self) -> None:

@@ -19,6 +19,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable
 
+_now = time.perf_counter
+
 #: ``(module prefix of a class in the object's MRO, class name, integration module)``.
 _INTEGRATIONS = (
     ("lightning.pytorch.trainer", "Trainer", "agent.integrations.lightning"),
@@ -41,35 +43,20 @@ def integration_for(obj: Any) -> str | None:
     return None
 
 
-def batch_tokens(batch: Any, samples: int, tokens_per_sample: int | None) -> int | None:
-    """Tokens in ``batch``, from its shapes only (never its tensor data); None when unknown.
-
-    ``samples * tokens_per_sample`` when declared, else the number of elements of its
-    ``input_ids`` (a mapping's, as Hugging Face batches are; padding included, as
-    ``transformers.Trainer``'s ``num_input_tokens_seen``), else None. Reads shapes only:
-    never touches tensor data."""
-    if tokens_per_sample is not None:
-        return samples * tokens_per_sample
-    if type(batch) is tuple or type(batch) is list:  # (the common batch: no ABC check)
-        return None
-    if isinstance(batch, Mapping):
-        ids = batch.get("input_ids")
-        numel = getattr(ids, "numel", None)
-        if numel is not None:
-            return int(numel())
-    return None
-
-
 class WindowMeter:
     """What the accumulation window in progress fetched: data wait, micro-batches, samples, tokens.
 
-    Data wait: host seconds inside the fetch of each micro-batch.
+    Data wait: host seconds inside the fetch of each micro-batch. Tokens: from shapes
+    only, ``samples * tokens_per_sample`` when declared, else the number of elements of a
+    mapping's ``input_ids`` (as Hugging Face batches have; padding included, as
+    ``transformers.Trainer``'s ``num_input_tokens_seen``), else none (:attr:`tokens`
+    stays None).
 
     Args:
         count_samples: ``batch -> samples`` (e.g. :func:`gpuopt.data.batch_size`: dim 0
             of the first tensor).
         tokens_per_sample: tokens in one sample, for token models whose batches carry no
-            ``input_ids`` (see :func:`batch_tokens`); None to count from ``input_ids``.
+            ``input_ids``; None to count from ``input_ids``.
 
     .. note:: :meth:`add` costs a few hundred nanoseconds on the host; nothing reads
        tensor data.
@@ -98,15 +85,22 @@ class WindowMeter:
         self.data_wait_s += wait_s
         self.fetched += 1
         self.samples += samples
-        tokens = batch_tokens(batch, samples, self.tokens_per_sample)
-        if tokens is not None:
-            self.tokens = tokens if self.tokens is None else self.tokens + tokens
+        if self.tokens_per_sample is not None:
+            tokens = samples * self.tokens_per_sample
+        elif type(batch) is tuple or type(batch) is list or not isinstance(batch, Mapping):
+            return  # (the common batch, a tuple or list, has no input_ids)
+        else:
+            numel = getattr(batch.get("input_ids"), "numel", None)
+            if numel is None:
+                return
+            tokens = int(numel())
+        self.tokens = tokens if self.tokens is None else self.tokens + tokens
 
     def timed_next(self, iterator: Any) -> Any:
         """``next(iterator)``, timed and counted (StopIteration passes through)."""
-        start = time.perf_counter()
+        start = _now()
         batch = next(iterator)
-        self.add(batch, time.perf_counter() - start)
+        self.add(batch, _now() - start)
         return batch
 
     def take(self) -> tuple[float, int, int, int | None]:

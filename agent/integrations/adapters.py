@@ -256,11 +256,10 @@ class MemoryKnobs:
         self.snapshot_steps_left = steps
 
     def after_step(self, agent: Agent, step: int) -> None:
-        """Training thread, after the boundary of ``step``: tick a running snapshot.
+        """Training thread, after the boundary of ``step`` while a snapshot runs: tick it.
 
-        Once its file is written, an event says where."""
-        if not self.snapshot_steps_left:
-            return
+        Call it only while :attr:`snapshot_steps_left` (the boundary checks it, to make no
+        call a step otherwise). Once its file is written, an event says where."""
         self.snapshot_steps_left -= 1
         assert self.snapshot is not None  # steps are left only of a started snapshot
         path = self.snapshot.on_optimizer_step()

@@ -216,13 +216,15 @@ class RunBase:
         if self.broken:
             return
         self.step = record.step = record.step or self.step + 1
-        self.position.window_done(record.micro_batches)
-        self._micro_batches_trained += record.micro_batches
-        self.agent.optimizer_step(record)
+        micro_batches = record.micro_batches
+        self.position.window_done(micro_batches)
+        self._micro_batches_trained += micro_batches
+        agent = self.agent
+        agent.optimizer_step(record)
         if self._pause_requested:
-            self.agent.hold(lambda: not self._pause_requested or self.stop_requested is not None)
-        if (self._kept is not None and self.agent.rank == 0
-                and self.agent.cleanly_watched_step > self._kept[0]):
+            agent.hold(lambda: not self._pause_requested or self.stop_requested is not None)
+        if (self._kept is not None and agent.rank == 0
+                and agent.cleanly_watched_step > self._kept[0]):
             # the change's watch ended cleanly: nothing to go back to (rank 0's guard
             # decides for every rank; another rank keeps its state until the next
             # change, since rank 0's rollback may come after its own watch ended)
@@ -230,11 +232,13 @@ class RunBase:
         try:
             if self._recovering or self._lr_back is not None:
                 self._recovery_step()
-            for source in self.event_sources:
-                events = source()
-                if events:
-                    publish_events(self.agent, self.step, events)
-            self.memory.after_step(self.agent, self.step)
+            if self.event_sources:
+                for source in self.event_sources:
+                    events = source()
+                    if events:
+                        publish_events(agent, self.step, events)
+            if self.memory.snapshot_steps_left:
+                self.memory.after_step(agent, self.step)
         except Exception as exc:  # the first rule: never crash the training
             self.fail("after the optimizer step", exc)
 

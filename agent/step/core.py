@@ -51,6 +51,8 @@ from agent.search.tune import AutoTune
 from gpuopt.environment import usable_cpu_count
 
 log = logging.getLogger("gpuwatch.agent")
+#: the step clock (:meth:`Agent.optimizer_step` reads it without the module lookup)
+_clock = time.perf_counter
 
 #: How long rank 0's rollback waits for each phase of the fan-out to every rank (s): the
 #: ranks answer from their I/O threads, which a busy host can starve for a while.
@@ -253,7 +255,7 @@ class Agent:
         if self._broken:
             return
         try:
-            now = time.perf_counter()
+            now = _clock()
             previous = self._last_boundary_t
             self._last_boundary_t = now
             record.step_time_s = None if previous is None else now - previous

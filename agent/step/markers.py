@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+_Tensor = torch.Tensor
+
 
 class CpuMarker:
     """Step markers for a model on the host (or any non-CUDA device)."""
@@ -29,7 +31,7 @@ class CpuMarker:
         .. note:: Does not copy or read the tensors' data."""
         if loss is not None and loss.requires_grad:
             loss = loss.detach()  # do not keep the autograd graph alive
-        if isinstance(grad_norm, torch.Tensor) and grad_norm.requires_grad:
+        if grad_norm is not None and isinstance(grad_norm, _Tensor) and grad_norm.requires_grad:
             grad_norm = grad_norm.detach()
         return loss, skipped, grad_norm
 
