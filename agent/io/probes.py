@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from gpuopt.memory import memory_stats
+from gpuopt.memory import host_rss_bytes
 
 
 class Nvml:
@@ -95,18 +95,19 @@ def descendant_pids(pid: int) -> list[int] | None:
     Read from Linux's ``/proc/<pid>/task/<tid>/children``: a few small files (one a thread
     of each process in the tree), where psutil's ``children(recursive=True)`` reads the
     ``stat`` file of every process on the host (about 1 ms at 80 processes, once a second on
-    the agent's I/O thread). The kernel's list may miss a child that is created or ends
-    while it is read (fine for a 1 Hz CPU reading).
+    the agent's I/O thread). Each file is read with three system calls (open, read, close;
+    Python's ``open`` makes eight). The kernel's list may miss a child that is created or
+    ends while it is read (fine for a 1 Hz CPU reading).
 
     Returns:
         The pids, parents before their children; None where the kernel has no such
         files (not Linux, or built without ``CONFIG_PROC_CHILDREN``) or ``pid`` is gone.
     """
+    if not _PROC_CHILDREN:
+        return None
     try:
         threads = os.listdir(f"/proc/{pid}/task")
-        if not os.path.exists(f"/proc/{pid}/task/{threads[0]}/children"):
-            return None
-    except (OSError, IndexError):
+    except OSError:
         return None
     found: list[int] = []
     parents = [(pid, threads)]
@@ -114,8 +115,7 @@ def descendant_pids(pid: int) -> list[int] | None:
         parent, tasks = parents.pop()
         for task in tasks:
             try:
-                with open(f"/proc/{parent}/task/{task}/children", "rb") as file:
-                    children = file.read().split()
+                children = _read_small_file(f"/proc/{parent}/task/{task}/children").split()
             except OSError:  # the thread (or the process) ended meanwhile
                 continue
             for child in map(int, children):
@@ -125,6 +125,30 @@ def descendant_pids(pid: int) -> list[int] | None:
                 except OSError:
                     continue
     return found
+
+
+#: Whether this kernel lists each thread's children in ``/proc`` (``CONFIG_PROC_CHILDREN``;
+#: ``/proc/thread-self`` is Linux 3.17 or later, where psutil is asked instead).
+_PROC_CHILDREN = os.path.exists("/proc/thread-self/children")
+
+
+def _read_small_file(path: str) -> bytes:
+    """The whole of the file at ``path``: open, read, close (a ``/proc`` file).
+
+    Raises:
+        OSError: it cannot be opened or read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts = [os.read(fd, _READ_BYTES)]
+        while len(parts[-1]) == _READ_BYTES:  # (a long list: read on to its end)
+            parts.append(os.read(fd, _READ_BYTES))
+    finally:
+        os.close(fd)
+    return b"".join(parts)
+
+
+_READ_BYTES = 16384
 
 
 class SystemProbe:
@@ -173,10 +197,6 @@ class SystemProbe:
         self._children = seen
         return total
 
-    def host_rss_bytes(self) -> int:
-        """Resident set size of the training process, in bytes."""
-        rss = memory_stats(None)["host_rss_bytes"]  # one pread of /proc/self/statm
-        return rss if rss is not None else self._process.memory_info().rss
 
     def host_cpu_pct(self) -> float:
         """CPU of the whole host since the last call, in % of all its cores.
@@ -228,7 +248,7 @@ class SystemProbe:
             "children_cpu_pct": self.children_cpu_pct(),
             "host_mem_used_bytes": total - available,
             "host_mem_total_bytes": total,
-            "host_rss_bytes": self.host_rss_bytes(),
+            "host_rss_bytes": host_rss_bytes(),
             "gpus": gpus,
             "gpu_status": self.nvml.status,
         }

@@ -1,0 +1,72 @@
+"""The system probe on this host: real child processes, real /proc files, psutil beside it."""
+
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from agent.io.probes import SystemProbe, descendant_pids
+from gpuopt.memory import host_rss_bytes
+
+#: A child that starts a grandchild, says its pid, then waits for stdin.
+_PARENT = ("import subprocess, sys; "
+           "child = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], "
+           "stdin=subprocess.PIPE); print(child.pid, flush=True); sys.stdin.read()")
+#: A child that, at each line on stdin, burns 0.2 s of its own CPU, then says so.
+_BURNER = ("import sys, time\n"
+           "for line in sys.stdin:\n"
+           "    start = time.process_time()\n"
+           "    while time.process_time() - start < 0.2: pass\n"
+           "    print('burnt', flush=True)\n")
+
+
+@pytest.fixture
+def child():
+    """``start(code)``: a Python child process running ``code``, ended after the test."""
+    started = []
+
+    def start(code: str) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stdin.close()  # each ends at the end of its input (the grandchild with it)
+        process.wait(30)
+
+
+def test_descendant_pids_finds_children_and_grandchildren_as_psutil_does(child):
+    parent = child(_PARENT)
+    grandchild = int(parent.stdout.readline())
+    found = descendant_pids(os.getpid())
+    if found is None:
+        pytest.skip("this kernel has no /proc/<pid>/task/<tid>/children")
+    assert parent.pid in found and grandchild in found
+    assert found.index(parent.pid) < found.index(grandchild)  # parents first
+    assert set(found) == {process.pid for process in psutil.Process().children(recursive=True)}
+    assert descendant_pids(grandchild) == []
+
+
+def test_children_cpu_counts_a_busy_child_from_its_second_reading(child):
+    probe = SystemProbe()
+    burner = child(_BURNER)
+    assert probe.children_cpu_pct() == 0.0  # first seen: primed, not counted
+    burner.stdin.write("go\n")
+    burner.stdin.flush()
+    assert burner.stdout.readline() == "burnt\n"
+    assert probe.children_cpu_pct() > 0.0
+
+
+def test_a_sample_agrees_with_psutil():
+    sample = SystemProbe().sample()
+    assert sample["host_mem_total_bytes"] == psutil.virtual_memory().total
+    assert 0 < sample["host_mem_used_bytes"] < sample["host_mem_total_bytes"]
+    rss = psutil.Process().memory_info().rss
+    assert 0.5 * rss < sample["host_rss_bytes"] < 2 * rss
+    assert 0.5 * rss < host_rss_bytes() < 2 * rss
+    assert 0.0 <= sample["cpu_pct"] <= 100.0
+    assert sample["process_cpu_pct"] >= 0.0 and sample["children_cpu_pct"] >= 0.0
