@@ -7,18 +7,18 @@ import sys
 import psutil
 import pytest
 
-from agent.io.probes import SystemProbe, descendant_pids
+from agent.io.probes import CHILDREN_SCAN_EVERY, SystemProbe, descendant_pids
 from gpuopt.memory import host_rss_bytes
 
 #: A child that starts a grandchild, says its pid, then waits for stdin.
 _PARENT = ("import subprocess, sys; "
            "child = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], "
            "stdin=subprocess.PIPE); print(child.pid, flush=True); sys.stdin.read()")
-#: A child that, at each line on stdin, burns 0.2 s of its own CPU, then says so.
+#: A child that, at each line on stdin, burns 0.1 s of its own CPU, then says so.
 _BURNER = ("import sys, time\n"
            "for line in sys.stdin:\n"
            "    start = time.process_time()\n"
-           "    while time.process_time() - start < 0.2: pass\n"
+           "    while time.process_time() - start < 0.1: pass\n"
            "    print('burnt', flush=True)\n")
 
 
@@ -59,6 +59,48 @@ def test_children_cpu_counts_a_busy_child_from_its_second_reading(child):
     burner.stdin.flush()
     assert burner.stdout.readline() == "burnt\n"
     assert probe.children_cpu_pct() > 0.0
+
+
+def _burn(burner: subprocess.Popen) -> None:
+    burner.stdin.write("go\n")
+    burner.stdin.flush()
+    assert burner.stdout.readline() == "burnt\n"
+
+
+def _files_open_on(path: str) -> int:
+    """How many of this process's descriptors are open on ``path``."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == path
+        except OSError:  # (the listing's own descriptor, closed since)
+            continue
+    return count
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="Linux's /proc")
+def test_children_are_found_by_a_scan_every_few_readings_and_dropped_when_they_end(child):
+    """Between two scans of the process tree only the children known are read; one that
+    ended is dropped (its /proc file closed) and the next reading scans again."""
+    probe = SystemProbe()
+    assert probe.children_cpu_pct() == 0.0  # a scan: no child yet
+    burner = child(_BURNER)
+    for _ in range(CHILDREN_SCAN_EVERY - 1):
+        _burn(burner)
+        assert probe.children_cpu_pct() == 0.0  # not known before the next scan
+    assert probe.children_cpu_pct() == 0.0  # the scan: first seen
+    _burn(burner)
+    assert probe.children_cpu_pct() > 0.0
+    assert _files_open_on(f"/proc/{burner.pid}/stat") == 1
+    burner.stdin.close()
+    burner.wait(30)
+    assert probe.children_cpu_pct() == 0.0  # it ended: dropped
+    assert _files_open_on(f"/proc/{burner.pid}/stat") == 0
+    later = child(_BURNER)
+    assert probe.children_cpu_pct() == 0.0  # a scan at once: first seen
+    _burn(later)
+    assert probe.children_cpu_pct() > 0.0
+    probe.close()
 
 
 def test_a_sample_agrees_with_psutil():

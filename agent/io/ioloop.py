@@ -257,6 +257,7 @@ class IOLoop:
                 self._guard("socket file", Path(f"{path}.gw").unlink, True)
             if self._node_link is not None:
                 self._guard("node relay", self._node_link.close)
+            self._guard("system probe", self._probe.close)
             context.destroy(linger=0)
 
     def _start_gateway(self, pub_endpoint: str, cmd_endpoint: str) -> _Endpoints:

@@ -168,35 +168,73 @@ class SystemProbe:
             psutil.cpu_percent(interval=None)  # primes the counter; the first reading is 0
         #: (monotonic s, this process's CPU s) at the last reading
         self._process_times = (time.monotonic(), time.process_time())
-        self._children: dict[int, psutil.Process] = {}  # by pid: cpu_percent deltas
+        #: the descendants known, by pid: how each is read (:func:`_open_child`) and its
+        #: CPU (s) at the last reading
+        self._children: dict[int, tuple[int | psutil.Process, float]] = {}
+        #: when the last children's reading was taken (monotonic s), and how many more
+        #: readings reuse the pids of the last scan of the process tree
+        self._children_at = time.monotonic()
+        self._scan_in = 0
 
     def children_cpu_pct(self) -> float:
         """CPU of the training process's child processes since the last call (100 = one core).
 
         Compiler workers (torch.compile's inductor compiles in a pool of processes),
-        DataLoader workers. A child first seen counts from its next call."""
-        pids = descendant_pids(self._process.pid)
-        if pids is None:  # no /proc/<pid>/task/<tid>/children here: ask psutil
-            try:
-                pids = [child.pid for child in self._process.children(recursive=True)]
-            except psutil.Error:
-                return 0.0
-        total, seen = 0.0, {}
-        for pid in pids:
-            known = self._children.get(pid)
-            try:
-                if known is None:
-                    child = psutil.Process(pid)
-                    child.cpu_percent(interval=None)  # primes it: the first reading is 0
-                    seen[pid] = child
-                else:
-                    total += known.cpu_percent(interval=None)
-                    seen[pid] = known
-            except psutil.Error:  # it ended meanwhile
-                continue
-        self._children = seen
-        return total
+        DataLoader workers. A child first seen counts from its next call. The process tree
+        is scanned at every :data:`CHILDREN_SCAN_EVERY`-th call, and at the call after a
+        child known ended (loader workers end and start together); in between the
+        children known are read: a child started meanwhile counts from up to that many
+        calls later.
 
+        .. note:: On Linux one ``pread`` a child known (its ``/proc/<pid>/stat``, kept
+           open), where psutil opens, reads and closes the file each time (about a third
+           of the cost); a scan reads one small file a thread of each process in the tree
+           (:func:`descendant_pids`)."""
+        now = time.monotonic()
+        elapsed, self._children_at = now - self._children_at, now
+        known = self._children
+        if self._scan_in > 0:
+            self._scan_in -= 1
+            pids = list(known)
+        else:
+            self._scan_in = CHILDREN_SCAN_EVERY - 1
+            pids = self._descendants()
+        total_s, seen = 0.0, {}
+        for pid in pids:
+            handle, before_s = known.pop(pid, (None, 0.0))
+            try:
+                if handle is None:  # first seen: counts from the next call
+                    handle = _open_child(pid)
+                    seen[pid] = (handle, _child_cpu_s(handle))
+                else:
+                    cpu_s = _child_cpu_s(handle)
+                    total_s += max(0.0, cpu_s - before_s)
+                    seen[pid] = (handle, cpu_s)
+            except (OSError, ValueError, IndexError, psutil.Error):  # it ended meanwhile
+                if handle is not None:
+                    _close_child(handle)
+                self._scan_in = 0
+        for handle, _ in known.values():  # no longer in the tree
+            _close_child(handle)
+        self._children = seen
+        return round(total_s / elapsed * 100, 1) if elapsed > 0 else 0.0
+
+    def _descendants(self) -> list[int]:
+        """The pids of the training process's descendants (a scan of the process tree)."""
+        pids = descendant_pids(self._process.pid)
+        if pids is not None:
+            return pids
+        try:  # no /proc/<pid>/task/<tid>/children here: ask psutil
+            return [child.pid for child in self._process.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def close(self) -> None:
+        """Close the ``/proc`` files of the children known; a later reading opens them again."""
+        for handle, _ in self._children.values():
+            _close_child(handle)
+        self._children = {}
+        self._scan_in = 0
 
     def host_cpu_pct(self) -> float:
         """CPU of the whole host since the last call, in % of all its cores.
@@ -252,6 +290,45 @@ class SystemProbe:
             "gpus": gpus,
             "gpu_status": self.nvml.status,
         }
+
+
+#: :meth:`SystemProbe.children_cpu_pct` scans the process tree at every this-many-th call
+#: (about 1 Hz: every 5 s), and reads the children it knows at the others.
+CHILDREN_SCAN_EVERY = 5
+#: Whether processes are read from Linux's ``/proc/<pid>/stat`` (else through psutil).
+_PROC_STAT = os.path.exists("/proc/self/stat")
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if _PROC_STAT else 100
+
+
+def _open_child(pid: int) -> int | psutil.Process:
+    """How process ``pid``'s CPU is read: its ``/proc/<pid>/stat`` opened (Linux; the
+    descriptor then reads this process only, never one that reuses its pid), else psutil.
+
+    Raises:
+        OSError, psutil.Error: it is gone.
+    """
+    if _PROC_STAT:
+        return os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    return psutil.Process(pid)
+
+
+def _child_cpu_s(handle: int | psutil.Process) -> float:
+    """The user and system CPU (s) a child (:func:`_open_child`) has used so far.
+
+    Raises:
+        OSError, ValueError, IndexError, psutil.Error: it ended (Linux: ``ESRCH``).
+    """
+    if isinstance(handle, int):
+        text = os.pread(handle, 1024, 0)
+        fields = text[text.rindex(b")") + 2:].split()  # after the name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime
+    times = handle.cpu_times()
+    return times.user + times.system
+
+
+def _close_child(handle: int | psutil.Process) -> None:
+    if isinstance(handle, int):
+        os.close(handle)
 
 
 def _host_cpu_times() -> list[int] | None:
