@@ -126,8 +126,8 @@ class InputWindow:
             verdicts = list(map(_VERDICTS.__getitem__,
                                 map(bisect_right, repeat(_VERDICT_SHARES), shares)))
         window.extend(zip(waits[-size:], times[-size:]))
-        self._wait_s = sum(wait for wait, _ in window)
-        self._step_s = sum(time_s for _, time_s in window)
+        self._wait_s = sum(map(_FIRST, window))
+        self._step_s = sum(map(_SECOND, window))
         return shares, verdicts
 
 
@@ -546,6 +546,7 @@ class StepEncoder:
 
 #: A step record's marker.
 _MARKER = attrgetter("marker")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _NONE = {type(None)}
 _TENSOR = {torch.Tensor}
 _ZERO = {0}
