@@ -32,6 +32,11 @@ Two measures, each per optimizer step:
   wait for.
 - **Wall clock**: the ratio of each round's step time under the monitor to the bare
   loop's in the same round; mean over rounds with a 95% confidence interval (Student t).
+- **The training thread's time lost**: its wall time off its CPU (wall minus its CPU
+  time) under the agent minus the bare loop's in the same round: its waits for the GIL
+  while the agent's threads hold it, and for a core they took. CPython shows no GIL
+  hold time; the agent's threads' CPU is its upper bound (they release the GIL in
+  system calls and ZeroMQ's).
 
 Last line: ``RESULT agent_cpu_us_per_step=<a> agent_cpu_ci95=<ac>
 agent_train_cpu_us_per_step=<at> agent_threads_cpu_us_per_step=<ah>
@@ -359,6 +364,10 @@ def main() -> None:
           f"thread); the process's CPU beyond the bare loop's: {agent_process:.2f} "
           f"± {agent_process_ci:.2f} us (tqdm {figures['tqdm'][2]:.2f} "
           f"± {figures['tqdm'][3]:.2f})")
+    lost, lost_ci = mean_ci([((row[0] - row[1]) - (bare[0] - bare[1])) / n * 1e6
+                             for row, bare in zip(samples["agent"], samples["bare"])])
+    print(f"the training thread's time lost to the agent (off its CPU beyond the bare "
+          f"loop's: GIL waits, a core taken): {lost:.2f} ± {lost_ci:.2f} us a step")
     print(f"RESULT agent_cpu_us_per_step={agent_process:.2f} "
           f"agent_cpu_ci95={agent_process_ci:.2f} "
           f"agent_train_cpu_us_per_step={hot['agent']:.2f} "

@@ -38,6 +38,7 @@ __all__ = [
     "SavedActivations",
     "SnapshotState",
     "format_bytes",
+    "host_rss_bytes",
     "memory_stats",
     "profile_memory",
     "set_memory_fraction",
@@ -269,7 +270,7 @@ def memory_stats(device: torch.device | str | int | None = None) -> dict[str, in
     """
     device = _as_device(device)
     stats: dict[str, int | None] = {
-        "host_rss_bytes": _host_rss_bytes(),
+        "host_rss_bytes": host_rss_bytes(),
         "host_peak_rss_bytes": _host_peak_rss_bytes(),
     }
     if device.type == "cuda":
@@ -303,7 +304,11 @@ _statm: tuple[int, int] | None = None
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _host_rss_bytes() -> int | None:
+def host_rss_bytes() -> int | None:
+    """Resident set size of this process now, in bytes; None where it cannot be read.
+
+    On Linux one ``pread`` of ``/proc/self/statm``, kept open; elsewhere psutil's reading.
+    Safe from any thread; never raises."""
     global _statm
     try:
         if _statm is None or _statm[0] != os.getpid():

@@ -6,6 +6,7 @@ markers, each path's message compared field by field."""
 
 from __future__ import annotations
 
+import random
 from collections import deque
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from agent.control.guard import ChangeGuard
 from agent.control.ledger import Change, ChangeLedger
 from agent.search.tune import AutoTune
-from agent.step.encoder import StepEncoder
+from agent.step.encoder import InputWindow, StepEncoder
 from agent.step.markers import CpuMarker
 from agent.step.record import StepRecord
 from agent.wire import protocol
@@ -69,3 +70,30 @@ def test_the_steps_in_columns_equal_the_steps_one_at_a_time(rate):
             float(value) for value in given]
         first = given if isinstance(given, float) else groups[0] if groups else None
         assert (row.get("lr"), row.get("lr_groups")) == (first, groups), row
+
+
+def test_the_input_window_over_a_batch_equals_it_step_by_step():
+    """``InputWindow.add_many`` (numpy, over a batch) gives the shares and verdicts that
+    ``add`` gives one step at a time, however the batches fall against the window: every
+    verdict, waits longer than their steps (a share of 1), the window's edge inside a
+    batch."""
+    rng = random.Random(7)
+    times = [1e-3 + 1e-3 * rng.random() for _ in range(300)]
+    # 100 steps of each: compute-bound, partly input-bound, input-bound (some waits longer
+    # than their steps)
+    waits = [time_s * rng.uniform(*(0.0, 0.1) if step < 100 else (0.25, 0.4) if step < 200
+                                  else (0.6, 1.5)) for step, time_s in enumerate(times)]
+    one, many = InputWindow(), InputWindow()
+    expected = [one.add(wait_s, time_s) for wait_s, time_s in zip(waits, times)]
+    got: list[tuple[float, str]] = []
+    start = 0
+    for size in (1, 3, 19, 2, 40, 1, 235):  # 300 steps in batches of these sizes
+        shares, verdicts = many.add_many(waits[start:start + size], times[start:start + size])
+        got += zip(shares, verdicts)
+        start += size
+    assert [verdict for _, verdict in got] == [verdict for _, verdict in expected]
+    assert {verdict for _, verdict in got} == {"compute-bound", "partly input-bound",
+                                               "input-bound"}
+    assert [share for share, _ in got] == pytest.approx([share for share, _ in expected],
+                                                        rel=1e-9, abs=1e-12)
+    assert max(share for share, _ in got) == 1.0
