@@ -148,9 +148,9 @@ class LogWriter:
             self.lost += 1
             if self.lost == self._lost_said + 1:
                 self._report("run log", RuntimeError(
-                    f"its writer (pid {self.pid}) is {self.backlog_bytes / 2**20:.0f} MiB "
-                    "behind (stopped, or a slow disk): records are left out of the log "
-                    "until it catches up"))
+                    f"its writer (pid {self.pid}) is {self.backlog_bytes:,} bytes behind "
+                    "(stopped, or a slow disk): records are left out of the log until it "
+                    "catches up"))
             return
         self._backlog.append(memoryview(data))
         self.backlog_bytes += len(data)
