@@ -30,9 +30,9 @@ Two measures, each per optimizer step:
   agent's loader wrapper and ``optimizer_step``; tqdm's iteration): the training
   thread's share. The monitor threads' CPU is GIL time the training thread may have to
   wait for. And the CPU of the agent's run-log writer, a child process
-  (``agent.io.logwriter``), from the loop's start to its exit once the agent has closed
-  (its end and summary included): machine CPU the agent costs outside the training
-  process.
+  (``agent.io.logwriter``), from the loop's start until it has written the loop's last
+  frame (its start-up and its end, once a run, not counted, as the agent's are not):
+  machine CPU the agent costs outside the training process.
 - **Wall clock**: the ratio of each round's step time under the monitor to the bare
   loop's in the same round; mean over rounds with a 95% confidence interval (Student t).
 
@@ -57,7 +57,6 @@ import argparse
 import contextlib
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -101,10 +100,12 @@ def thread_ids() -> set[int]:
     return {int(name) for name in os.listdir("/proc/self/task")}
 
 
-def children_cpu_s() -> float:
-    """CPU time (s, user and system) of this process's children ended and waited for."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def process_cpu_s(pid: int) -> float:
+    """CPU time (s) of process ``pid``'s first thread so far (all of a one-thread process's).
+
+    Linux's scheduler statistics, in ns (``ps`` and psutil count 10 ms ticks)."""
+    with open(f"/proc/{pid}/schedstat") as stats:
+        return int(stats.read().split()[0]) / 1e9
 
 
 class Clocks:
@@ -197,20 +198,23 @@ def _handled(run, step: int, timeout_s: float = 10.0) -> None:
     time.sleep(0.06)
 
 
+#: The run log's writer writes a frame at most this long after its first record (s).
+WRITER_FLUSH_S = 0.6
+
+
 def run_agent(stream, step, steps, clocks, subscriber=False):
     clocks.start()
-    children = children_cpu_s()
     with agent.session(name="bench-overhead") as run:
         deadline = time.monotonic() + 30  # its start-up (hello, with the environment
         while run.agent._io.seq < 1 and time.monotonic() < deadline:  # report) is not a step's
             time.sleep(0.005)
-        writer = psutil.Process(run.agent._io._log.pid)  # the run log's writer process
-        writer_started = sum(writer.cpu_times()[:2])  # (its start-up is not a step's)
+        writer = run.agent._io._log.pid  # the run log's writer process (one thread)
         reader = None
         if subscriber:
             reader = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, run.agent.run_id],
                                       stdout=subprocess.PIPE, text=True)
             assert reader.stdout.readline().strip() == "ready"
+        writer_started = process_cpu_s(writer)  # (its start-up is not a step's)
         clocks.begin()
         for inputs, targets in run.loader(stream(steps)):
             loss = step(inputs, targets)
@@ -218,8 +222,8 @@ def run_agent(stream, step, steps, clocks, subscriber=False):
         wall, train, _, _ = clocks.end()
         _handled(run, steps)
         _, _, monitor, process = clocks.end()
-    # the writer has written the log's end and been waited for (the reader has not yet)
-    clocks.child_cpu_s = children_cpu_s() - children - writer_started
+        time.sleep(WRITER_FLUSH_S)  # the writer has read the last step and written its frame
+        clocks.child_cpu_s = process_cpu_s(writer) - writer_started
     if reader is not None:
         reader.wait(30)
     return wall, train, monitor, process
