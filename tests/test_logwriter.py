@@ -1,7 +1,8 @@
 """The run log's writer process (agent.io.logwriter), with real agents and real processes.
 
-The training process SIGKILLed: the log keeps every record it published. The writer killed:
-said once, training goes on. The writer stopped (SIGSTOP): the I/O thread never blocks, the
+The training process SIGKILLed: the log keeps every record it published. The writer killed,
+or unable to write (a file size limit, as a full disk): said once, with its reason, and
+training goes on. The writer stopped (SIGSTOP): the I/O thread never blocks, the
 backlog stays bounded, what is left out is counted and said. Close: the log is complete
 when it returns, whatever signal the writer got before."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -87,6 +89,26 @@ def test_a_writer_killed_is_said_once_and_training_goes_on(run_dir):
     assert f"exited with status {-signal.SIGKILL}" in error and "without a run log" in error
     seqs = _seqs(monitor.info.log_path)  # what it wrote before reads
     assert seqs and seqs == list(range(1, len(seqs) + 1))
+
+
+def test_a_writer_that_cannot_write_says_why_and_training_goes_on(run_dir):
+    """The log file may not grow (a file size limit on the writer, as a full disk does):
+    the writer says why and exits; the agent says so once, with that reason."""
+    monitor = agent.Agent(name="writer-full").start()
+    path = monitor.info.log_path
+    resource.prlimit(monitor._io._log.pid, resource.RLIMIT_FSIZE, (os.path.getsize(path),) * 2)
+    step = 1
+
+    def said() -> list[str]:
+        nonlocal step
+        step = _train(monitor, step, 200)
+        return _run_log_errors(monitor)
+
+    (error,) = wait_until(said, "the writer's failure said")
+    assert "exited with status 1 (OSError: [Errno 27] File too large)" in error
+    step = _train(monitor, step, 500)
+    monitor.close()
+    assert monitor.last_step == step - 1 and _run_log_errors(monitor) == [error]
 
 
 def test_a_writer_stopped_never_blocks_the_agent_and_what_is_lost_is_said(run_dir,

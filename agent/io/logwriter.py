@@ -133,8 +133,9 @@ class LogWriter:
             return
         try:
             written = os.writev(self._fd, (head, payload))
-        except BlockingIOError:
-            written = 0
+        except BlockingIOError:  # the pipe is full
+            self._keep(head + payload)
+            return
         except OSError:  # EPIPE: the writer is gone
             self._gone()
             return
@@ -192,17 +193,15 @@ class LogWriter:
     def _gone(self) -> None:
         """The writer died (killed, a full disk): say so, with its reason, once."""
         process, self._process = self._process, None
-        assert process is not None and process.stdout is not None
-        status = process.poll()
-        reason = ""
-        with contextlib.suppress(OSError, ValueError):
-            answer = json.loads(os.read(process.stdout.fileno(), 1 << 16) or b"{}")
-            if isinstance(answer, dict) and isinstance(answer.get("error"), str):
-                reason = f" ({answer['error']})"
+        assert process is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):  # (a pipe closed: it is
+            process.wait(1.0)  # exiting, microseconds from its status)
+        reason = _reason(process)
         self._close_pipes(process)
         self._report("run log", RuntimeError(
-            f"its writer (pid {self.pid}) exited with status {status}{reason}; the run "
-            f"goes on without a run log from here ({self.path} keeps what was written)"))
+            f"its writer (pid {self.pid}) exited with status {process.returncode}{reason}; "
+            f"the run goes on without a run log from here ({self.path} keeps what was "
+            "written)"))
 
     def close(self, timeout_s: float = CLOSE_S) -> None:
         """Send what is left and the end; wait until the writer has written all and the summary.
@@ -227,21 +226,27 @@ class LogWriter:
             return
         self._process = None
         self.lost += max(0, len(self._backlog) - 1)  # the messages before the end
-        self._close_pipes(process)
+        self._backlog.clear()
+        self.backlog_bytes = 0
         if self.lost > self._lost_said:
             self._report("run log", RuntimeError(
                 f"{self.lost - self._lost_said:,} records were left out of the log: its "
                 "writer was behind at the end"))
+        assert process.stdin is not None  # a PIPE
+        with contextlib.suppress(OSError):
+            process.stdin.close()
         try:
             status = process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self._report("run log", RuntimeError(
                 f"its writer (pid {self.pid}) had not written the log's end within "
                 f"{timeout_s:.0f} s; it finishes alone"))
-            return
-        if status != 0:
-            self._report("run log", RuntimeError(
-                f"its writer (pid {self.pid}) exited with status {status} at the end"))
+        else:
+            if status != 0:
+                self._report("run log", RuntimeError(
+                    f"its writer (pid {self.pid}) exited with status {status} at the end"
+                    f"{_reason(process)}"))
+        self._close_pipes(process)
 
     def _close_pipes(self, process: subprocess.Popen) -> None:
         self._backlog.clear()
@@ -250,6 +255,16 @@ class LogWriter:
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
+
+
+def _reason(process: subprocess.Popen) -> str:
+    """What a writer that ended said on its stdout (``{"error"}``), as `` (reason)``, or ""."""
+    assert process.stdout is not None  # a PIPE, non-blocking
+    with contextlib.suppress(OSError, ValueError):
+        answer = json.loads(os.read(process.stdout.fileno(), 1 << 16) or b"{}")
+        if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+            return f" ({answer['error']})"
+    return ""
 
 
 # --- the writer's process -------------------------------------------------------------
