@@ -13,8 +13,8 @@ import os
 import select
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Callable, TextIO
 
 #: How long a helper may take to answer (s): a loaded host can take seconds to start

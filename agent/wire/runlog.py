@@ -53,9 +53,10 @@ fork, then its own) from the records read in order, in one pass.
 
 Written by the agent's log writer, a child process of the training process
 (:mod:`agent.io.logwriter`), from the messages the agent publishes: a ``steps`` batch costs
-it one conversion per column (no Python a step), one msgpack pack and its share of a
-deflate: 1.4 to 2.0 us a step here (the JSON lines of earlier versions: 2.7 to 3.2 us, 536
-bytes), none of it in the training process.
+one conversion per column (no Python a step), one msgpack pack and its share of a deflate:
+1.4 to 2.0 us a step here (the JSON lines of earlier versions: 2.7 to 3.2 us, 536 bytes);
+with the unpacking of the wire's bytes and the pipe, the writer spends 2.4 to 3.1 us of
+CPU a step at 4,000 steps/s, none of it in the training process.
 """
 
 from __future__ import annotations
