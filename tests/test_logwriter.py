@@ -1,6 +1,7 @@
 """The run log's writer process (agent.io.logwriter), with real agents and real processes.
 
-The training process SIGKILLed: the log keeps every record it published. The writer killed,
+The training process SIGKILLed: the log keeps every record it published, even while a
+process it forked holds the pipe open. The writer killed,
 or unable to write (a file size limit, as a full disk): said once, with its reason, and
 training goes on. The writer stopped (SIGSTOP): the I/O thread never blocks, the
 backlog stays bounded, what is left out is counted and said. Close: the log is complete
@@ -8,6 +9,7 @@ when it returns, whatever signal the writer got before."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -42,6 +44,21 @@ def _envelopes(path) -> list[dict]:
 
 def _seqs(path) -> list[int]:
     return [envelope["seq"] for envelope in _envelopes(path)]
+
+
+def _children(pid: int) -> dict[str, list[psutil.Process]]:
+    """The live child processes of process ``pid``, by command line."""
+    found: dict[str, list[psutil.Process]] = {}
+    for child in psutil.Process(pid).children():
+        with contextlib.suppress(psutil.Error):  # (one that ended meanwhile)
+            found.setdefault(" ".join(child.cmdline()), []).append(child)
+    return found
+
+
+def _writer_of(pid: int) -> psutil.Process:
+    (writer,) = [child for line, children in _children(pid).items()
+                 if "agent.io.logwriter" in line for child in children]
+    return writer
 
 
 def _run_log_errors(monitor: agent.Agent) -> list[str]:
@@ -153,8 +170,7 @@ def test_a_training_process_killed_leaves_every_record_it_published_in_the_log(r
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         started = json.loads(job.stdout.readline())
-        (writer,) = [child for child in psutil.Process(job.pid).children()
-                     if "agent.io.logwriter" in " ".join(child.cmdline())]
+        writer = _writer_of(job.pid)
         info = wait_until(lambda: runs.find_run(), "the run file")
         last_seen = 0
         with Subscriber(info) as subscriber:
@@ -175,3 +191,51 @@ def test_a_training_process_killed_leaves_every_record_it_published_in_the_log(r
     summary = runlog.read_summary(runlog.summary_path(path))
     assert summary is not None and summary.covered == [0, os.path.getsize(path)]
     assert summary.records == len(seqs) and summary.ended is None  # no bye: killed
+
+
+FORKING_JOB = """
+import os, sys, time
+import torch
+from agent.step.core import Agent
+from agent.step.record import StepRecord
+monitor = Agent(name="forking").start()
+for step in range(1, 301):
+    monitor.optimizer_step(StepRecord(step=step, micro_batches=1, samples=32,
+                                      data_wait_s=0.0, loss=torch.tensor(1.0 / step)))
+if os.fork() == 0:  # a process forked as a DataLoader worker is: it holds the pipe too
+    time.sleep(120)
+    os._exit(0)
+print(monitor.info.log_path, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_writer_whose_pipe_a_forked_process_holds_ends_with_its_parent(run_dir):
+    """The training process SIGKILLed while a process it forked (a DataLoader worker)
+    lives on, holding the pipe open: the writer ends all the same, its parent gone, with
+    every step in the log."""
+    job = subprocess.Popen([sys.executable, "-c", FORKING_JOB], env=job_env(),
+                           stdout=subprocess.PIPE, text=True)
+    children: list[psutil.Process] = []
+    try:
+        path = job.stdout.readline().strip()
+        writer = _writer_of(job.pid)
+        (forked,) = _children(job.pid)[" ".join(job.args)]
+        children = [writer, forked]
+        wait_until(lambda: 300 in [r.get("step") for r in history.flat_records(path)],
+                   "the steps written")
+        job.kill()
+        job.wait(30)
+        writer.wait(30)
+        assert forked.is_running()  # it still holds the pipe: the writer did not wait
+    finally:
+        for process in children:  # (the forked one, and a writer that failed to end)
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    steps = [r["step"] for r in history.flat_records(path) if r["type"] == "step"]
+    assert steps == list(range(1, 301))
+    summary = runlog.read_summary(runlog.summary_path(path))
+    assert summary is not None and summary.steps == 300
