@@ -202,10 +202,12 @@ monitor = Agent(name="forking").start()
 for step in range(1, 301):
     monitor.optimizer_step(StepRecord(step=step, micro_batches=1, samples=32,
                                       data_wait_s=0.0, loss=torch.tensor(1.0 / step)))
+print(monitor.info.log_path, flush=True)
+sys.stdin.readline()  # (once they are logged: the I/O thread is then past its start-up)
 if os.fork() == 0:  # a process forked as a DataLoader worker is: it holds the pipe too
     time.sleep(120)
     os._exit(0)
-print(monitor.info.log_path, flush=True)
+print("forked", flush=True)
 time.sleep(120)
 """
 
@@ -215,15 +217,18 @@ def test_a_writer_whose_pipe_a_forked_process_holds_ends_with_its_parent(run_dir
     lives on, holding the pipe open: the writer ends all the same, its parent gone, with
     every step in the log."""
     job = subprocess.Popen([sys.executable, "-c", FORKING_JOB], env=job_env(),
-                           stdout=subprocess.PIPE, text=True)
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     children: list[psutil.Process] = []
     try:
         path = job.stdout.readline().strip()
+        wait_until(lambda: 300 in [r.get("step") for r in history.flat_records(path)],
+                   "the steps written")
+        job.stdin.write("fork\n")
+        job.stdin.flush()
+        assert job.stdout.readline() == "forked\n"
         writer = _writer_of(job.pid)
         (forked,) = _children(job.pid)[" ".join(job.args)]
         children = [writer, forked]
-        wait_until(lambda: 300 in [r.get("step") for r in history.flat_records(path)],
-                   "the steps written")
         job.kill()
         job.wait(30)
         writer.wait(30)
