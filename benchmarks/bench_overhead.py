@@ -29,7 +29,10 @@ Two measures, each per optimizer step:
   torch), the CPU each monitor's per-step code adds to the training thread (the
   agent's loader wrapper and ``optimizer_step``; tqdm's iteration): the training
   thread's share. The monitor threads' CPU is GIL time the training thread may have to
-  wait for.
+  wait for. And the CPU of the agent's run-log writer, a child process
+  (``agent.io.logwriter``), from the loop's start until it has written the loop's last
+  frame (its start-up and its end, once a run, not counted, as the agent's are not):
+  machine CPU the agent costs outside the training process.
 - **Wall clock**: the ratio of each round's step time under the monitor to the bare
   loop's in the same round; mean over rounds with a 95% confidence interval (Student t).
 - **The training thread's time lost**: its wall time off its CPU (wall minus its CPU
@@ -40,15 +43,17 @@ Two measures, each per optimizer step:
 
 Last line: ``RESULT agent_cpu_us_per_step=<a> agent_cpu_ci95=<ac>
 agent_train_cpu_us_per_step=<at> agent_threads_cpu_us_per_step=<ah>
-agent_overhead_ratio=<r> agent_overhead_ci95=<c> agent_sub_overhead_ratio=<s>
-tqdm_cpu_us_per_step=<t> tqdm_overhead_ratio=<tr> tqdm_overhead_ci95=<tc>``: ``a`` is
-the training process's CPU a step beyond the bare loop's, all its threads (target <= 3
-us at 1,000+ steps/s) and ``ac`` the half-width of its 95% interval; ``at`` the
-training thread's share (its per-step code measured alone), ``ah`` the agent's own
-threads'; ``r`` the mean wall-clock ratio and ``c`` the half-width of its 95% interval
-(target: an interval that reaches 1.02 or less), ``s`` the ratio with a subscriber
-reading; ``t`` tqdm's CPU a step (its per-step code on the training thread, measured
-alone, and its monitor thread), ``tr`` and ``tc`` its wall-clock ratio and interval.
+agent_child_cpu_us_per_step=<ak> agent_overhead_ratio=<r> agent_overhead_ci95=<c>
+agent_sub_overhead_ratio=<s> tqdm_cpu_us_per_step=<t> tqdm_overhead_ratio=<tr>
+tqdm_overhead_ci95=<tc>``: ``a`` is the training process's CPU a step beyond the bare
+loop's, all its threads (target <= 3 us at 1,000+ steps/s) and ``ac`` the half-width of
+its 95% interval; ``at`` the training thread's share (its per-step code measured alone),
+``ah`` the agent's own threads'; ``ak`` its run-log writer process's (not in ``a``:
+another process, but the machine's CPU all the same); ``r`` the mean wall-clock ratio
+and ``c`` the half-width of its 95% interval (target: an interval that reaches 1.02 or
+less), ``s`` the ratio with a subscriber reading; ``t`` tqdm's CPU a step (its per-step
+code on the training thread, measured alone, and its monitor thread), ``tr`` and ``tc``
+its wall-clock ratio and interval.
 """
 
 from __future__ import annotations
@@ -100,12 +105,23 @@ def thread_ids() -> set[int]:
     return {int(name) for name in os.listdir("/proc/self/task")}
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU time (s) of process ``pid``'s first thread so far (all of a one-thread process's).
+
+    Linux's scheduler statistics, in ns (``ps`` and psutil count 10 ms ticks)."""
+    with open(f"/proc/{pid}/schedstat") as stats:
+        return int(stats.read().split()[0]) / 1e9
+
+
 class Clocks:
     """CPU time of the threads started since :meth:`start`, and of the training thread.
 
     ``start()`` before the monitor starts its threads (it notes the threads there are),
     ``begin()`` at the loop's start, ``end()`` once the monitor has handled the loop's
-    last step, before it stops its threads."""
+    last step, before it stops its threads. ``child_cpu_s``: the CPU (s) of the
+    monitor's child process over the loop, where it has one (set by the monitor's run)."""
+
+    child_cpu_s = 0.0
 
     def start(self) -> None:
         self._before = thread_ids()
@@ -187,17 +203,23 @@ def _handled(run, step: int, timeout_s: float = 10.0) -> None:
     time.sleep(0.06)
 
 
+#: The run log's writer writes a frame at most this long after its first record (s).
+WRITER_FLUSH_S = 0.6
+
+
 def run_agent(stream, step, steps, clocks, subscriber=False):
     clocks.start()
     with agent.session(name="bench-overhead") as run:
         deadline = time.monotonic() + 30  # its start-up (hello, with the environment
         while run.agent._io.seq < 1 and time.monotonic() < deadline:  # report) is not a step's
             time.sleep(0.005)
+        writer = run.agent._io._log.pid  # the run log's writer process (one thread)
         reader = None
         if subscriber:
             reader = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, run.agent.run_id],
                                       stdout=subprocess.PIPE, text=True)
             assert reader.stdout.readline().strip() == "ready"
+        writer_started = process_cpu_s(writer)  # (its start-up is not a step's)
         clocks.begin()
         for inputs, targets in run.loader(stream(steps)):
             loss = step(inputs, targets)
@@ -205,6 +227,8 @@ def run_agent(stream, step, steps, clocks, subscriber=False):
         wall, train, _, _ = clocks.end()
         _handled(run, steps)
         _, _, monitor, process = clocks.end()
+        time.sleep(WRITER_FLUSH_S)  # the writer has read the last step and written its frame
+        clocks.child_cpu_s = process_cpu_s(writer) - writer_started
     if reader is not None:
         reader.wait(30)
     return wall, train, monitor, process
@@ -319,13 +343,15 @@ def main() -> None:
     monitors = {**MONITORS, **(EXTRA if args.all else {})}
     stream, step = make_loop()
     run_bare(stream, step, 200, Clocks())  # warm up
-    samples: dict[str, list[tuple[float, float, float, float]]] = {
+    samples: dict[str, list[tuple[float, float, float, float, float]]] = {
         name: [] for name in monitors}
     for round_index in range(args.rounds):
         order = list(monitors)
         order = order[round_index % len(order):] + order[:round_index % len(order)]
         for name in order:
-            samples[name].append(monitors[name](stream, step, args.steps, Clocks()))
+            clocks = Clocks()
+            row = monitors[name](stream, step, args.steps, clocks)
+            samples[name].append((*row, clocks.child_cpu_s))
     n = args.steps
     bare_wall = [row[0] / n * 1e6 for row in samples["bare"]]
     bare_train = [row[1] / n * 1e6 for row in samples["bare"]]
@@ -335,7 +361,8 @@ def main() -> None:
           f"rounds of {n} steps, torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'monitor':<15}{'wall us':>9}{'ratio':>8}{'95% CI':>9}"
-          f"{'process +cpu us':>17}{'95% CI':>8}{'train +cpu us':>15}{'threads cpu us':>16}")
+          f"{'process +cpu us':>17}{'95% CI':>8}{'train +cpu us':>15}{'threads cpu us':>16}"
+          f"{'child cpu us':>14}")
     figures = {}
     for name, rows in samples.items():
         wall = [row[0] / n * 1e6 for row in rows]
@@ -345,23 +372,27 @@ def main() -> None:
         train_added = statistics.median(row[1] / n * 1e6 - b
                                         for row, b in zip(rows, bare_train))
         threads = statistics.median(row[2] / n * 1e6 for row in rows)
-        figures[name] = (ratio, ci, process, process_ci, threads)
+        child = statistics.median(row[4] / n * 1e6 for row in rows)
+        figures[name] = (ratio, ci, process, process_ci, threads, child)
         print(f"{name:<15}{statistics.median(wall):>9.1f}{ratio:>8.4f}"
               f"{'±' + format(ci, '.4f'):>9}{process:>17.2f}{'±' + format(process_ci, '.2f'):>8}"
-              f"{train_added:>15.2f}{threads:>16.2f}")
+              f"{train_added:>15.2f}{threads:>16.2f}{child:>14.2f}")
     print("'process +cpu': the process's CPU (all its threads) minus the bare loop's in the "
           "same round, mean; 'train +cpu': the training thread's alone (median); 'threads': "
-          "the monitor's own threads (the agent's I/O thread and ZeroMQ's; median); the "
+          "the monitor's own threads (the agent's I/O thread and ZeroMQ's; median); 'child': "
+          "its child process, the agent's run-log writer (median; not in 'process'); the "
           "differences carry torch's noise")
     hot = hot_path_cpu_us(min(args.steps, 2000))
-    agent_ratio, agent_ci, agent_process, agent_process_ci, agent_threads = figures["agent"]
+    agent_ratio, agent_ci, agent_process, agent_process_ci, agent_threads, agent_child = \
+        figures["agent"]
     tqdm_cpu = hot["tqdm"] + figures["tqdm"][4]
     print(f"training thread's per-step code alone (no model, best of 5): agent "
           f"{hot['agent']:.2f} us a step (loader wrapper, clock reads, marker, record, "
           f"deque append, pending-command check), tqdm {hot['tqdm']:.2f} us")
-    print(f"agent, all its work a step: {agent_threads + hot['agent']:.2f} us of CPU "
-          f"({agent_threads:.2f} on its threads, {hot['agent']:.2f} on the training "
-          f"thread); the process's CPU beyond the bare loop's: {agent_process:.2f} "
+    print(f"agent, all its work a step: {agent_threads + hot['agent'] + agent_child:.2f} us "
+          f"of CPU ({agent_threads:.2f} on its threads, {hot['agent']:.2f} on the training "
+          f"thread, {agent_child:.2f} in its run-log writer process); the training "
+          f"process's CPU beyond the bare loop's: {agent_process:.2f} "
           f"± {agent_process_ci:.2f} us (tqdm {figures['tqdm'][2]:.2f} "
           f"± {figures['tqdm'][3]:.2f})")
     lost, lost_ci = mean_ci([((row[0] - row[1]) - (bare[0] - bare[1])) / n * 1e6
@@ -372,6 +403,7 @@ def main() -> None:
           f"agent_cpu_ci95={agent_process_ci:.2f} "
           f"agent_train_cpu_us_per_step={hot['agent']:.2f} "
           f"agent_threads_cpu_us_per_step={agent_threads:.2f} "
+          f"agent_child_cpu_us_per_step={agent_child:.2f} "
           f"agent_overhead_ratio={agent_ratio:.4f} agent_overhead_ci95={agent_ci:.4f} "
           f"agent_sub_overhead_ratio={figures['agent+sub'][0]:.4f} "
           f"tqdm_cpu_us_per_step={tqdm_cpu:.2f} tqdm_overhead_ratio={figures['tqdm'][0]:.4f} "

@@ -204,4 +204,4 @@ def _forward(front_pub: zmq.Socket, front_cmd: zmq.Socket, back_pub: zmq.Socket,
 
 
 if __name__ == "__main__":
-    sys.exit(helpers.main(serve))
+    sys.exit(helpers.main(serve, (zmq.ZMQError,)))

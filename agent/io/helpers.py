@@ -1,10 +1,10 @@
-"""The agent's helper processes: the tcp gateway and the node relay.
+"""The agent's helper processes: the tcp gateway, the node relay and the run log's writer.
 
-The tcp gateway is :mod:`agent.io.gateway`, the node relay :mod:`agent.io.relay`. Each is
-``python -m <module>`` with the agent's own import path; it reads one JSON line of settings
-on stdin, answers one JSON line on stdout (with ``pub_port`` and ``cmd_port``, or
-``error``), and ends when its stdin closes: when the agent closes it, or when the training
-process dies, however."""
+The tcp gateway is :mod:`agent.io.gateway`, the node relay :mod:`agent.io.relay`, the log
+writer :mod:`agent.io.logwriter`. Each is ``python -m <module>`` with the agent's own import
+path; it reads one JSON line of settings on stdin, answers one JSON line on stdout (with
+``pub_port`` and ``cmd_port``, the log writer with ``path``; or ``error``), and ends when its
+stdin closes: when the agent closes it, or when the training process dies, however."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import os
 import select
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, TextIO
-
-import zmq
 
 #: How long a helper may take to answer (s): a loaded host can take seconds to start
 #: Python.
@@ -36,16 +35,20 @@ COMMAND_QUEUE = 64
 HANDSHAKE_MS = 2000
 #: Telemetry messages queued per subscriber before a PUB socket drops them.
 SEND_HIGH_WATER_MARK = 10_000
+#: What a helper with sockets answers: the ports it listens on.
+PORTS = {"pub_port": int, "cmd_port": int}
 
 
-def start(module: str, settings: dict[str, Any], what: str
+def start(module: str, settings: dict[str, Any], what: str,
+          answer_types: Mapping[str, type] = PORTS
           ) -> tuple[subprocess.Popen, dict[str, Any]]:
     """Start ``python -m module`` with ``settings``; returns the process and its answer.
 
-    Blocks until it answers (at most :data:`START_S`).
+    Blocks until it answers (at most :data:`START_S`). ``answer_types``: the fields its
+    answer must have, with their types (default: :data:`PORTS`).
 
     Raises:
-        OSError: no Python executable, or the helper did not answer with its ports
+        OSError: no Python executable, or the helper did not answer with those fields
             (its own error, or none within :data:`START_S`); the process is ended.
     """
     if not sys.executable:
@@ -68,9 +71,8 @@ def start(module: str, settings: dict[str, Any], what: str
         answer = json.loads(line)
     except ValueError:
         answer = {"error": f"no answer within {START_S:.0f} s"}
-    if not isinstance(answer, dict) or "error" in answer \
-            or not isinstance(answer.get("pub_port"), int) \
-            or not isinstance(answer.get("cmd_port"), int):
+    if not isinstance(answer, dict) or "error" in answer or not all(
+            isinstance(answer.get(key), kind) for key, kind in answer_types.items()):
         stop(process)
         reason = answer.get("error", answer) if isinstance(answer, dict) else answer
         raise OSError(f"the {what} did not start: {reason}")
@@ -91,16 +93,20 @@ def stop(process: subprocess.Popen) -> None:
     process.stdout.close()
 
 
-def main(serve: Callable[[dict[str, Any], int, TextIO], int]) -> int:
+def main(serve: Callable[[dict[str, Any], int, TextIO], int],
+         errors: tuple[type[Exception], ...] = ()) -> int:
     """The helper's side (its ``python -m`` entry); returns the exit status.
 
     Read one JSON line of settings on stdin and run ``serve(settings, stdin's fd, stdout)``,
-    which answers on stdout and returns the exit status once stdin closes; bad settings, or
-    a failure to bind, are answered with ``{"error"}`` (exit status 1)."""
+    which answers on stdout and returns the exit status once stdin closes; bad settings, a
+    failure to open or bind (``OSError``, or one of ``errors``: a socket's) are answered
+    with ``{"error"}`` (exit status 1). The agent writes nothing more on stdin before the
+    answer, so the line read here is all the buffered reader takes from it."""
+    answered: tuple[type[Exception], ...] = (ValueError, KeyError, TypeError, OSError, *errors)
     line = sys.stdin.buffer.readline()
     try:
         return serve(json.loads(line), sys.stdin.fileno(), sys.stdout)
-    except (ValueError, KeyError, TypeError, OSError, zmq.ZMQError) as exc:
+    except answered as exc:
         sys.stdout.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         sys.stdout.flush()
         return 1

@@ -2,9 +2,10 @@
 
 Owns the ZeroMQ context and sockets (XPUB for telemetry, ROUTER for commands, on ipc in
 the private run directory), the tcp gateway child process with the run's CURVE keys
-(:mod:`agent.io.gateway`), the run file and the run log, the node relay link of a multi-node
-job, the sequence numbers of published messages, greetings of new subscribers,
-heartbeats, the periodic ``hello`` and ``state``, and the system probe (about 1 Hz).
+(:mod:`agent.io.gateway`), the run file, the run log's writer (a child process:
+:mod:`agent.io.logwriter`), the node relay link of a multi-node job, the sequence numbers
+of published messages, greetings of new subscribers, heartbeats, the periodic ``hello``
+and ``state``, and the system probe (about 1 Hz).
 Each wake-up it drains the step encoder (:mod:`agent.step.encoder`) and hands each command
 body to the command desk (:mod:`agent.control.desk`), answering at once. It never runs on the
 training thread; what it sends, it sends without blocking (PUB drops at its high-water
@@ -28,7 +29,8 @@ from agent.wire import protocol
 from agent.io.multinode import node_link
 from agent.io.probes import Nvml, SystemProbe
 from agent.wire.protocol import EventKind, Reply
-from agent.wire.runlog import LOG_SUFFIX, RunLog, log_dir
+from agent.io.logwriter import LogWriter
+from agent.wire.runlog import LOG_SUFFIX, pack_plain
 from agent.wire.runs import (
     RUN_ID_ENV,
     RunInfo,
@@ -175,7 +177,8 @@ class IOLoop:
         #: the knob schema changed: send ``hello`` again at the next wake-up
         self.announce = False
         self._pub: zmq.Socket | None = None
-        self._log: RunLog | None = None
+        #: the run log's writer (a child process), or None
+        self._log: LogWriter | None = None
         #: the sequence number of the latest message published (and logged)
         self.seq = 0
         self._probe = SystemProbe(nvml)
@@ -372,14 +375,18 @@ class IOLoop:
         write_run_file(self.info, directory)
         return pub, router
 
-    def _open_log(self) -> RunLog:
-        """The run log of this rank, in :func:`agent.wire.runlog.log_dir`.
+    def _open_log(self) -> LogWriter:
+        """The writer of this rank's run log, in :func:`agent.wire.runlog.log_dir`.
+
+        A child process (:mod:`agent.io.logwriter`), started and its log opened (about
+        0.1 s).
 
         Raises:
-            agent.wire.runs.UnsafeDirectoryError, agent.wire.runlog.UnsafeLogFileError, OSError:
-                the directory or the file is refused or cannot be made.
+            OSError: the directory or the file is refused or cannot be made (the writer's
+                reason), or no process could be started.
         """
-        return RunLog(log_dir() / f"{self.run_id}.rank{self._agent.rank}{LOG_SUFFIX}")
+        return LogWriter.start(f"{self.run_id}.rank{self._agent.rank}{LOG_SUFFIX}",
+                               self._agent.report_error)
 
     def _loop(self, context: zmq.Context) -> None:
         pub, router = self._bind(context)
@@ -423,7 +430,7 @@ class IOLoop:
                 self._guard("hello", self.publish, protocol.HELLO, self._hello())
             self._guard("step publishing", self._encoder.drain)
             if self._log is not None:
-                self._guard("run log", self._log.maybe_flush)
+                self._guard("run log", self._log.pump)
             now = time.monotonic()
             if now >= next_system:
                 next_system = now + _HEARTBEAT_INTERVAL_S
@@ -498,7 +505,7 @@ class IOLoop:
             return default
 
     def publish(self, msg_type: str, body: Mapping[str, Any], logged: bool = True) -> None:
-        """Send one message (and append it to the run log), in order with the steps batched so far.
+        """Send one message (and hand it to the run log's writer), in order with the steps batched.
 
         ``logged=False``: a repeat for new subscribers, sent with the latest ``seq`` and not
         logged. The steps batched so far are sent first, so every message keeps its order
@@ -513,17 +520,16 @@ class IOLoop:
             self.seq += 1
         message = protocol.envelope(msg_type, body, run=self.run_id,
                                     rank=self._agent.rank, seq=self.seq)
-        if self._log is not None and logged:
-            try:
-                self._log.write(message)
-            except Exception as exc:  # disk full, ...: go on without the log
-                self._log = None
-                self._agent.report_error("run log", exc)
+        log = self._log if logged else None
         try:
             topic, payload = protocol.encode(message)
-        except Exception as exc:  # a value msgpack cannot hold: drop this message only
+        except Exception as exc:  # a value msgpack cannot hold: not sent, only logged
             self._agent.report_error(f"encoding a {msg_type} message", exc)
+            if log is not None:
+                log.send(pack_plain(message))  # what it cannot hold as its repr
             return
+        if log is not None:
+            log.send(payload)  # the wire's bytes: the log writer's work is its own
         assert self._pub is not None  # bound before the first message, closed after the last
         try:  # two plain sends: cheaper than send_multipart's Python on this hot I/O path
             self._pub.send(topic, _SEND_MORE)

@@ -347,4 +347,4 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: Any) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(helpers.main(serve))
+    sys.exit(helpers.main(serve, (zmq.ZMQError,)))
