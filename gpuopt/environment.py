@@ -72,13 +72,27 @@ def _group(probes: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     return {key: _probe(fn) for key, fn in probes.items()}
 
 
+def _platform() -> str:
+    """``platform.platform()``'s words (e.g. ``Linux-6.1.0-x86_64-with-glibc2.36``), without
+    the ``uname -p`` subprocess it starts for the processor: the agent's I/O thread builds
+    this report, and a subprocess spawned there while the training thread forks (DataLoader
+    workers) can hold it until the forked process exits."""
+    system, _, release, _, machine = os.uname()
+    words = [system, release, machine]
+    if system == "Linux":
+        libc, version = platform.libc_ver()
+        if libc:
+            words += ["with", libc + version]
+    return "-".join(words)
+
+
 def _python_group() -> dict[str, Any]:
     return _group(
         {
             "version": platform.python_version,
             "implementation": platform.python_implementation,
             "executable": lambda: sys.executable,
-            "platform": platform.platform,
+            "platform": _platform,
             "machine": platform.machine,
         }
     )

@@ -131,3 +131,25 @@ def test_a_failing_cuda_probe_is_not_reported_as_no_device(monkeypatch):
     assert report["cuda"]["available"] == "error: RuntimeError: driver too old"
     text = format_report(report)
     assert "driver too old" in text and "no CUDA device" not in text
+
+
+def test_the_report_starts_no_process():
+    """The agent's I/O thread builds it: a subprocess spawned there while the training
+    thread forks can hold that thread until the fork exits (``platform.platform()`` ran
+    ``uname -p``)."""
+    script = (
+        "import sys\n"
+        "spawned = []\n"
+        "sys.addaudithook(lambda event, args: spawned.append(event) if event in "
+        "('subprocess.Popen', 'os.posix_spawn', 'os.fork', 'os.exec') else None)\n"
+        "from gpuopt.environment import environment_report\n"
+        "import platform\n"
+        "report = environment_report()\n"
+        "print(spawned)\n"
+        "print(report['python']['platform'])\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=REPO_ROOT, check=True).stdout.splitlines()
+    assert out[0] == "[]"
+    if sys.platform == "linux":  # the same words as platform.platform()'s
+        import platform
+        assert out[1] == platform.platform()
