@@ -210,6 +210,14 @@ def test_the_ring_keeps_the_latest_states_within_its_budget(run_dir):
         small.close()
 
 
+def _events_of(run) -> list[dict]:
+    """A list the run's events are appended to as the agent makes them."""
+    events: list[dict] = []
+    run.agent.add_listener(lambda record: events.append(record)
+                           if record["type"] == "event" else None)
+    return events
+
+
 def _train_poisoned(run_dir, steps: int, poisoned, policy: Recovery,
                     changes: dict[int, tuple[str, object]] | None = None):
     """A linear regression's session to step ``steps`` with ``recover=on`` from step 0,
@@ -227,9 +235,7 @@ def _train_poisoned(run_dir, steps: int, poisoned, policy: Recovery,
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), 0.02)
     run = agent.session(model=model, optimizer=optimizer, name="repeats", recover=policy)
-    events: list[dict] = []
-    run.agent.add_listener(lambda record: events.append(record)
-                           if record["type"] == "event" else None)
+    events = _events_of(run)
     watch, windows, trained = run.agent.spikes, 0, []
     try:
         run.knobs.knobs["recover"].set("on")
@@ -320,9 +326,7 @@ def test_a_persons_change_that_raises_the_loss_is_not_undone_as_a_spike(run_dir)
     optimizer = torch.optim.SGD(model.parameters(), 0.05)
     run = agent.session(model=model, optimizer=optimizer, name="level",
                         recover=Recovery(keep_every_steps=4, keep_states=2))
-    events: list[dict] = []
-    run.agent.add_listener(lambda record: events.append(record)
-                           if record["type"] == "event" else None)
+    events = _events_of(run)
     watch, losses = run.agent.spikes, []
     try:
         run.knobs.knobs["recover"].set("on")
@@ -479,9 +483,7 @@ def test_a_drop_that_fails_puts_the_state_and_data_position_as_they_were_back(ru
     optimizer = torch.optim.SGD(model.parameters(), 0.1)
     run = agent.session(model=model, optimizer=optimizer, name="drop",
                         recover=Recovery(keep_every_steps=2, skip_windows=4))
-    events: list[dict] = []
-    run.agent.add_listener(lambda record: events.append(record)
-                           if record["type"] == "event" else None)
+    events = _events_of(run)
     try:
         run.knobs.knobs["recover"].set("on")
         batches = iter(run.loader([torch.randn(2, 4) for _ in range(20)], epochs=None))
