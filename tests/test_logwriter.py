@@ -144,7 +144,7 @@ def test_a_writer_stopped_never_blocks_the_agent_and_what_is_lost_is_said(run_di
         def behind() -> bool:
             nonlocal step
             step = _train(monitor, step, 500)
-            return any("bytes behind" in error for error in _run_log_errors(monitor))
+            return any("is behind" in error for error in _run_log_errors(monitor))
 
         wait_until(behind, "records left out of the log, said", poll_s=0.01)
         assert writer.lost > 0
@@ -161,6 +161,40 @@ def test_a_writer_stopped_never_blocks_the_agent_and_what_is_lost_is_said(run_di
     assert len(seqs) == monitor._io.seq - writer.lost  # the lost ones: the only gaps
     (caught_up,) = [e for e in _run_log_errors(monitor) if "caught up" in e]
     assert f"{writer.lost:,} records were left out" in caught_up
+
+
+def test_a_message_larger_than_the_backlog_is_lost_and_caught_up_only_when_written(run_dir,
+                                                                                monkeypatch):
+    """The writer stopped, the pipe full, the backlog empty: a message over the backlog's
+    bound is left out; no later wake-up says "caught up" while the pipe takes nothing,
+    and the first message the pipe takes once the writer runs again says it."""
+    monkeypatch.setattr(logwriter, "PIPE_BYTES", 4096)
+    monkeypatch.setattr(logwriter, "BACKLOG_BYTES", 1024)
+    said: list[str] = []
+    writer = logwriter.LogWriter.start("too-large", lambda what, error: said.append(str(error)))
+    os.kill(writer.pid, signal.SIGSTOP)
+    try:
+        seq = 0
+
+        def message(size: int) -> bytes:
+            nonlocal seq
+            seq += 1
+            return runlog.pack_plain({"v": 1, "type": "event", "seq": seq, "t": 0.0,
+                                      "body": {"kind": "note", "text": "x" * size}})
+
+        while writer.lost == 0:  # the pipe fills; then a 2 KiB message cannot wait
+            writer.send(message(2048))
+        assert writer.backlog_bytes < 2048 and len(said) == 1 and "is behind" in said[0]
+        for _ in range(3):
+            writer.pump()
+        assert len(said) == 1  # nothing written: nothing caught up
+    finally:
+        os.kill(writer.pid, signal.SIGCONT)
+    wait_until(lambda: (writer.pump(), writer.backlog_bytes == 0)[1], "the backlog written")
+    writer.send(message(10))  # (the pipe has room once the writer reads)
+    wait_until(lambda: (writer.send(message(10)), len(said) == 2)[1], "caught up, said")
+    assert f"{writer.lost:,} records were left out" in said[1] and "caught up" in said[1]
+    writer.close()
 
 
 def test_a_training_process_killed_leaves_every_record_it_published_in_the_log(run_dir):

@@ -40,7 +40,9 @@ import signal
 import struct
 import subprocess
 import sys
+import termios
 import time
+from array import array
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -97,6 +99,8 @@ class LogWriter:
         self._fd = process.stdin.fileno()
         self._backlog: deque[memoryview] = deque()
         self._lost_said = 0
+        self._written_bytes = 0
+        self._read_at_loss = 0  # (what the writer had read at the first loss unsaid)
         os.set_blocking(self._fd, False)
         os.set_blocking(process.stdout.fileno(), False)
         with contextlib.suppress(OSError, AttributeError):  # not Linux, past the quota
@@ -139,19 +143,23 @@ class LogWriter:
         except OSError:  # EPIPE: the writer is gone
             self._gone()
             return
+        self._written_bytes += written
         if written < len(head) + len(payload):  # the rest of a message begun is kept,
             rest = memoryview(head + payload)[written:]  # whatever the bound: the stream
             self._backlog.append(rest)  # stays whole
             self.backlog_bytes += len(rest)
+        else:  # a whole message sent: past a loss, has the writer caught up?
+            self._say_caught_up()
 
     def _keep(self, data: bytes) -> None:
         if self.backlog_bytes + len(data) > BACKLOG_BYTES:
             self.lost += 1
             if self.lost == self._lost_said + 1:
+                self._read_at_loss = self._read_bytes()
                 self._report("run log", RuntimeError(
-                    f"its writer (pid {self.pid}) is {self.backlog_bytes:,} bytes behind "
-                    "(stopped, or a slow disk): records are left out of the log until it "
-                    "catches up"))
+                    f"its writer (pid {self.pid}) is behind (stopped, or a slow disk; "
+                    f"its pipe is full and {self.backlog_bytes:,} bytes wait): records are "
+                    "left out of the log until it catches up"))
             return
         self._backlog.append(memoryview(data))
         self.backlog_bytes += len(data)
@@ -169,7 +177,10 @@ class LogWriter:
 
     def _drain(self) -> None:
         """Write the backlog's messages until the pipe is full; say what was left out
-        once the backlog is written."""
+        once the backlog is written (only then: an empty backlog before a full pipe is no
+        sign of a writer caught up)."""
+        if not self._backlog:
+            return
         while self._backlog:
             data = self._backlog[0]
             try:
@@ -180,15 +191,30 @@ class LogWriter:
                 self._gone()
                 return
             self.backlog_bytes -= written
+            self._written_bytes += written
             if written < len(data):
                 self._backlog[0] = data[written:]
                 return
             self._backlog.popleft()
-        if self.lost > self._lost_said:
+        self._say_caught_up()
+
+    def _say_caught_up(self) -> None:
+        """Past a loss, with the backlog written: say what was lost once the writer has
+        read since (a stopped writer's pipe takes a small message into the room its last
+        page has left: no sign of a writer caught up)."""
+        if self.lost > self._lost_said and self._read_bytes() > self._read_at_loss:
             self._report("run log", RuntimeError(
                 f"its writer caught up: {self.lost - self._lost_said:,} records were left "
                 "out of the log while it was behind (their seq numbers are missing)"))
             self._lost_said = self.lost
+
+    def _read_bytes(self) -> int:
+        """Bytes the writer has read from the pipe: those written less those still in it
+        (``FIONREAD``; where it fails, all those written)."""
+        unread = array("i", [0])
+        with contextlib.suppress(OSError):
+            fcntl.ioctl(self._fd, termios.FIONREAD, unread)
+        return self._written_bytes - unread[0]
 
     def _gone(self) -> None:
         """The writer died (killed, a full disk): say so, with its reason, once."""
