@@ -391,3 +391,19 @@ def test_a_recovery_one_rank_cannot_make_is_made_by_no_rank(run_dir, tmp_path):
         assert saved["events"] == [] and saved["recover"] == "on", saved["events"]
     for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.slow
+def test_a_state_put_back_while_a_rank_is_gone_is_put_back_as_it_was(run_dir, tmp_path):
+    """DDP on gloo, 2 ranks: rank 1 exits, then rank 0 puts step 4's state back. Its load
+    goes well but the ranks' agreement raises (its peer is gone): rank 0 puts its own
+    state back, bit for bit, and raises, its step and branch unchanged. Before, the
+    agreement's error left rank 0 with step 4's weights at step 6, on no new branch."""
+    run_job(str(JOBS / "ddp_peer_gone_job.py"), str(tmp_path))
+    saved = torch.load(tmp_path / "rank0.pt")
+    assert saved["raised"] is not None and saved["raised"].startswith(
+        "RuntimeError: putting the state back failed on the agreement of the ranks ("), saved
+    assert saved["step"] == 6 and saved["branch"] == 0
+    for before, after in zip(saved["before"], saved["after"], strict=True):
+        assert torch.equal(before, after)
+

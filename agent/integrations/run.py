@@ -563,7 +563,9 @@ class RunBase:
         :data:`ROLLBACK_BUDGET_BYTES`) is taken first; when :meth:`load_snapshot` (or the
         drop after it) fails on any rank (a checkpoint of another model loads its matching
         layers, then raises), every rank puts that copy back (the data position with it:
-        no rank drops) and raises, and the training goes on as if nothing happened. Where
+        no rank drops) and raises, and the training goes on as if nothing happened. When
+        the ranks cannot agree (a rank gone: its collective raises), each rank that can
+        puts its copy back and raises as well. Where
         no copy could be taken and the load failed part way, the run stops at this
         boundary (an error event says why): it would train on from a state that never
         existed.
@@ -573,8 +575,8 @@ class RunBase:
 
         Raises:
             Exception: what :meth:`load_snapshot` (or the drop) raised on this rank, or a
-                RuntimeError naming the rank it failed on (no new branch then; the state
-                as it was).
+                RuntimeError naming the rank it failed on, or the agreement that failed
+                (no new branch then; the state as it was).
 
         .. note:: A collective (:func:`agent.integrations.ranks.agree`) with several
            ranks: every rank calls it at the same boundary. Copies the state to host
@@ -651,8 +653,11 @@ class RunBase:
                 self.drop_micro_batches(drop)
         except Exception as exc:  # noqa: BLE001 -- every rank must hear of it first
             error = exc
-        failure = agree(None if error is None else f"{type(error).__name__}: {error}",
-                        self.device)
+        try:
+            failure = agree(None if error is None else f"{type(error).__name__}: {error}",
+                            self.device)
+        except Exception as exc:  # noqa: BLE001 -- a rank gone: what the others did is
+            failure = f"the agreement of the ranks ({type(exc).__name__}: {exc})"  # unknown
         if failure is None:
             return differs
         try:
@@ -671,8 +676,8 @@ class RunBase:
                              step=self.step)
         if error is not None:
             raise error
-        raise RuntimeError(f"putting the state back failed on {failure}: no rank puts it "
-                           "back, the training goes on")
+        raise RuntimeError(f"putting the state back failed on {failure}: the state is as "
+                           "it was on this rank")
 
     def read_checkpoint(self, path: Path) -> tuple[Any, int, dict[str, Any]]:
         """Read the checkpoint at ``path`` into :meth:`state_snapshot`'s form, for ``rewind``.
