@@ -97,3 +97,47 @@ def test_the_input_window_over_a_batch_equals_it_step_by_step():
     assert [share for share, _ in got] == pytest.approx([share for share, _ in expected],
                                                         rel=1e-9, abs=1e-12)
     assert max(share for share, _ in got) == 1.0
+
+
+LOSSES = {
+    "float32 with its graph": lambda step: (torch.ones(3, requires_grad=True) / step).sum(),
+    "float64": lambda step: torch.tensor(1.0 / 3 / step, dtype=torch.float64),
+    "bfloat16": lambda step: torch.tensor(1.0 / 3 / step, dtype=torch.bfloat16),
+    "one value, one dim": lambda step: torch.tensor([1.0 / 3 / step], dtype=torch.float64),
+    "an integer": lambda step: torch.tensor(step),
+    "none on odd steps": lambda step: None if step % 2 else torch.tensor(1.0 / step),
+}
+
+
+def _losses(loss, *, marked: bool) -> list:
+    """The ``loss`` column of 12 records through one drain: their markers made by
+    :meth:`CpuMarker.mark` (``marked``), or holding each loss tensor detached, unread
+    (what the training thread handed the I/O thread before it read host losses)."""
+    sent: list[tuple[str, dict]] = []
+    records: deque = deque()
+    marker = CpuMarker()
+    encoder = StepEncoder(records, marker, publish=lambda kind, body: sent.append((kind, body)),
+                          guard=ChangeGuard(ChangeLedger()), check_step=lambda *args: None,
+                          tune=AutoTune(KnobSet(), 0, lambda kind, body: None, lambda: None,
+                                        1, lambda where, exc: None), device=None)
+    for step in range(1, 13):
+        value = loss(step)
+        record = StepRecord(1, 8, 0.001, value, step=step, step_time_s=0.01, knobs={})
+        record.marker = (marker.mark(value) if marked else
+                         (None if value is None else value.detach(), None, None))
+        records.append(record)
+    encoder.drain()
+    [(kind, body)] = sent
+    return body["columns"]["loss"]
+
+
+@pytest.mark.parametrize("loss", LOSSES.values(), ids=LOSSES.keys())
+def test_a_host_loss_read_as_it_is_marked_is_published_bit_for_bit(loss):
+    """A plain 0-dim host loss is read into a number on the training thread (its graph
+    is not kept); the published losses are those the I/O thread's own read of each
+    tensor gives, of the same type, bit for bit."""
+    marked, unread = _losses(loss, marked=True), _losses(loss, marked=False)
+    assert [(type(value), repr(value)) for value in marked] == [
+        (type(value), repr(value)) for value in unread]
+    held = CpuMarker().mark(loss(2))[0]
+    assert not isinstance(held, torch.Tensor) or held.dim() and not held.requires_grad
