@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import chain, repeat
 from operator import attrgetter, itemgetter, truediv
 from typing import Any
@@ -318,14 +318,26 @@ class StepEncoder:
         losses: list[Any]
         grad_norms: list[Any]
         skipped: list[Any]
-        if ready is None:  # the marker is (loss, skipped, grad norm), tensors or None
+        if ready is None:  # the marker is the loss, or (loss, skipped, grad norm)
             # (kinds by their types: ``tensor == None`` is a slow call a value)
-            loss_ts, skipped_ts, norms = zip(*map(_MARKER, run))
+            markers = list(map(_MARKER, run))
             nones: list[Any] = [None] * n
-            kinds = set(map(type, loss_ts))
+            kinds = set(map(type, markers))
+            if kinds <= _FLOAT_OR_NONE:  # losses read as they were marked: the usual
+                return markers, nones, nones, nones
+            loss_ts: Sequence[Any]
+            skipped_ts: Sequence[Any]
+            norms: Sequence[Any]
+            if tuple not in kinds:  # losses alone
+                loss_ts, skipped_ts, norms = markers, nones, nones
+            else:
+                loss_ts, skipped_ts, norms = zip(*markers) if kinds == _TUPLE else zip(*[
+                    marker if type(marker) is tuple else (marker, None, None)
+                    for marker in markers])
+                kinds = set(map(type, loss_ts))
             if kinds == _NONE:
                 losses = nones
-            elif kinds <= _FLOAT_OR_NONE:  # read as they were marked: the usual
+            elif kinds <= _FLOAT_OR_NONE:
                 losses = list(loss_ts)
             elif kinds == _TENSOR and set(map(torch.Tensor.dim, loss_ts)) == _ZERO:
                 # (a torch.stack(...).tolist() costs more: 0.30 us a step, not 0.14)
