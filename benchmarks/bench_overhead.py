@@ -276,7 +276,7 @@ def hot_path_cpu_us(steps: int, repeats: int = 5) -> dict[str, float]:
     Measured without a model (so torch's noise is absent): a loop that only iterates, bare,
     under tqdm and through the agent's loader and ``optimizer_step``; the best of
     ``repeats`` minus the bare loop's, in us a step."""
-    loss = torch.tensor(0.5)
+    loss = torch.tensor(0.5, requires_grad=True)  # (as a step's loss: it requires grad)
     batches = [(None, None)] * steps
 
     def bare():

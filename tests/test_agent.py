@@ -2,6 +2,7 @@
 
 import os
 import threading
+import weakref
 
 import pytest
 import torch
@@ -241,6 +242,32 @@ def test_run_log_holds_every_step_and_reads_as_a_table(run_dir):
     assert list(steps_table.step) == list(range(1, 151))
     assert steps_table.loss.notna().all() and (steps_table.step_time_s.dropna() > 0).all()
     assert "precision" in steps_table.knobs.iloc[0]  # a map of the step's knob values
+
+
+def test_a_host_loss_is_freed_at_its_step_and_published_exactly(run_dir):
+    """A host loss is read as its step is marked: the loss tensor and its autograd graph
+    are freed on the training thread once the loop lets go of it, as without the agent
+    (not by the I/O thread whenever it drains), and the run log holds each loss's
+    value bit for bit."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = []
+    with agent.session(name="host-loss", model=model) as run:
+        log_path = run.agent.info.log_path
+        for x, y in run.loader(digits_loader(batch_size=8)):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.optimizer_step(loss)
+            expected.append(loss.item())
+            held = weakref.ref(loss)
+            del loss
+            assert held() is None  # nobody kept it: not the queued record, not its marker
+            if len(expected) == 30:
+                break
+    losses = [r["loss"] for r in flat_records(log_path) if r["type"] == "step"]
+    assert losses == expected
 
 
 def test_steps_queued_since_a_wake_up_go_as_one_batch_with_events_in_their_place(run_dir):

@@ -97,3 +97,56 @@ def test_the_input_window_over_a_batch_equals_it_step_by_step():
     assert [share for share, _ in got] == pytest.approx([share for share, _ in expected],
                                                         rel=1e-9, abs=1e-12)
     assert max(share for share, _ in got) == 1.0
+
+
+LOSSES = {
+    "float32 with its graph": lambda step: (torch.ones(3, requires_grad=True) / step).sum(),
+    "float64": lambda step: torch.tensor(1.0 / 3 / step, dtype=torch.float64),
+    "bfloat16": lambda step: torch.tensor(1.0 / 3 / step, dtype=torch.bfloat16),
+    "one value, one dim": lambda step: torch.tensor([1.0 / 3 / step], dtype=torch.float64),
+    "an integer": lambda step: torch.tensor(step),
+    "none on odd steps": lambda step: None if step % 2 else torch.tensor(1.0 / step),
+}
+#: A gradient norm on some steps: their markers are tuples, the others' the loss alone.
+NORMS = {"no norm": lambda step: None,
+         "a norm on steps 3 to 5": lambda step: torch.tensor(step / 3) if 3 <= step <= 5 else None,
+         "a norm on every step": lambda step: step / 7}
+
+
+def _losses(loss, norm, *, marked: bool) -> tuple[list, list | None]:
+    """The ``loss`` and ``grad_norm`` columns of 12 records through one drain: their
+    markers made by :meth:`CpuMarker.mark` (``marked``), or holding each loss tensor
+    detached, unread, with its norm (what the training thread handed the I/O thread
+    before it read host losses)."""
+    sent: list[tuple[str, dict]] = []
+    records: deque = deque()
+    marker = CpuMarker()
+    encoder = StepEncoder(records, marker, publish=lambda kind, body: sent.append((kind, body)),
+                          guard=ChangeGuard(ChangeLedger()), check_step=lambda *args: None,
+                          tune=AutoTune(KnobSet(), 0, lambda kind, body: None, lambda: None,
+                                        1, lambda where, exc: None), device=None)
+    for step in range(1, 13):
+        value, grad_norm = loss(step), norm(step)
+        record = StepRecord(1, 8, 0.001, value, step=step, step_time_s=0.01, knobs={})
+        record.marker = (marker.mark(value, None, grad_norm) if marked else
+                         (None if value is None else value.detach(), None, grad_norm))
+        records.append(record)
+    encoder.drain()
+    [(kind, body)] = sent
+    return body["columns"]["loss"], body["columns"].get("grad_norm")
+
+
+@pytest.mark.parametrize("norm", NORMS.values(), ids=NORMS.keys())
+@pytest.mark.parametrize("loss", LOSSES.values(), ids=LOSSES.keys())
+def test_a_host_loss_read_as_it_is_marked_is_published_bit_for_bit(loss, norm):
+    """A plain 0-dim host loss is read into a number on the training thread (its graph
+    is not kept) and is the whole marker when the step has no norm; the published
+    losses and norms are those the I/O thread's own read of each tensor gives, of the
+    same type, bit for bit."""
+    (marked, marked_norms), (unread, unread_norms) = (
+        _losses(loss, norm, marked=True), _losses(loss, norm, marked=False))
+    assert [(type(value), repr(value)) for value in marked] == [
+        (type(value), repr(value)) for value in unread]
+    assert marked_norms == unread_norms
+    held = CpuMarker().mark(loss(2))
+    assert not isinstance(held, torch.Tensor) or held.dim() and not held.requires_grad

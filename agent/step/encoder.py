@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import chain, repeat
 from operator import attrgetter, itemgetter, truediv
 from typing import Any
@@ -26,7 +26,7 @@ import torch
 from agent.wire import protocol
 from agent.wire.protocol import EventKind
 from agent.control.guard import BASELINE_STEPS, ChangeGuard
-from agent.step.markers import CpuMarker
+from agent.step.markers import CpuMarker, host_loss
 from agent.step.record import StepRecord, host_columns
 from agent.search.tune import AutoTune
 from gpuopt.memory import memory_stats
@@ -239,12 +239,13 @@ class StepEncoder:
 
         .. note:: The cost of a step here is paid in GIL time by the training thread,
            so the steps between two events are handled a run at a time, in columns
-           (:meth:`_add_run`): list operations that loop in C, no Python per step
-           but reading its loss; one at a time (:meth:`_add_each`) only while the
-           rollback guard watches a change, a search is on, or a step was skipped or
-           has a non-finite loss. Dicts, encoding and the send happen once a batch
-           (:meth:`flush`). An internal error drops the run of steps it happened in
-           (the agent reports it) and leaves the records after it queued.
+           (:meth:`_add_run`): list operations that loop in C, no Python per step (a
+           host loss comes read as a number, :meth:`CpuMarker.mark`); one at a time
+           (:meth:`_add_each`) only while the rollback guard watches a change, a
+           search is on, or a step was skipped or has a non-finite loss. Dicts,
+           encoding and the send happen once a batch (:meth:`flush`). An internal
+           error drops the run of steps it happened in (the agent reports it) and
+           leaves the records after it queued.
         """
         records, in_flight = self._records, self._in_flight
         if records:  # (popped in C: the training thread may append meanwhile)
@@ -317,19 +318,32 @@ class StepEncoder:
         losses: list[Any]
         grad_norms: list[Any]
         skipped: list[Any]
-        if ready is None:  # the marker is (loss, skipped, grad norm), tensors or None
+        if ready is None:  # the marker is the loss, or (loss, skipped, grad norm)
             # (kinds by their types: ``tensor == None`` is a slow call a value)
-            loss_ts, skipped_ts, norms = zip(*map(_MARKER, run))
+            markers = list(map(_MARKER, run))
             nones: list[Any] = [None] * n
-            kinds = set(map(type, loss_ts))
+            kinds = set(map(type, markers))
+            if kinds <= _FLOAT_OR_NONE:  # losses read as they were marked: the usual
+                return markers, nones, nones, nones
+            loss_ts: Sequence[Any]
+            skipped_ts: Sequence[Any]
+            norms: Sequence[Any]
+            if tuple not in kinds:  # losses alone
+                loss_ts, skipped_ts, norms = markers, nones, nones
+            else:
+                loss_ts, skipped_ts, norms = zip(*markers) if kinds == _TUPLE else zip(*[
+                    marker if type(marker) is tuple else (marker, None, None)
+                    for marker in markers])
+                kinds = set(map(type, loss_ts))
             if kinds == _NONE:
                 losses = nones
+            elif kinds <= _FLOAT_OR_NONE:
+                losses = list(loss_ts)
             elif kinds == _TENSOR and set(map(torch.Tensor.dim, loss_ts)) == _ZERO:
-                losses = list(map(torch.Tensor.item, loss_ts))  # (a stack costs more)
+                # (a torch.stack(...).tolist() costs more: 0.30 us a step, not 0.14)
+                losses = list(map(torch.Tensor.item, loss_ts))
             else:
-                losses = [None if loss is None else (
-                    loss.item() if loss.dim() == 0 else float(loss.float().mean()))
-                    for loss in loss_ts]
+                losses = list(map(host_loss, loss_ts))
             skipped = nones if set(map(type, skipped_ts)) == _NONE else [
                 None if flag is None else bool(flag) for flag in skipped_ts]
             grad_norms = nones if set(map(type, norms)) == _NONE else [

@@ -27,7 +27,8 @@ class StepRecord:
         samples: samples in those micro-batches.
         data_wait_s: host seconds the loop waited for them (inside each fetch).
         loss: the window's mean loss as the framework means it, a 0-dim tensor on any
-            device (never read on the training thread), or None.
+            device (read on the training thread only on the host), or None; the agent
+            takes it into the step's marker and sets it to None.
         skipped: in fp16, the GradScaler's 0-dim bool "this step was skipped" tensor
             (True: inf/NaN gradients), or None.
         activation_bytes: bytes saved for backward by one micro-batch of the window,
