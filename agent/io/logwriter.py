@@ -230,7 +230,7 @@ class LogWriter:
         process, self._process = self._process, None
         assert process is not None
         with contextlib.suppress(subprocess.TimeoutExpired):  # (a pipe closed: it is
-            process.wait(1.0)  # exiting, microseconds from its status)
+            helpers.wait_exit(process, 1.0)  # exiting, microseconds from its status)
         reason = _reason(process)
         self._close_pipes(process)
         self._report("run log", RuntimeError(
@@ -271,7 +271,7 @@ class LogWriter:
         with contextlib.suppress(OSError):
             process.stdin.close()
         try:
-            status = process.wait(max(0.0, deadline - time.monotonic()))
+            status = helpers.wait_exit(process, deadline - time.monotonic())
         except subprocess.TimeoutExpired:
             self._report("run log", RuntimeError(
                 f"its writer (pid {self.pid}) had not written the log's end within "
