@@ -311,7 +311,7 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: TextIO) -> int:
         settings: ``name``: the log's file name in :func:`agent.wire.runlog.log_dir`;
             ``parent``: the process id of the agent's process.
         stdin_fd: the pipe of length-prefixed messages (see the module's documentation).
-        out: where the answer goes (and a failure's reason, as ``{"error"}``).
+        out: where a failure's reason goes, as ``{"error"}`` (nothing else is written).
 
     Returns:
         The exit status: 0 once the log is closed, 1 when writing failed (said on ``out``).
