@@ -4,6 +4,7 @@ for testing the dashboard alone, and the one wait of the tests (:func:`wait_unti
 
 from __future__ import annotations
 
+import compileall
 import os
 import queue
 from collections import deque
@@ -31,6 +32,24 @@ from agent.wire.knobs import STANDARD_KNOBS, Knob, KnobSet
 from agent.control.ledger import ChangeLedger
 from agent.search.tune import AutoTune
 from agent.wire.runs import RunInfo, remove_run_file, write_run_file
+
+
+#: The project's packages, compiled once a session (:func:`pytest_sessionstart`).
+_PACKAGES = ("agent", "gpuwatch", "gpuopt", "tests")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the project's packages to ``__pycache__`` once, before any test.
+
+    With ``PYTHONDONTWRITEBYTECODE=1`` (this machine's environment; CI's too, probably) no
+    process writes bytecode, so every child the tests start (the run log's writer,
+    the gateways, the training jobs) compiled the modules it imports from source:
+    the log writer's start took 0.13 s of CPU, 0.05 s with the bytecode there, at
+    every agent started. Python still reads bytecode it finds. Costs about 1 s on a
+    fresh checkout, 0.05 s after (only changed files are compiled again)."""
+    root = Path(__file__).resolve().parent.parent
+    for package in _PACKAGES:
+        compileall.compile_dir(root / package, quiet=2)
 
 
 T = TypeVar("T")

@@ -72,8 +72,11 @@ def test_close_waits_until_the_log_and_its_summary_are_complete(run_dir):
     monitor = agent.Agent(name="closed").start()
     writer = psutil.Process(monitor._io._log.pid)
     assert "agent.io.logwriter" in " ".join(writer.cmdline())
+    assert os.path.isfile(monitor.info.log_path)  # made by the agent; the writer: not waited for
+    wait_until(lambda: [f.path for f in writer.open_files()] == [monitor.info.log_path],
+               "the log open, and no other file (once the writer's start is done)",
+               detail=lambda: str(writer.open_files()))
     assert writer.nice() == min(19, psutil.Process().nice() + 10)  # a low priority
-    assert [f.path for f in writer.open_files()] == [monitor.info.log_path]  # no other
     next_step = _train(monitor, 1, 3000)
     writer.send_signal(signal.SIGINT)
     writer.send_signal(signal.SIGTERM)

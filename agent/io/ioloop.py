@@ -378,12 +378,12 @@ class IOLoop:
     def _open_log(self) -> LogWriter:
         """The writer of this rank's run log, in :func:`agent.wire.runlog.log_dir`.
 
-        A child process (:mod:`agent.io.logwriter`), started and its log opened (about
-        0.1 s).
+        A child process (:mod:`agent.io.logwriter`), started but not waited for; the
+        log's file is made and checked first (about 3 ms in all).
 
         Raises:
-            OSError: the directory or the file is refused or cannot be made (the writer's
-                reason), or no process could be started.
+            OSError: the directory or the file is refused or cannot be made, or no
+                process could be started.
         """
         return LogWriter.start(f"{self.run_id}.rank{self._agent.rank}{LOG_SUFFIX}",
                                self._agent.report_error)

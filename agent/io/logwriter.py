@@ -8,10 +8,14 @@ before (the summary, packing, deflate, frames, parts, thinning): about 1.9 us of
 at 4,000 steps/s that is no longer GIL time the training thread waits for. A length of 0
 is the end: the writer writes what is left, ends the chunk, saves the summary and exits.
 
-Started as the agent's other helpers are (:func:`agent.io.helpers.start`): one JSON line
-of settings (``name``: the log's file name in :func:`agent.wire.runlog.log_dir`), one
-answer (``{"path"}`` once the log is open, or ``{"error"}`` when it is refused: the same
-checks as ever, a private directory, no link followed, mode 0600). It runs at a low
+Started as the agent's other helpers are (:func:`agent.io.helpers.launch`), with one JSON
+line of settings (``name``: the log's file name in :func:`agent.wire.runlog.log_dir`;
+``parent``: the training process's id), but not waited for: the agent makes and checks
+the log's file itself first (:func:`agent.wire.runlog.create_log`: a private directory,
+no link followed, mode 0600), so that a refused log is said at once, and sends its
+messages while the writer starts (they wait in the pipe). The writer answers nothing
+once it has opened the log, and ``{"error"}`` when it is refused (the same checks, made
+again) or cannot be opened; the agent finds it exited and says so. It runs at a low
 priority, holds no descriptor of the agent's but its pipe, imports neither torch nor
 zmq, and ignores SIGINT, SIGTERM and SIGHUP, which a terminal or a launcher sends the
 training process's whole group: it ends when the agent sends the end, when the pipe
@@ -50,7 +54,7 @@ from typing import Any, Callable, TextIO
 import msgpack
 
 from agent.io import helpers
-from agent.wire.runlog import RunLog, log_dir
+from agent.wire.runlog import RunLog, create_log
 
 #: Bytes of messages the training process keeps while the pipe is full (the writer
 #: stopped, or behind a slow disk): about 30 s of steps of 16 fields at 4,000 steps/s.
@@ -110,16 +114,21 @@ class LogWriter:
     def start(cls, name: str, report: Callable[[str, BaseException], None]) -> LogWriter:
         """Start the writer of the log ``name`` (a file name) in :func:`agent.wire.runlog.log_dir`.
 
-        Blocks until it has opened the log: about 0.1 s (a Python start; at most
-        :data:`agent.io.helpers.START_S`).
+        Makes the log's first part here (:func:`agent.wire.runlog.create_log`) and starts
+        the writer without waiting for it (its start, 0.05 to 0.15 s of CPU, goes on
+        beside the training process: what is sent meanwhile waits in its pipe). About
+        3 ms, a fork and an exec.
 
         Raises:
-            OSError: no process could be started, or it refused the log (its reason:
-                the directory or file is unsafe, cannot be made or opened).
+            ValueError: ``name`` is not a file name.
+            agent.wire.runs.UnsafeDirectoryError, agent.wire.runlog.UnsafeLogFileError,
+                OSError: the directory or the file is refused or cannot be made, or no
+                process could be started.
         """
-        process, answer = helpers.start("agent.io.logwriter", {"name": name},
-                                        "run log writer", {"path": str})
-        return cls(process, Path(answer["path"]), report)
+        path = create_log(name)
+        process = helpers.launch("agent.io.logwriter", {"name": name, "parent": os.getpid()},
+                                 "run log writer")
+        return cls(process, path, report)
 
     def send(self, payload: bytes) -> None:
         """Hand the writer one encoded message (:func:`agent.wire.protocol.encode`'s payload).
@@ -221,7 +230,7 @@ class LogWriter:
         process, self._process = self._process, None
         assert process is not None
         with contextlib.suppress(subprocess.TimeoutExpired):  # (a pipe closed: it is
-            process.wait(1.0)  # exiting, microseconds from its status)
+            helpers.wait_exit(process, 1.0)  # exiting, microseconds from its status)
         reason = _reason(process)
         self._close_pipes(process)
         self._report("run log", RuntimeError(
@@ -262,7 +271,7 @@ class LogWriter:
         with contextlib.suppress(OSError):
             process.stdin.close()
         try:
-            status = process.wait(max(0.0, deadline - time.monotonic()))
+            status = helpers.wait_exit(process, deadline - time.monotonic())
         except subprocess.TimeoutExpired:
             self._report("run log", RuntimeError(
                 f"its writer (pid {self.pid}) had not written the log's end within "
@@ -296,18 +305,19 @@ def _reason(process: subprocess.Popen) -> str:
 # --- the writer's process -------------------------------------------------------------
 
 def serve(settings: dict[str, Any], stdin_fd: int, out: TextIO) -> int:
-    """Open the log, answer its path on ``out``, write what ``stdin_fd`` brings until the end.
+    """Open the log and write what ``stdin_fd`` brings until the end.
 
     Args:
-        settings: ``name``: the log's file name in :func:`agent.wire.runlog.log_dir`.
+        settings: ``name``: the log's file name in :func:`agent.wire.runlog.log_dir`;
+            ``parent``: the process id of the agent's process.
         stdin_fd: the pipe of length-prefixed messages (see the module's documentation).
-        out: where the answer goes (and a failure's reason, as ``{"error"}``).
+        out: where a failure's reason goes, as ``{"error"}`` (nothing else is written).
 
     Returns:
         The exit status: 0 once the log is closed, 1 when writing failed (said on ``out``).
 
     Raises:
-        ValueError: ``name`` is not a file name.
+        ValueError: ``name`` is not a file name, or ``parent`` not a process id.
         agent.wire.runs.UnsafeDirectoryError, agent.wire.runlog.UnsafeLogFileError, OSError:
             the log is refused or cannot be opened (:func:`agent.io.helpers.main` answers so).
     """
@@ -315,13 +325,10 @@ def serve(settings: dict[str, Any], stdin_fd: int, out: TextIO) -> int:
         signal.signal(number, signal.SIG_IGN)  # it ends when its parent says so, or dies
     with contextlib.suppress(OSError):
         os.nice(10)
-    name = settings["name"]
-    if not isinstance(name, str) or not name or Path(name).name != name:
-        raise ValueError(f"not a file name: {name!r}")
-    parent = os.getppid()
-    log = RunLog(log_dir() / name)
-    out.write(json.dumps({"path": os.fspath(log.path)}) + "\n")
-    out.flush()
+    parent = settings["parent"]
+    if not isinstance(parent, int) or isinstance(parent, bool):
+        raise ValueError(f"not a process id: {parent!r}")
+    log = RunLog(create_log(settings["name"]))
     try:
         try:
             _copy(stdin_fd, log, parent)

@@ -155,6 +155,26 @@ def log_dir() -> Path:
     return private_dir(path, LOG_DIR_ENV)
 
 
+def create_log(name: str) -> Path:
+    """The first part of the log ``name`` (a file name) in :func:`log_dir`, made if missing.
+
+    Created empty (mode 0600) and checked as :class:`RunLog` opens it, never through a
+    link. The agent calls it before it starts its writer process, so that a refused log
+    is said at once; the writer calls it again (the same checks). About 0.1 ms.
+
+    Raises:
+        ValueError: ``name`` is not a file name.
+        agent.wire.runs.UnsafeDirectoryError: the directory is refused (:func:`log_dir`).
+        UnsafeLogFileError: the file is a link, or not a regular file of this user with a
+            single link.
+        OSError: the directory or the file cannot be made or opened.
+    """
+    if not isinstance(name, str) or not name or Path(name).name != name:
+        raise ValueError(f"not a file name: {name!r}")
+    path = log_dir() / name
+    os.close(_open_for_append(path))
+    return path
+
 def part_path(path: os.PathLike | str, index: int) -> Path:
     """The file of part ``index`` of the log whose first part is ``path``."""
     return Path(path) if index == 0 else Path(f"{os.fspath(path)}.{index}")
