@@ -637,6 +637,7 @@ def test_a_mixture_loader_given_to_run_loader_binds_the_mixture_knob():
     run.close()
 
 
+@pytest.mark.slow
 def test_sigterm_ends_the_run_cleanly(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(f"""

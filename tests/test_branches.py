@@ -410,6 +410,7 @@ def test_a_real_rewound_run_reads_as_its_tree_and_paths(run_dir, tmp_path):
     assert tree_lines(tree)[2].endswith("step-00000005.pt) steps 6-7  (latest)")
 
 
+@pytest.mark.slow
 def test_a_log_of_many_branches_is_read_in_bounded_memory(tmp_path):
     """42,000 steps over 1,050 branches (each rewinds 10 steps and trains 40): the
     tree keeps 1,000 and counts the rest, and reading a path, the branches side by
@@ -450,6 +451,7 @@ def test_a_log_of_many_branches_is_read_in_bounded_memory(tmp_path):
     assert peak < 32 << 20, f"{peak / 2**20:.1f} MiB"
 
 
+@pytest.mark.slow
 def test_runs_draws_a_live_runs_branches(run_dir):
     """`gpuwatch runs` (the live runs) draws the tree of a run that is still training,
     from its log as written so far."""

@@ -554,6 +554,7 @@ trainer.train()
 """
 
 
+@pytest.mark.slow
 def test_sigterm_ends_the_run_with_bye(run_dir, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SIGTERM_SCRIPT.format(root=str(Path(__file__).parent.parent),

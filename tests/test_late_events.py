@@ -11,6 +11,7 @@ import os
 import threading
 import tracemalloc
 
+import pytest
 import torch
 
 import agent
@@ -187,6 +188,7 @@ async def test_a_log_of_100000_events_shows_its_last_ones_and_counts_the_others(
     assert delivered_in == ["gpuwatch-WholeRun"]  # never the UI's thread
 
 
+@pytest.mark.slow
 def test_earlier_events_of_a_100000_event_log_hold_bounded_memory(tmp_path):
     """Folding 100,000 events read before the first live record is known holds at most
     :data:`HELD_RECORDS` records and a state of bounded size: the memory it allocates

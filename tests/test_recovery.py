@@ -265,6 +265,7 @@ def _train_poisoned(run_dir, steps: int, poisoned, policy: Recovery,
     return events, trained, recover
 
 
+@pytest.mark.slow
 def test_a_spike_that_recurs_after_max_repeats_recoveries_turns_recover_off(run_dir):
     """Every window from the 21st is poisoned: the spike (steps 21-23) recurs on each
     new branch from step 20, within the 8 steps the kept states cover: the first and
