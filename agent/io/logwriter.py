@@ -186,10 +186,7 @@ class LogWriter:
 
     def _drain(self) -> None:
         """Write the backlog's messages until the pipe is full; say what was left out
-        once the backlog is written (only then: an empty backlog before a full pipe is no
-        sign of a writer caught up)."""
-        if not self._backlog:
-            return
+        once the backlog is written and the writer reads again (:meth:`_say_caught_up`)."""
         while self._backlog:
             data = self._backlog[0]
             try:
