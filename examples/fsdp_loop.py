@@ -72,7 +72,7 @@ def main() -> None:
               flush=True)
     batches = run.loader(loader, epochs=None)    # epoch after epoch
     try:
-        while run.step < args.max_steps:
+        while run.step < args.max_steps and not run.stopping:   # stop=now ends it too
             for _ in range(run.accum_steps):          # the live window size
                 inputs, targets = next(batches)
                 with run.autocast:                    # the live precision

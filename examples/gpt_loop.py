@@ -134,7 +134,7 @@ def main():
 
     X, Y = get_batch("train")
     iter_num = run.step  # gpuwatch
-    while iter_num < args.max_steps:
+    while iter_num < args.max_steps and not run.stopping:  # gpuwatch: stop=now ends it
         lr = get_lr(iter_num)
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr

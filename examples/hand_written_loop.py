@@ -42,7 +42,7 @@ def main() -> None:
                         precision="fp32", accum_steps=1, checkpoint_blocks=[torch.nn.Linear])
     print(f"run {run.agent.run_id}: watch it with `gpuwatch`", flush=True)
     batches = run.loader(loader, epochs=None)    # epoch after epoch
-    while run.step < args.max_steps:
+    while run.step < args.max_steps and not run.stopping:   # stop=now ends it too
         for _ in range(run.accum_steps):          # the live window size
             inputs, targets = next(batches)
             with run.autocast:                    # the live precision

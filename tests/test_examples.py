@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from agent.wire import runs
+from gpuwatch.client import send_command
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -24,3 +27,28 @@ def test_example_runs_and_cleans_up(script, run_dir):
                         r"\S+\.runlog \(`gpuwatch runs --all`\)", last), last
     assert Path(last.split(", run log ")[1].split(" (")[0]).is_file()
     assert list(Path(run_dir).glob("*.json")) == []  # run file removed at exit
+
+
+def test_the_loop_example_stops_cleanly_on_stop_now(run_dir):
+    """``stop=now`` ends the hand-written loop example at that boundary: exit 0, no
+    traceback. Its loop fetches with ``next(batches)``, which raises StopIteration once
+    the stopped ``run.loader()`` ends, unless the loop leaves on ``run.stopping`` first."""
+    example = subprocess.Popen([sys.executable, str(EXAMPLES / "hand_written_loop.py")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = example.stdout.readline()  # "run <id>: watch it with `gpuwatch`"
+        assert "watch it with `gpuwatch`" in first, first + example.stderr.read()
+        info = runs.find_run(first.split()[1].rstrip(":"))
+        assert info is not None
+        reply = send_command(info, "stop", "now")
+        assert reply["ok"], reply
+        out, err = example.communicate(timeout=120)
+    finally:
+        if example.poll() is None:
+            example.kill()
+            example.communicate()
+    assert example.returncode == 0, err
+    assert "Traceback" not in err, err
+    last = (first + out).splitlines()[-1]
+    assert re.fullmatch(r"run \S+ ended: steps trained \d+, final loss \d\S*, run log "
+                        r"\S+\.runlog \(`gpuwatch runs --all`\)", last), last
