@@ -386,6 +386,35 @@ def test_a_rewind_during_a_trial_drops_its_measurement_and_the_budget_counts_rec
             "dropped; measuring x=1 again from x=0") in texts
 
 
+def test_a_rewind_during_a_real_search_is_told_to_it_and_the_trial_measured_again(run_dir):
+    """A real run: a checkpoint before the search, then ``rewind`` to it while the search
+    measures step_delay=1. The search hears of the new branch (the checkpoint brings
+    step_delay=0 back): its event says the steps before it are dropped, and the trial is
+    measured again and kept; its step count is its records, on both branches."""
+    with _training("step_delay") as (knobs, monitor, sub):
+        assert send_command(monitor.info, "checkpoint", "now")["ok"]
+        seen = messages(sub, lambda m: m["type"] == "event" and m["body"]["kind"] == "applied"
+                        and m["body"].get("knob") == "checkpoint")
+        saved = seen[-1]["body"]["checkpoint_step"]
+        assert send_command(monitor.info, protocol.TUNE, {"knobs": ["step_delay"]})["ok"]
+        seen += messages(sub, lambda m: m["type"] == "step"
+                         and m["body"]["knobs"]["step_delay"] == 1)
+        assert send_command(monitor.info, "rewind", str(saved))["ok"]
+        seen += messages(sub, lambda m: m["type"] == "event" and m["body"].get(
+            "text", "").startswith("tune: step_delay=1 "), timeout_s=120)
+    events = [m["body"] for m in seen if m["type"] == "event"]
+    [branched] = [e for e in events if e["kind"] == "branched"]
+    assert branched["step"] == saved and branched["knobs"]["step_delay"] == 0
+    told = [e["text"] for e in events
+            if "measured before it" in e.get("text", "")]
+    assert told == [f"tune: branch 1 at step {saved} (rewind={saved}): the steps measured "
+                    "before it are dropped; measuring step_delay=1 again from step_delay=0"]
+    assert events[-1]["text"].startswith("tune: step_delay=1 kept"), events[-1]
+    last = [m["body"] for m in seen if m["type"] == protocol.TUNE][-1]
+    # the steps of the branch left count too (by number, they would not)
+    assert last["steps"] > last["step"] - last["started_step"] + 1, last
+
+
 def test_nan_from_the_data_during_a_search_blames_no_setting_and_is_warned_of_at_once(
         run_dir):
     """Measured: with the loss NaN from the data, the search reverted a setting it had
