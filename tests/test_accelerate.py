@@ -27,6 +27,7 @@ from agent.integrations.adapters import NOT_A_MIXTURE  # noqa: E402
 from agent.integrations.accelerate import AcceleratorRun  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
 from gpuwatch.history import flat_records  # noqa: E402
+from tests.test_security import Payload, _Counter  # noqa: E402
 from tests.training import BlockNet, digits_loader, model as make_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -701,30 +702,6 @@ def test_stop_ends_run_loader_at_its_boundary_after_a_pause_lost_no_window(run_d
         "stopped by stop=now after step 4")
 
 
-class _RunsCode:
-    """Pickles as a call of ``open(marker, "w")``: a crafted file that would run code
-    (here, create ``marker``) when unpickled in full."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-class _Counter:
-    """An object registered for checkpointing (accelerate's ``custom_checkpoint_0.pkl``)."""
-
-    def __init__(self):
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, state):
-        self.n = state["n"]
-
-
 def _checkpointed(tmp_path, *, register):
     """Three steps, saved by ``checkpoint=now`` after step 1 (``register``: with an object
     registered for checkpointing); returns the accelerator, model, optimizer, the loader's
@@ -747,12 +724,13 @@ def _checkpointed(tmp_path, *, register):
 
 
 def _craft(path, name, marker):
-    """Put a file at ``path / name`` that runs code when unpickled in full."""
+    """Put a file at ``path / name`` that runs code (makes ``marker``) when unpickled in
+    full."""
     if name == ".metadata":  # a sharded state's metadata (plain pickle)
         (path / "pytorch_model_fsdp_0").mkdir()
-        (path / "pytorch_model_fsdp_0" / name).write_bytes(pickle.dumps(_RunsCode(marker)))
+        (path / "pytorch_model_fsdp_0" / name).write_bytes(pickle.dumps(Payload(marker)))
     else:
-        torch.save({"state": _RunsCode(marker)}, path / name)
+        torch.save({"state": Payload(marker)}, path / name)
 
 
 @pytest.mark.parametrize("name", ["custom_checkpoint_0.pkl", "scaler.pt", ".metadata"])

@@ -581,8 +581,8 @@ class RunBase:
 
         .. note:: A collective (:func:`agent.integrations.ranks.agree`) with several
            ranks, two when the load failed: every rank calls them at the same boundary.
-           Copies the state to host
-           memory once (a device sync on GPU), at this boundary only.
+           Copies the state to host memory once (a device sync on GPU), at this boundary
+           only.
         """
         before = self.agent.knobs.values() if knobs is None else {}
         differs = self._load_on_every_rank(snapshot, drop)
