@@ -2,7 +2,9 @@
 and every live knob checked against a plain-torch hand computation of the same
 micro-batches, or refused with its reason."""
 
+import itertools
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from agent.integrations.adapters import NOT_A_MIXTURE  # noqa: E402
 from agent.integrations.accelerate import AcceleratorRun  # noqa: E402
 from gpuwatch.client import send_command  # noqa: E402
 from gpuwatch.history import flat_records  # noqa: E402
+from tests.test_security import Payload, _Counter  # noqa: E402
 from tests.training import BlockNet, digits_loader, model as make_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -697,3 +700,78 @@ def test_stop_ends_run_loader_at_its_boundary_after_a_pause_lost_no_window(run_d
     assert applied == [("pause", "on", 3), ("pause", "off", 3), ("stop", "now", 5)]
     assert records[-1]["type"] == "bye" and records[-1]["reason"] == (
         "stopped by stop=now after step 4")
+
+
+def _checkpointed(tmp_path, *, register):
+    """Three steps, saved by ``checkpoint=now`` after step 1 (``register``: with an object
+    registered for checkpointing); returns the accelerator, model, optimizer, the loader's
+    iterator, the live run and the checkpoint's directory."""
+    accelerator, model, optimizer, loader = _prepared(n=64)
+    if register:
+        accelerator.register_for_checkpointing(_Counter())
+    run = agent.attach(accelerator, checkpoint_dir=tmp_path / "saved")
+
+    def at_boundary(n):
+        if n == 1:
+            assert send_command(run.agent.info, "checkpoint", "now")["ok"]
+
+    batches = run.loader(loader)
+    _train(accelerator, model, optimizer, itertools.islice(batches, 3), run,
+           at_boundary=at_boundary)
+    path = run._checkpoints.path(1)
+    assert (path / "optimizer.bin").is_file(), sorted(path.iterdir())
+    return accelerator, model, optimizer, batches, run, path
+
+
+def _craft(path, name, marker):
+    """Put a file at ``path / name`` that runs code (makes ``marker``) when unpickled in
+    full."""
+    if name == ".metadata":  # a sharded state's metadata (plain pickle)
+        (path / "pytorch_model_fsdp_0").mkdir()
+        (path / "pytorch_model_fsdp_0" / name).write_bytes(pickle.dumps(Payload(marker)))
+    else:
+        torch.save({"state": Payload(marker)}, path / name)
+
+
+@pytest.mark.parametrize("name", ["custom_checkpoint_0.pkl", "scaler.pt", ".metadata"])
+def test_a_crafted_file_in_a_checkpoint_runs_no_code_on_resume(tmp_path, name):
+    """A checkpoint is untrusted: the files accelerate's load_state unpickles in full (a
+    registered object's state, FSDP2's GradScaler, a sharded state's metadata) are read
+    first running no code; a crafted one is refused by name and nothing is loaded."""
+    _, _, _, _, run, path = _checkpointed(tmp_path, register=True)
+    run.close()
+    marker = tmp_path / "ran"
+    _craft(path, name, marker)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator, model, _, _ = _prepared(n=64)
+    accelerator.register_for_checkpointing(_Counter())
+    before = _parameters(model)
+    with pytest.raises(ValueError, match=f"{name}.*not loaded|{name}.*could run code"):
+        agent.attach(accelerator, resume_from=path)
+    assert not marker.exists()
+    assert all(torch.equal(a, b) for a, b in zip(_parameters(model), before))
+
+
+@pytest.mark.parametrize("name", ["scaler.pt", ".metadata"])
+def test_a_rewind_to_a_crafted_checkpoint_runs_no_code_and_the_run_goes_on(tmp_path, name):
+    """``rewind`` to a checkpoint holding a crafted file: refused with the file's name in a
+    ``failed`` event, no code runs, the state is as it was and training goes on."""
+    accelerator, model, optimizer, batches, run, path = _checkpointed(tmp_path,
+                                                                      register=False)
+    marker = tmp_path / "ran"
+    _craft(path, name, marker)
+
+    def at_boundary(n):
+        if n == 1:
+            assert send_command(run.agent.info, "rewind", "1")["ok"]
+
+    windows = _train(accelerator, model, optimizer, itertools.islice(batches, 3), run,
+                     at_boundary=at_boundary)
+    assert len(windows) == 3 and not marker.exists()
+    _assert_updates_by_hand(windows, make_model)  # each from the one before: no rewind
+    steps, events, _ = _records(run)
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    failed = [e for e in events if e["kind"] == "failed" and e.get("knob") == "rewind"]
+    assert len(failed) == 1 and name in failed[0]["text"], failed
+    assert not [e for e in events if e["kind"] == "branched"]

@@ -407,3 +407,28 @@ def test_a_state_put_back_while_a_rank_is_gone_is_put_back_as_it_was(run_dir, tm
     for before, after in zip(saved["before"], saved["after"], strict=True):
         assert torch.equal(before, after)
 
+
+
+@pytest.mark.slow
+def test_a_put_back_that_fails_on_one_rank_stops_every_rank_at_that_boundary(run_dir,
+                                                                             tmp_path):
+    """DDP on gloo, 2 ranks: step 4's state is put back on both; on rank 1 the load and the
+    put-back of the state as it was both fail, so rank 1 stops. Before, rank 0 put its own
+    state back, raised and trained on, and waited for rank 1 in its next window's
+    gradient all-reduce (a hang). Now both ranks learn of it at that boundary and stop
+    with the same reason; the job ends."""
+    run_job(str(JOBS / "ddp_put_back_fails_job.py"), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    reason = ("the state as it was could not be put back either (rank 1: RuntimeError: "
+              "test: rank 1 cannot put a state back): the training stops after step 6 on "
+              "every rank")
+    for rank, saved in enumerate(ranks):
+        assert saved["stopping"] and saved["step"] == 6 and saved["branch"] == 0, saved
+        assert saved["raised"] is not None, saved
+        [error] = saved["errors"]
+        assert reason in error, (rank, error)
+    assert ranks[1]["raised"] == "RuntimeError: test: rank 1 cannot put a state back"
+    assert ranks[0]["raised"].startswith("RuntimeError: putting the state back failed on "
+                                         "rank 1: RuntimeError: test: rank 1 cannot put")
+    for before, after in zip(ranks[0]["before"], ranks[0]["after"], strict=True):
+        assert torch.equal(before, after)  # rank 0's own state: as it was

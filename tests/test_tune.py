@@ -340,6 +340,81 @@ def test_the_measurement_after_a_change_it_did_not_make_has_only_steps_after_it(
             "measuring it again") in [body.get("text") for body in events]
 
 
+def test_a_rewind_during_a_trial_drops_its_measurement_and_the_budget_counts_records():
+    """Arithmetic: x=1 is twice as fast. In the middle of x=1's sub-block a rewind to
+    step 3 (a new branch; the checkpoint's knob values come back: x=0) makes step
+    numbers repeat. Before, the search did not see it: it measured x=0 as the candidate
+    (a gain under +100%) and, counting its steps by number, spent more records than its
+    budget. Now the ``branched`` event drops the trial's pairs so far (an event says
+    so), the run goes back to the best configuration (x=0 there already: no command),
+    the trial is measured again from there (+100% exactly) and its steps are counted
+    as records arrive."""
+    value = [0]
+    knobs = KnobSet()
+    knobs.add(Knob(KnobSpec("x", "int", "", minimum=0, maximum=1, tuning=TUNED),
+                   get=lambda: value[0], set=lambda v: None))
+    sent, published = [], []
+    tuner = Tuner(TuneRequest({"knobs": ["x"], "budget_steps": 200}, knobs), knobs, 1,
+                  send=lambda *command: sent.append(command),
+                  publish=lambda _, body: published.append(body), cpus=2)
+    step = records = 0
+    rewound_at = None
+    while tuner.status == "running" and records < 1_000:
+        step += 1
+        for command_id, knob, new in sent:  # each applies at the next step
+            previous, value[0] = value[0], new
+            tuner.on_event({"kind": "applied", "id": command_id, "knob": knob,
+                            "value": new, "previous": previous, "step": step})
+        sent.clear()
+        trial = tuner._trial
+        if (rewound_at is None and step > 20 and trial is not None
+                and trial.side == "candidate" and value[0] == 1):
+            rewound_at, value[0], step = step, 0, 4  # the next record is step 4 again
+            tuner.on_event({"kind": "branched", "level": "info", "branch": 1, "parent": 0,
+                            "step": 3, "source": "/ckpt/step-00000003.pt",
+                            "cause": "rewind=3", "knobs": {"x": 0},
+                            "text": "branch 1 of branch 0 at step 3: /ckpt/step-00000003.pt "
+                                    "(rewind=3); x=0"})
+        tuner.on_step(step, 0.1 if value[0] == 0 else 0.05, 32, None, 1.0, False)
+        records += 1
+    assert rewound_at is not None
+    (candidate,) = tuner.candidates
+    assert candidate.state == "kept" and candidate.gain == pytest.approx(1.0)
+    assert tuner.steps == records and tuner.status == "done"
+    texts = [body.get("text") for body in published if "kind" in body]
+    assert ("tune: branch 1 at step 3 (rewind=3): the steps measured before it are "
+            "dropped; measuring x=1 again from x=0") in texts
+
+
+def test_a_rewind_during_a_real_search_is_told_to_it_and_the_trial_measured_again(run_dir):
+    """A real run: a checkpoint before the search, then ``rewind`` to it while the search
+    measures step_delay=1. The search hears of the new branch (the checkpoint brings
+    step_delay=0 back): its event says the steps before it are dropped, and the trial is
+    measured again and kept; its step count is its records, on both branches."""
+    with _training("step_delay") as (knobs, monitor, sub):
+        assert send_command(monitor.info, "checkpoint", "now")["ok"]
+        seen = messages(sub, lambda m: m["type"] == "event" and m["body"]["kind"] == "applied"
+                        and m["body"].get("knob") == "checkpoint")
+        saved = seen[-1]["body"]["checkpoint_step"]
+        assert send_command(monitor.info, protocol.TUNE, {"knobs": ["step_delay"]})["ok"]
+        seen += messages(sub, lambda m: m["type"] == "step"
+                         and m["body"]["knobs"]["step_delay"] == 1)
+        assert send_command(monitor.info, "rewind", str(saved))["ok"]
+        seen += messages(sub, lambda m: m["type"] == "event" and m["body"].get(
+            "text", "").startswith("tune: step_delay=1 "), timeout_s=120)
+    events = [m["body"] for m in seen if m["type"] == "event"]
+    [branched] = [e for e in events if e["kind"] == "branched"]
+    assert branched["step"] == saved and branched["knobs"]["step_delay"] == 0
+    told = [e["text"] for e in events
+            if "measured before it" in e.get("text", "")]
+    assert told == [f"tune: branch 1 at step {saved} (rewind={saved}): the steps measured "
+                    "before it are dropped; measuring step_delay=1 again from step_delay=0"]
+    assert events[-1]["text"].startswith("tune: step_delay=1 kept"), events[-1]
+    last = [m["body"] for m in seen if m["type"] == protocol.TUNE][-1]
+    # the steps of the branch left count too (by number, they would not)
+    assert last["steps"] > last["step"] - last["started_step"] + 1, last
+
+
 def test_nan_from_the_data_during_a_search_blames_no_setting_and_is_warned_of_at_once(
         run_dir):
     """Measured: with the loss NaN from the data, the search reverted a setting it had

@@ -113,6 +113,7 @@ import atexit
 import dataclasses
 import math
 import os
+import pickle
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -131,11 +132,13 @@ from agent.integrations.adapters import (cpu_threads_knob, dropout_knob, loader_
 from agent.control.checkpoints import (GRAD_SCALER_FILE, load_tensors, read_knobs_file,
                                        restore_knobs, write_knobs_file)
 from agent.step.core import Agent
+from agent.wire.runlog import open_no_follow
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, DROPOUT, KERNELS,
                               LOADER_KNOBS, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, NUM_WORKERS,
                               PRECISION, WEIGHT_DECAY, Knob, KnobSet)
 from agent.step.record import StepRecord
 from agent.integrations.run import RunBase
+from agent.integrations.sharded import MetadataUnpickler
 from gpuopt.backends import ModelBackend
 from gpuopt.checkpointing import ActivationCheckpointing, find_blocks
 from gpuopt.kernels.backend import KernelBackendMixin
@@ -342,6 +345,41 @@ class _GradNormRecorder:
     def threshold(self) -> float:
         """The ``max_grad_norm`` knob's value: the threshold in use (0: no clipping)."""
         return self.loop_max_norm if self.max_norm is None else self.max_norm
+
+
+def _refuse_code(path: Path) -> None:
+    """Read first, running no code, what accelerate's ``load_state`` would unpickle in full.
+
+    accelerate (1.15) reads three of a checkpoint's files with a full unpickler, which runs
+    any code a crafted file names: ``custom_checkpoint_N.pkl`` (the objects registered
+    for checkpointing: ``weights_only=False``), ``scaler.pt`` under FSDP2 (a plain
+    ``torch.load``: in full on torch < 2.6 or with ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``)
+    and the ``.metadata`` of a sharded (``torch.distributed.checkpoint``) state. Each
+    found in ``path`` (``.metadata`` at any depth) is read here first with
+    ``weights_only`` (:func:`~agent.control.checkpoints.load_tensors`) or
+    :class:`~agent.integrations.sharded.MetadataUnpickler`, before anything is loaded.
+    Small files (states, not weights), read twice.
+
+    Raises:
+        ValueError: such a file holds more than tensors and plain values (nothing of
+            the checkpoint is loaded then). OSError: it cannot be read.
+    """
+    for file in [*sorted(path.glob("custom_checkpoint_*.pkl")), path / "scaler.pt"]:
+        try:
+            load_tensors(file)
+        except FileNotFoundError:
+            continue
+        except pickle.UnpicklingError as exc:
+            raise ValueError(
+                f"{file} holds more than tensors and plain values, which accelerate's "
+                f"load_state would unpickle in full (code in it would run): not loaded "
+                f"({str(exc).splitlines()[0]})") from None
+    for file in sorted(path.rglob(".metadata")):
+        try:
+            with os.fdopen(open_no_follow(file), "rb") as stream:
+                MetadataUnpickler(stream).load()
+        except pickle.UnpicklingError as exc:
+            raise ValueError(f"{file}: {exc}") from None
 
 
 class AcceleratorRun(RunBase):
@@ -668,10 +706,13 @@ class AcceleratorRun(RunBase):
         threshold the saved run clipped with from here on (0: none).
 
         Raises:
-            OSError, ValueError: from accelerate's ``load_state`` (not such a checkpoint,
-                or not this run's model and optimizer).
+            ValueError: a file accelerate would unpickle in full could run code
+                (:func:`_refuse_code`; nothing loaded). OSError, ValueError: from
+                accelerate's ``load_state`` (not such a checkpoint, or not this run's model
+                and optimizer).
         """
         source = os.fspath(path)
+        _refuse_code(Path(path))
         self.accelerator.load_state(source)
         saved = read_knobs_file(path)
         self.step = self._first_step = int(saved.get("step", 0))
@@ -717,9 +758,11 @@ class AcceleratorRun(RunBase):
         kept, the step and knob values.
 
         Raises:
-            ValueError: it has no data position of gpuwatch's. OSError, ValueError: from
-                ``load_state``.
+            ValueError: it has no data position of gpuwatch's, or a file accelerate would
+                unpickle in full could run code (:func:`_refuse_code`, before anything
+                loads). OSError, ValueError: from ``load_state``.
         """
+        _refuse_code(path)
         before = self.state_snapshot()
         try:
             self.accelerator.load_state(os.fspath(path))

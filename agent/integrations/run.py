@@ -565,10 +565,11 @@ class RunBase:
         layers, then raises), every rank puts that copy back (the data position with it:
         no rank drops) and raises, and the training goes on as if nothing happened. When
         the ranks cannot agree (a rank gone: its collective raises), each rank that can
-        puts its copy back and raises as well. Where
-        no copy could be taken and the load failed part way, the run stops at this
-        boundary (an error event says why): it would train on from a state that never
-        existed.
+        puts its copy back and raises as well. Where no copy could be taken, or putting
+        it back failed, the run stops at this boundary (an error event says why): it
+        would train on from a state that never existed. Every other rank stops there
+        too, told by a second collective (on this failure path only): it would wait for
+        the stopped rank in its training's next collective (a hang).
 
         Returns:
             ``(the new branch's id, what is not as it was or None)``.
@@ -579,8 +580,9 @@ class RunBase:
                 (no new branch then; the state as it was).
 
         .. note:: A collective (:func:`agent.integrations.ranks.agree`) with several
-           ranks: every rank calls it at the same boundary. Copies the state to host
-           memory once (a device sync on GPU), at this boundary only.
+           ranks, two when the load failed: every rank calls them at the same boundary.
+           Copies the state to host memory once (a device sync on GPU), at this boundary
+           only.
         """
         before = self.agent.knobs.values() if knobs is None else {}
         differs = self._load_on_every_rank(snapshot, drop)
@@ -653,31 +655,53 @@ class RunBase:
                 self.drop_micro_batches(drop)
         except Exception as exc:  # noqa: BLE001 -- every rank must hear of it first
             error = exc
+        agreed = True
         try:
             failure = agree(None if error is None else f"{type(error).__name__}: {error}",
                             self.device)
         except Exception as exc:  # noqa: BLE001 -- a rank gone: what the others did is
             failure = f"the agreement of the ranks ({type(exc).__name__}: {exc})"  # unknown
+            agreed = False
         if failure is None:
             return differs
+        stuck: str | None = None  # this rank's put-back's failure
         try:
             if safe is None:
                 raise RuntimeError(unsafe or "nothing was kept")
             self.load_snapshot(safe)
         except Exception as exc:  # noqa: BLE001 -- the run cannot go on from here
-            self.stop_requested = "now"
-            self.agent.mark_ending(f"stopped after step {self.step}: the state is partly "
-                                   "put back")
-            self.end_loop()
-            self.agent.event("error", f"putting a state back failed ({failure}) and the "
-                             f"state as it was could not be put back either ({exc}): the "
-                             f"training stops after step {self.step} rather than train "
-                             "on from a state that never existed", kind=EventKind.WARNING,
-                             step=self.step)
+            stuck = f"{type(exc).__name__}: {exc}" if safe is not None else str(exc)
+        if agreed:  # every rank stops if one does: the others would wait on it
+            try:  # in their next collective
+                stuck = agree(stuck, self.device)
+            except Exception as exc:  # noqa: BLE001 -- a rank gone since: its state is
+                stuck = f"the agreement of the ranks ({type(exc).__name__}: {exc})"
+        elif stuck is not None:
+            stuck = f"rank {self.agent.rank}: {stuck}"
+        if stuck is not None:
+            self._stop_partly_put_back(failure, stuck)
         if error is not None:
             raise error
         raise RuntimeError(f"putting the state back failed on {failure}: the state is as "
                            "it was on this rank")
+
+    def _stop_partly_put_back(self, failure: str, stuck: str) -> None:
+        """Training thread, in :meth:`_load_on_every_rank`: stop at this boundary, on
+        every rank that hears of it (all, but where the agreement itself failed).
+
+        Putting a state back failed (``failure``, the first rank's) and the state as it
+        was could not be put back (``stuck``: on which rank, and why): that rank would
+        train on from a state that never existed, and a rank that could put its state
+        back would wait for it in the next collective. An error event says why."""
+        self.stop_requested = "now"
+        self.agent.mark_ending(f"stopped after step {self.step}: the state is partly put "
+                               "back")
+        self.end_loop()
+        self.agent.event("error", f"putting a state back failed ({failure}) and the state "
+                         f"as it was could not be put back either ({stuck}): the training "
+                         f"stops after step {self.step} on every rank rather than train on "
+                         "from a state that never existed", kind=EventKind.WARNING,
+                         step=self.step)
 
     def read_checkpoint(self, path: Path) -> tuple[Any, int, dict[str, Any]]:
         """Read the checkpoint at ``path`` into :meth:`state_snapshot`'s form, for ``rewind``.

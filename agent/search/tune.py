@@ -66,7 +66,11 @@ of the search at once, with an event and a note in the reply; the search never s
 it again, and a command of the search's for it that reaches the desk after the
 person's is refused, so it never reverts past the person's value. A change the search
 did not make (a person's, a rollback, a framework's resume) that applies while a trial
-measures voids the trial's measurement so far: it is measured again from there.
+measures voids the trial's measurement so far: it is measured again from there. A new
+branch (a rewind, a rollback of the state, a recovery: step numbers repeat, and a
+checkpoint's knob values may come back) drops what was measured on the branch left: the
+run goes back to the best configuration and the trial is measured again from its start
+(an event says so). The budget counts step records, not step numbers.
 
 Several ranks: rank 0 decides, from its own step records, and each change it decides is
 a command to every rank sent through :func:`agent.wire.commands.send_command`, the path of a

@@ -169,6 +169,10 @@ class Tuner:
         self.status = "running"
         self.text = ""
         self.step = start_step - 1
+        #: step records taken since the search started (the budget's count: step numbers
+        #: repeat after a rewind), and whether the first of them has come
+        self._records = 0
+        self._started = False
         self.unit: str | None = None
         #: the search's own changes, and the guard that watches them for trouble
         self._ledger = ChangeLedger()
@@ -203,8 +207,8 @@ class Tuner:
 
     @property
     def steps(self) -> int:
-        """Steps the search has spent."""
-        return max(0, self.step - self.start_step + 1)
+        """Steps the search has spent: step records since its start step, on every branch."""
+        return self._records
 
     @property
     def gain(self) -> float:
@@ -275,6 +279,8 @@ class Tuner:
                 self._next_candidate()
             elif kind == EventKind.FAILED:
                 self._finish("stopped", f"going back failed: {event.get('text', '')}")
+        elif kind == EventKind.BRANCHED:
+            self._branched(event)
         elif kind == EventKind.ROLLED_BACK and knob in self.best:
             self._rolled_back(knob, event.get("value"), str(event.get("text", "")))
         elif kind in CHANGE_KINDS and not self.own(event.get("id")) and (
@@ -340,6 +346,31 @@ class Tuner:
                             f"{candidate.text}: measuring it again")
         self.publish_state()
 
+    def _branched(self, event: dict[str, Any]) -> None:
+        """A rewind, rollback or recovery put the run back at a step, on a new branch.
+
+        Step numbers repeat from there and the state put back may bring its own knob
+        values (a checkpoint's): the steps measured before it, on the branch left, are
+        dropped (the sub-block in progress, and a trial's pairs: it is measured again
+        from its first sub-block), the changes the guard watched go with that branch,
+        and every searched knob goes back to the best value (a command where the run's
+        differs). The budget counts step records, so it goes on unchanged."""
+        self._series = Series()
+        self._ledger.clear()
+        self._closing = False
+        trial = self._trial
+        again = ""
+        if trial is not None and self._check is None:
+            candidate = trial.candidate
+            candidate.block, candidate.gain, candidate.gain_spread = Block(), None, None
+            self._trial = Trial(candidate)
+            again = f"; measuring {candidate.text} again from {config_text(self.best)}"
+        self._back_to_best()
+        self._event("info", f"tune: branch {event.get('branch')} at step "
+                            f"{event.get('step')} ({event.get('cause')}): the steps "
+                            f"measured before it are dropped{again}")
+        self.publish_state()
+
     def on_step(self, step: int, step_time_s: float | None, samples: int,
                 tokens: int | None, loss: float | None, skipped: bool | None) -> None:
         """Take one step record.
@@ -348,8 +379,10 @@ class Tuner:
         samples and tokens (None if unknown), its loss (None if not read) and whether
         the GradScaler skipped it. Costs a few additions, and the warm-up cut of
         :meth:`Series.block` (O(steps of a sub-block))."""
-        if step < self.start_step or self.status != "running":
+        if (step < self.start_step and not self._started) or self.status != "running":
             return
+        self._started = True  # (a rewind's branch may then go on from an earlier step)
+        self._records += 1
         self.step = step
         rollback = self._guard.on_step(step, loss, skipped)
         if rollback is not None and self._check is None:
