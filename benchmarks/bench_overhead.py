@@ -17,10 +17,10 @@ interleaved (the order rotates each round) and repeated. Monitors:
   training thread; torch.profiler with a wait/warmup/active schedule
 
 Two loops: the model loop above, and a **paced loop** (:class:`PacedLoop`, run bare and
-under the agent, interleaved with the others): no model, each step a GIL-free sleep to
-the bare model step's duration (measured before the rounds), so the loop keeps the
-model loop's step rate and the agent's threads do their real work a step, while the
-process's CPU carries no torch compute and its noise.
+under the agent, ``--paced-pairs`` times a round, interleaved with the others): no
+model, each step a GIL-free sleep to the bare model step's duration (measured before
+the rounds), so the loop keeps the model loop's step rate and the agent's threads do
+their real work a step, while the process's CPU carries no torch compute and its noise.
 
 Measures, each per optimizer step:
 
@@ -29,7 +29,7 @@ Measures, each per optimizer step:
   agent's I/O thread's, ZeroMQ's) over the loop, minus the training thread's CPU inside
   the steps (:class:`TimedStep`: the sleeps' system calls and timers, 5 to 30 us a step,
   which vary with the machine's load), minus the same for the bare paced loop in the
-  same round; mean over rounds with its 95% interval. It counts the agent's per-step
+  same round; mean over the pairs with its 95% interval. It counts the agent's per-step
   code on the training thread as it runs between real steps (after a wait, its caches
   cold: several times its cost in a tight loop), the I/O thread's batches and wake-ups,
   ZeroMQ's threads, and the loop's last batch (the I/O thread is woken at the loop's
@@ -408,6 +408,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--paced-pairs", type=int, default=3,
+                        help="paced bare/agent pairs a round (each about 2 x 1.5 s)")
     parser.add_argument("--all", action="store_true", help="also naive_logger, torch_profiler")
     parser.add_argument("--short", action="store_true", help="500 steps x 4 rounds")
     parser.add_argument("--torch-threads", type=int, default=1,
@@ -433,7 +435,7 @@ def main() -> None:
     samples: dict[str, list[tuple[float, float, float, float, float, float]]] = {
         name: [] for name in monitors}
     for round_index in range(args.rounds):
-        order = list(monitors)
+        order = list(monitors) + list(PACED) * (args.paced_pairs - 1)
         order = order[round_index % len(order):] + order[:round_index % len(order)]
         for name in order:
             clocks = Clocks()
