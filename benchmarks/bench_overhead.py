@@ -204,10 +204,12 @@ def make_loop(batch_size: int = 64, hidden: int = 512):
 
 
 class TimedStep:
-    """A loop's step (``step(inputs, targets)``, returning the loss) that sums the training
-    thread's CPU inside it (``time.thread_time``: two reads a step, about 0.1 us each, in
-    every loop alike) in :attr:`cpu_s`, so that the model's compute, the same with or
-    without a monitor, can be taken out of the process's CPU with its noise."""
+    """A loop's step that sums the training thread's CPU inside it.
+
+    ``step(inputs, targets)`` returns the loss; :attr:`cpu_s` sums ``time.thread_time``
+    around each call (two reads a step, about 0.1 us each, in every loop alike), so that
+    the model's compute, the same with or without a monitor, can be taken out of the
+    process's CPU with its noise."""
 
     def __init__(self, step) -> None:
         self._step = step
@@ -222,14 +224,13 @@ class TimedStep:
 
 
 class PacedLoop:
-    """A loop without a model whose steps take ``step_s`` (s) of wall time, the training
-    thread off its CPU: the bare model loop's step rate, without torch's compute.
+    """A loop without a model whose steps take ``step_s`` (s) of wall time, off the CPU.
 
-    Each step's "compute" is a ``time.sleep`` (it releases the GIL, as torch's kernels
-    do) until the step's due time (``step_s`` after the previous one's, so that the
-    sleep's own lateness, tens of us, does not slow the rate); its loss, a 0-dim host
-    tensor that requires grad, as a real step's. ``stream`` and ``step`` as
-    :func:`make_loop`'s."""
+    The bare model loop's step rate, without torch's compute. Each step's "compute" is
+    a ``time.sleep`` (it releases the GIL, as torch's kernels do) until the step's due
+    time (``step_s`` after the previous one's, so that the sleep's own lateness, tens of
+    us, does not slow the rate); its loss, a 0-dim host tensor that requires grad, as a
+    real step's. ``stream`` and ``step`` as :func:`make_loop`'s."""
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
