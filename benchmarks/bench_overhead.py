@@ -411,6 +411,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--paced-pairs", type=int, default=3,
                         help="paced bare/agent pairs a round (each about 2 x 1.5 s)")
+    parser.add_argument("--paced-step-us", type=float, default=None,
+                        help="the paced loop's step (us; default: the bare model step, "
+                             "measured once, which a busy machine can make several times "
+                             "longer: give one value to compare runs)")
     parser.add_argument("--all", action="store_true", help="also naive_logger, torch_profiler")
     parser.add_argument("--short", action="store_true", help="500 steps x 4 rounds")
     parser.add_argument("--torch-threads", type=int, default=1,
@@ -426,7 +430,8 @@ def main() -> None:
     stream, step = make_loop()
     run_bare(stream, step, 200, Clocks())  # warm up
     calibration = min(args.steps, 1000)
-    paced_step_s = run_bare(stream, step, calibration, Clocks())[0] / calibration
+    paced_step_s = (args.paced_step_us / 1e6 if args.paced_step_us
+                    else run_bare(stream, step, calibration, Clocks())[0] / calibration)
     model_step = TimedStep(step)
     loops = {name: (stream, model_step) for name in monitors}
     paced = PacedLoop(paced_step_s)
