@@ -16,19 +16,42 @@ interleaved (the order rotates each round) and repeated. Monitors:
 - naive_logger, torch_profiler (with ``--all``): psutil + memory stats each step on the
   training thread; torch.profiler with a wait/warmup/active schedule
 
-Two measures, each per optimizer step:
+Two loops: the model loop above, and a **paced loop** (:class:`PacedLoop`, run bare and
+under the agent, ``--paced-pairs`` times a round, interleaved with the others): no
+model, each step a GIL-free sleep to the bare model step's duration (measured before
+the rounds), so the loop keeps the model loop's step rate and the agent's threads do
+their real work a step, while the process's CPU carries no torch compute and its noise.
 
-- **CPU time**: the whole process's (``time.process_time``: every thread, the training
-  thread's and ZeroMQ's included) minus the bare loop's in the same round (mean over
-  rounds, 95% interval: the difference carries torch's noise); the per-thread CPU
-  clock (``clock_gettime`` of each thread's CPU clock) of every thread the monitor
-  starts (the agent's I/O thread and ZeroMQ's background threads; tqdm's monitor
-  thread), read once the monitor has handled the last step; the training thread's own
-  CPU time (``time.thread_time``) minus the bare loop's in the same round (noisy);
-  and, measured alone without a model (a loop that only iterates: no noise from
-  torch), the CPU each monitor's per-step code adds to the training thread (the
-  agent's loader wrapper and ``optimizer_step``; tqdm's iteration): the training
-  thread's share. The monitor threads' CPU is GIL time the training thread may have to
+Measures, each per optimizer step:
+
+- **The training process's CPU beyond the bare loop's** (``agent_cpu_us_per_step``): the
+  whole process's CPU (``time.process_time``: every thread: the training thread's, the
+  agent's I/O thread's, ZeroMQ's) over the loop, minus the training thread's CPU inside
+  the steps (:class:`TimedStep`: the sleeps' system calls and timers, 5 to 30 us a step,
+  which vary with the machine's load), minus the same for the bare paced loop in the
+  same round; mean over the pairs with its 95% interval. It counts the agent's per-step
+  code on the training thread as it runs between real steps (after a wait, its caches
+  cold: several times its cost in a tight loop), the I/O thread's batches and wake-ups,
+  ZeroMQ's threads, and the loop's last batch (the I/O thread is woken at the loop's
+  end, as ``stop`` would). It leaves out the agent's start-up and end (once a run),
+  its run-log writer (another process: ``ak`` below), and what the agent's threads
+  might add to the model's own compute (caches or a core shared), which only the model
+  loop's whole-process difference would show.
+- **The same on the model loop, as a cross-check**: the whole process's CPU minus the
+  bare loop's (``agent_model_cpu_us_per_step``: torch's step, about 590 us of CPU that
+  varies between rounds, makes its interval tens of us wide), and that with each
+  loop's steps' own CPU (the model's forward, backward and update) left out
+  (``agent_model_ex_cpu_us_per_step``: the paced figure's meaning on the real loop; the
+  step's CPU is read to the ns, so its noise goes, but the agent's code then runs
+  after torch's, on caches torch used).
+- **Per thread**: the per-thread CPU clock (``clock_gettime`` of each thread's CPU
+  clock) of every thread the monitor starts (the agent's I/O thread and ZeroMQ's
+  background threads; tqdm's monitor thread), read once the monitor has handled the
+  last step; the training thread's own CPU time (``time.thread_time``) minus the bare
+  loop's in the same round (noisy); and, measured alone without a model (a loop that
+  only iterates, its caches warm), the CPU each monitor's per-step code adds to the
+  training thread (the agent's loader wrapper and ``optimizer_step``; tqdm's
+  iteration). The monitor threads' CPU is GIL time the training thread may have to
   wait for. And the CPU of the agent's run-log writer, a child process
   (``agent.io.logwriter``), from the loop's start until it has written the loop's last
   frame (its start-up and its end, once a run, not counted, as the agent's are not):
@@ -45,9 +68,12 @@ Last line: ``RESULT agent_cpu_us_per_step=<a> agent_cpu_ci95=<ac>
 agent_train_cpu_us_per_step=<at> agent_threads_cpu_us_per_step=<ah>
 agent_child_cpu_us_per_step=<ak> agent_overhead_ratio=<r> agent_overhead_ci95=<c>
 agent_sub_overhead_ratio=<s> tqdm_cpu_us_per_step=<t> tqdm_overhead_ratio=<tr>
-tqdm_overhead_ci95=<tc>``: ``a`` is the training process's CPU a step beyond the bare
-loop's, all its threads (target <= 3 us at 1,000+ steps/s) and ``ac`` the half-width of
-its 95% interval; ``at`` the training thread's share (its per-step code measured alone),
+tqdm_overhead_ci95=<tc> agent_model_cpu_us_per_step=<m> agent_model_cpu_ci95=<mc>
+agent_model_ex_cpu_us_per_step=<x> agent_model_ex_cpu_ci95=<xc> paced_step_us=<p>``:
+``a`` is the training process's CPU a step beyond the bare loop's, all its threads, on
+the paced loop (target <= 3 us at 1,000+ steps/s) and ``ac`` the half-width of its 95%
+interval; ``m``/``mc`` and ``x``/``xc`` the model loop's cross-checks, ``p`` the paced
+loop's step (us); ``at`` the training thread's share (its per-step code measured alone),
 ``ah`` the agent's own threads'; ``ak`` its run-log writer process's (not in ``a``:
 another process, but the machine's CPU all the same); ``r`` the mean wall-clock ratio
 and ``c`` the half-width of its 95% interval (target: an interval that reaches 1.02 or
@@ -67,6 +93,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import repeat
 
 import psutil
 import torch
@@ -176,6 +203,54 @@ def make_loop(batch_size: int = 64, hidden: int = 512):
     return batch_stream, step
 
 
+class TimedStep:
+    """A loop's step that sums the training thread's CPU inside it.
+
+    ``step(inputs, targets)`` returns the loss; :attr:`cpu_s` sums ``time.thread_time``
+    around each call (two reads a step, about 0.1 us each, in every loop alike), so that
+    the model's compute, the same with or without a monitor, can be taken out of the
+    process's CPU with its noise."""
+
+    def __init__(self, step) -> None:
+        self._step = step
+        #: the training thread's CPU (s) inside the steps since it was last set to 0
+        self.cpu_s = 0.0
+
+    def __call__(self, inputs, targets):
+        cpu0 = time.thread_time()
+        loss = self._step(inputs, targets)
+        self.cpu_s += time.thread_time() - cpu0
+        return loss
+
+
+class PacedLoop:
+    """A loop without a model whose steps take ``step_s`` (s) of wall time, off the CPU.
+
+    The bare model loop's step rate, without torch's compute. Each step's "compute" is
+    a ``time.sleep`` (it releases the GIL, as torch's kernels do) until the step's due
+    time (``step_s`` after the previous one's, so that the sleep's own lateness, tens of
+    us, does not slow the rate); its loss, a 0-dim host tensor that requires grad, as a
+    real step's. ``stream`` and ``step`` as :func:`make_loop`'s."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self._loss = torch.tensor(0.5, requires_grad=True)
+        self._due = 0.0
+
+    def stream(self, steps: int):
+        self._due = time.perf_counter()
+        return repeat((None, None), steps)
+
+    def step(self, inputs, targets):
+        self._due += self.step_s
+        wait_s = self._due - time.perf_counter()
+        if wait_s > 0:
+            time.sleep(wait_s)
+        else:  # late by more than the step (a busy machine): the next one from now
+            self._due -= wait_s
+        return self._loss
+
+
 def run_bare(stream, step, steps, clocks):
     clocks.start()
     clocks.begin()
@@ -195,8 +270,11 @@ def run_tqdm(stream, step, steps, clocks):
 
 
 def _handled(run, step: int, timeout_s: float = 10.0) -> None:
-    """Wait until the agent's I/O thread has published step ``step`` (plus one poll, for
-    the batch's send), so its CPU for the loop is all counted."""
+    """Wake the agent's I/O thread (as :meth:`agent.io.ioloop.IOLoop.stop` does) and wait
+    until it has published step ``step`` (plus one poll, for the batch's send), so its CPU
+    for the loop is all counted: the wake-up that would have come anyway, without the
+    wait of up to a quiet poll (0.5 s) with its 1 Hz samples, which are not the loop's."""
+    os.write(run.agent._io._wake[1], b"\0")
     deadline = time.monotonic() + timeout_s
     while (run.agent._encoder.expected_step or 0) <= step and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -268,6 +346,8 @@ MONITORS = {
                                                                subscriber=True),
 }
 EXTRA = {"naive_logger": run_naive_logger, "torch_profiler": run_profiler}
+#: Run on the paced loop (:func:`make_paced_loop`), interleaved with the others.
+PACED = {"paced bare": run_bare, "paced agent": run_agent}
 
 
 def hot_path_cpu_us(steps: int, repeats: int = 5) -> dict[str, float]:
@@ -329,6 +409,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--paced-pairs", type=int, default=3,
+                        help="paced bare/agent pairs a round (each about 2 x 1.5 s)")
+    parser.add_argument("--paced-step-us", type=float, default=None,
+                        help="the paced loop's step (us; default: the bare model step, "
+                             "measured once, which a busy machine can make several times "
+                             "longer: give one value to compare runs)")
     parser.add_argument("--all", action="store_true", help="also naive_logger, torch_profiler")
     parser.add_argument("--short", action="store_true", help="500 steps x 4 rounds")
     parser.add_argument("--torch-threads", type=int, default=1,
@@ -343,15 +429,26 @@ def main() -> None:
     monitors = {**MONITORS, **(EXTRA if args.all else {})}
     stream, step = make_loop()
     run_bare(stream, step, 200, Clocks())  # warm up
-    samples: dict[str, list[tuple[float, float, float, float, float]]] = {
+    calibration = min(args.steps, 1000)
+    paced_step_s = (args.paced_step_us / 1e6 if args.paced_step_us
+                    else run_bare(stream, step, calibration, Clocks())[0] / calibration)
+    model_step = TimedStep(step)
+    loops = {name: (stream, model_step) for name in monitors}
+    paced = PacedLoop(paced_step_s)
+    paced_step = TimedStep(paced.step)
+    loops.update((name, (paced.stream, paced_step)) for name in PACED)
+    monitors.update(PACED)
+    samples: dict[str, list[tuple[float, float, float, float, float, float]]] = {
         name: [] for name in monitors}
     for round_index in range(args.rounds):
-        order = list(monitors)
+        order = list(monitors) + list(PACED) * (args.paced_pairs - 1)
         order = order[round_index % len(order):] + order[:round_index % len(order)]
         for name in order:
             clocks = Clocks()
-            row = monitors[name](stream, step, args.steps, clocks)
-            samples[name].append((*row, clocks.child_cpu_s))
+            timed = loops[name][1]
+            timed.cpu_s = 0.0
+            row = monitors[name](*loops[name], args.steps, clocks)
+            samples[name].append((*row, clocks.child_cpu_s, timed.cpu_s))
     n = args.steps
     bare_wall = [row[0] / n * 1e6 for row in samples["bare"]]
     bare_train = [row[1] / n * 1e6 for row in samples["bare"]]
@@ -365,6 +462,8 @@ def main() -> None:
           f"{'child cpu us':>14}")
     figures = {}
     for name, rows in samples.items():
+        if name in PACED:
+            continue
         wall = [row[0] / n * 1e6 for row in rows]
         ratio, ci = mean_ci([w / b for w, b in zip(wall, bare_wall)])
         process, process_ci = mean_ci([row[3] / n * 1e6 - b
@@ -382,8 +481,24 @@ def main() -> None:
           "the monitor's own threads (the agent's I/O thread and ZeroMQ's; median); 'child': "
           "its child process, the agent's run-log writer (median; not in 'process'); the "
           "differences carry torch's noise")
+    beyond = {}  # the process's CPU a step beyond the bare loop's, the steps' own left out
+    for label, bare_name, agent_name in (("model loop", "bare", "agent"),
+                                         ("paced loop", "paced bare", "paced agent")):
+        bare_rows, agent_rows = samples[bare_name], samples[agent_name]
+        beyond[label] = mean_ci([((row[3] - row[5]) - (bare[3] - bare[5])) / n * 1e6
+                                 for row, bare in zip(agent_rows, bare_rows)])
+        train, train_ci = mean_ci([((row[1] - row[5]) - (bare[1] - bare[5])) / n * 1e6
+                                   for row, bare in zip(agent_rows, bare_rows)])
+        print(f"{label}, the steps' own CPU left out: bare "
+              f"{statistics.median(r[3] - r[5] for r in bare_rows) / n * 1e6:.2f} us a step "
+              f"(its steps {statistics.median(r[5] for r in bare_rows) / n * 1e6:.1f}); the "
+              f"agent adds {beyond[label][0]:.2f} ± {beyond[label][1]:.2f} us (training thread "
+              f"{train:.2f} ± {train_ci:.2f}, its threads "
+              f"{statistics.median(r[2] for r in agent_rows) / n * 1e6:.2f}) at "
+              f"{statistics.median(n / r[0] for r in agent_rows):.0f} steps/s")
+    agent_process, agent_process_ci = beyond["paced loop"]
     hot = hot_path_cpu_us(min(args.steps, 2000))
-    agent_ratio, agent_ci, agent_process, agent_process_ci, agent_threads, agent_child = \
+    agent_ratio, agent_ci, model_process, model_process_ci, agent_threads, agent_child = \
         figures["agent"]
     tqdm_cpu = hot["tqdm"] + figures["tqdm"][4]
     print(f"training thread's per-step code alone (no model, best of 5): agent "
@@ -393,8 +508,9 @@ def main() -> None:
           f"of CPU ({agent_threads:.2f} on its threads, {hot['agent']:.2f} on the training "
           f"thread, {agent_child:.2f} in its run-log writer process); the training "
           f"process's CPU beyond the bare loop's: {agent_process:.2f} "
-          f"± {agent_process_ci:.2f} us (tqdm {figures['tqdm'][2]:.2f} "
-          f"± {figures['tqdm'][3]:.2f})")
+          f"± {agent_process_ci:.2f} us on the paced loop; on the model loop "
+          f"{model_process:.2f} ± {model_process_ci:.2f} (tqdm {figures['tqdm'][2]:.2f} "
+          f"± {figures['tqdm'][3]:.2f}: torch's noise)")
     lost, lost_ci = mean_ci([((row[0] - row[1]) - (bare[0] - bare[1])) / n * 1e6
                              for row, bare in zip(samples["agent"], samples["bare"])])
     print(f"the training thread's time lost to the agent (off its CPU beyond the bare "
@@ -407,7 +523,12 @@ def main() -> None:
           f"agent_overhead_ratio={agent_ratio:.4f} agent_overhead_ci95={agent_ci:.4f} "
           f"agent_sub_overhead_ratio={figures['agent+sub'][0]:.4f} "
           f"tqdm_cpu_us_per_step={tqdm_cpu:.2f} tqdm_overhead_ratio={figures['tqdm'][0]:.4f} "
-          f"tqdm_overhead_ci95={figures['tqdm'][1]:.4f}")
+          f"tqdm_overhead_ci95={figures['tqdm'][1]:.4f} "
+          f"agent_model_cpu_us_per_step={model_process:.2f} "
+          f"agent_model_cpu_ci95={model_process_ci:.2f} "
+          f"agent_model_ex_cpu_us_per_step={beyond['model loop'][0]:.2f} "
+          f"agent_model_ex_cpu_ci95={beyond['model loop'][1]:.2f} "
+          f"paced_step_us={paced_step_s * 1e6:.1f}")
 
 
 if __name__ == "__main__":
