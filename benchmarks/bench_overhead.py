@@ -140,6 +140,21 @@ def process_cpu_s(pid: int) -> float:
         return int(stats.read().split()[0]) / 1e9
 
 
+def settled_cpu_s(pid: int, quiet_s: float = 0.05, timeout_s: float = 30.0) -> float:
+    """:func:`process_cpu_s` of ``pid`` once it has used no CPU for ``quiet_s`` (s).
+
+    The agent no longer waits for its run-log writer's start-up (an interpreter and its
+    imports, ~0.1 s of CPU): this waits it out, so that it is not counted as the loop's."""
+    deadline = time.monotonic() + timeout_s
+    cpu_s = process_cpu_s(pid)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        cpu_s, before = process_cpu_s(pid), cpu_s
+        if cpu_s == before:
+            break
+    return cpu_s
+
+
 class Clocks:
     """CPU time of the threads started since :meth:`start`, and of the training thread.
 
@@ -297,7 +312,7 @@ def run_agent(stream, step, steps, clocks, subscriber=False):
             reader = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, run.agent.run_id],
                                       stdout=subprocess.PIPE, text=True)
             assert reader.stdout.readline().strip() == "ready"
-        writer_started = process_cpu_s(writer)  # (its start-up is not a step's)
+        writer_started = settled_cpu_s(writer)  # (its start-up is not a step's)
         clocks.begin()
         for inputs, targets in run.loader(stream(steps)):
             loss = step(inputs, targets)
