@@ -271,7 +271,7 @@ class LoopRun(RunBase):
 
     # ------------------------------------------------------------ the boundary
 
-    def optimizer_step(self, loss: torch.Tensor | None = None, *, samples: int | None = None,
+    def optimizer_step(self, loss: torch.Tensor | None = None, samples: int | None = None,
                        tokens: int | None = None, skipped: torch.Tensor | None = None,
                        grad_norm: torch.Tensor | float | None = None,
                        activation_bytes: int | None = None) -> None:
@@ -279,6 +279,10 @@ class LoopRun(RunBase):
 
         After ``optimizer.step()`` (or ``scaler.step``/``update``) and ``zero_grad()``.
         Pending commands apply here, so the next window runs with them.
+
+        Give the arguments after ``loss`` by keyword. (They are not keyword-only only
+        because CPython 3.11 looks each missing keyword-only argument's default up in a
+        dict, about 120 instructions each, at every call.)
 
         Args:
             loss: the window's mean (undivided) loss, a 0-dim tensor on any device; by
