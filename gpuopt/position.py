@@ -213,7 +213,8 @@ class DataPosition:
         return counted_fetch
 
     def iterate(self, batches: Iterable[Any], epochs: int | None = 1,
-                next_batch: Callable[[Iterator[Any]], Any] = next) -> Iterator[Any]:
+                next_batch: Callable[[Iterator[Any]], Any] = next
+                ) -> Generator[Any, None, None]:
         """``batches`` for ``epochs`` epochs, each through :meth:`epoch_iterator`.
 
         ``epochs`` None: without end; an epoch that yields nothing ends it. After

@@ -39,8 +39,9 @@ knobs (:func:`model_knobs`, :func:`optimizer_settings_knobs`).
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Generator, Iterable, Iterator
 
 import torch
 
@@ -141,6 +142,9 @@ class LoopRun(RunBase):
         #: on it when :meth:`loader` gets it
         self._loader_position: dict[str, Any] | None = None
         self._reconfigurable: ReconfigurableLoader | None = None
+        #: the iterations :meth:`loader` made that are still alive (:meth:`end_loop`
+        #: closes them)
+        self._iterations: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()
         if accum_steps is not None and accum_refused is None:
             self.knobs.add(Knob(ACCUM_STEPS, get=lambda: self.accum_steps,
                                 set=self._set_accum_steps))
@@ -232,14 +236,26 @@ class LoopRun(RunBase):
         restore_knobs(self.agent, knobs, self.resumed_from or "", self.step)
 
     def _batches(self, batches: Iterable[Any], epochs: int | None) -> Iterator[Any]:
-        # after stop (applied at a boundary in the last batch's iteration) nothing more
-        # is fetched, in this epoch or a later one's loader()
+        """The iteration :meth:`loader` returns: the data position's own generator
+        (:meth:`gpuopt.position.DataPosition.iterate`), each ``next()`` timed, with no
+        generator of the run's around it and no per-batch check: after stop (applied at a
+        boundary in the last batch's iteration) nothing more is fetched, in this epoch or
+        a later one's loader(), since :meth:`end_loop` closes it (and an iteration made
+        after stop is closed at once)."""
+        iteration = self.position.iterate(batches, epochs, self.meter.timed_next)
         if self.stopping:
-            return
-        for batch in self.position.iterate(batches, epochs, self.meter.timed_next):
-            yield batch
-            if self.stop_requested is not None:  # (:attr:`stopping`, without a call)
-                return
+            iteration.close()
+        else:
+            self._iterations.add(iteration)
+        return iteration
+
+    def end_loop(self) -> None:
+        """Training thread, at the boundary stop applies at: every :meth:`loader` ends there.
+
+        Each iteration is closed: its next ``next()`` raises StopIteration, nothing more is
+        fetched."""
+        for iteration in list(self._iterations):
+            iteration.close()
 
     def timed(self, fetch: Callable[..., Any]) -> Callable[..., Any]:
         """``fetch`` (e.g. nanoGPT's ``get_batch``), each training call timed and its batch counted.
@@ -255,7 +271,7 @@ class LoopRun(RunBase):
 
     # ------------------------------------------------------------ the boundary
 
-    def optimizer_step(self, loss: torch.Tensor | None = None, *, samples: int | None = None,
+    def optimizer_step(self, loss: torch.Tensor | None = None, samples: int | None = None,
                        tokens: int | None = None, skipped: torch.Tensor | None = None,
                        grad_norm: torch.Tensor | float | None = None,
                        activation_bytes: int | None = None) -> None:
@@ -263,6 +279,10 @@ class LoopRun(RunBase):
 
         After ``optimizer.step()`` (or ``scaler.step``/``update``) and ``zero_grad()``.
         Pending commands apply here, so the next window runs with them.
+
+        Give the arguments after ``loss`` by keyword. (They are not keyword-only only
+        because CPython 3.11 looks each missing keyword-only argument's default up in a
+        dict, about 120 instructions each, at every call.)
 
         Args:
             loss: the window's mean (undivided) loss, a 0-dim tensor on any device; by

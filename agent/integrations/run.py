@@ -222,7 +222,7 @@ class RunBase:
         agent = self.agent
         agent.optimizer_step(record)
         if self._pause_requested:
-            agent.hold(lambda: not self._pause_requested or self.stop_requested is not None)
+            self._hold_paused()
         if (self._kept is not None and agent.rank == 0
                 and agent.cleanly_watched_step > self._kept[0]):
             # the change's watch ended cleanly: nothing to go back to (rank 0's guard
@@ -241,6 +241,14 @@ class RunBase:
                 self.memory.after_step(agent, self.step)
         except Exception as exc:  # the first rule: never crash the training
             self.fail("after the optimizer step", exc)
+
+    def _hold_paused(self) -> None:
+        """Training thread, at the boundary ``pause=on`` applied at: held there until
+        ``pause=off`` or ``stop`` (:meth:`agent.step.core.Agent.hold`).
+
+        (Its own method: a lambda in :meth:`boundary` would make ``self`` a cell there,
+        one allocation at every step.)"""
+        self.agent.hold(lambda: not self._pause_requested or self.stop_requested is not None)
 
     # ------------------------------------------------------------ checkpoint and resume
 

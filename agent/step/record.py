@@ -8,7 +8,7 @@ the step trained with), the encoder turns runs of them into ``steps`` columns.
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
@@ -39,7 +39,9 @@ class StepRecord:
         grad_norm: the global gradient norm the step saw before clipping, a 0-dim
             tensor (read on the I/O thread once ready) or a float, or None.
 
-    What the run base and the agent add (an integration leaves them; by keyword only):
+    What the run base and the agent add (an integration leaves them; give them by keyword:
+    they are not keyword-only only because CPython 3.11 looks each missing keyword-only
+    argument's default up in a dict, about 120 instructions each, at every construction):
 
     Attributes:
         step: 1-based index of the optimizer step (the run base counts, unless the
@@ -60,7 +62,6 @@ class StepRecord:
     tokens: int | None = None
     lr: float | tuple[Any, ...] | None = None
     grad_norm: torch.Tensor | float | None = None
-    _: KW_ONLY
     step: int = 0
     step_time_s: float | None = None
     marker: Any = None
