@@ -18,8 +18,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import torch
-import zmq
+
+#: One intra-op thread for torch in the tests and every child they start (inherited), set
+#: before torch is first imported: the tests' kernels are tiny, and on a busy 2-core
+#: machine OpenMP's spinning second thread made them many times slower (30 steps of the
+#: demo transformer: 1.1 s of CPU on one thread, 21 s on two). Every comparison of the
+#: tests runs both sides with it; a test of the ``cpu_threads`` knob sets another count.
+#: An ``OMP_NUM_THREADS`` already set is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import zmq  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors through its interpreter, which works only when

@@ -204,6 +204,25 @@ RECOVERY_STEPS = 48
 POISONED = range(41, 47)
 
 
+@pytest.fixture(scope="module")
+def clean_stream(tmp_path_factory):
+    """``clean_stream(driver)``: the driver's run of :data:`RECOVERY_STEPS` steps with no
+    batch poisoned and no recovery (:func:`run_poisoned`), made once a module and read by
+    every test that needs the uninterrupted run (the recovery's twin, the data stream the
+    skip checks compare with): one run of 48 steps per driver instead of three (a test
+    only reads it)."""
+    made: dict[str, object] = {}
+
+    def stream(driver: Driver):
+        if driver.name not in made:
+            made[driver.name] = run_poisoned(
+                driver, tmp_path_factory.mktemp(f"clean-{driver.name}"),
+                steps=RECOVERY_STEPS, poisoned=None)
+        return made[driver.name]
+
+    return stream
+
+
 def _final_loss(result) -> float:
     """The mean loss of steps 41-48 (an epoch of the task's data)."""
     steps = result.steps()  # (a step trained again on a new branch: its latest record)
@@ -212,7 +231,7 @@ def _final_loss(result) -> float:
 
 @pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].rollback])
 def test_a_loss_spike_is_recovered_from_past_the_poisoned_batches(driver, run_dir,
-                                                                   tmp_path):
+                                                                   tmp_path, clean_stream):
     """Three windows of poisoned labels (steps 21-23) wreck the weights and AdamW's
     moments: without recovery the loss of the last epoch stays far above an unpoisoned
     twin's. With ``recover=on`` the spike watch fires at step 23 (the training waits
@@ -224,7 +243,7 @@ def test_a_loss_spike_is_recovered_from_past_the_poisoned_batches(driver, run_di
     loss is then within 6% of the twin's (3.5-4.8%: it trained other windows, 4 of them
     at half the lr; HF ended at step 44, 8.6% above, before it trained on: at its
     steps 37-44 it was 2.0% above the twin's)."""
-    twin = run_poisoned(driver, tmp_path / "twin", steps=RECOVERY_STEPS, poisoned=None)
+    twin = clean_stream(driver)
     spiked = run_poisoned(driver, tmp_path / "spiked", steps=RECOVERY_STEPS,
                           poisoned=POISONED)
     recovered = run_poisoned(driver, tmp_path / "recovered", steps=RECOVERY_STEPS,
@@ -308,8 +327,8 @@ def _epochs(trained: list[tuple[int, ...]]) -> list[set[int]]:
 
 @pytest.mark.parametrize("skip", [3, 6])
 @pytest.mark.parametrize("driver", [d for d in DRIVERS if d.values[0].rollback])
-def test_a_recovery_skips_skip_windows_counted_from_the_kept_state(driver, skip,
-                                                                    run_dir, tmp_path):
+def test_a_recovery_skips_skip_windows_counted_from_the_kept_state(driver, skip, run_dir,
+                                                                    tmp_path, clean_stream):
     """``skip_windows`` counts from the kept state (step 20, micro-batch 40; 4 windows,
     micro-batches 41-48, trained since when the recovery applies after step 24).
 
@@ -321,7 +340,7 @@ def test_a_recovery_skips_skip_windows_counted_from_the_kept_state(driver, skip,
     makes an epoch's order when it starts it: 6 ends past epoch 3's end), Lightning
     not at all (its epoch loop counts every batch): refused with the reason, not
     recovered."""
-    stream = run_poisoned(driver, tmp_path / "twin", steps=32, poisoned=None)
+    stream = clean_stream(driver)  # (its first 64 micro-batches are compared)
     result = run_poisoned(driver, tmp_path / "skip", steps=34, poisoned=POISONED,
                           hold_at=23, policy=Recovery(keep_every_steps=4, keep_states=3,
                                                       skip_windows=skip))
