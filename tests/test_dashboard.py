@@ -971,6 +971,32 @@ async def test_a_tiny_terminal_keeps_the_header_and_footer_in_view(make_agent):
         assert command["knob"] == "precision"
 
 
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40)])
+async def test_the_last_event_line_keeps_a_checkpoints_file_name(make_agent, monkeypatch,
+                                                                 size):
+    """A checkpoint's path on the one-line last event keeps its file name (what
+    ``--resume`` needs): its middle goes, the home reads ``~``; the event log keeps it
+    whole."""
+    monkeypatch.setenv("HOME", "/home/newcomer")
+    path = ("/home/newcomer/.local/share/gpuwatch/checkpoints/20261203-070202-030d/"
+            "step-00000092.pt")
+    text = f"checkpoint=now applied at step 93: saved after step 92 to {path} (1.7 MiB in 0.02 s)"
+    agent = make_agent(knobs=dict(EVERY_KNOB))
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: knows(app, "precision"))
+        agent.publish("event", {"level": "info", "text": text})
+        await until(pilot, lambda: text in log_texts(app))
+        if app.query_one("#log").display:  # tall enough for the log: it shows it whole
+            await until(pilot, lambda: path in "".join(
+                line.text for line in app.query_one("#log").lines))
+        else:
+            await until(pilot, lambda: "step-00000092.pt" in text_of(app, "#last"))
+            shown = shown_lines(app, "#last")[0]
+            assert "…/step-00000092.pt" in shown, shown
+            assert len(shown.rstrip()) <= size[0]
+
+
 def test_applied_event_updates_the_knob_before_the_next_step_record():
     # a key pressed again before that step record arrives must start from the new value
     state = RunState()
