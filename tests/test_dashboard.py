@@ -28,7 +28,7 @@ from gpuwatch.screens.runs import RunsScreen
 from gpuwatch.widgets.last_event import HOLD_AFTER_KEY_S
 from gpuwatch.screens.tune import TuneScreen
 from gpuwatch.widgets.panel import bucket_max, sparkline
-from tests.conftest import knows, log_texts, redrawn, text_of, until
+from tests.conftest import knows, log_texts, redrawn, screen_text, text_of, until
 
 RUN = "20250101-000000-abcd"
 
@@ -819,6 +819,31 @@ async def test_help_lists_every_binding_that_acts(make_agent):
         listed = help_text(poorer)
         assert "accum+" in listed and "precision" not in listed and "ckpt" not in listed
         assert "lr/2" not in listed and "clip" not in listed and "save" not in listed
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24)])
+async def test_the_help_text_keeps_a_column_clear_of_its_scrollbar(make_agent, size):
+    """On a terminal too short for the help, each page leaves blank the column left of
+    the scrollbar: a thumb against a word read as part of it (``flattening▄▄``)."""
+    agent = make_agent(knobs=dict(EVERY_KNOB))
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: knows(app, "checkpointing"))
+        await pilot.press("question_mark")
+        box = app.screen.query_one("#help")
+        await until(pilot, lambda: box.max_scroll_y > 0)
+        while True:
+            await pilot.pause()
+            region = box.scrollable_content_region  # the scrollbar is right of it
+            lines = screen_text(app).split("\n")
+            beside = [lines[y][region.right - 1:region.right]
+                      for y in range(region.y, region.bottom)]
+            assert set("".join(beside)) <= {" "}, (box.scroll_y, beside)
+            if box.scroll_y >= box.max_scroll_y:
+                break
+            before = box.scroll_y
+            await pilot.press("pagedown")
+            await until(pilot, lambda: box.scroll_y > before)
 
 
 async def test_command_palette_runs_binding_commands(fake_agent):
