@@ -652,6 +652,28 @@ async def test_step_chart_follows_a_sustained_change_not_a_lone_outlier(
         assert top == axis_top, chart
 
 
+async def test_knob_change_lines_are_labelled_newest_first_where_they_fit():
+    """Five changes at 120x40: the newest gets its label, as many others as fit without
+    overlap, and the title says how many have none and where they are (no label at all
+    for more than three changes before)."""
+    source, app = _silent_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        with source.lock:
+            knobs = {"accum_steps": 1}
+            for step in range(1, 121):
+                if step in (20, 45, 70, 90, 110):
+                    knobs = {"accum_steps": knobs["accum_steps"] + 1}
+                source.state.ingest(envelope("step", {"step": step, "step_time_s": 0.1,
+                                                      "knobs": knobs}))
+        await until(pilot, lambda: "no steps yet" not in "\n".join(
+            shown_lines(app, "#timing")))
+        await redrawn(app, pilot)  # at the laid-out size
+        chart = "\n".join(shown_lines(app, "#timing"))
+        labelled = [value for value in range(2, 7) if f"accum_steps={value}" in chart]
+        assert labelled[-1] == 6 and len(labelled) >= 2, chart
+        assert f"{5 - len(labelled)} more changes: events" in chart.split("\n")[0], chart
+
+
 async def test_one_stall_does_not_flatten_the_step_time_chart():
     source, app = _silent_app()
     async with app.run_test(size=(120, 40)) as pilot:
