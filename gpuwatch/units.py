@@ -149,15 +149,14 @@ def human_number(value: float | None, digits: int = 0) -> str:
 
 
 def fit_paths(text: str, width: int) -> str:
-    """``text`` with its absolute paths shortened from the middle, so that it fits in
-    ``width`` columns or at least its first path's file name ends within them.
+    """``text`` with its absolute paths shortened from the middle, to fit ``width`` columns.
 
-    A file name is never cut: the home directory first reads ``~``, then a path's
-    middle directories go, one at a time, longest path first (``/a/b/c/d/step-9.pt``:
-    ``~/…/d/step-9.pt``, then ``…/step-9.pt``), until the text fits; if the path that
-    crosses ``width`` still ends beyond it, the words before it are cut (``… `` marks
-    where). What is still too long is the caller's to cut at its end. Costs
-    O(len(text) x directories)."""
+    Or at least so that the first path's file name ends within them. A file name is
+    never cut: the home directory first reads ``~``, then a path's middle directories
+    go, one at a time, longest path first (``/a/b/c/d/step-9.pt``: ``~/…/d/step-9.pt``,
+    then ``…/step-9.pt``), until the text fits; if the path that crosses ``width`` still
+    ends beyond it, the words before it are cut (``… `` marks where). What is still too
+    long is the caller's to cut at its end. Costs O(len(text) x directories)."""
     if len(text) <= width:
         return text
     home = os.path.expanduser("~").rstrip("/")

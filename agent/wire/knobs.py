@@ -636,11 +636,11 @@ class KnobSet:
 
 
 def refusal(name: str, reason: str) -> str:
-    """Why a knob this run cannot have is refused: ``<name>: <reason>``, the reason being
-    its :attr:`KnobSet.unsupported` entry (what the loop would declare to have it).
+    """Why a knob this run cannot have is refused: ``<name>: <reason>``.
 
-    The run's reply to a command for it, and the dashboard's words for a key of it (from
-    the hello's ``absent``, without sending)."""
+    The reason is its :attr:`KnobSet.unsupported` entry (what the loop would declare to
+    have it). The run's reply to a command for it, and the dashboard's words for a key
+    of it (from the hello's ``absent``, without sending)."""
     return f"{name}: {reason}"
 
 
