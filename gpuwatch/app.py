@@ -17,7 +17,8 @@ from textual.widgets import Input
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from agent.wire import protocol
-from agent.wire.knobs import COMMAND_KINDS, DEFAULT_MAX_GRAD_NORM, STANDARD_KNOBS, assignment
+from agent.wire.knobs import (COMMAND_KINDS, DEFAULT_MAX_GRAD_NORM, STANDARD_KNOBS, assignment,
+                              refusal)
 from agent.wire.runs import find_run
 from gpuwatch.client import new_command_id, parse_assignment, reply_text, send_command
 from gpuwatch.units import human_number, knob_text
@@ -710,8 +711,10 @@ class GpuwatchApp(App[None]):
         Or say that the run has no such command."""
         with self.source.lock:
             known = knob in self.source.state.schema
+            absent = self.source.state.absent.get(knob)
         if not known:
-            self.note("warning", f"this run has no {knob} command; nothing sent")
+            self.note("warning", (refusal(knob, absent) if absent is not None
+                                  else f"this run has no {knob} command") + "; nothing sent")
             return
         self._command(knob, value)
 
@@ -742,6 +745,8 @@ class GpuwatchApp(App[None]):
             state = self.source.state
             if not state.hello:
                 reason = "no knob schema from the run yet"
+            elif name in state.absent:  # the run's own words, as `gpuwatch set` gets
+                reason = refusal(name, state.absent[name])
             elif name not in state.schema:
                 reason = (f"this run has no knob {name} "
                           f"(it has: {', '.join(state.schema) or 'none'})")

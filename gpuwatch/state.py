@@ -252,7 +252,9 @@ class RunState:
     Attributes (read them under the source's lock):
         run_id: from the first envelope. hello: the latest ``hello`` body.
         schema: knob schema by name (wire maps: ``name``, ``kind``, ``choices``, ``min``,
-            ``max``, ``help``). knobs: current knob values by name.
+            ``max``, ``help``). absent: knobs the run cannot have, by name, with its
+            reason (what the loop would declare to have one; the hello's ``absent``).
+            knobs: current knob values by name.
         knob_changed_at: monotonic time (s) a knob's value last changed.
         knob_changes: the last :data:`EVENT_HISTORY` changes of knob values, as
             :class:`KnobChange` (the charts mark them).
@@ -313,6 +315,7 @@ class RunState:
         self.run_id: str | None = None
         self.hello: dict[str, Any] = {}
         self.schema: dict[str, dict[str, Any]] = {}
+        self.absent: dict[str, str] = {}
         #: ids of the commands this dashboard sent (bounded by the person's key presses)
         self.own_command_ids: set[str] = set()
         self.knobs: dict[str, Any] = {}
@@ -798,6 +801,9 @@ class RunState:
         self.schema = {knob["name"]: knob for knob in knobs[:MAX_KNOBS]
                        if isinstance(knob, dict) and isinstance(knob.get("name"), str)
                        and len(knob["name"]) <= MAX_NAME_CHARS}
+        absent = body.get("absent")
+        self.absent = {name: reason for name, reason in absent.items()
+                       if isinstance(reason, str)} if isinstance(absent, dict) else {}
 
     def _fold_step(self, body: dict[str, Any], now: float) -> None:
         step = body.get("step")

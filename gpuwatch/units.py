@@ -1,8 +1,10 @@
-"""Human forms of the raw numbers the wire carries (bytes, seconds, rates)."""
+"""Human forms of the raw numbers the wire carries (bytes, seconds, rates), and of paths."""
 
 from __future__ import annotations
 
 import math
+import os
+import re
 import time
 from typing import Any
 
@@ -12,6 +14,8 @@ _MAX_DECIMALS = 12
 #: (unit, seconds per unit, how many of it make the next unit).
 _DURATION_UNITS = (("ms", 1e-3, 1000.0), ("s", 1.0, 60.0), ("min", 60.0, 60.0),
                    ("h", 3600.0, math.inf))
+#: An absolute path in a text: from a ``/`` that starts a word to the next space.
+_PATH = re.compile(r"(?<!\S)/[^\s]*[^\s.,;:)]")
 
 
 def knob_text(value: Any) -> str:
@@ -142,3 +146,56 @@ def human_number(value: float | None, digits: int = 0) -> str:
     if value is None or not math.isfinite(value):
         return "-"
     return f"{value:,.{digits}f}"
+
+
+def fit_paths(text: str, width: int) -> str:
+    """``text`` with its absolute paths shortened from the middle, to fit ``width`` columns.
+
+    Or at least so that the first path's file name ends within them. A file name is
+    never cut: the home directory first reads ``~``, then a path's middle directories
+    go, one at a time, longest path first (``/a/b/c/d/step-9.pt``: ``~/…/d/step-9.pt``,
+    then ``…/step-9.pt``), until the text fits; if the path that crosses ``width`` still
+    ends beyond it, the words before it are cut (``… `` marks where). What is still too
+    long is the caller's to cut at its end. Costs O(len(text) x directories)."""
+    if len(text) <= width:
+        return text
+    home = os.path.expanduser("~").rstrip("/")
+    pieces: list[str] = []  # the text between paths, then a path's parts, in turn
+    paths: list[list[str]] = []
+    start = 0
+    for match in _PATH.finditer(text):
+        path = match.group()
+        if home and (path == home or path.startswith(home + "/")):
+            path = "~" + path[len(home):]
+        pieces.append(text[start:match.start()])
+        paths.append(path.split("/"))
+        start = match.end()
+    pieces.append(text[start:])
+
+    def joined() -> str:
+        return "".join(piece + ("/".join(paths[index]) if index < len(paths) else "")
+                       for index, piece in enumerate(pieces))
+
+    while len(joined()) > width:
+        shrinkable = [parts for parts in paths if len(parts) > 2]
+        if not shrinkable:
+            break
+        parts = max(shrinkable, key=lambda parts: len("/".join(parts)))
+        if len(parts) == 3:
+            parts[:-1] = ["…"]  # its file name alone
+        elif parts[1] == "…":
+            del parts[2]  # the directory after the "…"
+        else:
+            parts[1:3] = ["…"]
+    end = 0
+    for index, parts in enumerate(paths):  # the first path that ends beyond width
+        before, path = pieces[index], "/".join(parts)
+        # (a text cut after the path takes its last column for the caller's "…")
+        limit = width - (1 if len(joined()) > width else 0)
+        if end + len(before) + len(path) > limit:
+            room = limit - end - len(path) - 2
+            if room >= 0 and len(before) > room:
+                pieces[index] = before[:room].rstrip() + "… "
+            break
+        end += len(before) + len(path)
+    return joined()

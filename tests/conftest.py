@@ -5,6 +5,7 @@ for testing the dashboard alone, and the one wait of the tests (:func:`wait_unti
 from __future__ import annotations
 
 import compileall
+import io
 import os
 import queue
 from collections import deque
@@ -29,6 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import zmq  # noqa: E402
+from rich.console import Console  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors through its interpreter, which works only when
@@ -120,6 +122,18 @@ async def redrawn(app: Any, pilot: Any) -> None:
     redraw, with no fixed pause."""
     app.redraw()
     await pilot.pause()
+
+
+def screen_text(app: Any) -> str:
+    """The screen as a person reads it: every cell's character, no styles (a modal
+    screen over the ones below it, as the terminal shows it)."""
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), record=True,
+                      color_system=None, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(
+        full=True, screen_stack=app._background_screens))
+    lines = console.export_text(styles=False).split("\n")[:height]
+    return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 def text_of(app: Any, selector: str) -> str:

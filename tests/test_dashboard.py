@@ -28,7 +28,7 @@ from gpuwatch.screens.runs import RunsScreen
 from gpuwatch.widgets.last_event import HOLD_AFTER_KEY_S
 from gpuwatch.screens.tune import TuneScreen
 from gpuwatch.widgets.panel import bucket_max, sparkline
-from tests.conftest import knows, log_texts, redrawn, text_of, until
+from tests.conftest import knows, log_texts, redrawn, screen_text, text_of, until
 
 RUN = "20250101-000000-abcd"
 
@@ -652,6 +652,28 @@ async def test_step_chart_follows_a_sustained_change_not_a_lone_outlier(
         assert top == axis_top, chart
 
 
+async def test_knob_change_lines_are_labelled_newest_first_where_they_fit():
+    """Five changes at 120x40: the newest gets its label, as many others as fit without
+    overlap, and the title says how many have none and where they are (no label at all
+    for more than three changes before)."""
+    source, app = _silent_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        with source.lock:
+            knobs = {"accum_steps": 1}
+            for step in range(1, 121):
+                if step in (20, 45, 70, 90, 110):
+                    knobs = {"accum_steps": knobs["accum_steps"] + 1}
+                source.state.ingest(envelope("step", {"step": step, "step_time_s": 0.1,
+                                                      "knobs": knobs}))
+        await until(pilot, lambda: "no steps yet" not in "\n".join(
+            shown_lines(app, "#timing")))
+        await redrawn(app, pilot)  # at the laid-out size
+        chart = "\n".join(shown_lines(app, "#timing"))
+        labelled = [value for value in range(2, 7) if f"accum_steps={value}" in chart]
+        assert labelled[-1] == 6 and len(labelled) >= 2, chart
+        assert f"{5 - len(labelled)} more changes: events" in chart.split("\n")[0], chart
+
+
 async def test_one_stall_does_not_flatten_the_step_time_chart():
     source, app = _silent_app()
     async with app.run_test(size=(120, 40)) as pilot:
@@ -821,6 +843,31 @@ async def test_help_lists_every_binding_that_acts(make_agent):
         assert "lr/2" not in listed and "clip" not in listed and "save" not in listed
 
 
+@pytest.mark.parametrize("size", [(60, 20), (80, 24)])
+async def test_the_help_text_keeps_a_column_clear_of_its_scrollbar(make_agent, size):
+    """On a terminal too short for the help, each page leaves blank the column left of
+    the scrollbar: a thumb against a word read as part of it (``flattening▄▄``)."""
+    agent = make_agent(knobs=dict(EVERY_KNOB))
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: knows(app, "checkpointing"))
+        await pilot.press("question_mark")
+        box = app.screen.query_one("#help")
+        await until(pilot, lambda: box.max_scroll_y > 0)
+        while True:
+            await pilot.pause()
+            region = box.scrollable_content_region  # the scrollbar is right of it
+            lines = screen_text(app).split("\n")
+            beside = [lines[y][region.right - 1:region.right]
+                      for y in range(region.y, region.bottom)]
+            assert set("".join(beside)) <= {" "}, (box.scroll_y, beside)
+            if box.scroll_y >= box.max_scroll_y:
+                break
+            before = box.scroll_y
+            await pilot.press("pagedown")
+            await until(pilot, lambda: box.scroll_y > before)
+
+
 async def test_command_palette_runs_binding_commands(fake_agent):
     app = GpuwatchApp(LiveSource(fake_agent.info))
     async with app.run_test(size=(120, 40)) as pilot:
@@ -969,6 +1016,32 @@ async def test_a_tiny_terminal_keeps_the_header_and_footer_in_view(make_agent):
         await pilot.press("p", "p")  # keys still work
         command = await next_command(agent)
         assert command["knob"] == "precision"
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40)])
+async def test_the_last_event_line_keeps_a_checkpoints_file_name(make_agent, monkeypatch,
+                                                                 size):
+    """A checkpoint's path on the one-line last event keeps its file name (what
+    ``--resume`` needs): its middle goes, the home reads ``~``; the event log keeps it
+    whole."""
+    monkeypatch.setenv("HOME", "/home/newcomer")
+    path = ("/home/newcomer/.local/share/gpuwatch/checkpoints/20261203-070202-030d/"
+            "step-00000092.pt")
+    text = f"checkpoint=now applied at step 93: saved after step 92 to {path} (1.7 MiB in 0.02 s)"
+    agent = make_agent(knobs=dict(EVERY_KNOB))
+    app = GpuwatchApp(LiveSource(agent.info))
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: knows(app, "precision"))
+        agent.publish("event", {"level": "info", "text": text})
+        await until(pilot, lambda: text in log_texts(app))
+        if app.query_one("#log").display:  # tall enough for the log: it shows it whole
+            await until(pilot, lambda: path in "".join(
+                line.text for line in app.query_one("#log").lines))
+        else:
+            await until(pilot, lambda: "step-00000092.pt" in text_of(app, "#last"))
+            shown = shown_lines(app, "#last")[0]
+            assert "…/step-00000092.pt" in shown, shown
+            assert len(shown.rstrip()) <= size[0]
 
 
 def test_applied_event_updates_the_knob_before_the_next_step_record():

@@ -21,7 +21,8 @@ from gpuwatch import history
 from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.timeline import CHECKPOINT_STEPS, Timeline, TimelineSource
 from gpuwatch.state import RunState
-from tests.conftest import text_of, until, wait_until
+from gpuwatch.screens.runs import COLUMNS
+from tests.conftest import screen_text, text_of, until, wait_until
 from tests.test_end_to_end import Terminal
 from tests.test_replay import KNOBS, RUN, LegacyLog, Writer
 
@@ -482,22 +483,31 @@ async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_age
         assert "step 1 " not in text_of(app, "#header")
 
 
-async def test_runs_screen_at_80_columns_shows_each_runs_steps_whole(run_dir):
-    from .test_snapshots import screen_text  # (it imports this module)
-
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40)])
+async def test_runs_screen_shows_whole_columns_and_each_runs_steps(run_dir, size):
+    """At 80 columns the steps show whole, and at any width the table ends after its last
+    whole column (``durati`` was cut at 80); the status line says → shows the others."""
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     first = write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=1_234,
                       name="demo-transformer")
     app = GpuwatchApp(TimelineSource(history.log_at(first)), readonly=True)
-    async with app.run_test(size=(80, 24)) as pilot:
+    async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: "of 1,234" in text_of(app, "#timeline"))
         await pilot.press("r")
         table = app.screen.query_one("#runs-table")
         await until(pilot, lambda: table.row_count == 1)
         await pilot.pause()
         screen = screen_text(app)
-        assert re.search(rf"{RUN} +demo-transformer +1,234 ", screen), screen
+        if size[0] >= 80:
+            assert re.search(rf"{RUN} +demo-transformer +1,234 ", screen), screen
+        heading = next(line for line in screen.splitlines() if " name " in line)
+        shown = re.split(r" {2,}", heading.split("│")[1].strip())  # inside the border
+        assert shown == list(COLUMNS[:len(shown)]), heading  # whole headings only
+        hidden = len(COLUMNS) - len(shown)
+        assert text_of(app.screen, "#runs-status") == (
+            f"1 run; {hidden} more column{'s' if hidden > 1 else ''}: →" if hidden
+            else "1 run")
 
 
 def test_what_a_log_says_is_bounded_and_printed_without_control_characters(run_dir):

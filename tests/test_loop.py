@@ -17,7 +17,9 @@ from agent.wire.runlog import LOG_SUFFIX
 from gpuopt.checkpointing import find_blocks
 from gpuopt.precision import MixedPrecision
 from gpuwatch.client import send_command
-from tests.conftest import wait_until
+from gpuwatch.app import GpuwatchApp
+from gpuwatch.sources.live import LiveSource
+from tests.conftest import knows, log_texts, until, wait_until
 from tests.training import digits_loader, model as make_model
 from gpuwatch.history import flat_records
 
@@ -92,6 +94,28 @@ def test_undeclared_knobs_are_refused_with_what_to_declare(run_dir):
                 ("memory_fraction", 0.5, "needs CUDA")]:
             reply = send_command(info, knob, value)
             assert not reply["ok"] and reason in reply["reason"], (knob, reply)
+    finally:
+        run.close()
+
+
+async def test_a_key_of_an_undeclared_knob_says_what_to_declare_as_set_does(run_dir):
+    """``p`` on a loop without ``precision=`` says the reason ``gpuwatch set`` gets (the
+    run's own words, from its hello) and sends nothing."""
+    model = make_model()
+    run = agent.session(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        name="loop-undeclared")
+    info = runs.find_run(run.agent.run_id)
+    try:
+        reply = send_command(info, "precision", "bf16")
+        assert not reply["ok"] and reply["reason"].startswith("precision: this loop did not")
+        app = GpuwatchApp(LiveSource(info))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: knows(app, "lr_scale"))
+            await pilot.press("p")
+            said = f"{reply['reason']}; nothing sent"
+            await until(pilot, lambda: said in log_texts(app))
+            assert not any(text.startswith("sent") for text in log_texts(app))
+            assert "this run has no knob precision" not in " ".join(log_texts(app))
     finally:
         run.close()
 

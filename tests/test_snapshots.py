@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import io
 import math
 import os
 from functools import partial
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 from textual import events
 
 from agent.wire import protocol
@@ -34,7 +32,7 @@ from gpuwatch.widgets import event_log
 from gpuwatch.widgets.command_line import CommandLine
 from gpuwatch.screens.help import HelpScreen
 
-from .conftest import text_of
+from .conftest import screen_text, text_of
 from .test_dashboard import until
 from .test_history import RUN, write_run
 
@@ -207,18 +205,6 @@ def _late(tmp_path):
     app.source.whole.start()  # (the fixed source starts no thread of its own)
     assert app.source.whole.loaded.wait(60)
     return app
-
-
-def screen_text(app) -> str:
-    """The screen as a person reads it: every cell's character, no styles (a modal
-    screen over the ones below it, as the terminal shows it)."""
-    width, height = app.size
-    console = Console(width=width, height=height, file=io.StringIO(), record=True,
-                      color_system=None, legacy_windows=False, safe_box=False)
-    console.print(app.screen._compositor.render_update(
-        full=True, screen_stack=app._background_screens))
-    lines = console.export_text(styles=False).split("\n")[:height]
-    return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 def check(name: str, text: str) -> None:

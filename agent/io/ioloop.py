@@ -562,6 +562,7 @@ class IOLoop:
             "device": str(agent.device) if agent.device is not None else "cpu",
             "model": {"name": agent.model_name, "params": agent.params},
             "env": self._env_report, "knobs": agent.knobs.schema(),
+            "absent": dict(agent.knobs.unsupported),
             "log_path": self.info.log_path if self.info else "",
             "knob_values": agent.knob_values, "training": agent.training,
             "errors": agent.errors[-10:],  # what a dashboard that comes late missed

@@ -621,7 +621,7 @@ class KnobSet:
                 refuses it.
         """
         if isinstance(name, str) and name in self.unsupported:
-            raise KnobError(f"{name}: {self.unsupported[name]}")  # our own text, whole
+            raise KnobError(refusal(name, self.unsupported[name]))  # our own text, whole
         if not isinstance(name, str) or name not in self.knobs:
             known = ", ".join(self.knobs) or "none"
             raise KnobError(f"unknown knob {_shorten(repr(name), 80)} (this run has: {known})")
@@ -633,6 +633,15 @@ class KnobSet:
             except ValueError as exc:
                 raise KnobError(f"{name}={coerced}: {exc}") from None
         return coerced
+
+
+def refusal(name: str, reason: str) -> str:
+    """Why a knob this run cannot have is refused: ``<name>: <reason>``.
+
+    The reason is its :attr:`KnobSet.unsupported` entry (what the loop would declare to
+    have it). The run's reply to a command for it, and the dashboard's words for a key
+    of it (from the hello's ``absent``, without sending)."""
+    return f"{name}: {reason}"
 
 
 def _values_text(spec: KnobSpec) -> str:

@@ -301,6 +301,9 @@ class Hello(TypedDict):
     env: dict[str, Any] | None
     #: the knob schema: one spec a knob (see :meth:`agent.wire.knobs.KnobSet.schema`)
     knobs: list[dict[str, Any]]
+    #: knobs this run cannot have, by name, with why and what the loop would declare to
+    #: have them (:attr:`agent.wire.knobs.KnobSet.unsupported`)
+    absent: dict[str, str]
     #: the run log's path, "" when the run has none
     log_path: str
     #: current knob values

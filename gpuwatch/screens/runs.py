@@ -19,8 +19,9 @@ from gpuwatch.history import RunSummary, all_runs
 from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_rate,
                             human_sig, local_time)
 
-#: The table's columns, what tells runs apart first: at 80 columns the table is cut
-#: after the steps (a demo's name is 16 characters).
+#: The table's columns, what tells runs apart first: it shows those that fit whole (at
+#: 80 columns, up to the start time with a demo's 16-character name), → scrolls to the
+#: others.
 COLUMNS = ("run", "name", "steps", "started", "duration", "final loss", "best/s",
            "changes", "branches", "log", "state")
 
@@ -52,6 +53,8 @@ class RunsScreen(ModalScreen[RunSummary | None]):
     def __init__(self) -> None:
         super().__init__()
         self.summaries: list[RunSummary] = []
+        #: each column's width (cells, padding included), once the runs are read
+        self._widths: list[int] = []
 
     def compose(self) -> ComposeResult:
         with Vertical(id="runs") as box:
@@ -81,12 +84,42 @@ class RunsScreen(ModalScreen[RunSummary | None]):
         self.summaries = summaries
         table = self.query_one(DataTable)
         table.add_columns(*COLUMNS)
-        for index, summary in enumerate(summaries):
-            table.add_row(*_row(summary), key=str(index))
-        self.query_one("#runs-status", Static).update(Content.styled(
-            counted(len(summaries), "run") if summaries else "no runs: no run logs and no live "
-            "runs", "$text-muted"))
+        rows = [_row(summary) for summary in summaries]
+        for index, row in enumerate(rows):
+            table.add_row(*row, key=str(index))
+        self._widths = [max(Content(text).cell_length for text in texts)
+                        + 2 * table.cell_padding for texts in zip(COLUMNS, *rows)]
+        self._fit_columns()
         table.focus()
+
+    def on_resize(self) -> None:
+        """Fit the table's columns to the new width."""
+        self._fit_columns()
+
+    def _fit_columns(self) -> None:
+        """End the table after its last column that fits whole (a column cut at the edge
+        read as its heading's start, ``durati``); the status line says how many more
+        columns → scrolls to. Costs O(columns)."""
+        if not self._widths:  # not read yet, or it could not be
+            return
+        table = self.query_one(DataTable)
+        room = (self.query_one("#runs").content_region.width
+                - table.styles.scrollbar_size_vertical)
+        shown = width = 0
+        for column_width in self._widths:
+            if width + column_width > room:
+                break
+            width += column_width
+            shown += 1
+        hidden = len(self._widths) - shown
+        scrolls = len(self.summaries) + table.header_height > table.size.height
+        table.styles.max_width = (width + (table.styles.scrollbar_size_vertical if scrolls
+                                           else 0)) if hidden and shown else None
+        status = (counted(len(self.summaries), "run") if self.summaries
+                  else "no runs: no run logs and no live runs")
+        if self.summaries and hidden:
+            status += f"; {counted(hidden, 'more column')}: →"
+        self.query_one("#runs-status", Static).update(Content.styled(status, "$text-muted"))
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         """Show the branches of the run under the cursor."""

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from textual.content import Content
 
 from gpuwatch.state import LogEntry
+from gpuwatch.units import fit_paths
 from gpuwatch.widgets.event_log import LEVEL_COLORS
 from gpuwatch.widgets.panel import Panel
 
@@ -98,13 +99,14 @@ class LastEvent(Panel):
         self._rows = rows
 
     def _line(self, entry: LogEntry, *, wrap: bool) -> Content:
-        """``▸ text`` in the entry's colour: on one line (the stylesheet cuts it), or
+        """``▸ text`` in the entry's colour: on one line (its paths shortened from the
+        middle, :func:`~gpuwatch.units.fit_paths`; the stylesheet cuts the rest), or
         wrapped to the width in at most :data:`MAX_HELD_LINES` lines."""
         variable = LEVEL_COLORS.get(entry.level)
         style = f"${variable}" if variable else ""
-        if not wrap:
-            return Content.assemble(("▸ ", "$text-muted"),
-                                    (" ".join(entry.text.splitlines()), style))
+        if not wrap:  # a path keeps its file name (the event log has it whole)
+            return Content.assemble(("▸ ", "$text-muted"), (fit_paths(
+                " ".join(entry.text.splitlines()), self.text_width - 2), style))
         width = max(self.text_width - 2, 10)
         lines = textwrap.wrap(entry.text, width, max_lines=MAX_HELD_LINES,
                               placeholder=" …") or [""]

@@ -11,7 +11,7 @@ from textual_plotext import PlotextPlot
 
 from gpuwatch.sources.whole_run import Past
 from gpuwatch.state import KnobChange, StepRecord
-from gpuwatch.units import human_duration, human_sig, knob_text
+from gpuwatch.units import counted, human_duration, human_sig, knob_text
 from gpuwatch.widgets.panel import OUTLIER_FEW_HEADROOM, robust_top
 
 
@@ -54,8 +54,6 @@ _FROM_ZERO_BELOW = 0.05
 #: The newest values of a line that, when all are beyond its scale, are a sustained
 #: change (a slowdown under load), not an outlier: the scale follows them.
 _NEWEST_IN_VIEW = 3
-#: Knob changes in view up to which each gets a label (more: their lines alone).
-_LABELLED_MARKS = 3
 #: plotext colour of the vertical line at a knob change.
 _MARK_COLOR = "orange"
 
@@ -257,9 +255,11 @@ class StepChart(PlotextPlot):
         tick_width = self._y_ticks(low, high)
         titles = self._title(lines, top, self.size.width - tick_width - 3, legend=legend)
         if titles:
-            self._mark(marks, first, last, high, self.size.width - tick_width - 3,
-                       outliers)
             width = self.size.width - tick_width - 3
+            unlabelled = self._mark(marks, first, last, high, width, outliers)
+            where = f" | {counted(unlabelled, 'more change')}: events"
+            if unlabelled and len(titles) + len(where) <= width:
+                titles += where  # (else the events panel, or `gpuwatch tail`, has them)
             # room: 3 columns between labels, the first ("step 1", the axis' unit) half
             # under the value labels (plotext centres a label; one that would touch
             # another is left out, which one depending on the hash seed)
@@ -279,11 +279,12 @@ class StepChart(PlotextPlot):
         self.refresh()
 
     def _mark(self, marks: Iterable[KnobChange], first: float, last: float, top: float,
-              width: int, outliers: Sequence[float] = ()) -> None:
+              width: int, outliers: Sequence[float] = ()) -> int:
         """Vertical lines at the knob changes between steps ``first`` and ``last``; a
-        label at the top of each when there are few and it fits on the side with more
-        room, over no outlier's marker (``top``: the y-axis' end; ``width``: the plot's
-        columns; ``outliers``: the steps of the values beyond ``top``)."""
+        label at the top of each, the newest first, where it fits on the side with more
+        room, over no other label and no outlier's marker (``top``: the y-axis' end;
+        ``width``: the plot's columns; ``outliers``: the steps of the values beyond
+        ``top``). Returns how many lines have no label. Costs O(marks^2)."""
         # step -> labels: changes of several knobs at one step share a line
         shown: dict[int, list[str]] = {}
         for mark in marks:
@@ -293,17 +294,21 @@ class StepChart(PlotextPlot):
         taken: list[tuple[float, float]] = [  # columns of the labels and markers drawn
             (at - 1, at + 1) for at in ((step - first) / max(last - first, 1) * width
                                         for step in outliers)]
+        unlabelled = 0
         for step, labels in sorted(shown.items(), reverse=True):  # the newest first
             self.plt.vline(step, _MARK_COLOR)
             right = step - first > (last - first) / 2
             label = ", ".join(labels)
             at = (step - first) / max(last - first, 1) * width
             span = (at - len(label) - 1, at) if right else (at, at + len(label) + 1)
-            if (len(shown) <= _LABELLED_MARKS and 0 <= span[0] and span[1] <= width
+            if (0 <= span[0] and span[1] <= width
                     and all(span[1] < start or span[0] > end for start, end in taken)):
                 taken.append(span)  # on the side with room for it, over no other label
                 self.plt.text(f"{label} " if right else f" {label}", step, top,
                               color=_MARK_COLOR, alignment="right" if right else "left")
+            else:
+                unlabelled += 1
+        return unlabelled
 
     def _y_ticks(self, low: float, high: float) -> int:
         """Label the value axis in :func:`~gpuwatch.units.human_sig` form with the
