@@ -23,24 +23,12 @@ from tests.jobs import ContractLoop
 def main(out: Path) -> None:
     loop = ContractLoop("ddp-put-back-fails")
     run = loop.run
-    for _ in range(4):
-        loop.train_window()
-    snapshot = run.state_snapshot()
-    for _ in range(2):
-        loop.train_window()
+    snapshot = loop.snapshot_at_step_4_then_train_to_6()
     if loop.rank == 1:
         def fails(snapshot):
             raise RuntimeError("test: rank 1 cannot put a state back")
         run.load_snapshot = fails
-    before = [p.detach().clone() for p in loop.params()]
-    try:
-        run.rewind_state(snapshot, 4, source="test", cause="a put-back that fails")
-        raised = None
-    except Exception as exc:  # noqa: BLE001 -- what the test checks
-        raised = f"{type(exc).__name__}: {exc}"
-    saved = {"raised": raised, "stopping": run.stopping, "step": run.step,
-             "branch": run.branch, "before": before,
-             "after": [p.detach().clone() for p in loop.params()]}
+    saved = loop.rewind_to_step_4(snapshot, "a put-back that fails")
     if not run.stopping:
         loop.train_window()
     log_path = run.agent.info.log_path

@@ -139,6 +139,33 @@ class ContractLoop:
         """The model's parameters, whole (a sharded one's gathered from every rank)."""
         return [p.full_tensor() if isinstance(p, DTensor) else p for p in params_of(self.net)]
 
+    def snapshot_at_step_4_then_train_to_6(self) -> dict[str, Any]:
+        """Train to step 4, keep the state (``run.state_snapshot()``), train to step 6.
+
+        Returns the state kept at step 4, for a rewind to it."""
+        for _ in range(4):
+            self.train_window()
+        snapshot = self.run.state_snapshot()
+        for _ in range(2):
+            self.train_window()
+        return snapshot
+
+    def rewind_to_step_4(self, snapshot: dict[str, Any], cause: str) -> dict[str, Any]:
+        """``run.rewind_state(snapshot, 4)`` on this rank, and what came of it.
+
+        Returns ``raised`` (None, or ``"<type>: <text>"`` of what it raised), ``step``,
+        ``branch`` and ``stopping`` after it, and the parameters ``before`` and ``after``
+        (clones)."""
+        before = [p.detach().clone() for p in self.params()]
+        try:
+            self.run.rewind_state(snapshot, 4, source="test", cause=cause)
+            raised = None
+        except Exception as exc:  # noqa: BLE001 -- what the tests check
+            raised = f"{type(exc).__name__}: {exc}"
+        return {"raised": raised, "step": self.run.step, "branch": self.run.branch,
+                "stopping": self.run.stopping, "before": before,
+                "after": [p.detach().clone() for p in self.params()]}
+
     def close(self, saved: dict[str, Any], path: Path) -> None:
         """Close the run, save ``saved`` to ``path`` and leave the process group."""
         self.run.close()
