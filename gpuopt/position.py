@@ -29,6 +29,7 @@ function again: its draws come from the generators restored at the boundary.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any, Callable, Generator, Iterable, Iterator
 
@@ -189,8 +190,6 @@ class DataPosition:
         each real training call: a call under ``no_grad`` (an evaluation's, e.g. nanoGPT's
         ``estimate_loss()``) is neither counted nor timed. Arguments are told apart by
         ``repr``."""
-        import time
-
         now = clock or time.perf_counter
 
         def counted_fetch(*args: Any, **kwargs: Any) -> Any:
@@ -213,16 +212,67 @@ class DataPosition:
         return counted_fetch
 
     def iterate(self, batches: Iterable[Any], epochs: int | None = 1,
-                next_batch: Callable[[Iterator[Any]], Any] = next
+                on_batch: Callable[[Any, float], None] | None = None
                 ) -> Generator[Any, None, None]:
-        """``batches`` for ``epochs`` epochs, each through :meth:`epoch_iterator`.
+        """``batches`` for ``epochs`` epochs, each batch counted (and timed for ``on_batch``).
 
-        ``epochs`` None: without end; an epoch that yields nothing ends it. After
-        :meth:`load_state_dict` the first of them is the rest of the saved epoch."""
+        ``epochs`` None: without end; an epoch that yields nothing ends it. Each batch
+        fetched is counted whatever the grad mode, and ``on_batch(batch, wait_s)`` is
+        called with the host seconds its ``next()`` took (``time.perf_counter``). After
+        :meth:`load_state_dict` (before this call or while it iterates) the first epoch
+        is the rest of the saved one: its iterator made again from the generators at its
+        start, the batches the saved run fetched dropped, the generators put back as at
+        the boundary, the batches fetched ahead (not given to ``on_batch``: their fetch
+        was timed before the save), then the epoch's remaining ones.
+
+        Raises:
+            ValueError: the saved epoch had more batches than ``batches`` has (not the
+                same data).
+
+        .. note:: One generator frame per batch, no call of its own but ``on_batch`` (a
+           training thread's per-batch cost: each frame between real steps costs about
+           1 us of CPU, caches being cold there), and two attribute checks (a restored
+           position, batches to drop).
+        """
+        now = time.perf_counter
         done = 0
         while epochs is None or done < epochs:
             done += 1
-            if not (yield from self.epoch_iterator(batches, next_batch)):
+            if self._restored is None:
+                rng = rng_state(self.device)
+                iterator = iter(batches)
+                self.exact_reason = _replay_reason(batches, iterator)
+                self.epoch_made(rng)
+            yielded = False
+            while True:
+                if self._restored is not None:
+                    iterator = self.replay_epoch(batches)
+                    while self._replay and not self.restoring:  # (a rollback may come again)
+                        batch = self._replay.popleft()[1]
+                        if self.dropping:
+                            self._dropped()
+                            continue
+                        yielded = True
+                        yield batch
+                    continue
+                try:
+                    while self.dropping:  # (nothing of them is timed)
+                        self._count(next(iterator))
+                        self._dropped()
+                    start = now()
+                    batch = next(iterator)
+                    wait_s = now() - start
+                except StopIteration:
+                    self.epochs_done += 1
+                    break
+                self.fetched_in_epoch += 1  # (:meth:`_count`'s, without its call)
+                self.fetched_total += 1
+                self._recent.append(("", batch))
+                if on_batch is not None:
+                    on_batch(batch, wait_s)
+                yielded = True
+                yield batch
+            if not yielded:
                 return
 
     def replay_epoch(self, batches: Iterable[Any]) -> Iterator[Any]:
@@ -259,52 +309,15 @@ class DataPosition:
         return iterator
 
     def epoch_iterator(self, batches: Iterable[Any],
-                       next_batch: Callable[[Iterator[Any]], Any] = next
-                       ) -> Generator[Any, None, bool]:
-        """One epoch of ``batches``, each through ``next_batch(iterator)`` and counted.
-
-        ``next_batch``: e.g. a timed ``next``; each batch is counted whatever the grad mode.
-        After :meth:`load_state_dict` (before this call or while it iterates): the rest of
-        the saved epoch (its iterator made again from the generators at its start, the
-        batches the saved run fetched dropped, the generators put back as at the boundary,
-        the batches fetched ahead, then the epoch's remaining ones). The generator returns
-        whether it yielded a batch (``yield from``'s value).
+                       on_batch: Callable[[Any, float], None] | None = None
+                       ) -> Generator[Any, None, None]:
+        """One epoch of ``batches``: :meth:`iterate` for one epoch (see it).
 
         Raises:
             ValueError: the saved epoch had more batches than ``batches`` has (not the
                 same data).
-
-        .. note:: Per batch, two attribute checks (a restored position, batches to drop).
         """
-        if self._restored is None:
-            rng = rng_state(self.device)
-            iterator = iter(batches)
-            self.exact_reason = _replay_reason(batches, iterator)
-            self.epoch_made(rng)
-        count = self._count
-        yielded = False
-        while True:
-            if self._restored is not None:
-                iterator = self.replay_epoch(batches)
-                while self._replay and not self.restoring:  # (a rollback may come again)
-                    batch = self._replay.popleft()[1]
-                    if self.dropping:
-                        self._dropped()
-                        continue
-                    yielded = True
-                    yield batch
-                continue
-            try:
-                while self.dropping:  # (not next_batch: nothing of them is timed)
-                    count(next(iterator))
-                    self._dropped()
-                batch = next_batch(iterator)
-            except StopIteration:
-                self.epochs_done += 1
-                return yielded
-            count(batch)
-            yielded = True
-            yield batch
+        return self.iterate(batches, 1, on_batch)
 
     def _dropped(self) -> None:
         """One batch of :meth:`drop`'s, fetched (counted already), dropped."""

@@ -195,19 +195,23 @@ class RunClient:
         run: the run: a :class:`agent.wire.runs.RunInfo`, a run id or name (as ``gpuwatch
             set --run`` takes it), or None for the only (else the newest) run here.
 
-    The telemetry socket connects at once, so nothing published after the constructor
-    returns is missed (ZeroMQ drops what a run sends before a subscriber joins).
-    Messages read while :meth:`set` waits are kept for :meth:`records` (up to
-    :data:`KEPT_MESSAGES`, the oldest dropped first).
+    The constructor returns once the run's first message has come (the ``hello`` it greets
+    each new subscriber with), so nothing published after it returns is missed (ZeroMQ
+    drops what a run sends before its subscription has arrived there, which takes a few
+    milliseconds after the connect). Messages read while :meth:`set` waits are kept for
+    :meth:`records` (up to :data:`KEPT_MESSAGES`, the oldest dropped first), that first
+    one too.
 
     Raises:
         LookupError: no such run.
+        TimeoutError: nothing came from the run within ``timeout_s`` seconds (the socket
+            is closed).
     """
 
     #: Messages :meth:`set` read past while waiting, kept for :meth:`records` at most.
     KEPT_MESSAGES = 10_000
 
-    def __init__(self, run: RunInfo | str | None = None) -> None:
+    def __init__(self, run: RunInfo | str | None = None, timeout_s: float = 10.0) -> None:
         info = run if isinstance(run, RunInfo) else find_run(run)
         if info is None:
             raise LookupError(f"no live run {run!r}" if run else "no live run")
@@ -216,6 +220,12 @@ class RunClient:
         self._kept: deque[dict[str, Any]] = deque(maxlen=self.KEPT_MESSAGES)
         #: the ``bye`` once the run said it (its ``reason``), else None
         self.bye: dict[str, Any] | None = None
+        first = self._subscriber.recv(timeout_s)  # (any message: the subscription is live)
+        if first is None:
+            self._subscriber.close()
+            raise TimeoutError(f"run {protocol.printable(info.run_id)} sent nothing within "
+                               f"{timeout_s:g} s of subscribing (is it still running?)")
+        self._kept.append(first)
 
     def records(self, timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
         """Every message of the run as it comes, until its ``bye``.

@@ -244,14 +244,14 @@ def test_run_log_holds_every_step_and_reads_as_a_table(run_dir):
     assert "precision" in steps_table.knobs.iloc[0]  # a map of the step's knob values
 
 
-def test_a_host_loss_is_freed_at_its_step_and_published_exactly(run_dir):
-    """A host loss is read as its step is marked: the loss tensor and its autograd graph
-    are freed on the training thread once the loop lets go of it, as without the agent
-    (not by the I/O thread whenever it drains), and the run log holds each loss's
-    value bit for bit."""
+def test_a_host_loss_is_let_go_once_published_and_published_exactly(run_dir):
+    """A host loss is not read on the training thread: its step's record holds the loss
+    tensor (with its autograd graph) until the I/O thread has published the step, then
+    lets it go; the run log holds each loss's value bit for bit. Steps after the I/O
+    thread has ended (the run closed) are not kept at all."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    expected = []
+    expected, held = [], []
     with agent.session(name="host-loss", model=model) as run:
         log_path = run.agent.info.log_path
         for x, y in run.loader(digits_loader(batch_size=8)):
@@ -261,13 +261,18 @@ def test_a_host_loss_is_freed_at_its_step_and_published_exactly(run_dir):
             optimizer.zero_grad()
             run.optimizer_step(loss)
             expected.append(loss.item())
-            held = weakref.ref(loss)
-            del loss
-            assert held() is None  # nobody kept it: not the queued record, not its marker
+            held.append(weakref.ref(loss))
             if len(expected) == 30:
                 break
+        del loss
+    assert [ref() for ref in held] == [None] * 30  # published, then let go
     losses = [r["loss"] for r in flat_records(log_path) if r["type"] == "step"]
     assert losses == expected
+    late = torch.ones(2, requires_grad=True).sum()  # a step after the close
+    run.agent.optimizer_step(StepRecord(1, 8, 0.0, late, step=31))
+    late_ref = weakref.ref(late)
+    del late
+    assert late_ref() is None  # not queued for an I/O thread that is gone
 
 
 def test_steps_queued_since_a_wake_up_go_as_one_batch_with_events_in_their_place(run_dir):

@@ -6,6 +6,7 @@ markers, each path's message compared field by field."""
 
 from __future__ import annotations
 
+import weakref
 import random
 from collections import deque
 
@@ -138,15 +139,39 @@ def _losses(loss, norm, *, marked: bool) -> tuple[list, list | None]:
 
 @pytest.mark.parametrize("norm", NORMS.values(), ids=NORMS.keys())
 @pytest.mark.parametrize("loss", LOSSES.values(), ids=LOSSES.keys())
-def test_a_host_loss_read_as_it_is_marked_is_published_bit_for_bit(loss, norm):
-    """A plain 0-dim host loss is read into a number on the training thread (its graph
-    is not kept) and is the whole marker when the step has no norm; the published
-    losses and norms are those the I/O thread's own read of each tensor gives, of the
-    same type, bit for bit."""
+def test_a_host_loss_is_published_bit_for_bit_as_the_tensor_reads(loss, norm):
+    """A host loss is its step's whole marker when the step has no norm, unread on the
+    training thread; the published losses and norms are those the I/O thread's own read of
+    each tensor gives, of the same type, bit for bit."""
     (marked, marked_norms), (unread, unread_norms) = (
         _losses(loss, norm, marked=True), _losses(loss, norm, marked=False))
     assert [(type(value), repr(value)) for value in marked] == [
         (type(value), repr(value)) for value in unread]
     assert marked_norms == unread_norms
-    held = CpuMarker().mark(loss(2))
-    assert not isinstance(held, torch.Tensor) or held.dim() and not held.requires_grad
+    value = loss(2)
+    assert CpuMarker().mark(value) is value  # (no torch call, no copy)
+
+
+def test_a_host_loss_and_its_graph_are_let_go_once_published():
+    """The marker holds a host loss with its autograd graph (nothing is read on the
+    training thread): the I/O thread lets both go as it publishes the step, the last
+    step's included, so memory kept for the agent is bounded by what is in flight."""
+    sent: list[tuple[str, dict]] = []
+    records: deque = deque()
+    marker = CpuMarker()
+    encoder = StepEncoder(records, marker, publish=lambda kind, body: sent.append((kind, body)),
+                          guard=ChangeGuard(ChangeLedger()), check_step=lambda *args: None,
+                          tune=AutoTune(KnobSet(), 0, lambda kind, body: None, lambda: None,
+                                        1, lambda where, exc: None), device=None)
+    held = []
+    for step in range(1, 6):
+        loss = (torch.ones(3, requires_grad=True) * step).sum()
+        held.append(weakref.ref(loss))
+        record = StepRecord(1, 8, 0.001, None, step=step, step_time_s=0.01, knobs={})
+        record.marker = marker.mark(loss)
+        records.append(record)
+        del loss, record
+    assert all(ref() is not None for ref in held)  # in flight: kept
+    encoder.drain()
+    assert sent[0][1]["columns"]["loss"] == [3.0, 6.0, 9.0, 12.0, 15.0]
+    assert [ref() for ref in held] == [None] * 5

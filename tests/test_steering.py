@@ -10,15 +10,17 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import agent
 from agent.control.checkpoints import load_checkpoint
 from agent.integrations.run import metric_numbers
+from agent.step.record import StepRecord
 from agent.wire import runs
 from examples.steer import plateaued
 from gpuopt import Trainer
-from gpuwatch.client import Subscriber, send_command
+from gpuwatch.client import RunClient, Subscriber, send_command
 from tests.training import Gate, digits_loader, messages, model as make_model, start
 
 STEPS = 16
@@ -293,6 +295,23 @@ def test_the_steer_example_says_so_and_ends_on_a_run_without_lr_scale(run_dir):
     assert "--window must be at least 1, got 0" in refused.stderr
 
 
+def test_a_run_client_is_made_once_its_subscription_is_live_or_says_why_not(run_dir):
+    """A RunClient returns once the run's greeting came (so it misses no step published
+    after), keeping that message; against a run that is gone it says so within its
+    timeout, and leaves no socket open."""
+    monitor = agent.Agent(name="client").start()
+    try:
+        with RunClient(monitor.info) as client:
+            first = next(client.records(timeout_s=0))  # (kept: no wait)
+            assert first["type"] in ("hello", "heartbeat")  # (its greeting, or a beat)
+            monitor.optimizer_step(StepRecord(1, 8, 0.0, torch.tensor(0.5), step=1))
+            assert next(client.steps(timeout_s=10))["step"] == 1
+    finally:
+        monitor.close()
+    with pytest.raises(TimeoutError, match=f"run {monitor.run_id} sent nothing within 0.3 s"):
+        RunClient(monitor.info, timeout_s=0.3)
+
+
 def test_the_steer_example_halves_lr_scale_of_a_live_run_at_each_plateau(run_dir):
     """examples/steer.py in its own process against a live Trainer (trained until the
     test stops it): with any fall too small (--min-improvement 1), each 4-step window
@@ -310,7 +329,8 @@ def test_the_steer_example_halves_lr_scale_of_a_live_run_at_each_plateau(run_dir
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert script.stdout.readline() == f"following {info.run_id}\n", script.stderr.read()
-        with Subscriber(info) as sub:
+        with Subscriber(info) as sub:  # (the script's is live once it said "following")
+            assert sub.recv(10) is not None  # (and this one once the run greeted it)
             thread = start(trainer)  # until stopped: the script's pace is its own
             gate.release.set()
             # (or the script ended early: the assertions below say how)

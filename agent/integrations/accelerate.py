@@ -504,7 +504,7 @@ class AcceleratorRun(RunBase):
             self.agent.mark_start()
         self._iterating += 1
         try:
-            for batch in self.position.epoch_iterator(batches, self.meter.timed_next):
+            for batch in self.position.epoch_iterator(batches, self.meter.add):
                 if self._window_lr is None:  # a window's first fetch: after the previous
                     self._window_lr = self._lr()  # window's scheduler.step(), before its own
                 yield batch

@@ -142,6 +142,7 @@ class AgentView(Protocol):
 
     def event(self, level: str, text: str, **fields: Any) -> None: ...
     def report_error(self, where: str, exc: BaseException) -> None: ...
+    def io_ended(self) -> None: ...
 
 
 class IOLoop:
@@ -247,6 +248,7 @@ class IOLoop:
             self._agent.report_error("I/O thread", exc)
         finally:
             self._ready.set()
+            self._agent.io_ended()
             if self._log is not None:  # first: whatever fails below, the log keeps bye
                 self._guard("run log", self._log.close)
             if self.info is not None:

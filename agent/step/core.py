@@ -262,9 +262,7 @@ class Agent:
             self._last_boundary_t = now
             record.step_time_s = None if previous is None else now - previous
             record.marker = self._marker.mark(record.loss, record.skipped, record.grad_norm)
-            # the marker holds what the I/O thread reads: the loss (with its autograd
-            # graph) is freed here, as without the agent, not on the I/O thread (3.9 us)
-            record.loss = None
+            record.loss = None  # (the marker holds what the I/O thread reads)
             record.knobs = self._knob_values
             self._records.append(record)
             step = self._last_step = record.step
@@ -472,6 +470,16 @@ class Agent:
         schema)."""
         self._knob_values = self.knobs.values()
         self._io.announce = True
+
+    def io_ended(self) -> None:
+        """The I/O thread, as it ends (closed, or inert: its sockets could not be bound):
+        nothing reads step records any more.
+
+        The records still queued are let go, and the hot path's later ones are dropped as
+        they come (each would keep its loss, with its autograd graph, until the queue
+        overflowed); in-process listeners still get every step."""
+        queued, self._records = self._records, deque(maxlen=0)
+        queued.clear()  # (after the swap: a step appended meanwhile goes too)
 
     def report_error(self, where: str, exc: BaseException) -> None:
         """An internal error of gpuwatch's (``where``: what failed): logged and published once.

@@ -372,7 +372,8 @@ class StepEncoder:
         """Add a run of step records (no event among them, at most a batch's room) to
         the batch, in columns when nothing needs each step seen alone."""
         losses, grad_norms, skipped, gpu_times = self._device_values(run, ready)
-        self._previous_marker = run[-1].marker
+        if ready is not None:  # (a device's: the next run's GPU time starts from it; a
+            self._previous_marker = run[-1].marker  # host marker, a loss, is let go)
         n = len(run)
         if (self._tune.tuner is not None or self._guard.watching
                 or skipped.count(None) != n or not _finite_or_none(losses, n)):

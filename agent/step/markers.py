@@ -2,9 +2,15 @@
 
 The loss (and GPU time), handed over without synchronizing the device.
 
-On CPU the loss is already on the host: a plain 0-dim host tensor is read into a float as
-the step is marked (a memory read, as cheap as the detach it replaces, and nothing left for
-the I/O thread to read or free), any other loss is kept as its detached tensor. On CUDA
+On the host the marker is the loss tensor itself (or a tuple with the skipped flag and the
+gradient norm): the training thread touches no torch code to mark a step, since each
+touch costs 3 to 8 us of CPU between real steps (a cold cache: ``.item()`` 3.8,
+``.detach()`` 8.2, ``is_cpu`` with ``dim()`` 2.9, session 14's
+``benchmarks/bench_overhead.py`` paced loop), and the I/O thread reads a whole batch of
+them at once. The record holds the loss, with its autograd graph, until the I/O thread
+has read it (at most a publish interval, or the record queue's bound); the graph is freed
+there, where the loop's next ``loss = ...`` would have freed it on the training thread.
+On CUDA
 the marker records a CUDA event after the step's kernels and starts a non-blocking copy of
 the loss into a slot of a pinned host ring buffer; the I/O thread polls ``event.query()``
 (never blocks) and reads the slot once the event has completed. When every slot is still
@@ -29,25 +35,18 @@ class CpuMarker:
              grad_norm: torch.Tensor | float | None = None) -> Any:
         """Training thread: the marker of this step: loss, skipped flag and gradient norm.
 
-        The loss (a float when it is a plain 0-dim host tensor, else the tensor detached,
-        or None) alone when there is neither a flag nor a norm (the usual: the encoder
-        takes a run of such markers as the losses' column, one ``list``); else the
-        tuple ``(loss, skipped, grad_norm)``: the GradScaler's skipped flag and the
-        gradient norm (0-dim tensors, a float for the norm, or None).
+        The loss itself (a tensor, a number, or None) when there is neither a flag nor a
+        norm (the usual: the encoder takes a run of such markers as the losses' column);
+        else the tuple ``(loss, skipped, grad_norm)``: the GradScaler's skipped flag and
+        the gradient norm (0-dim tensors, a float for the norm, or None).
 
-        .. note:: About 0.4 us (the float's read included; a detach alone cost 0.45).
-           Reads a host tensor's memory only: a tensor subclass (which may compute on
-           ``item``) or a loss on another device is never read here."""
-        value: Any = loss
-        if type(loss) is _Tensor and loss.is_cpu and not loss.dim():
-            value = loss.item()  # (the value the I/O thread's read would give, bit for bit)
-        elif loss is not None and loss.requires_grad:
-            value = loss.detach()  # do not keep the autograd graph alive
-        if grad_norm is None:
-            return value if skipped is None else (value, skipped, None)
-        if isinstance(grad_norm, _Tensor) and grad_norm.requires_grad:
-            grad_norm = grad_norm.detach()
-        return value, skipped, grad_norm
+        .. note:: No torch call: about 0.1 us. Nothing is read here; the I/O thread reads
+           the values later (:meth:`loss`), so a loss tensor changed in place after its
+           step is read as changed (pass a copy, ``loss.detach().clone()``, if the loop
+           reuses its tensor)."""
+        if grad_norm is None and skipped is None:
+            return loss
+        return loss, skipped, grad_norm
 
     def ready(self, marker: Any) -> bool:
         """I/O thread: whether the marker's values can be read without waiting."""
