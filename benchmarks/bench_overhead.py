@@ -16,8 +16,8 @@ interleaved (the order rotates each round) and repeated. Monitors:
 - naive_logger, torch_profiler (with ``--all``): psutil + memory stats each step on the
   training thread; torch.profiler with a wait/warmup/active schedule
 
-Two loops: the model loop above, and a **paced loop** (:class:`PacedLoop`, run bare and
-under the agent, ``--paced-pairs`` times a round, interleaved with the others): no
+Two loops: the model loop above, and a **paced loop** (:class:`PacedLoop`, run bare,
+under tqdm and under the agent, ``--paced-pairs`` times a round, interleaved with the others): no
 model, each step a GIL-free sleep to the bare model step's duration (measured before
 the rounds), so the loop keeps the model loop's step rate and the agent's threads do
 their real work a step, while the process's CPU carries no torch compute and its noise.
@@ -69,10 +69,13 @@ agent_train_cpu_us_per_step=<at> agent_threads_cpu_us_per_step=<ah>
 agent_child_cpu_us_per_step=<ak> agent_overhead_ratio=<r> agent_overhead_ci95=<c>
 agent_sub_overhead_ratio=<s> tqdm_cpu_us_per_step=<t> tqdm_overhead_ratio=<tr>
 tqdm_overhead_ci95=<tc> agent_model_cpu_us_per_step=<m> agent_model_cpu_ci95=<mc>
-agent_model_ex_cpu_us_per_step=<x> agent_model_ex_cpu_ci95=<xc> paced_step_us=<p>``:
+agent_model_ex_cpu_us_per_step=<x> agent_model_ex_cpu_ci95=<xc>
+tqdm_paced_cpu_us_per_step=<q> tqdm_paced_cpu_ci95=<qc> paced_step_us=<p>``:
 ``a`` is the training process's CPU a step beyond the bare loop's, all its threads, on
 the paced loop (target <= 3 us at 1,000+ steps/s) and ``ac`` the half-width of its 95%
-interval; ``m``/``mc`` and ``x``/``xc`` the model loop's cross-checks, ``p`` the paced
+interval; ``q``/``qc`` the same for tqdm (a progress bar: the reference of what a
+per-step observer costs between real steps); ``m``/``mc`` and ``x``/``xc`` the model
+loop's cross-checks, ``p`` the paced
 loop's step (us); ``at`` the training thread's share (its per-step code measured alone),
 ``ah`` the agent's own threads'; ``ak`` its run-log writer process's (not in ``a``:
 another process, but the machine's CPU all the same); ``r`` the mean wall-clock ratio
@@ -362,7 +365,7 @@ MONITORS = {
 }
 EXTRA = {"naive_logger": run_naive_logger, "torch_profiler": run_profiler}
 #: Run on the paced loop (:func:`make_paced_loop`), interleaved with the others.
-PACED = {"paced bare": run_bare, "paced agent": run_agent}
+PACED = {"paced bare": run_bare, "paced tqdm": run_tqdm, "paced agent": run_agent}
 
 
 def hot_path_cpu_us(steps: int, repeats: int = 5) -> dict[str, float]:
@@ -498,7 +501,8 @@ def main() -> None:
           "differences carry torch's noise")
     beyond = {}  # the process's CPU a step beyond the bare loop's, the steps' own left out
     for label, bare_name, agent_name in (("model loop", "bare", "agent"),
-                                         ("paced loop", "paced bare", "paced agent")):
+                                         ("paced loop", "paced bare", "paced agent"),
+                                         ("paced loop, tqdm", "paced bare", "paced tqdm")):
         bare_rows, agent_rows = samples[bare_name], samples[agent_name]
         beyond[label] = mean_ci([((row[3] - row[5]) - (bare[3] - bare[5])) / n * 1e6
                                  for row, bare in zip(agent_rows, bare_rows)])
@@ -506,8 +510,9 @@ def main() -> None:
                                    for row, bare in zip(agent_rows, bare_rows)])
         print(f"{label}, the steps' own CPU left out: bare "
               f"{statistics.median(r[3] - r[5] for r in bare_rows) / n * 1e6:.2f} us a step "
-              f"(its steps {statistics.median(r[5] for r in bare_rows) / n * 1e6:.1f}); the "
-              f"agent adds {beyond[label][0]:.2f} ± {beyond[label][1]:.2f} us (training thread "
+              f"(its steps {statistics.median(r[5] for r in bare_rows) / n * 1e6:.1f}); "
+              f"{agent_name.split()[-1]} adds {beyond[label][0]:.2f} ± "
+              f"{beyond[label][1]:.2f} us (training thread "
               f"{train:.2f} ± {train_ci:.2f}, its threads "
               f"{statistics.median(r[2] for r in agent_rows) / n * 1e6:.2f}) at "
               f"{statistics.median(n / r[0] for r in agent_rows):.0f} steps/s")
@@ -543,6 +548,8 @@ def main() -> None:
           f"agent_model_cpu_ci95={model_process_ci:.2f} "
           f"agent_model_ex_cpu_us_per_step={beyond['model loop'][0]:.2f} "
           f"agent_model_ex_cpu_ci95={beyond['model loop'][1]:.2f} "
+          f"tqdm_paced_cpu_us_per_step={beyond['paced loop, tqdm'][0]:.2f} "
+          f"tqdm_paced_cpu_ci95={beyond['paced loop, tqdm'][1]:.2f} "
           f"paced_step_us={paced_step_s * 1e6:.1f}")
 
 
