@@ -255,6 +255,28 @@ def test_a_loop_pauses_and_resumes_with_the_losses_of_an_unpaused_twin_then_stop
     assert losses == {step: twin_losses[step] for step in losses}
 
 
+def test_a_paused_loop_goes_on_when_its_agent_can_take_no_more_commands(run_dir):
+    """A pause holds the loop until a command ends it; when the agent's I/O thread ends
+    (here stopped alone, as a crash of it would end it), no command can come any more:
+    the hold ends and the loop trains on to its end, no step lost."""
+    data = digits_loader()
+    run, losses = _session(data), {}
+    held = (threading.Event(), threading.Event())
+    info = runs.find_run()
+    with Subscriber(info) as sub:
+        thread = threading.Thread(target=_loop, args=(run, data, losses, held), daemon=True)
+        thread.start()
+        assert held[0].wait(30)
+        pause = send_command(info, "pause", "on")
+        assert pause["ok"], pause
+        held[1].set()
+        messages(sub, _applied("pause", "on"))
+    assert thread.is_alive() and run.step == pause["apply_step"] - 1  # held
+    run.agent._io.stop(5)
+    thread.join(30)
+    assert not thread.is_alive() and sorted(losses) == list(range(1, STEPS + 1))
+
+
 def test_plateau_compares_the_means_of_the_last_two_windows():
     assert not plateaued([3.0, 2.0, 1.0], 2, 0.01)  # fewer than two windows
     assert not plateaued([4.0, 4.0, 2.0, 2.0], 2, 0.5)  # fell by half: 2 <= 4 x 0.5

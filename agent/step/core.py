@@ -134,6 +134,8 @@ class Agent:
         self._ending = False
         self._bye_reason: str | None = None
         self._broken = False
+        #: the I/O thread has ended (:meth:`io_ended`)
+        self._io_ended = False
         #: when the agent was made (s since the epoch)
         self.started_at = time.time()
 
@@ -289,7 +291,8 @@ class Agent:
         False, applying each command as it arrives (it applies at this boundary: a
         ``pause=off`` among them ends the wait). The thread sleeps on an event that a
         command's arrival sets, and looks at ``should_go_on`` and :attr:`ending` again at
-        least every ``wait_s`` seconds: no CPU or GPU is used.
+        least every ``wait_s`` seconds: no CPU or GPU is used. It ends too when the run is
+        ending, or when the I/O thread has ended (no command could end the wait).
 
         With one rank, commands sent before the hold for the step after next apply here
         too; with several, only those due at the next step (every rank holds at the same
@@ -298,7 +301,8 @@ class Agent:
         desk = self._desk
         desk.holding = True
         try:
-            while not should_go_on() and not self._ending and not self._broken:
+            while (not should_go_on() and not self._ending and not self._broken
+                   and not self._io_ended):
                 desk.arrived.wait(wait_s)
                 desk.arrived.clear()
                 if self._pending:
@@ -477,9 +481,12 @@ class Agent:
 
         The records still queued are let go, and the hot path's later ones are dropped as
         they come (each would keep its loss, with its autograd graph, until the queue
-        overflowed); in-process listeners still get every step."""
+        overflowed); in-process listeners still get every step. A hold at a boundary (a
+        pause) ends: no command can end it any more."""
         queued, self._records = self._records, deque(maxlen=0)
         queued.clear()  # (after the swap: a step appended meanwhile goes too)
+        self._io_ended = True
+        self._desk.arrived.set()
 
     def report_error(self, where: str, exc: BaseException) -> None:
         """An internal error of gpuwatch's (``where``: what failed): logged and published once.
