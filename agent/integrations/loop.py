@@ -288,7 +288,8 @@ class LoopRun(RunBase):
             loss: the window's mean (undivided) loss, a 0-dim tensor on any device; by
                 default the sum of the losses the window backpropagated through the run
                 (:attr:`Session.scaler`, or ``fabric.backward``; see the module
-                docstrings).
+                docstrings). Read later, on the agent's thread (on the host, not copied:
+                a tensor the loop changes in place after this call is read as changed).
             samples, tokens: the window's, if :meth:`loader` / :meth:`timed` did not
                 see its batches.
             skipped: fp16 only, when not using :attr:`Session.scaler`: what
