@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--window must be at least 1, got {args.window}")
     try:
         client = RunClient(args.run)
-    except LookupError as exc:
+    except (LookupError, TimeoutError) as exc:
         print(f"steer: {exc}", file=sys.stderr)
         return 1
     with client:

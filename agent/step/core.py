@@ -476,13 +476,13 @@ class Agent:
         self._io.announce = True
 
     def io_ended(self) -> None:
-        """The I/O thread, as it ends (closed, or inert: its sockets could not be bound):
-        nothing reads step records any more.
+        """I/O thread, as it ends: nothing reads step records any more.
 
-        The records still queued are let go, and the hot path's later ones are dropped as
-        they come (each would keep its loss, with its autograd graph, until the queue
-        overflowed); in-process listeners still get every step. A hold at a boundary (a
-        pause) ends: no command can end it any more."""
+        It ends closed, or inert (its sockets could not be bound). The records still
+        queued are let go, and the hot path's later ones are dropped as they come (each
+        would keep its loss, with its autograd graph, until the queue overflowed);
+        in-process listeners still get every step. A hold at a boundary (a pause) ends:
+        no command can end it any more."""
         queued, self._records = self._records, deque(maxlen=0)
         queued.clear()  # (after the swap: a step appended meanwhile goes too)
         self._io_ended = True
