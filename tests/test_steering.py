@@ -19,6 +19,7 @@ from agent.wire import runs
 from examples.steer import plateaued
 from gpuopt import Trainer
 from gpuwatch.client import Subscriber, send_command
+from tests.conftest import wait_until
 from tests.training import Gate, digits_loader, messages, model as make_model, start
 
 STEPS = 16
@@ -301,7 +302,7 @@ def test_the_steer_example_halves_lr_scale_of_a_live_run_at_each_plateau(run_dir
     the run."""
     gate = Gate(hold_at=1)
     trainer, _ = _trainer(gate)
-    agent.attach(trainer)
+    monitor = agent.attach(trainer)
     info = runs.find_run()
     script = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "steer.py"), info.run_id, "--window", "4",
@@ -311,6 +312,10 @@ def test_the_steer_example_halves_lr_scale_of_a_live_run_at_each_plateau(run_dir
     try:
         assert script.stdout.readline() == f"following {info.run_id}\n", script.stderr.read()
         with Subscriber(info) as sub:
+            # both subscriptions reached the agent before step 1 is sent: the script's
+            # "following" comes as it connects, not once it is connected
+            wait_until(lambda: monitor._io._subscriptions >= 2,
+                       "the script's and the test's subscriptions", alive=[script])
             thread = start(trainer)  # until stopped: the script's pace is its own
             gate.release.set()
             # (or the script ended early: the assertions below say how)
