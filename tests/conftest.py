@@ -28,9 +28,18 @@ import pytest
 #: An ``OMP_NUM_THREADS`` already set is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+#: No Textual animations in the tests (an animated scroll then jumps to where it ends):
+#: a pilot's key waits for the animations it starts (the help's "end": about 1 s of
+#: smooth scrolling, 1.6 s of wall of each size's test_help_scrolls...); what the tests
+#: read is where the screen ends up, which animations do not change. Saves 18 s of the
+#: dashboard's and snapshots' 2.4 min (and 10 s of their CPU). One already set is kept.
+os.environ.setdefault("TEXTUAL_ANIMATIONS", "none")
+
 import torch  # noqa: E402
+import textual._wait  # noqa: E402
 import zmq  # noqa: E402
 from rich.console import Console  # noqa: E402
+from textual._context import active_app  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors through its interpreter, which works only when
@@ -61,6 +70,30 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     root = Path(__file__).resolve().parent.parent
     for package in _PACKAGES:
         compileall.compile_dir(root / package, quiet=2)
+
+
+def _app_cpu_time() -> float:
+    """The clock Textual's pilot reads to tell that the app under test is idle (it waits
+    after each key until 20 ms pass with under 1 ms of it, or 1 s): the CPU time (s) of
+    the calling thread, the app's event loop, not the whole process's; while one of the
+    app's thread workers runs (a command being sent and answered), the wall clock, so
+    the wait goes on until the worker is done.
+
+    Textual reads ``process_time``: in these tests other threads of the process work all
+    the time (a :class:`FakeAgent` publishes every 20 ms; its dashboard's I/O thread
+    reads it; threads left by earlier tests), so the process was never idle and every
+    key waited the full 1 s, twice: 106 s of the fast suite's 10.5 min waited in
+    test_dashboard. Free: one clock read a call."""
+    app = active_app.get(None)
+    if app is not None and any(getattr(worker, "_thread_worker", False) and worker.is_running
+                               for worker in app.workers):
+        return time.monotonic()
+    return time.thread_time()
+
+
+assert hasattr(textual._wait, "process_time"), (  # (Textual's internal: say it moved)
+    "textual._wait.process_time is gone: the pilot's idle wait changed; see _app_cpu_time")
+textual._wait.process_time = _app_cpu_time
 
 
 T = TypeVar("T")

@@ -1314,8 +1314,9 @@ async def test_an_evaluation_reads_as_evaluating_and_its_answer_stays_on_the_lin
     them."""
     source, app = _silent_app()
     async with app.run_test(size=(80, 24)) as pilot:
-        with source.lock:
-            source.state.ingest(envelope("step", {"step": 102, "step_time_s": 0.1}))
+        with source.lock:  # the last step came a stall's interval ago (no wait for it)
+            source.state.ingest(envelope("step", {"step": 102, "step_time_s": 0.1}),
+                                time.monotonic() - STALLED_AFTER_S - 0.1)
             source.state.ingest(envelope("event", {
                 "kind": "accepted", "knob": "evaluate", "value": "now", "step": 103,
                 "text": "evaluate=now accepted, applies at step 103"}))
