@@ -32,19 +32,29 @@ RATES = {
 }
 
 
+def _host_encoder(ledger: ChangeLedger | None = None
+                  ) -> tuple[deque, CpuMarker, StepEncoder, list[tuple[str, dict]]]:
+    """``(records, marker, encoder, sent)``: an encoder of the host step records queued on
+    ``records``, its guard reading ``ledger`` (a fresh one by default), that appends what
+    it publishes to ``sent`` as ``(kind, body)``."""
+    sent: list[tuple[str, dict]] = []
+    records: deque = deque()
+    marker = CpuMarker()
+    encoder = StepEncoder(records, marker, publish=lambda kind, body: sent.append((kind, body)),
+                          guard=ChangeGuard(ChangeLedger() if ledger is None else ledger),
+                          check_step=lambda *args: None,
+                          tune=AutoTune(KnobSet(), 0, lambda kind, body: None, lambda: None,
+                                        1, lambda where, exc: None), device=None)
+    return records, marker, encoder, sent
+
+
 def _message(rate, *, one_at_a_time: bool) -> dict:
     """The ``steps`` body of 12 records (step time 10 ms, data wait 1 ms a step, the
     rates from ``rate(step)``) through one drain."""
     ledger = ChangeLedger()
     if one_at_a_time:  # a change the guard watches: every step is seen alone
         ledger.record(Change(step=1, knob="lr_scale", value=0.5, previous=1.0))
-    sent: list[tuple[str, dict]] = []
-    records: deque = deque()
-    marker = CpuMarker()
-    encoder = StepEncoder(records, marker, publish=lambda kind, body: sent.append((kind, body)),
-                          guard=ChangeGuard(ledger), check_step=lambda *args: None,
-                          tune=AutoTune(KnobSet(), 0, lambda kind, body: None, lambda: None,
-                                        1, lambda where, exc: None), device=None)
+    records, marker, encoder, sent = _host_encoder(ledger)
     for step in range(1, 13):
         record = StepRecord(micro_batches=2, samples=8, data_wait_s=0.001,
                             loss=torch.tensor(1.0 / step), lr=rate(step), tokens=None)
@@ -116,16 +126,10 @@ NORMS = {"no norm": lambda step: None,
 
 def _losses(loss, norm, *, marked: bool) -> tuple[list, list | None]:
     """The ``loss`` and ``grad_norm`` columns of 12 records through one drain: their
-    markers made by :meth:`CpuMarker.mark` (``marked``), or holding each loss tensor
-    detached, unread, with its norm (what the training thread handed the I/O thread
-    before it read host losses)."""
-    sent: list[tuple[str, dict]] = []
-    records: deque = deque()
-    marker = CpuMarker()
-    encoder = StepEncoder(records, marker, publish=lambda kind, body: sent.append((kind, body)),
-                          guard=ChangeGuard(ChangeLedger()), check_step=lambda *args: None,
-                          tune=AutoTune(KnobSet(), 0, lambda kind, body: None, lambda: None,
-                                        1, lambda where, exc: None), device=None)
+    markers made by :meth:`CpuMarker.mark` (``marked``: the loss alone where there is
+    no norm), or each the tuple of the loss detached, no flag and its norm (the
+    encoder's other path)."""
+    records, marker, encoder, sent = _host_encoder()
     for step in range(1, 13):
         value, grad_norm = loss(step), norm(step)
         record = StepRecord(1, 8, 0.001, value, step=step, step_time_s=0.01, knobs={})
@@ -156,13 +160,7 @@ def test_a_host_loss_and_its_graph_are_let_go_once_published():
     """The marker holds a host loss with its autograd graph (nothing is read on the
     training thread): the I/O thread lets both go as it publishes the step, the last
     step's included, so memory kept for the agent is bounded by what is in flight."""
-    sent: list[tuple[str, dict]] = []
-    records: deque = deque()
-    marker = CpuMarker()
-    encoder = StepEncoder(records, marker, publish=lambda kind, body: sent.append((kind, body)),
-                          guard=ChangeGuard(ChangeLedger()), check_step=lambda *args: None,
-                          tune=AutoTune(KnobSet(), 0, lambda kind, body: None, lambda: None,
-                                        1, lambda where, exc: None), device=None)
+    records, marker, encoder, sent = _host_encoder()
     held = []
     for step in range(1, 6):
         loss = (torch.ones(3, requires_grad=True) * step).sum()

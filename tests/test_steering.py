@@ -227,22 +227,30 @@ def _session(data):
     return run
 
 
+def _paused_after_step_3(run, data, losses, info, sub):
+    """``(thread, reply)``: :func:`_loop` on ``run`` in a thread, held after step 3 while
+    ``pause=on`` is sent (``reply``), then let go: paused at the boundary the reply
+    names, its ``applied`` event seen on ``sub``, the thread alive."""
+    held = (threading.Event(), threading.Event())
+    thread = threading.Thread(target=_loop, args=(run, data, losses, held), daemon=True)
+    thread.start()
+    assert held[0].wait(30)
+    pause = send_command(info, "pause", "on")
+    assert pause["ok"], pause
+    held[1].set()
+    messages(sub, _applied("pause", "on"))
+    assert run.step == pause["apply_step"] - 1 and thread.is_alive()
+    return thread, pause
+
+
 def test_a_loop_pauses_and_resumes_with_the_losses_of_an_unpaused_twin_then_stops(run_dir):
     data = digits_loader()
     twin, twin_losses = _session(data), {}
     _loop(twin, data, twin_losses)
     run, losses = _session(data), {}
-    held = (threading.Event(), threading.Event())
     info = runs.find_run()
     with Subscriber(info) as sub:
-        thread = threading.Thread(target=_loop, args=(run, data, losses, held), daemon=True)
-        thread.start()
-        assert held[0].wait(30)
-        pause = send_command(info, "pause", "on")
-        assert pause["ok"], pause
-        held[1].set()
-        messages(sub, _applied("pause", "on"))
-        assert run.step == pause["apply_step"] - 1 and thread.is_alive()
+        thread, pause = _paused_after_step_3(run, data, losses, info, sub)
         # sent while paused, for a later step: unpaused, the loop could be past it first
         stop = send_command(info, "stop", "now", apply_step=pause["apply_step"] + 5)
         assert stop["ok"], stop
@@ -261,17 +269,9 @@ def test_a_paused_loop_goes_on_when_its_agent_can_take_no_more_commands(run_dir)
     the hold ends and the loop trains on to its end, no step lost."""
     data = digits_loader()
     run, losses = _session(data), {}
-    held = (threading.Event(), threading.Event())
     info = runs.find_run()
     with Subscriber(info) as sub:
-        thread = threading.Thread(target=_loop, args=(run, data, losses, held), daemon=True)
-        thread.start()
-        assert held[0].wait(30)
-        pause = send_command(info, "pause", "on")
-        assert pause["ok"], pause
-        held[1].set()
-        messages(sub, _applied("pause", "on"))
-    assert thread.is_alive() and run.step == pause["apply_step"] - 1  # held
+        thread, pause = _paused_after_step_3(run, data, losses, info, sub)
     run.agent._io.stop(5)
     thread.join(30)
     assert not thread.is_alive() and sorted(losses) == list(range(1, STEPS + 1))
