@@ -10,11 +10,12 @@ touch costs 3 to 8 us of CPU between real steps (a cold cache: ``.item()`` 3.8,
 them at once. The record holds the loss, with its autograd graph, until the I/O thread
 has read it (at most a publish interval, or the record queue's bound); the graph is freed
 there, where the loop's next ``loss = ...`` would have freed it on the training thread.
-On CUDA
-the marker records a CUDA event after the step's kernels and starts a non-blocking copy of
-the loss into a slot of a pinned host ring buffer; the I/O thread polls ``event.query()``
-(never blocks) and reads the slot once the event has completed. When every slot is still
-in flight (the I/O thread is far behind) the step's loss is dropped, never waited for.
+
+On CUDA the marker records a CUDA event after the step's kernels and starts a
+non-blocking copy of the loss into a slot of a pinned host ring buffer; the I/O thread
+polls ``event.query()`` (never blocks) and reads the slot once the event has completed.
+When every slot is still in flight (the I/O thread is far behind) the step's loss is
+dropped, never waited for.
 """
 
 from __future__ import annotations
