@@ -142,9 +142,13 @@ class RecentSteps(NamedTuple):
     def label(self) -> str:
         """What the figures over these steps are, as the dashboard says it: ``10s mean``.
 
-        Their span, then ``mean``: ``1m05s mean``, ``600ms mean`` under 1 s."""
-        span = human_age(self.span_s) if self.span_s >= 1 else \
-            human_duration(self.span_s).replace(" ", "")
+        The window's span, then ``mean``: :data:`RECENT_S` when full (the oldest step
+        straddles its start, so the label does not flicker from 10 to 12 s as steps come),
+        fewer seconds while the kept steps add up to less (``600ms`` under 1 s), the
+        newest step's own time when it alone is longer (``1m05s mean``)."""
+        newest = (self.records[-1].step_time_s or 0.0) if self.records else 0.0
+        span_s = min(self.span_s, max(RECENT_S, newest))
+        span = human_age(span_s) if span_s >= 1 else human_duration(span_s).replace(" ", "")
         return f"{span} mean"
 
     def mean(self, field: str, scale: float = 1.0) -> float | None:

@@ -718,9 +718,12 @@ def test_recent_steps_add_up_to_the_window_from_the_newest():
     empty = state_module.recent_steps([])
     assert empty == ([], 0.0) and empty.mean("loss") is None
     assert empty.rate("samples_per_s") is None
-    assert (recent.label, state_module.RecentSteps([], 0.6).label,
-            state_module.RecentSteps([], 65.2).label) == (
-                "10s mean", "600ms mean", "1m05s mean")
+    longer = state_module.recent_steps([records[0], records[2], records[0]])  # 9 + 4 s
+    assert longer.span_s == 13.0 and len(longer.records) == 2
+    alone = state_module.recent_steps([records[2], records[2]._replace(step_time_s=65.2)])
+    assert (recent.label, longer.label, alone.label,
+            state_module.recent_steps([records[2]._replace(step_time_s=0.6)]).label) == (
+                "10s mean", "10s mean", "1m05s mean", "600ms mean")
 
 
 async def test_knob_change_lines_are_labelled_newest_first_where_they_fit():
