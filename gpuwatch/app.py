@@ -334,7 +334,7 @@ class GpuwatchApp(App[None]):
         if isinstance(self.source, TimelineSource):
             yield TimelineBar(id="timeline")
         with Horizontal(id="charts"):
-            yield StepChart(TIMING, clip_spikes=True, id="timing")
+            yield StepChart(TIMING, clip_spikes=True, recent=True, id="timing")
             yield StepChart(LOSS, id="loss")
         yield ThroughputBar(id="throughput")
         with Horizontal(id="panels"):

@@ -9,8 +9,10 @@ the source's lock; the app reads the state under the same lock and redraws when
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from functools import partial
 from itertools import islice, repeat
 from typing import Any, Callable, NamedTuple
@@ -18,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 from agent.wire import protocol
 from agent.wire.protocol import MAX_NAME_CHARS, MAX_TEXT_CHARS, shorten
 from agent.wire.runlog import MAX_BRANCHES, BranchTree
-from gpuwatch.units import counted
+from gpuwatch.units import counted, human_age, human_duration
 
 #: Step records kept for the charts (about 10 minutes at one step a second).
 STEP_HISTORY = 600
@@ -118,6 +120,78 @@ class StepRecord(NamedTuple):
     activation_bytes: float | None = None
     #: tokens per second, for token models that report tokens
     tokens_per_s: float | None = None
+
+
+#: The run's recent pace is measured over its latest steps whose step times add up to
+#: this (s): the timing chart's title and the throughput's number are that window's
+#: means, so one slow step (a checkpoint, an evaluation, a GC pause) moves them by its
+#: share of the window, not to its own time.
+RECENT_S = 10.0
+
+
+class RecentSteps(NamedTuple):
+    """The latest step records that make up the run's recent pace (see :func:`recent_steps`).
+
+    ``records``: oldest first, each with a finite step time; ``span_s``: their step times
+    added up (s, :data:`RECENT_S` or more unless the kept steps add up to less)."""
+
+    records: list[StepRecord]
+    span_s: float
+
+    @property
+    def label(self) -> str:
+        """What the figures over these steps are, as the dashboard says it: ``10s mean``.
+
+        The window's span, then ``mean``: :data:`RECENT_S` when full (the oldest step
+        straddles its start, so the label does not flicker from 10 to 12 s as steps come),
+        fewer seconds while the kept steps add up to less (``600ms`` under 1 s), the
+        newest step's own time when it alone is longer (``1m05s mean``)."""
+        newest = (self.records[-1].step_time_s or 0.0) if self.records else 0.0
+        span_s = min(self.span_s, max(RECENT_S, newest))
+        span = human_age(span_s) if span_s >= 1 else human_duration(span_s).replace(" ", "")
+        return f"{span} mean"
+
+    def mean(self, field: str, scale: float = 1.0) -> float | None:
+        """The mean of ``field`` over the records that have a finite value of it.
+
+        Times ``scale``; None when none has. Costs O(records)."""
+        values = [value for record in self.records
+                  if (value := getattr(record, field)) is not None and math.isfinite(value)]
+        return sum(values) / len(values) * scale if values else None
+
+    def rate(self, field: str) -> float | None:
+        """A per-second ``field`` (``samples_per_s``, ``tokens_per_s``) over the window.
+
+        What its records counted divided by their time (each step weighs its time, as the
+        wall clock does), over the records that have it; None when none has (or their
+        time is 0). Costs O(records)."""
+        amount = time_s = 0.0
+        for record in self.records:
+            value, step_time_s = getattr(record, field), record.step_time_s or 0.0
+            if value is not None and math.isfinite(value):
+                amount += value * step_time_s
+                time_s += step_time_s
+        return amount / time_s if time_s > 0 else None
+
+
+def recent_steps(records: Sequence[StepRecord]) -> RecentSteps:
+    """The latest of ``records`` (oldest first) whose step times add up to :data:`RECENT_S`.
+
+    All of them when they add up to less; records without a finite, non-negative step
+    time are left out (they have no place in a window of time). Costs O(steps in the
+    window), at most O(records)."""
+    kept: list[StepRecord] = []
+    span_s = 0.0
+    for record in reversed(records):
+        step_time_s = record.step_time_s
+        if step_time_s is None or not math.isfinite(step_time_s) or step_time_s < 0:
+            continue
+        kept.append(record)
+        span_s += step_time_s
+        if span_s >= RECENT_S:
+            break
+    kept.reverse()
+    return RecentSteps(kept, span_s)
 
 
 #: A StepRecord from a tuple of its fields, without NamedTuple's Python-level __new__.

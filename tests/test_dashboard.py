@@ -643,13 +643,87 @@ async def test_step_chart_follows_a_sustained_change_not_a_lone_outlier(
             for step, step_time_s in enumerate(step_times_s, 1):
                 source.state.ingest(envelope("step", {"step": step,
                                                       "step_time_s": step_time_s}))
-        last = f"step time {step_times_s[-1]:.3g}"
-        await until(pilot, lambda: last in "\n".join(shown_lines(app, "#timing")))
+        await until(pilot, lambda: "mean: step time" in "\n".join(
+            shown_lines(app, "#timing")))
         await redrawn(app, pilot)  # at the laid-out size
         chart = "\n".join(shown_lines(app, "#timing"))
         assert ("off scale" in chart) == off_scale, chart
         top = chart.split("┤")[0].split("\n")[-1].strip()  # the axis' first label
         assert top == axis_top, chart
+
+
+def _timed_step(step, step_time_s, data_wait_s):
+    """A step record of 32 samples that took ``step_time_s``, ``data_wait_s`` of it waiting."""
+    return envelope("step", {"step": step, "step_time_s": step_time_s,
+                             "data_wait_s": data_wait_s, "samples_per_s": 32 / step_time_s},
+                    seq=step)
+
+
+async def test_step_time_and_throughput_are_means_over_the_recent_steps():
+    """The timing chart's title and the throughput's number are the means of the latest
+    steps that add up to 10 s (RECENT_S): a slow step weighs its share of them, it does
+    not stand for the run; the steps before the window do not count."""
+    assert state_module.RECENT_S == 10.0
+    source, app = _silent_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        def title():
+            return "\n".join(shown_lines(app, "#timing")).split("\n")[0]
+        with source.lock:
+            for step in range(1, 21):  # 1 s steps: before the window
+                source.state.ingest(_timed_step(step, 1.0, 0.5))
+            for step in range(21, 41):  # 20 x 0.5 s: the window, exactly
+                source.state.ingest(_timed_step(step, 0.5, 0.004))
+        await until(pilot, lambda: "mean:" in title())
+        assert "10s mean: step time 500 ms | data wait 4.00 ms" in title(), title()
+        assert text_of(app, "#throughput .value") == "10s mean 64.0 samples/s"
+        with source.lock:  # a checkpoint's step: 2.5 s of the 10 with 15 steps of 0.5 s
+            source.state.ingest(_timed_step(41, 2.5, 0.1))
+        await until(pilot, lambda: "500 ms" not in title())
+        # (15 x 0.5 + 2.5) / 16 s; (15 x 4 + 100) / 16 ms; 16 x 32 samples / 10 s
+        assert "10s mean: step 625 ms | wait 10.0 ms | ▲ max 2.50 s off scale" in title(), (
+            title())
+        assert text_of(app, "#throughput .value") == "10s mean 51.2 samples/s"
+
+
+async def test_step_time_over_fewer_kept_seconds_says_their_span():
+    """Steps of 10, 10, 20 and 1,000 ms: 1.04 s in all, the window is every step, and
+    the title says so; a record without a step time (or a NaN, or a negative one) is
+    left out of the window and the run goes on."""
+    source, app = _silent_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        with source.lock:
+            for step, (step_time_s, wait_s) in enumerate(
+                    [(0.01, 0.001), (0.01, 0.001), (0.02, 0.002), (1.0, 0.004)], 1):
+                source.state.ingest(_timed_step(step, step_time_s, wait_s))
+            for step, bad in enumerate([None, "nan", -1.0, float("nan")], 5):
+                source.state.ingest(envelope("step", {
+                    "step": step, "step_time_s": bad, "data_wait_s": 0.5,
+                    "samples_per_s": 1e6}, seq=step))
+        await until(pilot, lambda: "mean:" in "\n".join(shown_lines(app, "#timing")))
+        title = "\n".join(shown_lines(app, "#timing")).split("\n")[0]
+        # (10 + 10 + 20 + 1000) / 4 ms; (1 + 1 + 2 + 4) / 4 ms; 4 x 32 samples / 1.04 s
+        assert "1s mean: step 260 ms | wait 2.00 ms | ▲ max 1.00 s off scale" in title, title
+        assert text_of(app, "#throughput .value") == "1s mean 123 samples/s"
+        assert source.state.steps[-1].step == 8
+
+
+def test_recent_steps_add_up_to_the_window_from_the_newest():
+    records = [state_module.StepRecord(step, time_s, None, None, rate, None)
+               for step, time_s, rate in [(1, 9.0, 10.0), (2, None, 99.0), (3, 4.0, 20.0),
+                                          (4, float("inf"), 99.0), (5, 6.0, None)]]
+    recent = state_module.recent_steps(records)
+    assert [record.step for record in recent.records] == [3, 5] and recent.span_s == 10.0
+    assert recent.mean("step_time_s", 1e3) == 5000.0
+    assert recent.rate("samples_per_s") == 20.0  # the step without a rate is left out
+    empty = state_module.recent_steps([])
+    assert empty == ([], 0.0) and empty.mean("loss") is None
+    assert empty.rate("samples_per_s") is None
+    longer = state_module.recent_steps([records[0], records[2], records[0]])  # 9 + 4 s
+    assert longer.span_s == 13.0 and len(longer.records) == 2
+    alone = state_module.recent_steps([records[2], records[2]._replace(step_time_s=65.2)])
+    assert (recent.label, longer.label, alone.label,
+            state_module.recent_steps([records[2]._replace(step_time_s=0.6)]).label) == (
+                "10s mean", "10s mean", "1m05s mean", "600ms mean")
 
 
 async def test_knob_change_lines_are_labelled_newest_first_where_they_fit():
@@ -969,9 +1043,8 @@ async def test_terminal_sizes_render_every_panel(make_agent, size):
         def timing_title():
             return app.query_one("#timing").render().plain.split("\n")[0]
         await until(pilot, lambda: "no steps yet" not in timing_title())  # charts drawn
-        assert "step time" in timing_title() and "data wait" in timing_title(), (
-            timing_title())
-        assert "ms" in timing_title(), timing_title()  # the unit, at every size
+        assert re.search(r"\ds mean: step (time )?[\d.]+ ms \| (data )?wait [\d.]+ ms",
+                         timing_title()), timing_title()  # what, over when, in what unit
         assert "loss" in app.query_one("#loss").render().plain
         assert "samples/s" in text_of(app, "#throughput .value")
 
@@ -1283,8 +1356,8 @@ async def test_throughput_shows_a_speed_up_that_a_few_fast_steps_do_not_hide():
         with source.lock:
             for step in range(1, 201):
                 rate = (2000.0 if step % 5 == 0 else 100.0) if step <= 100 else 300.0
-                source.state.ingest(envelope("step", {"step": step,
-                                                      "samples_per_s": rate}))
+                source.state.ingest(envelope("step", {"step": step, "samples_per_s": rate,
+                                                      "step_time_s": 32 / rate}))
         await until(pilot, lambda: "300 samples/s" in text_of(app, "#throughput .value"))
         await redrawn(app, pilot)  # at the laid-out size
         bars = text_of(app, "#throughput .spark").split()[-1]
@@ -1299,6 +1372,7 @@ async def test_memory_and_throughput_count_one_step_in_the_singular():
     async with app.run_test(size=(200, 50)) as pilot:
         with source.lock:
             source.state.ingest(envelope("step", {"step": 1, "samples_per_s": 50.0,
+                                                  "step_time_s": 0.64,
                                                   "host_rss_bytes": 400 << 20}))
         await until(pilot, lambda: "samples/s" in text_of(app, "#throughput .value"))
         await redrawn(app, pilot)  # at the laid-out size

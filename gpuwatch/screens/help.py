@@ -31,8 +31,10 @@ PANELS = (
     ("step time & data wait", (
         "The time each optimizer step took (GPU time on CUDA, the host clock on "
         "CPU) and, of it, the time the loop waited inside the data loader's "
-        "next(), in the unit the axis shows (ms, s or min, as reads best). ▲ marks "
-        "a step beyond the axis' end (a "
+        "next(), in the unit the axis shows (ms, s or min, as reads best). The title "
+        "gives their means over the latest steps that add up to 10 s ('10s mean:'; "
+        "fewer seconds when fewer are kept): a slow step weighs its share of them. ▲ "
+        "marks a step beyond the axis' end (a "
         "compile, a checkpoint save: an outlier never sets the scale): the title "
         "gives the largest. Orange lines: knob changes. Both charts show the whole "
         "run from step 1 (its log, read in the background: each column spans its "
@@ -43,7 +45,8 @@ PANELS = (
     ("throughput", (
         "Samples per second (tokens per second for token models) over the kept "
         "steps, from 0; ▲: a few outlying steps drawn full rather than "
-        "flattening the rest. The number: the last step's.")),
+        "flattening the rest. The number: over the steps of the step-time title's "
+        "mean, what they counted over their time.")),
     ("memory", (
         "CUDA: alloc = held by tensors, rsvd = reserved by PyTorch's caching "
         "allocator, peak = peak reserved, as % of the GPU's memory. RSS: the "

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from textual_plotext import PlotextPlot
 
 from gpuwatch.sources.whole_run import Past
-from gpuwatch.state import KnobChange, StepRecord
+from gpuwatch.state import KnobChange, RecentSteps, StepRecord, recent_steps
 from gpuwatch.units import counted, human_duration, human_sig, knob_text
 from gpuwatch.widgets.panel import OUTLIER_FEW_HEADROOM, robust_top
 
@@ -157,14 +157,18 @@ class StepChart(PlotextPlot):
         series: the lines to draw.
         clip_spikes: end the y-axis just above the bulk of the values (see
             :func:`~gpuwatch.widgets.panel.robust_top`) instead of at the largest.
+        recent: the title gives each line's mean over the run's recent steps
+            (:func:`~gpuwatch.state.recent_steps`, labelled ``10s mean:``), not its
+            latest value.
     """
 
     def __init__(self, series: Sequence[Series], *, clip_spikes: bool = False,
-                 name: str | None = None, id: str | None = None,
+                 recent: bool = False, name: str | None = None, id: str | None = None,
                  classes: str | None = None) -> None:
         super().__init__(name=name, id=id, classes=classes)
         self.series = tuple(series)
         self.clip_spikes = clip_spikes
+        self.recent = recent
         self._shown: tuple[list[StepRecord], list[KnobChange], Past | None] | None = None
         self._shown_size = self.size  # the size :attr:`_shown` was drawn for
         #: seconds the last :meth:`show` and the last render took (CPU of the main thread)
@@ -253,7 +257,8 @@ class StepChart(PlotextPlot):
         if self.series[0].unit and 0 <= low < (high - low) * _FROM_ZERO_BELOW:
             low = 0.0  # durations near 0 start at 0 (not at 0.0000000605 ms)
         tick_width = self._y_ticks(low, high)
-        titles = self._title(lines, top, self.size.width - tick_width - 3, legend=legend)
+        titles = self._title(lines, top, self.size.width - tick_width - 3, legend=legend,
+                             recent=recent_steps(records) if self.recent else None)
         if titles:
             width = self.size.width - tick_width - 3
             unlabelled = self._mark(marks, first, last, high, width, outliers)
@@ -328,7 +333,7 @@ class StepChart(PlotextPlot):
     @staticmethod
     def _label(series: Series, value: float | None = None, *, short: bool = False
                ) -> str:
-        """``step time 12.3 ms`` (the latest value, when given) or ``step 12.3 ms``;
+        """``step time 12.3 ms`` (with a value: the latest, or a mean) or ``step 12.3 ms``;
         without a value the name alone (the legend's: the value axis names the unit,
         which adapts, ``ms`` to ``s`` to ``min``)."""
         name = series.short if short and series.short else series.label
@@ -337,18 +342,23 @@ class StepChart(PlotextPlot):
         return f"{name} {_human(value, series.unit)}"
 
     def _title(self, lines: list[tuple[Series, Sequence[float], Sequence[float]]],
-               top: float | None, width: int, *, legend: bool = False) -> str:
+               top: float | None, width: int, *, legend: bool = False,
+               recent: RecentSteps | None = None) -> str:
         """Each line's name, latest value and unit (with several lines, their colours;
         when outliers are off scale, the largest), as much of it as fits ``width``
         columns: plotext leaves out a title that does not fit. With a ``legend`` the
-        colours are left to it."""
+        colours are left to it. With ``recent``, each line's mean over those steps in
+        place of its latest value (``-`` when none has it), after ``10s mean:`` (their
+        span), which stays when the rest must be cut."""
         if not lines:
             return ""
         several = len(lines) > 1 and not legend
+        shown = [(series, values[-1] if recent is None else
+                  recent.mean(series.field, series.scale)) for series, _, values in lines]
         def named(short: bool, colours: bool) -> list[str]:
-            return [self._label(series, values[-1], short=short)
-                    + (f" ({series.color})" if colours else "")
-                    for series, _, values in lines]
+            return [(self._label(series, value, short=short) if value is not None
+                     else f"{self._label(series, short=short)} -")
+                    + (f" ({series.color})" if colours else "") for series, value in shown]
         candidates: list[list[str]] = []
         extra = []
         if top is not None:
@@ -356,11 +366,15 @@ class StepChart(PlotextPlot):
             largest_text = _human(largest, lines[0][0].unit)
             extra = [f"{_OUTLIER_MARKER} max {largest_text} off scale",
                      f"{_OUTLIER_MARKER} {largest_text}"]
-        for short in (False, True):  # the largest outlier before the colours' names
-            for colours in ((True, False) if several else (False,)):
-                candidates += [[*named(short, colours), tail] for tail in extra]
+        for tail in extra:  # what ▲ marks before the long names, the names before colours
+            for short in (False, True):
+                for colours in ((True, False) if several else (False,)):
+                    candidates.append([*named(short, colours), tail])
+        for short in (False, True):
             for colours in ((True, False) if several else (False,)):
                 candidates.append(named(short, colours))
-        fitting = (" | ".join(c) for c in candidates)
+        candidates.append(named(True, False)[:1])
+        what = f"{recent.label}: " if recent is not None and recent.records else ""
+        fitting = (what + " | ".join(c) for c in candidates)
         return next((title for title in fitting if len(title) <= width),
-                    named(True, False)[0])
+                    what + named(True, False)[0])

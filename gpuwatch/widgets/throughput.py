@@ -1,4 +1,4 @@
-"""Throughput as a labelled sparkline with the latest value.
+"""Throughput as a labelled sparkline with the run's recent rate.
 
 Tokens/s for token models, else samples/s."""
 
@@ -13,7 +13,7 @@ from textual.containers import Horizontal
 from textual.content import Content
 
 from gpuwatch.sources.whole_run import Past
-from gpuwatch.state import StepRecord
+from gpuwatch.state import StepRecord, recent_steps
 from gpuwatch.units import counted, human_rate
 from gpuwatch.widgets.panel import Panel, bucket_max, robust_top, sparkline
 
@@ -26,8 +26,10 @@ class ThroughputBar(Horizontal):
 
     Each column is the median of its steps, from 0 to where the bulk of the values ends: a
     few outlying steps are drawn full and marked, not allowed to flatten the rest. The
-    latest value is shown as a number; with the whole run's log, the bar starts from its
-    first step as the charts do."""
+    number is the rate over the run's recent steps (:func:`~gpuwatch.state.recent_steps`,
+    the window of the step-time chart's title): what they counted over their time, after
+    ``10s mean`` where it fits (from 80 columns). With
+    the whole run's log, the bar starts from its first step as the charts do."""
 
     def compose(self) -> ComposeResult:
         yield Panel("throughput", classes="label")
@@ -62,8 +64,13 @@ class ThroughputBar(Horizontal):
         spark.set_content(Content.assemble(
             (label, "$text-muted"), (sparkline(columns, len(columns), high=top), "$primary"),
             (mark, "$error")))
-        self.query_one(".value", Panel).set_content(
-            human_rate(points[-1][2] if points else None, unit))
+        recent = recent_steps(records)
+        rate = human_rate(recent.rate(field), unit)
+        value = self.query_one(".value", Panel)
+        label = f"{recent.label} " if recent.records else ""
+        value.set_content(Content.assemble(
+            (label, "not bold $text-muted") if len(label + rate) <= value.text_width else "",
+            rate))
 
 
 def _past_points(past: Past | None, field: str, before: int | None
