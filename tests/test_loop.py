@@ -30,16 +30,11 @@ def _log_records(path):
     return list(flat_records(path))
 
 
-def test_live_accum_steps_windows_equal_a_hand_computation(run_dir):
-    """Each optimizer step's update is -lr x the mean gradient over exactly the
-    micro-batches of its window, before and after a live accum_steps change."""
-    model = make_model()
-    lr = 0.5
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    run = agent.session(model=model, optimizer=optimizer, accum_steps=2, name="loop-accum")
+def _windows_by_size(run, model, optimizer, at_boundary):
+    """A loop that reads ``run.accum_steps`` at each window's start and fetches that many;
+    returns each window's (parameters before, micro-batches, parameters after)."""
     batches = run.loader(digits_loader(batch_size=8))
-    info = runs.find_run(run.agent.run_id)
-    windows = []  # (parameters before, micro-batches, parameters after)
+    windows = []
     for step in range(1, 9):
         before = [p.detach().clone() for p in model.parameters()]
         used = []
@@ -53,9 +48,54 @@ def test_live_accum_steps_windows_equal_a_hand_computation(run_dir):
         optimizer.zero_grad(set_to_none=True)
         run.optimizer_step()
         windows.append((before, used, [p.detach().clone() for p in model.parameters()]))
+        at_boundary(step)
+    return windows
+
+
+def _windows_by_fetch(run, model, optimizer, at_boundary):
+    """A loop over ``run.loader`` that reads ``run.is_accumulating`` after each fetch and
+    steps where it is False; returns what :func:`_windows_by_size` does."""
+    with pytest.raises(RuntimeError, match=r"none came through it in this window"):
+        run.is_accumulating  # (it counts the window's fetches: none yet)
+    windows, used = [], []
+    for x, y in run.loader(digits_loader(batch_size=8)):
+        if not used:
+            before = [p.detach().clone() for p in model.parameters()]
+        accumulating = run.is_accumulating
+        used.append((x, y))
+        loss = torch.nn.functional.cross_entropy(model(x), y) / run.accum_steps
+        run.scaler.scale(loss).backward()
+        if not accumulating:
+            run.scaler.step(optimizer)
+            run.scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            run.optimizer_step()
+            windows.append((before, used, [p.detach().clone() for p in model.parameters()]))
+            used = []
+            at_boundary(run.step)
+            if run.step == 8:
+                break
+    return windows
+
+
+@pytest.mark.parametrize("train", [_windows_by_size, _windows_by_fetch])
+def test_live_accum_steps_windows_equal_a_hand_computation(run_dir, train):
+    """Each optimizer step's update is -lr x the mean gradient over exactly the
+    micro-batches of its window, before and after a live accum_steps change, in a loop
+    that fetches ``run.accum_steps`` micro-batches a window and in one that steps where
+    ``run.is_accumulating`` is False."""
+    model = make_model()
+    lr = 0.5
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    run = agent.session(model=model, optimizer=optimizer, accum_steps=2, name="loop-accum")
+    info = runs.find_run(run.agent.run_id)
+
+    def at_boundary(step):
         if step == 3:
             reply = send_command(info, "accum_steps", 3)
             assert reply["ok"] and reply["apply_step"] == 5, reply
+
+    windows = train(run, model, optimizer, at_boundary)
     log_path = run.agent.info.log_path
     run.close()
     assert [len(used) for _, used, _ in windows] == [2, 2, 2, 2, 3, 3, 3, 3]
