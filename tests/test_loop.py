@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import agent
 from agent.wire import runs
 from agent.wire.runlog import LOG_SUFFIX
 from gpuopt.checkpointing import find_blocks
+from gpuopt.position import DataPosition
 from gpuopt.precision import MixedPrecision
 from gpuwatch.client import send_command
 from gpuwatch.app import GpuwatchApp
@@ -460,3 +462,50 @@ def test_timed_fetches_of_an_evaluation_count_in_neither_samples_nor_data_wait(r
     assert [s["samples"] for s in steps] == [16, 16, 16]
     assert [s["micro_batches"] for s in steps] == [2, 2, 2]
     assert steps[1]["data_wait_s"] < 0.2  # the evaluation slept 1 s in fetches
+
+
+def test_the_data_position_keeps_no_batch_the_loop_has_let_go(run_dir):
+    """A loop over run.loader(a DataLoader): at each fetch only the batch just fetched is
+    alive (the position keeps the latest, which the loop holds too): a batch the loop is
+    done with is not kept for a checkpoint that could not need it (on a GPU, device
+    memory the job did not plan for)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, targets = (torch.cat(part) for part in zip(*digits_loader()))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets),
+                                         batch_size=32)  # (a new tensor each batch)
+    fetched, alive = [], []
+    with agent.session(model=model, optimizer=optimizer, name="loop-held") as run:
+        for x, y in run.loader(loader):
+            fetched.append(weakref.ref(x))
+            alive.append(sum(ref() is not None for ref in fetched))
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.optimizer_step(loss)
+            if run.step == 12:
+                break
+    assert alive == [1] * 12
+
+
+def test_a_loop_fetching_two_ahead_has_them_in_the_checkpoints_from_its_second_boundary():
+    """The position keeps as many batches as a boundary found fetched ahead: at the first
+    boundary with two ahead a checkpoint says it lacks one (the position kept the latest
+    only); from the next one on it has both, and a resume yields them, then the rest."""
+    batches = [torch.tensor(i) for i in range(10)]
+    position = DataPosition()
+    iteration = position.iterate(batches)
+    fetched = [int(next(iteration)) for _ in range(3)]  # a window of 1, 2 fetched ahead
+    position.window_done(1)
+    with pytest.raises(ValueError, match=r"2 batches are fetched ahead of this boundary, "
+                                         r"and 1 kept: .* \(a checkpoint at a later boundary"):
+        position.state_dict()
+    fetched.append(int(next(iteration)))
+    position.window_done(1)
+    state = position.state_dict()
+    assert [int(batch) for _, batch in state["ahead"]] == [2, 3]
+    resumed = DataPosition()
+    resumed.load_state_dict(state)
+    assert [int(batch) for batch in resumed.iterate(batches)] == list(range(2, 10))
+    assert fetched == [0, 1, 2, 3]
