@@ -63,7 +63,11 @@ class DataPosition:
 
     .. note:: Per fetch: a grad-mode check, three counter additions and a deque append
        (a reference, no copy). Per epoch: one :func:`gpuopt.saving.rng_state`. Nothing
-       reads tensor data until :meth:`state_dict`.
+       reads tensor data until :meth:`state_dict`. Memory: it keeps the latest batch
+       alive (the loop holds it too), and no more until a boundary finds the loop
+       fetched more ahead; then as many as it fetched ahead (up to :data:`MAX_AHEAD`):
+       no batch outlives the loop's use of it unless a checkpoint would need it (a
+       device batch kept longer is device memory the job did not plan for).
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
@@ -76,8 +80,11 @@ class DataPosition:
         self.exact_reason: str | None = None
         self.dropping = 0
         self._epoch_rng: dict[str, Any] | None = None
-        #: the latest training batches fetched: ``(key, batch)``
-        self._recent: deque[tuple[str, Any]] = deque(maxlen=MAX_AHEAD)
+        #: how many of the latest training batches fetched are kept: as many as a
+        #: boundary has found fetched ahead so far (at least 1, at most MAX_AHEAD)
+        self._keeping = 1
+        #: those batches: ``(key, batch)``
+        self._recent: deque[tuple[str, Any]] = deque(maxlen=self._keeping)
         #: a restored position the iteration has not gone back to yet:
         #: ``(replay, state)`` from :meth:`load_state_dict`
         self._restored: tuple[bool, dict[str, Any]] | None = None
@@ -101,8 +108,19 @@ class DataPosition:
     def window_done(self, micro_batches: int) -> None:
         """An accumulation window of ``micro_batches`` micro-batches was trained.
 
-        Call at the boundary, before a checkpoint of it may be taken."""
+        Call at the boundary, before a checkpoint of it may be taken. From now on the
+        position keeps as many batches as were fetched ahead of this boundary (if more
+        than before; up to :data:`MAX_AHEAD`), for the checkpoints of later ones."""
         self.trained_total += micro_batches
+        ahead = self.fetched_total - self.trained_total
+        if ahead > self._keeping and self._keeping < MAX_AHEAD:  # (rare)
+            self._keep(ahead)
+
+    def _keep(self, batches: int) -> None:
+        """Keep the latest ``batches`` batches fetched from now on (at most
+        :data:`MAX_AHEAD`; never fewer than kept now)."""
+        self._keeping = max(self._keeping, min(batches, MAX_AHEAD))
+        self._recent = deque(self._recent, maxlen=self._keeping)
 
     def epoch_made(self, rng: dict[str, Any]) -> None:
         """A new epoch's iterator was made: count from its first batch, and keep ``rng``.
@@ -140,13 +158,20 @@ class DataPosition:
 
         Raises:
             ValueError: more batches are fetched ahead than a position keeps
-                (:data:`MAX_AHEAD`), or a batch fetched ahead is not made of tensors,
-                numbers, strings, lists, tuples and dicts.
+                (:data:`MAX_AHEAD`), or than it kept before a boundary first found that
+                many (a later boundary's checkpoint has them), or a batch fetched ahead is
+                not made of tensors, numbers, strings, lists, tuples and dicts.
         """
         ahead = self.ahead
         if ahead > len(self._recent):
-            raise ValueError(f"{ahead} batches are fetched ahead of this boundary, more "
-                             f"than the {MAX_AHEAD} a checkpoint keeps")
+            if ahead > MAX_AHEAD:
+                raise ValueError(f"{ahead} batches are fetched ahead of this boundary, "
+                                 f"more than the {MAX_AHEAD} a checkpoint keeps")
+            raise ValueError(
+                f"{ahead} batches are fetched ahead of this boundary, and {len(self._recent)} "
+                "kept: the data position keeps as many as the loop fetched ahead at an "
+                "earlier boundary, and this is the first with so many (a checkpoint at a "
+                "later boundary has them)")
         batches = list(self._recent)[len(self._recent) - ahead:] if ahead else []
         return {"epoch": self.epoch, "epochs_done": self.epochs_done,
                 "fetched_in_epoch": self.fetched_in_epoch,
@@ -173,6 +198,7 @@ class DataPosition:
         self._recent.clear()
         self._replay = deque((key, _to_device(batch, self.device))
                              for key, batch in state["ahead"])
+        self._keep(len(self._replay))
         for key, batch in self._replay:  # they count as fetched ahead again
             self._recent.append((key, batch))
         self._restored = (replay and self._epoch_rng is not None, state)

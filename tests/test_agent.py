@@ -1,5 +1,6 @@
 """The agent on real ZeroMQ sockets, attached to a real Trainer training on real digits."""
 
+import itertools
 import os
 import threading
 import weakref
@@ -9,6 +10,7 @@ import torch
 
 import agent
 from agent.wire import protocol, runs
+from agent.step.core import LOSSES_HELD_MAX
 from agent.step.record import StepRecord
 from agent.wire.runlog import summary_path
 from gpuopt import MixedPrecision, Trainer
@@ -273,6 +275,35 @@ def test_a_host_loss_is_let_go_once_published_and_published_exactly(run_dir):
     late_ref = weakref.ref(late)
     del late
     assert late_ref() is None  # not queued for an I/O thread that is gone
+
+
+def test_past_the_held_bound_a_host_loss_is_read_at_once_and_its_graph_let_go(run_dir):
+    """While the I/O thread is behind (:data:`LOSSES_HELD_MAX` records queued: here it has
+    not started), each further step's host loss is read as it is recorded: its record
+    keeps the number, not the tensor with its autograd graph, which goes at once; the
+    ones before stay held. Every loss is then published bit for bit."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = agent.Agent(name="held", model=model)  # (not started: nothing drains)
+    batches = itertools.cycle(digits_loader(batch_size=8))
+    expected, held = [], []
+    for step in range(1, LOSSES_HELD_MAX + 7):
+        x, y = next(batches)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.optimizer_step(StepRecord(1, 8, 0.0, loss, step=step))
+        expected.append(loss.item())
+        held.append(weakref.ref(loss))
+    del loss
+    assert [ref() is not None for ref in held] == [True] * LOSSES_HELD_MAX + [False] * 6
+    monitor.start()
+    log_path = monitor.info.log_path
+    monitor.close()
+    assert [ref() for ref in held] == [None] * len(held)  # published, then let go
+    losses = [r["loss"] for r in flat_records(log_path) if r["type"] == "step"]
+    assert losses == expected
 
 
 def test_steps_queued_since_a_wake_up_go_as_one_batch_with_events_in_their_place(run_dir):

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import agent
 from agent.wire import runs
 from agent.wire.runlog import LOG_SUFFIX
 from gpuopt.checkpointing import find_blocks
+from gpuopt.position import DataPosition
 from gpuopt.precision import MixedPrecision
 from gpuwatch.client import send_command
 from gpuwatch.app import GpuwatchApp
@@ -30,16 +32,11 @@ def _log_records(path):
     return list(flat_records(path))
 
 
-def test_live_accum_steps_windows_equal_a_hand_computation(run_dir):
-    """Each optimizer step's update is -lr x the mean gradient over exactly the
-    micro-batches of its window, before and after a live accum_steps change."""
-    model = make_model()
-    lr = 0.5
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    run = agent.session(model=model, optimizer=optimizer, accum_steps=2, name="loop-accum")
+def _windows_by_size(run, model, optimizer, at_boundary):
+    """A loop that reads ``run.accum_steps`` at each window's start and fetches that many;
+    returns each window's (parameters before, micro-batches, parameters after)."""
     batches = run.loader(digits_loader(batch_size=8))
-    info = runs.find_run(run.agent.run_id)
-    windows = []  # (parameters before, micro-batches, parameters after)
+    windows = []
     for step in range(1, 9):
         before = [p.detach().clone() for p in model.parameters()]
         used = []
@@ -53,9 +50,54 @@ def test_live_accum_steps_windows_equal_a_hand_computation(run_dir):
         optimizer.zero_grad(set_to_none=True)
         run.optimizer_step()
         windows.append((before, used, [p.detach().clone() for p in model.parameters()]))
+        at_boundary(step)
+    return windows
+
+
+def _windows_by_fetch(run, model, optimizer, at_boundary):
+    """A loop over ``run.loader`` that reads ``run.is_accumulating`` after each fetch and
+    steps where it is False; returns what :func:`_windows_by_size` does."""
+    with pytest.raises(RuntimeError, match=r"none came through it in this window"):
+        run.is_accumulating  # (it counts the window's fetches: none yet)
+    windows, used = [], []
+    for x, y in run.loader(digits_loader(batch_size=8)):
+        if not used:
+            before = [p.detach().clone() for p in model.parameters()]
+        accumulating = run.is_accumulating
+        used.append((x, y))
+        loss = torch.nn.functional.cross_entropy(model(x), y) / run.accum_steps
+        run.scaler.scale(loss).backward()
+        if not accumulating:
+            run.scaler.step(optimizer)
+            run.scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            run.optimizer_step()
+            windows.append((before, used, [p.detach().clone() for p in model.parameters()]))
+            used = []
+            at_boundary(run.step)
+            if run.step == 8:
+                break
+    return windows
+
+
+@pytest.mark.parametrize("train", [_windows_by_size, _windows_by_fetch])
+def test_live_accum_steps_windows_equal_a_hand_computation(run_dir, train):
+    """Each optimizer step's update is -lr x the mean gradient over exactly the
+    micro-batches of its window, before and after a live accum_steps change, in a loop
+    that fetches ``run.accum_steps`` micro-batches a window and in one that steps where
+    ``run.is_accumulating`` is False."""
+    model = make_model()
+    lr = 0.5
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    run = agent.session(model=model, optimizer=optimizer, accum_steps=2, name="loop-accum")
+    info = runs.find_run(run.agent.run_id)
+
+    def at_boundary(step):
         if step == 3:
             reply = send_command(info, "accum_steps", 3)
             assert reply["ok"] and reply["apply_step"] == 5, reply
+
+    windows = train(run, model, optimizer, at_boundary)
     log_path = run.agent.info.log_path
     run.close()
     assert [len(used) for _, used, _ in windows] == [2, 2, 2, 2, 3, 3, 3, 3]
@@ -420,3 +462,50 @@ def test_timed_fetches_of_an_evaluation_count_in_neither_samples_nor_data_wait(r
     assert [s["samples"] for s in steps] == [16, 16, 16]
     assert [s["micro_batches"] for s in steps] == [2, 2, 2]
     assert steps[1]["data_wait_s"] < 0.2  # the evaluation slept 1 s in fetches
+
+
+def test_the_data_position_keeps_no_batch_the_loop_has_let_go(run_dir):
+    """A loop over run.loader(a DataLoader): at each fetch only the batch just fetched is
+    alive (the position keeps the latest, which the loop holds too): a batch the loop is
+    done with is not kept for a checkpoint that could not need it (on a GPU, device
+    memory the job did not plan for)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, targets = (torch.cat(part) for part in zip(*digits_loader()))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets),
+                                         batch_size=32)  # (a new tensor each batch)
+    fetched, alive = [], []
+    with agent.session(model=model, optimizer=optimizer, name="loop-held") as run:
+        for x, y in run.loader(loader):
+            fetched.append(weakref.ref(x))
+            alive.append(sum(ref() is not None for ref in fetched))
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.optimizer_step(loss)
+            if run.step == 12:
+                break
+    assert alive == [1] * 12
+
+
+def test_a_loop_fetching_two_ahead_has_them_in_the_checkpoints_from_its_second_boundary():
+    """The position keeps as many batches as a boundary found fetched ahead: at the first
+    boundary with two ahead a checkpoint says it lacks one (the position kept the latest
+    only); from the next one on it has both, and a resume yields them, then the rest."""
+    batches = [torch.tensor(i) for i in range(10)]
+    position = DataPosition()
+    iteration = position.iterate(batches)
+    fetched = [int(next(iteration)) for _ in range(3)]  # a window of 1, 2 fetched ahead
+    position.window_done(1)
+    with pytest.raises(ValueError, match=r"2 batches are fetched ahead of this boundary, "
+                                         r"and 1 kept: .* \(a checkpoint at a later boundary"):
+        position.state_dict()
+    fetched.append(int(next(iteration)))
+    position.window_done(1)
+    state = position.state_dict()
+    assert [int(batch) for _, batch in state["ahead"]] == [2, 3]
+    resumed = DataPosition()
+    resumed.load_state_dict(state)
+    assert [int(batch) for batch in resumed.iterate(batches)] == list(range(2, 10))
+    assert fetched == [0, 1, 2, 3]

@@ -22,7 +22,8 @@ Attach after ``fabric.setup(...)``, and take the window from the run::
 ``model=`` / ``optimizer=``). The run is :class:`agent.integrations.loop.LoopRun`'s, as a
 hand-written loop's: :meth:`~agent.integrations.loop.LoopRun.loader` times and counts the
 data (the data position a checkpoint keeps),
-:attr:`~agent.integrations.loop.LoopRun.accum_steps` and :attr:`FabricRun.is_accumulating`
+:attr:`~agent.integrations.loop.LoopRun.accum_steps` and
+:attr:`~agent.integrations.loop.LoopRun.is_accumulating`
 say where the window ends, and :meth:`~agent.integrations.loop.LoopRun.optimizer_step`
 marks the boundary. The step's loss is the sum of the losses given to ``fabric.backward``
 in the window (the window's mean when each is divided by ``run.accum_steps``), or what
@@ -39,7 +40,7 @@ configured from that step, or is refused with the reason):
   Fabric started in another precision (true half precision converts the weights), under a
   strategy with its own precision handling (FSDP, DeepSpeed, XLA, ...), on devices other
   than cpu and cuda; fp16 on a CPU (Fabric runs 16-mixed there as bf16-mixed).
-- ``accum_steps`` with ``accum_steps=N``: the loop reads :attr:`FabricRun.is_accumulating`
+- ``accum_steps`` with ``accum_steps=N``: the loop reads ``run.is_accumulating``
   and divides each loss by ``run.accum_steps``.
 - ``kernels``: eager / ``torch.compile`` of the module inside the Fabric wrapper (its own
   forward, switched in place: :class:`gpuopt.backends.ModelBackend`; compiling the
@@ -173,7 +174,7 @@ class FabricRun(LoopRun):
     """The agent of one loop on a Lightning Fabric (see :func:`attach`, which makes it).
 
     The loop run (:class:`agent.integrations.loop.LoopRun`: ``loader``, ``accum_steps``,
-    ``optimizer_step``, ``step``, ``close``) with :attr:`is_accumulating`.
+    ``is_accumulating``, ``optimizer_step``, ``step``, ``close``) on a Fabric.
 
     Attributes:
         fabric: the Fabric. model: the module it wrapped (``_FabricModule``).
@@ -212,24 +213,6 @@ class FabricRun(LoopRun):
         fabric.backward = self._backward  # type: ignore[method-assign] # uninstall() drops it
 
     # ------------------------------------------------------------ what the loop reads
-
-    @property
-    def is_accumulating(self) -> bool:
-        """Whether the micro-batch last fetched from :meth:`loader` is not the last of its window.
-
-        Its accumulation window: ``accum_steps`` micro-batches. The loop steps the optimizer
-        after the micro-batch for which it is False. Read it after the fetch.
-
-        Raises:
-            AttributeError: the run has no ``accum_steps`` (``attach(accum_steps=)``).
-            RuntimeError: no micro-batch of this window came through :meth:`loader`.
-        """
-        accum_steps, fetched = self.accum_steps, self.meter.fetched
-        if not fetched:
-            raise RuntimeError("run.is_accumulating counts the micro-batches run.loader() "
-                               "fetched, and none came through it in this window: iterate "
-                               "run.loader(train_loader)")
-        return fetched < accum_steps
 
     def loader(self, batches: Iterable[Any], *, epochs: int | None = 1) -> Iterator[Any]:
         """:meth:`agent.integrations.loop.LoopRun.loader`, with a Fabric loader's sampler epoch.

@@ -109,10 +109,10 @@ class LoopRun(RunBase):
     """A run whose loop takes its data and its window size from the run.
 
     Batches through :meth:`loader` (or :meth:`timed`), micro-batches per optimizer step from
-    :attr:`accum_steps`, the boundary at :meth:`optimizer_step`. What a hand-written loop
-    (:class:`Session`) and a Lightning Fabric loop
-    (:class:`agent.integrations.fabric.FabricRun`) share; a subclass says how its window's
-    losses are counted (:meth:`_take_window`) and how it saves and resumes.
+    :attr:`accum_steps` (or :attr:`is_accumulating`), the boundary at
+    :meth:`optimizer_step`. What a hand-written loop (:class:`Session`) and a Lightning
+    Fabric loop (:class:`agent.integrations.fabric.FabricRun`) share; a subclass says how
+    its window's losses are counted (:meth:`_take_window`) and how it saves and resumes.
 
     Attributes:
         agent: the :class:`agent.Agent`. step: optimizer steps marked so far (after a
@@ -128,7 +128,8 @@ class LoopRun(RunBase):
     #: of what it has not declared
     declare = "agent.session({})"
     #: what a loop that declares ``accum_steps`` does with it
-    accum_use = "read run.accum_steps in its micro-step loop"
+    accum_use = ("read run.accum_steps in its micro-step loop, or run.is_accumulating "
+                 "after each fetch")
 
     def __init__(self, agent: Agent, *, accum_steps: int | None,
                  optimizer_settings: OptimizerSettings | None,
@@ -173,6 +174,32 @@ class LoopRun(RunBase):
             raise AttributeError(f"this run has no accum_steps: pass "
                                  f"{self.declare.format('accum_steps=N')} to make it a knob")
         return self._accum_steps
+
+    @property
+    def is_accumulating(self) -> bool:
+        """Whether the micro-batch last fetched from :meth:`loader` is not the last of its window.
+
+        Its accumulation window: :attr:`accum_steps` micro-batches, counted from the
+        boundary. For a loop over :meth:`loader` (or :meth:`timed`) that reads it after each
+        fetch and steps the optimizer after the micro-batch for which it is False (the
+        other form reads :attr:`accum_steps` at each window's start and fetches that many)::
+
+            for x, y in run.loader(train_loader):
+                accumulating = run.is_accumulating
+                (loss_fn(model(x), y) / run.accum_steps).backward()
+                if not accumulating:
+                    optimizer.step(); optimizer.zero_grad(); run.optimizer_step()
+
+        Raises:
+            AttributeError: the run has no ``accum_steps`` (made without ``accum_steps=``).
+            RuntimeError: no micro-batch of this window came through :meth:`loader`.
+        """
+        accum_steps, fetched = self.accum_steps, self.meter.fetched
+        if not fetched:
+            raise RuntimeError("run.is_accumulating counts the micro-batches run.loader() "
+                               "fetched, and none came through it in this window: iterate "
+                               "run.loader(train_loader)")
+        return fetched < accum_steps
 
     def _set_accum_steps(self, value: int) -> None:
         self._accum_steps = value

@@ -60,12 +60,12 @@ _HELLO_EVERY_HEARTBEATS = 30  # a new subscriber is greeted at once anyway
 _POLL_MS = 100
 #: ... and this often (ms) while nobody has subscribed, so that only the run log reads
 #: them (its buffer is flushed every 0.5 s anyway): 2 wake-ups a second, batches 5
-#: times longer; sooner when the record queue would otherwise fill past a quarter of
-#: its bound. Before the first step (no step time yet) too: an idle agent wakes 2
-#: times a second, not 10 (each wake-up costs it 60 to 110 us of CPU here, the
-#: kernel's timer and the switch alone 60); the first steps then wait at most this
-#: long, and only a loop of over 4,000 steps a second fills a quarter of the default
-#: queue (8,192) meanwhile.
+#: times longer; sooner when the record queue would otherwise hold more than the
+#: agent's ``drain_at`` records (half of :data:`agent.step.core.LOSSES_HELD_MAX`: past
+#: that many, host losses are read on the training thread). Before the first step (no
+#: step time yet) too: an idle agent wakes 2 times a second, not 10 (each wake-up costs
+#: it 60 to 110 us of CPU here, the kernel's timer and the switch alone 60); the first
+#: steps then wait at most this long.
 _QUIET_POLL_MS = 500
 #: While an in-run search runs (:mod:`agent.search.tune`): it decides from each step record,
 #: and each of its switches waits for the I/O thread to read the record that ends a
@@ -157,13 +157,15 @@ class IOLoop:
         encoder: drained at each wake-up, and flushed before any other message.
         guard: the rollback guard; while it watches a change the loop wakes often.
         tune: the in-run search; while it runs the loop wakes more often still.
-        records_bound: the bound of the record queue (None: unbounded).
+        drain_at: records the queue should hold at most between two quiet wake-ups (the
+            poll wakes in time for that many at the latest step time, but waits at least
+            :data:`_POLL_MS`); None: no such bound.
         nvml: the GPU probe (tests pass one with a fake NVML module).
     """
 
     def __init__(self, agent: AgentView, run_id: str, *, desk: CommandDesk,
                  encoder: StepEncoder, guard: ChangeGuard, tune: AutoTune,
-                 records_bound: int | None, nvml: Nvml | None = None) -> None:
+                 drain_at: int | None, nvml: Nvml | None = None) -> None:
         self._agent = agent
         #: the run's id: the one given, or a new one if another process held it
         self.run_id = run_id
@@ -171,7 +173,7 @@ class IOLoop:
         self._encoder = encoder
         self._change_guard = guard
         self._tune = tune
-        self._records_bound = records_bound
+        self._drain_at = drain_at
         #: the run file's facts, once the sockets are bound (None before, or when they
         #: could not be)
         self.info: RunInfo | None = None
@@ -487,17 +489,17 @@ class IOLoop:
         """How long the next poll may wait (ms): :data:`_TUNE_POLL_MS` while a search
         is on, :data:`_POLL_MS` while someone reads the records or the guard watches a
         change, else
-        :data:`_QUIET_POLL_MS` or less (the time a quarter of the record queue takes to
-        fill at the latest step time; :data:`_QUIET_POLL_MS` before the first step)."""
+        :data:`_QUIET_POLL_MS` or less (the time ``drain_at`` records take at the latest
+        step time; :data:`_QUIET_POLL_MS` before the first step)."""
         if self._tune.running:
             return _TUNE_POLL_MS
         if self._subscriptions or self._change_guard.watching:
             return _POLL_MS
         step_time_s = self._encoder.recent_step_time_s
-        bound = self._records_bound
-        if step_time_s is None or bound is None:
+        drain_at = self._drain_at
+        if step_time_s is None or drain_at is None:
             return _QUIET_POLL_MS
-        return int(min(_QUIET_POLL_MS, max(_POLL_MS, bound / 4 * step_time_s * 1000)))
+        return int(min(_QUIET_POLL_MS, max(_POLL_MS, drain_at * step_time_s * 1000)))
 
     def _guard(self, where: str, function: Any, *args: Any, default: Any = None) -> Any:
         try:

@@ -55,6 +55,15 @@ log = logging.getLogger("gpuwatch.agent")
 #: the step clock (:meth:`Agent.optimizer_step` reads it without the module lookup)
 _clock = time.perf_counter
 
+#: Step records in the queue past which the training thread reads a host loss itself
+#: (:meth:`agent.step.markers.CpuMarker.mark_read`, ``.item()``: 3 to 4 us between real
+#: steps) instead of handing the tensor over: a held loss keeps its autograd graph's
+#: nodes alive until the I/O thread reads it (162 KiB a step for a 4-layer transformer
+#: encoder of width 64: about 10 MB at its 8 ms steps over a 0.5 s publish interval, but
+#: 1.3 GiB over the whole queue when a starved I/O thread falls 8,192 steps behind). The
+#: I/O thread wakes in time to drain half this many (``IOLoop``'s ``drain_at``).
+LOSSES_HELD_MAX = 1024
+
 #: How long rank 0's rollback waits for each phase of the fan-out to every rank (s): the
 #: ranks answer from their I/O threads, which a busy host can starve for a while.
 ROLLBACK_TIMEOUT_S = 30.0
@@ -82,7 +91,8 @@ class Agent:
             ``RANK`` / ``WORLD_SIZE`` environment variables, else 0 / 1.
         queue_size: bound of the record queue; when the I/O thread falls that far
             behind, the oldest records are dropped (counted in heartbeats), the training
-            thread never waits.
+            thread never waits. Past :data:`LOSSES_HELD_MAX` queued, host losses are
+            read as they are recorded (their autograd graphs are not kept).
         nvml: the GPU probe (tests pass one with a fake NVML module).
         run_id: the run id, when the caller derives one that every rank of its job
             shares (default: :func:`agent.wire.runs.shared_run_id`).
@@ -162,7 +172,7 @@ class Agent:
                                     tune=self.tune, device=self.device)
         self._io = IOLoop(self, run_id or shared_run_id(self.world_size), desk=self._desk,
                           encoder=self._encoder, guard=self._change_guard, tune=self.tune,
-                          records_bound=self._records.maxlen, nvml=nvml)
+                          drain_at=min(queue_size // 4, LOSSES_HELD_MAX // 2), nvml=nvml)
         self.errors: list[str] = []
         self._listeners: tuple[Any, ...] = ()
         if recover is not None and not isinstance(recover, Recovery):
@@ -252,8 +262,10 @@ class Agent:
                 and queues it (it must not be changed after).
 
         .. note:: Never synchronizes the device and never blocks: a clock read, a marker
-           (an asynchronous CUDA event on GPU), one deque append (and the calls of
-           :meth:`add_listener`'s listeners, when there are any). Never raises: an
+           (an asynchronous CUDA event on GPU; on the host the loss tensor itself, or
+           its value read when :data:`LOSSES_HELD_MAX` records are queued), one deque
+           append (and the calls of :meth:`add_listener`'s listeners, when there are
+           any). Never raises: an
            internal error is reported once and the agent stops observing.
         """
         if self._broken:
@@ -263,7 +275,12 @@ class Agent:
             previous = self._last_boundary_t
             self._last_boundary_t = now
             record.step_time_s = None if previous is None else now - previous
-            record.marker = self._marker.mark(record.loss, record.skipped, record.grad_norm)
+            if len(self._records) < LOSSES_HELD_MAX:
+                record.marker = self._marker.mark(record.loss, record.skipped,
+                                                  record.grad_norm)
+            else:  # the I/O thread is behind: no more autograd graphs held
+                record.marker = self._marker.mark_read(record.loss, record.skipped,
+                                                       record.grad_norm)
             record.loss = None  # (the marker holds what the I/O thread reads)
             record.knobs = self._knob_values
             self._records.append(record)

@@ -8,8 +8,11 @@ touch costs 3 to 8 us of CPU between real steps (a cold cache: ``.item()`` 3.8,
 ``.detach()`` 8.2, ``is_cpu`` with ``dim()`` 2.9, session 14's
 ``benchmarks/bench_overhead.py`` paced loop), and the I/O thread reads a whole batch of
 them at once. The record holds the loss, with its autograd graph, until the I/O thread
-has read it (at most a publish interval, or the record queue's bound); the graph is freed
-there, where the loop's next ``loss = ...`` would have freed it on the training thread.
+has read it (a publish interval, at most half a second); the graph is freed there, where
+the loop's next ``loss = ...`` would have freed it on the training thread. When the I/O
+thread falls behind (:data:`agent.step.core.LOSSES_HELD_MAX` records queued) the agent
+marks with :meth:`CpuMarker.mark_read`, which reads the loss at once: the graphs kept
+are bounded in number.
 
 On CUDA the marker records a CUDA event after the step's kernels and starts a
 non-blocking copy of the loss into a slot of a pinned host ring buffer; the I/O thread
@@ -48,6 +51,16 @@ class CpuMarker:
         if grad_norm is None and skipped is None:
             return loss
         return loss, skipped, grad_norm
+
+    def mark_read(self, loss: torch.Tensor | None, skipped: torch.Tensor | None = None,
+                  grad_norm: torch.Tensor | float | None = None) -> Any:
+        """Training thread: :meth:`mark`, the loss read now (:func:`host_loss`).
+
+        What the agent marks with while the I/O thread is behind: the marker then holds a
+        number, not the tensor with its autograd graph.
+
+        .. note:: One ``.item()`` of a host tensor: 3 to 4 us between real steps."""
+        return self.mark(host_loss(loss), skipped, grad_norm)
 
     def ready(self, marker: Any) -> bool:
         """I/O thread: whether the marker's values can be read without waiting."""
@@ -123,6 +136,9 @@ class CudaMarker:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event, slot, source
+
+    #: the marker holds no autograd graph (the copy reads the loss detached)
+    mark_read = mark
 
     def ready(self, marker: CudaMark) -> bool:
         """I/O thread: ``event.query()``; never blocks."""
