@@ -1,0 +1,162 @@
+"""What the agent keeps alive in the training process beyond what its loop keeps.
+
+    python benchmarks/bench_held.py [--steps 3000] [--rounds 3]
+    python benchmarks/bench_held.py --short        # a quick check that it works
+
+Each figure against the loop without the agent, measured in the same run:
+
+1. **Autograd graphs.** A host loss is handed to the agent as the tensor (it is read on
+   the agent's thread, not the training thread), so its record keeps the loss's autograd
+   graph until the step is published. A 4-layer transformer encoder (width 64, batches of
+   8 x 16 tokens, one torch thread, CPU) trains ``--steps`` steps in a fresh process each:
+   bare; under ``agent.session`` with ``run.optimizer_step(loss)``; and under the agent
+   with the loss read at once (``run.optimizer_step(loss.item())``: the agent's own memory,
+   no graph kept). Peak RSS growth (``ru_maxrss``) from after a warm-up to the end, the
+   median of ``--rounds``; the graphs' cost is the second minus the third.
+2. **Graphs kept while the agent's thread lags.** An agent whose I/O thread has not
+   started (nothing drains its queue) records the same model's steps: how many of their
+   losses are still alive (weak references) after ``LOSSES_HELD_MAX`` + 100 steps
+   (the bound: :data:`agent.step.core.LOSSES_HELD_MAX`; before it, the whole queue, 8,192).
+3. **Batches.** A loop over ``run.loader(DataLoader)`` (a new tensor each batch): the most
+   batches alive at a fetch, against the bare loop's (the one it holds).
+
+Last line: ``RESULT graphs_rss_mb=<g> agent_rss_mb=<a> agent_read_rss_mb=<r>
+bare_rss_mb=<b> lagging_graphs_kept=<k> batches_alive=<n> bare_batches_alive=<nb>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import weakref
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import agent  # noqa: E402
+from agent.step.core import LOSSES_HELD_MAX  # noqa: E402
+from agent.step.record import StepRecord  # noqa: E402
+
+
+def transformer_step():
+    """One optimizer step of the 4-layer encoder, as a function returning its loss."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
+    model = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs = torch.randn(8, 16, 64)
+
+    def step():
+        loss = model(inputs).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def peak_rss_growth_mb(mode: str, steps: int) -> float:
+    """In this process: ``steps`` steps under ``mode`` (bare, agent, agent_read); the peak
+    RSS growth (MiB) from after 30 warm-up steps (the agent started before them)."""
+    step = transformer_step()
+    run = agent.session(name=f"bench-held-{mode}") if mode != "bare" else None
+    for _ in range(30):
+        step()
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(steps):
+        loss = step()
+        if run is not None:
+            run.optimizer_step(loss if mode == "agent" else loss.item())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if run is not None:
+        run.close()
+    return (peak - start) / 1024
+
+
+def lagging_graphs_kept() -> int:
+    """Losses still alive after LOSSES_HELD_MAX + 100 steps recorded by an agent whose
+    I/O thread has not started."""
+    step = transformer_step()
+    monitor = agent.Agent(name="bench-held-lagging")  # (not started: nothing drains)
+    held = []
+    for number in range(1, LOSSES_HELD_MAX + 101):
+        loss = step()
+        monitor.optimizer_step(StepRecord(1, 8, 0.0, loss, step=number))
+        held.append(weakref.ref(loss))
+    del loss
+    return sum(ref() is not None for ref in held)
+
+
+def batches_alive(with_agent: bool, steps: int = 40) -> int:
+    """The most batches alive at a fetch of a loop over a DataLoader."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = torch.nn.Linear(16, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(32 * steps, 16),
+                                      torch.randint(0, 2, (32 * steps,))), batch_size=32)
+    run = agent.session(name="bench-held-batches", model=model) if with_agent else None
+    fetched: list[weakref.ref] = []
+    most = 0
+    for x, y in (run.loader(loader) if run is not None else loader):
+        fetched.append(weakref.ref(x))
+        most = max(most, sum(ref() is not None for ref in fetched))
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if run is not None:
+            run.optimizer_step(loss)
+    if run is not None:
+        run.close()
+    return most
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--short", action="store_true", help="a quick check that it works")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(peak_rss_growth_mb(args.child, args.steps)))
+        return
+    steps, rounds = (200, 1) if args.short else (args.steps, args.rounds)
+    growth: dict[str, list[float]] = {"bare": [], "agent": [], "agent_read": []}
+    for _ in range(rounds):  # interleaved, a fresh process each (peak RSS is per process)
+        for mode in growth:
+            out = subprocess.run([sys.executable, __file__, "--child", mode, "--steps",
+                                  str(steps)], check=True, capture_output=True, text=True)
+            growth[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    rss = {mode: statistics.median(values) for mode, values in growth.items()}
+    graphs = rss["agent"] - rss["agent_read"]
+    print(f"{steps} steps of a 4-layer transformer encoder (width 64, 8 x 16 tokens), "
+          f"median of {rounds}: peak RSS growth bare {rss['bare']:.1f} MiB, agent "
+          f"{rss['agent']:.1f}, agent with the loss read at once {rss['agent_read']:.1f}: "
+          f"the graphs kept until published cost {graphs:.1f} MiB")
+    kept = lagging_graphs_kept()
+    print(f"an agent whose I/O thread lags: {kept} graphs kept after "
+          f"{LOSSES_HELD_MAX + 100} steps (bound {LOSSES_HELD_MAX})")
+    alive, bare_alive = batches_alive(True), batches_alive(False)
+    print(f"a loop over run.loader(DataLoader): at most {alive} batches alive at a fetch "
+          f"(bare loop: {bare_alive})")
+    print(f"RESULT graphs_rss_mb={graphs:.1f} agent_rss_mb={rss['agent']:.1f} "
+          f"agent_read_rss_mb={rss['agent_read']:.1f} bare_rss_mb={rss['bare']:.1f} "
+          f"lagging_graphs_kept={kept} batches_alive={alive} bare_batches_alive={bare_alive}")
+
+
+if __name__ == "__main__":
+    main()
