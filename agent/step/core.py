@@ -4,8 +4,8 @@ Training thread, at each optimizer-step boundary (:meth:`Agent.optimizer_step`):
 host clock, make a step marker (see :mod:`agent.step.markers`), append the step's typed
 record (:class:`agent.step.record.StepRecord`) to a bounded deque, and apply pending commands
 whose step has come. Nothing else: no device sync, no ``.item()`` of a device tensor (a
-plain host loss is read as it is marked), no NVML or psutil, no I/O, no lock unless a
-command is pending.
+host loss is read only while the I/O thread lags: :data:`LOSSES_HELD_MAX`), no NVML or
+psutil, no I/O, no lock unless a command is pending.
 :class:`Agent` owns that hot path, the events and their in-process listeners, and wires
 up the parts that do the rest, each owning one thing:
 
