@@ -68,8 +68,10 @@ def transformer_step():
 
 
 def peak_rss_growth_mb(mode: str, steps: int) -> float:
-    """In this process: ``steps`` steps under ``mode`` (bare, agent, agent_read); the peak
-    RSS growth (MiB) from after 30 warm-up steps (the agent started before them)."""
+    """The peak RSS growth (MiB) of ``steps`` steps under ``mode``, in this process.
+
+    ``mode``: bare, agent, agent_read; from after 30 warm-up steps (the agent started
+    before them)."""
     step = transformer_step()
     run = agent.session(name=f"bench-held-{mode}") if mode != "bare" else None
     for _ in range(30):
@@ -86,8 +88,9 @@ def peak_rss_growth_mb(mode: str, steps: int) -> float:
 
 
 def lagging_graphs_kept() -> int:
-    """Losses still alive after LOSSES_HELD_MAX + 100 steps recorded by an agent whose
-    I/O thread has not started."""
+    """How many losses are still alive after LOSSES_HELD_MAX + 100 steps, nothing drained.
+
+    The steps are recorded by an agent whose I/O thread has not started."""
     step = transformer_step()
     monitor = agent.Agent(name="bench-held-lagging")  # (not started: nothing drains)
     held = []
