@@ -407,3 +407,12 @@ async def test_the_event_log_wraps_a_long_entry_without_losing_a_character(size)
         assert max(map(len, narrower)) < max(map(len, lines)) and len(narrower) > len(lines)
         shown = "".join(line.removeprefix("12:00:00 ") for line in narrower)
         assert text.replace(" ", "") in shown.replace(" ", "")
+
+
+def test_the_readme_picture_is_the_transformer_snapshot():
+    """The README's 80x24 picture is the transformer screen as the app draws it now (so
+    a layout change that rewrites the snapshot rewrites the picture with it)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    snapshot = (SNAPSHOTS / "transformer-80x24.txt").read_text()
+    assert "```\n" + snapshot.rstrip("\n") + "\n```\n" in readme, (
+        "README.md: paste tests/snapshots/transformer-80x24.txt as its picture again")
