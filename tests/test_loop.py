@@ -110,8 +110,10 @@ def test_live_accum_steps_windows_equal_a_hand_computation(run_dir, train):
         grads = torch.autograd.grad(loss, list(twin.parameters()))
         for value, grad, got in zip(before, grads, after):
             torch.testing.assert_close(got, value - lr * grad, rtol=1e-5, atol=1e-6)
-    steps = [r for r in _log_records(log_path) if r["type"] == "step"]
+    records = _log_records(log_path)
+    steps = [r for r in records if r["type"] == "step"]
     assert [s["micro_batches"] for s in steps] == [2, 2, 2, 2, 3, 3, 3, 3]
+    assert not [r for r in records if r["type"] == "event" and "do not reach" in r["text"]]
     assert [s["samples"] for s in steps] == [16] * 4 + [24] * 4
     # the loss reported is the window's mean (the sum of the divided losses)
     last_before, last_used, _ = windows[-1]
@@ -509,3 +511,33 @@ def test_a_loop_fetching_two_ahead_has_them_in_the_checkpoints_from_its_second_b
     resumed.load_state_dict(state)
     assert [int(batch) for batch in resumed.iterate(batches)] == list(range(2, 10))
     assert fetched == [0, 1, 2, 3]
+
+
+def test_a_loop_that_does_not_take_its_window_from_the_run_is_warned_once(run_dir):
+    """accum_steps=4 declared, but the loop steps after every batch (a newcomer's first
+    loop): three windows in a row of 1 micro-batch, and one warning says the live knob
+    cannot reach that loop and what to read; once, however long the loop goes on."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    events = []
+    run = agent.session(model=model, optimizer=optimizer, accum_steps=4, name="loop-off")
+    run.agent.add_listener(lambda record: events.append(record)
+                           if record["type"] == "event" else None)
+    for x, y in run.loader(digits_loader(batch_size=8)):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        run.scaler.scale(loss).backward()
+        run.scaler.step(optimizer)
+        run.scaler.update()
+        optimizer.zero_grad()
+        run.optimizer_step()
+        if run.step == 8:
+            break
+    run.close()
+    warned = [event for event in events if "do not reach" in event["text"]]
+    assert len(warned) == 1, warned
+    assert warned[0]["level"] == "warning" and warned[0]["step"] == 3
+    assert warned[0]["text"] == (
+        "accum_steps is 4, but the last 3 optimizer steps had other micro-batch counts "
+        "(the last: 1): the loop does not take its window's size from the run, so "
+        "accum_steps changes do not reach it (it should read run.accum_steps in its "
+        "micro-step loop, or run.is_accumulating after each fetch)")

@@ -56,6 +56,7 @@ from agent.integrations.ranks import agree
 from agent.integrations.sharded import (fsdp_modules, is_sharded,
                                         load_sharded, save_sharded,
                                         sharded_precision, sync_at_window_end)
+from agent.wire.protocol import EventKind
 from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, CHECKPOINTING, KERNELS, LOADER_KNOBS,
                               DROPOUT, LR_SCALE, MAX_GRAD_NORM, MICRO_BATCH_SIZE, PRECISION,
                               WEIGHT_DECAY, Knob, KnobSet)
@@ -146,6 +147,9 @@ class LoopRun(RunBase):
         #: the iterations :meth:`loader` made that are still alive (:meth:`end_loop`
         #: closes them)
         self._iterations: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()
+        #: windows in a row whose counted micro-batches were not ``accum_steps``; None once
+        #: the loop was warned (or has no ``accum_steps``): :meth:`_window_off`
+        self._windows_off: int | None = 0 if accum_steps is not None else None
         if accum_steps is not None and accum_refused is None:
             self.knobs.add(Knob(ACCUM_STEPS, get=lambda: self.accum_steps,
                                 set=self._set_accum_steps))
@@ -335,6 +339,12 @@ class LoopRun(RunBase):
         lr = clipped = None  # the rates the step used (read as it stepped), its clip norm
         if self.optimizer_settings is not None:
             lr, clipped = self.optimizer_settings.take_step()
+        counted = backwards or fetched
+        if self._windows_off is not None and counted:
+            if counted == self._accum_steps:
+                self._windows_off = 0
+            else:
+                self._window_off(counted)
         self.boundary(StepRecord(  # (by position: a keyword costs ~40 ns)
             backwards or fetched or 1,  # micro_batches
             fetched_samples if samples is None else samples,
@@ -346,6 +356,24 @@ class LoopRun(RunBase):
             lr,
             clipped if grad_norm is None else grad_norm))
         self._next_window()
+
+    def _window_off(self, counted: int) -> None:
+        """Training thread, at a boundary: the window that ended had ``counted``
+        micro-batches (backward passes through the run, else batches through
+        :meth:`loader`), not :attr:`accum_steps`. A short window now and then is an
+        epoch's end; three in a row mean the loop does not read the window's size, so
+        a live ``accum_steps`` would not reach it: warned once."""
+        assert self._windows_off is not None
+        self._windows_off += 1
+        if self._windows_off < 3:
+            return
+        self._windows_off = None
+        self.agent.event(
+            "warning", f"accum_steps is {self._accum_steps}, but the last 3 optimizer steps "
+            f"had other micro-batch counts (the last: {counted}): the loop does not take "
+            f"its window's size from the run, so accum_steps changes do not reach it (it "
+            f"should {self.accum_use})",
+            kind=EventKind.WARNING, step=self.step + 1)
 
     def _next_window(self) -> None:
         """Training thread, after the boundary: prepare the next window (by default
