@@ -25,7 +25,7 @@ from gpuwatch.state import GONE_AFTER_S, STALLED_AFTER_S, STEP_HISTORY, RunState
 from gpuwatch.screens.help import HelpScreen
 from gpuwatch.widgets.key_bar import KeyBar, KeyItem, fold
 from gpuwatch.screens.runs import RunsScreen
-from gpuwatch.widgets.last_event import HOLD_AFTER_KEY_S
+from gpuwatch.widgets.last_event import HOLD_AFTER_KEY_S, LastEvent
 from gpuwatch.screens.tune import TuneScreen
 from gpuwatch.widgets.panel import bucket_max, sparkline
 from tests.conftest import knows, log_texts, redrawn, screen_text, text_of, until
@@ -1657,14 +1657,20 @@ async def test_a_warning_stays_on_screen_until_a_few_seconds_after_the_next_key(
         assert shown.startswith(FP16_WARNING), shown  # every word of it ...
         assert "checkpoint saved" not in shown  # ... and no newer event until a key
         assert app.screen.max_scroll_y == 0  # nothing pushed out of view
-        pressed = time.monotonic()  # before the press: the app takes its time as it comes
-        await pilot.press("x")  # a key: it goes a few seconds later
+        clock_s = shown_at
+        app.query_one(LastEvent).now = lambda: clock_s  # the hold's clock, moved by hand
+        await pilot.press("x")  # a key: it goes HOLD_AFTER_KEY_S later
         assert "prefer fp32)" in last_lines(app)
         if size[1] < 32:  # the newest event under it (the log is not in view)
             assert last_lines(app).endswith("▸ checkpoint saved at step 13")
         assert app.screen.max_scroll_y == 0
+        clock_s = shown_at + HOLD_AFTER_KEY_S - 0.01  # a record just before it is due
+        with source.lock:
+            source.state.ingest(envelope("step", {"step": 12}), shown_at)
+        await redrawn(app, pilot)
+        assert "prefer fp32)" in last_lines(app)  # held the whole time
+        clock_s = shown_at + HOLD_AFTER_KEY_S  # due: the hold's timer takes it away
         await until(pilot, lambda: "prefer fp32)" not in last_lines(app))
-        assert time.monotonic() - pressed >= HOLD_AFTER_KEY_S - 0.1
         if size[1] < 32:  # the newest alone
             assert last_lines(app) == " ▸ checkpoint saved at step 13"
         else:

@@ -60,7 +60,7 @@ def test_hf_run_adds_measurements_to_the_trainers_tensorboard_logs(run_dir, tmp_
 
     import agent
     from agent.integrations.hf_loggers import GpuwatchHFLoggers
-    from tests.test_hf import BATCH, Characters, _model
+    from tests.test_hf import BATCH, SEQ, Characters, _model
 
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     args = TrainingArguments(
@@ -81,5 +81,9 @@ def test_hf_run_adds_measurements_to_the_trainers_tensorboard_logs(run_dir, tmp_
         assert f"train/gpuwatch/{name}" in scalars, scalars  # HF puts train/ before
     logged = [event.step for event in events.Scalars("train/gpuwatch/step_time_s")]
     assert set(logged) == {2, 4, 6, 8}  # at the Trainer's own logging steps
-    assert all(event.value > 0 for event in events.Scalars("train/gpuwatch/tokens_per_s"))
+    samples_per_s = events.Scalars("train/gpuwatch/samples_per_s")
+    tokens_per_s = events.Scalars("train/gpuwatch/tokens_per_s")
+    assert [event.step for event in tokens_per_s] == [event.step for event in samples_per_s]
+    for tokens, samples in zip(tokens_per_s, samples_per_s):  # each step: SEQ tokens a sample
+        assert samples.value > 0 and tokens.value == pytest.approx(SEQ * samples.value, rel=1e-6)
     assert "train/loss" in scalars  # its own metrics, as before

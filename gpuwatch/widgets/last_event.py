@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import textwrap
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from textual.content import Content
+from textual.timer import Timer
 
 from gpuwatch.state import LogEntry
 from gpuwatch.units import fit_paths
@@ -48,6 +49,9 @@ class LastEvent(Panel):
         self._progress: str | None = None
         self._log_shown = False
         self._rows = 1  # lines shown: the layout is redone when they change
+        #: the hold's clock (monotonic s); a test replaces it to move the hold's time by hand
+        self.now: Callable[[], float] = time.monotonic
+        self._wake: Timer | None = None  # the timer for the first hold due (None: none)
 
     def show(self, newest: LogEntry | None, new: Iterable[LogEntry] = (), *,
              log_shown: bool = False, progress: str | None = None) -> None:
@@ -66,11 +70,21 @@ class LastEvent(Panel):
     def key_pressed(self) -> None:
         """A key was pressed: what is held goes :data:`HOLD_AFTER_KEY_S` from now."""
         if any(due is None for _, due in self._held):
-            until = time.monotonic() + HOLD_AFTER_KEY_S
+            until = self.now() + HOLD_AFTER_KEY_S
             self._held = [(entry, until if due is None else due)
                           for entry, due in self._held]
-            self.set_timer(HOLD_AFTER_KEY_S, self._draw)
+            if self._wake is None:
+                self._wake = self.set_timer(HOLD_AFTER_KEY_S, self._hold_due)
             self._draw()  # the newest entry under them: the answer to this key
+
+    def _hold_due(self) -> None:
+        """The hold's timer: what is due by :attr:`now` goes, and the timer is set again
+        for the next one due (a later key's, or one :attr:`now` says is not due yet)."""
+        self._wake = None
+        self._draw()
+        dues = [due for _, due in self._held if due is not None]
+        if dues:
+            self._wake = self.set_timer(max(min(dues) - self.now(), 0.0), self._hold_due)
 
     def on_resize(self) -> None:
         """Wrap what is held again at the new width.
@@ -80,7 +94,7 @@ class LastEvent(Panel):
 
     def _draw(self) -> None:
         """Show what is held and not yet due, and the newest entry (see the class)."""
-        now = time.monotonic()
+        now = self.now()
         self._held = [(entry, due) for entry, due in self._held if due is None or due > now]
         lines = [self._line(entry, wrap=True) for entry, _ in self._held]
         answer = all(due is not None for _, due in self._held)  # a key since they came
