@@ -1,6 +1,7 @@
 """Hand-written loops (agent.session): every loop knob live, checked by arithmetic, and
 the GPT-style example run in a subprocess with every loop knob changed."""
 
+import gc
 import os
 import signal
 import subprocess
@@ -509,3 +510,27 @@ def test_a_loop_fetching_two_ahead_has_them_in_the_checkpoints_from_its_second_b
     resumed.load_state_dict(state)
     assert [int(batch) for batch in resumed.iterate(batches)] == list(range(2, 10))
     assert fetched == [0, 1, 2, 3]
+
+
+def test_a_closed_session_lets_its_model_optimizer_and_kept_states_go(run_dir):
+    """A sweep in one process: after ``run.close()`` nothing of gpuwatch's holds the
+    trial's model, optimizer, agent or the states ``recover=on`` kept (the agent's exit
+    hook held them all until the process ended, trial after trial)."""
+    gone = []
+    for trial in range(2):
+        model = make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        run = agent.session(model=model, optimizer=optimizer, name=f"trial-{trial}")
+        assert send_command(run.agent.info, "recover", "on")["ok"]
+        for x, y in digits_loader(n=512):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.optimizer_step(loss.detach())
+        assert run._ring, "recover=on kept no state: nothing to let go"
+        run.close()
+        gone += [weakref.ref(held) for held in (model, optimizer, run, run.agent)]
+        del model, optimizer, run, loss
+    gc.collect()
+    assert [ref() for ref in gone] == [None] * len(gone)
