@@ -2,6 +2,7 @@
 and every live knob checked against a plain-torch hand computation of the same
 micro-batches, or refused with its reason."""
 
+import gc
 import itertools
 import os
 import pickle
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -775,3 +777,18 @@ def test_a_rewind_to_a_crafted_checkpoint_runs_no_code_and_the_run_goes_on(tmp_p
     failed = [e for e in events if e["kind"] == "failed" and e.get("knob") == "rewind"]
     assert len(failed) == 1 and name in failed[0]["text"], failed
     assert not [e for e in events if e["kind"] == "branched"]
+
+
+def test_a_closed_run_lets_its_accelerator_model_and_optimizer_go():
+    """After ``run.close()`` nothing of gpuwatch's holds the run, its agent or the model
+    and optimizer it was attached to (its exit hook held them until the process ended)."""
+    accelerator, model, optimizer, loader = _prepared(n=64)
+    run = agent.attach(accelerator)
+    _train(accelerator, model, optimizer, loader, run)
+    run.close()
+    gone = [weakref.ref(held) for held in (run, run.agent, model, optimizer, accelerator)]
+    del accelerator, model, optimizer, loader, run
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    gc.collect()
+    assert [ref() for ref in gone] == [None] * len(gone)

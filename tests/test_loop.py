@@ -1,6 +1,7 @@
 """Hand-written loops (agent.session): every loop knob live, checked by arithmetic, and
 the GPT-style example run in a subprocess with every loop knob changed."""
 
+import gc
 import os
 import signal
 import subprocess
@@ -541,3 +542,27 @@ def test_a_loop_that_does_not_take_its_window_from_the_run_is_warned_once(run_di
         "(the last: 1): the loop does not take its window's size from the run, so "
         "accum_steps changes do not reach it (it should read run.accum_steps in its "
         "micro-step loop, or run.is_accumulating after each fetch)")
+
+
+def test_a_closed_session_lets_its_model_optimizer_and_kept_states_go(run_dir):
+    """A sweep in one process: after ``run.close()`` nothing of gpuwatch's holds the
+    trial's model, optimizer, agent or the states ``recover=on`` kept (the agent's exit
+    hook held them all until the process ended, trial after trial)."""
+    gone = []
+    for trial in range(2):
+        model = make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        run = agent.session(model=model, optimizer=optimizer, name=f"trial-{trial}")
+        assert send_command(run.agent.info, "recover", "on")["ok"]
+        for x, y in digits_loader(n=512):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.optimizer_step(loss.detach())
+        assert run._ring, "recover=on kept no state: nothing to let go"
+        run.close()
+        gone += [weakref.ref(held) for held in (model, optimizer, run, run.agent)]
+        del model, optimizer, run, loss
+    gc.collect()
+    assert [ref() for ref in gone] == [None] * len(gone)

@@ -6,7 +6,7 @@ import torch
 import agent
 from agent.wire import runs
 from agent.control.guard import ChangeGuard
-from agent.control.ledger import Change, ChangeLedger
+from agent.control.ledger import EPISODE_CHANGES_MAX, Change, ChangeLedger
 from gpuopt import Trainer
 from gpuwatch.client import Subscriber, send_command
 from tests.training import Gate, digits_loader, messages, model as make_model, start
@@ -295,3 +295,40 @@ def test_a_state_over_its_budget_is_counted_on_the_live_tensors_never_copied(run
         assert "kept for rollbacks" in text and "not restored" in text
         snapshot = run.state_snapshot(budget_bytes=4 * parameters_bytes)
         assert copies and snapshot["model"].keys() == model.state_dict().keys()
+
+
+def test_a_long_run_of_changes_is_cut_into_episodes_of_bounded_length(run_dir):
+    """lr_scale changed every 2 steps from step 4 (70 changes, each within guard_steps
+    of the one before), then set to 100: the divergence rolls back the latest episode
+    only, to the state kept where its first change (change 65) applied, not to the run's
+    first change; the ledger never holds more than EPISODE_CHANGES_MAX changes."""
+    torch.manual_seed(5)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = agent.session(model=model, optimizer=optimizer, name="many-changes")
+    batches = iter(run.loader(digits_loader(), epochs=None))
+    held, sent, seen = [], 0, []
+    with Subscriber(run.agent.info) as sub:
+        while run.step < 160:
+            x, y = next(batches)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.optimizer_step(loss.detach())
+            held.append(len(run.agent._ledger.entries))
+            if run.step % 2 == 0 and sent <= 70:  # (once: the steps rolled back repeat)
+                sent += 1
+                value = 100.0 if sent == 71 else (0.5 if sent % 2 else 1.0)
+                reply = send_command(run.agent.info, "lr_scale", value, apply_step=run.step + 2)
+                assert reply["ok"], reply
+            if run.step == 150 and not seen:  # the guard decides from the steps published
+                seen = messages(sub, lambda m: m["type"] == "event"
+                                and m["body"].get("kind") == "rollback")
+        run.close()
+        seen += messages(sub, lambda m: m["type"] == "bye")
+    assert max(held) == EPISODE_CHANGES_MAX
+    [restored] = [m["body"] for m in seen if m["type"] == "event"
+                  and m["body"].get("kind") == "state_restored"]
+    first = 2 * (EPISODE_CHANGES_MAX + 1) + 2  # the step change 65 applied at
+    assert f"boundary after step {first - 1}" in restored["text"], restored

@@ -47,6 +47,7 @@ and loads a checkpoint, and :meth:`RunBase.uninstall`.
 from __future__ import annotations
 
 import _imp
+import atexit
 import logging
 from numbers import Real
 import os
@@ -1177,7 +1178,10 @@ class RunBase:
     def close(self, reason: str = "finished") -> None:
         """End the run: :meth:`uninstall`, then ``bye`` with ``reason`` and the run file removed.
 
-        Idempotent; any exit path calls it (see :func:`end_on_signals`)."""
+        Idempotent; any exit path calls it (see :func:`end_on_signals`). An exit hook
+        registered for it (accelerate's) goes: it would hold the closed run, its model
+        and optimizer, until the process ended."""
+        atexit.unregister(self.close)
         if self.closed:
             return
         self.closed = self.closing = True

@@ -212,8 +212,13 @@ class Agent:
         """Publish ``bye``, close the sockets and remove the run file. Idempotent.
 
         Pending commands that have not been applied are dropped (their senders already
-        had their reply). Waits at most ``timeout_s`` for the I/O thread.
+        had their reply). Waits at most ``timeout_s`` for the I/O thread. The exit hook
+        :meth:`start` registered goes: it held the closed agent, and through its knobs the
+        model and optimizer (with ``recover=on`` the states kept too), until the process
+        ended (a sweep of 8 sessions of a 4 MiB model kept all 8; 36 MB each with
+        ``recover=on``).
         """
+        atexit.unregister(self.close)
         if self._io.stopped:
             return
         self.mark_ending(reason)
