@@ -266,7 +266,21 @@ def _attach(args: argparse.Namespace) -> int:
             return history_commands.open_finished(log)
     if info is None:
         return _no_run(args.run)
-    return _watch(info, readonly=args.readonly, quick_keys=args.quick_keys)
+    newest = _newest_of(info) if args.run is None else None
+    notes = [f"{newest}: `gpuwatch runs` lists them, `gpuwatch RUN` opens another"] \
+        if newest else []
+    return _watch(info, readonly=args.readonly, quick_keys=args.quick_keys, notes=notes)
+
+
+def _newest_of(info: RunInfo) -> str | None:
+    """``run ID (NAME), the newest of N live runs`` when others are live, else None: what
+    a command that picked the newest run (no run given) says, so a person sees whose job
+    it shows or changes."""
+    others = {run.run_id for run in list_runs()} - {info.run_id}
+    if not others:
+        return None
+    return (f"run {printable(info.run_id)} ({printable(info.name, 60)}), the newest of "
+            f"{len(others) + 1} live runs")
 
 
 def _watch(info: RunInfo, *, readonly: bool, quick_keys: bool,
@@ -335,11 +349,9 @@ def _set(args: argparse.Namespace) -> int:
     info = find_run(args.run)
     if info is None:
         return _no_run(args.run)
-    others = {run.run_id for run in list_runs()} - {info.run_id}
-    if args.run is None and others:  # the newest: say which, before it changes anything
-        print(f"gpuwatch set: to run {printable(info.run_id)} "
-              f"({printable(info.name, 60)}), the newest of {len(others) + 1} live runs "
-              "(--run RUN picks another)", file=sys.stderr)
+    newest = _newest_of(info) if args.run is None else None
+    if newest:  # say which, before it changes anything
+        print(f"gpuwatch set: to {newest} (--run RUN picks another)", file=sys.stderr)
     reply = send_command(info, knob, value, timeout_s=args.timeout,
                          checkpoint=args.checkpoint)
     print(printable(reply_text(knob, value, reply), newlines=True),  # its warning line

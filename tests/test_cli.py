@@ -63,6 +63,20 @@ def test_set_without_run_names_the_run_it_sends_to_when_there_are_several(make_a
     assert alone.returncode == 0 and "newest" not in alone.stderr
 
 
+def test_the_newest_run_is_named_when_other_runs_are_live(make_agent):
+    """Plain ``gpuwatch`` opens the newest live run: with several, its event log starts
+    with which one it is and how to open another (a newcomer opened another job's run
+    and could not tell); alone, nothing is said."""
+    from gpuwatch.cli import _newest_of
+
+    older = make_agent(knobs={"accum_steps": 1}, run_id="20250101-000000-aaaa")
+    assert _newest_of(older.info) is None
+    make_agent(knobs={"accum_steps": 1}, run_id="20250101-000001-bbbb")
+    newest = runs.find_run()
+    assert _newest_of(newest) == (f"run {newest.run_id} ({newest.name}), the newest of "
+                                  "2 live runs")
+
+
 @pytest.mark.parametrize("assignment, reason", [
     ("precision=fp64", "precision: 'fp64' is not one of fp32, bf16, fp16"),
     ("kernels=triton", "unknown knob 'kernels'"),
