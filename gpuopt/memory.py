@@ -249,9 +249,9 @@ def memory_stats(device: torch.device | str | int | None = None) -> dict[str, in
     """Current memory readings for a ``step`` or ``system`` message.
 
     Always the host side: ``host_rss_bytes`` (resident set of this process now) and
-    ``host_peak_rss_bytes`` (its highest since start, ``getrusage().ru_maxrss``; None
-    where unavailable). For a CUDA device also, from the caching allocator
-    (``torch.cuda.memory_stats``): ``mem_allocated_bytes`` (held by tensors),
+    ``host_peak_rss_bytes`` (its highest since start, ``getrusage().ru_maxrss``, never
+    below the RSS read with it; None where unavailable). For a CUDA device also, from
+    the caching allocator (``torch.cuda.memory_stats``): ``mem_allocated_bytes`` (held by tensors),
     ``mem_reserved_bytes`` (held by the allocator, what the driver sees),
     ``mem_peak_allocated_bytes``, ``mem_peak_reserved_bytes`` (since start or the last
     ``reset_peak_memory_stats``), ``num_alloc_retries`` (allocations that had to free
@@ -269,10 +269,12 @@ def memory_stats(device: torch.device | str | int | None = None) -> dict[str, in
        allocator's counters live on the host. Safe from any thread.
     """
     device = _as_device(device)
-    stats: dict[str, int | None] = {
-        "host_rss_bytes": host_rss_bytes(),
-        "host_peak_rss_bytes": _host_peak_rss_bytes(),
-    }
+    rss, peak = host_rss_bytes(), _host_peak_rss_bytes()
+    if rss is not None and peak is not None and peak < rss:
+        # (the kernel's high-water mark lags its per-thread RSS counters by up to 64
+        # pages: 262,144 bytes below the RSS read a moment before was seen)
+        peak = rss
+    stats: dict[str, int | None] = {"host_rss_bytes": rss, "host_peak_rss_bytes": peak}
     if device.type == "cuda":
         reason = _cuda_reason(device, "reading CUDA memory statistics")
         if reason is not None:

@@ -129,6 +129,18 @@ def test_memory_stats_on_cpu():
     assert set(memory_stats()) == set(stats)  # None means CPU
 
 
+def test_the_host_peak_is_never_below_the_rss_read_with_it():
+    """While the process grows, the kernel's high-water mark lags its RSS counters (here
+    every reading had it below): the peak reported is at least the RSS of the same
+    reading."""
+    held = []
+    for _ in range(100):
+        held.append(torch.ones(64 * 1024))  # 256 KiB of pages not touched before
+        stats = memory_stats("cpu")
+        if stats["host_peak_rss_bytes"] is not None:
+            assert stats["host_peak_rss_bytes"] >= stats["host_rss_bytes"], stats
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_what_needs_cuda_is_refused_with_the_reason():
     fraction = "a per-process memory fraction needs CUDA"
