@@ -61,11 +61,10 @@ _POLL_MS = 100
 #: ... and this often (ms) while nobody has subscribed, so that only the run log reads
 #: them (its buffer is flushed every 0.5 s anyway): 2 wake-ups a second, batches 5
 #: times longer; sooner when the record queue would otherwise hold more than the
-#: agent's ``drain_at`` records (half of :data:`agent.step.core.LOSSES_HELD_MAX`: past
-#: that many, host losses are read on the training thread). Before the first step (no
-#: step time yet) too: an idle agent wakes 2 times a second, not 10 (each wake-up costs
-#: it 60 to 110 us of CPU here, the kernel's timer and the switch alone 60); the first
-#: steps then wait at most this long.
+#: agent's ``drain_at`` records (a quarter of its bound: 2,048, reached at over 4,000
+#: steps/s). Before the first step (no step time yet) too: an idle agent wakes 2 times a
+#: second, not 10 (each wake-up costs it 60 to 110 us of CPU here, the kernel's timer
+#: and the switch alone 60); the first steps then wait at most this long.
 _QUIET_POLL_MS = 500
 #: While an in-run search runs (:mod:`agent.search.tune`): it decides from each step record,
 #: and each of its switches waits for the I/O thread to read the record that ends a

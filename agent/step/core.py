@@ -60,8 +60,10 @@ _clock = time.perf_counter
 #: steps) instead of handing the tensor over: a held loss keeps its autograd graph's
 #: nodes alive until the I/O thread reads it (162 KiB a step for a 4-layer transformer
 #: encoder of width 64: about 10 MB at its 8 ms steps over a 0.5 s publish interval, but
-#: 1.3 GiB over the whole queue when a starved I/O thread falls 8,192 steps behind). The
-#: I/O thread wakes in time to drain half this many (``IOLoop``'s ``drain_at``).
+#: 1.3 GiB over the whole queue when a starved I/O thread falls 8,192 steps behind). A
+#: keeping-up I/O thread drains the queue every 0.5 s (``IOLoop``'s quiet poll), so below
+#: 2,048 steps/s this is never reached; above, the steps past it are read here: cheaper
+#: than the wake-ups a shorter poll would take (about 600 us of CPU each, measured).
 LOSSES_HELD_MAX = 1024
 
 #: How long rank 0's rollback waits for each phase of the fan-out to every rank (s): the
@@ -172,7 +174,7 @@ class Agent:
                                     tune=self.tune, device=self.device)
         self._io = IOLoop(self, run_id or shared_run_id(self.world_size), desk=self._desk,
                           encoder=self._encoder, guard=self._change_guard, tune=self.tune,
-                          drain_at=min(queue_size // 4, LOSSES_HELD_MAX // 2), nvml=nvml)
+                          drain_at=queue_size // 4, nvml=nvml)
         self.errors: list[str] = []
         self._listeners: tuple[Any, ...] = ()
         if recover is not None and not isinstance(recover, Recovery):
