@@ -127,7 +127,8 @@ class GpuwatchApp(App[None]):
         quick_keys: when True, a key that changes the run sends its command at once;
             when False it asks first (:meth:`on_key`); None: ``$GPUWATCH_QUICK_KEYS``
             (``1``: on).
-        notes: lines for the event log at start (e.g. where a demo writes its output).
+        notes: ``(level, text)`` lines for the event log at start (e.g. where a demo
+            writes its output): ``info``, or ``warning`` (held in view until a key).
     """
 
     CSS_PATH = "gpuwatch.tcss"
@@ -199,7 +200,8 @@ class GpuwatchApp(App[None]):
     ]
 
     def __init__(self, source: Source, *, readonly: bool = False,
-                 quick_keys: bool | None = None, notes: Iterable[str] = ()) -> None:
+                 quick_keys: bool | None = None,
+                 notes: Iterable[tuple[str, str]] = ()) -> None:
         super().__init__()
         self.source = source
         self.readonly = readonly
@@ -373,8 +375,8 @@ class GpuwatchApp(App[None]):
 
     def _start_source(self) -> None:
         with self.source.lock:
-            for note in self._notes:
-                self.source.state.log("info", note)
+            for level, note in self._notes:
+                self.source.state.log(level, note)
             self.source.state.log("info", f"waiting for {self.source.description} ...")
         self.source.start()
 

@@ -267,8 +267,8 @@ def _attach(args: argparse.Namespace) -> int:
     if info is None:
         return _no_run(args.run)
     newest = _newest_of(info) if args.run is None else None
-    notes = [f"{newest}: `gpuwatch runs` lists them, `gpuwatch RUN` opens another"] \
-        if newest else []
+    notes = [("warning", f"{newest}: `gpuwatch runs` lists them, `gpuwatch RUN` opens "
+                         "another")] if newest else []
     return _watch(info, readonly=args.readonly, quick_keys=args.quick_keys, notes=notes)
 
 
@@ -284,7 +284,7 @@ def _newest_of(info: RunInfo) -> str | None:
 
 
 def _watch(info: RunInfo, *, readonly: bool, quick_keys: bool,
-           notes: Sequence[str] = ()) -> int:
+           notes: Sequence[tuple[str, str]] = ()) -> int:
     from gpuwatch.app import GpuwatchApp
     from gpuwatch.sources.live import LiveSource
 
@@ -625,8 +625,8 @@ def _replay(args: argparse.Namespace) -> int:
     branch = "" if args.branch is None else f", branch b{args.branch}'s path"
     app = GpuwatchApp(ReplaySource(path, branch=None if tree is None else (tree, args.branch)),
                       readonly=True,
-                      notes=[f"replaying {path}{branch} (read-only; followed while it "
-                             "grows)"])
+                      notes=[("info", f"replaying {path}{branch} (read-only; followed "
+                                      "while it grows)")])
     app.run()
     return app.return_code or 0
 
@@ -696,9 +696,9 @@ def _demo(args: argparse.Namespace) -> int:
         info = _wait_for_run(child, log_path)
         if info is None:
             return 1
-        return _watch(info, readonly=args.readonly, quick_keys=args.quick_keys, notes=[
-            f"demo training job pid {child.pid}, output in {log_path} (removed when it "
-            "ends cleanly)"])
+        return _watch(info, readonly=args.readonly, quick_keys=args.quick_keys, notes=[(
+            "info", f"demo training job pid {child.pid}, output in {log_path} (removed "
+            "when it ends cleanly)")])
     finally:
         _stop_child(child, info, log_path=log_path)
         ended = _job_ended_line(log_path)

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from agent.wire.protocol import printable
@@ -339,7 +338,7 @@ def _missing(command: str, extra: str, exc: ImportError) -> int:
     return 1
 
 
-def open_finished(log: LogFiles, notes: Sequence[str] = (), *,
+def open_finished(log: LogFiles, *,
                   branch: tuple[BranchTree, int] | None = None) -> int:
     """Open a run log in the dashboard on a timeline (read-only); return the exit status.
 
@@ -349,10 +348,10 @@ def open_finished(log: LogFiles, notes: Sequence[str] = (), *,
 
     thinned = history.part_thinning(log)
     app = GpuwatchApp(TimelineSource(log, branch=branch), readonly=True, notes=[
-        *notes, f"replaying {log.first} on a timeline: left/right step, [ ] knob "
-                "changes, , . events, home/end",
-        *([f"this log reached its disk budget: older steps are kept as buckets of "
-           f"{thinned:,} (mean, min, max); every event and knob change is kept"]
+        ("info", f"replaying {log.first} on a timeline: left/right step, [ ] knob "
+                 "changes, , . events, home/end"),
+        *([("info", f"this log reached its disk budget: older steps are kept as buckets "
+                    f"of {thinned:,} (mean, min, max); every event and knob change is kept")]
           if thinned else [])])
     app.run()
     return app.return_code or 0
