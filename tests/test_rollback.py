@@ -231,11 +231,7 @@ def _loop_run(data, name, change=None):
             assert send_command(run.agent.info, "lr_scale", change, apply_step=7)["ok"]
         while run.step < 20:
             x, y = next(batches)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.optimizer_step(loss.detach())
+            loss = _train_step(run, model, optimizer, x, y)
             losses[run.step] = loss.item()
             if change is not None and run.step == 12:
                 change = None
@@ -311,11 +307,7 @@ def test_a_long_run_of_changes_is_cut_into_episodes_of_bounded_length(run_dir):
     with Subscriber(run.agent.info) as sub:
         while run.step < 160:
             x, y = next(batches)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.optimizer_step(loss.detach())
+            _train_step(run, model, optimizer, x, y)
             held.append(len(run.agent._ledger.entries))
             if run.step % 2 == 0 and sent <= 70:  # (once: the steps rolled back repeat)
                 sent += 1
@@ -332,3 +324,13 @@ def test_a_long_run_of_changes_is_cut_into_episodes_of_bounded_length(run_dir):
                   and m["body"].get("kind") == "state_restored"]
     first = 2 * (EPISODE_CHANGES_MAX + 1) + 2  # the step change 65 applied at
     assert f"boundary after step {first - 1}" in restored["text"], restored
+
+
+def _train_step(run, model, optimizer, x, y):
+    """One optimizer step of the digits classifier on ``(x, y)``, marked; its loss."""
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    run.optimizer_step(loss.detach())
+    return loss
