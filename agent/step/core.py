@@ -272,8 +272,8 @@ class Agent:
            (an asynchronous CUDA event on GPU; on the host the loss tensor itself, or
            its value read when :data:`LOSSES_HELD_MAX` records are queued), one deque
            append (and the calls of :meth:`add_listener`'s listeners, when there are
-           any). Never raises: an
-           internal error is reported once and the agent stops observing.
+           any). Never raises: an internal error is reported once and the agent stops
+           observing.
         """
         if self._broken:
             return
