@@ -73,11 +73,26 @@ class Subscriber:
         self._socket.setsockopt(zmq.MAXMSGSIZE, RECEIVE_MAX_BYTES)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         try:
-            secure(self._socket, info)
-            self._socket.connect(info.pub_endpoint)
+            self.connect(info)
         except zmq.ZMQError:
             self._socket.close(linger=0)
             raise
+
+    def connect(self, info: RunInfo) -> None:
+        """Also receive the telemetry of ``info`` (another publisher) on this socket.
+
+        Its CURVE keys (:func:`agent.wire.commands.secure`) are this connection's alone:
+        ZeroMQ takes a socket's options at each connect, so one socket follows many
+        publishers (every other node's relay of a multi-node job), each of its own server
+        key, and a poll costs one socket, not one per publisher. Each connection keeps
+        its own :data:`RECEIVE_HIGH_WATER_MARK`. The publishers of one socket must all be
+        tcp with CURVE, or all not: a connect without keys keeps the previous ones.
+
+        Raises:
+            zmq.ZMQError: the endpoint is malformed.
+        """
+        secure(self._socket, info)
+        self._socket.connect(info.pub_endpoint)
 
     @property
     def socket(self) -> zmq.Socket:
@@ -90,7 +105,15 @@ class Subscriber:
         return self._gaps.missed
 
     def recv_frames(self, timeout_s: float) -> list[bytes] | None:
-        """The next raw multipart message, or None after ``timeout_s`` seconds."""
+        """The next raw multipart message, or None after ``timeout_s`` seconds.
+
+        ``timeout_s`` 0: the message waiting, or None, without a poll (pyzmq's
+        ``Socket.poll`` makes a poller each call)."""
+        if timeout_s <= 0:
+            try:
+                return self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
         if not self._socket.poll(int(timeout_s * 1000)):
             return None
         return self._socket.recv_multipart(zmq.NOBLOCK)

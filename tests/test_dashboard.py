@@ -333,6 +333,46 @@ def test_subscriber_counts_gaps_and_drops_malformed_frames():
     assert subscriber.malformed == 1 and subscriber.missed == 2
 
 
+def test_one_subscriber_follows_publishers_of_different_server_keys():
+    """A multi-node job's relays each have their own CURVE server key: one socket
+    connects to them all (the keys are taken at each connect), and a publisher whose
+    key it was not given is not heard."""
+    client_public, client_secret = zmq.curve_keypair()
+    pubs, infos = [], []
+    for node in (1, 2, 3):
+        server_public, server_secret = zmq.curve_keypair()
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub.curve_secretkey, pub.curve_publickey = server_secret, server_public
+        pub.curve_server = True
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        pubs.append(pub)
+        wrong_key = zmq.curve_keypair()[0] if node == 3 else server_public  # a forged key
+        infos.append(RunInfo(
+            run_id=RUN, rank=8 * node, world_size=32, pid=0,
+            pub_endpoint=f"tcp://127.0.0.1:{port}", cmd_endpoint="", token="t",
+            started_at=0.0, node=node, curve_server_key=wrong_key.decode(),
+            curve_client_public_key=client_public.decode(),
+            curve_client_secret_key=client_secret.decode()))
+    try:
+        with Subscriber(infos[0]) as subscriber:
+            subscriber.connect(infos[1])
+            subscriber.connect(infos[2])
+            heard: set[int] = set()
+            deadline = time.monotonic() + 10
+            while heard != {1, 2} and time.monotonic() < deadline:
+                for node, pub in zip((1, 2, 3), pubs):
+                    pub.send_multipart(protocol.encode(envelope("node", {"node": node},
+                                                                rank=8 * node)))
+                message = subscriber.recv(timeout_s=0.05)
+                while message is not None:
+                    heard.add(message["body"]["node"])
+                    message = subscriber.recv(timeout_s=0.0)
+            assert heard == {1, 2}
+    finally:
+        for pub in pubs:
+            pub.close(linger=0)
+
+
 def test_send_command_without_reply_says_so():
     server_public, server_secret = zmq.curve_keypair()
     client_public, client_secret = zmq.curve_keypair()
