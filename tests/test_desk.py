@@ -153,6 +153,37 @@ def test_repeats_of_an_accepted_no_op_in_a_step_make_one_event():
     assert run.kinds().count(EventKind.REJECTED) == 1
 
 
+def test_a_setting_to_the_value_it_has_sets_nothing_and_starts_no_episode():
+    """A script setting lr_scale every 50 steps to what it already is: no set, no state
+    kept for it, nothing in the ledger for a rollback to undo; a real change still is."""
+
+    class Keeper:
+        def __init__(self) -> None:
+            self.kept: list[int] = []
+
+        def keep_state(self, step: int) -> None:
+            self.kept.append(step)
+
+        def restore_state(self, step: int, reason: str) -> tuple[str, str]:
+            raise AssertionError("nothing to restore")
+
+    run = Run()
+    run.desk.state_keeper = keeper = Keeper()
+    sets = []
+    run.desk.knobs.knobs["lr_scale"].set = sets.append
+    run.train(3)
+    run.command("lr_scale", 1.0)
+    run.train(1)
+    applied = run.events[-1]
+    assert applied["kind"] == EventKind.APPLIED
+    assert applied["text"] == "lr_scale=1.0 applied at step 5 (no change)"
+    assert sets == [] and keeper.kept == [] and run.ledger.entries == ()
+    run.command("lr_scale", 0.5)
+    run.train(1)
+    assert sets == [0.5] and keeper.kept == [5]
+    assert run.ledger.entries == (Change(6, "lr_scale", 0.5, 1.0, "c-lr_scale"),)
+
+
 def test_a_nan_and_an_out_of_memory_error_restore_the_same_last_good_values():
     """One ledger, two readers: the guard (I/O thread, after a NaN loss) and the desk's
     rollback (training thread, after an OOM) undo the same changes to the same values."""

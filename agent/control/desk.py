@@ -493,6 +493,10 @@ class CommandDesk:
             return True
         action = knob.spec.command
         previous = None if action else knob.get()
+        # a setting to the value it has (a person's repeat, a script's periodic set): no
+        # set, no episode and no state kept for it, nothing for a rollback to undo
+        unchanged = (not action and not command.rollback_reason
+                     and previous == command.value)
         if command.after_checkpoint and checkpoint_failed and self.world_size > 1:
             self._event("warning", f"{assignment(command.knob, command.value)}: the "
                         "checkpoint before it failed on this rank; applied all the same "
@@ -502,11 +506,11 @@ class CommandDesk:
             if command.after_checkpoint and checkpoint_failed and self.world_size == 1:
                 raise RuntimeError("the checkpoint asked for before it was not saved")
             if (self.state_keeper is not None and command.knob in GUARDED_KNOBS
-                    and not command.rollback_reason
+                    and not command.rollback_reason and not unchanged
                     and not str(command.command_id or "").startswith(TUNE_ID_PREFIX)
                     and self.ledger.starts_episode(step)):
                 self.state_keeper.keep_state(step - 1)
-            detail = dict(knob.set(command.value) or {})
+            detail = {} if unchanged else dict(knob.set(command.value) or {})
         except Exception as exc:
             kept = "" if action else f"; kept {assignment(command.knob, previous)}"
             self._event("error", f"{assignment(command.knob, command.value)} failed at "
@@ -516,10 +520,12 @@ class CommandDesk:
             return False
         if command.rollback_reason:
             self.ledger.clear()  # a rollback is not a change to watch
-        elif command.knob in GUARDED_KNOBS:
+        elif command.knob in GUARDED_KNOBS and not unchanged:
             self.ledger.record(Change(step, command.knob, command.value, previous,
                                       command.command_id))
         text = f"{assignment(command.knob, command.value)} applied at step {step}"
+        if unchanged:
+            text += " (no change)"
         if command.rollback_reason:
             text += f": rolled back because {command.rollback_reason}"
         if "text" in detail:
