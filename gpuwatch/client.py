@@ -31,7 +31,7 @@ import zmq
 
 from agent.wire import protocol
 from agent.wire.commands import new_command_id, secure, send_command, shared_context
-from agent.wire.knobs import assignment
+from agent.wire.knobs import assignment, when_applied
 from agent.wire.runs import RunInfo, find_run, list_runs
 from gpuwatch.state import SeqGaps
 
@@ -178,7 +178,8 @@ def parse_assignment(text: str) -> tuple[str, str]:
 def reply_text(knob: str, value: Any, reply: protocol.Reply) -> str:
     """What to tell people about a reply from :func:`send_command`: accepted, rejected, no answer.
 
-    ``accepted: accum_steps=4 applies at step 123`` (``... on ranks 0, 1`` for several),
+    ``accepted: accum_steps=4 applies at step 123`` (``accepted: stop=now at the boundary
+    after step 122`` for a command that is not a setting; ``... on ranks 0, 1`` for several),
     followed by a second line ``warning: ...`` when the run warned about the value (e.g. an
     autocast precision that is slow on its hardware), ``rejected: <knob>=<value>: <reason>``
     or, when the run never answered, ``no answer: <knob>=<value>: <reason>``."""
@@ -187,7 +188,8 @@ def reply_text(knob: str, value: Any, reply: protocol.Reply) -> str:
         ranks = reply.get("ranks")
         warning = reply.get("warning")
         return (f"accepted: {assignment(reply.get('knob', knob), reply.get('value', value))}"
-                + (f" applies at step {step}" if step is not None else "")
+                + (" " + when_applied(step, reply.get("after_step"))
+                   if step is not None else "")
                 + (" after a checkpoint" if reply.get("checkpoint") else "")
                 + (" on ranks " + ", ".join(map(str, ranks))
                    if isinstance(ranks, list) and len(ranks) > 1 else "")

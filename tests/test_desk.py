@@ -5,10 +5,12 @@ from typing import Any
 from agent.wire import protocol
 from agent.control.desk import MAX_PENDING_COMMANDS, CommandDesk
 from agent.control.guard import ChangeGuard
-from agent.wire.knobs import ACCUM_STEPS, LR_SCALE, PRECISION, Knob, KnobSet
+from agent.wire.knobs import (ACCUM_STEPS, LR_SCALE, PRECISION, STOP, Knob, KnobSet,
+                              when_applied)
 from agent.control.ledger import Change, ChangeLedger
 from agent.wire.protocol import EventKind
 from agent.search.tune import AutoTune
+from gpuwatch.client import reply_text
 
 TOKEN = "secret"
 
@@ -89,6 +91,25 @@ def test_a_command_applies_at_its_step_and_not_before():
     assert applied["kind"] == EventKind.APPLIED and applied["step"] == 7
     assert applied["previous"] == 1
     assert run.ledger.entries == (Change(7, "accum_steps", 4, 1, "c-accum_steps"),)
+
+
+def test_a_command_that_is_not_a_setting_says_after_which_step_it_runs():
+    """``stop=now`` sent while step 21 trains runs at the boundary after it: the run ends
+    with 21 trained, which "applies at step 22" made people read as one step more."""
+    run = Run()
+    stopped = []
+    run.desk.knobs.add(Knob(STOP, lambda: None, stopped.append))
+    run.train(20)
+    reply = run.command("stop", "now")
+    assert (reply["apply_step"], reply["after_step"]) == (22, 21)
+    assert reply_text("stop", "now", reply) == "accepted: stop=now at the boundary after step 21"
+    assert run.events[-1]["text"] == "stop=now accepted, at the boundary after step 21"
+    run.train(2)
+    assert stopped == ["now"]
+    setting = run.command("accum_steps", 2)  # a setting: the step that trains with it
+    assert "after_step" not in setting
+    assert reply_text("accum_steps", 2, setting) == "accepted: accum_steps=2 applies at step 24"
+    assert when_applied(1, 0) == "before step 1"
 
 
 def test_a_pending_command_is_cancelled_and_a_late_cancel_says_when_it_applied():

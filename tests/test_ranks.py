@@ -127,7 +127,7 @@ def test_a_paused_job_of_several_ranks_goes_on_and_stops_at_the_boundary_held(dd
         resumed = send_command(rank1, "pause", "off", timeout_s=30)
         assert resumed["ok"] and resumed["apply_step"] == held_at, resumed
         assert reply_text("pause", "off", resumed) == (
-            f"accepted: pause=off applies at step {held_at} on ranks 0, 1")
+            f"accepted: pause=off at the boundary after step {held_at - 1} on ranks 0, 1")
         for rank in (0, 1):
             until(rank, lambda m: m["type"] == "step" and m["body"]["step"] >= held_at + 5)
             first = steps[rank][0]

@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 
 from agent.wire import protocol
 from agent.control.guard import GUARDED_KNOBS
-from agent.wire.knobs import CHECKPOINT, RECOVER, KnobError, KnobSet, assignment
+from agent.wire.knobs import (CHECKPOINT, RECOVER, KnobError, KnobSet, assignment,
+                              when_applied)
 from agent.control.ledger import Change, ChangeLedger, Rollback, StateKeeper
 from agent.wire.protocol import (RECOVERY_ID_PREFIX, ROLLBACK_ID_PREFIX, TUNE_ID_PREFIX,
                                  EventKind, Reply)
@@ -262,7 +263,10 @@ class CommandDesk:
                         "apply_step": apply_step, "step": step_now}
         if self.branch:
             reply["branch"] = self.branch
-        text = f"{assignment(knob_name, value)} accepted, applies at step {apply_step}"
+        if self.knobs.knobs[knob_name].spec.command:
+            reply["after_step"] = apply_step - 1
+        text = (f"{assignment(knob_name, value)} accepted, "
+                + when_applied(apply_step, reply.get("after_step")))
         if checkpoint:
             reply["checkpoint"] = True
             text += " after a checkpoint"

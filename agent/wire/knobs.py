@@ -32,6 +32,18 @@ def assignment(knob: str, value: Any) -> str:
     return f"{knob}={('on' if value else 'off') if isinstance(value, bool) else value}"
 
 
+def when_applied(apply_step: int, after_step: int | None = None) -> str:
+    """When an accepted command applies, in people's words.
+
+    A setting: ``applies at step 121`` (step 121 trains with it). A command that is not
+    a setting (``stop``, ``checkpoint``, ``pause``...), given ``after_step`` (its
+    ``apply_step`` - 1): ``at the boundary after step 120`` (it runs once step 120 has
+    trained: ``stop`` ends the run with 120 trained), or ``before step 1``."""
+    if after_step is None:
+        return f"applies at step {apply_step}"
+    return f"at the boundary after step {after_step}" if after_step else "before step 1"
+
+
 #: The kinds of a command that is not a setting (no value to keep, absent from
 #: :meth:`KnobSet.values`): ``action`` (one of its choices) and ``text`` (free text).
 COMMAND_KINDS = frozenset({"action", "text"})

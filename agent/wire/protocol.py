@@ -246,6 +246,10 @@ class Reply(TypedDict, total=False):
     value: Any
     #: the optimizer step it applies at (1-based)
     apply_step: int
+    #: a command that is not a setting (``stop``, ``checkpoint``...): the optimizer step
+    #: it runs after (``apply_step`` - 1), for people's words
+    #: (:func:`agent.wire.knobs.when_applied`)
+    after_step: int
     #: the branch ``apply_step`` is counted on, once the rank has left branch 0 (a
     #: rewind); absent: 0
     branch: int
