@@ -10,7 +10,7 @@ import torch
 
 import agent
 from agent.wire import protocol, runs
-from agent.step.core import LOSSES_HELD_MAX
+from agent.step.core import ERRORS_KEPT_MAX, LOSSES_HELD_MAX
 from agent.step.record import StepRecord
 from agent.wire.runlog import summary_path
 from gpuopt import MixedPrecision, Trainer
@@ -304,6 +304,29 @@ def test_past_the_held_bound_a_host_loss_is_read_at_once_and_its_graph_let_go(ru
     assert [ref() for ref in held] == [None] * len(held)  # published, then let go
     losses = [r["loss"] for r in flat_records(log_path) if r["type"] == "step"]
     assert losses == expected
+
+
+def test_errors_of_its_own_are_kept_to_a_bound_then_counted(run_dir):
+    """A failure whose message varies (a step number in it) is kept, logged and published
+    once each up to :data:`ERRORS_KEPT_MAX`, then counted (repeats too: nothing is kept
+    to tell them), with one event saying so; the heartbeat's count has them all."""
+    monitor = agent.Agent(name="errors")
+    told = []
+    monitor.add_listener(told.append)
+    for step in range(ERRORS_KEPT_MAX + 50):
+        monitor.report_error(f"step {step}'s listener", ValueError("bad"))
+        monitor.report_error(f"step {step}'s listener", ValueError("bad"))  # the same
+    assert len(monitor.errors) == ERRORS_KEPT_MAX and monitor.errors_not_kept == 100
+    assert monitor.errors[-1] == (f"gpuwatch agent: step {ERRORS_KEPT_MAX - 1}'s listener "
+                                  "failed: ValueError: bad")
+    texts = [record["text"] for record in told if record.get("kind") == "agent_error"]
+    assert len(texts) == ERRORS_KEPT_MAX + 1
+    assert texts[-1].startswith(f"gpuwatch agent: more than {ERRORS_KEPT_MAX} distinct errors")
+    monitor.start()
+    try:
+        assert monitor._io._heartbeat()["errors"] == ERRORS_KEPT_MAX + 100
+    finally:
+        monitor.close()
 
 
 def test_steps_queued_since_a_wake_up_go_as_one_batch_with_events_in_their_place(run_dir):

@@ -129,6 +129,8 @@ class AgentView(Protocol):
     @property
     def errors(self) -> list[str]: ...
     @property
+    def errors_not_kept(self) -> int: ...
+    @property
     def started_at(self) -> float: ...
     @property
     def last_step(self) -> int: ...
@@ -546,7 +548,7 @@ class IOLoop:
     def _heartbeat(self) -> protocol.Heartbeat:
         return {"step": self._agent.last_step, "ending": self._agent.ending,
                 "records_dropped": self._encoder.records_dropped,
-                "errors": len(self._agent.errors),
+                "errors": len(self._agent.errors) + self._agent.errors_not_kept,
                 "commands_refused": self._desk.commands_refused,
                 "commands_rejected": self._desk.commands_rejected}
 

@@ -66,6 +66,12 @@ _clock = time.perf_counter
 #: than the wake-ups a shorter poll would take (about 600 us of CPU each, measured).
 LOSSES_HELD_MAX = 1024
 
+#: Distinct internal errors kept in :attr:`Agent.errors`, each logged and published once;
+#: past them, errors are counted (:attr:`Agent.errors_not_kept`): a failure whose message
+#: varies (a step number in it) must neither grow the list nor flood the event log for
+#: the whole run.
+ERRORS_KEPT_MAX = 100
+
 #: How long rank 0's rollback waits for each phase of the fan-out to every rank (s): the
 #: ranks answer from their I/O threads, which a busy host can starve for a while.
 ROLLBACK_TIMEOUT_S = 30.0
@@ -175,7 +181,10 @@ class Agent:
         self._io = IOLoop(self, run_id or shared_run_id(self.world_size), desk=self._desk,
                           encoder=self._encoder, guard=self._change_guard, tune=self.tune,
                           drain_at=queue_size // 4, nvml=nvml)
+        #: gpuwatch's own errors (distinct messages, at most :data:`ERRORS_KEPT_MAX`)
         self.errors: list[str] = []
+        #: errors reported past those (repeats too), counted: not kept, logged or published
+        self.errors_not_kept: int = 0
         self._listeners: tuple[Any, ...] = ()
         if recover is not None and not isinstance(recover, Recovery):
             raise TypeError(f"recover must be an agent.control.recovery.Recovery, got "
@@ -515,11 +524,22 @@ class Agent:
     def report_error(self, where: str, exc: BaseException) -> None:
         """An internal error of gpuwatch's (``where``: what failed): logged and published once.
 
-        Logged and published as an ``agent_error`` event once per distinct message; training
-        continues. Any thread."""
+        Logged and published as an ``agent_error`` event once per distinct message, for the
+        first :data:`ERRORS_KEPT_MAX` messages; past them counted in
+        :attr:`errors_not_kept` (one event says so). Training continues. Any thread."""
         message = f"gpuwatch agent: {where} failed: {type(exc).__name__}: {exc}"
-        if message not in self.errors:
+        if message in self.errors:
+            return
+        if len(self.errors) < ERRORS_KEPT_MAX:
             self.errors.append(message)
+            log.warning(message)
+            self.event("error", message + " (training continues)", kind=EventKind.AGENT_ERROR)
+            return
+        self.errors_not_kept += 1
+        if self.errors_not_kept == 1:
+            message = (f"gpuwatch agent: more than {ERRORS_KEPT_MAX} distinct errors of its "
+                       f"own; the next ones are counted in heartbeats, not shown (the latest: "
+                       f"{where} failed: {type(exc).__name__}: {exc})")
             log.warning(message)
             self.event("error", message + " (training continues)", kind=EventKind.AGENT_ERROR)
 
