@@ -201,13 +201,33 @@ def test_the_ring_keeps_the_latest_states_within_its_budget(run_dir):
         assert [kept[0] for kept in run._ring] == [4, 6]
     finally:
         run.close()
-    small = agent.session(model=model, optimizer=optimizer, name="small",
-                          recover=Recovery(budget_bytes=16))
-    try:
-        with pytest.raises(ValueError, match="larger than the 16 B budget of Recovery"):
-            small.knobs.knobs["recover"].set("on")
-    finally:
-        small.close()
+    # the oldest go before a copy is made: never the ring full and a new copy beside it
+    def kept_while_copying(keep_states: int, budget_bytes: int) -> tuple[list, list]:
+        held = []  # (states kept, their bytes) as each copy is made
+        run = agent.session(model=model, optimizer=optimizer, name="ring",
+                            recover=Recovery(keep_every_steps=1, keep_states=keep_states,
+                                             budget_bytes=budget_bytes))
+        snapshot = run.state_snapshot
+
+        def counted(budget):
+            held.append((len(run._ring), sum(kept[2] for kept in run._ring)))
+            return snapshot(budget)
+
+        run.state_snapshot = counted
+        try:
+            run.knobs.knobs["recover"].set("on")
+            for _ in range(8):
+                run.optimizer_step()
+            return held, [kept[2] for kept in run._ring]
+        finally:
+            run.close()
+
+    held, sizes = kept_while_copying(3, 1 << 30)
+    assert len(sizes) == 3 and max(count for count, _ in held) == 2
+    size = sizes[0]
+    held, sizes = kept_while_copying(9, 2 * size + size // 2)  # room for 2
+    assert sizes == [size, size] and max(count for count, _ in held) == 1
+    assert max(total for _, total in held) == size
 
 
 def _events_of(run) -> list[dict]:

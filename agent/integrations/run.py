@@ -72,6 +72,7 @@ from agent.integrations.ranks import agree, every_rank
 from agent.control.checkpoints import (Checkpoints, knobs_text, own_checkpoint, restore_knobs,
                                        set_knobs)
 from agent.step.core import Agent, ending_reason
+from agent.control.recovery import Recovery
 from agent.integrations import WindowMeter
 from agent.step.record import StepRecord
 from gpuopt.data import batch_size
@@ -851,7 +852,11 @@ class RunBase:
     def _keep_for_recovery(self, *, force: bool = False) -> None:
         """Training thread, at the boundary after :attr:`step`: keep a host copy of the
         state there when the policy's ``keep_every_steps`` says so (or ``force``),
-        dropping the oldest copies beyond ``keep_states`` or the byte budget.
+        dropping the oldest copies beyond ``keep_states`` or the byte budget: before the
+        copy is made (as large as the latest one, it is taken to be), so that at no time
+        more than ``keep_states`` copies are held, nor more than the budget (the
+        ring full and a new copy beside it were one state more than the policy says; a
+        copy that then fails has cost the oldest state).
 
         .. note:: Copies the state to host memory (on GPU a device sync): the training
            thread waits about the state's size over the copy bandwidth at these
@@ -862,6 +867,7 @@ class RunBase:
                           or (self._ring and self._ring[-1][0] == self.step)):
             return
         started = time.perf_counter()
+        self._drop_kept(policy, self._ring[-1][2] if self._ring else 0)
         try:
             snapshot = self.state_snapshot(policy.budget_bytes)
         except StateTooLarge as exc:
@@ -878,15 +884,19 @@ class RunBase:
                                    "back to")
             return
         size = _host_bytes(snapshot)
-        ring = self._ring
-        while ring and (len(ring) >= policy.keep_states
-                        or sum(kept[2] for kept in ring) + size > policy.budget_bytes):
-            ring.popleft()
-        ring.append((self.step, snapshot, size, self._micro_batches_trained))
+        self._drop_kept(policy, size)  # (larger than the one before)
+        self._ring.append((self.step, snapshot, size, self._micro_batches_trained))
         self._ring_not_kept = ""
         self.agent.mark_start()  # the next step's time leaves the copy out
         log.debug("kept the state of step %d for recoveries (%s, %.3f s)", self.step,
                   format_bytes(size), time.perf_counter() - started)
+
+    def _drop_kept(self, policy: Recovery, size: int) -> None:
+        """Drop the oldest kept states until one more of ``size`` bytes fits the policy."""
+        ring = self._ring
+        while ring and (len(ring) >= policy.keep_states
+                        or sum(kept[2] for kept in ring) + size > policy.budget_bytes):
+            ring.popleft()
 
     def _recovery_step(self) -> None:
         """Training thread, at each boundary while recovering or the lr is scaled: keep
