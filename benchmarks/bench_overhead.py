@@ -13,6 +13,10 @@ interleaved (the order rotates each round) and repeated. Monitors:
 - tqdm:            a tqdm progress bar around the loader (the cheapest thing people add)
 - agent:           gpuwatch's agent (``agent.session``), no dashboard connected
 - agent+sub:       the agent with a subscriber process reading every record
+- floor (on the paced loop only): the least per-step Python an observer that times the
+  data wait and records each step can run (:func:`run_floor`): two frames, a tuple
+  appended, no thread: what the agent's training-thread part would cost at best in
+  Python
 - naive_logger, torch_profiler (with ``--all``): psutil + memory stats each step on the
   training thread; torch.profiler with a wait/warmup/active schedule
 
@@ -70,14 +74,15 @@ agent_child_cpu_us_per_step=<ak> agent_overhead_ratio=<r> agent_overhead_ci95=<c
 agent_sub_overhead_ratio=<s> tqdm_cpu_us_per_step=<t> tqdm_overhead_ratio=<tr>
 tqdm_overhead_ci95=<tc> agent_model_cpu_us_per_step=<m> agent_model_cpu_ci95=<mc>
 agent_model_ex_cpu_us_per_step=<x> agent_model_ex_cpu_ci95=<xc>
-tqdm_paced_cpu_us_per_step=<q> tqdm_paced_cpu_ci95=<qc> paced_step_us=<p>``:
+tqdm_paced_cpu_us_per_step=<q> tqdm_paced_cpu_ci95=<qc> floor_paced_cpu_us_per_step=<f>
+floor_paced_cpu_ci95=<fc> paced_step_us=<p>``:
 ``a`` is the training process's CPU a step beyond the bare loop's, all its threads, on
 the paced loop (target <= 3 us at 1,000+ steps/s) and ``ac`` the half-width of its 95%
 interval; ``q``/``qc`` the same for tqdm (a progress bar: the reference of what a
-per-step observer costs between real steps); ``m``/``mc`` and ``x``/``xc`` the model
-loop's cross-checks, ``p`` the paced
-loop's step (us); ``at`` the training thread's share (its per-step code measured alone),
-``ah`` the agent's own threads'; ``ak`` its run-log writer process's (not in ``a``:
+per-step observer costs between real steps), ``f``/``fc`` the floor's; ``m``/``mc`` and
+``x``/``xc`` the model loop's cross-checks, ``p`` the paced loop's step (us); ``at`` the
+training thread's share (its per-step code measured alone), ``ah`` the agent's own
+threads'; ``ak`` its run-log writer process's (not in ``a``:
 another process, but the machine's CPU all the same); ``r`` the mean wall-clock ratio
 and ``c`` the half-width of its 95% interval (target: an interval that reaches 1.02 or
 less), ``s`` the ratio with a subscriber reading; ``t`` tqdm's CPU a step (its per-step
@@ -96,6 +101,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from itertools import repeat
 
 import psutil
@@ -330,6 +336,44 @@ def run_agent(stream, step, steps, clocks, subscriber=False):
     return wall, train, monitor, process
 
 
+def timed_batches(batches, window: list[float]):
+    """``batches``, each ``next()`` timed, its wait added to ``window[0]`` (s): the least a
+    loader wrapper does (:func:`run_floor`'s)."""
+    now = time.perf_counter
+    iterator = iter(batches)
+    while True:
+        start = now()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        window[0] += now() - start
+        yield batch
+
+
+def run_floor(stream, step, steps, clocks):
+    """The floor: the least per-step Python an observer that times the data wait and
+    records each step can run, on the training thread, with no thread of its own: a
+    generator that times each ``next()``, and after each step a clock read, a tuple of
+    the step's numbers appended to a bounded deque and a pending-command check. What
+    the agent's training-thread part would cost were it all in two frames; its I/O
+    thread's work (reading, encoding, publishing) is not in it."""
+    records: deque = deque(maxlen=8192)
+    pending: list = []
+    window = [0.0]
+    clocks.start()
+    clocks.begin()
+    last = time.perf_counter()
+    for number, (inputs, targets) in enumerate(timed_batches(stream(steps), window), 1):
+        loss = step(inputs, targets)
+        now = time.perf_counter()
+        records.append((number, 1, 64, window[0], loss, now - last))
+        last, window[0] = now, 0.0
+        if pending:
+            pending.clear()
+    return clocks.end()
+
+
 def run_naive_logger(stream, step, steps, clocks):
     process = psutil.Process()
     log = []
@@ -365,7 +409,8 @@ MONITORS = {
 }
 EXTRA = {"naive_logger": run_naive_logger, "torch_profiler": run_profiler}
 #: Run on the paced loop (:func:`make_paced_loop`), interleaved with the others.
-PACED = {"paced bare": run_bare, "paced tqdm": run_tqdm, "paced agent": run_agent}
+PACED = {"paced bare": run_bare, "paced tqdm": run_tqdm, "paced agent": run_agent,
+         "paced floor": run_floor}
 
 
 def hot_path_cpu_us(steps: int, repeats: int = 5) -> dict[str, float]:
@@ -502,7 +547,8 @@ def main() -> None:
     beyond = {}  # the process's CPU a step beyond the bare loop's, the steps' own left out
     for label, bare_name, agent_name in (("model loop", "bare", "agent"),
                                          ("paced loop", "paced bare", "paced agent"),
-                                         ("paced loop, tqdm", "paced bare", "paced tqdm")):
+                                         ("paced loop, tqdm", "paced bare", "paced tqdm"),
+                                         ("paced loop, floor", "paced bare", "paced floor")):
         bare_rows, agent_rows = samples[bare_name], samples[agent_name]
         beyond[label] = mean_ci([((row[3] - row[5]) - (bare[3] - bare[5])) / n * 1e6
                                  for row, bare in zip(agent_rows, bare_rows)])
@@ -550,6 +596,8 @@ def main() -> None:
           f"agent_model_ex_cpu_ci95={beyond['model loop'][1]:.2f} "
           f"tqdm_paced_cpu_us_per_step={beyond['paced loop, tqdm'][0]:.2f} "
           f"tqdm_paced_cpu_ci95={beyond['paced loop, tqdm'][1]:.2f} "
+          f"floor_paced_cpu_us_per_step={beyond['paced loop, floor'][0]:.2f} "
+          f"floor_paced_cpu_ci95={beyond['paced loop, floor'][1]:.2f} "
           f"paced_step_us={paced_step_s * 1e6:.1f}")
 
 
