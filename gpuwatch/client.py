@@ -179,7 +179,8 @@ def reply_text(knob: str, value: Any, reply: protocol.Reply) -> str:
     """What to tell people about a reply from :func:`send_command`: accepted, rejected, no answer.
 
     ``accepted: accum_steps=4 applies at step 123`` (``accepted: stop=now at the boundary
-    after step 122`` for a command that is not a setting; ``... on ranks 0, 1`` for several),
+    after step 122`` for a command that is not a setting; ``... (no change)`` for a setting to
+    the value it will have by then; ``... on ranks 0, 1`` for several),
     followed by a second line ``warning: ...`` when the run warned about the value (e.g. an
     autocast precision that is slow on its hardware), ``rejected: <knob>=<value>: <reason>``
     or, when the run never answered, ``no answer: <knob>=<value>: <reason>``."""
@@ -190,6 +191,7 @@ def reply_text(knob: str, value: Any, reply: protocol.Reply) -> str:
         return (f"accepted: {assignment(reply.get('knob', knob), reply.get('value', value))}"
                 + (" " + when_applied(step, reply.get("after_step"))
                    if step is not None else "")
+                + (" (no change)" if reply.get("no_change") else "")
                 + (" after a checkpoint" if reply.get("checkpoint") else "")
                 + (" on ranks " + ", ".join(map(str, ranks))
                    if isinstance(ranks, list) and len(ranks) > 1 else "")

@@ -5,8 +5,8 @@ from typing import Any
 from agent.wire import protocol
 from agent.control.desk import MAX_PENDING_COMMANDS, CommandDesk
 from agent.control.guard import ChangeGuard
-from agent.wire.knobs import (ACCUM_STEPS, LR_SCALE, PRECISION, STOP, Knob, KnobSet,
-                              when_applied)
+from agent.wire.knobs import (ACCUM_STEPS, CHECKPOINT, LR_SCALE, PRECISION, STOP, Knob,
+                              KnobSet, when_applied)
 from agent.control.ledger import Change, ChangeLedger
 from agent.wire.protocol import EventKind
 from agent.search.tune import AutoTune
@@ -110,6 +110,44 @@ def test_a_command_that_is_not_a_setting_says_after_which_step_it_runs():
     assert "after_step" not in setting
     assert reply_text("accum_steps", 2, setting) == "accepted: accum_steps=2 applies at step 24"
     assert when_applied(1, 0) == "before step 1"
+
+
+def test_nothing_is_accepted_or_applied_for_steps_a_pending_stop_never_trains():
+    """``stop=now`` pending for the boundary after step 21: a setting for that boundary
+    or a later one is refused (no step would train with it), a checkpoint there is not;
+    one accepted before the stop for its boundary is not applied there, and says so."""
+    run = Run()
+    stopped, saved = [], []
+    run.desk.knobs.add(Knob(STOP, lambda: None, stopped.append))
+    run.desk.knobs.add(Knob(CHECKPOINT, lambda: None, saved.append))
+    run.train(20)
+    early = run.command("accum_steps", 4, id="early")  # for step 22: before the stop
+    assert early["ok"] and early["apply_step"] == 22
+    assert run.command("stop", "now")["apply_step"] == 22
+    refused = run.command("lr_scale", 2.0)
+    assert not refused["ok"] and refused["reason"] == (
+        "the run stops at the boundary after step 21 (stop=now is pending): no step "
+        "trains with it")
+    assert not run.command("precision", "bf16", apply_step=30)["ok"]
+    assert run.command("checkpoint", "now")["ok"]  # at the stop's own boundary
+    run.train(2)
+    assert stopped == ["now"] and saved == ["now"]
+    assert run.values == {"precision": "fp32", "accum_steps": 1, "lr_scale": 1.0}
+    [cancelled] = [e for e in run.events if e.get("kind") == EventKind.CANCELLED]
+    assert cancelled["text"] == ("accum_steps=4 not applied: stop=now ends the run at the "
+                                 "boundary after step 21, before any step trains with it")
+    assert (cancelled["id"], cancelled["step"]) == ("early", 22)
+    assert not any(e.get("kind") == EventKind.APPLIED and e.get("knob") == "accum_steps"
+                   for e in run.events)
+
+
+def test_a_setting_to_the_value_it_will_have_says_no_change_in_its_reply():
+    run = Run()
+    reply = run.command("lr_scale", 1.0)
+    assert reply["no_change"] is True
+    assert reply_text("lr_scale", 1.0, reply) == ("accepted: lr_scale=1.0 applies at step 2 "
+                                                  "(no change)")
+    assert "no_change" not in run.command("lr_scale", 0.5)
 
 
 def test_a_pending_command_is_cancelled_and_a_late_cancel_says_when_it_applied():

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from agent.wire import protocol
 from agent.control.guard import GUARDED_KNOBS
-from agent.wire.knobs import (CHECKPOINT, RECOVER, KnobError, KnobSet, assignment,
+from agent.wire.knobs import (CHECKPOINT, RECOVER, STOP, KnobError, KnobSet, assignment,
                               when_applied)
 from agent.control.ledger import Change, ChangeLedger, Rollback, StateKeeper
 from agent.wire.protocol import (RECOVERY_ID_PREFIX, ROLLBACK_ID_PREFIX, TUNE_ID_PREFIX,
@@ -232,6 +232,9 @@ class CommandDesk:
         search = self.tune.refusal(command_id, knob_name)
         if search is not None:  # sent before a person took that knob from the search
             return {**rejected, "reason": search}
+        stopping = self._stopped_before(knob_name, apply_step)
+        if stopping is not None:
+            return {**rejected, "reason": stopping}
         if body.get("dry_run") is True:  # the first phase of a command to every rank
             check: Reply = {"id": command_id, "ok": True, "dry_run": True, "knob": knob_name,
                             "value": raw if knob_name == protocol.TUNE else value,
@@ -270,6 +273,8 @@ class CommandDesk:
         if checkpoint:
             reply["checkpoint"] = True
             text += " after a checkpoint"
+        if no_op:
+            reply["no_change"] = True
         shown = not no_op or self._no_op_shown(knob_name, value, step_now)
         if no_op and shown:
             text += " (no change)"
@@ -291,6 +296,23 @@ class CommandDesk:
         if note:  # a person's command on a knob the search explores: theirs now
             reply["note"] = note
         return reply
+
+    def _stopped_before(self, knob: str, apply_step: int) -> str | None:
+        """Why a command for ``knob`` at ``apply_step`` would never take effect, or None.
+
+        A ``stop`` pending at the boundary before ``apply_step`` or an earlier one ends the
+        run there: no step trains with a setting of that boundary or a later one (a
+        command that is not a setting, a checkpoint, still runs at the stop's own)."""
+        with self._lock:
+            stops = [(p.apply_step, p.value) for p in self.pending if p.knob == STOP.name]
+        if not stops:
+            return None
+        at, value = min(stops)
+        command = knob == protocol.TUNE or self.knobs.knobs[knob].spec.command
+        if apply_step < at or (apply_step == at and command):
+            return None
+        return (f"the run stops at the boundary after step {at - 1} "
+                f"({assignment(STOP.name, value)} is pending): no step trains with it")
 
     def _value_at(self, knob: str, apply_step: int) -> Any:
         """The value ``knob`` will have at step ``apply_step`` as things stand: that of
@@ -465,13 +487,23 @@ class CommandDesk:
                 if _spike_start(command) is None}
         checkpoint_failed = changed = False
         rolled_back = ""  # why, once a rollback applied
+        stopped = None  # the stop applied at this boundary: no step trains after it
         for command in commands:
             if _spike_start(command) is None and last[command.knob] is not command:
+                continue
+            if stopped is not None and not self.knobs.knobs[command.knob].spec.command:
+                self._event("warning", f"{assignment(command.knob, command.value)} not "
+                            f"applied: {assignment(STOP.name, stopped.value)} ends the run "
+                            f"at the boundary after step {step}, before any step trains "
+                            "with it", kind=EventKind.CANCELLED, knob=command.knob,
+                            value=command.value, step=step + 1, id=command.command_id)
                 continue
             # (after a rewind at this boundary, the fork's step: the rewind's event
             # comes first, the next step record is the fork's next)
             if self._apply(step + 1 - self._moved_back, command, checkpoint_failed):
                 changed = True
+                if command.knob == STOP.name:
+                    stopped = command
                 if _spike_start(command) is None:  # (a recovery is no rollback)
                     rolled_back = rolled_back or command.rollback_reason or ""
             elif command.knob == CHECKPOINT.name:

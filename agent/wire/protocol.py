@@ -250,6 +250,8 @@ class Reply(TypedDict, total=False):
     #: it runs after (``apply_step`` - 1), for people's words
     #: (:func:`agent.wire.knobs.when_applied`)
     after_step: int
+    #: the setting is the value the knob will have by then: nothing changes
+    no_change: bool
     #: the branch ``apply_step`` is counted on, once the rank has left branch 0 (a
     #: rewind); absent: 0
     branch: int
