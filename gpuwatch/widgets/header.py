@@ -43,23 +43,29 @@ class RunHeader(Panel):
                 are labelled ``● replay``, not ``● live``.
         """
         width = self.app.size.width
-        for narrow, graph, name in ((False, True, True), (True, True, True),
-                                    (True, False, True), (True, False, False)):
-            # what gives way first: the dashboard's name, then the compiled
-            # graph, then the run's name and device: the run id stays whole
+        for narrow, graph, name, counts in ((False, True, True, True),
+                                            (True, True, True, True),
+                                            (True, False, True, True),
+                                            (True, False, False, True),
+                                            (True, False, False, False)):
+            # what gives way first: the dashboard's name, then the compiled graph, then
+            # the run's name and device, then the counts of records missed or dropped
+            # and of commands rejected: the run id stays whole
             content = self._content(state, status, now, description=description,
                                     readonly=readonly, narrow=narrow, graph=graph,
-                                    name=name, replay=replay)
+                                    name=name, replay=replay, counts=counts)
             if not len(content.plain) + 2 > width > 0:
                 break
         self.set_content(content)
 
     def _content(self, state: RunState, status: str, now: float, *, description: str,
                  readonly: bool, narrow: bool, graph: bool = True, name: bool = True,
-                 replay: bool = False) -> Content:
+                 replay: bool = False, counts: bool = True) -> Content:
         """The header's text; ``narrow``: without the dashboard's name, the device
         after the run id; ``graph``: with the graph a compile is at; ``name``: with the
-        run's name and device; ``replay``: see :meth:`show`."""
+        run's name and device; ``replay``: see :meth:`show`; ``counts``: with the counts
+        of records missed or dropped and of commands rejected (the agent's errors
+        are always said)."""
         parts: list[str | tuple[str, str]] = [] if narrow else [
             ("gpuwatch", "bold $primary"), "  "]
         if status == "waiting":
@@ -73,14 +79,14 @@ class RunHeader(Panel):
             if readonly:
                 parts += [("read-only", "$warning"), "  "]
             parts.append((f"step {human_number(state.shown_step)}", "bold"))
-            if state.missed or state.malformed:  # said only when there are some
+            if (state.missed or state.malformed) and counts:  # said only when there are some
                 parts += ["  ", (f"missed {state.missed}" + (
                     f" malformed {state.malformed}" if state.malformed else ""), "$warning")]
-            if state.agent_records_dropped:
+            if state.agent_records_dropped and counts:
                 parts += ["  ", (f"dropped {state.agent_records_dropped}", "$warning")]
             if state.agent_errors:
                 parts += ["  ", (f"agent errors {state.agent_errors}", "$error")]
-            if state.agent_commands_rejected:
+            if state.agent_commands_rejected and counts:
                 parts += ["  ", (f"rejected {state.agent_commands_rejected}", "$warning")]
             # what a person reads before the run id; narrow: the device after it
             for key in ("name",) if narrow else ("name", "device"):
