@@ -448,6 +448,9 @@ async def test_compare_screen_pages_its_columns_rather_than_cut_a_number(tmp_pat
         assert ["step", "time", "(median)", "50.0", "ms", *([] if ratio else ["x0.50"])
                 ] in rows, compared
         assert not ratio or ["step", "time", "(median)", *ratio] in rows, compared
+        assert box.max_scroll_y > 0  # taller than the screen: page down reaches its end
+        await pilot.press(*["pagedown"] * 6)
+        await until(pilot, lambda: box.scroll_y == box.max_scroll_y)
 
 
 async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_agent):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import ScrollableContainer
 from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Static
@@ -24,7 +24,9 @@ BOX_WIDTH_SHARE, BOX_FRAME_COLUMNS = 0.95, 6
 class CompareScreen(ModalScreen[None]):
     """The figures of two or more segments (:func:`gpuwatch.compare.table`); any listed key closes.
 
-    In pages of the columns that fit the screen's width (a number is never cut).
+    In pages of the columns that fit the screen's width (a number is never cut), in a box
+    that the arrow keys and page up / down scroll where it is taller than the screen (a
+    segment's title wider than a narrow screen scrolls sideways).
 
     Args:
         columns: the segments, in order.
@@ -41,11 +43,15 @@ class CompareScreen(ModalScreen[None]):
         self.title = title
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="compare") as box:
+        with ScrollableContainer(id="compare") as box:
             box.border_title = self.title
             yield Static(self._table(), id="compare-table")
             yield Static(Content.styled("escape, q or v closes this screen",
                                         "$text-muted"))
+
+    def on_mount(self) -> None:
+        """The keys scroll the box."""
+        self.query_one("#compare").focus()
 
     def _table(self) -> str:
         """The table in lines as wide as the box can show."""
