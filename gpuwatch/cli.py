@@ -731,8 +731,10 @@ def _job_ended_line(log_path: Path) -> str:
 def _demo_without_ui(command: list[str]) -> int:
     """``demo --no-ui``: the training job in this terminal (its output here), and a
     one-line progress report every :data:`PROGRESS_EVERY_S` (step, step time,
-    throughput, loss) read from its telemetry as a dashboard would; Ctrl-C stops it."""
+    throughput, loss; or that the run is paused) read from its telemetry as a dashboard
+    would (its :class:`gpuwatch.state.RunState`); Ctrl-C stops it."""
     from gpuwatch.client import Subscriber
+    from gpuwatch.state import RunState
 
     print("gpuwatch demo: training in this terminal; watch it with `gpuwatch` from "
           "another one", flush=True)
@@ -744,16 +746,21 @@ def _demo_without_ui(command: list[str]) -> int:
         if info is None:
             return 1
         started, last, shown_at = time.monotonic(), None, time.monotonic()
+        state = RunState(primary_rank=info.rank)
         with Subscriber(info) as subscriber:
             while child.poll() is None:
                 message = subscriber.recv(timeout_s=0.5)
                 if message is not None and message["type"] == protocol.BYE:
                     break  # its last line ("stopped after N ...") stays the last one
-                if message is not None and message["type"] == protocol.STEP:
-                    last = message["body"]
+                if message is not None:
+                    state.ingest(message)
+                    if message["type"] == protocol.STEP:
+                        last = message["body"]
                 if time.monotonic() - shown_at >= PROGRESS_EVERY_S:
                     shown_at = time.monotonic()
-                    print(_progress_line(last, time.monotonic() - started), flush=True)
+                    paused = state.paused_after if state.status == "paused" else None
+                    print(_progress_line(last, time.monotonic() - started, paused),
+                          flush=True)
         return child.wait() or 0
     except KeyboardInterrupt:  # the terminal sent SIGINT to the job as well
         return 130
@@ -761,8 +768,15 @@ def _demo_without_ui(command: list[str]) -> int:
         _stop_child(child, info)
 
 
-def _progress_line(step: dict[str, Any] | None, elapsed_s: float) -> str:
-    """``demo: step 1,200  288 ms/step  109 samples/s  loss 2.04  (5m10s)``."""
+def _progress_line(step: dict[str, Any] | None, elapsed_s: float,
+                   paused_after: int | None = None) -> str:
+    """``demo: step 1,200  288 ms/step  109 samples/s  loss 2.04  (5m10s)``.
+
+    ``paused_after``: the step a ``pause=on`` holds the run after, when it does:
+    ``demo: paused after step 101 (gpuwatch set pause=off goes on)  (5m10s)``."""
+    if paused_after is not None:
+        return (f"demo: paused after step {paused_after:,} (gpuwatch set pause=off goes "
+                f"on)  ({human_age(elapsed_s)})")
     if step is None:
         return f"demo: no step yet ({human_age(elapsed_s)})"
     rate = step.get("tokens_per_s")

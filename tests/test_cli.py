@@ -278,6 +278,8 @@ def test_no_ui_progress_line_reads_at_a_glance():
     line = _progress_line({"step": 1200, "step_time_s": 0.2884, "samples_per_s": 109.2,
                            "loss": 2.0391}, 310)
     assert line == "demo: step 1,200  288 ms/step  109 samples/s  loss 2.04  (5m10s)"
+    assert _progress_line({"step": 101}, 45, 101) == (
+        "demo: paused after step 101 (gpuwatch set pause=off goes on)  (45s)")
 
 
 def test_a_job_in_a_long_step_is_killed_with_its_output_file_named(tmp_path, monkeypatch,
