@@ -113,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     runs.add_argument("--all", action="store_true",
                       help="live and finished runs: name, start, duration, steps, final "
                            "loss, best throughput, knob changes, log size")
+    runs.add_argument("--last", type=int, metavar="N",
+                      help="with --all: the N newest runs only")
     runs.add_argument("--json", action="store_true", help="print a JSON list")
     runs.set_defaults(handler=_runs)
 
@@ -304,8 +306,11 @@ def _watch(info: RunInfo, *, readonly: bool, quick_keys: bool,
 
 
 def _runs(args: argparse.Namespace) -> int:
+    if args.last is not None and (not args.all or args.last < 1):
+        print("gpuwatch runs: --last N goes with --all, N >= 1", file=sys.stderr)
+        return 2
     if args.all:
-        return history_commands.print_all_runs(args.json)
+        return history_commands.print_all_runs(args.json, args.last)
     runs = list_runs()
     if args.json:
         print(json.dumps([info.public() for info in runs], indent=2))

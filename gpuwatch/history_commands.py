@@ -141,9 +141,14 @@ def is_written_by_a_live_run(log: LogFiles) -> bool:
 
 # --- runs --all -----------------------------------------------------------------------
 
-def print_all_runs(as_json: bool) -> int:
-    """``gpuwatch runs --all``: print every run (a table, or JSON); exit status 0."""
+def print_all_runs(as_json: bool, last: int | None = None) -> int:
+    """``gpuwatch runs --all``: print every run, or the ``last`` newest (a table, or JSON).
+
+    Newest first; exit status 0; a line under the table says how many older runs
+    ``last`` left out."""
     summaries = history.all_runs()
+    older = max(0, len(summaries) - last) if last is not None else 0
+    summaries = summaries[:last]
     if as_json:
         print(json.dumps([summary.public() for summary in summaries], indent=2))
         return 0
@@ -172,6 +177,8 @@ def print_all_runs(as_json: bool) -> int:
         if index:
             for line in tree_lines(summaries[index - 1].tree, width_chars=width - 2):
                 print("  " + line)
+    if older:
+        print(f"({older:,} older run{'s' if older > 1 else ''} not shown: --last)")
     return 0
 
 

@@ -263,6 +263,12 @@ def test_runs_all_lists_finished_killed_and_live_runs(run_dir, fake_agent):
     assert listed["steps"] == 30 and listed["best_samples_per_s"] == 320.0
     assert listed["knob_changes"] == 1 and listed["ended"] == "finished"
     assert listed["log_bytes"] == os.path.getsize(os.path.join(logs, f"{RUN}.rank0.runlog"))
+    newest = gpuwatch("runs", "--all", "--last", "1").stdout.splitlines()  # (the live one)
+    assert [row.split()[0] for row in newest[1:-1]] == [fake_agent.info.run_id]
+    assert newest[-1] == "(2 older runs not shown: --last)"
+    assert len(json.loads(gpuwatch("runs", "--all", "--last", "2", "--json").stdout)) == 2
+    refused = gpuwatch("runs", "--last", "2")
+    assert refused.returncode == 2 and "--last N goes with --all" in refused.stderr
 
 
 @pytest.mark.slow
