@@ -86,13 +86,18 @@ def test_trainer_pauses_at_a_boundary_takes_commands_there_and_resumes_losing_no
         assert same["ok"] and same["apply_step"] == held_at + 1, same
         seen += messages(sub, _applied("lr_scale", 1.0))
         assert trainer.step == held_at and thread.is_alive()
+        again = send_command(info, "pause", "on")  # a person's repeat: said so
+        assert again["ok"] and again["after_step"] == held_at, again
+        seen += messages(sub, _applied("pause", "on"))
+        assert _events(seen, "applied", "pause")[1]["text"].endswith(
+            "until pause=off (it was paused already)")
         resume = send_command(info, "pause", "off")
         assert resume["ok"] and resume["apply_step"] == held_at + 1, resume
         seen += messages(sub, lambda m: m["type"] == "bye")
         thread.join(30)
     steps = [m["body"]["step"] for m in seen if m["type"] == "step"]
     assert steps == sorted(set(steps)) and steps[-1] == STEPS  # none lost or repeated
-    [off] = _events(seen, "applied", "pause")[1:]
+    [off] = _events(seen, "applied", "pause")[2:]
     assert off["step"] == held_at + 1 and "goes on" in off["text"]
     assert losses.by_step == _unsteered_losses()
 

@@ -362,7 +362,8 @@ class RunBase:
     def _set_pause(self, value: str) -> dict[str, Any]:
         was, self._pause_requested = self._pause_requested, value == "on"
         if value == "on":
-            return {"text": "the training waits at this boundary, asleep, until pause=off"}
+            return {"text": "the training waits at this boundary, asleep, until pause=off"
+                    + (" (it was paused already)" if was else "")}
         return {"text": "the training goes on" if was else "the training was not paused"}
 
     def _check_stop(self, value: str) -> None:
