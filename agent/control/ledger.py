@@ -73,10 +73,11 @@ class StateKeeper(Protocol):
         At the boundary after that step; or note why it cannot be kept."""
 
     def setting_applied(self, knob: str) -> str:
-        """A command set ``knob`` (a person's or the search's; not a rollback), changed or
-        not: what was planned for it ends (a recovery's scaled ``lr_scale`` does not come
-        back over it). Returns what the applied event says of it (``""`` or
-        ``"; ..."``)."""
+        """A command set ``knob``: what was planned for it ends.
+
+        A person's command or the search's, changed or not (not a rollback): a
+        recovery's scaled ``lr_scale`` does not come back over it. Returns what the
+        applied event says of it (``""`` or ``"; ..."``)."""
 
     def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
         """The episode was rolled back before optimizer step ``step``: put the kept state back.
