@@ -118,8 +118,9 @@ def test_one_noisy_step_is_not_a_spike_nor_are_steps_while_off():
 def test_a_change_that_shifts_the_loss_starts_a_new_level_and_others_do_not():
     """dropout=0.5 raises the loss from 2.02 to 3.0: not a spike (the level starts again
     after the change, from MIN_STEPS losses); a spike above the new level still is. A
-    command (checkpoint=now), recover itself, a failed change or a knob whose change
-    does not move the loss's level (accum_steps) leaves the level as it was."""
+    command (checkpoint=now), recover itself, a failed change, a knob whose change
+    does not move the loss's level (accum_steps) or dropout=0.5 when it was 0.5 ("no
+    change") leaves the level as it was."""
     watch = _watch()
     watch.on_event({"kind": "applied", "knob": "dropout", "value": 0.5, "step": 21})
     assert watch.observe(list(range(21, 21 + MIN_STEPS + 5)),
@@ -129,7 +130,10 @@ def test_a_change_that_shifts_the_loss_starts_a_new_level_and_others_do_not():
     for event in ({"kind": "applied", "knob": "checkpoint", "value": "now"},
                   {"kind": "applied", "knob": "recover", "value": "on"},
                   {"kind": "failed", "knob": "dropout", "value": 0.5},
-                  {"kind": "applied", "knob": "accum_steps", "value": 3}):
+                  {"kind": "applied", "knob": "accum_steps", "value": 3},
+                  # a setting to the value it had: nothing was set (a script re-sending
+                  # it every few steps left no step judged, no spike recovered)
+                  {"kind": "applied", "knob": "dropout", "value": 0.5, "previous": 0.5}):
         again = _watch()
         again.on_event(event)
         assert again.observe([21, 22, 23], [9.0] * 3) is not None, event

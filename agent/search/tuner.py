@@ -53,13 +53,6 @@ CHECK_STEPS = 3
 CHANGE_KINDS = EventKind.CHANGED | {EventKind.RESUMED}
 
 
-def _unchanged(event: dict[str, Any]) -> bool:
-    """Whether ``event`` applied a setting to the value it had: the desk set nothing
-    ("(no change)"), so no step after it trains otherwise than before."""
-    return (event.get("kind") == EventKind.APPLIED and "previous" in event
-            and event["previous"] == event.get("value"))
-
-
 def _not_faster(pairs: int, gain: float, high: float) -> str | None:
     """Why a candidate is reverted without being slower beyond noise after ``pairs``
     pairs (``gain`` and ``high`` of :func:`paired_gain`), or None to measure on."""
@@ -290,9 +283,9 @@ class Tuner:
             self._branched(event)
         elif kind == EventKind.ROLLED_BACK and knob in self.best:
             self._rolled_back(knob, event.get("value"), str(event.get("text", "")))
-        elif kind in CHANGE_KINDS and not self.own(event.get("id")) and (
-                knob not in self.knobs.knobs
-                or not self.knobs.knobs[knob].spec.command) and not _unchanged(event):
+        elif (kind in CHANGE_KINDS and not self.own(event.get("id"))
+              and (knob not in self.knobs.knobs or not self.knobs.knobs[knob].spec.command)
+              and not protocol.applied_unchanged(event)):  # ("(no change)": none)
             self._changed_under(str(event.get("text", kind)))
 
     def person_set(self, knob: str, value: Any, apply_step: int) -> str | None:
