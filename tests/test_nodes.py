@@ -566,8 +566,8 @@ def test_node_summaries_of_a_thousand_nodes_give_every_ranks_pace():
 
 #: Relays of the nodes given (argv: secret file, run id, nodes as JSON): each publishes
 #: a ``node`` summary of its two ranks every 0.2 s, the step counting up from argv[4]
-#: + 1; the entries (one JSON line) name them, a node given as negative with a
-#: malformed endpoint.
+#: + 1, and of the ranks argv[5] (JSON) claims for it besides; the entries (one JSON
+#: line) name them, a node given as negative with a malformed endpoint.
 RELAYS = r"""
 import json, sys, time
 import zmq
@@ -575,6 +575,7 @@ from agent.wire import nodes, protocol
 
 secret = nodes.load_secret(__import__("pathlib").Path(sys.argv[1]))
 run_id, wanted, step = sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+claims = json.loads(sys.argv[5])
 context = zmq.Context()
 sockets, entries, kept = {}, [], []
 for node in wanted:
@@ -600,7 +601,8 @@ while True:
             "node": node, "host": f"host-{node}", "expected": [2 * node, 2 * node + 1],
             "ranks": [{"rank": rank, "step": step, "step_time_s": 0.1,
                        "data_wait_share": 0.05, "heard_s_ago": 0.05}
-                      for rank in (2 * node, 2 * node + 1)], "events_dropped": 0},
+                      for rank in (2 * node, 2 * node + 1, *claims.get(str(node), ()))],
+            "events_dropped": 0},
             run=run_id, rank=2 * node)))
     time.sleep(0.2)
 """
@@ -609,10 +611,11 @@ while True:
 class Relays:
     """A child process of :data:`RELAYS`; ``entries`` as the job's store names them."""
 
-    def __init__(self, secret_path: Path, wanted: list[int], first_step: int) -> None:
+    def __init__(self, secret_path: Path, wanted: list[int], first_step: int,
+                 claims: dict[int, list[int]]) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-c", RELAYS, str(secret_path), RUN_ID, json.dumps(wanted),
-             str(first_step - 1)],
+             str(first_step - 1), json.dumps(claims)],
             stdout=subprocess.PIPE, text=True)
         self.entries = json.loads(self.process.stdout.readline())
 
@@ -625,8 +628,9 @@ class Relays:
 def relays(secret_file):
     started: list[Relays] = []
 
-    def start(wanted: list[int], first_step: int = 1) -> Relays:
-        started.append(Relays(secret_file, wanted, first_step))
+    def start(wanted: list[int], first_step: int = 1,
+              claims: dict[int, list[int]] | None = None) -> Relays:
+        started.append(Relays(secret_file, wanted, first_step, claims or {}))
         return started[-1]
 
     yield start
@@ -681,7 +685,7 @@ def test_a_malformed_relay_endpoint_is_said_once_and_the_others_followed(leader,
                                   "(addr='tcp://no-port-here')"]
         with source.lock:
             assert source.state.node_of(2) == 1 and source.state.node_of(6) == 3
-            assert source.state.node_of(4) is None  # node 2: never heard
+            assert 4 not in source.state.ranks  # node 2: never heard
     finally:
         source.close()
 
@@ -703,5 +707,30 @@ def test_a_relay_back_at_another_port_is_followed_there(leader, relays):
         leader.publish_nodes(again.entries + second.entries)
         wait_until(lambda: step_of(source, 2) >= 10_000, "node 1 heard at its new port",
                    timeout_s=20)
+    finally:
+        source.close()
+
+
+def test_a_relays_summary_claiming_another_nodes_ranks_is_not_taken_for_them(leader,
+                                                                             relays):
+    """Node 2's relay (it holds the job secret: a bug, or a node misconfigured) names
+    ranks 2 and 3 in its summaries besides its own; the store lists them on node 1,
+    whose relay is silent. They stay node 1's, unheard (they were shown as node 2's,
+    at node 2's pace)."""
+    from gpuwatch.sources.live import LiveSource
+
+    silent = relays([1])
+    entries = silent.entries
+    silent.stop()
+    claiming = relays([2], claims={2: [2, 3]})
+    leader.publish_nodes(entries + claiming.entries)
+    source = LiveSource(leader.info)
+    source.start()
+    try:
+        wait_until(lambda: step_of(source, 4) >= 3, "node 2 heard three times")
+        with source.lock:
+            state = source.state
+            assert 2 not in state.ranks and 3 not in state.ranks
+            assert (state.node_of(2), state.node_of(3), state.node_of(4)) == (1, 1, 2)
     finally:
         source.close()

@@ -255,7 +255,7 @@ class LiveSource(Source):
         for info in found:
             if info.nnodes > 1:
                 with self.lock:  # (a relay's summary names the other nodes' ranks)
-                    self.state.rank_nodes[info.rank] = info.node
+                    self.state.list_ranks(info.node, [info.rank])
             if info.rank != self._info.rank and info.rank not in self._others:
                 subscriber = self._subscribe(info)
                 if subscriber is not None:
@@ -273,6 +273,10 @@ class LiveSource(Source):
         new = [info for node, _, info in relays
                if info.pub_endpoint not in (self._relay_endpoints.get(node),
                                             self._relay_unusable.get(node))]
+        if new:
+            with self.lock:  # (a summary speaks for its own node's ranks only)
+                for node, entry, _ in relays:
+                    self.state.list_ranks(node, entry["ranks"])
         for info in new:
             old = self._relay_endpoints.pop(info.node, None)
             if old is not None and self._relay_hub is not None:  # a restarted job's
