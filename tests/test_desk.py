@@ -209,6 +209,9 @@ def test_a_setting_to_the_value_it_has_sets_nothing_and_starts_no_episode():
     run.train(1)
     assert sets == [0.5] and keeper.kept == [5]
     assert run.ledger.entries == (Change(6, "lr_scale", 0.5, 1.0, "c-lr_scale"),)
+    run.command("lr_scale", 0.7, id=f"{protocol.TUNE_ID_PREFIX}1")  # the search's: not a person's
+    run.train(1)
+    assert sets == [0.5, 0.7] and keeper.told == ["lr_scale", "lr_scale"]
 
 
 def test_a_nan_and_an_out_of_memory_error_restore_the_same_last_good_values():

@@ -75,9 +75,10 @@ class StateKeeper(Protocol):
     def setting_applied(self, knob: str) -> str:
         """A command set ``knob``: what was planned for it ends.
 
-        A person's command or the search's, changed or not (not a rollback): a
-        recovery's scaled ``lr_scale`` does not come back over it. Returns what the
-        applied event says of it (``""`` or ``"; ..."``)."""
+        A person's command, changed or not (not a rollback, nor the search's trials,
+        which go back to a value of before): a recovery's scaled ``lr_scale`` does not
+        come back over it. Returns what the applied event says of it (``""`` or
+        ``"; ..."``)."""
 
     def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
         """The episode was rolled back before optimizer step ``step``: put the kept state back.
