@@ -41,10 +41,11 @@ __all__ = ["CommandError", "RunClient", "Subscriber", "list_runs", "new_command_
 #: Largest telemetry message received (bytes): ZeroMQ disconnects a sender of a larger
 #: one before it is held in memory (it reconnects; seq gaps show what was lost).
 RECEIVE_MAX_BYTES = protocol.MAX_MESSAGE_BYTES
-#: Telemetry messages queued in the SUB socket at most. Beyond them ZeroMQ stops
-#: reading, and the run's PUB queues (up to its own high-water mark) and then drops,
-#: which seq gaps show: so a socket holds at most this many times RECEIVE_MAX_BYTES
-#: (64 MiB) whatever a sender does.
+#: Telemetry messages queued in the SUB socket at most, per connection. Beyond them
+#: ZeroMQ stops reading, and the run's PUB queues (up to its own high-water mark) and
+#: then drops, which seq gaps show: so a connection holds at most this many times
+#: RECEIVE_MAX_BYTES (64 MiB) whatever its sender does; a socket connected to many
+#: publishers (:meth:`Subscriber.connect`: every other node's relay) that many times.
 RECEIVE_HIGH_WATER_MARK = 64
 
 

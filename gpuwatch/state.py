@@ -12,7 +12,7 @@ import copy
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from itertools import islice, repeat
 from typing import Any, Callable, NamedTuple
@@ -369,8 +369,9 @@ class RunState:
             other ranks' records update only that, and their warnings and errors go to
             the log with the rank named.
         nodes, rank_nodes: in a multi-node job, each node's :class:`NodePace` and the
-            node of each rank, from the nodes' relays (one socket per node: the ranks
-            of another node are known from its summary, about once a second).
+            node of each rank, from the nodes' relays (the ranks of another node are
+            known from its summary, about once a second) and the job's store
+            (:meth:`list_ranks`).
         malformed: frames or bodies that could not be read (dropped, never raised).
         version: bumped on every change; compare it to know whether to redraw.
     """
@@ -382,6 +383,9 @@ class RunState:
         #: node of each rank they named
         self.nodes: dict[int, NodePace] = {}
         self.rank_nodes: dict[int, int] = {}
+        #: the node of each rank as the job's store (or this machine's run files) lists
+        #: it: a summary of another node does not speak for it
+        self._listed: dict[int, int] = {}
         #: ranks whose pace comes from node summaries (not from their own records)
         self._relayed: set[int] = set()
         #: knob values of each rank's latest few steps: {rank: {step: knobs}}
@@ -585,6 +589,15 @@ class RunState:
         elif rank in self.ranks:  # heard: a heartbeat, hello, ...
             self.ranks[rank] = self.ranks[rank]._replace(heard_at=now)
 
+    def list_ranks(self, node: int, ranks: Iterable[int]) -> None:
+        """``ranks`` are ``node``'s, as the job's store (or a rank's run file) lists them.
+
+        A node summary naming one of them for another node is not taken for it (a relay
+        holds the job secret, but speaks for its own node only: a bug, or a node
+        misconfigured, must not show another node's ranks at its pace)."""
+        for rank in ranks:
+            self._listed[rank] = self.rank_nodes[rank] = node
+
     def _fold_node(self, body: dict[str, Any], now: float) -> None:
         """A node relay's summary: its ranks' pace (ranks heard directly, the shown one
         or those of this machine, keep their own), and the node's data wait."""
@@ -597,7 +610,7 @@ class RunState:
         shares, heard = [], 0
         for entry in (body.get("ranks") or [])[:MAX_ITEMS]:
             rank = entry.get("rank") if isinstance(entry, dict) else None
-            if type(rank) is not int:
+            if type(rank) is not int or self._listed.get(rank, node) != node:
                 continue
             self.rank_nodes[rank] = node
             share = _number(entry.get("data_wait_share"))

@@ -219,9 +219,14 @@ def test_a_setting_to_the_value_it_has_sets_nothing_and_starts_no_episode():
     class Keeper:
         def __init__(self) -> None:
             self.kept: list[int] = []
+            self.told: list[str] = []
 
         def keep_state(self, step: int) -> None:
             self.kept.append(step)
+
+        def setting_applied(self, knob: str) -> str:
+            self.told.append(knob)  # (a no-op is a person's setting all the same)
+            return ""
 
         def restore_state(self, step: int, reason: str) -> tuple[str, str]:
             raise AssertionError("nothing to restore")
@@ -237,10 +242,14 @@ def test_a_setting_to_the_value_it_has_sets_nothing_and_starts_no_episode():
     assert applied["kind"] == EventKind.APPLIED
     assert applied["text"] == "lr_scale=1.0 applied at step 5 (no change)"
     assert sets == [] and keeper.kept == [] and run.ledger.entries == ()
+    assert keeper.told == ["lr_scale"]
     run.command("lr_scale", 0.5)
     run.train(1)
     assert sets == [0.5] and keeper.kept == [5]
     assert run.ledger.entries == (Change(6, "lr_scale", 0.5, 1.0, "c-lr_scale"),)
+    run.command("lr_scale", 0.7, id=f"{protocol.TUNE_ID_PREFIX}1")  # the search's: not a person's
+    run.train(1)
+    assert sets == [0.5, 0.7] and keeper.told == ["lr_scale", "lr_scale"]
 
 
 def test_a_nan_and_an_out_of_memory_error_restore_the_same_last_good_values():

@@ -557,3 +557,180 @@ def test_node_summaries_of_a_thousand_nodes_give_every_ranks_pace():
                                          for rank in range(8 * node, 8 * node + 8)]), now)
     assert len(state.ranks) == 1023 * 8 and len(state.nodes) == 1023
     assert state.slowest_rank(now)[0] == 5000 and state.node_of(5000) == 625
+
+
+# ------------------------------------------------------------------ one socket, attacked
+# the dashboard's one socket for every other node's relay: a store entry it cannot
+# connect to beside good ones, and a relay that comes back at other ports
+
+
+#: Relays of the nodes given (argv: secret file, run id, nodes as JSON): each publishes
+#: a ``node`` summary of its two ranks every 0.2 s, the step counting up from argv[4]
+#: + 1, and of the ranks argv[5] (JSON) claims for it besides; the entries (one JSON
+#: line) name them, a node given as negative with a malformed endpoint.
+RELAYS = r"""
+import json, sys, time
+import zmq
+from agent.wire import nodes, protocol
+
+secret = nodes.load_secret(__import__("pathlib").Path(sys.argv[1]))
+run_id, wanted, step = sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+claims = json.loads(sys.argv[5])
+context = zmq.Context()
+sockets, entries, kept = {}, [], []
+for node in wanted:
+    public, private = nodes.server_keys(secret, run_id, abs(node))
+    ports = []
+    for kind in (zmq.PUB, zmq.ROUTER):
+        socket = context.socket(kind)
+        socket.curve_secretkey, socket.curve_publickey = private.encode(), public.encode()
+        socket.curve_server = True
+        ports.append(socket.bind_to_random_port("tcp://127.0.0.1"))
+        kept.append(socket)
+    sockets[abs(node)] = kept[-2]
+    ranks = [2 * abs(node), 2 * abs(node) + 1]
+    entries.append({"node": abs(node), "host": f"host-{abs(node)}", "server_key": public,
+                    "pub_endpoint": f"tcp://127.0.0.1:{ports[0]}" if node > 0
+                    else "tcp://no-port-here",
+                    "cmd_endpoint": f"tcp://127.0.0.1:{ports[1]}", "ranks": ranks})
+print(json.dumps(entries), flush=True)
+while True:
+    step += 1
+    for node, socket in sockets.items():
+        socket.send_multipart(protocol.encode(protocol.envelope(protocol.NODE, {
+            "node": node, "host": f"host-{node}", "expected": [2 * node, 2 * node + 1],
+            "ranks": [{"rank": rank, "step": step, "step_time_s": 0.1,
+                       "data_wait_share": 0.05, "heard_s_ago": 0.05}
+                      for rank in (2 * node, 2 * node + 1, *claims.get(str(node), ()))],
+            "events_dropped": 0},
+            run=run_id, rank=2 * node)))
+    time.sleep(0.2)
+"""
+
+
+class Relays:
+    """A child process of :data:`RELAYS`; ``entries`` as the job's store names them."""
+
+    def __init__(self, secret_path: Path, wanted: list[int], first_step: int,
+                 claims: dict[int, list[int]]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", RELAYS, str(secret_path), RUN_ID, json.dumps(wanted),
+             str(first_step - 1), json.dumps(claims)],
+            stdout=subprocess.PIPE, text=True)
+        self.entries = json.loads(self.process.stdout.readline())
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture
+def relays(secret_file):
+    started: list[Relays] = []
+
+    def start(wanted: list[int], first_step: int = 1,
+              claims: dict[int, list[int]] | None = None) -> Relays:
+        started.append(Relays(secret_file, wanted, first_step, claims or {}))
+        return started[-1]
+
+    yield start
+    for each in started:
+        each.stop()
+
+
+@pytest.fixture
+def leader(run_dir):
+    """Rank 0 of node 0; ``publish(entries)`` writes the store's entries of the other
+    nodes in its run file (as its node link does when the store changes)."""
+    agent = FakeAgent(run_dir, run_id=RUN_ID, rank=0, world_size=8).start()
+
+    def publish(entries: list[dict]) -> None:
+        agent.info.nnodes = len(entries) + 1
+        agent.info.nodes = [{**entries[0], "node": 0, "ranks": [0, 1]}, *entries]
+        runs.write_run_file(agent.info, Path(run_dir))
+
+    agent.publish_nodes = publish
+    yield agent
+    agent.stop()
+
+
+def step_of(source, rank: int) -> int:
+    with source.lock:
+        pace = source.state.ranks.get(rank)
+        return pace.step if pace is not None and pace.step is not None else 0
+
+
+def errors(source) -> list[str]:
+    with source.lock:
+        return [entry.text for entry in source.state.events if entry.level == "error"]
+
+
+def test_a_malformed_relay_endpoint_is_said_once_and_the_others_followed(leader, relays):
+    """Node 2's entry names an endpoint ZeroMQ cannot parse, between two good relays:
+    both are followed, and the error is said once (it was said at every look at the
+    store, once a second for the whole run)."""
+    from gpuwatch.sources.live import LiveSource
+
+    node_relays = relays([1, -2, 3])
+    leader.publish_nodes(node_relays.entries)
+    source = LiveSource(leader.info)
+    source.start()
+    try:
+        wait_until(lambda: step_of(source, 2) and step_of(source, 6), "nodes 1 and 3 heard")
+        wait_until(lambda: errors(source), "the malformed endpoint said")
+        first = step_of(source, 6)
+        # 3 s of summaries (each 0.2 s): three looks at the store at least
+        wait_until(lambda: step_of(source, 6) >= first + 15, "3 s more of node 3")
+        assert errors(source) == ["cannot subscribe to tcp://no-port-here: Invalid argument "
+                                  "(addr='tcp://no-port-here')"]
+        with source.lock:
+            assert source.state.node_of(2) == 1 and source.state.node_of(6) == 3
+            assert 4 not in source.state.ranks  # node 2: never heard
+    finally:
+        source.close()
+
+
+def test_a_relay_back_at_another_port_is_followed_there(leader, relays):
+    """A job restarted by torchrun keeps its run id; each node's relay starts again on
+    new ports and the store names them: the dashboard follows node 1 there (it kept
+    waiting at the old port: node 1 silent for ever), and node 2 all along."""
+    from gpuwatch.sources.live import LiveSource
+
+    first, second = relays([1]), relays([2])
+    leader.publish_nodes(first.entries + second.entries)
+    source = LiveSource(leader.info)
+    source.start()
+    try:
+        wait_until(lambda: step_of(source, 2) and step_of(source, 4), "nodes 1 and 2 heard")
+        first.stop()
+        again = relays([1], first_step=10_000)  # node 1's relay, back at new ports
+        leader.publish_nodes(again.entries + second.entries)
+        wait_until(lambda: step_of(source, 2) >= 10_000, "node 1 heard at its new port",
+                   timeout_s=20)
+    finally:
+        source.close()
+
+
+def test_a_relays_summary_claiming_another_nodes_ranks_is_not_taken_for_them(leader,
+                                                                             relays):
+    """Node 2's relay (it holds the job secret: a bug, or a node misconfigured) names
+    ranks 2 and 3 in its summaries besides its own; the store lists them on node 1,
+    whose relay is silent. They stay node 1's, unheard (they were shown as node 2's,
+    at node 2's pace)."""
+    from gpuwatch.sources.live import LiveSource
+
+    silent = relays([1])
+    entries = silent.entries
+    silent.stop()
+    claiming = relays([2], claims={2: [2, 3]})
+    leader.publish_nodes(entries + claiming.entries)
+    source = LiveSource(leader.info)
+    source.start()
+    try:
+        wait_until(lambda: step_of(source, 4) >= 3, "node 2 heard three times")
+        with source.lock:
+            state = source.state
+            assert 2 not in state.ranks and 3 not in state.ranks
+            assert (state.node_of(2), state.node_of(3), state.node_of(4)) == (1, 1, 2)
+    finally:
+        source.close()

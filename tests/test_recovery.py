@@ -118,8 +118,9 @@ def test_one_noisy_step_is_not_a_spike_nor_are_steps_while_off():
 def test_a_change_that_shifts_the_loss_starts_a_new_level_and_others_do_not():
     """dropout=0.5 raises the loss from 2.02 to 3.0: not a spike (the level starts again
     after the change, from MIN_STEPS losses); a spike above the new level still is. A
-    command (checkpoint=now), recover itself, a failed change or a knob whose change
-    does not move the loss's level (accum_steps) leaves the level as it was."""
+    command (checkpoint=now), recover itself, a failed change, a knob whose change
+    does not move the loss's level (accum_steps) or dropout=0.5 when it was 0.5 ("no
+    change") leaves the level as it was."""
     watch = _watch()
     watch.on_event({"kind": "applied", "knob": "dropout", "value": 0.5, "step": 21})
     assert watch.observe(list(range(21, 21 + MIN_STEPS + 5)),
@@ -129,7 +130,10 @@ def test_a_change_that_shifts_the_loss_starts_a_new_level_and_others_do_not():
     for event in ({"kind": "applied", "knob": "checkpoint", "value": "now"},
                   {"kind": "applied", "knob": "recover", "value": "on"},
                   {"kind": "failed", "knob": "dropout", "value": 0.5},
-                  {"kind": "applied", "knob": "accum_steps", "value": 3}):
+                  {"kind": "applied", "knob": "accum_steps", "value": 3},
+                  # a setting to the value it had: nothing was set (a script re-sending
+                  # it every few steps left no step judged, no spike recovered)
+                  {"kind": "applied", "knob": "dropout", "value": 0.5, "previous": 0.5}):
         again = _watch()
         again.on_event(event)
         assert again.observe([21, 22, 23], [9.0] * 3) is not None, event
@@ -531,3 +535,39 @@ def test_a_drop_that_fails_puts_the_state_and_data_position_as_they_were_back(ru
                 "injected: 3 cannot be dropped)") in error["text"], error["text"]
     finally:
         run.close()
+
+
+@pytest.mark.parametrize("value", [0.2, 0.5])
+def test_a_persons_lr_scale_during_a_recoverys_scaled_steps_is_kept_after_them(
+        run_dir, tmp_path, value):
+    """A recovery scales lr_scale 1.0 -> 0.5 for 10 steps; a person's lr_scale, a real
+    command, applies during them: the person's value holds after them (the recovery's
+    timer put its 1.0 back over it, for 0.2 a learning rate five times the one
+    commanded), and a checkpoint then keeps it. 0.5, the scaled value, sets nothing
+    ("no change") but is the person's all the same."""
+    from agent.wire.commands import send_command
+
+    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
+                                          lr_steps=10))
+    run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
+    events = _events_of(run)
+    try:
+        loop.train_to(12)
+        run.recover(12, 11, "loss spike: test")
+        assert (run.step, lr.get(), run._lr_back) == (10, 0.5, (20, 1.0))
+        loop.train_to(13)
+        reply = send_command(run.agent.info, "lr_scale", value)
+        assert reply["ok"], reply
+        seen = {}
+        while run.step < 25:
+            loop.train_to(run.step + 1)
+            seen[run.step] = lr.get()
+        assert set(seen.values()) == {value}, seen
+        values, note = run.chosen_knobs()
+        assert values["lr_scale"] == value and note is None, (values, note)
+    finally:
+        run.close()
+    assert not [e for e in events if "back to 1" in e.get("text", "")], events
+    assert [e["text"] for e in events if e.get("knob") == "lr_scale"
+            and e.get("kind") == "applied"][-1].endswith(
+        "; the recovery's scaled lr ends: lr_scale is this value from now on")

@@ -1116,3 +1116,21 @@ def test_a_run_that_ends_during_a_search_ends_it_before_its_bye(run_dir):
     assert final["status"] == "stopped"
     assert "the run ended before the search did" in final["text"]
     assert _event_texts(seen, "tuned") == [final["text"]]
+
+
+def test_a_setting_to_the_value_it_has_does_not_void_a_trials_measurement():
+    """Arithmetic: a script sets precision=fp32, what it is, every 10 steps while the
+    search runs (the desk sets nothing: "(no change)"). Nothing changed under the trial,
+    so it is not measured again: x=1, twice as fast, is kept as without the script
+    (each such event voided the trial's pairs: it was never judged, at any budget)."""
+    def script(tuner, step):
+        if step % 10 == 0:
+            tuner.on_event({"kind": "applied", "id": f"s{step}", "knob": "precision",
+                            "value": "fp32", "previous": "fp32", "step": step,
+                            "text": f"precision=fp32 applied at step {step} (no change)"})
+
+    events = []
+    tuner = _x_search(lambda x, step: 0.1 if x == 0 else 0.05, script, events)
+    (candidate,) = tuner.candidates
+    assert candidate.state == "kept" and candidate.gain == pytest.approx(1.0)
+    assert not [body for body in events if "measuring it again" in body.get("text", "")]

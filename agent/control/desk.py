@@ -562,6 +562,9 @@ class CommandDesk:
         text = f"{assignment(command.knob, command.value)} applied at step {step}"
         if unchanged:
             text += " (no change)"
+        if (not action and not command.rollback_reason and self.state_keeper is not None
+                and not str(command.command_id or "").startswith(TUNE_ID_PREFIX)):
+            text += self.state_keeper.setting_applied(command.knob)  # (a person's)
         if command.rollback_reason:
             text += f": rolled back because {command.rollback_reason}"
         if "text" in detail:

@@ -65,12 +65,20 @@ class Rollback:
 class StateKeeper(Protocol):
     """What keeps the training state for rollbacks (:class:`agent.integrations.run.RunBase`).
 
-    The run base. Both are called on the training thread, at a boundary."""
+    The run base. Each is called on the training thread, at a boundary."""
 
     def keep_state(self, step: int) -> None:
         """A guarded change starts an episode after optimizer step ``step``: keep the state there.
 
         At the boundary after that step; or note why it cannot be kept."""
+
+    def setting_applied(self, knob: str) -> str:
+        """A command set ``knob``: what was planned for it ends.
+
+        A person's command, changed or not (not a rollback, nor the search's trials,
+        which go back to a value of before): a recovery's scaled ``lr_scale`` does not
+        come back over it. Returns what the applied event says of it (``""`` or
+        ``"; ..."``)."""
 
     def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
         """The episode was rolled back before optimizer step ``step``: put the kept state back.

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.wire.knobs import STANDARD_KNOBS
-from agent.wire.protocol import EventKind
+from agent.wire.protocol import EventKind, applied_unchanged
 
 #: Host memory the kept states may take together by default (bytes).
 RECOVERY_BUDGET_BYTES = 4 << 30
@@ -184,9 +184,10 @@ class SpikeWatch:
         put back by a rollback, starts a new level: the losses before it are dropped from
         the median and the next :data:`MIN_STEPS` ones make the new level before any is
         judged, so such a change is never taken for a spike and undone by a recovery. A
-        change of another knob keeps the level (a spike after it is still recovered
-        from; the harm a change does is the change guard's to judge). O(1)."""
-        if event.get("kind") not in _CHANGED:
+        setting to the value it had ("(no change)": nothing set), or a change of another
+        knob, keeps the level (a spike after it is still recovered from; the harm a
+        change does is the change guard's to judge). O(1)."""
+        if event.get("kind") not in _CHANGED or applied_unchanged(event):
             return
         knob = event.get("knob")
         spec = STANDARD_KNOBS.get(knob) if isinstance(knob, str) else None

@@ -511,6 +511,18 @@ class RunBase:
             return
         self._kept = (step, snapshot, _host_bytes(snapshot))
 
+    def setting_applied(self, knob: str) -> str:
+        """Training thread, at a boundary: a command set ``knob``; a recovery's lr ends.
+
+        ``lr_scale`` while a recovery scales it, changed or not (to the scaled value
+        too): the person's value holds and the recovery's timer ends (it put the value
+        before the recovery back over the person's, a learning rate other than the one
+        commanded). Returns what the applied event says of it (``""`` or ``"; ..."``)."""
+        if knob != LR_SCALE.name or self._lr_back is None:
+            return ""
+        self._lr_back = None
+        return "; the recovery's scaled lr ends: lr_scale is this value from now on"
+
     def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
         """Training thread, after a rollback set the knobs back: put the kept state back.
 

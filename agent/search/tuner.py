@@ -283,9 +283,9 @@ class Tuner:
             self._branched(event)
         elif kind == EventKind.ROLLED_BACK and knob in self.best:
             self._rolled_back(knob, event.get("value"), str(event.get("text", "")))
-        elif kind in CHANGE_KINDS and not self.own(event.get("id")) and (
-                knob not in self.knobs.knobs
-                or not self.knobs.knobs[knob].spec.command):
+        elif (kind in CHANGE_KINDS and not self.own(event.get("id"))
+              and (knob not in self.knobs.knobs or not self.knobs.knobs[knob].spec.command)
+              and not protocol.applied_unchanged(event)):  # ("(no change)": none)
             self._changed_under(str(event.get("text", kind)))
 
     def person_set(self, knob: str, value: Any, apply_step: int) -> str | None:

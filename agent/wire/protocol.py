@@ -170,7 +170,8 @@ class EventKind:
 
     #: a command was accepted for a later step (``step``: the step it applies at)
     ACCEPTED = "accepted"
-    #: a knob was set at an optimizer-step boundary (``previous``: the value before)
+    #: a knob was set at an optimizer-step boundary (``previous``: the value before; a
+    #: setting to the value it had sets nothing: :func:`applied_unchanged`)
     APPLIED = "applied"
     #: setting a knob failed; the previous value stays
     FAILED = "failed"
@@ -227,6 +228,17 @@ class EventKind:
     #: kinds that end a compiling phase (besides the first step record after it)
     COMPILE_ENDED = frozenset({COMPILED, FAILED})
 
+
+
+def applied_unchanged(event: dict[str, Any]) -> bool:
+    """Whether ``event`` applied a setting to the value it had (nothing was set).
+
+    An ``applied`` event whose ``previous`` equals its ``value``: the command desk sets
+    nothing then (its text says "(no change)"), so no step after it trains otherwise
+    than before: not a change for those who watch changes (the in-run search's
+    measurement, the spike watch's level)."""
+    return (event.get("kind") == EventKind.APPLIED and "previous" in event
+            and event["previous"] == event.get("value"))
 
 
 class Reply(TypedDict, total=False):

@@ -32,6 +32,7 @@ those events are.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -56,6 +57,11 @@ BATCH_BYTES = 4 << 20
 BATCH_S = 0.02
 #: While the run is gone, how often its run file is looked for again (s).
 RECHECK_S = 1.0
+#: While another node's relay is silent, how often the job's store is looked at for
+#: the node at other ports (s): a job restarted by torchrun keeps its run id, and its
+#: relays start again on new ports. A look derives every other node's keys from the
+#: job secret (80 ms of CPU at 1,024 nodes): not every second for a node gone for good.
+SILENT_RECHECK_S = 10.0
 
 
 class LiveSource(Source):
@@ -74,11 +80,16 @@ class LiveSource(Source):
         #: Subscribers of the run's other ranks, by rank (this thread's).
         self._others: dict[int, Subscriber] = {}
         #: The one subscriber of every other node's relay (this thread's; None before the
-        #: first), and the nodes it is connected to: a poll's cost grows with the sockets
-        #: polled (1.65 ms of CPU a poll of 1,031 sockets, 22 polls/s at 1,024 nodes: a
-        #: third of the source's CPU), not with the publishers a socket is connected to.
+        #: first), and the endpoint it is connected to of each node: a poll's cost grows
+        #: with the sockets polled (1.65 ms of CPU a poll of 1,031 sockets, 22 polls/s at
+        #: 1,024 nodes: a third of the source's CPU), not with the publishers a socket is
+        #: connected to.
         self._relay_hub: Subscriber | None = None
-        self._relay_nodes: set[int] = set()
+        self._relay_endpoints: dict[int, str] = {}
+        #: The endpoint of each node that could not be connected to (malformed), said
+        #: once: tried again only when the store names another (looked for every
+        #: :data:`SILENT_RECHECK_S`).
+        self._relay_unusable: dict[int, str] = {}
         #: Every subscriber of this thread, by socket, each registered in the one poller
         #: (a wake-up costs what is ready, not what is followed).
         self._followed: dict[zmq.Socket, Subscriber] = {}
@@ -123,10 +134,17 @@ class LiveSource(Source):
 
     def _subscribe(self, info: RunInfo) -> Subscriber | None:
         try:
-            subscriber = Subscriber(info)  # the socket lives in this thread
+            return self._open(info)
         except zmq.ZMQError as exc:  # e.g. a malformed endpoint in the run file
             self._cannot_follow(info, exc)
             return None
+
+    def _open(self, info: RunInfo) -> Subscriber:
+        """A subscriber of ``info``, registered in the poller.
+
+        Raises:
+            zmq.ZMQError: the endpoint is malformed."""
+        subscriber = Subscriber(info)  # the socket lives in this thread
         self._followed[subscriber.socket] = subscriber
         self._poller.register(subscriber.socket, zmq.POLLIN)
         return subscriber
@@ -153,10 +171,16 @@ class LiveSource(Source):
                 if len(self._others) < self._local_others and now >= next_rank_check:
                     next_rank_check = now + RECHECK_S
                     self._subscribe_other_ranks()
-                if (len(self._relay_nodes) < self._info.nnodes - 1
-                        and now >= next_relay_check):
-                    next_relay_check = now + RECHECK_S
-                    self._subscribe_relays()
+                if self._info.nnodes > 1 and now >= next_relay_check:
+                    if (len(self._relay_endpoints) + len(self._relay_unusable)
+                            < self._info.nnodes - 1):  # nodes not in the store yet
+                        next_relay_check = now + RECHECK_S
+                        self._subscribe_relays()
+                    elif self._relay_unusable or self._relay_silent(now):
+                        next_relay_check = now + SILENT_RECHECK_S
+                        self._subscribe_relays()
+                    else:
+                        next_relay_check = now + RECHECK_S
                 ready = self._poll(subscriber)
                 now = time.monotonic()
                 if subscriber not in ready:
@@ -231,7 +255,7 @@ class LiveSource(Source):
         for info in found:
             if info.nnodes > 1:
                 with self.lock:  # (a relay's summary names the other nodes' ranks)
-                    self.state.rank_nodes[info.rank] = info.node
+                    self.state.list_ranks(info.node, [info.rank])
             if info.rank != self._info.rank and info.rank not in self._others:
                 subscriber = self._subscribe(info)
                 if subscriber is not None:
@@ -239,25 +263,37 @@ class LiveSource(Source):
 
     def _subscribe_relays(self) -> None:
         """Subscribe to the relays of the other nodes the job's store has named since
-        the last look; say once why some cannot be (no job secret, a forged entry)."""
+        the last look, or at another endpoint since (a job restarted by torchrun); say
+        once why some cannot be (no job secret, a forged entry, a malformed endpoint)."""
         try:
             relays, problem = remote_relays(self._info.run_id, self._info.world_size,
                                             {self._info.node})
         except OSError:
             return
-        new = [info for node, _, info in relays if node not in self._relay_nodes]
+        new = [info for node, _, info in relays
+               if info.pub_endpoint not in (self._relay_endpoints.get(node),
+                                            self._relay_unusable.get(node))]
+        if new:
+            with self.lock:  # (a summary speaks for its own node's ranks only)
+                for node, entry, _ in relays:
+                    self.state.list_ranks(node, entry["ranks"])
         for info in new:
-            if self._relay_hub is None:
-                self._relay_hub = self._subscribe(info)
+            old = self._relay_endpoints.pop(info.node, None)
+            if old is not None and self._relay_hub is not None:  # a restarted job's
+                # relay, on new ports: the old ones are nobody's now, or another's
+                with contextlib.suppress(zmq.ZMQError):
+                    self._relay_hub.socket.disconnect(old)
+            try:
                 if self._relay_hub is None:
-                    continue
-            else:
-                try:
+                    self._relay_hub = self._open(info)
+                else:
                     self._relay_hub.connect(info)
-                except zmq.ZMQError as exc:  # e.g. a malformed endpoint in the store
-                    self._cannot_follow(info, exc)
-                    continue
-            self._relay_nodes.add(info.node)
+            except zmq.ZMQError as exc:  # e.g. a malformed endpoint in the store
+                self._relay_unusable[info.node] = info.pub_endpoint
+                self._cannot_follow(info, exc)
+                continue
+            self._relay_unusable.pop(info.node, None)
+            self._relay_endpoints[info.node] = info.pub_endpoint
         if new:  # their command connections too, kept for the first command: a CURVE
             # handshake each (1,023 at 1,024 nodes), paid now rather than while it waits
             with RankConnections(new, keep=[True] * len(new)):
@@ -266,6 +302,12 @@ class LiveSource(Source):
             self._relay_problem = problem
             with self.lock:
                 self.state.log("warning", f"other nodes not followed: {problem}")
+
+    def _relay_silent(self, now: float) -> bool:
+        """Whether a node followed is silent (its relay gone, or moved: see
+        :data:`SILENT_RECHECK_S`)."""
+        with self.lock:
+            return bool(self.state.silent_nodes(now))
 
     def _refresh(self, subscriber: Subscriber) -> Subscriber:
         """Read the run file of this run id and rank again; if another process wrote
