@@ -337,8 +337,9 @@ def run_agent(stream, step, steps, clocks, subscriber=False):
 
 
 def timed_batches(batches, window: list[float]):
-    """``batches``, each ``next()`` timed, its wait added to ``window[0]`` (s): the least a
-    loader wrapper does (:func:`run_floor`'s)."""
+    """``batches``, each ``next()`` timed and its wait added to ``window[0]`` (s).
+
+    The least a loader wrapper does (:func:`run_floor`'s)."""
     now = time.perf_counter
     iterator = iter(batches)
     while True:
@@ -352,8 +353,9 @@ def timed_batches(batches, window: list[float]):
 
 
 def run_floor(stream, step, steps, clocks):
-    """The floor: the least per-step Python an observer that times the data wait and
-    records each step can run, on the training thread, with no thread of its own: a
+    """The floor: the least per-step Python that times the data wait and records each step.
+
+    What an observer can run on the training thread, with no thread of its own: a
     generator that times each ``next()``, and after each step a clock read, a tuple of
     the step's numbers appended to a bounded deque and a pending-command check. What
     the agent's training-thread part would cost were it all in two frames; its I/O
