@@ -244,7 +244,8 @@ def test_a_loop_changes_the_mixture_at_its_step_and_a_resume_draws_the_same(run_
         reply = send_command(info, knob, value, apply_step=step)
         assert reply["ok"] and reply["apply_step"] == step, reply
     assert reply_text("mixture", "1,9", send_command(info, "mixture", "1,9", apply_step=4)) \
-        == "accepted: mixture=0.1,0.9 applies at step 4"  # normalised, as it applies
+        == "accepted: mixture=0.1,0.9 applies at step 4 (no change)"  # normalised, as
+    # it applies: the value the knob will have by then (the command before it)
     refused = send_command(info, "mixture", "1,1,1")
     assert refused["reason"] == ("mixture: 3 weights, and this run's mixture has 2 "
                                  "datasets: one weight each")

@@ -91,11 +91,17 @@ def test_children_are_found_by_a_scan_every_few_readings_and_dropped_when_they_e
     assert probe.children_cpu_pct() == 0.0  # the scan: first seen
     _burn(burner)
     assert probe.children_cpu_pct() > 0.0
-    assert _files_open_on(f"/proc/{burner.pid}/stat") == 1
+    # its own descriptor on the child's file (another agent's probe in this process,
+    # one a test left running, reads it too: the count of descriptors is not this one's)
+    path = f"/proc/{burner.pid}/stat"
+    handle = probe._children[burner.pid][0]
+    assert os.readlink(f"/proc/self/fd/{handle}") == path
+    opened = _files_open_on(path)
     burner.stdin.close()
     burner.wait(30)
     assert probe.children_cpu_pct() == 0.0  # it ended: dropped
-    assert _files_open_on(f"/proc/{burner.pid}/stat") == 0
+    assert burner.pid not in probe._children
+    assert _files_open_on(path) < opened  # its descriptor closed
     later = child(_BURNER)
     assert probe.children_cpu_pct() == 0.0  # a scan at once: first seen
     _burn(later)
