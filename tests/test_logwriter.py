@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 import torch
 
 import agent
@@ -28,6 +29,22 @@ from gpuwatch import history
 from gpuwatch.client import Subscriber
 from tests.conftest import wait_until
 from tests.test_security import VICTIM, job_env
+
+
+@pytest.fixture
+def started(run_dir):
+    """``started(name)``: an agent started now, closed after the test whether it passed or
+    failed (a test that failed before its own close left the agent's threads running
+    into the tests after it)."""
+    made: list[agent.Agent] = []
+
+    def start(name: str) -> agent.Agent:
+        made.append(agent.Agent(name=name).start())
+        return made[-1]
+
+    yield start
+    for monitor in made:
+        monitor.close()  # (idempotent: most tests close it themselves)
 
 
 def _train(monitor: agent.Agent, first: int, count: int) -> int:
@@ -65,11 +82,11 @@ def _run_log_errors(monitor: agent.Agent) -> list[str]:
     return [error for error in monitor.errors if "run log failed" in error]
 
 
-def test_close_waits_until_the_log_and_its_summary_are_complete(run_dir):
+def test_close_waits_until_the_log_and_its_summary_are_complete(started):
     """Right after close the log holds every record published, in order, and the summary
     covers it; SIGINT and SIGTERM (a terminal's or a launcher's, to the whole group) do
     not end the writer before."""
-    monitor = agent.Agent(name="closed").start()
+    monitor = started("closed")
     writer = psutil.Process(monitor._io._log.pid)
     assert "agent.io.logwriter" in " ".join(writer.cmdline())
     assert os.path.isfile(monitor.info.log_path)  # made by the agent; the writer: not waited for
@@ -95,8 +112,8 @@ def test_close_waits_until_the_log_and_its_summary_are_complete(run_dir):
     assert _run_log_errors(monitor) == []
 
 
-def test_a_writer_killed_is_said_once_and_training_goes_on(run_dir):
-    monitor = agent.Agent(name="writer-killed").start()
+def test_a_writer_killed_is_said_once_and_training_goes_on(started):
+    monitor = started("writer-killed")
     next_step = _train(monitor, 1, 500)
     wait_until(lambda: 500 in [r.get("step") for r in history.flat_records(
         monitor.info.log_path)], "the steps written")
@@ -111,10 +128,10 @@ def test_a_writer_killed_is_said_once_and_training_goes_on(run_dir):
     assert seqs and seqs == list(range(1, len(seqs) + 1))
 
 
-def test_a_writer_that_cannot_write_says_why_and_training_goes_on(run_dir):
+def test_a_writer_that_cannot_write_says_why_and_training_goes_on(started):
     """The log file may not grow (a file size limit on the writer, as a full disk does):
     the writer says why and exits; the agent says so once, with that reason."""
-    monitor = agent.Agent(name="writer-full").start()
+    monitor = started("writer-full")
     path = monitor.info.log_path
     resource.prlimit(monitor._io._log.pid, resource.RLIMIT_FSIZE, (os.path.getsize(path),) * 2)
     step = 1
@@ -131,14 +148,14 @@ def test_a_writer_that_cannot_write_says_why_and_training_goes_on(run_dir):
     assert monitor.last_step == step - 1 and _run_log_errors(monitor) == [error]
 
 
-def test_a_writer_stopped_never_blocks_the_agent_and_what_is_lost_is_said(run_dir,
+def test_a_writer_stopped_never_blocks_the_agent_and_what_is_lost_is_said(started,
                                                                           monkeypatch):
     """SIGSTOP: the pipe fills (one page here), the backlog stays within its bound (64
     KiB here), the I/O thread goes on publishing; records past the bound are counted and
     said, and once the writer runs again the rest reaches the log."""
     monkeypatch.setattr(logwriter, "PIPE_BYTES", 4096)
     monkeypatch.setattr(logwriter, "BACKLOG_BYTES", 64 << 10)
-    monitor = agent.Agent(name="writer-stopped").start()
+    monitor = started("writer-stopped")
     writer = monitor._io._log
     os.kill(writer.pid, signal.SIGSTOP)
     try:
