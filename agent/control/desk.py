@@ -533,6 +533,9 @@ class CommandDesk:
         # set, no episode and no state kept for it, nothing for a rollback to undo
         unchanged = (not action and not command.rollback_reason
                      and previous == command.value)
+        # a person's (or a script's) setting: not a rollback, nor the search's trial
+        persons = (not action and not command.rollback_reason
+                   and not str(command.command_id or "").startswith(TUNE_ID_PREFIX))
         if command.after_checkpoint and checkpoint_failed and self.world_size > 1:
             self._event("warning", f"{assignment(command.knob, command.value)}: the "
                         "checkpoint before it failed on this rank; applied all the same "
@@ -542,9 +545,7 @@ class CommandDesk:
             if command.after_checkpoint and checkpoint_failed and self.world_size == 1:
                 raise RuntimeError("the checkpoint asked for before it was not saved")
             if (self.state_keeper is not None and command.knob in GUARDED_KNOBS
-                    and not command.rollback_reason and not unchanged
-                    and not str(command.command_id or "").startswith(TUNE_ID_PREFIX)
-                    and self.ledger.starts_episode(step)):
+                    and persons and not unchanged and self.ledger.starts_episode(step)):
                 self.state_keeper.keep_state(step - 1)
             detail = {} if unchanged else dict(knob.set(command.value) or {})
         except Exception as exc:
@@ -562,9 +563,8 @@ class CommandDesk:
         text = f"{assignment(command.knob, command.value)} applied at step {step}"
         if unchanged:
             text += " (no change)"
-        if (not action and not command.rollback_reason and self.state_keeper is not None
-                and not str(command.command_id or "").startswith(TUNE_ID_PREFIX)):
-            text += self.state_keeper.setting_applied(command.knob)  # (a person's)
+        if persons and self.state_keeper is not None:
+            text += self.state_keeper.setting_applied(command.knob)
         if command.rollback_reason:
             text += f": rolled back because {command.rollback_reason}"
         if "text" in detail:
