@@ -36,6 +36,9 @@ from gpuopt.loader import ReconfigurableLoader
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agent.demo", description=__doc__)
     parser.add_argument("--model", choices=("transformer", "cnn"), default="transformer")
+    parser.add_argument("--device", default=None,
+                        help="where the model trains: cpu, cuda, cuda:1... (default: the "
+                             "first CUDA device where there is one, else cpu)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this many optimizer steps (default: until stopped)")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
@@ -68,7 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     if args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)
+    try:
+        device = demo_device(args.device)
+    except ValueError as error:
+        print(f"python -m agent.demo: {error}", file=sys.stderr)
+        return 2
     workload = build_demo(args.model, seed=args.seed)
+    workload.model.to(device)
     loader = ReconfigurableLoader(workload.train_dataset, workload.batch_size, shuffle=True,
                                   seed=args.seed, drop_last=True,
                                   num_workers=args.num_workers,
@@ -107,6 +116,26 @@ def main(argv: list[str] | None = None) -> int:
     # waits for either, and its own words would otherwise come after this line
     print(f"{DEMO_ENDED}{steps} optimizer steps", flush=True)
     return 0
+
+
+def demo_device(name: str | None) -> torch.device:
+    """The device the demo trains on: ``name`` (``cpu``, ``cuda``, ``cuda:1``...), or by
+    default the current CUDA device where there is one, else the CPU.
+
+    Raises ValueError, saying why, for a name torch does not know, a device type other
+    than cpu and cuda, or a CUDA device this machine does not have."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device {name!r}: {error}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: the demo trains on cpu or cuda")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise ValueError(f"--device {name}: this machine has {count} CUDA devices")
+    return device
 
 
 def held_out_evaluation(workload: DemoWorkload, batch_size: int

@@ -208,6 +208,9 @@ def _parser() -> argparse.ArgumentParser:
                            "parameters) on Python's documentation text (the default); "
                            "cnn: a small CNN on scikit-learn's handwritten digits")
     demo.add_argument("--max-steps", type=int, metavar="N", help="stop after N steps")
+    demo.add_argument("--device", metavar="NAME",
+                      help="where the model trains: cpu, cuda, cuda:1... (default: the "
+                           "first CUDA device where there is one, else cpu)")
     demo.add_argument("--compile-backend", default="inductor", metavar="NAME",
                       help="torch.compile backend used when `k` picks compile (inductor; "
                            "aot_eager compiles in about a second on a small CPU)")
@@ -683,7 +686,8 @@ def _demo(args: argparse.Namespace) -> int:
                "--compile-backend", args.compile_backend]
     if args.max_steps is not None:
         command += ["--max-steps", str(args.max_steps)]
-    for option, value in (("--resume", args.resume), ("--checkpoint-dir", args.checkpoint_dir)):
+    for option, value in (("--device", args.device), ("--resume", args.resume),
+                          ("--checkpoint-dir", args.checkpoint_dir)):
         if value is not None:
             command += [option, value]
     command += ["--parent-pid", str(os.getpid())]  # ends with this command, however

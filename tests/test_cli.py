@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from agent.wire import runs
 
@@ -92,6 +93,17 @@ def test_demo_resume_of_a_missing_checkpoint_is_one_clear_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith(f"gpuwatch demo: no checkpoint at {tmp_path}")
     assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_demo_on_a_device_this_machine_lacks_says_so_in_one_line(run_dir):
+    result = gpuwatch("demo", "--no-ui", "--device", "cuda", "--max-steps", "1")
+    assert result.returncode == 1
+    assert "python -m agent.demo: --device cuda: this machine has 0 CUDA devices\n" in (
+        result.stderr)
+    assert result.stderr.endswith("gpuwatch demo: the training job exited with status 2\n")
+    assert "usage:" not in result.stderr and "Traceback" not in result.stderr
+    assert not list(Path(run_dir).glob("*.json"))  # no run was started
 
 
 def test_set_needs_an_assignment(fake_agent):
