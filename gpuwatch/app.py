@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from rich.console import Console
 from textual import events, work
 from textual.actions import parse as parse_action
 from textual.app import App, ComposeResult, SystemCommand
@@ -116,6 +118,21 @@ def _knob_bindings() -> list[Binding]:
                     group=Binding.Group(spec.key_group, compact=True) if spec.key_group
                     else None)
             for spec in STANDARD_KNOBS.values() for key in spec.keys]
+
+
+def screen_text(app: App[Any]) -> str:
+    """The screen of ``app`` as a person reads it: every cell's character, no styles.
+
+    A modal screen is drawn over the ones below it, as the terminal shows it. Lines
+    lose their trailing spaces; the text ends with a newline. For a headless app
+    (Textual's ``run_test``): the tests' and ``benchmarks/dashboard_screen.py``'s view."""
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), record=True,
+                      color_system=None, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(
+        full=True, screen_stack=app._background_screens))
+    lines = console.export_text(styles=False).split("\n")[:height]
+    return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 class GpuwatchApp(App[None]):

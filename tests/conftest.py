@@ -5,7 +5,6 @@ for testing the dashboard alone, and the one wait of the tests (:func:`wait_unti
 from __future__ import annotations
 
 import compileall
-import io
 import os
 import queue
 from collections import deque
@@ -38,7 +37,6 @@ os.environ.setdefault("TEXTUAL_ANIMATIONS", "none")
 import torch  # noqa: E402
 import textual._wait  # noqa: E402
 import zmq  # noqa: E402
-from rich.console import Console  # noqa: E402
 from textual._context import active_app  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -52,6 +50,7 @@ from agent.wire.knobs import STANDARD_KNOBS, Knob, KnobSet
 from agent.control.ledger import ChangeLedger
 from agent.search.tune import AutoTune
 from agent.wire.runs import RunInfo, remove_run_file, write_run_file
+from gpuwatch.app import screen_text  # noqa: F401  (the tests import it from here)
 
 
 #: The project's packages, compiled once a session (:func:`pytest_sessionstart`).
@@ -155,18 +154,6 @@ async def redrawn(app: Any, pilot: Any) -> None:
     redraw, with no fixed pause."""
     app.redraw()
     await pilot.pause()
-
-
-def screen_text(app: Any) -> str:
-    """The screen as a person reads it: every cell's character, no styles (a modal
-    screen over the ones below it, as the terminal shows it)."""
-    width, height = app.size
-    console = Console(width=width, height=height, file=io.StringIO(), record=True,
-                      color_system=None, legacy_windows=False, safe_box=False)
-    console.print(app.screen._compositor.render_update(
-        full=True, screen_stack=app._background_screens))
-    lines = console.export_text(styles=False).split("\n")[:height]
-    return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 def text_of(app: Any, selector: str) -> str:
