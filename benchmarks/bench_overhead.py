@@ -4,6 +4,11 @@ In CPU time per thread and in wall-clock time.
 
     python benchmarks/bench_overhead.py [--steps 2000] [--rounds 15] [--all]
     python benchmarks/bench_overhead.py --short        # a quick check that it works
+    python benchmarks/bench_overhead.py --device cuda  # the model loop on a GPU
+
+With ``--device cuda`` the model loop's step is the launch of its kernels (about 0.1 ms
+of CPU on a fast host, the GPU's work queued behind it): the step that a per-step
+observer slows most, as a small model on a fast GPU is; the paced loop keeps that step.
 
 One process, one loop (a 2-layer MLP on scikit-learn's digits, one torch thread, about
 0.5 ms a step on a quiet core: 1,000+ steps/s), run under each monitor in turn,
@@ -202,20 +207,29 @@ class Clocks:
         return wall, self._train_loop, monitor, process
 
 
-def make_loop(batch_size: int = 64, hidden: int = 512):
+def make_loop(batch_size: int = 64, hidden: int = 512, device: str = "cpu"):
+    """The model loop: ``(batch_stream(steps), step(inputs, targets) -> loss)``.
+
+    A 2-layer MLP (64 -> ``hidden`` -> 10) trained by SGD on scikit-learn's digits in
+    batches of ``batch_size``, model and batches on ``device``. On CUDA the stream
+    synchronizes the device after its last batch, so that a loop's wall time counts the
+    queued kernels' end, not their launch."""
     digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
+    x = torch.tensor(digits.data, dtype=torch.float32, device=device) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long, device=device)
     batches = list(zip(x.split(batch_size), y.split(batch_size)))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(hidden, 10))
+                                torch.nn.Linear(hidden, 10)).to(device)
+    on_cuda = torch.device(device).type == "cuda"
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.functional.cross_entropy
 
     def batch_stream(steps):
         for i in range(steps):
             yield batches[i % len(batches)]
+        if on_cuda:
+            torch.cuda.synchronize()
 
     def step(inputs, targets):
         loss = loss_fn(model(inputs), targets)
@@ -480,6 +494,9 @@ def main() -> None:
                         help="the paced loop's step (us; default: the bare model step, "
                              "measured once, which a busy machine can make several times "
                              "longer: give one value to compare runs)")
+    parser.add_argument("--device", default="cpu",
+                        help="the model loop's device (cuda: its step is kernel launches, "
+                             "the GPU's work queued behind them)")
     parser.add_argument("--all", action="store_true", help="also naive_logger, torch_profiler")
     parser.add_argument("--short", action="store_true", help="500 steps x 4 rounds")
     parser.add_argument("--torch-threads", type=int, default=1,
@@ -492,7 +509,7 @@ def main() -> None:
     os.environ.setdefault(runs.RUN_DIR_ENV, tempfile.mkdtemp(prefix="gw-bench-"))
     os.environ.setdefault("GPUWATCH_LOG_DIR", tempfile.mkdtemp(prefix="gw-bench-logs-"))
     monitors = {**MONITORS, **(EXTRA if args.all else {})}
-    stream, step = make_loop()
+    stream, step = make_loop(device=args.device)
     run_bare(stream, step, 200, Clocks())  # warm up
     calibration = min(args.steps, 1000)
     paced_step_s = (args.paced_step_us / 1e6 if args.paced_step_us
@@ -521,7 +538,8 @@ def main() -> None:
     print(f"bare loop: {statistics.median(bare_wall):.1f} us a step "
           f"({1e6 / statistics.median(bare_wall):.0f} steps/s), {args.rounds} interleaved "
           f"rounds of {n} steps, torch threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, model on "
+          f"{args.device}")
     print(f"{'monitor':<15}{'wall us':>9}{'ratio':>8}{'95% CI':>9}"
           f"{'process +cpu us':>17}{'95% CI':>8}{'train +cpu us':>15}{'threads cpu us':>16}"
           f"{'child cpu us':>14}")
