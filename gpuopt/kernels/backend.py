@@ -111,8 +111,13 @@ def require_triton(tensor: torch.Tensor) -> None:
                         f"got {tensor.dtype}")
 
 
+@functools.lru_cache(maxsize=None)
 def kernels(name: str) -> ModuleType:
     """Import the private Triton kernel module ``gpuopt.kernels._<name>_kernels``.
+
+    Cached: a fused op's forward and backward each ask (an import machinery lookup cost
+    5-7 us a call on an H200 machine's host, on a path that is launch-bound for small
+    inputs).
 
     Deferred to the first launch because ``@triton.jit`` decides, when the module is
     imported, between compiling for the GPU and the interpreter (``TRITON_INTERPRET``).
