@@ -15,23 +15,32 @@ Providers: ``triton`` (the fused kernels), ``eager`` (the torch reference),
 shape, compiled before timing). Modes: ``fwd`` and ``fwd+bwd`` (backward with respect
 to every input).
 
-Bandwidth is the bytes the fused kernel must move (the minimum: forward reads ``x`` and
-writes ``y``, 2 passes; backward reads ``dy`` and ``x`` and writes ``dx``, 3 passes;
-parameters negligible) over the median time of :func:`triton.testing.do_bench`, the
-same bytes for every provider, so GB/s ratios are speed ratios. The torch reference
-moves more (per-line counts in :mod:`gpuopt.kernels.bias_activation` and
-:mod:`gpuopt.kernels.layer_norm`): its GB/s here is "useful" bandwidth, as in Triton's
-tutorials.
+Two times a call, each provider the same way:
+
+- **GPU time**: :func:`triton.testing.do_bench_cudagraph`, the calls captured in a CUDA
+  graph and replayed, so no launch waits for Python: what the kernels themselves take,
+  the time of a call in a step that keeps the GPU busy. Shown as bandwidth: the bytes
+  the fused kernel must move (the minimum: forward reads ``x`` and writes ``y``, 2
+  passes; backward reads ``dy`` and ``x`` and writes ``dx``, 3 passes; parameters
+  negligible) over the time, the same bytes for every provider, so GB/s ratios are
+  speed ratios. The torch reference moves more (per-line counts in
+  :mod:`gpuopt.kernels.bias_activation` and :mod:`gpuopt.kernels.layer_norm`): its
+  GB/s here is "useful" bandwidth, as in Triton's tutorials.
+- **Wall time** (us a call): :func:`triton.testing.do_bench`, calls launched one after
+  another from Python: where launching them costs more CPU than the GPU's work (small
+  inputs, a slow host), this is the CPU's time, as a launch-bound step pays it.
 
 The benchmarks are declared with :func:`triton.testing.perf_report`; they are run here
 by a small loop over ``Mark.benchmarks`` rather than ``Mark.run`` (which needs pandas
 and matplotlib), so that the ratios can be printed and summarised.
 
 Last line: ``RESULT bias_gelu_vs_eager=<r> bias_gelu_vs_compile=<r>
-ln_dropout_gelu_vs_eager=<r> ln_dropout_gelu_vs_compile=<r> peak_gbps=<g> dtype=<d>
-rows=<m>``, each ratio the geometric mean over N of the ``fwd+bwd`` speedup of
-``triton`` (time of the other provider / time of triton; > 1 means the fused kernels
-are faster). Without a CUDA device it prints why and ``RESULT skipped=no_cuda`` and exits 0.
+ln_dropout_gelu_vs_eager=<r> ln_dropout_gelu_vs_compile=<r> bias_gelu_wall_vs_eager=<w>
+ln_dropout_gelu_wall_vs_eager=<w> peak_gbps=<g> dtype=<d> rows=<m>``, each ratio the
+geometric mean over N of the ``fwd+bwd`` speedup of ``triton`` (time of the other
+provider / time of triton; > 1 means the fused kernels are faster), in GPU time, and
+the ``wall`` ones in wall time; ``peak_gbps`` the fused kernels' best, in GPU time.
+Without a CUDA device it prints why and ``RESULT skipped=no_cuda`` and exits 0.
 """
 
 from __future__ import annotations
@@ -107,14 +116,22 @@ def _provider_fn(op: str, provider: str, mode: str) -> Op:
         return functions[provider]
     key = (op, mode)  # one compiled object a mode: the guards on requires_grad differ
     if key not in _COMPILED:
+        # one graph a shape and mode, and each is compiled again for the timing that
+        # follows (wall after GPU): 6 sizes x 2 modes pass dynamo's default limit of 8
+        # graphs a function, past which it runs the function eagerly (the first H200
+        # run's compile column at N=4096 and 8192 was eager's)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _COMPILED[key] = torch.compile(functions["eager"], dynamic=False)
     return _COMPILED[key]
 
 
 def measure_ms(op: str, provider: str, mode: str, n_cols: int, rows: int,
-               dtype: torch.dtype, device: str) -> tuple[float, float, float]:
-    """``(median, p20, p80)`` milliseconds of one call of ``op`` by ``provider``."""
-    from triton.testing import do_bench
+               dtype: torch.dtype, device: str, timing: str) -> tuple[float, float, float]:
+    """``(median, p20, p80)`` milliseconds of one call of ``op`` by ``provider``.
+
+    ``timing``: ``"gpu"`` (CUDA graph replay: the kernels' time) or ``"wall"`` (calls
+    launched from Python, their launch included)."""
+    from triton.testing import do_bench, do_bench_cudagraph
 
     torch.manual_seed(0)
     inputs = OPS[op][0](rows, n_cols, dtype, device)
@@ -130,7 +147,8 @@ def measure_ms(op: str, provider: str, mode: str, n_cols: int, rows: int,
         def call() -> None:
             fn(*inputs).backward(dy)
     call()  # compile (Triton, or torch.compile) outside the timing
-    median, p20, p80 = do_bench(call, quantiles=[0.5, 0.2, 0.8], grad_to_none=inputs)
+    bench = do_bench_cudagraph if timing == "gpu" else do_bench
+    median, p20, p80 = bench(call, quantiles=[0.5, 0.2, 0.8], grad_to_none=inputs)
     return median, p20, p80
 
 
@@ -148,14 +166,26 @@ def _declare(rows: int, dtype_name: str, sizes: list[int]):
 
     @triton.testing.perf_report(benchmarks)
     def bench(N: int, provider: str, op: str, mode: str, rows: int, dtype_name: str,
-              device: str = "cuda") -> tuple[float, float, float]:
+              device: str = "cuda", timing: str = "gpu") -> tuple[float, float, float]:
         """GB/s (median, at the 80th and 20th percentile of time) of one call."""
         dtype = DTYPES[dtype_name]
         bytes_moved = PASSES[mode] * rows * N * torch.empty((), dtype=dtype).element_size()
-        median, p20, p80 = measure_ms(op, provider, mode, N, rows, dtype, device)
+        median, p20, p80 = measure_ms(op, provider, mode, N, rows, dtype, device, timing)
         return tuple(bytes_moved * 1e-6 / ms for ms in (median, p80, p20))
 
     return bench
+
+
+def _gpu_gbps(mark, n_cols: int, provider: str, device: str, args: dict) -> float:
+    """GB/s in GPU time of one declared benchmark; NaN (said) where the calls cannot be
+    captured in a CUDA graph."""
+    try:
+        return mark.fn(N=n_cols, provider=provider, device=device, **args)[0]
+    except Exception as error:  # a capture refused: the other figures still count
+        print(f"  ({provider}, N={n_cols}: no GPU time: {type(error).__name__}: "
+              f"{str(error)[:200]})")
+        torch.cuda.synchronize()
+        return math.nan
 
 
 def run(rows: int, dtype_name: str, sizes: list[int], device: str = "cuda") -> str:
@@ -163,23 +193,33 @@ def run(rows: int, dtype_name: str, sizes: list[int], device: str = "cuda") -> s
     mark = _declare(rows, dtype_name, sizes)
     speedups: dict[str, list[float]] = {}
     peak_gbps = 0.0
+    element_size = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
     for bench in mark.benchmarks:
-        print(f"\n{bench.plot_name} (rows={rows}; GB/s of the fused kernel's bytes)")
+        bytes_moved = PASSES[bench.args["mode"]] * rows * element_size
+        print(f"\n{bench.plot_name} (rows={rows}; GPU time as GB/s of the fused kernel's "
+              "bytes; wall us a call)")
         print(f"{'N':>6} " + " ".join(f"{p:>9}" for p in PROVIDERS)
-              + f" {'vs eager':>9} {'vs compile':>10}")
+              + f" {'vs eager':>9} {'vs compile':>10} "
+              + " ".join(f"{p + ' us':>10}" for p in PROVIDERS) + f" {'vs eager':>9}")
         for n_cols in bench.x_vals:
-            gbps = {p: mark.fn(N=n_cols, provider=p, device=device, **bench.args)[0]
-                    for p in PROVIDERS}
+            gbps = {p: _gpu_gbps(mark, n_cols, p, device, bench.args) for p in PROVIDERS}
+            wall_us = {p: bytes_moved * n_cols * 1e-3 / mark.fn(
+                N=n_cols, provider=p, device=device, timing="wall", **bench.args)[0]
+                for p in PROVIDERS}
             peak_gbps = max(peak_gbps, gbps["triton"])
             vs_eager, vs_compile = (gbps["triton"] / gbps[p] for p in ("eager", "compile"))
+            wall_vs_eager = wall_us["eager"] / wall_us["triton"]
             print(f"{n_cols:>6} " + " ".join(f"{gbps[p]:>9.1f}" for p in PROVIDERS)
-                  + f" {vs_eager:>8.2f}x {vs_compile:>9.2f}x", flush=True)
+                  + f" {vs_eager:>8.2f}x {vs_compile:>9.2f}x "
+                  + " ".join(f"{wall_us[p]:>10.1f}" for p in PROVIDERS)
+                  + f" {wall_vs_eager:>8.2f}x", flush=True)
             if bench.args["mode"] == "fwd+bwd":
                 op = bench.args["op"]
                 speedups.setdefault(f"{op}_vs_eager", []).append(vs_eager)
                 speedups.setdefault(f"{op}_vs_compile", []).append(vs_compile)
+                speedups.setdefault(f"{op}_wall_vs_eager", []).append(wall_vs_eager)
     fields = [f"{name}={math.exp(sum(map(math.log, values)) / len(values)):.3f}"
-              for name, values in speedups.items()]
+              for name, values in speedups.items()]  # (nan where one time is missing)
     return " ".join(["RESULT", *fields, f"peak_gbps={peak_gbps:.1f}", f"dtype={dtype_name}",
                      f"rows={rows}"])
 
