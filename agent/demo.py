@@ -119,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def demo_device(name: str | None) -> torch.device:
-    """The device the demo trains on: ``name`` (``cpu``, ``cuda``, ``cuda:1``...), or by
-    default the current CUDA device where there is one, else the CPU.
+    """The device the demo trains on: ``name``, else CUDA where there is one, else the CPU.
 
-    Raises ValueError, saying why, for a name torch does not know, a device type other
-    than cpu and cuda, or a CUDA device this machine does not have."""
+    ``name``: ``cpu``, ``cuda``, ``cuda:1``... (None: the default). Raises ValueError,
+    saying why, for a name torch does not know, a device type other than cpu and cuda,
+    or a CUDA device this machine does not have."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

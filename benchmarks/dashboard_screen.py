@@ -29,9 +29,10 @@ from gpuwatch.sources.live import LiveSource
 
 async def capture(info: runs.RunInfo, size: tuple[int, int], steps: int,
                   timeout_s: float = 120.0) -> tuple[str, int]:
-    """``(screen text, step drawn)`` of a read-only dashboard on ``info`` at ``size``
-    (columns, rows), once it has step ``steps`` and a system sample with its GPUs, and
-    its charts have been drawn since.
+    """``(screen text, step drawn)`` of a read-only dashboard on ``info`` at ``size``.
+
+    ``size``: (columns, rows). Taken once the dashboard has step ``steps`` and a system
+    sample with its GPUs, and its charts have been drawn since.
 
     Raises TimeoutError after ``timeout_s`` (s)."""
     app = GpuwatchApp(LiveSource(info), readonly=True)
