@@ -224,7 +224,7 @@ def test_a_setting_to_the_value_it_has_sets_nothing_and_starts_no_episode():
         def keep_state(self, step: int) -> None:
             self.kept.append(step)
 
-        def setting_applied(self, knob: str) -> str:
+        def setting_applied(self, knob: str, previous: object) -> str:
             self.told.append(knob)  # (a no-op is a person's setting all the same)
             return ""
 

@@ -443,6 +443,58 @@ def test_the_states_kept_for_recoveries_are_the_branch_being_trained(run_dir, tm
         run.close()
 
 
+@pytest.mark.parametrize("path", ["guard", "out_of_memory"])
+def test_a_rollback_of_a_persons_lr_scale_during_a_recovery_brings_its_end_back(
+        run_dir, tmp_path, path):
+    """A recovery scales lr_scale 1.0 -> 0.5 until step 20; a person's lr_scale=0.2 at
+    step 15 ends that plan (the person's value holds); a rollback of it sets 0.5 back,
+    and with it the plan's end: lr_scale is 1.0 again after step 20 (the out-of-memory
+    rollback: knobs only), or at once (the guard's: the state too, which ends a
+    recovery's scaled steps as every rewind does). Before, 0.5 stayed for the rest of
+    the run: the recovery's lowered learning rate, for good."""
+    from agent.control.ledger import Rollback
+    from agent.wire.commands import send_command
+
+    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
+                                          lr_steps=10))
+    run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
+    desk = run.agent._desk
+    events = _events_of(run)
+    try:
+        loop.train_to(12)
+        run.recover(12, 11, "loss spike: test")
+        assert (run.step, lr.get(), run._lr_back) == (10, 0.5, (20, 1.0))
+        loop.train_to(13)
+        assert send_command(run.agent.info, "lr_scale", 0.2)["ok"]
+        loop.train_to(16)
+        assert (lr.get(), run._lr_back) == (0.2, None)
+        if path == "guard":  # the guard's rollback: knobs, then the state kept for them
+            desk.schedule_rollback(Rollback({"lr_scale": 0.5}, ["lr_scale=0.2"],
+                                            "test: the loss rose"), run.step + 1)
+            loop.train_to(run.step + 1)
+        else:  # after an out-of-memory error: the knobs alone, at once
+            assert desk.roll_back(run.step + 1, "test: out of memory")
+        seen = {}
+        while run.step < 24:
+            seen[run.step] = lr.get()
+            loop.train_to(run.step + 1)
+    finally:
+        run.close()
+    rolled = [e["text"] for e in events if e.get("kind") == "rolled_back"]
+    assert rolled and rolled[-1].startswith("lr_scale=0.5 applied at step "), rolled
+    if path == "guard":
+        assert set(seen.values()) == {1.0}, seen
+        [restored] = [e["text"] for e in events if e.get("kind") == "branched"][-1:]
+        assert "the recovery's scaled lr ends: lr_scale back to 1" in restored, restored
+    else:
+        assert rolled[-1].endswith("; the recovery's scaled steps come back with it: "
+                                   "lr_scale back to 1 after step 20"), rolled
+        # (seen[n]: the value after step n, which step n + 1 trains with)
+        assert {step: value for step, value in seen.items() if step < 20} == {
+            step: 0.5 for step in range(16, 20)}, seen
+        assert {value for step, value in seen.items() if step >= 20} == {1.0}, seen
+
+
 def test_a_recoverys_scaled_lr_is_not_saved_and_ends_with_a_rewind(run_dir, tmp_path):
     """While a recovery scales the lr, a checkpoint keeps the person's lr_scale; a rewind
     to a checkpoint (lr_scale=0.3 in it) ends the recovery's timer, which would put 1.0

@@ -564,9 +564,11 @@ class CommandDesk:
         if unchanged:
             text += " (no change)"
         if persons and self.state_keeper is not None:
-            text += self.state_keeper.setting_applied(command.knob)
+            text += self.state_keeper.setting_applied(command.knob, previous)
         if command.rollback_reason:
             text += f": rolled back because {command.rollback_reason}"
+            if self.state_keeper is not None and not action:
+                text += self.state_keeper.setting_rolled_back(command.knob, command.value)
         if "text" in detail:
             text += f": {detail.pop('text')}"
         self._event("warning" if command.rollback_reason else "info", text,
@@ -605,9 +607,11 @@ class CommandDesk:
                 self._event("error", f"rolling back {assignment(name, value)} failed: {exc}",
                             kind=EventKind.FAILED, knob=name, value=value, step=step)
                 continue
+            back = ("" if self.state_keeper is None
+                    else self.state_keeper.setting_rolled_back(name, value))
             self._event("warning", f"{assignment(name, value)} applied at step {step}: "
-                        f"rolled back because {why}", kind=EventKind.ROLLED_BACK, knob=name,
-                        value=value, step=step)
+                        f"rolled back because {why}{back}", kind=EventKind.ROLLED_BACK,
+                        knob=name, value=value, step=step)
         return True
 
 

@@ -72,13 +72,18 @@ class StateKeeper(Protocol):
 
         At the boundary after that step; or note why it cannot be kept."""
 
-    def setting_applied(self, knob: str) -> str:
-        """A command set ``knob``: what was planned for it ends.
+    def setting_applied(self, knob: str, previous: Any) -> str:
+        """A command set ``knob`` (from ``previous``): what was planned for it ends.
 
         A person's command, changed or not (not a rollback, nor the search's trials,
         which go back to a value of before): a recovery's scaled ``lr_scale`` does not
         come back over it. Returns what the applied event says of it (``""`` or
         ``"; ..."``)."""
+
+    def setting_rolled_back(self, knob: str, value: Any) -> str:
+        """A rollback set ``knob`` back to ``value``: what the undone setting ended
+        comes back (a recovery's scaled ``lr_scale``, with the step it ends after).
+        Returns what the rolled-back event says of it (``""`` or ``"; ..."``)."""
 
     def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
         """The episode was rolled back before optimizer step ``step``: put the kept state back.

@@ -194,6 +194,9 @@ class RunBase:
         self.skipped_windows = 0
         #: a recovery's scaled learning rate: (the step it ends after, the value then)
         self._lr_back: tuple[int, float] | None = None
+        #: the scaled lr_scale and the ``_lr_back`` that a person's lr_scale ended, until
+        #: a rollback of that setting puts them back or another lr_scale setting comes
+        self._lr_back_ended: tuple[float, tuple[int, float]] | None = None
         if type(self).live_state is RunBase.live_state:
             self.knobs.bind(RECOVER, f"{type(self).__name__} keeps no training state to go "
                                      "back to")
@@ -511,17 +514,39 @@ class RunBase:
             return
         self._kept = (step, snapshot, _host_bytes(snapshot))
 
-    def setting_applied(self, knob: str) -> str:
+    def setting_applied(self, knob: str, previous: Any) -> str:
         """Training thread, at a boundary: a command set ``knob``; a recovery's lr ends.
 
         ``lr_scale`` while a recovery scales it, changed or not (to the scaled value
         too): the person's value holds and the recovery's timer ends (it put the value
         before the recovery back over the person's, a learning rate other than the one
-        commanded). Returns what the applied event says of it (``""`` or ``"; ..."``)."""
-        if knob != LR_SCALE.name or self._lr_back is None:
+        commanded); both are kept for a rollback of this setting
+        (:meth:`setting_rolled_back`). Returns what the applied event says of it
+        (``""`` or ``"; ..."``)."""
+        if knob != LR_SCALE.name:
             return ""
-        self._lr_back = None
+        ended, self._lr_back, self._lr_back_ended = self._lr_back, None, None
+        if ended is None:
+            return ""
+        self._lr_back_ended = (previous, ended)
         return "; the recovery's scaled lr ends: lr_scale is this value from now on"
+
+    def setting_rolled_back(self, knob: str, value: Any) -> str:
+        """Training thread, at a boundary: a rollback set ``knob`` back to ``value``.
+
+        The rollback of the person's ``lr_scale`` that ended a recovery's scaled steps
+        (back to their scaled value) puts their end back: the value before the
+        recovery returns after the step it was planned for (a rollback of the state
+        too, then at once, as any rewind ends them), not never. Returns what the
+        rolled-back event says of it (``""`` or ``"; ..."``)."""
+        if knob != LR_SCALE.name or self._lr_back_ended is None:
+            return ""
+        (scaled, lr_back), self._lr_back_ended = self._lr_back_ended, None
+        if value != scaled or self._lr_back is not None:
+            return ""
+        self._lr_back = lr_back
+        return (f"; the recovery's scaled steps come back with it: lr_scale back to "
+                f"{lr_back[1]:g} after step {lr_back[0]}")
 
     def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
         """Training thread, after a rollback set the knobs back: put the kept state back.
@@ -647,7 +672,7 @@ class RunBase:
             self._keep_for_recovery(force=True)
         if source == "recovery":
             return ""
-        self._recovered_to, self._repeats = None, 0
+        self._recovered_to, self._repeats, self._lr_back_ended = None, 0, None
         if self._lr_back is None:
             return ""
         value, self._lr_back = self._lr_back[1], None
@@ -1085,6 +1110,7 @@ class RunBase:
         if failure is None:
             if lr_to is not None:
                 self._lr_back = (kept_step + self.agent.recovery.lr_steps, lr_to[0])
+                self._lr_back_ended = None
             return
         if not recovered or lr_to is None:
             return  # (this rank's event says why: it did not recover)
