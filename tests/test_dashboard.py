@@ -785,7 +785,7 @@ async def test_knob_change_lines_are_labelled_newest_first_where_they_fit():
         chart = "\n".join(shown_lines(app, "#timing"))
         labelled = [value for value in range(2, 7) if f"accum_steps={value}" in chart]
         assert labelled[-1] == 6 and len(labelled) >= 2, chart
-        assert f"{5 - len(labelled)} more changes: events" in chart.split("\n")[0], chart
+        assert f"{5 - len(labelled)} more changes in events" in chart.split("\n")[0], chart
 
 
 async def test_one_stall_does_not_flatten_the_step_time_chart():

@@ -262,7 +262,7 @@ class StepChart(PlotextPlot):
         if titles:
             width = self.size.width - tick_width - 3
             unlabelled = self._mark(marks, first, last, high, width, outliers)
-            where = f" | {counted(unlabelled, 'more change')}: events"
+            where = f" | {counted(unlabelled, 'more change')} in events"
             if unlabelled and len(titles) + len(where) <= width:
                 titles += where  # (else the events panel, or `gpuwatch tail`, has them)
             # room: 3 columns between labels, the first ("step 1", the axis' unit) half
