@@ -257,7 +257,7 @@ def _no_run(selector: str | None) -> int:
     else:
         print(f"gpuwatch: no live run found (run files in {run_dir()}).\n"
               "Start one:\n"
-              "  gpuwatch demo                 a small training job, with this dashboard\n"
+              "  gpuwatch demo                 a small training job, with the dashboard on it\n"
               "  agent.attach(trainer)         in your own training script",
               file=sys.stderr)
     return 1
