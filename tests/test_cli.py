@@ -88,6 +88,16 @@ def test_set_rejected(fake_agent, assignment, reason):
     assert result.stderr.startswith("rejected: ") and reason in result.stderr
 
 
+@pytest.mark.parametrize("command", [("tail",), ("set", "lr_scale=0.5")])
+def test_without_a_run_each_command_says_how_to_start_one(run_dir, command):
+    result = gpuwatch(*command)
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"gpuwatch: no live run found (run files in {run_dir}).\nStart one:\n"
+        "  gpuwatch demo                 a small training job, with the dashboard on it\n"
+        "  agent.attach(trainer)         in your own training script\n")
+
+
 def test_demo_resume_of_a_missing_checkpoint_is_one_clear_line(tmp_path):
     result = gpuwatch("demo", "--resume", str(tmp_path / "nothing.pt"))
     assert result.returncode == 2
