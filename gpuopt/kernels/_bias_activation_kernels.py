@@ -17,8 +17,10 @@ from gpuopt.kernels._activation_kernels import (
     _activation_bwd,
     _activation_fwd,
     TILE_ELEMENTS,
+    cdiv,
     column_sum,
     launch_options,
+    next_power_of_2,
     program_budget,
 )
 
@@ -98,8 +100,8 @@ def _bias_activation_bwd_dx(DX, DY, S, B, DB_partial, M, N, stride_dx, stride_dy
 
 @functools.lru_cache(maxsize=256)
 def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
-    block_n = min(triton.next_power_of_2(n_cols), _MAX_BLOCK_N)
-    block_m = min(triton.next_power_of_2(n_rows), max(1, TILE_ELEMENTS // block_n))
+    block_n = min(next_power_of_2(n_cols), _MAX_BLOCK_N)
+    block_m = min(next_power_of_2(n_rows), max(1, TILE_ELEMENTS // block_n))
     return block_m, block_n
 
 
@@ -118,7 +120,7 @@ def bias_activation_fwd(x: torch.Tensor, bias: torch.Tensor | None, activation: 
     n_rows, n_cols = x.shape
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     block_m, block_n = _blocks(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
     _bias_activation_fwd[grid](
         x, bias if bias is not None else x, y, n_rows, n_cols, x.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -145,11 +147,11 @@ def bias_activation_bwd(dy: torch.Tensor, saved: torch.Tensor | None,
     if not (store_dx or need_dbias):
         return dx, None
     block_m, block_n = _blocks(n_rows, n_cols)
-    col_blocks = triton.cdiv(n_cols, block_n)
-    row_blocks = triton.cdiv(n_rows, block_m)
+    col_blocks = cdiv(n_cols, block_n)
+    row_blocks = cdiv(n_rows, block_m)
     groups = max(1, min(row_blocks, program_budget(dy.device) // col_blocks))
-    rows_per_program = triton.cdiv(row_blocks, groups) * block_m
-    groups = triton.cdiv(n_rows, rows_per_program)
+    rows_per_program = cdiv(row_blocks, groups) * block_m
+    groups = cdiv(n_rows, rows_per_program)
     partial = (torch.empty((groups, n_cols), dtype=torch.float32, device=dy.device)
                if need_dbias else dy)
     saved = saved if saved is not None else dy

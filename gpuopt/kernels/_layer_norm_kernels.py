@@ -19,8 +19,10 @@ from gpuopt.kernels._activation_kernels import (
     _activation_bwd,
     _activation_fwd,
     TILE_ELEMENTS,
+    cdiv,
     column_sum,
     launch_options,
+    next_power_of_2,
     program_budget,
 )
 
@@ -148,8 +150,8 @@ def max_fused_columns(dtype: torch.dtype) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
-    block_n = triton.next_power_of_2(n_cols)
-    block_m = min(triton.next_power_of_2(n_rows), max(1, TILE_ELEMENTS // block_n))
+    block_n = next_power_of_2(n_cols)
+    block_m = min(next_power_of_2(n_rows), max(1, TILE_ELEMENTS // block_n))
     return block_m, block_n
 
 
@@ -165,7 +167,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block_m, block_n = _blocks(n_rows, n_cols)
-    _layer_norm_fwd_fused[(triton.cdiv(n_rows, block_m),)](
+    _layer_norm_fwd_fused[(cdiv(n_rows, block_m),)](
         x, y, weight if weight is not None else x, bias if bias is not None else x,
         mean, rstd, n_rows, n_cols, x.stride(0), y.stride(0), eps, p,
         1.0 / (1.0 - p), seed,
@@ -187,10 +189,10 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     n_rows, n_cols = x.shape
     dx = torch.empty((n_rows, n_cols), dtype=dx_dtype, device=x.device)
     block_m, block_n = _blocks(n_rows, n_cols)
-    row_blocks = triton.cdiv(n_rows, block_m)
-    rows_per_program = triton.cdiv(row_blocks, min(row_blocks, program_budget(x.device)))
+    row_blocks = cdiv(n_rows, block_m)
+    rows_per_program = cdiv(row_blocks, min(row_blocks, program_budget(x.device)))
     rows_per_program *= block_m
-    groups = triton.cdiv(n_rows, rows_per_program)
+    groups = cdiv(n_rows, rows_per_program)
     need_dweight = need_dweight and weight is not None
     need_dbias = need_dbias and bias is not None
     dw_partial = (torch.empty((groups, n_cols), dtype=torch.float32, device=x.device)
