@@ -330,6 +330,19 @@ def test_eager_backend_is_plain_torch_bit_for_bit():
 # ---------------------------------------------------------------- backend switch
 
 
+def test_the_launchers_grid_arithmetic_is_tritons():
+    """The launchers' plain-Python cdiv and next_power_of_2 (Triton's are JIT functions,
+    slow to call from the host) give what Triton's give."""
+    import triton
+
+    from gpuopt.kernels._activation_kernels import cdiv, next_power_of_2
+
+    for n in [*range(1, 1100), 4095, 4096, 4097, 65535, 65536, 1 << 20]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 256, 781, 4096):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
 def test_set_kernel_backend_counts_and_rejects_unknown():
     transformer = CharTransformer(vocab_size=20, d_model=32, n_heads=4, n_layers=2,
                                   context_len=16)
