@@ -703,3 +703,34 @@ def test_a_rollback_to_a_persons_lr_scale_after_a_recovery_does_not_bring_its_en
     finally:
         run.close()
     assert set(seen.values()) == {0.5}, seen
+
+
+def test_an_out_of_memory_rollback_after_a_recoverys_planned_end_puts_its_value_back_now(
+        run_dir, tmp_path):
+    """A recovery scales lr_scale 1.0 -> 0.5 until step 20; a person's lr_scale=0.2
+    (step 15) ends that plan; at step 26 an out-of-memory error rolls it back (0.5):
+    the plan's end has passed, so 1.0 comes back at once, for the step retried. Before,
+    that step trained at 0.5, the recovery's value six steps past its end, and the
+    event said the lr would go back "after step 20"."""
+    from agent.wire.commands import send_command
+
+    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
+                                          lr_steps=10))
+    run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
+    events = _events_of(run)
+    try:
+        loop.train_to(12)
+        run.recover(12, 11, "loss spike: test")
+        loop.train_to(13)
+        assert send_command(run.agent.info, "lr_scale", 0.2)["ok"]
+        loop.train_to(25)
+        assert lr.get() == 0.2
+        assert run.agent.roll_back_last_change(26, "test: step 26 ran out of memory")
+        assert (lr.get(), run._lr_back, run.agent.knob_values["lr_scale"]) == (1.0, None, 1.0)
+        loop.train_to(30)
+        assert lr.get() == 1.0
+    finally:
+        run.close()
+    rolled = [e["text"] for e in events if e.get("kind") == "rolled_back"]
+    assert rolled[-1].endswith("; the recovery's scaled steps ended after step 20: "
+                               "lr_scale back to 1 now"), rolled

@@ -544,14 +544,24 @@ class RunBase:
 
         The rollback of the person's ``lr_scale`` that ended a recovery's scaled steps
         (back to their scaled value) puts their end back: the value before the
-        recovery returns after the step it was planned for (a rollback of the state
-        too, then at once, as any rewind ends them), not never. Returns what the
-        rolled-back event says of it (``""`` or ``"; ..."``)."""
+        recovery returns after the step it was planned for (at once when that step has
+        passed; a rollback of the state too, then at once, as any rewind ends them), not
+        never. Returns what the rolled-back event says of it (``""`` or ``"; ..."``)."""
         if knob != LR_SCALE.name or self._lr_back_ended is None:
             return ""
         (scaled, lr_back), self._lr_back_ended = self._lr_back_ended, None
         if value != scaled or self._lr_back is not None:
             return ""
+        if self.step >= lr_back[0]:  # (an out-of-memory rollback, after the planned end:
+            # the step retried must not train at the scaled value)
+            try:
+                self.knobs.knobs[LR_SCALE.name].set(lr_back[1])
+            except Exception as exc:  # noqa: BLE001 -- said in the event
+                return (f"; lr_scale could not go back to {lr_back[1]:g} after the "
+                        f"recovery's scaled steps ({type(exc).__name__}: {exc})")
+            self.agent.refresh_knobs()
+            return (f"; the recovery's scaled steps ended after step {lr_back[0]}: "
+                    f"lr_scale back to {lr_back[1]:g} now")
         self._lr_back = lr_back
         return (f"; the recovery's scaled steps come back with it: lr_scale back to "
                 f"{lr_back[1]:g} after step {lr_back[0]}")
