@@ -623,3 +623,114 @@ def test_a_persons_lr_scale_during_a_recoverys_scaled_steps_is_kept_after_them(
     assert [e["text"] for e in events if e.get("knob") == "lr_scale"
             and e.get("kind") == "applied"][-1].endswith(
         "; the recovery's scaled lr ends: lr_scale is this value from now on")
+
+
+@pytest.mark.parametrize("path", ["guard", "out_of_memory"])
+def test_a_rollback_of_two_persons_lr_scales_during_a_recovery_brings_its_end_back(
+        run_dir, tmp_path, path):
+    """A recovery scales lr_scale 1.0 -> 0.5 until step 20; a person's lr_scale=0.2
+    (step 15) ends that plan, a second person's lr_scale=0.3 (step 17, the same
+    episode) follows; a rollback undoes both (back to 0.5, the value before the
+    episode), and the plan's end comes back with it: 1.0 after step 20 (the
+    out-of-memory rollback), or at once (the guard's, with the state). Before, the
+    second setting dropped what the first had ended: 0.5, the recovery's lowered
+    learning rate, for the rest of the run."""
+    from agent.control.ledger import Rollback
+    from agent.wire.commands import send_command
+
+    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
+                                          lr_steps=10))
+    run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
+    desk = run.agent._desk
+    try:
+        loop.train_to(12)
+        run.recover(12, 11, "loss spike: test")
+        assert (run.step, lr.get(), run._lr_back) == (10, 0.5, (20, 1.0))
+        loop.train_to(13)
+        assert send_command(run.agent.info, "lr_scale", 0.2)["ok"]
+        loop.train_to(15)
+        assert send_command(run.agent.info, "lr_scale", 0.3)["ok"]
+        loop.train_to(17)
+        assert (lr.get(), run._lr_back) == (0.3, None)
+        if path == "guard":
+            desk.schedule_rollback(Rollback({"lr_scale": 0.5},
+                                            ["lr_scale=0.2", "lr_scale=0.3"],
+                                            "test: the loss rose"), run.step + 1)
+            loop.train_to(run.step + 1)
+        else:
+            assert desk.roll_back(run.step + 1, "test: out of memory")
+        seen = {}
+        while run.step < 24:
+            seen[run.step] = lr.get()
+            loop.train_to(run.step + 1)
+    finally:
+        run.close()
+    if path == "guard":
+        assert set(seen.values()) == {1.0}, seen
+    else:  # (seen[n]: the value after step n, which step n + 1 trains with)
+        assert {step: value for step, value in seen.items() if step < 20} == {
+            step: 0.5 for step in range(17, 20)}, seen
+        assert {value for step, value in seen.items() if step >= 20} == {1.0}, seen
+
+
+
+def test_a_rollback_to_a_persons_lr_scale_after_a_recovery_does_not_bring_its_end_back(
+        run_dir, tmp_path):
+    """A recovery scales lr_scale 1.0 -> 0.5 until step 20; a person's lr_scale=0.5 (no
+    change, step 15) ends that plan; a person's lr_scale=0.3 (step 17) starts an
+    episode, which the guard rolls back: 0.5, the person's, holds (the plan it ended
+    does not come back)."""
+    from agent.control.ledger import Rollback
+    from agent.wire.commands import send_command
+
+    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
+                                          lr_steps=10))
+    run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
+    try:
+        loop.train_to(12)
+        run.recover(12, 11, "loss spike: test")
+        loop.train_to(13)
+        assert send_command(run.agent.info, "lr_scale", 0.5)["ok"]
+        loop.train_to(15)
+        assert send_command(run.agent.info, "lr_scale", 0.3)["ok"]
+        loop.train_to(17)
+        run.agent._desk.schedule_rollback(Rollback({"lr_scale": 0.5}, ["lr_scale=0.3"],
+                                                   "test: the loss rose"), run.step + 1)
+        seen = {}
+        while run.step < 24:
+            loop.train_to(run.step + 1)
+            seen[run.step] = lr.get()
+    finally:
+        run.close()
+    assert set(seen.values()) == {0.5}, seen
+
+
+def test_an_out_of_memory_rollback_after_a_recoverys_planned_end_puts_its_value_back_now(
+        run_dir, tmp_path):
+    """A recovery scales lr_scale 1.0 -> 0.5 until step 20; a person's lr_scale=0.2
+    (step 15) ends that plan; at step 26 an out-of-memory error rolls it back (0.5):
+    the plan's end has passed, so 1.0 comes back at once, for the step retried. Before,
+    that step trained at 0.5, the recovery's value six steps past its end, and the
+    event said the lr would go back "after step 20"."""
+    from agent.wire.commands import send_command
+
+    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
+                                          lr_steps=10))
+    run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
+    events = _events_of(run)
+    try:
+        loop.train_to(12)
+        run.recover(12, 11, "loss spike: test")
+        loop.train_to(13)
+        assert send_command(run.agent.info, "lr_scale", 0.2)["ok"]
+        loop.train_to(25)
+        assert lr.get() == 0.2
+        assert run.agent.roll_back_last_change(26, "test: step 26 ran out of memory")
+        assert (lr.get(), run._lr_back, run.agent.knob_values["lr_scale"]) == (1.0, None, 1.0)
+        loop.train_to(30)
+        assert lr.get() == 1.0
+    finally:
+        run.close()
+    rolled = [e["text"] for e in events if e.get("kind") == "rolled_back"]
+    assert rolled[-1].endswith("; the recovery's scaled steps ended after step 20: "
+                               "lr_scale back to 1 now"), rolled

@@ -195,7 +195,8 @@ class RunBase:
         #: a recovery's scaled learning rate: (the step it ends after, the value then)
         self._lr_back: tuple[int, float] | None = None
         #: the scaled lr_scale and the ``_lr_back`` that a person's lr_scale ended, until
-        #: a rollback of that setting puts them back or another lr_scale setting comes
+        #: a rollback of that setting's episode puts them back or a guarded setting
+        #: starts another episode (:meth:`keep_state`)
         self._lr_back_ended: tuple[float, tuple[int, float]] | None = None
         if type(self).live_state is RunBase.live_state:
             self.knobs.bind(RECOVER, f"{type(self).__name__} keeps no training state to go "
@@ -498,6 +499,10 @@ class RunBase:
            thread waits about the state's size over the copy bandwidth, at such a
            boundary only (a command), never at another step.
         """
+        # a rollback of the episode this change starts goes back to the value before
+        # it: a recovery's scaled steps that an lr_scale of an earlier episode ended
+        # do not come back with it (the one this change ends, if any, comes next)
+        self._lr_back_ended = None
         self._kept = None
         try:
             snapshot = self.state_snapshot(ROLLBACK_BUDGET_BYTES)
@@ -521,11 +526,14 @@ class RunBase:
         too): the person's value holds and the recovery's timer ends (it put the value
         before the recovery back over the person's, a learning rate other than the one
         commanded); both are kept for a rollback of this setting
-        (:meth:`setting_rolled_back`). Returns what the applied event says of it
-        (``""`` or ``"; ..."``)."""
+        (:meth:`setting_rolled_back`), as long as the episode of the change that ended
+        them lasts: a further lr_scale of that episode leaves them kept (its rollback
+        goes back to the value before the first), one that starts an episode drops
+        them (:meth:`keep_state`). Returns what the applied event says of it (``""`` or
+        ``"; ..."``)."""
         if knob != LR_SCALE.name:
             return ""
-        ended, self._lr_back, self._lr_back_ended = self._lr_back, None, None
+        ended, self._lr_back = self._lr_back, None
         if ended is None:
             return ""
         self._lr_back_ended = (previous, ended)
@@ -536,14 +544,24 @@ class RunBase:
 
         The rollback of the person's ``lr_scale`` that ended a recovery's scaled steps
         (back to their scaled value) puts their end back: the value before the
-        recovery returns after the step it was planned for (a rollback of the state
-        too, then at once, as any rewind ends them), not never. Returns what the
-        rolled-back event says of it (``""`` or ``"; ..."``)."""
+        recovery returns after the step it was planned for (at once when that step has
+        passed; a rollback of the state too, then at once, as any rewind ends them), not
+        never. Returns what the rolled-back event says of it (``""`` or ``"; ..."``)."""
         if knob != LR_SCALE.name or self._lr_back_ended is None:
             return ""
         (scaled, lr_back), self._lr_back_ended = self._lr_back_ended, None
         if value != scaled or self._lr_back is not None:
             return ""
+        if self.step >= lr_back[0]:  # (an out-of-memory rollback, after the planned end:
+            # the step retried must not train at the scaled value)
+            try:
+                self.knobs.knobs[LR_SCALE.name].set(lr_back[1])
+            except Exception as exc:  # noqa: BLE001 -- said in the event
+                return (f"; lr_scale could not go back to {lr_back[1]:g} after the "
+                        f"recovery's scaled steps ({type(exc).__name__}: {exc})")
+            self.agent.refresh_knobs()
+            return (f"; the recovery's scaled steps ended after step {lr_back[0]}: "
+                    f"lr_scale back to {lr_back[1]:g} now")
         self._lr_back = lr_back
         return (f"; the recovery's scaled steps come back with it: lr_scale back to "
                 f"{lr_back[1]:g} after step {lr_back[0]}")
