@@ -81,9 +81,10 @@ class StateKeeper(Protocol):
         ``"; ..."``)."""
 
     def setting_rolled_back(self, knob: str, value: Any) -> str:
-        """A rollback set ``knob`` back to ``value``: what the undone setting ended
-        comes back (a recovery's scaled ``lr_scale``, with the step it ends after).
-        Returns what the rolled-back event says of it (``""`` or ``"; ..."``)."""
+        """A rollback set ``knob`` back to ``value``: what the undone setting ended comes back.
+
+        That is a recovery's scaled ``lr_scale``, with the step it ends after. Returns
+        what the rolled-back event says of it (``""`` or ``"; ..."``)."""
 
     def restore_state(self, step: int, cause: str = "a rollback") -> tuple[str, str]:
         """The episode was rolled back before optimizer step ``step``: put the kept state back.
