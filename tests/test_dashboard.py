@@ -674,7 +674,11 @@ async def test_step_chart_legend_leaves_the_unit_to_the_axis():
     ([1.5] * 100 + [2.6, 2.7, 2.65], False, "2.70 s"),  # slowed for good: followed
     ([1.5] * 100 + [2.6, 2.7, 40.0], True, "2.70 s"),  # ... a spike among them is not
     ([1.5] * 100 + [8.0], True, "2.25 s"),  # the newest step alone, a spike
-], ids=["first-step", "sustained", "sustained-and-spike", "newest-spike"])
+    # a noisy new level (bf16 on a CPU): some of its steps back under the old scale
+    ([1.5] * 100 + [2.0, 3.2] * 5, False, "3.20 s"),
+    ([1.5] * 100 + [2.0, 3.2] * 4 + [2.0, 40.0], True, "3.20 s"),  # ... and a spike
+], ids=["first-step", "sustained", "sustained-and-spike", "newest-spike", "noisy-level",
+        "noisy-level-and-spike"])
 async def test_step_chart_follows_a_sustained_change_not_a_lone_outlier(
         step_times_s, off_scale, axis_top):
     source, app = _silent_app()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -54,6 +55,9 @@ _FROM_ZERO_BELOW = 0.05
 #: The newest values of a line that, when all are beyond its scale, are a sustained
 #: change (a slowdown under load), not an outlier: the scale follows them.
 _NEWEST_IN_VIEW = 3
+#: ... and the newest values whose median beyond the scale is a new level however noisy
+#: (bf16 on a CPU: steps of 40 to 110 ms after 33 ms, some back under the old scale).
+_NEWEST_LEVEL = 10
 #: plotext colour of the vertical line at a knob change.
 _MARK_COLOR = "orange"
 
@@ -126,14 +130,19 @@ def _top(lines: Sequence[tuple[Series, Sequence[float], Sequence[float]]]
     value is beyond it. A line whose :data:`_NEWEST_IN_VIEW` newest values are all
     beyond its end changed for good: its end rises to them (a lone spike among them,
     over :data:`~gpuwatch.widgets.panel.OUTLIER_FEW_HEADROOM` times their least, left
-    out), so the newest steps are always in view."""
+    out), so the newest steps are always in view; so does one whose
+    :data:`_NEWEST_LEVEL` newest values have their median beyond it (a noisy new level),
+    to the highest of them within that headroom of the median."""
     tops: list[float] = []
     for _, _, values in lines:
         top = robust_top(values) or max(values)
-        newest = values[-_NEWEST_IN_VIEW:]
+        newest, recent = values[-_NEWEST_IN_VIEW:], values[-_NEWEST_LEVEL:]
+        level = statistics.median(recent) if len(recent) == _NEWEST_LEVEL else None
         if len(newest) == _NEWEST_IN_VIEW and min(newest) > top:
             top = max(value for value in newest
                       if value <= min(newest) * OUTLIER_FEW_HEADROOM)
+        elif level is not None and level > top:
+            top = max(value for value in recent if value <= level * OUTLIER_FEW_HEADROOM)
         tops.append(top)
     highest = max(tops, default=None)
     return highest if highest is not None and any(
