@@ -134,7 +134,9 @@ def demo_device(name: str | None) -> torch.device:
         raise ValueError(f"--device {name}: the demo trains on cpu or cuda")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device.type == "cuda" and (device.index or 0) >= count:
-        raise ValueError(f"--device {name}: this machine has {count} CUDA devices")
+        why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+               else f"torch sees {count} CUDA device{'s' if count != 1 else ''} here")
+        raise ValueError(f"--device {name}: {why}")
     return device
 
 
