@@ -12,6 +12,7 @@ import torch
 
 import agent
 from agent.control.desk import Pending
+from agent.control.ledger import Rollback
 from agent.control.recovery import MIN_STEPS, Recovery, SpikeWatch
 from agent.integrations.run import RunBase
 from agent.wire import protocol
@@ -382,6 +383,10 @@ def test_a_persons_change_that_raises_the_loss_is_not_undone_as_a_spike(run_dir)
     assert dropout == 0.1 and run.step == 110
 
 
+#: A recovery that halves lr_scale for the 10 steps after the state it goes back to.
+_LR_HALVED = Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5, lr_steps=10)
+
+
 class _Regression:
     """A linear regression under :func:`agent.session` with ``recover=on`` from step 0
     and a checkpoint directory; the test is its training thread. Window ``n`` of a
@@ -404,6 +409,33 @@ class _Regression:
             self.optimizer.step()
             self.optimizer.zero_grad()
             self.run.optimizer_step(loss.detach())
+
+    def recover_from_a_spike_at_12(self) -> None:
+        """Train to step 12 and recover from a spike at step 11: back to step 10, and
+        under :data:`_LR_HALVED` lr_scale 1.0 -> 0.5 until step 20."""
+        self.train_to(12)
+        self.run.recover(12, 11, "loss spike: test")
+        assert (self.run.step, self.run.knobs.knobs["lr_scale"].get(),
+                self.run._lr_back) == (10, 0.5, (20, 1.0))
+
+    def roll_back_lr_scale_to_half(self, path: str, changes: list[str]) -> dict[int, float]:
+        """Roll ``changes`` back to lr_scale=0.5 at the next boundary, then train to step 24.
+
+        ``path``: ``"guard"`` (the guard's rollback: the knobs, then the state kept for
+        them) or ``"out_of_memory"`` (the knobs alone, at once). Returns lr_scale after
+        each step from there (the value the next step trains with)."""
+        run, desk = self.run, self.run.agent._desk
+        if path == "guard":
+            desk.schedule_rollback(Rollback({"lr_scale": 0.5}, changes, "test: the loss rose"),
+                                   run.step + 1)
+            self.train_to(run.step + 1)
+        else:
+            assert desk.roll_back(run.step + 1, "test: out of memory")
+        seen = {}
+        while run.step < 24:
+            seen[run.step] = run.knobs.knobs["lr_scale"].get()
+            self.train_to(run.step + 1)
+        return seen
 
     def ring(self) -> list[int]:
         return [kept[0] for kept in self.run._ring]
@@ -452,32 +484,18 @@ def test_a_rollback_of_a_persons_lr_scale_during_a_recovery_brings_its_end_back(
     rollback: knobs only), or at once (the guard's: the state too, which ends a
     recovery's scaled steps as every rewind does). Before, 0.5 stayed for the rest of
     the run: the recovery's lowered learning rate, for good."""
-    from agent.control.ledger import Rollback
     from agent.wire.commands import send_command
 
-    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
-                                          lr_steps=10))
+    loop = _Regression(tmp_path, _LR_HALVED)
     run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
-    desk = run.agent._desk
     events = _events_of(run)
     try:
-        loop.train_to(12)
-        run.recover(12, 11, "loss spike: test")
-        assert (run.step, lr.get(), run._lr_back) == (10, 0.5, (20, 1.0))
+        loop.recover_from_a_spike_at_12()
         loop.train_to(13)
         assert send_command(run.agent.info, "lr_scale", 0.2)["ok"]
         loop.train_to(16)
         assert (lr.get(), run._lr_back) == (0.2, None)
-        if path == "guard":  # the guard's rollback: knobs, then the state kept for them
-            desk.schedule_rollback(Rollback({"lr_scale": 0.5}, ["lr_scale=0.2"],
-                                            "test: the loss rose"), run.step + 1)
-            loop.train_to(run.step + 1)
-        else:  # after an out-of-memory error: the knobs alone, at once
-            assert desk.roll_back(run.step + 1, "test: out of memory")
-        seen = {}
-        while run.step < 24:
-            seen[run.step] = lr.get()
-            loop.train_to(run.step + 1)
+        seen = loop.roll_back_lr_scale_to_half(path, ["lr_scale=0.2"])
     finally:
         run.close()
     rolled = [e["text"] for e in events if e.get("kind") == "rolled_back"]
@@ -499,17 +517,14 @@ def test_a_recoverys_scaled_lr_is_not_saved_and_ends_with_a_rewind(run_dir, tmp_
     """While a recovery scales the lr, a checkpoint keeps the person's lr_scale; a rewind
     to a checkpoint (lr_scale=0.3 in it) ends the recovery's timer, which would put 1.0
     back at step 20 of the new branch."""
-    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
-                                          lr_steps=10))
+    loop = _Regression(tmp_path, _LR_HALVED)
     run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
     try:
         loop.train_to(3)
         lr.set(0.3)
         run.knobs.knobs["checkpoint"].set("now")
         lr.set(1.0)
-        loop.train_to(12)
-        run.recover(12, 11, "loss spike: test")
-        assert (run.step, lr.get(), run._lr_back) == (10, 0.5, (20, 1.0))
+        loop.recover_from_a_spike_at_12()
         said = run.knobs.knobs["checkpoint"].set("now")["text"]
         assert ("a recovery scales lr_scale to 0.5 until step 20; the checkpoint keeps "
                 "lr_scale=1.0") in said, said
@@ -599,14 +614,11 @@ def test_a_persons_lr_scale_during_a_recoverys_scaled_steps_is_kept_after_them(
     ("no change") but is the person's all the same."""
     from agent.wire.commands import send_command
 
-    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
-                                          lr_steps=10))
+    loop = _Regression(tmp_path, _LR_HALVED)
     run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
     events = _events_of(run)
     try:
-        loop.train_to(12)
-        run.recover(12, 11, "loss spike: test")
-        assert (run.step, lr.get(), run._lr_back) == (10, 0.5, (20, 1.0))
+        loop.recover_from_a_spike_at_12()
         loop.train_to(13)
         reply = send_command(run.agent.info, "lr_scale", value)
         assert reply["ok"], reply
@@ -635,34 +647,19 @@ def test_a_rollback_of_two_persons_lr_scales_during_a_recovery_brings_its_end_ba
     out-of-memory rollback), or at once (the guard's, with the state). Before, the
     second setting dropped what the first had ended: 0.5, the recovery's lowered
     learning rate, for the rest of the run."""
-    from agent.control.ledger import Rollback
     from agent.wire.commands import send_command
 
-    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
-                                          lr_steps=10))
+    loop = _Regression(tmp_path, _LR_HALVED)
     run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
-    desk = run.agent._desk
     try:
-        loop.train_to(12)
-        run.recover(12, 11, "loss spike: test")
-        assert (run.step, lr.get(), run._lr_back) == (10, 0.5, (20, 1.0))
+        loop.recover_from_a_spike_at_12()
         loop.train_to(13)
         assert send_command(run.agent.info, "lr_scale", 0.2)["ok"]
         loop.train_to(15)
         assert send_command(run.agent.info, "lr_scale", 0.3)["ok"]
         loop.train_to(17)
         assert (lr.get(), run._lr_back) == (0.3, None)
-        if path == "guard":
-            desk.schedule_rollback(Rollback({"lr_scale": 0.5},
-                                            ["lr_scale=0.2", "lr_scale=0.3"],
-                                            "test: the loss rose"), run.step + 1)
-            loop.train_to(run.step + 1)
-        else:
-            assert desk.roll_back(run.step + 1, "test: out of memory")
-        seen = {}
-        while run.step < 24:
-            seen[run.step] = lr.get()
-            loop.train_to(run.step + 1)
+        seen = loop.roll_back_lr_scale_to_half(path, ["lr_scale=0.2", "lr_scale=0.3"])
     finally:
         run.close()
     if path == "guard":
@@ -673,22 +670,18 @@ def test_a_rollback_of_two_persons_lr_scales_during_a_recovery_brings_its_end_ba
         assert {value for step, value in seen.items() if step >= 20} == {1.0}, seen
 
 
-
 def test_a_rollback_to_a_persons_lr_scale_after_a_recovery_does_not_bring_its_end_back(
         run_dir, tmp_path):
     """A recovery scales lr_scale 1.0 -> 0.5 until step 20; a person's lr_scale=0.5 (no
     change, step 15) ends that plan; a person's lr_scale=0.3 (step 17) starts an
     episode, which the guard rolls back: 0.5, the person's, holds (the plan it ended
     does not come back)."""
-    from agent.control.ledger import Rollback
     from agent.wire.commands import send_command
 
-    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
-                                          lr_steps=10))
+    loop = _Regression(tmp_path, _LR_HALVED)
     run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
     try:
-        loop.train_to(12)
-        run.recover(12, 11, "loss spike: test")
+        loop.recover_from_a_spike_at_12()
         loop.train_to(13)
         assert send_command(run.agent.info, "lr_scale", 0.5)["ok"]
         loop.train_to(15)
@@ -714,13 +707,11 @@ def test_an_out_of_memory_rollback_after_a_recoverys_planned_end_puts_its_value_
     event said the lr would go back "after step 20"."""
     from agent.wire.commands import send_command
 
-    loop = _Regression(tmp_path, Recovery(keep_every_steps=5, keep_states=2, lr_scale=0.5,
-                                          lr_steps=10))
+    loop = _Regression(tmp_path, _LR_HALVED)
     run, lr = loop.run, loop.run.knobs.knobs["lr_scale"]
     events = _events_of(run)
     try:
-        loop.train_to(12)
-        run.recover(12, 11, "loss spike: test")
+        loop.recover_from_a_spike_at_12()
         loop.train_to(13)
         assert send_command(run.agent.info, "lr_scale", 0.2)["ok"]
         loop.train_to(25)
