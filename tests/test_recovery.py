@@ -725,3 +725,39 @@ def test_an_out_of_memory_rollback_after_a_recoverys_planned_end_puts_its_value_
     rolled = [e["text"] for e in events if e.get("kind") == "rolled_back"]
     assert rolled[-1].endswith("; the recovery's scaled steps ended after step 20: "
                                "lr_scale back to 1 now"), rolled
+
+
+@pytest.mark.parametrize("queued_first", ["rollback", "recovery"])
+def test_a_rollback_and_a_recovery_at_one_boundary_never_bring_the_undone_lr_back(
+        run_dir, tmp_path, queued_first):
+    """A recovery halves lr_scale until step 20; a person's lr_scale=0.2 (step 15) ends
+    that plan; at one boundary the guard's rollback of it and a second recovery fall due,
+    queued in either order. The rollback applies first: the second recovery then halves
+    1.0 (the value the first would have gone back to) and goes back to 1.0. Before, with
+    the recovery first, it halved 0.2, the rollback set 0.5 over it, and at the second
+    plan's end the undone 0.2 came back for the rest of the run."""
+    from agent.wire.commands import send_command
+
+    loop = _Regression(tmp_path, _LR_HALVED)
+    run, lr, desk = loop.run, loop.run.knobs.knobs["lr_scale"], loop.run.agent._desk
+    try:
+        loop.recover_from_a_spike_at_12()
+        loop.train_to(13)
+        assert send_command(run.agent.info, "lr_scale", 0.2)["ok"]
+        loop.train_to(17)
+        at = run.step + 1
+        queue = {"rollback": lambda: desk.schedule_rollback(
+                     Rollback({"lr_scale": 0.5}, ["lr_scale=0.2"], "test: the loss rose"), at),
+                 "recovery": lambda: desk.schedule_recovery(
+                     f"{protocol.RECOVERY_ID_PREFIX}16-abcd", "loss spike: test", at)}
+        queue.pop(queued_first)()
+        queue.popitem()[1]()
+        loop.train_to(at)
+        seen = {}
+        while run.step < 40:
+            seen[run.step] = lr.get()
+            loop.train_to(run.step + 1)
+    finally:
+        run.close()
+    assert 0.2 not in seen.values(), seen
+    assert seen[max(seen)] == 1.0, seen

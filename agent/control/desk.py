@@ -478,8 +478,11 @@ class CommandDesk:
         if self.world_size > 1:  # arrival order differs between ranks; ids do not
             commands.sort(key=lambda command: (command.apply_step, str(command.command_id)))
         # commands that are not settings (a checkpoint) first: they see the state before
-        # the changes of the same boundary (a stable sort keeps the order above)
-        commands.sort(key=lambda command: not self.knobs.knobs[command.knob].spec.command)
+        # the changes of the same boundary (a stable sort keeps the order above); a
+        # recovery after the settings: a rollback of the same boundary sets the value its
+        # scaled lr starts from and goes back to, not the value the rollback undoes
+        commands.sort(key=lambda command: (not self.knobs.knobs[command.knob].spec.command,
+                                           _spike_start(command) is not None))
         # a later command for the same knob at the same boundary wins; a recovery is
         # no setting and always applies (a person's recover= beside it dropped it, and
         # the spike watch then waited for it to the run's end)
