@@ -735,11 +735,13 @@ def test_a_rollback_and_a_recovery_at_one_boundary_never_bring_the_undone_lr_bac
     queued in either order. The rollback applies first: the second recovery then halves
     1.0 (the value the first would have gone back to) and goes back to 1.0. Before, with
     the recovery first, it halved 0.2, the rollback set 0.5 over it, and at the second
-    plan's end the undone 0.2 came back for the rest of the run."""
+    plan's end the undone 0.2 came back for the rest of the run; and an event said "the
+    weights were not restored" right after the recovery had put a state back."""
     from agent.wire.commands import send_command
 
     loop = _Regression(tmp_path, _LR_HALVED)
     run, lr, desk = loop.run, loop.run.knobs.knobs["lr_scale"], loop.run.agent._desk
+    events = _events_of(run)
     try:
         loop.recover_from_a_spike_at_12()
         loop.train_to(13)
@@ -761,3 +763,6 @@ def test_a_rollback_and_a_recovery_at_one_boundary_never_bring_the_undone_lr_bac
         run.close()
     assert 0.2 not in seen.values(), seen
     assert seen[max(seen)] == 1.0, seen
+    # the recovery put a state back: the rollback's (dropped by its rewind) is not
+    # said to be missing ("the weights were not restored")
+    assert not [e for e in events if e.get("kind") == "state_restored"], events

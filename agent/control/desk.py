@@ -490,6 +490,7 @@ class CommandDesk:
                 if _spike_start(command) is None}
         checkpoint_failed = changed = False
         rolled_back = ""  # why, once a rollback applied
+        recovered = False  # a recovery applied: the state it put back stands
         stopped = None  # the stop applied at this boundary: no step trains after it
         for command in commands:
             if _spike_start(command) is None and last[command.knob] is not command:
@@ -509,13 +510,17 @@ class CommandDesk:
                     stopped = command
                 if _spike_start(command) is None:  # (a recovery is no rollback)
                     rolled_back = rolled_back or command.rollback_reason or ""
+                else:
+                    recovered = True
             elif command.knob == CHECKPOINT.name:
                 checkpoint_failed = True
             elif self.world_size > 1 and _spike_start(command) is None:
                 # the state goes back all the same: every rank puts it back together
                 # (restore_state is a collective), and its failed event says why
                 rolled_back = rolled_back or command.rollback_reason or ""
-        if rolled_back and self.state_keeper is not None:
+        # (after a recovery at this boundary the state is the one it put back, a later
+        # one than the rollback's: its rewind dropped the state kept for the rollback)
+        if rolled_back and not recovered and self.state_keeper is not None:
             at = step + 1 - self._moved_back
             level, text = self.state_keeper.restore_state(at, f"rolled back: {rolled_back}")
             self._event(level, text, kind=EventKind.STATE_RESTORED, step=at)
