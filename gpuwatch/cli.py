@@ -251,15 +251,9 @@ def _version() -> str:
 
 def _no_run(selector: str | None) -> int:
     """Say how to get a run to watch; the exit status for "no run"."""
-    if selector:
-        print(f"gpuwatch: no live run matches {selector!r} (see `gpuwatch runs`)",
-              file=sys.stderr)
-    else:
-        print(f"gpuwatch: no live run found (run files in {run_dir()}).\n"
-              "Start one:\n"
-              "  gpuwatch demo                 a small training job, with the dashboard on it\n"
-              "  agent.attach(trainer)         in your own training script",
-              file=sys.stderr)
+    from gpuwatch.client import no_run_text
+
+    print(no_run_text(selector), file=sys.stderr)
     return 1
 
 

@@ -32,7 +32,7 @@ import zmq
 from agent.wire import protocol
 from agent.wire.commands import new_command_id, secure, send_command, shared_context
 from agent.wire.knobs import assignment, when_applied
-from agent.wire.runs import RunInfo, find_run, list_runs
+from agent.wire.runs import RunInfo, find_run, list_runs, run_dir
 from gpuwatch.state import SeqGaps
 
 __all__ = ["CommandError", "RunClient", "Subscriber", "list_runs", "new_command_id",
@@ -335,3 +335,17 @@ class RunClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def no_run_text(selector: str | None) -> str:
+    """What a command says when no live run matches ``selector`` (None: any run).
+
+    With a selector, where to look for the runs there are; without one, where run
+    files are looked for and how to start a run. ``selector`` is shown with ``repr``
+    (a control character in it is escaped)."""
+    if selector:
+        return f"gpuwatch: no live run matches {selector!r} (see `gpuwatch runs`)"
+    return (f"gpuwatch: no live run found (run files in {run_dir()}).\n"
+            "Start one:\n"
+            "  gpuwatch demo                 a small training job, with the dashboard on it\n"
+            "  agent.attach(trainer)         in your own training script")

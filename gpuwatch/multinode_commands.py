@@ -15,7 +15,7 @@ from agent.wire import nodes, protocol
 from agent.wire.commands import remote_relays
 from agent.wire.protocol import printable
 from agent.wire.runs import find_run, node_list, run_ranks
-from gpuwatch.client import Subscriber
+from gpuwatch.client import Subscriber, no_run_text
 from gpuwatch.state import GONE_AFTER_S, RunState
 from gpuwatch.units import human_ms
 
@@ -91,8 +91,7 @@ def node_lines(state: RunState, now: float) -> list[str]:
 def _nodes(args: argparse.Namespace) -> int:
     info = find_run(args.run)
     if info is None:
-        print("gpuwatch nodes: no live run" + (f" matches {args.run!r}" if args.run else ""),
-              file=sys.stderr)
+        print(no_run_text(args.run), file=sys.stderr)
         return 1
     if info.nnodes <= 1:
         print(f"run {printable(info.run_id)} runs on one node: `gpuwatch runs` lists its "

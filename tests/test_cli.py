@@ -88,7 +88,7 @@ def test_set_rejected(fake_agent, assignment, reason):
     assert result.stderr.startswith("rejected: ") and reason in result.stderr
 
 
-@pytest.mark.parametrize("command", [("tail",), ("set", "lr_scale=0.5")])
+@pytest.mark.parametrize("command", [("tail",), ("set", "lr_scale=0.5"), ("nodes",)])
 def test_without_a_run_each_command_says_how_to_start_one(run_dir, command):
     result = gpuwatch(*command)
     assert result.returncode == 1
