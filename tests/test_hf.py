@@ -475,7 +475,8 @@ def test_hfs_own_checkpoint_after_a_live_accum_steps_change_resumes_exactly(
     monitor = hf.attach(twin)
     assert send_command(monitor.info, "accum_steps", 4, apply_step=2)["ok"]
     twin.train()
-    want = _steps(_records(monitor))
+    twin_records = _records(monitor)
+    want = _steps(twin_records)
     assert [want[k]["micro_batches"] for k in range(1, 9)] == [2, 4, 2, 4, 4, 4, 4, 4]
     path = tmp_path / "out" / f"checkpoint-{saved_after}"
     ours = json.loads((path / "gpuwatch.json").read_text())
@@ -502,6 +503,12 @@ def test_hfs_own_checkpoint_after_a_live_accum_steps_change_resumes_exactly(
         assert got[k]["loss"] == want[k]["loss"], k
     for mine, theirs in zip(fresh.model.parameters(), twin.model.parameters()):
         assert torch.equal(mine, theirs)
+    # the epochs that end after the resume are numbered as the twin's were (a user's
+    # resumed run said "epoch 1 ended" where HF was in its fourth); HF saves a step's
+    # checkpoint before its epoch's end, which the resumed run then says
+    ends = [(e["epoch"], e["step"]) for e in _events(records, "epoch_end")]
+    assert ends and ends == [(e["epoch"], e["step"]) for e in _events(twin_records, "epoch_end")
+                             if e["step"] >= saved_after], ends
 
 
 def test_a_sampler_a_resume_cannot_replay_is_said_before_saving_and_on_resume(

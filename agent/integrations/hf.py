@@ -977,6 +977,8 @@ class _Run(RunBase):
         args = self.trainer.args
         self._epoch_rng = rng_state(self.device)  # HF makes the epoch's iterator next
         self._epoch = kwargs["epoch"]
+        # the epochs before this one (a resumed run starts in a later one than its first)
+        self.epochs_done = kwargs["epoch"]
         self._steps_in_epoch = kwargs["steps_in_epoch"]
         self.micro_index = 0
         if (kwargs["resume_from_checkpoint"] is not None
