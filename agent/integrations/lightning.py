@@ -919,7 +919,9 @@ class _Run(RunBase):
                 f"{type(strategy).__name__} saves sharded checkpoints from every rank; "
                 "use Lightning's ModelCheckpoint"))
             return
-        self.bind_checkpoint(lambda path, knobs: self.trainer.save_checkpoint(path),
+        # (the whole state, said: without weights_only Lightning logs that it defaults)
+        self.bind_checkpoint(lambda path, knobs: self.trainer.save_checkpoint(
+                                 path, weights_only=False),
                              step=lambda: self.trainer.global_step,
                              directory=self.options.get("checkpoint_dir"),
                              name="step-{step:08d}.ckpt", every_rank=True)
