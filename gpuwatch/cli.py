@@ -28,6 +28,7 @@ from agent.wire import protocol
 from agent.wire.protocol import printable
 from agent.wire.runs import RunInfo, alive, find_run, list_runs, node_list, run_dir, run_ranks
 from gpuwatch import history, history_commands, multinode_commands
+from gpuwatch.state import RecentSteps, recent_steps
 from gpuwatch.units import counted, human_age, human_ms, human_rate, human_sig, knob_text
 
 SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor",
@@ -762,8 +763,8 @@ def _demo_without_ui(command: list[str]) -> int:
                 if time.monotonic() - shown_at >= PROGRESS_EVERY_S:
                     shown_at = time.monotonic()
                     paused = state.paused_after if state.status == "paused" else None
-                    print(_progress_line(last, time.monotonic() - started, paused),
-                          flush=True)
+                    print(_progress_line(last, time.monotonic() - started, paused,
+                                         recent_steps(state.steps)), flush=True)
         return child.wait() or 0
     except KeyboardInterrupt:  # the terminal sent SIGINT to the job as well
         return 130
@@ -772,23 +773,31 @@ def _demo_without_ui(command: list[str]) -> int:
 
 
 def _progress_line(step: dict[str, Any] | None, elapsed_s: float,
-                   paused_after: int | None = None) -> str:
+                   paused_after: int | None = None,
+                   recent: RecentSteps | None = None) -> str:
     """``demo: step 1,200  288 ms/step  109 samples/s  loss 2.04  (5m10s)``.
 
     ``paused_after``: the step a ``pause=on`` holds the run after, when it does:
-    ``demo: paused after step 101 (gpuwatch set pause=off goes on)  (5m10s)``."""
+    ``demo: paused after step 101 (gpuwatch set pause=off goes on)  (5m10s)``. ``recent``:
+    the latest steps (:func:`gpuwatch.state.recent_steps`): the step time and the rate
+    are their mean, as the dashboard's (``288 ms/step  109 samples/s (10s mean)``), not
+    the last step's alone (a warm-up step among the first read as the run's pace)."""
     if paused_after is not None:
         return (f"demo: paused after step {paused_after:,} (gpuwatch set pause=off goes "
                 f"on)  ({human_age(elapsed_s)})")
     if step is None:
         return f"demo: no step yet ({human_age(elapsed_s)})"
-    rate = step.get("tokens_per_s")
-    unit = "tokens/s" if isinstance(rate, (int, float)) else "samples/s"
-    rate = rate if isinstance(rate, (int, float)) else step.get("samples_per_s")
+    tokens = step.get("tokens_per_s")
+    field, unit = (("tokens_per_s", "tokens/s") if isinstance(tokens, (int, float))
+                   else ("samples_per_s", "samples/s"))
+    step_time_s, rate, label = step.get("step_time_s"), step.get(field), ""
+    if recent is not None and recent.records:
+        step_time_s, rate = recent.mean("step_time_s"), recent.rate(field)
+        label = f" ({recent.label})"
     loss = step.get("loss")
     number = step.get("step")
     return (f"demo: step {f'{number:,}' if isinstance(number, int) else '?'}  "
-            f"{human_ms(step.get('step_time_s'))}/step  {human_rate(rate, unit)}  "
+            f"{human_ms(step_time_s)}/step  {human_rate(rate, unit)}{label}  "
             f"loss {human_sig(loss) if isinstance(loss, (int, float)) else '-'}  "
             f"({human_age(elapsed_s)})")
 

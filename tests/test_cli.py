@@ -305,6 +305,28 @@ def test_no_ui_progress_line_reads_at_a_glance():
         "demo: paused after step 101 (gpuwatch set pause=off goes on)  (45s)")
 
 
+def test_no_ui_progress_line_gives_the_recent_pace_not_a_warm_up_steps():
+    """A newcomer's first line read ``step 4  1.17 s/step``: one step's own time. With
+    the latest steps the line gives their mean over the window, labelled as the
+    dashboard labels it."""
+    from gpuwatch.cli import _progress_line
+    from gpuwatch.state import RunState, recent_steps
+
+    state = RunState()
+    for step, step_time_s in enumerate([1.2, 0.03, 0.03, 0.03, 0.03, 0.03, 0.03, 0.03], 1):
+        state.ingest({"type": "step", "seq": step, "t": 0.0, "rank": 0, "run_id": "r",
+                      "body": {"step": step, "step_time_s": step_time_s, "samples": 16,
+                               "samples_per_s": 16 / step_time_s, "loss": 4.0}})
+    last = {"step": 8, "step_time_s": 0.03, "samples_per_s": 16 / 0.03, "loss": 4.0}
+    recent = recent_steps(state.steps)
+    # 1.41 s for 8 steps of 16 samples: 176 ms a step, 90.8 samples/s (the last alone:
+    # 30.0 ms, 533 samples/s)
+    assert _progress_line(last, 12, recent=recent) == (
+        "demo: step 8  176 ms/step  90.8 samples/s (1s mean)  loss 4.00  (12s)")
+    assert _progress_line(last, 12) == (
+        "demo: step 8  30.0 ms/step  533 samples/s  loss 4.00  (12s)")
+
+
 def test_a_job_in_a_long_step_is_killed_with_its_output_file_named(tmp_path, monkeypatch,
                                                                     capsys):
     """``q`` while the demo's job is in a long step: it is asked to stop, waited for,
