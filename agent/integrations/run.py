@@ -554,14 +554,9 @@ class RunBase:
             return ""
         if self.step >= lr_back[0]:  # (an out-of-memory rollback, after the planned end:
             # the step retried must not train at the scaled value)
-            try:
-                self.knobs.knobs[LR_SCALE.name].set(lr_back[1])
-            except Exception as exc:  # noqa: BLE001 -- said in the event
-                return (f"; lr_scale could not go back to {lr_back[1]:g} after the "
-                        f"recovery's scaled steps ({type(exc).__name__}: {exc})")
-            self.agent.refresh_knobs()
-            return (f"; the recovery's scaled steps ended after step {lr_back[0]}: "
-                    f"lr_scale back to {lr_back[1]:g} now")
+            return self._lr_scale_back(
+                lr_back[1], f"the recovery's scaled steps ended after step {lr_back[0]}",
+                " now")
         self._lr_back = lr_back
         return (f"; the recovery's scaled steps come back with it: lr_scale back to "
                 f"{lr_back[1]:g} after step {lr_back[0]}")
@@ -694,12 +689,19 @@ class RunBase:
         if self._lr_back is None:
             return ""
         value, self._lr_back = self._lr_back[1], None
+        return self._lr_scale_back(value, "the recovery's scaled lr ends")
+
+    def _lr_scale_back(self, value: float, why: str, when: str = "") -> str:
+        """Training thread, at a boundary: ``lr_scale`` back to ``value``, the value before
+        a recovery scaled it. Returns what the event says of it: ``"; {why}: lr_scale
+        back to {value}{when}"``, or that the knob refused it (the lr stays as it is)."""
         try:
             self.knobs.knobs[LR_SCALE.name].set(value)
         except Exception as exc:  # noqa: BLE001 -- said in the event
-            return f"; lr_scale could not go back to {value:g} after the recovery ({exc})"
+            return (f"; lr_scale could not go back to {value:g} after the recovery "
+                    f"({type(exc).__name__}: {exc})")
         self.agent.refresh_knobs()
-        return f"; the recovery's scaled lr ends: lr_scale back to {value:g}"
+        return f"; {why}: lr_scale back to {value:g}{when}"
 
     def _load_on_every_rank(self, snapshot: Any, drop: int = 0) -> str | None:
         """:meth:`load_snapshot` of ``snapshot``, then the ``drop`` of micro-batches
