@@ -28,7 +28,7 @@ from agent.wire import protocol
 from agent.wire.protocol import printable
 from agent.wire.runs import RunInfo, alive, find_run, list_runs, node_list, run_dir, run_ranks
 from gpuwatch import history, history_commands, multinode_commands
-from gpuwatch.state import RecentSteps, recent_steps
+from gpuwatch.state import RecentSteps, RunState, recent_steps
 from gpuwatch.units import counted, human_age, human_ms, human_rate, human_sig, knob_text
 
 SUBCOMMANDS = ("attach", "runs", "set", "tune", "tail", "replay", "demo", "doctor",
@@ -738,7 +738,6 @@ def _demo_without_ui(command: list[str]) -> int:
     throughput, loss; or that the run is paused) read from its telemetry as a dashboard
     would (its :class:`gpuwatch.state.RunState`); Ctrl-C stops it."""
     from gpuwatch.client import Subscriber
-    from gpuwatch.state import RunState
 
     print("gpuwatch demo: training in this terminal; watch it with `gpuwatch` from "
           "another one", flush=True)
