@@ -430,7 +430,7 @@ def _tail(args: argparse.Namespace) -> int:
     if info is None:
         return _no_run(selector)
     printed = 0
-    hellos: set[str] = set()
+    hellos = _Hellos()
     try:
         subscriber = Subscriber(info)
     except zmq.ZMQError as exc:
@@ -551,7 +551,7 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
     from gpuwatch.sources.replay import POLL_S, RunLogReader
 
     printed = 0
-    hellos: set[str] = set()
+    hellos = _Hellos()
     with RunLogReader(path) as reader:
         try:
             while True:
@@ -579,30 +579,58 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                       file=sys.stderr)
 
 
-def _print_record(message: dict[str, Any], *, as_json: bool, hellos: set[str],
+def _print_record(message: dict[str, Any], *, as_json: bool, hellos: "_Hellos",
                   rank: int | None = None) -> bool:
     """Print one envelope as a JSON line (the run log's format) or a line for people
     (``[rank N]`` in front when ``rank`` is given and the record is another rank's);
-    False when there is no line for people for its type, or it is a hello line already
-    in ``hellos`` (the lines printed so far: a run repeats its hello for subscribers
-    that come late, a person needs it once)."""
+    False when there is no line for people for its type, or it is a hello that
+    ``hellos`` has said already."""
     if as_json:
         # bytes, with newline; what a terminal would obey escaped (exact all the same)
         sys.stdout.buffer.write(protocol.terminal_json(protocol.to_json_line(message)))
         return True
     try:
-        line = _human_line(message)
+        line = hellos.line(message) if message.get("type") == protocol.HELLO \
+            else _human_line(message)
     except Exception:  # a record of unexpected shape: show it raw rather than fail
         line = protocol.to_json_line(message).decode().rstrip("\n")
-    if line is None or line in hellos:
+    if line is None:
         return False
-    if message.get("type") == protocol.HELLO:
-        hellos.add(line)
     if (rank is not None and message.get("rank") != rank
             and message.get("type") != protocol.NODE):
         line = f"[rank {message.get('rank')}] {line}"
     sys.stdout.buffer.write(printable(line).encode() + b"\n")
     return True
+
+
+class _Hellos:
+    """The hello lines a tail has printed, by run and rank.
+
+    A run repeats its hello for subscribers that come late (a person needs it once), and
+    sends a new one when its knobs change (a framework binds its knobs after the loop
+    starts; a resumed run restores them): that is said as what changed."""
+
+    def __init__(self) -> None:
+        self._said: dict[tuple[Any, Any], tuple[str, list[str]]] = {}
+
+    def line(self, message: dict[str, Any]) -> str | None:
+        """The line for a ``hello`` envelope; None when it says nothing new."""
+        body = message["body"]
+        key = (message.get("run"), message.get("rank"))
+        head = f"run {message.get('run')} {body.get('name', '')} on {body.get('device', '?')}"
+        knobs = [str(knob.get("name", "?")) for knob in body.get("knobs") or ()
+                 if isinstance(knob, dict)]
+        said = self._said.get(key)
+        self._said[key] = (head, knobs)
+        if said is not None and said[0] == head:
+            if said[1] == knobs:
+                return None
+            added = [name for name in knobs if name not in said[1]]
+            gone = [name for name in said[1] if name not in knobs]
+            return f"run {message.get('run')} knobs " + "; ".join(
+                f"{what}: {', '.join(names)}" for what, names in (("added", added),
+                                                                 ("removed", gone)) if names)
+        return f"{head}; knobs: " + ", ".join(knobs)
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -635,7 +663,9 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _human_line(message: dict[str, Any]) -> str | None:
-    """A short line for steps, events, hello and bye; None for the other types."""
+    """A short line for steps, events and bye; None for the other types.
+
+    (A hello's line is :class:`_Hellos`'s.)"""
     body = message["body"]
     kind = message["type"]
     if kind == protocol.STEP:
@@ -653,10 +683,6 @@ def _human_line(message: dict[str, Any]) -> str | None:
                 + knobs).rstrip()
     if kind == protocol.EVENT:
         return f"[{body.get('level', 'info')}] {body.get('text', '')}"
-    if kind == protocol.HELLO:
-        return (f"run {message.get('run')} {body.get('name', '')} on "
-                f"{body.get('device', '?')}; knobs: "
-                + ", ".join(k.get("name", "?") for k in body.get("knobs") or ()))
     if kind == protocol.BYE:
         steps = body.get("steps")
         return (f"run ended ({body.get('reason', '')}) after "

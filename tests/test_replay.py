@@ -286,6 +286,26 @@ def test_tail_json_file_prints_every_record_and_exits(tmp_path, run_dir):
     assert human.stdout.splitlines()[1].startswith("step 1  100 ms  wait 60.0 ms")
 
 
+def test_tail_says_a_later_hello_as_the_knobs_it_changed(tmp_path, run_dir):
+    # a framework's run binds its knobs after its first hello (a resumed Lightning run:
+    # pause, stop, recover, rewind first), and repeats its hello for late subscribers
+    path = tmp_path / "run.rank0.runlog"
+    writer = Writer(path)
+    knobs = [STANDARD_KNOBS[name].to_wire() for name in ("pause", "stop")]
+    writer.write("hello", {"name": "replayed", "device": "cpu", "knobs": knobs})
+    writer.step(1)
+    writer.write("hello", {"name": "replayed", "device": "cpu", "knobs": [
+        knobs[0], *(STANDARD_KNOBS[name].to_wire() for name in ("precision", "accum_steps"))]})
+    writer.write("hello", {"name": "replayed", "device": "cpu", "knobs": [
+        knobs[0], *(STANDARD_KNOBS[name].to_wire() for name in ("precision", "accum_steps"))]})
+    writer.step(2)
+    writer.log.close()
+    lines = gpuwatch("tail", str(path)).stdout.splitlines()
+    assert lines[0] == f"run {RUN} replayed on cpu; knobs: pause, stop"
+    assert lines[2] == f"run {RUN} knobs added: precision, accum_steps; removed: stop"
+    assert lines[3].startswith("step 2 ") and len(lines) == 4  # the repeat: not said
+
+
 def test_tail_follow_file_waits_for_bye(tmp_path, run_dir):
     path = tmp_path / "run.rank0.runlog"
     writer = Writer(path)
