@@ -1441,7 +1441,9 @@ class RunSummary:
             thinned: the steps a bucket of its thinned steps stands for (0: none
             thinned: every step kept as logged). log_path: its lowest rank's log (the
             first file), None for a live run without one; run_id is what its records
-            say (a copied log's file name may name another).
+            say (a copied log's file name may name another). resumed_from, resumed_at:
+            the run whose checkpoint it resumed from, and the step it resumed at (None:
+            it started afresh, or the checkpoint did not name its run).
     """
 
     run_id: str
@@ -1463,6 +1465,8 @@ class RunSummary:
     thinned: int = 0
     tree: BranchTree = field(default_factory=BranchTree)
     log_path: str | None = None
+    resumed_from: str | None = None
+    resumed_at: int | None = None
 
     def public(self) -> dict[str, Any]:
         """As a JSON-ready map (``gpuwatch runs --all --json``).
@@ -1484,7 +1488,8 @@ def _summary_of(run_id: str, summary: LogSummary, *, ranks: Sequence[int], live:
         summary.steps, summary.last_step, summary.final_loss, summary.best_samples_per_s,
         summary.best_tokens_per_s, summary.knob_changes,
         None if summary.ended is None else printable(summary.ended, 100), log_bytes,
-        malformed, truncated, thinned, summary.tree, log_path)
+        malformed, truncated, thinned, summary.tree, log_path, summary.resumed_from,
+        summary.resumed_at)
 
 
 def summarize(history: RunHistory, *, ranks: Sequence[int] = (), live: bool = False,

@@ -175,7 +175,11 @@ def print_all_runs(as_json: bool, last: int | None = None) -> int:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
               + row[-1])
         if index:
-            for line in tree_lines(summaries[index - 1].tree, width_chars=width - 2):
+            summary = summaries[index - 1]
+            if summary.resumed_from is not None:
+                at = "" if summary.resumed_at is None else f" at step {summary.resumed_at:,}"
+                print(f"  resumed from {printable(summary.resumed_from, 100)}{at}")
+            for line in tree_lines(summary.tree, width_chars=width - 2):
                 print("  " + line)
     if older:
         print(f"({older:,} older run{'s' if older > 1 else ''} not shown: --last)")

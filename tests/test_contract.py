@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from agent.wire.knobs import assignment
-from gpuwatch.history import flat_records
+from gpuwatch.history import flat_records, log_at, log_summary
 from agent.control.recovery import Recovery
 from tests.contract import Driver, Recorder, all_drivers, run, run_diverging, run_poisoned
 
@@ -72,6 +72,11 @@ def test_a_resume_after_live_changes_continues_the_run_exactly(driver, run_dir, 
     for knob, _ in driver.changes:  # its value as saved (micro_batch_size moves accum_steps)
         assert assignment(knob, want[CHECKPOINT_AFTER]["knobs"][knob]) in text, text
     assert "not as in the saved run" not in text
+    # the resumed run's log names the run it continues (`gpuwatch runs --all` says so)
+    origin = twin.records[0]["run"]
+    assert [event.get("from_run") for event in events][:1] == [origin]
+    summary = log_summary(log_at(resumed.log_path))[0]
+    assert (summary.resumed_from, summary.resumed_at) == (origin, CHECKPOINT_AFTER)
 
     assert sorted(got) == list(range(CHECKPOINT_AFTER + 1, STEPS + 1))
     for step in range(CHECKPOINT_AFTER + 1, STEPS + 1):

@@ -271,6 +271,31 @@ def test_runs_all_lists_finished_killed_and_live_runs(run_dir, fake_agent):
     assert refused.returncode == 2 and "--last N goes with --all" in refused.stderr
 
 
+def test_runs_all_names_the_run_a_resumed_run_continues(run_dir):
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=20)
+    resumed = "20250103-000000-c0de"
+    for run, origin in ((resumed, RUN), ("20250104-000000-0bad", "x\x1b[2Jy")):
+        writer = Writer(os.path.join(logs, f"{run}.rank0.runlog"), run=run)
+        writer.hello()
+        writer.write("event", {"level": "info", "kind": "resumed", "step": 20,
+                               "from_run": origin, "text": "resumed from ... at step 20"})
+        for step in range(21, 26):
+            writer.step(step)
+        writer.write("bye", {"reason": "finished", "steps": 5})
+        writer.log.close()
+    for _ in range(2):  # folded from the log, then read from the summary saved beside it
+        lines = gpuwatch("runs", "--all").stdout.splitlines()
+        row = next(index for index, line in enumerate(lines) if line.startswith(resumed))
+        assert lines[row + 1] == f"  resumed from {RUN} at step 20"
+        assert "  resumed from x\u241b[2Jy at step 20" in lines  # (no escape reaches the terminal)
+        [listed] = [run for run in json.loads(gpuwatch("runs", "--all", "--json").stdout)
+                    if run["run_id"] == resumed]
+        assert (listed["resumed_from"], listed["resumed_at"]) == (RUN, 20)
+    assert sum("resumed from" in line for line in lines) == 2  # the origin: nothing
+
+
 @pytest.mark.slow
 def test_a_finished_demo_run_is_listed_and_opens_by_id(run_dir):
     """The real demo job, run to its end; then listed and opened by its id's prefix."""

@@ -41,7 +41,7 @@ import torch
 
 from agent.step.core import Agent
 from agent.wire.knobs import CHECKPOINT, Knob, KnobError, KnobSet, assignment
-from agent.wire.protocol import EventKind
+from agent.wire.protocol import MAX_NAME_CHARS, EventKind, printable
 from agent.wire.runlog import log_dir, open_no_follow
 from gpuopt.memory import format_bytes
 from gpuopt.saving import write_atomically
@@ -416,14 +416,16 @@ def read_knobs_file(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *,
-                  unbound: str = "not in this run", differs: str | None = None
-                  ) -> dict[str, Any]:
+                  unbound: str = "not in this run", differs: str | None = None,
+                  from_run: Any = None) -> dict[str, Any]:
     """Set each knob of ``knobs`` (a checkpoint's) that this run has and that differs.
 
     On the training thread before training goes on; one ``resumed`` event lists every knob
     value restored (those already at their saved value too), what could not be set (with the
     reason), what this run does not have (``unbound`` says how it is told) and ``differs``:
-    what will not be as in the saved run.
+    what will not be as in the saved run. ``from_run``: the run id the checkpoint names
+    (its ``run``; a file's value, untrusted: the event carries it only when it is a
+    string), so that the run's log says which run it continues.
 
     A knob whose setting moves another (``micro_batch_size`` adjusts ``accum_steps`` to
     keep the effective batch) is set first, then every knob that is not at its saved
@@ -437,8 +439,10 @@ def restore_knobs(agent: Agent, knobs: dict[str, Any], source: str, step: int, *
                                                                unbound)
     if differs:
         text += f"; not as in the saved run: {differs}"
+    origin = ({"from_run": printable(from_run, MAX_NAME_CHARS)}
+              if isinstance(from_run, str) and from_run else {})
     agent.event("warning" if failed or differs else "info", text, kind=EventKind.RESUMED,
-                path=source, step=step, knobs=knobs)
+                path=source, step=step, knobs=knobs, **origin)
     return absent
 
 

@@ -726,7 +726,8 @@ class AcceleratorRun(RunBase):
         if MAX_GRAD_NORM.name in knobs and MAX_GRAD_NORM.name in self.knobs.knobs:
             self._grad_norm.max_norm = knobs[MAX_GRAD_NORM.name]
         self._unbound = self.restore(knobs, source, differs=differs,
-                                     unbound="not bound yet (set when run.loader() binds them)")
+                                     unbound="not bound yet (set when run.loader() binds them)",
+                                     from_run=saved.get("run"))
         scaler_file = Path(path) / GRAD_SCALER_FILE
         if (scaler_file.exists() and self._precision is not None
                 and self._precision.scaler is not None):

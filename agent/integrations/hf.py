@@ -525,7 +525,8 @@ class _Run(RunBase):
             if self._saved_position is None and saved.get("knobs"):
                 differs = ("the checkpoint has no data position (an older gpuwatch's): HF "
                            "skips global_step x gradient_accumulation_steps micro-batches")
-        self.restore(saved.get("knobs", {}), checkpoint, differs=differs)
+        self.restore(saved.get("knobs", {}), checkpoint, differs=differs,
+                     from_run=saved.get("run"))
         scaler = Path(checkpoint) / GRAD_SCALER_FILE
         if scaler.exists() and self._scaler_installed:
             self.policy.grad_scaler.load_state_dict(load_tensors(scaler))

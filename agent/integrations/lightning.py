@@ -950,12 +950,13 @@ class _Run(RunBase):
     def saved_state(self) -> dict[str, Any]:
         """What every Lightning checkpoint of this ``fit`` keeps of gpuwatch: this callback's state.
 
-        The knob values a person chose, the data position (:meth:`data_state`), whether
-        ``accum_steps`` was changed (the windows are then gpuwatch's, counted from the
-        change) and, once the precision knob made one, the kept fp16 GradScaler's state
-        (Lightning saves only the plugin the Trainer started with). Training thread; reads
-        the random number generators (host work)."""
-        state: dict[str, Any] = {"knobs": self.chosen_knobs()[0], "data": self.data_state(),
+        The run's id, the knob values a person chose, the data position
+        (:meth:`data_state`), whether ``accum_steps`` was changed (the windows are then
+        gpuwatch's, counted from the change) and, once the precision knob made one, the
+        kept fp16 GradScaler's state (Lightning saves only the plugin the Trainer started
+        with). Training thread; reads the random number generators (host work)."""
+        state: dict[str, Any] = {"run": self.agent.run_id, "knobs": self.chosen_knobs()[0],
+                                 "data": self.data_state(),
                                  "accumulation_changed": bool(self.accumulation
                                                               and self.accumulation.engaged)}
         precision = self.precision
@@ -1046,7 +1047,8 @@ class _Run(RunBase):
                        "before gpuwatch followed it): Lightning starts the epoch again")
         else:
             self._position_data(data, differs is None, ended)
-        self.restore(knobs, str(self.trainer.ckpt_path), differs=differs)
+        self.restore(knobs, str(self.trainer.ckpt_path), differs=differs,
+                     from_run=saved.get("run"))
 
     def _position_data(self, data: dict[str, Any], exact: bool, ended: bool) -> None:
         """Put the train data and the generators back at the checkpoint's boundary: a

@@ -441,7 +441,8 @@ class LoopRun(RunBase):
         self._load_position(saved.get("data"))
         self._unbound_knobs = self.restore(
             saved["knobs"], source, differs=self.no_position(saved.get("data")),
-            unbound="not bound yet (set when run.loader() binds them)")
+            unbound="not bound yet (set when run.loader() binds them)",
+            from_run=saved.get("run"))
         set_rng_state(saved["rng"])
 
 

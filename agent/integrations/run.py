@@ -337,12 +337,13 @@ class RunBase:
 
     def restore(self, knobs: dict[str, Any], source: str, *,
                 data: dict[str, Any] | None = None, differs: str | None = None,
-                unbound: str = "not in this run") -> dict[str, Any]:
+                unbound: str = "not in this run", from_run: Any = None) -> dict[str, Any]:
         """Training thread, before training goes on from a checkpoint at :attr:`step`: restore it.
 
         The data position (``data``, :meth:`data_state`'s), then every knob value of
         ``knobs``; one ``resumed`` event names them all, what could not be set, and
-        ``differs`` (what will not be as in the saved run), if anything.
+        ``differs`` (what will not be as in the saved run), if anything; ``from_run``:
+        the run that saved it (the checkpoint's ``run``), named in the event.
 
         Returns:
             The knobs of ``knobs`` this run does not have (yet), by name.
@@ -351,7 +352,7 @@ class RunBase:
         if data is not None:
             self.position.load_state_dict(data)
         return restore_knobs(self.agent, knobs, source, self.step, unbound=unbound,
-                             differs=differs)
+                             differs=differs, from_run=from_run)
 
     # ------------------------------------------------------------ pause, stop, evaluate
 

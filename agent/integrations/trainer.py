@@ -177,7 +177,7 @@ def attach(trainer: Trainer, *, name: str = "", transport: str = "ipc",
     run.bind_checkpoint(run.save, step=lambda: trainer.step, directory=checkpoint_dir)
     run.bind_evaluate(eval_fn, trainer.model, declare="agent.attach(trainer, eval_fn=...)")
     if saved is not None:
-        run.restore(saved["knobs"], str(resume_from))
+        run.restore(saved["knobs"], str(resume_from), from_run=saved.get("run"))
     trainer.callbacks.append(run)
     run.start()
     return agent

@@ -830,6 +830,9 @@ class LogSummary:
             (damaged frames or lines; a torn end): the writer's own has none.
         tree: the run's branches (:class:`BranchTree`; one, branch 0, until the state
             is put back).
+        resumed_from, resumed_at: the run the checkpoint it resumed from was saved by,
+            and the step it resumed at (its first ``resumed`` event's; None when it
+            started afresh, or its checkpoint did not say which run saved it).
     """
 
     run: str | None = None
@@ -853,6 +856,8 @@ class LogSummary:
     malformed: int = 0
     truncated: bool = False
     tree: BranchTree = field(default_factory=BranchTree)
+    resumed_from: str | None = None
+    resumed_at: int | None = None
 
     def add(self, message: dict[str, Any]) -> None:
         """Fold one envelope: a ``steps`` batch, or an older log's ``step``.
@@ -895,6 +900,12 @@ class LogSummary:
                 self.tree.branched(body)
             elif event in protocol.EventKind.CHANGED:
                 self.tree.applied(body)
+            elif (event == protocol.EventKind.RESUMED and self.resumed_from is None
+                  and isinstance(body.get("from_run"), str)):
+                self.resumed_from = protocol.printable(body["from_run"],
+                                                       protocol.MAX_NAME_CHARS)
+                step = body.get("step")
+                self.resumed_at = step if type(step) is int and step >= 0 else None
         elif kind == protocol.BYE:
             reason = body.get("reason")
             self.ended = (protocol.printable(reason, protocol.MAX_NAME_CHARS)
@@ -979,7 +990,7 @@ class LogSummary:
         for spec in fields(cls):
             value = values.get(spec.name, getattr(summary, spec.name))
             default = getattr(summary, spec.name)
-            if spec.name in ("run", "name", "ended"):
+            if spec.name in ("run", "name", "ended", "resumed_from"):
                 ok = value is None or isinstance(value, str)
                 value = value if value is None else protocol.printable(
                     value, protocol.MAX_NAME_CHARS)

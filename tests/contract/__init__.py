@@ -130,11 +130,12 @@ class Recorder:
 
 @dataclass
 class Result:
-    """A driver's run: its run log's records, what it trained, its final parameters."""
+    """A driver's run: its run log's records, what it trained, its final parameters, its log."""
 
     records: list[dict[str, Any]]
     recorder: Recorder
     params: list[torch.Tensor]
+    log_path: Path
 
     def steps(self) -> dict[int, dict[str, Any]]:
         return {r["step"]: r for r in self.records if r["type"] == "step"}
@@ -220,7 +221,7 @@ def run(driver: Driver, *, steps: int, commands: list[tuple[str, Any, int]],
     log_path, params = driver.train(steps=steps, commands=commands,
                                     checkpoint_dir=checkpoint_dir, resume_from=resume_from,
                                     recorder=recorder)
-    return Result(list(flat_records(log_path)), recorder, params)
+    return Result(list(flat_records(log_path)), recorder, params, log_path)
 
 
 def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
