@@ -1468,6 +1468,13 @@ class RunSummary:
     resumed_from: str | None = None
     resumed_at: int | None = None
 
+    def resumed_text(self) -> str:
+        """``resumed from RUN at step N`` for a run resumed from a checkpoint, else ""."""
+        if self.resumed_from is None:
+            return ""
+        at = "" if self.resumed_at is None else f" at step {self.resumed_at:,}"
+        return f"resumed from {printable(self.resumed_from, 100)}{at}"
+
     def public(self) -> dict[str, Any]:
         """As a JSON-ready map (``gpuwatch runs --all --json``).
 

@@ -177,8 +177,7 @@ def print_all_runs(as_json: bool, last: int | None = None) -> int:
         if index:
             summary = summaries[index - 1]
             if summary.resumed_from is not None:
-                at = "" if summary.resumed_at is None else f" at step {summary.resumed_at:,}"
-                print(f"  resumed from {printable(summary.resumed_from, 100)}{at}")
+                print("  " + summary.resumed_text())
             for line in tree_lines(summary.tree, width_chars=width - 2):
                 print("  " + line)
     if older:

@@ -271,12 +271,16 @@ def test_runs_all_lists_finished_killed_and_live_runs(run_dir, fake_agent):
     assert refused.returncode == 2 and "--last N goes with --all" in refused.stderr
 
 
-def test_runs_all_names_the_run_a_resumed_run_continues(run_dir):
+RESUMED = "20250103-000000-c0de"
+
+
+def _resumed_logs(run_dir, runs=((RESUMED, RUN),)):
+    """RUN's log (20 steps), and for each ``(run, origin)`` a log of steps 21-25 of a
+    run resumed at step 20 from a checkpoint of ``origin``; the logs' directory."""
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=20)
-    resumed = "20250103-000000-c0de"
-    for run, origin in ((resumed, RUN), ("20250104-000000-0bad", "x\x1b[2Jy")):
+    for run, origin in runs:
         writer = Writer(os.path.join(logs, f"{run}.rank0.runlog"), run=run)
         writer.hello()
         writer.write("event", {"level": "info", "kind": "resumed", "step": 20,
@@ -285,15 +289,36 @@ def test_runs_all_names_the_run_a_resumed_run_continues(run_dir):
             writer.step(step)
         writer.write("bye", {"reason": "finished", "steps": 5})
         writer.log.close()
+    return logs
+
+
+def test_runs_all_names_the_run_a_resumed_run_continues(run_dir):
+    _resumed_logs(run_dir, ((RESUMED, RUN), ("20250104-000000-0bad", "x\x1b[2Jy")))
     for _ in range(2):  # folded from the log, then read from the summary saved beside it
         lines = gpuwatch("runs", "--all").stdout.splitlines()
-        row = next(index for index, line in enumerate(lines) if line.startswith(resumed))
+        row = next(index for index, line in enumerate(lines) if line.startswith(RESUMED))
         assert lines[row + 1] == f"  resumed from {RUN} at step 20"
         assert "  resumed from x\u241b[2Jy at step 20" in lines  # (no escape reaches the terminal)
         [listed] = [run for run in json.loads(gpuwatch("runs", "--all", "--json").stdout)
-                    if run["run_id"] == resumed]
+                    if run["run_id"] == RESUMED]
         assert (listed["resumed_from"], listed["resumed_at"]) == (RUN, 20)
     assert sum("resumed from" in line for line in lines) == 2  # the origin: nothing
+
+
+async def test_the_runs_screen_names_the_run_a_resumed_run_continues(run_dir):
+    logs = _resumed_logs(run_dir)
+    app = GpuwatchApp(TimelineSource(history.log_at(os.path.join(
+        logs, f"{RESUMED}.rank0.runlog"))), readonly=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: "step" in text_of(app, "#timeline"))
+        await pilot.press("r")
+        table = app.screen.query_one("#runs-table")
+        await until(pilot, lambda: table.row_count == 2)
+        assert table.get_row_at(0)[0] == RESUMED  # (newest first: under the cursor)
+        await until(pilot, lambda: str(app.screen.query_one("#runs-branches").content)
+                    == f"resumed from {RUN} at step 20")
+        await pilot.press("down")
+        await until(pilot, lambda: str(app.screen.query_one("#runs-branches").content) == "")
 
 
 @pytest.mark.slow

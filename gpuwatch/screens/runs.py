@@ -43,8 +43,8 @@ class RunsScreen(ModalScreen[RunSummary | None]):
     """The runs in a table, newest first, and under it the branches of the run under the cursor.
 
     The table is read in a thread (logs can be large); the branches are a tree of segments,
-    when it has several. Enter opens the run under the cursor (dismissed with its summary),
-    escape closes."""
+    when it has several, after the run a resumed run continues. Enter opens the run under
+    the cursor (dismissed with its summary), escape closes."""
 
     BINDINGS = [
         Binding("escape,q", "dismiss(None)", "close", id="runs.close"),
@@ -122,12 +122,15 @@ class RunsScreen(ModalScreen[RunSummary | None]):
         self.query_one("#runs-status", Static).update(Content.styled(status, "$text-muted"))
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        """Show the branches of the run under the cursor."""
+        """Show the run under the cursor: the run it continues, if resumed, and its branches."""
         key = event.row_key.value
         if key is None or not self.summaries:
             return
-        lines = tree_lines(self.summaries[int(key)].tree,
-                           width_chars=max(20, self.size.width - 4), max_lines=12)
+        summary = self.summaries[int(key)]
+        lines = tree_lines(summary.tree, width_chars=max(20, self.size.width - 4),
+                           max_lines=12)
+        if summary.resumed_from is not None:
+            lines.insert(0, summary.resumed_text())
         self.query_one("#runs-branches", Static).update(Content("\n".join(lines)))
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
