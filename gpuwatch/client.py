@@ -31,7 +31,7 @@ import zmq
 
 from agent.wire import protocol
 from agent.wire.commands import new_command_id, secure, send_command, shared_context
-from agent.wire.knobs import assignment, when_applied
+from agent.wire.knobs import STANDARD_KNOBS, assignment, when_applied
 from agent.wire.runs import RunInfo, find_run, list_runs, run_dir
 from gpuwatch.state import SeqGaps
 
@@ -342,9 +342,17 @@ def no_run_text(selector: str | None) -> str:
 
     With a selector, where to look for the runs there are; without one, where run
     files are looked for and how to start a run. ``selector`` is shown with ``repr``
-    (a control character in it is escaped)."""
+    (a control character in it is escaped). A selector that names a knob (``gpuwatch
+    checkpoint``, ``gpuwatch precision=bf16``) is told the ``set`` command."""
     if selector:
-        return f"gpuwatch: no live run matches {selector!r} (see `gpuwatch runs`)"
+        text = f"gpuwatch: no live run matches {selector!r} (see `gpuwatch runs`)"
+        name, equals, value = selector.partition("=")
+        spec = STANDARD_KNOBS.get(name)
+        if spec is not None:
+            value = (protocol.printable(value, 100) if equals else spec.choices[0]
+                     if spec.kind == "action" and spec.choices else "VALUE")
+            text += f"; a knob: did you mean `gpuwatch set {name}={value}`?"
+        return text
     return (f"gpuwatch: no live run found (run files in {run_dir()}).\n"
             "Start one:\n"
             "  gpuwatch demo                 a small training job, with the dashboard on it\n"

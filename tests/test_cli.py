@@ -155,6 +155,18 @@ def test_no_live_run_says_how_to_start_one(run_dir, args):
 def test_unknown_run_selector(fake_agent):
     result = gpuwatch("nosuchrun")
     assert result.returncode == 1 and "no live run matches 'nosuchrun'" in result.stderr
+    assert "did you mean" not in result.stderr
+
+
+@pytest.mark.parametrize("selector, meant", [
+    ("checkpoint", "gpuwatch set checkpoint=now"),
+    ("precision=bf16", "gpuwatch set precision=bf16"), ("lr_scale", "gpuwatch set lr_scale=VALUE"),
+    ("dropout=\x1b[2J", "gpuwatch set dropout=\u241b[2J")])
+def test_a_knob_given_as_a_run_is_told_the_set_command(run_dir, selector, meant):
+    # a newcomer typed `gpuwatch checkpoint` and read "no live run matches 'checkpoint'"
+    result = gpuwatch(selector)
+    assert result.returncode == 1
+    assert result.stderr.rstrip().endswith(f"a knob: did you mean `{meant}`?"), result.stderr
 
 
 @pytest.mark.parametrize("content", [
