@@ -704,6 +704,25 @@ def test_stop_ends_run_loader_at_its_boundary_after_a_pause_lost_no_window(run_d
         "stopped by stop=now after step 4")
 
 
+def test_stop_ends_an_epoch_loop_no_later_epochs_loader_fetches_a_batch(run_dir):
+    """stop=now in an epoch-counting loop (``for epoch in range(run.epoch, n)``: each
+    epoch a new run.loader()): every later epoch's run.loader() ends before its first
+    fetch. (Each one fetched and trained a micro-batch: after stop for step 3, 12 more
+    epochs trained 12 micro-batches, 3 more optimizer steps recorded after the stop.)"""
+    accelerator, model, optimizer, loader = _prepared(accum_steps=4, n=64)  # 8 batches
+    run = agent.attach(accelerator)
+    reply = send_command(runs.find_run(run.agent.run_id), "stop", "now", apply_step=3)
+    assert reply["ok"], reply
+    windows = []
+    for _ in range(run.epoch, 13):
+        windows += _train(accelerator, model, optimizer, loader, run)
+    assert [len(w.micro_batches) for w in windows] == [4, 4] and run.step == 2
+    steps, _, records = _records(run)
+    assert sorted(steps) == [1, 2]
+    assert records[-1]["type"] == "bye" and records[-1]["reason"] == (
+        "stopped by stop=now after step 2")
+
+
 def _checkpointed(tmp_path, *, register):
     """Three steps, saved by ``checkpoint=now`` after step 1 (``register``: with an object
     registered for checkpointing); returns the accelerator, model, optimizer, the loader's

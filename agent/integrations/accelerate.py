@@ -469,7 +469,8 @@ class AcceleratorRun(RunBase):
         ``accelerator.skip_first_batches``. The first ``next()`` starts the first step's
         clock. A :class:`gpuopt.loader.ReconfigurableLoader` gets the live loader knobs and
         ``micro_batch_size`` (the first one given; later ones are warned about). Evaluation
-        data does not go through here.
+        data does not go through here. Once ``stop`` applied it yields nothing, so an epoch
+        loop's later epochs train nothing.
 
         Raises:
             ValueError: no ``batches`` and no ``loader=`` at :func:`attach`; or (at the
@@ -479,6 +480,8 @@ class AcceleratorRun(RunBase):
         .. note:: Costs a clock read and a shape read per micro-batch; after a resume,
            the loading of the saved epoch's trained batches once.
         """
+        if self.stopping:  # stop applied in an earlier loader(): this one fetches nothing
+            return iter(())
         if batches is None:
             if self._loader is None:
                 raise ValueError("run.loader() needs the batches to iterate (or attach(..., "
