@@ -298,3 +298,56 @@ def test_a_writer_whose_pipe_a_forked_process_holds_ends_with_its_parent(run_dir
     assert steps == list(range(1, 301))
     summary = runlog.read_summary(runlog.summary_path(path))
     assert summary is not None and summary.steps == 300
+
+
+DEFAULT_SIGPIPE_JOB = """
+import signal, sys
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as a script made for `| head` sets it
+import torch
+from agent.step.core import Agent
+from agent.step.record import StepRecord
+monitor = Agent(name="sigpipe").start()
+
+def train(first, count):
+    for step in range(first, first + count):
+        monitor.optimizer_step(StepRecord(step=step, micro_batches=1, samples=32,
+                                          data_wait_s=0.0, loss=torch.tensor(1.0 / step)))
+    return first + count
+
+step = train(1, 300)
+print(monitor._io._log.pid, flush=True)
+sys.stdin.readline()  # the writer is dead now
+while not [error for error in monitor.errors if "run log failed" in error]:
+    step = train(step, 10)  # a batch written to the dead writer's pipe: EPIPE
+step = train(step, 500)
+monitor.close()
+print(f"trained {step - 1}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("death", ["killed", "disk full"])
+def test_a_writer_that_dies_never_kills_a_job_whose_sigpipe_is_the_default(run_dir, death):
+    """A script that puts SIGPIPE back to its default (for `| head`) is not killed by the
+    write to the pipe of a writer that died (killed, or out of disk): the agent's write
+    fails with EPIPE, is said, and training goes on."""
+    job = subprocess.Popen([sys.executable, "-c", DEFAULT_SIGPIPE_JOB], env=job_env(),
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        writer = psutil.Process(int(job.stdout.readline()))
+        if death == "killed":
+            writer.kill()
+        else:  # the log may not grow: its next frame fails, and the writer exits
+            path = runs.find_run().log_path
+            resource.prlimit(writer.pid, resource.RLIMIT_FSIZE, (os.path.getsize(path),) * 2)
+        writer.wait(30)
+        with contextlib.suppress(BrokenPipeError):  # (a job killed meanwhile: said below)
+            job.stdin.write("dead\n")
+            job.stdin.close()
+        out = job.stdout.read()
+        job.wait(120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, f"the job ended with {job.returncode} (-13: SIGPIPE)"
+    assert out.split()[-2:][0] == "trained" and int(out.split()[-1]) >= 800

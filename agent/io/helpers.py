@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,20 @@ def start(module: str, settings: dict[str, Any], what: str
         reason = answer.get("error", answer) if isinstance(answer, dict) else answer
         raise OSError(f"the {what} did not start: {reason}")
     return process, answer
+
+
+def block_broken_pipe_signal() -> None:
+    """Block SIGPIPE in the calling thread: a write to a helper that died fails with EPIPE.
+
+    The agent's I/O thread calls it first: it alone writes to the helpers' pipes. Python
+    ignores SIGPIPE, but a training script may set it back to its default (as scripts made
+    for ``| head`` do), and then the write to the pipe of a log writer that died (killed,
+    out of disk) would kill the training process. Blocked, the signal stays pending in this
+    thread (discarded when it ends) and the write raises ``BrokenPipeError``, which the
+    callers handle. Threads and processes started from this thread inherit the mask: zmq's
+    block every signal anyway, and the helpers are Python, which ignores SIGPIPE."""
+    if hasattr(signal, "pthread_sigmask"):  # (not on Windows)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
 
 
 def launch(module: str, settings: dict[str, Any], what: str) -> subprocess.Popen:

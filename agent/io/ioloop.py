@@ -244,6 +244,7 @@ class IOLoop:
             self._wake = None
 
     def _main(self) -> None:
+        helpers.block_broken_pipe_signal()  # a helper's death is an EPIPE here, not a kill
         context = zmq.Context()
         try:
             self._loop(context)
