@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import resource
 import signal
 import subprocess
 import sys
+import threading
 
 import psutil
 import pytest
@@ -351,3 +353,35 @@ def test_a_writer_that_dies_never_kills_a_job_whose_sigpipe_is_the_default(run_d
             job.wait()
     assert job.returncode == 0, f"the job ended with {job.returncode} (-13: SIGPIPE)"
     assert out.split()[-2:][0] == "trained" and int(out.split()[-1]) >= 800
+
+
+def test_an_io_thread_stuck_at_close_is_said_and_left_behind(run_dir, caplog):
+    """close() waits its timeout for the I/O thread, not longer; one still stuck then (here
+    a listener that blocks on the I/O thread, as a flood in ZeroMQ's poll did) is said:
+    the run log may lack its end. Released, the thread ends."""
+    stuck, release = threading.Event(), threading.Event()
+
+    def listener(record):  # the events the I/O thread raises are told on it
+        if threading.current_thread().name == "gpuwatch-agent":
+            stuck.set()
+            release.wait(60)
+
+    run = agent.Agent(name="stuck").start()
+    try:
+        run.add_listener(listener)
+        writer = psutil.Process(run._io._log.pid)
+        writer.kill()  # the next batch's write fails: an error event, on the I/O thread
+        writer.wait(30)
+        step = 0
+        while not stuck.is_set() and step < 100_000:
+            step += 1
+            run.optimizer_step(StepRecord(1, 8, 0.0, step=step))
+            stuck.wait(0.001)
+        assert stuck.is_set()
+        with caplog.at_level(logging.WARNING, logger="gpuwatch.agent"):
+            run.close(timeout_s=0.5)
+        assert "its I/O thread did not end within 0.5 s: the run log may lack" in caplog.text
+    finally:
+        release.set()
+    run._io._thread.join(30)
+    assert not run._io._thread.is_alive()

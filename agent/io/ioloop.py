@@ -14,6 +14,7 @@ mark).
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from agent.wire.knobs import KnobSet
     from agent.search.tune import AutoTune
 
+log = logging.getLogger("gpuwatch.agent")
 _HEARTBEAT_INTERVAL_S = 1.0
 _HELLO_EVERY_HEARTBEATS = 30  # a new subscriber is greeted at once anyway
 #: The I/O thread wakes at least this often to publish the records queued since (ms),
@@ -229,7 +231,10 @@ class IOLoop:
     def stop(self, timeout_s: float) -> None:
         """Publish what is queued and ``bye``, close the sockets, remove the run file, join.
 
-        Wait at most ``timeout_s`` (s) for the thread. Any thread but the I/O one."""
+        Wait at most ``timeout_s`` (s) for the thread; one still running then (stuck: a
+        flood of connections in ZeroMQ's poll, a listener that blocks) is left to end with
+        the process, and a warning says that the run log may lack its last steps and its
+        end. Any thread but the I/O one."""
         self._stop.set()
         if self._wake is not None:
             try:
@@ -238,6 +243,10 @@ class IOLoop:
                 pass  # the pipe is full: it is woken already
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("gpuwatch agent: its I/O thread did not end within %g s: the "
+                            "run log may lack its last steps and its end (the thread is "
+                            "left to end with the process)", timeout_s)
         if self._wake is not None and not self._thread.is_alive():
             for fd in self._wake:
                 os.close(fd)
