@@ -547,10 +547,14 @@ def _not_a_file(path: str) -> str | None:
 
 
 def _tail_file(path: Path, args: argparse.Namespace) -> int:
-    """Print a run log's records; with ``--follow`` wait for more until a ``bye``."""
+    """Print a run log's records; with ``--follow`` wait for more until a ``bye``.
+
+    Without ``--follow``, a log read to its end without a ``bye`` is said (on stderr): the
+    run is still going, or was killed before its last records were written."""
     from gpuwatch.sources.replay import POLL_S, RunLogReader
 
     printed = 0
+    ended = False
     hellos = _Hellos()
     with RunLogReader(path) as reader:
         try:
@@ -564,12 +568,19 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                 for message in messages:
                     if _print_record(message, as_json=args.json, hellos=hellos):
                         printed += 1
+                    ended = message["type"] == protocol.BYE or (
+                        ended and message["type"] != protocol.HELLO)
                     if ((args.follow and message["type"] == protocol.BYE)
                             or (args.count and printed >= args.count)):
                         return 0
                 if reader.at_eof:
                     sys.stdout.buffer.flush()
                     if not args.follow:
+                        if not ended:
+                            print("gpuwatch tail: the log ends without the run's bye: it "
+                                  "is still going (--follow waits for more), or it was "
+                                  "killed before its last records were written",
+                                  file=sys.stderr)
                         return 0
                     time.sleep(POLL_S)
         finally:

@@ -343,7 +343,8 @@ def no_run_text(selector: str | None) -> str:
     With a selector, where to look for the runs there are; without one, where run
     files are looked for and how to start a run. ``selector`` is shown with ``repr``
     (a control character in it is escaped). A selector that names a knob (``gpuwatch
-    checkpoint``, ``gpuwatch precision=bf16``) is told the ``set`` command."""
+    checkpoint``, ``gpuwatch precision=bf16``) is told the ``set`` command; another word
+    (``gpuwatch history``: run ids are digits) where the commands are listed."""
     if selector:
         text = f"gpuwatch: no live run matches {selector!r} (see `gpuwatch runs`)"
         name, equals, value = selector.partition("=")
@@ -352,6 +353,9 @@ def no_run_text(selector: str | None) -> str:
             value = (protocol.printable(value, 100) if equals else spec.choices[0]
                      if spec.kind == "action" and spec.choices else "VALUE")
             text += f"; a knob: did you mean `gpuwatch set {name}={value}`?"
+        elif selector.isalpha():
+            text += ("; the commands: `gpuwatch --help` (finished runs and their logs: "
+                     "`gpuwatch runs --all`)")
         return text
     return (f"gpuwatch: no live run found (run files in {run_dir()}).\n"
             "Start one:\n"

@@ -156,6 +156,8 @@ def test_unknown_run_selector(fake_agent):
     result = gpuwatch("nosuchrun")
     assert result.returncode == 1 and "no live run matches 'nosuchrun'" in result.stderr
     assert "did you mean" not in result.stderr
+    assert "the commands: `gpuwatch --help`" in result.stderr  # (a word, not a run id)
+    assert "--help" not in gpuwatch("19990101").stderr
 
 
 @pytest.mark.parametrize("selector, meant", [

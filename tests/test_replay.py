@@ -300,10 +300,15 @@ def test_tail_says_a_later_hello_as_the_knobs_it_changed(tmp_path, run_dir):
         knobs[0], *(STANDARD_KNOBS[name].to_wire() for name in ("precision", "accum_steps"))]})
     writer.step(2)
     writer.log.close()
-    lines = gpuwatch("tail", str(path)).stdout.splitlines()
+    result = gpuwatch("tail", str(path))
+    lines = result.stdout.splitlines()
     assert lines[0] == f"run {RUN} replayed on cpu; knobs: pause, stop"
     assert lines[2] == f"run {RUN} knobs added: precision, accum_steps; removed: stop"
     assert lines[3].startswith("step 2 ") and len(lines) == 4  # the repeat: not said
+    # no bye at its end (a run killed, or going on): said, where a finished log says nothing
+    assert result.stderr == ("gpuwatch tail: the log ends without the run's bye: it is still "
+                             "going (--follow waits for more), or it was killed before its "
+                             "last records were written\n")
 
 
 def test_tail_follow_file_waits_for_bye(tmp_path, run_dir):
