@@ -1,12 +1,18 @@
 """``gpuwatch export RUN --csv/--parquet``: a run's log as two flat tables.
 
 ``steps``: one row per optimizer step (a thinned log: per bucket of steps, with its
-``steps_in_bucket``), one column per field (``run``, ``rank``, ``t`` unix s, ``seq``,
-``step``, then the step fields of :mod:`agent.wire.protocol` the run reported, with their
-units in their names), and one ``knobs.<name>`` column per knob with its value at that
-step. ``events``: one row per event (``t``, ``step``: the step the event names, else the
-last optimizer step completed before it, ``level``, ``kind``, ``knob``, ``value`` as
-text: a string as it is, else its JSON, and ``text``).
+``steps_in_bucket``), one column per field (``run``, ``rank``, ``branch``, ``t`` unix s,
+``seq``, ``step``, then the step fields of :mod:`agent.wire.protocol` the run reported,
+with their units in their names), and one ``knobs.<name>`` column per knob with its value
+at that step. ``events``: one row per event (``branch``, ``t``, ``step``: the step the
+event names, else the last optimizer step completed before it, ``level``, ``kind``,
+``knob``, ``value`` as text: a string as it is, else its JSON, and ``text``).
+
+``branch``: the branch of the run a row belongs to (0 until the state is first put back:
+a rewind, a rollback that restores the state, a spike recovery; then the number of the
+latest ``branched`` event before it, which the event itself has), as ``gpuwatch runs
+--all`` numbers them: the steps a branch trains again after its fork are in the table
+twice, told apart by it.
 
 Types: integer fields (steps, counts, bytes) are 64-bit integers when every value is
 whole, the other numbers 64-bit floats; a knob column is boolean, integer, float (a mix
@@ -47,6 +53,7 @@ import pyarrow.parquet  # type: ignore[import-untyped]
 
 from agent.wire import protocol
 from agent.wire.protocol import MAX_NAME_CHARS, printable
+from agent.wire.runlog import BranchTree
 from gpuwatch.history import (BUCKET_COUNT, Event, LogFiles, LogReader, StepBatch, event_of,
                               number, output_file, step_batch, step_batches)
 from gpuwatch.state import MAX_KNOBS
@@ -93,7 +100,7 @@ class Columns:
         """The steps table's Arrow schema.
 
         No pandas metadata: pandas reads the Parquet file's types as it reads the CSV's."""
-        fields = [("run", pa.string()), ("rank", pa.int64())]
+        fields = [("run", pa.string()), ("rank", pa.int64()), ("branch", pa.int64())]
         fields += [(name, pa.int64() if whole else pa.float64())
                    for name, whole in self.numbers.items()]
         fields += [(name, pa.string()) for name in self.texts]
@@ -199,12 +206,17 @@ def _knob_array(batches: list[StepBatch], name: str, kind: str) -> pa.Array:
     ).dictionary_decode()
 
 
-def steps_table(batches: list[StepBatch], columns: Columns, run_id: str, rank: int
-                ) -> pa.Table:
-    """The rows of ``batches`` as the steps table (see the module's documentation)."""
+def steps_table(batches: list[StepBatch], columns: Columns, run_id: str, rank: int,
+                branches: list[int]) -> pa.Table:
+    """The rows of ``batches`` as the steps table (see the module's documentation).
+
+    ``branches``: the branch of each batch's rows."""
     n = sum(batch.n for batch in batches)
-    arrays: dict[str, pa.Array] = {"run": pa.array([run_id] * n, type=pa.string()),
-                                   "rank": pa.array([rank] * n, type=pa.int64())}
+    arrays: dict[str, pa.Array] = {
+        "run": pa.array([run_id] * n, type=pa.string()),
+        "rank": pa.array([rank] * n, type=pa.int64()),
+        "branch": pa.array(np.repeat(np.array(branches, dtype=np.int64),
+                                     [batch.n for batch in batches]), type=pa.int64())}
     for name, whole in columns.numbers.items():
         if name == BUCKET_COUNT:
             values = np.concatenate([batch.weights() for batch in batches])
@@ -221,11 +233,15 @@ def steps_table(batches: list[StepBatch], columns: Columns, run_id: str, rank: i
     return pa.table(arrays)
 
 
-def events_table(events: list[Event], run_id: str, rank: int) -> pa.Table:
-    """``events`` as the events table (see the module's documentation)."""
+def events_table(events: list[Event], run_id: str, rank: int, branches: list[int]
+                 ) -> pa.Table:
+    """``events`` as the events table (see the module's documentation).
+
+    ``branches``: each event's branch."""
     return pa.table({
         "run": pa.array([run_id] * len(events), type=pa.string()),
         "rank": pa.array([rank] * len(events), type=pa.int64()),
+        "branch": pa.array(branches, type=pa.int64()),
         "t": pa.array([math.nan if e.t is None else e.t for e in events], type=pa.float64(),
                       from_pandas=True),
         "step": pa.array([e.step for e in events], type=pa.int64()),
@@ -240,7 +256,8 @@ def events_table(events: list[Event], run_id: str, rank: int) -> pa.Table:
 
 #: The events table's Arrow schema.
 EVENT_SCHEMA = pa.schema([
-    ("run", pa.string()), ("rank", pa.int64()), ("t", pa.float64()), ("step", pa.int64()),
+    ("run", pa.string()), ("rank", pa.int64()), ("branch", pa.int64()), ("t", pa.float64()),
+    ("step", pa.int64()),
     ("level", pa.string()), ("kind", pa.string()), ("knob", pa.string()),
     ("value", pa.string()), ("text", pa.string())])
 
@@ -353,9 +370,12 @@ def write_tables(log: LogFiles, prefix: Path, table_format: str
         steps = _TableWriter(steps_out, table_format, columns.schema())
         events = _TableWriter(events_out, table_format, EVENT_SCHEMA)
         batches: list[StepBatch] = []
+        batch_branches: list[int] = []
         rows = 0
         pending: list[Event] = []
+        event_branches: list[int] = []
         last_step: int | None = None
+        tree = BranchTree()  # (numbered as every other tool numbers the branches)
         reader = LogReader(log, arrays=True)
         for _, envelope in reader:
             kind = envelope["type"]
@@ -364,22 +384,27 @@ def write_tables(log: LogFiles, prefix: Path, table_format: str
                 if batch is None:
                     continue
                 batches.append(batch)
+                batch_branches.append(tree.current)
                 rows += batch.n
                 present = batch.numbers["step"][~np.isnan(batch.numbers["step"])]
                 last_step = int(present[-1]) if len(present) else last_step
                 if rows >= CHUNK_ROWS:
-                    steps.write(steps_table(batches, columns, log.run_id, log.rank))
-                    batches, rows = [], 0
+                    steps.write(steps_table(batches, columns, log.run_id, log.rank,
+                                            batch_branches))
+                    batches, batch_branches, rows = [], [], 0
             elif kind == protocol.EVENT:
-                pending.append(event_of(number(envelope.get("t")), last_step,
-                                        envelope["body"]))
+                body = envelope["body"]
+                if body.get("kind") == protocol.EventKind.BRANCHED:
+                    tree.branched(body)
+                pending.append(event_of(number(envelope.get("t")), last_step, body))
+                event_branches.append(tree.current)
                 if len(pending) >= CHUNK_ROWS:
-                    events.write(events_table(pending, log.run_id, log.rank))
-                    pending = []
+                    events.write(events_table(pending, log.run_id, log.rank, event_branches))
+                    pending, event_branches = [], []
         if batches:
-            steps.write(steps_table(batches, columns, log.run_id, log.rank))
+            steps.write(steps_table(batches, columns, log.run_id, log.rank, batch_branches))
         if pending:
-            events.write(events_table(pending, log.run_id, log.rank))
+            events.write(events_table(pending, log.run_id, log.rank, event_branches))
         steps.close()
         events.close()
     return [(paths[0], steps.rows), (paths[1], events.rows)], reader

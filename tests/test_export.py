@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.wire import protocol
 from gpuwatch import history, tables
 from tests.conftest import wait_until
+from tests.test_branches import branched_run
 from tests.test_history import gpuwatch, write_run
 from tests.test_replay import KNOBS, RUN, Writer
 
@@ -81,6 +82,24 @@ def test_parquet_round_trip_keeps_the_types(logged_run, tmp_path):
     assert list(events["kind"]) == ["applied", "applied", "warning"]
     assert list(events["step"]) == [21, 31, 40] and str(events["step"].dtype) == "int64"
     assert list(events["text"])[-1] == "loader is slow"
+
+
+@pytest.mark.parametrize("table_format", ["csv", "parquet"])
+def test_a_branched_runs_tables_tell_its_branches_apart(run_dir, tmp_path, table_format):
+    # a newcomer's export of a branched run had steps 399-577 twice, nothing to tell them
+    # apart; b0 trains 1-200, b1 goes back to 120 and trains 121-300 (test_branches)
+    path = branched_run(run_dir)
+    result = gpuwatch("export", path, f"--{table_format}", "-o", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    read = pd.read_csv if table_format == "csv" else pd.read_parquet
+    steps = read(tmp_path / f"run.steps.{table_format}")
+    assert list(zip(steps["branch"], steps["step"])) == (
+        [(0, step) for step in range(1, 201)] + [(1, step) for step in range(121, 301)])
+    assert str(steps["branch"].dtype) == "int64"
+    events = read(tmp_path / f"run.events.{table_format}")
+    by_kind = dict(zip(events["kind"] + ":" + events["text"].str[:10], events["branch"]))
+    assert by_kind == {"applied:accum_step": 0, "branched:rewound to": 1,
+                       "applied:lr_scale=0": 1, "applied:pause=on a": 1}
 
 
 def test_export_streams_a_long_log_in_chunks(logged_run, tmp_path, monkeypatch):
