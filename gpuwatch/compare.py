@@ -79,7 +79,7 @@ def _loss(segment: Segment) -> str:
 def _ratio(before: float | None, after: float | None) -> str:
     if before is None or after is None or before == 0:
         return ""
-    return f"x{after / before:.2f}"
+    return f"x{human_sig(after / before)}"  # (3 digits: a 24 s step before read x0.00)
 
 
 def rows(columns: Sequence[Column]) -> list[list[str]]:
@@ -87,7 +87,7 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
 
     A header row (the titles), then one row per figure and per knob whose value differs
     between the columns; with two columns a last cell, ``ratio``, with the second's figure
-    over the first's (``x0.50``)."""
+    over the first's with 3 significant digits (``x0.500``, ``x0.000837``)."""
     segments = [column.segment for column in columns]
     knobs = [name for name in dict.fromkeys(n for s in segments for n in s.knobs)
              if len({repr(s.knobs.get(name)) for s in segments}) > 1]
