@@ -20,7 +20,7 @@ _temporaries: list[str] = []
 
 def fsync(fd: int) -> None:
     name = os.readlink(f"/proc/self/fd/{fd}")
-    if ".tmp-" in os.path.basename(name) and name not in _temporaries:
+    if ".tmp-" in name and not os.path.isdir(name) and name not in _temporaries:
         _temporaries.append(name)
     if _temporaries[1:] and name == _temporaries[1]:
         print(f"writing {name}", flush=True)

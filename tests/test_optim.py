@@ -507,7 +507,7 @@ def test_a_checkpoint_killed_while_being_written_leaves_the_previous_one_intact(
         if child.poll() is None:
             child.kill()
             child.wait()
-    temporary = Path(held.split()[1])
+    temporary = Path(held.split()[1]).parent  # (its private folder)
     assert temporary.exists() and temporary.name.startswith(".step-")
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
     assert load_checkpoint(path)["step"] == first["checkpoint_step"]

@@ -1406,6 +1406,113 @@ def test_a_rewind_reads_nothing_in_reach_of_other_users(run_dir, tmp_path):
     assert f"{folder / 'model.pt'} is a symlink, which is not followed" in failed["text"]
 
 
+# --- checkpoints saved where other users can write -----------------------------------
+
+#: Run as another user: links planted where the owner's checkpoint of step ``STEP`` is
+#: written (``.step-<STEP>.pt.tmp-<PID>``, the temporary name of earlier versions), each
+#: one put back as soon as the directory changes (inotify: the owner removed it, or made
+#: a temporary of its own), pointing at ``TARGET``; prints "ready", then, once stdin
+#: closes, one JSON line: ``{"planted": N}``.
+#:     python -c RACER DIR PID STEP TARGET
+RACER = r"""
+import ctypes, json, os, select, struct, sys
+folder, pid, step, target = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+names = {f".step-{step:08d}.pt.tmp-{pid}"}
+planted = 0
+def plant(name):
+    global planted
+    try:
+        os.symlink(target, os.path.join(folder, name))
+        planted += 1
+    except OSError:
+        pass
+libc = ctypes.CDLL(None, use_errno=True)
+watch = libc.inotify_init1(os.O_NONBLOCK)
+libc.inotify_add_watch(watch, folder.encode(), 0x100 | 0x200)  # IN_CREATE | IN_DELETE
+for name in names:
+    plant(name)
+print("ready", flush=True)
+while True:
+    ready, _, _ = select.select([watch, sys.stdin], [], [])
+    if sys.stdin in ready:
+        break
+    data = os.read(watch, 65536)
+    at = 0
+    while at < len(data):
+        _, mask, _, length = struct.unpack_from("iIII", data, at)
+        name = data[at + 16:at + 16 + length].rstrip(b"\0").decode()
+        at += 16 + length
+        if ".tmp-" in name:
+            names.add(name)
+            for known in names:
+                plant(known)  # (another user's name: refused in a sticky directory)
+                plant(os.path.join(known, f"step-{step:08d}.pt"))  # inside its folder
+print(json.dumps({"planted": planted}), flush=True)
+"""
+
+
+def test_a_checkpoint_in_a_shared_directory_is_never_written_through_a_planted_link(
+        run_dir, tmp_path, shared_tmp, planter):
+    """A hand-written loop saves its checkpoints in a /tmp-like directory (world-writable,
+    sticky) while another local user keeps a link planted at every temporary name it can
+    see or guess, put back the moment the owner removes it: the owner's file the links
+    point at is as it was, and the checkpoint is a file of its own that loads."""
+    from agent.control.checkpoints import load_checkpoint
+    from tests.test_rewind import Loop
+
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(b"the owner's file")
+    precious.chmod(0o644)
+    loop = Loop(shared_tmp)
+    with planter.launch(RACER, str(shared_tmp), str(os.getpid()), "3",
+                        str(precious)) as racer:
+        loop.train(2)
+        assert loop.send("checkpoint", "now")["ok"]
+        loop.train(2)  # saved after step 3
+        result = racer.finish(30)
+    records = loop.records()
+    assert precious.read_bytes() == b"the owner's file", result
+    assert stat.S_IMODE(precious.stat().st_mode) == 0o644
+    [applied] = [r for r in records if r.get("kind") == "applied"
+                 and r.get("knob") == "checkpoint"]
+    saved = Path(applied["path"])
+    assert saved.parent == shared_tmp and not saved.is_symlink()
+    assert stat.S_IMODE(saved.lstat().st_mode) == 0o600
+    assert load_checkpoint(saved)["step"] == 3
+    assert result["planted"] >= 1, result
+    assert [p.name for p in shared_tmp.iterdir() if not p.is_symlink()] == [saved.name]
+
+
+def test_a_checkpoint_is_never_written_where_another_user_could_swap_it(run_dir, tmp_path,
+                                                                        planter):
+    """A ``checkpoint_dir`` every user can write without the sticky bit, one below such a
+    directory, and (as root) one of another user's: the save is refused with the reason
+    and nothing is written there; the run trains on."""
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    open_folder.chmod(0o777)
+    refused = {open_folder: f"other users can write in {open_folder} (mode 0777)",
+               open_folder / "below": f"other users can write in {open_folder} (mode 0777)"}
+    if planter.foreign:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, planter.uid, planter.gid)
+        refused[theirs / "deeper"] = f"{theirs} belongs to uid {planter.uid}, another user"
+    from tests.test_rewind import Loop
+
+    for folder, words in refused.items():
+        loop = Loop(folder)
+        loop.train(2)
+        assert loop.send("checkpoint", "now")["ok"]
+        loop.train(2)
+        records = loop.records()
+        [failed] = [r for r in records if r.get("kind") == "failed"
+                    and r.get("knob") == "checkpoint"]
+        assert words in failed["text"], (folder, failed)
+        assert sum(r["type"] == "step" for r in records) == 4
+        assert not folder.exists() or list(folder.iterdir()) == [], folder
+
+
 # --- rewind: a checkpoint with a pickle payload ----------------------------------------
 
 class Payload:

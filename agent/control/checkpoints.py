@@ -4,8 +4,9 @@ At the optimizer-step boundary the command applies at, the run saves itself thro
 framework's own mechanism (Lightning's ``trainer.save_checkpoint``, Hugging Face's
 ``Trainer._save_checkpoint``, accelerate's ``save_state``) or ``torch.save`` (the
 reference Trainer, hand-written loops), always with gpuwatch's knob values, and always
-atomically (:func:`gpuopt.saving.write_atomically`: a temporary name in the same
-directory, fsync, rename). The ``applied`` event says where, how large, and how long it
+atomically (:func:`gpuopt.saving.write_atomically`: a private temporary folder in the
+same directory, fsync, rename; a directory another user could write in or swap is
+refused). The ``applied`` event says where, how large, and how long it
 took.
 
 Where: ``checkpoint_dir=`` given to :func:`agent.attach` / :func:`agent.session`, else the
@@ -26,10 +27,8 @@ step N's).
 
 from __future__ import annotations
 
-import grp
 import json
 import os
-import pwd
 import re
 import stat
 import string
@@ -44,6 +43,7 @@ from agent.wire.knobs import CHECKPOINT, Knob, KnobError, KnobSet, assignment
 from agent.wire.protocol import MAX_NAME_CHARS, EventKind, printable
 from agent.wire.runlog import log_dir, open_no_follow
 from gpuopt.memory import format_bytes
+from gpuopt.saving import writable_by_others as _writable_by_others
 from gpuopt.saving import write_atomically
 
 #: Saved with every checkpoint: what it is, for :func:`load_checkpoint`.
@@ -357,22 +357,6 @@ def _own_entry(path: Path, status: os.stat_result, trusted: set[int], way_out: s
     if _writable_by_others(status):
         raise ValueError(f"other users can write {path} (mode "
                          f"{stat.S_IMODE(status.st_mode):04o}), so it is not read: {way_out}")
-
-
-def _writable_by_others(status: os.stat_result) -> bool:
-    """Whether users other than the owner may write the file ``status`` describes: its
-    mode lets every user, or a group that is not this user's own (see :func:`own_checkpoint`)."""
-    if status.st_mode & stat.S_IWOTH:
-        return True
-    if not status.st_mode & stat.S_IWGRP:
-        return False
-    if status.st_gid != os.getgid():
-        return True
-    try:
-        members, me = grp.getgrgid(status.st_gid).gr_mem, pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        return True
-    return any(member != me for member in members)
 
 
 def write_knobs_file(directory: Path, agent: Agent, knobs: dict[str, Any],
