@@ -38,6 +38,9 @@ import torch
 #: Temporary names: ``.<final name>.<random>.tmp-<pid>`` (a folder) next to the final
 #: one (``.<final name>.tmp-<pid>`` from earlier versions).
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)$")
+#: Where a directory checkpoint being replaced waits, in the temporary folder, between
+#: the two renames.
+_ASIDE = ".old"
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> int:
@@ -81,7 +84,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
         write(temporary)
         size = _sync_tree(temporary)
         if temporary.is_dir() and path.is_dir():
-            os.replace(path, holder / ".old")
+            os.replace(path, holder / _ASIDE)
         os.replace(temporary, path)
         _sync(directory, flags=os.O_DIRECTORY)
     finally:
@@ -256,10 +259,19 @@ def _remove(path: Path) -> None:
 
 
 def _remove_abandoned(directory: Path) -> None:
-    """Delete temporaries of writers that are gone (killed while writing)."""
+    """Delete temporaries of writers that are gone (killed while writing).
+
+    A writer killed between its two renames of a directory checkpoint left the earlier
+    checkpoint aside in its temporary folder (``.old``) and none under its name: that one
+    is put back under its name first (a folder's name is ``.<name>.<random>.tmp-<pid>``)."""
     for entry in directory.iterdir():
         match = _TEMPORARY.match(entry.name)
         if match and not _alive(int(match["pid"])):
+            aside = entry / _ASIDE
+            final = directory / match["name"].rpartition(".")[0]
+            if (not entry.is_symlink() and aside.is_dir() and not aside.is_symlink()
+                    and final.name and not os.path.lexists(final)):
+                os.replace(aside, final)
             _remove(entry)
 
 

@@ -446,6 +446,16 @@ def test_write_atomically_replaces_a_file_whole_and_cleans_up_after_the_dead(tmp
     (tmp_path / f".step-2.pt.tmp-{dead}").write_bytes(b"abandoned")
     size = write_atomically(tmp_path / "dir", lambda t: (t.mkdir(), (t / "a").write_bytes(b"12")))
     assert size == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["dir", "step-1.pt"]
+    # a writer killed between its two renames of a directory checkpoint: the earlier one
+    # waits aside in its folder, none under its name; the next write puts it back
+    holder = tmp_path / f".dir.k3x9q_a1.tmp-{dead}"
+    (tmp_path / "dir").rename(tmp_path / "moved")
+    holder.mkdir()
+    (tmp_path / "moved").rename(holder / ".old")
+    (holder / "dir").mkdir()  # (the new one, half written)
+    write_atomically(tmp_path / "step-2.pt", lambda temporary: temporary.write_bytes(b"2"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "step-1.pt", "step-2.pt"]
+    assert (tmp_path / "dir" / "a").read_bytes() == b"12"
 
 
 def test_checkpoints_are_owner_only_whatever_the_writer_chose(tmp_path):
