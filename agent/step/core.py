@@ -146,6 +146,10 @@ class Agent:
         self.model_name = type(model).__name__ if model is not None else ""
         self._marker = marker_for(self.device)
         self._records: deque = deque(maxlen=queue_size)
+        #: records queued past which host losses are read at once (and a full queue's
+        #: overflow is noted: :meth:`agent.step.encoder.StepEncoder.overflowing`)
+        self._held_max = min(LOSSES_HELD_MAX, queue_size)
+        self._queue_size = queue_size
         self._knob_values = self.knobs.values()
         self._last_step = 0
         self._last_boundary_t: float | None = None
@@ -262,8 +266,13 @@ class Agent:
     # ---------------------------------------------------------------- hot path
 
     def mark_start(self) -> None:
-        """Training thread: the loop starts now (the first step's time counts from here)."""
+        """Training thread: the loop starts now (the first step's time counts from here).
+
+        Until a step time is known, the I/O thread is told that steps come
+        (:meth:`agent.io.ioloop.IOLoop.steps_coming`: one pipe write, once)."""
         self._last_boundary_t = time.perf_counter()
+        if self._encoder.recent_step_time_s is None:
+            self._io.steps_coming()
 
     def optimizer_step(self, record: StepRecord) -> None:
         """Training thread: record the optimizer step that ended, then apply the commands due next.
@@ -291,12 +300,14 @@ class Agent:
             previous = self._last_boundary_t
             self._last_boundary_t = now
             record.step_time_s = None if previous is None else now - previous
-            if len(self._records) < LOSSES_HELD_MAX:
+            if len(self._records) < self._held_max:
                 record.marker = self._marker.mark(record.loss, record.skipped,
                                                   record.grad_norm)
             else:  # the I/O thread is behind: no more autograd graphs held
                 record.marker = self._marker.mark_read(record.loss, record.skipped,
                                                        record.grad_norm)
+                if len(self._records) >= self._queue_size:  # (this append drops one)
+                    self._encoder.overflowing()
             record.loss = None  # (the marker holds what the I/O thread reads)
             record.knobs = self._knob_values
             self._records.append(record)

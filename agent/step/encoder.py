@@ -195,6 +195,25 @@ class StepEncoder:
         #: replaced whole, so any thread may read it.
         self.latest_memory: dict[str, Any] = {}
 
+    def overflowing(self) -> None:
+        """Training thread: the record queue is full, and its oldest record goes now.
+
+        Before any step was read (:attr:`expected_step` None), the steps are counted from
+        the oldest one queued, so that those the queue drops before its first read are
+        counted as later ones are (a loop at 40,000 steps/s lost its first 12,309 steps
+        uncounted: drops were counted from the first step read). An event at the queue's
+        head waits for the next overflow (events lost are counted by their numbers). A
+        few operations, on the slow path only (the I/O thread is far behind); never
+        raises."""
+        if self.expected_step is not None:
+            return
+        try:
+            oldest = self._records[0]
+        except IndexError:  # (drained meanwhile)
+            return
+        if type(oldest) is not dict and self.expected_step is None:
+            self.expected_step = oldest.step
+
     def queue_event(self, body: dict[str, Any]) -> None:
         """Any thread: queue the event ``body`` in order with the step records, numbered.
 
