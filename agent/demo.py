@@ -108,14 +108,25 @@ def main(argv: list[str] | None = None) -> int:
             trainer.stop()
 
         watch_parent(args.parent_pid, parent_ended)
+    resumed_at = trainer.step  # (a resumed run's: the checkpoint's step)
     try:
         steps = trainer.fit(max_steps=args.max_steps)
     finally:
         loader.close()
     monitor.close()  # bye and the run file gone before the last line: `gpuwatch demo`
     # waits for either, and its own words would otherwise come after this line
-    print(f"{DEMO_ENDED}{steps} optimizer steps", flush=True)
+    print(ended_line(steps, resumed_at, monitor.bye_reason), flush=True)
     return 0
+
+
+def ended_line(step: int, resumed_at: int, reason: str | None) -> str:
+    """The demo job's last line: the step it ended at, how, and the steps this job trained.
+
+    ``gpuwatch demo: ended at step 163 (finished; 99 optimizer steps trained after the
+    resume at step 64)``; ``reason``: what ``bye`` says (None: finished)."""
+    after = f" after the resume at step {resumed_at:,}" if resumed_at else ""
+    return (f"{DEMO_ENDED}{step:,} ({reason or 'finished'}; {step - resumed_at:,} "
+            f"optimizer steps trained{after})")
 
 
 def demo_device(name: str | None) -> torch.device:

@@ -754,7 +754,7 @@ _JOB_ENDED_TAIL_BYTES = 4096
 
 
 def _job_ended_line(log_path: Path) -> str:
-    """The demo job's last line (``gpuwatch demo: stopped after 112 optimizer steps``)
+    """The demo job's last line (``gpuwatch demo: ended at step 112 (finished; ...)``)
     from the end of its output, control characters stripped; "" without one (killed, or
     the file is gone). Reads at most :data:`_JOB_ENDED_TAIL_BYTES`; never follows a
     symlink."""
@@ -791,7 +791,7 @@ def _demo_without_ui(command: list[str]) -> int:
             while child.poll() is None:
                 message = subscriber.recv(timeout_s=0.5)
                 if message is not None and message["type"] == protocol.BYE:
-                    break  # its last line ("stopped after N ...") stays the last one
+                    break  # its last line ("ended at step N ...") stays the last one
                 if message is not None:
                     state.ingest(message)
                     if message["type"] == protocol.STEP:

@@ -75,8 +75,21 @@ def test_precision_change_shows_at_a_step_boundary_and_sigterm_ends_cleanly(demo
             if message["type"] == "bye":
                 break
     assert demo.wait(30) == 0
-    assert "stopped after" in demo.stdout.read()
+    ended = re.search(r"gpuwatch demo: ended at step (\d+) \(stopped by SIGTERM; (\d+) "
+                      r"optimizer steps trained\)\n", demo.stdout.read())
+    assert ended is not None and ended[1] == ended[2]  # (not resumed: every step here)
     assert not os.path.exists(info.path)
+
+
+def test_the_demos_last_line_says_how_it_ended_and_what_this_job_trained():
+    # a newcomer read "stopped after 163 optimizer steps" for a run resumed at step 64
+    # that finished its --max-steps: 99 trained by that job
+    from agent.demo import ended_line
+
+    assert ended_line(163, 64, None) == ("gpuwatch demo: ended at step 163 (finished; 99 "
+                                         "optimizer steps trained after the resume at step 64)")
+    assert ended_line(1200, 0, "stopped by SIGINT") == (
+        "gpuwatch demo: ended at step 1,200 (stopped by SIGINT; 1,200 optimizer steps trained)")
 
 
 @pytest.mark.slow
@@ -168,7 +181,7 @@ def test_the_demo_job_ends_with_the_process_that_started_it(run_dir):
                 assert message is not None
         assert message["body"]["reason"] == f"its parent process {parent.pid} ended"
         assert job.wait(30) == 0
-        assert "stopped after" in job.stdout.read()
+        assert "gpuwatch demo: ended at step" in job.stdout.read()
         assert not os.path.exists(info.path)
     finally:
         for process in (parent, job):
@@ -269,7 +282,8 @@ def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
             assert terminal.process.wait(60) == 0
             # the job's last line, as --no-ui ends, once the dashboard has closed (the
             # drain thread may not have read it yet)
-            ended = re.compile(rb"gpuwatch demo: stopped after \d+ optimizer steps\s*$")
+            ended = re.compile(rb"gpuwatch demo: ended at step [0-9,]+ \(stopped by [A-Za-z ]+;"
+                               rb" [0-9,]+ optimizer steps trained\)\s*$")
             wait_until(lambda: ended.search(bytes(terminal.output)),
                        "the demo job's last line after the dashboard", timeout_s=30,
                        detail=lambda: bytes(terminal.output[-400:]).decode(errors="replace"))
@@ -312,7 +326,7 @@ def test_a_signal_to_gpuwatch_demo_no_ui_ends_its_training_job(run_dir, signum):
         output = command.stdout.read()
         lines = output.rstrip().splitlines()  # the job's last line is the last word of
         ended = max(index for index, line in enumerate(lines)  # the job (the command's
-                    if line.startswith("gpuwatch demo: stopped after"))  # notice that
+                    if line.startswith("gpuwatch demo: ended at step"))  # notice that
         assert all(line.startswith("gpuwatch demo: stopping the training job")  # it is
                    for line in lines[ended + 1:]), lines[-3:]  # stopping may race it)
         [logged] = [run for run in json.loads(subprocess.run(  # the run log says it too
