@@ -64,7 +64,7 @@ from agent.wire.runlog import (BranchPath, BranchTree, LogSummary, log_dir, numb
                                open_no_follow)
 from agent.wire.runs import list_runs
 from gpuwatch.state import MAX_KNOBS, KnobChange
-from gpuwatch.units import knob_text
+from gpuwatch.units import human_rate, knob_text
 
 if TYPE_CHECKING:
     import numpy
@@ -1467,6 +1467,13 @@ class RunSummary:
     log_path: str | None = None
     resumed_from: str | None = None
     resumed_at: int | None = None
+
+    def best_rate_text(self) -> str:
+        """The best throughput as a person reads it: tokens/s (``4,620 tok``) where the run
+        counted tokens, else samples/s (``1,788``); ``-`` without either."""
+        if self.best_tokens_per_s:
+            return human_rate(self.best_tokens_per_s) + " tok"
+        return human_rate(self.best_samples_per_s)
 
     def resumed_text(self) -> str:
         """``resumed from RUN at step N`` for a run resumed from a checkpoint, else ""."""

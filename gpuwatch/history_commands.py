@@ -22,8 +22,7 @@ from gpuwatch import history
 from gpuwatch.branches import split_selector, tree_lines
 from agent.wire.runlog import BranchTree
 from gpuwatch.history import LogFiles, RunSummary
-from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_rate,
-                            human_sig, local_time)
+from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_sig, local_time)
 
 
 def add_run_argument(parser: argparse.ArgumentParser, help: str, *,
@@ -159,15 +158,13 @@ def print_all_runs(as_json: bool, last: int | None = None) -> int:
     rows = [("RUN", "NAME", "STARTED", "DURATION", "STEPS", "FINAL LOSS", "BEST/S",
              "CHANGES", "LOG", "STATE")]
     for summary in summaries:
-        best = summary.best_tokens_per_s or summary.best_samples_per_s
-        unit = " tok" if summary.best_tokens_per_s else ""
         rows.append((
             summary.run_id, printable(summary.name, 40) or "-",
             local_time(summary.started_at or None, "%Y-%m-%d %H:%M"),
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_number(summary.steps),
             human_sig(summary.final_loss),
-            human_rate(best) + (unit if best else ""),
+            summary.best_rate_text(),
             str(summary.knob_changes), human_bytes(summary.log_bytes),
             _state(summary) + _copied(summary)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]

@@ -286,7 +286,7 @@ def _resumed_logs(run_dir, runs=((RESUMED, RUN),)):
         writer.write("event", {"level": "info", "kind": "resumed", "step": 20,
                                "from_run": origin, "text": "resumed from ... at step 20"})
         for step in range(21, 26):
-            writer.step(step)
+            writer.step(step, tokens_per_s=4620.0)
         writer.write("bye", {"reason": "finished", "steps": 5})
         writer.log.close()
     return logs
@@ -298,6 +298,7 @@ def test_runs_all_names_the_run_a_resumed_run_continues(run_dir):
         lines = gpuwatch("runs", "--all").stdout.splitlines()
         row = next(index for index, line in enumerate(lines) if line.startswith(RESUMED))
         assert lines[row + 1] == f"  resumed from {RUN} at step 20"
+        assert "  4,620 tok  " in lines[row]  # (a token model's best: tokens/s)
         assert "  resumed from x\u241b[2Jy at step 20" in lines  # (no escape reaches the terminal)
         [listed] = [run for run in json.loads(gpuwatch("runs", "--all", "--json").stdout)
                     if run["run_id"] == RESUMED]
@@ -315,6 +316,7 @@ async def test_the_runs_screen_names_the_run_a_resumed_run_continues(run_dir):
         table = app.screen.query_one("#runs-table")
         await until(pilot, lambda: table.row_count == 2)
         assert table.get_row_at(0)[0] == RESUMED  # (newest first: under the cursor)
+        assert table.get_row_at(0)[6] == "4,620 tok"  # (as runs --all: it lost its unit)
         await until(pilot, lambda: str(app.screen.query_one("#runs-branches").content)
                     == f"resumed from {RUN} at step 20")
         await pilot.press("down")

@@ -16,8 +16,7 @@ from textual.widgets import DataTable, Static
 from agent.wire.protocol import printable
 from gpuwatch.branches import tree_lines
 from gpuwatch.history import RunSummary, all_runs
-from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_rate,
-                            human_sig, local_time)
+from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_sig, local_time)
 
 #: The table's columns, what tells runs apart first: it shows those that fit whole (at
 #: 80 columns, up to the start time with a demo's 16-character name), → scrolls to the
@@ -27,14 +26,13 @@ COLUMNS = ("run", "name", "steps", "started", "duration", "final loss", "best/s"
 
 
 def _row(summary: RunSummary) -> tuple[str, ...]:
-    best = summary.best_tokens_per_s or summary.best_samples_per_s
     state = ("live" if summary.live else printable(summary.ended, 40) if summary.ended
              else "no bye (killed?)")
     return (summary.run_id, printable(summary.name, 40) or "-", human_number(summary.steps),
             local_time(summary.started_at or None, "%Y-%m-%d %H:%M"),
             human_age(summary.duration_s) if summary.duration_s is not None else "-",
             human_sig(summary.final_loss),
-            human_rate(best),
+            summary.best_rate_text(),
             str(summary.knob_changes), str(len(summary.tree) + summary.tree.omitted),
             human_bytes(summary.log_bytes), state)
 
