@@ -51,7 +51,8 @@ def around_changes(run: RunHistory) -> list[Column]:
 def between_runs(first: RunHistory, second: RunHistory) -> list[Column]:
     """The two runs, each as a whole; ``[]`` when either has no steps.
 
-    Knobs: those of its first step; a run with branches: the path
+    Knobs: each as at its first step, then as at its last where it changed
+    (``fp32 -> bf16``); a run with branches: the path
     :func:`gpuwatch.history.read_history` read, titled ``RUN@bN``."""
     if first.whole is None or second.whole is None:
         return []
@@ -76,6 +77,16 @@ def _loss(segment: Segment) -> str:
     return f"{human_sig(segment.loss_first)} -> {human_sig(segment.loss_last)}"
 
 
+def _span(first: Any, last: Any) -> str | None:
+    """A knob's value over a segment: ``fp32``, or ``fp32 -> bf16`` where it changed
+    within it (a whole run, a branch); None where the segment has no such knob."""
+    if first is None and last is None:
+        return None
+    start = "-" if first is None else printable(knob_text(first), VALUE_CHARS)
+    end = "-" if last is None else printable(knob_text(last), VALUE_CHARS)
+    return start if start == end else f"{start} -> {end}"
+
+
 def _ratio(before: float | None, after: float | None) -> str:
     if before is None or after is None or before == 0:
         return ""
@@ -89,8 +100,10 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
     between the columns; with two columns a last cell, ``ratio``, with the second's figure
     over the first's with 3 significant digits (``x0.500``, ``x0.000837``)."""
     segments = [column.segment for column in columns]
-    knobs = [name for name in dict.fromkeys(n for s in segments for n in s.knobs)
-             if len({repr(s.knobs.get(name)) for s in segments}) > 1]
+    shown = [{name: _span(s.knobs.get(name), s.knobs_last.get(name, s.knobs.get(name)))
+              for name in dict.fromkeys([*s.knobs, *s.knobs_last])} for s in segments]
+    knobs = [name for name in dict.fromkeys(n for values in shown for n in values)
+             if len({values.get(name) for values in shown}) > 1]
     figures: list[tuple[str, Any, Any]] = [
         ("steps", lambda s: f"{s.first_step:,}-{s.last_step:,} ({s.steps:,})", None),
         ("step time (median)", lambda s: human_ms(s.step_time_s), "step_time_s"),
@@ -113,9 +126,7 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
         table[0].append("ratio")
     for name in knobs:
         table.append([printable(name, NAME_CHARS),
-                      *("-" if s.knobs.get(name) is None  # no such knob there
-                        else printable(knob_text(s.knobs[name]), VALUE_CHARS)
-                        for s in segments)]
+                      *(values.get(name) or "-" for values in shown)]  # (-: no such knob)
                      + ([""] if len(columns) == 2 else []))
     for label, show, field in figures:
         row = [label, *(show(s) for s in segments)]

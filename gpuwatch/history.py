@@ -900,6 +900,8 @@ class Segment:
             last fifth. loss_slope_per_1k: least-squares slope of the loss per 1,000
             steps (negative: falling). None where the steps lack the field. Medians
             over more than :data:`SAMPLE_VALUES` steps are of an evenly spaced sample.
+        knobs_last: the knob values of its last step: those of :attr:`knobs` but in a
+            segment that spans knob changes (a whole run, a branch).
     """
 
     first_step: int
@@ -916,6 +918,7 @@ class Segment:
     loss_first: float | None
     loss_last: float | None
     loss_slope_per_1k: float | None
+    knobs_last: dict[str, Any] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -953,12 +956,15 @@ class SegmentFold:
     def __init__(self, knobs: dict[str, Any], changed: tuple[str, ...]) -> None:
         self.knobs = knobs
         self.changed = changed
+        #: the knob values of the last row added (a segment spanning changes)
+        self.knobs_last = knobs
         self.rows = 0
         self._first_step: float | None = None
         self._last_step: float | None = None
         self._steps = 0
         self._pending: list[tuple[StepBatch, int, int]] = []
         self._pending_rows = 0
+        self._last_map: Any = None  # (the batch's map knobs_last was made from)
         self._samples: dict[str, Sample] = {}  # made when the first rows are folded
         self._wait_s = self._time_s = 0.0
         self._peak_reserved = -math.inf
@@ -967,6 +973,10 @@ class SegmentFold:
 
     def add(self, batch: StepBatch, start: int, stop: int) -> None:
         """Add rows ``start:stop`` of ``batch`` (folded once :data:`FOLD_ROWS` wait)."""
+        last = batch.knobs[stop - 1] if stop > start else None
+        if isinstance(last, dict) and last is not self._last_map:
+            self._last_map = last
+            self.knobs_last = _known(last)
         self._pending.append((batch, start, stop))
         self._pending_rows += stop - start
         self.rows += stop - start
@@ -1047,7 +1057,7 @@ class SegmentFold:
             medians["tokens_per_s"], self._wait_s / self._time_s if self._time_s > 0 else None,
             memory if memory > -math.inf else None, medians["activation_bytes"],
             _median(loss[:fifth]), _median(loss[-fifth:]),
-            None if slope is None else slope * 1000.0)
+            None if slope is None else slope * 1000.0, self.knobs_last)
 
 
 @dataclass
@@ -1364,7 +1374,8 @@ def branch_segments(log: LogFiles, tree: BranchTree
                     ) -> list[tuple[runlog.Branch, Segment]]:
     """Each branch's own steps (from its fork on, not its parent's) as one :class:`Segment`.
 
-    Knobs: those of its first step; in one pass: the latest :data:`MAX_COMPARED_BRANCHES`
+    Knobs: those of its first step, and of its last (:attr:`Segment.knobs_last`); in one
+    pass: the latest :data:`MAX_COMPARED_BRANCHES`
     branches of ``tree`` (:func:`log_summary`'s), those with steps. What ``compare RUN``
     shows of a run with branches. Memory: one :class:`SegmentFold` a branch. Never raises
     for the files' content."""

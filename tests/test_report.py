@@ -106,6 +106,11 @@ def test_compare_one_run_around_its_changes_and_two_runs(logged_run, run_dir):
     assert two.returncode == 0, two.stderr
     header = two.stdout.splitlines()[0].split()
     assert header[0] == RUN and header[-1] == "ratio"
+    # each run's knobs as at its start, then at its end where they changed (a newcomer
+    # read the start's fp32 for a run that ended in bf16)
+    knobs = {line.split()[0]: line.split()[1:] for line in two.stdout.splitlines()[1:3]}
+    assert knobs == {"precision": ["fp32", "->", "bf16", "fp32"],
+                     "accum_steps": ["2", "->", "4", "2"]}
     assert gpuwatch("compare", str(other)).returncode == 1  # no change to compare around
     late = write_run(os.path.join(run_dir, "logs", "20250103-000000-1ate.rank0.jsonl"),
                      steps=20, changes=[(10, "lr", 0.01)])  # a knob that appears mid-run
