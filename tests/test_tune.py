@@ -1043,6 +1043,14 @@ def test_a_trades_setting_has_a_line_of_its_own_and_every_row_fits_80_columns():
     # the numbers line up under the header, in the 66 columns the screen has at 80
     assert len(header) == len(single) == len(numbers) <= 66
     assert numbers.split() == ["1,894", "±", "229", "samples/s", "+84%", "±", "34%", "32"]
+    # narrower (60 columns: the header and every row broke in two): no half-widths
+    lines = tune_text(state, 50).plain.splitlines()
+    header = next(line for line in lines if line.startswith("candidate"))
+    single = next(line for line in lines if line.startswith("cpu_threads=1 "))
+    numbers = lines[lines.index("num_workers=1, cpu_threads=1") + 1]
+    assert len(header) == len(single) == len(numbers) <= 48
+    assert header.split() == ["candidate", "samples/s", "gain", "steps"]
+    assert numbers.split() == ["1,894", "samples/s", "+84%", "32"]
 
 
 def test_a_checkpoint_taken_during_a_trial_keeps_the_persons_setting(run_dir):

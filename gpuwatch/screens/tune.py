@@ -25,6 +25,8 @@ STATE_STYLES = {"kept": "bold $success", "reverted": "$warning", "skipped": "$te
 #: its scroll bar included); a longer setting (a trade of two knobs) has a line of its
 #: own above its numbers.
 SETTING_WIDTH = 22
+#: ... on a narrow screen (:func:`tune_text`'s ``narrow``: 60 columns).
+NARROW_SETTING_WIDTH = 16
 
 
 def setting_text(candidate: dict[str, Any]) -> str:
@@ -35,34 +37,49 @@ def setting_text(candidate: dict[str, Any]) -> str:
     return ", ".join(assignment(str(knob), value) for knob, value in setting.items())
 
 
-def candidate_line(candidate: dict[str, Any], unit: str) -> Content:
+def row_width(unit: str) -> int:
+    """Columns a candidate's line of figures takes with the 95% half-widths (``unit``/s)."""
+    return SETTING_WIDTH + 1 + 15 + 1 + len(unit) + 2 + 1 + 11 + 1 + 5
+
+
+def candidate_line(candidate: dict[str, Any], unit: str, *, narrow: bool = False) -> Content:
     """One candidate, in two lines: its setting and figures, then its state and reason.
 
     The first line: setting, throughput with its 95% half-width, gain over the best then
-    (with its own) and steps spent. A setting longer than :data:`SETTING_WIDTH` is on a line
-    of its own above the rest."""
+    (with its own) and steps spent; ``narrow`` (a screen narrower than :func:`row_width`):
+    without the half-widths, which the verdict's line still gives, and the setting in
+    :data:`NARROW_SETTING_WIDTH`. A setting longer than :data:`SETTING_WIDTH` (narrow: its
+    own) is on a line of its own above the rest."""
     setting = setting_text(candidate)
-    if len(setting) > SETTING_WIDTH:
-        setting = f"{setting}\n{'':<{SETTING_WIDTH}}"
+    setting_width = NARROW_SETTING_WIDTH if narrow else SETTING_WIDTH
+    if len(setting) > setting_width:
+        setting = f"{setting}\n{'':<{setting_width}}"
     per_s, spread = candidate.get("per_s"), candidate.get("per_s_spread")
     rate = (f"{human_number(per_s)} ± {human_number(spread)}" if isinstance(per_s, (int, float))
             and isinstance(spread, (int, float)) else "-")
     gain, gain_spread = candidate.get("gain"), candidate.get("gain_spread")
     change = (f"{gain:+.0%} ± {abs(gain_spread):.0%}" if isinstance(gain, (int, float))
               and isinstance(gain_spread, (int, float)) else "")
+    if narrow:
+        rate = rate.split(" ± ")[0]
+        change = change.split(" ± ")[0]
     steps = candidate.get("steps")
     state = str(candidate.get("state", "?"))
     reason = str(candidate.get("reason") or "")
+    rate_width, change_width = (7, 6) if narrow else (15, 11)
     return Content.assemble(  # the verdict on a line of its own: it wraps, never cut
-        f"{setting:<{SETTING_WIDTH}} {rate:>15} {unit}/s {change:>11} "
+        f"{setting:<{setting_width}} {rate:>{rate_width}} {unit}/s {change:>{change_width}} "
         f"{steps if isinstance(steps, int) else '-':>5}\n    ",
         (state, STATE_STYLES.get(state, "")), f": {reason}" if reason else "")
 
 
-def tune_text(state: RunState) -> Content:
+def tune_text(state: RunState, width: int = 0) -> Content:
     """The whole screen's text from the run's latest ``tune`` record, as it comes.
 
-    The screen makes it safe to show (:func:`gpuwatch.widgets.panel.safe_content`)."""
+    ``width``: the columns it is shown in (0: unknown); below :func:`row_width` the
+    candidates' figures leave their 95% half-widths out, so that a row does not wrap
+    (at 60 columns its header and every row broke in two). The screen makes it safe to
+    show (:func:`gpuwatch.widgets.panel.safe_content`)."""
     tune = state.tune
     if tune is None:
         return Content.styled("no search yet: T starts one (the run tries its speed "
@@ -73,6 +90,7 @@ def tune_text(state: RunState) -> Content:
     gain = tune.get("gain")
     status = str(tune.get("status", "?"))
     candidates = tune.get("candidates") or ()
+    narrow = 0 < width < row_width(unit)
     lines = [
         Content.assemble((f"{status}", STATE_STYLES.get("measuring" if status == "running"
                                                         else "kept", "")),
@@ -85,12 +103,13 @@ def tune_text(state: RunState) -> Content:
                          if isinstance(gain, (int, float)) else ""),
         *([Content.styled(str(tune["text"]), "bold $success")] if tune.get("text")
           else []),  # the result, under the best: seen without scrolling
-        Content.styled(f"{'candidate':<{SETTING_WIDTH}} "
-                       f"{unit + '/s ± 95%':>{len(unit) + 18}} "
-                       f"{'gain':>11} "
-                       f"{'steps':>5}\n    verdict", "$text-muted"),
+        Content.styled((f"{'candidate':<{NARROW_SETTING_WIDTH}} "
+                        f"{unit + '/s':>{len(unit) + 10}} {'gain':>6} " if narrow else
+                        f"{'candidate':<{SETTING_WIDTH}} "
+                        f"{unit + '/s ± 95%':>{len(unit) + 18}} {'gain':>11} ")
+                       + f"{'steps':>5}\n    verdict", "$text-muted"),
     ]
-    lines += [candidate_line(candidate, unit) for candidate in candidates]
+    lines += [candidate_line(candidate, unit, narrow=narrow) for candidate in candidates]
     return Content("\n").join(lines)
 
 
@@ -110,11 +129,16 @@ class TuneScreen(ModalScreen[None]):
             yield Static(Content.styled("T starts or stops the search (the best so far "
                                         "stays); escape closes", "$text-muted"))
 
-    #: the :attr:`RunState.version` last shown (None: not yet)
+    #: the :attr:`RunState.version` last shown (None: not yet), and the width it was for
     shown_version: int | None = None
+    _shown_width = 0
 
     def show(self, state: RunState) -> None:
-        """Redraw from ``state`` (read under the source's lock) if it changed."""
-        if state.version != self.shown_version and self.is_mounted:
-            self.shown_version = state.version
-            self.query_one("#tune-table", Static).update(safe_content(tune_text(state)))
+        """Redraw from ``state`` (read under the source's lock) if it changed (or the width)."""
+        if not self.is_mounted:
+            return
+        table = self.query_one("#tune-table", Static)
+        width = table.content_region.width
+        if (state.version, width) != (self.shown_version, self._shown_width):
+            self.shown_version, self._shown_width = state.version, width
+            table.update(safe_content(tune_text(state, width)))
