@@ -1480,8 +1480,9 @@ class RunSummary:
     resumed_at: int | None = None
 
     def best_rate_text(self) -> str:
-        """The best throughput as a person reads it: tokens/s (``4,620 tok``) where the run
-        counted tokens, else samples/s (``1,788``); ``-`` without either."""
+        """The best throughput as a person reads it: ``4,620 tok`` (tokens/s) or ``1,788``.
+
+        Tokens/s where the run counted tokens, else samples/s; ``-`` without either."""
         if self.best_tokens_per_s:
             return human_rate(self.best_tokens_per_s) + " tok"
         return human_rate(self.best_samples_per_s)
