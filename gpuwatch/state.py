@@ -851,7 +851,9 @@ class RunState:
         before this state's, after a line counting those left out; its knob values, its
         accepted commands not yet applied, its pause and its branches are taken where
         this state has heard nothing of them (a later event wins); ``activation``
-        (``(step, bytes)``, the log's last measurement) where this state has none.
+        (``(step, bytes)``, the log's last measurement) where this state has none; its
+        last steps (the charts' and the panels') where this state has received none (a
+        run paused or stopping when the dashboard came: its panels said "no steps yet").
         Bumps :attr:`log_epoch`; the lines put first are not counted in
         :attr:`events_total` (they were not logged now: nothing holds them as news)."""
         lines = list(earlier.events)[-shown:] if shown > 0 else []
@@ -875,6 +877,11 @@ class RunState:
         if activation is not None and self.activation_bytes is None:
             self.activation_bytes = activation[1]
             self.activation_history.appendleft(activation)
+        if not self.steps and earlier.steps:
+            self.steps.extend(earlier.steps)
+            self.step, self.last_step = earlier.step, earlier.last_step
+            self.host_rss_peak_bytes = _max(self.host_rss_peak_bytes,
+                                            earlier.host_rss_peak_bytes)
         self.version += 1
 
     def _fold_hello(self, body: dict[str, Any], now: float) -> None:

@@ -27,7 +27,7 @@ from gpuwatch.sources.whole_run import (EARLIER_EVENTS, HELD_RECORDS, MEET_WAIT_
                                         EarlierEvents)
 from gpuwatch.state import Pending, RunState
 from gpuwatch.widgets.event_log import EventLog
-from tests.conftest import log_texts, until, wait_until
+from tests.conftest import log_texts, text_of, until, wait_until
 from tests.training import digits_loader, model as make_model
 
 
@@ -85,6 +85,10 @@ async def test_a_dashboard_opened_late_shows_the_runs_events_once_each_then_live
                 assert state.pending["checkpoint"] == Pending("now", 50)
                 assert state.activation_bytes is not None and state.activation_bytes > 0
                 assert state.knobs["lr_scale"] == 0.5 and state.knobs["max_grad_norm"] == 1.0
+                # no step since it came: the steps before it fill the charts and panels
+                assert [record.step for record in state.steps] == list(range(1, 7))
+                assert state.last_step["step"] == 6
+            await until(pilot, lambda: "RSS" in text_of(app, "#memory"))  # not "no steps yet"
             _train(run, model, optimizer, data, 2)
             await until(pilot, lambda: any("max_grad_norm" in text and "2.0" in text
                                            and "applied" in text

@@ -29,7 +29,7 @@ from agent.wire import protocol
 from agent.wire.runlog import BranchPath, BranchTree
 from gpuwatch import history
 from gpuwatch.history import HistoryBuilder, LogReader, Position, number, on_path
-from gpuwatch.state import KnobChange, RunState, bounded
+from gpuwatch.state import STEP_HISTORY, KnobChange, RunState, bounded
 from gpuwatch.units import local_time
 
 #: How often the log is read again for the records appended since (s).
@@ -86,8 +86,15 @@ class EarlierEvents:
         deliver: called with ``(state, activation)`` in the reading thread; activation:
             ``(step, bytes)`` or None.
 
-    Cost: memory bounded (:data:`HELD_RECORDS` records at most, a state of bounded size);
-    about 1 us a record read (a steps batch: one look at its activation column).
+    The state delivered has the run's last steps before the first live one too (the
+    charts' :data:`~gpuwatch.state.STEP_HISTORY`, from the latest ``steps`` batches kept
+    whole): a run that has stopped stepping when the dashboard comes (paused, ending)
+    shows them, not "no steps yet".
+
+    Cost: memory bounded (:data:`HELD_RECORDS` records at most, the batches of the last
+    :data:`~gpuwatch.state.STEP_HISTORY` steps, a state of bounded size); about 1 us a
+    record read (a steps batch: one look at its activation column, an append), and the
+    kept batches folded once, at delivery.
     """
 
     def __init__(self, deliver: Callable[[RunState, tuple[int | None, float] | None],
@@ -99,6 +106,9 @@ class EarlierEvents:
         self._state = RunState()
         self._held: deque[dict[str, Any]] = deque()
         self._activation: tuple[int | None, float] | None = None
+        #: the latest steps batches read (whole), the rows they hold
+        self._recent: deque[tuple[dict[str, Any], int]] = deque()
+        self._recent_rows = 0
         self.delivered = False
 
     def join(self, joined: tuple[int, Any, float | None]) -> None:
@@ -124,8 +134,7 @@ class EarlierEvents:
         stops, joined_at = (local_time(t, "%H:%M:%S") for t in (self._last_t, joined[2]))
         self._state.log("warning", f"the run log stops at {stops}: events from then until "
                         f"{joined_at} are not shown")
-        self.delivered = True
-        self._deliver(self._state, self._activation)
+        self._deliver_state(joined)
 
     def unreadable(self, path: str) -> None:
         """The log at ``path`` cannot be read: say where the run's earlier events are.
@@ -148,6 +157,7 @@ class EarlierEvents:
         self._last_t = number(envelope.get("t")) or self._last_t
         if kind == protocol.STEPS:
             self._measure(envelope)
+            self._keep_recent(envelope)
         # a record not folded is held as its head only (where it is is all it tells)
         self._held.append(bounded(envelope) if kind in _FOLDED else {
             key: envelope.get(key) for key in ("type", "seq", "t")})
@@ -164,12 +174,43 @@ class EarlierEvents:
             held = self._held.popleft()
             if self._meets(held, joined):
                 self._held.clear()
-                self.delivered = True
-                self._deliver(self._state, self._activation)
-                self._state = RunState()  # (what was delivered is the receiver's)
+                self._deliver_state(joined)
                 return True
             self._fold(held)
         return False
+
+    def _deliver_state(self, joined: tuple[int, Any, float | None]) -> None:
+        """Deliver the state folded so far, with the steps of the batches kept that came
+        before the first live record (folded apart: their knobs must not undo a later
+        event's)."""
+        steps = RunState()
+        for envelope, _ in self._recent:
+            if not self._meets(envelope, joined):
+                steps.ingest(envelope, 0.0)
+        self._recent.clear()
+        state = self._state
+        state.steps, state.step, state.last_step = steps.steps, steps.step, steps.last_step
+        state.host_rss_peak_bytes = steps.host_rss_peak_bytes
+        self.delivered = True
+        self._deliver(state, self._activation)
+        self._state = RunState()  # (what was delivered is the receiver's)
+
+    def _keep_recent(self, envelope: dict[str, Any]) -> None:
+        """Keep a steps batch whole (its columns as lists, as the wire has them), and
+        as many before it as hold the last :data:`~gpuwatch.state.STEP_HISTORY` steps."""
+        body = envelope.get("body")
+        if not isinstance(body, dict):
+            return
+        rows, columns = body.get("n"), body.get("columns")
+        if (type(rows) is not int or not 0 < rows <= protocol.MAX_BATCH_STEPS
+                or not isinstance(columns, dict)):
+            return
+        body = {**body, "columns": {name: values.tolist() if hasattr(values, "tolist")
+                                    else values for name, values in columns.items()}}
+        self._recent.append(({**envelope, "body": body}, rows))
+        self._recent_rows += rows
+        while self._recent_rows - self._recent[0][1] >= STEP_HISTORY:
+            self._recent_rows -= self._recent.popleft()[1]
 
     def _fold(self, held: dict[str, Any]) -> None:
         if held.get("type") in _FOLDED:
