@@ -64,10 +64,11 @@ _POLL_MS = 100
 #: them (its buffer is flushed every 0.5 s anyway): 2 wake-ups a second, batches 5
 #: times longer; sooner when the record queue would otherwise hold more than the
 #: agent's ``drain_at`` records (a quarter of its bound: 2,048, reached at over 4,000
-#: steps/s). Before the loop starts too: an idle agent wakes 2 times a second, not 10
-#: (each wake-up costs it 60 to 110 us of CPU here, the kernel's timer and the switch
-#: alone 60); from the loop's start until a step time is read, every :data:`_POLL_MS`
-#: (:meth:`IOLoop.steps_coming`).
+#: steps/s). Before the first step (no step time yet) too: an idle agent wakes 2 times a
+#: second, not 10 (each wake-up costs it 60 to 110 us of CPU here, the kernel's timer
+#: and the switch alone 60); the first steps then wait at most this long (a loop of more
+#: than 16,000 steps/s overflows the queue before its first read: those steps are
+#: counted as dropped, :meth:`agent.step.encoder.StepEncoder.overflowing`).
 _QUIET_POLL_MS = 500
 #: While an in-run search runs (:mod:`agent.search.tune`): it decides from each step record,
 #: and each of its switches waits for the I/O thread to read the record that ends a
@@ -183,9 +184,6 @@ class IOLoop:
         self.info: RunInfo | None = None
         #: the knob schema changed: send ``hello`` again at the next wake-up
         self.announce = False
-        #: the training loop has started (:meth:`steps_coming`): poll at :data:`_POLL_MS`
-        #: until a step time is known
-        self._steps_coming = False
         self._pub: zmq.Socket | None = None
         #: the run log's writer (a child process), or None
         self._log: LogWriter | None = None
@@ -231,22 +229,6 @@ class IOLoop:
             os.set_blocking(fd, False)
         self._thread.start()
         self._ready.wait(timeout_s)
-
-    def steps_coming(self) -> None:
-        """Training thread, as the loop starts: steps come now, at a rate not known yet.
-
-        The thread is woken, and polls every :data:`_POLL_MS` until it has read a step
-        time: a quiet poll of :data:`_QUIET_POLL_MS` before the first record is read would
-        let a loop of more than 16,000 steps/s overflow the record queue before its first
-        read (a loop at 40,000 steps/s lost its first 12,309 steps, not counted: the
-        queue's losses are counted from the first step read). One pipe write, once."""
-        if self._steps_coming or self._wake is None:
-            return
-        self._steps_coming = True
-        try:
-            os.write(self._wake[1], b"\0")
-        except OSError:
-            pass  # the pipe is full: it is woken already
 
     def stop(self, timeout_s: float) -> None:
         """Publish what is queued and ``bye``, close the sockets, remove the run file, join.
@@ -521,8 +503,7 @@ class IOLoop:
         is on, :data:`_POLL_MS` while someone reads the records or the guard watches a
         change, else
         :data:`_QUIET_POLL_MS` or less (the time ``drain_at`` records take at the latest
-        step time; before the first step time, :data:`_QUIET_POLL_MS` until the loop
-        starts (:meth:`steps_coming`), then :data:`_POLL_MS`)."""
+        step time; :data:`_QUIET_POLL_MS` before the first step)."""
         if self._tune.running:
             return _TUNE_POLL_MS
         if self._subscriptions or self._change_guard.watching:
@@ -530,7 +511,7 @@ class IOLoop:
         step_time_s = self._encoder.recent_step_time_s
         drain_at = self._drain_at
         if step_time_s is None or drain_at is None:
-            return _POLL_MS if self._steps_coming else _QUIET_POLL_MS
+            return _QUIET_POLL_MS
         return int(min(_QUIET_POLL_MS, max(_POLL_MS, drain_at * step_time_s * 1000)))
 
     def _guard(self, where: str, function: Any, *args: Any, default: Any = None) -> Any:

@@ -266,13 +266,8 @@ class Agent:
     # ---------------------------------------------------------------- hot path
 
     def mark_start(self) -> None:
-        """Training thread: the loop starts now (the first step's time counts from here).
-
-        Until a step time is known, the I/O thread is told that steps come
-        (:meth:`agent.io.ioloop.IOLoop.steps_coming`: one pipe write, once)."""
+        """Training thread: the loop starts now (the first step's time counts from here)."""
         self._last_boundary_t = time.perf_counter()
-        if self._encoder.recent_step_time_s is None:
-            self._io.steps_coming()
 
     def optimizer_step(self, record: StepRecord) -> None:
         """Training thread: record the optimizer step that ended, then apply the commands due next.
