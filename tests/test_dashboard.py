@@ -1167,6 +1167,9 @@ async def test_the_last_event_line_keeps_a_checkpoints_file_name(make_agent, mon
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: knows(app, "precision"))
+        # (the line shows the newest entry: the status's "run is live" came after the
+        # event now and then, and the path was gone from the line)
+        await until(pilot, lambda: "run is live" in log_texts(app))
         agent.publish("event", {"level": "info", "text": text})
         await until(pilot, lambda: text in log_texts(app))
         if app.query_one("#log").display:  # tall enough for the log: it shows it whole
