@@ -35,6 +35,7 @@ from typing import Any, Callable, Generator, Iterable, Iterator
 
 import torch
 
+from gpuopt._hotpath import Fetches, PositionCounts
 from gpuopt.saving import rng_state, set_rng_state
 
 #: The most batches fetched ahead of a boundary that a position keeps (a loop that
@@ -42,7 +43,7 @@ from gpuopt.saving import rng_state, set_rng_state
 MAX_AHEAD = 8
 
 
-class DataPosition:
+class DataPosition(PositionCounts):
     """The data position of one training loop (see the module docstring).
 
     Args:
@@ -61,13 +62,15 @@ class DataPosition:
             (:meth:`drop`).
         exact_reason: why a resume from here would not continue exactly, or None.
 
-    .. note:: Per fetch: a grad-mode check, three counter additions and a deque append
-       (a reference, no copy). Per epoch: one :func:`gpuopt.saving.rng_state`. Nothing
-       reads tensor data until :meth:`state_dict`. Memory: it keeps the latest batch
-       alive (the loop holds it too), and no more until a boundary finds the loop
-       fetched more ahead; then as many as it fetched ahead (up to :data:`MAX_AHEAD`):
-       no batch outlives the loop's use of it unless a checkpoint would need it (a
-       device batch kept longer is device memory the job did not plan for).
+    .. note:: Per fetch: a grad-mode check, two counter additions and a deque append
+       (a reference, no copy), in C (:class:`gpuopt._hotpath.PositionCounts`, its base,
+       with :meth:`window_done`: no Python frame on the training thread). Per epoch:
+       one :func:`gpuopt.saving.rng_state`. Nothing reads tensor data until
+       :meth:`state_dict`. Memory: it keeps the latest batch alive (the loop holds it
+       too), and no more until a boundary finds the loop fetched more ahead; then as
+       many as it fetched ahead (up to :data:`MAX_AHEAD`): no batch outlives the loop's
+       use of it unless a checkpoint would need it (a device batch kept longer is device
+       memory the job did not plan for).
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
@@ -83,6 +86,7 @@ class DataPosition:
         #: how many of the latest training batches fetched are kept: as many as a
         #: boundary has found fetched ahead so far (at least 1, at most MAX_AHEAD)
         self._keeping = 1
+        self._keeping_most = MAX_AHEAD  # (read by window_done, in C)
         #: those batches: ``(key, batch)``
         self._recent: deque[tuple[str, Any]] = deque(maxlen=self._keeping)
         #: a restored position the iteration has not gone back to yet:
@@ -100,26 +104,10 @@ class DataPosition:
         if torch.is_grad_enabled():
             self._count(batch, key)
 
-    def _count(self, batch: Any, key: str = "") -> None:
-        self.fetched_in_epoch += 1
-        self.fetched_total += 1
-        self._recent.append((key, batch))
-
-    def window_done(self, micro_batches: int) -> None:
-        """An accumulation window of ``micro_batches`` micro-batches was trained.
-
-        Call at the boundary, before a checkpoint of it may be taken. From now on the
-        position keeps as many batches as were fetched ahead of this boundary (if more
-        than before; up to :data:`MAX_AHEAD`), for the checkpoints of later ones."""
-        self.trained_total += micro_batches
-        ahead = self.fetched_total - self.trained_total
-        if ahead > self._keeping and self._keeping < MAX_AHEAD:  # (rare)
-            self._keep(ahead)
-
     def _keep(self, batches: int) -> None:
         """Keep the latest ``batches`` batches fetched from now on (at most
         :data:`MAX_AHEAD`; never fewer than kept now)."""
-        self._keeping = max(self._keeping, min(batches, MAX_AHEAD))
+        self._keeping = max(self._keeping, min(batches, self._keeping_most))
         self._recent = deque(self._recent, maxlen=self._keeping)
 
     def epoch_made(self, rng: dict[str, Any]) -> None:
@@ -238,28 +226,40 @@ class DataPosition:
         return counted_fetch
 
     def iterate(self, batches: Iterable[Any], epochs: int | None = 1,
-                on_batch: Callable[[Any, float], None] | None = None
-                ) -> Generator[Any, None, None]:
+                on_batch: Callable[[Any, float], None] | None = None) -> Fetches:
         """``batches`` for ``epochs`` epochs, each batch counted (and timed for ``on_batch``).
 
         ``epochs`` None: without end; an epoch that yields nothing ends it. Each batch
         fetched is counted whatever the grad mode, and ``on_batch(batch, wait_s)`` is
-        called with the host seconds its ``next()`` took (``time.perf_counter``). After
-        :meth:`load_state_dict` (before this call or while it iterates) the first epoch
-        is the rest of the saved one: its iterator made again from the generators at its
-        start, the batches the saved run fetched dropped, the generators put back as at
-        the boundary, the batches fetched ahead (not given to ``on_batch``: their fetch
-        was timed before the save), then the epoch's remaining ones.
+        called with the host seconds its ``next()`` took (``time.perf_counter``'s clock).
+        After :meth:`load_state_dict` (before this call or while it iterates) the first
+        epoch is the rest of the saved one: its iterator made again from the generators
+        at its start, the batches the saved run fetched dropped, the generators put back
+        as at the boundary, the batches fetched ahead (not given to ``on_batch``: their
+        fetch was timed before the save), then the epoch's remaining ones. The iteration
+        has ``close()``, as a generator has: its next ``next()`` raises StopIteration.
 
         Raises:
             ValueError: the saved epoch had more batches than ``batches`` has (not the
                 same data).
 
-        .. note:: One generator frame per batch (no ``yield from`` of a generator per
-           epoch: each frame between real steps costs about 0.4 to 1 us of CPU on the
-           training thread, caches being cold there), the count and ``on_batch``, and two
-           attribute checks (a restored position, batches to drop).
+        .. note:: In the steady state (past an epoch's first batch, nothing restored or
+           to drop) each fetch runs no Python code besides the iterator's own
+           (:class:`gpuopt._hotpath.Fetches`: a frame between real steps costs 0.4 to
+           1 us of CPU on the training thread, its caches being cold): two clock reads,
+           the count, and ``on_batch`` (a :class:`gpuopt._hotpath.WindowMeter`'s ``add``
+           is called without a frame too).
         """
+        return Fetches(self, self._iterate(batches, epochs, on_batch), on_batch)
+
+    def _iterate(self, batches: Iterable[Any], epochs: int | None,
+                 on_batch: Callable[[Any, float], None] | None
+                 ) -> Generator[list[Any], bool | None, None]:
+        """What :meth:`iterate`'s :class:`gpuopt._hotpath.Fetches` does not: each epoch's
+        start and end, a restored position's replay, the batches to drop. Yields
+        ``[batch, iterator]``, the batch counted and timed, ``iterator`` the epoch's when
+        the steady state may fetch from it (the list is emptied as it is taken); is sent
+        True when that fetching found the epoch's end."""
         now = time.perf_counter
         done = 0
         while epochs is None or done < epochs:
@@ -279,7 +279,7 @@ class DataPosition:
                             self._dropped()
                             continue
                         yielded = True
-                        yield batch
+                        yield [batch, None]
                     continue
                 try:
                     while self.dropping:  # (nothing of them is timed)
@@ -295,7 +295,11 @@ class DataPosition:
                 if on_batch is not None:
                     on_batch(batch, wait_s)
                 yielded = True
-                yield batch
+                handed = [batch, iterator]
+                del batch  # (the list is emptied as it is taken: no batch is kept here)
+                if (yield handed):  # (the steady state fetched to the epoch's end)
+                    self.epochs_done += 1
+                    break
             if not yielded:
                 return
 
@@ -333,8 +337,7 @@ class DataPosition:
         return iterator
 
     def epoch_iterator(self, batches: Iterable[Any],
-                       on_batch: Callable[[Any, float], None] | None = None
-                       ) -> Generator[Any, None, None]:
+                       on_batch: Callable[[Any, float], None] | None = None) -> Fetches:
         """One epoch of ``batches``: :meth:`iterate` for one epoch (see it).
 
         Raises:

@@ -122,8 +122,9 @@ def test_the_cycle_finder_finds_a_cycle_and_only_one():
 
 
 def test_no_import_cycle_between_the_modules_of_the_three_packages():
-    paths = {_module_name(path): path
-             for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+    paths = {_module_name(path): path  # (an extension module by its stub, .pyi)
+             for package in PACKAGES for suffix in ("*.py", "*.pyi")
+             for path in (ROOT / package).rglob(suffix)}
     modules = set(paths)
     graph = {name: _module_imports(path, name, modules) for name, path in paths.items()}
     assert len(graph) > 90 and sum(map(len, graph.values())) > 300  # the graph was read

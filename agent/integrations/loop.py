@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -65,6 +65,7 @@ from gpuopt.checkpointing import ActivationCheckpointing
 from gpuopt.loader import ReconfigurableLoader
 from gpuopt.memory import SavedActivations
 from gpuopt.optim import OptimizerSettings
+from gpuopt._hotpath import Fetches
 from gpuopt.precision import MixedPrecision, precision_name
 from gpuopt.saving import rng_state, set_rng_state
 
@@ -146,7 +147,7 @@ class LoopRun(RunBase):
         self._reconfigurable: ReconfigurableLoader | None = None
         #: the iterations :meth:`loader` made that are still alive (:meth:`end_loop`
         #: closes them)
-        self._iterations: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()
+        self._iterations: weakref.WeakSet[Fetches] = weakref.WeakSet()
         #: windows in a row whose counted micro-batches were not ``accum_steps``; None once
         #: the loop was warned (or has no ``accum_steps``): :meth:`_window_off`
         self._windows_off: int | None = 0 if accum_steps is not None else None

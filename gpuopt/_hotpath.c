@@ -1,0 +1,739 @@
+/* gpuopt._hotpath: the per-fetch counting of a training loop, in C.
+ *
+ * What runs on the training thread for every batch a loop fetches: the data position's
+ * counters (gpuopt.position.DataPosition), the accumulation window's meter (data wait,
+ * micro-batches, samples, tokens) and the steady state of the position's iteration (a
+ * timed next() of the epoch's iterator, counted). In Python each was a frame, and a frame
+ * between real steps costs 0.4 to 1 us of CPU (the caches are cold there); here the
+ * steady state of a fetch runs no Python code at all. Everything else (an epoch's start
+ * and end, a restored position's replay, dropped batches) stays in Python, in the
+ * generator that Fetches hands over to (gpuopt.position.DataPosition.iterate).
+ *
+ * Never reads tensor data and never synchronizes a device: a batch's samples are dim 0
+ * of its first tensor's shape.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <time.h>
+
+static PyObject *tensor_type;      /* torch.Tensor */
+static PyObject *mapping_abc;      /* collections.abc.Mapping */
+static PyObject *str_shape, *str_append, *str_get, *str_input_ids, *str_numel, *str_close,
+    *str_empty;
+
+/* time.perf_counter's clock (CLOCK_MONOTONIC on Linux), in seconds */
+static inline double
+now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ------------------------------------------------------------------ PositionCounts */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t fetched_in_epoch;
+    Py_ssize_t fetched_total;
+    Py_ssize_t trained_total;
+    Py_ssize_t dropping;
+    Py_ssize_t keeping;  /* _keeping: how many of the latest batches _recent keeps */
+    Py_ssize_t keeping_most;  /* _keeping_most: the most it may keep */
+    PyObject *recent;    /* _recent: deque of (key, batch) */
+    PyObject *restored;  /* _restored: None, or a restored position */
+} Counts;
+
+static PyTypeObject CountsType;
+
+static PyObject *
+counts_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    Counts *self = (Counts *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->recent = Py_NewRef(Py_None);
+    self->restored = Py_NewRef(Py_None);
+    return (PyObject *)self;
+}
+
+static int
+counts_traverse(Counts *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->recent);
+    Py_VISIT(self->restored);
+    return 0;
+}
+
+static int
+counts_clear(Counts *self)
+{
+    Py_CLEAR(self->recent);
+    Py_CLEAR(self->restored);
+    return 0;
+}
+
+static void
+counts_dealloc(Counts *self)
+{
+    PyObject_GC_UnTrack(self);
+    counts_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);  /* (a subclass's type: its own dealloc's) */
+}
+
+/* one training batch fetched: the two counters and the latest batches kept */
+static int
+counts_count(Counts *self, PyObject *batch, PyObject *key)
+{
+    self->fetched_in_epoch += 1;
+    self->fetched_total += 1;
+    PyObject *item = PyTuple_Pack(2, key, batch);
+    if (item == NULL)
+        return -1;
+    PyObject *args[2] = {self->recent, item};
+    PyObject *done = PyObject_VectorcallMethod(
+        str_append, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(item);
+    if (done == NULL)
+        return -1;
+    Py_DECREF(done);
+    return 0;
+}
+
+static PyObject *
+counts_count_method(Counts *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "_count(batch, key='') takes 1 or 2 arguments");
+        return NULL;
+    }
+    if (counts_count(self, args[0], nargs == 2 ? args[1] : str_empty) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+counts_window_done(Counts *self, PyObject *arg)
+{
+    Py_ssize_t micro_batches = PyLong_AsSsize_t(arg);
+    if (micro_batches == -1 && PyErr_Occurred())
+        return NULL;
+    self->trained_total += micro_batches;
+    Py_ssize_t ahead = self->fetched_total - self->trained_total;
+    if (ahead > self->keeping && self->keeping < self->keeping_most)  /* (rare) */
+        return PyObject_CallMethod((PyObject *)self, "_keep", "n", ahead);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef counts_methods[] = {
+    {"window_done", (PyCFunction)counts_window_done, METH_O,
+     "window_done(micro_batches)\n--\n\nAn accumulation window of ``micro_batches`` "
+     "micro-batches was trained.\n\nCall at the boundary, before a checkpoint of it may "
+     "be taken. From now on the position keeps as many batches as were fetched ahead of "
+     "this boundary (if more than before; up to ``_keeping_most``), for "
+     "the checkpoints of later ones: ``_keep(ahead)``.\n\n.. note:: An addition and a "
+     "comparison: no Python frame, unless more are fetched ahead than kept."},
+    {"_count", (PyCFunction)(void (*)(void))counts_count_method, METH_FASTCALL,
+     "_count(batch, key='')\n--\n\nOne training batch fetched (``key``: which source, "
+     "for :meth:`timed_fetch`'s arguments): counted, and kept among the latest."},
+    {NULL},
+};
+
+static PyMemberDef counts_members[] = {
+    {"fetched_in_epoch", T_PYSSIZET, offsetof(Counts, fetched_in_epoch), 0,
+     "training batches fetched in the epoch in progress"},
+    {"fetched_total", T_PYSSIZET, offsetof(Counts, fetched_total), 0,
+     "training batches fetched since the run began"},
+    {"trained_total", T_PYSSIZET, offsetof(Counts, trained_total), 0,
+     "training batches trained on by finished windows (or dropped)"},
+    {"dropping", T_PYSSIZET, offsetof(Counts, dropping), 0,
+     "training batches the iteration is still to draw and drop"},
+    {"_keeping", T_PYSSIZET, offsetof(Counts, keeping), 0,
+     "how many of the latest training batches fetched are kept"},
+    {"_keeping_most", T_PYSSIZET, offsetof(Counts, keeping_most), 0,
+     "the most of them kept (gpuopt.position.MAX_AHEAD)"},
+    {"_recent", T_OBJECT_EX, offsetof(Counts, recent), 0,
+     "the latest training batches fetched, (key, batch)"},
+    {"_restored", T_OBJECT_EX, offsetof(Counts, restored), 0,
+     "a restored position the iteration has not gone back to yet, or None"},
+    {NULL},
+};
+
+static PyTypeObject CountsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuopt._hotpath.PositionCounts",
+    .tp_doc = PyDoc_STR(
+        "The counters of a data position that every fetch moves (the base of "
+        ":class:`gpuopt.position.DataPosition`): fetched in the epoch, fetched and trained "
+        "in all, batches to drop, the latest batches kept, a restored position waiting.\n\n"
+        ".. note:: :meth:`_count` costs two additions and a deque append: no Python frame."),
+    .tp_basicsize = sizeof(Counts),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = counts_new,
+    .tp_traverse = (traverseproc)counts_traverse,
+    .tp_clear = (inquiry)counts_clear,
+    .tp_dealloc = (destructor)counts_dealloc,
+    .tp_methods = counts_methods,
+    .tp_members = counts_members,
+};
+
+/* ------------------------------------------------------------------ WindowMeter */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *count_samples;
+    PyObject *tokens_per_sample;  /* None or an int >= 1 */
+    double data_wait_s;
+    Py_ssize_t fetched;
+    Py_ssize_t samples;
+    PyObject *tokens;             /* None or an int */
+    int dim0;                     /* count_samples is gpuopt.data.batch_size */
+} Meter;
+
+static PyTypeObject MeterType;
+
+static int
+meter_init(Meter *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"count_samples", "tokens_per_sample", NULL};
+    PyObject *count_samples, *tokens_per_sample = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:WindowMeter", names, &count_samples,
+                                     &tokens_per_sample))
+        return -1;
+    if (!PyCallable_Check(count_samples)) {
+        PyErr_Format(PyExc_TypeError, "count_samples must be callable, got %R", count_samples);
+        return -1;
+    }
+    if (tokens_per_sample != Py_None) {
+        int below = 1;
+        if (PyLong_Check(tokens_per_sample) && !PyBool_Check(tokens_per_sample)) {
+            PyObject *one = PyLong_FromLong(1);
+            below = PyObject_RichCompareBool(tokens_per_sample, one, Py_LT);
+            Py_DECREF(one);
+            if (below < 0)
+                return -1;
+        }
+        if (below) {
+            PyErr_Format(PyExc_ValueError,
+                         "tokens_per_sample must be an integer >= 1, got %R", tokens_per_sample);
+            return -1;
+        }
+    }
+    PyObject *data = PyImport_ImportModule("gpuopt.data");
+    if (data == NULL)
+        return -1;
+    PyObject *batch_size = PyObject_GetAttrString(data, "batch_size");
+    Py_DECREF(data);
+    if (batch_size == NULL)
+        return -1;
+    self->dim0 = count_samples == batch_size;
+    Py_DECREF(batch_size);
+    Py_XSETREF(self->count_samples, Py_NewRef(count_samples));
+    Py_XSETREF(self->tokens_per_sample, Py_NewRef(tokens_per_sample));
+    Py_XSETREF(self->tokens, Py_NewRef(Py_None));
+    self->data_wait_s = 0.0;
+    self->fetched = 0;
+    self->samples = 0;
+    return 0;
+}
+
+static int
+meter_traverse(Meter *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->count_samples);
+    Py_VISIT(self->tokens_per_sample);
+    Py_VISIT(self->tokens);
+    return 0;
+}
+
+static int
+meter_clear(Meter *self)
+{
+    Py_CLEAR(self->count_samples);
+    Py_CLEAR(self->tokens_per_sample);
+    Py_CLEAR(self->tokens);
+    return 0;
+}
+
+static void
+meter_dealloc(Meter *self)
+{
+    PyObject_GC_UnTrack(self);
+    meter_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);  /* (a subclass's type: its own dealloc's) */
+}
+
+/* Samples in ``batch``: dim 0 of a tuple's or list's first item when it is a plain
+ * tensor of dim >= 1 with a nonzero size (the common batch), read here; else what
+ * count_samples says. -1 with an error set when it fails. */
+static Py_ssize_t
+meter_samples(Meter *self, PyObject *batch)
+{
+    if (self->dim0 && (PyTuple_CheckExact(batch) || PyList_CheckExact(batch))
+            && PySequence_Fast_GET_SIZE(batch) > 0) {
+        PyObject *first = PySequence_Fast_GET_ITEM(batch, 0);
+        if ((PyObject *)Py_TYPE(first) == tensor_type) {
+            PyObject *shape = PyObject_GetAttr(first, str_shape);
+            if (shape == NULL)
+                return -1;
+            Py_ssize_t size = 0;
+            if (PyTuple_Check(shape))
+                size = PyTuple_GET_SIZE(shape) == 0 ? 1
+                                                    : PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, 0));
+            Py_DECREF(shape);
+            if (size != 0)  /* (-1 with an error: passed on) */
+                return size;
+        }
+    }
+    PyObject *counted = PyObject_CallOneArg(self->count_samples, batch);
+    if (counted == NULL)
+        return -1;
+    Py_ssize_t size = PyLong_AsSsize_t(counted);
+    Py_DECREF(counted);
+    return size;
+}
+
+/* Tokens in ``batch`` (a new reference), or None (borrowed Py_None, not increfed:
+ * returned as NULL with no error) when it has none; NULL with an error when it fails. */
+static PyObject *
+meter_tokens(Meter *self, PyObject *batch, Py_ssize_t samples)
+{
+    if (self->tokens_per_sample != Py_None) {
+        PyObject *count = PyLong_FromSsize_t(samples);
+        if (count == NULL)
+            return NULL;
+        PyObject *tokens = PyNumber_Multiply(count, self->tokens_per_sample);
+        Py_DECREF(count);
+        return tokens;
+    }
+    if (PyTuple_CheckExact(batch) || PyList_CheckExact(batch))
+        return NULL;  /* (the common batch, a tuple or list, has no input_ids) */
+    int mapping = PyObject_IsInstance(batch, mapping_abc);
+    if (mapping <= 0)
+        return NULL;
+    PyObject *ids = PyObject_CallMethodOneArg(batch, str_get, str_input_ids);
+    if (ids == NULL)
+        return NULL;
+    PyObject *numel = PyObject_GetAttr(ids, str_numel);
+    Py_DECREF(ids);
+    if (numel == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError))
+            PyErr_Clear();
+        return NULL;
+    }
+    PyObject *value = PyObject_CallNoArgs(numel);
+    Py_DECREF(numel);
+    if (value == NULL)
+        return NULL;
+    PyObject *tokens = PyNumber_Long(value);
+    Py_DECREF(value);
+    return tokens;
+}
+
+static int
+meter_add(Meter *self, PyObject *batch, double wait_s)
+{
+    Py_ssize_t samples = meter_samples(self, batch);
+    if (samples == -1 && PyErr_Occurred())
+        return -1;
+    self->data_wait_s += wait_s;
+    self->fetched += 1;
+    self->samples += samples;
+    PyObject *tokens = meter_tokens(self, batch, samples);
+    if (tokens == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (self->tokens != Py_None) {
+        PyObject *sum = PyNumber_Add(self->tokens, tokens);
+        Py_DECREF(tokens);
+        if (sum == NULL)
+            return -1;
+        tokens = sum;
+    }
+    Py_SETREF(self->tokens, tokens);
+    return 0;
+}
+
+static PyObject *
+meter_add_method(Meter *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "add(batch, wait_s) takes 2 arguments");
+        return NULL;
+    }
+    double wait_s = PyFloat_AsDouble(args[1]);
+    if (wait_s == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (meter_add(self, args[0], wait_s) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+meter_timed_next(Meter *self, PyObject *iterator)
+{
+    if (!PyIter_Check(iterator)) {
+        PyErr_Format(PyExc_TypeError, "timed_next needs an iterator, got %.100s",
+                     Py_TYPE(iterator)->tp_name);
+        return NULL;
+    }
+    double start = now_s();
+    PyObject *batch = Py_TYPE(iterator)->tp_iternext(iterator);
+    double wait_s = now_s() - start;
+    if (batch == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetNone(PyExc_StopIteration);
+        return NULL;
+    }
+    if (meter_add(self, batch, wait_s) < 0) {
+        Py_DECREF(batch);
+        return NULL;
+    }
+    return batch;
+}
+
+static PyObject *
+meter_take(Meter *self, PyObject *unused)
+{
+    PyObject *window = Py_BuildValue("(dnnO)", self->data_wait_s, self->fetched, self->samples,
+                                     self->tokens);
+    if (window == NULL)
+        return NULL;
+    self->data_wait_s = 0.0;
+    self->fetched = 0;
+    self->samples = 0;
+    Py_SETREF(self->tokens, Py_NewRef(Py_None));
+    return window;
+}
+
+static PyMethodDef meter_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))meter_add_method, METH_FASTCALL,
+     "add(batch, wait_s)\n--\n\nCount one fetched micro-batch that took ``wait_s`` seconds "
+     "to arrive."},
+    {"timed_next", (PyCFunction)meter_timed_next, METH_O,
+     "timed_next(iterator)\n--\n\n``next(iterator)``, timed and counted (StopIteration "
+     "passes through)."},
+    {"take", (PyCFunction)meter_take, METH_NOARGS,
+     "take()\n--\n\n``(data_wait_s, fetched, samples, tokens)`` of the window that just "
+     "ended, and a fresh start for the next one."},
+    {NULL},
+};
+
+static PyMemberDef meter_members[] = {
+    {"count_samples", T_OBJECT_EX, offsetof(Meter, count_samples), READONLY,
+     "batch -> samples"},
+    {"tokens_per_sample", T_OBJECT_EX, offsetof(Meter, tokens_per_sample), READONLY,
+     "tokens in one sample, or None to count input_ids"},
+    {"data_wait_s", T_DOUBLE, offsetof(Meter, data_wait_s), 0,
+     "host seconds inside the window's fetches"},
+    {"fetched", T_PYSSIZET, offsetof(Meter, fetched), 0, "micro-batches fetched"},
+    {"samples", T_PYSSIZET, offsetof(Meter, samples), 0, "samples in them"},
+    {"tokens", T_OBJECT_EX, offsetof(Meter, tokens), 0, "tokens in them, or None"},
+    {NULL},
+};
+
+static PyTypeObject MeterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuopt._hotpath.WindowMeter",
+    .tp_doc = PyDoc_STR(
+        "WindowMeter(count_samples, tokens_per_sample=None)\n--\n\n"
+        "What the accumulation window in progress fetched: data wait, micro-batches, "
+        "samples, tokens.\n\n"
+        "Data wait: host seconds inside the fetch of each micro-batch. Tokens: from shapes "
+        "only, ``samples * tokens_per_sample`` when declared, else the number of elements "
+        "of a mapping's ``input_ids`` (as Hugging Face batches have; padding included, as "
+        "``transformers.Trainer``'s ``num_input_tokens_seen``), else none (:attr:`tokens` "
+        "stays None).\n\n"
+        "Args:\n"
+        "    count_samples: ``batch -> samples`` (e.g. :func:`gpuopt.data.batch_size`: dim 0 "
+        "of the first tensor, which is read here without a call for a tuple or list "
+        "whose first item is a tensor).\n"
+        "    tokens_per_sample: tokens in one sample, for token models whose batches carry "
+        "no ``input_ids``; None to count from ``input_ids``.\n\n"
+        "Raises:\n"
+        "    ValueError: ``tokens_per_sample`` is not None or an integer >= 1.\n"
+        "    TypeError: ``count_samples`` is not callable.\n\n"
+        ".. note:: :meth:`add` runs no Python code for a tuple or list batch: about 0.2 us "
+        "on the host (the tensor's shape is read); nothing reads tensor data."),
+    .tp_basicsize = sizeof(Meter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)meter_init,
+    .tp_traverse = (traverseproc)meter_traverse,
+    .tp_clear = (inquiry)meter_clear,
+    .tp_dealloc = (destructor)meter_dealloc,
+    .tp_methods = meter_methods,
+    .tp_members = meter_members,
+};
+
+/* ------------------------------------------------------------------ Fetches */
+
+typedef struct {
+    PyObject_HEAD
+    Counts *position;
+    Meter *meter;         /* on_batch is this meter's add: called without a frame */
+    PyObject *on_batch;   /* another on_batch(batch, wait_s), or NULL */
+    PyObject *inner;      /* the epoch's iterator in the steady state, or NULL */
+    PyObject *slow;       /* the generator of everything else, or NULL once ended */
+    PyObject *weakrefs;
+} Fetches;
+
+static PyTypeObject FetchesType;
+
+static PyObject *
+fetches_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *position, *slow, *on_batch = Py_None;
+    static char *names[] = {"position", "slow", "on_batch", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O|O:Fetches", names, &CountsType,
+                                     &position, &slow, &on_batch))
+        return NULL;
+    if (!PyGen_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "Fetches needs a generator");
+        return NULL;
+    }
+    Fetches *self = (Fetches *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->position = (Counts *)Py_NewRef(position);
+    self->slow = Py_NewRef(slow);
+    if (PyCFunction_Check(on_batch) && PyCFunction_GET_SELF(on_batch) != NULL
+            && Py_IS_TYPE(PyCFunction_GET_SELF(on_batch), &MeterType)
+            && PyCFunction_GET_FUNCTION(on_batch) == (PyCFunction)(void (*)(void))meter_add_method)
+        self->meter = (Meter *)Py_NewRef(PyCFunction_GET_SELF(on_batch));
+    else if (on_batch != Py_None)
+        self->on_batch = Py_NewRef(on_batch);
+    return (PyObject *)self;
+}
+
+static int
+fetches_traverse(Fetches *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->position);
+    Py_VISIT(self->meter);
+    Py_VISIT(self->on_batch);
+    Py_VISIT(self->inner);
+    Py_VISIT(self->slow);
+    return 0;
+}
+
+static int
+fetches_clear(Fetches *self)
+{
+    Py_CLEAR(self->position);
+    Py_CLEAR(self->meter);
+    Py_CLEAR(self->on_batch);
+    Py_CLEAR(self->inner);
+    Py_CLEAR(self->slow);
+    return 0;
+}
+
+static void
+fetches_dealloc(Fetches *self)
+{
+    PyObject_GC_UnTrack(self);
+    if (self->weakrefs != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    fetches_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);  /* (a subclass's type: its own dealloc's) */
+}
+
+/* The iteration ends: its generator closed (an error in flight is kept). */
+static int
+fetches_end(Fetches *self)
+{
+    Py_CLEAR(self->inner);
+    PyObject *slow = self->slow;
+    if (slow == NULL)
+        return 0;
+    self->slow = NULL;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *closed = PyObject_CallMethodNoArgs(slow, str_close);
+    Py_DECREF(slow);
+    if (closed == NULL && type == NULL)
+        return -1;
+    if (closed == NULL)  /* (the first error is the one to pass on) */
+        PyErr_Clear();
+    Py_XDECREF(closed);
+    PyErr_Restore(type, value, traceback);
+    return type == NULL ? 0 : -1;
+}
+
+/* Resume the generator, sending ``ended`` (the steady state found the epoch's end); it
+ * yields ``[batch, iterator]``, iterator None unless the steady state may take over. */
+static PyObject *
+fetches_resume(Fetches *self, PyObject *ended)
+{
+    PyObject *yielded = NULL;
+    PySendResult result = PyIter_Send(self->slow, ended, &yielded);
+    if (result != PYGEN_NEXT) {
+        Py_XDECREF(yielded);  /* (the generator's return value: None) */
+        fetches_end(self);
+        return NULL;  /* StopIteration, or the error set */
+    }
+    if (!PyList_CheckExact(yielded) || PyList_GET_SIZE(yielded) != 2) {
+        Py_DECREF(yielded);
+        PyErr_SetString(PyExc_SystemError, "Fetches: the generator yields [batch, iterator]");
+        fetches_end(self);
+        return NULL;
+    }
+    PyObject *batch = Py_NewRef(PyList_GET_ITEM(yielded, 0));
+    PyObject *iterator = PyList_GET_ITEM(yielded, 1);
+    if (iterator != Py_None && PyIter_Check(iterator))
+        Py_XSETREF(self->inner, Py_NewRef(iterator));
+    /* (emptied: the generator keeps no batch while this one fetches the next) */
+    int emptied = PyList_SetSlice(yielded, 0, 2, NULL);
+    Py_DECREF(yielded);
+    if (emptied < 0) {
+        Py_DECREF(batch);
+        fetches_end(self);
+        return NULL;
+    }
+    return batch;
+}
+
+static PyObject *
+fetches_next(Fetches *self)
+{
+    if (self->slow == NULL)
+        return NULL;
+    Counts *position = self->position;
+    if (self->inner == NULL)
+        return fetches_resume(self, Py_None);
+    if (position->restored != Py_None || position->dropping) {
+        Py_CLEAR(self->inner);  /* (the generator goes back, or drops) */
+        return fetches_resume(self, Py_None);
+    }
+    double start = now_s();
+    PyObject *batch = Py_TYPE(self->inner)->tp_iternext(self->inner);
+    double wait_s = now_s() - start;
+    if (batch == NULL) {
+        if (PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_StopIteration)) {
+                fetches_end(self);
+                return NULL;
+            }
+            PyErr_Clear();
+        }
+        Py_CLEAR(self->inner);
+        return fetches_resume(self, Py_True);
+    }
+    if (counts_count(position, batch, str_empty) < 0)
+        goto failed;
+    if (self->meter != NULL) {
+        if (meter_add(self->meter, batch, wait_s) < 0)
+            goto failed;
+    }
+    else if (self->on_batch != NULL) {
+        PyObject *wait = PyFloat_FromDouble(wait_s);
+        if (wait == NULL)
+            goto failed;
+        PyObject *args[2] = {batch, wait};
+        PyObject *done = PyObject_Vectorcall(self->on_batch, args, 2, NULL);
+        Py_DECREF(wait);
+        if (done == NULL)
+            goto failed;
+        Py_DECREF(done);
+    }
+    return batch;
+failed:
+    Py_DECREF(batch);
+    fetches_end(self);
+    return NULL;
+}
+
+static PyObject *
+fetches_close(Fetches *self, PyObject *unused)
+{
+    if (fetches_end(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef fetches_methods[] = {
+    {"close", (PyCFunction)fetches_close, METH_NOARGS,
+     "close()\n--\n\nEnd the iteration: its next ``next()`` raises StopIteration and "
+     "nothing more is fetched."},
+    {NULL},
+};
+
+static PyTypeObject FetchesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuopt._hotpath.Fetches",
+    .tp_doc = PyDoc_STR(
+        "Fetches(position, slow, on_batch=None)\n--\n\n"
+        "The iteration of :meth:`gpuopt.position.DataPosition.iterate`: its steady state "
+        "in C, the rest in the generator ``slow``.\n\n"
+        "``slow`` yields ``[batch, iterator]`` (emptied here as it is taken), each batch "
+        "counted and timed already; "
+        "``iterator`` not None hands the epoch's iterator over: the next batches are "
+        "fetched here, each ``next()`` timed (the data wait), counted in ``position`` "
+        "(a :class:`PositionCounts`) and given to ``on_batch(batch, wait_s)`` (a "
+        ":class:`WindowMeter`'s ``add`` is called without a frame), until the epoch ends "
+        "(``slow`` is resumed with True), or a restored position or batches to drop wait "
+        "(``slow`` is resumed with None, as after any batch it yielded). An error of the "
+        "iterator or of ``on_batch`` ends the iteration, as it ends a generator.\n\n"
+        ".. note:: In the steady state a fetch runs no Python code besides the iterator's "
+        "own: two clock reads, two counter additions, a deque append and the meter's "
+        "sums."),
+    .tp_basicsize = sizeof(Fetches),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = fetches_new,
+    .tp_traverse = (traverseproc)fetches_traverse,
+    .tp_clear = (inquiry)fetches_clear,
+    .tp_dealloc = (destructor)fetches_dealloc,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)fetches_next,
+    .tp_methods = fetches_methods,
+    .tp_weaklistoffset = offsetof(Fetches, weakrefs),
+};
+
+/* ------------------------------------------------------------------ module */
+
+static struct PyModuleDef hotpath_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "gpuopt._hotpath",
+    .m_doc = "The per-fetch counting of a training loop, in C (see gpuopt/_hotpath.c).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__hotpath(void)
+{
+    PyObject *torch = PyImport_ImportModule("torch");
+    if (torch == NULL)
+        return NULL;
+    tensor_type = PyObject_GetAttrString(torch, "Tensor");
+    Py_DECREF(torch);
+    if (tensor_type == NULL)
+        return NULL;
+    PyObject *abc = PyImport_ImportModule("collections.abc");
+    if (abc == NULL)
+        return NULL;
+    mapping_abc = PyObject_GetAttrString(abc, "Mapping");
+    Py_DECREF(abc);
+    if (mapping_abc == NULL)
+        return NULL;
+    if ((str_shape = PyUnicode_InternFromString("shape")) == NULL
+            || (str_append = PyUnicode_InternFromString("append")) == NULL
+            || (str_get = PyUnicode_InternFromString("get")) == NULL
+            || (str_input_ids = PyUnicode_InternFromString("input_ids")) == NULL
+            || (str_numel = PyUnicode_InternFromString("numel")) == NULL
+            || (str_close = PyUnicode_InternFromString("close")) == NULL
+            || (str_empty = PyUnicode_InternFromString("")) == NULL)
+        return NULL;
+    if (PyType_Ready(&CountsType) < 0 || PyType_Ready(&MeterType) < 0
+            || PyType_Ready(&FetchesType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&hotpath_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "PositionCounts", (PyObject *)&CountsType) < 0
+            || PyModule_AddObjectRef(module, "WindowMeter", (PyObject *)&MeterType) < 0
+            || PyModule_AddObjectRef(module, "Fetches", (PyObject *)&FetchesType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

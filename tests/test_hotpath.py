@@ -1,0 +1,162 @@
+"""gpuopt._hotpath: the per-fetch counting in C, against what the Python it replaced did.
+
+The window meter's counts (samples from shapes, tokens), the iteration's steady state
+(counted, timed, handed back to the generator at each epoch's end), and that it ends as a
+generator ends: on an error of the loader or of ``on_batch``, on ``close()``, and that it
+is collected in a reference cycle.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from gpuopt._hotpath import WindowMeter
+from gpuopt.data import batch_size
+from gpuopt.position import DataPosition
+
+
+def test_the_meter_counts_samples_and_tokens_as_batch_size_and_input_ids_say():
+    """Samples: dim 0 of the first tensor (read in C for a tuple or list of tensors; an
+    empty first tensor, a dict or a nested batch go through batch_size); tokens: a
+    mapping's input_ids elements, or samples * tokens_per_sample."""
+    batches = [
+        (torch.zeros(4, 3), torch.zeros(4)),          # 4: read in C
+        [torch.zeros(0, 3), torch.zeros(5)],          # 5: dim 0 of the first is 0
+        (torch.tensor(1.0), torch.zeros(9)),          # 1: a 0-dim tensor counts one
+        ((torch.zeros(6, 2),), torch.zeros(6)),       # 6: nested
+        {"input_ids": torch.zeros(2, 7, dtype=torch.long)},  # 2 samples, 14 tokens
+        (None, torch.zeros(3)),                       # 3: None is skipped
+        "no tensor",                                  # 0
+    ]
+    meter = WindowMeter(batch_size)
+    for batch in batches:
+        meter.add(batch, 0.25)
+    assert meter.take() == (1.75, 7, 4 + 5 + 1 + 6 + 2 + 3 + 0, 14)
+    assert meter.take() == (0.0, 0, 0, None)  # (a fresh start)
+    assert [batch_size(batch) for batch in batches] == [4, 5, 1, 6, 2, 3, 0]
+
+    declared = WindowMeter(batch_size, 128)
+    declared.add((torch.zeros(4, 3),), 0.0)
+    declared.add({"input_ids": torch.zeros(2, 7)}, 0.0)  # (declared wins over input_ids)
+    assert declared.take() == (0.0, 2, 6, 6 * 128)
+
+    other = WindowMeter(lambda batch: 10)  # (any count_samples is called, tuple or not)
+    other.add((torch.zeros(4, 3),), 0.5)
+    assert other.take() == (0.5, 1, 10, None)
+
+
+def test_the_meter_refuses_bad_arguments_and_passes_errors_on():
+    for bad in (0, -1, True, 2.0, "8"):
+        with pytest.raises(ValueError, match="tokens_per_sample must be an integer >= 1"):
+            WindowMeter(batch_size, bad)
+    with pytest.raises(TypeError, match="count_samples must be callable"):
+        WindowMeter(None)
+    meter = WindowMeter(lambda batch: 1 // 0)
+    with pytest.raises(ZeroDivisionError):
+        meter.add((), 0.0)
+    with pytest.raises(StopIteration):
+        WindowMeter(batch_size).timed_next(iter([]))
+    with pytest.raises(TypeError, match="needs an iterator"):
+        WindowMeter(batch_size).timed_next([1])
+    timed = WindowMeter(batch_size)
+    assert timed.timed_next(iter([(torch.zeros(3),)])) is not None
+    wait_s, fetched, samples, tokens = timed.take()
+    assert (fetched, samples, tokens) == (1, 3, None) and 0.0 <= wait_s < 1.0
+
+
+def test_the_iteration_counts_every_batch_across_epochs_and_hands_each_end_back():
+    """3 epochs of 4 batches: 12 batches in order, each counted and given to on_batch
+    (a Python callable: called from C) with its wait; epochs_done 3, fetched_in_epoch
+    counted again from each epoch's start; the latest batch kept, no other."""
+    position = DataPosition()
+    data = [(torch.full((2,), float(i)),) for i in range(4)]
+    seen: list[tuple[int, float]] = []
+    iteration = position.iterate(data, 3, lambda batch, wait: seen.append((int(batch[0][0]),
+                                                                          wait)))
+    got = [int(batch[0][0]) for batch in iteration]
+    assert got == [0, 1, 2, 3] * 3
+    assert [index for index, _ in seen] == got and all(w >= 0.0 for _, w in seen)
+    assert (position.epoch, position.epochs_done, position.fetched_in_epoch,
+            position.fetched_total) == (3, 3, 4, 12)
+    assert [batch for _, batch in position._recent] == [data[3]]
+    with pytest.raises(StopIteration):
+        next(iteration)
+    assert list(position.iterate([], None)) == []  # (an epoch that yields nothing ends it)
+
+
+def test_the_iteration_counts_into_the_meter_without_a_call():
+    """on_batch a WindowMeter's add: the same counts as calling it."""
+    position, meter = DataPosition(), WindowMeter(batch_size)
+    data = [(torch.zeros(3, 2), torch.zeros(3))] * 5
+    assert len(list(position.iterate(data, 2, meter.add))) == 10
+    wait_s, fetched, samples, tokens = meter.take()
+    assert (fetched, samples, tokens) == (10, 30, None) and wait_s >= 0.0
+
+
+class _Failing:
+    """Batches 0, 1, 2, then an error."""
+
+    def __iter__(self):
+        for index in range(3):
+            yield (torch.tensor([index]),)
+        raise OSError("the disk went away")
+
+
+def test_an_error_of_the_loader_or_of_on_batch_ends_the_iteration_as_a_generator_ends():
+    position = DataPosition()
+    iteration = position.iterate(_Failing(), None)
+    assert [int(next(iteration)[0]) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(OSError, match="the disk went away"):
+        next(iteration)
+    with pytest.raises(StopIteration):
+        next(iteration)
+    assert position.fetched_total == 3
+
+    def refuse(batch, wait_s):
+        if int(batch[0]) == 2:
+            raise ValueError("no")
+
+    iteration = DataPosition().iterate([(torch.tensor([i]),) for i in range(5)], 1, refuse)
+    assert [int(next(iteration)[0]) for _ in range(2)] == [0, 1]
+    with pytest.raises(ValueError, match="no"):
+        next(iteration)
+    assert list(iteration) == []
+
+
+def test_a_closed_iteration_fetches_nothing_more():
+    fetched: list[int] = []
+
+    def batches():
+        for index in range(10):
+            fetched.append(index)
+            yield (torch.tensor([index]),)
+
+    class Loader:
+        def __iter__(self):
+            return batches()
+
+    iteration = DataPosition().iterate(Loader(), None)
+    next(iteration), next(iteration)
+    iteration.close()
+    iteration.close()  # (again: nothing)
+    assert list(iteration) == [] and fetched == [0, 1]
+
+
+def test_an_iteration_in_a_reference_cycle_is_collected():
+    """The iteration, its generator and the position free each other (no leak): a batch
+    it held is gone once the cycle is collected."""
+    position = DataPosition()
+    batch = (torch.zeros(3),)
+    held = weakref.ref(batch[0])
+    iteration = position.iterate([batch, (torch.zeros(2),)], None)
+    next(iteration)
+    position.cycle = iteration  # type: ignore[attr-defined]  # position -> iteration -> position
+    gone = weakref.ref(iteration)
+    del batch, iteration, position
+    gc.collect()
+    assert gone() is None and held() is None
+
