@@ -1,9 +1,11 @@
-"""gpuopt._hotpath: the per-fetch counting in C, against what the Python it replaced did.
+"""The training thread's hot path in C, against what the Python it replaced did.
 
-The window meter's counts (samples from shapes, tokens), the iteration's steady state
-(counted, timed, handed back to the generator at each epoch's end), and that it ends as a
-generator ends: on an error of the loader or of ``on_batch``, on ``close()``, and that it
-is collected in a reference cycle.
+gpuopt._hotpath: the window meter's counts (samples from shapes, tokens), the iteration's
+steady state (counted, timed, handed back to the generator at each epoch's end), and that
+it ends as a generator ends: on an error of the loader or of ``on_batch``, on ``close()``,
+and that it is collected in a reference cycle. agent.step._hot: the step record, made
+as the dataclass was, and the agent's optimizer_step: what it fills in, its own error
+reported once (training goes on), a KeyboardInterrupt passed on.
 """
 
 from __future__ import annotations
@@ -160,3 +162,70 @@ def test_an_iteration_in_a_reference_cycle_is_collected():
     gc.collect()
     assert gone() is None and held() is None
 
+
+def test_the_step_record_is_made_by_position_or_keyword_with_its_defaults():
+    """agent.step.record.StepRecord (C): the dataclass it replaced, field for field."""
+    from agent.step.record import StepRecord
+
+    loss = torch.tensor(0.5)
+    by_position = StepRecord(2, 16, 0.25, loss, None, 1024, 64, 0.1, 1.5)
+    by_keyword = StepRecord(grad_norm=1.5, lr=0.1, tokens=64, activation_bytes=1024,
+                            skipped=None, loss=loss, data_wait_s=0.25, samples=16,
+                            micro_batches=2)
+    fields = ("micro_batches", "samples", "data_wait_s", "loss", "skipped",
+              "activation_bytes", "tokens", "lr", "grad_norm", "step", "step_time_s",
+              "marker", "knobs")
+    expected = (2, 16, 0.25, loss, None, 1024, 64, 0.1, 1.5, 0, None, None, None)
+    for record in (by_position, by_keyword, StepRecord(**dict(zip(fields, expected)))):
+        assert tuple(getattr(record, name) for name in fields) == expected
+    by_position.step, by_position.knobs = 7, {"precision": "bf16"}
+    assert (by_position.step, by_position.knobs) == (7, {"precision": "bf16"})
+    assert repr(StepRecord(1, 8, 0.0, step=3)).startswith(
+        "StepRecord(micro_batches=1, samples=8, data_wait_s=0.0, loss=None")
+    for make, message in ((lambda: StepRecord(1, 8), "missing required argument 'data_wait_s'"),
+                          (lambda: StepRecord(1, 8, 0.0, steps=2), "unexpected keyword"),
+                          (lambda: StepRecord(1, 8, 0.0, samples=8), "multiple values"),
+                          (lambda: StepRecord(*range(14)), "at most 13 arguments")):
+        with pytest.raises(TypeError, match=message):
+            make()
+    with pytest.raises(AttributeError):
+        by_position.steps = 3  # type: ignore[attr-defined]  # (a typo is refused, as slots)
+    assert "as recorded on the training thread" in (StepRecord.__doc__ or "")
+
+
+def test_the_agents_hot_path_reports_its_own_error_once_and_lets_the_training_go_on(run_dir):
+    """agent.Agent.optimizer_step (C): a wrong record is gpuwatch's error: reported once
+    (an agent_error event), the agent stops observing, nothing raised; a
+    KeyboardInterrupt (the person's) is not caught; steps before are queued as recorded,
+    each with its step time, the loss in its marker and the knob values."""
+    import agent
+    from agent.step.record import StepRecord
+
+    monitor = agent.Agent(name="hot-errors")  # (not started: the queue is read here)
+    told: list[dict] = []
+    monitor.add_listener(told.append)
+    loss = torch.tensor(0.25)
+    monitor.optimizer_step(StepRecord(1, 8, 0.0, loss, step=1))
+    monitor.optimizer_step(StepRecord(1, 8, 0.0, loss, skipped=None, grad_norm=2.0, step=2))
+    first, second = monitor._records
+    assert (first.step_time_s, first.marker, first.loss) == (None, loss, None)
+    assert second.step_time_s > 0.0 and second.marker == (loss, None, 2.0)
+    assert first.knobs is monitor.knob_values and monitor.last_step == 2
+    assert [record["step"] for record in told if record["type"] == "step"] == [1, 2]
+
+    def interrupt(record):
+        raise KeyboardInterrupt
+
+    monitor.add_listener(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        monitor.optimizer_step(StepRecord(1, 8, 0.0, loss, step=3))
+    monitor._listeners = monitor._listeners[:1]
+    monitor.optimizer_step({"step": 4})  # type: ignore[arg-type]
+    monitor.optimizer_step(StepRecord(1, 8, 0.0, loss, step=5))  # (no longer observed)
+    assert monitor.errors == ["gpuwatch agent: hot path failed: TypeError: optimizer_step "
+                              "needs a StepRecord, got dict"]
+    assert [record.step for record in monitor._records  # (events are queued in between)
+            if isinstance(record, StepRecord)] == [1, 2, 3]
+    assert [record["text"] for record in told if record.get("kind") == "agent_error"] == [
+        monitor.errors[0] + " (training continues)"]
+    monitor.close()

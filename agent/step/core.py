@@ -5,7 +5,9 @@ host clock, make a step marker (see :mod:`agent.step.markers`), append the step'
 record (:class:`agent.step.record.StepRecord`) to a bounded deque, and apply pending commands
 whose step has come. Nothing else: no device sync, no ``.item()`` of a device tensor (a
 host loss is read only while the I/O thread lags: :data:`LOSSES_HELD_MAX`), no NVML or
-psutil, no I/O, no lock unless a command is pending.
+psutil, no I/O, no lock unless a command is pending. That path is in C (its base
+:class:`agent.step._hot.HotPath`, agent/step/_hot.c): no Python frame unless listeners or
+commands wait.
 :class:`Agent` owns that hot path, the events and their in-process listeners, and wires
 up the parts that do the rest, each owning one thing:
 
@@ -41,7 +43,8 @@ from agent.control.guard import ChangeGuard
 from agent.wire.knobs import KnobSet, assignment
 from agent.control.ledger import ChangeLedger, Rollback, StateKeeper
 from agent.control.recovery import Recovery, SpikeWatch
-from agent.step.markers import marker_for
+from agent.step._hot import HotPath
+from agent.step.markers import CpuMarker, marker_for
 from agent.io.ioloop import IOLoop
 from agent.io.probes import Nvml
 from agent.step.record import StepRecord
@@ -52,8 +55,6 @@ from agent.search.tune import AutoTune
 from gpuopt.environment import usable_cpu_count
 
 log = logging.getLogger("gpuwatch.agent")
-#: the step clock (:meth:`Agent.optimizer_step` reads it without the module lookup)
-_clock = time.perf_counter
 
 #: Step records in the queue past which the training thread reads a host loss itself
 #: (:meth:`agent.step.markers.CpuMarker.mark_read`, ``.item()``: 3 to 4 us between real
@@ -77,7 +78,7 @@ ERRORS_KEPT_MAX = 100
 ROLLBACK_TIMEOUT_S = 30.0
 
 
-class Agent:
+class Agent(HotPath):
     """Measures every optimizer step of one rank and takes live commands for its knobs.
 
     Args:
@@ -145,6 +146,7 @@ class Agent:
         self.params = sum(p.numel() for p in model.parameters()) if model is not None else None
         self.model_name = type(model).__name__ if model is not None else ""
         self._marker = marker_for(self.device)
+        self._marks_on_host = type(self._marker) is CpuMarker  # (marked in C)
         self._records: deque = deque(maxlen=queue_size)
         #: records queued past which host losses are read at once (and a full queue's
         #: overflow is noted: :meth:`agent.step.encoder.StepEncoder.overflowing`)
@@ -268,56 +270,6 @@ class Agent:
     def mark_start(self) -> None:
         """Training thread: the loop starts now (the first step's time counts from here)."""
         self._last_boundary_t = time.perf_counter()
-
-    def optimizer_step(self, record: StepRecord) -> None:
-        """Training thread: record the optimizer step that ended, then apply the commands due next.
-
-        The step ``record.step``, which just ended; the commands due at step
-        ``record.step + 1``.
-
-        Args:
-            record: what the integration measured of the step (see
-                :class:`agent.step.record.StepRecord`); this fills in its ``step_time_s``,
-                ``marker`` and ``knobs``, sets its ``loss`` to None (the marker holds it)
-                and queues it (it must not be changed after).
-
-        .. note:: Never synchronizes the device and never blocks: a clock read, a marker
-           (an asynchronous CUDA event on GPU; on the host the loss tensor itself, or
-           its value read when :data:`LOSSES_HELD_MAX` records are queued), one deque
-           append (and the calls of :meth:`add_listener`'s listeners, when there are
-           any). Never raises: an internal error is reported once and the agent stops
-           observing.
-        """
-        if self._broken:
-            return
-        try:
-            now = _clock()
-            previous = self._last_boundary_t
-            self._last_boundary_t = now
-            record.step_time_s = None if previous is None else now - previous
-            if len(self._records) < self._held_max:
-                record.marker = self._marker.mark(record.loss, record.skipped,
-                                                  record.grad_norm)
-            else:  # the I/O thread is behind: no more autograd graphs held
-                record.marker = self._marker.mark_read(record.loss, record.skipped,
-                                                       record.grad_norm)
-                if len(self._records) >= self._queue_size:  # (this append drops one)
-                    self._encoder.overflowing()
-            record.loss = None  # (the marker holds what the I/O thread reads)
-            record.knobs = self._knob_values
-            self._records.append(record)
-            step = self._last_step = record.step
-            if self._listeners:
-                self._tell_listeners({
-                    "type": protocol.STEP, "step": step, "step_time_s": record.step_time_s,
-                    "micro_batches": record.micro_batches, "samples": record.samples,
-                    "data_wait_s": record.data_wait_s, "tokens": record.tokens,
-                    "activation_bytes": record.activation_bytes, "knobs": record.knobs})
-            if self._pending:
-                self._apply_pending(step)
-        except Exception as exc:  # the first rule: never crash the training
-            self._broken = True
-            self.report_error("hot path", exc)
 
     def _apply_pending(self, step: int, ahead: int = 0) -> None:
         if self._desk.apply_due(step, ahead):
@@ -495,6 +447,15 @@ class Agent:
         and the error reported once; training goes on.
         """
         self._listeners = (*self._listeners, listener)
+
+    def _tell_step(self, record: StepRecord) -> None:
+        """Training thread, from :meth:`optimizer_step` while there are listeners: the
+        step's host facts."""
+        self._tell_listeners({
+            "type": protocol.STEP, "step": record.step, "step_time_s": record.step_time_s,
+            "micro_batches": record.micro_batches, "samples": record.samples,
+            "data_wait_s": record.data_wait_s, "tokens": record.tokens,
+            "activation_bytes": record.activation_bytes, "knobs": record.knobs})
 
     def _tell_listeners(self, record: dict[str, Any]) -> None:
         for listener in self._listeners:

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from agent.step._hot import host_mark
+
 _Tensor = torch.Tensor
 #: A CUDA step marker: ``(event, slot, source)`` (:meth:`CudaMarker.mark`).
 CudaMark = tuple[torch.cuda.Event, int, torch.Tensor | None]
@@ -35,22 +37,11 @@ CudaMark = tuple[torch.cuda.Event, int, torch.Tensor | None]
 class CpuMarker:
     """Step markers for a model on the host (or any non-CUDA device)."""
 
-    def mark(self, loss: torch.Tensor | None, skipped: torch.Tensor | None = None,
-             grad_norm: torch.Tensor | float | None = None) -> Any:
-        """Training thread: the marker of this step: loss, skipped flag and gradient norm.
-
-        The loss itself (a tensor, a number, or None) when there is neither a flag nor a
-        norm (the usual: the encoder takes a run of such markers as the losses' column);
-        else the tuple ``(loss, skipped, grad_norm)``: the GradScaler's skipped flag and
-        the gradient norm (0-dim tensors, a float for the norm, or None).
-
-        .. note:: No torch call: about 0.1 us. Nothing is read here; the I/O thread reads
-           the values later (:meth:`loss`), so a loss tensor changed in place after its
-           step is read as changed (pass a copy, ``loss.detach().clone()``, if the loop
-           reuses its tensor)."""
-        if grad_norm is None and skipped is None:
-            return loss
-        return loss, skipped, grad_norm
+    #: Training thread: ``mark(loss, skipped=None, grad_norm=None)``, the marker of this
+    #: step: the loss itself, or ``(loss, skipped, grad_norm)`` (see
+    #: :func:`agent.step._hot.host_mark`, in C: the agent's hot path makes it without a
+    #: call; no torch call, nothing read).
+    mark = staticmethod(host_mark)
 
     def mark_read(self, loss: torch.Tensor | None, skipped: torch.Tensor | None = None,
                   grad_norm: torch.Tensor | float | None = None) -> Any:

@@ -1,0 +1,557 @@
+/* agent.step._hot: the agent's part of the training thread's optimizer step, in C.
+ *
+ * - StepRecord (agent.step.record.StepRecord): one is made at every optimizer step. As a
+ *   slotted dataclass its __init__ was a Python frame of 13 stores, about 1 us of CPU
+ *   between real steps (the caches are cold there); made here, by vectorcall, it is one
+ *   allocation and the stores. Its fields, their order and defaults, and their meaning
+ *   are StepRecord's docstring's.
+ * - HotPath, the base of agent.step.core.Agent: its optimizer_step (a clock read, the
+ *   step's marker, a deque append, the pending-command check), with no Python frame
+ *   unless listeners or commands wait, the I/O thread is behind, or the marker is a
+ *   device's.
+ * - host_mark: agent.step.markers.CpuMarker's mark.
+ *
+ * Never synchronizes a device, never blocks. The clock is CLOCK_MONOTONIC, which is
+ * time.perf_counter's on Linux (Agent.mark_start reads that).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <time.h>
+
+#define FIELDS 13
+#define REQUIRED 3
+/* the fields the hot path reads or sets, by index */
+#define LOSS 3
+#define SKIPPED 4
+#define GRAD_NORM 8
+#define STEP 9  /* (the one field whose default is not None: 0) */
+#define STEP_TIME_S 10
+#define MARKER 11
+#define KNOBS 12
+
+static const char *const field_names[FIELDS] = {
+    "micro_batches", "samples", "data_wait_s", "loss", "skipped", "activation_bytes",
+    "tokens", "lr", "grad_norm", "step", "step_time_s", "marker", "knobs",
+};
+static PyObject *names[FIELDS];  /* interned */
+static PyObject *zero;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *values[FIELDS];
+} Record;
+
+static PyTypeObject RecordType;
+
+static int
+record_set(PyObject **values, PyObject *name, PyObject *value)
+{
+    for (int i = 0; i < FIELDS; i++) {
+        if (name == names[i]) {  /* (interned: the usual keyword) */
+            goto found;
+        }
+    }
+    for (int i = 0; i < FIELDS; i++) {
+        int equal = PyUnicode_Check(name) ? PyUnicode_Compare(name, names[i]) : -1;
+        if (equal == -1 && PyErr_Occurred())
+            return -1;
+        if (equal == 0) {
+            name = names[i];
+            goto found;
+        }
+    }
+    PyErr_Format(PyExc_TypeError, "StepRecord() got an unexpected keyword argument %R", name);
+    return -1;
+found:
+    for (int i = 0; i < FIELDS; i++) {
+        if (name == names[i]) {
+            if (values[i] != NULL) {
+                PyErr_Format(PyExc_TypeError, "StepRecord() got multiple values for argument "
+                             "'%s'", field_names[i]);
+                return -1;
+            }
+            values[i] = Py_NewRef(value);
+            return 0;
+        }
+    }
+    return -1;  /* (not reached) */
+}
+
+/* A record from positional ``args`` and keyword ``kwvalues`` named ``kwnames``. */
+static PyObject *
+record_make(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
+            PyObject *const *kwvalues, PyObject *const *kwnames, Py_ssize_t nkw)
+{
+    if (nargs > FIELDS) {
+        PyErr_Format(PyExc_TypeError, "StepRecord() takes at most %d arguments (%zd given)",
+                     FIELDS, nargs);
+        return NULL;
+    }
+    Record *self = (Record *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        self->values[i] = Py_NewRef(args[i]);
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        if (record_set(self->values, kwnames[i], kwvalues[i]) < 0) {
+            Py_DECREF(self);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < FIELDS; i++) {
+        if (self->values[i] != NULL)
+            continue;
+        if (i < REQUIRED) {
+            PyErr_Format(PyExc_TypeError, "StepRecord() missing required argument '%s'",
+                         field_names[i]);
+            Py_DECREF(self);
+            return NULL;
+        }
+        self->values[i] = Py_NewRef(i == STEP ? zero : Py_None);
+    }
+    return (PyObject *)self;
+}
+
+static PyObject *
+record_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    return record_make((PyTypeObject *)type, args, nargs, args + nargs,
+                       nkw ? &PyTuple_GET_ITEM(kwnames, 0) : NULL, nkw);
+}
+
+static PyObject *
+record_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    Py_ssize_t nkw = kwargs == NULL ? 0 : PyDict_GET_SIZE(kwargs);
+    PyObject *keys[FIELDS + 1], *values[FIELDS + 1];
+    if (nkw > FIELDS) {
+        PyErr_Format(PyExc_TypeError, "StepRecord() takes at most %d arguments", FIELDS);
+        return NULL;
+    }
+    Py_ssize_t position = 0, i = 0;
+    PyObject *key, *value;
+    while (kwargs != NULL && PyDict_Next(kwargs, &position, &key, &value)) {
+        keys[i] = key;
+        values[i++] = value;
+    }
+    return record_make(type, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), values,
+                       keys, nkw);
+}
+
+static int
+record_traverse(Record *self, visitproc visit, void *arg)
+{
+    for (int i = 0; i < FIELDS; i++)
+        Py_VISIT(self->values[i]);
+    return 0;
+}
+
+static int
+record_clear(Record *self)
+{
+    for (int i = 0; i < FIELDS; i++)
+        Py_CLEAR(self->values[i]);
+    return 0;
+}
+
+static void
+record_dealloc(Record *self)
+{
+    PyObject_GC_UnTrack(self);
+    record_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+record_repr(Record *self)
+{
+    PyObject *parts = PyList_New(0);
+    if (parts == NULL)
+        return NULL;
+    for (int i = 0; i < FIELDS; i++) {
+        PyObject *part = PyUnicode_FromFormat("%s=%R", field_names[i],
+                                              self->values[i] ? self->values[i] : Py_None);
+        if (part == NULL || PyList_Append(parts, part) < 0) {
+            Py_XDECREF(part);
+            Py_DECREF(parts);
+            return NULL;
+        }
+        Py_DECREF(part);
+    }
+    PyObject *separator = PyUnicode_FromString(", ");
+    PyObject *joined = separator ? PyUnicode_Join(separator, parts) : NULL;
+    Py_XDECREF(separator);
+    Py_DECREF(parts);
+    if (joined == NULL)
+        return NULL;
+    PyObject *text = PyUnicode_FromFormat("StepRecord(%U)", joined);
+    Py_DECREF(joined);
+    return text;
+}
+
+static PyMemberDef record_members[FIELDS + 1];
+
+static PyTypeObject RecordType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "agent.step.record.StepRecord",
+    .tp_basicsize = sizeof(Record),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = record_new,
+    .tp_vectorcall = record_vectorcall,
+    .tp_traverse = (traverseproc)record_traverse,
+    .tp_clear = (inquiry)record_clear,
+    .tp_dealloc = (destructor)record_dealloc,
+    .tp_repr = (reprfunc)record_repr,
+    .tp_members = record_members,
+};
+
+/* ------------------------------------------------------------------ host_mark */
+
+/* CpuMarker.mark: the loss itself when there is neither a flag nor a norm, else the
+ * tuple (loss, skipped, grad_norm); a new reference. */
+static PyObject *
+host_mark_of(PyObject *loss, PyObject *skipped, PyObject *grad_norm)
+{
+    if (grad_norm == Py_None && skipped == Py_None)
+        return Py_NewRef(loss);
+    return PyTuple_Pack(3, loss, skipped, grad_norm);
+}
+
+static PyObject *
+host_mark(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "mark(loss, skipped=None, grad_norm=None)");
+        return NULL;
+    }
+    return host_mark_of(args[0], nargs > 1 ? args[1] : Py_None, nargs > 2 ? args[2] : Py_None);
+}
+
+/* ------------------------------------------------------------------ HotPath */
+
+static PyObject *str_mark, *str_mark_read, *str_append, *str_encoder, *str_overflowing,
+    *str_tell_step, *str_apply_pending, *str_report_error, *str_hot_path;
+
+typedef struct {
+    PyObject_HEAD
+    char broken;                /* _broken */
+    char marks_on_host;         /* _marks_on_host: the marker is a CpuMarker */
+    Py_ssize_t held_max;        /* _held_max */
+    Py_ssize_t queue_size;      /* _queue_size */
+    PyObject *last_boundary_t;  /* _last_boundary_t: None or a float */
+    PyObject *records;          /* _records: the deque of StepRecords */
+    PyObject *marker;           /* _marker */
+    PyObject *knob_values;      /* _knob_values */
+    PyObject *last_step;        /* _last_step */
+    PyObject *listeners;        /* _listeners: a tuple */
+    PyObject *pending;          /* _pending: the desk's list of pending commands */
+} Hot;
+
+#define HOT_OBJECTS(X) X(last_boundary_t) X(records) X(marker) X(knob_values) \
+    X(last_step) X(listeners) X(pending)
+
+static PyObject *
+hot_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    Hot *self = (Hot *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+#define SET_NONE(name) self->name = Py_NewRef(Py_None);
+    HOT_OBJECTS(SET_NONE)
+#undef SET_NONE
+    Py_SETREF(self->last_step, Py_NewRef(zero));
+    return (PyObject *)self;
+}
+
+static int
+hot_traverse(Hot *self, visitproc visit, void *arg)
+{
+#define VISIT(name) Py_VISIT(self->name);
+    HOT_OBJECTS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int
+hot_clear(Hot *self)
+{
+#define CLEAR(name) Py_CLEAR(self->name);
+    HOT_OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void
+hot_dealloc(Hot *self)
+{
+    PyObject_GC_UnTrack(self);
+    hot_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static inline double
+now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int
+call_method(PyObject *target, PyObject *name, PyObject *arg)
+{
+    PyObject *args[2] = {target, arg};
+    PyObject *done = PyObject_VectorcallMethod(
+        name, args, (arg == NULL ? 1 : 2) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (done == NULL)
+        return -1;
+    Py_DECREF(done);
+    return 0;
+}
+
+static int
+hot_step(Hot *self, PyObject *arg)
+{
+    if (!Py_IS_TYPE(arg, &RecordType)) {
+        PyErr_Format(PyExc_TypeError, "optimizer_step needs a StepRecord, got %.100s",
+                     Py_TYPE(arg)->tp_name);
+        return -1;
+    }
+    PyObject **values = ((Record *)arg)->values;
+    if (!values[LOSS] || !values[SKIPPED] || !values[GRAD_NORM] || !values[STEP]) {
+        PyErr_SetString(PyExc_AttributeError, "a field of the StepRecord was deleted");
+        return -1;
+    }
+    double now = now_s();
+    PyObject *step_time_s = Py_None;
+    if (self->last_boundary_t != Py_None) {
+        double previous = PyFloat_AsDouble(self->last_boundary_t);
+        if (previous == -1.0 && PyErr_Occurred())
+            return -1;
+        if ((step_time_s = PyFloat_FromDouble(now - previous)) == NULL)
+            return -1;
+    }
+    else
+        Py_INCREF(step_time_s);
+    Py_XSETREF(values[STEP_TIME_S], step_time_s);
+    PyObject *boundary_t = PyFloat_FromDouble(now);
+    if (boundary_t == NULL)
+        return -1;
+    Py_SETREF(self->last_boundary_t, boundary_t);
+
+    Py_ssize_t queued = PyObject_Length(self->records);
+    if (queued < 0)
+        return -1;
+    PyObject *marker;
+    if (queued < self->held_max) {
+        marker = self->marks_on_host
+            ? host_mark_of(values[LOSS], values[SKIPPED], values[GRAD_NORM])
+            : PyObject_CallMethodObjArgs(self->marker, str_mark, values[LOSS], values[SKIPPED],
+                                         values[GRAD_NORM], NULL);
+    }
+    else {  /* the I/O thread is behind: no more autograd graphs held */
+        marker = PyObject_CallMethodObjArgs(self->marker, str_mark_read, values[LOSS],
+                                            values[SKIPPED], values[GRAD_NORM], NULL);
+        if (marker != NULL && queued >= self->queue_size) {  /* (this append drops one) */
+            PyObject *encoder = PyObject_GetAttr((PyObject *)self, str_encoder);
+            int done = encoder == NULL ? -1 : call_method(encoder, str_overflowing, NULL);
+            Py_XDECREF(encoder);
+            if (done < 0) {
+                Py_DECREF(marker);
+                return -1;
+            }
+        }
+    }
+    if (marker == NULL)
+        return -1;
+    Py_XSETREF(values[MARKER], marker);
+    Py_SETREF(values[LOSS], Py_NewRef(Py_None));  /* (the marker holds what is read) */
+    Py_XSETREF(values[KNOBS], Py_NewRef(self->knob_values));
+    if (call_method(self->records, str_append, arg) < 0)
+        return -1;
+    Py_SETREF(self->last_step, Py_NewRef(values[STEP]));
+    int telling = PyObject_IsTrue(self->listeners);
+    if (telling < 0 || (telling && call_method((PyObject *)self, str_tell_step, arg) < 0))
+        return -1;
+    int pending = PyObject_IsTrue(self->pending);
+    if (pending < 0)
+        return -1;
+    if (pending) {
+        PyObject *step = Py_NewRef(self->last_step);
+        int done = call_method((PyObject *)self, str_apply_pending, step);
+        Py_DECREF(step);
+        if (done < 0)
+            return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+hot_optimizer_step(Hot *self, PyObject *record)
+{
+    if (self->broken)
+        Py_RETURN_NONE;
+    if (hot_step(self, record) == 0)
+        Py_RETURN_NONE;
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return NULL;  /* (KeyboardInterrupt, SystemExit: the training's own) */
+    /* the first rule: never crash the training */
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != NULL)
+        PyException_SetTraceback(value, traceback);
+    self->broken = 1;
+    PyObject *args[3] = {(PyObject *)self, str_hot_path, value};
+    PyObject *done = PyObject_VectorcallMethod(str_report_error, args,
+                                               3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+    if (done == NULL)
+        return NULL;
+    Py_DECREF(done);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef hot_methods[] = {
+    {"optimizer_step", (PyCFunction)hot_optimizer_step, METH_O,
+     "optimizer_step(record)\n--\n\n"
+     "Training thread: record the optimizer step that ended, then apply the commands due "
+     "next.\n\n"
+     "The step ``record.step``, which just ended; the commands due at step "
+     "``record.step + 1``.\n\n"
+     "Args:\n"
+     "    record: what the integration measured of the step (see "
+     ":class:`agent.step.record.StepRecord`); this fills in its ``step_time_s``, "
+     "``marker`` and ``knobs``, sets its ``loss`` to None (the marker holds it) and "
+     "queues it (it must not be changed after).\n\n"
+     ".. note:: In C (agent/step/_hot.c). Never synchronizes the device and never blocks: "
+     "a clock read, a marker (an asynchronous CUDA event on GPU; on the host the loss "
+     "tensor itself, or its value read when "
+     ":data:`agent.step.core.LOSSES_HELD_MAX` records are queued), one deque append (and "
+     "the calls of :meth:`add_listener`'s listeners, when there are any). Never raises "
+     "(but KeyboardInterrupt and SystemExit): an internal error is reported once "
+     "(``report_error``) and the agent stops observing."},
+    {NULL},
+};
+
+static PyMemberDef hot_members[] = {
+    {"_broken", T_BOOL, offsetof(Hot, broken), 0, "the agent stopped observing"},
+    {"_marks_on_host", T_BOOL, offsetof(Hot, marks_on_host), 0,
+     "the marker is a CpuMarker: its mark is made here (host_mark)"},
+    {"_held_max", T_PYSSIZET, offsetof(Hot, held_max), 0,
+     "records queued past which host losses are read at once"},
+    {"_queue_size", T_PYSSIZET, offsetof(Hot, queue_size), 0, "the record queue's bound"},
+    {"_last_boundary_t", T_OBJECT_EX, offsetof(Hot, last_boundary_t), 0,
+     "the clock at the last boundary (s), or None"},
+    {"_records", T_OBJECT_EX, offsetof(Hot, records), 0, "the record queue (a deque)"},
+    {"_marker", T_OBJECT_EX, offsetof(Hot, marker), 0, "the step marker kind"},
+    {"_knob_values", T_OBJECT_EX, offsetof(Hot, knob_values), 0,
+     "the knob values steps train with now"},
+    {"_last_step", T_OBJECT_EX, offsetof(Hot, last_step), 0, "the last step recorded"},
+    {"_listeners", T_OBJECT_EX, offsetof(Hot, listeners), 0,
+     "the in-process record listeners (a tuple)"},
+    {"_pending", T_OBJECT_EX, offsetof(Hot, pending), 0, "the desk's pending commands"},
+    {NULL},
+};
+
+static PyTypeObject HotType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "agent.step._hot.HotPath",
+    .tp_doc = PyDoc_STR(
+        "The agent's training-thread state and its optimizer_step, in C: the base of "
+        ":class:`agent.step.core.Agent`, which sets every field in its ``__init__`` and "
+        "provides what the rare paths call: ``_tell_step(record)`` (listeners), "
+        "``_apply_pending(step)`` (commands), ``_encoder.overflowing()`` (a full queue) "
+        "and ``report_error(where, exc)``."),
+    .tp_basicsize = sizeof(Hot),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = hot_new,
+    .tp_traverse = (traverseproc)hot_traverse,
+    .tp_clear = (inquiry)hot_clear,
+    .tp_dealloc = (destructor)hot_dealloc,
+    .tp_methods = hot_methods,
+    .tp_members = hot_members,
+};
+
+static PyObject *
+define(PyObject *module, PyObject *arg)
+{
+    if (!PyUnicode_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "define(docstring)");
+        return NULL;
+    }
+    if (RecordType.tp_doc == NULL) {
+        const char *doc = PyUnicode_AsUTF8(arg);
+        if (doc == NULL)
+            return NULL;
+        char *kept = PyMem_RawMalloc(strlen(doc) + 1);  /* (lives as long as the type) */
+        if (kept == NULL)
+            return PyErr_NoMemory();
+        strcpy(kept, doc);
+        RecordType.tp_doc = kept;
+        if (PyType_Ready(&RecordType) < 0)
+            return NULL;
+    }
+    return Py_NewRef((PyObject *)&RecordType);
+}
+
+static PyMethodDef module_methods[] = {
+    {"define", define, METH_O,
+     "define(docstring)\n--\n\nThe StepRecord type, with ``docstring`` (made once)."},
+    {"host_mark", (PyCFunction)(void (*)(void))host_mark, METH_FASTCALL,
+     "host_mark(loss, skipped=None, grad_norm=None)\n--\n\n"
+     "The marker of a step on the host: the loss itself (a tensor, a number, or None) "
+     "when there is neither a flag nor a norm (the usual: the encoder takes a run of "
+     "such markers as the losses' column); else the tuple ``(loss, skipped, grad_norm)``: "
+     "the GradScaler's skipped flag and the gradient norm (0-dim tensors, a float for "
+     "the norm, or None).\n\n"
+     ".. note:: No torch call, nothing read (the I/O thread reads the values later), so "
+     "a loss tensor changed in place after its step is read as changed (pass a copy, "
+     "``loss.detach().clone()``, if the loop reuses its tensor)."},
+    {NULL},
+};
+
+static struct PyModuleDef hot_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "agent.step._hot",
+    .m_doc = "The agent's part of the optimizer step, in C (see agent/step/_hot.c).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__hot(void)
+{
+    for (int i = 0; i < FIELDS; i++) {
+        if ((names[i] = PyUnicode_InternFromString(field_names[i])) == NULL)
+            return NULL;
+        record_members[i] = (PyMemberDef){(char *)field_names[i], T_OBJECT_EX,
+                                          offsetof(Record, values) + i * sizeof(PyObject *),
+                                          0, NULL};
+    }
+    if ((zero = PyLong_FromLong(0)) == NULL
+            || (str_mark = PyUnicode_InternFromString("mark")) == NULL
+            || (str_mark_read = PyUnicode_InternFromString("mark_read")) == NULL
+            || (str_append = PyUnicode_InternFromString("append")) == NULL
+            || (str_encoder = PyUnicode_InternFromString("_encoder")) == NULL
+            || (str_overflowing = PyUnicode_InternFromString("overflowing")) == NULL
+            || (str_tell_step = PyUnicode_InternFromString("_tell_step")) == NULL
+            || (str_apply_pending = PyUnicode_InternFromString("_apply_pending")) == NULL
+            || (str_report_error = PyUnicode_InternFromString("report_error")) == NULL
+            || (str_hot_path = PyUnicode_InternFromString("hot path")) == NULL)
+        return NULL;
+    if (PyType_Ready(&HotType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&hot_module);
+    if (module == NULL || PyModule_AddObjectRef(module, "HotPath", (PyObject *)&HotType) < 0) {
+        Py_XDECREF(module);
+        return NULL;
+    }
+    return module;
+}

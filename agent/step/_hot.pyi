@@ -1,0 +1,46 @@
+"""Types of :mod:`agent.step._hot` (agent/step/_hot.c): the agent's hot path in C."""
+
+from collections import deque
+from typing import Any
+
+import torch
+
+class StepRecord:
+    micro_batches: int
+    samples: int
+    data_wait_s: float
+    loss: torch.Tensor | None
+    skipped: torch.Tensor | None
+    activation_bytes: int | None
+    tokens: int | None
+    lr: float | tuple[Any, ...] | None
+    grad_norm: torch.Tensor | float | None
+    step: int
+    step_time_s: float | None
+    marker: Any
+    knobs: dict[str, Any] | None
+    def __init__(self, micro_batches: int, samples: int, data_wait_s: float,
+                 loss: torch.Tensor | None = None, skipped: torch.Tensor | None = None,
+                 activation_bytes: int | None = None, tokens: int | None = None,
+                 lr: float | tuple[Any, ...] | None = None,
+                 grad_norm: torch.Tensor | float | None = None, step: int = 0,
+                 step_time_s: float | None = None, marker: Any = None,
+                 knobs: dict[str, Any] | None = None) -> None: ...
+
+def define(doc: str) -> type[StepRecord]: ...
+
+def host_mark(loss: Any, skipped: Any = None, grad_norm: Any = None) -> Any: ...
+
+class HotPath:
+    _broken: bool
+    _marks_on_host: bool
+    _held_max: int
+    _queue_size: int
+    _last_boundary_t: float | None
+    _records: deque[StepRecord]
+    _marker: Any
+    _knob_values: dict[str, Any]
+    _last_step: int
+    _listeners: tuple[Any, ...]
+    _pending: list[Any]
+    def optimizer_step(self, record: StepRecord) -> None: ...
