@@ -86,6 +86,10 @@ counts_dealloc(Counts *self)
 static int
 counts_count(Counts *self, PyObject *batch, PyObject *key)
 {
+    if (self->recent == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "the data position's _recent was deleted");
+        return -1;
+    }
     self->fetched_in_epoch += 1;
     self->fetched_total += 1;
     PyObject *item = PyTuple_Pack(2, key, batch);
@@ -116,7 +120,7 @@ counts_count_method(Counts *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 counts_window_done(Counts *self, PyObject *arg)
 {
-    Py_ssize_t micro_batches = PyLong_AsSsize_t(arg);
+    Py_ssize_t micro_batches = PyNumber_AsSsize_t(arg, PyExc_OverflowError);
     if (micro_batches == -1 && PyErr_Occurred())
         return NULL;
     self->trained_total += micro_batches;
@@ -289,7 +293,7 @@ meter_samples(Meter *self, PyObject *batch)
     PyObject *counted = PyObject_CallOneArg(self->count_samples, batch);
     if (counted == NULL)
         return -1;
-    Py_ssize_t size = PyLong_AsSsize_t(counted);
+    Py_ssize_t size = PyNumber_AsSsize_t(counted, PyExc_OverflowError);  /* (__index__) */
     Py_DECREF(counted);
     return size;
 }
@@ -334,6 +338,10 @@ meter_tokens(Meter *self, PyObject *batch, Py_ssize_t samples)
 static int
 meter_add(Meter *self, PyObject *batch, double wait_s)
 {
+    if (self->tokens == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "the window meter's tokens was deleted");
+        return -1;
+    }
     Py_ssize_t samples = meter_samples(self, batch);
     if (samples == -1 && PyErr_Occurred())
         return -1;
@@ -395,6 +403,10 @@ meter_timed_next(Meter *self, PyObject *iterator)
 static PyObject *
 meter_take(Meter *self, PyObject *unused)
 {
+    if (self->tokens == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "the window meter's tokens was deleted");
+        return NULL;
+    }
     PyObject *window = Py_BuildValue("(dnnO)", self->data_wait_s, self->fetched, self->samples,
                                      self->tokens);
     if (window == NULL)
@@ -475,6 +487,7 @@ typedef struct {
     PyObject *on_batch;   /* another on_batch(batch, wait_s), or NULL */
     PyObject *inner;      /* the epoch's iterator in the steady state, or NULL */
     PyObject *slow;       /* the generator of everything else, or NULL once ended */
+    char running;         /* a next() is under way (a reentrant one, or a close, is refused) */
     PyObject *weakrefs;
 } Fetches;
 
@@ -566,7 +579,9 @@ static PyObject *
 fetches_resume(Fetches *self, PyObject *ended)
 {
     PyObject *yielded = NULL;
-    PySendResult result = PyIter_Send(self->slow, ended, &yielded);
+    PyObject *slow = Py_NewRef(self->slow);  /* (alive while it runs, whatever happens) */
+    PySendResult result = PyIter_Send(slow, ended, &yielded);
+    Py_DECREF(slow);
     if (result != PYGEN_NEXT) {
         Py_XDECREF(yielded);  /* (the generator's return value: None) */
         fetches_end(self);
@@ -594,7 +609,7 @@ fetches_resume(Fetches *self, PyObject *ended)
 }
 
 static PyObject *
-fetches_next(Fetches *self)
+fetches_fetch(Fetches *self)
 {
     if (self->slow == NULL)
         return NULL;
@@ -605,9 +620,11 @@ fetches_next(Fetches *self)
         Py_CLEAR(self->inner);  /* (the generator goes back, or drops) */
         return fetches_resume(self, Py_None);
     }
+    PyObject *inner = Py_NewRef(self->inner);  /* (alive while it runs, whatever happens) */
     double start = now_s();
-    PyObject *batch = Py_TYPE(self->inner)->tp_iternext(self->inner);
+    PyObject *batch = Py_TYPE(inner)->tp_iternext(inner);
     double wait_s = now_s() - start;
+    Py_DECREF(inner);
     if (batch == NULL) {
         if (PyErr_Occurred()) {
             if (!PyErr_ExceptionMatches(PyExc_StopIteration)) {
@@ -643,10 +660,33 @@ failed:
     return NULL;
 }
 
+/* A generator's answer to a next() or a close() while it runs (from the loader's own
+ * code, or from another thread while the fetch waits without the GIL). */
+static int
+fetches_refuse_running(Fetches *self)
+{
+    if (!self->running)
+        return 0;
+    PyErr_SetString(PyExc_ValueError, "the iteration is already fetching (a next() or close() "
+                    "from inside its loader, or from another thread during a fetch)");
+    return -1;
+}
+
+static PyObject *
+fetches_next(Fetches *self)
+{
+    if (fetches_refuse_running(self) < 0)
+        return NULL;
+    self->running = 1;
+    PyObject *batch = fetches_fetch(self);
+    self->running = 0;
+    return batch;
+}
+
 static PyObject *
 fetches_close(Fetches *self, PyObject *unused)
 {
-    if (fetches_end(self) < 0)
+    if (fetches_refuse_running(self) < 0 || fetches_end(self) < 0)
         return NULL;
     Py_RETURN_NONE;
 }

@@ -11,6 +11,8 @@ reported once (training goes on), a KeyboardInterrupt passed on.
 from __future__ import annotations
 
 import gc
+import itertools
+import threading
 import weakref
 
 import pytest
@@ -229,3 +231,105 @@ def test_the_agents_hot_path_reports_its_own_error_once_and_lets_the_training_go
     assert [record["text"] for record in told if record.get("kind") == "agent_error"] == [
         monitor.errors[0] + " (training continues)"]
     monitor.close()
+
+
+def test_a_next_or_close_while_the_iteration_fetches_is_refused_as_a_generator_refuses():
+    """From inside the loader (at an epoch's start, in Python; in the steady state, in C),
+    from a loader that chains the iteration itself, and from another thread while a fetch
+    waits: ValueError, as a running generator gives, and the iteration goes on (it once
+    freed the generator it was running: a crash under ``-X dev``)."""
+    position = DataPosition()
+    refused: list[str] = []
+
+    class Reentrant:
+        """Each fetch calls next() and close() on the iteration it feeds."""
+
+        def __iter__(self):
+            for index in range(4):
+                for call in (lambda: next(iteration), iteration.close):
+                    try:
+                        call()
+                    except ValueError as exc:
+                        refused.append(str(exc))
+                yield (torch.tensor([index]),)
+
+    iteration = position.iterate(Reentrant(), 1)
+    assert [int(batch[0]) for batch in iteration] == [0, 1, 2, 3]
+    assert len(refused) == 8 and all("already fetching" in text for text in refused)
+
+    class Chained:
+        def __iter__(self):
+            return itertools.chain([(torch.tensor([7]),)], chained)
+
+    chained = DataPosition().iterate(Chained(), 1)
+    assert int(next(chained)[0]) == 7
+    with pytest.raises(ValueError, match="already fetching"):
+        next(chained)  # (it once recursed in C until the stack overflowed)
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_batches():
+        for index in range(3):
+            started.set()
+            release.wait(10)
+            yield (torch.tensor([index]),)
+
+    class Slow:
+        def __iter__(self):
+            return slow_batches()
+
+    waiting = DataPosition().iterate(Slow(), 1)
+    closing: list[BaseException] = []
+
+    def close_during_the_fetch():
+        started.wait(10)
+        try:
+            waiting.close()
+        except ValueError as exc:
+            closing.append(exc)
+        release.set()
+
+    closer = threading.Thread(target=close_during_the_fetch)
+    closer.start()
+    assert int(next(waiting)[0]) == 0
+    closer.join(10)
+    assert len(closing) == 1 and [int(batch[0]) for batch in waiting] == [1, 2]
+
+
+def test_a_deleted_field_is_an_error_never_a_crash(run_dir):
+    """The C types' fields can be deleted from Python: what reads one then raises (the
+    agent reports it once and stops observing), as the Python they replaced did."""
+    import agent
+    from agent.step.record import StepRecord
+
+    position = DataPosition()
+    del position._recent
+    with pytest.raises(AttributeError, match="_recent was deleted"):
+        position._count((torch.zeros(2),))
+    meter = WindowMeter(batch_size)
+    del meter.tokens
+    with pytest.raises(AttributeError, match="tokens was deleted"):
+        meter.add((torch.zeros(2),), 0.0)
+    with pytest.raises(TypeError, match="not callable"):
+        StepRecord(1, 8, 0.0)()  # type: ignore[operator]  # (it once jumped to its refcount)
+    for name in ("_records", "_marker", "_knob_values", "_last_step", "_pending",
+                 "_last_boundary_t"):
+        monitor = agent.Agent(name="deleted")
+        delattr(monitor, name)
+        monitor.optimizer_step(StepRecord(1, 8, 0.0, step=1))
+        assert monitor.errors == ["gpuwatch agent: hot path failed: AttributeError: a field "
+                                  "of the agent's hot path was deleted"], name
+        monitor.close()
+
+
+def test_a_count_of_samples_may_be_any_integer_type():
+    """count_samples' answer is read through ``__index__`` (a numpy integer, a 0-dim
+    integer tensor), as the Python meter summed it; a float is refused."""
+    import numpy
+
+    for count in (numpy.int64(5), torch.tensor(5), 5):
+        meter = WindowMeter(lambda batch, count=count: count)
+        meter.add((), 0.0)
+        assert meter.take()[2] == 5
+    with pytest.raises(TypeError):
+        WindowMeter(lambda batch: 5.0).add((), 0.0)

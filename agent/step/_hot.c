@@ -11,8 +11,8 @@
  *   device's.
  * - host_mark: agent.step.markers.CpuMarker's mark.
  *
- * Never synchronizes a device, never blocks. The clock is CLOCK_MONOTONIC, which is
- * time.perf_counter's on Linux (Agent.mark_start reads that).
+ * Never synchronizes a device, never blocks. The clock is CLOCK_MONOTONIC (time.perf_counter's
+ * on Linux); HotPath.mark_start reads it too.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -199,9 +199,9 @@ static PyTypeObject RecordType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "agent.step.record.StepRecord",
     .tp_basicsize = sizeof(Record),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = record_new,
-    .tp_vectorcall = record_vectorcall,
+    .tp_vectorcall = record_vectorcall,  /* (calling the type; its instances are not callable) */
     .tp_traverse = (traverseproc)record_traverse,
     .tp_clear = (inquiry)record_clear,
     .tp_dealloc = (destructor)record_dealloc,
@@ -321,6 +321,11 @@ hot_step(Hot *self, PyObject *arg)
                      Py_TYPE(arg)->tp_name);
         return -1;
     }
+    if (!self->last_boundary_t || !self->records || !self->marker || !self->knob_values
+            || !self->last_step || !self->listeners || !self->pending) {
+        PyErr_SetString(PyExc_AttributeError, "a field of the agent's hot path was deleted");
+        return -1;
+    }
     PyObject **values = ((Record *)arg)->values;
     if (!values[LOSS] || !values[SKIPPED] || !values[GRAD_NORM] || !values[STEP]) {
         PyErr_SetString(PyExc_AttributeError, "a field of the StepRecord was deleted");
@@ -418,7 +423,20 @@ hot_optimizer_step(Hot *self, PyObject *record)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+hot_mark_start(Hot *self, PyObject *unused)
+{
+    PyObject *now = PyFloat_FromDouble(now_s());
+    if (now == NULL)
+        return NULL;
+    Py_SETREF(self->last_boundary_t, now);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef hot_methods[] = {
+    {"mark_start", (PyCFunction)hot_mark_start, METH_NOARGS,
+     "mark_start()\n--\n\nTraining thread: the loop starts now (the first step's time "
+     "counts from here), on :meth:`optimizer_step`'s clock."},
     {"optimizer_step", (PyCFunction)hot_optimizer_step, METH_O,
      "optimizer_step(record)\n--\n\n"
      "Training thread: record the optimizer step that ended, then apply the commands due "

@@ -266,10 +266,7 @@ class Agent(HotPath):
         return f"run {self.run_id} ended: steps trained {steps}, final loss {loss}, {where}"
 
     # ---------------------------------------------------------------- hot path
-
-    def mark_start(self) -> None:
-        """Training thread: the loop starts now (the first step's time counts from here)."""
-        self._last_boundary_t = time.perf_counter()
+    # (optimizer_step and mark_start are HotPath's, in C: agent/step/_hot.c)
 
     def _apply_pending(self, step: int, ahead: int = 0) -> None:
         if self._desk.apply_due(step, ahead):
