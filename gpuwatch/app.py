@@ -255,9 +255,11 @@ class GpuwatchApp(App[None]):
         read-only dashboard keeps them: a key then says what it would send. The timeline's
         keys act on a replay on a timeline only."""
         if action in _TIMELINE_ACTIONS:  # before the focused widget's keys, but
-            # never a text box's (the command palette's): its arrows stay its own
-            return (isinstance(self.source, TimelineSource)
-                    and not isinstance(self.focused, Input))
+            # never a text box's (the command palette's), and listed but not acting on
+            # another screen (None: the runs screen's arrows move its columns)
+            if not isinstance(self.source, TimelineSource) or isinstance(self.focused, Input):
+                return False
+            return True if len(self.screen_stack) == 1 else None
         if action == "command_line":  # listed everywhere; acts on the dashboard only
             # (a ``:`` typed in a text box, or on another screen, is that one's)
             return (len(self.screen_stack) == 1

@@ -545,7 +545,10 @@ async def test_runs_screen_opens_a_finished_run_and_a_live_one(run_dir, fake_age
 @pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40)])
 async def test_runs_screen_shows_whole_columns_and_each_runs_steps(run_dir, size):
     """At 80 columns the steps show whole, and at any width the table ends after its last
-    whole column (``durati`` was cut at 80); the status line says → shows the others."""
+    whole column (``durati`` was cut at 80); the status line names the columns shown, and
+    → / ← move those after the run id (which stays) one column, to the last and back;
+    the timeline under the screen does not move (its arrows were the app's, and → did
+    nothing on the screen)."""
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     first = write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=1_234,
@@ -557,16 +560,37 @@ async def test_runs_screen_shows_whole_columns_and_each_runs_steps(run_dir, size
         table = app.screen.query_one("#runs-table")
         await until(pilot, lambda: table.row_count == 1)
         await pilot.pause()
-        screen = screen_text(app)
+
+        def shown_columns() -> list[str]:
+            screen = screen_text(app)
+            heading = next(line for line in screen.splitlines()
+                           if re.search(r"│ +run {2,}", line))
+            return re.split(r" {2,}", heading.split("│")[1].strip())  # inside the border
+
         if size[0] >= 80:
-            assert re.search(rf"{RUN} +demo-transformer +1,234 ", screen), screen
-        heading = next(line for line in screen.splitlines() if " name " in line)
-        shown = re.split(r" {2,}", heading.split("│")[1].strip())  # inside the border
-        assert shown == list(COLUMNS[:len(shown)]), heading  # whole headings only
-        hidden = len(COLUMNS) - len(shown)
-        assert text_of(app.screen, "#runs-status") == (
-            f"1 run; {hidden} more column{'s' if hidden > 1 else ''}: →" if hidden
-            else "1 run")
+            assert re.search(rf"{RUN} +demo-transformer +1,234 ", screen_text(app))
+        shown = shown_columns()
+        assert shown == list(COLUMNS[:len(shown)]), shown  # whole headings only
+        status = text_of(app.screen, "#runs-status")
+        if len(shown) == len(COLUMNS):
+            assert status == "1 run"
+            return
+        assert status == f"1 run; columns name to {shown[-1]} of {len(COLUMNS)}: →"
+        moves = 0
+        while "→" in text_of(app.screen, "#runs-status"):
+            await pilot.press("right")
+            await pilot.pause()
+            moves += 1
+            shown = shown_columns()
+            assert shown[0] == "run" and shown[1] == COLUMNS[1 + moves], shown
+            assert shown[1:] == list(COLUMNS[1 + moves:1 + moves + len(shown) - 1])
+        assert shown[-1] == "state" and moves >= 1
+        await pilot.press("right")  # (at the end: nothing)
+        await pilot.press("left")
+        await pilot.pause()
+        assert shown_columns()[1] == COLUMNS[moves]
+        assert text_of(app.screen, "#runs-status").endswith("←→")
+        assert "step 1,234 of 1,234" in text_of(app, "#timeline")
 
 
 def test_what_a_log_says_is_bounded_and_printed_without_control_characters(run_dir):

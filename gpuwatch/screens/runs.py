@@ -19,8 +19,8 @@ from gpuwatch.history import RunSummary, all_runs
 from gpuwatch.units import (counted, human_age, human_bytes, human_number, human_sig, local_time)
 
 #: The table's columns, what tells runs apart first: it shows those that fit whole (at
-#: 80 columns, up to the start time with a demo's 16-character name), → scrolls to the
-#: others.
+#: 80 columns, up to the start time with a demo's 16-character name); the run id stays
+#: first, and → / ← move the others by one column.
 COLUMNS = ("run", "name", "steps", "started", "duration", "final loss", "best/s",
            "changes", "branches", "log", "state")
 
@@ -46,6 +46,8 @@ class RunsScreen(ModalScreen[RunSummary | None]):
 
     BINDINGS = [
         Binding("escape,q", "dismiss(None)", "close", id="runs.close"),
+        Binding("right", "columns(1)", "next column", id="runs.right", priority=True),
+        Binding("left", "columns(-1)", "previous column", id="runs.left", priority=True),
     ]
 
     def __init__(self) -> None:
@@ -53,13 +55,18 @@ class RunsScreen(ModalScreen[RunSummary | None]):
         self.summaries: list[RunSummary] = []
         #: each column's width (cells, padding included), once the runs are read
         self._widths: list[int] = []
+        #: the first column shown after the run id (which always is)
+        self._first = 1
+        #: the column after the last one shown
+        self._end = len(COLUMNS)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="runs") as box:
             box.border_title = "runs: enter opens one, escape closes"
             yield Static(Content.styled("reading the run logs ...", "$text-muted"),
                          id="runs-status")
-            yield DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
+            yield DataTable(id="runs-table", cursor_type="row", zebra_stripes=True,
+                            fixed_columns=1)
             yield Static("", id="runs-branches")
 
     def on_mount(self) -> None:
@@ -95,29 +102,42 @@ class RunsScreen(ModalScreen[RunSummary | None]):
         self._fit_columns()
 
     def _fit_columns(self) -> None:
-        """End the table after its last column that fits whole (a column cut at the edge
-        read as its heading's start, ``durati``); the status line says how many more
-        columns → scrolls to. Costs O(columns)."""
+        """Show the run id and, from :attr:`_first`, the columns that fit whole after it
+        (a column cut at the edge read as its heading's start, ``durati``); the status line
+        says which are shown and that → / ← move them. Costs O(columns)."""
         if not self._widths:  # not read yet, or it could not be
             return
         table = self.query_one(DataTable)
         room = (self.query_one("#runs").content_region.width
                 - table.styles.scrollbar_size_vertical)
-        shown = width = 0
-        for column_width in self._widths:
-            if width + column_width > room:
-                break
-            width += column_width
-            shown += 1
-        hidden = len(self._widths) - shown
+        width, end = self._widths[0], self._first
+        while end < len(self._widths) and width + self._widths[end] <= room:
+            width += self._widths[end]
+            end += 1
+        self._end = end
+        cut = self._first > 1 or end < len(self._widths)
         scrolls = len(self.summaries) + table.header_height > table.size.height
         table.styles.max_width = (width + (table.styles.scrollbar_size_vertical if scrolls
-                                           else 0)) if hidden and shown else None
+                                           else 0)) if cut and end > self._first else None
+        # (after the new width's layout: the scroll's bound comes from it)
+        self.call_after_refresh(table.scroll_to, x=sum(self._widths[1:self._first]),
+                                animate=False)
         status = (counted(len(self.summaries), "run") if self.summaries
                   else "no runs: no run logs and no live runs")
-        if self.summaries and hidden:
-            status += f"; {counted(hidden, 'more column')}: →"
+        if self.summaries and cut:
+            arrows = ("←" if self._first > 1 else "") + ("→" if end < len(self._widths)
+                                                          else "")
+            status += (f"; columns {COLUMNS[self._first]} to {COLUMNS[end - 1]} of "
+                       f"{len(COLUMNS)}: {arrows}" if end > self._first
+                       else f"; column {COLUMNS[self._first]} is wider than the screen")
         self.query_one("#runs-status", Static).update(Content.styled(status, "$text-muted"))
+
+    def action_columns(self, step: int) -> None:
+        """Move the columns after the run id by ``step`` (→ +1, ← -1) while some are hidden."""
+        if step > 0 and self._end >= len(self._widths):
+            return
+        self._first = min(max(1, self._first + step), len(COLUMNS) - 1)
+        self._fit_columns()
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         """Show the run under the cursor: the run it continues, if resumed, and its branches."""
