@@ -19,6 +19,19 @@ if [ -d .whl ]; then
     --target /tmp/gpu-check-site .whl/*.whl || exit 1
   export PYTHONPATH="$PWD:/tmp/gpu-check-site"
   py=python3
+  # the C hot path (pyproject.toml's ext-modules), built in place as pip would: a C
+  # compiler and Python's headers
+  python3 - <<'PY' || exit 1
+import subprocess, sysconfig, tomllib
+with open("pyproject.toml", "rb") as file:
+    modules = tomllib.load(file)["tool"]["setuptools"]["ext-modules"]
+compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+for module in modules:
+    target = module["name"].replace(".", "/") + sysconfig.get_config_var("EXT_SUFFIX")
+    subprocess.run([compiler, "-shared", "-fPIC", *module.get("extra-compile-args", []),
+                    "-I" + sysconfig.get_paths()["include"], *module["sources"], "-o", target],
+                   check=True)
+PY
 else
   if [ ! -d .venv ]; then
     python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' || exit 1
