@@ -28,9 +28,10 @@ with open("pyproject.toml", "rb") as file:
 compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
 for module in modules:
     target = module["name"].replace(".", "/") + sysconfig.get_config_var("EXT_SUFFIX")
+    includes = [sysconfig.get_paths()["include"], *module.get("include-dirs", [])]
     subprocess.run([compiler, "-shared", "-fPIC", *module.get("extra-compile-args", []),
-                    "-I" + sysconfig.get_paths()["include"], *module["sources"], "-o", target],
-                   check=True)
+                    *("-I" + include for include in includes), *module["sources"],
+                    "-o", target], check=True)
 PY
 else
   if [ ! -d .venv ]; then

@@ -15,21 +15,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
-#include <time.h>
+#include "gpuopt/_hotclock.h"
 
 static PyObject *tensor_type;      /* torch.Tensor */
 static PyObject *mapping_abc;      /* collections.abc.Mapping */
 static PyObject *str_shape, *str_append, *str_get, *str_input_ids, *str_numel, *str_close,
     *str_empty;
-
-/* time.perf_counter's clock (CLOCK_MONOTONIC on Linux), in seconds */
-static inline double
-now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* ------------------------------------------------------------------ PositionCounts */
 

@@ -18,7 +18,7 @@
 #include <Python.h>
 #include <structmember.h>
 
-#include <time.h>
+#include "gpuopt/_hotclock.h"
 
 #define FIELDS 13
 #define REQUIRED 3
@@ -291,14 +291,6 @@ hot_dealloc(Hot *self)
     PyObject_GC_UnTrack(self);
     hot_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static inline double
-now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 static int
