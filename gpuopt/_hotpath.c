@@ -128,7 +128,8 @@ static PyMethodDef counts_methods[] = {
      "be taken. From now on the position keeps as many batches as were fetched ahead of "
      "this boundary (if more than before; up to ``_keeping_most``), for "
      "the checkpoints of later ones: ``_keep(ahead)``.\n\n.. note:: An addition and a "
-     "comparison: no Python frame, unless more are fetched ahead than kept."},
+     "comparison: no Python frame, unless more are fetched ahead than kept.\n\n"
+     "Raises:\n    TypeError: ``micro_batches`` is not an integer (``__index__``)."},
     {"_count", (PyCFunction)(void (*)(void))counts_count_method, METH_FASTCALL,
      "_count(batch, key='')\n--\n\nOne training batch fetched (``key``: which source, "
      "for :meth:`timed_fetch`'s arguments): counted, and kept among the latest."},
@@ -705,6 +706,12 @@ static PyTypeObject FetchesType = {
         "(``slow`` is resumed with True), or a restored position or batches to drop wait "
         "(``slow`` is resumed with None, as after any batch it yielded). An error of the "
         "iterator or of ``on_batch`` ends the iteration, as it ends a generator.\n\n"
+        "Raises:\n"
+        "    ValueError: ``next()`` or ``close()`` while a fetch runs (called from inside "
+        "the loader, or from another thread while the fetch waits), as a running "
+        "generator refuses; the iteration goes on.\n"
+        "    TypeError: ``position`` is not a PositionCounts, or ``slow`` not a "
+        "generator.\n\n"
         ".. note:: In the steady state a fetch runs no Python code besides the iterator's "
         "own: two clock reads, two counter additions, a deque append and the meter's "
         "sums."),
