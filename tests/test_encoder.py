@@ -16,7 +16,7 @@ import torch
 from agent.control.guard import ChangeGuard
 from agent.control.ledger import Change, ChangeLedger
 from agent.search.tune import AutoTune
-from agent.step.encoder import InputWindow, StepEncoder
+from agent.step.encoder import INPUT_WINDOW_STEPS, InputWindow, StepEncoder
 from agent.step.markers import CpuMarker
 from agent.step.record import StepRecord
 from agent.wire import protocol
@@ -84,10 +84,10 @@ def test_the_steps_in_columns_equal_the_steps_one_at_a_time(rate):
 
 
 def test_the_input_window_over_a_batch_equals_it_step_by_step():
-    """``InputWindow.add_many`` (numpy, over a batch) gives the shares and verdicts that
-    ``add`` gives one step at a time, however the batches fall against the window: every
-    verdict, waits longer than their steps (a share of 1), the window's edge inside a
-    batch."""
+    """``InputWindow.add_many`` (over a batch) gives the shares and verdicts that ``add``
+    gives one step at a time, bit for bit, however the batches fall against the window:
+    every verdict, waits longer than their steps (a share of 1), the window's edge inside
+    a batch; and each share is the window's sums, oldest first, divided."""
     rng = random.Random(7)
     times = [1e-3 + 1e-3 * rng.random() for _ in range(300)]
     # 100 steps of each: compute-bound, partly input-bound, input-bound (some waits longer
@@ -105,9 +105,11 @@ def test_the_input_window_over_a_batch_equals_it_step_by_step():
     assert [verdict for _, verdict in got] == [verdict for _, verdict in expected]
     assert {verdict for _, verdict in got} == {"compute-bound", "partly input-bound",
                                                "input-bound"}
-    assert [share for share, _ in got] == pytest.approx([share for share, _ in expected],
-                                                        rel=1e-9, abs=1e-12)
+    assert [share for share, _ in got] == [share for share, _ in expected]
     assert max(share for share, _ in got) == 1.0
+    for step, (share, _) in enumerate(got):
+        first = max(0, step + 1 - INPUT_WINDOW_STEPS)
+        assert share == min(1.0, sum(waits[first:step + 1]) / sum(times[first:step + 1]))
 
 
 LOSSES = {

@@ -333,3 +333,47 @@ def test_a_count_of_samples_may_be_any_integer_type():
         assert meter.take()[2] == 5
     with pytest.raises(TypeError):
         WindowMeter(lambda batch: 5.0).add((), 0.0)
+
+
+def test_the_columns_of_a_run_of_records_are_their_fields_and_bad_input_is_refused():
+    """agent.step._hot.columns (C, the encoder's pass over a run of records): each field
+    named, in the records' order; a name that is no field, an item that is no record, a
+    field deleted: each its clear error, the records as they were."""
+    from agent.step._hot import columns
+    from agent.step.record import HOST_FIELDS, StepRecord, host_columns
+
+    records = [StepRecord(step, 8 * step, step / 10, step=step, knobs={"n": step})
+               for step in range(1, 6)]
+    got = host_columns(records)
+    assert list(got) == list(HOST_FIELDS)
+    for name in HOST_FIELDS:
+        assert got[name] == [getattr(record, name) for record in records], name
+    assert columns([], ("step", "marker")) == ([], [])
+    with pytest.raises(ValueError, match="no field 'steps'"):
+        columns(records, ("step", "steps"))
+    with pytest.raises(TypeError, match="item 1 is a dict, not a StepRecord"):
+        columns([records[0], {"step": 2}], ("step",))
+    del records[2].lr
+    with pytest.raises(AttributeError, match="lr was deleted"):
+        columns(records, ("step", "lr"))
+    assert [record.step for record in records] == [1, 2, 3, 4, 5]
+
+
+def test_the_input_window_refuses_what_is_not_a_number_and_keeps_its_steps():
+    """InputWindow (C): a batch with a value that is not a number raises TypeError and
+    adds none of its steps; a NaN step time leaves shares of 0 until it leaves the window
+    (the Python window's running sums stayed NaN for the rest of the run)."""
+    from agent.step.encoder import INPUT_WINDOW_STEPS, InputWindow
+
+    window = InputWindow()
+    assert window.add(0.25, 1.0) == (0.25, "partly input-bound")
+    with pytest.raises(TypeError):
+        window.add_many([0.5, "late"], [1.0, 1.0])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="of one length"):
+        window.add_many([0.5], [1.0, 1.0])
+    assert window.add(0.75, 1.0) == (0.5, "input-bound")  # (the batch added nothing)
+    assert window.add(0.0, float("nan")) == (0.0, "compute-bound")
+    window.add_many([0.0] * INPUT_WINDOW_STEPS, [1.0] * INPUT_WINDOW_STEPS)  # (NaN gone)
+    assert window.add(1.0, 1.0)[0] == 1.0 / INPUT_WINDOW_STEPS
+    with pytest.raises(ValueError):
+        InputWindow(0)

@@ -10,6 +10,9 @@
  *   unless listeners or commands wait, the I/O thread is behind, or the marker is a
  *   device's.
  * - host_mark: agent.step.markers.CpuMarker's mark.
+ * - On the I/O thread: columns (a run of records' fields, one list a field, in one pass)
+ *   and ShareWindow (the base of agent.step.encoder.InputWindow: each step's data-wait
+ *   share over the last steps), where a run of records cost list passes of Python calls.
  *
  * Never synchronizes a device, never blocks. The clock is CLOCK_MONOTONIC (time.perf_counter's
  * on Linux); HotPath.mark_start reads it too.
@@ -230,6 +233,243 @@ host_mark(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     return host_mark_of(args[0], nargs > 1 ? args[1] : Py_None, nargs > 2 ? args[2] : Py_None);
 }
+
+/* ------------------------------------------------------------------ columns */
+
+/* columns(records, names): one list per field named, of a list of StepRecords. */
+static PyObject *
+columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "columns(records: list, names: tuple)");
+        return NULL;
+    }
+    PyObject *records = args[0], *wanted = args[1];
+    Py_ssize_t n = PyList_GET_SIZE(records), k = PyTuple_GET_SIZE(wanted);
+    int index[FIELDS];
+    if (k > FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "columns: more names than a StepRecord's fields");
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *name = PyTuple_GET_ITEM(wanted, j);
+        index[j] = -1;
+        for (int i = 0; i < FIELDS && index[j] < 0; i++) {
+            int equal = PyUnicode_Check(name) ? PyUnicode_Compare(name, names[i]) : -1;
+            if (equal == -1 && PyErr_Occurred())
+                return NULL;
+            if (equal == 0)
+                index[j] = i;
+        }
+        if (index[j] < 0) {
+            PyErr_Format(PyExc_ValueError, "columns: a StepRecord has no field %R", name);
+            return NULL;
+        }
+    }
+    PyObject *result = PyTuple_New(k);
+    if (result == NULL)
+        return NULL;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *column = PyList_New(n);
+        if (column == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(result, j, column);
+    }
+    for (Py_ssize_t r = 0; r < n; r++) {
+        PyObject *record = PyList_GET_ITEM(records, r);
+        if (!Py_IS_TYPE(record, &RecordType)) {
+            PyErr_Format(PyExc_TypeError, "columns: item %zd is a %.100s, not a StepRecord",
+                         r, Py_TYPE(record)->tp_name);
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyObject **values = ((Record *)record)->values;
+        for (Py_ssize_t j = 0; j < k; j++) {
+            PyObject *value = values[index[j]];
+            if (value == NULL) {
+                PyErr_Format(PyExc_AttributeError, "a StepRecord's %s was deleted",
+                             field_names[index[j]]);
+                Py_DECREF(result);
+                return NULL;
+            }
+            PyList_SET_ITEM(PyTuple_GET_ITEM(result, j), r, Py_NewRef(value));
+        }
+    }
+    return result;
+}
+
+/* ------------------------------------------------------------------ ShareWindow */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t size;      /* steps in the window at most */
+    Py_ssize_t held;      /* steps in it now */
+    Py_ssize_t next;      /* the ring's slot the next step goes to */
+    double *waits, *times;
+    double bounds[2];     /* shares from which the second, the third verdict is given */
+    PyObject *verdicts[3];
+} ShareWindow;
+
+static PyObject *
+window_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"steps", "bounds", "verdicts", NULL};
+    Py_ssize_t size;
+    PyObject *verdicts;
+    double low, high;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n(dd)O!:ShareWindow", keywords, &size,
+                                     &low, &high, &PyTuple_Type, &verdicts))
+        return NULL;
+    if (size < 1 || PyTuple_GET_SIZE(verdicts) != 3 || !(low <= high)) {
+        PyErr_SetString(PyExc_ValueError, "ShareWindow(steps >= 1, (low, high) with "
+                        "low <= high, three verdicts)");
+        return NULL;
+    }
+    ShareWindow *self = (ShareWindow *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->waits = PyMem_Calloc(2 * (size_t)size, sizeof(double));
+    if (self->waits == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    self->times = self->waits + size;
+    self->size = size;
+    self->bounds[0] = low;
+    self->bounds[1] = high;
+    for (int i = 0; i < 3; i++)
+        self->verdicts[i] = Py_NewRef(PyTuple_GET_ITEM(verdicts, i));
+    return (PyObject *)self;
+}
+
+static void
+window_dealloc(ShareWindow *self)
+{
+    PyMem_Free(self->waits);
+    for (int i = 0; i < 3; i++)
+        Py_XDECREF(self->verdicts[i]);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Add one step; its share over the window (0 to 1; 0 while the window's time is not > 0)
+ * and its verdict's index. The sums are taken again over the window, oldest first. */
+static double
+window_add(ShareWindow *self, double wait_s, double time_s, int *verdict)
+{
+    self->waits[self->next] = wait_s;
+    self->times[self->next] = time_s;
+    self->next = (self->next + 1) % self->size;
+    if (self->held < self->size)
+        self->held++;
+    double waits = 0.0, times = 0.0;
+    Py_ssize_t slot = (self->next - self->held + self->size) % self->size;
+    for (Py_ssize_t i = 0; i < self->held; i++) {
+        waits += self->waits[slot];
+        times += self->times[slot];
+        slot = slot + 1 == self->size ? 0 : slot + 1;
+    }
+    double share = 0.0;
+    if (times > 0.0) {
+        share = waits / times;
+        share = share > 0.0 ? share : 0.0;  /* (NaN: 0) */
+        share = share < 1.0 ? share : 1.0;
+    }
+    *verdict = (share >= self->bounds[0]) + (share >= self->bounds[1]);
+    return share;
+}
+
+static PyObject *
+window_add_one(ShareWindow *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "add(data_wait_s, step_time_s)");
+        return NULL;
+    }
+    double wait_s = PyFloat_AsDouble(args[0]);
+    if (wait_s == -1.0 && PyErr_Occurred())
+        return NULL;
+    double time_s = PyFloat_AsDouble(args[1]);
+    if (time_s == -1.0 && PyErr_Occurred())
+        return NULL;
+    int verdict;
+    double share = window_add(self, wait_s, time_s, &verdict);
+    return Py_BuildValue("(dO)", share, self->verdicts[verdict]);
+}
+
+static PyObject *
+window_add_many(ShareWindow *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1])
+            || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "add_many(waits: list, times: list), of one length");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    /* (every value read first: a bad one leaves the window as it was) */
+    double *read = PyMem_Malloc(2 * (size_t)(n ? n : 1) * sizeof(double));
+    if (read == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < 2 * n; i++) {
+        read[i] = PyFloat_AsDouble(PyList_GET_ITEM(args[i < n ? 0 : 1], i % n));
+        if (read[i] == -1.0 && PyErr_Occurred()) {
+            PyMem_Free(read);
+            return NULL;
+        }
+    }
+    PyObject *shares = PyList_New(n), *verdicts = PyList_New(n);
+    if (shares == NULL || verdicts == NULL)
+        goto failed;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int verdict;
+        PyObject *share = PyFloat_FromDouble(window_add(self, read[i], read[n + i], &verdict));
+        if (share == NULL)
+            goto failed;
+        PyList_SET_ITEM(shares, i, share);
+        PyList_SET_ITEM(verdicts, i, Py_NewRef(self->verdicts[verdict]));
+    }
+    PyMem_Free(read);
+    PyObject *result = PyTuple_Pack(2, shares, verdicts);
+    Py_DECREF(shares);
+    Py_DECREF(verdicts);
+    return result;
+failed:
+    PyMem_Free(read);
+    Py_XDECREF(shares);
+    Py_XDECREF(verdicts);
+    return NULL;
+}
+
+static PyMethodDef window_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))window_add_one, METH_FASTCALL,
+     "add(data_wait_s, step_time_s)\n--\n\n"
+     "Add one step; return ``(share, verdict)`` over the window."},
+    {"add_many", (PyCFunction)(void (*)(void))window_add_many, METH_FASTCALL,
+     "add_many(waits, times)\n--\n\n"
+     "Add several steps (two lists of one length); return the lists of the share and the "
+     "verdict after each, as :meth:`add` one at a time would, bit for bit. A value that "
+     "is not a number raises TypeError before any step is added."},
+    {NULL},
+};
+
+static PyTypeObject WindowType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "agent.step._hot.ShareWindow",
+    .tp_doc = PyDoc_STR(
+        "ShareWindow(steps, bounds, verdicts)\n--\n\n"
+        "Data-wait share of step time over the last ``steps`` optimizer steps, and the "
+        "verdict the share reaches: ``verdicts[0]`` below ``bounds[0]``, ``verdicts[1]`` "
+        "from it, ``verdicts[2]`` from ``bounds[1]``; the base of "
+        ":class:`agent.step.encoder.InputWindow`. The share is the window's waits over its "
+        "step times, both summed oldest first at each step (no drift over a long run), in "
+        "0 to 1 (0 while the step times' sum is not above 0, or the share is NaN)."),
+    .tp_basicsize = sizeof(ShareWindow),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_new = window_new,
+    .tp_dealloc = (destructor)window_dealloc,
+    .tp_methods = window_methods,
+};
 
 /* ------------------------------------------------------------------ HotPath */
 
@@ -514,6 +754,14 @@ define(PyObject *module, PyObject *arg)
 static PyMethodDef module_methods[] = {
     {"define", define, METH_O,
      "define(docstring)\n--\n\nThe StepRecord type, with ``docstring`` (made once)."},
+    {"columns", (PyCFunction)(void (*)(void))columns, METH_FASTCALL,
+     "columns(records, names)\n--\n\n"
+     "The fields ``names`` (a tuple) of ``records`` (a list of StepRecords), one list a "
+     "field, as a tuple: one pass over the records.\n\n"
+     "Raises:\n"
+     "    ValueError: a name is not a StepRecord's field.\n"
+     "    TypeError: an item is not a StepRecord.\n"
+     "    AttributeError: a field named was deleted from a record."},
     {"host_mark", (PyCFunction)(void (*)(void))host_mark, METH_FASTCALL,
      "host_mark(loss, skipped=None, grad_norm=None)\n--\n\n"
      "The marker of a step on the host: the loss itself (a tensor, a number, or None) "
@@ -556,10 +804,11 @@ PyInit__hot(void)
             || (str_report_error = PyUnicode_InternFromString("report_error")) == NULL
             || (str_hot_path = PyUnicode_InternFromString("hot path")) == NULL)
         return NULL;
-    if (PyType_Ready(&HotType) < 0)
+    if (PyType_Ready(&HotType) < 0 || PyType_Ready(&WindowType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&hot_module);
-    if (module == NULL || PyModule_AddObjectRef(module, "HotPath", (PyObject *)&HotType) < 0) {
+    if (module == NULL || PyModule_AddObjectRef(module, "HotPath", (PyObject *)&HotType) < 0
+            || PyModule_AddObjectRef(module, "ShareWindow", (PyObject *)&WindowType) < 0) {
         Py_XDECREF(module);
         return NULL;
     }

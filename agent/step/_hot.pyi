@@ -1,7 +1,7 @@
 """Types of :mod:`agent.step._hot` (agent/step/_hot.c): the agent's hot path in C."""
 
 from collections import deque
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -45,3 +45,12 @@ class HotPath:
     _pending: list[Any]
     def optimizer_step(self, record: StepRecord) -> None: ...
     def mark_start(self) -> None: ...
+
+def columns(records: list[StepRecord], names: tuple[str, ...]) -> tuple[list[Any], ...]: ...
+
+class ShareWindow:
+    def __new__(cls, steps: int, bounds: tuple[float, float],
+                verdicts: tuple[str, str, str]) -> Self: ...
+    def add(self, data_wait_s: float, step_time_s: float) -> tuple[float, str]: ...
+    def add_many(self, waits: list[float], times: list[float]
+                 ) -> tuple[list[float], list[str]]: ...

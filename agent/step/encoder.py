@@ -13,20 +13,19 @@ a batch through the I/O loop's ``publish``.
 from __future__ import annotations
 
 import threading
-from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import chain, repeat
-from operator import attrgetter, itemgetter, truediv
+from operator import itemgetter, truediv
 from typing import Any
 
-import numpy
 import torch
 
 from agent.wire import protocol
 from agent.wire.protocol import EventKind
 from agent.control.guard import BASELINE_STEPS, ChangeGuard
 from agent.step.markers import CpuMarker, host_loss
+from agent.step._hot import ShareWindow, columns
 from agent.step.record import StepRecord, host_columns
 from agent.search.tune import AutoTune
 from gpuopt.memory import memory_stats
@@ -49,86 +48,22 @@ _VERDICTS = ("compute-bound", "partly input-bound", "input-bound")
 _VERDICT_SHARES = (PARTLY_INPUT_BOUND_SHARE, INPUT_BOUND_SHARE)
 
 
-class InputWindow:
+class InputWindow(ShareWindow):
     """Data-wait share of step time over the last ``steps`` optimizer steps, and a verdict.
 
-    I/O thread only. ``add`` is O(1).
+    I/O thread only. ``add(data_wait_s, step_time_s)`` adds one step and returns
+    ``(share, verdict)`` over the window: the share in 0 to 1, ``verdict`` one of
+    ``"compute-bound"``, ``"partly input-bound"`` (from :data:`PARTLY_INPUT_BOUND_SHARE`)
+    and ``"input-bound"`` (from :data:`INPUT_BOUND_SHARE`). ``add_many(waits, times)``
+    adds several (two lists) and returns the two lists, as ``add`` would one at a time,
+    bit for bit.
+
+    .. note:: In C (:class:`agent.step._hot.ShareWindow`): about 25 ns a step; the sums
+       are taken again over the window at each step, so a long run's share does not drift.
     """
 
-    def __init__(self, steps: int = INPUT_WINDOW_STEPS) -> None:
-        self._window: deque = deque(maxlen=steps)
-        self._wait_s = 0.0
-        self._step_s = 0.0
-
-    def add(self, data_wait_s: float, step_time_s: float) -> tuple[float, str]:
-        """Add one step; return ``(share, verdict)`` over the window.
-
-        ``verdict`` is ``"input-bound"``, ``"partly input-bound"`` or
-        ``"compute-bound"``."""
-        if len(self._window) == self._window.maxlen:
-            old_wait, old_step = self._window[0]
-            self._wait_s -= old_wait
-            self._step_s -= old_step
-        self._window.append((data_wait_s, step_time_s))
-        self._wait_s += data_wait_s
-        self._step_s += step_time_s
-        share = min(1.0, max(0.0, self._wait_s / self._step_s)) if self._step_s > 0 else 0.0
-        if share >= INPUT_BOUND_SHARE:
-            return share, "input-bound"
-        if share >= PARTLY_INPUT_BOUND_SHARE:
-            return share, "partly input-bound"
-        return share, "compute-bound"
-
-
-    def add_many(self, waits: list[float], times: list[float]) -> tuple[list[float], list[str]]:
-        """Add several steps (every step time > 0); return the share and the verdict after each.
-
-        As :meth:`add` one at a time would. The window's sums are prefix sums of the batch
-        (numpy's ``cumsum`` adds in order, as :func:`itertools.accumulate` did: the same
-        bits), not kept by adding and subtracting: the same shares but for their last bits.
-
-        .. note:: About 70 ns a step at 2,000 steps, 240 at 100 (a pure-Python version of
-           list passes in C cost 200 and 275): the batch goes into numpy once, its shares
-           come out once."""
-        window = self._window
-        size = window.maxlen or len(waits)
-        held = len(window)
-        n = len(waits)
-        if held:
-            old_waits, old_times = map(list, zip(*window))
-            waits_in, times_in = numpy.array(old_waits + waits), numpy.array(old_times + times)
-        else:
-            waits_in, times_in = numpy.array(waits), numpy.array(times)
-        wait_sums = numpy.zeros(held + n + 1)
-        time_sums = numpy.zeros(held + n + 1)
-        numpy.cumsum(waits_in, out=wait_sums[1:])
-        numpy.cumsum(times_in, out=time_sums[1:])
-        # the window of the k-th new step: from max(0, held + k + 1 - size) to held + k
-        zeros = max(0, min(n, size - held))
-        wait_in = wait_sums[held + 1:]  # (views: the sums are not used after this)
-        time_in = time_sums[held + 1:]
-        wait_in[zeros:] -= wait_sums[1:1 + n - zeros]
-        time_in[zeros:] -= time_sums[1:1 + n - zeros]
-        shares: list[float]
-        if time_in.min() > 0:
-            ratios = wait_in / time_in
-            if ratios.max() > 1.0 or ratios.min() < 0.0:
-                numpy.clip(ratios, 0.0, 1.0, out=ratios)
-            shares = ratios.tolist()
-            most = ratios.max()
-        else:  # (step times are never 0 here; this keeps add's answer if they were)
-            shares = [min(1.0, max(0.0, wait_s / step_s)) if step_s > 0 else 0.0
-                      for wait_s, step_s in zip(wait_in.tolist(), time_in.tolist())]
-            most = max(shares)
-        if most < PARTLY_INPUT_BOUND_SHARE:  # the usual answer, for every step
-            verdicts = [_VERDICTS[0]] * n
-        else:
-            verdicts = list(map(_VERDICTS.__getitem__,
-                                map(bisect_right, repeat(_VERDICT_SHARES), shares)))
-        window.extend(zip(waits[-size:], times[-size:]))
-        self._wait_s = sum(map(_FIRST, window))
-        self._step_s = sum(map(_SECOND, window))
-        return shares, verdicts
+    def __new__(cls, steps: int = INPUT_WINDOW_STEPS) -> InputWindow:
+        return super().__new__(cls, steps, _VERDICT_SHARES, _VERDICTS)
 
 
 class StepEncoder:
@@ -339,7 +274,7 @@ class StepEncoder:
         skipped: list[Any]
         if ready is None:  # the marker is the loss, or (loss, skipped, grad norm)
             # (kinds by their types: ``tensor == None`` is a slow call a value)
-            markers = list(map(_MARKER, run))
+            markers, = columns(run, _MARKER)
             nones: list[Any] = [None] * n
             kinds = set(map(type, markers))
             if kinds <= _FLOAT_OR_NONE:  # losses read as they were marked: the usual
@@ -578,9 +513,8 @@ class StepEncoder:
         return memory
 
 
-#: A step record's marker.
-_MARKER = attrgetter("marker")
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+#: A step record's marker (:func:`agent.step._hot.columns`).
+_MARKER = ("marker",)
 _NONE = {type(None)}
 _TENSOR = {torch.Tensor}
 _ZERO = {0}
