@@ -377,3 +377,59 @@ def test_the_input_window_refuses_what_is_not_a_number_and_keeps_its_steps():
     assert window.add(1.0, 1.0)[0] == 1.0 / INPUT_WINDOW_STEPS
     with pytest.raises(ValueError):
         InputWindow(0)
+
+
+def test_the_loops_optimizer_step_takes_its_arguments_as_a_python_function_would(run_dir):
+    """LoopRun.optimizer_step (C): its six arguments by position or keyword, None as not
+    given; an unknown keyword, one given twice, a seventh argument: TypeError before
+    anything is counted; the record has what was given, else the window's counts."""
+    import agent
+
+    loss = torch.tensor(0.5)
+    with agent.session(name="loop-args") as run:
+        seen: list[dict] = []
+        run.agent.add_listener(seen.append)
+        for _ in run.loader([(torch.zeros(4, 2),)] * 2):
+            pass  # two micro-batches fetched, 8 samples
+        run.optimizer_step(loss, None, 100, activation_bytes=2048)
+        for call, message in (
+                (lambda: run.optimizer_step(loss, los=loss), "unexpected keyword argument 'los'"),
+                (lambda: run.optimizer_step(loss, loss=loss), "multiple values for argument"),
+                (lambda: run.optimizer_step(*[None] * 7), "at most 6 arguments")):
+            with pytest.raises(TypeError, match=message):
+                call()
+        run.optimizer_step(samples=3, grad_norm=1.5)
+        assert (run.step, run._micro_batches_trained) == (2, 3)  # (a window of no fetch: 1)
+    steps = [record for record in seen if record["type"] == "step"]
+    assert [(record["step"], record["micro_batches"], record["samples"], record.get("tokens"),
+             record.get("activation_bytes")) for record in steps] == [
+        (1, 2, 8, 100, 2048), (2, 1, 3, None, None)]
+
+
+def test_the_boundary_refuses_what_is_not_a_step_record_and_a_deleted_field(run_dir):
+    """RunBase.boundary (C): a dict is a TypeError and counts nothing; a hot-path field
+    deleted from Python is an AttributeError, never a crash; a window hook that gives the
+    wrong number of values says which and how many."""
+    import agent
+    from agent.step.record import StepRecord
+
+    with agent.session(name="boundary-args") as run:
+        with pytest.raises(TypeError, match="boundary needs a StepRecord, got dict"):
+            run.boundary({"step": 1})  # type: ignore[arg-type]
+        assert run.step == 0
+        run.boundary(StepRecord(1, 8, 0.0))
+        assert run.step == 1 and run._micro_batches_trained == 1
+        run._window_of_scaler = False
+        run._take_window = lambda: (None, None)  # type: ignore[method-assign]
+        with pytest.raises(ValueError, match=r"_take_window\(\) gave 2 values, not 4"):
+            run.optimizer_step()
+        run._window_of_scaler = True
+        run.optimizer_step()
+        assert run.step == 2
+        meter = run.meter
+        del run.meter
+        with pytest.raises(AttributeError, match="a field of the run's hot path was deleted"):
+            run.optimizer_step()
+        run.meter = meter
+        run.optimizer_step()
+        assert run.step == 3

@@ -50,7 +50,7 @@ from agent.integrations.adapters import (cpu_threads_knob, dropout_knob, loader_
                                          refuse)
 from agent.control.checkpoints import load_checkpoint, restore_knobs, torch_checkpoint
 from agent.step.core import Agent
-from agent.step.record import StepRecord
+from agent.step._hot import RunPath
 from agent.integrations.run import RunBase
 from agent.integrations.ranks import agree
 from agent.integrations.sharded import (fsdp_modules, is_sharded,
@@ -303,60 +303,13 @@ class LoopRun(RunBase):
 
     # ------------------------------------------------------------ the boundary
 
-    def optimizer_step(self, loss: torch.Tensor | None = None, samples: int | None = None,
-                       tokens: int | None = None, skipped: torch.Tensor | None = None,
-                       grad_norm: torch.Tensor | float | None = None,
-                       activation_bytes: int | None = None) -> None:
-        """Mark an optimizer-step boundary: call it once per optimizer step, after ``zero_grad()``.
-
-        After ``optimizer.step()`` (or ``scaler.step``/``update``) and ``zero_grad()``.
-        Pending commands apply here, so the next window runs with them.
-
-        Give the arguments after ``loss`` by keyword. (They are not keyword-only only
-        because CPython 3.11 looks each missing keyword-only argument's default up in a
-        dict, about 120 instructions each, at every call.)
-
-        Args:
-            loss: the window's mean (undivided) loss, a 0-dim tensor on any device; by
-                default the sum of the losses the window backpropagated through the run
-                (:attr:`Session.scaler`, or ``fabric.backward``; see the module
-                docstrings). Read later, on the agent's thread (on the host, not copied:
-                a tensor the loop changes in place after this call is read as changed).
-            samples, tokens: the window's, if :meth:`loader` / :meth:`timed` did not
-                see its batches.
-            skipped: fp16 only, when not using :attr:`Session.scaler`: what
-                :meth:`gpuopt.MixedPrecision.step` returned.
-            grad_norm: what ``clip_grad_norm_`` returned (a tensor: read later, on the
-                agent's thread); by default the norm the run clipped with
-                ``max_grad_norm``.
-            activation_bytes: a measurement of your own
-                (:class:`gpuopt.memory.SavedActivations`); by default
-                :attr:`Session.autocast` measures now and then.
-
-        .. note:: Never synchronizes the device and never blocks: a few microseconds.
-        """
-        window_loss, window_skipped, backwards, measured = self._take_window()
-        data_wait_s, fetched, fetched_samples, fetched_tokens = self.meter.take()
-        lr = clipped = None  # the rates the step used (read as it stepped), its clip norm
-        if self.optimizer_settings is not None:
-            lr, clipped = self.optimizer_settings.take_step()
-        counted = backwards or fetched
-        if self._windows_off is not None and counted:
-            if counted == self._accum_steps:
-                self._windows_off = 0
-            else:
-                self._window_off(counted)
-        self.boundary(StepRecord(  # (by position: a keyword costs ~40 ns)
-            backwards or fetched or 1,  # micro_batches
-            fetched_samples if samples is None else samples,
-            data_wait_s,
-            window_loss if loss is None else loss,
-            window_skipped if skipped is None else skipped,
-            measured if activation_bytes is None else activation_bytes,
-            fetched_tokens if tokens is None else tokens,
-            lr,
-            clipped if grad_norm is None else grad_norm))
-        self._next_window()
+    #: Mark an optimizer-step boundary, once per optimizer step after ``zero_grad()``:
+    #: ``optimizer_step(loss=None, samples=None, tokens=None, skipped=None,
+    #: grad_norm=None, activation_bytes=None)``, in C (its docstring says each argument):
+    #: the window's counts (:meth:`_take_window`, or a Session's scaler), the meter's,
+    #: the optimizer's rates, the record and :meth:`boundary`, then
+    #: :meth:`_next_window` where ``_next_window_due``.
+    optimizer_step = RunPath._loop_optimizer_step
 
     def _window_off(self, counted: int) -> None:
         """Training thread, at a boundary: the window that ended had ``counted``
@@ -377,14 +330,15 @@ class LoopRun(RunBase):
             kind=EventKind.WARNING, step=self.step + 1)
 
     def _next_window(self) -> None:
-        """Training thread, after the boundary: prepare the next window (by default
-        nothing; :class:`Session` plans its next activation measurement)."""
+        """Training thread, after the boundary, where ``_next_window_due``: prepare the next
+        window (:class:`Session` plans its next activation measurement)."""
 
     def _take_window(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int, int | None]:
         """``(loss_sum, skipped, backwards, activation_bytes)`` of the window that just
         ended (the sum of its backpropagated losses on the device, fp16's skipped flag,
         its backward passes, a measurement of one micro-batch's saved activations), and
-        a fresh start for the next one."""
+        a fresh start for the next one. (A Session's is its scaler's, read in C:
+        ``_window_of_scaler``.)"""
         raise NotImplementedError
 
     # ------------------------------------------------------------ checkpoints
@@ -492,20 +446,15 @@ class Session(LoopRun):
         #: the agent's knob values when the settings were last read
         self._measured_values: dict[str, Any] | None = None
         self._measure_due = False
+        #: a measurement of one micro-batch's saved activations, for the next record
         self._activation_bytes: int | None = None
+        # the window's losses are the scaler's (read in C, with _activation_bytes), and
+        # the next activation measurement is planned after each boundary
+        self._window_of_scaler = True
+        self._next_window_due = bool(measure_activations_every) and model is not None
         self._next_window()
 
     # ------------------------------------------------------------ the boundary
-
-    def _take_window(self) -> tuple[torch.Tensor | None, torch.Tensor | None, int, int | None]:
-        measured, self._activation_bytes = self._activation_bytes, None
-        scaler = self.scaler
-        if not scaler.micro_batches and scaler.skipped is None:
-            # (the usual loop, whose backward is its own: a call fewer a step, ~1 us of
-            # CPU between real steps)
-            return None, None, 0, measured
-        scaled_loss, scaler_skipped, backwards = scaler.take_window()
-        return scaled_loss, scaler_skipped, backwards, measured
 
     def _next_window(self) -> None:  # the next activation measurement planned
         if not self.measure_activations_every or self.model is None:

@@ -71,10 +71,10 @@ from agent.integrations.adapters import NOT_A_MIXTURE, MemoryKnobs, publish_even
 from agent.integrations.ranks import agree, every_rank
 from agent.control.checkpoints import (Checkpoints, knobs_text, own_checkpoint, restore_knobs,
                                        set_knobs)
+from agent.step._hot import RunPath
 from agent.step.core import Agent, ending_reason
 from agent.control.recovery import Recovery
 from agent.integrations import WindowMeter
-from agent.step.record import StepRecord
 from gpuopt.data import batch_size
 from gpuopt.memory import format_bytes
 from gpuopt.position import DataPosition
@@ -114,7 +114,7 @@ class _Recovery(NamedTuple):
     lr_to: tuple[float, float] | None
 
 
-class RunBase:
+class RunBase(RunPath):
     """One training run under the agent, as every integration has it.
 
     Args:
@@ -122,6 +122,10 @@ class RunBase:
         device: the model's device (memory knobs, the data position's batches).
         tokens_per_sample: tokens in one sample, for :attr:`meter` (None: counted from
             ``input_ids``).
+
+    The boundary is :class:`agent.step._hot.RunPath`'s ``boundary(record)`` (C): every
+    integration calls it once per optimizer step with the step's
+    :class:`agent.step.record.StepRecord`.
 
     Attributes:
         agent: the :class:`agent.step.core.Agent`. knobs: its knob set.
@@ -208,25 +212,15 @@ class RunBase:
 
     # ------------------------------------------------------------ the boundary
 
-    def boundary(self, record: StepRecord) -> None:
-        """Training thread, at an optimizer-step boundary: count, record and publish the step.
+    # (boundary(record): RunPath's, in C)
 
-        After ``step()`` and ``zero_grad``: count the step (``record.step``: the framework's
-        own count, when it keeps one; else :attr:`step` + 1), note its window in the data
-        position, record it and apply the commands due (a checkpoint among them holds this
-        step), then publish its events and tick the memory knobs.
+    def _after_boundary(self) -> None:
+        """Training thread, at the boundary (``boundary``, after the step was recorded), when
+        the run has more to do: hold a pause, end a rollback's watch, take a recovery's
+        step, publish the event sources' events, tick the memory knobs.
 
-        .. note:: Never synchronizes the device; a few microseconds. Never raises: an
-           error of gpuwatch's stops the observing (an event says so), never training.
-        """
-        if self.broken:
-            return
-        self.step = record.step = record.step or self.step + 1
-        micro_batches = record.micro_batches
-        self.position.window_done(micro_batches)
-        self._micro_batches_trained += micro_batches
+        Never raises: an error of gpuwatch's stops the observing (an event says so)."""
         agent = self.agent
-        agent.optimizer_step(record)
         if self._pause_requested:
             self._hold_paused()
         if (self._kept is not None and agent.rank == 0
@@ -252,8 +246,8 @@ class RunBase:
         """Training thread, at the boundary ``pause=on`` applied at: held there until
         ``pause=off`` or ``stop`` (:meth:`agent.step.core.Agent.hold`).
 
-        (Its own method: a lambda in :meth:`boundary` would make ``self`` a cell there,
-        one allocation at every step.)"""
+        (Its own method: a lambda in :meth:`_after_boundary` would make ``self`` a cell there,
+        one allocation at every step it runs.)"""
         self.agent.hold(lambda: not self._pause_requested or self.stop_requested is not None)
 
     # ------------------------------------------------------------ checkpoint and resume

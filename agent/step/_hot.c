@@ -10,6 +10,10 @@
  *   unless listeners or commands wait, the I/O thread is behind, or the marker is a
  *   device's.
  * - host_mark: agent.step.markers.CpuMarker's mark.
+ * - RunPath, the base of agent.integrations.run.RunBase: its boundary, and a loop's
+ *   optimizer_step (LoopRun's): the window's counts, the record and the boundary with no
+ *   Python frame unless the run has more to do at this step (a pause, a recovery, a
+ *   rollback's watch, events, a memory snapshot, a window that is not a Session's).
  * - On the I/O thread: columns (a run of records' fields, one list a field, in one pass)
  *   and ShareWindow (the base of agent.step.encoder.InputWindow: each step's data-wait
  *   share over the last steps), where a run of records cost list passes of Python calls.
@@ -26,6 +30,7 @@
 #define FIELDS 13
 #define REQUIRED 3
 /* the fields the hot path reads or sets, by index */
+#define MICRO_BATCHES 0
 #define LOSS 3
 #define SKIPPED 4
 #define GRAD_NORM 8
@@ -729,6 +734,456 @@ static PyTypeObject HotType = {
     .tp_members = hot_members,
 };
 
+
+/* ------------------------------------------------------------------ RunPath */
+
+static PyObject *str_window_done, *str_take, *str_take_step, *str_take_window, *str_own_window,
+    *str_window_off, *str_next_window, *str_after_boundary, *str_activation_bytes, *str_scaler,
+    *str_micro_batches, *str_skipped, *str_snapshot_steps_left, *str_optimizer_step, *one;
+
+typedef struct {
+    PyObject_HEAD
+    char broken;              /* broken */
+    char pause_requested;     /* _pause_requested */
+    char recovering;          /* _recovering */
+    char window_of_scaler;    /* _window_of_scaler */
+    char next_window_due;     /* _next_window_due */
+    PyObject *step;           /* step */
+    PyObject *agent;          /* agent */
+    PyObject *position;       /* position */
+    PyObject *meter;          /* meter */
+    PyObject *trained;        /* _micro_batches_trained */
+    PyObject *kept;           /* _kept */
+    PyObject *lr_back;        /* _lr_back */
+    PyObject *event_sources;  /* event_sources */
+    PyObject *memory;         /* memory */
+    PyObject *optimizer_settings;  /* optimizer_settings */
+    PyObject *windows_off;    /* _windows_off */
+    PyObject *accum_steps;    /* _accum_steps */
+} Run;
+
+#define RUN_OBJECTS(X) X(step) X(agent) X(position) X(meter) X(trained) X(kept) X(lr_back) \
+    X(event_sources) X(memory) X(optimizer_settings) X(windows_off) X(accum_steps)
+
+static PyObject *
+run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    Run *self = (Run *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+#define SET_NONE(name) self->name = Py_NewRef(Py_None);
+    RUN_OBJECTS(SET_NONE)
+#undef SET_NONE
+    Py_SETREF(self->step, Py_NewRef(zero));
+    Py_SETREF(self->trained, Py_NewRef(zero));
+    return (PyObject *)self;
+}
+
+static int
+run_traverse(Run *self, visitproc visit, void *arg)
+{
+#define VISIT(name) Py_VISIT(self->name);
+    RUN_OBJECTS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int
+run_clear(Run *self)
+{
+#define CLEAR(name) Py_CLEAR(self->name);
+    RUN_OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void
+run_dealloc(Run *self)
+{
+    PyObject_GC_UnTrack(self);
+    run_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+run_fields_present(Run *self)
+{
+#define PRESENT(name) || self->name == NULL
+    if (0 RUN_OBJECTS(PRESENT)) {
+        PyErr_SetString(PyExc_AttributeError, "a field of the run's hot path was deleted");
+        return 0;
+    }
+#undef PRESENT
+    return 1;
+}
+
+/* Unpack ``result`` (a new reference, or NULL) into ``n`` new references; -1 on error. */
+static int
+unpack(PyObject *result, PyObject **out, Py_ssize_t n, const char *what)
+{
+    if (result == NULL)
+        return -1;
+    if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != n) {
+        PyObject *items = PySequence_Tuple(result);
+        Py_DECREF(result);
+        if (items == NULL)
+            return -1;
+        if (PyTuple_GET_SIZE(items) != n) {
+            PyErr_Format(PyExc_ValueError, "%s gave %zd values, not %zd", what,
+                         PyTuple_GET_SIZE(items), n);
+            Py_DECREF(items);
+            return -1;
+        }
+        result = items;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        out[i] = Py_NewRef(PyTuple_GET_ITEM(result, i));
+    Py_DECREF(result);
+    return 0;
+}
+
+static PyObject *
+call_noargs(PyObject *target, PyObject *name)
+{
+    PyObject *args[1] = {target};
+    return PyObject_VectorcallMethod(name, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* RunBase.boundary's work: 0, or -1 with an exception set. */
+static int
+run_boundary(Run *self, PyObject *record)
+{
+    if (self->broken)
+        return 0;
+    if (!Py_IS_TYPE(record, &RecordType)) {
+        PyErr_Format(PyExc_TypeError, "boundary needs a StepRecord, got %.100s",
+                     Py_TYPE(record)->tp_name);
+        return -1;
+    }
+    if (!run_fields_present(self))
+        return -1;
+    PyObject **values = ((Record *)record)->values;
+    if (!values[STEP] || !values[MICRO_BATCHES]) {
+        PyErr_SetString(PyExc_AttributeError, "a field of the StepRecord was deleted");
+        return -1;
+    }
+    int counted = PyObject_IsTrue(values[STEP]);
+    if (counted < 0)
+        return -1;
+    PyObject *step = counted ? Py_NewRef(values[STEP]) : PyNumber_Add(self->step, one);
+    if (step == NULL)
+        return -1;
+    Py_SETREF(self->step, Py_NewRef(step));
+    Py_SETREF(values[STEP], step);
+    PyObject *micro_batches = values[MICRO_BATCHES];
+    if (call_method(self->position, str_window_done, micro_batches) < 0)
+        return -1;
+    PyObject *trained = PyNumber_Add(self->trained, micro_batches);
+    if (trained == NULL)
+        return -1;
+    Py_SETREF(self->trained, trained);
+    PyObject *agent = Py_NewRef(self->agent);  /* (held: a listener may replace it) */
+    PyObject *done = PyObject_TypeCheck(agent, &HotType)
+        ? hot_optimizer_step((Hot *)agent, record)
+        : PyObject_CallMethodOneArg(agent, str_optimizer_step, record);
+    Py_DECREF(agent);
+    if (done == NULL)
+        return -1;
+    Py_DECREF(done);
+    int more = self->pause_requested || self->recovering || self->kept != Py_None
+        || self->lr_back != Py_None;
+    if (!more && self->event_sources != NULL) {
+        more = PyList_CheckExact(self->event_sources)
+            ? PyList_GET_SIZE(self->event_sources) > 0 : PyObject_IsTrue(self->event_sources);
+        if (more < 0) {
+            PyErr_Clear();  /* (_after_boundary reads it again, where an error is reported) */
+            more = 1;
+        }
+    }
+    if (!more && self->memory != NULL) {
+        PyObject *left = PyObject_GetAttr(self->memory, str_snapshot_steps_left);
+        more = left == NULL ? -1 : PyObject_IsTrue(left);
+        Py_XDECREF(left);
+        if (more < 0) {
+            PyErr_Clear();  /* (idem) */
+            more = 1;
+        }
+    }
+    if (more) {
+        PyObject *after = call_noargs((PyObject *)self, str_after_boundary);
+        if (after == NULL)
+            return -1;
+        Py_DECREF(after);
+    }
+    return 0;
+}
+
+static PyObject *
+run_boundary_method(Run *self, PyObject *record)
+{
+    if (run_boundary(self, record) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* LoopRun.optimizer_step's arguments, in order */
+#define STEP_ARGS 6
+static const char *const step_arg_names[STEP_ARGS] = {
+    "loss", "samples", "tokens", "skipped", "grad_norm", "activation_bytes",
+};
+static PyObject *step_args[STEP_ARGS];  /* interned */
+
+static int
+loop_parse(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **given)
+{
+    if (nargs > STEP_ARGS) {
+        PyErr_Format(PyExc_TypeError, "optimizer_step() takes at most %d arguments (%zd "
+                     "given)", STEP_ARGS, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        given[i] = args[i];
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        int found = -1;
+        for (int i = 0; i < STEP_ARGS && found < 0; i++)
+            if (name == step_args[i])
+                found = i;
+        for (int i = 0; i < STEP_ARGS && found < 0; i++) {
+            int equal = PyUnicode_Compare(name, step_args[i]);
+            if (equal == -1 && PyErr_Occurred())
+                return -1;
+            if (equal == 0)
+                found = i;
+        }
+        if (found < 0) {
+            PyErr_Format(PyExc_TypeError, "optimizer_step() got an unexpected keyword "
+                         "argument %R", name);
+            return -1;
+        }
+        if (given[found] != NULL) {
+            PyErr_Format(PyExc_TypeError, "optimizer_step() got multiple values for "
+                         "argument '%s'", step_arg_names[found]);
+            return -1;
+        }
+        given[found] = args[nargs + k];
+    }
+    return 0;
+}
+
+/* ``value`` when given and not None, else ``otherwise`` (borrowed) */
+#define OR(value, otherwise) ((value) != NULL && (value) != Py_None ? (value) : (otherwise))
+
+static PyObject *
+run_loop_step(Run *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *given[STEP_ARGS] = {NULL};
+    if (loop_parse(args, PyVectorcall_NARGS(nargsf), kwnames, given) < 0)
+        return NULL;
+    if (!run_fields_present(self))
+        return NULL;
+    /* the window: (loss sum, skipped, backward passes, activation bytes) */
+    PyObject *window[4] = {NULL}, *taken[4] = {NULL}, *rates[2] = {NULL};
+    PyObject *record = NULL, *result = NULL;
+    if (self->window_of_scaler) {  /* Session's: its SwitchableGradScaler's, if it was used */
+        if ((window[3] = PyObject_GetAttr((PyObject *)self, str_activation_bytes)) == NULL
+                || PyObject_SetAttr((PyObject *)self, str_activation_bytes, Py_None) < 0)
+            goto done;
+        PyObject *scaler = PyObject_GetAttr((PyObject *)self, str_scaler);
+        if (scaler == NULL)
+            goto done;
+        PyObject *used = PyObject_GetAttr(scaler, str_micro_batches);
+        int backward = used == NULL ? -1 : PyObject_IsTrue(used);
+        Py_XDECREF(used);
+        PyObject *skipped = backward ? NULL : PyObject_GetAttr(scaler, str_skipped);
+        if (backward < 0 || (!backward && skipped == NULL)) {
+            Py_DECREF(scaler);
+            goto done;
+        }
+        if (backward || skipped != Py_None) {
+            int unpacked = unpack(call_noargs(scaler, str_take_window), window, 3,
+                                  "the scaler's take_window()");
+            Py_XDECREF(skipped);
+            Py_DECREF(scaler);
+            if (unpacked < 0)
+                goto done;
+        }
+        else {
+            Py_DECREF(skipped);
+            Py_DECREF(scaler);
+            window[0] = Py_NewRef(Py_None);
+            window[1] = Py_NewRef(Py_None);
+            window[2] = Py_NewRef(zero);
+        }
+    }
+    else if (unpack(call_noargs((PyObject *)self, str_own_window), window, 4,
+                    "_take_window()") < 0)
+        goto done;
+    if (unpack(call_noargs(self->meter, str_take), taken, 4, "the meter's take()") < 0)
+        goto done;
+    /* taken: (data wait, micro-batches fetched, samples, tokens) */
+    if (self->optimizer_settings == Py_None) {
+        rates[0] = Py_NewRef(Py_None);
+        rates[1] = Py_NewRef(Py_None);
+    }
+    else if (unpack(call_noargs(self->optimizer_settings, str_take_step), rates, 2,
+                    "take_step()") < 0)
+        goto done;
+    int backward = PyObject_IsTrue(window[2]);
+    if (backward < 0)
+        goto done;
+    PyObject *counted = backward ? window[2] : taken[1];
+    if (self->windows_off != Py_None) {
+        int some = PyObject_IsTrue(counted);
+        if (some < 0)
+            goto done;
+        if (some) {
+            int equal = PyObject_RichCompareBool(counted, self->accum_steps, Py_EQ);
+            if (equal < 0
+                    || (!equal && call_method((PyObject *)self, str_window_off, counted) < 0))
+                goto done;
+            if (equal)
+                Py_SETREF(self->windows_off, Py_NewRef(zero));
+        }
+    }
+    int fetched = backward ? 1 : PyObject_IsTrue(taken[1]);
+    if (fetched < 0)
+        goto done;
+    PyObject *fields[9] = {
+        backward ? window[2] : fetched ? taken[1] : one,  /* micro_batches */
+        OR(given[1], taken[2]),  /* samples */
+        taken[0],  /* data_wait_s */
+        OR(given[0], window[0]),  /* loss */
+        OR(given[3], window[1]),  /* skipped */
+        OR(given[5], window[3]),  /* activation_bytes */
+        OR(given[2], taken[3]),  /* tokens */
+        rates[0],  /* lr */
+        OR(given[4], rates[1]),  /* grad_norm */
+    };
+    record = record_make(&RecordType, fields, 9, NULL, NULL, 0);
+    if (record == NULL || run_boundary(self, record) < 0)
+        goto done;
+    if (self->next_window_due) {
+        PyObject *next = call_noargs((PyObject *)self, str_next_window);
+        if (next == NULL)
+            goto done;
+        Py_DECREF(next);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < 4; i++) {
+        Py_XDECREF(window[i]);
+        Py_XDECREF(taken[i]);
+    }
+    Py_XDECREF(rates[0]);
+    Py_XDECREF(rates[1]);
+    Py_XDECREF(record);
+    return result;
+}
+
+static PyMethodDef run_methods[] = {
+    {"boundary", (PyCFunction)run_boundary_method, METH_O,
+     "boundary(record)\n--\n\n"
+     "Training thread, at an optimizer-step boundary: count, record and publish the step.\n\n"
+     "After ``step()`` and ``zero_grad``: count the step (``record.step``: the framework's "
+     "own count, when it keeps one; else :attr:`step` + 1), note its window in the data "
+     "position, record it (:meth:`agent.step.core.Agent.optimizer_step`) and apply the "
+     "commands due (a checkpoint among them holds this step), then, when there is any "
+     "(``_after_boundary``): hold a pause, end a rollback's watch, take a recovery's step, "
+     "publish the event sources' events and tick the memory knobs.\n\n"
+     "Raises:\n"
+     "    TypeError: ``record`` is not a StepRecord.\n\n"
+     ".. note:: In C (agent/step/_hot.c). Never synchronizes the device; a few "
+     "microseconds. An error of gpuwatch's after the step is recorded stops the observing "
+     "(an event says so), never training."},
+    {"_loop_optimizer_step", (PyCFunction)(void (*)(void))run_loop_step,
+     METH_FASTCALL | METH_KEYWORDS,
+     "optimizer_step(loss=None, samples=None, tokens=None, skipped=None, grad_norm=None, "
+     "activation_bytes=None)\n--\n\n"
+     "Mark an optimizer-step boundary: call it once per optimizer step, after "
+     "``zero_grad()``.\n\n"
+     "After ``optimizer.step()`` (or ``scaler.step``/``update``) and ``zero_grad()``. "
+     "Pending commands apply here, so the next window runs with them. Give the arguments "
+     "after ``loss`` by keyword.\n\n"
+     "Args:\n"
+     "    loss: the window's mean (undivided) loss, a 0-dim tensor on any device; by "
+     "default the sum of the losses the window backpropagated through the run "
+     "(:attr:`Session.scaler`, or ``fabric.backward``; see the module docstrings). Read "
+     "later, on the agent's thread (on the host, not copied: a tensor the loop changes in "
+     "place after this call is read as changed).\n"
+     "    samples, tokens: the window's, if :meth:`loader` / :meth:`timed` did not see its "
+     "batches.\n"
+     "    skipped: fp16 only, when not using :attr:`Session.scaler`: what "
+     ":meth:`gpuopt.MixedPrecision.step` returned.\n"
+     "    grad_norm: what ``clip_grad_norm_`` returned (a tensor: read later, on the "
+     "agent's thread); by default the norm the run clipped with ``max_grad_norm``.\n"
+     "    activation_bytes: a measurement of your own "
+     "(:class:`gpuopt.memory.SavedActivations`); by default :attr:`Session.autocast` "
+     "measures now and then.\n\n"
+     "Raises:\n"
+     "    TypeError: an argument it does not take, or one given twice.\n\n"
+     ".. note:: In C (agent/step/_hot.c): no Python frame unless the window is not the "
+     "scaler's (``_take_window``), the next window is planned (``_next_window``), the "
+     "window's size is not ``accum_steps`` (``_window_off``) or the boundary has more to "
+     "do. Never synchronizes the device and never blocks: a few microseconds."},
+    {NULL},
+};
+
+static PyMemberDef run_members[] = {
+    {"broken", T_BOOL, offsetof(Run, broken), 0, "the run stopped observing (:meth:`fail`)"},
+    {"_pause_requested", T_BOOL, offsetof(Run, pause_requested), 0,
+     "``pause=on`` applied and no ``pause=off`` since: the next boundary holds"},
+    {"_recovering", T_BOOL, offsetof(Run, recovering), 0,
+     "``recover=on``: states are kept for a loss-spike recovery"},
+    {"_window_of_scaler", T_BOOL, offsetof(Run, window_of_scaler), 0,
+     "the window's losses are the run's ``scaler``'s (a Session's): read without a call "
+     "of ``_take_window`` when no backward went through it"},
+    {"_next_window_due", T_BOOL, offsetof(Run, next_window_due), 0,
+     "the loop's ``optimizer_step`` calls ``_next_window`` after each boundary"},
+    {"step", T_OBJECT_EX, offsetof(Run, step), 0,
+     "optimizer steps taken so far (a resumed run counts on from its checkpoint)"},
+    {"agent", T_OBJECT_EX, offsetof(Run, agent), 0, "the run's agent"},
+    {"position", T_OBJECT_EX, offsetof(Run, position), 0, "the data position"},
+    {"meter", T_OBJECT_EX, offsetof(Run, meter), 0, "the window's meter"},
+    {"_micro_batches_trained", T_OBJECT_EX, offsetof(Run, trained), 0,
+     "micro-batches trained in all (every branch)"},
+    {"_kept", T_OBJECT_EX, offsetof(Run, kept), 0,
+     "the state kept for a rollback: ``(step, snapshot, bytes)``, or None"},
+    {"_lr_back", T_OBJECT_EX, offsetof(Run, lr_back), 0,
+     "a recovery's scaled learning rate: (the step it ends after, the value then), or None"},
+    {"event_sources", T_OBJECT_EX, offsetof(Run, event_sources), 0,
+     "callables returning events to publish after each step"},
+    {"memory", T_OBJECT_EX, offsetof(Run, memory), 0, "the memory knobs"},
+    {"optimizer_settings", T_OBJECT_EX, offsetof(Run, optimizer_settings), 0,
+     "the optimizer's live settings, or None"},
+    {"_windows_off", T_OBJECT_EX, offsetof(Run, windows_off), 0,
+     "windows in a row whose size was not ``accum_steps``; None: not counted"},
+    {"_accum_steps", T_OBJECT_EX, offsetof(Run, accum_steps), 0,
+     "micro-batches per optimizer step, or None"},
+    {NULL},
+};
+
+static PyTypeObject RunType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "agent.step._hot.RunPath",
+    .tp_doc = PyDoc_STR(
+        "A run's training-thread state and its boundary, in C: the base of "
+        ":class:`agent.integrations.run.RunBase`, which sets its fields in ``__init__`` "
+        "and provides what the rare paths call: ``_after_boundary()`` (pause, rollback, "
+        "recovery, events, memory), and for a loop (:class:`agent.integrations.loop."
+        "LoopRun`, whose ``optimizer_step`` is ``_loop_optimizer_step``) "
+        "``_take_window()``, ``_window_off(counted)`` and ``_next_window()``."),
+    .tp_basicsize = sizeof(Run),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = run_new,
+    .tp_traverse = (traverseproc)run_traverse,
+    .tp_clear = (inquiry)run_clear,
+    .tp_dealloc = (destructor)run_dealloc,
+    .tp_methods = run_methods,
+    .tp_members = run_members,
+};
+
 static PyObject *
 define(PyObject *module, PyObject *arg)
 {
@@ -802,13 +1257,30 @@ PyInit__hot(void)
             || (str_tell_step = PyUnicode_InternFromString("_tell_step")) == NULL
             || (str_apply_pending = PyUnicode_InternFromString("_apply_pending")) == NULL
             || (str_report_error = PyUnicode_InternFromString("report_error")) == NULL
-            || (str_hot_path = PyUnicode_InternFromString("hot path")) == NULL)
+            || (str_hot_path = PyUnicode_InternFromString("hot path")) == NULL
+            || (one = PyLong_FromLong(1)) == NULL
+#define INTERN(var, text) || (var = PyUnicode_InternFromString(text)) == NULL
+            INTERN(str_window_done, "window_done") INTERN(str_take, "take")
+            INTERN(str_take_step, "take_step") INTERN(str_take_window, "take_window")
+            INTERN(str_own_window, "_take_window")
+            INTERN(str_window_off, "_window_off") INTERN(str_next_window, "_next_window")
+            INTERN(str_after_boundary, "_after_boundary")
+            INTERN(str_activation_bytes, "_activation_bytes") INTERN(str_scaler, "scaler")
+            INTERN(str_micro_batches, "micro_batches") INTERN(str_skipped, "skipped")
+            INTERN(str_snapshot_steps_left, "snapshot_steps_left")
+            INTERN(str_optimizer_step, "optimizer_step"))
+#undef INTERN
         return NULL;
-    if (PyType_Ready(&HotType) < 0 || PyType_Ready(&WindowType) < 0)
+    for (int i = 0; i < STEP_ARGS; i++)
+        if ((step_args[i] = PyUnicode_InternFromString(step_arg_names[i])) == NULL)
+            return NULL;
+    if (PyType_Ready(&HotType) < 0 || PyType_Ready(&WindowType) < 0
+            || PyType_Ready(&RunType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&hot_module);
     if (module == NULL || PyModule_AddObjectRef(module, "HotPath", (PyObject *)&HotType) < 0
-            || PyModule_AddObjectRef(module, "ShareWindow", (PyObject *)&WindowType) < 0) {
+            || PyModule_AddObjectRef(module, "ShareWindow", (PyObject *)&WindowType) < 0
+            || PyModule_AddObjectRef(module, "RunPath", (PyObject *)&RunType) < 0) {
         Py_XDECREF(module);
         return NULL;
     }

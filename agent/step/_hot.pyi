@@ -1,6 +1,7 @@
 """Types of :mod:`agent.step._hot` (agent/step/_hot.c): the agent's hot path in C."""
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Self
 
 import torch
@@ -54,3 +55,27 @@ class ShareWindow:
     def add(self, data_wait_s: float, step_time_s: float) -> tuple[float, str]: ...
     def add_many(self, waits: list[float], times: list[float]
                  ) -> tuple[list[float], list[str]]: ...
+
+class RunPath:
+    broken: bool
+    _pause_requested: bool
+    _recovering: bool
+    _window_of_scaler: bool
+    _next_window_due: bool
+    step: int
+    agent: Any
+    position: Any
+    meter: Any
+    _micro_batches_trained: int
+    _kept: tuple[int, Any, int] | None
+    _lr_back: tuple[int, float] | None
+    event_sources: list[Callable[[], list[tuple[str, str, dict[str, Any]]]]]
+    memory: Any
+    optimizer_settings: Any
+    _windows_off: int | None
+    _accum_steps: int | None
+    def boundary(self, record: StepRecord) -> None: ...
+    def _loop_optimizer_step(self, loss: torch.Tensor | None = None, samples: int | None = None,
+                             tokens: int | None = None, skipped: torch.Tensor | None = None,
+                             grad_norm: torch.Tensor | float | None = None,
+                             activation_bytes: int | None = None) -> None: ...
