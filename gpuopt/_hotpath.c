@@ -16,6 +16,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include "gpuopt/_hotclock.h"
+#include "gpuopt/_hotpath_api.h"
 
 static PyObject *tensor_type;      /* torch.Tensor */
 static PyObject *mapping_abc;      /* collections.abc.Mapping */
@@ -33,6 +34,7 @@ typedef struct {
     Py_ssize_t keeping;  /* _keeping: how many of the latest batches _recent keeps */
     Py_ssize_t keeping_most;  /* _keeping_most: the most it may keep */
     PyObject *recent;    /* _recent: deque of (key, batch) */
+    PyObject *recent_append;  /* its bound append (no method lookup a fetch) */
     PyObject *restored;  /* _restored: None, or a restored position */
 } Counts;
 
@@ -53,6 +55,7 @@ static int
 counts_traverse(Counts *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->recent);
+    Py_VISIT(self->recent_append);
     Py_VISIT(self->restored);
     return 0;
 }
@@ -61,6 +64,7 @@ static int
 counts_clear(Counts *self)
 {
     Py_CLEAR(self->recent);
+    Py_CLEAR(self->recent_append);
     Py_CLEAR(self->restored);
     return 0;
 }
@@ -77,7 +81,7 @@ counts_dealloc(Counts *self)
 static int
 counts_count(Counts *self, PyObject *batch, PyObject *key)
 {
-    if (self->recent == NULL) {
+    if (self->recent_append == NULL) {
         PyErr_SetString(PyExc_AttributeError, "the data position's _recent was deleted");
         return -1;
     }
@@ -86,9 +90,7 @@ counts_count(Counts *self, PyObject *batch, PyObject *key)
     PyObject *item = PyTuple_Pack(2, key, batch);
     if (item == NULL)
         return -1;
-    PyObject *args[2] = {self->recent, item};
-    PyObject *done = PyObject_VectorcallMethod(
-        str_append, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *done = PyObject_CallOneArg(self->recent_append, item);
     Py_DECREF(item);
     if (done == NULL)
         return -1;
@@ -108,16 +110,29 @@ counts_count_method(Counts *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+static int
+counts_done(PyObject *counts, Py_ssize_t micro_batches)
+{
+    Counts *self = (Counts *)counts;
+    self->trained_total += micro_batches;
+    Py_ssize_t ahead = self->fetched_total - self->trained_total;
+    if (ahead > self->keeping && self->keeping < self->keeping_most) {  /* (rare) */
+        PyObject *done = PyObject_CallMethod((PyObject *)self, "_keep", "n", ahead);
+        if (done == NULL)
+            return -1;
+        Py_DECREF(done);
+    }
+    return 0;
+}
+
 static PyObject *
 counts_window_done(Counts *self, PyObject *arg)
 {
     Py_ssize_t micro_batches = PyNumber_AsSsize_t(arg, PyExc_OverflowError);
     if (micro_batches == -1 && PyErr_Occurred())
         return NULL;
-    self->trained_total += micro_batches;
-    Py_ssize_t ahead = self->fetched_total - self->trained_total;
-    if (ahead > self->keeping && self->keeping < self->keeping_most)  /* (rare) */
-        return PyObject_CallMethod((PyObject *)self, "_keep", "n", ahead);
+    if (counts_done((PyObject *)self, micro_batches) < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -149,10 +164,37 @@ static PyMemberDef counts_members[] = {
      "how many of the latest training batches fetched are kept"},
     {"_keeping_most", T_PYSSIZET, offsetof(Counts, keeping_most), 0,
      "the most of them kept (gpuopt.position.MAX_AHEAD)"},
-    {"_recent", T_OBJECT_EX, offsetof(Counts, recent), 0,
-     "the latest training batches fetched, (key, batch)"},
     {"_restored", T_OBJECT_EX, offsetof(Counts, restored), 0,
      "a restored position the iteration has not gone back to yet, or None"},
+    {NULL},
+};
+
+static PyObject *
+counts_get_recent(Counts *self, void *closure)
+{
+    if (self->recent == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_recent");
+        return NULL;
+    }
+    return Py_NewRef(self->recent);
+}
+
+/* _recent, and its append (looked up once here, not at every fetch) */
+static int
+counts_set_recent(Counts *self, PyObject *value, void *closure)
+{
+    PyObject *append = NULL;
+    if (value != NULL && (append = PyObject_GetAttr(value, str_append)) == NULL)
+        return -1;
+    Py_XSETREF(self->recent, Py_XNewRef(value));
+    Py_XSETREF(self->recent_append, append);
+    return 0;
+}
+
+static PyGetSetDef counts_getset[] = {
+    {"_recent", (getter)counts_get_recent, (setter)counts_set_recent,
+     "the latest training batches fetched, (key, batch): a deque, or anything with an "
+     "``append``", NULL},
     {NULL},
 };
 
@@ -172,6 +214,7 @@ static PyTypeObject CountsType = {
     .tp_dealloc = (destructor)counts_dealloc,
     .tp_methods = counts_methods,
     .tp_members = counts_members,
+    .tp_getset = counts_getset,
 };
 
 /* ------------------------------------------------------------------ WindowMeter */
@@ -392,22 +435,35 @@ meter_timed_next(Meter *self, PyObject *iterator)
     return batch;
 }
 
-static PyObject *
-meter_take(Meter *self, PyObject *unused)
+static int
+meter_take_values(PyObject *meter, double *data_wait_s, Py_ssize_t *fetched,
+                  Py_ssize_t *samples, PyObject **tokens)
 {
+    Meter *self = (Meter *)meter;
     if (self->tokens == NULL) {
         PyErr_SetString(PyExc_AttributeError, "the window meter's tokens was deleted");
-        return NULL;
+        return -1;
     }
-    PyObject *window = Py_BuildValue("(dnnO)", self->data_wait_s, self->fetched, self->samples,
-                                     self->tokens);
-    if (window == NULL)
-        return NULL;
+    *data_wait_s = self->data_wait_s;
+    *fetched = self->fetched;
+    *samples = self->samples;
+    *tokens = self->tokens;  /* (its reference moves to the caller) */
+    self->tokens = Py_NewRef(Py_None);
     self->data_wait_s = 0.0;
     self->fetched = 0;
     self->samples = 0;
-    Py_SETREF(self->tokens, Py_NewRef(Py_None));
-    return window;
+    return 0;
+}
+
+static PyObject *
+meter_take(Meter *self, PyObject *unused)
+{
+    double data_wait_s;
+    Py_ssize_t fetched, samples;
+    PyObject *tokens;
+    if (meter_take_values((PyObject *)self, &data_wait_s, &fetched, &samples, &tokens) < 0)
+        return NULL;
+    return Py_BuildValue("(dnnN)", data_wait_s, fetched, samples, tokens);
 }
 
 static PyMethodDef meter_methods[] = {
@@ -767,11 +823,19 @@ PyInit__hotpath(void)
     PyObject *module = PyModule_Create(&hotpath_module);
     if (module == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(module, "PositionCounts", (PyObject *)&CountsType) < 0
+    static HotpathAPI api = {
+        &CountsType, &MeterType, counts_done, meter_take_values,
+    };
+    PyObject *capsule = PyCapsule_New(&api, HOTPATH_API_NAME, NULL);
+    if (capsule == NULL
+            || PyModule_AddObjectRef(module, "PositionCounts", (PyObject *)&CountsType) < 0
             || PyModule_AddObjectRef(module, "WindowMeter", (PyObject *)&MeterType) < 0
-            || PyModule_AddObjectRef(module, "Fetches", (PyObject *)&FetchesType) < 0) {
+            || PyModule_AddObjectRef(module, "Fetches", (PyObject *)&FetchesType) < 0
+            || PyModule_AddObjectRef(module, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
         Py_DECREF(module);
         return NULL;
     }
+    Py_DECREF(capsule);
     return module;
 }

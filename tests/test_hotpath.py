@@ -433,3 +433,23 @@ def test_the_boundary_refuses_what_is_not_a_step_record_and_a_deleted_field(run_
         run.meter = meter
         run.optimizer_step()
         assert run.step == 3
+
+
+def test_a_queue_without_an_append_is_refused_when_it_is_set(run_dir):
+    """The agent's ``_records`` and a position's ``_recent`` keep their bound ``append``
+    (no lookup a step): something without one is refused at once, the old queue kept."""
+    import agent
+
+    position = DataPosition()
+    recent = position._recent
+    with pytest.raises(AttributeError, match="append"):
+        position._recent = 5  # type: ignore[assignment]
+    assert position._recent is recent
+    position._count((torch.zeros(2),))
+    assert len(position._recent) == 1
+    monitor = agent.Agent(name="queue")
+    records = monitor._records
+    with pytest.raises(AttributeError, match="append"):
+        monitor._records = ()  # type: ignore[assignment]
+    assert monitor._records is records
+    monitor.close()

@@ -26,6 +26,9 @@
 #include <structmember.h>
 
 #include "gpuopt/_hotclock.h"
+#include "gpuopt/_hotpath_api.h"
+
+static HotpathAPI *hotpath;  /* gpuopt._hotpath's */
 
 #define FIELDS 13
 #define REQUIRED 3
@@ -489,6 +492,7 @@ typedef struct {
     Py_ssize_t queue_size;      /* _queue_size */
     PyObject *last_boundary_t;  /* _last_boundary_t: None or a float */
     PyObject *records;          /* _records: the deque of StepRecords */
+    PyObject *records_append;   /* its bound append (no method lookup a step) */
     PyObject *marker;           /* _marker */
     PyObject *knob_values;      /* _knob_values */
     PyObject *last_step;        /* _last_step */
@@ -496,7 +500,7 @@ typedef struct {
     PyObject *pending;          /* _pending: the desk's list of pending commands */
 } Hot;
 
-#define HOT_OBJECTS(X) X(last_boundary_t) X(records) X(marker) X(knob_values) \
+#define HOT_OBJECTS(X) X(last_boundary_t) X(records) X(records_append) X(marker) X(knob_values) \
     X(last_step) X(listeners) X(pending)
 
 static PyObject *
@@ -508,6 +512,7 @@ hot_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 #define SET_NONE(name) self->name = Py_NewRef(Py_None);
     HOT_OBJECTS(SET_NONE)
 #undef SET_NONE
+    Py_CLEAR(self->records_append);  /* (set with _records) */
     Py_SETREF(self->last_step, Py_NewRef(zero));
     return (PyObject *)self;
 }
@@ -558,7 +563,7 @@ hot_step(Hot *self, PyObject *arg)
                      Py_TYPE(arg)->tp_name);
         return -1;
     }
-    if (!self->last_boundary_t || !self->records || !self->marker || !self->knob_values
+    if (!self->last_boundary_t || !self->records_append || !self->marker || !self->knob_values
             || !self->last_step || !self->listeners || !self->pending) {
         PyErr_SetString(PyExc_AttributeError, "a field of the agent's hot path was deleted");
         return -1;
@@ -613,8 +618,10 @@ hot_step(Hot *self, PyObject *arg)
     Py_XSETREF(values[MARKER], marker);
     Py_SETREF(values[LOSS], Py_NewRef(Py_None));  /* (the marker holds what is read) */
     Py_XSETREF(values[KNOBS], Py_NewRef(self->knob_values));
-    if (call_method(self->records, str_append, arg) < 0)
+    PyObject *appended = PyObject_CallOneArg(self->records_append, arg);
+    if (appended == NULL)
         return -1;
+    Py_DECREF(appended);
     Py_SETREF(self->last_step, Py_NewRef(values[STEP]));
     int telling = PyObject_IsTrue(self->listeners);
     if (telling < 0 || (telling && call_method((PyObject *)self, str_tell_step, arg) < 0))
@@ -704,7 +711,6 @@ static PyMemberDef hot_members[] = {
     {"_queue_size", T_PYSSIZET, offsetof(Hot, queue_size), 0, "the record queue's bound"},
     {"_last_boundary_t", T_OBJECT_EX, offsetof(Hot, last_boundary_t), 0,
      "the clock at the last boundary (s), or None"},
-    {"_records", T_OBJECT_EX, offsetof(Hot, records), 0, "the record queue (a deque)"},
     {"_marker", T_OBJECT_EX, offsetof(Hot, marker), 0, "the step marker kind"},
     {"_knob_values", T_OBJECT_EX, offsetof(Hot, knob_values), 0,
      "the knob values steps train with now"},
@@ -712,6 +718,34 @@ static PyMemberDef hot_members[] = {
     {"_listeners", T_OBJECT_EX, offsetof(Hot, listeners), 0,
      "the in-process record listeners (a tuple)"},
     {"_pending", T_OBJECT_EX, offsetof(Hot, pending), 0, "the desk's pending commands"},
+    {NULL},
+};
+
+static PyObject *
+hot_get_records(Hot *self, void *closure)
+{
+    if (self->records == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_records");
+        return NULL;
+    }
+    return Py_NewRef(self->records);
+}
+
+/* _records, and its append (looked up once here, not at every step) */
+static int
+hot_set_records(Hot *self, PyObject *value, void *closure)
+{
+    PyObject *append = NULL;
+    if (value != NULL && (append = PyObject_GetAttr(value, str_append)) == NULL)
+        return -1;
+    Py_XSETREF(self->records, Py_XNewRef(value));
+    Py_XSETREF(self->records_append, append);
+    return 0;
+}
+
+static PyGetSetDef hot_getset[] = {
+    {"_records", (getter)hot_get_records, (setter)hot_set_records,
+     "the record queue (a deque)", NULL},
     {NULL},
 };
 
@@ -732,13 +766,14 @@ static PyTypeObject HotType = {
     .tp_dealloc = (destructor)hot_dealloc,
     .tp_methods = hot_methods,
     .tp_members = hot_members,
+    .tp_getset = hot_getset,
 };
 
 
 /* ------------------------------------------------------------------ RunPath */
 
 static PyObject *str_window_done, *str_take, *str_take_step, *str_take_window, *str_own_window,
-    *str_window_off, *str_next_window, *str_after_boundary, *str_activation_bytes, *str_scaler,
+    *str_window_off, *str_next_window, *str_after_boundary,
     *str_micro_batches, *str_skipped, *str_snapshot_steps_left, *str_optimizer_step, *one;
 
 typedef struct {
@@ -760,10 +795,13 @@ typedef struct {
     PyObject *optimizer_settings;  /* optimizer_settings */
     PyObject *windows_off;    /* _windows_off */
     PyObject *accum_steps;    /* _accum_steps */
+    PyObject *scaler;         /* scaler: a Session's SwitchableGradScaler */
+    PyObject *activation_bytes;  /* _activation_bytes: a Session's measurement */
 } Run;
 
 #define RUN_OBJECTS(X) X(step) X(agent) X(position) X(meter) X(trained) X(kept) X(lr_back) \
-    X(event_sources) X(memory) X(optimizer_settings) X(windows_off) X(accum_steps)
+    X(event_sources) X(memory) X(optimizer_settings) X(windows_off) X(accum_steps) X(scaler) \
+    X(activation_bytes)
 
 static PyObject *
 run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
@@ -876,7 +914,12 @@ run_boundary(Run *self, PyObject *record)
     Py_SETREF(self->step, Py_NewRef(step));
     Py_SETREF(values[STEP], step);
     PyObject *micro_batches = values[MICRO_BATCHES];
-    if (call_method(self->position, str_window_done, micro_batches) < 0)
+    if (PyObject_TypeCheck(self->position, hotpath->counts_type)) {  /* (the usual) */
+        Py_ssize_t count = PyNumber_AsSsize_t(micro_batches, PyExc_OverflowError);
+        if ((count == -1 && PyErr_Occurred()) || hotpath->window_done(self->position, count) < 0)
+            return -1;
+    }
+    else if (call_method(self->position, str_window_done, micro_batches) < 0)
         return -1;
     PyObject *trained = PyNumber_Add(self->trained, micro_batches);
     if (trained == NULL)
@@ -987,31 +1030,23 @@ run_loop_step(Run *self, PyObject *const *args, size_t nargsf, PyObject *kwnames
     PyObject *window[4] = {NULL}, *taken[4] = {NULL}, *rates[2] = {NULL};
     PyObject *record = NULL, *result = NULL;
     if (self->window_of_scaler) {  /* Session's: its SwitchableGradScaler's, if it was used */
-        if ((window[3] = PyObject_GetAttr((PyObject *)self, str_activation_bytes)) == NULL
-                || PyObject_SetAttr((PyObject *)self, str_activation_bytes, Py_None) < 0)
-            goto done;
-        PyObject *scaler = PyObject_GetAttr((PyObject *)self, str_scaler);
-        if (scaler == NULL)
-            goto done;
+        window[3] = self->activation_bytes;  /* (its reference moves to the window) */
+        self->activation_bytes = Py_NewRef(Py_None);
+        PyObject *scaler = self->scaler;
         PyObject *used = PyObject_GetAttr(scaler, str_micro_batches);
         int backward = used == NULL ? -1 : PyObject_IsTrue(used);
         Py_XDECREF(used);
         PyObject *skipped = backward ? NULL : PyObject_GetAttr(scaler, str_skipped);
-        if (backward < 0 || (!backward && skipped == NULL)) {
-            Py_DECREF(scaler);
+        if (backward < 0 || (!backward && skipped == NULL))
             goto done;
-        }
         if (backward || skipped != Py_None) {
-            int unpacked = unpack(call_noargs(scaler, str_take_window), window, 3,
-                                  "the scaler's take_window()");
             Py_XDECREF(skipped);
-            Py_DECREF(scaler);
-            if (unpacked < 0)
+            if (unpack(call_noargs(scaler, str_take_window), window, 3,
+                       "the scaler's take_window()") < 0)
                 goto done;
         }
         else {
             Py_DECREF(skipped);
-            Py_DECREF(scaler);
             window[0] = Py_NewRef(Py_None);
             window[1] = Py_NewRef(Py_None);
             window[2] = Py_NewRef(zero);
@@ -1020,7 +1055,16 @@ run_loop_step(Run *self, PyObject *const *args, size_t nargsf, PyObject *kwnames
     else if (unpack(call_noargs((PyObject *)self, str_own_window), window, 4,
                     "_take_window()") < 0)
         goto done;
-    if (unpack(call_noargs(self->meter, str_take), taken, 4, "the meter's take()") < 0)
+    if (Py_IS_TYPE(self->meter, hotpath->meter_type)) {  /* (the usual) */
+        double data_wait_s;
+        Py_ssize_t fetched, samples;
+        if (hotpath->meter_take(self->meter, &data_wait_s, &fetched, &samples, &taken[3]) < 0
+                || (taken[0] = PyFloat_FromDouble(data_wait_s)) == NULL
+                || (taken[1] = PyLong_FromSsize_t(fetched)) == NULL
+                || (taken[2] = PyLong_FromSsize_t(samples)) == NULL)
+            goto done;
+    }
+    else if (unpack(call_noargs(self->meter, str_take), taken, 4, "the meter's take()") < 0)
         goto done;
     /* taken: (data wait, micro-batches fetched, samples, tokens) */
     if (self->optimizer_settings == Py_None) {
@@ -1161,6 +1205,10 @@ static PyMemberDef run_members[] = {
      "windows in a row whose size was not ``accum_steps``; None: not counted"},
     {"_accum_steps", T_OBJECT_EX, offsetof(Run, accum_steps), 0,
      "micro-batches per optimizer step, or None"},
+    {"scaler", T_OBJECT_EX, offsetof(Run, scaler), 0,
+     "a Session's GradScaler lookalike (whose window is read here), or None"},
+    {"_activation_bytes", T_OBJECT_EX, offsetof(Run, activation_bytes), 0,
+     "a Session's measurement of one micro-batch's saved activations, for the next record"},
     {NULL},
 };
 
@@ -1265,8 +1313,7 @@ PyInit__hot(void)
             INTERN(str_own_window, "_take_window")
             INTERN(str_window_off, "_window_off") INTERN(str_next_window, "_next_window")
             INTERN(str_after_boundary, "_after_boundary")
-            INTERN(str_activation_bytes, "_activation_bytes") INTERN(str_scaler, "scaler")
-            INTERN(str_micro_batches, "micro_batches") INTERN(str_skipped, "skipped")
+                    INTERN(str_micro_batches, "micro_batches") INTERN(str_skipped, "skipped")
             INTERN(str_snapshot_steps_left, "snapshot_steps_left")
             INTERN(str_optimizer_step, "optimizer_step"))
 #undef INTERN
@@ -1274,6 +1321,8 @@ PyInit__hot(void)
     for (int i = 0; i < STEP_ARGS; i++)
         if ((step_args[i] = PyUnicode_InternFromString(step_arg_names[i])) == NULL)
             return NULL;
+    if ((hotpath = PyCapsule_Import(HOTPATH_API_NAME, 0)) == NULL)
+        return NULL;
     if (PyType_Ready(&HotType) < 0 || PyType_Ready(&WindowType) < 0
             || PyType_Ready(&RunType) < 0)
         return NULL;

@@ -74,6 +74,8 @@ class RunPath:
     optimizer_settings: Any
     _windows_off: int | None
     _accum_steps: int | None
+    scaler: Any
+    _activation_bytes: int | None
     def boundary(self, record: StepRecord) -> None: ...
     def _loop_optimizer_step(self, loss: torch.Tensor | None = None, samples: int | None = None,
                              tokens: int | None = None, skipped: torch.Tensor | None = None,
