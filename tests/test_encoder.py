@@ -117,6 +117,7 @@ LOSSES = {
     "float64": lambda step: torch.tensor(1.0 / 3 / step, dtype=torch.float64),
     "bfloat16": lambda step: torch.tensor(1.0 / 3 / step, dtype=torch.bfloat16),
     "one value, one dim": lambda step: torch.tensor([1.0 / 3 / step], dtype=torch.float64),
+    "three values (their mean)": lambda step: torch.full((3,), 1.0 / 3 / step),
     "an integer": lambda step: torch.tensor(step),
     "none on odd steps": lambda step: None if step % 2 else torch.tensor(1.0 / step),
 }
@@ -154,6 +155,11 @@ def test_a_host_loss_is_published_bit_for_bit_as_the_tensor_reads(loss, norm):
     assert [(type(value), repr(value)) for value in marked] == [
         (type(value), repr(value)) for value in unread]
     assert marked_norms == unread_norms
+    # each tensor's own value (a one-element one's item(), float64 kept), a larger one's
+    # mean in float32
+    expected = [None if value is None else value.item() if value.numel() == 1
+                else float(value.float().mean()) for value in map(loss, range(1, 13))]
+    assert [repr(value) for value in marked] == [repr(value) for value in expected]
     value = loss(2)
     assert CpuMarker().mark(value) is value  # (no torch call, no copy)
 

@@ -202,11 +202,11 @@ class StepEncoder:
            leaves the records after it queued.
         """
         records, in_flight = self._records, self._in_flight
-        if records:  # (popped in C: the training thread may append meanwhile)
-            in_flight.extend(map(deque.popleft, repeat(records, len(records))))
-        if in_flight:
-            pending = list(in_flight)
+        if records or in_flight:
+            pending = list(in_flight)  # (the records not ready at the last drain)
             in_flight.clear()
+            # (popped in C: the training thread may append meanwhile)
+            pending += map(deque.popleft, repeat(records, len(records)))
             self._done = 0
             try:
                 self._encode(pending, final)
@@ -293,9 +293,12 @@ class StepEncoder:
                 losses = nones
             elif kinds <= _FLOAT_OR_NONE:
                 losses = list(loss_ts)
-            elif kinds == _TENSOR and set(map(torch.Tensor.dim, loss_ts)) == _ZERO:
+            elif kinds == _TENSOR:
                 # (a torch.stack(...).tolist() costs more: 0.30 us a step, not 0.14)
-                losses = list(map(torch.Tensor.item, loss_ts))
+                try:
+                    losses = list(map(torch.Tensor.item, loss_ts))
+                except RuntimeError:  # a tensor of more than one element: its mean
+                    losses = list(map(host_loss, loss_ts))
             else:
                 losses = list(map(host_loss, loss_ts))
             skipped = nones if set(map(type, skipped_ts)) == _NONE else [
@@ -517,7 +520,6 @@ class StepEncoder:
 _MARKER = ("marker",)
 _NONE = {type(None)}
 _TENSOR = {torch.Tensor}
-_ZERO = {0}
 #: Types of ``lr`` values read with ``float`` alone (no param groups' tuple).
 _RATE_TYPES = frozenset({float, int, type(None)})
 _FLOAT_OR_NONE = frozenset({float, type(None)})

@@ -171,11 +171,11 @@ class CudaMarker:
 def host_loss(loss: Any) -> Any:
     """The loss a host marker holds (:meth:`CpuMarker.mark`), as a number.
 
-    One read already (a float, or an int of an integer loss) as it is, a 0-dim tensor's
-    value, a larger one's mean in float32; None for None."""
+    One read already (a float, or an int of an integer loss) as it is, a one-element
+    tensor's value (``item()``), a larger one's mean in float32; None for None."""
     if not isinstance(loss, _Tensor):
         return loss
-    return loss.item() if loss.dim() == 0 else float(loss.float().mean())
+    return loss.item() if loss.numel() == 1 else float(loss.float().mean())
 
 
 def marker_for(device: torch.device | None) -> CpuMarker | CudaMarker:
