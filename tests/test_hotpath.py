@@ -453,3 +453,23 @@ def test_a_queue_without_an_append_is_refused_when_it_is_set(run_dir):
         monitor._records = ()  # type: ignore[assignment]
     assert monitor._records is records
     monitor.close()
+
+
+def test_the_input_window_refuses_lists_a_value_changes_while_read():
+    """InputWindow.add_many (C) reads each value through ``__float__``: one that empties
+    the lists is a RuntimeError and adds no step, never a read past a list's end."""
+    from agent.step.encoder import InputWindow
+
+    window = InputWindow()
+
+    class Emptying:
+        def __float__(self):
+            waits.clear()
+            times.clear()
+            return 0.5
+
+    waits = [Emptying()] + [0.0] * 999
+    times = [1.0] * 1000
+    with pytest.raises(RuntimeError, match="a list changed size while read"):
+        window.add_many(waits, times)  # type: ignore[arg-type]
+    assert window.add(0.25, 1.0) == (0.25, "partly input-bound")  # (nothing was added)

@@ -420,11 +420,25 @@ window_add_many(ShareWindow *self, PyObject *const *args, Py_ssize_t nargs)
     if (read == NULL)
         return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < 2 * n; i++) {
-        read[i] = PyFloat_AsDouble(PyList_GET_ITEM(args[i < n ? 0 : 1], i % n));
+        /* (a value's __float__ is Python's: it may change the lists being read) */
+        PyObject *list = args[i < n ? 0 : 1];
+        if (PyList_GET_SIZE(list) != n) {
+            PyErr_SetString(PyExc_RuntimeError, "add_many: a list changed size while read");
+            PyMem_Free(read);
+            return NULL;
+        }
+        PyObject *item = Py_NewRef(PyList_GET_ITEM(list, i % n));
+        read[i] = PyFloat_AsDouble(item);
+        Py_DECREF(item);
         if (read[i] == -1.0 && PyErr_Occurred()) {
             PyMem_Free(read);
             return NULL;
         }
+    }
+    if (PyList_GET_SIZE(args[0]) != n || PyList_GET_SIZE(args[1]) != n) {
+        PyErr_SetString(PyExc_RuntimeError, "add_many: a list changed size while read");
+        PyMem_Free(read);
+        return NULL;
     }
     PyObject *shares = PyList_New(n), *verdicts = PyList_New(n);
     if (shares == NULL || verdicts == NULL)
@@ -457,7 +471,8 @@ static PyMethodDef window_methods[] = {
      "add_many(waits, times)\n--\n\n"
      "Add several steps (two lists of one length); return the lists of the share and the "
      "verdict after each, as :meth:`add` one at a time would, bit for bit. A value that "
-     "is not a number raises TypeError before any step is added."},
+     "is not a number raises TypeError before any step is added; lists a value's "
+     "``__float__`` changes while they are read, RuntimeError."},
     {NULL},
 };
 
