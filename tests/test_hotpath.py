@@ -473,3 +473,20 @@ def test_the_input_window_refuses_lists_a_value_changes_while_read():
     with pytest.raises(RuntimeError, match="a list changed size while read"):
         window.add_many(waits, times)  # type: ignore[arg-type]
     assert window.add(0.25, 1.0) == (0.25, "partly input-bound")  # (nothing was added)
+
+
+def test_a_listener_that_deletes_an_agents_field_stops_the_observing_never_training(
+        run_dir):
+    """Agent.optimizer_step (C) reads its fields again after the listeners ran: one that
+    deletes the pending commands is the agent's error, reported once; training goes on."""
+    import agent
+    from agent.step.record import StepRecord
+
+    monitor = agent.Agent(name="listener-deletes")
+    monitor.add_listener(lambda record: delattr(monitor, "_pending")
+                         if record.get("type") == "step" else None)
+    monitor.optimizer_step(StepRecord(1, 8, 0.0, step=1))
+    monitor.optimizer_step(StepRecord(1, 8, 0.0, step=2))  # (no longer observed)
+    assert monitor.errors == ["gpuwatch agent: hot path failed: AttributeError: a field "
+                              "of the agent's hot path was deleted"]
+    monitor.close()

@@ -570,6 +570,19 @@ call_method(PyObject *target, PyObject *name, PyObject *arg)
     return 0;
 }
 
+/* 1, or 0 with AttributeError where a field was deleted from Python: checked again after
+ * each call into Python (a marker's, a listener's may delete any) */
+static int
+hot_fields_present(Hot *self)
+{
+    if (!self->last_boundary_t || !self->records_append || !self->marker || !self->knob_values
+            || !self->last_step || !self->listeners || !self->pending) {
+        PyErr_SetString(PyExc_AttributeError, "a field of the agent's hot path was deleted");
+        return 0;
+    }
+    return 1;
+}
+
 static int
 hot_step(Hot *self, PyObject *arg)
 {
@@ -578,11 +591,8 @@ hot_step(Hot *self, PyObject *arg)
                      Py_TYPE(arg)->tp_name);
         return -1;
     }
-    if (!self->last_boundary_t || !self->records_append || !self->marker || !self->knob_values
-            || !self->last_step || !self->listeners || !self->pending) {
-        PyErr_SetString(PyExc_AttributeError, "a field of the agent's hot path was deleted");
+    if (!hot_fields_present(self))
         return -1;
-    }
     PyObject **values = ((Record *)arg)->values;
     if (!values[LOSS] || !values[SKIPPED] || !values[GRAD_NORM] || !values[STEP]) {
         PyErr_SetString(PyExc_AttributeError, "a field of the StepRecord was deleted");
@@ -603,7 +613,7 @@ hot_step(Hot *self, PyObject *arg)
     PyObject *boundary_t = PyFloat_FromDouble(now);
     if (boundary_t == NULL)
         return -1;
-    Py_SETREF(self->last_boundary_t, boundary_t);
+    Py_XSETREF(self->last_boundary_t, boundary_t);
 
     Py_ssize_t queued = PyObject_Length(self->records);
     if (queued < 0)
@@ -631,15 +641,28 @@ hot_step(Hot *self, PyObject *arg)
     if (marker == NULL)
         return -1;
     Py_XSETREF(values[MARKER], marker);
-    Py_SETREF(values[LOSS], Py_NewRef(Py_None));  /* (the marker holds what is read) */
+    Py_XSETREF(values[LOSS], Py_NewRef(Py_None));  /* (the marker holds what is read) */
+    if (!hot_fields_present(self) || values[STEP] == NULL) {  /* (a marker's Python ran) */
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_AttributeError, "a field of the StepRecord was deleted");
+        return -1;
+    }
     Py_XSETREF(values[KNOBS], Py_NewRef(self->knob_values));
-    PyObject *appended = PyObject_CallOneArg(self->records_append, arg);
+    PyObject *append = Py_NewRef(self->records_append);
+    PyObject *appended = PyObject_CallOneArg(append, arg);
+    Py_DECREF(append);
     if (appended == NULL)
         return -1;
     Py_DECREF(appended);
-    Py_SETREF(self->last_step, Py_NewRef(values[STEP]));
-    int telling = PyObject_IsTrue(self->listeners);
+    if (!hot_fields_present(self))
+        return -1;
+    Py_XSETREF(self->last_step, Py_NewRef(values[STEP]));
+    PyObject *listeners = Py_NewRef(self->listeners);
+    int telling = PyObject_IsTrue(listeners);
+    Py_DECREF(listeners);
     if (telling < 0 || (telling && call_method((PyObject *)self, str_tell_step, arg) < 0))
+        return -1;
+    if (!hot_fields_present(self))  /* (a listener ran) */
         return -1;
     int pending = PyObject_IsTrue(self->pending);
     if (pending < 0)
