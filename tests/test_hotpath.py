@@ -452,6 +452,80 @@ def test_a_queue_without_an_append_is_refused_when_it_is_set(run_dir):
     with pytest.raises(AttributeError, match="append"):
         monitor._records = ()  # type: ignore[assignment]
     assert monitor._records is records
+
+
+def test_a_field_a_hook_deletes_during_the_step_is_an_error_never_a_crash(run_dir):
+    """LoopRun.optimizer_step and the boundary (C) read each run's field again after each
+    call into Python: a window hook, the meter, the position or a comparison that deletes
+    one (here: each in turn) is an AttributeError, never a read of a freed field; with the
+    field back, the run counts on."""
+    import agent
+
+    with agent.session(name="hook-deletes") as run:
+        run._window_of_scaler = False
+        fields = {name: getattr(run, name) for name in (
+            "meter", "optimizer_settings", "_micro_batches_trained", "agent", "_accum_steps",
+            "_windows_off", "position")}
+
+        class Meter:  # (a meter whose take deletes the optimizer's settings)
+            def take(self):
+                del run.optimizer_settings
+                return fields["meter"].take()
+
+        class Position:  # (window_done deletes what the boundary reads after it)
+            def __init__(self, name):
+                self.name = name
+
+            def window_done(self, micro_batches):
+                delattr(run, self.name)
+
+        class Counted(int):  # (a window's count whose == deletes the accumulation steps)
+            def __eq__(self, other):
+                del run._accum_steps
+                return True
+
+            __hash__ = int.__hash__
+
+        def take_window_deleting_the_meter():
+            del run.meter
+            return None, None, 0, None
+
+        attacks = [
+            lambda: setattr(run, "_take_window", take_window_deleting_the_meter),
+            lambda: setattr(run, "meter", Meter()),
+            lambda: setattr(run, "position", Position("_micro_batches_trained")),
+            lambda: setattr(run, "position", Position("agent")),
+            lambda: (setattr(run, "_windows_off", 0), setattr(run, "_accum_steps", 2),
+                     setattr(run, "_take_window", lambda: (None, None, Counted(2), None))),
+        ]
+        for number, attack in enumerate(attacks):
+            attack()
+            with pytest.raises(AttributeError, match="a field of the run's hot path was "
+                                                     "deleted"):
+                run.optimizer_step()
+            for name, value in fields.items():
+                setattr(run, name, value)
+            run._take_window = lambda: (None, None, 0, None)
+            step = run.step
+            run.optimizer_step()
+            assert run.step == step + 1, number
+        assert not run.broken and not run.agent.errors
+
+
+def test_a_listener_that_deletes_an_agents_field_stops_the_observing_never_training(
+        run_dir):
+    """Agent.optimizer_step (C) reads its fields again after the listeners ran: one that
+    deletes the pending commands is the agent's error, reported once; training goes on."""
+    import agent
+    from agent.step.record import StepRecord
+
+    monitor = agent.Agent(name="listener-deletes")
+    monitor.add_listener(lambda record: delattr(monitor, "_pending")
+                         if record.get("type") == "step" else None)
+    monitor.optimizer_step(StepRecord(1, 8, 0.0, step=1))
+    monitor.optimizer_step(StepRecord(1, 8, 0.0, step=2))  # (no longer observed)
+    assert monitor.errors == ["gpuwatch agent: hot path failed: AttributeError: a field "
+                              "of the agent's hot path was deleted"]
     monitor.close()
 
 
@@ -475,18 +549,27 @@ def test_the_input_window_refuses_lists_a_value_changes_while_read():
     assert window.add(0.25, 1.0) == (0.25, "partly input-bound")  # (nothing was added)
 
 
-def test_a_listener_that_deletes_an_agents_field_stops_the_observing_never_training(
-        run_dir):
-    """Agent.optimizer_step (C) reads its fields again after the listeners ran: one that
-    deletes the pending commands is the agent's error, reported once; training goes on."""
+def test_a_scaler_that_deletes_itself_from_the_run_while_read_is_never_a_crash(run_dir):
+    """A Session's window is read from its scaler in C: a scaler whose attribute's Python
+    deletes ``run.scaler`` is held while it is read, the step is an AttributeError (not
+    counted), and the run counts on once the scaler is back."""
     import agent
-    from agent.step.record import StepRecord
 
-    monitor = agent.Agent(name="listener-deletes")
-    monitor.add_listener(lambda record: delattr(monitor, "_pending")
-                         if record.get("type") == "step" else None)
-    monitor.optimizer_step(StepRecord(1, 8, 0.0, step=1))
-    monitor.optimizer_step(StepRecord(1, 8, 0.0, step=2))  # (no longer observed)
-    assert monitor.errors == ["gpuwatch agent: hot path failed: AttributeError: a field "
-                              "of the agent's hot path was deleted"]
-    monitor.close()
+    with agent.session(name="scaler-gone") as run:
+        scaler = run.scaler
+
+        class Vanishing:
+            skipped = None
+
+            @property
+            def micro_batches(self):
+                del run.scaler
+                return 0
+
+        run.scaler = Vanishing()
+        with pytest.raises(AttributeError, match="a field of the run's hot path was deleted"):
+            run.optimizer_step()
+        assert run.step == 0
+        run.scaler = scaler
+        run.optimizer_step()
+        assert run.step == 1

@@ -881,6 +881,19 @@ run_dealloc(Run *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* A new reference to the run's field ``value``, or NULL with AttributeError where it was
+ * deleted from Python: read again after each call into Python (a hook, a listener may
+ * delete or replace any field), and held while it is called or read. */
+static PyObject *
+run_field(PyObject *value)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a field of the run's hot path was deleted");
+        return NULL;
+    }
+    return Py_NewRef(value);
+}
+
 static int
 run_fields_present(Run *self)
 {
@@ -943,27 +956,52 @@ run_boundary(Run *self, PyObject *record)
         PyErr_SetString(PyExc_AttributeError, "a field of the StepRecord was deleted");
         return -1;
     }
-    int counted = PyObject_IsTrue(values[STEP]);
-    if (counted < 0)
+    PyObject *value = Py_NewRef(values[STEP]);  /* (held: its __bool__ is Python's) */
+    int counted = PyObject_IsTrue(value);
+    if (counted < 0) {
+        Py_DECREF(value);
         return -1;
-    PyObject *step = counted ? Py_NewRef(values[STEP]) : PyNumber_Add(self->step, one);
+    }
+    PyObject *step = NULL;
+    if (counted)
+        step = Py_NewRef(value);
+    else {
+        PyObject *last = run_field(self->step);
+        step = last == NULL ? NULL : PyNumber_Add(last, one);
+        Py_XDECREF(last);
+    }
+    Py_DECREF(value);
     if (step == NULL)
         return -1;
-    Py_SETREF(self->step, Py_NewRef(step));
-    Py_SETREF(values[STEP], step);
-    PyObject *micro_batches = values[MICRO_BATCHES];
-    if (PyObject_TypeCheck(self->position, hotpath->counts_type)) {  /* (the usual) */
-        Py_ssize_t count = PyNumber_AsSsize_t(micro_batches, PyExc_OverflowError);
-        if ((count == -1 && PyErr_Occurred()) || hotpath->window_done(self->position, count) < 0)
-            return -1;
-    }
-    else if (call_method(self->position, str_window_done, micro_batches) < 0)
+    Py_XSETREF(self->step, Py_NewRef(step));
+    Py_XSETREF(values[STEP], step);
+    if (values[MICRO_BATCHES] == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a field of the StepRecord was deleted");
         return -1;
-    PyObject *trained = PyNumber_Add(self->trained, micro_batches);
+    }
+    /* (each held across the calls into Python: window_done, __index__, __add__ may delete
+     * or replace any run's field or the record's) */
+    PyObject *micro_batches = Py_NewRef(values[MICRO_BATCHES]);
+    PyObject *position = run_field(self->position);
+    int done_position = -1;
+    if (position != NULL && PyObject_TypeCheck(position, hotpath->counts_type)) {
+        Py_ssize_t count = PyNumber_AsSsize_t(micro_batches, PyExc_OverflowError);
+        if (count != -1 || !PyErr_Occurred())  /* (the usual: no lookup, no call) */
+            done_position = hotpath->window_done(position, count);
+    }
+    else if (position != NULL)
+        done_position = call_method(position, str_window_done, micro_batches);
+    Py_XDECREF(position);
+    PyObject *before = done_position < 0 ? NULL : run_field(self->trained);
+    PyObject *trained = before == NULL ? NULL : PyNumber_Add(before, micro_batches);
+    Py_XDECREF(before);
+    Py_DECREF(micro_batches);
     if (trained == NULL)
         return -1;
-    Py_SETREF(self->trained, trained);
-    PyObject *agent = Py_NewRef(self->agent);  /* (held: a listener may replace it) */
+    Py_XSETREF(self->trained, trained);
+    PyObject *agent = run_field(self->agent);  /* (held: a listener may replace it) */
+    if (agent == NULL)
+        return -1;
     PyObject *done = PyObject_TypeCheck(agent, &HotType)
         ? hot_optimizer_step((Hot *)agent, record)
         : PyObject_CallMethodOneArg(agent, str_optimizer_step, record);
@@ -974,15 +1012,19 @@ run_boundary(Run *self, PyObject *record)
     int more = self->pause_requested || self->recovering || self->kept != Py_None
         || self->lr_back != Py_None;
     if (!more && self->event_sources != NULL) {
-        more = PyList_CheckExact(self->event_sources)
-            ? PyList_GET_SIZE(self->event_sources) > 0 : PyObject_IsTrue(self->event_sources);
+        PyObject *sources = Py_NewRef(self->event_sources);
+        more = PyList_CheckExact(sources)
+            ? PyList_GET_SIZE(sources) > 0 : PyObject_IsTrue(sources);
+        Py_DECREF(sources);
         if (more < 0) {
             PyErr_Clear();  /* (_after_boundary reads it again, where an error is reported) */
             more = 1;
         }
     }
     if (!more && self->memory != NULL) {
-        PyObject *left = PyObject_GetAttr(self->memory, str_snapshot_steps_left);
+        PyObject *memory = Py_NewRef(self->memory);
+        PyObject *left = PyObject_GetAttr(memory, str_snapshot_steps_left);
+        Py_DECREF(memory);
         more = left == NULL ? -1 : PyObject_IsTrue(left);
         Py_XDECREF(left);
         if (more < 0) {
@@ -1066,11 +1108,11 @@ run_loop_step(Run *self, PyObject *const *args, size_t nargsf, PyObject *kwnames
         return NULL;
     /* the window: (loss sum, skipped, backward passes, activation bytes) */
     PyObject *window[4] = {NULL}, *taken[4] = {NULL}, *rates[2] = {NULL};
-    PyObject *record = NULL, *result = NULL;
+    PyObject *record = NULL, *result = NULL, *target = NULL;
     if (self->window_of_scaler) {  /* Session's: its SwitchableGradScaler's, if it was used */
         window[3] = self->activation_bytes;  /* (its reference moves to the window) */
         self->activation_bytes = Py_NewRef(Py_None);
-        PyObject *scaler = self->scaler;
+        PyObject *scaler = target = Py_NewRef(self->scaler);  /* (held: its Python runs) */
         PyObject *used = PyObject_GetAttr(scaler, str_micro_batches);
         int backward = used == NULL ? -1 : PyObject_IsTrue(used);
         Py_XDECREF(used);
@@ -1089,46 +1131,61 @@ run_loop_step(Run *self, PyObject *const *args, size_t nargsf, PyObject *kwnames
             window[1] = Py_NewRef(Py_None);
             window[2] = Py_NewRef(zero);
         }
+        Py_CLEAR(target);
     }
     else if (unpack(call_noargs((PyObject *)self, str_own_window), window, 4,
                     "_take_window()") < 0)
         goto done;
-    if (Py_IS_TYPE(self->meter, hotpath->meter_type)) {  /* (the usual) */
+    /* (each field read again after a call into Python, and held while it is called: a
+     * hook may delete or replace any of them) */
+    if ((target = run_field(self->meter)) == NULL)
+        goto done;
+    if (Py_IS_TYPE(target, hotpath->meter_type)) {  /* (the usual: no lookup, no Python) */
         double data_wait_s;
         Py_ssize_t fetched, samples;
-        if (hotpath->meter_take(self->meter, &data_wait_s, &fetched, &samples, &taken[3]) < 0
+        if (hotpath->meter_take(target, &data_wait_s, &fetched, &samples, &taken[3]) < 0
                 || (taken[0] = PyFloat_FromDouble(data_wait_s)) == NULL
                 || (taken[1] = PyLong_FromSsize_t(fetched)) == NULL
                 || (taken[2] = PyLong_FromSsize_t(samples)) == NULL)
             goto done;
     }
-    else if (unpack(call_noargs(self->meter, str_take), taken, 4, "the meter's take()") < 0)
+    else if (unpack(call_noargs(target, str_take), taken, 4, "the meter's take()") < 0)
         goto done;
+    Py_CLEAR(target);
     /* taken: (data wait, micro-batches fetched, samples, tokens) */
-    if (self->optimizer_settings == Py_None) {
+    if ((target = run_field(self->optimizer_settings)) == NULL)
+        goto done;
+    if (target == Py_None) {
         rates[0] = Py_NewRef(Py_None);
         rates[1] = Py_NewRef(Py_None);
     }
-    else if (unpack(call_noargs(self->optimizer_settings, str_take_step), rates, 2,
-                    "take_step()") < 0)
+    else if (unpack(call_noargs(target, str_take_step), rates, 2, "take_step()") < 0)
         goto done;
+    Py_CLEAR(target);
     int backward = PyObject_IsTrue(window[2]);
     if (backward < 0)
         goto done;
     PyObject *counted = backward ? window[2] : taken[1];
-    if (self->windows_off != Py_None) {
+    if ((target = run_field(self->windows_off)) == NULL)
+        goto done;
+    if (target != Py_None) {
+        Py_CLEAR(target);
         int some = PyObject_IsTrue(counted);
         if (some < 0)
             goto done;
         if (some) {
-            int equal = PyObject_RichCompareBool(counted, self->accum_steps, Py_EQ);
+            if ((target = run_field(self->accum_steps)) == NULL)
+                goto done;
+            int equal = PyObject_RichCompareBool(counted, target, Py_EQ);
+            Py_CLEAR(target);
             if (equal < 0
                     || (!equal && call_method((PyObject *)self, str_window_off, counted) < 0))
                 goto done;
             if (equal)
-                Py_SETREF(self->windows_off, Py_NewRef(zero));
+                Py_XSETREF(self->windows_off, Py_NewRef(zero));
         }
     }
+    Py_CLEAR(target);
     int fetched = backward ? 1 : PyObject_IsTrue(taken[1]);
     if (fetched < 0)
         goto done;
@@ -1160,6 +1217,7 @@ done:
     }
     Py_XDECREF(rates[0]);
     Py_XDECREF(rates[1]);
+    Py_XDECREF(target);
     Py_XDECREF(record);
     return result;
 }
