@@ -3,10 +3,12 @@
 Every integration (the reference Trainer, hand-written loops, Lightning, Hugging Face,
 accelerate, Lightning Fabric) is a subclass. The base owns, once for all of them:
 
-- **the optimizer-step boundary** (:meth:`RunBase.boundary`): count the step, note the
-  micro-batches its window trained (the data position), hand the typed record
-  (:class:`agent.step.record.StepRecord`) to the agent, which applies the commands due, then
-  publish the step's events (compile progress) and tick the memory knobs;
+- **the optimizer-step boundary** (``boundary(record)``, in C: the base
+  :class:`agent.step._hot.RunPath`): count the step, note the micro-batches its window
+  trained (the data position), hand the typed record (:class:`agent.step.record.StepRecord`)
+  to the agent, which applies the commands due, then (:meth:`RunBase._after_boundary`, only
+  at a step that has any) hold a pause, take a recovery's step, publish the step's events
+  (compile progress) and tick the memory knobs;
 - **checkpoint and resume** (:meth:`RunBase.bind_checkpoint`, :meth:`RunBase.restore`):
   the knob values a person chose (never a search's trial), the data position
   (:class:`gpuopt.position.DataPosition`, or the framework's own), and an event that
