@@ -15,7 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
-#include "gpuopt/_hotclock.h"
+#include "gpuopt/_hotshared.h"
 #include "gpuopt/_hotpath_api.h"
 
 static PyObject *tensor_type;      /* torch.Tensor */
@@ -172,23 +172,13 @@ static PyMemberDef counts_members[] = {
 static PyObject *
 counts_get_recent(Counts *self, void *closure)
 {
-    if (self->recent == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "_recent");
-        return NULL;
-    }
-    return Py_NewRef(self->recent);
+    return queue_get(self->recent, "_recent");
 }
 
-/* _recent, and its append (looked up once here, not at every fetch) */
 static int
 counts_set_recent(Counts *self, PyObject *value, void *closure)
 {
-    PyObject *append = NULL;
-    if (value != NULL && (append = PyObject_GetAttr(value, str_append)) == NULL)
-        return -1;
-    Py_XSETREF(self->recent, Py_XNewRef(value));
-    Py_XSETREF(self->recent_append, append);
-    return 0;
+    return queue_set(&self->recent, &self->recent_append, value);
 }
 
 static PyGetSetDef counts_getset[] = {

@@ -409,6 +409,9 @@ class Session(LoopRun):
     Attributes:
         model: the model (``kernels`` and ``checkpointing`` switch it in place, so the
             loop's own ``model(...)`` calls, evaluation included, follow them).
+        measure_activations_every: :func:`session`'s. It and :attr:`model` are fixed when
+            the session is made (the boundary, in C, plans activation measurements by
+            them: assigning either later does not start or stop them).
         mixed_precision: the live precision policy (:class:`gpuopt.MixedPrecision`).
         scaler: a ``GradScaler`` lookalike that follows the precision knob
             (:class:`gpuopt.precision.SwitchableGradScaler`): a real GradScaler in fp16.

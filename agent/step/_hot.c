@@ -25,7 +25,7 @@
 #include <Python.h>
 #include <structmember.h>
 
-#include "gpuopt/_hotclock.h"
+#include "gpuopt/_hotshared.h"
 #include "gpuopt/_hotpath_api.h"
 
 static HotpathAPI *hotpath;  /* gpuopt._hotpath's */
@@ -762,23 +762,13 @@ static PyMemberDef hot_members[] = {
 static PyObject *
 hot_get_records(Hot *self, void *closure)
 {
-    if (self->records == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "_records");
-        return NULL;
-    }
-    return Py_NewRef(self->records);
+    return queue_get(self->records, "_records");
 }
 
-/* _records, and its append (looked up once here, not at every step) */
 static int
 hot_set_records(Hot *self, PyObject *value, void *closure)
 {
-    PyObject *append = NULL;
-    if (value != NULL && (append = PyObject_GetAttr(value, str_append)) == NULL)
-        return -1;
-    Py_XSETREF(self->records, Py_XNewRef(value));
-    Py_XSETREF(self->records_append, append);
-    return 0;
+    return queue_set(&self->records, &self->records_append, value);
 }
 
 static PyGetSetDef hot_getset[] = {
@@ -1228,7 +1218,8 @@ static PyMethodDef run_methods[] = {
      "Training thread, at an optimizer-step boundary: count, record and publish the step.\n\n"
      "After ``step()`` and ``zero_grad``: count the step (``record.step``: the framework's "
      "own count, when it keeps one; else :attr:`step` + 1), note its window in the data "
-     "position, record it (:meth:`agent.step.core.Agent.optimizer_step`) and apply the "
+     "position, record it (:meth:`agent.step.core.Agent.optimizer_step`, called in C: "
+     "an override of it in a subclass of the agent is not called) and apply the "
      "commands due (a checkpoint among them holds this step), then, when there is any "
      "(``_after_boundary``): hold a pause, end a rollback's watch, take a recovery's step, "
      "publish the event sources' events and tick the memory knobs.\n\n"
