@@ -1588,8 +1588,10 @@ async def test_a_key_that_changes_the_run_asks_and_its_key_again_or_enter_sends(
                               "checkpointing": False})
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(80, 24)) as pilot:
+        # (the header's live and the log's "run is live", if any, come in one redraw; a
+        # first draw of a run already live logs none): no line of the run's after
         await until(pilot, lambda: knows(app, "precision") and knows(app, "checkpointing")
-                    and "run is live" in log_texts(app))  # no line of the run's after
+                    and "● live" in text_of(app, "#header"))
         await pilot.press("p")  # what it will do, and which keys answer
         assert question_text(app) == ("? precision fp32 → bf16 at the next step  "
                                       "p/enter: send  esc: cancel")
@@ -1619,7 +1621,7 @@ async def test_a_key_typed_ahead_of_its_question_never_answers_it(make_agent):
     app = GpuwatchApp(LiveSource(agent.info))
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: knows(app, "precision") and knows(app, "checkpointing")
-                    and "run is live" in log_texts(app))
+                    and "● live" in text_of(app, "#header"))  # (as above)
         burst(app, "p", "p", "c", "enter")  # a double press and an enter, in one burst
         await until(pilot, lambda: "checkpointing=on not sent: ⏎ was typed ahead of the "
                     "question" in log_texts(app))
