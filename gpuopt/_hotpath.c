@@ -20,7 +20,7 @@
 
 static PyObject *tensor_type;      /* torch.Tensor */
 static PyObject *mapping_abc;      /* collections.abc.Mapping */
-static PyObject *str_shape, *str_append, *str_get, *str_input_ids, *str_numel, *str_close,
+static PyObject *str_shape, *str_get, *str_input_ids, *str_numel, *str_close,
     *str_empty;
 
 /* ------------------------------------------------------------------ PositionCounts */
@@ -800,7 +800,6 @@ PyInit__hotpath(void)
     if (mapping_abc == NULL)
         return NULL;
     if ((str_shape = PyUnicode_InternFromString("shape")) == NULL
-            || (str_append = PyUnicode_InternFromString("append")) == NULL
             || (str_get = PyUnicode_InternFromString("get")) == NULL
             || (str_input_ids = PyUnicode_InternFromString("input_ids")) == NULL
             || (str_numel = PyUnicode_InternFromString("numel")) == NULL

@@ -496,7 +496,7 @@ static PyTypeObject WindowType = {
 
 /* ------------------------------------------------------------------ HotPath */
 
-static PyObject *str_mark, *str_mark_read, *str_append, *str_encoder, *str_overflowing,
+static PyObject *str_mark, *str_mark_read, *str_encoder, *str_overflowing,
     *str_tell_step, *str_apply_pending, *str_report_error, *str_hot_path;
 
 typedef struct {
@@ -1386,7 +1386,6 @@ PyInit__hot(void)
     if ((zero = PyLong_FromLong(0)) == NULL
             || (str_mark = PyUnicode_InternFromString("mark")) == NULL
             || (str_mark_read = PyUnicode_InternFromString("mark_read")) == NULL
-            || (str_append = PyUnicode_InternFromString("append")) == NULL
             || (str_encoder = PyUnicode_InternFromString("_encoder")) == NULL
             || (str_overflowing = PyUnicode_InternFromString("overflowing")) == NULL
             || (str_tell_step = PyUnicode_InternFromString("_tell_step")) == NULL
