@@ -268,16 +268,19 @@ class PacedLoop:
     a ``time.sleep`` (it releases the GIL, as torch's kernels do) until the step's due
     time (``step_s`` after the previous one's, so that the sleep's own lateness, tens of
     us, does not slow the rate); its loss, a 0-dim host tensor that requires grad, as a
-    real step's. ``stream`` and ``step`` as :func:`make_loop`'s."""
+    real step's. ``stream`` and ``step`` as :func:`make_loop`'s; the stream yields
+    ``batch`` (the model loop's first ``(inputs, targets)``) at every step, so that a
+    monitor reads a real batch's tensors as it does in the model loop."""
 
-    def __init__(self, step_s: float) -> None:
+    def __init__(self, step_s: float, batch: tuple) -> None:
         self.step_s = step_s
+        self.batch = batch
         self._loss = torch.tensor(0.5, requires_grad=True)
         self._due = 0.0
 
     def stream(self, steps: int):
         self._due = time.perf_counter()
-        return repeat((None, None), steps)
+        return repeat(self.batch, steps)
 
     def step(self, inputs, targets):
         self._due += self.step_s
@@ -436,7 +439,7 @@ def hot_path_cpu_us(steps: int, repeats: int = 5) -> dict[str, float]:
     under tqdm and through the agent's loader and ``optimizer_step``; the best of
     ``repeats`` minus the bare loop's, in us a step."""
     loss = torch.tensor(0.5, requires_grad=True)  # (as a step's loss: it requires grad)
-    batches = [(None, None)] * steps
+    batches = [(torch.zeros(64, 64), torch.zeros(64, dtype=torch.long))] * steps  # (as the loop's)
 
     def bare():
         start = time.thread_time()
@@ -516,7 +519,7 @@ def main() -> None:
                     else run_bare(stream, step, calibration, Clocks())[0] / calibration)
     model_step = TimedStep(step)
     loops = {name: (stream, model_step) for name in monitors}
-    paced = PacedLoop(paced_step_s)
+    paced = PacedLoop(paced_step_s, next(iter(stream(1))))
     paced_step = TimedStep(paced.step)
     loops.update((name, (paced.stream, paced_step)) for name in PACED)
     monitors.update(PACED)

@@ -53,6 +53,46 @@ def test_the_meter_counts_samples_and_tokens_as_batch_size_and_input_ids_say():
     assert other.take() == (0.5, 1, 10, None)
 
 
+def _dense_tensors():
+    """Dense tensors of 0 to 5 dims as loaders hand them over: dtypes, views, slices,
+    transposes, expansions, a resize in place, one that requires grad, an empty one."""
+    resized = torch.zeros(4, 4)
+    resized.resize_(11, 2)
+    return [torch.zeros(64, 8), torch.zeros(3, dtype=torch.int8), torch.tensor(1.0),
+            torch.zeros(2, 3, 4, 5, 6), torch.zeros(5, 3).t(), torch.zeros(10)[2:7],
+            torch.zeros(1, 4).expand(9, 4), torch.zeros(6, 2, dtype=torch.bfloat16)[::2],
+            torch.zeros(7, 2, requires_grad=True), resized, torch.zeros(0, 3),
+            torch.arange(12).view(3, 4)[1:], torch.zeros(2, 3).unsqueeze(0)]
+
+
+def test_dim_0_is_read_from_the_tensor_object_exactly_as_shape_says():
+    """The layout learned at import (this torch: a dense tensor's sizes) gives dim 0 of
+    every dense tensor of 0 to 5 dims as ``shape`` does (1 for 0 dims); a tensor whose
+    sizes live elsewhere (6 dims, sparse, nested, a subclass) is not read there, and the
+    meter counts it through ``shape`` all the same."""
+    from gpuopt import _hotpath
+
+    assert _hotpath._tensor_layout() is not None  # (else every fetch pays a torch call)
+    dense = _dense_tensors()
+    assert [_hotpath._direct_dim0(tensor) for tensor in dense] == [
+        tensor.shape[0] if tensor.dim() else 1 for tensor in dense]
+
+    class Marked(torch.Tensor):
+        pass
+
+    with pytest.warns(UserWarning, match="nested"):  # (torch's prototype warning)
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    others = [torch.zeros(2, 3, 4, 5, 6, 7), torch.zeros(4, 4).to_sparse(),
+              torch.nn.Parameter(torch.zeros(7, 2)), torch.zeros(5, 2).as_subclass(Marked),
+              nested, "not a tensor"]
+    assert [_hotpath._direct_dim0(other) for other in others] == [None] * len(others)
+
+    meter = WindowMeter(batch_size)
+    for tensor in dense + others[:4]:
+        meter.add((tensor, None), 0.0)
+    assert meter.take()[2] == sum(batch_size((tensor,)) for tensor in dense + others[:4])
+
+
 def test_the_meter_refuses_bad_arguments_and_passes_errors_on():
     for bad in (0, -1, True, 2.0, "8"):
         with pytest.raises(ValueError, match="tokens_per_sample must be an integer >= 1"):
