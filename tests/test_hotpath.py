@@ -235,6 +235,28 @@ def test_the_step_record_is_made_by_position_or_keyword_with_its_defaults():
     assert "as recorded on the training thread" in (StepRecord.__doc__ or "")
 
 
+def test_a_step_record_is_not_tracked_by_the_collector_and_lets_its_values_go(run_dir):
+    """Records are not traversed by the cyclic collector (hundreds queue between the I/O
+    thread's passes); a record gone lets its values go at once, and the records of a
+    real run's steps leave no object behind once published."""
+    import agent
+    from agent.step.record import StepRecord
+
+    loss = torch.tensor(0.5)
+    record = StepRecord(1, 8, 0.0, loss, knobs={"precision": "fp32"})
+    assert not gc.is_tracked(record)
+    gone = weakref.ref(loss)
+    del loss, record
+    assert gone() is None  # (no collection needed)
+
+    losses = [torch.tensor(float(i)) for i in range(200)]
+    kept = [weakref.ref(loss) for loss in losses]
+    with agent.session(name="untracked") as run:
+        for _batch in run.loader([(torch.zeros(4, 2),)] * len(losses)):
+            run.optimizer_step(losses.pop(0))
+    assert [ref() for ref in kept] == [None] * len(kept)  # (every record freed)
+
+
 def test_the_agents_hot_path_reports_its_own_error_once_and_lets_the_training_go_on(run_dir):
     """agent.Agent.optimizer_step (C): a wrong record is gpuwatch's error: reported once
     (an agent_error event), the agent stops observing, nothing raised; a
