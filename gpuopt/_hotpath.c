@@ -307,10 +307,17 @@ meter_dealloc(Meter *self)
  * dim 0 there only for a tensor of exactly torch.Tensor's type whose TensorImpl has that
  * vtable (a dense tensor: not nested, sparse, quantized, MKLDNN or a wrapper, whose
  * sizes live elsewhere) and 1 to 5 dims (inline); any other tensor, or a torch whose
- * layout the probes do not confirm, goes through ``shape`` as before. */
+ * layout the probes do not confirm, goes through ``shape`` as before.
+ *
+ * A plain TensorImpl may still hold symbolic sizes (SymInts of a ShapeEnv, e.g. after
+ * ``as_strided_((s0, 3), ...)``, or a meta tensor made with them): those live in its
+ * ``extra_meta_`` and ``sizes_and_strides_`` keeps stale values. So the read also asks
+ * ``extra_meta_`` to be NULL (else ``shape``): the word declared right after
+ * ``autograd_meta_``, which the probes find as the one word ``requires_grad_()`` sets. */
 
 static Py_ssize_t impl_offset = -1;   /* the TensorImpl pointer, in a torch.Tensor object */
 static Py_ssize_t sizes_offset = -1;  /* sizes_and_strides_ (its dim count), in a TensorImpl */
+static Py_ssize_t extra_offset = -1;  /* extra_meta_ (NULL unless symbolic sizes...) */
 static void *dense_vtable;            /* a plain TensorImpl's */
 
 #define INLINE_DIMS 5
@@ -325,7 +332,8 @@ direct_dim0(PyObject *tensor)
     if (sizes_offset < 0)
         return -1;
     char *impl = *(char **)((char *)tensor + impl_offset);
-    if (impl == NULL || *(void **)impl != dense_vtable)
+    if (impl == NULL || *(void **)impl != dense_vtable
+            || *(void **)(impl + extra_offset) != NULL)
         return -1;
     int64_t dims = *(int64_t *)(impl + sizes_offset);
     if (dims == 0)
@@ -400,8 +408,28 @@ learn_layout(PyObject *torch)
                  && *(void **)impls[i] == *(void **)impls[0]
                  && sizes_at(impls[i], found_sizes, shapes[i]);
     }
+    Py_ssize_t found_extra = -1;
+    if (ok) {  /* autograd_meta_: the one word before the sizes requires_grad_() sets */
+        int64_t before[IMPL_SCAN_BYTES / 8];
+        for (Py_ssize_t at = 8; at < found_sizes; at += 8)
+            before[at / 8] = *(int64_t *)(impls[1] + at);
+        PyObject *done = PyObject_CallMethod(probes[1], "requires_grad_", NULL);
+        ok = done != NULL && *(char **)((char *)probes[1] + found_impl) == impls[1];
+        Py_XDECREF(done);
+        for (Py_ssize_t at = 8; ok && at < found_sizes; at += 8)
+            if (*(int64_t *)(impls[1] + at) != before[at / 8]) {
+                if (before[at / 8] != 0 || found_extra >= 0)
+                    ok = 0;  /* (more than one word changed: unsure) */
+                else
+                    found_extra = at + 8;
+            }
+        ok = ok && found_extra >= 0 && found_extra < found_sizes;
+        for (int i = 0; ok && i < 3; i++)
+            ok = *(void **)(impls[i] + found_extra) == NULL;
+    }
     if (ok) {
         impl_offset = found_impl;
+        extra_offset = found_extra;
         dense_vtable = *(void **)impls[0];
         sizes_offset = found_sizes;
     }
@@ -450,8 +478,9 @@ meter_samples(Meter *self, PyObject *batch)
                 return -1;
             Py_ssize_t size = 0;
             if (PyTuple_Check(shape))
-                size = PyTuple_GET_SIZE(shape) == 0 ? 1
-                                                    : PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, 0));
+                size = PyTuple_GET_SIZE(shape) == 0  /* (a SymInt: __index__, as the call) */
+                           ? 1 : PyNumber_AsSsize_t(PyTuple_GET_ITEM(shape, 0),
+                                                    PyExc_OverflowError);
             Py_DECREF(shape);
             if (size != 0)  /* (-1 with an error: passed on) */
                 return size;

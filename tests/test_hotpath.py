@@ -93,6 +93,28 @@ def test_dim_0_is_read_from_the_tensor_object_exactly_as_shape_says():
     assert meter.take()[2] == sum(batch_size((tensor,)) for tensor in dense + others[:4])
 
 
+def test_a_plain_tensor_with_symbolic_sizes_is_counted_through_shape_not_stale_sizes():
+    """A plain torch.Tensor may hold SymInt sizes (its TensorImpl's sizes_and_strides_
+    then stale: here 500): dim 0 is not read from memory, and the meter counts what
+    batch_size does (the SymInt's value through ``__index__``)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from gpuopt import _hotpath
+
+    size = ShapeEnv().create_unspecified_symint_and_symbol(
+        48, ConstantSource("s"), DimDynamic.DYNAMIC)
+    restrided = torch.zeros(500).as_strided_((size, 3), (3, 1))
+    meta = torch.empty((3, size), device="meta")
+    assert type(restrided) is torch.Tensor and type(meta) is torch.Tensor
+    assert _hotpath._direct_dim0(restrided) is None and _hotpath._direct_dim0(meta) is None
+    meter = WindowMeter(batch_size)
+    meter.add((restrided,), 0.0)
+    meter.add([meta], 0.0)
+    assert meter.take()[2] == 48 + 3 == int(batch_size((restrided,))) + batch_size([meta])
+    assert _hotpath._direct_dim0(torch.zeros(7, 2)) == 7  # (a plain one still read)
+
+
 def test_the_meter_refuses_bad_arguments_and_passes_errors_on():
     for bad in (0, -1, True, 2.0, "8"):
         with pytest.raises(ValueError, match="tokens_per_sample must be an integer >= 1"):
