@@ -181,3 +181,35 @@ def test_a_host_loss_and_its_graph_are_let_go_once_published():
     encoder.drain()
     assert sent[0][1]["columns"]["loss"] == [3.0, 6.0, 9.0, 12.0, 15.0]
     assert [ref() for ref in held] == [None] * 5
+
+
+def test_the_batches_of_one_drain_share_one_memory_reading_and_the_next_takes_its_own():
+    """A drain of more steps than a batch holds sends two ``steps`` batches with one
+    memory reading (all their steps ran before it); the next drain reads again."""
+    records, marker, encoder, sent = _host_encoder()
+    readings: list[dict] = []
+    read = encoder._memory
+
+    def counted() -> dict:
+        readings.append(read())
+        return readings[-1]
+
+    encoder._memory = counted  # type: ignore[method-assign]  # (the real reading, counted)
+
+    def queue(first: int, count: int) -> None:
+        for step in range(first, first + count):
+            record = StepRecord(1, 8, 0.001, loss=torch.tensor(0.5))
+            record.step, record.step_time_s = step, 0.01
+            record.marker, record.knobs = marker.mark(record.loss), {}
+            records.append(record)
+
+    queue(1, protocol.MAX_BATCH_STEPS + 10)
+    encoder.drain()
+    assert [body["n"] for kind, body in sent] == [protocol.MAX_BATCH_STEPS, 10]
+    assert len(readings) == 1
+    assert [body["common"]["host_rss_bytes"] for kind, body in sent] == [
+        readings[0]["host_rss_bytes"]] * 2
+    queue(protocol.MAX_BATCH_STEPS + 11, 5)
+    encoder.drain()
+    assert len(readings) == 2 and sent[-1][1]["n"] == 5
+    assert encoder.latest_memory is readings[1]

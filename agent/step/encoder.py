@@ -102,6 +102,8 @@ class StepEncoder:
         #: columns (:meth:`_add_columns`), oldest first, and how many steps they hold
         self._batch: list[tuple[list[Any], ...]] = []
         self._batch_steps = 0
+        #: the memory reading of the wake-up :meth:`drain` is in (None outside one)
+        self._reading: dict[str, Any] | None = None
         #: the latest steps of the batch, as rows (one at a time: :meth:`_add_each`)
         self._rows: list[tuple] = []
         #: how many records of the list :meth:`drain` took were handled
@@ -197,27 +199,32 @@ class StepEncoder:
            host loss comes read as a number, :meth:`CpuMarker.mark`); one at a time
            (:meth:`_add_each`) only while the rollback guard watches a change, a
            search is on, or a step was skipped or has a non-finite loss. Dicts,
-           encoding and the send happen once a batch (:meth:`flush`). An internal
+           encoding and the send happen once a batch (:meth:`flush`), the memory
+           reading once a call (its batches share it: their steps all ran before). An internal
            error drops the run of steps it happened in (the agent reports it) and
            leaves the records after it queued.
         """
-        records, in_flight = self._records, self._in_flight
-        if records or in_flight:
-            pending = list(in_flight)  # (the records not ready at the last drain)
-            in_flight.clear()
-            # (popped in C: the training thread may append meanwhile)
-            pending += map(deque.popleft, repeat(records, len(records)))
-            self._done = 0
-            try:
-                self._encode(pending, final)
-            finally:
-                if self._done < len(pending):  # not ready yet, or after an error
-                    in_flight.extend(pending[self._done:])
-        if final and self.events_queued >= self._next_event and not in_flight:
-            self._events_lost(self.events_queued - self._next_event + 1)  # (the last)
-            self._next_event = self.events_queued + 1
-        if self._batch_steps:
-            self.flush()
+        self._reading = None  # (one memory reading serves this wake-up's batches)
+        try:
+            records, in_flight = self._records, self._in_flight
+            if records or in_flight:
+                pending = list(in_flight)  # (the records not ready at the last drain)
+                in_flight.clear()
+                # (popped in C: the training thread may append meanwhile)
+                pending += map(deque.popleft, repeat(records, len(records)))
+                self._done = 0
+                try:
+                    self._encode(pending, final)
+                finally:
+                    if self._done < len(pending):  # not ready yet, or after an error
+                        in_flight.extend(pending[self._done:])
+            if final and self.events_queued >= self._next_event and not in_flight:
+                self._events_lost(self.events_queued - self._next_event + 1)  # (the last)
+                self._next_event = self.events_queued + 1
+            if self._batch_steps:
+                self.flush()
+        finally:
+            self._reading = None
 
     def _encode(self, pending: list[Any], final: bool) -> None:
         """Add ``pending``'s records to the batch in order, from :attr:`_done` on (which
@@ -491,7 +498,10 @@ class StepEncoder:
         if "tokens" in columns:
             columns["tokens_per_s"] = [count / time_s if count is not None and time_s
                                        else None for count, time_s in zip(tokens, times)]
-        memory = self.latest_memory = self._memory()
+        memory = self._reading
+        if memory is None:  # (the batches one wake-up sends share it: their steps all
+            memory = self._reading = self._memory()  # ran before it; the peaks are theirs)
+        self.latest_memory = memory
         common = dict(memory)
         first = knobs[0]
         if knobs.count(first) == n:  # the same map unless a knob changed
