@@ -343,11 +343,17 @@ direct_dim0(PyObject *tensor)
     return (Py_ssize_t)*(int64_t *)(impl + sizes_offset + 8);
 }
 
-/* A probe: torch.empty(sizes), its TensorImpl's address in *impl. NULL with an error. */
+/* A probe: torch.empty(sizes, device="cpu") (explicit: a default device set before this
+ * import must not start CUDA here), its TensorImpl's address in *impl. NULL with an
+ * error. */
 static PyObject *
 layout_probe(PyObject *empty, PyObject *sizes, char **impl)
 {
-    PyObject *tensor = PyObject_CallOneArg(empty, sizes);
+    PyObject *args = PyTuple_Pack(1, sizes);
+    PyObject *kwargs = args == NULL ? NULL : Py_BuildValue("{ss}", "device", "cpu");
+    PyObject *tensor = kwargs == NULL ? NULL : PyObject_Call(empty, args, kwargs);
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
     if (tensor == NULL)
         return NULL;
     PyObject *cdata = PyObject_GetAttrString(tensor, "_cdata");
@@ -457,7 +463,7 @@ tensor_layout(PyObject *module, PyObject *unused)
 {
     if (sizes_offset < 0)
         Py_RETURN_NONE;
-    return Py_BuildValue("(nn)", impl_offset, sizes_offset);
+    return Py_BuildValue("(nnn)", impl_offset, sizes_offset, extra_offset);
 }
 
 /* Samples in ``batch``: dim 0 of a tuple's or list's first item when it is a plain
@@ -955,8 +961,9 @@ static PyMethodDef module_methods[] = {
      "(not exactly a torch.Tensor, not a dense TensorImpl, more than 5 dims, or no layout "
      "learned). For tests."},
     {"_tensor_layout", (PyCFunction)tensor_layout, METH_NOARGS,
-     "_tensor_layout()\n--\n\n``(impl_offset, sizes_offset)`` in bytes as learned at "
-     "import, or None where the probes did not confirm one (``shape`` is read)."},
+     "_tensor_layout()\n--\n\n``(impl_offset, sizes_offset, extra_meta_offset)`` in "
+     "bytes as learned at import, or None where the probes did not confirm one (``shape`` "
+     "is read)."},
     {NULL},
 };
 

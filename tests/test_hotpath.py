@@ -115,6 +115,23 @@ def test_a_plain_tensor_with_symbolic_sizes_is_counted_through_shape_not_stale_s
     assert _hotpath._direct_dim0(torch.zeros(7, 2)) == 7  # (a plain one still read)
 
 
+def test_the_layout_is_learned_on_the_host_whatever_default_device_is_set():
+    """The probes are made on the CPU: a default device set before the import (CUDA,
+    absent here: a probe made there raised, and every fetch read ``shape``) neither
+    starts that device nor loses the direct read."""
+    import subprocess
+    import sys
+
+    from gpuopt import _hotpath
+
+    code = ("import torch; torch.set_default_device('cuda'); import gpuopt._hotpath as h; "
+            "print(h._tensor_layout())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(_hotpath._tensor_layout())
+
+
 def test_the_meter_refuses_bad_arguments_and_passes_errors_on():
     for bad in (0, -1, True, 2.0, "8"):
         with pytest.raises(ValueError, match="tokens_per_sample must be an integer >= 1"):
