@@ -30,7 +30,7 @@ from gpuwatch.sources import Source
 from gpuwatch.sources.live import LiveSource
 from gpuwatch.sources.timeline import TimelineSource
 from gpuwatch.state import (BUSY_STATUSES, GONE_AFTER_S, QUIET_AFTER_S, STEP_HISTORY,
-                            RunState)
+                            LogEntry, RunState)
 from gpuwatch.compare import Column
 from gpuwatch.widgets.command_line import CommandLine, SchemaSuggester
 from gpuwatch.screens.compare import CompareScreen
@@ -225,6 +225,8 @@ class GpuwatchApp(App[None]):
         self.quick_keys = (os.environ.get(QUICK_KEYS_ENV) == "1" if quick_keys is None
                            else quick_keys)
         self._notes = list(notes)
+        #: the "waiting for ..." line logged at the start (see :meth:`redraw`)
+        self._waiting_line: LogEntry | None = None
         self._drawn: tuple[int, str, Any, int] | None = None
         #: ((state.steps_total, the whole run's rows, zoomed out), monotonic s) at the
         #: charts' last draw
@@ -397,6 +399,7 @@ class GpuwatchApp(App[None]):
             for level, note in self._notes:
                 self.source.state.log(level, note)
             self.source.state.log("info", f"waiting for {self.source.description} ...")
+            self._waiting_line = self.source.state.events[-1]
         self.source.start()
 
     def on_unmount(self) -> None:
@@ -432,8 +435,14 @@ class GpuwatchApp(App[None]):
                 self._charts_drawn = (-1, 0.0)
                 self._drawn = None
             previous = self._drawn[1] if self._drawn is not None else None
-            if (previous is not None and previous != status and status in _STATUS_NOTES
-                    and not (status == "live" and previous in _QUIET_RETURNS)):
+            # (a run found live, or live after a compile that began before this dashboard
+            # came, is noted while "waiting for ..." is still the newest line: the folded
+            # log at 24 rows would show that under the header's live)
+            waited = (status == "live" and bool(state.events)
+                      and state.events[-1] is self._waiting_line)
+            if ((previous is not None or waited) and previous != status
+                    and status in _STATUS_NOTES
+                    and not (status == "live" and previous in _QUIET_RETURNS and not waited)):
                 level, note = _STATUS_NOTES[status]
                 state.log(level, note.format(step=human_number(
                     state.paused_after if status == "paused" else state.step)))

@@ -871,6 +871,25 @@ async def test_header_says_compiling_until_compiled_and_shows_agent_trouble():
         assert "run is live" not in log_texts(app)  # the end of a compile is no comeback
 
 
+async def test_a_run_compiling_before_the_dashboard_came_is_noted_live_once_it_steps():
+    """A dashboard that comes while the run compiles (a system sample says so: no event
+    in its log) notes "run is live" at the step that ends it, so that "waiting for ..." is
+    not the newest line under the header's live (the log folds to one line at 24 rows);
+    a compile it saw begin ends quietly (the compile's own event tells it)."""
+    source, app = _silent_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: log_texts(app)[-1].startswith("waiting for"))
+        with source.lock:
+            source.state.ingest(envelope("system", {"compiling_graph": "0/1",
+                                                    "compiling_graph_s": 12.0}))
+        await until(pilot, lambda: "● compiling" in text_of(app, "#header"))
+        assert log_texts(app)[-1].startswith("waiting for")
+        with source.lock:
+            source.state.ingest(envelope("step", {"step": 1}))
+        await until(pilot, lambda: "● live" in text_of(app, "#header"))
+        await until(pilot, lambda: log_texts(app)[-1] == "run is live")
+
+
 @pytest.mark.parametrize("width", [60, 120])
 async def test_the_header_keeps_the_whole_run_id_before_its_counts(width):
     """At 60 columns the counts of records dropped and of commands rejected give way
