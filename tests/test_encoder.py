@@ -10,13 +10,15 @@ import weakref
 import random
 from collections import deque
 
+import msgpack
 import pytest
 import torch
 
 from agent.control.guard import ChangeGuard
 from agent.control.ledger import Change, ChangeLedger
 from agent.search.tune import AutoTune
-from agent.step.encoder import INPUT_WINDOW_STEPS, InputWindow, StepEncoder
+from agent.step._hot import StepsBatch
+from agent.step.encoder import _PACKB, INPUT_WINDOW_STEPS, InputWindow, StepEncoder
 from agent.step.markers import CpuMarker
 from agent.step.record import StepRecord
 from agent.wire import protocol
@@ -32,6 +34,12 @@ RATES = {
 }
 
 
+def _wire(kind: str, body) -> dict:
+    """``body`` as a reader gets it: packed into the wire's bytes and decoded."""
+    envelope = protocol.envelope(kind, body, run="r", seq=1)
+    return protocol.decode(protocol.encode(envelope)[1])["body"]
+
+
 def _host_encoder(ledger: ChangeLedger | None = None
                   ) -> tuple[deque, CpuMarker, StepEncoder, list[tuple[str, dict]]]:
     """``(records, marker, encoder, sent)``: an encoder of the host step records queued on
@@ -40,7 +48,8 @@ def _host_encoder(ledger: ChangeLedger | None = None
     sent: list[tuple[str, dict]] = []
     records: deque = deque()
     marker = CpuMarker()
-    encoder = StepEncoder(records, marker, publish=lambda kind, body: sent.append((kind, body)),
+    encoder = StepEncoder(records, marker,
+                          publish=lambda kind, body: sent.append((kind, _wire(kind, body))),
                           guard=ChangeGuard(ChangeLedger() if ledger is None else ledger),
                           check_step=lambda *args: None,
                           tune=AutoTune(KnobSet(), 0, lambda kind, body: None, lambda: None,
@@ -213,3 +222,147 @@ def test_the_batches_of_one_drain_share_one_memory_reading_and_the_next_takes_it
     encoder.drain()
     assert len(readings) == 2 and sent[-1][1]["n"] == 5
     assert encoder.latest_memory is readings[1]
+
+
+# ---------------------------------------------------------------- the batch's packing
+
+#: Values a step's field may hold, each packed by msgpack's own rules: ints at each
+#: boundary of msgpack's forms, floats that are not finite, strs of each length form, and
+#: the containers the knobs and the param groups' rates are.
+_VALUES = [
+    None, True, False, 0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32,
+    2**63 - 1, 2**64 - 1, -1, -32, -33, -128, -129, -32768, -32769, -2**31, -2**31 - 1,
+    -2**63, 0.0, -0.0, 1.5, float("inf"), float("-inf"), float("nan"), 1e300, "", "a" * 31,
+    "b" * 32, "c" * 255, "d" * 256, "e" * 65535, "f" * 65536, "héllo ✓", [], [1.0, None],
+    (0.1, 0.2), list(range(16)), {"a": 1}, {str(i): i for i in range(16)}, {1: [{"x": ()}]},
+    b"raw",
+]
+
+
+def _reference(rows: list[tuple], head: dict, common: dict) -> bytes:
+    """What a ``steps`` message of ``rows`` (in the order of a row of
+    ``StepEncoder._add_each``) is, built in Python as its format says and packed by
+    msgpack."""
+    names = ("step", "micro_batches", "samples", "step_time_s", "data_wait_s", "loss",
+             "gpu_step_time_s", "knobs", "grad_scaler_skipped", "activation_bytes", "tokens",
+             "lr", "lr_groups", "grad_norm", "skipped_steps_total", "data_wait_share_window",
+             "input_verdict")
+    values = {name: [row[k] for row in rows] for k, name in enumerate(names)}
+    times = values["step_time_s"]
+    values["data_wait_share"] = [min(1.0, wait / time_s) if time_s else None
+                                 for wait, time_s in zip(values["data_wait_s"], times)]
+    values["samples_per_s"] = [count / time_s if time_s else None
+                               for count, time_s in zip(values["samples"], times)]
+    values["tokens_per_s"] = [count / time_s if count is not None and time_s else None
+                              for count, time_s in zip(values["tokens"], times)]
+    columns = {name: values[name] for name in (
+        "step", "micro_batches", "samples", "step_time_s", "data_wait_s", "data_wait_share",
+        "samples_per_s", "loss", "gpu_step_time_s", "skipped_steps_total")}
+    for name in ("grad_scaler_skipped", "activation_bytes", "tokens", "lr", "lr_groups",
+                 "grad_norm", "data_wait_share_window", "input_verdict"):
+        if any(value is not None for value in values[name]):
+            columns[name] = values[name]
+    if "tokens" in columns:
+        columns["tokens_per_s"] = values["tokens_per_s"]
+    knobs = values["knobs"]
+    common = dict(common)
+    if knobs and all(each == knobs[0] for each in knobs):
+        common["knobs"] = knobs[0]
+    elif knobs:
+        columns["knobs"] = knobs
+    message = {**head, "body": {"n": len(rows), "columns": columns, "common": common}}
+    return msgpack.packb(message, use_bin_type=True)
+
+
+_HEAD = {"v": 2, "type": "steps", "run": "r", "rank": 0, "seq": 7, "t": 1.5}
+
+
+def _row(rng: random.Random, step: int) -> tuple:
+    """A step's row: numbers where the format has them, any value elsewhere."""
+    some = lambda: rng.choice(_VALUES)  # noqa: E731
+    time_s = rng.choice([None, 0.0, 0.01 * rng.random() + 1e-9, float("nan"), 2, 3.0])
+    return (step, rng.choice([1, 4, 2**40]), rng.choice([0, 64, 2**53 + 1]), time_s,
+            rng.choice([0, 0.001 * rng.random(), 1.0, 5.0, float("inf")]), some(), some(),
+            rng.choice([{"precision": "fp32"}, {"precision": "bf16"}]), some(), some(),
+            rng.choice([None, 0, 10**6, 2**60]), some(), some(), some(), some(), some(), some())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_batch_packs_its_steps_byte_for_byte_as_msgpack_packs_the_format(seed):
+    rng = random.Random(seed)
+    batch = StepsBatch(_PACKB)
+    rows = [_row(rng, step) for step in range(1, rng.randint(1, 40))]
+    parts = [rows[:len(rows) // 3], rows[len(rows) // 3:]]  # (added in two parts)
+    for part in parts:
+        if part:
+            batch.add_rows(tuple(map(list, zip(*part))))
+    assert batch.n == len(rows)
+    common = {"host_rss_bytes": 123456789, "mem_peak_reserved_bytes": 2**40}
+    assert batch.take(dict(_HEAD), common) == _reference(rows, _HEAD, common)
+    assert batch.n == 0
+    assert batch.take(dict(_HEAD), {}) == _reference([], _HEAD, {})  # emptied
+
+
+def test_a_value_msgpack_cannot_pack_leaves_the_batch_as_it_was():
+    rng = random.Random(1)
+    batch = StepsBatch(_PACKB)
+    kept = [_row(rng, 1), _row(rng, 2)]
+    batch.add_rows(tuple(map(list, zip(*kept))))
+    bad = [list(row) for row in (_row(rng, 3), _row(rng, 4))]
+    bad[1][5] = object()  # the second step's loss
+    with pytest.raises(TypeError):
+        batch.add_rows(tuple(map(list, zip(*bad))))
+    bad[1][5], bad[0][3], bad[0][4] = 0.5, 1.0, "s"  # a wait that does not divide
+    with pytest.raises(TypeError):
+        batch.add_rows(tuple(map(list, zip(*bad))))
+    assert batch.n == 2
+    assert batch.take(dict(_HEAD), {}) == _reference(kept, _HEAD, {})
+
+
+def test_a_run_of_records_packs_as_its_rows_do():
+    """The usual run (read from the records in C) and the same steps as rows (the
+    general path): the same bytes, and the same input window after."""
+    rng = random.Random(3)
+    knobs = {"precision": "fp32"}
+    records = [StepRecord(1, 64, rng.random() * 1e-3, step=step, knobs=knobs,
+                          step_time_s=None if step == 5 else rng.random() * 1e-2,
+                          lr=None if step % 3 else 0.1 / step,
+                          tokens=None if step < 8 else 640, activation_bytes=None)
+               for step in range(5, 25)]
+    losses = [rng.random() for _ in records]
+    norms = [None if step % 2 else 1.5 for step in range(len(records))]
+    gpu_times = [None] * len(records)
+    run_window, rows_window = InputWindow(), InputWindow()
+    batch = StepsBatch(_PACKB)
+    assert batch.add_run(records, losses, norms, gpu_times, run_window, 2) == (
+        5, 24, records[-1].step_time_s)
+    rows = []
+    for record, loss, norm in zip(records, losses, norms):
+        share = verdict = None
+        if record.step_time_s:
+            share, verdict = rows_window.add(record.data_wait_s, record.step_time_s)
+        rows.append((record.step, 1, 64, record.step_time_s, record.data_wait_s, loss, None,
+                     knobs, None, None, record.tokens, record.lr, None, norm, 2, share,
+                     verdict))
+    packed = batch.take(dict(_HEAD), {})
+    assert packed == _reference(rows, _HEAD, {})
+    assert run_window.add(0.0, 1.0) == rows_window.add(0.0, 1.0)
+
+
+@pytest.mark.parametrize("change", ["gap", "lr groups", "int step time", "float step"])
+def test_a_run_the_batch_does_not_take_is_left_whole_to_the_caller(change):
+    records = [StepRecord(1, 8, 0.001, step=step, step_time_s=0.01, knobs={})
+               for step in range(1, 6)]
+    if change == "gap":
+        records[3].step = 9
+    elif change == "lr groups":
+        records[2].lr = (0.1, 0.2)
+    elif change == "int step time":
+        records[1].step_time_s = 1
+    else:
+        records[4].step = 5.0
+    window = InputWindow()
+    batch = StepsBatch(_PACKB)
+    assert batch.add_run(records, [0.5] * 5, [None] * 5, [None] * 5, window, 0) is None
+    assert batch.n == 0
+    assert window.add(0.0, 1.0) == InputWindow().add(0.0, 1.0)  # (nothing added)

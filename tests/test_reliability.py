@@ -121,6 +121,9 @@ def test_an_exception_inside_the_agent_is_reported_once_and_training_goes_on(run
               if r["type"] == "event" and r.get("kind") == "agent_error"]
     assert len(errors) == len(monitor.errors)  # (a periodic hello may fail as well)
     assert all("training continues" in e["text"] for e in errors)
+    steps = [r for r in flat_records(monitor.info.log_path) if r["type"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 31))  # logged all the same,
+    assert all(r["knobs"]["broken"].startswith("<") for r in steps)  # the value its repr
 
 
 def test_a_command_too_far_ahead_is_refused(run_dir):

@@ -521,7 +521,8 @@ class IOLoop:
             self._agent.report_error(where, exc)
             return default
 
-    def publish(self, msg_type: str, body: Mapping[str, Any], logged: bool = True) -> None:
+    def publish(self, msg_type: str, body: Mapping[str, Any] | protocol.PackedBody,
+                logged: bool = True) -> None:
         """Send one message (and hand it to the run log's writer), in order with the steps batched.
 
         ``logged=False``: a repeat for new subscribers, sent with the latest ``seq`` and not
@@ -531,7 +532,7 @@ class IOLoop:
         crowd the steps out of the dashboards' queues."""
         if msg_type != protocol.STEPS:
             self._encoder.flush()
-            if msg_type == protocol.EVENT:
+            if msg_type == protocol.EVENT and isinstance(body, Mapping):
                 body = protocol.bounded_event(dict(body))
         if logged:
             self.seq += 1
@@ -543,6 +544,8 @@ class IOLoop:
         except Exception as exc:  # a value msgpack cannot hold: not sent, only logged
             self._agent.report_error(f"encoding a {msg_type} message", exc)
             if log is not None:
+                if isinstance(body, protocol.PackedBody):
+                    message["body"] = body.plain()
                 log.send(pack_plain(message))  # what it cannot hold as its repr
             return
         if log is not None:

@@ -487,6 +487,718 @@ static PyTypeObject WindowType = {
     .tp_methods = window_methods,
 };
 
+/* ------------------------------------------------------------------ StepsBatch */
+
+/* The ``steps`` message's columns, in the message's order: the first ALWAYS_SENT are sent
+ * whatever they hold, the others only when a step has a value (a None elsewhere means
+ * "absent": agent.wire.protocol), tokens_per_s with tokens. A step's knobs are kept
+ * apart: the batch's common value while every step has the same map. */
+#define COLUMNS 19
+#define ALWAYS_SENT 10
+enum {
+    C_STEP, C_MICRO_BATCHES, C_SAMPLES, C_STEP_TIME, C_DATA_WAIT, C_SHARE, C_RATE, C_LOSS,
+    C_GPU_TIME, C_SKIPPED_TOTAL, C_SKIPPED, C_ACTIVATION, C_TOKENS, C_LR, C_LR_GROUPS,
+    C_GRAD_NORM, C_SHARE_WINDOW, C_VERDICT, C_TOKENS_RATE,
+};
+static const char *const column_names[COLUMNS] = {
+    "step", "micro_batches", "samples", "step_time_s", "data_wait_s", "data_wait_share",
+    "samples_per_s", "loss", "gpu_step_time_s", "skipped_steps_total",
+    "grad_scaler_skipped", "activation_bytes", "tokens", "lr", "lr_groups", "grad_norm",
+    "data_wait_share_window", "input_verdict", "tokens_per_s",
+};
+/* a row as StepEncoder._add_each makes it: which column each of its values goes to
+ * (-1: the knobs), the derived ones (share, rates) left out */
+#define ROW_VALUES 17
+static const int row_columns[ROW_VALUES] = {
+    C_STEP, C_MICRO_BATCHES, C_SAMPLES, C_STEP_TIME, C_DATA_WAIT, C_LOSS, C_GPU_TIME, -1,
+    C_SKIPPED, C_ACTIVATION, C_TOKENS, C_LR, C_LR_GROUPS, C_GRAD_NORM, C_SKIPPED_TOTAL,
+    C_SHARE_WINDOW, C_VERDICT,
+};
+/* a nesting deeper than this is msgpack's own to pack (and to refuse) */
+#define PACK_DEPTH_MAX 32
+
+typedef struct {
+    char *data;
+    Py_ssize_t len, cap;
+} Buffer;
+
+static int
+buffer_room(Buffer *buffer, Py_ssize_t more)
+{
+    if (buffer->len + more <= buffer->cap)
+        return 0;
+    Py_ssize_t cap = buffer->cap ? buffer->cap : 256;
+    while (cap < buffer->len + more)
+        cap *= 2;
+    char *data = PyMem_Realloc(buffer->data, (size_t)cap);
+    if (data == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    buffer->data = data;
+    buffer->cap = cap;
+    return 0;
+}
+
+static inline int
+put(Buffer *buffer, const void *bytes, Py_ssize_t size)
+{
+    if (buffer->len + size > buffer->cap && buffer_room(buffer, size) < 0)
+        return -1;
+    memcpy(buffer->data + buffer->len, bytes, (size_t)size);
+    buffer->len += size;
+    return 0;
+}
+
+static inline int
+put_byte(Buffer *buffer, unsigned char byte)
+{
+    if (buffer->len + 1 > buffer->cap && buffer_room(buffer, 1) < 0)
+        return -1;
+    buffer->data[buffer->len++] = (char)byte;
+    return 0;
+}
+
+/* A marker byte, then ``size`` (1 to 8) bytes of ``value`` big-endian. */
+static inline int
+put_be(Buffer *buffer, unsigned char marker, unsigned long long value, int size)
+{
+    if (buffer->len + 9 > buffer->cap && buffer_room(buffer, 9) < 0)
+        return -1;
+    char *at = buffer->data + buffer->len;
+    unsigned long long big = value << (8 * (8 - size));
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    big = __builtin_bswap64(big);
+#endif
+    at[0] = (char)marker;
+    memcpy(at + 1, &big, 8);  /* (9 bytes of room: the ones past ``size`` are not kept) */
+    buffer->len += 1 + size;
+    return 0;
+}
+
+static inline int
+pack_double(Buffer *buffer, double value)
+{
+    unsigned long long bits;
+    memcpy(&bits, &value, sizeof bits);
+    return put_be(buffer, 0xcb, bits, 8);
+}
+
+/* msgpack's packing of a signed integer (its pack_template.h: the shortest form) */
+static int
+pack_long_long(Buffer *buffer, long long d)
+{
+    if (d < -(1LL << 5)) {
+        if (d < -(1LL << 15))
+            return d < -(1LL << 31) ? put_be(buffer, 0xd3, (unsigned long long)d, 8)
+                                    : put_be(buffer, 0xd2, (unsigned long long)d, 4);
+        return d < -(1LL << 7) ? put_be(buffer, 0xd1, (unsigned long long)d, 2)
+                               : put_be(buffer, 0xd0, (unsigned long long)d, 1);
+    }
+    if (d < (1LL << 7))
+        return put_byte(buffer, (unsigned char)d);  /* (a fixint, negative ones too) */
+    if (d < (1LL << 16))
+        return d < (1LL << 8) ? put_be(buffer, 0xcc, (unsigned long long)d, 1)
+                              : put_be(buffer, 0xcd, (unsigned long long)d, 2);
+    return d < (1LL << 32) ? put_be(buffer, 0xce, (unsigned long long)d, 4)
+                           : put_be(buffer, 0xcf, (unsigned long long)d, 8);
+}
+
+static int
+pack_header(Buffer *buffer, Py_ssize_t n, unsigned char fix, unsigned char fix_max,
+            unsigned char marker16)
+{
+    if (n < fix_max)
+        return put_byte(buffer, (unsigned char)(fix | n));
+    return n < 0x10000 ? put_be(buffer, marker16, (unsigned long long)n, 2)
+                       : put_be(buffer, marker16 + 1, (unsigned long long)n, 4);
+}
+#define pack_array_header(buffer, n) pack_header(buffer, n, 0x90, 16, 0xdc)
+#define pack_map_header(buffer, n) pack_header(buffer, n, 0x80, 16, 0xde)
+
+static int
+pack_text(Buffer *buffer, const char *text, Py_ssize_t size)
+{
+    int written;
+    if (size < 32)
+        written = put_byte(buffer, (unsigned char)(0xa0 | size));
+    else if (size < 0x100)
+        written = put_be(buffer, 0xd9, (unsigned long long)size, 1);
+    else if (size < 0x10000)
+        written = put_be(buffer, 0xda, (unsigned long long)size, 2);
+    else
+        written = put_be(buffer, 0xdb, (unsigned long long)size, 4);
+    return written < 0 ? -1 : put(buffer, text, size);
+}
+
+/* ``value`` as msgpack.packb(value, use_bin_type=True) packs it, byte for byte: None,
+ * bools, ints, floats, strs, lists, tuples and dicts of exactly those types here, any
+ * other value (and a nesting past PACK_DEPTH_MAX) by ``packb`` itself. */
+static int
+pack_object(Buffer *buffer, PyObject *value, PyObject *packb, int depth)
+{
+    if (value == Py_None)
+        return put_byte(buffer, 0xc0);
+    if (value == Py_True || value == Py_False)
+        return put_byte(buffer, value == Py_True ? 0xc3 : 0xc2);
+    if (PyFloat_CheckExact(value))
+        return pack_double(buffer, PyFloat_AS_DOUBLE(value));
+    if (depth < PACK_DEPTH_MAX) {
+        if (PyLong_CheckExact(value)) {
+            int overflow;
+            long long d = PyLong_AsLongLongAndOverflow(value, &overflow);
+            if (!overflow)
+                return d == -1 && PyErr_Occurred() ? -1 : pack_long_long(buffer, d);
+        }
+        else if (PyUnicode_CheckExact(value)) {
+            Py_ssize_t size;
+            const char *text = PyUnicode_AsUTF8AndSize(value, &size);
+            if (text != NULL)
+                return pack_text(buffer, text, size);
+            PyErr_Clear();  /* (e.g. a lone surrogate: msgpack's error is said below) */
+        }
+        else if (PyList_CheckExact(value) || PyTuple_CheckExact(value)) {
+            Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+            if (pack_array_header(buffer, n) < 0)
+                return -1;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                if (PySequence_Fast_GET_SIZE(value) != n) {
+                    PyErr_SetString(PyExc_RuntimeError, "a list changed size while packed");
+                    return -1;
+                }
+                PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(value, i));
+                int packed = pack_object(buffer, item, packb, depth + 1);
+                Py_DECREF(item);
+                if (packed < 0)
+                    return -1;
+            }
+            return 0;
+        }
+        else if (PyDict_CheckExact(value)) {
+            Py_ssize_t n = PyDict_GET_SIZE(value), position = 0;
+            PyObject *key, *item;
+            if (pack_map_header(buffer, n) < 0)
+                return -1;
+            while (PyDict_Next(value, &position, &key, &item)) {
+                Py_INCREF(key);
+                Py_INCREF(item);
+                int packed = pack_object(buffer, key, packb, depth + 1) < 0
+                             || pack_object(buffer, item, packb, depth + 1) < 0 ? -1 : 0;
+                Py_DECREF(key);
+                Py_DECREF(item);
+                if (packed < 0)
+                    return -1;
+                if (PyDict_GET_SIZE(value) != n) {
+                    PyErr_SetString(PyExc_RuntimeError, "a dict changed size while packed");
+                    return -1;
+                }
+            }
+            return 0;
+        }
+    }
+    PyObject *packed = PyObject_CallOneArg(packb, value);
+    if (packed == NULL)
+        return -1;
+    if (!PyBytes_Check(packed)) {
+        PyErr_SetString(PyExc_TypeError, "packb returned no bytes");
+        Py_DECREF(packed);
+        return -1;
+    }
+    int written = put(buffer, PyBytes_AS_STRING(packed), PyBytes_GET_SIZE(packed));
+    Py_DECREF(packed);
+    return written;
+}
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *packb;           /* msgpack.packb(value, use_bin_type=True): what C does not pack */
+    Py_ssize_t n;              /* steps held */
+    Buffer columns[COLUMNS];   /* each column's values, packed */
+    char present[COLUMNS];     /* a value other than None seen (a column sent only if so) */
+    PyObject *knobs;           /* each step's knob values (a list) */
+} StepsBatch;
+
+static PyObject *
+batch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"packb", NULL};
+    PyObject *packb;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:StepsBatch", keywords, &packb))
+        return NULL;
+    if (!PyCallable_Check(packb)) {
+        PyErr_SetString(PyExc_TypeError, "StepsBatch(packb): packb must be callable");
+        return NULL;
+    }
+    StepsBatch *self = (StepsBatch *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->packb = Py_NewRef(packb);
+    if ((self->knobs = PyList_New(0)) == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void
+batch_dealloc(StepsBatch *self)
+{
+    for (int j = 0; j < COLUMNS; j++)
+        PyMem_Free(self->columns[j].data);
+    Py_XDECREF(self->packb);
+    Py_XDECREF(self->knobs);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The batch as it was (``lengths``, ``present``, ``n``), after a failed addition: a run
+ * is added whole or not at all. */
+typedef struct {
+    Py_ssize_t lengths[COLUMNS], n;
+    char present[COLUMNS];
+} Mark;
+
+static void
+batch_mark(StepsBatch *self, Mark *mark)
+{
+    for (int j = 0; j < COLUMNS; j++)
+        mark->lengths[j] = self->columns[j].len;
+    memcpy(mark->present, self->present, sizeof mark->present);
+    mark->n = self->n;
+}
+
+static void
+batch_back(StepsBatch *self, Mark *mark)
+{
+    for (int j = 0; j < COLUMNS; j++)
+        self->columns[j].len = mark->lengths[j];
+    memcpy(self->present, mark->present, sizeof mark->present);
+    self->n = mark->n;
+    PyList_SetSlice(self->knobs, mark->n, PyList_GET_SIZE(self->knobs), NULL);
+}
+
+static int
+batch_put(StepsBatch *self, int column, PyObject *value)
+{
+    if (value != Py_None)
+        self->present[column] = 1;
+    return pack_object(&self->columns[column], value, self->packb, 0);
+}
+
+static int
+batch_put_double(StepsBatch *self, int column, double value)
+{
+    self->present[column] = 1;
+    return pack_double(&self->columns[column], value);
+}
+
+/* ``a / b`` as Python divides them, into ``column`` (min(1.0, a / b) where ``capped``):
+ * a float or int over a float or int in C, as Python would (doubles; two ints
+ * are Python's to divide: it rounds once), anything else by Python. */
+static int
+batch_put_ratio(StepsBatch *self, int column, PyObject *a, PyObject *b, int capped)
+{
+    if ((PyFloat_CheckExact(a) || PyLong_CheckExact(a))
+            && (PyFloat_CheckExact(b) || PyLong_CheckExact(b))
+            && !(PyLong_CheckExact(a) && PyLong_CheckExact(b))) {
+        double x = PyFloat_AsDouble(a), y;
+        if (x == -1.0 && PyErr_Occurred())
+            return -1;
+        y = PyFloat_AsDouble(b);
+        if (y == -1.0 && PyErr_Occurred())
+            return -1;
+        if (y == 0.0) {
+            PyErr_SetString(PyExc_ZeroDivisionError, "float division by zero");
+            return -1;
+        }
+        double ratio = x / y;
+        return batch_put_double(self, column, capped && !(ratio < 1.0) ? 1.0 : ratio);
+    }
+    PyObject *ratio = PyNumber_TrueDivide(a, b);
+    if (ratio == NULL)
+        return -1;
+    if (capped) {
+        PyObject *cap = PyFloat_FromDouble(1.0);
+        int less = cap == NULL ? -1 : PyObject_RichCompareBool(ratio, cap, Py_LT);
+        if (less <= 0)
+            Py_SETREF(ratio, cap == NULL ? NULL : Py_NewRef(cap));  /* (min(1.0, ratio)) */
+        Py_XDECREF(cap);
+        if (less < 0 || ratio == NULL) {
+            Py_XDECREF(ratio);
+            return -1;
+        }
+    }
+    int written = batch_put(self, column, ratio);
+    Py_DECREF(ratio);
+    return written;
+}
+
+/* The derived columns of one step: its data-wait share and rates (None untimed). */
+static int
+batch_put_derived(StepsBatch *self, PyObject *samples, PyObject *time_s, PyObject *wait_s,
+                  PyObject *tokens)
+{
+    int timed = PyObject_IsTrue(time_s);
+    if (timed < 0)
+        return -1;
+    if (!timed)
+        return batch_put(self, C_SHARE, Py_None) < 0
+               || batch_put(self, C_RATE, Py_None) < 0
+               || batch_put(self, C_TOKENS_RATE, Py_None) < 0 ? -1 : 0;
+    return batch_put_ratio(self, C_SHARE, wait_s, time_s, 1) < 0
+           || batch_put_ratio(self, C_RATE, samples, time_s, 0) < 0
+           || (tokens == Py_None ? batch_put(self, C_TOKENS_RATE, Py_None)
+                                 : batch_put_ratio(self, C_TOKENS_RATE, tokens, time_s, 0)) < 0
+           ? -1 : 0;
+}
+
+static PyObject *
+batch_add_rows(StepsBatch *self, PyObject *rows)
+{
+    if (!PyTuple_Check(rows) || PyTuple_GET_SIZE(rows) != ROW_VALUES) {
+        PyErr_Format(PyExc_TypeError, "add_rows(columns): a tuple of %d lists", ROW_VALUES);
+        return NULL;
+    }
+    PyObject *lists[ROW_VALUES];
+    Py_ssize_t n = -1;
+    for (int k = 0; k < ROW_VALUES; k++) {
+        lists[k] = PyTuple_GET_ITEM(rows, k);
+        if (!PyList_Check(lists[k]) || (n >= 0 && PyList_GET_SIZE(lists[k]) != n)) {
+            PyErr_SetString(PyExc_TypeError, "add_rows(columns): lists of one length");
+            return NULL;
+        }
+        n = PyList_GET_SIZE(lists[k]);
+    }
+    Mark mark;
+    batch_mark(self, &mark);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row[ROW_VALUES];
+        for (int k = 0; k < ROW_VALUES; k++) {
+            if (PyList_GET_SIZE(lists[k]) != n) {
+                PyErr_SetString(PyExc_RuntimeError, "add_rows: a list changed size");
+                goto failed;
+            }
+            row[k] = PyList_GET_ITEM(lists[k], i);
+        }
+        for (int k = 0; k < ROW_VALUES; k++)
+            Py_INCREF(row[k]);
+        int failed = 0;
+        for (int k = 0; k < ROW_VALUES && !failed; k++)
+            failed = row_columns[k] < 0 ? PyList_Append(self->knobs, row[k])
+                                        : batch_put(self, row_columns[k], row[k]);
+        if (!failed)
+            failed = batch_put_derived(self, row[2], row[3], row[4], row[10]);
+        for (int k = 0; k < ROW_VALUES; k++)
+            Py_DECREF(row[k]);
+        if (failed)
+            goto failed;
+        self->n++;
+    }
+    Py_RETURN_NONE;
+failed:
+    batch_back(self, &mark);
+    return NULL;
+}
+
+/* A run's field ``index`` of record ``r`` (a borrowed reference). */
+#define FIELD(r, index) (((Record *)(r))->values[index])
+
+static int
+exact_int_or_none(PyObject *value)
+{
+    return value == Py_None || PyLong_CheckExact(value);
+}
+
+static PyObject *
+batch_add_run(StepsBatch *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyList_Check(args[0]) || !PyList_Check(args[1])
+            || !PyList_Check(args[2]) || !PyList_Check(args[3])
+            || !PyObject_TypeCheck(args[4], &WindowType)) {
+        PyErr_SetString(PyExc_TypeError, "add_run(records, losses, grad_norms, gpu_times, "
+                        "window, skipped_total)");
+        return NULL;
+    }
+    PyObject *run = args[0], *losses = args[1], *grad_norms = args[2], *gpu_times = args[3];
+    ShareWindow *window = (ShareWindow *)args[4];
+    PyObject *skipped_total = args[5];
+    Py_ssize_t n = PyList_GET_SIZE(run);
+    if (n == 0 || PyList_GET_SIZE(losses) != n || PyList_GET_SIZE(grad_norms) != n
+            || PyList_GET_SIZE(gpu_times) != n) {
+        PyErr_SetString(PyExc_ValueError, "add_run: a run of records and three lists of "
+                        "its length");
+        return NULL;
+    }
+    /* (first every value checked: a run it does not take is the caller's, untouched) */
+    long long first = 0;
+    PyObject *last_time = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *record = PyList_GET_ITEM(run, i);
+        if (!Py_IS_TYPE(record, &RecordType))
+            Py_RETURN_NONE;
+        PyObject *step = FIELD(record, STEP), *time_s = FIELD(record, STEP_TIME_S),
+                 *wait_s = FIELD(record, 2), *lr = FIELD(record, 7);
+        for (int f = 0; f < FIELDS; f++)
+            if (FIELD(record, f) == NULL)  /* (a field deleted) */
+                Py_RETURN_NONE;
+        if (!PyLong_CheckExact(step) || !PyLong_CheckExact(FIELD(record, MICRO_BATCHES))
+                || !PyLong_CheckExact(FIELD(record, 1))
+                || !(PyFloat_CheckExact(wait_s) || PyLong_CheckExact(wait_s))
+                || !(time_s == Py_None || PyFloat_CheckExact(time_s))
+                || !exact_int_or_none(FIELD(record, 5)) || !exact_int_or_none(FIELD(record, 6))
+                || !(lr == Py_None || PyFloat_CheckExact(lr)))
+            Py_RETURN_NONE;
+        int overflow;
+        long long number = PyLong_AsLongLongAndOverflow(step, &overflow);
+        if (overflow || (number == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        if (i == 0)
+            first = number;
+        else if (number != first + i)  /* steps not consecutive: the caller counts them */
+            Py_RETURN_NONE;
+        if (time_s != Py_None && PyFloat_AS_DOUBLE(time_s) != 0.0)
+            last_time = time_s;
+    }
+    Mark mark;
+    batch_mark(self, &mark);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *record = PyList_GET_ITEM(run, i);
+        PyObject *time_s = FIELD(record, STEP_TIME_S), *wait_s = FIELD(record, 2),
+                 *tokens = FIELD(record, 6);
+        if (PyList_Append(self->knobs, FIELD(record, KNOBS)) < 0
+                || batch_put(self, C_STEP, FIELD(record, STEP)) < 0
+                || batch_put(self, C_MICRO_BATCHES, FIELD(record, MICRO_BATCHES)) < 0
+                || batch_put(self, C_SAMPLES, FIELD(record, 1)) < 0
+                || batch_put(self, C_STEP_TIME, time_s) < 0
+                || batch_put(self, C_DATA_WAIT, wait_s) < 0
+                || batch_put(self, C_LOSS, PyList_GET_ITEM(losses, i)) < 0
+                || batch_put(self, C_GPU_TIME, PyList_GET_ITEM(gpu_times, i)) < 0
+                || batch_put(self, C_SKIPPED_TOTAL, skipped_total) < 0
+                || batch_put(self, C_SKIPPED, Py_None) < 0
+                || batch_put(self, C_ACTIVATION, FIELD(record, 5)) < 0
+                || batch_put(self, C_TOKENS, tokens) < 0
+                || batch_put(self, C_LR, FIELD(record, 7)) < 0
+                || batch_put(self, C_LR_GROUPS, Py_None) < 0
+                || batch_put(self, C_GRAD_NORM, PyList_GET_ITEM(grad_norms, i)) < 0
+                || batch_put_derived(self, FIELD(record, 1), time_s, wait_s, tokens) < 0)
+            goto failed;
+        if (time_s != Py_None && PyFloat_AS_DOUBLE(time_s) != 0.0) {  /* (in the window) */
+            int verdict;
+            double wait = PyFloat_Check(wait_s) ? PyFloat_AS_DOUBLE(wait_s)
+                                                : PyLong_AsDouble(wait_s);
+            if (wait == -1.0 && PyErr_Occurred())
+                goto failed;
+            double share = window_add(window, wait, PyFloat_AS_DOUBLE(time_s), &verdict);
+            if (batch_put_double(self, C_SHARE_WINDOW, share) < 0
+                    || batch_put(self, C_VERDICT, window->verdicts[verdict]) < 0)
+                goto failed;
+        }
+        else if (batch_put(self, C_SHARE_WINDOW, Py_None) < 0
+                 || batch_put(self, C_VERDICT, Py_None) < 0)
+            goto failed;
+        self->n++;
+    }
+    return Py_BuildValue("(LLO)", first, first + n - 1, last_time ? last_time : Py_None);
+failed:
+    batch_back(self, &mark);
+    return NULL;
+}
+
+/* Whether every step's knobs are the first step's (equal maps: Python's ==). */
+static int
+batch_knobs_same(StepsBatch *self)
+{
+    Py_ssize_t n = PyList_GET_SIZE(self->knobs);
+    PyObject *first = n ? PyList_GET_ITEM(self->knobs, 0) : NULL;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        PyObject *knobs = PyList_GET_ITEM(self->knobs, i);
+        if (knobs == first)
+            continue;
+        int same = PyObject_RichCompareBool(knobs, first, Py_EQ);
+        if (same <= 0)
+            return same;
+    }
+    return 1;
+}
+
+static PyObject *
+batch_clear(StepsBatch *self, PyObject *unused)
+{
+    Mark empty = {{0}, 0, {0}};
+    batch_back(self, &empty);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+batch_take(StepsBatch *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "take(head: dict, common: dict)");
+        return NULL;
+    }
+    PyObject *head = args[0], *common = args[1];
+    if (PyDict_GetItemString(head, "body") != NULL) {
+        PyErr_SetString(PyExc_ValueError, "take: the head has a body already");
+        return NULL;
+    }
+    int same = batch_knobs_same(self);
+    if (same < 0)
+        return NULL;
+    Buffer out = {NULL, 0, 0};
+    PyObject *packb = self->packb;
+    Py_ssize_t n = self->n, sent = 0;
+    for (int j = 0; j < COLUMNS; j++)
+        sent += j < ALWAYS_SENT || (j == C_TOKENS_RATE ? self->present[C_TOKENS]
+                                                       : self->present[j]);
+    Py_ssize_t bytes = 64;
+    for (int j = 0; j < COLUMNS; j++)
+        bytes += self->columns[j].len + 32;
+    if (buffer_room(&out, bytes) < 0
+            || pack_map_header(&out, PyDict_GET_SIZE(head) + 1) < 0)
+        goto failed;
+    Py_ssize_t position = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(head, &position, &key, &value))
+        if (pack_object(&out, key, packb, 0) < 0 || pack_object(&out, value, packb, 0) < 0)
+            goto failed;
+    if (pack_text(&out, "body", 4) < 0 || pack_map_header(&out, 3) < 0
+            || pack_text(&out, "n", 1) < 0 || pack_long_long(&out, n) < 0
+            || pack_text(&out, "columns", 7) < 0
+            || pack_map_header(&out, sent + (n && !same)) < 0)
+        goto failed;
+    for (int j = 0; j < COLUMNS; j++) {
+        if (!(j < ALWAYS_SENT || (j == C_TOKENS_RATE ? self->present[C_TOKENS]
+                                                     : self->present[j])))
+            continue;
+        const char *name = column_names[j];
+        if (pack_text(&out, name, (Py_ssize_t)strlen(name)) < 0
+                || pack_array_header(&out, n) < 0
+                || put(&out, self->columns[j].data, self->columns[j].len) < 0)
+            goto failed;
+    }
+    if (n && !same && (pack_text(&out, "knobs", 5) < 0
+                       || pack_object(&out, self->knobs, packb, 0) < 0))
+        goto failed;
+    if (pack_text(&out, "common", 6) < 0
+            || pack_map_header(&out, PyDict_GET_SIZE(common) + (n && same)) < 0)
+        goto failed;
+    position = 0;
+    while (PyDict_Next(common, &position, &key, &value))
+        if (pack_object(&out, key, packb, 0) < 0 || pack_object(&out, value, packb, 0) < 0)
+            goto failed;
+    if (n && same && (pack_text(&out, "knobs", 5) < 0
+                      || pack_object(&out, PyList_GET_ITEM(self->knobs, 0), packb, 0) < 0))
+        goto failed;
+    PyObject *payload = PyBytes_FromStringAndSize(out.data, out.len);
+    PyMem_Free(out.data);
+    if (payload != NULL)
+        batch_clear(self, NULL);
+    return payload;
+failed:
+    PyMem_Free(out.data);
+    return NULL;
+}
+
+static PyObject *
+batch_packed_columns(StepsBatch *self, PyObject *unused)
+{
+    PyObject *columns = PyDict_New();
+    if (columns == NULL)
+        return NULL;
+    for (int j = 0; j < COLUMNS; j++) {
+        if (!(j < ALWAYS_SENT || (j == C_TOKENS_RATE ? self->present[C_TOKENS]
+                                                     : self->present[j])))
+            continue;
+        Buffer column = {NULL, 0, 0};
+        PyObject *packed = NULL;
+        if (pack_array_header(&column, self->n) == 0
+                && put(&column, self->columns[j].data, self->columns[j].len) == 0)
+            packed = PyBytes_FromStringAndSize(column.data, column.len);
+        PyMem_Free(column.data);
+        if (packed == NULL || PyDict_SetItemString(columns, column_names[j], packed) < 0) {
+            Py_XDECREF(packed);
+            Py_DECREF(columns);
+            return NULL;
+        }
+        Py_DECREF(packed);
+    }
+    PyObject *knobs = PyList_GetSlice(self->knobs, 0, PyList_GET_SIZE(self->knobs));
+    if (knobs == NULL) {
+        Py_DECREF(columns);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", columns, knobs);
+}
+
+static PyObject *
+batch_get_n(StepsBatch *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->n);
+}
+
+static PyMethodDef batch_methods[] = {
+    {"add_rows", (PyCFunction)batch_add_rows, METH_O,
+     "add_rows(columns)\n--\n\n"
+     "Add steps given as the tuple of 17 lists of one length a row of "
+     ":meth:`agent.step.encoder.StepEncoder._add_each` makes (column ``k`` holds each "
+     "step's ``k``-th value); their data-wait share and rates are derived here. All or "
+     "none: an error (a value msgpack cannot pack, a share of values that do not divide) "
+     "leaves the batch as it was."},
+    {"add_run", (PyCFunction)(void (*)(void))batch_add_run, METH_FASTCALL,
+     "add_run(records, losses, grad_norms, gpu_times, window, skipped_total)\n--\n\n"
+     "Add a run of step records whose values are the usual ones, read from the records "
+     "themselves (no list a field), each timed step added to ``window`` (a "
+     "ShareWindow); the losses, gradient norms and GPU step times are lists of the "
+     "run's length, ``skipped_total`` every step's. Returns ``(first_step, last_step, "
+     "last_step_time_s)`` (the last truthy step time, or None), or None, having "
+     "touched nothing, for a run it does not take: steps that are not consecutive "
+     "ints, a field that is not a plain number or None (an ``lr`` of param groups), a "
+     "record that is not a StepRecord. The caller adds such a run with :meth:`add_rows`."},
+    {"take", (PyCFunction)(void (*)(void))batch_take, METH_FASTCALL,
+     "take(head, common)\n--\n\n"
+     "The batch as a ``steps`` message, packed, and the batch emptied: the bytes of "
+     "``msgpack.packb({**head, 'body': {'n': n, 'columns': columns, 'common': common}}, "
+     "use_bin_type=True)``, byte for byte, where ``columns`` are the steps' (those of the "
+     "optional fields only when a step has one) and ``knobs`` is in ``common`` (last) "
+     "while every step has the same map, else a column (last). ``head`` and ``common`` "
+     "are dicts. On an error the batch is kept."},
+    {"clear", (PyCFunction)batch_clear, METH_NOARGS, "clear()\n--\n\nEmpty the batch."},
+    {"packed_columns", (PyCFunction)batch_packed_columns, METH_NOARGS,
+     "packed_columns()\n--\n\n"
+     "``(columns, knobs)``: the columns :meth:`take` would send, each as the msgpack "
+     "bytes of its list, and every step's knobs (a list): the batch's values when its "
+     "message cannot be packed (the run log then keeps them, what msgpack cannot hold "
+     "as its repr)."},
+    {NULL},
+};
+
+static PyGetSetDef batch_getset[] = {
+    {"n", (getter)batch_get_n, NULL, "steps held", NULL},
+    {NULL},
+};
+
+static PyTypeObject BatchType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "agent.step._hot.StepsBatch",
+    .tp_doc = PyDoc_STR(
+        "StepsBatch(packb)\n--\n\n"
+        "The steps of one ``steps`` message (agent.wire.protocol), packed as msgpack as "
+        "they are added, one buffer a column: no Python list or number a step. "
+        "``packb`` is ``msgpack.packb`` with ``use_bin_type=True``, for the values C "
+        "does not pack itself (what is not None, a bool, an int of 64 bits, a float, a "
+        "str, or a list, tuple or dict of those). I/O thread only.\n\n"
+        ".. note:: In bench_overhead's paced loop the columns built as lists and packed "
+        "by msgpack cost the I/O thread about 0.6 us a step (a list and a number object "
+        "a value, msgpack's dispatch a value)."),
+    .tp_basicsize = sizeof(StepsBatch),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = batch_new,
+    .tp_dealloc = (destructor)batch_dealloc,
+    .tp_methods = batch_methods,
+    .tp_getset = batch_getset,
+};
+
 /* ------------------------------------------------------------------ HotPath */
 
 static PyObject *str_mark, *str_mark_read, *str_encoder, *str_overflowing,
@@ -1403,12 +2115,13 @@ PyInit__hot(void)
     if ((hotpath = PyCapsule_Import(HOTPATH_API_NAME, 0)) == NULL)
         return NULL;
     if (PyType_Ready(&HotType) < 0 || PyType_Ready(&WindowType) < 0
-            || PyType_Ready(&RunType) < 0)
+            || PyType_Ready(&RunType) < 0 || PyType_Ready(&BatchType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&hot_module);
     if (module == NULL || PyModule_AddObjectRef(module, "HotPath", (PyObject *)&HotType) < 0
             || PyModule_AddObjectRef(module, "ShareWindow", (PyObject *)&WindowType) < 0
-            || PyModule_AddObjectRef(module, "RunPath", (PyObject *)&RunType) < 0) {
+            || PyModule_AddObjectRef(module, "RunPath", (PyObject *)&RunType) < 0
+            || PyModule_AddObjectRef(module, "StepsBatch", (PyObject *)&BatchType) < 0) {
         Py_XDECREF(module);
         return NULL;
     }

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -163,7 +163,8 @@ class Agent(HotPath):
         #: when the agent was made (s since the epoch)
         self.started_at = time.time()
 
-        def publish(msg_type: str, body: dict[str, Any]) -> None:  # (the I/O thread's)
+        def publish(msg_type: str, body: dict[str, Any] | protocol.PackedBody
+                    ) -> None:  # (the I/O thread's)
             self._io.publish(msg_type, body)
 
         #: the guarded changes applied lately: what both rollback paths restore
@@ -539,7 +540,7 @@ class Agent(HotPath):
             self._io.publish(protocol.EVENT, {"level": "warning", "kind": EventKind.WARNING,
                                            "text": warning, "step": step})
 
-    def _watch_losses(self, steps: list[int], losses: list[float | None]) -> None:
+    def _watch_losses(self, steps: Sequence[int], losses: list[float | None]) -> None:
         """I/O thread, rank 0 (from the encoder, for every published step): a spike
         the watch finds is recovered from on every rank at one boundary (with one rank:
         the boundary after the next step; with several: the step the fan-out picks)."""

@@ -1,6 +1,7 @@
 """The step encoder: the step records the training thread queued as ``steps`` batches.
 
-Turned into batches (see :func:`agent.wire.protocol.steps_body`) on the I/O thread.
+Turned into batches (the format: :mod:`agent.wire.protocol`) on the I/O thread, packed as
+msgpack as the steps come (:class:`agent.step._hot.StepsBatch`).
 
 Owns the records in flight (queued, their markers not yet ready), the rows of the batch
 being built, the expected next step (to count records lost to the queue's bound), the
@@ -15,9 +16,12 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from itertools import chain, repeat
-from operator import itemgetter, truediv
+from operator import itemgetter
 from typing import Any
+
+import msgpack
 
 import torch
 
@@ -25,7 +29,7 @@ from agent.wire import protocol
 from agent.wire.protocol import EventKind
 from agent.control.guard import BASELINE_STEPS, ChangeGuard
 from agent.step.markers import CpuMarker, host_loss
-from agent.step._hot import ShareWindow, columns
+from agent.step._hot import ShareWindow, StepsBatch, columns
 from agent.step.record import StepRecord, host_columns
 from agent.search.tune import AutoTune
 from gpuopt.memory import memory_stats
@@ -84,7 +88,8 @@ class StepEncoder:
     """
 
     def __init__(self, records: deque, marker: Any, *,
-                 publish: Callable[[str, dict[str, Any]], None], guard: ChangeGuard,
+                 publish: Callable[[str, dict[str, Any] | protocol.PackedBody], None],
+                 guard: ChangeGuard,
                  check_step: Callable[[int, float | None, bool | None], None],
                  tune: AutoTune, device: torch.device | None) -> None:
         self._records = records
@@ -98,9 +103,9 @@ class StepEncoder:
         self._in_flight: deque = deque()
         #: the marker of the latest step published (the GPU time is between two)
         self._previous_marker: Any = None
-        #: the steps of the ``steps`` message being built (see :meth:`drain`): parts of
-        #: columns (:meth:`_add_columns`), oldest first, and how many steps they hold
-        self._batch: list[tuple[list[Any], ...]] = []
+        #: the steps of the ``steps`` message being built (see :meth:`drain`), packed as
+        #: they come, and how many steps it and :attr:`_rows` hold
+        self._batch = StepsBatch(_PACKB)
         self._batch_steps = 0
         #: the memory reading of the wake-up :meth:`drain` is in (None outside one)
         self._reading: dict[str, Any] | None = None
@@ -111,7 +116,7 @@ class StepEncoder:
         self._input = InputWindow()
         #: ``loss_watch(steps, losses)``: told every step published, in order, with its
         #: loss (the agent's loss-spike watch, on rank 0); None: nobody
-        self.loss_watch: Callable[[list[int], list[Any]], None] | None = None
+        self.loss_watch: Callable[[Sequence[int], list[Any]], None] | None = None
         #: ``change_watch(event)``: told every event in its place among the steps (the
         #: spike watch, which starts a new level after a change); None: nobody
         self.change_watch: Callable[[dict[str, Any]], None] | None = None
@@ -194,15 +199,16 @@ class StepEncoder:
         values).
 
         .. note:: The cost of a step here is paid in GIL time by the training thread,
-           so the steps between two events are handled a run at a time, in columns
-           (:meth:`_add_run`): list operations that loop in C, no Python per step (a
-           host loss comes read as a number, :meth:`CpuMarker.mark`); one at a time
-           (:meth:`_add_each`) only while the rollback guard watches a change, a
-           search is on, or a step was skipped or has a non-finite loss. Dicts,
-           encoding and the send happen once a batch (:meth:`flush`), the memory
-           reading once a call (its batches share it: their steps all ran before). An internal
-           error drops the run of steps it happened in (the agent reports it) and
-           leaves the records after it queued.
+           so the steps between two events are handled a run at a time
+           (:meth:`_add_run`): the usual run is packed from its records in C, with no
+           list or number object a step (:meth:`StepsBatch.add_run`); others in
+           columns, list operations that loop in C; one at a time (:meth:`_add_each`)
+           only while the rollback guard watches a change, a search is on, or a step
+           was skipped or has a non-finite loss. The message is closed and sent once a
+           batch (:meth:`flush`), the memory read once a call (its batches share it:
+           their steps all ran before). An internal error (a value msgpack cannot
+           pack among them) drops the run of steps it happened in (the agent reports
+           it) and leaves the records after it queued.
         """
         self._reading = None  # (one memory reading serves this wake-up's batches)
         try:
@@ -344,6 +350,18 @@ class StepEncoder:
             self._add_each(run, losses, grad_norms, skipped, gpu_times)
             return
         self._guard.observe(losses[-BASELINE_STEPS:])  # (a change's baseline is of these)
+        self._rows_to_columns()
+        taken = self._batch.add_run(run, losses, grad_norms, gpu_times, self._input,
+                                    self._guard.skipped_total)
+        if taken is not None:  # the usual run: packed from the records themselves
+            first, last, last_time_s = taken
+            self._count_run(first, last)
+            if self.loss_watch is not None:
+                self.loss_watch(range(first, last + 1), losses)
+            if last_time_s is not None:
+                self.recent_step_time_s = last_time_s
+            self._batch_steps += n
+            return
         host = host_columns(run)
         steps, times, waits, rates = (host["step"], host["step_time_s"], host["data_wait_s"],
                                       host["lr"])
@@ -428,87 +446,53 @@ class StepEncoder:
         first, last = steps[0], steps[-1]
         if last - first == len(steps) - 1 and (len(steps) < 3
                                                or steps == list(range(first, last + 1))):
-            expected = self.expected_step
-            if expected is not None and first > expected:
-                self.records_dropped += first - expected  # queue overflowed
-            self.expected_step = last + 1
+            self._count_run(first, last)
             return
         for step in steps:
-            expected = self.expected_step
-            if expected is not None and step > expected:
-                self.records_dropped += step - expected
-            self.expected_step = step + 1
+            self._count_run(step, step)
+
+    def _count_run(self, first: int, last: int) -> None:
+        """Note the consecutive steps ``first`` to ``last`` taken (see :meth:`_count_steps`)."""
+        expected = self.expected_step
+        if expected is not None and first > expected:
+            self.records_dropped += first - expected  # queue overflowed
+        self.expected_step = last + 1
 
     def _rows_to_columns(self) -> None:
-        """The rows :meth:`_add_each` added, as a part of columns of the batch."""
+        """The rows :meth:`_add_each` added, into the batch."""
         if self._rows:
-            self._batch.append(tuple(map(list, zip(*self._rows))))
-            self._rows = []
+            rows, self._rows = self._rows, []
+            self._batch.add_rows(tuple(map(list, zip(*rows))))
 
     def _add_columns(self, columns: tuple[list[Any], ...]) -> None:
         """Append the columns of some steps (in the order of a row of
         :meth:`_add_each`) to the batch."""
         self._rows_to_columns()
-        self._batch.append(columns)
+        self._batch.add_rows(columns)
         self._batch_steps += len(columns[0])
 
     def flush(self) -> None:
         """Publish the steps batched so far as one ``steps`` message (columns).
 
-        Nothing when there are none."""
-        self._rows_to_columns()
-        parts, self._batch, self._batch_steps = self._batch, [], 0
-        if not parts:
+        Nothing when there are none. The message is packed as it is sent
+        (:class:`agent.step._hot.StepsBatch`), the batch then emptied."""
+        try:
+            self._rows_to_columns()
+        finally:
+            self._batch_steps = 0
+        batch = self._batch
+        if not batch.n:
             return
-        if len(parts) == 1:
-            (steps, micro_batches, samples, times, waits, losses, gpu_times, knobs,
-             skipped, activation, tokens, lr, lr_groups, grad_norm, skipped_total,
-             share_window, verdict) = parts[0]
-        else:
-            (steps, micro_batches, samples, times, waits, losses, gpu_times, knobs,
-             skipped, activation, tokens, lr, lr_groups, grad_norm, skipped_total,
-             share_window, verdict) = [list(chain.from_iterable(column))
-                                       for column in zip(*parts)]
-        n = len(steps)
-        if all(times):
-            share = list(map(truediv, waits, times))
-            total = sum(share)
-            if total != total or max(share) > 1.0:  # a NaN, or a wait longer than its step
-                share = list(map(min, repeat(1.0), share))
-            rate = list(map(truediv, samples, times))
-        else:
-            share = [min(1.0, wait / time_s) if time_s else None
-                     for wait, time_s in zip(waits, times)]
-            rate = [count / time_s if time_s else None for count, time_s in zip(samples, times)]
-        columns: dict[str, list[Any]] = {
-            "step": steps, "micro_batches": micro_batches, "samples": samples,
-            "step_time_s": times, "data_wait_s": waits, "data_wait_share": share,
-            "samples_per_s": rate, "loss": losses, "gpu_step_time_s": gpu_times,
-            "skipped_steps_total": skipped_total,
-        }
-        for name, values in (("grad_scaler_skipped", skipped),
-                             ("activation_bytes", activation), ("tokens", tokens),
-                             ("lr", lr), ("lr_groups", lr_groups),
-                             ("grad_norm", grad_norm),
-                             ("data_wait_share_window", share_window),
-                             ("input_verdict", verdict)):
-            # (a first value: present; else one pass, None == None by identity)
-            if values[0] is not None or values.count(None) != n:
-                columns[name] = values
-        if "tokens" in columns:
-            columns["tokens_per_s"] = [count / time_s if count is not None and time_s
-                                       else None for count, time_s in zip(tokens, times)]
         memory = self._reading
         if memory is None:  # (the batches one wake-up sends share it: their steps all
             memory = self._reading = self._memory()  # ran before it; the peaks are theirs)
         self.latest_memory = memory
         common = dict(memory)
-        first = knobs[0]
-        if knobs.count(first) == n:  # the same map unless a knob changed
-            common["knobs"] = first
-        else:
-            columns["knobs"] = knobs
-        self._publish(protocol.STEPS, protocol.steps_body(columns, common))
+        try:
+            self._publish(protocol.STEPS, protocol.PackedBody(
+                lambda head: batch.take(head, common), partial(_plain_body, batch, common)))
+        finally:
+            batch.clear()  # (sent, or said and logged: never sent twice)
 
     def read_memory(self) -> None:
         """Take a memory reading now (I/O thread), the first before any step.
@@ -535,6 +519,24 @@ _RATE_TYPES = frozenset({float, int, type(None)})
 _FLOAT_OR_NONE = frozenset({float, type(None)})
 _TUPLE = {tuple}
 _FLOAT = {float}
+
+
+#: msgpack's packing of what :class:`StepsBatch` does not pack itself (the wire's).
+_PACKB = partial(msgpack.packb, use_bin_type=True)
+
+
+def _plain_body(batch: StepsBatch, common: dict[str, Any]) -> dict[str, Any]:
+    """The ``steps`` body of ``batch`` as a map of Python values, as
+    :meth:`StepsBatch.take` would send it (for the run log, when it cannot)."""
+    packed, knobs = batch.packed_columns()
+    columns = {name: msgpack.unpackb(data, strict_map_key=False)
+               for name, data in packed.items()}
+    common = dict(common)
+    if knobs.count(knobs[0]) == len(knobs):
+        common["knobs"] = knobs[0]
+    else:
+        columns["knobs"] = knobs
+    return {"n": batch.n, "columns": columns, "common": common}
 
 
 def _finite_or_none(losses: list[Any], n: int) -> bool:

@@ -124,7 +124,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
 import msgpack
@@ -518,15 +518,36 @@ class ProtocolError(ValueError):
     """A frame that is not a gpuwatch envelope (bad msgpack, wrong shape, too large)."""
 
 
+class PackedBody:
+    """A body that packs its envelope itself, for :func:`encode`.
+
+    ``pack(head) -> bytes`` gives what ``msgpack.packb({**head, "body": body},
+    use_bin_type=True)`` would of the body it stands for (the agent's ``steps`` batches,
+    packed in C as their steps came: :class:`agent.step._hot.StepsBatch`). Packed once:
+    :func:`encode` it once. ``plain() -> dict`` gives the body as a map of Python
+    values (for the run log, when it cannot be packed)."""
+
+    __slots__ = ("pack", "plain")
+
+    def __init__(self, pack: Callable[[dict[str, Any]], bytes],
+                 plain: Callable[[], dict[str, Any]]) -> None:
+        self.pack = pack
+        self.plain = plain
+
+    def __repr__(self) -> str:
+        return "PackedBody(...)"
+
+
 def envelope(
-    msg_type: str, body: Mapping[str, Any], *, run: str, rank: int = 0, seq: int = 0,
-    t: float | None = None,
+    msg_type: str, body: Mapping[str, Any] | PackedBody, *, run: str, rank: int = 0,
+    seq: int = 0, t: float | None = None,
 ) -> dict[str, Any]:
     """Build an envelope map.
 
     Args:
         msg_type: one of :data:`MESSAGE_TYPES` (others are allowed and ignored by peers).
-        body: the type's fields; values must be msgpack-serialisable.
+        body: the type's fields; values must be msgpack-serialisable (or a
+            :class:`PackedBody`, which :func:`encode` has pack the envelope).
         run: run id. rank: the sender's rank. seq: per-sender sequence number.
         t: unix time in seconds; now when omitted.
     """
@@ -539,9 +560,15 @@ def envelope(
 def encode(message: dict[str, Any]) -> list[bytes]:
     """Encode an envelope as the two frames ``[topic, payload]``.
 
+    A :class:`PackedBody` body packs the envelope itself.
+
     Raises:
         TypeError: a body value that msgpack cannot serialise (e.g. a tensor).
     """
+    body = message["body"]
+    if type(body) is PackedBody:
+        return [message["type"].encode("ascii"),
+                body.pack({key: value for key, value in message.items() if key != "body"})]
     return [message["type"].encode("ascii"), msgpack.packb(message, use_bin_type=True)]
 
 

@@ -421,8 +421,8 @@ def pack_message(message: dict[str, Any]) -> bytes:
 
     Columns by :func:`encode_column`. Values msgpack cannot hold are stored as their
     ``repr``; a record over :data:`MAX_ITEM_BYTES` as a note of its type and size."""
-    if message.get("type") == protocol.STEPS:
-        body = message.get("body") or {}
+    body = message.get("body")
+    if message.get("type") == protocol.STEPS and isinstance(body, dict):
         n = body.get("n")
         columns = body.get("columns")
         if type(n) is int and isinstance(columns, dict):
