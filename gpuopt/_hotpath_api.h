@@ -2,7 +2,8 @@
  *
  * The run's boundary (agent.step._hot.RunPath) calls a data position's window_done and a
  * window meter's take at every optimizer step; through these it calls them without a
- * method lookup, a tuple or an argument's conversion. */
+ * method lookup, a tuple or an argument's conversion. The agent's hot path reads a host
+ * loss through host_scalar while its I/O thread is behind. */
 #ifndef GPUWATCH_HOTPATH_API_H
 #define GPUWATCH_HOTPATH_API_H
 
@@ -22,6 +23,9 @@ typedef struct {
      * reference); 0, or -1 with an exception set */
     int (*meter_take)(PyObject *meter, double *data_wait_s, Py_ssize_t *fetched,
                       Py_ssize_t *samples, PyObject **tokens);
+    /* 1 and the value of ``tensor`` in *value where it is a 0-dim float32 or float64 CPU
+     * tensor read from memory (``item()``'s value, no call); 0 otherwise (never raises) */
+    int (*host_scalar)(PyObject *tensor, double *value);
 } HotpathAPI;
 
 #endif

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import gc
 import itertools
+import struct
 import threading
 import weakref
 
+import numpy
 import pytest
 import torch
 
@@ -130,6 +132,67 @@ def test_the_layout_is_learned_on_the_host_whatever_default_device_is_set():
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(_hotpath._tensor_layout())
+
+
+def _bits(value: float) -> bytes:
+    return struct.pack("<d", value)
+
+
+def test_a_host_scalar_is_read_from_memory_exactly_as_item_reads_it():
+    """A 0-dim float32 or float64 CPU tensor (a host loss) is read from its storage, its
+    value bit for bit ``item()``'s; every other tensor is read by ``item()`` itself
+    (host_items), with its errors."""
+    from gpuopt import _hotpath
+
+    assert -1 not in _hotpath._tensor_layout()  # (else every loss pays a torch call)
+    weight = torch.tensor(1.5, requires_grad=True)
+    matrix = torch.arange(12.0).reshape(3, 4)
+    grown = torch.tensor(2.0)
+    grown.add_(0.25)  # (changed in place: read as changed)
+    read = [torch.tensor(0.1), torch.tensor(0.1, dtype=torch.float64), torch.tensor(-0.0),
+            torch.tensor(float("nan")), torch.tensor(float("-inf")), torch.tensor(1e-45),
+            torch.arange(8.0)[5], matrix[2, 3], matrix.t()[1, 0], weight,
+            (weight * weight).sum(), torch.nn.functional.mse_loss(matrix, matrix * 2),
+            weight.detach(), grown, torch.from_numpy(numpy.array(3.25, dtype=numpy.float32)),
+            torch.tensor(7.0, dtype=torch.float64).clone()]
+    for tensor in read:
+        direct = _hotpath._host_scalar(tensor)
+        assert direct is not None and _bits(direct) == _bits(tensor.item())
+    with torch.inference_mode():
+        inference = torch.tensor(1.5)
+    not_read = [torch.tensor(3), torch.tensor(True), torch.tensor(0.5, dtype=torch.bfloat16),
+                torch.tensor(0.5, dtype=torch.float16), torch.tensor([2.5]),
+                torch._neg_view(torch.tensor(4.0)), inference,
+                torch.nn.Parameter(torch.tensor(1.0)), torch._efficientzerotensor(()),
+                torch.tensor(1 + 2j)]
+    for tensor in not_read:
+        assert _hotpath._host_scalar(tensor) is None
+    assert _hotpath._host_scalar(torch._neg_view(torch.tensor(4.0)).neg()) == 4.0  # (plain)
+    items = _hotpath.host_items(read + not_read[:-1])
+    assert [_bits(value) for value in items[:len(read)]] == [
+        _bits(tensor.item()) for tensor in read]
+    assert items[len(read):] == [tensor.item() for tensor in not_read[:-1]]
+    assert _hotpath.host_items(()) == []
+    for bad in ([torch.zeros(2)], [torch.tensor(0.5, device="meta")], [1.5]):
+        with pytest.raises((RuntimeError, AttributeError)) as raised:
+            _hotpath.host_items(bad)
+        with pytest.raises(raised.type):
+            bad[0].item()
+
+
+def test_a_scalar_outside_its_storage_is_never_read_from_memory():
+    """A storage shrunk under its tensor (``resize_(0)``), or a view past its end, is
+    ``item()``'s to refuse: never read out of bounds."""
+    from gpuopt import _hotpath
+
+    shrunk = torch.tensor(1.0)
+    shrunk.untyped_storage().resize_(0)
+    assert _hotpath._host_scalar(shrunk) is None
+    with pytest.raises(RuntimeError):
+        _hotpath.host_items([shrunk])
+    short = torch.arange(4.0)[3]
+    short.untyped_storage().resize_(8)  # (two floats left: the view is at the fourth)
+    assert _hotpath._host_scalar(short) is None
 
 
 def test_the_meter_refuses_bad_arguments_and_passes_errors_on():

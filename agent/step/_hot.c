@@ -1331,8 +1331,17 @@ hot_step(Hot *self, PyObject *arg)
                                          values[GRAD_NORM], NULL);
     }
     else {  /* the I/O thread is behind: no more autograd graphs held */
-        marker = PyObject_CallMethodObjArgs(self->marker, str_mark_read, values[LOSS],
-                                            values[SKIPPED], values[GRAD_NORM], NULL);
+        double loss;
+        if (self->marks_on_host && hotpath->host_scalar(values[LOSS], &loss)) {
+            /* (CpuMarker.mark_read's marker, the loss read from memory: no call) */
+            PyObject *read = PyFloat_FromDouble(loss);
+            marker = read == NULL ? NULL
+                     : host_mark_of(read, values[SKIPPED], values[GRAD_NORM]);
+            Py_XDECREF(read);
+        }
+        else
+            marker = PyObject_CallMethodObjArgs(self->marker, str_mark_read, values[LOSS],
+                                                values[SKIPPED], values[GRAD_NORM], NULL);
         if (marker != NULL && queued >= self->queue_size) {  /* (this append drops one) */
             PyObject *encoder = PyObject_GetAttr((PyObject *)self, str_encoder);
             int done = encoder == NULL ? -1 : call_method(encoder, str_overflowing, NULL);
