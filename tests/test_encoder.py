@@ -11,6 +11,7 @@ import random
 from collections import deque
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ from agent.step.markers import CpuMarker
 from agent.step.record import StepRecord
 from agent.wire import protocol
 from agent.wire.knobs import KnobSet
+from agent.wire.runlog import pack_plain
 
 RATES = {
     "float": lambda step: 0.1 / step,
@@ -364,5 +366,116 @@ def test_a_run_the_batch_does_not_take_is_left_whole_to_the_caller(change):
     window = InputWindow()
     batch = StepsBatch(_PACKB)
     assert batch.add_run(records, [0.5] * 5, [None] * 5, [None] * 5, window, 0) is None
+    assert batch.n == 0
+    assert window.add(0.0, 1.0) == InputWindow().add(0.0, 1.0)  # (nothing added)
+
+
+def _plain_row(step: int, **values) -> tuple:
+    """A step's row of plain values (see :func:`_row`), ``values`` by field name."""
+    row = dict(step=step, micro_batches=1, samples=8, step_time_s=0.01, data_wait_s=0.001,
+               loss=0.5, gpu_step_time_s=None, knobs={"k": 1}, grad_scaler_skipped=None,
+               activation_bytes=None, tokens=None, lr=None, lr_groups=None, grad_norm=None,
+               skipped_steps_total=0, data_wait_share_window=None, input_verdict=None)
+    row.update(values)
+    return tuple(row.values())
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("tokens", np.int64(64)), ("tokens", torch.tensor(64)), ("tokens", 2**64),
+    ("lr_groups", [1, 2**70])], ids=["numpy int", "tensor", "int past 64 bits", "in a list"])
+def test_a_value_msgpack_refuses_is_held_as_its_plain_form_and_the_steps_kept(field, value):
+    """With ``plain`` (the run log's), a value msgpack cannot pack (a ``tokens=`` a loop
+    gave as a numpy or torch number) keeps its steps: take raises msgpack's error (the
+    wire cannot carry them) and the batch's columns hold the value's plain form (the
+    log's); an add that fails after it leaves the refusal as it was."""
+    batch = StepsBatch(_PACKB, plain=pack_plain)
+    rows = [_plain_row(1), _plain_row(2, **{field: value}), _plain_row(3, **{field: 64})]
+    batch.add_rows(tuple(map(list, zip(*rows))))
+    assert batch.n == 3
+    with pytest.raises((TypeError, OverflowError)):
+        batch.take(dict(_HEAD), {})
+    assert batch.n == 3  # kept
+    packed, knobs = batch.packed_columns()
+    tokens = msgpack.unpackb(packed[field], strict_map_key=False)
+    assert tokens[0] is None and tokens[2] == 64
+    assert tokens[1] == msgpack.unpackb(pack_plain(value), strict_map_key=False)
+    assert [row[0] for row in rows] == msgpack.unpackb(packed["step"])
+    batch.clear()
+    batch.add_rows(tuple(map(list, zip(*[_plain_row(1)]))))
+    with pytest.raises(TypeError):  # (a refused value, then a wait that does not divide)
+        batch.add_rows(tuple(map(list, zip(*[_plain_row(2, **{field: value}),
+                                             _plain_row(3, data_wait_s="s")]))))
+    assert batch.take(dict(_HEAD), {}) == _reference([_plain_row(1)], _HEAD, {})
+
+
+def test_a_call_back_into_the_batch_while_it_adds_or_takes_is_refused():
+    """A value's Python code (a step time's ``__bool__``, a knob's ``__eq__``, a list in
+    ``common`` msgpack iterates) that empties or adds to the batch it is being added to
+    or taken from raises RuntimeError: the batch stays whole (no crash, no message whose
+    counts are not its own)."""
+    batch = StepsBatch(_PACKB)
+    batch.add_rows(tuple(map(list, zip(*[_plain_row(1)]))))
+
+    class Clearing(float):
+        def __bool__(self):
+            batch.clear()
+            return True
+
+    with pytest.raises(RuntimeError):
+        batch.add_rows(tuple(map(list, zip(*[_plain_row(2, step_time_s=Clearing(0.01))]))))
+
+    class Knob:
+        def __eq__(self, other):
+            batch.clear()
+            return True
+
+    batch.add_rows(tuple(map(list, zip(*[_plain_row(2, knobs={"k": Knob()}),
+                                         _plain_row(3, knobs={"k": Knob()})]))))
+    with pytest.raises(RuntimeError):
+        batch.take(dict(_HEAD), {})
+
+    class Iterated(list):
+        def __iter__(self):
+            batch.clear()
+            return super().__iter__()
+
+    with pytest.raises(RuntimeError):
+        batch.take(dict(_HEAD), {"c": Iterated([1, 2])})
+    head = dict(_HEAD)
+
+    class Emptying(list):
+        def __iter__(self):
+            head.clear()
+            return super().__iter__()
+
+    head["c"] = Emptying([1])
+    with pytest.raises(RuntimeError):  # (each entry held while packed)
+        batch.take(head, {})
+    assert batch.n == 3
+    batch.clear()
+    assert batch.n == 0 and batch.take(dict(_HEAD), {}) == _reference([], _HEAD, {})
+
+
+@pytest.mark.parametrize("change", ["loss past 64 bits", "tokens past 64 bits",
+                                    "a list loss", "a float skipped total"])
+def test_a_run_with_a_value_that_is_not_a_plain_number_is_not_taken(change):
+    """add_run takes a run only of plain numbers C packs: a value that would run Python
+    code (which could change the records or lists it reads) or that msgpack refuses is
+    left to the caller, the batch and the window untouched."""
+    records = [StepRecord(1, 8, 0.001, step=step, step_time_s=0.01, knobs={})
+               for step in range(1, 6)]
+    losses, skipped_total = [0.5] * 5, 0
+    if change == "loss past 64 bits":
+        losses[3] = 2**64
+    elif change == "tokens past 64 bits":
+        records[3].tokens = 2**64
+    elif change == "a list loss":
+        losses[0] = [0.5]
+    else:
+        skipped_total = 1.0
+    window = InputWindow()
+    batch = StepsBatch(_PACKB)
+    assert batch.add_run(records, losses, [None] * 5, [None] * 5, window,
+                         skipped_total) is None
     assert batch.n == 0
     assert window.add(0.0, 1.0) == InputWindow().add(0.0, 1.0)  # (nothing added)

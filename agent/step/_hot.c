@@ -716,23 +716,29 @@ typedef struct {
     Buffer columns[COLUMNS];   /* each column's values, packed */
     char present[COLUMNS];     /* a value other than None seen (a column sent only if so) */
     PyObject *knobs;           /* each step's knob values (a list) */
+    PyObject *plain;           /* a value's plain form, packed, when packb refuses it (or NULL) */
+    PyObject *error;           /* packb's refusal of a value held as its plain form (or NULL):
+                                * take raises it */
+    char busy;                 /* in an add or take: a call back into the batch is refused */
 } StepsBatch;
 
 static PyObject *
 batch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"packb", NULL};
-    PyObject *packb;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:StepsBatch", keywords, &packb))
+    static char *keywords[] = {"packb", "plain", NULL};
+    PyObject *packb, *plain = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:StepsBatch", keywords, &packb, &plain))
         return NULL;
-    if (!PyCallable_Check(packb)) {
-        PyErr_SetString(PyExc_TypeError, "StepsBatch(packb): packb must be callable");
+    if (!PyCallable_Check(packb) || (plain != Py_None && !PyCallable_Check(plain))) {
+        PyErr_SetString(PyExc_TypeError, "StepsBatch(packb, plain=None): packb and plain "
+                        "must be callable");
         return NULL;
     }
     StepsBatch *self = (StepsBatch *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
     self->packb = Py_NewRef(packb);
+    self->plain = plain == Py_None ? NULL : Py_NewRef(plain);
     if ((self->knobs = PyList_New(0)) == NULL) {
         Py_DECREF(self);
         return NULL;
@@ -747,6 +753,8 @@ batch_dealloc(StepsBatch *self)
         PyMem_Free(self->columns[j].data);
     Py_XDECREF(self->packb);
     Py_XDECREF(self->knobs);
+    Py_XDECREF(self->plain);
+    Py_XDECREF(self->error);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -755,6 +763,7 @@ batch_dealloc(StepsBatch *self)
 typedef struct {
     Py_ssize_t lengths[COLUMNS], n;
     char present[COLUMNS];
+    int error;  /* (whether a refusal was held) */
 } Mark;
 
 static void
@@ -764,6 +773,7 @@ batch_mark(StepsBatch *self, Mark *mark)
         mark->lengths[j] = self->columns[j].len;
     memcpy(mark->present, self->present, sizeof mark->present);
     mark->n = self->n;
+    mark->error = self->error != NULL;
 }
 
 static void
@@ -773,7 +783,27 @@ batch_back(StepsBatch *self, Mark *mark)
         self->columns[j].len = mark->lengths[j];
     memcpy(self->present, mark->present, sizeof mark->present);
     self->n = mark->n;
-    PyList_SetSlice(self->knobs, mark->n, PyList_GET_SIZE(self->knobs), NULL);
+    if (!mark->error)
+        Py_CLEAR(self->error);
+    PyObject *type, *value, *traceback;  /* (an error being raised is kept) */
+    PyErr_Fetch(&type, &value, &traceback);
+    if (PyList_SetSlice(self->knobs, mark->n, PyList_GET_SIZE(self->knobs), NULL) < 0)
+        PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+}
+
+/* Refuse a call back into the batch while it adds or takes (a value's Python code, another
+ * thread while the GIL is let go): -1 with RuntimeError. */
+static int
+batch_enter(StepsBatch *self)
+{
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "StepsBatch: in use (a call back into it while "
+                        "it adds or takes steps)");
+        return -1;
+    }
+    self->busy = 1;
+    return 0;
 }
 
 static int
@@ -781,7 +811,41 @@ batch_put(StepsBatch *self, int column, PyObject *value)
 {
     if (value != Py_None)
         self->present[column] = 1;
-    return pack_object(&self->columns[column], value, self->packb, 0);
+    Buffer *buffer = &self->columns[column];
+    Py_ssize_t len = buffer->len;
+    if (pack_object(buffer, value, self->packb, 0) == 0)
+        return 0;
+    /* a value msgpack refuses (a numpy or torch number, an int past 64 bits): held as its
+     * plain form (the run log's), the refusal kept for take to raise */
+    if (self->plain == NULL || !(PyErr_ExceptionMatches(PyExc_TypeError)
+                                 || PyErr_ExceptionMatches(PyExc_OverflowError)
+                                 || PyErr_ExceptionMatches(PyExc_ValueError)))
+        return -1;
+    buffer->len = len;
+    PyObject *type, *error, *traceback;
+    PyErr_Fetch(&type, &error, &traceback);
+    PyErr_NormalizeException(&type, &error, &traceback);
+    if (traceback != NULL && error != NULL)
+        PyException_SetTraceback(error, traceback);
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+    if (error == NULL)
+        return -1;
+    PyObject *packed = PyObject_CallOneArg(self->plain, value);
+    if (packed == NULL || !PyBytes_Check(packed)) {
+        if (packed != NULL)
+            PyErr_SetString(PyExc_TypeError, "plain returned no bytes");
+        Py_XDECREF(packed);
+        Py_DECREF(error);
+        return -1;
+    }
+    int written = put(buffer, PyBytes_AS_STRING(packed), PyBytes_GET_SIZE(packed));
+    Py_DECREF(packed);
+    if (written == 0 && self->error == NULL)
+        self->error = error;
+    else
+        Py_DECREF(error);
+    return written;
 }
 
 static int
@@ -868,6 +932,8 @@ batch_add_rows(StepsBatch *self, PyObject *rows)
         }
         n = PyList_GET_SIZE(lists[k]);
     }
+    if (batch_enter(self) < 0)
+        return NULL;
     Mark mark;
     batch_mark(self, &mark);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -893,19 +959,50 @@ batch_add_rows(StepsBatch *self, PyObject *rows)
             goto failed;
         self->n++;
     }
+    self->busy = 0;
     Py_RETURN_NONE;
 failed:
     batch_back(self, &mark);
+    self->busy = 0;
     return NULL;
 }
 
 /* A run's field ``index`` of record ``r`` (a borrowed reference). */
 #define FIELD(r, index) (((Record *)(r))->values[index])
 
+/* An int msgpack packs: from -2**63 to 2**64 - 1 (a double too, then). */
+static int
+packable_int(PyObject *value)
+{
+    if (!PyLong_CheckExact(value))
+        return 0;
+    int overflow;
+    long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (number == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (overflow > 0) {
+        unsigned long long big = PyLong_AsUnsignedLongLong(value);
+        if (big == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return overflow >= 0;
+}
+
 static int
 exact_int_or_none(PyObject *value)
 {
-    return value == Py_None || PyLong_CheckExact(value);
+    return value == Py_None || packable_int(value);
+}
+
+/* None, a float or an int msgpack packs: packed in C, no Python code run. */
+static int
+plain_number(PyObject *value)
+{
+    return value == Py_None || PyFloat_CheckExact(value) || packable_int(value);
 }
 
 static PyObject *
@@ -940,9 +1037,12 @@ batch_add_run(StepsBatch *self, PyObject *const *args, Py_ssize_t nargs)
         for (int f = 0; f < FIELDS; f++)
             if (FIELD(record, f) == NULL)  /* (a field deleted) */
                 Py_RETURN_NONE;
-        if (!PyLong_CheckExact(step) || !PyLong_CheckExact(FIELD(record, MICRO_BATCHES))
-                || !PyLong_CheckExact(FIELD(record, 1))
-                || !(PyFloat_CheckExact(wait_s) || PyLong_CheckExact(wait_s))
+        if (!PyLong_CheckExact(step) || !packable_int(FIELD(record, MICRO_BATCHES))
+                || !packable_int(FIELD(record, 1))
+                || !(PyFloat_CheckExact(wait_s) || packable_int(wait_s))
+                || !plain_number(PyList_GET_ITEM(losses, i))
+                || !plain_number(PyList_GET_ITEM(grad_norms, i))
+                || !plain_number(PyList_GET_ITEM(gpu_times, i))
                 || !(time_s == Py_None || PyFloat_CheckExact(time_s))
                 || !exact_int_or_none(FIELD(record, 5)) || !exact_int_or_none(FIELD(record, 6))
                 || !(lr == Py_None || PyFloat_CheckExact(lr)))
@@ -960,6 +1060,11 @@ batch_add_run(StepsBatch *self, PyObject *const *args, Py_ssize_t nargs)
         if (time_s != Py_None && PyFloat_AS_DOUBLE(time_s) != 0.0)
             last_time = time_s;
     }
+    if (!plain_number(skipped_total) || PyFloat_CheckExact(skipped_total))
+        Py_RETURN_NONE;
+    /* (nothing below runs Python code: the run checked stays as it was checked) */
+    if (batch_enter(self) < 0)
+        return NULL;
     Mark mark;
     batch_mark(self, &mark);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -999,9 +1104,11 @@ batch_add_run(StepsBatch *self, PyObject *const *args, Py_ssize_t nargs)
             goto failed;
         self->n++;
     }
+    self->busy = 0;
     return Py_BuildValue("(LLO)", first, first + n - 1, last_time ? last_time : Py_None);
 failed:
     batch_back(self, &mark);
+    self->busy = 0;
     return NULL;
 }
 
@@ -1025,9 +1132,36 @@ batch_knobs_same(StepsBatch *self)
 static PyObject *
 batch_clear(StepsBatch *self, PyObject *unused)
 {
-    Mark empty = {{0}, 0, {0}};
+    if (batch_enter(self) < 0)
+        return NULL;
+    Mark empty = {{0}, 0, {0}, 0};
     batch_back(self, &empty);
+    self->busy = 0;
     Py_RETURN_NONE;
+}
+
+/* A dict's entries (its header written already), each held while packed; RuntimeError
+ * where packing one changed the dict's size (the header would not be its). */
+static int
+pack_entries(Buffer *out, PyObject *dict, PyObject *packb)
+{
+    Py_ssize_t n = PyDict_GET_SIZE(dict), position = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(dict, &position, &key, &value)) {
+        Py_INCREF(key);
+        Py_INCREF(value);
+        int packed = pack_object(out, key, packb, 0) < 0
+                     || pack_object(out, value, packb, 0) < 0 ? -1 : 0;
+        Py_DECREF(key);
+        Py_DECREF(value);
+        if (packed < 0)
+            return -1;
+        if (PyDict_GET_SIZE(dict) != n) {
+            PyErr_SetString(PyExc_RuntimeError, "a dict changed size while packed");
+            return -1;
+        }
+    }
+    return 0;
 }
 
 static PyObject *
@@ -1042,9 +1176,17 @@ batch_take(StepsBatch *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "take: the head has a body already");
         return NULL;
     }
-    int same = batch_knobs_same(self);
-    if (same < 0)
+    if (self->error != NULL) {  /* a value msgpack refused: held as its plain form */
+        PyErr_SetObject((PyObject *)Py_TYPE(self->error), self->error);
         return NULL;
+    }
+    if (batch_enter(self) < 0)
+        return NULL;
+    int same = batch_knobs_same(self);
+    if (same < 0) {
+        self->busy = 0;
+        return NULL;
+    }
     Buffer out = {NULL, 0, 0};
     PyObject *packb = self->packb;
     Py_ssize_t n = self->n, sent = 0;
@@ -1057,12 +1199,8 @@ batch_take(StepsBatch *self, PyObject *const *args, Py_ssize_t nargs)
     if (buffer_room(&out, bytes) < 0
             || pack_map_header(&out, PyDict_GET_SIZE(head) + 1) < 0)
         goto failed;
-    Py_ssize_t position = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(head, &position, &key, &value))
-        if (pack_object(&out, key, packb, 0) < 0 || pack_object(&out, value, packb, 0) < 0)
-            goto failed;
-    if (pack_text(&out, "body", 4) < 0 || pack_map_header(&out, 3) < 0
+    if (pack_entries(&out, head, packb) < 0 || pack_text(&out, "body", 4) < 0
+            || pack_map_header(&out, 3) < 0
             || pack_text(&out, "n", 1) < 0 || pack_long_long(&out, n) < 0
             || pack_text(&out, "columns", 7) < 0
             || pack_map_header(&out, sent + (n && !same)) < 0)
@@ -1083,20 +1221,22 @@ batch_take(StepsBatch *self, PyObject *const *args, Py_ssize_t nargs)
     if (pack_text(&out, "common", 6) < 0
             || pack_map_header(&out, PyDict_GET_SIZE(common) + (n && same)) < 0)
         goto failed;
-    position = 0;
-    while (PyDict_Next(common, &position, &key, &value))
-        if (pack_object(&out, key, packb, 0) < 0 || pack_object(&out, value, packb, 0) < 0)
-            goto failed;
+    if (pack_entries(&out, common, packb) < 0)
+        goto failed;
     if (n && same && (pack_text(&out, "knobs", 5) < 0
                       || pack_object(&out, PyList_GET_ITEM(self->knobs, 0), packb, 0) < 0))
         goto failed;
     PyObject *payload = PyBytes_FromStringAndSize(out.data, out.len);
     PyMem_Free(out.data);
-    if (payload != NULL)
-        batch_clear(self, NULL);
+    if (payload != NULL) {
+        Mark empty = {{0}, 0, {0}, 0};
+        batch_back(self, &empty);
+    }
+    self->busy = 0;
     return payload;
 failed:
     PyMem_Free(out.data);
+    self->busy = 0;
     return NULL;
 }
 
@@ -1150,7 +1290,8 @@ static PyMethodDef batch_methods[] = {
      "Add a run of step records whose values are the usual ones, read from the records "
      "themselves (no list a field), each timed step added to ``window`` (a "
      "ShareWindow); the losses, gradient norms and GPU step times are lists of the "
-     "run's length, ``skipped_total`` every step's. Returns ``(first_step, last_step, "
+     "run's length, ``skipped_total`` every step's (plain numbers only: nothing runs "
+     "Python code while a run is added). Returns ``(first_step, last_step, "
      "last_step_time_s)`` (the last truthy step time, or None), or None, having "
      "touched nothing, for a run it does not take: steps that are not consecutive "
      "ints, a field that is not a plain number or None (an ``lr`` of param groups), a "
@@ -1182,12 +1323,15 @@ static PyTypeObject BatchType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "agent.step._hot.StepsBatch",
     .tp_doc = PyDoc_STR(
-        "StepsBatch(packb)\n--\n\n"
+        "StepsBatch(packb, plain=None)\n--\n\n"
         "The steps of one ``steps`` message (agent.wire.protocol), packed as msgpack as "
         "they are added, one buffer a column: no Python list or number a step. "
         "``packb`` is ``msgpack.packb`` with ``use_bin_type=True``, for the values C "
         "does not pack itself (what is not None, a bool, an int of 64 bits, a float, a "
-        "str, or a list, tuple or dict of those). I/O thread only.\n\n"
+        "str, or a list, tuple or dict of those). ``plain`` (the run log's pack_plain): a value "
+        "packb refuses is held as its plain form, and :meth:`take` raises packb's error "
+        "(the steps are kept for the log, not dropped). I/O thread only: a call back into "
+        "the batch while it adds or takes raises RuntimeError.\n\n"
         ".. note:: In bench_overhead's paced loop the columns built as lists and packed "
         "by msgpack cost the I/O thread about 0.6 us a step (a list and a number object "
         "a value, msgpack's dispatch a value)."),

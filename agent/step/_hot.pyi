@@ -51,7 +51,8 @@ def columns(records: list[StepRecord], names: tuple[str, ...]) -> tuple[list[Any
 
 class StepsBatch:
     n: int
-    def __init__(self, packb: Callable[[Any], bytes]) -> None: ...
+    def __init__(self, packb: Callable[[Any], bytes],
+                 plain: Callable[[Any], bytes] | None = None) -> None: ...
     def add_rows(self, columns: tuple[list[Any], ...]) -> None: ...
     def add_run(self, records: list[StepRecord], losses: list[Any], grad_norms: list[Any],
                 gpu_times: list[Any], window: ShareWindow, skipped_total: int

@@ -27,6 +27,7 @@ import torch
 
 from agent.wire import protocol
 from agent.wire.protocol import EventKind
+from agent.wire.runlog import pack_plain
 from agent.control.guard import BASELINE_STEPS, ChangeGuard
 from agent.step.markers import CpuMarker, host_loss
 from agent.step._hot import ShareWindow, StepsBatch, columns
@@ -106,7 +107,7 @@ class StepEncoder:
         self._previous_marker: Any = None
         #: the steps of the ``steps`` message being built (see :meth:`drain`), packed as
         #: they come, and how many steps it and :attr:`_rows` hold
-        self._batch = StepsBatch(_PACKB)
+        self._batch = StepsBatch(_PACKB, plain=pack_plain)
         self._batch_steps = 0
         #: the memory reading of the wake-up :meth:`drain` is in (None outside one)
         self._reading: dict[str, Any] | None = None
