@@ -970,39 +970,73 @@ failed:
 /* A run's field ``index`` of record ``r`` (a borrowed reference). */
 #define FIELD(r, index) (((Record *)(r))->values[index])
 
-/* An int msgpack packs: from -2**63 to 2**64 - 1 (a double too, then). */
+/* A plain number of a step, read once: None, an int msgpack packs (``i``; past 2**63 - 1
+ * its bits, as UINT), or a float. */
+enum { NONE, INT, UINT, FLOAT };
+typedef struct {
+    int kind;
+    long long i;
+    double d;
+} Number;
+
+#define ALLOW_NONE 1
+#define ALLOW_INT 2
+#define ALLOW_FLOAT 4
+
+/* Whether ``value`` is a plain number ``allow`` lets in: 1 with it in *number; 0 (no
+ * error set) for anything else. Reads exact ints and floats only: no Python code. */
 static int
-packable_int(PyObject *value)
+read_number(PyObject *value, int allow, Number *number)
 {
-    if (!PyLong_CheckExact(value))
+    if (value == Py_None) {
+        number->kind = NONE;
+        return (allow & ALLOW_NONE) != 0;
+    }
+    if (PyFloat_CheckExact(value)) {
+        number->kind = FLOAT;
+        number->d = PyFloat_AS_DOUBLE(value);
+        return (allow & ALLOW_FLOAT) != 0;
+    }
+    if (!(allow & ALLOW_INT) || !PyLong_CheckExact(value))
         return 0;
     int overflow;
-    long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
-    if (number == -1 && PyErr_Occurred()) {
+    number->i = PyLong_AsLongLongAndOverflow(value, &overflow);
+    number->kind = INT;
+    if (overflow > 0) {  /* (2**63 to 2**64 - 1: msgpack's uint 64) */
+        unsigned long long big = PyLong_AsUnsignedLongLong(value);
+        number->i = (long long)big;
+        number->kind = UINT;
+        overflow = big == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
+    }
+    if (overflow || (number->i == -1 && PyErr_Occurred())) {
         PyErr_Clear();
         return 0;
     }
-    if (overflow > 0) {
-        unsigned long long big = PyLong_AsUnsignedLongLong(value);
-        if (big == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return 0;
-        }
-    }
-    return overflow >= 0;
+    number->d = number->kind == UINT ? (double)(unsigned long long)number->i
+                                     : (double)number->i;  /* (as Python's int / float) */
+    return 1;
 }
 
 static int
-exact_int_or_none(PyObject *value)
+batch_put_number(StepsBatch *self, int column, const Number *number)
 {
-    return value == Py_None || packable_int(value);
+    Buffer *buffer = &self->columns[column];
+    if (number->kind == NONE)
+        return put_byte(buffer, 0xc0);
+    self->present[column] = 1;
+    if (number->kind == FLOAT)
+        return pack_double(buffer, number->d);
+    if (number->kind == UINT)
+        return put_be(buffer, 0xcf, (unsigned long long)number->i, 8);
+    return pack_long_long(buffer, number->i);
 }
 
-/* None, a float or an int msgpack packs: packed in C, no Python code run. */
+/* ``a / b`` (b a nonzero float) into ``column``, min(1.0, a / b) where ``capped``. */
 static int
-plain_number(PyObject *value)
+batch_put_quotient(StepsBatch *self, int column, double a, double b, int capped)
 {
-    return value == Py_None || PyFloat_CheckExact(value) || packable_int(value);
+    double ratio = a / b;
+    return batch_put_double(self, column, capped && !(ratio < 1.0) ? 1.0 : ratio);
 }
 
 static PyObject *
@@ -1017,7 +1051,6 @@ batch_add_run(StepsBatch *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *run = args[0], *losses = args[1], *grad_norms = args[2], *gpu_times = args[3];
     ShareWindow *window = (ShareWindow *)args[4];
-    PyObject *skipped_total = args[5];
     Py_ssize_t n = PyList_GET_SIZE(run);
     if (n == 0 || PyList_GET_SIZE(losses) != n || PyList_GET_SIZE(grad_norms) != n
             || PyList_GET_SIZE(gpu_times) != n) {
@@ -1025,91 +1058,112 @@ batch_add_run(StepsBatch *self, PyObject *const *args, Py_ssize_t nargs)
                         "its length");
         return NULL;
     }
-    /* (first every value checked: a run it does not take is the caller's, untouched) */
+    Number skipped_total;
+    if (!read_number(args[5], ALLOW_INT, &skipped_total))
+        Py_RETURN_NONE;
+    /* each timed step's (wait, time), added to the window once the whole run is taken */
+    double *timed = PyMem_Malloc(2 * (size_t)n * sizeof(double));
+    if (timed == NULL)
+        return PyErr_NoMemory();
+    if (batch_enter(self) < 0) {
+        PyMem_Free(timed);
+        return NULL;
+    }
+    /* One pass: each value read once (exact ints and floats only: no Python code runs, so
+     * the records and lists stay as read) and packed; a value it does not take puts the
+     * batch back as it was and leaves the run to the caller. */
+    Mark mark;
+    batch_mark(self, &mark);
     long long first = 0;
-    PyObject *last_time = NULL;
+    PyObject *last_time = NULL, *result = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *record = PyList_GET_ITEM(run, i);
         if (!Py_IS_TYPE(record, &RecordType))
-            Py_RETURN_NONE;
-        PyObject *step = FIELD(record, STEP), *time_s = FIELD(record, STEP_TIME_S),
-                 *wait_s = FIELD(record, 2), *lr = FIELD(record, 7);
+            goto refused;
         for (int f = 0; f < FIELDS; f++)
             if (FIELD(record, f) == NULL)  /* (a field deleted) */
-                Py_RETURN_NONE;
-        if (!PyLong_CheckExact(step) || !packable_int(FIELD(record, MICRO_BATCHES))
-                || !packable_int(FIELD(record, 1))
-                || !(PyFloat_CheckExact(wait_s) || packable_int(wait_s))
-                || !plain_number(PyList_GET_ITEM(losses, i))
-                || !plain_number(PyList_GET_ITEM(grad_norms, i))
-                || !plain_number(PyList_GET_ITEM(gpu_times, i))
-                || !(time_s == Py_None || PyFloat_CheckExact(time_s))
-                || !exact_int_or_none(FIELD(record, 5)) || !exact_int_or_none(FIELD(record, 6))
-                || !(lr == Py_None || PyFloat_CheckExact(lr)))
-            Py_RETURN_NONE;
-        int overflow;
-        long long number = PyLong_AsLongLongAndOverflow(step, &overflow);
-        if (overflow || (number == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        if (i == 0)
-            first = number;
-        else if (number != first + i)  /* steps not consecutive: the caller counts them */
-            Py_RETURN_NONE;
-        if (time_s != Py_None && PyFloat_AS_DOUBLE(time_s) != 0.0)
-            last_time = time_s;
-    }
-    if (!plain_number(skipped_total) || PyFloat_CheckExact(skipped_total))
-        Py_RETURN_NONE;
-    /* (nothing below runs Python code: the run checked stays as it was checked) */
-    if (batch_enter(self) < 0)
-        return NULL;
-    Mark mark;
-    batch_mark(self, &mark);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *record = PyList_GET_ITEM(run, i);
-        PyObject *time_s = FIELD(record, STEP_TIME_S), *wait_s = FIELD(record, 2),
-                 *tokens = FIELD(record, 6);
+                goto refused;
+        Number step, micro_batches, samples, wait, time, activation, tokens, lr, loss, norm,
+               gpu_time;
+        if (!read_number(FIELD(record, STEP), ALLOW_INT, &step) || step.kind != INT
+                || (i == 0 ? (first = step.i, 0)  /* (consecutive; unsigned: no overflow) */
+                           : (unsigned long long)step.i != (unsigned long long)first + i)
+                || !read_number(FIELD(record, MICRO_BATCHES), ALLOW_INT, &micro_batches)
+                || !read_number(FIELD(record, 1), ALLOW_INT, &samples)
+                || !read_number(FIELD(record, 2), ALLOW_INT | ALLOW_FLOAT, &wait)
+                || !read_number(FIELD(record, STEP_TIME_S), ALLOW_NONE | ALLOW_FLOAT, &time)
+                || !read_number(FIELD(record, 5), ALLOW_NONE | ALLOW_INT, &activation)
+                || !read_number(FIELD(record, 6), ALLOW_NONE | ALLOW_INT, &tokens)
+                || !read_number(FIELD(record, 7), ALLOW_NONE | ALLOW_FLOAT, &lr)
+                || !read_number(PyList_GET_ITEM(losses, i), ALLOW_NONE | ALLOW_INT | ALLOW_FLOAT,
+                                &loss)
+                || !read_number(PyList_GET_ITEM(grad_norms, i),
+                                ALLOW_NONE | ALLOW_INT | ALLOW_FLOAT, &norm)
+                || !read_number(PyList_GET_ITEM(gpu_times, i),
+                                ALLOW_NONE | ALLOW_INT | ALLOW_FLOAT, &gpu_time))
+            goto refused;
+        int is_timed = time.kind == FLOAT && time.d != 0.0;  /* (truthy, as Python's if) */
         if (PyList_Append(self->knobs, FIELD(record, KNOBS)) < 0
-                || batch_put(self, C_STEP, FIELD(record, STEP)) < 0
-                || batch_put(self, C_MICRO_BATCHES, FIELD(record, MICRO_BATCHES)) < 0
-                || batch_put(self, C_SAMPLES, FIELD(record, 1)) < 0
-                || batch_put(self, C_STEP_TIME, time_s) < 0
-                || batch_put(self, C_DATA_WAIT, wait_s) < 0
-                || batch_put(self, C_LOSS, PyList_GET_ITEM(losses, i)) < 0
-                || batch_put(self, C_GPU_TIME, PyList_GET_ITEM(gpu_times, i)) < 0
-                || batch_put(self, C_SKIPPED_TOTAL, skipped_total) < 0
-                || batch_put(self, C_SKIPPED, Py_None) < 0
-                || batch_put(self, C_ACTIVATION, FIELD(record, 5)) < 0
-                || batch_put(self, C_TOKENS, tokens) < 0
-                || batch_put(self, C_LR, FIELD(record, 7)) < 0
-                || batch_put(self, C_LR_GROUPS, Py_None) < 0
-                || batch_put(self, C_GRAD_NORM, PyList_GET_ITEM(grad_norms, i)) < 0
-                || batch_put_derived(self, FIELD(record, 1), time_s, wait_s, tokens) < 0)
+                || batch_put_number(self, C_STEP, &step) < 0
+                || batch_put_number(self, C_MICRO_BATCHES, &micro_batches) < 0
+                || batch_put_number(self, C_SAMPLES, &samples) < 0
+                || batch_put_number(self, C_STEP_TIME, &time) < 0
+                || batch_put_number(self, C_DATA_WAIT, &wait) < 0
+                || batch_put_number(self, C_LOSS, &loss) < 0
+                || batch_put_number(self, C_GPU_TIME, &gpu_time) < 0
+                || batch_put_number(self, C_SKIPPED_TOTAL, &skipped_total) < 0
+                || put_byte(&self->columns[C_SKIPPED], 0xc0) < 0
+                || batch_put_number(self, C_ACTIVATION, &activation) < 0
+                || batch_put_number(self, C_TOKENS, &tokens) < 0
+                || batch_put_number(self, C_LR, &lr) < 0
+                || put_byte(&self->columns[C_LR_GROUPS], 0xc0) < 0
+                || batch_put_number(self, C_GRAD_NORM, &norm) < 0)
             goto failed;
-        if (time_s != Py_None && PyFloat_AS_DOUBLE(time_s) != 0.0) {  /* (in the window) */
-            int verdict;
-            double wait = PyFloat_Check(wait_s) ? PyFloat_AS_DOUBLE(wait_s)
-                                                : PyLong_AsDouble(wait_s);
-            if (wait == -1.0 && PyErr_Occurred())
+        if (is_timed) {
+            timed[2 * i] = wait.d;
+            timed[2 * i + 1] = time.d;
+            last_time = FIELD(record, STEP_TIME_S);
+            if (batch_put_quotient(self, C_SHARE, wait.d, time.d, 1) < 0
+                    || batch_put_quotient(self, C_RATE, samples.d, time.d, 0) < 0
+                    || (tokens.kind == NONE
+                        ? put_byte(&self->columns[C_TOKENS_RATE], 0xc0)
+                        : batch_put_quotient(self, C_TOKENS_RATE, tokens.d, time.d, 0)) < 0)
                 goto failed;
-            double share = window_add(window, wait, PyFloat_AS_DOUBLE(time_s), &verdict);
+        }
+        else {
+            timed[2 * i + 1] = 0.0;
+            if (put_byte(&self->columns[C_SHARE], 0xc0) < 0
+                    || put_byte(&self->columns[C_RATE], 0xc0) < 0
+                    || put_byte(&self->columns[C_TOKENS_RATE], 0xc0) < 0)
+                goto failed;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {  /* the window, now that the run is the batch's */
+        if (timed[2 * i + 1] != 0.0) {
+            int verdict;
+            double share = window_add(window, timed[2 * i], timed[2 * i + 1], &verdict);
             if (batch_put_double(self, C_SHARE_WINDOW, share) < 0
                     || batch_put(self, C_VERDICT, window->verdicts[verdict]) < 0)
                 goto failed;
         }
-        else if (batch_put(self, C_SHARE_WINDOW, Py_None) < 0
-                 || batch_put(self, C_VERDICT, Py_None) < 0)
+        else if (put_byte(&self->columns[C_SHARE_WINDOW], 0xc0) < 0
+                 || put_byte(&self->columns[C_VERDICT], 0xc0) < 0)
             goto failed;
-        self->n++;
     }
-    self->busy = 0;
-    return Py_BuildValue("(LLO)", first, first + n - 1, last_time ? last_time : Py_None);
+    self->n += n;
+    result = Py_BuildValue("(LLO)", first, first + (n - 1), last_time ? last_time : Py_None);
+    if (result != NULL)
+        goto done;
 failed:
     batch_back(self, &mark);
+    goto done;
+refused:  /* (not taken: no error, the run is the caller's, the batch as it was) */
+    batch_back(self, &mark);
+    result = Py_NewRef(Py_None);
+done:
     self->busy = 0;
-    return NULL;
+    PyMem_Free(timed);
+    return result;
 }
 
 /* Whether every step's knobs are the first step's (equal maps: Python's ==). */
