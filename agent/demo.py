@@ -122,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
 def ended_line(step: int, resumed_at: int, reason: str | None) -> str:
     """The demo job's last line: the step it ended at, how, and the steps this job trained.
 
-    ``gpuwatch demo: ended at step 163 (finished; 99 optimizer steps trained after the
+    ``gpuwatch demo: ended at step 163 (finished; 99 steps trained after the
     resume at step 64)``; ``reason``: what ``bye`` says (None: finished)."""
     after = f" after the resume at step {resumed_at:,}" if resumed_at else ""
     return (f"{DEMO_ENDED}{step:,} ({reason or 'finished'}; {step - resumed_at:,} "
-            f"optimizer steps trained{after})")
+            f"steps trained{after})")
 
 
 def demo_device(name: str | None) -> torch.device:

@@ -76,7 +76,7 @@ def test_precision_change_shows_at_a_step_boundary_and_sigterm_ends_cleanly(demo
                 break
     assert demo.wait(30) == 0
     ended = re.search(r"gpuwatch demo: ended at step (\d+) \(stopped by SIGTERM; (\d+) "
-                      r"optimizer steps trained\)\n", demo.stdout.read())
+                      r"steps trained\)\n", demo.stdout.read())
     assert ended is not None and ended[1] == ended[2]  # (not resumed: every step here)
     assert not os.path.exists(info.path)
 
@@ -87,9 +87,12 @@ def test_the_demos_last_line_says_how_it_ended_and_what_this_job_trained():
     from agent.demo import ended_line
 
     assert ended_line(163, 64, None) == ("gpuwatch demo: ended at step 163 (finished; 99 "
-                                         "optimizer steps trained after the resume at step 64)")
+                                         "steps trained after the resume at step 64)")
     assert ended_line(1200, 0, "stopped by SIGINT") == (
-        "gpuwatch demo: ended at step 1,200 (stopped by SIGINT; 1,200 optimizer steps trained)")
+        "gpuwatch demo: ended at step 1,200 (stopped by SIGINT; 1,200 steps trained)")
+    # (one line in an 80-column terminal, up to 999,999 steps: "optimizer steps" made
+    # a newcomer's 124-step line wrap its last character)
+    assert len(ended_line(999_999, 0, "stopped by SIGINT")) <= 80
 
 
 @pytest.mark.slow
@@ -283,7 +286,7 @@ def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
             # the job's last line, as --no-ui ends, once the dashboard has closed (the
             # drain thread may not have read it yet)
             ended = re.compile(rb"gpuwatch demo: ended at step [0-9,]+ \(stopped by [A-Za-z ]+;"
-                               rb" [0-9,]+ optimizer steps trained\)\s*$")
+                               rb" [0-9,]+ steps trained\)\s*$")
             wait_until(lambda: ended.search(bytes(terminal.output)),
                        "the demo job's last line after the dashboard", timeout_s=30,
                        detail=lambda: bytes(terminal.output[-400:]).decode(errors="replace"))

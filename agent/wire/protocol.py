@@ -157,7 +157,7 @@ ROLLBACK_ID_PREFIX = "rollback-"
 #: step and ``-`` (rank 0 sends them to every rank, with the ``reason``).
 RECOVERY_ID_PREFIX = "recovery-"
 #: The demo training job's last line starts with this, then the step and how it ended
-#: (``80 (finished; 80 optimizer steps trained)``): :mod:`agent.demo` prints it,
+#: (``80 (finished; 80 steps trained)``): :mod:`agent.demo` prints it,
 #: ``gpuwatch demo`` looks for it at the end of the job's output.
 DEMO_ENDED = "gpuwatch demo: ended at step "
 
