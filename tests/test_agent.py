@@ -307,6 +307,25 @@ def test_past_the_held_bound_a_host_loss_is_read_at_once_and_its_graph_let_go(ru
     assert losses == expected
 
 
+def test_past_the_held_bound_number_losses_and_flags_are_published_as_marked(run_dir):
+    """A loss given as a number (or None), past :data:`LOSSES_HELD_MAX` queued, is marked
+    as it is (no call), with a step's GradScaler flag and gradient norm beside it."""
+    monitor = agent.Agent(name="held-numbers")  # (not started: nothing drains)
+    count = LOSSES_HELD_MAX + 5
+    for step in range(1, count + 1):
+        loss = None if step % 7 == 0 else 1.0 / step
+        norm = 0.5 if step % 3 == 0 else None
+        monitor.optimizer_step(StepRecord(1, 8, 0.0, loss, grad_norm=norm, step=step))
+    monitor.start()
+    log_path = monitor.info.log_path
+    monitor.close()
+    steps = [r for r in flat_records(log_path) if r["type"] == "step"]
+    assert [r.get("loss") for r in steps] == [
+        None if step % 7 == 0 else 1.0 / step for step in range(1, count + 1)]
+    assert [r.get("grad_norm") for r in steps] == [
+        0.5 if step % 3 == 0 else None for step in range(1, count + 1)]
+
+
 def test_errors_of_its_own_are_kept_to_a_bound_then_counted(run_dir):
     """A failure whose message varies (a step number in it) is kept, logged and published
     once each up to :data:`ERRORS_KEPT_MAX`, then counted (repeats too: nothing is kept

@@ -1530,7 +1530,11 @@ hot_step(Hot *self, PyObject *arg)
     }
     else {  /* the I/O thread is behind: no more autograd graphs held */
         double loss;
-        if (self->marks_on_host && hotpath->host_scalar(values[LOSS], &loss)) {
+        if (self->marks_on_host
+                && (values[LOSS] == Py_None || PyFloat_CheckExact(values[LOSS])))
+            /* (a number already: mark_read's marker is mark's) */
+            marker = host_mark_of(values[LOSS], values[SKIPPED], values[GRAD_NORM]);
+        else if (self->marks_on_host && hotpath->host_scalar(values[LOSS], &loss)) {
             /* (CpuMarker.mark_read's marker, the loss read from memory: no call) */
             PyObject *read = PyFloat_FromDouble(loss);
             marker = read == NULL ? NULL

@@ -22,7 +22,6 @@ from operator import itemgetter
 from typing import Any
 
 import msgpack
-
 import torch
 
 from agent.wire import protocol
