@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import default_collate
 
 import agent
-from agent.wire.protocol import DEMO_ENDED
+from agent.wire.protocol import DEMO_ENDED, DEMO_QUIT_REASON, DEMO_QUIT_SIGNAL
 from gpuopt import Trainer
 from gpuopt.demo import DemoWorkload, build_demo
 from gpuopt.loader import ReconfigurableLoader
@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="listen on this address (e.g. 0.0.0.0) with tcp and CURVE "
                              "encryption, for a dashboard on another machine")
     args = parser.parse_args(argv)
+    # (until the stop below is set: gpuwatch demo's quit stops the start-up as SIGINT does)
+    signal.signal(DEMO_QUIT_SIGNAL, signal.default_int_handler)
 
     torch.manual_seed(args.seed)
     if args.cpu_threads is not None:
@@ -97,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
               f"attach with: gpuwatch {monitor.run_id}", flush=True)
 
     def stop(signum: int, frame: object) -> None:
-        monitor.mark_ending(f"stopped by {signal.Signals(signum).name}")
+        monitor.mark_ending(DEMO_QUIT_REASON if signum == DEMO_QUIT_SIGNAL
+                            else f"stopped by {signal.Signals(signum).name}")
         trainer.stop()
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, DEMO_QUIT_SIGNAL):
         signal.signal(signum, stop)
     if args.parent_pid is not None:
         def parent_ended() -> None:

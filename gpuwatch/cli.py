@@ -740,8 +740,9 @@ def _demo(args: argparse.Namespace) -> int:
         return _watch(info, readonly=args.readonly, quick_keys=args.quick_keys, notes=[(
             "info", f"demo training job pid {child.pid}, output in {log_path} (removed "
             "when it ends cleanly)")])
-    finally:
-        _stop_child(child, info, log_path=log_path)
+    finally:  # (the dashboard closed: its job stops as "dashboard quit", not a Ctrl-C)
+        _stop_child(child, info, log_path=log_path,
+                    signum=signal.SIGINT if info is None else protocol.DEMO_QUIT_SIGNAL)
         ended = _job_ended_line(log_path)
         if ended:  # as --no-ui ends, once the dashboard has closed
             _say(ended)
@@ -889,9 +890,9 @@ def _end_on_signals(end: Callable[[], None] | None = None) -> None:
 
 
 def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
-                log_path: Path | None = None) -> None:
-    """Stop the demo's training job: SIGINT (or the ending signal this command received,
-    so that the job's ``bye`` names it), so that it ends at its next optimizer step
+                log_path: Path | None = None, signum: int = signal.SIGINT) -> None:
+    """Stop the demo's training job: ``signum`` (or the ending signal this command
+    received, so that the job's ``bye`` names it), so that it ends at its next optimizer step
     (says bye, removes its run file), then SIGKILL after :data:`DEMO_STOP_TIMEOUT_S`
     (or at once on Ctrl-C). ``info``: its run, None if it wrote no run file; a run whose
     run file is gone has ended and is only exiting: it is waited for without a signal
@@ -900,7 +901,7 @@ def _stop_child(child: subprocess.Popen, info: RunInfo | None, *,
         return
     said_bye = info is not None and not os.path.exists(info.path)
     if not said_bye:
-        child.send_signal(_ended_by or signal.SIGINT)
+        child.send_signal(_ended_by or signum)
     try:
         child.wait(1.0)
         return

@@ -285,7 +285,7 @@ def test_gpuwatch_demo_in_a_terminal_leaves_nothing_behind(run_dir, end):
             assert terminal.process.wait(60) == 0
             # the job's last line, as --no-ui ends, once the dashboard has closed (the
             # drain thread may not have read it yet)
-            ended = re.compile(rb"gpuwatch demo: ended at step [0-9,]+ \(stopped by [A-Za-z ]+;"
+            ended = re.compile(rb"gpuwatch demo: ended at step [0-9,]+ \(dashboard quit;"
                                rb" [0-9,]+ steps trained\)\s*$")
             wait_until(lambda: ended.search(bytes(terminal.output)),
                        "the demo job's last line after the dashboard", timeout_s=30,

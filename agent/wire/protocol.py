@@ -123,6 +123,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
@@ -160,6 +161,12 @@ RECOVERY_ID_PREFIX = "recovery-"
 #: (``80 (finished; 80 steps trained)``): :mod:`agent.demo` prints it,
 #: ``gpuwatch demo`` looks for it at the end of the job's output.
 DEMO_ENDED = "gpuwatch demo: ended at step "
+#: The signal ``gpuwatch demo`` stops its training job with when its dashboard closes
+#: (``q``): the job's last line, its ``bye`` and its log then say so ("dashboard quit"),
+#: not the SIGINT a Ctrl-C sends (a newcomer read "stopped by SIGINT" after a ``q`` as a
+#: Ctrl-C of their own).
+DEMO_QUIT_SIGNAL = signal.SIGUSR1
+DEMO_QUIT_REASON = "dashboard quit"
 
 
 class EventKind:
