@@ -278,11 +278,43 @@ def test_a_host_loss_is_let_go_once_published_and_published_exactly(run_dir):
     assert late_ref() is None  # not queued for an I/O thread that is gone
 
 
+def test_a_host_loss_is_read_at_the_boundary_and_its_graph_let_go(run_dir):
+    """A float32 host loss and gradient norm are read from memory as the step is recorded
+    (no call): the record keeps numbers, so each loss tensor, with its autograd graph, goes
+    when the loop lets go of it, even with the I/O thread not started; every loss and norm
+    is then published bit for bit."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = agent.Agent(name="read", model=model)  # (not started: nothing drains)
+    batches = itertools.cycle(digits_loader(batch_size=8))
+    expected, norms, held = [], [], []
+    for step in range(1, 41):
+        x, y = next(batches)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.optimizer_step(StepRecord(1, 8, 0.0, loss, grad_norm=norm, step=step))
+        expected.append(loss.item())
+        norms.append(norm.item())
+        held.append(weakref.ref(loss))
+    del loss, norm
+    assert [ref() for ref in held] == [None] * len(held)
+    monitor.start()
+    log_path = monitor.info.log_path
+    monitor.close()
+    steps = [r for r in flat_records(log_path) if r["type"] == "step"]
+    assert [r["loss"] for r in steps] == expected
+    assert [r["grad_norm"] for r in steps] == norms
+
+
 def test_past_the_held_bound_a_host_loss_is_read_at_once_and_its_graph_let_go(run_dir):
-    """While the I/O thread is behind (:data:`LOSSES_HELD_MAX` records queued: here it has
-    not started), each further step's host loss is read as it is recorded: its record
-    keeps the number, not the tensor with its autograd graph, which goes at once; the
-    ones before stay held. Every loss is then published bit for bit."""
+    """A host loss not read from memory (bfloat16 here) is held, with its autograd graph,
+    until the I/O thread reads it; while the I/O thread is behind (:data:`LOSSES_HELD_MAX`
+    records queued: here it has not started), each further step's loss is read as it is
+    recorded: its record keeps the number and the graph goes at once; the ones before stay
+    held. Every loss is then published bit for bit."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = agent.Agent(name="held", model=model)  # (not started: nothing drains)
@@ -290,7 +322,7 @@ def test_past_the_held_bound_a_host_loss_is_read_at_once_and_its_graph_let_go(ru
     expected, held = [], []
     for step in range(1, LOSSES_HELD_MAX + 7):
         x, y = next(batches)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = torch.nn.functional.cross_entropy(model(x).bfloat16(), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

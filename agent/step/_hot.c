@@ -1522,36 +1522,46 @@ hot_step(Hot *self, PyObject *arg)
     if (queued < 0)
         return -1;
     PyObject *marker;
-    if (queued < self->held_max) {
-        marker = self->marks_on_host
-            ? host_mark_of(values[LOSS], values[SKIPPED], values[GRAD_NORM])
-            : PyObject_CallMethodObjArgs(self->marker, str_mark, values[LOSS], values[SKIPPED],
-                                         values[GRAD_NORM], NULL);
-    }
-    else {  /* the I/O thread is behind: no more autograd graphs held */
-        double loss;
-        if (self->marks_on_host
-                && (values[LOSS] == Py_None || PyFloat_CheckExact(values[LOSS])))
-            /* (a number already: mark_read's marker is mark's) */
-            marker = host_mark_of(values[LOSS], values[SKIPPED], values[GRAD_NORM]);
-        else if (self->marks_on_host && hotpath->host_scalar(values[LOSS], &loss)) {
-            /* (CpuMarker.mark_read's marker, the loss read from memory: no call) */
-            PyObject *read = PyFloat_FromDouble(loss);
-            marker = read == NULL ? NULL
-                     : host_mark_of(read, values[SKIPPED], values[GRAD_NORM]);
-            Py_XDECREF(read);
+    PyObject *loss_read = NULL, *norm_read = NULL;
+    if (self->marks_on_host) {
+        /* A host loss (and gradient norm) that can be read from memory is read now, with
+           no call: its value is final at the boundary, and the record then holds a number,
+           not the tensor with its autograd graph's nodes (held for a publish interval and
+           freed on the I/O thread, they cost the model's next steps about 5 us of CPU a
+           step on a 240 us step: .probe/hold.py in session 23). */
+        double value;
+        PyObject *loss = values[LOSS], *norm = values[GRAD_NORM];
+        if (loss != Py_None && !PyFloat_CheckExact(loss) && hotpath->host_scalar(loss, &value)) {
+            if ((loss_read = PyFloat_FromDouble(value)) == NULL)
+                return -1;
+            loss = loss_read;
         }
-        else
-            marker = PyObject_CallMethodObjArgs(self->marker, str_mark_read, values[LOSS],
-                                                values[SKIPPED], values[GRAD_NORM], NULL);
-        if (marker != NULL && queued >= self->queue_size) {  /* (this append drops one) */
-            PyObject *encoder = PyObject_GetAttr((PyObject *)self, str_encoder);
-            int done = encoder == NULL ? -1 : call_method(encoder, str_overflowing, NULL);
-            Py_XDECREF(encoder);
-            if (done < 0) {
-                Py_DECREF(marker);
+        if (norm != Py_None && !PyFloat_CheckExact(norm) && hotpath->host_scalar(norm, &value)) {
+            if ((norm_read = PyFloat_FromDouble(value)) == NULL) {
+                Py_XDECREF(loss_read);
                 return -1;
             }
+            norm = norm_read;
+        }
+        if (queued < self->held_max || loss == Py_None || PyFloat_CheckExact(loss))
+            marker = host_mark_of(loss, values[SKIPPED], norm);
+        else  /* the I/O thread is behind: no more autograd graphs held */
+            marker = PyObject_CallMethodObjArgs(self->marker, str_mark_read, loss,
+                                                values[SKIPPED], norm, NULL);
+        Py_XDECREF(loss_read);
+        Py_XDECREF(norm_read);
+    }
+    else
+        marker = PyObject_CallMethodObjArgs(
+            self->marker, queued < self->held_max ? str_mark : str_mark_read, values[LOSS],
+            values[SKIPPED], values[GRAD_NORM], NULL);
+    if (marker != NULL && queued >= self->queue_size) {  /* (this append drops one) */
+        PyObject *encoder = PyObject_GetAttr((PyObject *)self, str_encoder);
+        int done = encoder == NULL ? -1 : call_method(encoder, str_overflowing, NULL);
+        Py_XDECREF(encoder);
+        if (done < 0) {
+            Py_DECREF(marker);
+            return -1;
         }
     }
     if (marker == NULL)
@@ -1647,7 +1657,8 @@ static PyMethodDef hot_methods[] = {
      "``marker`` and ``knobs``, sets its ``loss`` to None (the marker holds it) and "
      "queues it (it must not be changed after).\n\n"
      ".. note:: In C (agent/step/_hot.c). Never synchronizes the device and never blocks: "
-     "a clock read, a marker (an asynchronous CUDA event on GPU; on the host the loss "
+     "a clock read, a marker (an asynchronous CUDA event on GPU; on the host the loss and "
+     "gradient norm: read from memory, no call, when 0-dim float32 or float64, else the "
      "tensor itself, or its value read when "
      ":data:`agent.step.core.LOSSES_HELD_MAX` records are queued), one deque append (and "
      "the calls of :meth:`add_listener`'s listeners, when there are any). Never raises "

@@ -4,7 +4,8 @@ Training thread, at each optimizer-step boundary (:meth:`Agent.optimizer_step`):
 host clock, make a step marker (see :mod:`agent.step.markers`), append the step's typed
 record (:class:`agent.step.record.StepRecord`) to a bounded deque, and apply pending commands
 whose step has come. Nothing else: no device sync, no ``.item()`` of a device tensor (a
-host loss is read only while the I/O thread lags: :data:`LOSSES_HELD_MAX`), no NVML or
+0-dim float32 or float64 host loss is read from its memory, no call; another host loss by
+``.item()`` only while the I/O thread lags: :data:`LOSSES_HELD_MAX`), no NVML or
 psutil, no I/O, no lock unless a command is pending. That path is in C (its base
 :class:`agent.step._hot.HotPath`, agent/step/_hot.c): no Python frame unless listeners or
 commands wait.
@@ -58,7 +59,10 @@ log = logging.getLogger("gpuwatch.agent")
 
 #: Step records in the queue past which the training thread reads a host loss itself
 #: (:meth:`agent.step.markers.CpuMarker.mark_read`, ``.item()``: 3 to 4 us between real
-#: steps) instead of handing the tensor over: a held loss keeps its autograd graph's
+#: steps) instead of handing the tensor over. A 0-dim float32 or float64 host loss is
+#: always read at the boundary, from memory (no call), and never held; this bounds the
+#: others (another dtype, a subclass, a device other than CUDA's, whose read is a call,
+#: and CUDA's, whose marker is an event): a held loss keeps its autograd graph's
 #: nodes alive until the I/O thread reads it (162 KiB a step for a 4-layer transformer
 #: encoder of width 64: about 10 MB at its 8 ms steps over a 0.5 s publish interval, but
 #: 1.3 GiB over the whole queue when a starved I/O thread falls 8,192 steps behind). A
@@ -101,7 +105,8 @@ class Agent(HotPath):
         queue_size: bound of the record queue; when the I/O thread falls that far
             behind, the oldest records are dropped (counted in heartbeats), the training
             thread never waits. Past :data:`LOSSES_HELD_MAX` queued, host losses are
-            read as they are recorded (their autograd graphs are not kept).
+            read as they are recorded (their autograd graphs are not kept); float32 and
+            float64 ones always are.
         nvml: the GPU probe (tests pass one with a fake NVML module).
         run_id: the run id, when the caller derives one that every rank of its job
             shares (default: :func:`agent.wire.runs.shared_run_id`).

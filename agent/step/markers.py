@@ -2,17 +2,20 @@
 
 The loss (and GPU time), handed over without synchronizing the device.
 
-On the host the marker is the loss tensor itself (or a tuple with the skipped flag and the
+On the host the marker is the loss itself (or a tuple with the skipped flag and the
 gradient norm): the training thread touches no torch code to mark a step, since each
 touch costs 3 to 8 us of CPU between real steps (a cold cache: ``.item()`` 3.8,
 ``.detach()`` 8.2, ``is_cpu`` with ``dim()`` 2.9, session 14's
-``benchmarks/bench_overhead.py`` paced loop), and the I/O thread reads a whole batch of
-them at once. The record holds the loss, with its autograd graph, until the I/O thread
-has read it (a publish interval, at most half a second); the graph is freed there, where
-the loop's next ``loss = ...`` would have freed it on the training thread. When the I/O
+``benchmarks/bench_overhead.py`` paced loop). The agent's hot path (in C) reads a 0-dim
+float32 or float64 loss and gradient norm from the tensor's memory as it marks
+(:func:`gpuopt._hotpath.host_items`' read: a few loads, no call), so the marker holds
+numbers and the loss's autograd graph goes when the loop lets go of it. Any other host
+tensor (another dtype, a subclass, a device other than CUDA's) is the marker as it is, and
+the I/O thread reads a batch of them at once; its record holds the loss, with its
+autograd graph, until then (a publish interval, at most half a second). When the I/O
 thread falls behind (:data:`agent.step.core.LOSSES_HELD_MAX` records queued) the agent
-marks with :meth:`CpuMarker.mark_read`, which reads the loss at once: the graphs kept
-are bounded in number.
+marks those with :meth:`CpuMarker.mark_read`, which reads the loss at once: the graphs
+kept are bounded in number.
 
 On CUDA the marker records a CUDA event after the step's kernels and starts a
 non-blocking copy of the loss into a slot of a pinned host ring buffer; the I/O thread
@@ -39,8 +42,9 @@ class CpuMarker:
 
     #: Training thread: ``mark(loss, skipped=None, grad_norm=None)``, the marker of this
     #: step: the loss itself, or ``(loss, skipped, grad_norm)`` (see
-    #: :func:`agent.step._hot.host_mark`, in C: the agent's hot path makes it without a
-    #: call; no torch call, nothing read).
+    #: :func:`agent.step._hot.host_mark`, in C; no torch call, nothing read). The agent's
+    #: hot path makes it without a call, with a float32 or float64 loss and norm read
+    #: from memory first.
     mark = staticmethod(host_mark)
 
     def mark_read(self, loss: torch.Tensor | None, skipped: torch.Tensor | None = None,
