@@ -17,7 +17,7 @@ from agent.wire.runlog import summary_path
 from gpuopt import MixedPrecision, Trainer
 from gpuwatch.client import Subscriber, send_command
 from gpuwatch.history import flat_records
-from tests.training import (FuncInForward, Gate, digits_loader, messages,
+from tests.training import (FuncInForward, Gate, digits_loader, greeted, messages,
                             model as make_model, start)
 
 
@@ -183,6 +183,7 @@ def test_a_model_that_refuses_the_activation_meter_says_so_and_trains_on(run_dir
                       torch.nn.functional.cross_entropy, digits_loader())
     agent.attach(trainer)
     with Subscriber(runs.find_run()) as sub:
+        greeted(sub)
         thread = start(trainer, max_steps=5)
         seen = messages(sub, lambda m: m["type"] == "bye", timeout_s=60)
         thread.join(30)
@@ -469,8 +470,9 @@ def test_listening_beyond_this_machine_uses_curve_and_only_the_run_key_gets_in(r
     import zmq
 
     model = make_model()
+    gate = Gate(hold_at=3)  # (the command applies before the run can end)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                      torch.nn.functional.cross_entropy, digits_loader())
+                      torch.nn.functional.cross_entropy, digits_loader(), callbacks=[gate])
     monitor = agent.attach(trainer, transport="tcp", listen="0.0.0.0")
     info = runs.find_run()
     assert info.curve_server_key and info.curve_client_secret_key
@@ -481,9 +483,12 @@ def test_listening_beyond_this_machine_uses_curve_and_only_the_run_key_gets_in(r
     stranger.connect(info.pub_endpoint)
     try:
         with Subscriber(info) as sub:
+            greeted(sub)
             thread = start(trainer, max_steps=400)
             assert messages(sub, lambda m: m["type"] == "step")  # the key holder sees steps
+            assert gate.reached.wait(30)
             assert send_command(info, "accum_steps", 2)["ok"]  # and can steer
+            gate.release.set()
             thread.join(30)
         assert not stranger.poll(200)  # the stranger saw nothing
         unkeyed = runs.RunInfo(**{**info.__dict__, "curve_server_key": ""})

@@ -575,7 +575,8 @@ async def test_runs_screen_shows_whole_columns_and_each_runs_steps(run_dir, size
         if len(shown) == len(COLUMNS):
             assert status == "1 run"
             return
-        assert status == f"1 run; columns name to {shown[-1]} of {len(COLUMNS)}: →"
+        assert status == (f"1 run; {len(shown)} of {len(COLUMNS)} columns shown (run, then "
+                          f"'name' to {shown[-1]!r}); → for the others")
         moves = 0
         while "→" in text_of(app.screen, "#runs-status"):
             await pilot.press("right")
@@ -589,7 +590,7 @@ async def test_runs_screen_shows_whole_columns_and_each_runs_steps(run_dir, size
         await pilot.press("left")
         await pilot.pause()
         assert shown_columns()[1] == COLUMNS[moves]
-        assert text_of(app.screen, "#runs-status").endswith("←→")
+        assert text_of(app.screen, "#runs-status").endswith("; ←→ for the others")
         assert "step 1,234 of 1,234" in text_of(app, "#timeline")
 
 

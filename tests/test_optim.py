@@ -26,7 +26,7 @@ from gpuopt.optim import OptimizerSettings
 from gpuopt.saving import write_atomically
 from gpuwatch.client import Subscriber, send_command
 from gpuwatch.history import flat_records
-from tests.training import Gate, digits_loader, messages, model as make_model, start
+from tests.training import Gate, digits_loader, greeted, messages, model as make_model, start
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -278,6 +278,7 @@ def test_a_change_followed_by_a_non_finite_loss_is_rolled_back(run_dir):
                         name="loop-guard")
     data = digits_loader()
     with Subscriber(run.agent.info) as sub:
+        greeted(sub)
         for step in range(1, 4):
             _loop_step(run, model, optimizer, data[step])
         assert send_command(run.agent.info, "lr_scale", 4.0)["ok"]  # applies at step 5

@@ -9,7 +9,7 @@ from agent.control.guard import ChangeGuard
 from agent.control.ledger import EPISODE_CHANGES_MAX, Change, ChangeLedger
 from gpuopt import Trainer
 from gpuwatch.client import Subscriber, send_command
-from tests.training import Gate, digits_loader, messages, model as make_model, start
+from tests.training import Gate, digits_loader, greeted, messages, model as make_model, start
 
 
 def nan_under_fp16(output, target):
@@ -227,6 +227,7 @@ def _loop_run(data, name, change=None):
     batches = iter(run.loader(torch.utils.data.DataLoader(data, batch_size=16, shuffle=True),
                               epochs=None))
     with Subscriber(run.agent.info) as sub:
+        greeted(sub)
         if change is not None:
             assert send_command(run.agent.info, "lr_scale", change, apply_step=7)["ok"]
         while run.step < 20:
@@ -305,6 +306,7 @@ def test_a_long_run_of_changes_is_cut_into_episodes_of_bounded_length(run_dir):
     batches = iter(run.loader(digits_loader(), epochs=None))
     held, sent, seen = [], 0, []
     with Subscriber(run.agent.info) as sub:
+        greeted(sub)
         while run.step < 160:
             x, y = next(batches)
             _train_step(run, model, optimizer, x, y)

@@ -378,8 +378,8 @@ def test_the_steer_example_halves_lr_scale_of_a_live_run_at_each_plateau(run_dir
     steps = {m["body"]["step"]: m["body"] for m in seen if m["type"] == "step"}
     *said, last = out.splitlines()
     assert said == [event["text"] for event in halvings]
-    assert last == (f"steer: followed run {info.run_id} for {len(steps)} steps "
-                    f"({min(steps)}..{max(steps)}); lr_scale halved 2 times, to 0.25")
+    assert last == (f"steer: followed run {info.run_id} for {len(steps):,} steps "
+                    f"({min(steps):,}..{max(steps):,}); lr_scale halved 2 times, to 0.25")
     for step, body in steps.items():
         scale = 0.25 if step >= halvings[1]["step"] else (
             0.5 if step >= halvings[0]["step"] else 1.0)

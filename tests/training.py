@@ -79,6 +79,15 @@ def start(trainer, **fit):
     return thread
 
 
+def greeted(sub, timeout_s=10):
+    """The first message ``sub`` gets (the run greets each new subscriber with its hello):
+    once it has come, the subscription has reached the run and nothing it publishes after
+    is missed (ZeroMQ drops what a publisher sends before a subscription arrives)."""
+    message = sub.recv(timeout_s)
+    assert message is not None, f"no greeting within {timeout_s} s"
+    return message
+
+
 def messages(sub, until, timeout_s=30):
     seen = []
     while True:
