@@ -36,7 +36,7 @@ PANELS = (
         "fewer seconds when fewer are kept): a slow step weighs its share of them. ▲ "
         "marks a step beyond the axis' end (a "
         "compile, a checkpoint save: an outlier never sets the scale): the title "
-        "gives the largest. Orange lines: knob changes. Both charts show the whole "
+        "gives the largest where it fits. Orange lines: knob changes. Both charts show the whole "
         "run from step 1 (its log, read in the background: each column spans its "
         "steps' least and largest value, so spikes show), then live; z: only the "
         "steps received last, and back.")),
