@@ -21,6 +21,11 @@ WIDTH_CHARS = 120
 #: The longest title, knob name and knob value in a cell (characters): with the
 #: longest figure label, one column and a ratio fit in :data:`WIDTH_CHARS`.
 TITLE_CHARS, NAME_CHARS, VALUE_CHARS = 60, 40, 40
+#: :func:`load_note` warns when other work kept at least this share of the host's CPU
+#: busy in one column (0..1) ...
+BUSY_SHARE = 0.25
+#: ... and this much more than in another.
+LOAD_GAP = 0.2
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,8 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
     """The comparison as rows of cells: the titles, then each figure and each knob that differs.
 
     A header row (the titles), then one row per figure and per knob whose value differs
-    between the columns; with two columns a last cell, ``ratio``, with the second's figure
+    between the columns (the host's CPU kept busy by other work where the log has system
+    samples); with two columns a last cell, ``ratio``, with the second's figure
     over the first's with 3 significant digits (``x0.500``, ``x0.000837``)."""
     segments = [column.segment for column in columns]
     shown = [{name: _span(s.knobs.get(name), s.knobs_last.get(name, s.knobs.get(name)))
@@ -121,6 +127,9 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
         ("loss (first -> last fifth)", _loss, None),
         ("loss slope / 1k steps", lambda s: "-" if s.loss_slope_per_1k is None
          else f"{s.loss_slope_per_1k:+.3g}", None)]
+    if any(s.other_cpu_share is not None for s in segments):
+        figures.append(("host CPU, other work", lambda s: "-" if s.other_cpu_share is None
+                        else f"{s.other_cpu_share:.0%}", None))
     table = [["", *(printable(column.title, TITLE_CHARS) for column in columns)]]
     if len(columns) == 2:
         table[0].append("ratio")
@@ -135,6 +144,25 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
                        if field else "")
         table.append(row)
     return table
+
+
+def load_note(columns: Sequence[Column]) -> str | None:
+    """A warning when other work on the host differed between the columns enough to move
+    their speed figures; None otherwise.
+
+    When the busiest column's :attr:`~gpuwatch.history.Segment.other_cpu_share` is at least
+    :data:`BUSY_SHARE` and :data:`LOAD_GAP` above the quietest's: a segment can read
+    several times faster only because another job on the host ended (a newcomer read a
+    x26 "speed-up" of that kind as the knob's)."""
+    shares = [(column.segment.other_cpu_share, number) for number, column
+              in enumerate(columns, 1) if column.segment.other_cpu_share is not None]
+    if len(shares) < 2:
+        return None
+    (busy, busiest), (quiet, quietest) = max(shares), min(shares)
+    if busy < BUSY_SHARE or busy - quiet < LOAD_GAP:
+        return None
+    return (f"note: other work kept {busy:.0%} of the host's CPU busy in column {busiest}, "
+            f"{quiet:.0%} in column {quietest}: the speeds compare that load too")
 
 
 def table(columns: Sequence[Column], width_chars: int = WIDTH_CHARS) -> str:

@@ -902,6 +902,11 @@ class Segment:
             over more than :data:`SAMPLE_VALUES` steps are of an evenly spaced sample.
         knobs_last: the knob values of its last step: those of :attr:`knobs` but in a
             segment that spans knob changes (a whole run, a branch).
+        other_cpu_share: the share of the host's CPU (0..1 of all its cores) that
+            processes other than the run's own kept busy, the mean of the run's system
+            samples (1 Hz) taken while it ran (:func:`other_cpu_share`); None without
+            them. A segment faster than another only because other work went away shows
+            here.
     """
 
     first_step: int
@@ -919,6 +924,7 @@ class Segment:
     loss_last: float | None
     loss_slope_per_1k: float | None
     knobs_last: dict[str, Any] = field(default_factory=dict)
+    other_cpu_share: float | None = None
 
     @property
     def label(self) -> str:
@@ -970,6 +976,12 @@ class SegmentFold:
         self._peak_reserved = -math.inf
         self._rss = -math.inf
         self._slope = [0.0] * 5  # n, sum x, sum y, sum xx, sum xy (x from first step)
+        self._other_cpu = [0.0, 0]  # sum, count of other_cpu_share samples
+
+    def add_system(self, share: float) -> None:
+        """Add one system sample's :func:`other_cpu_share` (0..1) taken while it ran."""
+        self._other_cpu[0] += share
+        self._other_cpu[1] += 1
 
     def add(self, batch: StepBatch, start: int, stop: int) -> None:
         """Add rows ``start:stop`` of ``batch`` (folded once :data:`FOLD_ROWS` wait)."""
@@ -1057,7 +1069,8 @@ class SegmentFold:
             medians["tokens_per_s"], self._wait_s / self._time_s if self._time_s > 0 else None,
             memory if memory > -math.inf else None, medians["activation_bytes"],
             _median(loss[:fifth]), _median(loss[-fifth:]),
-            None if slope is None else slope * 1000.0, self.knobs_last)
+            None if slope is None else slope * 1000.0, self.knobs_last,
+            self._other_cpu[0] / self._other_cpu[1] if self._other_cpu[1] else None)
 
 
 @dataclass
@@ -1179,6 +1192,7 @@ class HistoryBuilder:
         self._last_step: int | None = None
         self._fold: SegmentFold | None = None
         self._whole: SegmentFold | None = None
+        self._cpus: int | None = None  # the host's CPU count (the hello's)
         self._head: list[Segment] = []  # the first segments' figures
         self._tail: deque[Segment | SegmentFold] = deque(maxlen=MAX_SEGMENTS)
 
@@ -1199,6 +1213,13 @@ class HistoryBuilder:
         t = number(envelope.get("t"))
         if kind == protocol.HELLO:
             history.hello = body
+            self._cpus = host_cpu_count(body)
+        elif kind == protocol.SYSTEM:
+            share = other_cpu_share(body, self._cpus)
+            if share is not None:
+                for fold in (self._fold, self._whole):
+                    if fold is not None:
+                        fold.add_system(share)
         elif kind == protocol.EVENT:
             if len(history.events) < MAX_EVENTS:
                 history.events.append(event_of(t, self._last_step, body))
@@ -1310,6 +1331,32 @@ class HistoryBuilder:
         return history
 
 
+def host_cpu_count(hello: Any) -> int | None:
+    """The CPU count of a run's host, as its ``hello`` reports it (``env.cpu.count``); None
+    where it does not say (an older agent, a damaged record)."""
+    env = hello.get("env") if isinstance(hello, dict) else None
+    cpu = env.get("cpu") if isinstance(env, dict) else None
+    count = cpu.get("count") if isinstance(cpu, dict) else None
+    return count if type(count) is int and 0 < count <= 1 << 20 else None
+
+
+def other_cpu_share(system: Any, cpus: int | None) -> float | None:
+    """The share of the host's CPU (0..1 of all its ``cpus`` cores) that processes other
+    than the run's own kept busy, by one ``system`` record.
+
+    The host's busy share (``cpu_pct``, % of all cores) less the training process's and
+    its children's (``process_cpu_pct``, ``children_cpu_pct``: 100 = one core), clamped to
+    0..1 (the three are read over slightly different intervals). None where ``cpus`` or
+    the host's or process's figure is missing or not a number."""
+    if cpus is None or not isinstance(system, dict):
+        return None
+    host, own = number(system.get("cpu_pct")), number(system.get("process_cpu_pct"))
+    if host is None or own is None:
+        return None
+    children = number(system.get("children_cpu_pct")) or 0.0
+    return min(1.0, max(0.0, host / 100.0 - (own + children) / 100.0 / cpus))
+
+
 def _known(knobs: Any) -> dict[str, Any]:
     """Knob values as a segment keeps them: at most :data:`MAX_KNOBS`, with names of at
     most :data:`MAX_NAME_CHARS` characters."""
@@ -1382,9 +1429,16 @@ def branch_segments(log: LogFiles, tree: BranchTree
     chosen = list(tree.branches)[-MAX_COMPARED_BRANCHES:]
     folds: dict[int, SegmentFold] = {}
     fold = LogSummary()  # which branch each record is on
+    cpus = None
     for _, envelope in LogReader(log, arrays=True):
         fold.add(envelope)
         branch = fold.tree.current
+        if envelope["type"] == protocol.HELLO:
+            cpus = host_cpu_count(envelope["body"])
+        elif envelope["type"] == protocol.SYSTEM and branch in folds:
+            share = other_cpu_share(envelope["body"], cpus)
+            if share is not None:
+                folds[branch].add_system(share)
         if envelope["type"] != protocol.STEPS or branch not in chosen:
             continue
         batch = step_batch(envelope)

@@ -297,6 +297,9 @@ def _compare(args: argparse.Namespace) -> int:
         print(json.dumps([column.public() for column in columns], indent=2))
     else:
         print(compare.table(columns))
+        note = compare.load_note(columns)
+        if note is not None:
+            print(f"\n{note}")
     for run in runs:
         notes = _not_read(run) + (
             f"; {run.segments_omitted:,} segments between the first and last "

@@ -33,15 +33,18 @@ def gpuwatch(*args, timeout=60):
 
 
 def write_run(path, *, steps=30, changes=(), bye=True, t0=None, events=(),
-              name="replayed", **options):
-    """A run log of ``steps`` steps at 0.1 s each, of a run called ``name``; ``changes``
-    are (step, knob, value) taking effect at that step (with the agent's applied event
-    just before it); ``events`` are (step, text) warnings logged after that step."""
+              name="replayed", system=None, **options):
+    """A run log of ``steps`` steps at 0.1 s each, of a run called ``name`` on a 4-CPU
+    host; ``changes`` are (step, knob, value) taking effect at that step (with the agent's
+    applied event just before it); ``events`` are (step, text) warnings logged after that
+    step; ``system(step)``, where given, the system sample (a dict, or None for none)
+    logged after each step."""
     writer = Writer(path, t0=time.time() - 3600 if t0 is None else t0, **options)
     writer.write("hello", {"name": name, "device": "cpu", "world_size": 1,
                            "model": {"name": "TinyNet", "params": 1234},
                            "env": {"torch": {"version": "2.13.0+cpu", "num_threads": 2},
-                                   "cuda": {"available": False, "devices": []}},
+                                   "cuda": {"available": False, "devices": []},
+                                   "cpu": {"count": 4}},
                            "knobs": [STANDARD_KNOBS[name].to_wire() for name in KNOBS]})
     knobs = {**KNOBS, "precision": "fp32"}
     for step in range(1, steps + 1):
@@ -59,6 +62,9 @@ def write_run(path, *, steps=30, changes=(), bye=True, t0=None, events=(),
                     host_rss_bytes=(400 if knobs["accum_steps"] > 2 else 500) << 20,
                     **measured)
         writer.write("heartbeat", {"step": step, "ending": False}, dt_s=step * 0.1)
+        sample = system(step) if system is not None else None
+        if sample is not None:
+            writer.write("system", sample, dt_s=step * 0.1)
         for at, text in events:
             if at == step:
                 writer.write("event", {"level": "warning", "kind": "warning",
@@ -488,7 +494,9 @@ async def test_timeline_keys_move_every_panel_and_mark_the_changes(tmp_path):
 @pytest.mark.parametrize("size", [(60, 20), (80, 24)])
 async def test_compare_screen_pages_its_columns_rather_than_cut_a_number(tmp_path, size):
     path = write_run(tmp_path / f"{RUN}.rank0.runlog", steps=80,
-                     changes=[(31, "accum_steps", 4), (61, "precision", "bf16")])
+                     changes=[(31, "accum_steps", 4), (61, "precision", "bf16")],
+                     system=lambda step: {"cpu_pct": 100.0 if step <= 60 else 25.0,
+                                          "process_cpu_pct": 100.0})  # (another job ended)
     app = GpuwatchApp(TimelineSource(history.log_at(path)), readonly=True)
     async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: "● ended" in text_of(app, "#header"))
@@ -504,6 +512,9 @@ async def test_compare_screen_pages_its_columns_rather_than_cut_a_number(tmp_pat
         assert ["step", "time", "(median)", "100", "ms"] in rows, compared
         assert ["step", "time", "(median)", "50.0", "ms"] in rows, compared
         assert ["step", "time", "(median)", "x0.500"] in rows, compared  # (a page of its own)
+        assert text_of(app.screen, "#compare-note") == (
+            "note: other work kept 75% of the host's CPU busy in column 1, 0% in column 2: "
+            "the speeds compare that load too")
         assert box.max_scroll_y > 0  # taller than the screen: page down reaches its end
         await pilot.press(*["pagedown"] * 6)
         await until(pilot, lambda: box.scroll_y == box.max_scroll_y)

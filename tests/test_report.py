@@ -118,6 +118,36 @@ def test_compare_one_run_around_its_changes_and_two_runs(logged_run, run_dir):
     assert next(row for row in rows if row.startswith("lr")).split() == ["lr", "-", "0.01"]
 
 
+def test_compare_says_when_other_work_on_the_host_moved_the_speed(run_dir):
+    """Other processes kept 3 of the host's 4 cores busy until the change at step 41 (the
+    host at 100%, the run at one core), then none: each segment's share is the mean of its
+    samples (a damaged sample is passed over), and the table warns that the speed-up is
+    the load's as well as the knob's. Without that gap, no warning."""
+    def busy_then_quiet(step):
+        if step == 30:
+            return {"cpu_pct": "x", "process_cpu_pct": 100.0}  # (damaged: not counted)
+        return {"cpu_pct": 100.0 if step <= 40 else 25.0, "process_cpu_pct": 90.0,
+                "children_cpu_pct": 10.0} if step % 10 == 0 else None
+
+    path = write_run(os.path.join(run_dir, f"{RUN}.rank0.runlog"), steps=80,
+                     changes=[(41, "precision", "bf16")], system=busy_then_quiet)
+    result = gpuwatch("compare", str(path))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert next(line for line in lines if line.startswith("host CPU")).split() == [
+        "host", "CPU,", "other", "work", "75%", "0%"]
+    assert lines[-1] == ("note: other work kept 75% of the host's CPU busy in column 1, 0% "
+                         "in column 2: the speeds compare that load too")
+    shares = [column["other_cpu_share"] for column
+              in json.loads(gpuwatch("compare", str(path), "--json").stdout)]
+    assert shares == [0.75, 0.0]
+    steady = write_run(os.path.join(run_dir, "20250102-000000-0ther.rank0.runlog"), steps=80,
+                       changes=[(41, "precision", "bf16")],
+                       system=lambda step: {"cpu_pct": 60.0, "process_cpu_pct": 100.0})
+    result = gpuwatch("compare", str(steady))
+    assert "35%" in result.stdout and "note:" not in result.stdout, result.stdout
+
+
 def test_compare_of_a_run_with_20_changes_fits_120_columns_in_pages(run_dir):
     """20 changes: 21 segments, in pages of the columns that fit 120 characters, each
     with the labels, together every segment once and in order."""

@@ -14,7 +14,7 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from gpuwatch.compare import Column, table
+from gpuwatch.compare import Column, load_note, table
 
 #: The share of the screen's width the box may take (the stylesheet's ``max-width``),
 #: and the columns its border and padding take.
@@ -23,6 +23,9 @@ BOX_WIDTH_SHARE, BOX_FRAME_COLUMNS = 0.95, 6
 
 class CompareScreen(ModalScreen[None]):
     """The figures of two or more segments (:func:`gpuwatch.compare.table`); any listed key closes.
+
+    Under them, :func:`gpuwatch.compare.load_note`'s warning where other work on the host
+    differed between them.
 
     In pages of the columns that fit the screen's width (a number is never cut), in a box
     that the arrow keys and page up / down scroll where it is taller than the screen (a
@@ -46,6 +49,9 @@ class CompareScreen(ModalScreen[None]):
         with ScrollableContainer(id="compare") as box:
             box.border_title = self.title
             yield Static(self._table(), id="compare-table")
+            note = load_note(self.columns)
+            if note is not None:
+                yield Static(Content.styled(note, "$warning"), id="compare-note")
             yield Static(Content.styled("escape, q or v closes this screen",
                                         "$text-muted"))
 
