@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import zmq
@@ -176,6 +177,9 @@ def _parser() -> argparse.ArgumentParser:
     tail.add_argument("--json", action="store_true",
                       help="every record as one JSON object per line")
     tail.add_argument("--count", type=int, metavar="N", help="stop after N records")
+    tail.add_argument("--last", "-n", type=int, metavar="N",
+                      help="the last N records of the run's log, as tail -n, then (a live "
+                           "run, or with --follow) what comes after")
     tail.add_argument("--nodes", action="store_true",
                       help="a multi-node run: the other nodes' summaries (every rank's "
                            "step and step time, once a second) and events too, through "
@@ -411,6 +415,9 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _tail(args: argparse.Namespace) -> int:
+    if args.last is not None and args.last < 1:
+        print("gpuwatch tail: --last N needs N >= 1", file=sys.stderr)
+        return 2
     if args.target and not args.run and os.path.isfile(args.target):
         return _tail_file(Path(args.target), args)
     from gpuwatch.client import Subscriber
@@ -429,6 +436,13 @@ def _tail(args: argparse.Namespace) -> int:
         return 1
     if info is None:
         return _no_run(selector)
+    if args.last:  # its log's last records, then what comes, to its bye
+        if not info.log_path or not os.path.isfile(info.log_path):
+            print(f"gpuwatch tail: --last reads the run's log, and run "
+                  f"{printable(info.run_id)} has none on this machine", file=sys.stderr)
+            return 1
+        return _tail_file(Path(info.log_path), argparse.Namespace(**{**vars(args),
+                                                                     "follow": True}))
     printed = 0
     hellos = _Hellos()
     try:
@@ -550,12 +564,16 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
     """Print a run log's records; with ``--follow`` wait for more until a ``bye``.
 
     Without ``--follow``, a log read to its end without a ``bye`` is said (on stderr): the
-    run is still going, or was killed before its last records were written."""
+    run is still going, or was killed before its last records were written. With
+    ``--last N``, the records up to the log's end are kept N at most (memory: N records)
+    and printed there, then what comes after as usual."""
     from gpuwatch.sources.replay import POLL_S, RunLogReader
 
     printed = 0
     ended = False
     hellos = _Hellos()
+    last: deque[dict[str, Any]] | None = deque(maxlen=args.last) if args.last else None
+    counted_hellos = _Hellos()  # (which hellos have a line, for --last)
     with RunLogReader(path) as reader:
         try:
             while True:
@@ -565,6 +583,12 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                     print(printable(f"gpuwatch tail: cannot read {path}: {exc}"),
                           file=sys.stderr)
                     return 1
+                if last is not None:
+                    last.extend(message for message in messages
+                                if _has_line(message, args.json, counted_hellos))
+                    if not reader.at_eof:
+                        continue
+                    messages, last = list(last), None
                 for message in messages:
                     if _print_record(message, as_json=args.json, hellos=hellos):
                         printed += 1
@@ -588,6 +612,19 @@ def _tail_file(path: Path, args: argparse.Namespace) -> int:
                 print(f"gpuwatch tail: {counted(reader.malformed, 'malformed line')} "
                       "skipped",
                       file=sys.stderr)
+
+
+def _has_line(message: dict[str, Any], as_json: bool, hellos: "_Hellos") -> bool:
+    """Whether :func:`_print_record` would print ``message`` (``hellos``: the hellos
+    seen before it, which this updates), printing nothing."""
+    if as_json:
+        return True
+    if message.get("type") == protocol.HELLO:
+        return hellos.line(message) is not None
+    try:
+        return _human_line(message) is not None
+    except Exception:  # (printed raw)
+        return True
 
 
 def _print_record(message: dict[str, Any], *, as_json: bool, hellos: "_Hellos",

@@ -216,6 +216,68 @@ def test_tail_of_a_finished_run_by_id_prints_its_log(run_dir):
     assert unknown.returncode == 1 and "no live run matches" in unknown.stderr
 
 
+def test_tail_last_prints_a_logs_last_records_as_tail_n(run_dir):
+    """`tail --last N` of an ended run (by id or file) prints the last N records of its
+    log, as `tail -n` does: the same lines as the whole log's last N, in JSON and for
+    people; N < 1 is refused."""
+    from tests.test_history import write_run
+    from tests.test_replay import RUN
+
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(exist_ok=True)
+    path = logs / f"{RUN}.rank0.runlog"
+    write_run(path, steps=40)
+    for as_json in ((), ("--json",)):
+        whole = gpuwatch("tail", *as_json, str(path)).stdout.splitlines()
+        for target in (str(path), RUN):
+            last = gpuwatch("tail", *as_json, "--last", "3", target)
+            assert last.returncode == 0, last.stderr
+            assert last.stdout.splitlines() == whole[-3:], last.stdout
+    assert [json.loads(line)["type"] for line in whole[-3:]] == ["step", "heartbeat", "bye"]
+    assert json.loads(whole[-3])["step"] == 40
+    assert gpuwatch("tail", "-n", "100", str(path), "--json").stdout.splitlines() == whole[-100:]
+    refused = gpuwatch("tail", "--last", "0", RUN)
+    assert refused.returncode == 2 and "--last N needs N >= 1" in refused.stderr
+
+
+def test_tail_last_of_a_live_run_prints_its_logs_end_then_follows_to_its_bye(run_dir):
+    """`tail --last 2 RUN` of a live run: the last 2 records its log holds, then what the
+    run logs after, until its bye (the steps trained after the tail started included)."""
+    import agent
+    from gpuwatch.history import flat_records
+    from tests.training import digits_loader, model as make_model
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = digits_loader(batch_size=8)
+    with agent.session(model=model, optimizer=optimizer, name="tail-last") as run:
+        log_path = run.agent.info.log_path
+
+        def train(steps):
+            for x, y in data[:steps]:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                run.optimizer_step(loss)
+
+        train(50)
+        logged = []
+        while not any(r.get("step") == 50 for r in logged):  # (the writer's next frame)
+            logged = [r for r in flat_records(log_path) if r["type"] == "step"]
+        tail = subprocess.Popen([sys.executable, "-m", "gpuwatch", "tail", "--json", "--last",
+                                 "2", run.agent.run_id], stdout=subprocess.PIPE, text=True)
+        first = json.loads(tail.stdout.readline())  # (what the log held: it is running)
+        train(10)
+    out, _ = tail.communicate(timeout=30)
+    records = [first, *map(json.loads, out.splitlines())]
+    assert tail.returncode == 0
+    assert records[-1]["type"] == "bye"
+    steps = [r["step"] for r in records if r["type"] == "step"]
+    assert 1 not in steps and steps[-1] == 60 and steps == sorted(steps)
+    assert len(records) < 40  # (not the log from its start)
+
+
 def test_tail_of_a_fifo_says_it_is_not_a_run_log_and_never_opens_it(run_dir, tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)  # opening it to read would wait for a writer: a hang
