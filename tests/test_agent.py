@@ -340,6 +340,36 @@ def test_past_the_held_bound_a_host_loss_is_read_at_once_and_its_graph_let_go(ru
     assert losses == expected
 
 
+def test_a_value_that_cannot_be_read_loses_itself_not_its_batch(run_dir):
+    """NumPy numbers as losses are published as floats (a breaker's np.float32 broke the
+    live stream: msgpack refuses it); a loss nobody can read (a meta tensor, a string)
+    and a gradient norm of two elements are published as missing, each reported once as
+    the agent's error, and every other step and value of the batch as given."""
+    import numpy
+
+    monitor = agent.Agent(name="unreadable")  # (not started: one batch)
+    losses = [numpy.float32(0.5), numpy.array(0.25, dtype=numpy.float64),
+              torch.tensor(1.0, device="meta"), "x", torch.tensor(0.125).bfloat16(), 2.0]
+    norms = [None, torch.tensor([1.0, 2.0]), None, None, torch.tensor(3.0), 0.5]
+    for step, (loss, norm) in enumerate(zip(losses, norms), 1):
+        monitor.optimizer_step(StepRecord(1, 8, 0.0, loss, grad_norm=norm, step=step))
+    monitor.start()
+    log_path = monitor.info.log_path
+    monitor.close()
+    records = list(flat_records(log_path))
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert [r.get("loss") for r in steps] == [0.5, 0.25, None, None, 0.125, 2.0]
+    assert all(type(r.get("loss")) in (float, type(None)) for r in steps)
+    assert [r.get("grad_norm") for r in steps] == [None, None, None, None, 3.0, 0.5]
+    errors = sorted(r["text"] for r in records
+                    if r["type"] == "event" and r.get("kind") == "agent_error")
+    assert [text.split(" failed: ")[0] for text in errors] == [
+        "gpuwatch agent: reading a step's gradient norm",
+        "gpuwatch agent: reading a step's loss", "gpuwatch agent: reading a step's loss"]
+    assert monitor.errors and not monitor._broken  # (reported; the agent goes on)
+
+
 def test_past_the_held_bound_number_losses_and_flags_are_published_as_marked(run_dir):
     """A loss given as a number (or None), past :data:`LOSSES_HELD_MAX` queued, is marked
     as it is (no call), with a step's GradScaler flag and gradient norm beside it."""

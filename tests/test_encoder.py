@@ -55,7 +55,8 @@ def _host_encoder(ledger: ChangeLedger | None = None
                           guard=ChangeGuard(ChangeLedger() if ledger is None else ledger),
                           check_step=lambda *args: None,
                           tune=AutoTune(KnobSet(), 0, lambda kind, body: None, lambda: None,
-                                        1, lambda where, exc: None), device=None)
+                                        1, lambda where, exc: None), device=None,
+                          report_error=lambda where, exc: None)
     return records, marker, encoder, sent
 
 

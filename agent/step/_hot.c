@@ -2167,15 +2167,16 @@ static PyMethodDef run_methods[] = {
      "Args:\n"
      "    loss: the window's mean (undivided) loss, a 0-dim tensor on any device; by "
      "default the sum of the losses the window backpropagated through the run "
-     "(:attr:`Session.scaler`, or ``fabric.backward``; see the module docstrings). Read "
-     "later, on the agent's thread (on the host, not copied: a tensor the loop changes in "
-     "place after this call is read as changed).\n"
+     "(:attr:`Session.scaler`, or ``fabric.backward``; see the module docstrings). A "
+     "0-dim float32 or float64 host tensor is read here, from memory (no call); any other "
+     "is read later, on the agent's thread (on the host, not copied: such a tensor the loop "
+     "changes in place after this call is read as changed).\n"
      "    samples, tokens: the window's, if :meth:`loader` / :meth:`timed` did not see its "
      "batches.\n"
      "    skipped: fp16 only, when not using :attr:`Session.scaler`: what "
      ":meth:`gpuopt.MixedPrecision.step` returned.\n"
-     "    grad_norm: what ``clip_grad_norm_`` returned (a tensor: read later, on the "
-     "agent's thread); by default the norm the run clipped with ``max_grad_norm``.\n"
+     "    grad_norm: what ``clip_grad_norm_`` returned (a tensor: read as ``loss`` is); by "
+     "default the norm the run clipped with ``max_grad_norm``.\n"
      "    activation_bytes: a measurement of your own "
      "(:class:`gpuopt.memory.SavedActivations`); by default :attr:`Session.autocast` "
      "measures now and then.\n\n"
@@ -2288,7 +2289,9 @@ static PyMethodDef module_methods[] = {
      "the norm, or None).\n\n"
      ".. note:: No torch call, nothing read (the I/O thread reads the values later), so "
      "a loss tensor changed in place after its step is read as changed (pass a copy, "
-     "``loss.detach().clone()``, if the loop reuses its tensor)."},
+     "``loss.detach().clone()``, if the loop reuses its tensor). The agent's hot path "
+     "reads a 0-dim float32 or float64 host loss and norm before it marks, so those are "
+     "read at the boundary."},
     {NULL},
 };
 

@@ -189,7 +189,8 @@ class Agent(HotPath):
         self._pending = self._desk.pending
         self._encoder = StepEncoder(self._records, self._marker, publish=publish,
                                     guard=self._change_guard, check_step=self._check_step,
-                                    tune=self.tune, device=self.device)
+                                    tune=self.tune, device=self.device,
+                                    report_error=self.report_error)
         self._io = IOLoop(self, run_id or shared_run_id(self.world_size), desk=self._desk,
                           encoder=self._encoder, guard=self._change_guard, tune=self.tune,
                           drain_at=queue_size // 4, nvml=nvml)

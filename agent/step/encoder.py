@@ -86,14 +86,19 @@ class StepEncoder:
         tune: the in-run search, told of each event, and of each step while one is on.
         device: the model's device; CUDA adds CUDA memory fields (and resets the peaks
             after each batch).
+        report_error: ``report_error(where, exc)``, told of a step's value that cannot be
+            read (:meth:`agent.step.core.Agent.report_error`): that step is published
+            without it, the others as they are.
     """
 
     def __init__(self, records: deque, marker: Any, *,
                  publish: Callable[[str, dict[str, Any] | protocol.PackedBody], None],
                  guard: ChangeGuard,
                  check_step: Callable[[int, float | None, bool | None], None],
-                 tune: AutoTune, device: torch.device | None) -> None:
+                 tune: AutoTune, device: torch.device | None,
+                 report_error: Callable[[str, BaseException], None]) -> None:
         self._records = records
+        self._report_error = report_error
         self._marker = marker
         self._publish = publish
         self._guard = guard
@@ -312,14 +317,14 @@ class StepEncoder:
                 # cost 0.30 us a step, item() 0.14)
                 try:
                     losses = host_items(loss_ts)
-                except RuntimeError:  # a tensor of more than one element: its mean
-                    losses = list(map(host_loss, loss_ts))
+                except Exception:  # (a tensor of more than one element: its mean)
+                    losses = self._each(host_loss, loss_ts, "loss")
             else:
-                losses = list(map(host_loss, loss_ts))
-            skipped = nones if set(map(type, skipped_ts)) == _NONE else [
-                None if flag is None else bool(flag) for flag in skipped_ts]
-            grad_norms = nones if set(map(type, norms)) == _NONE else [
-                None if norm is None else float(norm) for norm in norms]
+                losses = self._each(host_loss, loss_ts, "loss")
+            skipped = nones if set(map(type, skipped_ts)) == _NONE else self._each(
+                bool, skipped_ts, "GradScaler skip flag")
+            grad_norms = nones if set(map(type, norms)) == _NONE else self._each(
+                float, norms, "gradient norm")
             return losses, grad_norms, skipped, nones
         marker_api = self._marker
         previous = self._previous_marker
@@ -339,6 +344,24 @@ class StepEncoder:
                 gpu_times.append(None)
             previous = marker
         return losses, grad_norms, skipped, gpu_times
+
+    def _each(self, read: Callable[[Any], Any], values: Sequence[Any], what: str
+              ) -> list[Any]:
+        """``read`` of each of ``values`` (None stays None); None for a value it raises
+        for, reported (``what``: the field), so that one value nobody can read (a meta
+        tensor, a two-element norm) loses only itself, not its batch's steps."""
+        try:
+            return [None if value is None else read(value) for value in values]
+        except Exception:
+            pass
+        read_values = []
+        for value in values:
+            try:
+                read_values.append(None if value is None else read(value))
+            except Exception as exc:
+                self._report_error(f"reading a step's {what}", exc)
+                read_values.append(None)
+        return read_values
 
     def _add_run(self, run: list[StepRecord], ready: list[bool] | None) -> None:
         """Add a run of step records (no event among them, at most a batch's room) to

@@ -176,9 +176,17 @@ def host_loss(loss: Any) -> Any:
     """The loss a host marker holds (:meth:`CpuMarker.mark`), as a number.
 
     One read already (a float, or an int of an integer loss) as it is, a one-element
-    tensor's value (``item()``), a larger one's mean in float32; None for None."""
-    if not isinstance(loss, _Tensor):
+    tensor's value (``item()``), a larger one's mean in float32; None for None; any other
+    number (a NumPy scalar or 0-dim array) as ``float()`` reads it.
+
+    Raises:
+        Exception: what reading it raises (a meta tensor's ``item()``; ``float()`` of a
+            value that is not a number: TypeError, ValueError).
+    """
+    if type(loss) is float or type(loss) is int or loss is None:
         return loss
+    if not isinstance(loss, _Tensor):
+        return float(loss)
     return loss.item() if loss.numel() == 1 else float(loss.float().mean())
 
 
