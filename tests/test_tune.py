@@ -1007,6 +1007,25 @@ def test_cpu_threads_warns_while_the_model_is_compiled_so_the_search_skips_it():
     assert warn(torch.get_num_threads()) is None  # no change: nothing recompiles
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pin_memory has an effect with CUDA")
+def test_pin_memory_warns_either_way_without_cuda_so_the_search_skips_it(run_dir):
+    """Without CUDA neither value of pin_memory does anything: a newcomer's search tried
+    pin_memory=off on a CPU run for 30 steps and read noise as a -36% verdict. Both
+    values warn, so the search skips it with the reason (:meth:`Tuner._skip_reason`)."""
+    model = make_model()
+    run = agent.session(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        name="pin-skip")
+    loader = run.loader(ReconfigurableLoader(torch.utils.data.TensorDataset(
+        torch.randn(64, 8), torch.zeros(64)), batch_size=8, pin_memory=True))
+    try:
+        knob = run.agent.knobs.knobs["pin_memory"]
+        reason = "pin_memory has no effect without CUDA (no host-to-device copies)"
+        assert knob.warning(True) == knob.warning(False) == reason
+    finally:
+        del loader
+        run.close()
+
+
 def test_a_candidates_verdict_has_a_line_of_its_own_so_it_is_never_cut():
     from gpuwatch.screens.tune import candidate_line
 

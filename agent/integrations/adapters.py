@@ -116,7 +116,8 @@ def loader_knobs(loader: ReconfigurableLoader) -> list[Knob]:
         return lambda value: loader.reconfigure(**{name: value})
 
     def pin_warning(value: bool) -> str | None:
-        if value and not torch.cuda.is_available():
+        # (either way: the in-run search then skips a toggle that can only measure noise)
+        if not torch.cuda.is_available():
             return "pin_memory has no effect without CUDA (no host-to-device copies)"
         return None
 
