@@ -114,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
                                            "every run with a run log as well.")
     runs.add_argument("--all", action="store_true",
                       help="live and finished runs: name, start, duration, steps, final "
-                           "loss, best throughput, knob changes, log size")
+                           "loss, best throughput sustained (a batch's median), knob "
+                           "changes, log size")
     runs.add_argument("--last", type=int, metavar="N",
                       help="with --all: the N newest runs only")
     runs.add_argument("--json", action="store_true", help="print a JSON list")

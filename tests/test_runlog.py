@@ -30,7 +30,7 @@ from gpuwatch.app import GpuwatchApp
 from gpuwatch.sources.live import LiveSource
 from tests.conftest import text_of, until
 from tests.test_history import gpuwatch
-from tests.test_replay import RUN, Writer
+from tests.test_replay import KNOBS, RUN, Writer
 
 
 def _steps(path):
@@ -213,6 +213,32 @@ def test_the_summary_beside_the_log_is_what_runs_all_lists(run_dir):
     [listed] = json.loads(gpuwatch("runs", "--all", "--json").stdout)
     assert listed["steps"] == 25  # one pass over the log ...
     assert runlog.read_summary(summary_path(path)).steps == 25  # ... kept for next time
+
+
+def test_best_throughput_is_what_a_batch_sustained_never_one_lucky_step(run_dir):
+    """``best/s`` of ``runs --all``: the largest median of a batch's steps (a newcomer's
+    run listed 143,699 samples/s for a median of 125,432, the demo 898 for one 35.7 ms
+    step), not the fastest single step; a damaged value is passed over; tokens alike."""
+    os.makedirs(os.path.join(run_dir, "logs"))
+    path = os.path.join(run_dir, "logs", f"{RUN}.rank0.runlog")
+    writer = Writer(path, t0=time.time() - 100)
+    writer.hello()
+
+    def batch(first, rates, tokens=None):
+        rows = {"step": list(range(first, first + len(rates))), "samples_per_s": rates,
+                "knobs": [KNOBS] * len(rates)}
+        if tokens is not None:
+            rows["tokens_per_s"] = tokens
+        writer.write("steps", protocol.steps_body(rows))
+
+    batch(1, [100.0] * 8 + [10_000.0, "x"])  # one lucky step, one damaged value
+    batch(11, [200.0, 210.0, 190.0, 5.0, 205.0], tokens=[4e4, 1e6, 4.1e4, 3.9e4, 4e4])
+    batch(16, [150.0] * 6)
+    writer.log.close()
+    summary = runlog.read_summary(summary_path(path))
+    assert (summary.best_samples_per_s, summary.best_tokens_per_s) == (200.0, 4e4)
+    [listed] = json.loads(gpuwatch("runs", "--all", "--json").stdout)
+    assert listed["best_samples_per_s"] == 200.0
 
 
 def test_a_summary_file_that_is_no_summary_is_not_trusted(tmp_path):
