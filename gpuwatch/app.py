@@ -160,7 +160,8 @@ class GpuwatchApp(App[None]):
         Binding("question_mark", "help", "help", id="help",
                 tooltip="Show this list of keys"),
         Binding("q", "quit", "quit", id="quit",
-                tooltip="Quit the dashboard (a run goes on; a `gpuwatch demo` run stops)"),
+                tooltip="Quit the dashboard (the run goes on; the one `gpuwatch demo` "
+                        "opened stops its demo run too)"),
         Binding("colon", "command_line", "cmd", id="command_line",
                 priority=True,  # acts as it comes: the keys queued behind it are text
                 tooltip="Type a command as `gpuwatch set` takes it: accum_steps=8, "

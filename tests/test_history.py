@@ -586,8 +586,8 @@ async def test_runs_screen_shows_whole_columns_and_each_runs_steps(run_dir, size
         if len(shown) == len(COLUMNS):
             assert status == "1 run"
             return
-        assert status == (f"1 run; {len(shown)} of {len(COLUMNS)} columns shown (run, then "
-                          f"'name' to {shown[-1]!r}); → for the others")
+        assert status == (f"1 run; {len(shown)} of {len(COLUMNS)} columns, up to "
+                          f"{shown[-1]!r}; → for more")
         moves = 0
         while "→" in text_of(app.screen, "#runs-status"):
             await pilot.press("right")
@@ -601,7 +601,10 @@ async def test_runs_screen_shows_whole_columns_and_each_runs_steps(run_dir, size
         await pilot.press("left")
         await pilot.pause()
         assert shown_columns()[1] == COLUMNS[moves]
-        assert text_of(app.screen, "#runs-status").endswith("; ←→ for the others")
+        status = text_of(app.screen, "#runs-status")
+        assert status.startswith(f"1 run; {len(shown_columns())} of {len(COLUMNS)} columns, "
+                                 f"run, {COLUMNS[moves]!r} to ")
+        assert status.endswith("; ←→ for more")
         assert "step 1,234 of 1,234" in text_of(app, "#timeline")
 
 

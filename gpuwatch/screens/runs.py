@@ -127,9 +127,10 @@ class RunsScreen(ModalScreen[RunSummary | None]):
         if self.summaries and cut:
             arrows = ("←" if self._first > 1 else "") + ("→" if end < len(self._widths)
                                                           else "")
-            status += (f"; {1 + end - self._first} of {len(COLUMNS)} columns shown "
-                       f"(run, then {COLUMNS[self._first]!r} to {COLUMNS[end - 1]!r}); "
-                       f"{arrows} for the others" if end > self._first
+            shown = (f"up to {COLUMNS[end - 1]!r}" if self._first == 1 else
+                     f"run, {COLUMNS[self._first]!r} to {COLUMNS[end - 1]!r}")
+            status += (f"; {1 + end - self._first} of {len(COLUMNS)} columns, {shown}; "
+                       f"{arrows} for more" if end > self._first
                        else f"; column {COLUMNS[self._first]!r} is wider than the screen")
         self.query_one("#runs-status", Static).update(Content.styled(status, "$text-muted"))
 
