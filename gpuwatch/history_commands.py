@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from agent.wire.protocol import printable
@@ -154,9 +155,10 @@ def print_all_runs(as_json: bool, last: int | None = None) -> int:
     if not summaries:
         print("no runs: no run logs and no live runs")
         return 0
-    width = os.get_terminal_size().columns if sys.stdout.isatty() else 80
-    rows = [("RUN", "NAME", "STARTED", "DURATION", "STEPS", "FINAL LOSS", "BEST/S",
-             "CHANGES", "LOG", "STATE")]
+    terminal = sys.stdout.isatty()
+    width = os.get_terminal_size().columns if terminal else 80
+    rows: list[tuple[str, ...]] = [("RUN", "NAME", "STARTED", "DURATION", "STEPS",
+                                    "FINAL LOSS", "BEST/S", "CHANGES", "LOG", "STATE")]
     for summary in summaries:
         rows.append((
             summary.run_id, printable(summary.name, 40) or "-",
@@ -167,10 +169,18 @@ def print_all_runs(as_json: bool, last: int | None = None) -> int:
             summary.best_rate_text(),
             str(summary.knob_changes), human_bytes(summary.log_bytes),
             _state(summary) + _copied(summary)))
+    left_out: list[str] = []
+    if terminal:  # (a pipe gets every column, for scripts)
+        rows, left_out = fit_columns(rows, width)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    state_chars = width - sum(widths) - 2 * len(widths) if terminal else 0
     for index, row in enumerate(rows):
+        state = (textwrap.wrap(row[-1], state_chars) or [""] if state_chars >= STATE_MIN_CHARS
+                 else [row[-1]])  # (wrapped at words, under itself)
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  "
-              + row[-1])
+              + state[0])
+        for more in state[1:]:
+            print(" " * (sum(widths) + 2 * len(widths)) + more)
         if index:
             summary = summaries[index - 1]
             if summary.resumed_from is not None:
@@ -179,7 +189,40 @@ def print_all_runs(as_json: bool, last: int | None = None) -> int:
                 print("  " + line)
     if older:
         print(f"({older:,} older run{'s' if older > 1 else ''} not shown: --last)")
+    if left_out:
+        print(textwrap.fill(f"(not shown at {width} columns: {', '.join(left_out)}: "
+                            "--json)", width))
     return 0
+
+
+#: The columns of ``runs --all`` a narrow terminal loses first, in order (the run id,
+#: name, steps and state stay).
+DROPPED_FIRST = ("LOG", "CHANGES", "STARTED", "DURATION", "BEST/S", "FINAL LOSS")
+#: What the last column (the state: ``stopped by stop=now after step 991``) keeps of a
+#: narrow terminal at least (characters); a longer one wraps at its words, under itself.
+STATE_MIN_CHARS = 16
+
+
+def fit_columns(rows: list[tuple[str, ...]], width_chars: int
+                ) -> tuple[list[tuple[str, ...]], list[str]]:
+    """``rows`` (a heading row first; the last column free-width) without the columns
+    that a line of ``width_chars`` cannot hold, dropped in :data:`DROPPED_FIRST`'s order
+    until the others, two spaces apart, leave :data:`STATE_MIN_CHARS` for the last; and
+    the headings dropped. A newcomer's 80-column terminal wrapped every row of the
+    130-column table in two."""
+    keep = list(range(len(rows[0])))
+    dropped: list[str] = []
+
+    def used() -> int:
+        return sum(max(len(row[i]) for row in rows) + 2 for i in keep[:-1])
+
+    for heading in DROPPED_FIRST:
+        if used() + STATE_MIN_CHARS <= width_chars:
+            break
+        if heading in rows[0]:
+            keep.remove(rows[0].index(heading))
+            dropped.append(heading)
+    return [tuple(row[i] for i in keep) for row in rows], dropped
 
 
 def _copied(summary: RunSummary) -> str:

@@ -245,6 +245,65 @@ def test_segments_between_changes(tmp_path):
 
 # --- runs --all -------------------------------------------------------------------------
 
+def _on_a_terminal(*args, columns):
+    """``gpuwatch *args``' output on a real terminal (a pty) ``columns`` wide."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    process = subprocess.Popen([sys.executable, "-m", "gpuwatch", *args], stdout=follower,
+                               stderr=subprocess.PIPE, env=os.environ.copy())
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # (EIO: the process closed the terminal)
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    assert process.wait(30) == 0, process.stderr.read()
+    return out.decode().replace("\r\n", "\n").splitlines()
+
+
+def test_runs_all_fits_a_narrow_terminal_and_says_what_it_left_out(run_dir):
+    """On an 80-column terminal every line fits: the least needed columns are left out
+    (said under the table) and a long state wraps at its words under itself; 200 columns
+    and a pipe get every column."""
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    write_run(os.path.join(logs, f"{RUN}.rank0.runlog"), steps=30)
+    path = write_run(os.path.join(logs, "20250102-000000-5709.rank0.runlog"), steps=9,
+                     run="20250102-000000-5709", bye=False)
+    Writer(path, run="20250102-000000-5709").write(
+        "bye", {"reason": "stopped by stop=checkpoint after step 9,982", "steps": 9})
+    narrow = _on_a_terminal("runs", "--all", columns=80)
+    assert max(map(len, narrow)) <= 80, narrow
+    shown = narrow[0].replace("FINAL LOSS", "FINAL_LOSS").split()
+    assert shown[:2] == ["RUN", "NAME"] and shown[-1] == "STATE"
+    note = re.fullmatch(r"\(not shown at 80 columns: (.*): --json\)", narrow[-1])
+    left_out = note.group(1).split(", ")
+    assert left_out[:2] == ["LOG", "CHANGES"]  # (the first to go)
+    assert sorted(shown + left_out) == sorted(["RUN", "NAME", "STARTED", "DURATION", "STEPS",
+                                               "FINAL_LOSS", "BEST/S", "CHANGES", "LOG",
+                                               "STATE"])
+    state_column = narrow[0].index("STATE")
+    stopped = next(i for i, line in enumerate(narrow) if "5709" in line)
+    state = [narrow[stopped][state_column:]] + [
+        line[state_column:] for line in narrow[stopped + 1:stopped + 4]
+        if line[:state_column].strip() == ""]
+    assert " ".join(state) == "stopped by stop=checkpoint after step 9,982"
+    wide = _on_a_terminal("runs", "--all", columns=200)
+    assert wide[0].split()[2:4] == ["STARTED", "DURATION"] and "not shown" not in wide[-1]
+    assert gpuwatch("runs", "--all").stdout.splitlines()[0].split()[-3:] == [
+        "CHANGES", "LOG", "STATE"]  # (a pipe: every column)
+
+
 def test_runs_all_lists_finished_killed_and_live_runs(run_dir, fake_agent):
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
