@@ -155,7 +155,8 @@ def fit_paths(text: str, width: int) -> str:
     never cut: the home directory first reads ``~``, then a path's middle directories
     go, one at a time, longest path first (``/a/b/c/d/step-9.pt``: ``~/…/d/step-9.pt``,
     then ``…/step-9.pt``), until the text fits; if the path that crosses ``width`` still
-    ends beyond it, the words before it are cut (``… `` marks where). What is still too
+    ends beyond it, the words before it are cut, at a word's end (``… `` marks where: a
+    newcomer read "saved after step 36…" for step 360). What is still too
     long is the caller's to cut at its end. Costs O(len(text) x directories)."""
     if len(text) <= width:
         return text
@@ -195,7 +196,9 @@ def fit_paths(text: str, width: int) -> str:
         if end + len(before) + len(path) > limit:
             room = limit - end - len(path) - 2
             if room >= 0 and len(before) > room:
-                pieces[index] = before[:room].rstrip() + "… "
+                cut = before[:room + 1]  # (a space just past the room ends a word)
+                cut = cut[:cut.rfind(" ")] if " " in cut.strip() else before[:room]
+                pieces[index] = cut.rstrip() + "… "  # (never a number cut: "step 36…")
             break
         end += len(before) + len(path)
     return joined()

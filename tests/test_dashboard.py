@@ -1201,6 +1201,8 @@ async def test_the_last_event_line_keeps_a_checkpoints_file_name(make_agent, mon
             shown = shown_lines(app, "#last")[0]
             assert "…/step-00000092.pt" in shown, shown
             assert len(shown.rstrip()) <= size[0]
+            words = shown.split("… ")[0].lstrip("▸ ").split()  # (whole words only)
+            assert words == text.split()[:len(words)], shown
 
 
 def test_applied_event_updates_the_knob_before_the_next_step_record():
