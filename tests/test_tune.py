@@ -1026,6 +1026,23 @@ def test_pin_memory_warns_either_way_without_cuda_so_the_search_skips_it(run_dir
         run.close()
 
 
+def test_a_noisy_candidates_figures_keep_their_columns():
+    """A trial measured on a loaded host (a newcomer's "+1301% ± 5081%") keeps its
+    steps in their column: a half-width of 100% or more reads ``±>100%`` alone, a gain
+    past 999% ``+>999%``; every line is as wide."""
+    from gpuwatch.screens.tune import candidate_line, row_width
+
+    lines = [candidate_line({"setting": {"cpu_threads": 1}, "per_s": 446.0,
+                             "per_s_spread": 27.0, "gain": gain, "gain_spread": spread,
+                             "steps": 32, "state": "kept", "reason": "x"},
+                            "samples").plain.split("\n")[0]
+             for gain, spread in ((13.01, 50.81), (-0.36, 1.2), (12.5, 0.4), (-1.0, 0.99))]
+    assert {len(line) for line in lines} == {row_width("samples")}
+    assert [line.split("samples/s")[1].split() for line in lines] == [
+        ["±>100%", "32"], ["±>100%", "32"], ["+>999%", "32"],
+        ["-100%", "±", "99%", "32"]]
+
+
 def test_a_candidates_verdict_has_a_line_of_its_own_so_it_is_never_cut():
     from gpuwatch.screens.tune import candidate_line
 

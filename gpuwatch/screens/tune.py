@@ -42,6 +42,18 @@ def row_width(unit: str) -> int:
     return SETTING_WIDTH + 1 + 15 + 1 + len(unit) + 2 + 1 + 11 + 1 + 5
 
 
+def gain_text(gain: float, spread: float) -> str:
+    """A trial's gain over the best with its 95% half-width (1.0 = 100%), in at most 11
+    characters: ``+12% ± 37%``; where the half-width is 100% or more, ``±>100%`` alone (a
+    noisy trial's "+1301% ± 5081%" said nothing and pushed its steps onto a line of their
+    own; its verdict's line gives the figures); a gain past 999% as ``+>999%`` alone."""
+    if abs(spread) >= 0.995:
+        return "±>100%"
+    if abs(gain) >= 9.995:
+        return f"{'+' if gain > 0 else '-'}>999%"
+    return f"{gain:+.0%} ± {abs(spread):.0%}"
+
+
 def candidate_line(candidate: dict[str, Any], unit: str, *, narrow: bool = False) -> Content:
     """One candidate, in two lines: its setting and figures, then its state and reason.
 
@@ -58,7 +70,7 @@ def candidate_line(candidate: dict[str, Any], unit: str, *, narrow: bool = False
     rate = (f"{human_number(per_s)} ± {human_number(spread)}" if isinstance(per_s, (int, float))
             and isinstance(spread, (int, float)) else "-")
     gain, gain_spread = candidate.get("gain"), candidate.get("gain_spread")
-    change = (f"{gain:+.0%} ± {abs(gain_spread):.0%}" if isinstance(gain, (int, float))
+    change = (gain_text(gain, gain_spread) if isinstance(gain, (int, float))
               and isinstance(gain_spread, (int, float)) else "")
     if narrow:
         rate = rate.split(" ± ")[0]
