@@ -147,8 +147,7 @@ def rows(columns: Sequence[Column]) -> list[list[str]]:
 
 
 def load_note(columns: Sequence[Column]) -> str | None:
-    """A warning when other work on the host differed between the columns enough to move
-    their speed figures; None otherwise.
+    """A warning when other work on the host moved the columns' speed figures, else None.
 
     When the busiest column's :attr:`~gpuwatch.history.Segment.other_cpu_share` is at least
     :data:`BUSY_SHARE` and :data:`LOAD_GAP` above the quietest's: a segment can read

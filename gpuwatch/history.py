@@ -1332,8 +1332,9 @@ class HistoryBuilder:
 
 
 def host_cpu_count(hello: Any) -> int | None:
-    """The CPU count of a run's host, as its ``hello`` reports it (``env.cpu.count``); None
-    where it does not say (an older agent, a damaged record)."""
+    """The CPU count of a run's host, as its ``hello`` reports it (``env.cpu.count``).
+
+    None where it does not say (an older agent, a damaged record)."""
     env = hello.get("env") if isinstance(hello, dict) else None
     cpu = env.get("cpu") if isinstance(env, dict) else None
     count = cpu.get("count") if isinstance(cpu, dict) else None
@@ -1341,13 +1342,13 @@ def host_cpu_count(hello: Any) -> int | None:
 
 
 def other_cpu_share(system: Any, cpus: int | None) -> float | None:
-    """The share of the host's CPU (0..1 of all its ``cpus`` cores) that processes other
-    than the run's own kept busy, by one ``system`` record.
+    """The share of the host's CPU that processes other than the run's own kept busy.
 
-    The host's busy share (``cpu_pct``, % of all cores) less the training process's and
-    its children's (``process_cpu_pct``, ``children_cpu_pct``: 100 = one core), clamped to
-    0..1 (the three are read over slightly different intervals). None where ``cpus`` or
-    the host's or process's figure is missing or not a number."""
+    By one ``system`` record, 0..1 of all the host's ``cpus`` cores: the host's busy
+    share (``cpu_pct``, % of all cores) less the training process's and its children's
+    (``process_cpu_pct``, ``children_cpu_pct``: 100 = one core), clamped to 0..1 (the
+    three are read over slightly different intervals). None where ``cpus`` or the host's
+    or process's figure is missing or not a number."""
     if cpus is None or not isinstance(system, dict):
         return None
     host, own = number(system.get("cpu_pct")), number(system.get("process_cpu_pct"))

@@ -205,10 +205,11 @@ STATE_MIN_CHARS = 16
 
 def fit_columns(rows: list[tuple[str, ...]], width_chars: int
                 ) -> tuple[list[tuple[str, ...]], list[str]]:
-    """``rows`` (a heading row first; the last column free-width) without the columns
-    that a line of ``width_chars`` cannot hold, dropped in :data:`DROPPED_FIRST`'s order
-    until the others, two spaces apart, leave :data:`STATE_MIN_CHARS` for the last; and
-    the headings dropped. A newcomer's 80-column terminal wrapped every row of the
+    """``rows`` without the columns a line of ``width_chars`` cannot hold; the headings dropped.
+
+    ``rows``: a heading row first; the last column free-width. Columns go in
+    :data:`DROPPED_FIRST`'s order until the others, two spaces apart, leave
+    :data:`STATE_MIN_CHARS` for the last. A newcomer's 80-column terminal wrapped every row of the
     130-column table in two."""
     keep = list(range(len(rows[0])))
     dropped: list[str] = []

@@ -43,10 +43,12 @@ def row_width(unit: str) -> int:
 
 
 def gain_text(gain: float, spread: float) -> str:
-    """A trial's gain over the best with its 95% half-width (1.0 = 100%), in at most 11
-    characters: ``+12% ± 37%``; where the half-width is 100% or more, ``±>100%`` alone (a
-    noisy trial's "+1301% ± 5081%" said nothing and pushed its steps onto a line of their
-    own; its verdict's line gives the figures); a gain past 999% as ``+>999%`` alone."""
+    """A trial's gain over the best with its 95% half-width, in at most 11 characters.
+
+    ``gain``, ``spread``: 1.0 = 100%. ``+12% ± 37%``; where the half-width is 100% or
+    more, ``±>100%`` alone (a noisy trial's "+1301% ± 5081%" said nothing and pushed its
+    steps onto a line of their own; its verdict's line gives the figures); a gain past
+    999% as ``+>999%`` alone."""
     if abs(spread) >= 0.995:
         return "±>100%"
     if abs(gain) >= 9.995:
